@@ -1,0 +1,3 @@
+#pragma once
+#include "plan/memory.hpp"
+#include "plan/model_shape.hpp"
