@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build with libtorch's CUDA side, run the GPU tests (ctest -L cuda) and the
+# benchmarks, write full results under $OUT (default ./gpu-results) and print a short table last.
+#   usage (device tool): bash bench/run_gpu.sh [bench-name ...]    (no names: all benchmarks)
+# Results: $OUT/<bench>.jsonl (one JSON object per case, fields as ARCHITECTURE.md says), $OUT/ctest.log.
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu-results}
+mkdir -p "$OUT"
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+BUILD=${BUILD:-$ROOT/build-gpu}
+export SQUEEZE_COMMIT=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)
+export SQUEEZE_DATE=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+export SQUEEZE_DEVICE=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || echo unknown)
+TORCH_PREFIX=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
+want=("$@")
+
+t0=$(date +%s)
+cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" \
+  -DSQUEEZE_TORCH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 >"$OUT/configure.log" 2>&1 || { tail -40 "$OUT/configure.log"; exit 1; }
+cmake --build "$BUILD" -j16 >"$OUT/build.log" 2>&1 || { grep -E "error|Error" "$OUT/build.log" | head -60; exit 1; }
+echo "build: $(( $(date +%s) - t0 )) s"
+
+(cd "$BUILD" && ctest -L cuda --output-on-failure --timeout 300) >"$OUT/ctest.log" 2>&1
+echo "GPU tests: $(grep -E 'tests passed|tests failed' "$OUT/ctest.log")"
+
+# Each benchmark: an executable under $BUILD/bench that writes JSON lines to the file named by --out.
+run_bench() {  # run_bench <name> <executable> [args...]
+  local name=$1; shift
+  if [ ${#want[@]} -gt 0 ] && [[ ! " ${want[*]} " =~ " $name " ]]; then return; fi
+  if [ ! -x "$1" ]; then echo "bench $name: $1 not built"; return; fi
+  echo "== $name"; "$@" --out "$OUT/$name.jsonl" 2>&1 | tee "$OUT/$name.log" | tail -30
+}
+run_bench adamw "$BUILD/bench/kernels/bench_adamw"
+run_bench gemm4 "$BUILD/bench/quant/bench_quant_gemm"
+
+echo "== summary (name, case, ratio_vs_peer, roofline_fraction)"
+for f in "$OUT"/*.jsonl; do [ -f "$f" ] && python3 -c '
+import json,sys
+for l in open(sys.argv[1]):
+    r=json.loads(l); print(f"{r.get(\"bench\"):<10} {r.get(\"case\"):<48} x{r.get(\"ratio_vs_peer\",0):6.2f}  roof {r.get(\"roofline_fraction\") or 0:5.2f}  {r.get(\"time_ms\",0):9.3f} ms")
+' "$f"; done
