@@ -112,15 +112,16 @@ constexpr MemoryPlan plan_memory(const ModelShape& m, const TrainShape& t, int w
   plan.trainable_params = trainable;
 
   // Parameters: the compute copy (or packed quantized linears + high-precision rest) and adapters.
-  i64 weights = 0;
   if constexpr (S::quantized_weights) {
+    i64 weights = 0;
     for (auto lin : m.block_linears()) weights += m.layers * quantized_matrix_bytes<WQ>(lin.in, lin.out);
     weights += m.unquantized_params() * p_c;
+    weights += lora_params * p_c;
+    plan.parameters.device = S::stage >= 3 ? shard(weights) : weights;
   } else {
-    weights = m.params() * p_c;
+    const i64 elements = m.params() + lora_params;  // shards are counted in elements, then bytes
+    plan.parameters.device = (S::stage >= 3 ? shard(elements) : elements) * p_c;
   }
-  weights += lora_params * p_c;
-  plan.parameters.device = S::stage >= 3 ? shard(weights) : weights;
 
   if (trainable > 0) {
     // Gradients in the compute type; accumulating mixed-precision micro-batches sums into fp32.

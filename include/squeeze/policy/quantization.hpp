@@ -34,14 +34,19 @@ template <int G> inline constexpr bool is_group_v<Group<G>> = true;
 template <> inline constexpr bool is_group_v<PerChannel> = true;
 template <class T> inline constexpr bool is_quant_option_v = is_group_v<T> || std::is_same_v<T, DoubleQuant> || std::is_same_v<T, ActOrder>;
 
-template <class... Os> struct group_of { static constexpr int size = -1; };  // -1: method's default
-template <class O, class... Os> struct group_of<O, Os...> {
-  static constexpr int size = is_group_v<O> ? O::size : group_of<Os...>::size;
-};
+template <class... Os>
+constexpr int group_of() {  // the Group<G>/PerChannel option's size, or -1 for the method's default
+  int size = -1;
+  ([&] {
+    if constexpr (is_group_v<Os>) size = Os::size;
+  }(), ...);
+  return size;
+}
 }  // namespace detail
 
 template <int Bits, QuantMethod Method, class... Options>
 struct Quantized {
+  static_assert(((sizeof(Options) > 0) && ... && true), "");  // completes Group<G> so its own checks run
   static_assert((detail::is_quant_option_v<Options> && ...),
                 "Quantized's options are Group<G>, PerChannel, DoubleQuant and ActOrder: e.g. Quantized<4, GPTQ, Group<128>, ActOrder>");
   static_assert((int(detail::is_group_v<Options>) + ... + 0) <= 1, "give Quantized one group size: Group<G> or PerChannel, not both");
@@ -63,7 +68,7 @@ struct Quantized {
   static constexpr int bits = Bits;
   static constexpr int default_group = std::is_same_v<Method, NF4> ? 64 : std::is_same_v<Method, Blockwise8> ? 2048 : 0;
   // Values per scale; 0 means one scale per output channel.
-  static constexpr int group = detail::group_of<Options...>::size >= 0 ? detail::group_of<Options...>::size : default_group;
+  static constexpr int group = detail::group_of<Options...>() >= 0 ? detail::group_of<Options...>() : default_group;
   static constexpr bool double_quant = (std::is_same_v<Options, DoubleQuant> || ...);
   static constexpr bool act_order = (std::is_same_v<Options, ActOrder> || ...);
   static constexpr bool frozen_weights = Method::frozen_weights;

@@ -1,0 +1,69 @@
+// Each CASE_* below must fail to compile with the message its test expects (tests/compile_fail/CMakeLists.txt).
+// CASE_valid must compile: it shows the harness itself is sound.
+#include <squeeze/squeeze.hpp>
+using namespace squeeze;
+
+#if defined(CASE_valid)
+using S = Strategy<Sharded<Stage3>, Offload<Host>, Accumulate<4>, Precision<bf16, float>, Checkpointed>;
+static_assert(sizeof(S) > 0);
+using Q = Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 32>, Precision<bf16, float>>;
+static_assert(sizeof(Q) > 0);
+static_assert(S::stage == 3 && Q::has_lora);
+#elif defined(CASE_duplicate_family)
+using S = Strategy<Sharded<Stage1>, Accumulate<2>, Sharded<Stage3>>;
+static_assert(sizeof(S) > 0);
+#elif defined(CASE_duplicate_accumulate)
+using S = Strategy<Accumulate<2>, Accumulate<4>>;
+static_assert(sizeof(S) > 0);
+#elif defined(CASE_accumulate_zero)
+using A = Accumulate<0>;
+static_assert(sizeof(A) > 0);
+#elif defined(CASE_stage_out_of_range)
+using S = Strategy<Sharded<Stage<4>>>;
+static_assert(sizeof(S) > 0);
+#elif defined(CASE_stage_not_a_tag)
+using P = Sharded<int>;
+static_assert(sizeof(P) > 0);
+#elif defined(CASE_gptq_bits)
+using Q = Quantized<5, GPTQ, Group<128>>;
+static_assert(sizeof(Q) > 0);
+#elif defined(CASE_nf4_bits)
+using Q = Quantized<8, NF4>;
+static_assert(sizeof(Q) > 0);
+#elif defined(CASE_train_frozen_gptq)
+using S = Strategy<Quantized<4, GPTQ, Group<128>>, Precision<half, float>>;
+static_assert(sizeof(S) > 0);
+#elif defined(CASE_train_frozen_nf4)
+using S = Strategy<Quantized<4, NF4, DoubleQuant>, Precision<bf16, float>>;
+static_assert(sizeof(S) > 0);
+#elif defined(CASE_lora_rank_zero)
+using L = LoRA<0, 16>;
+static_assert(sizeof(L) > 0);
+#elif defined(CASE_offload_without_sharding)
+using S = Strategy<Offload<Host>, Precision<bf16, float>>;
+static_assert(sizeof(S) > 0);
+#elif defined(CASE_loss_scale_with_bf16)
+using S = Strategy<Precision<bf16, float>, DynamicLossScale>;
+static_assert(sizeof(S) > 0);
+#elif defined(CASE_master_less_precise)
+using P = Precision<float, half>;
+static_assert(sizeof(P) > 0);
+#elif defined(CASE_double_quant_on_gptq)
+using Q = Quantized<4, GPTQ, DoubleQuant>;
+static_assert(sizeof(Q) > 0);
+#elif defined(CASE_group_not_power_of_two)
+using Q = Quantized<4, GPTQ, Group<100>>;
+static_assert(sizeof(Q) > 0);
+#elif defined(CASE_inference_with_accumulation)
+using S = Strategy<Quantized<4, GPTQ, Group<128>>, Inference, Accumulate<4>>;
+static_assert(sizeof(S) > 0);
+#elif defined(CASE_not_a_policy)
+using S = Strategy<Sharded<Stage1>, int>;
+static_assert(sizeof(S) > 0);
+#elif defined(CASE_checkpoint_every_zero)
+using C = CheckpointEvery<0>;
+static_assert(sizeof(C) > 0);
+#else
+#error "define one CASE_*"
+#endif
+

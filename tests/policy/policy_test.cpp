@@ -1,0 +1,91 @@
+// Strategy composition: defaults, order independence, traits. Rejections are in tests/compile_fail.
+#include <gtest/gtest.h>
+
+#include <squeeze/squeeze.hpp>
+
+using namespace squeeze;
+
+// ---- concepts recognise their families -------------------------------------------------------------
+static_assert(ShardingPolicy<Sharded<Stage2>> && !ShardingPolicy<Accumulate<2>>);
+static_assert(AccumulationPolicy<Accumulate<4>> && !AccumulationPolicy<Sharded<Stage1>>);
+static_assert(PrecisionPolicy<Precision<half, float>> && !PrecisionPolicy<Checkpointed>);
+static_assert(WeightQuantizationPolicy<Quantized<3, GPTQ, Group<128>, ActOrder>>);
+static_assert(!WeightQuantizationPolicy<Quantized<8, Blockwise8>> && StateQuantizationPolicy<Quantized<8, Blockwise8>>);
+static_assert(LoraPolicy<LoRA<16, 32>> && CheckpointPolicy<CheckpointEvery<4>> && OffloadPolicy<Offload<Host>>);
+static_assert(ModePolicy<Inference> && LossScalePolicy<StaticLossScale<12>>);
+static_assert(!Policy<int> && !Policy<float>);
+
+// ---- defaults ---------------------------------------------------------------------------------------
+using Plain = Strategy<>;
+static_assert(Plain::stage == 0 && !Plain::offload_to_host && Plain::accumulation_steps == 1);
+static_assert(std::is_same_v<Plain::compute_type, float> && std::is_same_v<Plain::master_type, float>);
+static_assert(!Plain::has_master_copy && !Plain::loss_scaling && Plain::training && Plain::base_trainable);
+static_assert(Plain::weight_bits == 0 && Plain::state_bits == 32 && !Plain::has_lora && Plain::checkpoint_every == 0);
+
+// ---- order independence -------------------------------------------------------------------------------
+using Z3a = Strategy<Sharded<Stage3>, Offload<Host>, Accumulate<4>, Precision<bf16, float>, Checkpointed>;
+using Z3b = Strategy<Checkpointed, Precision<bf16, float>, Accumulate<4>, Offload<Host>, Sharded<Stage3>>;
+static_assert(same_strategy_v<Z3a, Z3b>);
+static_assert(!same_strategy_v<Z3a, Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>>);
+static_assert(std::is_same_v<Z3a::canonical, Z3a::canonical::canonical>, "canonical form is a fixed point");
+
+// ---- traits -----------------------------------------------------------------------------------------------
+static_assert(Z3a::stage == 3 && Z3a::offload_to_host && Z3a::accumulation_steps == 4 && Z3a::checkpoint_every == 1);
+static_assert(std::is_same_v<Z3a::compute_type, bf16> && Z3a::has_master_copy);
+static_assert(!Z3a::loss_scaling, "bf16 keeps float's exponent range: no loss scaling");
+using Fp16 = Strategy<Precision<half, float>>;
+static_assert(Fp16::loss_scaling && Fp16::dynamic_loss_scaling, "fp16 compute scales the loss dynamically by default");
+using Fp16Static = Strategy<Precision<half, float>, StaticLossScale<10>>;
+static_assert(Fp16Static::loss_scaling && !Fp16Static::dynamic_loss_scaling);
+using Fp16NoScale = Strategy<Precision<half, float>, NoLossScale>;
+static_assert(!Fp16NoScale::loss_scaling, "an explicit NoLossScale turns it off");
+
+using QLoRA = Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 32>, Precision<bf16, float>, Checkpointed>;
+static_assert(QLoRA::quantized_weights && QLoRA::weight_bits == 4 && QLoRA::weight_quantization::double_quant);
+static_assert(QLoRA::weight_quantization::group == 64, "NF4 blocks default to 64 values");
+static_assert(QLoRA::has_lora && QLoRA::lora_rank == 8 && !QLoRA::base_trainable);
+static_assert(QLoRA::lora::targets == (LoraTargets::q | LoraTargets::v));
+
+using GPTQ4 = Strategy<Quantized<4, GPTQ, Group<128>>, Inference, Precision<half, half>>;
+static_assert(!GPTQ4::training && !GPTQ4::base_trainable && GPTQ4::weight_quantization::group == 128);
+static_assert(Quantized<4, GPTQ>::group == 0, "GPTQ defaults to one scale per output channel");
+static_assert(Quantized<4, RTN, PerChannel>::group == 0 && Quantized<8, Blockwise8>::group == 2048);
+static_assert(Quantized<4, GPTQ, ActOrder, Group<32>>::act_order && Quantized<4, GPTQ, ActOrder, Group<32>>::group == 32);
+
+using Adam8 = Strategy<Quantized<8, Blockwise8>, Precision<bf16, float>>;
+static_assert(Adam8::state_bits == 8 && Adam8::base_trainable && !Adam8::quantized_weights,
+              "8-bit optimizer state leaves the weights trainable");
+using LoraOnly = Strategy<LoRA<4, 8>>;
+static_assert(!LoraOnly::base_trainable && LoraOnly::lora::scaling == 2.0f);
+
+TEST(Policy, StrategyTraitsAreUsableAtRunTime) {
+  // The same traits drive run-time code (trainer, planner); read a few through a function template.
+  auto describe = []<StrategyType S>(S*) { return std::pair{S::stage * 100 + S::accumulation_steps, S::loss_scaling}; };
+  EXPECT_EQ(describe(static_cast<Z3a*>(nullptr)), std::pair(304, false));
+  EXPECT_EQ(describe(static_cast<Fp16*>(nullptr)), std::pair(1, true));
+  EXPECT_EQ(dtype_name<Z3a::compute_type>(), "bf16");
+  EXPECT_EQ(dtype_name<Fp16::compute_type>(), "half");
+}
+
+TEST(Policy, ElementConversionsRoundToNearestEven) {
+  // half: 1 + 2^-11 is a tie between 1 and 1 + 2^-10 -> even (1); 65520 rounds to inf; bf16 keeps 8 bits.
+  EXPECT_EQ(to_float(from_float<half>(1.0f + 0x1p-11f)), 1.0f);
+  EXPECT_EQ(to_float(from_float<half>(1.0f + 3 * 0x1p-11f)), 1.0f + 0x1p-9f);
+  EXPECT_TRUE(std::isinf(to_float(from_float<half>(65520.0f))));
+  EXPECT_EQ(to_float(from_float<half>(65504.0f)), 65504.0f);
+  EXPECT_EQ(to_float(from_float<half>(0x1p-24f)), 0x1p-24f);  // smallest subnormal survives
+  EXPECT_EQ(to_float(from_float<bf16>(1.0f + 0x1p-8f)), 1.0f);
+  EXPECT_EQ(to_float(from_float<bf16>(3.140625f)), 3.140625f);
+  EXPECT_TRUE(std::isnan(to_float(from_float<bf16>(NAN))));
+}
+
+TEST(Policy, ErrorsNameWhereAndWhat) {
+  try {
+    check(false, "micro_batch must be >= 1");
+    FAIL() << "check(false) must throw";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("policy_test.cpp"), std::string::npos) << what;
+    EXPECT_NE(what.find("micro_batch must be >= 1"), std::string::npos) << what;
+  }
+}
