@@ -1,6 +1,6 @@
 #pragma once
 // Constexpr memory planner: bytes per GPU and per host for one data-parallel rank, by category.
-// The formulas, and why, are in docs/memory-model.md; in short (Ψ parameters, N ranks, p_c/p_m bytes of
+// The formulas, and why, are in README.md, section "Memory model"; in short (Ψ parameters, N ranks, p_c/p_m bytes of
 // the compute/master type, Ψ_t trainable parameters):
 //   parameters   Ψ·p_c (quantized linears: packed bits + scales), /N at stage 3
 //   gradients    Ψ_t·p_c, /N from stage 2; fp32 when accumulating mixed-precision micro-batches
