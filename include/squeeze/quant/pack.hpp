@@ -1,0 +1,180 @@
+#pragma once
+// GPTQ packed layout, compatible with AutoGPTQ / GPTQModel "v1" checkpoints.
+//
+// A linear layer y = x W^T with W [out, in] is stored transposed and bit-packed:
+//   qweight int32 [ceil(in*bits/32), out]      codes q in [0, 2^bits), packed along the INPUT dim
+//   qzeros  int32 [groups, ceil(out*bits/32)]  zero points, stored as (zero - 1) (the v1 format),
+//                                              packed along the OUTPUT dim
+//   scales  fp16  [groups, out]
+//   g_idx   int32 [in]                         group of each input row (act-order permutes it)
+//   W[o, i] = scales[g, o] * (q[i, o] - zero[g, o]),  g = g_idx[i]
+//
+// Packing rule (all widths, including 3 bits): along the packed dimension the codes form one
+// little-endian bit stream; code j occupies bits [j*bits, (j+1)*bits) of it and word w holds stream
+// bits [32w, 32w+32). For 2/4/8 bits a code never crosses a word; 3-bit codes 10 and 21 of every 32
+// straddle two words, exactly as AutoGPTQ's 3-bit packer lays them out. When the dimension does not
+// fill the last word (odd shapes) the unused high bits are zero.
+//
+// The v1 zero-1 convention cannot store zero = 0; our unpack reads the stored field back as
+// ((field + 1) mod 2^bits), and quant/rtn.hpp's grid never produces zero = 0 (it keeps zero >= 1), so
+// files we write read back identically in other v1 loaders.
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "../dtype.hpp"
+#include "../error.hpp"
+
+namespace squeeze::quant {
+
+inline bool supported_bits(int bits) { return bits == 2 || bits == 3 || bits == 4 || bits == 8; }
+inline void check_bits(int bits) {
+  check(supported_bits(bits), "GPTQ packing supports 2, 3, 4 or 8 bits, got " + std::to_string(bits));
+}
+
+// Number of int32 words holding `count` codes of `bits` bits.
+constexpr std::int64_t packed_words(std::int64_t count, int bits) { return (count * bits + 31) / 32; }
+
+// ---- element functions: one code in a bit stream of 32-bit words --------------------------------------
+// Read code j from a stream whose word w is words[w * stride] (stride lets one function walk a column of
+// qweight or a row of qzeros).
+SQUEEZE_HD std::uint32_t stream_get(const std::int32_t* words, std::int64_t stride, std::int64_t j, int bits) {
+  const std::int64_t bit = j * bits;
+  const std::int64_t w = bit >> 5;
+  const int off = int(bit & 31);
+  const std::uint32_t mask = (1u << bits) - 1u;
+  std::uint32_t v = std::uint32_t(words[w * stride]) >> off;
+  if (off + bits > 32) v |= std::uint32_t(words[(w + 1) * stride]) << (32 - off);  // straddles (3-bit)
+  return v & mask;
+}
+inline void stream_put(std::int32_t* words, std::int64_t stride, std::int64_t j, int bits, std::uint32_t v) {
+  const std::int64_t bit = j * bits;
+  const std::int64_t w = bit >> 5;
+  const int off = int(bit & 31);
+  const std::uint32_t mask = (1u << bits) - 1u;
+  v &= mask;
+  auto* p = reinterpret_cast<std::uint32_t*>(words);
+  p[w * stride] = (p[w * stride] & ~(mask << off)) | (v << off);
+  if (off + bits > 32) {
+    const int lo = 32 - off;  // bits already written into word w
+    p[(w + 1) * stride] = (p[(w + 1) * stride] & ~(mask >> lo)) | (v >> lo);
+  }
+}
+
+// ---- the packed tensors of one layer ----------------------------------------------------------------------
+struct PackedLinear {
+  int bits = 4;
+  int group_size = 128;          // 0: one group (per output channel)
+  std::int64_t in = 0, out = 0;  // W is [out, in]
+  std::vector<std::int32_t> qweight;  // [packed_words(in, bits), out]
+  std::vector<std::int32_t> qzeros;   // [groups, packed_words(out, bits)]
+  std::vector<half> scales;           // [groups, out]
+  std::vector<std::int32_t> g_idx;    // [in]
+  std::vector<half> bias;             // [out] or empty
+
+  std::int64_t groups() const { return group_size > 0 ? (in + group_size - 1) / group_size : 1; }
+  std::int64_t qweight_rows() const { return packed_words(in, bits); }
+  std::int64_t qzeros_cols() const { return packed_words(out, bits); }
+
+  // Shape and content consistency; throws squeeze::Error naming the first problem.
+  void validate() const {
+    check_bits(bits);
+    check(in > 0 && out > 0, "packed linear: in and out must be positive");
+    check(group_size >= 0, "packed linear: group_size must be >= 0 (0 = per channel)");
+    const auto g = groups();
+    auto expect = [](std::size_t got, std::int64_t want, const char* what) {
+      check(std::int64_t(got) == want, std::string("packed linear: ") + what + " has " + std::to_string(got) +
+                                           " elements, expected " + std::to_string(want));
+    };
+    expect(qweight.size(), qweight_rows() * out, "qweight");
+    expect(qzeros.size(), g * qzeros_cols(), "qzeros");
+    expect(scales.size(), g * out, "scales");
+    expect(g_idx.size(), in, "g_idx");
+    check(bias.empty() || std::int64_t(bias.size()) == out, "packed linear: bias must be empty or [out]");
+    for (std::int64_t i = 0; i < in; ++i)
+      check(g_idx[i] >= 0 && g_idx[i] < g, "packed linear: g_idx[" + std::to_string(i) + "] = " +
+                                               std::to_string(g_idx[i]) + " is outside [0, " + std::to_string(g) + ")");
+  }
+
+  std::uint32_t code(std::int64_t i, std::int64_t o) const { return stream_get(qweight.data() + o, out, i, bits); }
+  // The real zero point (the stored field + 1, wrapped to the code range).
+  std::uint32_t zero(std::int64_t g, std::int64_t o) const {
+    return (stream_get(qzeros.data() + g * qzeros_cols(), 1, o, bits) + 1u) & ((1u << bits) - 1u);
+  }
+  float scale(std::int64_t g, std::int64_t o) const { return to_float(scales[g * out + o]); }
+};
+
+// Default g_idx: row i belongs to group i / group_size (no act-order).
+inline std::vector<std::int32_t> default_g_idx(std::int64_t in, int group_size) {
+  std::vector<std::int32_t> g(in);
+  for (std::int64_t i = 0; i < in; ++i) g[i] = group_size > 0 ? std::int32_t(i / group_size) : 0;
+  return g;
+}
+
+// Packs codes q [out, in] (row-major, the nn.Linear orientation), zero points and scales [groups, out]
+// (floats, scales rounded to fp16 here) and g_idx [in] into the GPTQ v1 layout.
+inline PackedLinear pack(std::span<const std::uint8_t> q, std::span<const std::uint8_t> zeros, std::span<const float> scales,
+                         std::span<const std::int32_t> g_idx, std::int64_t out, std::int64_t in, int bits, int group_size) {
+  check_bits(bits);
+  PackedLinear p;
+  p.bits = bits;
+  p.group_size = group_size;
+  p.in = in;
+  p.out = out;
+  const auto g = p.groups();
+  check(std::int64_t(q.size()) == out * in, "pack: codes must be [out, in]");
+  check(std::int64_t(zeros.size()) == g * out && std::int64_t(scales.size()) == g * out,
+        "pack: zeros and scales must be [groups, out] with groups = ceil(in / group_size)");
+  check(std::int64_t(g_idx.size()) == in, "pack: g_idx must be [in]");
+  const std::uint32_t maxq = (1u << bits) - 1u;
+  p.qweight.assign(p.qweight_rows() * out, 0);
+  p.qzeros.assign(g * p.qzeros_cols(), 0);
+  p.scales.resize(g * out);
+  p.g_idx.assign(g_idx.begin(), g_idx.end());
+  for (std::int64_t o = 0; o < out; ++o)
+    for (std::int64_t i = 0; i < in; ++i) {
+      const std::uint32_t v = q[o * in + i];
+      check(v <= maxq, "pack: code out of range for the bit width");
+      stream_put(p.qweight.data() + o, out, i, bits, v);
+    }
+  for (std::int64_t gi = 0; gi < g; ++gi)
+    for (std::int64_t o = 0; o < out; ++o) {
+      const std::uint32_t z = zeros[gi * out + o];
+      check(z <= maxq, "pack: zero point out of range for the bit width");
+      stream_put(p.qzeros.data() + gi * p.qzeros_cols(), 1, o, bits, (z - 1u) & maxq);  // v1: zero - 1
+      p.scales[gi * out + o] = from_float<half>(scales[gi * out + o]);
+    }
+  p.validate();
+  return p;
+}
+
+// Codes back as [out, in] (the inverse of pack's first argument).
+inline std::vector<std::uint8_t> unpack_codes(const PackedLinear& p) {
+  std::vector<std::uint8_t> q(p.out * p.in);
+  for (std::int64_t o = 0; o < p.out; ++o)
+    for (std::int64_t i = 0; i < p.in; ++i) q[o * p.in + i] = std::uint8_t(p.code(i, o));
+  return q;
+}
+// Zero points back as [groups, out] (true zeros, the +1 of v1 undone).
+inline std::vector<std::uint8_t> unpack_zeros(const PackedLinear& p) {
+  std::vector<std::uint8_t> z(p.groups() * p.out);
+  for (std::int64_t g = 0; g < p.groups(); ++g)
+    for (std::int64_t o = 0; o < p.out; ++o) z[g * p.out + o] = std::uint8_t(p.zero(g, o));
+  return z;
+}
+
+// Dequantized weights W [out, in] in float (the reference every kernel is tested against).
+inline std::vector<float> dequantize(const PackedLinear& p) {
+  p.validate();
+  std::vector<float> w(p.out * p.in);
+  for (std::int64_t i = 0; i < p.in; ++i) {
+    const std::int64_t g = p.g_idx[i];
+    for (std::int64_t o = 0; o < p.out; ++o)
+      w[o * p.in + i] = p.scale(g, o) * (float(p.code(i, o)) - float(p.zero(g, o)));
+  }
+  return w;
+}
+
+}  // namespace squeeze::quant
