@@ -1,0 +1,185 @@
+#pragma once
+// Fused AdamW: the element functor (shared by the CUDA kernel in adamw.cuh) and the CPU launcher.
+// Plain C++: this header compiles with any C++20 compiler; the CPU launcher is the real optimizer
+// behind Offload<Host> (and the oracle the GPU kernel is tested against).
+//
+// One pass per element, all fused (Loshchilov & Hutter's decoupled weight decay, PyTorch's AdamW math):
+//   g  = grad * inv_scale * clip_coef                     (loss-scale unscale and gradient clipping)
+//   m  = beta1 * m + (1 - beta1) * g
+//   v  = beta2 * v + (1 - beta2) * g^2
+//   w  = w * (1 - lr * wd) - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+//   param = round_to<P>(w)                                 (only when P is not float: w is the fp32 master)
+// If *found_inf != 0 the whole step is skipped: param, master, m and v keep their bits. The flag, the
+// inverse loss scale and the clip coefficient are read from memory (device memory for the CUDA launcher,
+// host memory here) so the GPU step needs no host synchronisation.
+//
+// Types: P (param) and G (grad) in {float, half, bf16}; master weights are float; S (Adam moments) is
+// float. S is a template parameter so an 8-bit blockwise state can slot in (its codec replaces the plain
+// loads/stores of m and v); today anything but float is rejected at compile time.
+#include <cmath>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <type_traits>
+
+#include "squeeze/dtype.hpp"
+#include "squeeze/error.hpp"
+#include "squeeze/kernels/cpu_parallel.hpp"
+#include "squeeze/kernels/tensor_list.hpp"
+
+namespace squeeze::kernels {
+
+template <class S>
+inline constexpr bool supported_state_v = std::is_same_v<S, float>;
+
+// Host-side constants of one AdamW step (t = step, counted from 1).
+struct AdamWCoeffs {
+  float lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0;
+  float step_size = 0;     // lr / (1 - beta1^t): bias correction of m folded into the step
+  float inv_sqrt_bc2 = 0;  // 1 / sqrt(1 - beta2^t): bias correction of v
+};
+
+// Bias-correction scalars in double (1 - beta^t cancels badly in float for small t).
+SQUEEZE_HD void adamw_bias_correction(float lr, float beta1, float beta2, std::int64_t t, float& step_size,
+                                      float& inv_sqrt_bc2) {
+  const double bc1 = 1.0 - ::pow(double(beta1), double(t));
+  const double bc2 = 1.0 - ::pow(double(beta2), double(t));
+  step_size = float(double(lr) / bc1);
+  inv_sqrt_bc2 = float(1.0 / ::sqrt(bc2));
+}
+
+// Validates the hyper-parameters and precomputes the step constants. Throws squeeze::Error naming the bad value.
+inline AdamWCoeffs adamw_coeffs(float lr, float beta1, float beta2, float eps, float weight_decay, std::int64_t step) {
+  check(std::isfinite(lr) && lr >= 0, "AdamW: lr must be finite and >= 0, got " + std::to_string(lr));
+  check(beta1 >= 0 && beta1 < 1, "AdamW: beta1 must be in [0, 1), got " + std::to_string(beta1));
+  check(beta2 >= 0 && beta2 < 1, "AdamW: beta2 must be in [0, 1), got " + std::to_string(beta2));
+  check(std::isfinite(eps) && eps > 0, "AdamW: eps must be finite and > 0, got " + std::to_string(eps));
+  check(std::isfinite(weight_decay) && weight_decay >= 0,
+        "AdamW: weight_decay must be finite and >= 0, got " + std::to_string(weight_decay));
+  check(step >= 1, "AdamW: step counts from 1 (the first update is step 1), got " + std::to_string(step));
+  AdamWCoeffs c{lr, beta1, beta2, eps, weight_decay, 0, 0};
+  adamw_bias_correction(lr, beta1, beta2, step, c.step_size, c.inv_sqrt_bc2);
+  return c;
+}
+
+// Per-launch values read from memory (null = absent). Device pointers for CUDA, host pointers for CPU.
+struct AdamWDynamic {
+  const float* inv_scale = nullptr;     // 1 / loss scale; grads are multiplied by it
+  const float* found_inf = nullptr;     // != 0: skip this step entirely
+  const float* clip_coef = nullptr;     // min(1, max_norm / ||g||); grads are multiplied by it
+  const std::int64_t* step = nullptr;   // steps applied so far: bias correction uses t = *step + 1 (skipped
+                                        // steps don't count, with no host sync); null: AdamWCoeffs' step
+};
+
+// Everything an element needs, resolved once per thread at the start of a launch.
+struct AdamWScalars {
+  bool skip;
+  float gmul;  // inv_scale * clip_coef
+  float beta1, one_minus_beta1, beta2, one_minus_beta2, eps;
+  float decay;  // 1 - lr * weight_decay
+  float step_size, inv_sqrt_bc2;
+};
+
+SQUEEZE_HD AdamWScalars adamw_scalars(const AdamWCoeffs& c, const AdamWDynamic& d) {
+  AdamWScalars s;
+  s.skip = d.found_inf != nullptr && *d.found_inf != 0.0f;
+  s.gmul = (d.inv_scale ? *d.inv_scale : 1.0f) * (d.clip_coef ? *d.clip_coef : 1.0f);
+  s.beta1 = c.beta1;
+  s.one_minus_beta1 = 1.0f - c.beta1;
+  s.beta2 = c.beta2;
+  s.one_minus_beta2 = 1.0f - c.beta2;
+  s.eps = c.eps;
+  s.decay = 1.0f - c.lr * c.weight_decay;
+  s.step_size = c.step_size;
+  s.inv_sqrt_bc2 = c.inv_sqrt_bc2;
+  if (d.step != nullptr) adamw_bias_correction(c.lr, c.beta1, c.beta2, *d.step + 1, s.step_size, s.inv_sqrt_bc2);
+  return s;
+}
+
+// The element functor: one AdamW update of weight w (fp32), moments m, v, with raw gradient g.
+SQUEEZE_HD void adamw_element(float& w, float& m, float& v, float g, const AdamWScalars& s) {
+  g *= s.gmul;
+  m = s.beta1 * m + s.one_minus_beta1 * g;
+  v = s.beta2 * v + s.one_minus_beta2 * (g * g);
+  const float denom = sqrtf(v) * s.inv_sqrt_bc2 + s.eps;
+  w = w * s.decay - s.step_size * (m / denom);
+}
+
+// After a launch: count the step as applied unless it was skipped (keeps AdamWDynamic::step exact).
+SQUEEZE_HD void adamw_commit_step(std::int64_t* step, const float* found_inf) {
+  if (!(found_inf != nullptr && *found_inf != 0.0f)) ++*step;
+}
+
+// One tensor's buffers, all [n]. For float params master is null (the param is its own master);
+// otherwise master holds the fp32 weights and param receives their rounded copy.
+template <class P, class G, class S = float>
+struct AdamWTensor {
+  P* param = nullptr;
+  float* master = nullptr;
+  const G* grad = nullptr;
+  S* exp_avg = nullptr;     // m
+  S* exp_avg_sq = nullptr;  // v
+  std::int64_t n = 0;
+};
+
+template <class P, class G, class S>
+void validate(const AdamWTensor<P, G, S>& t, const std::string& what = "AdamW tensor") {
+  static_assert(FloatingElement<P> && FloatingElement<G>,
+                "AdamW: param and grad types must be float, squeeze::half or squeeze::bf16");
+  static_assert(supported_state_v<S>, "AdamW: optimizer state S must be float (8-bit state is not implemented yet)");
+  check(t.n >= 0, what + ": negative element count " + std::to_string(t.n));
+  if (t.n == 0) return;
+  check(t.param != nullptr, what + ": param pointer is null");
+  check(t.grad != nullptr, what + ": grad pointer is null");
+  check(t.exp_avg != nullptr && t.exp_avg_sq != nullptr, what + ": exp_avg / exp_avg_sq (m, v) pointer is null");
+  if constexpr (std::is_same_v<P, float>) {
+    check(t.master == nullptr || t.master == static_cast<void*>(t.param),
+          what + ": float params are their own master weights; pass master = nullptr");
+  } else {
+    check(t.master != nullptr, what + ": " + std::string(dtype_name<P>()) +
+                                   " params need fp32 master weights; the master pointer is null");
+  }
+}
+
+// Element i of a tensor: load, update, store. The CPU loop and the GPU's unaligned/tail path.
+template <class P, class G, class S>
+SQUEEZE_HD void adamw_at(const AdamWTensor<P, G, S>& t, std::int64_t i, const AdamWScalars& s) {
+  float* w_ptr;
+  if constexpr (std::is_same_v<P, float>) w_ptr = t.param;
+  else w_ptr = t.master;
+  float w = w_ptr[i], m = t.exp_avg[i], v = t.exp_avg_sq[i];
+  adamw_element(w, m, v, to_float(t.grad[i]), s);
+  w_ptr[i] = w;
+  t.exp_avg[i] = m;
+  t.exp_avg_sq[i] = v;
+  if constexpr (!std::is_same_v<P, float>) t.param[i] = from_float<P>(w);
+}
+
+// ---- CPU launcher ---------------------------------------------------------------------------------------
+namespace cpu {
+
+template <class P, class G, class S>
+void adamw_range(const AdamWTensor<P, G, S>& t, std::int64_t begin, std::int64_t end, const AdamWScalars& s) {
+  const AdamWTensor<P, G, S> local = t;  // by value: lets the compiler keep the pointers in registers
+#pragma omp simd
+  for (std::int64_t i = begin; i < end; ++i) adamw_at(local, i, s);
+}
+
+}  // namespace cpu
+
+// AdamW over a list of host tensors, all cores (OpenMP or std::thread). Dynamic values are host pointers.
+template <class P, class G, class S>
+void adamw_cpu(std::span<const AdamWTensor<P, G, S>> tensors, const AdamWCoeffs& c, const AdamWDynamic& d = {}) {
+  for (std::size_t i = 0; i < tensors.size(); ++i) validate(tensors[i], "AdamW (CPU) tensor " + std::to_string(i));
+  const AdamWScalars s = adamw_scalars(c, d);
+  if (s.skip) return;
+  for (const auto& t : tensors)
+    cpu::parallel_ranges(t.n, [&](int, std::int64_t b, std::int64_t e) { cpu::adamw_range(t, b, e, s); });
+}
+
+template <class P, class G, class S>
+void adamw_cpu(const AdamWTensor<P, G, S>& t, const AdamWCoeffs& c, const AdamWDynamic& d = {}) {
+  adamw_cpu(std::span<const AdamWTensor<P, G, S>>(&t, 1), c, d);
+}
+
+}  // namespace squeeze::kernels

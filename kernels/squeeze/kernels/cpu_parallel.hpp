@@ -1,0 +1,79 @@
+#pragma once
+// Multithreading for the CPU twins of squeeze's kernels (plain C++; no CUDA needed).
+// parallel_ranges(n, fn) splits [0, n) into one contiguous range per thread and calls fn(begin, end)
+// on each; fn's inner loop carries `#pragma omp simd` so, under OpenMP, the pair is the CPU form of
+// `parallel for simd`. Without OpenMP (-fopenmp absent) it uses std::thread. Small n runs inline:
+// forking threads costs more than it saves below ~64 Ki elements.
+#include <algorithm>
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+namespace squeeze::kernels::cpu {
+
+inline constexpr std::int64_t kSerialBelow = 1 << 16;  // elements; below this one thread does it all
+inline constexpr std::int64_t kRangeAlign = 64;        // range borders at multiples of 64 elements (cache lines)
+
+// Threads the CPU twins use: OpenMP's max threads (OMP_NUM_THREADS) or hardware_concurrency().
+inline int max_threads() {
+#if defined(_OPENMP)
+  return std::max(1, omp_get_max_threads());
+#else
+  return std::max(1u, std::thread::hardware_concurrency());
+#endif
+}
+
+// The [begin, end) range thread `t` of `threads` owns: contiguous, borders aligned to kRangeAlign.
+inline void thread_range(std::int64_t n, int t, int threads, std::int64_t& begin, std::int64_t& end) {
+  const std::int64_t blocks = (n + kRangeAlign - 1) / kRangeAlign;
+  const std::int64_t per = blocks / threads, extra = blocks % threads;
+  const std::int64_t b0 = t * per + std::min<std::int64_t>(t, extra);
+  const std::int64_t b1 = b0 + per + (t < extra ? 1 : 0);
+  begin = std::min(n, b0 * kRangeAlign);
+  end = std::min(n, b1 * kRangeAlign);
+}
+
+// Number of ranges parallel_ranges will use for n elements (1 below kSerialBelow).
+inline int ranges_for(std::int64_t n) {
+  if (n < kSerialBelow) return 1;
+  return int(std::min<std::int64_t>(max_threads(), (n + kRangeAlign - 1) / kRangeAlign));
+}
+
+// Calls fn(t, begin, end) for t in [0, ranges_for(n)) covering [0, n) exactly once, concurrently.
+template <class Fn>
+void parallel_ranges(std::int64_t n, Fn&& fn) {
+  if (n <= 0) return;
+  const int threads = ranges_for(n);
+  if (threads == 1) {
+    fn(0, std::int64_t(0), n);
+    return;
+  }
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num();
+    std::int64_t b = 0, e = 0;
+    thread_range(n, t, omp_get_num_threads(), b, e);
+    if (b < e) fn(t, b, e);
+  }
+#else
+  std::vector<std::thread> pool;
+  pool.reserve(threads - 1);
+  for (int t = 1; t < threads; ++t)
+    pool.emplace_back([&, t] {
+      std::int64_t b = 0, e = 0;
+      thread_range(n, t, threads, b, e);
+      if (b < e) fn(t, b, e);
+    });
+  std::int64_t b = 0, e = 0;
+  thread_range(n, 0, threads, b, e);
+  if (b < e) fn(0, b, e);
+  for (auto& th : pool) th.join();
+#endif
+}
+
+}  // namespace squeeze::kernels::cpu

@@ -1,0 +1,60 @@
+#pragma once
+// A list of tensors for one-launch ("multi-tensor") kernels, plain C++ so CPU twins share it.
+//
+// Work is cut into chunks of kChunkElems elements; chunk c belongs to the tensor i with
+// chunk_prefix[i] <= c < chunk_prefix[i + 1]. A CUDA block takes one chunk at a time, so a list of
+// 64 tensors or one flat buffer is one launch either way, and tensors that don't fill a chunk end in a
+// short chunk. Each kernel defines its own Entry (pointers + `std::int64_t n`).
+//
+//   entries:      [count]      Entry, in device memory for CUDA launchers, host memory for CPU twins
+//   chunk_prefix: [count + 1]  first chunk of each tensor; chunk_prefix[count] = total chunks
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include <string>
+
+#include "squeeze/dtype.hpp"
+#include "squeeze/error.hpp"
+
+namespace squeeze::kernels {
+
+// Elements per chunk (a block's unit of work): 8 passes of 256 threads x 8 elements. Small enough that
+// the last wave of blocks is short (1 Gi elements = 65536 chunks), large enough to amortise the lookup.
+inline constexpr std::int64_t kChunkElems = std::int64_t(1) << 14;
+
+inline constexpr std::int64_t chunks_of(std::int64_t n) { return (n + kChunkElems - 1) / kChunkElems; }
+
+// Non-owning view of a tensor list, passed by value to kernels.
+template <class Entry>
+struct TensorTable {
+  const Entry* entries = nullptr;
+  const std::int64_t* chunk_prefix = nullptr;
+  int count = 0;
+  std::int64_t chunks = 0;
+};
+
+// chunk_prefix for a list (host side): [count + 1] values. Throws on negative sizes.
+template <class Entry>
+std::vector<std::int64_t> chunk_prefix_of(std::span<const Entry> entries) {
+  std::vector<std::int64_t> prefix(entries.size() + 1, 0);
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    check(entries[i].n >= 0, "tensor list: entry " + std::to_string(i) + " has a negative element count");
+    prefix[i + 1] = prefix[i] + chunks_of(entries[i].n);
+  }
+  return prefix;
+}
+
+// Index i of the tensor that owns chunk c (binary search; empty tensors own no chunk).
+template <class Entry>
+SQUEEZE_HD int tensor_of_chunk(const TensorTable<Entry>& t, std::int64_t c) {
+  int lo = 0, hi = t.count - 1;  // answer: the largest i with chunk_prefix[i] <= c
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (t.chunk_prefix[mid] <= c) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+}  // namespace squeeze::kernels
