@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build with libtorch's CUDA side, run the GPU tests (ctest -L cuda) and the
 # benchmarks, write full results under $OUT (default ./gpu-results) and print a short table last.
-#   usage (device tool): bash bench/run_gpu.sh [bench-name ...]    (no names: all benchmarks)
+#   usage: bash bench/run_gpu.sh [bench-name ...]    (no names: all benchmarks)
+# From the development machine, snapshot the committed tree and send it with the device tool:
+#   rm -rf .snap && mkdir .snap && git archive HEAD | tar -x -C .snap && git rev-parse --short HEAD > .snap/COMMIT
+#   device run (carry .snap): bash .snap/bench/run_gpu.sh
 # Results: $OUT/<bench>.jsonl (one JSON object per case, fields as ARCHITECTURE.md says), $OUT/ctest.log.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-results}
 mkdir -p "$OUT"
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=${BUILD:-$ROOT/build-gpu}
-export SQUEEZE_COMMIT=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)
+export SQUEEZE_COMMIT=$(cat "$ROOT/COMMIT" 2>/dev/null || git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)
 export SQUEEZE_DATE=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 export SQUEEZE_DEVICE=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || echo unknown)
 TORCH_PREFIX=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
