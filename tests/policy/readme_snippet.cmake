@@ -1,0 +1,16 @@
+# The first C++ block of README.md must compile: the front page never shows code that does not build.
+file(READ ${README} text)
+string(FIND "${text}" "```cpp\n" start)
+if(start EQUAL -1)
+  message(FATAL_ERROR "README.md has no ```cpp block")
+endif()
+math(EXPR start "${start} + 7")
+string(SUBSTRING "${text}" ${start} -1 rest)
+string(FIND "${rest}" "```" stop)
+string(SUBSTRING "${rest}" 0 ${stop} code)
+file(WRITE ${WORK}/readme_snippet.cpp "${code}\nint main() {}\n")
+execute_process(COMMAND ${CXX} -std=c++20 -fsyntax-only -I${INCLUDE} ${WORK}/readme_snippet.cpp
+                RESULT_VARIABLE rc ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "README.md's C++ example does not compile:\n${err}")
+endif()
