@@ -1,0 +1,244 @@
+#pragma once
+// Activation checkpointing for libtorch C++ (which has no torch.utils.checkpoint).
+//
+//   y = checkpoint(fn, {x}, block->parameters());
+//
+// runs fn({x}) under no-grad, so none of its intermediate activations are kept: only the inputs are saved.
+// In backward the block is run again with grad enabled (with the RNG and autocast state it saw the first
+// time, so dropout-like randomness and mixed-precision casts repeat exactly) and backpropagated.
+//
+// The block's parameters are passed as inputs of the autograd node, so their gradients flow through the
+// ordinary graph into their AccumulateGrad nodes (and any hooks there, e.g. a sharded optimizer's); a block
+// whose tensor inputs need no grad (token ids into a whole-model checkpoint) still gets a backward. Pass
+// whatever leaves the block reads: module parameters, or the flat shards a Stage-3 gather views.
+//
+// checkpoint_sequential(n, every, x, layer, params) checkpoints n layers in segments of `every` layers:
+// every = 1 keeps one activation per layer, every = n keeps one for the whole stack.
+#include <ATen/autocast_mode.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <functional>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+namespace squeeze::nn {
+
+// A checkpointed block: tensors in, one tensor out. It must compute the same function when called twice
+// (it may draw random numbers: the RNG state is replayed). It is called again during backward, after the
+// caller's scope has ended: capture tensors by value, not by reference.
+using BlockFn = std::function<torch::Tensor(const std::vector<torch::Tensor>&)>;
+
+namespace detail {
+
+// The default generators' states: the CPU one and one per CUDA device the block touches.
+struct RngState {
+  torch::Tensor cpu;
+  std::vector<std::pair<c10::Device, torch::Tensor>> cuda;
+
+  static at::Generator generator(c10::Device d) { return at::globalContext().defaultGenerator(d); }
+
+  static RngState capture(const std::vector<c10::Device>& cuda_devices) {
+    RngState s;
+    {
+      auto g = generator(c10::Device(c10::kCPU));
+      std::lock_guard<std::mutex> lock(g.mutex());
+      s.cpu = g.get_state();
+    }
+    for (auto d : cuda_devices) {
+      auto g = generator(d);
+      std::lock_guard<std::mutex> lock(g.mutex());
+      s.cuda.emplace_back(d, g.get_state());
+    }
+    return s;
+  }
+  void restore() const {
+    {
+      auto g = generator(c10::Device(c10::kCPU));
+      std::lock_guard<std::mutex> lock(g.mutex());
+      g.set_state(cpu);
+    }
+    for (const auto& [d, state] : cuda) {
+      auto g = generator(d);
+      std::lock_guard<std::mutex> lock(g.mutex());
+      g.set_state(state);
+    }
+  }
+};
+
+// Autocast settings (CPU and CUDA) of the calling thread.
+struct AutocastState {
+  bool cpu_enabled = false, cuda_enabled = false, cache_enabled = true;
+  at::ScalarType cpu_dtype = at::kBFloat16, cuda_dtype = at::kHalf;
+
+  static AutocastState capture() {
+    AutocastState s;
+    s.cpu_enabled = at::autocast::is_autocast_enabled(at::kCPU);
+    s.cuda_enabled = at::autocast::is_autocast_enabled(at::kCUDA);
+    s.cpu_dtype = at::autocast::get_autocast_dtype(at::kCPU);
+    s.cuda_dtype = at::autocast::get_autocast_dtype(at::kCUDA);
+    s.cache_enabled = at::autocast::is_autocast_cache_enabled();
+    return s;
+  }
+  void apply() const {
+    at::autocast::set_autocast_enabled(at::kCPU, cpu_enabled);
+    at::autocast::set_autocast_enabled(at::kCUDA, cuda_enabled);
+    at::autocast::set_autocast_dtype(at::kCPU, cpu_dtype);
+    at::autocast::set_autocast_dtype(at::kCUDA, cuda_dtype);
+    at::autocast::set_autocast_cache_enabled(cache_enabled);
+  }
+};
+
+// Everything backward needs besides the saved inputs. Held by the autograd context as a capsule.
+struct CheckpointCall : torch::CustomClassHolder {
+  BlockFn fn;
+  std::vector<torch::Tensor> params;  // leaves the block reads (references, no copies)
+  RngState rng;
+  AutocastState autocast;
+};
+
+struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
+  // Runs under no-grad (Function::apply turns grad mode off around forward).
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, c10::intrusive_ptr<CheckpointCall> call,
+                               at::TensorList inputs, at::TensorList params) {
+    (void)params;  // they are inputs of the node for their gradient edges; the call holds them
+    std::vector<torch::Tensor> in(inputs.begin(), inputs.end());
+    torch::Tensor out = call->fn(in);
+    ctx->save_for_backward(in);  // the only activations kept
+    ctx->saved_data["call"] = c10::IValue::make_capsule(std::move(call));
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_out) {
+    auto call = c10::static_intrusive_pointer_cast<CheckpointCall>(ctx->saved_data["call"].toCapsule());
+    const std::vector<torch::Tensor> saved = ctx->get_saved_variables();
+
+    // Fresh leaves for the inputs, so the recomputed graph ends here and not in the outer graph.
+    std::vector<torch::Tensor> inputs;
+    std::vector<torch::Tensor> wrt;  // what we differentiate with respect to: grad-needing inputs, then params
+    std::vector<int> input_slot(saved.size(), -1);
+    inputs.reserve(saved.size());
+    for (size_t i = 0; i < saved.size(); ++i) {
+      torch::Tensor x = saved[i].detach();
+      if (saved[i].requires_grad()) {
+        x.requires_grad_(true);
+        input_slot[i] = static_cast<int>(wrt.size());
+        wrt.push_back(x);
+      }
+      inputs.push_back(x);
+    }
+    std::vector<int> param_slot(call->params.size(), -1);
+    for (size_t i = 0; i < call->params.size(); ++i) {
+      if (call->params[i].requires_grad()) {
+        param_slot[i] = static_cast<int>(wrt.size());
+        wrt.push_back(call->params[i]);
+      }
+    }
+
+    // Recompute with the forward's RNG and autocast state; give the caller's state back afterwards.
+    torch::Tensor out;
+    {
+      std::vector<c10::Device> cuda_devices;
+      for (const auto& [d, s] : call->rng.cuda) cuda_devices.push_back(d);
+      const RngState caller_rng = RngState::capture(cuda_devices);
+      const AutocastState caller_autocast = AutocastState::capture();
+      call->rng.restore();
+      call->autocast.apply();
+      try {
+        torch::AutoGradMode grad_on(true);
+        out = call->fn(inputs);
+      } catch (...) {
+        caller_autocast.apply();
+        caller_rng.restore();
+        throw;
+      }
+      caller_autocast.apply();
+      caller_rng.restore();
+    }
+
+    std::vector<torch::Tensor> grads(wrt.size());
+    if (out.requires_grad() && !wrt.empty()) {
+      grads = torch::autograd::grad({out}, wrt, {grad_out[0]}, /*retain_graph=*/false, /*create_graph=*/false,
+                                    /*allow_unused=*/true);
+    }
+
+    // One gradient per forward argument: none for the call, then inputs, then params.
+    torch::autograd::variable_list result;
+    result.reserve(1 + saved.size() + call->params.size());
+    result.emplace_back();
+    for (int slot : input_slot) result.push_back(slot < 0 ? torch::Tensor() : grads[slot]);
+    for (int slot : param_slot) result.push_back(slot < 0 ? torch::Tensor() : grads[slot]);
+    return result;
+  }
+};
+
+inline std::vector<c10::Device> cuda_devices_of(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  std::vector<c10::Device> out;
+  auto add = [&](const torch::Tensor& t) {
+    if (t.defined() && t.is_cuda() && std::find(out.begin(), out.end(), t.device()) == out.end())
+      out.push_back(t.device());
+  };
+  for (const auto& t : a) add(t);
+  for (const auto& t : b) add(t);
+  return out;
+}
+
+}  // namespace detail
+
+// Runs fn(inputs) keeping only `inputs` for backward; `params` are the leaves fn reads that need gradients.
+// Outside grad mode, or when nothing needs a gradient, it is just fn(inputs).
+inline torch::Tensor checkpoint(BlockFn fn, std::vector<torch::Tensor> inputs, std::vector<torch::Tensor> params) {
+  TORCH_CHECK(static_cast<bool>(fn), "squeeze::nn::checkpoint: the block function is empty");
+  for (size_t i = 0; i < inputs.size(); ++i)
+    TORCH_CHECK(inputs[i].defined(), "squeeze::nn::checkpoint: input ", i, " is an undefined tensor");
+  const auto needs_grad = [](const std::vector<torch::Tensor>& v) {
+    return std::any_of(v.begin(), v.end(), [](const torch::Tensor& t) { return t.defined() && t.requires_grad(); });
+  };
+  if (!torch::GradMode::is_enabled() || !(needs_grad(inputs) || needs_grad(params))) return fn(inputs);
+
+  auto call = c10::make_intrusive<detail::CheckpointCall>();
+  call->fn = std::move(fn);
+  call->params = std::move(params);
+  call->rng = detail::RngState::capture(detail::cuda_devices_of(inputs, call->params));
+  call->autocast = detail::AutocastState::capture();
+  std::vector<torch::Tensor> param_refs = call->params;  // the node's gradient edges
+  return detail::CheckpointFunction::apply(std::move(call), at::TensorList(inputs), at::TensorList(param_refs));
+}
+
+// One-input convenience: checkpoint(x, params, [&](const Tensor& x) { return block(x); }).
+template <class F>
+  requires std::is_invocable_r_v<torch::Tensor, std::decay_t<F>&, const torch::Tensor&>
+inline torch::Tensor checkpoint(const torch::Tensor& x, std::vector<torch::Tensor> params, F&& f) {
+  return checkpoint([f = std::forward<F>(f)](const std::vector<torch::Tensor>& in) mutable { return f(in[0]); }, {x},
+                    std::move(params));
+}
+
+// Runs layers 0..n-1 on x (x = layer(i, x)), checkpointing segments of `every` consecutive layers; the last
+// segment may be shorter. every <= 0 runs them plainly. params(i) lists layer i's parameters.
+inline torch::Tensor checkpoint_sequential(int64_t n, int64_t every, torch::Tensor x,
+                                           const std::function<torch::Tensor(int64_t, const torch::Tensor&)>& layer,
+                                           const std::function<std::vector<torch::Tensor>(int64_t)>& params) {
+  TORCH_CHECK(n >= 0, "squeeze::nn::checkpoint_sequential: negative layer count ", n);
+  if (every <= 0) {
+    for (int64_t i = 0; i < n; ++i) x = layer(i, x);
+    return x;
+  }
+  for (int64_t begin = 0; begin < n; begin += every) {
+    const int64_t end = std::min(n, begin + every);
+    std::vector<torch::Tensor> segment_params;
+    for (int64_t i = begin; i < end; ++i) {
+      auto p = params(i);
+      segment_params.insert(segment_params.end(), p.begin(), p.end());
+    }
+    x = checkpoint(x, std::move(segment_params), [layer, begin, end](const torch::Tensor& h) {  // copies: runs again in backward
+      torch::Tensor y = h;
+      for (int64_t i = begin; i < end; ++i) y = layer(i, y);
+      return y;
+    });
+  }
+  return x;
+}
+
+}  // namespace squeeze::nn
