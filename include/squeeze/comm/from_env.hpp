@@ -1,0 +1,29 @@
+#pragma once
+// comm::from_env(): the communicator the launcher asked for.
+//   WORLD_SIZE unset or 1 -> LocalComm of one rank (every collective a copy or nothing)
+//   WORLD_SIZE > 1        -> NcclComm over the torchrun environment (needs SQUEEZE_WITH_NCCL=1)
+#include <cstdlib>
+#include <string>
+
+#include "communicator.hpp"
+#include "local.hpp"
+#if defined(SQUEEZE_WITH_NCCL) && SQUEEZE_WITH_NCCL
+#include "nccl.hpp"
+#endif
+
+namespace squeeze::comm {
+
+inline CommPtr from_env() {
+  const char* w = std::getenv("WORLD_SIZE");
+  const int world = (w && *w) ? std::atoi(w) : 1;
+  check(world >= 1, std::string("WORLD_SIZE='") + (w ? w : "") + "' must be a positive integer");
+  if (world == 1) return LocalComm::single();
+#if defined(SQUEEZE_WITH_NCCL) && SQUEEZE_WITH_NCCL
+  return NcclComm::from_env();
+#else
+  throw Error("WORLD_SIZE=" + std::to_string(world) +
+              " needs the NCCL backend: build with CUDA and NCCL and define SQUEEZE_WITH_NCCL=1 (link NCCL::nccl)");
+#endif
+}
+
+}  // namespace squeeze::comm
