@@ -1,0 +1,378 @@
+#pragma once
+// GPTQ (Frantar et al., 2022) on libtorch tensors: runs on CPU here and on CUDA where the tensors live.
+//
+//   Hessian     H = 2/N * sum_n x_n x_n^T over calibration inputs x_n [in] of one linear layer
+//   damping     H += percdamp * mean(diag H) * I; when the Cholesky factorisation fails the fraction is
+//               raised x10 and retried (max_damp_retries times), then a clear error
+//   dead inputs diag(H) == 0 -> H_ii = 1, W[:, i] = 0 (the input never fires; its weight is irrelevant)
+//   act-order   columns processed by descending diag(H); g_idx records each input's group
+//   solve       Hinv = upper Cholesky factor of H^-1; columns quantized in blocks of block_size, the
+//               error of each column spread over the rest of its block at once and over later blocks
+//               lazily with one matmul per block (the paper's "lazy batch" update)
+// The grid math mirrors quant::find_grid / quant::quantize_code exactly (fp16-rounded scales, zero >= 1
+// for asymmetric grids), so the codes pack into the v1 checkpoint format without loss.
+//
+// True-sequential capture: observe(linear, x) is a one-line hook a model calls in front of each of its
+// linear layers (it returns linear(x)); while a HessianCapture is alive it adds x to that layer's
+// Hessian. gptq_sequential quantizes groups of layers step by step, re-running the caller's forward
+// closure before each step so later layers see the outputs of already-quantized earlier ones.
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "../quant/pack.hpp"
+#include "../quant/rtn.hpp"
+
+namespace squeeze::nn {
+
+struct GptqOptions {
+  int bits = 4;
+  int group_size = 128;        // 0: one group per output channel
+  bool sym = true;
+  bool act_order = false;      // "desc_act"
+  bool static_groups = false;  // with act_order: groups fixed from the unquantized weights in natural order
+  double percdamp = 0.01;      // damping as a fraction of mean(diag H)
+  int max_damp_retries = 4;    // each retry multiplies the fraction by 10
+  int block_size = 128;
+  bool progress = false;       // one line per layer on stderr (gptq_sequential)
+};
+
+struct GptqResult {
+  torch::Tensor codes;        // uint8 [out, in]
+  torch::Tensor scales;       // float [groups, out] (fp16-representable)
+  torch::Tensor zeros;        // uint8 [groups, out] (true zero points, >= 1)
+  torch::Tensor g_idx;        // int32 [in]
+  torch::Tensor dequantized;  // float [out, in]: W_hat
+  double damp_fraction = 0;   // the fraction that factorised
+  int damp_retries = 0;
+  double loss = 0;            // sum over columns of (w - w_hat)^2 / (2 [H^-1]_jj^2), the paper's objective
+  int bits = 4, group_size = 0;
+
+  // The v1 packed layout (copies to CPU).
+  quant::PackedLinear pack() const {
+    auto c = codes.to(torch::kCPU).contiguous();
+    auto s = scales.to(torch::kCPU).contiguous();
+    auto z = zeros.to(torch::kCPU).contiguous();
+    auto g = g_idx.to(torch::kCPU).contiguous();
+    const auto out = c.size(0), in = c.size(1);
+    return quant::pack({c.data_ptr<std::uint8_t>(), std::size_t(c.numel())}, {z.data_ptr<std::uint8_t>(), std::size_t(z.numel())},
+                       {s.data_ptr<float>(), std::size_t(s.numel())}, {g.data_ptr<std::int32_t>(), std::size_t(g.numel())}, out,
+                       in, bits, group_size);
+  }
+};
+
+// ---- the grid on rows of a tensor (mirror of quant::find_grid) ------------------------------------------
+struct RowGrid {
+  torch::Tensor scale, zero;  // float [rows]
+};
+
+inline RowGrid find_row_grid(const torch::Tensor& x /*[rows, n]*/, int bits, bool sym) {
+  const double maxq = double((1u << bits) - 1u);
+  auto lo = std::get<0>(x.min(1)).clamp_max(0.0);
+  auto hi = std::get<0>(x.max(1)).clamp_min(0.0);
+  if (sym) {
+    hi = torch::maximum(-lo, hi);
+    lo = torch::where(lo < 0, -hi, lo);
+  }
+  const auto both0 = (lo == 0).logical_and(hi == 0);
+  lo = torch::where(both0, torch::full_like(lo, -1.0), lo);
+  hi = torch::where(both0, torch::full_like(hi, 1.0), hi);
+  constexpr double tiny = 5.9604645e-8;  // fp16's smallest subnormal
+  auto to_half = [](const torch::Tensor& t) { return t.to(torch::kHalf).to(torch::kFloat); };
+  auto scale = to_half((hi - lo) / maxq).clamp_min(tiny);
+  torch::Tensor zero;
+  if (sym) {
+    zero = torch::full_like(scale, (maxq + 1) / 2);
+  } else {
+    zero = torch::round(-lo / scale).clamp(0.0, maxq);
+    const auto z0 = zero == 0;
+    zero = torch::where(z0, torch::ones_like(zero), zero);
+    scale = torch::where(z0, to_half(hi / (maxq - 1)).clamp_min(tiny), scale);
+  }
+  TORCH_CHECK(scale.isfinite().all().item<bool>() && (scale <= 65504).all().item<bool>(),
+              "GPTQ: weight range too large for an fp16 scale (or weights are not finite)");
+  return {scale, zero};
+}
+
+inline torch::Tensor quantize_codes(const torch::Tensor& w /*[rows]*/, const RowGrid& g, int bits) {
+  const double maxq = double((1u << bits) - 1u);
+  return (torch::round(w / g.scale) + g.zero).clamp(0.0, maxq);
+}
+
+// ---- Hessian accumulation -------------------------------------------------------------------------------
+class Hessian {
+ public:
+  Hessian() = default;
+  Hessian(std::int64_t columns, torch::Device device)
+      : H_(torch::zeros({columns, columns}, torch::TensorOptions().dtype(torch::kFloat32).device(device))) {}
+
+  // x [..., columns]: every leading index is one sample. Running average keeps H = 2/N sum x x^T.
+  void add(const torch::Tensor& x) {
+    TORCH_CHECK(H_.defined(), "Hessian: not initialised");
+    TORCH_CHECK(x.size(-1) == H_.size(0), "Hessian: input has ", x.size(-1), " features, layer has ", H_.size(0));
+    auto x2 = x.detach().reshape({-1, H_.size(0)}).to(H_.device(), torch::kFloat32);
+    const std::int64_t n = x2.size(0);
+    if (n == 0) return;
+    H_.mul_(double(samples_) / double(samples_ + n));
+    samples_ += n;
+    x2 = x2 * std::sqrt(2.0 / double(samples_));
+    H_.addmm_(x2.t(), x2);
+  }
+  const torch::Tensor& matrix() const { return H_; }
+  std::int64_t samples() const { return samples_; }
+
+ private:
+  torch::Tensor H_;  // [columns, columns] float32
+  std::int64_t samples_ = 0;
+};
+
+namespace detail {
+// Upper Cholesky factor of (H + damp*I)^-1, raising damp on failure. Returns {U, fraction, retries}.
+inline std::tuple<torch::Tensor, double, int> damped_inverse_cholesky(const torch::Tensor& H, const GptqOptions& opt) {
+  const double mean_diag = H.diagonal().mean().item<double>();
+  TORCH_CHECK(std::isfinite(mean_diag) && mean_diag > 0, "GPTQ: Hessian diagonal mean is ", mean_diag,
+              "; a Hessian from calibration data is positive semi-definite - check the calibration inputs");
+  double frac = opt.percdamp;
+  for (int attempt = 0; attempt <= opt.max_damp_retries; ++attempt) {
+    auto Hd = H.clone();
+    Hd.diagonal().add_(frac * mean_diag);
+    auto [L, info] = torch::linalg_cholesky_ex(Hd);
+    if (info.item<int>() == 0) {
+      auto Hinv = torch::cholesky_inverse(L);
+      auto [U, info2] = torch::linalg_cholesky_ex(Hinv, /*upper=*/true);
+      if (info2.item<int>() == 0 && U.isfinite().all().item<bool>()) return {U, frac, attempt};
+    }
+    frac = frac > 0 ? frac * 10 : 1e-6;
+  }
+  TORCH_CHECK(false, "GPTQ: Cholesky factorisation of the damped Hessian failed for damping fractions ", opt.percdamp,
+              " .. ", frac / 10, " of mean(diag H) = ", mean_diag, " (", opt.max_damp_retries,
+              " retries). The Hessian is not positive definite even when damped: use more (or non-degenerate) "
+              "calibration data, or raise percdamp / max_damp_retries");
+  return {};
+}
+}  // namespace detail
+
+// Quantizes W [out, in] given its Hessian H [in, in]. Works on W's device; W is not modified.
+inline GptqResult gptq_quantize(const torch::Tensor& weight, const torch::Tensor& hessian, const GptqOptions& opt) {
+  using torch::indexing::Slice;
+  TORCH_CHECK(quant::supported_bits(opt.bits), "GPTQ: bits must be 2, 3, 4 or 8, got ", opt.bits);
+  TORCH_CHECK(opt.group_size >= 0, "GPTQ: group_size must be >= 0 (0 = per channel)");
+  TORCH_CHECK(opt.block_size > 0, "GPTQ: block_size must be positive");
+  TORCH_CHECK(opt.percdamp >= 0, "GPTQ: percdamp must be >= 0");
+  TORCH_CHECK(weight.dim() == 2, "GPTQ: weight must be [out, in]");
+  const std::int64_t rows = weight.size(0), cols = weight.size(1);
+  TORCH_CHECK(hessian.dim() == 2 && hessian.size(0) == cols && hessian.size(1) == cols, "GPTQ: Hessian must be [in, in] = [",
+              cols, ", ", cols, "], got ", hessian.sizes());
+  auto W = weight.detach().to(torch::kFloat32).clone();                 // [rows, cols]
+  auto H = hessian.detach().to(W.device(), torch::kFloat32).clone();  // [cols, cols]
+  TORCH_CHECK(W.isfinite().all().item<bool>(), "GPTQ: weight contains NaN or inf");
+  TORCH_CHECK(H.isfinite().all().item<bool>(), "GPTQ: Hessian contains NaN or inf (check the calibration activations)");
+
+  const auto dead = H.diagonal() == 0;  // inputs that never fired
+  H.diagonal().masked_fill_(dead, 1.0);
+  W.index_put_({Slice(), dead}, 0.0);
+
+  const std::int64_t gs = opt.group_size > 0 ? opt.group_size : cols;
+  const std::int64_t groups = (cols + gs - 1) / gs;
+  const bool grouped = opt.group_size > 0;
+
+  // static groups: grids fixed up front from the weights in natural column order
+  std::vector<RowGrid> static_grids;
+  if (grouped && opt.static_groups)
+    for (std::int64_t g = 0; g < groups; ++g)
+      static_grids.push_back(find_row_grid(W.index({Slice(), Slice(g * gs, std::min(cols, (g + 1) * gs))}), opt.bits, opt.sym));
+
+  torch::Tensor perm;
+  if (opt.act_order) {
+    perm = torch::argsort(H.diagonal(), /*stable=*/true, /*dim=*/0, /*descending=*/true);
+    W = W.index_select(1, perm);
+    H = H.index_select(0, perm).index_select(1, perm);
+  }
+
+  auto [Hinv, frac, retries] = detail::damped_inverse_cholesky(H, opt);
+  H = torch::Tensor();  // free
+
+  auto fopts = W.options();
+  auto Q = torch::zeros_like(W);       // dequantized, permuted order
+  auto codes = torch::zeros_like(W);   // codes as floats, permuted order
+  auto scales = torch::zeros({groups, rows}, fopts);
+  auto zeros = torch::zeros({groups, rows}, fopts);
+  auto perm_cpu = opt.act_order ? perm.to(torch::kCPU, torch::kInt64).contiguous() : torch::Tensor();
+  auto perm_at = [&](std::int64_t c) { return opt.act_order ? perm_cpu.data_ptr<std::int64_t>()[c] : c; };
+  auto loss = torch::zeros({rows}, fopts);
+
+  RowGrid grid;
+  if (!grouped) {  // one grid per row from the whole (dead-zeroed) weight
+    grid = find_row_grid(W, opt.bits, opt.sym);
+    scales[0].copy_(grid.scale);
+    zeros[0].copy_(grid.zero);
+  }
+  for (std::int64_t i1 = 0; i1 < cols; i1 += opt.block_size) {
+    const std::int64_t i2 = std::min(cols, i1 + opt.block_size), count = i2 - i1;
+    auto W1 = W.index({Slice(), Slice(i1, i2)}).clone();  // [rows, count]
+    auto Err1 = torch::zeros_like(W1);
+    auto Hinv1 = Hinv.index({Slice(i1, i2), Slice(i1, i2)});
+    auto dvec = Hinv1.diagonal().to(torch::kCPU).contiguous();
+    for (std::int64_t i = 0; i < count; ++i) {
+      const std::int64_t col = i1 + i;
+      if (grouped) {
+        if (opt.static_groups) {
+          grid = static_grids[perm_at(col) / gs];
+        } else if (col % gs == 0) {  // a new group starts: its grid from the current (error-updated) weights
+          const std::int64_t end = std::min(cols, col + gs);
+          auto seg = W1.index({Slice(), Slice(i, std::min(count, end - i1))});
+          if (end > i2) seg = torch::cat({seg, W.index({Slice(), Slice(i2, end)})}, 1);
+          grid = find_row_grid(seg, opt.bits, opt.sym);
+          scales[col / gs].copy_(grid.scale);
+          zeros[col / gs].copy_(grid.zero);
+        }
+      }
+      auto w = W1.select(1, i);
+      const double d = dvec.data_ptr<float>()[i];
+      auto q = quantize_codes(w, grid, opt.bits);
+      auto dq = grid.scale * (q - grid.zero);
+      codes.select(1, col).copy_(q);
+      Q.select(1, col).copy_(dq);
+      auto err = (w - dq) / d;
+      loss.add_(err * err * 0.5);
+      // spread the error over the block's remaining columns: W1[:, i:] -= err (x) Hinv1[i, i:]
+      W1.index({Slice(), Slice(i, count)}).sub_(torch::outer(err, Hinv1.index({i, Slice(i, count)})));
+      Err1.select(1, i).copy_(err);
+    }
+    if (i2 < cols) W.index({Slice(), Slice(i2, cols)}).sub_(Err1.matmul(Hinv.index({Slice(i1, i2), Slice(i2, cols)})));
+  }
+
+  GptqResult r;
+  r.bits = opt.bits;
+  r.group_size = opt.group_size;
+  r.damp_fraction = frac;
+  r.damp_retries = retries;
+  r.loss = loss.sum().item<double>();
+  auto g_idx = torch::empty({cols}, torch::kInt32);
+  {
+    auto gp = g_idx.data_ptr<std::int32_t>();
+    for (std::int64_t c = 0; c < cols; ++c) {
+      const std::int64_t orig = perm_at(c);
+      // static groups keep natural-order groups; otherwise the group follows the processing order
+      gp[orig] = std::int32_t(!grouped ? 0 : opt.static_groups ? orig / gs : c / gs);
+    }
+  }
+  if (opt.act_order) {
+    auto inv = torch::argsort(perm);
+    Q = Q.index_select(1, inv);
+    codes = codes.index_select(1, inv);
+  }
+  if (grouped && opt.static_groups)
+    for (std::int64_t g = 0; g < groups; ++g) {
+      scales[g].copy_(static_grids[g].scale);
+      zeros[g].copy_(static_grids[g].zero);
+    }
+  r.codes = codes.to(torch::kUInt8);
+  r.scales = scales;
+  r.zeros = zeros.to(torch::kUInt8);
+  r.g_idx = g_idx.to(W.device());
+  r.dequantized = Q;
+  return r;
+}
+
+// ---- true-sequential capture ----------------------------------------------------------------------------
+class HessianCapture;
+namespace detail {
+inline thread_local HessianCapture* active_capture = nullptr;
+}
+
+// While alive (one per thread), observe() feeds the inputs of the given layers into their Hessians.
+class HessianCapture {
+ public:
+  explicit HessianCapture(const std::vector<std::pair<std::string, torch::nn::Linear>>& layers) {
+    TORCH_CHECK(detail::active_capture == nullptr, "HessianCapture: one capture at a time per thread");
+    for (const auto& [name, lin] : layers) {
+      const auto& w = lin->weight;
+      index_[lin.get()] = hessians_.size();
+      hessians_.emplace_back(name, Hessian(w.size(1), w.device()));
+    }
+    detail::active_capture = this;
+  }
+  ~HessianCapture() { detail::active_capture = nullptr; }
+  HessianCapture(const HessianCapture&) = delete;
+  HessianCapture& operator=(const HessianCapture&) = delete;
+
+  void add(const torch::nn::Module* m, const torch::Tensor& x) {
+    if (auto it = index_.find(m); it != index_.end()) hessians_[it->second].second.add(x);
+  }
+  Hessian& at(const std::string& name) {
+    for (auto& [n, h] : hessians_)
+      if (n == name) return h;
+    TORCH_CHECK(false, "HessianCapture: no layer named ", name);
+    return hessians_.front().second;
+  }
+
+ private:
+  std::unordered_map<const torch::nn::Module*, std::size_t> index_;
+  std::vector<std::pair<std::string, Hessian>> hessians_;
+};
+
+// The hook a model calls in front of a linear layer: records x when that layer is being captured.
+inline void observe_input(const torch::nn::Module* layer, const torch::Tensor& x) {
+  if (detail::active_capture) detail::active_capture->add(layer, x);
+}
+inline torch::Tensor observe(torch::nn::Linear& layer, const torch::Tensor& x) {
+  observe_input(layer.get(), x);
+  return layer(x);
+}
+
+using NamedLinear = std::pair<std::string, torch::nn::Linear>;
+
+// Quantizes `steps` in order (layers of one step share their inputs, e.g. q/k/v). Before each step it
+// runs `forward` (the calibration pass, which must route each layer through observe()), then replaces
+// each layer's weight by its dequantized GPTQ result so later steps calibrate on quantized outputs.
+inline std::map<std::string, quant::PackedLinear> gptq_sequential(const std::vector<std::vector<NamedLinear>>& steps,
+                                                                  const std::function<void()>& forward,
+                                                                  const GptqOptions& opt) {
+  std::map<std::string, quant::PackedLinear> out;
+  std::size_t total = 0, done = 0;
+  for (const auto& s : steps) total += s.size();
+  for (const auto& step : steps) {
+    HessianCapture cap(step);
+    {
+      torch::NoGradGuard ng;
+      forward();
+    }
+    for (const auto& [name, lin] : step) {
+      const auto t0 = std::chrono::steady_clock::now();
+      auto& h = cap.at(name);
+      TORCH_CHECK(h.samples() > 0, "gptq_sequential: layer ", name,
+                  " saw no calibration input; route it through squeeze::nn::observe() in the model's forward");
+      auto r = gptq_quantize(lin->weight, h.matrix(), opt);
+      {
+        torch::NoGradGuard ng;
+        lin->weight.copy_(r.dequantized.to(lin->weight.dtype()));
+      }
+      auto p = r.pack();
+      if (lin->bias.defined()) {
+        auto b = lin->bias.detach().to(torch::kCPU, torch::kFloat32).contiguous();
+        p.bias.resize(b.numel());
+        for (std::int64_t k = 0; k < b.numel(); ++k) p.bias[k] = from_float<half>(b.data_ptr<float>()[k]);
+      }
+      out[name] = std::move(p);
+      ++done;
+      if (opt.progress) {
+        const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        std::fprintf(stderr, "[gptq %zu/%zu] %-40s %lldx%lld  samples %lld  damp %.3g  loss %.4g  %.2fs\n", done, total, name.c_str(),
+                     (long long)lin->weight.size(0), (long long)lin->weight.size(1), (long long)h.samples(), r.damp_fraction, r.loss,
+                     sec);
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace squeeze::nn
