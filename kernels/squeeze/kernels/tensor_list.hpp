@@ -8,6 +8,7 @@
 //
 //   entries:      [count]      Entry, in device memory for CUDA launchers, host memory for CPU twins
 //   chunk_prefix: [count + 1]  first chunk of each tensor; chunk_prefix[count] = total chunks
+#include <cmath>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -18,6 +19,15 @@
 #include "squeeze/error.hpp"
 
 namespace squeeze::kernels {
+
+// isfinite for host and device code (CUDA's device overload vs std::isfinite on the host).
+SQUEEZE_HD bool is_finite(float x) {
+#if defined(__CUDA_ARCH__)
+  return isfinite(x);
+#else
+  return std::isfinite(x);
+#endif
+}
 
 // Elements per chunk (a block's unit of work): 8 passes of 256 threads x 8 elements. Small enough that
 // the last wave of blocks is short (1 Gi elements = 65536 chunks), large enough to amortise the lookup.
