@@ -1,0 +1,472 @@
+#pragma once
+// Fused 4-bit-weight GEMM on tensor cores: y [M, N] = x [M, K] (fp16 or bf16) * W^T, W [N, K] 4-bit.
+//
+// Weights live in a kernel layout ("int4 tiles", built once at load by quant/int4_tiles.hpp from the
+// GPTQ checkpoint layout) shaped for mma.sync.m16n8k16: one tile = 64 k x 16 n = 1024 codes = 512 bytes,
+// 32 lanes x one 16-byte load. Word ks (0..3) of lane l holds the eight codes that lane needs as the
+// B operand of k-step ks for both n8 halves of the tile; nibble p of it is
+//   k = 16 ks + 2 (l % 4) + (p >> 2) + 8 (p & 1),   n = 8 ((p >> 1) & 1) + l / 4      (tile_coord)
+// so the pairs (p, p + 4) are exactly the two fp16 halves of one B register, and the magic-number decode
+// ((w & mask) | exponent bits) turns two nibbles into one half2/bfloat162 with one LOP3.
+// Tiles are stored n-tile-major (a warp streams its column of tiles contiguously). K is padded to a
+// multiple of 64 and N to a multiple of 16 with code 0; padded k rows meet zero activations (x is
+// staged with zero fill) and padded n columns are never stored, so padding never reaches the result.
+//
+// Groups: zero points (uint8 [groups, Npad]) and fp16 scales ([groups, Npad]) per `group` consecutive
+// k (group % 16 == 0; per-channel = one group of Kpad). The mma multiplies x by the exact small
+// integers (q - z); each warp keeps a per-group fp32 accumulator and folds it in with the fp32 scale
+// when the group ends, so fp16 and bf16 activations get fp32-accurate products (no rounding of w).
+// Act-order checkpoints are handled at load: k rows are sorted by group, x is gathered by `perm`.
+//
+// Work split: a block = 4 warps = 64 output columns; grid.y splits K; each split writes fp32 partials
+// and the last block of a column strip (found with a counter) reduces them and writes y, then resets
+// its counter to 0, so one launch does everything and the counters stay zero between launches.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <squeeze/dtype.hpp>
+
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#endif
+
+namespace squeeze::kernels::quant {
+
+inline constexpr int kTileK = 64, kTileN = 16, kTileWords = 128;
+
+struct TileCoord {
+  int k, n;  // within the 64 x 16 tile
+};
+// Element function of the layout: (lane, word ks, nibble p) -> (k, n) inside a tile.
+SQUEEZE_HD TileCoord tile_coord(int lane, int ks, int p) {
+  return {16 * ks + 2 * (lane & 3) + (p >> 2) + 8 * (p & 1), 8 * ((p >> 1) & 1) + (lane >> 2)};
+}
+SQUEEZE_HD std::int64_t pad_to(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
+
+// ---- the decode, shared by the CUDA kernel and the CPU twin ------------------------------------------------
+// Pair i (0..3) of a word: two 16-bit patterns (low half = nibble i, high half = nibble i + 4) that read
+// as fp16 1024 + v (even i) / 1024 + 16 v (odd i), or as bf16 128 + v (every i).
+//   pair 0: nibbles 0,4   pair 1: nibbles 1,5   pair 2: nibbles 2,6   pair 3: nibbles 3,7
+template <class T>
+SQUEEZE_HD std::uint32_t magic_pair(std::uint32_t w, int i) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    return ((w >> (4 * i)) & 0x000F000Fu) | 0x43004300u;  // bf16 has 7 mantissa bits: shift every nibble down
+  } else {
+    const std::uint32_t s = w >> (8 * (i >> 1));
+    return (i & 1) ? ((s & 0x00F000F0u) | 0x64006400u) : ((s & 0x000F000Fu) | 0x64006400u);
+  }
+}
+// Host reading of one 16-bit half of magic_pair: the code value minus zero, exactly as the device's
+// half2 arithmetic computes it (all values are small integers, so fp16/bf16 arithmetic is exact).
+template <class T>
+inline float magic_value_minus_zero(std::uint16_t bits, int i, int zero) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    return std::bit_cast<float>(std::uint32_t(bits) << 16) - float(128 + zero);
+  } else {
+    half h;
+    std::memcpy(&h, &bits, 2);
+    const float v = to_float(h);
+    return (i & 1) ? v * (1.f / 16.f) + float(-64 - zero) : v - float(1024 + zero);
+  }
+}
+
+// ---- geometry and plan -------------------------------------------------------------------------------------
+struct Int4GemmShape {
+  std::int64_t M, N, K;    // logical sizes
+  std::int64_t Kpad, Npad;  // tile-padded
+  std::int64_t group;       // k per group after padding rules (multiple of 16; per-channel: Kpad)
+};
+struct Int4GemmPlan {
+  int m_tiles;   // 1, 2, 4 or 8 (M rows per launch <= 16 m_tiles)
+  int splits;    // grid.y
+  int chunks_per_split;
+  std::int64_t n_blocks;  // grid.x = Npad / 64 rounded up
+  std::int64_t partial_elems() const { return std::int64_t(splits > 1 ? splits : 0) * 16 * m_tiles * n_blocks * 64; }
+  std::int64_t counter_elems() const { return n_blocks; }
+};
+inline constexpr int kWarps = 4, kBlockN = kWarps * kTileN;
+
+inline Int4GemmPlan plan_int4_gemm(std::int64_t M, std::int64_t Npad, std::int64_t Kpad, int sm_count) {
+  Int4GemmPlan p{};
+  const std::int64_t m = std::min<std::int64_t>(M, 128);
+  p.m_tiles = m <= 16 ? 1 : m <= 32 ? 2 : m <= 64 ? 4 : 8;
+  p.n_blocks = (Npad + kBlockN - 1) / kBlockN;
+  const std::int64_t chunks = Kpad / kTileK;
+  const std::int64_t target = std::int64_t(std::max(sm_count, 1)) * (p.m_tiles <= 2 ? 8 : p.m_tiles == 4 ? 4 : 2);
+  std::int64_t splits = std::clamp<std::int64_t>((target + p.n_blocks - 1) / p.n_blocks, 1, chunks);
+  p.chunks_per_split = int((chunks + splits - 1) / splits);
+  p.splits = int((chunks + p.chunks_per_split - 1) / p.chunks_per_split);  // no empty split
+  return p;
+}
+
+// ---- CPU twin ----------------------------------------------------------------------------------------------
+// Same layout, same decode, same per-group accumulation (double here), result rounded to T.
+template <class T>
+void int4_gemm_cpu(const T* x /*[M, K]*/, const std::uint32_t* tiles, const half* scales /*[groups, Npad]*/,
+                   const std::uint8_t* zeros /*[groups, Npad]*/, T* y /*[M, N]*/, const Int4GemmShape& s) {
+  const std::int64_t ntiles = s.Npad / kTileN, kchunks = s.Kpad / kTileK;
+  std::vector<double> acc(s.M * kTileN), gacc(s.M * kTileN);
+#if defined(_OPENMP)
+#pragma omp parallel for firstprivate(acc, gacc) schedule(static)
+#endif
+  for (std::int64_t nt = 0; nt < ntiles; ++nt) {
+    std::fill(acc.begin(), acc.end(), 0.0);
+    std::fill(gacc.begin(), gacc.end(), 0.0);
+    std::int64_t cur_group = 0;
+    auto flush = [&](std::int64_t g) {
+      for (std::int64_t m = 0; m < s.M; ++m)
+        for (int n = 0; n < kTileN; ++n) {
+          acc[m * kTileN + n] += gacc[m * kTileN + n] * double(to_float(scales[g * s.Npad + nt * kTileN + n]));
+          gacc[m * kTileN + n] = 0;
+        }
+    };
+    for (std::int64_t kc = 0; kc < kchunks; ++kc) {
+      const std::uint32_t* tile = tiles + (nt * kchunks + kc) * kTileWords;
+      for (int ks = 0; ks < 4; ++ks) {
+        const std::int64_t k0 = kc * kTileK + ks * 16;
+        const std::int64_t g = k0 / s.group;
+        if (g != cur_group) {
+          flush(cur_group);
+          cur_group = g;
+        }
+        for (int lane = 0; lane < 32; ++lane) {
+          const std::uint32_t w = tile[lane * 4 + ks];
+          for (int pair = 0; pair < 4; ++pair) {
+            const std::uint32_t bits = magic_pair<T>(w, pair);
+            for (int e = 0; e < 2; ++e) {
+              const int p = pair + 4 * e;
+              const auto c = tile_coord(lane, ks, p);
+              const std::int64_t k = kc * kTileK + c.k, n = nt * kTileN + c.n;
+              if (k >= s.K) continue;  // padded rows meet zero activations
+              const int z = zeros[g * s.Npad + n];
+              const double v = magic_value_minus_zero<T>(std::uint16_t(bits >> (16 * e)), pair, z);
+              for (std::int64_t m = 0; m < s.M; ++m) gacc[m * kTileN + c.n] += double(to_float(x[m * s.K + k])) * v;
+            }
+          }
+        }
+      }
+    }
+    flush(cur_group);
+    for (std::int64_t m = 0; m < s.M; ++m)
+      for (int n = 0; n < kTileN; ++n)
+        if (nt * kTileN + n < s.N) y[m * s.N + nt * kTileN + n] = from_float<T>(float(acc[m * kTileN + n]));
+  }
+}
+
+#if defined(__CUDACC__)
+namespace detail {
+
+template <class T> struct Vec2;
+template <> struct Vec2<half> { using type = __half2; };
+template <> struct Vec2<bf16> { using type = __nv_bfloat162; };
+
+__device__ __forceinline__ std::uint32_t u32(__half2 v) { return *reinterpret_cast<std::uint32_t*>(&v); }
+__device__ __forceinline__ std::uint32_t u32(__nv_bfloat162 v) { return *reinterpret_cast<std::uint32_t*>(&v); }
+template <class V>
+__device__ __forceinline__ V as_vec2(std::uint32_t u) { return *reinterpret_cast<V*>(&u); }
+
+template <class T>
+__device__ __forceinline__ void mma16816(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// B registers (q - z) of one k-step for both n8 halves j: b[j][r].
+template <class T>
+__device__ __forceinline__ void decode_word(std::uint32_t w, const std::uint32_t (&zlo)[2], const std::uint32_t (&zhi)[2],
+                                            std::uint32_t (&b)[2][2]) {
+  using V = typename Vec2<T>::type;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const V lo = as_vec2<V>(magic_pair<T>(w, 2 * j)), hi = as_vec2<V>(magic_pair<T>(w, 2 * j + 1));
+    if constexpr (std::is_same_v<T, bf16>) {
+      b[j][0] = u32(__hsub2(lo, as_vec2<V>(zlo[j])));
+      b[j][1] = u32(__hsub2(hi, as_vec2<V>(zlo[j])));
+    } else {
+      b[j][0] = u32(__hsub2(lo, as_vec2<V>(zlo[j])));
+      b[j][1] = u32(__hfma2(hi, __float2half2_rn(1.f / 16.f), as_vec2<V>(zhi[j])));
+    }
+  }
+}
+
+constexpr int kStride = kTileK + 8;  // halves per staged x row: +8 keeps the A-fragment loads conflict-free
+
+template <class T, int MT>
+__global__ void __launch_bounds__(kWarps * 32) int4_gemm_kernel(const T* __restrict__ x, const uint4* __restrict__ tiles,
+                                                               const half* __restrict__ scales, const std::uint8_t* __restrict__ zeros,
+                                                               T* __restrict__ y, float* __restrict__ partial, int* __restrict__ counters,
+                                                               int M, int N, int K, int Npad, int Kpad, int group, int chunks_per_split) {
+  constexpr int PF = 4;        // 16-byte weight loads in flight per lane
+  constexpr int ROWS = 16 * MT;
+  __shared__ __align__(16) std::uint16_t xs[2][ROWS * kStride];
+  __shared__ int last_flag;
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, tid = threadIdx.x;
+  const int kchunks = Kpad / kTileK;
+  const int nt = blockIdx.x * kWarps + warp;  // this warp's 16-column tile
+  const bool warp_active = nt * kTileN < Npad;
+  const int kc0 = blockIdx.y * chunks_per_split;
+  const int kc1 = min(kchunks, kc0 + chunks_per_split);
+  const int nck = kc1 - kc0;
+  const int g4 = lane >> 2, c4 = lane & 3;
+
+  // ---- x staging: rows < M loaded per chunk; rows >= M zeroed once in both buffers ----
+  const bool vec_ok = (K % 8 == 0) && ((reinterpret_cast<std::uintptr_t>(x) & 15) == 0);
+  for (int i = tid; i < ROWS * kStride; i += kWarps * 32) {
+    const int r = i / kStride;
+    if (r >= M) {
+      xs[0][i] = 0;
+      xs[1][i] = 0;
+    }
+  }
+  constexpr int SEGS = ROWS * (kTileK / 8);  // 8-element segments per chunk
+  constexpr int SEG_ITERS = (SEGS + kWarps * 32 - 1) / (kWarps * 32);
+  uint4 xreg[SEG_ITERS];
+  auto load_x = [&](int kc) {
+#pragma unroll
+    for (int it = 0; it < SEG_ITERS; ++it) {
+      const int sgi = tid + it * kWarps * 32;
+      const int r = sgi / (kTileK / 8), kk = (sgi % (kTileK / 8)) * 8;
+      const int k = kc * kTileK + kk;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (sgi < SEGS && r < M) {
+        if (vec_ok && k + 8 <= K) {
+          v = __ldg(reinterpret_cast<const uint4*>(x + std::int64_t(r) * K + k));
+        } else {
+          std::uint16_t e[8];
+#pragma unroll
+          for (int q = 0; q < 8; ++q) {
+            e[q] = 0;
+            if (k + q < K) {
+              const T t = x[std::int64_t(r) * K + k + q];
+              e[q] = *reinterpret_cast<const std::uint16_t*>(&t);
+            }
+          }
+          v = make_uint4(e[0] | (std::uint32_t(e[1]) << 16), e[2] | (std::uint32_t(e[3]) << 16), e[4] | (std::uint32_t(e[5]) << 16),
+                         e[6] | (std::uint32_t(e[7]) << 16));
+        }
+      }
+      xreg[it] = v;
+    }
+  };
+  auto store_x = [&](int buf) {
+#pragma unroll
+    for (int it = 0; it < SEG_ITERS; ++it) {
+      const int sgi = tid + it * kWarps * 32;
+      const int r = sgi / (kTileK / 8), kk = (sgi % (kTileK / 8)) * 8;
+      if (sgi < SEGS && r < M) {
+        std::uint32_t* d = reinterpret_cast<std::uint32_t*>(&xs[buf][r * kStride + kk]);  // 16-byte aligned: kStride*2 = 144
+        d[0] = xreg[it].x;
+        d[1] = xreg[it].y;
+        d[2] = xreg[it].z;
+        d[3] = xreg[it].w;
+      }
+    }
+  };
+
+  float acc[MT][2][4], gacc[MT][2][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][j][e] = gacc[mt][j][e] = 0.f;
+
+  // per-group constants: zero points for the B columns (n = 8j + g4), scales for the C columns (8j + 2c4 + {0,1})
+  int cur_group = -1;
+  std::uint32_t zlo[2] = {0, 0}, zhi[2] = {0, 0};
+  float sc[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+  const int ncol0 = nt * kTileN;
+  auto load_group = [&](int g) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int z = warp_active ? zeros[std::int64_t(g) * Npad + ncol0 + 8 * j + g4] : 0;
+      if constexpr (std::is_same_v<T, bf16>) {
+        zlo[j] = u32(__float2bfloat162_rn(float(128 + z)));
+      } else {
+        zlo[j] = u32(__float2half2_rn(float(1024 + z)));
+        zhi[j] = u32(__float2half2_rn(float(-64 - z)));
+      }
+      if (warp_active) {
+        const __half2 s2 = *reinterpret_cast<const __half2*>(scales + std::int64_t(g) * Npad + ncol0 + 8 * j + 2 * c4);
+        sc[j][0] = __low2float(s2);
+        sc[j][1] = __high2float(s2);
+      }
+    }
+  };
+  auto flush = [&]() {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          acc[mt][j][e] = fmaf(gacc[mt][j][e], sc[j][e & 1], acc[mt][j][e]);
+          gacc[mt][j][e] = 0.f;
+        }
+  };
+
+  const uint4* wt = tiles + (std::int64_t(warp_active ? nt : 0) * kchunks) * (kTileWords / 4) + lane;
+  uint4 bq[PF];
+#pragma unroll
+  for (int p = 0; p < PF; ++p)
+    if (warp_active && p < nck) bq[p] = __ldcs(wt + std::int64_t(kc0 + p) * (kTileWords / 4));
+
+  if (nck > 0) {
+    load_x(kc0);
+    store_x(0);
+  }
+  __syncthreads();
+
+  for (int base = 0; base < nck; base += PF) {
+#pragma unroll
+    for (int p = 0; p < PF; ++p) {
+      const int ci = base + p;
+      if (ci < nck) {  // block-uniform
+        const int kc = kc0 + ci;
+        const uint4 cur = bq[p];
+        if (warp_active && ci + PF < nck) bq[p] = __ldcs(wt + std::int64_t(kc + PF) * (kTileWords / 4));
+        if (ci + 1 < nck) load_x(kc + 1);
+        if (warp_active) {
+          const std::uint16_t* xb = xs[ci & 1];
+          const std::uint32_t words[4] = {cur.x, cur.y, cur.z, cur.w};
+#pragma unroll
+          for (int ks = 0; ks < 4; ++ks) {
+            const int g = (kc * kTileK + ks * 16) / group;
+            if (g != cur_group) {
+              if (cur_group >= 0) flush();
+              cur_group = g;
+              load_group(g);
+            }
+            std::uint32_t b[2][2];
+            decode_word<T>(words[ks], zlo, zhi, b);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+              const std::uint16_t* r0 = xb + (mt * 16 + g4) * kStride + ks * 16 + 2 * c4;
+              const std::uint16_t* r1 = r0 + 8 * kStride;
+              const std::uint32_t a[4] = {*reinterpret_cast<const std::uint32_t*>(r0), *reinterpret_cast<const std::uint32_t*>(r1),
+                                          *reinterpret_cast<const std::uint32_t*>(r0 + 8), *reinterpret_cast<const std::uint32_t*>(r1 + 8)};
+              mma16816<T>(gacc[mt][0], a, b[0][0], b[0][1]);
+              mma16816<T>(gacc[mt][1], a, b[1][0], b[1][1]);
+            }
+          }
+        }
+        if (ci + 1 < nck) store_x((ci + 1) & 1);
+        __syncthreads();
+      }
+    }
+  }
+  if (cur_group >= 0) flush();
+
+  // ---- epilogue: C fragment (row g4 / g4 + 8, columns 2 c4, 2 c4 + 1 of each n8 half) ----
+  const int splits = gridDim.y;
+  if (splits == 1) {
+    if (warp_active)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int m = mt * 16 + g4 + 8 * (e >> 1), n = ncol0 + 8 * j + 2 * c4 + (e & 1);
+            if (m < M && n < N) y[std::int64_t(m) * N + n] = from_float<T>(acc[mt][j][e]);
+          }
+    return;
+  }
+  // split-K: partial [splits][ROWS][n_blocks * 64]
+  const std::int64_t pw = std::int64_t(gridDim.x) * kBlockN;
+  float* mine = partial + std::int64_t(blockIdx.y) * ROWS * pw;
+  if (warp_active)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int m = mt * 16 + g4 + 8 * h, n = ncol0 + 8 * j + 2 * c4;
+          if (m < M) *reinterpret_cast<float2*>(mine + std::int64_t(m) * pw + n) = make_float2(acc[mt][j][2 * h], acc[mt][j][2 * h + 1]);
+        }
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) last_flag = (atomicAdd(counters + blockIdx.x, 1) == splits - 1);
+  __syncthreads();
+  if (!last_flag) return;
+  __threadfence();
+  const int rows = min(M, ROWS);
+  for (int i = tid; i < rows * kBlockN; i += kWarps * 32) {
+    const int m = i / kBlockN, n = blockIdx.x * kBlockN + i % kBlockN;
+    if (n >= N) continue;
+    float s = 0.f;
+    for (int sp = 0; sp < splits; ++sp) s += __ldcg(partial + (std::int64_t(sp) * ROWS + m) * pw + n);
+    y[std::int64_t(m) * N + n] = from_float<T>(s);
+  }
+  if (tid == 0) counters[blockIdx.x] = 0;  // ready for the next launch
+}
+
+template <class T, int MT>
+cudaError_t launch_int4(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y, float* partial,
+                        int* counters, int M, const Int4GemmShape& s, const Int4GemmPlan& p, cudaStream_t stream) {
+  dim3 grid(unsigned(p.n_blocks), unsigned(p.splits));
+  int4_gemm_kernel<T, MT><<<grid, kWarps * 32, 0, stream>>>(x, reinterpret_cast<const uint4*>(tiles), scales, zeros, y, partial, counters,
+                                                            M, int(s.N), int(s.K), int(s.Npad), int(s.Kpad), int(s.group),
+                                                            p.chunks_per_split);
+  return cudaGetLastError();
+}
+}  // namespace detail
+
+// Workspace for one call: partial fp32 [plan.partial_elems()] (any contents) and counters int32
+// [plan.counter_elems()] that must be zero before the first call (the kernel leaves them zero).
+struct Int4Workspace {
+  float* partial = nullptr;
+  std::int64_t partial_elems = 0;
+  int* counters = nullptr;
+  std::int64_t counter_elems = 0;
+};
+
+// Largest workspace any M needs for this shape (M is processed in slices of 128 rows).
+inline Int4Workspace int4_workspace_size(std::int64_t M, const Int4GemmShape& s, int sm_count) {
+  const auto p = plan_int4_gemm(std::min<std::int64_t>(M, 128), s.Npad, s.Kpad, sm_count);
+  return {nullptr, p.partial_elems(), nullptr, p.counter_elems()};
+}
+
+// y [M, N] = x [M, K] * W^T on `stream`. Returns cudaErrorInvalidValue for unsupported arguments.
+template <class T>
+cudaError_t int4_gemm_cuda(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y,
+                           const Int4GemmShape& s, const Int4Workspace& ws, int sm_count, cudaStream_t stream) {
+  static_assert(std::is_same_v<T, half> || std::is_same_v<T, bf16>, "int4 GEMM takes fp16 or bf16 activations");
+  if (s.M <= 0 || s.N <= 0 || s.K <= 0 || s.Kpad % kTileK || s.Npad % kTileN || s.Kpad < s.K || s.Npad < s.N || s.group <= 0 ||
+      s.group % 16 || s.K > (1ll << 30) || s.N > (1ll << 30))
+    return cudaErrorInvalidValue;
+  for (std::int64_t m0 = 0; m0 < s.M; m0 += 128) {
+    const int rows = int(std::min<std::int64_t>(128, s.M - m0));
+    const auto p = plan_int4_gemm(rows, s.Npad, s.Kpad, sm_count);
+    if (p.splits > 1 && (ws.partial == nullptr || ws.partial_elems < p.partial_elems() || ws.counters == nullptr ||
+                         ws.counter_elems < p.counter_elems()))
+      return cudaErrorInvalidValue;
+    const T* xm = x + m0 * s.K;
+    T* ym = y + m0 * s.N;
+    cudaError_t e;
+    switch (p.m_tiles) {
+      case 1: e = detail::launch_int4<T, 1>(xm, tiles, scales, zeros, ym, ws.partial, ws.counters, rows, s, p, stream); break;
+      case 2: e = detail::launch_int4<T, 2>(xm, tiles, scales, zeros, ym, ws.partial, ws.counters, rows, s, p, stream); break;
+      case 4: e = detail::launch_int4<T, 4>(xm, tiles, scales, zeros, ym, ws.partial, ws.counters, rows, s, p, stream); break;
+      default: e = detail::launch_int4<T, 8>(xm, tiles, scales, zeros, ym, ws.partial, ws.counters, rows, s, p, stream); break;
+    }
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+#endif  // __CUDACC__
+
+}  // namespace squeeze::kernels::quant
