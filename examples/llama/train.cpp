@@ -1,0 +1,295 @@
+// Train a LLaMA on the King James Bible, byte by byte, with a memory strategy picked on the command line.
+//
+//   llama_train --preset tiny --strategy bf16 --steps 200            (CPU, well under a minute)
+//   llama_train --preset tinyllama-1.1b --device cuda --strategy bf16-ckpt --batch 8 --seq 2048 --lr 3e-4
+//
+// Every strategy is a compile-time squeeze::Strategy<...> (see trainer.hpp's for_each_strategy); --strategy
+// picks one of those compiled in. The corpus is Debian's bible-kjv-text, printed verse by verse by the
+// `bible` program of bible-kjv (`apt-get install bible-kjv`); --corpus FILE trains on any text file instead,
+// and without either a small built-in text keeps the example running.
+#include <CLI/CLI.hpp>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "trainer.hpp"
+
+using namespace squeeze;
+using squeeze::llama::Trainer;
+
+namespace {
+
+struct Options {
+  std::string preset = "tiny", strategy = "fp32", device = "cpu", corpus, save, load;
+  int64_t steps = 200, batch = 16, seq = 128, eval_every = 100, eval_batches = 8, log_every = 0, sample = 160;
+  double lr = 3e-3, weight_decay = 0.1, clip = 1.0, val_fraction = 0.05;
+  uint64_t seed = 1337;
+};
+
+// ---- corpus -------------------------------------------------------------------------------------------
+struct Corpus {
+  std::string train, val, source;
+};
+
+// A few lines of our own so the example runs anywhere; far too little to learn much from.
+constexpr const char* kBuiltinText =
+    "In the beginning was a small model, and the model knew nothing.\n"
+    "And the trainer said, Let there be gradients: and there were gradients.\n"
+    "And the trainer saw the loss, that it was high; and the trainer divided the batch into micro-batches.\n"
+    "And the activations were many, and the memory was full; and the trainer said, Recompute them.\n"
+    "And the weights were kept in bfloat16, and the master weights in float, and it was good.\n"
+    "And the evening and the morning were the first epoch.\n";
+
+// Verses of the KJV, one per line, from the `bible` program; empty if it is not installed.
+std::vector<std::string> bible_verses() {
+  if (!std::filesystem::exists("/usr/lib/bible.data") && !std::filesystem::exists("/usr/share/bible-kjv/bible.data")) return {};
+  FILE* pipe = popen("bible -f 'Genesis 1:1-Revelation 22:21' 2>/dev/null", "r");
+  if (pipe == nullptr) return {};
+  std::vector<std::string> verses;
+  std::string line;
+  for (int c; (c = std::fgetc(pipe)) != EOF;) {
+    if (c != '\n') { line += char(c); continue; }
+    // "Ge1:1 In the beginning ..." -> "In the beginning ..."
+    if (const auto space = line.find(' '); space != std::string::npos && line.find(':') < space) verses.push_back(line.substr(space + 1));
+    line.clear();
+  }
+  pclose(pipe);
+  return verses;
+}
+
+// Splits whole lines: the last `val_fraction` of them (at least one) are validation text.
+Corpus split_lines(const std::vector<std::string>& lines, double val_fraction, std::string source) {
+  Corpus c;
+  c.source = std::move(source);
+  const size_t n_val = std::max<size_t>(1, size_t(double(lines.size()) * val_fraction));
+  for (size_t i = 0; i < lines.size(); ++i) (i + n_val < lines.size() ? c.train : c.val) += lines[i] + "\n";
+  return c;
+}
+
+Corpus load_corpus(const Options& o) {
+  std::vector<std::string> lines;
+  if (!o.corpus.empty()) {
+    std::ifstream in(o.corpus);
+    if (!in) throw std::runtime_error("cannot read --corpus '" + o.corpus + "'");
+    for (std::string l; std::getline(in, l);) lines.push_back(l);
+    if (lines.size() < 2) throw std::runtime_error("--corpus '" + o.corpus + "' needs at least two lines (train and validation)");
+    return split_lines(lines, o.val_fraction, o.corpus);
+  }
+  lines = bible_verses();
+  if (!lines.empty()) return split_lines(lines, o.val_fraction, "King James Bible (" + std::to_string(lines.size()) + " verses)");
+  std::cerr << "note: the KJV corpus was not found (install it with `apt-get install bible-kjv`, or pass --corpus FILE);\n"
+               "      training on a small built-in text instead.\n";
+  std::istringstream in(kBuiltinText);
+  for (std::string l; std::getline(in, l);) lines.push_back(l);
+  return split_lines(lines, 1.0 / 6, "built-in text");
+}
+
+// Bytes as token ids: [n] int64.
+torch::Tensor tokenize(const std::string& text) {
+  return torch::from_blob(const_cast<char*>(text.data()), {int64_t(text.size())}, torch::kUInt8).to(torch::kLong);
+}
+std::string detokenize(const torch::Tensor& ids) {
+  std::string s;
+  const torch::Tensor c = ids.to(torch::kCPU, torch::kLong).contiguous();
+  for (int64_t i = 0; i < c.numel(); ++i) s += char(c.data_ptr<int64_t>()[i]);
+  return s;
+}
+
+// Random windows of seq+1 tokens: x = window[:-1], y = window[1:], each [B, T]. The generator is seeded
+// from (seed, step), so a resumed run sees the same batches as an uninterrupted one.
+std::pair<torch::Tensor, torch::Tensor> sample_batch(const torch::Tensor& data, int64_t B, int64_t T, uint64_t seed,
+                                                     int64_t step, torch::Device device) {
+  auto gen = at::detail::createCPUGenerator(seed * 1000003ULL + uint64_t(step));
+  const torch::Tensor start = torch::randint(0, data.size(0) - T - 1, {B, 1}, gen, torch::kLong);  // [B, 1]
+  const torch::Tensor idx = start + torch::arange(T + 1, torch::kLong);                                 // [B, T+1]
+  const torch::Tensor w = data.index_select(0, idx.reshape({-1})).view({B, T + 1});
+  return {w.narrow(1, 0, T).to(device), w.narrow(1, 1, T).to(device)};
+}
+
+// Evenly spaced validation windows (the same ones every evaluation).
+std::vector<std::pair<torch::Tensor, torch::Tensor>> val_batches(const torch::Tensor& data, int64_t B, int64_t T, int64_t n,
+                                                                 torch::Device device) {
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> out;
+  const int64_t windows = B * n, span = data.size(0) - T - 1;
+  const torch::Tensor start = torch::linspace(0, double(span), windows, torch::kDouble).to(torch::kLong).view({n, B, 1});
+  for (int64_t i = 0; i < n; ++i) {
+    const torch::Tensor idx = start[i] + torch::arange(T + 1, torch::kLong);  // [B, T+1]
+    const torch::Tensor w = data.index_select(0, idx.reshape({-1})).view({B, T + 1});
+    out.emplace_back(w.narrow(1, 0, T).to(device), w.narrow(1, 1, T).to(device));
+  }
+  return out;
+}
+
+// Learning rate: linear warm-up over the first 5% of steps, cosine decay to 10% at the end.
+double lr_at(int64_t step, int64_t steps, double lr) {
+  const int64_t warmup = std::max<int64_t>(1, steps / 20);
+  if (step < warmup) return lr * double(step + 1) / double(warmup);
+  const double t = double(step - warmup) / double(std::max<int64_t>(1, steps - warmup));
+  return lr * (0.1 + 0.9 * 0.5 * (1 + std::cos(M_PI * std::min(1.0, t))));
+}
+
+// ---- progress -----------------------------------------------------------------------------------------
+class Progress {
+ public:
+  Progress(int64_t first, int64_t last, int64_t log_every) : first_(first), last_(last), tty_(isatty(fileno(stderr))) {
+    every_ = log_every > 0 ? log_every : std::max<int64_t>(1, (last - first) / 10);
+  }
+  void update(int64_t step, const llama::StepResult& r, double tokens_per_s, const llama::MemoryUse& m) {
+    const double frac = double(step + 1 - first_) / double(std::max<int64_t>(1, last_ - first_));
+    char line[256];
+    const int width = 24, filled = int(frac * width);
+    std::snprintf(line, sizeof line, "step %6lld/%lld [%s%s] loss %.4f | %7.0f tok/s | mem %.2f GB%s",
+                  (long long)(step + 1), (long long)last_, std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(),
+                  r.loss, tokens_per_s, m.current_gb, r.applied ? "" : " | overflow: step skipped");
+    if (tty_) std::cerr << "\r" << line << std::flush;
+    else if ((step + 1 - first_) % every_ == 0 || step + 1 == last_) std::cerr << line << "\n";
+  }
+  void message(const std::string& s) { std::cerr << (tty_ ? "\r\033[K" : "") << s << "\n"; }
+  void done() { if (tty_) std::cerr << "\n"; }
+
+ private:
+  int64_t first_, last_, every_;
+  bool tty_;
+};
+
+// ---- sampling -----------------------------------------------------------------------------------------
+std::string sample_text(nn::Llama& model, const std::string& prompt, int64_t n, int64_t max_context, torch::Device device,
+                        uint64_t seed) {
+  torch::NoGradGuard no_grad;
+  model->eval();
+  auto gen = at::detail::createCPUGenerator(seed);
+  torch::Tensor ids = tokenize(prompt).view({1, -1}).to(device);  // [1, t]
+  for (int64_t i = 0; i < n; ++i) {
+    const torch::Tensor ctx = ids.size(1) > max_context ? ids.narrow(1, ids.size(1) - max_context, max_context) : ids;
+    const torch::Tensor logits = model->forward(ctx).select(1, ctx.size(1) - 1).to(torch::kCPU, torch::kFloat32);  // [1, V]
+    const torch::Tensor probs = torch::softmax(logits.narrow(1, 0, 256) / 0.8, -1);                                // bytes only
+    const torch::Tensor next = torch::multinomial(probs, 1, false, gen);                                          // [1, 1]
+    ids = torch::cat({ids, next.to(device)}, 1);
+  }
+  model->train();
+  return detokenize(ids[0]);
+}
+
+// ---- the training loop, one instantiation per strategy --------------------------------------------------
+template <StrategyType S>
+int train(const Options& o) {
+  const torch::Device device(o.device == "cuda" ? torch::kCUDA : torch::kCPU);
+  if (device.is_cuda() && !torch::cuda::is_available())
+    throw std::runtime_error("--device cuda: this libtorch has no CUDA device available (build with -DSQUEEZE_TORCH_CUDA=ON on a GPU machine)");
+  torch::manual_seed(o.seed);
+
+  const Corpus corpus = load_corpus(o);
+  const torch::Tensor train_ids = tokenize(corpus.train), val_ids = tokenize(corpus.val);  // [n] each
+  if (train_ids.size(0) <= o.seq + 1 || val_ids.size(0) <= o.seq + 1)
+    throw std::runtime_error("--seq " + std::to_string(o.seq) + " is longer than the corpus' training or validation text");
+
+  nn::LlamaConfig config = nn::LlamaConfig::preset(o.preset);
+  llama::TrainOptions topt;
+  topt.lr = o.lr, topt.weight_decay = o.weight_decay, topt.clip = o.clip;
+  Trainer<S> trainer(config, topt, device);
+  if (!o.load.empty()) {
+    trainer.load(o.load);
+    std::cerr << "resumed from " << o.load << " at step " << trainer.step_count() << "\n";
+  }
+  const auto plan = plan::plan_memory<S>(config.shape(), {o.batch / S::accumulation_steps, o.seq}, 1);
+  int64_t n_params = 0;
+  for (const auto& p : trainer.model()->parameters()) n_params += p.numel();
+  std::cerr << "model " << o.preset << " (" << n_params / 1e6 << "M parameters), strategy " << o.strategy << ", device "
+            << device << "\ncorpus: " << corpus.source << ": " << train_ids.size(0) << " training bytes, " << val_ids.size(0)
+            << " validation bytes\nplanner: " << double(plan.total().device) / 1e9 << " GB on the device for batch "
+            << o.batch << " x " << o.seq << "\n";
+
+  const auto val = val_batches(val_ids, o.batch, o.seq, o.eval_batches, device);
+  const auto report_val = [&](Progress& bar) {
+    const double loss = trainer.evaluate(val);
+    char s[128];
+    std::snprintf(s, sizeof s, "step %lld: validation loss %.4f, perplexity %.3f", (long long)trainer.step_count(), loss, std::exp(loss));
+    bar.message(s);
+    return loss;
+  };
+  const auto save = [&](Progress& bar) {
+    if (o.save.empty()) return;
+    trainer.save(o.save, o.strategy);
+    bar.message("saved " + o.save + " at step " + std::to_string(trainer.step_count()));
+  };
+
+  Progress bar(trainer.step_count(), o.steps, o.log_every);
+  llama::reset_peak_memory(device);
+  double first_loss = NAN, last_loss = NAN, tokens = 0, seconds = 0;
+  const int64_t first_step = trainer.step_count();  // its time (allocator warm-up) is left out of tokens/s
+  for (int64_t step = trainer.step_count(); step < o.steps; step = trainer.step_count()) {
+    const auto [x, y] = sample_batch(train_ids, o.batch, o.seq, o.seed, step, device);
+    trainer.set_lr(lr_at(step, o.steps, o.lr));
+    const auto t0 = std::chrono::steady_clock::now();
+    const llama::StepResult r = trainer.step(x, y);  // the loss read-back synchronises the device
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (!r.applied && trainer.step_count() == step) {
+      // A skipped fp16 step (overflow) does not count; give up if the scale collapses.
+      bar.update(step, r, 0, llama::memory_use(device));
+      if (r.scale <= 1.0) throw std::runtime_error("gradients are not finite even at loss scale 1: lower --lr");
+      continue;
+    }
+    if (std::isnan(first_loss)) first_loss = r.loss;
+    last_loss = r.loss;
+    if (step > first_step || o.steps - first_step == 1) { tokens += double(o.batch * o.seq); seconds += dt; }
+    bar.update(step, r, double(o.batch * o.seq) / dt, llama::memory_use(device));
+    if (o.eval_every > 0 && trainer.step_count() % o.eval_every == 0 && trainer.step_count() < o.steps) {
+      report_val(bar);
+      save(bar);
+    }
+  }
+  bar.done();
+  const double val_loss = report_val(bar);
+  save(bar);
+  const auto mem = llama::memory_use(device);
+  std::printf("strategy %s: train loss %.4f -> %.4f, validation perplexity %.3f, %.0f tokens/s, peak memory %.2f GB (planner %.2f GB)\n",
+              o.strategy.c_str(), first_loss, last_loss, std::exp(val_loss), seconds > 0 ? tokens / seconds : 0.0, mem.peak_gb,
+              double(plan.total().device) / 1e9);
+  if (o.sample > 0) std::printf("sample: %s\n", sample_text(trainer.model(), "And God said", o.sample, o.seq, device, o.seed).c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  CLI::App app{"Train a LLaMA on the King James Bible (byte-level) with a squeeze memory strategy"};
+  app.add_option("--preset", o.preset, "model size")->check(CLI::IsMember(nn::LlamaConfig::preset_names()))->capture_default_str();
+  app.add_option("--strategy", o.strategy, "memory strategy compiled into this program")
+      ->check(CLI::IsMember(llama::strategy_names()))
+      ->capture_default_str();
+  app.add_option("--steps", o.steps, "optimizer steps in total (a resumed run continues to this step)")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--batch", o.batch, "sequences per optimizer step (split into micro-batches by Accumulate<N>)")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--seq", o.seq, "tokens (bytes) per sequence")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--lr", o.lr, "peak learning rate (warm-up, then cosine to 10%)")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->capture_default_str();
+  app.add_option("--clip", o.clip, "gradient-norm clip (0: off)")->capture_default_str();
+  app.add_option("--device", o.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
+  app.add_option("--corpus", o.corpus, "train on this text file instead of the KJV");
+  app.add_option("--save", o.save, "write a checkpoint here at every evaluation and at the end");
+  app.add_option("--load", o.load, "resume from this checkpoint")->check(CLI::ExistingFile);
+  app.add_option("--eval-every", o.eval_every, "steps between validation runs (0: only at the end)")->capture_default_str();
+  app.add_option("--eval-batches", o.eval_batches, "validation batches per evaluation")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--log-every", o.log_every, "steps between progress lines when not on a terminal (0: ten lines)");
+  app.add_option("--sample", o.sample, "bytes of text to sample at the end (0: none)")->capture_default_str();
+  app.add_option("--seed", o.seed, "seed of the initial weights and the batches")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    int rc = 0;
+    llama::with_strategy(o.strategy, [&]<StrategyType S>() { rc = train<S>(o); });
+    return rc;
+  } catch (const c10::Error& e) {
+    std::cerr << "\nerror: " << e.what_without_backtrace() << "\n";
+  } catch (const std::exception& e) {
+    std::cerr << "\nerror: " << e.what() << "\n";
+  }
+  return 1;
+}

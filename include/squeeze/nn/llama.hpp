@@ -1,0 +1,211 @@
+#pragma once
+// A LLaMA decoder in libtorch C++: token embedding -> N x [RMSNorm -> grouped-query attention with RoPE
+// (fused causal scaled-dot-product attention) -> residual -> RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm
+// -> untied LM head. Shapes: B batch, T tokens, h hidden, H query heads, Hkv key/value heads, D = h / H.
+//
+// The model runs in whatever dtype its parameters have (float, bf16, half): a mixed-precision strategy
+// converts the module to its compute type and keeps float master weights elsewhere. Norm statistics, RoPE
+// angles and the loss are computed in float whatever the parameter dtype.
+#include <ATen/autocast_mode.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "../plan/model_shape.hpp"
+#include "checkpoint.hpp"
+
+namespace squeeze::nn {
+
+struct LlamaConfig {
+  std::string name = "custom";
+  int64_t vocab = 256;
+  int64_t hidden = 128;
+  int64_t layers = 4;
+  int64_t heads = 4;
+  int64_t kv_heads = 2;
+  int64_t ffn = 352;
+  double rope_theta = 10000.0;
+  double norm_eps = 1e-5;
+
+  int64_t head_dim() const { return hidden / heads; }
+
+  // The planner's view of the same geometry (LLaMA heads are never tied here).
+  plan::ModelShape shape() const { return {vocab, hidden, layers, heads, kv_heads, ffn, /*tied_embeddings=*/false}; }
+
+  void validate() const {
+    TORCH_CHECK(vocab > 0 && hidden > 0 && layers > 0 && heads > 0 && kv_heads > 0 && ffn > 0,
+                "LlamaConfig '", name, "': every size must be positive");
+    TORCH_CHECK(hidden % heads == 0, "LlamaConfig '", name, "': hidden (", hidden, ") must be a multiple of heads (", heads, ")");
+    TORCH_CHECK(heads % kv_heads == 0, "LlamaConfig '", name, "': heads (", heads, ") must be a multiple of kv_heads (", kv_heads, ")");
+    TORCH_CHECK(head_dim() % 2 == 0, "LlamaConfig '", name, "': head_dim (", head_dim(), ") must be even for RoPE");
+  }
+
+  static LlamaConfig from_shape(std::string name, const plan::ModelShape& s) {
+    LlamaConfig c;
+    c.name = std::move(name);
+    c.vocab = s.vocab, c.hidden = s.hidden, c.layers = s.layers, c.heads = s.heads, c.kv_heads = s.kv_heads, c.ffn = s.ffn;
+    return c;
+  }
+
+  static std::vector<std::string> preset_names() { return {"tiny", "125m", "tinyllama-1.1b", "llama-7b"}; }
+
+  // tiny: byte-level vocabulary, trains on a laptop CPU in seconds (CI and the README's first command).
+  // 125m: GPT-2-small-sized LLaMA. tinyllama-1.1b and llama-7b: the planner's published geometries.
+  static LlamaConfig preset(std::string_view name) {
+    if (name == "tiny") return from_shape("tiny", {256, 128, 4, 4, 2, 352});
+    if (name == "125m") return from_shape("125m", {32000, 768, 12, 12, 12, 2048});
+    if (const auto s = plan::find_preset(name); s && (name == "tinyllama-1.1b" || name == "llama-7b"))
+      return from_shape(std::string(name), *s);
+    std::string known;
+    for (const auto& n : preset_names()) known += (known.empty() ? "" : ", ") + n;
+    TORCH_CHECK(false, "unknown LLaMA preset '", std::string(name), "': choose one of ", known);
+  }
+};
+
+// y = x / rms(x) * g, statistics in float.
+struct RMSNormImpl : torch::nn::Module {
+  torch::Tensor weight;  // [h]
+  double eps;
+  RMSNormImpl(int64_t hidden, double eps_) : eps(eps_) { weight = register_parameter("weight", torch::ones({hidden})); }
+  torch::Tensor forward(const torch::Tensor& x) {  // x: [..., h]
+    const torch::Tensor xf = x.to(torch::kFloat32);
+    const torch::Tensor y = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+    return y.to(weight.scalar_type()) * weight;
+  }
+};
+TORCH_MODULE(RMSNorm);
+
+// Rotary position embedding tables for T positions: cos and sin, each [T, D] (the D/2 frequencies twice,
+// matching the rotate-half layout), in float.
+inline std::pair<torch::Tensor, torch::Tensor> rope_tables(int64_t T, int64_t D, double theta, torch::Device device) {
+  const auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(device);
+  const torch::Tensor inv_freq = torch::pow(theta, -torch::arange(0, D, 2, f32) / double(D));  // [D/2]
+  const torch::Tensor angles = torch::outer(torch::arange(T, f32), inv_freq);                   // [T, D/2]
+  const torch::Tensor both = torch::cat({angles, angles}, -1);                                   // [T, D]
+  return {both.cos(), both.sin()};
+}
+
+// x: [B, heads, T, D]; rotates each pair (x_i, x_{i+D/2}) by its position's angle.
+inline torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  const torch::Tensor rotated = torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+  return x * cos.to(x.scalar_type()) + rotated * sin.to(x.scalar_type());
+}
+
+struct AttentionImpl : torch::nn::Module {
+  int64_t heads, kv_heads, head_dim;
+  torch::nn::Linear q{nullptr}, k{nullptr}, v{nullptr}, o{nullptr};
+  explicit AttentionImpl(const LlamaConfig& c) : heads(c.heads), kv_heads(c.kv_heads), head_dim(c.head_dim()) {
+    const auto lin = [](int64_t in, int64_t out) { return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false)); };
+    q = register_module("q", lin(c.hidden, heads * head_dim));
+    k = register_module("k", lin(c.hidden, kv_heads * head_dim));
+    v = register_module("v", lin(c.hidden, kv_heads * head_dim));
+    o = register_module("o", lin(heads * head_dim, c.hidden));
+  }
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {  // x: [B, T, h]
+    const int64_t B = x.size(0), T = x.size(1);
+    torch::Tensor qh = q(x).view({B, T, heads, head_dim}).transpose(1, 2);     // [B, H, T, D]
+    torch::Tensor kh = k(x).view({B, T, kv_heads, head_dim}).transpose(1, 2);  // [B, Hkv, T, D]
+    torch::Tensor vh = v(x).view({B, T, kv_heads, head_dim}).transpose(1, 2);  // [B, Hkv, T, D]
+    qh = apply_rope(qh, cos, sin);
+    kh = apply_rope(kh, cos, sin);
+    // Grouped-query attention: the fused flash kernel reads shared K/V heads directly (enable_gqa) for
+    // half/bf16 on CUDA; other backends (float, CPU) take K/V repeated to H heads, which they all accept.
+    const bool fused_gqa = qh.is_cuda() && qh.scalar_type() != torch::kFloat32;
+    if (kv_heads != heads && !fused_gqa) {
+      kh = kh.repeat_interleave(heads / kv_heads, 1);  // [B, H, T, D]
+      vh = vh.repeat_interleave(heads / kv_heads, 1);  // [B, H, T, D]
+    }
+    const torch::Tensor attn = at::scaled_dot_product_attention(qh, kh, vh, /*attn_mask=*/{}, /*dropout_p=*/0.0,
+                                                                /*is_causal=*/true, /*scale=*/std::nullopt,
+                                                                /*enable_gqa=*/kv_heads != heads && fused_gqa);  // [B, H, T, D]
+    return o(attn.transpose(1, 2).reshape({B, T, heads * head_dim}));  // [B, T, h]
+  }
+};
+TORCH_MODULE(Attention);
+
+// SwiGLU: down(silu(gate(x)) * up(x)).
+struct MlpImpl : torch::nn::Module {
+  torch::nn::Linear gate{nullptr}, up{nullptr}, down{nullptr};
+  explicit MlpImpl(const LlamaConfig& c) {
+    const auto lin = [](int64_t in, int64_t out) { return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false)); };
+    gate = register_module("gate", lin(c.hidden, c.ffn));
+    up = register_module("up", lin(c.hidden, c.ffn));
+    down = register_module("down", lin(c.ffn, c.hidden));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return down(torch::silu(gate(x)) * up(x)); }  // [B, T, h] -> [B, T, h]
+};
+TORCH_MODULE(Mlp);
+
+struct BlockImpl : torch::nn::Module {
+  RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};
+  Attention attn{nullptr};
+  Mlp mlp{nullptr};
+  explicit BlockImpl(const LlamaConfig& c) {
+    attn_norm = register_module("attn_norm", RMSNorm(c.hidden, c.norm_eps));
+    attn = register_module("attn", Attention(c));
+    mlp_norm = register_module("mlp_norm", RMSNorm(c.hidden, c.norm_eps));
+    mlp = register_module("mlp", Mlp(c));
+  }
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {  // [B, T, h]
+    const torch::Tensor h = x + attn(attn_norm(x), cos, sin);
+    return h + mlp(mlp_norm(h));
+  }
+};
+TORCH_MODULE(Block);
+
+struct LlamaImpl : torch::nn::Module {
+  LlamaConfig config;
+  torch::nn::Embedding embed{nullptr};
+  std::vector<Block> blocks;
+  RMSNorm norm{nullptr};
+  torch::nn::Linear head{nullptr};
+  int64_t checkpoint_every = 0;  // 0: keep all activations; N: checkpoint segments of N blocks (training only)
+
+  explicit LlamaImpl(LlamaConfig c) : config(std::move(c)) {
+    config.validate();
+    embed = register_module("embed", torch::nn::Embedding(config.vocab, config.hidden));
+    for (int64_t i = 0; i < config.layers; ++i) blocks.push_back(register_module("block" + std::to_string(i), Block(config)));
+    norm = register_module("norm", RMSNorm(config.hidden, config.norm_eps));
+    head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(config.hidden, config.vocab).bias(false)));
+    reset_parameters();
+  }
+
+  // GPT-2/LLaMA-style init: N(0, 0.02) everywhere, the two residual projections scaled by 1/sqrt(2 layers).
+  void reset_parameters() {
+    torch::NoGradGuard no_grad;
+    const double residual_std = 0.02 / std::sqrt(2.0 * double(config.layers));
+    for (auto& p : named_parameters()) {
+      const std::string& n = p.key();
+      if (n.ends_with("norm.weight")) p.value().fill_(1.0);
+      else if (n.ends_with("attn.o.weight") || n.ends_with("mlp.down.weight")) p.value().normal_(0.0, residual_std);
+      else p.value().normal_(0.0, 0.02);
+    }
+  }
+
+  // ids: [B, T] int64 -> logits [B, T, vocab] in the parameter dtype.
+  torch::Tensor forward(const torch::Tensor& ids) {
+    TORCH_CHECK(ids.dim() == 2, "Llama::forward: token ids must be [batch, seq], got ", ids.sizes());
+    TORCH_CHECK(ids.scalar_type() == torch::kLong, "Llama::forward: token ids must be int64, got ", ids.scalar_type());
+    const int64_t T = ids.size(1);
+    const auto [cos, sin] = rope_tables(T, config.head_dim(), config.rope_theta, ids.device());  // [T, D] each
+    torch::Tensor x = embed(ids);                                                                   // [B, T, h]
+    const auto layer = [this, cos, sin](int64_t i, const torch::Tensor& h) { return blocks[i]->forward(h, cos, sin); };
+    const auto layer_params = [this](int64_t i) { return blocks[i]->parameters(); };
+    const int64_t every = is_training() ? checkpoint_every : 0;
+    x = checkpoint_sequential(config.layers, every, x, layer, layer_params);  // [B, T, h]
+    return head(norm(x));                                                     // [B, T, V]
+  }
+
+  // Mean next-token cross-entropy in float. ids, targets: [B, T].
+  torch::Tensor loss(const torch::Tensor& ids, const torch::Tensor& targets) {
+    const torch::Tensor logits = forward(ids);  // [B, T, V]
+    return torch::nn::functional::cross_entropy(logits.reshape({-1, config.vocab}).to(torch::kFloat32), targets.reshape({-1}));
+  }
+};
+TORCH_MODULE(Llama);
+
+}  // namespace squeeze::nn
