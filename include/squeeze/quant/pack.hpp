@@ -26,6 +26,7 @@
 
 #include "../dtype.hpp"
 #include "../error.hpp"
+#include <squeeze/kernels/quant/bitstream.cuh>
 
 namespace squeeze::quant {
 
@@ -37,31 +38,8 @@ inline void check_bits(int bits) {
 // Number of int32 words holding `count` codes of `bits` bits.
 constexpr std::int64_t packed_words(std::int64_t count, int bits) { return (count * bits + 31) / 32; }
 
-// ---- element functions: one code in a bit stream of 32-bit words --------------------------------------
-// Read code j from a stream whose word w is words[w * stride] (stride lets one function walk a column of
-// qweight or a row of qzeros).
-SQUEEZE_HD std::uint32_t stream_get(const std::int32_t* words, std::int64_t stride, std::int64_t j, int bits) {
-  const std::int64_t bit = j * bits;
-  const std::int64_t w = bit >> 5;
-  const int off = int(bit & 31);
-  const std::uint32_t mask = (1u << bits) - 1u;
-  std::uint32_t v = std::uint32_t(words[w * stride]) >> off;
-  if (off + bits > 32) v |= std::uint32_t(words[(w + 1) * stride]) << (32 - off);  // straddles (3-bit)
-  return v & mask;
-}
-inline void stream_put(std::int32_t* words, std::int64_t stride, std::int64_t j, int bits, std::uint32_t v) {
-  const std::int64_t bit = j * bits;
-  const std::int64_t w = bit >> 5;
-  const int off = int(bit & 31);
-  const std::uint32_t mask = (1u << bits) - 1u;
-  v &= mask;
-  auto* p = reinterpret_cast<std::uint32_t*>(words);
-  p[w * stride] = (p[w * stride] & ~(mask << off)) | (v << off);
-  if (off + bits > 32) {
-    const int lo = 32 - off;  // bits already written into word w
-    p[(w + 1) * stride] = (p[(w + 1) * stride] & ~(mask >> lo)) | (v >> lo);
-  }
-}
+using kernels::quant::stream_get;  // the bit stream of the format (kernels/squeeze/kernels/quant/bitstream.cuh)
+using kernels::quant::stream_put;
 
 // ---- the packed tensors of one layer ----------------------------------------------------------------------
 struct PackedLinear {

@@ -22,7 +22,9 @@
 // and the last block of a column strip (found with a counter) reduces them and writes y, then resets
 // its counter to 0, so one launch does everything and the counters stay zero between launches.
 #include <algorithm>
+#include <bit>
 #include <cstdint>
+#include <type_traits>
 #include <cstring>
 #include <vector>
 
@@ -128,7 +130,7 @@ void int4_gemm_cpu(const T* x /*[M, K]*/, const std::uint32_t* tiles, const half
       const std::uint32_t* tile = tiles + (nt * kchunks + kc) * kTileWords;
       for (int ks = 0; ks < 4; ++ks) {
         const std::int64_t k0 = kc * kTileK + ks * 16;
-        const std::int64_t g = k0 / s.group;
+        const std::int64_t g = std::min(k0, s.K - 1) / s.group;  // padded rows use the last group (x is 0 there)
         if (g != cur_group) {
           flush(cur_group);
           cur_group = g;
@@ -343,7 +345,7 @@ __global__ void __launch_bounds__(kWarps * 32) int4_gemm_kernel(const T* __restr
           const std::uint32_t words[4] = {cur.x, cur.y, cur.z, cur.w};
 #pragma unroll
           for (int ks = 0; ks < 4; ++ks) {
-            const int g = (kc * kTileK + ks * 16) / group;
+            const int g = min(kc * kTileK + ks * 16, K - 1) / group;  // padded rows: last group (x is 0 there)
             if (g != cur_group) {
               if (cur_group >= 0) flush();
               cur_group = g;

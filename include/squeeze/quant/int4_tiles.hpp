@@ -1,0 +1,83 @@
+#pragma once
+// GPTQ 4-bit checkpoint layout -> the int4 GEMM kernel's tile layout (kernels/.../gemm_int4.cuh), once
+// at load. Act-order checkpoints (g_idx not i / group) are served by sorting the input rows by group:
+// `perm` then names, for each kernel row k, the checkpoint input row it came from, and callers gather
+// x[:, perm] before the GEMM. That works when every group is `group_size` rows (what GPTQ's act-order
+// writes); any other g_idx is rejected with an error naming the problem (dequantize() still serves it).
+#include <algorithm>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include <squeeze/kernels/quant/gemm_int4.cuh>
+
+#include "pack.hpp"
+
+namespace squeeze::quant {
+
+struct Int4Tiles {
+  std::int64_t N = 0, K = 0, Npad = 0, Kpad = 0, group = 0;  // group: k per group in kernel order (Kpad if per channel)
+  std::vector<std::uint32_t> tiles;  // [Npad/16][Kpad/64][128]
+  std::vector<half> scales;          // [groups, Npad]
+  std::vector<std::uint8_t> zeros;   // [groups, Npad]
+  std::vector<std::int32_t> perm;    // [K]: kernel row k reads checkpoint row perm[k]; empty = identity
+
+  std::int64_t groups() const { return group == Kpad ? 1 : (K + group - 1) / group; }
+  kernels::quant::Int4GemmShape shape(std::int64_t M) const { return {M, N, K, Kpad, Npad, group}; }
+};
+
+inline Int4Tiles to_int4_tiles(const PackedLinear& p) {
+  namespace kq = kernels::quant;
+  p.validate();
+  check(p.bits == 4, "int4 tiles: the fused GEMM takes 4-bit weights, this layer has " + std::to_string(p.bits) + " bits");
+  check(p.group_size == 0 || p.group_size % 16 == 0,
+        "int4 tiles: group_size must be a multiple of 16 (or per channel), got " + std::to_string(p.group_size));
+  Int4Tiles t;
+  t.N = p.out;
+  t.K = p.in;
+  t.Kpad = kq::pad_to(p.in, kq::kTileK);
+  t.Npad = kq::pad_to(p.out, kq::kTileN);
+  t.group = p.group_size > 0 ? p.group_size : t.Kpad;
+  const std::int64_t G = p.groups();
+
+  // kernel row order: natural when g_idx == i / group, else rows sorted (stably) by group
+  std::vector<std::int32_t> order(p.in);
+  std::iota(order.begin(), order.end(), 0);
+  bool natural = true;
+  for (std::int64_t i = 0; i < p.in; ++i) natural = natural && p.g_idx[i] == (p.group_size > 0 ? i / p.group_size : 0);
+  if (!natural) {
+    std::stable_sort(order.begin(), order.end(), [&](std::int32_t a, std::int32_t b) { return p.g_idx[a] < p.g_idx[b]; });
+    for (std::int64_t k = 0; k < p.in; ++k)
+      check(p.g_idx[order[k]] == k / t.group,
+            "int4 tiles: g_idx does not split the inputs into groups of exactly group_size rows (input row " +
+                std::to_string(order[k]) + " is in group " + std::to_string(p.g_idx[order[k]]) + "); dequantize this layer instead");
+    t.perm = order;
+  }
+
+  const std::int64_t ntiles = t.Npad / kq::kTileN, kchunks = t.Kpad / kq::kTileK;
+  t.tiles.assign(ntiles * kchunks * kq::kTileWords, 0u);
+  for (std::int64_t nt = 0; nt < ntiles; ++nt)
+    for (std::int64_t kc = 0; kc < kchunks; ++kc) {
+      std::uint32_t* tile = t.tiles.data() + (nt * kchunks + kc) * kq::kTileWords;
+      for (int lane = 0; lane < 32; ++lane)
+        for (int ks = 0; ks < 4; ++ks) {
+          std::uint32_t w = 0;
+          for (int nib = 0; nib < 8; ++nib) {
+            const auto c = kq::tile_coord(lane, ks, nib);
+            const std::int64_t k = kc * kq::kTileK + c.k, n = nt * kq::kTileN + c.n;
+            if (k < p.in && n < p.out) w |= p.code(order[k], n) << (4 * nib);
+          }
+          tile[lane * 4 + ks] = w;
+        }
+    }
+  t.scales.assign(G * t.Npad, from_float<half>(0.f));
+  t.zeros.assign(G * t.Npad, 0);
+  for (std::int64_t g = 0; g < G; ++g)
+    for (std::int64_t n = 0; n < p.out; ++n) {
+      t.scales[g * t.Npad + n] = p.scales[g * p.out + n];
+      t.zeros[g * t.Npad + n] = std::uint8_t(p.zero(g, n));
+    }
+  return t;
+}
+
+}  // namespace squeeze::quant

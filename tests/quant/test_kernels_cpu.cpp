@@ -1,0 +1,164 @@
+// CPU twins of the quant kernels against dequantize + matmul in float64. Tolerances (stated per case):
+//   dequantize: the float result is exact (same formula); fp16/bf16 outputs within half an ulp
+//   gemv (fp32 accumulate): 1e-5 * sum|x w| + half an ulp of the output type
+//   int4 GEMM twin (double accumulate, exact q - z): 1e-9 * sum|x w| + half an ulp of the output type
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <squeeze/kernels/quant/dequant.cuh>
+#include <squeeze/kernels/quant/gemm_int4.cuh>
+#include <squeeze/quant/int4_tiles.hpp>
+#include <squeeze/quant/rtn.hpp>
+
+using namespace squeeze;
+namespace kq = squeeze::kernels::quant;
+
+namespace {
+// A random packed layer; act_order shuffles g_idx into equal-size groups (what GPTQ writes).
+quant::PackedLinear random_layer(std::int64_t out, std::int64_t in, int bits, int group, bool act_order, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, 0.02f);
+  std::vector<float> w(out * in);
+  for (auto& v : w) v = nd(rng);
+  auto p = quant::rtn_quantize(w, out, in, {.bits = bits, .group_size = group, .sym = false});
+  if (act_order && group > 0) {
+    std::vector<std::int32_t> perm(in);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (std::int64_t j = 0; j < in; ++j) p.g_idx[perm[j]] = std::int32_t(j / group);
+  }
+  return p;
+}
+kq::GptqView view(const quant::PackedLinear& p) {
+  return {p.qweight.data(), p.qzeros.data(), p.scales.data(), p.g_idx.data(), p.in, p.out, p.bits};
+}
+template <class T>
+std::vector<T> random_x(std::int64_t n, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<T> x(n);
+  for (auto& v : x) v = from_float<T>(nd(rng));
+  return x;
+}
+template <class T>
+double half_ulp(double y) {
+  const int mant = std::is_same_v<T, float> ? 24 : std::is_same_v<T, half> ? 11 : 8;
+  return std::ldexp(std::abs(y), -mant) + 1e-30;
+}
+// reference y [M, out] and sum |x||w| per output, float64
+template <class T>
+void reference(const quant::PackedLinear& p, const std::vector<T>& x, std::int64_t M, std::vector<double>& y, std::vector<double>& mag) {
+  const auto w = quant::dequantize(p);
+  y.assign(M * p.out, 0.0);
+  mag.assign(M * p.out, 0.0);
+  for (std::int64_t m = 0; m < M; ++m)
+    for (std::int64_t o = 0; o < p.out; ++o)
+      for (std::int64_t i = 0; i < p.in; ++i) {
+        const double xv = to_float(x[m * p.in + i]), wv = w[o * p.in + i];
+        y[m * p.out + o] += xv * wv;
+        mag[m * p.out + o] += std::abs(xv * wv);
+      }
+}
+}  // namespace
+
+class DequantTwin : public ::testing::TestWithParam<int> {};
+TEST_P(DequantTwin, MatchesFormulaAllDtypes) {
+  const int bits = GetParam();
+  for (auto [out, in, group, ao] : {std::tuple{37, 100, 32, false}, std::tuple{16, 96, 32, true}, std::tuple{5, 33, 0, false}}) {
+    const auto p = random_layer(out, in, bits, group, ao, 100 + bits);
+    const auto ref = quant::dequantize(p);
+    std::vector<float> wf(out * in);
+    std::vector<half> wh(out * in);
+    std::vector<bf16> wb(out * in);
+    kq::dequantize_cpu(view(p), wf.data());
+    kq::dequantize_cpu(view(p), wh.data());
+    kq::dequantize_cpu(view(p), wb.data());
+    for (std::size_t k = 0; k < ref.size(); ++k) {
+      ASSERT_EQ(wf[k], ref[k]);
+      ASSERT_LE(std::abs(to_float(wh[k]) - ref[k]), half_ulp<half>(ref[k]));
+      ASSERT_LE(std::abs(to_float(wb[k]) - ref[k]), half_ulp<bf16>(ref[k]));
+    }
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Bits, DequantTwin, ::testing::Values(2, 3, 4, 8));
+
+class GemvTwin : public ::testing::TestWithParam<int> {};
+TEST_P(GemvTwin, MatchesFloat64Matmul) {
+  const int bits = GetParam();
+  const std::int64_t out = 45, in = 160, M = 3;
+  const auto p = random_layer(out, in, bits, 32, bits == 3, 7 + bits);
+  const auto x = random_x<bf16>(M * in, 11);
+  std::vector<bf16> y(M * out);
+  kq::gemv_cpu(view(p), x.data(), y.data(), M);
+  std::vector<double> ref, mag;
+  reference(p, x, M, ref, mag);
+  for (std::int64_t k = 0; k < M * out; ++k)
+    ASSERT_LE(std::abs(to_float(y[k]) - ref[k]), 1e-5 * mag[k] + half_ulp<bf16>(ref[k])) << k;
+}
+INSTANTIATE_TEST_SUITE_P(Bits, GemvTwin, ::testing::Values(2, 3, 4, 8));
+
+struct GemmCase {
+  std::int64_t M, N, K;
+  int group;
+  bool act_order;
+};
+template <class T>
+void check_int4_gemm(const GemmCase& c) {
+  const auto p = random_layer(c.N, c.K, 4, c.group, c.act_order, std::uint32_t(c.M * 7 + c.N * 3 + c.K));
+  const auto t = quant::to_int4_tiles(p);
+  EXPECT_EQ(t.perm.empty(), !c.act_order);
+  const auto x = random_x<T>(c.M * c.K, 5);
+  // the kernel reads x in kernel row order: gather x[:, perm] as the torch layer does
+  std::vector<T> xg = x;
+  if (!t.perm.empty())
+    for (std::int64_t m = 0; m < c.M; ++m)
+      for (std::int64_t k = 0; k < c.K; ++k) xg[m * c.K + k] = x[m * c.K + t.perm[k]];
+  std::vector<T> y(c.M * c.N);
+  kq::int4_gemm_cpu(xg.data(), t.tiles.data(), t.scales.data(), t.zeros.data(), y.data(), t.shape(c.M));
+  std::vector<double> ref, mag;
+  reference(p, x, c.M, ref, mag);
+  for (std::int64_t k = 0; k < c.M * c.N; ++k)
+    ASSERT_LE(std::abs(double(to_float(y[k])) - ref[k]), 1e-9 * mag[k] + half_ulp<T>(ref[k]))
+        << "M " << c.M << " N " << c.N << " K " << c.K << " group " << c.group << " at " << k;
+}
+class Int4GemmTwin : public ::testing::TestWithParam<GemmCase> {};
+TEST_P(Int4GemmTwin, Fp16MatchesFloat64) { check_int4_gemm<half>(GetParam()); }
+TEST_P(Int4GemmTwin, Bf16MatchesFloat64) { check_int4_gemm<bf16>(GetParam()); }
+INSTANTIATE_TEST_SUITE_P(Shapes, Int4GemmTwin,
+                         ::testing::Values(GemmCase{1, 8, 64, 32, false}, GemmCase{5, 40, 200, 32, false}, GemmCase{19, 100, 264, 64, true},
+                                           GemmCase{3, 24, 130, 0, false}, GemmCase{2, 70, 256, 128, true}, GemmCase{33, 17, 96, 16, false}));
+
+TEST(Int4Tiles, TileCoordIsABijectionOntoTheTile) {
+  std::vector<int> seen(64 * 16, 0);
+  for (int lane = 0; lane < 32; ++lane)
+    for (int ks = 0; ks < 4; ++ks)
+      for (int p = 0; p < 8; ++p) {
+        const auto c = kq::tile_coord(lane, ks, p);
+        ASSERT_TRUE(c.k >= 0 && c.k < 64 && c.n >= 0 && c.n < 16);
+        ++seen[c.k * 16 + c.n];
+      }
+  EXPECT_TRUE(std::all_of(seen.begin(), seen.end(), [](int v) { return v == 1; }));
+}
+
+TEST(Int4Tiles, RejectsWhatTheKernelCannotServe) {
+  EXPECT_THROW(quant::to_int4_tiles(random_layer(8, 64, 3, 32, false, 1)), Error);  // 3 bits
+  EXPECT_THROW(quant::to_int4_tiles(random_layer(8, 64, 4, 8, false, 1)), Error);   // group 8
+  auto p = random_layer(8, 64, 4, 32, false, 1);
+  p.g_idx[0] = 1;  // group 1 now has 33 rows
+  EXPECT_THROW(quant::to_int4_tiles(p), Error);
+}
+
+TEST(Int4Plan, SplitsCoverKWithoutEmptySplits) {
+  for (std::int64_t M : {1, 16, 17, 64, 128})
+    for (std::int64_t K : {64, 4096, 11008 + 64 - 11008 % 64})
+      for (std::int64_t N : {16, 4096, 28672}) {
+        const auto p = kq::plan_int4_gemm(M, N, K, 132);
+        const std::int64_t chunks = K / 64;
+        EXPECT_GE(std::int64_t(p.splits) * p.chunks_per_split, chunks);
+        EXPECT_LT(std::int64_t(p.splits - 1) * p.chunks_per_split, chunks);
+        EXPECT_GE(16 * p.m_tiles, M);
+      }
+}
