@@ -49,7 +49,14 @@ if(NOT Torch_DIR AND NOT CMAKE_PREFIX_PATH MATCHES "torch")
     endif()
   endif()
 endif()
+# Caffe2's cuda.cmake (inside TorchConfig) appends -gencode flags for its own arch list to
+# CMAKE_CUDA_FLAGS (compute_50 and others nvcc 13 rejects) and clears CMAKE_CUDA_ARCHITECTURES:
+# keep squeeze's own CUDA settings.
+set(_squeeze_cuda_flags "${CMAKE_CUDA_FLAGS}")
+set(_squeeze_cuda_archs "${CMAKE_CUDA_ARCHITECTURES}")
 find_package(Torch QUIET)
+set(CMAKE_CUDA_FLAGS "${_squeeze_cuda_flags}")
+set(CMAKE_CUDA_ARCHITECTURES "${_squeeze_cuda_archs}")
 if(Torch_FOUND)
   # One target for everything of ours that includes libtorch. CPU work needs only torch_cpu + c10;
   # SQUEEZE_TORCH_CUDA=ON links libtorch's CUDA side too (the GPU machine).
