@@ -16,6 +16,9 @@
 // Types: P (param) and G (grad) in {float, half, bf16}; master weights are float; S (Adam moments) is
 // float. S is a template parameter so an 8-bit blockwise state can slot in (its codec replaces the plain
 // loads/stores of m and v); today anything but float is rejected at compile time.
+//
+// CPU speed: the loop vectorises only when sqrtf need not set errno. Build CPU code that runs this with
+// -fno-math-errno (3-4x: ~6e8 instead of ~1.7e8 params/s on 2 EPYC cores), ideally also -march=native.
 #include <cmath>
 #include <cstdint>
 #include <span>

@@ -159,6 +159,21 @@ void int4_gemm_cpu(const T* x /*[M, K]*/, const std::uint32_t* tiles, const half
   }
 }
 
+// Workspace for one call: partial fp32 [plan.partial_elems()] (any contents) and counters int32
+// [plan.counter_elems()] that must be zero before the first call (the kernel leaves them zero).
+struct Int4Workspace {
+  float* partial = nullptr;
+  std::int64_t partial_elems = 0;
+  int* counters = nullptr;
+  std::int64_t counter_elems = 0;
+};
+
+// Largest workspace any M needs for this shape (M is processed in slices of 128 rows).
+inline Int4Workspace int4_workspace_size(std::int64_t M, const Int4GemmShape& s, int sm_count) {
+  const auto p = plan_int4_gemm(std::min<std::int64_t>(M, 128), s.Npad, s.Kpad, sm_count);
+  return {nullptr, p.partial_elems(), nullptr, p.counter_elems()};
+}
+
 #if defined(__CUDACC__)
 namespace detail {
 
@@ -426,21 +441,6 @@ cudaError_t launch_int4(const T* x, const std::uint32_t* tiles, const half* scal
   return cudaGetLastError();
 }
 }  // namespace detail
-
-// Workspace for one call: partial fp32 [plan.partial_elems()] (any contents) and counters int32
-// [plan.counter_elems()] that must be zero before the first call (the kernel leaves them zero).
-struct Int4Workspace {
-  float* partial = nullptr;
-  std::int64_t partial_elems = 0;
-  int* counters = nullptr;
-  std::int64_t counter_elems = 0;
-};
-
-// Largest workspace any M needs for this shape (M is processed in slices of 128 rows).
-inline Int4Workspace int4_workspace_size(std::int64_t M, const Int4GemmShape& s, int sm_count) {
-  const auto p = plan_int4_gemm(std::min<std::int64_t>(M, 128), s.Npad, s.Kpad, sm_count);
-  return {nullptr, p.partial_elems(), nullptr, p.counter_elems()};
-}
 
 // y [M, N] = x [M, K] * W^T on `stream`. Returns cudaErrorInvalidValue for unsupported arguments.
 template <class T>

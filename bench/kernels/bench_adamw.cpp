@@ -1,0 +1,379 @@
+// bench_adamw: squeeze's fused AdamW against PyTorch's at::_fused_adamw_ on the same data in the same run,
+// and against the device-to-device copy bandwidth measured in the same run.
+//
+//   bench_adamw [--out FILE] [--n PARAMS] [--tensors 64] [--iters 20] [--cpu-n PARAMS] [--cpu-only] [--gpu-only]
+//
+// GPU cases (1 Gi parameters by default; as one flat buffer and as 64 tensors in one launch):
+//   fp32        params, grads, m, v fp32                      28 B/param (read 16, write 12)
+//   bf16-mixed  bf16 params + fp32 master, bf16 grads         28 B/param (read 4+2+4+4, write 4+4+4+2)
+// Peer: at::_fused_adamw_ over the same tensors (flat: a list of one; 64 tensors: a list of 64). For
+// bf16-mixed PyTorch has no master-weight fused AdamW, so the peer is the usual recipe: _fused_adamw_ on the
+// fp32 master with fp32 grads (cast outside the timed region, in the peer's favour) + copy_ into the bf16
+// params. Times: CUDA events around each step, ours and the peer alternating, warm-up 3, median of --iters.
+// roofline_fraction = our bytes/s over the cudaMemcpy D2D bandwidth (2 x bytes / time) measured here.
+// CPU cases: squeeze's CPU AdamW (all cores; OMP_NUM_THREADS) vs at::_fused_adamw_ on CPU tensors, params/s.
+//
+// Output: one JSON object per case to --out (written as each case finishes, so a failure later keeps the
+// earlier results), a readable table on stdout. A failing case writes {"bench","case","error"} and the run
+// goes on. device/date/commit come from SQUEEZE_DEVICE / SQUEEZE_DATE / SQUEEZE_COMMIT.
+#include <ATen/ATen.h>
+#include <cuda_runtime_api.h>
+#include <torch/cuda.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench_adamw_kernels.hpp"
+#include "squeeze/error.hpp"
+#include "squeeze/kernels/adamw.hpp"
+
+namespace {
+
+using squeeze::bf16;
+namespace sk = squeeze::kernels;
+
+constexpr double kBytesPerParam = 28.0;
+constexpr float kLr = 1e-4f, kBeta1 = 0.9f, kBeta2 = 0.999f, kEps = 1e-8f, kWd = 0.01f;
+
+struct Options {
+  std::string out;
+  std::int64_t n = std::int64_t(1) << 30;
+  int tensors = 64;
+  int iters = 20;
+  std::int64_t cpu_n = std::int64_t(1) << 26;
+  bool cpu = true, gpu = true;
+};
+
+struct Result {
+  std::string name, peer;
+  double time_ms = -1, peer_time_ms = -1, bandwidth_GBps = -1, roofline = -1, params_per_s = -1, copy_GBps = -1;
+  std::int64_t params = 0;
+  int threads = 0;
+  std::string error;
+};
+
+std::string env_or(const char* name, const char* fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? v : fallback;
+}
+
+std::string json_str(const std::string& s) {
+  std::string o = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') o += '\\', o += c;
+    else if (static_cast<unsigned char>(c) < 0x20) o += ' ';
+    else o += c;
+  }
+  return o + "\"";
+}
+
+// One JSON line. Numbers that were not measured are left out (readers default them), never written as null.
+void emit(std::ofstream* out, const Result& r) {
+  std::ostringstream j;
+  j.precision(6);
+  j << "{\"bench\":\"adamw\",\"case\":" << json_str(r.name);
+  auto num = [&](const char* k, double v) {
+    if (v >= 0) j << ",\"" << k << "\":" << v;
+  };
+  if (r.error.empty()) {
+    num("time_ms", r.time_ms);
+    j << ",\"peer\":" << json_str(r.peer);
+    num("peer_time_ms", r.peer_time_ms);
+    if (r.peer_time_ms > 0 && r.time_ms > 0) num("ratio_vs_peer", r.peer_time_ms / r.time_ms);
+    num("roofline_fraction", r.roofline);
+    num("bandwidth_GBps", r.bandwidth_GBps);
+    num("copy_bandwidth_GBps", r.copy_GBps);
+    num("params_per_s", r.params_per_s);
+    j << ",\"params\":" << r.params << ",\"bytes_per_param\":" << kBytesPerParam;
+    if (r.threads > 0) j << ",\"cpu_threads\":" << r.threads;
+  } else {
+    j << ",\"error\":" << json_str(r.error);
+  }
+  j << ",\"device\":" << json_str(env_or("SQUEEZE_DEVICE", "unknown")) << ",\"date\":" << json_str(env_or("SQUEEZE_DATE", "unknown"))
+    << ",\"commit\":" << json_str(env_or("SQUEEZE_COMMIT", "unknown")) << "}";
+  if (out && *out) {
+    *out << j.str() << "\n";
+    out->flush();
+  }
+  if (r.error.empty()) {
+    std::printf("%-34s %10.3f ms  peer %10.3f ms  x%5.2f  %8.1f GB/s  roof %5.3f", r.name.c_str(), r.time_ms, r.peer_time_ms,
+                r.peer_time_ms > 0 ? r.peer_time_ms / r.time_ms : 0.0, r.bandwidth_GBps, r.roofline > 0 ? r.roofline : 0.0);
+    if (r.params_per_s > 0) std::printf("  %.3g params/s (%d threads)", r.params_per_s, r.threads);
+    std::printf("\n");
+  } else {
+    std::printf("%-34s ERROR: %s\n", r.name.c_str(), r.error.c_str());
+  }
+  std::fflush(stdout);
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? -1 : v[v.size() / 2];
+}
+
+// ---- GPU -------------------------------------------------------------------------------------------------
+
+struct Events {
+  cudaEvent_t a{}, b{};
+  Events() {
+    SQUEEZE_CUDA_CHECK(cudaEventCreate(&a));
+    SQUEEZE_CUDA_CHECK(cudaEventCreate(&b));
+  }
+  ~Events() {
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+  }
+  // Milliseconds of fn's work on the default stream.
+  double time(const std::function<void()>& fn) {
+    SQUEEZE_CUDA_CHECK(cudaEventRecord(a, nullptr));
+    fn();
+    SQUEEZE_CUDA_CHECK(cudaEventRecord(b, nullptr));
+    SQUEEZE_CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    SQUEEZE_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    return ms;
+  }
+};
+
+// Device-to-device cudaMemcpy bandwidth (read + write bytes per second), median of 10 copies of 4 GiB.
+double copy_bandwidth_GBps() {
+  const std::int64_t bytes = std::int64_t(4) << 30;
+  auto src = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
+  auto dst = at::empty_like(src);
+  src.fill_(1);
+  Events ev;
+  std::vector<double> ms;
+  for (int i = 0; i < 12; ++i) {
+    const double t = ev.time([&] { SQUEEZE_CUDA_CHECK(cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), size_t(bytes), cudaMemcpyDeviceToDevice, nullptr)); });
+    if (i >= 2) ms.push_back(t);
+  }
+  return 2.0 * double(bytes) / (median(ms) * 1e-3) / 1e9;
+}
+
+// Slices of a flat tensor: the peer's tensor list (views share memory with ours).
+std::vector<at::Tensor> slices(const at::Tensor& flat, int k) {
+  std::vector<at::Tensor> out;
+  const std::int64_t n = flat.numel(), per = n / k;
+  for (int i = 0; i < k; ++i) out.push_back(flat.narrow(0, i * per, i + 1 == k ? n - i * per : per));
+  return out;
+}
+
+std::vector<at::Tensor> steps_for(int k, const at::Device& dev) {
+  std::vector<at::Tensor> s;
+  for (int i = 0; i < k; ++i) s.push_back(at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(dev)));
+  return s;
+}
+
+void peer_fused_adamw(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g, const std::vector<at::Tensor>& m,
+                      const std::vector<at::Tensor>& v, const std::vector<at::Tensor>& steps) {
+  at::_fused_adamw_(p, g, m, v, {}, steps, kLr, kBeta1, kBeta2, kWd, kEps, /*amsgrad=*/false, /*maximize=*/false);
+}
+
+// Times ours and the peer alternately; fills time_ms / peer_time_ms.
+void time_pair(Result& r, int iters, const std::function<void(int)>& ours, const std::function<void()>& peer) {
+  Events ev;
+  std::vector<double> a, b;
+  for (int i = 0; i < 3; ++i) ours(i + 1), peer();
+  SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+  for (int i = 0; i < iters; ++i) {
+    a.push_back(ev.time([&] { ours(i + 4); }));
+    b.push_back(ev.time(peer));
+  }
+  r.time_ms = median(a);
+  r.peer_time_ms = median(b);
+}
+
+Result gpu_case(const std::string& precision, int tensors, const Options& o, double copy_GBps) {
+  Result r;
+  r.name = "gpu/" + precision + "/" + (tensors == 1 ? std::string("flat") : std::to_string(tensors) + "-tensors") + "/" +
+           std::to_string(o.n >> 20) + "Mi";
+  r.params = o.n;
+  r.copy_GBps = copy_GBps;
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA);
+  const auto b16 = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA);
+  const at::Device dev(at::kCUDA);
+  auto m = at::zeros({o.n}, f32), v = at::zeros({o.n}, f32);
+  auto ours_step = [&](sk::AdamWCoeffs c, squeeze::bench::AdamWLauncher& l) { SQUEEZE_CUDA_CHECK(l.run(c, nullptr)); };
+  if (precision == "fp32") {
+    auto p = at::randn({o.n}, f32).mul_(0.02), g = at::randn({o.n}, f32).mul_(1e-3);
+    auto ours = squeeze::bench::make_fp32_adamw(p.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(), o.n,
+                                                tensors);
+    const auto P = slices(p, tensors), G = slices(g, tensors), M = slices(m, tensors), V = slices(v, tensors);
+    const auto S = steps_for(tensors, dev);
+    r.peer = "at::_fused_adamw_";
+    time_pair(
+        r, o.iters, [&](int t) { ours_step(sk::adamw_coeffs(kLr, kBeta1, kBeta2, kEps, kWd, t), *ours); },
+        [&] { peer_fused_adamw(P, G, M, V, S); });
+  } else {
+    auto master = at::randn({o.n}, f32).mul_(0.02);
+    auto p = master.to(at::kBFloat16), g = at::randn({o.n}, b16).mul_(1e-3);
+    auto g32 = g.to(at::kFloat);  // the peer's fp32 grads, cast outside the timed region
+    auto* pp = reinterpret_cast<bf16*>(p.data_ptr());
+    auto ours = squeeze::bench::make_bf16_mixed_adamw(pp, master.data_ptr<float>(), reinterpret_cast<const bf16*>(g.data_ptr()),
+                                                      m.data_ptr<float>(), v.data_ptr<float>(), o.n, tensors);
+    const auto PM = slices(master, tensors), G = slices(g32, tensors), M = slices(m, tensors), V = slices(v, tensors);
+    const auto PB = slices(p, tensors);
+    const auto S = steps_for(tensors, dev);
+    r.peer = "at::_fused_adamw_(fp32 master, fp32 grads) + bf16 copy_";
+    time_pair(
+        r, o.iters, [&](int t) { ours_step(sk::adamw_coeffs(kLr, kBeta1, kBeta2, kEps, kWd, t), *ours); },
+        [&] {
+          peer_fused_adamw(PM, G, M, V, S);
+          for (int i = 0; i < tensors; ++i) PB[std::size_t(i)].copy_(PM[std::size_t(i)]);
+        });
+  }
+  SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+  r.bandwidth_GBps = kBytesPerParam * double(o.n) / (r.time_ms * 1e-3) / 1e9;
+  if (copy_GBps > 0) r.roofline = r.bandwidth_GBps / copy_GBps;
+  return r;
+}
+
+// ---- CPU -------------------------------------------------------------------------------------------------
+
+template <class F>
+double cpu_time_ms(F&& fn) {
+  const auto t0 = std::chrono::steady_clock::now();
+  fn();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+Result cpu_case(const std::string& precision, const Options& o) {
+  Result r;
+  const std::int64_t n = o.cpu_n;
+  r.name = "cpu/" + precision + "/flat/" + std::to_string(n >> 20) + "Mi";
+  r.params = n;
+  r.threads = sk::cpu::max_threads();
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  auto master = at::randn({n}, f32).mul_(0.02), m = at::zeros({n}, f32), v = at::zeros({n}, f32);
+  auto g32 = at::randn({n}, f32).mul_(1e-3);
+  std::vector<double> a, b;
+  const int iters = std::max(3, o.iters / 4);
+  const std::vector<at::Tensor> S = {at::zeros({}, f32)};
+  std::function<void(int)> ours;
+  std::function<void()> peer;
+  at::Tensor pb, gb;
+  if (precision == "fp32") {
+    sk::AdamWTensor<float, float> t{master.data_ptr<float>(), nullptr, g32.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(), n};
+    ours = [t](int step) { sk::adamw_cpu(t, sk::adamw_coeffs(kLr, kBeta1, kBeta2, kEps, kWd, step)); };
+    peer = [&] { peer_fused_adamw({master}, {g32}, {m}, {v}, S); };
+    r.peer = "at::_fused_adamw_ (CPU)";
+  } else {
+    pb = master.to(at::kBFloat16);
+    gb = g32.to(at::kBFloat16);
+    sk::AdamWTensor<bf16, bf16> t{reinterpret_cast<bf16*>(pb.data_ptr()), master.data_ptr<float>(), reinterpret_cast<const bf16*>(gb.data_ptr()),
+                                  m.data_ptr<float>(), v.data_ptr<float>(), n};
+    ours = [t](int step) { sk::adamw_cpu(t, sk::adamw_coeffs(kLr, kBeta1, kBeta2, kEps, kWd, step)); };
+    peer = [&] {
+      peer_fused_adamw({master}, {g32}, {m}, {v}, S);
+      pb.copy_(master);
+    };
+    r.peer = "at::_fused_adamw_(fp32 master, fp32 grads) + bf16 copy_ (CPU)";
+  }
+  ours(1);
+  for (int i = 0; i < iters; ++i) a.push_back(cpu_time_ms([&] { ours(i + 2); }));
+  r.time_ms = median(a);
+  try {
+    peer();
+    for (int i = 0; i < iters; ++i) b.push_back(cpu_time_ms(peer));
+    r.peer_time_ms = median(b);
+  } catch (const std::exception& e) {
+    r.peer += " (unavailable: " + std::string(e.what()).substr(0, 120) + ")";
+  }
+  r.bandwidth_GBps = kBytesPerParam * double(n) / (r.time_ms * 1e-3) / 1e9;
+  r.params_per_s = double(n) / (r.time_ms * 1e-3);
+  return r;
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      squeeze::check(i + 1 < argc, "bench_adamw: " + a + " needs a value");
+      return argv[++i];
+    };
+    if (a == "--out") o.out = next();
+    else if (a == "--n") o.n = std::stoll(next());
+    else if (a == "--tensors") o.tensors = std::stoi(next());
+    else if (a == "--iters") o.iters = std::stoi(next());
+    else if (a == "--cpu-n") o.cpu_n = std::stoll(next());
+    else if (a == "--cpu-only") o.gpu = false;
+    else if (a == "--gpu-only") o.cpu = false;
+    else squeeze::check(false, "bench_adamw: unknown argument " + a +
+                                   " (use --out FILE --n N --tensors K --iters I --cpu-n N --cpu-only --gpu-only)");
+  }
+  squeeze::check(o.n >= o.tensors && o.tensors >= 1 && o.iters >= 1 && o.cpu_n >= 1, "bench_adamw: need n >= tensors >= 1, iters >= 1");
+  return o;
+}
+
+template <class F>
+void guarded(std::ofstream* out, const std::string& name, F&& f) {
+  try {
+    emit(out, f());
+  } catch (const std::exception& e) {
+    Result r;
+    r.name = name;
+    r.error = e.what();
+    emit(out, r);
+    cudaGetLastError();  // clear a sticky launch error so later cases can still run
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  try {
+    o = parse(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 2;
+  }
+  std::ofstream file;
+  if (!o.out.empty()) {
+    file.open(o.out, std::ios::app);
+    if (!file) std::fprintf(stderr, "bench_adamw: cannot write %s\n", o.out.c_str());
+  }
+  std::ofstream* out = file.is_open() ? &file : nullptr;
+  std::printf("bench_adamw: %s, %s, commit %s\n", env_or("SQUEEZE_DEVICE", "unknown").c_str(), env_or("SQUEEZE_DATE", "unknown").c_str(),
+              env_or("SQUEEZE_COMMIT", "unknown").c_str());
+
+  if (o.gpu) {
+    int devices = 0;
+    const bool gpu = cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0;
+    if (!gpu) {
+      std::printf("no CUDA device: GPU cases skipped\n");
+    } else if (!torch::cuda::is_available()) {
+      guarded(out, "gpu/setup", []() -> Result { throw squeeze::Error("libtorch sees no CUDA (torch_cuda not linked?): peer unavailable"); });
+    } else {
+      double copy = -1;
+      guarded(out, "gpu/copy-d2d/4GiB", [&] {
+        copy = copy_bandwidth_GBps();
+        Result r;
+        r.name = "gpu/copy-d2d/4GiB";
+        r.peer = "none (the roofline itself)";
+        r.bandwidth_GBps = copy;
+        r.roofline = 1.0;
+        r.time_ms = 2.0 * double(std::int64_t(4) << 30) / (copy * 1e9) * 1e3;
+        r.params = 0;
+        return r;
+      });
+      for (const char* prec : {"fp32", "bf16-mixed"})
+        for (int k : {1, o.tensors}) {
+          const std::string name = std::string("gpu/") + prec + "/" + (k == 1 ? "flat" : std::to_string(k) + "-tensors");
+          guarded(out, name, [&] { return gpu_case(prec, k, o, copy); });
+        }
+    }
+  }
+  if (o.cpu)
+    for (const char* prec : {"fp32", "bf16-mixed"}) guarded(out, std::string("cpu/") + prec, [&] { return cpu_case(prec, o); });
+  return 0;
+}

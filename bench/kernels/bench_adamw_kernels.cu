@@ -1,0 +1,42 @@
+// The nvcc half of bench_adamw (see bench_adamw_kernels.hpp).
+#include <vector>
+
+#include "bench_adamw_kernels.hpp"
+#include "squeeze/kernels/adamw.cuh"
+
+namespace squeeze::bench {
+namespace {
+
+template <class P, class G>
+class Launcher final : public AdamWLauncher {
+ public:
+  Launcher(P* param, float* master, const G* grad, float* m, float* v, std::int64_t n, int tensors) {
+    check(tensors >= 1 && n >= tensors, "bench: need 1 <= tensors <= n");
+    const std::int64_t per = n / tensors;
+    for (int i = 0; i < tensors; ++i) {
+      const std::int64_t off = i * per, len = i + 1 == tensors ? n - off : per;
+      list_.push_back({param + off, master ? master + off : nullptr, grad + off, m + off, v + off, len});
+    }
+    if (tensors > 1) table_.upload(list_);
+  }
+  cudaError_t run(const kernels::AdamWCoeffs& c, cudaStream_t stream) override {
+    if (list_.size() == 1) return kernels::adamw_cuda(list_[0], c, {}, stream);
+    return kernels::adamw_cuda(table_.view(), c, {}, stream);
+  }
+
+ private:
+  std::vector<kernels::AdamWTensor<P, G>> list_;
+  kernels::DeviceTensorTable<kernels::AdamWTensor<P, G>> table_;
+};
+
+}  // namespace
+
+std::unique_ptr<AdamWLauncher> make_fp32_adamw(float* param, const float* grad, float* m, float* v, std::int64_t n, int tensors) {
+  return std::make_unique<Launcher<float, float>>(param, nullptr, grad, m, v, n, tensors);
+}
+std::unique_ptr<AdamWLauncher> make_bf16_mixed_adamw(bf16* param, float* master, const bf16* grad, float* m, float* v, std::int64_t n,
+                                                     int tensors) {
+  return std::make_unique<Launcher<bf16, bf16>>(param, master, grad, m, v, n, tensors);
+}
+
+}  // namespace squeeze::bench

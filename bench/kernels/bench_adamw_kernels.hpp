@@ -1,0 +1,27 @@
+#pragma once
+// The CUDA half of bench_adamw: squeeze's AdamW launches behind a plain interface, so the torch side
+// (bench_adamw.cpp, built by the host compiler) and the nvcc side (bench_adamw_kernels.cu) share no headers
+// but this one.
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "squeeze/kernels/adamw.hpp"
+
+namespace squeeze::bench {
+
+// One AdamW configuration over device buffers, ready to launch every step.
+class AdamWLauncher {
+ public:
+  virtual ~AdamWLauncher() = default;
+  virtual cudaError_t run(const kernels::AdamWCoeffs& c, cudaStream_t stream) = 0;
+};
+
+// Buffers of n elements each, updated as one flat buffer (tensors == 1) or as `tensors` equal slices in
+// one multi-tensor launch (the last slice takes the remainder).
+std::unique_ptr<AdamWLauncher> make_fp32_adamw(float* param, const float* grad, float* m, float* v, std::int64_t n, int tensors);
+std::unique_ptr<AdamWLauncher> make_bf16_mixed_adamw(bf16* param, float* master, const bf16* grad, float* m, float* v, std::int64_t n,
+                                                     int tensors);
+
+}  // namespace squeeze::bench
