@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <squeeze/nn/gptq.hpp>
+#include <squeeze/nn/quantized_linear.hpp>
 #include <squeeze/quant/rtn.hpp>
 
 using namespace squeeze;
@@ -220,4 +221,35 @@ TEST(Gptq, TrueSequentialCaptureQuantizesLayerByLayer) {
   // a layer the forward never routes through observe() is an error, not a silent identity
   torch::nn::Linear stray(24, 4);
   EXPECT_THROW(nn::gptq_sequential({{{"stray", stray}}}, [&] { m->forward(X); }, o), c10::Error);
+}
+
+// ---- QuantizedLinear (CPU path: dequantize twin + matmul) ----------------------------------------------------
+TEST(QuantizedLinear, CpuForwardMatchesFloat64DequantMatmul) {
+  // tolerance: float32 matmul over `in` terms, 1e-5 relative to sum |x||w| (+ bias exactly in fp16)
+  for (int bits : {3, 4, 8}) {
+    auto X = correlated_inputs(64, 72, bits).to(torch::kFloat32);
+    nn::Hessian h(72, torch::kCPU);
+    h.add(X);
+    GptqOptions o;
+    o.bits = bits;
+    o.group_size = 32;
+    o.act_order = bits != 8;
+    auto W = torch::randn({30, 72});
+    auto p = nn::gptq_quantize(W, h.matrix(), o).pack();
+    p.bias.resize(30);
+    for (int k = 0; k < 30; ++k) p.bias[k] = from_float<half>(0.1f * float(k));
+    nn::QuantizedLinear q(p);
+    auto x = torch::randn({2, 5, 72});
+    auto y = q->forward(x);
+    EXPECT_EQ(y.sizes(), (std::vector<std::int64_t>{2, 5, 30}));
+    EXPECT_EQ(q->path_for(x), nn::QuantizedLinearImpl::Path::CpuDequant);
+    auto Wd = packed_dequant(p).to(torch::kFloat64);
+    auto b = torch::arange(30, torch::kFloat64) * 0.1;
+    auto ref = x.to(torch::kFloat64).matmul(Wd.t()) + b.to(torch::kHalf).to(torch::kFloat64);
+    auto mag = x.to(torch::kFloat64).abs().matmul(Wd.abs().t());
+    EXPECT_TRUE(((y.to(torch::kFloat64) - ref).abs() <= mag * 1e-5 + 1e-6).all().item<bool>()) << bits;
+    // bf16 input comes back as bf16
+    EXPECT_EQ(q->forward(x.to(torch::kBFloat16)).scalar_type(), torch::kBFloat16);
+    EXPECT_THROW(q->forward(torch::randn({3, 71})), c10::Error);
+  }
 }

@@ -1,0 +1,175 @@
+#pragma once
+// Frozen GPTQ linear layer: y = x W^T + b with W held packed (2/3/4/8 bits, GPTQ v1 layout).
+//
+// Kernel choice (forward), by device, width and batch rows M = x.numel() / in:
+//   CPU                         dequantize (CPU twin) once, cached, then float matmul
+//   CUDA, 4 bits, M <= 256      fused int4 tensor-core GEMM (kernels/.../gemm_int4.cuh)
+//   CUDA, other widths, M <= 8  GPTQ-layout GEMV (kernels/.../dequant.cuh)
+//   CUDA, otherwise             dequantize to x's dtype, cuBLAS matmul (compute-bound: cuBLAS wins)
+// CUDA paths need this header compiled by nvcc (a .cu translation unit); activations fp16 or bf16.
+// Kernels run on libtorch's current stream. One layer must not run concurrently on two streams
+// (the int4 split-K counters are per layer).
+#include <torch/torch.h>
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <squeeze/kernels/quant/dequant.cuh>
+#include <squeeze/kernels/quant/gemm_int4.cuh>
+
+#include "../quant/int4_tiles.hpp"
+#include "../quant/pack.hpp"
+
+namespace squeeze::nn {
+
+class QuantizedLinearImpl : public torch::nn::Module {
+ public:
+  enum class Path { CpuDequant, Int4Gemm, Gemv, DequantMatmul };
+
+  explicit QuantizedLinearImpl(const quant::PackedLinear& p) : bits_(p.bits), group_size_(p.group_size), in_(p.in), out_(p.out) {
+    p.validate();
+    auto i32 = [](const std::vector<std::int32_t>& v, std::vector<std::int64_t> shape) {
+      return torch::from_blob(const_cast<std::int32_t*>(v.data()), shape, torch::kInt32).clone();
+    };
+    auto f16 = [](const std::vector<half>& v, std::vector<std::int64_t> shape) {
+      return torch::from_blob(const_cast<half*>(v.data()), shape, torch::kHalf).clone();
+    };
+    qweight_ = register_buffer("qweight", i32(p.qweight, {p.qweight_rows(), p.out}));
+    qzeros_ = register_buffer("qzeros", i32(p.qzeros, {p.groups(), p.qzeros_cols()}));
+    scales_ = register_buffer("scales", f16(p.scales, {p.groups(), p.out}));
+    g_idx_ = register_buffer("g_idx", i32(p.g_idx, {p.in}));
+    if (!p.bias.empty()) bias_ = register_buffer("bias", f16(p.bias, {p.out}));
+    // the int4 kernel's layout, when this layer can use it
+    if (p.bits == 4 && (p.group_size == 0 || p.group_size % 16 == 0)) {
+      try {
+        const auto t = quant::to_int4_tiles(p);
+        Npad_ = t.Npad;
+        Kpad_ = t.Kpad;
+        tile_group_ = t.group;
+        tiles_ = register_buffer("tiles", torch::from_blob(const_cast<std::uint32_t*>(t.tiles.data()), {std::int64_t(t.tiles.size())},
+                                                           torch::kInt32).clone());
+        tile_scales_ = register_buffer("tile_scales", f16(t.scales, {std::int64_t(t.scales.size())}));
+        tile_zeros_ = register_buffer("tile_zeros", torch::from_blob(const_cast<std::uint8_t*>(t.zeros.data()),
+                                                                     {std::int64_t(t.zeros.size())}, torch::kUInt8).clone());
+        if (!t.perm.empty()) perm_ = register_buffer("perm", i32(t.perm, {p.in}).to(torch::kInt64));
+        const auto ws = kernels::quant::int4_workspace_size(128, t.shape(128), 1 << 10);  // generous: any SM count <= 1024
+        counters_ = register_buffer("counters", torch::zeros({std::max<std::int64_t>(ws.counter_elems, 1)}, torch::kInt32));
+      } catch (const squeeze::Error&) {
+        tiles_ = torch::Tensor();  // g_idx the kernel cannot serve: other paths handle it
+      }
+    }
+  }
+
+  std::int64_t in_features() const { return in_; }
+  std::int64_t out_features() const { return out_; }
+  int bits() const { return bits_; }
+
+  Path path_for(const torch::Tensor& x) const {
+    const std::int64_t M = x.numel() / in_;
+    if (!x.is_cuda()) return Path::CpuDequant;
+    if (bits_ == 4 && tiles_.defined() && M <= 256) return Path::Int4Gemm;
+    if (M <= 8) return Path::Gemv;
+    return Path::DequantMatmul;
+  }
+
+  // x [..., in] -> [..., out] in x's dtype.
+  torch::Tensor forward(const torch::Tensor& x) {
+    TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in_, "QuantizedLinear: input has ", x.size(-1), " features, layer expects ", in_);
+    TORCH_CHECK(x.device() == qweight_.device(), "QuantizedLinear: input on ", x.device(), " but the layer on ", qweight_.device(),
+                "; move one of them");
+    auto shape = x.sizes().vec();
+    shape.back() = out_;
+    auto x2 = x.reshape({-1, in_});
+    torch::Tensor y;
+    switch (path_for(x)) {
+      case Path::CpuDequant: {
+        TORCH_CHECK(x.is_floating_point(), "QuantizedLinear: floating-point input required, got ", x.scalar_type());
+        y = torch::matmul(x2.to(torch::kFloat32), dequantized_cpu().t());
+        break;
+      }
+      default:
+        y = forward_cuda(x2);
+        break;
+    }
+    if (bias_.defined()) y = y + bias_.to(y.scalar_type());
+    return y.to(x.scalar_type()).reshape(shape);
+  }
+
+  // W [out, in] in float on the CPU (cached: the weights are frozen).
+  const torch::Tensor& dequantized_cpu() {
+    if (!w_cpu_.defined()) {
+      w_cpu_ = torch::empty({out_, in_}, torch::kFloat32);
+      auto qw = qweight_.to(torch::kCPU).contiguous(), qz = qzeros_.to(torch::kCPU).contiguous(), gi = g_idx_.to(torch::kCPU).contiguous();
+      auto sc = scales_.to(torch::kCPU).contiguous();
+      kernels::quant::dequantize_cpu(view(qw, qz, sc, gi), w_cpu_.data_ptr<float>());
+    }
+    return w_cpu_;
+  }
+
+ private:
+  kernels::quant::GptqView view(const torch::Tensor& qw, const torch::Tensor& qz, const torch::Tensor& sc, const torch::Tensor& gi) const {
+    return {qw.data_ptr<std::int32_t>(), qz.data_ptr<std::int32_t>(), reinterpret_cast<const half*>(sc.data_ptr<at::Half>()),
+            gi.data_ptr<std::int32_t>(), in_, out_, bits_};
+  }
+
+  torch::Tensor forward_cuda(const torch::Tensor& x2) {
+#if defined(__CUDACC__)
+    namespace kq = kernels::quant;
+    const auto st = x2.scalar_type();
+    TORCH_CHECK(st == torch::kHalf || st == torch::kBFloat16, "QuantizedLinear: CUDA kernels take fp16 or bf16 activations, got ", st);
+    const cudaStream_t stream =
+        static_cast<cudaStream_t>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(x2.device()).native_handle());
+    const std::int64_t M = x2.size(0);
+    auto dispatch = [&](auto tag) -> torch::Tensor {
+      using T = decltype(tag);
+      auto yy = torch::empty({M, out_}, x2.options());
+      switch (path_for(x2)) {
+        case Path::Int4Gemm: {
+          auto xg = (perm_.defined() ? x2.index_select(1, perm_) : x2).contiguous();
+          int sm = 0;
+          cudaDeviceGetAttribute(&sm, cudaDevAttrMultiProcessorCount, x2.device().index());
+          const kq::Int4GemmShape s{M, out_, in_, Kpad_, Npad_, tile_group_};
+          auto need = kq::int4_workspace_size(M, s, sm);
+          auto partial = torch::empty({std::max<std::int64_t>(need.partial_elems, 1)}, x2.options().dtype(torch::kFloat32));
+          TORCH_CHECK(need.counter_elems <= counters_.numel(), "QuantizedLinear: counter buffer too small");
+          const kq::Int4Workspace ws{partial.data_ptr<float>(), need.partial_elems, counters_.data_ptr<int>(), counters_.numel()};
+          const auto e = kq::int4_gemm_cuda<T>(reinterpret_cast<const T*>(xg.data_ptr()),
+                                               reinterpret_cast<const std::uint32_t*>(tiles_.data_ptr<std::int32_t>()),
+                                               reinterpret_cast<const half*>(tile_scales_.data_ptr<at::Half>()), tile_zeros_.data_ptr<std::uint8_t>(),
+                                               reinterpret_cast<T*>(yy.data_ptr()), s, ws, sm, stream);
+          TORCH_CHECK(e == cudaSuccess, "QuantizedLinear: int4 GEMM failed: ", cudaGetErrorString(e));
+          return yy;
+        }
+        case Path::Gemv: {
+          auto xc = x2.contiguous();
+          auto acc = torch::empty({M, out_}, x2.options().dtype(torch::kFloat32));
+          const auto e = kq::gemv_cuda<T>(view(qweight_, qzeros_, scales_, g_idx_), reinterpret_cast<const T*>(xc.data_ptr()),
+                                          reinterpret_cast<T*>(yy.data_ptr()), int(M), acc.data_ptr<float>(), stream);
+          TORCH_CHECK(e == cudaSuccess, "QuantizedLinear: GEMV failed: ", cudaGetErrorString(e));
+          return yy;
+        }
+        default: {
+          auto w = torch::empty({out_, in_}, x2.options());
+          const auto e = kq::dequantize_cuda<T>(view(qweight_, qzeros_, scales_, g_idx_), reinterpret_cast<T*>(w.data_ptr()), stream);
+          TORCH_CHECK(e == cudaSuccess, "QuantizedLinear: dequantize failed: ", cudaGetErrorString(e));
+          return torch::matmul(x2, w.t());
+        }
+      }
+    };
+    return st == torch::kHalf ? dispatch(half{}) : dispatch(bf16{});
+#else
+    TORCH_CHECK(false, "QuantizedLinear: CUDA input, but this translation unit was not compiled by nvcc; include "
+                       "squeeze/nn/quantized_linear.hpp from a .cu file to use the CUDA kernels");
+    return {};
+#endif
+  }
+
+  int bits_, group_size_;
+  std::int64_t in_, out_;
+  std::int64_t Npad_ = 0, Kpad_ = 0, tile_group_ = 0;
+  torch::Tensor qweight_, qzeros_, scales_, g_idx_, bias_;
+  torch::Tensor tiles_, tile_scales_, tile_zeros_, perm_, counters_;
+  torch::Tensor w_cpu_;
+};
+TORCH_MODULE(QuantizedLinear);
+
+}  // namespace squeeze::nn

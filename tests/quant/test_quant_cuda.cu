@@ -1,0 +1,181 @@
+// CUDA quant kernels against their CPU twins (label cuda; skips without a device).
+// Tolerances: dequantize is bit-identical (same element function); gemv and the int4 GEMM sum in a
+// different order than their twins: |gpu - twin| <= 1e-5 * sum|x w| + one ulp of the output type.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <squeeze/error.hpp>
+#include <squeeze/kernels/quant/dequant.cuh>
+#include <squeeze/kernels/quant/gemm_int4.cuh>
+#include <squeeze/quant/int4_tiles.hpp>
+#include <squeeze/quant/rtn.hpp>
+
+using namespace squeeze;
+namespace kq = squeeze::kernels::quant;
+
+namespace {
+bool have_device() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+#define REQUIRE_DEVICE() \
+  if (!have_device()) GTEST_SKIP() << "no CUDA device"
+
+template <class T>
+struct Dev {
+  T* p = nullptr;
+  std::size_t n = 0;
+  explicit Dev(std::size_t count) : n(count) { SQUEEZE_CUDA_CHECK(cudaMalloc(&p, std::max<std::size_t>(1, n) * sizeof(T))); }
+  explicit Dev(const std::vector<T>& h) : Dev(h.size()) { SQUEEZE_CUDA_CHECK(cudaMemcpy(p, h.data(), n * sizeof(T), cudaMemcpyHostToDevice)); }
+  ~Dev() { cudaFree(p); }
+  std::vector<T> get() const {
+    std::vector<T> h(n);
+    SQUEEZE_CUDA_CHECK(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+quant::PackedLinear random_layer(std::int64_t out, std::int64_t in, int bits, int group, bool act_order, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, 0.02f);
+  std::vector<float> w(out * in);
+  for (auto& v : w) v = nd(rng);
+  auto p = quant::rtn_quantize(w, out, in, {.bits = bits, .group_size = group, .sym = false});
+  if (act_order && group > 0) {
+    std::vector<std::int32_t> perm(in);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (std::int64_t j = 0; j < in; ++j) p.g_idx[perm[j]] = std::int32_t(j / group);
+  }
+  return p;
+}
+template <class T>
+std::vector<T> random_x(std::int64_t n, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<T> x(n);
+  for (auto& v : x) v = from_float<T>(nd(rng));
+  return x;
+}
+template <class T>
+double ulp(double y) {
+  return std::ldexp(std::abs(y), std::is_same_v<T, half> ? -10 : -7) + 1e-30;
+}
+int sm_count() {
+  int sm = 0;
+  SQUEEZE_CUDA_CHECK(cudaDeviceGetAttribute(&sm, cudaDevAttrMultiProcessorCount, 0));
+  return sm;
+}
+}  // namespace
+
+struct DevLayer {
+  Dev<std::int32_t> qw, qz, gi;
+  Dev<half> sc;
+  explicit DevLayer(const quant::PackedLinear& p) : qw(p.qweight), qz(p.qzeros), gi(p.g_idx), sc(p.scales) {}
+  kq::GptqView view(const quant::PackedLinear& p) const { return {qw.p, qz.p, sc.p, gi.p, p.in, p.out, p.bits}; }
+};
+
+TEST(QuantCuda, DequantizeIsBitIdenticalToCpuTwin) {
+  REQUIRE_DEVICE();
+  for (int bits : {2, 3, 4, 8}) {
+    const auto p = random_layer(67, 300, bits, 32, bits == 4, 3 + bits);
+    DevLayer d(p);
+    const kq::GptqView hv{p.qweight.data(), p.qzeros.data(), p.scales.data(), p.g_idx.data(), p.in, p.out, p.bits};
+    std::vector<bf16> ref(p.in * p.out);
+    kq::dequantize_cpu(hv, ref.data());
+    Dev<bf16> w(ref.size());
+    SQUEEZE_CUDA_CHECK(kq::dequantize_cuda(d.view(p), w.p, nullptr));
+    const auto got = w.get();
+    for (std::size_t k = 0; k < ref.size(); ++k) ASSERT_EQ(to_float(got[k]), to_float(ref[k])) << bits << " " << k;
+  }
+}
+
+TEST(QuantCuda, GemvMatchesCpuTwin) {
+  REQUIRE_DEVICE();
+  for (int bits : {2, 3, 4, 8})
+    for (int M : {1, 3, 9}) {
+      const auto p = random_layer(301, 520, bits, 64, false, 9 + bits);
+      DevLayer d(p);
+      const kq::GptqView hv{p.qweight.data(), p.qzeros.data(), p.scales.data(), p.g_idx.data(), p.in, p.out, p.bits};
+      const auto x = random_x<half>(M * p.in, 4);
+      std::vector<half> ref(M * p.out);
+      kq::gemv_cpu(hv, x.data(), ref.data(), M);
+      Dev<half> dx(x), dy(ref.size());
+      Dev<float> acc(ref.size());
+      SQUEEZE_CUDA_CHECK(kq::gemv_cuda(d.view(p), dx.p, dy.p, M, acc.p, nullptr));
+      const auto got = dy.get();
+      for (std::size_t k = 0; k < ref.size(); ++k)
+        ASSERT_NEAR(to_float(got[k]), to_float(ref[k]), 1e-3 + 2 * ulp<half>(to_float(ref[k]))) << bits << " M " << M << " " << k;
+    }
+}
+
+struct GemmCase {
+  std::int64_t M, N, K;
+  int group;
+  bool act_order;
+};
+template <class T>
+void int4_case(const GemmCase& c) {
+  const auto p = random_layer(c.N, c.K, 4, c.group, c.act_order, std::uint32_t(c.M + 31 * c.N + c.K));
+  const auto t = quant::to_int4_tiles(p);
+  auto x = random_x<T>(c.M * c.K, 17);
+  if (!t.perm.empty()) {  // the kernel reads x in kernel row order
+    auto xg = x;
+    for (std::int64_t m = 0; m < c.M; ++m)
+      for (std::int64_t k = 0; k < c.K; ++k) xg[m * c.K + k] = x[m * c.K + t.perm[k]];
+    x = xg;
+  }
+  std::vector<T> ref(c.M * c.N);
+  const auto shape = t.shape(c.M);
+  kq::int4_gemm_cpu(x.data(), t.tiles.data(), t.scales.data(), t.zeros.data(), ref.data(), shape);
+  // sum |x| |w| bound per output from the float64 twin inputs
+  const auto wdq = quant::dequantize(p);
+  Dev<T> dx(x), dy(ref.size());
+  Dev<std::uint32_t> dt(t.tiles);
+  Dev<half> ds(t.scales);
+  Dev<std::uint8_t> dz(t.zeros);
+  const int sm = sm_count();
+  auto need = kq::int4_workspace_size(c.M, shape, sm);
+  Dev<float> part(std::size_t(std::max<std::int64_t>(need.partial_elems, 1)));
+  Dev<int> cnt(std::vector<int>(std::size_t(need.counter_elems), 0));
+  const kq::Int4Workspace ws{part.p, need.partial_elems, cnt.p, need.counter_elems};
+  for (int rep = 0; rep < 2; ++rep) {  // the second launch checks the split-K counters were reset
+    SQUEEZE_CUDA_CHECK(cudaMemset(dy.p, 0xff, dy.n * sizeof(T)));
+    SQUEEZE_CUDA_CHECK(kq::int4_gemm_cuda(dx.p, dt.p, ds.p, dz.p, dy.p, shape, ws, sm, nullptr));
+    SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto got = dy.get();
+    for (std::int64_t m = 0; m < c.M; ++m)
+      for (std::int64_t n = 0; n < c.N; ++n) {
+        double mag = 0;
+        for (std::int64_t k = 0; k < c.K; ++k) mag += std::abs(double(to_float(x[m * c.K + k])) * wdq[n * c.K + (t.perm.empty() ? k : t.perm[k])]);
+        const double r = to_float(ref[m * c.N + n]), g = to_float(got[m * c.N + n]);
+        ASSERT_LE(std::abs(g - r), 1e-5 * mag + ulp<T>(r)) << "M " << c.M << " N " << c.N << " K " << c.K << " g " << c.group << " rep " << rep
+                                                           << " at " << m << "," << n;
+      }
+  }
+  const auto counters = cnt.get();
+  EXPECT_TRUE(std::all_of(counters.begin(), counters.end(), [](int v) { return v == 0; }));
+}
+class QuantCudaInt4 : public ::testing::TestWithParam<GemmCase> {};
+TEST_P(QuantCudaInt4, Fp16MatchesCpuTwin) {
+  REQUIRE_DEVICE();
+  int4_case<half>(GetParam());
+}
+TEST_P(QuantCudaInt4, Bf16MatchesCpuTwin) {
+  REQUIRE_DEVICE();
+  int4_case<bf16>(GetParam());
+}
+INSTANTIATE_TEST_SUITE_P(Shapes, QuantCudaInt4,
+                         ::testing::Values(GemmCase{1, 8, 64, 32, false}, GemmCase{1, 4096, 4096, 128, false}, GemmCase{7, 100, 200, 32, false},
+                                           GemmCase{16, 1000, 1100, 128, true}, GemmCase{17, 72, 520, 0, false}, GemmCase{40, 333, 768, 64, false},
+                                           GemmCase{64, 512, 2048, 128, false}, GemmCase{100, 130, 384, 32, true},
+                                           GemmCase{128, 256, 4096, 128, false}, GemmCase{300, 48, 256, 128, false}));
+
+TEST(QuantCuda, Int4RejectsBadArguments) {
+  REQUIRE_DEVICE();
+  kq::Int4GemmShape s{1, 16, 64, 64, 16, 24};  // group not a multiple of 16
+  EXPECT_EQ(kq::int4_gemm_cuda<half>(nullptr, nullptr, nullptr, nullptr, nullptr, s, {}, 132, nullptr), cudaErrorInvalidValue);
+}
