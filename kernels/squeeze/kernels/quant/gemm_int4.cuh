@@ -199,6 +199,13 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const std::uint32_t (&a)
   }
 }
 
+__device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&a)[4], const void* smem_row) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem_row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+               : "r"(addr));
+}
+
 // B registers (q - z) of one k-step for both n8 halves j: b[j][r].
 template <class T>
 __device__ __forceinline__ void decode_word(std::uint32_t w, const std::uint32_t (&zlo)[2], const std::uint32_t (&zhi)[2],
@@ -217,7 +224,8 @@ __device__ __forceinline__ void decode_word(std::uint32_t w, const std::uint32_t
   }
 }
 
-constexpr int kStride = kTileK + 8;  // halves per staged x row: +8 keeps the A-fragment loads conflict-free
+constexpr int kStride = kTileK + 8;  // halves per staged x row (144 B): rows stay 16-byte aligned for ldmatrix and
+                                     // its 8 row reads hit 8 distinct 4-bank groups
 
 template <class T, int MT>
 __global__ void __launch_bounds__(kWarps * 32) int4_gemm_kernel(const T* __restrict__ x, const uint4* __restrict__ tiles,
@@ -301,7 +309,7 @@ __global__ void __launch_bounds__(kWarps * 32) int4_gemm_kernel(const T* __restr
       for (int e = 0; e < 4; ++e) acc[mt][j][e] = gacc[mt][j][e] = 0.f;
 
   // per-group constants: zero points for the B columns (n = 8j + g4), scales for the C columns (8j + 2c4 + {0,1})
-  int cur_group = -1;
+  int cur_group = -1, next_group_k = -1;
   std::uint32_t zlo[2] = {0, 0}, zhi[2] = {0, 0};
   float sc[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
   const int ncol0 = nt * kTileN;
@@ -360,20 +368,25 @@ __global__ void __launch_bounds__(kWarps * 32) int4_gemm_kernel(const T* __restr
           const std::uint32_t words[4] = {cur.x, cur.y, cur.z, cur.w};
 #pragma unroll
           for (int ks = 0; ks < 4; ++ks) {
-            const int g = min(kc * kTileK + ks * 16, K - 1) / group;  // padded rows: last group (x is 0 there)
-            if (g != cur_group) {
-              if (cur_group >= 0) flush();
-              cur_group = g;
-              load_group(g);
+            const int k0 = kc * kTileK + ks * 16;
+            if (k0 >= next_group_k) {  // divide only when a group may end (k-steps never straddle groups)
+              const int g = min(k0, K - 1) / group;  // padded rows: last group (x is 0 there)
+              if (g != cur_group) {
+                if (cur_group >= 0) flush();
+                cur_group = g;
+                load_group(g);
+              }
+              next_group_k = (g + 1) * group;
             }
             std::uint32_t b[2][2];
             decode_word<T>(words[ks], zlo, zhi, b);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-              const std::uint16_t* r0 = xb + (mt * 16 + g4) * kStride + ks * 16 + 2 * c4;
-              const std::uint16_t* r1 = r0 + 8 * kStride;
-              const std::uint32_t a[4] = {*reinterpret_cast<const std::uint32_t*>(r0), *reinterpret_cast<const std::uint32_t*>(r1),
-                                          *reinterpret_cast<const std::uint32_t*>(r0 + 8), *reinterpret_cast<const std::uint32_t*>(r1 + 8)};
+              // A fragment of rows mt*16.., k-step ks: ldmatrix.x4, lane l addresses row (l % 8) + 8 ((l / 8) & 1),
+              // column 8 (l / 16) of the 16 x 16 block; registers come back in mma's a0..a3 order
+              const std::uint16_t* ap = xb + (mt * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * kStride + ks * 16 + 8 * (lane >> 4);
+              std::uint32_t a[4];
+              ldmatrix_x4(a, ap);
               mma16816<T>(gacc[mt][0], a, b[0][0], b[0][1]);
               mma16816<T>(gacc[mt][1], a, b[1][0], b[1][1]);
             }

@@ -1,0 +1,226 @@
+// 4-bit GEMM benchmark (GPU): y [M, N] = x [M, K] bf16 * W^T with W 4-bit GPTQ (group 128, asymmetric).
+// For each (K, N) and batch M it measures, in the same run:
+//   ours       squeeze int4 tensor-core GEMM (kernels/squeeze/kernels/quant/gemm_int4.cuh)
+//   peer       cuBLAS bf16 GEMM through libtorch (at::mm on bf16 CUDA tensors, W [N, K] as nn.Linear stores it)
+//   peer2      PyTorch's int4 weight-only GEMM at::_weight_int4pack_mm (group 128), when it runs here
+//   roofline   bytes our kernel must read (weights + scales + zeros + x) / time, over the bandwidth of a
+//              device-to-device copy measured in the same run
+// Times: CUDA events around each launch, median of --reps; every batch of launches is queued behind a
+// spin kernel so CPU launch overhead never shows as GPU time. Correctness: ours vs dequantize + fp32
+// matmul on the same weights (max error relative to max |y|), reported per case.
+// Usage: bench_quant_gemm [--out FILE] [--reps N]   (env SQUEEZE_DEVICE, SQUEEZE_DATE, SQUEEZE_COMMIT)
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include <squeeze/error.hpp>
+#include <squeeze/kernels/quant/dequant.cuh>
+#include <squeeze/kernels/quant/gemm_int4.cuh>
+#include <squeeze/quant/int4_tiles.hpp>
+
+namespace kq = squeeze::kernels::quant;
+using squeeze::bf16;
+using squeeze::half;
+
+namespace {
+
+__global__ void spin_kernel(long long cycles) {
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {
+  }
+}
+
+// Median GPU time (ms) of fn over reps, launched in groups queued behind a spin kernel.
+double time_ms(const std::function<void()>& fn, int reps) {
+  for (int i = 0; i < 3; ++i) fn();  // warm-up
+  SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<cudaEvent_t> ev(2 * reps);
+  for (auto& e : ev) SQUEEZE_CUDA_CHECK(cudaEventCreate(&e));
+  constexpr int kGroup = 10;
+  for (int r0 = 0; r0 < reps; r0 += kGroup) {
+    spin_kernel<<<1, 1>>>(2'000'000);  // ~1 ms: the CPU queues the group meanwhile
+    for (int r = r0; r < std::min(reps, r0 + kGroup); ++r) {
+      SQUEEZE_CUDA_CHECK(cudaEventRecord(ev[2 * r], nullptr));
+      fn();
+      SQUEEZE_CUDA_CHECK(cudaEventRecord(ev[2 * r + 1], nullptr));
+    }
+  }
+  SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<float> t(reps);
+  for (int r = 0; r < reps; ++r) SQUEEZE_CUDA_CHECK(cudaEventElapsedTime(&t[r], ev[2 * r], ev[2 * r + 1]));
+  for (auto& e : ev) cudaEventDestroy(e);
+  std::nth_element(t.begin(), t.begin() + reps / 2, t.end());
+  return t[reps / 2];
+}
+
+std::string env_or(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::string(v) : fallback;
+}
+
+// A random 4-bit GPTQ layer [N out, K in], group 128: random codes, zeros in [1, 15], scales ~ 1e-2.
+squeeze::quant::PackedLinear random_int4(std::int64_t K, std::int64_t N, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  squeeze::quant::PackedLinear p;
+  p.bits = 4;
+  p.group_size = 128;
+  p.in = K;
+  p.out = N;
+  p.qweight.resize(p.qweight_rows() * N);
+  for (auto& w : p.qweight) w = std::int32_t(rng());
+  p.qzeros.resize(p.groups() * p.qzeros_cols());
+  for (auto& z : p.qzeros) {  // nibbles in [0, 14] -> zeros in [1, 15]
+    std::uint32_t v = 0;
+    for (int i = 0; i < 8; ++i) v |= (rng() % 15u) << (4 * i);
+    z = std::int32_t(v);
+  }
+  p.scales.resize(p.groups() * N);
+  std::uniform_real_distribution<float> ud(0.005f, 0.02f);
+  for (auto& s : p.scales) s = squeeze::from_float<half>(ud(rng));
+  p.g_idx = squeeze::quant::default_g_idx(K, 128);
+  return p;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string out_path;
+  int reps = 50;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--out" && i + 1 < argc) out_path = argv[++i];
+    else if (a == "--reps" && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
+    else {
+      std::fprintf(stderr, "usage: %s [--out FILE] [--reps N]\n", argv[0]);
+      return 2;
+    }
+  }
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+    std::fprintf(stderr, "bench_quant_gemm: no CUDA device\n");
+    return 1;
+  }
+  cudaDeviceProp prop{};
+  SQUEEZE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  const int sm = prop.multiProcessorCount;
+  const std::string device = env_or("SQUEEZE_DEVICE", prop.name), date = env_or("SQUEEZE_DATE", ""),
+                    commit = env_or("SQUEEZE_COMMIT", "unknown");
+  std::ofstream out;
+  if (!out_path.empty()) out.open(out_path);
+  torch::NoGradGuard ng;
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA, 0);
+
+  // memory roofline: device-to-device copy of 2 GiB (read + write)
+  double copy_gbs = 0;
+  {
+    const std::size_t bytes = 2ull << 30;
+    auto a = torch::empty({std::int64_t(bytes)}, cuda.dtype(torch::kUInt8)), b = torch::empty_like(a);
+    const double ms = time_ms([&] { SQUEEZE_CUDA_CHECK(cudaMemcpyAsync(b.data_ptr(), a.data_ptr(), bytes, cudaMemcpyDeviceToDevice, nullptr)); },
+                              10);
+    copy_gbs = 2.0 * double(bytes) / (ms * 1e6);
+    std::printf("device %s, %d SMs, device-to-device copy %.0f GB/s\n", device.c_str(), sm, copy_gbs);
+  }
+
+  const std::vector<std::pair<std::int64_t, std::int64_t>> shapes = {{4096, 4096}, {4096, 11008}, {11008, 4096}, {8192, 28672}};
+  const std::vector<std::int64_t> batches = {1, 16, 64, 128};
+  std::printf("%-22s %10s %10s %8s %10s %8s %6s %9s\n", "case", "ours ms", "cublas ms", "x cublas", "int4pk ms", "x int4pk", "roof", "rel err");
+  for (auto [K, N] : shapes) {
+    const auto p = random_int4(K, N, std::uint32_t(K * 31 + N));
+    const auto t = squeeze::quant::to_int4_tiles(p);
+    auto d_tiles = torch::from_blob(const_cast<std::uint32_t*>(t.tiles.data()), {std::int64_t(t.tiles.size())}, torch::kInt32).to(cuda);
+    auto d_scales = torch::from_blob(const_cast<half*>(t.scales.data()), {std::int64_t(t.scales.size())}, torch::kHalf).to(cuda);
+    auto d_zeros = torch::from_blob(const_cast<std::uint8_t*>(t.zeros.data()), {std::int64_t(t.zeros.size())}, torch::kUInt8).to(cuda);
+    // the same weights dequantized (for the correctness check) and the GPTQ-layout tensors
+    auto d_qw = torch::from_blob(const_cast<std::int32_t*>(p.qweight.data()), {std::int64_t(p.qweight.size())}, torch::kInt32).to(cuda);
+    auto d_qz = torch::from_blob(const_cast<std::int32_t*>(p.qzeros.data()), {std::int64_t(p.qzeros.size())}, torch::kInt32).to(cuda);
+    auto d_sc = torch::from_blob(const_cast<half*>(p.scales.data()), {std::int64_t(p.scales.size())}, torch::kHalf).to(cuda);
+    auto d_gi = torch::from_blob(const_cast<std::int32_t*>(p.g_idx.data()), {K}, torch::kInt32).to(cuda);
+    auto w_deq = torch::empty({N, K}, cuda.dtype(torch::kBFloat16));
+    const kq::GptqView view{d_qw.data_ptr<std::int32_t>(), d_qz.data_ptr<std::int32_t>(), reinterpret_cast<const half*>(d_sc.data_ptr()),
+                            d_gi.data_ptr<std::int32_t>(), K, N, 4};
+    SQUEEZE_CUDA_CHECK(kq::dequantize_cuda<bf16>(view, reinterpret_cast<bf16*>(w_deq.data_ptr()), nullptr));
+    auto w_bf16 = torch::randn({N, K}, cuda.dtype(torch::kBFloat16)) * 0.02;  // the cuBLAS peer's weights
+
+    // PyTorch's int4 weight-only GEMM (its own packing), when available on this build/GPU
+    std::string int4_error;
+    torch::Tensor pk, sz;
+    try {
+      auto wq = torch::randint(0, 256, {N, K / 2}, cuda.dtype(torch::kUInt8));
+      pk = at::_convert_weight_to_int4pack(wq, 8);
+      sz = torch::rand({K / 128, N, 2}, cuda.dtype(torch::kBFloat16));
+    } catch (const std::exception& e) {
+      int4_error = std::string(e.what()).substr(0, 200);
+    }
+
+    const double weight_bytes = double(K) * N / 2 + double(t.groups()) * N * 3;
+    for (std::int64_t M : batches) {
+      auto x = torch::randn({M, K}, cuda.dtype(torch::kBFloat16));
+      auto y = torch::empty({M, N}, cuda.dtype(torch::kBFloat16));
+      const auto shape = t.shape(M);
+      const auto need = kq::int4_workspace_size(M, shape, sm);
+      auto partial = torch::empty({std::max<std::int64_t>(need.partial_elems, 1)}, cuda.dtype(torch::kFloat32));
+      auto counters = torch::zeros({std::max<std::int64_t>(need.counter_elems, 1)}, cuda.dtype(torch::kInt32));
+      const kq::Int4Workspace ws{partial.data_ptr<float>(), need.partial_elems, counters.data_ptr<int>(), need.counter_elems};
+      auto ours = [&] {
+        SQUEEZE_CUDA_CHECK(kq::int4_gemm_cuda<bf16>(reinterpret_cast<const bf16*>(x.data_ptr()),
+                                                    reinterpret_cast<const std::uint32_t*>(d_tiles.data_ptr()),
+                                                    reinterpret_cast<const half*>(d_scales.data_ptr()), d_zeros.data_ptr<std::uint8_t>(),
+                                                    reinterpret_cast<bf16*>(y.data_ptr()), shape, ws, sm, nullptr));
+      };
+      ours();
+      SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto ref = x.to(torch::kFloat32).matmul(w_deq.to(torch::kFloat32).t());
+      const double rel_err = ((y.to(torch::kFloat32) - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item<double>();
+
+      const double t_ours = time_ms(ours, reps);
+      torch::Tensor yc;
+      const double t_cublas = time_ms([&] { yc = at::mm(x, w_bf16.t()); }, reps);
+      double t_int4 = 0;
+      if (int4_error.empty()) {
+        try {
+          torch::Tensor yi;
+          t_int4 = time_ms([&] { yi = at::_weight_int4pack_mm(x, pk, 128, sz); }, reps);
+        } catch (const std::exception& e) {
+          int4_error = std::string(e.what()).substr(0, 200);
+        }
+      }
+      const double bytes = weight_bytes + double(M) * K * 2 + double(M) * N * 2;
+      const double roof = bytes / (t_ours * 1e6) / copy_gbs;
+      const std::string cs = "K" + std::to_string(K) + "_N" + std::to_string(N) + "_M" + std::to_string(M);
+      std::printf("%-22s %10.4f %10.4f %8.2f %10.4f %8.2f %6.2f %9.2e\n", cs.c_str(), t_ours, t_cublas, t_cublas / t_ours, t_int4,
+                  t_int4 > 0 ? t_int4 / t_ours : 0.0, roof, rel_err);
+      std::fflush(stdout);
+      if (out) {
+        nlohmann::json j = {{"bench", "gemm4"},
+                            {"case", cs},
+                            {"time_ms", t_ours},
+                            {"peer", "cublas_bf16"},
+                            {"peer_time_ms", t_cublas},
+                            {"ratio_vs_peer", t_cublas / t_ours},
+                            {"roofline_fraction", roof},
+                            {"peer2", "aten_weight_int4pack_mm"},
+                            {"peer2_time_ms", t_int4 > 0 ? nlohmann::json(t_int4) : nlohmann::json(nullptr)},
+                            {"ratio_vs_peer2", t_int4 > 0 ? nlohmann::json(t_int4 / t_ours) : nlohmann::json(nullptr)},
+                            {"max_rel_err", rel_err},
+                            {"copy_gbs", copy_gbs},
+                            {"device", device},
+                            {"date", date},
+                            {"commit", commit}};
+        if (!int4_error.empty()) j["peer2_error"] = int4_error;
+        out << j.dump() << "\n";
+        out.flush();
+      }
+    }
+    if (!int4_error.empty()) std::printf("  aten::_weight_int4pack_mm unavailable: %s\n", int4_error.c_str());
+  }
+  return 0;
+}
