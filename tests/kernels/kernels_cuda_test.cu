@@ -14,6 +14,7 @@
 #include "squeeze/kernels/adamw.cuh"
 #include "squeeze/kernels/grad_norm.cuh"
 #include "squeeze/kernels/loss_scale.cuh"
+#include "squeeze/optim/adamw.hpp"
 #include "test_util.hpp"
 
 namespace sk = squeeze::kernels;
@@ -385,6 +386,55 @@ TEST(TrainingStepCuda, NormClipAdamWScalerPipelineMatchesCpu) {
   EXPECT_EQ(hstep, 2);
   EXPECT_EQ(ds.scale(), hs.scale());
   t.expect_match("pipeline");
+}
+
+// ---- the optimizer facade: CUDA backend vs host backend --------------------------------------------------
+
+// fp16 + dynamic loss scaling + Accumulate<2> + clipping, with an overflow on the second step.
+TEST(FlatAdamWCuda, DeviceBackendMatchesHostBackend) {
+  REQUIRE_GPU();
+  using Dev = Strategy<Precision<half, float>, Accumulate<2>>;
+  using Host = Strategy<Sharded<Stage1>, Offload<squeeze::Host>, Precision<half, float>, Accumulate<2>>;
+  static_assert(!optim::FlatAdamW<Dev>::on_host && optim::FlatAdamW<Host>::on_host);
+  std::mt19937 rng(808);
+  const std::int64_t n0 = (std::int64_t(1) << 20) + 3, n1 = 1023;
+  AdamW o{.lr = 1e-3f, .weight_decay = 0.1f, .max_grad_norm = 1.0f};
+  o.loss_scale.init_scale = 512.f;
+  auto hp0 = test::random_vec<half>(n0, rng, -1.f, 1.f), hp1 = test::random_vec<half>(n1, rng, -1.f, 1.f);
+  std::vector<half> hg0(n0), hg1(n1);
+  DeviceVec<half> dp0(hp0), dp1(hp1), dg0{static_cast<std::size_t>(n0)}, dg1{static_cast<std::size_t>(n1)};
+  optim::FlatAdamW<Dev> dev(o);
+  optim::FlatAdamW<Host> host(o);
+  dev.add_group(dp0.ptr, dg0.ptr, n0);
+  dev.add_group(dp1.ptr, dg1.ptr, n1, {.weight_decay = 0.f});
+  host.add_group(hp0.data(), hg0.data(), n0);
+  host.add_group(hp1.data(), hg1.data(), n1, {.weight_decay = 0.f});
+  for (int step = 0; step < 3; ++step) {
+    ASSERT_EQ(dev.loss_scale(), host.loss_scale());
+    for (int k = 0; k < 2; ++k) {
+      const auto r0 = test::random_vec<half>(n0, rng, -20.f, 20.f), r1 = test::random_vec<half>(n1, rng, -20.f, 20.f);
+      std::copy(r0.begin(), r0.end(), hg0.begin());
+      std::copy(r1.begin(), r1.end(), hg1.begin());
+      if (step == 1 && k == 1) hg1[5] = from_float<half>(std::numeric_limits<float>::infinity());
+      dg0.upload(hg0);
+      dg1.upload(hg1);
+      dev.accumulate(k == 0 ? 0.3f : 0.7f);
+      host.accumulate(k == 0 ? 0.3f : 0.7f);
+    }
+    dev.step();
+    EXPECT_EQ(*host.step().applied, step != 1);
+  }
+  EXPECT_EQ(dev.applied_steps(), 2);
+  EXPECT_EQ(host.applied_steps(), 2);
+  EXPECT_EQ(dev.loss_scale(), host.loss_scale());
+  EXPECT_NEAR(dev.last_clip_coef(), host.last_clip_coef(), 1e-6f);
+  for (int gi = 0; gi < 2; ++gi) {
+    const std::int64_t n = gi == 0 ? n0 : n1;
+    std::vector<float> dm(static_cast<std::size_t>(n));
+    SQUEEZE_CUDA_CHECK(cudaMemcpy(dm.data(), dev.master(gi), dm.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    const float* hm = host.master(gi);
+    for (std::int64_t i = 0; i < n; ++i) ASSERT_LE(std::abs(dm[i] - hm[i]), 1e-6f * std::max(1.f, std::abs(hm[i]))) << gi << " " << i;
+  }
 }
 
 // ---- bad input: checked on the host before any launch, so these run without a GPU too -------------------
