@@ -25,7 +25,7 @@ inline void check(bool ok, std::string_view what, std::source_location where = s
 // They are macros so the failing expression is spelled in the message.
 #define SQUEEZE_CHECK(cond, msg) ::squeeze::check(static_cast<bool>(cond), (msg))
 
-#if defined(__CUDACC__) || defined(SQUEEZE_WITH_CUDA_RUNTIME) || __has_include(<cuda_runtime_api.h>)
+#if __has_include(<cuda_runtime_api.h>)
 #include <cuda_runtime_api.h>
 #define SQUEEZE_CUDA_CHECK(call)                                                                     \
   do {                                                                                              \
@@ -37,7 +37,7 @@ inline void check(bool ok, std::string_view what, std::source_location where = s
   } while (0)
 #endif
 
-#if __has_include(<cublas_v2.h>)
+#if __has_include(<cublas_v2.h>) && __has_include(<cuda_runtime_api.h>)
 #include <cublas_v2.h>
 #define SQUEEZE_CUBLAS_CHECK(call)                                                                   \
   do {                                                                                              \
@@ -49,7 +49,7 @@ inline void check(bool ok, std::string_view what, std::source_location where = s
   } while (0)
 #endif
 
-#if __has_include(<nccl.h>)
+#if __has_include(<nccl.h>) && __has_include(<cuda_runtime.h>)
 #include <nccl.h>
 #define SQUEEZE_NCCL_CHECK(call)                                                                     \
   do {                                                                                              \
