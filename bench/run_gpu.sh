@@ -20,7 +20,10 @@ want=("$@")
 t0=$(date +%s)
 cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" \
   -DSQUEEZE_TORCH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 >"$OUT/configure.log" 2>&1 || { tail -40 "$OUT/configure.log"; exit 1; }
-cmake --build "$BUILD" -j16 >"$OUT/build.log" 2>&1 || { grep -E "error|Error" "$OUT/build.log" | head -60; exit 1; }
+# Keep going past a failing target (-k 0): everything else still builds, tests and benchmarks.
+if ! cmake --build "$BUILD" -j16 -- -k 0 >"$OUT/build.log" 2>&1; then
+  echo "BUILD FAILURES (the rest was built):"; grep -E "FAILED:|error" "$OUT/build.log" | head -40
+fi
 echo "build: $(( $(date +%s) - t0 )) s"
 
 (cd "$BUILD" && ctest -L cuda --output-on-failure --timeout 300) >"$OUT/ctest.log" 2>&1

@@ -1,6 +1,9 @@
 // Strategy composition: defaults, order independence, traits. Rejections are in tests/compile_fail.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
+
 #include <squeeze/squeeze.hpp>
 
 using namespace squeeze;
@@ -76,7 +79,7 @@ TEST(Policy, ElementConversionsRoundToNearestEven) {
   EXPECT_EQ(to_float(from_float<half>(0x1p-24f)), 0x1p-24f);  // smallest subnormal survives
   EXPECT_EQ(to_float(from_float<bf16>(1.0f + 0x1p-8f)), 1.0f);
   EXPECT_EQ(to_float(from_float<bf16>(3.140625f)), 3.140625f);
-  EXPECT_TRUE(std::isnan(to_float(from_float<bf16>(NAN))));
+  EXPECT_TRUE(std::isnan(to_float(from_float<bf16>(std::numeric_limits<float>::quiet_NaN()))));
 }
 
 TEST(Policy, ErrorsNameWhereAndWhat) {
