@@ -25,7 +25,9 @@
 #include <squeeze/error.hpp>
 #include <squeeze/kernels/quant/dequant.cuh>
 #include <squeeze/kernels/quant/gemm_int4.cuh>
+#include <squeeze/nn/quantized_linear.hpp>
 #include <squeeze/quant/int4_tiles.hpp>
+#include <squeeze/quant/rtn.hpp>
 
 namespace kq = squeeze::kernels::quant;
 using squeeze::bf16;
@@ -90,6 +92,49 @@ squeeze::quant::PackedLinear random_int4(std::int64_t K, std::int64_t N, std::ui
   return p;
 }
 
+// QuantizedLinear on CUDA (every path: int4 GEMM, GEMV, dequantize + cuBLAS) against its CPU path
+// (dequantize twin + float matmul) on the same rounded inputs. Tolerance: output rounding of the
+// activation dtype (bf16 1e-2, fp16 2e-3) relative to max |y|. Returns false on any failure.
+bool module_checks() {
+  bool ok = true;
+  int checks = 0;
+  std::mt19937 rng(1);
+  std::normal_distribution<float> nd(0.f, 0.05f);
+  const std::int64_t out = 300, in = 520;
+  for (int bits : {4, 3, 8})
+    for (bool act_order : {false, true}) {
+      std::vector<float> w(out * in);
+      for (auto& v : w) v = nd(rng);
+      auto p = squeeze::quant::rtn_quantize(w, out, in, {.bits = bits, .group_size = 128, .sym = false});
+      if (act_order) {  // equal groups of 128 in a shuffled order, as GPTQ's act-order writes them
+        std::vector<std::int32_t> perm(in);
+        for (std::int64_t i = 0; i < in; ++i) perm[i] = std::int32_t(i);
+        std::shuffle(perm.begin(), perm.end(), rng);
+        for (std::int64_t j = 0; j < in; ++j) p.g_idx[perm[j]] = std::int32_t(j / 128);
+      }
+      p.bias.assign(out, squeeze::from_float<half>(0.5f));
+      squeeze::nn::QuantizedLinear cpu(p), gpu(p);
+      gpu->to(torch::kCUDA);
+      for (std::int64_t M : {1, 5, 40, 300})
+        for (auto dt : {torch::kBFloat16, torch::kHalf}) {
+          auto x = torch::randn({M, in}).to(dt);
+          const auto path = gpu->path_for(x.cuda());
+          auto yg = gpu->forward(x.cuda()).to(torch::kCPU, torch::kFloat32);
+          auto yr = cpu->forward(x.to(torch::kFloat32));
+          const double err = ((yg - yr).abs().max() / yr.abs().max()).item<double>();
+          const double tol = dt == torch::kBFloat16 ? 1e-2 : 2e-3;
+          const char* names[] = {"cpu", "int4_gemm", "gemv", "dequant_matmul"};
+          const bool pass = err <= tol;
+          ok = ok && pass;
+          ++checks;
+          if (!pass) std::printf("module check bits %d act_order %d M %3lld %-5s path %-14s rel err %.2e %s\n", bits, int(act_order), (long long)M,
+                      dt == torch::kBFloat16 ? "bf16" : "fp16", names[int(path)], err, pass ? "ok" : "FAILED");
+        }
+    }
+  std::printf("module checks: %d cases (bits 4/3/8, act-order on/off, M 1/5/40/300, bf16/fp16)\n", checks);
+  return ok;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -117,6 +162,8 @@ int main(int argc, char** argv) {
   std::ofstream out;
   if (!out_path.empty()) out.open(out_path);
   torch::NoGradGuard ng;
+  const bool modules_ok = module_checks();
+  std::printf("QuantizedLinear CUDA paths vs CPU: %s\n", modules_ok ? "all ok" : "SOME FAILED");
   const auto cuda = torch::TensorOptions().device(torch::kCUDA, 0);
 
   // memory roofline: device-to-device copy of 2 GiB (read + write)
@@ -166,7 +213,7 @@ int main(int argc, char** argv) {
       auto x = torch::randn({M, K}, cuda.dtype(torch::kBFloat16));
       auto y = torch::empty({M, N}, cuda.dtype(torch::kBFloat16));
       const auto shape = t.shape(M);
-      const auto need = kq::int4_workspace_size(M, shape, sm);
+      const auto need = kq::int4_workspace_size<bf16>(M, shape, sm);
       auto partial = torch::empty({std::max<std::int64_t>(need.partial_elems, 1)}, cuda.dtype(torch::kFloat32));
       auto counters = torch::zeros({std::max<std::int64_t>(need.counter_elems, 1)}, cuda.dtype(torch::kInt32));
       const kq::Int4Workspace ws{partial.data_ptr<float>(), need.partial_elems, counters.data_ptr<int>(), need.counter_elems};
@@ -222,5 +269,5 @@ int main(int argc, char** argv) {
     }
     if (!int4_error.empty()) std::printf("  aten::_weight_int4pack_mm unavailable: %s\n", int4_error.c_str());
   }
-  return 0;
+  return modules_ok ? 0 : 1;
 }

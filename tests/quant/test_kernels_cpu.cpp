@@ -154,8 +154,10 @@ TEST(Int4Tiles, RejectsWhatTheKernelCannotServe) {
 TEST(Int4Plan, SplitsCoverKWithoutEmptySplits) {
   for (std::int64_t M : {1, 16, 17, 64, 128})
     for (std::int64_t K : {64, 4096, 11008 + 64 - 11008 % 64})
-      for (std::int64_t N : {16, 4096, 28672}) {
-        const auto p = kq::plan_int4_gemm(M, N, K, 132);
+      for (std::int64_t N : {16, 4096, 28672})
+        for (int occupancy : {1, 2, 6}) {
+        const auto p = kq::plan_int4_gemm(M, N, K, 132, occupancy);
+        EXPECT_TRUE(p.splits == 1 || p.n_blocks * p.splits <= 132 * occupancy) << "more than one wave";
         const std::int64_t chunks = K / 64;
         EXPECT_GE(std::int64_t(p.splits) * p.chunks_per_split, chunks);
         EXPECT_LT(std::int64_t(p.splits - 1) * p.chunks_per_split, chunks);

@@ -138,7 +138,7 @@ void int4_case(const GemmCase& c) {
   Dev<half> ds(t.scales);
   Dev<std::uint8_t> dz(t.zeros);
   const int sm = sm_count();
-  auto need = kq::int4_workspace_size(c.M, shape, sm);
+  auto need = kq::int4_workspace_size<T>(c.M, shape, sm);
   Dev<float> part(std::size_t(std::max<std::int64_t>(need.partial_elems, 1)));
   Dev<int> cnt(std::vector<int>(std::size_t(need.counter_elems), 0));
   const kq::Int4Workspace ws{part.p, need.partial_elems, cnt.p, need.counter_elems};

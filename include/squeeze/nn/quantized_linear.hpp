@@ -51,8 +51,7 @@ class QuantizedLinearImpl : public torch::nn::Module {
         tile_zeros_ = register_buffer("tile_zeros", torch::from_blob(const_cast<std::uint8_t*>(t.zeros.data()),
                                                                      {std::int64_t(t.zeros.size())}, torch::kUInt8).clone());
         if (!t.perm.empty()) perm_ = register_buffer("perm", i32(t.perm, {p.in}).to(torch::kInt64));
-        const auto ws = kernels::quant::int4_workspace_size(128, t.shape(128), 1 << 10);  // generous: any SM count <= 1024
-        counters_ = register_buffer("counters", torch::zeros({std::max<std::int64_t>(ws.counter_elems, 1)}, torch::kInt32));
+        counters_ = register_buffer("counters", torch::zeros({kernels::quant::int4_counter_elems(t.Npad)}, torch::kInt32));
       } catch (const squeeze::Error&) {
         tiles_ = torch::Tensor();  // g_idx the kernel cannot serve: other paths handle it
       }
@@ -128,7 +127,7 @@ class QuantizedLinearImpl : public torch::nn::Module {
           int sm = 0;
           cudaDeviceGetAttribute(&sm, cudaDevAttrMultiProcessorCount, x2.device().index());
           const kq::Int4GemmShape s{M, out_, in_, Kpad_, Npad_, tile_group_};
-          auto need = kq::int4_workspace_size(M, s, sm);
+          auto need = kq::int4_workspace_size<T>(M, s, sm);
           auto partial = torch::empty({std::max<std::int64_t>(need.partial_elems, 1)}, x2.options().dtype(torch::kFloat32));
           TORCH_CHECK(need.counter_elems <= counters_.numel(), "QuantizedLinear: counter buffer too small");
           const kq::Int4Workspace ws{partial.data_ptr<float>(), need.partial_elems, counters_.data_ptr<int>(), counters_.numel()};

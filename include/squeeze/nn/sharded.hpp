@@ -16,7 +16,7 @@
 // first layer), so the shard tensor is an input of the Function (a leaf that requires grad; its own
 // .grad stays empty: the reduced gradient goes to the group's gradient shard in its accumulation dtype).
 //
-// The backward uses exactly the ATen ops of linear's / embedding's own derivatives (x^T·g transposed,
+// The backward uses exactly the ATen ops of linear's / embedding's own derivatives (g^T·x,
 // g·W, sum over rows; embedding_dense_backward), so stage 3 produces the same gradient bits as an
 // unsharded layer.
 //
@@ -187,7 +187,7 @@ struct ShardedLinearFn : torch::autograd::Function<ShardedLinearFn> {
     torch::Tensor gx;
     if (ctx->needs_input_grad(0)) gx = go.mm(w).view(x.sizes());
     auto full_grad = torch::zeros({g->layout.padded()}, full.options());
-    FlatParams::view(full_grad, es[0]).copy_(x2.t().mm(go).t());
+    FlatParams::view(full_grad, es[0]).copy_(go.t().mm(x2));  // [out, in], as AddmmBackward computes it
     if (es.size() > 1) FlatParams::view(full_grad, es[1]).copy_(go.sum(0));
     g->runtime->release(*g);
     g->runtime->reduce_grad(*g, full_grad);

@@ -12,6 +12,7 @@
 // drop-in for torch::optim::AdamW. Gradient clipping and loss scaling belong to the caller here (e.g.
 // torch::nn::utils::clip_grad_norm_); FlatAdamW fuses both. squeeze::Error becomes a TORCH_CHECK failure.
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
 #include <cstdint>
@@ -56,7 +57,7 @@ class TorchAdamW {
 
   // One AdamW step on every parameter that has a gradient (others are skipped, as in torch::optim).
   void step() {
-    at::NoGradGuard no_grad;
+    c10::NoGradGuard no_grad;
     // Check every gradient before touching any parameter: a bad one fails the step with nothing changed.
     std::vector<std::size_t> todo;
     for (std::size_t i = 0; i < slots_.size(); ++i) {

@@ -92,18 +92,23 @@ struct Int4GemmPlan {
 };
 inline constexpr int kWarps = 4, kBlockN = kWarps * kTileN;
 
-inline Int4GemmPlan plan_int4_gemm(std::int64_t M, std::int64_t Npad, std::int64_t Kpad, int sm_count) {
+// blocks_per_sm: resident blocks of the kernel instantiation (CUDA occupancy). K is split so the grid
+// fills the GPU in ONE wave (floor, never a partial second wave) when the column strips alone do not.
+inline Int4GemmPlan plan_int4_gemm(std::int64_t M, std::int64_t Npad, std::int64_t Kpad, int sm_count, int blocks_per_sm) {
   Int4GemmPlan p{};
   const std::int64_t m = std::min<std::int64_t>(M, 128);
   p.m_tiles = m <= 16 ? 1 : m <= 32 ? 2 : m <= 64 ? 4 : 8;
   p.n_blocks = (Npad + kBlockN - 1) / kBlockN;
   const std::int64_t chunks = Kpad / kTileK;
-  const std::int64_t target = std::int64_t(std::max(sm_count, 1)) * (p.m_tiles <= 2 ? 8 : p.m_tiles == 4 ? 4 : 2);
-  std::int64_t splits = std::clamp<std::int64_t>((target + p.n_blocks - 1) / p.n_blocks, 1, chunks);
+  const std::int64_t resident = std::int64_t(std::max(sm_count, 1)) * std::max(blocks_per_sm, 1);
+  std::int64_t splits = std::clamp<std::int64_t>(resident / p.n_blocks, 1, chunks);
   p.chunks_per_split = int((chunks + splits - 1) / splits);
   p.splits = int((chunks + p.chunks_per_split - 1) / p.chunks_per_split);  // no empty split
   return p;
 }
+
+// Counters a layer needs (one per 64-column strip), independent of the plan.
+inline std::int64_t int4_counter_elems(std::int64_t Npad) { return (Npad + kBlockN - 1) / kBlockN; }
 
 // ---- CPU twin ----------------------------------------------------------------------------------------------
 // Same layout, same decode, same per-group accumulation (double here), result rounded to T.
@@ -167,12 +172,6 @@ struct Int4Workspace {
   int* counters = nullptr;
   std::int64_t counter_elems = 0;
 };
-
-// Largest workspace any M needs for this shape (M is processed in slices of 128 rows).
-inline Int4Workspace int4_workspace_size(std::int64_t M, const Int4GemmShape& s, int sm_count) {
-  const auto p = plan_int4_gemm(std::min<std::int64_t>(M, 128), s.Npad, s.Kpad, sm_count);
-  return {nullptr, p.partial_elems(), nullptr, p.counter_elems()};
-}
 
 #if defined(__CUDACC__)
 namespace detail {
@@ -444,6 +443,31 @@ __global__ void __launch_bounds__(kWarps * 32) int4_gemm_kernel(const T* __restr
   if (tid == 0) counters[blockIdx.x] = 0;  // ready for the next launch
 }
 
+// Resident blocks per SM of one instantiation (cached per type; same on every device of one build).
+template <class T, int MT>
+int int4_blocks_per_sm() {
+  static const int n = [] {
+    int b = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, int4_gemm_kernel<T, MT>, kWarps * 32, 0) != cudaSuccess) b = 1;
+    return std::max(b, 1);
+  }();
+  return n;
+}
+template <class T>
+int int4_blocks_per_sm(int m_tiles) {
+  switch (m_tiles) {
+    case 1: return int4_blocks_per_sm<T, 1>();
+    case 2: return int4_blocks_per_sm<T, 2>();
+    case 4: return int4_blocks_per_sm<T, 4>();
+    default: return int4_blocks_per_sm<T, 8>();
+  }
+}
+template <class T>
+Int4GemmPlan plan_for_device(std::int64_t rows, const Int4GemmShape& s, int sm_count) {
+  const int mt = plan_int4_gemm(rows, s.Npad, s.Kpad, sm_count, 1).m_tiles;
+  return plan_int4_gemm(rows, s.Npad, s.Kpad, sm_count, int4_blocks_per_sm<T>(mt));
+}
+
 template <class T, int MT>
 cudaError_t launch_int4(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y, float* partial,
                         int* counters, int M, const Int4GemmShape& s, const Int4GemmPlan& p, cudaStream_t stream) {
@@ -455,6 +479,15 @@ cudaError_t launch_int4(const T* x, const std::uint32_t* tiles, const half* scal
 }
 }  // namespace detail
 
+// Workspace for int4_gemm_cuda<T> with M rows (M is processed in slices of 128 rows).
+template <class T>
+Int4Workspace int4_workspace_size(std::int64_t M, const Int4GemmShape& s, int sm_count) {
+  std::int64_t partial = 0;
+  for (std::int64_t rows : {std::min<std::int64_t>(M, 128), M % 128})
+    if (rows > 0) partial = std::max(partial, detail::plan_for_device<T>(rows, s, sm_count).partial_elems());
+  return {nullptr, partial, nullptr, int4_counter_elems(s.Npad)};
+}
+
 // y [M, N] = x [M, K] * W^T on `stream`. Returns cudaErrorInvalidValue for unsupported arguments.
 template <class T>
 cudaError_t int4_gemm_cuda(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y,
@@ -465,7 +498,7 @@ cudaError_t int4_gemm_cuda(const T* x, const std::uint32_t* tiles, const half* s
     return cudaErrorInvalidValue;
   for (std::int64_t m0 = 0; m0 < s.M; m0 += 128) {
     const int rows = int(std::min<std::int64_t>(128, s.M - m0));
-    const auto p = plan_int4_gemm(rows, s.Npad, s.Kpad, sm_count);
+    const auto p = detail::plan_for_device<T>(rows, s, sm_count);
     if (p.splits > 1 && (ws.partial == nullptr || ws.partial_elems < p.partial_elems() || ws.counters == nullptr ||
                          ws.counter_elems < p.counter_elems()))
       return cudaErrorInvalidValue;
