@@ -39,9 +39,5 @@ run_bench() {  # run_bench <name> <executable> [args...]
 run_bench adamw "$BUILD/bench/kernels/bench_adamw"
 run_bench gemm4 "$BUILD/bench/quant/bench_quant_gemm"
 
-echo "== summary (name, case, ratio_vs_peer, roofline_fraction)"
-for f in "$OUT"/*.jsonl; do [ -f "$f" ] && python3 -c '
-import json,sys
-for l in open(sys.argv[1]):
-    r=json.loads(l); print(f"{r.get(\"bench\"):<10} {r.get(\"case\"):<48} x{r.get(\"ratio_vs_peer\",0):6.2f}  roof {r.get(\"roofline_fraction\") or 0:5.2f}  {r.get(\"time_ms\",0):9.3f} ms")
-' "$f"; done
+echo "== summary (bench, case, ratio vs peer (>1: ours faster/smaller), roofline fraction, time)"
+python3 "$ROOT/bench/summary.py" "$OUT"/*.jsonl
