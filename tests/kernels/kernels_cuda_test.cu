@@ -1,7 +1,8 @@
 // GPU kernels against their CPU twins (ctest label `cuda`). Every test that needs a device skips when
 // cudaGetDeviceCount fails or finds none; argument checks run everywhere (they fail before any launch).
 // Tolerances, GPU vs CPU twin (same element functor; nvcc contracts a*b+c into FMA, g++ may not):
-//   AdamW fp32 weights: |diff| <= 1e-6 * max(1, |w|); m, v: rel 1e-6 + abs 1e-9 / 1e-14;
+//   AdamW fp32 weights: |diff| <= 1e-6 * max(1, |w|); m: rel 1e-6 + abs 2e-8 (m cancels terms ~0.06, so its
+//   rounding error is absolute); v: rel 1e-6 + abs 1e-14;
 //   low-precision params: equal, or one rounding unit of P apart (a master 1 ulp apart can round differently);
 //   unscale: bitwise (one multiply, one rounding); accumulate: rel 1e-6; L2 norm rel 1e-6, inf norm exact.
 #include <cuda_runtime.h>
@@ -113,9 +114,9 @@ struct AdamWPair {
     for (std::int64_t i = 0; i < n && bad < 5; ++i) {
       const float pg = to_float(gp[i]), ph = to_float(param[i]);
       const bool ok = std::abs(gw[i] - hw[i]) <= 1e-6 * std::max(1.f, std::abs(hw[i])) &&
-                      std::abs(gm[i] - m[i]) <= 1e-6 * std::abs(m[i]) + 1e-9 &&
+                      std::abs(gm[i] - m[i]) <= 1e-6 * std::abs(m[i]) + 2e-8 &&
                       std::abs(gv[i] - v[i]) <= 1e-6 * std::abs(v[i]) + 1e-14 &&
-                      std::abs(pg - ph) <= test::unit_roundoff<P>() * 2 * std::abs(ph) + 1e-30;
+                      (std::is_same_v<P, float> || std::abs(pg - ph) <= test::unit_roundoff<P>() * 2 * std::abs(ph) + 1e-30);
       if (!ok) {
         ++bad;
         ADD_FAILURE() << label << " i=" << i << " w gpu " << gw[i] << " cpu " << hw[i] << " m " << gm[i] << " / " << m[i] << " v " << gv[i]
