@@ -5,9 +5,9 @@
 //   peer2      PyTorch's int4 weight-only GEMM at::_weight_int4pack_mm (group 128), when it runs here
 //   roofline   bytes our kernel must read (weights + scales + zeros + x) / time, over the bandwidth of a
 //              device-to-device copy measured in the same run
-// Times: CUDA events around each launch, median of --reps; every batch of launches is queued behind a
-// spin kernel so CPU launch overhead never shows as GPU time. Correctness: ours vs dequantize + fp32
-// matmul on the same weights (max error relative to max |y|), reported per case.
+// Times: CUDA events around each launch, median of --reps, L2 flushed before each launch; every batch of
+// launches is queued behind a spin kernel so CPU launch overhead never shows as GPU time.
+// Correctness: ours vs dequantize + fp32 matmul on the same weights (max error relative to max |y|), per case.
 // Usage: bench_quant_gemm [--out FILE] [--reps N]   (env SQUEEZE_DEVICE, SQUEEZE_DATE, SQUEEZE_COMMIT)
 #include <torch/torch.h>
 
@@ -41,8 +41,14 @@ __global__ void spin_kernel(long long cycles) {
   }
 }
 
-// Median GPU time (ms) of fn over reps, launched in groups queued behind a spin kernel.
+// L2 flush buffer (256 MiB, larger than any Hopper L2): overwritten before every timed launch so each
+// launch reads its weights from DRAM, as a real model whose layers do not fit in L2 does.
+void* g_flush = nullptr;
+constexpr std::size_t kFlushBytes = 256ull << 20;
+
+// Median GPU time (ms) of fn over reps, cold L2, launched in groups queued behind a spin kernel.
 double time_ms(const std::function<void()>& fn, int reps) {
+  if (!g_flush) SQUEEZE_CUDA_CHECK(cudaMalloc(&g_flush, kFlushBytes));
   for (int i = 0; i < 3; ++i) fn();  // warm-up
   SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<cudaEvent_t> ev(2 * reps);
@@ -51,6 +57,7 @@ double time_ms(const std::function<void()>& fn, int reps) {
   for (int r0 = 0; r0 < reps; r0 += kGroup) {
     spin_kernel<<<1, 1>>>(2'000'000);  // ~1 ms: the CPU queues the group meanwhile
     for (int r = r0; r < std::min(reps, r0 + kGroup); ++r) {
+      SQUEEZE_CUDA_CHECK(cudaMemsetAsync(g_flush, r & 0xff, kFlushBytes, nullptr));
       SQUEEZE_CUDA_CHECK(cudaEventRecord(ev[2 * r], nullptr));
       fn();
       SQUEEZE_CUDA_CHECK(cudaEventRecord(ev[2 * r + 1], nullptr));

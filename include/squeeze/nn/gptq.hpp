@@ -104,7 +104,7 @@ inline RowGrid find_row_grid(const torch::Tensor& x /*[rows, n]*/, int bits, boo
 
 inline torch::Tensor quantize_codes(const torch::Tensor& w /*[rows]*/, const RowGrid& g, int bits) {
   const double maxq = double((1u << bits) - 1u);
-  return (torch::round(w / g.scale) + g.zero).clamp(0.0, maxq);
+  return (w / g.scale).round_().add_(g.zero).clamp_(0.0, maxq);
 }
 
 // ---- Hessian accumulation -------------------------------------------------------------------------------
@@ -238,15 +238,15 @@ inline GptqResult gptq_quantize(const torch::Tensor& weight, const torch::Tensor
       auto w = W1.select(1, i);
       const double d = dvec.data_ptr<float>()[i];
       auto q = quantize_codes(w, grid, opt.bits);
-      auto dq = grid.scale * (q - grid.zero);
+      auto dq = (q - grid.zero).mul_(grid.scale);
       codes.select(1, col).copy_(q);
       Q.select(1, col).copy_(dq);
       auto err = (w - dq) / d;
-      loss.add_(err * err * 0.5);
       // spread the error over the block's remaining columns: W1[:, i:] -= err (x) Hinv1[i, i:]
       W1.index({Slice(), Slice(i, count)}).sub_(torch::outer(err, Hinv1.index({i, Slice(i, count)})));
       Err1.select(1, i).copy_(err);
     }
+    loss.add_(Err1.square().sum(1), 0.5);  // (w - q)^2 / (2 d^2) summed over the block's columns
     if (i2 < cols) W.index({Slice(), Slice(i2, cols)}).sub_(Err1.matmul(Hinv.index({Slice(i1, i2), Slice(i2, cols)})));
   }
 

@@ -205,6 +205,14 @@ __device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&a)[4], const void* s
                : "r"(addr));
 }
 
+// 16-byte global -> shared copy; src_bytes < 16 zero-fills the rest (0: all zeros, src not read).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
 // B registers (q - z) of one k-step for both n8 halves j: b[j][r].
 template <class T>
 __device__ __forceinline__ void decode_word(std::uint32_t w, const std::uint32_t (&zlo)[2], const std::uint32_t (&zhi)[2],
@@ -254,49 +262,35 @@ __global__ void __launch_bounds__(kWarps * 32) int4_gemm_kernel(const T* __restr
       xs[1][i] = 0;
     }
   }
+  // One chunk of x (rows < M, 64 k) into buffer `buf`: 16-byte cp.async (zero-filled past K) when rows are
+  // 16-byte aligned, else element by element. No registers held across the compute.
   constexpr int SEGS = ROWS * (kTileK / 8);  // 8-element segments per chunk
   constexpr int SEG_ITERS = (SEGS + kWarps * 32 - 1) / (kWarps * 32);
-  uint4 xreg[SEG_ITERS];
-  auto load_x = [&](int kc) {
+  auto stage_x = [&](int kc, int buf) {
 #pragma unroll
     for (int it = 0; it < SEG_ITERS; ++it) {
       const int sgi = tid + it * kWarps * 32;
       const int r = sgi / (kTileK / 8), kk = (sgi % (kTileK / 8)) * 8;
       const int k = kc * kTileK + kk;
-      uint4 v = make_uint4(0, 0, 0, 0);
       if (sgi < SEGS && r < M) {
-        if (vec_ok && k + 8 <= K) {
-          v = __ldg(reinterpret_cast<const uint4*>(x + std::int64_t(r) * K + k));
+        std::uint16_t* d = &xs[buf][r * kStride + kk];  // 16-byte aligned: kStride * 2 = 144
+        if (vec_ok) {  // K % 8 == 0: a segment is all inside K or all past it
+          const T* src = k < K ? x + std::int64_t(r) * K + k : x;
+          cp_async16(d, src, k < K ? 16 : 0);
         } else {
-          std::uint16_t e[8];
 #pragma unroll
           for (int q = 0; q < 8; ++q) {
-            e[q] = 0;
+            std::uint16_t e = 0;
             if (k + q < K) {
               const T t = x[std::int64_t(r) * K + k + q];
-              e[q] = *reinterpret_cast<const std::uint16_t*>(&t);
+              e = *reinterpret_cast<const std::uint16_t*>(&t);
             }
+            d[q] = e;
           }
-          v = make_uint4(e[0] | (std::uint32_t(e[1]) << 16), e[2] | (std::uint32_t(e[3]) << 16), e[4] | (std::uint32_t(e[5]) << 16),
-                         e[6] | (std::uint32_t(e[7]) << 16));
         }
       }
-      xreg[it] = v;
     }
-  };
-  auto store_x = [&](int buf) {
-#pragma unroll
-    for (int it = 0; it < SEG_ITERS; ++it) {
-      const int sgi = tid + it * kWarps * 32;
-      const int r = sgi / (kTileK / 8), kk = (sgi % (kTileK / 8)) * 8;
-      if (sgi < SEGS && r < M) {
-        std::uint32_t* d = reinterpret_cast<std::uint32_t*>(&xs[buf][r * kStride + kk]);  // 16-byte aligned: kStride*2 = 144
-        d[0] = xreg[it].x;
-        d[1] = xreg[it].y;
-        d[2] = xreg[it].z;
-        d[3] = xreg[it].w;
-      }
-    }
+    cp_async_commit();
   };
 
   float acc[MT][2][4], gacc[MT][2][4];
@@ -347,10 +341,8 @@ __global__ void __launch_bounds__(kWarps * 32) int4_gemm_kernel(const T* __restr
   for (int p = 0; p < PF; ++p)
     if (warp_active && p < nck) bq[p] = __ldcs(wt + std::int64_t(kc0 + p) * (kTileWords / 4));
 
-  if (nck > 0) {
-    load_x(kc0);
-    store_x(0);
-  }
+  if (nck > 0) stage_x(kc0, 0);
+  cp_async_wait_all();
   __syncthreads();
 
   for (int base = 0; base < nck; base += PF) {
@@ -361,7 +353,7 @@ __global__ void __launch_bounds__(kWarps * 32) int4_gemm_kernel(const T* __restr
         const int kc = kc0 + ci;
         const uint4 cur = bq[p];
         if (warp_active && ci + PF < nck) bq[p] = __ldcs(wt + std::int64_t(kc + PF) * (kTileWords / 4));
-        if (ci + 1 < nck) load_x(kc + 1);
+        if (ci + 1 < nck) stage_x(kc + 1, (ci + 1) & 1);  // that buffer was last read before the previous barrier
         if (warp_active) {
           const std::uint16_t* xb = xs[ci & 1];
           const std::uint32_t words[4] = {cur.x, cur.y, cur.z, cur.w};
@@ -391,7 +383,7 @@ __global__ void __launch_bounds__(kWarps * 32) int4_gemm_kernel(const T* __restr
             }
           }
         }
-        if (ci + 1 < nck) store_x((ci + 1) & 1);
+        cp_async_wait_all();
         __syncthreads();
       }
     }
