@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <optional>
 #include <cmath>
 #include <random>
 #include <squeeze/comm.hpp>
@@ -230,6 +231,68 @@ TEST(Concept, BackendsSatisfyIt) {
   float a[3] = {1.5f, -2.f, 3.f}, b[3] = {};
   one->all_reduce(a, b, 3, ReduceOp::avg);
   EXPECT_EQ(b[1], -2.f);
+}
+
+// ---- torchrun environment ----------------------------------------------------------------------------
+struct EnvGuard {  // sets variables for one test, restores them after
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved;
+  void set(const char* k, const char* v) {
+    const char* old = std::getenv(k);
+    saved.emplace_back(k, old ? std::optional<std::string>(old) : std::nullopt);
+    if (v) setenv(k, v, 1);
+    else unsetenv(k);
+  }
+  ~EnvGuard() {
+    for (auto it = saved.rbegin(); it != saved.rend(); ++it) {
+      if (it->second) setenv(it->first.c_str(), it->second->c_str(), 1);
+      else unsetenv(it->first.c_str());
+    }
+  }
+};
+
+TEST(DistEnv, ParsesTorchrunVariables) {
+  EnvGuard g;
+  g.set("RANK", "3"), g.set("WORLD_SIZE", "8"), g.set("LOCAL_RANK", "1"), g.set("MASTER_ADDR", "node0"), g.set("MASTER_PORT", "29501");
+  const auto e = DistEnv::from_environment();
+  EXPECT_EQ(e.rank, 3);
+  EXPECT_EQ(e.world, 8);
+  EXPECT_EQ(e.local_rank, 1);
+  EXPECT_EQ(e.master_addr, "node0");
+  EXPECT_EQ(e.master_port, 29501);
+}
+
+TEST(DistEnv, BadVariablesAreClearErrors) {
+  auto expect_error = [](const char* k, const char* v, const char* mention) {
+    EnvGuard g;
+    g.set("RANK", "0"), g.set("WORLD_SIZE", "2"), g.set("MASTER_PORT", "29500");
+    g.set(k, v);
+    try {
+      (void)DistEnv::from_environment();
+      ADD_FAILURE() << k << "=" << v << " accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(mention), std::string::npos) << e.what();
+    }
+  };
+  expect_error("RANK", "2", "RANK=2");
+  expect_error("RANK", "x", "RANK");
+  expect_error("WORLD_SIZE", "0", "WORLD_SIZE");
+  expect_error("MASTER_PORT", "70000", "MASTER_PORT");
+}
+
+TEST(FromEnv, WorldOneIsLocalAndLargerNeedsNccl) {
+  {
+    EnvGuard g;
+    g.set("WORLD_SIZE", "1"), g.set("RANK", "0");
+    EXPECT_EQ(from_env()->backend(), "local");
+  }
+  EnvGuard g;
+  g.set("WORLD_SIZE", "2"), g.set("RANK", "0");
+  try {
+    (void)from_env();  // this binary is built without SQUEEZE_WITH_NCCL
+    ADD_FAILURE() << "WORLD_SIZE=2 without NCCL accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("NCCL"), std::string::npos) << e.what();
+  }
 }
 
 // ---- TcpStore ---------------------------------------------------------------------------------------

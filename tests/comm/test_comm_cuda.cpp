@@ -85,6 +85,20 @@ TEST(NcclComm, WorldSizeOne) {
   check_collectives(c, 0);
 }
 
+// The torchrun path at world size 1: TcpStore rendezvous (port 0: any free port) + unique id + init.
+TEST(NcclComm, FromEnvWorldOne) {
+  REQUIRE_GPUS(1);
+  setenv("RANK", "0", 1), setenv("WORLD_SIZE", "1", 1), setenv("LOCAL_RANK", "0", 1);
+  setenv("MASTER_ADDR", "127.0.0.1", 1), setenv("MASTER_PORT", "0", 1);
+  auto c = NcclComm::from_env();
+  EXPECT_EQ(c->size(), 1);
+  EXPECT_EQ(c->backend(), "nccl");
+  check_collectives(*c, 0);
+  auto any = from_env();  // WORLD_SIZE=1: the no-op local communicator
+  EXPECT_EQ(any->backend(), "local");
+  unsetenv("WORLD_SIZE"), unsetenv("RANK"), unsetenv("LOCAL_RANK"), unsetenv("MASTER_ADDR"), unsetenv("MASTER_PORT");
+}
+
 TEST(NcclComm, TwoGpusInThreadsAndWatchdog) {
   REQUIRE_GPUS(2);
   ncclUniqueId id;

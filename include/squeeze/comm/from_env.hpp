@@ -6,6 +6,7 @@
 #include <string>
 
 #include "communicator.hpp"
+#include "env.hpp"
 #include "local.hpp"
 #if defined(SQUEEZE_WITH_NCCL) && SQUEEZE_WITH_NCCL
 #include "nccl.hpp"
@@ -14,9 +15,8 @@
 namespace squeeze::comm {
 
 inline CommPtr from_env() {
-  const char* w = std::getenv("WORLD_SIZE");
-  const int world = (w && *w) ? std::atoi(w) : 1;
-  check(world >= 1, std::string("WORLD_SIZE='") + (w ? w : "") + "' must be a positive integer");
+  const DistEnv env = DistEnv::from_environment();  // validates every variable
+  const int world = env.world;
   if (world == 1) return LocalComm::single();
 #if defined(SQUEEZE_WITH_NCCL) && SQUEEZE_WITH_NCCL
   return NcclComm::from_env();

@@ -29,6 +29,7 @@
 #include <thread>
 
 #include "communicator.hpp"
+#include "env.hpp"
 #include "store.hpp"
 
 namespace squeeze::comm {
@@ -37,34 +38,6 @@ struct NcclOptions {
   std::chrono::milliseconds timeout{std::chrono::minutes(10)};         // per collective (watchdog)
   std::chrono::milliseconds init_timeout{std::chrono::minutes(5)};     // store rendezvous + comm init
   int device = -1;                                                     // -1: LOCAL_RANK (or 0)
-};
-
-// The torchrun environment of this process.
-struct DistEnv {
-  int rank = 0, world = 1, local_rank = 0;
-  std::string master_addr = "127.0.0.1";
-  std::uint16_t master_port = 29500;
-
-  static DistEnv from_environment() {
-    auto get_int = [](const char* name, int fallback) {
-      const char* v = std::getenv(name);
-      if (!v || !*v) return fallback;
-      char* end = nullptr;
-      const long x = std::strtol(v, &end, 10);
-      check(end && *end == '\0', std::string("environment variable ") + name + "='" + v + "' is not an integer");
-      return int(x);
-    };
-    DistEnv e;
-    e.world = get_int("WORLD_SIZE", 1);
-    e.rank = get_int("RANK", 0);
-    e.local_rank = get_int("LOCAL_RANK", e.rank);
-    if (const char* a = std::getenv("MASTER_ADDR"); a && *a) e.master_addr = a;
-    e.master_port = std::uint16_t(get_int("MASTER_PORT", 29500));
-    check(e.world >= 1, "WORLD_SIZE must be >= 1, got " + std::to_string(e.world));
-    check(e.rank >= 0 && e.rank < e.world,
-          "RANK=" + std::to_string(e.rank) + " is outside [0, WORLD_SIZE=" + std::to_string(e.world) + ")");
-    return e;
-  }
 };
 
 namespace detail {
