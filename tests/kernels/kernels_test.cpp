@@ -427,4 +427,56 @@ TEST(GradNorm, L2AndInfMatchFloat64OverBufferLists) {
   test::expect_error([&] { sk::grad_norm_cpu<float>(std::span(&null_buf, 1), sk::NormType::L2); }, "data pointer is null");
 }
 
+// ---- the CUDA kernels' work split, checked on the CPU ------------------------------------------------------
+
+// The tile layout every streaming kernel uses (256 threads, 2 quads): each element of a chunk is visited
+// exactly once by the vector path plus the scalar tail, for chunk lengths around the tile and chunk sizes.
+TEST(TileLayout, VectorPathPlusTailCoverEveryElementOnce) {
+  for (int threads : {256, 128, 32}) {
+    for (int quads : {1, 2, 4}) {
+      const std::int64_t tile = sk::tile_elems(threads, quads);
+      for (std::int64_t len : {std::int64_t(1), std::int64_t(3), std::int64_t(4), tile - 1, tile, tile + 1, sk::kChunkElems - 1, sk::kChunkElems}) {
+        const std::int64_t begin = 3 * sk::kChunkElems, end = begin + len;
+        std::vector<int> hits(std::size_t(len), 0);
+        const std::int64_t vend = sk::vector_end(begin, end, tile);
+        ASSERT_EQ((vend - begin) % tile, 0);
+        for (std::int64_t base = begin; base < vend; base += tile)
+          for (int t = 0; t < threads; ++t)
+            for (int q = 0; q < quads; ++q) {
+              const std::int64_t i0 = sk::quad_start(base, t, q, threads);
+              ASSERT_EQ(i0 % sk::kQuad, 0) << "quads stay 4-element aligned";
+              for (int j = 0; j < sk::kQuad; ++j) {
+                ASSERT_TRUE(i0 + j >= begin && i0 + j < vend) << "vector path out of its tiles";
+                ++hits[std::size_t(i0 + j - begin)];
+              }
+            }
+        for (int t = 0; t < threads; ++t)
+          for (std::int64_t i = vend + t; i < end; i += threads) ++hits[std::size_t(i - begin)];
+        for (std::int64_t i = 0; i < len; ++i) ASSERT_EQ(hits[std::size_t(i)], 1) << "threads " << threads << " quads " << quads << " len " << len << " i " << i;
+      }
+    }
+  }
+}
+
+// Chunk -> tensor lookup of the one-launch kernels: empty tensors own no chunk, every chunk has one owner.
+TEST(TensorList, ChunkLookupSkipsEmptyTensors) {
+  struct E {
+    std::int64_t n;
+  };
+  const std::vector<E> entries = {{0}, {1}, {0}, {sk::kChunkElems}, {sk::kChunkElems + 1}, {0}, {5 * sk::kChunkElems - 3}, {0}};
+  const auto prefix = sk::chunk_prefix_of(std::span<const E>(entries));
+  ASSERT_EQ(prefix.back(), 1 + 1 + 2 + 5);
+  const sk::TensorTable<E> table{entries.data(), prefix.data(), int(entries.size()), prefix.back()};
+  std::vector<std::int64_t> seen(entries.size(), 0);
+  for (std::int64_t c = 0; c < table.chunks; ++c) {
+    const int i = sk::tensor_of_chunk(table, c);
+    ASSERT_GT(entries[std::size_t(i)].n, 0) << "chunk " << c;
+    const std::int64_t local = c - prefix[std::size_t(i)];
+    ASSERT_LT(local * sk::kChunkElems, entries[std::size_t(i)].n);
+    ++seen[std::size_t(i)];
+  }
+  for (std::size_t i = 0; i < entries.size(); ++i) EXPECT_EQ(seen[i], sk::chunks_of(entries[i].n));
+  test::expect_error([] { const std::vector<E> bad = {{-1}}; sk::chunk_prefix_of(std::span<const E>(bad)); }, "negative element count");
+}
+
 }  // namespace

@@ -6,10 +6,11 @@
 //
 // Memory-bound: 28 bytes per parameter (fp32: read w, g, m, v, write w, m, v; bf16 param + fp32 master
 // with bf16 grads: read master, g(2), m, v, write master, m, v, param(2)). Each thread moves 8 elements
-// per pass with 16-byte loads/stores (fp32: 2 x LDG.128 per array, bf16: 1), all loads issued before
-// any math, so ~128 bytes per thread are in flight; one 16 Ki-element chunk per block, one block per
-// chunk so the scheduler balances the tail. Unaligned tensors (not 16-byte aligned) and the last
-// n % 8 elements of a tensor take the scalar path with the same element functor.
+// per pass as 2 quads (fp32: 2 x LDG.128 per array, bf16: 2 x LDG.64) in the warp-contiguous tile layout
+// of tensor_list.hpp, all loads issued before any math, so ~112-128 bytes per thread are in flight; one
+// 16 Ki-element chunk per block, one block per chunk so the scheduler balances the tail. Unaligned
+// tensors and the elements after a chunk's last whole tile (2048 elements) take the scalar path with
+// the same element functor.
 #include "squeeze/kernels/adamw.hpp"
 #include "squeeze/kernels/tensor_list.cuh"
 #include "squeeze/kernels/types.cuh"
@@ -17,15 +18,15 @@
 namespace squeeze::kernels {
 
 inline constexpr int kAdamWThreads = 256;  // threads per block
-inline constexpr int kAdamWVec = 8;        // elements per thread per pass
-static_assert(kChunkElems % (kAdamWThreads * kAdamWVec) == 0, "a chunk must be whole passes of a block");
+inline constexpr int kAdamWQuads = 2;      // quads (4 elements) per thread per pass: 8 elements
+static_assert(kChunkElems % (kAdamWThreads * kQuad * kAdamWQuads) == 0, "a chunk must be whole passes of a block");
 
 namespace detail {
 
 template <class P, class G, class S>
 SQUEEZE_DEVICE bool adamw_vectorizable(const AdamWTensor<P, G, S>& t) {
-  bool ok = vec_aligned(t.param) && vec_aligned(t.grad) && vec_aligned(t.exp_avg) && vec_aligned(t.exp_avg_sq);
-  if constexpr (!std::is_same_v<P, float>) ok = ok && vec_aligned(t.master);
+  bool ok = quad_aligned(t.param) && quad_aligned(t.grad) && quad_aligned(t.exp_avg) && quad_aligned(t.exp_avg_sq);
+  if constexpr (!std::is_same_v<P, float>) ok = ok && quad_aligned(t.master);
   return ok;
 }
 
@@ -33,29 +34,31 @@ SQUEEZE_DEVICE bool adamw_vectorizable(const AdamWTensor<P, G, S>& t) {
 template <class P, class G, class S>
 SQUEEZE_DEVICE void adamw_block_range(const AdamWTensor<P, G, S>& t, std::int64_t begin, std::int64_t end,
                                       const AdamWScalars& s) {
-  constexpr int V = kAdamWVec;
+  constexpr int Q = kAdamWQuads, T = kAdamWThreads;
+  constexpr std::int64_t kTile = std::int64_t(T) * kQuad * Q;
   std::int64_t scalar_begin = begin;
   if (adamw_vectorizable(t)) {
     float* __restrict__ wp;
     if constexpr (std::is_same_v<P, float>) wp = t.param;
     else wp = t.master;
-    const std::int64_t vec_end = begin + (end - begin) / V * V;
-    for (std::int64_t i = begin + std::int64_t(threadIdx.x) * V; i < vec_end; i += std::int64_t(blockDim.x) * V) {
-      float w[V], g[V], m[V], v[V];  // [V] registers each
-      load_float<V>(wp + i, w);
-      load_float<V>(t.grad + i, g);
-      load_float<V>(t.exp_avg + i, m);
-      load_float<V>(t.exp_avg_sq + i, v);
+    const std::int64_t vec_end = vector_end(begin, end, kTile);
+    for (std::int64_t base = begin; base < vec_end; base += kTile) {
+      const std::int64_t i = quad_start(base, int(threadIdx.x), 0, T);
+      float w[kQuad * Q], g[kQuad * Q], m[kQuad * Q], v[kQuad * Q];  // this thread's 8 elements of each array
+      load_quads<Q>(wp + i, T, w);
+      load_quads<Q>(t.grad + i, T, g);
+      load_quads<Q>(t.exp_avg + i, T, m);
+      load_quads<Q>(t.exp_avg_sq + i, T, v);
 #pragma unroll
-      for (int j = 0; j < V; ++j) adamw_element(w[j], m[j], v[j], g[j], s);
-      store_float<V>(wp + i, w);
-      store_float<V>(t.exp_avg + i, m);
-      store_float<V>(t.exp_avg_sq + i, v);
-      if constexpr (!std::is_same_v<P, float>) store_float<V>(t.param + i, w);
+      for (int j = 0; j < kQuad * Q; ++j) adamw_element(w[j], m[j], v[j], g[j], s);
+      store_quads<Q>(wp + i, T, w);
+      store_quads<Q>(t.exp_avg + i, T, m);
+      store_quads<Q>(t.exp_avg_sq + i, T, v);
+      if constexpr (!std::is_same_v<P, float>) store_quads<Q>(t.param + i, T, w);
     }
     scalar_begin = vec_end;
   }
-  for (std::int64_t i = scalar_begin + threadIdx.x; i < end; i += blockDim.x) adamw_at(t, i, s);
+  for (std::int64_t i = scalar_begin + threadIdx.x; i < end; i += T) adamw_at(t, i, s);
 }
 
 template <class P, class G, class S, class Source>

@@ -15,9 +15,9 @@
 namespace squeeze::kernels {
 
 inline constexpr int kNormThreads = 256;
-inline constexpr int kNormVec = 8;
+inline constexpr int kNormQuads = 2;
 inline constexpr int kNormMaxBlocks = 1024;  // partials in the workspace: [kNormMaxBlocks] double
-static_assert(kChunkElems % (kNormThreads * kNormVec) == 0);
+static_assert(kChunkElems % (kNormThreads * kQuad * kNormQuads) == 0);
 
 // Device scratch for grad_norm_cuda: kNormMaxBlocks doubles. Allocate once, reuse every step.
 class GradNormWorkspace {
@@ -38,7 +38,8 @@ namespace detail {
 
 template <NormType N, class G, class Source>
 __global__ void __launch_bounds__(kNormThreads) grad_norm_partial_kernel(const Source src, double* __restrict__ partials) {
-  constexpr int V = kNormVec;
+  constexpr int Q = kNormQuads, T = kNormThreads;
+  constexpr std::int64_t kTile = std::int64_t(T) * kQuad * Q;
   double acc = 0;
   for (std::int64_t chunk = blockIdx.x; chunk < src.chunks; chunk += gridDim.x) {
     std::int64_t local = 0;
@@ -46,17 +47,17 @@ __global__ void __launch_bounds__(kNormThreads) grad_norm_partial_kernel(const S
     const std::int64_t begin = local * kChunkElems;
     const std::int64_t end = begin + kChunkElems < b.n ? begin + kChunkElems : b.n;
     std::int64_t scalar_begin = begin;
-    if (vec_aligned(b.data)) {
-      const std::int64_t vec_end = begin + (end - begin) / V * V;
-      for (std::int64_t i = begin + std::int64_t(threadIdx.x) * V; i < vec_end; i += std::int64_t(blockDim.x) * V) {
-        float g[V];
-        load_float<V>(b.data + i, g);
+    if (quad_aligned(b.data)) {
+      const std::int64_t vec_end = vector_end(begin, end, kTile);
+      for (std::int64_t base = begin; base < vec_end; base += kTile) {
+        float g[kQuad * Q];
+        load_quads<Q>(b.data + quad_start(base, int(threadIdx.x), 0, T), T, g);
 #pragma unroll
-        for (int j = 0; j < V; ++j) acc = NormOp<N>::element(acc, g[j]);
+        for (int j = 0; j < kQuad * Q; ++j) acc = NormOp<N>::element(acc, g[j]);
       }
       scalar_begin = vec_end;
     }
-    for (std::int64_t i = scalar_begin + threadIdx.x; i < end; i += blockDim.x) acc = NormOp<N>::element(acc, to_float(b.data[i]));
+    for (std::int64_t i = scalar_begin + threadIdx.x; i < end; i += T) acc = NormOp<N>::element(acc, to_float(b.data[i]));
   }
   using Reduce = cub::BlockReduce<double, kNormThreads>;
   __shared__ typename Reduce::TempStorage tmp;

@@ -12,14 +12,15 @@
 namespace squeeze::kernels {
 
 inline constexpr int kUnscaleThreads = 256;
-inline constexpr int kUnscaleVec = 8;
-static_assert(kChunkElems % (kUnscaleThreads * kUnscaleVec) == 0);
+inline constexpr int kUnscaleQuads = 2;
+static_assert(kChunkElems % (kUnscaleThreads * kQuad * kUnscaleQuads) == 0);
 
 namespace detail {
 
 template <class G, class Source>
 __global__ void __launch_bounds__(kUnscaleThreads) check_and_unscale_kernel(const Source src, float* found_inf, const float* inv_scale_ptr) {
-  constexpr int V = kUnscaleVec;
+  constexpr int Q = kUnscaleQuads, T = kUnscaleThreads;
+  constexpr std::int64_t kTile = std::int64_t(T) * kQuad * Q;
   const float inv_scale = *inv_scale_ptr;
   bool bad = false;
   for (std::int64_t chunk = blockIdx.x; chunk < src.chunks; chunk += gridDim.x) {  // uniform per block
@@ -28,18 +29,19 @@ __global__ void __launch_bounds__(kUnscaleThreads) check_and_unscale_kernel(cons
     const std::int64_t begin = local * kChunkElems;
     const std::int64_t end = begin + kChunkElems < b.n ? begin + kChunkElems : b.n;
     std::int64_t scalar_begin = begin;
-    if (vec_aligned(b.data)) {
-      const std::int64_t vec_end = begin + (end - begin) / V * V;
-      for (std::int64_t i = begin + std::int64_t(threadIdx.x) * V; i < vec_end; i += std::int64_t(blockDim.x) * V) {
-        float g[V];
-        load_float<V>(b.data + i, g);
+    if (quad_aligned(b.data)) {
+      const std::int64_t vec_end = vector_end(begin, end, kTile);
+      for (std::int64_t base = begin; base < vec_end; base += kTile) {
+        const std::int64_t i = quad_start(base, int(threadIdx.x), 0, T);
+        float g[kQuad * Q];
+        load_quads<Q>(b.data + i, T, g);
 #pragma unroll
-        for (int j = 0; j < V; ++j) g[j] = unscale_element(g[j], inv_scale, bad);
-        store_float<V>(b.data + i, g);
+        for (int j = 0; j < kQuad * Q; ++j) g[j] = unscale_element(g[j], inv_scale, bad);
+        store_quads<Q>(b.data + i, T, g);
       }
       scalar_begin = vec_end;
     }
-    for (std::int64_t i = scalar_begin + threadIdx.x; i < end; i += blockDim.x)
+    for (std::int64_t i = scalar_begin + threadIdx.x; i < end; i += T)
       b.data[i] = from_float<G>(unscale_element(to_float(b.data[i]), inv_scale, bad));
   }
   if (__syncthreads_or(bad) && threadIdx.x == 0) *found_inf = 1.0f;  // one write per block

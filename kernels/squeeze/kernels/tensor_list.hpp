@@ -55,6 +55,25 @@ std::vector<std::int64_t> chunk_prefix_of(std::span<const Entry> entries) {
   return prefix;
 }
 
+// ---- the vector path's tile layout (shared by every streaming kernel; plain arithmetic so CPU tests can
+// check that it covers each element exactly once) -----------------------------------------------------
+// A block pass covers a tile of threads * 4 * Q elements. Thread t owns Q quads of 4 consecutive elements;
+// quad q starts at base + (q * threads + t) * 4, so each warp-wide load of quad q is one contiguous span
+// (512 bytes of float, 256 of bf16). Elements past the last whole tile of a chunk take the scalar path:
+// thread t handles vector_end + t, + threads, ...
+inline constexpr int kQuad = 4;
+
+SQUEEZE_HD std::int64_t tile_elems(int threads, int quads) { return std::int64_t(threads) * kQuad * quads; }
+
+SQUEEZE_HD std::int64_t quad_start(std::int64_t base, int t, int q, int threads) {
+  return base + (std::int64_t(q) * threads + t) * kQuad;
+}
+
+// End of the whole tiles in [begin, end).
+SQUEEZE_HD std::int64_t vector_end(std::int64_t begin, std::int64_t end, std::int64_t tile) {
+  return begin + (end - begin) / tile * tile;
+}
+
 // Index i of the tensor that owns chunk c (binary search; empty tensors own no chunk).
 template <class Entry>
 SQUEEZE_HD int tensor_of_chunk(const TensorTable<Entry>& t, std::int64_t c) {

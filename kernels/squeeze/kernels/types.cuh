@@ -2,8 +2,8 @@
 // Device-side element-type helpers shared by squeeze's CUDA kernels.
 //   * squeeze::half / squeeze::bf16 are CUDA's __half / __nv_bfloat16 (see squeeze/dtype.hpp), so
 //     to_float / from_float<T> are CUDA's conversion intrinsics on the device.
-//   * 16-byte vector loads/stores that convert to/from float registers: every streaming kernel moves
-//     memory in 16-byte transactions (LDG.128 / STG.128), whatever the element type.
+//   * quad (4-element) vector loads/stores that convert to/from float registers, in the warp-contiguous
+//     tile layout of tensor_list.hpp.
 //   * Launch-size helpers (SM count per device, cached).
 // CUDA-only header: include it from .cu translation units built by nvcc.
 #include <cuda_runtime.h>
@@ -13,6 +13,7 @@
 
 #include "squeeze/dtype.hpp"
 #include "squeeze/error.hpp"
+#include "squeeze/kernels/tensor_list.hpp"
 
 #if !defined(__CUDACC__)
 #error "squeeze/kernels/*.cuh are CUDA headers: compile this translation unit with nvcc (a .cu file), or include the .hpp CPU twin instead"
@@ -22,51 +23,42 @@
 
 namespace squeeze::kernels {
 
-// Bytes moved by one vector load or store.
-inline constexpr int kVecBytes = 16;
-
-// Elements of T in one 16-byte vector: 4 floats, 8 halves/bf16s.
+// Four consecutive elements of T, aligned so one load/store is a single transaction: 16 bytes for float
+// (LDG.128), 8 for half/bf16 (LDG.64). The streaming kernels move quads in the tile layout of
+// tensor_list.hpp (quad_start), so every warp-wide access is contiguous.
 template <class T>
-inline constexpr int kVecElems = kVecBytes / int(sizeof(T));
-
-// 16 bytes of T, aligned so that one load/store is a single 128-bit transaction.
-template <class T>
-struct alignas(kVecBytes) Pack16 {
-  T v[kVecElems<T>];
+struct alignas(kQuad * sizeof(T)) Quad {
+  T v[kQuad];
 };
 
-// True when p can be read/written with 16-byte vectors (cudaMalloc gives 256-byte alignment; views
-// at offsets that are not a multiple of 16 bytes fall back to scalar code).
+// True when p can be accessed by quads (cudaMalloc gives 256-byte alignment; views at odd offsets fall
+// back to the scalar path).
 template <class T>
-SQUEEZE_HD bool vec_aligned(const T* p) {
-  return (reinterpret_cast<std::uintptr_t>(p) % kVecBytes) == 0;
+SQUEEZE_HD bool quad_aligned(const T* p) {
+  return (reinterpret_cast<std::uintptr_t>(p) % (kQuad * sizeof(T))) == 0;
 }
 
-// Loads N consecutive elements of T at p (16-byte aligned) into float registers.
-// N * sizeof(T) must be a multiple of 16: e.g. N = 8 is two LDG.128 for float, one for bf16.
-template <int N, class T>
-SQUEEZE_DEVICE void load_float(const T* __restrict__ p, float (&out)[N]) {
-  constexpr int E = kVecElems<T>;
-  static_assert(N % E == 0, "load_float<N, T>: N elements of T must fill whole 16-byte vectors");
+// Loads this thread's Q quads of a tile: p points at quad 0 (quad_start(base, t, 0, threads)), quad q is
+// q * threads * 4 elements further. Converts to float registers out[4 * Q].
+template <int Q, class T>
+SQUEEZE_DEVICE void load_quads(const T* __restrict__ p, int threads, float (&out)[kQuad * Q]) {
 #pragma unroll
-  for (int k = 0; k < N / E; ++k) {
-    const Pack16<T> pk = reinterpret_cast<const Pack16<T>*>(p)[k];
+  for (int q = 0; q < Q; ++q) {
+    const Quad<T> v = *reinterpret_cast<const Quad<T>*>(p + std::int64_t(q) * threads * kQuad);
 #pragma unroll
-    for (int j = 0; j < E; ++j) out[k * E + j] = to_float(pk.v[j]);
+    for (int j = 0; j < kQuad; ++j) out[q * kQuad + j] = to_float(v.v[j]);
   }
 }
 
-// Stores N float registers to N consecutive elements of T at p (16-byte aligned), rounding to nearest even.
-template <int N, class T>
-SQUEEZE_DEVICE void store_float(T* __restrict__ p, const float (&in)[N]) {
-  constexpr int E = kVecElems<T>;
-  static_assert(N % E == 0, "store_float<N, T>: N elements of T must fill whole 16-byte vectors");
+// Stores float registers in[4 * Q] to this thread's Q quads of a tile, rounding to nearest even.
+template <int Q, class T>
+SQUEEZE_DEVICE void store_quads(T* __restrict__ p, int threads, const float (&in)[kQuad * Q]) {
 #pragma unroll
-  for (int k = 0; k < N / E; ++k) {
-    Pack16<T> pk;
+  for (int q = 0; q < Q; ++q) {
+    Quad<T> v;
 #pragma unroll
-    for (int j = 0; j < E; ++j) pk.v[j] = from_float<T>(in[k * E + j]);
-    reinterpret_cast<Pack16<T>*>(p)[k] = pk;
+    for (int j = 0; j < kQuad; ++j) v.v[j] = from_float<T>(in[q * kQuad + j]);
+    *reinterpret_cast<Quad<T>*>(p + std::int64_t(q) * threads * kQuad) = v;
   }
 }
 
