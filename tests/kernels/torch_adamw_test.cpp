@@ -119,6 +119,9 @@ TEST(TorchAdamW, BadInputGivesClearErrors) {
   expect_torch_error([&] { ok.step(); }, "gradient 0 has dtype Double");
   EXPECT_TRUE(torch::equal(f.detach(), torch::ones({3}))) << "a failed step changes nothing";
   EXPECT_EQ(ok.step_count(0), 0);
+  f.mutable_grad() = torch::ones({4});
+  expect_torch_error([&] { ok.step(); }, "has 3 elements, its gradient 4");
+  EXPECT_TRUE(torch::equal(f.detach(), torch::ones({3})));
   expect_torch_error([&] { ok.set_lr(-1.f); }, "lr must be finite");
 }
 
