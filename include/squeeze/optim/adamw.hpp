@@ -62,6 +62,8 @@ inline void validate(const AdamW& o) {
 
 namespace optim {
 
+using AdamW = squeeze::AdamW;  // the same options, spelled from the optim namespace
+
 // Per-group overrides (negative: use the optimizer's value).
 struct GroupOptions {
   float lr_scale = 1.0f;       // this group's lr = AdamW::lr * lr_scale
