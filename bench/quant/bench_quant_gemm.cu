@@ -1,6 +1,6 @@
 // 4-bit GEMM benchmark (GPU): y [M, N] = x [M, K] bf16 * W^T with W 4-bit GPTQ (group 128, asymmetric).
 // For each (K, N) and batch M it measures, in the same run:
-//   ours       squeeze int4 tensor-core GEMM (kernels/squeeze/kernels/quant/gemm_int4.cuh)
+//   ours       squeeze int4 tensor-core GEMM (kernels/squeeze/kernels/quant/qgemm.cuh)
 //   peer       cuBLAS bf16 GEMM through libtorch (at::mm on bf16 CUDA tensors, W [N, K] as nn.Linear stores it)
 //   peer2      PyTorch's int4 weight-only GEMM at::_weight_int4pack_mm (group 128), when it runs here
 //   roofline   bytes our kernel must read (weights + scales + zeros + x) / time, over the bandwidth of a
@@ -24,9 +24,9 @@
 
 #include <squeeze/error.hpp>
 #include <squeeze/kernels/quant/dequant.cuh>
-#include <squeeze/kernels/quant/gemm_int4.cuh>
+#include <squeeze/kernels/quant/qgemm.cuh>
 #include <squeeze/nn/quantized_linear.hpp>
-#include <squeeze/quant/int4_tiles.hpp>
+#include <squeeze/quant/tiles.hpp>
 #include <squeeze/quant/rtn.hpp>
 
 namespace kq = squeeze::kernels::quant;
@@ -130,7 +130,7 @@ bool module_checks() {
           auto yr = cpu->forward(x.to(torch::kFloat32));
           const double err = ((yg - yr).abs().max() / yr.abs().max()).item<double>();
           const double tol = dt == torch::kBFloat16 ? 1e-2 : 2e-3;
-          const char* names[] = {"cpu", "int4_gemm", "gemv", "dequant_matmul"};
+          const char* names[] = {"cpu", "tc_gemm", "gemv", "dequant_matmul"};
           const bool pass = err <= tol;
           ok = ok && pass;
           ++checks;
@@ -189,7 +189,7 @@ int main(int argc, char** argv) {
   std::printf("%-22s %10s %10s %8s %10s %8s %6s %9s\n", "case", "ours ms", "cublas ms", "x cublas", "int4pk ms", "x int4pk", "roof", "rel err");
   for (auto [K, N] : shapes) {
     const auto p = random_int4(K, N, std::uint32_t(K * 31 + N));
-    const auto t = squeeze::quant::to_int4_tiles(p);
+    const auto t = squeeze::quant::to_tiles(p);
     auto d_tiles = torch::from_blob(const_cast<std::uint32_t*>(t.tiles.data()), {std::int64_t(t.tiles.size())}, torch::kInt32).to(cuda);
     auto d_scales = torch::from_blob(const_cast<half*>(t.scales.data()), {std::int64_t(t.scales.size())}, torch::kHalf).to(cuda);
     auto d_zeros = torch::from_blob(const_cast<std::uint8_t*>(t.zeros.data()), {std::int64_t(t.zeros.size())}, torch::kUInt8).to(cuda);
@@ -198,10 +198,10 @@ int main(int argc, char** argv) {
     auto d_qz = torch::from_blob(const_cast<std::int32_t*>(p.qzeros.data()), {std::int64_t(p.qzeros.size())}, torch::kInt32).to(cuda);
     auto d_sc = torch::from_blob(const_cast<half*>(p.scales.data()), {std::int64_t(p.scales.size())}, torch::kHalf).to(cuda);
     auto d_gi = torch::from_blob(const_cast<std::int32_t*>(p.g_idx.data()), {K}, torch::kInt32).to(cuda);
-    auto w_deq = torch::empty({N, K}, cuda.dtype(torch::kBFloat16));
+    auto w_deq = torch::empty({N, K}, cuda.dtype(torch::kFloat32));  // exact: fp16 scale * small integer
     const kq::GptqView view{d_qw.data_ptr<std::int32_t>(), d_qz.data_ptr<std::int32_t>(), reinterpret_cast<const half*>(d_sc.data_ptr()),
                             d_gi.data_ptr<std::int32_t>(), K, N, 4};
-    SQUEEZE_CUDA_CHECK(kq::dequantize_cuda<bf16>(view, reinterpret_cast<bf16*>(w_deq.data_ptr()), nullptr));
+    SQUEEZE_CUDA_CHECK(kq::dequantize_cuda<float>(view, w_deq.data_ptr<float>(), nullptr));
     auto w_bf16 = torch::randn({N, K}, cuda.dtype(torch::kBFloat16)) * 0.02;  // the cuBLAS peer's weights
 
     // PyTorch's int4 weight-only GEMM (its own packing), when available on this build/GPU
@@ -220,19 +220,19 @@ int main(int argc, char** argv) {
       auto x = torch::randn({M, K}, cuda.dtype(torch::kBFloat16));
       auto y = torch::empty({M, N}, cuda.dtype(torch::kBFloat16));
       const auto shape = t.shape(M);
-      const auto need = kq::int4_workspace_size<bf16>(M, shape, sm);
+      const auto need = kq::qgemm_workspace_size<bf16>(M, shape, sm);
       auto partial = torch::empty({std::max<std::int64_t>(need.partial_elems, 1)}, cuda.dtype(torch::kFloat32));
       auto counters = torch::zeros({std::max<std::int64_t>(need.counter_elems, 1)}, cuda.dtype(torch::kInt32));
-      const kq::Int4Workspace ws{partial.data_ptr<float>(), need.partial_elems, counters.data_ptr<int>(), need.counter_elems};
+      const kq::QGemmWorkspace ws{partial.data_ptr<float>(), need.partial_elems, counters.data_ptr<int>(), need.counter_elems};
       auto ours = [&] {
-        SQUEEZE_CUDA_CHECK(kq::int4_gemm_cuda<bf16>(reinterpret_cast<const bf16*>(x.data_ptr()),
+        SQUEEZE_CUDA_CHECK(kq::qgemm_cuda<bf16>(reinterpret_cast<const bf16*>(x.data_ptr()),
                                                     reinterpret_cast<const std::uint32_t*>(d_tiles.data_ptr()),
                                                     reinterpret_cast<const half*>(d_scales.data_ptr()), d_zeros.data_ptr<std::uint8_t>(),
                                                     reinterpret_cast<bf16*>(y.data_ptr()), shape, ws, sm, nullptr));
       };
       ours();
       SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
-      const auto ref = x.to(torch::kFloat32).matmul(w_deq.to(torch::kFloat32).t());
+      const auto ref = x.to(torch::kFloat32).matmul(w_deq.t());
       const double rel_err = ((y.to(torch::kFloat32) - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item<double>();
 
       const double t_ours = time_ms(ours, reps);

@@ -1,7 +1,7 @@
 // CPU twins of the quant kernels against dequantize + matmul in float64. Tolerances (stated per case):
 //   dequantize: the float result is exact (same formula); fp16/bf16 outputs within half an ulp
 //   gemv (fp32 accumulate): 1e-5 * sum|x w| + half an ulp of the output type
-//   int4 GEMM twin (double accumulate, exact q - z): 1e-9 * sum|x w| + half an ulp of the output type
+//   4/8-bit tensor-core GEMM twin (double accumulate, exact q - z): 1e-9 * sum|x w| + half an ulp of the output type
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -9,8 +9,8 @@
 #include <numeric>
 #include <random>
 #include <squeeze/kernels/quant/dequant.cuh>
-#include <squeeze/kernels/quant/gemm_int4.cuh>
-#include <squeeze/quant/int4_tiles.hpp>
+#include <squeeze/kernels/quant/qgemm.cuh>
+#include <squeeze/quant/tiles.hpp>
 #include <squeeze/quant/rtn.hpp>
 
 using namespace squeeze;
@@ -104,11 +104,12 @@ struct GemmCase {
   std::int64_t M, N, K;
   int group;
   bool act_order;
+  int bits;
 };
 template <class T>
-void check_int4_gemm(const GemmCase& c) {
-  const auto p = random_layer(c.N, c.K, 4, c.group, c.act_order, std::uint32_t(c.M * 7 + c.N * 3 + c.K));
-  const auto t = quant::to_int4_tiles(p);
+void check_qgemm(const GemmCase& c) {
+  const auto p = random_layer(c.N, c.K, c.bits, c.group, c.act_order, std::uint32_t(c.M * 7 + c.N * 3 + c.K + c.bits));
+  const auto t = quant::to_tiles(p);
   EXPECT_EQ(t.perm.empty(), !c.act_order);
   const auto x = random_x<T>(c.M * c.K, 5);
   // the kernel reads x in kernel row order: gather x[:, perm] as the torch layer does
@@ -117,46 +118,50 @@ void check_int4_gemm(const GemmCase& c) {
     for (std::int64_t m = 0; m < c.M; ++m)
       for (std::int64_t k = 0; k < c.K; ++k) xg[m * c.K + k] = x[m * c.K + t.perm[k]];
   std::vector<T> y(c.M * c.N);
-  kq::int4_gemm_cpu(xg.data(), t.tiles.data(), t.scales.data(), t.zeros.data(), y.data(), t.shape(c.M));
+  kq::qgemm_cpu(xg.data(), t.tiles.data(), t.scales.data(), t.zeros.data(), y.data(), t.shape(c.M));
   std::vector<double> ref, mag;
   reference(p, x, c.M, ref, mag);
   for (std::int64_t k = 0; k < c.M * c.N; ++k)
     ASSERT_LE(std::abs(double(to_float(y[k])) - ref[k]), 1e-9 * mag[k] + half_ulp<T>(ref[k]))
-        << "M " << c.M << " N " << c.N << " K " << c.K << " group " << c.group << " at " << k;
+        << "bits " << c.bits << " M " << c.M << " N " << c.N << " K " << c.K << " group " << c.group << " at " << k;
 }
-class Int4GemmTwin : public ::testing::TestWithParam<GemmCase> {};
-TEST_P(Int4GemmTwin, Fp16MatchesFloat64) { check_int4_gemm<half>(GetParam()); }
-TEST_P(Int4GemmTwin, Bf16MatchesFloat64) { check_int4_gemm<bf16>(GetParam()); }
-INSTANTIATE_TEST_SUITE_P(Shapes, Int4GemmTwin,
-                         ::testing::Values(GemmCase{1, 8, 64, 32, false}, GemmCase{5, 40, 200, 32, false}, GemmCase{19, 100, 264, 64, true},
-                                           GemmCase{3, 24, 130, 0, false}, GemmCase{2, 70, 256, 128, true}, GemmCase{33, 17, 96, 16, false}));
+class QGemmTwin : public ::testing::TestWithParam<GemmCase> {};
+TEST_P(QGemmTwin, Fp16MatchesFloat64) { check_qgemm<half>(GetParam()); }
+TEST_P(QGemmTwin, Bf16MatchesFloat64) { check_qgemm<bf16>(GetParam()); }
+INSTANTIATE_TEST_SUITE_P(Shapes, QGemmTwin,
+                         ::testing::Values(GemmCase{1, 8, 64, 32, false, 4}, GemmCase{5, 40, 200, 32, false, 4}, GemmCase{19, 100, 264, 64, true, 4},
+                                           GemmCase{3, 24, 130, 0, false, 4}, GemmCase{2, 70, 256, 128, true, 4}, GemmCase{33, 17, 96, 16, false, 4},
+                                           GemmCase{1, 8, 64, 32, false, 8}, GemmCase{5, 40, 200, 32, true, 8}, GemmCase{19, 100, 264, 0, false, 8},
+                                           GemmCase{33, 17, 96, 16, false, 8}));
 
-TEST(Int4Tiles, TileCoordIsABijectionOntoTheTile) {
-  std::vector<int> seen(64 * 16, 0);
-  for (int lane = 0; lane < 32; ++lane)
-    for (int ks = 0; ks < 4; ++ks)
-      for (int p = 0; p < 8; ++p) {
-        const auto c = kq::tile_coord(lane, ks, p);
-        ASSERT_TRUE(c.k >= 0 && c.k < 64 && c.n >= 0 && c.n < 16);
-        ++seen[c.k * 16 + c.n];
-      }
-  EXPECT_TRUE(std::all_of(seen.begin(), seen.end(), [](int v) { return v == 1; }));
+TEST(QTiles, TileCoordIsABijectionOntoTheTile) {
+  for (int bits : {4, 8}) {
+    std::vector<int> seen(64 * 16, 0);
+    for (int lane = 0; lane < 32; ++lane)
+      for (int w = 0; w < kq::lane_words(bits); ++w)
+        for (int p = 0; p < 32 / bits; ++p) {
+          const auto c = kq::tile_coord(bits, lane, w, p);
+          ASSERT_TRUE(c.k >= 0 && c.k < 64 && c.n >= 0 && c.n < 16);
+          ++seen[c.k * 16 + c.n];
+        }
+    EXPECT_TRUE(std::all_of(seen.begin(), seen.end(), [](int v) { return v == 1; })) << bits;
+  }
 }
 
-TEST(Int4Tiles, RejectsWhatTheKernelCannotServe) {
-  EXPECT_THROW(quant::to_int4_tiles(random_layer(8, 64, 3, 32, false, 1)), Error);  // 3 bits
-  EXPECT_THROW(quant::to_int4_tiles(random_layer(8, 64, 4, 8, false, 1)), Error);   // group 8
+TEST(QTiles, RejectsWhatTheKernelCannotServe) {
+  EXPECT_THROW(quant::to_tiles(random_layer(8, 64, 3, 32, false, 1)), Error);  // 3 bits
+  EXPECT_THROW(quant::to_tiles(random_layer(8, 64, 4, 8, false, 1)), Error);   // group 8
   auto p = random_layer(8, 64, 4, 32, false, 1);
   p.g_idx[0] = 1;  // group 1 now has 33 rows
-  EXPECT_THROW(quant::to_int4_tiles(p), Error);
+  EXPECT_THROW(quant::to_tiles(p), Error);
 }
 
-TEST(Int4Plan, SplitsCoverKWithoutEmptySplits) {
+TEST(QGemmPlan, SplitsCoverKWithoutEmptySplits) {
   for (std::int64_t M : {1, 16, 17, 64, 128})
     for (std::int64_t K : {64, 4096, 11008 + 64 - 11008 % 64})
       for (std::int64_t N : {16, 4096, 28672})
         for (int occupancy : {1, 2, 6}) {
-        const auto p = kq::plan_int4_gemm(M, N, K, 132, occupancy);
+        const auto p = kq::plan_qgemm(M, N, K, 132, occupancy);
         EXPECT_TRUE(p.splits == 1 || p.n_blocks * p.splits <= 132 * occupancy) << "more than one wave";
         const std::int64_t chunks = K / 64;
         EXPECT_GE(std::int64_t(p.splits) * p.chunks_per_split, chunks);

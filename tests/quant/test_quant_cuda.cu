@@ -9,8 +9,8 @@
 #include <random>
 #include <squeeze/error.hpp>
 #include <squeeze/kernels/quant/dequant.cuh>
-#include <squeeze/kernels/quant/gemm_int4.cuh>
-#include <squeeze/quant/int4_tiles.hpp>
+#include <squeeze/kernels/quant/qgemm.cuh>
+#include <squeeze/quant/tiles.hpp>
 #include <squeeze/quant/rtn.hpp>
 
 using namespace squeeze;
@@ -116,11 +116,12 @@ struct GemmCase {
   std::int64_t M, N, K;
   int group;
   bool act_order;
+  int bits;
 };
 template <class T>
-void int4_case(const GemmCase& c) {
-  const auto p = random_layer(c.N, c.K, 4, c.group, c.act_order, std::uint32_t(c.M + 31 * c.N + c.K));
-  const auto t = quant::to_int4_tiles(p);
+void qgemm_case(const GemmCase& c) {
+  const auto p = random_layer(c.N, c.K, c.bits, c.group, c.act_order, std::uint32_t(c.M + 31 * c.N + c.K + c.bits));
+  const auto t = quant::to_tiles(p);
   auto x = random_x<T>(c.M * c.K, 17);
   if (!t.perm.empty()) {  // the kernel reads x in kernel row order
     auto xg = x;
@@ -130,7 +131,7 @@ void int4_case(const GemmCase& c) {
   }
   std::vector<T> ref(c.M * c.N);
   const auto shape = t.shape(c.M);
-  kq::int4_gemm_cpu(x.data(), t.tiles.data(), t.scales.data(), t.zeros.data(), ref.data(), shape);
+  kq::qgemm_cpu(x.data(), t.tiles.data(), t.scales.data(), t.zeros.data(), ref.data(), shape);
   // sum |x| |w| bound per output from the float64 twin inputs
   const auto wdq = quant::dequantize(p);
   Dev<T> dx(x), dy(ref.size());
@@ -138,13 +139,13 @@ void int4_case(const GemmCase& c) {
   Dev<half> ds(t.scales);
   Dev<std::uint8_t> dz(t.zeros);
   const int sm = sm_count();
-  auto need = kq::int4_workspace_size<T>(c.M, shape, sm);
+  auto need = kq::qgemm_workspace_size<T>(c.M, shape, sm);
   Dev<float> part(std::size_t(std::max<std::int64_t>(need.partial_elems, 1)));
   Dev<int> cnt(std::vector<int>(std::size_t(need.counter_elems), 0));
-  const kq::Int4Workspace ws{part.p, need.partial_elems, cnt.p, need.counter_elems};
+  const kq::QGemmWorkspace ws{part.p, need.partial_elems, cnt.p, need.counter_elems};
   for (int rep = 0; rep < 2; ++rep) {  // the second launch checks the split-K counters were reset
     SQUEEZE_CUDA_CHECK(cudaMemset(dy.p, 0xff, dy.n * sizeof(T)));
-    SQUEEZE_CUDA_CHECK(kq::int4_gemm_cuda(dx.p, dt.p, ds.p, dz.p, dy.p, shape, ws, sm, nullptr));
+    SQUEEZE_CUDA_CHECK(kq::qgemm_cuda(dx.p, dt.p, ds.p, dz.p, dy.p, shape, ws, sm, nullptr));
     SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
     const auto got = dy.get();
     for (std::int64_t m = 0; m < c.M; ++m)
@@ -152,30 +153,32 @@ void int4_case(const GemmCase& c) {
         double mag = 0;
         for (std::int64_t k = 0; k < c.K; ++k) mag += std::abs(double(to_float(x[m * c.K + k])) * wdq[n * c.K + (t.perm.empty() ? k : t.perm[k])]);
         const double r = to_float(ref[m * c.N + n]), g = to_float(got[m * c.N + n]);
-        ASSERT_LE(std::abs(g - r), 1e-5 * mag + ulp<T>(r)) << "M " << c.M << " N " << c.N << " K " << c.K << " g " << c.group << " rep " << rep
+        ASSERT_LE(std::abs(g - r), 1e-5 * mag + ulp<T>(r)) << "bits " << c.bits << " M " << c.M << " N " << c.N << " K " << c.K << " g " << c.group << " rep " << rep
                                                            << " at " << m << "," << n;
       }
   }
   const auto counters = cnt.get();
   EXPECT_TRUE(std::all_of(counters.begin(), counters.end(), [](int v) { return v == 0; }));
 }
-class QuantCudaInt4 : public ::testing::TestWithParam<GemmCase> {};
-TEST_P(QuantCudaInt4, Fp16MatchesCpuTwin) {
+class QuantCudaGemm : public ::testing::TestWithParam<GemmCase> {};
+TEST_P(QuantCudaGemm, Fp16MatchesCpuTwin) {
   REQUIRE_DEVICE();
-  int4_case<half>(GetParam());
+  qgemm_case<half>(GetParam());
 }
-TEST_P(QuantCudaInt4, Bf16MatchesCpuTwin) {
+TEST_P(QuantCudaGemm, Bf16MatchesCpuTwin) {
   REQUIRE_DEVICE();
-  int4_case<bf16>(GetParam());
+  qgemm_case<bf16>(GetParam());
 }
-INSTANTIATE_TEST_SUITE_P(Shapes, QuantCudaInt4,
-                         ::testing::Values(GemmCase{1, 8, 64, 32, false}, GemmCase{1, 4096, 4096, 128, false}, GemmCase{7, 100, 200, 32, false},
-                                           GemmCase{16, 1000, 1100, 128, true}, GemmCase{17, 72, 520, 0, false}, GemmCase{40, 333, 768, 64, false},
-                                           GemmCase{64, 512, 2048, 128, false}, GemmCase{100, 130, 384, 32, true},
-                                           GemmCase{128, 256, 4096, 128, false}, GemmCase{300, 48, 256, 128, false}));
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, QuantCudaGemm,
+    ::testing::Values(GemmCase{1, 8, 64, 32, false, 4}, GemmCase{1, 4096, 4096, 128, false, 4}, GemmCase{7, 100, 200, 32, false, 4},
+                      GemmCase{16, 1000, 1100, 128, true, 4}, GemmCase{17, 72, 520, 0, false, 4}, GemmCase{40, 333, 768, 64, false, 4},
+                      GemmCase{64, 512, 2048, 128, false, 4}, GemmCase{100, 130, 384, 32, true, 4}, GemmCase{128, 256, 4096, 128, false, 4},
+                      GemmCase{300, 48, 256, 128, false, 4}, GemmCase{1, 4096, 4096, 128, false, 8}, GemmCase{16, 1000, 1100, 128, true, 8},
+                      GemmCase{40, 333, 770, 0, false, 8}, GemmCase{128, 256, 2048, 64, false, 8}));
 
-TEST(QuantCuda, Int4RejectsBadArguments) {
+TEST(QuantCuda, GemmRejectsBadArguments) {
   REQUIRE_DEVICE();
-  kq::Int4GemmShape s{1, 16, 64, 64, 16, 24};  // group not a multiple of 16
-  EXPECT_EQ(kq::int4_gemm_cuda<half>(nullptr, nullptr, nullptr, nullptr, nullptr, s, {}, 132, nullptr), cudaErrorInvalidValue);
+  kq::QGemmShape s{1, 16, 64, 64, 16, 24};  // group not a multiple of 16
+  EXPECT_EQ(kq::qgemm_cuda<half>(nullptr, nullptr, nullptr, nullptr, nullptr, s, {}, 132, nullptr), cudaErrorInvalidValue);
 }

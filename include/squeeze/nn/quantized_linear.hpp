@@ -3,27 +3,27 @@
 //
 // Kernel choice (forward), by device, width and batch rows M = x.numel() / in:
 //   CPU                         dequantize (CPU twin) once, cached, then float matmul
-//   CUDA, 4 bits, M <= 256      fused int4 tensor-core GEMM (kernels/.../gemm_int4.cuh)
+//   CUDA, 4/8 bits, M <= 256    fused tensor-core GEMM (kernels/.../qgemm.cuh)
 //   CUDA, other widths, M <= 8  GPTQ-layout GEMV (kernels/.../dequant.cuh)
 //   CUDA, otherwise             dequantize to x's dtype, cuBLAS matmul (compute-bound: cuBLAS wins)
 // CUDA paths need this header compiled by nvcc (a .cu translation unit); activations fp16 or bf16.
 // Kernels run on libtorch's current stream. One layer must not run concurrently on two streams
-// (the int4 split-K counters are per layer).
+// (the GEMM's split-K counters are per layer).
 #include <torch/torch.h>
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <squeeze/kernels/quant/dequant.cuh>
-#include <squeeze/kernels/quant/gemm_int4.cuh>
+#include <squeeze/kernels/quant/qgemm.cuh>
 
-#include "../quant/int4_tiles.hpp"
+#include "../quant/tiles.hpp"
 #include "../quant/pack.hpp"
 
 namespace squeeze::nn {
 
 class QuantizedLinearImpl : public torch::nn::Module {
  public:
-  enum class Path { CpuDequant, Int4Gemm, Gemv, DequantMatmul };
+  enum class Path { CpuDequant, TensorCoreGemm, Gemv, DequantMatmul };
 
   explicit QuantizedLinearImpl(const quant::PackedLinear& p) : bits_(p.bits), group_size_(p.group_size), in_(p.in), out_(p.out) {
     p.validate();
@@ -38,10 +38,10 @@ class QuantizedLinearImpl : public torch::nn::Module {
     scales_ = register_buffer("scales", f16(p.scales, {p.groups(), p.out}));
     g_idx_ = register_buffer("g_idx", i32(p.g_idx, {p.in}));
     if (!p.bias.empty()) bias_ = register_buffer("bias", f16(p.bias, {p.out}));
-    // the int4 kernel's layout, when this layer can use it
-    if (p.bits == 4 && (p.group_size == 0 || p.group_size % 16 == 0)) {
+    // the tensor-core GEMM's layout, when this layer can use it
+    if ((p.bits == 4 || p.bits == 8) && (p.group_size == 0 || p.group_size % 16 == 0)) {
       try {
-        const auto t = quant::to_int4_tiles(p);
+        const auto t = quant::to_tiles(p);
         Npad_ = t.Npad;
         Kpad_ = t.Kpad;
         tile_group_ = t.group;
@@ -51,7 +51,7 @@ class QuantizedLinearImpl : public torch::nn::Module {
         tile_zeros_ = register_buffer("tile_zeros", torch::from_blob(const_cast<std::uint8_t*>(t.zeros.data()),
                                                                      {std::int64_t(t.zeros.size())}, torch::kUInt8).clone());
         if (!t.perm.empty()) perm_ = register_buffer("perm", i32(t.perm, {p.in}).to(torch::kInt64));
-        counters_ = register_buffer("counters", torch::zeros({kernels::quant::int4_counter_elems(t.Npad)}, torch::kInt32));
+        counters_ = register_buffer("counters", torch::zeros({kernels::quant::qgemm_counter_elems(t.Npad)}, torch::kInt32));
       } catch (const squeeze::Error&) {
         tiles_ = torch::Tensor();  // g_idx the kernel cannot serve: other paths handle it
       }
@@ -65,7 +65,7 @@ class QuantizedLinearImpl : public torch::nn::Module {
   Path path_for(const torch::Tensor& x) const {
     const std::int64_t M = x.numel() / in_;
     if (!x.is_cuda()) return Path::CpuDequant;
-    if (bits_ == 4 && tiles_.defined() && M <= 256) return Path::Int4Gemm;
+    if (tiles_.defined() && M <= 256) return Path::TensorCoreGemm;
     if (M <= 8) return Path::Gemv;
     return Path::DequantMatmul;
   }
@@ -122,20 +122,20 @@ class QuantizedLinearImpl : public torch::nn::Module {
       using T = decltype(tag);
       auto yy = torch::empty({M, out_}, x2.options());
       switch (path_for(x2)) {
-        case Path::Int4Gemm: {
+        case Path::TensorCoreGemm: {
           auto xg = (perm_.defined() ? x2.index_select(1, perm_) : x2).contiguous();
           int sm = 0;
           cudaDeviceGetAttribute(&sm, cudaDevAttrMultiProcessorCount, x2.device().index());
-          const kq::Int4GemmShape s{M, out_, in_, Kpad_, Npad_, tile_group_};
-          auto need = kq::int4_workspace_size<T>(M, s, sm);
+          const kq::QGemmShape s{M, out_, in_, Kpad_, Npad_, tile_group_, bits_};
+          auto need = kq::qgemm_workspace_size<T>(M, s, sm);
           auto partial = torch::empty({std::max<std::int64_t>(need.partial_elems, 1)}, x2.options().dtype(torch::kFloat32));
           TORCH_CHECK(need.counter_elems <= counters_.numel(), "QuantizedLinear: counter buffer too small");
-          const kq::Int4Workspace ws{partial.data_ptr<float>(), need.partial_elems, counters_.data_ptr<int>(), counters_.numel()};
-          const auto e = kq::int4_gemm_cuda<T>(reinterpret_cast<const T*>(xg.data_ptr()),
+          const kq::QGemmWorkspace ws{partial.data_ptr<float>(), need.partial_elems, counters_.data_ptr<int>(), counters_.numel()};
+          const auto e = kq::qgemm_cuda<T>(reinterpret_cast<const T*>(xg.data_ptr()),
                                                reinterpret_cast<const std::uint32_t*>(tiles_.data_ptr<std::int32_t>()),
                                                reinterpret_cast<const half*>(tile_scales_.data_ptr<at::Half>()), tile_zeros_.data_ptr<std::uint8_t>(),
                                                reinterpret_cast<T*>(yy.data_ptr()), s, ws, sm, stream);
-          TORCH_CHECK(e == cudaSuccess, "QuantizedLinear: int4 GEMM failed: ", cudaGetErrorString(e));
+          TORCH_CHECK(e == cudaSuccess, "QuantizedLinear: quantized GEMM failed: ", cudaGetErrorString(e));
           return yy;
         }
         case Path::Gemv: {

@@ -1,6 +1,6 @@
 #pragma once
-// GPTQ 4-bit checkpoint layout -> the int4 GEMM kernel's tile layout (kernels/.../gemm_int4.cuh), once
-// at load. Act-order checkpoints (g_idx not i / group) are served by sorting the input rows by group:
+// GPTQ 4-bit / 8-bit checkpoint layout -> the tensor-core GEMM's tile layout (kernels/.../qgemm.cuh),
+// once at load. Act-order checkpoints (g_idx not i / group) are served by sorting the input rows by group:
 // `perm` then names, for each kernel row k, the checkpoint input row it came from, and callers gather
 // x[:, perm] before the GEMM. That works when every group is `group_size` rows (what GPTQ's act-order
 // writes); any other g_idx is rejected with an error naming the problem (dequantize() still serves it).
@@ -9,30 +9,32 @@
 #include <string>
 #include <vector>
 
-#include <squeeze/kernels/quant/gemm_int4.cuh>
+#include <squeeze/kernels/quant/qgemm.cuh>
 
 #include "pack.hpp"
 
 namespace squeeze::quant {
 
-struct Int4Tiles {
+struct QTiles {
   std::int64_t N = 0, K = 0, Npad = 0, Kpad = 0, group = 0;  // group: k per group in kernel order (Kpad if per channel)
-  std::vector<std::uint32_t> tiles;  // [Npad/16][Kpad/64][128]
+  int bits = 4;
+  std::vector<std::uint32_t> tiles;  // [Npad/16][Kpad/64][tile_words(bits)]
   std::vector<half> scales;          // [groups, Npad]
   std::vector<std::uint8_t> zeros;   // [groups, Npad]
   std::vector<std::int32_t> perm;    // [K]: kernel row k reads checkpoint row perm[k]; empty = identity
 
   std::int64_t groups() const { return group == Kpad ? 1 : (K + group - 1) / group; }
-  kernels::quant::Int4GemmShape shape(std::int64_t M) const { return {M, N, K, Kpad, Npad, group}; }
+  kernels::quant::QGemmShape shape(std::int64_t M) const { return {M, N, K, Kpad, Npad, group, bits}; }
 };
 
-inline Int4Tiles to_int4_tiles(const PackedLinear& p) {
+inline QTiles to_tiles(const PackedLinear& p) {
   namespace kq = kernels::quant;
   p.validate();
-  check(p.bits == 4, "int4 tiles: the fused GEMM takes 4-bit weights, this layer has " + std::to_string(p.bits) + " bits");
+  check(p.bits == 4 || p.bits == 8, "tiles: the fused GEMM takes 4- or 8-bit weights, this layer has " + std::to_string(p.bits) + " bits");
   check(p.group_size == 0 || p.group_size % 16 == 0,
-        "int4 tiles: group_size must be a multiple of 16 (or per channel), got " + std::to_string(p.group_size));
-  Int4Tiles t;
+        "tiles: group_size must be a multiple of 16 (or per channel), got " + std::to_string(p.group_size));
+  QTiles t;
+  t.bits = p.bits;
   t.N = p.out;
   t.K = p.in;
   t.Kpad = kq::pad_to(p.in, kq::kTileK);
@@ -49,25 +51,26 @@ inline Int4Tiles to_int4_tiles(const PackedLinear& p) {
     std::stable_sort(order.begin(), order.end(), [&](std::int32_t a, std::int32_t b) { return p.g_idx[a] < p.g_idx[b]; });
     for (std::int64_t k = 0; k < p.in; ++k)
       check(p.g_idx[order[k]] == k / t.group,
-            "int4 tiles: g_idx does not split the inputs into groups of exactly group_size rows (input row " +
+            "tiles: g_idx does not split the inputs into groups of exactly group_size rows (input row " +
                 std::to_string(order[k]) + " is in group " + std::to_string(p.g_idx[order[k]]) + "); dequantize this layer instead");
     t.perm = order;
   }
 
   const std::int64_t ntiles = t.Npad / kq::kTileN, kchunks = t.Kpad / kq::kTileK;
-  t.tiles.assign(ntiles * kchunks * kq::kTileWords, 0u);
+  const int tw = kq::tile_words(p.bits), lw = kq::lane_words(p.bits), per_word = 32 / p.bits;
+  t.tiles.assign(ntiles * kchunks * tw, 0u);
   for (std::int64_t nt = 0; nt < ntiles; ++nt)
     for (std::int64_t kc = 0; kc < kchunks; ++kc) {
-      std::uint32_t* tile = t.tiles.data() + (nt * kchunks + kc) * kq::kTileWords;
+      std::uint32_t* tile = t.tiles.data() + (nt * kchunks + kc) * tw;
       for (int lane = 0; lane < 32; ++lane)
-        for (int ks = 0; ks < 4; ++ks) {
+        for (int wi = 0; wi < lw; ++wi) {
           std::uint32_t w = 0;
-          for (int nib = 0; nib < 8; ++nib) {
-            const auto c = kq::tile_coord(lane, ks, nib);
-            const std::int64_t k = kc * kq::kTileK + c.k, n = nt * kq::kTileN + c.n;
-            if (k < p.in && n < p.out) w |= p.code(order[k], n) << (4 * nib);
+          for (int c = 0; c < per_word; ++c) {
+            const auto tc = kq::tile_coord(p.bits, lane, wi, c);
+            const std::int64_t k = kc * kq::kTileK + tc.k, n = nt * kq::kTileN + tc.n;
+            if (k < p.in && n < p.out) w |= p.code(order[k], n) << (p.bits * c);
           }
-          tile[lane * 4 + ks] = w;
+          tile[lane * lw + wi] = w;
         }
     }
   t.scales.assign(G * t.Npad, from_float<half>(0.f));

@@ -1,13 +1,14 @@
 #pragma once
-// Fused 4-bit-weight GEMM on tensor cores: y [M, N] = x [M, K] (fp16 or bf16) * W^T, W [N, K] 4-bit.
+// Fused 4-bit / 8-bit weight GEMM on tensor cores: y [M, N] = x [M, K] (fp16 or bf16) * W^T, W [N, K].
 //
-// Weights live in a kernel layout ("int4 tiles", built once at load by quant/int4_tiles.hpp from the
-// GPTQ checkpoint layout) shaped for mma.sync.m16n8k16: one tile = 64 k x 16 n = 1024 codes = 512 bytes,
-// 32 lanes x one 16-byte load. Word ks (0..3) of lane l holds the eight codes that lane needs as the
-// B operand of k-step ks for both n8 halves of the tile; nibble p of it is
-//   k = 16 ks + 2 (l % 4) + (p >> 2) + 8 (p & 1),   n = 8 ((p >> 1) & 1) + l / 4      (tile_coord)
-// so the pairs (p, p + 4) are exactly the two fp16 halves of one B register, and the magic-number decode
-// ((w & mask) | exponent bits) turns two nibbles into one half2/bfloat162 with one LOP3.
+// Weights live in a kernel layout ("tiles", built once at load by quant/tiles.hpp from the GPTQ
+// checkpoint layout) shaped for mma.sync.m16n8k16: one tile = 64 k x 16 n = 1024 codes, i.e. per lane
+// one (4-bit) or two (8-bit) 16-byte loads. The words of lane l hold exactly the codes that lane needs as
+// the B operand of the four k-steps ks for both n8 halves j of the tile (tile_coord):
+//   4-bit: word ks, nibble p:      k = 16 ks + 2 (l % 4) + (p >> 2) + 8 (p & 1),  n = 8 ((p >> 1) & 1) + l / 4
+//   8-bit: word 2 ks + j, byte b:  k = 16 ks + 2 (l % 4) + (b & 1) + 8 (b >> 1),  n = 8 j + l / 4
+// so nibbles (p, p + 4) / bytes (2r, 2r + 1) are the two 16-bit halves of one B register, and a
+// magic-number decode ((w & mask) | exponent bits) turns two codes into one half2/bfloat162 with one LOP3.
 // Tiles are stored n-tile-major (a warp streams its column of tiles contiguously). K is padded to a
 // multiple of 64 and N to a multiple of 16 with code 0; padded k rows meet zero activations (x is
 // staged with zero fill) and padded n columns are never stored, so padding never reaches the result.
@@ -18,9 +19,12 @@
 // when the group ends, so fp16 and bf16 activations get fp32-accurate products (no rounding of w).
 // Act-order checkpoints are handled at load: k rows are sorted by group, x is gathered by `perm`.
 //
-// Work split: a block = 4 warps = 64 output columns; grid.y splits K; each split writes fp32 partials
-// and the last block of a column strip (found with a counter) reduces them and writes y, then resets
-// its counter to 0, so one launch does everything and the counters stay zero between launches.
+// Work split: a block = 4 warps = 64 output columns x all M rows (up to 128 per launch, 16-row mma
+// tiles); x is staged through shared memory with cp.async (double-buffered, 64 k per stage) and read
+// with ldmatrix; each warp streams its own column of weight tiles with PF chunks in flight. grid.y
+// splits K so the grid fills the GPU in one wave; each split writes fp32 partials and the last block of
+// a column strip (found with a counter) reduces them and writes y, then resets its counter to 0, so one
+// launch does everything and the counters stay zero between launches.
 #include <algorithm>
 #include <bit>
 #include <cstdint>
@@ -38,14 +42,18 @@
 
 namespace squeeze::kernels::quant {
 
-inline constexpr int kTileK = 64, kTileN = 16, kTileWords = 128;
+inline constexpr int kTileK = 64, kTileN = 16;
+// 32-bit words per tile and per lane
+SQUEEZE_HD constexpr int tile_words(int bits) { return bits == 8 ? 256 : 128; }
+SQUEEZE_HD constexpr int lane_words(int bits) { return tile_words(bits) / 32; }
 
 struct TileCoord {
   int k, n;  // within the 64 x 16 tile
 };
-// Element function of the layout: (lane, word ks, nibble p) -> (k, n) inside a tile.
-SQUEEZE_HD TileCoord tile_coord(int lane, int ks, int p) {
-  return {16 * ks + 2 * (lane & 3) + (p >> 2) + 8 * (p & 1), 8 * ((p >> 1) & 1) + (lane >> 2)};
+// Element function of the layout: (bits, lane, word w of the lane, code p of the word) -> (k, n) in a tile.
+SQUEEZE_HD TileCoord tile_coord(int bits, int lane, int w, int p) {
+  if (bits == 8) return {16 * (w >> 1) + 2 * (lane & 3) + (p & 1) + 8 * (p >> 1), 8 * (w & 1) + (lane >> 2)};
+  return {16 * w + 2 * (lane & 3) + (p >> 2) + 8 * (p & 1), 8 * ((p >> 1) & 1) + (lane >> 2)};
 }
 SQUEEZE_HD std::int64_t pad_to(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
 
@@ -62,6 +70,12 @@ SQUEEZE_HD std::uint32_t magic_pair(std::uint32_t w, int i) {
     return (i & 1) ? ((s & 0x00F000F0u) | 0x64006400u) : ((s & 0x000F000Fu) | 0x64006400u);
   }
 }
+// 8-bit: half r (0, 1) of a word = bytes (2r, 2r + 1), as fp16 1024 + v (bf16 uses fp32, see decode8).
+SQUEEZE_HD std::uint32_t magic8_pair_f16(std::uint32_t w, int r) {
+  const std::uint32_t s = w >> (16 * r);
+  return (s & 0xFFu) | ((s & 0xFF00u) << 8) | 0x64006400u;
+}
+
 // Host reading of one 16-bit half of magic_pair: the code value minus zero, exactly as the device's
 // half2 arithmetic computes it (all values are small integers, so fp16/bf16 arithmetic is exact).
 template <class T>
@@ -77,12 +91,13 @@ inline float magic_value_minus_zero(std::uint16_t bits, int i, int zero) {
 }
 
 // ---- geometry and plan -------------------------------------------------------------------------------------
-struct Int4GemmShape {
+struct QGemmShape {
   std::int64_t M, N, K;    // logical sizes
   std::int64_t Kpad, Npad;  // tile-padded
   std::int64_t group;       // k per group after padding rules (multiple of 16; per-channel: Kpad)
+  int bits = 4;             // 4 or 8
 };
-struct Int4GemmPlan {
+struct QGemmPlan {
   int m_tiles;   // 1, 2, 4 or 8 (M rows per launch <= 16 m_tiles)
   int splits;    // grid.y
   int chunks_per_split;
@@ -94,8 +109,8 @@ inline constexpr int kWarps = 4, kBlockN = kWarps * kTileN;
 
 // blocks_per_sm: resident blocks of the kernel instantiation (CUDA occupancy). K is split so the grid
 // fills the GPU in ONE wave (floor, never a partial second wave) when the column strips alone do not.
-inline Int4GemmPlan plan_int4_gemm(std::int64_t M, std::int64_t Npad, std::int64_t Kpad, int sm_count, int blocks_per_sm) {
-  Int4GemmPlan p{};
+inline QGemmPlan plan_qgemm(std::int64_t M, std::int64_t Npad, std::int64_t Kpad, int sm_count, int blocks_per_sm) {
+  QGemmPlan p{};
   const std::int64_t m = std::min<std::int64_t>(M, 128);
   p.m_tiles = m <= 16 ? 1 : m <= 32 ? 2 : m <= 64 ? 4 : 8;
   p.n_blocks = (Npad + kBlockN - 1) / kBlockN;
@@ -108,13 +123,14 @@ inline Int4GemmPlan plan_int4_gemm(std::int64_t M, std::int64_t Npad, std::int64
 }
 
 // Counters a layer needs (one per 64-column strip), independent of the plan.
-inline std::int64_t int4_counter_elems(std::int64_t Npad) { return (Npad + kBlockN - 1) / kBlockN; }
+inline std::int64_t qgemm_counter_elems(std::int64_t Npad) { return (Npad + kBlockN - 1) / kBlockN; }
 
 // ---- CPU twin ----------------------------------------------------------------------------------------------
 // Same layout, same decode, same per-group accumulation (double here), result rounded to T.
+// 8-bit codes: the device's decode is exact (q - z as a small integer), so the twin reads q - z directly.
 template <class T>
-void int4_gemm_cpu(const T* x /*[M, K]*/, const std::uint32_t* tiles, const half* scales /*[groups, Npad]*/,
-                   const std::uint8_t* zeros /*[groups, Npad]*/, T* y /*[M, N]*/, const Int4GemmShape& s) {
+void qgemm_cpu(const T* x /*[M, K]*/, const std::uint32_t* tiles, const half* scales /*[groups, Npad]*/,
+                   const std::uint8_t* zeros /*[groups, Npad]*/, T* y /*[M, N]*/, const QGemmShape& s) {
   const std::int64_t ntiles = s.Npad / kTileN, kchunks = s.Kpad / kTileK;
   std::vector<double> acc(s.M * kTileN), gacc(s.M * kTileN);
 #if defined(_OPENMP)
@@ -131,8 +147,9 @@ void int4_gemm_cpu(const T* x /*[M, K]*/, const std::uint32_t* tiles, const half
           gacc[m * kTileN + n] = 0;
         }
     };
+    const int tw = tile_words(s.bits), lw = lane_words(s.bits);
     for (std::int64_t kc = 0; kc < kchunks; ++kc) {
-      const std::uint32_t* tile = tiles + (nt * kchunks + kc) * kTileWords;
+      const std::uint32_t* tile = tiles + (nt * kchunks + kc) * tw;
       for (int ks = 0; ks < 4; ++ks) {
         const std::int64_t k0 = kc * kTileK + ks * 16;
         const std::int64_t g = std::min(k0, s.K - 1) / s.group;  // padded rows use the last group (x is 0 there)
@@ -141,17 +158,25 @@ void int4_gemm_cpu(const T* x /*[M, K]*/, const std::uint32_t* tiles, const half
           cur_group = g;
         }
         for (int lane = 0; lane < 32; ++lane) {
-          const std::uint32_t w = tile[lane * 4 + ks];
-          for (int pair = 0; pair < 4; ++pair) {
-            const std::uint32_t bits = magic_pair<T>(w, pair);
-            for (int e = 0; e < 2; ++e) {
-              const int p = pair + 4 * e;
-              const auto c = tile_coord(lane, ks, p);
-              const std::int64_t k = kc * kTileK + c.k, n = nt * kTileN + c.n;
-              if (k >= s.K) continue;  // padded rows meet zero activations
-              const int z = zeros[g * s.Npad + n];
-              const double v = magic_value_minus_zero<T>(std::uint16_t(bits >> (16 * e)), pair, z);
-              for (std::int64_t m = 0; m < s.M; ++m) gacc[m * kTileN + c.n] += double(to_float(x[m * s.K + k])) * v;
+          auto add = [&](const TileCoord& c, auto value_minus_zero) {
+            const std::int64_t k = kc * kTileK + c.k, n = nt * kTileN + c.n;
+            if (k >= s.K) return;  // padded rows meet zero activations
+            const double v = value_minus_zero(int(zeros[g * s.Npad + n]));
+            for (std::int64_t m = 0; m < s.M; ++m) gacc[m * kTileN + c.n] += double(to_float(x[m * s.K + k])) * v;
+          };
+          if (s.bits == 8) {
+            for (int j = 0; j < 2; ++j) {
+              const std::uint32_t w = tile[lane * lw + 2 * ks + j];
+              for (int b = 0; b < 4; ++b)
+                add(tile_coord(8, lane, 2 * ks + j, b), [&](int z) { return double((w >> (8 * b)) & 0xFFu) - z; });
+            }
+          } else {
+            const std::uint32_t w = tile[lane * lw + ks];
+            for (int pair = 0; pair < 4; ++pair) {
+              const std::uint32_t bits = magic_pair<T>(w, pair);
+              for (int e = 0; e < 2; ++e)
+                add(tile_coord(4, lane, ks, pair + 4 * e),
+                    [&](int z) { return double(magic_value_minus_zero<T>(std::uint16_t(bits >> (16 * e)), pair, z)); });
             }
           }
         }
@@ -166,7 +191,7 @@ void int4_gemm_cpu(const T* x /*[M, K]*/, const std::uint32_t* tiles, const half
 
 // Workspace for one call: partial fp32 [plan.partial_elems()] (any contents) and counters int32
 // [plan.counter_elems()] that must be zero before the first call (the kernel leaves them zero).
-struct Int4Workspace {
+struct QGemmWorkspace {
   float* partial = nullptr;
   std::int64_t partial_elems = 0;
   int* counters = nullptr;
@@ -231,15 +256,41 @@ __device__ __forceinline__ void decode_word(std::uint32_t w, const std::uint32_t
   }
 }
 
+// 8-bit: B registers of one k-step from words w0 (n8 half 0) and w1 (half 1). fp16: 1024 + v magic,
+// minus (1024 + z). bf16 (7 mantissa bits cannot hold 8-bit codes): fp32 magic 2^23 + v minus (2^23 + z),
+// then pairs to bf16 (|q - z| <= 255 is exact in bf16).
+template <class T>
+__device__ __forceinline__ void decode_word8(std::uint32_t w0, std::uint32_t w1, const std::uint32_t (&zlo)[2], const float (&zf)[2],
+                                             std::uint32_t (&b)[2][2]) {
+  const std::uint32_t w[2] = {w0, w1};
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if constexpr (std::is_same_v<T, bf16>) {
+        const std::uint32_t s = w[j] >> (16 * r);
+        const float lo = __uint_as_float(0x4B000000u | (s & 0xFFu)) - zf[j];
+        const float hi = __uint_as_float(0x4B000000u | ((s >> 8) & 0xFFu)) - zf[j];
+        b[j][r] = u32(__floats2bfloat162_rn(lo, hi));
+      } else {
+        b[j][r] = u32(__hsub2(as_vec2<__half2>(magic8_pair_f16(w[j], r)), as_vec2<__half2>(zlo[j])));
+      }
+    }
+}
+
 constexpr int kStride = kTileK + 8;  // halves per staged x row (144 B): rows stay 16-byte aligned for ldmatrix and
                                      // its 8 row reads hit 8 distinct 4-bank groups
 
-template <class T, int MT>
-__global__ void __launch_bounds__(kWarps * 32) int4_gemm_kernel(const T* __restrict__ x, const uint4* __restrict__ tiles,
+template <class T, int MT, int BITS>
+__global__ void __launch_bounds__(kWarps * 32) qgemm_kernel(const T* __restrict__ x, const uint4* __restrict__ tiles,
                                                                const half* __restrict__ scales, const std::uint8_t* __restrict__ zeros,
                                                                T* __restrict__ y, float* __restrict__ partial, int* __restrict__ counters,
                                                                int M, int N, int K, int Npad, int Kpad, int group, int chunks_per_split) {
-  constexpr int PF = 4;        // 16-byte weight loads in flight per lane
+  constexpr int PF = 4;                  // chunks of weights in flight per lane
+  constexpr int LV = lane_words(BITS) / 4;  // 16-byte loads per lane per chunk (1 for 4-bit, 2 for 8-bit)
+  struct Chunk {
+    uint4 v[LV];
+  };
   constexpr int ROWS = 16 * MT;
   __shared__ __align__(16) std::uint16_t xs[2][ROWS * kStride];
   __shared__ int last_flag;
@@ -304,13 +355,17 @@ __global__ void __launch_bounds__(kWarps * 32) int4_gemm_kernel(const T* __restr
   // per-group constants: zero points for the B columns (n = 8j + g4), scales for the C columns (8j + 2c4 + {0,1})
   int cur_group = -1, next_group_k = -1;
   std::uint32_t zlo[2] = {0, 0}, zhi[2] = {0, 0};
+  float zf[2] = {0.f, 0.f};
   float sc[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
   const int ncol0 = nt * kTileN;
   auto load_group = [&](int g) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int z = warp_active ? zeros[std::int64_t(g) * Npad + ncol0 + 8 * j + g4] : 0;
-      if constexpr (std::is_same_v<T, bf16>) {
+      if constexpr (BITS == 8) {
+        zf[j] = 8388608.f + float(z);
+        zlo[j] = u32(__float2half2_rn(float(1024 + z)));
+      } else if constexpr (std::is_same_v<T, bf16>) {
         zlo[j] = u32(__float2bfloat162_rn(float(128 + z)));
       } else {
         zlo[j] = u32(__float2half2_rn(float(1024 + z)));
@@ -335,11 +390,17 @@ __global__ void __launch_bounds__(kWarps * 32) int4_gemm_kernel(const T* __restr
         }
   };
 
-  const uint4* wt = tiles + (std::int64_t(warp_active ? nt : 0) * kchunks) * (kTileWords / 4) + lane;
-  uint4 bq[PF];
+  const uint4* wt = tiles + (std::int64_t(warp_active ? nt : 0) * kchunks) * (tile_words(BITS) / 4) + lane * LV;
+  auto load_chunk = [&](int kc) {
+    Chunk c;
+#pragma unroll
+    for (int v = 0; v < LV; ++v) c.v[v] = __ldcs(wt + std::int64_t(kc) * (tile_words(BITS) / 4) + v);
+    return c;
+  };
+  Chunk bq[PF];
 #pragma unroll
   for (int p = 0; p < PF; ++p)
-    if (warp_active && p < nck) bq[p] = __ldcs(wt + std::int64_t(kc0 + p) * (kTileWords / 4));
+    if (warp_active && p < nck) bq[p] = load_chunk(kc0 + p);
 
   if (nck > 0) stage_x(kc0, 0);
   cp_async_wait_all();
@@ -351,12 +412,19 @@ __global__ void __launch_bounds__(kWarps * 32) int4_gemm_kernel(const T* __restr
       const int ci = base + p;
       if (ci < nck) {  // block-uniform
         const int kc = kc0 + ci;
-        const uint4 cur = bq[p];
-        if (warp_active && ci + PF < nck) bq[p] = __ldcs(wt + std::int64_t(kc + PF) * (kTileWords / 4));
+        const Chunk cur = bq[p];
+        if (warp_active && ci + PF < nck) bq[p] = load_chunk(kc + PF);
         if (ci + 1 < nck) stage_x(kc + 1, (ci + 1) & 1);  // that buffer was last read before the previous barrier
         if (warp_active) {
           const std::uint16_t* xb = xs[ci & 1];
-          const std::uint32_t words[4] = {cur.x, cur.y, cur.z, cur.w};
+          std::uint32_t words[4 * LV];
+#pragma unroll
+          for (int v = 0; v < LV; ++v) {
+            words[4 * v] = cur.v[v].x;
+            words[4 * v + 1] = cur.v[v].y;
+            words[4 * v + 2] = cur.v[v].z;
+            words[4 * v + 3] = cur.v[v].w;
+          }
 #pragma unroll
           for (int ks = 0; ks < 4; ++ks) {
             const int k0 = kc * kTileK + ks * 16;
@@ -370,7 +438,11 @@ __global__ void __launch_bounds__(kWarps * 32) int4_gemm_kernel(const T* __restr
               next_group_k = (g + 1) * group;
             }
             std::uint32_t b[2][2];
-            decode_word<T>(words[ks], zlo, zhi, b);
+            if constexpr (BITS == 8) {
+              decode_word8<T>(words[2 * ks], words[2 * ks + 1], zlo, zf, b);
+            } else {
+              decode_word<T>(words[ks], zlo, zhi, b);
+            }
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
               // A fragment of rows mt*16.., k-step ks: ldmatrix.x4, lane l addresses row (l % 8) + 8 ((l / 8) & 1),
@@ -435,58 +507,70 @@ __global__ void __launch_bounds__(kWarps * 32) int4_gemm_kernel(const T* __restr
   if (tid == 0) counters[blockIdx.x] = 0;  // ready for the next launch
 }
 
-// Resident blocks per SM of one instantiation (cached per type; same on every device of one build).
-template <class T, int MT>
-int int4_blocks_per_sm() {
+// Resident blocks per SM of one instantiation (cached; same on every device of one build).
+template <class T, int MT, int BITS>
+int qgemm_blocks_per_sm() {
   static const int n = [] {
     int b = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, int4_gemm_kernel<T, MT>, kWarps * 32, 0) != cudaSuccess) b = 1;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, qgemm_kernel<T, MT, BITS>, kWarps * 32, 0) != cudaSuccess) b = 1;
     return std::max(b, 1);
   }();
   return n;
 }
-template <class T>
-int int4_blocks_per_sm(int m_tiles) {
+template <class T, int BITS>
+int qgemm_blocks_per_sm(int m_tiles) {
   switch (m_tiles) {
-    case 1: return int4_blocks_per_sm<T, 1>();
-    case 2: return int4_blocks_per_sm<T, 2>();
-    case 4: return int4_blocks_per_sm<T, 4>();
-    default: return int4_blocks_per_sm<T, 8>();
+    case 1: return qgemm_blocks_per_sm<T, 1, BITS>();
+    case 2: return qgemm_blocks_per_sm<T, 2, BITS>();
+    case 4: return qgemm_blocks_per_sm<T, 4, BITS>();
+    default: return qgemm_blocks_per_sm<T, 8, BITS>();
   }
 }
 template <class T>
-Int4GemmPlan plan_for_device(std::int64_t rows, const Int4GemmShape& s, int sm_count) {
-  const int mt = plan_int4_gemm(rows, s.Npad, s.Kpad, sm_count, 1).m_tiles;
-  return plan_int4_gemm(rows, s.Npad, s.Kpad, sm_count, int4_blocks_per_sm<T>(mt));
+QGemmPlan plan_for_device(std::int64_t rows, const QGemmShape& s, int sm_count) {
+  const int mt = plan_qgemm(rows, s.Npad, s.Kpad, sm_count, 1).m_tiles;
+  const int occ = s.bits == 8 ? qgemm_blocks_per_sm<T, 8>(mt) : qgemm_blocks_per_sm<T, 4>(mt);
+  return plan_qgemm(rows, s.Npad, s.Kpad, sm_count, occ);
 }
 
-template <class T, int MT>
-cudaError_t launch_int4(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y, float* partial,
-                        int* counters, int M, const Int4GemmShape& s, const Int4GemmPlan& p, cudaStream_t stream) {
+template <class T, int MT, int BITS>
+cudaError_t launch_qgemm(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y, float* partial,
+                         int* counters, int M, const QGemmShape& s, const QGemmPlan& p, cudaStream_t stream) {
   dim3 grid(unsigned(p.n_blocks), unsigned(p.splits));
-  int4_gemm_kernel<T, MT><<<grid, kWarps * 32, 0, stream>>>(x, reinterpret_cast<const uint4*>(tiles), scales, zeros, y, partial, counters,
-                                                            M, int(s.N), int(s.K), int(s.Npad), int(s.Kpad), int(s.group),
-                                                            p.chunks_per_split);
+  qgemm_kernel<T, MT, BITS><<<grid, kWarps * 32, 0, stream>>>(x, reinterpret_cast<const uint4*>(tiles), scales, zeros, y, partial,
+                                                              counters, M, int(s.N), int(s.K), int(s.Npad), int(s.Kpad), int(s.group),
+                                                              p.chunks_per_split);
   return cudaGetLastError();
+}
+template <class T, int BITS>
+cudaError_t launch_qgemm(int m_tiles, const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y,
+                         float* partial, int* counters, int M, const QGemmShape& s, const QGemmPlan& p, cudaStream_t stream) {
+  switch (m_tiles) {
+    case 1: return launch_qgemm<T, 1, BITS>(x, tiles, scales, zeros, y, partial, counters, M, s, p, stream);
+    case 2: return launch_qgemm<T, 2, BITS>(x, tiles, scales, zeros, y, partial, counters, M, s, p, stream);
+    case 4: return launch_qgemm<T, 4, BITS>(x, tiles, scales, zeros, y, partial, counters, M, s, p, stream);
+    default: return launch_qgemm<T, 8, BITS>(x, tiles, scales, zeros, y, partial, counters, M, s, p, stream);
+  }
 }
 }  // namespace detail
 
-// Workspace for int4_gemm_cuda<T> with M rows (M is processed in slices of 128 rows).
+// Workspace for qgemm_cuda<T> with M rows (M is processed in slices of 128 rows).
 template <class T>
-Int4Workspace int4_workspace_size(std::int64_t M, const Int4GemmShape& s, int sm_count) {
+QGemmWorkspace qgemm_workspace_size(std::int64_t M, const QGemmShape& s, int sm_count) {
   std::int64_t partial = 0;
   for (std::int64_t rows : {std::min<std::int64_t>(M, 128), M % 128})
     if (rows > 0) partial = std::max(partial, detail::plan_for_device<T>(rows, s, sm_count).partial_elems());
-  return {nullptr, partial, nullptr, int4_counter_elems(s.Npad)};
+  return {nullptr, partial, nullptr, qgemm_counter_elems(s.Npad)};
 }
 
-// y [M, N] = x [M, K] * W^T on `stream`. Returns cudaErrorInvalidValue for unsupported arguments.
+// y [M, N] = x [M, K] * W^T on `stream` (s.bits 4 or 8). Returns cudaErrorInvalidValue for unsupported
+// arguments (or a workspace smaller than qgemm_workspace_size).
 template <class T>
-cudaError_t int4_gemm_cuda(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y,
-                           const Int4GemmShape& s, const Int4Workspace& ws, int sm_count, cudaStream_t stream) {
-  static_assert(std::is_same_v<T, half> || std::is_same_v<T, bf16>, "int4 GEMM takes fp16 or bf16 activations");
+cudaError_t qgemm_cuda(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y, const QGemmShape& s,
+                       const QGemmWorkspace& ws, int sm_count, cudaStream_t stream) {
+  static_assert(std::is_same_v<T, half> || std::is_same_v<T, bf16>, "the quantized GEMM takes fp16 or bf16 activations");
   if (s.M <= 0 || s.N <= 0 || s.K <= 0 || s.Kpad % kTileK || s.Npad % kTileN || s.Kpad < s.K || s.Npad < s.N || s.group <= 0 ||
-      s.group % 16 || s.K > (1ll << 30) || s.N > (1ll << 30))
+      s.group % 16 || s.K > (1ll << 30) || s.N > (1ll << 30) || !(s.bits == 4 || s.bits == 8))
     return cudaErrorInvalidValue;
   for (std::int64_t m0 = 0; m0 < s.M; m0 += 128) {
     const int rows = int(std::min<std::int64_t>(128, s.M - m0));
@@ -496,13 +580,9 @@ cudaError_t int4_gemm_cuda(const T* x, const std::uint32_t* tiles, const half* s
       return cudaErrorInvalidValue;
     const T* xm = x + m0 * s.K;
     T* ym = y + m0 * s.N;
-    cudaError_t e;
-    switch (p.m_tiles) {
-      case 1: e = detail::launch_int4<T, 1>(xm, tiles, scales, zeros, ym, ws.partial, ws.counters, rows, s, p, stream); break;
-      case 2: e = detail::launch_int4<T, 2>(xm, tiles, scales, zeros, ym, ws.partial, ws.counters, rows, s, p, stream); break;
-      case 4: e = detail::launch_int4<T, 4>(xm, tiles, scales, zeros, ym, ws.partial, ws.counters, rows, s, p, stream); break;
-      default: e = detail::launch_int4<T, 8>(xm, tiles, scales, zeros, ym, ws.partial, ws.counters, rows, s, p, stream); break;
-    }
+    const cudaError_t e = s.bits == 8
+                              ? detail::launch_qgemm<T, 8>(p.m_tiles, xm, tiles, scales, zeros, ym, ws.partial, ws.counters, rows, s, p, stream)
+                              : detail::launch_qgemm<T, 4>(p.m_tiles, xm, tiles, scales, zeros, ym, ws.partial, ws.counters, rows, s, p, stream);
     if (e != cudaSuccess) return e;
   }
   return cudaSuccess;
