@@ -11,6 +11,9 @@
 
 namespace {
 
+// Tiny models gain nothing from more threads, and OpenMP threads that spin on a busy CI machine lose a lot.
+const bool one_thread = (torch::set_num_threads(1), true);
+
 using squeeze::nn::LlamaConfig;
 using namespace squeeze::llama;
 
