@@ -163,7 +163,7 @@ void overflow_skips_everywhere(int world) {
   std::vector<std::shared_ptr<torch::nn::Module>> models;
   for (int r = 0; r < world; ++r) models.push_back(make_model(Model::mlp, nn::detail::scalar_type_of<typename S::compute_type>()));
   nn::TrainerOptions opt;
-  opt.loss_scale.init_scale = 1024.0f;  // 2^16 overflows this model's fp16 gradients on the first step
+  opt.loss_scale = kernels::LossScaleOptions{.init_scale = 1024.0f};  // 2^16 overflows this model's fp16 gradients on the first step
   opt.align_bytes = 2;  // element-aligned, so `gain` spreads over several ranks' shards
   std::atomic<int> skipped{0};
   run_ranks(world, [&](std::shared_ptr<LocalComm> comm) {
@@ -243,6 +243,28 @@ void clipping_uses_global_norm(int world) {
   double diff = 0;
   for (auto& [n, t] : got.params) diff = std::max(diff, (t - unclipped.params.at(n)).abs().max().template item<double>());
   EXPECT_GT(diff, 1e-3);
+}
+
+// squeeze::AdamW (the optimizer's own options) carries max_grad_norm and the loss-scale options.
+TEST(Clipping, FromSqueezeAdamWOptions) {
+  const Hyper h{.eps = 1e-2f};
+  const auto via_trainer_options = train<Strategy<Sharded<Stage2>>>(Model::mlp, 3, 3, nn::TrainerOptions{.max_grad_norm = 0.05f}, h);
+  const Data data = make_data(Model::mlp, 3, 3, 6);
+  std::vector<std::shared_ptr<torch::nn::Module>> models;
+  for (int r = 0; r < 3; ++r) models.push_back(make_model(Model::mlp, torch::kFloat32));
+  Params got;
+  run_ranks(3, [&](std::shared_ptr<LocalComm> comm) {
+    const int r = comm->rank();
+    const squeeze::AdamW adamw{.lr = h.lr, .beta1 = h.beta1, .beta2 = h.beta2, .eps = h.eps, .weight_decay = h.weight_decay,
+                               .max_grad_norm = 0.05f};
+    auto trainer = make_trainer<Strategy<Sharded<Stage2>>>(models[r], adamw, comm);
+    for (int s = 0; s < 3; ++s) trainer.step([&] { return model_loss(Model::mlp, *models[r], data.x[s][r], data.y[s][r]); });
+    auto full = trainer.full_parameters();
+    if (r == 0) for (auto& [n, t] : full) got[n] = t;
+    // Setting it twice is an error.
+    EXPECT_THROW((make_trainer<Strategy<Sharded<Stage2>>>(models[r], adamw, LocalComm::single(), {.max_grad_norm = 1.0f})), c10::Error);
+  });
+  expect_bitwise(got, via_trainer_options.params, "max_grad_norm from squeeze::AdamW");
 }
 
 TEST(Clipping, GlobalNormAcrossShards) {

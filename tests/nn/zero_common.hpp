@@ -9,6 +9,7 @@
 #include <squeeze/nn/flat_params.hpp>
 #include <squeeze/nn/sharded.hpp>
 #include <squeeze/nn/trainer.hpp>
+#include <squeeze/optim/adamw.hpp>
 
 namespace zero_test {
 

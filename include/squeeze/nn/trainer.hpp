@@ -73,9 +73,11 @@ concept AdamWHyperparameters = requires(const O& o) {
   float(o.weight_decay);
 };
 
+// Clipping and loss scaling come from the AdamW options when they carry them (squeeze::AdamW has
+// max_grad_norm and loss_scale); set them here only for an options type without them. Setting both is an error.
 struct TrainerOptions {
-  float max_grad_norm = 0;                 // clip the global L2 norm to this; <= 0: no clipping
-  kernels::LossScaleOptions loss_scale{};  // used when the Strategy scales the loss (half compute)
+  float max_grad_norm = 0;                                // clip the global L2 norm to this; <= 0: no clipping
+  std::optional<kernels::LossScaleOptions> loss_scale{};  // used when the Strategy scales the loss (half compute)
   int64_t persistence_threshold = 0;       // stage 3: sharded layers with fewer parameters stay whole
   int64_t align_bytes = 256;               // every tensor and every shard of a flat buffer starts aligned
   bool prefetch = true;                    // stage 3: gather the next layer right after the current one
@@ -163,8 +165,8 @@ class Trainer {
                 "make_trainer trains full weights; quantized/LoRA strategies have their own trainers");
 
   Trainer(std::shared_ptr<torch::nn::Module> module, O adamw, comm::CommPtr comm, TrainerOptions opt = {})
-      : module_(std::move(module)), adamw_(adamw), comm_(std::move(comm)), opt_(opt),
-        scaler_(opt.loss_scale) {
+      : module_(std::move(module)), adamw_(adamw), comm_(std::move(comm)), opt_(resolve(adamw, opt)),
+        scaler_(*opt_.loss_scale) {
     TORCH_CHECK(module_ != nullptr, "make_trainer: module is null");
     TORCH_CHECK(comm_ != nullptr, "make_trainer: communicator is null");
     TORCH_CHECK(opt_.align_bytes >= 1, "make_trainer: align_bytes must be >= 1");
@@ -209,6 +211,22 @@ class Trainer {
     for (auto& p : trainable)
       if (!sharded.count(p.second.unsafeGetTensorImpl())) replicated.push_back(p);
     if (!replicated.empty()) add_replicated_group(std::move(replicated));
+  }
+
+  // Merges the clipping / loss-scale knobs of the AdamW options into the trainer options.
+  static TrainerOptions resolve(const O& adamw, TrainerOptions opt) {
+    if constexpr (requires { float(adamw.max_grad_norm); }) {
+      if (adamw.max_grad_norm > 0) {
+        TORCH_CHECK(!(opt.max_grad_norm > 0), "make_trainer: max_grad_norm is set both in the AdamW options (",
+                    adamw.max_grad_norm, ") and in TrainerOptions (", opt.max_grad_norm, "): set it once");
+        opt.max_grad_norm = adamw.max_grad_norm;
+      }
+    }
+    if constexpr (requires { kernels::LossScaleOptions(adamw.loss_scale); }) {
+      if (!opt.loss_scale) opt.loss_scale = adamw.loss_scale;
+    }
+    if (!opt.loss_scale) opt.loss_scale = kernels::LossScaleOptions{};
+    return opt;
   }
 
   Trainer(const Trainer&) = delete;
