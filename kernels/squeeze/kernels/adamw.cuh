@@ -63,8 +63,13 @@ SQUEEZE_DEVICE void adamw_block_range(const AdamWTensor<P, G, S>& t, std::int64_
 
 template <class P, class G, class S, class Source>
 __global__ void __launch_bounds__(kAdamWThreads) adamw_kernel(const Source src, const AdamWCoeffs c, const AdamWDynamic d) {
-  const AdamWScalars s = adamw_scalars(c, d);
-  if (s.skip) return;  // found_inf: every block leaves everything untouched
+  // One thread reads the dynamic values (and, with a device step counter, does the double-precision
+  // bias correction) for the whole block.
+  __shared__ AdamWScalars shared;
+  if (threadIdx.x == 0) shared = adamw_scalars(c, d);
+  __syncthreads();
+  const AdamWScalars s = shared;
+  if (s.skip) return;  // found_inf: every block leaves everything untouched (uniform: no thread diverges)
   for (std::int64_t chunk = blockIdx.x; chunk < src.chunks; chunk += gridDim.x) {
     std::int64_t local = 0;
     const AdamWTensor<P, G, S> t = src.locate(chunk, local);

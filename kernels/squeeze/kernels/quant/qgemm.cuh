@@ -109,14 +109,15 @@ inline constexpr int kWarps = 4, kBlockN = kWarps * kTileN;
 
 // blocks_per_sm: resident blocks of the kernel instantiation (CUDA occupancy). K is split so the grid
 // fills the GPU in ONE wave (floor, never a partial second wave) when the column strips alone do not.
-inline QGemmPlan plan_qgemm(std::int64_t M, std::int64_t Npad, std::int64_t Kpad, int sm_count, int blocks_per_sm) {
+// splits_override > 0 forces the K split (clamped to [1, K / 64]); benchmarks use it to sweep.
+inline QGemmPlan plan_qgemm(std::int64_t M, std::int64_t Npad, std::int64_t Kpad, int sm_count, int blocks_per_sm, int splits_override = 0) {
   QGemmPlan p{};
   const std::int64_t m = std::min<std::int64_t>(M, 128);
   p.m_tiles = m <= 16 ? 1 : m <= 32 ? 2 : m <= 64 ? 4 : 8;
   p.n_blocks = (Npad + kBlockN - 1) / kBlockN;
   const std::int64_t chunks = Kpad / kTileK;
   const std::int64_t resident = std::int64_t(std::max(sm_count, 1)) * std::max(blocks_per_sm, 1);
-  std::int64_t splits = std::clamp<std::int64_t>(resident / p.n_blocks, 1, chunks);
+  std::int64_t splits = std::clamp<std::int64_t>(splits_override > 0 ? splits_override : resident / p.n_blocks, 1, chunks);
   p.chunks_per_split = int((chunks + splits - 1) / splits);
   p.splits = int((chunks + p.chunks_per_split - 1) / p.chunks_per_split);  // no empty split
   return p;
@@ -527,10 +528,10 @@ int qgemm_blocks_per_sm(int m_tiles) {
   }
 }
 template <class T>
-QGemmPlan plan_for_device(std::int64_t rows, const QGemmShape& s, int sm_count) {
+QGemmPlan plan_for_device(std::int64_t rows, const QGemmShape& s, int sm_count, int splits_override = 0) {
   const int mt = plan_qgemm(rows, s.Npad, s.Kpad, sm_count, 1).m_tiles;
   const int occ = s.bits == 8 ? qgemm_blocks_per_sm<T, 8>(mt) : qgemm_blocks_per_sm<T, 4>(mt);
-  return plan_qgemm(rows, s.Npad, s.Kpad, sm_count, occ);
+  return plan_qgemm(rows, s.Npad, s.Kpad, sm_count, occ, splits_override);
 }
 
 template <class T, int MT, int BITS>
@@ -556,10 +557,10 @@ cudaError_t launch_qgemm(int m_tiles, const T* x, const std::uint32_t* tiles, co
 
 // Workspace for qgemm_cuda<T> with M rows (M is processed in slices of 128 rows).
 template <class T>
-QGemmWorkspace qgemm_workspace_size(std::int64_t M, const QGemmShape& s, int sm_count) {
+QGemmWorkspace qgemm_workspace_size(std::int64_t M, const QGemmShape& s, int sm_count, int splits_override = 0) {
   std::int64_t partial = 0;
   for (std::int64_t rows : {std::min<std::int64_t>(M, 128), M % 128})
-    if (rows > 0) partial = std::max(partial, detail::plan_for_device<T>(rows, s, sm_count).partial_elems());
+    if (rows > 0) partial = std::max(partial, detail::plan_for_device<T>(rows, s, sm_count, splits_override).partial_elems());
   return {nullptr, partial, nullptr, qgemm_counter_elems(s.Npad)};
 }
 
@@ -567,14 +568,14 @@ QGemmWorkspace qgemm_workspace_size(std::int64_t M, const QGemmShape& s, int sm_
 // arguments (or a workspace smaller than qgemm_workspace_size).
 template <class T>
 cudaError_t qgemm_cuda(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y, const QGemmShape& s,
-                       const QGemmWorkspace& ws, int sm_count, cudaStream_t stream) {
+                       const QGemmWorkspace& ws, int sm_count, cudaStream_t stream, int splits_override = 0) {
   static_assert(std::is_same_v<T, half> || std::is_same_v<T, bf16>, "the quantized GEMM takes fp16 or bf16 activations");
   if (s.M <= 0 || s.N <= 0 || s.K <= 0 || s.Kpad % kTileK || s.Npad % kTileN || s.Kpad < s.K || s.Npad < s.N || s.group <= 0 ||
       s.group % 16 || s.K > (1ll << 30) || s.N > (1ll << 30) || !(s.bits == 4 || s.bits == 8))
     return cudaErrorInvalidValue;
   for (std::int64_t m0 = 0; m0 < s.M; m0 += 128) {
     const int rows = int(std::min<std::int64_t>(128, s.M - m0));
-    const auto p = detail::plan_for_device<T>(rows, s, sm_count);
+    const auto p = detail::plan_for_device<T>(rows, s, sm_count, splits_override);
     if (p.splits > 1 && (ws.partial == nullptr || ws.partial_elems < p.partial_elems() || ws.counters == nullptr ||
                          ws.counter_elems < p.counter_elems()))
       return cudaErrorInvalidValue;
