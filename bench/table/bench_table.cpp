@@ -39,7 +39,7 @@ struct Options {
 
 struct Row {
   std::string name;
-  std::optional<double> time_ms, peak_gb, planned_gb, final_loss;
+  std::optional<double> time_ms, peak_gb, reserved_gb, planned_gb, final_loss;
   bool oom = false;
   std::string error;
 };
@@ -78,7 +78,9 @@ void time_steps(const Options& o, const nn::LlamaConfig& config, const torch::De
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   row.time_ms = 1e3 * s / double(o.steps);
   row.final_loss = loss;
-  row.peak_gb = llama::memory_use(device).peak_gb;
+  const auto m = llama::memory_use(device);
+  row.peak_gb = m.peak_gb;
+  row.reserved_gb = m.reserved_peak_gb;
 }
 
 // Catches what a row can throw: out of memory is a result, anything else an error; both keep the table going.
@@ -91,6 +93,7 @@ void guarded(Row& row, const torch::Device& device, F&& f) {
     row.error = "out of memory";
   } catch (const c10::Error& e) {
     row.error = e.what_without_backtrace();
+    row.oom = row.error.find("out of memory") != std::string::npos;  // rethrown across the autograd engine
   } catch (const std::exception& e) {
     row.error = e.what();
   }
@@ -220,6 +223,7 @@ int main(int argc, char** argv) {
       j["iters_per_s"] = 1e3 / *row.time_ms;
       j["tokens_per_s"] = tps;
       j["peak_gb"] = *row.peak_gb;
+      j["reserved_gb"] = *row.reserved_gb;
       j["final_loss"] = *row.final_loss;
       if (peer) {
         ratio = tps / (tokens_per_step / (*peer->time_ms / 1e3));

@@ -100,7 +100,7 @@ struct StepResult {
 
 // Device memory in bytes: allocated now and the peak since the last reset (CUDA caching allocator), or the
 // process's resident set on the CPU (peak: high-water mark).
-struct MemoryUse { double current_gb = 0, peak_gb = 0; };
+struct MemoryUse { double current_gb = 0, peak_gb = 0, reserved_peak_gb = 0; };
 
 inline MemoryUse memory_use(const torch::Device& device) {
   MemoryUse m;
@@ -109,6 +109,7 @@ inline MemoryUse memory_use(const torch::Device& device) {
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index() < 0 ? 0 : device.index());
     m.current_gb = double(stats.allocated_bytes[0].current) / 1e9;  // [0]: all pools together
     m.peak_gb = double(stats.allocated_bytes[0].peak) / 1e9;
+    m.reserved_peak_gb = double(stats.reserved_bytes[0].peak) / 1e9;  // what the allocator took from the driver
     return m;
   }
 #endif
