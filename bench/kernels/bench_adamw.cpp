@@ -6,6 +6,8 @@
 // GPU cases (1 Gi parameters by default; as one flat buffer and as 64 tensors in one launch):
 //   fp32        params, grads, m, v fp32                      28 B/param (read 16, write 12)
 //   bf16-mixed  bf16 params + fp32 master, bf16 grads         28 B/param (read 4+2+4+4, write 4+4+4+2)
+//   fp32-scaled as fp32, with the loss-scaling inputs live: ours reads inv_scale / found_inf / clip_coef
+//               from device memory, the peer gets grad_scale / found_inf tensors (values 1 and 0)
 // Peer: at::_fused_adamw_ over the same tensors (flat: a list of one; 64 tensors: a list of 64). For
 // bf16-mixed PyTorch has no master-weight fused AdamW, so the peer is the usual recipe: _fused_adamw_ on the
 // fp32 master with fp32 grads (cast outside the timed region, in the peer's favour) + copy_ into the bf16
@@ -173,8 +175,9 @@ std::vector<at::Tensor> steps_for(int k, const at::Device& dev) {
 }
 
 void peer_fused_adamw(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g, const std::vector<at::Tensor>& m,
-                      const std::vector<at::Tensor>& v, const std::vector<at::Tensor>& steps) {
-  at::_fused_adamw_(p, g, m, v, {}, steps, kLr, kBeta1, kBeta2, kWd, kEps, /*amsgrad=*/false, /*maximize=*/false);
+                      const std::vector<at::Tensor>& v, const std::vector<at::Tensor>& steps,
+                      const std::optional<at::Tensor>& grad_scale = std::nullopt, const std::optional<at::Tensor>& found_inf = std::nullopt) {
+  at::_fused_adamw_(p, g, m, v, {}, steps, kLr, kBeta1, kBeta2, kWd, kEps, /*amsgrad=*/false, /*maximize=*/false, grad_scale, found_inf);
 }
 
 // Times ours and the peer alternately; fills time_ms / peer_time_ms.
@@ -201,17 +204,27 @@ Result gpu_case(const std::string& precision, int tensors, const Options& o, dou
   const auto b16 = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA);
   const at::Device dev(at::kCUDA);
   auto m = at::zeros({o.n}, f32), v = at::zeros({o.n}, f32);
-  auto ours_step = [&](sk::AdamWCoeffs c, squeeze::bench::AdamWLauncher& l) { SQUEEZE_CUDA_CHECK(l.run(c, nullptr)); };
-  if (precision == "fp32") {
+  // fp32-scaled: the loss-scaling path, ours with device inv_scale / found_inf / clip_coef, the peer with
+  // grad_scale / found_inf tensors (1 and 0: every step applies, both read the flags).
+  const bool scaled = precision == "fp32-scaled";
+  auto dyn_mem = at::tensor({1.0f, 0.0f, 1.0f}, f32);  // [inv_scale, found_inf, clip_coef]
+  const float* dm = dyn_mem.data_ptr<float>();
+  const sk::AdamWDynamic dyn = scaled ? sk::AdamWDynamic{dm, dm + 1, dm + 2, nullptr} : sk::AdamWDynamic{};
+  const auto grad_scale = at::ones({}, f32), found_inf = at::zeros({}, f32);
+  auto ours_step = [&](sk::AdamWCoeffs c, squeeze::bench::AdamWLauncher& l) { SQUEEZE_CUDA_CHECK(l.run(c, dyn, nullptr)); };
+  if (precision == "fp32" || scaled) {
     auto p = at::randn({o.n}, f32).mul_(0.02), g = at::randn({o.n}, f32).mul_(1e-3);
     auto ours = squeeze::bench::make_fp32_adamw(p.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(), o.n,
                                                 tensors);
     const auto P = slices(p, tensors), G = slices(g, tensors), M = slices(m, tensors), V = slices(v, tensors);
     const auto S = steps_for(tensors, dev);
-    r.peer = "at::_fused_adamw_";
+    r.peer = scaled ? "at::_fused_adamw_(grad_scale, found_inf)" : "at::_fused_adamw_";
     time_pair(
         r, o.iters, [&](int t) { ours_step(sk::adamw_coeffs(kLr, kBeta1, kBeta2, kEps, kWd, t), *ours); },
-        [&] { peer_fused_adamw(P, G, M, V, S); });
+        [&] {
+          if (scaled) peer_fused_adamw(P, G, M, V, S, grad_scale, found_inf);
+          else peer_fused_adamw(P, G, M, V, S);
+        });
   } else {
     auto master = at::randn({o.n}, f32).mul_(0.02);
     auto p = master.to(at::kBFloat16), g = at::randn({o.n}, b16).mul_(1e-3);
@@ -366,7 +379,7 @@ int main(int argc, char** argv) {
         r.params = 0;
         return r;
       });
-      for (const char* prec : {"fp32", "bf16-mixed"})
+      for (const char* prec : {"fp32", "bf16-mixed", "fp32-scaled"})
         for (int k : {1, o.tensors}) {
           const std::string name = std::string("gpu/") + prec + "/" + (k == 1 ? "flat" : std::to_string(k) + "-tensors");
           guarded(out, name, [&] { return gpu_case(prec, k, o, copy); });

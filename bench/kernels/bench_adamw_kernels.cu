@@ -19,9 +19,9 @@ class Launcher final : public AdamWLauncher {
     }
     if (tensors > 1) table_.upload(list_);
   }
-  cudaError_t run(const kernels::AdamWCoeffs& c, cudaStream_t stream) override {
-    if (list_.size() == 1) return kernels::adamw_cuda(list_[0], c, {}, stream);
-    return kernels::adamw_cuda(table_.view(), c, {}, stream);
+  cudaError_t run(const kernels::AdamWCoeffs& c, const kernels::AdamWDynamic& d, cudaStream_t stream) override {
+    if (list_.size() == 1) return kernels::adamw_cuda(list_[0], c, d, stream);
+    return kernels::adamw_cuda(table_.view(), c, d, stream);
   }
 
  private:

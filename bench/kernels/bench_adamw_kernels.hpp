@@ -15,7 +15,8 @@ namespace squeeze::bench {
 class AdamWLauncher {
  public:
   virtual ~AdamWLauncher() = default;
-  virtual cudaError_t run(const kernels::AdamWCoeffs& c, cudaStream_t stream) = 0;
+  // d: device pointers (inv_scale, found_inf, clip_coef, step) or all null.
+  virtual cudaError_t run(const kernels::AdamWCoeffs& c, const kernels::AdamWDynamic& d, cudaStream_t stream) = 0;
 };
 
 // Buffers of n elements each, updated as one flat buffer (tensors == 1) or as `tensors` equal slices in
