@@ -333,8 +333,12 @@ TEST(Memory, Stage1And2ShardStateAsPlanned) {
   EXPECT_EQ(r1.actual.parameters.device, r1.predicted.parameters.device);
   EXPECT_EQ(r1.actual.master_weights.device, r1.predicted.master_weights.device);
   EXPECT_EQ(r1.actual.optimizer_state.device, r1.predicted.optimizer_state.device);
-  // Stage 1 keeps the full gradient (planned) plus the reduced shard it updates from.
-  EXPECT_EQ(r1.actual.gradients.device, r1.predicted.gradients.device + r1.predicted.gradients.device / 4);
+  // Stage 1 keeps the full gradient (planned) and reduce-scatters in place into its own slice.
+  EXPECT_EQ(r1.actual.gradients.device, r1.predicted.gradients.device);
+  // Stage 2: the reduced shard as planned, plus the full buffer backward writes into (no bucketing yet).
+  const auto r2 = memory_of<Strategy<Sharded<Stage2>, Precision<bf16, float>>>(4, opt);
+  EXPECT_EQ(r2.actual.gradients.device, r2.predicted.gradients.device + r2.predicted.parameters.device);
+  EXPECT_EQ(r2.actual.optimizer_state.device, r2.predicted.optimizer_state.device);
 }
 
 // ---- bad input ----------------------------------------------------------------------------------------

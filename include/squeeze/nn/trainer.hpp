@@ -328,8 +328,8 @@ class Trainer {
       add(m.parameters, rep_->flat.flat(), false);
       add(m.gradients, rep_->flat.grad(), false);
       add(m.gradients, rep_->acc_full, false);
-      add_owned(rep_->own, kStage >= 1);
-      if constexpr (kStage >= 1) m.communication.device += rep_->flat.shard() * rep_->flat.element_size();
+      add_owned(rep_->own, kStage >= 2);
+      if constexpr (kStage >= 2) m.communication.device += rep_->flat.shard() * rep_->flat.element_size();  // reduce-scatter target
       if constexpr (kStage == 3) m.persistent_params += rep_->flat.numel();
     }
     for (std::size_t i = 0; i < groups3_.size(); ++i) {
@@ -397,6 +397,10 @@ class Trainer {
     if (kFp32Accum && kStage <= 1) rep_->acc_full = torch::zeros({rep_->flat.padded()}, flat.options().dtype(torch::kFloat32));
     if constexpr (kStage == 0) {
       rep_->own = make_owned(flat, kFp32Accum ? rep_->acc_full : rep_->flat.grad());
+    } else if constexpr (kStage == 1) {
+      // The full gradient buffer is kept anyway: reduce-scatter in place into this rank's slice of it.
+      rep_->own = make_owned(rep_->flat.shard_of(flat, rank_),
+                             rep_->flat.shard_of(kFp32Accum ? rep_->acc_full : rep_->flat.grad(), rank_));
     } else {
       rep_->own = make_owned(rep_->flat.shard_of(flat, rank_),
                              torch::zeros({rep_->flat.shard()}, flat.options().dtype(grad_dtype_)));
@@ -444,7 +448,7 @@ class Trainer {
       if constexpr (kStage == 0) {
         if (world_ > 1) comm_->all_reduce(src.data_ptr(), src.data_ptr(), std::size_t(src.numel()), comm_dtype(src.scalar_type()),
                                           comm::ReduceOp::avg);
-      } else {
+      } else {  // in place: own.grad is this rank's slice of src
         comm_->reduce_scatter(src.data_ptr(), own.grad.data_ptr(), std::size_t(flat.shard()), comm_dtype(src.scalar_type()),
                               comm::ReduceOp::avg);
       }
