@@ -247,6 +247,24 @@ int main(int argc, char** argv) {
           int4_error = std::string(e.what()).substr(0, 200);
         }
       }
+      // split-K sweep on the larger shapes (recorded in the JSON for tuning the plan's heuristic)
+      nlohmann::json sweep = nlohmann::json::object();
+      if (K * N >= 4096ll * 11008)
+        for (int sp : {1, 2, 3, 4, 6, 8, 12, 16}) {
+          const auto need_sp = kq::qgemm_workspace_size<bf16>(M, shape, sm, sp);
+          auto partial_sp = torch::empty({std::max<std::int64_t>(need_sp.partial_elems, 1)}, cuda.dtype(torch::kFloat32));
+          auto counters_sp = torch::zeros({std::max<std::int64_t>(need_sp.counter_elems, 1)}, cuda.dtype(torch::kInt32));
+          const kq::QGemmWorkspace ws_sp{partial_sp.data_ptr<float>(), need_sp.partial_elems, counters_sp.data_ptr<int>(), need_sp.counter_elems};
+          sweep[std::to_string(sp)] = time_ms(
+              [&] {
+                SQUEEZE_CUDA_CHECK(kq::qgemm_cuda<bf16>(reinterpret_cast<const bf16*>(x.data_ptr()),
+                                                        reinterpret_cast<const std::uint32_t*>(d_tiles.data_ptr()),
+                                                        reinterpret_cast<const half*>(d_scales.data_ptr()), d_zeros.data_ptr<std::uint8_t>(),
+                                                        reinterpret_cast<bf16*>(y.data_ptr()), shape, ws_sp, sm, nullptr, sp));
+              },
+              20);
+        }
+      const int auto_splits = kq::detail::plan_for_device<bf16>(std::min<std::int64_t>(M, 128), shape, sm).splits;
       const double bytes = weight_bytes + double(M) * K * 2 + double(M) * N * 2;
       const double roof = bytes / (t_ours * 1e6) / copy_gbs;
       const std::string cs = "K" + std::to_string(K) + "_N" + std::to_string(N) + "_M" + std::to_string(M);
@@ -266,6 +284,8 @@ int main(int argc, char** argv) {
                             {"ratio_vs_peer2", t_int4 > 0 ? nlohmann::json(t_int4 / t_ours) : nlohmann::json(nullptr)},
                             {"max_rel_err", rel_err},
                             {"copy_gbs", copy_gbs},
+                            {"splits", auto_splits},
+                            {"splits_sweep_ms", sweep},
                             {"device", device},
                             {"date", date},
                             {"commit", commit}};
@@ -275,6 +295,7 @@ int main(int argc, char** argv) {
       }
     }
     if (!int4_error.empty()) std::printf("  aten::_weight_int4pack_mm unavailable: %s\n", int4_error.c_str());
+
   }
   return modules_ok ? 0 : 1;
 }

@@ -67,6 +67,16 @@ INSTANTIATE_TEST_SUITE_P(Widths, GptqBeatsRtn,
                          ::testing::Values(GptqCase{4, 32, false, true}, GptqCase{4, 0, false, false}, GptqCase{3, 32, true, false},
                                            GptqCase{3, 0, true, true}, GptqCase{2, 32, false, false}, GptqCase{8, 64, true, true}));
 
+TEST(Gptq, OptionsFromPolicy) {
+  const auto o = nn::gptq_options<Quantized<3, GPTQ, Group<64>, ActOrder>>();
+  EXPECT_EQ(o.bits, 3);
+  EXPECT_EQ(o.group_size, 64);
+  EXPECT_TRUE(o.act_order);
+  const auto pc = nn::gptq_options<Quantized<4, GPTQ, PerChannel>>();
+  EXPECT_EQ(pc.group_size, 0);
+  EXPECT_FALSE(pc.act_order);
+}
+
 TEST(Gptq, DiagonalHessianReproducesTorchFreeRtnExactly) {
   torch::manual_seed(5);
   auto W = torch::randn({20, 70}) * 0.1;

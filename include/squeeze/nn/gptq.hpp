@@ -28,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "../policy/quantization.hpp"
 #include "../quant/pack.hpp"
 #include "../quant/rtn.hpp"
 
@@ -44,6 +45,18 @@ struct GptqOptions {
   int block_size = 128;
   bool progress = false;       // one line per layer on stderr (gptq_sequential)
 };
+
+// Options from a policy: gptq_options<Quantized<4, GPTQ, Group<128>, ActOrder>>() -> bits 4, group 128,
+// act-order (runtime knobs such as percdamp stay in the struct).
+template <WeightQuantizationPolicy Q>
+  requires std::is_same_v<typename Q::method, GPTQ>
+GptqOptions gptq_options() {
+  GptqOptions o;
+  o.bits = Q::bits;
+  o.group_size = Q::group;
+  o.act_order = Q::act_order;
+  return o;
+}
 
 struct GptqResult {
   torch::Tensor codes;        // uint8 [out, in]
