@@ -39,6 +39,7 @@ run_bench() {  # run_bench <name> <executable> [args...]
 run_bench adamw "$BUILD/bench/kernels/bench_adamw"
 run_bench gemm4 "$BUILD/bench/quant/bench_quant_gemm"
 run_bench gptq "$BUILD/bench/quant/bench_gptq"
+run_bench zero "$BUILD/bench/zero/bench_zero"
 run_bench table "$BUILD/bench/table/bench_table"
 
 echo "== summary (bench, case, ratio vs peer (>1: ours faster/smaller), roofline fraction, time)"
