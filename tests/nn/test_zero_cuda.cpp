@@ -30,9 +30,14 @@ void gpu_parity(int world) {
   close(train<Strategy<Sharded<Stage1>, Accumulate<A>, Precision<C, float>>>(Model::mlp, world, 10, {}, {}, dev), base, "GPU Stage1" + tag);
   close(train<Strategy<Sharded<Stage2>, Offload<Host>, Accumulate<A>, Precision<C, float>>>(Model::mlp, world, 10, {}, {}, dev), base,
         "GPU Stage2+Offload" + tag);
-  close(train<Strategy<Sharded<Stage3>, Accumulate<A>, Precision<C, float>>>(Model::mlp, world, 10, {}, {}, dev), base, "GPU Stage3" + tag);
-  close(train<Strategy<Sharded<Stage3>, Offload<Host>, Accumulate<A>, Precision<C, float>>>(Model::mlp, world, 10, {}, {}, dev), base,
-        "GPU Stage3+Offload" + tag);
+  // Stage 3 collects inside backward; libtorch runs every CUDA backward of a process on one worker thread
+  // per device, so thread-ranks sharing one GPU would wait on each other there: stage 3 on LocalComm over
+  // one GPU runs at world size 1 only (NcclComm, one process per GPU, has no such limit).
+  if (world == 1) {
+    close(train<Strategy<Sharded<Stage3>, Accumulate<A>, Precision<C, float>>>(Model::mlp, world, 10, {}, {}, dev), base, "GPU Stage3" + tag);
+    close(train<Strategy<Sharded<Stage3>, Offload<Host>, Accumulate<A>, Precision<C, float>>>(Model::mlp, world, 10, {}, {}, dev), base,
+          "GPU Stage3+Offload" + tag);
+  }
   // The CPU run of the same strategy agrees too (device kernels vs CPU twins).
   close(train<Strategy<Sharded<Stage0>, Accumulate<A>, Precision<C, float>>>(Model::mlp, world, 10), base, "CPU vs GPU Stage0" + tag);
 }
@@ -51,8 +56,8 @@ TEST(ZeroCuda, LlamaStage3OffloadOnGpu) {
   const torch::Device dev(torch::kCUDA, 0);
   using S0 = Strategy<Sharded<Stage0>, Precision<bf16, float>>;
   using S3 = Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>;
-  const auto base = train<S0>(Model::llama, 2, 6, {}, {}, dev);
-  expect_update_close(train<S3>(Model::llama, 2, 6, {}, {}, dev).params, base.params, Model::llama, 0.2, "GPU llama Stage3+Offload");
+  const auto base = train<S0>(Model::llama, 1, 6, {}, {}, dev);
+  expect_update_close(train<S3>(Model::llama, 1, 6, {}, {}, dev).params, base.params, Model::llama, 0.2, "GPU llama Stage3+Offload");
 }
 
 #if defined(SQUEEZE_WITH_NCCL) && SQUEEZE_WITH_NCCL

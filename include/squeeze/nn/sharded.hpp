@@ -20,6 +20,11 @@
 // g·W, sum over rows; embedding_dense_backward), so stage 3 produces the same gradient bits as an
 // unsharded layer.
 //
+// Threads as ranks: CPU backward runs on the calling thread, so LocalComm's thread-ranks work. libtorch
+// runs all CUDA backward work of a process on one worker thread per device, so thread-ranks sharing one
+// GPU would block each other inside backward: on GPUs use one process per device (NcclComm), or
+// LocalComm at world size 1.
+//
 // Prefetch: one layer ahead, issued right after the current layer's gather on the same communicator;
 // on GPU NcclComm enqueues it asynchronously on the stream passed (not yet a dedicated side stream).
 #include <torch/torch.h>
