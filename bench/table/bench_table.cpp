@@ -174,7 +174,7 @@ int main(int argc, char** argv) {
   app.add_option("--steps", o.steps, "timed optimizer steps per row")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--warmup", o.warmup, "untimed steps first")->capture_default_str();
   app.add_option("--device", o.device, "cuda (the table) or cpu (a smoke test)")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
-  std::string default_rows = std::string(kPeer) + ",fp32,bf16,fp16,accum4,ckpt,bf16-ckpt";
+  std::string default_rows = std::string(kPeer) + ",fp32,bf16,fp16,accum4,ckpt,bf16-ckpt,zero3-offload,zero3-offload-fp16-accum4,zero3-offload-bf16-ckpt";
   app.add_option("--rows", o.rows, "comma-separated rows: " + std::string(kPeer) + " and strategy names (default: " + default_rows + ")");
   CLI11_PARSE(app, argc, argv);
   if (o.rows.empty()) o.rows = default_rows;

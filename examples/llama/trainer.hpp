@@ -10,9 +10,14 @@
 //   Accumulate<N>    the batch is split into N micro-batches whose gradients are summed before one update
 //                    (into the float master gradients when there is a master copy).
 //   Checkpointed / CheckpointEvery<N>   the model recomputes segments of N blocks in backward.
+// Sharded<StageN> and Offload<Host> go to squeeze's ZeRO trainer (nn/trainer.hpp) through ZeroTrainer below,
+// on one rank by default or on the communicator given (e.g. LocalComm ranks in tests).
 // Checkpoints (save/load) hold the float weights, the AdamW state, the step and the loss scale; they are
 // written to a temporary file and renamed, so a failed save never replaces a good checkpoint.
+#include <squeeze/comm/local.hpp>
 #include <squeeze/nn/llama.hpp>
+#include <squeeze/nn/trainer.hpp>
+#include <squeeze/optim/adamw.hpp>
 #include <squeeze/plan.hpp>
 #include <squeeze/policy.hpp>
 
@@ -57,6 +62,11 @@ void for_each_strategy(F&& f) {
   f.template operator()<Strategy<Precision<bf16, float>, Checkpointed>>("bf16-ckpt");
   f.template operator()<Strategy<Precision<half, float>, Accumulate<4>>>("fp16-accum4");
   f.template operator()<Strategy<Precision<bf16, float>, Accumulate<4>, Checkpointed>>("bf16-accum4-ckpt");
+  // ZeRO (squeeze's sharded trainer); on one GPU, Offload<Host> is what saves memory.
+  f.template operator()<Strategy<Sharded<Stage2>, Precision<bf16, float>>>("zero2-bf16");
+  f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>>>("zero3-offload");
+  f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<half, float>, Accumulate<4>>>("zero3-offload-fp16-accum4");
+  f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed>>("zero3-offload-bf16-ckpt");
 }
 
 inline std::vector<std::string> strategy_names() {
@@ -129,11 +139,28 @@ inline void reset_peak_memory(const torch::Device& device) {
   (void)device;
 }
 
+inline void check_batch(const torch::Tensor& x, const torch::Tensor& y, int micro_batches) {
+  TORCH_CHECK(x.sizes() == y.sizes() && x.dim() == 2, "Trainer::step: inputs ", x.sizes(), " and targets ", y.sizes(),
+              " must both be [batch, seq]");
+  TORCH_CHECK(x.size(0) % micro_batches == 0, "Trainer::step: batch ", x.size(0), " does not split into Accumulate<", micro_batches,
+              "> micro-batches: use a batch that is a multiple of ", micro_batches);
+}
+
+// Mean loss over (x, y) batches without gradients, in eval mode.
+inline double evaluate_loss(Llama& model, const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches) {
+  TORCH_CHECK(!batches.empty(), "Trainer::evaluate: no validation batches");
+  torch::NoGradGuard no_grad;
+  model->eval();
+  double sum = 0;
+  for (const auto& [x, y] : batches) sum += model->loss(x, y).item<double>();
+  model->train();
+  return sum / double(batches.size());
+}
+
 template <StrategyType S>
-class Trainer {
+class LocalTrainer {
   static_assert(S::training, "the LLaMA trainer trains: remove Inference");
-  static_assert(S::stage == 0 && !S::offload_to_host,
-                "this example's trainer does not shard yet: use squeeze's sharded trainer for Sharded<...>/Offload<Host>");
+  static_assert(S::stage == 0 && !S::offload_to_host, "Sharded<...>/Offload<Host> strategies train with ZeroTrainer");
   static_assert(!S::quantized_weights && !S::has_lora && S::state_bits == 32,
                 "quantized weights, LoRA and 8-bit optimizer state belong to the QLoRA example, not this trainer");
 
@@ -142,7 +169,7 @@ class Trainer {
   static constexpr bool has_master = S::has_master_copy;
   static constexpr int micro_batches = S::accumulation_steps;
 
-  Trainer(LlamaConfig config, TrainOptions options, torch::Device device)
+  LocalTrainer(LlamaConfig config, TrainOptions options, torch::Device device)
       : model_(std::move(config)), options_(options), device_(device), scale_(S::loss_scaling ? options.initial_scale : 1.0) {
     // Masters are taken from the float initialisation, so every strategy starts from the same weights.
     std::vector<torch::Tensor> optimized;
@@ -172,10 +199,7 @@ class Trainer {
 
   // One optimizer step on tokens x -> targets y, both [B, T] int64 on the trainer's device.
   StepResult step(const torch::Tensor& x, const torch::Tensor& y) {
-    TORCH_CHECK(x.sizes() == y.sizes() && x.dim() == 2, "Trainer::step: inputs ", x.sizes(), " and targets ", y.sizes(),
-                " must both be [batch, seq]");
-    TORCH_CHECK(x.size(0) % micro_batches == 0, "Trainer::step: batch ", x.size(0), " does not split into Accumulate<",
-                micro_batches, "> micro-batches: use a batch that is a multiple of ", micro_batches);
+    check_batch(x, y, micro_batches);
     StepResult r;
     r.scale = scale_;
     const int64_t micro = x.size(0) / micro_batches;
@@ -224,13 +248,7 @@ class Trainer {
 
   // Mean loss over (x, y) batches without gradients, in eval mode.
   double evaluate(const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches) {
-    TORCH_CHECK(!batches.empty(), "Trainer::evaluate: no validation batches");
-    torch::NoGradGuard no_grad;
-    model_->eval();
-    double sum = 0;
-    for (const auto& [x, y] : batches) sum += model_->loss(x, y).template item<double>();
-    model_->train();
-    return sum / double(batches.size());
+    return evaluate_loss(model_, batches);
   }
 
   // ---- checkpoints ------------------------------------------------------------------------------------
@@ -361,5 +379,67 @@ class Trainer {
   int64_t good_steps_ = 0;
   int64_t step_ = 0;
 };
+
+// Sharded<StageN> / Offload<Host>: squeeze's ZeRO trainer (nn/trainer.hpp) behind the same interface. The
+// model is built in float (the same initial weights as LocalTrainer), converted to the compute type and
+// handed over; the trainer keeps the masters (from the converted weights) and AdamW state, sharded and/or
+// on the host. Its AdamW options are fixed at construction: set_lr is not available (constant rate).
+template <StrategyType S>
+class ZeroTrainer {
+ public:
+  static constexpr int micro_batches = S::accumulation_steps;
+
+  ZeroTrainer(LlamaConfig config, TrainOptions options, torch::Device device, comm::CommPtr comm = nullptr)
+      : model_(std::move(config)) {
+    model_->to(device, torch_dtype<typename S::compute_type>());
+    model_->checkpoint_every = S::checkpoint_every;
+    model_->train();
+    squeeze::AdamW adamw{.lr = float(options.lr), .beta1 = float(options.beta1), .beta2 = float(options.beta2), .eps = float(options.eps),
+                .weight_decay = float(options.weight_decay), .max_grad_norm = float(std::max(0.0, options.clip))};
+    adamw.loss_scale.init_scale = float(options.initial_scale);
+    adamw.loss_scale.growth_interval = int(options.scale_growth_interval);
+    trainer_.emplace(make_trainer<S>(model_, adamw, comm ? std::move(comm) : comm::LocalComm::single()));
+  }
+  ZeroTrainer(const ZeroTrainer&) = delete;
+
+  Llama& model() { return model_; }
+  int64_t step_count() const { return trainer_->steps_applied(); }
+  double loss_scale() const { return trainer_->scale(); }
+  void set_lr(double) {}  // constant (see above)
+
+  StepResult step(const torch::Tensor& x, const torch::Tensor& y) {
+    check_batch(x, y, micro_batches);
+    StepResult r;
+    r.scale = trainer_->scale();
+    const int64_t micro = x.size(0) / micro_batches;
+    for (int i = 0; i < micro_batches; ++i) {
+      const torch::Tensor xi = x.narrow(0, i * micro, micro), yi = y.narrow(0, i * micro, micro);  // [B/N, T]
+      const nn::StepResult m = trainer_->step([&] { return model_->loss(xi, yi); });
+      r.loss += double(m.loss) / micro_batches;
+      if (m.boundary) {
+        r.applied = m.applied;
+        r.grad_norm = m.grad_norm;
+      }
+    }
+    return r;
+  }
+
+  double evaluate(const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches) { return evaluate_loss(model_, batches); }
+
+  void save(const std::string&, std::string_view) {
+    TORCH_CHECK(false, "checkpoints of Sharded/Offload strategies are not written by this example yet: train without --save");
+  }
+  void load(const std::string&) {
+    TORCH_CHECK(false, "checkpoints of Sharded/Offload strategies are not read by this example yet: train without --load");
+  }
+
+ private:
+  Llama model_;
+  std::optional<nn::Trainer<S, squeeze::AdamW>> trainer_;
+};
+
+// The trainer for a strategy: ours for unsharded ones, squeeze's ZeRO trainer for Sharded/Offload.
+template <StrategyType S>
+using Trainer = std::conditional_t<(S::stage > 0 || S::offload_to_host), ZeroTrainer<S>, LocalTrainer<S>>;
 
 }  // namespace squeeze::llama

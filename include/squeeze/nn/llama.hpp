@@ -6,6 +6,8 @@
 // The model runs in whatever dtype its parameters have (float, bf16, half): a mixed-precision strategy
 // converts the module to its compute type and keeps float master weights elsewhere. Norm statistics, RoPE
 // angles and the loss are computed in float whatever the parameter dtype.
+// Linears and the embedding are ShardedLinear / ShardedEmbedding: plain Linear / Embedding until a stage-3
+// trainer shards them; checkpointed segments then hand the shards (the real leaves) to the checkpoint.
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
@@ -16,6 +18,7 @@
 
 #include "../plan/model_shape.hpp"
 #include "checkpoint.hpp"
+#include "sharded.hpp"
 
 namespace squeeze::nn {
 
@@ -97,9 +100,9 @@ inline torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos
 
 struct AttentionImpl : torch::nn::Module {
   int64_t heads, kv_heads, head_dim;
-  torch::nn::Linear q{nullptr}, k{nullptr}, v{nullptr}, o{nullptr};
+  ShardedLinear q{nullptr}, k{nullptr}, v{nullptr}, o{nullptr};
   explicit AttentionImpl(const LlamaConfig& c) : heads(c.heads), kv_heads(c.kv_heads), head_dim(c.head_dim()) {
-    const auto lin = [](int64_t in, int64_t out) { return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false)); };
+    const auto lin = [](int64_t in, int64_t out) { return ShardedLinear(in, out, /*bias=*/false); };
     q = register_module("q", lin(c.hidden, heads * head_dim));
     k = register_module("k", lin(c.hidden, kv_heads * head_dim));
     v = register_module("v", lin(c.hidden, kv_heads * head_dim));
@@ -129,9 +132,9 @@ TORCH_MODULE(Attention);
 
 // SwiGLU: down(silu(gate(x)) * up(x)).
 struct MlpImpl : torch::nn::Module {
-  torch::nn::Linear gate{nullptr}, up{nullptr}, down{nullptr};
+  ShardedLinear gate{nullptr}, up{nullptr}, down{nullptr};
   explicit MlpImpl(const LlamaConfig& c) {
-    const auto lin = [](int64_t in, int64_t out) { return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false)); };
+    const auto lin = [](int64_t in, int64_t out) { return ShardedLinear(in, out, /*bias=*/false); };
     gate = register_module("gate", lin(c.hidden, c.ffn));
     up = register_module("up", lin(c.hidden, c.ffn));
     down = register_module("down", lin(c.ffn, c.hidden));
@@ -157,20 +160,35 @@ struct BlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
+// The tensors a module's forward reads that get gradients: its parameters, or for layers a stage-3
+// trainer has sharded (their own weights emptied) the shard each gathers from.
+inline std::vector<torch::Tensor> trainable_leaves(torch::nn::Module& m) {
+  std::vector<torch::Tensor> out;
+  for (const auto& sub : m.modules(/*include_self=*/true)) {
+    if (auto* s = dynamic_cast<Shardable*>(sub.get()); s != nullptr && s->group() != nullptr) {
+      out.push_back(s->group()->shard);
+      continue;
+    }
+    for (const auto& p : sub->parameters(/*recurse=*/false))
+      if (p.numel() > 0) out.push_back(p);
+  }
+  return out;
+}
+
 struct LlamaImpl : torch::nn::Module {
   LlamaConfig config;
-  torch::nn::Embedding embed{nullptr};
+  ShardedEmbedding embed{nullptr};
   std::vector<Block> blocks;
   RMSNorm norm{nullptr};
-  torch::nn::Linear head{nullptr};
+  ShardedLinear head{nullptr};
   int64_t checkpoint_every = 0;  // 0: keep all activations; N: checkpoint segments of N blocks (training only)
 
   explicit LlamaImpl(LlamaConfig c) : config(std::move(c)) {
     config.validate();
-    embed = register_module("embed", torch::nn::Embedding(config.vocab, config.hidden));
+    embed = register_module("embed", ShardedEmbedding(config.vocab, config.hidden));
     for (int64_t i = 0; i < config.layers; ++i) blocks.push_back(register_module("block" + std::to_string(i), Block(config)));
     norm = register_module("norm", RMSNorm(config.hidden, config.norm_eps));
-    head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(config.hidden, config.vocab).bias(false)));
+    head = register_module("head", ShardedLinear(config.hidden, config.vocab, /*bias=*/false));
     reset_parameters();
   }
 
@@ -194,7 +212,7 @@ struct LlamaImpl : torch::nn::Module {
     const auto [cos, sin] = rope_tables(T, config.head_dim(), config.rope_theta, ids.device());  // [T, D] each
     torch::Tensor x = embed(ids);                                                                   // [B, T, h]
     const auto layer = [this, cos, sin](int64_t i, const torch::Tensor& h) { return blocks[i]->forward(h, cos, sin); };
-    const auto layer_params = [this](int64_t i) { return blocks[i]->parameters(); };
+    const auto layer_params = [this](int64_t i) { return trainable_leaves(*blocks[i]); };
     const int64_t every = is_training() ? checkpoint_every : 0;
     x = checkpoint_sequential(config.layers, every, x, layer, layer_params);  // [B, T, h]
     return head(norm(x));                                                     // [B, T, V]
