@@ -390,7 +390,11 @@ class ZeroTrainer {
   static constexpr int micro_batches = S::accumulation_steps;
 
   ZeroTrainer(LlamaConfig config, TrainOptions options, torch::Device device, comm::CommPtr comm = nullptr)
-      : model_(std::move(config)) {
+      : ZeroTrainer(Llama(std::move(config)), options, device, std::move(comm)) {}
+  // A model built by the caller (e.g. one per rank, built in order so every rank starts alike). Each rank
+  // of `comm` constructs its ZeroTrainer at the same time (the constructor broadcasts rank 0's weights).
+  ZeroTrainer(Llama model, TrainOptions options, torch::Device device, comm::CommPtr comm)
+      : model_(std::move(model)) {
     model_->to(device, torch_dtype<typename S::compute_type>());
     model_->checkpoint_every = S::checkpoint_every;
     model_->train();
