@@ -20,11 +20,12 @@
 // Act-order checkpoints are handled at load: k rows are sorted by group, x is gathered by `perm`.
 //
 // Work split: a block = 4 warps = 64 output columns x all M rows (up to 128 per launch, 16-row mma
-// tiles); x is staged through shared memory with cp.async (double-buffered, 64 k per stage) and read
-// with ldmatrix; each warp streams its own column of weight tiles with PF chunks in flight. grid.y
-// splits K so the grid fills the GPU in one wave; each split writes fp32 partials and the last block of
-// a column strip (found with a counter) reduces them and writes y, then resets its counter to 0, so one
-// launch does everything and the counters stay zero between launches.
+// tiles). Per-chunk compute is short, so loads run far ahead: x goes through a STAGES-deep cp.async
+// ring in shared memory (64 k per stage, read with ldmatrix) and each warp keeps PF chunks of its own
+// column of weight tiles in flight in registers. grid.y splits K so the grid fills the GPU in one wave;
+// each split writes fp32 partials and the last block of a column strip (found with a counter) reduces
+// them and writes y, then resets its counter to 0, so one launch does everything and the counters stay
+// zero between launches.
 #include <algorithm>
 #include <bit>
 #include <cstdint>
@@ -237,7 +238,11 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(gmem), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+// Wait until at most N committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
 // B registers (q - z) of one k-step for both n8 halves j: b[j][r].
 template <class T>
@@ -287,13 +292,16 @@ __global__ void __launch_bounds__(kWarps * 32) qgemm_kernel(const T* __restrict_
                                                                const half* __restrict__ scales, const std::uint8_t* __restrict__ zeros,
                                                                T* __restrict__ y, float* __restrict__ partial, int* __restrict__ counters,
                                                                int M, int N, int K, int Npad, int Kpad, int group, int chunks_per_split) {
-  constexpr int PF = 4;                  // chunks of weights in flight per lane
+  // Latency hiding: per-chunk compute is short (a few hundred cycles), so loads are issued far ahead:
+  // PF weight chunks per warp in registers, STAGES x chunks in a cp.async ring in shared memory.
   constexpr int LV = lane_words(BITS) / 4;  // 16-byte loads per lane per chunk (1 for 4-bit, 2 for 8-bit)
+  constexpr int PF = (MT <= 2 ? 8 : 4) / LV;
+  constexpr int STAGES = MT == 1 ? 8 : MT == 2 ? 6 : MT == 4 ? 4 : 2;
   struct Chunk {
     uint4 v[LV];
   };
   constexpr int ROWS = 16 * MT;
-  __shared__ __align__(16) std::uint16_t xs[2][ROWS * kStride];
+  __shared__ __align__(16) std::uint16_t xs[STAGES][ROWS * kStride];
   __shared__ int last_flag;
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, tid = threadIdx.x;
@@ -305,13 +313,13 @@ __global__ void __launch_bounds__(kWarps * 32) qgemm_kernel(const T* __restrict_
   const int nck = kc1 - kc0;
   const int g4 = lane >> 2, c4 = lane & 3;
 
-  // ---- x staging: rows < M loaded per chunk; rows >= M zeroed once in both buffers ----
+  // ---- x staging: rows < M loaded per chunk; rows >= M zeroed once in every ring buffer ----
   const bool vec_ok = (K % 8 == 0) && ((reinterpret_cast<std::uintptr_t>(x) & 15) == 0);
   for (int i = tid; i < ROWS * kStride; i += kWarps * 32) {
     const int r = i / kStride;
     if (r >= M) {
-      xs[0][i] = 0;
-      xs[1][i] = 0;
+#pragma unroll
+      for (int st = 0; st < STAGES; ++st) xs[st][i] = 0;
     }
   }
   // One chunk of x (rows < M, 64 k) into buffer `buf`: 16-byte cp.async (zero-filled past K) when rows are
@@ -342,7 +350,6 @@ __global__ void __launch_bounds__(kWarps * 32) qgemm_kernel(const T* __restrict_
         }
       }
     }
-    cp_async_commit();
   };
 
   float acc[MT][2][4], gacc[MT][2][4];
@@ -359,10 +366,37 @@ __global__ void __launch_bounds__(kWarps * 32) qgemm_kernel(const T* __restrict_
   float zf[2] = {0.f, 0.f};
   float sc[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
   const int ncol0 = nt * kTileN;
-  auto load_group = [&](int g) {
+  // Group constants are fetched one group ahead (the next group's loads overlap this group's work),
+  // so a group change never waits on global memory.
+  const int last_group = (K - 1) / group;
+  int pf_group = -1;                   // group held in pz / ps
+  std::uint32_t pz[2] = {0, 0};        // zero points (as int)
+  std::uint32_t ps[2] = {0, 0};        // fp16 scale pairs (as bits)
+  auto fetch_group = [&](int g, std::uint32_t (&z)[2], std::uint32_t (&s2)[2]) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const int z = warp_active ? zeros[std::int64_t(g) * Npad + ncol0 + 8 * j + g4] : 0;
+      z[j] = warp_active ? zeros[std::int64_t(g) * Npad + ncol0 + 8 * j + g4] : 0u;
+      s2[j] = warp_active ? *reinterpret_cast<const std::uint32_t*>(scales + std::int64_t(g) * Npad + ncol0 + 8 * j + 2 * c4) : 0u;
+    }
+  };
+  auto load_group = [&](int g) {
+    std::uint32_t zz[2], ss[2];
+    if (g == pf_group) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        zz[j] = pz[j];
+        ss[j] = ps[j];
+      }
+    } else {
+      fetch_group(g, zz, ss);
+    }
+    if (g < last_group) {
+      fetch_group(g + 1, pz, ps);
+      pf_group = g + 1;
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int z = int(zz[j]);
       if constexpr (BITS == 8) {
         zf[j] = 8388608.f + float(z);
         zlo[j] = u32(__float2half2_rn(float(1024 + z)));
@@ -372,11 +406,9 @@ __global__ void __launch_bounds__(kWarps * 32) qgemm_kernel(const T* __restrict_
         zlo[j] = u32(__float2half2_rn(float(1024 + z)));
         zhi[j] = u32(__float2half2_rn(float(-64 - z)));
       }
-      if (warp_active) {
-        const __half2 s2 = *reinterpret_cast<const __half2*>(scales + std::int64_t(g) * Npad + ncol0 + 8 * j + 2 * c4);
-        sc[j][0] = __low2float(s2);
-        sc[j][1] = __high2float(s2);
-      }
+      const __half2 s2 = as_vec2<__half2>(ss[j]);
+      sc[j][0] = __low2float(s2);
+      sc[j][1] = __high2float(s2);
     }
   };
   auto flush = [&]() {
@@ -403,8 +435,14 @@ __global__ void __launch_bounds__(kWarps * 32) qgemm_kernel(const T* __restrict_
   for (int p = 0; p < PF; ++p)
     if (warp_active && p < nck) bq[p] = load_chunk(kc0 + p);
 
-  if (nck > 0) stage_x(kc0, 0);
-  cp_async_wait_all();
+  // x ring: chunk ci lives in buffer ci % STAGES; one commit group per chunk (empty past the end) keeps
+  // the group count uniform, so "wait until STAGES - 2 groups are pending" means "chunk ci + 1 landed".
+#pragma unroll
+  for (int st = 0; st < STAGES - 1; ++st) {
+    if (st < nck) stage_x(kc0 + st, st);
+    cp_async_commit();
+  }
+  cp_async_wait<STAGES - 2>();
   __syncthreads();
 
   for (int base = 0; base < nck; base += PF) {
@@ -415,9 +453,11 @@ __global__ void __launch_bounds__(kWarps * 32) qgemm_kernel(const T* __restrict_
         const int kc = kc0 + ci;
         const Chunk cur = bq[p];
         if (warp_active && ci + PF < nck) bq[p] = load_chunk(kc + PF);
-        if (ci + 1 < nck) stage_x(kc + 1, (ci + 1) & 1);  // that buffer was last read before the previous barrier
+        // buffer (ci + STAGES - 1) % STAGES was last read in iteration ci - 1, before the previous barrier
+        if (ci + STAGES - 1 < nck) stage_x(kc + STAGES - 1, (ci + STAGES - 1) % STAGES);
+        cp_async_commit();
         if (warp_active) {
-          const std::uint16_t* xb = xs[ci & 1];
+          const std::uint16_t* xb = xs[ci % STAGES];
           std::uint32_t words[4 * LV];
 #pragma unroll
           for (int v = 0; v < LV; ++v) {
@@ -456,7 +496,7 @@ __global__ void __launch_bounds__(kWarps * 32) qgemm_kernel(const T* __restrict_
             }
           }
         }
-        cp_async_wait_all();
+        cp_async_wait<STAGES - 2>();
         __syncthreads();
       }
     }
