@@ -212,14 +212,15 @@ __device__ __forceinline__ std::uint32_t u32(__nv_bfloat162 v) { return *reinter
 template <class V>
 __device__ __forceinline__ V as_vec2(std::uint32_t u) { return *reinterpret_cast<V*>(&u); }
 
+// Not volatile: a pure register operation, so the compiler may interleave it with loads and decode.
 template <class T>
 __device__ __forceinline__ void mma16816(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
   if constexpr (std::is_same_v<T, bf16>) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   } else {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
@@ -484,15 +485,21 @@ __global__ void __launch_bounds__(kWarps * 32) qgemm_kernel(const T* __restrict_
             } else {
               decode_word<T>(words[ks], zlo, zhi, b);
             }
+            // A fragments of rows mt*16.., k-step ks: ldmatrix.x4, lane l addresses row (l % 8) + 8 ((l / 8) & 1),
+            // column 8 (l / 16) of the 16 x 16 block; registers come back in mma's a0..a3 order. Loaded in
+            // batches of up to 4 m-tiles ahead of their mma so the loads' latency overlaps.
+            constexpr int AB = MT < 4 ? MT : 4;
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-              // A fragment of rows mt*16.., k-step ks: ldmatrix.x4, lane l addresses row (l % 8) + 8 ((l / 8) & 1),
-              // column 8 (l / 16) of the 16 x 16 block; registers come back in mma's a0..a3 order
-              const std::uint16_t* ap = xb + (mt * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * kStride + ks * 16 + 8 * (lane >> 4);
-              std::uint32_t a[4];
-              ldmatrix_x4(a, ap);
-              mma16816<T>(gacc[mt][0], a, b[0][0], b[0][1]);
-              mma16816<T>(gacc[mt][1], a, b[1][0], b[1][1]);
+            for (int m0 = 0; m0 < MT; m0 += AB) {
+              std::uint32_t a[AB][4];
+#pragma unroll
+              for (int i = 0; i < AB; ++i)
+                ldmatrix_x4(a[i], xb + ((m0 + i) * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * kStride + ks * 16 + 8 * (lane >> 4));
+#pragma unroll
+              for (int i = 0; i < AB; ++i) {
+                mma16816<T>(gacc[m0 + i][0], a[i], b[0][0], b[0][1]);
+                mma16816<T>(gacc[m0 + i][1], a[i], b[1][0], b[1][1]);
+              }
             }
           }
         }
