@@ -259,6 +259,17 @@ class Trainer {
     StepResult r;
     r.scale = scale();
     const bool boundary = micro_ + 1 == kAccum;
+    // If the closure or backward throws, free what stage 3 gathered (the window's gradients are kept;
+    // the other ranks will fail their next collective by timeout, as a lost rank would make them).
+    struct PassGuard {
+      Stage3Runtime* rt;
+      ~PassGuard() {
+        if (rt) {
+          rt->release_all();
+          rt->set_phase(Stage3Runtime::Phase::idle);
+        }
+      }
+    } guard{runtime_.get()};
     if (runtime_) runtime_->set_phase(Stage3Runtime::Phase::forward);
     torch::Tensor loss = closure();
     TORCH_CHECK(loss.defined() && loss.numel() == 1, "Trainer::step: the closure must return a scalar loss, got ",
@@ -271,6 +282,7 @@ class Trainer {
       runtime_->release_all();
       runtime_->set_phase(Stage3Runtime::Phase::idle);
     }
+    guard.rt = nullptr;
     after_backward(boundary);
     micro_ = boundary ? 0 : micro_ + 1;
     if (!boundary) return r;
