@@ -326,6 +326,31 @@ TEST(TcpStore, SetGetWaitAddBarrier) {
   EXPECT_EQ(server.add("counter", 0), 1 + 2 + 3 + 4);
 }
 
+// A hostile or broken client (garbage, absurd lengths, a half message then silence) is dropped or
+// ignored; the server keeps serving everyone else.
+TEST(TcpStore, HostileClientsDoNotStopTheServer) {
+  TcpStore s("127.0.0.1", 0, true, std::chrono::seconds(5));
+  auto raw_client = [&](const std::string& bytes) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(s.port());
+    ::inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+    EXPECT_EQ(::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL), ssize_t(bytes.size()));
+    return fd;
+  };
+  const int bad_op = raw_client(std::string("X\1\0\0\0k\0\0\0\0", 10));        // unknown op
+  const int huge = raw_client(std::string("S\xff\xff\xff\x7f", 5));              // 2 GiB key length
+  const int half = raw_client(std::string("S\5\0\0\0ab", 7));                    // half a request, then silence
+  s.set("still", "alive");
+  EXPECT_EQ(s.get("still"), "alive");
+  TcpStore other("127.0.0.1", s.port(), false, std::chrono::seconds(5));
+  EXPECT_EQ(other.get("still"), "alive");
+  EXPECT_EQ(other.add("n", 5), 5);
+  for (int fd : {bad_op, huge, half}) ::close(fd);
+}
+
 TEST(TcpStore, GetTimesOutWithAClearError) {
   TcpStore s("127.0.0.1", 0, true, std::chrono::seconds(5));
   const auto t0 = std::chrono::steady_clock::now();
