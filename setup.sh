@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # squeeze set-up on a fresh Debian machine (2 cores, no GPU needed): install the dependencies, build
-# everything (CUDA translation units too when nvcc is present), and run the main example.
+# everything (CUDA translation units too when nvcc is present), and run the main example (LLaMA training).
 #   ./setup.sh            # then: ctest --test-dir build -j2 --output-on-failure
 # Environment: BUILD_DIR (default build), SKIP_APT=1 / SKIP_PIP=1 to skip installs, SKIP_EXAMPLE=1.
 set -euo pipefail
@@ -33,6 +33,8 @@ step "build (2 jobs; the CUDA and libtorch translation units take a few minutes)
 "$CMAKE" --build "$BUILD_DIR" -j2
 
 if [ "${SKIP_EXAMPLE:-0}" != 1 ]; then
-  step "main example: the memory planner for LLaMA-7B on 8 GPUs"
+  step "main example: a tiny LLaMA learns the King James Bible on the CPU (bf16 compute, fp32 master, checkpointing)"
+  "$BUILD_DIR/bin/llama_train" --preset tiny --strategy bf16-ckpt --steps 60 --batch 8 --seq 128 --eval-every 30
+  step "the memory planner: what each strategy costs for LLaMA-7B on 8 GPUs"
   "$BUILD_DIR/bin/plan" --preset llama-7b --world 8
 fi
