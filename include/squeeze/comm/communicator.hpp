@@ -96,6 +96,10 @@ class Communicator {
   virtual void barrier() = 0;
   // Waits for this communicator's work on `s`; throws if it failed or timed out.
   virtual void synchronize(Stream s = nullptr) = 0;
+  // Which memory the collectives accept (NCCL: device only; LocalComm: host, and device when compiled
+  // with the CUDA runtime).
+  virtual bool host_buffers() const { return true; }
+  virtual bool device_buffers() const { return false; }
 
   // Typed conveniences.
   template <class T> void all_gather(const T* send, T* recv, std::size_t count, Stream s = nullptr) {

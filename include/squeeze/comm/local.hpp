@@ -11,7 +11,9 @@
 // Failure: every collective waits at most `timeout` for the other ranks; a rank that times out marks
 // the group aborted and every rank's next (or current) collective throws squeeze::Error, like
 // NcclComm's watchdog. Ranks that call different collectives (op, dtype or count differ) all throw.
-// World size 1 is a fast path: a copy when send != recv, nothing else.
+// World size 1 is a fast path: nothing when send == recv (memory untouched), else one copy.
+// Device memory is recognised only when this header is compiled by nvcc or with SQUEEZE_WITH_CUDA_RUNTIME=1
+// (device_buffers() says which); otherwise pass host buffers only.
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -194,6 +196,9 @@ class LocalComm final : public Communicator {
     run(kBroadcast, rank_ == root ? send : nullptr, rank_ == root ? b : 0, recv, b, count, t, ReduceOp::sum, root, s,
         [&](std::byte* out) { std::memcpy(out, group_->post(root).send, b); });
   }
+#if SQUEEZE_LOCAL_COMM_CUDA
+  bool device_buffers() const override { return true; }
+#endif
   void barrier() override {
     if (size() == 1) return;
     group_->arrive_and_wait(rank_, "barrier");
@@ -222,6 +227,7 @@ class LocalComm final : public Communicator {
     check(count == 0 || recv != nullptr, std::string("LocalComm::") + std::string(kind_name(kind)) + ": recv is null");
     check(send_bytes == 0 || send != nullptr, std::string("LocalComm::") + std::string(kind_name(kind)) + ": send is null");
     const auto name = kind_name(kind);
+    if (size() == 1 && (send == recv || recv_bytes == 0)) return;  // world 1 in place: nothing to do, no memory touched
 #if SQUEEZE_LOCAL_COMM_CUDA
     const bool dev_in = detail::is_device_pointer(send), dev_out = detail::is_device_pointer(recv);
     std::vector<std::byte> host_in;

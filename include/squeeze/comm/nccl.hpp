@@ -127,6 +127,8 @@ class NcclComm final : public Communicator {
   int size() const override { return world_; }
   std::string_view backend() const override { return "nccl"; }
   int device() const { return opt_.device; }
+  bool host_buffers() const override { return false; }
+  bool device_buffers() const override { return true; }
   using Communicator::all_gather, Communicator::reduce_scatter, Communicator::all_reduce, Communicator::broadcast;
 
   void all_gather(const void* send, void* recv, std::size_t count, DType t, Stream s = nullptr) override {

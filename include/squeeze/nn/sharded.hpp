@@ -53,6 +53,39 @@ inline comm::DType comm_dtype(torch::ScalarType t) {
   }
 }
 
+// Tensor collectives of the torch layer (blocking: they synchronize the communicator). At world size 1
+// they are a torch copy or nothing, so a single process works with any backend on any device, whatever
+// its translation unit was compiled with.
+//   gather_into:         shard [n] -> full [size*n] (shard may be full's own slice: in place)
+//   reduce_scatter_avg:  full [size*n] -> shard [n], average over ranks (shard may be full's own slice)
+inline void gather_into(comm::Communicator& c, const torch::Tensor& shard, const torch::Tensor& full) {
+  if (c.size() == 1) {
+    if (shard.data_ptr() != full.data_ptr()) full.copy_(shard);
+    return;
+  }
+  c.all_gather(shard.data_ptr(), full.data_ptr(), std::size_t(shard.numel()), comm_dtype(full.scalar_type()));
+  c.synchronize();
+}
+inline void reduce_scatter_avg(comm::Communicator& c, const torch::Tensor& full, const torch::Tensor& shard) {
+  if (c.size() == 1) {
+    if (shard.data_ptr() != full.data_ptr()) shard.copy_(full.narrow(0, 0, shard.numel()));
+    return;
+  }
+  c.reduce_scatter(full.data_ptr(), shard.data_ptr(), std::size_t(shard.numel()), comm_dtype(full.scalar_type()),
+                   comm::ReduceOp::avg);
+  c.synchronize();
+}
+inline void all_reduce_inplace(comm::Communicator& c, const torch::Tensor& t, comm::ReduceOp op) {
+  if (c.size() == 1) return;
+  c.all_reduce(t.data_ptr(), t.data_ptr(), std::size_t(t.numel()), comm_dtype(t.scalar_type()), op);
+  c.synchronize();
+}
+inline void broadcast_inplace(comm::Communicator& c, const torch::Tensor& t, int root) {
+  if (c.size() == 1) return;
+  c.broadcast(t.data_ptr(), t.data_ptr(), std::size_t(t.numel()), comm_dtype(t.scalar_type()), root);
+  c.synchronize();
+}
+
 class Stage3Runtime;
 
 // One sharded layer's state (owned by the Stage3Runtime, pointed to by the module).
@@ -123,9 +156,7 @@ class Stage3Runtime {
   void reduce_grad(Stage3Group& g, const torch::Tensor& full_grad) {
     track(full_grad.nbytes());
     auto mine = torch::empty({g.layout.shard()}, full_grad.options());
-    comm_->reduce_scatter(full_grad.data_ptr(), mine.data_ptr(), std::size_t(g.layout.shard()),
-                          comm_dtype(full_grad.scalar_type()), comm::ReduceOp::avg);
-    comm_->synchronize();
+    reduce_scatter_avg(*comm_, full_grad, mine);
     g.grad_shard.add_(mine);
     live_bytes_ -= full_grad.nbytes();
   }
@@ -138,9 +169,7 @@ class Stage3Runtime {
   void gather(Stage3Group& g) {
     auto full = torch::empty({g.layout.padded()}, g.shard.options().requires_grad(false));
     track(full.nbytes());
-    comm_->all_gather(g.shard.data_ptr(), full.data_ptr(), std::size_t(g.layout.shard()),
-                      comm_dtype(full.scalar_type()));
-    comm_->synchronize();
+    gather_into(*comm_, g.shard.detach(), full);
     g.gathered = full;
   }
   void track(int64_t bytes) {

@@ -189,6 +189,13 @@ class Trainer {
     }
     TORCH_CHECK(!trainable.empty(), "make_trainer: the module has no trainable parameters");
     device_ = trainable.front().second.device();
+    if (world_ > 1) {
+      TORCH_CHECK(!device_.is_cuda() || comm_->device_buffers(), "make_trainer: the module is on ", device_, " but the '",
+                  comm_->backend(), "' communicator takes host buffers only; LocalComm takes CUDA memory when its TU is "
+                  "compiled by nvcc or with SQUEEZE_WITH_CUDA_RUNTIME=1 (link CUDA::cudart); or use NcclComm");
+      TORCH_CHECK(device_.is_cuda() || comm_->host_buffers(), "make_trainer: the module is on the CPU but the '",
+                  comm_->backend(), "' communicator takes device buffers only: move the module to its GPU");
+    }
 
     std::unordered_set<const void*> sharded;  // TensorImpls owned by stage-3 groups
     if constexpr (kStage == 3) {
@@ -245,8 +252,7 @@ class Trainer {
     for (std::size_t i = 0; i < groups3_.size(); ++i) {
       auto& g = *groups3_[i];
       auto full = torch::empty({g.layout.padded()}, g.shard.options().requires_grad(false));
-      comm_->all_gather(g.shard.data_ptr(), full.data_ptr(), std::size_t(g.layout.shard()), comm_dtype(full.scalar_type()));
-      comm_->synchronize();
+      gather_into(*comm_, g.shard.detach(), full);
       torch::NoGradGuard ng;
       for (auto& e : g.layout.entries()) e.param.set_data(FlatParams::view(full, e).clone());
       attached_[i]->attach(nullptr);
@@ -307,8 +313,7 @@ class Trainer {
     if (rep_) for (auto& e : rep_->flat.entries()) out.emplace_back(e.name, e.param.detach().clone());
     for (auto& g : groups3_) {
       auto full = torch::empty({g->layout.padded()}, g->shard.options().requires_grad(false));
-      comm_->all_gather(g->shard.data_ptr(), full.data_ptr(), std::size_t(g->layout.shard()), comm_dtype(full.scalar_type()));
-      comm_->synchronize();
+      gather_into(*comm_, g->shard.detach(), full);
       for (auto& e : g->layout.entries()) out.emplace_back(e.name, FlatParams::view(full, e).clone());
     }
     return out;
@@ -395,10 +400,7 @@ class Trainer {
     return o;
   }
 
-  void broadcast(torch::Tensor& t) {
-    comm_->broadcast(t.data_ptr(), t.data_ptr(), std::size_t(t.numel()), comm_dtype(t.scalar_type()), 0);
-    comm_->synchronize();
-  }
+  void broadcast(torch::Tensor& t) { broadcast_inplace(*comm_, t, 0); }
 
   void add_replicated_group(std::vector<std::pair<std::string, torch::Tensor>> params) {
     rep_.emplace();
@@ -457,19 +459,11 @@ class Trainer {
       }
       if (!boundary) return;
       const torch::Tensor src = kFp32Accum ? rep_->acc_full : flat.grad();
-      if constexpr (kStage == 0) {
-        if (world_ > 1) comm_->all_reduce(src.data_ptr(), src.data_ptr(), std::size_t(src.numel()), comm_dtype(src.scalar_type()),
-                                          comm::ReduceOp::avg);
-      } else {  // in place: own.grad is this rank's slice of src
-        comm_->reduce_scatter(src.data_ptr(), own.grad.data_ptr(), std::size_t(flat.shard()), comm_dtype(src.scalar_type()),
-                              comm::ReduceOp::avg);
-      }
-      comm_->synchronize();
+      if constexpr (kStage == 0) all_reduce_inplace(*comm_, src, comm::ReduceOp::avg);
+      else reduce_scatter_avg(*comm_, src, own.grad);  // in place: own.grad is this rank's slice of src
     } else {
       auto mine = torch::empty({flat.shard()}, flat.grad().options());
-      comm_->reduce_scatter(flat.grad().data_ptr(), mine.data_ptr(), std::size_t(flat.shard()),
-                            comm_dtype(mine.scalar_type()), comm::ReduceOp::avg);
-      comm_->synchronize();
+      reduce_scatter_avg(*comm_, flat.grad(), mine);
       own.grad.add_(mine);
       flat.zero_grad();
     }
@@ -497,8 +491,11 @@ class Trainer {
     } else {
       double local = 0;
       for (Owned* o : partitions()) local += detail::sum_squares(o->grad);
-      comm_->all_reduce(&local, &local, 1, comm::ReduceOp::sum);
-      return local;
+      if (world_ == 1) return local;
+      // Where the communicator takes buffers: device memory for NCCL.
+      auto t = torch::full({1}, local, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
+      all_reduce_inplace(*comm_, t, comm::ReduceOp::sum);
+      return t.item<double>();
     }
   }
 
@@ -528,11 +525,7 @@ class Trainer {
     // Stages 1-2 (and stage 3's whole-kept parameters): everyone gets the updated shards back.
     if (rep_ && kStage >= 1) {
       auto& flat = rep_->flat;
-      const std::size_t es = std::size_t(flat.element_size());
-      auto* base = static_cast<std::byte*>(flat.flat().data_ptr());
-      comm_->all_gather(base + std::size_t(rank_) * std::size_t(flat.shard()) * es, base, std::size_t(flat.shard()),
-                        comm_dtype(flat.flat().scalar_type()));
-      comm_->synchronize();
+      gather_into(*comm_, flat.shard_of(flat.flat(), rank_), flat.flat());  // in place
     }
     zero_window();
     r.applied = true;
