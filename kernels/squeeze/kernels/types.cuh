@@ -10,6 +10,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #include "squeeze/dtype.hpp"
 #include "squeeze/error.hpp"
@@ -38,13 +40,22 @@ SQUEEZE_HD bool quad_aligned(const T* p) {
   return (reinterpret_cast<std::uintptr_t>(p) % (kQuad * sizeof(T))) == 0;
 }
 
+// The quad moved as one built-in vector (uint2 / uint4) with explicit global-memory vector instructions
+// (__ldcg: ld.global.cg, __stwb: st.global.wb). With pointers read from a tensor table nvcc sees generic
+// pointers of unknown alignment and would otherwise split quad stores into 2- or 4-byte stores.
+template <class T>
+using QuadBits = std::conditional_t<sizeof(Quad<T>) == 16, uint4, uint2>;
+static_assert(sizeof(QuadBits<float>) == sizeof(Quad<float>) && sizeof(QuadBits<bf16>) == sizeof(Quad<bf16>));
+
 // Loads this thread's Q quads of a tile: p points at quad 0 (quad_start(base, t, 0, threads)), quad q is
 // q * threads * 4 elements further. Converts to float registers out[4 * Q].
 template <int Q, class T>
 SQUEEZE_DEVICE void load_quads(const T* __restrict__ p, int threads, float (&out)[kQuad * Q]) {
 #pragma unroll
   for (int q = 0; q < Q; ++q) {
-    const Quad<T> v = *reinterpret_cast<const Quad<T>*>(p + std::int64_t(q) * threads * kQuad);
+    const QuadBits<T> bits = __ldcg(reinterpret_cast<const QuadBits<T>*>(p + std::int64_t(q) * threads * kQuad));
+    Quad<T> v;
+    memcpy(&v, &bits, sizeof v);
 #pragma unroll
     for (int j = 0; j < kQuad; ++j) out[q * kQuad + j] = to_float(v.v[j]);
   }
@@ -58,7 +69,9 @@ SQUEEZE_DEVICE void store_quads(T* __restrict__ p, int threads, const float (&in
     Quad<T> v;
 #pragma unroll
     for (int j = 0; j < kQuad; ++j) v.v[j] = from_float<T>(in[q * kQuad + j]);
-    *reinterpret_cast<Quad<T>*>(p + std::int64_t(q) * threads * kQuad) = v;
+    QuadBits<T> bits;
+    memcpy(&bits, &v, sizeof bits);
+    __stwb(reinterpret_cast<QuadBits<T>*>(p + std::int64_t(q) * threads * kQuad), bits);
   }
 }
 

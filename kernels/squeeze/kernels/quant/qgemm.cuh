@@ -15,8 +15,10 @@
 //
 // Groups: zero points (uint8 [groups, Npad]) and fp16 scales ([groups, Npad]) per `group` consecutive
 // k (group % 16 == 0; per-channel = one group of Kpad). The mma multiplies x by the exact small
-// integers (q - z); each warp keeps a per-group fp32 accumulator and folds it in with the fp32 scale
-// when the group ends, so fp16 and bf16 activations get fp32-accurate products (no rounding of w).
+// integers (q - z) into fp32 accumulators kept in units of the current group's scale: when the group
+// changes they are multiplied by s_old / s_new, and by the last scale at the end. So fp16 and bf16
+// activations get fp32-accurate products (w is never rounded) with one accumulator set per warp.
+// Scales must be nonzero (tiles.hpp maps a zero-scale group to codes == zero with scale 1).
 // Act-order checkpoints are handled at load: k rows are sorted by group, x is gathered by `perm`.
 //
 // Work split: a block = 4 warps = 64 output columns x all M rows (up to 128 per launch, 16-row mma
@@ -288,8 +290,12 @@ __device__ __forceinline__ void decode_word8(std::uint32_t w0, std::uint32_t w1,
 constexpr int kStride = kTileK + 8;  // halves per staged x row (144 B): rows stay 16-byte aligned for ldmatrix and
                                      // its 8 row reads hit 8 distinct 4-bank groups
 
+// Resident blocks wanted per SM (caps registers): more warps hide more latency.
+template <int MT>
+inline constexpr int kMinBlocks = MT == 1 ? 5 : MT == 2 ? 4 : MT == 4 ? 4 : 3;
+
 template <class T, int MT, int BITS>
-__global__ void __launch_bounds__(kWarps * 32) qgemm_kernel(const T* __restrict__ x, const uint4* __restrict__ tiles,
+__global__ void __launch_bounds__(kWarps * 32, kMinBlocks<MT>) qgemm_kernel(const T* __restrict__ x, const uint4* __restrict__ tiles,
                                                                const half* __restrict__ scales, const std::uint8_t* __restrict__ zeros,
                                                                T* __restrict__ y, float* __restrict__ partial, int* __restrict__ counters,
                                                                int M, int N, int K, int Npad, int Kpad, int group, int chunks_per_split) {
@@ -353,19 +359,19 @@ __global__ void __launch_bounds__(kWarps * 32) qgemm_kernel(const T* __restrict_
     }
   };
 
-  float acc[MT][2][4], gacc[MT][2][4];
+  float acc[MT][2][4];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mt][j][e] = gacc[mt][j][e] = 0.f;
+      for (int e = 0; e < 4; ++e) acc[mt][j][e] = 0.f;
 
   // per-group constants: zero points for the B columns (n = 8j + g4), scales for the C columns (8j + 2c4 + {0,1})
   int cur_group = -1, next_group_k = -1;
   std::uint32_t zlo[2] = {0, 0}, zhi[2] = {0, 0};
   float zf[2] = {0.f, 0.f};
-  float sc[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+  float sc[2][2] = {{1.f, 1.f}, {1.f, 1.f}};  // the scale acc is currently expressed in
   const int ncol0 = nt * kTileN;
   // Group constants are fetched one group ahead (the next group's loads overlap this group's work),
   // so a group change never waits on global memory.
@@ -408,20 +414,26 @@ __global__ void __launch_bounds__(kWarps * 32) qgemm_kernel(const T* __restrict_
         zhi[j] = u32(__float2half2_rn(float(-64 - z)));
       }
       const __half2 s2 = as_vec2<__half2>(ss[j]);
-      sc[j][0] = __low2float(s2);
-      sc[j][1] = __high2float(s2);
+      const float n0 = __low2float(s2), n1 = __high2float(s2);
+      const float r0 = __fdiv_rn(sc[j][0], n0), r1 = __fdiv_rn(sc[j][1], n1);  // re-express acc in the new scale
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        acc[mt][j][0] *= r0;
+        acc[mt][j][1] *= r1;
+        acc[mt][j][2] *= r0;
+        acc[mt][j][3] *= r1;
+      }
+      sc[j][0] = n0;
+      sc[j][1] = n1;
     }
   };
-  auto flush = [&]() {
+  auto finish = [&]() {  // acc in units of the last scale -> real units
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          acc[mt][j][e] = fmaf(gacc[mt][j][e], sc[j][e & 1], acc[mt][j][e]);
-          gacc[mt][j][e] = 0.f;
-        }
+        for (int e = 0; e < 4; ++e) acc[mt][j][e] *= sc[j][e & 1];
   };
 
   const uint4* wt = tiles + (std::int64_t(warp_active ? nt : 0) * kchunks) * (tile_words(BITS) / 4) + lane * LV;
@@ -473,7 +485,6 @@ __global__ void __launch_bounds__(kWarps * 32) qgemm_kernel(const T* __restrict_
             if (k0 >= next_group_k) {  // divide only when a group may end (k-steps never straddle groups)
               const int g = min(k0, K - 1) / group;  // padded rows: last group (x is 0 there)
               if (g != cur_group) {
-                if (cur_group >= 0) flush();
                 cur_group = g;
                 load_group(g);
               }
@@ -497,8 +508,8 @@ __global__ void __launch_bounds__(kWarps * 32) qgemm_kernel(const T* __restrict_
                 ldmatrix_x4(a[i], xb + ((m0 + i) * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * kStride + ks * 16 + 8 * (lane >> 4));
 #pragma unroll
               for (int i = 0; i < AB; ++i) {
-                mma16816<T>(gacc[m0 + i][0], a[i], b[0][0], b[0][1]);
-                mma16816<T>(gacc[m0 + i][1], a[i], b[1][0], b[1][1]);
+                mma16816<T>(acc[m0 + i][0], a[i], b[0][0], b[0][1]);
+                mma16816<T>(acc[m0 + i][1], a[i], b[1][0], b[1][1]);
               }
             }
           }
@@ -508,7 +519,7 @@ __global__ void __launch_bounds__(kWarps * 32) qgemm_kernel(const T* __restrict_
       }
     }
   }
-  if (cur_group >= 0) flush();
+  finish();
 
   // ---- epilogue: C fragment (row g4 / g4 + 8, columns 2 c4, 2 c4 + 1 of each n8 half) ----
   const int splits = gridDim.y;
