@@ -1,6 +1,7 @@
 #pragma once
-// Umbrella header: the torch-free layers (policies, planner, errors, element types).
-// Kernels live under <squeeze/kernels/...>, torch modules under <squeeze/nn/...>.
+// Umbrella header for the torch-free layers: element types, errors, policies, planner, communicators.
+// Kernels live under <squeeze/kernels/...>; the libtorch layer has its own umbrella, <squeeze/nn.hpp>.
+#include "comm.hpp"
 #include "dtype.hpp"
 #include "error.hpp"
 #include "plan.hpp"

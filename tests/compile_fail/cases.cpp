@@ -63,6 +63,12 @@ static_assert(sizeof(S) > 0);
 #elif defined(CASE_checkpoint_every_zero)
 using C = CheckpointEvery<0>;
 static_assert(sizeof(C) > 0);
+#elif defined(CASE_flat_adamw_low_precision_master)
+#include <squeeze/optim/adamw.hpp>
+squeeze::optim::FlatAdamW<squeeze::Strategy<squeeze::Precision<squeeze::bf16, squeeze::bf16>>> o(squeeze::AdamW{});
+#elif defined(CASE_flat_adamw_device_without_nvcc)
+#include <squeeze/optim/adamw.hpp>
+squeeze::optim::FlatAdamW<squeeze::Strategy<squeeze::Precision<squeeze::bf16, float>>> o(squeeze::AdamW{});
 #else
 #error "define one CASE_*"
 #endif

@@ -1,7 +1,8 @@
 # cmake -DCXX=<compiler> -DINCLUDE=<dir> -DSOURCE=<file> -DCASE=<name> -DEXPECT=<regex> -P check.cmake
 # Passes when the case fails to compile AND the compiler's output contains EXPECT (the static_assert
 # message that tells the user what to write instead); CASE=valid must compile.
-execute_process(COMMAND ${CXX} -std=c++20 -fsyntax-only -I${INCLUDE} -DCASE_${CASE} ${SOURCE}
+list(TRANSFORM INCLUDE PREPEND "-I")
+execute_process(COMMAND ${CXX} -std=c++20 -fsyntax-only ${INCLUDE} -DCASE_${CASE} ${SOURCE}
                 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 if(CASE STREQUAL "valid")
   if(NOT rc EQUAL 0)
