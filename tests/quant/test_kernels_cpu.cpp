@@ -148,6 +148,25 @@ TEST(QTiles, TileCoordIsABijectionOntoTheTile) {
   }
 }
 
+TEST(QTiles, ZeroScaleGroupBecomesExactZeroWithNonzeroScale) {
+  // the kernel keeps accumulators in units of the current scale, so tiles never hold a zero scale
+  for (int bits : {4, 8}) {
+    auto p = random_layer(24, 96, bits, 32, true, 5);
+    p.scales[1 * p.out + 5] = from_float<half>(0.f);
+    const auto t = quant::to_tiles(p);
+    for (const auto s : t.scales) ASSERT_NE(to_float(s), 0.f);
+    const auto x = random_x<half>(3 * 96, 8);
+    std::vector<half> xg = x;
+    for (std::int64_t m = 0; m < 3; ++m)
+      for (std::int64_t k = 0; k < 96; ++k) xg[m * 96 + k] = x[m * 96 + t.perm[k]];
+    std::vector<half> y(3 * 24);
+    kq::qgemm_cpu(xg.data(), t.tiles.data(), t.scales.data(), t.zeros.data(), y.data(), t.shape(3));
+    std::vector<double> ref, mag;
+    reference(p, x, 3, ref, mag);  // dequantize(): scale 0 -> those weights are 0
+    for (std::size_t k = 0; k < y.size(); ++k) ASSERT_LE(std::abs(double(to_float(y[k])) - ref[k]), 1e-9 * mag[k] + half_ulp<half>(ref[k])) << k;
+  }
+}
+
 TEST(QTiles, RejectsWhatTheKernelCannotServe) {
   EXPECT_THROW(quant::to_tiles(random_layer(8, 64, 3, 32, false, 1)), Error);  // 3 bits
   EXPECT_THROW(quant::to_tiles(random_layer(8, 64, 4, 8, false, 1)), Error);   // group 8

@@ -119,8 +119,7 @@ struct GemmCase {
   int bits;
 };
 template <class T>
-void qgemm_case(const GemmCase& c) {
-  const auto p = random_layer(c.N, c.K, c.bits, c.group, c.act_order, std::uint32_t(c.M + 31 * c.N + c.K + c.bits));
+void qgemm_check(const quant::PackedLinear& p, const GemmCase& c) {
   const auto t = quant::to_tiles(p);
   auto x = random_x<T>(c.M * c.K, 17);
   if (!t.perm.empty()) {  // the kernel reads x in kernel row order
@@ -160,6 +159,10 @@ void qgemm_case(const GemmCase& c) {
   const auto counters = cnt.get();
   EXPECT_TRUE(std::all_of(counters.begin(), counters.end(), [](int v) { return v == 0; }));
 }
+template <class T>
+void qgemm_case(const GemmCase& c) {
+  qgemm_check<T>(random_layer(c.N, c.K, c.bits, c.group, c.act_order, std::uint32_t(c.M + 31 * c.N + c.K + c.bits)), c);
+}
 class QuantCudaGemm : public ::testing::TestWithParam<GemmCase> {};
 TEST_P(QuantCudaGemm, Fp16MatchesCpuTwin) {
   REQUIRE_DEVICE();
@@ -176,6 +179,17 @@ INSTANTIATE_TEST_SUITE_P(
                       GemmCase{64, 512, 2048, 128, false, 4}, GemmCase{100, 130, 384, 32, true, 4}, GemmCase{128, 256, 4096, 128, false, 4},
                       GemmCase{300, 48, 256, 128, false, 4}, GemmCase{1, 4096, 4096, 128, false, 8}, GemmCase{16, 1000, 1100, 128, true, 8},
                       GemmCase{40, 333, 770, 0, false, 8}, GemmCase{128, 256, 2048, 64, false, 8}));
+
+TEST(QuantCuda, GemmZeroScaleGroupIsExactlyZero) {
+  REQUIRE_DEVICE();
+  for (int bits : {4, 8}) {
+    const GemmCase c{5, 40, 256, 64, true, bits};
+    auto p = random_layer(c.N, c.K, bits, c.group, c.act_order, 77);
+    p.scales[2 * p.out + 7] = from_float<half>(0.f);  // group 2 of column 7: all weights 0
+    p.scales[0 * p.out + 39] = from_float<half>(0.f);
+    qgemm_check<bf16>(p, c);
+  }
+}
 
 TEST(QuantCuda, GemmRejectsBadArguments) {
   REQUIRE_DEVICE();

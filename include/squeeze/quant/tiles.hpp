@@ -73,12 +73,29 @@ inline QTiles to_tiles(const PackedLinear& p) {
           tile[lane * lw + wi] = w;
         }
     }
-  t.scales.assign(G * t.Npad, from_float<half>(0.f));
+  // The kernel keeps its accumulators in units of the current scale, so every scale must be nonzero:
+  // padded columns get 1, and a group whose scale is 0 (all its weights 0) gets scale 1 with every
+  // code set to its zero point, which is exactly 0 again.
+  t.scales.assign(G * t.Npad, from_float<half>(1.f));
   t.zeros.assign(G * t.Npad, 0);
   for (std::int64_t g = 0; g < G; ++g)
     for (std::int64_t n = 0; n < p.out; ++n) {
-      t.scales[g * t.Npad + n] = p.scales[g * p.out + n];
       t.zeros[g * t.Npad + n] = std::uint8_t(p.zero(g, n));
+      if (to_float(p.scales[g * p.out + n]) != 0.f) {
+        t.scales[g * t.Npad + n] = p.scales[g * p.out + n];
+        continue;
+      }
+      const std::uint32_t z = p.zero(g, n), mask = (1u << p.bits) - 1u;
+      for (std::int64_t nt = n / kq::kTileN, kc = 0; kc < kchunks; ++kc)  // rewrite this column's codes in group g
+        for (int lane = 0; lane < 32; ++lane)
+          for (int wi = 0; wi < lw; ++wi)
+            for (int c = 0; c < per_word; ++c) {
+              const auto tc = kq::tile_coord(p.bits, lane, wi, c);
+              const std::int64_t k = kc * kq::kTileK + tc.k;
+              if (nt * kq::kTileN + tc.n != n || k >= p.in || p.g_idx[order[k]] != g) continue;
+              std::uint32_t& w = t.tiles[(nt * kchunks + kc) * tw + lane * lw + wi];
+              w = (w & ~(mask << (p.bits * c))) | (z << (p.bits * c));
+            }
     }
   return t;
 }

@@ -1,0 +1,147 @@
+#pragma once
+// CUDA launchers of the NF4 codec (math, layout and CPU twins: nf4.hpp). Same element functions, so
+// dequantise and quantise agree with the CPU twin bit for bit (the DoubleQuant mean is summed in float64
+// in a different order; it can differ from the twin's in its last bit only).
+//   nf4_dequantize_cuda(view, out, stream)            out [n] in float / half / bf16
+//   nf4_quantize_cuda(w, n, block, dq, bufs, stream)  absmax per block -> (DoubleQuant) -> codes
+// All pointers are device pointers; returns cudaError_t (launch errors), squeeze::Error on bad arguments.
+#include <cuda_runtime.h>
+
+#include <cub/block/block_reduce.cuh>
+
+#include "squeeze/kernels/quant/nf4.hpp"
+
+#if !defined(__CUDACC__)
+#error "nf4.cuh is a CUDA header: compile this translation unit with nvcc, or include nf4.hpp (the CPU twin)"
+#endif
+
+namespace squeeze::kernels::quant {
+
+inline constexpr int kNf4Threads = 256;
+
+namespace detail {
+
+inline int nf4_grid(std::int64_t work, int threads) {
+  const std::int64_t g = (work + threads - 1) / threads;
+  return int(g < 65535 * 16 ? (g > 0 ? g : 1) : 65535 * 16);
+}
+
+// One thread per code byte: the two values it holds.
+template <class T>
+__global__ void __launch_bounds__(kNf4Threads) nf4_dequantize_kernel(const Nf4View v, T* __restrict__ out) {
+  const std::int64_t bytes = (v.n + 1) / 2;
+  for (std::int64_t j = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; j < bytes; j += std::int64_t(gridDim.x) * blockDim.x) {
+    const std::uint8_t byte = v.codes[j];
+    const std::int64_t i = 2 * j;
+    out[i] = from_float<T>(nf4_code_value(byte >> 4) * nf4_block_absmax(v, i / v.block));
+    if (i + 1 < v.n) out[i + 1] = from_float<T>(nf4_code_value(byte & 15) * nf4_block_absmax(v, (i + 1) / v.block));
+  }
+}
+
+// One thread per block of values (the same serial max as the twin).
+template <class T>
+__global__ void __launch_bounds__(kNf4Threads) nf4_absmax_kernel(const T* __restrict__ w, std::int64_t n, int block, float* __restrict__ absmax) {
+  const std::int64_t blocks = (n + block - 1) / block;
+  for (std::int64_t b = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; b < blocks; b += std::int64_t(gridDim.x) * blockDim.x) {
+    const std::int64_t end = (b + 1) * block < n ? (b + 1) * block : n;
+    float m = 0.f;
+    for (std::int64_t i = b * block; i < end; ++i) {
+      const float a = fabsf(to_float(w[i]));
+      m = (a > m || a != a) ? a : m;
+    }
+    absmax[b] = m;
+  }
+}
+
+// One CUDA block: the mean of absmax in float64 -> *offset.
+template <int Threads>
+__global__ void __launch_bounds__(Threads) nf4_mean_kernel(const float* __restrict__ absmax, std::int64_t blocks, float* offset) {
+  double s = 0;
+  for (std::int64_t b = threadIdx.x; b < blocks; b += Threads) s += absmax[b];
+  using Reduce = cub::BlockReduce<double, Threads>;
+  __shared__ typename Reduce::TempStorage tmp;
+  const double total = Reduce(tmp).Sum(s);
+  if (threadIdx.x == 0) *offset = float(total / double(blocks));
+}
+
+// One CUDA block of 256 threads per DoubleQuant group: scale = max|absmax - mean| / 127, then the int8 codes.
+template <int Threads>  // a template so the header can be included by many .cu files
+__global__ void __launch_bounds__(Threads) nf4_dq_kernel(const float* __restrict__ absmax, std::int64_t blocks, const float* offset_ptr,
+                                                            std::int8_t* __restrict__ absmax_q, float* __restrict__ scale) {
+  const float mean = *offset_ptr;
+  static_assert(Threads == kNf4DqBlock, "one thread per absmax value of a DoubleQuant group");
+  const std::int64_t b = std::int64_t(blockIdx.x) * Threads + threadIdx.x;
+  const float dev = b < blocks ? fabsf(absmax[b] - mean) : 0.f;
+  using Reduce = cub::BlockReduce<float, Threads>;
+  __shared__ typename Reduce::TempStorage tmp;
+  __shared__ float s_scale;
+  const float m = Reduce(tmp).Reduce(dev, [](float a, float c) { return fmaxf(a, c); });
+  if (threadIdx.x == 0) {
+    s_scale = m / 127.f;
+    scale[blockIdx.x] = s_scale;
+  }
+  __syncthreads();
+  if (b < blocks) absmax_q[b] = nf4_dq_encode(absmax[b], s_scale, mean);
+}
+
+// One thread per code byte (the twin's loop body).
+template <class T>
+__global__ void __launch_bounds__(kNf4Threads) nf4_encode_kernel(const Nf4View v, const T* __restrict__ w, std::uint8_t* __restrict__ codes) {
+  const std::int64_t bytes = (v.n + 1) / 2;
+  for (std::int64_t j = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; j < bytes; j += std::int64_t(gridDim.x) * blockDim.x) {
+    const std::int64_t i = 2 * j;
+    const std::uint8_t hi = nf4_quantize_element(to_float(w[i]), nf4_block_absmax(v, i / v.block));
+    const std::uint8_t lo = i + 1 < v.n ? nf4_quantize_element(to_float(w[i + 1]), nf4_block_absmax(v, (i + 1) / v.block)) : kNf4ZeroCode;
+    codes[j] = std::uint8_t(hi << 4 | lo);
+  }
+}
+
+}  // namespace detail
+
+template <FloatingElement T>
+cudaError_t nf4_dequantize_cuda(const Nf4View& v, T* out /*[n], device*/, cudaStream_t stream = nullptr) {
+  nf4_validate(v, "nf4_dequantize_cuda");
+  check(out != nullptr, "nf4_dequantize_cuda: output pointer is null");
+  detail::nf4_dequantize_kernel<T><<<detail::nf4_grid(nf4_code_bytes(v.n), kNf4Threads), kNf4Threads, 0, stream>>>(v, out);
+  return cudaGetLastError();
+}
+
+// Device output buffers of nf4_quantize_cuda (sizes as in nf4.hpp's layout). absmax is needed in both
+// modes (under DoubleQuant it is scratch: the decoder uses absmax_q/scale/offset).
+struct Nf4DeviceBuffers {
+  std::uint8_t* codes = nullptr;      // [ceil(n/2)]
+  float* absmax = nullptr;            // [blocks]
+  std::int8_t* absmax_q = nullptr;    // [blocks]            (DoubleQuant)
+  float* absmax_scale = nullptr;      // [ceil(blocks/256)]  (DoubleQuant)
+  float* absmax_offset = nullptr;     // [1]                 (DoubleQuant; device, read back by the caller)
+};
+
+// Quantises w [n] (device) into bufs. Under DoubleQuant the view needs the offset by value, so this
+// function synchronises the stream once to read it (returned through *offset_out when not null).
+template <FloatingElement T>
+cudaError_t nf4_quantize_cuda(const T* w, std::int64_t n, int block, bool double_quant, const Nf4DeviceBuffers& bufs,
+                              float* offset_out = nullptr, cudaStream_t stream = nullptr) {
+  nf4_validate(n, block, "nf4_quantize_cuda");
+  check(w != nullptr && bufs.codes != nullptr && bufs.absmax != nullptr, "nf4_quantize_cuda: weight / codes / absmax pointer is null");
+  check(!double_quant || (bufs.absmax_q != nullptr && bufs.absmax_scale != nullptr && bufs.absmax_offset != nullptr),
+        "nf4_quantize_cuda: DoubleQuant needs absmax_q, absmax_scale and absmax_offset buffers");
+  const std::int64_t blocks = nf4_blocks(n, block);
+  detail::nf4_absmax_kernel<T><<<detail::nf4_grid(blocks, kNf4Threads), kNf4Threads, 0, stream>>>(w, n, block, bufs.absmax);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  Nf4View v{nullptr, bufs.absmax, nullptr, nullptr, 0.f, n, block, false};
+  if (double_quant) {
+    detail::nf4_mean_kernel<1024><<<1, 1024, 0, stream>>>(bufs.absmax, blocks, bufs.absmax_offset);
+    detail::nf4_dq_kernel<kNf4DqBlock><<<unsigned(nf4_dq_groups(blocks)), kNf4DqBlock, 0, stream>>>(bufs.absmax, blocks, bufs.absmax_offset, bufs.absmax_q,
+                                                                                     bufs.absmax_scale);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+    float offset = 0.f;
+    if (cudaError_t e = cudaMemcpyAsync(&offset, bufs.absmax_offset, sizeof(float), cudaMemcpyDeviceToHost, stream); e != cudaSuccess) return e;
+    if (cudaError_t e = cudaStreamSynchronize(stream); e != cudaSuccess) return e;
+    if (offset_out != nullptr) *offset_out = offset;
+    v = Nf4View{nullptr, nullptr, bufs.absmax_q, bufs.absmax_scale, offset, n, block, true};
+  }
+  detail::nf4_encode_kernel<T><<<detail::nf4_grid(nf4_code_bytes(n), kNf4Threads), kNf4Threads, 0, stream>>>(v, w, bufs.codes);
+  return cudaGetLastError();
+}
+
+}  // namespace squeeze::kernels::quant
