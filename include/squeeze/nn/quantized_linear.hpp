@@ -112,55 +112,64 @@ class QuantizedLinearImpl : public torch::nn::Module {
 
   torch::Tensor forward_cuda(const torch::Tensor& x2) {
 #if defined(__CUDACC__)
-    namespace kq = kernels::quant;
     const auto st = x2.scalar_type();
     TORCH_CHECK(st == torch::kHalf || st == torch::kBFloat16, "QuantizedLinear: CUDA kernels take fp16 or bf16 activations, got ", st);
-    const cudaStream_t stream =
-        static_cast<cudaStream_t>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(x2.device()).native_handle());
-    const std::int64_t M = x2.size(0);
-    auto dispatch = [&](auto tag) -> torch::Tensor {
-      using T = decltype(tag);
-      auto yy = torch::empty({M, out_}, x2.options());
-      switch (path_for(x2)) {
-        case Path::TensorCoreGemm: {
-          auto xg = (perm_.defined() ? x2.index_select(1, perm_) : x2).contiguous();
-          int sm = 0;
-          cudaDeviceGetAttribute(&sm, cudaDevAttrMultiProcessorCount, x2.device().index());
-          const kq::QGemmShape s{M, out_, in_, Kpad_, Npad_, tile_group_, bits_};
-          auto need = kq::qgemm_workspace_size<T>(M, s, sm);
-          auto partial = torch::empty({std::max<std::int64_t>(need.partial_elems, 1)}, x2.options().dtype(torch::kFloat32));
-          TORCH_CHECK(need.counter_elems <= counters_.numel(), "QuantizedLinear: counter buffer too small");
-          const kq::QGemmWorkspace ws{partial.data_ptr<float>(), need.partial_elems, counters_.data_ptr<int>(), counters_.numel()};
-          const auto e = kq::qgemm_cuda<T>(reinterpret_cast<const T*>(xg.data_ptr()),
-                                               reinterpret_cast<const std::uint32_t*>(tiles_.data_ptr<std::int32_t>()),
-                                               reinterpret_cast<const half*>(tile_scales_.data_ptr<at::Half>()), tile_zeros_.data_ptr<std::uint8_t>(),
-                                               reinterpret_cast<T*>(yy.data_ptr()), s, ws, sm, stream);
-          TORCH_CHECK(e == cudaSuccess, "QuantizedLinear: quantized GEMM failed: ", cudaGetErrorString(e));
-          return yy;
-        }
-        case Path::Gemv: {
-          auto xc = x2.contiguous();
-          auto acc = torch::empty({M, out_}, x2.options().dtype(torch::kFloat32));
-          const auto e = kq::gemv_cuda<T>(view(qweight_, qzeros_, scales_, g_idx_), reinterpret_cast<const T*>(xc.data_ptr()),
-                                          reinterpret_cast<T*>(yy.data_ptr()), int(M), acc.data_ptr<float>(), stream);
-          TORCH_CHECK(e == cudaSuccess, "QuantizedLinear: GEMV failed: ", cudaGetErrorString(e));
-          return yy;
-        }
-        default: {
-          auto w = torch::empty({out_, in_}, x2.options());
-          const auto e = kq::dequantize_cuda<T>(view(qweight_, qzeros_, scales_, g_idx_), reinterpret_cast<T*>(w.data_ptr()), stream);
-          TORCH_CHECK(e == cudaSuccess, "QuantizedLinear: dequantize failed: ", cudaGetErrorString(e));
-          return torch::matmul(x2, w.t());
-        }
-      }
-    };
-    return st == torch::kHalf ? dispatch(half{}) : dispatch(bf16{});
+    return st == torch::kHalf ? forward_cuda_as<half>(x2) : forward_cuda_as<bf16>(x2);
 #else
     TORCH_CHECK(false, "QuantizedLinear: CUDA input, but this translation unit was not compiled by nvcc; include "
                        "squeeze/nn/quantized_linear.hpp from a .cu file to use the CUDA kernels");
     return {};
 #endif
   }
+
+#if defined(__CUDACC__)
+  // Every tensor below has an explicit torch::Tensor type: nothing depends on T but the pointer casts,
+  // so no `.template` is needed on member calls (stricter front ends reject them otherwise).
+  template <class T>
+  torch::Tensor forward_cuda_as(const torch::Tensor& x2) {
+    namespace kq = kernels::quant;
+    const cudaStream_t stream =
+        static_cast<cudaStream_t>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(x2.device()).native_handle());
+    const std::int64_t M = x2.size(0);
+    torch::Tensor y = torch::empty({M, out_}, x2.options());
+    T* yp = static_cast<T*>(y.data_ptr());
+    const kq::GptqView v{static_cast<const std::int32_t*>(qweight_.data_ptr()), static_cast<const std::int32_t*>(qzeros_.data_ptr()),
+                         static_cast<const half*>(scales_.data_ptr()), static_cast<const std::int32_t*>(g_idx_.data_ptr()), in_, out_, bits_};
+    cudaError_t e = cudaSuccess;
+    switch (path_for(x2)) {
+      case Path::TensorCoreGemm: {
+        torch::Tensor xg = (perm_.defined() ? x2.index_select(1, perm_) : x2).contiguous();
+        int sm = 0;
+        cudaDeviceGetAttribute(&sm, cudaDevAttrMultiProcessorCount, x2.device().index());
+        const kq::QGemmShape s{M, out_, in_, Kpad_, Npad_, tile_group_, bits_};
+        const kq::QGemmWorkspace need = kq::qgemm_workspace_size<T>(M, s, sm);
+        const std::int64_t partial_elems = need.partial_elems, counter_elems = need.counter_elems;
+        TORCH_CHECK(counter_elems <= counters_.numel(), "QuantizedLinear: counter buffer too small");
+        torch::Tensor partial = torch::empty({std::max<std::int64_t>(partial_elems, 1)}, x2.options().dtype(torch::kFloat32));
+        const kq::QGemmWorkspace ws{static_cast<float*>(partial.data_ptr()), partial_elems, static_cast<int*>(counters_.data_ptr()),
+                                    counters_.numel()};
+        e = kq::qgemm_cuda<T>(static_cast<const T*>(xg.data_ptr()), static_cast<const std::uint32_t*>(tiles_.data_ptr()),
+                              static_cast<const half*>(tile_scales_.data_ptr()), static_cast<const std::uint8_t*>(tile_zeros_.data_ptr()), yp, s,
+                              ws, sm, stream);
+        TORCH_CHECK(e == cudaSuccess, "QuantizedLinear: quantized GEMM failed: ", cudaGetErrorString(e));
+        return y;
+      }
+      case Path::Gemv: {
+        torch::Tensor xc = x2.contiguous();
+        torch::Tensor acc = torch::empty({M, out_}, x2.options().dtype(torch::kFloat32));
+        e = kq::gemv_cuda<T>(v, static_cast<const T*>(xc.data_ptr()), yp, int(M), static_cast<float*>(acc.data_ptr()), stream);
+        TORCH_CHECK(e == cudaSuccess, "QuantizedLinear: GEMV failed: ", cudaGetErrorString(e));
+        return y;
+      }
+      default: {
+        torch::Tensor w = torch::empty({out_, in_}, x2.options());
+        e = kq::dequantize_cuda<T>(v, static_cast<T*>(w.data_ptr()), stream);
+        TORCH_CHECK(e == cudaSuccess, "QuantizedLinear: dequantize failed: ", cudaGetErrorString(e));
+        return torch::matmul(x2, w.t());
+      }
+    }
+  }
+#endif
 
   int bits_, group_size_;
   std::int64_t in_, out_;
