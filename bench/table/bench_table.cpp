@@ -55,7 +55,10 @@ void synchronize(const torch::Device& d) {
 
 void release_cached_memory(const torch::Device& d) {
 #if defined(SQUEEZE_TORCH_CUDA)
-  if (d.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+  if (d.is_cuda()) {
+    llama::cuda_allocator_ready(d);
+    c10::cuda::CUDACachingAllocator::emptyCache();
+  }
 #endif
   (void)d;
 }

@@ -112,11 +112,21 @@ struct StepResult {
 // process's resident set on the CPU (peak: high-water mark).
 struct MemoryUse { double current_gb = 0, peak_gb = 0, reserved_peak_gb = 0; };
 
+#if defined(SQUEEZE_TORCH_CUDA)
+// c10's CUDA caching allocator sets itself up at the first CUDA allocation (C++ has no lazy init as Python
+// does); its statistics calls fail with "Invalid device argument" before that. A one-element tensor does it.
+inline c10::DeviceIndex cuda_allocator_ready(const torch::Device& device) {
+  const c10::DeviceIndex index = device.index() < 0 ? c10::DeviceIndex(0) : device.index();
+  (void)torch::empty({1}, torch::TensorOptions().device(torch::kCUDA, index));
+  return index;
+}
+#endif
+
 inline MemoryUse memory_use(const torch::Device& device) {
   MemoryUse m;
 #if defined(SQUEEZE_TORCH_CUDA)
   if (device.is_cuda()) {
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index() < 0 ? 0 : device.index());
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(cuda_allocator_ready(device));
     m.current_gb = double(stats.allocated_bytes[0].current) / 1e9;  // [0]: all pools together
     m.peak_gb = double(stats.allocated_bytes[0].peak) / 1e9;
     m.reserved_peak_gb = double(stats.reserved_bytes[0].peak) / 1e9;  // what the allocator took from the driver
@@ -134,7 +144,7 @@ inline MemoryUse memory_use(const torch::Device& device) {
 
 inline void reset_peak_memory(const torch::Device& device) {
 #if defined(SQUEEZE_TORCH_CUDA)
-  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index() < 0 ? 0 : device.index());
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(cuda_allocator_ready(device));
 #endif
   (void)device;
 }
