@@ -3,7 +3,7 @@
 //
 // Kernel choice (forward), by device, width and batch rows M = x.numel() / in:
 //   CPU                         dequantize (CPU twin) once, cached, then float matmul
-//   CUDA, 4/8 bits, M <= 256    fused tensor-core GEMM (kernels/.../qgemm.cuh)
+//   CUDA, 4/8 bits, M <= max_fused_rows (default 256)   fused tensor-core GEMM (kernels/.../qgemm.cuh)
 //   CUDA, other widths, M <= 8  GPTQ-layout GEMV (kernels/.../dequant.cuh)
 //   CUDA, otherwise             dequantize to x's dtype, cuBLAS matmul (compute-bound: cuBLAS wins)
 // CUDA paths need this header compiled by nvcc (a .cu translation unit); activations fp16 or bf16.
@@ -58,6 +58,10 @@ class QuantizedLinearImpl : public torch::nn::Module {
     }
   }
 
+  // Batch rows up to which the fused GEMM is used; above it, dequantize + cuBLAS (compute-bound there).
+  void set_max_fused_rows(std::int64_t rows) { max_fused_rows_ = rows; }
+  std::int64_t max_fused_rows() const { return max_fused_rows_; }
+
   std::int64_t in_features() const { return in_; }
   std::int64_t out_features() const { return out_; }
   int bits() const { return bits_; }
@@ -65,7 +69,7 @@ class QuantizedLinearImpl : public torch::nn::Module {
   Path path_for(const torch::Tensor& x) const {
     const std::int64_t M = x.numel() / in_;
     if (!x.is_cuda()) return Path::CpuDequant;
-    if (tiles_.defined() && M <= 256) return Path::TensorCoreGemm;
+    if (tiles_.defined() && M <= max_fused_rows_) return Path::TensorCoreGemm;
     if (M <= 8) return Path::Gemv;
     return Path::DequantMatmul;
   }
@@ -174,6 +178,7 @@ class QuantizedLinearImpl : public torch::nn::Module {
   int bits_, group_size_;
   std::int64_t in_, out_;
   std::int64_t Npad_ = 0, Kpad_ = 0, tile_group_ = 0;
+  std::int64_t max_fused_rows_ = 256;
   torch::Tensor qweight_, qzeros_, scales_, g_idx_, bias_;
   torch::Tensor tiles_, tile_scales_, tile_zeros_, perm_, counters_;
   torch::Tensor w_cpu_;
