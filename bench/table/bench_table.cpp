@@ -33,7 +33,7 @@ constexpr const char* kPeer = "libtorch-autocast-bf16";
 
 struct Options {
   std::string out, preset = "tinyllama-1.1b", device = "cuda", rows;
-  int64_t batch = 8, seq = 2048, steps = 3, warmup = 1, layers = 0;
+  int64_t batch = 8, seq = 2048, steps = 2, warmup = 1, layers = 0;
   double lr = 3e-4;
 };
 
