@@ -1,0 +1,356 @@
+#pragma once
+// LoRA / QLoRA for libtorch modules.
+//   nn::Nf4Weight         a frozen [out, in] weight packed as NF4 (torch buffers; layout: kernels/quant/nf4.hpp)
+//   nn::LoRALinear        y = base(x) + scaling * (x A^T) B^T,  scaling = alpha / r
+//                         base: a frozen dense weight, or an Nf4Weight dequantised to x's dtype per forward
+//                         (and again in backward: only the packed bytes stay alive between the two)
+//                         A [r, in] kaiming-uniform (a = sqrt 5, as torch::nn::Linear), B [out, r] zeros, so
+//                         an adapted model starts out computing exactly what the base did.
+//                         Only A ("lora_A") and B ("lora_B") are parameters; the base is buffers.
+//   apply_lora<S>(model)  freezes every parameter of `model` and swaps each torch::nn::Linear / ShardedLinear
+//                         child whose name is one of LoRA's targets (q, k, v, o, gate, up, down; also the
+//                         Hugging Face spelling q_proj, ..., down_proj) for a LoRALinear; under
+//                         Quantized<4, NF4, ...> the base is packed to NF4 first.
+//   forward_linear(parent, "q", x)   the child registered as "q", whatever it now is (for modules that
+//                         keep typed members: replace_module cannot re-point a member, see apply_lora)
+//   merge_lora(model)     folds scaling * B A into each adapter's base, back to a dense torch::nn::Linear (export)
+// CUDA: NF4 dequantisation on the GPU needs this header in a .cu translation unit (nvcc); elsewhere CUDA
+// inputs with an NF4 base get a clear error. Dense bases run on any device.
+#include <torch/torch.h>
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <cmath>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "../plan/memory.hpp"
+#include "../policy/strategy.hpp"
+#include "../quant/nf4.hpp"
+#include "sharded.hpp"
+#include "squeeze/kernels/quant/nf4.hpp"
+#if defined(__CUDACC__)
+#include "squeeze/kernels/quant/nf4.cuh"
+#endif
+
+namespace squeeze::nn {
+
+template <class T>
+constexpr torch::ScalarType torch_dtype() {
+  if constexpr (std::is_same_v<T, float>) return torch::kFloat32;
+  else if constexpr (std::is_same_v<T, bf16>) return torch::kBFloat16;
+  else return torch::kHalf;
+}
+
+// ---- NF4 weight as torch buffers -------------------------------------------------------------------------------
+struct Nf4Weight {
+  torch::Tensor codes;         // uint8 [ceil(out*in/2)]
+  torch::Tensor absmax;        // float [blocks]               (plain; empty under DoubleQuant)
+  torch::Tensor absmax_q;      // int8  [blocks]               (DoubleQuant; empty otherwise)
+  torch::Tensor absmax_scale;  // float [ceil(blocks/256)]     (DoubleQuant; empty otherwise)
+  float absmax_offset = 0.f;   //                              (DoubleQuant)
+  int64_t out = 0, in = 0;
+  int block = 64;
+  bool double_quant = false;
+
+  // Packs w [out, in] (float/bf16/half, any device: quantised on the CPU, buffers moved back to w's device).
+  static Nf4Weight quantize(const torch::Tensor& w, const quant::Nf4Options& o) {
+    TORCH_CHECK(w.dim() == 2, "Nf4Weight: weight must be [out, in], got ", w.sizes());
+    TORCH_CHECK(w.numel() > 0, "Nf4Weight: empty weight");
+    const auto st = w.scalar_type();
+    torch::Tensor wc = w.detach().to(torch::kCPU).contiguous();
+    quant::Nf4Packed p;
+    try {
+      if (st == torch::kFloat32) p = quant::nf4_quantize(static_cast<const float*>(wc.data_ptr()), wc.numel(), o);
+      else if (st == torch::kBFloat16) p = quant::nf4_quantize(static_cast<const bf16*>(wc.data_ptr()), wc.numel(), o);
+      else if (st == torch::kHalf) p = quant::nf4_quantize(static_cast<const half*>(wc.data_ptr()), wc.numel(), o);
+      else TORCH_CHECK(false, "Nf4Weight: weights must be float, bf16 or half, got ", st);
+    } catch (const squeeze::Error& e) {
+      TORCH_CHECK(false, "Nf4Weight: ", e.what());
+    }
+    Nf4Weight r;
+    r.out = w.size(0);
+    r.in = w.size(1);
+    r.block = p.block;
+    r.double_quant = p.double_quant;
+    r.absmax_offset = p.absmax_offset;
+    const auto dev = torch::TensorOptions().device(w.device());
+    auto from = [&](const auto& v, torch::ScalarType t) {
+      if (v.empty()) return torch::empty({0}, torch::TensorOptions().dtype(t).device(w.device()));
+      return torch::from_blob(const_cast<void*>(static_cast<const void*>(v.data())), {int64_t(v.size())}, torch::TensorOptions().dtype(t))
+          .clone()
+          .to(dev.device());
+    };
+    r.codes = from(p.codes, torch::kUInt8);
+    r.absmax = from(p.absmax, torch::kFloat32);
+    r.absmax_q = from(p.absmax_q, torch::kInt8);
+    r.absmax_scale = from(p.absmax_scale, torch::kFloat32);
+    return r;
+  }
+
+  int64_t bytes() const {
+    return codes.numel() + absmax.numel() * 4 + absmax_q.numel() + absmax_scale.numel() * 4 + (double_quant ? 4 : 0);
+  }
+  torch::Device device() const { return codes.device(); }
+
+  // W [out, in] in `dtype` on the buffers' device.
+  torch::Tensor dequantize(torch::ScalarType dtype) const {
+    torch::Tensor w = torch::empty({out, in}, torch::TensorOptions().dtype(dtype).device(device()));
+    kernels::quant::Nf4View v{static_cast<const std::uint8_t*>(codes.data_ptr()),
+                              double_quant ? nullptr : static_cast<const float*>(absmax.data_ptr()),
+                              double_quant ? static_cast<const std::int8_t*>(absmax_q.data_ptr()) : nullptr,
+                              double_quant ? static_cast<const float*>(absmax_scale.data_ptr()) : nullptr,
+                              absmax_offset, out * in, block, double_quant};
+    if (device().is_cpu()) {
+      switch (dtype) {
+        case torch::kFloat32: kernels::quant::nf4_dequantize_cpu(v, static_cast<float*>(w.data_ptr())); break;
+        case torch::kBFloat16: kernels::quant::nf4_dequantize_cpu(v, static_cast<bf16*>(w.data_ptr())); break;
+        case torch::kHalf: kernels::quant::nf4_dequantize_cpu(v, static_cast<half*>(w.data_ptr())); break;
+        default: TORCH_CHECK(false, "Nf4Weight: dequantises to float, bf16 or half, not ", dtype);
+      }
+      return w;
+    }
+#if defined(__CUDACC__)
+    TORCH_CHECK(device().is_cuda(), "Nf4Weight: buffers on ", device(), "; CPU or CUDA expected");
+    const cudaStream_t stream =
+        static_cast<cudaStream_t>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device()).native_handle());
+    cudaError_t e = cudaSuccess;
+    switch (dtype) {
+      case torch::kFloat32: e = kernels::quant::nf4_dequantize_cuda(v, static_cast<float*>(w.data_ptr()), stream); break;
+      case torch::kBFloat16: e = kernels::quant::nf4_dequantize_cuda(v, static_cast<bf16*>(w.data_ptr()), stream); break;
+      case torch::kHalf: e = kernels::quant::nf4_dequantize_cuda(v, static_cast<half*>(w.data_ptr()), stream); break;
+      default: TORCH_CHECK(false, "Nf4Weight: dequantises to float, bf16 or half, not ", dtype);
+    }
+    TORCH_CHECK(e == cudaSuccess, "Nf4Weight: NF4 dequantise kernel failed: ", cudaGetErrorString(e));
+    return w;
+#else
+    TORCH_CHECK(false, "Nf4Weight: buffers on ", device(), ", but this translation unit was not compiled by nvcc; include "
+                "squeeze/nn/lora.hpp from a .cu file to dequantise NF4 on the GPU");
+    return {};
+#endif
+  }
+};
+
+namespace detail {
+// x [..., in] -> x W^T with W dequantised in forward and again in backward (nothing dense is saved).
+// The weight travels as a pointer (like ShardedLinearFn's group): the module must outlive its backward.
+struct Nf4MatmulFn : torch::autograd::Function<Nf4MatmulFn> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, int64_t weight_ptr) {
+    const auto* w = reinterpret_cast<const Nf4Weight*>(weight_ptr);
+    ctx->saved_data["w"] = weight_ptr;
+    const torch::Tensor wd = w->dequantize(x.scalar_type());  // [out, in], freed on return
+    return torch::matmul(x, wd.t());
+  }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::tensor_list g) {
+    const auto* w = reinterpret_cast<const Nf4Weight*>(ctx->saved_data["w"].toInt());
+    const torch::Tensor wd = w->dequantize(g[0].scalar_type());
+    return {torch::matmul(g[0], wd), torch::Tensor()};
+  }
+};
+}  // namespace detail
+
+// ---- LoRALinear ------------------------------------------------------------------------------------------------
+struct LoRAOptions {
+  int64_t rank = 8;
+  double alpha = 16;                                   // scaling = alpha / rank
+  torch::ScalarType adapter_dtype = torch::kFloat32;   // A and B (the trainable "master" copy)
+};
+
+class LoRALinearImpl : public torch::nn::Module {
+ public:
+  // Dense frozen base: weight [out, in] (kept as given: store it in the compute dtype), bias [out] or undefined.
+  LoRALinearImpl(const torch::Tensor& weight, const torch::Tensor& bias, const LoRAOptions& o) : opt_(o) {
+    TORCH_CHECK(weight.dim() == 2 && weight.numel() > 0, "LoRALinear: base weight must be a non-empty [out, in] tensor, got ", weight.sizes());
+    out_ = weight.size(0);
+    in_ = weight.size(1);
+    weight_ = register_buffer("weight", weight.detach().clone());
+    init(bias, weight.device());
+  }
+  // NF4 frozen base.
+  LoRALinearImpl(Nf4Weight w, const torch::Tensor& bias, const LoRAOptions& o) : opt_(o), nf4_(std::move(w)), is_nf4_(true) {
+    out_ = nf4_.out;
+    in_ = nf4_.in;
+    nf4_.codes = register_buffer("nf4_codes", nf4_.codes);
+    nf4_.absmax = register_buffer("nf4_absmax", nf4_.absmax);
+    nf4_.absmax_q = register_buffer("nf4_absmax_q", nf4_.absmax_q);
+    nf4_.absmax_scale = register_buffer("nf4_absmax_scale", nf4_.absmax_scale);
+    init(bias, nf4_.device());
+  }
+
+  torch::Tensor forward(const torch::Tensor& x) {  // x: [..., in] -> [..., out]
+    TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in_, "LoRALinear: input has ", x.dim() ? x.size(-1) : 0, " features, layer expects ", in_);
+    TORCH_CHECK(x.is_floating_point(), "LoRALinear: floating-point input required, got ", x.scalar_type());
+    const auto dt = x.scalar_type();
+    torch::Tensor y = base_forward(x);
+    const torch::Tensor xa = torch::matmul(x, lora_A.to(dt).t());  // [..., r]
+    return y + torch::matmul(xa, lora_B.to(dt).t()) * scaling();    // [..., out]
+  }
+  // The frozen base alone (no adapter).
+  torch::Tensor base_forward(const torch::Tensor& x) {
+    torch::Tensor y;
+    if (is_nf4_) {
+      TORCH_CHECK(x.device() == nf4_.device(), "LoRALinear: input on ", x.device(), " but the NF4 weight on ", nf4_.device());
+      // (module.to(device) moves buffers with set_data, so nf4_'s tensors follow it)
+      y = detail::Nf4MatmulFn::apply(x, reinterpret_cast<int64_t>(&nf4_));
+      if (bias_.defined()) y = y + bias_.to(x.scalar_type());
+      return y;
+    }
+    // torch::nn::Linear's own call, so an adapter with B = 0 reproduces the replaced layer bit for bit
+    return torch::nn::functional::linear(x, weight_.to(x.scalar_type()), bias_.defined() ? bias_.to(x.scalar_type()) : torch::Tensor());
+  }
+
+  // The base weight [out, in] in float (dequantised when NF4), plus scaling * B A.
+  torch::Tensor merged_weight() const {
+    torch::NoGradGuard ng;
+    const torch::Tensor base = is_nf4_ ? nf4_.dequantize(torch::kFloat32) : weight_.to(torch::kFloat32);
+    return base + torch::matmul(lora_B.to(torch::kFloat32), lora_A.to(torch::kFloat32)) * scaling();
+  }
+  // A dense torch::nn::Linear with the adapter folded in (float weights, on the layer's device).
+  torch::nn::Linear merged() const {
+    torch::nn::Linear lin(torch::nn::LinearOptions(in_, out_).bias(bias_.defined()));
+    torch::NoGradGuard ng;
+    lin->weight.set_data(merged_weight());
+    if (bias_.defined()) lin->bias.set_data(bias_.to(torch::kFloat32).clone());
+    return lin;
+  }
+
+  double scaling() const { return opt_.alpha / double(opt_.rank); }
+  int64_t rank() const { return opt_.rank; }
+  int64_t in_features() const { return in_; }
+  int64_t out_features() const { return out_; }
+  bool nf4() const { return is_nf4_; }
+  const Nf4Weight& nf4_weight() const { return nf4_; }
+  // Bytes of the frozen base (packed NF4 or dense).
+  int64_t base_bytes() const { return is_nf4_ ? nf4_.bytes() : weight_.numel() * int64_t(weight_.element_size()); }
+
+  torch::Tensor lora_A;  // [r, in]   trainable
+  torch::Tensor lora_B;  // [out, r]  trainable
+
+ private:
+  void init(const torch::Tensor& bias, torch::Device dev) {
+    TORCH_CHECK(opt_.rank >= 1, "LoRALinear: rank must be >= 1, got ", opt_.rank);
+    TORCH_CHECK(opt_.alpha > 0 && std::isfinite(opt_.alpha), "LoRALinear: alpha must be positive, got ", opt_.alpha);
+    TORCH_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == out_), "LoRALinear: bias must be [", out_, "]");
+    if (bias.defined()) bias_ = register_buffer("bias", bias.detach().clone());
+    const auto o = torch::TensorOptions().dtype(opt_.adapter_dtype).device(dev);
+    torch::Tensor a = torch::empty({opt_.rank, in_}, o);
+    torch::nn::init::kaiming_uniform_(a, std::sqrt(5.0));  // = U(-1/sqrt(in), 1/sqrt(in)), torch::nn::Linear's init
+    lora_A = register_parameter("lora_A", a);
+    lora_B = register_parameter("lora_B", torch::zeros({out_, opt_.rank}, o));
+  }
+
+  LoRAOptions opt_;
+  int64_t in_ = 0, out_ = 0;
+  torch::Tensor weight_, bias_;
+  Nf4Weight nf4_;
+  bool is_nf4_ = false;
+};
+TORCH_MODULE(LoRALinear);
+
+// ---- applying to a model ---------------------------------------------------------------------------------------
+namespace detail {
+// Child names (squeeze's LLaMA, then the Hugging Face spelling) per LoraTargets bit q, k, v, o, gate, up, down.
+inline constexpr std::string_view kLoraTargetNames[7] = {"q", "k", "v", "o", "gate", "up", "down"};
+inline bool is_lora_target(std::string_view name, unsigned targets) {
+  for (int i = 0; i < 7; ++i) {
+    if (!(targets & (1u << i))) continue;
+    const std::string_view t = kLoraTargetNames[i];
+    if (name == t) return true;
+    if (name.size() == t.size() + 5 && name.substr(0, t.size()) == t && name.substr(t.size()) == "_proj") return true;
+  }
+  return false;
+}
+}  // namespace detail
+
+struct AdaptedLayer {
+  std::string name;  // dotted path, e.g. "block0.attn.q"
+  LoRALinear layer;
+};
+
+// Freezes every parameter of `model`, then replaces each Linear / ShardedLinear child named by S's LoRA targets
+// with a LoRALinear: rank and alpha from LoRA<R, A>; under Quantized<4, NF4, ...> the base is packed to NF4
+// (block and DoubleQuant from the policy), otherwise kept dense in S's compute type; adapters in S's master type.
+// The replaced layer's weight is released (set to an empty tensor), so a typed member that still points at the
+// old layer (e.g. nn/llama.hpp's `ShardedLinear q`) holds no memory: such modules must call their projections
+// through forward_linear(*this, "q", x). Returns the adapted layers in module order; errors when none matched.
+template <class S>
+std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model) {
+  static_assert(S::has_lora, "apply_lora<S> needs a strategy with LoRA<R, A>: e.g. Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, ...>");
+  using L = typename S::lora;
+  using WQ = typename S::weight_quantization;
+  static_assert(!S::quantized_weights || std::is_same_v<typename WQ::method, NF4>,
+                "apply_lora packs bases as NF4 only: write Quantized<4, NF4[, DoubleQuant]> (GPTQ bases: nn::QuantizedLinear)");
+  const LoRAOptions opt{L::rank, double(L::alpha), torch_dtype<typename S::master_type>()};
+  for (auto& p : model.parameters()) p.set_requires_grad(false);
+
+  std::vector<AdaptedLayer> adapted;
+  for (const auto& item : model.named_modules("", /*include_self=*/true)) {
+    const std::shared_ptr<torch::nn::Module>& parent = item.value();
+    for (const auto& child : parent->named_children()) {
+      if (!detail::is_lora_target(child.key(), L::targets)) continue;
+      torch::Tensor weight, bias;
+      if (auto lin = std::dynamic_pointer_cast<torch::nn::LinearImpl>(child.value())) {
+        weight = lin->weight;
+        bias = lin->bias;
+      } else if (auto sl = std::dynamic_pointer_cast<ShardedLinearImpl>(child.value())) {
+        TORCH_CHECK(sl->group() == nullptr, "apply_lora: ", item.key(), ".", child.key(), " is sharded by a stage-3 trainer; apply LoRA before sharding");
+        weight = sl->weight;
+        if (sl->with_bias) bias = sl->bias;
+      } else {
+        continue;  // already adapted, or not a linear layer
+      }
+      LoRALinear rep{nullptr};
+      {
+        torch::NoGradGuard ng;
+        if constexpr (S::quantized_weights)
+          rep = LoRALinear(Nf4Weight::quantize(weight, quant::nf4_options<WQ>()), bias, opt);
+        else
+          rep = LoRALinear(weight.to(torch_dtype<typename S::compute_type>()), bias, opt);
+        weight.set_data(torch::empty({0}, weight.options()));  // release the dense copy (see above)
+        if (bias.defined()) bias.set_data(torch::empty({0}, bias.options()));
+      }
+      parent->replace_module(child.key(), rep);
+      adapted.push_back({item.key().empty() ? child.key() : item.key() + "." + child.key(), rep});
+    }
+  }
+  TORCH_CHECK(!adapted.empty(), "apply_lora: no Linear child named like LoRA's targets (q, k, v, o, gate, up, down or q_proj, ...) in the model");
+  return adapted;
+}
+
+// y = child `name` of parent applied to x, whatever module apply_lora/merge_lora left there.
+inline torch::Tensor forward_linear(torch::nn::Module& parent, const std::string& name, const torch::Tensor& x) {
+  const auto children = parent.named_children();
+  const auto* found = children.find(name);
+  TORCH_CHECK(found != nullptr, "forward_linear: no child named '", name, "'");
+  const std::shared_ptr<torch::nn::Module>& m = *found;
+  if (auto l = std::dynamic_pointer_cast<LoRALinearImpl>(m)) return l->forward(x);
+  if (auto l = std::dynamic_pointer_cast<ShardedLinearImpl>(m)) return l->forward(x);
+  if (auto l = std::dynamic_pointer_cast<torch::nn::LinearImpl>(m)) return l->forward(x);
+  TORCH_CHECK(false, "forward_linear: child '", name, "' is not a Linear, ShardedLinear or LoRALinear");
+  return {};
+}
+
+// Replaces every LoRALinear in `model` by a dense torch::nn::Linear holding W + scaling * B A (float), for
+// export. Returns how many were merged.
+inline int64_t merge_lora(torch::nn::Module& model) {
+  int64_t merged = 0;
+  for (const auto& item : model.named_modules("", /*include_self=*/true))
+    for (const auto& child : item.value()->named_children())
+      if (auto l = std::dynamic_pointer_cast<LoRALinearImpl>(child.value())) {
+        item.value()->replace_module(child.key(), l->merged());
+        ++merged;
+      }
+  return merged;
+}
+
+// Trainable adapter parameters (lora_A, lora_B of every LoRALinear): what the optimizer gets.
+inline std::vector<torch::Tensor> lora_parameters(torch::nn::Module& model) {
+  std::vector<torch::Tensor> ps;
+  for (const auto& p : model.named_parameters())
+    if (p.value().requires_grad()) ps.push_back(p.value());
+  return ps;
+}
+
+}  // namespace squeeze::nn

@@ -1,0 +1,291 @@
+// LoRALinear, apply_lora, merge_lora (libtorch, CPU).
+// Tolerances (stated): float matmuls vs float64 references: |y - ref| <= 1e-5 * (|x| |W|^T) + 1e-6;
+// bf16: 2^-7 * (|x| |W|^T) (inputs and dequantised weights are bf16 in both; the difference is the bf16
+// rounding of the output and of partial sums). "Exactly" means torch::equal.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <squeeze/nn/llama.hpp>
+#include <squeeze/nn/lora.hpp>
+#include <squeeze/plan/memory.hpp>
+#include <squeeze/policy/strategy.hpp>
+
+#include <string>
+#include <vector>
+
+using namespace squeeze;
+namespace F = torch::nn::functional;
+
+namespace {
+
+// A LLaMA-shaped toy block: q, k, v, o, gate, up, down (torch::nn::Linear), called by name through
+// forward_linear so apply_lora's replacements take effect. Needs 2 * kv_dim == hidden.
+struct ToyBlockImpl : torch::nn::Module {
+  torch::Tensor gain;
+  explicit ToyBlockImpl(const plan::ModelShape& s) {
+    const auto lin = [](int64_t in, int64_t out) { return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false)); };
+    register_module("q", lin(s.hidden, s.hidden));
+    register_module("k", lin(s.hidden, s.kv_dim()));
+    register_module("v", lin(s.hidden, s.kv_dim()));
+    register_module("o", lin(s.hidden, s.hidden));
+    register_module("gate", lin(s.hidden, s.ffn));
+    register_module("up", lin(s.hidden, s.ffn));
+    register_module("down", lin(s.ffn, s.hidden));
+    gain = register_parameter("gain", torch::ones({s.hidden}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {  // x: [B, h]
+    using nn::forward_linear;
+    const torch::Tensor kv = torch::cat({forward_linear(*this, "k", x), forward_linear(*this, "v", x)}, -1);  // [B, h]
+    const torch::Tensor a = x + forward_linear(*this, "o", torch::tanh(forward_linear(*this, "q", x) + kv));
+    const torch::Tensor m = F::silu(forward_linear(*this, "gate", a)) * forward_linear(*this, "up", a);  // [B, ffn]
+    return (a + forward_linear(*this, "down", m)) * gain.to(x.scalar_type());
+  }
+};
+TORCH_MODULE(ToyBlock);
+
+struct ToyImpl : torch::nn::Module {
+  std::vector<ToyBlock> blocks;
+  explicit ToyImpl(const plan::ModelShape& s) {
+    for (int64_t i = 0; i < s.layers; ++i) blocks.push_back(register_module("block" + std::to_string(i), ToyBlock(s)));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& b : blocks) x = b(x);
+    return x;
+  }
+};
+TORCH_MODULE(Toy);
+
+constexpr plan::ModelShape kShape{/*vocab=*/100, /*hidden=*/64, /*layers=*/2, /*heads=*/4, /*kv_heads=*/2, /*ffn=*/96};
+
+using Dense = Strategy<LoRA<4, 8>>;
+using QLoRA = Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed>;
+using AllTargets = Strategy<Quantized<4, NF4>, LoRA<2, 4, LoraTargets::q | LoraTargets::k | LoraTargets::v | LoraTargets::o |
+                                                              LoraTargets::gate | LoraTargets::up | LoraTargets::down>>;
+
+// max |y - ref| / (|x| |W|^T) style check in float64.
+void expect_close(const torch::Tensor& y, const torch::Tensor& ref, const torch::Tensor& mag, double rel, double abs, const std::string& what) {
+  const torch::Tensor err = (y.to(torch::kFloat64) - ref).abs() - (mag * rel + abs);
+  EXPECT_LE(err.max().item<double>(), 0.0) << what << ": max |y - ref| = " << (y.to(torch::kFloat64) - ref).abs().max().item<double>();
+}
+
+}  // namespace
+
+TEST(LoRA, AtInitOutputEqualsTheBaseExactly) {
+  torch::manual_seed(1);
+  Toy model(kShape);
+  const torch::Tensor x = torch::randn({5, kShape.hidden});
+  const torch::Tensor before = model(x);
+  const auto adapted = nn::apply_lora<Dense>(*model);
+  ASSERT_EQ(adapted.size(), 4u);  // q and v in two blocks
+  EXPECT_EQ(adapted[0].name, "block0.q");
+  EXPECT_EQ(adapted[1].name, "block0.v");
+  EXPECT_TRUE(torch::equal(model(x), before));
+}
+
+TEST(LoRA, GradientsFlowOnlyToAdapters) {
+  torch::manual_seed(2);
+  Toy model(kShape);
+  const auto adapted = nn::apply_lora<Dense>(*model);
+  const torch::Tensor x = torch::randn({7, kShape.hidden});
+  for (int round = 0; round < 2; ++round) {
+    model->zero_grad();
+    model(x).pow(2).mean().backward();
+    for (const auto& p : model->named_parameters()) {
+      const bool adapter = p.key().ends_with("lora_A") || p.key().ends_with("lora_B");
+      EXPECT_EQ(p.value().requires_grad(), adapter) << p.key();
+      if (!adapter) {
+        EXPECT_FALSE(p.value().grad().defined()) << p.key();
+        continue;
+      }
+      ASSERT_TRUE(p.value().grad().defined()) << p.key();
+      // At init B = 0, so A gets a zero gradient and B a non-zero one; once B is non-zero both move.
+      const bool expect_nonzero = round == 1 || p.key().ends_with("lora_B");
+      EXPECT_EQ(p.value().grad().abs().sum().item<double>() > 0, expect_nonzero) << p.key() << " round " << round;
+    }
+    for (const auto& b : model->named_buffers()) EXPECT_FALSE(b.value().requires_grad()) << b.key();
+    torch::NoGradGuard ng;
+    for (auto& a : adapted) a.layer->lora_B.normal_(0, 0.1);
+  }
+}
+
+TEST(LoRA, Nf4BaseEqualsDequantisedWeightMatmul) {
+  torch::manual_seed(3);
+  struct Case { int64_t out, in; bool dq; };
+  for (const Case c : {Case{48, 100, false}, Case{37, 33, true}, Case{64, 512, true}}) {
+    const torch::Tensor w = torch::randn({c.out, c.in}) * 0.05;
+    const torch::Tensor bias = torch::randn({c.out});
+    nn::LoRALinear layer(nn::Nf4Weight::quantize(w, {.block = 64, .double_quant = c.dq}), bias, nn::LoRAOptions{.rank = 4, .alpha = 8});
+    // the float64 reference weight, from the torch-free codec on the same values
+    const auto p = quant::nf4_quantize(w.contiguous().data_ptr<float>(), w.numel(), {.block = 64, .double_quant = c.dq});
+    torch::Tensor wd = torch::empty({c.out, c.in});
+    quant::nf4_dequantize(p, wd.data_ptr<float>());
+    EXPECT_EQ(layer->base_bytes(), p.bytes());
+    const torch::Tensor wd64 = wd.to(torch::kFloat64);
+    for (const auto dt : {torch::kFloat32, torch::kBFloat16}) {
+      const torch::Tensor x = torch::randn({3, 5, c.in}).to(dt).requires_grad_(true);
+      const torch::Tensor y = layer(x);  // B = 0: the base alone
+      ASSERT_EQ(y.scalar_type(), dt);
+      ASSERT_EQ(y.sizes(), (std::vector<int64_t>{3, 5, c.out}));
+      const torch::Tensor w_ref = dt == torch::kFloat32 ? wd64 : wd.to(dt).to(torch::kFloat64);  // the weight the layer sees
+      const torch::Tensor x64 = x.detach().to(torch::kFloat64);
+      const torch::Tensor ref = torch::matmul(x64, w_ref.t()) + bias.to(dt).to(torch::kFloat64);
+      const torch::Tensor mag = torch::matmul(x64.abs(), w_ref.abs().t()) + bias.abs().to(torch::kFloat64);
+      const double rel = dt == torch::kFloat32 ? 1e-5 : std::ldexp(1.0, -7);
+      expect_close(y, ref, mag, rel, 1e-6, std::string("forward ") + c10::toString(dt));
+      // backward re-dequantises: dL/dx = g W
+      const torch::Tensor g = torch::randn(y.sizes()).to(dt);
+      y.backward(g);
+      const torch::Tensor g64 = g.to(torch::kFloat64);
+      expect_close(x.grad(), torch::matmul(g64, w_ref), torch::matmul(g64.abs(), w_ref.abs()), rel, 1e-6, std::string("dx ") + c10::toString(dt));
+    }
+  }
+}
+
+namespace {
+// Fits y = x (W + dW)^T, dW of rank 2, with the adapter of `layer`; returns (first, last) loss.
+std::pair<double, double> fit(nn::LoRALinear& layer, const torch::Tensor& base_w, int steps) {
+  torch::manual_seed(10);
+  const int64_t out = layer->out_features(), in = layer->in_features();
+  const torch::Tensor dW = torch::matmul(torch::randn({out, 2}), torch::randn({2, in})) * 0.05;
+  const torch::Tensor x = torch::randn({256, in});
+  const torch::Tensor target = torch::matmul(x, (base_w + dW).t());
+  torch::optim::AdamW opt(nn::lora_parameters(*layer), torch::optim::AdamWOptions(1e-2).weight_decay(0));
+  double first = 0, last = 0;
+  for (int s = 0; s < steps; ++s) {
+    opt.zero_grad();
+    const torch::Tensor loss = F::mse_loss(layer(x), target);
+    loss.backward();
+    opt.step();
+    (s == 0 ? first : last) = loss.item<double>();
+  }
+  return {first, last};
+}
+}  // namespace
+
+TEST(LoRA, TrainingReducesLossAndMergeKeepsOutputs) {
+  torch::manual_seed(4);
+  const torch::Tensor w = torch::randn({32, 64}) * 0.1;
+  for (const bool nf4 : {false, true}) {
+    nn::LoRALinear layer = nf4 ? nn::LoRALinear(nn::Nf4Weight::quantize(w, {.block = 64, .double_quant = true}), torch::Tensor(), nn::LoRAOptions{.rank = 4, .alpha = 8})
+                               : nn::LoRALinear(w, torch::Tensor(), nn::LoRAOptions{.rank = 4, .alpha = 8});
+    // the base as the layer sees it (NF4: dequantised), so the adapter only has dW to learn
+    const torch::Tensor base = nf4 ? layer->nf4_weight().dequantize(torch::kFloat32) : w;
+    const auto [first, last] = fit(layer, base, 150);
+    EXPECT_LT(last, 0.02 * first) << "nf4=" << nf4 << " first " << first << " last " << last;
+    // merge: one dense Linear with W + scaling B A gives the same outputs
+    torch::NoGradGuard ng;
+    const torch::Tensor x = torch::randn({9, 64});
+    const torch::Tensor y = layer(x);
+    torch::nn::Linear merged = layer->merged();
+    const torch::Tensor x64 = x.to(torch::kFloat64);
+    const torch::Tensor mag = torch::matmul(x64.abs(), layer->merged_weight().abs().to(torch::kFloat64).t()) +
+                              torch::matmul(torch::matmul(x64.abs(), layer->lora_A.abs().to(torch::kFloat64).t()),
+                                            layer->lora_B.abs().to(torch::kFloat64).t()) * layer->scaling();
+    expect_close(merged(x), y.to(torch::kFloat64), mag, 1e-5, 1e-6, std::string("merged nf4=") + (nf4 ? "1" : "0"));
+  }
+}
+
+TEST(LoRA, MergeLoraReplacesEveryAdapter) {
+  torch::manual_seed(5);
+  Toy model(kShape);
+  const auto adapted = nn::apply_lora<Dense>(*model);
+  {
+    torch::NoGradGuard ng;
+    for (auto& a : adapted) a.layer->lora_B.normal_(0, 0.1);
+  }
+  const torch::Tensor x = torch::randn({6, kShape.hidden});
+  const torch::Tensor y = model(x).detach();
+  EXPECT_EQ(nn::merge_lora(*model), 4);
+  for (const auto& m : model->modules()) EXPECT_EQ(std::dynamic_pointer_cast<nn::LoRALinearImpl>(m), nullptr);
+  EXPECT_TRUE(torch::allclose(model(x), y, /*rtol=*/1e-5, /*atol=*/1e-5));
+}
+
+TEST(LoRA, AdapterParametersEqualThePlanner) {
+  torch::manual_seed(6);
+  {
+    Toy model(kShape);
+    nn::apply_lora<Dense>(*model);
+    int64_t n = 0;
+    for (const auto& p : nn::lora_parameters(*model)) n += p.numel();
+    EXPECT_EQ(n, kShape.layers * plan::lora_block_params<Dense::lora>(kShape));
+  }
+  {
+    Toy model(kShape);
+    const auto adapted = nn::apply_lora<AllTargets>(*model);
+    EXPECT_EQ(int64_t(adapted.size()), 7 * kShape.layers);
+    int64_t n = 0, base_bytes = 0;
+    for (const auto& p : nn::lora_parameters(*model)) n += p.numel();
+    for (const auto& a : adapted) base_bytes += a.layer->base_bytes();
+    EXPECT_EQ(n, kShape.layers * plan::lora_block_params<AllTargets::lora>(kShape));
+    int64_t planned = 0;
+    for (auto lin : kShape.block_linears()) planned += kShape.layers * plan::quantized_matrix_bytes<AllTargets::weight_quantization>(lin.in, lin.out);
+    EXPECT_EQ(base_bytes, planned);
+  }
+}
+
+// The QLoRA strategy end to end on the toy: NF4 + DoubleQuant bases, bf16 activations, float adapters.
+TEST(LoRA, QLoRAStrategyTrainsInBf16) {
+  torch::manual_seed(7);
+  Toy model(kShape);
+  model->to(torch::kBFloat16);
+  const auto adapted = nn::apply_lora<QLoRA>(*model);
+  for (const auto& a : adapted) {
+    EXPECT_TRUE(a.layer->nf4());
+    EXPECT_EQ(a.layer->nf4_weight().double_quant, true);
+    EXPECT_EQ(a.layer->rank(), 8);
+    EXPECT_EQ(a.layer->scaling(), 2.0);
+    EXPECT_EQ(a.layer->lora_A.scalar_type(), torch::kFloat32);
+  }
+  const torch::Tensor x = torch::randn({16, kShape.hidden}).to(torch::kBFloat16);
+  const torch::Tensor target = torch::randn({16, kShape.hidden}).to(torch::kBFloat16);
+  torch::optim::AdamW opt(nn::lora_parameters(*model), torch::optim::AdamWOptions(1e-2).weight_decay(0));
+  double first = 0, last = 0;
+  for (int s = 0; s < 60; ++s) {
+    opt.zero_grad();
+    const torch::Tensor y = model(x);
+    ASSERT_EQ(y.scalar_type(), torch::kBFloat16);
+    const torch::Tensor loss = F::mse_loss(y.to(torch::kFloat32), target.to(torch::kFloat32));
+    loss.backward();
+    opt.step();
+    (s == 0 ? first : last) = loss.item<double>();
+  }
+  EXPECT_LT(last, 0.9 * first) << first << " -> " << last;
+}
+
+// squeeze's LLaMA names its projections q, k, v, o, gate, up, down: apply_lora finds q and v in every block.
+TEST(LoRA, FindsTheLlamaProjections) {
+  nn::LlamaConfig c;
+  c.layers = 2;
+  nn::Llama model(c);
+  const auto adapted = nn::apply_lora<Dense>(*model);
+  ASSERT_EQ(adapted.size(), 4u);
+  EXPECT_EQ(adapted[0].name, "block0.attn.q");
+  EXPECT_EQ(adapted[1].name, "block0.attn.v");
+  EXPECT_EQ(adapted[0].layer->out_features(), c.hidden);
+  EXPECT_EQ(adapted[1].layer->out_features(), c.kv_heads * c.head_dim());
+  // the typed members still point at the old layers, whose weights were released
+  EXPECT_EQ(model->blocks[0]->attn->q->weight.numel(), 0);
+}
+
+TEST(LoRA, BadInputIsAClearError) {
+  auto message = [](auto&& fn) -> std::string {
+    try {
+      fn();
+    } catch (const c10::Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  torch::nn::Sequential none(torch::nn::Linear(4, 4));
+  EXPECT_NE(message([&] { nn::apply_lora<Dense>(*none); }).find("no Linear child named like LoRA's targets"), std::string::npos);
+  nn::LoRALinear l(torch::randn({8, 16}), torch::Tensor(), nn::LoRAOptions{.rank = 2, .alpha = 4});
+  EXPECT_NE(message([&] { l(torch::randn({3, 15})); }).find("layer expects 16"), std::string::npos);
+  EXPECT_NE(message([&] { l(torch::ones({3, 16}, torch::kInt64)); }).find("floating-point"), std::string::npos);
+  EXPECT_NE(message([&] { nn::LoRALinear(torch::randn({8, 16}), torch::Tensor(), nn::LoRAOptions{.rank = 0}); }).find("rank must be >= 1"), std::string::npos);
+  EXPECT_NE(message([&] { nn::LoRALinear(torch::randn({8, 16}), torch::randn({7}), nn::LoRAOptions{}); }).find("bias must be [8]"), std::string::npos);
+  EXPECT_NE(message([&] { nn::Nf4Weight::quantize(torch::randn({16}), {}); }).find("[out, in]"), std::string::npos);
+  EXPECT_NE(message([&] { nn::Nf4Weight::quantize(torch::randn({4, 16}), {.block = 48}); }).find("power of two"), std::string::npos);
+  torch::Tensor bad = torch::randn({4, 16});
+  bad[1][2] = std::nan("");
+  EXPECT_NE(message([&] { nn::Nf4Weight::quantize(bad, {}); }).find("weight 18 is not finite"), std::string::npos);
+}
