@@ -1,0 +1,102 @@
+// LoRALinear with an NF4 base on CUDA (nvcc TU: the NF4 CUDA launchers; label cuda; skips without a device
+// or without libtorch's CUDA side).
+// Tolerances: dequantisation is bit-identical to the CPU twin (same element functions); the bf16 forward /
+// backward vs the CPU layer differ by summation order and bf16 output rounding: <= 2^-7 * (|x| |W|^T).
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <squeeze/nn/lora.hpp>
+
+using namespace squeeze;
+namespace F = torch::nn::functional;
+
+namespace {
+bool have_cuda() { return torch::cuda::is_available(); }
+#define REQUIRE_CUDA() \
+  if (!have_cuda()) GTEST_SKIP() << "no CUDA device (or libtorch without CUDA)"
+
+struct TwoProj : torch::nn::Module {
+  TwoProj(int64_t h) {
+    register_module("q_proj", torch::nn::Linear(torch::nn::LinearOptions(h, h).bias(false)));
+    register_module("v_proj", torch::nn::Linear(torch::nn::LinearOptions(h, h).bias(false)));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return nn::forward_linear(*this, "v_proj", F::gelu(nn::forward_linear(*this, "q_proj", x))); }
+};
+}  // namespace
+
+TEST(LoRACuda, Nf4DequantizeMatchesCpuBitForBit) {
+  REQUIRE_CUDA();
+  torch::manual_seed(1);
+  for (const bool dq : {false, true}) {
+    const torch::Tensor w = torch::randn({300, 257}) * 0.02;  // odd element count, 1205 blocks (5 DoubleQuant groups)
+    const nn::Nf4Weight cpu = nn::Nf4Weight::quantize(w, {.block = 64, .double_quant = dq});
+    nn::Nf4Weight gpu = cpu;
+    gpu.codes = cpu.codes.to(torch::kCUDA);
+    gpu.absmax = cpu.absmax.to(torch::kCUDA);
+    gpu.absmax_q = cpu.absmax_q.to(torch::kCUDA);
+    gpu.absmax_scale = cpu.absmax_scale.to(torch::kCUDA);
+    for (const auto dt : {torch::kFloat32, torch::kBFloat16, torch::kHalf})
+      EXPECT_TRUE(torch::equal(gpu.dequantize(dt).cpu(), cpu.dequantize(dt))) << "dq=" << dq << " " << dt;
+    // quantising a CUDA weight packs on the host and returns device buffers
+    const nn::Nf4Weight from_gpu = nn::Nf4Weight::quantize(w.to(torch::kCUDA), {.block = 64, .double_quant = dq});
+    EXPECT_TRUE(from_gpu.codes.is_cuda());
+    EXPECT_TRUE(torch::equal(from_gpu.codes.cpu(), cpu.codes));
+  }
+}
+
+TEST(LoRACuda, Nf4LayerMatchesCpuLayer) {
+  REQUIRE_CUDA();
+  torch::manual_seed(2);
+  const torch::Tensor w = torch::randn({96, 160}) * 0.05;
+  nn::LoRALinear cpu(nn::Nf4Weight::quantize(w, {.block = 64, .double_quant = true}), torch::Tensor(), nn::LoRAOptions{.rank = 4, .alpha = 8});
+  {
+    torch::NoGradGuard ng;
+    cpu->lora_B.normal_(0, 0.1);
+  }
+  nn::LoRALinear gpu(nn::Nf4Weight::quantize(w, {.block = 64, .double_quant = true}), torch::Tensor(), nn::LoRAOptions{.rank = 4, .alpha = 8});
+  {
+    torch::NoGradGuard ng;
+    gpu->lora_A.copy_(cpu->lora_A);
+    gpu->lora_B.copy_(cpu->lora_B);
+  }
+  gpu->to(torch::kCUDA);  // buffers and parameters move; the layer follows them
+  ASSERT_TRUE(gpu->nf4_weight().codes.is_cuda());
+  const torch::Tensor x = torch::randn({4, 33, 160}).to(torch::kBFloat16);
+  const torch::Tensor xc = x.clone().requires_grad_(true), xg = x.to(torch::kCUDA).requires_grad_(true);
+  const torch::Tensor yc = cpu(xc), yg = gpu(xg);
+  ASSERT_TRUE(yg.is_cuda());
+  ASSERT_EQ(yg.scalar_type(), torch::kBFloat16);
+  const torch::Tensor wd = cpu->merged_weight().to(torch::kFloat64);
+  const torch::Tensor mag = torch::matmul(x.to(torch::kFloat64).abs(), wd.abs().t()) + 1e-3;
+  EXPECT_LE(((yg.cpu().to(torch::kFloat64) - yc.to(torch::kFloat64)).abs() / mag).max().item<double>(), std::ldexp(1.0, -7));
+  const torch::Tensor g = torch::randn(yc.sizes()).to(torch::kBFloat16);
+  yc.backward(g);
+  yg.backward(g.to(torch::kCUDA));
+  EXPECT_TRUE(torch::allclose(gpu->lora_B.grad().cpu(), cpu->lora_B.grad(), 2e-2, 2e-2));
+  EXPECT_TRUE(torch::allclose(gpu->lora_A.grad().cpu(), cpu->lora_A.grad(), 2e-2, 2e-2));
+  const torch::Tensor gmag = torch::matmul(g.to(torch::kFloat64).abs(), wd.abs()) + 1e-3;
+  EXPECT_LE(((xg.grad().cpu().to(torch::kFloat64) - xc.grad().to(torch::kFloat64)).abs() / gmag).max().item<double>(), std::ldexp(1.0, -6));
+}
+
+TEST(LoRACuda, QLoRATrainsOnTheGpu) {
+  REQUIRE_CUDA();
+  torch::manual_seed(3);
+  using QLoRA = Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16, LoraTargets::q | LoraTargets::v>, Precision<bf16, float>, Checkpointed>;
+  auto model = std::make_shared<TwoProj>(256);
+  model->to(torch::kCUDA, torch::kBFloat16);
+  const auto adapted = nn::apply_lora<QLoRA>(*model);
+  ASSERT_EQ(adapted.size(), 2u);
+  EXPECT_TRUE(adapted[0].layer->lora_A.is_cuda());
+  const torch::Tensor x = torch::randn({64, 256}, torch::TensorOptions().device(torch::kCUDA)).to(torch::kBFloat16);
+  const torch::Tensor target = torch::randn({64, 256}, torch::TensorOptions().device(torch::kCUDA));
+  torch::optim::AdamW opt(nn::lora_parameters(*model), torch::optim::AdamWOptions(1e-2).weight_decay(0));
+  double first = 0, last = 0;
+  for (int s = 0; s < 40; ++s) {
+    opt.zero_grad();
+    const torch::Tensor loss = F::mse_loss(model->forward(x).to(torch::kFloat32), target);
+    loss.backward();
+    opt.step();
+    (s == 0 ? first : last) = loss.item<double>();
+  }
+  EXPECT_LT(last, 0.95 * first) << first << " -> " << last;
+}
