@@ -216,6 +216,7 @@ TEST(LoRA, AdapterParametersEqualThePlanner) {
     int64_t n = 0, base_bytes = 0;
     for (const auto& p : nn::lora_parameters(*model)) n += p.numel();
     for (const auto& a : adapted) base_bytes += a.layer->base_bytes();
+    EXPECT_EQ(base_bytes, nn::frozen_base_bytes(*model));
     EXPECT_EQ(n, kShape.layers * plan::lora_block_params<AllTargets::lora>(kShape));
     int64_t planned = 0;
     for (auto lin : kShape.block_linears()) planned += kShape.layers * plan::quantized_matrix_bytes<AllTargets::weight_quantization>(lin.in, lin.out);
@@ -223,12 +224,22 @@ TEST(LoRA, AdapterParametersEqualThePlanner) {
   }
 }
 
-// The QLoRA strategy end to end on the toy: NF4 + DoubleQuant bases, bf16 activations, float adapters.
+// The QLoRA strategy end to end on the toy: NF4 + DoubleQuant bases for all seven linears (adapters on q, v),
+// bf16 activations, float adapters; bytes and adapter parameters as the planner counts them.
 TEST(LoRA, QLoRAStrategyTrainsInBf16) {
   torch::manual_seed(7);
   Toy model(kShape);
-  model->to(torch::kBFloat16);
-  const auto adapted = nn::apply_lora<QLoRA>(*model);
+  const nn::LoraSetup setup = nn::prepare_lora<QLoRA>(*model, torch::kCPU);
+  const auto& adapted = setup.layers;
+  ASSERT_EQ(adapted.size(), 4u);
+  EXPECT_EQ(setup.adapter_params, kShape.layers * plan::lora_block_params<QLoRA::lora>(kShape));
+  int64_t planned = 0;
+  for (auto lin : kShape.block_linears()) planned += kShape.layers * plan::quantized_matrix_bytes<QLoRA::weight_quantization>(lin.in, lin.out);
+  EXPECT_EQ(setup.base_bytes, planned);
+  int64_t nf4_linears = 0;
+  for (const auto& m : model->modules()) nf4_linears += std::dynamic_pointer_cast<nn::Nf4LinearImpl>(m) != nullptr;
+  EXPECT_EQ(nf4_linears, 5 * kShape.layers);
+  for (const auto& p : model->parameters()) EXPECT_EQ(p.requires_grad(), p.scalar_type() == torch::kFloat32 && p.dim() == 2);
   for (const auto& a : adapted) {
     EXPECT_TRUE(a.layer->nf4());
     EXPECT_EQ(a.layer->nf4_weight().double_quant, true);
@@ -238,7 +249,7 @@ TEST(LoRA, QLoRAStrategyTrainsInBf16) {
   }
   const torch::Tensor x = torch::randn({16, kShape.hidden}).to(torch::kBFloat16);
   const torch::Tensor target = torch::randn({16, kShape.hidden}).to(torch::kBFloat16);
-  torch::optim::AdamW opt(nn::lora_parameters(*model), torch::optim::AdamWOptions(1e-2).weight_decay(0));
+  torch::optim::AdamW opt(setup.parameters, torch::optim::AdamWOptions(1e-2).weight_decay(0));
   double first = 0, last = 0;
   for (int s = 0; s < 60; ++s) {
     opt.zero_grad();
@@ -250,6 +261,14 @@ TEST(LoRA, QLoRAStrategyTrainsInBf16) {
     (s == 0 ? first : last) = loss.item<double>();
   }
   EXPECT_LT(last, 0.9 * first) << first << " -> " << last;
+  // export: every NF4 / LoRA layer back to a dense Linear, same outputs up to bf16 rounding
+  torch::NoGradGuard ng;
+  const torch::Tensor y = model(x).to(torch::kFloat32);
+  EXPECT_EQ(nn::merge_lora(*model), 4);
+  model->to(torch::kFloat32);
+  const torch::Tensor ym = model(x.to(torch::kFloat32));
+  EXPECT_LE((ym - y).abs().max().item<double>(), 0.05 * y.abs().max().item<double>());
+  for (const auto& m : model->modules()) EXPECT_EQ(std::dynamic_pointer_cast<nn::Nf4LinearImpl>(m), nullptr);
 }
 
 // squeeze's LLaMA names its projections q, k, v, o, gate, up, down: apply_lora finds q and v in every block.

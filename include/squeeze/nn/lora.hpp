@@ -10,7 +10,10 @@
 //   apply_lora<S>(model)  freezes every parameter of `model` and swaps each torch::nn::Linear / ShardedLinear
 //                         child whose name is one of LoRA's targets (q, k, v, o, gate, up, down; also the
 //                         Hugging Face spelling q_proj, ..., down_proj) for a LoRALinear; under
-//                         Quantized<4, NF4, ...> the base is packed to NF4 first.
+//                         Quantized<4, NF4, ...> the base is packed to NF4 first, and the other block linears
+//                         (same seven names) become frozen Nf4Linears.
+//   nn::Nf4Linear         a frozen NF4 linear without adapter (QLoRA's non-target projections)
+//   prepare_lora<S>(model, device)   to device + compute type, apply_lora<S>, parameters for the optimizer
 //   forward_linear(parent, "q", x)   the child registered as "q", whatever it now is (for modules that
 //                         keep typed members: replace_module cannot re-point a member, see apply_lora)
 //   merge_lora(model)     folds scaling * B A into each adapter's base, back to a dense torch::nn::Linear (export)
@@ -55,18 +58,22 @@ struct Nf4Weight {
   int block = 64;
   bool double_quant = false;
 
-  // Packs w [out, in] (float/bf16/half, any device: quantised on the CPU, buffers moved back to w's device).
+  // Packs w [out, in] (float/bf16/half). CPU tensors, and CUDA tensors in a TU not compiled by nvcc, are packed
+  // by the CPU twin (buffers go back to w's device); CUDA tensors in an nvcc TU are packed on the GPU.
   static Nf4Weight quantize(const torch::Tensor& w, const quant::Nf4Options& o) {
     TORCH_CHECK(w.dim() == 2, "Nf4Weight: weight must be [out, in], got ", w.sizes());
     TORCH_CHECK(w.numel() > 0, "Nf4Weight: empty weight");
     const auto st = w.scalar_type();
+    TORCH_CHECK(st == torch::kFloat32 || st == torch::kBFloat16 || st == torch::kHalf, "Nf4Weight: weights must be float, bf16 or half, got ", st);
+#if defined(__CUDACC__)
+    if (w.is_cuda()) return quantize_cuda(w, o);
+#endif
     torch::Tensor wc = w.detach().to(torch::kCPU).contiguous();
     quant::Nf4Packed p;
     try {
       if (st == torch::kFloat32) p = quant::nf4_quantize(static_cast<const float*>(wc.data_ptr()), wc.numel(), o);
       else if (st == torch::kBFloat16) p = quant::nf4_quantize(static_cast<const bf16*>(wc.data_ptr()), wc.numel(), o);
-      else if (st == torch::kHalf) p = quant::nf4_quantize(static_cast<const half*>(wc.data_ptr()), wc.numel(), o);
-      else TORCH_CHECK(false, "Nf4Weight: weights must be float, bf16 or half, got ", st);
+      else p = quant::nf4_quantize(static_cast<const half*>(wc.data_ptr()), wc.numel(), o);
     } catch (const squeeze::Error& e) {
       TORCH_CHECK(false, "Nf4Weight: ", e.what());
     }
@@ -76,12 +83,11 @@ struct Nf4Weight {
     r.block = p.block;
     r.double_quant = p.double_quant;
     r.absmax_offset = p.absmax_offset;
-    const auto dev = torch::TensorOptions().device(w.device());
     auto from = [&](const auto& v, torch::ScalarType t) {
       if (v.empty()) return torch::empty({0}, torch::TensorOptions().dtype(t).device(w.device()));
       return torch::from_blob(const_cast<void*>(static_cast<const void*>(v.data())), {int64_t(v.size())}, torch::TensorOptions().dtype(t))
           .clone()
-          .to(dev.device());
+          .to(w.device());
     };
     r.codes = from(p.codes, torch::kUInt8);
     r.absmax = from(p.absmax, torch::kFloat32);
@@ -89,6 +95,45 @@ struct Nf4Weight {
     r.absmax_scale = from(p.absmax_scale, torch::kFloat32);
     return r;
   }
+
+#if defined(__CUDACC__)
+  static Nf4Weight quantize_cuda(const torch::Tensor& w, const quant::Nf4Options& o) {
+    namespace kq = kernels::quant;
+    const torch::Tensor wc = w.detach().contiguous();
+    TORCH_CHECK(torch::isfinite(wc).all().item<bool>(), "Nf4Weight: the weight holds inf or NaN values");
+    Nf4Weight r;
+    r.out = w.size(0);
+    r.in = w.size(1);
+    r.block = o.block;
+    r.double_quant = o.double_quant;
+    const int64_t n = wc.numel();
+    try {
+      kq::nf4_validate(n, o.block, "Nf4Weight");
+    } catch (const squeeze::Error& e) {
+      TORCH_CHECK(false, e.what());
+    }
+    const int64_t blocks = kq::nf4_blocks(n, o.block);
+    const auto on = [&](torch::ScalarType t) { return torch::TensorOptions().dtype(t).device(w.device()); };
+    r.codes = torch::empty({kq::nf4_code_bytes(n)}, on(torch::kUInt8));
+    torch::Tensor absmax = torch::empty({blocks}, on(torch::kFloat32)), offset = torch::empty({1}, on(torch::kFloat32));
+    r.absmax_q = torch::empty({o.double_quant ? blocks : 0}, on(torch::kInt8));
+    r.absmax_scale = torch::empty({o.double_quant ? kq::nf4_dq_groups(blocks) : 0}, on(torch::kFloat32));
+    const kq::Nf4DeviceBuffers bufs{static_cast<std::uint8_t*>(r.codes.data_ptr()), static_cast<float*>(absmax.data_ptr()),
+                                    o.double_quant ? static_cast<std::int8_t*>(r.absmax_q.data_ptr()) : nullptr,
+                                    o.double_quant ? static_cast<float*>(r.absmax_scale.data_ptr()) : nullptr,
+                                    static_cast<float*>(offset.data_ptr())};
+    const cudaStream_t stream =
+        static_cast<cudaStream_t>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(w.device()).native_handle());
+    const auto st = w.scalar_type();
+    cudaError_t e = cudaSuccess;
+    if (st == torch::kFloat32) e = kq::nf4_quantize_cuda(static_cast<const float*>(wc.data_ptr()), n, o.block, o.double_quant, bufs, &r.absmax_offset, stream);
+    else if (st == torch::kBFloat16) e = kq::nf4_quantize_cuda(static_cast<const bf16*>(wc.data_ptr()), n, o.block, o.double_quant, bufs, &r.absmax_offset, stream);
+    else e = kq::nf4_quantize_cuda(static_cast<const half*>(wc.data_ptr()), n, o.block, o.double_quant, bufs, &r.absmax_offset, stream);
+    TORCH_CHECK(e == cudaSuccess, "Nf4Weight: NF4 quantise kernels failed: ", cudaGetErrorString(e));
+    r.absmax = o.double_quant ? torch::empty({0}, on(torch::kFloat32)) : absmax;
+    return r;
+  }
+#endif
 
   int64_t bytes() const {
     return codes.numel() + absmax.numel() * 4 + absmax_q.numel() + absmax_scale.numel() * 4 + (double_quant ? 4 : 0);
@@ -249,6 +294,42 @@ class LoRALinearImpl : public torch::nn::Module {
 };
 TORCH_MODULE(LoRALinear);
 
+// A frozen NF4 linear without adapter: the QLoRA base of the projections LoRA does not target (all seven
+// block linears are 4-bit under Quantized<4, NF4>, as the planner counts them).
+class Nf4LinearImpl : public torch::nn::Module {
+ public:
+  Nf4LinearImpl(Nf4Weight w, const torch::Tensor& bias) : nf4_(std::move(w)) {
+    nf4_.codes = register_buffer("nf4_codes", nf4_.codes);
+    nf4_.absmax = register_buffer("nf4_absmax", nf4_.absmax);
+    nf4_.absmax_q = register_buffer("nf4_absmax_q", nf4_.absmax_q);
+    nf4_.absmax_scale = register_buffer("nf4_absmax_scale", nf4_.absmax_scale);
+    TORCH_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == nf4_.out), "Nf4Linear: bias must be [", nf4_.out, "]");
+    if (bias.defined()) bias_ = register_buffer("bias", bias.detach().clone());
+  }
+  torch::Tensor forward(const torch::Tensor& x) {  // x: [..., in] -> [..., out]
+    TORCH_CHECK(x.dim() >= 1 && x.size(-1) == nf4_.in, "Nf4Linear: input has ", x.dim() ? x.size(-1) : 0, " features, layer expects ", nf4_.in);
+    TORCH_CHECK(x.is_floating_point(), "Nf4Linear: floating-point input required, got ", x.scalar_type());
+    TORCH_CHECK(x.device() == nf4_.device(), "Nf4Linear: input on ", x.device(), " but the NF4 weight on ", nf4_.device());
+    torch::Tensor y = detail::Nf4MatmulFn::apply(x, reinterpret_cast<int64_t>(&nf4_));
+    return bias_.defined() ? y + bias_.to(x.scalar_type()) : y;
+  }
+  const Nf4Weight& nf4_weight() const { return nf4_; }
+  int64_t base_bytes() const { return nf4_.bytes(); }
+  // A dense torch::nn::Linear (float), for export.
+  torch::nn::Linear dense() const {
+    torch::NoGradGuard ng;
+    torch::nn::Linear lin(torch::nn::LinearOptions(nf4_.in, nf4_.out).bias(bias_.defined()));
+    lin->weight.set_data(nf4_.dequantize(torch::kFloat32));
+    if (bias_.defined()) lin->bias.set_data(bias_.to(torch::kFloat32).clone());
+    return lin;
+  }
+
+ private:
+  Nf4Weight nf4_;
+  torch::Tensor bias_;
+};
+TORCH_MODULE(Nf4Linear);
+
 // ---- applying to a model ---------------------------------------------------------------------------------------
 namespace detail {
 // Child names (squeeze's LLaMA, then the Hugging Face spelling) per LoraTargets bit q, k, v, o, gate, up, down.
@@ -289,7 +370,8 @@ std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model) {
   for (const auto& item : model.named_modules("", /*include_self=*/true)) {
     const std::shared_ptr<torch::nn::Module>& parent = item.value();
     for (const auto& child : parent->named_children()) {
-      if (!detail::is_lora_target(child.key(), L::targets)) continue;
+      const bool target = detail::is_lora_target(child.key(), L::targets);
+      if (!target && !(S::quantized_weights && detail::is_lora_target(child.key(), 127u))) continue;
       torch::Tensor weight, bias;
       if (auto lin = std::dynamic_pointer_cast<torch::nn::LinearImpl>(child.value())) {
         weight = lin->weight;
@@ -301,18 +383,20 @@ std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model) {
       } else {
         continue;  // already adapted, or not a linear layer
       }
-      LoRALinear rep{nullptr};
-      {
-        torch::NoGradGuard ng;
+      torch::NoGradGuard ng;
+      if (!target) {  // a frozen 4-bit base without adapter
+        if constexpr (S::quantized_weights) parent->replace_module(child.key(), Nf4Linear(Nf4Weight::quantize(weight, quant::nf4_options<WQ>()), bias));
+      } else {
+        LoRALinear rep{nullptr};
         if constexpr (S::quantized_weights)
           rep = LoRALinear(Nf4Weight::quantize(weight, quant::nf4_options<WQ>()), bias, opt);
         else
           rep = LoRALinear(weight.to(torch_dtype<typename S::compute_type>()), bias, opt);
-        weight.set_data(torch::empty({0}, weight.options()));  // release the dense copy (see above)
-        if (bias.defined()) bias.set_data(torch::empty({0}, bias.options()));
+        parent->replace_module(child.key(), rep);
+        adapted.push_back({item.key().empty() ? child.key() : item.key() + "." + child.key(), rep});
       }
-      parent->replace_module(child.key(), rep);
-      adapted.push_back({item.key().empty() ? child.key() : item.key() + "." + child.key(), rep});
+      weight.set_data(torch::empty({0}, weight.options()));  // release the dense copy (see above)
+      if (bias.defined()) bias.set_data(torch::empty({0}, bias.options()));
     }
   }
   TORCH_CHECK(!adapted.empty(), "apply_lora: no Linear child named like LoRA's targets (q, k, v, o, gate, up, down or q_proj, ...) in the model");
@@ -326,10 +410,19 @@ inline torch::Tensor forward_linear(torch::nn::Module& parent, const std::string
   TORCH_CHECK(found != nullptr, "forward_linear: no child named '", name, "'");
   const std::shared_ptr<torch::nn::Module>& m = *found;
   if (auto l = std::dynamic_pointer_cast<LoRALinearImpl>(m)) return l->forward(x);
+  if (auto l = std::dynamic_pointer_cast<Nf4LinearImpl>(m)) return l->forward(x);
   if (auto l = std::dynamic_pointer_cast<ShardedLinearImpl>(m)) return l->forward(x);
   if (auto l = std::dynamic_pointer_cast<torch::nn::LinearImpl>(m)) return l->forward(x);
   TORCH_CHECK(false, "forward_linear: child '", name, "' is not a Linear, ShardedLinear or LoRALinear");
   return {};
+}
+
+// Trainable adapter parameters (lora_A, lora_B of every LoRALinear): what the optimizer gets.
+inline std::vector<torch::Tensor> lora_parameters(torch::nn::Module& model) {
+  std::vector<torch::Tensor> ps;
+  for (const auto& p : model.named_parameters())
+    if (p.value().requires_grad()) ps.push_back(p.value());
+  return ps;
 }
 
 // Replaces every LoRALinear in `model` by a dense torch::nn::Linear holding W + scaling * B A (float), for
@@ -341,16 +434,40 @@ inline int64_t merge_lora(torch::nn::Module& model) {
       if (auto l = std::dynamic_pointer_cast<LoRALinearImpl>(child.value())) {
         item.value()->replace_module(child.key(), l->merged());
         ++merged;
+      } else if (auto q = std::dynamic_pointer_cast<Nf4LinearImpl>(child.value())) {
+        item.value()->replace_module(child.key(), q->dense());
       }
   return merged;
 }
 
-// Trainable adapter parameters (lora_A, lora_B of every LoRALinear): what the optimizer gets.
-inline std::vector<torch::Tensor> lora_parameters(torch::nn::Module& model) {
-  std::vector<torch::Tensor> ps;
-  for (const auto& p : model.named_parameters())
-    if (p.value().requires_grad()) ps.push_back(p.value());
-  return ps;
+// Bytes of the frozen bases of every LoRALinear / Nf4Linear in `model` (packed NF4 or dense).
+inline int64_t frozen_base_bytes(torch::nn::Module& model) {
+  int64_t bytes = 0;
+  for (const auto& m : model.modules(/*include_self=*/true)) {
+    if (auto l = std::dynamic_pointer_cast<LoRALinearImpl>(m)) bytes += l->base_bytes();
+    if (auto q = std::dynamic_pointer_cast<Nf4LinearImpl>(m)) bytes += q->base_bytes();
+  }
+  return bytes;
+}
+
+// What a trainer needs for S's LoRA / QLoRA: the model moved to `device` in S's compute type, then
+// apply_lora<S> (bases packed to NF4 on that device under Quantized<4, NF4>; adapters in S's master type).
+// The optimizer takes `parameters`; nothing else of the model trains.
+struct LoraSetup {
+  std::vector<AdaptedLayer> layers;
+  std::vector<torch::Tensor> parameters;  // every lora_A / lora_B
+  int64_t adapter_params = 0;             // == layers x plan::lora_block_params<S::lora>(shape) for a LLaMA
+  int64_t base_bytes = 0;                 // frozen bases replaced (NF4: == the planner's quantized_matrix_bytes sum)
+};
+template <class S>
+LoraSetup prepare_lora(torch::nn::Module& model, torch::Device device) {
+  model.to(device, torch_dtype<typename S::compute_type>());
+  LoraSetup s;
+  s.layers = apply_lora<S>(model);
+  s.parameters = lora_parameters(model);
+  for (const auto& p : s.parameters) s.adapter_params += p.numel();
+  s.base_bytes = frozen_base_bytes(model);
+  return s;
 }
 
 }  // namespace squeeze::nn
