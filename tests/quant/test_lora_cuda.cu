@@ -37,10 +37,17 @@ TEST(LoRACuda, Nf4DequantizeMatchesCpuBitForBit) {
     gpu.absmax_scale = cpu.absmax_scale.to(torch::kCUDA);
     for (const auto dt : {torch::kFloat32, torch::kBFloat16, torch::kHalf})
       EXPECT_TRUE(torch::equal(gpu.dequantize(dt).cpu(), cpu.dequantize(dt))) << "dq=" << dq << " " << dt;
-    // quantising a CUDA weight packs on the host and returns device buffers
+    // a CUDA weight is packed on the GPU (nvcc TU): same codes, except where the DoubleQuant mean (float64 sums
+    // in another order) differs in its last bit, which may move a tie
     const nn::Nf4Weight from_gpu = nn::Nf4Weight::quantize(w.to(torch::kCUDA), {.block = 64, .double_quant = dq});
-    EXPECT_TRUE(from_gpu.codes.is_cuda());
-    EXPECT_TRUE(torch::equal(from_gpu.codes.cpu(), cpu.codes));
+    ASSERT_TRUE(from_gpu.codes.is_cuda());
+    if (!dq || from_gpu.absmax_offset == cpu.absmax_offset) {
+      EXPECT_TRUE(torch::equal(from_gpu.codes.cpu(), cpu.codes)) << "dq=" << dq;
+      EXPECT_TRUE(torch::equal(from_gpu.dequantize(torch::kFloat32).cpu(), cpu.dequantize(torch::kFloat32))) << "dq=" << dq;
+    } else {
+      EXPECT_NEAR(from_gpu.absmax_offset, cpu.absmax_offset, 1e-6 * cpu.absmax_offset);
+      EXPECT_LT(from_gpu.codes.cpu().ne(cpu.codes).sum().item<int64_t>(), 1 + cpu.codes.numel() / 1000);
+    }
   }
 }
 
