@@ -261,6 +261,14 @@ TEST(LoRA, QLoRAStrategyTrainsInBf16) {
     (s == 0 ? first : last) = loss.item<double>();
   }
   EXPECT_LT(last, 0.9 * first) << first << " -> " << last;
+  // module.to(dtype) after apply_lora converts neither the packed buffers nor the fp32 adapters
+  {
+    const torch::Tensor y0 = model(x).detach();
+    model->to(torch::kBFloat16);
+    EXPECT_EQ(adapted[0].layer->lora_A.scalar_type(), torch::kFloat32);
+    EXPECT_EQ(adapted[0].layer->nf4_weight().codes.scalar_type(), torch::kUInt8);
+    EXPECT_TRUE(torch::equal(model(x), y0));
+  }
   // export: every NF4 / LoRA layer back to a dense Linear, same outputs up to bf16 rounding
   torch::NoGradGuard ng;
   const torch::Tensor y = model(x).to(torch::kFloat32);

@@ -24,6 +24,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <cmath>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -142,6 +143,10 @@ struct Nf4Weight {
 
   // W [out, in] in `dtype` on the buffers' device.
   torch::Tensor dequantize(torch::ScalarType dtype) const {
+    TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && absmax.scalar_type() == torch::kFloat32 && absmax_q.scalar_type() == torch::kInt8 &&
+                    absmax_scale.scalar_type() == torch::kFloat32,
+                "Nf4Weight: packed buffers changed type (codes ", codes.scalar_type(), "); move NF4 layers between devices only");
+    TORCH_CHECK(codes.numel() == (out * in + 1) / 2, "Nf4Weight: codes hold ", codes.numel(), " bytes, [", out, ", ", in, "] needs ", (out * in + 1) / 2);
     torch::Tensor w = torch::empty({out, in}, torch::TensorOptions().dtype(dtype).device(device()));
     kernels::quant::Nf4View v{static_cast<const std::uint8_t*>(codes.data_ptr()),
                               double_quant ? nullptr : static_cast<const float*>(absmax.data_ptr()),
@@ -194,6 +199,19 @@ struct Nf4MatmulFn : torch::autograd::Function<Nf4MatmulFn> {
     return {torch::matmul(g[0], wd), torch::Tensor()};
   }
 };
+
+// module.to(...) for LoRALinear / Nf4Linear: every tensor follows a device move, but a dtype conversion
+// reaches only the dense base ("weight", "bias"): the NF4 buffers keep their storage types and the adapters
+// their (master) type, so model->to(torch::kBFloat16) after apply_lora is safe.
+inline void to_keep_types(torch::nn::Module& m, std::optional<torch::Device> device, std::optional<torch::Dtype> dtype, bool non_blocking) {
+  auto move = [&](torch::Tensor& t, bool convert) {
+    const torch::Device d = device.value_or(t.device());
+    const torch::Dtype ty = convert && dtype && t.is_floating_point() ? *dtype : t.scalar_type();
+    t.set_data(t.to(d, ty, non_blocking));
+  };
+  for (auto& p : m.named_parameters(/*recurse=*/false)) move(p.value(), false);
+  for (auto& b : m.named_buffers(/*recurse=*/false)) move(b.value(), b.key() == "weight" || b.key() == "bias");
+}
 }  // namespace detail
 
 // ---- LoRALinear ------------------------------------------------------------------------------------------------
@@ -223,6 +241,10 @@ class LoRALinearImpl : public torch::nn::Module {
     nf4_.absmax_scale = register_buffer("nf4_absmax_scale", nf4_.absmax_scale);
     init(bias, nf4_.device());
   }
+
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override { detail::to_keep_types(*this, device, dtype, non_blocking); }
+  void to(torch::Dtype dtype, bool non_blocking = false) override { detail::to_keep_types(*this, std::nullopt, dtype, non_blocking); }
+  void to(torch::Device device, bool non_blocking = false) override { detail::to_keep_types(*this, device, std::nullopt, non_blocking); }
 
   torch::Tensor forward(const torch::Tensor& x) {  // x: [..., in] -> [..., out]
     TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in_, "LoRALinear: input has ", x.dim() ? x.size(-1) : 0, " features, layer expects ", in_);
@@ -306,6 +328,10 @@ class Nf4LinearImpl : public torch::nn::Module {
     TORCH_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == nf4_.out), "Nf4Linear: bias must be [", nf4_.out, "]");
     if (bias.defined()) bias_ = register_buffer("bias", bias.detach().clone());
   }
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override { detail::to_keep_types(*this, device, dtype, non_blocking); }
+  void to(torch::Dtype dtype, bool non_blocking = false) override { detail::to_keep_types(*this, std::nullopt, dtype, non_blocking); }
+  void to(torch::Device device, bool non_blocking = false) override { detail::to_keep_types(*this, device, std::nullopt, non_blocking); }
+
   torch::Tensor forward(const torch::Tensor& x) {  // x: [..., in] -> [..., out]
     TORCH_CHECK(x.dim() >= 1 && x.size(-1) == nf4_.in, "Nf4Linear: input has ", x.dim() ? x.size(-1) : 0, " features, layer expects ", nf4_.in);
     TORCH_CHECK(x.is_floating_point(), "Nf4Linear: floating-point input required, got ", x.scalar_type());
