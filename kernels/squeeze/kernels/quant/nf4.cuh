@@ -26,15 +26,23 @@ inline int nf4_grid(std::int64_t work, int threads) {
   return int(g < 65535 * 16 ? (g > 0 ? g : 1) : 65535 * 16);
 }
 
-// One thread per code byte: the two values it holds.
+// One thread per code byte: the two values it holds. The code table sits in shared memory (a local array
+// indexed by data would live in local memory); its values are nf4_code_value's, so the math is the twin's.
 template <class T>
 __global__ void __launch_bounds__(kNf4Threads) nf4_dequantize_kernel(const Nf4View v, T* __restrict__ out) {
+  __shared__ float codes[16];
+  if (threadIdx.x < 16) codes[threadIdx.x] = nf4_code_value(int(threadIdx.x));
+  __syncthreads();
   const std::int64_t bytes = (v.n + 1) / 2;
   for (std::int64_t j = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; j < bytes; j += std::int64_t(gridDim.x) * blockDim.x) {
     const std::uint8_t byte = v.codes[j];
     const std::int64_t i = 2 * j;
-    out[i] = from_float<T>(nf4_code_value(byte >> 4) * nf4_block_absmax(v, i / v.block));
-    if (i + 1 < v.n) out[i + 1] = from_float<T>(nf4_code_value(byte & 15) * nf4_block_absmax(v, (i + 1) / v.block));
+    const float a0 = nf4_block_absmax(v, i / v.block);
+    out[i] = from_float<T>(codes[byte >> 4] * a0);
+    if (i + 1 < v.n) {
+      const float a1 = (i + 1) % v.block == 0 ? nf4_block_absmax(v, (i + 1) / v.block) : a0;
+      out[i + 1] = from_float<T>(codes[byte & 15] * a1);
+    }
   }
 }
 
