@@ -316,3 +316,28 @@ TEST(LoRA, BadInputIsAClearError) {
   bad[1][2] = std::nan("");
   EXPECT_NE(message([&] { nn::Nf4Weight::quantize(bad, {}); }).find("weight 18 is not finite"), std::string::npos);
 }
+
+// LoraTrainer: QLoRA with Accumulate<2> on the toy; the step's loss over two equal half batches is the
+// full-batch loss, and training reduces the loss.
+TEST(LoRA, LoraTrainerAccumulatesAndLearns) {
+  using QLoRA2 = Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Accumulate<2>>;
+  torch::manual_seed(8);
+  Toy model(kShape);
+  nn::LoraTrainer<QLoRA2> trainer(*model, torch::kCPU, {.lr = 1e-2});
+  EXPECT_EQ(trainer.setup().adapter_params, kShape.layers * plan::lora_block_params<QLoRA2::lora>(kShape));
+  const torch::Tensor x = torch::randn({16, kShape.hidden}).to(torch::kBFloat16);
+  const torch::Tensor target = torch::randn({16, kShape.hidden});
+  const auto micro = [&](int i) { return F::mse_loss(model(x.narrow(0, 8 * i, 8)).to(torch::kFloat32), target.narrow(0, 8 * i, 8)); };
+  const auto full = [&] {
+    torch::NoGradGuard ng;
+    return F::mse_loss(model(x).to(torch::kFloat32), target).item<double>();
+  };
+  const double before = full();
+  const nn::LoraStepResult first = trainer.step(micro);
+  EXPECT_NEAR(first.loss, before, 1e-6 * before);  // equal halves: the mean of the two means is the full mean
+  EXPECT_TRUE(first.applied);
+  EXPECT_GT(first.grad_norm, 0);
+  for (int s = 0; s < 40; ++s) trainer.step(micro);
+  EXPECT_LT(full(), 0.9 * before);
+  EXPECT_THROW(trainer.step([&](int) { return model(x).to(torch::kFloat32); }), c10::Error);  // not a scalar
+}

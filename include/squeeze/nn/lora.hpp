@@ -14,6 +14,7 @@
 //                         (same seven names) become frozen Nf4Linears.
 //   nn::Nf4Linear         a frozen NF4 linear without adapter (QLoRA's non-target projections)
 //   prepare_lora<S>(model, device)   to device + compute type, apply_lora<S>, parameters for the optimizer
+//   LoraTrainer<S>        prepare_lora + AdamW over the adapters, S's accumulation, clipping
 //   forward_linear(parent, "q", x)   the child registered as "q", whatever it now is (for modules that
 //                         keep typed members: replace_module cannot re-point a member, see apply_lora)
 //   merge_lora(model)     folds scaling * B A into each adapter's base, back to a dense torch::nn::Linear (export)
@@ -24,6 +25,8 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <cmath>
+#include <limits>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -495,5 +498,59 @@ LoraSetup prepare_lora(torch::nn::Module& model, torch::Device device) {
   s.base_bytes = frozen_base_bytes(model);
   return s;
 }
+
+// A minimal LoRA / QLoRA trainer: prepare_lora<S>, then AdamW over the adapters only, with S's gradient
+// accumulation and a global-norm clip. Adapters are fp32 (master) and are cast to the activations' dtype in
+// forward, so bf16 compute needs no master copy; fp16 would need loss scaling, which this trainer leaves out.
+struct LoraTrainOptions {
+  double lr = 1e-3;
+  double weight_decay = 0.0;
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  double clip = 1.0;  // <= 0: off
+};
+struct LoraStepResult {
+  double loss = 0;       // mean over the micro-batches
+  double grad_norm = 0;  // before clipping
+  bool applied = true;   // false: non-finite gradients, update skipped
+};
+
+template <class S>
+class LoraTrainer {
+  static_assert(S::has_lora && S::training, "LoraTrainer<S> trains LoRA adapters: S needs LoRA<R, A> (and no Inference)");
+  static_assert(!S::loss_scaling, "LoraTrainer keeps no loss scale: use Precision<bf16, float> (or float) with LoRA, not fp16");
+  static_assert(S::stage == 0 && !S::offload_to_host, "LoraTrainer runs on one device: the adapters are small, drop Sharded/Offload");
+
+ public:
+  LoraTrainer(torch::nn::Module& model, torch::Device device, const LoraTrainOptions& o = {}) : opt_(o) {
+    setup_ = prepare_lora<S>(model, device);
+    optimizer_ = std::make_unique<torch::optim::AdamW>(
+        setup_.parameters, torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
+  }
+  const LoraSetup& setup() const { return setup_; }
+  torch::optim::AdamW& optimizer() { return *optimizer_; }
+
+  // micro_loss(i) returns the mean loss of micro-batch i in [0, S::accumulation_steps).
+  template <class Fn>
+  LoraStepResult step(Fn&& micro_loss) {
+    constexpr int N = S::accumulation_steps;
+    LoraStepResult r;
+    for (int i = 0; i < N; ++i) {
+      const torch::Tensor loss = micro_loss(i);
+      TORCH_CHECK(loss.numel() == 1, "LoraTrainer::step: the loss must be a scalar, got ", loss.sizes());
+      r.loss += loss.item<double>() / N;
+      (loss / N).backward();
+    }
+    r.grad_norm = torch::nn::utils::clip_grad_norm_(setup_.parameters, opt_.clip > 0 ? opt_.clip : std::numeric_limits<double>::infinity());
+    r.applied = std::isfinite(r.grad_norm);
+    if (r.applied) optimizer_->step();
+    optimizer_->zero_grad();
+    return r;
+  }
+
+ private:
+  LoraTrainOptions opt_;
+  LoraSetup setup_;
+  std::unique_ptr<torch::optim::AdamW> optimizer_;
+};
 
 }  // namespace squeeze::nn
