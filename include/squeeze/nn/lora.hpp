@@ -22,6 +22,7 @@
 // inputs with an NF4 base get a clear error. Dense bases run on any device.
 #include <torch/torch.h>
 
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <cmath>
@@ -126,6 +127,7 @@ struct Nf4Weight {
                                     o.double_quant ? static_cast<std::int8_t*>(r.absmax_q.data_ptr()) : nullptr,
                                     o.double_quant ? static_cast<float*>(r.absmax_scale.data_ptr()) : nullptr,
                                     static_cast<float*>(offset.data_ptr())};
+    const c10::DeviceGuard guard(w.device());
     const cudaStream_t stream =
         static_cast<cudaStream_t>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(w.device()).native_handle());
     const auto st = w.scalar_type();
@@ -167,6 +169,7 @@ struct Nf4Weight {
     }
 #if defined(__CUDACC__)
     TORCH_CHECK(device().is_cuda(), "Nf4Weight: buffers on ", device(), "; CPU or CUDA expected");
+    const c10::DeviceGuard guard(device());  // launch on the buffers' GPU, not the current one
     const cudaStream_t stream =
         static_cast<cudaStream_t>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device()).native_handle());
     cudaError_t e = cudaSuccess;
