@@ -18,7 +18,7 @@ namespace squeeze::quant {
 struct QTiles {
   std::int64_t N = 0, K = 0, Npad = 0, Kpad = 0, group = 0;  // group: k per group in kernel order (Kpad if per channel)
   int bits = 4;
-  std::vector<std::uint32_t> tiles;  // [Npad/16][Kpad/64][tile_words(bits)]
+  std::vector<std::uint32_t> tiles;  // [Kpad/64][Npad/16][tile_words(bits)]
   std::vector<half> scales;          // [groups, Npad]
   std::vector<std::uint8_t> zeros;   // [groups, Npad]
   std::vector<std::int32_t> perm;    // [K]: kernel row k reads checkpoint row perm[k]; empty = identity
@@ -61,7 +61,7 @@ inline QTiles to_tiles(const PackedLinear& p) {
   t.tiles.assign(ntiles * kchunks * tw, 0u);
   for (std::int64_t nt = 0; nt < ntiles; ++nt)
     for (std::int64_t kc = 0; kc < kchunks; ++kc) {
-      std::uint32_t* tile = t.tiles.data() + (nt * kchunks + kc) * tw;
+      std::uint32_t* tile = t.tiles.data() + (kc * ntiles + nt) * tw;
       for (int lane = 0; lane < 32; ++lane)
         for (int wi = 0; wi < lw; ++wi) {
           std::uint32_t w = 0;
@@ -93,7 +93,7 @@ inline QTiles to_tiles(const PackedLinear& p) {
               const auto tc = kq::tile_coord(p.bits, lane, wi, c);
               const std::int64_t k = kc * kq::kTileK + tc.k;
               if (nt * kq::kTileN + tc.n != n || k >= p.in || p.g_idx[order[k]] != g) continue;
-              std::uint32_t& w = t.tiles[(nt * kchunks + kc) * tw + lane * lw + wi];
+              std::uint32_t& w = t.tiles[(kc * ntiles + nt) * tw + lane * lw + wi];
               w = (w & ~(mask << (p.bits * c))) | (z << (p.bits * c));
             }
     }

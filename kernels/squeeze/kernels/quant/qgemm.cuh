@@ -9,7 +9,9 @@
 //   8-bit: word 2 ks + j, byte b:  k = 16 ks + 2 (l % 4) + (b & 1) + 8 (b >> 1),  n = 8 j + l / 4
 // so nibbles (p, p + 4) / bytes (2r, 2r + 1) are the two 16-bit halves of one B register, and a
 // magic-number decode ((w & mask) | exponent bits) turns two codes into one half2/bfloat162 with one LOP3.
-// Tiles are stored n-tile-major (a warp streams its column of tiles contiguously). K is padded to a
+// Tiles are stored k-chunk-major ([Kpad/64][Npad/16] tiles): at any moment the warps of the grid read
+// neighbouring tiles, so DRAM sees dense address ranges rather than one stream per warp at a large
+// power-of-two stride. K is padded to a
 // multiple of 64 and N to a multiple of 16 with code 0; padded k rows meet zero activations (x is
 // staged with zero fill) and padded n columns are never stored, so padding never reaches the result.
 //
@@ -153,7 +155,7 @@ void qgemm_cpu(const T* x /*[M, K]*/, const std::uint32_t* tiles, const half* sc
     };
     const int tw = tile_words(s.bits), lw = lane_words(s.bits);
     for (std::int64_t kc = 0; kc < kchunks; ++kc) {
-      const std::uint32_t* tile = tiles + (nt * kchunks + kc) * tw;
+      const std::uint32_t* tile = tiles + (kc * ntiles + nt) * tw;
       for (int ks = 0; ks < 4; ++ks) {
         const std::int64_t k0 = kc * kTileK + ks * 16;
         const std::int64_t g = std::min(k0, s.K - 1) / s.group;  // padded rows use the last group (x is 0 there)
@@ -302,7 +304,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks<MT>) qgemm_kernel(cons
   // Latency hiding: per-chunk compute is short (a few hundred cycles), so loads are issued far ahead:
   // PF weight chunks per warp in registers, STAGES x chunks in a cp.async ring in shared memory.
   constexpr int LV = lane_words(BITS) / 4;  // 16-byte loads per lane per chunk (1 for 4-bit, 2 for 8-bit)
-  constexpr int PF = (MT <= 2 ? 8 : 4) / LV;
+  constexpr int PF = 4 / LV;  // (the chunk loop is unrolled PF times: larger PF bloats the code)
   constexpr int STAGES = MT == 1 ? 8 : MT == 2 ? 6 : MT == 4 ? 4 : 2;
   struct Chunk {
     uint4 v[LV];
@@ -415,7 +417,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks<MT>) qgemm_kernel(cons
       }
       const __half2 s2 = as_vec2<__half2>(ss[j]);
       const float n0 = __low2float(s2), n1 = __high2float(s2);
-      const float r0 = __fdiv_rn(sc[j][0], n0), r1 = __fdiv_rn(sc[j][1], n1);  // re-express acc in the new scale
+      const float r0 = __fdividef(sc[j][0], n0), r1 = __fdividef(sc[j][1], n1);  // re-express acc in the new scale (2 ulp)
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         acc[mt][j][0] *= r0;
@@ -436,11 +438,12 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks<MT>) qgemm_kernel(cons
         for (int e = 0; e < 4; ++e) acc[mt][j][e] *= sc[j][e & 1];
   };
 
-  const uint4* wt = tiles + (std::int64_t(warp_active ? nt : 0) * kchunks) * (tile_words(BITS) / 4) + lane * LV;
+  const int ntiles = Npad / kTileN;
+  const uint4* wt = tiles + std::int64_t(warp_active ? nt : 0) * (tile_words(BITS) / 4) + lane * LV;
   auto load_chunk = [&](int kc) {
     Chunk c;
 #pragma unroll
-    for (int v = 0; v < LV; ++v) c.v[v] = __ldcs(wt + std::int64_t(kc) * (tile_words(BITS) / 4) + v);
+    for (int v = 0; v < LV; ++v) c.v[v] = __ldcs(wt + std::int64_t(kc) * ntiles * (tile_words(BITS) / 4) + v);
     return c;
   };
   Chunk bq[PF];
