@@ -210,6 +210,23 @@ TEST(Nf4Codec, ZeroBlockStaysZero) {
   }
 }
 
+// Sizes above the CPU twins' serial threshold (64 Ki values) run on several threads: same bounds.
+TEST(Nf4Codec, LargeTensorOnThreadsWithinBounds) {
+  const double half_gap = 0.5 * max_gap();
+  const std::int64_t n = (std::int64_t(1) << 18) + 3;
+  const auto w = normal_weights<float>(n, 99);
+  for (const bool dqf : {false, true}) {
+    const auto p = quant::nf4_quantize(w.data(), n, {.block = 64, .double_quant = dqf});
+    std::vector<float> back(static_cast<std::size_t>(n));
+    quant::nf4_dequantize(p, back.data());
+    for (std::int64_t i = 0; i < n; ++i) {
+      const double a = kq::nf4_block_absmax(p.view(), i / 64);
+      const double s = dqf ? double(p.absmax_scale[std::size_t(i / 64 / 256)]) : 0.0;
+      ASSERT_LE(std::fabs(double(w[std::size_t(i)]) - double(back[std::size_t(i)])), half_gap * a + 0.5 * s + 1e-7 * std::fabs(w[std::size_t(i)])) << "dq=" << dqf << " i=" << i;
+    }
+  }
+}
+
 // ---- bytes vs the planner ------------------------------------------------------------------------------------
 TEST(Nf4Codec, BytesEqualThePlanner) {
   struct Shape { std::int64_t in, out; };
