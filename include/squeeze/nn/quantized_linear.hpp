@@ -3,7 +3,7 @@
 //
 // Kernel choice (forward), by device, width and batch rows M = x.numel() / in:
 //   CPU                         dequantize (CPU twin) once, cached, then float matmul
-//   CUDA, 4/8 bits, M <= max_fused_rows (default 256)   fused tensor-core GEMM (kernels/.../qgemm.cuh)
+//   CUDA, 4/8 bits, M <= max_fused_rows (default 64)    fused tensor-core GEMM (kernels/.../qgemm.cuh)
 //   CUDA, other widths, M <= 8  GPTQ-layout GEMV (kernels/.../dequant.cuh)
 //   CUDA, otherwise             dequantize to x's dtype, cuBLAS matmul (compute-bound: cuBLAS wins)
 // CUDA paths need this header compiled by nvcc (a .cu translation unit); activations fp16 or bf16.
@@ -178,7 +178,7 @@ class QuantizedLinearImpl : public torch::nn::Module {
   int bits_, group_size_;
   std::int64_t in_, out_;
   std::int64_t Npad_ = 0, Kpad_ = 0, tile_group_ = 0;
-  std::int64_t max_fused_rows_ = 256;
+  std::int64_t max_fused_rows_ = 64;  // H200: above ~64 rows dequantize + cuBLAS beats the fused kernel (mma.sync, no wgmma yet)
   torch::Tensor qweight_, qzeros_, scales_, g_idx_, bias_;
   torch::Tensor tiles_, tile_scales_, tile_zeros_, perm_, counters_;
   torch::Tensor w_cpu_;
