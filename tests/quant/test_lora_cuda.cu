@@ -85,25 +85,34 @@ TEST(LoRACuda, Nf4LayerMatchesCpuLayer) {
   EXPECT_LE(((xg.grad().cpu().to(torch::kFloat64) - xc.grad().to(torch::kFloat64)).abs() / gmag).max().item<double>(), std::ldexp(1.0, -6));
 }
 
+// The v adapter can represent the target exactly: target = (model at init) + gelu(q(x)) dW^T with dW of rank 2.
 TEST(LoRACuda, QLoRATrainsOnTheGpu) {
   REQUIRE_CUDA();
   torch::manual_seed(3);
   using QLoRA = Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16, LoraTargets::q | LoraTargets::v>, Precision<bf16, float>, Checkpointed>;
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
   auto model = std::make_shared<TwoProj>(256);
   model->to(torch::kCUDA, torch::kBFloat16);
+  const torch::Tensor x = torch::randn({64, 256}, cuda).to(torch::kBFloat16);
+  torch::Tensor target;
+  {
+    torch::NoGradGuard ng;
+    const torch::Tensor h = F::gelu(nn::forward_linear(*model, "q_proj", x)).to(torch::kFloat32);  // [64, 256]
+    const torch::Tensor dW = torch::matmul(torch::randn({256, 2}, cuda), torch::randn({2, 256}, cuda)) * 0.05;
+    target = model->forward(x).to(torch::kFloat32) + torch::matmul(h, dW.t());
+  }
   const auto adapted = nn::apply_lora<QLoRA>(*model);
   ASSERT_EQ(adapted.size(), 2u);
   EXPECT_TRUE(adapted[0].layer->lora_A.is_cuda());
-  const torch::Tensor x = torch::randn({64, 256}, torch::TensorOptions().device(torch::kCUDA)).to(torch::kBFloat16);
-  const torch::Tensor target = torch::randn({64, 256}, torch::TensorOptions().device(torch::kCUDA));
+  EXPECT_TRUE(adapted[0].layer->nf4_weight().codes.is_cuda());
   torch::optim::AdamW opt(nn::lora_parameters(*model), torch::optim::AdamWOptions(1e-2).weight_decay(0));
   double first = 0, last = 0;
-  for (int s = 0; s < 40; ++s) {
+  for (int s = 0; s < 100; ++s) {
     opt.zero_grad();
     const torch::Tensor loss = F::mse_loss(model->forward(x).to(torch::kFloat32), target);
     loss.backward();
     opt.step();
     (s == 0 ? first : last) = loss.item<double>();
   }
-  EXPECT_LT(last, 0.95 * first) << first << " -> " << last;
+  EXPECT_LT(last, 0.5 * first) << first << " -> " << last;
 }
