@@ -189,9 +189,9 @@ int train(const Options& o) {
   at::globalContext().setFlushDenormal(true);
   if (o.threads > 0) torch::set_num_threads(int(o.threads));
 
-  if constexpr (S::stage > 0 || S::offload_to_host)
+  if constexpr (S::stage > 0 || S::offload_to_host || S::has_lora)
     if (!o.save.empty() || !o.load.empty())
-      throw std::runtime_error("--save/--load: checkpoints of Sharded/Offload strategies are not supported by this example yet");
+      throw std::runtime_error("--save/--load: checkpoints of Sharded/Offload/LoRA strategies are not supported by this example yet");
 
   const Corpus corpus = load_corpus(o);
   const torch::Tensor train_ids = tokenize(corpus.train), val_ids = tokenize(corpus.val);  // [n] each

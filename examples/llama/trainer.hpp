@@ -16,6 +16,7 @@
 // written to a temporary file and renamed, so a failed save never replaces a good checkpoint.
 #include <squeeze/comm/local.hpp>
 #include <squeeze/nn/llama.hpp>
+#include <squeeze/nn/lora.hpp>
 #include <squeeze/nn/trainer.hpp>
 #include <squeeze/optim/adamw.hpp>
 #include <squeeze/plan.hpp>
@@ -67,6 +68,8 @@ void for_each_strategy(F&& f) {
   f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>>>("zero3-offload");
   f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<half, float>, Accumulate<4>>>("zero3-offload-fp16-accum4");
   f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed>>("zero3-offload-bf16-ckpt");
+  // QLoRA (squeeze's LoraTrainer): NF4 base weights, bf16 compute, fp32 adapters. CPU, or CUDA from an nvcc TU.
+  f.template operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed>>("qlora");
 }
 
 inline std::vector<std::string> strategy_names() {
@@ -452,8 +455,52 @@ class ZeroTrainer {
   std::optional<nn::Trainer<S, squeeze::AdamW>> trainer_;
 };
 
-// The trainer for a strategy: ours for unsharded ones, squeeze's ZeRO trainer for Sharded/Offload.
+// LoRA<R, A> strategies: squeeze's LoraTrainer (nn/lora.hpp: frozen, possibly NF4-quantized base; AdamW over
+// the adapters) behind the same interface. No checkpoints yet.
 template <StrategyType S>
-using Trainer = std::conditional_t<(S::stage > 0 || S::offload_to_host), ZeroTrainer<S>, LocalTrainer<S>>;
+class AdapterTrainer {
+ public:
+  static constexpr int micro_batches = S::accumulation_steps;
+
+  AdapterTrainer(LlamaConfig config, TrainOptions options, torch::Device device) : model_(std::move(config)) {
+    model_->checkpoint_every = S::checkpoint_every;
+    model_->train();
+    nn::LoraTrainOptions o;
+    o.lr = options.lr, o.weight_decay = 0.0, o.beta1 = options.beta1, o.beta2 = options.beta2, o.eps = options.eps, o.clip = options.clip;
+    trainer_ = std::make_unique<nn::LoraTrainer<S>>(*model_, device, o);
+  }
+
+  Llama& model() { return model_; }
+  int64_t step_count() const { return steps_; }
+  double loss_scale() const { return 1.0; }
+  void set_lr(double lr) {
+    for (auto& g : trainer_->optimizer().param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
+  }
+
+  StepResult step(const torch::Tensor& x, const torch::Tensor& y) {
+    check_batch(x, y, micro_batches);
+    const int64_t micro = x.size(0) / micro_batches;
+    const nn::LoraStepResult m =
+        trainer_->step([&](int i) { return model_->loss(x.narrow(0, i * micro, micro), y.narrow(0, i * micro, micro)); });
+    steps_ += m.applied ? 1 : 0;
+    StepResult r;
+    r.loss = m.loss, r.grad_norm = m.grad_norm, r.applied = m.applied;
+    return r;
+  }
+
+  double evaluate(const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches) { return evaluate_loss(model_, batches); }
+  void save(const std::string&, std::string_view) { TORCH_CHECK(false, "checkpoints of LoRA strategies are not written by this example yet"); }
+  void load(const std::string&) { TORCH_CHECK(false, "checkpoints of LoRA strategies are not read by this example yet"); }
+
+ private:
+  Llama model_;
+  std::unique_ptr<nn::LoraTrainer<S>> trainer_;
+  int64_t steps_ = 0;
+};
+
+// The trainer for a strategy: LoraTrainer for LoRA, squeeze's ZeRO trainer for Sharded/Offload, ours otherwise.
+template <StrategyType S>
+using Trainer = std::conditional_t<S::has_lora, AdapterTrainer<S>,
+                                   std::conditional_t<(S::stage > 0 || S::offload_to_host), ZeroTrainer<S>, LocalTrainer<S>>>;
 
 }  // namespace squeeze::llama

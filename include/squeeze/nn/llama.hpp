@@ -8,6 +8,7 @@
 // angles and the loss are computed in float whatever the parameter dtype.
 // Linears and the embedding are ShardedLinear / ShardedEmbedding: plain Linear / Embedding until a stage-3
 // trainer shards them; checkpointed segments then hand the shards (the real leaves) to the checkpoint.
+// Block projections are called by name (forward_linear), so apply_lora can swap in LoRA / NF4 layers.
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
@@ -18,6 +19,7 @@
 
 #include "../plan/model_shape.hpp"
 #include "checkpoint.hpp"
+#include "lora.hpp"
 #include "sharded.hpp"
 
 namespace squeeze::nn {
@@ -110,9 +112,9 @@ struct AttentionImpl : torch::nn::Module {
   }
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {  // x: [B, T, h]
     const int64_t B = x.size(0), T = x.size(1);
-    torch::Tensor qh = q(x).view({B, T, heads, head_dim}).transpose(1, 2);     // [B, H, T, D]
-    torch::Tensor kh = k(x).view({B, T, kv_heads, head_dim}).transpose(1, 2);  // [B, Hkv, T, D]
-    torch::Tensor vh = v(x).view({B, T, kv_heads, head_dim}).transpose(1, 2);  // [B, Hkv, T, D]
+    torch::Tensor qh = forward_linear(*this, "q", x).view({B, T, heads, head_dim}).transpose(1, 2);     // [B, H, T, D]
+    torch::Tensor kh = forward_linear(*this, "k", x).view({B, T, kv_heads, head_dim}).transpose(1, 2);  // [B, Hkv, T, D]
+    torch::Tensor vh = forward_linear(*this, "v", x).view({B, T, kv_heads, head_dim}).transpose(1, 2);  // [B, Hkv, T, D]
     qh = apply_rope(qh, cos, sin);
     kh = apply_rope(kh, cos, sin);
     // Grouped-query attention: the fused flash kernel reads shared K/V heads directly (enable_gqa) for
@@ -125,7 +127,7 @@ struct AttentionImpl : torch::nn::Module {
     const torch::Tensor attn = at::scaled_dot_product_attention(qh, kh, vh, /*attn_mask=*/{}, /*dropout_p=*/0.0,
                                                                 /*is_causal=*/true, /*scale=*/std::nullopt,
                                                                 /*enable_gqa=*/kv_heads != heads && fused_gqa);  // [B, H, T, D]
-    return o(attn.transpose(1, 2).reshape({B, T, heads * head_dim}));  // [B, T, h]
+    return forward_linear(*this, "o", attn.transpose(1, 2).reshape({B, T, heads * head_dim}));  // [B, T, h]
   }
 };
 TORCH_MODULE(Attention);
@@ -139,7 +141,9 @@ struct MlpImpl : torch::nn::Module {
     up = register_module("up", lin(c.hidden, c.ffn));
     down = register_module("down", lin(c.ffn, c.hidden));
   }
-  torch::Tensor forward(const torch::Tensor& x) { return down(torch::silu(gate(x)) * up(x)); }  // [B, T, h] -> [B, T, h]
+  torch::Tensor forward(const torch::Tensor& x) {  // [B, T, h] -> [B, T, h]
+    return forward_linear(*this, "down", torch::silu(forward_linear(*this, "gate", x)) * forward_linear(*this, "up", x));
+  }
 };
 TORCH_MODULE(Mlp);
 
