@@ -91,26 +91,96 @@ TEST(Plan, Nf4DoubleQuantAndLoRA) {
   const i64 lora = 32 * (8 * (4096 + 4096) * 2);  // q and v: r·(in + out) each, 32 blocks
   EXPECT_EQ(p.trainable_params, lora);
   EXPECT_EQ(p.optimizer_state.device, 8 * lora);
-  EXPECT_EQ(p.master_weights.device, 4 * lora);
-  EXPECT_EQ(p.gradients.device, 2 * lora);
+  // The adapters are trained in fp32 (their own master, as nn::LoraTrainer keeps them): no copy, fp32 grads.
+  EXPECT_EQ(p.master_weights.device, 0);
+  EXPECT_EQ(p.gradients.device, 4 * lora);
+  i64 nf4 = 0;
+  for (auto l : llama7b.block_linears()) nf4 += 32 * plan::quantized_matrix_bytes<NFdq>(l.in, l.out);
+  EXPECT_EQ(p.parameters.device, nf4 + 2 * llama7b.unquantized_params() + 4 * lora);
 }
 
 TEST(Plan, LlamaActivationsByHand) {
-  // One block saves 6h + 2kv + 3ffn values per token in the compute type, plus fp32 (2 + heads).
+  // What squeeze::nn::Llama keeps per token and block (16-bit compute, p_c = 2), counted tensor by tensor:
+  //   2 RMSNorms: fp32 input (4h bytes) + fp32 reciprocal RMS (4) + pre-gain value (h) + output (h)
+  //   q (h), k and v after RoPE (kv each: flash attention reads the shared GQA heads), attention output
+  //   (h), log-sum-exp (fp32 per head); SwiGLU: gate, silu(gate), up, silu(gate)·up (4 ffn)
   constexpr ModelShape m{1000, 64, 3, 4, 2, 160};
   const TrainShape t{2, 16};
   const i64 tokens = 32, kv = 2 * 16;
-  const i64 block = tokens * ((6 * 64 + 2 * kv + 3 * 160) * 2 + (2 + 4) * 4);
-  const i64 head = tokens * (2 * 64 * 2 + 4 + 1000 * (2 + 4));
-  EXPECT_EQ(plan::activation_bytes(m, t, 2, 0, true), 3 * block + head);
-  // Checkpointing keeps each block's input and recomputes one block at a time.
-  EXPECT_EQ(plan::activation_bytes(m, t, 2, 1, true), 3 * tokens * 64 * 2 + block + head);
-  EXPECT_EQ(plan::activation_bytes(m, t, 2, 2, true), 2 * tokens * 64 * 2 + 2 * block + head);
+  const i64 norm = 4 * 64 + 4 + (64 + 64) * 2;
+  const i64 block = tokens * (2 * norm + (64 + 2 * kv + 64 + 4 * 160) * 2 + 4 * 4);
+  // Head: the final norm, and the loss at the start of backward: the fp32 log-softmax kept for backward,
+  // the fp32 gradient arriving from nll_loss and the fp32 gradient log_softmax's backward writes (3·V·4).
+  const i64 final_norm = tokens * norm;
+  const i64 loss = tokens * 3 * 1000 * 4;
+  EXPECT_EQ(plan::activation_bytes(m, t, 2, 0, true), 3 * block + final_norm + loss);
+  // Checkpointing keeps each segment's input; a segment is recomputed after the loss's transient is gone.
+  ASSERT_GT(loss, 2 * block);
+  EXPECT_EQ(plan::activation_bytes(m, t, 2, 1, true), 3 * tokens * 64 * 2 + final_norm + loss);
+  EXPECT_EQ(plan::activation_bytes(m, t, 2, 2, true), 2 * tokens * 64 * 2 + final_norm + loss);
+  // A segment larger than the loss's transient is the checkpointed peak.
+  constexpr ModelShape small_vocab{16, 64, 3, 4, 2, 160};
+  const i64 small_loss = tokens * 3 * 16 * 4;
+  ASSERT_LT(small_loss, block);
+  EXPECT_EQ(plan::activation_bytes(small_vocab, t, 2, 3, true), 1 * tokens * 64 * 2 + final_norm + 3 * block);
+  // fp32 compute: the memory-efficient kernel reads K/V repeated to every query head (h each, not kv), and
+  // the norms' fp32 input is the input itself (still 4h bytes).
+  const i64 norm32 = 4 * 64 + 4 + (64 + 64) * 4;
+  const i64 block32 = tokens * (2 * norm32 + (64 + 2 * 64 + 64 + 4 * 160) * 4 + 4 * 4);
+  EXPECT_EQ(plan::activation_bytes(m, t, 4, 0, true), 3 * block32 + tokens * norm32 + loss);
   // Accumulation with the same tokens per step: each micro-batch holds 1/4 of the activations' tokens.
   using A4 = Strategy<Accumulate<4>>;
   const auto big = plan_memory<Strategy<>>(llama7b, {8, 2048}, 1);
   const auto small = plan_memory<A4>(llama7b, {2, 2048}, 1);
   EXPECT_EQ(small.activations.device * 4, big.activations.device);
+}
+
+TEST(Plan, FrozenBaseKeepsLessForBackward) {
+  // LoRA on q and v over a frozen base: a norm's gain needs no gradient (no pre-gain value), the MLP norm's
+  // output feeds only frozen gate/up (not kept), silu(gate)·up feeds a frozen down (not kept); the adapters
+  // keep x·A^T (r values) each.
+  constexpr ModelShape m{1000, 64, 3, 4, 2, 160};
+  const TrainShape t{2, 16};
+  const i64 tokens = 32, kv = 2 * 16, r = 8;
+  const unsigned qv = 0x1u | 0x4u;
+  const i64 norm = 4 * 64 + 4;
+  const i64 block = tokens * (2 * norm + (64 /* attn norm out */ + 64 + 2 * kv + 64 + 3 * 160 + 2 * r) * 2 + 4 * 4);
+  const i64 final_norm = tokens * (norm + 64 * 2);
+  EXPECT_EQ(plan::activation_bytes(m, t, 2, 0, true, 2 * r, qv), 3 * block + final_norm + tokens * 3 * 1000 * 4);
+  // The same through plan_memory: QLoRA's activations are below full training's.
+  using QLoRA = Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>>;
+  using Full = Strategy<Precision<bf16, float>>;
+  EXPECT_LT((plan_memory<QLoRA>(llama7b, train, 1).activations.device), (plan_memory<Full>(llama7b, train, 1).activations.device));
+}
+
+TEST(Plan, PeakIsBackwardStartOrOptimizerStep) {
+  using Bf16 = Strategy<Precision<bf16, float>>;
+  const auto kept = plan_memory<Bf16>(llama7b, {1, 2048}, 1);
+  EXPECT_EQ(kept.transient_gradients, 0);
+  // With the gradients kept, the activations come on top of the whole model state.
+  EXPECT_EQ(kept.peak().device, kept.total().device);
+  // Freed between steps: none exist at the start of backward; the optimizer step has all of them.
+  using Bf16Ckpt = Strategy<Precision<bf16, float>, Checkpointed>;
+  const auto freed = plan_memory<Bf16Ckpt>(llama7b, {1, 2048, /*free_grads=*/true}, 1);
+  EXPECT_EQ(freed.transient_gradients, 2 * Psi);
+  EXPECT_EQ(freed.model_state().device, 16 * Psi) << "the categories do not change, only what is live when";
+  ASSERT_GT(freed.activations.device, 0);
+  ASSERT_LT(freed.activations.device, Psi);  // checkpointed B=1: far fewer activation bytes than gradient bytes
+  EXPECT_EQ(freed.peak().device, 16 * Psi) << "the optimizer step is the peak";
+  const auto big = plan_memory<Bf16>(llama7b, {8, 2048, true}, 1);
+  ASSERT_GT(big.activations.device, 2 * Psi);
+  EXPECT_EQ(big.peak().device, 14 * Psi + big.activations.device) << "the start of backward is the peak";
+  // Accumulating: the fp32 accumulator lives through the micro-batches; the bf16 gradients come and go.
+  const auto acc = plan_memory<Strategy<Precision<bf16, float>, Accumulate<4>>>(llama7b, {2, 2048, true}, 1);
+  EXPECT_EQ(acc.transient_gradients, 2 * Psi);
+  EXPECT_EQ(acc.peak().device, 18 * Psi + acc.activations.device);
+  // fp32 accumulation sums into the gradients themselves: nothing is transient.
+  EXPECT_EQ((plan_memory<Strategy<Accumulate<4>>>(llama7b, {2, 2048, true}, 1).transient_gradients), 0);
+  // Sharded trainers keep flat gradient buffers: the flag does not apply.
+  EXPECT_EQ((plan_memory<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>>(llama7b, {8, 2048, true}, 1).transient_gradients), 0);
+  // Host memory is persistent.
+  const auto off = plan_memory<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>>(llama7b, train, 1);
+  EXPECT_EQ(off.peak().host, 16 * Psi);
 }
 
 TEST(Plan, CommunicationBuffersOnlyWhenSharded) {

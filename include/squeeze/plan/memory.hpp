@@ -1,14 +1,18 @@
 #pragma once
-// Constexpr memory planner: bytes per GPU and per host for one data-parallel rank, by category.
-// The formulas, and why, are in README.md, section "Memory model"; in short (Ψ parameters, N ranks, p_c/p_m bytes of
-// the compute/master type, Ψ_t trainable parameters):
-//   parameters   Ψ·p_c (quantized linears: packed bits + scales), /N at stage 3
+// Constexpr memory planner: bytes per GPU and per host for one data-parallel rank, by category, and the
+// device peak of a training step. The formulas, and why, are in README.md, section "Memory model"; in short
+// (Ψ parameters, N ranks, p_c/p_m bytes of the compute/master type, Ψ_t trainable parameters):
+//   parameters   Ψ·p_c (quantized linears: packed bits + scales; LoRA adapters in p_m), /N at stage 3
 //   gradients    Ψ_t·p_c, /N from stage 2; fp32 when accumulating mixed-precision micro-batches
 //   master       Ψ_t·p_m when it differs from the compute copy, /N from stage 1
 //   optimizer    Adam m and v: Ψ_t·8 (or 8-bit blockwise: Ψ_t·2 + block scales), /N from stage 1
-//   activations  LLaMA block with fused attention, see activation_bytes()
+//   activations  what squeeze::nn::Llama keeps for backward, plus the loss's transient, see activation_bytes()
 //   communication gather/reduce buckets: one block (stage 1-2), three (stage 3: current, prefetch, grads)
 // Offload<Host> moves master + optimizer state (and an fp32 gradient shard) to host memory.
+// peak(): a training step's device high-water mark: the start of backward (everything saved, the loss's
+// gradients being formed) or the optimizer step (every gradient materialised, no activations), whichever
+// is larger. A trainer that frees its gradients between steps (TrainShape::free_grads) has none of them at
+// the start of backward unless it is accumulating.
 #include <bit>
 #include <cstdint>
 
@@ -20,6 +24,10 @@ namespace squeeze::plan {
 struct TrainShape {
   i64 micro_batch = 1;  // sequences per micro-batch on one rank
   i64 seq = 2048;       // tokens per sequence
+  // The trainer frees the gradients after each optimizer step and backward creates them again (PyTorch's
+  // zero_grad(set_to_none=True); the LLaMA example's local trainer). Sharded trainers keep flat gradient
+  // buffers instead (false).
+  bool free_grads = false;
 };
 
 struct Placement {
@@ -33,15 +41,26 @@ struct MemoryPlan {
   Placement parameters, gradients, master_weights, optimizer_state, activations, communication;
   i64 total_params = 0;      // Ψ
   i64 trainable_params = 0;  // Ψ_t
+  // Device gradient bytes that do not exist at the start of backward (TrainShape::free_grads): they are
+  // created by backward, summed into an accumulator or read by the optimizer, then freed.
+  i64 transient_gradients = 0;
   constexpr Placement model_state() const {
     Placement p = parameters;
     p += gradients; p += master_weights; p += optimizer_state;
     return p;
   }
+  // Every category at once: an upper bound of the peak.
   constexpr Placement total() const {
     Placement p = model_state();
     p += activations; p += communication;
     return p;
+  }
+  // The device high-water mark of one step: the start of backward (all activations, the gradients kept
+  // between steps) or the optimizer step (all gradients, no activations). Host: everything, it is persistent.
+  constexpr Placement peak() const {
+    const i64 backward_start = total().device - transient_gradients;
+    const i64 optimizer_step = model_state().device + communication.device;
+    return {backward_start > optimizer_step ? backward_start : optimizer_step, total().host};
   }
 };
 
@@ -78,22 +97,51 @@ constexpr i64 lora_block_params(const ModelShape& m) {
   return n;
 }
 
-// Activation bytes saved for backward on one rank (training) or the working set (inference).
-// Per block and token, with a fused (flash) attention that keeps no T×T scores:
-//   RMSNorm input + output (2h), q (h), k and v after RoPE (2·kv), attention output (h),
-//   RMSNorm input + output (2h), gate, up and silu(gate)·up (3·ffn)    -> 6h + 2kv + 3ffn values of p_c
-//   plus fp32: two RMSNorm reciprocal RMS values and one log-sum-exp per head.
-// Head: final norm (2h values) + logits in p_c + fp32 log-softmax for the loss (V·(p_c+4)).
-// Checkpointing every N blocks keeps each segment's input (h values) and recomputes one segment.
+// Which of a block's seven linears (q, k, v, o, gate, up, down: bit i as in ModelShape::block_linears())
+// train: all of them for full training, the LoRA targets when the base is frozen.
+inline constexpr unsigned kAllLinears = 0x7Fu;
+
+// Activation bytes on one rank at the start of backward (training), or the working set (inference), for
+// squeeze::nn::Llama on a GPU (fused attention: flash for 16-bit compute, memory-efficient for fp32). Per
+// block and token, what autograd keeps (p_c: compute bytes):
+//   each RMSNorm   its input in fp32 (the statistics are computed in float: a copy for 16-bit compute, the
+//                  input itself for fp32) = 4h bytes, its reciprocal RMS (4 bytes), the normalised value
+//                  before the gain (h·p_c, kept by the gain's product) and the output (h·p_c, kept by the
+//                  projections that read it)
+//   attention      q, k and v after RoPE (h + 2·kv; fp32 repeats K/V to all heads: h + 2h) and the output
+//                  (h, also the o projection's input), one fp32 log-sum-exp per head; no T×T scores
+//   SwiGLU         gate, silu(gate), up and silu(gate)·up (4·ffn)
+//   LoRA           r per adapted projection (x·A^T, kept for B's gradient)
+// -> 8h + 4·2 bytes + (6h + 2kv' + 4ffn + lora)·p_c + heads·4.
+// With a frozen base (LoRA) a product whose weight needs no gradient keeps nothing for it: the norms keep
+// no pre-gain value, a norm's output is kept only when an adapted projection reads it, and silu(gate)·up
+// only when down is adapted.
+// Head: the final norm (as above) and the loss. The loss casts the logits to fp32 and keeps the fp32
+// log-softmax; the first backward node then holds it beside the fp32 gradients it reads and writes:
+// 3·V·4 bytes per token at the start of backward (more than the forward's bf16 logits + fp32 copy +
+// log-softmax).
+// Checkpointing every n blocks keeps each segment's input (h·p_c) instead; one segment's blocks are
+// recomputed at a time, after the loss's transient is gone: inputs + final norm + max(loss, segment).
 constexpr i64 activation_bytes(const ModelShape& m, const TrainShape& t, i64 p_c, int checkpoint_every,
-                               bool training, i64 lora_rank_targets = 0) {
+                               bool training, i64 lora_rank_targets = 0, unsigned trained_linears = kAllLinears) {
   const i64 tokens = t.micro_batch * t.seq;
-  const i64 block = tokens * ((6 * m.hidden + 2 * m.kv_dim() + 3 * m.ffn + lora_rank_targets) * p_c + (2 + m.heads) * 4);
-  const i64 head = tokens * (2 * m.hidden * p_c + 4 + m.vocab * (p_c + 4));
-  if (!training) return tokens * (2 * m.hidden + 2 * m.kv_dim() + 3 * m.ffn) * p_c + tokens * m.vocab * p_c;
-  if (checkpoint_every == 0) return m.layers * block + head;
-  const i64 segment = checkpoint_every < m.layers ? checkpoint_every : m.layers;
-  return ceil_div(m.layers, checkpoint_every) * tokens * m.hidden * p_c + segment * block + head;
+  const i64 h = m.hidden;
+  if (!training) return tokens * (2 * h + 2 * m.kv_dim() + 3 * m.ffn) * p_c + tokens * m.vocab * p_c;
+  const bool frozen = trained_linears != kAllLinears;
+  const auto trains = [trained_linears](unsigned mask) { return (trained_linears & mask) != 0; };
+  const i64 kv = p_c >= 4 ? h : m.kv_dim();  // fp32 attention reads K/V repeated to every head
+  const i64 norm_fp32 = 4 * h + 4;           // fp32 input + reciprocal RMS
+  const i64 pre_gain = frozen ? 0 : h;       // normalised value kept by the gain's product
+  const i64 attn_norm = frozen && !trains(0x7u) ? 0 : h;    // kept by q, k, v
+  const i64 mlp_norm = frozen && !trains(0x30u) ? 0 : h;    // kept by gate, up
+  const i64 product = frozen && !trains(0x40u) ? 0 : m.ffn;  // silu(gate)·up, kept by down
+  const i64 block = tokens * (2 * norm_fp32 + (2 * pre_gain + attn_norm + mlp_norm + 2 * h + 2 * kv + 3 * m.ffn + product +
+                                               lora_rank_targets) * p_c + m.heads * 4);
+  const i64 final_norm = tokens * (norm_fp32 + (pre_gain + h) * p_c);
+  const i64 loss = tokens * 3 * m.vocab * 4;
+  if (checkpoint_every == 0) return m.layers * block + final_norm + loss;
+  const i64 segment = (checkpoint_every < m.layers ? checkpoint_every : m.layers) * block;
+  return ceil_div(m.layers, checkpoint_every) * tokens * h * p_c + final_norm + (loss > segment ? loss : segment);
 }
 
 template <StrategyType S>
@@ -116,23 +164,29 @@ constexpr MemoryPlan plan_memory(const ModelShape& m, const TrainShape& t, int w
     i64 weights = 0;
     for (auto lin : m.block_linears()) weights += m.layers * quantized_matrix_bytes<WQ>(lin.in, lin.out);
     weights += m.unquantized_params() * p_c;
-    weights += lora_params * p_c;
+    weights += lora_params * p_m;  // adapters are trained in the master type (no separate master copy)
     plan.parameters.device = S::stage >= 3 ? shard(weights) : weights;
   } else {
-    const i64 elements = m.params() + lora_params;  // shards are counted in elements, then bytes
-    plan.parameters.device = (S::stage >= 3 ? shard(elements) : elements) * p_c;
+    const i64 elements = m.params();  // shards are counted in elements, then bytes
+    plan.parameters.device = (S::stage >= 3 ? shard(elements) : elements) * p_c + lora_params * p_m;
   }
 
   if (trainable > 0) {
-    // Gradients in the compute type; accumulating mixed-precision micro-batches sums into fp32.
-    const bool fp32_accumulator = S::accumulation_steps > 1 && S::has_master_copy;
+    // Gradients in the compute type (LoRA adapters: their own, master, type); accumulating mixed-precision
+    // micro-batches sums into fp32. LoRA adapters are their own fp32 master: no copy, no accumulator.
+    const i64 p_g = S::has_lora ? p_m : p_c;
+    const bool master_copy = S::has_master_copy && !S::has_lora;
+    const bool fp32_accumulator = S::accumulation_steps > 1 && master_copy;
     if constexpr (S::stage >= 2) {
-      plan.gradients.device = shard(trainable) * (fp32_accumulator ? 4 : p_c);
+      plan.gradients.device = shard(trainable) * (fp32_accumulator ? 4 : p_g);
     } else {
-      plan.gradients.device = trainable * p_c + (fp32_accumulator ? trainable * 4 : 0);
+      plan.gradients.device = trainable * p_g + (fp32_accumulator ? trainable * 4 : 0);
+      // Freed between steps: all of them, except what accumulates across micro-batches (the fp32
+      // accumulator, or the gradients themselves when there is no master copy).
+      if (t.free_grads && !(S::accumulation_steps > 1 && !fp32_accumulator)) plan.transient_gradients = trainable * p_g;
     }
     const i64 owned = S::stage >= 1 ? shard(trainable) : trainable;  // optimizer-state shard
-    const i64 master = S::has_master_copy ? owned * p_m : 0;
+    const i64 master = master_copy ? owned * p_m : 0;
     const i64 state = S::state_bits == 32 ? owned * 8 : owned * 2 + 2 * ceil_div(owned, S::state_quantization::group) * 4;
     if constexpr (S::offload_to_host) {
       plan.master_weights.host = S::has_master_copy ? master : owned * p_m;  // the host update needs an fp32 copy
@@ -145,7 +199,8 @@ constexpr MemoryPlan plan_memory(const ModelShape& m, const TrainShape& t, int w
   }
 
   const i64 lora_act = S::has_lora ? S::lora_rank * std::popcount(L::targets) : 0;
-  plan.activations.device = activation_bytes(m, t, p_c, S::checkpoint_every, S::training, lora_act);
+  const unsigned trained = S::base_trainable ? kAllLinears : (S::has_lora ? unsigned(L::targets) : 0u);
+  plan.activations.device = activation_bytes(m, t, p_c, S::checkpoint_every, S::training, lora_act, trained);
 
   if (N > 1) {
     const i64 bucket = m.largest_gather_params() * p_c;
