@@ -19,10 +19,17 @@
 #include <iostream>
 #include <sstream>
 
+#include "data.hpp"
 #include "trainer.hpp"
 
 using namespace squeeze;
 using squeeze::llama::Trainer;
+using squeeze::llama::Corpus;
+using squeeze::llama::detokenize;
+using squeeze::llama::load_corpus;
+using squeeze::llama::sample_batch;
+using squeeze::llama::tokenize;
+using squeeze::llama::val_batches;
 
 namespace {
 
@@ -32,100 +39,6 @@ struct Options {
   double lr = 3e-3, weight_decay = 0.1, clip = 1.0, val_fraction = 0.05;
   uint64_t seed = 1337;
 };
-
-// ---- corpus -------------------------------------------------------------------------------------------
-struct Corpus {
-  std::string train, val, source;
-};
-
-// A few lines of our own so the example runs anywhere; far too little to learn much from.
-constexpr const char* kBuiltinText =
-    "In the beginning was a small model, and the model knew nothing.\n"
-    "And the trainer said, Let there be gradients: and there were gradients.\n"
-    "And the trainer saw the loss, that it was high; and the trainer divided the batch into micro-batches.\n"
-    "And the activations were many, and the memory was full; and the trainer said, Recompute them.\n"
-    "And the weights were kept in bfloat16, and the master weights in float, and it was good.\n"
-    "And the evening and the morning were the first epoch.\n";
-
-// Verses of the KJV, one per line, from the `bible` program; empty if it is not installed.
-std::vector<std::string> bible_verses() {
-  if (!std::filesystem::exists("/usr/lib/bible.data") && !std::filesystem::exists("/usr/share/bible-kjv/bible.data")) return {};
-  FILE* pipe = popen("bible -f 'Genesis 1:1-Revelation 22:21' 2>/dev/null", "r");
-  if (pipe == nullptr) return {};
-  std::vector<std::string> verses;
-  std::string line;
-  for (int c; (c = std::fgetc(pipe)) != EOF;) {
-    if (c != '\n') { line += char(c); continue; }
-    // "Ge1:1 In the beginning ..." -> "In the beginning ..."
-    if (const auto space = line.find(' '); space != std::string::npos && line.find(':') < space) verses.push_back(line.substr(space + 1));
-    line.clear();
-  }
-  pclose(pipe);
-  return verses;
-}
-
-// Splits whole lines: the last `val_fraction` of them (at least one) are validation text.
-Corpus split_lines(const std::vector<std::string>& lines, double val_fraction, std::string source) {
-  Corpus c;
-  c.source = std::move(source);
-  const size_t n_val = std::max<size_t>(1, size_t(double(lines.size()) * val_fraction));
-  for (size_t i = 0; i < lines.size(); ++i) (i + n_val < lines.size() ? c.train : c.val) += lines[i] + "\n";
-  return c;
-}
-
-Corpus load_corpus(const Options& o) {
-  std::vector<std::string> lines;
-  if (!o.corpus.empty()) {
-    std::ifstream in(o.corpus);
-    if (!in) throw std::runtime_error("cannot read --corpus '" + o.corpus + "'");
-    for (std::string l; std::getline(in, l);) lines.push_back(l);
-    if (lines.size() < 2) throw std::runtime_error("--corpus '" + o.corpus + "' needs at least two lines (train and validation)");
-    return split_lines(lines, o.val_fraction, o.corpus);
-  }
-  lines = bible_verses();
-  if (!lines.empty()) return split_lines(lines, o.val_fraction, "King James Bible (" + std::to_string(lines.size()) + " verses)");
-  std::cerr << "note: the KJV corpus was not found (install it with `apt-get install bible-kjv`, or pass --corpus FILE);\n"
-               "      training on a small built-in text instead.\n";
-  std::istringstream in(kBuiltinText);
-  for (std::string l; std::getline(in, l);) lines.push_back(l);
-  return split_lines(lines, 1.0 / 6, "built-in text");
-}
-
-// Bytes as token ids: [n] int64.
-torch::Tensor tokenize(const std::string& text) {
-  return torch::from_blob(const_cast<char*>(text.data()), {int64_t(text.size())}, torch::kUInt8).to(torch::kLong);
-}
-std::string detokenize(const torch::Tensor& ids) {
-  std::string s;
-  const torch::Tensor c = ids.to(torch::kCPU, torch::kLong).contiguous();
-  for (int64_t i = 0; i < c.numel(); ++i) s += char(c.data_ptr<int64_t>()[i]);
-  return s;
-}
-
-// Random windows of seq+1 tokens: x = window[:-1], y = window[1:], each [B, T]. The generator is seeded
-// from (seed, step), so a resumed run sees the same batches as an uninterrupted one.
-std::pair<torch::Tensor, torch::Tensor> sample_batch(const torch::Tensor& data, int64_t B, int64_t T, uint64_t seed,
-                                                     int64_t step, torch::Device device) {
-  auto gen = at::detail::createCPUGenerator(seed * 1000003ULL + uint64_t(step));
-  const torch::Tensor start = torch::randint(0, data.size(0) - T - 1, {B, 1}, gen, torch::kLong);  // [B, 1]
-  const torch::Tensor idx = start + torch::arange(T + 1, torch::kLong);                                 // [B, T+1]
-  const torch::Tensor w = data.index_select(0, idx.reshape({-1})).view({B, T + 1});
-  return {w.narrow(1, 0, T).to(device), w.narrow(1, 1, T).to(device)};
-}
-
-// Evenly spaced validation windows (the same ones every evaluation).
-std::vector<std::pair<torch::Tensor, torch::Tensor>> val_batches(const torch::Tensor& data, int64_t B, int64_t T, int64_t n,
-                                                                 torch::Device device) {
-  std::vector<std::pair<torch::Tensor, torch::Tensor>> out;
-  const int64_t windows = B * n, span = data.size(0) - T - 1;
-  const torch::Tensor start = torch::linspace(0, double(span), windows, torch::kDouble).to(torch::kLong).view({n, B, 1});
-  for (int64_t i = 0; i < n; ++i) {
-    const torch::Tensor idx = start[i] + torch::arange(T + 1, torch::kLong);  // [B, T+1]
-    const torch::Tensor w = data.index_select(0, idx.reshape({-1})).view({B, T + 1});
-    out.emplace_back(w.narrow(1, 0, T).to(device), w.narrow(1, 1, T).to(device));
-  }
-  return out;
-}
 
 // Learning rate: linear warm-up over the first 5% of steps, cosine decay to 10% at the end.
 double lr_at(int64_t step, int64_t steps, double lr) {
@@ -189,11 +102,7 @@ int train(const Options& o) {
   at::globalContext().setFlushDenormal(true);
   if (o.threads > 0) torch::set_num_threads(int(o.threads));
 
-  if constexpr (S::stage > 0 || S::offload_to_host || S::has_lora)
-    if (!o.save.empty() || !o.load.empty())
-      throw std::runtime_error("--save/--load: checkpoints of Sharded/Offload/LoRA strategies are not supported by this example yet");
-
-  const Corpus corpus = load_corpus(o);
+  const Corpus corpus = load_corpus(o.corpus, o.val_fraction);
   const torch::Tensor train_ids = tokenize(corpus.train), val_ids = tokenize(corpus.val);  // [n] each
   if (train_ids.size(0) <= o.seq + 1 || val_ids.size(0) <= o.seq + 1)
     throw std::runtime_error("--seq " + std::to_string(o.seq) + " is longer than the corpus' training or validation text");
@@ -206,12 +115,12 @@ int train(const Options& o) {
     trainer.load(o.load);
     std::cerr << "resumed from " << o.load << " at step " << trainer.step_count() << "\n";
   }
-  const auto plan = plan::plan_memory<S>(config.shape(), {o.batch / S::accumulation_steps, o.seq}, 1);
+  const double planned_gb = double(llama::plan_for<S>(config, o.batch, o.seq).peak().device) / 1e9;
   int64_t n_params = 0;
   for (const auto& p : trainer.model()->parameters()) n_params += p.numel();
   std::cerr << "model " << o.preset << " (" << n_params / 1e6 << "M parameters), strategy " << o.strategy << ", device "
             << device << "\ncorpus: " << corpus.source << ": " << train_ids.size(0) << " training bytes, " << val_ids.size(0)
-            << " validation bytes\nplanner: " << double(plan.total().device) / 1e9 << " GB on the device for batch "
+            << " validation bytes\nplanner: " << planned_gb << " GB peak on the device for batch "
             << o.batch << " x " << o.seq << "\n";
 
   const auto val = val_batches(val_ids, o.batch, o.seq, o.eval_batches, device);
@@ -259,7 +168,7 @@ int train(const Options& o) {
   const auto mem = llama::memory_use(device);
   std::printf("strategy %s: train loss %.4f -> %.4f, validation perplexity %.3f, %.0f tokens/s, peak memory %.2f GB (planner %.2f GB)\n",
               o.strategy.c_str(), first_loss, last_loss, std::exp(val_loss), seconds > 0 ? tokens / seconds : 0.0, mem.peak_gb,
-              double(plan.total().device) / 1e9);
+              planned_gb);
   if (o.sample > 0) std::printf("sample: %s\n", sample_text(trainer.model(), "And God said", o.sample, o.seq, device, o.seed).c_str());
   return 0;
 }

@@ -12,8 +12,8 @@
 //   Checkpointed / CheckpointEvery<N>   the model recomputes segments of N blocks in backward.
 // Sharded<StageN> and Offload<Host> go to squeeze's ZeRO trainer (nn/trainer.hpp) through ZeroTrainer below,
 // on one rank by default or on the communicator given (e.g. LocalComm ranks in tests).
-// Checkpoints (save/load) hold the float weights, the AdamW state, the step and the loss scale; they are
-// written to a temporary file and renamed, so a failed save never replaces a good checkpoint.
+// Checkpoints (save/load, every trainer) hold the float weights, the optimizer state, the step and the loss
+// scale; they are written to a temporary file and renamed, so a failed save never replaces a good checkpoint.
 #include <squeeze/comm/local.hpp>
 #include <squeeze/nn/llama.hpp>
 #include <squeeze/nn/lora.hpp>
@@ -29,6 +29,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -66,6 +67,7 @@ void for_each_strategy(F&& f) {
   // ZeRO (squeeze's sharded trainer); on one GPU, Offload<Host> is what saves memory.
   f.template operator()<Strategy<Sharded<Stage2>, Precision<bf16, float>>>("zero2-bf16");
   f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>>>("zero3-offload");
+  f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<half, float>>>("zero3-offload-fp16");
   f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<half, float>, Accumulate<4>>>("zero3-offload-fp16-accum4");
   f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed>>("zero3-offload-bf16-ckpt");
   // QLoRA (squeeze's LoraTrainer): NF4 base weights, bf16 compute, fp32 adapters. CPU, or CUDA from an nvcc TU.
@@ -170,6 +172,114 @@ inline double evaluate_loss(Llama& model, const std::vector<std::pair<torch::Ten
   return sum / double(batches.size());
 }
 
+// ---- checkpoints (every trainer) -----------------------------------------------------------------------
+// A torch archive: format tag, the trainer kind ("local", "zero", "lora": each has its own state), the
+// strategy and geometry it was written under, then the trainer's named tensors and scalars. Written to
+// FILE.tmp and renamed, so a failed save never replaces a good checkpoint.
+inline constexpr const char* kCheckpointFormat = "squeeze-llama-checkpoint-2";
+
+inline std::vector<int64_t> geometry_of(const LlamaConfig& c) { return {c.vocab, c.hidden, c.layers, c.heads, c.kv_heads, c.ffn}; }
+
+class CheckpointWriter {
+ public:
+  CheckpointWriter(const LlamaConfig& c, std::string_view strategy, std::string_view kind) {
+    archive_.write("format", c10::IValue(std::string(kCheckpointFormat)));
+    archive_.write("kind", c10::IValue(std::string(kind)));
+    archive_.write("strategy", c10::IValue(std::string(strategy)));
+    archive_.write("preset", c10::IValue(c.name));
+    archive_.write("geometry", c10::IValue(geometry_of(c)));
+  }
+  void tensor(const std::string& key, const torch::Tensor& t) { archive_.write(key, t.detach().to(torch::kCPU).clone()); }
+  void scalar(const std::string& key, int64_t v) { archive_.write(key, c10::IValue(v)); }
+  void scalar(const std::string& key, double v) { archive_.write(key, c10::IValue(v)); }
+  void archive(const std::string& key, torch::serialize::OutputArchive& a) { archive_.write(key, a); }
+  void save(const std::string& path) {
+    const std::string tmp = path + ".tmp";
+    try {
+      archive_.save_to(tmp);
+    } catch (const std::exception& e) {
+      std::error_code ec;
+      std::filesystem::remove(tmp, ec);
+      TORCH_CHECK(false, "could not write checkpoint '", tmp, "': ", e.what(), " (", path, " was left as it was)");
+    }
+    std::error_code ec;
+    std::filesystem::rename(tmp, path, ec);
+    TORCH_CHECK(!ec, "could not rename '", tmp, "' to '", path, "': ", ec.message());
+  }
+
+ private:
+  torch::serialize::OutputArchive archive_;
+};
+
+// Opens and checks a checkpoint (format, kind, geometry); the trainer then reads everything it needs and
+// checks it before changing anything.
+class CheckpointReader {
+ public:
+  CheckpointReader(const std::string& path, const LlamaConfig& c, std::string_view kind) : path_(path) {
+    TORCH_CHECK(std::filesystem::exists(path), "checkpoint '", path, "' does not exist");
+    try {
+      archive_.load_from(path);
+    } catch (const std::exception& e) {
+      const std::string what = e.what();
+      TORCH_CHECK(false, "checkpoint '", path, "' is corrupt or not a checkpoint (", what.substr(0, what.find('\n')), ")");
+    }
+    c10::IValue v;
+    TORCH_CHECK(archive_.try_read("format", v) && v.isString() && v.toStringRef() == kCheckpointFormat, "'", path,
+                "' is not a squeeze LLaMA checkpoint (format tag missing or of another version)");
+    const std::string got_kind = string("kind"), strategy = string("strategy");
+    TORCH_CHECK(got_kind == kind, "checkpoint '", path, "' was written by strategy '", strategy, "' (", got_kind,
+                " trainer); this strategy uses the ", std::string(kind), " trainer: load it with a strategy of the same kind");
+    const std::vector<int64_t> want = geometry_of(c);
+    TORCH_CHECK(archive_.try_read("geometry", v) && v.isIntList(), "checkpoint '", path, "' has no geometry");
+    const std::vector<int64_t> got = v.toIntVector();
+    TORCH_CHECK(got == want, "checkpoint '", path, "' holds preset '", string("preset"), "' with (vocab, hidden, layers, heads, kv_heads, ffn) = ",
+                c10::IntArrayRef(got), ", but this model is '", c.name, "' ", c10::IntArrayRef(want));
+  }
+  std::string string(const std::string& key) {
+    c10::IValue v;
+    TORCH_CHECK(archive_.try_read(key, v) && v.isString(), "checkpoint '", path_, "' has no '", key, "'");
+    return v.toStringRef();
+  }
+  int64_t integer(const std::string& key) {
+    c10::IValue v;
+    TORCH_CHECK(archive_.try_read(key, v) && v.isInt(), "checkpoint '", path_, "' has no '", key, "'");
+    return v.toInt();
+  }
+  double real(const std::string& key) {
+    c10::IValue v;
+    TORCH_CHECK(archive_.try_read(key, v) && v.isDouble(), "checkpoint '", path_, "' has no '", key, "'");
+    return v.toDouble();
+  }
+  torch::serialize::InputArchive archive(const std::string& key) {
+    torch::serialize::InputArchive a;
+    TORCH_CHECK(archive_.try_read(key, a), "checkpoint '", path_, "' has no '", key, "'");
+    return a;
+  }
+  // A tensor of the given shape (finite, if floating-point).
+  torch::Tensor tensor(const std::string& key, c10::IntArrayRef shape) {
+    torch::Tensor t;
+    TORCH_CHECK(archive_.try_read(key, t), "checkpoint '", path_, "' has no tensor '", key, "'");
+    TORCH_CHECK(t.sizes() == shape, "checkpoint '", path_, "': '", key, "' is ", t.sizes(), ", the model expects ", shape);
+    if (t.is_floating_point()) TORCH_CHECK(t.isfinite().all().item<bool>(), "checkpoint '", path_, "': '", key, "' holds inf/NaN");
+    return t;
+  }
+
+ private:
+  std::string path_;
+  torch::serialize::InputArchive archive_;
+};
+
+// Stage 0 on one device. Memory, step by step (what the planner's peak() models with free_grads = true):
+//   kept between steps  the model in the compute type, fp32 masters (mixed precision), AdamW's m and v
+//   backward            creates the gradients in the compute type, layer by layer, as activations are freed
+//   Accumulate<N>       mixed precision: each micro-batch's gradients are added into fp32 accumulators (which
+//                       live until the update) and freed; float: they accumulate in place in .grad
+//   update              per tensor: unscale + clip folded into one multiplier, AdamW on the fp32 weights (the
+//                       gradient converted one tensor at a time), the compute copy rounded from the master;
+//                       then the gradients are freed (set to none). Temporaries: two fp32 tensors of the
+//                       largest parameter.
+// AdamW is PyTorch's (decoupled decay, bias correction), written with torch ops so it runs on any device from
+// a host-compiled translation unit.
 template <StrategyType S>
 class LocalTrainer {
   static_assert(S::training, "the LLaMA trainer trains: remove Inference");
@@ -181,34 +291,32 @@ class LocalTrainer {
   using compute_type = typename S::compute_type;
   static constexpr bool has_master = S::has_master_copy;
   static constexpr int micro_batches = S::accumulation_steps;
+  static constexpr bool fp32_accumulators = micro_batches > 1 && has_master;
+  static constexpr bool frees_gradients = true;  // for the planner (plan::TrainShape::free_grads)
 
   LocalTrainer(LlamaConfig config, TrainOptions options, torch::Device device)
       : model_(std::move(config)), options_(options), device_(device), scale_(S::loss_scaling ? options.initial_scale : 1.0) {
     // Masters are taken from the float initialisation, so every strategy starts from the same weights.
-    std::vector<torch::Tensor> optimized;
-    if constexpr (has_master) {
+    const auto f32 = torch::TensorOptions().device(device_).dtype(torch::kFloat32);
+    {
       torch::NoGradGuard no_grad;
-      for (auto& p : model_->parameters())
-        master_.push_back(p.detach().to(device_, torch_dtype<typename S::master_type>()).requires_grad_(true));
-      optimized = master_;
+      for (auto& p : model_->parameters()) {
+        if constexpr (has_master) master_.push_back(p.detach().to(f32).contiguous());
+        m_.push_back(torch::zeros(p.sizes(), f32));
+        v_.push_back(torch::zeros(p.sizes(), f32));
+        if constexpr (fp32_accumulators) acc_.push_back(torch::zeros(p.sizes(), f32));
+      }
     }
     model_->to(device_, torch_dtype<compute_type>());
     model_->checkpoint_every = S::checkpoint_every;
     model_->train();
-    if constexpr (!has_master) optimized = model_->parameters();
-    optimizer_ = std::make_unique<torch::optim::AdamW>(
-        optimized, torch::optim::AdamWOptions(options.lr)
-                       .betas({options.beta1, options.beta2})
-                       .eps(options.eps)
-                       .weight_decay(options.weight_decay));
+    params_ = model_->parameters();
   }
 
   Llama& model() { return model_; }
   int64_t step_count() const { return step_; }
   double loss_scale() const { return scale_; }
-  void set_lr(double lr) {
-    for (auto& g : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
-  }
+  void set_lr(double lr) { options_.lr = lr; }
 
   // One optimizer step on tokens x -> targets y, both [B, T] int64 on the trainer's device.
   StepResult step(const torch::Tensor& x, const torch::Tensor& y) {
@@ -222,33 +330,32 @@ class LocalTrainer {
       const torch::Tensor loss = model_->loss(xi, yi);
       loss_sum += loss.detach();
       (loss * (scale_ / micro_batches)).backward();
-      if constexpr (has_master) move_grads_to_master();  // sums micro-batches in float
+      if constexpr (fp32_accumulators) accumulate(i == 0);
     }
     r.loss = loss_sum.item<double>() / micro_batches;
 
-    std::vector<torch::Tensor>& params = optimized();
-    if (scale_ != 1.0) {
+    // Global L2 norm of the (scaled) gradients, in double over per-tensor fp32 norms.
+    double sumsq = 0;
+    {
       torch::NoGradGuard no_grad;
-      for (auto& p : params)
-        if (p.grad().defined()) p.mutable_grad().mul_(1.0 / scale_);
+      std::vector<torch::Tensor> norms;
+      for (size_t i = 0; i < params_.size(); ++i)
+        if (const torch::Tensor& g = grad(i); g.defined()) norms.push_back(at::linalg_vector_norm(g, 2, std::nullopt, false, torch::kFloat32));
+      if (!norms.empty()) sumsq = torch::stack(norms).to(torch::kFloat64).square().sum().item<double>();
     }
-    r.grad_norm = torch::nn::utils::clip_grad_norm_(params, options_.clip > 0 ? options_.clip : std::numeric_limits<double>::infinity());
+    r.grad_norm = std::sqrt(sumsq) / scale_;
     if (!std::isfinite(r.grad_norm)) {  // overflow (fp16) or divergence: skip the update
       r.applied = false;
       if constexpr (S::dynamic_loss_scaling) {
         scale_ = std::max(1.0, scale_ / 2);
         good_steps_ = 0;
       }
-      zero_grads();
+      free_grads();
       return r;
     }
-    optimizer_->step();
-    zero_grads();
-    if constexpr (has_master) {
-      torch::NoGradGuard no_grad;
-      auto model_params = model_->parameters();
-      for (size_t i = 0; i < model_params.size(); ++i) model_params[i].copy_(master_[i]);  // round to compute type
-    }
+    const double clip = options_.clip > 0 ? std::min(1.0, options_.clip / (r.grad_norm + 1e-6)) : 1.0;
+    update(clip / scale_);
+    free_grads();
     if constexpr (S::dynamic_loss_scaling) {
       if (++good_steps_ >= options_.scale_growth_interval) {
         scale_ *= 2;
@@ -265,84 +372,41 @@ class LocalTrainer {
   }
 
   // ---- checkpoints ------------------------------------------------------------------------------------
-  static constexpr const char* kFormat = "squeeze-llama-checkpoint-1";
-
+  // Float weights (the masters, or the float parameters), AdamW's moments, the step and the loss scale.
+  // One written under any local strategy loads under any other of the same model.
   void save(const std::string& path, std::string_view strategy_name) {
-    torch::serialize::OutputArchive archive;
-    const LlamaConfig& c = model_->config;
-    archive.write("format", c10::IValue(std::string(kFormat)));
-    archive.write("strategy", c10::IValue(std::string(strategy_name)));
-    archive.write("preset", c10::IValue(c.name));
-    archive.write("geometry", c10::IValue(std::vector<int64_t>{c.vocab, c.hidden, c.layers, c.heads, c.kv_heads, c.ffn}));
-    archive.write("step", c10::IValue(step_));
-    archive.write("loss_scale", c10::IValue(scale_));
-    archive.write("good_steps", c10::IValue(good_steps_));
+    CheckpointWriter w(model_->config, strategy_name, "local");
+    w.scalar("step", step_);
+    w.scalar("loss_scale", scale_);
+    w.scalar("good_steps", good_steps_);
     const auto names = model_->named_parameters().keys();
-    std::vector<torch::Tensor>& weights = optimized();  // the float truth (masters, or the float params)
-    for (size_t i = 0; i < names.size(); ++i) archive.write("weights/" + names[i], weights[i].detach().cpu());
-    torch::serialize::OutputArchive opt;
-    optimizer_->save(opt);
-    archive.write("optimizer", opt);
-
-    const std::string tmp = path + ".tmp";
-    try {
-      archive.save_to(tmp);
-    } catch (const std::exception& e) {
-      std::error_code ec;
-      std::filesystem::remove(tmp, ec);
-      TORCH_CHECK(false, "could not write checkpoint '", tmp, "': ", e.what(), " (", path, " was left as it was)");
+    for (size_t i = 0; i < names.size(); ++i) {
+      w.tensor("weights/" + names[i], weights(i));
+      w.tensor("adam_m/" + names[i], m_[i]);
+      w.tensor("adam_v/" + names[i], v_[i]);
     }
-    std::error_code ec;
-    std::filesystem::rename(tmp, path, ec);
-    TORCH_CHECK(!ec, "could not rename '", tmp, "' to '", path, "': ", ec.message());
+    w.save(path);
   }
 
-  // Loads a checkpoint written by save(), from any strategy of the same geometry. Everything is read and
-  // checked before the model is touched; a file that is not a checkpoint, or is of another model, throws.
+  // Loads a checkpoint written by save(), from any local strategy of the same geometry. Everything is read
+  // and checked before the model is touched; a file that is not a checkpoint, or is of another model, throws.
   void load(const std::string& path) {
-    TORCH_CHECK(std::filesystem::exists(path), "checkpoint '", path, "' does not exist");
-    torch::serialize::InputArchive archive;
-    try {
-      archive.load_from(path);
-    } catch (const std::exception& e) {
-      TORCH_CHECK(false, "checkpoint '", path, "' is corrupt or not a checkpoint (", first_line(e.what()), ")");
-    }
-    c10::IValue v;
-    TORCH_CHECK(archive.try_read("format", v) && v.isString() && v.toStringRef() == kFormat, "'", path,
-                "' is not a squeeze LLaMA checkpoint (format tag missing or of another version)");
-    const LlamaConfig& c = model_->config;
-    const std::vector<int64_t> want{c.vocab, c.hidden, c.layers, c.heads, c.kv_heads, c.ffn};
-    archive.read("geometry", v);
-    const std::vector<int64_t> got = v.toIntVector();
-    c10::IValue preset;
-    archive.read("preset", preset);
-    TORCH_CHECK(got == want, "checkpoint '", path, "' holds preset '", preset.toStringRef(), "' with (vocab, hidden, layers, heads, kv_heads, ffn) = ",
-                c10::IntArrayRef(got), ", but this model is '", c.name, "' ", c10::IntArrayRef(want));
-
+    CheckpointReader r(path, model_->config, "local");
     const auto names = model_->named_parameters().keys();
-    std::vector<torch::Tensor>& weights = optimized();
-    std::vector<torch::Tensor> loaded(names.size());
+    std::vector<torch::Tensor> w(names.size()), m(names.size()), v(names.size());
     for (size_t i = 0; i < names.size(); ++i) {
-      TORCH_CHECK(archive.try_read("weights/" + names[i], loaded[i]), "checkpoint '", path, "' has no tensor for ", names[i]);
-      TORCH_CHECK(loaded[i].sizes() == weights[i].sizes(), "checkpoint '", path, "': ", names[i], " is ", loaded[i].sizes(),
-                  ", the model expects ", weights[i].sizes());
-      TORCH_CHECK(loaded[i].isfinite().all().item<bool>(), "checkpoint '", path, "': ", names[i], " holds inf/NaN");
+      w[i] = r.tensor("weights/" + names[i], params_[i].sizes());
+      m[i] = r.tensor("adam_m/" + names[i], params_[i].sizes());
+      v[i] = r.tensor("adam_v/" + names[i], params_[i].sizes());
     }
-    torch::serialize::InputArchive opt;
-    TORCH_CHECK(archive.try_read("optimizer", opt), "checkpoint '", path, "' has no optimizer state");
-    archive.read("step", v);
-    const int64_t step = v.toInt();
-    archive.read("loss_scale", v);
-    const double scale = v.toDouble();
-    archive.read("good_steps", v);
-    const int64_t good = v.toInt();
-
-    optimizer_->load(opt);
+    const int64_t step = r.integer("step"), good = r.integer("good_steps");
+    const double scale = r.real("loss_scale");
     torch::NoGradGuard no_grad;
-    auto model_params = model_->parameters();
     for (size_t i = 0; i < names.size(); ++i) {
-      weights[i].copy_(loaded[i]);
-      if constexpr (has_master) model_params[i].copy_(loaded[i]);
+      weights(i).copy_(w[i]);
+      if constexpr (has_master) params_[i].copy_(w[i]);
+      m_[i].copy_(m[i]);
+      v_[i].copy_(v[i]);
     }
     step_ = step;
     if constexpr (S::loss_scaling) {
@@ -352,42 +416,58 @@ class LocalTrainer {
   }
 
  private:
-  static std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
-
-  std::vector<torch::Tensor>& optimized() {
-    if constexpr (has_master) return master_;
-    else {
-      if (params_.empty()) params_ = model_->parameters();
-      return params_;
-    }
+  // The fp32 weights AdamW updates: the master copy, or the float parameter itself.
+  torch::Tensor& weights(size_t i) {
+    if constexpr (has_master) return master_[i];
+    else return params_[i];
+  }
+  // The gradient the update reads: the fp32 accumulator, or backward's.
+  const torch::Tensor& grad(size_t i) {
+    if constexpr (fp32_accumulators) return acc_[i];
+    else return params_[i].grad();
   }
 
-  // Adds the compute-type gradients into the float master gradients and frees them.
-  void move_grads_to_master() {
+  // Mixed-precision micro-batch: add the compute-type gradients into the fp32 accumulators, free them.
+  void accumulate(bool first) {
     torch::NoGradGuard no_grad;
-    auto model_params = model_->parameters();
-    for (size_t i = 0; i < model_params.size(); ++i) {
-      torch::Tensor& g = model_params[i].mutable_grad();
-      if (!g.defined()) continue;
-      torch::Tensor& mg = master_[i].mutable_grad();
-      if (mg.defined()) mg.add_(g);
-      else mg = g.to(torch::kFloat32);
+    for (size_t i = 0; i < params_.size(); ++i) {
+      torch::Tensor& g = params_[i].mutable_grad();
+      if (first) acc_[i].zero_();
+      if (g.defined()) acc_[i].add_(g);
       g = torch::Tensor();
     }
   }
 
-  void zero_grads() {
-    for (auto& p : optimized()) p.mutable_grad() = torch::Tensor();
-    if constexpr (has_master)
-      for (auto& p : model_->parameters()) p.mutable_grad() = torch::Tensor();
+  // AdamW on every tensor; gmul = clip / loss scale multiplies the gradients.
+  void update(double gmul) {
+    torch::NoGradGuard no_grad;
+    const double b1 = options_.beta1, b2 = options_.beta2, t = double(step_ + 1);
+    const double bc1 = 1 - std::pow(b1, t), bc2 = 1 - std::pow(b2, t);
+    const double step_size = options_.lr / bc1;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const torch::Tensor& g = grad(i);
+      if (!g.defined()) continue;
+      const torch::Tensor g32 = g.to(torch::kFloat32) * gmul;  // [param] fp32 temporary
+      m_[i].mul_(b1).add_(g32, 1 - b1);
+      v_[i].mul_(b2).addcmul_(g32, g32, 1 - b2);
+      const torch::Tensor denom = (v_[i].sqrt() / std::sqrt(bc2)).add_(options_.eps);
+      torch::Tensor& w = weights(i);
+      w.mul_(1 - options_.lr * options_.weight_decay).addcdiv_(m_[i], denom, -step_size);
+      if constexpr (has_master) params_[i].copy_(w);  // round to the compute type
+    }
+  }
+
+  void free_grads() {
+    for (auto& p : params_) p.mutable_grad() = torch::Tensor();
   }
 
   Llama model_;
   TrainOptions options_;
   torch::Device device_;
-  std::vector<torch::Tensor> master_;  // float copies (mixed precision only)
-  std::vector<torch::Tensor> params_;  // the model's parameters (no master copy)
-  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  std::vector<torch::Tensor> params_;            // the model's parameters (compute type)
+  std::vector<torch::Tensor> master_;            // fp32 copies (mixed precision only)
+  std::vector<torch::Tensor> m_, v_;             // AdamW moments, fp32
+  std::vector<torch::Tensor> acc_;               // fp32 gradient accumulators (mixed precision + Accumulate<N>)
   double scale_ = 1.0;
   int64_t good_steps_ = 0;
   int64_t step_ = 0;
@@ -401,6 +481,7 @@ template <StrategyType S>
 class ZeroTrainer {
  public:
   static constexpr int micro_batches = S::accumulation_steps;
+  static constexpr bool frees_gradients = false;  // flat gradient buffers (plan::TrainShape::free_grads)
 
   ZeroTrainer(LlamaConfig config, TrainOptions options, torch::Device device, comm::CommPtr comm = nullptr)
       : ZeroTrainer(Llama(std::move(config)), options, device, std::move(comm)) {}
@@ -411,6 +492,7 @@ class ZeroTrainer {
     model_->to(device, torch_dtype<typename S::compute_type>());
     model_->checkpoint_every = S::checkpoint_every;
     model_->train();
+    for (const auto& p : model_->named_parameters()) shapes_.emplace_back(p.key(), p.value().sizes().vec());  // before stage 3 empties them
     squeeze::AdamW adamw{.lr = float(options.lr), .beta1 = float(options.beta1), .beta2 = float(options.beta2), .eps = float(options.eps),
                 .weight_decay = float(options.weight_decay), .max_grad_norm = float(std::max(0.0, options.clip))};
     adamw.loss_scale.init_scale = float(options.initial_scale);
@@ -443,24 +525,85 @@ class ZeroTrainer {
 
   double evaluate(const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches) { return evaluate_loss(model_, batches); }
 
-  void save(const std::string&, std::string_view) {
-    TORCH_CHECK(false, "checkpoints of Sharded/Offload strategies are not written by this example yet: train without --save");
+  // ---- checkpoints ------------------------------------------------------------------------------------
+  // Every rank writes its own file (PATH at world size 1, PATH.rank<r>-of-<N> otherwise): the full weights
+  // by name (float; gathering them is a collective, so every rank calls save), this rank's optimizer
+  // partitions (fp32 master, m, v, in the trainer's flat layout) and the counters. A checkpoint loads into
+  // the same strategy at the same world size.
+  void save(const std::string& path, std::string_view strategy_name) {
+    comm::Communicator& c = trainer_->communicator();
+    CheckpointWriter w(model_->config, strategy_name, "zero");
+    w.scalar("world", int64_t(c.size()));
+    w.scalar("rank", int64_t(c.rank()));
+    w.scalar("step", trainer_->steps_applied());
+    w.scalar("loss_scale", double(trainer_->scale()));
+    for (const auto& [name, t] : trainer_->full_parameters()) w.tensor("weights/" + name, t.to(torch::kFloat32));
+    const auto state = trainer_->optimizer_state();
+    for (size_t k = 0; k < state.size(); ++k)
+      for (int j = 0; j < 3; ++j)
+        if (state[k][j].defined()) w.tensor(partition_key(k, j), state[k][j]);
+    w.save(rank_path(path));
   }
-  void load(const std::string&) {
-    TORCH_CHECK(false, "checkpoints of Sharded/Offload strategies are not read by this example yet: train without --load");
+
+  void load(const std::string& path) {
+    comm::Communicator& c = trainer_->communicator();
+    CheckpointReader r(rank_path(path), model_->config, "zero");
+    TORCH_CHECK(r.integer("world") == c.size() && r.integer("rank") == c.rank(), "checkpoint '", rank_path(path), "' is rank ",
+                r.integer("rank"), " of ", r.integer("world"), "; this trainer is rank ", c.rank(), " of ", c.size());
+    std::map<std::string, torch::Tensor> weights;
+    for (const auto& [name, shape] : shapes_) weights[name] = r.tensor("weights/" + name, shape);
+    auto state = trainer_->optimizer_state();
+    std::vector<std::vector<torch::Tensor>> loaded(state.size(), std::vector<torch::Tensor>(3));
+    for (size_t k = 0; k < state.size(); ++k)
+      for (int j = 0; j < 3; ++j)
+        if (state[k][j].defined()) loaded[k][j] = r.tensor(partition_key(k, j), state[k][j].sizes());
+    const int64_t step = r.integer("step");
+    const double scale = r.real("loss_scale");
+    constexpr bool can_restore = requires(nn::Trainer<S, squeeze::AdamW>& t) { t.restore_counters(int64_t{}, float{}, int64_t{}); };
+    TORCH_CHECK(can_restore, "checkpoint '", path, "': this build's nn::Trainer cannot restore its step counter and loss scale, "
+                "so the run would not continue as it was: train without --load");
+
+    torch::NoGradGuard no_grad;
+    // Compute-type parameters: whole ones are views into the trainer's flat buffer; stage-3 layers keep a
+    // shard of their flat layout, cut from the full values here.
+    for (auto& p : model_->named_parameters())
+      if (p.value().numel() > 0) p.value().copy_(weights.at(p.key()));
+    for (auto& item : model_->named_modules()) {
+      auto* sh = dynamic_cast<nn::Shardable*>(item.value().get());
+      if (sh == nullptr || sh->group() == nullptr) continue;
+      nn::Stage3Group& g = *sh->group();
+      torch::Tensor full = torch::zeros({g.layout.padded()}, g.shard.options().requires_grad(false));
+      for (const auto& e : g.layout.entries()) nn::FlatParams::view(full, e).copy_(weights.at(e.name));
+      g.shard.detach().copy_(g.layout.shard_of(full, c.rank()));
+    }
+    for (size_t k = 0; k < state.size(); ++k)
+      for (int j = 0; j < 3; ++j)
+        if (state[k][j].defined()) state[k][j].copy_(loaded[k][j]);
+    if constexpr (can_restore) trainer_->restore_counters(step, float(scale), 0);
   }
 
  private:
+  static std::string partition_key(size_t k, int j) {
+    static const char* what[] = {"master", "m", "v"};
+    return "zero/" + std::to_string(k) + "/" + what[j];
+  }
+  std::string rank_path(const std::string& path) {
+    comm::Communicator& c = trainer_->communicator();
+    return c.size() == 1 ? path : path + ".rank" + std::to_string(c.rank()) + "-of-" + std::to_string(c.size());
+  }
+
   Llama model_;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes_;
   std::optional<nn::Trainer<S, squeeze::AdamW>> trainer_;
 };
 
 // LoRA<R, A> strategies: squeeze's LoraTrainer (nn/lora.hpp: frozen, possibly NF4-quantized base; AdamW over
-// the adapters) behind the same interface. No checkpoints yet.
+// the adapters) behind the same interface.
 template <StrategyType S>
 class AdapterTrainer {
  public:
   static constexpr int micro_batches = S::accumulation_steps;
+  static constexpr bool frees_gradients = true;  // torch::optim's zero_grad sets them to none
 
   AdapterTrainer(LlamaConfig config, TrainOptions options, torch::Device device) : model_(std::move(config)) {
     model_->checkpoint_every = S::checkpoint_every;
@@ -489,10 +632,65 @@ class AdapterTrainer {
   }
 
   double evaluate(const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches) { return evaluate_loss(model_, batches); }
-  void save(const std::string&, std::string_view) { TORCH_CHECK(false, "checkpoints of LoRA strategies are not written by this example yet"); }
-  void load(const std::string&) { TORCH_CHECK(false, "checkpoints of LoRA strategies are not read by this example yet"); }
+
+  // ---- checkpoints ------------------------------------------------------------------------------------
+  // The adapters (fp32) and their AdamW state, the step, and the frozen base as stored (dense tensors, NF4
+  // codes and scales). The base is built from the seed and quantized at start-up; load checks that this
+  // model's base is the saved one (every tensor, and each NF4 layer's absmax offset, which is no tensor) and
+  // refuses otherwise: a resumed run must use the same --seed.
+  void save(const std::string& path, std::string_view strategy_name) {
+    CheckpointWriter w(model_->config, strategy_name, "lora");
+    w.scalar("step", steps_);
+    for (const auto& p : model_->named_parameters()) w.tensor((p.value().requires_grad() ? "adapters/" : "base/") + p.key(), p.value());
+    for (const auto& b : model_->named_buffers()) w.tensor("base/" + b.key(), b.value());
+    for (const auto& [name, offset] : nf4_offsets()) w.scalar("nf4_offset/" + name, offset);
+    torch::serialize::OutputArchive opt;
+    trainer_->optimizer().save(opt);
+    w.archive("optimizer", opt);
+    w.save(path);
+  }
+
+  void load(const std::string& path) {
+    CheckpointReader r(path, model_->config, "lora");
+    std::vector<std::pair<torch::Tensor, torch::Tensor>> adapters;  // (destination, loaded)
+    const auto read = [&](const std::string& key, const torch::Tensor& like) {
+      torch::Tensor t = r.tensor(key, like.sizes());
+      TORCH_CHECK(t.scalar_type() == like.scalar_type(), "checkpoint '", path, "': '", key, "' is ", t.scalar_type(), ", the model holds ",
+                  like.scalar_type());
+      return t;
+    };
+    const auto same_base = [&](const std::string& key, const torch::Tensor& mine) {
+      TORCH_CHECK(torch::equal(read(key, mine), mine.detach().cpu()), "checkpoint '", path, "': the frozen base differs from this model's ('",
+                  key, "'); it is built from the seed: resume with the --seed it was trained with");
+    };
+    for (const auto& p : model_->named_parameters()) {
+      if (p.value().requires_grad()) adapters.emplace_back(p.value(), read("adapters/" + p.key(), p.value()));
+      else same_base("base/" + p.key(), p.value());
+    }
+    for (const auto& b : model_->named_buffers()) same_base("base/" + b.key(), b.value());
+    for (const auto& [name, offset] : nf4_offsets())
+      TORCH_CHECK(r.real("nf4_offset/" + name) == offset, "checkpoint '", path, "': the frozen base differs from this model's (absmax offset of ",
+                  name, "); it is built from the seed: resume with the --seed it was trained with");
+    torch::serialize::InputArchive opt = r.archive("optimizer");
+    const int64_t step = r.integer("step");
+    trainer_->optimizer().load(opt);
+    torch::NoGradGuard no_grad;
+    for (auto& [dst, t] : adapters) dst.copy_(t);
+    steps_ = step;
+  }
 
  private:
+  // The absmax offset of each NF4 layer (DoubleQuant keeps it as a number, not a tensor).
+  std::vector<std::pair<std::string, double>> nf4_offsets() {
+    std::vector<std::pair<std::string, double>> out;
+    for (const auto& item : model_->named_modules()) {
+      if (auto* l = dynamic_cast<nn::LoRALinearImpl*>(item.value().get()); l != nullptr && l->nf4())
+        out.emplace_back(item.key(), double(l->nf4_weight().absmax_offset));
+      if (auto* l = dynamic_cast<nn::Nf4LinearImpl*>(item.value().get())) out.emplace_back(item.key(), double(l->nf4_weight().absmax_offset));
+    }
+    return out;
+  }
+
   Llama model_;
   std::unique_ptr<nn::LoraTrainer<S>> trainer_;
   int64_t steps_ = 0;
@@ -502,5 +700,12 @@ class AdapterTrainer {
 template <StrategyType S>
 using Trainer = std::conditional_t<S::has_lora, AdapterTrainer<S>,
                                    std::conditional_t<(S::stage > 0 || S::offload_to_host), ZeroTrainer<S>, LocalTrainer<S>>>;
+
+// The planner for S with B sequences of T tokens per optimizer step on one rank, and the example's trainer
+// (whether it frees its gradients between steps or keeps flat buffers): plan_for<S>(c, B, T).peak().device.
+template <StrategyType S>
+plan::MemoryPlan plan_for(const LlamaConfig& c, int64_t batch, int64_t seq, int world = 1) {
+  return plan::plan_memory<S>(c.shape(), {batch / S::accumulation_steps, seq, Trainer<S>::frees_gradients}, world);
+}
 
 }  // namespace squeeze::llama
