@@ -2,6 +2,8 @@
 # One call on the GPU machine: build with libtorch's CUDA side, run the GPU tests (ctest -L cuda) and the
 # benchmarks, write full results under $OUT (default ./gpu-results) and print a short table last.
 #   usage: bash bench/run_gpu.sh [bench-name ...]    (no names: all benchmarks)
+#   env: TARGETS="t1 t2" builds only those targets (default: everything); GPU_TESTS=0 skips ctest -L cuda;
+#        BENCH_ARGS_<name>="..." extra arguments for one benchmark (e.g. BENCH_ARGS_table="--rows bf16,ckpt").
 # From the development machine, snapshot the committed tree and send it with the device tool:
 #   rm -rf .snap && mkdir .snap && git archive HEAD | tar -x -C .snap && git rev-parse --short HEAD > .snap/COMMIT
 #   device run (carry .snap): bash .snap/bench/run_gpu.sh
@@ -21,20 +23,25 @@ t0=$(date +%s)
 cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" \
   -DSQUEEZE_TORCH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 >"$OUT/configure.log" 2>&1 || { tail -40 "$OUT/configure.log"; exit 1; }
 # Keep going past a failing target (-k 0): everything else still builds, tests and benchmarks.
-if ! cmake --build "$BUILD" -j16 -- -k 0 >"$OUT/build.log" 2>&1; then
+targets=()
+for t in ${TARGETS:-}; do targets+=(--target "$t"); done
+if ! cmake --build "$BUILD" -j16 "${targets[@]}" -- -k 0 >"$OUT/build.log" 2>&1; then
   echo "BUILD FAILURES (the rest was built):"; grep -E "FAILED:|error" "$OUT/build.log" | head -40
 fi
 echo "build: $(( $(date +%s) - t0 )) s"
 
-(cd "$BUILD" && ctest -L cuda --output-on-failure --timeout 300) >"$OUT/ctest.log" 2>&1
-echo "GPU tests: $(grep -E 'tests passed|tests failed' "$OUT/ctest.log")"
+if [ "${GPU_TESTS:-1}" != 0 ]; then
+  (cd "$BUILD" && ctest -L cuda --output-on-failure --timeout 300) >"$OUT/ctest.log" 2>&1
+  echo "GPU tests: $(grep -E 'tests passed|tests failed' "$OUT/ctest.log")"
+fi
 
 # Each benchmark: an executable under $BUILD/bench that writes JSON lines to the file named by --out.
 run_bench() {  # run_bench <name> <executable> [args...]
   local name=$1; shift
   if [ ${#want[@]} -gt 0 ] && [[ ! " ${want[*]} " =~ " $name " ]]; then return; fi
   if [ ! -x "$1" ]; then echo "bench $name: $1 not built"; return; fi
-  echo "== $name"; "$@" --out "$OUT/$name.jsonl" 2>&1 | tee "$OUT/$name.log" | tail -30
+  local extra_var="BENCH_ARGS_$name"
+  echo "== $name"; "$@" ${!extra_var:-} --out "$OUT/$name.jsonl" 2>&1 | tee "$OUT/$name.log" | tail -30
 }
 run_bench adamw "$BUILD/bench/kernels/bench_adamw"
 run_bench gemm4 "$BUILD/bench/quant/bench_quant_gemm"
