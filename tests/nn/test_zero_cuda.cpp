@@ -60,7 +60,73 @@ TEST(ZeroCuda, LlamaStage3OffloadOnGpu) {
   expect_update_close(train<S3>(Model::llama, 1, 6, {}, {}, dev).params, base.params, Model::llama, 0.2, "GPU llama Stage3+Offload");
 }
 
+// Offload<Host> on the GPU: the overlapped pipeline (d2h/h2d side streams, CPU worker) against the same jobs
+// in program order, bitwise; eager (no clipping) and deferred (clipping); stage 2 in small buckets and stage 3.
+template <class S>
+void gpu_offload_bitwise(const std::string& what, comm::CommPtr single = nullptr) {
+  const torch::Device dev(torch::kCUDA, 0);
+  for (float clip : {0.0f, 0.05f}) {
+    nn::TrainerOptions overlapped, in_order;
+    overlapped.bucket_bytes = in_order.bucket_bytes = 512;
+    overlapped.max_grad_norm = in_order.max_grad_norm = clip;
+    in_order.overlap_offload = false;
+    const auto a = train<S>(Model::llama, 1, 6, overlapped, {}, dev, single);
+    const auto b = train<S>(Model::llama, 1, 6, in_order, {}, dev);
+    const std::string tag = what + (clip > 0 ? " clipped" : " eager");
+    expect_bitwise(a.params, b.params, tag);
+    EXPECT_EQ(a.updated_during_backward, clip == 0) << tag;
+    for (std::size_t i = 0; i < a.log.size(); ++i) EXPECT_EQ(a.log[i].grad_norm, b.log[i].grad_norm) << tag;
+    expect_trained(a.params, Model::llama, nn::detail::scalar_type_of<typename S::compute_type>());
+  }
+}
+
+TEST(ZeroCuda, OffloadOverlapBitwise) {
+  REQUIRE_CUDA();
+  gpu_offload_bitwise<Strategy<Sharded<Stage2>, Offload<Host>, Precision<bf16, float>>>("GPU Stage2+Offload bf16");
+  gpu_offload_bitwise<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>>("GPU Stage3+Offload bf16");
+  gpu_offload_bitwise<Strategy<Sharded<Stage3>, Offload<Host>, Accumulate<4>, Precision<bf16, float>>>("GPU Stage3+Offload bf16 acc 4");
+  gpu_offload_bitwise<Strategy<Sharded<Stage2>, Offload<Host>, Accumulate<4>>>("GPU Stage2+Offload float acc 4");
+}
+
+// Stage 2 on the GPU: buckets as small as one parameter give the bits of one bucket; LocalComm world 2 over
+// one GPU reduces after backward (thread-ranks cannot meet inside the device's backward thread).
+TEST(ZeroCuda, Stage2BucketsBitwise) {
+  REQUIRE_CUDA();
+  const torch::Device dev(torch::kCUDA, 0);
+  using S2 = Strategy<Sharded<Stage2>, Accumulate<4>, Precision<bf16, float>>;
+  for (int world : {1, 2}) {
+    nn::TrainerOptions small;
+    small.bucket_bytes = 1;
+    expect_bitwise(train<S2>(Model::llama, world, 4, small, {}, dev).params, train<S2>(Model::llama, world, 4, {}, {}, dev).params,
+                   "GPU Stage2 buckets world " + std::to_string(world));
+  }
+}
+
 #if defined(SQUEEZE_WITH_NCCL) && SQUEEZE_WITH_NCCL
+std::shared_ptr<comm::NcclComm> nccl_world_one() {
+  ncclUniqueId id;
+  SQUEEZE_NCCL_CHECK(ncclGetUniqueId(&id));
+  comm::NcclOptions o;
+  o.device = 0;
+  return std::make_shared<comm::NcclComm>(0, 1, id, o);
+}
+
+// NcclComm takes the asynchronous path of stage 3 (gathers and reduce-scatters on a side stream, the compute
+// stream waiting on events); at world size 1 NCCL's collectives are copies, so the bits equal the blocking
+// LocalComm path. With Offload<Host> the transfers go through the pipeline's streams as well.
+TEST(ZeroCuda, NcclSideStreamStage3Bitwise) {
+  REQUIRE_CUDA();
+  const torch::Device dev(torch::kCUDA, 0);
+  auto nccl = nccl_world_one();
+  using S3 = Strategy<Sharded<Stage3>, Precision<bf16, float>>;
+  using S3A = Strategy<Sharded<Stage3>, Accumulate<4>, Precision<bf16, float>>;
+  expect_bitwise(train<S3>(Model::llama, 1, 6, {}, {}, dev, nccl).params, train<S3>(Model::llama, 1, 6, {}, {}, dev).params,
+                 "NCCL side-stream Stage3 vs LocalComm");
+  expect_bitwise(train<S3A>(Model::llama, 1, 3, {}, {}, dev, nccl).params, train<S3A>(Model::llama, 1, 3, {}, {}, dev).params,
+                 "NCCL side-stream Stage3 acc 4 vs LocalComm");
+  gpu_offload_bitwise<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>>("NCCL Stage3+Offload bf16", nccl);
+}
+
 TEST(ZeroCuda, NcclWorldOne) {
   REQUIRE_CUDA();
   const torch::Device dev(torch::kCUDA, 0);

@@ -140,6 +140,9 @@ using Params = std::map<std::string, torch::Tensor>;
 struct RunResult {
   Params params;                    // rank 0's full parameters after training, float
   std::vector<nn::StepResult> log;  // rank 0's boundary results
+  nn::MemoryUse memory;             // rank 0's accounting after training
+  int64_t reduce_scatter_bytes = 0; // rank 0: bytes into gradient reduce-scatters in the last window
+  bool updated_during_backward = false;  // rank 0, Offload<Host>: the last step updated inside backward
 };
 
 // Trains `windows` optimizer steps of Strategy S on `world` ranks.
@@ -166,8 +169,12 @@ RunResult train(Model kind, int world, int windows, nn::TrainerOptions opt = {},
       if (r == 0 && res.boundary) out.log.push_back(res);
     }
     auto full = trainer.full_parameters();
-    if (r == 0)
+    if (r == 0) {
       for (auto& [n, t] : full) out.params[n] = t.to(torch::kCPU, torch::kFloat32);
+      out.memory = trainer.memory();
+      out.reduce_scatter_bytes = trainer.reduce_scatter_bytes();
+      out.updated_during_backward = trainer.updated_during_backward();
+    }
   };
   if (single) {
     EXPECT_EQ(world, 1);

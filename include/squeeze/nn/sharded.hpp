@@ -25,11 +25,21 @@
 // GPU would block each other inside backward: on GPUs use one process per device (NcclComm), or
 // LocalComm at world size 1.
 //
-// Prefetch: one layer ahead, issued right after the current layer's gather on the same communicator;
-// on GPU NcclComm enqueues it asynchronously on the stream passed (not yet a dedicated side stream).
+// Prefetch: one layer ahead (forward order in forward, its reverse in backward), issued right after the
+// current layer's gather. On CUDA with a device communicator (NcclComm) the gathers and the
+// gradient reduce-scatters run on a side stream (nn/streams.hpp): the side stream waits for the compute
+// issued so far, the collective is enqueued without a host wait, and the compute stream waits for the
+// gathered buffer only where the layer uses it -- so the next layer's gather overlaps this layer's compute.
+// Elsewhere (CPU, LocalComm) the same operations run in the same order, blocking.
+//
+// Readiness: a layer's gradient is final for the micro-step when it has been reduced as many times as
+// the layer ran with grad enabled (uses counted in the module's forward: a checkpointed segment's no-grad
+// first pass does not count, its recompute does; a layer used twice reduces twice). Then grad_done() runs
+// (the trainer's hook: Offload<Host> streams the shard to the host there).
 #include <torch/torch.h>
 
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -37,6 +47,7 @@
 
 #include "../comm/communicator.hpp"
 #include "flat_params.hpp"
+#include "streams.hpp"
 
 namespace squeeze::nn {
 
@@ -95,7 +106,12 @@ struct Stage3Group {
   torch::Tensor shard;        // [S] compute dtype; leaf that requires grad (see above)
   torch::Tensor grad_shard;   // [S] accumulation dtype: reduced gradients of this step's micro-batches
   torch::Tensor gathered;     // [padded] while gathered (forward/backward of this layer), else undefined
+  Event gathered_ready;       // side-stream gather still in flight (CUDA)
   Stage3Runtime* runtime = nullptr;
+  int uses = 0, reduced = 0;  // this micro-step: grad-enabled forwards, gradient reductions
+  std::function<void()> before_gather;  // trainer: wait until this shard's update has landed
+  std::function<void()> grad_done;      // trainer: the gradient shard is final for this micro-step
+  bool finished() const { return uses > 0 && reduced == uses; }
 };
 
 // Interface of modules that a stage-3 trainer can shard.
@@ -110,15 +126,29 @@ class Shardable {
 
 class Stage3Runtime {
  public:
-  Stage3Runtime(comm::CommPtr comm, bool prefetch) : comm_(std::move(comm)), prefetch_(prefetch) {}
+  Stage3Runtime(comm::CommPtr comm, bool prefetch, torch::Device device = torch::kCPU)
+      : comm_(std::move(comm)), prefetch_(prefetch), device_(device) {
+    // Asynchronous collectives need a communicator that takes device memory and honours streams (NCCL; at
+    // world size 1 too, where NCCL's collectives are copies: that is how one GPU tests this path).
+    if (device.is_cuda() && comm_->device_buffers() && comm_->backend() != "local")
+      side_ = SideStream(device);
+  }
+
+  void add_group(Stage3Group& g) { groups_.push_back(&g); }
 
   enum class Phase { forward, backward, idle };
   void set_phase(Phase p) {
+    if (p == Phase::forward)
+      for (auto* g : groups_) g->uses = g->reduced = 0;
     phase_ = p;
     if (p == Phase::backward || p == Phase::idle) {
       if (!order_.empty()) order_final_ = true;
     }
-    pos_.clear();
+    if (p == Phase::idle && side_.active()) {
+      // The compute stream waits for the side stream's reductions; a failed or timed-out collective throws here.
+      wait_current(device_, side_.record());
+      comm_->synchronize(side_.handle());
+    }
   }
   Phase phase() const { return phase_; }
 
@@ -131,12 +161,20 @@ class Stage3Runtime {
     }
     if (!g.gathered.defined()) gather(g);
     torch::Tensor full = g.gathered;
+    if (!g.gathered_ready.empty()) {  // side-stream gather: the compute stream waits here, not the host
+      wait_current(device_, g.gathered_ready);
+      record_use_current(full);
+      g.gathered_ready = Event();
+    }
     if (prefetch_ && order_final_) {
       auto it = index_.find(&g);
       if (it != index_.end()) {
         const std::ptrdiff_t i = std::ptrdiff_t(it->second), next = phase_ == Phase::backward ? i - 1 : i + 1;
-        if (next >= 0 && next < std::ptrdiff_t(order_.size()) && !order_[std::size_t(next)]->gathered.defined())
-          gather(*order_[std::size_t(next)]);
+        if (next >= 0 && next < std::ptrdiff_t(order_.size())) {
+          Stage3Group& n = *order_[std::size_t(next)];
+          // Not a layer whose backward is done (a checkpoint recompute may run ahead of the order).
+          if (!n.gathered.defined() && !(phase_ == Phase::backward && n.finished())) gather(n);
+        }
       }
     }
     return full;
@@ -152,12 +190,26 @@ class Stage3Runtime {
     for (auto* g : order_) release(*g);
   }
 
-  // Reduce-scatters a layer's full gradient [padded] (average over ranks) and adds it into its shard.
+  // Reduce-scatters a layer's full gradient [padded] (average over ranks) and adds it into its shard;
+  // calls g.grad_done() once the layer's gradient for this micro-step is complete.
   void reduce_grad(Stage3Group& g, const torch::Tensor& full_grad) {
     track(full_grad.nbytes());
-    auto mine = torch::empty({g.layout.shard()}, full_grad.options());
-    reduce_scatter_avg(*comm_, full_grad, mine);
-    g.grad_shard.add_(mine);
+    if (side_.active()) {
+      side_.wait(record_current(device_));
+      side_.record_use(full_grad);
+      side_.run([&] {
+        auto mine = torch::empty({g.layout.shard()}, full_grad.options());
+        comm_->reduce_scatter(full_grad.data_ptr(), mine.data_ptr(), std::size_t(mine.numel()),
+                              comm_dtype(full_grad.scalar_type()), comm::ReduceOp::avg, side_.handle());
+        g.grad_shard.add_(mine);
+        if (++g.reduced == g.uses && g.grad_done) g.grad_done();  // its transfers queue behind the add
+      });
+    } else {
+      auto mine = torch::empty({g.layout.shard()}, full_grad.options());
+      reduce_scatter_avg(*comm_, full_grad, mine);
+      g.grad_shard.add_(mine);
+      if (++g.reduced == g.uses && g.grad_done) g.grad_done();
+    }
     live_bytes_ -= full_grad.nbytes();
   }
 
@@ -167,6 +219,17 @@ class Stage3Runtime {
 
  private:
   void gather(Stage3Group& g) {
+    if (g.before_gather) g.before_gather();
+    if (side_.active()) {
+      side_.wait(record_current(device_));  // the shard's latest values are queued on the compute stream
+      auto full = side_.run([&] { return torch::empty({g.layout.padded()}, g.shard.options().requires_grad(false)); });
+      track(full.nbytes());
+      comm_->all_gather(g.shard.data_ptr(), full.data_ptr(), std::size_t(g.layout.shard()),
+                        comm_dtype(full.scalar_type()), side_.handle());
+      g.gathered = full;
+      g.gathered_ready = side_.record();
+      return;
+    }
     auto full = torch::empty({g.layout.padded()}, g.shard.options().requires_grad(false));
     track(full.nbytes());
     gather_into(*comm_, g.shard.detach(), full);
@@ -179,10 +242,12 @@ class Stage3Runtime {
 
   comm::CommPtr comm_;
   bool prefetch_;
+  torch::Device device_;
+  SideStream side_;  // active only for asynchronous device collectives (see the header comment)
   Phase phase_ = Phase::idle;
+  std::vector<Stage3Group*> groups_;
   std::vector<Stage3Group*> order_;
   std::unordered_map<const Stage3Group*, std::size_t> index_;
-  std::unordered_map<const Stage3Group*, int> pos_;
   bool order_final_ = false;
   int64_t live_bytes_ = 0, peak_bytes_ = 0;
 };
@@ -277,6 +342,7 @@ struct ShardedLinearImpl : torch::nn::Cloneable<ShardedLinearImpl>, Shardable {
   }
   torch::Tensor forward(const torch::Tensor& x) {  // x: [..., in] -> [..., out]
     if (group_ == nullptr) return torch::nn::functional::linear(x, weight, bias);
+    if (torch::GradMode::is_enabled()) ++group_->uses;
     return detail::ShardedLinearFn::apply(x, group_->shard, reinterpret_cast<int64_t>(group_));
   }
   std::vector<std::pair<std::string, torch::Tensor>> shardable_parameters() override {
@@ -302,6 +368,7 @@ struct ShardedEmbeddingImpl : torch::nn::Cloneable<ShardedEmbeddingImpl>, Sharda
   }
   torch::Tensor forward(const torch::Tensor& idx) {  // idx: [...] int64 -> [..., dim]
     if (group_ == nullptr) return torch::embedding(weight, idx);
+    if (torch::GradMode::is_enabled()) ++group_->uses;
     return detail::ShardedEmbeddingFn::apply(idx, group_->shard, reinterpret_cast<int64_t>(group_));
   }
   std::vector<std::pair<std::string, torch::Tensor>> shardable_parameters() override { return {{"weight", weight}}; }

@@ -23,11 +23,38 @@
 //   Stage1   as Stage0                                             reduce-scatter (average) into this
 //                                                                  rank's shard, AdamW on the shard,
 //                                                                  all-gather the updated parameters
-//   Stage2   reduce-scatter (average) after every micro-step,      as Stage1 from the accumulated shard
-//            add into the rank's gradient shard (fp32 when
-//            mixed), zero the full buffer
-//   Stage3   as Stage2, per layer inside backward; parameters      AdamW on the parameter shard; nothing
-//            all-gathered per layer in forward and backward        to gather (the next forward does)
+//   Stage2   gradients reduce-scattered DURING backward, bucket    as the non-final step, then AdamW per
+//            by bucket (about TrainerOptions::bucket_bytes each,   bucket shard and all-gather of each
+//            the parameters in reverse registration order, i.e.    bucket's updated parameters
+//            roughly the order backward finishes them): a post-
+//            accumulate-grad hook per parameter copies its .grad
+//            into the bucket's send buffer and frees the .grad;
+//            when the bucket's last parameter arrived it is
+//            reduce-scattered (average) and added into this rank's
+//            gradient shard (fp32 when mixed), the buffer freed
+//   Stage3   as Stage2, per layer inside the layer's backward;     AdamW on the parameter shard; nothing
+//            parameters all-gathered per layer in forward and      to gather (the next forward does)
+//            backward (whole-kept parameters: Stage2's buckets)
+//
+// Stage 2/3 accumulation choice: reduce-scatter after every micro-step and accumulate into the shard.
+// Memory per rank: gradient shard Ψ/N (fp32 when mixed: 4Ψ/N bytes) + the in-flight buckets, instead of the
+// full Ψ·p_c buffer (plus Ψ·4 fp32 accumulator when mixed) that keeping local gradients to the last micro-step
+// would need. Communication: A reduce-scatters of Ψ·p_c per optimizer step instead of 1 (Trainer::
+// reduce_scatter_bytes() counts them; test_zero's Stage2.GradientsStreamInBuckets prints both). ZeRO-2 is
+// chosen for memory, so it pays the traffic; with A > 1 on a fast link the traffic overlaps backward.
+// Without Accumulate the two choices coincide. All ranks must run the same graph (the buckets complete in the
+// same order everywhere; parameters that get no gradient are reduced as zeros after backward, in bucket order).
+//
+// Offload<Host> (nn/offload.hpp): each partition's gradient shard streams to pinned host memory as soon as it
+// is final (inside backward), where the CPU worker sums its squares; then
+//   eager    (no clipping and no loss scaling: the update cannot depend on the other partitions) the worker
+//            runs AdamW on the partition at once and streams its parameters back, all during backward;
+//   deferred (clipping or loss scaling) after backward the global norm decides skip/clip, then the worker
+//            updates partition by partition; stage 3 returns from step() at once and each layer's next
+//            gather waits only for its own partition, so the CPU AdamW overlaps the next forward.
+// TrainerOptions::overlap_offload = false runs the same jobs in program order (bitwise the same results).
+// A non-finite gradient in eager mode: the partitions updated before it was seen keep their update (as an
+// optimizer-in-backward does); the rest are not updated and the step reports applied = false.
 //
 // Boundary, in order: global L2 norm of the reduced gradients (sum of squares per shard in double,
 // all-reduced; unscaled by the loss scale) -> non-finite norm = overflow on some rank: every rank skips
@@ -36,12 +63,14 @@
 // unscale and clip folded in -> scale growth bookkeeping.
 //
 // Parity guarantees on LocalComm (reduction in rank order, see comm/local.hpp), float or bf16, same data:
-//   accumulation 1: Stage0 == Stage1 == Stage2 == Stage3 bitwise, with or without Offload<Host>;
+//   accumulation 1: Stage0 == Stage1 == Stage2 == Stage3 bitwise, with or without Offload<Host> (overlapped
+//   or not), whatever the bucket size;
 //   accumulation N: Stage0 == Stage1 and Stage2 == Stage3 bitwise; Stage0/1 vs Stage2/3 differ by the
 //   order of (sum over ranks, sum over micro-steps), within rounding of the gradient dtype.
-//   With clipping active, Stage3 vs the others differ by norm rounding (shard order of the sum).
+//   With clipping active, Stage2/3 vs the others differ by norm rounding (the shard/bucket order of the sum).
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -56,6 +85,7 @@
 #include "../plan/memory.hpp"
 #include "../policy/strategy.hpp"
 #include "flat_params.hpp"
+#include "offload.hpp"
 #include "sharded.hpp"
 #include "squeeze/kernels/adamw.hpp"
 #include "squeeze/kernels/grad_norm.hpp"
@@ -81,6 +111,9 @@ struct TrainerOptions {
   int64_t persistence_threshold = 0;       // stage 3: sharded layers with fewer parameters stay whole
   int64_t align_bytes = 256;               // every tensor and every shard of a flat buffer starts aligned
   bool prefetch = true;                    // stage 3: gather the next layer right after the current one
+                                           // (CUDA + NCCL: on a side stream, overlapping compute)
+  int64_t bucket_bytes = int64_t(32) << 20;  // stage 2 (and stage 3's whole-kept parameters): gradient bucket size
+  bool overlap_offload = true;             // Offload<Host>: transfers + CPU AdamW beside backward (see above)
 };
 
 struct StepResult {
@@ -96,6 +129,11 @@ struct StepResult {
 struct MemoryUse {
   plan::Placement parameters, gradients, master_weights, optimizer_state, communication;
   int64_t persistent_params = 0;  // stage 3: elements kept whole on every rank (not sharded)
+  // Stage 2/3: the most gradient bytes alive at once on the device during backward, measured at every
+  // gradient hook: the reduced shards + in-flight bucket buffers + the parameter .grad being taken over.
+  // (Stage 0/1: the full gradient buffers.) Compare with full_gradient_bytes, what one full gradient takes.
+  int64_t peak_gradient_bytes = 0;
+  int64_t full_gradient_bytes = 0;
   plan::Placement model_state() const {
     plan::Placement p = parameters;
     p += gradients; p += master_weights; p += optimizer_state;
@@ -151,6 +189,79 @@ inline double sum_squares(const torch::Tensor& t) {
 
 }  // namespace detail
 
+namespace detail {
+
+// What backward hooks and stage-3 callbacks reach while backward runs (on the heap: the Trainer may move).
+struct GradState {
+  comm::CommPtr comm;
+  bool final_micro = false;     // this micro-step ends the accumulation window
+  bool defer = false;           // hooks only collect; buckets are reduced after backward (see Trainer)
+  OffloadPipeline* offload = nullptr;
+  OffloadPipeline::Fn eager;    // set for a boundary micro-step when the offloaded update may run at once
+  int64_t shard_bytes = 0;      // device bytes of the reduced gradient shards (constant)
+  int64_t live = 0;             // device bytes of in-flight bucket buffers
+  int64_t peak_live = 0;        // most of `live` seen
+  int64_t peak_grad = 0;        // most of shard_bytes + live + one parameter's .grad seen in a hook
+  int64_t reduce_scatter_bytes = 0;  // bytes entering reduce-scatters, this accumulation window
+  void note(int64_t transient) {
+    peak_live = std::max(peak_live, live);
+    peak_grad = std::max(peak_grad, shard_bytes + live + transient);
+  }
+};
+
+// Stage 2 (and stage 3's whole-kept parameters): parameters whose gradients are reduce-scattered together.
+struct Bucket {
+  FlatParams flat;       // [padded] parameters; the module's parameters are views into it
+  torch::Tensor send;    // [padded] compute dtype: this micro-step's local gradients while they arrive
+  int pending = 0;       // parameters whose gradient has not arrived this micro-step
+  bool reduced = false;  // reduce-scattered this micro-step
+  Partition own;         // this rank's shard of the bucket
+};
+
+// Sends a bucket's gradients (zeros where none arrived) through the reduce-scatter into its shard.
+inline void reduce_bucket(Bucket& b, GradState& st) {
+  if (!b.send.defined()) {
+    b.send = torch::zeros({b.flat.padded()}, b.flat.options());
+    st.live += int64_t(b.send.nbytes());
+  }
+  auto mine = torch::empty({b.flat.shard()}, b.send.options());
+  st.live += int64_t(mine.nbytes());
+  st.note(0);
+  reduce_scatter_avg(*st.comm, b.send, mine);
+  b.own.grad.add_(mine);
+  st.reduce_scatter_bytes += int64_t(b.send.nbytes());
+  st.live -= int64_t(b.send.nbytes() + mine.nbytes());
+  b.send = torch::Tensor();
+  b.reduced = true;
+  if (st.final_micro && st.offload && st.offload->threaded()) st.offload->gradient_ready(b.own, st.eager);
+}
+
+// The post-accumulate-grad hook of one bucketed parameter: its .grad moves into the bucket buffer.
+struct BucketHook final : torch::autograd::PostAccumulateGradHook {
+  Bucket* bucket;
+  const FlatEntry* entry;
+  GradState* state;
+  BucketHook(Bucket* b, const FlatEntry* e, GradState* s) : bucket(b), entry(e), state(s) {}
+  void operator()(const torch::autograd::Variable& param) override {
+    const torch::Tensor g = param.grad();
+    if (!g.defined()) return;
+    Bucket& b = *bucket;
+    GradState& st = *state;
+    TORCH_CHECK(!b.reduced, "Stage2: a gradient of '", entry->name, "' arrived after its bucket was reduced (a second "
+                "backward in one step() is not supported)");
+    if (!b.send.defined()) {
+      b.send = torch::zeros({b.flat.padded()}, b.flat.options());
+      st.live += int64_t(b.send.nbytes());
+    }
+    st.note(int64_t(g.nbytes()));
+    FlatParams::view(b.send, *entry).copy_(g);
+    param.mutable_grad().reset();  // autograd's full-size .grad is freed: only the bucket holds it
+    if (--b.pending == 0 && !st.defer) reduce_bucket(b, st);
+  }
+};
+
+}  // namespace detail
+
 template <StrategyType S, AdamWHyperparameters O>
 class Trainer {
  public:
@@ -170,6 +281,7 @@ class Trainer {
     TORCH_CHECK(module_ != nullptr, "make_trainer: module is null");
     TORCH_CHECK(comm_ != nullptr, "make_trainer: communicator is null");
     TORCH_CHECK(opt_.align_bytes >= 1, "make_trainer: align_bytes must be >= 1");
+    TORCH_CHECK(opt_.bucket_bytes >= 1, "make_trainer: bucket_bytes must be >= 1");
     TORCH_CHECK(!std::isnan(opt_.max_grad_norm), "make_trainer: max_grad_norm is NaN (use 0 for no clipping)");
     rank_ = comm_->rank();
     world_ = comm_->size();
@@ -196,10 +308,17 @@ class Trainer {
       TORCH_CHECK(device_.is_cuda() || comm_->host_buffers(), "make_trainer: the module is on the CPU but the '",
                   comm_->backend(), "' communicator takes device buffers only: move the module to its GPU");
     }
+    state_ = std::make_unique<detail::GradState>();
+    state_->comm = comm_;
+    // Thread-ranks sharing one GPU cannot meet in a collective inside backward: libtorch runs every CUDA
+    // backward of the process on one worker thread per device. Their buckets are reduced after backward.
+    state_->defer = device_.is_cuda() && world_ > 1 && comm_->backend() == "local";
+    if constexpr (kOffload) offload_ = std::make_unique<OffloadPipeline>(device_, opt_.overlap_offload);
+    state_->offload = offload_.get();
 
     std::unordered_set<const void*> sharded;  // TensorImpls owned by stage-3 groups
     if constexpr (kStage == 3) {
-      runtime_ = std::make_unique<Stage3Runtime>(comm_, opt_.prefetch);
+      runtime_ = std::make_unique<Stage3Runtime>(comm_, opt_.prefetch, device_);
       for (auto& item : module_->named_modules()) {
         auto* s = dynamic_cast<Shardable*>(item.value().get());
         if (s == nullptr) continue;
@@ -217,7 +336,12 @@ class Trainer {
     std::vector<std::pair<std::string, torch::Tensor>> replicated;
     for (auto& p : trainable)
       if (!sharded.count(p.second.unsafeGetTensorImpl())) replicated.push_back(p);
-    if (!replicated.empty()) add_replicated_group(std::move(replicated));
+    if (!replicated.empty()) {
+      if constexpr (kStage >= 2) add_buckets(std::move(replicated));
+      else add_replicated_group(std::move(replicated));
+    }
+    if constexpr (kStage >= 2)
+      for (Partition* p : partitions()) state_->shard_bytes += int64_t(p->grad.nbytes());
   }
 
   // Merges the clipping / loss-scale knobs of the AdamW options into the trainer options.
@@ -238,17 +362,28 @@ class Trainer {
 
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
-  Trainer(Trainer&&) = default;  // groups and runtime live behind unique_ptrs: the modules' pointers stay valid
+  // Everything hooks, callbacks and the offload worker point to lives behind unique_ptrs: a move keeps it in place.
+  Trainer(Trainer&&) = default;
   Trainer& operator=(Trainer&&) = delete;
   // Stage 3: the layers are detached (their emptied weights then fail loudly in forward instead of
   // reading freed shards); call restore_module() first to keep training or evaluating the module alone.
+  // Stage 2: the gradient hooks are removed (the parameters keep their values, in the buckets' buffers).
   ~Trainer() {
+    if (offload_) {
+      try {
+        offload_->wait_all();
+      } catch (...) {  // a failed update was reported by step(); nothing to do here
+      }
+    }
     for (Shardable* s : attached_) s->attach(nullptr);
+    for (auto& b : buckets_)
+      for (auto& e : b->flat.entries()) torch::autograd::impl::set_post_acc_grad_hooks(e.param, nullptr);
   }
 
   // Stage 3: gathers every sharded layer back into its module's own parameters and detaches it
   // (a collective). The trainer must not step afterwards.
   void restore_module() {
+    sync();
     for (std::size_t i = 0; i < groups3_.size(); ++i) {
       auto& g = *groups3_[i];
       auto full = torch::empty({g.layout.padded()}, g.shard.options().requires_grad(false));
@@ -265,6 +400,7 @@ class Trainer {
     StepResult r;
     r.scale = scale();
     const bool boundary = micro_ + 1 == kAccum;
+    begin_micro_step(boundary);
     // If the closure or backward throws, free what stage 3 gathered (the window's gradients are kept;
     // the other ranks will fail their next collective by timeout, as a lost rank would make them).
     struct PassGuard {
@@ -272,7 +408,10 @@ class Trainer {
       ~PassGuard() {
         if (rt) {
           rt->release_all();
-          rt->set_phase(Stage3Runtime::Phase::idle);
+          try {
+            rt->set_phase(Stage3Runtime::Phase::idle);
+          } catch (...) {
+          }
         }
       }
     } guard{runtime_.get()};
@@ -305,12 +444,23 @@ class Trainer {
   int64_t steps_skipped() const { return skipped_; }
   const kernels::LossScaler& loss_scaler() const { return scaler_; }
   comm::Communicator& communicator() { return *comm_; }
+  // Stage 2/3 buckets: bytes that entered gradient reduce-scatters in the last finished window.
+  int64_t reduce_scatter_bytes() const { return last_window_rs_bytes_; }
+  // Offload<Host>: whether the last boundary updated partitions during backward (see the header).
+  bool updated_during_backward() const { return last_eager_; }
+  // Waits for Offload<Host> work still in flight (step() may return before the last updates of stage 3 land).
+  void sync() {
+    if (offload_) offload_->wait_all();
+  }
 
   // Full values of every trainable parameter by name (gathers stage-3 shards: a collective, every rank
   // must call it). For checkpoints and tests.
   std::vector<std::pair<std::string, torch::Tensor>> full_parameters() {
+    sync();
     std::vector<std::pair<std::string, torch::Tensor>> out;
     if (rep_) for (auto& e : rep_->flat.entries()) out.emplace_back(e.name, e.param.detach().clone());
+    for (auto& b : buckets_)
+      for (auto& e : b->flat.entries()) out.emplace_back(e.name, e.param.detach().clone());
     for (auto& g : groups3_) {
       auto full = torch::empty({g->layout.padded()}, g->shard.options().requires_grad(false));
       gather_into(*comm_, g->shard.detach(), full);
@@ -319,11 +469,12 @@ class Trainer {
     return out;
   }
 
-  // Optimizer state per partition (replicated group first, then stage-3 layers): {master, m, v}; master
-  // is undefined where the parameter is its own master (float compute, no offload). Views, not copies.
+  // Optimizer state per partition (replicated group or buckets first, then stage-3 layers): {master, m, v};
+  // master is undefined where the parameter is its own master (float compute, no offload). Views, not copies.
   std::vector<std::vector<torch::Tensor>> optimizer_state() {
+    sync();
     std::vector<std::vector<torch::Tensor>> out;
-    for (Owned* o : partitions()) out.push_back({o->master, o->m, o->v});
+    for (Partition* o : partitions()) out.push_back({o->master, o->m, o->v});
     return out;
   }
 
@@ -334,7 +485,7 @@ class Trainer {
       if (!t.defined()) return;
       (host ? p.host : p.device) += int64_t(t.nbytes());
     };
-    auto add_owned = [&](const Owned& o, bool grad_is_separate) {
+    auto add_owned = [&](const Partition& o, bool grad_is_separate) {
       if (grad_is_separate) add(m.gradients, o.grad, false);
       add(m.master_weights, o.master, kOffload);
       add(m.optimizer_state, o.m, kOffload);
@@ -345,13 +496,24 @@ class Trainer {
       add(m.parameters, rep_->flat.flat(), false);
       add(m.gradients, rep_->flat.grad(), false);
       add(m.gradients, rep_->acc_full, false);
-      add_owned(rep_->own, kStage >= 2);
-      if constexpr (kStage >= 2) m.communication.device += rep_->flat.shard() * rep_->flat.element_size();  // reduce-scatter target
-      if constexpr (kStage == 3) m.persistent_params += rep_->flat.numel();
+      add_owned(rep_->own, false);
+      m.peak_gradient_bytes = m.gradients.device;
+      m.full_gradient_bytes += rep_->flat.numel() * rep_->flat.element_size();
+    }
+    for (auto& b : buckets_) {
+      add(m.parameters, b->flat.flat(), false);
+      add_owned(b->own, true);
+      if constexpr (kStage == 3) m.persistent_params += b->flat.numel();
+      m.full_gradient_bytes += b->flat.numel() * b->flat.element_size();
     }
     for (std::size_t i = 0; i < groups3_.size(); ++i) {
       add(m.parameters, groups3_[i]->shard, false);
-      add_owned(own3_[i], true);
+      add_owned(*own3_[i], true);
+      m.full_gradient_bytes += groups3_[i]->layout.numel() * groups3_[i]->layout.element_size();
+    }
+    if constexpr (kStage >= 2) {
+      m.communication.device = state_->peak_live;                  // in-flight gradient buckets
+      m.peak_gradient_bytes = std::max(state_->peak_grad, m.gradients.device);
     }
     if (runtime_) m.communication.device = std::max(m.communication.device, runtime_->peak_bytes());
     return m;
@@ -363,18 +525,10 @@ class Trainer {
   }
 
  private:
-  // One optimizer partition: what this rank updates.
-  struct Owned {
-    torch::Tensor param;      // [n] compute dtype, written by AdamW (flat-buffer slice or stage-3 shard)
-    torch::Tensor grad;       // [n] reduced gradient, grad_dtype_ (stage 0: the full buffer itself)
-    torch::Tensor master;     // [n] fp32 master (mixed precision, or on the host under offload)
-    torch::Tensor m, v;       // [n] fp32 Adam moments
-    torch::Tensor host_grad;  // [n] fp32 host copy of grad (offload)
-  };
   struct Replicated {
     FlatParams flat;          // full parameters + full gradient buffer (compute dtype)
     torch::Tensor acc_full;   // [padded] fp32 accumulator (stage 0/1 with mixed-precision accumulation)
-    Owned own;
+    Partition own;
   };
 
   int64_t align_elems() const {
@@ -385,8 +539,7 @@ class Trainer {
     auto o = torch::TensorOptions().dtype(torch::kFloat32);
     return kOffload ? o.device(torch::kCPU).pinned_memory(device_.is_cuda()) : o.device(device_);
   }
-  Owned make_owned(torch::Tensor param, torch::Tensor grad) {
-    Owned o;
+  void make_owned(Partition& o, torch::Tensor param, torch::Tensor grad) {
     o.param = param;
     o.grad = grad;
     const int64_t n = param.numel();
@@ -396,28 +549,51 @@ class Trainer {
     }
     o.m = torch::zeros({n}, state_options());
     o.v = torch::zeros({n}, state_options());
-    if (kOffload) o.host_grad = torch::zeros({n}, state_options());
-    return o;
+    // The gradient travels in its own dtype (bf16: half the PCIe bytes of fp32); the CPU AdamW widens it.
+    if (kOffload) o.host_grad = torch::zeros({n}, state_options().dtype(grad.scalar_type()));
   }
 
   void broadcast(torch::Tensor& t) { broadcast_inplace(*comm_, t, 0); }
 
   void add_replicated_group(std::vector<std::pair<std::string, torch::Tensor>> params) {
-    rep_.emplace();
+    rep_ = std::make_unique<Replicated>();
     rep_->flat = FlatParams(std::move(params), world_, align_elems());
     torch::Tensor flat = rep_->flat.flat();
     broadcast(flat);
     rep_->flat.attach_grads();
-    if (kFp32Accum && kStage <= 1) rep_->acc_full = torch::zeros({rep_->flat.padded()}, flat.options().dtype(torch::kFloat32));
+    if (kFp32Accum) rep_->acc_full = torch::zeros({rep_->flat.padded()}, flat.options().dtype(torch::kFloat32));
     if constexpr (kStage == 0) {
-      rep_->own = make_owned(flat, kFp32Accum ? rep_->acc_full : rep_->flat.grad());
-    } else if constexpr (kStage == 1) {
-      // The full gradient buffer is kept anyway: reduce-scatter in place into this rank's slice of it.
-      rep_->own = make_owned(rep_->flat.shard_of(flat, rank_),
-                             rep_->flat.shard_of(kFp32Accum ? rep_->acc_full : rep_->flat.grad(), rank_));
+      make_owned(rep_->own, flat, kFp32Accum ? rep_->acc_full : rep_->flat.grad());
     } else {
-      rep_->own = make_owned(rep_->flat.shard_of(flat, rank_),
-                             torch::zeros({rep_->flat.shard()}, flat.options().dtype(grad_dtype_)));
+      // The full gradient buffer is kept anyway: reduce-scatter in place into this rank's slice of it.
+      make_owned(rep_->own, rep_->flat.shard_of(flat, rank_),
+                 rep_->flat.shard_of(kFp32Accum ? rep_->acc_full : rep_->flat.grad(), rank_));
+    }
+  }
+
+  // Stage 2/3: buckets of about bucket_bytes in reverse registration order (backward finishes the last
+  // layers first); inside a bucket the parameters keep their order. Every bucket is padded for its own shards.
+  void add_buckets(std::vector<std::pair<std::string, torch::Tensor>> params) {
+    std::vector<std::vector<std::pair<std::string, torch::Tensor>>> groups;
+    int64_t bytes = 0;
+    for (auto it = params.rbegin(); it != params.rend(); ++it) {
+      const int64_t b = int64_t(it->second.nbytes());
+      if (groups.empty() || bytes + b > opt_.bucket_bytes) groups.emplace_back(), bytes = 0;
+      groups.back().push_back(*it);
+      bytes += b;
+    }
+    for (auto& g : groups) {
+      std::reverse(g.begin(), g.end());
+      auto b = std::make_unique<detail::Bucket>();
+      b->flat = FlatParams(std::move(g), world_, align_elems());
+      torch::Tensor flat = b->flat.flat();
+      broadcast(flat);
+      make_owned(b->own, b->flat.shard_of(flat, rank_), torch::zeros({b->flat.shard()}, flat.options().dtype(grad_dtype_)));
+      for (auto& e : b->flat.entries()) {
+        e.param.mutable_grad().reset();
+        torch::autograd::impl::set_post_acc_grad_hooks(e.param, std::make_unique<detail::BucketHook>(b.get(), &e, state_.get()));
+      }
+      buckets_.push_back(std::move(b));
     }
   }
 
@@ -442,44 +618,79 @@ class Trainer {
         e.param.set_data(torch::empty({0}, e.param.options()));
       }
     }
+    auto own = std::make_unique<Partition>();
+    make_owned(*own, g->shard.detach(), g->grad_shard);
+    if (offload_) {
+      Partition* p = own.get();
+      OffloadPipeline* pipe = offload_.get();
+      detail::GradState* st = state_.get();
+      g->before_gather = [pipe, p] { pipe->wait(*p); };
+      if (pipe->threaded())
+        g->grad_done = [pipe, p, st] {
+          if (st->final_micro) pipe->gradient_ready(*p, st->eager);
+        };
+    }
+    runtime_->add_group(*g);
     s.attach(g.get());
     attached_.push_back(&s);
-    own3_.push_back(make_owned(g->shard.detach(), g->grad_shard));
+    own3_.push_back(std::move(own));
     groups3_.push_back(std::move(g));
   }
 
+  void begin_micro_step(bool boundary) {
+    state_->final_micro = boundary;
+    state_->eager = {};
+    if (micro_ == 0) state_->reduce_scatter_bytes = 0;
+    for (auto& b : buckets_) b->pending = int(b->flat.entries().size()), b->reduced = false;
+    if constexpr (kOffload && kStage >= 2) {
+      // Eager: nothing global can change this step's update (no clipping, no loss scale), so each partition
+      // is updated as soon as its gradient is on the host.
+      if (boundary && offload_->threaded() && !(opt_.max_grad_norm > 0) && !S::loss_scaling)
+        state_->eager = host_update(coeffs_for_next_step(), 1.0f, 1.0f);
+    }
+    last_eager_ = bool(state_->eager);
+    if (boundary)
+      for (Partition* p : partitions()) p->submitted = false;
+  }
+
   void after_backward(bool boundary) {
-    if (!rep_) return;
-    auto& flat = rep_->flat;
-    auto& own = rep_->own;
-    if constexpr (kStage <= 1) {
+    if (rep_) {
+      auto& flat = rep_->flat;
       if (kFp32Accum) {
         rep_->acc_full.add_(flat.grad());
         flat.zero_grad();
       }
-      if (!boundary) return;
-      const torch::Tensor src = kFp32Accum ? rep_->acc_full : flat.grad();
-      if constexpr (kStage == 0) all_reduce_inplace(*comm_, src, comm::ReduceOp::avg);
-      else reduce_scatter_avg(*comm_, src, own.grad);  // in place: own.grad is this rank's slice of src
-    } else {
-      auto mine = torch::empty({flat.shard()}, flat.grad().options());
-      reduce_scatter_avg(*comm_, flat.grad(), mine);
-      own.grad.add_(mine);
-      flat.zero_grad();
+      if (boundary) {
+        const torch::Tensor src = kFp32Accum ? rep_->acc_full : flat.grad();
+        if constexpr (kStage == 0) all_reduce_inplace(*comm_, src, comm::ReduceOp::avg);
+        else reduce_scatter_avg(*comm_, src, rep_->own.grad);  // in place: own.grad is this rank's slice of src
+      }
+    }
+    // Buckets that did not complete in backward (parameters without a gradient; or thread-ranks on one
+    // GPU, which reduce everything here), in bucket order on every rank.
+    for (auto& b : buckets_)
+      if (!b->reduced) detail::reduce_bucket(*b, *state_);
+    if (boundary) {
+      last_window_rs_bytes_ = state_->reduce_scatter_bytes;
+      // Offload: every partition not yet handed over (all of them when not overlapping) goes now, in order.
+      if (offload_)
+        for (Partition* p : partitions())
+          if (!p->submitted) offload_->gradient_ready(*p, state_->eager);
     }
   }
 
-  std::vector<Owned*> partitions() {
-    std::vector<Owned*> p;
+  std::vector<Partition*> partitions() {
+    std::vector<Partition*> p;
     if (rep_) p.push_back(&rep_->own);
-    for (auto& o : own3_) p.push_back(&o);
+    for (auto& b : buckets_) p.push_back(&b->own);
+    for (auto& o : own3_) p.push_back(o.get());
     return p;
   }
 
   // The global sum of squares of the reduced gradients (scaled), identical on every rank.
   double global_sum_squares() {
     if constexpr (kStage == 0) {
-      // Same association as the sharded stages: per rank-sized chunk, chunks in rank order.
+      // Same association as stage 1: per rank-sized chunk, chunks in rank order.
       const torch::Tensor& g = rep_->own.grad;
       const int64_t shard = rep_->flat.shard();
       double total = 0;
@@ -490,7 +701,8 @@ class Trainer {
       return total;
     } else {
       double local = 0;
-      for (Owned* o : partitions()) local += detail::sum_squares(o->grad);
+      // Offload: the worker summed each partition's host copy (the same way whether overlapped or not).
+      for (Partition* o : partitions()) local += kOffload ? o->sumsq : detail::sum_squares(o->grad);
       if (world_ == 1) return local;
       // Where the communicator takes buffers: device memory for NCCL.
       auto t = torch::full({1}, local, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
@@ -499,12 +711,33 @@ class Trainer {
     }
   }
 
+  kernels::AdamWCoeffs coeffs_for_next_step() const {
+    return kernels::adamw_coeffs(adamw_.lr, adamw_.beta1, adamw_.beta2, adamw_.eps, adamw_.weight_decay, applied_ + 1);
+  }
+
+  // The CPU AdamW of one offloaded partition: fp32 master, m, v and the host gradient copy.
+  static OffloadPipeline::Fn host_update(kernels::AdamWCoeffs c, float inv_scale, float clip) {
+    return [c, inv_scale, clip](Partition& p) {
+      const kernels::AdamWDynamic d{&inv_scale, nullptr, &clip, nullptr};
+      auto run = [&]<class G>(const G* g) {
+        kernels::AdamWTensor<float, G> t{p.master.data_ptr<float>(), nullptr, g, p.m.data_ptr<float>(), p.v.data_ptr<float>(),
+                                         p.master.numel()};
+        kernels::adamw_cpu(t, c, d);
+      };
+      if (p.host_grad.scalar_type() == torch::kFloat32) run(p.host_grad.data_ptr<float>());
+      else run(reinterpret_cast<const Compute*>(p.host_grad.data_ptr()));
+    };
+  }
+
   void finish_window(StepResult& r) {
+    if (offload_) offload_->wait_all();  // the gradient jobs: host copies, sums of squares (and eager updates)
     const float inv_scale = 1.0f / r.scale;
     float norm = 0, clip = 1, found_inf = 0;
     kernels::grad_norm_finalize(global_sum_squares(), kernels::NormType::L2, opt_.max_grad_norm, &inv_scale,
                                 {&norm, &clip, &found_inf});
     r.grad_norm = norm;
+    const bool eager = bool(state_->eager);
+    state_->eager = {};
     if (found_inf != 0) {
       // Some rank's shard overflowed: everyone saw the same global sum, so everyone skips.
       ++skipped_;
@@ -512,23 +745,37 @@ class Trainer {
         *scaler_.found_inf() = 1.0f;
         scaler_.update();
       }
+      if (eager) gather_replicated();  // updated buckets stay updated (see the header): keep ranks consistent
       zero_window();
       r.applied = false;
       return;
     }
-    const auto coeffs = kernels::adamw_coeffs(adamw_.lr, adamw_.beta1, adamw_.beta2, adamw_.eps, adamw_.weight_decay,
-                                              applied_ + 1);
-    const kernels::AdamWDynamic dyn{&inv_scale, nullptr, &clip, nullptr};
-    for (Owned* o : partitions()) update(*o, coeffs, dyn, inv_scale * clip);
+    const auto coeffs = coeffs_for_next_step();
+    if constexpr (kOffload) {
+      if (!eager)
+        for (Partition* o : partitions()) offload_->update(*o, host_update(coeffs, inv_scale, clip));
+      // Replicated parameters are used by the next forward without a hook: wait for them here. Stage-3
+      // layers are waited for by their next gather.
+      if (rep_) offload_->wait(rep_->own);
+      for (auto& b : buckets_) offload_->wait(b->own);
+    } else {
+      const kernels::AdamWDynamic dyn{&inv_scale, nullptr, &clip, nullptr};
+      for (Partition* o : partitions()) update(*o, coeffs, dyn, inv_scale * clip);
+    }
     ++applied_;
     if constexpr (S::dynamic_loss_scaling) scaler_.update();
-    // Stages 1-2 (and stage 3's whole-kept parameters): everyone gets the updated shards back.
+    gather_replicated();
+    zero_window();
+    r.applied = true;
+  }
+
+  // Stages 1-2 (and stage 3's whole-kept parameters): everyone gets the updated shards back.
+  void gather_replicated() {
     if (rep_ && kStage >= 1) {
       auto& flat = rep_->flat;
       gather_into(*comm_, flat.shard_of(flat.flat(), rank_), flat.flat());  // in place
     }
-    zero_window();
-    r.applied = true;
+    for (auto& b : buckets_) gather_into(*comm_, b->flat.shard_of(b->flat.flat(), rank_), b->flat.flat());
   }
 
   void zero_window() {
@@ -536,11 +783,12 @@ class Trainer {
       rep_->flat.zero_grad();
       if (rep_->acc_full.defined()) rep_->acc_full.zero_();
     }
-    for (Owned* o : partitions()) o->grad.zero_();
+    if constexpr (!kOffload)  // offloaded gradient shards were zeroed right after their host copy
+      for (Partition* o : partitions()) o->grad.zero_();
   }
 
   template <class G>
-  void adamw_host(Owned& o, const kernels::AdamWCoeffs& c, const kernels::AdamWDynamic& d) {
+  void adamw_host(Partition& o, const kernels::AdamWCoeffs& c, const kernels::AdamWDynamic& d) {
     kernels::AdamWTensor<Compute, G> t;
     t.param = reinterpret_cast<Compute*>(o.param.data_ptr());
     t.master = std::is_same_v<Compute, float> ? nullptr : o.master.template data_ptr<float>();
@@ -551,15 +799,8 @@ class Trainer {
     kernels::adamw_cpu(t, c, d);
   }
 
-  void update(Owned& o, const kernels::AdamWCoeffs& c, const kernels::AdamWDynamic& d, float gmul) {
-    if constexpr (kOffload) {
-      // Gradients down, the CPU AdamW on the fp32 host master, parameters (compute type) back up.
-      o.host_grad.copy_(o.grad);
-      kernels::AdamWTensor<float, float> t{o.master.template data_ptr<float>(), nullptr, o.host_grad.template data_ptr<float>(),
-                                           o.m.template data_ptr<float>(), o.v.template data_ptr<float>(), o.master.numel()};
-      kernels::adamw_cpu(t, c, d);
-      o.param.copy_(o.master);
-    } else if (o.param.is_cpu()) {
+  void update(Partition& o, const kernels::AdamWCoeffs& c, const kernels::AdamWDynamic& d, float gmul) {
+    if (o.param.is_cpu()) {
       if (o.grad.scalar_type() == torch::kFloat32) adamw_host<float>(o, c, d);
       else adamw_host<Compute>(o, c, d);
     } else {
@@ -576,6 +817,7 @@ class Trainer {
     }
   }
 
+  // Declaration order = reverse destruction order: the offload worker stops before what it points to goes.
   std::shared_ptr<torch::nn::Module> module_;
   O adamw_;
   comm::CommPtr comm_;
@@ -585,13 +827,18 @@ class Trainer {
   int rank_ = 0, world_ = 1;
   torch::ScalarType compute_dtype_, grad_dtype_;
   torch::Device device_{torch::kCPU};
+  std::unique_ptr<detail::GradState> state_;
   std::unique_ptr<Stage3Runtime> runtime_;
-  std::optional<Replicated> rep_;
+  std::unique_ptr<Replicated> rep_;
+  std::vector<std::unique_ptr<detail::Bucket>> buckets_;
   std::vector<std::unique_ptr<Stage3Group>> groups3_;
-  std::vector<Owned> own3_;
+  std::vector<std::unique_ptr<Partition>> own3_;
   std::vector<Shardable*> attached_;
+  std::unique_ptr<OffloadPipeline> offload_;
   int micro_ = 0;
   int64_t applied_ = 0, skipped_ = 0;
+  int64_t last_window_rs_bytes_ = 0;
+  bool last_eager_ = false;
 };
 
 // module: a torch::nn::ModuleHolder (e.g. an `MLP` from TORCH_MODULE) or a shared_ptr to a Module.

@@ -1,0 +1,232 @@
+#pragma once
+// Offload<Host> pipeline: gradient shards stream device -> host as they become final during backward,
+// a worker thread runs the CPU AdamW on each partition, updated parameters stream host -> device, so the
+// transfers and the optimizer overlap the backward pass (and, at stage 3, the next forward).
+//
+// A Partition is what one rank updates: a stage-2 gradient bucket's shard, a stage-3 layer's shard, or the
+// stage-1 shard. Per partition and optimizer step:
+//
+//   gradient_ready(p)   (backward thread, when p's reduced gradient for the window is final)
+//       CUDA: the d2h stream waits for the current stream, copies p.grad -> p.host_grad (pinned), zeroes p.grad
+//       worker: waits for the copy (CPU: does it), p.sumsq = sum of squares of host_grad in double
+//               (fixed chunking: the same bits whatever the thread count), then the job's `then` (eager update)
+//   update(p, fn)       (trainer, after the global norm is known; or `then` above)
+//       worker: fn(p) (the CPU AdamW on p.master, p.m, p.v with p.host_grad), then
+//       CUDA: the h2d stream waits for the compute work queued before the job, copies p.master -> p.param
+//   wait(p) / wait_all()  the host waits for the jobs, the current stream for their copies
+//
+// With threaded = false every job runs inline at once (the non-overlapped reference path); the arithmetic
+// is the same function either way, so both paths give the same bits (tests/nn/test_zero.cpp checks it).
+// One worker: jobs run in submission order, so a partition's jobs never run out of order.
+#include <torch/torch.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "squeeze/dtype.hpp"
+#include "squeeze/kernels/cpu_parallel.hpp"
+#include "squeeze/kernels/grad_norm.hpp"
+#include "streams.hpp"
+
+namespace squeeze::nn {
+
+// One optimizer partition: what this rank updates.
+struct Partition {
+  torch::Tensor param;      // [n] compute dtype, written by AdamW (flat-buffer slice or stage-3 shard)
+  torch::Tensor grad;       // [n] reduced gradient (stage 0: the full buffer itself)
+  torch::Tensor master;     // [n] fp32 master (mixed precision, or on the host under offload)
+  torch::Tensor m, v;       // [n] fp32 Adam moments
+  torch::Tensor host_grad;  // [n] host copy of grad in grad's dtype (offload; pinned for a CUDA model)
+  // Offload pipeline state (written by the worker, read after wait()).
+  double sumsq = 0;         // sum of squares of host_grad (scaled gradient), this window
+  bool submitted = false;   // gradient_ready was called this window
+  std::uint64_t last_job = 0;
+  Event d2h_done, h2d_done;
+};
+
+// Sum of squares in double, deterministic: fixed 64 Ki-element chunks, each summed in order, chunk sums
+// added in order; chunks are spread over the cores.
+inline double chunked_sum_squares(const torch::Tensor& t) {
+  TORCH_CHECK(t.is_cpu() && t.is_contiguous(), "chunked_sum_squares: needs a contiguous host tensor");
+  const int64_t n = t.numel();
+  if (n == 0) return 0.0;
+  constexpr int64_t kChunk = int64_t(1) << 16;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  std::vector<double> part(std::size_t(chunks), 0.0);
+  auto run = [&]<class T>(const T* p) {
+    kernels::cpu::parallel_ranges(chunks * kernels::cpu::kRangeAlign, [&](int, int64_t b, int64_t e) {
+      for (int64_t c = b / kernels::cpu::kRangeAlign; c < e / kernels::cpu::kRangeAlign; ++c) {
+        double acc = 0;
+        const int64_t lo = c * kChunk, hi = std::min(n, lo + kChunk);
+        for (int64_t i = lo; i < hi; ++i) acc = kernels::NormOp<kernels::NormType::L2>::element(acc, to_float(p[i]));
+        part[std::size_t(c)] = acc;
+      }
+    });
+  };
+  switch (t.scalar_type()) {
+    case torch::kFloat32: run(t.data_ptr<float>()); break;
+    case torch::kBFloat16: run(reinterpret_cast<const bf16*>(t.data_ptr())); break;
+    case torch::kFloat16: run(reinterpret_cast<const half*>(t.data_ptr())); break;
+    default: TORCH_CHECK(false, "chunked_sum_squares: unsupported dtype ", t.scalar_type());
+  }
+  double total = 0;
+  for (double x : part) total += x;
+  return total;
+}
+
+class OffloadPipeline {
+ public:
+  using Fn = std::function<void(Partition&)>;
+
+  OffloadPipeline(torch::Device device, bool threaded)
+      : device_(device), threaded_(threaded), d2h_(device), h2d_(device) {
+    if (threaded_) worker_ = std::thread([this] { loop(); });
+  }
+  OffloadPipeline(const OffloadPipeline&) = delete;
+  OffloadPipeline& operator=(const OffloadPipeline&) = delete;
+  ~OffloadPipeline() {
+    if (!worker_.joinable()) return;
+    {
+      std::lock_guard lk(m_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    worker_.join();
+  }
+
+  bool threaded() const { return threaded_; }
+
+  // p's gradient for this window is final (called where it became final, e.g. inside backward).
+  void gradient_ready(Partition& p, Fn then = {}) {
+    wait(p);  // the previous window's update of p has read host_grad
+    p.submitted = true;
+    Event after;
+    if (d2h_.active()) {
+      after = record_current(device_);
+      d2h_.wait(after);
+      d2h_.run([&] {
+        p.host_grad.copy_(p.grad, /*non_blocking=*/true);
+        p.grad.zero_();
+      });
+      d2h_.record_use(p.grad);
+      p.d2h_done = d2h_.record();
+    }
+    submit(p, [this, after, then = std::move(then)](Partition& q) {
+      if (d2h_.active()) {
+        q.d2h_done.synchronize();
+      } else {
+        q.host_grad.copy_(q.grad);
+        q.grad.zero_();
+      }
+      q.sumsq = chunked_sum_squares(q.host_grad);
+      if (then) {
+        then(q);
+        write_back(q, after);
+      }
+    });
+  }
+
+  // Queues fn(p) (the CPU AdamW) after p's gradient job, then streams p.master back into p.param.
+  void update(Partition& p, Fn fn) {
+    Event after = record_current(device_);
+    submit(p, [this, after, fn = std::move(fn)](Partition& q) {
+      fn(q);
+      write_back(q, after);
+    });
+  }
+
+  // The host waits for p's jobs; the current stream for its copies.
+  void wait(Partition& p) {
+    std::unique_lock lk(m_);
+    done_cv_.wait(lk, [&] { return done_ >= p.last_job || error_; });
+    rethrow(lk);
+    lk.unlock();
+    wait_current(device_, p.d2h_done);
+    wait_current(device_, p.h2d_done);
+  }
+  void wait_all() {
+    std::unique_lock lk(m_);
+    done_cv_.wait(lk, [&] { return done_ >= issued_ || error_; });
+    rethrow(lk);
+    lk.unlock();
+    wait_current(device_, d2h_.record());
+    wait_current(device_, h2d_.record());
+  }
+
+ private:
+  struct Job {
+    Partition* p;
+    Fn fn;
+  };
+
+  void write_back(Partition& q, const Event& after) {
+    if (h2d_.active()) {
+      h2d_.wait(after);  // kernels queued before the job may still read q.param
+      h2d_.run([&] { q.param.copy_(q.master, /*non_blocking=*/true); });
+      q.h2d_done = h2d_.record();
+    } else {
+      q.param.copy_(q.master);
+    }
+  }
+
+  void submit(Partition& p, Fn fn) {
+    std::unique_lock lk(m_);
+    rethrow(lk);
+    p.last_job = ++issued_;
+    if (!threaded_) {
+      lk.unlock();
+      fn(p);
+      lk.lock();
+      done_ = issued_;
+      return;
+    }
+    queue_.push_back({&p, std::move(fn)});
+    lk.unlock();
+    cv_.notify_one();
+  }
+
+  void loop() {
+    set_device(device_);
+    std::unique_lock lk(m_);
+    for (;;) {
+      cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stop_ and nothing left
+      Job j = std::move(queue_.front());
+      queue_.pop_front();
+      lk.unlock();
+      std::exception_ptr err;
+      try {
+        j.fn(*j.p);
+      } catch (...) {
+        err = std::current_exception();
+      }
+      lk.lock();
+      if (err && !error_) error_ = err;
+      ++done_;
+      done_cv_.notify_all();
+    }
+  }
+
+  void rethrow(std::unique_lock<std::mutex>&) {
+    if (error_) std::rethrow_exception(error_);
+  }
+
+  torch::Device device_;
+  bool threaded_;
+  SideStream d2h_, h2d_;
+  std::mutex m_;
+  std::condition_variable cv_, done_cv_;
+  std::deque<Job> queue_;
+  std::uint64_t issued_ = 0, done_ = 0;
+  bool stop_ = false;
+  std::exception_ptr error_;
+  std::thread worker_;
+};
+
+}  // namespace squeeze::nn

@@ -1,0 +1,128 @@
+#pragma once
+// Side streams and events for overlapping transfers and collectives with compute (torch layer).
+//
+// Real only in CUDA builds of the torch layer: compile with SQUEEZE_TORCH_CUDA=1 and link c10_cuda (the
+// GPU machine's build does). Everywhere else -- and for CPU tensors in a CUDA build -- a SideStream is
+// inert: run() calls the function on the current stream, events are empty and waits do nothing, so
+// the same code runs in program order on the calling thread (which is what the CPU tests check).
+//
+//   SideStream s(device);                  // a pool stream of device's GPU (inert for the CPU)
+//   s.wait(record_current(device));        // s waits for everything enqueued so far on the current stream
+//   s.run([&] { dst.copy_(src, true); });  // enqueued on s
+//   Event done = s.record();               // ... and the current stream, or a host thread, waits for it:
+//   wait_current(device, done);  done.synchronize();
+//   s.record_use(t);                       // t (allocated on one stream) is also used on s: tell the allocator
+#include <torch/torch.h>
+
+#include <memory>
+
+#if defined(SQUEEZE_TORCH_CUDA) && SQUEEZE_TORCH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#define SQUEEZE_NN_STREAMS 1
+#endif
+
+namespace squeeze::nn {
+
+#if SQUEEZE_NN_STREAMS
+
+// A CUDA event (timing disabled), shared by copies; empty = already complete.
+class Event {
+ public:
+  Event() = default;
+  static Event record_on(cudaStream_t s, c10::DeviceIndex dev) {
+    c10::cuda::CUDAGuard g(dev);
+    Event e;
+    cudaEvent_t ev = nullptr;
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    e.ev_ = std::shared_ptr<CUevent_st>(ev, [](cudaEvent_t x) { (void)cudaEventDestroy(x); });
+    C10_CUDA_CHECK(cudaEventRecord(ev, s));
+    return e;
+  }
+  bool empty() const { return ev_ == nullptr; }
+  void synchronize() const {  // host waits
+    if (ev_) C10_CUDA_CHECK(cudaEventSynchronize(ev_.get()));
+  }
+  void block(cudaStream_t s) const {  // stream s waits
+    if (ev_) C10_CUDA_CHECK(cudaStreamWaitEvent(s, ev_.get(), 0));
+  }
+
+ private:
+  std::shared_ptr<CUevent_st> ev_;
+};
+
+class SideStream {
+ public:
+  SideStream() = default;
+  explicit SideStream(torch::Device d) {
+    if (d.is_cuda()) stream_ = std::make_unique<c10::cuda::CUDAStream>(c10::cuda::getStreamFromPool(false, d.index()));
+  }
+  bool active() const { return stream_ != nullptr; }
+  void* handle() const { return stream_ ? static_cast<void*>(stream_->stream()) : nullptr; }
+  template <class F> decltype(auto) run(F&& f) {
+    if (!stream_) return f();
+    c10::cuda::CUDAStreamGuard g(*stream_);
+    return f();
+  }
+  Event record() const { return stream_ ? Event::record_on(stream_->stream(), stream_->device_index()) : Event(); }
+  void wait(const Event& e) const {
+    if (stream_) e.block(stream_->stream());
+  }
+  // The caching allocator must not reuse t's memory before the work queued on this stream is done.
+  void record_use(const torch::Tensor& t) const {
+    if (stream_ && t.defined() && t.is_cuda()) c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), *stream_);
+  }
+
+ private:
+  std::unique_ptr<c10::cuda::CUDAStream> stream_;
+};
+
+// An event on the current stream of d (empty for the CPU).
+inline Event record_current(torch::Device d) {
+  if (!d.is_cuda()) return {};
+  return Event::record_on(c10::cuda::getCurrentCUDAStream(d.index()).stream(), d.index());
+}
+// The current stream of d waits for e.
+inline void wait_current(torch::Device d, const Event& e) {
+  if (d.is_cuda()) e.block(c10::cuda::getCurrentCUDAStream(d.index()).stream());
+}
+// Makes d the current device of this thread (worker threads start on device 0).
+inline void set_device(torch::Device d) {
+  if (d.is_cuda()) c10::cuda::set_device(d.index());
+}
+// t (allocated on a side stream) is used on the current stream too.
+inline void record_use_current(const torch::Tensor& t) {
+  if (t.defined() && t.is_cuda())
+    c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), c10::cuda::getCurrentCUDAStream(t.device().index()));
+}
+
+#else  // no CUDA in the torch layer: everything in program order
+
+class Event {
+ public:
+  bool empty() const { return true; }
+  void synchronize() const {}
+};
+class SideStream {
+ public:
+  SideStream() = default;
+  explicit SideStream(torch::Device) {}
+  bool active() const { return false; }
+  void* handle() const { return nullptr; }
+  template <class F> decltype(auto) run(F&& f) { return f(); }
+  Event record() const { return {}; }
+  void wait(const Event&) const {}
+  void record_use(const torch::Tensor&) const {}
+};
+inline Event record_current(torch::Device) { return {}; }
+inline void wait_current(torch::Device, const Event&) {}
+inline void set_device(torch::Device) {}
+inline void record_use_current(const torch::Tensor&) {}
+
+#endif
+
+}  // namespace squeeze::nn
