@@ -50,13 +50,13 @@ struct Partition {
   Event d2h_done, h2d_done;
 };
 
-// Sum of squares in double, deterministic: fixed 64 Ki-element chunks, each summed in order, chunk sums
+// Sum of squares in double, deterministic: fixed 4 Ki-element chunks, each summed in order, chunk sums
 // added in order; chunks are spread over the cores.
 inline double chunked_sum_squares(const torch::Tensor& t) {
   TORCH_CHECK(t.is_cpu() && t.is_contiguous(), "chunked_sum_squares: needs a contiguous host tensor");
   const int64_t n = t.numel();
   if (n == 0) return 0.0;
-  constexpr int64_t kChunk = int64_t(1) << 16;
+  constexpr int64_t kChunk = int64_t(1) << 12;  // 4 Ki: partitions from 4 Mi elements up use every core
   const int64_t chunks = (n + kChunk - 1) / kChunk;
   std::vector<double> part(std::size_t(chunks), 0.0);
   auto run = [&]<class T>(const T* p) {
@@ -118,6 +118,7 @@ class OffloadPipeline {
       p.d2h_done = d2h_.record();
     }
     submit(p, [this, after, then = std::move(then)](Partition& q) {
+      q.h2d_done.synchronize();  // the last upload of q.master has been read before AdamW rewrites it
       if (d2h_.active()) {
         q.d2h_done.synchronize();
       } else {
@@ -136,6 +137,7 @@ class OffloadPipeline {
   void update(Partition& p, Fn fn) {
     Event after = record_current(device_);
     submit(p, [this, after, fn = std::move(fn)](Partition& q) {
+      q.h2d_done.synchronize();
       fn(q);
       write_back(q, after);
     });

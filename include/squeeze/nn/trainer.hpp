@@ -156,6 +156,8 @@ struct MemoryReport {
     row("master_weights ", actual.master_weights, predicted.master_weights);
     row("optimizer_state", actual.optimizer_state, predicted.optimizer_state);
     row("communication  ", actual.communication, predicted.communication);
+    s << "peak gradients   measured device " << actual.peak_gradient_bytes << "  |  one full gradient " << actual.full_gradient_bytes
+      << "\n";
     return s.str();
   }
 };
