@@ -1,14 +1,22 @@
 // 4-bit GEMM benchmark (GPU): y [M, N] = x [M, K] bf16 * W^T with W 4-bit GPTQ (group 128, asymmetric).
 // For each (K, N) and batch M it measures, in the same run:
-//   ours       squeeze int4 tensor-core GEMM (kernels/squeeze/kernels/quant/qgemm.cuh)
+//   ours       squeeze int4 tensor-core GEMM as the library dispatches it (kq::qgemm_cuda)
+//   variants   every configuration of kq::detail::TuningCfgs (rows per block, warps, tiles per warp, loads
+//              in flight, register or cp.async loader) at several K-range lengths (cps, 64-k chunks), with
+//              its error; the fastest is reported beside the library's choice (to pick the dispatch table)
+//   diag       the same weight stream with the math removed (load only) and with decode but no mma: how
+//              far each stage is from the copy bandwidth
 //   peer       cuBLAS bf16 GEMM through libtorch (at::mm on bf16 CUDA tensors, W [N, K] as nn.Linear stores it)
 //   peer2      PyTorch's int4 weight-only GEMM at::_weight_int4pack_mm (group 128), when it runs here
+//   deq+cublas dequantize the GPTQ layer to bf16, then cuBLAS (QuantizedLinear's path for large batches)
 //   roofline   bytes our kernel must read (weights + scales + zeros + x) / time, over the bandwidth of a
 //              device-to-device copy measured in the same run
 // Times: CUDA events around each launch, median of --reps, L2 flushed before each launch; every batch of
 // launches is queued behind a spin kernel so CPU launch overhead never shows as GPU time.
-// Correctness: ours vs dequantize + fp32 matmul on the same weights (max error relative to max |y|), per case.
-// Usage: bench_quant_gemm [--out FILE] [--reps N]   (env SQUEEZE_DEVICE, SQUEEZE_DATE, SQUEEZE_COMMIT)
+// Correctness: ours and every variant vs dequantize + fp32 matmul on the same weights (max error relative
+// to max |y|), per case.
+// Usage: bench_quant_gemm [--out FILE] [--reps N] [--only CASE] [--no-checks] [--no-variants]
+//   (env SQUEEZE_DEVICE, SQUEEZE_DATE, SQUEEZE_COMMIT)
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -76,22 +84,21 @@ std::string env_or(const char* name, const std::string& fallback) {
   return v && *v ? std::string(v) : fallback;
 }
 
-// A random 4-bit GPTQ layer [N out, K in], group 128: random codes, zeros in [1, 15], scales ~ 1e-2.
-squeeze::quant::PackedLinear random_int4(std::int64_t K, std::int64_t N, std::uint32_t seed) {
+// A random GPTQ layer [N out, K in] of `bits` bits, group 128: random codes, zeros in [1, 2^bits - 1],
+// scales ~ 1e-2.
+squeeze::quant::PackedLinear random_layer(int bits, std::int64_t K, std::int64_t N, std::uint32_t seed) {
   std::mt19937 rng(seed);
   squeeze::quant::PackedLinear p;
-  p.bits = 4;
+  p.bits = bits;
   p.group_size = 128;
   p.in = K;
   p.out = N;
   p.qweight.resize(p.qweight_rows() * N);
   for (auto& w : p.qweight) w = std::int32_t(rng());
-  p.qzeros.resize(p.groups() * p.qzeros_cols());
-  for (auto& z : p.qzeros) {  // nibbles in [0, 14] -> zeros in [1, 15]
-    std::uint32_t v = 0;
-    for (int i = 0; i < 8; ++i) v |= (rng() % 15u) << (4 * i);
-    z = std::int32_t(v);
-  }
+  p.qzeros.assign(p.groups() * p.qzeros_cols(), 0);
+  const std::uint32_t maxq = (1u << bits) - 1u;
+  for (std::int64_t g = 0; g < p.groups(); ++g)  // stored as zero - 1 (GPTQ v1)
+    for (std::int64_t o = 0; o < N; ++o) kq::stream_put(p.qzeros.data() + g * p.qzeros_cols(), 1, o, bits, rng() % maxq);
   p.scales.resize(p.groups() * N);
   std::uniform_real_distribution<float> ud(0.005f, 0.02f);
   for (auto& s : p.scales) s = squeeze::from_float<half>(ud(rng));
@@ -142,12 +149,86 @@ bool module_checks() {
   return ok;
 }
 
+// Times every configuration of a CfgList at several K-range lengths; fills {name: {cps: ms}} and
+// {name: rel err} (at the plan's own cps), and tracks the fastest correct one.
+struct VariantResult {
+  nlohmann::json times = nlohmann::json::object(), errors = nlohmann::json::object();
+  std::string best_name;
+  int best_cps = 0;
+  double best_ms = 0;
+};
+struct GemmBuffers {
+  const bf16* x;
+  const std::uint32_t* tiles;
+  const half* scales;
+  const std::uint8_t* zeros;
+  bf16* y;
+  torch::Tensor y_tensor, ref;  // y as a tensor, reference fp32 [M, N]
+};
+template <int BITS, class C>
+void time_variant(const GemmBuffers& b, const kq::QGemmShape& shape, int sm, int reps, bool diagnostic, VariantResult& r) {
+  if constexpr (BITS == 3 && C::LOADER == kq::detail::QGemmLoader::CpAsync) {
+    return;  // 3-bit tiles take the register loader only
+  } else {
+  constexpr int rows = C::ROWS;
+  if (rows > std::max<std::int64_t>(16, shape.M) || rows * 8 < shape.M) return;  // far from this batch: skip
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA, 0);
+  nlohmann::json t = nlohmann::json::object();
+  int last_splits = -1;
+  for (int cps : {0, 4, 8, 16, 32}) {
+    const auto plan = kq::plan_qgemm(shape, C::template geometry<BITS>(), sm, cps);
+    if (cps > 0 && plan.splits == last_splits) continue;  // clamped to a plan already timed
+    auto partial = torch::empty({std::max<std::int64_t>(plan.partial_elems, 1)}, cuda.dtype(torch::kFloat32));
+    auto counters = torch::zeros({std::max<std::int64_t>(plan.counter_elems, 1)}, cuda.dtype(torch::kInt32));
+    const kq::QGemmWorkspace ws{partial.data_ptr<float>(), plan.partial_elems, counters.data_ptr<int>(), plan.counter_elems};
+    auto run = [&] { SQUEEZE_CUDA_CHECK((kq::detail::launch_qgemm_cfg<bf16, BITS, C>(b.x, b.tiles, b.scales, b.zeros, b.y, shape, plan, ws, nullptr))); };
+    if (cps == 0) last_splits = plan.splits;
+    if (const cudaError_t e = kq::detail::launch_qgemm_cfg<bf16, BITS, C>(b.x, b.tiles, b.scales, b.zeros, b.y, shape, plan, ws, nullptr);
+        e != cudaSuccess) {  // a configuration that cannot launch here is reported, not fatal
+      std::printf("  variant %s cps %d: %s\n", kq::detail::cfg_name<C>().c_str(), plan.cps, cudaGetErrorString(e));
+      cudaGetLastError();
+      continue;
+    }
+    if (cps == 0 && !diagnostic) {
+      run();
+      SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+      const double err = ((b.y_tensor.to(torch::kFloat32) - b.ref).abs().max() / b.ref.abs().max().clamp_min(1e-30)).item<double>();
+      r.errors[kq::detail::cfg_name<C>()] = err;
+      if (!(err < 2e-2)) {  // a wrong kernel never wins
+        std::printf("  variant %s: rel err %.2e FAILED\n", kq::detail::cfg_name<C>().c_str(), err);
+        return;
+      }
+    }
+    const double ms = time_ms(run, reps);
+    t[std::to_string(plan.cps)] = ms;
+    if (!diagnostic && (r.best_ms == 0 || ms < r.best_ms)) {
+      r.best_ms = ms;
+      r.best_name = kq::detail::cfg_name<C>();
+      r.best_cps = plan.cps;
+    }
+  }
+  r.times[kq::detail::cfg_name<C>()] = t;
+  }
+}
+template <int BITS, class... Cs>
+void time_variants(kq::detail::CfgList<Cs...>, const GemmBuffers& b, const kq::QGemmShape& shape, int sm, int reps, bool diagnostic,
+                   VariantResult& r) {
+  (time_variant<BITS, Cs>(b, shape, sm, reps, diagnostic, r), ...);
+}
+double min_time(const nlohmann::json& times) {  // fastest entry of {name: {cps: ms}}
+  double best = 0;
+  for (const auto& [name, per] : times.items())
+    for (const auto& [cps, ms] : per.items())
+      if (best == 0 || ms.get<double>() < best) best = ms.get<double>();
+  return best;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string out_path;
   int reps = 50;
-  bool checks = true;
+  bool checks = true, variants = true;
   std::string only;  // run only cases whose name contains this (e.g. for a profiler)
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -155,8 +236,9 @@ int main(int argc, char** argv) {
     else if (a == "--reps" && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
     else if (a == "--only" && i + 1 < argc) only = argv[++i];
     else if (a == "--no-checks") checks = false;
+    else if (a == "--no-variants") variants = false;
     else {
-      std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--no-checks]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--no-checks] [--no-variants]\n", argv[0]);
       return 2;
     }
   }
@@ -190,9 +272,12 @@ int main(int argc, char** argv) {
 
   const std::vector<std::pair<std::int64_t, std::int64_t>> shapes = {{4096, 4096}, {4096, 11008}, {11008, 4096}, {8192, 28672}};
   const std::vector<std::int64_t> batches = {1, 16, 64, 128};
-  std::printf("%-22s %10s %10s %8s %10s %8s %6s %9s\n", "case", "ours ms", "cublas ms", "x cublas", "int4pk ms", "x int4pk", "roof", "rel err");
+  std::printf("ours: the library's dispatch; best: fastest variant (name, cps) of this run; load/decode: diagnostics (no math / no mma);\n"
+              "roof: fraction of copy bandwidth for ours / best / load-only\n");
+  std::printf("%-18s %8s %8s %6s | %-14s %4s %8s %6s | %8s %8s | %8s %6s | %5s %5s %5s | %8s\n", "case", "ours ms", "cublas", "x cub", "best variant",
+              "cps", "best ms", "x cub", "load ms", "decode", "int4pk", "x i4", "roof", "best", "load", "rel err");
   for (auto [K, N] : shapes) {
-    const auto p = random_int4(K, N, std::uint32_t(K * 31 + N));
+    const auto p = random_layer(4, K, N, std::uint32_t(K * 31 + N));
     const auto t = squeeze::quant::to_tiles(p);
     auto d_tiles = torch::from_blob(const_cast<std::uint32_t*>(t.tiles.data()), {std::int64_t(t.tiles.size())}, torch::kInt32).to(cuda);
     auto d_scales = torch::from_blob(const_cast<half*>(t.scales.data()), {std::int64_t(t.scales.size())}, torch::kHalf).to(cuda);
@@ -226,20 +311,17 @@ int main(int argc, char** argv) {
       auto x = torch::randn({M, K}, cuda.dtype(torch::kBFloat16));
       auto y = torch::empty({M, N}, cuda.dtype(torch::kBFloat16));
       const auto shape = t.shape(M);
-      const auto need = kq::qgemm_workspace_size<bf16>(M, shape, sm);
+      const auto need = kq::qgemm_workspace_size(shape, sm);
       auto partial = torch::empty({std::max<std::int64_t>(need.partial_elems, 1)}, cuda.dtype(torch::kFloat32));
       auto counters = torch::zeros({std::max<std::int64_t>(need.counter_elems, 1)}, cuda.dtype(torch::kInt32));
       const kq::QGemmWorkspace ws{partial.data_ptr<float>(), need.partial_elems, counters.data_ptr<int>(), need.counter_elems};
-      auto ours = [&] {
-        SQUEEZE_CUDA_CHECK(kq::qgemm_cuda<bf16>(reinterpret_cast<const bf16*>(x.data_ptr()),
-                                                    reinterpret_cast<const std::uint32_t*>(d_tiles.data_ptr()),
-                                                    reinterpret_cast<const half*>(d_scales.data_ptr()), d_zeros.data_ptr<std::uint8_t>(),
-                                                    reinterpret_cast<bf16*>(y.data_ptr()), shape, ws, sm, nullptr));
-      };
+      const GemmBuffers buf{reinterpret_cast<const bf16*>(x.data_ptr()), reinterpret_cast<const std::uint32_t*>(d_tiles.data_ptr()),
+                            reinterpret_cast<const half*>(d_scales.data_ptr()), d_zeros.data_ptr<std::uint8_t>(),
+                            reinterpret_cast<bf16*>(y.data_ptr()), y, x.to(torch::kFloat32).matmul(w_deq.t())};
+      auto ours = [&] { SQUEEZE_CUDA_CHECK(kq::qgemm_cuda<bf16>(buf.x, buf.tiles, buf.scales, buf.zeros, buf.y, shape, ws, sm, nullptr)); };
       ours();
       SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
-      const auto ref = x.to(torch::kFloat32).matmul(w_deq.t());
-      const double rel_err = ((y.to(torch::kFloat32) - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item<double>();
+      const double rel_err = ((y.to(torch::kFloat32) - buf.ref).abs().max() / buf.ref.abs().max().clamp_min(1e-30)).item<double>();
 
       const double t_ours = time_ms(ours, reps);
       torch::Tensor yc;
@@ -253,28 +335,38 @@ int main(int argc, char** argv) {
           int4_error = std::string(e.what()).substr(0, 200);
         }
       }
-      // split-K sweep on the larger shapes (recorded in the JSON for tuning the plan's heuristic)
-      nlohmann::json sweep = nlohmann::json::object();
-      if (K * N >= 4096ll * 11008)
-        for (int sp : {1, 2, 3, 4, 6, 8, 12, 16}) {
-          const auto need_sp = kq::qgemm_workspace_size<bf16>(M, shape, sm, sp);
-          auto partial_sp = torch::empty({std::max<std::int64_t>(need_sp.partial_elems, 1)}, cuda.dtype(torch::kFloat32));
-          auto counters_sp = torch::zeros({std::max<std::int64_t>(need_sp.counter_elems, 1)}, cuda.dtype(torch::kInt32));
-          const kq::QGemmWorkspace ws_sp{partial_sp.data_ptr<float>(), need_sp.partial_elems, counters_sp.data_ptr<int>(), need_sp.counter_elems};
-          sweep[std::to_string(sp)] = time_ms(
-              [&] {
-                SQUEEZE_CUDA_CHECK(kq::qgemm_cuda<bf16>(reinterpret_cast<const bf16*>(x.data_ptr()),
-                                                        reinterpret_cast<const std::uint32_t*>(d_tiles.data_ptr()),
-                                                        reinterpret_cast<const half*>(d_scales.data_ptr()), d_zeros.data_ptr<std::uint8_t>(),
-                                                        reinterpret_cast<bf16*>(y.data_ptr()), shape, ws_sp, sm, nullptr, sp));
-              },
-              20);
-        }
-      const int auto_splits = kq::detail::plan_for_device<bf16>(std::min<std::int64_t>(M, 128), shape, sm).splits;
+      // dequantize (GPTQ layout -> bf16) + cuBLAS: the alternative for large batches
+      double t_deq = 0;
+      if (M >= 16) {
+        auto wb = torch::empty({N, K}, cuda.dtype(torch::kBFloat16));
+        t_deq = time_ms(
+            [&] {
+              SQUEEZE_CUDA_CHECK(kq::dequantize_cuda<bf16>(view, reinterpret_cast<bf16*>(wb.data_ptr()), nullptr));
+              yc = at::mm(x, wb.t());
+            },
+            reps);
+      }
+      VariantResult var, diag;
+      if (variants) {
+        time_variants<4>(kq::detail::TuningCfgs{}, buf, shape, sm, std::max(10, reps / 2), false, var);
+        time_variants<4>(kq::detail::DiagnosticCfgs{}, buf, shape, sm, std::max(10, reps / 2), true, diag);
+      }
+      const auto plan = kq::qgemm_plan(shape, sm);
       const double bytes = weight_bytes + double(M) * K * 2 + double(M) * N * 2;
       const double roof = bytes / (t_ours * 1e6) / copy_gbs;
-      std::printf("%-22s %10.4f %10.4f %8.2f %10.4f %8.2f %6.2f %9.2e\n", cs.c_str(), t_ours, t_cublas, t_cublas / t_ours, t_int4,
-                  t_int4 > 0 ? t_int4 / t_ours : 0.0, roof, rel_err);
+      const double t_load = min_time(diag.times);
+      double t_load_only = 0, t_decode = 0;
+      for (const auto& [name, per] : diag.times.items()) {
+        const double m = min_time(nlohmann::json{{name, per}});
+        double& slot = name.find("-load") != std::string::npos ? t_load_only : t_decode;
+        if (slot == 0 || m < slot) slot = m;
+      }
+      (void)t_load;
+      std::printf("%-18s %8.4f %8.4f %6.2f | %-14s %4d %8.4f %6.2f | %8.4f %8.4f | %8.4f %6.2f | %5.2f %5.2f %5.2f | %8.1e\n", cs.c_str(), t_ours, t_cublas,
+                  t_cublas / t_ours, var.best_name.c_str(), var.best_cps, var.best_ms, var.best_ms > 0 ? t_cublas / var.best_ms : 0.0, t_load_only,
+                  t_decode, t_int4, t_int4 > 0 ? t_int4 / t_ours : 0.0, roof, var.best_ms > 0 ? bytes / (var.best_ms * 1e6) / copy_gbs : 0.0,
+                  t_load_only > 0 ? bytes / (t_load_only * 1e6) / copy_gbs : 0.0, rel_err);
+      if (t_deq > 0) std::printf("%-18s   dequantize + cuBLAS %.4f ms (%.2fx cuBLAS)\n", "", t_deq, t_cublas / t_deq);
       std::fflush(stdout);
       if (out) {
         nlohmann::json j = {{"bench", "gemm4"},
@@ -289,8 +381,19 @@ int main(int argc, char** argv) {
                             {"ratio_vs_peer2", t_int4 > 0 ? nlohmann::json(t_int4 / t_ours) : nlohmann::json(nullptr)},
                             {"max_rel_err", rel_err},
                             {"copy_gbs", copy_gbs},
-                            {"splits", auto_splits},
-                            {"splits_sweep_ms", sweep},
+                            {"splits", plan.splits},
+                            {"cps", plan.cps},
+                            {"rows_per_block", plan.rows},
+                            {"best_variant", var.best_name},
+                            {"best_cps", var.best_cps},
+                            {"best_time_ms", var.best_ms > 0 ? nlohmann::json(var.best_ms) : nlohmann::json(nullptr)},
+                            {"best_ratio_vs_peer", var.best_ms > 0 ? nlohmann::json(t_cublas / var.best_ms) : nlohmann::json(nullptr)},
+                            {"load_only_ms", t_load_only > 0 ? nlohmann::json(t_load_only) : nlohmann::json(nullptr)},
+                            {"load_decode_ms", t_decode > 0 ? nlohmann::json(t_decode) : nlohmann::json(nullptr)},
+                            {"deq_cublas_ms", t_deq > 0 ? nlohmann::json(t_deq) : nlohmann::json(nullptr)},
+                            {"variants_ms", var.times},
+                            {"variants_err", var.errors},
+                            {"diagnostics_ms", diag.times},
                             {"device", device},
                             {"date", date},
                             {"commit", commit}};
@@ -300,7 +403,85 @@ int main(int argc, char** argv) {
       }
     }
     if (!int4_error.empty()) std::printf("  aten::_weight_int4pack_mm unavailable: %s\n", int4_error.c_str());
+  }
 
+  // ---- 3-bit (group 128) at batch 1..8: the tile kernel (weights repacked at load) against cuBLAS bf16, the
+  // GEMV that reads the GPTQ layout directly, and the copy bandwidth
+  std::printf("\n3-bit: %-18s %8s %8s %6s | %-14s %4s %8s %6s | %8s %6s | %5s | %8s\n", "case", "ours ms", "cublas", "x cub", "best variant", "cps",
+              "best ms", "x cub", "gptq gemv", "x ours", "roof", "rel err");
+  for (auto [K, N] : std::vector<std::pair<std::int64_t, std::int64_t>>{{4096, 11008}, {11008, 4096}, {8192, 28672}}) {
+    const auto p = random_layer(3, K, N, std::uint32_t(K * 17 + N));
+    const auto t = squeeze::quant::to_tiles(p);
+    auto d_tiles = torch::from_blob(const_cast<std::uint32_t*>(t.tiles.data()), {std::int64_t(t.tiles.size())}, torch::kInt32).to(cuda);
+    auto d_scales = torch::from_blob(const_cast<half*>(t.scales.data()), {std::int64_t(t.scales.size())}, torch::kHalf).to(cuda);
+    auto d_zeros = torch::from_blob(const_cast<std::uint8_t*>(t.zeros.data()), {std::int64_t(t.zeros.size())}, torch::kUInt8).to(cuda);
+    auto d_qw = torch::from_blob(const_cast<std::int32_t*>(p.qweight.data()), {std::int64_t(p.qweight.size())}, torch::kInt32).to(cuda);
+    auto d_qz = torch::from_blob(const_cast<std::int32_t*>(p.qzeros.data()), {std::int64_t(p.qzeros.size())}, torch::kInt32).to(cuda);
+    auto d_sc = torch::from_blob(const_cast<half*>(p.scales.data()), {std::int64_t(p.scales.size())}, torch::kHalf).to(cuda);
+    auto d_gi = torch::from_blob(const_cast<std::int32_t*>(p.g_idx.data()), {K}, torch::kInt32).to(cuda);
+    const kq::GptqView view{d_qw.data_ptr<std::int32_t>(), d_qz.data_ptr<std::int32_t>(), reinterpret_cast<const half*>(d_sc.data_ptr()),
+                            d_gi.data_ptr<std::int32_t>(), K, N, 3};
+    auto w_deq = torch::empty({N, K}, cuda.dtype(torch::kFloat32));
+    SQUEEZE_CUDA_CHECK(kq::dequantize_cuda<float>(view, w_deq.data_ptr<float>(), nullptr));
+    auto w_bf16 = torch::randn({N, K}, cuda.dtype(torch::kBFloat16)) * 0.02;
+    const double weight_bytes = double(K) * N * 3 / 8 + double(t.groups()) * N * 3;
+    for (std::int64_t M : {1, 4, 8}) {
+      const std::string cs = "K" + std::to_string(K) + "_N" + std::to_string(N) + "_M" + std::to_string(M);
+      if (!only.empty() && cs.find(only) == std::string::npos) continue;
+      auto x = torch::randn({M, K}, cuda.dtype(torch::kBFloat16));
+      auto y = torch::empty({M, N}, cuda.dtype(torch::kBFloat16));
+      const auto shape = t.shape(M);
+      const auto need = kq::qgemm_workspace_size(shape, sm);
+      auto partial = torch::empty({std::max<std::int64_t>(need.partial_elems, 1)}, cuda.dtype(torch::kFloat32));
+      auto counters = torch::zeros({std::max<std::int64_t>(need.counter_elems, 1)}, cuda.dtype(torch::kInt32));
+      const kq::QGemmWorkspace ws{partial.data_ptr<float>(), need.partial_elems, counters.data_ptr<int>(), need.counter_elems};
+      const GemmBuffers buf{reinterpret_cast<const bf16*>(x.data_ptr()), reinterpret_cast<const std::uint32_t*>(d_tiles.data_ptr()),
+                            reinterpret_cast<const half*>(d_scales.data_ptr()), d_zeros.data_ptr<std::uint8_t>(),
+                            reinterpret_cast<bf16*>(y.data_ptr()), y, x.to(torch::kFloat32).matmul(w_deq.t())};
+      auto ours = [&] { SQUEEZE_CUDA_CHECK(kq::qgemm_cuda<bf16>(buf.x, buf.tiles, buf.scales, buf.zeros, buf.y, shape, ws, sm, nullptr)); };
+      ours();
+      SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+      const double rel_err = ((y.to(torch::kFloat32) - buf.ref).abs().max() / buf.ref.abs().max().clamp_min(1e-30)).item<double>();
+      const double t_ours = time_ms(ours, reps);
+      torch::Tensor yc;
+      const double t_cublas = time_ms([&] { yc = at::mm(x, w_bf16.t()); }, reps);
+      auto acc = torch::empty({M, N}, cuda.dtype(torch::kFloat32));
+      const double t_gemv = time_ms(
+          [&] {
+            SQUEEZE_CUDA_CHECK(kq::gemv_cuda<bf16>(view, buf.x, buf.y, int(M), acc.data_ptr<float>(), nullptr));
+          },
+          std::max(5, reps / 5));
+      VariantResult var;
+      if (variants) time_variants<3>(kq::detail::TuningCfgs{}, buf, shape, sm, std::max(10, reps / 2), false, var);
+      const double bytes = weight_bytes + double(M) * K * 2 + double(M) * N * 2;
+      const double roof = bytes / (t_ours * 1e6) / copy_gbs;
+      std::printf("3-bit: %-18s %8.4f %8.4f %6.2f | %-14s %4d %8.4f %6.2f | %8.4f %6.2f | %5.2f | %8.1e\n", cs.c_str(), t_ours, t_cublas,
+                  t_cublas / t_ours, var.best_name.c_str(), var.best_cps, var.best_ms, var.best_ms > 0 ? t_cublas / var.best_ms : 0.0, t_gemv,
+                  t_gemv / t_ours, roof, rel_err);
+      std::fflush(stdout);
+      if (out) {
+        nlohmann::json j = {{"bench", "gemv3"},
+                            {"case", cs},
+                            {"time_ms", t_ours},
+                            {"peer", "cublas_bf16"},
+                            {"peer_time_ms", t_cublas},
+                            {"ratio_vs_peer", t_cublas / t_ours},
+                            {"roofline_fraction", roof},
+                            {"gptq_layout_gemv_ms", t_gemv},
+                            {"max_rel_err", rel_err},
+                            {"copy_gbs", copy_gbs},
+                            {"best_variant", var.best_name},
+                            {"best_cps", var.best_cps},
+                            {"best_time_ms", var.best_ms > 0 ? nlohmann::json(var.best_ms) : nlohmann::json(nullptr)},
+                            {"variants_ms", var.times},
+                            {"variants_err", var.errors},
+                            {"device", device},
+                            {"date", date},
+                            {"commit", commit}};
+        out << j.dump() << "\n";
+        out.flush();
+      }
+    }
   }
   return modules_ok ? 0 : 1;
 }

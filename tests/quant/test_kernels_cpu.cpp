@@ -1,7 +1,7 @@
 // CPU twins of the quant kernels against dequantize + matmul in float64. Tolerances (stated per case):
 //   dequantize: the float result is exact (same formula); fp16/bf16 outputs within half an ulp
 //   gemv (fp32 accumulate): 1e-5 * sum|x w| + half an ulp of the output type
-//   4/8-bit tensor-core GEMM twin (double accumulate, exact q - z): 1e-9 * sum|x w| + half an ulp of the output type
+//   3/4/8-bit tensor-core GEMM twin (double accumulate, exact q - z): 1e-9 * sum|x w| + half an ulp of the output type
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -132,7 +132,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, QGemmTwin,
                          ::testing::Values(GemmCase{1, 8, 64, 32, false, 4}, GemmCase{5, 40, 200, 32, false, 4}, GemmCase{19, 100, 264, 64, true, 4},
                                            GemmCase{3, 24, 130, 0, false, 4}, GemmCase{2, 70, 256, 128, true, 4}, GemmCase{33, 17, 96, 16, false, 4},
                                            GemmCase{1, 8, 64, 32, false, 8}, GemmCase{5, 40, 200, 32, true, 8}, GemmCase{19, 100, 264, 0, false, 8},
-                                           GemmCase{33, 17, 96, 16, false, 8}));
+                                           GemmCase{33, 17, 96, 16, false, 8}, GemmCase{1, 8, 64, 32, false, 3}, GemmCase{5, 40, 200, 32, true, 3},
+                                           GemmCase{19, 100, 264, 0, false, 3}, GemmCase{8, 300, 520, 128, false, 3}));
 
 TEST(QTiles, TileCoordIsABijectionOntoTheTile) {
   for (int bits : {4, 8}) {
@@ -147,14 +148,50 @@ TEST(QTiles, TileCoordIsABijectionOntoTheTile) {
     EXPECT_TRUE(std::all_of(seen.begin(), seen.end(), [](int v) { return v == 1; })) << bits;
   }
 }
+TEST(QTiles, ThreeBitLayoutUsesEveryCodeAndEveryBitOnce) {
+  std::vector<int> seen(64 * 16, 0), bit_used(96 * 32, 0);
+  for (int lane = 0; lane < 32; ++lane)
+    for (int q = 0; q < 16; ++q)
+      for (int e = 0; e < 2; ++e) {
+        const auto c = kq::tile3_coord(lane, q, e);
+        ASSERT_TRUE(c.k >= 0 && c.k < 64 && c.n >= 0 && c.n < 16);
+        ++seen[c.k * 16 + c.n];
+        for (int b = 0; b < 3; ++b) {
+          const auto pos = kq::tile3_bit(q, e, b);
+          ASSERT_TRUE(pos.word >= 0 && pos.word < 3 && pos.bit >= 0 && pos.bit < 32);
+          ++bit_used[(32 * pos.word + lane) * 32 + pos.bit];
+        }
+      }
+  EXPECT_TRUE(std::all_of(seen.begin(), seen.end(), [](int v) { return v == 1; }));
+  EXPECT_TRUE(std::all_of(bit_used.begin(), bit_used.end(), [](int v) { return v == 1; }));
+  // the decode pattern of every pair reads back the codes placed there
+  std::mt19937 rng(3);
+  for (int rep = 0; rep < 20; ++rep) {
+    std::uint32_t w[3] = {0, 0, 0};
+    int code[16][2];
+    for (int q = 0; q < 16; ++q)
+      for (int e = 0; e < 2; ++e) {
+        code[q][e] = int(rng() % 8);
+        for (int b = 0; b < 3; ++b) {
+          const auto pos = kq::tile3_bit(q, e, b);
+          w[pos.word] |= std::uint32_t((code[q][e] >> b) & 1) << pos.bit;
+        }
+      }
+    for (int q = 0; q < 16; ++q)
+      for (int e = 0; e < 2; ++e) {
+        const auto f16 = kq::magic3_pair<half>(w[0], w[1], w[2], q), b16 = kq::magic3_pair<bf16>(w[0], w[1], w[2], q);
+        EXPECT_EQ(kq::magic_value_minus_zero<half>(std::uint16_t(f16 >> (16 * e)), 0, 2), float(code[q][e] - 2)) << q << " " << e;
+        EXPECT_EQ(kq::magic_value_minus_zero<bf16>(std::uint16_t(b16 >> (16 * e)), 0, 5), float(code[q][e] - 5)) << q << " " << e;
+      }
+  }
+}
 
-TEST(QTiles, ZeroScaleGroupBecomesExactZeroWithNonzeroScale) {
-  // the kernel keeps accumulators in units of the current scale, so tiles never hold a zero scale
-  for (int bits : {4, 8}) {
+TEST(QTiles, ZeroScaleGroupIsExactlyZero) {
+  // each group's integer sum is multiplied by its scale: a zero scale gives exactly zero weights
+  for (int bits : {3, 4, 8}) {
     auto p = random_layer(24, 96, bits, 32, true, 5);
     p.scales[1 * p.out + 5] = from_float<half>(0.f);
     const auto t = quant::to_tiles(p);
-    for (const auto s : t.scales) ASSERT_NE(to_float(s), 0.f);
     const auto x = random_x<half>(3 * 96, 8);
     std::vector<half> xg = x;
     for (std::int64_t m = 0; m < 3; ++m)
@@ -168,23 +205,37 @@ TEST(QTiles, ZeroScaleGroupBecomesExactZeroWithNonzeroScale) {
 }
 
 TEST(QTiles, RejectsWhatTheKernelCannotServe) {
-  EXPECT_THROW(quant::to_tiles(random_layer(8, 64, 3, 32, false, 1)), Error);  // 3 bits
+  EXPECT_THROW(quant::to_tiles(random_layer(8, 64, 2, 32, false, 1)), Error);  // 2 bits
   EXPECT_THROW(quant::to_tiles(random_layer(8, 64, 4, 8, false, 1)), Error);   // group 8
   auto p = random_layer(8, 64, 4, 32, false, 1);
   p.g_idx[0] = 1;  // group 1 now has 33 rows
   EXPECT_THROW(quant::to_tiles(p), Error);
 }
 
-TEST(QGemmPlan, SplitsCoverKWithoutEmptySplits) {
-  for (std::int64_t M : {1, 16, 17, 64, 128})
-    for (std::int64_t K : {64, 4096, 11008 + 64 - 11008 % 64})
-      for (std::int64_t N : {16, 4096, 28672})
-        for (int occupancy : {1, 2, 6}) {
-        const auto p = kq::plan_qgemm(M, N, K, 132, occupancy);
-        EXPECT_TRUE(p.splits == 1 || p.n_blocks * p.splits <= 132 * occupancy) << "more than one wave";
-        const std::int64_t chunks = K / 64;
-        EXPECT_GE(std::int64_t(p.splits) * p.chunks_per_split, chunks);
-        EXPECT_LT(std::int64_t(p.splits - 1) * p.chunks_per_split, chunks);
-        EXPECT_GE(16 * p.m_tiles, M);
-      }
+TEST(QGemmPlan, SplitsCoverKAndSharedMemoryHoldsTheBlock) {
+  for (std::int64_t M : {1, 7, 16, 17, 64, 128})
+    for (std::int64_t K : {64, 200, 4096, 11008})
+      for (std::int64_t N : {16, 300, 4096, 28672})
+        for (int group : {16, 128, 0})
+          for (int rows : {8, 16, 32, 64})
+            for (int cps_override : {0, 3, 64}) {
+              const std::int64_t Kpad = kq::pad_to(K, 64), Npad = kq::pad_to(N, 16);
+              const kq::QGemmShape s{M, N, K, Kpad, Npad, group > 0 ? group : Kpad, 4};
+              const kq::QGemmGeometry g{rows, 64, 4, 0};
+              const auto p = kq::plan_qgemm(s, g, 132, cps_override);
+              const std::int64_t chunks = Kpad / 64;
+              EXPECT_GE(std::int64_t(p.splits) * p.cps, chunks);          // K covered
+              EXPECT_LT(std::int64_t(p.splits - 1) * p.cps, chunks);      // no empty split
+              EXPECT_GE(std::int64_t(p.zslices) * p.rows, M);
+              EXPECT_LT(std::int64_t(p.zslices - 1) * p.rows, M);
+              EXPECT_GE(std::int64_t(p.strips) * 64, Npad);
+              EXPECT_LE(p.smem_bytes, 130 * 1024);  // x <= 96 KB, group table <= 32 KB: fits an H200 block (227 KB)
+              // every K range fits its group table: count the groups the worst-aligned range touches
+              for (int sp = 0; sp < p.splits; ++sp) {
+                const std::int64_t kb = std::int64_t(sp) * p.cps * 64, ke = std::min<std::int64_t>(K, kb + std::int64_t(p.cps) * 64);
+                EXPECT_LE((ke - 1) / s.group - kb / s.group + 1, p.ngroups);
+              }
+              EXPECT_EQ(p.partial_elems, p.splits > 1 ? std::int64_t(p.splits) * M * Npad : 0);
+              EXPECT_EQ(p.counter_elems, std::int64_t(p.strips) * p.zslices);
+            }
 }

@@ -1,12 +1,14 @@
 // CUDA quant kernels against their CPU twins (label cuda; skips without a device).
 // Tolerances: dequantize is bit-identical (same element function); gemv and the int4 GEMM sum in a
 // different order than their twins: |gpu - twin| <= 1e-5 * sum|x w| + one ulp of the output type.
+// The 3/4/8-bit GEMM is checked in every configuration the benchmark times, with and without K splits.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <random>
+#include <string>
 #include <squeeze/error.hpp>
 #include <squeeze/kernels/quant/dequant.cuh>
 #include <squeeze/kernels/quant/qgemm.cuh>
@@ -118,46 +120,67 @@ struct GemmCase {
   bool act_order;
   int bits;
 };
+// sum |x w| per output [M, N] (float64), the scale of the accumulation error
+template <class T>
+std::vector<double> magnitudes(const quant::PackedLinear& p, const quant::QTiles& t, const std::vector<T>& x, std::int64_t M) {
+  const auto wdq = quant::dequantize(p);
+  std::vector<double> mag(M * p.out, 0.0);
+  for (std::int64_t m = 0; m < M; ++m)
+    for (std::int64_t n = 0; n < p.out; ++n)
+      for (std::int64_t k = 0; k < p.in; ++k)
+        mag[m * p.out + n] += std::abs(double(to_float(x[m * p.in + k])) * wdq[n * p.in + (t.perm.empty() ? k : t.perm[k])]);
+  return mag;
+}
+// |gpu - twin| per output, bounded by 1e-5 * sum |x w| + one ulp of T (fp32 accumulation in another order)
+template <class T>
+void expect_close_to_twin(const std::vector<double>& mag, const std::vector<T>& ref, const std::vector<T>& got, const std::string& what) {
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    const double r = to_float(ref[i]), g = to_float(got[i]);
+    ASSERT_LE(std::abs(g - r), 1e-5 * mag[i] + ulp<T>(r)) << what << " at flat index " << i << ": gpu " << g << " twin " << r;
+  }
+}
+// x in kernel row order (gathered by perm, as the torch layer does) and the twin's result
+template <class T>
+std::vector<T> kernel_order_x(const quant::QTiles& t, std::int64_t M, std::int64_t K, std::uint32_t seed) {
+  auto x = random_x<T>(M * K, seed);
+  if (t.perm.empty()) return x;
+  auto xg = x;
+  for (std::int64_t m = 0; m < M; ++m)
+    for (std::int64_t k = 0; k < K; ++k) xg[m * K + k] = x[m * K + t.perm[k]];
+  return xg;
+}
+
 template <class T>
 void qgemm_check(const quant::PackedLinear& p, const GemmCase& c) {
   const auto t = quant::to_tiles(p);
-  auto x = random_x<T>(c.M * c.K, 17);
-  if (!t.perm.empty()) {  // the kernel reads x in kernel row order
-    auto xg = x;
-    for (std::int64_t m = 0; m < c.M; ++m)
-      for (std::int64_t k = 0; k < c.K; ++k) xg[m * c.K + k] = x[m * c.K + t.perm[k]];
-    x = xg;
-  }
+  const auto x = kernel_order_x<T>(t, c.M, c.K, 17);
   std::vector<T> ref(c.M * c.N);
   const auto shape = t.shape(c.M);
   kq::qgemm_cpu(x.data(), t.tiles.data(), t.scales.data(), t.zeros.data(), ref.data(), shape);
-  // sum |x| |w| bound per output from the float64 twin inputs
-  const auto wdq = quant::dequantize(p);
+  const auto mag = magnitudes(p, t, x, c.M);
   Dev<T> dx(x), dy(ref.size());
   Dev<std::uint32_t> dt(t.tiles);
   Dev<half> ds(t.scales);
   Dev<std::uint8_t> dz(t.zeros);
   const int sm = sm_count();
-  auto need = kq::qgemm_workspace_size<T>(c.M, shape, sm);
-  Dev<float> part(std::size_t(std::max<std::int64_t>(need.partial_elems, 1)));
-  Dev<int> cnt(std::vector<int>(std::size_t(need.counter_elems), 0));
-  const kq::QGemmWorkspace ws{part.p, need.partial_elems, cnt.p, need.counter_elems};
-  for (int rep = 0; rep < 2; ++rep) {  // the second launch checks the split-K counters were reset
-    SQUEEZE_CUDA_CHECK(cudaMemset(dy.p, 0xff, dy.n * sizeof(T)));
-    SQUEEZE_CUDA_CHECK(kq::qgemm_cuda(dx.p, dt.p, ds.p, dz.p, dy.p, shape, ws, sm, nullptr));
-    SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
-    const auto got = dy.get();
-    for (std::int64_t m = 0; m < c.M; ++m)
-      for (std::int64_t n = 0; n < c.N; ++n) {
-        double mag = 0;
-        for (std::int64_t k = 0; k < c.K; ++k) mag += std::abs(double(to_float(x[m * c.K + k])) * wdq[n * c.K + (t.perm.empty() ? k : t.perm[k])]);
-        const double r = to_float(ref[m * c.N + n]), g = to_float(got[m * c.N + n]);
-        ASSERT_LE(std::abs(g - r), 1e-5 * mag + ulp<T>(r)) << "bits " << c.bits << " M " << c.M << " N " << c.N << " K " << c.K << " g " << c.group << " rep " << rep
-                                                           << " at " << m << "," << n;
-      }
+  for (int cps : {0, 1, 3}) {  // the library's plan, and forced K splits (many partials to reduce)
+    auto need = kq::qgemm_workspace_size(shape, sm, cps);
+    Dev<float> part(std::size_t(std::max<std::int64_t>(need.partial_elems, 1)));
+    Dev<int> cnt(std::vector<int>(std::size_t(std::max<std::int64_t>(need.counter_elems, 1)), 0));
+    const kq::QGemmWorkspace ws{part.p, need.partial_elems, cnt.p, need.counter_elems};
+    for (int rep = 0; rep < 2; ++rep) {  // the second launch checks the split-K counters were reset
+      SQUEEZE_CUDA_CHECK(cudaMemset(dy.p, 0xff, dy.n * sizeof(T)));
+      SQUEEZE_CUDA_CHECK(kq::qgemm_cuda(dx.p, dt.p, ds.p, dz.p, dy.p, shape, ws, sm, nullptr, cps));
+      SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+      expect_close_to_twin(mag, ref, dy.get(),
+                           "bits " + std::to_string(c.bits) + " M " + std::to_string(c.M) + " N " + std::to_string(c.N) + " K " +
+                               std::to_string(c.K) + " group " + std::to_string(c.group) + " cps " + std::to_string(cps) + " rep " +
+                               std::to_string(rep));
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+    const auto counters = cnt.get();
+    EXPECT_TRUE(std::all_of(counters.begin(), counters.end(), [](int v) { return v == 0; }));
   }
-  const auto counters = cnt.get();
-  EXPECT_TRUE(std::all_of(counters.begin(), counters.end(), [](int v) { return v == 0; }));
 }
 template <class T>
 void qgemm_case(const GemmCase& c) {
@@ -178,16 +201,64 @@ INSTANTIATE_TEST_SUITE_P(
                       GemmCase{16, 1000, 1100, 128, true, 4}, GemmCase{17, 72, 520, 0, false, 4}, GemmCase{40, 333, 768, 64, false, 4},
                       GemmCase{64, 512, 2048, 128, false, 4}, GemmCase{100, 130, 384, 32, true, 4}, GemmCase{128, 256, 4096, 128, false, 4},
                       GemmCase{300, 48, 256, 128, false, 4}, GemmCase{1, 4096, 4096, 128, false, 8}, GemmCase{16, 1000, 1100, 128, true, 8},
-                      GemmCase{40, 333, 770, 0, false, 8}, GemmCase{128, 256, 2048, 64, false, 8}));
+                      GemmCase{40, 333, 770, 0, false, 8}, GemmCase{128, 256, 2048, 64, false, 8}, GemmCase{1, 4096, 4096, 128, false, 3},
+                      GemmCase{3, 100, 200, 32, true, 3}, GemmCase{8, 1000, 1100, 128, false, 3}, GemmCase{17, 72, 520, 0, false, 3},
+                      GemmCase{64, 256, 2048, 64, true, 3}));
 
 TEST(QuantCuda, GemmZeroScaleGroupIsExactlyZero) {
   REQUIRE_DEVICE();
-  for (int bits : {4, 8}) {
+  for (int bits : {3, 4, 8}) {
     const GemmCase c{5, 40, 256, 64, true, bits};
     auto p = random_layer(c.N, c.K, bits, c.group, c.act_order, 77);
     p.scales[2 * p.out + 7] = from_float<half>(0.f);  // group 2 of column 7: all weights 0
     p.scales[0 * p.out + 39] = from_float<half>(0.f);
     qgemm_check<bf16>(p, c);
+  }
+}
+
+// Every configuration the benchmark times (kq::detail::TuningCfgs), on shapes that do not divide the
+// tiles, with and without K splits: a configuration the library may switch to is correct before it is timed.
+template <class T, class C>
+void cfg_check(const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t M) {
+  const auto x = kernel_order_x<T>(t, M, p.in, 23);
+  std::vector<T> ref(M * p.out);
+  const auto shape = t.shape(M);
+  kq::qgemm_cpu(x.data(), t.tiles.data(), t.scales.data(), t.zeros.data(), ref.data(), shape);
+  const auto mag = magnitudes(p, t, x, M);
+  Dev<T> dx(x), dy(ref.size());
+  Dev<std::uint32_t> dt(t.tiles);
+  Dev<half> ds(t.scales);
+  Dev<std::uint8_t> dz(t.zeros);
+  for (int cps : {0, 2, 5}) {
+    const auto plan = kq::plan_qgemm(shape, C::template geometry<4>(), sm_count(), cps);
+    Dev<float> part(std::size_t(std::max<std::int64_t>(plan.partial_elems, 1)));
+    Dev<int> cnt(std::vector<int>(std::size_t(plan.counter_elems), 0));
+    const kq::QGemmWorkspace ws{part.p, plan.partial_elems, cnt.p, plan.counter_elems};
+    for (int rep = 0; rep < 2; ++rep) {
+      SQUEEZE_CUDA_CHECK(cudaMemset(dy.p, 0xff, dy.n * sizeof(T)));
+      SQUEEZE_CUDA_CHECK((kq::detail::launch_qgemm_cfg<T, 4, C>(dx.p, dt.p, ds.p, dz.p, dy.p, shape, plan, ws, nullptr)));
+      SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+      expect_close_to_twin(mag, ref, dy.get(),
+                           kq::detail::cfg_name<C>() + " M " + std::to_string(M) + " cps " + std::to_string(cps) + " splits " +
+                               std::to_string(plan.splits) + " rep " + std::to_string(rep));
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+    const auto counters = cnt.get();
+    EXPECT_TRUE(std::all_of(counters.begin(), counters.end(), [](int v) { return v == 0; })) << kq::detail::cfg_name<C>();
+  }
+}
+template <class T, class... Cs>
+void all_cfgs(kq::detail::CfgList<Cs...>, const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t M) {
+  (cfg_check<T, Cs>(p, t, M), ...);
+}
+TEST(QuantCuda, EveryTunedConfigurationMatchesCpuTwin) {
+  REQUIRE_DEVICE();
+  // N = 300 (odd tile count: a warp's second tile past N), K = 1000 (padded), act-order groups of 64
+  const auto p = random_layer(300, 1000, 4, 64, true, 91);
+  const auto t = quant::to_tiles(p);
+  for (std::int64_t M : {1, 5, 16, 37, 70}) {
+    all_cfgs<bf16>(kq::detail::TuningCfgs{}, p, t, M);
+    all_cfgs<half>(kq::detail::TuningCfgs{}, p, t, M);
   }
 }
 

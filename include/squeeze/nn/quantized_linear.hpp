@@ -3,8 +3,9 @@
 //
 // Kernel choice (forward), by device, width and batch rows M = x.numel() / in:
 //   CPU                         dequantize (CPU twin) once, cached, then float matmul
-//   CUDA, 4/8 bits, M <= max_fused_rows (default 64)    fused tensor-core GEMM (kernels/.../qgemm.cuh)
-//   CUDA, other widths, M <= 8  GPTQ-layout GEMV (kernels/.../dequant.cuh)
+//   CUDA, 3/4/8 bits, M <= max_fused_rows (default 64)  fused tensor-core GEMM on weights repacked at load
+//                               into the kernel's tiles (kernels/.../qgemm.cuh; at 3 bits, the dequant-GEMV)
+//   CUDA, other widths (2 bits, or a g_idx the tiles cannot serve), M <= 8   GPTQ-layout GEMV (kernels/.../dequant.cuh)
 //   CUDA, otherwise             dequantize to x's dtype, cuBLAS matmul (compute-bound: cuBLAS wins)
 // CUDA paths need this header compiled by nvcc (a .cu translation unit); activations fp16 or bf16.
 // Kernels run on libtorch's current stream. One layer must not run concurrently on two streams
@@ -39,7 +40,7 @@ class QuantizedLinearImpl : public torch::nn::Module {
     g_idx_ = register_buffer("g_idx", i32(p.g_idx, {p.in}));
     if (!p.bias.empty()) bias_ = register_buffer("bias", f16(p.bias, {p.out}));
     // the tensor-core GEMM's layout, when this layer can use it
-    if ((p.bits == 4 || p.bits == 8) && (p.group_size == 0 || p.group_size % 16 == 0)) {
+    if ((p.bits == 3 || p.bits == 4 || p.bits == 8) && (p.group_size == 0 || p.group_size % 16 == 0)) {
       try {
         const auto t = quant::to_tiles(p);
         Npad_ = t.Npad;
@@ -51,7 +52,6 @@ class QuantizedLinearImpl : public torch::nn::Module {
         tile_zeros_ = register_buffer("tile_zeros", torch::from_blob(const_cast<std::uint8_t*>(t.zeros.data()),
                                                                      {std::int64_t(t.zeros.size())}, torch::kUInt8).clone());
         if (!t.perm.empty()) perm_ = register_buffer("perm", i32(t.perm, {p.in}).to(torch::kInt64));
-        counters_ = register_buffer("counters", torch::zeros({kernels::quant::qgemm_counter_elems(t.Npad)}, torch::kInt32));
       } catch (const squeeze::Error&) {
         tiles_ = torch::Tensor();  // g_idx the kernel cannot serve: other paths handle it
       }
@@ -146,11 +146,12 @@ class QuantizedLinearImpl : public torch::nn::Module {
         int sm = 0;
         cudaDeviceGetAttribute(&sm, cudaDevAttrMultiProcessorCount, x2.device().index());
         const kq::QGemmShape s{M, out_, in_, Kpad_, Npad_, tile_group_, bits_};
-        const kq::QGemmWorkspace need = kq::qgemm_workspace_size<T>(M, s, sm);
-        const std::int64_t partial_elems = need.partial_elems, counter_elems = need.counter_elems;
-        TORCH_CHECK(counter_elems <= counters_.numel(), "QuantizedLinear: counter buffer too small");
-        torch::Tensor partial = torch::empty({std::max<std::int64_t>(partial_elems, 1)}, x2.options().dtype(torch::kFloat32));
-        const kq::QGemmWorkspace ws{static_cast<float*>(partial.data_ptr()), partial_elems, static_cast<int*>(counters_.data_ptr()),
+        const kq::QGemmWorkspace need = kq::qgemm_workspace_size(s, sm);
+        // split-K counters: scratch that the kernel leaves zero, kept per layer and grown on demand
+        if (!counters_.defined() || counters_.device() != x2.device() || counters_.numel() < need.counter_elems)
+          counters_ = torch::zeros({std::max<std::int64_t>(need.counter_elems, 1)}, x2.options().dtype(torch::kInt32));
+        torch::Tensor partial = torch::empty({std::max<std::int64_t>(need.partial_elems, 1)}, x2.options().dtype(torch::kFloat32));
+        const kq::QGemmWorkspace ws{static_cast<float*>(partial.data_ptr()), need.partial_elems, static_cast<int*>(counters_.data_ptr()),
                                     counters_.numel()};
         e = kq::qgemm_cuda<T>(static_cast<const T*>(xg.data_ptr()), static_cast<const std::uint32_t*>(tiles_.data_ptr()),
                               static_cast<const half*>(tile_scales_.data_ptr()), static_cast<const std::uint8_t*>(tile_zeros_.data_ptr()), yp, s,

@@ -1,5 +1,5 @@
 #pragma once
-// GPTQ 4-bit / 8-bit checkpoint layout -> the tensor-core GEMM's tile layout (kernels/.../qgemm.cuh),
+// GPTQ 3-, 4- and 8-bit checkpoint layout -> the tensor-core GEMM's tile layout (kernels/.../qgemm.cuh),
 // once at load. Act-order checkpoints (g_idx not i / group) are served by sorting the input rows by group:
 // `perm` then names, for each kernel row k, the checkpoint input row it came from, and callers gather
 // x[:, perm] before the GEMM. That works when every group is `group_size` rows (what GPTQ's act-order
@@ -30,7 +30,8 @@ struct QTiles {
 inline QTiles to_tiles(const PackedLinear& p) {
   namespace kq = kernels::quant;
   p.validate();
-  check(p.bits == 4 || p.bits == 8, "tiles: the fused GEMM takes 4- or 8-bit weights, this layer has " + std::to_string(p.bits) + " bits");
+  check(p.bits == 3 || p.bits == 4 || p.bits == 8,
+        "tiles: the fused GEMM takes 3-, 4- or 8-bit weights, this layer has " + std::to_string(p.bits) + " bits");
   check(p.group_size == 0 || p.group_size % 16 == 0,
         "tiles: group_size must be a multiple of 16 (or per channel), got " + std::to_string(p.group_size));
   QTiles t;
@@ -62,40 +63,37 @@ inline QTiles to_tiles(const PackedLinear& p) {
   for (std::int64_t nt = 0; nt < ntiles; ++nt)
     for (std::int64_t kc = 0; kc < kchunks; ++kc) {
       std::uint32_t* tile = t.tiles.data() + (kc * ntiles + nt) * tw;
-      for (int lane = 0; lane < 32; ++lane)
+      auto code_at = [&](const kq::TileCoord& tc) -> std::uint32_t {  // padding: code 0
+        const std::int64_t k = kc * kq::kTileK + tc.k, n = nt * kq::kTileN + tc.n;
+        return k < p.in && n < p.out ? p.code(order[k], n) : 0u;
+      };
+      for (int lane = 0; lane < 32; ++lane) {
+        if (p.bits == 3) {
+          for (int q = 0; q < 16; ++q)
+            for (int e = 0; e < 2; ++e) {
+              const std::uint32_t v = code_at(kq::tile3_coord(lane, q, e));
+              for (int b = 0; b < 3; ++b) {
+                const auto pos = kq::tile3_bit(q, e, b);
+                tile[32 * pos.word + lane] |= ((v >> b) & 1u) << pos.bit;
+              }
+            }
+          continue;
+        }
         for (int wi = 0; wi < lw; ++wi) {
           std::uint32_t w = 0;
-          for (int c = 0; c < per_word; ++c) {
-            const auto tc = kq::tile_coord(p.bits, lane, wi, c);
-            const std::int64_t k = kc * kq::kTileK + tc.k, n = nt * kq::kTileN + tc.n;
-            if (k < p.in && n < p.out) w |= p.code(order[k], n) << (p.bits * c);
-          }
+          for (int c = 0; c < per_word; ++c) w |= code_at(kq::tile_coord(p.bits, lane, wi, c)) << (p.bits * c);
           tile[lane * lw + wi] = w;
         }
+      }
     }
-  // The kernel keeps its accumulators in units of the current scale, so every scale must be nonzero:
-  // padded columns get 1, and a group whose scale is 0 (all its weights 0) gets scale 1 with every
-  // code set to its zero point, which is exactly 0 again.
+  // Scales as stored (a zero scale makes its group's weights exactly 0: the kernel multiplies each group's
+  // integer sum by its scale); padded columns get 1.
   t.scales.assign(G * t.Npad, from_float<half>(1.f));
   t.zeros.assign(G * t.Npad, 0);
   for (std::int64_t g = 0; g < G; ++g)
     for (std::int64_t n = 0; n < p.out; ++n) {
       t.zeros[g * t.Npad + n] = std::uint8_t(p.zero(g, n));
-      if (to_float(p.scales[g * p.out + n]) != 0.f) {
-        t.scales[g * t.Npad + n] = p.scales[g * p.out + n];
-        continue;
-      }
-      const std::uint32_t z = p.zero(g, n), mask = (1u << p.bits) - 1u;
-      for (std::int64_t nt = n / kq::kTileN, kc = 0; kc < kchunks; ++kc)  // rewrite this column's codes in group g
-        for (int lane = 0; lane < 32; ++lane)
-          for (int wi = 0; wi < lw; ++wi)
-            for (int c = 0; c < per_word; ++c) {
-              const auto tc = kq::tile_coord(p.bits, lane, wi, c);
-              const std::int64_t k = kc * kq::kTileK + tc.k;
-              if (nt * kq::kTileN + tc.n != n || k >= p.in || p.g_idx[order[k]] != g) continue;
-              std::uint32_t& w = t.tiles[(kc * ntiles + nt) * tw + lane * lw + wi];
-              w = (w & ~(mask << (p.bits * c))) | (z << (p.bits * c));
-            }
+      t.scales[g * t.Npad + n] = p.scales[g * p.out + n];
     }
   return t;
 }

@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <type_traits>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include <squeeze/dtype.hpp>
@@ -49,7 +50,7 @@ namespace squeeze::kernels::quant {
 
 inline constexpr int kTileK = 64, kTileN = 16;
 // 32-bit words per tile and per lane
-SQUEEZE_HD constexpr int tile_words(int bits) { return bits == 8 ? 256 : 128; }
+SQUEEZE_HD constexpr int tile_words(int bits) { return bits == 8 ? 256 : bits == 3 ? 96 : 128; }
 SQUEEZE_HD constexpr int lane_words(int bits) { return tile_words(bits) / 32; }
 
 struct TileCoord {
@@ -61,6 +62,25 @@ SQUEEZE_HD TileCoord tile_coord(int bits, int lane, int w, int p) {
   return {16 * w + 2 * (lane & 3) + (p >> 2) + 8 * (p & 1), 8 * ((p >> 1) & 1) + (lane >> 2)};
 }
 SQUEEZE_HD std::int64_t pad_to(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
+
+// 3-bit tiles: lane l holds 3 words, stored word-major (word r of lane l at tile word 32 r + l, so each of
+// the three loads of a warp reads 128 contiguous bytes). Its 32 codes form 16 pairs q = 4 ks + 2 j + r
+// (k-step ks, n8 half j, B register r); half e (0 low, 1 high) of pair q is the code at
+//   k = 16 ks + 2 (l % 4) + 8 r + e,  n = 8 j + l / 4            (tile3_coord)
+// Pairs 0..14 sit in word q / 5 at bits 3 (q % 5) + 16 e, so one shift and one mask give both halves;
+// pair 15 uses the spare bits 15 / 31 of the three words (bit b of the code in word b).
+SQUEEZE_HD TileCoord tile3_coord(int lane, int q, int e) {
+  const int ks = q >> 2, j = (q >> 1) & 1, r = q & 1;
+  return {16 * ks + 2 * (lane & 3) + 8 * r + e, 8 * j + (lane >> 2)};
+}
+// (word 0..2 of the lane, bit in the word) of bit b of the code in half e of pair q
+struct BitPos {
+  int word, bit;
+};
+SQUEEZE_HD BitPos tile3_bit(int q, int e, int b) {
+  if (q < 15) return {q / 5, 3 * (q % 5) + 16 * e + b};
+  return {b, 15 + 16 * e};
+}
 
 // ---- the decode, shared by the CUDA kernel and the CPU twin ------------------------------------------------
 // Pair i (0..3) of a word: two 16-bit patterns (low half = nibble i, high half = nibble i + 4) that read
@@ -79,6 +99,15 @@ SQUEEZE_HD std::uint32_t magic_pair(std::uint32_t w, int i) {
 SQUEEZE_HD std::uint32_t magic8_pair_f16(std::uint32_t w, int r) {
   const std::uint32_t s = w >> (16 * r);
   return (s & 0xFFu) | ((s & 0xFF00u) << 8) | 0x64006400u;
+}
+
+// 3-bit: pair q of a lane's words (w0, w1, w2) as two fp16 1024 + v / bf16 128 + v patterns.
+template <class T>
+SQUEEZE_HD std::uint32_t magic3_pair(std::uint32_t w0, std::uint32_t w1, std::uint32_t w2, int q) {
+  constexpr std::uint32_t kMagic = std::is_same_v<T, bf16> ? 0x43004300u : 0x64006400u;
+  if (q == 15) return ((w0 >> 15) & 0x00010001u) | ((w1 >> 14) & 0x00020002u) | ((w2 >> 13) & 0x00040004u) | kMagic;
+  const std::uint32_t w = q < 5 ? w0 : q < 10 ? w1 : w2;
+  return ((w >> (3 * (q % 5))) & 0x00070007u) | kMagic;
 }
 
 // Host reading of one 16-bit half of magic_pair: the code value minus zero, exactly as the device's
@@ -100,36 +129,95 @@ struct QGemmShape {
   std::int64_t M, N, K;    // logical sizes
   std::int64_t Kpad, Npad;  // tile-padded
   std::int64_t group;       // k per group after padding rules (multiple of 16; per-channel: Kpad)
-  int bits = 4;             // 4 or 8
+  int bits = 4;             // 3, 4 or 8
 };
+// ---- work split (host; the same numbers size the workspace and launch the kernel) ------------------------
+// A block = W warps; warp w owns NT consecutive 16-column tiles, so a block owns a strip of W * NT * 16
+// columns; it multiplies `rows` x rows (8, 16, 32 or 64; more rows = more z slices) by one K range of
+// `cps` 64-k chunks. The whole x slice of the block [rows, cps * 64] and the block's scales / zero points
+// are staged in shared memory once, so the main loop has no barrier: each warp streams its own weight
+// tiles with many 16-byte loads in flight. Splits of K are reduced by the last block of a (strip, z)
+// to finish (fp32 partials in the workspace, a counter per (strip, z) found by an atomic).
 struct QGemmPlan {
-  int m_tiles;   // 1, 2, 4 or 8 (M rows per launch <= 16 m_tiles)
-  int splits;    // grid.y
-  int chunks_per_split;
-  std::int64_t n_blocks;  // grid.x = Npad / 64 rounded up
-  std::int64_t partial_elems() const { return std::int64_t(splits > 1 ? splits : 0) * 16 * m_tiles * n_blocks * 64; }
-  std::int64_t counter_elems() const { return n_blocks; }
+  int rows = 8;           // x rows per block
+  int zslices = 1;        // ceil(M / rows)
+  int strips = 1;         // ceil(Npad / strip_cols)
+  int splits = 1;         // K ranges
+  int cps = 1;            // 64-k chunks per K range (the last one may be shorter)
+  int ngroups = 1;        // scale groups one K range can touch (shared-memory table rows)
+  int smem_bytes = 0;     // dynamic shared memory per block
+  std::int64_t partial_elems = 0;  // fp32 [splits, M, Npad] when splits > 1
+  std::int64_t counter_elems = 0;  // int32 [zslices, strips], zero between launches
+  std::int64_t blocks() const { return std::int64_t(strips) * splits * zslices; }
 };
-inline constexpr int kWarps = 4, kBlockN = kWarps * kTileN;
 
-// blocks_per_sm: resident blocks of the kernel instantiation (CUDA occupancy). K is split so the grid
-// fills the GPU in ONE wave (floor, never a partial second wave) when the column strips alone do not.
-// splits_override > 0 forces the K split (clamped to [1, K / 64]); benchmarks use it to sweep.
-inline QGemmPlan plan_qgemm(std::int64_t M, std::int64_t Npad, std::int64_t Kpad, int sm_count, int blocks_per_sm, int splits_override = 0) {
-  QGemmPlan p{};
-  const std::int64_t m = std::min<std::int64_t>(M, 128);
-  p.m_tiles = m <= 16 ? 1 : m <= 32 ? 2 : m <= 64 ? 4 : 8;
-  p.n_blocks = (Npad + kBlockN - 1) / kBlockN;
-  const std::int64_t chunks = Kpad / kTileK;
-  const std::int64_t resident = std::int64_t(std::max(sm_count, 1)) * std::max(blocks_per_sm, 1);
-  std::int64_t splits = std::clamp<std::int64_t>(splits_override > 0 ? splits_override : resident / p.n_blocks, 1, chunks);
-  p.chunks_per_split = int((chunks + splits - 1) / splits);
-  p.splits = int((chunks + p.chunks_per_split - 1) / p.chunks_per_split);  // no empty split
-  return p;
+// Shared memory of one block: x [rows][cps*64 + 8] (16 B of padding per row: the 8 rows an ldmatrix reads
+// fall in distinct bank groups), scales [ngroups][strip] fp16, zero points [ngroups][strip] uint8, then an
+// optional ring for the cp.async weight loader.
+struct QGemmSmem {
+  int x = 0, scales = 0, zeros = 0, ring = 0, total = 0;
+};
+SQUEEZE_HD QGemmSmem qgemm_smem(int rows, int cps, int ngroups, int strip_cols, int ring_bytes) {
+  QGemmSmem s;
+  int o = 0;
+  s.x = o;
+  o += rows * (cps * kTileK + 8) * 2;
+  s.scales = o;
+  o += ngroups * strip_cols * 2;
+  s.zeros = o;
+  o += ngroups * strip_cols;
+  o = (o + 15) & ~15;
+  s.ring = o;
+  o += ring_bytes;
+  s.total = o;
+  return s;
 }
 
-// Counters a layer needs (one per 64-column strip), independent of the plan.
-inline std::int64_t qgemm_counter_elems(std::int64_t Npad) { return (Npad + kBlockN - 1) / kBlockN; }
+// Knobs of one kernel configuration that the plan needs (the rest is compile-time in the kernel).
+struct QGemmGeometry {
+  int rows = 8;         // x rows per block
+  int strip_cols = 64;  // W * NT * 16
+  int warps = 4;
+  int ring_bytes = 0;   // cp.async loader ring per block
+};
+
+// cps_override > 0 forces the chunks per K range (benchmarks sweep it); otherwise the K range is sized so
+// the grid holds about `warps_per_sm` warps of work per SM (several waves of short blocks: a block's
+// pipeline fill is overlapped by its neighbours, and the tail of the last wave stays short), 4..32 chunks.
+// x_smem_cap bounds the x slice (and so cps) per block; small groups bound it through the group table.
+inline QGemmPlan plan_qgemm(const QGemmShape& s, const QGemmGeometry& g, int sm_count, int cps_override = 0, int warps_per_sm = 64,
+                            int x_smem_cap = 96 * 1024) {
+  QGemmPlan p;
+  const std::int64_t kchunks = s.Kpad / kTileK;
+  p.rows = g.rows;
+  p.zslices = int((s.M + g.rows - 1) / g.rows);
+  p.strips = int((s.Npad + g.strip_cols - 1) / g.strip_cols);
+  // x slice within x_smem_cap (less a cp.async ring: a block stays under 220 KB), group table (3 B per
+  // column and group) within 32 KB
+  x_smem_cap = std::max(4 * 1024, std::min(x_smem_cap, 220 * 1024 - 32 * 1024 - g.ring_bytes));
+  const std::int64_t table_groups = std::max<std::int64_t>(3, 32 * 1024 / (3 * g.strip_cols));
+  const std::int64_t cps_max = std::max<std::int64_t>(
+      1, std::min<std::int64_t>((x_smem_cap / (2 * g.rows) - 8) / kTileK, (table_groups - 2) * s.group / kTileK));
+  std::int64_t cps = cps_override;
+  if (cps <= 0) {
+    const std::int64_t warp_chunks = kchunks * p.strips * p.zslices * g.warps;  // if every block did all of K
+    const std::int64_t want_warps = std::int64_t(std::max(sm_count, 1)) * warps_per_sm;
+    cps = std::clamp<std::int64_t>((warp_chunks + want_warps - 1) / want_warps, 4, 32);
+    // fp32 partials (written and read once per split) stay below a quarter of the 4-bit weight bytes:
+    // splits * M * N * 4 <= K * N / 8
+    const std::int64_t max_splits = std::max<std::int64_t>(1, s.K / (32 * s.M));
+    cps = std::max(cps, (kchunks + max_splits - 1) / max_splits);
+  }
+  cps = std::clamp<std::int64_t>(cps, 1, std::min(cps_max, kchunks));
+  p.splits = int((kchunks + cps - 1) / cps);
+  p.cps = int((kchunks + p.splits - 1) / p.splits);  // even ranges, no empty split
+  const std::int64_t total_groups = (s.K - 1) / s.group + 1;
+  p.ngroups = int(std::min<std::int64_t>(total_groups, (std::int64_t(p.cps) * kTileK - 1) / s.group + 2));
+  p.smem_bytes = qgemm_smem(p.rows, p.cps, p.ngroups, g.strip_cols, g.ring_bytes).total;
+  p.partial_elems = p.splits > 1 ? std::int64_t(p.splits) * s.M * s.Npad : 0;
+  p.counter_elems = std::int64_t(p.strips) * p.zslices;
+  return p;
+}
 
 // ---- CPU twin ----------------------------------------------------------------------------------------------
 // Same layout, same decode, same per-group accumulation (double here), result rounded to T.
@@ -170,7 +258,15 @@ void qgemm_cpu(const T* x /*[M, K]*/, const std::uint32_t* tiles, const half* sc
             const double v = value_minus_zero(int(zeros[g * s.Npad + n]));
             for (std::int64_t m = 0; m < s.M; ++m) gacc[m * kTileN + c.n] += double(to_float(x[m * s.K + k])) * v;
           };
-          if (s.bits == 8) {
+          if (s.bits == 3) {
+            const std::uint32_t* lw3 = tile + lane;  // word r at 32 r + lane
+            for (int pi = 0; pi < 4; ++pi) {
+              const int q = 4 * ks + pi;
+              const std::uint32_t bits = magic3_pair<T>(lw3[0], lw3[32], lw3[64], q);
+              for (int e = 0; e < 2; ++e)
+                add(tile3_coord(lane, q, e), [&](int z) { return double(magic_value_minus_zero<T>(std::uint16_t(bits >> (16 * e)), 0, z)); });
+            }
+          } else if (s.bits == 8) {
             for (int j = 0; j < 2; ++j) {
               const std::uint32_t w = tile[lane * lw + 2 * ks + j];
               for (int b = 0; b < 4; ++b)
@@ -289,365 +385,494 @@ __device__ __forceinline__ void decode_word8(std::uint32_t w0, std::uint32_t w1,
     }
 }
 
-constexpr int kStride = kTileK + 8;  // halves per staged x row (144 B): rows stay 16-byte aligned for ldmatrix and
-                                     // its 8 row reads hit 8 distinct 4-bank groups
 
-// Resident blocks wanted per SM (caps registers): more warps hide more latency.
-template <int MT>
-inline constexpr int kMinBlocks = MT == 1 ? 5 : MT == 2 ? 4 : MT == 4 ? 4 : 3;
+// 16-byte streaming load of weights: read once, so no L1 allocation; the L2 fetches 256 B around it
+// (a warp's 512 B tile rows are contiguous).
+__device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint4 lds128(const void* p) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ std::uint32_t ldg_stream32(const std::uint32_t* p) {
+  std::uint32_t v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.u32 %0, [%1];\n" : "=r"(v) : "l"(p));
+  return v;
+}
 
-template <class T, int MT, int BITS>
-__global__ void __launch_bounds__(kWarps * 32, kMinBlocks<MT>) qgemm_kernel(const T* __restrict__ x, const uint4* __restrict__ tiles,
-                                                               const half* __restrict__ scales, const std::uint8_t* __restrict__ zeros,
-                                                               T* __restrict__ y, float* __restrict__ partial, int* __restrict__ counters,
-                                                               int M, int N, int K, int Npad, int Kpad, int group, int chunks_per_split) {
-  // Latency hiding: per-chunk compute is short (a few hundred cycles), so loads are issued far ahead:
-  // PF weight chunks per warp in registers, STAGES x chunks in a cp.async ring in shared memory.
-  constexpr int LV = lane_words(BITS) / 4;  // 16-byte loads per lane per chunk (1 for 4-bit, 2 for 8-bit)
-  constexpr int PF = 4 / LV;  // (the chunk loop is unrolled PF times: larger PF bloats the code)
-  constexpr int STAGES = MT == 1 ? 8 : MT == 2 ? 6 : MT == 4 ? 4 : 2;
-  struct Chunk {
-    uint4 v[LV];
-  };
-  constexpr int ROWS = 16 * MT;
-  __shared__ __align__(16) std::uint16_t xs[STAGES][ROWS * kStride];
+// 3-bit: B registers of k-step ks (pairs 4 ks .. 4 ks + 3) for both n8 halves: value - (magic + z).
+template <class T>
+__device__ __forceinline__ void decode_word3(std::uint32_t w0, std::uint32_t w1, std::uint32_t w2, int ks, const std::uint32_t (&zlo)[2],
+                                             std::uint32_t (&b)[2][2]) {
+  using V = typename Vec2<T>::type;
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) b[j][r] = u32(__hsub2(as_vec2<V>(magic3_pair<T>(w0, w1, w2, 4 * ks + 2 * j + r)), as_vec2<V>(zlo[j])));
+}
+
+enum class QGemmLoader { Registers = 0, CpAsync = 1 };
+enum class QGemmMode { Full = 0, LoadOnly = 1, LoadDecode = 2 };  // the last two are diagnostics for benchmarks
+
+// Compile-time configuration of the kernel.
+//   ROWS8   x rows per block / 8 (1, 2, 4, 8): 8 rows use half an m16 tile (two k-steps per ldmatrix.x4)
+//   W       warps per block;  NT: 16-column tiles per warp (an A fragment feeds NT * 2 mma)
+//   PF      weight chunks in flight per warp: registers (Registers) or ring slots in shared memory (CpAsync)
+template <int ROWS8_, int W_, int NT_, int PF_, QGemmLoader LOADER_ = QGemmLoader::Registers, QGemmMode MODE_ = QGemmMode::Full>
+struct QGemmCfg {
+  static constexpr int ROWS8 = ROWS8_, W = W_, NT = NT_, PF = PF_;
+  static constexpr QGemmLoader LOADER = LOADER_;
+  static constexpr QGemmMode MODE = MODE_;
+  static constexpr int ROWS = 8 * ROWS8, MT = ROWS8 < 2 ? 1 : ROWS8 / 2, STRIP = W * NT * kTileN;
+  static_assert(ROWS8 == 1 || ROWS8 == 2 || ROWS8 == 4 || ROWS8 == 8, "rows per block: 8, 16, 32 or 64");
+  static_assert(PF >= 2, "at least two chunks in flight");
+  template <int BITS>
+  static constexpr int kRingBytes = LOADER == QGemmLoader::CpAsync ? PF * W * 32 * NT * (lane_words(BITS) / 4) * 16 : 0;
+  template <int BITS>
+  static QGemmGeometry geometry() {
+    return {ROWS, STRIP, W, kRingBytes<BITS>};
+  }
+};
+
+struct QGemmParams {
+  const void* x;          // T [M, K]
+  const std::uint32_t* tiles;  // [Kpad/64][Npad/16] tiles
+  const half* scales;     // [groups, Npad]
+  const std::uint8_t* zeros;
+  void* y;                // T [M, N]
+  float* partial;         // [splits, M, Npad] (splits > 1)
+  int* counters;          // [zslices, strips], zero between launches
+  int M, N, K, Npad, Kpad, group;
+  int cps, strips, splits, zslices, ngroups;
+};
+
+template <class T, int BITS, class C>
+__global__ void __launch_bounds__(C::W * 32) qgemm_kernel(const QGemmParams p) {
+  constexpr int W = C::W, NT = C::NT, PF = C::PF, MT = C::MT, ROWS = C::ROWS, STRIP = C::STRIP;
+  constexpr int LW = lane_words(BITS), TW = tile_words(BITS);  // 32-bit words per lane / per tile
+  constexpr int LV = LW / 4;                                    // 16-byte vectors per lane (4/8 bits)
+  constexpr int NV = NT * LV;
+  static_assert(BITS == 3 || BITS == 4 || BITS == 8, "3, 4 or 8 bits");
+  static_assert(BITS != 3 || C::LOADER == QGemmLoader::Registers, "3-bit tiles (12 bytes per lane) use the register loader");
+  constexpr bool kFull = C::MODE == QGemmMode::Full;
+  extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int last_flag;
 
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, tid = threadIdx.x;
-  const int kchunks = Kpad / kTileK;
-  const int nt = blockIdx.x * kWarps + warp;  // this warp's 16-column tile
-  const bool warp_active = nt * kTileN < Npad;
-  const int kc0 = blockIdx.y * chunks_per_split;
-  const int kc1 = min(kchunks, kc0 + chunks_per_split);
-  const int nck = kc1 - kc0;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g4 = lane >> 2, c4 = lane & 3;
+  // block -> (z slice fastest, so the blocks that read the same weights run together and share them in L2;
+  // then strip, then K range)
+  int bid = blockIdx.x;
+  const int z = bid % p.zslices;
+  bid /= p.zslices;
+  const int strip = bid % p.strips, split = bid / p.strips;
+  const int kchunks = p.Kpad / kTileK, ntiles = p.Npad / kTileN;
+  const int kc0 = split * p.cps, nck = min(kchunks, kc0 + p.cps) - kc0;
+  const int kb = kc0 * kTileK;  // first k of this block
+  const int xstride = p.cps * kTileK + 8;
+  const int m0 = z * ROWS, rows = min(ROWS, p.M - m0);
+  const int col0 = strip * STRIP;
+  const int nt0 = col0 / kTileN + warp * NT;  // this warp's first tile
+  const bool active = nt0 < ntiles;           // warp-uniform
+  const QGemmSmem lay = qgemm_smem(ROWS, p.cps, p.ngroups, STRIP, C::template kRingBytes<BITS>);
+  std::uint16_t* xs = reinterpret_cast<std::uint16_t*>(smem + lay.x);
+  half* ss = reinterpret_cast<half*>(smem + lay.scales);
+  std::uint8_t* zs = smem + lay.zeros;
 
-  // ---- x staging: rows < M loaded per chunk; rows >= M zeroed once in every ring buffer ----
-  const bool vec_ok = (K % 8 == 0) && ((reinterpret_cast<std::uintptr_t>(x) & 15) == 0);
-  for (int i = tid; i < ROWS * kStride; i += kWarps * 32) {
-    const int r = i / kStride;
-    if (r >= M) {
+  // ---- weight stream of this warp: tile (kc, nt) at words (kc * ntiles + nt) * TW; tiles past N read the
+  // last tile (never stored). 4/8-bit: a lane's words are contiguous (16-byte loads); 3-bit: word-major.
+  const std::int64_t cstride = std::int64_t(ntiles) * TW;  // words between chunks
+  const std::uint32_t* wbase = p.tiles + std::int64_t(kc0) * cstride + (BITS == 3 ? lane : lane * LW);
+  int toff[NT];
 #pragma unroll
-      for (int st = 0; st < STAGES; ++st) xs[st][i] = 0;
-    }
-  }
-  // One chunk of x (rows < M, 64 k) into buffer `buf`: 16-byte cp.async (zero-filled past K) when rows are
-  // 16-byte aligned, else element by element. No registers held across the compute.
-  constexpr int SEGS = ROWS * (kTileK / 8);  // 8-element segments per chunk
-  constexpr int SEG_ITERS = (SEGS + kWarps * 32 - 1) / (kWarps * 32);
-  auto stage_x = [&](int kc, int buf) {
+  for (int t = 0; t < NT; ++t) toff[t] = min(nt0 + t, ntiles - 1) * TW;
+  struct Chunk {
+    std::uint32_t w[NT][LW];
+  };
+  auto load_chunk = [&](int c) {
+    Chunk ch;
 #pragma unroll
-    for (int it = 0; it < SEG_ITERS; ++it) {
-      const int sgi = tid + it * kWarps * 32;
-      const int r = sgi / (kTileK / 8), kk = (sgi % (kTileK / 8)) * 8;
-      const int k = kc * kTileK + kk;
-      if (sgi < SEGS && r < M) {
-        std::uint16_t* d = &xs[buf][r * kStride + kk];  // 16-byte aligned: kStride * 2 = 144
-        if (vec_ok) {  // K % 8 == 0: a segment is all inside K or all past it
-          const T* src = k < K ? x + std::int64_t(r) * K + k : x;
-          cp_async16(d, src, k < K ? 16 : 0);
-        } else {
+    for (int t = 0; t < NT; ++t) {
+      const std::uint32_t* src = wbase + c * cstride + toff[t];
+      if constexpr (BITS == 3) {
 #pragma unroll
-          for (int q = 0; q < 8; ++q) {
-            std::uint16_t e = 0;
-            if (k + q < K) {
-              const T t = x[std::int64_t(r) * K + k + q];
-              e = *reinterpret_cast<const std::uint16_t*>(&t);
-            }
-            d[q] = e;
-          }
+        for (int r = 0; r < 3; ++r) ch.w[t][r] = ldg_stream32(src + 32 * r);
+      } else {
+#pragma unroll
+        for (int l = 0; l < LW / 4; ++l) {
+          const uint4 v = ldg_stream(reinterpret_cast<const uint4*>(src) + l);
+          ch.w[t][4 * l] = v.x;
+          ch.w[t][4 * l + 1] = v.y;
+          ch.w[t][4 * l + 2] = v.z;
+          ch.w[t][4 * l + 3] = v.w;
         }
       }
     }
+    return ch;
+  };
+  uint4* ring = reinterpret_cast<uint4*>(smem + lay.ring);  // [PF][W*32][NV] (CpAsync loader, 4/8 bits)
+  auto issue_chunk = [&](int c, int slot) {
+    uint4* d = ring + (std::int64_t(slot) * W * 32 + tid) * NV;
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int l = 0; l < LV; ++l) cp_async16(d + t * LV + l, reinterpret_cast<const uint4*>(wbase + c * cstride + toff[t]) + l, 16);
+  };
+  auto read_slot = [&](int slot) {
+    Chunk ch;
+    const uint4* sp = ring + (std::int64_t(slot) * W * 32 + tid) * NV;
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int l = 0; l < LV; ++l) {
+        const uint4 v = lds128(sp + t * LV + l);
+        ch.w[t][4 * l] = v.x;
+        ch.w[t][4 * l + 1] = v.y;
+        ch.w[t][4 * l + 2] = v.z;
+        ch.w[t][4 * l + 3] = v.w;
+      }
+    return ch;
   };
 
-  float acc[MT][2][4];
+  // ---- prologue: weight loads first (the longest latency), then x and the group table ----
+  Chunk bq[C::LOADER == QGemmLoader::Registers ? PF : 1];
+  if constexpr (C::LOADER == QGemmLoader::Registers) {
+#pragma unroll
+    for (int c = 0; c < PF; ++c)
+      if (active && c < nck) bq[c] = load_chunk(c);
+  }
+  {
+    const T* x = static_cast<const T*>(p.x) + std::int64_t(m0) * p.K;
+    const bool vec_ok = (p.K % 8 == 0) && ((reinterpret_cast<std::uintptr_t>(p.x) & 15) == 0);
+    const int segs = p.cps * (kTileK / 8);  // 8-element segments per row
+    for (int i = tid; i < ROWS * segs; i += W * 32) {
+      const int r = i / segs, sg = i - r * segs, k = kb + sg * 8;
+      std::uint16_t* d = xs + r * xstride + sg * 8;
+      if (r < rows && k < p.K && vec_ok) {
+        cp_async16(d, x + std::int64_t(r) * p.K + k, 16);
+      } else if (r < rows && k < p.K) {
+        alignas(16) std::uint16_t e[8];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          const T tv = k + q < p.K ? x[std::int64_t(r) * p.K + k + q] : from_float<T>(0.f);
+          e[q] = *reinterpret_cast<const std::uint16_t*>(&tv);
+        }
+        *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(e);
+      } else {
+        *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);  // rows past M, k past K: zero
+      }
+    }
+    cp_async_commit();
+  }
+  const int g_first = kb / p.group;
+  const int g_last = (min(kb + nck * kTileK, p.K) - 1) / p.group;
+  for (int i = tid; i < p.ngroups * STRIP; i += W * 32) {
+    const int gi = i / STRIP, col = col0 + (i - gi * STRIP);
+    const bool in = g_first + gi <= g_last && col < p.Npad;
+    const std::int64_t src = std::int64_t(g_first + gi) * p.Npad + col;
+    ss[i] = in ? p.scales[src] : from_float<half>(1.f);
+    zs[i] = in ? p.zeros[src] : std::uint8_t(0);
+  }
+  if constexpr (C::LOADER == QGemmLoader::CpAsync) {
+#pragma unroll
+    for (int c = 0; c < PF - 1; ++c) {
+      if (active && c < nck) issue_chunk(c, c);
+      cp_async_commit();
+    }
+    cp_async_wait<PF - 2>();  // x (the oldest group) has landed
+  } else {
+    cp_async_wait<0>();
+  }
+  __syncthreads();
+
+  // ---- per-group constants: zero points of the B columns (8j + g4), scales of the C columns (8j + 2c4 + {0,1})
+  std::uint32_t zlo[NT][2], zhi[NT][2];
+  float zf[NT][2], sc[NT][2][2];
+  int g = g_first;
+  int next_k = (g + 1) * p.group < p.K ? (g + 1) * p.group : 0x7fffffff;  // k where the next group starts
+  auto load_group = [&](int gg) {
+    const int row = (gg - g_first) * STRIP + warp * NT * kTileN;
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int zc = int(zs[row + t * kTileN + 8 * j + g4]);
+        if constexpr (BITS == 8) {
+          zf[t][j] = 8388608.f + float(zc);
+          zlo[t][j] = (0x6400u + zc) * 0x00010001u;  // fp16 1024 + z
+        } else if constexpr (std::is_same_v<T, bf16>) {
+          zlo[t][j] = (0x4300u + zc) * 0x00010001u;  // bf16 128 + z
+        } else {
+          zlo[t][j] = (0x6400u + zc) * 0x00010001u;
+          zhi[t][j] = u32(__float2half2_rn(float(-64 - zc)));
+        }
+        const __half2 s2 = *reinterpret_cast<const __half2*>(ss + row + t * kTileN + 8 * j + 2 * c4);
+        sc[t][j][0] = __low2float(s2);
+        sc[t][j][1] = __high2float(s2);
+      }
+  };
+  // acc: result so far; tmp: this group's sum of x * (q - z), folded into acc with the group's scales
+  float acc[MT][NT][2][4], tmp[MT][NT][2][4];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mt][j][e] = 0.f;
-
-  // per-group constants: zero points for the B columns (n = 8j + g4), scales for the C columns (8j + 2c4 + {0,1})
-  int cur_group = -1, next_group_k = -1;
-  std::uint32_t zlo[2] = {0, 0}, zhi[2] = {0, 0};
-  float zf[2] = {0.f, 0.f};
-  float sc[2][2] = {{1.f, 1.f}, {1.f, 1.f}};  // the scale acc is currently expressed in
-  const int ncol0 = nt * kTileN;
-  // Group constants are fetched one group ahead (the next group's loads overlap this group's work),
-  // so a group change never waits on global memory.
-  const int last_group = (K - 1) / group;
-  int pf_group = -1;                   // group held in pz / ps
-  std::uint32_t pz[2] = {0, 0};        // zero points (as int)
-  std::uint32_t ps[2] = {0, 0};        // fp16 scale pairs (as bits)
-  auto fetch_group = [&](int g, std::uint32_t (&z)[2], std::uint32_t (&s2)[2]) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      z[j] = warp_active ? zeros[std::int64_t(g) * Npad + ncol0 + 8 * j + g4] : 0u;
-      s2[j] = warp_active ? *reinterpret_cast<const std::uint32_t*>(scales + std::int64_t(g) * Npad + ncol0 + 8 * j + 2 * c4) : 0u;
-    }
-  };
-  auto load_group = [&](int g) {
-    std::uint32_t zz[2], ss[2];
-    if (g == pf_group) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        zz[j] = pz[j];
-        ss[j] = ps[j];
-      }
-    } else {
-      fetch_group(g, zz, ss);
-    }
-    if (g < last_group) {
-      fetch_group(g + 1, pz, ps);
-      pf_group = g + 1;
-    }
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int z = int(zz[j]);
-      if constexpr (BITS == 8) {
-        zf[j] = 8388608.f + float(z);
-        zlo[j] = u32(__float2half2_rn(float(1024 + z)));
-      } else if constexpr (std::is_same_v<T, bf16>) {
-        zlo[j] = u32(__float2bfloat162_rn(float(128 + z)));
-      } else {
-        zlo[j] = u32(__float2half2_rn(float(1024 + z)));
-        zhi[j] = u32(__float2half2_rn(float(-64 - z)));
-      }
-      const __half2 s2 = as_vec2<__half2>(ss[j]);
-      const float n0 = __low2float(s2), n1 = __high2float(s2);
-      const float r0 = __fdividef(sc[j][0], n0), r1 = __fdividef(sc[j][1], n1);  // re-express acc in the new scale (2 ulp)
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        acc[mt][j][0] *= r0;
-        acc[mt][j][1] *= r1;
-        acc[mt][j][2] *= r0;
-        acc[mt][j][3] *= r1;
-      }
-      sc[j][0] = n0;
-      sc[j][1] = n1;
-    }
-  };
-  auto finish = [&]() {  // acc in units of the last scale -> real units
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int t = 0; t < NT; ++t)
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[mt][j][e] *= sc[j][e & 1];
-  };
-
-  const int ntiles = Npad / kTileN;
-  const uint4* wt = tiles + std::int64_t(warp_active ? nt : 0) * (tile_words(BITS) / 4) + lane * LV;
-  auto load_chunk = [&](int kc) {
-    Chunk c;
+        for (int e = 0; e < 4; ++e) acc[mt][t][j][e] = tmp[mt][t][j][e] = 0.f;
+  auto flush = [&]() {
 #pragma unroll
-    for (int v = 0; v < LV; ++v) c.v[v] = __ldcs(wt + std::int64_t(kc) * ntiles * (tile_words(BITS) / 4) + v);
-    return c;
-  };
-  Chunk bq[PF];
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-  for (int p = 0; p < PF; ++p)
-    if (warp_active && p < nck) bq[p] = load_chunk(kc0 + p);
-
-  // x ring: chunk ci lives in buffer ci % STAGES; one commit group per chunk (empty past the end) keeps
-  // the group count uniform, so "wait until STAGES - 2 groups are pending" means "chunk ci + 1 landed".
-#pragma unroll
-  for (int st = 0; st < STAGES - 1; ++st) {
-    if (st < nck) stage_x(kc0 + st, st);
-    cp_async_commit();
-  }
-  cp_async_wait<STAGES - 2>();
-  __syncthreads();
-
-  for (int base = 0; base < nck; base += PF) {
-#pragma unroll
-    for (int p = 0; p < PF; ++p) {
-      const int ci = base + p;
-      if (ci < nck) {  // block-uniform
-        const int kc = kc0 + ci;
-        const Chunk cur = bq[p];
-        if (warp_active && ci + PF < nck) bq[p] = load_chunk(kc + PF);
-        // buffer (ci + STAGES - 1) % STAGES was last read in iteration ci - 1, before the previous barrier
-        if (ci + STAGES - 1 < nck) stage_x(kc + STAGES - 1, (ci + STAGES - 1) % STAGES);
-        cp_async_commit();
-        if (warp_active) {
-          const std::uint16_t* xb = xs[ci % STAGES];
-          std::uint32_t words[4 * LV];
-#pragma unroll
-          for (int v = 0; v < LV; ++v) {
-            words[4 * v] = cur.v[v].x;
-            words[4 * v + 1] = cur.v[v].y;
-            words[4 * v + 2] = cur.v[v].z;
-            words[4 * v + 3] = cur.v[v].w;
-          }
-#pragma unroll
-          for (int ks = 0; ks < 4; ++ks) {
-            const int k0 = kc * kTileK + ks * 16;
-            if (k0 >= next_group_k) {  // divide only when a group may end (k-steps never straddle groups)
-              const int g = min(k0, K - 1) / group;  // padded rows: last group (x is 0 there)
-              if (g != cur_group) {
-                cur_group = g;
-                load_group(g);
-              }
-              next_group_k = (g + 1) * group;
-            }
-            std::uint32_t b[2][2];
-            if constexpr (BITS == 8) {
-              decode_word8<T>(words[2 * ks], words[2 * ks + 1], zlo, zf, b);
-            } else {
-              decode_word<T>(words[ks], zlo, zhi, b);
-            }
-            // A fragments of rows mt*16.., k-step ks: ldmatrix.x4, lane l addresses row (l % 8) + 8 ((l / 8) & 1),
-            // column 8 (l / 16) of the 16 x 16 block; registers come back in mma's a0..a3 order. Loaded in
-            // batches of up to 4 m-tiles ahead of their mma so the loads' latency overlaps.
-            constexpr int AB = MT < 4 ? MT : 4;
-#pragma unroll
-            for (int m0 = 0; m0 < MT; m0 += AB) {
-              std::uint32_t a[AB][4];
-#pragma unroll
-              for (int i = 0; i < AB; ++i)
-                ldmatrix_x4(a[i], xb + ((m0 + i) * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * kStride + ks * 16 + 8 * (lane >> 4));
-#pragma unroll
-              for (int i = 0; i < AB; ++i) {
-                mma16816<T>(acc[m0 + i][0], a[i], b[0][0], b[0][1]);
-                mma16816<T>(acc[m0 + i][1], a[i], b[1][0], b[1][1]);
-              }
-            }
-          }
-        }
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();
-      }
-    }
-  }
-  finish();
-
-  // ---- epilogue: C fragment (row g4 / g4 + 8, columns 2 c4, 2 c4 + 1 of each n8 half) ----
-  const int splits = gridDim.y;
-  if (splits == 1) {
-    if (warp_active)
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
+      for (int t = 0; t < NT; ++t)
 #pragma unroll
         for (int j = 0; j < 2; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int m = mt * 16 + g4 + 8 * (e >> 1), n = ncol0 + 8 * j + 2 * c4 + (e & 1);
-            if (m < M && n < N) y[std::int64_t(m) * N + n] = from_float<T>(acc[mt][j][e]);
+            acc[mt][t][j][e] = fmaf(tmp[mt][t][j][e], sc[t][j][e & 1], acc[mt][t][j][e]);
+            tmp[mt][t][j][e] = 0.f;
           }
+  };
+  std::uint32_t sink = 0;  // diagnostics modes: keeps loads / decode alive
+  if (kFull || C::MODE == QGemmMode::LoadDecode) load_group(g);
+
+  // One chunk: 4 k-steps of 16; per k-step decode NT * 2 B fragments, load the A fragments, MT * NT * 2 mma.
+  auto compute = [&](const Chunk& ch, int c) {
+    if constexpr (C::MODE == QGemmMode::LoadOnly) {
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int i = 0; i < LW; ++i) sink ^= ch.w[t][i];
+      return;
+    }
+    const int kl = c * kTileK;  // local k in xs
+    std::uint32_t a8[4];        // ROWS8 == 1: A of two k-steps (rows 0..7)
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      if (kb + kl + ks * 16 >= next_k) {  // a group ends (k-steps never straddle groups: group % 16 == 0)
+        if constexpr (kFull) flush();
+        ++g;
+        next_k = (g + 1) * p.group < p.K ? (g + 1) * p.group : 0x7fffffff;
+        load_group(g);
+      }
+      std::uint32_t b[NT][2][2];
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        if constexpr (BITS == 8) {
+          decode_word8<T>(ch.w[t][2 * ks], ch.w[t][2 * ks + 1], zlo[t], zf[t], b[t]);
+        } else if constexpr (BITS == 3) {
+          decode_word3<T>(ch.w[t][0], ch.w[t][1], ch.w[t][2], ks, zlo[t], b[t]);
+        } else {
+          decode_word<T>(ch.w[t][ks], zlo[t], zhi[t], b[t]);
+        }
+      }
+      if constexpr (!kFull) {
+#pragma unroll
+        for (int t = 0; t < NT; ++t) sink ^= b[t][0][0] ^ b[t][0][1] ^ b[t][1][0] ^ b[t][1][1];
+        continue;
+      }
+      std::uint32_t a[MT][4];
+      if constexpr (C::ROWS8 == 1) {
+        // lanes 8i..8i+7 address rows 0..7 at k 8i..8i+7 of a 32-k window: matrices (ks, lo), (ks, hi), (ks+1, lo), (ks+1, hi)
+        if (ks % 2 == 0) ldmatrix_x4(a8, xs + (lane & 7) * xstride + kl + ks * 16 + 8 * (lane >> 3));
+        a[0][0] = a8[(ks & 1) * 2];
+        a[0][2] = a8[(ks & 1) * 2 + 1];
+        a[0][1] = a[0][3] = 0u;
+      } else {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+          ldmatrix_x4(a[mt], xs + (mt * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * xstride + kl + ks * 16 + 8 * (lane >> 4));
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) mma16816<T>(tmp[mt][t][j], a[mt], b[t][j][0], b[t][j][1]);
+    }
+  };
+
+  // ---- main loop: no barriers; each warp keeps PF chunks of its own weights in flight ----
+  if (active) {
+    if constexpr (C::LOADER == QGemmLoader::Registers) {
+      for (int base = 0; base < nck; base += PF) {
+#pragma unroll
+        for (int q = 0; q < PF; ++q) {
+          const int c = base + q;
+          if (c < nck) {
+            const Chunk cur = bq[q];
+            if (c + PF < nck) bq[q] = load_chunk(c + PF);
+            compute(cur, c);
+          }
+        }
+      }
+    } else {
+      for (int c = 0; c < nck; ++c) {
+        // slot (c + PF - 1) % PF was read (and consumed) in iteration c - 1
+        if (c + PF - 1 < nck) issue_chunk(c + PF - 1, (c + PF - 1) % PF);
+        cp_async_commit();
+        cp_async_wait<PF - 1>();  // chunk c has landed
+        compute(read_slot(c % PF), c);
+      }
+    }
+  }
+
+  if constexpr (!kFull) {
+    if (sink == 0x9e3779b9u && p.M < 0) static_cast<T*>(p.y)[0] = from_float<T>(float(sink));  // never true; keeps the work
     return;
   }
-  // split-K: partial [splits][ROWS][n_blocks * 64]
-  const std::int64_t pw = std::int64_t(gridDim.x) * kBlockN;
-  float* mine = partial + std::int64_t(blockIdx.y) * ROWS * pw;
-  if (warp_active)
+  flush();
+
+  // ---- epilogue: C fragment rows g4 / g4 + 8, columns 2 c4, 2 c4 + 1 of each n8 half ----
+  T* y = static_cast<T*>(p.y);
+  if (p.splits == 1) {
+    if (active)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int m = mt * 16 + g4 + 8 * (e >> 1), n = (nt0 + t) * kTileN + 8 * j + 2 * c4 + (e & 1);
+              if (m < rows && n < p.N) y[std::int64_t(m0 + m) * p.N + n] = from_float<T>(acc[mt][t][j][e]);
+            }
+    return;
+  }
+  float* mine = p.partial + (std::int64_t(split) * p.M + m0) * p.Npad;
+  if (active)
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int j = 0; j < 2; ++j)
+      for (int t = 0; t < NT; ++t)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int m = mt * 16 + g4 + 8 * h, n = ncol0 + 8 * j + 2 * c4;
-          if (m < M) *reinterpret_cast<float2*>(mine + std::int64_t(m) * pw + n) = make_float2(acc[mt][j][2 * h], acc[mt][j][2 * h + 1]);
-        }
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int m = mt * 16 + g4 + 8 * h, n = (nt0 + t) * kTileN + 8 * j + 2 * c4;
+            if (m < rows && nt0 + t < ntiles)
+              *reinterpret_cast<float2*>(mine + std::int64_t(m) * p.Npad + n) = make_float2(acc[mt][t][j][2 * h], acc[mt][t][j][2 * h + 1]);
+          }
   __threadfence();
   __syncthreads();
-  if (tid == 0) last_flag = (atomicAdd(counters + blockIdx.x, 1) == splits - 1);
+  int* counter = p.counters + std::int64_t(z) * p.strips + strip;
+  if (tid == 0) last_flag = atomicAdd(counter, 1) == p.splits - 1;
   __syncthreads();
   if (!last_flag) return;
   __threadfence();
-  const int rows = min(M, ROWS);
-  for (int i = tid; i < rows * kBlockN; i += kWarps * 32) {
-    const int m = i / kBlockN, n = blockIdx.x * kBlockN + i % kBlockN;
-    if (n >= N) continue;
+  for (int i = tid; i < rows * STRIP; i += W * 32) {
+    const int m = i / STRIP, n = col0 + (i - m * STRIP);
+    if (n >= p.N) continue;
     float s = 0.f;
-    for (int sp = 0; sp < splits; ++sp) s += __ldcg(partial + (std::int64_t(sp) * ROWS + m) * pw + n);
-    y[std::int64_t(m) * N + n] = from_float<T>(s);
+    for (int sp = 0; sp < p.splits; ++sp) s += __ldcg(p.partial + (std::int64_t(sp) * p.M + m0 + m) * p.Npad + n);
+    y[std::int64_t(m0 + m) * p.N + n] = from_float<T>(s);
   }
-  if (tid == 0) counters[blockIdx.x] = 0;  // ready for the next launch
+  if (tid == 0) *counter = 0;  // ready for the next launch
 }
 
-// Resident blocks per SM of one instantiation (cached; same on every device of one build).
-template <class T, int MT, int BITS>
-int qgemm_blocks_per_sm() {
-  static const int n = [] {
-    int b = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, qgemm_kernel<T, MT, BITS>, kWarps * 32, 0) != cudaSuccess) b = 1;
-    return std::max(b, 1);
+// Launch one configuration. Returns cudaErrorInvalidValue when the workspace is smaller than the plan.
+template <class T, int BITS, class C>
+cudaError_t launch_qgemm_cfg(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y,
+                             const QGemmShape& s, const QGemmPlan& p, const QGemmWorkspace& ws, cudaStream_t stream) {
+  if (p.splits > 1 && (ws.partial == nullptr || ws.partial_elems < p.partial_elems)) return cudaErrorInvalidValue;
+  if (p.counter_elems > 0 && p.splits > 1 && (ws.counters == nullptr || ws.counter_elems < p.counter_elems)) return cudaErrorInvalidValue;
+  static const int optin = [] {  // allow up to the device's opt-in shared memory (once per instantiation)
+    int dev = 0, bytes = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    return cudaFuncSetAttribute(qgemm_kernel<T, BITS, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) == cudaSuccess ? bytes : 48 * 1024;
   }();
-  return n;
-}
-template <class T, int BITS>
-int qgemm_blocks_per_sm(int m_tiles) {
-  switch (m_tiles) {
-    case 1: return qgemm_blocks_per_sm<T, 1, BITS>();
-    case 2: return qgemm_blocks_per_sm<T, 2, BITS>();
-    case 4: return qgemm_blocks_per_sm<T, 4, BITS>();
-    default: return qgemm_blocks_per_sm<T, 8, BITS>();
-  }
-}
-template <class T>
-QGemmPlan plan_for_device(std::int64_t rows, const QGemmShape& s, int sm_count, int splits_override = 0) {
-  const int mt = plan_qgemm(rows, s.Npad, s.Kpad, sm_count, 1).m_tiles;
-  const int occ = s.bits == 8 ? qgemm_blocks_per_sm<T, 8>(mt) : qgemm_blocks_per_sm<T, 4>(mt);
-  return plan_qgemm(rows, s.Npad, s.Kpad, sm_count, occ, splits_override);
-}
-
-template <class T, int MT, int BITS>
-cudaError_t launch_qgemm(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y, float* partial,
-                         int* counters, int M, const QGemmShape& s, const QGemmPlan& p, cudaStream_t stream) {
-  dim3 grid(unsigned(p.n_blocks), unsigned(p.splits));
-  qgemm_kernel<T, MT, BITS><<<grid, kWarps * 32, 0, stream>>>(x, reinterpret_cast<const uint4*>(tiles), scales, zeros, y, partial,
-                                                              counters, M, int(s.N), int(s.K), int(s.Npad), int(s.Kpad), int(s.group),
-                                                              p.chunks_per_split);
+  if (p.smem_bytes > optin) return cudaErrorInvalidConfiguration;
+  QGemmParams prm{x, tiles, scales, zeros, y, ws.partial, ws.counters,
+                  int(s.M), int(s.N), int(s.K), int(s.Npad), int(s.Kpad), int(s.group),
+                  p.cps, p.strips, p.splits, p.zslices, p.ngroups};
+  qgemm_kernel<T, BITS, C><<<unsigned(p.blocks()), C::W * 32, p.smem_bytes, stream>>>(prm);
   return cudaGetLastError();
 }
+
+// Configurations the benchmark times side by side (and the CUDA tests check against the CPU twin), so one
+// GPU run shows which wins per batch size. name() spells the knobs: r<rows>w<warps>n<tiles>p<depth>[a].
+template <class... Cs>
+struct CfgList {};
+template <class C>
+std::string cfg_name() {
+  std::string n = "r" + std::to_string(C::ROWS) + "w" + std::to_string(C::W) + "n" + std::to_string(C::NT) + "p" + std::to_string(C::PF);
+  if (C::LOADER == QGemmLoader::CpAsync) n += "a";
+  if (C::MODE == QGemmMode::LoadOnly) n += "-load";
+  if (C::MODE == QGemmMode::LoadDecode) n += "-decode";
+  return n;
+}
+using R = QGemmLoader;
+using TuningCfgs = CfgList<QGemmCfg<1, 4, 1, 8>, QGemmCfg<1, 4, 1, 4>, QGemmCfg<1, 4, 1, 16>, QGemmCfg<1, 8, 1, 8>, QGemmCfg<1, 4, 2, 8>,
+                           QGemmCfg<1, 4, 1, 16, R::CpAsync>, QGemmCfg<1, 8, 1, 16, R::CpAsync>,  // 8 rows
+                           QGemmCfg<2, 4, 1, 8>, QGemmCfg<2, 8, 1, 8>, QGemmCfg<2, 4, 2, 4>, QGemmCfg<2, 4, 1, 16, R::CpAsync>,  // 16 rows
+                           QGemmCfg<4, 4, 1, 8>, QGemmCfg<4, 4, 2, 4>,                                // 32 rows
+                           QGemmCfg<8, 4, 1, 8>, QGemmCfg<8, 4, 2, 4>, QGemmCfg<8, 8, 1, 4>>;         // 64 rows
+// Diagnostics: the same loads without the math, the loads and the decode without the mma.
+using DiagnosticCfgs = CfgList<QGemmCfg<1, 4, 1, 8, R::Registers, QGemmMode::LoadOnly>, QGemmCfg<1, 4, 1, 8, R::Registers, QGemmMode::LoadDecode>,
+                               QGemmCfg<1, 4, 1, 16, R::CpAsync, QGemmMode::LoadOnly>, QGemmCfg<2, 4, 1, 8, R::Registers, QGemmMode::LoadDecode>>;
+
+// The configurations the library dispatches to, by rows per launch (H200 figures: see bench/results/h200/gemm4.*).
+template <int BITS, int ROWS8>
+using DefaultCfg = QGemmCfg<ROWS8, 4, 1, (BITS == 8 ? 4 : 8)>;
+inline int default_rows8(std::int64_t M) { return M <= 8 ? 1 : M <= 16 ? 2 : M <= 32 ? 4 : 8; }
+template <int BITS>
+QGemmGeometry default_geometry(std::int64_t M) {
+  switch (default_rows8(M)) {
+    case 1: return DefaultCfg<BITS, 1>::template geometry<BITS>();
+    case 2: return DefaultCfg<BITS, 2>::template geometry<BITS>();
+    case 4: return DefaultCfg<BITS, 4>::template geometry<BITS>();
+    default: return DefaultCfg<BITS, 8>::template geometry<BITS>();
+  }
+}
 template <class T, int BITS>
-cudaError_t launch_qgemm(int m_tiles, const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y,
-                         float* partial, int* counters, int M, const QGemmShape& s, const QGemmPlan& p, cudaStream_t stream) {
-  switch (m_tiles) {
-    case 1: return launch_qgemm<T, 1, BITS>(x, tiles, scales, zeros, y, partial, counters, M, s, p, stream);
-    case 2: return launch_qgemm<T, 2, BITS>(x, tiles, scales, zeros, y, partial, counters, M, s, p, stream);
-    case 4: return launch_qgemm<T, 4, BITS>(x, tiles, scales, zeros, y, partial, counters, M, s, p, stream);
-    default: return launch_qgemm<T, 8, BITS>(x, tiles, scales, zeros, y, partial, counters, M, s, p, stream);
+cudaError_t launch_default(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y, const QGemmShape& s,
+                           const QGemmPlan& p, const QGemmWorkspace& ws, cudaStream_t stream) {
+  switch (default_rows8(s.M)) {
+    case 1: return launch_qgemm_cfg<T, BITS, DefaultCfg<BITS, 1>>(x, tiles, scales, zeros, y, s, p, ws, stream);
+    case 2: return launch_qgemm_cfg<T, BITS, DefaultCfg<BITS, 2>>(x, tiles, scales, zeros, y, s, p, ws, stream);
+    case 4: return launch_qgemm_cfg<T, BITS, DefaultCfg<BITS, 4>>(x, tiles, scales, zeros, y, s, p, ws, stream);
+    default: return launch_qgemm_cfg<T, BITS, DefaultCfg<BITS, 8>>(x, tiles, scales, zeros, y, s, p, ws, stream);
   }
 }
 }  // namespace detail
 
-// Workspace for qgemm_cuda<T> with M rows (M is processed in slices of 128 rows).
-template <class T>
-QGemmWorkspace qgemm_workspace_size(std::int64_t M, const QGemmShape& s, int sm_count, int splits_override = 0) {
-  std::int64_t partial = 0;
-  for (std::int64_t rows : {std::min<std::int64_t>(M, 128), M % 128})
-    if (rows > 0) partial = std::max(partial, detail::plan_for_device<T>(rows, s, sm_count, splits_override).partial_elems());
-  return {nullptr, partial, nullptr, qgemm_counter_elems(s.Npad)};
+// The plan qgemm_cuda uses for M rows on a device with sm_count SMs.
+inline QGemmPlan qgemm_plan(const QGemmShape& s, int sm_count, int cps_override = 0) {
+  const QGemmGeometry g = s.bits == 8 ? detail::default_geometry<8>(s.M) : s.bits == 3 ? detail::default_geometry<3>(s.M) : detail::default_geometry<4>(s.M);
+  return plan_qgemm(s, g, sm_count, cps_override);
+}
+// Workspace sizes for qgemm_cuda with s.M rows (pointers left null): partial fp32 (any contents) and
+// counters int32 (zero before the first call; the kernel leaves them zero).
+inline QGemmWorkspace qgemm_workspace_size(const QGemmShape& s, int sm_count, int cps_override = 0) {
+  const QGemmPlan p = qgemm_plan(s, sm_count, cps_override);
+  return {nullptr, p.partial_elems, nullptr, p.counter_elems};
 }
 
-// y [M, N] = x [M, K] * W^T on `stream` (s.bits 4 or 8). Returns cudaErrorInvalidValue for unsupported
-// arguments (or a workspace smaller than qgemm_workspace_size).
+// y [M, N] = x [M, K] * W^T on `stream` (s.bits 3, 4 or 8). Returns cudaErrorInvalidValue for unsupported
+// arguments or a workspace smaller than qgemm_workspace_size.
 template <class T>
 cudaError_t qgemm_cuda(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y, const QGemmShape& s,
-                       const QGemmWorkspace& ws, int sm_count, cudaStream_t stream, int splits_override = 0) {
+                       const QGemmWorkspace& ws, int sm_count, cudaStream_t stream, int cps_override = 0) {
   static_assert(std::is_same_v<T, half> || std::is_same_v<T, bf16>, "the quantized GEMM takes fp16 or bf16 activations");
-  if (s.M <= 0 || s.N <= 0 || s.K <= 0 || s.Kpad % kTileK || s.Npad % kTileN || s.Kpad < s.K || s.Npad < s.N || s.group <= 0 ||
-      s.group % 16 || s.K > (1ll << 30) || s.N > (1ll << 30) || !(s.bits == 4 || s.bits == 8))
+  if (s.M <= 0 || s.N <= 0 || s.K <= 0 || s.Kpad % kTileK || s.Npad % kTileN || s.Kpad < s.K || s.Kpad >= s.K + kTileK || s.Npad < s.N ||
+      s.group <= 0 || s.group % 16 || s.K > (1ll << 30) || s.N > (1ll << 30) || s.M > (1ll << 24) || !(s.bits == 3 || s.bits == 4 || s.bits == 8))
     return cudaErrorInvalidValue;
-  for (std::int64_t m0 = 0; m0 < s.M; m0 += 128) {
-    const int rows = int(std::min<std::int64_t>(128, s.M - m0));
-    const auto p = detail::plan_for_device<T>(rows, s, sm_count, splits_override);
-    if (p.splits > 1 && (ws.partial == nullptr || ws.partial_elems < p.partial_elems() || ws.counters == nullptr ||
-                         ws.counter_elems < p.counter_elems()))
-      return cudaErrorInvalidValue;
-    const T* xm = x + m0 * s.K;
-    T* ym = y + m0 * s.N;
-    const cudaError_t e = s.bits == 8
-                              ? detail::launch_qgemm<T, 8>(p.m_tiles, xm, tiles, scales, zeros, ym, ws.partial, ws.counters, rows, s, p, stream)
-                              : detail::launch_qgemm<T, 4>(p.m_tiles, xm, tiles, scales, zeros, ym, ws.partial, ws.counters, rows, s, p, stream);
-    if (e != cudaSuccess) return e;
+  const QGemmPlan p = qgemm_plan(s, sm_count, cps_override);
+  switch (s.bits) {
+    case 3: return detail::launch_default<T, 3>(x, tiles, scales, zeros, y, s, p, ws, stream);
+    case 8: return detail::launch_default<T, 8>(x, tiles, scales, zeros, y, s, p, ws, stream);
+    default: return detail::launch_default<T, 4>(x, tiles, scales, zeros, y, s, p, ws, stream);
   }
-  return cudaSuccess;
 }
 #endif  // __CUDACC__
 
