@@ -20,6 +20,7 @@
 // One worker: jobs run in submission order, so a partition's jobs never run out of order.
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -170,7 +171,15 @@ class OffloadPipeline {
   void write_back(Partition& q, const Event& after) {
     if (h2d_.active()) {
       h2d_.wait(after);  // kernels queued before the job may still read q.param
-      h2d_.run([&] { q.param.copy_(q.master, /*non_blocking=*/true); });
+      // In chunks: the fp32 -> compute-dtype conversion happens on the device through a temporary of one chunk.
+      h2d_.run([&] {
+        constexpr int64_t kChunk = int64_t(1) << 24;
+        const int64_t n = q.param.numel();
+        for (int64_t off = 0; off < n; off += kChunk) {
+          const int64_t len = std::min(kChunk, n - off);
+          q.param.narrow(0, off, len).copy_(q.master.narrow(0, off, len), /*non_blocking=*/true);
+        }
+      });
       q.h2d_done = h2d_.record();
     } else {
       q.param.copy_(q.master);

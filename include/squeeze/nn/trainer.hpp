@@ -170,10 +170,23 @@ template <class T> constexpr torch::ScalarType scalar_type_of() {
   else return torch::kBFloat16;
 }
 
-// Sum of squares in double, sequential (deterministic), host or device.
+// Device work on a whole partition goes in chunks of this many elements, so its fp32/fp64 temporaries stay
+// small (a 1 B-parameter stage-1 partition would otherwise need ~13 bytes per parameter of them).
+inline constexpr int64_t kDeviceChunk = int64_t(1) << 24;
+
+// Sum of squares in double, deterministic: host sequentially; device per chunk (fp64 temporaries of one
+// chunk), the chunk sums added in order on the device, one read-back.
 inline double sum_squares(const torch::Tensor& t) {
   if (t.numel() == 0) return 0.0;
-  if (!t.is_cpu()) return t.to(torch::kFloat64).square().sum().item<double>();
+  if (!t.is_cpu()) {
+    torch::NoGradGuard ng;
+    const torch::Tensor f = t.reshape({-1});
+    const int64_t n = f.numel();
+    torch::Tensor acc = torch::zeros({}, f.options().dtype(torch::kFloat64));
+    for (int64_t o = 0; o < n; o += kDeviceChunk)
+      acc.add_(f.narrow(0, o, std::min(kDeviceChunk, n - o)).to(torch::kFloat64).square().sum());
+    return acc.item<double>();
+  }
   const torch::Tensor c = t.contiguous();
   const int64_t n = c.numel();
   double acc = 0;
@@ -422,9 +435,9 @@ class Trainer {
     TORCH_CHECK(loss.defined() && loss.numel() == 1, "Trainer::step: the closure must return a scalar loss, got ",
                 loss.defined() ? loss.sizes() : torch::IntArrayRef{});
     TORCH_CHECK(loss.requires_grad(), "Trainer::step: the loss does not require grad (computed under NoGradGuard?)");
-    r.loss = loss.detach().to(torch::kFloat32).item<float>();
     if (runtime_) runtime_->set_phase(Stage3Runtime::Phase::backward);
     (loss * double(r.scale / float(kAccum))).backward();
+    r.loss = loss.detach().to(torch::kFloat32).item<float>();  // read after backward: no host stall between them
     if (runtime_) {
       runtime_->release_all();
       runtime_->set_phase(Stage3Runtime::Phase::idle);
@@ -808,14 +821,20 @@ class Trainer {
     } else {
       // Device buffers from a host-compiled TU: the same math in torch ops (an nvcc TU could launch
       // kernels/adamw.cuh instead).
+      // Elementwise, so chunking changes no bit; it bounds the temporaries to one chunk.
       torch::NoGradGuard ng;
-      const torch::Tensor g = o.grad.to(torch::kFloat32) * gmul;
-      torch::Tensor w = S::has_master_copy ? o.master : o.param;
-      o.m.mul_(c.beta1).add_(g, 1.0f - c.beta1);
-      o.v.mul_(c.beta2).addcmul_(g, g, 1.0f - c.beta2);
-      const torch::Tensor denom = o.v.sqrt().mul_(c.inv_sqrt_bc2).add_(c.eps);
-      w.mul_(1.0f - c.lr * c.weight_decay).addcdiv_(o.m, denom, -c.step_size);
-      if (S::has_master_copy) o.param.copy_(w);
+      const int64_t n = o.param.numel();
+      for (int64_t off = 0; off < n; off += detail::kDeviceChunk) {
+        const int64_t len = std::min(detail::kDeviceChunk, n - off);
+        auto part = [&](const torch::Tensor& t) { return t.narrow(0, off, len); };
+        const torch::Tensor g = part(o.grad).to(torch::kFloat32) * gmul;
+        torch::Tensor w = part(S::has_master_copy ? o.master : o.param), m = part(o.m), v = part(o.v);
+        m.mul_(c.beta1).add_(g, 1.0f - c.beta1);
+        v.mul_(c.beta2).addcmul_(g, g, 1.0f - c.beta2);
+        const torch::Tensor denom = v.sqrt().mul_(c.inv_sqrt_bc2).add_(c.eps);
+        w.mul_(1.0f - c.lr * c.weight_decay).addcdiv_(m, denom, -c.step_size);
+        if (S::has_master_copy) part(o.param).copy_(w);
+      }
     }
   }
 
