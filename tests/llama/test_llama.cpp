@@ -11,6 +11,7 @@
 #include <thread>
 #include <unistd.h>
 
+#include "memory_meter.hpp"
 #include "trainer.hpp"
 
 namespace {
@@ -164,6 +165,37 @@ TEST(LlamaModel, CheckpointedModelHasTheSameGradients) {
   for (int64_t every : {1, 2, 3}) {
     const auto ck = grads(every);
     for (size_t i = 0; i < plain.size(); ++i) EXPECT_LE((plain[i] - ck[i]).abs().max().item<double>(), 1e-12) << every << " " << i;
+  }
+}
+
+// ---- the planner against what autograd really keeps --------------------------------------------------------
+// fp32 on the CPU takes the same path as fp32 on a GPU (K/V repeated to every head; a fused attention that
+// keeps one log-sum-exp per head), so the bytes alive after forward are the planner's activations minus the
+// loss's backward transient (2 of its 3·V·4 bytes per token: the gradients backward has not made yet).
+TEST(LlamaPlanner, ActivationsAreWhatAutogradKeeps) {
+  LlamaConfig c = small_config();
+  c.hidden = 64, c.heads = 4, c.kv_heads = 2, c.ffn = 160, c.layers = 3;
+  const int64_t B = 4, T = 64;
+  torch::manual_seed(15);
+  squeeze::nn::Llama model(c);
+  model->train();
+  const torch::Tensor x = torch::randint(0, c.vocab, {B, T}, torch::kLong), y = torch::randint(0, c.vocab, {B, T}, torch::kLong);
+  for (int64_t every : {0, 1, 3}) {
+    model->checkpoint_every = every;
+    squeeze::test::MemoryMeter meter;
+    torch::Tensor loss = model->loss(x, y);
+    const int64_t held = meter.live_bytes();  // the graph's saved tensors (+ the scalar loss)
+    const int64_t tokens = B * T, logsoftmax = tokens * c.vocab * 4;
+    // Checkpointed: the segments' inputs, the final norm and the log-softmax (the planner adds the larger of
+    // the loss's transient and one recomputed segment, neither of which exists yet).
+    const int64_t final_norm = tokens * (4 * c.hidden + 4 + 2 * c.hidden * 4);
+    const int64_t planned = every == 0 ? squeeze::plan::activation_bytes(c.shape(), {B, T}, 4, 0, true) - 2 * logsoftmax
+                                       : (c.layers + every - 1) / every * tokens * c.hidden * 4 + final_norm + logsoftmax;
+    // Slack: RoPE's cos/sin tables ([T, D] each, kept by the products), per-checkpoint RNG state (~5 kB).
+    EXPECT_NEAR(double(held), double(planned), 0.02 * double(planned) + 16384.0) << "checkpoint every " << every;
+    std::cout << "every " << every << ": held " << held << " bytes, planned " << planned << "\n";
+    loss.backward();
+    model->zero_grad();
   }
 }
 
