@@ -251,7 +251,11 @@ std::vector<RowSpec> parse_rows(const std::string& s, int64_t batch) {
     if (item.empty()) continue;
     const auto colon = item.find(':');
     if (colon == std::string::npos) out.push_back({item, batch});
-    else out.push_back({item.substr(0, colon), std::stoll(item.substr(colon + 1))});
+    else {
+      const std::string b = item.substr(colon + 1);
+      const bool digits = !b.empty() && b.size() < 10 && std::all_of(b.begin(), b.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+      out.push_back({item.substr(0, colon), digits ? std::stoll(b) : int64_t(0)});  // 0: reported as a bad batch below
+    }
   }
   return out;
 }
@@ -310,7 +314,7 @@ int main(int argc, char** argv) {
       return 1;
     }
     if (r.batch <= 0) {
-      std::cerr << "bench_table: row '" << r.name << "' has batch " << r.batch << "\n";
+      std::cerr << "bench_table: row '" << r.name << "': the batch after ':' must be a positive integer\n";
       return 1;
     }
   }
