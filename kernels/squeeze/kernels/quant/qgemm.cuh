@@ -425,10 +425,16 @@ enum class QGemmMode { Full = 0, LoadOnly = 1, LoadDecode = 2 };  // the last tw
 //   ROWS8   x rows per block / 8 (1, 2, 4, 8): 8 rows use half an m16 tile (two k-steps per ldmatrix.x4)
 //   W       warps per block;  NT: 16-column tiles per warp (an A fragment feeds NT * 2 mma)
 //   PF      weight chunks in flight per warp: registers (Registers) or ring slots in shared memory (CpAsync)
-template <int ROWS8_, int W_, int NT_, int PF_, QGemmLoader LOADER_ = QGemmLoader::Registers, QGemmMode MODE_ = QGemmMode::Full>
+//   ZFOLD   zero points folded out of the decode: the mma multiplies x by (magic + q) and each group's sum is
+//           corrected by (magic + z) * sum(x over the group) (magic 128 for bf16, 1024 for fp16); the row sums
+//           come from one more mma per k-step against B = 1, which replaces one half2 subtraction per B
+//           register; 8-bit codes with bf16 keep the exact per-element subtraction
+template <int ROWS8_, int W_, int NT_, int PF_, QGemmLoader LOADER_ = QGemmLoader::Registers, bool ZFOLD_ = false,
+          QGemmMode MODE_ = QGemmMode::Full>
 struct QGemmCfg {
   static constexpr int ROWS8 = ROWS8_, W = W_, NT = NT_, PF = PF_;
   static constexpr QGemmLoader LOADER = LOADER_;
+  static constexpr bool ZFOLD = ZFOLD_;
   static constexpr QGemmMode MODE = MODE_;
   static constexpr int ROWS = 8 * ROWS8, MT = ROWS8 < 2 ? 1 : ROWS8 / 2, STRIP = W * NT * kTileN;
   static_assert(ROWS8 == 1 || ROWS8 == 2 || ROWS8 == 4 || ROWS8 == 8, "rows per block: 8, 16, 32 or 64");
@@ -462,6 +468,7 @@ __global__ void __launch_bounds__(C::W * 32) qgemm_kernel(const QGemmParams p) {
   static_assert(BITS == 3 || BITS == 4 || BITS == 8, "3, 4 or 8 bits");
   static_assert(BITS != 3 || C::LOADER == QGemmLoader::Registers, "3-bit tiles (12 bytes per lane) use the register loader");
   constexpr bool kFull = C::MODE == QGemmMode::Full;
+  constexpr bool kFold = C::ZFOLD && !(BITS == 8 && std::is_same_v<T, bf16>);  // bf16 cannot hold 128 + 255
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int last_flag;
 
@@ -591,10 +598,9 @@ __global__ void __launch_bounds__(C::W * 32) qgemm_kernel(const QGemmParams p) {
     cp_async_wait<0>();
   }
   __syncthreads();
-
   // ---- per-group constants: zero points of the B columns (8j + g4), scales of the C columns (8j + 2c4 + {0,1})
   std::uint32_t zlo[NT][2], zhi[NT][2];
-  float zf[NT][2], sc[NT][2][2];
+  float zf[NT][2], sc[NT][2][2], zc2[NT][2][2];  // zc2 (folding): magic + z of the C columns
   int g = g_first;
   int next_k = (g + 1) * p.group < p.K ? (g + 1) * p.group : 0x7fffffff;  // k where the next group starts
   auto load_group = [&](int gg) {
@@ -604,7 +610,11 @@ __global__ void __launch_bounds__(C::W * 32) qgemm_kernel(const QGemmParams p) {
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int zc = int(zs[row + t * kTileN + 8 * j + g4]);
-        if constexpr (BITS == 8) {
+        if constexpr (kFold) {
+          constexpr float kMagic = std::is_same_v<T, bf16> ? 128.f : 1024.f;
+          zc2[t][j][0] = kMagic + float(zs[row + t * kTileN + 8 * j + 2 * c4]);
+          zc2[t][j][1] = kMagic + float(zs[row + t * kTileN + 8 * j + 2 * c4 + 1]);
+        } else if constexpr (BITS == 8) {
           zf[t][j] = 8388608.f + float(zc);
           zlo[t][j] = (0x6400u + zc) * 0x00010001u;  // fp16 1024 + z
         } else if constexpr (std::is_same_v<T, bf16>) {
@@ -620,6 +630,11 @@ __global__ void __launch_bounds__(C::W * 32) qgemm_kernel(const QGemmParams p) {
   };
   // acc: result so far; tmp: this group's sum of x * (q - z), folded into acc with the group's scales
   float acc[MT][NT][2][4], tmp[MT][NT][2][4];
+  float xacc[MT][4];  // folding: this group's row sums of x (rows g4, g4 + 8 in elements 0 / 2)
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) xacc[mt][e] = 0.f;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -637,36 +652,47 @@ __global__ void __launch_bounds__(C::W * 32) qgemm_kernel(const QGemmParams p) {
         for (int j = 0; j < 2; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            acc[mt][t][j][e] = fmaf(tmp[mt][t][j][e], sc[t][j][e & 1], acc[mt][t][j][e]);
+            float v = tmp[mt][t][j][e];
+            if constexpr (kFold) v = fmaf(-zc2[t][j][e & 1], xacc[mt][e & 2], v);  // minus (magic + z) * sum(x) of the row
+            acc[mt][t][j][e] = fmaf(v, sc[t][j][e & 1], acc[mt][t][j][e]);
             tmp[mt][t][j][e] = 0.f;
           }
+    if constexpr (kFold)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) xacc[mt][e] = 0.f;
   };
   std::uint32_t sink = 0;  // diagnostics modes: keeps loads / decode alive
   if (kFull || C::MODE == QGemmMode::LoadDecode) load_group(g);
 
+  auto advance_group = [&]() {
+    if constexpr (kFull) flush();
+    ++g;
+    next_k = (g + 1) * p.group < p.K ? (g + 1) * p.group : 0x7fffffff;
+    load_group(g);
+  };
   // One chunk: 4 k-steps of 16; per k-step decode NT * 2 B fragments, load the A fragments, MT * NT * 2 mma.
-  auto compute = [&](const Chunk& ch, int c) {
-    if constexpr (C::MODE == QGemmMode::LoadOnly) {
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-#pragma unroll
-        for (int i = 0; i < LW; ++i) sink ^= ch.w[t][i];
-      return;
-    }
-    const int kl = c * kTileK;  // local k in xs
-    std::uint32_t a8[4];        // ROWS8 == 1: A of two k-steps (rows 0..7)
+  auto chunk_body = [&](const Chunk& ch, int kl, auto check_groups) {
+    std::uint32_t a8[4];  // ROWS8 == 1: A of two k-steps (rows 0..7)
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      if (kb + kl + ks * 16 >= next_k) {  // a group ends (k-steps never straddle groups: group % 16 == 0)
-        if constexpr (kFull) flush();
-        ++g;
-        next_k = (g + 1) * p.group < p.K ? (g + 1) * p.group : 0x7fffffff;
-        load_group(g);
+      if constexpr (decltype(check_groups)::value) {
+        if (ks > 0 && kb + kl + ks * 16 >= next_k) advance_group();  // k-steps never straddle groups: group % 16 == 0
       }
       std::uint32_t b[NT][2][2];
 #pragma unroll
       for (int t = 0; t < NT; ++t) {
-        if constexpr (BITS == 8) {
+        if constexpr (kFold) {
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              if constexpr (BITS == 8) b[t][j][r] = magic8_pair_f16(ch.w[t][2 * ks + j], r);
+              else if constexpr (BITS == 3) b[t][j][r] = magic3_pair<T>(ch.w[t][0], ch.w[t][1], ch.w[t][2], 4 * ks + 2 * j + r);
+              else b[t][j][r] = ((ch.w[t][ks] >> (4 * (2 * j + r))) & 0x000F000Fu) | (std::is_same_v<T, bf16> ? 0x43004300u : 0x64006400u);
+            }
+        } else if constexpr (BITS == 8) {
           decode_word8<T>(ch.w[t][2 * ks], ch.w[t][2 * ks + 1], zlo[t], zf[t], b[t]);
         } else if constexpr (BITS == 3) {
           decode_word3<T>(ch.w[t][0], ch.w[t][1], ch.w[t][2], ks, zlo[t], b[t]);
@@ -692,12 +718,31 @@ __global__ void __launch_bounds__(C::W * 32) qgemm_kernel(const QGemmParams p) {
           ldmatrix_x4(a[mt], xs + (mt * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * xstride + kl + ks * 16 + 8 * (lane >> 4));
       }
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
+      for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
         for (int t = 0; t < NT; ++t)
 #pragma unroll
           for (int j = 0; j < 2; ++j) mma16816<T>(tmp[mt][t][j], a[mt], b[t][j][0], b[t][j][1]);
+        if constexpr (kFold) {
+          constexpr std::uint32_t kOnes = std::is_same_v<T, bf16> ? 0x3F803F80u : 0x3C003C00u;
+          mma16816<T>(xacc[mt], a[mt], kOnes, kOnes);
+        }
+      }
     }
+  };
+  auto compute = [&](const Chunk& ch, int c) {
+    if constexpr (C::MODE == QGemmMode::LoadOnly) {
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int i = 0; i < LW; ++i) sink ^= ch.w[t][i];
+      return;
+    }
+    const int kl = c * kTileK;  // local k in xs
+    if (kb + kl >= next_k) advance_group();  // a group starting with this chunk (every group % 64 == 0 case)
+    // groups that end inside the chunk (group % 64 != 0) take the checked copy of the chunk body
+    if (kb + kl + kTileK > next_k) chunk_body(ch, kl, std::true_type{});
+    else chunk_body(ch, kl, std::false_type{});
   };
 
   // ---- main loop: no barriers; each warp keeps PF chunks of its own weights in flight ----
@@ -807,6 +852,7 @@ template <class C>
 std::string cfg_name() {
   std::string n = "r" + std::to_string(C::ROWS) + "w" + std::to_string(C::W) + "n" + std::to_string(C::NT) + "p" + std::to_string(C::PF);
   if (C::LOADER == QGemmLoader::CpAsync) n += "a";
+  if (C::ZFOLD) n += "z";
   if (C::MODE == QGemmMode::LoadOnly) n += "-load";
   if (C::MODE == QGemmMode::LoadDecode) n += "-decode";
   return n;
@@ -816,10 +862,15 @@ using TuningCfgs = CfgList<QGemmCfg<1, 4, 1, 8>, QGemmCfg<1, 4, 1, 4>, QGemmCfg<
                            QGemmCfg<1, 4, 1, 16, R::CpAsync>, QGemmCfg<1, 8, 1, 16, R::CpAsync>,  // 8 rows
                            QGemmCfg<2, 4, 1, 8>, QGemmCfg<2, 8, 1, 8>, QGemmCfg<2, 4, 2, 4>, QGemmCfg<2, 4, 1, 16, R::CpAsync>,  // 16 rows
                            QGemmCfg<4, 4, 1, 8>, QGemmCfg<4, 4, 2, 4>,                                // 32 rows
-                           QGemmCfg<8, 4, 1, 8>, QGemmCfg<8, 4, 2, 4>, QGemmCfg<8, 8, 1, 4>>;         // 64 rows
+                           QGemmCfg<8, 4, 1, 8>, QGemmCfg<8, 4, 2, 4>, QGemmCfg<8, 8, 1, 4>,          // 64 rows
+                           QGemmCfg<1, 4, 1, 8, R::Registers, true>, QGemmCfg<2, 4, 1, 8, R::Registers, true>,  // folded zero points
+                           QGemmCfg<2, 4, 2, 4, R::Registers, true>, QGemmCfg<4, 4, 1, 8, R::Registers, true>,
+                           QGemmCfg<8, 4, 2, 4, R::Registers, true>>;
 // Diagnostics: the same loads without the math, the loads and the decode without the mma.
-using DiagnosticCfgs = CfgList<QGemmCfg<1, 4, 1, 8, R::Registers, QGemmMode::LoadOnly>, QGemmCfg<1, 4, 1, 8, R::Registers, QGemmMode::LoadDecode>,
-                               QGemmCfg<1, 4, 1, 16, R::CpAsync, QGemmMode::LoadOnly>, QGemmCfg<2, 4, 1, 8, R::Registers, QGemmMode::LoadDecode>>;
+using M_ = QGemmMode;
+using DiagnosticCfgs = CfgList<QGemmCfg<1, 4, 1, 8, R::Registers, false, M_::LoadOnly>, QGemmCfg<1, 4, 1, 8, R::Registers, false, M_::LoadDecode>,
+                               QGemmCfg<1, 4, 1, 8, R::Registers, true, M_::LoadDecode>, QGemmCfg<1, 4, 1, 16, R::CpAsync, false, M_::LoadOnly>,
+                               QGemmCfg<2, 4, 1, 8, R::Registers, false, M_::LoadDecode>>;
 
 // The configurations the library dispatches to, by rows per launch (H200 figures: see bench/results/h200/gemm4.*).
 template <int BITS, int ROWS8>
