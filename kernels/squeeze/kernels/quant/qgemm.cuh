@@ -1,35 +1,33 @@
 #pragma once
-// Fused 4-bit / 8-bit weight GEMM on tensor cores: y [M, N] = x [M, K] (fp16 or bf16) * W^T, W [N, K].
+// Fused 3-, 4- and 8-bit weight GEMM on tensor cores: y [M, N] = x [M, K] (fp16 or bf16) * W^T, W [N, K].
+// At batch 1..8 (8 rows per block) it is the dequant-GEMV; larger batches use more rows per block.
 //
 // Weights live in a kernel layout ("tiles", built once at load by quant/tiles.hpp from the GPTQ
 // checkpoint layout) shaped for mma.sync.m16n8k16: one tile = 64 k x 16 n = 1024 codes, i.e. per lane
-// one (4-bit) or two (8-bit) 16-byte loads. The words of lane l hold exactly the codes that lane needs as
-// the B operand of the four k-steps ks for both n8 halves j of the tile (tile_coord):
+// one (4-bit) or two (8-bit) 16-byte loads, or three 4-byte loads (3-bit). The words of lane l hold
+// exactly the codes that lane needs as the B operand of the four k-steps ks for both n8 halves j:
 //   4-bit: word ks, nibble p:      k = 16 ks + 2 (l % 4) + (p >> 2) + 8 (p & 1),  n = 8 ((p >> 1) & 1) + l / 4
 //   8-bit: word 2 ks + j, byte b:  k = 16 ks + 2 (l % 4) + (b & 1) + 8 (b >> 1),  n = 8 j + l / 4
+//   3-bit: see tile3_coord / tile3_bit (pairs of codes 16 bits apart, so one shift + mask decodes two)
 // so nibbles (p, p + 4) / bytes (2r, 2r + 1) are the two 16-bit halves of one B register, and a
 // magic-number decode ((w & mask) | exponent bits) turns two codes into one half2/bfloat162 with one LOP3.
-// Tiles are stored k-chunk-major ([Kpad/64][Npad/16] tiles): at any moment the warps of the grid read
-// neighbouring tiles, so DRAM sees dense address ranges rather than one stream per warp at a large
-// power-of-two stride. K is padded to a
-// multiple of 64 and N to a multiple of 16 with code 0; padded k rows meet zero activations (x is
-// staged with zero fill) and padded n columns are never stored, so padding never reaches the result.
+// Tiles are stored k-chunk-major ([Kpad/64][Npad/16] tiles): the warps of a block read neighbouring
+// tiles. K is padded to a multiple of 64 and N to a multiple of 16 with code 0; padded k rows meet zero
+// activations (x is staged with zero fill) and padded n columns are never stored.
 //
 // Groups: zero points (uint8 [groups, Npad]) and fp16 scales ([groups, Npad]) per `group` consecutive
 // k (group % 16 == 0; per-channel = one group of Kpad). The mma multiplies x by the exact small
-// integers (q - z) into fp32 accumulators kept in units of the current group's scale: when the group
-// changes they are multiplied by s_old / s_new, and by the last scale at the end. So fp16 and bf16
-// activations get fp32-accurate products (w is never rounded) with one accumulator set per warp.
-// Scales must be nonzero (tiles.hpp maps a zero-scale group to codes == zero with scale 1).
-// Act-order checkpoints are handled at load: k rows are sorted by group, x is gathered by `perm`.
+// integers (q - z) (or, with ZFOLD, by magic + q, corrected once per group) into an fp32 group sum that
+// is multiplied by the group's scale and added to the result: fp16 and bf16 activations get
+// fp32-accurate products (w is never rounded). Act-order checkpoints are handled at load: k rows are
+// sorted by group, x is gathered by `perm`.
 //
-// Work split: a block = 4 warps = 64 output columns x all M rows (up to 128 per launch, 16-row mma
-// tiles). Per-chunk compute is short, so loads run far ahead: x goes through a STAGES-deep cp.async
-// ring in shared memory (64 k per stage, read with ldmatrix) and each warp keeps PF chunks of its own
-// column of weight tiles in flight in registers. grid.y splits K so the grid fills the GPU in one wave;
-// each split writes fp32 partials and the last block of a column strip (found with a counter) reduces
-// them and writes y, then resets its counter to 0, so one launch does everything and the counters stay
-// zero between launches.
+// Work split (plan_qgemm): a block = W warps, each owning NT 16-column tiles, times `rows` x rows, times
+// one K range of cps 64-k chunks. The block stages its whole x slice and its group table in shared
+// memory once (one barrier), then every warp streams its own tiles with PF chunks in flight and no
+// further barrier. K ranges (splits) write fp32 partials; the last block of a (strip, z) to finish
+// (a counter per (strip, z)) sums them in split order (deterministic), writes y and resets the counter,
+// so one launch does everything and the counters stay zero between launches.
 #include <algorithm>
 #include <bit>
 #include <cstdint>
