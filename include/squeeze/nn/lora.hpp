@@ -16,7 +16,8 @@
 //   prepare_lora<S>(model, device)   to device + compute type, apply_lora<S>, parameters for the optimizer
 //   LoraTrainer<S>        prepare_lora + AdamW over the adapters, S's accumulation, clipping
 //   forward_linear(parent, "q", x)   the child registered as "q", whatever it now is (for modules that
-//                         keep typed members: replace_module cannot re-point a member, see apply_lora)
+//                         keep typed members: replace_module cannot re-point a member, see apply_lora);
+//                         modules implementing nn::LinearForward plug in too
 //   merge_lora(model)     folds scaling * B A into each adapter's base, back to a dense torch::nn::Linear (export)
 // CUDA: NF4 dequantisation on the GPU needs this header in a .cu translation unit (nvcc); elsewhere CUDA
 // inputs with an NF4 base get a clear error. Dense bases run on any device.
@@ -435,17 +436,25 @@ std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model) {
   return adapted;
 }
 
+// Any other module that stands in for a linear layer under forward_linear (e.g. examples/llama_gptq's
+// Hessian-capturing layer and its nn::QuantizedLinear holder): implement this next to torch::nn::Module.
+struct LinearForward {
+  virtual ~LinearForward() = default;
+  virtual torch::Tensor forward_linear(const torch::Tensor& x) = 0;  // [..., in] -> [..., out]
+};
+
 // y = child `name` of parent applied to x, whatever module apply_lora/merge_lora left there.
 inline torch::Tensor forward_linear(torch::nn::Module& parent, const std::string& name, const torch::Tensor& x) {
   const auto children = parent.named_children();
   const auto* found = children.find(name);
   TORCH_CHECK(found != nullptr, "forward_linear: no child named '", name, "'");
   const std::shared_ptr<torch::nn::Module>& m = *found;
+  if (auto l = std::dynamic_pointer_cast<LinearForward>(m)) return l->forward_linear(x);
   if (auto l = std::dynamic_pointer_cast<LoRALinearImpl>(m)) return l->forward(x);
   if (auto l = std::dynamic_pointer_cast<Nf4LinearImpl>(m)) return l->forward(x);
   if (auto l = std::dynamic_pointer_cast<ShardedLinearImpl>(m)) return l->forward(x);
   if (auto l = std::dynamic_pointer_cast<torch::nn::LinearImpl>(m)) return l->forward(x);
-  TORCH_CHECK(false, "forward_linear: child '", name, "' is not a Linear, ShardedLinear or LoRALinear");
+  TORCH_CHECK(false, "forward_linear: child '", name, "' is not a Linear, ShardedLinear, LoRALinear or LinearForward");
   return {};
 }
 
