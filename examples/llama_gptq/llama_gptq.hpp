@@ -1,0 +1,452 @@
+#pragma once
+// Post-training weight quantization of the LLaMA example's model (include/squeeze/nn/llama.hpp): RTN and
+// GPTQ of the seven linears of every block (q, k, v, o, gate, up, down; the embedding, the norms and the LM
+// head stay dense, as in the GPTQ paper), perplexity with the packed weights, and packed checkpoints.
+//
+//   quantize(model, spec, calibration)  RTN: each weight on its own. GPTQ: block by block; the block's input
+//       on the calibration windows is kept, each true-sequential step ([q k v], [o], [gate up], [down]) runs
+//       the block once to collect its layers' Hessians (nn::HessianCapture through CaptureLinear), solves
+//       them with nn::gptq_quantize and writes the dequantized result back, so later steps and blocks see
+//       the outputs of the quantized layers. Each layer also reports its output error on the calibration
+//       inputs, tr(D H D^T) / tr(W H W^T) with D = W_hat - W, for GPTQ and for RTN on the same Hessian.
+//   use_packed(model, layers)  swaps every block linear for an nn::QuantizedLinear built from its packed
+//       form: the perplexity is computed with the packed weights actually used in the forward (CPU: the
+//       layer's dequantized weights in float; CUDA, from an nvcc translation unit: its GEMM/GEMV kernels).
+//   save_packed / load_packed  the AutoGPTQ v1 layout (quant::save_quantized: model.safetensors +
+//       quantize_config.json) plus the dense tensors in float and a config.json with the geometry.
+#include <squeeze/nn/gptq.hpp>
+#include <squeeze/nn/llama.hpp>
+#include <squeeze/nn/lora.hpp>
+#include <squeeze/nn/quantized_linear.hpp>
+#include <squeeze/quant/checkpoint.hpp>
+#include <squeeze/quant/rtn.hpp>
+
+#include <torch/torch.h>
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace squeeze::llama_gptq {
+
+using nn::Llama;
+using nn::LlamaConfig;
+
+// ---- the layers --------------------------------------------------------------------------------------
+// Child paths inside a block, in true-sequential steps (layers of one step share their input).
+inline const std::vector<std::vector<std::string>>& block_steps() {
+  static const std::vector<std::vector<std::string>> steps = {{"attn.q", "attn.k", "attn.v"}, {"attn.o"}, {"mlp.gate", "mlp.up"}, {"mlp.down"}};
+  return steps;
+}
+inline std::vector<std::string> block_linears() {
+  std::vector<std::string> out;
+  for (const auto& s : block_steps()) out.insert(out.end(), s.begin(), s.end());
+  return out;
+}
+// "block3.mlp.down": the name of the layer in checkpoints (its weight is "block3.mlp.down.weight").
+inline std::string layer_name(int64_t block, const std::string& path) { return "block" + std::to_string(block) + "." + path; }
+
+// The module that holds a block linear as a child, and the child's name ("attn.q" -> (attn, "q")).
+inline std::pair<torch::nn::Module*, std::string> parent_of(Llama& model, int64_t block, const std::string& path) {
+  const auto dot = path.find('.');
+  const std::string sub = path.substr(0, dot), child = path.substr(dot + 1);
+  auto& b = model->blocks.at(size_t(block));
+  torch::nn::Module* parent = sub == "attn" ? static_cast<torch::nn::Module*>(b->attn.get()) : static_cast<torch::nn::Module*>(b->mlp.get());
+  return {parent, child};
+}
+
+// The dense weight [out, in] of a block linear as it is now (ShardedLinear, Linear or CaptureLinear).
+torch::Tensor dense_weight(Llama& model, int64_t block, const std::string& path);
+
+// A dense linear that feeds its inputs to the active nn::HessianCapture (nn::observe), for calibration.
+class CaptureLinearImpl : public torch::nn::Module, public nn::LinearForward {
+ public:
+  explicit CaptureLinearImpl(const torch::Tensor& weight /*[out, in]*/) {
+    linear = register_module("linear", torch::nn::Linear(torch::nn::LinearOptions(weight.size(1), weight.size(0)).bias(false)));
+    torch::NoGradGuard ng;
+    linear->weight.set_data(weight.detach().clone());
+  }
+  torch::Tensor forward_linear(const torch::Tensor& x) override { return nn::observe(linear, x); }
+  torch::nn::Linear linear{nullptr};
+};
+TORCH_MODULE(CaptureLinear);
+
+// A packed layer in the model: forward is nn::QuantizedLinear's (its CPU or CUDA kernels).
+class PackedLinearImpl : public torch::nn::Module, public nn::LinearForward {
+ public:
+  explicit PackedLinearImpl(const quant::PackedLinear& p) { linear = register_module("linear", nn::QuantizedLinear(p)); }
+  torch::Tensor forward_linear(const torch::Tensor& x) override { return linear(x); }
+  nn::QuantizedLinear linear{nullptr};
+};
+TORCH_MODULE(PackedLinear);
+
+inline torch::Tensor dense_weight(Llama& model, int64_t block, const std::string& path) {
+  auto [parent, child] = parent_of(model, block, path);
+  const auto m = parent->named_children()[child];
+  if (auto l = std::dynamic_pointer_cast<nn::ShardedLinearImpl>(m)) {
+    TORCH_CHECK(!l->with_bias, "llama_gptq: ", layer_name(block, path), " has a bias; the LLaMA block linears have none");
+    return l->weight;
+  }
+  if (auto l = std::dynamic_pointer_cast<CaptureLinearImpl>(m)) return l->linear->weight;
+  TORCH_CHECK(false, "llama_gptq: ", layer_name(block, path), " is already packed (use a fresh copy of the dense model)");
+  return {};
+}
+
+// ---- what to do ----------------------------------------------------------------------------------------
+enum class Method { RTN, GPTQ };
+inline const char* method_name(Method m) { return m == Method::RTN ? "rtn" : "gptq"; }
+
+struct QuantSpec {
+  Method method = Method::GPTQ;
+  int bits = 4;
+  int group_size = 128;     // 0: one group per output channel (-1 in files and on the command line)
+  bool sym = false;         // asymmetric min-max grid, as in the GPTQ paper's experiments
+  bool act_order = false;   // GPTQ only
+  double percdamp = 0.01;   // GPTQ only
+  std::string tag() const {
+    return std::string(method_name(method)) + "-w" + std::to_string(bits) + "-" + (group_size > 0 ? "g" + std::to_string(group_size) : "channel") +
+           (act_order && method == Method::GPTQ ? "-actorder" : "");
+  }
+  void validate() const {
+    TORCH_CHECK(quant::supported_bits(bits), "unsupported bit width ", bits, ": GPTQ/RTN checkpoints hold 2, 3, 4 or 8 bits");
+    TORCH_CHECK(group_size >= 0, "group size must be positive, or -1 / 'channel' for one group per output channel; got ", group_size);
+    TORCH_CHECK(percdamp >= 0, "percdamp must be >= 0");
+  }
+};
+
+struct LayerReport {
+  std::string name;
+  int64_t out = 0, in = 0;
+  double error = NAN;      // tr(D H D^T) / tr(W H W^T) of the chosen method (NaN for RTN without calibration)
+  double rtn_error = NAN;  // the same for RTN on the same Hessian (GPTQ runs only)
+  double seconds = 0;
+  double damp = 0;
+};
+
+struct QuantizeResult {
+  std::map<std::string, quant::PackedLinear> layers;
+  std::vector<LayerReport> reports;  // in quantization order
+  double seconds = 0;                // wall time of the whole quantization (calibration forwards included)
+  int64_t packed_bytes() const {     // qweight + qzeros + fp16 scales + g_idx (+ bias) of the quantized linears
+    int64_t b = 0;
+    for (const auto& [_, p] : layers)
+      b += int64_t(p.qweight.size() * 4 + p.qzeros.size() * 4 + p.scales.size() * 2 + p.g_idx.size() * 4 + p.bias.size() * 2);
+    return b;
+  }
+  int64_t dense_fp16_bytes() const {  // the same layers in fp16
+    int64_t b = 0;
+    for (const auto& [_, p] : layers) b += p.in * p.out * 2;
+    return b;
+  }
+};
+
+// Progress lines: one call per event; `\r`-updated on a terminal, every line otherwise.
+using ProgressFn = std::function<void(const std::string&)>;
+
+// ---- calibration ---------------------------------------------------------------------------------------
+// Calibration windows [n, T] int64, split into chunks of at most `chunk` sequences for the forwards.
+struct Calibration {
+  std::vector<torch::Tensor> ids;  // each [b, T] int64 on the model's device
+  int64_t tokens() const {
+    int64_t n = 0;
+    for (const auto& t : ids) n += t.numel();
+    return n;
+  }
+};
+
+inline Calibration make_calibration(const torch::Tensor& windows /*[n, T]*/, int64_t chunk, torch::Device device) {
+  TORCH_CHECK(windows.dim() == 2 && windows.size(0) > 0, "calibration windows must be [n, T] with n > 0");
+  Calibration c;
+  for (int64_t i = 0; i < windows.size(0); i += chunk) c.ids.push_back(windows.narrow(0, i, std::min(chunk, windows.size(0) - i)).to(device));
+  return c;
+}
+
+namespace detail {
+// tr(D H D^T) / tr(W H W^T): the layer's output error on the calibration inputs, relative to its output.
+inline double relative_output_error(const torch::Tensor& W, const torch::Tensor& What, const torch::Tensor& H) {
+  const auto w = W.to(torch::kFloat64), h = H.to(torch::kFloat64), d = What.to(torch::kFloat64) - w;
+  const double num = (d.matmul(h) * d).sum().item<double>(), den = (w.matmul(h) * w).sum().item<double>();
+  return den > 0 ? num / den : num;
+}
+
+inline quant::PackedLinear rtn_pack(const torch::Tensor& W, const QuantSpec& s) {
+  const auto w = W.detach().to(torch::kCPU, torch::kFloat32).contiguous();
+  return quant::rtn_quantize({w.data_ptr<float>(), size_t(w.numel())}, w.size(0), w.size(1),
+                             {.bits = s.bits, .group_size = s.group_size, .sym = s.sym});
+}
+
+inline torch::Tensor dequantized(const quant::PackedLinear& p, torch::Device device) {
+  const auto d = quant::dequantize(p);
+  return torch::from_blob(const_cast<float*>(d.data()), {p.out, p.in}, torch::kFloat32).clone().to(device);
+}
+}  // namespace detail
+
+// Quantizes the block linears of `model` (dense, float, left with the dequantized weights in place: a
+// CaptureLinear per layer). GPTQ needs `calib`; RTN ignores it.
+inline QuantizeResult quantize(Llama& model, const QuantSpec& spec, const Calibration& calib, const ProgressFn& progress = {}) {
+  spec.validate();
+  TORCH_CHECK(spec.method == Method::RTN || !calib.ids.empty(), "GPTQ needs calibration data (--calib-tokens > 0)");
+  torch::NoGradGuard ng;
+  model->eval();
+  const auto t_start = std::chrono::steady_clock::now();
+  const auto seconds_since = [](auto t0) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+  const int64_t L = model->config.layers;
+  const auto device = model->parameters().front().device();
+  QuantizeResult res;
+  const std::string tag = spec.tag();
+  char line[320];
+
+  // Every block linear becomes a CaptureLinear with the same weights (forward_linear reaches it by name).
+  std::map<std::string, CaptureLinear> layers;
+  for (int64_t b = 0; b < L; ++b)
+    for (const auto& path : block_linears()) {
+      auto [parent, child] = parent_of(model, b, path);
+      CaptureLinear cl(dense_weight(model, b, path).to(torch::kFloat32));
+      parent->replace_module(child, cl);
+      layers.emplace(layer_name(b, path), cl);
+    }
+
+  if (spec.method == Method::RTN) {
+    for (int64_t b = 0; b < L; ++b)
+      for (const auto& path : block_linears()) {
+        const auto t0 = std::chrono::steady_clock::now();
+        const std::string name = layer_name(b, path);
+        auto& w = layers.at(name)->linear->weight;
+        auto p = detail::rtn_pack(w, spec);
+        w.copy_(detail::dequantized(p, w.device()));
+        res.reports.push_back({name, p.out, p.in, NAN, NAN, seconds_since(t0), 0});
+        res.layers.emplace(name, std::move(p));
+        if (progress) {
+          std::snprintf(line, sizeof line, "[%s] block %lld/%lld  %-18s %5lldx%-5lld", tag.c_str(), (long long)(b + 1), (long long)L,
+                        name.c_str(), (long long)res.reports.back().out, (long long)res.reports.back().in);
+          progress(line);
+        }
+      }
+    res.seconds = seconds_since(t_start);
+    return res;
+  }
+
+  nn::GptqOptions opt;
+  opt.bits = spec.bits;
+  opt.group_size = spec.group_size;
+  opt.sym = spec.sym;
+  opt.act_order = spec.act_order;
+  opt.percdamp = spec.percdamp;
+
+  // The input of block 0 on every calibration chunk, then block by block: [b, T, h] float each.
+  const int64_t T = calib.ids.front().size(1);
+  const auto [cos, sin] = nn::rope_tables(T, model->config.head_dim(), model->config.rope_theta, device);
+  std::vector<torch::Tensor> x;
+  for (const auto& ids : calib.ids) x.push_back(model->embed(ids));
+
+  const int64_t total = L * int64_t(block_linears().size());
+  for (int64_t b = 0; b < L; ++b) {
+    auto& block = model->blocks[size_t(b)];
+    for (const auto& step : block_steps()) {
+      std::vector<nn::NamedLinear> named;
+      for (const auto& path : step) named.emplace_back(layer_name(b, path), layers.at(layer_name(b, path))->linear);
+      nn::HessianCapture capture(named);
+      for (const auto& xi : x) (void)block->forward(xi, cos, sin);  // the layers of this step see quantized predecessors
+      for (const auto& [name, lin] : named) {
+        const auto t0 = std::chrono::steady_clock::now();
+        const auto& h = capture.at(name);
+        TORCH_CHECK(h.samples() > 0, "llama_gptq: ", name, " saw no calibration input");
+        const torch::Tensor W = lin->weight.detach().clone();  // [out, in] float
+        const nn::GptqResult r = nn::gptq_quantize(W, h.matrix(), opt);
+        lin->weight.copy_(r.dequantized);
+        auto p = r.pack();
+        LayerReport rep{name, W.size(0), W.size(1), 0, 0, 0, r.damp_fraction};
+        rep.error = detail::relative_output_error(W, r.dequantized, h.matrix());
+        rep.rtn_error = detail::relative_output_error(W, detail::dequantized(detail::rtn_pack(W, spec), W.device()), h.matrix());
+        rep.seconds = seconds_since(t0);
+        res.reports.push_back(rep);
+        res.layers.emplace(name, std::move(p));
+        if (progress) {
+          std::snprintf(line, sizeof line, "[%s] layer %3zu/%lld  %-18s %5lldx%-5lld  output error %.3e (rtn %.3e)  %.2fs", tag.c_str(),
+                        res.reports.size(), (long long)total, name.c_str(), (long long)rep.out, (long long)rep.in, rep.error, rep.rtn_error,
+                        rep.seconds);
+          progress(line);
+        }
+      }
+    }
+    for (auto& xi : x) xi = block->forward(xi, cos, sin);  // the next block's input, through this quantized block
+  }
+  res.seconds = seconds_since(t_start);
+  return res;
+}
+
+// Replaces every block linear by an nn::QuantizedLinear of its packed form (on the model's device). Convert
+// the model to its evaluation dtype first: the packed buffers keep their own types.
+inline void use_packed(Llama& model, const std::map<std::string, quant::PackedLinear>& layers) {
+  const auto device = model->parameters().front().device();
+  for (int64_t b = 0; b < model->config.layers; ++b)
+    for (const auto& path : block_linears()) {
+      const std::string name = layer_name(b, path);
+      const auto it = layers.find(name);
+      TORCH_CHECK(it != layers.end(), "packed weights: no layer '", name, "'");
+      auto [parent, child] = parent_of(model, b, path);
+      PackedLinear pl(it->second);
+      pl->to(device);
+      parent->replace_module(child, pl);
+    }
+}
+
+// ---- evaluation ----------------------------------------------------------------------------------------
+struct Eval {
+  double loss = NAN;  // mean next-token cross-entropy (nats per byte)
+  double kl = NAN;    // with a reference model: mean KL(reference || model) of the next-token distributions
+  double ppl() const { return std::exp(loss); }
+  int64_t tokens = 0;
+  double seconds = 0;
+};
+
+// Validation loss of `model` on (x, y) batches; with `reference` (e.g. the dense model) also how far its
+// predictions moved: a low-noise measure of quantization damage where the loss change is tiny.
+inline Eval evaluate(Llama& model, const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches, const ProgressFn& progress = {},
+                     const std::string& what = "eval", Llama* reference = nullptr) {
+  TORCH_CHECK(!batches.empty(), "evaluation: no validation batches");
+  torch::NoGradGuard ng;
+  model->eval();
+  if (reference) (*reference)->eval();
+  const auto t0 = std::chrono::steady_clock::now();
+  Eval e;
+  double sum = 0, kl = 0;
+  for (size_t i = 0; i < batches.size(); ++i) {
+    const auto& [x, y] = batches[i];
+    const torch::Tensor logp = torch::log_softmax(model->forward(x).to(torch::kFloat32), -1);  // [B, T, V]
+    sum += torch::nll_loss(logp.reshape({-1, logp.size(-1)}), y.reshape({-1})).item<double>();
+    if (reference) {
+      const torch::Tensor ref = torch::log_softmax((*reference)->forward(x).to(torch::kFloat32), -1);  // [B, T, V]
+      kl += (ref.exp() * (ref - logp)).sum(-1).mean().item<double>();
+    }
+    e.tokens += y.numel();
+    if (progress) {
+      char line[160];
+      const int width = 24, filled = int(double(i + 1) / double(batches.size()) * width);
+      std::snprintf(line, sizeof line, "[%s] batch %zu/%zu [%s%s] loss %.4f", what.c_str(), i + 1, batches.size(), std::string(filled, '#').c_str(),
+                    std::string(width - filled, '.').c_str(), sum / double(i + 1));
+      progress(line);
+    }
+  }
+  e.loss = sum / double(batches.size());
+  if (reference) e.kl = kl / double(batches.size());
+  e.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return e;
+}
+
+// ---- packed checkpoints --------------------------------------------------------------------------------
+inline constexpr const char* kConfigFormat = "squeeze-llama-gptq-1";
+
+// The dense (unquantized) tensors: embedding, norms, head.
+inline bool is_dense_tensor(const std::string& name) {
+  return name == "embed.weight" || name == "head.weight" || name.ends_with("norm.weight");
+}
+
+inline void save_packed(const std::filesystem::path& dir, Llama& model, const std::map<std::string, quant::PackedLinear>& layers,
+                        const QuantSpec& spec) {
+  spec.validate();
+  std::vector<std::pair<std::string, torch::Tensor>> keep;  // owns the float copies while they are written
+  std::map<std::string, io::TensorRef> extra;
+  for (const auto& p : model->named_parameters()) {
+    if (!is_dense_tensor(p.key())) continue;
+    keep.emplace_back(p.key(), p.value().detach().to(torch::kCPU, torch::kFloat32).contiguous());
+    const auto& t = keep.back().second;
+    extra[p.key()] = io::tensor_ref<float>(io::DType::F32, t.sizes().vec(), {t.data_ptr<float>(), size_t(t.numel())});
+  }
+  quant::QuantizeConfig qc;
+  qc.bits = spec.bits;
+  qc.group_size = spec.group_size;
+  qc.sym = spec.sym;
+  qc.desc_act = spec.method == Method::GPTQ && spec.act_order;
+  qc.damp_percent = spec.percdamp;
+  qc.true_sequential = true;
+  quant::save_quantized(dir, layers, qc, extra);
+  const LlamaConfig& c = model->config;
+  const nlohmann::json j = {{"format", kConfigFormat}, {"preset", c.name},        {"method", method_name(spec.method)},
+                            {"vocab", c.vocab},        {"hidden", c.hidden},      {"layers", c.layers},
+                            {"heads", c.heads},        {"kv_heads", c.kv_heads},  {"ffn", c.ffn},
+                            {"rope_theta", c.rope_theta}, {"norm_eps", c.norm_eps}};
+  const auto path = dir / "config.json", tmp = dir / "config.json.tmp";
+  {
+    std::ofstream f(tmp);
+    TORCH_CHECK(bool(f), "cannot write ", tmp.string());
+    f << j.dump(2) << "\n";
+    f.flush();
+    TORCH_CHECK(bool(f), "write to ", tmp.string(), " failed");
+  }
+  std::filesystem::rename(tmp, path);
+}
+
+struct LoadedModel {
+  Llama model{nullptr};
+  QuantSpec spec;
+  std::map<std::string, quant::PackedLinear> layers;
+};
+
+// Reads a directory written by save_packed; the model is on `device` in `dtype` with QuantizedLinear layers.
+inline LoadedModel load_packed(const std::filesystem::path& dir, torch::Device device, torch::ScalarType dtype) {
+  TORCH_CHECK(std::filesystem::is_directory(dir), "quantized checkpoint '", dir.string(), "' is not a directory");
+  std::ifstream f(dir / "config.json");
+  TORCH_CHECK(bool(f), "quantized checkpoint '", dir.string(), "' has no config.json (written by llama_gptq --save)");
+  const auto j = nlohmann::json::parse(f, nullptr, false);
+  TORCH_CHECK(!j.is_discarded() && j.is_object() && j.value("format", "") == kConfigFormat, "'", (dir / "config.json").string(),
+              "' is not a llama_gptq model config (format tag missing or of another version)");
+  LlamaConfig c;
+  try {
+    c.name = j.at("preset").get<std::string>();
+    c.vocab = j.at("vocab").get<int64_t>(), c.hidden = j.at("hidden").get<int64_t>(), c.layers = j.at("layers").get<int64_t>();
+    c.heads = j.at("heads").get<int64_t>(), c.kv_heads = j.at("kv_heads").get<int64_t>(), c.ffn = j.at("ffn").get<int64_t>();
+    c.rope_theta = j.at("rope_theta").get<double>(), c.norm_eps = j.at("norm_eps").get<double>();
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, "'", (dir / "config.json").string(), "': ", e.what());
+  }
+  c.validate();
+
+  quant::QuantizedCheckpoint ck = quant::load_quantized(dir);  // checks every layer's tensors against quantize_config.json
+  LoadedModel out;
+  out.spec.method = j.value("method", "gptq") == "rtn" ? Method::RTN : Method::GPTQ;
+  out.spec.bits = ck.config.bits;
+  out.spec.group_size = ck.config.group_size;
+  out.spec.sym = ck.config.sym;
+  out.spec.act_order = ck.config.desc_act;
+  out.spec.percdamp = ck.config.damp_percent;
+
+  Llama model(c);
+  torch::NoGradGuard ng;
+  for (auto& p : model->named_parameters()) {
+    if (!is_dense_tensor(p.key())) continue;
+    TORCH_CHECK(ck.file.contains(p.key()), "quantized checkpoint '", dir.string(), "' has no tensor '", p.key(), "'");
+    const auto& info = ck.file.info(p.key());
+    TORCH_CHECK(info.shape == p.value().sizes().vec(), "quantized checkpoint '", dir.string(), "': ", p.key(), " is ",
+                c10::IntArrayRef(info.shape), ", the model (config.json) expects ", p.value().sizes());
+    const auto v = ck.file.read<float>(p.key(), io::DType::F32);
+    p.value().copy_(torch::from_blob(const_cast<float*>(v.data()), p.value().sizes(), torch::kFloat32));
+  }
+  for (int64_t b = 0; b < c.layers; ++b)
+    for (const auto& path : block_linears()) {
+      const std::string name = layer_name(b, path);
+      const auto it = ck.layers.find(name);
+      TORCH_CHECK(it != ck.layers.end(), "quantized checkpoint '", dir.string(), "' has no packed layer '", name, "'");
+      const auto want = dense_weight(model, b, path).sizes();
+      TORCH_CHECK(it->second.out == want[0] && it->second.in == want[1], "quantized checkpoint '", dir.string(), "': ", name, " is ",
+                  it->second.out, "x", it->second.in, ", the model (config.json) expects ", want);
+    }
+  TORCH_CHECK(int64_t(ck.layers.size()) == c.layers * int64_t(block_linears().size()), "quantized checkpoint '", dir.string(), "' holds ",
+              ck.layers.size(), " packed layers, the model has ", c.layers * int64_t(block_linears().size()));
+  model->to(device, dtype);
+  use_packed(model, ck.layers);
+  out.model = model;
+  out.layers = std::move(ck.layers);
+  return out;
+}
+
+}  // namespace squeeze::llama_gptq

@@ -1,0 +1,391 @@
+// Quantize a LLaMA trained by the LLaMA example (llama_train) with RTN and GPTQ, and report validation
+// perplexity on the King James Bible for the dense model and every method x bits x group.
+//
+//   llama_gptq --preset tiny --checkpoint kjv.pt --bits 4,3 --group 128,channel --out results/tiny
+//   llama_gptq --preset tiny --train-steps 600 --bits 4,3 --group 128,channel --save packed/
+//   llama_gptq --load-quantized packed/gptq-w4-g128          (evaluate a saved packed checkpoint)
+//
+// Calibration windows come from the training split, perplexity (per byte) from the whole validation split
+// in consecutive windows (examples/llama/data.hpp: the same split llama_train uses). The quantized model's
+// perplexity is computed with nn::QuantizedLinear layers in the forward, built from the packed weights.
+#include <CLI/CLI.hpp>
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <optional>
+#include <sstream>
+
+#include "data.hpp"
+#include "llama_gptq.hpp"
+#include "trainer.hpp"
+
+using namespace squeeze;
+namespace lg = squeeze::llama_gptq;
+
+namespace {
+
+struct Options {
+  std::string preset = "tiny", device = "cpu", dtype = "auto", checkpoint, corpus, save, load_quantized, out, strategy = "fp32", train_save;
+  std::vector<int> bits{4, 3};
+  std::vector<std::string> groups{"128", "channel"}, methods{"rtn", "gptq"};
+  int64_t train_steps = 0, train_batch = 16, seq = 128, calib_tokens = 32768, calib_batch = 16, eval_tokens = 0, eval_batch = 16, threads = 0;
+  double lr = 3e-3, percdamp = 0.01, val_fraction = 0.05;
+  bool act_order = false, sym = false, kl = false, quiet = false, preset_given = false;
+  uint64_t seed = 1337;
+  std::string command;
+};
+
+// ---- progress -----------------------------------------------------------------------------------------
+// On a terminal every update overwrites one status line; in a log, layer lines are kept and evaluation
+// batches are printed at every quarter.
+class Progress {
+ public:
+  explicit Progress(bool quiet) : quiet_(quiet), tty_(isatty(fileno(stderr))) {}
+  void status(const std::string& s, bool keep_in_log = true) {
+    if (quiet_) return;
+    if (tty_) std::cerr << "\r\033[K" << s << std::flush;
+    else if (keep_in_log) std::cerr << s << "\n";
+  }
+  void message(const std::string& s) { std::cerr << (tty_ && !quiet_ ? "\r\033[K" : "") << s << "\n"; }
+  lg::ProgressFn layers() {
+    return [this](const std::string& s) { status(s); };
+  }
+  lg::ProgressFn eval(size_t batches) {
+    return [this, batches, n = size_t(0)](const std::string& s) mutable {
+      ++n;
+      status(s, n == batches || (batches >= 4 && n % (batches / 4) == 0));
+    };
+  }
+
+ private:
+  bool quiet_, tty_;
+};
+
+// ---- results ------------------------------------------------------------------------------------------
+struct Row {
+  std::string method;  // fp32 / fp16 / bf16 (reference), rtn, gptq
+  int bits = 16, group = 0;
+  bool act_order = false, sym = false;
+  lg::Eval eval;
+  double ratio = 1, quantize_s = 0, gptq_error = NAN, rtn_error = NAN, reloaded_ppl = NAN;
+  int64_t packed_bytes = 0, dense_bytes = 0;
+};
+
+class Results {
+ public:
+  Results(const Options& o, std::string preset, int64_t params, int64_t calib_tokens, std::string eval_dtype)
+      : o_(o), preset_(std::move(preset)), params_(params), calib_tokens_(calib_tokens), eval_dtype_(std::move(eval_dtype)) {
+    if (o.out.empty()) return;
+    const std::filesystem::path stem(o.out);
+    if (stem.has_parent_path()) std::filesystem::create_directories(stem.parent_path());
+    jsonl_.open(o.out + ".jsonl");
+    csv_.open(o.out + ".csv");
+    if (!jsonl_ || !csv_) throw std::runtime_error("--out: cannot write " + o.out + ".jsonl / .csv");
+    csv_ << "method,bits,group,act_order,sym,ppl,ppl_ratio,val_loss,kl_to_reference,quantize_s,packed_bytes,dense_fp16_bytes,gptq_layer_error,rtn_layer_error,reloaded_ppl\n";
+  }
+
+  void add(const Row& r) {
+    rows_.push_back(r);
+    if (!jsonl_.is_open()) return;
+    auto num = [](double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr); };
+    const char* commit = std::getenv("SQUEEZE_COMMIT");
+    const nlohmann::json j = {{"example", "llama_gptq"}, {"preset", preset_}, {"params", params_}, {"device", o_.device},
+                              {"dtype", eval_dtype_}, {"eval_weights", r.bits < 16 ? "QuantizedLinear" : "dense"},
+                              {"method", r.method}, {"bits", r.bits}, {"group", r.bits < 16 ? (r.group > 0 ? r.group : -1) : 0},
+                              {"act_order", r.act_order}, {"sym", r.sym}, {"ppl", num(r.eval.ppl())}, {"ppl_ratio", num(r.ratio)},
+                              {"val_loss", num(r.eval.loss)}, {"eval_tokens", r.eval.tokens}, {"calib_tokens", r.bits < 16 ? calib_tokens_ : 0},
+                              {"quantize_s", r.quantize_s}, {"packed_bytes", r.packed_bytes}, {"dense_fp16_bytes", r.dense_bytes},
+                              {"gptq_layer_error", num(r.gptq_error)}, {"rtn_layer_error", num(r.rtn_error)},
+                              {"kl_to_reference", num(r.eval.kl)}, {"reloaded_ppl", num(r.reloaded_ppl)}, {"seq", o_.seq}, {"seed", o_.seed},
+                              {"commit", commit ? commit : ""}, {"command", o_.command}};
+    jsonl_ << j.dump() << "\n" << std::flush;
+    char line[512];
+    std::snprintf(line, sizeof line, "%s,%d,%d,%d,%d,%.6f,%.6f,%.6f,%.6g,%.3f,%lld,%lld,%.6g,%.6g,%.6f\n", r.method.c_str(), r.bits,
+                  r.bits < 16 ? (r.group > 0 ? r.group : -1) : 0, int(r.act_order), int(r.sym), r.eval.ppl(), r.ratio, r.eval.loss, r.eval.kl,
+                  r.quantize_s, (long long)r.packed_bytes, (long long)r.dense_bytes, r.gptq_error, r.rtn_error, r.reloaded_ppl);
+    csv_ << line << std::flush;
+  }
+
+  void print_table() const {
+    // layer err: mean over the layers of tr(D H D^T) / tr(W H W^T) on the calibration inputs (GPTQ rows: GPTQ's and RTN's)
+    std::printf("\n%-6s %4s %7s %9s %10s %7s %10s %9s %11s %11s %11s\n", "method", "bits", "group", "act-order", "ppl", "ratio",
+                "KL", "quant s", "packed MB", "layer err", "rtn err");
+    auto opt = [](double v, const char* fmt) {
+      char b[32];
+      std::snprintf(b, sizeof b, fmt, v);
+      return std::isfinite(v) ? std::string(b) : std::string("-");
+    };
+    for (const auto& r : rows_) {
+      const std::string g = r.bits >= 16 ? "-" : r.group > 0 ? std::to_string(r.group) : "channel";
+      std::printf("%-6s %4d %7s %9s %10.4f %7s %10s %9.2f %11.3f %11s %11s\n", r.method.c_str(), r.bits, g.c_str(), r.act_order ? "yes" : "-",
+                  r.eval.ppl(), opt(r.ratio, "%.4f").c_str(), opt(r.eval.kl, "%.3e").c_str(), r.quantize_s, double(r.packed_bytes) / 1e6,
+                  opt(r.gptq_error, "%.3e").c_str(), opt(r.rtn_error, "%.3e").c_str());
+    }
+  }
+
+ private:
+  const Options& o_;
+  std::string preset_;
+  int64_t params_, calib_tokens_;
+  std::string eval_dtype_;
+  std::ofstream jsonl_, csv_;
+  std::vector<Row> rows_;
+};
+
+// ---- the float model ----------------------------------------------------------------------------------
+// llama_train's learning-rate schedule (examples/llama/train.cpp lr_at; to move into data.hpp and be shared):
+// linear warm-up over the first 5% of steps, cosine decay to 10% at the end.
+double lr_at(int64_t step, int64_t steps, double lr) {
+  const int64_t warmup = std::max<int64_t>(1, steps / 20);
+  if (step < warmup) return lr * double(step + 1) / double(warmup);
+  const double t = double(step - warmup) / double(std::max<int64_t>(1, steps - warmup));
+  return lr * (0.1 + 0.9 * 0.5 * (1 + std::cos(M_PI * std::min(1.0, t))));
+}
+
+// Trains with llama_train's trainer and schedule (no evaluation), then writes a checkpoint like llama_train --save.
+template <StrategyType S>
+void train_and_save(const Options& o, const torch::Tensor& train_ids, torch::Device device, const std::string& path, Progress& bar) {
+  torch::manual_seed(o.seed);
+  llama::TrainOptions topt;
+  topt.lr = o.lr;
+  llama::Trainer<S> trainer(nn::LlamaConfig::preset(o.preset), topt, device);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t step = trainer.step_count(); step < o.train_steps; step = trainer.step_count()) {
+    const auto [x, y] = llama::sample_batch(train_ids, o.train_batch, o.seq, o.seed, step, device);
+    trainer.set_lr(lr_at(step, o.train_steps, o.lr));
+    const auto r = trainer.step(x, y);
+    if (!r.applied && r.scale <= 1.0) throw std::runtime_error("gradients are not finite even at loss scale 1: lower --lr");
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    char line[200];
+    std::snprintf(line, sizeof line, "[train %s] step %lld/%lld loss %.4f  %.0f tok/s", o.strategy.c_str(), (long long)trainer.step_count(),
+                  (long long)o.train_steps, r.loss, double(trainer.step_count() * o.train_batch * o.seq) / s);
+    bar.status(line, trainer.step_count() % std::max<int64_t>(1, o.train_steps / 10) == 0);
+  }
+  trainer.save(path, o.strategy);
+  bar.message("trained " + std::to_string(o.train_steps) + " steps (" + o.strategy + "), checkpoint " + path);
+}
+
+// The float weights of a llama_train checkpoint (any local strategy; geometry checked against --preset).
+nn::Llama load_float(const Options& o, const std::string& path, torch::Device device) {
+  llama::LocalTrainer<Strategy<>> t(nn::LlamaConfig::preset(o.preset), {}, device);
+  t.load(path);
+  return t.model();
+}
+
+nn::Llama copy_model(nn::Llama& src, torch::Device device, torch::ScalarType dtype) {
+  nn::Llama m(src->config);
+  torch::NoGradGuard ng;
+  auto dst = m->parameters();
+  const auto from = src->parameters();
+  for (size_t i = 0; i < dst.size(); ++i) dst[i].copy_(from[i]);
+  m->to(device, dtype);
+  m->eval();
+  return m;
+}
+
+// ---- command-line values --------------------------------------------------------------------------------
+int parse_group(const std::string& s) {
+  if (s == "channel" || s == "per-channel" || s == "-1") return 0;
+  try {
+    size_t used = 0;
+    const int g = std::stoi(s, &used);
+    if (used == s.size() && g > 0) return g;
+  } catch (const std::exception&) {
+  }
+  throw std::runtime_error("--group '" + s + "': a positive group size (e.g. 128), or -1 / 'channel' for one group per output channel");
+}
+
+torch::ScalarType eval_dtype(const Options& o) {
+  if (o.dtype == "fp32") return torch::kFloat32;
+  if (o.dtype == "fp16") return torch::kHalf;
+  if (o.dtype == "bf16") return torch::kBFloat16;
+  return o.device == "cuda" ? torch::kHalf : torch::kFloat32;  // auto: the CUDA kernels take fp16/bf16 activations
+}
+std::string dtype_name(torch::ScalarType t) { return t == torch::kFloat32 ? "fp32" : t == torch::kHalf ? "fp16" : "bf16"; }
+
+int run(Options& o) {
+  // Everything about the request is checked before any work.
+  std::vector<int> groups;
+  for (const auto& g : o.groups) groups.push_back(parse_group(g));
+  for (int b : o.bits)
+    if (!quant::supported_bits(b)) throw std::runtime_error("--bits " + std::to_string(b) + " is not supported: GPTQ/RTN checkpoints hold 2, 3, 4 or 8 bits");
+  std::vector<lg::Method> methods;
+  for (const auto& m : o.methods) methods.push_back(m == "rtn" ? lg::Method::RTN : lg::Method::GPTQ);
+  const int sources = int(!o.checkpoint.empty()) + int(o.train_steps > 0) + int(!o.load_quantized.empty());
+  if (sources != 1)
+    throw std::runtime_error("give exactly one of --checkpoint FILE (from llama_train --save), --train-steps N (train one first) or --load-quantized DIR");
+  if (!o.checkpoint.empty() && !std::filesystem::exists(o.checkpoint))
+    throw std::runtime_error("--checkpoint '" + o.checkpoint + "' does not exist (write one with llama_train --save FILE, or use --train-steps N)");
+  const torch::Device device(o.device == "cuda" ? torch::kCUDA : torch::kCPU);
+  if (device.is_cuda() && !torch::cuda::is_available())
+    throw std::runtime_error("--device cuda: this libtorch has no CUDA device available (build with -DSQUEEZE_TORCH_CUDA=ON on a GPU machine)");
+  const auto dtype = eval_dtype(o);
+  at::globalContext().setFlushDenormal(true);
+  if (o.threads > 0) torch::set_num_threads(int(o.threads));
+  Progress bar(o.quiet);
+
+  const llama::Corpus corpus = llama::load_corpus(o.corpus, o.val_fraction);
+  const torch::Tensor train_ids = llama::tokenize(corpus.train), val_ids = llama::tokenize(corpus.val);  // [n] each
+  if (train_ids.size(0) <= o.seq + 1 || val_ids.size(0) <= o.seq + 1)
+    throw std::runtime_error("--seq " + std::to_string(o.seq) + " is longer than the corpus' training or validation text");
+  // The whole validation split (or --eval-tokens of it) in consecutive windows of --seq.
+  int64_t windows = (val_ids.size(0) - 1) / o.seq;
+  if (o.eval_tokens > 0) windows = std::min(windows, std::max<int64_t>(1, o.eval_tokens / o.seq));
+  const int64_t eval_batch = std::min(o.eval_batch, windows);
+  const auto val = llama::val_batches(val_ids, eval_batch, o.seq, windows / eval_batch, device);
+  bar.message("corpus: " + corpus.source + ": " + std::to_string(train_ids.size(0)) + " training bytes, validation " +
+              std::to_string(val.size() * eval_batch * o.seq) + " of " + std::to_string(val_ids.size(0)) + " bytes (" +
+              std::to_string(val.size()) + " batches of " + std::to_string(eval_batch) + " x " + std::to_string(o.seq) + ")");
+
+  // A saved packed checkpoint: evaluate it and stop.
+  if (!o.load_quantized.empty()) {
+    auto loaded = lg::load_packed(o.load_quantized, device, dtype);
+    const auto& c = loaded.model->config;
+    if (o.preset_given) {
+      const auto want = nn::LlamaConfig::preset(o.preset);
+      if (want.hidden != c.hidden || want.layers != c.layers || want.heads != c.heads || want.kv_heads != c.kv_heads || want.ffn != c.ffn ||
+          want.vocab != c.vocab)
+        throw std::runtime_error("--load-quantized '" + o.load_quantized + "' holds preset '" + c.name + "', not --preset " + o.preset);
+    }
+    int64_t params = 0;
+    for (const auto& p : loaded.model->parameters()) params += p.numel();
+    Results results(o, c.name, params, 0, dtype_name(dtype));
+    Row r;
+    r.method = lg::method_name(loaded.spec.method), r.bits = loaded.spec.bits, r.group = loaded.spec.group_size;
+    r.act_order = loaded.spec.act_order, r.sym = loaded.spec.sym;
+    r.eval = lg::evaluate(loaded.model, val, bar.eval(val.size()), loaded.spec.tag());
+    int64_t packed = 0, dense = 0;
+    for (const auto& [_, p] : loaded.layers) {
+      packed += int64_t(p.qweight.size() * 4 + p.qzeros.size() * 4 + p.scales.size() * 2 + p.g_idx.size() * 4 + p.bias.size() * 2);
+      dense += p.in * p.out * 2;
+    }
+    r.packed_bytes = packed, r.dense_bytes = dense, r.ratio = NAN;
+    results.add(r);
+    bar.message("");
+    results.print_table();
+    return 0;
+  }
+
+  // The float model: a llama_train checkpoint, or one trained here first with the same trainer.
+  std::string ckpt = o.checkpoint;
+  if (o.train_steps > 0) {
+    ckpt = o.train_save.empty() ? (std::filesystem::temp_directory_path() / ("llama_gptq-" + std::to_string(getpid()) + ".pt")).string() : o.train_save;
+    if (const auto parent = std::filesystem::path(ckpt).parent_path(); !parent.empty()) std::filesystem::create_directories(parent);
+    llama::with_strategy(o.strategy, [&]<StrategyType S>() {
+      // only the strategies whose checkpoints hold the float weights (the local trainer's)
+      if constexpr (S::stage == 0 && !S::offload_to_host && !S::has_lora) train_and_save<S>(o, train_ids, device, ckpt, bar);
+      else throw std::runtime_error("--strategy " + o.strategy + ": its trainer writes no checkpoints yet; train with fp32, bf16, fp16, accum4 or a ckpt variant");
+    });
+  }
+  nn::Llama dense = load_float(o, ckpt, device);
+  if (o.train_steps > 0 && o.train_save.empty()) std::filesystem::remove(ckpt);
+  int64_t params = 0;
+  for (const auto& p : dense->parameters()) params += p.numel();
+
+  // Calibration: random windows of the training split (a seed of their own).
+  const int64_t n_calib = std::max<int64_t>(1, o.calib_tokens / o.seq);
+  const auto calib = lg::make_calibration(llama::sample_batch(train_ids, n_calib, o.seq, o.seed + 1, 0, torch::kCPU).first, o.calib_batch, device);
+  Results results(o, o.preset, params, calib.tokens(), dtype_name(dtype));
+  bar.message("model " + o.preset + " (" + std::to_string(params) + " parameters) from " + (o.checkpoint.empty() ? "training" : o.checkpoint) +
+              "; calibration " + std::to_string(calib.tokens()) + " tokens; evaluation in " + dtype_name(dtype) + " on " + o.device);
+
+  Row ref;
+  ref.method = dtype_name(dtype);
+  ref.bits = dtype == torch::kFloat32 ? 32 : 16;
+  auto ref_model = copy_model(dense, device, dtype);  // also the reference of --kl
+  ref.eval = lg::evaluate(ref_model, val, bar.eval(val.size()), "reference " + ref.method);
+  results.add(ref);
+  bar.message("reference (" + ref.method + "): validation perplexity " + std::to_string(ref.eval.ppl()));
+
+  for (int group : groups)
+    for (int bits : o.bits)
+      for (lg::Method method : methods) {
+        lg::QuantSpec spec;
+        spec.method = method, spec.bits = bits, spec.group_size = group, spec.sym = o.sym, spec.act_order = o.act_order, spec.percdamp = o.percdamp;
+        auto m = copy_model(dense, device, torch::kFloat32);  // quantization works on float weights
+        const lg::QuantizeResult q = lg::quantize(m, spec, calib, bar.layers());
+        Row r;
+        r.method = lg::method_name(method), r.bits = bits, r.group = group, r.sym = o.sym, r.act_order = o.act_order && method == lg::Method::GPTQ;
+        r.quantize_s = q.seconds, r.packed_bytes = q.packed_bytes(), r.dense_bytes = q.dense_fp16_bytes();
+        if (method == lg::Method::GPTQ) {  // mean relative output error over the layers, GPTQ vs RTN on the same inputs
+          double g = 0, rt = 0;
+          for (const auto& l : q.reports) g += l.error, rt += l.rtn_error;
+          r.gptq_error = g / double(q.reports.size()), r.rtn_error = rt / double(q.reports.size());
+        }
+        if (!o.save.empty()) lg::save_packed(std::filesystem::path(o.save) / spec.tag(), m, q.layers, spec);  // dense tensors still float
+        m->to(device, dtype);
+        lg::use_packed(m, q.layers);
+        r.eval = lg::evaluate(m, val, bar.eval(val.size()), spec.tag(), o.kl ? &ref_model : nullptr);
+        r.ratio = r.eval.ppl() / ref.eval.ppl();
+        if (!o.save.empty()) {  // the saved checkpoint, read back, must give the same perplexity
+          const auto dir = std::filesystem::path(o.save) / spec.tag();
+          auto loaded = lg::load_packed(dir, device, dtype);
+          r.reloaded_ppl = lg::evaluate(loaded.model, val, bar.eval(val.size()), "reloaded " + spec.tag()).ppl();
+          if (std::abs(r.reloaded_ppl - r.eval.ppl()) > 1e-9 * r.eval.ppl())
+            throw std::runtime_error("saved checkpoint " + dir.string() + " evaluates to perplexity " + std::to_string(r.reloaded_ppl) +
+                                     ", not " + std::to_string(r.eval.ppl()));
+          bar.message("saved " + dir.string() + " (read back: same perplexity)");
+        }
+        results.add(r);
+        char line[256];
+        std::snprintf(line, sizeof line, "%s: validation perplexity %.4f (%.3fx %s), quantized in %.1f s, %.2f MB packed", spec.tag().c_str(),
+                      r.eval.ppl(), r.ratio, ref.method.c_str(), r.quantize_s, double(r.packed_bytes) / 1e6);
+        bar.message(line);
+      }
+  results.print_table();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  for (int i = 0; i < argc; ++i) o.command += (i ? " " : "") + std::string(argv[i]);
+  CLI::App app{"Quantize a LLaMA from the LLaMA example with RTN and GPTQ; report validation perplexity on the King James Bible"};
+  app.add_option("--preset", o.preset, "model size (must match the checkpoint)")->check(CLI::IsMember(nn::LlamaConfig::preset_names()))->capture_default_str();
+  app.add_option("--checkpoint", o.checkpoint, "a checkpoint written by llama_train --save");
+  app.add_option("--train-steps", o.train_steps, "train this many steps first (llama_train's trainer) instead of --checkpoint")->check(CLI::NonNegativeNumber);
+  app.add_option("--strategy", o.strategy, "llama_train strategy for --train-steps")->check(CLI::IsMember(llama::strategy_names()))->capture_default_str();
+  app.add_option("--train-batch", o.train_batch, "sequences per training step")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--lr", o.lr, "peak learning rate for --train-steps")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--train-save", o.train_save, "keep the trained float checkpoint here");
+  app.add_option("--load-quantized", o.load_quantized, "evaluate a packed checkpoint written by --save (a directory)");
+  app.add_option("--device", o.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
+  app.add_option("--dtype", o.dtype, "evaluation dtype: auto (fp32 on cpu, fp16 on cuda), fp32, fp16, bf16")
+      ->check(CLI::IsMember({"auto", "fp32", "fp16", "bf16"}))->capture_default_str();
+  app.add_option("--bits", o.bits, "bit widths, e.g. 4,3 (2, 3, 4, 8)")->delimiter(',')->capture_default_str();
+  app.add_option("--group", o.groups, "group sizes, e.g. 128,channel (-1 or 'channel': one group per output channel)")->delimiter(',')->capture_default_str();
+  app.add_option("--methods", o.methods, "rtn, gptq or both")->delimiter(',')->check(CLI::IsMember({"rtn", "gptq"}))->capture_default_str();
+  app.add_flag("--act-order", o.act_order, "GPTQ: quantize columns by decreasing Hessian diagonal (desc_act)");
+  app.add_flag("--sym", o.sym, "symmetric grid (default: asymmetric min-max, as in the GPTQ paper)");
+  app.add_option("--percdamp", o.percdamp, "GPTQ damping as a fraction of mean(diag H)")->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option("--calib-tokens", o.calib_tokens, "calibration tokens from the training split (windows of --seq)")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--calib-batch", o.calib_batch, "calibration sequences per forward")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--seq", o.seq, "tokens (bytes) per window: training, calibration and evaluation")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--eval-tokens", o.eval_tokens, "validation tokens to evaluate (0: the whole validation split)")->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option("--eval-batch", o.eval_batch, "validation sequences per forward")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--corpus", o.corpus, "a text file instead of the KJV");
+  app.add_option("--out", o.out, "write results to OUT.jsonl and OUT.csv (one line per method)");
+  app.add_option("--save", o.save, "write each packed model to SAVE/<method>-w<bits>-<group>/ and check it reads back to the same perplexity");
+  app.add_option("--threads", o.threads, "CPU threads (0: libtorch's default)")->capture_default_str();
+  app.add_option("--seed", o.seed, "seed of training batches and calibration windows")->capture_default_str();
+  app.add_flag("--kl", o.kl, "also report KL(reference || quantized) of the next-token distributions (a second forward per batch)");
+  app.add_flag("--quiet", o.quiet, "no progress lines");
+  CLI11_PARSE(app, argc, argv);
+  o.preset_given = app.count("--preset") > 0;
+
+  try {
+    return run(o);
+  } catch (const c10::Error& e) {
+    std::cerr << "\nerror: " << e.what_without_backtrace() << "\n";
+  } catch (const std::exception& e) {
+    std::cerr << "\nerror: " << e.what() << "\n";
+  }
+  return 1;
+}
