@@ -8,7 +8,7 @@
 //   optimizer    Adam m and v: Ψ_t·8 (or 8-bit blockwise: Ψ_t·2 + block scales), /N from stage 1
 //   activations  what squeeze::nn::Llama keeps for backward, plus the loss's transient, see activation_bytes()
 //   communication gather/reduce buckets: one block (stage 1-2), three (stage 3: current, prefetch, grads)
-// Offload<Host> moves master + optimizer state (and an fp32 gradient shard) to host memory.
+// Offload<Host> moves master + optimizer state (and a gradient shard in the gradient's type) to host memory.
 // peak(): a training step's device high-water mark: the start of backward (everything saved, the loss's
 // gradients being formed) or the optimizer step (every gradient materialised, no activations), whichever
 // is larger. A trainer that frees its gradients between steps (TrainShape::free_grads) has none of them at
@@ -191,7 +191,7 @@ constexpr MemoryPlan plan_memory(const ModelShape& m, const TrainShape& t, int w
     if constexpr (S::offload_to_host) {
       plan.master_weights.host = S::has_master_copy ? master : owned * p_m;  // the host update needs an fp32 copy
       plan.optimizer_state.host = state;
-      plan.gradients.host = owned * 4;  // fp32 gradient shard streamed down for the CPU AdamW
+      plan.gradients.host = owned * (fp32_accumulator ? 4 : p_g);  // the gradient shard streamed down for the CPU AdamW
     } else {
       plan.master_weights.device = master;
       plan.optimizer_state.device = state;
