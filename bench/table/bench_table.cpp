@@ -50,7 +50,7 @@ constexpr const char* kPeer = "libtorch-autocast-bf16";
 struct Options {
   std::string out, csv, preset = "tinyllama-1.1b", device = "cuda", rows, corpus;
   int64_t batch = 8, seq = 2048, steps = 3, warmup = 2, layers = 0, eval_seqs = 8, threads = 0;
-  double lr = 3e-4;
+  double lr = 3e-4, clip = 1.0;
   uint64_t seed = 1337;
 };
 
@@ -114,8 +114,9 @@ Data load_data(const Options& o) {
 
 // Trains warmup + steps optimizer steps on the shared batches (timing the last `steps`), records the peak,
 // then the validation loss. step(x, y) -> training loss; eval(batches) -> mean validation loss.
-template <class Step, class Eval>
-void run_steps(const Options& o, int64_t batch, const Data& data, const torch::Device& device, Row& row, Step&& step, Eval&& eval) {
+template <class Step, class Sync, class Eval>
+void run_steps(const Options& o, int64_t batch, const Data& data, const torch::Device& device, Row& row, Step&& step, Sync&& sync,
+               Eval&& eval) {
   double loss = 0;
   for (int64_t i = 0; i < o.warmup; ++i) {
     const auto [x, y] = llama::sample_batch(data.train, batch, o.seq, o.seed, i, device);
@@ -126,6 +127,7 @@ void run_steps(const Options& o, int64_t batch, const Data& data, const torch::D
   synchronize(device);
   const auto t0 = std::chrono::steady_clock::now();
   for (const auto& [x, y] : timed) loss = step(x, y);  // the loss read-back synchronises each step
+  sync();  // an offloaded update may still be running on the CPU
   synchronize(device);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   row.time_ms = 1e3 * s / double(o.steps);
@@ -192,11 +194,12 @@ Row run_peer(const RowSpec& spec, const Options& o, const nn::LlamaConfig& confi
         [&](const torch::Tensor& x, const torch::Tensor& y) {
           const torch::Tensor loss = autocast_loss(x, y);
           loss.backward();
-          torch::nn::utils::clip_grad_norm_(model->parameters(), topt.clip);
+          if (topt.clip > 0) torch::nn::utils::clip_grad_norm_(model->parameters(), topt.clip);
           opt.step();
           opt.zero_grad();
           return loss.item<double>();
         },
+        [] {},
         [&](const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches) {
           torch::NoGradGuard no_grad;
           double sum = 0;
@@ -238,7 +241,7 @@ Row run_strategy(const RowSpec& spec, const Options& o, const nn::LlamaConfig& c
       Trainer<S> trainer(config, topt, device);
       run_steps(
           o, spec.batch, data, device, row, [&](const torch::Tensor& x, const torch::Tensor& y) { return trainer.step(x, y).loss; },
-          [&](const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches) { return trainer.evaluate(batches); });
+          [&] { trainer.sync(); }, [&](const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches) { return trainer.evaluate(batches); });
     });
   });
   return row;
@@ -282,6 +285,7 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", o.warmup, "untimed steps first (the allocator and cuBLAS settle)")->capture_default_str();
   app.add_option("--eval-seqs", o.eval_seqs, "validation sequences of --seq tokens")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--lr", o.lr, "AdamW learning rate")->capture_default_str();
+  app.add_option("--clip", o.clip, "global gradient-norm clip (0: off; Offload<Host> then updates inside backward)")->capture_default_str();
   app.add_option("--seed", o.seed, "seed of the training batches")->capture_default_str();
   app.add_option("--corpus", o.corpus, "train on this text file (default: the KJV if installed, else the built-in text)");
   app.add_option("--threads", o.threads, "CPU threads of libtorch (0: its default)")->capture_default_str();
@@ -305,6 +309,7 @@ int main(int argc, char** argv) {
   if (o.layers > 0) config.layers = o.layers;
   llama::TrainOptions topt;
   topt.lr = o.lr;
+  topt.clip = o.clip;
 
   const auto known = llama::strategy_names();
   const std::vector<RowSpec> rows = parse_rows(o.rows, o.batch);
@@ -341,7 +346,7 @@ int main(int argc, char** argv) {
     const double tokens_per_step = double(spec.batch * o.seq);
 
     json j = {{"bench", "table"}, {"case", spec.name}, {"strategy", row.strategy}, {"peer", kPeer}, {"preset", o.preset},
-              {"layers", config.layers}, {"batch", spec.batch}, {"seq", o.seq}, {"steps", o.steps}, {"warmup", o.warmup},
+              {"layers", config.layers}, {"batch", spec.batch}, {"seq", o.seq}, {"steps", o.steps}, {"warmup", o.warmup}, {"clip", o.clip},
               {"corpus", data.source}, {"device", dev_name}, {"date", env_or("SQUEEZE_DATE", "")},
               {"commit", env_or("SQUEEZE_COMMIT", "")}, {"oom", row.oom}};
     // Keys are left out (not null) when unknown: consumers read missing numbers as 0.

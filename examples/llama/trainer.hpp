@@ -317,6 +317,7 @@ class LocalTrainer {
   int64_t step_count() const { return step_; }
   double loss_scale() const { return scale_; }
   void set_lr(double lr) { options_.lr = lr; }
+  void sync() {}  // every update has landed when step() returns
 
   // One optimizer step on tokens x -> targets y, both [B, T] int64 on the trainer's device.
   StepResult step(const torch::Tensor& x, const torch::Tensor& y) {
@@ -505,6 +506,9 @@ class ZeroTrainer {
   int64_t step_count() const { return trainer_->steps_applied(); }
   double loss_scale() const { return trainer_->scale(); }
   void set_lr(double) {}  // constant (see above)
+  // Offload<Host> may still be updating layers on the CPU after step() returns (it overlaps the next
+  // forward): wait for every update to land (time a step with it; evaluation's gathers wait by themselves).
+  void sync() { trainer_->sync(); }
 
   StepResult step(const torch::Tensor& x, const torch::Tensor& y) {
     check_batch(x, y, micro_batches);
@@ -616,6 +620,7 @@ class AdapterTrainer {
   Llama& model() { return model_; }
   int64_t step_count() const { return steps_; }
   double loss_scale() const { return 1.0; }
+  void sync() {}
   void set_lr(double lr) {
     for (auto& g : trainer_->optimizer().param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
   }
