@@ -165,6 +165,7 @@ void qgemm_check(const quant::PackedLinear& p, const GemmCase& c) {
   const int sm = sm_count();
   for (int cps : {0, 1, 3}) {  // the library's plan, and forced K splits (many partials to reduce)
     auto need = kq::qgemm_workspace_size(shape, sm, cps);
+    SCOPED_TRACE("plan: " + kq::describe(kq::qgemm_plan(shape, sm, cps)));
     Dev<float> part(std::size_t(std::max<std::int64_t>(need.partial_elems, 1)));
     Dev<int> cnt(std::vector<int>(std::size_t(std::max<std::int64_t>(need.counter_elems, 1)), 0));
     const kq::QGemmWorkspace ws{part.p, need.partial_elems, cnt.p, need.counter_elems};
@@ -231,6 +232,7 @@ void cfg_check(const quant::PackedLinear& p, const quant::QTiles& t, std::int64_
   Dev<std::uint8_t> dz(t.zeros);
   for (int cps : {0, 2, 5}) {
     const auto plan = kq::plan_qgemm(shape, C::template geometry<4>(), sm_count(), cps);
+    SCOPED_TRACE(kq::detail::cfg_name<C>() + ": " + kq::describe(plan));
     Dev<float> part(std::size_t(std::max<std::int64_t>(plan.partial_elems, 1)));
     Dev<int> cnt(std::vector<int>(std::size_t(plan.counter_elems), 0));
     const kq::QGemmWorkspace ws{part.p, plan.partial_elems, cnt.p, plan.counter_elems};

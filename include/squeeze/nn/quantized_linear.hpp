@@ -156,7 +156,8 @@ class QuantizedLinearImpl : public torch::nn::Module {
         e = kq::qgemm_cuda<T>(static_cast<const T*>(xg.data_ptr()), static_cast<const std::uint32_t*>(tiles_.data_ptr()),
                               static_cast<const half*>(tile_scales_.data_ptr()), static_cast<const std::uint8_t*>(tile_zeros_.data_ptr()), yp, s,
                               ws, sm, stream);
-        TORCH_CHECK(e == cudaSuccess, "QuantizedLinear: quantized GEMM failed: ", cudaGetErrorString(e));
+        TORCH_CHECK(e == cudaSuccess, "QuantizedLinear: quantized GEMM (", bits_, " bits, M ", M, ", N ", out_, ", K ", in_, "; ",
+                    kq::describe(kq::qgemm_plan(s, sm)), ") failed: ", cudaGetErrorString(e));
         return y;
       }
       case Path::Gemv: {

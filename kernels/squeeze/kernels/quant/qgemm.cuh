@@ -149,6 +149,13 @@ struct QGemmPlan {
   std::int64_t blocks() const { return std::int64_t(strips) * splits * zslices; }
 };
 
+// One line naming a plan (for error messages and benchmark logs).
+inline std::string describe(const QGemmPlan& p) {
+  return "rows " + std::to_string(p.rows) + " zslices " + std::to_string(p.zslices) + " strips " + std::to_string(p.strips) + " splits " +
+         std::to_string(p.splits) + " cps " + std::to_string(p.cps) + " groups " + std::to_string(p.ngroups) + " smem " +
+         std::to_string(p.smem_bytes) + " B";
+}
+
 // Shared memory of one block: x [rows][cps*64 + 8] (16 B of padding per row: the 8 rows an ldmatrix reads
 // fall in distinct bank groups), scales [ngroups][strip] fp16, zero points [ngroups][strip] uint8, then an
 // optional ring for the cp.async weight loader.
@@ -828,13 +835,25 @@ cudaError_t launch_qgemm_cfg(const T* x, const std::uint32_t* tiles, const half*
                              const QGemmShape& s, const QGemmPlan& p, const QGemmWorkspace& ws, cudaStream_t stream) {
   if (p.splits > 1 && (ws.partial == nullptr || ws.partial_elems < p.partial_elems)) return cudaErrorInvalidValue;
   if (p.counter_elems > 0 && p.splits > 1 && (ws.counters == nullptr || ws.counter_elems < p.counter_elems)) return cudaErrorInvalidValue;
-  static const int optin = [] {  // allow up to the device's opt-in shared memory (once per instantiation)
-    int dev = 0, bytes = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-    return cudaFuncSetAttribute(qgemm_kernel<T, BITS, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) == cudaSuccess ? bytes : 48 * 1024;
+  // Dynamic shared memory above 48 KB must be allowed per kernel; the limit counts static + dynamic
+  // bytes, so allow the device's opt-in maximum minus this kernel's static shared memory (once per
+  // instantiation). A refusal is cleared from the runtime's last error and leaves the 48 KB default.
+  static const int max_dynamic = [] {
+    int dev = 0, optin = 48 * 1024;
+    cudaFuncAttributes fa{};
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess ||
+        cudaFuncGetAttributes(&fa, qgemm_kernel<T, BITS, C>) != cudaSuccess) {
+      cudaGetLastError();
+      return 48 * 1024 - 64;
+    }
+    const int bytes = optin - int(fa.sharedSizeBytes);
+    if (cudaFuncSetAttribute(qgemm_kernel<T, BITS, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) != cudaSuccess) {
+      cudaGetLastError();
+      return 48 * 1024 - int(fa.sharedSizeBytes);
+    }
+    return bytes;
   }();
-  if (p.smem_bytes > optin) return cudaErrorInvalidConfiguration;
+  if (p.smem_bytes > max_dynamic) return cudaErrorInvalidConfiguration;
   QGemmParams prm{x, tiles, scales, zeros, y, ws.partial, ws.counters,
                   int(s.M), int(s.N), int(s.K), int(s.Npad), int(s.Kpad), int(s.group),
                   p.cps, p.strips, p.splits, p.zslices, p.ngroups};
