@@ -375,6 +375,52 @@ TEST(Overflow, InfInOneShardSkipsOnAllRanksStage1) {
 TEST(Overflow, InfInOneShardSkipsOnAllRanksStage2) {
   for (int w : {2, 3, 4}) overflow_skips_everywhere<Strategy<Sharded<Stage2>, Precision<half, float>>>(w);
 }
+// Eager Offload<Host> (bf16, no clipping: updates inside backward): an inf gradient in one layer leaves that
+// layer's and every later-processed partition's master and moments untouched (nothing non-finite is applied;
+// partitions updated before it keep their update, see nn/trainer.hpp), the step reports applied = false, and
+// training goes on.
+TEST(Overflow, EagerOffloadNeverAppliesANonFiniteGradient) {
+  using S = Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>;
+  const int world = 2;
+  const Data data = make_data(Model::mlp, world, 3, 6);
+  std::vector<std::shared_ptr<torch::nn::Module>> models;
+  for (int r = 0; r < world; ++r) models.push_back(make_model(Model::mlp, torch::kBFloat16));
+  std::vector<int> fc1_updated(std::size_t(world), 0);  // int, not bool: written from several threads
+  run_ranks(world, [&](std::shared_ptr<LocalComm> comm) {
+    const int r = comm->rank();
+    auto& model = static_cast<MLPImpl&>(*models[r]);
+    auto trainer = make_trainer<S>(models[r], Hyper{}, comm);
+    auto loss = [&](int s) { return model.loss(data.x[s][r].to(torch::kBFloat16), data.y[s][r].to(torch::kBFloat16)); };
+    ASSERT_TRUE(trainer.step([&] { return loss(0); }).applied);
+    std::vector<torch::Tensor> state_before;
+    for (auto& part : trainer.optimizer_state())
+      for (auto& t : part) state_before.push_back(t.clone());
+    auto x = data.x[1][r].to(torch::kBFloat16);
+    if (r == 1) x[0][0] = std::numeric_limits<float>::infinity();  // NaN loss: every gradient non-finite
+    const auto res = trainer.step([&] { return model.loss(x, data.y[1][r].to(torch::kBFloat16)); });
+    EXPECT_TRUE(trainer.updated_during_backward()) << "eager mode";
+    EXPECT_TRUE(res.boundary);
+    EXPECT_FALSE(res.applied);
+    EXPECT_FALSE(std::isfinite(res.grad_norm));
+    // The inf sits in column 0 of x, so only fc1's weight gradient is non-finite (tanh' of inf is 0 elsewhere),
+    // and after the reduce-scatter only in one rank's shard. fc1 is the last layer backward reaches: partitions
+    // finished before it (fc3, fc2) keep their update. Partition order: the bucket holding `gain`, fc1, fc2, fc3.
+    const auto state = trainer.optimizer_state();
+    ASSERT_EQ(state.size(), 4u);
+    std::size_t i = 0;
+    for (std::size_t part = 0; part < state.size(); ++part)
+      for (auto& t : state[part]) {
+        EXPECT_TRUE(torch::isfinite(t).all().item<bool>()) << "no inf/NaN reaches the optimizer state";
+        if (part == 1 && !torch::equal(t, state_before[i])) fc1_updated[std::size_t(r)] = 1;
+        ++i;
+      }
+    for (auto& [name, t] : trainer.full_parameters()) EXPECT_TRUE(torch::isfinite(t).all().item<bool>()) << name;
+    EXPECT_TRUE(trainer.step([&] { return loss(2); }).applied) << "a clean step applies again";
+  });
+  // The NaN column lands in one rank's shard of fc1: that rank left fc1 untouched (the other updated its finite part).
+  EXPECT_FALSE(fc1_updated[0] && fc1_updated[1]) << "the rank holding the non-finite gradient did not update fc1";
+}
+
 TEST(Overflow, InfInOneShardSkipsOnAllRanksStage3Offload) {
   for (int w : {2, 3, 4}) overflow_skips_everywhere<Strategy<Sharded<Stage3>, Offload<Host>, Precision<half, float>>>(w);
 }
@@ -479,9 +525,8 @@ TEST(Memory, Stage3MatchesThePlanner) {
   const auto rep = memory_of<SO>(2, opt);
   EXPECT_EQ(rep.actual.master_weights.host, rep.predicted.master_weights.host);
   EXPECT_EQ(rep.actual.optimizer_state.host, rep.predicted.optimizer_state.host);
-  // The host gradient copy travels in the gradient's dtype (bf16 here: half the PCIe bytes); the planner
-  // counts an fp32 copy (plan/memory.hpp), so it plans twice what is used.
-  EXPECT_EQ(rep.actual.gradients.host * 2, rep.predicted.gradients.host);
+  // The host gradient copy travels in the gradient's dtype (bf16 here: half the PCIe bytes of fp32), as planned.
+  EXPECT_EQ(rep.actual.gradients.host, rep.predicted.gradients.host);
   EXPECT_EQ(rep.actual.master_weights.device + rep.actual.optimizer_state.device, 0);
 }
 
@@ -502,6 +547,34 @@ TEST(Memory, Stage1And2ShardStateAsPlanned) {
   EXPECT_GT(r2.actual.communication.device, 0);
   EXPECT_LT(r2.actual.peak_gradient_bytes, r2.actual.full_gradient_bytes);
   EXPECT_EQ(r2.actual.optimizer_state.device, r2.predicted.optimizer_state.device);
+}
+
+// ---- a moved trainer keeps working (examples/llama holds one in a std::optional) ----------------------------
+// Hooks, stage-3 callbacks and the offload worker point to heap state, not into the Trainer object.
+template <class S>
+void moved_trainer_bitwise(int world) {
+  const auto ref = train<S>(Model::llama, world, 3);
+  const Data data = make_data(Model::llama, world, 3, 6);
+  std::vector<std::shared_ptr<torch::nn::Module>> models;
+  for (int r = 0; r < world; ++r) models.push_back(make_model(Model::llama, nn::detail::scalar_type_of<typename S::compute_type>()));
+  Params got;
+  run_ranks(world, [&](std::shared_ptr<LocalComm> comm) {
+    const int r = comm->rank();
+    std::optional<nn::Trainer<S, Hyper>> holder;
+    holder.emplace(make_trainer<S>(models[r], Hyper{}, comm));  // a move
+    auto moved = std::move(*holder);                             // and another
+    holder.reset();                                              // the moved-from one is destroyed first
+    for (int s = 0; s < 3; ++s) moved.step([&] { return model_loss(Model::llama, *models[r], data.x[s][r], data.y[s][r]); });
+    auto full = moved.full_parameters();
+    if (r == 0) for (auto& [n, t] : full) got[n] = t.to(torch::kFloat32);
+  });
+  expect_bitwise(got, ref.params, "moved trainer");
+}
+
+TEST(Trainer, MovedTrainerKeepsTraining) {
+  moved_trainer_bitwise<Strategy<Sharded<Stage2>, Offload<Host>, Precision<bf16, float>>>(2);
+  moved_trainer_bitwise<Strategy<Sharded<Stage3>, Offload<Host>, Accumulate<1>>>(3);
+  moved_trainer_bitwise<Strategy<Sharded<Stage1>, Precision<bf16, float>>>(2);
 }
 
 // ---- bad input ----------------------------------------------------------------------------------------

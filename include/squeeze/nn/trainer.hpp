@@ -53,7 +53,7 @@
 //            updates partition by partition; stage 3 returns from step() at once and each layer's next
 //            gather waits only for its own partition, so the CPU AdamW overlaps the next forward.
 // TrainerOptions::overlap_offload = false runs the same jobs in program order (bitwise the same results).
-// A non-finite gradient in eager mode: the partitions updated before it was seen keep their update (as an
+// A non-finite gradient in eager mode: the partitions this rank updated before it was seen keep their update (as an
 // optimizer-in-backward does); the rest are not updated and the step reports applied = false.
 //
 // Boundary, in order: global L2 norm of the reduced gradients (sum of squares per shard in double,
@@ -71,6 +71,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -218,6 +219,7 @@ struct GradState {
   int64_t peak_live = 0;        // most of `live` seen
   int64_t peak_grad = 0;        // most of shard_bytes + live + one parameter's .grad seen in a hook
   int64_t reduce_scatter_bytes = 0;  // bytes entering reduce-scatters, this accumulation window
+  std::atomic<bool> non_finite{false};  // eager offload: a partition's gradient was inf/NaN this window
   void note(int64_t transient) {
     peak_live = std::max(peak_live, live);
     peak_grad = std::max(peak_grad, shard_bytes + live + transient);
@@ -660,8 +662,15 @@ class Trainer {
     if constexpr (kOffload && kStage >= 2) {
       // Eager: nothing global can change this step's update (no clipping, no loss scale), so each partition
       // is updated as soon as its gradient is on the host.
-      if (boundary && offload_->threaded() && !(opt_.max_grad_norm > 0) && !S::loss_scaling)
-        state_->eager = host_update(coeffs_for_next_step(), 1.0f, 1.0f);
+      if (boundary && offload_->threaded() && !(opt_.max_grad_norm > 0) && !S::loss_scaling) {
+        // Jobs run in order on one worker: from the first non-finite partition on, nothing is updated.
+        detail::GradState* st = state_.get();
+        st->non_finite = false;
+        state_->eager = [st, upd = host_update(coeffs_for_next_step(), 1.0f, 1.0f)](Partition& p) {
+          if (!std::isfinite(p.sumsq)) st->non_finite = true;
+          if (!st->non_finite) upd(p);
+        };
+      }
     }
     last_eager_ = bool(state_->eager);
     if (boundary)
