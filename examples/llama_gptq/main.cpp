@@ -82,11 +82,12 @@ class Results {
   Results(const Options& o, std::string preset, int64_t params, int64_t calib_tokens, std::string eval_dtype)
       : o_(o), preset_(std::move(preset)), params_(params), calib_tokens_(calib_tokens), eval_dtype_(std::move(eval_dtype)) {
     if (o.out.empty()) return;
-    const std::filesystem::path stem(o.out);
-    if (stem.has_parent_path()) std::filesystem::create_directories(stem.parent_path());
-    jsonl_.open(o.out + ".jsonl");
-    csv_.open(o.out + ".csv");
-    if (!jsonl_ || !csv_) throw std::runtime_error("--out: cannot write " + o.out + ".jsonl / .csv");
+    std::string stem = o.out;  // OUT.jsonl is accepted too (bench/run_gpu.sh passes --out NAME.jsonl)
+    if (stem.ends_with(".jsonl")) stem.resize(stem.size() - 6);
+    if (const auto parent = std::filesystem::path(stem).parent_path(); !parent.empty()) std::filesystem::create_directories(parent);
+    jsonl_.open(stem + ".jsonl");
+    csv_.open(stem + ".csv");
+    if (!jsonl_ || !csv_) throw std::runtime_error("--out: cannot write " + stem + ".jsonl / .csv");
     csv_ << "method,bits,group,act_order,sym,ppl,ppl_ratio,val_loss,kl_to_reference,quantize_s,packed_bytes,dense_fp16_bytes,gptq_layer_error,rtn_layer_error,reloaded_ppl\n";
   }
 
@@ -95,7 +96,10 @@ class Results {
     if (!jsonl_.is_open()) return;
     auto num = [](double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr); };
     const char* commit = std::getenv("SQUEEZE_COMMIT");
-    const nlohmann::json j = {{"example", "llama_gptq"}, {"preset", preset_}, {"params", params_}, {"device", o_.device},
+    const std::string group = r.bits >= 16 ? "" : r.group > 0 ? "-g" + std::to_string(r.group) : "-channel";
+    const std::string name = r.bits >= 16 ? r.method : r.method + "-w" + std::to_string(r.bits) + group + (r.act_order ? "-actorder" : "");
+    const nlohmann::json j = {{"bench", "llama_gptq"}, {"case", name + " " + preset_}, {"time_ms", r.quantize_s * 1e3},
+                              {"preset", preset_}, {"params", params_}, {"device", o_.device},
                               {"dtype", eval_dtype_}, {"eval_weights", r.bits < 16 ? "QuantizedLinear" : "dense"},
                               {"method", r.method}, {"bits", r.bits}, {"group", r.bits < 16 ? (r.group > 0 ? r.group : -1) : 0},
                               {"act_order", r.act_order}, {"sym", r.sym}, {"ppl", num(r.eval.ppl())}, {"ppl_ratio", num(r.ratio)},
