@@ -199,6 +199,30 @@ TEST(LlamaPlanner, ActivationsAreWhatAutogradKeeps) {
   }
 }
 
+// LoRA on q and v over a frozen dense base (fp32, so the same attention path as above): what the planner's
+// frozen-base terms say is kept.
+TEST(LlamaPlanner, FrozenBaseActivationsAreWhatAutogradKeeps) {
+  using S = squeeze::Strategy<squeeze::LoRA<8, 16>>;
+  LlamaConfig c = small_config();
+  c.hidden = 64, c.heads = 4, c.kv_heads = 2, c.ffn = 160, c.layers = 3;
+  const int64_t B = 4, T = 64;
+  torch::manual_seed(16);
+  squeeze::nn::Llama model(c);
+  squeeze::nn::apply_lora<S>(*model);
+  model->train();
+  const torch::Tensor x = torch::randint(0, c.vocab, {B, T}, torch::kLong), y = torch::randint(0, c.vocab, {B, T}, torch::kLong);
+  squeeze::test::MemoryMeter meter;
+  torch::Tensor loss = model->loss(x, y);
+  const int64_t held = meter.live_bytes();
+  const auto plan = squeeze::plan::plan_memory<S>(c.shape(), {B, T}, 1);
+  const int64_t planned = plan.activations.device - 2 * B * T * c.vocab * 4;
+  EXPECT_NEAR(double(held), double(planned), 0.02 * double(planned) + 16384.0);
+  EXPECT_LT(planned, squeeze::plan::activation_bytes(c.shape(), {B, T}, 4, 0, true) - 2 * B * T * c.vocab * 4)
+      << "a frozen base keeps less than full training";
+  std::cout << "frozen base: held " << held << " bytes, planned " << planned << "\n";
+  loss.backward();
+}
+
 // ---- training ----------------------------------------------------------------------------------------------
 // A repetitive byte stream: a small model learns it within a few dozen steps.
 torch::Tensor training_bytes() {

@@ -114,8 +114,9 @@ inline constexpr unsigned kAllLinears = 0x7Fu;
 //   LoRA           r per adapted projection (x·A^T, kept for B's gradient)
 // -> 8h + 4·2 bytes + (6h + 2kv' + 4ffn + lora)·p_c + heads·4.
 // With a frozen base (LoRA) a product whose weight needs no gradient keeps nothing for it: the norms keep
-// no pre-gain value, a norm's output is kept only when an adapted projection reads it, and silu(gate)·up
-// only when down is adapted.
+// no pre-gain value, a norm's output is kept only when an adapted projection reads it (never the final
+// norm's: the head is frozen), silu(gate)·up only when down is adapted, and block 0's first norm nothing
+// (the frozen embedding's output needs no gradient).
 // Head: the final norm (as above) and the loss. The loss casts the logits to fp32 and keeps the fp32
 // log-softmax; the first backward node then holds it beside the fp32 gradients it reads and writes:
 // 3·V·4 bytes per token at the start of backward (more than the forward's bf16 logits + fp32 copy +
@@ -137,9 +138,12 @@ constexpr i64 activation_bytes(const ModelShape& m, const TrainShape& t, i64 p_c
   const i64 product = frozen && !trains(0x40u) ? 0 : m.ffn;  // silu(gate)·up, kept by down
   const i64 block = tokens * (2 * norm_fp32 + (2 * pre_gain + attn_norm + mlp_norm + 2 * h + 2 * kv + 3 * m.ffn + product +
                                                lora_rank_targets) * p_c + m.heads * 4);
-  const i64 final_norm = tokens * (norm_fp32 + (pre_gain + h) * p_c);
+  // A frozen head keeps nothing of the final norm's output; a frozen embedding gives block 0 an input that
+  // needs no gradient, so its first norm keeps nothing.
+  const i64 final_norm = tokens * (norm_fp32 + (pre_gain + (frozen ? 0 : h)) * p_c);
+  const i64 first_norm = frozen ? tokens * norm_fp32 : 0;
   const i64 loss = tokens * 3 * m.vocab * 4;
-  if (checkpoint_every == 0) return m.layers * block + final_norm + loss;
+  if (checkpoint_every == 0) return m.layers * block - first_norm + final_norm + loss;
   const i64 segment = (checkpoint_every < m.layers ? checkpoint_every : m.layers) * block;
   return ceil_div(m.layers, checkpoint_every) * tokens * h * p_c + final_norm + (loss > segment ? loss : segment);
 }
