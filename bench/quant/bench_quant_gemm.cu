@@ -395,6 +395,7 @@ int main(int argc, char** argv) {
                             {"splits", plan.splits},
                             {"cps", plan.cps},
                             {"rows_per_block", plan.rows},
+                            {"default_cfg", kq::detail::default_cfg_name<4>(M)},
                             {"best_variant", var.best_name},
                             {"best_cps", var.best_cps},
                             {"best_time_ms", var.best_ms > 0 ? nlohmann::json(var.best_ms) : nlohmann::json(nullptr)},

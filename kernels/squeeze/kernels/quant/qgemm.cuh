@@ -889,35 +889,80 @@ using DiagnosticCfgs = CfgList<QGemmCfg<1, 4, 1, 8, R::Registers, false, M_::Loa
                                QGemmCfg<1, 4, 1, 8, R::Registers, true, M_::LoadDecode>, QGemmCfg<1, 4, 1, 16, R::CpAsync, false, M_::LoadOnly>,
                                QGemmCfg<2, 4, 1, 8, R::Registers, false, M_::LoadDecode>>;
 
-// The configurations the library dispatches to, by rows per launch (H200 figures: see bench/results/h200/gemm4.*).
-template <int BITS, int ROWS8>
-using DefaultCfg = QGemmCfg<ROWS8, 4, 1, (BITS == 8 ? 4 : 8)>;
-inline int default_rows8(std::int64_t M) { return M <= 8 ? 1 : M <= 16 ? 2 : M <= 32 ? 4 : 8; }
+// Dispatch table: batch class (M <= 8, <= 16, <= 32, <= 64, more) -> configuration and K-range length
+// (kCps 0: the plan's heuristic). Chosen from the benchmark's variant sweep on one H200
+// (bench/results/h200/gemm4.jsonl, fields variants_ms / best_variant).
+inline int batch_class(std::int64_t M) { return M <= 8 ? 0 : M <= 16 ? 1 : M <= 32 ? 2 : M <= 64 ? 3 : 4; }
+template <int BITS, int CLASS>
+struct Dispatch;
 template <int BITS>
-QGemmGeometry default_geometry(std::int64_t M) {
-  switch (default_rows8(M)) {
-    case 1: return DefaultCfg<BITS, 1>::template geometry<BITS>();
-    case 2: return DefaultCfg<BITS, 2>::template geometry<BITS>();
-    case 4: return DefaultCfg<BITS, 4>::template geometry<BITS>();
-    default: return DefaultCfg<BITS, 8>::template geometry<BITS>();
+struct Dispatch<BITS, 0> {
+  using Cfg = QGemmCfg<1, 4, 1, (BITS == 8 ? 4 : 8)>;
+  static constexpr int kCps = 0;
+};
+template <int BITS>
+struct Dispatch<BITS, 1> {
+  using Cfg = QGemmCfg<2, 4, 1, (BITS == 8 ? 4 : 8)>;
+  static constexpr int kCps = 0;
+};
+template <int BITS>
+struct Dispatch<BITS, 2> {
+  using Cfg = QGemmCfg<4, 4, 1, (BITS == 8 ? 4 : 8)>;
+  static constexpr int kCps = 0;
+};
+template <int BITS>
+struct Dispatch<BITS, 3> {
+  using Cfg = QGemmCfg<8, 4, 1, (BITS == 8 ? 4 : 8)>;
+  static constexpr int kCps = 0;
+};
+template <int BITS>
+struct Dispatch<BITS, 4> {
+  using Cfg = QGemmCfg<8, 4, 1, (BITS == 8 ? 4 : 8)>;
+  static constexpr int kCps = 0;
+};
+template <int BITS, int CLASS>
+QGemmPlan dispatch_plan(const QGemmShape& s, int sm_count, int cps_override) {
+  using D = Dispatch<BITS, CLASS>;
+  return plan_qgemm(s, D::Cfg::template geometry<BITS>(), sm_count, cps_override > 0 ? cps_override : D::kCps);
+}
+template <int BITS>
+QGemmPlan default_plan(const QGemmShape& s, int sm_count, int cps_override) {
+  switch (batch_class(s.M)) {
+    case 0: return dispatch_plan<BITS, 0>(s, sm_count, cps_override);
+    case 1: return dispatch_plan<BITS, 1>(s, sm_count, cps_override);
+    case 2: return dispatch_plan<BITS, 2>(s, sm_count, cps_override);
+    case 3: return dispatch_plan<BITS, 3>(s, sm_count, cps_override);
+    default: return dispatch_plan<BITS, 4>(s, sm_count, cps_override);
+  }
+}
+template <int BITS>
+std::string default_cfg_name(std::int64_t M) {
+  switch (batch_class(M)) {
+    case 0: return cfg_name<typename Dispatch<BITS, 0>::Cfg>();
+    case 1: return cfg_name<typename Dispatch<BITS, 1>::Cfg>();
+    case 2: return cfg_name<typename Dispatch<BITS, 2>::Cfg>();
+    case 3: return cfg_name<typename Dispatch<BITS, 3>::Cfg>();
+    default: return cfg_name<typename Dispatch<BITS, 4>::Cfg>();
   }
 }
 template <class T, int BITS>
 cudaError_t launch_default(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y, const QGemmShape& s,
                            const QGemmPlan& p, const QGemmWorkspace& ws, cudaStream_t stream) {
-  switch (default_rows8(s.M)) {
-    case 1: return launch_qgemm_cfg<T, BITS, DefaultCfg<BITS, 1>>(x, tiles, scales, zeros, y, s, p, ws, stream);
-    case 2: return launch_qgemm_cfg<T, BITS, DefaultCfg<BITS, 2>>(x, tiles, scales, zeros, y, s, p, ws, stream);
-    case 4: return launch_qgemm_cfg<T, BITS, DefaultCfg<BITS, 4>>(x, tiles, scales, zeros, y, s, p, ws, stream);
-    default: return launch_qgemm_cfg<T, BITS, DefaultCfg<BITS, 8>>(x, tiles, scales, zeros, y, s, p, ws, stream);
+  switch (batch_class(s.M)) {
+    case 0: return launch_qgemm_cfg<T, BITS, typename Dispatch<BITS, 0>::Cfg>(x, tiles, scales, zeros, y, s, p, ws, stream);
+    case 1: return launch_qgemm_cfg<T, BITS, typename Dispatch<BITS, 1>::Cfg>(x, tiles, scales, zeros, y, s, p, ws, stream);
+    case 2: return launch_qgemm_cfg<T, BITS, typename Dispatch<BITS, 2>::Cfg>(x, tiles, scales, zeros, y, s, p, ws, stream);
+    case 3: return launch_qgemm_cfg<T, BITS, typename Dispatch<BITS, 3>::Cfg>(x, tiles, scales, zeros, y, s, p, ws, stream);
+    default: return launch_qgemm_cfg<T, BITS, typename Dispatch<BITS, 4>::Cfg>(x, tiles, scales, zeros, y, s, p, ws, stream);
   }
 }
 }  // namespace detail
 
 // The plan qgemm_cuda uses for M rows on a device with sm_count SMs.
 inline QGemmPlan qgemm_plan(const QGemmShape& s, int sm_count, int cps_override = 0) {
-  const QGemmGeometry g = s.bits == 8 ? detail::default_geometry<8>(s.M) : s.bits == 3 ? detail::default_geometry<3>(s.M) : detail::default_geometry<4>(s.M);
-  return plan_qgemm(s, g, sm_count, cps_override);
+  return s.bits == 8 ? detail::default_plan<8>(s, sm_count, cps_override)
+         : s.bits == 3 ? detail::default_plan<3>(s, sm_count, cps_override)
+                       : detail::default_plan<4>(s, sm_count, cps_override);
 }
 // Workspace sizes for qgemm_cuda with s.M rows (pointers left null): partial fp32 (any contents) and
 // counters int32 (zero before the first call; the kernel leaves them zero).
