@@ -50,7 +50,7 @@ constexpr const char* kPeer = "libtorch-autocast-bf16";
 struct Options {
   std::string out, csv, preset = "tinyllama-1.1b", device = "cuda", rows, corpus;
   int64_t batch = 8, seq = 2048, steps = 3, warmup = 2, layers = 0, eval_seqs = 8, threads = 0;
-  double lr = 3e-4, clip = 1.0;
+  double lr = 3e-4, clip = 1.0, loss_scale = 1024;
   uint64_t seed = 1337;
 };
 
@@ -64,6 +64,7 @@ struct Row {
   RowSpec spec;
   std::string strategy;  // the Strategy spelled out
   std::optional<double> time_ms, peak_gb, reserved_gb, planned_gb, planned_host_gb, final_loss, val_loss;
+  int64_t skipped = 0;  // optimizer steps skipped for non-finite gradients (fp16 loss scaling)
   bool oom = false;
   std::string error;
 };
@@ -240,7 +241,12 @@ Row run_strategy(const RowSpec& spec, const Options& o, const nn::LlamaConfig& c
       torch::manual_seed(1);
       Trainer<S> trainer(config, topt, device);
       run_steps(
-          o, spec.batch, data, device, row, [&](const torch::Tensor& x, const torch::Tensor& y) { return trainer.step(x, y).loss; },
+          o, spec.batch, data, device, row,
+          [&](const torch::Tensor& x, const torch::Tensor& y) {
+            const llama::StepResult r = trainer.step(x, y);
+            row.skipped += r.applied ? 0 : 1;
+            return r.loss;
+          },
           [&] { trainer.sync(); }, [&](const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches) { return trainer.evaluate(batches); });
     });
   });
@@ -286,6 +292,8 @@ int main(int argc, char** argv) {
   app.add_option("--eval-seqs", o.eval_seqs, "validation sequences of --seq tokens")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--lr", o.lr, "AdamW learning rate")->capture_default_str();
   app.add_option("--clip", o.clip, "global gradient-norm clip (0: off; Offload<Host> then updates inside backward)")->capture_default_str();
+  app.add_option("--loss-scale", o.loss_scale, "initial dynamic loss scale of the fp16 rows (PyTorch's GradScaler starts at 65536; "
+                                                "from there a short run spends its first steps skipping overflows)")->capture_default_str();
   app.add_option("--seed", o.seed, "seed of the training batches")->capture_default_str();
   app.add_option("--corpus", o.corpus, "train on this text file (default: the KJV if installed, else the built-in text)");
   app.add_option("--threads", o.threads, "CPU threads of libtorch (0: its default)")->capture_default_str();
@@ -310,6 +318,7 @@ int main(int argc, char** argv) {
   llama::TrainOptions topt;
   topt.lr = o.lr;
   topt.clip = o.clip;
+  topt.initial_scale = o.loss_scale;
 
   const auto known = llama::strategy_names();
   const std::vector<RowSpec> rows = parse_rows(o.rows, o.batch);
@@ -359,6 +368,7 @@ int main(int argc, char** argv) {
       j["peak_gb"] = *row.peak_gb;
       j["reserved_gb"] = *row.reserved_gb;
       j["final_loss"] = *row.final_loss;
+      j["skipped_steps"] = row.skipped;
       if (row.val_loss) {
         ppl = std::exp(*row.val_loss);
         j["val_loss"] = *row.val_loss;
@@ -399,6 +409,7 @@ int main(int argc, char** argv) {
         << std::flush;
 
     std::string note = row.error;
+    if (row.skipped > 0) note = std::to_string(row.skipped) + " step(s) skipped (fp16 overflow)" + (note.empty() ? "" : "; " + note);
     if (claim) note = fmt(claim->gb, "%.1f") + " " + fmt(claim->its, "%.1f") + " " + fmt(claim->ppl, "%.2f") + (note.empty() ? "" : " | " + note);
     std::printf("%-27s %3lld %8s %8s %6s %7s %9s %8s %7s %7s  %s\n", spec.name.c_str(), (long long)spec.batch, fmt(row.peak_gb, "%.2f").c_str(),
                 fmt(row.planned_gb, "%.2f").c_str(), fmt(plan_ratio, "%.3f").c_str(),
