@@ -85,6 +85,7 @@ struct Measured {
   int64_t peak_bytes = -1, planned_bytes = 0;
   nn::MemoryUse actual;
   bool eager = false;
+  nn::OffloadStats cpu;  // Offload<Host>: the pipeline's host seconds over the timed steps
 };
 
 nn::LlamaConfig config_of(const Args& a) {
@@ -117,6 +118,7 @@ Measured run_case(const Args& a, torch::Device dev, const std::string& name, com
 #if defined(SQUEEZE_TORCH_CUDA)
   if (dev.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(dev.index());
 #endif
+  trainer.reset_offload_stats();
   const auto t0 = std::chrono::steady_clock::now();
   for (int s = 1; s < a.steps; ++s) {
     auto r = trainer.step([&] { return model->loss(x, y); });
@@ -133,9 +135,16 @@ Measured run_case(const Args& a, torch::Device dev, const std::string& name, com
   m.planned_bytes = rep.predicted.peak().device;
   m.actual = rep.actual;
   m.eager = trainer.updated_during_backward();
+  m.cpu = trainer.offload_stats();
+  const double per = 1e3 / (a.steps - 1);
   std::cout << "-- " << name << ": " << m.ms_per_step << " ms/step, " << m.tokens_per_s << " tokens/s, peak "
             << m.peak_bytes / 1e9 << " GB (planned " << m.planned_bytes / 1e9 << " GB)"
-            << (S::offload_to_host ? (m.eager ? ", updated inside backward" : ", updated after backward") : "") << "\n"
+            << (S::offload_to_host ? (m.eager ? ", updated inside backward" : ", updated after backward") : "") << "\n";
+  if (S::offload_to_host)
+    std::cout << "   host pipeline per step: waiting for gradient copies " << m.cpu.transfer_wait_s * per << " ms, sums of squares "
+              << m.cpu.sum_squares_s * per << " ms, CPU AdamW + upload " << m.cpu.update_s * per << " ms (" << m.cpu.jobs / (a.steps - 1)
+              << " partitions)\n";
+  std::cout
             << rep.table() << std::flush;
   return m;
 }
@@ -182,7 +191,8 @@ int main(int argc, char** argv) try {
   if (a.smoke) return 0;
 
   std::ofstream out(a.out, std::ios::app);
-  std::printf("\n%-40s %10s %12s %10s %10s %9s %9s\n", "case", "ms/step", "tokens/s", "peak GB", "plan GB", "speed", "memory");
+  std::printf("\n%-40s %10s %12s %10s %10s %9s %9s %10s\n", "case", "ms/step", "tokens/s", "peak GB", "plan GB", "speed", "memory",
+              "CPU ms");
   for (const auto& m : results) {
     const bool is_peer = &m == &results.front();
     const auto& u = m.actual;
@@ -192,6 +202,7 @@ int main(int argc, char** argv) try {
                   "\"peak_gpu_bytes\":%lld,\"planned_gpu_bytes\":%lld,\"updated_inside_backward\":%s,"
                   "\"actual\":{\"parameters\":[%lld,%lld],\"gradients\":[%lld,%lld],\"master_weights\":[%lld,%lld],"
                   "\"optimizer_state\":[%lld,%lld],\"communication\":[%lld,%lld],\"peak_gradient_bytes\":%lld},"
+                  "\"host_ms_per_step\":{\"transfer_wait\":%.1f,\"sum_squares\":%.1f,\"adamw_upload\":%.1f},"
                   "\"peer\":\"%s\",\"ratio_vs_peer\":%.4f,\"memory_ratio_vs_peer\":%.4f,\"roofline_fraction\":null,"
                   "\"device\":\"%s\",\"date\":\"%s\",\"commit\":\"%s\"}",
                   a.preset.c_str(), m.name.c_str(), a.batch, a.seq, m.ms_per_step, m.tokens_per_s, (long long)m.peak_bytes,
@@ -199,15 +210,18 @@ int main(int argc, char** argv) try {
                   (long long)u.parameters.host, (long long)u.gradients.device, (long long)u.gradients.host,
                   (long long)u.master_weights.device, (long long)u.master_weights.host, (long long)u.optimizer_state.device,
                   (long long)u.optimizer_state.host, (long long)u.communication.device, (long long)u.communication.host,
-                  (long long)u.peak_gradient_bytes, is_peer ? "itself" : peer.name.c_str(), peer.ms_per_step / m.ms_per_step,
+                  (long long)u.peak_gradient_bytes, m.cpu.transfer_wait_s * 1e3 / (a.steps - 1),
+                  m.cpu.sum_squares_s * 1e3 / (a.steps - 1), m.cpu.update_s * 1e3 / (a.steps - 1), is_peer ? "itself" : peer.name.c_str(), peer.ms_per_step / m.ms_per_step,
                   double(peer.peak_bytes) / double(m.peak_bytes), env_or("SQUEEZE_DEVICE", "unknown").c_str(),
                   env_or("SQUEEZE_DATE", "").c_str(), env_or("SQUEEZE_COMMIT", "unknown").c_str());
     out << buf << "\n";
-    std::printf("%-40s %10.1f %12.0f %10.2f %10.2f %8.2fx %8.2fx\n", m.name.c_str(), m.ms_per_step, m.tokens_per_s,
+    std::printf("%-40s %10.1f %12.0f %10.2f %10.2f %8.2fx %8.2fx %10.1f\n", m.name.c_str(), m.ms_per_step, m.tokens_per_s,
                 m.peak_bytes / 1e9, m.planned_bytes / 1e9, peer.ms_per_step / m.ms_per_step,
-                double(peer.peak_bytes) / double(m.peak_bytes));
+                double(peer.peak_bytes) / double(m.peak_bytes),
+                (m.cpu.sum_squares_s + m.cpu.update_s) * 1e3 / (a.steps - 1));
   }
-  std::printf("(speed, memory: the peer's time / ours and its peak / ours; > 1 = faster / smaller)\n");
+  std::printf("(speed, memory: the peer's time / ours and its peak / ours; > 1 = faster / smaller; CPU ms: the offload\n"
+              " pipeline's sums of squares + AdamW per step, on the worker thread beside the GPU)\n");
   return 0;
 } catch (const std::exception& e) {
   std::cerr << e.what() << "\n";

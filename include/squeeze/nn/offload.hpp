@@ -21,6 +21,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -81,6 +82,14 @@ inline double chunked_sum_squares(const torch::Tensor& t) {
   return total;
 }
 
+// Where the pipeline's host time went (seconds, summed over jobs since the last reset): waiting for device ->
+// host copies, summing squares, and the optimizer (AdamW + queueing the upload). In threaded mode this runs
+// beside the GPU; its sum per step against the step time says whether the CPU bounds the step.
+struct OffloadStats {
+  double transfer_wait_s = 0, sum_squares_s = 0, update_s = 0;
+  std::int64_t jobs = 0;
+};
+
 class OffloadPipeline {
  public:
   using Fn = std::function<void(Partition&)>;
@@ -119,6 +128,7 @@ class OffloadPipeline {
       p.d2h_done = d2h_.record();
     }
     submit(p, [this, after, then = std::move(then)](Partition& q) {
+      const auto t0 = clock::now();
       q.h2d_done.synchronize();  // the last upload of q.master has been read before AdamW rewrites it
       if (d2h_.active()) {
         q.d2h_done.synchronize();
@@ -126,11 +136,14 @@ class OffloadPipeline {
         q.host_grad.copy_(q.grad);
         q.grad.zero_();
       }
+      const auto t1 = clock::now();
       q.sumsq = chunked_sum_squares(q.host_grad);
+      const auto t2 = clock::now();
       if (then) {
         then(q);
         write_back(q, after);
       }
+      account(t1 - t0, t2 - t1, clock::now() - t2);
     });
   }
 
@@ -138,9 +151,12 @@ class OffloadPipeline {
   void update(Partition& p, Fn fn) {
     Event after = record_current(device_);
     submit(p, [this, after, fn = std::move(fn)](Partition& q) {
+      const auto t0 = clock::now();
       q.h2d_done.synchronize();
+      const auto t1 = clock::now();
       fn(q);
       write_back(q, after);
+      account(t1 - t0, clock::duration::zero(), clock::now() - t1);
     });
   }
 
@@ -162,7 +178,25 @@ class OffloadPipeline {
     wait_current(device_, h2d_.record());
   }
 
+  OffloadStats stats() {
+    std::lock_guard lk(m_);
+    return stats_;
+  }
+  void reset_stats() {
+    std::lock_guard lk(m_);
+    stats_ = {};
+  }
+
  private:
+  using clock = std::chrono::steady_clock;
+  void account(clock::duration wait, clock::duration norm, clock::duration update) {
+    std::lock_guard lk(m_);
+    stats_.transfer_wait_s += std::chrono::duration<double>(wait).count();
+    stats_.sum_squares_s += std::chrono::duration<double>(norm).count();
+    stats_.update_s += std::chrono::duration<double>(update).count();
+    ++stats_.jobs;
+  }
+
   struct Job {
     Partition* p;
     Fn fn;
@@ -237,6 +271,7 @@ class OffloadPipeline {
   std::uint64_t issued_ = 0, done_ = 0;
   bool stop_ = false;
   std::exception_ptr error_;
+  OffloadStats stats_;
   std::thread worker_;
 };
 

@@ -465,6 +465,11 @@ class Trainer {
   int64_t reduce_scatter_bytes() const { return last_window_rs_bytes_; }
   // Offload<Host>: whether the last boundary updated partitions during backward (see the header).
   bool updated_during_backward() const { return last_eager_; }
+  // Offload<Host>: host time of the pipeline since the last reset (see OffloadStats); zeros otherwise.
+  OffloadStats offload_stats() const { return offload_ ? offload_->stats() : OffloadStats{}; }
+  void reset_offload_stats() {
+    if (offload_) offload_->reset_stats();
+  }
   // Waits for Offload<Host> work still in flight (step() may return before the last updates of stage 3 land).
   void sync() {
     if (offload_) offload_->wait_all();
