@@ -448,10 +448,14 @@ class LocalTrainer {
     for (size_t i = 0; i < params_.size(); ++i) {
       const torch::Tensor& g = grad(i);
       if (!g.defined()) continue;
-      const torch::Tensor g32 = g.to(torch::kFloat32) * gmul;  // [param] fp32 temporary
+      // fp32 gradient: a temporary for 16-bit gradients; float ones (freed or re-zeroed after the step) are
+      // scaled in place. With denom that is at most two fp32 temporaries of the largest parameter.
+      torch::Tensor g32 = g.to(torch::kFloat32);
+      if (gmul != 1.0) g32.mul_(gmul);
       m_[i].mul_(b1).add_(g32, 1 - b1);
       v_[i].mul_(b2).addcmul_(g32, g32, 1 - b2);
-      const torch::Tensor denom = (v_[i].sqrt() / std::sqrt(bc2)).add_(options_.eps);
+      torch::Tensor denom = v_[i].sqrt();
+      denom.div_(std::sqrt(bc2)).add_(options_.eps);
       torch::Tensor& w = weights(i);
       w.mul_(1 - options_.lr * options_.weight_decay).addcdiv_(m_[i], denom, -step_size);
       if constexpr (has_master) params_[i].copy_(w);  // round to the compute type
