@@ -10,7 +10,7 @@
 //   stage2 bf16 Offload<Host>       gradients in buckets during backward, eager CPU AdamW per bucket
 // One GPU; about a minute on an H200 with the defaults.
 //   bench_zero --out results.jsonl [--preset tinyllama-1.1b] [--layers N] [--steps 4] [--batch 8] [--seq 1024]
-//              [--ckpt N] [--only SUBSTRING] [--smoke]
+//              [--ckpt N] [--only SUBSTRING] [--smoke]     (--only: the cases whose name contains it, and the peer)
 // JSON lines per case: bench "zero", case, time_ms (per optimizer step), tokens_per_s, peak_gpu_bytes,
 // planned_gpu_bytes (the planner's peak), actual bytes per category (trainer accounting), peer (the on-GPU
 // case), ratio_vs_peer (its time / ours: > 1 faster), memory_ratio_vs_peer (its peak / ours: > 1 smaller),
@@ -175,11 +175,12 @@ int main(int argc, char** argv) try {
   std::vector<Measured> results;
   const Measured peer = run_case<OnGpu>(a, dev, "stage3 bf16", local());  // always: every ratio is against it
   results.push_back(peer);
-  if (want("stage3 bf16 Offload<Host>")) results.push_back(run_case<Off3>(a, dev, "stage3 bf16 Offload<Host>", local()));
-  if (want("clip")) results.push_back(run_case<Off3>(a, dev, "stage3 bf16 Offload<Host> clip 1.0", local(), {}, 1.0f));
-  if (want("in order")) results.push_back(run_case<Off3>(a, dev, "stage3 bf16 Offload<Host> in order", local(), in_order));
+  const std::string eager = "stage3 bf16 Offload<Host>", clipped = eager + " clip 1.0", ordered = eager + " in order";
+  if (want(eager)) results.push_back(run_case<Off3>(a, dev, eager, local()));
+  if (want(clipped)) results.push_back(run_case<Off3>(a, dev, clipped, local(), {}, 1.0f));
+  if (want(ordered)) results.push_back(run_case<Off3>(a, dev, ordered, local(), in_order));
 #if defined(SQUEEZE_WITH_NCCL) && SQUEEZE_WITH_NCCL
-  if (dev.is_cuda() && want("NcclComm")) {
+  if (dev.is_cuda() && want("stage3 bf16 NcclComm")) {
     ncclUniqueId id;
     SQUEEZE_NCCL_CHECK(ncclGetUniqueId(&id));
     comm::NcclOptions o;
@@ -187,7 +188,7 @@ int main(int argc, char** argv) try {
     results.push_back(run_case<OnGpu>(a, dev, "stage3 bf16 NcclComm", std::make_shared<comm::NcclComm>(0, 1, id, o)));
   }
 #endif
-  if (want("stage2")) results.push_back(run_case<Off2>(a, dev, "stage2 bf16 Offload<Host>", local()));
+  if (want("stage2 bf16 Offload<Host>")) results.push_back(run_case<Off2>(a, dev, "stage2 bf16 Offload<Host>", local()));
   if (a.smoke) return 0;
 
   std::ofstream out(a.out, std::ios::app);
