@@ -549,6 +549,28 @@ TEST(Memory, Stage1And2ShardStateAsPlanned) {
   EXPECT_EQ(r2.actual.optimizer_state.device, r2.predicted.optimizer_state.device);
 }
 
+// ---- the offload pipeline's gradient norm pass against float64 ------------------------------------------
+// chunked_sum_squares: fixed chunks, so the bits do not depend on the thread count; within float64 rounding
+// (n * 2^-52 relative) of torch's float64 sum, for sizes around the chunk and parallel thresholds.
+TEST(Offload, ChunkedSumOfSquaresMatchesFloat64) {
+  torch::manual_seed(3);
+  for (int64_t n : {int64_t(1), int64_t(4095), int64_t(4097), int64_t(70001), int64_t(4 << 20) + 13}) {
+    for (auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat16}) {
+      const auto t = (torch::randn({n}) * 3).to(dtype);
+      const double ref = t.to(torch::kFloat64).square().sum().item<double>();
+      const double got = nn::chunked_sum_squares(t);
+      EXPECT_NEAR(got, ref, 1e-13 * ref + 1e-300) << n << " " << dtype;
+      EXPECT_EQ(got, nn::chunked_sum_squares(t)) << "deterministic";
+    }
+  }
+  auto bad = torch::randn({100000});
+  bad[77777] = std::numeric_limits<float>::infinity();
+  EXPECT_FALSE(std::isfinite(nn::chunked_sum_squares(bad))) << "inf is seen";
+  bad[77777] = std::nanf("");
+  EXPECT_TRUE(std::isnan(nn::chunked_sum_squares(bad))) << "NaN is seen";
+  EXPECT_THROW(nn::chunked_sum_squares(torch::ones({4}, torch::kInt32)), c10::Error);
+}
+
 // ---- a moved trainer keeps working (examples/llama holds one in a std::optional) ----------------------------
 // Hooks, stage-3 callbacks and the offload worker point to heap state, not into the Trainer object.
 template <class S>
