@@ -63,6 +63,8 @@ if(Torch_FOUND)
   add_library(squeeze_torch INTERFACE)
   if(SQUEEZE_TORCH_CUDA)
     target_link_libraries(squeeze_torch INTERFACE ${TORCH_LIBRARIES})
+    # nn/streams.hpp: real side streams and events (c10_cuda) instead of the blocking fallback.
+    target_compile_definitions(squeeze_torch INTERFACE SQUEEZE_TORCH_CUDA=1)
   else()
     target_link_libraries(squeeze_torch INTERFACE torch_cpu c10)
     target_include_directories(squeeze_torch INTERFACE ${TORCH_INCLUDE_DIRS})
