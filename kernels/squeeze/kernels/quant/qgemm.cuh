@@ -186,11 +186,13 @@ struct QGemmGeometry {
   int ring_bytes = 0;   // cp.async loader ring per block
 };
 
-// cps_override > 0 forces the chunks per K range (benchmarks sweep it); otherwise the K range is sized so
-// the grid holds about `warps_per_sm` warps of work per SM (several waves of short blocks: a block's
-// pipeline fill is overlapped by its neighbours, and the tail of the last wave stays short), 4..32 chunks.
+// cps_override > 0 forces the chunks per K range (benchmarks sweep it); otherwise K ranges of cps_target
+// chunks, halved (down to 4) while the grid would hold fewer than 2 blocks per SM. H200 sweep
+// (bench/results/h200/gemm4.jsonl, variants_ms; 3- and 4-bit, M 1..128, K 4096..11008): 16 chunks was the
+// fastest or within ~10% of it on every shape with enough strips; shorter ranges paid only where the grid
+// was small (4096 x 4096, M = 1: 13.4 us with 4 chunks, 18.7 us with 16); longer ones lost everywhere.
 // x_smem_cap bounds the x slice (and so cps) per block; small groups bound it through the group table.
-inline QGemmPlan plan_qgemm(const QGemmShape& s, const QGemmGeometry& g, int sm_count, int cps_override = 0, int warps_per_sm = 64,
+inline QGemmPlan plan_qgemm(const QGemmShape& s, const QGemmGeometry& g, int sm_count, int cps_override = 0, int cps_target = 16,
                             int x_smem_cap = 96 * 1024) {
   QGemmPlan p;
   const std::int64_t kchunks = s.Kpad / kTileK;
@@ -205,13 +207,9 @@ inline QGemmPlan plan_qgemm(const QGemmShape& s, const QGemmGeometry& g, int sm_
       1, std::min<std::int64_t>((x_smem_cap / (2 * g.rows) - 8) / kTileK, (table_groups - 2) * s.group / kTileK));
   std::int64_t cps = cps_override;
   if (cps <= 0) {
-    const std::int64_t warp_chunks = kchunks * p.strips * p.zslices * g.warps;  // if every block did all of K
-    const std::int64_t want_warps = std::int64_t(std::max(sm_count, 1)) * warps_per_sm;
-    cps = std::clamp<std::int64_t>((warp_chunks + want_warps - 1) / want_warps, 4, 32);
-    // fp32 partials (written and read once per split) stay below a quarter of the 4-bit weight bytes:
-    // splits * M * N * 4 <= K * N / 8
-    const std::int64_t max_splits = std::max<std::int64_t>(1, s.K / (32 * s.M));
-    cps = std::max(cps, (kchunks + max_splits - 1) / max_splits);
+    cps = std::max(cps_target, 1);
+    auto blocks = [&](std::int64_t c) { return std::int64_t(p.strips) * p.zslices * ((kchunks + c - 1) / c); };
+    while (cps > 4 && blocks(cps) < 2 * std::int64_t(std::max(sm_count, 1))) cps /= 2;
   }
   cps = std::clamp<std::int64_t>(cps, 1, std::min(cps_max, kchunks));
   p.splits = int((kchunks + cps - 1) / cps);
@@ -889,35 +887,21 @@ using DiagnosticCfgs = CfgList<QGemmCfg<1, 4, 1, 8, R::Registers, false, M_::Loa
                                QGemmCfg<1, 4, 1, 8, R::Registers, true, M_::LoadDecode>, QGemmCfg<1, 4, 1, 16, R::CpAsync, false, M_::LoadOnly>,
                                QGemmCfg<2, 4, 1, 8, R::Registers, false, M_::LoadDecode>>;
 
-// Dispatch table: batch class (M <= 8, <= 16, <= 32, <= 64, more) -> configuration and K-range length
-// (kCps 0: the plan's heuristic). Chosen from the benchmark's variant sweep on one H200
-// (bench/results/h200/gemm4.jsonl, fields variants_ms / best_variant).
+// Dispatch table: batch class (M <= 8, <= 16, <= 32, <= 64, more) -> configuration (K ranges: the plan's
+// rule, kCps 0). 3- and 4-bit from the H200 variant sweep (bench/results/h200/gemm4.jsonl, run at e726527,
+// fastest per case in best_variant): 16 rows x 2 tiles per warp x 4 chunks in flight (r16w4n2p4) was the
+// fastest or within 3% at M = 1..16 on the large shapes, for 3 bits as well (even at M = 1, where 8 rows
+// per block lose: two tiles per warp keep more bytes in flight per register); 32 rows (r32w4n2p4, z slices
+// above 32 rows) at M = 64 and 128. 8-bit keeps the configurations its GPU tests ran (not swept).
 inline int batch_class(std::int64_t M) { return M <= 8 ? 0 : M <= 16 ? 1 : M <= 32 ? 2 : M <= 64 ? 3 : 4; }
 template <int BITS, int CLASS>
-struct Dispatch;
-template <int BITS>
-struct Dispatch<BITS, 0> {
-  using Cfg = QGemmCfg<1, 4, 1, (BITS == 8 ? 4 : 8)>;
+struct Dispatch {
+  using Cfg = std::conditional_t<(CLASS <= 1), QGemmCfg<2, 4, 2, 4>, QGemmCfg<4, 4, 2, 4>>;
   static constexpr int kCps = 0;
 };
-template <int BITS>
-struct Dispatch<BITS, 1> {
-  using Cfg = QGemmCfg<2, 4, 1, (BITS == 8 ? 4 : 8)>;
-  static constexpr int kCps = 0;
-};
-template <int BITS>
-struct Dispatch<BITS, 2> {
-  using Cfg = QGemmCfg<4, 4, 1, (BITS == 8 ? 4 : 8)>;
-  static constexpr int kCps = 0;
-};
-template <int BITS>
-struct Dispatch<BITS, 3> {
-  using Cfg = QGemmCfg<8, 4, 1, (BITS == 8 ? 4 : 8)>;
-  static constexpr int kCps = 0;
-};
-template <int BITS>
-struct Dispatch<BITS, 4> {
-  using Cfg = QGemmCfg<8, 4, 1, (BITS == 8 ? 4 : 8)>;
+template <int CLASS>
+struct Dispatch<8, CLASS> {
+  using Cfg = QGemmCfg<(CLASS == 0 ? 1 : CLASS == 1 ? 2 : CLASS == 2 ? 4 : 8), 4, 1, 4>;
   static constexpr int kCps = 0;
 };
 template <int BITS, int CLASS>
