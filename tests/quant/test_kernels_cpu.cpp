@@ -239,3 +239,17 @@ TEST(QGemmPlan, SplitsCoverKAndSharedMemoryHoldsTheBlock) {
               EXPECT_EQ(p.counter_elems, std::int64_t(p.strips) * p.zslices);
             }
 }
+
+// The K-range rule the dispatch uses (plan_qgemm without override), on the benchmark's shapes with the
+// geometry of the 16-row, two-tiles-per-warp configuration: 16 chunks, halved while under 2 blocks per SM.
+TEST(QGemmPlan, KRangesOf16ChunksHalvedOnSmallGrids) {
+  const kq::QGemmGeometry g{16, 128, 4, 0};
+  auto plan = [&](std::int64_t M, std::int64_t K, std::int64_t N) {
+    const std::int64_t Kpad = kq::pad_to(K, 64), Npad = kq::pad_to(N, 16);
+    return kq::plan_qgemm(kq::QGemmShape{M, N, K, Kpad, Npad, 128, 4}, g, 132);
+  };
+  EXPECT_EQ(plan(1, 8192, 28672).cps, 16);
+  EXPECT_EQ(plan(1, 4096, 11008).cps, 16);
+  EXPECT_EQ(plan(1, 4096, 4096).cps, 4);  // 32 strips: 16 chunks would leave 128 blocks for 132 SMs
+  EXPECT_EQ(plan(64, 4096, 4096).cps, 16);  // 4 z slices x 32 strips x 4 splits = 512 blocks
+}
