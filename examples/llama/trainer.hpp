@@ -545,6 +545,7 @@ class ZeroTrainer {
     w.scalar("rank", int64_t(c.rank()));
     w.scalar("step", trainer_->steps_applied());
     w.scalar("loss_scale", double(trainer_->scale()));
+    w.scalar("good_steps", int64_t(trainer_->loss_scaler().state().growth_tracker));
     for (const auto& [name, t] : trainer_->full_parameters()) w.tensor("weights/" + name, t.to(torch::kFloat32));
     const auto state = trainer_->optimizer_state();
     for (size_t k = 0; k < state.size(); ++k)
@@ -567,10 +568,9 @@ class ZeroTrainer {
         if (state[k][j].defined()) loaded[k][j] = r.tensor(partition_key(k, j), state[k][j].sizes());
     const int64_t step = r.integer("step");
     const double scale = r.real("loss_scale");
-    constexpr bool can_restore = requires(nn::Trainer<S, squeeze::AdamW>& t) { t.restore_counters(int64_t{}, float{}, int64_t{}); };
-    TORCH_CHECK(can_restore, "checkpoint '", path, "': this build's nn::Trainer cannot restore its step counter and loss scale, "
-                "so the run would not continue as it was: train without --load");
+    const int64_t good = r.integer("good_steps");
 
+    trainer_->sync();  // an offloaded update still in flight must not land on the loaded values
     torch::NoGradGuard no_grad;
     // Compute-type parameters: whole ones are views into the trainer's flat buffer; stage-3 layers keep a
     // shard of their flat layout, cut from the full values here.
@@ -587,7 +587,7 @@ class ZeroTrainer {
     for (size_t k = 0; k < state.size(); ++k)
       for (int j = 0; j < 3; ++j)
         if (state[k][j].defined()) state[k][j].copy_(loaded[k][j]);
-    if constexpr (can_restore) trainer_->restore_counters(step, float(scale), 0);
+    trainer_->restore_counters(step, float(scale), good);
   }
 
  private:

@@ -274,6 +274,32 @@ TEST(LossScale, MinimumScaleAndErrorAtMinimum) {
   test::expect_error([&] { r.update(); }, "overflowed while the loss scale sat at its minimum");
 }
 
+// A resumed scaler continues exactly as the one that was saved: same scale now, same step of growth later.
+TEST(LossScale, RestoreContinuesLikeTheSavedScaler) {
+  sk::LossScaleOptions o;
+  o.init_scale = 1024.f;
+  o.growth_interval = 3;
+  sk::LossScaler a(o);
+  *a.found_inf() = 1.f;
+  a.update();  // 512
+  a.update();  // one clean step
+  sk::LossScaler b(o);
+  b.restore(a.scale(), a.state().growth_tracker);
+  EXPECT_EQ(b.scale(), 512.f);
+  EXPECT_EQ(b.inv_scale(), 1.f / 512.f);
+  for (int i = 0; i < 4; ++i) {
+    a.update();
+    b.update();
+    EXPECT_EQ(a.scale(), b.scale()) << i;  // grows to 1024 on the same step
+  }
+  test::expect_error([&] { b.restore(0.f, 0); }, "cannot restore a scale of");
+  test::expect_error([&] { b.restore(std::numeric_limits<float>::infinity(), 0); }, "cannot restore a scale of");
+  test::expect_error([&] { b.restore(8.f, -1); }, "negative growth tracker");
+  o.min_scale = 16.f;
+  sk::LossScaler c(o);
+  test::expect_error([&] { c.restore(8.f, 0); }, "min_scale");
+}
+
 TEST(LossScale, GrowthNeverOverflowsToInf) {
   sk::LossScaleOptions o;
   o.init_scale = 0x1p127f;

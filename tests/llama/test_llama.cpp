@@ -504,31 +504,18 @@ TEST(LlamaCheckpoint, QLoRARefusesAnotherBase) {
   EXPECT_EQ(b.step_count(), 0);
 }
 
-// Whether nn::Trainer can take back its step counter and loss scale (what a ZeRO resume needs).
-template <squeeze::StrategyType S>
-constexpr bool zero_can_restore = requires(squeeze::nn::Trainer<S, squeeze::AdamW>& t) { t.restore_counters(int64_t{}, float{}, int64_t{}); };
-
+// ZeRO-3 + offload: every rank's file brings back the full weights, its optimizer partitions and the counters
+// (nn::Trainer::restore_counters), so the resumed run continues exactly.
 TEST(LlamaCheckpoint, RoundTripContinuesExactlyZero3Offload) {
   using S = squeeze::Strategy<squeeze::Sharded<squeeze::Stage3>, squeeze::Offload<squeeze::Host>, squeeze::Precision<squeeze::bf16, float>>;
-  if constexpr (!zero_can_restore<S>) {
-    // Until then, load refuses (nothing changed) rather than resume with the wrong bias correction.
-    TempDir dir;
-    torch::manual_seed(9);
-    Trainer<S> a(small_config(), fast_options(), torch::kCPU);
-    const auto [x, y] = batch(training_bytes(), 8, 16, 0);
-    a.step(x, y);
-    a.save(dir.file("z.pt"), "zero3");
-    Trainer<S> b(small_config(), fast_options(), torch::kCPU);
-    try {
-      b.load(dir.file("z.pt"));
-      ADD_FAILURE() << "load did not refuse";
-    } catch (const c10::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("cannot restore its step counter"), std::string::npos) << e.what();
-    }
-    GTEST_SKIP() << "nn::Trainer has no restore_counters(): ZeRO checkpoints are written but not loaded yet";
-  } else {
-    round_trip<S>();
-  }
+  round_trip<S>();
+}
+
+// The same with fp16 compute: the dynamic loss scale and its clean-step count come back too.
+TEST(LlamaCheckpoint, RoundTripContinuesExactlyZero2Fp16) {
+  using S = squeeze::Strategy<squeeze::Sharded<squeeze::Stage2>, squeeze::Precision<squeeze::half, float>>;
+  static_assert(S::dynamic_loss_scaling);
+  round_trip<S>();
 }
 
 TEST(LlamaCheckpoint, RefusesACheckpointOfAnotherTrainerKind) {

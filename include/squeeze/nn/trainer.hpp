@@ -459,6 +459,23 @@ class Trainer {
   }
   int64_t steps_applied() const { return applied_; }
   int64_t steps_skipped() const { return skipped_; }
+  // Resuming from a checkpoint whose parameters and optimizer state were copied in: AdamW's bias correction
+  // continues from `steps_applied`; the dynamic loss scale (ignored for a static or no scale) and its clean
+  // steps since the last change come back as they were saved.
+  void restore_counters(int64_t steps_applied, float loss_scale, int64_t good_steps) {
+    TORCH_CHECK(steps_applied >= 0, "Trainer::restore_counters: steps_applied must be >= 0, got ", steps_applied);
+    TORCH_CHECK(good_steps >= 0 && good_steps <= std::numeric_limits<std::int32_t>::max(),
+                "Trainer::restore_counters: good_steps out of range: ", good_steps);
+    sync();  // no offloaded update may land after the counters changed
+    if constexpr (S::dynamic_loss_scaling) {
+      try {
+        scaler_.restore(loss_scale, std::int32_t(good_steps));
+      } catch (const squeeze::Error& e) {
+        TORCH_CHECK(false, "Trainer::restore_counters: ", e.what());
+      }
+    }
+    applied_ = steps_applied;
+  }
   const kernels::LossScaler& loss_scaler() const { return scaler_; }
   comm::Communicator& communicator() { return *comm_; }
   // Stage 2/3 buckets: bytes that entered gradient reduce-scatters in the last finished window.

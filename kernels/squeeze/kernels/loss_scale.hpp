@@ -154,6 +154,14 @@ class LossScaler {
   const float* inv_scale_ptr() const { return &st_.inv_scale; }
   const LossScaleState& state() const { return st_; }
   const LossScaleOptions& options() const { return opt_; }
+  // Resuming from a checkpoint: the scale and the clean steps since the last change (hysteresis starts afresh).
+  void restore(float scale, std::int32_t growth_tracker) {
+    check(std::isfinite(scale) && scale > 0.0f && scale >= opt_.min_scale,
+          "loss scale: cannot restore a scale of " + std::to_string(scale) + " (it must be finite, > 0 and >= min_scale " +
+              std::to_string(opt_.min_scale) + ")");
+    check(growth_tracker >= 0, "loss scale: cannot restore a negative growth tracker (" + std::to_string(growth_tracker) + ")");
+    st_ = LossScaleState{scale, 1.0f / scale, 0.0f, growth_tracker, opt_.hysteresis, 0};
+  }
   // Applies the update; returns true when this step was clean (the optimizer applied it).
   bool update() {
     const bool clean = st_.found_inf == 0.0f;
