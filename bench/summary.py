@@ -1,5 +1,6 @@
 """Print one line per benchmark case from JSON-lines result files: bench, case, ratio to peer, roofline.
-Strategy-table lines (bench "table") also show peak memory beside the planner and validation perplexity."""
+Strategy-table lines (bench "table") also show peak memory beside the planner and validation perplexity;
+llama_gptq lines (examples/llama_gptq) show perplexity, its ratio to the unquantized model and the KL to it."""
 import json
 import sys
 
@@ -24,6 +25,15 @@ for path in sys.argv[1:]:
             plan_txt = f"plan {plan:6.2f} GB ({num(r, 'plan_ratio'):5.3f}x)" if plan else "plan      -         "
             print(f"table    {name:<44} x{ratio:6.2f} vs {r.get('peer', '?'):<22} peak {num(r, 'peak_gb'):6.2f} GB {plan_txt} "
                   f"{num(r, 'tokens_per_s'):8.0f} tok/s  ppl {num(r, 'val_ppl'):7.2f}")
+            continue
+        if r.get("bench") == "llama_gptq" or r.get("example") == "llama_gptq":
+            group = r.get("group")
+            group_txt = "channel" if group in (-1, "channel") else f"g{group}"
+            name = f"{r.get('method', '?')} {r.get('bits', '?')}-bit {group_txt}{' act-order' if r.get('act_order') else ''} {r.get('preset', '')}"
+            kl = r.get("kl_to_reference")
+            kl_txt = f"KL {kl:9.3e}" if isinstance(kl, (int, float)) else "KL         -"
+            print(f"gptq     {name:<44} ppl {num(r, 'ppl'):8.4f} ({num(r, 'ppl_ratio'):6.4f}x reference)  {kl_txt}  "
+                  f"quantized in {num(r, 'quantize_s'):6.1f} s")
             continue
         roof = num(r, "roofline_fraction")
         print(f"{r.get('bench', '?'):<8} {r.get('case', '?'):<44} x{ratio:6.2f} vs {r.get('peer', '?'):<22} "
