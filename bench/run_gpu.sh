@@ -49,5 +49,16 @@ run_bench gptq "$BUILD/bench/quant/bench_gptq"
 run_bench zero "$BUILD/bench/zero/bench_zero"
 run_bench table "$BUILD/bench/table/bench_table"
 
+# GPTQ vs RTN perplexity (issue 6): train the 125m preset for 1000 bf16 steps, then quantize it at 2/3/4/8 bits.
+# The KJV text comes from $ROOT/kjv.txt when the snapshot carries it (the GPU machine has no `bible` program).
+if [ ${#want[@]} -eq 0 ] || [[ " ${want[*]} " =~ " llama_gptq " ]]; then
+  corpus=(); [ -f "$ROOT/kjv.txt" ] && corpus=(--corpus "$ROOT/kjv.txt")
+  echo "== llama_gptq"
+  "$BUILD/bin/llama_train" --preset 125m --device cuda --strategy bf16 --steps 1000 --batch 32 --seq 256 --lr 1e-3 --eval-every 250 \
+    --eval-batches 8 --sample 0 "${corpus[@]}" --save "$BUILD/kjv-125m.pt" >"$OUT/llama_gptq-train.log" 2>&1 && tail -2 "$OUT/llama_gptq-train.log" &&
+  "$BUILD/bin/llama_gptq" --preset 125m --device cuda --checkpoint "$BUILD/kjv-125m.pt" "${corpus[@]}" --seq 256 --bits 4,3,2,8 \
+    --group 128,channel --calib-tokens 65536 --eval-batch 32 --kl --out "$OUT/llama_gptq.jsonl" 2>&1 | tail -20
+fi
+
 echo "== summary (bench, case, ratio vs peer (>1: ours faster/smaller), roofline fraction, time)"
 python3 "$ROOT/bench/summary.py" "$OUT"/*.jsonl
