@@ -15,30 +15,13 @@
 #include <squeeze/quant/tiles.hpp>
 #include <squeeze/quant/rtn.hpp>
 
+#include "cuda_buffer.hpp"
+
 using namespace squeeze;
 namespace kq = squeeze::kernels::quant;
 
 namespace {
-bool have_device() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-#define REQUIRE_DEVICE() \
-  if (!have_device()) GTEST_SKIP() << "no CUDA device"
-
-template <class T>
-struct Dev {
-  T* p = nullptr;
-  std::size_t n = 0;
-  explicit Dev(std::size_t count) : n(count) { SQUEEZE_CUDA_CHECK(cudaMalloc(&p, std::max<std::size_t>(1, n) * sizeof(T))); }
-  explicit Dev(const std::vector<T>& h) : Dev(h.size()) { SQUEEZE_CUDA_CHECK(cudaMemcpy(p, h.data(), n * sizeof(T), cudaMemcpyHostToDevice)); }
-  ~Dev() { cudaFree(p); }
-  std::vector<T> get() const {
-    std::vector<T> h(n);
-    SQUEEZE_CUDA_CHECK(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-  }
-};
+using test::Dev;
 
 quant::PackedLinear random_layer(std::int64_t out, std::int64_t in, int bits, int group, bool act_order, std::uint32_t seed) {
   std::mt19937 rng(seed);
