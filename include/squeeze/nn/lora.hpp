@@ -531,6 +531,7 @@ class LoraTrainer {
   static_assert(S::has_lora && S::training, "LoraTrainer<S> trains LoRA adapters: S needs LoRA<R, A> (and no Inference)");
   static_assert(!S::loss_scaling, "LoraTrainer keeps no loss scale: use Precision<bf16, float> (or float) with LoRA, not fp16");
   static_assert(S::stage == 0 && !S::offload_to_host, "LoraTrainer runs on one device: the adapters are small, drop Sharded/Offload");
+  static_assert(S::state_bits == 32, "LoraTrainer keeps fp32 Adam moments: 8-bit optimizer state (Quantized<8, Blockwise8>) is not implemented; remove it");
 
  public:
   LoraTrainer(torch::nn::Module& model, torch::Device device, const LoraTrainOptions& o = {}) : opt_(o) {

@@ -291,6 +291,9 @@ class Trainer {
   static_assert(S::training, "make_trainer needs a training Strategy (remove Inference)");
   static_assert(!S::quantized_weights && !S::has_lora,
                 "make_trainer trains full weights; quantized/LoRA strategies have their own trainers");
+  static_assert(S::state_bits == 32,
+                "nn::Trainer keeps fp32 Adam moments: 8-bit optimizer state (Quantized<8, Blockwise8>) is only planned "
+                "(plan_memory counts it), not implemented; remove it from the Strategy");
 
   Trainer(std::shared_ptr<torch::nn::Module> module, O adamw, comm::CommPtr comm, TrainerOptions opt = {})
       : module_(std::move(module)), adamw_(adamw), comm_(std::move(comm)), opt_(resolve(adamw, opt)),
