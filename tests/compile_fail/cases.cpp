@@ -69,6 +69,9 @@ squeeze::optim::FlatAdamW<squeeze::Strategy<squeeze::Precision<squeeze::bf16, sq
 #elif defined(CASE_flat_adamw_device_without_nvcc)
 #include <squeeze/optim/adamw.hpp>
 squeeze::optim::FlatAdamW<squeeze::Strategy<squeeze::Precision<squeeze::bf16, float>>> o(squeeze::AdamW{});
+#elif defined(CASE_flat_adamw_8bit_state)
+#include <squeeze/optim/adamw.hpp>
+squeeze::optim::FlatAdamW<squeeze::Strategy<squeeze::Quantized<8, squeeze::Blockwise8>>> o(squeeze::AdamW{});
 #else
 #error "define one CASE_*"
 #endif
