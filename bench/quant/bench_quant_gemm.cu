@@ -231,6 +231,57 @@ double min_time(const nlohmann::json& times) {  // fastest entry of {name: {cps:
   return best;
 }
 
+// A layer on the device: kernel tiles, the GPTQ-layout tensors (for the GEMV and dequantize peers) and the
+// exact fp32 dequantized weights (fp16 scale * small integer) the correctness check multiplies by.
+struct DeviceLayer {
+  torch::Tensor tiles, scales, zeros, qweight, qzeros, gptq_scales, g_idx, w_deq;  // w_deq: fp32 [N, K]
+  kq::GptqView view;
+};
+DeviceLayer upload_layer(const squeeze::quant::PackedLinear& p, const squeeze::quant::QTiles& t, std::int64_t K, std::int64_t N, int bits,
+                         const torch::TensorOptions& cuda) {
+  auto up = [&](const auto& v, torch::ScalarType type) {
+    using E = typename std::decay_t<decltype(v)>::value_type;
+    return torch::from_blob(const_cast<E*>(v.data()), {std::int64_t(v.size())}, type).to(cuda.device());
+  };
+  DeviceLayer d{up(t.tiles, torch::kInt32), up(t.scales, torch::kHalf), up(t.zeros, torch::kUInt8), up(p.qweight, torch::kInt32),
+                up(p.qzeros, torch::kInt32), up(p.scales, torch::kHalf), up(p.g_idx, torch::kInt32),
+                torch::empty({N, K}, cuda.dtype(torch::kFloat32)), {}};
+  d.view = kq::GptqView{d.qweight.data_ptr<std::int32_t>(), d.qzeros.data_ptr<std::int32_t>(), reinterpret_cast<const half*>(d.gptq_scales.data_ptr()),
+                        d.g_idx.data_ptr<std::int32_t>(), K, N, bits};
+  SQUEEZE_CUDA_CHECK(kq::dequantize_cuda<float>(d.view, d.w_deq.data_ptr<float>(), nullptr));
+  return d;
+}
+
+// One batch size: activations, output, the library's workspace and the fp32 reference; the library's
+// dispatch runs once and its error against the reference is measured (a failing launch names its plan).
+struct GemmCase {
+  torch::Tensor x, y, partial, counters;
+  kq::QGemmShape shape;
+  kq::QGemmWorkspace ws;
+  GemmBuffers buf;
+  double rel_err;
+  void run_ours(int sm) const { SQUEEZE_CUDA_CHECK(kq::qgemm_cuda<bf16>(buf.x, buf.tiles, buf.scales, buf.zeros, buf.y, shape, ws, sm, nullptr)); }
+};
+GemmCase prepare_case(std::int64_t M, std::int64_t K, std::int64_t N, const squeeze::quant::QTiles& t, const DeviceLayer& d, int sm,
+                      const torch::TensorOptions& cuda) {
+  GemmCase c;
+  c.x = torch::randn({M, K}, cuda.dtype(torch::kBFloat16));
+  c.y = torch::empty({M, N}, cuda.dtype(torch::kBFloat16));
+  c.shape = t.shape(M);
+  const auto need = kq::qgemm_workspace_size(c.shape, sm);
+  c.partial = torch::empty({std::max<std::int64_t>(need.partial_elems, 1)}, cuda.dtype(torch::kFloat32));
+  c.counters = torch::zeros({std::max<std::int64_t>(need.counter_elems, 1)}, cuda.dtype(torch::kInt32));
+  c.ws = kq::QGemmWorkspace{c.partial.data_ptr<float>(), need.partial_elems, c.counters.data_ptr<int>(), need.counter_elems};
+  c.buf = GemmBuffers{reinterpret_cast<const bf16*>(c.x.data_ptr()), reinterpret_cast<const std::uint32_t*>(d.tiles.data_ptr()),
+                      reinterpret_cast<const half*>(d.scales.data_ptr()), d.zeros.data_ptr<std::uint8_t>(),
+                      reinterpret_cast<bf16*>(c.y.data_ptr()), c.y, c.x.to(torch::kFloat32).matmul(d.w_deq.t())};
+  if (const cudaError_t e = kq::qgemm_cuda<bf16>(c.buf.x, c.buf.tiles, c.buf.scales, c.buf.zeros, c.buf.y, c.shape, c.ws, sm, nullptr); e != cudaSuccess)
+    throw std::runtime_error(std::string("qgemm_cuda (") + kq::describe(kq::qgemm_plan(c.shape, sm)) + "): " + cudaGetErrorString(e));
+  SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+  c.rel_err = ((c.y.to(torch::kFloat32) - c.buf.ref).abs().max() / c.buf.ref.abs().max().clamp_min(1e-30)).item<double>();
+  return c;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -288,18 +339,8 @@ int main(int argc, char** argv) {
   for (auto [K, N] : shapes) {
     const auto p = random_layer(4, K, N, std::uint32_t(K * 31 + N));
     const auto t = squeeze::quant::to_tiles(p);
-    auto d_tiles = torch::from_blob(const_cast<std::uint32_t*>(t.tiles.data()), {std::int64_t(t.tiles.size())}, torch::kInt32).to(cuda);
-    auto d_scales = torch::from_blob(const_cast<half*>(t.scales.data()), {std::int64_t(t.scales.size())}, torch::kHalf).to(cuda);
-    auto d_zeros = torch::from_blob(const_cast<std::uint8_t*>(t.zeros.data()), {std::int64_t(t.zeros.size())}, torch::kUInt8).to(cuda);
-    // the same weights dequantized (for the correctness check) and the GPTQ-layout tensors
-    auto d_qw = torch::from_blob(const_cast<std::int32_t*>(p.qweight.data()), {std::int64_t(p.qweight.size())}, torch::kInt32).to(cuda);
-    auto d_qz = torch::from_blob(const_cast<std::int32_t*>(p.qzeros.data()), {std::int64_t(p.qzeros.size())}, torch::kInt32).to(cuda);
-    auto d_sc = torch::from_blob(const_cast<half*>(p.scales.data()), {std::int64_t(p.scales.size())}, torch::kHalf).to(cuda);
-    auto d_gi = torch::from_blob(const_cast<std::int32_t*>(p.g_idx.data()), {K}, torch::kInt32).to(cuda);
-    auto w_deq = torch::empty({N, K}, cuda.dtype(torch::kFloat32));  // exact: fp16 scale * small integer
-    const kq::GptqView view{d_qw.data_ptr<std::int32_t>(), d_qz.data_ptr<std::int32_t>(), reinterpret_cast<const half*>(d_sc.data_ptr()),
-                            d_gi.data_ptr<std::int32_t>(), K, N, 4};
-    SQUEEZE_CUDA_CHECK(kq::dequantize_cuda<float>(view, w_deq.data_ptr<float>(), nullptr));
+    const DeviceLayer d = upload_layer(p, t, K, N, 4, cuda);
+    const kq::GptqView& view = d.view;
     auto w_bf16 = torch::randn({N, K}, cuda.dtype(torch::kBFloat16)) * 0.02;  // the cuBLAS peer's weights
 
     // PyTorch's int4 weight-only GEMM (its own packing), when available on this build/GPU
@@ -318,21 +359,12 @@ int main(int argc, char** argv) {
       const std::string cs = "K" + std::to_string(K) + "_N" + std::to_string(N) + "_M" + std::to_string(M);
       if (!only.empty() && cs.find(only) == std::string::npos) continue;
       try {
-      auto x = torch::randn({M, K}, cuda.dtype(torch::kBFloat16));
-      auto y = torch::empty({M, N}, cuda.dtype(torch::kBFloat16));
-      const auto shape = t.shape(M);
-      const auto need = kq::qgemm_workspace_size(shape, sm);
-      auto partial = torch::empty({std::max<std::int64_t>(need.partial_elems, 1)}, cuda.dtype(torch::kFloat32));
-      auto counters = torch::zeros({std::max<std::int64_t>(need.counter_elems, 1)}, cuda.dtype(torch::kInt32));
-      const kq::QGemmWorkspace ws{partial.data_ptr<float>(), need.partial_elems, counters.data_ptr<int>(), need.counter_elems};
-      const GemmBuffers buf{reinterpret_cast<const bf16*>(x.data_ptr()), reinterpret_cast<const std::uint32_t*>(d_tiles.data_ptr()),
-                            reinterpret_cast<const half*>(d_scales.data_ptr()), d_zeros.data_ptr<std::uint8_t>(),
-                            reinterpret_cast<bf16*>(y.data_ptr()), y, x.to(torch::kFloat32).matmul(w_deq.t())};
-      auto ours = [&] { SQUEEZE_CUDA_CHECK(kq::qgemm_cuda<bf16>(buf.x, buf.tiles, buf.scales, buf.zeros, buf.y, shape, ws, sm, nullptr)); };
-      if (const cudaError_t e = kq::qgemm_cuda<bf16>(buf.x, buf.tiles, buf.scales, buf.zeros, buf.y, shape, ws, sm, nullptr); e != cudaSuccess)
-        throw std::runtime_error(std::string("qgemm_cuda (") + kq::describe(kq::qgemm_plan(shape, sm)) + "): " + cudaGetErrorString(e));
-      SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
-      const double rel_err = ((y.to(torch::kFloat32) - buf.ref).abs().max() / buf.ref.abs().max().clamp_min(1e-30)).item<double>();
+      const GemmCase gc = prepare_case(M, K, N, t, d, sm, cuda);
+      const torch::Tensor& x = gc.x;
+      const kq::QGemmShape& shape = gc.shape;
+      const GemmBuffers& buf = gc.buf;
+      const double rel_err = gc.rel_err;
+      auto ours = [&] { gc.run_ours(sm); };
 
       const double t_ours = time_ms(ours, reps);
       torch::Tensor yc;
@@ -428,38 +460,20 @@ int main(int argc, char** argv) {
   for (auto [K, N] : std::vector<std::pair<std::int64_t, std::int64_t>>{{4096, 11008}, {11008, 4096}, {8192, 28672}}) {
     const auto p = random_layer(3, K, N, std::uint32_t(K * 17 + N));
     const auto t = squeeze::quant::to_tiles(p);
-    auto d_tiles = torch::from_blob(const_cast<std::uint32_t*>(t.tiles.data()), {std::int64_t(t.tiles.size())}, torch::kInt32).to(cuda);
-    auto d_scales = torch::from_blob(const_cast<half*>(t.scales.data()), {std::int64_t(t.scales.size())}, torch::kHalf).to(cuda);
-    auto d_zeros = torch::from_blob(const_cast<std::uint8_t*>(t.zeros.data()), {std::int64_t(t.zeros.size())}, torch::kUInt8).to(cuda);
-    auto d_qw = torch::from_blob(const_cast<std::int32_t*>(p.qweight.data()), {std::int64_t(p.qweight.size())}, torch::kInt32).to(cuda);
-    auto d_qz = torch::from_blob(const_cast<std::int32_t*>(p.qzeros.data()), {std::int64_t(p.qzeros.size())}, torch::kInt32).to(cuda);
-    auto d_sc = torch::from_blob(const_cast<half*>(p.scales.data()), {std::int64_t(p.scales.size())}, torch::kHalf).to(cuda);
-    auto d_gi = torch::from_blob(const_cast<std::int32_t*>(p.g_idx.data()), {K}, torch::kInt32).to(cuda);
-    const kq::GptqView view{d_qw.data_ptr<std::int32_t>(), d_qz.data_ptr<std::int32_t>(), reinterpret_cast<const half*>(d_sc.data_ptr()),
-                            d_gi.data_ptr<std::int32_t>(), K, N, 3};
-    auto w_deq = torch::empty({N, K}, cuda.dtype(torch::kFloat32));
-    SQUEEZE_CUDA_CHECK(kq::dequantize_cuda<float>(view, w_deq.data_ptr<float>(), nullptr));
+    const DeviceLayer d = upload_layer(p, t, K, N, 3, cuda);
+    const kq::GptqView& view = d.view;
     auto w_bf16 = torch::randn({N, K}, cuda.dtype(torch::kBFloat16)) * 0.02;
     const double weight_bytes = double(K) * N * 3 / 8 + double(t.groups()) * N * 3;
     for (std::int64_t M : {1, 4, 8}) {
       const std::string cs = "K" + std::to_string(K) + "_N" + std::to_string(N) + "_M" + std::to_string(M);
       if (!only.empty() && cs.find(only) == std::string::npos) continue;
       try {
-      auto x = torch::randn({M, K}, cuda.dtype(torch::kBFloat16));
-      auto y = torch::empty({M, N}, cuda.dtype(torch::kBFloat16));
-      const auto shape = t.shape(M);
-      const auto need = kq::qgemm_workspace_size(shape, sm);
-      auto partial = torch::empty({std::max<std::int64_t>(need.partial_elems, 1)}, cuda.dtype(torch::kFloat32));
-      auto counters = torch::zeros({std::max<std::int64_t>(need.counter_elems, 1)}, cuda.dtype(torch::kInt32));
-      const kq::QGemmWorkspace ws{partial.data_ptr<float>(), need.partial_elems, counters.data_ptr<int>(), need.counter_elems};
-      const GemmBuffers buf{reinterpret_cast<const bf16*>(x.data_ptr()), reinterpret_cast<const std::uint32_t*>(d_tiles.data_ptr()),
-                            reinterpret_cast<const half*>(d_scales.data_ptr()), d_zeros.data_ptr<std::uint8_t>(),
-                            reinterpret_cast<bf16*>(y.data_ptr()), y, x.to(torch::kFloat32).matmul(w_deq.t())};
-      auto ours = [&] { SQUEEZE_CUDA_CHECK(kq::qgemm_cuda<bf16>(buf.x, buf.tiles, buf.scales, buf.zeros, buf.y, shape, ws, sm, nullptr)); };
-      if (const cudaError_t e = kq::qgemm_cuda<bf16>(buf.x, buf.tiles, buf.scales, buf.zeros, buf.y, shape, ws, sm, nullptr); e != cudaSuccess)
-        throw std::runtime_error(std::string("qgemm_cuda (") + kq::describe(kq::qgemm_plan(shape, sm)) + "): " + cudaGetErrorString(e));
-      SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
-      const double rel_err = ((y.to(torch::kFloat32) - buf.ref).abs().max() / buf.ref.abs().max().clamp_min(1e-30)).item<double>();
+      const GemmCase gc = prepare_case(M, K, N, t, d, sm, cuda);
+      const torch::Tensor& x = gc.x;
+      const kq::QGemmShape& shape = gc.shape;
+      const GemmBuffers& buf = gc.buf;
+      const double rel_err = gc.rel_err;
+      auto ours = [&] { gc.run_ours(sm); };
       const double t_ours = time_ms(ours, reps);
       torch::Tensor yc;
       const double t_cublas = time_ms([&] { yc = at::mm(x, w_bf16.t()); }, reps);
