@@ -442,9 +442,8 @@ class LocalTrainer {
   // AdamW on every tensor; gmul = clip / loss scale multiplies the gradients.
   void update(double gmul) {
     torch::NoGradGuard no_grad;
-    const double b1 = options_.beta1, b2 = options_.beta2, t = double(step_ + 1);
-    const double bc1 = 1 - std::pow(b1, t), bc2 = 1 - std::pow(b2, t);
-    const double step_size = options_.lr / bc1;
+    const auto c = kernels::adamw_coeffs(float(options_.lr), float(options_.beta1), float(options_.beta2), float(options_.eps),
+                                         float(options_.weight_decay), step_ + 1);
     for (size_t i = 0; i < params_.size(); ++i) {
       const torch::Tensor& g = grad(i);
       if (!g.defined()) continue;
@@ -452,13 +451,8 @@ class LocalTrainer {
       // scaled in place. With denom that is at most two fp32 temporaries of the largest parameter.
       torch::Tensor g32 = g.to(torch::kFloat32);
       if (gmul != 1.0) g32.mul_(gmul);
-      m_[i].mul_(b1).add_(g32, 1 - b1);
-      v_[i].mul_(b2).addcmul_(g32, g32, 1 - b2);
-      torch::Tensor denom = v_[i].sqrt();
-      denom.div_(std::sqrt(bc2)).add_(options_.eps);
-      torch::Tensor& w = weights(i);
-      w.mul_(1 - options_.lr * options_.weight_decay).addcdiv_(m_[i], denom, -step_size);
-      if constexpr (has_master) params_[i].copy_(w);  // round to the compute type
+      nn::detail::adamw_torch_ops(weights(i), m_[i], v_[i], g32, c);
+      if constexpr (has_master) params_[i].copy_(weights(i));  // round to the compute type
     }
   }
 

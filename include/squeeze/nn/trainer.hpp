@@ -175,6 +175,16 @@ template <class T> constexpr torch::ScalarType scalar_type_of() {
 // small (a 1 B-parameter stage-1 partition would otherwise need ~13 bytes per parameter of them).
 inline constexpr int64_t kDeviceChunk = int64_t(1) << 24;
 
+// One AdamW update in torch ops, for tensors our kernels cannot reach from a host-compiled TU (device buffers)
+// or that need no kernel (the LLaMA example's local trainer): w, m, v fp32, g32 the fp32 gradient already
+// multiplied by clip / loss scale. Same math as kernels::adamw_element.
+inline void adamw_torch_ops(torch::Tensor& w, torch::Tensor& m, torch::Tensor& v, const torch::Tensor& g32, const kernels::AdamWCoeffs& c) {
+  m.mul_(c.beta1).add_(g32, 1.0f - c.beta1);
+  v.mul_(c.beta2).addcmul_(g32, g32, 1.0f - c.beta2);
+  const torch::Tensor denom = v.sqrt().mul_(c.inv_sqrt_bc2).add_(c.eps);
+  w.mul_(1.0f - c.lr * c.weight_decay).addcdiv_(m, denom, -c.step_size);
+}
+
 // Sum of squares in double, deterministic: host sequentially; device per chunk (fp64 temporaries of one
 // chunk), the chunk sums added in order on the device, one read-back.
 inline double sum_squares(const torch::Tensor& t) {
@@ -863,10 +873,7 @@ class Trainer {
         auto part = [&](const torch::Tensor& t) { return t.narrow(0, off, len); };
         const torch::Tensor g = part(o.grad).to(torch::kFloat32) * gmul;
         torch::Tensor w = part(S::has_master_copy ? o.master : o.param), m = part(o.m), v = part(o.v);
-        m.mul_(c.beta1).add_(g, 1.0f - c.beta1);
-        v.mul_(c.beta2).addcmul_(g, g, 1.0f - c.beta2);
-        const torch::Tensor denom = v.sqrt().mul_(c.inv_sqrt_bc2).add_(c.eps);
-        w.mul_(1.0f - c.lr * c.weight_decay).addcdiv_(m, denom, -c.step_size);
+        detail::adamw_torch_ops(w, m, v, g, c);
         if (S::has_master_copy) part(o.param).copy_(w);
       }
     }
