@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build with libtorch's CUDA side, run the GPU tests (ctest -L cuda) and the
 # benchmarks, write full results under $OUT (default ./gpu-results) and print a short table last.
-#   usage: bash bench/run_gpu.sh [bench-name ...]    (no names: all benchmarks)
+#   usage: bash bench/run_gpu.sh [bench-name ...]    (no names: all benchmarks but the 7B rows;
+#          names: adamw gemm4 gptq zero table table7b table7b_offload llama_gptq)
 #   env: TARGETS="t1 t2" builds only those targets (default: everything); GPU_TESTS=0 skips ctest -L cuda;
 #        BENCH_ARGS_<name>="..." extra arguments for one benchmark (e.g. BENCH_ARGS_table="--rows bf16,ckpt").
 # From the development machine, snapshot the committed tree and send it with the device tool:
@@ -36,9 +37,10 @@ if [ "${GPU_TESTS:-1}" != 0 ]; then
 fi
 
 # Each benchmark: an executable under $BUILD/bench that writes JSON lines to the file named by --out.
+named() { [[ " ${want[*]} " =~ " $1 " ]]; }
 run_bench() {  # run_bench <name> <executable> [args...]
   local name=$1; shift
-  if [ ${#want[@]} -gt 0 ] && [[ ! " ${want[*]} " =~ " $name " ]]; then return; fi
+  if [ ${#want[@]} -gt 0 ] && ! named "$name"; then return; fi
   if [ ! -x "$1" ]; then echo "bench $name: $1 not built"; return; fi
   local extra_var="BENCH_ARGS_$name"
   echo "== $name"; "$@" ${!extra_var:-} --out "$OUT/$name.jsonl" 2>&1 | tee "$OUT/$name.log" | tail -30
@@ -47,12 +49,20 @@ run_bench adamw "$BUILD/bench/kernels/bench_adamw"
 run_bench gemm4 "$BUILD/bench/quant/bench_quant_gemm"
 run_bench gptq "$BUILD/bench/quant/bench_gptq"
 run_bench zero "$BUILD/bench/zero/bench_zero"
-run_bench table "$BUILD/bench/table/bench_table"
+corpus=(); [ -f "$ROOT/kjv.txt" ] && corpus=(--corpus "$ROOT/kjv.txt")
+run_bench table "$BUILD/bench/table/bench_table" "${corpus[@]}"
+# The LLaMA-7B geometry rows (issue 5), only when named: a few minutes each. The offload row keeps Adam's
+# state and the fp32 master weights in host memory (~100 GB for 7B); --clip 0 selects the eager pipeline.
+if named table7b; then
+  run_bench table7b "$BUILD/bench/table/bench_table" --preset llama-7b --rows bf16-ckpt:1,bf16-ckpt:8 "${corpus[@]}"
+fi
+if named table7b_offload; then
+  run_bench table7b_offload "$BUILD/bench/table/bench_table" --preset llama-7b --rows zero3-offload-bf16-ckpt:8 --clip 0 "${corpus[@]}"
+fi
 
 # GPTQ vs RTN perplexity (issue 6): train the 125m preset for 1000 bf16 steps, then quantize it at 2/3/4/8 bits.
 # The KJV text comes from $ROOT/kjv.txt when the snapshot carries it (the GPU machine has no `bible` program).
-if [ ${#want[@]} -eq 0 ] || [[ " ${want[*]} " =~ " llama_gptq " ]]; then
-  corpus=(); [ -f "$ROOT/kjv.txt" ] && corpus=(--corpus "$ROOT/kjv.txt")
+if [ ${#want[@]} -eq 0 ] || named llama_gptq; then
   echo "== llama_gptq"
   "$BUILD/bin/llama_train" --preset 125m --device cuda --strategy bf16 --steps 1000 --batch 32 --seq 256 --lr 1e-3 --eval-every 250 \
     --eval-batches 8 --sample 0 "${corpus[@]}" --save "$BUILD/kjv-125m.pt" >"$OUT/llama_gptq-train.log" 2>&1 && tail -2 "$OUT/llama_gptq-train.log" &&
