@@ -54,7 +54,7 @@ run_bench table "$BUILD/bench/table/bench_table" "${corpus[@]}"
 # The LLaMA-7B geometry rows (issue 5), only when named: a few minutes each. The offload row keeps Adam's
 # state and the fp32 master weights in host memory (~100 GB for 7B); --clip 0 selects the eager pipeline.
 if named table7b; then
-  run_bench table7b "$BUILD/bench/table/bench_table" --preset llama-7b --rows bf16-ckpt:1,bf16-ckpt:8 "${corpus[@]}"
+  run_bench table7b "$BUILD/bench/table/bench_table" --preset llama-7b --rows bf16-ckpt:8,bf16-ckpt:1 --clip 0 "${corpus[@]}"
 fi
 if named table7b_offload; then
   run_bench table7b_offload "$BUILD/bench/table/bench_table" --preset llama-7b --rows zero3-offload-bf16-ckpt:8 --clip 0 "${corpus[@]}"
