@@ -202,7 +202,7 @@ TEST(QuantCuda, GemmZeroScaleGroupIsExactlyZero) {
 
 // Every configuration the benchmark times (kq::detail::TuningCfgs), on shapes that do not divide the
 // tiles, with and without K splits: a configuration the library may switch to is correct before it is timed.
-template <class T, class C>
+template <class T, class C, int BITS = 4>
 void cfg_check(const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t M) {
   const auto x = kernel_order_x<T>(t, M, p.in, 23);
   std::vector<T> ref(M * p.out);
@@ -214,17 +214,17 @@ void cfg_check(const quant::PackedLinear& p, const quant::QTiles& t, std::int64_
   Dev<half> ds(t.scales);
   Dev<std::uint8_t> dz(t.zeros);
   for (int cps : {0, 2, 5}) {
-    const auto plan = kq::plan_qgemm(shape, C::template geometry<4>(), sm_count(), cps);
+    const auto plan = kq::plan_qgemm(shape, C::template geometry<BITS>(), sm_count(), cps);
     SCOPED_TRACE(kq::detail::cfg_name<C>() + ": " + kq::describe(plan));
     Dev<float> part(std::size_t(std::max<std::int64_t>(plan.partial_elems, 1)));
     Dev<int> cnt(std::vector<int>(std::size_t(plan.counter_elems), 0));
     const kq::QGemmWorkspace ws{part.p, plan.partial_elems, cnt.p, plan.counter_elems};
     for (int rep = 0; rep < 2; ++rep) {
       SQUEEZE_CUDA_CHECK(cudaMemset(dy.p, 0xff, dy.n * sizeof(T)));
-      SQUEEZE_CUDA_CHECK((kq::detail::launch_qgemm_cfg<T, 4, C>(dx.p, dt.p, ds.p, dz.p, dy.p, shape, plan, ws, nullptr)));
+      SQUEEZE_CUDA_CHECK((kq::detail::launch_qgemm_cfg<T, BITS, C>(dx.p, dt.p, ds.p, dz.p, dy.p, shape, plan, ws, nullptr)));
       SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
       expect_close_to_twin(mag, ref, dy.get(),
-                           kq::detail::cfg_name<C>() + " M " + std::to_string(M) + " cps " + std::to_string(cps) + " splits " +
+                           kq::detail::cfg_name<C>() + " bits " + std::to_string(BITS) + " M " + std::to_string(M) + " cps " + std::to_string(cps) + " splits " +
                                std::to_string(plan.splits) + " rep " + std::to_string(rep));
       if (::testing::Test::HasFatalFailure()) return;
     }
@@ -245,6 +245,42 @@ TEST(QuantCuda, EveryTunedConfigurationMatchesCpuTwin) {
     all_cfgs<bf16>(kq::detail::TuningCfgs{}, p, t, M);
     all_cfgs<half>(kq::detail::TuningCfgs{}, p, t, M);
   }
+}
+// The bulk loader (one producer warp, whole-strip chunks) at every width and group kind: N = 200 (13 tiles:
+// the last strip is partial, so fewer consumer warps take part and its copy is shorter), K = 1100 (padded
+// to 1152), groups of 32 (two per chunk), 128 and per channel, M not a multiple of the rows per block.
+template <class T, int BITS, class C>
+void bulk_check(const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t M) {
+  if constexpr (C::LOADER == kq::detail::QGemmLoader::Bulk && C::MODE == kq::detail::QGemmMode::Full) cfg_check<T, C, BITS>(p, t, M);
+}
+template <class T, int BITS, class... Cs>
+void bulk_cfgs(kq::detail::CfgList<Cs...>, const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t M) {
+  (bulk_check<T, BITS, Cs>(p, t, M), ...);
+}
+template <int BITS>
+void bulk_all_groups() {
+  for (int group : {32, 128, 0}) {
+    const auto p = random_layer(200, 1100, BITS, group, group == 128, 101 + BITS + group);
+    const auto t = quant::to_tiles(p);
+    for (std::int64_t M : {3, 17, 70}) {
+      SCOPED_TRACE("group " + std::to_string(group) + " M " + std::to_string(M));
+      bulk_cfgs<bf16, BITS>(kq::detail::TuningCfgs{}, p, t, M);
+      bulk_cfgs<half, BITS>(kq::detail::TuningCfgs{}, p, t, M);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+}
+TEST(QuantCuda, BulkLoaderMatchesCpuTwinAt3Bits) {
+  REQUIRE_DEVICE();
+  bulk_all_groups<3>();
+}
+TEST(QuantCuda, BulkLoaderMatchesCpuTwinAt4Bits) {
+  REQUIRE_DEVICE();
+  bulk_all_groups<4>();
+}
+TEST(QuantCuda, BulkLoaderMatchesCpuTwinAt8Bits) {
+  REQUIRE_DEVICE();
+  bulk_all_groups<8>();
 }
 
 TEST(QuantCuda, GemmRejectsBadArguments) {

@@ -421,13 +421,72 @@ __device__ __forceinline__ void decode_word3(std::uint32_t w0, std::uint32_t w1,
     for (int r = 0; r < 2; ++r) b[j][r] = u32(__hsub2(as_vec2<V>(magic3_pair<T>(w0, w1, w2, 4 * ks + 2 * j + r)), as_vec2<V>(zlo[j])));
 }
 
-enum class QGemmLoader { Registers = 0, CpAsync = 1 };
+// ---- Hopper bulk copies (TMA engine) into a shared-memory ring, with mbarrier hand-offs (sm_90) ----------
+// A "full" barrier per slot completes when the producer's arrive (with the expected byte count) and the
+// copy's bytes have both landed; an "empty" barrier per slot completes when every consumer warp released
+// it. Phases alternate, so a waiter names the parity of the completion it waits for.
+__device__ __forceinline__ unsigned smem_addr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbar_init(std::uint64_t* bar, unsigned count) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+#endif
+}
+// Makes initialised barriers visible to the other threads and to the async proxy (the copy engine).
+__device__ __forceinline__ void mbar_init_fence() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(std::uint64_t* bar, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_arrive(std::uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+#endif
+}
+// Spins until the barrier's phase with this parity has completed (acquire: the copied bytes are visible).
+__device__ __forceinline__ void mbar_wait(std::uint64_t* bar, unsigned parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const unsigned addr = smem_addr(bar);
+  unsigned done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+  } while (!done);
+#endif
+}
+// bytes (multiple of 16, both addresses 16-byte aligned) global -> shared, completing on bar's tx count.
+__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, unsigned bytes, std::uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+#endif
+}
+__device__ __forceinline__ std::uint32_t lds32(const void* p) {
+  std::uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(smem_addr(p)));
+  return v;
+}
+
+// Weight loaders: Registers (each lane's loads straight into registers, PF chunks deep), CpAsync (each lane's
+// 16-byte cp.async into a per-thread ring of PF slots), Bulk (one producer warp copies each chunk's whole
+// strip, W * NT contiguous tiles, with one bulk copy into a ring of PF slots; sm_90).
+enum class QGemmLoader { Registers = 0, CpAsync = 1, Bulk = 2 };
 enum class QGemmMode { Full = 0, LoadOnly = 1, LoadDecode = 2 };  // the last two are diagnostics for benchmarks
 
 // Compile-time configuration of the kernel.
 //   ROWS8   x rows per block / 8 (1, 2, 4, 8): 8 rows use half an m16 tile (two k-steps per ldmatrix.x4)
 //   W       warps per block;  NT: 16-column tiles per warp (an A fragment feeds NT * 2 mma)
-//   PF      weight chunks in flight per warp: registers (Registers) or ring slots in shared memory (CpAsync)
+//   PF      weight chunks in flight per warp: registers (Registers) or ring slots in shared memory (CpAsync:
+//           per thread; Bulk: per block, each slot one chunk of the whole strip)
 //   ZFOLD   zero points folded out of the decode: the mma multiplies x by (magic + q) and each group's sum is
 //           corrected by (magic + z) * sum(x over the group) (magic 128 for bf16, 1024 for fp16); the row sums
 //           come from one more mma per k-step against B = 1, which replaces one half2 subtraction per B
@@ -440,10 +499,13 @@ struct QGemmCfg {
   static constexpr bool ZFOLD = ZFOLD_;
   static constexpr QGemmMode MODE = MODE_;
   static constexpr int ROWS = 8 * ROWS8, MT = ROWS8 < 2 ? 1 : ROWS8 / 2, STRIP = W * NT * kTileN;
+  // Bulk: W consumer warps + one producer warp
+  static constexpr int THREADS = (W + (LOADER == QGemmLoader::Bulk ? 1 : 0)) * 32;
   static_assert(ROWS8 == 1 || ROWS8 == 2 || ROWS8 == 4 || ROWS8 == 8, "rows per block: 8, 16, 32 or 64");
   static_assert(PF >= 2, "at least two chunks in flight");
+  // ring: PF slots of one chunk of the strip (W * NT tiles), for both shared-memory loaders
   template <int BITS>
-  static constexpr int kRingBytes = LOADER == QGemmLoader::CpAsync ? PF * W * 32 * NT * (lane_words(BITS) / 4) * 16 : 0;
+  static constexpr int kRingBytes = LOADER != QGemmLoader::Registers ? PF * W * NT * tile_words(BITS) * 4 : 0;
   template <int BITS>
   static QGemmGeometry geometry() {
     return {ROWS, STRIP, W, kRingBytes<BITS>};
@@ -463,19 +525,22 @@ struct QGemmParams {
 };
 
 template <class T, int BITS, class C>
-__global__ void __launch_bounds__(C::W * 32) qgemm_kernel(const QGemmParams p) {
+__global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) {
   constexpr int W = C::W, NT = C::NT, PF = C::PF, MT = C::MT, ROWS = C::ROWS, STRIP = C::STRIP;
   constexpr int LW = lane_words(BITS), TW = tile_words(BITS);  // 32-bit words per lane / per tile
   constexpr int LV = LW / 4;                                    // 16-byte vectors per lane (4/8 bits)
   constexpr int NV = NT * LV;
   static_assert(BITS == 3 || BITS == 4 || BITS == 8, "3, 4 or 8 bits");
-  static_assert(BITS != 3 || C::LOADER == QGemmLoader::Registers, "3-bit tiles (12 bytes per lane) use the register loader");
+  static_assert(BITS != 3 || C::LOADER != QGemmLoader::CpAsync, "3-bit tiles (12 bytes per lane) use the register or bulk loader");
+  constexpr bool kBulk = C::LOADER == QGemmLoader::Bulk;
   constexpr bool kFull = C::MODE == QGemmMode::Full;
   constexpr bool kFold = C::ZFOLD && !(BITS == 8 && std::is_same_v<T, bf16>);  // bf16 cannot hold 128 + 255
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int last_flag;
+  __shared__ __align__(8) std::uint64_t bars[kBulk ? 2 * PF : 1];  // Bulk: full[PF], empty[PF]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const bool producer = kBulk && warp == W;  // Bulk: the last warp only copies
   const int g4 = lane >> 2, c4 = lane & 3;
   // block -> (z slice fastest, so the blocks that read the same weights run together and share them in L2;
   // then strip, then K range)
@@ -490,7 +555,7 @@ __global__ void __launch_bounds__(C::W * 32) qgemm_kernel(const QGemmParams p) {
   const int m0 = z * ROWS, rows = min(ROWS, p.M - m0);
   const int col0 = strip * STRIP;
   const int nt0 = col0 / kTileN + warp * NT;  // this warp's first tile
-  const bool active = nt0 < ntiles;           // warp-uniform
+  const bool active = !producer && nt0 < ntiles;  // warp-uniform
   const QGemmSmem lay = qgemm_smem(ROWS, p.cps, p.ngroups, STRIP, C::template kRingBytes<BITS>);
   std::uint16_t* xs = reinterpret_cast<std::uint16_t*>(smem + lay.x);
   half* ss = reinterpret_cast<half*>(smem + lay.scales);
@@ -550,8 +615,65 @@ __global__ void __launch_bounds__(C::W * 32) qgemm_kernel(const QGemmParams p) {
       }
     return ch;
   };
+  // Bulk: slot s of the ring holds one chunk of the block's strip, its W * NT tiles in memory order (fewer
+  // in the last strip: only those warps take part). Producer lane: wait until every consumer warp released
+  // the slot's previous chunk, announce the bytes, copy. Consumer warp: wait until the chunk landed, copy its
+  // lanes' words into registers (lanes are contiguous 16 B / 4 B apart: no bank conflicts at 3/4 bits),
+  // release the slot.
+  constexpr int kTileBytes = TW * 4, kSlotBytes = W * NT * kTileBytes;
+  const int strip_tiles = min(W * NT, ntiles - col0 / kTileN);
+  const unsigned strip_bytes = unsigned(strip_tiles) * kTileBytes;
+  const std::uint32_t* sbase = p.tiles + std::int64_t(kc0) * cstride + std::int64_t(col0 / kTileN) * TW;
+  unsigned char* bring = smem + lay.ring;  // [PF][W * NT tiles]
+  std::uint64_t* const full = bars;
+  std::uint64_t* const empty = bars + (kBulk ? PF : 0);
+  auto bulk_issue = [&](int c) {
+    const int slot = c % PF;
+    if (c >= PF) mbar_wait(empty + slot, unsigned((c / PF) - 1) & 1u);
+    mbar_arrive_expect_tx(full + slot, strip_bytes);
+    bulk_copy_g2s(bring + slot * kSlotBytes, sbase + c * cstride, strip_bytes, full + slot);
+  };
+  auto bulk_read = [&](int c) {
+    const int slot = c % PF;
+    mbar_wait(full + slot, unsigned(c / PF) & 1u);
+    Chunk ch;
+    const unsigned char* sp = bring + slot * kSlotBytes + warp * NT * kTileBytes;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      if constexpr (BITS == 3) {
+#pragma unroll
+        for (int r = 0; r < 3; ++r) ch.w[t][r] = lds32(sp + t * kTileBytes + (32 * r + lane) * 4);
+      } else {
+#pragma unroll
+        for (int l = 0; l < LV; ++l) {
+          const uint4 v = lds128(sp + t * kTileBytes + lane * LW * 4 + l * 16);
+          ch.w[t][4 * l] = v.x;
+          ch.w[t][4 * l + 1] = v.y;
+          ch.w[t][4 * l + 2] = v.z;
+          ch.w[t][4 * l + 3] = v.w;
+        }
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty + slot);
+    return ch;
+  };
 
   // ---- prologue: weight loads first (the longest latency), then x and the group table ----
+  if constexpr (kBulk) {
+    if (producer) {
+      if (lane == 0) {
+#pragma unroll
+        for (int sl = 0; sl < PF; ++sl) {
+          mbar_init(full + sl, 1);
+          mbar_init(empty + sl, unsigned((strip_tiles + NT - 1) / NT));  // the warps that own tiles
+        }
+        mbar_init_fence();
+        for (int c = 0; c < PF && c < nck; ++c) bulk_issue(c);
+      }
+      __syncwarp();
+    }
+  }
   Chunk bq[C::LOADER == QGemmLoader::Registers ? PF : 1];
   if constexpr (C::LOADER == QGemmLoader::Registers) {
 #pragma unroll
@@ -562,7 +684,7 @@ __global__ void __launch_bounds__(C::W * 32) qgemm_kernel(const QGemmParams p) {
     const T* x = static_cast<const T*>(p.x) + std::int64_t(m0) * p.K;
     const bool vec_ok = (p.K % 8 == 0) && ((reinterpret_cast<std::uintptr_t>(p.x) & 15) == 0);
     const int segs = p.cps * (kTileK / 8);  // 8-element segments per row
-    for (int i = tid; i < ROWS * segs; i += W * 32) {
+    for (int i = tid; i < ROWS * segs; i += C::THREADS) {
       const int r = i / segs, sg = i - r * segs, k = kb + sg * 8;
       std::uint16_t* d = xs + r * xstride + sg * 8;
       if (r < rows && k < p.K && vec_ok) {
@@ -583,7 +705,7 @@ __global__ void __launch_bounds__(C::W * 32) qgemm_kernel(const QGemmParams p) {
   }
   const int g_first = kb / p.group;
   const int g_last = (min(kb + nck * kTileK, p.K) - 1) / p.group;
-  for (int i = tid; i < p.ngroups * STRIP; i += W * 32) {
+  for (int i = tid; i < p.ngroups * STRIP; i += C::THREADS) {
     const int gi = i / STRIP, col = col0 + (i - gi * STRIP);
     const bool in = g_first + gi <= g_last && col < p.Npad;
     const std::int64_t src = std::int64_t(g_first + gi) * p.Npad + col;
@@ -667,7 +789,7 @@ __global__ void __launch_bounds__(C::W * 32) qgemm_kernel(const QGemmParams p) {
         for (int e = 0; e < 4; ++e) xacc[mt][e] = 0.f;
   };
   std::uint32_t sink = 0;  // diagnostics modes: keeps loads / decode alive
-  if (kFull || C::MODE == QGemmMode::LoadDecode) load_group(g);
+  if ((kFull || C::MODE == QGemmMode::LoadDecode) && !producer) load_group(g);
 
   auto advance_group = [&]() {
     if constexpr (kFull) flush();
@@ -677,7 +799,7 @@ __global__ void __launch_bounds__(C::W * 32) qgemm_kernel(const QGemmParams p) {
   };
   // One chunk: 4 k-steps of 16; per k-step decode NT * 2 B fragments, load the A fragments, MT * NT * 2 mma.
   auto chunk_body = [&](const Chunk& ch, int kl, auto check_groups) {
-    std::uint32_t a8[4];  // ROWS8 == 1: A of two k-steps (rows 0..7)
+    [[maybe_unused]] std::uint32_t a8[4];  // ROWS8 == 1: A of two k-steps (rows 0..7)
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
       if constexpr (decltype(check_groups)::value) {
@@ -748,7 +870,15 @@ __global__ void __launch_bounds__(C::W * 32) qgemm_kernel(const QGemmParams p) {
     else chunk_body(ch, kl, std::false_type{});
   };
 
-  // ---- main loop: no barriers; each warp keeps PF chunks of its own weights in flight ----
+  // ---- main loop: no block barriers; each warp keeps PF chunks of its own weights in flight (Bulk: the
+  // producer keeps PF chunks of the whole strip in flight) ----
+  if constexpr (kBulk) {
+    if (producer) {
+      if (lane == 0)
+        for (int c = PF; c < nck; ++c) bulk_issue(c);
+      __syncwarp();
+    }
+  }
   if (active) {
     if constexpr (C::LOADER == QGemmLoader::Registers) {
       for (int base = 0; base < nck; base += PF) {
@@ -761,6 +891,15 @@ __global__ void __launch_bounds__(C::W * 32) qgemm_kernel(const QGemmParams p) {
             compute(cur, c);
           }
         }
+      }
+    } else if constexpr (kBulk) {
+      Chunk cur{};
+      if (nck > 0) cur = bulk_read(0);  // (plan_qgemm makes no empty K range)
+      for (int c = 0; c < nck; ++c) {
+        Chunk nxt = cur;
+        if (c + 1 < nck) nxt = bulk_read(c + 1);  // the next chunk's shared-memory reads overlap this chunk's math
+        compute(cur, c);
+        cur = nxt;
       }
     } else {
       for (int c = 0; c < nck; ++c) {
@@ -817,7 +956,7 @@ __global__ void __launch_bounds__(C::W * 32) qgemm_kernel(const QGemmParams p) {
   __syncthreads();
   if (!last_flag) return;
   __threadfence();
-  for (int i = tid; i < rows * STRIP; i += W * 32) {
+  for (int i = tid; i < rows * STRIP; i += C::THREADS) {
     const int m = i / STRIP, n = col0 + (i - m * STRIP);
     if (n >= p.N) continue;
     float s = 0.f;
@@ -855,18 +994,20 @@ cudaError_t launch_qgemm_cfg(const T* x, const std::uint32_t* tiles, const half*
   QGemmParams prm{x, tiles, scales, zeros, y, ws.partial, ws.counters,
                   int(s.M), int(s.N), int(s.K), int(s.Npad), int(s.Kpad), int(s.group),
                   p.cps, p.strips, p.splits, p.zslices, p.ngroups};
-  qgemm_kernel<T, BITS, C><<<unsigned(p.blocks()), C::W * 32, p.smem_bytes, stream>>>(prm);
+  qgemm_kernel<T, BITS, C><<<unsigned(p.blocks()), C::THREADS, p.smem_bytes, stream>>>(prm);
   return cudaGetLastError();
 }
 
 // Configurations the benchmark times side by side (and the CUDA tests check against the CPU twin), so one
-// GPU run shows which wins per batch size. name() spells the knobs: r<rows>w<warps>n<tiles>p<depth>[a].
+// GPU run shows which wins per batch size. name() spells the knobs: r<rows>w<warps>n<tiles>p<depth>, then
+// a (cp.async loader) or b (bulk loader), z (folded zero points), -load / -decode (diagnostics).
 template <class... Cs>
 struct CfgList {};
 template <class C>
 std::string cfg_name() {
   std::string n = "r" + std::to_string(C::ROWS) + "w" + std::to_string(C::W) + "n" + std::to_string(C::NT) + "p" + std::to_string(C::PF);
   if (C::LOADER == QGemmLoader::CpAsync) n += "a";
+  if (C::LOADER == QGemmLoader::Bulk) n += "b";
   if (C::ZFOLD) n += "z";
   if (C::MODE == QGemmMode::LoadOnly) n += "-load";
   if (C::MODE == QGemmMode::LoadDecode) n += "-decode";
@@ -880,12 +1021,19 @@ using TuningCfgs = CfgList<QGemmCfg<1, 4, 1, 8>, QGemmCfg<1, 4, 1, 4>, QGemmCfg<
                            QGemmCfg<8, 4, 1, 8>, QGemmCfg<8, 4, 2, 4>, QGemmCfg<8, 8, 1, 4>,          // 64 rows
                            QGemmCfg<1, 4, 1, 8, R::Registers, true>, QGemmCfg<2, 4, 1, 8, R::Registers, true>,  // folded zero points
                            QGemmCfg<2, 4, 2, 4, R::Registers, true>, QGemmCfg<4, 4, 1, 8, R::Registers, true>,
-                           QGemmCfg<8, 4, 2, 4, R::Registers, true>>;
+                           QGemmCfg<8, 4, 2, 4, R::Registers, true>,
+                           // bulk loader (one producer warp, PF-slot ring of whole-strip chunks)
+                           QGemmCfg<1, 4, 2, 8, R::Bulk>, QGemmCfg<1, 4, 2, 16, R::Bulk>, QGemmCfg<1, 8, 1, 16, R::Bulk>,  // 8 rows
+                           QGemmCfg<2, 4, 2, 8, R::Bulk>, QGemmCfg<2, 4, 2, 16, R::Bulk>, QGemmCfg<2, 8, 2, 8, R::Bulk>,  // 16 rows
+                           QGemmCfg<2, 4, 4, 8, R::Bulk>,
+                           QGemmCfg<4, 4, 2, 8, R::Bulk>, QGemmCfg<4, 8, 2, 8, R::Bulk>,                                   // 32 rows
+                           QGemmCfg<8, 4, 2, 4, R::Bulk>, QGemmCfg<8, 8, 2, 4, R::Bulk>>;                                 // 64 rows
 // Diagnostics: the same loads without the math, the loads and the decode without the mma.
 using M_ = QGemmMode;
 using DiagnosticCfgs = CfgList<QGemmCfg<1, 4, 1, 8, R::Registers, false, M_::LoadOnly>, QGemmCfg<1, 4, 1, 8, R::Registers, false, M_::LoadDecode>,
                                QGemmCfg<1, 4, 1, 8, R::Registers, true, M_::LoadDecode>, QGemmCfg<1, 4, 1, 16, R::CpAsync, false, M_::LoadOnly>,
-                               QGemmCfg<2, 4, 1, 8, R::Registers, false, M_::LoadDecode>>;
+                               QGemmCfg<2, 4, 1, 8, R::Registers, false, M_::LoadDecode>, QGemmCfg<2, 4, 2, 16, R::Bulk, false, M_::LoadOnly>,
+                               QGemmCfg<1, 4, 2, 8, R::Bulk, false, M_::LoadOnly>, QGemmCfg<2, 4, 2, 16, R::Bulk, false, M_::LoadDecode>>;
 
 // Dispatch table: batch class (M <= 8, <= 16, <= 32, <= 64, more) -> configuration (K ranges: the plan's
 // rule, kCps 0). 3- and 4-bit from the H200 variant sweep (bench/results/h200/gemm4.jsonl, run at e726527,
