@@ -9,6 +9,8 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
+#include <vector>
 #include <squeeze/error.hpp>
 #include <squeeze/kernels/quant/dequant.cuh>
 #include <squeeze/kernels/quant/qgemm.cuh>
@@ -213,8 +215,12 @@ void cfg_check(const quant::PackedLinear& p, const quant::QTiles& t, std::int64_
   Dev<std::uint32_t> dt(t.tiles);
   Dev<half> ds(t.scales);
   Dev<std::uint8_t> dz(t.zeros);
-  for (int cps : {0, 2, 5}) {
-    const auto plan = kq::plan_qgemm(shape, C::template geometry<BITS>(), sm_count(), cps);
+  // (K range length, SM count the plan assumes): persistent-grid configurations also run on a plan for 3 SMs,
+  // so every block walks many consecutive items (x slices restaged, split partials reduced mid-sequence)
+  std::vector<std::pair<int, int>> runs = {{0, sm_count()}, {2, sm_count()}, {5, sm_count()}};
+  if constexpr (C::PERSIST > 0) runs.insert(runs.end(), {{0, 3}, {2, 3}, {5, 1}});
+  for (const auto& [cps, sm] : runs) {
+    const auto plan = kq::plan_qgemm(shape, C::template geometry<BITS>(), sm, cps);
     SCOPED_TRACE(kq::detail::cfg_name<C>() + ": " + kq::describe(plan));
     Dev<float> part(std::size_t(std::max<std::int64_t>(plan.partial_elems, 1)));
     Dev<int> cnt(std::vector<int>(std::size_t(plan.counter_elems), 0));
@@ -225,7 +231,7 @@ void cfg_check(const quant::PackedLinear& p, const quant::QTiles& t, std::int64_
       SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
       expect_close_to_twin(mag, ref, dy.get(),
                            kq::detail::cfg_name<C>() + " bits " + std::to_string(BITS) + " M " + std::to_string(M) + " cps " + std::to_string(cps) + " splits " +
-                               std::to_string(plan.splits) + " rep " + std::to_string(rep));
+                               std::to_string(plan.splits) + " items/block " + std::to_string(plan.items_per_block) + " rep " + std::to_string(rep));
       if (::testing::Test::HasFatalFailure()) return;
     }
     const auto counters = cnt.get();

@@ -146,14 +146,16 @@ struct QGemmPlan {
   int smem_bytes = 0;     // dynamic shared memory per block
   std::int64_t partial_elems = 0;  // fp32 [splits, M, Npad] when splits > 1
   std::int64_t counter_elems = 0;  // int32 [zslices, strips], zero between launches
-  std::int64_t blocks() const { return std::int64_t(strips) * splits * zslices; }
+  int items_per_block = 1;         // work items (z slice, strip, K range) per block: > 1 for a persistent grid
+  std::int64_t items() const { return std::int64_t(strips) * splits * zslices; }
+  std::int64_t blocks() const { return (items() + items_per_block - 1) / items_per_block; }
 };
 
 // One line naming a plan (for error messages and benchmark logs).
 inline std::string describe(const QGemmPlan& p) {
   return "rows " + std::to_string(p.rows) + " zslices " + std::to_string(p.zslices) + " strips " + std::to_string(p.strips) + " splits " +
          std::to_string(p.splits) + " cps " + std::to_string(p.cps) + " groups " + std::to_string(p.ngroups) + " smem " +
-         std::to_string(p.smem_bytes) + " B";
+         std::to_string(p.smem_bytes) + " B" + (p.items_per_block > 1 ? " items/block " + std::to_string(p.items_per_block) : "");
 }
 
 // Shared memory of one block: x [rows][cps*64 + 8] (16 B of padding per row: the 8 rows an ldmatrix reads
@@ -183,7 +185,9 @@ struct QGemmGeometry {
   int rows = 8;         // x rows per block
   int strip_cols = 64;  // W * NT * 16
   int warps = 4;
-  int ring_bytes = 0;   // cp.async loader ring per block
+  int ring_bytes = 0;   // cp.async / bulk loader ring per block
+  bool smem_groups = true;  // scales / zero points staged in shared memory (the bulk loader reads them from global)
+  int persist = 0;      // > 0: a grid of at most persist blocks per SM, each taking consecutive work items
 };
 
 // cps_override > 0 forces the chunks per K range (benchmarks sweep it); otherwise K ranges of cps_target
@@ -204,7 +208,8 @@ inline QGemmPlan plan_qgemm(const QGemmShape& s, const QGemmGeometry& g, int sm_
   x_smem_cap = std::max(4 * 1024, std::min(x_smem_cap, 220 * 1024 - 32 * 1024 - g.ring_bytes));
   const std::int64_t table_groups = std::max<std::int64_t>(3, 32 * 1024 / (3 * g.strip_cols));
   const std::int64_t cps_max = std::max<std::int64_t>(
-      1, std::min<std::int64_t>((x_smem_cap / (2 * g.rows) - 8) / kTileK, (table_groups - 2) * s.group / kTileK));
+      1, std::min<std::int64_t>((x_smem_cap / (2 * g.rows) - 8) / kTileK,
+                                g.smem_groups ? (table_groups - 2) * s.group / kTileK : std::int64_t(1) << 30));
   std::int64_t cps = cps_override;
   if (cps <= 0) {
     cps = std::max(cps_target, 1);
@@ -215,10 +220,15 @@ inline QGemmPlan plan_qgemm(const QGemmShape& s, const QGemmGeometry& g, int sm_
   p.splits = int((kchunks + cps - 1) / cps);
   p.cps = int((kchunks + p.splits - 1) / p.splits);  // even ranges, no empty split
   const std::int64_t total_groups = (s.K - 1) / s.group + 1;
-  p.ngroups = int(std::min<std::int64_t>(total_groups, (std::int64_t(p.cps) * kTileK - 1) / s.group + 2));
+  p.ngroups = g.smem_groups ? int(std::min<std::int64_t>(total_groups, (std::int64_t(p.cps) * kTileK - 1) / s.group + 2)) : 0;
   p.smem_bytes = qgemm_smem(p.rows, p.cps, p.ngroups, g.strip_cols, g.ring_bytes).total;
   p.partial_elems = p.splits > 1 ? std::int64_t(p.splits) * s.M * s.Npad : 0;
   p.counter_elems = std::int64_t(p.strips) * p.zslices;
+  if (g.persist > 0) {  // as many blocks as fit g.persist per SM (shared memory permitting), consecutive items each
+    const std::int64_t fit = std::max<std::int64_t>(1, 227 * 1024 / (p.smem_bytes + 1024));
+    const std::int64_t slots = std::max<std::int64_t>(1, std::int64_t(std::max(sm_count, 1)) * std::min<std::int64_t>(g.persist, fit));
+    p.items_per_block = int((p.items() + slots - 1) / slots);
+  }
   return p;
 }
 
@@ -492,9 +502,9 @@ enum class QGemmMode { Full = 0, LoadOnly = 1, LoadDecode = 2 };  // the last tw
 //           come from one more mma per k-step against B = 1, which replaces one half2 subtraction per B
 //           register; 8-bit codes with bf16 keep the exact per-element subtraction
 template <int ROWS8_, int W_, int NT_, int PF_, QGemmLoader LOADER_ = QGemmLoader::Registers, bool ZFOLD_ = false,
-          QGemmMode MODE_ = QGemmMode::Full>
+          QGemmMode MODE_ = QGemmMode::Full, int PERSIST_ = 0>
 struct QGemmCfg {
-  static constexpr int ROWS8 = ROWS8_, W = W_, NT = NT_, PF = PF_;
+  static constexpr int ROWS8 = ROWS8_, W = W_, NT = NT_, PF = PF_, PERSIST = PERSIST_;
   static constexpr QGemmLoader LOADER = LOADER_;
   static constexpr bool ZFOLD = ZFOLD_;
   static constexpr QGemmMode MODE = MODE_;
@@ -503,12 +513,13 @@ struct QGemmCfg {
   static constexpr int THREADS = (W + (LOADER == QGemmLoader::Bulk ? 1 : 0)) * 32;
   static_assert(ROWS8 == 1 || ROWS8 == 2 || ROWS8 == 4 || ROWS8 == 8, "rows per block: 8, 16, 32 or 64");
   static_assert(PF >= 2, "at least two chunks in flight");
+  static_assert(PERSIST == 0 || LOADER == QGemmLoader::Bulk, "a persistent grid needs the bulk loader (its producer streams across items)");
   // ring: PF slots of one chunk of the strip (W * NT tiles), for both shared-memory loaders
   template <int BITS>
   static constexpr int kRingBytes = LOADER != QGemmLoader::Registers ? PF * W * NT * tile_words(BITS) * 4 : 0;
   template <int BITS>
   static QGemmGeometry geometry() {
-    return {ROWS, STRIP, W, kRingBytes<BITS>};
+    return {ROWS, STRIP, W, kRingBytes<BITS>, LOADER != QGemmLoader::Bulk, PERSIST};
   }
 };
 
@@ -522,6 +533,7 @@ struct QGemmParams {
   int* counters;          // [zslices, strips], zero between launches
   int M, N, K, Npad, Kpad, group;
   int cps, strips, splits, zslices, ngroups;
+  int items_per_block;    // consecutive work items per block (Bulk with a persistent grid; else 1)
 };
 
 template <class T, int BITS, class C>
@@ -530,6 +542,7 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
   constexpr int LW = lane_words(BITS), TW = tile_words(BITS);  // 32-bit words per lane / per tile
   constexpr int LV = LW / 4;                                    // 16-byte vectors per lane (4/8 bits)
   constexpr int NV = NT * LV;
+  constexpr int NC = W * 32;  // threads that compute (Bulk adds one producer warp)
   static_assert(BITS == 3 || BITS == 4 || BITS == 8, "3, 4 or 8 bits");
   static_assert(BITS != 3 || C::LOADER != QGemmLoader::CpAsync, "3-bit tiles (12 bytes per lane) use the register or bulk loader");
   constexpr bool kBulk = C::LOADER == QGemmLoader::Bulk;
@@ -540,37 +553,135 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
   __shared__ __align__(8) std::uint64_t bars[kBulk ? 2 * PF : 1];  // Bulk: full[PF], empty[PF]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const bool producer = kBulk && warp == W;  // Bulk: the last warp only copies
   const int g4 = lane >> 2, c4 = lane & 3;
-  // block -> (z slice fastest, so the blocks that read the same weights run together and share them in L2;
-  // then strip, then K range)
-  int bid = blockIdx.x;
-  const int z = bid % p.zslices;
-  bid /= p.zslices;
-  const int strip = bid % p.strips, split = bid / p.strips;
   const int kchunks = p.Kpad / kTileK, ntiles = p.Npad / kTileN;
-  const int kc0 = split * p.cps, nck = min(kchunks, kc0 + p.cps) - kc0;
-  const int kb = kc0 * kTileK;  // first k of this block
+  const std::int64_t cstride = std::int64_t(ntiles) * TW;  // words between chunks
   const int xstride = p.cps * kTileK + 8;
-  const int m0 = z * ROWS, rows = min(ROWS, p.M - m0);
-  const int col0 = strip * STRIP;
-  const int nt0 = col0 / kTileN + warp * NT;  // this warp's first tile
-  const bool active = !producer && nt0 < ntiles;  // warp-uniform
+  const int total_groups = (p.K - 1) / p.group + 1;
   const QGemmSmem lay = qgemm_smem(ROWS, p.cps, p.ngroups, STRIP, C::template kRingBytes<BITS>);
   std::uint16_t* xs = reinterpret_cast<std::uint16_t*>(smem + lay.x);
   half* ss = reinterpret_cast<half*>(smem + lay.scales);
   std::uint8_t* zs = smem + lay.zeros;
+  // Block barrier of the threads that compute: the producer warp (Bulk) never waits on them.
+  auto sync_compute = [] {
+    if constexpr (kBulk) asm volatile("bar.sync 1, %0;\n" ::"n"(NC) : "memory");
+    else __syncthreads();
+  };
+
+  // ---- work items: (z slice, strip, K range); a block takes items_per_block consecutive ones ----
+  // Order: the register / cp.async loaders (one item per block) put the z slice fastest, so the blocks that
+  // read the same weights run together and share them in L2; Bulk puts the strip fastest, so a block's
+  // consecutive items share their x slice (staged once per run) while the blocks of other z slices walk
+  // the same strips at the same time.
+  const int n_items = p.zslices * p.strips * p.splits;
+  const int item0 = blockIdx.x * p.items_per_block, item_end = min(n_items, item0 + p.items_per_block);
+  struct Item {
+    int z, strip, split, kc0, nck;
+  };
+  auto decode_item = [&](int i) {
+    Item it;
+    if constexpr (kBulk) {
+      it.strip = i % p.strips;
+      i /= p.strips;
+      it.z = i % p.zslices;
+      it.split = i / p.zslices;
+    } else {
+      it.z = i % p.zslices;
+      i /= p.zslices;
+      it.strip = i % p.strips;
+      it.split = i / p.strips;
+    }
+    it.kc0 = it.split * p.cps;
+    it.nck = min(kchunks, it.kc0 + p.cps) - it.kc0;
+    return it;
+  };
+
+  // ---- Bulk: slot s of the ring holds one chunk of an item's strip, its W * NT tiles in memory order (fewer
+  // in the last strip). Producer lane: wait until every compute warp released the slot's previous chunk,
+  // announce the bytes, copy. Compute warp: wait until the chunk landed, copy its lanes' words into
+  // registers (lanes 16 B / 4 B apart: no bank conflicts at 3/4 bits), release the slot. Every compute warp
+  // takes part in every chunk (warps past N only skip the math), so the empty barriers count W arrivals.
+  // q numbers the chunks of the block's whole item sequence: slot q % PF, phase q / PF.
+  constexpr int kTileBytes = TW * 4, kSlotBytes = W * NT * kTileBytes;
+  unsigned char* bring = smem + lay.ring;  // [PF][W * NT tiles]
+  std::uint64_t* const full = bars;
+  std::uint64_t* const empty = bars + (kBulk ? PF : 0);
+  if constexpr (kBulk) {
+    if (warp == W && lane == 0) {
+#pragma unroll
+      for (int sl = 0; sl < PF; ++sl) {
+        mbar_init(full + sl, 1);
+        mbar_init(empty + sl, W);
+      }
+      mbar_init_fence();
+    }
+    __syncthreads();  // the only barrier the producer takes part in
+    if (warp == W) {
+      if (lane == 0) {
+        int q = 0;
+        for (int i = item0; i < item_end; ++i) {
+          const Item it = decode_item(i);
+          const int tile0 = it.strip * W * NT;
+          const unsigned bytes = unsigned(min(W * NT, ntiles - tile0)) * kTileBytes;
+          const std::uint32_t* src = p.tiles + std::int64_t(it.kc0) * cstride + std::int64_t(tile0) * TW;
+          for (int c = 0; c < it.nck; ++c, ++q) {
+            const int slot = q % PF;
+            if (q >= PF) mbar_wait(empty + slot, unsigned(q / PF - 1) & 1u);
+            mbar_arrive_expect_tx(full + slot, bytes);
+            bulk_copy_g2s(bring + slot * kSlotBytes, src + c * cstride, bytes, full + slot);
+          }
+        }
+      }
+      return;
+    }
+  }
+  struct Chunk {  // one chunk (64 k) of a warp's NT tiles, this lane's words
+    std::uint32_t w[NT][LW];
+  };
+  auto bulk_read = [&](int q) {
+    const int slot = q % PF;
+    mbar_wait(full + slot, unsigned(q / PF) & 1u);
+    Chunk ch;
+    const unsigned char* sp = bring + slot * kSlotBytes + warp * NT * kTileBytes;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      if constexpr (BITS == 3) {
+#pragma unroll
+        for (int r = 0; r < 3; ++r) ch.w[t][r] = lds32(sp + t * kTileBytes + (32 * r + lane) * 4);
+      } else {
+#pragma unroll
+        for (int l = 0; l < LV; ++l) {
+          const uint4 v = lds128(sp + t * kTileBytes + lane * LW * 4 + l * 16);
+          ch.w[t][4 * l] = v.x;
+          ch.w[t][4 * l + 1] = v.y;
+          ch.w[t][4 * l + 2] = v.z;
+          ch.w[t][4 * l + 3] = v.w;
+        }
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty + slot);
+    return ch;
+  };
+
+  std::uint32_t sink = 0;  // diagnostics modes: keeps loads / decode alive
+  int q_next = 0;          // Bulk: sequence number of the next chunk to read
+  int x_key = -1;          // Bulk: (z, K range) of the staged x slice
+  for (int item = item0; item < item_end; ++item) {
+  const Item it = decode_item(item);
+  const int z = it.z, strip = it.strip, split = it.split, kc0 = it.kc0, nck = it.nck;
+  const int kb = kc0 * kTileK;  // first k of this item
+  const int m0 = z * ROWS, rows = min(ROWS, p.M - m0);
+  const int col0 = strip * STRIP;
+  const int nt0 = col0 / kTileN + warp * NT;  // this warp's first tile
+  const bool active = nt0 < ntiles;           // warp-uniform
 
   // ---- weight stream of this warp: tile (kc, nt) at words (kc * ntiles + nt) * TW; tiles past N read the
   // last tile (never stored). 4/8-bit: a lane's words are contiguous (16-byte loads); 3-bit: word-major.
-  const std::int64_t cstride = std::int64_t(ntiles) * TW;  // words between chunks
   const std::uint32_t* wbase = p.tiles + std::int64_t(kc0) * cstride + (BITS == 3 ? lane : lane * LW);
   int toff[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) toff[t] = min(nt0 + t, ntiles - 1) * TW;
-  struct Chunk {
-    std::uint32_t w[NT][LW];
-  };
   auto load_chunk = [&](int c) {
     Chunk ch;
 #pragma unroll
@@ -615,76 +726,23 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
       }
     return ch;
   };
-  // Bulk: slot s of the ring holds one chunk of the block's strip, its W * NT tiles in memory order (fewer
-  // in the last strip: only those warps take part). Producer lane: wait until every consumer warp released
-  // the slot's previous chunk, announce the bytes, copy. Consumer warp: wait until the chunk landed, copy its
-  // lanes' words into registers (lanes are contiguous 16 B / 4 B apart: no bank conflicts at 3/4 bits),
-  // release the slot.
-  constexpr int kTileBytes = TW * 4, kSlotBytes = W * NT * kTileBytes;
-  const int strip_tiles = min(W * NT, ntiles - col0 / kTileN);
-  const unsigned strip_bytes = unsigned(strip_tiles) * kTileBytes;
-  const std::uint32_t* sbase = p.tiles + std::int64_t(kc0) * cstride + std::int64_t(col0 / kTileN) * TW;
-  unsigned char* bring = smem + lay.ring;  // [PF][W * NT tiles]
-  std::uint64_t* const full = bars;
-  std::uint64_t* const empty = bars + (kBulk ? PF : 0);
-  auto bulk_issue = [&](int c) {
-    const int slot = c % PF;
-    if (c >= PF) mbar_wait(empty + slot, unsigned((c / PF) - 1) & 1u);
-    mbar_arrive_expect_tx(full + slot, strip_bytes);
-    bulk_copy_g2s(bring + slot * kSlotBytes, sbase + c * cstride, strip_bytes, full + slot);
-  };
-  auto bulk_read = [&](int c) {
-    const int slot = c % PF;
-    mbar_wait(full + slot, unsigned(c / PF) & 1u);
-    Chunk ch;
-    const unsigned char* sp = bring + slot * kSlotBytes + warp * NT * kTileBytes;
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      if constexpr (BITS == 3) {
-#pragma unroll
-        for (int r = 0; r < 3; ++r) ch.w[t][r] = lds32(sp + t * kTileBytes + (32 * r + lane) * 4);
-      } else {
-#pragma unroll
-        for (int l = 0; l < LV; ++l) {
-          const uint4 v = lds128(sp + t * kTileBytes + lane * LW * 4 + l * 16);
-          ch.w[t][4 * l] = v.x;
-          ch.w[t][4 * l + 1] = v.y;
-          ch.w[t][4 * l + 2] = v.z;
-          ch.w[t][4 * l + 3] = v.w;
-        }
-      }
-    }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(empty + slot);
-    return ch;
-  };
 
   // ---- prologue: weight loads first (the longest latency), then x and the group table ----
-  if constexpr (kBulk) {
-    if (producer) {
-      if (lane == 0) {
-#pragma unroll
-        for (int sl = 0; sl < PF; ++sl) {
-          mbar_init(full + sl, 1);
-          mbar_init(empty + sl, unsigned((strip_tiles + NT - 1) / NT));  // the warps that own tiles
-        }
-        mbar_init_fence();
-        for (int c = 0; c < PF && c < nck; ++c) bulk_issue(c);
-      }
-      __syncwarp();
-    }
-  }
   Chunk bq[C::LOADER == QGemmLoader::Registers ? PF : 1];
   if constexpr (C::LOADER == QGemmLoader::Registers) {
 #pragma unroll
     for (int c = 0; c < PF; ++c)
       if (active && c < nck) bq[c] = load_chunk(c);
   }
-  {
+  const int key = z + p.zslices * split;
+  const bool stage_x = !kBulk || key != x_key;
+  if (stage_x) {
+    if (kBulk && item != item0) sync_compute();  // every warp is done with the previous x slice
+    x_key = key;
     const T* x = static_cast<const T*>(p.x) + std::int64_t(m0) * p.K;
     const bool vec_ok = (p.K % 8 == 0) && ((reinterpret_cast<std::uintptr_t>(p.x) & 15) == 0);
     const int segs = p.cps * (kTileK / 8);  // 8-element segments per row
-    for (int i = tid; i < ROWS * segs; i += C::THREADS) {
+    for (int i = tid; i < ROWS * segs; i += NC) {
       const int r = i / segs, sg = i - r * segs, k = kb + sg * 8;
       std::uint16_t* d = xs + r * xstride + sg * 8;
       if (r < rows && k < p.K && vec_ok) {
@@ -705,12 +763,14 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
   }
   const int g_first = kb / p.group;
   const int g_last = (min(kb + nck * kTileK, p.K) - 1) / p.group;
-  for (int i = tid; i < p.ngroups * STRIP; i += C::THREADS) {
-    const int gi = i / STRIP, col = col0 + (i - gi * STRIP);
-    const bool in = g_first + gi <= g_last && col < p.Npad;
-    const std::int64_t src = std::int64_t(g_first + gi) * p.Npad + col;
-    ss[i] = in ? p.scales[src] : from_float<half>(1.f);
-    zs[i] = in ? p.zeros[src] : std::uint8_t(0);
+  if constexpr (!kBulk) {  // group table in shared memory (Bulk reads the group constants from global memory)
+    for (int i = tid; i < p.ngroups * STRIP; i += NC) {
+      const int gi = i / STRIP, col = col0 + (i - gi * STRIP);
+      const bool in = g_first + gi <= g_last && col < p.Npad;
+      const std::int64_t src = std::int64_t(g_first + gi) * p.Npad + col;
+      ss[i] = in ? p.scales[src] : from_float<half>(1.f);
+      zs[i] = in ? p.zeros[src] : std::uint8_t(0);
+    }
   }
   if constexpr (C::LOADER == QGemmLoader::CpAsync) {
 #pragma unroll
@@ -722,23 +782,51 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
   } else {
     cp_async_wait<0>();
   }
-  __syncthreads();
+  if (stage_x) sync_compute();
   // ---- per-group constants: zero points of the B columns (8j + g4), scales of the C columns (8j + 2c4 + {0,1})
+  // Raw group data of this warp's columns: B-column zero points, C-column zero point pairs (folding), scales.
+  struct GroupRaw {
+    std::uint32_t zb[NT][2], zc[NT][2], s[NT][2];
+  };
+  auto fetch_group = [&](int gg) {
+    GroupRaw r;
+    if constexpr (kBulk) {  // straight from global memory (small, L2-resident); columns past N read the last tile
+      const std::int64_t base = std::int64_t(min(gg, total_groups - 1)) * p.Npad;
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const std::int64_t n = base + min(nt0 + t, ntiles - 1) * kTileN + 8 * j;
+          r.zb[t][j] = __ldg(p.zeros + n + g4);
+          if constexpr (kFold) r.zc[t][j] = __ldg(reinterpret_cast<const unsigned short*>(p.zeros + n + 2 * c4));
+          r.s[t][j] = __ldg(reinterpret_cast<const unsigned int*>(p.scales + n + 2 * c4));
+        }
+    } else {
+      const int row = (gg - g_first) * STRIP + warp * NT * kTileN;
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int n = row + t * kTileN + 8 * j;
+          r.zb[t][j] = zs[n + g4];
+          if constexpr (kFold) r.zc[t][j] = std::uint32_t(zs[n + 2 * c4]) | (std::uint32_t(zs[n + 2 * c4 + 1]) << 8);
+          r.s[t][j] = *reinterpret_cast<const std::uint32_t*>(ss + n + 2 * c4);
+        }
+    }
+    return r;
+  };
   std::uint32_t zlo[NT][2], zhi[NT][2];
   float zf[NT][2], sc[NT][2][2], zc2[NT][2][2];  // zc2 (folding): magic + z of the C columns
-  int g = g_first;
-  int next_k = (g + 1) * p.group < p.K ? (g + 1) * p.group : 0x7fffffff;  // k where the next group starts
-  auto load_group = [&](int gg) {
-    const int row = (gg - g_first) * STRIP + warp * NT * kTileN;
+  auto apply_group = [&](const GroupRaw& r) {
 #pragma unroll
     for (int t = 0; t < NT; ++t)
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const int zc = int(zs[row + t * kTileN + 8 * j + g4]);
+        const int zc = int(r.zb[t][j]);
         if constexpr (kFold) {
           constexpr float kMagic = std::is_same_v<T, bf16> ? 128.f : 1024.f;
-          zc2[t][j][0] = kMagic + float(zs[row + t * kTileN + 8 * j + 2 * c4]);
-          zc2[t][j][1] = kMagic + float(zs[row + t * kTileN + 8 * j + 2 * c4 + 1]);
+          zc2[t][j][0] = kMagic + float(r.zc[t][j] & 0xFFu);
+          zc2[t][j][1] = kMagic + float(r.zc[t][j] >> 8);
         } else if constexpr (BITS == 8) {
           zf[t][j] = 8388608.f + float(zc);
           zlo[t][j] = (0x6400u + zc) * 0x00010001u;  // fp16 1024 + z
@@ -748,10 +836,17 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
           zlo[t][j] = (0x6400u + zc) * 0x00010001u;
           zhi[t][j] = u32(__float2half2_rn(float(-64 - zc)));
         }
-        const __half2 s2 = *reinterpret_cast<const __half2*>(ss + row + t * kTileN + 8 * j + 2 * c4);
+        const __half2 s2 = as_vec2<__half2>(r.s[t][j]);
         sc[t][j][0] = __low2float(s2);
         sc[t][j][1] = __high2float(s2);
       }
+  };
+  int g = g_first;
+  int next_k = (g + 1) * p.group < p.K ? (g + 1) * p.group : 0x7fffffff;  // k where the next group starts
+  GroupRaw ahead;  // Bulk: the next group's data, fetched one group early so its latency hides behind the math
+  auto load_first_group = [&]() {
+    apply_group(fetch_group(g));
+    if constexpr (kBulk) ahead = fetch_group(g + 1);
   };
   // acc: result so far; tmp: this group's sum of x * (q - z), folded into acc with the group's scales
   float acc[MT][NT][2][4], tmp[MT][NT][2][4];
@@ -788,15 +883,20 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
 #pragma unroll
         for (int e = 0; e < 4; ++e) xacc[mt][e] = 0.f;
   };
-  std::uint32_t sink = 0;  // diagnostics modes: keeps loads / decode alive
-  if ((kFull || C::MODE == QGemmMode::LoadDecode) && !producer) load_group(g);
+  if (kFull || C::MODE == QGemmMode::LoadDecode) load_first_group();
 
   auto advance_group = [&]() {
     if constexpr (kFull) flush();
     ++g;
     next_k = (g + 1) * p.group < p.K ? (g + 1) * p.group : 0x7fffffff;
-    load_group(g);
+    if constexpr (kBulk) {
+      apply_group(ahead);
+      ahead = fetch_group(g + 1);
+    } else {
+      apply_group(fetch_group(g));
+    }
   };
+
   // One chunk: 4 k-steps of 16; per k-step decode NT * 2 B fragments, load the A fragments, MT * NT * 2 mma.
   auto chunk_body = [&](const Chunk& ch, int kl, auto check_groups) {
     [[maybe_unused]] std::uint32_t a8[4];  // ROWS8 == 1: A of two k-steps (rows 0..7)
@@ -871,15 +971,18 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
   };
 
   // ---- main loop: no block barriers; each warp keeps PF chunks of its own weights in flight (Bulk: the
-  // producer keeps PF chunks of the whole strip in flight) ----
+  // producer keeps PF chunks of the block's strips in flight, across items) ----
   if constexpr (kBulk) {
-    if (producer) {
-      if (lane == 0)
-        for (int c = PF; c < nck; ++c) bulk_issue(c);
-      __syncwarp();
+    // every compute warp takes part in every chunk; warps past N skip the math
+    Chunk cur = bulk_read(q_next);  // nck >= 1 (plan_qgemm makes no empty K range)
+    for (int c = 0; c < nck; ++c) {
+      Chunk nxt = cur;
+      if (c + 1 < nck) nxt = bulk_read(q_next + c + 1);  // the next chunk's shared-memory reads overlap this chunk's math
+      if (active) compute(cur, c);
+      cur = nxt;
     }
-  }
-  if (active) {
+    q_next += nck;
+  } else if (active) {
     if constexpr (C::LOADER == QGemmLoader::Registers) {
       for (int base = 0; base < nck; base += PF) {
 #pragma unroll
@@ -892,15 +995,6 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
           }
         }
       }
-    } else if constexpr (kBulk) {
-      Chunk cur{};
-      if (nck > 0) cur = bulk_read(0);  // (plan_qgemm makes no empty K range)
-      for (int c = 0; c < nck; ++c) {
-        Chunk nxt = cur;
-        if (c + 1 < nck) nxt = bulk_read(c + 1);  // the next chunk's shared-memory reads overlap this chunk's math
-        compute(cur, c);
-        cur = nxt;
-      }
     } else {
       for (int c = 0; c < nck; ++c) {
         // slot (c + PF - 1) % PF was read (and consumed) in iteration c - 1
@@ -912,10 +1006,7 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
     }
   }
 
-  if constexpr (!kFull) {
-    if (sink == 0x9e3779b9u && p.M < 0) static_cast<T*>(p.y)[0] = from_float<T>(float(sink));  // never true; keeps the work
-    return;
-  }
+  if constexpr (!kFull) continue;
   flush();
 
   // ---- epilogue: C fragment rows g4 / g4 + 8, columns 2 c4, 2 c4 + 1 of each n8 half ----
@@ -933,7 +1024,7 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
               const int m = mt * 16 + g4 + 8 * (e >> 1), n = (nt0 + t) * kTileN + 8 * j + 2 * c4 + (e & 1);
               if (m < rows && n < p.N) y[std::int64_t(m0 + m) * p.N + n] = from_float<T>(acc[mt][t][j][e]);
             }
-    return;
+    continue;
   }
   float* mine = p.partial + (std::int64_t(split) * p.M + m0) * p.Npad;
   if (active)
@@ -950,13 +1041,13 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
               *reinterpret_cast<float2*>(mine + std::int64_t(m) * p.Npad + n) = make_float2(acc[mt][t][j][2 * h], acc[mt][t][j][2 * h + 1]);
           }
   __threadfence();
-  __syncthreads();
+  sync_compute();
   int* counter = p.counters + std::int64_t(z) * p.strips + strip;
   if (tid == 0) last_flag = atomicAdd(counter, 1) == p.splits - 1;
-  __syncthreads();
-  if (!last_flag) return;
+  sync_compute();
+  if (!last_flag) continue;  // (uniform: the flag is read by every thread before anyone can write it again)
   __threadfence();
-  for (int i = tid; i < rows * STRIP; i += C::THREADS) {
+  for (int i = tid; i < rows * STRIP; i += NC) {
     const int m = i / STRIP, n = col0 + (i - m * STRIP);
     if (n >= p.N) continue;
     float s = 0.f;
@@ -964,6 +1055,10 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
     y[std::int64_t(m0 + m) * p.N + n] = from_float<T>(s);
   }
   if (tid == 0) *counter = 0;  // ready for the next launch
+  }  // items
+
+  if constexpr (!kFull)
+    if (sink == 0x9e3779b9u && p.M < 0) static_cast<T*>(p.y)[0] = from_float<T>(float(sink));  // never true; keeps the work
 }
 
 // Launch one configuration. Returns cudaErrorInvalidValue when the workspace is smaller than the plan.
@@ -972,6 +1067,10 @@ cudaError_t launch_qgemm_cfg(const T* x, const std::uint32_t* tiles, const half*
                              const QGemmShape& s, const QGemmPlan& p, const QGemmWorkspace& ws, cudaStream_t stream) {
   if (p.splits > 1 && (ws.partial == nullptr || ws.partial_elems < p.partial_elems)) return cudaErrorInvalidValue;
   if (p.counter_elems > 0 && p.splits > 1 && (ws.counters == nullptr || ws.counter_elems < p.counter_elems)) return cudaErrorInvalidValue;
+  // bulk copies need 16-byte aligned tiles; the bulk loader reads scales as 4-byte pairs, zero points as 2-byte pairs
+  if (C::LOADER == QGemmLoader::Bulk &&
+      ((reinterpret_cast<std::uintptr_t>(tiles) & 15) || (reinterpret_cast<std::uintptr_t>(scales) & 3) || (reinterpret_cast<std::uintptr_t>(zeros) & 1)))
+    return cudaErrorInvalidValue;
   // Dynamic shared memory above 48 KB must be allowed per kernel; the limit counts static + dynamic
   // bytes, so allow the device's opt-in maximum minus this kernel's static shared memory (once per
   // instantiation). A refusal is cleared from the runtime's last error and leaves the 48 KB default.
@@ -993,7 +1092,7 @@ cudaError_t launch_qgemm_cfg(const T* x, const std::uint32_t* tiles, const half*
   if (p.smem_bytes > max_dynamic) return cudaErrorInvalidConfiguration;
   QGemmParams prm{x, tiles, scales, zeros, y, ws.partial, ws.counters,
                   int(s.M), int(s.N), int(s.K), int(s.Npad), int(s.Kpad), int(s.group),
-                  p.cps, p.strips, p.splits, p.zslices, p.ngroups};
+                  p.cps, p.strips, p.splits, p.zslices, p.ngroups, p.items_per_block};
   qgemm_kernel<T, BITS, C><<<unsigned(p.blocks()), C::THREADS, p.smem_bytes, stream>>>(prm);
   return cudaGetLastError();
 }
@@ -1008,12 +1107,14 @@ std::string cfg_name() {
   std::string n = "r" + std::to_string(C::ROWS) + "w" + std::to_string(C::W) + "n" + std::to_string(C::NT) + "p" + std::to_string(C::PF);
   if (C::LOADER == QGemmLoader::CpAsync) n += "a";
   if (C::LOADER == QGemmLoader::Bulk) n += "b";
+  if (C::PERSIST > 0) n += "p" + std::to_string(C::PERSIST);
   if (C::ZFOLD) n += "z";
   if (C::MODE == QGemmMode::LoadOnly) n += "-load";
   if (C::MODE == QGemmMode::LoadDecode) n += "-decode";
   return n;
 }
 using R = QGemmLoader;
+using M_ = QGemmMode;
 using TuningCfgs = CfgList<QGemmCfg<1, 4, 1, 8>, QGemmCfg<1, 4, 1, 4>, QGemmCfg<1, 4, 1, 16>, QGemmCfg<1, 8, 1, 8>, QGemmCfg<1, 4, 2, 8>,
                            QGemmCfg<1, 4, 1, 16, R::CpAsync>, QGemmCfg<1, 8, 1, 16, R::CpAsync>,  // 8 rows
                            QGemmCfg<2, 4, 1, 8>, QGemmCfg<2, 8, 1, 8>, QGemmCfg<2, 4, 2, 4>, QGemmCfg<2, 4, 1, 16, R::CpAsync>,  // 16 rows
@@ -1027,13 +1128,17 @@ using TuningCfgs = CfgList<QGemmCfg<1, 4, 1, 8>, QGemmCfg<1, 4, 1, 4>, QGemmCfg<
                            QGemmCfg<2, 4, 2, 8, R::Bulk>, QGemmCfg<2, 4, 2, 16, R::Bulk>, QGemmCfg<2, 8, 2, 8, R::Bulk>,  // 16 rows
                            QGemmCfg<2, 4, 4, 8, R::Bulk>,
                            QGemmCfg<4, 4, 2, 8, R::Bulk>, QGemmCfg<4, 8, 2, 8, R::Bulk>,                                   // 32 rows
-                           QGemmCfg<8, 4, 2, 4, R::Bulk>, QGemmCfg<8, 8, 2, 4, R::Bulk>>;                                 // 64 rows
+                           QGemmCfg<8, 4, 2, 4, R::Bulk>, QGemmCfg<8, 8, 2, 4, R::Bulk>,                                  // 64 rows
+                           // bulk loader on a persistent grid (last knob: blocks per SM), consecutive items per block
+                           QGemmCfg<1, 4, 2, 16, R::Bulk, false, M_::Full, 2>, QGemmCfg<2, 4, 2, 16, R::Bulk, false, M_::Full, 2>,
+                           QGemmCfg<2, 4, 2, 8, R::Bulk, false, M_::Full, 3>, QGemmCfg<4, 4, 2, 8, R::Bulk, false, M_::Full, 2>,
+                           QGemmCfg<8, 4, 2, 4, R::Bulk, false, M_::Full, 1>>;
 // Diagnostics: the same loads without the math, the loads and the decode without the mma.
-using M_ = QGemmMode;
 using DiagnosticCfgs = CfgList<QGemmCfg<1, 4, 1, 8, R::Registers, false, M_::LoadOnly>, QGemmCfg<1, 4, 1, 8, R::Registers, false, M_::LoadDecode>,
                                QGemmCfg<1, 4, 1, 8, R::Registers, true, M_::LoadDecode>, QGemmCfg<1, 4, 1, 16, R::CpAsync, false, M_::LoadOnly>,
                                QGemmCfg<2, 4, 1, 8, R::Registers, false, M_::LoadDecode>, QGemmCfg<2, 4, 2, 16, R::Bulk, false, M_::LoadOnly>,
-                               QGemmCfg<1, 4, 2, 8, R::Bulk, false, M_::LoadOnly>, QGemmCfg<2, 4, 2, 16, R::Bulk, false, M_::LoadDecode>>;
+                               QGemmCfg<1, 4, 2, 8, R::Bulk, false, M_::LoadOnly>, QGemmCfg<2, 4, 2, 16, R::Bulk, false, M_::LoadDecode>,
+                               QGemmCfg<2, 4, 2, 16, R::Bulk, false, M_::LoadOnly, 2>>;
 
 // Dispatch table: batch class (M <= 8, <= 16, <= 32, <= 64, more) -> configuration (K ranges: the plan's
 // rule, kCps 0). 3- and 4-bit from the H200 variant sweep (bench/results/h200/gemm4.jsonl, run at e726527,
