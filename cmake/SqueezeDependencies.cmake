@@ -81,3 +81,15 @@ if(CCACHE_PROGRAM AND NOT CMAKE_CXX_COMPILER_LAUNCHER)
   set(CMAKE_CXX_COMPILER_LAUNCHER ${CCACHE_PROGRAM})
   set(CMAKE_CUDA_COMPILER_LAUNCHER ${CCACHE_PROGRAM})
 endif()
+
+# Host flags for a torch translation unit that nvcc compiles (CUDA libtorch builds: bench_table, llama_train,
+# llama_gptq). g++'s -fno-math-errno and OpenMP reach the host compiler only through -Xcompiler
+# (OpenMP::OpenMP_CXX's flags apply to CXX sources alone); the CPU AdamW of Offload<Host> needs both to
+# vectorise and to use every core. 3189: libtorch's headers use `module` as a name, which nvcc remarks on.
+function(squeeze_torch_nvcc_tu target)
+  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-fno-math-errno -diag-suppress=3189>)
+  if(TARGET OpenMP::OpenMP_CXX)
+    target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-fopenmp>)
+    target_link_libraries(${target} PRIVATE OpenMP::OpenMP_CXX)
+  endif()
+endfunction()

@@ -15,7 +15,8 @@
 //               [--rows fp32,bf16,bf16-ckpt:1,...]     (NAME:B runs that row with batch B)
 //
 // JSON lines: bench "table", case, strategy, batch, seq, peak_gb, reserved_gb, planned_gb, plan_ratio,
-// time_ms, iters_per_s, tokens_per_s, val_loss, val_ppl, final_loss, ratio_vs_peer (tokens/s over the
+// time_ms, iters_per_s, tokens_per_s, val_loss, val_ppl, final_loss, host_{wait,sumsq,update}_ms
+// (Offload<Host> rows: the CPU pipeline's time per step), ratio_vs_peer (tokens/s over the
 // peer's: > 1 is faster), mem_ratio_vs_peer (peer's peak over ours: > 1 is smaller), claimed_* (the widely
 // shared LLaMA-7B figures, at that geometry), oom / error, device, date, commit (SQUEEZE_DEVICE /
 // SQUEEZE_DATE / SQUEEZE_COMMIT). The CSV has one line per row; bench/table/chart.py draws the PNG from it.
@@ -64,6 +65,9 @@ struct Row {
   RowSpec spec;
   std::string strategy;  // the Strategy spelled out
   std::optional<double> time_ms, peak_gb, reserved_gb, planned_gb, planned_host_gb, final_loss, val_loss;
+  // Offload<Host> rows: the CPU pipeline's time per timed step (it runs beside the GPU; when its sum nears
+  // time_ms the CPU bounds the step): waiting for gradient copies, sums of squares, AdamW + upload queueing.
+  std::optional<double> host_wait_ms, host_sumsq_ms, host_update_ms;
   int64_t skipped = 0;  // optimizer steps skipped for non-finite gradients (fp16 loss scaling)
   bool oom = false;
   std::string error;
@@ -114,10 +118,12 @@ Data load_data(const Options& o) {
 }
 
 // Trains warmup + steps optimizer steps on the shared batches (timing the last `steps`), records the peak,
-// then the validation loss. step(x, y) -> training loss; eval(batches) -> mean validation loss.
-template <class Step, class Sync, class Eval>
+// then the validation loss. step(x, y) -> training loss; sync() waits for work step() left running;
+// timed(begin) is called with true before and false after the timed steps; eval(batches) -> mean
+// validation loss.
+template <class Step, class Sync, class Timed, class Eval>
 void run_steps(const Options& o, int64_t batch, const Data& data, const torch::Device& device, Row& row, Step&& step, Sync&& sync,
-               Eval&& eval) {
+               Timed&& timed_mark, Eval&& eval) {
   double loss = 0;
   for (int64_t i = 0; i < o.warmup; ++i) {
     const auto [x, y] = llama::sample_batch(data.train, batch, o.seq, o.seed, i, device);
@@ -125,11 +131,14 @@ void run_steps(const Options& o, int64_t batch, const Data& data, const torch::D
   }
   std::vector<std::pair<torch::Tensor, torch::Tensor>> timed;
   for (int64_t i = o.warmup; i < o.warmup + o.steps; ++i) timed.push_back(llama::sample_batch(data.train, batch, o.seq, o.seed, i, device));
+  sync();
   synchronize(device);
+  timed_mark(true);
   const auto t0 = std::chrono::steady_clock::now();
   for (const auto& [x, y] : timed) loss = step(x, y);  // the loss read-back synchronises each step
   sync();  // an offloaded update may still be running on the CPU
   synchronize(device);
+  timed_mark(false);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   row.time_ms = 1e3 * s / double(o.steps);
   row.final_loss = loss;
@@ -200,7 +209,7 @@ Row run_peer(const RowSpec& spec, const Options& o, const nn::LlamaConfig& confi
           opt.zero_grad();
           return loss.item<double>();
         },
-        [] {},
+        [] {}, [](bool) {},
         [&](const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches) {
           torch::NoGradGuard no_grad;
           double sum = 0;
@@ -247,7 +256,18 @@ Row run_strategy(const RowSpec& spec, const Options& o, const nn::LlamaConfig& c
             row.skipped += r.applied ? 0 : 1;
             return r.loss;
           },
-          [&] { trainer.sync(); }, [&](const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches) { return trainer.evaluate(batches); });
+          [&] { trainer.sync(); },
+          [&](bool begin) {
+            if constexpr (S::offload_to_host) {
+              if (begin) return trainer.reset_offload_stats();
+              const nn::OffloadStats st = trainer.offload_stats();
+              const double per_step_ms = 1e3 / double(o.steps);
+              row.host_wait_ms = st.transfer_wait_s * per_step_ms;
+              row.host_sumsq_ms = st.sum_squares_s * per_step_ms;
+              row.host_update_ms = st.update_s * per_step_ms;
+            }
+          },
+          [&](const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches) { return trainer.evaluate(batches); });
     });
   });
   return row;
@@ -369,6 +389,11 @@ int main(int argc, char** argv) {
       j["reserved_gb"] = *row.reserved_gb;
       j["final_loss"] = *row.final_loss;
       j["skipped_steps"] = row.skipped;
+      if (row.host_update_ms) {
+        j["host_wait_ms"] = *row.host_wait_ms;
+        j["host_sumsq_ms"] = *row.host_sumsq_ms;
+        j["host_update_ms"] = *row.host_update_ms;
+      }
       if (row.val_loss) {
         ppl = std::exp(*row.val_loss);
         j["val_loss"] = *row.val_loss;
@@ -410,6 +435,9 @@ int main(int argc, char** argv) {
 
     std::string note = row.error;
     if (row.skipped > 0) note = std::to_string(row.skipped) + " step(s) skipped (fp16 overflow)" + (note.empty() ? "" : "; " + note);
+    if (row.host_update_ms)
+      note = "host ms/step: copies " + fmt(row.host_wait_ms, "%.0f") + " sumsq " + fmt(row.host_sumsq_ms, "%.0f") + " adamw " +
+             fmt(row.host_update_ms, "%.0f") + (note.empty() ? "" : "; " + note);
     if (claim) note = fmt(claim->gb, "%.1f") + " " + fmt(claim->its, "%.1f") + " " + fmt(claim->ppl, "%.2f") + (note.empty() ? "" : " | " + note);
     std::printf("%-27s %3lld %8s %8s %6s %7s %9s %8s %7s %7s  %s\n", spec.name.c_str(), (long long)spec.batch, fmt(row.peak_gb, "%.2f").c_str(),
                 fmt(row.planned_gb, "%.2f").c_str(), fmt(plan_ratio, "%.3f").c_str(),

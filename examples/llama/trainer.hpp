@@ -507,6 +507,9 @@ class ZeroTrainer {
   // Offload<Host> may still be updating layers on the CPU after step() returns (it overlaps the next
   // forward): wait for every update to land (time a step with it; evaluation's gathers wait by themselves).
   void sync() { trainer_->sync(); }
+  // Where the Offload<Host> pipeline's host time went since the last reset (zeros without offload).
+  nn::OffloadStats offload_stats() const { return trainer_->offload_stats(); }
+  void reset_offload_stats() { trainer_->reset_offload_stats(); }
 
   StepResult step(const torch::Tensor& x, const torch::Tensor& y) {
     check_batch(x, y, micro_batches);

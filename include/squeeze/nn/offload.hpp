@@ -12,7 +12,8 @@
 //               (fixed chunking: the same bits whatever the thread count), then the job's `then` (eager update)
 //   update(p, fn)       (trainer, after the global norm is known; or `then` above)
 //       worker: fn(p) (the CPU AdamW on p.master, p.m, p.v with p.host_grad), then
-//       CUDA: the h2d stream waits for the compute work queued before the job, copies p.master -> p.param
+//       CUDA: the h2d stream waits for the compute work queued before the job, copies the new parameters to
+//             p.param: from host_grad when fn staged them there in param's dtype (p.staged), else p.master
 //   wait(p) / wait_all()  the host waits for the jobs, the current stream for their copies
 //
 // With threaded = false every job runs inline at once (the non-overlapped reference path); the arithmetic
@@ -29,6 +30,7 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "squeeze/dtype.hpp"
@@ -45,6 +47,9 @@ struct Partition {
   torch::Tensor master;     // [n] fp32 master (mixed precision, or on the host under offload)
   torch::Tensor m, v;       // [n] fp32 Adam moments
   torch::Tensor host_grad;  // [n] host copy of grad in grad's dtype (offload; pinned for a CUDA model)
+  // The update wrote the new parameters, rounded to param's dtype, over host_grad (possible when grad and
+  // param share a 16-bit dtype): the upload then moves 2 bytes per parameter instead of the fp32 master's 4.
+  bool staged = false;
   // Offload pipeline state (written by the worker, read after wait()).
   double sumsq = 0;         // sum of squares of host_grad (scaled gradient), this window
   bool submitted = false;   // gradient_ready was called this window
@@ -203,10 +208,15 @@ class OffloadPipeline {
   };
 
   void write_back(Partition& q, const Event& after) {
+    const bool staged = std::exchange(q.staged, false);
     if (h2d_.active()) {
       h2d_.wait(after);  // kernels queued before the job may still read q.param
-      // In chunks: the fp32 -> compute-dtype conversion happens on the device through a temporary of one chunk.
       h2d_.run([&] {
+        if (staged) {  // already in param's dtype: one straight copy
+          q.param.copy_(q.host_grad, /*non_blocking=*/true);
+          return;
+        }
+        // In chunks: the fp32 -> compute-dtype conversion happens on the device through a temporary of one chunk.
         constexpr int64_t kChunk = int64_t(1) << 24;
         const int64_t n = q.param.numel();
         for (int64_t off = 0; off < n; off += kChunk) {
@@ -216,7 +226,7 @@ class OffloadPipeline {
       });
       q.h2d_done = h2d_.record();
     } else {
-      q.param.copy_(q.master);
+      q.param.copy_(staged ? q.host_grad : q.master);
     }
   }
 

@@ -774,10 +774,23 @@ class Trainer {
     return kernels::adamw_coeffs(adamw_.lr, adamw_.beta1, adamw_.beta2, adamw_.eps, adamw_.weight_decay, applied_ + 1);
   }
 
-  // The CPU AdamW of one offloaded partition: fp32 master, m, v and the host gradient copy.
+  // The CPU AdamW of one offloaded partition: fp32 master, m, v and the host gradient copy. When the
+  // gradient is in the (16-bit) compute dtype, the rounded new parameters overwrite it element by element
+  // (each element's gradient is read before its parameter is written), so the upload moves half the bytes
+  // of the fp32 master and needs no conversion on the device.
   static OffloadPipeline::Fn host_update(kernels::AdamWCoeffs c, float inv_scale, float clip) {
     return [c, inv_scale, clip](Partition& p) {
       const kernels::AdamWDynamic d{&inv_scale, nullptr, &clip, nullptr};
+      if constexpr (!std::is_same_v<Compute, float>) {
+        if (p.host_grad.scalar_type() == p.param.scalar_type()) {
+          Compute* staged = reinterpret_cast<Compute*>(p.host_grad.data_ptr());
+          kernels::AdamWTensor<Compute, Compute> t{staged, p.master.data_ptr<float>(), staged, p.m.data_ptr<float>(),
+                                                   p.v.data_ptr<float>(), p.master.numel()};
+          kernels::adamw_cpu(t, c, d);
+          p.staged = true;
+          return;
+        }
+      }
       auto run = [&]<class G>(const G* g) {
         kernels::AdamWTensor<float, G> t{p.master.data_ptr<float>(), nullptr, g, p.m.data_ptr<float>(), p.v.data_ptr<float>(),
                                          p.master.numel()};
