@@ -4,7 +4,8 @@
 #   usage: bash bench/run_gpu.sh [bench-name ...]    (no names: all benchmarks but the 7B rows;
 #          names: adamw gemm4 gptq zero table table7b table7b_offload llama_gptq)
 #   env: TARGETS="t1 t2" builds only those targets (default: everything); GPU_TESTS=0 skips ctest -L cuda;
-#        BENCH_ARGS_<name>="..." extra arguments for one benchmark (e.g. BENCH_ARGS_table="--rows bf16,ckpt").
+#        BENCH_ARGS_<name>="..." extra arguments for one benchmark (e.g. BENCH_ARGS_table="--rows bf16,ckpt");
+#        BENCH_TIMEOUT=S stops a benchmark after S seconds (default 3600).
 # From the development machine, snapshot the committed tree and send it with the device tool:
 #   rm -rf .snap && mkdir .snap && git archive HEAD | tar -x -C .snap && git rev-parse --short HEAD > .snap/COMMIT
 #   device run (carry .snap): bash .snap/bench/run_gpu.sh
@@ -43,7 +44,7 @@ run_bench() {  # run_bench <name> <executable> [args...]
   if [ ${#want[@]} -gt 0 ] && ! named "$name"; then return; fi
   if [ ! -x "$1" ]; then echo "bench $name: $1 not built"; return; fi
   local extra_var="BENCH_ARGS_$name"
-  echo "== $name"; "$@" ${!extra_var:-} --out "$OUT/$name.jsonl" 2>&1 | tee "$OUT/$name.log" | tail -30
+  echo "== $name"; timeout "${BENCH_TIMEOUT:-3600}" "$@" ${!extra_var:-} --out "$OUT/$name.jsonl" 2>&1 | tee "$OUT/$name.log" | tail -30
 }
 run_bench adamw "$BUILD/bench/kernels/bench_adamw"
 run_bench gemm4 "$BUILD/bench/quant/bench_quant_gemm"
