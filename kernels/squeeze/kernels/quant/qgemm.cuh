@@ -147,6 +147,7 @@ struct QGemmPlan {
   std::int64_t partial_elems = 0;  // fp32 [splits, M, Npad] when splits > 1
   std::int64_t counter_elems = 0;  // int32 [zslices, strips], zero between launches
   int items_per_block = 1;         // work items (z slice, strip, K range) per block: > 1 for a persistent grid
+  int slot_bytes = 0, slot_rows = 0;  // bulk loader: bytes per ring slot, group rows per slot
   std::int64_t items() const { return std::int64_t(strips) * splits * zslices; }
   std::int64_t blocks() const { return (items() + items_per_block - 1) / items_per_block; }
 };
@@ -185,8 +186,9 @@ struct QGemmGeometry {
   int rows = 8;         // x rows per block
   int strip_cols = 64;  // W * NT * 16
   int warps = 4;
-  int ring_bytes = 0;   // cp.async / bulk loader ring per block
-  bool smem_groups = true;  // scales / zero points staged in shared memory (the bulk loader reads them from global)
+  int ring_bytes = 0;   // cp.async / bulk loader ring per block (bulk: the weight part)
+  int bulk_slots = 0;   // bulk loader: ring slots, each one chunk of the strip's weights plus the scale / zero rows
+                        // of the groups that start in it (0: the group table is staged in shared memory)
   int persist = 0;      // > 0: a grid of at most persist blocks per SM, each taking consecutive work items
 };
 
@@ -203,13 +205,21 @@ inline QGemmPlan plan_qgemm(const QGemmShape& s, const QGemmGeometry& g, int sm_
   p.rows = g.rows;
   p.zslices = int((s.M + g.rows - 1) / g.rows);
   p.strips = int((s.Npad + g.strip_cols - 1) / g.strip_cols);
-  // x slice within x_smem_cap (less a cp.async ring: a block stays under 220 KB), group table (3 B per
-  // column and group) within 32 KB
-  x_smem_cap = std::max(4 * 1024, std::min(x_smem_cap, 220 * 1024 - 32 * 1024 - g.ring_bytes));
+  // bulk ring slots: weights, then scales [slot_rows][strip] fp16 and zero points [slot_rows][strip]; a 64-k
+  // chunk holds at most 63 / group + 2 group starts (the first chunk of a K range also the group it begins in)
+  const bool bulk = g.bulk_slots > 0;
+  if (bulk) {
+    p.slot_rows = int(std::min<std::int64_t>(63 / s.group + 2, 1 << 20));
+    p.slot_bytes = g.ring_bytes / g.bulk_slots + (p.slot_rows * g.strip_cols * 3 + 15) / 16 * 16;
+  }
+  const int ring_bytes = bulk ? p.slot_bytes * g.bulk_slots : g.ring_bytes;
+  // x slice within x_smem_cap (less the ring: a block stays under 220 KB), group table (3 B per column and
+  // group) within 32 KB
+  x_smem_cap = std::max(4 * 1024, std::min(x_smem_cap, 220 * 1024 - (bulk ? 0 : 32 * 1024) - ring_bytes));
   const std::int64_t table_groups = std::max<std::int64_t>(3, 32 * 1024 / (3 * g.strip_cols));
   const std::int64_t cps_max = std::max<std::int64_t>(
       1, std::min<std::int64_t>((x_smem_cap / (2 * g.rows) - 8) / kTileK,
-                                g.smem_groups ? (table_groups - 2) * s.group / kTileK : std::int64_t(1) << 30));
+                                bulk ? std::int64_t(1) << 30 : (table_groups - 2) * s.group / kTileK));
   std::int64_t cps = cps_override;
   if (cps <= 0) {
     cps = std::max(cps_target, 1);
@@ -220,8 +230,8 @@ inline QGemmPlan plan_qgemm(const QGemmShape& s, const QGemmGeometry& g, int sm_
   p.splits = int((kchunks + cps - 1) / cps);
   p.cps = int((kchunks + p.splits - 1) / p.splits);  // even ranges, no empty split
   const std::int64_t total_groups = (s.K - 1) / s.group + 1;
-  p.ngroups = g.smem_groups ? int(std::min<std::int64_t>(total_groups, (std::int64_t(p.cps) * kTileK - 1) / s.group + 2)) : 0;
-  p.smem_bytes = qgemm_smem(p.rows, p.cps, p.ngroups, g.strip_cols, g.ring_bytes).total;
+  p.ngroups = bulk ? 0 : int(std::min<std::int64_t>(total_groups, (std::int64_t(p.cps) * kTileK - 1) / s.group + 2));
+  p.smem_bytes = qgemm_smem(p.rows, p.cps, p.ngroups, g.strip_cols, ring_bytes).total;
   p.partial_elems = p.splits > 1 ? std::int64_t(p.splits) * s.M * s.Npad : 0;
   p.counter_elems = std::int64_t(p.strips) * p.zslices;
   if (g.persist > 0) {  // as many blocks as fit g.persist per SM (shared memory permitting), consecutive items each
@@ -514,12 +524,13 @@ struct QGemmCfg {
   static_assert(ROWS8 == 1 || ROWS8 == 2 || ROWS8 == 4 || ROWS8 == 8, "rows per block: 8, 16, 32 or 64");
   static_assert(PF >= 2, "at least two chunks in flight");
   static_assert(PERSIST == 0 || LOADER == QGemmLoader::Bulk, "a persistent grid needs the bulk loader (its producer streams across items)");
-  // ring: PF slots of one chunk of the strip (W * NT tiles), for both shared-memory loaders
+  // ring: PF slots of one chunk of the strip (W * NT tiles), for both shared-memory loaders (bulk: plus the
+  // group rows, sized by the plan)
   template <int BITS>
   static constexpr int kRingBytes = LOADER != QGemmLoader::Registers ? PF * W * NT * tile_words(BITS) * 4 : 0;
   template <int BITS>
   static QGemmGeometry geometry() {
-    return {ROWS, STRIP, W, kRingBytes<BITS>, LOADER != QGemmLoader::Bulk, PERSIST};
+    return {ROWS, STRIP, W, kRingBytes<BITS>, LOADER == QGemmLoader::Bulk ? PF : 0, PERSIST};
   }
 };
 
@@ -534,6 +545,7 @@ struct QGemmParams {
   int M, N, K, Npad, Kpad, group;
   int cps, strips, splits, zslices, ngroups;
   int items_per_block;    // consecutive work items per block (Bulk with a persistent grid; else 1)
+  int slot_bytes, slot_rows;  // Bulk: ring slot bytes, group rows per slot
 };
 
 template <class T, int BITS, class C>
@@ -557,7 +569,6 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
   const int kchunks = p.Kpad / kTileK, ntiles = p.Npad / kTileN;
   const std::int64_t cstride = std::int64_t(ntiles) * TW;  // words between chunks
   const int xstride = p.cps * kTileK + 8;
-  const int total_groups = (p.K - 1) / p.group + 1;
   const QGemmSmem lay = qgemm_smem(ROWS, p.cps, p.ngroups, STRIP, C::template kRingBytes<BITS>);
   std::uint16_t* xs = reinterpret_cast<std::uint16_t*>(smem + lay.x);
   half* ss = reinterpret_cast<half*>(smem + lay.scales);
@@ -596,14 +607,23 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
     return it;
   };
 
-  // ---- Bulk: slot s of the ring holds one chunk of an item's strip, its W * NT tiles in memory order (fewer
-  // in the last strip). Producer lane: wait until every compute warp released the slot's previous chunk,
-  // announce the bytes, copy. Compute warp: wait until the chunk landed, copy its lanes' words into
-  // registers (lanes 16 B / 4 B apart: no bank conflicts at 3/4 bits), release the slot. Every compute warp
-  // takes part in every chunk (warps past N only skip the math), so the empty barriers count W arrivals.
-  // q numbers the chunks of the block's whole item sequence: slot q % PF, phase q / PF.
+  // ---- Bulk: slot s of the ring (p.slot_bytes) holds one chunk of an item's strip, its W * NT tiles in memory
+  // order (fewer in the last strip), then the scale rows [slot_rows][STRIP] and zero-point rows [slot_rows][STRIP]
+  // of the groups that start in the chunk (the first chunk of an item: from the group it begins in), so the
+  // group constants arrive with the weights, as far ahead. Producer lane: wait until every compute warp
+  // released the slot's previous chunk, announce the bytes, copy. Compute warp: wait until the chunk landed,
+  // copy its lanes' words into registers (lanes 16 B / 4 B apart: no bank conflicts at 3/4 bits), compute,
+  // release the slot. Every compute warp takes part in every chunk (warps past N only skip the math), so the
+  // empty barriers count W arrivals. q numbers the chunks of the block's whole item sequence: slot q % PF,
+  // phase q / PF.
   constexpr int kTileBytes = TW * 4, kSlotBytes = W * NT * kTileBytes;
-  unsigned char* bring = smem + lay.ring;  // [PF][W * NT tiles]
+  unsigned char* bring = smem + lay.ring;  // [PF][slot_bytes]
+  // group rows of chunk kcc (first: the first chunk of an item): first group -> glo, returns the row count
+  auto slot_groups = [&](int kcc, bool first, int& glo) {
+    const int k_lo = kcc * kTileK, k_hi = min(k_lo + kTileK, p.K) - 1;
+    glo = first ? k_lo / p.group : (k_lo + p.group - 1) / p.group;
+    return max(0, min(p.slot_rows, k_hi / p.group - glo + 1));
+  };
   std::uint64_t* const full = bars;
   std::uint64_t* const empty = bars + (kBulk ? PF : 0);
   if constexpr (kBulk) {
@@ -622,13 +642,22 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
         for (int i = item0; i < item_end; ++i) {
           const Item it = decode_item(i);
           const int tile0 = it.strip * W * NT;
-          const unsigned bytes = unsigned(min(W * NT, ntiles - tile0)) * kTileBytes;
+          const int cols = min(W * NT, ntiles - tile0) * kTileN;
+          const unsigned wbytes = unsigned(cols / kTileN) * kTileBytes;
           const std::uint32_t* src = p.tiles + std::int64_t(it.kc0) * cstride + std::int64_t(tile0) * TW;
           for (int c = 0; c < it.nck; ++c, ++q) {
             const int slot = q % PF;
+            int glo;
+            const int grows = slot_groups(it.kc0 + c, c == 0, glo);
+            unsigned char* dst = bring + slot * p.slot_bytes;
             if (q >= PF) mbar_wait(empty + slot, unsigned(q / PF - 1) & 1u);
-            mbar_arrive_expect_tx(full + slot, bytes);
-            bulk_copy_g2s(bring + slot * kSlotBytes, src + c * cstride, bytes, full + slot);
+            mbar_arrive_expect_tx(full + slot, wbytes + unsigned(grows * cols * 3));
+            bulk_copy_g2s(dst, src + c * cstride, wbytes, full + slot);
+            for (int r = 0; r < grows; ++r) {
+              const std::int64_t off = std::int64_t(glo + r) * p.Npad + std::int64_t(tile0) * kTileN;
+              bulk_copy_g2s(dst + kSlotBytes + r * STRIP * 2, p.scales + off, unsigned(cols * 2), full + slot);
+              bulk_copy_g2s(dst + kSlotBytes + p.slot_rows * STRIP * 2 + r * STRIP, p.zeros + off, unsigned(cols), full + slot);
+            }
           }
         }
       }
@@ -638,11 +667,9 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
   struct Chunk {  // one chunk (64 k) of a warp's NT tiles, this lane's words
     std::uint32_t w[NT][LW];
   };
-  auto bulk_read = [&](int q) {
-    const int slot = q % PF;
-    mbar_wait(full + slot, unsigned(q / PF) & 1u);
+  auto bulk_read = [&](const unsigned char* slot_base) {
     Chunk ch;
-    const unsigned char* sp = bring + slot * kSlotBytes + warp * NT * kTileBytes;
+    const unsigned char* sp = slot_base + warp * NT * kTileBytes;
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
       if constexpr (BITS == 3) {
@@ -659,8 +686,6 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
         }
       }
     }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(empty + slot);
     return ch;
   };
 
@@ -763,7 +788,7 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
   }
   const int g_first = kb / p.group;
   const int g_last = (min(kb + nck * kTileK, p.K) - 1) / p.group;
-  if constexpr (!kBulk) {  // group table in shared memory (Bulk reads the group constants from global memory)
+  if constexpr (!kBulk) {  // group table in shared memory (Bulk: the rows come with the weights in the ring)
     for (int i = tid; i < p.ngroups * STRIP; i += NC) {
       const int gi = i / STRIP, col = col0 + (i - gi * STRIP);
       const bool in = g_first + gi <= g_last && col < p.Npad;
@@ -788,31 +813,23 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
   struct GroupRaw {
     std::uint32_t zb[NT][2], zc[NT][2], s[NT][2];
   };
+  // the group table: staged in shared memory for the item (register / cp.async loaders), or the rows that came
+  // with the current chunk's ring slot (Bulk); row r holds group tbl_g0 + r
+  const half* tbl_s = ss;
+  const std::uint8_t* tbl_z = zs;
+  int tbl_g0 = g_first;
   auto fetch_group = [&](int gg) {
     GroupRaw r;
-    if constexpr (kBulk) {  // straight from global memory (small, L2-resident); columns past N read the last tile
-      const std::int64_t base = std::int64_t(min(gg, total_groups - 1)) * p.Npad;
+    const int row = (gg - tbl_g0) * STRIP + warp * NT * kTileN;
 #pragma unroll
-      for (int t = 0; t < NT; ++t)
+    for (int t = 0; t < NT; ++t)
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const std::int64_t n = base + min(nt0 + t, ntiles - 1) * kTileN + 8 * j;
-          r.zb[t][j] = __ldg(p.zeros + n + g4);
-          if constexpr (kFold) r.zc[t][j] = __ldg(reinterpret_cast<const unsigned short*>(p.zeros + n + 2 * c4));
-          r.s[t][j] = __ldg(reinterpret_cast<const unsigned int*>(p.scales + n + 2 * c4));
-        }
-    } else {
-      const int row = (gg - g_first) * STRIP + warp * NT * kTileN;
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int n = row + t * kTileN + 8 * j;
-          r.zb[t][j] = zs[n + g4];
-          if constexpr (kFold) r.zc[t][j] = std::uint32_t(zs[n + 2 * c4]) | (std::uint32_t(zs[n + 2 * c4 + 1]) << 8);
-          r.s[t][j] = *reinterpret_cast<const std::uint32_t*>(ss + n + 2 * c4);
-        }
-    }
+      for (int j = 0; j < 2; ++j) {
+        const int n = row + t * kTileN + 8 * j;
+        r.zb[t][j] = tbl_z[n + g4];
+        if constexpr (kFold) r.zc[t][j] = std::uint32_t(tbl_z[n + 2 * c4]) | (std::uint32_t(tbl_z[n + 2 * c4 + 1]) << 8);
+        r.s[t][j] = *reinterpret_cast<const std::uint32_t*>(tbl_s + n + 2 * c4);
+      }
     return r;
   };
   std::uint32_t zlo[NT][2], zhi[NT][2];
@@ -843,11 +860,6 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
   };
   int g = g_first;
   int next_k = (g + 1) * p.group < p.K ? (g + 1) * p.group : 0x7fffffff;  // k where the next group starts
-  GroupRaw ahead;  // Bulk: the next group's data, fetched one group early so its latency hides behind the math
-  auto load_first_group = [&]() {
-    apply_group(fetch_group(g));
-    if constexpr (kBulk) ahead = fetch_group(g + 1);
-  };
   // acc: result so far; tmp: this group's sum of x * (q - z), folded into acc with the group's scales
   float acc[MT][NT][2][4], tmp[MT][NT][2][4];
   float xacc[MT][4];  // folding: this group's row sums of x (rows g4, g4 + 8 in elements 0 / 2)
@@ -883,18 +895,14 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
 #pragma unroll
         for (int e = 0; e < 4; ++e) xacc[mt][e] = 0.f;
   };
-  if (kFull || C::MODE == QGemmMode::LoadDecode) load_first_group();
+  constexpr bool kGroups = kFull || C::MODE == QGemmMode::LoadDecode;
+  if constexpr (kGroups && !kBulk) apply_group(fetch_group(g));  // (Bulk: with the first chunk's slot)
 
   auto advance_group = [&]() {
     if constexpr (kFull) flush();
     ++g;
     next_k = (g + 1) * p.group < p.K ? (g + 1) * p.group : 0x7fffffff;
-    if constexpr (kBulk) {
-      apply_group(ahead);
-      ahead = fetch_group(g + 1);
-    } else {
-      apply_group(fetch_group(g));
-    }
+    apply_group(fetch_group(g));
   };
 
   // One chunk: 4 k-steps of 16; per k-step decode NT * 2 B fragments, load the A fragments, MT * NT * 2 mma.
@@ -974,12 +982,18 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
   // producer keeps PF chunks of the block's strips in flight, across items) ----
   if constexpr (kBulk) {
     // every compute warp takes part in every chunk; warps past N skip the math
-    Chunk cur = bulk_read(q_next);  // nck >= 1 (plan_qgemm makes no empty K range)
     for (int c = 0; c < nck; ++c) {
-      Chunk nxt = cur;
-      if (c + 1 < nck) nxt = bulk_read(q_next + c + 1);  // the next chunk's shared-memory reads overlap this chunk's math
-      if (active) compute(cur, c);
-      cur = nxt;
+      const int q = q_next + c, slot = q % PF;
+      mbar_wait(full + slot, unsigned(q / PF) & 1u);
+      const unsigned char* sb = bring + slot * p.slot_bytes;
+      const Chunk ch = bulk_read(sb);
+      tbl_s = reinterpret_cast<const half*>(sb + kSlotBytes);
+      tbl_z = sb + kSlotBytes + p.slot_rows * STRIP * 2;
+      slot_groups(kc0 + c, c == 0, tbl_g0);
+      if (kGroups && c == 0) apply_group(fetch_group(g));
+      if (active) compute(ch, c);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty + slot);  // this warp is done with the slot
     }
     q_next += nck;
   } else if (active) {
@@ -1067,9 +1081,9 @@ cudaError_t launch_qgemm_cfg(const T* x, const std::uint32_t* tiles, const half*
                              const QGemmShape& s, const QGemmPlan& p, const QGemmWorkspace& ws, cudaStream_t stream) {
   if (p.splits > 1 && (ws.partial == nullptr || ws.partial_elems < p.partial_elems)) return cudaErrorInvalidValue;
   if (p.counter_elems > 0 && p.splits > 1 && (ws.counters == nullptr || ws.counter_elems < p.counter_elems)) return cudaErrorInvalidValue;
-  // bulk copies need 16-byte aligned tiles; the bulk loader reads scales as 4-byte pairs, zero points as 2-byte pairs
+  // bulk copies need 16-byte aligned sources
   if (C::LOADER == QGemmLoader::Bulk &&
-      ((reinterpret_cast<std::uintptr_t>(tiles) & 15) || (reinterpret_cast<std::uintptr_t>(scales) & 3) || (reinterpret_cast<std::uintptr_t>(zeros) & 1)))
+      ((reinterpret_cast<std::uintptr_t>(tiles) | reinterpret_cast<std::uintptr_t>(scales) | reinterpret_cast<std::uintptr_t>(zeros)) & 15))
     return cudaErrorInvalidValue;
   // Dynamic shared memory above 48 KB must be allowed per kernel; the limit counts static + dynamic
   // bytes, so allow the device's opt-in maximum minus this kernel's static shared memory (once per
@@ -1092,7 +1106,7 @@ cudaError_t launch_qgemm_cfg(const T* x, const std::uint32_t* tiles, const half*
   if (p.smem_bytes > max_dynamic) return cudaErrorInvalidConfiguration;
   QGemmParams prm{x, tiles, scales, zeros, y, ws.partial, ws.counters,
                   int(s.M), int(s.N), int(s.K), int(s.Npad), int(s.Kpad), int(s.group),
-                  p.cps, p.strips, p.splits, p.zslices, p.ngroups, p.items_per_block};
+                  p.cps, p.strips, p.splits, p.zslices, p.ngroups, p.items_per_block, p.slot_bytes, p.slot_rows};
   qgemm_kernel<T, BITS, C><<<unsigned(p.blocks()), C::THREADS, p.smem_bytes, stream>>>(prm);
   return cudaGetLastError();
 }
