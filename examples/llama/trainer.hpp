@@ -475,7 +475,7 @@ class LocalTrainer {
 // Sharded<StageN> / Offload<Host>: squeeze's ZeRO trainer (nn/trainer.hpp) behind the same interface. The
 // model is built in float (the same initial weights as LocalTrainer), converted to the compute type and
 // handed over; the trainer keeps the masters (from the converted weights) and AdamW state, sharded and/or
-// on the host. Its AdamW options are fixed at construction: set_lr is not available (constant rate).
+// on the host. set_lr forwards to nn::Trainer::set_lr (the schedule of train.cpp applies to every strategy).
 template <StrategyType S>
 class ZeroTrainer {
  public:
@@ -503,7 +503,7 @@ class ZeroTrainer {
   Llama& model() { return model_; }
   int64_t step_count() const { return trainer_->steps_applied(); }
   double loss_scale() const { return trainer_->scale(); }
-  void set_lr(double) {}  // constant (see above)
+  void set_lr(double lr) { trainer_->set_lr(float(lr)); }
   // Offload<Host> may still be updating layers on the CPU after step() returns (it overlaps the next
   // forward): wait for every update to land (time a step with it; evaluation's gathers wait by themselves).
   void sync() { trainer_->sync(); }

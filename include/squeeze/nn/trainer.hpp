@@ -471,6 +471,13 @@ class Trainer {
     else return static_scale_;
   }
   int64_t steps_applied() const { return applied_; }
+  // The learning rate of the following optimizer steps (schedules: warm-up, cosine). Checked like AdamW's
+  // constructor arguments; an Offload<Host> step already under way keeps the rate it started with.
+  void set_lr(float lr) {
+    (void)kernels::adamw_coeffs(lr, adamw_.beta1, adamw_.beta2, adamw_.eps, adamw_.weight_decay, 1);
+    adamw_.lr = lr;
+  }
+  float lr() const { return adamw_.lr; }
   int64_t steps_skipped() const { return skipped_; }
   // Resuming from a checkpoint whose parameters and optimizer state were copied in: AdamW's bias correction
   // continues from `steps_applied`; the dynamic loss scale (ignored for a static or no scale) and its clean
