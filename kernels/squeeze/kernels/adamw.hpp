@@ -14,8 +14,8 @@
 // host memory here) so the GPU step needs no host synchronisation.
 //
 // Types: P (param) and G (grad) in {float, half, bf16}; master weights are float; S (Adam moments) is
-// float. S is a template parameter so an 8-bit blockwise state can slot in (its codec replaces the plain
-// loads/stores of m and v); today anything but float is rejected at compile time.
+// float. 8-bit block-wise state has its own tensor type and launchers (adamw8.hpp / adamw8.cuh): they decode
+// a block of m and v, run the same adamw_element, and re-encode, so the math has one source.
 //
 // CPU speed: the loop vectorises only when sqrtf need not set errno. Build CPU code that runs this with
 // -fno-math-errno (3-4x: ~6e8 instead of ~1.7e8 params/s on 2 EPYC cores), ideally also -march=native.
@@ -129,7 +129,7 @@ template <class P, class G, class S>
 void validate(const AdamWTensor<P, G, S>& t, const std::string& what = "AdamW tensor") {
   static_assert(FloatingElement<P> && FloatingElement<G>,
                 "AdamW: param and grad types must be float, squeeze::half or squeeze::bf16");
-  static_assert(supported_state_v<S>, "AdamW: optimizer state S must be float (8-bit state is not implemented yet)");
+  static_assert(supported_state_v<S>, "AdamW: optimizer state S must be float; for 8-bit state use AdamW8Tensor with adamw8_cpu / adamw8_cuda (adamw8.hpp)");
   check(t.n >= 0, what + ": negative element count " + std::to_string(t.n));
   if (t.n == 0) return;
   check(t.param != nullptr, what + ": param pointer is null");

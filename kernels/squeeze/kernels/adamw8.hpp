@@ -1,0 +1,202 @@
+#pragma once
+// AdamW with 8-bit block-wise quantized moments (Dettmers et al., "8-bit Optimizers via Block-wise
+// Quantization"): the code maps, the block update and its CPU launcher. The CUDA launcher is in adamw8.cuh.
+// Plain C++: Offload<Host> runs the CPU launcher for real; the GPU kernel is tested against it.
+//
+// State of one moment over a tensor of n elements:
+//   codes  [n]                       uint8, an index into a 256-entry code map
+//   absmax [ceil(n / kStateBlock)]   float, the largest |value| of the block (blocks never straddle tensors)
+//   value  = map[code] * absmax[i / kStateBlock]
+// m uses the signed "dynamic" map, v (never negative) the unsigned one, which spends all 8 bits on magnitude.
+//
+// The update of one block (256 elements): decode m and v, run adamw_element (adamw.hpp: the same fp32
+// math, gradient unscale/clip and found_inf skip as the fp32-state AdamW), take the block's new absmax of m
+// and of v, encode each value as the nearest code of value / absmax. Zeroed codes and absmax are the zero
+// state (absmax 0 decodes every code to 0), so fresh state is memset(0).
+//
+// Bytes per parameter (bf16 param + fp32 master, bf16 grad): read master 4, grad 2, m 1, v 1; write master 4,
+// m 1, v 1, param 2: 16 (+ 16 bytes of absmax per 256), against 28 with fp32 moments.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "squeeze/kernels/adamw.hpp"
+#include "squeeze/kernels/cpu_parallel.hpp"
+#include "squeeze/kernels/tensor_list.hpp"
+
+namespace squeeze::kernels {
+
+inline constexpr std::int64_t kStateBlock = 256;  // elements per absmax
+inline constexpr int kStateCodes = 256;
+SQUEEZE_HD constexpr std::int64_t state_blocks(std::int64_t n) { return (n + kStateBlock - 1) / kStateBlock; }
+
+// A code map: 256 sorted values in [-1, 1], and the midpoints between neighbours that quantization searches.
+struct StateCodeMap {
+  float value[kStateCodes];     // ascending, distinct
+  float mid[kStateCodes - 1];   // mid[i] = (value[i] + value[i + 1]) / 2
+};
+
+// The "dynamic" (dynamic-exponent) map. For exponent level i = 0..6 the midpoints of equally spaced points in
+// [0.1, 1] (2^i + 1 points signed, 2^(i+1) + 1 unsigned), scaled by 10^(i-6); the signed map takes them with
+// both signs. Plus 0 and 1: 2 * 127 + 2 = 256 values signed, 254 + 2 unsigned. Each level covers a decade,
+// with more codes the larger the magnitude, so the relative error stays bounded over 7 orders of magnitude.
+inline StateCodeMap make_dynamic_map(bool is_signed) {
+  std::vector<double> v;
+  v.reserve(kStateCodes);
+  for (int i = 0; i <= 6; ++i) {
+    const int mids = is_signed ? (1 << i) : (1 << (i + 1));
+    const double scale = std::pow(10.0, double(i - 6));
+    const double step = 0.9 / mids;  // mids + 1 points from 0.1 to 1
+    for (int k = 0; k < mids; ++k) {
+      const double mid = (0.1 + step * k + 0.1 + step * (k + 1)) / 2;
+      v.push_back(mid * scale);
+      if (is_signed) v.push_back(-mid * scale);
+    }
+  }
+  v.push_back(0.0);
+  v.push_back(1.0);
+  std::sort(v.begin(), v.end());
+  check(v.size() == std::size_t(kStateCodes), "make_dynamic_map: built " + std::to_string(v.size()) + " values, not 256");
+  StateCodeMap map{};
+  for (int c = 0; c < kStateCodes; ++c) map.value[c] = float(v[std::size_t(c)]);
+  for (int c = 0; c + 1 < kStateCodes; ++c) map.mid[c] = 0.5f * (map.value[c] + map.value[c + 1]);
+  return map;
+}
+
+// The maps of the two moments, built once.
+inline const StateCodeMap& signed_state_map() {
+  static const StateCodeMap m = make_dynamic_map(true);
+  return m;
+}
+inline const StateCodeMap& unsigned_state_map() {
+  static const StateCodeMap m = make_dynamic_map(false);
+  return m;
+}
+
+// Nearest code to x (already divided by the block's absmax): the number of midpoints below x (a tie goes to
+// the lower code). Branch-free binary search over the 255 sorted midpoints: 8 steps.
+SQUEEZE_HD std::uint8_t nearest_code(const float* mid, float x) {
+  int lo = 0;
+  for (int s = kStateCodes / 2; s >= 1; s >>= 1) lo += (mid[lo + s - 1] < x) ? s : 0;
+  return std::uint8_t(lo);
+}
+
+// 1 / absmax, or 0 for an all-zero block (every value then encodes as the code of 0).
+SQUEEZE_HD float inverse_absmax(float absmax) { return absmax > 0.0f ? 1.0f / absmax : 0.0f; }
+
+// Block-wise quantization of a plain array (tests, checkpoint conversion): x [n] -> codes [n], absmax [blocks].
+inline void quantize_blockwise(const StateCodeMap& map, const float* x, std::int64_t n, std::uint8_t* codes, float* absmax) {
+  for (std::int64_t b = 0; b < state_blocks(n); ++b) {
+    const std::int64_t lo = b * kStateBlock, hi = std::min(n, lo + kStateBlock);
+    float a = 0.0f;
+    for (std::int64_t i = lo; i < hi; ++i) a = fmaxf(a, fabsf(x[i]));
+    const float inv = inverse_absmax(a);
+    for (std::int64_t i = lo; i < hi; ++i) codes[i] = nearest_code(map.mid, x[i] * inv);
+    absmax[b] = a;
+  }
+}
+inline void dequantize_blockwise(const StateCodeMap& map, const std::uint8_t* codes, const float* absmax, std::int64_t n, float* x) {
+  for (std::int64_t i = 0; i < n; ++i) x[i] = map.value[codes[i]] * absmax[i / kStateBlock];
+}
+
+// One tensor's buffers. For float params master is null (the param is its own master); otherwise master
+// holds the fp32 weights and param receives their rounded copy (as AdamWTensor).
+template <class P, class G>
+struct AdamW8Tensor {
+  P* param = nullptr;                    // [n]
+  float* master = nullptr;               // [n] or null
+  const G* grad = nullptr;               // [n]
+  std::uint8_t* exp_avg = nullptr;       // [n] m codes (signed map)
+  float* exp_avg_absmax = nullptr;       // [state_blocks(n)]
+  std::uint8_t* exp_avg_sq = nullptr;    // [n] v codes (unsigned map)
+  float* exp_avg_sq_absmax = nullptr;    // [state_blocks(n)]
+  std::int64_t n = 0;
+};
+
+template <class P, class G>
+void validate(const AdamW8Tensor<P, G>& t, const std::string& what = "AdamW8 tensor") {
+  static_assert(FloatingElement<P> && FloatingElement<G>,
+                "AdamW8: param and grad types must be float, squeeze::half or squeeze::bf16");
+  check(t.n >= 0, what + ": negative element count " + std::to_string(t.n));
+  if (t.n == 0) return;
+  check(t.param != nullptr, what + ": param pointer is null");
+  check(t.grad != nullptr, what + ": grad pointer is null");
+  check(t.exp_avg != nullptr && t.exp_avg_sq != nullptr, what + ": exp_avg / exp_avg_sq (m, v codes) pointer is null");
+  check(t.exp_avg_absmax != nullptr && t.exp_avg_sq_absmax != nullptr,
+        what + ": exp_avg_absmax / exp_avg_sq_absmax (block scales) pointer is null");
+  if constexpr (std::is_same_v<P, float>) {
+    check(t.master == nullptr || t.master == static_cast<void*>(t.param),
+          what + ": float params are their own master weights; pass master = nullptr");
+  } else {
+    check(t.master != nullptr, what + ": " + std::string(dtype_name<P>()) +
+                                   " params need fp32 master weights; the master pointer is null");
+  }
+}
+
+// ---- CPU launcher ---------------------------------------------------------------------------------------
+namespace cpu {
+
+// State block b of tensor t.
+template <class P, class G>
+void adamw8_block(const AdamW8Tensor<P, G>& t, std::int64_t b, const AdamWScalars& s, const StateCodeMap& mmap,
+                  const StateCodeMap& vmap) {
+  const std::int64_t lo = b * kStateBlock;
+  const int len = int(std::min(kStateBlock, t.n - lo));
+  float* w = (std::is_same_v<P, float> ? reinterpret_cast<float*>(t.param) : t.master) + lo;
+  const G* g = t.grad + lo;
+  std::uint8_t* mc = t.exp_avg + lo;
+  std::uint8_t* vc = t.exp_avg_sq + lo;
+  const float m_scale = t.exp_avg_absmax[b], v_scale = t.exp_avg_sq_absmax[b];
+  float m[kStateBlock], v[kStateBlock];
+  float m_max = 0.0f, v_max = 0.0f;
+  for (int j = 0; j < len; ++j) {
+    m[j] = mmap.value[mc[j]] * m_scale;
+    v[j] = vmap.value[vc[j]] * v_scale;
+    float wj = w[j];
+    adamw_element(wj, m[j], v[j], to_float(g[j]), s);
+    w[j] = wj;
+    if constexpr (!std::is_same_v<P, float>) t.param[lo + j] = from_float<P>(wj);
+    m_max = fmaxf(m_max, fabsf(m[j]));
+    v_max = fmaxf(v_max, fabsf(v[j]));
+  }
+  const float m_inv = inverse_absmax(m_max), v_inv = inverse_absmax(v_max);
+  for (int j = 0; j < len; ++j) {
+    mc[j] = nearest_code(mmap.mid, m[j] * m_inv);
+    vc[j] = nearest_code(vmap.mid, v[j] * v_inv);
+  }
+  t.exp_avg_absmax[b] = m_max;
+  t.exp_avg_sq_absmax[b] = v_max;
+}
+
+}  // namespace cpu
+
+// AdamW over a list of host tensors with 8-bit state, all cores (whole state blocks per thread).
+// Dynamic values are host pointers. A skipped step (found_inf) touches nothing.
+template <class P, class G>
+void adamw8_cpu(std::span<const AdamW8Tensor<P, G>> tensors, const AdamWCoeffs& c, const AdamWDynamic& d = {}) {
+  for (std::size_t i = 0; i < tensors.size(); ++i) validate(tensors[i], "AdamW8 (CPU) tensor " + std::to_string(i));
+  const AdamWScalars s = adamw_scalars(c, d);
+  if (s.skip) return;
+  const StateCodeMap& mmap = signed_state_map();
+  const StateCodeMap& vmap = unsigned_state_map();
+  for (const auto& t : tensors) {
+    // parallel_ranges cuts at multiples of kRangeAlign: give it kRangeAlign units per state block.
+    const std::int64_t blocks = state_blocks(t.n);
+    cpu::parallel_ranges(blocks * cpu::kRangeAlign, [&](int, std::int64_t b, std::int64_t e) {
+      for (std::int64_t k = b / cpu::kRangeAlign; k < e / cpu::kRangeAlign; ++k) cpu::adamw8_block(t, k, s, mmap, vmap);
+    });
+  }
+}
+
+template <class P, class G>
+void adamw8_cpu(const AdamW8Tensor<P, G>& t, const AdamWCoeffs& c, const AdamWDynamic& d = {}) {
+  adamw8_cpu(std::span<const AdamW8Tensor<P, G>>(&t, 1), c, d);
+}
+
+}  // namespace squeeze::kernels

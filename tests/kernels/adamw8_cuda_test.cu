@@ -1,0 +1,209 @@
+// AdamW with 8-bit state: the CUDA launcher (adamw8.cuh) against its CPU twin (adamw8.hpp). Label `cuda`;
+// skips without a device (argument checks run everywhere).
+// Tolerances, from the same state, one step (nvcc contracts multiply-adds in adamw_element into FMAs, g++
+// may not, so m, v and w can differ in the last bit, and a value within an ulp of a midpoint can take the
+// neighbouring code):
+//   fp32 weights |diff| <= 1e-6 * max(1, |w|); low-precision params equal or one rounding unit of P apart;
+//   absmax rel 1e-6; codes equal, or one code apart for at most 1 in 1000 elements.
+// 20 steps in a row (a flipped code feeds back: up to ~14% of one m value, so ~0.14 lr on one update): weights
+// within 2e-3 (lr 3e-3), absmax rel 1e-2, codes not compared.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "squeeze/kernels/adamw.cuh"
+#include "squeeze/kernels/adamw8.cuh"
+#include "test_util.hpp"
+
+namespace sk = squeeze::kernels;
+using namespace squeeze;
+
+namespace {
+
+bool have_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+#define REQUIRE_GPU() \
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device"
+
+template <class T>
+struct Dev {
+  T* ptr = nullptr;
+  std::size_t n = 0;
+  explicit Dev(const std::vector<T>& h) : n(h.size()) {
+    SQUEEZE_CUDA_CHECK(cudaMalloc(&ptr, std::max<std::size_t>(1, n) * sizeof(T)));
+    if (n) SQUEEZE_CUDA_CHECK(cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  Dev(const Dev&) = delete;
+  ~Dev() { cudaFree(ptr); }
+  std::vector<T> get() const {
+    std::vector<T> h(n);
+    if (n) SQUEEZE_CUDA_CHECK(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+// Host buffers of one tensor with 8-bit state.
+template <class P, class G>
+struct Host8 {
+  std::int64_t n;
+  std::vector<P> param;
+  std::vector<float> master;
+  std::vector<G> grad;
+  std::vector<std::uint8_t> m, v;
+  std::vector<float> ma, va;
+  Host8(std::int64_t n_, std::mt19937& rng)
+      : n(n_), m(std::size_t(n_)), v(std::size_t(n_)), ma(std::size_t(sk::state_blocks(n_))), va(std::size_t(sk::state_blocks(n_))) {
+    param = test::random_vec<P>(n, rng, -1.f, 1.f);
+    if constexpr (!std::is_same_v<P, float>) {
+      master.resize(std::size_t(n));
+      for (std::int64_t i = 0; i < n; ++i) master[std::size_t(i)] = to_float(param[std::size_t(i)]);
+    }
+    grad = test::random_vec<G>(n, rng, -1.f, 1.f);
+  }
+  sk::AdamW8Tensor<P, G> tensor() {
+    return {param.data(), master.empty() ? nullptr : master.data(), grad.data(), m.data(), ma.data(), v.data(), va.data(), n};
+  }
+  float weight(std::size_t i) const {
+    if constexpr (std::is_same_v<P, float>) return param[i];
+    else return master[i];
+  }
+};
+
+template <class P, class G>
+struct Device8 {
+  Dev<P> param;
+  Dev<float> master;
+  Dev<G> grad;
+  Dev<std::uint8_t> m, v;
+  Dev<float> ma, va;
+  std::int64_t n;
+  explicit Device8(const Host8<P, G>& h)
+      : param(h.param), master(h.master), grad(h.grad), m(h.m), v(h.v), ma(h.ma), va(h.va), n(h.n) {}
+  sk::AdamW8Tensor<P, G> tensor() {
+    return {param.ptr, std::is_same_v<P, float> ? nullptr : master.ptr, grad.ptr, m.ptr, ma.ptr, v.ptr, va.ptr, n};
+  }
+  Host8<P, G> download(const Host8<P, G>& like) const {
+    Host8<P, G> h = like;
+    h.param = param.get();
+    if (!h.master.empty()) h.master = master.get();
+    h.m = m.get();
+    h.v = v.get();
+    h.ma = ma.get();
+    h.va = va.get();
+    return h;
+  }
+};
+
+template <class P, class G>
+void expect_close(const Host8<P, G>& gpu, const Host8<P, G>& cpu, double w_tol, double absmax_tol, double flip_share,
+                  const std::string& label) {
+  int bad = 0;
+  std::int64_t flips = 0;
+  for (std::size_t i = 0; i < std::size_t(cpu.n) && bad < 5; ++i) {
+    const float wg = gpu.weight(i), wc = cpu.weight(i);
+    const float pg = to_float(gpu.param[i]), pc = to_float(cpu.param[i]);
+    const int dm = std::abs(int(gpu.m[i]) - int(cpu.m[i])), dv = std::abs(int(gpu.v[i]) - int(cpu.v[i]));
+    flips += (dm != 0) + (dv != 0);
+    const bool ok = std::abs(wg - wc) <= w_tol * std::max(1.f, std::abs(wc)) &&
+                    (std::is_same_v<P, float> || std::abs(pg - pc) <= test::unit_roundoff<P>() * 2 * std::abs(pc) + 1e-30) &&
+                    (flip_share >= 1 || (dm <= 1 && dv <= 1));
+    if (!ok) {
+      ++bad;
+      ADD_FAILURE() << label << " i=" << i << " w gpu " << wg << " cpu " << wc << " param " << pg << " / " << pc << " m code "
+                    << int(gpu.m[i]) << " / " << int(cpu.m[i]) << " v code " << int(gpu.v[i]) << " / " << int(cpu.v[i]);
+    }
+  }
+  EXPECT_LE(double(flips), flip_share * double(2 * cpu.n) + 0.5) << label << ": codes that differ";
+  for (std::size_t b = 0; b < cpu.ma.size(); ++b) {
+    ASSERT_LE(std::abs(gpu.ma[b] - cpu.ma[b]), absmax_tol * cpu.ma[b] + 1e-30) << label << " m absmax, block " << b;
+    ASSERT_LE(std::abs(gpu.va[b] - cpu.va[b]), absmax_tol * cpu.va[b] + 1e-30) << label << " v absmax, block " << b;
+  }
+}
+
+const std::vector<std::int64_t> kSizes8 = {1, 255, 257, 1000, (std::int64_t(1) << 14) + 5, (std::int64_t(1) << 20) + 3};
+
+TEST(Adam8Cuda, FlatMatchesCpuTwinForEveryTypePairAndSize) {
+  REQUIRE_GPU();
+  std::mt19937 rng(301);
+  test::for_each_type_pair([&]<class P, class G>() {
+    for (std::int64_t n : kSizes8) {
+      const std::string label = std::string(dtype_name<P>()) + "/" + std::string(dtype_name<G>()) + " n=" + std::to_string(n);
+      Host8<P, G> h(n, rng);
+      // Non-trivial state from two CPU steps.
+      sk::adamw8_cpu(h.tensor(), sk::adamw_coeffs(1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 1));
+      h.grad = test::random_vec<G>(n, rng, -1.f, 1.f);
+      sk::adamw8_cpu(h.tensor(), sk::adamw_coeffs(1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 2));
+      h.grad = test::random_vec<G>(n, rng, -2.f, 2.f);
+      Device8<P, G> d(h);
+      // One step with unscale, clip and a device step counter on both sides.
+      const float inv = 1.f / 4, clip = 0.75f, no_inf = 0.f;
+      const std::int64_t applied = 2;
+      Dev<float> dyn(std::vector<float>{inv, no_inf, clip});
+      Dev<std::int64_t> step(std::vector<std::int64_t>{applied});
+      const auto c = sk::adamw_coeffs(1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 1);
+      ASSERT_EQ(sk::adamw8_cuda(d.tensor(), c, {dyn.ptr, dyn.ptr + 1, dyn.ptr + 2, step.ptr}), cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      sk::adamw8_cpu(h.tensor(), c, {&inv, &no_inf, &clip, &applied});
+      expect_close(d.download(h), h, 1e-6, 1e-6, 1e-3, label);
+    }
+  });
+}
+
+TEST(Adam8Cuda, TensorTableInOneLaunchOverManySteps) {
+  REQUIRE_GPU();
+  std::mt19937 rng(302);
+  using P = bf16;
+  using G = bf16;
+  std::vector<Host8<P, G>> host;
+  for (std::int64_t n : {std::int64_t(3), std::int64_t(0), std::int64_t(40000), std::int64_t(256), std::int64_t(16389)})
+    host.emplace_back(n, rng);
+  std::vector<std::unique_ptr<Device8<P, G>>> dev;
+  std::vector<sk::AdamW8Tensor<P, G>> dt, ht;
+  for (auto& h : host) {
+    dev.push_back(std::make_unique<Device8<P, G>>(h));
+    dt.push_back(dev.back()->tensor());
+  }
+  sk::DeviceTensorTable<sk::AdamW8Tensor<P, G>> table(dt);
+  for (auto& h : host) ht.push_back(h.tensor());
+  for (int t = 1; t <= 20; ++t) {
+    const auto c = sk::adamw_coeffs(3e-3f, 0.9f, 0.95f, 1e-8f, 0.05f, t);
+    ASSERT_EQ(sk::adamw8_cuda(table.view(), c), cudaSuccess);
+    sk::adamw8_cpu(std::span<const sk::AdamW8Tensor<P, G>>(ht), c);
+  }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (std::size_t k = 0; k < host.size(); ++k)
+    expect_close(dev[k]->download(host[k]), host[k], 2e-3, 1e-2, 1.0, "tensor " + std::to_string(k));
+}
+
+TEST(Adam8Cuda, SkippedStepLeavesEveryByteUnchanged) {
+  REQUIRE_GPU();
+  std::mt19937 rng(303);
+  Host8<half, half> h(5000, rng);
+  sk::adamw8_cpu(h.tensor(), sk::adamw_coeffs(1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 1));
+  Device8<half, half> d(h);
+  Dev<float> dyn(std::vector<float>{1.f, 1.f});  // inv_scale, found_inf != 0
+  ASSERT_EQ(sk::adamw8_cuda(d.tensor(), sk::adamw_coeffs(1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 2), {dyn.ptr, dyn.ptr + 1, nullptr, nullptr}),
+            cudaSuccess);
+  const auto g = d.download(h);
+  EXPECT_TRUE(test::bits_equal(g.param, h.param));
+  EXPECT_TRUE(test::bits_equal(g.master, h.master));
+  EXPECT_TRUE(test::bits_equal(g.m, h.m));
+  EXPECT_TRUE(test::bits_equal(g.v, h.v));
+  EXPECT_TRUE(test::bits_equal(g.ma, h.ma));
+  EXPECT_TRUE(test::bits_equal(g.va, h.va));
+}
+
+TEST(Adam8CudaArgs, BadInputGivesClearErrors) {
+  const auto c = sk::adamw_coeffs(1e-3f, 0.9f, 0.999f, 1e-8f, 0.f, 1);
+  float* fake = reinterpret_cast<float*>(std::uintptr_t(256));
+  auto* codes = reinterpret_cast<std::uint8_t*>(fake);
+  test::expect_error([&] { (void)sk::adamw8_cuda(sk::AdamW8Tensor<float, float>{fake, nullptr, fake, codes, nullptr, codes, fake, 10}, c); },
+                     "block scales");
+  test::expect_error([&] { (void)sk::adamw8_cuda(sk::TensorTable<sk::AdamW8Tensor<float, float>>{nullptr, nullptr, 3, 5}, c); },
+                     "tensor table has null entries");
+}
+
+}  // namespace
