@@ -50,7 +50,7 @@ constexpr const char* kPeer = "libtorch-autocast-bf16";
 
 struct Options {
   std::string out, csv, preset = "tinyllama-1.1b", device = "cuda", rows, corpus;
-  int64_t batch = 8, seq = 2048, steps = 3, warmup = 2, layers = 0, eval_seqs = 8, threads = 0;
+  int64_t batch = 8, seq = 2048, steps = 3, warmup = 2, layers = 0, eval_seqs = 8, threads = 0, lr_warmup = 0;
   double lr = 3e-4, clip = 1.0, loss_scale = 1024;
   uint64_t seed = 1337;
 };
@@ -151,6 +151,10 @@ void run_steps(const Options& o, int64_t batch, const Data& data, const torch::D
   row.val_loss = eval(llama::val_batches(data.val, per, o.seq, std::max<int64_t>(1, o.eval_seqs / per), device));
 }
 
+// Learning rate of optimizer step i (from 0): linear warm-up over the first --lr-warmup steps, then --lr.
+// Every row follows the same schedule, so rows still see the same updates.
+double lr_at(const Options& o, int64_t i) { return i < o.lr_warmup ? o.lr * double(i + 1) / double(o.lr_warmup) : o.lr; }
+
 // Catches what a row can throw: out of memory is a result, anything else an error; both keep the table going.
 template <class F>
 void guarded(Row& row, const torch::Device& device, F&& f) {
@@ -201,7 +205,9 @@ Row run_peer(const RowSpec& spec, const Options& o, const nn::LlamaConfig& confi
     };
     run_steps(
         o, spec.batch, data, device, row,
-        [&](const torch::Tensor& x, const torch::Tensor& y) {
+        [&, i = int64_t(0)](const torch::Tensor& x, const torch::Tensor& y) mutable {
+          for (auto& group : opt.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr_at(o, i));
+          ++i;
           const torch::Tensor loss = autocast_loss(x, y);
           loss.backward();
           if (topt.clip > 0) torch::nn::utils::clip_grad_norm_(model->parameters(), topt.clip);
@@ -251,7 +257,8 @@ Row run_strategy(const RowSpec& spec, const Options& o, const nn::LlamaConfig& c
       Trainer<S> trainer(config, topt, device);
       run_steps(
           o, spec.batch, data, device, row,
-          [&](const torch::Tensor& x, const torch::Tensor& y) {
+          [&, i = int64_t(0)](const torch::Tensor& x, const torch::Tensor& y) mutable {
+            trainer.set_lr(lr_at(o, i++));
             const llama::StepResult r = trainer.step(x, y);
             row.skipped += r.applied ? 0 : 1;
             return r.loss;
@@ -311,6 +318,9 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", o.warmup, "untimed steps first (the allocator and cuBLAS settle)")->capture_default_str();
   app.add_option("--eval-seqs", o.eval_seqs, "validation sequences of --seq tokens")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--lr", o.lr, "AdamW learning rate")->capture_default_str();
+  app.add_option("--lr-warmup", o.lr_warmup, "optimizer steps of linear learning-rate warm-up (0: constant --lr)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--clip", o.clip, "global gradient-norm clip (0: off; Offload<Host> then updates inside backward)")->capture_default_str();
   app.add_option("--loss-scale", o.loss_scale, "initial dynamic loss scale of the fp16 rows (PyTorch's GradScaler starts at 65536; "
                                                 "from there a short run spends its first steps skipping overflows)")->capture_default_str();
@@ -375,7 +385,7 @@ int main(int argc, char** argv) {
     const double tokens_per_step = double(spec.batch * o.seq);
 
     json j = {{"bench", "table"}, {"case", spec.name}, {"strategy", row.strategy}, {"peer", kPeer}, {"preset", o.preset},
-              {"layers", config.layers}, {"batch", spec.batch}, {"seq", o.seq}, {"steps", o.steps}, {"warmup", o.warmup}, {"clip", o.clip},
+              {"layers", config.layers}, {"batch", spec.batch}, {"seq", o.seq}, {"steps", o.steps}, {"warmup", o.warmup}, {"clip", o.clip}, {"lr", o.lr}, {"lr_warmup", o.lr_warmup},
               {"corpus", data.source}, {"device", dev_name}, {"date", env_or("SQUEEZE_DATE", "")},
               {"commit", env_or("SQUEEZE_COMMIT", "")}, {"oom", row.oom}};
     // Keys are left out (not null) when unknown: consumers read missing numbers as 0.
