@@ -2,7 +2,7 @@
 # One call on the GPU machine: build with libtorch's CUDA side, run the GPU tests (ctest -L cuda) and the
 # benchmarks, write full results under $OUT (default ./gpu-results) and print a short table last.
 #   usage: bash bench/run_gpu.sh [bench-name ...]    (no names: all benchmarks but the 7B rows;
-#          names: adamw gemm4 gptq zero table table7b table7b_offload llama_gptq)
+#          names: adamw gemm4 gptq zero table table7b table7b_offload ncu_gemm llama_gptq)
 #   env: TARGETS="t1 t2" builds only those targets (default: everything); GPU_TESTS=0 skips ctest -L cuda;
 #        BENCH_ARGS_<name>="..." extra arguments for one benchmark (e.g. BENCH_ARGS_table="--rows bf16,ckpt");
 #        BENCH_TIMEOUT=S stops a benchmark after S seconds (default 3600).
@@ -60,6 +60,19 @@ if named table7b; then
 fi
 if named table7b_offload; then
   run_bench table7b_offload "$BUILD/bench/table/bench_table" --preset llama-7b --rows zero3-offload-bf16-ckpt:8 --clip 0 --lr-warmup 5 "${corpus[@]}"
+fi
+
+# Nsight Compute on the library's 4-bit GEMM at batch 1 and 16 on the largest shape (only when named): speed
+# of light, occupancy, launch statistics and warp stall reasons of the first launches of each case.
+if named ncu_gemm; then
+  echo "== ncu_gemm"
+  for m in M1 M16; do
+    timeout "${BENCH_TIMEOUT:-3600}" ncu --clock-control none --kernel-name regex:qgemm_kernel --launch-skip 2 --launch-count 1 \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+      "$BUILD/bench/quant/bench_quant_gemm" --only "K8192_N28672_$m" --no-checks --no-variants --reps 3 \
+      >"$OUT/ncu-qgemm-K8192_N28672_$m.txt" 2>&1
+    grep -E "Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Stall|Issued Warp" "$OUT/ncu-qgemm-K8192_N28672_$m.txt" | head -20
+  done
 fi
 
 # GPTQ vs RTN perplexity (issue 6): train the 125m preset for 1000 bf16 steps, then quantize it at 2/3/4/8 bits.
