@@ -204,39 +204,57 @@ TEST(QuantCuda, GemmZeroScaleGroupIsExactlyZero) {
 
 // Every configuration the benchmark times (kq::detail::TuningCfgs), on shapes that do not divide the
 // tiles, with and without K splits: a configuration the library may switch to is correct before it is timed.
+// One layer and batch on the device with the twin's result and the error scale (computed once, shared by
+// every configuration checked on it).
+template <class T>
+struct TwinCase {
+  kq::QGemmShape shape;
+  std::int64_t M;
+  std::vector<T> ref;
+  std::vector<double> mag;
+  Dev<T> dx, dy;
+  Dev<std::uint32_t> dt;
+  Dev<half> ds;
+  Dev<std::uint8_t> dz;
+  TwinCase(const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t rows, const std::vector<T>& x)
+      : shape(t.shape(rows)), M(rows), ref(std::size_t(rows * p.out)), mag(magnitudes(p, t, x, rows)), dx(x), dy(ref.size()), dt(t.tiles),
+        ds(t.scales), dz(t.zeros) {
+    kq::qgemm_cpu(x.data(), t.tiles.data(), t.scales.data(), t.zeros.data(), ref.data(), shape);
+  }
+  TwinCase(const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t rows) : TwinCase(p, t, rows, kernel_order_x<T>(t, rows, p.in, 23)) {}
+};
+// Runs configuration C on the case for each (K range length, SM count the plan assumes), reps launches each
+// (the same counters: the kernel leaves them zero), every result against the twin.
 template <class T, class C, int BITS = 4>
-void cfg_check(const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t M) {
-  const auto x = kernel_order_x<T>(t, M, p.in, 23);
-  std::vector<T> ref(M * p.out);
-  const auto shape = t.shape(M);
-  kq::qgemm_cpu(x.data(), t.tiles.data(), t.scales.data(), t.zeros.data(), ref.data(), shape);
-  const auto mag = magnitudes(p, t, x, M);
-  Dev<T> dx(x), dy(ref.size());
-  Dev<std::uint32_t> dt(t.tiles);
-  Dev<half> ds(t.scales);
-  Dev<std::uint8_t> dz(t.zeros);
-  // (K range length, SM count the plan assumes): persistent-grid configurations also run on a plan for 3 SMs,
-  // so every block walks many consecutive items (x slices restaged, split partials reduced mid-sequence)
-  std::vector<std::pair<int, int>> runs = {{0, sm_count()}, {2, sm_count()}, {5, sm_count()}};
-  if constexpr (C::PERSIST > 0) runs.insert(runs.end(), {{0, 3}, {2, 3}, {5, 1}});
+void cfg_runs(const TwinCase<T>& tc, const std::vector<std::pair<int, int>>& runs, int reps) {
   for (const auto& [cps, sm] : runs) {
-    const auto plan = kq::plan_qgemm(shape, C::template geometry<BITS>(), sm, cps);
+    const auto plan = kq::plan_qgemm(tc.shape, C::template geometry<BITS>(), sm, cps);
     SCOPED_TRACE(kq::detail::cfg_name<C>() + ": " + kq::describe(plan));
     Dev<float> part(std::size_t(std::max<std::int64_t>(plan.partial_elems, 1)));
     Dev<int> cnt(std::vector<int>(std::size_t(plan.counter_elems), 0));
     const kq::QGemmWorkspace ws{part.p, plan.partial_elems, cnt.p, plan.counter_elems};
-    for (int rep = 0; rep < 2; ++rep) {
-      SQUEEZE_CUDA_CHECK(cudaMemset(dy.p, 0xff, dy.n * sizeof(T)));
-      SQUEEZE_CUDA_CHECK((kq::detail::launch_qgemm_cfg<T, BITS, C>(dx.p, dt.p, ds.p, dz.p, dy.p, shape, plan, ws, nullptr)));
+    for (int rep = 0; rep < reps; ++rep) {
+      SQUEEZE_CUDA_CHECK(cudaMemset(tc.dy.p, 0xff, tc.dy.n * sizeof(T)));
+      SQUEEZE_CUDA_CHECK((kq::detail::launch_qgemm_cfg<T, BITS, C>(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, plan, ws, nullptr)));
       SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
-      expect_close_to_twin(mag, ref, dy.get(),
-                           kq::detail::cfg_name<C>() + " bits " + std::to_string(BITS) + " M " + std::to_string(M) + " cps " + std::to_string(cps) + " splits " +
+      expect_close_to_twin(tc.mag, tc.ref, tc.dy.get(),
+                           kq::detail::cfg_name<C>() + " bits " + std::to_string(BITS) + " M " + std::to_string(tc.M) + " N " +
+                               std::to_string(tc.shape.N) + " K " + std::to_string(tc.shape.K) + " cps " + std::to_string(cps) + " splits " +
                                std::to_string(plan.splits) + " items/block " + std::to_string(plan.items_per_block) + " rep " + std::to_string(rep));
       if (::testing::Test::HasFatalFailure()) return;
     }
     const auto counters = cnt.get();
     EXPECT_TRUE(std::all_of(counters.begin(), counters.end(), [](int v) { return v == 0; })) << kq::detail::cfg_name<C>();
   }
+}
+template <class T, class C, int BITS = 4>
+void cfg_check(const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t M) {
+  const TwinCase<T> tc(p, t, M);
+  // (K range length, SM count the plan assumes): persistent-grid configurations also run on a plan for 3 SMs,
+  // so every block walks many consecutive items (x slices restaged, split partials reduced mid-sequence)
+  std::vector<std::pair<int, int>> runs = {{0, sm_count()}, {2, sm_count()}, {5, sm_count()}};
+  if constexpr (C::PERSIST > 0) runs.insert(runs.end(), {{0, 3}, {2, 3}, {5, 1}});
+  cfg_runs<T, C, BITS>(tc, runs, 2);
 }
 template <class T, class... Cs>
 void all_cfgs(kq::detail::CfgList<Cs...>, const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t M) {
@@ -287,6 +305,43 @@ TEST(QuantCuda, BulkLoaderMatchesCpuTwinAt4Bits) {
 TEST(QuantCuda, BulkLoaderMatchesCpuTwinAt8Bits) {
   REQUIRE_DEVICE();
   bulk_all_groups<8>();
+}
+
+// Large layers, many launches: every tuned configuration (compute mode) at the sizes where the GPU run of
+// 4350b90 saw wrong results from two bulk-loader configurations (r32w4n2p8b, r32w4n2p8bp2 on K, N >= 4096
+// at M 64 / 128, in the benchmark's single check; the small shapes above passed). Races show up only with
+// many blocks in flight and many repetitions: 4096 x 4096 at M 16 and 64 (z slices), K ranges of 4 / 16
+// chunks and the plan's own, 5 launches each; persistent configurations also on a 7-SM plan (long item
+// sequences per block). Then a ragged layer (N 2096: partial last strip, K 3000: padded, groups of 32).
+template <class T, class C>
+void stress_cfg(const TwinCase<T>& tc, bool ragged) {
+  if constexpr (C::MODE == kq::detail::QGemmMode::Full) {
+    if (ragged && C::LOADER != kq::detail::QGemmLoader::Bulk) return;  // the ragged layer is for the bulk loader
+    if (C::ROWS > 2 * std::max<std::int64_t>(tc.M, 16)) return;       // far from this batch (as the benchmark skips it)
+    std::vector<std::pair<int, int>> runs = {{0, sm_count()}, {4, sm_count()}, {16, sm_count()}};
+    if constexpr (C::PERSIST > 0) runs.insert(runs.end(), {{4, 7}, {16, 7}});
+    cfg_runs<T, C>(tc, runs, 5);
+  }
+}
+template <class T, class... Cs>
+void stress_cfgs(kq::detail::CfgList<Cs...>, const TwinCase<T>& tc, bool ragged) {
+  (stress_cfg<T, Cs>(tc, ragged), ...);
+}
+TEST(QuantCuda, EveryTunedConfigurationOnLargeLayersRepeatedly) {
+  REQUIRE_DEVICE();
+  {
+    const auto p = random_layer(4096, 4096, 4, 128, false, 5);
+    const auto t = quant::to_tiles(p);
+    for (std::int64_t M : {16, 64}) {
+      const TwinCase<bf16> tc(p, t, M);
+      stress_cfgs(kq::detail::TuningCfgs{}, tc, false);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+  const auto p = random_layer(2096, 3000, 4, 32, true, 6);
+  const auto t = quant::to_tiles(p);
+  const TwinCase<half> tc(p, t, 48);
+  stress_cfgs(kq::detail::TuningCfgs{}, tc, true);
 }
 
 TEST(QuantCuda, GemmRejectsBadArguments) {

@@ -573,10 +573,19 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
   std::uint16_t* xs = reinterpret_cast<std::uint16_t*>(smem + lay.x);
   half* ss = reinterpret_cast<half*>(smem + lay.scales);
   std::uint8_t* zs = smem + lay.zeros;
-  // Block barrier of the threads that compute: the producer warp (Bulk) never waits on them.
+  // Block barrier of the threads that compute: the producer warp (Bulk) never waits on them. The compiler
+  // does not know the inline barrier is one, so nothing guarantees the warp reconverged before it (after
+  // `if (tid == 0) ...` or a loop with a per-thread trip count): __syncwarp first, and the non-.aligned form,
+  // else lanes that arrive early could complete the barrier for their whole warp. (The GPU run of 4350b90,
+  // which had a bare bar.sync here, gave wrong results from r32w4n2p8b / r32w4n2p8bp2 on large shapes; the
+  // likely cause: the split-K "last block" flag read by other warps before lane 0 of warp 0 wrote it.)
   auto sync_compute = [] {
-    if constexpr (kBulk) asm volatile("bar.sync 1, %0;\n" ::"n"(NC) : "memory");
-    else __syncthreads();
+    if constexpr (kBulk) {
+      __syncwarp();
+      asm volatile("barrier.sync 1, %0;\n" ::"n"(NC) : "memory");
+    } else {
+      __syncthreads();
+    }
   };
 
   // ---- work items: (z slice, strip, K range); a block takes items_per_block consecutive ones ----
@@ -985,6 +994,7 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
     for (int c = 0; c < nck; ++c) {
       const int q = q_next + c, slot = q % PF;
       mbar_wait(full + slot, unsigned(q / PF) & 1u);
+      __syncwarp();  // lanes leave the wait loop separately; ldmatrix / mma.sync need the whole warp
       const unsigned char* sb = bring + slot * p.slot_bytes;
       const Chunk ch = bulk_read(sb);
       tbl_s = reinterpret_cast<const half*>(sb + kSlotBytes);
@@ -1160,6 +1170,19 @@ using DiagnosticCfgs = CfgList<QGemmCfg<1, 4, 1, 8, R::Registers, false, M_::Loa
 // fastest or within 3% at M = 1..16 on the large shapes, for 3 bits as well (even at M = 1, where 8 rows
 // per block lose: two tiles per warp keep more bytes in flight per register); 32 rows (r32w4n2p4, z slices
 // above 32 rows) at M = 64 and 128. 8-bit keeps the configurations its GPU tests ran (not swept).
+// Measured with this table (H200 run of commit 4611659 = 4350b90 + lead changes, .helpers/gpu-gemm-1/
+// gemm4.jsonl, "ours" vs cuBLAS bf16 for (K, N) = (4096, 4096) / (4096, 11008) / (11008, 4096) / (8192, 28672)):
+//   M = 1: 1.36 / 1.57 / 1.64 / 1.66x;  M = 16: 0.88 / 1.17 / 0.97 / 1.37x;  M = 64: 0.41 / 0.55 / 0.49 / 0.50x;
+//   M = 128: 0.34 / 0.34 / 0.34 / 0.29x  (targets 3x / 3x / 1.5x / 1x: not met).
+// The bulk loader (Bulk configurations, that run's version: group constants read from global memory) was not
+// faster in the full kernel (8192 x 28672: best Bulk 0.0815 / 0.1032 / 0.2896 ms at M = 1 / 16 / 64 vs
+// r16w4n2p4 0.0753, 0.0904 and r32w4n2p4 0.2590), though its load-only twin streams at 0.72 of copy bandwidth
+// (r8w4n2p8b-load, M = 1) and the persistent one stays flat with M (r16w4n2p16bp2-load 0.040 ms at M = 1,
+// 0.071 at M = 64): the consumer side (decode, ldmatrix, mma, group flush) is the limit; the decode alone
+// costs a lot (M = 1, register loader: loads 0.045 ms r8w4n1p8-load, loads + decode 0.068 ms r16w4n1p8-decode,
+// full kernel 0.075 ms). Two Bulk
+// configurations gave wrong results there (see sync_compute in qgemm_kernel); the Bulk code changed since
+// (group rows in the ring slot, slot released after the math, reconverged barriers): not yet measured.
 inline int batch_class(std::int64_t M) { return M <= 8 ? 0 : M <= 16 ? 1 : M <= 32 ? 2 : M <= 64 ? 3 : 4; }
 template <int BITS, int CLASS>
 struct Dispatch {
