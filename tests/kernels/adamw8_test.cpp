@@ -100,6 +100,35 @@ TEST(Adam8Maps, NearestCodeIsTheArgmin) {
   }
 }
 
+// The CPU's bucket-table search gives exactly the binary search's code: on random values over 30 octaves of
+// both signs, every midpoint and its float neighbours, every code value, zeros, denormals, values past 1, infinities.
+TEST(Adam8Maps, BucketTableSearchEqualsBinarySearch) {
+  std::mt19937 rng(13);
+  for (bool is_signed : {true, false}) {
+    const sk::StateCodeMap& map = is_signed ? sk::signed_state_map() : sk::unsigned_state_map();
+    std::vector<float> xs = {0.f, -0.f, 1e-45f, -1e-45f, 1e-38f, 1.f, -1.f, 1.0000001f, -1.0000001f, 2.f, -2.f, 3.5f, 1e30f, -1e30f,
+                             std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()};
+    for (int c = 0; c < 256; ++c) {
+      for (float base : {map.value[c], c < 255 ? map.mid[c] : 1.f}) {
+        for (float x : {base, std::nextafter(base, -1e30f), std::nextafter(base, 1e30f)}) {
+          xs.push_back(x);
+          xs.push_back(-x);
+        }
+      }
+    }
+    std::uniform_real_distribution<float> e(-30.f, 1.f);
+    for (int k = 0; k < 200000; ++k) xs.push_back(std::exp2(e(rng)) * (k % 2 ? -1.f : 1.f));
+    for (float x : xs) ASSERT_EQ(sk::nearest_code_cpu(map, x), sk::nearest_code(map.mid, x)) << "x = " << x;
+    // The vectorised block encoder too.
+    std::vector<std::uint8_t> codes(xs.size());
+    for (std::size_t o = 0; o < xs.size(); o += 256) {
+      const int len = int(std::min<std::size_t>(256, xs.size() - o));
+      sk::cpu::encode_block(map, xs.data() + o, 1.0f, len, codes.data() + o);
+    }
+    for (std::size_t i = 0; i < xs.size(); ++i) ASSERT_EQ(codes[i], sk::nearest_code(map.mid, xs[i])) << "x = " << xs[i];
+  }
+}
+
 // ---- block-wise quantization --------------------------------------------------------------------------
 // Values spread over 6 decades with block scales over 6 more, n not a multiple of 256.
 std::vector<float> wide_range(std::int64_t n, std::mt19937& rng, bool is_signed) {

@@ -91,8 +91,8 @@ __global__ void __launch_bounds__(kAdamW8Threads)
           adamw_element(w, m[k], v[k], to_float(t.grad[i]), s);
           wp[i] = w;
           if constexpr (!std::is_same_v<P, float>) t.param[i] = from_float<P>(w);
-          m_max = fmaxf(m_max, fabsf(m[k]));
-          v_max = fmaxf(v_max, fabsf(v[k]));
+          m_max = fabsf(m[k]) > m_max ? fabsf(m[k]) : m_max;  // as the CPU twin
+          v_max = fabsf(v[k]) > v_max ? fabsf(v[k]) : v_max;
         }
       }
       m_max = warp_max(m_max);
