@@ -511,12 +511,18 @@ enum class QGemmMode { Full = 0, LoadOnly = 1, LoadDecode = 2 };  // the last tw
 //           corrected by (magic + z) * sum(x over the group) (magic 128 for bf16, 1024 for fp16); the row sums
 //           come from one more mma per k-step against B = 1, which replaces one half2 subtraction per B
 //           register; 8-bit codes with bf16 keep the exact per-element subtraction
+//   PERSIST Bulk only: > 0 = a persistent grid of at most PERSIST blocks per SM walking consecutive work items
+//   SCALEB  B = (q - z) * scale rounded to T (one more half2 multiply per B register), accumulated straight
+//           into the result: no per-group sums, no flush, half the accumulator registers (more rows per warp
+//           or more warps per SM). NOT exact like the other modes: each weight is rounded to T once (fp16:
+//           relative 2^-11; bf16: the fp16 scale is rounded to bf16 too, 2^-8 in all)
+//   MINB    minimum blocks per SM for __launch_bounds__ (caps registers per thread to raise occupancy)
 template <int ROWS8_, int W_, int NT_, int PF_, QGemmLoader LOADER_ = QGemmLoader::Registers, bool ZFOLD_ = false,
-          QGemmMode MODE_ = QGemmMode::Full, int PERSIST_ = 0>
+          QGemmMode MODE_ = QGemmMode::Full, int PERSIST_ = 0, bool SCALEB_ = false, int MINB_ = 1>
 struct QGemmCfg {
-  static constexpr int ROWS8 = ROWS8_, W = W_, NT = NT_, PF = PF_, PERSIST = PERSIST_;
+  static constexpr int ROWS8 = ROWS8_, W = W_, NT = NT_, PF = PF_, PERSIST = PERSIST_, MINB = MINB_;
   static constexpr QGemmLoader LOADER = LOADER_;
-  static constexpr bool ZFOLD = ZFOLD_;
+  static constexpr bool ZFOLD = ZFOLD_, SCALEB = SCALEB_;
   static constexpr QGemmMode MODE = MODE_;
   static constexpr int ROWS = 8 * ROWS8, MT = ROWS8 < 2 ? 1 : ROWS8 / 2, STRIP = W * NT * kTileN;
   // Bulk: W consumer warps + one producer warp
@@ -524,6 +530,8 @@ struct QGemmCfg {
   static_assert(ROWS8 == 1 || ROWS8 == 2 || ROWS8 == 4 || ROWS8 == 8, "rows per block: 8, 16, 32 or 64");
   static_assert(PF >= 2, "at least two chunks in flight");
   static_assert(PERSIST == 0 || LOADER == QGemmLoader::Bulk, "a persistent grid needs the bulk loader (its producer streams across items)");
+  static_assert(!(SCALEB && ZFOLD), "scaled B and folded zero points exclude each other");
+  static_assert(MINB >= 1, "at least one block per SM");
   // ring: PF slots of one chunk of the strip (W * NT tiles), for both shared-memory loaders (bulk: plus the
   // group rows, sized by the plan)
   template <int BITS>
@@ -549,7 +557,7 @@ struct QGemmParams {
 };
 
 template <class T, int BITS, class C>
-__global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) {
+__global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_kernel(const QGemmParams p) {
   constexpr int W = C::W, NT = C::NT, PF = C::PF, MT = C::MT, ROWS = C::ROWS, STRIP = C::STRIP;
   constexpr int LW = lane_words(BITS), TW = tile_words(BITS);  // 32-bit words per lane / per tile
   constexpr int LV = LW / 4;                                    // 16-byte vectors per lane (4/8 bits)
@@ -820,7 +828,7 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
   // ---- per-group constants: zero points of the B columns (8j + g4), scales of the C columns (8j + 2c4 + {0,1})
   // Raw group data of this warp's columns: B-column zero points, C-column zero point pairs (folding), scales.
   struct GroupRaw {
-    std::uint32_t zb[NT][2], zc[NT][2], s[NT][2];
+    std::uint32_t zb[NT][2], zc[NT][2], s[NT][2], sb[NT][2];  // sb: scale of the B column (SCALEB)
   };
   // the group table: staged in shared memory for the item (register / cp.async loaders), or the rows that came
   // with the current chunk's ring slot (Bulk); row r holds group tbl_g0 + r
@@ -837,12 +845,14 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
         const int n = row + t * kTileN + 8 * j;
         r.zb[t][j] = tbl_z[n + g4];
         if constexpr (kFold) r.zc[t][j] = std::uint32_t(tbl_z[n + 2 * c4]) | (std::uint32_t(tbl_z[n + 2 * c4 + 1]) << 8);
-        r.s[t][j] = *reinterpret_cast<const std::uint32_t*>(tbl_s + n + 2 * c4);
+        if constexpr (C::SCALEB) r.sb[t][j] = *reinterpret_cast<const std::uint16_t*>(tbl_s + n + g4);
+        else r.s[t][j] = *reinterpret_cast<const std::uint32_t*>(tbl_s + n + 2 * c4);
       }
     return r;
   };
   std::uint32_t zlo[NT][2], zhi[NT][2];
   float zf[NT][2], sc[NT][2][2], zc2[NT][2][2];  // zc2 (folding): magic + z of the C columns
+  std::uint32_t sb2[NT][2];                      // SCALEB: the B column's scale as a T pair
   auto apply_group = [&](const GroupRaw& r) {
 #pragma unroll
     for (int t = 0; t < NT; ++t)
@@ -862,9 +872,18 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
           zlo[t][j] = (0x6400u + zc) * 0x00010001u;
           zhi[t][j] = u32(__float2half2_rn(float(-64 - zc)));
         }
-        const __half2 s2 = as_vec2<__half2>(r.s[t][j]);
-        sc[t][j][0] = __low2float(s2);
-        sc[t][j][1] = __high2float(s2);
+        if constexpr (C::SCALEB) {
+          if constexpr (std::is_same_v<T, bf16>) {
+            const __nv_bfloat16 b = __float2bfloat16_rn(__half2float(__ushort_as_half(static_cast<unsigned short>(r.sb[t][j]))));
+            sb2[t][j] = u32(__halves2bfloat162(b, b));
+          } else {
+            sb2[t][j] = r.sb[t][j] * 0x00010001u;
+          }
+        } else {
+          const __half2 s2 = as_vec2<__half2>(r.s[t][j]);
+          sc[t][j][0] = __low2float(s2);
+          sc[t][j][1] = __high2float(s2);
+        }
       }
   };
   int g = g_first;
@@ -885,24 +904,26 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[mt][t][j][e] = tmp[mt][t][j][e] = 0.f;
   auto flush = [&]() {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            float v = tmp[mt][t][j][e];
-            if constexpr (kFold) v = fmaf(-zc2[t][j][e & 1], xacc[mt][e & 2], v);  // minus (magic + z) * sum(x) of the row
-            acc[mt][t][j][e] = fmaf(v, sc[t][j][e & 1], acc[mt][t][j][e]);
-            tmp[mt][t][j][e] = 0.f;
-          }
-    if constexpr (kFold)
+    if constexpr (!C::SCALEB) {  // (scaled B: the mma accumulated straight into acc)
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) xacc[mt][e] = 0.f;
+        for (int t = 0; t < NT; ++t)
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              float v = tmp[mt][t][j][e];
+              if constexpr (kFold) v = fmaf(-zc2[t][j][e & 1], xacc[mt][e & 2], v);  // minus (magic + z) * sum(x) of the row
+              acc[mt][t][j][e] = fmaf(v, sc[t][j][e & 1], acc[mt][t][j][e]);
+              tmp[mt][t][j][e] = 0.f;
+            }
+      if constexpr (kFold)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) xacc[mt][e] = 0.f;
+    }
   };
   constexpr bool kGroups = kFull || C::MODE == QGemmMode::LoadDecode;
   if constexpr (kGroups && !kBulk) apply_group(fetch_group(g));  // (Bulk: with the first chunk's slot)
@@ -941,6 +962,13 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
         } else {
           decode_word<T>(ch.w[t][ks], zlo[t], zhi[t], b[t]);
         }
+        if constexpr (C::SCALEB) {
+          using V = typename Vec2<T>::type;
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) b[t][j][r] = u32(__hmul2(as_vec2<V>(b[t][j][r]), as_vec2<V>(sb2[t][j])));
+        }
       }
       if constexpr (!kFull) {
 #pragma unroll
@@ -964,7 +992,7 @@ __global__ void __launch_bounds__(C::THREADS) qgemm_kernel(const QGemmParams p) 
 #pragma unroll
         for (int t = 0; t < NT; ++t)
 #pragma unroll
-          for (int j = 0; j < 2; ++j) mma16816<T>(tmp[mt][t][j], a[mt], b[t][j][0], b[t][j][1]);
+          for (int j = 0; j < 2; ++j) mma16816<T>(C::SCALEB ? acc[mt][t][j] : tmp[mt][t][j], a[mt], b[t][j][0], b[t][j][1]);
         if constexpr (kFold) {
           constexpr std::uint32_t kOnes = std::is_same_v<T, bf16> ? 0x3F803F80u : 0x3C003C00u;
           mma16816<T>(xacc[mt], a[mt], kOnes, kOnes);
@@ -1133,6 +1161,8 @@ std::string cfg_name() {
   if (C::LOADER == QGemmLoader::Bulk) n += "b";
   if (C::PERSIST > 0) n += "p" + std::to_string(C::PERSIST);
   if (C::ZFOLD) n += "z";
+  if (C::SCALEB) n += "s";
+  if (C::MINB > 1) n += "m" + std::to_string(C::MINB);
   if (C::MODE == QGemmMode::LoadOnly) n += "-load";
   if (C::MODE == QGemmMode::LoadDecode) n += "-decode";
   return n;
@@ -1156,7 +1186,16 @@ using TuningCfgs = CfgList<QGemmCfg<1, 4, 1, 8>, QGemmCfg<1, 4, 1, 4>, QGemmCfg<
                            // bulk loader on a persistent grid (last knob: blocks per SM), consecutive items per block
                            QGemmCfg<1, 4, 2, 16, R::Bulk, false, M_::Full, 2>, QGemmCfg<2, 4, 2, 16, R::Bulk, false, M_::Full, 2>,
                            QGemmCfg<2, 4, 2, 8, R::Bulk, false, M_::Full, 3>, QGemmCfg<4, 4, 2, 8, R::Bulk, false, M_::Full, 2>,
-                           QGemmCfg<8, 4, 2, 4, R::Bulk, false, M_::Full, 1>>;
+                           QGemmCfg<8, 4, 2, 4, R::Bulk, false, M_::Full, 1>,
+                           // scaled B (weights rounded to T, no per-group sums): more rows per warp / warps per SM
+                           QGemmCfg<2, 4, 2, 4, R::Registers, false, M_::Full, 0, true>, QGemmCfg<4, 4, 2, 4, R::Registers, false, M_::Full, 0, true>,
+                           QGemmCfg<8, 4, 2, 4, R::Registers, false, M_::Full, 0, true>, QGemmCfg<8, 8, 1, 4, R::Registers, false, M_::Full, 0, true>,
+                           QGemmCfg<4, 4, 2, 8, R::Bulk, false, M_::Full, 0, true>, QGemmCfg<8, 4, 2, 4, R::Bulk, false, M_::Full, 0, true>,
+                           // register caps for occupancy (minimum blocks per SM)
+                           QGemmCfg<1, 4, 2, 4, R::Registers, false, M_::Full, 0, false, 4>,
+                           QGemmCfg<2, 4, 2, 4, R::Registers, false, M_::Full, 0, false, 4>,
+                           QGemmCfg<4, 4, 2, 4, R::Registers, false, M_::Full, 0, false, 3>,
+                           QGemmCfg<2, 4, 2, 8, R::Bulk, false, M_::Full, 0, false, 3>>;
 // Diagnostics: the same loads without the math, the loads and the decode without the mma.
 using DiagnosticCfgs = CfgList<QGemmCfg<1, 4, 1, 8, R::Registers, false, M_::LoadOnly>, QGemmCfg<1, 4, 1, 8, R::Registers, false, M_::LoadDecode>,
                                QGemmCfg<1, 4, 1, 8, R::Registers, true, M_::LoadDecode>, QGemmCfg<1, 4, 1, 16, R::CpAsync, false, M_::LoadOnly>,
