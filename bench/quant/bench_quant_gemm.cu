@@ -2,7 +2,8 @@
 // For each (K, N) and batch M it measures, in the same run:
 //   ours       squeeze int4 tensor-core GEMM as the library dispatches it (kq::qgemm_cuda)
 //   variants   every configuration of kq::detail::TuningCfgs (rows per block, warps, tiles per warp, loads
-//              in flight, register or cp.async loader) at several K-range lengths (cps, 64-k chunks), with
+//              in flight, register / cp.async / bulk loader, persistent grid, scaled B, register caps; names
+//              spelled by kq::detail::cfg_name) at several K-range lengths (cps, 64-k chunks), with
 //              its error; the fastest is reported beside the library's choice (to pick the dispatch table)
 //   diag       the same weight stream with the math removed (load only) and with decode but no mma: how
 //              far each stage is from the copy bandwidth
