@@ -9,6 +9,8 @@ static_assert(sizeof(S) > 0);
 using Q = Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 32>, Precision<bf16, float>>;
 static_assert(sizeof(Q) > 0);
 static_assert(S::stage == 3 && Q::has_lora);
+using A8 = Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Quantized<8, Blockwise8>>;  // 8-bit Adam state
+static_assert(A8::state_bits == 8 && A8::state_quantization::group == 256);
 #elif defined(CASE_duplicate_family)
 using S = Strategy<Sharded<Stage1>, Accumulate<2>, Sharded<Stage3>>;
 static_assert(sizeof(S) > 0);
@@ -72,6 +74,10 @@ squeeze::optim::FlatAdamW<squeeze::Strategy<squeeze::Precision<squeeze::bf16, fl
 #elif defined(CASE_flat_adamw_8bit_state)
 #include <squeeze/optim/adamw.hpp>
 squeeze::optim::FlatAdamW<squeeze::Strategy<squeeze::Quantized<8, squeeze::Blockwise8>>> o(squeeze::AdamW{});
+#elif defined(CASE_adamw_uint8_moments)
+// The fp32-state AdamW with byte moments: 8-bit state needs its block scales (AdamW8Tensor, adamw8_cpu).
+#include <squeeze/kernels/adamw.hpp>
+void f(squeeze::kernels::AdamWTensor<float, float, unsigned char> t) { squeeze::kernels::adamw_cpu(t, {}); }
 #else
 #error "define one CASE_*"
 #endif

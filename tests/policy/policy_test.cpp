@@ -52,7 +52,7 @@ static_assert(QLoRA::lora::targets == (LoraTargets::q | LoraTargets::v));
 using GPTQ4 = Strategy<Quantized<4, GPTQ, Group<128>>, Inference, Precision<half, half>>;
 static_assert(!GPTQ4::training && !GPTQ4::base_trainable && GPTQ4::weight_quantization::group == 128);
 static_assert(Quantized<4, GPTQ>::group == 0, "GPTQ defaults to one scale per output channel");
-static_assert(Quantized<4, RTN, PerChannel>::group == 0 && Quantized<8, Blockwise8>::group == 2048);
+static_assert(Quantized<4, RTN, PerChannel>::group == 0 && Quantized<8, Blockwise8>::group == 256);
 static_assert(Quantized<4, GPTQ, ActOrder, Group<32>>::act_order && Quantized<4, GPTQ, ActOrder, Group<32>>::group == 32);
 
 using Adam8 = Strategy<Quantized<8, Blockwise8>, Precision<bf16, float>>;

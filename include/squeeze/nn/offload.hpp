@@ -11,7 +11,7 @@
 //       worker: waits for the copy (CPU: does it), p.sumsq = sum of squares of host_grad in double
 //               (fixed chunking: the same bits whatever the thread count), then the job's `then` (eager update)
 //   update(p, fn)       (trainer, after the global norm is known; or `then` above)
-//       worker: fn(p) (the CPU AdamW on p.master, p.m, p.v with p.host_grad), then
+//       worker: fn(p) (the CPU AdamW on p.master, p.m, p.v (+ block scales) with p.host_grad), then
 //       CUDA: the h2d stream waits for the compute work queued before the job, copies the new parameters to
 //             p.param: from host_grad when fn staged them there in param's dtype (p.staged), else p.master
 //   wait(p) / wait_all()  the host waits for the jobs, the current stream for their copies
@@ -45,7 +45,8 @@ struct Partition {
   torch::Tensor param;      // [n] compute dtype, written by AdamW (flat-buffer slice or stage-3 shard)
   torch::Tensor grad;       // [n] reduced gradient (stage 0: the full buffer itself)
   torch::Tensor master;     // [n] fp32 master (mixed precision, or on the host under offload)
-  torch::Tensor m, v;       // [n] fp32 Adam moments
+  torch::Tensor m, v;       // [n] Adam moments: fp32, or uint8 codes with 8-bit state (Quantized<8, Blockwise8>)
+  torch::Tensor m_absmax, v_absmax;  // [ceil(n / 256)] fp32 block scales of m and v (8-bit state only)
   torch::Tensor host_grad;  // [n] host copy of grad in grad's dtype (offload; pinned for a CUDA model)
   // The update wrote the new parameters, rounded to param's dtype, over host_grad (possible when grad and
   // param share a 16-bit dtype): the upload then moves 2 bytes per parameter instead of the fp32 master's 4.

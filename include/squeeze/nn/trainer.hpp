@@ -62,6 +62,12 @@
 // fused AdamW (kernels::adamw_cpu for host buffers; torch ops for device buffers in a non-nvcc TU) with
 // unscale and clip folded in -> scale growth bookkeeping.
 //
+// Quantized<8, Blockwise8>: Adam's m and v are kept as uint8 codes with one fp32 absmax per 256 elements
+// (kernels/adamw8.hpp: Dettmers et al.'s block-wise dynamic quantization), 2 bytes + 8/256 per parameter
+// instead of 8; the update decodes, runs the same AdamW element, re-encodes. Blocks start at each partition's
+// first element, so stages and world sizes that cut partitions differently group different elements under
+// one absmax: the cross-stage bitwise guarantees below do not hold for it (overlapped == in-order offload does).
+//
 // Parity guarantees on LocalComm (reduction in rank order, see comm/local.hpp), float or bf16, same data:
 //   accumulation 1: Stage0 == Stage1 == Stage2 == Stage3 bitwise, with or without Offload<Host> (overlapped
 //   or not), whatever the bucket size;
@@ -71,6 +77,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <functional>
@@ -89,6 +96,7 @@
 #include "offload.hpp"
 #include "sharded.hpp"
 #include "squeeze/kernels/adamw.hpp"
+#include "squeeze/kernels/adamw8.hpp"
 #include "squeeze/kernels/grad_norm.hpp"
 #include "squeeze/kernels/loss_scale.hpp"
 
@@ -183,6 +191,32 @@ inline void adamw_torch_ops(torch::Tensor& w, torch::Tensor& m, torch::Tensor& v
   v.mul_(c.beta2).addcmul_(g32, g32, 1.0f - c.beta2);
   const torch::Tensor denom = v.sqrt().mul_(c.inv_sqrt_bc2).add_(c.eps);
   w.mul_(1.0f - c.lr * c.weight_decay).addcdiv_(m, denom, -c.step_size);
+}
+
+// 8-bit state (Quantized<8, Blockwise8>) in torch ops, for device buffers in a host-compiled TU: the maps and
+// the nearest-code rule of kernels/adamw8.hpp (torch::bucketize over the 255 midpoints counts those below x,
+// which is nearest_code), block scales of kernels::kStateBlock elements.
+struct StateMapTensors {
+  torch::Tensor value, mid;  // [256], [255] fp32
+};
+inline StateMapTensors state_map_tensors(const kernels::StateCodeMap& map, torch::Device device) {
+  auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
+  return {torch::from_blob(const_cast<float*>(map.value), {kernels::kStateCodes}, f32).to(device),
+          torch::from_blob(const_cast<float*>(map.mid), {kernels::kStateCodes - 1}, f32).to(device)};
+}
+// codes [n] uint8, absmax [ceil(n / 256)] -> values [n] fp32
+inline torch::Tensor decode_state(const torch::Tensor& codes, const torch::Tensor& absmax, const StateMapTensors& map) {
+  return map.value.index_select(0, codes.to(torch::kInt64)) *
+         absmax.repeat_interleave(kernels::kStateBlock).narrow(0, 0, codes.numel());
+}
+// values [n] fp32 -> codes [n] uint8 and absmax [ceil(n / 256)], written in place.
+inline void encode_state(const torch::Tensor& x, torch::Tensor codes, torch::Tensor absmax, const StateMapTensors& map) {
+  const int64_t n = x.numel(), blocks = absmax.numel();
+  const torch::Tensor padded = torch::constant_pad_nd(x, {0, blocks * kernels::kStateBlock - n}).view({blocks, kernels::kStateBlock});
+  const torch::Tensor a = padded.abs().amax(1);                                     // [blocks]
+  const torch::Tensor inv = torch::where(a > 0, a.reciprocal(), torch::zeros_like(a));  // as kernels::inverse_absmax
+  codes.copy_(torch::bucketize((padded * inv.unsqueeze(1)).view({-1}).narrow(0, 0, n), map.mid));
+  absmax.copy_(a);
 }
 
 // Sum of squares in double, deterministic: host sequentially; device per chunk (fp64 temporaries of one
@@ -301,9 +335,12 @@ class Trainer {
   static_assert(S::training, "make_trainer needs a training Strategy (remove Inference)");
   static_assert(!S::quantized_weights && !S::has_lora,
                 "make_trainer trains full weights; quantized/LoRA strategies have their own trainers");
-  static_assert(S::state_bits == 32,
-                "nn::Trainer keeps fp32 Adam moments: 8-bit optimizer state (Quantized<8, Blockwise8>) is only planned "
-                "(plan_memory counts it), not implemented; remove it from the Strategy");
+  // 8-bit Adam moments (Quantized<8, Blockwise8>): uint8 codes + one fp32 absmax per kernels::kStateBlock
+  // elements (kernels/adamw8.hpp). Host buffers (Offload<Host>, CPU models) run kernels::adamw8_cpu; device
+  // buffers the same maps and rule in torch ops.
+  static constexpr bool k8bit = S::state_bits == 8;
+  static_assert(!k8bit || S::state_quantization::group == int(kernels::kStateBlock),
+                "nn::Trainer's 8-bit optimizer state uses blocks of 256 values: write Quantized<8, Blockwise8> (or Group<256>)");
 
   Trainer(std::shared_ptr<torch::nn::Module> module, O adamw, comm::CommPtr comm, TrainerOptions opt = {})
       : module_(std::move(module)), adamw_(adamw), comm_(std::move(comm)), opt_(resolve(adamw, opt)),
@@ -528,13 +565,22 @@ class Trainer {
     return out;
   }
 
-  // Optimizer state per partition (replicated group or buckets first, then stage-3 layers): {master, m, v};
-  // master is undefined where the parameter is its own master (float compute, no offload). Views, not copies.
+  // Optimizer state per partition (replicated group or buckets first, then stage-3 layers): {master, m, v},
+  // fp32; with 8-bit state {master, m, v, m_absmax, v_absmax}: m, v uint8 codes [n], their block scales fp32
+  // [ceil(n / 256)] (names: optimizer_state_names()). master is undefined where the parameter is its own master
+  // (float compute, no offload). Views, not copies: copying saved values into them restores the state.
   std::vector<std::vector<torch::Tensor>> optimizer_state() {
     sync();
     std::vector<std::vector<torch::Tensor>> out;
-    for (Partition* o : partitions()) out.push_back({o->master, o->m, o->v});
+    for (Partition* o : partitions()) {
+      if constexpr (k8bit) out.push_back({o->master, o->m, o->v, o->m_absmax, o->v_absmax});
+      else out.push_back({o->master, o->m, o->v});
+    }
     return out;
+  }
+  static std::vector<std::string> optimizer_state_names() {
+    if constexpr (k8bit) return {"master", "m", "v", "m_absmax", "v_absmax"};
+    else return {"master", "m", "v"};
   }
 
   // Bytes held now by this rank, per category (communication: the largest transient buffers seen).
@@ -549,6 +595,8 @@ class Trainer {
       add(m.master_weights, o.master, kOffload);
       add(m.optimizer_state, o.m, kOffload);
       add(m.optimizer_state, o.v, kOffload);
+      add(m.optimizer_state, o.m_absmax, kOffload);
+      add(m.optimizer_state, o.v_absmax, kOffload);
       add(m.gradients, o.host_grad, true);
     };
     if (rep_) {
@@ -606,8 +654,16 @@ class Trainer {
       o.master = torch::empty({n}, state_options());
       o.master.copy_(param);
     }
-    o.m = torch::zeros({n}, state_options());
-    o.v = torch::zeros({n}, state_options());
+    if constexpr (k8bit) {
+      // Zero codes with zero block scales are the zero state (absmax 0 decodes every code to 0).
+      o.m = torch::zeros({n}, state_options().dtype(torch::kUInt8));
+      o.v = torch::zeros({n}, state_options().dtype(torch::kUInt8));
+      o.m_absmax = torch::zeros({kernels::state_blocks(n)}, state_options());
+      o.v_absmax = torch::zeros({kernels::state_blocks(n)}, state_options());
+    } else {
+      o.m = torch::zeros({n}, state_options());
+      o.v = torch::zeros({n}, state_options());
+    }
     // The gradient travels in its own dtype (bf16: half the PCIe bytes of fp32); the CPU AdamW widens it.
     if (kOffload) o.host_grad = torch::zeros({n}, state_options().dtype(grad.scalar_type()));
   }
@@ -791,20 +847,15 @@ class Trainer {
       if constexpr (!std::is_same_v<Compute, float>) {
         if (p.host_grad.scalar_type() == p.param.scalar_type()) {
           Compute* staged = reinterpret_cast<Compute*>(p.host_grad.data_ptr());
-          kernels::AdamWTensor<Compute, Compute> t{staged, p.master.data_ptr<float>(), staged, p.m.data_ptr<float>(),
-                                                   p.v.data_ptr<float>(), p.master.numel()};
-          kernels::adamw_cpu(t, c, d);
+          adamw_on_host<Compute, Compute>(p, staged, p.master.data_ptr<float>(), staged, c, d);
           p.staged = true;
           return;
         }
       }
-      auto run = [&]<class G>(const G* g) {
-        kernels::AdamWTensor<float, G> t{p.master.data_ptr<float>(), nullptr, g, p.m.data_ptr<float>(), p.v.data_ptr<float>(),
-                                         p.master.numel()};
-        kernels::adamw_cpu(t, c, d);
-      };
-      if (p.host_grad.scalar_type() == torch::kFloat32) run(p.host_grad.data_ptr<float>());
-      else run(reinterpret_cast<const Compute*>(p.host_grad.data_ptr()));
+      if (p.host_grad.scalar_type() == torch::kFloat32)
+        adamw_on_host<float, float>(p, p.master.data_ptr<float>(), nullptr, p.host_grad.data_ptr<float>(), c, d);
+      else
+        adamw_on_host<float, Compute>(p, p.master.data_ptr<float>(), nullptr, reinterpret_cast<const Compute*>(p.host_grad.data_ptr()), c, d);
     };
   }
 
@@ -866,16 +917,26 @@ class Trainer {
       for (Partition* o : partitions()) o->grad.zero_();
   }
 
+  // The CPU AdamW on one partition's host state (fp32 or 8-bit moments): param [n] (P), master [n] or null, grad [n].
+  template <class P, class G>
+  static void adamw_on_host(Partition& p, P* param, float* master, const G* grad, const kernels::AdamWCoeffs& c,
+                            const kernels::AdamWDynamic& d) {
+    const int64_t n = p.m.numel();
+    if constexpr (k8bit) {
+      const kernels::AdamW8Tensor<P, G> t{param, master, grad, p.m.data_ptr<std::uint8_t>(), p.m_absmax.data_ptr<float>(),
+                                          p.v.data_ptr<std::uint8_t>(), p.v_absmax.data_ptr<float>(), n};
+      kernels::adamw8_cpu(t, c, d);
+    } else {
+      const kernels::AdamWTensor<P, G> t{param, master, grad, p.m.data_ptr<float>(), p.v.data_ptr<float>(), n};
+      kernels::adamw_cpu(t, c, d);
+    }
+  }
+
   template <class G>
   void adamw_host(Partition& o, const kernels::AdamWCoeffs& c, const kernels::AdamWDynamic& d) {
-    kernels::AdamWTensor<Compute, G> t;
-    t.param = reinterpret_cast<Compute*>(o.param.data_ptr());
-    t.master = std::is_same_v<Compute, float> ? nullptr : o.master.template data_ptr<float>();
-    t.grad = reinterpret_cast<const G*>(o.grad.data_ptr());
-    t.exp_avg = o.m.template data_ptr<float>();
-    t.exp_avg_sq = o.v.template data_ptr<float>();
-    t.n = o.param.numel();
-    kernels::adamw_cpu(t, c, d);
+    adamw_on_host<Compute, G>(o, reinterpret_cast<Compute*>(o.param.data_ptr()),
+                              std::is_same_v<Compute, float> ? nullptr : o.master.template data_ptr<float>(),
+                              reinterpret_cast<const G*>(o.grad.data_ptr()), c, d);
   }
 
   void update(Partition& o, const kernels::AdamWCoeffs& c, const kernels::AdamWDynamic& d, float gmul) {
@@ -892,8 +953,24 @@ class Trainer {
         const int64_t len = std::min(detail::kDeviceChunk, n - off);
         auto part = [&](const torch::Tensor& t) { return t.narrow(0, off, len); };
         const torch::Tensor g = part(o.grad).to(torch::kFloat32) * gmul;
-        torch::Tensor w = part(S::has_master_copy ? o.master : o.param), m = part(o.m), v = part(o.v);
-        detail::adamw_torch_ops(w, m, v, g, c);
+        torch::Tensor w = part(S::has_master_copy ? o.master : o.param);
+        if constexpr (k8bit) {
+          // kDeviceChunk is a multiple of the state block: the chunk's blocks are its own.
+          auto blocks = [&](const torch::Tensor& t) {
+            return t.narrow(0, off / kernels::kStateBlock, kernels::state_blocks(len));
+          };
+          if (!maps_[0].value.defined())
+            maps_ = {detail::state_map_tensors(kernels::signed_state_map(), device_),
+                     detail::state_map_tensors(kernels::unsigned_state_map(), device_)};
+          torch::Tensor m = detail::decode_state(part(o.m), blocks(o.m_absmax), maps_[0]);
+          torch::Tensor v = detail::decode_state(part(o.v), blocks(o.v_absmax), maps_[1]);
+          detail::adamw_torch_ops(w, m, v, g, c);
+          detail::encode_state(m, part(o.m), blocks(o.m_absmax), maps_[0]);
+          detail::encode_state(v, part(o.v), blocks(o.v_absmax), maps_[1]);
+        } else {
+          torch::Tensor m = part(o.m), v = part(o.v);
+          detail::adamw_torch_ops(w, m, v, g, c);
+        }
         if (S::has_master_copy) part(o.param).copy_(w);
       }
     }
@@ -921,6 +998,7 @@ class Trainer {
   int64_t applied_ = 0, skipped_ = 0;
   int64_t last_window_rs_bytes_ = 0;
   bool last_eager_ = false;
+  std::array<detail::StateMapTensors, 2> maps_;  // 8-bit state on the device: signed (m) and unsigned (v) maps
 };
 
 // module: a torch::nn::ModuleHolder (e.g. an `MLP` from TORCH_MODULE) or a shared_ptr to a Module.

@@ -4,7 +4,7 @@
 //                      normal-float codebook, optional DoubleQuant of its block scales)
 //   optimizer state:   Blockwise8 (8-bit blockwise-quantized Adam moments; weights stay trainable)
 // Options: Group<G> (values per scale; GPTQ/RTN default per output channel, NF4 default 64,
-// Blockwise8 default 2048), PerChannel, DoubleQuant (NF4 only), ActOrder (GPTQ only).
+// Blockwise8 default 256, the block of kernels/adamw8.hpp), PerChannel, DoubleQuant (NF4 only), ActOrder (GPTQ only).
 #include <type_traits>
 
 #include "family.hpp"
@@ -66,7 +66,7 @@ struct Quantized {
   using family = std::conditional_t<std::is_same_v<Method, Blockwise8>, state_quantization_family, weight_quantization_family>;
   using method = Method;
   static constexpr int bits = Bits;
-  static constexpr int default_group = std::is_same_v<Method, NF4> ? 64 : std::is_same_v<Method, Blockwise8> ? 2048 : 0;
+  static constexpr int default_group = std::is_same_v<Method, NF4> ? 64 : std::is_same_v<Method, Blockwise8> ? 256 : 0;
   // Values per scale; 0 means one scale per output channel.
   static constexpr int group = detail::group_of<Options...>() >= 0 ? detail::group_of<Options...>() : default_group;
   static constexpr bool double_quant = (std::is_same_v<Options, DoubleQuant> || ...);
