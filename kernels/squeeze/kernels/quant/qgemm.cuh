@@ -1201,7 +1201,10 @@ using DiagnosticCfgs = CfgList<QGemmCfg<1, 4, 1, 8, R::Registers, false, M_::Loa
                                QGemmCfg<1, 4, 1, 8, R::Registers, true, M_::LoadDecode>, QGemmCfg<1, 4, 1, 16, R::CpAsync, false, M_::LoadOnly>,
                                QGemmCfg<2, 4, 1, 8, R::Registers, false, M_::LoadDecode>, QGemmCfg<2, 4, 2, 16, R::Bulk, false, M_::LoadOnly>,
                                QGemmCfg<1, 4, 2, 8, R::Bulk, false, M_::LoadOnly>, QGemmCfg<2, 4, 2, 16, R::Bulk, false, M_::LoadDecode>,
-                               QGemmCfg<2, 4, 2, 16, R::Bulk, false, M_::LoadOnly, 2>>;
+                               QGemmCfg<2, 4, 2, 16, R::Bulk, false, M_::LoadOnly, 2>,
+                               // does capping registers (more warps per SM) speed the decode? A / B on the dispatch's r16w4n2p4
+                               QGemmCfg<2, 4, 2, 4, R::Registers, false, M_::LoadDecode>,
+                               QGemmCfg<2, 4, 2, 4, R::Registers, false, M_::LoadDecode, 0, false, 4>>;
 
 // Dispatch table: batch class (M <= 8, <= 16, <= 32, <= 64, more) -> configuration (K ranges: the plan's
 // rule, kCps 0). 3- and 4-bit from the H200 variant sweep (bench/results/h200/gemm4.jsonl, run at e726527,
