@@ -70,6 +70,9 @@ void for_each_strategy(F&& f) {
   f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<half, float>>>("zero3-offload-fp16");
   f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<half, float>, Accumulate<4>>>("zero3-offload-fp16-accum4");
   f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed>>("zero3-offload-bf16-ckpt");
+  // The same with 8-bit Adam moments (block-wise quantized, 2 bytes per parameter instead of 8 on the host).
+  f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed, Quantized<8, Blockwise8>>>(
+      "zero3-offload-bf16-ckpt-adam8");
   // QLoRA (squeeze's LoraTrainer): NF4 base weights, bf16 compute, fp32 adapters. CPU, or CUDA from an nvcc TU.
   f.template operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed>>("qlora");
 }
@@ -285,7 +288,7 @@ class LocalTrainer {
   static_assert(S::training, "the LLaMA trainer trains: remove Inference");
   static_assert(S::stage == 0 && !S::offload_to_host, "Sharded<...>/Offload<Host> strategies train with ZeroTrainer");
   static_assert(!S::quantized_weights && !S::has_lora && S::state_bits == 32,
-                "quantized weights, LoRA and 8-bit optimizer state belong to the QLoRA example, not this trainer");
+                "quantized weights and LoRA train with LoraTrainer; 8-bit optimizer state with squeeze's ZeRO trainer (add Sharded<...>), not this trainer");
 
  public:
   using compute_type = typename S::compute_type;
@@ -546,7 +549,7 @@ class ZeroTrainer {
     for (const auto& [name, t] : trainer_->full_parameters()) w.tensor("weights/" + name, t.to(torch::kFloat32));
     const auto state = trainer_->optimizer_state();
     for (size_t k = 0; k < state.size(); ++k)
-      for (int j = 0; j < 3; ++j)
+      for (size_t j = 0; j < state[k].size(); ++j)
         if (state[k][j].defined()) w.tensor(partition_key(k, j), state[k][j]);
     w.save(rank_path(path));
   }
@@ -559,10 +562,19 @@ class ZeroTrainer {
     std::map<std::string, torch::Tensor> weights;
     for (const auto& [name, shape] : shapes_) weights[name] = r.tensor("weights/" + name, shape);
     auto state = trainer_->optimizer_state();
-    std::vector<std::vector<torch::Tensor>> loaded(state.size(), std::vector<torch::Tensor>(3));
-    for (size_t k = 0; k < state.size(); ++k)
-      for (int j = 0; j < 3; ++j)
-        if (state[k][j].defined()) loaded[k][j] = r.tensor(partition_key(k, j), state[k][j].sizes());
+    std::vector<std::vector<torch::Tensor>> loaded(state.size());
+    for (size_t k = 0; k < state.size(); ++k) {
+      loaded[k].resize(state[k].size());
+      for (size_t j = 0; j < state[k].size(); ++j) {
+        if (!state[k][j].defined()) continue;
+        const std::string key = partition_key(k, j);
+        loaded[k][j] = r.tensor(key, state[k][j].sizes());
+        // 8-bit state (uint8 codes) and fp32 moments have the same shapes: the dtype tells them apart.
+        TORCH_CHECK(loaded[k][j].scalar_type() == state[k][j].scalar_type(), "checkpoint '", rank_path(path), "': '", key, "' is ",
+                    loaded[k][j].scalar_type(), " but this strategy keeps ", state[k][j].scalar_type(),
+                    " (fp32 vs 8-bit optimizer state): load it with the strategy it was written by");
+      }
+    }
     const int64_t step = r.integer("step");
     const double scale = r.real("loss_scale");
     const int64_t good = r.integer("good_steps");
@@ -582,15 +594,15 @@ class ZeroTrainer {
       g.shard.detach().copy_(g.layout.shard_of(full, c.rank()));
     }
     for (size_t k = 0; k < state.size(); ++k)
-      for (int j = 0; j < 3; ++j)
+      for (size_t j = 0; j < state[k].size(); ++j)
         if (state[k][j].defined()) state[k][j].copy_(loaded[k][j]);
     trainer_->restore_counters(step, float(scale), good);
   }
 
  private:
-  static std::string partition_key(size_t k, int j) {
-    static const char* what[] = {"master", "m", "v"};
-    return "zero/" + std::to_string(k) + "/" + what[j];
+  // zero/<partition>/<master|m|v> (+ m_absmax, v_absmax with 8-bit state: nn::Trainer::optimizer_state_names).
+  static std::string partition_key(size_t k, size_t j) {
+    return "zero/" + std::to_string(k) + "/" + nn::Trainer<S, squeeze::AdamW>::optimizer_state_names().at(j);
   }
   std::string rank_path(const std::string& path) {
     comm::Communicator& c = trainer_->communicator();

@@ -511,6 +511,29 @@ TEST(LlamaCheckpoint, RoundTripContinuesExactlyZero3Offload) {
   round_trip<S>();
 }
 
+// The same with 8-bit Adam moments: the uint8 codes and their block scales come back; a checkpoint of the
+// fp32-state strategy (same shapes) is refused by dtype before anything changes.
+TEST(LlamaCheckpoint, RoundTripContinuesExactlyZero3OffloadAdam8) {
+  using S8 = squeeze::Strategy<squeeze::Sharded<squeeze::Stage3>, squeeze::Offload<squeeze::Host>, squeeze::Precision<squeeze::bf16, float>,
+                               squeeze::Quantized<8, squeeze::Blockwise8>>;
+  round_trip<S8>();
+  using S = squeeze::Strategy<squeeze::Sharded<squeeze::Stage3>, squeeze::Offload<squeeze::Host>, squeeze::Precision<squeeze::bf16, float>>;
+  TempDir dir;
+  torch::manual_seed(15);
+  Trainer<S> fp32_state(small_config(), fast_options(), torch::kCPU);
+  const auto [x, y] = batch(training_bytes(), 8, 16, 0);
+  fp32_state.step(x, y);
+  fp32_state.save(dir.file("z3.pt"), "zero3-offload-bf16");
+  Trainer<S8> adam8(small_config(), fast_options(), torch::kCPU);
+  try {
+    adam8.load(dir.file("z3.pt"));
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("fp32 vs 8-bit optimizer state"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(adam8.step_count(), 0);
+}
+
 // The same with fp16 compute: the dynamic loss scale and its clean-step count come back too.
 TEST(LlamaCheckpoint, RoundTripContinuesExactlyZero2Fp16) {
   using S = squeeze::Strategy<squeeze::Sharded<squeeze::Stage2>, squeeze::Precision<squeeze::half, float>>;
