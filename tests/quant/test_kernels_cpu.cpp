@@ -240,6 +240,51 @@ TEST(QGemmPlan, SplitsCoverKAndSharedMemoryHoldsTheBlock) {
             }
 }
 
+// Bulk-loader plans (qgemm.cuh, QGemmLoader::Bulk): each ring slot has room for the scale / zero rows the
+// producer copies with its chunk, i.e. the groups that start in the chunk plus, for the first chunk of a
+// K range, the group the range begins in (counted here by brute force over k); no group table in shared
+// memory; the block fits an H200 (227 KB); a persistent grid gives every work item to exactly one block and
+// uses at most `persist` blocks per SM.
+TEST(QGemmPlan, BulkSlotsHoldTheirGroupRowsAndPersistentGridsCoverEveryItem) {
+  constexpr int kSlots = 8, kStrip = 128, kSlotWeights = 4096;  // r*w4n2p8b at 4 bits: 8 tiles of 512 B per slot
+  for (std::int64_t M : {1, 16, 64, 128})
+    for (std::int64_t K : {200, 4096, 11008})
+      for (std::int64_t N : {300, 4096, 28672})
+        for (int group : {16, 32, 48, 128, 0})
+          for (int rows : {8, 16, 32, 64})
+            for (int persist : {0, 2})
+              for (int cps_override : {0, 3}) {
+                const std::int64_t Kpad = kq::pad_to(K, 64), Npad = kq::pad_to(N, 16);
+                const kq::QGemmShape s{M, N, K, Kpad, Npad, group > 0 ? group : Kpad, 4};
+                const kq::QGemmGeometry g{rows, kStrip, 4, kSlots * kSlotWeights, kSlots, persist};
+                const auto p = kq::plan_qgemm(s, g, 132, cps_override);
+                SCOPED_TRACE(kq::describe(p) + " K " + std::to_string(K) + " group " + std::to_string(s.group));
+                EXPECT_EQ(p.ngroups, 0);
+                EXPECT_EQ(p.slot_bytes % 16, 0);
+                EXPECT_GE(p.slot_bytes, kSlotWeights + p.slot_rows * kStrip * 3);
+                EXPECT_LE(p.smem_bytes, 220 * 1024 + 16);
+                const std::int64_t chunks = Kpad / 64;
+                int need_max = 0;
+                for (std::int64_t kc = 0; kc < chunks; ++kc) {
+                  const bool first = kc % p.cps == 0;
+                  const std::int64_t k_lo = kc * 64, k_hi = std::min(k_lo + 64, K) - 1;
+                  int need = 0;
+                  std::int64_t last = -1;
+                  for (std::int64_t k = k_lo; k <= k_hi; ++k) {
+                    const std::int64_t gi = k / s.group;
+                    if (gi != last && (gi * s.group >= k_lo || (first && k == k_lo))) ++need;
+                    last = gi;
+                  }
+                  need_max = std::max(need_max, need);
+                }
+                EXPECT_LE(need_max, p.slot_rows);
+                EXPECT_GE(p.blocks() * p.items_per_block, p.items());
+                EXPECT_LT((p.blocks() - 1) * p.items_per_block, p.items());
+                if (persist == 0) EXPECT_EQ(p.items_per_block, 1);
+                else EXPECT_LE(p.blocks(), 132 * persist);
+              }
+}
+
 // The K-range rule the dispatch uses (plan_qgemm without override), on the benchmark's shapes with the
 // geometry of the 16-row, two-tiles-per-warp configuration: 16 chunks, halved while under 2 blocks per SM.
 TEST(QGemmPlan, KRangesOf16ChunksHalvedOnSmallGrids) {
