@@ -28,6 +28,11 @@
 // further barrier. K ranges (splits) write fp32 partials; the last block of a (strip, z) to finish
 // (a counter per (strip, z)) sums them in split order (deterministic), writes y and resets the counter,
 // so one launch does everything and the counters stay zero between launches.
+// Weight loaders (QGemmLoader): each lane's loads into registers, or per-thread cp.async into a shared ring,
+// or (sm_90) Bulk: one producer warp per block copies each chunk's whole strip (its tiles are contiguous)
+// plus the scale / zero rows of the groups starting in it with bulk copies into a ring of PF slots, full /
+// empty mbarriers per slot; with a persistent grid a block walks consecutive work items and the producer
+// streams across them.
 #include <algorithm>
 #include <bit>
 #include <cstdint>
