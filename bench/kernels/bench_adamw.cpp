@@ -8,6 +8,8 @@
 //   bf16-mixed  bf16 params + fp32 master, bf16 grads         28 B/param (read 4+2+4+4, write 4+4+4+2)
 //   fp32-scaled as fp32, with the loss-scaling inputs live: ours reads inv_scale / found_inf / clip_coef
 //               from device memory, the peer gets grad_scale / found_inf tensors (values 1 and 0)
+//   bf16-mixed-adam8  as bf16-mixed with 8-bit m, v (kernels/adamw8.cuh: uint8 codes + fp32 absmax per 256):
+//               16 B/param + 8 B per 256 (read 4+2+1+1, write 4+1+1+2); peer as bf16-mixed (fp32 state)
 // Peer: at::_fused_adamw_ over the same tensors (flat: a list of one; 64 tensors: a list of 64). For
 // bf16-mixed PyTorch has no master-weight fused AdamW, so the peer is the usual recipe: _fused_adamw_ on the
 // fp32 master with fp32 grads (cast outside the timed region, in the peer's favour) + copy_ into the bf16
@@ -36,6 +38,7 @@
 #include "bench_adamw_kernels.hpp"
 #include "squeeze/error.hpp"
 #include "squeeze/kernels/adamw.hpp"
+#include "squeeze/kernels/adamw8.hpp"
 
 namespace {
 
@@ -43,6 +46,8 @@ using squeeze::bf16;
 namespace sk = squeeze::kernels;
 
 constexpr double kBytesPerParam = 28.0;
+constexpr double kBytesPerParam8 = 16.0 + 16.0 / 256;  // 8-bit state: codes 1+1 read and written, absmax 4+4 per block
+double bytes_per_param(const std::string& precision) { return precision.find("adam8") != std::string::npos ? kBytesPerParam8 : kBytesPerParam; }
 constexpr float kLr = 1e-4f, kBeta1 = 0.9f, kBeta2 = 0.999f, kEps = 1e-8f, kWd = 0.01f;
 
 struct Options {
@@ -230,8 +235,19 @@ Result gpu_case(const std::string& precision, int tensors, const Options& o, dou
     auto p = master.to(at::kBFloat16), g = at::randn({o.n}, b16).mul_(1e-3);
     auto g32 = g.to(at::kFloat);  // the peer's fp32 grads, cast outside the timed region
     auto* pp = reinterpret_cast<bf16*>(p.data_ptr());
-    auto ours = squeeze::bench::make_bf16_mixed_adamw(pp, master.data_ptr<float>(), reinterpret_cast<const bf16*>(g.data_ptr()),
-                                                      m.data_ptr<float>(), v.data_ptr<float>(), o.n, tensors);
+    std::unique_ptr<squeeze::bench::AdamWLauncher> ours;
+    at::Tensor m8, v8, ma, va;  // 8-bit state
+    if (precision == "bf16-mixed-adam8") {
+      const auto u8 = at::TensorOptions().dtype(at::kByte).device(at::kCUDA);
+      m8 = at::zeros({o.n}, u8), v8 = at::zeros({o.n}, u8);
+      ma = at::zeros({sk::state_blocks(o.n)}, f32), va = at::zeros({sk::state_blocks(o.n)}, f32);
+      ours = squeeze::bench::make_bf16_mixed_adamw8(pp, master.data_ptr<float>(), reinterpret_cast<const bf16*>(g.data_ptr()),
+                                                    m8.data_ptr<std::uint8_t>(), ma.data_ptr<float>(), v8.data_ptr<std::uint8_t>(),
+                                                    va.data_ptr<float>(), o.n, tensors);
+    } else {
+      ours = squeeze::bench::make_bf16_mixed_adamw(pp, master.data_ptr<float>(), reinterpret_cast<const bf16*>(g.data_ptr()),
+                                                   m.data_ptr<float>(), v.data_ptr<float>(), o.n, tensors);
+    }
     const auto PM = slices(master, tensors), G = slices(g32, tensors), M = slices(m, tensors), V = slices(v, tensors);
     const auto PB = slices(p, tensors);
     const auto S = steps_for(tensors, dev);
@@ -244,7 +260,7 @@ Result gpu_case(const std::string& precision, int tensors, const Options& o, dou
         });
   }
   SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
-  r.bandwidth_GBps = kBytesPerParam * double(o.n) / (r.time_ms * 1e-3) / 1e9;
+  r.bandwidth_GBps = bytes_per_param(precision) * double(o.n) / (r.time_ms * 1e-3) / 1e9;
   if (copy_GBps > 0) r.roofline = r.bandwidth_GBps / copy_GBps;
   return r;
 }
@@ -272,12 +288,25 @@ Result cpu_case(const std::string& precision, const Options& o) {
   const std::vector<at::Tensor> S = {at::zeros({}, f32)};
   std::function<void(int)> ours;
   std::function<void()> peer;
-  at::Tensor pb, gb;
+  at::Tensor pb, gb, m8, v8, ma, va;
   if (precision == "fp32") {
     sk::AdamWTensor<float, float> t{master.data_ptr<float>(), nullptr, g32.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(), n};
     ours = [t](int step) { sk::adamw_cpu(t, sk::adamw_coeffs(kLr, kBeta1, kBeta2, kEps, kWd, step)); };
     peer = [&] { peer_fused_adamw({master}, {g32}, {m}, {v}, S); };
     r.peer = "at::_fused_adamw_ (CPU)";
+  } else if (precision == "bf16-mixed-adam8") {
+    pb = master.to(at::kBFloat16);
+    gb = g32.to(at::kBFloat16);
+    m8 = at::zeros({n}, at::kByte), v8 = at::zeros({n}, at::kByte);
+    ma = at::zeros({sk::state_blocks(n)}, f32), va = at::zeros({sk::state_blocks(n)}, f32);
+    sk::AdamW8Tensor<bf16, bf16> t{reinterpret_cast<bf16*>(pb.data_ptr()), master.data_ptr<float>(), reinterpret_cast<const bf16*>(gb.data_ptr()),
+                                   m8.data_ptr<std::uint8_t>(), ma.data_ptr<float>(), v8.data_ptr<std::uint8_t>(), va.data_ptr<float>(), n};
+    ours = [t](int step) { sk::adamw8_cpu(t, sk::adamw_coeffs(kLr, kBeta1, kBeta2, kEps, kWd, step)); };
+    peer = [&] {
+      peer_fused_adamw({master}, {g32}, {m}, {v}, S);
+      pb.copy_(master);
+    };
+    r.peer = "at::_fused_adamw_(fp32 master, fp32 grads, fp32 state) + bf16 copy_ (CPU)";
   } else {
     pb = master.to(at::kBFloat16);
     gb = g32.to(at::kBFloat16);
@@ -300,7 +329,7 @@ Result cpu_case(const std::string& precision, const Options& o) {
   } catch (const std::exception& e) {
     r.peer += " (unavailable: " + std::string(e.what()).substr(0, 120) + ")";
   }
-  r.bandwidth_GBps = kBytesPerParam * double(n) / (r.time_ms * 1e-3) / 1e9;
+  r.bandwidth_GBps = bytes_per_param(precision) * double(n) / (r.time_ms * 1e-3) / 1e9;
   r.params_per_s = double(n) / (r.time_ms * 1e-3);
   return r;
 }
@@ -379,7 +408,7 @@ int main(int argc, char** argv) {
         r.params = 0;
         return r;
       });
-      for (const char* prec : {"fp32", "bf16-mixed", "fp32-scaled"})
+      for (const char* prec : {"fp32", "bf16-mixed", "fp32-scaled", "bf16-mixed-adam8"})
         for (int k : {1, o.tensors}) {
           const std::string name = std::string("gpu/") + prec + "/" + (k == 1 ? "flat" : std::to_string(k) + "-tensors");
           guarded(out, name, [&] { return gpu_case(prec, k, o, copy); });
@@ -387,6 +416,6 @@ int main(int argc, char** argv) {
     }
   }
   if (o.cpu)
-    for (const char* prec : {"fp32", "bf16-mixed"}) guarded(out, std::string("cpu/") + prec, [&] { return cpu_case(prec, o); });
+    for (const char* prec : {"fp32", "bf16-mixed", "bf16-mixed-adam8"}) guarded(out, std::string("cpu/") + prec, [&] { return cpu_case(prec, o); });
   return 0;
 }

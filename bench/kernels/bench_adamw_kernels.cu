@@ -3,6 +3,7 @@
 
 #include "bench_adamw_kernels.hpp"
 #include "squeeze/kernels/adamw.cuh"
+#include "squeeze/kernels/adamw8.cuh"
 
 namespace squeeze::bench {
 namespace {
@@ -29,7 +30,34 @@ class Launcher final : public AdamWLauncher {
   kernels::DeviceTensorTable<kernels::AdamWTensor<P, G>> table_;
 };
 
+template <class P, class G>
+class Launcher8 final : public AdamWLauncher {
+ public:
+  Launcher8(P* param, float* master, const G* grad, std::uint8_t* m, float* ma, std::uint8_t* v, float* va, std::int64_t n, int tensors) {
+    check(tensors >= 1 && n >= tensors * kernels::kStateBlock, "bench: need 1 <= tensors and 256 elements per tensor");
+    const std::int64_t per = n / tensors / kernels::kStateBlock * kernels::kStateBlock;
+    for (int i = 0; i < tensors; ++i) {
+      const std::int64_t off = i * per, len = i + 1 == tensors ? n - off : per, b = off / kernels::kStateBlock;
+      list_.push_back({param + off, master + off, grad + off, m + off, ma + b, v + off, va + b, len});
+    }
+    if (tensors > 1) table_.upload(list_);
+  }
+  cudaError_t run(const kernels::AdamWCoeffs& c, const kernels::AdamWDynamic& d, cudaStream_t stream) override {
+    if (list_.size() == 1) return kernels::adamw8_cuda(list_[0], c, d, stream);
+    return kernels::adamw8_cuda(table_.view(), c, d, stream);
+  }
+
+ private:
+  std::vector<kernels::AdamW8Tensor<P, G>> list_;
+  kernels::DeviceTensorTable<kernels::AdamW8Tensor<P, G>> table_;
+};
+
 }  // namespace
+
+std::unique_ptr<AdamWLauncher> make_bf16_mixed_adamw8(bf16* param, float* master, const bf16* grad, std::uint8_t* m, float* m_absmax,
+                                                      std::uint8_t* v, float* v_absmax, std::int64_t n, int tensors) {
+  return std::make_unique<Launcher8<bf16, bf16>>(param, master, grad, m, m_absmax, v, v_absmax, n, tensors);
+}
 
 std::unique_ptr<AdamWLauncher> make_fp32_adamw(float* param, const float* grad, float* m, float* v, std::int64_t n, int tensors) {
   return std::make_unique<Launcher<float, float>>(param, nullptr, grad, m, v, n, tensors);

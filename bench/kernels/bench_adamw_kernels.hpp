@@ -24,5 +24,9 @@ class AdamWLauncher {
 std::unique_ptr<AdamWLauncher> make_fp32_adamw(float* param, const float* grad, float* m, float* v, std::int64_t n, int tensors);
 std::unique_ptr<AdamWLauncher> make_bf16_mixed_adamw(bf16* param, float* master, const bf16* grad, float* m, float* v, std::int64_t n,
                                                      int tensors);
+// The same with 8-bit state (kernels/adamw8.cuh): m, v uint8 codes [n], absmax [ceil(n / 256)] each; slices
+// are whole 256-element blocks (the last takes the remainder).
+std::unique_ptr<AdamWLauncher> make_bf16_mixed_adamw8(bf16* param, float* master, const bf16* grad, std::uint8_t* m, float* m_absmax,
+                                                      std::uint8_t* v, float* v_absmax, std::int64_t n, int tensors);
 
 }  // namespace squeeze::bench
