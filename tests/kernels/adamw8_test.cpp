@@ -377,6 +377,26 @@ TEST(Adam8Cpu, OneStepIsDecodeAdamWEncode) {
   EXPECT_TRUE(same_bytes(s.v_absmax, va));
 }
 
+// Offload<Host> stages the rounded parameters over the gradient: param and grad the same bf16 buffer give the
+// same bits as separate buffers.
+TEST(Adam8Cpu, ParamsWrittenOverTheGradientBuffer) {
+  std::mt19937 rng(25);
+  const std::int64_t n = 70001;
+  const auto w0 = test::random_vec<float>(n, rng, -1.f, 1.f);
+  State8<bf16, bf16> a(n, w0);
+  a.grad = test::random_vec<bf16>(n, rng, -1.f, 1.f);
+  State8<bf16, bf16> b = a;
+  const auto c = sk::adamw_coeffs(1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 1);
+  sk::adamw8_cpu(a.tensor(), c);
+  auto t = b.tensor();
+  t.param = b.grad.data();  // staged: the update reads each gradient, then writes the parameter in its place
+  sk::adamw8_cpu(t, c);
+  EXPECT_TRUE(same_bytes(b.grad, a.param));
+  EXPECT_TRUE(same_bytes(b.master, a.master));
+  EXPECT_TRUE(same_bytes(b.m, a.m));
+  EXPECT_TRUE(same_bytes(b.v_absmax, a.v_absmax));
+}
+
 TEST(Adam8Cpu, TensorListEqualsOneCallPerTensor) {
   std::mt19937 rng(24);
   std::vector<State8<float, bf16>> a, b;

@@ -227,7 +227,9 @@ void validate(const AdamW8Tensor<P, G>& t, const std::string& what = "AdamW8 ten
 namespace cpu {
 
 // State block b of tensor t, in three passes over the block so the middle one (the AdamW math) vectorises
-// like adamw_range: decode (table gathers), update + absmax, encode (bucket table).
+// like adamw_range: decode (table gathers) and read the gradient, update + absmax, encode (bucket table).
+// grad may be param's own buffer (Offload<Host> stages the rounded 16-bit parameters over the gradient):
+// the block's gradient is read whole before any parameter is written.
 template <class P, class G>
 SQUEEZE_CPU_CLONES void adamw8_block(const AdamW8Tensor<P, G>& t, std::int64_t b, const AdamWScalars& s,
                                      const StateCodeMap& mmap, const StateCodeMap& vmap) {
@@ -235,18 +237,19 @@ SQUEEZE_CPU_CLONES void adamw8_block(const AdamW8Tensor<P, G>& t, std::int64_t b
   const int len = int(std::min(kStateBlock, t.n - lo));
   float* __restrict__ w = (std::is_same_v<P, float> ? reinterpret_cast<float*>(t.param) : t.master) + lo;
   P* __restrict__ param = t.param + lo;
-  const G* __restrict__ g = t.grad + lo;
+  const G* g = t.grad + lo;
   std::uint8_t* __restrict__ mc = t.exp_avg + lo;
   std::uint8_t* __restrict__ vc = t.exp_avg_sq + lo;
   const float m_scale = t.exp_avg_absmax[b], v_scale = t.exp_avg_sq_absmax[b];
-  alignas(64) float m[kStateBlock], v[kStateBlock];
+  alignas(64) float m[kStateBlock], v[kStateBlock], gf[kStateBlock];
+  for (int j = 0; j < len; ++j) gf[j] = to_float(g[j]);
   decode_block(mmap, mc, m_scale, len, m);
   decode_block(vmap, vc, v_scale, len, v);
   float m_max = 0.0f, v_max = 0.0f;  // (a > b ? a : b, not fmaxf: g++ calls libm's fmaxf and stops vectorising)
 #pragma omp simd reduction(max : m_max, v_max)
   for (int j = 0; j < len; ++j) {
     float wj = w[j];
-    adamw_element(wj, m[j], v[j], to_float(g[j]), s);
+    adamw_element(wj, m[j], v[j], gf[j], s);
     w[j] = wj;
     if constexpr (!std::is_same_v<P, float>) param[j] = from_float<P>(wj);
     const float am = fabsf(m[j]), av = fabsf(v[j]);
