@@ -59,7 +59,7 @@ if named table7b; then
   run_bench table7b "$BUILD/bench/table/bench_table" --preset llama-7b --rows bf16-ckpt:8,bf16-ckpt:1 --clip 0 --lr-warmup 5 "${corpus[@]}"
 fi
 if named table7b_offload; then
-  run_bench table7b_offload "$BUILD/bench/table/bench_table" --preset llama-7b --rows zero3-offload-bf16-ckpt:8 --clip 0 --lr-warmup 5 "${corpus[@]}"
+  run_bench table7b_offload "$BUILD/bench/table/bench_table" --preset llama-7b --rows zero3-offload-bf16-ckpt:8,zero3-offload-bf16-ckpt-adam8:8 --clip 0 --lr-warmup 5 "${corpus[@]}"
 fi
 
 # Nsight Compute on the library's 4-bit GEMM at batch 1 and 16 on the largest shape (only when named): speed
