@@ -16,34 +16,14 @@
 #include "squeeze/kernels/adamw8.cuh"
 #include "test_util.hpp"
 
+#include "../cuda_buffer.hpp"
+
 namespace sk = squeeze::kernels;
 using namespace squeeze;
 
 namespace {
 
-bool have_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-#define REQUIRE_GPU() \
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device"
-
-template <class T>
-struct Dev {
-  T* ptr = nullptr;
-  std::size_t n = 0;
-  explicit Dev(const std::vector<T>& h) : n(h.size()) {
-    SQUEEZE_CUDA_CHECK(cudaMalloc(&ptr, std::max<std::size_t>(1, n) * sizeof(T)));
-    if (n) SQUEEZE_CUDA_CHECK(cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  Dev(const Dev&) = delete;
-  ~Dev() { cudaFree(ptr); }
-  std::vector<T> get() const {
-    std::vector<T> h(n);
-    if (n) SQUEEZE_CUDA_CHECK(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-  }
-};
+using test::Dev;
 
 // Host buffers of one tensor with 8-bit state.
 template <class P, class G>
@@ -83,7 +63,7 @@ struct Device8 {
   explicit Device8(const Host8<P, G>& h)
       : param(h.param), master(h.master), grad(h.grad), m(h.m), v(h.v), ma(h.ma), va(h.va), n(h.n) {}
   sk::AdamW8Tensor<P, G> tensor() {
-    return {param.ptr, std::is_same_v<P, float> ? nullptr : master.ptr, grad.ptr, m.ptr, ma.ptr, v.ptr, va.ptr, n};
+    return {param.p, std::is_same_v<P, float> ? nullptr : master.p, grad.p, m.p, ma.p, v.p, va.p, n};
   }
   Host8<P, G> download(const Host8<P, G>& like) const {
     Host8<P, G> h = like;
@@ -126,7 +106,7 @@ void expect_close(const Host8<P, G>& gpu, const Host8<P, G>& cpu, double w_tol, 
 const std::vector<std::int64_t> kSizes8 = {1, 255, 257, 1000, (std::int64_t(1) << 14) + 5, (std::int64_t(1) << 20) + 3};
 
 TEST(Adam8Cuda, FlatMatchesCpuTwinForEveryTypePairAndSize) {
-  REQUIRE_GPU();
+  REQUIRE_DEVICE();
   std::mt19937 rng(301);
   test::for_each_type_pair([&]<class P, class G>() {
     for (std::int64_t n : kSizes8) {
@@ -144,7 +124,7 @@ TEST(Adam8Cuda, FlatMatchesCpuTwinForEveryTypePairAndSize) {
       Dev<float> dyn(std::vector<float>{inv, no_inf, clip});
       Dev<std::int64_t> step(std::vector<std::int64_t>{applied});
       const auto c = sk::adamw_coeffs(1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 1);
-      ASSERT_EQ(sk::adamw8_cuda(d.tensor(), c, {dyn.ptr, dyn.ptr + 1, dyn.ptr + 2, step.ptr}), cudaSuccess);
+      ASSERT_EQ(sk::adamw8_cuda(d.tensor(), c, {dyn.p, dyn.p + 1, dyn.p + 2, step.p}), cudaSuccess);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       sk::adamw8_cpu(h.tensor(), c, {&inv, &no_inf, &clip, &applied});
       expect_close(d.download(h), h, 1e-6, 1e-6, 1e-3, label);
@@ -153,7 +133,7 @@ TEST(Adam8Cuda, FlatMatchesCpuTwinForEveryTypePairAndSize) {
 }
 
 TEST(Adam8Cuda, TensorTableInOneLaunchOverManySteps) {
-  REQUIRE_GPU();
+  REQUIRE_DEVICE();
   std::mt19937 rng(302);
   using P = bf16;
   using G = bf16;
@@ -179,13 +159,13 @@ TEST(Adam8Cuda, TensorTableInOneLaunchOverManySteps) {
 }
 
 TEST(Adam8Cuda, SkippedStepLeavesEveryByteUnchanged) {
-  REQUIRE_GPU();
+  REQUIRE_DEVICE();
   std::mt19937 rng(303);
   Host8<half, half> h(5000, rng);
   sk::adamw8_cpu(h.tensor(), sk::adamw_coeffs(1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 1));
   Device8<half, half> d(h);
   Dev<float> dyn(std::vector<float>{1.f, 1.f});  // inv_scale, found_inf != 0
-  ASSERT_EQ(sk::adamw8_cuda(d.tensor(), sk::adamw_coeffs(1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 2), {dyn.ptr, dyn.ptr + 1, nullptr, nullptr}),
+  ASSERT_EQ(sk::adamw8_cuda(d.tensor(), sk::adamw_coeffs(1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 2), {dyn.p, dyn.p + 1, nullptr, nullptr}),
             cudaSuccess);
   const auto g = d.download(h);
   EXPECT_TRUE(test::bits_equal(g.param, h.param));

@@ -15,7 +15,7 @@
 #include <squeeze/kernels/quant/nf4.cuh>
 #include <squeeze/quant/nf4.hpp>
 
-#include "cuda_buffer.hpp"
+#include "../cuda_buffer.hpp"
 
 using namespace squeeze;
 namespace kq = squeeze::kernels::quant;

@@ -17,7 +17,7 @@
 #include <squeeze/quant/tiles.hpp>
 #include <squeeze/quant/rtn.hpp>
 
-#include "cuda_buffer.hpp"
+#include "../cuda_buffer.hpp"
 
 using namespace squeeze;
 namespace kq = squeeze::kernels::quant;

@@ -125,23 +125,31 @@ struct AdamWTensor {
   std::int64_t n = 0;
 };
 
-template <class P, class G, class S>
-void validate(const AdamWTensor<P, G, S>& t, const std::string& what = "AdamW tensor") {
+// The checks every AdamW tensor shares, whatever its state: the count, the weights and the gradient.
+// Returns false for an empty tensor (nothing more to check).
+template <class P, class G>
+bool validate_weights(std::int64_t n, const P* param, const float* master, const G* grad, const std::string& what) {
   static_assert(FloatingElement<P> && FloatingElement<G>,
                 "AdamW: param and grad types must be float, squeeze::half or squeeze::bf16");
-  static_assert(supported_state_v<S>, "AdamW: optimizer state S must be float; for 8-bit state use AdamW8Tensor with adamw8_cpu / adamw8_cuda (adamw8.hpp)");
-  check(t.n >= 0, what + ": negative element count " + std::to_string(t.n));
-  if (t.n == 0) return;
-  check(t.param != nullptr, what + ": param pointer is null");
-  check(t.grad != nullptr, what + ": grad pointer is null");
-  check(t.exp_avg != nullptr && t.exp_avg_sq != nullptr, what + ": exp_avg / exp_avg_sq (m, v) pointer is null");
+  check(n >= 0, what + ": negative element count " + std::to_string(n));
+  if (n == 0) return false;
+  check(param != nullptr, what + ": param pointer is null");
+  check(grad != nullptr, what + ": grad pointer is null");
   if constexpr (std::is_same_v<P, float>) {
-    check(t.master == nullptr || t.master == static_cast<void*>(t.param),
+    check(master == nullptr || master == static_cast<const void*>(param),
           what + ": float params are their own master weights; pass master = nullptr");
   } else {
-    check(t.master != nullptr, what + ": " + std::string(dtype_name<P>()) +
-                                   " params need fp32 master weights; the master pointer is null");
+    check(master != nullptr, what + ": " + std::string(dtype_name<P>()) +
+                                 " params need fp32 master weights; the master pointer is null");
   }
+  return true;
+}
+
+template <class P, class G, class S>
+void validate(const AdamWTensor<P, G, S>& t, const std::string& what = "AdamW tensor") {
+  static_assert(supported_state_v<S>, "AdamW: optimizer state S must be float; for 8-bit state use AdamW8Tensor with adamw8_cpu / adamw8_cuda (adamw8.hpp)");
+  if (!validate_weights(t.n, t.param, t.master, t.grad, what)) return;
+  check(t.exp_avg != nullptr && t.exp_avg_sq != nullptr, what + ": exp_avg / exp_avg_sq (m, v) pointer is null");
 }
 
 // Element i of a tensor: load, update, store. The CPU loop and the GPU's unaligned/tail path.

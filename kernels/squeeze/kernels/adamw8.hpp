@@ -205,22 +205,10 @@ struct AdamW8Tensor {
 
 template <class P, class G>
 void validate(const AdamW8Tensor<P, G>& t, const std::string& what = "AdamW8 tensor") {
-  static_assert(FloatingElement<P> && FloatingElement<G>,
-                "AdamW8: param and grad types must be float, squeeze::half or squeeze::bf16");
-  check(t.n >= 0, what + ": negative element count " + std::to_string(t.n));
-  if (t.n == 0) return;
-  check(t.param != nullptr, what + ": param pointer is null");
-  check(t.grad != nullptr, what + ": grad pointer is null");
+  if (!validate_weights(t.n, t.param, t.master, t.grad, what)) return;
   check(t.exp_avg != nullptr && t.exp_avg_sq != nullptr, what + ": exp_avg / exp_avg_sq (m, v codes) pointer is null");
   check(t.exp_avg_absmax != nullptr && t.exp_avg_sq_absmax != nullptr,
         what + ": exp_avg_absmax / exp_avg_sq_absmax (block scales) pointer is null");
-  if constexpr (std::is_same_v<P, float>) {
-    check(t.master == nullptr || t.master == static_cast<void*>(t.param),
-          what + ": float params are their own master weights; pass master = nullptr");
-  } else {
-    check(t.master != nullptr, what + ": " + std::string(dtype_name<P>()) +
-                                   " params need fp32 master weights; the master pointer is null");
-  }
 }
 
 // ---- CPU launcher ---------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 #pragma once
-// Test support for the raw-CUDA quant tests (nvcc TUs): skip without a device, and a device buffer that
+// Test support for the raw-CUDA tests (nvcc TUs; tests/quant, tests/kernels): skip without a device, and a device buffer that
 // uploads from and downloads to a std::vector.
 #include <gtest/gtest.h>
 
