@@ -599,6 +599,45 @@ TEST(Trainer, MovedTrainerKeepsTraining) {
   moved_trainer_bitwise<Strategy<Sharded<Stage1>, Precision<bf16, float>>>(2);
 }
 
+// set_lr: the next steps use the new rate (lr 0: no update and no decay), on the device path and through the
+// Offload<Host> pipeline; a bad rate is an error naming lr and leaves the old rate.
+template <class S>
+void set_lr_applies(const char* what) {
+  struct Net : torch::nn::Module {
+    nn::ShardedLinear a{nullptr};
+    Net() { a = register_module("a", nn::ShardedLinear(5, 3)); }
+  };
+  torch::manual_seed(3);
+  auto net = std::make_shared<Net>();
+  auto t = make_trainer<S>(net, Hyper{}, LocalComm::single());
+  auto loss = [&] { return net->a(torch::randn({4, 5})).square().mean(); };
+  auto weights = [&] {  // every parameter, gathered (stage 3 keeps only shards between steps)
+    t.sync();
+    std::vector<torch::Tensor> w;
+    for (const auto& [name, p] : t.full_parameters()) w.push_back(p.detach().flatten().clone());
+    return torch::cat(w);
+  };
+  t.set_lr(0.f);
+  EXPECT_EQ(t.lr(), 0.f);
+  const torch::Tensor w0 = weights();
+  ASSERT_TRUE(t.step(loss).applied);
+  EXPECT_TRUE(torch::equal(weights(), w0)) << what << ": lr 0, no update and no decay";
+  t.set_lr(1e-2f);
+  ASSERT_TRUE(t.step(loss).applied);
+  EXPECT_FALSE(torch::equal(weights(), w0)) << what;
+  try {
+    t.set_lr(-1.f);
+    ADD_FAILURE() << what << ": a negative lr was accepted";
+  } catch (const squeeze::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("lr"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(t.lr(), 1e-2f) << what << ": a rejected rate leaves the old one";
+}
+TEST(Trainer, SetLrAppliesToTheNextStepsAndRejectsBadRates) {
+  set_lr_applies<Strategy<Sharded<Stage1>>>("stage 1");
+  set_lr_applies<Strategy<Sharded<Stage3>, Offload<Host>>>("stage 3 + Offload<Host>");
+}
+
 // ---- bad input ----------------------------------------------------------------------------------------
 TEST(Trainer, BadInputIsAClearError) {
   auto m = make_model(Model::mlp, torch::kFloat32);
