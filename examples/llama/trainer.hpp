@@ -64,8 +64,11 @@ void for_each_strategy(F&& f) {
   f.template operator()<Strategy<Precision<bf16, float>, Checkpointed>>("bf16-ckpt");
   f.template operator()<Strategy<Precision<half, float>, Accumulate<4>>>("fp16-accum4");
   f.template operator()<Strategy<Precision<bf16, float>, Accumulate<4>, Checkpointed>>("bf16-accum4-ckpt");
-  // ZeRO (squeeze's sharded trainer); on one GPU, Offload<Host> is what saves memory.
+  // ZeRO (squeeze's sharded trainer). Over N GPUs stage 3 alone keeps 16 bytes/parameter / N of model state (the
+  // scaling rows of bench_table); on one GPU, Offload<Host> is what saves memory.
   f.template operator()<Strategy<Sharded<Stage2>, Precision<bf16, float>>>("zero2-bf16");
+  f.template operator()<Strategy<Sharded<Stage3>, Precision<bf16, float>>>("zero3-bf16");
+  f.template operator()<Strategy<Sharded<Stage3>, Precision<bf16, float>, Checkpointed>>("zero3-bf16-ckpt");
   f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>>>("zero3-offload");
   f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<half, float>>>("zero3-offload-fp16");
   f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<half, float>, Accumulate<4>>>("zero3-offload-fp16-accum4");
