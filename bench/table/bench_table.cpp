@@ -9,20 +9,42 @@
 //                 goes into it); plan_ratio = peak_gb / planned_gb
 //   time_ms, iters_per_s, tokens_per_s   over the timed steps (after --warmup untimed ones)
 //   val_ppl       validation perplexity (per token = per byte) after warmup + steps optimizer steps
-// A row that runs out of memory is recorded as such and the table goes on.
+//   tokens_per_s_per_gpu, mfu   tokens/s of one GPU, and model FLOPs utilisation: flops_per_token x
+//                 tokens_per_s_per_gpu / 989 TFLOP/s (the H200's dense bf16 peak, whatever the row's precision), with
+//                 flops_per_token = 6·N + 12·L·T·d: N the parameters that enter a matmul (all but the token-embedding
+//                 table, a lookup; the head is untied), L layers, T = --seq, d = hidden size; 6·N is forward +
+//                 backward of the weight matmuls, 12·L·T·d the attention products QKᵀ and AV (not halved for
+//                 causality), as torchtitan and PaLM count. Recomputation (checkpointing) is not model FLOPs.
+// A row that runs out of memory is recorded as such and the table goes on (at world size 1; see below).
+//
+// Several GPUs: launched torchrun-style (one process per GPU; WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR,
+// MASTER_PORT), each rank trains on cuda:LOCAL_RANK with an NcclComm (NCCL watchdog timeout --comm-timeout).
+// --batch is per GPU: rank r trains on rows [r·B, (r+1)·B) of the B·world windows drawn from (--seed, step), so
+// the global batch does not depend on how it is split. Every rank evaluates the same validation windows (stage 3
+// gathers are collectives). peak_gb is the largest over the ranks, time_ms the slowest rank's, final_loss the
+// mean; planned_gb is plan_for<S>(config, B, T, world); tokens_per_s counts every GPU. Only ZeRO rows
+// (Sharded<StageN>) train data-parallel: the others, and the plain-libtorch peer, are skipped at world > 1.
+// A row that fails on some rank ends the run at world > 1 (the others may be inside a collective it will never
+// join; they stop when the launcher sees this rank exit, or at their watchdog timeout): run one row per launch.
+// torchrun shares its own TCP store on MASTER_PORT with its workers, and rank 0 here hosts another one there:
+// launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (then MASTER_PORT is a free port).
 //
 //   bench_table --out table.jsonl [--csv table.csv] [--preset tinyllama-1.1b] [--batch 8] [--seq 2048]
 //               [--rows fp32,bf16,bf16-ckpt:1,...]     (NAME:B runs that row with batch B)
+//   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone
+//       --nproc_per_node 2 --no-python bench_table --rows zero3-bf16 --out scale.jsonl     (B = 8 per GPU)
 //
-// JSON lines: bench "table", case, strategy, batch, seq, peak_gb, reserved_gb, planned_gb, plan_ratio,
-// time_ms, iters_per_s, tokens_per_s, val_loss, val_ppl, final_loss, host_{wait,sumsq,update}_ms
+// JSON lines: bench "table", case, strategy, world, batch (per GPU), seq, peak_gb, reserved_gb, planned_gb,
+// plan_ratio, time_ms, iters_per_s, tokens_per_s, tokens_per_s_per_gpu, flops_per_token, mfu, val_loss, val_ppl,
+// final_loss, host_{wait,sumsq,update}_ms
 // (Offload<Host> rows: the CPU pipeline's time per step), ratio_vs_peer (tokens/s over the
 // peer's: > 1 is faster), mem_ratio_vs_peer (peer's peak over ours: > 1 is smaller), claimed_* (the widely
 // shared LLaMA-7B figures, at that geometry), oom / error, device, date, commit (SQUEEZE_DEVICE /
 // SQUEEZE_DATE / SQUEEZE_COMMIT). The CSV has one line per row; bench/table/chart.py draws the PNG from it.
 //
 // On a CUDA libtorch build (SQUEEZE_TORCH_CUDA) this file is compiled by nvcc, so the qlora row's NF4 layers
-// run their CUDA kernels (nn/lora.hpp); elsewhere it is a host translation unit (CPU smoke runs).
+// run their CUDA kernels (nn/lora.hpp); elsewhere it is a host translation unit (CPU smoke runs). World size > 1
+// needs NCCL (SQUEEZE_WITH_NCCL, set by CMake where CUDA and NCCL are found).
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -37,6 +59,14 @@
 #include <optional>
 #include <sstream>
 
+#include <squeeze/comm/env.hpp>
+#if defined(SQUEEZE_WITH_NCCL) && SQUEEZE_WITH_NCCL
+#include <squeeze/comm/nccl.hpp>
+#endif
+#if defined(SQUEEZE_TORCH_CUDA)
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
 #include "data.hpp"
 #include "trainer.hpp"
 
@@ -48,12 +78,49 @@ namespace {
 
 constexpr const char* kPeer = "libtorch-autocast-bf16";
 
+// NVIDIA's H200 SXM datasheet: 1,979 TFLOP/s of bf16 tensor-core math with 2:4 sparsity, so 989 TFLOP/s dense.
+// MFU is measured against it for every row (fp32 rows too), as is usual.
+constexpr double kH200DenseBf16Flops = 989e12;
+
 struct Options {
   std::string out, csv, preset = "tinyllama-1.1b", device = "cuda", rows, corpus;
   int64_t batch = 8, seq = 2048, steps = 3, warmup = 2, layers = 0, eval_seqs = 8, threads = 0, lr_warmup = 0;
-  double lr = 3e-4, clip = 1.0, loss_scale = 1024;
+  double lr = 3e-4, clip = 1.0, loss_scale = 1024, comm_timeout_s = 600;
   uint64_t seed = 1337;
 };
+
+// This process's place in the run: one process per GPU, from the torchrun-style environment.
+struct Dist {
+  int rank = 0, world = 1, local_rank = 0;
+  comm::CommPtr comm;  // NcclComm at world > 1; null at world 1 (each trainer keeps its own one-rank LocalComm)
+  bool root() const { return rank == 0; }
+};
+
+Dist join(const Options& o) {
+  const comm::DistEnv env = comm::DistEnv::from_environment();  // checks every variable
+  Dist d{env.rank, env.world, env.local_rank, nullptr};
+  if (d.world == 1) return d;
+  check(o.device == "cuda", "WORLD_SIZE=" + std::to_string(d.world) + " trains one rank per GPU: --device cuda");
+#if defined(SQUEEZE_WITH_NCCL) && SQUEEZE_WITH_NCCL
+  comm::NcclOptions no;
+  no.timeout = std::chrono::milliseconds(int64_t(o.comm_timeout_s * 1e3));  // a collective some rank never joins
+  no.device = env.local_rank;
+  d.comm = comm::NcclComm::from_env(no);
+#if defined(SQUEEZE_TORCH_CUDA)
+  c10::cuda::set_device(c10::DeviceIndex(env.local_rank));  // libtorch's current device (streams, allocator)
+#endif
+#else
+  throw Error("WORLD_SIZE=" + std::to_string(d.world) + " needs bench_table built with CUDA and NCCL (SQUEEZE_WITH_NCCL)");
+#endif
+  return d;
+}
+
+// Model FLOPs per trained token: 6·N + 12·L·T·d (see the header).
+double flops_per_token(const nn::LlamaConfig& c, int64_t seq) {
+  const plan::ModelShape s = c.shape();
+  const double matmul_params = double(s.params() - s.embedding_params());
+  return 6.0 * matmul_params + 12.0 * double(c.layers) * double(seq) * double(c.hidden);
+}
 
 // One row to run: a strategy name (or the peer) and the batch it runs with.
 struct RowSpec {
@@ -117,22 +184,31 @@ Data load_data(const Options& o) {
   return {tile(c.train), tile(c.val), c.source};
 }
 
+// Training batch `step` of this rank, [B, T] each: rows [rank·B, (rank+1)·B) of the B·world windows drawn from
+// (seed, step). At world 1 these are the B windows sample_batch draws.
+std::pair<torch::Tensor, torch::Tensor> rank_batch(const Options& o, const Data& data, int64_t batch, int64_t step, const Dist& d,
+                                                   const torch::Device& device) {
+  const auto [x, y] = llama::sample_batch(data.train, batch * d.world, o.seq, o.seed, step, torch::kCPU);  // [B·world, T]
+  return {x.narrow(0, d.rank * batch, batch).to(device), y.narrow(0, d.rank * batch, batch).to(device)};
+}
+
 // Trains warmup + steps optimizer steps on the shared batches (timing the last `steps`), records the peak,
 // then the validation loss. step(x, y) -> training loss; sync() waits for work step() left running;
 // timed(begin) is called with true before and false after the timed steps; eval(batches) -> mean
 // validation loss.
 template <class Step, class Sync, class Timed, class Eval>
-void run_steps(const Options& o, int64_t batch, const Data& data, const torch::Device& device, Row& row, Step&& step, Sync&& sync,
-               Timed&& timed_mark, Eval&& eval) {
+void run_steps(const Options& o, int64_t batch, const Data& data, const Dist& d, const torch::Device& device, Row& row, Step&& step,
+               Sync&& sync, Timed&& timed_mark, Eval&& eval) {
   double loss = 0;
   for (int64_t i = 0; i < o.warmup; ++i) {
-    const auto [x, y] = llama::sample_batch(data.train, batch, o.seq, o.seed, i, device);
+    const auto [x, y] = rank_batch(o, data, batch, i, d, device);
     loss = step(x, y);
   }
   std::vector<std::pair<torch::Tensor, torch::Tensor>> timed;
-  for (int64_t i = o.warmup; i < o.warmup + o.steps; ++i) timed.push_back(llama::sample_batch(data.train, batch, o.seq, o.seed, i, device));
+  for (int64_t i = o.warmup; i < o.warmup + o.steps; ++i) timed.push_back(rank_batch(o, data, batch, i, d, device));
   sync();
   synchronize(device);
+  if (d.comm) d.comm->barrier();  // every rank starts the clock together
   timed_mark(true);
   const auto t0 = std::chrono::steady_clock::now();
   for (const auto& [x, y] : timed) loss = step(x, y);  // the loss read-back synchronises each step
@@ -149,6 +225,21 @@ void run_steps(const Options& o, int64_t batch, const Data& data, const torch::D
   // Validation: the same windows for every row, in batches of 4 sequences.
   const int64_t per = std::min<int64_t>(4, o.eval_seqs);
   row.val_loss = eval(llama::val_batches(data.val, per, o.seq, std::max<int64_t>(1, o.eval_seqs / per), device));
+}
+
+// World > 1: the slowest rank's step time (collectives keep the ranks in step anyway), the largest per-GPU peaks,
+// the mean training loss (each rank's is over its own sequences). Validation loss is the same on every rank.
+void reduce_over_ranks(const Dist& d, const torch::Device& device, Row& row) {
+  synchronize(device);  // nothing of the row's own streams still running beside the collectives below
+  const auto f64 = torch::TensorOptions().dtype(torch::kFloat64).device(device);
+  torch::Tensor mx = torch::tensor({*row.time_ms, *row.peak_gb, *row.reserved_gb}, torch::kFloat64).to(f64);  // [3]
+  torch::Tensor sum = torch::tensor({*row.final_loss}, torch::kFloat64).to(f64);                                // [1]
+  d.comm->all_reduce(mx.data_ptr<double>(), mx.data_ptr<double>(), 3, comm::ReduceOp::max);
+  d.comm->all_reduce(sum.data_ptr<double>(), sum.data_ptr<double>(), 1, comm::ReduceOp::sum);
+  d.comm->synchronize();
+  mx = mx.cpu(), sum = sum.cpu();
+  row.time_ms = mx[0].item<double>(), row.peak_gb = mx[1].item<double>(), row.reserved_gb = mx[2].item<double>();
+  row.final_loss = sum[0].item<double>() / d.world;
 }
 
 // Learning rate of optimizer step i (from 0): linear warm-up over the first --lr-warmup steps, then --lr.
@@ -174,8 +265,8 @@ void guarded(Row& row, const torch::Device& device, F&& f) {
 }
 
 // The peer: float weights and torch AdamW, forward under bf16 autocast, backward and update outside it.
-Row run_peer(const RowSpec& spec, const Options& o, const nn::LlamaConfig& config, const Data& data, const torch::Device& device,
-             const llama::TrainOptions& topt) {
+Row run_peer(const RowSpec& spec, const Options& o, const nn::LlamaConfig& config, const Data& data, const Dist& d,
+             const torch::Device& device, const llama::TrainOptions& topt) {
   Row row{spec, "float weights + torch::optim::AdamW, bf16 autocast"};
   guarded(row, device, [&] {
     llama::reset_peak_memory(device);
@@ -204,7 +295,7 @@ Row run_peer(const RowSpec& spec, const Options& o, const nn::LlamaConfig& confi
       return loss;
     };
     run_steps(
-        o, spec.batch, data, device, row,
+        o, spec.batch, data, d, device, row,
         [&, i = int64_t(0)](const torch::Tensor& x, const torch::Tensor& y) mutable {
           for (auto& group : opt.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr_at(o, i));
           ++i;
@@ -243,41 +334,51 @@ std::string spelled() {
   return s + ">";
 }
 
-Row run_strategy(const RowSpec& spec, const Options& o, const nn::LlamaConfig& config, const Data& data, const torch::Device& device,
-                 const llama::TrainOptions& topt) {
+Row run_strategy(const RowSpec& spec, const Options& o, const nn::LlamaConfig& config, const Data& data, const Dist& d,
+                 const torch::Device& device, const llama::TrainOptions& topt) {
   Row row{spec, ""};
   guarded(row, device, [&] {
     llama::with_strategy(spec.name, [&]<StrategyType S>() {
       row.strategy = spelled<S>();
-      const plan::MemoryPlan p = llama::plan_for<S>(config, spec.batch, o.seq);
+      const plan::MemoryPlan p = llama::plan_for<S>(config, spec.batch, o.seq, d.world);
       row.planned_gb = double(p.peak().device) / 1e9;
       row.planned_host_gb = double(p.peak().host) / 1e9;
       llama::reset_peak_memory(device);
       torch::manual_seed(1);
-      Trainer<S> trainer(config, topt, device);
+      std::optional<Trainer<S>> trainer;
+      if constexpr (std::is_same_v<Trainer<S>, llama::ZeroTrainer<S>>) trainer.emplace(config, topt, device, d.comm);  // d.comm null at world 1: one-rank LocalComm
+      else trainer.emplace(config, topt, device);  // never at world > 1 (main skips the row)
       run_steps(
-          o, spec.batch, data, device, row,
+          o, spec.batch, data, d, device, row,
           [&, i = int64_t(0)](const torch::Tensor& x, const torch::Tensor& y) mutable {
-            trainer.set_lr(lr_at(o, i++));
-            const llama::StepResult r = trainer.step(x, y);
+            trainer->set_lr(lr_at(o, i++));
+            const llama::StepResult r = trainer->step(x, y);
             row.skipped += r.applied ? 0 : 1;
             return r.loss;
           },
-          [&] { trainer.sync(); },
+          [&] { trainer->sync(); },
           [&](bool begin) {
             if constexpr (S::offload_to_host) {
-              if (begin) return trainer.reset_offload_stats();
-              const nn::OffloadStats st = trainer.offload_stats();
+              if (begin) return trainer->reset_offload_stats();
+              const nn::OffloadStats st = trainer->offload_stats();
               const double per_step_ms = 1e3 / double(o.steps);
               row.host_wait_ms = st.transfer_wait_s * per_step_ms;
               row.host_sumsq_ms = st.sum_squares_s * per_step_ms;
               row.host_update_ms = st.update_s * per_step_ms;
             }
           },
-          [&](const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches) { return trainer.evaluate(batches); });
+          [&](const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches) { return trainer->evaluate(batches); });
+      if (d.world > 1) reduce_over_ranks(d, device, row);
     });
   });
   return row;
+}
+
+// Whether a row trains data-parallel over several GPUs here: the ZeRO strategies (Sharded<StageN>).
+bool data_parallel(const std::string& name) {
+  bool sharded = false;
+  if (name != kPeer) llama::with_strategy(name, [&]<StrategyType S>() { sharded = S::stage > 0; });
+  return sharded;
 }
 
 std::vector<RowSpec> parse_rows(const std::string& s, int64_t batch) {
@@ -328,6 +429,10 @@ int main(int argc, char** argv) {
   app.add_option("--corpus", o.corpus, "train on this text file (default: the KJV if installed, else the built-in text)");
   app.add_option("--threads", o.threads, "CPU threads of libtorch (0: its default)")->capture_default_str();
   app.add_option("--device", o.device, "cuda (the table) or cpu (a smoke test)")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
+  app.add_option("--comm-timeout", o.comm_timeout_s, "world > 1: seconds a collective may wait for the other ranks before NCCL's "
+                                                     "watchdog aborts it (a failed rank then cannot hang the others)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   const std::string default_rows = std::string(kPeer) +
                                    ",fp32,zero3-offload,accum4,fp16,bf16,zero3-offload-fp16,zero3-offload-fp16-accum4,ckpt,bf16-ckpt,qlora";
   app.add_option("--rows", o.rows, "comma-separated rows: " + std::string(kPeer) + " and strategy names, NAME:B for batch B (default: " +
@@ -336,11 +441,20 @@ int main(int argc, char** argv) {
   if (o.rows.empty()) o.rows = default_rows;
   if (o.csv.empty()) o.csv = (o.out.size() > 6 && o.out.ends_with(".jsonl") ? o.out.substr(0, o.out.size() - 6) : o.out) + ".csv";
 
-  const torch::Device device(o.device == "cuda" ? torch::kCUDA : torch::kCPU);
-  if (device.is_cuda() && !torch::cuda::is_available()) {
+  if (o.device == "cuda" && !torch::cuda::is_available()) {
     std::cerr << "bench_table: no CUDA device (this libtorch sees none); run it on the GPU machine or pass --device cpu\n";
     return 1;
   }
+  Dist dist;
+  try {
+    dist = join(o);
+  } catch (const std::exception& e) {
+    std::cerr << "bench_table: " << e.what() << "\n";
+    return 1;
+  }
+  // One GPU per rank at world > 1 (cuda:LOCAL_RANK); the default device otherwise, as always.
+  const torch::Device device = dist.world > 1 ? torch::Device(torch::kCUDA, c10::DeviceIndex(dist.local_rank))
+                                              : torch::Device(o.device == "cuda" ? torch::kCUDA : torch::kCPU);
   if (o.threads > 0) torch::set_num_threads(int(o.threads));
   at::globalContext().setFlushDenormal(true);  // as llama_train: denormal AdamW moments are slow on x86 CPUs
   nn::LlamaConfig config = nn::LlamaConfig::preset(o.preset);
@@ -351,8 +465,8 @@ int main(int argc, char** argv) {
   topt.initial_scale = o.loss_scale;
 
   const auto known = llama::strategy_names();
-  const std::vector<RowSpec> rows = parse_rows(o.rows, o.batch);
-  for (const auto& r : rows) {
+  std::vector<RowSpec> rows;
+  for (const auto& r : parse_rows(o.rows, o.batch)) {
     if (r.name != kPeer && std::find(known.begin(), known.end(), r.name) == known.end()) {
       std::cerr << "bench_table: unknown row '" << r.name << "'\n";
       return 1;
@@ -361,40 +475,71 @@ int main(int argc, char** argv) {
       std::cerr << "bench_table: row '" << r.name << "': the batch after ':' must be a positive integer\n";
       return 1;
     }
+    if (dist.world > 1 && !data_parallel(r.name)) {  // decided from the arguments alone, so every rank skips alike
+      if (dist.root())
+        std::printf("bench_table: row '%s' skipped at world %d: only the ZeRO strategies (Sharded<StageN>) train data-parallel "
+                    "here; the plain-libtorch peer and the one-GPU trainers run at world 1\n", r.name.c_str(), dist.world);
+      continue;
+    }
+    rows.push_back(r);
   }
-
-  std::ofstream out(o.out, std::ios::app), csv(o.csv);
-  if (!out || !csv) {
-    std::cerr << "bench_table: cannot write " << (!out ? o.out : o.csv) << "\n";
+  if (rows.empty()) {
+    std::cerr << "bench_table: no row to run at world " << dist.world << "\n";
     return 1;
   }
-  csv << "case,strategy,preset,layers,batch,seq,peak_gb,planned_gb,plan_ratio,iters_per_s,tokens_per_s,val_ppl,ratio_vs_peer,"
-         "mem_ratio_vs_peer,claimed_gb,claimed_its,claimed_ppl,oom,error\n";
+
+  // Rank 0 writes the files and the table; the other ranks train beside it.
+  std::ofstream out, csv;
+  if (dist.root()) {
+    out.open(o.out, std::ios::app), csv.open(o.csv);
+    if (!out || !csv) {
+      std::cerr << "bench_table: cannot write " << (!out ? o.out : o.csv) << "\n";
+      return 1;  // the other ranks stop at their first collective's timeout, or when the launcher sees this exit
+    }
+    csv << "case,strategy,preset,layers,world,batch,seq,peak_gb,planned_gb,plan_ratio,iters_per_s,tokens_per_s,tokens_per_s_per_gpu,mfu,"
+           "val_ppl,ratio_vs_peer,mem_ratio_vs_peer,claimed_gb,claimed_its,claimed_ppl,oom,error\n";
+  }
   const Data data = load_data(o);
   const std::string dev_name = env_or("SQUEEZE_DEVICE", device.is_cuda() ? "cuda" : "cpu");
   const bool claims_apply = o.preset == "llama-7b" && o.seq == 2048 && config.layers == 32;
-  std::printf("LLaMA %s (%lld layers), T=%lld, %lld warm-up + %lld timed steps per row on %s; corpus: %s\n", o.preset.c_str(),
-              (long long)config.layers, (long long)o.seq, (long long)o.warmup, (long long)o.steps, dev_name.c_str(), data.source.c_str());
-  std::printf("%-27s %3s %8s %8s %6s %7s %9s %8s %7s %7s  %s\n", "case", "B", "peak GB", "plan GB", "/plan", "it/s", "tok/s", "val ppl",
-              "x peer", "mem x", claims_apply ? "claimed GB it/s ppl | note" : "note");
+  const double model_flops = flops_per_token(config, o.seq);
+  if (dist.root()) {
+    std::printf("LLaMA %s (%lld layers), T=%lld, %lld warm-up + %lld timed steps per row on %d x %s (B per GPU); corpus: %s\n",
+                o.preset.c_str(), (long long)config.layers, (long long)o.seq, (long long)o.warmup, (long long)o.steps, dist.world,
+                dev_name.c_str(), data.source.c_str());
+    std::printf("%-27s %3s %8s %8s %6s %7s %9s %9s %6s %8s %7s %7s  %s\n", "case", "B", "peak GB", "plan GB", "/plan", "it/s", "tok/s",
+                "tok/s/GPU", "MFU", "val ppl", "x peer", "mem x", claims_apply ? "claimed GB it/s ppl | note" : "note");
+  }
 
   std::optional<Row> peer;
   for (const auto& spec : rows) {
-    const Row row = spec.name == kPeer ? run_peer(spec, o, config, data, device, topt) : run_strategy(spec, o, config, data, device, topt);
+    const Row row = spec.name == kPeer ? run_peer(spec, o, config, data, dist, device, topt)
+                                       : run_strategy(spec, o, config, data, dist, device, topt);
+    if (!dist.root()) {
+      if (row.error.empty()) continue;
+      std::fprintf(stderr, "bench_table rank %d of %d: row '%s' failed: %s\n", dist.rank, dist.world, spec.name.c_str(), row.error.c_str());
+      std::fflush(stderr);
+      std::_Exit(1);  // see below
+    }
     if (spec.name == kPeer && row.time_ms) peer = row;
-    const double tokens_per_step = double(spec.batch * o.seq);
+    const double tokens_per_step = double(spec.batch * o.seq);  // per GPU
 
     json j = {{"bench", "table"}, {"case", spec.name}, {"strategy", row.strategy}, {"peer", kPeer}, {"preset", o.preset},
-              {"layers", config.layers}, {"batch", spec.batch}, {"seq", o.seq}, {"steps", o.steps}, {"warmup", o.warmup}, {"clip", o.clip}, {"lr", o.lr}, {"lr_warmup", o.lr_warmup},
-              {"corpus", data.source}, {"device", dev_name}, {"date", env_or("SQUEEZE_DATE", "")},
-              {"commit", env_or("SQUEEZE_COMMIT", "")}, {"oom", row.oom}};
+              {"layers", config.layers}, {"world", dist.world}, {"batch", spec.batch}, {"seq", o.seq}, {"steps", o.steps}, {"warmup", o.warmup},
+              {"clip", o.clip}, {"lr", o.lr}, {"lr_warmup", o.lr_warmup}, {"corpus", data.source}, {"device", dev_name},
+              {"date", env_or("SQUEEZE_DATE", "")}, {"commit", env_or("SQUEEZE_COMMIT", "")}, {"oom", row.oom},
+              {"flops_per_token", model_flops}};
     // Keys are left out (not null) when unknown: consumers read missing numbers as 0.
-    std::optional<double> tps, ratio, mem_ratio, plan_ratio, ppl;
+    std::optional<double> tps, tps_gpu, mfu, ratio, mem_ratio, plan_ratio, ppl;
     if (row.time_ms) {
-      tps = tokens_per_step / (*row.time_ms / 1e3);
+      tps_gpu = tokens_per_step / (*row.time_ms / 1e3);
+      tps = *tps_gpu * dist.world;
+      mfu = model_flops * *tps_gpu / kH200DenseBf16Flops;
       j["time_ms"] = *row.time_ms;
       j["iters_per_s"] = 1e3 / *row.time_ms;
       j["tokens_per_s"] = *tps;
+      j["tokens_per_s_per_gpu"] = *tps_gpu;
+      j["mfu"] = *mfu;
       j["peak_gb"] = *row.peak_gb;
       j["reserved_gb"] = *row.reserved_gb;
       j["final_loss"] = *row.final_loss;
@@ -435,10 +580,10 @@ int main(int argc, char** argv) {
 
     std::string error = row.error;
     std::replace(error.begin(), error.end(), ',', ';');
-    csv << spec.name << ",\"" << row.strategy << "\"," << o.preset << "," << config.layers << "," << spec.batch << "," << o.seq << ","
-        << fmt(row.peak_gb, "%.3f") << "," << fmt(row.planned_gb, "%.3f") << "," << fmt(plan_ratio, "%.3f") << ","
+    csv << spec.name << ",\"" << row.strategy << "\"," << o.preset << "," << config.layers << "," << dist.world << "," << spec.batch << ","
+        << o.seq << "," << fmt(row.peak_gb, "%.3f") << "," << fmt(row.planned_gb, "%.3f") << "," << fmt(plan_ratio, "%.3f") << ","
         << fmt(row.time_ms ? std::optional<double>(1e3 / *row.time_ms) : std::nullopt, "%.4f") << "," << fmt(tps, "%.0f") << ","
-        << fmt(ppl, "%.3f") << "," << fmt(ratio, "%.3f") << "," << fmt(mem_ratio, "%.3f") << ","
+        << fmt(tps_gpu, "%.0f") << "," << fmt(mfu, "%.4f") << "," << fmt(ppl, "%.3f") << "," << fmt(ratio, "%.3f") << "," << fmt(mem_ratio, "%.3f") << ","
         << (claim ? fmt(claim->gb, "%.1f") : "") << "," << (claim ? fmt(claim->its, "%.1f") : "") << ","
         << (claim ? fmt(claim->ppl, "%.2f") : "") << "," << (row.oom ? 1 : 0) << ",\"" << error << "\"\n"
         << std::flush;
@@ -449,14 +594,26 @@ int main(int argc, char** argv) {
       note = "host ms/step: copies " + fmt(row.host_wait_ms, "%.0f") + " sumsq " + fmt(row.host_sumsq_ms, "%.0f") + " adamw " +
              fmt(row.host_update_ms, "%.0f") + (note.empty() ? "" : "; " + note);
     if (claim) note = fmt(claim->gb, "%.1f") + " " + fmt(claim->its, "%.1f") + " " + fmt(claim->ppl, "%.2f") + (note.empty() ? "" : " | " + note);
-    std::printf("%-27s %3lld %8s %8s %6s %7s %9s %8s %7s %7s  %s\n", spec.name.c_str(), (long long)spec.batch, fmt(row.peak_gb, "%.2f").c_str(),
-                fmt(row.planned_gb, "%.2f").c_str(), fmt(plan_ratio, "%.3f").c_str(),
+    std::printf("%-27s %3lld %8s %8s %6s %7s %9s %9s %6s %8s %7s %7s  %s\n", spec.name.c_str(), (long long)spec.batch,
+                fmt(row.peak_gb, "%.2f").c_str(), fmt(row.planned_gb, "%.2f").c_str(), fmt(plan_ratio, "%.3f").c_str(),
                 fmt(row.time_ms ? std::optional<double>(1e3 / *row.time_ms) : std::nullopt, "%.3f").c_str(), fmt(tps, "%.0f").c_str(),
-                fmt(ppl, "%.2f").c_str(), fmt(ratio, "%.3f").c_str(), fmt(mem_ratio, "%.3f").c_str(), note.c_str());
+                fmt(tps_gpu, "%.0f").c_str(), fmt(mfu, "%.3f").c_str(), fmt(ppl, "%.2f").c_str(), fmt(ratio, "%.3f").c_str(),
+                fmt(mem_ratio, "%.3f").c_str(), note.c_str());
     std::fflush(stdout);
+    if (dist.world > 1 && !row.error.empty()) {
+      // Another rank may be inside a collective this one will never join: end the run, without destructors that
+      // would wait on the communicator. The other ranks stop when the launcher sees this exit, or at --comm-timeout.
+      std::fprintf(stderr, "bench_table rank 0 of %d: row '%s' failed (%s); at world > 1 that ends the run (one row per launch "
+                           "keeps the others)\n", dist.world, spec.name.c_str(), row.error.c_str());
+      std::fflush(stderr);
+      std::_Exit(1);
+    }
   }
-  std::printf("peak: CUDA caching allocator, allocated bytes; plan: squeeze::plan peak() for the same strategy and shapes (no\n"
-              "measurement goes into it); /plan = measured / planned; x peer: tokens/s over the peer's; mem x: peer's peak over ours.\n");
+  if (!dist.root()) return 0;
+  std::printf("peak: CUDA caching allocator, allocated bytes (the largest over the GPUs); plan: squeeze::plan peak() for the same\n"
+              "strategy, shapes and world (no measurement goes into it); /plan = measured / planned; tok/s: all GPUs; MFU: %.4g model\n"
+              "FLOPs/token (6N + 12 L T d) x tok/s/GPU over 989 TFLOP/s (H200 dense bf16); x peer: tokens/s over the peer's; mem x: peer's\n"
+              "peak over ours.\n", model_flops);
   if (o.preset == "tinyllama-1.1b" && config.layers == 22 && o.seq == 2048)
     std::printf("reference (PyTorch + transformers, this GPU type, TinyLlama-1.1B B=8 T=2048): bf16 autocast 60.8 GB 48.7k tok/s;\n"
                 "  + checkpointing 24.1 GB 35.2k tok/s; accumulation 4x2 31.2 GB 38.4k tok/s\n");
