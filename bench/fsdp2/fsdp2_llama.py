@@ -1,0 +1,335 @@
+#!/usr/bin/env python3
+"""The PyTorch FSDP2 peer of bench_table's ZeRO-3 rows (issue 7): the same LLaMA as examples/llama
+(include/squeeze/nn/llama.hpp: RMSNorm, RoPE in the rotate-half layout, grouped-query attention through
+F.scaled_dot_product_attention(is_causal=True), SwiGLU, an untied head, loss in float), written in plain PyTorch
+(no transformers), trained with torch.distributed.fsdp.fully_shard on every transformer block and on the root:
+
+  parameters  fp32, sharded over the ranks (ZeRO-3); MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+              gathers them in bf16 for forward and backward and reduce-scatters the gradients in fp32
+  optimizer   torch.optim.AdamW (fused when the parameters are on the GPU), the same hyper-parameters as
+              bench_table (lr 3e-4, betas 0.9/0.95, eps 1e-8, weight decay 0.1), gradient-norm clip --clip
+  --ckpt      torch.utils.checkpoint per block (use_reentrant=False), as Checkpointed
+  --offload   CPUOffloadPolicy: sharded parameters, gradients and AdamW state in pinned host memory, the
+              optimizer step on the CPU, as Offload<Host>
+
+Per run (one configuration per launch), written by rank 0 as one JSON line (--out, appended):
+  peak_gb       torch.cuda.max_memory_allocated, reset before the model is built, read after the last timed
+                step; the largest over the ranks
+  time_ms       per timed step (after --warmup untimed ones), the slowest rank's
+  tokens_per_s  all GPUs (world x batch x seq per step); tokens_per_s_per_gpu one GPU's
+  mfu           flops_per_token x tokens_per_s_per_gpu / 989 TFLOP/s (the H200's dense bf16 peak), with
+                flops_per_token = 6·N + 12·L·T·d: N the parameters that enter a matmul (all but the token-embedding
+                table; the head is untied), L layers, T = --seq, d = hidden size; the same formula and constant as
+                bench_table. Recomputation (--ckpt) is not model FLOPs.
+  and bench "fsdp2", case, peer_of (the bench_table row it mirrors), world, batch (per GPU), seq, preset,
+  final_loss, device, date, commit (env SQUEEZE_DEVICE / SQUEEZE_DATE / SQUEEZE_COMMIT, as bench_table).
+
+Data: --batch sequences per GPU of --seq tokens; step s draws batch x world windows from a generator seeded with
+(seed, s) and rank r takes rows [r·B, (r+1)·B) (as bench_table does): random tokens over the vocabulary, or
+byte windows of --corpus FILE (bench_table's byte-level tokens). Throughput does not depend on which.
+
+  python3 -m torch.distributed.run --standalone --nproc_per_node 2 bench/fsdp2/fsdp2_llama.py \\
+      --preset tinyllama-1.1b --batch 8 --seq 2048 --ckpt --out fsdp2.jsonl
+  python3 bench/fsdp2/fsdp2_llama.py --preset tiny --device cpu --batch 2 --seq 64 --out /tmp/f.jsonl   # world 1
+Without WORLD_SIZE in the environment (plain python3) it runs as the one rank of a single-process group.
+"""
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
+
+# vocab, hidden, layers, heads, kv_heads, ffn: nn::LlamaConfig::preset (include/squeeze/nn/llama.hpp) and
+# plan::find_preset (include/squeeze/plan/model_shape.hpp).
+PRESETS = {
+    "tiny": (256, 128, 4, 4, 2, 352),
+    "125m": (32000, 768, 12, 12, 12, 2048),
+    "tinyllama-1.1b": (32000, 2048, 22, 32, 4, 5632),
+    "llama-7b": (32000, 4096, 32, 32, 32, 11008),
+}
+ROPE_THETA = 10000.0
+NORM_EPS = 1e-5
+
+# NVIDIA's H200 SXM datasheet: 1,979 TFLOP/s of bf16 tensor-core math with 2:4 sparsity, so 989 TFLOP/s dense
+# (bench_table's kH200DenseBf16Flops).
+H200_DENSE_BF16_FLOPS = 989e12
+
+
+def flops_per_token(vocab, hidden, layers, heads, kv_heads, ffn, seq):
+    """6·N + 12·L·T·d with N = every parameter but the token-embedding table (plan::ModelShape::params() -
+    embedding_params(), as bench_table: the seven linears and two norm gains per block, the final norm, the head)."""
+    kv_dim = kv_heads * (hidden // heads)
+    block = 2 * hidden * hidden + 2 * hidden * kv_dim + 3 * hidden * ffn + 2 * hidden
+    n = layers * block + hidden + vocab * hidden
+    return 6.0 * n + 12.0 * layers * seq * hidden
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+
+    def forward(self, x):  # [..., h]; statistics in float
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + NORM_EPS)
+        return y.to(self.weight.dtype) * self.weight
+
+
+def rope_tables(T, D, device):
+    """cos, sin: [T, D] in float, the D/2 frequencies twice (rotate-half layout)."""
+    inv_freq = ROPE_THETA ** (-torch.arange(0, D, 2, dtype=torch.float32, device=device) / D)  # [D/2]
+    angles = torch.outer(torch.arange(T, dtype=torch.float32, device=device), inv_freq)  # [T, D/2]
+    both = torch.cat([angles, angles], -1)  # [T, D]
+    return both.cos(), both.sin()
+
+
+def apply_rope(x, cos, sin):  # x: [B, H, T, D]
+    half = x.size(-1) // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden, heads, kv_heads):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.q = nn.Linear(hidden, heads * self.head_dim, bias=False)
+        self.k = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.v = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.o = nn.Linear(heads * self.head_dim, hidden, bias=False)
+
+    def forward(self, x, cos, sin):  # x: [B, T, h]
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
+        k = self.k(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        v = self.v(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        gqa = self.kv_heads != self.heads
+        if gqa and not (q.is_cuda and q.dtype != torch.float32):  # as llama.hpp: the fused kernels read shared K/V
+            k = k.repeat_interleave(self.heads // self.kv_heads, 1)  # [B, H, T, D]
+            v = v.repeat_interleave(self.heads // self.kv_heads, 1)
+            gqa = False
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # [B, H, T, D]
+        return self.o(a.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
+
+
+class Mlp(nn.Module):  # SwiGLU
+    def __init__(self, hidden, ffn):
+        super().__init__()
+        self.gate = nn.Linear(hidden, ffn, bias=False)
+        self.up = nn.Linear(hidden, ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, hidden, heads, kv_heads, ffn):
+        super().__init__()
+        self.attn_norm = RMSNorm(hidden)
+        self.attn = Attention(hidden, heads, kv_heads)
+        self.mlp_norm = RMSNorm(hidden)
+        self.mlp = Mlp(hidden, ffn)
+
+    def forward(self, x, cos, sin):
+        h = x + self.attn(self.attn_norm(x), cos, sin)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, vocab, hidden, layers, heads, kv_heads, ffn, ckpt=False):
+        super().__init__()
+        self.vocab, self.head_dim, self.layers, self.ckpt = vocab, hidden // heads, layers, ckpt
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(Block(hidden, heads, kv_heads, ffn) for _ in range(layers))
+        self.norm = RMSNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    @torch.no_grad()
+    def init_weights(self):
+        """llama.hpp's init: N(0, 0.02), the residual projections N(0, 0.02/sqrt(2L)), norm gains 1."""
+        residual_std = 0.02 / math.sqrt(2.0 * self.layers)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("attn.o.weight") or name.endswith("mlp.down.weight"):
+                p.normal_(0.0, residual_std)
+            else:
+                p.normal_(0.0, 0.02)
+
+    def forward(self, ids, targets):  # [B, T] each -> mean next-token cross-entropy, in float (FSDP hooks forward)
+        cos, sin = rope_tables(ids.size(1), self.head_dim, ids.device)
+        x = self.embed(ids)  # [B, T, h]
+        for block in self.blocks:
+            x = checkpoint(block, x, cos, sin, use_reentrant=False) if self.ckpt and self.training else block(x, cos, sin)
+        logits = self.head(self.norm(x))  # [B, T, V]
+        return F.cross_entropy(logits.reshape(-1, self.vocab).float(), targets.reshape(-1))
+
+
+def corpus_tokens(path):
+    """bench_table's training text of FILE as byte tokens: every line but the last 5% (at least one)."""
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    if len(lines) < 2:
+        raise SystemExit(f"--corpus {path}: needs at least two lines (train and validation)")
+    n_val = max(1, int(len(lines) * 0.05))
+    text = b"".join(line + b"\n" for line in lines[: len(lines) - n_val])
+    return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()  # [n]
+
+
+def batch(args, vocab, tokens, step, rank, world, device):
+    """This rank's [B, T] inputs and targets of step `step`: rows [rank·B, (rank+1)·B) of B·world windows."""
+    g = torch.Generator().manual_seed(args.seed * 1000003 + step)
+    n = args.batch * world
+    if tokens is None:
+        w = torch.randint(0, vocab, (n, args.seq + 1), generator=g)  # [B·world, T+1]
+    else:
+        start = torch.randint(0, tokens.numel() - args.seq - 1, (n, 1), generator=g)  # [B·world, 1]
+        w = tokens[start + torch.arange(args.seq + 1)]  # [B·world, T+1]
+    w = w[rank * args.batch : (rank + 1) * args.batch].to(device)
+    return w[:, :-1], w[:, 1:]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="append the JSON line here (rank 0)")
+    ap.add_argument("--preset", default="tinyllama-1.1b", choices=sorted(PRESETS))
+    ap.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
+    ap.add_argument("--batch", type=int, default=8, help="sequences per GPU per step")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    ap.add_argument("--ckpt", action="store_true", help="activation checkpointing per block")
+    ap.add_argument("--offload", action="store_true", help="CPUOffloadPolicy: parameters, gradients and AdamW on the host")
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0: off)")
+    ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--corpus", default="", help="byte windows of this text file instead of random tokens")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--comm-timeout", type=float, default=600, help="seconds a collective may wait for the other ranks")
+    args = ap.parse_args()
+    for name in ("batch", "seq", "steps"):
+        if getattr(args, name) <= 0:
+            raise SystemExit(f"--{name} must be positive")
+
+    # The process group: torchrun's environment, or a single-process group (fully_shard needs one).
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("fsdp2_llama: no CUDA device; pass --device cpu for a smoke run")
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=args.comm_timeout)
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+    vocab, hidden, layers, heads, kv_heads, ffn = PRESETS[args.preset]
+    if args.layers > 0:
+        layers = args.layers
+    tokens = corpus_tokens(args.corpus) if args.corpus else None
+    model_flops = flops_per_token(vocab, hidden, layers, heads, kv_heads, ffn, args.seq)
+    case = "fsdp2-" + ("offload-" if args.offload else "") + "bf16" + ("-ckpt" if args.ckpt else "")
+    peer_of = "zero3-" + ("offload-" if args.offload else "") + "bf16" + ("-ckpt" if args.ckpt else "")
+    record = {"bench": "fsdp2", "case": case, "peer_of": peer_of, "preset": args.preset, "layers": layers, "world": world,
+              "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup, "clip": args.clip, "lr": args.lr,
+              "ckpt": args.ckpt, "offload": args.offload, "flops_per_token": model_flops, "torch": torch.__version__,
+              "device": os.environ.get("SQUEEZE_DEVICE", device.type), "date": os.environ.get("SQUEEZE_DATE", ""),
+              "commit": os.environ.get("SQUEEZE_COMMIT", ""), "oom": False}
+
+    try:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        # Built on the meta device and sharded before any memory is taken (a 7B model never exists whole on one
+        # rank), then materialised on the GPU (the host with --offload) and initialised shard by shard.
+        torch.manual_seed(1)
+        with torch.device("meta"):
+            model = Llama(vocab, hidden, layers, heads, kv_heads, ffn, ckpt=args.ckpt)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        shard = {"mp_policy": mp}
+        if args.offload:
+            shard["offload_policy"] = CPUOffloadPolicy()
+        for block in model.blocks:
+            fully_shard(block, **shard)
+        fully_shard(model, **shard)
+        model.to_empty(device="cpu" if args.offload else device)
+        model.init_weights()
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                                fused=not args.offload and device.type == "cuda")
+
+        def step(i):
+            x, y = batch(args, vocab, tokens, i, rank, world, device)
+            loss = model(x, y)
+            loss.backward()
+            if args.clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.item()  # synchronises, as bench_table's loss read-back does
+
+        for i in range(args.warmup):
+            step(i)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = float("nan")
+        for i in range(args.warmup, args.warmup + args.steps):
+            loss = step(i)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        time_ms = 1e3 * (time.perf_counter() - t0) / args.steps
+        peak_gb = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0
+        reserved_gb = torch.cuda.max_memory_reserved(device) / 1e9 if device.type == "cuda" else 0.0
+
+        # The slowest rank's time, the largest peaks, the mean loss.
+        mx = torch.tensor([time_ms, peak_gb, reserved_gb], dtype=torch.float64, device=device)
+        total = torch.tensor([loss], dtype=torch.float64, device=device)
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        time_ms, peak_gb, reserved_gb = mx.tolist()
+        tps_gpu = args.batch * args.seq / (time_ms / 1e3)
+        record.update({"time_ms": time_ms, "iters_per_s": 1e3 / time_ms, "tokens_per_s": tps_gpu * world,
+                       "tokens_per_s_per_gpu": tps_gpu, "mfu": model_flops * tps_gpu / H200_DENSE_BF16_FLOPS,
+                       "peak_gb": peak_gb, "reserved_gb": reserved_gb, "final_loss": total.item() / world})
+    except Exception as e:  # noqa: BLE001 — out of memory is a result; anything else an error; both end the run
+        record["oom"] = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e)
+        record["error"] = str(e).split("\n")[0][:300]
+        print(f"fsdp2_llama rank {rank} of {world}: {case} failed: {record['error']}", file=sys.stderr, flush=True)
+        if rank == 0:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        # Another rank may be inside a collective this one will never join: leave at once (torchrun then stops
+        # the others; otherwise their NCCL timeout does).
+        os._exit(1)
+
+    if rank == 0:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(f"{case:<24} world {world} B {args.batch} T {args.seq}: peak {record['peak_gb']:.2f} GB/GPU, "
+              f"{record['tokens_per_s']:.0f} tok/s ({record['tokens_per_s_per_gpu']:.0f}/GPU), MFU {record['mfu']:.3f}, "
+              f"{record['time_ms']:.0f} ms/step, loss {record['final_loss']:.3f}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
