@@ -571,6 +571,37 @@ TEST(Offload, ChunkedSumOfSquaresMatchesFloat64) {
   EXPECT_THROW(nn::chunked_sum_squares(torch::ones({4}, torch::kInt32)), c10::Error);
 }
 
+// sum_squares_tensor: the device norm pass of Offload<Host> (and of device-resident partitions), run here on host
+// tensors (the same torch ops). Within float64 rounding (n * 2^-52 relative, plus the sqrt and square of each
+// chunk's norm) of the float64 sum, chunk borders crossed, deterministic, inf/NaN seen, empty = 0.
+TEST(Offload, DeviceSumOfSquaresMatchesFloat64) {
+  torch::manual_seed(4);
+  for (int64_t chunk : {int64_t(1000), nn::kSumSquaresChunk}) {
+    for (int64_t n : {int64_t(1), int64_t(999), int64_t(1000), int64_t(1001), int64_t(70001)}) {
+      for (auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat16}) {
+        const auto t = (torch::randn({n}) * 3).to(dtype);
+        const double ref = t.to(torch::kFloat64).square().sum().item<double>();
+        const torch::Tensor got = nn::sum_squares_tensor(t, chunk);
+        EXPECT_EQ(got.scalar_type(), torch::kFloat64);
+        EXPECT_EQ(got.dim(), 0);
+        EXPECT_NEAR(got.item<double>(), ref, 1e-13 * ref + 1e-300) << n << " " << dtype << " chunk " << chunk;
+        EXPECT_EQ(got.item<double>(), nn::sum_squares_tensor(t, chunk).item<double>()) << "deterministic";
+      }
+    }
+  }
+  // A 2-d tensor is summed whole.
+  const auto m = torch::randn({37, 29});
+  EXPECT_NEAR(nn::sum_squares_tensor(m, 100).item<double>(), m.to(torch::kFloat64).square().sum().item<double>(), 1e-13 * 2000);
+  EXPECT_EQ(nn::sum_squares_tensor(torch::empty({0})).item<double>(), 0.0);
+  auto bad = torch::randn({5000});
+  bad[3333] = std::numeric_limits<float>::infinity();
+  EXPECT_TRUE(std::isinf(nn::sum_squares_tensor(bad, 1000).item<double>())) << "inf is seen";
+  bad[3333] = std::nanf("");
+  EXPECT_TRUE(std::isnan(nn::sum_squares_tensor(bad, 1000).item<double>())) << "NaN is seen";
+  EXPECT_THROW(nn::sum_squares_tensor(torch::ones({4}, torch::kInt32)), c10::Error);
+  EXPECT_THROW(nn::sum_squares_tensor(torch::ones({4}), 0), c10::Error);
+}
+
 // ---- a moved trainer keeps working (examples/llama holds one in a std::optional) ----------------------------
 // Hooks, stage-3 callbacks and the offload worker point to heap state, not into the Trainer object.
 template <class S>

@@ -88,6 +88,34 @@ TEST(ZeroCuda, OffloadOverlapBitwise) {
   gpu_offload_bitwise<Strategy<Sharded<Stage2>, Offload<Host>, Accumulate<4>>>("GPU Stage2+Offload float acc 4");
 }
 
+// The offload pipeline's norm pass runs on the device (nn::sum_squares_tensor on the d2h stream): against a float64
+// host sum across chunk borders, deterministic; and the offloaded and device-resident trainers report the same
+// first-step norm bitwise (one function for both; after that their AdamW paths differ).
+TEST(ZeroCuda, DeviceSumOfSquaresMatchesFloat64) {
+  REQUIRE_CUDA();
+  torch::manual_seed(8);
+  for (int64_t n : {int64_t(1), int64_t(4097), nn::kSumSquaresChunk + 13}) {
+    for (auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat16}) {
+      const auto t = (torch::randn({n}) * 3).to(dtype);
+      const double ref = t.to(torch::kFloat64).square().sum().item<double>();
+      const auto d = t.to(torch::kCUDA);
+      const torch::Tensor got = nn::sum_squares_tensor(d);
+      EXPECT_TRUE(got.is_cuda());
+      EXPECT_NEAR(got.item<double>(), ref, 1e-13 * ref) << n << " " << dtype;
+      EXPECT_EQ(got.item<double>(), nn::sum_squares_tensor(d).item<double>()) << "deterministic";
+    }
+  }
+  const torch::Device dev(torch::kCUDA, 0);
+  nn::TrainerOptions clip;
+  clip.max_grad_norm = 0.05f;  // deferred offload: the norm decides the update
+  using S2 = Strategy<Sharded<Stage2>, Precision<bf16, float>>;
+  using S2O = Strategy<Sharded<Stage2>, Offload<Host>, Precision<bf16, float>>;
+  const auto plain = train<S2>(Model::llama, 1, 2, clip, {}, dev), off = train<S2O>(Model::llama, 1, 2, clip, {}, dev);
+  ASSERT_FALSE(plain.log.empty());
+  EXPECT_EQ(off.log[0].grad_norm, plain.log[0].grad_norm) << "offloaded vs device-resident norm";
+  EXPECT_GT(off.log[0].grad_norm, 0.0f);
+}
+
 // Stage 2 on the GPU: buckets as small as one parameter give the bits of one bucket; LocalComm world 2 over
 // one GPU reduces after backward (thread-ranks cannot meet inside the device's backward thread).
 TEST(ZeroCuda, Stage2BucketsBitwise) {

@@ -46,7 +46,8 @@
 // same order everywhere; parameters that get no gradient are reduced as zeros after backward, in bucket order).
 //
 // Offload<Host> (nn/offload.hpp): each partition's gradient shard streams to pinned host memory as soon as it
-// is final (inside backward), where the CPU worker sums its squares; then
+// is final (inside backward), with its sum of squares (summed on the GPU before the copy; by the CPU worker
+// for a CPU model); then
 //   eager    (no clipping and no loss scaling: the update cannot depend on the other partitions) the worker
 //            runs AdamW on the partition at once and streams its parameters back, all during backward;
 //   deferred (clipping or loss scaling) after backward the global norm decides skip/clip, then the worker
@@ -219,19 +220,12 @@ inline void encode_state(const torch::Tensor& x, torch::Tensor codes, torch::Ten
   absmax.copy_(a);
 }
 
-// Sum of squares in double, deterministic: host sequentially; device per chunk (fp64 temporaries of one
-// chunk), the chunk sums added in order on the device, one read-back.
+// Sum of squares in double, deterministic: host sequentially; device by sum_squares_tensor (nn/offload.hpp, the
+// function Offload<Host> runs on the device too, so offloaded and device-resident partitions give the same bits),
+// one read-back.
 inline double sum_squares(const torch::Tensor& t) {
   if (t.numel() == 0) return 0.0;
-  if (!t.is_cpu()) {
-    torch::NoGradGuard ng;
-    const torch::Tensor f = t.reshape({-1});
-    const int64_t n = f.numel();
-    torch::Tensor acc = torch::zeros({}, f.options().dtype(torch::kFloat64));
-    for (int64_t o = 0; o < n; o += kDeviceChunk)
-      acc.add_(f.narrow(0, o, std::min(kDeviceChunk, n - o)).to(torch::kFloat64).square().sum());
-    return acc.item<double>();
-  }
+  if (!t.is_cpu()) return sum_squares_tensor(t).item<double>();
   const torch::Tensor c = t.contiguous();
   const int64_t n = c.numel();
   double acc = 0;
@@ -666,6 +660,7 @@ class Trainer {
     }
     // The gradient travels in its own dtype (bf16: half the PCIe bytes of fp32); the CPU AdamW widens it.
     if (kOffload) o.host_grad = torch::zeros({n}, state_options().dtype(grad.scalar_type()));
+    if (kOffload && device_.is_cuda()) o.host_sumsq = torch::zeros({1}, state_options().dtype(torch::kFloat64));
   }
 
   void broadcast(torch::Tensor& t) { broadcast_inplace(*comm_, t, 0); }
