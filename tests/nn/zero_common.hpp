@@ -1,7 +1,10 @@
 #pragma once
-// Shared by test_zero (CPU) and test_zero_cuda (GPU): models, data, a multi-rank training run, comparisons.
+// Shared by test_zero (CPU), test_zero_cuda (GPU) and test_zero_nccl (one process per GPU): models, data, a
+// multi-rank training run, comparisons.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+
+#include <c10/core/DeviceGuard.h>
 
 #include <iostream>
 #include <map>
@@ -138,7 +141,7 @@ torch::Tensor model_loss(Model kind, torch::nn::Module& m, const torch::Tensor& 
 using Params = std::map<std::string, torch::Tensor>;
 
 struct RunResult {
-  Params params;                    // rank 0's full parameters after training, float
+  Params params;                    // rank 0's (single: this rank's) full parameters after training, float
   std::vector<nn::StepResult> log;  // rank 0's boundary results
   nn::MemoryUse memory;             // rank 0's accounting after training
   int64_t reduce_scatter_bytes = 0; // rank 0: bytes into gradient reduce-scatters in the last window
@@ -146,8 +149,10 @@ struct RunResult {
 };
 
 // Trains `windows` optimizer steps of Strategy S on `world` ranks.
-// device: where the model and data live. single: run world 1 on this communicator (e.g. NcclComm)
-// instead of LocalComm threads.
+// device: where the model and data live (thread-ranks make it their current device). single: run this
+// process's rank on that communicator (e.g. NcclComm; its size must be `world`) instead of world LocalComm
+// threads; every process then sees data[step][its rank], the rows the LocalComm run at `world` gives that
+// rank, and RunResult holds this rank's results.
 template <class S>
 RunResult train(Model kind, int world, int windows, nn::TrainerOptions opt = {}, Hyper hyper = {},
                 torch::Device device = torch::kCPU, comm::CommPtr single = nullptr) {
@@ -158,7 +163,9 @@ RunResult train(Model kind, int world, int windows, nn::TrainerOptions opt = {},
   for (int r = 0; r < world; ++r) models.push_back(make_model(kind, dtype)), models.back()->to(device);
   RunResult out;
   auto body = [&](comm::CommPtr comm) {
+    const c10::DeviceGuard guard(device);  // LocalComm's copies use the thread's current device (stream 0)
     const int r = comm->rank();
+    const bool mine = single != nullptr || r == 0;  // the rank whose results this process returns
     auto trainer = make_trainer<S>(models[r], hyper, comm, opt);
     for (int s = 0; s < windows * A; ++s) {
       auto res = trainer.step([&] {
@@ -166,10 +173,10 @@ RunResult train(Model kind, int world, int windows, nn::TrainerOptions opt = {},
         return model_loss(kind, *models[r], data.x[s][r].to(device), y);
       });
       EXPECT_EQ(res.boundary, (s + 1) % A == 0);
-      if (r == 0 && res.boundary) out.log.push_back(res);
+      if (mine && res.boundary) out.log.push_back(res);
     }
     auto full = trainer.full_parameters();
-    if (r == 0) {
+    if (mine) {
       for (auto& [n, t] : full) out.params[n] = t.to(torch::kCPU, torch::kFloat32);
       out.memory = trainer.memory();
       out.reduce_scatter_bytes = trainer.reduce_scatter_bytes();
@@ -177,7 +184,7 @@ RunResult train(Model kind, int world, int windows, nn::TrainerOptions opt = {},
     }
   };
   if (single) {
-    EXPECT_EQ(world, 1);
+    EXPECT_EQ(world, single->size());
     body(single);
   } else {
     run_ranks(world, [&](std::shared_ptr<LocalComm> c) { body(c); });
