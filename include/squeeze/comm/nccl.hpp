@@ -98,27 +98,44 @@ class NcclComm final : public Communicator {
     SQUEEZE_CUDA_CHECK(cudaMalloc(&scratch_, sizeof(float)));
     watchdog_ = std::thread([this] { watch(); });
   }
+  // Never hangs and never throws: collectives still pending get until the watchdog's timeout to finish (the
+  // watchdog keeps running meanwhile and aborts them when it passes); then a healthy communicator is
+  // finalized and destroyed (a finalize that does not complete within the timeout is aborted), a failed one
+  // was aborted already. The scratch buffer is freed last: cudaFree waits for the whole device, so freeing
+  // it while a collective that no peer joins still spins would block forever.
   ~NcclComm() override {
+    const auto drain_deadline = std::chrono::steady_clock::now() + opt_.timeout + std::chrono::seconds(1);
+    while (!failed_ && watchdog_.joinable() && std::chrono::steady_clock::now() < drain_deadline) {
+      {
+        std::lock_guard lk(m_);
+        if (pending_.empty()) break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
     stop_ = true;
     if (watchdog_.joinable()) watchdog_.join();
+    if (comm_) {
+      std::lock_guard lk(nccl_m_);
+      if (!failed_) {
+        // Flush, then free; on any error abort instead (nothing may escape a destructor).
+        ncclResult_t st = ncclCommFinalize(comm_);
+        const auto deadline = std::chrono::steady_clock::now() + opt_.timeout;
+        while (st == ncclInProgress && std::chrono::steady_clock::now() < deadline) {
+          std::this_thread::sleep_for(std::chrono::microseconds(100));
+          ncclCommGetAsyncError(comm_, &st);
+        }
+        if (st == ncclSuccess) ncclCommDestroy(comm_);
+        else if (!aborted_.exchange(true)) ncclCommAbort(comm_);
+      } else if (!aborted_.exchange(true)) {
+        ncclCommAbort(comm_);
+      }
+    }
     {
       std::lock_guard lk(m_);
       for (auto& p : pending_) cudaEventDestroy(p.event);
       pending_.clear();
     }
     if (scratch_) cudaFree(scratch_);
-    if (comm_) {
-      if (!failed_) {
-        // Flush, then free; on any error abort instead (nothing may escape a destructor).
-        ncclResult_t st = ncclCommFinalize(comm_);
-        const auto deadline = std::chrono::steady_clock::now() + opt_.timeout;
-        while (st == ncclInProgress && std::chrono::steady_clock::now() < deadline) ncclCommGetAsyncError(comm_, &st);
-        if (st == ncclSuccess) ncclCommDestroy(comm_);
-        else ncclCommAbort(comm_);
-      } else if (!aborted_) {
-        ncclCommAbort(comm_);
-      }
-    }
   }
   NcclComm(const NcclComm&) = delete;
   NcclComm& operator=(const NcclComm&) = delete;
@@ -178,7 +195,15 @@ class NcclComm final : public Communicator {
   void enqueue(const char* what, Stream s, Call&& call) {
     throw_if_failed(what);
     SQUEEZE_CUDA_CHECK(cudaSetDevice(opt_.device));
-    const ncclResult_t r = call();
+    ncclResult_t r;
+    {
+      std::lock_guard lk(nccl_m_);  // the watchdog may abort (free) comm_ at any time: never call into a freed one
+      if (aborted_) {
+        throw_if_failed(what);
+        throw Error(std::string("NcclComm::") + what + ": the communicator was aborted");
+      }
+      r = call();
+    }
     if (r != ncclSuccess && r != ncclInProgress)
       fail(std::string(what) + " returned " + ncclGetErrorString(r));
     if (r == ncclInProgress) wait_ready(what, opt_.timeout);  // non-blocking comm: the enqueue itself may pend
@@ -194,13 +219,19 @@ class NcclComm final : public Communicator {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     ncclResult_t st = ncclInProgress;
     for (;;) {
-      SQUEEZE_NCCL_CHECK(ncclCommGetAsyncError(comm_, &st));
+      {
+        std::lock_guard lk(nccl_m_);
+        if (aborted_) break;
+        SQUEEZE_NCCL_CHECK(ncclCommGetAsyncError(comm_, &st));
+      }
       if (st == ncclSuccess) return;
       if (st != ncclInProgress) fail(std::string(what) + ": " + ncclGetErrorString(st));
       if (std::chrono::steady_clock::now() > deadline)
         fail(std::string(what) + " did not complete within " + std::to_string(timeout.count()) + " ms");
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
+    throw_if_failed(what);  // aborted by the watchdog meanwhile
+    fail(std::string(what) + ": the communicator was aborted");
   }
 
   [[noreturn]] void fail(const std::string& why) {
@@ -208,13 +239,18 @@ class NcclComm final : public Communicator {
     throw_if_failed("");
     throw Error(why);  // unreachable
   }
+  // Records the first failure, then aborts the communicator once (ncclCommAbort also stops its kernels, so
+  // a stream waiting on a collective that a peer never joins drains). The abort holds nccl_m_: no other
+  // thread is inside an NCCL call on comm_ while it is freed, and none enters one afterwards.
   void mark_failed(const std::string& why) {
-    std::lock_guard lk(m_);
-    if (!failed_) {
+    {
+      std::lock_guard lk(m_);
+      if (failed_) return;
       reason_ = "NcclComm rank " + std::to_string(rank_) + ": " + why + "; the communicator was aborted";
       failed_ = true;
-      if (!aborted_.exchange(true)) ncclCommAbort(comm_);
     }
+    std::lock_guard lk(nccl_m_);
+    if (!aborted_.exchange(true)) ncclCommAbort(comm_);
   }
   void throw_if_failed(const char* what) {
     if (failed_) {
@@ -227,8 +263,13 @@ class NcclComm final : public Communicator {
     cudaSetDevice(opt_.device);
     while (!stop_ && !failed_) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      ncclResult_t st = ncclSuccess;
-      if (ncclCommGetAsyncError(comm_, &st) == ncclSuccess && st != ncclSuccess && st != ncclInProgress) {
+      ncclResult_t st = ncclSuccess, got = ncclSuccess;
+      {
+        std::lock_guard lk(nccl_m_);
+        if (aborted_) break;  // another thread failed the communicator (and freed comm_)
+        got = ncclCommGetAsyncError(comm_, &st);
+      }
+      if (got == ncclSuccess && st != ncclSuccess && st != ncclInProgress) {
         mark_failed(std::string("asynchronous NCCL error: ") + ncclGetErrorString(st));
         break;
       }
@@ -258,7 +299,8 @@ class NcclComm final : public Communicator {
   NcclOptions opt_;
   ncclComm_t comm_ = nullptr;
   void* scratch_ = nullptr;
-  std::mutex m_;
+  std::mutex m_;       // pending_, reason_
+  std::mutex nccl_m_;  // every NCCL call on comm_ after construction (see mark_failed)
   std::deque<Pending> pending_;
   std::atomic<bool> stop_{false}, failed_{false}, aborted_{false};
   std::string reason_;
