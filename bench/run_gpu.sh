@@ -2,7 +2,7 @@
 # One call on the GPU machine: build with libtorch's CUDA side, run the GPU tests (ctest -L cuda) and the
 # benchmarks, write full results under $OUT (default ./gpu-results) and print a short table last.
 #   usage: bash bench/run_gpu.sh [bench-name ...]    (no names: all benchmarks but the 7B rows;
-#          names: adamw gemm4 gptq zero table table7b table7b_offload ncu_gemm llama_gptq)
+#          names: adamw gemm4 gptq zero table table7b table7b_offload ncu_gemm llama_gptq scale scale7b)
 #   env: TARGETS="t1 t2" builds only those targets (default: everything); GPU_TESTS=0 skips ctest -L cuda;
 #        BENCH_ARGS_<name>="..." extra arguments for one benchmark (e.g. BENCH_ARGS_table="--rows bf16,ckpt");
 #        BENCH_TIMEOUT=S stops a benchmark after S seconds (default 3600).
@@ -61,6 +61,49 @@ fi
 if named table7b_offload; then
   run_bench table7b_offload "$BUILD/bench/table/bench_table" --preset llama-7b --rows zero3-offload-bf16-ckpt:8,zero3-offload-bf16-ckpt-adam8:8 --clip 0 --lr 3e-5 --lr-warmup 5 "${corpus[@]}"
 fi
+
+# Issue 7, several GPUs (only when named). scale: ZeRO-3 + bf16 without and with checkpointing, and with
+# Offload<Host> + checkpointing, at TinyLlama-1.1B, B=8 per GPU, T=2048, at world 1 and 2 (only worlds <= the GPUs
+# here), beside PyTorch FSDP2 in the same configurations (bench/fsdp2/fsdp2_llama.py); scale7b: LLaMA-7B at world 2.
+# One torchrun launch per row (a row that fails at world > 1 ends its launch); bench_table appends to
+# $OUT/scale.jsonl, FSDP2 to $OUT/fsdp2.jsonl; bench/fsdp2/compare.py prints them side by side. torchrun hosts
+# its own TCP store on MASTER_PORT, so TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (rank 0's NcclComm hosts ours there);
+# torchrun would set OMP_NUM_THREADS=1 per rank, which starves the offload rows' CPU AdamW: the cores are split.
+# ~5 min for scale on 2 H200s; scale7b ~8 min (each rank builds the 7B model in float on the host first).
+scale_launch() {  # scale_launch <world> <timeout s> <torchrun arguments...>; full output appended to $OUT/scale-launch.log
+  local w=$1 t=$2 rc; shift 2
+  echo "### world $w: $*" >>"$OUT/scale-launch.log"
+  OMP_NUM_THREADS=$(( $(nproc) / w )) TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 NCCL_NVLS_ENABLE=0 \
+    timeout "$t" python3 -m torch.distributed.run --standalone --nproc_per_node "$w" "$@" >"$OUT/scale-last.log" 2>&1
+  rc=$?
+  cat "$OUT/scale-last.log" >>"$OUT/scale-launch.log"
+  grep -E "^(zero|fsdp2|bench_table)|failed|Error" "$OUT/scale-last.log" | grep -vE "ChildFailedError|elastic|^\[" | head -6
+  [ $rc -eq 0 ] || echo "   exit $rc (124: timeout): world $w ${*:1:4} ... (full output: scale-launch.log)"
+}
+scale_rows() {  # scale_rows <preset> <worlds> <extra args> <rows...>: rows "ours-case|fsdp2 flags"
+  local preset=$1 worlds=$2 extra=$3; shift 3
+  local ngpu w row case flags; ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+  for w in $worlds; do
+    if [ "$w" -gt "$ngpu" ]; then echo "   world $w skipped: $ngpu GPU(s) here"; continue; fi
+    for row in "$@"; do
+      case=${row%%|*}; flags=${row#*|}
+      scale_launch "$w" "${SCALE_TIMEOUT:-300}" --no-python "$BUILD/bench/table/bench_table" --preset "$preset" --rows "$case:8" --seq 2048 \
+        --eval-seqs 4 --comm-timeout 300 $extra "${corpus[@]}" --out "$OUT/scale.jsonl"
+      scale_launch "$w" "${SCALE_TIMEOUT:-300}" "$ROOT/bench/fsdp2/fsdp2_llama.py" --preset "$preset" --batch 8 --seq 2048 $flags \
+        --comm-timeout 300 $extra "${corpus[@]}" --out "$OUT/fsdp2.jsonl"
+    done
+  done
+}
+if named scale; then
+  echo "== scale (TinyLlama-1.1B, B=8 per GPU, T=2048; ours vs FSDP2 per row)"
+  scale_rows tinyllama-1.1b "1 2" "" "zero3-bf16|" "zero3-bf16-ckpt|--ckpt" "zero3-offload-bf16-ckpt|--ckpt --offload" | tee "$OUT/scale.log"
+fi
+if named scale7b; then
+  echo "== scale7b (LLaMA-7B, B=8 per GPU, T=2048, world 2; lr 3e-5 as table7b)"
+  SCALE_TIMEOUT=${SCALE_TIMEOUT:-600} scale_rows llama-7b "2" "--lr 3e-5" "zero3-bf16-ckpt|--ckpt" "zero3-offload-bf16-ckpt|--ckpt --offload" |
+    tee "$OUT/scale7b.log"
+fi
+if named scale || named scale7b; then python3 "$ROOT/bench/fsdp2/compare.py" "$OUT/scale.jsonl" "$OUT/fsdp2.jsonl" | tee "$OUT/scale-table.txt"; fi
 
 # Nsight Compute on the library's 4-bit GEMM at batch 1 and 16 on the largest shape (only when named): speed
 # of light, occupancy, launch statistics and warp stall reasons of the first launches of each case.

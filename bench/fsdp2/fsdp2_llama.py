@@ -328,6 +328,7 @@ def main():
         print(f"{case:<24} world {world} B {args.batch} T {args.seq}: peak {record['peak_gb']:.2f} GB/GPU, "
               f"{record['tokens_per_s']:.0f} tok/s ({record['tokens_per_s_per_gpu']:.0f}/GPU), MFU {record['mfu']:.3f}, "
               f"{record['time_ms']:.0f} ms/step, loss {record['final_loss']:.3f}", flush=True)
+    dist.barrier()  # no rank tears the group down while another still reads from it
     dist.destroy_process_group()
 
 

@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Issue 7's scaling table: squeeze's ZeRO-3 rows (bench_table JSON lines, bench "table") beside the PyTorch FSDP2
+peer in the same configuration (fsdp2_llama.py JSON lines, bench "fsdp2", matched by peer_of = the bench_table
+case, preset, layers, world, batch per GPU and seq), per world size.
+
+    python3 bench/fsdp2/compare.py gpu-results/scale.jsonl gpu-results/fsdp2.jsonl
+
+Columns: peak GB per GPU (the largest over the ranks) and the planner's, tokens/s per GPU, MFU (6N + 12LTd model
+FLOPs over the H200's dense bf16 peak, the same in both programs), x1: tokens/s per GPU over the same row's at
+world 1 (scaling efficiency), then FSDP2's peak and tokens/s per GPU, speed = ours / FSDP2 tokens/s,
+mem = FSDP2's peak / ours (> 1: ours smaller). The last line of each configuration wins (files may be appended to).
+Standard library only.
+"""
+import json
+import sys
+
+
+def load(paths):
+    ours, peer = {}, {}
+    for path in paths:
+        try:
+            with open(path) as f:
+                for line in f:
+                    line = line.strip()
+                    if not line:
+                        continue
+                    r = json.loads(line)
+                    if r.get("bench") == "table":
+                        ours[(r.get("preset"), r.get("case"), r.get("world", 1), r.get("batch"), r.get("seq"), r.get("layers"))] = r
+                    elif r.get("bench") == "fsdp2":
+                        peer[(r.get("preset"), r.get("peer_of"), r.get("world", 1), r.get("batch"), r.get("seq"), r.get("layers"))] = r
+        except FileNotFoundError:
+            print(f"compare.py: {path} not found", file=sys.stderr)
+    return ours, peer
+
+
+def f(r, key, fmt):
+    return format(r[key], fmt) if r is not None and key in r else "-"
+
+
+def main():
+    if len(sys.argv) < 2:
+        raise SystemExit(__doc__)
+    ours, peer = load(sys.argv[1:])
+    keys = sorted(set(ours) | set(peer), key=lambda k: (str(k[0]), str(k[1]), k[3] or 0, k[4] or 0, k[2]))
+    print(f"{'preset':<15} {'case':<26} {'world':>5} {'B':>3} {'peak GB':>8} {'plan GB':>8} {'tok/s/GPU':>10} {'MFU':>6} {'x1':>5} |"
+          f" {'FSDP2 GB':>8} {'tok/s/GPU':>10} {'MFU':>6} | {'speed':>6} {'mem':>6}  note")
+    for k in keys:
+        preset, case, world, batch, seq, layers = k
+        o, p = ours.get(k), peer.get(k)
+        one = ours.get((preset, case, 1, batch, seq, layers))
+        scale = "-"
+        if o is not None and one is not None and "tokens_per_s_per_gpu" in o and "tokens_per_s_per_gpu" in one:
+            scale = f"{o['tokens_per_s_per_gpu'] / one['tokens_per_s_per_gpu']:.2f}"
+        speed = mem = "-"
+        if o is not None and p is not None and "tokens_per_s_per_gpu" in o and "tokens_per_s_per_gpu" in p:
+            speed = f"{o['tokens_per_s_per_gpu'] / p['tokens_per_s_per_gpu']:.2f}"
+        if o is not None and p is not None and o.get("peak_gb") and p.get("peak_gb"):
+            mem = f"{p['peak_gb'] / o['peak_gb']:.2f}"
+        notes = [f"ours: {o['error']}" for o in [o] if o is not None and o.get("error")]
+        notes += [f"FSDP2: {p['error']}" for p in [p] if p is not None and p.get("error")]
+        print(f"{str(preset):<15} {str(case):<26} {world:>5} {batch or 0:>3} {f(o, 'peak_gb', '.2f'):>8} {f(o, 'planned_gb', '.2f'):>8} "
+              f"{f(o, 'tokens_per_s_per_gpu', '.0f'):>10} {f(o, 'mfu', '.3f'):>6} {scale:>5} | {f(p, 'peak_gb', '.2f'):>8} "
+              f"{f(p, 'tokens_per_s_per_gpu', '.0f'):>10} {f(p, 'mfu', '.3f'):>6} | {speed:>6} {mem:>6}  {'; '.join(notes)[:120]}")
+    print("reference (published, not this machine): torchtitan FSDP, Llama3.1-8B on 8x H100: 5,762 tokens/s per GPU")
+
+
+if __name__ == "__main__":
+    main()
