@@ -127,6 +127,14 @@ TEST(ZeroNccl, Stage3MemoryPerGpu) {
   opt.align_bytes = 1;
   torch::manual_seed(77);
   const auto tokens = torch::randint(0, shape.vocab, {batch.micro_batch, batch.seq + 1}, torch::kInt64).to(dev);
+  {
+    // Warm-up outside the measurement: cuBLAS(Lt) keeps a workspace per handle and stream in the caching
+    // allocator (MiBs each, one for this thread's forward, one for the autograd thread's backward), allocated
+    // at the first matmul. The same model type, small, forward and backward in bf16 on this GPU.
+    auto warm = make_model(Model::llama, torch::kBFloat16);
+    warm->to(dev);
+    model_loss(Model::llama, *warm, torch::randint(0, kLlamaShape.vocab, {2, 7}, torch::kInt64).to(dev), {}).backward();
+  }
   torch::cuda::synchronize(dev.index());
 #if defined(SQUEEZE_TORCH_CUDA)
   const int64_t before = allocator_bytes(dev.index()).current;
@@ -185,17 +193,13 @@ TEST(ZeroNccl, Stage3MemoryPerGpu) {
 // faulty communicator until rank 0 has failed: they wait in a barrier of the healthy process-wide
 // communicator, which rank 0 joins only after its error. Rank 0's communicator is aborted by then, so their
 // all_reduce has no partner on rank 0 and waits too; each rank's own watchdog must turn that into an error.
-TEST(ZeroNccl, FaultRankSkipsACollective) {
+// A second communicator over the same ranks with a short watchdog timeout; its unique id travels over the
+// healthy process-wide one.
+std::shared_ptr<comm::NcclComm> short_timeout_comm(std::chrono::milliseconds timeout) {
   comm::NcclComm& healthy = world();
-  const int W = healthy.size(), r = healthy.rank();
-  if (W < 2) GTEST_SKIP() << "needs WORLD_SIZE >= 2";
-  const auto dev = this_gpu();
-  const auto timeout = std::chrono::seconds(3);
-
-  // A second communicator with a short watchdog; its unique id travels over the healthy one.
   ncclUniqueId id{};
-  if (r == 0) SQUEEZE_NCCL_CHECK(ncclGetUniqueId(&id));
-  auto idbuf = torch::from_blob(&id, {int64_t(sizeof id)}, torch::kUInt8).to(dev);
+  if (healthy.rank() == 0) SQUEEZE_NCCL_CHECK(ncclGetUniqueId(&id));
+  auto idbuf = torch::from_blob(&id, {int64_t(sizeof id)}, torch::kUInt8).to(this_gpu());
   healthy.broadcast(idbuf.data_ptr(), idbuf.data_ptr(), sizeof id, comm::DType::u8, 0);
   healthy.synchronize();
   std::memcpy(&id, idbuf.cpu().data_ptr(), sizeof id);
@@ -203,7 +207,36 @@ TEST(ZeroNccl, FaultRankSkipsACollective) {
   o.device = healthy.device();
   o.timeout = timeout;
   o.init_timeout = std::chrono::seconds(60);
-  auto faulty = std::make_unique<comm::NcclComm>(r, W, id, o);
+  return std::make_shared<comm::NcclComm>(healthy.rank(), healthy.size(), id, o);
+}
+
+// The healthy communicator still reduces correctly on every rank (and every rank got here).
+void expect_healthy_world() {
+  const int W = world().size();
+  auto y = torch::full({1000}, float(world().rank() + 1), torch::TensorOptions().device(this_gpu()));
+  world().all_reduce(y.data_ptr(), y.data_ptr(), 1000, comm::DType::f32, comm::ReduceOp::sum);
+  world().synchronize();
+  EXPECT_TRUE(torch::all(y == float(W * (W + 1) / 2)).item<bool>());
+}
+
+// What a rank's error must say: its rank, and the watchdog's timeout naming the collective (an asynchronous
+// NCCL error reported for the peer that left would be a correct outcome as well); within 3x the timeout.
+void expect_watchdog_error(const std::string& error, double seconds, const char* collective, const std::string& what) {
+  const int r = world().rank();
+  std::cout << "[ fault ] " << what << ": rank " << r << " after " << seconds << " s: " << error << "\n";
+  ASSERT_FALSE(error.empty()) << what << ": rank " << r << " completed without its peers";
+  EXPECT_NE(error.find("NcclComm rank " + std::to_string(r)), std::string::npos) << error;
+  const bool timed_out = error.find(std::string(collective) + " did not finish within 3000 ms") != std::string::npos;
+  EXPECT_TRUE(timed_out || error.find("asynchronous NCCL error") != std::string::npos) << error;
+  if (timed_out) EXPECT_GE(seconds, 0.9 * 3.0) << what;
+  EXPECT_LE(seconds, 3 * 3.0) << what << ": the error came later than 3x the timeout";
+}
+
+TEST(ZeroNccl, FaultRankSkipsACollective) {
+  const int W = world().size(), r = world().rank();
+  if (W < 2) GTEST_SKIP() << "needs WORLD_SIZE >= 2";
+  const auto dev = this_gpu();
+  auto faulty = short_timeout_comm(std::chrono::seconds(3));
 
   // It works while every rank takes part (this also sets up its connections before the fault).
   auto x = torch::full({1000}, float(r + 1), torch::TensorOptions().device(dev));
@@ -224,18 +257,10 @@ TEST(ZeroNccl, FaultRankSkipsACollective) {
     seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   };
   if (r == 0) lone_all_reduce();  // the others skip it
-  healthy.barrier();              // the others wait here until rank 0 has failed
+  world().barrier();              // the others wait here until rank 0 has failed
   if (r != 0) lone_all_reduce();  // rank 0 no longer takes part: this cannot complete either
 
-  std::cout << "[ fault ] rank " << r << " after " << seconds << " s: " << error << "\n";
-  ASSERT_FALSE(error.empty()) << "rank " << r << ": the all_reduce completed without its peers";
-  EXPECT_NE(error.find("NcclComm rank " + std::to_string(r)), std::string::npos) << error;
-  // The watchdog's timeout (naming the collective); an asynchronous NCCL error reported for the vanished peer
-  // would be a correct outcome as well.
-  const bool timed_out = error.find("all_reduce did not finish within 3000 ms") != std::string::npos;
-  EXPECT_TRUE(timed_out || error.find("asynchronous NCCL error") != std::string::npos) << error;
-  if (timed_out) EXPECT_GE(seconds, 0.9 * 3.0);
-  EXPECT_LE(seconds, 3 * 3.0) << "the error came later than 3x the timeout";
+  expect_watchdog_error(error, seconds, "all_reduce", "communicator");
   // The communicator stays failed: the next call throws at once, naming it.
   const auto t1 = Clock::now();
   EXPECT_THROW(faulty->barrier(), Error);
@@ -244,11 +269,53 @@ TEST(ZeroNccl, FaultRankSkipsACollective) {
   const auto t2 = Clock::now();
   faulty.reset();
   EXPECT_LE(std::chrono::duration<double>(Clock::now() - t2).count(), 5.0) << "NcclComm destructor after abort";
-  // The healthy communicator is unaffected: every rank gets here and still reduces correctly.
-  auto y = torch::full({1000}, float(r + 1), torch::TensorOptions().device(dev));
-  healthy.all_reduce(y.data_ptr(), y.data_ptr(), 1000, comm::DType::f32, comm::ReduceOp::sum);
-  healthy.synchronize();
-  EXPECT_TRUE(torch::all(y == float(W * (W + 1) / 2)).item<bool>());
+  expect_healthy_world();
+}
+
+// The same through the trainer: ZeRO-3 (bf16, mlp) on the short-timeout communicator. All ranks take one step
+// together; then rank 0 steps alone (its first all_gather has no partner) and the others step only after rank
+// 0 has failed (as above). step() must throw squeeze::Error on every rank within 3x the timeout, and the
+// trainer and the communicator must then be destroyed without hanging.
+TEST(ZeroNccl, FaultRankSkipsATrainerStep) {
+  const int W = world().size(), r = world().rank();
+  if (W < 2) GTEST_SKIP() << "needs WORLD_SIZE >= 2";
+  const auto dev = this_gpu();
+  auto faulty = short_timeout_comm(std::chrono::seconds(3));
+  using S = Strategy<Sharded<Stage3>, Precision<bf16, float>>;
+  auto model = make_model(Model::mlp, torch::kBFloat16);
+  model->to(dev);
+  const Data data = make_data(Model::mlp, W, 2, 6);
+  auto trainer = std::make_unique<decltype(make_trainer<S>(model, Hyper{}, faulty))>(make_trainer<S>(model, Hyper{}, faulty));
+  auto step = [&](int s) {
+    return trainer->step([&] { return model_loss(Model::mlp, *model, data.x[s][r].to(dev), data.y[s][r].to(dev)); });
+  };
+  EXPECT_TRUE(step(0).applied);  // every rank: works
+
+  std::string error;
+  bool squeeze_error = false;
+  double seconds = -1;
+  auto lone_step = [&] {
+    const auto t0 = Clock::now();
+    try {
+      step(1);
+      trainer->communicator().synchronize();
+    } catch (const Error& e) {
+      error = e.what(), squeeze_error = true;
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  };
+  if (r == 0) lone_step();
+  world().barrier();
+  if (r != 0) lone_step();
+  expect_watchdog_error(error, seconds, "all_gather", "trainer step");
+  EXPECT_TRUE(squeeze_error) << "step() threw another type than squeeze::Error: " << error;
+  const auto t1 = Clock::now();
+  trainer.reset();
+  faulty.reset();
+  EXPECT_LE(std::chrono::duration<double>(Clock::now() - t1).count(), 5.0) << "Trainer + NcclComm destructors after abort";
+  expect_healthy_world();
 }
 
 int device_count() {
