@@ -92,4 +92,8 @@ function(squeeze_torch_nvcc_tu target)
     target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-fopenmp>)
     target_link_libraries(${target} PRIVATE OpenMP::OpenMP_CXX)
   endif()
+  # The CUDA runtime libtorch uses (shared), not nvcc's default static copy: two runtimes keep two current
+  # devices per thread, and squeeze code (NcclComm, the offload worker's events) would then work on device 0
+  # while libtorch works on cuda:LOCAL_RANK (world > 1, ranks other than 0).
+  set_target_properties(${target} PROPERTIES CUDA_RUNTIME_LIBRARY Shared)
 endfunction()
