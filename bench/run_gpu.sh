@@ -69,7 +69,8 @@ fi
 # $OUT/scale.jsonl, FSDP2 to $OUT/fsdp2.jsonl; bench/fsdp2/compare.py prints them side by side. torchrun hosts
 # its own TCP store on MASTER_PORT, so TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (rank 0's NcclComm hosts ours there);
 # torchrun would set OMP_NUM_THREADS=1 per rank, which starves the offload rows' CPU AdamW: the cores are split.
-# ~5 min for scale on 2 H200s; scale7b ~8 min (each rank builds the 7B model in float on the host first).
+# ~5 min for scale on 2 H200s; scale7b ~6 min (each rank builds the 7B model in float on the host first). A launch is
+# stopped after SCALE_TIMEOUT s (180; 7B 450), a collective after SCALE_COMM_TIMEOUT s (120; 7B 300).
 scale_launch() {  # scale_launch <world> <timeout s> <torchrun arguments...>; full output appended to $OUT/scale-launch.log
   local w=$1 t=$2 rc; shift 2
   echo "### world $w: $*" >>"$OUT/scale-launch.log"
@@ -87,10 +88,10 @@ scale_rows() {  # scale_rows <preset> <worlds> <extra args> <rows...>: rows "our
     if [ "$w" -gt "$ngpu" ]; then echo "   world $w skipped: $ngpu GPU(s) here"; continue; fi
     for row in "$@"; do
       case=${row%%|*}; flags=${row#*|}
-      scale_launch "$w" "${SCALE_TIMEOUT:-300}" --no-python "$BUILD/bench/table/bench_table" --preset "$preset" --rows "$case:8" --seq 2048 \
-        --eval-seqs 4 --comm-timeout 300 $extra "${corpus[@]}" --out "$OUT/scale.jsonl"
-      scale_launch "$w" "${SCALE_TIMEOUT:-300}" "$ROOT/bench/fsdp2/fsdp2_llama.py" --preset "$preset" --batch 8 --seq 2048 $flags \
-        --comm-timeout 300 $extra "${corpus[@]}" --out "$OUT/fsdp2.jsonl"
+      scale_launch "$w" "${SCALE_TIMEOUT:-180}" --no-python "$BUILD/bench/table/bench_table" --preset "$preset" --rows "$case:8" --seq 2048 \
+        --eval-seqs 4 --comm-timeout "${SCALE_COMM_TIMEOUT:-120}" $extra "${corpus[@]}" --out "$OUT/scale.jsonl"
+      scale_launch "$w" "${SCALE_TIMEOUT:-180}" "$ROOT/bench/fsdp2/fsdp2_llama.py" --preset "$preset" --batch 8 --seq 2048 $flags \
+        --comm-timeout "${SCALE_COMM_TIMEOUT:-120}" $extra "${corpus[@]}" --out "$OUT/fsdp2.jsonl"
     done
   done
 }
@@ -100,7 +101,7 @@ if named scale; then
 fi
 if named scale7b; then
   echo "== scale7b (LLaMA-7B, B=8 per GPU, T=2048, world 2; lr 3e-5 as table7b)"
-  SCALE_TIMEOUT=${SCALE_TIMEOUT:-600} scale_rows llama-7b "2" "--lr 3e-5" "zero3-bf16-ckpt|--ckpt" "zero3-offload-bf16-ckpt|--ckpt --offload" |
+  SCALE_TIMEOUT=${SCALE_TIMEOUT:-450} SCALE_COMM_TIMEOUT=${SCALE_COMM_TIMEOUT:-300} scale_rows llama-7b "2" "--lr 3e-5" "zero3-bf16-ckpt|--ckpt" "zero3-offload-bf16-ckpt|--ckpt --offload" |
     tee "$OUT/scale7b.log"
 fi
 if named scale || named scale7b; then python3 "$ROOT/bench/fsdp2/compare.py" "$OUT/scale.jsonl" "$OUT/fsdp2.jsonl" | tee "$OUT/scale-table.txt"; fi
