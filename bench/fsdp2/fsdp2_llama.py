@@ -266,7 +266,7 @@ def main():
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         shard = {"mp_policy": mp}
         if args.offload:
-            shard["offload_policy"] = CPUOffloadPolicy()
+            shard["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")  # pinning needs CUDA (CPU smoke runs)
         for block in model.blocks:
             fully_shard(block, **shard)
         fully_shard(model, **shard)
@@ -328,8 +328,12 @@ def main():
         print(f"{case:<24} world {world} B {args.batch} T {args.seq}: peak {record['peak_gb']:.2f} GB/GPU, "
               f"{record['tokens_per_s']:.0f} tok/s ({record['tokens_per_s_per_gpu']:.0f}/GPU), MFU {record['mfu']:.3f}, "
               f"{record['time_ms']:.0f} ms/step, loss {record['final_loss']:.3f}", flush=True)
-    dist.barrier()  # no rank tears the group down while another still reads from it
-    dist.destroy_process_group()
+    dist.barrier()  # every rank is done with the group
+    # Leave without tearing the process group down: its teardown aborted a rank now and then in CPU/gloo runs here
+    # ("terminate called without an active exception"), after the results were written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
