@@ -64,7 +64,11 @@
 #include <squeeze/comm/nccl.hpp>
 #endif
 #if defined(SQUEEZE_TORCH_CUDA)
+#include <ATen/core/CachingHostAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#endif
+#if defined(__GLIBC__)
+#include <malloc.h>
 #endif
 
 #include "data.hpp"
@@ -96,23 +100,26 @@ struct Dist {
   bool root() const { return rank == 0; }
 };
 
-Dist join(const Options& o) {
+Dist from_env() {
   const comm::DistEnv env = comm::DistEnv::from_environment();  // checks every variable
-  Dist d{env.rank, env.world, env.local_rank, nullptr};
-  if (d.world == 1) return d;
+  return {env.rank, env.world, env.local_rank, nullptr};
+}
+
+// World > 1: joins the other ranks (NcclComm::from_env: rank 0 hosts the store at MASTER_ADDR:MASTER_PORT).
+void connect(Dist& d, const Options& o) {
+  if (d.world == 1) return;
   check(o.device == "cuda", "WORLD_SIZE=" + std::to_string(d.world) + " trains one rank per GPU: --device cuda");
 #if defined(SQUEEZE_WITH_NCCL) && SQUEEZE_WITH_NCCL
   comm::NcclOptions no;
   no.timeout = std::chrono::milliseconds(int64_t(o.comm_timeout_s * 1e3));  // a collective some rank never joins
-  no.device = env.local_rank;
+  no.device = d.local_rank;
   d.comm = comm::NcclComm::from_env(no);
 #if defined(SQUEEZE_TORCH_CUDA)
-  c10::cuda::set_device(c10::DeviceIndex(env.local_rank));  // libtorch's current device (streams, allocator)
+  c10::cuda::set_device(c10::DeviceIndex(d.local_rank));  // libtorch's current device (streams, allocator)
 #endif
 #else
   throw Error("WORLD_SIZE=" + std::to_string(d.world) + " needs bench_table built with CUDA and NCCL (SQUEEZE_WITH_NCCL)");
 #endif
-  return d;
 }
 
 // Model FLOPs per trained token: 6·N + 12·L·T·d (see the header).
@@ -159,12 +166,21 @@ void synchronize(const torch::Device& d) {
   if (d.is_cuda()) torch::cuda::synchronize();
 }
 
+// After each row: what the row freed goes back to the system, so the next row starts from the same state. Device:
+// the CUDA caching allocator's blocks. Host: torch's pinned-memory cache (Offload<Host> state is cudaHostAlloc'd
+// by nn::pinned_empty and freed with its trainer, but other pinned tensors go through the cache, which keeps
+// freed blocks for reuse by the same power-of-two size class only) and glibc's free heap pages.
 void release_cached_memory(const torch::Device& d) {
 #if defined(SQUEEZE_TORCH_CUDA)
   if (d.is_cuda()) {
     llama::cuda_allocator_ready(d);
+    torch::cuda::synchronize();  // copies from pinned blocks have finished: the cache can free them now
     c10::cuda::CUDACachingAllocator::emptyCache();
+    at::getHostAllocator(at::kCUDA)->empty_cache();
   }
+#endif
+#if defined(__GLIBC__)
+  malloc_trim(0);
 #endif
   (void)d;
 }
@@ -447,14 +463,11 @@ int main(int argc, char** argv) {
   }
   Dist dist;
   try {
-    dist = join(o);
+    dist = from_env();
   } catch (const std::exception& e) {
     std::cerr << "bench_table: " << e.what() << "\n";
     return 1;
   }
-  // One GPU per rank at world > 1 (cuda:LOCAL_RANK); the default device otherwise, as always.
-  const torch::Device device = dist.world > 1 ? torch::Device(torch::kCUDA, c10::DeviceIndex(dist.local_rank))
-                                              : torch::Device(o.device == "cuda" ? torch::kCUDA : torch::kCPU);
   if (o.threads > 0) torch::set_num_threads(int(o.threads));
   at::globalContext().setFlushDenormal(true);  // as llama_train: denormal AdamW moments are slow on x86 CPUs
   nn::LlamaConfig config = nn::LlamaConfig::preset(o.preset);
@@ -487,6 +500,15 @@ int main(int argc, char** argv) {
     std::cerr << "bench_table: no row to run at world " << dist.world << "\n";
     return 1;
   }
+  try {
+    connect(dist, o);
+  } catch (const std::exception& e) {
+    std::cerr << "bench_table rank " << dist.rank << ": " << e.what() << "\n";
+    return 1;
+  }
+  // One GPU per rank at world > 1 (cuda:LOCAL_RANK); the default device otherwise, as always.
+  const torch::Device device = dist.world > 1 ? torch::Device(torch::kCUDA, c10::DeviceIndex(dist.local_rank))
+                                              : torch::Device(o.device == "cuda" ? torch::kCUDA : torch::kCPU);
 
   // Rank 0 writes the files and the table; the other ranks train beside it.
   std::ofstream out, csv;
