@@ -2,7 +2,7 @@
 # One call on the GPU machine: build with libtorch's CUDA side, run the GPU tests (ctest -L cuda) and the
 # benchmarks, write full results under $OUT (default ./gpu-results) and print a short table last.
 #   usage: bash bench/run_gpu.sh [bench-name ...]    (no names: all benchmarks but the 7B rows;
-#          names: adamw gemm4 gptq zero table table7b table7b_offload ncu_gemm llama_gptq scale scale7b)
+#          names: adamw gemm4 gptq zero table table7b table7b_offload ncu_gemm llama_gptq scale scale7b scale7b_w1)
 #   env: TARGETS="t1 t2" builds only those targets (default: everything); GPU_TESTS=0 skips ctest -L cuda;
 #        BENCH_ARGS_<name>="..." extra arguments for one benchmark (e.g. BENCH_ARGS_table="--rows bf16,ckpt");
 #        BENCH_TIMEOUT=S stops a benchmark after S seconds (default 3600).
@@ -64,7 +64,8 @@ fi
 
 # Issue 7, several GPUs (only when named). scale: ZeRO-3 + bf16 without and with checkpointing, and with
 # Offload<Host> + checkpointing, at TinyLlama-1.1B, B=8 per GPU, T=2048, at world 1 and 2 (only worlds <= the GPUs
-# here), beside PyTorch FSDP2 in the same configurations (bench/fsdp2/fsdp2_llama.py); scale7b: LLaMA-7B at world 2.
+# here), beside PyTorch FSDP2 in the same configurations (bench/fsdp2/fsdp2_llama.py); scale7b: LLaMA-7B at world 2
+# (scale7b_w1: at world 1).
 # One torchrun launch per row (a row that fails at world > 1 ends its launch); bench_table appends to
 # $OUT/scale.jsonl, FSDP2 to $OUT/fsdp2.jsonl; bench/fsdp2/compare.py prints them side by side. torchrun hosts
 # its own TCP store on MASTER_PORT, so TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (rank 0's NcclComm hosts ours there);
@@ -81,15 +82,16 @@ scale_launch() {  # scale_launch <world> <timeout s> <torchrun arguments...>; fu
   grep -E "^(zero|fsdp2|bench_table)|failed|Error" "$OUT/scale-last.log" | grep -vE "ChildFailedError|elastic|^\[" | head -6
   [ $rc -eq 0 ] || echo "   exit $rc (124: timeout): world $w ${*:1:4} ... (full output: scale-launch.log)"
 }
-scale_rows() {  # scale_rows <preset> <worlds> <extra args> <rows...>: rows "ours-case|fsdp2 flags"
+scale_rows() {  # scale_rows <preset> <worlds> <extra args> <rows...>: rows "ours-case|fsdp2 flags" ("-": no FSDP2 run)
   local preset=$1 worlds=$2 extra=$3; shift 3
-  local ngpu w row case flags; ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+  local ngpu w row name flags; ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
   for w in $worlds; do
     if [ "$w" -gt "$ngpu" ]; then echo "   world $w skipped: $ngpu GPU(s) here"; continue; fi
     for row in "$@"; do
-      case=${row%%|*}; flags=${row#*|}
-      scale_launch "$w" "${SCALE_TIMEOUT:-180}" --no-python "$BUILD/bench/table/bench_table" --preset "$preset" --rows "$case:8" --seq 2048 \
+      name=${row%%|*}; flags=${row#*|}
+      scale_launch "$w" "${SCALE_TIMEOUT:-180}" --no-python "$BUILD/bench/table/bench_table" --preset "$preset" --rows "$name:8" --seq 2048 \
         --eval-seqs 4 --comm-timeout "${SCALE_COMM_TIMEOUT:-120}" $extra "${corpus[@]}" --out "$OUT/scale.jsonl"
+      [ "$flags" = "-" ] && continue
       scale_launch "$w" "${SCALE_TIMEOUT:-180}" "$ROOT/bench/fsdp2/fsdp2_llama.py" --preset "$preset" --batch 8 --seq 2048 $flags \
         --comm-timeout "${SCALE_COMM_TIMEOUT:-120}" $extra "${corpus[@]}" --out "$OUT/fsdp2.jsonl"
     done
@@ -100,11 +102,16 @@ if named scale; then
   scale_rows tinyllama-1.1b "1 2" "" "zero3-bf16|" "zero3-bf16-ckpt|--ckpt" "zero3-offload-bf16-ckpt|--ckpt --offload" | tee "$OUT/scale.log"
 fi
 if named scale7b; then
-  echo "== scale7b (LLaMA-7B, B=8 per GPU, T=2048, world 2; lr 3e-5 as table7b)"
-  SCALE_TIMEOUT=${SCALE_TIMEOUT:-450} SCALE_COMM_TIMEOUT=${SCALE_COMM_TIMEOUT:-300} scale_rows llama-7b "2" "--lr 3e-5" "zero3-bf16-ckpt|--ckpt" "zero3-offload-bf16-ckpt|--ckpt --offload" |
+  echo "== scale7b (LLaMA-7B, B=8 per GPU, T=2048, world 2; lr 3e-5 as table7b; FSDP2 with checkpointing only)"
+  SCALE_TIMEOUT=${SCALE_TIMEOUT:-450} SCALE_COMM_TIMEOUT=${SCALE_COMM_TIMEOUT:-300} scale_rows llama-7b "2" "--lr 3e-5" "zero3-bf16-ckpt|--ckpt" "zero3-offload-bf16-ckpt|-" |
     tee "$OUT/scale7b.log"
 fi
-if named scale || named scale7b; then python3 "$ROOT/bench/fsdp2/compare.py" "$OUT/scale.jsonl" "$OUT/fsdp2.jsonl" | tee "$OUT/scale-table.txt"; fi
+if named scale7b_w1; then  # the same at world 1 (planned 119 GB; the offload row at world 1 is table7b_offload's)
+  echo "== scale7b_w1 (LLaMA-7B, B=8, T=2048, world 1)"
+  SCALE_TIMEOUT=${SCALE_TIMEOUT:-450} SCALE_COMM_TIMEOUT=${SCALE_COMM_TIMEOUT:-300} scale_rows llama-7b "1" "--lr 3e-5" "zero3-bf16-ckpt|--ckpt" |
+    tee "$OUT/scale7b_w1.log"
+fi
+if named scale || named scale7b || named scale7b_w1; then python3 "$ROOT/bench/fsdp2/compare.py" "$OUT/scale.jsonl" "$OUT/fsdp2.jsonl" | tee "$OUT/scale-table.txt"; fi
 
 # Nsight Compute on the library's 4-bit GEMM at batch 1 and 16 on the largest shape (only when named): speed
 # of light, occupancy, launch statistics and warp stall reasons of the first launches of each case.
