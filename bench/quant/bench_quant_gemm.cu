@@ -16,6 +16,9 @@
 // launches is queued behind a spin kernel so CPU launch overhead never shows as GPU time.
 // Correctness: ours and every variant vs dequantize + fp32 matmul on the same weights (max error relative
 // to max |y|), per case.
+// Per configuration, once: registers per thread, threads, shared memory of its plan, local (spill) bytes and
+// the blocks per SM the occupancy calculator allows ("cfg" lines; per case in the JSON's variants_info).
+// A watchdog ends the process (exit code 3, naming the configuration) when nothing progresses for 150 s.
 // Usage: bench_quant_gemm [--out FILE] [--reps N] [--only CASE] [--no-checks] [--no-variants]
 //   (env SQUEEZE_DEVICE, SQUEEZE_DATE, SQUEEZE_COMMIT)
 #include <torch/torch.h>
@@ -25,8 +28,12 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <chrono>
+#include <mutex>
 #include <random>
+#include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -78,6 +85,32 @@ double time_ms(const std::function<void()>& fn, int reps) {
   for (auto& e : ev) cudaEventDestroy(e);
   std::nth_element(t.begin(), t.begin() + reps / 2, t.end());
   return t[reps / 2];
+}
+
+// Watchdog: a configuration that hangs (e.g. a barrier bug) would stop the whole GPU run. Each variant notes its
+// name when it starts; if no note or case comes for kHangSeconds, the process prints what hung and exits with
+// code 3 (the JSON lines written so far stay).
+std::mutex g_wd_mu;
+std::string g_wd_what = "start";
+std::chrono::steady_clock::time_point g_wd_since = std::chrono::steady_clock::now();
+constexpr int kHangSeconds = 150;
+void watchdog_note(const std::string& what) {
+  std::lock_guard<std::mutex> lk(g_wd_mu);
+  g_wd_what = what;
+  g_wd_since = std::chrono::steady_clock::now();
+}
+void start_watchdog() {
+  std::thread([] {
+    for (;;) {
+      std::this_thread::sleep_for(std::chrono::seconds(5));
+      std::lock_guard<std::mutex> lk(g_wd_mu);
+      if (std::chrono::steady_clock::now() - g_wd_since > std::chrono::seconds(kHangSeconds)) {
+        std::printf("bench_quant_gemm: no progress for %d s in '%s': HUNG, exiting (code 3)\n", kHangSeconds, g_wd_what.c_str());
+        std::fflush(stdout);
+        std::_Exit(3);
+      }
+    }
+  }).detach();
 }
 
 std::string env_or(const char* name, const std::string& fallback) {
@@ -162,6 +195,7 @@ bool module_checks() {
 // {name: rel err} (at the plan's own cps), and tracks the fastest correct one.
 struct VariantResult {
   nlohmann::json times = nlohmann::json::object(), errors = nlohmann::json::object();
+  nlohmann::json info = nlohmann::json::object();  // {name: {regs, threads, smem, blocks_per_sm, blocks, splits, cps}} of the plan's own cps
   std::string best_name;
   int best_cps = 0;
   double best_ms = 0;
@@ -181,6 +215,7 @@ void time_variant(const GemmBuffers& b, const kq::QGemmShape& shape, int sm, int
   } else {
   constexpr int rows = C::ROWS;
   if (rows > std::max<std::int64_t>(16, shape.M) || rows * 8 < shape.M) return;  // far from this batch: skip
+  if (C::SWAP && shape.M > 2 * rows) return;  // weights-as-A configurations are for batch 1..16
   const auto cuda = torch::TensorOptions().device(torch::kCUDA, 0);
   nlohmann::json t = nlohmann::json::object();
   int last_splits = -1;
@@ -197,6 +232,24 @@ void time_variant(const GemmBuffers& b, const kq::QGemmShape& shape, int sm, int
       std::printf("  variant %s (%s): %s\n", kq::detail::cfg_name<C>().c_str(), kq::describe(plan).c_str(), cudaGetErrorString(e));
       cudaGetLastError();
       continue;
+    }
+    if (cps == 0) {  // registers and occupancy: what limits the warps in flight (printed once per configuration)
+      watchdog_note(kq::detail::cfg_name<C>());
+      cudaFuncAttributes fa{};
+      int per_sm = 0;
+      const auto kernel = kq::detail::qgemm_kernel<bf16, BITS, C>;
+      if (cudaFuncGetAttributes(&fa, kernel) == cudaSuccess &&
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, C::THREADS, std::size_t(plan.smem_bytes)) == cudaSuccess) {
+        r.info[kq::detail::cfg_name<C>()] = {{"regs", fa.numRegs}, {"threads", C::THREADS}, {"smem", plan.smem_bytes + int(fa.sharedSizeBytes)},
+                                             {"local_bytes", int(fa.localSizeBytes)}, {"blocks_per_sm", per_sm}, {"blocks", plan.blocks()},
+                                             {"splits", plan.splits}, {"cps", plan.cps}};
+        static std::set<std::string> printed;
+        if (printed.insert(std::to_string(BITS) + kq::detail::cfg_name<C>()).second)
+          std::printf("  cfg %-16s %d-bit: %3d regs/thread, %3d threads, %6d B shared (plan at %s), local %d B, %d blocks/SM = %2d warps/SM\n",
+                      kq::detail::cfg_name<C>().c_str(), BITS, fa.numRegs, C::THREADS, plan.smem_bytes + int(fa.sharedSizeBytes),
+                      kq::describe(plan).c_str(), int(fa.localSizeBytes), per_sm, per_sm * C::THREADS / 32);
+      }
+      cudaGetLastError();
     }
     if (cps == 0 && !diagnostic) {
       run();
@@ -315,7 +368,10 @@ int main(int argc, char** argv) {
   std::ofstream out;
   if (!out_path.empty()) out.open(out_path);
   torch::NoGradGuard ng;
+  start_watchdog();
+  watchdog_note("module checks");
   const bool modules_ok = !checks || module_checks();
+  watchdog_note("copy bandwidth");
   bool any_failed = false;
   if (checks) std::printf("QuantizedLinear CUDA paths vs CPU: %s\n", modules_ok ? "all ok" : "SOME FAILED");
   const auto cuda = torch::TensorOptions().device(torch::kCUDA, 0);
@@ -338,6 +394,7 @@ int main(int argc, char** argv) {
   std::printf("%-18s %8s %8s %6s | %-14s %4s %8s %6s | %8s %8s | %8s %6s | %5s %5s %5s | %8s\n", "case", "ours ms", "cublas", "x cub", "best variant",
               "cps", "best ms", "x cub", "load ms", "decode", "int4pk", "x i4", "roof", "best", "load", "rel err");
   for (auto [K, N] : shapes) {
+    watchdog_note("preparing the 4-bit layer " + std::to_string(K) + " x " + std::to_string(N));
     const auto p = random_layer(4, K, N, std::uint32_t(K * 31 + N));
     const auto t = squeeze::quant::to_tiles(p);
     const DeviceLayer d = upload_layer(p, t, K, N, 4, cuda);
@@ -359,6 +416,7 @@ int main(int argc, char** argv) {
     for (std::int64_t M : batches) {
       const std::string cs = "K" + std::to_string(K) + "_N" + std::to_string(N) + "_M" + std::to_string(M);
       if (!only.empty() && cs.find(only) == std::string::npos) continue;
+      watchdog_note(cs + " (ours, cuBLAS, peers)");
       try {
       const GemmCase gc = prepare_case(M, K, N, t, d, sm, cuda);
       const torch::Tensor& x = gc.x;
@@ -438,6 +496,7 @@ int main(int argc, char** argv) {
                             {"deq_cublas_ms", t_deq > 0 ? nlohmann::json(t_deq) : nlohmann::json(nullptr)},
                             {"variants_ms", var.times},
                             {"variants_err", var.errors},
+                            {"variants_info", var.info},
                             {"diagnostics_ms", diag.times},
                             {"device", device},
                             {"date", date},
@@ -459,6 +518,7 @@ int main(int argc, char** argv) {
   std::printf("\n3-bit: %-18s %8s %8s %6s | %-14s %4s %8s %6s | %8s %6s | %5s | %8s\n", "case", "ours ms", "cublas", "x cub", "best variant", "cps",
               "best ms", "x cub", "gptq gemv", "x ours", "roof", "rel err");
   for (auto [K, N] : std::vector<std::pair<std::int64_t, std::int64_t>>{{4096, 11008}, {11008, 4096}, {8192, 28672}}) {
+    watchdog_note("preparing the 3-bit layer " + std::to_string(K) + " x " + std::to_string(N));
     const auto p = random_layer(3, K, N, std::uint32_t(K * 17 + N));
     const auto t = squeeze::quant::to_tiles(p);
     const DeviceLayer d = upload_layer(p, t, K, N, 3, cuda);
@@ -468,6 +528,7 @@ int main(int argc, char** argv) {
     for (std::int64_t M : {1, 4, 8}) {
       const std::string cs = "K" + std::to_string(K) + "_N" + std::to_string(N) + "_M" + std::to_string(M);
       if (!only.empty() && cs.find(only) == std::string::npos) continue;
+      watchdog_note(cs + " (ours, cuBLAS, peers)");
       try {
       const GemmCase gc = prepare_case(M, K, N, t, d, sm, cuda);
       const torch::Tensor& x = gc.x;

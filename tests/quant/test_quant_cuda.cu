@@ -313,6 +313,45 @@ TEST(QuantCuda, BulkLoaderMatchesCpuTwinAt8Bits) {
   bulk_all_groups<8>();
 }
 
+// Weights as the mma A operand (SWAP configurations, batch 1..16): every width (3/4/8 bits: the decoded word is
+// the A fragment), groups of 32 (two per chunk), 128 and per channel, folded zero points (z) and scaled B (s);
+// N = 200 (13 tiles: the last warp's second tile past N, a partial last strip), K = 1100 (padded to 1152),
+// M = 1, 7 (a partial batch block), 13 (16 rows: a partial second block), 16. Tolerances as in cfg_runs.
+template <class T, int BITS, class C>
+void swap_check(const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t M) {
+  if constexpr (C::SWAP && C::MODE == kq::detail::QGemmMode::Full && !(BITS == 3 && C::LOADER == kq::detail::QGemmLoader::CpAsync))
+    cfg_check<T, C, BITS>(p, t, M);
+}
+template <class T, int BITS, class... Cs>
+void swap_cfgs(kq::detail::CfgList<Cs...>, const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t M) {
+  (swap_check<T, BITS, Cs>(p, t, M), ...);
+}
+template <int BITS>
+void swap_all_groups() {
+  for (int group : {32, 128, 0}) {
+    const auto p = random_layer(200, 1100, BITS, group, group == 32, 211 + BITS + group);
+    const auto t = quant::to_tiles(p);
+    for (std::int64_t M : {1, 7, 13, 16}) {
+      SCOPED_TRACE("group " + std::to_string(group) + " M " + std::to_string(M));
+      swap_cfgs<bf16, BITS>(kq::detail::TuningCfgs{}, p, t, M);
+      swap_cfgs<half, BITS>(kq::detail::TuningCfgs{}, p, t, M);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+}
+TEST(QuantCuda, WeightsAsAOperandMatchCpuTwinAt3Bits) {
+  REQUIRE_DEVICE();
+  swap_all_groups<3>();
+}
+TEST(QuantCuda, WeightsAsAOperandMatchCpuTwinAt4Bits) {
+  REQUIRE_DEVICE();
+  swap_all_groups<4>();
+}
+TEST(QuantCuda, WeightsAsAOperandMatchCpuTwinAt8Bits) {
+  REQUIRE_DEVICE();
+  swap_all_groups<8>();
+}
+
 // Large layers, many launches: every tuned configuration (compute mode) at the sizes where the GPU run of
 // 4350b90 saw wrong results from two bulk-loader configurations (r32w4n2p8b, r32w4n2p8bp2 on K, N >= 4096
 // at M 64 / 128, in the benchmark's single check; the small shapes above passed). Races show up only with

@@ -373,6 +373,32 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// (a & MASK) | MAGIC in one LOP3: written as C (two LOP3 with one immediate each) the compiler keeps the AND and
+// the OR apart; with both constants as operands of one lop3 (0xEA = (a & b) | c) ptxas keeps one in a register.
+template <std::uint32_t MASK, std::uint32_t MAGIC>
+__device__ __forceinline__ std::uint32_t and_or(std::uint32_t a) {
+  std::uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(a), "n"(MASK), "n"(MAGIC));
+  return r;
+}
+// Device form of magic_pair / magic3_pair (same bits, one LOP3 per pair after the shift).
+template <class T>
+__device__ __forceinline__ std::uint32_t magic_pair_dev(std::uint32_t w, int i) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    return and_or<0x000F000Fu, 0x43004300u>(w >> (4 * i));
+  } else {
+    const std::uint32_t s = w >> (8 * (i >> 1));
+    return (i & 1) ? and_or<0x00F000F0u, 0x64006400u>(s) : and_or<0x000F000Fu, 0x64006400u>(s);
+  }
+}
+template <class T>
+__device__ __forceinline__ std::uint32_t magic3_pair_dev(std::uint32_t w0, std::uint32_t w1, std::uint32_t w2, int q) {
+  constexpr std::uint32_t kMagic = std::is_same_v<T, bf16> ? 0x43004300u : 0x64006400u;
+  if (q == 15) return magic3_pair<T>(w0, w1, w2, q);
+  const std::uint32_t w = q < 5 ? w0 : q < 10 ? w1 : w2;
+  return and_or<0x00070007u, kMagic>(w >> (3 * (q % 5)));
+}
+
 // B registers (q - z) of one k-step for both n8 halves j: b[j][r].
 template <class T>
 __device__ __forceinline__ void decode_word(std::uint32_t w, const std::uint32_t (&zlo)[2], const std::uint32_t (&zhi)[2],
@@ -380,7 +406,7 @@ __device__ __forceinline__ void decode_word(std::uint32_t w, const std::uint32_t
   using V = typename Vec2<T>::type;
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
-    const V lo = as_vec2<V>(magic_pair<T>(w, 2 * j)), hi = as_vec2<V>(magic_pair<T>(w, 2 * j + 1));
+    const V lo = as_vec2<V>(magic_pair_dev<T>(w, 2 * j)), hi = as_vec2<V>(magic_pair_dev<T>(w, 2 * j + 1));
     if constexpr (std::is_same_v<T, bf16>) {
       b[j][0] = u32(__hsub2(lo, as_vec2<V>(zlo[j])));
       b[j][1] = u32(__hsub2(hi, as_vec2<V>(zlo[j])));
@@ -443,7 +469,7 @@ __device__ __forceinline__ void decode_word3(std::uint32_t w0, std::uint32_t w1,
 #pragma unroll
   for (int j = 0; j < 2; ++j)
 #pragma unroll
-    for (int r = 0; r < 2; ++r) b[j][r] = u32(__hsub2(as_vec2<V>(magic3_pair<T>(w0, w1, w2, 4 * ks + 2 * j + r)), as_vec2<V>(zlo[j])));
+    for (int r = 0; r < 2; ++r) b[j][r] = u32(__hsub2(as_vec2<V>(magic3_pair_dev<T>(w0, w1, w2, 4 * ks + 2 * j + r)), as_vec2<V>(zlo[j])));
 }
 
 // ---- Hopper bulk copies (TMA engine) into a shared-memory ring, with mbarrier hand-offs (sm_90) ----------
@@ -522,12 +548,18 @@ enum class QGemmMode { Full = 0, LoadOnly = 1, LoadDecode = 2 };  // the last tw
 //           or more warps per SM). NOT exact like the other modes: each weight is rounded to T once (fp16:
 //           relative 2^-11; bf16: the fp16 scale is rounded to bf16 too, 2^-8 in all)
 //   MINB    minimum blocks per SM for __launch_bounds__ (caps registers per thread to raise occupancy)
+//   SWAP    weights as the mma A operand, x as B (batch 1..16): the tile word of k-step ks already is the A
+//           fragment of its 16 n x 16 k (pairs 0 / 2 / 1 / 3 = registers a0..a3: rows n = g, g + 8, k 2c, 2c + 8),
+//           so one mma covers 16 columns x 8 batch rows: half the mma, accumulator and x-fragment registers
+//           of the x-as-A layout at 8 rows (where 15 of the 16 A rows were padding). 8 or 16 rows per block;
+//           C fragments hold (n, batch) instead of (batch, n), so the scales of a C row are per column n; with
+//           ZFOLD the column sums of x come from one mma per k-step and 8 rows with A = 1
 template <int ROWS8_, int W_, int NT_, int PF_, QGemmLoader LOADER_ = QGemmLoader::Registers, bool ZFOLD_ = false,
-          QGemmMode MODE_ = QGemmMode::Full, int PERSIST_ = 0, bool SCALEB_ = false, int MINB_ = 1>
+          QGemmMode MODE_ = QGemmMode::Full, int PERSIST_ = 0, bool SCALEB_ = false, int MINB_ = 1, bool SWAP_ = false>
 struct QGemmCfg {
   static constexpr int ROWS8 = ROWS8_, W = W_, NT = NT_, PF = PF_, PERSIST = PERSIST_, MINB = MINB_;
   static constexpr QGemmLoader LOADER = LOADER_;
-  static constexpr bool ZFOLD = ZFOLD_, SCALEB = SCALEB_;
+  static constexpr bool ZFOLD = ZFOLD_, SCALEB = SCALEB_, SWAP = SWAP_;
   static constexpr QGemmMode MODE = MODE_;
   static constexpr int ROWS = 8 * ROWS8, MT = ROWS8 < 2 ? 1 : ROWS8 / 2, STRIP = W * NT * kTileN;
   // Bulk: W consumer warps + one producer warp
@@ -537,6 +569,7 @@ struct QGemmCfg {
   static_assert(PERSIST == 0 || LOADER == QGemmLoader::Bulk, "a persistent grid needs the bulk loader (its producer streams across items)");
   static_assert(!(SCALEB && ZFOLD), "scaled B and folded zero points exclude each other");
   static_assert(MINB >= 1, "at least one block per SM");
+  static_assert(!SWAP || ROWS8 == 1 || ROWS8 == 2, "weights as A: 8 or 16 rows per block");
   // ring: PF slots of one chunk of the strip (W * NT tiles), for both shared-memory loaders (bulk: plus the
   // group rows, sized by the plan)
   template <int BITS>
@@ -573,6 +606,10 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_kernel(const QGemmP
   constexpr bool kBulk = C::LOADER == QGemmLoader::Bulk;
   constexpr bool kFull = C::MODE == QGemmMode::Full;
   constexpr bool kFold = C::ZFOLD && !(BITS == 8 && std::is_same_v<T, bf16>);  // bf16 cannot hold 128 + 255
+  // SWAP: weights as A; accumulators [NT][NJ = batch blocks of 8][4], element e at (n = g4 + 8 (e >> 1), batch 2 c4 + (e & 1))
+  // of the tile; otherwise [MT][NT][NJ = n8 halves][4], element e at (row g4 + 8 (e >> 1), n 8 j + 2 c4 + (e & 1))
+  constexpr bool kSwap = C::SWAP;
+  constexpr int NJ = kSwap ? C::ROWS8 : 2;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int last_flag;
   __shared__ __align__(8) std::uint64_t bars[kBulk ? 2 * PF : 1];  // Bulk: full[PF], empty[PF]
@@ -849,8 +886,9 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_kernel(const QGemmP
       for (int j = 0; j < 2; ++j) {
         const int n = row + t * kTileN + 8 * j;
         r.zb[t][j] = tbl_z[n + g4];
-        if constexpr (kFold) r.zc[t][j] = std::uint32_t(tbl_z[n + 2 * c4]) | (std::uint32_t(tbl_z[n + 2 * c4 + 1]) << 8);
+        if constexpr (kFold && !kSwap) r.zc[t][j] = std::uint32_t(tbl_z[n + 2 * c4]) | (std::uint32_t(tbl_z[n + 2 * c4 + 1]) << 8);
         if constexpr (C::SCALEB) r.sb[t][j] = *reinterpret_cast<const std::uint16_t*>(tbl_s + n + g4);
+        else if constexpr (kSwap) r.s[t][j] = *reinterpret_cast<const std::uint16_t*>(tbl_s + n + g4);  // C row n = B column
         else r.s[t][j] = *reinterpret_cast<const std::uint32_t*>(tbl_s + n + 2 * c4);
       }
     return r;
@@ -864,7 +902,10 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_kernel(const QGemmP
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int zc = int(r.zb[t][j]);
-        if constexpr (kFold) {
+        if constexpr (kFold && kSwap) {
+          constexpr float kMagic = std::is_same_v<T, bf16> ? 128.f : 1024.f;
+          zc2[t][j][0] = kMagic + float(zc);  // column 8 j + g4 (the A rows)
+        } else if constexpr (kFold) {
           constexpr float kMagic = std::is_same_v<T, bf16> ? 128.f : 1024.f;
           zc2[t][j][0] = kMagic + float(r.zc[t][j] & 0xFFu);
           zc2[t][j][1] = kMagic + float(r.zc[t][j] >> 8);
@@ -884,6 +925,8 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_kernel(const QGemmP
           } else {
             sb2[t][j] = r.sb[t][j] * 0x00010001u;
           }
+        } else if constexpr (kSwap) {
+          sc[t][j][0] = sc[t][j][1] = __half2float(__ushort_as_half(static_cast<unsigned short>(r.s[t][j])));  // column 8 j + g4
         } else {
           const __half2 s2 = as_vec2<__half2>(r.s[t][j]);
           sc[t][j][0] = __low2float(s2);
@@ -894,10 +937,13 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_kernel(const QGemmP
   int g = g_first;
   int next_k = (g + 1) * p.group < p.K ? (g + 1) * p.group : 0x7fffffff;  // k where the next group starts
   // acc: result so far; tmp: this group's sum of x * (q - z), folded into acc with the group's scales
-  float acc[MT][NT][2][4], tmp[MT][NT][2][4];
-  float xacc[MT][4];  // folding: this group's row sums of x (rows g4, g4 + 8 in elements 0 / 2)
+  float acc[MT][NT][NJ][4], tmp[MT][NT][NJ][4];
+  // folding: this group's row sums of x (rows g4, g4 + 8 in elements 0 / 2; SWAP: [batch block][e], batch row
+  // 2 c4 + (e & 1) in every element, as C is the same in all 16 rows)
+  constexpr int XA = kSwap ? NJ : MT;
+  float xacc[XA][4];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+  for (int mt = 0; mt < XA; ++mt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) xacc[mt][e] = 0.f;
 #pragma unroll
@@ -905,7 +951,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_kernel(const QGemmP
 #pragma unroll
     for (int t = 0; t < NT; ++t)
 #pragma unroll
-      for (int j = 0; j < 2; ++j)
+      for (int j = 0; j < NJ; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[mt][t][j][e] = tmp[mt][t][j][e] = 0.f;
   auto flush = [&]() {
@@ -915,17 +961,21 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_kernel(const QGemmP
 #pragma unroll
         for (int t = 0; t < NT; ++t)
 #pragma unroll
-          for (int j = 0; j < 2; ++j)
+          for (int j = 0; j < NJ; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               float v = tmp[mt][t][j][e];
-              if constexpr (kFold) v = fmaf(-zc2[t][j][e & 1], xacc[mt][e & 2], v);  // minus (magic + z) * sum(x) of the row
-              acc[mt][t][j][e] = fmaf(v, sc[t][j][e & 1], acc[mt][t][j][e]);
+              // minus (magic + z) * sum(x) of the row (SWAP: z of the column n = 8 (e >> 1) + g4, sum of batch row j, e)
+              if constexpr (kFold && kSwap) v = fmaf(-zc2[t][e >> 1][0], xacc[j][e], v);
+              else if constexpr (kFold) v = fmaf(-zc2[t][j][e & 1], xacc[mt][e & 2], v);
+              // scale of the element's column: swapped, C row n = 8 (e >> 1) + g4 of the tile
+              const float scale = kSwap ? sc[t][e >> 1][0] : sc[t][j][e & 1];
+              acc[mt][t][j][e] = fmaf(v, scale, acc[mt][t][j][e]);
               tmp[mt][t][j][e] = 0.f;
             }
       if constexpr (kFold)
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+        for (int mt = 0; mt < XA; ++mt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) xacc[mt][e] = 0.f;
     }
@@ -940,7 +990,8 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_kernel(const QGemmP
     apply_group(fetch_group(g));
   };
 
-  // One chunk: 4 k-steps of 16; per k-step decode NT * 2 B fragments, load the A fragments, MT * NT * 2 mma.
+  // One chunk: 4 k-steps of 16; per k-step decode NT * 2 B fragments, load the A fragments, MT * NT * 2 mma
+  // (SWAP: decode NT A fragments, load the x B fragments, NT * NJ mma).
   auto chunk_body = [&](const Chunk& ch, int kl, auto check_groups) {
     [[maybe_unused]] std::uint32_t a8[4];  // ROWS8 == 1: A of two k-steps (rows 0..7)
 #pragma unroll
@@ -957,8 +1008,8 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_kernel(const QGemmP
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
               if constexpr (BITS == 8) b[t][j][r] = magic8_pair_f16(ch.w[t][2 * ks + j], r);
-              else if constexpr (BITS == 3) b[t][j][r] = magic3_pair<T>(ch.w[t][0], ch.w[t][1], ch.w[t][2], 4 * ks + 2 * j + r);
-              else b[t][j][r] = ((ch.w[t][ks] >> (4 * (2 * j + r))) & 0x000F000Fu) | (std::is_same_v<T, bf16> ? 0x43004300u : 0x64006400u);
+              else if constexpr (BITS == 3) b[t][j][r] = magic3_pair_dev<T>(ch.w[t][0], ch.w[t][1], ch.w[t][2], 4 * ks + 2 * j + r);
+              else b[t][j][r] = and_or<0x000F000Fu, (std::is_same_v<T, bf16> ? 0x43004300u : 0x64006400u)>(ch.w[t][ks] >> (4 * (2 * j + r)));
             }
         } else if constexpr (BITS == 8) {
           decode_word8<T>(ch.w[t][2 * ks], ch.w[t][2 * ks + 1], zlo[t], zf[t], b[t]);
@@ -980,27 +1031,60 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_kernel(const QGemmP
         for (int t = 0; t < NT; ++t) sink ^= b[t][0][0] ^ b[t][0][1] ^ b[t][1][0] ^ b[t][1][1];
         continue;
       }
-      std::uint32_t a[MT][4];
-      if constexpr (C::ROWS8 == 1) {
-        // lanes 8i..8i+7 address rows 0..7 at k 8i..8i+7 of a 32-k window: matrices (ks, lo), (ks, hi), (ks+1, lo), (ks+1, hi)
-        if (ks % 2 == 0) ldmatrix_x4(a8, xs + (lane & 7) * xstride + kl + ks * 16 + 8 * (lane >> 3));
-        a[0][0] = a8[(ks & 1) * 2];
-        a[0][2] = a8[(ks & 1) * 2 + 1];
-        a[0][1] = a[0][3] = 0u;
-      } else {
+      if constexpr (kSwap) {
+        // x as B: register 0 = (k 2 c4, 2 c4 + 1; batch g4), register 1 = k + 8. ldmatrix (not transposed) hands
+        // lane l the pair at row l / 4, columns 2 (l % 4) of each 8 x 8 matrix: rows = batch, columns = k.
+        std::uint32_t xb[NJ][2];
+        if constexpr (NJ == 1) {
+          // lanes 8i..8i+7 address rows 0..7 at k 8i of a 32-k window: matrices (ks, lo), (ks, hi), (ks+1, lo), (ks+1, hi)
+          if (ks % 2 == 0) ldmatrix_x4(a8, xs + (lane & 7) * xstride + kl + ks * 16 + 8 * (lane >> 3));
+          xb[0][0] = a8[(ks & 1) * 2];
+          xb[0][1] = a8[(ks & 1) * 2 + 1];
+        } else {
+          // matrices (rows 0..7, k lo), (rows 0..7, k hi), (rows 8..15, k lo), (rows 8..15, k hi)
+          std::uint32_t x4[4];
+          ldmatrix_x4(x4, xs + ((lane & 7) + 8 * (lane >> 4)) * xstride + kl + ks * 16 + 8 * ((lane >> 3) & 1));
+          xb[0][0] = x4[0];
+          xb[0][1] = x4[1];
+          xb[1][0] = x4[2];
+          xb[1][1] = x4[3];
+        }
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-          ldmatrix_x4(a[mt], xs + (mt * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * xstride + kl + ks * 16 + 8 * (lane >> 4));
-      }
+        for (int t = 0; t < NT; ++t) {
+          // A = the decoded word: a0 (n g4, k lo) = b[t][0][0], a1 (n g4 + 8, k lo) = b[t][1][0], a2, a3: k hi
+          const std::uint32_t aw[4] = {b[t][0][0], b[t][1][0], b[t][0][1], b[t][1][1]};
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int t = 0; t < NT; ++t)
-#pragma unroll
-          for (int j = 0; j < 2; ++j) mma16816<T>(C::SCALEB ? acc[mt][t][j] : tmp[mt][t][j], a[mt], b[t][j][0], b[t][j][1]);
-        if constexpr (kFold) {
+          for (int nb = 0; nb < NJ; ++nb) mma16816<T>(C::SCALEB ? acc[0][t][nb] : tmp[0][t][nb], aw, xb[nb][0], xb[nb][1]);
+        }
+        if constexpr (kFold) {  // column sums of x: A = 1
           constexpr std::uint32_t kOnes = std::is_same_v<T, bf16> ? 0x3F803F80u : 0x3C003C00u;
-          mma16816<T>(xacc[mt], a[mt], kOnes, kOnes);
+          const std::uint32_t ones[4] = {kOnes, kOnes, kOnes, kOnes};
+#pragma unroll
+          for (int nb = 0; nb < NJ; ++nb) mma16816<T>(xacc[nb], ones, xb[nb][0], xb[nb][1]);
+        }
+      } else {
+        std::uint32_t a[MT][4];
+        if constexpr (C::ROWS8 == 1) {
+          // lanes 8i..8i+7 address rows 0..7 at k 8i..8i+7 of a 32-k window: matrices (ks, lo), (ks, hi), (ks+1, lo), (ks+1, hi)
+          if (ks % 2 == 0) ldmatrix_x4(a8, xs + (lane & 7) * xstride + kl + ks * 16 + 8 * (lane >> 3));
+          a[0][0] = a8[(ks & 1) * 2];
+          a[0][2] = a8[(ks & 1) * 2 + 1];
+          a[0][1] = a[0][3] = 0u;
+        } else {
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+            ldmatrix_x4(a[mt], xs + (mt * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * xstride + kl + ks * 16 + 8 * (lane >> 4));
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+          for (int t = 0; t < NT; ++t)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) mma16816<T>(C::SCALEB ? acc[mt][t][j] : tmp[mt][t][j], a[mt], b[t][j][0], b[t][j][1]);
+          if constexpr (kFold) {
+            constexpr std::uint32_t kOnes = std::is_same_v<T, bf16> ? 0x3F803F80u : 0x3C003C00u;
+            mma16816<T>(xacc[mt], a[mt], kOnes, kOnes);
+          }
         }
       }
     }
@@ -1066,9 +1150,28 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_kernel(const QGemmP
   if constexpr (!kFull) continue;
   flush();
 
-  // ---- epilogue: C fragment rows g4 / g4 + 8, columns 2 c4, 2 c4 + 1 of each n8 half ----
+  // ---- epilogue: C fragment rows g4 / g4 + 8, columns 2 c4, 2 c4 + 1 of each n8 half (SWAP: rows are the
+  // columns n, columns the batch rows) ----
   T* y = static_cast<T*>(p.y);
-  if (p.splits == 1) {
+  float* mine = p.partial + (std::int64_t(split) * p.M + m0) * p.Npad;
+  if constexpr (kSwap) {
+    if (active)
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int nb = 0; nb < NJ; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int m = 8 * nb + 2 * c4 + (e & 1), n = (nt0 + t) * kTileN + g4 + 8 * (e >> 1);
+            if (m >= rows) continue;
+            if (p.splits == 1) {
+              if (n < p.N) y[std::int64_t(m0 + m) * p.N + n] = from_float<T>(acc[0][t][nb][e]);
+            } else if (nt0 + t < ntiles) {
+              mine[std::int64_t(m) * p.Npad + n] = acc[0][t][nb][e];
+            }
+          }
+    if (p.splits == 1) continue;
+  } else if (p.splits == 1) {
     if (active)
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
@@ -1082,9 +1185,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_kernel(const QGemmP
               if (m < rows && n < p.N) y[std::int64_t(m0 + m) * p.N + n] = from_float<T>(acc[mt][t][j][e]);
             }
     continue;
-  }
-  float* mine = p.partial + (std::int64_t(split) * p.M + m0) * p.Npad;
-  if (active)
+  } else if (active) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -1097,6 +1198,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_kernel(const QGemmP
             if (m < rows && nt0 + t < ntiles)
               *reinterpret_cast<float2*>(mine + std::int64_t(m) * p.Npad + n) = make_float2(acc[mt][t][j][2 * h], acc[mt][t][j][2 * h + 1]);
           }
+  }
   __threadfence();
   sync_compute();
   int* counter = p.counters + std::int64_t(z) * p.strips + strip;
@@ -1156,7 +1258,8 @@ cudaError_t launch_qgemm_cfg(const T* x, const std::uint32_t* tiles, const half*
 
 // Configurations the benchmark times side by side (and the CUDA tests check against the CPU twin), so one
 // GPU run shows which wins per batch size. name() spells the knobs: r<rows>w<warps>n<tiles>p<depth>, then
-// a (cp.async loader) or b (bulk loader), z (folded zero points), -load / -decode (diagnostics).
+// a (cp.async loader) or b (bulk loader), p<n> (persistent grid), z (folded zero points), s (scaled B), x (weights as
+// the mma A operand), m<n> (register cap: n blocks per SM), -load / -decode (diagnostics).
 template <class... Cs>
 struct CfgList {};
 template <class C>
@@ -1167,6 +1270,7 @@ std::string cfg_name() {
   if (C::PERSIST > 0) n += "p" + std::to_string(C::PERSIST);
   if (C::ZFOLD) n += "z";
   if (C::SCALEB) n += "s";
+  if (C::SWAP) n += "x";
   if (C::MINB > 1) n += "m" + std::to_string(C::MINB);
   if (C::MODE == QGemmMode::LoadOnly) n += "-load";
   if (C::MODE == QGemmMode::LoadDecode) n += "-decode";
@@ -1200,7 +1304,26 @@ using TuningCfgs = CfgList<QGemmCfg<1, 4, 1, 8>, QGemmCfg<1, 4, 1, 4>, QGemmCfg<
                            QGemmCfg<1, 4, 2, 4, R::Registers, false, M_::Full, 0, false, 4>,
                            QGemmCfg<2, 4, 2, 4, R::Registers, false, M_::Full, 0, false, 4>,
                            QGemmCfg<4, 4, 2, 4, R::Registers, false, M_::Full, 0, false, 3>,
-                           QGemmCfg<2, 4, 2, 8, R::Bulk, false, M_::Full, 0, false, 3>>;
+                           QGemmCfg<2, 4, 2, 8, R::Bulk, false, M_::Full, 0, false, 3>,
+                           // weights as the A operand (batch 1..16 on the mma's n8): one mma per 16 columns x 16 k x 8 rows;
+                           // z: zero points folded (no per-pair subtraction; column sums of x by one more mma per k-step)
+                           // (registers per thread, bf16 4-bit, ptxas sm_90 at commit time, in the comments)
+                           QGemmCfg<1, 4, 2, 4, R::Registers, false, M_::Full, 0, false, 1, true>,   // r8w4n2p4x     120
+                           QGemmCfg<1, 4, 1, 8, R::Registers, false, M_::Full, 0, false, 1, true>,   // r8w4n1p8x      96
+                           QGemmCfg<1, 4, 2, 4, R::Registers, true, M_::Full, 0, false, 1, true>,    // r8w4n2p4zx    128
+                           QGemmCfg<1, 4, 1, 8, R::Registers, true, M_::Full, 0, false, 1, true>,    // r8w4n1p8zx    104
+                           QGemmCfg<1, 8, 1, 8, R::Registers, true, M_::Full, 0, false, 1, true>,    // r8w8n1p8zx    104
+                           QGemmCfg<1, 4, 2, 4, R::Registers, true, M_::Full, 0, false, 5, true>,    // r8w4n2p4zxm5   96
+                           QGemmCfg<2, 4, 2, 4, R::Registers, false, M_::Full, 0, false, 1, true>,   // r16w4n2p4x    136
+                           QGemmCfg<2, 4, 1, 8, R::Registers, false, M_::Full, 0, false, 1, true>,   // r16w4n1p8x    105
+                           QGemmCfg<1, 4, 2, 8, R::Bulk, false, M_::Full, 0, false, 1, true>,        // r8w4n2p8bx     80
+                           QGemmCfg<1, 4, 2, 8, R::Bulk, true, M_::Full, 0, false, 1, true>,         // r8w4n2p8bzx    96
+                           QGemmCfg<1, 4, 2, 8, R::Bulk, true, M_::Full, 0, false, 5, true>,         // r8w4n2p8bzxm5  72 (spills 28 B)
+                           QGemmCfg<2, 4, 2, 8, R::Bulk, false, M_::Full, 0, false, 1, true>,        // r16w4n2p8bx   108
+                           QGemmCfg<1, 4, 2, 16, R::Bulk, true, M_::Full, 2, false, 1, true>,        // r8w4n2p16bp2zx 96
+                           QGemmCfg<2, 4, 2, 16, R::Bulk, false, M_::Full, 2, false, 1, true>,       // r16w4n2p16bp2x 108
+                           QGemmCfg<1, 4, 2, 4, R::Registers, false, M_::Full, 0, true, 1, true>,    // r8w4n2p4sx    116
+                           QGemmCfg<2, 4, 2, 4, R::Registers, false, M_::Full, 0, true, 1, true>>;   // r16w4n2p4sx   124
 // Diagnostics: the same loads without the math, the loads and the decode without the mma.
 using DiagnosticCfgs = CfgList<QGemmCfg<1, 4, 1, 8, R::Registers, false, M_::LoadOnly>, QGemmCfg<1, 4, 1, 8, R::Registers, false, M_::LoadDecode>,
                                QGemmCfg<1, 4, 1, 8, R::Registers, true, M_::LoadDecode>, QGemmCfg<1, 4, 1, 16, R::CpAsync, false, M_::LoadOnly>,
@@ -1209,7 +1332,9 @@ using DiagnosticCfgs = CfgList<QGemmCfg<1, 4, 1, 8, R::Registers, false, M_::Loa
                                QGemmCfg<2, 4, 2, 16, R::Bulk, false, M_::LoadOnly, 2>,
                                // does capping registers (more warps per SM) speed the decode? A / B on the dispatch's r16w4n2p4
                                QGemmCfg<2, 4, 2, 4, R::Registers, false, M_::LoadDecode>,
-                               QGemmCfg<2, 4, 2, 4, R::Registers, false, M_::LoadDecode, 0, false, 4>>;
+                               QGemmCfg<2, 4, 2, 4, R::Registers, false, M_::LoadDecode, 0, false, 4>,
+                               // weights as A at 8 rows: the loads alone (smaller block, fewer registers than r16w4n2p4)
+                               QGemmCfg<1, 4, 2, 4, R::Registers, false, M_::LoadOnly, 0, false, 1, true>>;
 
 // Dispatch table: batch class (M <= 8, <= 16, <= 32, <= 64, more) -> configuration (K ranges: the plan's
 // rule, kCps 0). 3- and 4-bit from the H200 variant sweep (bench/results/h200/gemm4.jsonl, run at e726527,
@@ -1230,6 +1355,11 @@ using DiagnosticCfgs = CfgList<QGemmCfg<1, 4, 1, 8, R::Registers, false, M_::Loa
 // full kernel 0.075 ms). Two Bulk
 // configurations gave wrong results there (see sync_compute in qgemm_kernel); the Bulk code changed since
 // (group rows in the ring slot, slot released after the math, reconverged barriers): not yet measured.
+// Since that run, also NOT yet measured: the decode takes one LOP3 per pair (and_or; was an AND and an OR:
+// -4 instructions per 32-bit word in every configuration, the dispatched ones included, at the same occupancy)
+// and the weights-as-A configurations (SWAP, names ending in x: one mma per 16 columns x 8 rows instead of two,
+// 8 fewer accumulators). The dispatch stays as measured until a GPU run shows an x configuration faster
+// at M <= 16 (variants_ms / variants_info in gemm4.jsonl: time, registers, blocks per SM).
 inline int batch_class(std::int64_t M) { return M <= 8 ? 0 : M <= 16 ? 1 : M <= 32 ? 2 : M <= 64 ? 3 : 4; }
 template <int BITS, int CLASS>
 struct Dispatch {
