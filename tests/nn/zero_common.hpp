@@ -163,7 +163,8 @@ RunResult train(Model kind, int world, int windows, nn::TrainerOptions opt = {},
   for (int r = 0; r < world; ++r) models.push_back(make_model(kind, dtype)), models.back()->to(device);
   RunResult out;
   auto body = [&](comm::CommPtr comm) {
-    const c10::DeviceGuard guard(device);  // LocalComm's copies use the thread's current device (stream 0)
+    // LocalComm's copies run on the thread's current device (its stream 0): make that the model's GPU.
+    const c10::OptionalDeviceGuard guard(device.is_cuda() ? std::optional<c10::Device>(device) : std::nullopt);
     const int r = comm->rank();
     const bool mine = single != nullptr || r == 0;  // the rank whose results this process returns
     auto trainer = make_trainer<S>(models[r], hyper, comm, opt);
