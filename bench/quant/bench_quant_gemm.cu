@@ -222,6 +222,7 @@ void time_variant(const GemmBuffers& b, const kq::QGemmShape& shape, int sm, int
   for (int cps : {0, 4, 8, 16, 32}) {
     const auto plan = kq::plan_qgemm(shape, C::template geometry<BITS>(), sm, cps);
     if (cps > 0 && plan.splits == last_splits) continue;  // clamped to a plan already timed
+    watchdog_note(kq::detail::cfg_name<C>() + " (" + std::to_string(BITS) + "-bit, " + kq::describe(plan) + ")");
     auto partial = torch::empty({std::max<std::int64_t>(plan.partial_elems, 1)}, cuda.dtype(torch::kFloat32));
     auto counters = torch::zeros({std::max<std::int64_t>(plan.counter_elems, 1)}, cuda.dtype(torch::kInt32));
     const kq::QGemmWorkspace ws{partial.data_ptr<float>(), plan.partial_elems, counters.data_ptr<int>(), plan.counter_elems};
@@ -234,7 +235,6 @@ void time_variant(const GemmBuffers& b, const kq::QGemmShape& shape, int sm, int
       continue;
     }
     if (cps == 0) {  // registers and occupancy: what limits the warps in flight (printed once per configuration)
-      watchdog_note(kq::detail::cfg_name<C>());
       cudaFuncAttributes fa{};
       int per_sm = 0;
       const auto kernel = kq::detail::qgemm_kernel<bf16, BITS, C>;

@@ -298,3 +298,25 @@ TEST(QGemmPlan, KRangesOf16ChunksHalvedOnSmallGrids) {
   EXPECT_EQ(plan(1, 4096, 4096).cps, 4);  // 32 strips: 16 chunks would leave 128 blocks for 132 SMs
   EXPECT_EQ(plan(64, 4096, 4096).cps, 16);  // 4 z slices x 32 strips x 4 splits = 512 blocks
 }
+
+// Weights as A (geometry.swap): the block stages min(rows, M) x rows, so batch 1 takes one row of shared memory
+// (the kernel computes the same layout from M); the split of K and the z slices are those of the plain geometry.
+TEST(QGemmPlan, WeightsAsAStagesOnlyTheBatchRows) {
+  for (int rows : {8, 16})
+    for (std::int64_t M : {1, 5, 8, 13, 16, 40})
+      for (int group : {32, 128}) {
+        const std::int64_t K = 4096, N = 11008;
+        const kq::QGemmShape s{M, N, K, K, N, group, 4};
+        kq::QGemmGeometry g{rows, 128, 4, 0};
+        const auto plain = kq::plan_qgemm(s, g, 132);
+        g.swap = true;
+        const auto p = kq::plan_qgemm(s, g, 132);
+        const int xrows = int(std::min<std::int64_t>(rows, M));
+        EXPECT_EQ(p.smem_bytes, kq::qgemm_smem(xrows, p.cps, p.ngroups, 128, 0).total) << "rows " << rows << " M " << M;
+        EXPECT_EQ(plain.smem_bytes, kq::qgemm_smem(rows, plain.cps, plain.ngroups, 128, 0).total);
+        EXPECT_LE(p.smem_bytes, plain.smem_bytes);
+        EXPECT_EQ(p.zslices, plain.zslices);
+        EXPECT_EQ(p.splits, plain.splits);
+        if (M < rows) EXPECT_LT(p.smem_bytes, plain.smem_bytes);
+      }
+}

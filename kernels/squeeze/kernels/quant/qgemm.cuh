@@ -195,6 +195,7 @@ struct QGemmGeometry {
   int bulk_slots = 0;   // bulk loader: ring slots, each one chunk of the strip's weights plus the scale / zero rows
                         // of the groups that start in it (0: the group table is staged in shared memory)
   int persist = 0;      // > 0: a grid of at most persist blocks per SM, each taking consecutive work items
+  bool swap = false;    // weights as A: only min(rows, M) x rows are staged (the missing B columns read the last row)
 };
 
 // cps_override > 0 forces the chunks per K range (benchmarks sweep it); otherwise K ranges of cps_target
@@ -208,6 +209,7 @@ inline QGemmPlan plan_qgemm(const QGemmShape& s, const QGemmGeometry& g, int sm_
   QGemmPlan p;
   const std::int64_t kchunks = s.Kpad / kTileK;
   p.rows = g.rows;
+  const int xrows = g.swap ? int(std::min<std::int64_t>(g.rows, s.M)) : g.rows;  // x rows in shared memory
   p.zslices = int((s.M + g.rows - 1) / g.rows);
   p.strips = int((s.Npad + g.strip_cols - 1) / g.strip_cols);
   // bulk ring slots: weights, then scales [slot_rows][strip] fp16 and zero points [slot_rows][strip]; a 64-k
@@ -223,7 +225,7 @@ inline QGemmPlan plan_qgemm(const QGemmShape& s, const QGemmGeometry& g, int sm_
   x_smem_cap = std::max(4 * 1024, std::min(x_smem_cap, 220 * 1024 - (bulk ? 0 : 32 * 1024) - ring_bytes));
   const std::int64_t table_groups = std::max<std::int64_t>(3, 32 * 1024 / (3 * g.strip_cols));
   const std::int64_t cps_max = std::max<std::int64_t>(
-      1, std::min<std::int64_t>((x_smem_cap / (2 * g.rows) - 8) / kTileK,
+      1, std::min<std::int64_t>((x_smem_cap / (2 * xrows) - 8) / kTileK,
                                 bulk ? std::int64_t(1) << 30 : (table_groups - 2) * s.group / kTileK));
   std::int64_t cps = cps_override;
   if (cps <= 0) {
@@ -236,7 +238,7 @@ inline QGemmPlan plan_qgemm(const QGemmShape& s, const QGemmGeometry& g, int sm_
   p.cps = int((kchunks + p.splits - 1) / p.splits);  // even ranges, no empty split
   const std::int64_t total_groups = (s.K - 1) / s.group + 1;
   p.ngroups = bulk ? 0 : int(std::min<std::int64_t>(total_groups, (std::int64_t(p.cps) * kTileK - 1) / s.group + 2));
-  p.smem_bytes = qgemm_smem(p.rows, p.cps, p.ngroups, g.strip_cols, ring_bytes).total;
+  p.smem_bytes = qgemm_smem(xrows, p.cps, p.ngroups, g.strip_cols, ring_bytes).total;
   p.partial_elems = p.splits > 1 ? std::int64_t(p.splits) * s.M * s.Npad : 0;
   p.counter_elems = std::int64_t(p.strips) * p.zslices;
   if (g.persist > 0) {  // as many blocks as fit g.persist per SM (shared memory permitting), consecutive items each
@@ -576,7 +578,7 @@ struct QGemmCfg {
   static constexpr int kRingBytes = LOADER != QGemmLoader::Registers ? PF * W * NT * tile_words(BITS) * 4 : 0;
   template <int BITS>
   static QGemmGeometry geometry() {
-    return {ROWS, STRIP, W, kRingBytes<BITS>, LOADER == QGemmLoader::Bulk ? PF : 0, PERSIST};
+    return {ROWS, STRIP, W, kRingBytes<BITS>, LOADER == QGemmLoader::Bulk ? PF : 0, PERSIST, SWAP};
   }
 };
 
@@ -619,7 +621,10 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_kernel(const QGemmP
   const int kchunks = p.Kpad / kTileK, ntiles = p.Npad / kTileN;
   const std::int64_t cstride = std::int64_t(ntiles) * TW;  // words between chunks
   const int xstride = p.cps * kTileK + 8;
-  const QGemmSmem lay = qgemm_smem(ROWS, p.cps, p.ngroups, STRIP, C::template kRingBytes<BITS>);
+  // x rows in shared memory (as plan_qgemm counts them): SWAP stages min(ROWS, M) rows, the B columns past them
+  // read the last staged row (their results are never stored)
+  const int XR = kSwap ? min(ROWS, p.M) : ROWS;
+  const QGemmSmem lay = qgemm_smem(XR, p.cps, p.ngroups, STRIP, C::template kRingBytes<BITS>);
   std::uint16_t* xs = reinterpret_cast<std::uint16_t*>(smem + lay.x);
   half* ss = reinterpret_cast<half*>(smem + lay.scales);
   std::uint8_t* zs = smem + lay.zeros;
@@ -826,7 +831,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_kernel(const QGemmP
     const T* x = static_cast<const T*>(p.x) + std::int64_t(m0) * p.K;
     const bool vec_ok = (p.K % 8 == 0) && ((reinterpret_cast<std::uintptr_t>(p.x) & 15) == 0);
     const int segs = p.cps * (kTileK / 8);  // 8-element segments per row
-    for (int i = tid; i < ROWS * segs; i += NC) {
+    for (int i = tid; i < XR * segs; i += NC) {
       const int r = i / segs, sg = i - r * segs, k = kb + sg * 8;
       std::uint16_t* d = xs + r * xstride + sg * 8;
       if (r < rows && k < p.K && vec_ok) {
@@ -1037,13 +1042,13 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_kernel(const QGemmP
         std::uint32_t xb[NJ][2];
         if constexpr (NJ == 1) {
           // lanes 8i..8i+7 address rows 0..7 at k 8i of a 32-k window: matrices (ks, lo), (ks, hi), (ks+1, lo), (ks+1, hi)
-          if (ks % 2 == 0) ldmatrix_x4(a8, xs + (lane & 7) * xstride + kl + ks * 16 + 8 * (lane >> 3));
+          if (ks % 2 == 0) ldmatrix_x4(a8, xs + min(lane & 7, XR - 1) * xstride + kl + ks * 16 + 8 * (lane >> 3));
           xb[0][0] = a8[(ks & 1) * 2];
           xb[0][1] = a8[(ks & 1) * 2 + 1];
         } else {
           // matrices (rows 0..7, k lo), (rows 0..7, k hi), (rows 8..15, k lo), (rows 8..15, k hi)
           std::uint32_t x4[4];
-          ldmatrix_x4(x4, xs + ((lane & 7) + 8 * (lane >> 4)) * xstride + kl + ks * 16 + 8 * ((lane >> 3) & 1));
+          ldmatrix_x4(x4, xs + min((lane & 7) + 8 * (lane >> 4), XR - 1) * xstride + kl + ks * 16 + 8 * ((lane >> 3) & 1));
           xb[0][0] = x4[0];
           xb[0][1] = x4[1];
           xb[1][0] = x4[2];
