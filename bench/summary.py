@@ -1,5 +1,6 @@
 """Print one line per benchmark case from JSON-lines result files: bench, case, ratio to peer, roofline.
-Strategy-table lines (bench "table") also show peak memory beside the planner and validation perplexity;
+Strategy-table lines (bench "table") also show peak memory beside the planner and validation perplexity (and the
+number of GPUs when more than one); FSDP2 peer lines (bench "fsdp2") peak memory per GPU, tokens/s per GPU and MFU;
 llama_gptq lines (examples/llama_gptq) show perplexity, its ratio to the unquantized model and the KL to it."""
 import json
 import sys
@@ -17,7 +18,8 @@ for path in sys.argv[1:]:
         r = json.loads(line)
         ratio = num(r, "ratio_vs_peer")
         if r.get("bench") == "table":
-            name = f"{r.get('case', '?')} {r.get('preset', '')} B={r.get('batch', '?')}"
+            world = r.get("world", 1)
+            name = f"{r.get('case', '?')} {r.get('preset', '')} B={r.get('batch', '?')}" + (f" x{world} GPUs" if world != 1 else "")
             if r.get("error"):
                 print(f"table    {name:<44} {'OOM' if r.get('oom') else 'error'}: {r['error'][:80]}")
                 continue
@@ -25,6 +27,14 @@ for path in sys.argv[1:]:
             plan_txt = f"plan {plan:6.2f} GB ({num(r, 'plan_ratio'):5.3f}x)" if plan else "plan      -         "
             print(f"table    {name:<44} x{ratio:6.2f} vs {r.get('peer', '?'):<22} peak {num(r, 'peak_gb'):6.2f} GB {plan_txt} "
                   f"{num(r, 'tokens_per_s'):8.0f} tok/s  ppl {num(r, 'val_ppl'):7.2f}")
+            continue
+        if r.get("bench") == "fsdp2":  # bench/fsdp2/fsdp2_llama.py: the PyTorch FSDP2 peer of the ZeRO-3 rows
+            name = f"{r.get('case', '?')} {r.get('preset', '')} B={r.get('batch', '?')} x{r.get('world', 1)} GPUs"
+            if r.get("error"):
+                print(f"fsdp2    {name:<44} {'OOM' if r.get('oom') else 'error'}: {r['error'][:80]}")
+                continue
+            print(f"fsdp2    {name:<44} peer of {r.get('peer_of', '?'):<24} peak {num(r, 'peak_gb'):6.2f} GB/GPU "
+                  f"{num(r, 'tokens_per_s_per_gpu'):8.0f} tok/s/GPU  MFU {num(r, 'mfu'):5.3f}")
             continue
         if r.get("bench") == "llama_gptq" or r.get("example") == "llama_gptq":
             group = r.get("group")
