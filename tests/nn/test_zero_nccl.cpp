@@ -17,12 +17,15 @@
 //            rounding of the copies alone is up to ~8% of an update; a wrong scale or sign gives >= 1).
 // ZeroNccl.Stage3MemoryPerGpu: stage-3 model state per rank (bf16 params + bf16 grads + fp32 master + Adam m, v)
 //   is 16Ψ/N: the trainer's accounting equals the planner's categories exactly (element alignment, every layer
-//   divisible by N), and the CUDA caching allocator's bytes held after training lie between that accounting
-//   and it plus the planner's communication buffers plus 2 MiB + 2% (allocator rounding, scalars).
-// ZeroNccl.FaultRankSkipsACollective: rank 0 calls an all_reduce that the others skip; rank 0 must throw
-//   squeeze::Error from its watchdog (3 s timeout) within 3x the timeout; the others join the collective only
-//   after rank 0 has failed (see the test), so theirs can never complete and they must throw alike; then
-//   the aborted communicator is destroyed promptly and the process exits cleanly.
+//   divisible by N), and the CUDA caching allocator's bytes held after training (cuBLAS workspaces warmed up
+//   before the baseline) lie between that accounting and it plus the planner's communication buffers plus
+//   2 MiB + 2% (512-byte rounding per block, step counters and loss-scale scalars). The peak is printed.
+// ZeroNccl.FaultRankSkipsACollective / FaultRankSkipsATrainerStep: rank 0 calls an all_reduce (takes a ZeRO-3
+//   step) that the others skip, on a communicator with a 3 s watchdog timeout. Rank 0 must throw
+//   squeeze::Error within 3x the timeout; the others join only after rank 0 has failed (see the tests: NCCL
+//   pairs collectives by order, so joining earlier would pair with rank 0's), so theirs can never complete
+//   and they must throw alike; the aborted communicator (and trainer) are then destroyed within 5 s, the
+//   process-wide communicator still works, and every process exits 0.
 #include <cuda_runtime_api.h>
 #include <torch/cuda.h>
 

@@ -1,7 +1,8 @@
 #pragma once
 // NcclComm: one process per GPU, NCCL collectives on device buffers, bootstrapped from the torchrun
 // environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) through our TcpStore, so
-// `torchrun --nproc_per_node=8 ./train` works, across nodes too.
+// `torchrun --nproc_per_node=8 ./train` works, across nodes too; on one machine without Python,
+// `tools/squeeze-launch --nproc 8 -- ./train` sets the same variables.
 //
 // Hangs become errors:
 //  - the communicator is created non-blocking (ncclConfig_t::blocking = 0) and initialisation is
