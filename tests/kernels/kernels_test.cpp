@@ -111,6 +111,47 @@ TEST(AdamWCpu, MatchesFloat64ReferenceForEveryTypePairAndSize) {
   });
 }
 
+// The CPU launcher runs its multiversioned loop (cpu_parallel.hpp's SQUEEZE_CPU_CLONES: the AVX-512 or AVX2+FMA
+// clone on an x86-64 host of this decade), in dynamically handed-out pieces. This TU's own loop below is built for
+// the baseline ISA, where fmaf is libm's: bitwise equality shows the clone computes adamw_element's exact operations
+// (explicit FMAs; the CUDA kernels do the same, so they agree with it bitwise too). Sizes around the piece size.
+TEST(AdamWCpu, MultiversionedLauncherEqualsTheScalarElementBitwise) {
+  std::mt19937 rng(99);
+  for_each_type_pair([&]<class P, class G>() {
+    for (std::int64_t n : {std::int64_t(1), std::int64_t(17), sk::cpu::kPiece - 1, 3 * sk::cpu::kPiece + 77}) {
+      const std::string label = std::string(dtype_name<P>()) + "/" + std::string(dtype_name<G>()) + " n=" + std::to_string(n);
+      AdamWCase<P, G> fast(n, rng);
+      fast.grad = test::random_vec<G>(n, rng, -2.f, 2.f);
+      AdamWCase<P, G> slow = fast;
+      const float inv = 0.5f, clip = 0.75f, no_inf = 0.f;
+      const sk::AdamWDynamic d{&inv, &no_inf, &clip, nullptr};
+      const auto c = sk::adamw_coeffs(3e-3f, 0.9f, 0.999f, 1e-8f, 0.1f, 4);
+      sk::adamw_cpu(fast.tensor(), c, d);
+      const sk::AdamWScalars s = sk::adamw_scalars(c, d);
+      const auto t = slow.tensor();
+      for (std::int64_t i = 0; i < n; ++i) sk::adamw_at(t, i, s);
+      EXPECT_TRUE(test::bits_equal(fast.param, slow.param)) << label;
+      EXPECT_TRUE(test::bits_equal(fast.master, slow.master)) << label;
+      EXPECT_TRUE(test::bits_equal(fast.m, slow.m)) << label;
+      EXPECT_TRUE(test::bits_equal(fast.v, slow.v)) << label;
+    }
+  });
+}
+
+// beta^t by squaring (the same multiplications on host and device) against std::pow: relative error <= 2t * 2^-53
+// (a squaring doubles the relative error it gets), so the bias correction 1 - beta^t is off by <= 2 t beta^t 2^-53,
+// at most ~1e-12 for beta <= 0.9999: nothing a float step size can see.
+TEST(AdamWCpu, PowerBySquaringMatchesPow) {
+  EXPECT_EQ(sk::adamw_power(0.9, 0), 1.0);
+  EXPECT_EQ(sk::adamw_power(0.9, 1), 0.9);
+  for (double b : {0.9, 0.95, 0.999, double(0.999f), 0.9999})
+    for (std::int64_t t : {2, 3, 10, 1000, 123457, 1000000}) {
+      const double ref = std::pow(b, double(t));
+      EXPECT_NEAR(sk::adamw_power(b, t), ref, 2.0 * double(t) * 0x1p-53 * ref + 1e-300) << b << "^" << t;
+      EXPECT_NEAR(1 - sk::adamw_power(b, t), 1 - ref, 1e-12 * (1 - ref)) << "bias correction " << b << "^" << t;
+    }
+}
+
 TEST(AdamWCpu, SkippedStepLeavesEverythingBitwiseUnchanged) {
   std::mt19937 rng(7);
   for_each_type_pair([&]<class P, class G>() {

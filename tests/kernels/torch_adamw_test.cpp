@@ -1,7 +1,9 @@
 // squeeze's CPU AdamW against libtorch's torch::optim::AdamW (label `kernels`; the area's one torch TU).
-// Tolerance over 100 float steps: |ours - torch| <= 2e-6 * max(1, |w|) on the weights (both compute in
-// float with the same formula up to operation order; the errors are rounding, not drift). For the MLP,
-// whose gradients depend on the weights, 1e-5.
+// Tolerance over 100 float steps: |ours - torch| <= 1.2e-5 * max(1, |w|) on the weights: ours rounds the weight
+// update w * decay - step once (an explicit FMA, kernels/adamw.hpp), torch twice, so each step may differ by one
+// ulp of max(1, |w|) (2^-23) and 100 steps by <= 100 * 2^-23 = 1.19e-5 (seen: 4.5e-6 at n = 1 Mi, a random walk's
+// tail); the errors are rounding, not drift. m within 2e-6, v 1e-7 absolute. For the MLP, whose gradients depend
+// on the weights, 1e-5.
 #include <torch/torch.h>
 
 #include "squeeze/kernels/adamw.hpp"
@@ -39,7 +41,7 @@ TEST(AdamWVsTorch, CpuKernelMatchesTorchOptimAdamWOver100Steps) {
                                                   v.data_ptr<float>(), n},
                     sk::adamw_coeffs(kLr, kB1, kB2, kEps, kWd, t));
     }
-    EXPECT_LE(max_rel_diff(ours, ref.detach()), 2e-6) << "n=" << n;
+    EXPECT_LE(max_rel_diff(ours, ref.detach()), 100 * 0x1p-23) << "n=" << n;
     auto& state = static_cast<torch::optim::AdamWParamState&>(*opt.state().begin()->second);
     EXPECT_LE(max_rel_diff(m, state.exp_avg()), 2e-6) << "n=" << n;
     EXPECT_LE((v - state.exp_avg_sq()).abs().max().item<float>(), 1e-7) << "n=" << n;

@@ -17,8 +17,19 @@
 // float. 8-bit block-wise state has its own tensor type and launchers (adamw8.hpp / adamw8.cuh): they decode
 // a block of m and v, run the same adamw_element, and re-encode, so the math has one source.
 //
-// CPU speed: the loop vectorises only when sqrtf need not set errno. Build CPU code that runs this with
-// -fno-math-errno (3-4x: ~6e8 instead of ~1.7e8 params/s on 2 EPYC cores), ideally also -march=native.
+// Bits: the multiply-adds are written as fmaf. nvcc contracts a * b + c into an FMA and g++ without an FMA target
+// does not, so the GPU and the CPU twin differed in the last bit (more after the cancellation in the weight
+// update, and a 16-bit param then rounded the other way); with explicit FMAs the CUDA kernels and every CPU clone
+// compute the same IEEE operations, hence the same bits. beta^t is taken by squaring (plain multiplications) for
+// the same reason (::pow may differ by an ulp between glibc and CUDA).
+//
+// CPU speed: the loop vectorises only when sqrtf need not set errno: build CPU code that runs this with
+// -fno-math-errno. The launcher is compiled for x86-64-v4/v3 beside the baseline (SQUEEZE_CPU_CLONES,
+// cpu_parallel.hpp): no -march needed for 16-wide FMA code. The baseline clone calls libm's fmaf per
+// element (correct, several times slower): CPUs without FMA are pre-2013.
+// Bytes per parameter (bf16 param + fp32 master, m, v, bf16 grad): read 2 + 4 + 4 + 4, write 4 + 4 + 4 + 2 = 28,
+// so on a many-core host the pass is bound by memory bandwidth (16 cores at ~0.9 G params/s each would need
+// ~400 GB/s), not by the arithmetic.
 #include <cmath>
 #include <cstdint>
 #include <span>
@@ -42,11 +53,21 @@ struct AdamWCoeffs {
   float inv_sqrt_bc2 = 0;  // 1 / sqrt(1 - beta2^t): bias correction of v
 };
 
+// b^t (t >= 0) by squaring: at most 2 log2(t) correctly rounded multiplications, the same bits on host and
+// device. Relative error <= 2t * 2^-53 (each squaring doubles it), so 1 - b^t is off by <= 2 t b^t 2^-53:
+// ~1e-12 at most for b <= 0.9999, far below the float step size's rounding.
+SQUEEZE_HD double adamw_power(double b, std::int64_t t) {
+  double r = 1.0;
+  for (; t > 0; t >>= 1, b *= b)
+    if (t & 1) r *= b;
+  return r;
+}
+
 // Bias-correction scalars in double (1 - beta^t cancels badly in float for small t).
 SQUEEZE_HD void adamw_bias_correction(float lr, float beta1, float beta2, std::int64_t t, float& step_size,
                                       float& inv_sqrt_bc2) {
-  const double bc1 = 1.0 - ::pow(double(beta1), double(t));
-  const double bc2 = 1.0 - ::pow(double(beta2), double(t));
+  const double bc1 = 1.0 - adamw_power(double(beta1), t);
+  const double bc2 = 1.0 - adamw_power(double(beta2), t);
   step_size = float(double(lr) / bc1);
   inv_sqrt_bc2 = float(1.0 / ::sqrt(bc2));
 }
@@ -92,7 +113,7 @@ SQUEEZE_HD AdamWScalars adamw_scalars(const AdamWCoeffs& c, const AdamWDynamic& 
   s.beta2 = c.beta2;
   s.one_minus_beta2 = 1.0f - c.beta2;
   s.eps = c.eps;
-  s.decay = 1.0f - c.lr * c.weight_decay;
+  s.decay = fmaf(-c.lr, c.weight_decay, 1.0f);  // explicit: nvcc would contract it (see the header)
   s.step_size = c.step_size;
   s.inv_sqrt_bc2 = c.inv_sqrt_bc2;
   if (d.step != nullptr) adamw_bias_correction(c.lr, c.beta1, c.beta2, *d.step + 1, s.step_size, s.inv_sqrt_bc2);
@@ -100,12 +121,13 @@ SQUEEZE_HD AdamWScalars adamw_scalars(const AdamWCoeffs& c, const AdamWDynamic& 
 }
 
 // The element functor: one AdamW update of weight w (fp32), moments m, v, with raw gradient g.
+// Every multiply-add is an explicit fmaf (same bits on GPU and CPU, see the header); nothing else can contract.
 SQUEEZE_HD void adamw_element(float& w, float& m, float& v, float g, const AdamWScalars& s) {
   g *= s.gmul;
-  m = s.beta1 * m + s.one_minus_beta1 * g;
-  v = s.beta2 * v + s.one_minus_beta2 * (g * g);
-  const float denom = sqrtf(v) * s.inv_sqrt_bc2 + s.eps;
-  w = w * s.decay - s.step_size * (m / denom);
+  m = fmaf(s.beta1, m, s.one_minus_beta1 * g);
+  v = fmaf(s.beta2, v, s.one_minus_beta2 * (g * g));
+  const float denom = fmaf(sqrtf(v), s.inv_sqrt_bc2, s.eps);
+  w = fmaf(w, s.decay, -(s.step_size * (m / denom)));
 }
 
 // After a launch: count the step as applied unless it was skipped (keeps AdamWDynamic::step exact).
@@ -169,8 +191,10 @@ SQUEEZE_HD void adamw_at(const AdamWTensor<P, G, S>& t, std::int64_t i, const Ad
 // ---- CPU launcher ---------------------------------------------------------------------------------------
 namespace cpu {
 
+// Multiversioned (SQUEEZE_CPU_CLONES): the x86-64-v4 clone runs 16 lanes with FMA (bf16 widened by shifts,
+// rounded back with integer ops), v3 8 lanes; all clones give the same bits.
 template <class P, class G, class S>
-void adamw_range(const AdamWTensor<P, G, S>& t, std::int64_t begin, std::int64_t end, const AdamWScalars& s) {
+SQUEEZE_CPU_CLONES void adamw_range(const AdamWTensor<P, G, S>& t, std::int64_t begin, std::int64_t end, const AdamWScalars& s) {
   const AdamWTensor<P, G, S> local = t;  // by value: lets the compiler keep the pointers in registers
 #pragma omp simd
   for (std::int64_t i = begin; i < end; ++i) adamw_at(local, i, s);
@@ -184,8 +208,8 @@ void adamw_cpu(std::span<const AdamWTensor<P, G, S>> tensors, const AdamWCoeffs&
   for (std::size_t i = 0; i < tensors.size(); ++i) validate(tensors[i], "AdamW (CPU) tensor " + std::to_string(i));
   const AdamWScalars s = adamw_scalars(c, d);
   if (s.skip) return;
-  for (const auto& t : tensors)
-    cpu::parallel_ranges(t.n, [&](int, std::int64_t b, std::int64_t e) { cpu::adamw_range(t, b, e, s); });
+  for (const auto& t : tensors)  // elementwise: pieces handed out dynamically (cpu_parallel.hpp), any split gives the same bits
+    cpu::parallel_pieces(t.n, cpu::kPiece, [&](std::int64_t b, std::int64_t e) { cpu::adamw_range(t, b, e, s); });
 }
 
 template <class P, class G, class S>

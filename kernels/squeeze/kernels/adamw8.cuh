@@ -10,9 +10,9 @@
 // walks one 16 Ki-element chunk of tensor_list.hpp (64 state blocks; chunks start at multiples of 256,
 // so state blocks never straddle chunks or tensors).
 //
-// Same arithmetic as the CPU twin except where nvcc contracts a multiply-add into an FMA inside
-// adamw_element (the fp32-state kernel does too): a value that lands within an ulp of a midpoint may take
-// the neighbouring code. tests/kernels check the codes agree except for such rare one-step flips.
+// Same arithmetic as the CPU twin, bit for bit: adamw_element's multiply-adds are explicit FMAs on both sides
+// (adamw.hpp), the maps and the nearest-code rule are shared. tests/kernels/adamw8_cuda_test.cu checks one step
+// bitwise for every type pair.
 #include "squeeze/kernels/adamw8.hpp"
 #include "squeeze/kernels/tensor_list.cuh"
 #include "squeeze/kernels/types.cuh"

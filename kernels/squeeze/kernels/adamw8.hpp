@@ -141,15 +141,9 @@ inline std::uint8_t nearest_code_cpu(const StateCodeMap& map, float x) {
   return std::uint8_t(c);
 }
 
-// The CPU block passes that gather from tables are compiled twice on x86-64 (AVX2 and the baseline), the
-// loader picking one at run time; elsewhere once. Neither enables FMA, so both give the same bits. (Hand-written
-// AVX2 gathers were slower than g++'s code on the EPYC here: 178 vs 221 Mparam/s per core.)
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define SQUEEZE_CPU_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define SQUEEZE_CPU_CLONES
-#endif
-
+// The CPU block passes that gather from tables are multiversioned (SQUEEZE_CPU_CLONES, cpu_parallel.hpp: x86-64-v4,
+// v3 and the baseline, picked at run time); the AdamW math in them writes its FMAs explicitly, so every clone gives
+// the same bits. (Hand-written AVX2 gathers were slower than g++'s code on the EPYC here: 178 vs 221 Mparam/s per core.)
 namespace cpu {
 // out[j] = nearest_code_cpu(map, x[j] * inv), j < len.
 SQUEEZE_CPU_CLONES inline void encode_block(const StateCodeMap& map, const float* __restrict__ x, float inv, int len,
@@ -263,10 +257,9 @@ void adamw8_cpu(std::span<const AdamW8Tensor<P, G>> tensors, const AdamWCoeffs& 
   const StateCodeMap& mmap = signed_state_map();
   const StateCodeMap& vmap = unsigned_state_map();
   for (const auto& t : tensors) {
-    // parallel_ranges cuts at multiples of kRangeAlign: give it kRangeAlign units per state block.
-    const std::int64_t blocks = state_blocks(t.n);
-    cpu::parallel_ranges(blocks * cpu::kRangeAlign, [&](int, std::int64_t b, std::int64_t e) {
-      for (std::int64_t k = b / cpu::kRangeAlign; k < e / cpu::kRangeAlign; ++k) cpu::adamw8_block(t, k, s, mmap, vmap);
+    // Whole state blocks, handed out in pieces of cpu::kPiece elements (blocks are independent: any split, same bits).
+    cpu::parallel_pieces(state_blocks(t.n), cpu::kPiece / kStateBlock, [&](std::int64_t b, std::int64_t e) {
+      for (std::int64_t k = b; k < e; ++k) cpu::adamw8_block(t, k, s, mmap, vmap);
     });
   }
 }
