@@ -14,6 +14,7 @@
 //   s.record_use(t);                       // t (allocated on one stream) is also used on s: tell the allocator
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <memory>
 
 #if defined(SQUEEZE_TORCH_CUDA) && SQUEEZE_TORCH_CUDA
@@ -95,6 +96,18 @@ inline void set_device(torch::Device d) {
   if (d.is_cuda()) c10::cuda::set_device(d.index());
 }
 // t (allocated on a side stream) is used on the current stream too.
+// [n] host memory pinned for asynchronous copies, exactly n elements (cudaHostAlloc; cudaFreeHost when the last
+// tensor sharing it goes). Not torch's caching host allocator: that rounds every request up to a power of two (a
+// LLaMA-7B layer's 0.8 GB fp32 shard takes 1.07 GB, ~1.3x Offload<Host>'s planned host bytes) and keeps freed
+// blocks cached for later requests of the same size class only, so a second trainer in the process (another
+// state layout) allocates beside the first one's cached blocks until the host runs out.
+inline torch::Tensor pinned_empty(int64_t n, torch::ScalarType dtype) {
+  TORCH_CHECK(n >= 0, "pinned_empty: negative size ", n);
+  void* p = nullptr;
+  C10_CUDA_CHECK(cudaHostAlloc(&p, std::max<size_t>(1, size_t(n) * c10::elementSize(dtype)), cudaHostAllocDefault));
+  return torch::from_blob(p, {n}, [](void* q) { (void)cudaFreeHost(q); }, torch::TensorOptions().dtype(dtype));
+}
+
 inline void record_use_current(const torch::Tensor& t) {
   if (t.defined() && t.is_cuda())
     c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), c10::cuda::getCurrentCUDAStream(t.device().index()));
@@ -118,6 +131,10 @@ class SideStream {
   void wait(const Event&) const {}
   void record_use(const torch::Tensor&) const {}
 };
+// Pinned through torch where the torch layer has no CUDA of its own (only reached with a CUDA device).
+inline torch::Tensor pinned_empty(int64_t n, torch::ScalarType dtype) {
+  return torch::empty({n}, torch::TensorOptions().dtype(dtype).pinned_memory(true));
+}
 inline Event record_current(torch::Device) { return {}; }
 inline void wait_current(torch::Device, const Event&) {}
 inline void set_device(torch::Device) {}

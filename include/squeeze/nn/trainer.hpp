@@ -640,27 +640,35 @@ class Trainer {
     auto o = torch::TensorOptions().dtype(torch::kFloat32);
     return kOffload ? o.device(torch::kCPU).pinned_memory(device_.is_cuda()) : o.device(device_);
   }
+  // [n] optimizer-state buffer: on the device, on the host, or (offload from a GPU) pinned host memory of exactly
+  // n elements (nn::pinned_empty: torch's caching host allocator would round each one up to a power of two).
+  torch::Tensor state_empty(int64_t n, torch::ScalarType dtype) const {
+    if (kOffload && device_.is_cuda()) return pinned_empty(n, dtype);
+    return torch::empty({n}, state_options().dtype(dtype));
+  }
+  torch::Tensor state_zeros(int64_t n, torch::ScalarType dtype) const { return state_empty(n, dtype).zero_(); }
+
   void make_owned(Partition& o, torch::Tensor param, torch::Tensor grad) {
     o.param = param;
     o.grad = grad;
     const int64_t n = param.numel();
     if (kOffload || S::has_master_copy) {
-      o.master = torch::empty({n}, state_options());
+      o.master = state_empty(n, torch::kFloat32);
       o.master.copy_(param);
     }
     if constexpr (k8bit) {
       // Zero codes with zero block scales are the zero state (absmax 0 decodes every code to 0).
-      o.m = torch::zeros({n}, state_options().dtype(torch::kUInt8));
-      o.v = torch::zeros({n}, state_options().dtype(torch::kUInt8));
-      o.m_absmax = torch::zeros({kernels::state_blocks(n)}, state_options());
-      o.v_absmax = torch::zeros({kernels::state_blocks(n)}, state_options());
+      o.m = state_zeros(n, torch::kUInt8);
+      o.v = state_zeros(n, torch::kUInt8);
+      o.m_absmax = state_zeros(kernels::state_blocks(n), torch::kFloat32);
+      o.v_absmax = state_zeros(kernels::state_blocks(n), torch::kFloat32);
     } else {
-      o.m = torch::zeros({n}, state_options());
-      o.v = torch::zeros({n}, state_options());
+      o.m = state_zeros(n, torch::kFloat32);
+      o.v = state_zeros(n, torch::kFloat32);
     }
     // The gradient travels in its own dtype (bf16: half the PCIe bytes of fp32); the CPU AdamW widens it.
-    if (kOffload) o.host_grad = torch::zeros({n}, state_options().dtype(grad.scalar_type()));
-    if (kOffload && device_.is_cuda()) o.host_sumsq = torch::zeros({1}, state_options().dtype(torch::kFloat64));
+    if (kOffload) o.host_grad = state_zeros(n, grad.scalar_type());
+    if (kOffload && device_.is_cuda()) o.host_sumsq = state_zeros(1, torch::kFloat64);
   }
 
   void broadcast(torch::Tensor& t) { broadcast_inplace(*comm_, t, 0); }
