@@ -235,7 +235,8 @@ def main():
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    # CPUOffloadPolicy keeps parameters and gradients on the host, so collectives on CPU tensors need gloo beside NCCL.
+    backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=args.comm_timeout)
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <future>
+#include <thread>
 #include <optional>
 #include <cmath>
 #include <random>
@@ -324,6 +326,41 @@ TEST(TcpStore, SetGetWaitAddBarrier) {
   for (auto& g : got) EXPECT_EQ(g, "value from rank 3");
   EXPECT_EQ(after_barrier.load(), W);
   EXPECT_EQ(server.add("counter", 0), 1 + 2 + 3 + 4);
+}
+
+// The rank hosting the server destroys its store right after a barrier (as NcclComm::from_env does): every
+// other rank must still get its reply. Seen on two H200s before the host waited for departures: "TcpStore:
+// connection closed receiving key 'barrier/nccl_init/done'" on rank 1. Repeated to make the race likely.
+TEST(TcpStore, BarrierHostLeavesAfterEveryRank) {
+  const int W = 4;
+  for (int round = 0; round < 30; ++round) {
+    std::promise<std::uint16_t> port_promise;
+    std::shared_future<std::uint16_t> port = port_promise.get_future().share();
+    std::atomic<int> errors{0};
+    std::vector<std::thread> ts;
+    ts.emplace_back([&] {
+      try {
+        TcpStore host("127.0.0.1", 0, true, std::chrono::seconds(10));
+        port_promise.set_value(host.port());
+        host.barrier("init", W);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "host: " << e.what();
+        ++errors;
+      }  // the server goes away here
+    });
+    for (int r = 1; r < W; ++r)
+      ts.emplace_back([&] {
+        try {
+          TcpStore c("127.0.0.1", port.get(), false, std::chrono::seconds(10));
+          c.barrier("init", W);
+        } catch (const std::exception& e) {
+          ADD_FAILURE() << "client: " << e.what();
+          ++errors;
+        }
+      });
+    for (auto& t : ts) t.join();
+    ASSERT_EQ(errors.load(), 0) << "round " << round;
+  }
 }
 
 // A hostile or broken client (garbage, absurd lengths, a half message then silence) is dropped or

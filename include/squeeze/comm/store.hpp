@@ -274,9 +274,25 @@ class TcpStore {
     return detail::decode_i64(request('A', key, detail::encode_i64(delta)).second);
   }
   // Every one of `world` callers arrives before any returns (a counter plus a key the last one sets).
+  // The rank hosting the server leaves last: it returns only after every other rank has had its last reply
+  // (a departure counter), so destroying the store right after the barrier (NcclComm::from_env) cannot
+  // close the connection under a rank still waiting for 'done'.
   void barrier(const std::string& name, int world, std::chrono::milliseconds timeout = std::chrono::milliseconds(-1)) {
-    if (add("barrier/" + name + "/count", 1) == world) set("barrier/" + name + "/done", "1");
-    wait("barrier/" + name + "/done", timeout);
+    const std::string b = "barrier/" + name;
+    if (add(b + "/count", 1) == world) set(b + "/done", "1");
+    wait(b + "/done", timeout);
+    if (!server_) {
+      add(b + "/left", 1);
+      return;
+    }
+    const auto limit = timeout.count() < 0 ? timeout_ : timeout;
+    const auto deadline = detail::Clock::now() + limit;
+    for (auto backoff = std::chrono::milliseconds(1); add(b + "/left", 0) < world - 1;
+         backoff = std::min(backoff * 2, std::chrono::milliseconds(20))) {
+      if (detail::Clock::now() >= deadline)
+        throw Error("TcpStore: barrier '" + name + "': not every rank left within " + std::to_string(limit.count()) + " ms");
+      std::this_thread::sleep_for(backoff);
+    }
   }
 
  private:
