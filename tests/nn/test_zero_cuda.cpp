@@ -116,6 +116,28 @@ TEST(ZeroCuda, DeviceSumOfSquaresMatchesFloat64) {
   EXPECT_GT(off.log[0].grad_norm, 0.0f);
 }
 
+// Offload<Host> state from a GPU lives in pinned host memory of its own (nn::pinned_empty, not torch's caching
+// host allocator): every state tensor is on the host and pinned, and a step through the asynchronous copies trains.
+TEST(ZeroCuda, OffloadStateIsPinnedHostMemory) {
+  REQUIRE_CUDA();
+  const torch::Device dev(torch::kCUDA, 0);
+  auto model = make_model(Model::llama, torch::kBFloat16);
+  model->to(dev);
+  const Data data = make_data(Model::llama, 1, 1, 2);
+  auto t = make_trainer<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>>(model, Hyper{}, LocalComm::single());
+  const auto r = t.step([&] { return model_loss(Model::llama, *model, data.x[0][0].to(dev), data.y[0][0].to(dev)); });
+  EXPECT_TRUE(r.applied);
+  int checked = 0;
+  for (const auto& part : t.optimizer_state())
+    for (const auto& x : part)
+      if (x.defined()) {
+        EXPECT_TRUE(x.is_cpu());
+        EXPECT_TRUE(x.is_pinned());
+        ++checked;
+      }
+  EXPECT_GT(checked, 0);
+}
+
 // Stage 2 on the GPU: buckets as small as one parameter give the bits of one bucket; LocalComm world 2 over
 // one GPU reduces after backward (thread-ranks cannot meet inside the device's backward thread).
 TEST(ZeroCuda, Stage2BucketsBitwise) {
