@@ -1322,8 +1322,10 @@ using TuningCfgs = CfgList<QGemmCfg<1, 4, 1, 8>, QGemmCfg<1, 4, 1, 4>, QGemmCfg<
                            QGemmCfg<2, 4, 2, 4, R::Registers, false, M_::Full, 0, false, 1, true>,   // r16w4n2p4x    136
                            QGemmCfg<2, 4, 1, 8, R::Registers, false, M_::Full, 0, false, 1, true>,   // r16w4n1p8x    105
                            QGemmCfg<1, 4, 2, 8, R::Bulk, false, M_::Full, 0, false, 1, true>,        // r8w4n2p8bx     80
-                           QGemmCfg<1, 4, 2, 8, R::Bulk, true, M_::Full, 0, false, 1, true>,         // r8w4n2p8bzx    96
+                           QGemmCfg<1, 4, 2, 8, R::Bulk, true, M_::Full, 0, false, 1, true>,         // r8w4n2p8bzx   102
                            QGemmCfg<1, 4, 2, 8, R::Bulk, true, M_::Full, 0, false, 5, true>,         // r8w4n2p8bzxm5  72 (spills 28 B)
+                           QGemmCfg<1, 8, 1, 8, R::Bulk, false, M_::Full, 0, false, 1, true>,        // r8w8n1p8bx
+                           QGemmCfg<1, 8, 1, 8, R::Bulk, true, M_::Full, 0, false, 1, true>,         // r8w8n1p8bzx    70 (24 warps/SM)
                            QGemmCfg<2, 4, 2, 8, R::Bulk, false, M_::Full, 0, false, 1, true>,        // r16w4n2p8bx   108
                            QGemmCfg<1, 4, 2, 16, R::Bulk, true, M_::Full, 2, false, 1, true>,        // r8w4n2p16bp2zx 96
                            QGemmCfg<2, 4, 2, 16, R::Bulk, false, M_::Full, 2, false, 1, true>,       // r16w4n2p16bp2x 108
