@@ -1158,7 +1158,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_kernel(const QGemmP
   // ---- epilogue: C fragment rows g4 / g4 + 8, columns 2 c4, 2 c4 + 1 of each n8 half (SWAP: rows are the
   // columns n, columns the batch rows) ----
   T* y = static_cast<T*>(p.y);
-  float* mine = p.partial + (std::int64_t(split) * p.M + m0) * p.Npad;
+  float* const mine = p.splits > 1 ? p.partial + (std::int64_t(split) * p.M + m0) * p.Npad : nullptr;  // fp32 partials
   if constexpr (kSwap) {
     if (active)
 #pragma unroll
