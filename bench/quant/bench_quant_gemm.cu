@@ -569,6 +569,7 @@ int main(int argc, char** argv) {
                             {"best_time_ms", var.best_ms > 0 ? nlohmann::json(var.best_ms) : nlohmann::json(nullptr)},
                             {"variants_ms", var.times},
                             {"variants_err", var.errors},
+                            {"variants_info", var.info},
                             {"device", device},
                             {"date", date},
                             {"commit", commit}};
