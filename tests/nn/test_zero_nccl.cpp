@@ -247,12 +247,17 @@ TEST(ZeroNccl, FaultRankSkipsACollective) {
   faulty->synchronize();
   EXPECT_TRUE(torch::all(x == float(W * (W + 1) / 2)).item<bool>());
 
+  // The lone collective is large (64 MB): with 1000 floats, rank 0's whole contribution fit into NCCL's
+  // receive buffers on rank 1 before rank 0 was aborted, and rank 1's late all_reduce then COMPLETED from that
+  // stale data in 0.4 ms (2 H200s, 82e087a). A message far beyond NCCL's per-channel buffers cannot finish
+  // without the aborted peer, so the late ranks must get the watchdog error too.
+  auto big = torch::full({int64_t(16) << 20}, float(r + 1), torch::TensorOptions().device(dev));
   std::string error;
   double seconds = -1;
   auto lone_all_reduce = [&] {
     const auto t0 = Clock::now();
     try {
-      faulty->all_reduce(x.data_ptr(), x.data_ptr(), 1000, comm::DType::f32, comm::ReduceOp::sum);
+      faulty->all_reduce(big.data_ptr(), big.data_ptr(), big.numel(), comm::DType::f32, comm::ReduceOp::sum);
       faulty->synchronize();
     } catch (const Error& e) {
       error = e.what();
