@@ -36,7 +36,7 @@
 //
 // JSON lines: bench "table", case, strategy, world, batch (per GPU), seq, peak_gb, reserved_gb, planned_gb,
 // plan_ratio, time_ms, iters_per_s, tokens_per_s, tokens_per_s_per_gpu, flops_per_token, mfu, val_loss, val_ppl,
-// final_loss, host_{wait,sumsq,update}_ms
+// final_loss, losses (rank 0's training loss per step, warm-up included), host_{wait,sumsq,update}_ms
 // (Offload<Host> rows: the CPU pipeline's time per step), ratio_vs_peer (tokens/s over the
 // peer's: > 1 is faster), mem_ratio_vs_peer (peer's peak over ours: > 1 is smaller), claimed_* (the widely
 // shared LLaMA-7B figures, at that geometry), oom / error, device, date, commit (SQUEEZE_DEVICE /
@@ -139,6 +139,7 @@ struct Row {
   RowSpec spec;
   std::string strategy;  // the Strategy spelled out
   std::optional<double> time_ms, peak_gb, reserved_gb, planned_gb, planned_host_gb, final_loss, val_loss;
+  std::vector<double> losses;  // this rank's training loss of every step (warm-up included), in order
   // Offload<Host> rows: the CPU pipeline's time per timed step (it runs beside the GPU; when its sum nears
   // time_ms the CPU bounds the step): waiting for gradient copies, sums of squares, AdamW + upload queueing.
   std::optional<double> host_wait_ms, host_sumsq_ms, host_update_ms;
@@ -219,6 +220,7 @@ void run_steps(const Options& o, int64_t batch, const Data& data, const Dist& d,
   for (int64_t i = 0; i < o.warmup; ++i) {
     const auto [x, y] = rank_batch(o, data, batch, i, d, device);
     loss = step(x, y);
+    row.losses.push_back(loss);
   }
   std::vector<std::pair<torch::Tensor, torch::Tensor>> timed;
   for (int64_t i = o.warmup; i < o.warmup + o.steps; ++i) timed.push_back(rank_batch(o, data, batch, i, d, device));
@@ -227,7 +229,7 @@ void run_steps(const Options& o, int64_t batch, const Data& data, const Dist& d,
   if (d.comm) d.comm->barrier();  // every rank starts the clock together
   timed_mark(true);
   const auto t0 = std::chrono::steady_clock::now();
-  for (const auto& [x, y] : timed) loss = step(x, y);  // the loss read-back synchronises each step
+  for (const auto& [x, y] : timed) row.losses.push_back(loss = step(x, y));  // the loss read-back synchronises each step
   sync();  // an offloaded update may still be running on the CPU
   synchronize(device);
   timed_mark(false);
@@ -565,6 +567,7 @@ int main(int argc, char** argv) {
       j["peak_gb"] = *row.peak_gb;
       j["reserved_gb"] = *row.reserved_gb;
       j["final_loss"] = *row.final_loss;
+      j["losses"] = row.losses;  // rank 0's loss per step: the first is the loss of the initial weights
       j["skipped_steps"] = row.skipped;
       if (row.host_update_ms) {
         j["host_wait_ms"] = *row.host_wait_ms;
