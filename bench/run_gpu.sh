@@ -6,6 +6,7 @@
 #   env: TARGETS="t1 t2" builds only those targets (default: everything); GPU_TESTS=0 skips ctest -L cuda;
 #        BENCH_ARGS_<name>="..." extra arguments for one benchmark (e.g. BENCH_ARGS_table="--rows bf16,ckpt");
 #        BENCH_TIMEOUT=S stops a benchmark after S seconds (default 3600).
+#        SCALE_WORLDS="1 2" the GPU counts of the scale section (default 1 2 4 8; those above the GPUs here are skipped).
 # From the development machine, snapshot the committed tree and send it with the device tool:
 #   rm -rf .snap && mkdir .snap && git archive HEAD | tar -x -C .snap && git rev-parse --short HEAD > .snap/COMMIT
 #   device run (carry .snap): bash .snap/bench/run_gpu.sh
@@ -98,8 +99,8 @@ scale_rows() {  # scale_rows <preset> <worlds> <extra args> <rows...>: rows "our
   done
 }
 if named scale; then
-  echo "== scale (TinyLlama-1.1B, B=8 per GPU, T=2048; ours vs FSDP2 per row)"
-  scale_rows tinyllama-1.1b "1 2" "" "zero3-bf16|" "zero3-bf16-ckpt|--ckpt" "zero3-offload-bf16-ckpt|--ckpt --offload" | tee "$OUT/scale.log"
+  echo "== scale (TinyLlama-1.1B, B=8 per GPU, T=2048, worlds ${SCALE_WORLDS:-1 2 4 8} up to the GPUs here; ours vs FSDP2 per row)"
+  scale_rows tinyllama-1.1b "${SCALE_WORLDS:-1 2 4 8}" "" "zero3-bf16|" "zero3-bf16-ckpt|--ckpt" "zero3-offload-bf16-ckpt|--ckpt --offload" | tee "$OUT/scale.log"
 fi
 if named scale7b; then
   echo "== scale7b (LLaMA-7B, B=8 per GPU, T=2048, world 2; lr 3e-5 as table7b; FSDP2 with checkpointing only)"
