@@ -86,16 +86,30 @@ SQUEEZE_HD BitPos tile3_bit(int q, int e, int b) {
 }
 
 // ---- the decode, shared by the CUDA kernel and the CPU twin ------------------------------------------------
+// (a & MASK) | MAGIC. On the device one LOP3 (0xEA = (a & b) | c): written as C, the compiler keeps the AND and
+// the OR apart (two instructions per pair); with both constants as operands of one lop3 ptxas keeps one of them in
+// a register. The host computes the same bits in C.
+template <std::uint32_t MASK, std::uint32_t MAGIC>
+SQUEEZE_HD std::uint32_t and_or(std::uint32_t a) {
+#if defined(__CUDA_ARCH__)
+  std::uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(a), "n"(MASK), "n"(MAGIC));
+  return r;
+#else
+  return (a & MASK) | MAGIC;
+#endif
+}
+
 // Pair i (0..3) of a word: two 16-bit patterns (low half = nibble i, high half = nibble i + 4) that read
 // as fp16 1024 + v (even i) / 1024 + 16 v (odd i), or as bf16 128 + v (every i).
 //   pair 0: nibbles 0,4   pair 1: nibbles 1,5   pair 2: nibbles 2,6   pair 3: nibbles 3,7
 template <class T>
 SQUEEZE_HD std::uint32_t magic_pair(std::uint32_t w, int i) {
   if constexpr (std::is_same_v<T, bf16>) {
-    return ((w >> (4 * i)) & 0x000F000Fu) | 0x43004300u;  // bf16 has 7 mantissa bits: shift every nibble down
+    return and_or<0x000F000Fu, 0x43004300u>(w >> (4 * i));  // bf16 has 7 mantissa bits: shift every nibble down
   } else {
     const std::uint32_t s = w >> (8 * (i >> 1));
-    return (i & 1) ? ((s & 0x00F000F0u) | 0x64006400u) : ((s & 0x000F000Fu) | 0x64006400u);
+    return (i & 1) ? and_or<0x00F000F0u, 0x64006400u>(s) : and_or<0x000F000Fu, 0x64006400u>(s);
   }
 }
 // 8-bit: half r (0, 1) of a word = bytes (2r, 2r + 1), as fp16 1024 + v (bf16 uses fp32, see decode8).
@@ -110,7 +124,7 @@ SQUEEZE_HD std::uint32_t magic3_pair(std::uint32_t w0, std::uint32_t w1, std::ui
   constexpr std::uint32_t kMagic = std::is_same_v<T, bf16> ? 0x43004300u : 0x64006400u;
   if (q == 15) return ((w0 >> 15) & 0x00010001u) | ((w1 >> 14) & 0x00020002u) | ((w2 >> 13) & 0x00040004u) | kMagic;
   const std::uint32_t w = q < 5 ? w0 : q < 10 ? w1 : w2;
-  return ((w >> (3 * (q % 5))) & 0x00070007u) | kMagic;
+  return and_or<0x00070007u, kMagic>(w >> (3 * (q % 5)));
 }
 
 // Host reading of one 16-bit half of magic_pair: the code value minus zero, exactly as the device's
@@ -375,32 +389,6 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-// (a & MASK) | MAGIC in one LOP3: written as C (two LOP3 with one immediate each) the compiler keeps the AND and
-// the OR apart; with both constants as operands of one lop3 (0xEA = (a & b) | c) ptxas keeps one in a register.
-template <std::uint32_t MASK, std::uint32_t MAGIC>
-__device__ __forceinline__ std::uint32_t and_or(std::uint32_t a) {
-  std::uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(a), "n"(MASK), "n"(MAGIC));
-  return r;
-}
-// Device form of magic_pair / magic3_pair (same bits, one LOP3 per pair after the shift).
-template <class T>
-__device__ __forceinline__ std::uint32_t magic_pair_dev(std::uint32_t w, int i) {
-  if constexpr (std::is_same_v<T, bf16>) {
-    return and_or<0x000F000Fu, 0x43004300u>(w >> (4 * i));
-  } else {
-    const std::uint32_t s = w >> (8 * (i >> 1));
-    return (i & 1) ? and_or<0x00F000F0u, 0x64006400u>(s) : and_or<0x000F000Fu, 0x64006400u>(s);
-  }
-}
-template <class T>
-__device__ __forceinline__ std::uint32_t magic3_pair_dev(std::uint32_t w0, std::uint32_t w1, std::uint32_t w2, int q) {
-  constexpr std::uint32_t kMagic = std::is_same_v<T, bf16> ? 0x43004300u : 0x64006400u;
-  if (q == 15) return magic3_pair<T>(w0, w1, w2, q);
-  const std::uint32_t w = q < 5 ? w0 : q < 10 ? w1 : w2;
-  return and_or<0x00070007u, kMagic>(w >> (3 * (q % 5)));
-}
-
 // B registers (q - z) of one k-step for both n8 halves j: b[j][r].
 template <class T>
 __device__ __forceinline__ void decode_word(std::uint32_t w, const std::uint32_t (&zlo)[2], const std::uint32_t (&zhi)[2],
@@ -408,7 +396,7 @@ __device__ __forceinline__ void decode_word(std::uint32_t w, const std::uint32_t
   using V = typename Vec2<T>::type;
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
-    const V lo = as_vec2<V>(magic_pair_dev<T>(w, 2 * j)), hi = as_vec2<V>(magic_pair_dev<T>(w, 2 * j + 1));
+    const V lo = as_vec2<V>(magic_pair<T>(w, 2 * j)), hi = as_vec2<V>(magic_pair<T>(w, 2 * j + 1));
     if constexpr (std::is_same_v<T, bf16>) {
       b[j][0] = u32(__hsub2(lo, as_vec2<V>(zlo[j])));
       b[j][1] = u32(__hsub2(hi, as_vec2<V>(zlo[j])));
@@ -471,7 +459,7 @@ __device__ __forceinline__ void decode_word3(std::uint32_t w0, std::uint32_t w1,
 #pragma unroll
   for (int j = 0; j < 2; ++j)
 #pragma unroll
-    for (int r = 0; r < 2; ++r) b[j][r] = u32(__hsub2(as_vec2<V>(magic3_pair_dev<T>(w0, w1, w2, 4 * ks + 2 * j + r)), as_vec2<V>(zlo[j])));
+    for (int r = 0; r < 2; ++r) b[j][r] = u32(__hsub2(as_vec2<V>(magic3_pair<T>(w0, w1, w2, 4 * ks + 2 * j + r)), as_vec2<V>(zlo[j])));
 }
 
 // ---- Hopper bulk copies (TMA engine) into a shared-memory ring, with mbarrier hand-offs (sm_90) ----------
@@ -1013,7 +1001,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_kernel(const QGemmP
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
               if constexpr (BITS == 8) b[t][j][r] = magic8_pair_f16(ch.w[t][2 * ks + j], r);
-              else if constexpr (BITS == 3) b[t][j][r] = magic3_pair_dev<T>(ch.w[t][0], ch.w[t][1], ch.w[t][2], 4 * ks + 2 * j + r);
+              else if constexpr (BITS == 3) b[t][j][r] = magic3_pair<T>(ch.w[t][0], ch.w[t][1], ch.w[t][2], 4 * ks + 2 * j + r);
               else b[t][j][r] = and_or<0x000F000Fu, (std::is_same_v<T, bf16> ? 0x43004300u : 0x64006400u)>(ch.w[t][ks] >> (4 * (2 * j + r)));
             }
         } else if constexpr (BITS == 8) {
