@@ -637,8 +637,8 @@ int main(int argc, char** argv) {
   if (!dist.root()) return 0;
   std::printf("peak: CUDA caching allocator, allocated bytes (the largest over the GPUs); plan: squeeze::plan peak() for the same\n"
               "strategy, shapes and world (no measurement goes into it); /plan = measured / planned; tok/s: all GPUs; MFU: %.4g model\n"
-              "FLOPs/token (6N + 12 L T d) x tok/s/GPU over 989 TFLOP/s (H200 dense bf16); x peer: tokens/s over the peer's; mem x: peer's\n"
-              "peak over ours.\n", model_flops);
+              "FLOPs/token (6N + 12 L T d) x tok/s/GPU over %.0f TFLOP/s (H200 dense bf16); x peer: tokens/s over the peer's; mem x: peer's\n"
+              "peak over ours.\n", model_flops, kH200DenseBf16Flops / 1e12);
   if (o.preset == "tinyllama-1.1b" && config.layers == 22 && o.seq == 2048)
     std::printf("reference (PyTorch + transformers, this GPU type, TinyLlama-1.1B B=8 T=2048): bf16 autocast 60.8 GB 48.7k tok/s;\n"
                 "  + checkpointing 24.1 GB 35.2k tok/s; accumulation 4x2 31.2 GB 38.4k tok/s\n");

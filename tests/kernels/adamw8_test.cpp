@@ -309,11 +309,6 @@ TEST(Adam8Cpu, TracksFloat64AdamWOnANoisyQuadratic) {
   }
 }
 
-template <class T>
-bool same_bytes(const std::vector<T>& a, const std::vector<T>& b) {
-  return test::bits_equal(a, b);
-}
-
 TEST(Adam8Cpu, SkippedStepLeavesEveryByteUnchanged) {
   std::mt19937 rng(22);
   const std::int64_t n = 777;
@@ -328,17 +323,17 @@ TEST(Adam8Cpu, SkippedStepLeavesEveryByteUnchanged) {
   s.grad = test::random_vec<bf16>(n, rng, -1.f, 1.f);
   const float inf = 1.f, scale = 0.5f;
   sk::adamw8_cpu(s.tensor(), sk::adamw_coeffs(1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 4), {&scale, &inf, nullptr, nullptr});
-  EXPECT_TRUE(same_bytes(s.param, before.param));
-  EXPECT_TRUE(same_bytes(s.master, before.master));
-  EXPECT_TRUE(same_bytes(s.m, before.m));
-  EXPECT_TRUE(same_bytes(s.v, before.v));
-  EXPECT_TRUE(same_bytes(s.m_absmax, before.m_absmax));
-  EXPECT_TRUE(same_bytes(s.v_absmax, before.v_absmax));
+  EXPECT_TRUE(test::bits_equal(s.param, before.param));
+  EXPECT_TRUE(test::bits_equal(s.master, before.master));
+  EXPECT_TRUE(test::bits_equal(s.m, before.m));
+  EXPECT_TRUE(test::bits_equal(s.v, before.v));
+  EXPECT_TRUE(test::bits_equal(s.m_absmax, before.m_absmax));
+  EXPECT_TRUE(test::bits_equal(s.v_absmax, before.v_absmax));
   // The same step unskipped changes all of them.
   const float ok = 0.f;
   sk::adamw8_cpu(s.tensor(), sk::adamw_coeffs(1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 4), {&scale, &ok, nullptr, nullptr});
-  EXPECT_FALSE(same_bytes(s.master, before.master));
-  EXPECT_FALSE(same_bytes(s.m_absmax, before.m_absmax));
+  EXPECT_FALSE(test::bits_equal(s.master, before.master));
+  EXPECT_FALSE(test::bits_equal(s.m_absmax, before.m_absmax));
 }
 
 // The block update is the fp32 AdamW element on decoded state, then re-encoding: spelled out here with the
@@ -369,12 +364,12 @@ TEST(Adam8Cpu, OneStepIsDecodeAdamWEncode) {
   sk::quantize_blockwise(sk::unsigned_state_map(), v.data(), n, vc.data(), va.data());
   // The kernel.
   sk::adamw8_cpu(s.tensor(), c, d);
-  EXPECT_TRUE(same_bytes(s.master, master));
-  EXPECT_TRUE(same_bytes(s.param, param));
-  EXPECT_TRUE(same_bytes(s.m, mc));
-  EXPECT_TRUE(same_bytes(s.v, vc));
-  EXPECT_TRUE(same_bytes(s.m_absmax, ma));
-  EXPECT_TRUE(same_bytes(s.v_absmax, va));
+  EXPECT_TRUE(test::bits_equal(s.master, master));
+  EXPECT_TRUE(test::bits_equal(s.param, param));
+  EXPECT_TRUE(test::bits_equal(s.m, mc));
+  EXPECT_TRUE(test::bits_equal(s.v, vc));
+  EXPECT_TRUE(test::bits_equal(s.m_absmax, ma));
+  EXPECT_TRUE(test::bits_equal(s.v_absmax, va));
 }
 
 // Offload<Host> stages the rounded parameters over the gradient: param and grad the same bf16 buffer give the
@@ -391,10 +386,10 @@ TEST(Adam8Cpu, ParamsWrittenOverTheGradientBuffer) {
   auto t = b.tensor();
   t.param = b.grad.data();  // staged: the update reads each gradient, then writes the parameter in its place
   sk::adamw8_cpu(t, c);
-  EXPECT_TRUE(same_bytes(b.grad, a.param));
-  EXPECT_TRUE(same_bytes(b.master, a.master));
-  EXPECT_TRUE(same_bytes(b.m, a.m));
-  EXPECT_TRUE(same_bytes(b.v_absmax, a.v_absmax));
+  EXPECT_TRUE(test::bits_equal(b.grad, a.param));
+  EXPECT_TRUE(test::bits_equal(b.master, a.master));
+  EXPECT_TRUE(test::bits_equal(b.m, a.m));
+  EXPECT_TRUE(test::bits_equal(b.v_absmax, a.v_absmax));
 }
 
 TEST(Adam8Cpu, TensorListEqualsOneCallPerTensor) {
@@ -412,9 +407,9 @@ TEST(Adam8Cpu, TensorListEqualsOneCallPerTensor) {
   sk::adamw8_cpu(std::span<const sk::AdamW8Tensor<float, bf16>>(list), c);
   for (auto& s : b) sk::adamw8_cpu(s.tensor(), c);
   for (std::size_t i = 0; i < a.size(); ++i) {
-    EXPECT_TRUE(same_bytes(a[i].param, b[i].param));
-    EXPECT_TRUE(same_bytes(a[i].m, b[i].m));
-    EXPECT_TRUE(same_bytes(a[i].v_absmax, b[i].v_absmax));
+    EXPECT_TRUE(test::bits_equal(a[i].param, b[i].param));
+    EXPECT_TRUE(test::bits_equal(a[i].m, b[i].m));
+    EXPECT_TRUE(test::bits_equal(a[i].v_absmax, b[i].v_absmax));
   }
 }
 

@@ -95,7 +95,6 @@ inline void wait_current(torch::Device d, const Event& e) {
 inline void set_device(torch::Device d) {
   if (d.is_cuda()) c10::cuda::set_device(d.index());
 }
-// t (allocated on a side stream) is used on the current stream too.
 // [n] host memory pinned for asynchronous copies, exactly n elements (cudaHostAlloc; cudaFreeHost when the last
 // tensor sharing it goes). Not torch's caching host allocator: that rounds every request up to a power of two (a
 // LLaMA-7B layer's 0.8 GB fp32 shard takes 1.07 GB, ~1.3x Offload<Host>'s planned host bytes) and keeps freed
@@ -108,6 +107,7 @@ inline torch::Tensor pinned_empty(int64_t n, torch::ScalarType dtype) {
   return torch::from_blob(p, {n}, [](void* q) { (void)cudaFreeHost(q); }, torch::TensorOptions().dtype(dtype));
 }
 
+// t (allocated on a side stream) is used on the current stream too.
 inline void record_use_current(const torch::Tensor& t) {
   if (t.defined() && t.is_cuda())
     c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), c10::cuda::getCurrentCUDAStream(t.device().index()));

@@ -636,15 +636,12 @@ class Trainer {
     const int64_t es = int64_t(c10::elementSize(compute_dtype_));
     return std::max<int64_t>(1, opt_.align_bytes / es);
   }
-  torch::TensorOptions state_options() const {
-    auto o = torch::TensorOptions().dtype(torch::kFloat32);
-    return kOffload ? o.device(torch::kCPU).pinned_memory(device_.is_cuda()) : o.device(device_);
-  }
   // [n] optimizer-state buffer: on the device, on the host, or (offload from a GPU) pinned host memory of exactly
   // n elements (nn::pinned_empty: torch's caching host allocator would round each one up to a power of two).
   torch::Tensor state_empty(int64_t n, torch::ScalarType dtype) const {
-    if (kOffload && device_.is_cuda()) return pinned_empty(n, dtype);
-    return torch::empty({n}, state_options().dtype(dtype));
+    const auto options = torch::TensorOptions().dtype(dtype);
+    if (!kOffload) return torch::empty({n}, options.device(device_));
+    return device_.is_cuda() ? pinned_empty(n, dtype) : torch::empty({n}, options);  // a CPU model: plain host memory
   }
   torch::Tensor state_zeros(int64_t n, torch::ScalarType dtype) const { return state_empty(n, dtype).zero_(); }
 
