@@ -4,6 +4,7 @@
 #   usage: bash bench/run_gpu.sh [bench-name ...]    (no names: all benchmarks but the 7B rows;
 #          names: adamw gemm4 gptq zero table table7b table7b_offload ncu_gemm llama_gptq scale scale7b scale7b_w1)
 #   env: TARGETS="t1 t2" builds only those targets (default: everything); GPU_TESTS=0 skips ctest -L cuda;
+#        GPU_TESTS_REGEX="Quant|Zero" runs only the cuda-labelled tests whose names match (ctest -R);
 #        BENCH_ARGS_<name>="..." extra arguments for one benchmark (e.g. BENCH_ARGS_table="--rows bf16,ckpt");
 #        BENCH_TIMEOUT=S stops a benchmark after S seconds (default 3600).
 #        SCALE_WORLDS="1 2" the GPU counts of the scale section (default 1 2 4 8; those above the GPUs here are skipped).
@@ -34,7 +35,7 @@ fi
 echo "build: $(( $(date +%s) - t0 )) s"
 
 if [ "${GPU_TESTS:-1}" != 0 ]; then
-  (cd "$BUILD" && ctest -L cuda --output-on-failure --timeout 300) >"$OUT/ctest.log" 2>&1
+  (cd "$BUILD" && ctest -L cuda ${GPU_TESTS_REGEX:+-R "$GPU_TESTS_REGEX"} --output-on-failure --timeout 300) >"$OUT/ctest.log" 2>&1
   echo "GPU tests: $(grep -E 'tests passed|tests failed' "$OUT/ctest.log")"
 fi
 
