@@ -1350,15 +1350,18 @@ using DiagnosticCfgs = CfgList<QGemmCfg<1, 4, 1, 8, R::Registers, false, M_::Loa
 // full kernel 0.075 ms). Two Bulk
 // configurations gave wrong results there (see sync_compute in qgemm_kernel); the Bulk code changed since
 // (group rows in the ring slot, slot released after the math, reconverged barriers): not yet measured.
-// Since that run, also NOT yet measured: the decode takes one LOP3 per pair (and_or; was an AND and an OR:
-// -4 instructions per 32-bit word in every configuration, the dispatched ones included, at the same occupancy)
-// and the weights-as-A configurations (SWAP, names ending in x: one mma per 16 columns x 8 rows instead of two,
-// 8 fewer accumulators). The dispatch stays as measured until a GPU run shows an x configuration faster
-// at M <= 16 (variants_ms / variants_info in gemm4.jsonl: time, registers, blocks per SM).
+// H200 run of b073755 (session 5, bench/results/h200/gemm4.jsonl): the one-LOP3 decode and the weights-as-A
+// (SWAP, names ending in x) configurations. At M <= 8, 8 rows with the weights as A beat r16w4n2p4 on every
+// shape: 8192 x 28672 at M = 1 / 4 / 8: r8w4n2p4x 0.062 / 0.065 / 0.071 ms vs 0.080 / 0.082 / 0.088 (the bulk
+// r8w4n2p8bx is within 4%, 0.060 at M = 1, but needs sm_90's bulk copies), so batch class 0 takes r8w4n2p4x;
+// at M = 16 no exact configuration beats r16w4n2p4 by more than the noise (r16w8n1p8 on the two 4096-wide
+// shapes by 10%), so class 1 keeps it. Still far from the targets: the loads alone (r8w4n2p8b-load) take
+// 0.041 ms at 8192 x 28672, 0.71 of copy bandwidth, which is 3.1x cuBLAS bf16 by itself.
 inline int batch_class(std::int64_t M) { return M <= 8 ? 0 : M <= 16 ? 1 : M <= 32 ? 2 : M <= 64 ? 3 : 4; }
 template <int BITS, int CLASS>
 struct Dispatch {
-  using Cfg = std::conditional_t<(CLASS <= 1), QGemmCfg<2, 4, 2, 4>, QGemmCfg<4, 4, 2, 4>>;
+  using Cfg = std::conditional_t<(CLASS == 0), QGemmCfg<1, 4, 2, 4, QGemmLoader::Registers, false, QGemmMode::Full, 0, false, 1, true>,
+                                 std::conditional_t<(CLASS == 1), QGemmCfg<2, 4, 2, 4>, QGemmCfg<4, 4, 2, 4>>>;
   static constexpr int kCps = 0;
 };
 template <int CLASS>
