@@ -2,7 +2,7 @@
 # One call on the GPU machine: build with libtorch's CUDA side, run the GPU tests (ctest -L cuda) and the
 # benchmarks, write full results under $OUT (default ./gpu-results) and print a short table last.
 #   usage: bash bench/run_gpu.sh [bench-name ...]    (no names: all benchmarks but the 7B rows;
-#          names: adamw gemm4 gptq zero table table7b table7b_offload ncu_gemm llama_gptq scale scale7b scale7b_w1)
+#          names: adamw gemm4 gptq zero table table7b table7b_offload diag7b ncu_gemm llama_gptq scale scale7b scale7b_w1)
 #   env: TARGETS="t1 t2" builds only those targets (default: everything); GPU_TESTS=0 skips ctest -L cuda;
 #        GPU_TESTS_REGEX="Quant|Zero" runs only the cuda-labelled tests whose names match (ctest -R);
 #        BENCH_ARGS_<name>="..." extra arguments for one benchmark (e.g. BENCH_ARGS_table="--rows bf16,ckpt");
@@ -62,6 +62,18 @@ if named table7b; then
 fi
 if named table7b_offload; then
   run_bench table7b_offload "$BUILD/bench/table/bench_table" --preset llama-7b --rows zero3-offload-bf16-ckpt:8,zero3-offload-bf16-ckpt-adam8:8 --clip 0 --lr 3e-5 --lr-warmup 5 "${corpus[@]}"
+fi
+
+# Why the 7B rows diverge (only when named): one optimizer step per batch of one sequence (B=1, T=2048, bf16 +
+# checkpointing), 12 steps each, the loss of every step in `losses`: depth (7B width at 2 and 32 layers) and
+# learning rate (3e-5, 1e-5, 3e-6, each warmed up over 5 steps), beside TinyLlama-1.1B at 3e-4 (the 1.1B table's).
+if named diag7b; then
+  echo "== diag7b"
+  for args in "llama-7b --layers 2 --lr 3e-5" "llama-7b --lr 1e-5" "llama-7b --lr 3e-6" "tinyllama-1.1b --lr 3e-4"; do
+    timeout "${BENCH_TIMEOUT:-3600}" "$BUILD/bench/table/bench_table" --preset $args --rows bf16-ckpt:1 --steps 10 --warmup 2 --lr-warmup 5 --clip 0 \
+      --eval-seqs 2 "${corpus[@]}" --out "$OUT/diag7b.jsonl" >>"$OUT/diag7b.log" 2>&1 || echo "   failed: $args"
+    python3 -c 'import json,sys; d=[json.loads(l) for l in open(sys.argv[1])][-1]; print("   %-15s layers %2d lr %.0e: val ppl %10.1f losses %s" % (d["preset"], d["layers"], d["lr"], d.get("val_ppl", 0), " ".join("%.2f" % x for x in d.get("losses", []))))' "$OUT/diag7b.jsonl"
+  done
 fi
 
 # Issue 7, several GPUs (only when named). scale: ZeRO-3 + bf16 without and with checkpointing, and with
