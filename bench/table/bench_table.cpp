@@ -34,7 +34,10 @@
 //   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone
 //       --nproc_per_node 2 --no-python bench_table --rows zero3-bf16 --out scale.jsonl     (B = 8 per GPU)
 //
-// JSON lines: bench "table", case, strategy, world, batch (per GPU), seq, peak_gb, reserved_gb, planned_gb,
+// The strategy rows' loss runs over chunks of --loss-chunk tokens (nn::LlamaImpl::loss_chunk_tokens; the planner
+// is given the same); the peer's is unchunked.
+//
+// JSON lines: bench "table", case, strategy, world, batch (per GPU), seq, loss_chunk, peak_gb, reserved_gb, planned_gb,
 // plan_ratio, time_ms, iters_per_s, tokens_per_s, tokens_per_s_per_gpu, flops_per_token, mfu, val_loss, val_ppl,
 // final_loss, losses (rank 0's training loss per step, warm-up included), host_{wait,sumsq,update}_ms
 // (Offload<Host> rows: the CPU pipeline's time per step), ratio_vs_peer (tokens/s over the
@@ -89,6 +92,7 @@ constexpr double kH200DenseBf16Flops = 989e12;
 struct Options {
   std::string out, csv, preset = "tinyllama-1.1b", device = "cuda", rows, corpus;
   int64_t batch = 8, seq = 2048, steps = 3, warmup = 2, layers = 0, eval_seqs = 8, threads = 0, lr_warmup = 0;
+  int64_t loss_chunk = llama::TrainOptions{}.loss_chunk_tokens;  // the strategy rows' (the peer never chunks)
   double lr = 3e-4, clip = 1.0, loss_scale = 1024, comm_timeout_s = 600;
   uint64_t seed = 1337;
 };
@@ -282,7 +286,8 @@ void guarded(Row& row, const torch::Device& device, F&& f) {
   release_cached_memory(device);
 }
 
-// The peer: float weights and torch AdamW, forward under bf16 autocast, backward and update outside it.
+// The peer: float weights and torch AdamW, forward under bf16 autocast, backward and update outside it; the loss
+// unchunked (logits of the whole batch at once), as plain libtorch computes it.
 Row run_peer(const RowSpec& spec, const Options& o, const nn::LlamaConfig& config, const Data& data, const Dist& d,
              const torch::Device& device, const llama::TrainOptions& topt) {
   Row row{spec, "float weights + torch::optim::AdamW, bf16 autocast"};
@@ -290,6 +295,7 @@ Row run_peer(const RowSpec& spec, const Options& o, const nn::LlamaConfig& confi
     llama::reset_peak_memory(device);
     torch::manual_seed(1);
     nn::Llama model(config);
+    model->loss_chunk_tokens = 0;  // plain libtorch: the logits of the whole batch at once
     model->to(device);
     model->train();
     torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(topt.lr)
@@ -358,7 +364,7 @@ Row run_strategy(const RowSpec& spec, const Options& o, const nn::LlamaConfig& c
   guarded(row, device, [&] {
     llama::with_strategy(spec.name, [&]<StrategyType S>() {
       row.strategy = spelled<S>();
-      const plan::MemoryPlan p = llama::plan_for<S>(config, spec.batch, o.seq, d.world);
+      const plan::MemoryPlan p = llama::plan_for<S>(config, spec.batch, o.seq, d.world, topt.loss_chunk_tokens);
       row.planned_gb = double(p.peak().device) / 1e9;
       row.planned_host_gb = double(p.peak().host) / 1e9;
       llama::reset_peak_memory(device);
@@ -443,6 +449,10 @@ int main(int argc, char** argv) {
   app.add_option("--clip", o.clip, "global gradient-norm clip (0: off; Offload<Host> then updates inside backward)")->capture_default_str();
   app.add_option("--loss-scale", o.loss_scale, "initial dynamic loss scale of the fp16 rows (PyTorch's GradScaler starts at 65536; "
                                                 "from there a short run spends its first steps skipping overflows)")->capture_default_str();
+  app.add_option("--loss-chunk", o.loss_chunk, "tokens per chunk of the strategy rows' LM head + cross-entropy, each recomputed in "
+                                               "backward (0: the whole micro-batch at once, as the peer)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--seed", o.seed, "seed of the training batches")->capture_default_str();
   app.add_option("--corpus", o.corpus, "train on this text file (default: the KJV if installed, else the built-in text)");
   app.add_option("--threads", o.threads, "CPU threads of libtorch (0: its default)")->capture_default_str();
@@ -478,6 +488,7 @@ int main(int argc, char** argv) {
   topt.lr = o.lr;
   topt.clip = o.clip;
   topt.initial_scale = o.loss_scale;
+  topt.loss_chunk_tokens = o.loss_chunk;
 
   const auto known = llama::strategy_names();
   std::vector<RowSpec> rows;
@@ -552,7 +563,7 @@ int main(int argc, char** argv) {
               {"layers", config.layers}, {"world", dist.world}, {"batch", spec.batch}, {"seq", o.seq}, {"steps", o.steps}, {"warmup", o.warmup},
               {"clip", o.clip}, {"lr", o.lr}, {"lr_warmup", o.lr_warmup}, {"corpus", data.source}, {"device", dev_name},
               {"date", env_or("SQUEEZE_DATE", "")}, {"commit", env_or("SQUEEZE_COMMIT", "")}, {"oom", row.oom},
-              {"flops_per_token", model_flops}};
+              {"flops_per_token", model_flops}, {"loss_chunk", spec.name == kPeer ? int64_t(0) : o.loss_chunk}};
     // Keys are left out (not null) when unknown: consumers read missing numbers as 0.
     std::optional<double> tps, tps_gpu, mfu, ratio, mem_ratio, plan_ratio, ppl;
     if (row.time_ms) {

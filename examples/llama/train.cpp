@@ -36,6 +36,7 @@ namespace {
 struct Options {
   std::string preset = "tiny", strategy = "fp32", device = "cpu", corpus, save, load;
   int64_t steps = 200, batch = 16, seq = 128, eval_every = 100, eval_batches = 8, log_every = 0, sample = 160, threads = 0;
+  int64_t loss_chunk = llama::TrainOptions{}.loss_chunk_tokens;
   double lr = 3e-3, weight_decay = 0.1, clip = 1.0, val_fraction = 0.05;
   uint64_t seed = 1337;
 };
@@ -109,13 +110,13 @@ int train(const Options& o) {
 
   nn::LlamaConfig config = nn::LlamaConfig::preset(o.preset);
   llama::TrainOptions topt;
-  topt.lr = o.lr, topt.weight_decay = o.weight_decay, topt.clip = o.clip;
+  topt.lr = o.lr, topt.weight_decay = o.weight_decay, topt.clip = o.clip, topt.loss_chunk_tokens = o.loss_chunk;
   Trainer<S> trainer(config, topt, device);
   if (!o.load.empty()) {
     trainer.load(o.load);
     std::cerr << "resumed from " << o.load << " at step " << trainer.step_count() << "\n";
   }
-  const double planned_gb = double(llama::plan_for<S>(config, o.batch, o.seq).peak().device) / 1e9;
+  const double planned_gb = double(llama::plan_for<S>(config, o.batch, o.seq, 1, o.loss_chunk).peak().device) / 1e9;
   int64_t n_params = 0;
   for (const auto& p : trainer.model()->parameters()) n_params += p.numel();
   std::cerr << "model " << o.preset << " (" << n_params / 1e6 << "M parameters), strategy " << o.strategy << ", device "
@@ -188,6 +189,10 @@ int main(int argc, char** argv) {
   app.add_option("--lr", o.lr, "peak learning rate (warm-up, then cosine to 10%)")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->capture_default_str();
   app.add_option("--clip", o.clip, "gradient-norm clip (0: off)")->capture_default_str();
+  app.add_option("--loss-chunk", o.loss_chunk, "tokens per chunk of the LM head + cross-entropy, each recomputed in backward "
+                                               "(0: all tokens of a micro-batch at once)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--device", o.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
   app.add_option("--corpus", o.corpus, "train on this text file instead of the KJV");
   app.add_option("--save", o.save, "write a checkpoint here at every evaluation and at the end");

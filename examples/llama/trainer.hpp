@@ -110,6 +110,8 @@ struct TrainOptions {
   double clip = 1.0;              // global gradient-norm clip; <= 0: off
   double initial_scale = 65536;   // dynamic loss scale (fp16 only)
   int64_t scale_growth_interval = 2000;
+  // Tokens per chunk of the model's loss (nn::LlamaImpl::loss_chunk_tokens; 0: unchunked); plan_for takes the same.
+  int64_t loss_chunk_tokens = plan::kDefaultLossChunkTokens;
 };
 
 struct StepResult {
@@ -315,6 +317,7 @@ class LocalTrainer {
     }
     model_->to(device_, torch_dtype<compute_type>());
     model_->checkpoint_every = S::checkpoint_every;
+    model_->loss_chunk_tokens = options.loss_chunk_tokens;
     model_->train();
     params_ = model_->parameters();
   }
@@ -496,6 +499,7 @@ class ZeroTrainer {
       : model_(std::move(model)) {
     model_->to(device, torch_dtype<typename S::compute_type>());
     model_->checkpoint_every = S::checkpoint_every;
+    model_->loss_chunk_tokens = options.loss_chunk_tokens;
     model_->train();
     for (const auto& p : model_->named_parameters()) shapes_.emplace_back(p.key(), p.value().sizes().vec());  // before stage 3 empties them
     squeeze::AdamW adamw{.lr = float(options.lr), .beta1 = float(options.beta1), .beta2 = float(options.beta2), .eps = float(options.eps),
@@ -535,6 +539,8 @@ class ZeroTrainer {
   }
 
   double evaluate(const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches) { return evaluate_loss(model_, batches); }
+  // Full values of every trainable parameter by name (stage 3 gathers them: a collective, every rank calls it).
+  std::vector<std::pair<std::string, torch::Tensor>> full_parameters() { return trainer_->full_parameters(); }
 
   // ---- checkpoints ------------------------------------------------------------------------------------
   // Every rank writes its own file (PATH at world size 1, PATH.rank<r>-of-<N> otherwise): the full weights
@@ -627,6 +633,7 @@ class AdapterTrainer {
 
   AdapterTrainer(LlamaConfig config, TrainOptions options, torch::Device device) : model_(std::move(config)) {
     model_->checkpoint_every = S::checkpoint_every;
+    model_->loss_chunk_tokens = options.loss_chunk_tokens;
     model_->train();
     nn::LoraTrainOptions o;
     o.lr = options.lr, o.weight_decay = 0.0, o.beta1 = options.beta1, o.beta2 = options.beta2, o.eps = options.eps, o.clip = options.clip;
@@ -723,10 +730,12 @@ using Trainer = std::conditional_t<S::has_lora, AdapterTrainer<S>,
                                    std::conditional_t<(S::stage > 0 || S::offload_to_host), ZeroTrainer<S>, LocalTrainer<S>>>;
 
 // The planner for S with B sequences of T tokens per optimizer step on one rank, and the example's trainer
-// (whether it frees its gradients between steps or keeps flat buffers): plan_for<S>(c, B, T).peak().device.
+// (whether it frees its gradients between steps or keeps flat buffers) with the model's loss chunk
+// (TrainOptions::loss_chunk_tokens): plan_for<S>(c, B, T).peak().device.
 template <StrategyType S>
-plan::MemoryPlan plan_for(const LlamaConfig& c, int64_t batch, int64_t seq, int world = 1) {
-  return plan::plan_memory<S>(c.shape(), {batch / S::accumulation_steps, seq, Trainer<S>::frees_gradients}, world);
+plan::MemoryPlan plan_for(const LlamaConfig& c, int64_t batch, int64_t seq, int world = 1,
+                          int64_t loss_chunk_tokens = plan::kDefaultLossChunkTokens) {
+  return plan::plan_memory<S>(c.shape(), {batch / S::accumulation_steps, seq, Trainer<S>::frees_gradients, loss_chunk_tokens}, world);
 }
 
 }  // namespace squeeze::llama

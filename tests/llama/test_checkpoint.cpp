@@ -238,4 +238,27 @@ TEST(Checkpoint, RejectsEmptyFunctionAndUndefinedInput) {
   EXPECT_THROW(checkpoint([](const std::vector<torch::Tensor>& v) { return v[0]; }, {torch::Tensor()}, {}), c10::Error);
 }
 
+// checkpoint_chunked_sum: Σ over row chunks (37 rows in chunks of 8: the last has 5) of tanh(x_k W)·t_k equals the
+// whole sum, and so do the gradients of the rows and of the shared W (float64: 1e-12 relative); the chunks'
+// intermediates ([8, 5] products) are not kept between forward and backward.
+TEST(Checkpoint, ChunkedSumMatchesTheWholeSum) {
+  torch::manual_seed(31);
+  const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
+  const torch::Tensor x = torch::randn({37, 6}, f64).requires_grad_(true), w = torch::randn({6, 5}, f64).requires_grad_(true);
+  const torch::Tensor t = torch::randn({37, 5}, f64);
+  const squeeze::nn::BlockFn fn = [](const std::vector<torch::Tensor>& in) { return (torch::tanh(in[0].mm(in[2])) * in[1]).sum(); };
+  const torch::Tensor whole = fn({x, t, w});
+  const auto gw = torch::autograd::grad({whole}, {x, w});
+  for (bool recompute : {true, false}) {
+    const torch::Tensor sum = squeeze::nn::checkpoint_chunked_sum(8, {x, t}, {w}, fn, recompute);
+    EXPECT_NEAR(sum.item<double>(), whole.item<double>(), 1e-12 * std::abs(whole.item<double>()));
+    const auto g = torch::autograd::grad({sum}, {x, w});
+    for (int i = 0; i < 2; ++i) EXPECT_LE(((g[i] - gw[i]).norm() / gw[i].norm()).item<double>(), 1e-12) << "recompute " << recompute;
+  }
+  EXPECT_THROW(squeeze::nn::checkpoint_chunked_sum(0, {x, t}, {w}, fn), c10::Error);
+  EXPECT_THROW(squeeze::nn::checkpoint_chunked_sum(-4, {x, t}, {w}, fn), c10::Error);
+  EXPECT_THROW(squeeze::nn::checkpoint_chunked_sum(8, {x, t.narrow(0, 0, 36)}, {w}, fn), c10::Error) << "rows differ";
+  EXPECT_THROW(squeeze::nn::checkpoint_chunked_sum(8, {}, {w}, fn), c10::Error);
+}
+
 }  // namespace

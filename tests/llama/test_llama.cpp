@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <thread>
 #include <unistd.h>
 
@@ -168,6 +169,101 @@ TEST(LlamaModel, CheckpointedModelHasTheSameGradients) {
   }
 }
 
+// ---- the chunked loss (head + cross-entropy over token chunks, each recomputed in backward) -------------------
+// The loss and every parameter's gradient (as float64) with the given loss chunk and checkpointing.
+std::pair<double, std::vector<torch::Tensor>> loss_and_grads(squeeze::nn::Llama& model, const torch::Tensor& x, const torch::Tensor& y,
+                                                             int64_t chunk, int64_t every) {
+  for (auto& p : model->parameters()) p.mutable_grad() = torch::Tensor();
+  model->loss_chunk_tokens = chunk;
+  model->checkpoint_every = every;
+  const torch::Tensor loss = model->loss(x, y);
+  loss.backward();
+  std::vector<torch::Tensor> g;
+  for (auto& p : model->parameters()) {
+    EXPECT_TRUE(p.grad().defined());
+    g.push_back(p.grad().to(torch::kFloat64));
+  }
+  return {loss.item<double>(), g};
+}
+
+double rel_diff(const torch::Tensor& a, const torch::Tensor& b) { return ((a - b).norm() / b.norm()).item<double>(); }
+
+TEST(LlamaLoss, ChunkedLossAndGradientsMatchUnchunked) {
+  // B·T = 2·37 = 74 tokens in chunks of 16 (four, then a partial one of 10), with and without checkpointing.
+  // Reference: the unchunked loss of a float64 copy of the same weights. Tolerances, relative (gradients: per
+  // tensor, by norm): float64 1e-12 (summation order only); fp32 1e-5; bf16 against float64 5e-2 (the model
+  // computes in bf16, chunked or not), and bf16 chunked against bf16 unchunked 1e-2 (other GEMM blocking, the
+  // head's gradient summed over the chunks in bf16).
+  const torch::Tensor x = torch::randint(0, 256, {2, 37}, torch::kLong), y = torch::randint(0, 256, {2, 37}, torch::kLong);
+  const auto build = [](torch::Dtype dtype) {
+    torch::manual_seed(21);  // the same initial weights for every copy
+    squeeze::nn::Llama m(small_config());
+    m->to(dtype);
+    m->train();
+    return m;
+  };
+  squeeze::nn::Llama ref = build(torch::kFloat64);
+  const auto [ref_loss, ref_grads] = loss_and_grads(ref, x, y, 0, 0);
+  struct Case {
+    torch::Dtype dtype;
+    double vs_ref, vs_unchunked;
+  };
+  for (const Case c : {Case{torch::kFloat64, 1e-12, 1e-12}, Case{torch::kFloat32, 1e-5, 1e-5}, Case{torch::kBFloat16, 5e-2, 1e-2}}) {
+    squeeze::nn::Llama model = build(c.dtype);
+    for (int64_t every : {0, 1, 2}) {
+      SCOPED_TRACE(std::string("dtype ") + c10::toString(c.dtype) + ", checkpoint every " + std::to_string(every));
+      const auto [loss, grads] = loss_and_grads(model, x, y, 16, every);
+      const auto [whole_loss, whole_grads] = loss_and_grads(model, x, y, 0, every);
+      EXPECT_NEAR(loss, ref_loss, c.vs_ref * std::abs(ref_loss));
+      EXPECT_NEAR(loss, whole_loss, c.vs_unchunked * std::abs(whole_loss));
+      ASSERT_EQ(grads.size(), ref_grads.size());
+      for (size_t i = 0; i < grads.size(); ++i) {
+        EXPECT_LE(rel_diff(grads[i], ref_grads[i]), c.vs_ref) << "parameter " << i;
+        EXPECT_LE(rel_diff(grads[i], whole_grads[i]), c.vs_unchunked) << "parameter " << i;
+      }
+    }
+  }
+}
+
+TEST(LlamaLoss, EvaluationChunksWithoutRecomputing) {
+  // Eval mode under no-grad: the chunks just run (no autograd graph); the value is the unchunked one. Eval mode
+  // with grad: chunks without checkpoints, gradients still exact (float64).
+  torch::manual_seed(22);
+  squeeze::nn::Llama model(small_config());
+  model->to(torch::kFloat64);
+  model->eval();
+  const torch::Tensor x = torch::randint(0, 256, {3, 29}, torch::kLong), y = torch::randint(0, 256, {3, 29}, torch::kLong);
+  double whole = 0, chunked = 0;
+  {
+    torch::NoGradGuard no_grad;
+    model->loss_chunk_tokens = 0;
+    whole = model->loss(x, y).item<double>();
+    model->loss_chunk_tokens = 10;
+    const torch::Tensor l = model->loss(x, y);
+    EXPECT_FALSE(l.requires_grad());
+    chunked = l.item<double>();
+  }
+  EXPECT_NEAR(chunked, whole, 1e-12 * std::abs(whole));
+  const auto [l0, g0] = loss_and_grads(model, x, y, 0, 0);
+  const auto [l1, g1] = loss_and_grads(model, x, y, 10, 0);
+  EXPECT_NEAR(l1, l0, 1e-12 * std::abs(l0));
+  for (size_t i = 0; i < g0.size(); ++i) EXPECT_LE(rel_diff(g1[i], g0[i]), 1e-12) << "parameter " << i;
+}
+
+TEST(LlamaLoss, RejectsABadChunkSize) {
+  squeeze::nn::Llama model(small_config());
+  const torch::Tensor x = torch::randint(0, 256, {2, 8}, torch::kLong);
+  model->loss_chunk_tokens = -1;
+  try {
+    model->loss(x, x);
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("loss_chunk_tokens must be >= 0"), std::string::npos) << e.what();
+  }
+  model->loss_chunk_tokens = 4;
+  EXPECT_THROW(model->loss(x, x.narrow(1, 0, 7)), c10::Error) << "targets of another shape";
+}
+
 // ---- the planner against what autograd really keeps --------------------------------------------------------
 // fp32 on the CPU takes the same path as fp32 on a GPU (K/V repeated to every head; a fused attention that
 // keeps one log-sum-exp per head), so the bytes alive after forward are the planner's activations minus the
@@ -221,6 +317,52 @@ TEST(LlamaPlanner, FrozenBaseActivationsAreWhatAutogradKeeps) {
       << "a frozen base keeps less than full training";
   std::cout << "frozen base: held " << held << " bytes, planned " << planned << "\n";
   loss.backward();
+}
+
+// The high-water mark of forward + backward (fp32, CPU: the GPU's fp32 attention path) against the planner's
+// activations, chunked (64-token chunks of 256 tokens) and not, with and without checkpointing. Parameter gradients
+// are created during backward (set to none first); the only one alive at the loss's peak, the head's, is in the
+// planner's loss term.
+TEST(LlamaPlanner, ChunkedLossPeakIsThePlanners) {
+  LlamaConfig c = small_config();
+  c.hidden = 64, c.heads = 4, c.kv_heads = 2, c.ffn = 160, c.layers = 3;
+  const int64_t B = 4, T = 64;
+  torch::manual_seed(17);
+  squeeze::nn::Llama model(c);
+  model->train();
+  const torch::Tensor x = torch::randint(0, c.vocab, {B, T}, torch::kLong), y = torch::randint(0, c.vocab, {B, T}, torch::kLong);
+  std::map<std::pair<int64_t, int64_t>, int64_t> peaks;
+  for (int64_t every : {0, 1}) {
+    for (int64_t chunk : {int64_t(0), int64_t(64)}) {
+      for (auto& p : model->parameters()) p.mutable_grad() = torch::Tensor();
+      model->checkpoint_every = every;
+      model->loss_chunk_tokens = chunk;
+      squeeze::test::MemoryMeter meter;
+      torch::Tensor loss = model->loss(x, y);
+      const int64_t held = meter.live_bytes();
+      loss.backward();
+      const int64_t peak = meter.peak_bytes();
+      const squeeze::plan::TrainShape shape{B, T, true, chunk};
+      const int64_t planned = squeeze::plan::activation_bytes(c.shape(), shape, 4, every, true);
+      const int64_t loss_term = squeeze::plan::loss_bytes(c.shape(), B * T, 4, chunk, true);
+      std::cout << "every " << every << " chunk " << chunk << ": held " << held << " peak " << peak << " planned " << planned
+                << " (loss term " << loss_term << ")\n";
+      // Above the plan by at most the parameter gradients made before the peak (activation_bytes leaves them to the
+      // planner's gradients): the head's, and with checkpointing the recomputed block's own.
+      const int64_t head_grad = c.vocab * c.hidden * 4, block_grads = c.shape().block_params() * 4;
+      EXPECT_GE(double(peak), 0.98 * double(planned)) << "every " << every << " chunk " << chunk;
+      EXPECT_LE(double(peak), 1.02 * double(planned) + double(head_grad + (every > 0 ? block_grads : 0)) + 16384.0)
+          << "every " << every << " chunk " << chunk;
+      if (chunk > 0) {  // nothing of the logits is kept after forward
+        const int64_t tokens = B * T, final_norm = tokens * (4 * c.hidden + 4 + 2 * c.hidden * 4);
+        const int64_t kept = every == 0 ? planned - loss_term : (c.layers + every - 1) / every * tokens * c.hidden * 4 + final_norm;
+        // Slack: RoPE's tables, and each checkpoint's RNG state (~5 kB; 4 loss chunks here, and the segments).
+        EXPECT_NEAR(double(held), double(kept), 0.02 * double(kept) + 16384.0 + 8192.0 * 4) << "every " << every;
+      }
+      peaks[{every, chunk}] = peak;
+    }
+  }
+  EXPECT_LT((peaks[{0, 64}]), (peaks[{0, 0}])) << "chunking lowers the peak";
 }
 
 // ---- training ----------------------------------------------------------------------------------------------
@@ -419,6 +561,66 @@ TEST(LlamaZero, CheckpointingComposesWithStage3Gathers) {
         EXPECT_NEAR(ck.first[r][i], plain.first[r][i], 1e-6) << "every " << every << " rank " << r << " step " << i;
     EXPECT_NEAR(ck.second[0], plain.second[0], 1e-6);
   }
+}
+
+// Stage 3 on two LocalComm ranks: with the loss in chunks (128 tokens per rank in chunks of 48: 48, 48, 32) the
+// head is gathered once per pass and its gradient, summed over the chunks, reduce-scattered once (its group sees
+// one use and one reduction per micro-step, so the trainer's gradient-ready hook fires once); the trained weights
+// follow the unchunked run. fp32 throughout: tolerance 1e-5 relative per tensor (summation order only).
+// Offload<Host> with clip 0 updates each layer inside backward when its gradient is ready: a premature or repeated
+// ready signal for the head would update it from a partial gradient.
+template <squeeze::StrategyType S>
+std::vector<torch::Tensor> stage3_weights(int steps, int64_t chunk, int64_t every, double clip, std::vector<double>* losses) {
+  const torch::Tensor data = training_bytes();
+  std::vector<squeeze::nn::Llama> models;
+  for (int r = 0; r < 2; ++r) {
+    torch::manual_seed(13);
+    models.emplace_back(small_config());
+  }
+  std::vector<std::vector<torch::Tensor>> weights(2);
+  std::vector<std::vector<double>> rank_losses(2);
+  run_ranks(2, [&](int r, std::shared_ptr<squeeze::comm::LocalComm> comm) {
+    TrainOptions o = fast_options();
+    o.clip = clip;
+    o.loss_chunk_tokens = chunk;
+    ZeroTrainer<S> t(models[r], o, torch::kCPU, comm);
+    t.model()->checkpoint_every = every;
+    EXPECT_EQ(t.model()->loss_chunk_tokens, chunk);
+    squeeze::nn::Stage3Group* head = t.model()->head->group();
+    EXPECT_NE(head, nullptr);
+    for (int s = 0; s < steps; ++s) {
+      const auto [x, y] = batch(data, 8, 16, 100 * r + s);
+      rank_losses[r].push_back(t.step(x, y).loss);
+      if (head) {
+        EXPECT_EQ(head->uses, 1) << "step " << s;
+        EXPECT_EQ(head->reduced, 1) << "step " << s;
+      }
+    }
+    for (auto& [name, w] : t.full_parameters()) weights[r].push_back(w.to(torch::kFloat32));
+  });
+  if (losses) *losses = rank_losses[0];
+  for (size_t i = 0; i < weights[0].size(); ++i) EXPECT_TRUE(torch::equal(weights[0][i], weights[1][i])) << "ranks differ at " << i;
+  return weights[0];
+}
+
+TEST(LlamaZero, ChunkedLossComposesWithStage3) {
+  using Z3 = squeeze::Strategy<squeeze::Sharded<squeeze::Stage3>>;
+  using Z3Offload = squeeze::Strategy<squeeze::Sharded<squeeze::Stage3>, squeeze::Offload<squeeze::Host>>;
+  const auto check = [](const std::vector<torch::Tensor>& got, const std::vector<torch::Tensor>& want, const std::vector<double>& lg,
+                        const std::vector<double>& lw) {
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_LE(rel_diff(got[i], want[i]), 1e-5) << "parameter " << i;
+    for (size_t s = 0; s < lg.size(); ++s) EXPECT_NEAR(lg[s], lw[s], 1e-5 * std::abs(lw[s])) << "step " << s;
+  };
+  std::vector<double> l0, l1;
+  for (int64_t every : {0, 1}) {
+    SCOPED_TRACE("checkpoint every " + std::to_string(every));
+    const auto plain = stage3_weights<Z3>(3, 0, every, 1.0, &l0);
+    check(stage3_weights<Z3>(3, 48, every, 1.0, &l1), plain, l1, l0);
+  }
+  SCOPED_TRACE("Offload<Host>, eager updates (clip 0)");
+  const auto plain = stage3_weights<Z3Offload>(3, 0, 0, 0.0, &l0);
+  check(stage3_weights<Z3Offload>(3, 48, 0, 0.0, &l1), plain, l1, l0);
 }
 
 // ---- checkpoints -------------------------------------------------------------------------------------------

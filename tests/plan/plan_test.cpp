@@ -118,24 +118,68 @@ TEST(Plan, LlamaActivationsByHand) {
   const i64 loss = tokens * 3 * 1000 * 4;
   EXPECT_EQ(plan::activation_bytes(m, t, 2, 0, true), 3 * block + final_norm + loss);
   // Checkpointing keeps each segment's input; a segment is recomputed after the loss's transient is gone.
-  ASSERT_GT(loss, 2 * block);
+  ASSERT_GT(loss, 2 * block + tokens * (64 + 2 * 160) * 2);
   EXPECT_EQ(plan::activation_bytes(m, t, 2, 1, true), 3 * tokens * 64 * 2 + final_norm + loss);
   EXPECT_EQ(plan::activation_bytes(m, t, 2, 2, true), 2 * tokens * 64 * 2 + final_norm + loss);
   // A segment larger than the loss's transient is the checkpointed peak.
   constexpr ModelShape small_vocab{16, 64, 3, 4, 2, 160};
   const i64 small_loss = tokens * 3 * 16 * 4;
   ASSERT_LT(small_loss, block);
-  EXPECT_EQ(plan::activation_bytes(small_vocab, t, 2, 3, true), 1 * tokens * 64 * 2 + final_norm + 3 * block);
+  // Its backward also holds the gradient arriving at it (h) and, in the MLP's backward, two [ffn] gradients more.
+  const i64 segment_backward = tokens * (64 + 2 * 160) * 2;
+  EXPECT_EQ(plan::activation_bytes(small_vocab, t, 2, 3, true), 1 * tokens * 64 * 2 + final_norm + 3 * block + segment_backward);
   // fp32 compute: the memory-efficient kernel reads K/V repeated to every query head (h each, not kv), and
   // the norms' fp32 input is the input itself (still 4h bytes).
   const i64 norm32 = 4 * 64 + 4 + (64 + 64) * 4;
   const i64 block32 = tokens * (2 * norm32 + (64 + 2 * 64 + 64 + 4 * 160) * 4 + 4 * 4);
-  EXPECT_EQ(plan::activation_bytes(m, t, 4, 0, true), 3 * block32 + tokens * norm32 + loss);
-  // Accumulation with the same tokens per step: each micro-batch holds 1/4 of the activations' tokens.
+  // At fp32 and 32 tokens the head's product backward (the logits' fp32 gradient, the head's new weight gradient
+  // and the hidden states' gradient) outweighs the log-softmax moment.
+  const i64 product32 = (tokens * 1000 + tokens * 64) * 4 + 1000 * 64 * 4;
+  ASSERT_GT(product32, loss);
+  EXPECT_EQ(plan::activation_bytes(m, t, 4, 0, true), 3 * block32 + tokens * norm32 + product32);
+  // Accumulation with the same tokens per step: each micro-batch holds 1/4 of the activations' tokens
+  // (with the loss unchunked: a chunked loss's transient does not grow with the tokens, see ChunkedLossByHand).
   using A4 = Strategy<Accumulate<4>>;
-  const auto big = plan_memory<Strategy<>>(llama7b, {8, 2048}, 1);
-  const auto small = plan_memory<A4>(llama7b, {2, 2048}, 1);
+  const auto big = plan_memory<Strategy<>>(llama7b, {8, 2048, false, 0}, 1);
+  const auto small = plan_memory<A4>(llama7b, {2, 2048, false, 0}, 1);
   EXPECT_EQ(small.activations.device * 4, big.activations.device);
+}
+
+TEST(Plan, ChunkedLossByHand) {
+  // nn::Llama's loss over chunks of c tokens (B·T = 2·37 = 74 tokens, c = 16: four chunks of 16 and one of 10).
+  constexpr ModelShape m{1000, 64, 3, 4, 2, 160};
+  const i64 tokens = 74, V = 1000, h = 64;
+  const TrainShape whole{2, 37, false, 0}, chunked{2, 37, false, 16};
+  const i64 unchunked_loss = 12 * tokens * V;  // fp32 log-softmax + the two fp32 gradients of its backward
+  EXPECT_EQ(plan::loss_bytes(m, tokens, 2, 0, true), unchunked_loss);
+  // One chunk's: the same 12·c·V; beside it the head's weight gradient summed over the chunks done (V·h·p_c) and
+  // the hidden states' gradients of those chunks ((n - c)·h·p_c).
+  const i64 chunk_loss = 12 * 16 * V + V * h * 2 + (tokens - 16) * h * 2;
+  ASSERT_GT(12 * 16 * V, (16 * V + 16 * h) * 2 + V * h * 2) << "the log-softmax moment is this chunk's larger one";
+  EXPECT_EQ(plan::loss_bytes(m, tokens, 2, 16, true), chunk_loss);
+  EXPECT_EQ(plan::activation_bytes(m, chunked, 2, 0, true) - plan::activation_bytes(m, whole, 2, 0, true), chunk_loss - unchunked_loss);
+  EXPECT_EQ(plan::activation_bytes(m, chunked, 2, 1, true) - plan::activation_bytes(m, whole, 2, 1, true), chunk_loss - unchunked_loss)
+      << "checkpointed: the chunked loss is still larger than one block";
+  // A one-token chunk: the head's product backward (logits' gradient, new weight gradient, hidden gradient) is larger.
+  EXPECT_EQ(plan::loss_bytes(m, tokens, 2, 1, true), (V + h) * 2 + V * h * 2 + V * h * 2 + (tokens - 1) * h * 2);
+  // A chunk of all the tokens or more is the unchunked loss; so is a chunk <= 0.
+  for (i64 c : {i64(74), i64(75), i64(4096), i64(0), i64(-3)}) EXPECT_EQ(plan::loss_bytes(m, tokens, 2, c, true), unchunked_loss) << c;
+  // A frozen head (LoRA): no weight gradient; the chunks' checkpoints keep the final norm's output (h·p_c per token).
+  const unsigned qv = 0x1u | 0x4u;
+  const i64 frozen_chunk = 12 * 16 * V + (tokens - 16) * h * 2;
+  EXPECT_EQ(plan::activation_bytes(m, chunked, 2, 0, true, 16, qv) - plan::activation_bytes(m, whole, 2, 0, true, 16, qv),
+            frozen_chunk - unchunked_loss + tokens * h * 2);
+  // Stage 3: the head's gathered weight is held across the chunks.
+  using Z3 = Strategy<Sharded<Stage3>, Precision<bf16, float>>;
+  EXPECT_EQ(plan_memory<Z3>(m, chunked, 2).activations.device, plan::activation_bytes(m, chunked, 2, 0, true) + V * h * 2);
+  EXPECT_EQ(plan_memory<Z3>(m, whole, 2).activations.device, plan::activation_bytes(m, whole, 2, 0, true));
+  // The default, TinyLlama-1.1B at B=8, T=2048 (16,384 tokens): the loss's transient goes from 6.3 GB to under 1.8 GB.
+  static_assert(TrainShape{}.loss_chunk_tokens == plan::kDefaultLossChunkTokens);
+  constexpr ModelShape tiny = *squeeze::plan::find_preset("tinyllama-1.1b");
+  EXPECT_EQ(plan::loss_bytes(tiny, 16384, 2, 0, true), 6'291'456'000);
+  EXPECT_EQ(plan::loss_bytes(tiny, 16384, 2, plan::kDefaultLossChunkTokens, true),
+            12 * 4096 * i64(32000) + 32000 * 2048 * 2 + (16384 - 4096) * 2048 * 2);
+  EXPECT_LT(plan::loss_bytes(tiny, 16384, 2, plan::kDefaultLossChunkTokens, true), i64(1'800'000'000));
 }
 
 TEST(Plan, FrozenBaseKeepsLessForBackward) {

@@ -14,6 +14,9 @@
 //
 // checkpoint_sequential(n, every, x, layer, params) checkpoints n layers in segments of `every` layers:
 // every = 1 keeps one activation per layer, every = n keeps one for the whole stack.
+//
+// checkpoint_chunked_sum(chunk, rows, shared, fn) sums fn over chunks of rows, each chunk checkpointed, so one
+// chunk's intermediates exist at a time (a language model's head + cross-entropy over token chunks).
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
@@ -239,6 +242,35 @@ inline torch::Tensor checkpoint_sequential(int64_t n, int64_t every, torch::Tens
     });
   }
   return x;
+}
+
+// Σ_k fn({rows[0]_k, rows[1]_k, ..., shared...}) where rows[j]_k is rows [k·chunk, (k+1)·chunk) of rows[j] (split
+// along dim 0; every tensor in `rows` has the same number of rows; the last chunk may be shorter) and `shared`
+// tensors are passed whole to every call. fn returns a scalar. With recompute (and grad mode), each term is
+// checkpointed: only its inputs are kept (views of `rows`, and `shared`) and fn runs again in backward, one chunk
+// at a time; autograd sums the chunks' gradients of a shared tensor before passing them on, and joins the rows'
+// gradients once (one split node per tensor). Without recompute or grad mode the chunks just run one by one.
+inline torch::Tensor checkpoint_chunked_sum(int64_t chunk, const std::vector<torch::Tensor>& rows,
+                                            const std::vector<torch::Tensor>& shared, const BlockFn& fn, bool recompute = true) {
+  TORCH_CHECK(chunk > 0, "squeeze::nn::checkpoint_chunked_sum: the chunk must be a positive number of rows, got ", chunk);
+  TORCH_CHECK(!rows.empty(), "squeeze::nn::checkpoint_chunked_sum: no tensor to split into chunks");
+  TORCH_CHECK(static_cast<bool>(fn), "squeeze::nn::checkpoint_chunked_sum: the chunk function is empty");
+  const int64_t n = rows[0].size(0);
+  for (size_t j = 0; j < rows.size(); ++j)
+    TORCH_CHECK(rows[j].defined() && rows[j].dim() > 0 && rows[j].size(0) == n, "squeeze::nn::checkpoint_chunked_sum: tensor ", j,
+                " has ", rows[j].defined() && rows[j].dim() > 0 ? rows[j].size(0) : 0, " rows, tensor 0 has ", n);
+  TORCH_CHECK(n > 0, "squeeze::nn::checkpoint_chunked_sum: nothing to sum (0 rows)");
+  std::vector<std::vector<torch::Tensor>> parts;  // [tensor][chunk]
+  for (const auto& r : rows) parts.push_back(r.split(chunk, 0));
+  torch::Tensor total;
+  for (size_t k = 0; k < parts[0].size(); ++k) {
+    std::vector<torch::Tensor> in;
+    for (const auto& p : parts) in.push_back(p[k]);
+    in.insert(in.end(), shared.begin(), shared.end());
+    torch::Tensor term = recompute ? checkpoint(fn, std::move(in), {}) : fn(in);
+    total = total.defined() ? total + term : term;
+  }
+  return total;
 }
 
 }  // namespace squeeze::nn

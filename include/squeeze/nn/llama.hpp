@@ -5,10 +5,12 @@
 //
 // The model runs in whatever dtype its parameters have (float, bf16, half): a mixed-precision strategy
 // converts the module to its compute type and keeps float master weights elsewhere. Norm statistics, RoPE
-// angles and the loss are computed in float whatever the parameter dtype.
+// angles and the loss are computed in float (float64 for a float64 model) whatever the parameter dtype.
 // Linears and the embedding are ShardedLinear / ShardedEmbedding: plain Linear / Embedding until a stage-3
 // trainer shards them; checkpointed segments then hand the shards (the real leaves) to the checkpoint.
 // Block projections are called by name (forward_linear), so apply_lora can swap in LoRA / NF4 layers.
+// The loss runs the head + fp32 cross-entropy over chunks of loss_chunk_tokens tokens, each recomputed in
+// backward (checkpoint_chunked_sum), so one chunk's logits exist at a time; see LlamaImpl::loss.
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
@@ -17,6 +19,7 @@
 #include <string_view>
 #include <vector>
 
+#include "../plan/memory.hpp"
 #include "../plan/model_shape.hpp"
 #include "checkpoint.hpp"
 #include "lora.hpp"
@@ -186,6 +189,9 @@ struct LlamaImpl : torch::nn::Module {
   RMSNorm norm{nullptr};
   ShardedLinear head{nullptr};
   int64_t checkpoint_every = 0;  // 0: keep all activations; N: checkpoint segments of N blocks (training only)
+  // Tokens per chunk of the loss (see loss()); 0: all at once. The default (and why) is the planner's, whose
+  // TrainShape::loss_chunk_tokens must match it for plan_memory to predict this model's peak.
+  int64_t loss_chunk_tokens = plan::kDefaultLossChunkTokens;
 
   explicit LlamaImpl(LlamaConfig c) : config(std::move(c)) {
     config.validate();
@@ -209,7 +215,10 @@ struct LlamaImpl : torch::nn::Module {
   }
 
   // ids: [B, T] int64 -> logits [B, T, vocab] in the parameter dtype.
-  torch::Tensor forward(const torch::Tensor& ids) {
+  torch::Tensor forward(const torch::Tensor& ids) { return head(hidden(ids)); }
+
+  // ids: [B, T] int64 -> the final norm's output [B, T, h], what the head reads.
+  torch::Tensor hidden(const torch::Tensor& ids) {
     TORCH_CHECK(ids.dim() == 2, "Llama::forward: token ids must be [batch, seq], got ", ids.sizes());
     TORCH_CHECK(ids.scalar_type() == torch::kLong, "Llama::forward: token ids must be int64, got ", ids.scalar_type());
     const int64_t T = ids.size(1);
@@ -219,13 +228,40 @@ struct LlamaImpl : torch::nn::Module {
     const auto layer_params = [this](int64_t i) { return trainable_leaves(*blocks[i]); };
     const int64_t every = is_training() ? checkpoint_every : 0;
     x = checkpoint_sequential(config.layers, every, x, layer, layer_params);  // [B, T, h]
-    return head(norm(x));                                                     // [B, T, V]
+    return norm(x);                                                           // [B, T, h]
   }
 
   // Mean next-token cross-entropy in float. ids, targets: [B, T].
+  // With more than loss_chunk_tokens tokens, the head and the cross-entropy run over chunks of that many tokens
+  // (the final norm runs once, on all of them): the sum of each chunk's losses, divided by the token count at
+  // the end. Training, each chunk is checkpointed: its logits [chunk, V] (and their fp32 copy and gradients) are
+  // recomputed in its backward and freed before the next chunk's, and the head's weight is read through
+  // full_weight(), so a stage-3 head is gathered once and its gradient, summed over the chunks by autograd,
+  // reduce-scattered once. Evaluation (eval mode or no grad) runs the chunks one by one, recomputing nothing.
   torch::Tensor loss(const torch::Tensor& ids, const torch::Tensor& targets) {
-    const torch::Tensor logits = forward(ids);  // [B, T, V]
-    return torch::nn::functional::cross_entropy(logits.reshape({-1, config.vocab}).to(torch::kFloat32), targets.reshape({-1}));
+    TORCH_CHECK(loss_chunk_tokens >= 0, "Llama::loss: loss_chunk_tokens must be >= 0 (0: the whole batch at once), got ",
+                loss_chunk_tokens);
+    TORCH_CHECK(targets.sizes() == ids.sizes(), "Llama::loss: targets ", targets.sizes(), " must have the shape of the token ids ",
+                ids.sizes());
+    const torch::Tensor x = hidden(ids).reshape({-1, config.hidden});  // [N, h], N = B·T
+    const torch::Tensor t = targets.reshape({-1});                     // [N]
+    if (loss_chunk_tokens == 0 || x.size(0) <= loss_chunk_tokens)
+      return torch::nn::functional::cross_entropy(float_logits(head(x)), t);  // logits [N, V] at once
+    const torch::Tensor w = head->full_weight();  // [V, h]
+    const BlockFn chunk_loss = [](const std::vector<torch::Tensor>& in) {  // in: rows [c, h], targets [c], weight [V, h]
+      const torch::Tensor logits = torch::nn::functional::linear(in[0], in[2]);  // [c, V]
+      return torch::nn::functional::cross_entropy(float_logits(logits), in[1],
+                                                  torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+    };
+    const torch::Tensor sum = checkpoint_chunked_sum(loss_chunk_tokens, {x, t}, {w}, chunk_loss, /*recompute=*/is_training());
+    return sum / t.ne(kIgnoreIndex).sum();  // the mean over the targets cross_entropy does not ignore, as unchunked
+  }
+
+  // cross_entropy's default ignore_index: such targets count neither in the sum nor in the mean.
+  static constexpr int64_t kIgnoreIndex = -100;
+  // The loss is computed in fp32 from 16-bit or fp32 logits, and in float64 for a float64 model (test references).
+  static torch::Tensor float_logits(const torch::Tensor& logits) {
+    return logits.scalar_type() == torch::kFloat64 ? logits : logits.to(torch::kFloat32);
   }
 };
 TORCH_MODULE(Llama);

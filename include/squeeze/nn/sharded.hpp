@@ -294,6 +294,28 @@ struct ShardedLinearFn : torch::autograd::Function<ShardedLinearFn> {
   }
 };
 
+// W [out, in] gathered from the shard as a tensor autograd differentiates, for a caller that reads it several
+// times (a chunked loss): autograd sums the gradients of every use before this node's backward runs, which
+// reduce-scatters the sum once. The runtime forgets the gathered buffer at once; it lives as long as W does.
+struct GatheredWeightFn : torch::autograd::Function<GatheredWeightFn> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& shard, int64_t group_ptr) {
+    (void)shard;
+    auto* g = reinterpret_cast<Stage3Group*>(group_ptr);
+    const torch::Tensor full = g->runtime->acquire(*g);
+    torch::Tensor w = FlatParams::view(full, g->layout.entries()[0]);  // [out, in]
+    g->runtime->release(*g);
+    ctx->saved_data["group"] = group_ptr;
+    return w;
+  }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::tensor_list grads) {
+    Stage3Group* g = group_from(ctx);
+    auto full_grad = torch::zeros({g->layout.padded()}, g->shard.options().requires_grad(false));
+    if (grads[0].defined()) FlatParams::view(full_grad, g->layout.entries()[0]).copy_(grads[0]);
+    g->runtime->reduce_grad(*g, full_grad);
+    return {torch::Tensor(), torch::Tensor()};
+  }
+};
+
 // y = W[idx]. idx: [...] int64, y: [..., dim].
 struct ShardedEmbeddingFn : torch::autograd::Function<ShardedEmbeddingFn> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& idx, const torch::Tensor& shard,
@@ -344,6 +366,16 @@ struct ShardedLinearImpl : torch::nn::Cloneable<ShardedLinearImpl>, Shardable {
     if (group_ == nullptr) return torch::nn::functional::linear(x, weight, bias);
     if (torch::GradMode::is_enabled()) ++group_->uses;
     return detail::ShardedLinearFn::apply(x, group_->shard, reinterpret_cast<int64_t>(group_));
+  }
+  // The weight [out, in] as one tensor, for a caller that reads it several times (nn::Llama's chunked loss): the
+  // parameter itself, or, once a stage-3 trainer has sharded the layer, a gathered copy held while autograd needs
+  // it, whose backward reduce-scatters the gradients of all uses summed: one gather and one reduction per pass
+  // however many chunks read it (one use for the runtime's readiness count). Layers without a bias only.
+  torch::Tensor full_weight() {
+    TORCH_CHECK(!with_bias, "ShardedLinear::full_weight: the layer has a bias, which full_weight() would leave out");
+    if (group_ == nullptr) return weight;
+    if (torch::GradMode::is_enabled()) ++group_->uses;
+    return detail::GatheredWeightFn::apply(group_->shard, reinterpret_cast<int64_t>(group_));
   }
   std::vector<std::pair<std::string, torch::Tensor>> shardable_parameters() override {
     std::vector<std::pair<std::string, torch::Tensor>> p{{"weight", weight}};

@@ -21,6 +21,15 @@
 
 namespace squeeze::plan {
 
+// Tokens per chunk of squeeze::nn::Llama's loss (LlamaImpl::loss_chunk_tokens and TrainShape::loss_chunk_tokens
+// both default to this). The LM head + fp32 cross-entropy run over chunks of this many tokens, each recomputed
+// in backward, so one chunk's logits exist at a time: 12·chunk·V bytes at their peak (fp32 log-softmax + two
+// fp32 gradients) instead of 12·B·T·V (TinyLlama, B=8, T=2048: 1.6 GB instead of 6.3 GB). 4096 rows keep the
+// head's GEMMs (4096 x V x h) large enough to run at full tensor-core rate; smaller chunks save little more
+// memory while the chunk's bookkeeping (the head's gradient sum, the hidden states' gradients) stays. The cost is
+// one extra head forward (2·tokens·V·h FLOPs, ~2% of a 1.1B step) whenever there is more than one chunk.
+inline constexpr i64 kDefaultLossChunkTokens = 4096;
+
 struct TrainShape {
   i64 micro_batch = 1;  // sequences per micro-batch on one rank
   i64 seq = 2048;       // tokens per sequence
@@ -28,6 +37,8 @@ struct TrainShape {
   // zero_grad(set_to_none=True); the LLaMA example's local trainer). Sharded trainers keep flat gradient
   // buffers instead (false).
   bool free_grads = false;
+  // The model's loss chunk (LlamaImpl::loss_chunk_tokens): <= 0 or >= micro_batch·seq is the unchunked loss.
+  i64 loss_chunk_tokens = kDefaultLossChunkTokens;
 };
 
 struct Placement {
@@ -117,12 +128,29 @@ inline constexpr unsigned kAllLinears = 0x7Fu;
 // no pre-gain value, a norm's output is kept only when an adapted projection reads it (never the final
 // norm's: the head is frozen), silu(gate)·up only when down is adapted, and block 0's first norm nothing
 // (the frozen embedding's output needs no gradient).
-// Head: the final norm (as above) and the loss. The loss casts the logits to fp32 and keeps the fp32
-// log-softmax; the first backward node then holds it beside the fp32 gradients it reads and writes:
-// 3·V·4 bytes per token at the start of backward (more than the forward's bf16 logits + fp32 copy +
-// log-softmax).
-// Checkpointing every n blocks keeps each segment's input (h·p_c) instead; one segment's blocks are
-// recomputed at a time, after the loss's transient is gone: inputs + final norm + max(loss, segment).
+// Head: the final norm (as above) and the loss, see loss_bytes(). Checkpointing every n blocks keeps each
+// segment's input (h·p_c) instead; one segment's blocks are recomputed at a time, after the loss's transient is
+// gone: inputs + final norm + max(loss, segment). A recomputed segment's backward holds, beside its blocks' saved
+// values, the gradient arriving at it (h·p_c per token) and, in the last block's MLP backward, the gradients of
+// silu(gate) and up beside the product's (2·ffn·p_c more than the saved values that are already freed).
+//
+// The loss over c tokens at a time (n tokens in all; c = n unchunked): the logits cast to fp32 and the fp32
+// log-softmax kept for backward; the first backward node holds it beside the fp32 gradients it reads and writes:
+// 12·c·V bytes (more than the forward's bf16 logits + fp32 copy + log-softmax), or later, while the head's
+// product backpropagates, the logits' gradient in the compute type, the head's new weight gradient and the
+// chunk's hidden-state gradient (c·V + V·h + c·h)·p_c, whichever is larger. Chunked (c < n), the head's
+// weight gradient summed over the chunks done so far (V·h·p_c, when the head trains) and the hidden states'
+// gradients of those chunks ((n - c)·h·p_c; the last, partial, chunk runs first) are alive beside it.
+constexpr i64 loss_bytes(const ModelShape& m, i64 tokens, i64 p_c, i64 chunk_tokens, bool head_trains) {
+  const bool chunked = chunk_tokens > 0 && chunk_tokens < tokens;
+  const i64 c = chunked ? chunk_tokens : tokens;
+  const i64 head_grad = head_trains ? m.vocab * m.hidden * p_c : 0;
+  const i64 softmax = 12 * c * m.vocab;
+  const i64 product = (c * m.vocab + c * m.hidden) * p_c + head_grad;
+  const i64 chunk = softmax > product ? softmax : product;
+  return chunked ? chunk + head_grad + (tokens - c) * m.hidden * p_c : chunk;
+}
+
 constexpr i64 activation_bytes(const ModelShape& m, const TrainShape& t, i64 p_c, int checkpoint_every,
                                bool training, i64 lora_rank_targets = 0, unsigned trained_linears = kAllLinears) {
   const i64 tokens = t.micro_batch * t.seq;
@@ -140,11 +168,13 @@ constexpr i64 activation_bytes(const ModelShape& m, const TrainShape& t, i64 p_c
                                                lora_rank_targets) * p_c + m.heads * 4);
   // A frozen head keeps nothing of the final norm's output; a frozen embedding gives block 0 an input that
   // needs no gradient, so its first norm keeps nothing.
-  const i64 final_norm = tokens * (norm_fp32 + (pre_gain + (frozen ? 0 : h)) * p_c);
   const i64 first_norm = frozen ? tokens * norm_fp32 : 0;
-  const i64 loss = tokens * 3 * m.vocab * 4;
+  // Chunked, each chunk's checkpoint keeps its rows of the final norm's output, also for a frozen head.
+  const bool chunked = t.loss_chunk_tokens > 0 && t.loss_chunk_tokens < tokens;
+  const i64 final_norm = tokens * (norm_fp32 + (pre_gain + (frozen && !chunked ? 0 : h)) * p_c);
+  const i64 loss = loss_bytes(m, tokens, p_c, t.loss_chunk_tokens, !frozen);
   if (checkpoint_every == 0) return m.layers * block - first_norm + final_norm + loss;
-  const i64 segment = (checkpoint_every < m.layers ? checkpoint_every : m.layers) * block;
+  const i64 segment = (checkpoint_every < m.layers ? checkpoint_every : m.layers) * block + tokens * (h + 2 * m.ffn) * p_c;
   return ceil_div(m.layers, checkpoint_every) * tokens * h * p_c + final_norm + (loss > segment ? loss : segment);
 }
 
@@ -205,6 +235,12 @@ constexpr MemoryPlan plan_memory(const ModelShape& m, const TrainShape& t, int w
   const i64 lora_act = S::has_lora ? S::lora_rank * std::popcount(L::targets) : 0;
   const unsigned trained = S::base_trainable ? kAllLinears : (S::has_lora ? unsigned(L::targets) : 0u);
   plan.activations.device = activation_bytes(m, t, p_c, S::checkpoint_every, S::training, lora_act, trained);
+  // Stage 3 with a chunked loss: the head's weight is gathered once and held from its forward until the last
+  // chunk's backward (nn::ShardedLinear::full_weight), at any world size.
+  if constexpr (S::stage >= 3 && S::training) {
+    const i64 tokens = t.micro_batch * t.seq;
+    if (S::base_trainable && t.loss_chunk_tokens > 0 && t.loss_chunk_tokens < tokens) plan.activations.device += m.vocab * m.hidden * p_c;
+  }
 
   if (N > 1) {
     const i64 bucket = m.largest_gather_params() * p_c;
