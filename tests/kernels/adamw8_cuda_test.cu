@@ -13,6 +13,7 @@
 
 #include "squeeze/kernels/adamw.cuh"
 #include "squeeze/kernels/adamw8.cuh"
+#include "adamw8_state.hpp"
 #include "test_util.hpp"
 
 #include "../cuda_buffer.hpp"
@@ -24,32 +25,18 @@ namespace {
 
 using test::Dev;
 
-// Host buffers of one tensor with 8-bit state.
+// Host buffers of one tensor with 8-bit state: random weights (exact in P, so the master equals the parameter)
+// and gradients, fresh moments.
 template <class P, class G>
-struct Host8 {
-  std::int64_t n;
-  std::vector<P> param;
-  std::vector<float> master;
-  std::vector<G> grad;
-  std::vector<std::uint8_t> m, v;
-  std::vector<float> ma, va;
-  Host8(std::int64_t n_, std::mt19937& rng)
-      : n(n_), m(std::size_t(n_)), v(std::size_t(n_)), ma(std::size_t(sk::state_blocks(n_))), va(std::size_t(sk::state_blocks(n_))) {
-    param = test::random_vec<P>(n, rng, -1.f, 1.f);
-    if constexpr (!std::is_same_v<P, float>) {
-      master.resize(std::size_t(n));
-      for (std::int64_t i = 0; i < n; ++i) master[std::size_t(i)] = to_float(param[std::size_t(i)]);
-    }
-    grad = test::random_vec<G>(n, rng, -1.f, 1.f);
-  }
-  sk::AdamW8Tensor<P, G> tensor() {
-    return {param.data(), master.empty() ? nullptr : master.data(), grad.data(), m.data(), ma.data(), v.data(), va.data(), n};
-  }
-  float weight(std::size_t i) const {
-    if constexpr (std::is_same_v<P, float>) return param[i];
-    else return master[i];
-  }
-};
+using Host8 = test::Adam8State<P, G>;
+template <class P, class G>
+Host8<P, G> random_state8(std::int64_t n, std::mt19937& rng) {
+  std::vector<float> w0 = test::random_vec<float>(n, rng, -1.f, 1.f);
+  for (float& w : w0) w = to_float(from_float<P>(w));
+  Host8<P, G> h(n, w0);
+  h.grad = test::random_vec<G>(n, rng, -1.f, 1.f);
+  return h;
+}
 
 template <class P, class G>
 struct Device8 {
@@ -60,7 +47,7 @@ struct Device8 {
   Dev<float> ma, va;
   std::int64_t n;
   explicit Device8(const Host8<P, G>& h)
-      : param(h.param), master(h.master), grad(h.grad), m(h.m), v(h.v), ma(h.ma), va(h.va), n(h.n) {}
+      : param(h.param), master(h.master), grad(h.grad), m(h.m), v(h.v), ma(h.m_absmax), va(h.v_absmax), n(h.n) {}
   sk::AdamW8Tensor<P, G> tensor() {
     return {param.p, std::is_same_v<P, float> ? nullptr : master.p, grad.p, m.p, ma.p, v.p, va.p, n};
   }
@@ -70,8 +57,8 @@ struct Device8 {
     if (!h.master.empty()) h.master = master.get();
     h.m = m.get();
     h.v = v.get();
-    h.ma = ma.get();
-    h.va = va.get();
+    h.m_absmax = ma.get();
+    h.v_absmax = va.get();
     return h;
   }
 };
@@ -96,9 +83,9 @@ void expect_close(const Host8<P, G>& gpu, const Host8<P, G>& cpu, double w_tol, 
     }
   }
   EXPECT_LE(double(flips), flip_share * double(2 * cpu.n) + 0.5) << label << ": codes that differ";
-  for (std::size_t b = 0; b < cpu.ma.size(); ++b) {
-    ASSERT_LE(std::abs(gpu.ma[b] - cpu.ma[b]), absmax_tol * cpu.ma[b] + 1e-30) << label << " m absmax, block " << b;
-    ASSERT_LE(std::abs(gpu.va[b] - cpu.va[b]), absmax_tol * cpu.va[b] + 1e-30) << label << " v absmax, block " << b;
+  for (std::size_t b = 0; b < cpu.m_absmax.size(); ++b) {
+    ASSERT_LE(std::abs(gpu.m_absmax[b] - cpu.m_absmax[b]), absmax_tol * cpu.m_absmax[b] + 1e-30) << label << " m absmax, block " << b;
+    ASSERT_LE(std::abs(gpu.v_absmax[b] - cpu.v_absmax[b]), absmax_tol * cpu.v_absmax[b] + 1e-30) << label << " v absmax, block " << b;
   }
 }
 
@@ -117,8 +104,8 @@ void expect_bitwise(const Host8<P, G>& gpu, const Host8<P, G>& cpu, const std::s
   };
   same(gpu.param, cpu.param, "param");
   same(gpu.master, cpu.master, "master");
-  same(gpu.ma, cpu.ma, "m absmax");
-  same(gpu.va, cpu.va, "v absmax");
+  same(gpu.m_absmax, cpu.m_absmax, "m absmax");
+  same(gpu.v_absmax, cpu.v_absmax, "v absmax");
   auto codes = [](const std::vector<std::uint8_t>& c) { return std::vector<float>(c.begin(), c.end()); };
   same(codes(gpu.m), codes(cpu.m), "m code");
   same(codes(gpu.v), codes(cpu.v), "v code");
@@ -132,7 +119,7 @@ TEST(Adam8Cuda, FlatMatchesCpuTwinForEveryTypePairAndSize) {
   test::for_each_type_pair([&]<class P, class G>() {
     for (std::int64_t n : kSizes8) {
       const std::string label = std::string(dtype_name<P>()) + "/" + std::string(dtype_name<G>()) + " n=" + std::to_string(n);
-      Host8<P, G> h(n, rng);
+      Host8<P, G> h = random_state8<P, G>(n, rng);
       // Non-trivial state from two CPU steps.
       sk::adamw8_cpu(h.tensor(), sk::adamw_coeffs(1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 1));
       h.grad = test::random_vec<G>(n, rng, -1.f, 1.f);
@@ -160,7 +147,7 @@ TEST(Adam8Cuda, TensorTableInOneLaunchOverManySteps) {
   using G = bf16;
   std::vector<Host8<P, G>> host;
   for (std::int64_t n : {std::int64_t(3), std::int64_t(0), std::int64_t(40000), std::int64_t(256), std::int64_t(16389)})
-    host.emplace_back(n, rng);
+    host.push_back(random_state8<P, G>(n, rng));
   std::vector<std::unique_ptr<Device8<P, G>>> dev;
   std::vector<sk::AdamW8Tensor<P, G>> dt, ht;
   for (auto& h : host) {
@@ -182,7 +169,7 @@ TEST(Adam8Cuda, TensorTableInOneLaunchOverManySteps) {
 TEST(Adam8Cuda, SkippedStepLeavesEveryByteUnchanged) {
   REQUIRE_DEVICE();
   std::mt19937 rng(303);
-  Host8<half, half> h(5000, rng);
+  Host8<half, half> h = random_state8<half, half>(5000, rng);
   sk::adamw8_cpu(h.tensor(), sk::adamw_coeffs(1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 1));
   Device8<half, half> d(h);
   Dev<float> dyn(std::vector<float>{1.f, 1.f});  // inv_scale, found_inf != 0
@@ -193,8 +180,8 @@ TEST(Adam8Cuda, SkippedStepLeavesEveryByteUnchanged) {
   EXPECT_TRUE(test::bits_equal(g.master, h.master));
   EXPECT_TRUE(test::bits_equal(g.m, h.m));
   EXPECT_TRUE(test::bits_equal(g.v, h.v));
-  EXPECT_TRUE(test::bits_equal(g.ma, h.ma));
-  EXPECT_TRUE(test::bits_equal(g.va, h.va));
+  EXPECT_TRUE(test::bits_equal(g.m_absmax, h.m_absmax));
+  EXPECT_TRUE(test::bits_equal(g.v_absmax, h.v_absmax));
 }
 
 TEST(Adam8CudaArgs, BadInputGivesClearErrors) {

@@ -14,6 +14,7 @@
 #include <set>
 
 #include "squeeze/kernels/adamw8.hpp"
+#include "adamw8_state.hpp"
 #include "test_util.hpp"
 
 namespace sk = squeeze::kernels;
@@ -197,30 +198,8 @@ TEST(Adam8Quant, AllZeroBlockStaysZero) {
 }
 
 // ---- AdamW with 8-bit state -----------------------------------------------------------------------------
-// Buffers of one tensor with 8-bit state, fresh (zero) state.
 template <class P, class G>
-struct State8 {
-  std::int64_t n;
-  std::vector<P> param;
-  std::vector<float> master;
-  std::vector<G> grad;
-  std::vector<std::uint8_t> m, v;
-  std::vector<float> m_absmax, v_absmax;
-  State8(std::int64_t n_, const std::vector<float>& w0)
-      : n(n_), param(std::size_t(n_)), grad(std::size_t(n_)), m(std::size_t(n_)), v(std::size_t(n_)),
-        m_absmax(std::size_t(sk::state_blocks(n_))), v_absmax(std::size_t(sk::state_blocks(n_))) {
-    for (std::int64_t i = 0; i < n; ++i) param[std::size_t(i)] = from_float<P>(w0[std::size_t(i)]);
-    if constexpr (!std::is_same_v<P, float>) master = w0;
-  }
-  sk::AdamW8Tensor<P, G> tensor() {
-    return {param.data(), std::is_same_v<P, float> ? nullptr : master.data(), grad.data(), m.data(), m_absmax.data(),
-            v.data(), v_absmax.data(), n};
-  }
-  float weight(std::int64_t i) const {
-    if constexpr (std::is_same_v<P, float>) return param[std::size_t(i)];
-    else return master[std::size_t(i)];
-  }
-};
+using State8 = test::Adam8State<P, G>;
 
 // Noisy quadratic: f(w) = sum a_i (w_i - c_i)^2 / 2 with curvatures over two decades; g = a (w - c) + noise.
 struct Quadratic {
