@@ -451,7 +451,7 @@ int main(int argc, char** argv) {
                                                 "from there a short run spends its first steps skipping overflows)")->capture_default_str();
   app.add_option("--loss-chunk", o.loss_chunk, "tokens per chunk of the strategy rows' LM head + cross-entropy, each recomputed in "
                                                "backward (0: the whole micro-batch at once, as the peer)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(CLI::Range(int64_t(0), int64_t(1) << 30))
       ->capture_default_str();
   app.add_option("--seed", o.seed, "seed of the training batches")->capture_default_str();
   app.add_option("--corpus", o.corpus, "train on this text file (default: the KJV if installed, else the built-in text)");

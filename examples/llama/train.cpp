@@ -191,7 +191,7 @@ int main(int argc, char** argv) {
   app.add_option("--clip", o.clip, "gradient-norm clip (0: off)")->capture_default_str();
   app.add_option("--loss-chunk", o.loss_chunk, "tokens per chunk of the LM head + cross-entropy, each recomputed in backward "
                                                "(0: all tokens of a micro-batch at once)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(CLI::Range(int64_t(0), int64_t(1) << 30))
       ->capture_default_str();
   app.add_option("--device", o.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
   app.add_option("--corpus", o.corpus, "train on this text file instead of the KJV");

@@ -191,9 +191,9 @@ double rel_diff(const torch::Tensor& a, const torch::Tensor& b) { return ((a - b
 TEST(LlamaLoss, ChunkedLossAndGradientsMatchUnchunked) {
   // B·T = 2·37 = 74 tokens in chunks of 16 (four, then a partial one of 10), with and without checkpointing.
   // Reference: the unchunked loss of a float64 copy of the same weights. Tolerances, relative (gradients: per
-  // tensor, by norm): float64 1e-12 (summation order only); fp32 1e-5; bf16 against float64 5e-2 (the model
+  // tensor, by norm): float64 1e-12 (summation order only); fp32 1e-5; bf16 against float64 3e-2 (the model
   // computes in bf16, chunked or not), and bf16 chunked against bf16 unchunked 1e-2 (other GEMM blocking, the
-  // head's gradient summed over the chunks in bf16).
+  // head's gradient summed over the chunks in bf16). Seen here: fp32 4e-7 / 1e-7, bf16 1.2e-2 / 3.5e-3.
   const torch::Tensor x = torch::randint(0, 256, {2, 37}, torch::kLong), y = torch::randint(0, 256, {2, 37}, torch::kLong);
   const auto build = [](torch::Dtype dtype) {
     torch::manual_seed(21);  // the same initial weights for every copy
@@ -208,8 +208,9 @@ TEST(LlamaLoss, ChunkedLossAndGradientsMatchUnchunked) {
     torch::Dtype dtype;
     double vs_ref, vs_unchunked;
   };
-  for (const Case c : {Case{torch::kFloat64, 1e-12, 1e-12}, Case{torch::kFloat32, 1e-5, 1e-5}, Case{torch::kBFloat16, 5e-2, 1e-2}}) {
+  for (const Case c : {Case{torch::kFloat64, 1e-12, 1e-12}, Case{torch::kFloat32, 1e-5, 1e-5}, Case{torch::kBFloat16, 3e-2, 1e-2}}) {
     squeeze::nn::Llama model = build(c.dtype);
+    double worst_ref = 0, worst_pair = 0;
     for (int64_t every : {0, 1, 2}) {
       SCOPED_TRACE(std::string("dtype ") + c10::toString(c.dtype) + ", checkpoint every " + std::to_string(every));
       const auto [loss, grads] = loss_and_grads(model, x, y, 16, every);
@@ -220,8 +221,12 @@ TEST(LlamaLoss, ChunkedLossAndGradientsMatchUnchunked) {
       for (size_t i = 0; i < grads.size(); ++i) {
         EXPECT_LE(rel_diff(grads[i], ref_grads[i]), c.vs_ref) << "parameter " << i;
         EXPECT_LE(rel_diff(grads[i], whole_grads[i]), c.vs_unchunked) << "parameter " << i;
+        worst_ref = std::max(worst_ref, rel_diff(grads[i], ref_grads[i]));
+        worst_pair = std::max(worst_pair, rel_diff(grads[i], whole_grads[i]));
       }
     }
+    std::cout << c10::toString(c.dtype) << ": largest gradient difference, chunked vs float64 reference " << worst_ref
+              << ", vs unchunked " << worst_pair << "\n";
   }
 }
 
