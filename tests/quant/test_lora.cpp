@@ -341,3 +341,244 @@ TEST(LoRA, LoraTrainerAccumulatesAndLearns) {
   EXPECT_LT(full(), 0.9 * before);
   EXPECT_THROW(trainer.step([&](int) { return model(x).to(torch::kFloat32); }), c10::Error);  // not a scalar
 }
+
+// ---- GPTQ-format bases (nn::QuantizedLinear: GPTQ v1 packed layout, filled by RTN or loaded from a checkpoint) ----
+// Tolerances: fp32 as above (1e-5 relative to |x| |W|^T + |b| + s |x| |A|^T |B|^T); bf16 with a non-zero adapter
+// 2^-6 (the base output, x A^T, the adapter output and their sum are each rounded to bf16: 4 roundings of
+// 2^-8 relative in the worst case; the CPU base product itself runs in float).
+namespace {
+constexpr plan::ModelShape kOddShape{/*vocab=*/100, /*hidden=*/40, /*layers=*/2, /*heads=*/4, /*kv_heads=*/2, /*ffn=*/72};
+using Gptq4 = Strategy<Quantized<4, RTN, Group<32>>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed>;
+
+// Layer-level check of one GPTQ-based LoRALinear against float64: forward and input gradient, fp32 and bf16.
+void check_gptq_layer(int bits, int64_t out, int64_t in, int group) {
+  const std::string what = std::to_string(bits) + " bits [" + std::to_string(out) + ", " + std::to_string(in) + "] group " + std::to_string(group);
+  const torch::Tensor w = torch::randn({out, in}) * 0.05;
+  const torch::Tensor bias = torch::randn({out}) * 0.1;
+  const quant::RtnOptions o{bits, group, false};
+  nn::LoRALinear layer(nn::quantize_rtn(w, bias, o), nn::LoRAOptions{.rank = 4, .alpha = 8});
+  {
+    torch::NoGradGuard ng;
+    layer->lora_B.normal_(0, 0.2);  // a non-zero adapter: its term is part of what is checked
+  }
+  ASSERT_TRUE(layer->gptq());
+  // the float64 reference weight, from the torch-free RTN + reference dequantize on the same values
+  const torch::Tensor wc = w.contiguous();
+  const quant::PackedLinear p = quant::rtn_quantize({wc.data_ptr<float>(), size_t(wc.numel())}, out, in, o);
+  const std::vector<float> wd_v = quant::dequantize(p);
+  const torch::Tensor wd = torch::from_blob(const_cast<float*>(wd_v.data()), {out, in}, torch::kFloat32).clone();
+  EXPECT_TRUE(torch::equal(layer->gptq_base()->dequantize(torch::kFloat32), wd)) << what;
+  EXPECT_EQ(layer->gptq_base()->packed_bytes(), int64_t(p.qweight.size() + p.qzeros.size() + p.g_idx.size()) * 4 + int64_t(p.scales.size()) * 2) << what;
+  const torch::Tensor w64 = wd.to(torch::kFloat64), b64 = bias.to(torch::kHalf).to(torch::kFloat64);  // bias stored fp16
+  const double s = layer->scaling();
+  for (const auto dt : {torch::kFloat32, torch::kBFloat16}) {
+    const std::string tag = what + " " + c10::toString(dt);
+    const torch::Tensor A64 = layer->lora_A.detach().to(dt).to(torch::kFloat64), B64 = layer->lora_B.detach().to(dt).to(torch::kFloat64);
+    const torch::Tensor x = torch::randn({3, 5, in}).to(dt).requires_grad_(true);
+    const torch::Tensor y = layer(x);
+    ASSERT_EQ(y.scalar_type(), dt) << tag;
+    ASSERT_EQ(y.sizes(), (std::vector<int64_t>{3, 5, out})) << tag;
+    const torch::Tensor x64 = x.detach().to(torch::kFloat64);
+    const torch::Tensor ref = torch::matmul(x64, w64.t()) + b64 + torch::matmul(torch::matmul(x64, A64.t()), B64.t()) * s;
+    const torch::Tensor mag = torch::matmul(x64.abs(), w64.abs().t()) + b64.abs() +
+                              torch::matmul(torch::matmul(x64.abs(), A64.abs().t()), B64.abs().t()) * s;
+    const double rel = dt == torch::kFloat32 ? 1e-5 : std::ldexp(1.0, -6);
+    expect_close(y, ref, mag, rel, 1e-6, "forward " + tag);
+    // dL/dx = g (W + s B A): the base part re-dequantizes W in backward
+    const torch::Tensor g = torch::randn(y.sizes()).to(dt);
+    y.backward(g);
+    const torch::Tensor g64 = g.to(torch::kFloat64);
+    const torch::Tensor dx_ref = torch::matmul(g64, w64) + torch::matmul(torch::matmul(g64, B64), A64) * s;
+    const torch::Tensor dx_mag = torch::matmul(g64.abs(), w64.abs()) + torch::matmul(torch::matmul(g64.abs(), B64.abs()), A64.abs()) * s;
+    ASSERT_TRUE(x.grad().defined()) << tag;
+    expect_close(x.grad(), dx_ref, dx_mag, rel, 1e-6, "dx " + tag);
+    // the frozen base gets no gradient: it is buffers only
+    for (const auto& b : layer->named_buffers()) EXPECT_FALSE(b.value().requires_grad()) << b.key();
+    EXPECT_TRUE(layer->lora_A.grad().defined() && layer->lora_B.grad().defined()) << tag;
+    layer->zero_grad();
+  }
+}
+}  // namespace
+
+TEST(LoRA, GptqBaseEqualsDequantizedWeightPlusAdapter) {
+  torch::manual_seed(11);
+  // group 32 over in-features that are not a multiple of 32 (a partial last group), per channel, odd shapes
+  for (const int bits : {4, 3, 8, 2}) {
+    check_gptq_layer(bits, 48, 100, 32);
+    check_gptq_layer(bits, 37, 33, 32);
+    check_gptq_layer(bits, 20, 70, 0);
+  }
+  check_gptq_layer(4, 64, 256, 128);
+}
+
+// The GPTQ-format strategy end to end on a toy with odd widths (40, 72: partial groups of 32): all seven linears
+// 4-bit (adapters on q, v), bf16 activations, fp32 adapters. The packed base is what the planner counts, stays
+// bit-identical through AdamW steps, gets no gradient; the adapters move and the loss falls.
+TEST(LoRA, GptqStrategyTrainsAdaptersOnFrozenPackedBase) {
+  torch::manual_seed(12);
+  Toy model(kOddShape);
+  const nn::LoraSetup setup = nn::prepare_lora<Gptq4>(*model, torch::kCPU);
+  const auto& adapted = setup.layers;
+  ASSERT_EQ(adapted.size(), 4u);
+  EXPECT_EQ(setup.adapter_params, kOddShape.layers * plan::lora_block_params<Gptq4::lora>(kOddShape));
+  int64_t packed = 0, resident = 0, linears = 0;
+  for (const auto& m : model->modules())
+    if (auto q = std::dynamic_pointer_cast<nn::QuantizedLinearImpl>(m)) {
+      packed += q->packed_bytes();
+      resident += q->bytes();
+      ++linears;
+      EXPECT_EQ(q->bits(), 4);
+      EXPECT_EQ(q->group_size(), 32);
+    }
+  EXPECT_EQ(linears, 7 * kOddShape.layers);  // 5 frozen + 2 under adapters, per block
+  int64_t planned = 0;
+  for (auto lin : kOddShape.block_linears()) planned += kOddShape.layers * plan::quantized_matrix_bytes<Gptq4::weight_quantization>(lin.in, lin.out);
+  EXPECT_EQ(packed, planned);  // the GPTQ layout is exactly what the planner counts
+  EXPECT_EQ(setup.base_bytes, resident);
+  EXPECT_GT(resident, planned);  // + the tensor-core tile copy the layer keeps (see QuantizedLinearImpl::bytes)
+  for (const auto& a : adapted) {
+    EXPECT_TRUE(a.layer->gptq());
+    EXPECT_EQ(a.layer->rank(), 8);
+    EXPECT_EQ(a.layer->lora_A.scalar_type(), torch::kFloat32);
+  }
+  for (const auto& p : model->parameters()) EXPECT_EQ(p.requires_grad(), p.scalar_type() == torch::kFloat32 && p.dim() == 2);
+
+  std::vector<std::pair<std::string, torch::Tensor>> before;  // every packed buffer, and the adapters
+  for (const auto& b : model->named_buffers()) before.emplace_back(b.key(), b.value().clone());
+  std::vector<torch::Tensor> adapters0;
+  for (const auto& p : setup.parameters) adapters0.push_back(p.detach().clone());
+
+  const torch::Tensor x = torch::randn({16, kOddShape.hidden}).to(torch::kBFloat16);
+  const torch::Tensor target = torch::randn({16, kOddShape.hidden});
+  torch::optim::AdamW opt(setup.parameters, torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  double first = 0, last = 0;
+  for (int s = 0; s < 40; ++s) {
+    opt.zero_grad();
+    const torch::Tensor y = model(x);
+    ASSERT_EQ(y.scalar_type(), torch::kBFloat16);
+    const torch::Tensor loss = F::mse_loss(y.to(torch::kFloat32), target);
+    loss.backward();
+    for (const auto& b : model->named_buffers()) ASSERT_FALSE(b.value().grad().defined()) << b.key();
+    opt.step();
+    (s == 0 ? first : last) = loss.item<double>();
+  }
+  EXPECT_LT(last, 0.9 * first) << first << " -> " << last;
+  const auto after = model->named_buffers();
+  ASSERT_EQ(after.size(), before.size());
+  for (const auto& [name, t] : before) EXPECT_TRUE(torch::equal(after[name], t)) << name << " changed";
+  for (size_t i = 0; i < adapters0.size(); ++i) EXPECT_FALSE(torch::equal(setup.parameters[i].detach(), adapters0[i])) << "adapter " << i << " did not move";
+
+  // module.to(dtype) converts neither the packed buffers nor the fp32 adapters
+  {
+    torch::NoGradGuard ng;
+    const torch::Tensor y0 = model(x);
+    model->to(torch::kBFloat16);
+    EXPECT_EQ(adapted[0].layer->lora_A.scalar_type(), torch::kFloat32);
+    for (const auto& [name, t] : before) EXPECT_EQ(after[name].scalar_type(), t.scalar_type()) << name;
+    EXPECT_TRUE(torch::equal(model(x), y0));
+  }
+  // export: every GPTQ / LoRA layer back to a dense Linear, same outputs up to bf16 rounding
+  torch::NoGradGuard ng;
+  const torch::Tensor y = model(x).to(torch::kFloat32);
+  EXPECT_EQ(nn::merge_lora(*model), 4);
+  for (const auto& m : model->modules()) EXPECT_EQ(std::dynamic_pointer_cast<nn::QuantizedLinearImpl>(m), nullptr);
+  model->to(torch::kFloat32);
+  const torch::Tensor ym = model(x.to(torch::kFloat32));
+  EXPECT_LE((ym - y).abs().max().item<double>(), 0.05 * y.abs().max().item<double>());
+}
+
+// apply_lora at 3 and 8 bits (and per channel): at init the adapted model computes what the dense model does with
+// every block linear replaced by its RTN-dequantized weight (fp32).
+TEST(LoRA, GptqThreeAndEightBitBasesMatchDequantizedModel) {
+  const auto check = [](auto strategy, int bits, int group) {
+    using S = decltype(strategy);
+    torch::manual_seed(13);
+    Toy model(kOddShape), ref(kOddShape);
+    {
+      torch::NoGradGuard ng;
+      const auto src = model->named_parameters();
+      for (auto& p : ref->named_parameters()) {
+        torch::Tensor v = src[p.key()].clone();
+        if (v.dim() == 2) {  // a block linear: its RTN-dequantized weight
+          const torch::Tensor vc = v.contiguous();
+          const auto d = quant::dequantize(quant::rtn_quantize({vc.data_ptr<float>(), size_t(vc.numel())}, v.size(0), v.size(1), {bits, group, false}));
+          v = torch::from_blob(const_cast<float*>(d.data()), v.sizes(), torch::kFloat32).clone();
+        }
+        p.value().copy_(v);
+      }
+    }
+    nn::apply_lora<S>(*model);
+    const torch::Tensor x = torch::randn({9, kOddShape.hidden});
+    torch::NoGradGuard ng;
+    const torch::Tensor y = model(x), yr = ref(x);
+    EXPECT_LE((y - yr).abs().max().item<double>(), 1e-5 * (1 + yr.abs().max().item<double>())) << bits << " bits, group " << group;
+    int64_t q = 0;
+    for (const auto& m : model->modules())
+      if (auto l = std::dynamic_pointer_cast<nn::QuantizedLinearImpl>(m)) q += l->bits() == bits;
+    EXPECT_EQ(q, 7 * kOddShape.layers);
+  };
+  check(Strategy<Quantized<3, GPTQ, Group<32>>, LoRA<4, 8>>{}, 3, 32);
+  check(Strategy<Quantized<8, GPTQ, PerChannel>, LoRA<4, 8>>{}, 8, 0);
+  check(Strategy<Quantized<4, RTN, Group<16>>, LoRA<4, 8>>{}, 4, 16);
+}
+
+// A real GPTQ checkpoint layer (act-order g_idx, not RTN values) attached through apply_lora: the QuantizedLinear
+// already in the model is adopted, not repacked, and the adapter trains on it.
+TEST(LoRA, AttachesAdaptersToAPackedCheckpointLayer) {
+  torch::manual_seed(14);
+  const int64_t out = 24, in = 64, group = 16;
+  std::vector<uint8_t> codes(out * in), zeros(4 * out);
+  std::vector<float> scales(4 * out);
+  for (auto& c : codes) c = uint8_t(torch::randint(0, 16, {1}).item<int>());
+  for (auto& z : zeros) z = uint8_t(torch::randint(1, 16, {1}).item<int>());
+  for (auto& s : scales) s = 0.01f + 0.02f * torch::rand({1}).item<float>();
+  std::vector<int32_t> g_idx(in);
+  const torch::Tensor perm = torch::randperm(in);
+  for (int64_t i = 0; i < in; ++i) g_idx[perm[i].item<int64_t>()] = int32_t(i / group);  // act-order: groups scattered
+  const quant::PackedLinear p = quant::pack(codes, zeros, scales, g_idx, out, in, 4, group);
+  nn::QuantizedLinear loaded(p);
+  struct Holder : torch::nn::Module {
+    explicit Holder(nn::QuantizedLinear q) { register_module("q_proj", q); }
+  };
+  auto holder = std::make_shared<Holder>(loaded);
+  const auto adapted = nn::apply_lora<Strategy<LoRA<4, 8>>>(*holder);
+  ASSERT_EQ(adapted.size(), 1u);
+  ASSERT_TRUE(adapted[0].layer->gptq());
+  EXPECT_EQ(adapted[0].layer->gptq_base().ptr(), loaded.ptr());  // the same layer, not a copy
+  const std::vector<float> wd_v = quant::dequantize(p);
+  const torch::Tensor w = torch::from_blob(const_cast<float*>(wd_v.data()), {out, in}, torch::kFloat32).clone();
+  nn::LoRALinear layer = adapted[0].layer;
+  const auto [first, last] = fit(layer, w, 150);
+  EXPECT_LT(last, 0.02 * first) << first << " -> " << last;
+  const torch::Tensor x = torch::randn({5, in});
+  torch::NoGradGuard ng;
+  EXPECT_TRUE(torch::allclose(nn::forward_linear(*holder, "q_proj", x), torch::matmul(x, layer->merged_weight().t()), 1e-4, 1e-5));
+}
+
+TEST(LoRA, GptqBadInputIsAClearError) {
+  auto message = [](auto&& fn) -> std::string {
+    try {
+      fn();
+    } catch (const c10::Error& e) {
+      return e.what();
+    } catch (const squeeze::Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_NE(message([&] { nn::LoRALinear(nn::QuantizedLinear(nullptr), nn::LoRAOptions{}); }).find("base is empty"), std::string::npos);
+  EXPECT_NE(message([&] { nn::quantize_rtn(torch::randn({16}), torch::Tensor(), {}); }).find("[out, in]"), std::string::npos);
+  EXPECT_NE(message([&] { nn::quantize_rtn(torch::randn({4, 16}), torch::randn({3}), {}); }).find("bias must be [4]"), std::string::npos);
+  EXPECT_NE(message([&] { nn::quantize_rtn(torch::randn({4, 16}), torch::Tensor(), {.bits = 5}); }).find("2, 3, 4 or 8 bits"), std::string::npos);
+  torch::Tensor bad = torch::randn({4, 16});
+  bad[1][2] = std::nan("");
+  EXPECT_NE(message([&] { nn::quantize_rtn(bad, torch::Tensor(), {}); }).find("not finite"), std::string::npos);
+  quant::PackedLinear p = quant::rtn_quantize(std::vector<float>(8 * 40, 0.5f), 8, 40, {4, 32, false});
+  p.qzeros.pop_back();
+  EXPECT_NE(message([&] { nn::QuantizedLinear{p}; }).find("qzeros has"), std::string::npos);
+  nn::LoRALinear l(nn::quantize_rtn(torch::randn({8, 40}), torch::Tensor(), {4, 32, false}), nn::LoRAOptions{.rank = 2, .alpha = 4});
+  EXPECT_NE(message([&] { l(torch::randn({3, 39})); }).find("layer expects 40"), std::string::npos);
+  EXPECT_NE(message([&] { l(torch::ones({3, 40}, torch::kInt64)); }).find("floating-point"), std::string::npos);
+  EXPECT_NE(message([&] { nn::LoRALinear(nn::quantize_rtn(torch::randn({8, 40}), torch::Tensor(), {}), nn::LoRAOptions{.rank = 0}); }).find("rank must be >= 1"),
+            std::string::npos);
+}

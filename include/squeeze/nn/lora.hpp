@@ -2,8 +2,10 @@
 // LoRA / QLoRA for libtorch modules.
 //   nn::Nf4Weight         a frozen [out, in] weight packed as NF4 (torch buffers; layout: kernels/quant/nf4.hpp)
 //   nn::LoRALinear        y = base(x) + scaling * (x A^T) B^T,  scaling = alpha / r
-//                         base: a frozen dense weight, or an Nf4Weight dequantised to x's dtype per forward
-//                         (and again in backward: only the packed bytes stay alive between the two)
+//                         base: a frozen dense weight, an Nf4Weight dequantised to x's dtype per forward
+//                         (and again in backward: only the packed bytes stay alive between the two), or an
+//                         nn::QuantizedLinear (GPTQ v1 packed layout, 2/3/4/8 bits; its own CPU / tensor-core
+//                         GEMM / GEMV forward, dX = dY W on a transient dequantized W in backward)
 //                         A [r, in] kaiming-uniform (a = sqrt 5, as torch::nn::Linear), B [out, r] zeros, so
 //                         an adapted model starts out computing exactly what the base did.
 //                         Only A ("lora_A") and B ("lora_B") are parameters; the base is buffers.
@@ -11,7 +13,10 @@
 //                         child whose name is one of LoRA's targets (q, k, v, o, gate, up, down; also the
 //                         Hugging Face spelling q_proj, ..., down_proj) for a LoRALinear; under
 //                         Quantized<4, NF4, ...> the base is packed to NF4 first, and the other block linears
-//                         (same seven names) become frozen Nf4Linears.
+//                         (same seven names) become frozen Nf4Linears; under Quantized<B, GPTQ|RTN, Group<G>|
+//                         PerChannel> the same with the GPTQ packed layout and frozen nn::QuantizedLinears.
+//                         A child that is already an nn::QuantizedLinear (a GPTQ checkpoint loaded packed) is
+//                         adopted as it is: targets get adapters on it, the others stay.
 //   nn::Nf4Linear         a frozen NF4 linear without adapter (QLoRA's non-target projections)
 //   prepare_lora<S>(model, device)   to device + compute type, apply_lora<S>, parameters for the optimizer
 //   LoraTrainer<S>        prepare_lora + AdamW over the adapters, S's accumulation, clipping
@@ -19,8 +24,13 @@
 //                         keep typed members: replace_module cannot re-point a member, see apply_lora);
 //                         modules implementing nn::LinearForward plug in too
 //   merge_lora(model)     folds scaling * B A into each adapter's base, back to a dense torch::nn::Linear (export)
-// CUDA: NF4 dequantisation on the GPU needs this header in a .cu translation unit (nvcc); elsewhere CUDA
-// inputs with an NF4 base get a clear error. Dense bases run on any device.
+// GPTQ-format bases and apply_lora: apply_lora has no calibration data, so it fills the GPTQ layout by
+// round-to-nearest (quant/rtn.hpp: asymmetric, fp16 scales, g_idx = i / G; packed on the CPU, then moved back
+// to the weight's device). A Hessian-quantized (GPTQ) base comes from quantizing first (examples/llama_gptq
+// writes packed checkpoints): load it packed (nn::QuantizedLinear children) and apply_lora, or attach one
+// adapter with LoRALinear(QuantizedLinear, options). Format, memory and kernels are the same either way.
+// CUDA: NF4 dequantisation and the GPTQ kernels on the GPU need this header in a .cu translation unit (nvcc);
+// elsewhere CUDA inputs with a packed base get a clear error. Dense bases run on any device.
 #include <torch/torch.h>
 
 #include <c10/core/DeviceGuard.h>
@@ -38,6 +48,8 @@
 #include "../plan/memory.hpp"
 #include "../policy/strategy.hpp"
 #include "../quant/nf4.hpp"
+#include "../quant/rtn.hpp"
+#include "quantized_linear.hpp"
 #include "sharded.hpp"
 #include "squeeze/kernels/quant/nf4.hpp"
 #if defined(__CUDACC__)
@@ -207,18 +219,7 @@ struct Nf4MatmulFn : torch::autograd::Function<Nf4MatmulFn> {
   }
 };
 
-// module.to(...) for LoRALinear / Nf4Linear: every tensor follows a device move, but a dtype conversion
-// reaches only the dense base ("weight", "bias"): the NF4 buffers keep their storage types and the adapters
-// their (master) type, so model->to(torch::kBFloat16) after apply_lora is safe.
-inline void to_keep_types(torch::nn::Module& m, std::optional<torch::Device> device, std::optional<torch::Dtype> dtype, bool non_blocking) {
-  auto move = [&](torch::Tensor& t, bool convert) {
-    const torch::Device d = device.value_or(t.device());
-    const torch::Dtype ty = convert && dtype && t.is_floating_point() ? *dtype : t.scalar_type();
-    t.set_data(t.to(d, ty, non_blocking));
-  };
-  for (auto& p : m.named_parameters(/*recurse=*/false)) move(p.value(), false);
-  for (auto& b : m.named_buffers(/*recurse=*/false)) move(b.value(), b.key() == "weight" || b.key() == "bias");
-}
+// module.to(...) keeps packed types: detail::to_keep_types (quantized_linear.hpp).
 }  // namespace detail
 
 // ---- LoRALinear ------------------------------------------------------------------------------------------------
@@ -248,6 +249,15 @@ class LoRALinearImpl : public torch::nn::Module {
     nf4_.absmax_scale = register_buffer("nf4_absmax_scale", nf4_.absmax_scale);
     init(bias, nf4_.device());
   }
+  // GPTQ-format frozen base (registered as child "base"; its bias, if any, is the base's). Build it from a
+  // packed checkpoint layer (QuantizedLinear(quant::PackedLinear)) or from a dense weight (quantize_rtn).
+  LoRALinearImpl(QuantizedLinear base, const LoRAOptions& o) : opt_(o) {
+    TORCH_CHECK(base, "LoRALinear: the QuantizedLinear base is empty");
+    gptq_ = register_module("base", std::move(base));
+    out_ = gptq_->out_features();
+    in_ = gptq_->in_features();
+    init(torch::Tensor(), gptq_->device());
+  }
 
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override { detail::to_keep_types(*this, device, dtype, non_blocking); }
   void to(torch::Dtype dtype, bool non_blocking = false) override { detail::to_keep_types(*this, std::nullopt, dtype, non_blocking); }
@@ -263,6 +273,7 @@ class LoRALinearImpl : public torch::nn::Module {
   }
   // The frozen base alone (no adapter).
   torch::Tensor base_forward(const torch::Tensor& x) {
+    if (gptq_) return gptq_->forward(x);  // its kernels by device and batch; backward dX = dY W (quantized_linear.hpp)
     torch::Tensor y;
     if (is_nf4_) {
       TORCH_CHECK(x.device() == nf4_.device(), "LoRALinear: input on ", x.device(), " but the NF4 weight on ", nf4_.device());
@@ -278,15 +289,17 @@ class LoRALinearImpl : public torch::nn::Module {
   // The base weight [out, in] in float (dequantised when NF4), plus scaling * B A.
   torch::Tensor merged_weight() const {
     torch::NoGradGuard ng;
-    const torch::Tensor base = is_nf4_ ? nf4_.dequantize(torch::kFloat32) : weight_.to(torch::kFloat32);
+    const torch::Tensor base = gptq_ ? gptq_.ptr()->dequantize(torch::kFloat32)
+                               : is_nf4_ ? nf4_.dequantize(torch::kFloat32) : weight_.to(torch::kFloat32);
     return base + torch::matmul(lora_B.to(torch::kFloat32), lora_A.to(torch::kFloat32)) * scaling();
   }
   // A dense torch::nn::Linear with the adapter folded in (float weights, on the layer's device).
   torch::nn::Linear merged() const {
-    torch::nn::Linear lin(torch::nn::LinearOptions(in_, out_).bias(bias_.defined()));
+    const torch::Tensor& bias = gptq_ ? gptq_->bias() : bias_;
+    torch::nn::Linear lin(torch::nn::LinearOptions(in_, out_).bias(bias.defined()));
     torch::NoGradGuard ng;
     lin->weight.set_data(merged_weight());
-    if (bias_.defined()) lin->bias.set_data(bias_.to(torch::kFloat32).clone());
+    if (bias.defined()) lin->bias.set_data(bias.to(torch::kFloat32).clone());
     return lin;
   }
 
@@ -296,8 +309,13 @@ class LoRALinearImpl : public torch::nn::Module {
   int64_t out_features() const { return out_; }
   bool nf4() const { return is_nf4_; }
   const Nf4Weight& nf4_weight() const { return nf4_; }
-  // Bytes of the frozen base (packed NF4 or dense).
-  int64_t base_bytes() const { return is_nf4_ ? nf4_.bytes() : weight_.numel() * int64_t(weight_.element_size()); }
+  bool gptq() const { return !gptq_.is_empty(); }
+  QuantizedLinear gptq_base() const { return gptq_; }  // the shared base layer; empty unless gptq()
+  // Bytes of the frozen base (packed NF4, GPTQ layout with everything its QuantizedLinear keeps resident, or dense).
+  int64_t base_bytes() const {
+    if (gptq_) return gptq_->bytes();
+    return is_nf4_ ? nf4_.bytes() : weight_.numel() * int64_t(weight_.element_size());
+  }
 
   torch::Tensor lora_A;  // [r, in]   trainable
   torch::Tensor lora_B;  // [out, r]  trainable
@@ -320,6 +338,7 @@ class LoRALinearImpl : public torch::nn::Module {
   torch::Tensor weight_, bias_;
   Nf4Weight nf4_;
   bool is_nf4_ = false;
+  QuantizedLinear gptq_{nullptr};
 };
 TORCH_MODULE(LoRALinear);
 
@@ -376,7 +395,38 @@ inline bool is_lora_target(std::string_view name, unsigned targets) {
   }
   return false;
 }
+
+// Quantized<B, GPTQ|RTN, Group<G>|PerChannel> -> the round-to-nearest options filling its GPTQ layout.
+template <class Q>
+constexpr quant::RtnOptions rtn_options() {
+  static_assert(std::is_same_v<typename Q::method, GPTQ> || std::is_same_v<typename Q::method, RTN>, "rtn_options<Q> takes a Quantized<B, GPTQ|RTN, ...> policy");
+  return quant::RtnOptions{Q::bits, Q::group, /*sym=*/false};
+}
 }  // namespace detail
+
+// A frozen nn::QuantizedLinear holding w [out, in] (and bias [out], stored fp16 as GPTQ checkpoints do) in the
+// GPTQ packed layout, filled by round-to-nearest (quant::rtn_quantize on the CPU; the layer goes back to w's
+// device).
+inline QuantizedLinear quantize_rtn(const torch::Tensor& w, const torch::Tensor& bias, const quant::RtnOptions& o) {
+  TORCH_CHECK(w.dim() == 2 && w.numel() > 0, "quantize_rtn: weight must be a non-empty [out, in] tensor, got ", w.sizes());
+  TORCH_CHECK(w.is_floating_point(), "quantize_rtn: floating-point weight required, got ", w.scalar_type());
+  TORCH_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == w.size(0)), "quantize_rtn: bias must be [", w.size(0), "]");
+  const torch::Tensor wc = w.detach().to(torch::kCPU, torch::kFloat32).contiguous();
+  quant::PackedLinear p;
+  try {
+    p = quant::rtn_quantize({wc.data_ptr<float>(), size_t(wc.numel())}, wc.size(0), wc.size(1), o);
+  } catch (const squeeze::Error& e) {
+    TORCH_CHECK(false, "quantize_rtn: ", e.what());
+  }
+  if (bias.defined()) {
+    const torch::Tensor b = bias.detach().to(torch::kCPU, torch::kHalf).contiguous();
+    const auto* bp = reinterpret_cast<const half*>(b.data_ptr<at::Half>());
+    p.bias.assign(bp, bp + b.numel());
+  }
+  QuantizedLinear q(p);
+  q->to(w.device());
+  return q;
+}
 
 struct AdaptedLayer {
   std::string name;  // dotted path, e.g. "block0.attn.q"
@@ -385,7 +435,9 @@ struct AdaptedLayer {
 
 // Freezes every parameter of `model`, then replaces each Linear / ShardedLinear child named by S's LoRA targets
 // with a LoRALinear: rank and alpha from LoRA<R, A>; under Quantized<4, NF4, ...> the base is packed to NF4
-// (block and DoubleQuant from the policy), otherwise kept dense in S's compute type; adapters in S's master type.
+// (block and DoubleQuant from the policy), under Quantized<B, GPTQ|RTN, Group<G>|PerChannel> to the GPTQ layout
+// by round-to-nearest (B bits, group G; see the note at the top), otherwise kept dense in S's compute type;
+// adapters in S's master type. Children that already are nn::QuantizedLinear (a packed checkpoint) are adopted.
 // The replaced layer's weight is released (set to an empty tensor), so a typed member that still points at the
 // old layer (e.g. nn/llama.hpp's `ShardedLinear q`) holds no memory: such modules must call their projections
 // through forward_linear(*this, "q", x). Returns the adapted layers in module order; errors when none matched.
@@ -394,8 +446,11 @@ std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model) {
   static_assert(S::has_lora, "apply_lora<S> needs a strategy with LoRA<R, A>: e.g. Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, ...>");
   using L = typename S::lora;
   using WQ = typename S::weight_quantization;
-  static_assert(!S::quantized_weights || std::is_same_v<typename WQ::method, NF4>,
-                "apply_lora packs bases as NF4 only: write Quantized<4, NF4[, DoubleQuant]> (GPTQ bases: nn::QuantizedLinear)");
+  constexpr bool nf4 = S::quantized_weights && std::is_same_v<typename WQ::method, NF4>;
+  constexpr bool gptq = S::quantized_weights && !nf4;  // GPTQ or RTN: the strategy's traits allow nothing else
+  static_assert(!gptq || !WQ::act_order,
+                "apply_lora fills the GPTQ layout by round-to-nearest, which has no column order: drop ActOrder, or quantize with "
+                "GPTQ + ActOrder first (examples/llama_gptq) and apply_lora to the packed model");
   const LoRAOptions opt{L::rank, double(L::alpha), torch_dtype<typename S::master_type>()};
   for (auto& p : model.parameters()) p.set_requires_grad(false);
 
@@ -406,6 +461,13 @@ std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model) {
       const bool target = detail::is_lora_target(child.key(), L::targets);
       if (!target && !(S::quantized_weights && detail::is_lora_target(child.key(), 127u))) continue;
       torch::Tensor weight, bias;
+      if (auto ql = std::dynamic_pointer_cast<QuantizedLinearImpl>(child.value())) {  // already packed: keep it
+        if (!target) continue;
+        LoRALinear rep(QuantizedLinear(ql), opt);
+        parent->replace_module(child.key(), rep);
+        adapted.push_back({item.key().empty() ? child.key() : item.key() + "." + child.key(), rep});
+        continue;
+      }
       if (auto lin = std::dynamic_pointer_cast<torch::nn::LinearImpl>(child.value())) {
         weight = lin->weight;
         bias = lin->bias;
@@ -417,12 +479,15 @@ std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model) {
         continue;  // already adapted, or not a linear layer
       }
       torch::NoGradGuard ng;
-      if (!target) {  // a frozen 4-bit base without adapter
-        if constexpr (S::quantized_weights) parent->replace_module(child.key(), Nf4Linear(Nf4Weight::quantize(weight, quant::nf4_options<WQ>()), bias));
+      if (!target) {  // a frozen quantized base without adapter
+        if constexpr (nf4) parent->replace_module(child.key(), Nf4Linear(Nf4Weight::quantize(weight, quant::nf4_options<WQ>()), bias));
+        if constexpr (gptq) parent->replace_module(child.key(), quantize_rtn(weight, bias, detail::rtn_options<WQ>()));
       } else {
         LoRALinear rep{nullptr};
-        if constexpr (S::quantized_weights)
+        if constexpr (nf4)
           rep = LoRALinear(Nf4Weight::quantize(weight, quant::nf4_options<WQ>()), bias, opt);
+        else if constexpr (gptq)
+          rep = LoRALinear(quantize_rtn(weight, bias, detail::rtn_options<WQ>()), opt);
         else
           rep = LoRALinear(weight.to(torch_dtype<typename S::compute_type>()), bias, opt);
         parent->replace_module(child.key(), rep);
@@ -452,9 +517,10 @@ inline torch::Tensor forward_linear(torch::nn::Module& parent, const std::string
   if (auto l = std::dynamic_pointer_cast<LinearForward>(m)) return l->forward_linear(x);
   if (auto l = std::dynamic_pointer_cast<LoRALinearImpl>(m)) return l->forward(x);
   if (auto l = std::dynamic_pointer_cast<Nf4LinearImpl>(m)) return l->forward(x);
+  if (auto l = std::dynamic_pointer_cast<QuantizedLinearImpl>(m)) return l->forward(x);
   if (auto l = std::dynamic_pointer_cast<ShardedLinearImpl>(m)) return l->forward(x);
   if (auto l = std::dynamic_pointer_cast<torch::nn::LinearImpl>(m)) return l->forward(x);
-  TORCH_CHECK(false, "forward_linear: child '", name, "' is not a Linear, ShardedLinear, LoRALinear or LinearForward");
+  TORCH_CHECK(false, "forward_linear: child '", name, "' is not a Linear, ShardedLinear, LoRALinear, Nf4Linear, QuantizedLinear or LinearForward");
   return {};
 }
 
@@ -470,23 +536,29 @@ inline std::vector<torch::Tensor> lora_parameters(torch::nn::Module& model) {
 // export. Returns how many were merged.
 inline int64_t merge_lora(torch::nn::Module& model) {
   int64_t merged = 0;
-  for (const auto& item : model.named_modules("", /*include_self=*/true))
+  for (const auto& item : model.named_modules("", /*include_self=*/true)) {
+    if (std::dynamic_pointer_cast<LoRALinearImpl>(item.value())) continue;  // its GPTQ base goes with it
     for (const auto& child : item.value()->named_children())
       if (auto l = std::dynamic_pointer_cast<LoRALinearImpl>(child.value())) {
         item.value()->replace_module(child.key(), l->merged());
         ++merged;
       } else if (auto q = std::dynamic_pointer_cast<Nf4LinearImpl>(child.value())) {
         item.value()->replace_module(child.key(), q->dense());
+      } else if (auto g = std::dynamic_pointer_cast<QuantizedLinearImpl>(child.value())) {
+        item.value()->replace_module(child.key(), g->dense());
       }
+  }
   return merged;
 }
 
-// Bytes of the frozen bases of every LoRALinear / Nf4Linear in `model` (packed NF4 or dense).
+// Bytes of the frozen bases of every LoRALinear / Nf4Linear / QuantizedLinear in `model` (packed NF4, dense, or
+// everything a QuantizedLinear keeps resident: QuantizedLinearImpl::bytes()).
 inline int64_t frozen_base_bytes(torch::nn::Module& model) {
   int64_t bytes = 0;
   for (const auto& m : model.modules(/*include_self=*/true)) {
-    if (auto l = std::dynamic_pointer_cast<LoRALinearImpl>(m)) bytes += l->base_bytes();
+    if (auto l = std::dynamic_pointer_cast<LoRALinearImpl>(m); l && !l->gptq()) bytes += l->base_bytes();  // GPTQ: its child, below
     if (auto q = std::dynamic_pointer_cast<Nf4LinearImpl>(m)) bytes += q->base_bytes();
+    if (auto q = std::dynamic_pointer_cast<QuantizedLinearImpl>(m)) bytes += q->bytes();
   }
   return bytes;
 }
@@ -498,7 +570,8 @@ struct LoraSetup {
   std::vector<AdaptedLayer> layers;
   std::vector<torch::Tensor> parameters;  // every lora_A / lora_B
   int64_t adapter_params = 0;             // == layers x plan::lora_block_params<S::lora>(shape) for a LLaMA
-  int64_t base_bytes = 0;                 // frozen bases replaced (NF4: == the planner's quantized_matrix_bytes sum)
+  int64_t base_bytes = 0;                 // frozen_base_bytes (NF4: == the planner's quantized_matrix_bytes sum;
+                                          // GPTQ/RTN: that sum + the tensor-core tile copy, QuantizedLinearImpl::bytes)
 };
 template <class S>
 LoraSetup prepare_lora(torch::nn::Module& model, torch::Device device) {

@@ -15,9 +15,17 @@
 // CUDA paths need this header compiled by nvcc (a .cu translation unit); activations fp16 or bf16.
 // Kernels run on libtorch's current stream. One layer must not run concurrently on two streams
 // (the GEMM's split-K counters are per layer).
+//
+// Backward (LoRA on a frozen GPTQ base, nn/lora.hpp): the weights are frozen buffers and get no gradient;
+// the input gradient dX = dY W dequantizes W again (CPU: the cached float copy; CUDA: a transient [out, in]
+// copy in dY's dtype, freed on return), so only the packed bytes stay alive between forward and backward.
+// module.to(dtype) moves nothing but the bias to another type: the packed buffers keep their storage types.
 #include <torch/torch.h>
 
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <optional>
 
 #include <squeeze/kernels/quant/dequant.cuh>
 #include <squeeze/kernels/quant/qgemm.cuh>
@@ -26,6 +34,40 @@
 #include "../quant/pack.hpp"
 
 namespace squeeze::nn {
+
+namespace detail {
+// module.to(...) for frozen packed layers (QuantizedLinear, LoRALinear, Nf4Linear): every tensor follows a
+// device move, but a dtype conversion reaches only dense bases ("weight", "bias"): packed buffers keep their
+// storage types and adapters their (master) type. Children get the same call (their own `to` decides).
+inline void to_keep_types(torch::nn::Module& m, std::optional<torch::Device> device, std::optional<torch::Dtype> dtype, bool non_blocking) {
+  auto move = [&](torch::Tensor& t, bool convert) {
+    const torch::Device d = device.value_or(t.device());
+    const torch::Dtype ty = convert && dtype && t.is_floating_point() ? *dtype : t.scalar_type();
+    t.set_data(t.to(d, ty, non_blocking));
+  };
+  for (auto& p : m.named_parameters(/*recurse=*/false)) move(p.value(), false);
+  for (auto& b : m.named_buffers(/*recurse=*/false)) move(b.value(), b.key() == "weight" || b.key() == "bias");
+  for (auto& c : m.children()) {
+    if (device && dtype) c->to(*device, *dtype, non_blocking);
+    else if (device) c->to(*device, non_blocking);
+    else if (dtype) c->to(*dtype, non_blocking);
+  }
+}
+
+// x [..., in] -> x W^T + b through a frozen QuantizedLinear; backward gives dX = dY W only. The layer travels
+// as a pointer (like lora.hpp's Nf4MatmulFn): the module must outlive its backward.
+template <class Layer>
+struct QuantizedMatmulFn : torch::autograd::Function<QuantizedMatmulFn<Layer>> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, int64_t layer_ptr) {
+    ctx->saved_data["layer"] = layer_ptr;
+    return reinterpret_cast<Layer*>(layer_ptr)->forward_frozen(x);
+  }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::tensor_list g) {
+    auto* layer = reinterpret_cast<Layer*>(ctx->saved_data["layer"].toInt());
+    return {layer->input_grad(g[0]), torch::Tensor()};
+  }
+};
+}  // namespace detail
 
 class QuantizedLinearImpl : public torch::nn::Module {
  public:
@@ -79,9 +121,20 @@ class QuantizedLinearImpl : public torch::nn::Module {
     return Path::DequantMatmul;
   }
 
-  // x [..., in] -> [..., out] in x's dtype.
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override { detail::to_keep_types(*this, device, dtype, non_blocking); }
+  void to(torch::Dtype dtype, bool non_blocking = false) override { detail::to_keep_types(*this, std::nullopt, dtype, non_blocking); }
+  void to(torch::Device device, bool non_blocking = false) override { detail::to_keep_types(*this, device, std::nullopt, non_blocking); }
+
+  // x [..., in] -> [..., out] in x's dtype; differentiable with respect to x (see Backward above).
   torch::Tensor forward(const torch::Tensor& x) {
-    TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in_, "QuantizedLinear: input has ", x.size(-1), " features, layer expects ", in_);
+    TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in_, "QuantizedLinear: input has ", x.dim() ? x.size(-1) : 0, " features, layer expects ", in_);
+    TORCH_CHECK(x.is_floating_point(), "QuantizedLinear: floating-point input required, got ", x.scalar_type());
+    return detail::QuantizedMatmulFn<QuantizedLinearImpl>::apply(x, reinterpret_cast<int64_t>(this));
+  }
+
+  // The forward kernels alone (no autograd): what forward runs.
+  torch::Tensor forward_frozen(const torch::Tensor& x) {
+    TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in_, "QuantizedLinear: input has ", x.dim() ? x.size(-1) : 0, " features, layer expects ", in_);
     TORCH_CHECK(x.device() == qweight_.device(), "QuantizedLinear: input on ", x.device(), " but the layer on ", qweight_.device(),
                 "; move one of them");
     auto shape = x.sizes().vec();
@@ -100,6 +153,70 @@ class QuantizedLinearImpl : public torch::nn::Module {
     }
     if (bias_.defined()) y = y + bias_.to(y.scalar_type());
     return y.to(x.scalar_type()).reshape(shape);
+  }
+
+  // dX [..., in] = dY [..., out] W: CPU in float (as the forward), CUDA in dY's dtype on a transient W.
+  torch::Tensor input_grad(const torch::Tensor& g) {
+    TORCH_CHECK(g.dim() >= 1 && g.size(-1) == out_, "QuantizedLinear: output gradient has ", g.dim() ? g.size(-1) : 0, " features, layer has ", out_);
+    auto shape = g.sizes().vec();
+    shape.back() = in_;
+    const torch::Tensor g2 = g.reshape({-1, out_});
+    torch::Tensor dx = g.is_cuda() ? torch::matmul(g2, dequantize(g.scalar_type())) : torch::matmul(g2.to(torch::kFloat32), dequantized_cpu());
+    return dx.to(g.scalar_type()).reshape(shape);
+  }
+
+  // W [out, in] in `dtype` on the layer's device. CPU: from the cached float copy; CUDA: a fresh tensor from
+  // the dequantize kernel (nvcc translation units only).
+  torch::Tensor dequantize(torch::ScalarType dtype) {
+    if (qweight_.device().is_cpu()) return dequantized_cpu().to(dtype);
+#if defined(__CUDACC__)
+    TORCH_CHECK(qweight_.is_cuda(), "QuantizedLinear: buffers on ", qweight_.device(), "; CPU or CUDA expected");
+    const c10::DeviceGuard guard(qweight_.device());
+    const cudaStream_t stream =
+        static_cast<cudaStream_t>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(qweight_.device()).native_handle());
+    torch::Tensor w = torch::empty({out_, in_}, qweight_.options().dtype(dtype));
+    const kernels::quant::GptqView v{static_cast<const std::int32_t*>(qweight_.data_ptr()), static_cast<const std::int32_t*>(qzeros_.data_ptr()),
+                                     static_cast<const half*>(scales_.data_ptr()), static_cast<const std::int32_t*>(g_idx_.data_ptr()), in_, out_, bits_};
+    cudaError_t e = cudaSuccess;
+    switch (dtype) {
+      case torch::kFloat32: e = kernels::quant::dequantize_cuda<float>(v, static_cast<float*>(w.data_ptr()), stream); break;
+      case torch::kBFloat16: e = kernels::quant::dequantize_cuda<bf16>(v, static_cast<bf16*>(w.data_ptr()), stream); break;
+      case torch::kHalf: e = kernels::quant::dequantize_cuda<half>(v, static_cast<half*>(w.data_ptr()), stream); break;
+      default: TORCH_CHECK(false, "QuantizedLinear: dequantizes to float, bf16 or half, not ", dtype);
+    }
+    TORCH_CHECK(e == cudaSuccess, "QuantizedLinear: dequantize failed: ", cudaGetErrorString(e));
+    return w;
+#else
+    TORCH_CHECK(false, "QuantizedLinear: buffers on ", qweight_.device(), ", but this translation unit was not compiled by nvcc; include "
+                       "squeeze/nn/quantized_linear.hpp from a .cu file to dequantize on the GPU");
+    return {};
+#endif
+  }
+
+  // A dense torch::nn::Linear (float weights and bias), for export.
+  torch::nn::Linear dense() {
+    torch::NoGradGuard ng;
+    torch::nn::Linear lin(torch::nn::LinearOptions(in_, out_).bias(bias_.defined()));
+    lin->weight.set_data(dequantize(torch::kFloat32).clone());
+    if (bias_.defined()) lin->bias.set_data(bias_.to(torch::kFloat32).clone());
+    return lin;
+  }
+
+  int group_size() const { return group_size_; }
+  const torch::Tensor& bias() const { return bias_; }
+  torch::Device device() const { return qweight_.device(); }
+  // Bytes of the GPTQ layout: qweight + qzeros + scales + g_idx (what a packed checkpoint holds and what
+  // plan::quantized_matrix_bytes counts; the bias is not counted, LLaMA's linears have none).
+  std::int64_t packed_bytes() const {
+    return qweight_.numel() * 4 + qzeros_.numel() * 4 + scales_.numel() * 2 + g_idx_.numel() * 4;
+  }
+  // Every buffer this layer keeps resident: the GPTQ layout, the bias and the tensor-core GEMM's tile copy
+  // (tiles + their scales, zeros and act-order permutation; built at construction for 3/4/8 bits).
+  std::int64_t bytes() const {
+    std::int64_t b = packed_bytes();
+    for (const torch::Tensor* t : {&bias_, &tiles_, &tile_scales_, &tile_zeros_, &perm_})
+      if (t->defined()) b += t->numel() * std::int64_t(t->element_size());
+    return b;
   }
 
   // W [out, in] in float on the CPU (cached: the weights are frozen).
