@@ -357,6 +357,12 @@ void check_gptq_layer(int bits, int64_t out, int64_t in, int group) {
   const torch::Tensor bias = torch::randn({out}) * 0.1;
   const quant::RtnOptions o{bits, group, false};
   nn::LoRALinear layer(nn::quantize_rtn(w, bias, o), nn::LoRAOptions{.rank = 4, .alpha = 8});
+  // the tile copy (fused GEMM layout) where the kernel takes the layer: Kpad * Npad * bits / 8 + 3 bytes per group and padded column
+  const bool tiled = bits != 2 && group % 16 == 0;
+  EXPECT_EQ(layer->gptq_base()->fused_tiles(), tiled) << what;
+  const int64_t Kpad = (in + 63) / 64 * 64, Npad = (out + 15) / 16 * 16, G = group > 0 ? (in + group - 1) / group : 1;
+  EXPECT_EQ(layer->base_bytes(), layer->gptq_base()->packed_bytes() + out * 2 + (tiled ? Kpad * Npad * bits / 8 + G * Npad * 3 : 0)) << what;
+  EXPECT_FALSE(nn::quantize_rtn(w, bias, o, /*fused_tiles=*/false)->fused_tiles());
   {
     torch::NoGradGuard ng;
     layer->lora_B.normal_(0, 0.2);  // a non-zero adapter: its term is part of what is checked
@@ -435,7 +441,7 @@ TEST(LoRA, GptqStrategyTrainsAdaptersOnFrozenPackedBase) {
   for (auto lin : kOddShape.block_linears()) planned += kOddShape.layers * plan::quantized_matrix_bytes<Gptq4::weight_quantization>(lin.in, lin.out);
   EXPECT_EQ(packed, planned);  // the GPTQ layout is exactly what the planner counts
   EXPECT_EQ(setup.base_bytes, resident);
-  EXPECT_GT(resident, planned);  // + the tensor-core tile copy the layer keeps (see QuantizedLinearImpl::bytes)
+  EXPECT_EQ(resident, planned);  // training: no tensor-core tile copy is kept (QuantizedLinearImpl's fused_tiles)
   for (const auto& a : adapted) {
     EXPECT_TRUE(a.layer->gptq());
     EXPECT_EQ(a.layer->rank(), 8);

@@ -406,8 +406,8 @@ constexpr quant::RtnOptions rtn_options() {
 
 // A frozen nn::QuantizedLinear holding w [out, in] (and bias [out], stored fp16 as GPTQ checkpoints do) in the
 // GPTQ packed layout, filled by round-to-nearest (quant::rtn_quantize on the CPU; the layer goes back to w's
-// device).
-inline QuantizedLinear quantize_rtn(const torch::Tensor& w, const torch::Tensor& bias, const quant::RtnOptions& o) {
+// device). fused_tiles: see QuantizedLinearImpl's constructor.
+inline QuantizedLinear quantize_rtn(const torch::Tensor& w, const torch::Tensor& bias, const quant::RtnOptions& o, bool fused_tiles = true) {
   TORCH_CHECK(w.dim() == 2 && w.numel() > 0, "quantize_rtn: weight must be a non-empty [out, in] tensor, got ", w.sizes());
   TORCH_CHECK(w.is_floating_point(), "quantize_rtn: floating-point weight required, got ", w.scalar_type());
   TORCH_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == w.size(0)), "quantize_rtn: bias must be [", w.size(0), "]");
@@ -423,7 +423,7 @@ inline QuantizedLinear quantize_rtn(const torch::Tensor& w, const torch::Tensor&
     const auto* bp = reinterpret_cast<const half*>(b.data_ptr<at::Half>());
     p.bias.assign(bp, bp + b.numel());
   }
-  QuantizedLinear q(p);
+  QuantizedLinear q(p, fused_tiles);
   q->to(w.device());
   return q;
 }
@@ -438,6 +438,8 @@ struct AdaptedLayer {
 // (block and DoubleQuant from the policy), under Quantized<B, GPTQ|RTN, Group<G>|PerChannel> to the GPTQ layout
 // by round-to-nearest (B bits, group G; see the note at the top), otherwise kept dense in S's compute type;
 // adapters in S's master type. Children that already are nn::QuantizedLinear (a packed checkpoint) are adopted.
+// GPTQ-format layers it packs itself keep no tensor-core tile copy when S trains (QuantizedLinearImpl's
+// fused_tiles: a training forward runs more rows than the fused GEMM serves), so their bytes are the planner's.
 // The replaced layer's weight is released (set to an empty tensor), so a typed member that still points at the
 // old layer (e.g. nn/llama.hpp's `ShardedLinear q`) holds no memory: such modules must call their projections
 // through forward_linear(*this, "q", x). Returns the adapted layers in module order; errors when none matched.
@@ -481,13 +483,13 @@ std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model) {
       torch::NoGradGuard ng;
       if (!target) {  // a frozen quantized base without adapter
         if constexpr (nf4) parent->replace_module(child.key(), Nf4Linear(Nf4Weight::quantize(weight, quant::nf4_options<WQ>()), bias));
-        if constexpr (gptq) parent->replace_module(child.key(), quantize_rtn(weight, bias, detail::rtn_options<WQ>()));
+        if constexpr (gptq) parent->replace_module(child.key(), quantize_rtn(weight, bias, detail::rtn_options<WQ>(), !S::training));
       } else {
         LoRALinear rep{nullptr};
         if constexpr (nf4)
           rep = LoRALinear(Nf4Weight::quantize(weight, quant::nf4_options<WQ>()), bias, opt);
         else if constexpr (gptq)
-          rep = LoRALinear(quantize_rtn(weight, bias, detail::rtn_options<WQ>()), opt);
+          rep = LoRALinear(quantize_rtn(weight, bias, detail::rtn_options<WQ>(), !S::training), opt);
         else
           rep = LoRALinear(weight.to(torch_dtype<typename S::compute_type>()), bias, opt);
         parent->replace_module(child.key(), rep);
@@ -571,7 +573,8 @@ struct LoraSetup {
   std::vector<torch::Tensor> parameters;  // every lora_A / lora_B
   int64_t adapter_params = 0;             // == layers x plan::lora_block_params<S::lora>(shape) for a LLaMA
   int64_t base_bytes = 0;                 // frozen_base_bytes (NF4: == the planner's quantized_matrix_bytes sum;
-                                          // GPTQ/RTN: that sum + the tensor-core tile copy, QuantizedLinearImpl::bytes)
+                                          // GPTQ/RTN packed by apply_lora: the same; adopted checkpoint layers
+                                          // with tiles: + their tile copy, QuantizedLinearImpl::bytes)
 };
 template <class S>
 LoraSetup prepare_lora(torch::nn::Module& model, torch::Device device) {

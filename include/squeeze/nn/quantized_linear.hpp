@@ -73,7 +73,11 @@ class QuantizedLinearImpl : public torch::nn::Module {
  public:
   enum class Path { CpuDequant, TensorCoreGemm, Gemv, DequantMatmul };
 
-  explicit QuantizedLinearImpl(const quant::PackedLinear& p) : bits_(p.bits), group_size_(p.group_size), in_(p.in), out_(p.out) {
+  // fused_tiles = false skips the tensor-core GEMM's tile copy of the weights (about as many bytes again as
+  // qweight, see bytes()): forward then takes the GEMV up to 8 rows and dequantize + cuBLAS above. Training
+  // runs far more rows than max_fused_rows per forward, so it never reads the tiles (apply_lora leaves them out).
+  explicit QuantizedLinearImpl(const quant::PackedLinear& p, bool fused_tiles = true)
+      : bits_(p.bits), group_size_(p.group_size), in_(p.in), out_(p.out) {
     p.validate();
     auto i32 = [](const std::vector<std::int32_t>& v, std::vector<std::int64_t> shape) {
       return torch::from_blob(const_cast<std::int32_t*>(v.data()), shape, torch::kInt32).clone();
@@ -87,7 +91,7 @@ class QuantizedLinearImpl : public torch::nn::Module {
     g_idx_ = register_buffer("g_idx", i32(p.g_idx, {p.in}));
     if (!p.bias.empty()) bias_ = register_buffer("bias", f16(p.bias, {p.out}));
     // the tensor-core GEMM's layout, when this layer can use it
-    if ((p.bits == 3 || p.bits == 4 || p.bits == 8) && (p.group_size == 0 || p.group_size % 16 == 0)) {
+    if (fused_tiles && (p.bits == 3 || p.bits == 4 || p.bits == 8) && (p.group_size == 0 || p.group_size % 16 == 0)) {
       try {
         const auto t = quant::to_tiles(p);
         Npad_ = t.Npad;
@@ -203,6 +207,7 @@ class QuantizedLinearImpl : public torch::nn::Module {
   }
 
   int group_size() const { return group_size_; }
+  bool fused_tiles() const { return tiles_.defined(); }
   const torch::Tensor& bias() const { return bias_; }
   torch::Device device() const { return qweight_.device(); }
   // Bytes of the GPTQ layout: qweight + qzeros + scales + g_idx (what a packed checkpoint holds and what
@@ -211,7 +216,8 @@ class QuantizedLinearImpl : public torch::nn::Module {
     return qweight_.numel() * 4 + qzeros_.numel() * 4 + scales_.numel() * 2 + g_idx_.numel() * 4;
   }
   // Every buffer this layer keeps resident: the GPTQ layout, the bias and the tensor-core GEMM's tile copy
-  // (tiles + their scales, zeros and act-order permutation; built at construction for 3/4/8 bits).
+  // (built at construction for 3/4/8 bits unless fused_tiles = false): tiles Kpad * Npad * bits / 8 bytes
+  // (K padded to 64, N to 16), fp16 scales + uint8 zeros per group and padded column, int64 perm [in] under act-order.
   std::int64_t bytes() const {
     std::int64_t b = packed_bytes();
     for (const torch::Tensor* t : {&bias_, &tiles_, &tile_scales_, &tile_zeros_, &perm_})
