@@ -1,4 +1,4 @@
-// LoRALinear with an NF4 base on CUDA (nvcc TU: the NF4 CUDA launchers; label cuda; skips without a device
+// LoRALinear with an NF4 or GPTQ-format base on CUDA (nvcc TU: the NF4 / GPTQ CUDA launchers; label cuda; skips without a device
 // or without libtorch's CUDA side).
 // Tolerances: dequantisation is bit-identical to the CPU twin (same element functions); the bf16 forward /
 // backward vs the CPU layer differ by summation order and bf16 output rounding: <= 2^-7 * (|x| |W|^T).
@@ -115,4 +115,82 @@ TEST(LoRACuda, QLoRATrainsOnTheGpu) {
     (s == 0 ? first : last) = loss.item<double>();
   }
   EXPECT_LT(last, 0.5 * first) << first << " -> " << last;
+}
+
+// LoRALinear on a GPTQ-format base (nn::QuantizedLinear) on CUDA vs the same layer on the CPU, over every forward
+// path: fused tensor-core GEMM (tiles, rows <= 256), GEMV (no tiles, rows <= 8), dequantize + cuBLAS (more rows).
+// Backward dX = dY W dequantizes W in bf16 on the GPU. Tolerance: 2^-6 * (|x| |W|^T) (bf16 output, x A^T and sum
+// roundings; the CPU reference runs the base in float).
+TEST(LoRACuda, GptqLayerMatchesCpuLayerOnEveryPath) {
+  REQUIRE_CUDA();
+  torch::manual_seed(4);
+  struct Case { int bits; int64_t out, in; int group; bool tiles; int64_t rows; const char* path; };
+  for (const Case c : {Case{4, 96, 160, 32, true, 4, "fused"}, Case{4, 96, 160, 32, true, 132, "fused"}, Case{3, 80, 200, 32, true, 4, "fused 3-bit"},
+                       Case{8, 48, 96, 0, true, 4, "fused 8-bit"}, Case{4, 96, 160, 32, false, 4, "gemv"}, Case{4, 96, 160, 32, false, 300, "dequant+cublas"},
+                       Case{2, 40, 72, 32, true, 300, "2-bit dequant+cublas"}}) {
+    const torch::Tensor w = torch::randn({c.out, c.in}) * 0.05;
+    const quant::RtnOptions o{c.bits, c.group, false};
+    nn::LoRALinear cpu(nn::quantize_rtn(w, torch::Tensor(), o), nn::LoRAOptions{.rank = 4, .alpha = 8});
+    nn::LoRALinear gpu(nn::quantize_rtn(w, torch::Tensor(), o, c.tiles), nn::LoRAOptions{.rank = 4, .alpha = 8});
+    {
+      torch::NoGradGuard ng;
+      cpu->lora_B.normal_(0, 0.1);
+      gpu->lora_A.copy_(cpu->lora_A);
+      gpu->lora_B.copy_(cpu->lora_B);
+    }
+    gpu->to(torch::kCUDA);
+    ASSERT_TRUE(gpu->gptq_base()->device().is_cuda()) << c.path;
+    const torch::Tensor x = torch::randn({c.rows, c.in}).to(torch::kBFloat16);
+    const torch::Tensor xc = x.clone().requires_grad_(true), xg = x.to(torch::kCUDA).requires_grad_(true);
+    const torch::Tensor yc = cpu(xc), yg = gpu(xg);
+    ASSERT_EQ(yg.scalar_type(), torch::kBFloat16) << c.path;
+    const torch::Tensor wd = cpu->merged_weight().to(torch::kFloat64);
+    const torch::Tensor mag = torch::matmul(x.to(torch::kFloat64).abs(), wd.abs().t()) + 1e-3;
+    EXPECT_LE(((yg.cpu().to(torch::kFloat64) - yc.to(torch::kFloat64)).abs() / mag).max().item<double>(), std::ldexp(1.0, -6)) << c.path;
+    const torch::Tensor g = torch::randn(yc.sizes()).to(torch::kBFloat16);
+    yc.backward(g);
+    yg.backward(g.to(torch::kCUDA));
+    const torch::Tensor gmag = torch::matmul(g.to(torch::kFloat64).abs(), wd.abs()) + 1e-3;
+    EXPECT_LE(((xg.grad().cpu().to(torch::kFloat64) - xc.grad().to(torch::kFloat64)).abs() / gmag).max().item<double>(), std::ldexp(1.0, -6)) << c.path;
+    EXPECT_TRUE(torch::allclose(gpu->lora_B.grad().cpu(), cpu->lora_B.grad(), 2e-2, 2e-2)) << c.path;
+    // the GPU dequantize kernel gives the CPU twin's weights exactly
+    EXPECT_TRUE(torch::equal(gpu->gptq_base()->dequantize(torch::kFloat32).cpu(), cpu->gptq_base()->dequantize(torch::kFloat32))) << c.path;
+  }
+}
+
+TEST(LoRACuda, GptqLoRATrainsOnTheGpu) {
+  REQUIRE_CUDA();
+  torch::manual_seed(5);
+  using GptqLoRA = Strategy<Quantized<4, RTN, Group<128>>, LoRA<8, 16, LoraTargets::q | LoraTargets::v>, Precision<bf16, float>, Checkpointed>;
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  auto model = std::make_shared<TwoProj>(256);
+  model->to(torch::kCUDA, torch::kBFloat16);
+  const torch::Tensor x = torch::randn({512, 256}, cuda).to(torch::kBFloat16);  // 512 rows: the training path (dequantize + cuBLAS)
+  torch::Tensor target;
+  {
+    torch::NoGradGuard ng;
+    const torch::Tensor h = F::gelu(nn::forward_linear(*model, "q_proj", x)).to(torch::kFloat32);
+    const torch::Tensor dW = torch::matmul(torch::randn({256, 2}, cuda), torch::randn({2, 256}, cuda)) * 0.05;
+    target = model->forward(x).to(torch::kFloat32) + torch::matmul(h, dW.t());
+  }
+  const auto adapted = nn::apply_lora<GptqLoRA>(*model);
+  ASSERT_EQ(adapted.size(), 2u);
+  ASSERT_TRUE(adapted[0].layer->gptq());
+  EXPECT_TRUE(adapted[0].layer->gptq_base()->device().is_cuda());
+  EXPECT_FALSE(adapted[0].layer->gptq_base()->fused_tiles());
+  std::vector<torch::Tensor> base0;
+  for (const auto& b : model->buffers()) base0.push_back(b.clone());
+  torch::optim::AdamW opt(nn::lora_parameters(*model), torch::optim::AdamWOptions(1e-2).weight_decay(0));
+  double first = 0, last = 0;
+  for (int s = 0; s < 100; ++s) {
+    opt.zero_grad();
+    const torch::Tensor loss = F::mse_loss(model->forward(x).to(torch::kFloat32), target);
+    loss.backward();
+    opt.step();
+    (s == 0 ? first : last) = loss.item<double>();
+  }
+  EXPECT_LT(last, 0.5 * first) << first << " -> " << last;
+  const auto bufs = model->buffers();
+  ASSERT_EQ(bufs.size(), base0.size());
+  for (size_t i = 0; i < bufs.size(); ++i) EXPECT_TRUE(torch::equal(bufs[i], base0[i])) << "buffer " << i << " changed";
 }
