@@ -588,3 +588,30 @@ TEST(LoRA, GptqBadInputIsAClearError) {
   EXPECT_NE(message([&] { nn::LoRALinear(nn::quantize_rtn(torch::randn({8, 40}), torch::Tensor(), {}), nn::LoRAOptions{.rank = 0}); }).find("rank must be >= 1"),
             std::string::npos);
 }
+
+// squeeze's LLaMA under the GPTQ-format strategy: every block linear packed (planner bytes), the loss trains the
+// adapters only (the base linears pass input gradients through their dequantized weights).
+TEST(LoRA, GptqStrategyOnTheLlama) {
+  torch::manual_seed(15);
+  nn::LlamaConfig c;
+  c.layers = 2;
+  nn::Llama model(c);
+  const nn::LoraSetup setup = nn::prepare_lora<Gptq4>(*model, torch::kCPU);
+  ASSERT_EQ(setup.layers.size(), 4u);
+  EXPECT_EQ(setup.layers[0].name, "block0.attn.q");
+  int64_t planned = 0;
+  for (auto lin : c.shape().block_linears()) planned += c.layers * plan::quantized_matrix_bytes<Gptq4::weight_quantization>(lin.in, lin.out);
+  EXPECT_EQ(setup.base_bytes, planned);
+  const torch::Tensor ids = torch::randint(0, c.vocab, {2, 24}), targets = torch::randint(0, c.vocab, {2, 24});
+  torch::optim::AdamW opt(setup.parameters, torch::optim::AdamWOptions(1e-2).weight_decay(0));
+  double first = 0, last = 0;
+  for (int s = 0; s < 15; ++s) {
+    opt.zero_grad();
+    const torch::Tensor loss = model->loss(ids, targets);
+    loss.backward();
+    for (const auto& p : setup.parameters) ASSERT_TRUE(p.grad().defined());
+    opt.step();
+    (s == 0 ? first : last) = loss.item<double>();
+  }
+  EXPECT_LT(last, first) << first << " -> " << last;
+}
