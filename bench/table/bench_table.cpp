@@ -347,7 +347,14 @@ std::string spelled() {
   std::vector<std::string> parts;
   if constexpr (S::stage > 0) parts.push_back("Sharded<Stage" + std::to_string(S::stage) + ">");
   if constexpr (S::offload_to_host) parts.push_back("Offload<Host>");
-  if constexpr (S::quantized_weights) parts.push_back("Quantized<4, NF4, DoubleQuant>");
+  if constexpr (S::quantized_weights) {
+    using Q = typename S::weight_quantization;
+    constexpr bool nf4 = std::is_same_v<typename Q::method, NF4>;
+    std::string q = "Quantized<" + std::to_string(Q::bits) + ", " + (nf4 ? "NF4" : std::is_same_v<typename Q::method, GPTQ> ? "GPTQ" : "RTN");
+    if constexpr (!nf4) q += Q::group > 0 ? ", Group<" + std::to_string(Q::group) + ">" : ", PerChannel";
+    if constexpr (Q::double_quant) q += ", DoubleQuant";
+    parts.push_back(q + ">");
+  }
   if constexpr (S::has_lora) parts.push_back("LoRA<" + std::to_string(S::lora_rank) + ">");
   if constexpr (S::accumulation_steps > 1) parts.push_back("Accumulate<" + std::to_string(S::accumulation_steps) + ">");
   if constexpr (!std::is_same_v<typename S::compute_type, float>)
@@ -462,7 +469,7 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   const std::string default_rows = std::string(kPeer) +
-                                   ",fp32,zero3-offload,accum4,fp16,bf16,zero3-offload-fp16,zero3-offload-fp16-accum4,ckpt,bf16-ckpt,qlora";
+                                   ",fp32,zero3-offload,accum4,fp16,bf16,zero3-offload-fp16,zero3-offload-fp16-accum4,ckpt,bf16-ckpt,qlora,gptq4-lora";
   app.add_option("--rows", o.rows, "comma-separated rows: " + std::string(kPeer) + " and strategy names, NAME:B for batch B (default: " +
                                        default_rows + ")");
   CLI11_PARSE(app, argc, argv);
