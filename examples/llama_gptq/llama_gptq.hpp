@@ -80,15 +80,6 @@ class CaptureLinearImpl : public torch::nn::Module, public nn::LinearForward {
 };
 TORCH_MODULE(CaptureLinear);
 
-// A packed layer in the model: forward is nn::QuantizedLinear's (its CPU or CUDA kernels).
-class PackedLinearImpl : public torch::nn::Module, public nn::LinearForward {
- public:
-  explicit PackedLinearImpl(const quant::PackedLinear& p) { linear = register_module("linear", nn::QuantizedLinear(p)); }
-  torch::Tensor forward_linear(const torch::Tensor& x) override { return linear(x); }
-  nn::QuantizedLinear linear{nullptr};
-};
-TORCH_MODULE(PackedLinear);
-
 inline torch::Tensor dense_weight(Llama& model, int64_t block, const std::string& path) {
   auto [parent, child] = parent_of(model, block, path);
   const auto m = parent->named_children()[child];
@@ -294,7 +285,8 @@ inline void use_packed(Llama& model, const std::map<std::string, quant::PackedLi
       const auto it = layers.find(name);
       TORCH_CHECK(it != layers.end(), "packed weights: no layer '", name, "'");
       auto [parent, child] = parent_of(model, b, path);
-      PackedLinear pl(it->second);
+      // registered as it is, so nn::apply_lora adopts it as a LoRA base (forward_linear calls it directly)
+      nn::QuantizedLinear pl(it->second);
       pl->to(device);
       parent->replace_module(child, pl);
     }

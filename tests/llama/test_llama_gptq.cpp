@@ -187,6 +187,54 @@ TEST(LlamaGptq, PackedForwardMatchesFloat64ModelWithDequantizedWeights) {
   EXPECT_GT(((dense_logits - want).abs().max() / want.abs().max()).item<double>(), 1e-3);
 }
 
+// The GPTQ-quantized model takes LoRA adapters (fine-tuning on a GPTQ base): apply_lora adopts every packed layer
+// use_packed registered (the same object, not a repacked copy), the adapted model starts at the packed model's
+// logits exactly (B = 0), and AdamW on the adapters alone lowers the loss on a fixed batch, the packed buffers
+// unchanged.
+TEST(LlamaGptq, LoraAdaptersTrainOnTheGptqQuantizedModel) {
+  using S = squeeze::Strategy<squeeze::Quantized<4, squeeze::GPTQ, squeeze::Group<128>>, squeeze::LoRA<8, 16>>;
+  lg::QuantSpec spec;
+  spec.bits = 4, spec.group_size = 128, spec.act_order = true;  // a permuted g_idx: adopted as it is
+  auto dense = fresh_tiny();
+  auto m = copy_of(dense);
+  const auto q = lg::quantize(m, spec, data().calib);
+  lg::use_packed(m, q.layers);
+  const auto& [x, y] = data().val.front();
+  torch::Tensor before;
+  {
+    torch::NoGradGuard ng;
+    before = m->forward(x);
+  }
+  const auto base_q = [&] {  // block 0's q projection as use_packed registered it
+    return std::dynamic_pointer_cast<squeeze::nn::QuantizedLinearImpl>(m->blocks[0]->attn->named_children()["q"]);
+  }();
+  ASSERT_NE(base_q, nullptr);
+  const torch::Tensor qweight0 = base_q->named_buffers()["qweight"].clone();
+  const auto adapted = squeeze::nn::apply_lora<S>(*m);
+  ASSERT_FALSE(adapted.empty());
+  for (const auto& a : adapted) ASSERT_TRUE(a.layer->gptq()) << a.name;
+  EXPECT_EQ(adapted.front().layer->gptq_base().get(), base_q.get()) << "the packed layer is adopted, not repacked";
+  {
+    torch::NoGradGuard ng;
+    EXPECT_TRUE(torch::equal(m->forward(x), before)) << "adapters start at zero: the packed model's logits";
+  }
+  std::vector<torch::Tensor> trainable;
+  for (const auto& p : m->parameters())
+    if (p.requires_grad()) trainable.push_back(p);
+  ASSERT_FALSE(trainable.empty());
+  torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-2).weight_decay(0.0));
+  double first = 0, last = 0;
+  for (int step = 0; step < 15; ++step) {
+    opt.zero_grad();
+    const auto loss = m->loss(x, y);
+    loss.backward();
+    opt.step();
+    (step == 0 ? first : last) = loss.item<double>();
+  }
+  EXPECT_LT(last, first - 0.05) << "adapters on the GPTQ base learn the batch";
+  EXPECT_TRUE(torch::equal(base_q->named_buffers()["qweight"], qweight0)) << "the packed base is frozen";
+}
+
 // ---- packed checkpoints ---------------------------------------------------------------------------------
 TEST(LlamaGptq, SavedCheckpointLoadsBackToTheSamePerplexity) {
   for (const auto method : {lg::Method::GPTQ, lg::Method::RTN}) {
