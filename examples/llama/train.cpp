@@ -41,6 +41,17 @@ struct Options {
   uint64_t seed = 1337;
 };
 
+// Peak learning rate when --lr is not given, by preset: what trains each from scratch in a short run (warm-up
+// over 5% of --steps): tiny 3e-3; 125m 1e-3 (run_gpu.sh's llama_gptq model, 1000 steps); TinyLlama 3e-4 (the
+// strategy table's); LLaMA-7B 1e-5 (at 32 layers 3e-4 and 3e-5 diverge within a few steps, fp32 and bf16 alike:
+// bench/results/h200/diag7b.jsonl).
+double default_lr(const std::string& preset) {
+  if (preset == "125m") return 1e-3;
+  if (preset == "tinyllama-1.1b") return 3e-4;
+  if (preset == "llama-7b") return 1e-5;
+  return 3e-3;
+}
+
 // Learning rate: linear warm-up over the first 5% of steps, cosine decay to 10% at the end.
 double lr_at(int64_t step, int64_t steps, double lr) {
   const int64_t warmup = std::max<int64_t>(1, steps / 20);
@@ -120,7 +131,7 @@ int train(const Options& o) {
   int64_t n_params = 0;
   for (const auto& p : trainer.model()->parameters()) n_params += p.numel();
   std::cerr << "model " << o.preset << " (" << n_params / 1e6 << "M parameters), strategy " << o.strategy << ", device "
-            << device << "\ncorpus: " << corpus.source << ": " << train_ids.size(0) << " training bytes, " << val_ids.size(0)
+            << device << ", peak lr " << o.lr << "\ncorpus: " << corpus.source << ": " << train_ids.size(0) << " training bytes, " << val_ids.size(0)
             << " validation bytes\nplanner: " << planned_gb << " GB peak on the device for batch "
             << o.batch << " x " << o.seq << "\n";
 
@@ -186,7 +197,9 @@ int main(int argc, char** argv) {
   app.add_option("--steps", o.steps, "optimizer steps in total (a resumed run continues to this step)")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--batch", o.batch, "sequences per optimizer step (split into micro-batches by Accumulate<N>)")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--seq", o.seq, "tokens (bytes) per sequence")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--lr", o.lr, "peak learning rate (warm-up, then cosine to 10%)")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--lr", o.lr, "peak learning rate (warm-up, then cosine to 10%); default by preset: tiny 3e-3, 125m 1e-3, "
+                               "tinyllama-1.1b 3e-4, llama-7b 1e-5")
+      ->check(CLI::PositiveNumber);
   app.add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->capture_default_str();
   app.add_option("--clip", o.clip, "gradient-norm clip (0: off)")->capture_default_str();
   app.add_option("--loss-chunk", o.loss_chunk, "tokens per chunk of the LM head + cross-entropy, each recomputed in backward "
@@ -204,6 +217,7 @@ int main(int argc, char** argv) {
   app.add_option("--threads", o.threads, "CPU threads (0: libtorch's default; 1 is faster on a busy machine)")->capture_default_str();
   app.add_option("--seed", o.seed, "seed of the initial weights and the batches")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  if (app.count("--lr") == 0) o.lr = default_lr(o.preset);
 
   try {
     int rc = 0;
