@@ -1,7 +1,11 @@
 // Host buffers of one tensor with 8-bit AdamW state, shared by the CPU twin's tests (adamw8_test.cpp) and the
 // CUDA launcher's (adamw8_cuda_test.cu).
 #pragma once
+#include <gtest/gtest.h>
+
 #include <cstdint>
+#include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -35,5 +39,27 @@ struct Adam8State {
     else return master[std::size_t(i)];
   }
 };
+
+// Every byte of every buffer of `got` equal to `want`'s; the first differences (up to 5 per buffer) are reported
+// with their index.
+template <class P, class G>
+void expect_state_bitwise(const Adam8State<P, G>& got, const Adam8State<P, G>& want, const std::string& label) {
+  auto same = [&](const auto& a, const auto& b, const char* what) {
+    ASSERT_EQ(a.size(), b.size()) << label << " " << what;
+    int shown = 0;
+    for (std::size_t i = 0; i < a.size() && shown < 5; ++i)
+      if (std::memcmp(&a[i], &b[i], sizeof(a[i])) != 0) {
+        ++shown;
+        ADD_FAILURE() << label << " " << what << " differs at " << i << ": " << double(to_float(a[i])) << " vs " << double(to_float(b[i]));
+      }
+  };
+  same(got.param, want.param, "param");
+  same(got.master, want.master, "master");
+  same(got.m_absmax, want.m_absmax, "m absmax");
+  same(got.v_absmax, want.v_absmax, "v absmax");
+  auto codes = [](const std::vector<std::uint8_t>& c) { return std::vector<float>(c.begin(), c.end()); };
+  same(codes(got.m), codes(want.m), "m code");
+  same(codes(got.v), codes(want.v), "v code");
+}
 
 }  // namespace squeeze::test

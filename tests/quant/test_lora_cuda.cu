@@ -85,6 +85,28 @@ TEST(LoRACuda, Nf4LayerMatchesCpuLayer) {
   EXPECT_LE(((xg.grad().cpu().to(torch::kFloat64) - xc.grad().to(torch::kFloat64)).abs() / gmag).max().item<double>(), std::ldexp(1.0, -6));
 }
 
+// The model's output plus a rank-2 change of gelu(q_proj(x)) in fp32 [rows, 256]: a target LoRA on q can reach.
+torch::Tensor low_rank_target(TwoProj& model, const torch::Tensor& x) {
+  torch::NoGradGuard ng;
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  const torch::Tensor h = F::gelu(nn::forward_linear(model, "q_proj", x)).to(torch::kFloat32);  // [rows, 256]
+  const torch::Tensor dW = torch::matmul(torch::randn({256, 2}, cuda), torch::randn({2, 256}, cuda)) * 0.05;
+  return model.forward(x).to(torch::kFloat32) + torch::matmul(h, dW.t());
+}
+// 100 AdamW steps (lr 1e-2) on the adapters alone towards `target` (MSE): the first and the last loss.
+std::pair<double, double> train_adapters(TwoProj& model, const torch::Tensor& x, const torch::Tensor& target) {
+  torch::optim::AdamW opt(nn::lora_parameters(model), torch::optim::AdamWOptions(1e-2).weight_decay(0));
+  double first = 0, last = 0;
+  for (int s = 0; s < 100; ++s) {
+    opt.zero_grad();
+    const torch::Tensor loss = F::mse_loss(model.forward(x).to(torch::kFloat32), target);
+    loss.backward();
+    opt.step();
+    (s == 0 ? first : last) = loss.item<double>();
+  }
+  return {first, last};
+}
+
 // The v adapter can represent the target exactly: target = (model at init) + gelu(q(x)) dW^T with dW of rank 2.
 TEST(LoRACuda, QLoRATrainsOnTheGpu) {
   REQUIRE_CUDA();
@@ -94,26 +116,12 @@ TEST(LoRACuda, QLoRATrainsOnTheGpu) {
   auto model = std::make_shared<TwoProj>(256);
   model->to(torch::kCUDA, torch::kBFloat16);
   const torch::Tensor x = torch::randn({64, 256}, cuda).to(torch::kBFloat16);
-  torch::Tensor target;
-  {
-    torch::NoGradGuard ng;
-    const torch::Tensor h = F::gelu(nn::forward_linear(*model, "q_proj", x)).to(torch::kFloat32);  // [64, 256]
-    const torch::Tensor dW = torch::matmul(torch::randn({256, 2}, cuda), torch::randn({2, 256}, cuda)) * 0.05;
-    target = model->forward(x).to(torch::kFloat32) + torch::matmul(h, dW.t());
-  }
+  const torch::Tensor target = low_rank_target(*model, x);
   const auto adapted = nn::apply_lora<QLoRA>(*model);
   ASSERT_EQ(adapted.size(), 2u);
   EXPECT_TRUE(adapted[0].layer->lora_A.is_cuda());
   EXPECT_TRUE(adapted[0].layer->nf4_weight().codes.is_cuda());
-  torch::optim::AdamW opt(nn::lora_parameters(*model), torch::optim::AdamWOptions(1e-2).weight_decay(0));
-  double first = 0, last = 0;
-  for (int s = 0; s < 100; ++s) {
-    opt.zero_grad();
-    const torch::Tensor loss = F::mse_loss(model->forward(x).to(torch::kFloat32), target);
-    loss.backward();
-    opt.step();
-    (s == 0 ? first : last) = loss.item<double>();
-  }
+  const auto [first, last] = train_adapters(*model, x, target);
   EXPECT_LT(last, 0.5 * first) << first << " -> " << last;
 }
 
@@ -166,13 +174,7 @@ TEST(LoRACuda, GptqLoRATrainsOnTheGpu) {
   auto model = std::make_shared<TwoProj>(256);
   model->to(torch::kCUDA, torch::kBFloat16);
   const torch::Tensor x = torch::randn({512, 256}, cuda).to(torch::kBFloat16);  // 512 rows: the training path (dequantize + cuBLAS)
-  torch::Tensor target;
-  {
-    torch::NoGradGuard ng;
-    const torch::Tensor h = F::gelu(nn::forward_linear(*model, "q_proj", x)).to(torch::kFloat32);
-    const torch::Tensor dW = torch::matmul(torch::randn({256, 2}, cuda), torch::randn({2, 256}, cuda)) * 0.05;
-    target = model->forward(x).to(torch::kFloat32) + torch::matmul(h, dW.t());
-  }
+  const torch::Tensor target = low_rank_target(*model, x);
   const auto adapted = nn::apply_lora<GptqLoRA>(*model);
   ASSERT_EQ(adapted.size(), 2u);
   ASSERT_TRUE(adapted[0].layer->gptq());
@@ -180,15 +182,7 @@ TEST(LoRACuda, GptqLoRATrainsOnTheGpu) {
   EXPECT_FALSE(adapted[0].layer->gptq_base()->fused_tiles());
   std::vector<torch::Tensor> base0;
   for (const auto& b : model->buffers()) base0.push_back(b.clone());
-  torch::optim::AdamW opt(nn::lora_parameters(*model), torch::optim::AdamWOptions(1e-2).weight_decay(0));
-  double first = 0, last = 0;
-  for (int s = 0; s < 100; ++s) {
-    opt.zero_grad();
-    const torch::Tensor loss = F::mse_loss(model->forward(x).to(torch::kFloat32), target);
-    loss.backward();
-    opt.step();
-    (s == 0 ? first : last) = loss.item<double>();
-  }
+  const auto [first, last] = train_adapters(*model, x, target);
   EXPECT_LT(last, 0.5 * first) << first << " -> " << last;
   const auto bufs = model->buffers();
   ASSERT_EQ(bufs.size(), base0.size());
