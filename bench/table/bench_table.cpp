@@ -355,12 +355,13 @@ std::string spelled() {
     if constexpr (Q::double_quant) q += ", DoubleQuant";
     parts.push_back(q + ">");
   }
-  if constexpr (S::has_lora) parts.push_back("LoRA<" + std::to_string(S::lora_rank) + ">");
+  if constexpr (S::has_lora) parts.push_back("LoRA<" + std::to_string(S::lora_rank) + ", " + std::to_string(S::lora::alpha) + ">");
   if constexpr (S::accumulation_steps > 1) parts.push_back("Accumulate<" + std::to_string(S::accumulation_steps) + ">");
   if constexpr (!std::is_same_v<typename S::compute_type, float>)
     parts.push_back(std::is_same_v<typename S::compute_type, bf16> ? "Precision<bf16, float>" : "Precision<half, float>");
   if constexpr (S::checkpoint_every == 1) parts.push_back("Checkpointed");
   else if constexpr (S::checkpoint_every > 1) parts.push_back("CheckpointEvery<" + std::to_string(S::checkpoint_every) + ">");
+  if constexpr (S::state_bits == 8) parts.push_back("Quantized<8, Blockwise8>");
   for (size_t i = 0; i < parts.size(); ++i) s += (i ? ", " : "") + parts[i];
   return s + ">";
 }
