@@ -1,0 +1,517 @@
+#pragma once
+// Hopper (sm_90a) 4-bit weight GEMM for batches of ~33..128 rows: y [M, N] = x [M, K] * W^T on wgmma.
+//
+// Why another kernel: qgemm.cuh's mma.sync kernel re-reads x per strip and runs far below the tensor-core
+// rate once M reaches 64 (H200: 0.41-0.48x cuBLAS bf16 at M = 64, 0.23-0.34x at M = 128). Here the product is
+// computed transposed, Y^T [N, M] = W [N, K] * X^T [K, M], so the large N is wgmma's M dimension (64 per
+// instruction) and the batch is wgmma's N dimension (BN = 64 or 128): one m64nBNk16 wgmma covers 64 output
+// features x the whole batch slice x 16 k.
+//
+// Operands:
+//   A (weights) from registers. The tile layout of qgemm.cuh (quant/tiles.hpp builds it at load, the same
+//     buffers qgemm_cuda takes) already holds, in 32-bit word ks of lane l of a 64 k x 16 n tile, the eight
+//     codes of that lane's A fragment for k-step ks: pairs 0 / 2 / 1 / 3 of the word are the fragment's
+//     registers a0..a3 (rows n = l/4, l/4 + 8; k = 2 (l%4), 2 (l%4) + 8). wgmma's register A fragment is
+//     the mma.m16n8k16 one per warp, warp w of the warpgroup taking rows 16 w .. 16 w + 15, so warp w simply
+//     decodes tile w of four consecutive tiles (64 n) and the four warps form the m64 operand.
+//     Decode: a magic-number LOP3 gives (magic + q) as two fp16 / bf16 values, minus (magic + z) is the exact
+//     small integer q - z, times the group's scale gives the weight, rounded to T once (fp16: 2^-11 relative;
+//     bf16: the fp16 scale rounded to bf16 and the product rounded, ~2^-8). Accumulation is fp32.
+//   B (x^T) from shared memory, K-major, 128-byte swizzle: a stage holds x [BN rows][64 k] (128 B per row,
+//     8-row atoms of 1024 B, 16-byte chunk c of row r at chunk c ^ (r % 8)); the descriptor of k-step ks
+//     starts 32 B further into the atom (the hardware applies the swizzle to the address bits).
+//
+// Block (2 consumer warpgroups, 256 threads): a strip of 128 WM output features (warpgroup g takes
+// 64 WM of them: WM wgmma per k-step) x BN batch rows x one K range of cps 64-k chunks. Every thread takes
+// part in a STAGES-deep cp.async ring; one stage = x [BN][64] (swizzled), the strip's weight tiles of the
+// chunk (8 WM contiguous 512-byte tiles) and the scale / zero-point rows of the (at most four) groups the
+// chunk touches. Per chunk: wait for its stage, block barrier, queue the copy of chunk c + STAGES - 1 into the
+// stage chunk c - 1 used, then per k-step decode WM A fragments, wgmma.fence, WM wgmma; commit and wait for
+// the chunk's wgmma before the next barrier (a stage is refilled only after every wgmma that reads it ended).
+// The two warpgroups overlap one another's decode and tensor work; within a warpgroup the decode of k-step
+// ks + 1 overlaps the wgmma of k-step ks.
+// K splits (small N: too few strips for the SMs) write fp32 partials; the last block of a (strip, batch
+// slice) to finish (a counter each) sums them in split order (deterministic), writes y and resets its counter.
+//
+// Limits (checked by qgemm_sm90_reason; qgemm_cuda keeps serving the rest): 4-bit tiles, K % 8 == 0
+// (16-byte x copies), 16-byte aligned x / tiles / scales / zeros, group % 16 == 0 (as qgemm.cuh). Any M, N
+// and K (M past BN: more batch slices; N, K not tile multiples: zero-filled copies, stores predicated).
+// Act-order: as for qgemm_cuda, the caller gathers x by QTiles::perm (the tiles are in kernel row order).
+// Needs sm_90a (wgmma): compiled for another target (plain sm_90 included) the kernel is empty and the
+// launcher returns cudaErrorNotSupported (qgemm_sm90_supported() says so without launching the GEMM).
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include <squeeze/kernels/quant/qgemm.cuh>
+
+#if defined(__CUDACC__)
+
+// wgmma exists only on the arch-specific target sm_90a (nvcc defines __CUDA_ARCH_FEAT_SM90_ALL there).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define SQUEEZE_SM90_WGMMA 1
+#else
+#define SQUEEZE_SM90_WGMMA 0
+#endif
+
+namespace squeeze::kernels::quant {
+
+// ---- configuration and plan (host) ----------------------------------------------------------------------
+// BN: batch rows per block (wgmma N: 64 or 128); WM: m64 tiles per warpgroup (block strip = 128 WM features);
+// STAGES: chunks in the cp.async ring; MINB: blocks per SM for __launch_bounds__ (2 halves the registers).
+template <int BN_, int WM_, int STAGES_, int MINB_ = 1>
+struct Sm90Cfg {
+  static constexpr int BN = BN_, WM = WM_, STAGES = STAGES_, MINB = MINB_;
+  static constexpr int THREADS = 256;            // two consumer warpgroups
+  static constexpr int STRIP = 2 * 64 * WM;      // output features per block
+  static constexpr int TILES = STRIP / kTileN;   // 16-feature tiles per block
+  static constexpr int GROWS = 4;                // group rows per stage: a 64-k chunk meets <= 4 groups of >= 16
+  // stage layout (bytes): x [BN][128 B] first (1024-aligned for the swizzle), weights [TILES][512 B],
+  // scales [GROWS][STRIP] fp16, zero points [GROWS][STRIP] uint8; stages 1024-aligned
+  static constexpr int X_BYTES = BN * 128, W_BYTES = TILES * 512, S_BYTES = GROWS * STRIP * 2, Z_BYTES = GROWS * STRIP;
+  static constexpr int STAGE_BYTES = (X_BYTES + W_BYTES + S_BYTES + Z_BYTES + 1023) / 1024 * 1024;
+  static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024;  // + 1024: the kernel aligns the base itself
+  static_assert(BN == 64 || BN == 128, "batch rows per block: 64 or 128 (the wgmma wrappers)");
+  static_assert(WM >= 1 && WM <= 4, "m64 tiles per warpgroup: 1..4");
+  static_assert(STAGES >= 2, "at least two stages");
+  static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per block");
+};
+
+struct Sm90Plan {
+  int zslices = 1;  // ceil(M / BN)
+  int strips = 1;   // ceil(Npad / STRIP)
+  int splits = 1;   // K ranges
+  int cps = 1;      // 64-k chunks per K range
+  int smem_bytes = 0;
+  std::int64_t partial_elems = 0;  // fp32 [splits, M, Npad] when splits > 1
+  std::int64_t counter_elems = 0;  // int32 [zslices, strips], zero between launches
+  std::int64_t blocks() const { return std::int64_t(zslices) * strips * splits; }
+};
+inline std::string describe(const Sm90Plan& p) {
+  return "zslices " + std::to_string(p.zslices) + " strips " + std::to_string(p.strips) + " splits " + std::to_string(p.splits) + " cps " +
+         std::to_string(p.cps) + " smem " + std::to_string(p.smem_bytes) + " B";
+}
+
+// K splits: without an override, the count (1..16, K ranges of at least 4 chunks) whose grid fills the SMs'
+// block slots best (fraction of the last wave used), preferring fewer splits unless more fill >= 5% better.
+template <class C>
+Sm90Plan plan_qgemm_sm90(const QGemmShape& s, int sm_count, int splits_override = 0) {
+  Sm90Plan p;
+  const std::int64_t kchunks = s.Kpad / kTileK;
+  p.zslices = int((s.M + C::BN - 1) / C::BN);
+  p.strips = int((s.Npad + C::STRIP - 1) / C::STRIP);
+  const std::int64_t tiles = std::int64_t(p.zslices) * p.strips, slots = std::int64_t(std::max(sm_count, 1)) * C::MINB;
+  const int max_splits = int(std::clamp<std::int64_t>(kchunks / 4, 1, 16));
+  int splits = splits_override;
+  if (splits <= 0) {
+    double best = 0;
+    for (int sp = 1; sp <= max_splits; ++sp) {
+      const std::int64_t blocks = tiles * sp, waves = (blocks + slots - 1) / slots;
+      const double fill = double(blocks) / double(waves * slots);
+      if (fill > best * 1.05) {
+        best = fill;
+        splits = sp;
+      }
+    }
+  }
+  splits = int(std::clamp<std::int64_t>(splits, 1, kchunks));
+  p.cps = int((kchunks + splits - 1) / splits);
+  p.splits = int((kchunks + p.cps - 1) / p.cps);  // no empty K range
+  p.smem_bytes = C::SMEM_BYTES;
+  p.partial_elems = p.splits > 1 ? std::int64_t(p.splits) * s.M * s.Npad : 0;
+  p.counter_elems = p.splits > 1 ? tiles : 0;
+  return p;
+}
+
+// Why the sm_90 kernel cannot take this shape ("" = it can); pointers are checked by the launcher.
+inline std::string qgemm_sm90_reason(const QGemmShape& s) {
+  if (s.bits != 4) return "the sm_90 GEMM takes 4-bit weights (this layer has " + std::to_string(s.bits) + ")";
+  if (s.M <= 0 || s.N <= 0 || s.K <= 0) return "empty shape";
+  if (s.K % 8) return "K = " + std::to_string(s.K) + " is not a multiple of 8 (16-byte x copies)";
+  if (s.Kpad % kTileK || s.Npad % kTileN || s.Kpad < s.K || s.Kpad >= s.K + kTileK || s.Npad < s.N || s.Npad >= s.N + kTileN)
+    return "Kpad / Npad are not the tile padding of K / N";
+  if (s.group <= 0 || s.group % 16) return "group " + std::to_string(s.group) + " is not a positive multiple of 16";
+  if (s.K > (1ll << 30) || s.N > (1ll << 30) || s.M > (1ll << 24)) return "shape too large";
+  return "";
+}
+
+// ---- device functions ---------------------------------------------------------------------------------
+namespace detail {
+
+// wgmma ordering: fence before wgmma reads registers written by ordinary instructions; commit closes a group;
+// wait<N> returns when at most N groups are in flight (N = 0: every wgmma of this warpgroup finished).
+__device__ __forceinline__ void wgmma_fence() {
+#if SQUEEZE_SM90_WGMMA
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#if SQUEEZE_SM90_WGMMA
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+#if SQUEEZE_SM90_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+// Pins a register at this point of the program: after wgmma_wait, so the compiler neither reads an accumulator
+// early nor hands an A register an in-flight wgmma still reads to another value.
+__device__ __forceinline__ void pin(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+__device__ __forceinline__ void pin(std::uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
+// cp.async writes shared memory through the generic proxy, wgmma reads it through the async proxy.
+__device__ __forceinline__ void fence_proxy_async() {
+#if SQUEEZE_SM90_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// Shared-memory matrix descriptor of a K-major operand with 128-byte swizzle: start address / 16 (bits 0-13),
+// leading byte offset 16 B (unused by this layout; bits 16-29), stride byte offset 1024 B between 8-row atoms
+// (bits 32-45), layout 1 = 128B swizzle (bits 62-63). Base offset 0: the atoms are 1024-byte aligned.
+__device__ __forceinline__ std::uint64_t sw128_desc(std::uint32_t saddr) {
+  return std::uint64_t((saddr & 0x3FFFF) >> 4) | (std::uint64_t(16 >> 4) << 16) | (std::uint64_t(1024 >> 4) << 32) | (std::uint64_t(1) << 62);
+}
+
+// m64n64k16, A from registers, B from shared memory (K-major, tnspB 0), fp32 accumulators d[32].
+template <class T>
+__device__ __forceinline__ void wgmma_rs(float (&d)[32], const std::uint32_t (&a)[4], std::uint64_t desc_b) {
+#if SQUEEZE_SM90_WGMMA
+  if constexpr (std::is_same_v<T, bf16>) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));
+  }
+#endif
+}
+
+// m64n128k16, A from registers, B from shared memory (K-major, tnspB 0), fp32 accumulators d[64].
+template <class T>
+__device__ __forceinline__ void wgmma_rs(float (&d)[64], const std::uint32_t (&a)[4], std::uint64_t desc_b) {
+#if SQUEEZE_SM90_WGMMA
+  if constexpr (std::is_same_v<T, bf16>) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));
+  }
+#endif
+}
+
+// Group constants of one thread's two A rows (r = 0: row l/4, r = 1: row l/4 + 8) of one tile, as T2 patterns:
+// zc = magic + z (fp16 1024 + z, bf16 128 + z), zo = -(64 + z) (fp16 odd pairs, which read as 1024 + 16 q),
+// sc = the scale (bf16: rounded from fp16).
+struct Sm90Group {
+  std::uint32_t zc[2], zo[2], sc[2];
+};
+template <class T>
+__device__ __forceinline__ Sm90Group sm90_group(const half* srow, const std::uint8_t* zrow, int n_lo) {
+  Sm90Group g;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float z = float(zrow[n_lo + 8 * r]);
+    const float s = __half2float(srow[n_lo + 8 * r]);
+    if constexpr (std::is_same_v<T, bf16>) {
+      g.zc[r] = u32(__float2bfloat162_rn(128.f + z));
+      g.zo[r] = 0;
+      g.sc[r] = u32(__float2bfloat162_rn(s));
+    } else {
+      g.zc[r] = u32(__float2half2_rn(1024.f + z));
+      g.zo[r] = u32(__float2half2_rn(-64.f - z));
+      g.sc[r] = u32(__float2half2_rn(s));  // exact: s is fp16
+    }
+  }
+  return g;
+}
+// One tile word (k-step) -> the wgmma A fragment: pair i (nibbles i, i + 4) covers row l/4 + 8 (i >> 1) and
+// k 2 (l%4) + 8 (i & 1) (+1), i.e. register a[2 (i & 1) + (i >> 1)]; value (q - z) * scale rounded to T.
+template <class T>
+__device__ __forceinline__ void sm90_decode(std::uint32_t w, const Sm90Group& g, std::uint32_t (&a)[4]) {
+  using V = typename Vec2<T>::type;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int r = i >> 1;
+    const V pair = as_vec2<V>(magic_pair<T>(w, i));
+    V v;
+    if constexpr (std::is_same_v<T, bf16>) {
+      v = __hsub2(pair, as_vec2<V>(g.zc[r]));  // exact small integer q - z
+    } else if (i & 1) {
+      v = __hfma2(pair, __float2half2_rn(1.f / 16.f), as_vec2<V>(g.zo[r]));  // (1024 + 16 q) / 16 - (64 + z), exact
+    } else {
+      v = __hsub2(pair, as_vec2<V>(g.zc[r]));
+    }
+    a[2 * (i & 1) + r] = u32(__hmul2(v, as_vec2<V>(g.sc[r])));
+  }
+}
+
+struct Sm90Params {
+  const void* x;               // T [M, K]
+  const std::uint32_t* tiles;  // [Kpad/64][Npad/16] tiles
+  const half* scales;          // [groups, Npad]
+  const std::uint8_t* zeros;   // [groups, Npad]
+  void* y;                     // T [M, N]
+  float* partial;              // [splits, M, Npad] (splits > 1)
+  int* counters;               // [zslices, strips], zero between launches
+  int M, N, K, Npad, group;
+  int kchunks, cps, strips, splits;
+};
+
+// grid (strips, zslices, splits), C::THREADS threads, C::SMEM_BYTES dynamic shared memory
+template <class T, class C>
+__global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const Sm90Params p) {
+#if SQUEEZE_SM90_WGMMA
+  constexpr int BN = C::BN, WM = C::WM, S = C::STAGES, STRIP = C::STRIP, TILES = C::TILES, NACC = BN / 2;
+  constexpr int XB = C::X_BYTES, WB = C::W_BYTES, SB = C::S_BYTES;
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ int last_flag;
+  // the 128B swizzle repeats every 1024 B of address: align the ring to it
+  unsigned char* const smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2, wq = warp & 3;
+  const int g4 = lane >> 2, c4 = lane & 3;
+  const int strip = blockIdx.x, z = blockIdx.y, split = blockIdx.z;
+  const int ntiles = p.Npad / kTileN, tile0 = strip * TILES, n0 = strip * STRIP, m0 = z * BN;
+  const int kc0 = split * p.cps, nck = min(p.kchunks, kc0 + p.cps) - kc0;
+  const T* const x = static_cast<const T*>(p.x);
+  // padded k rows (k >= K) belong to the last group (x is zero there), as in the CPU twin
+  auto group_of = [&](int k) { return min(k, p.K - 1) / p.group; };
+
+  // ---- one chunk (64 k) into stage s; every thread queues its share of 16-byte cp.async (0 source bytes =
+  // zero fill: rows past M, k past K, tiles / columns past Npad)
+  auto load_chunk = [&](int kc, int s) {
+    unsigned char* const st = smem + s * C::STAGE_BYTES;
+    for (int i = tid; i < BN * 8; i += C::THREADS) {  // x [BN][64], 128B-swizzled
+      const int r = i >> 3, c = i & 7, m = m0 + r, k = kc * kTileK + c * 8;
+      const bool ok = m < p.M && k < p.K;
+      cp_async16(st + r * 128 + ((c ^ (r & 7)) << 4), ok ? x + std::int64_t(m) * p.K + k : x, ok ? 16 : 0);
+    }
+    const std::uint32_t* const wsrc = p.tiles + (std::int64_t(kc) * ntiles + tile0) * (kTileK * kTileN / 8);
+    for (int i = tid; i < TILES * 32; i += C::THREADS) {  // the strip's tiles of this chunk: contiguous
+      const bool ok = tile0 + (i >> 5) < ntiles;
+      cp_async16(st + XB + i * 16, ok ? wsrc + i * 4 : p.tiles, ok ? 16 : 0);
+    }
+    const int g0 = group_of(kc * kTileK), rows = group_of(kc * kTileK + 48) - g0 + 1;
+    for (int i = tid; i < rows * (STRIP / 8); i += C::THREADS) {  // scales [rows][STRIP]
+      const int r = i / (STRIP / 8), n = n0 + (i % (STRIP / 8)) * 8;
+      const bool ok = n < p.Npad;
+      cp_async16(st + XB + WB + (r * STRIP + n - n0) * 2, ok ? p.scales + std::int64_t(g0 + r) * p.Npad + n : p.scales, ok ? 16 : 0);
+    }
+    for (int i = tid; i < rows * (STRIP / 16); i += C::THREADS) {  // zero points [rows][STRIP]
+      const int r = i / (STRIP / 16), n = n0 + (i % (STRIP / 16)) * 16;
+      const bool ok = n < p.Npad;
+      cp_async16(st + XB + WB + SB + r * STRIP + n - n0, ok ? p.zeros + std::int64_t(g0 + r) * p.Npad + n : p.zeros, ok ? 16 : 0);
+    }
+  };
+
+  float acc[WM][NACC];
+#pragma unroll
+  for (int t = 0; t < WM; ++t)
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) acc[t][i] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {  // prologue: S - 1 chunks in flight (a group per stage, empty ones too)
+    if (s < nck) load_chunk(kc0 + s, s);
+    cp_async_commit();
+  }
+  // this thread's A rows: tile (wg * 4 WM + 4 t + wq) of the strip, rows l/4 and l/4 + 8 of it
+  const int nl = wg * 64 * WM + wq * 16 + g4;  // feature of row l/4 of tile t = 0, relative to the strip
+  int cur_g = -1;
+  Sm90Group grp[WM];
+  for (int c = 0; c < nck; ++c) {
+    cp_async_wait<S - 2>();  // this thread's copies of chunk c landed
+    fence_proxy_async();
+    __syncthreads();  // everyone's copies landed; every wgmma of chunk c - 1 finished (waited below)
+    {
+      const int nx = c + S - 1;  // refill the stage chunk c - 1 used
+      if (nx < nck) load_chunk(kc0 + nx, nx % S);
+      cp_async_commit();
+    }
+    const int kc = kc0 + c;
+    unsigned char* const st = smem + (c % S) * C::STAGE_BYTES;
+    const int g0 = group_of(kc * kTileK);
+    uint4 wv[WM];  // this lane's 4 words (4 k-steps) of each of its tiles
+#pragma unroll
+    for (int t = 0; t < WM; ++t) wv[t] = lds128(st + XB + ((wg * 4 * WM + 4 * t + wq) * 32 + lane) * 16);
+    const std::uint32_t xaddr = smem_addr(st);
+    std::uint32_t a[4][WM][4];
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      const int g = group_of(kc * kTileK + 16 * ks);
+      if (g != cur_g) {  // uniform across the block
+        cur_g = g;
+        const half* srow = reinterpret_cast<const half*>(st + XB + WB) + (g - g0) * STRIP;
+        const std::uint8_t* zrow = st + XB + WB + SB + (g - g0) * STRIP;
+#pragma unroll
+        for (int t = 0; t < WM; ++t) grp[t] = sm90_group<T>(srow, zrow, nl + 64 * t);
+      }
+#pragma unroll
+      for (int t = 0; t < WM; ++t) {
+        const std::uint32_t w = ks == 0 ? wv[t].x : ks == 1 ? wv[t].y : ks == 2 ? wv[t].z : wv[t].w;
+        sm90_decode<T>(w, grp[t], a[ks][t]);
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int t = 0; t < WM; ++t) wgmma_rs<T>(acc[t], a[ks][t], sw128_desc(xaddr + 32 * ks));
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+      for (int t = 0; t < WM; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) pin(a[ks][t][i]);
+#pragma unroll
+    for (int t = 0; t < WM; ++t)
+#pragma unroll
+      for (int i = 0; i < NACC; ++i) pin(acc[t][i]);
+  }
+  cp_async_wait<0>();  // no copy may land after the block exits
+
+  // ---- epilogue: accumulator i of tile t holds (feature nl + 64 t + 8 ((i >> 1) & 1), batch row 8 (i >> 2) + 2 c4 + (i & 1))
+  T* const y = static_cast<T*>(p.y);
+  if (p.splits == 1) {
+#pragma unroll
+    for (int t = 0; t < WM; ++t)
+#pragma unroll
+      for (int i = 0; i < NACC; ++i) {
+        const int n = n0 + nl + 64 * t + 8 * ((i >> 1) & 1), m = m0 + 8 * (i >> 2) + 2 * c4 + (i & 1);
+        if (m < p.M && n < p.N) y[std::int64_t(m) * p.N + n] = from_float<T>(acc[t][i]);
+      }
+    return;
+  }
+  float* const part = p.partial + std::int64_t(split) * p.M * p.Npad;
+#pragma unroll
+  for (int t = 0; t < WM; ++t)
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) {
+      const int n = n0 + nl + 64 * t + 8 * ((i >> 1) & 1), m = m0 + 8 * (i >> 2) + 2 * c4 + (i & 1);
+      if (m < p.M && n < p.Npad) part[std::int64_t(m) * p.Npad + n] = acc[t][i];
+    }
+  __threadfence();  // partials visible device-wide before the counter says so
+  __syncthreads();
+  int* const counter = p.counters + z * p.strips + strip;
+  if (tid == 0) last_flag = atomicAdd(counter, 1) == p.splits - 1;
+  __syncthreads();
+  if (!last_flag) return;
+  __threadfence();
+  // the last block of this (strip, batch slice): sum the K ranges in order (deterministic), coalesced over n
+  const int rows = min(BN, p.M - m0), cols = min(STRIP, p.N - n0);
+  for (int i = tid; i < rows * STRIP; i += C::THREADS) {
+    const int r = i / STRIP, cc = i % STRIP;
+    if (cc >= cols) continue;
+    const std::int64_t off = std::int64_t(m0 + r) * p.Npad + n0 + cc;
+    float sum = 0.f;
+    for (int sp = 0; sp < p.splits; ++sp) sum += __ldcg(p.partial + std::int64_t(sp) * p.M * p.Npad + off);
+    y[std::int64_t(m0 + r) * p.N + n0 + cc] = from_float<T>(sum);
+  }
+  if (tid == 0) *counter = 0;  // ready for the next launch
+#endif
+}
+
+// Writes 1 when this build's device code has wgmma (compiled for sm_90a), 0 otherwise.
+__global__ void qgemm_sm90_probe(int* out) { *out = SQUEEZE_SM90_WGMMA; }
+
+}  // namespace detail
+
+// ---- host launchers ------------------------------------------------------------------------------------
+// True when the current device is sm_90 and this build's device code has wgmma (sm_90a). The first call
+// launches a one-thread probe and synchronizes; the answer is cached for the process.
+inline bool qgemm_sm90_supported() {
+  static const bool ok = [] {
+    int dev = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess || major != 9 || minor != 0) {
+      cudaGetLastError();
+      return false;
+    }
+    int* flag = nullptr;
+    int host = 0;
+    bool good = cudaMalloc(&flag, sizeof(int)) == cudaSuccess;
+    if (good) {
+      detail::qgemm_sm90_probe<<<1, 1>>>(flag);
+      good = cudaMemcpy(&host, flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess && host == 1;
+      cudaFree(flag);
+    }
+    cudaGetLastError();  // a launch without a kernel image for this device is an answer, not a sticky error
+    return good;
+  }();
+  return ok;
+}
+
+namespace detail {
+template <class C>
+std::string sm90_cfg_name() {
+  return "wg_b" + std::to_string(C::BN) + "m" + std::to_string(C::WM) + "s" + std::to_string(C::STAGES) +
+         (C::MINB > 1 ? "x" + std::to_string(C::MINB) : "");
+}
+// Configurations the benchmark times (batch rows per block, m64 tiles per warpgroup, stages, blocks per SM).
+using Sm90TuningCfgs = CfgList<Sm90Cfg<64, 2, 6>, Sm90Cfg<64, 2, 4>, Sm90Cfg<64, 1, 6, 2>, Sm90Cfg<128, 2, 4>, Sm90Cfg<128, 2, 6>,
+                               Sm90Cfg<128, 1, 4, 2>>;
+// What qgemm_sm90_cuda runs: one batch slice of 64 rows up to M = 64, of 128 above (not yet measured).
+using Sm90Small = Sm90Cfg<64, 2, 6>;
+using Sm90Large = Sm90Cfg<128, 2, 4>;
+
+// Configuration C with an explicit plan (benchmarks, tests).
+template <class T, class C>
+cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y,
+                                  const QGemmShape& s, const Sm90Plan& p, const QGemmWorkspace& ws, cudaStream_t stream) {
+  static_assert(std::is_same_v<T, half> || std::is_same_v<T, bf16>, "the quantized GEMM takes fp16 or bf16 activations");
+  if (!qgemm_sm90_reason(s).empty()) return cudaErrorInvalidValue;
+  if ((reinterpret_cast<std::uintptr_t>(x) | reinterpret_cast<std::uintptr_t>(tiles) | reinterpret_cast<std::uintptr_t>(scales) |
+       reinterpret_cast<std::uintptr_t>(zeros)) & 15)
+    return cudaErrorInvalidValue;  // 16-byte copies
+  if (p.splits > 1 && (ws.partial == nullptr || ws.partial_elems < p.partial_elems || ws.counters == nullptr || ws.counter_elems < p.counter_elems))
+    return cudaErrorInvalidValue;
+  if (!qgemm_sm90_supported()) return cudaErrorNotSupported;
+  static const cudaError_t attr = cudaFuncSetAttribute(qgemm_sm90_kernel<T, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
+  if (attr != cudaSuccess) return attr;
+  const Sm90Params prm{x, tiles, scales, zeros, y, ws.partial, ws.counters, int(s.M), int(s.N), int(s.K), int(s.Npad), int(s.group),
+                       int(s.Kpad / kTileK), p.cps, p.strips, p.splits};
+  qgemm_sm90_kernel<T, C><<<dim3(unsigned(p.strips), unsigned(p.zslices), unsigned(p.splits)), C::THREADS, C::SMEM_BYTES, stream>>>(prm);
+  return cudaGetLastError();
+}
+}  // namespace detail
+
+// The plan qgemm_sm90_cuda uses for s.M rows (splits_override > 0 forces the K splits).
+inline Sm90Plan qgemm_sm90_plan(const QGemmShape& s, int sm_count, int splits_override = 0) {
+  return s.M <= 64 ? plan_qgemm_sm90<detail::Sm90Small>(s, sm_count, splits_override)
+                   : plan_qgemm_sm90<detail::Sm90Large>(s, sm_count, splits_override);
+}
+inline QGemmWorkspace qgemm_sm90_workspace_size(const QGemmShape& s, int sm_count, int splits_override = 0) {
+  const Sm90Plan p = qgemm_sm90_plan(s, sm_count, splits_override);
+  return {nullptr, p.partial_elems, nullptr, p.counter_elems};
+}
+
+// y [M, N] = x [M, K] * W^T with the same arguments as qgemm_cuda (4-bit tiles). cudaErrorInvalidValue: a shape
+// qgemm_sm90_reason rejects, misaligned pointers or a short workspace; cudaErrorNotSupported: no sm_90a device
+// code or not an sm_90 device (qgemm_sm90_supported). Not used by qgemm_cuda's dispatch yet.
+template <class T>
+cudaError_t qgemm_sm90_cuda(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y, const QGemmShape& s,
+                            const QGemmWorkspace& ws, int sm_count, cudaStream_t stream, int splits_override = 0) {
+  const Sm90Plan p = qgemm_sm90_plan(s, sm_count, splits_override);
+  return s.M <= 64 ? detail::launch_qgemm_sm90_cfg<T, detail::Sm90Small>(x, tiles, scales, zeros, y, s, p, ws, stream)
+                   : detail::launch_qgemm_sm90_cfg<T, detail::Sm90Large>(x, tiles, scales, zeros, y, s, p, ws, stream);
+}
+
+}  // namespace squeeze::kernels::quant
+
+#endif  // __CUDACC__
