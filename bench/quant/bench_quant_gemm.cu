@@ -10,6 +10,9 @@
 //   peer       cuBLAS bf16 GEMM through libtorch (at::mm on bf16 CUDA tensors, W [N, K] as nn.Linear stores it)
 //   peer2      PyTorch's int4 weight-only GEMM at::_weight_int4pack_mm (group 128), when it runs here
 //   deq+cublas dequantize the GPTQ layer to bf16, then cuBLAS (QuantizedLinear's path for large batches)
+//   sm90       (last section) the Hopper wgmma GEMM of qgemm_sm90.cuh at batch 16..128: every configuration of
+//              kq::detail::Sm90TuningCfgs at several K split counts, and qgemm_sm90_cuda as it would be
+//              dispatched, beside the library's dispatch and cuBLAS bf16 (needs sm_90a device code)
 //   roofline   bytes our kernel must read (weights + scales + zeros + x) / time, over the bandwidth of a
 //              device-to-device copy measured in the same run
 // Times: CUDA events around each launch, median of --reps, L2 flushed before each launch; every batch of
@@ -19,7 +22,7 @@
 // Per configuration, once: registers per thread, threads, shared memory of its plan, local (spill) bytes and
 // the blocks per SM the occupancy calculator allows ("cfg" lines; per case in the JSON's variants_info).
 // A watchdog ends the process (exit code 3, naming the configuration) when nothing progresses for 150 s.
-// Usage: bench_quant_gemm [--out FILE] [--reps N] [--only CASE] [--no-checks] [--no-variants]
+// Usage: bench_quant_gemm [--out FILE] [--reps N] [--only CASE] [--no-checks] [--no-variants] [--no-sm90 | --sm90-only]
 //   (env SQUEEZE_DEVICE, SQUEEZE_DATE, SQUEEZE_COMMIT)
 #include <torch/torch.h>
 
@@ -41,6 +44,7 @@
 #include <squeeze/error.hpp>
 #include <squeeze/kernels/quant/dequant.cuh>
 #include <squeeze/kernels/quant/qgemm.cuh>
+#include <squeeze/kernels/quant/qgemm_sm90.cuh>
 #include <squeeze/nn/quantized_linear.hpp>
 #include <squeeze/quant/tiles.hpp>
 #include <squeeze/quant/rtn.hpp>
@@ -336,12 +340,161 @@ GemmCase prepare_case(std::int64_t M, std::int64_t K, std::int64_t N, const sque
   return c;
 }
 
+// ---- the sm_90 wgmma GEMM: configuration C at K split counts (the plan's own first), error once, then times
+struct Sm90Result {
+  nlohmann::json times = nlohmann::json::object(), errors = nlohmann::json::object(), info = nlohmann::json::object();
+  std::string best_name;
+  int best_splits = 0;
+  double best_ms = 0;
+};
+template <class C>
+void time_sm90_cfg(const GemmBuffers& b, const kq::QGemmShape& shape, int sm, int reps, Sm90Result& r) {
+  const std::string name = kq::detail::sm90_cfg_name<C>();
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA, 0);
+  nlohmann::json t = nlohmann::json::object();
+  std::set<int> seen;
+  for (int sp : {0, 1, 2, 4, 8}) {
+    const auto plan = kq::plan_qgemm_sm90<C>(shape, sm, sp);
+    if (!seen.insert(plan.splits).second) continue;  // clamped to a plan already timed
+    watchdog_note(name + " (" + kq::describe(plan) + ")");
+    auto partial = torch::empty({std::max<std::int64_t>(plan.partial_elems, 1)}, cuda.dtype(torch::kFloat32));
+    auto counters = torch::zeros({std::max<std::int64_t>(plan.counter_elems, 1)}, cuda.dtype(torch::kInt32));
+    const kq::QGemmWorkspace ws{partial.data_ptr<float>(), plan.partial_elems, counters.data_ptr<int>(), plan.counter_elems};
+    auto launch = [&] { return kq::detail::launch_qgemm_sm90_cfg<bf16, C>(b.x, b.tiles, b.scales, b.zeros, b.y, shape, plan, ws, nullptr); };
+    if (const cudaError_t e = launch(); e != cudaSuccess) {  // reported, not fatal
+      std::printf("  sm90 %s (%s): %s\n", name.c_str(), kq::describe(plan).c_str(), cudaGetErrorString(e));
+      cudaGetLastError();
+      return;
+    }
+    SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+    const double err = ((b.y_tensor.to(torch::kFloat32) - b.ref).abs().max() / b.ref.abs().max().clamp_min(1e-30)).item<double>();
+    if (sp == 0) {
+      r.errors[name] = err;
+      cudaFuncAttributes fa{};
+      int per_sm = 0;
+      const auto kernel = kq::detail::qgemm_sm90_kernel<bf16, C>;
+      if (cudaFuncGetAttributes(&fa, kernel) == cudaSuccess &&
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, C::THREADS, std::size_t(C::SMEM_BYTES)) == cudaSuccess) {
+        r.info[name] = {{"regs", fa.numRegs}, {"threads", C::THREADS}, {"smem", C::SMEM_BYTES + int(fa.sharedSizeBytes)},
+                        {"local_bytes", int(fa.localSizeBytes)}, {"blocks_per_sm", per_sm}, {"blocks", plan.blocks()},
+                        {"splits", plan.splits}, {"cps", plan.cps}};
+        static std::set<std::string> printed;
+        if (printed.insert(name).second)
+          std::printf("  cfg %-14s %3d regs/thread, %3d threads, %6d B shared, local %d B, %d blocks/SM\n", name.c_str(), fa.numRegs, C::THREADS,
+                      C::SMEM_BYTES + int(fa.sharedSizeBytes), int(fa.localSizeBytes), per_sm);
+      }
+      cudaGetLastError();
+    }
+    if (!(err < 2e-2)) {  // a wrong kernel never wins
+      std::printf("  sm90 %s (%s): rel err %.2e FAILED\n", name.c_str(), kq::describe(plan).c_str(), err);
+      r.errors[name + "@" + std::to_string(plan.splits)] = err;
+      continue;
+    }
+    const double ms = time_ms([&] { SQUEEZE_CUDA_CHECK(launch()); }, reps);
+    t[std::to_string(plan.splits)] = ms;
+    if (r.best_ms == 0 || ms < r.best_ms) {
+      r.best_ms = ms;
+      r.best_name = name;
+      r.best_splits = plan.splits;
+    }
+  }
+  r.times[name] = t;
+}
+template <class... Cs>
+void time_sm90_cfgs(kq::detail::CfgList<Cs...>, const GemmBuffers& b, const kq::QGemmShape& shape, int sm, int reps, Sm90Result& r) {
+  (time_sm90_cfg<Cs>(b, shape, sm, reps, r), ...);
+}
+
+// The wgmma section: for each 4-bit shape and batch, the library's dispatch, cuBLAS bf16, qgemm_sm90_cuda and
+// every wgmma configuration. Returns false when a case failed.
+bool sm90_section(const std::vector<std::pair<std::int64_t, std::int64_t>>& shapes, int sm, int reps, const std::string& only, double copy_gbs,
+                  std::ofstream& out, const std::string& device, const std::string& date, const std::string& commit) {
+  if (!kq::qgemm_sm90_supported()) {
+    std::printf("\nwgmma GEMM: not run (needs an sm_90 device and sm_90a device code: configure with -DCMAKE_CUDA_ARCHITECTURES=90a)\n");
+    return true;
+  }
+  bool ok = true;
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA, 0);
+  std::printf("\nwgmma GEMM (qgemm_sm90.cuh): ours = the library's dispatch (qgemm_cuda); sm90 = qgemm_sm90_cuda; best = fastest wgmma configuration\n");
+  std::printf("%-18s %8s %8s %6s | %8s %6s %6s | %-14s %3s %8s %6s | %5s | %8s\n", "case", "ours ms", "cublas", "x cub", "sm90 ms", "x cub", "splits",
+              "best sm90", "sp", "best ms", "x cub", "roof", "rel err");
+  for (auto [K, N] : shapes) {
+    watchdog_note("sm90: preparing the 4-bit layer " + std::to_string(K) + " x " + std::to_string(N));
+    const auto p = random_layer(4, K, N, std::uint32_t(K * 31 + N));
+    const auto t = squeeze::quant::to_tiles(p);
+    const DeviceLayer d = upload_layer(p, t, K, N, 4, cuda);
+    auto w_bf16 = torch::randn({N, K}, cuda.dtype(torch::kBFloat16)) * 0.02;
+    const double weight_bytes = double(K) * N / 2 + double(t.groups()) * N * 3;
+    for (std::int64_t M : {16, 33, 64, 128}) {
+      const std::string cs = "K" + std::to_string(K) + "_N" + std::to_string(N) + "_M" + std::to_string(M);
+      if (!only.empty() && cs.find(only) == std::string::npos) continue;
+      watchdog_note("sm90 " + cs);
+      try {
+        const GemmCase gc = prepare_case(M, K, N, t, d, sm, cuda);
+        const double t_ours = time_ms([&] { gc.run_ours(sm); }, reps);
+        torch::Tensor yc;
+        const double t_cublas = time_ms([&] { yc = at::mm(gc.x, w_bf16.t()); }, reps);
+        // qgemm_sm90_cuda: its own configuration and plan
+        const auto need = kq::qgemm_sm90_workspace_size(gc.shape, sm);
+        auto partial = torch::empty({std::max<std::int64_t>(need.partial_elems, 1)}, cuda.dtype(torch::kFloat32));
+        auto counters = torch::zeros({std::max<std::int64_t>(need.counter_elems, 1)}, cuda.dtype(torch::kInt32));
+        const kq::QGemmWorkspace ws{partial.data_ptr<float>(), need.partial_elems, counters.data_ptr<int>(), need.counter_elems};
+        const auto& b = gc.buf;
+        auto run_sm90 = [&] { SQUEEZE_CUDA_CHECK(kq::qgemm_sm90_cuda<bf16>(b.x, b.tiles, b.scales, b.zeros, b.y, gc.shape, ws, sm, nullptr)); };
+        run_sm90();
+        SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+        const double err = ((b.y_tensor.to(torch::kFloat32) - b.ref).abs().max() / b.ref.abs().max().clamp_min(1e-30)).item<double>();
+        const bool good = err < 2e-2;
+        const double t_sm90 = good ? time_ms(run_sm90, reps) : 0.0;
+        Sm90Result r;
+        time_sm90_cfgs(kq::detail::Sm90TuningCfgs{}, b, gc.shape, sm, std::max(10, reps / 2), r);
+        const double bytes = weight_bytes + double(M) * K * 2 + double(M) * N * 2;
+        const auto plan = kq::qgemm_sm90_plan(gc.shape, sm);
+        std::printf("%-18s %8.4f %8.4f %6.2f | %8.4f %6.2f %6d | %-14s %3d %8.4f %6.2f | %5.2f | %8.1e%s\n", cs.c_str(), t_ours, t_cublas, t_cublas / t_ours,
+                    t_sm90, t_sm90 > 0 ? t_cublas / t_sm90 : 0.0, plan.splits, r.best_name.c_str(), r.best_splits, r.best_ms,
+                    r.best_ms > 0 ? t_cublas / r.best_ms : 0.0, t_sm90 > 0 ? bytes / (t_sm90 * 1e6) / copy_gbs : 0.0, err, good ? "" : " FAILED");
+        std::fflush(stdout);
+        ok = ok && good;
+        if (out) {
+          nlohmann::json j = {{"bench", "gemm4_sm90"},
+                              {"case", cs},
+                              {"time_ms", good ? nlohmann::json(t_sm90) : nlohmann::json(nullptr)},
+                              {"peer", "cublas_bf16"},
+                              {"peer_time_ms", t_cublas},
+                              {"ratio_vs_peer", good ? nlohmann::json(t_cublas / t_sm90) : nlohmann::json(nullptr)},
+                              {"ours_time_ms", t_ours},
+                              {"ours_ratio_vs_peer", t_cublas / t_ours},
+                              {"max_rel_err", err},
+                              {"plan", kq::describe(plan)},
+                              {"best_variant", r.best_name},
+                              {"best_splits", r.best_splits},
+                              {"best_time_ms", r.best_ms > 0 ? nlohmann::json(r.best_ms) : nlohmann::json(nullptr)},
+                              {"best_ratio_vs_peer", r.best_ms > 0 ? nlohmann::json(t_cublas / r.best_ms) : nlohmann::json(nullptr)},
+                              {"variants_ms", r.times},
+                              {"variants_err", r.errors},
+                              {"variants_info", r.info},
+                              {"copy_gbs", copy_gbs},
+                              {"device", device},
+                              {"date", date},
+                              {"commit", commit}};
+          out << j.dump() << "\n";
+          out.flush();
+        }
+      } catch (const std::exception& e) {
+        std::printf("sm90 %s: FAILED: %s\n", cs.c_str(), std::string(e.what()).substr(0, 400).c_str());
+        ok = false;
+      }
+    }
+  }
+  return ok;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string out_path;
   int reps = 50;
-  bool checks = true, variants = true;
+  bool checks = true, variants = true, sm90 = true, sm90_only = false;
   std::string only;  // run only cases whose name contains this (e.g. for a profiler)
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -350,8 +503,10 @@ int main(int argc, char** argv) {
     else if (a == "--only" && i + 1 < argc) only = argv[++i];
     else if (a == "--no-checks") checks = false;
     else if (a == "--no-variants") variants = false;
+    else if (a == "--no-sm90") sm90 = false;
+    else if (a == "--sm90-only") sm90_only = true;
     else {
-      std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--no-checks] [--no-variants]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--no-checks] [--no-variants] [--no-sm90 | --sm90-only]\n", argv[0]);
       return 2;
     }
   }
@@ -370,7 +525,7 @@ int main(int argc, char** argv) {
   torch::NoGradGuard ng;
   start_watchdog();
   watchdog_note("module checks");
-  const bool modules_ok = !checks || module_checks();
+  const bool modules_ok = !checks || sm90_only || module_checks();
   watchdog_note("copy bandwidth");
   bool any_failed = false;
   if (checks) std::printf("QuantizedLinear CUDA paths vs CPU: %s\n", modules_ok ? "all ok" : "SOME FAILED");
@@ -389,11 +544,13 @@ int main(int argc, char** argv) {
 
   const std::vector<std::pair<std::int64_t, std::int64_t>> shapes = {{4096, 4096}, {4096, 11008}, {11008, 4096}, {8192, 28672}};
   const std::vector<std::int64_t> batches = {1, 16, 64, 128};
+  // --sm90-only: just the wgmma section (no module checks, no 4- and 3-bit tables)
+  const std::vector<std::pair<std::int64_t, std::int64_t>> main_shapes = sm90_only ? decltype(shapes){} : shapes;
   std::printf("ours: the library's dispatch; best: fastest variant (name, cps) of this run; load/decode: diagnostics (no math / no mma);\n"
               "roof: fraction of copy bandwidth for ours / best / load-only\n");
   std::printf("%-18s %8s %8s %6s | %-14s %4s %8s %6s | %8s %8s | %8s %6s | %5s %5s %5s | %8s\n", "case", "ours ms", "cublas", "x cub", "best variant",
               "cps", "best ms", "x cub", "load ms", "decode", "int4pk", "x i4", "roof", "best", "load", "rel err");
-  for (auto [K, N] : shapes) {
+  for (auto [K, N] : main_shapes) {
     watchdog_note("preparing the 4-bit layer " + std::to_string(K) + " x " + std::to_string(N));
     const auto p = random_layer(4, K, N, std::uint32_t(K * 31 + N));
     const auto t = squeeze::quant::to_tiles(p);
@@ -517,7 +674,8 @@ int main(int argc, char** argv) {
   // GEMV that reads the GPTQ layout directly, and the copy bandwidth
   std::printf("\n3-bit: %-18s %8s %8s %6s | %-14s %4s %8s %6s | %8s %6s | %5s | %8s\n", "case", "ours ms", "cublas", "x cub", "best variant", "cps",
               "best ms", "x cub", "gptq gemv", "x ours", "roof", "rel err");
-  for (auto [K, N] : std::vector<std::pair<std::int64_t, std::int64_t>>{{4096, 11008}, {11008, 4096}, {8192, 28672}}) {
+  for (auto [K, N] : sm90_only ? std::vector<std::pair<std::int64_t, std::int64_t>>{}
+                                : std::vector<std::pair<std::int64_t, std::int64_t>>{{4096, 11008}, {11008, 4096}, {8192, 28672}}) {
     watchdog_note("preparing the 3-bit layer " + std::to_string(K) + " x " + std::to_string(N));
     const auto p = random_layer(3, K, N, std::uint32_t(K * 17 + N));
     const auto t = squeeze::quant::to_tiles(p);
@@ -582,5 +740,7 @@ int main(int argc, char** argv) {
       }
     }
   }
+  // last: a wgmma kernel that faults cannot take the tables above with it
+  if (sm90 || sm90_only) any_failed = !sm90_section(shapes, sm, reps, only, copy_gbs, out, device, date, commit) || any_failed;
   return modules_ok && !any_failed ? 0 : 1;
 }
