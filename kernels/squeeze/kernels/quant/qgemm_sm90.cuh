@@ -93,8 +93,11 @@ inline std::string describe(const Sm90Plan& p) {
          std::to_string(p.cps) + " smem " + std::to_string(p.smem_bytes) + " B";
 }
 
-// K splits: without an override, the count (1..16, K ranges of at least 4 chunks) whose grid fills the SMs'
-// block slots best (fraction of the last wave used), preferring fewer splits unless more fill >= 5% better.
+// K splits: without an override, the count (1..16, K ranges of at least 4 chunks) with the least estimated
+// traffic: the weight bytes over the fraction of the grid's last wave that is used (idle SMs stretch the time),
+// plus the fp32 partials written and read back (8 B per split, row and column). E.g. 8192 x 28672 at M = 128:
+// 112 strips on 132 SMs, 1 split (fill 0.85) beats 7 (fill 0.99, but 205 MB of partials against 117 MB of
+// weights); 11008 x 4096: 16 strips, 8 splits (fill 0.97, 34 MB of partials).
 template <class C>
 Sm90Plan plan_qgemm_sm90(const QGemmShape& s, int sm_count, int splits_override = 0) {
   Sm90Plan p;
@@ -105,12 +108,14 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, int sm_count, int splits_override 
   const int max_splits = int(std::clamp<std::int64_t>(kchunks / 4, 1, 16));
   int splits = splits_override;
   if (splits <= 0) {
+    const double wbytes = double(s.Npad) * double(s.Kpad) / 2;
     double best = 0;
     for (int sp = 1; sp <= max_splits; ++sp) {
       const std::int64_t blocks = tiles * sp, waves = (blocks + slots - 1) / slots;
       const double fill = double(blocks) / double(waves * slots);
-      if (fill > best * 1.05) {
-        best = fill;
+      const double cost = wbytes / fill + (sp > 1 ? 8.0 * sp * double(s.M) * double(s.Npad) : 0.0);
+      if (sp == 1 || cost < best) {
+        best = cost;
         splits = sp;
       }
     }
@@ -427,7 +432,9 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
 #endif
 }
 
-// Writes 1 when this build's device code has wgmma (compiled for sm_90a), 0 otherwise.
+// Writes 1 when this build's device code has wgmma (compiled for sm_90a), 0 otherwise. A template, so that
+// several translation units of one program may include this header.
+template <int = 0>
 __global__ void qgemm_sm90_probe(int* out) { *out = SQUEEZE_SM90_WGMMA; }
 
 }  // namespace detail
@@ -447,7 +454,7 @@ inline bool qgemm_sm90_supported() {
     int host = 0;
     bool good = cudaMalloc(&flag, sizeof(int)) == cudaSuccess;
     if (good) {
-      detail::qgemm_sm90_probe<<<1, 1>>>(flag);
+      detail::qgemm_sm90_probe<><<<1, 1>>>(flag);
       good = cudaMemcpy(&host, flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess && host == 1;
       cudaFree(flag);
     }
