@@ -25,11 +25,13 @@
 // 64 WM of them: WM wgmma per k-step) x BN batch rows x one K range of cps 64-k chunks. Every thread takes
 // part in a STAGES-deep cp.async ring; one stage = x [BN][64] (swizzled), the strip's weight tiles of the
 // chunk (8 WM contiguous 512-byte tiles) and the scale / zero-point rows of the (at most four) groups the
-// chunk touches. Per chunk: wait for its stage, block barrier, queue the copy of chunk c + STAGES - 1 into the
-// stage chunk c - 1 used, then per k-step decode WM A fragments, wgmma.fence, WM wgmma; commit and wait for
-// the chunk's wgmma before the next barrier (a stage is refilled only after every wgmma that reads it ended).
-// The two warpgroups overlap one another's decode and tensor work; within a warpgroup the decode of k-step
-// ks + 1 overlaps the wgmma of k-step ks.
+// chunk touches. Per chunk: wait for its stage, block barrier, then per k-step decode WM A fragments,
+// wgmma.fence, WM wgmma (after those of k-step 0, queue the copy of chunk c + STAGES - 1 into the stage chunk
+// c - 1 used); commit and wait for the chunk's wgmma before the next barrier (a stage is refilled only after
+// every wgmma that reads it ended).
+// Within a warpgroup the decode of k-step ks + 1 overlaps the wgmma of k-step ks; across chunks the tensor
+// cores idle from a warpgroup's wait to its next k-step 0 (barrier, shared loads, decode): a producer warp with
+// mbarriers and a second accumulator set would remove that (not done: measure this simple form first).
 // K splits (small N: too few strips for the SMs) write fp32 partials; the last block of a (strip, batch
 // slice) to finish (a counter each) sums them in split order (deterministic), writes y and resets its counter.
 //
@@ -344,11 +346,6 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     cp_async_wait<S - 2>();  // this thread's copies of chunk c landed
     fence_proxy_async();
     __syncthreads();  // everyone's copies landed; every wgmma of chunk c - 1 finished (waited below)
-    {
-      const int nx = c + S - 1;  // refill the stage chunk c - 1 used
-      if (nx < nck) load_chunk(kc0 + nx, nx % S);
-      cp_async_commit();
-    }
     const int kc = kc0 + c;
     unsigned char* const st = smem + (c % S) * C::STAGE_BYTES;
     const int g0 = group_of(kc * kTileK);
@@ -375,6 +372,12 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       wgmma_fence();
 #pragma unroll
       for (int t = 0; t < WM; ++t) wgmma_rs<T>(acc[t], a[ks][t], sw128_desc(xaddr + 32 * ks));
+      if (ks == 0) {  // refill the stage chunk c - 1 used while the first wgmma run (off the path to them)
+        const int nx = c + S - 1;
+        if (nx < nck) load_chunk(kc0 + nx, nx % S);
+        cp_async_commit();
+        __syncwarp();  // the copy loops' trip counts differ per thread: reconverge before the .aligned wgmma ops
+      }
     }
     wgmma_commit();
     wgmma_wait<0>();
