@@ -500,6 +500,13 @@ class ZeroTrainer {
   // of `comm` constructs its ZeroTrainer at the same time (the constructor broadcasts rank 0's weights).
   ZeroTrainer(Llama model, TrainOptions options, torch::Device device, comm::CommPtr comm)
       : model_(std::move(model)) {
+    // The fp32 masters start from the float initialisation, as LocalTrainer's do (not from its bf16 rounding,
+    // which would drop every update smaller than half a bf16 step for the first steps). The float tensors stay
+    // alive only until the trainer has taken them (master_init moves each one out).
+    std::map<std::string, torch::Tensor> float_init;
+    if constexpr (S::has_master_copy && !std::is_same_v<typename S::compute_type, float>)
+      for (const auto& p : model_->named_parameters())
+        if (p.value().scalar_type() == torch::kFloat32) float_init.emplace(p.key(), p.value().detach());
     model_->to(device, torch_dtype<typename S::compute_type>());
     model_->checkpoint_every = S::checkpoint_every;
     model_->loss_chunk_tokens = options.loss_chunk_tokens;
@@ -509,7 +516,16 @@ class ZeroTrainer {
                 .weight_decay = float(options.weight_decay), .max_grad_norm = float(std::max(0.0, options.clip))};
     adamw.loss_scale.init_scale = float(options.initial_scale);
     adamw.loss_scale.growth_interval = int(options.scale_growth_interval);
-    trainer_.emplace(make_trainer<S>(model_, adamw, comm ? std::move(comm) : comm::LocalComm::single()));
+    nn::TrainerOptions topt;
+    if (!float_init.empty())
+      topt.master_init = [&float_init](const std::string& name) {
+        const auto it = float_init.find(name);
+        TORCH_CHECK(it != float_init.end(), "ZeroTrainer: no float initialisation for '", name, "'");
+        torch::Tensor t = std::move(it->second);
+        float_init.erase(it);
+        return t;
+      };
+    trainer_.emplace(make_trainer<S>(model_, adamw, comm ? std::move(comm) : comm::LocalComm::single(), std::move(topt)));
   }
   ZeroTrainer(const ZeroTrainer&) = delete;
 

@@ -16,6 +16,8 @@
 //             to ~8% of an update; a wrong gradient scale or sign gives >= 1).
 #include "zero_common.hpp"
 
+#include <set>
+
 #include <squeeze/nn/llama.hpp>
 
 namespace {
@@ -667,6 +669,95 @@ void set_lr_applies(const char* what) {
 TEST(Trainer, SetLrAppliesToTheNextStepsAndRejectsBadRates) {
   set_lr_applies<Strategy<Sharded<Stage1>>>("stage 1");
   set_lr_applies<Strategy<Sharded<Stage3>, Offload<Host>>>("stage 3 + Offload<Host>");
+}
+
+// ---- fp32 masters from the float values a 16-bit module was converted from (TrainerOptions::master_init) -----
+// Every partition's master equals, element by element, the float value of the parameter it holds (no padding
+// element or neighbour shifted), at every stage, with and without Offload<Host>, on 1 and 3 ranks; each
+// parameter's values are asked for once per rank.
+template <class S>
+void masters_from_float(int world) {
+  const std::string what = std::string("stage ") + std::to_string(S::stage) + (S::offload_to_host ? " + offload" : "") +
+                           ", world " + std::to_string(world);
+  SCOPED_TRACE(what);
+  const auto dtype = nn::detail::scalar_type_of<typename S::compute_type>();
+  std::vector<std::shared_ptr<torch::nn::Module>> models;
+  std::vector<std::map<std::string, torch::Tensor>> floats(world);
+  for (int r = 0; r < world; ++r) {
+    models.push_back(make_model(Model::llama, torch::kFloat32));
+    for (const auto& p : models.back()->named_parameters()) floats[r][p.key()] = p.value().detach().clone();
+    models.back()->to(dtype);
+  }
+  run_ranks(world, [&](std::shared_ptr<LocalComm> comm) {
+    const int r = comm->rank();
+    nn::TrainerOptions opt;
+    std::set<std::string> asked;
+    opt.master_init = [&, r](const std::string& name) {
+      EXPECT_TRUE(asked.insert(name).second) << "asked twice for " << name;
+      return floats[r].at(name);
+    };
+    auto t = make_trainer<S>(models[r], Hyper{}, comm, opt);
+    EXPECT_EQ(asked.size(), floats[r].size()) << "every parameter's float values are asked for once";
+    // Each partition's master against the float values laid out by the names and offsets of its flat layout.
+    const auto state = t.optimizer_state();
+    const auto layouts = t.partition_layouts();
+    int64_t low_bits = 0;
+    ASSERT_EQ(state.size(), layouts.size());
+    for (std::size_t k = 0; k < state.size(); ++k) {
+      const torch::Tensor& master = state[k][0];
+      ASSERT_TRUE(master.defined());
+      const auto& [layout, begin] = layouts[k];
+      torch::Tensor want = master.clone();
+      for (const auto& e : layout->entries()) {
+        const int64_t lo = std::max(begin, e.offset), hi = std::min(begin + master.numel(), e.offset + e.numel);
+        if (lo < hi) want.narrow(0, lo - begin, hi - lo).copy_(floats[0].at(e.name).flatten().narrow(0, lo - e.offset, hi - lo));
+      }
+      EXPECT_TRUE(torch::equal(master, want)) << "partition " << k;
+      low_bits += (master != master.to(dtype).to(torch::kFloat32)).sum().template item<int64_t>();
+    }
+    // The float initialisation's low bits are kept (norm weights of 1 are exact; the matrices' values are not).
+    EXPECT_GT(low_bits, 0) << "rank " << r;
+  });
+}
+
+TEST(Trainer, MastersStartFromTheFloatValues) {
+  for (int world : {1, 3}) {
+    masters_from_float<Strategy<Sharded<Stage0>, Precision<bf16, float>>>(world);
+    masters_from_float<Strategy<Sharded<Stage1>, Precision<bf16, float>>>(world);
+    masters_from_float<Strategy<Sharded<Stage2>, Offload<Host>, Precision<bf16, float>>>(world);
+    masters_from_float<Strategy<Sharded<Stage3>, Precision<bf16, float>>>(world);
+    masters_from_float<Strategy<Sharded<Stage3>, Offload<Host>, Precision<half, float>>>(world);
+  }
+}
+
+TEST(Trainer, MasterInitBadInputIsAClearError) {
+  using S = Strategy<Sharded<Stage3>, Precision<bf16, float>>;
+  const auto expect_error = [](std::function<torch::Tensor(const std::string&)> init, const std::string& words) {
+    auto m = make_model(Model::llama, torch::kFloat32);
+    std::map<std::string, torch::Tensor> f;
+    for (const auto& p : m->named_parameters()) f[p.key()] = p.value().detach().clone();
+    m->to(torch::kBFloat16);
+    nn::TrainerOptions opt;
+    opt.master_init = [&](const std::string& name) { return init ? init(name) : f.at(name); };
+    if (!init) {
+      EXPECT_NO_THROW((make_trainer<S>(m, Hyper{}, LocalComm::single(), opt)));
+      return;
+    }
+    try {
+      (void)make_trainer<S>(m, Hyper{}, LocalComm::single(), opt);
+      ADD_FAILURE() << "accepted: " << words;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  };
+  expect_error(nullptr, "");
+  expect_error([](const std::string&) { return torch::Tensor(); }, "returned no tensor");
+  expect_error([](const std::string&) { return torch::zeros({3}); }, "has shape");
+  auto m0 = make_model(Model::llama, torch::kFloat32);
+  std::map<std::string, torch::Tensor> f0;
+  for (const auto& p : m0->named_parameters()) f0[p.key()] = p.value().detach().clone();
+  expect_error([&](const std::string& n) { return f0.at(n) + 0.5; }, "does not round");
+  expect_error([&](const std::string& n) { return f0.at(n).to(torch::kInt32); }, "not floating point");
 }
 
 // ---- bad input ----------------------------------------------------------------------------------------

@@ -124,6 +124,12 @@ struct TrainerOptions {
                                            // (CUDA + NCCL: on a side stream, overlapping compute)
   int64_t bucket_bytes = int64_t(32) << 20;  // stage 2 (and stage 3's whole-kept parameters): gradient bucket size
   bool overlap_offload = true;             // Offload<Host>: transfers + CPU AdamW beside backward (see above)
+  // 16-bit compute with fp32 masters: the float values a parameter was rounded from (by its full name, as in
+  // full_parameters()), e.g. the float initialisation or a float checkpoint. The masters start from them, so the
+  // first updates act on the same weights as an fp32 run; null: the masters start from the 16-bit parameters.
+  // Called once per parameter while the trainer is built (a tensor it returns may be freed after). Every rank
+  // must return the same values; each must round to the parameter it is given for (checked).
+  std::function<torch::Tensor(const std::string& name)> master_init{};
 };
 
 struct StepResult {
@@ -403,6 +409,7 @@ class Trainer {
     }
     if constexpr (kStage >= 2)
       for (Partition* p : partitions()) state_->shard_bytes += int64_t(p->grad.nbytes());
+    opt_.master_init = nullptr;  // used only while building: what it refers to may go now
   }
 
   // Merges the clipping / loss-scale knobs of the AdamW options into the trainer options.
@@ -572,6 +579,15 @@ class Trainer {
     }
     return out;
   }
+  // Where each optimizer_state() partition sits: its flat layout (parameter names, offsets, shapes) and the index
+  // of its first element in that layout's flat buffer (this rank's shard; 0 for stage 0's whole buffer).
+  std::vector<std::pair<const FlatParams*, int64_t>> partition_layouts() const {
+    std::vector<std::pair<const FlatParams*, int64_t>> out;
+    if (rep_) out.emplace_back(&rep_->flat, kStage == 0 ? 0 : int64_t(rank_) * rep_->flat.shard());
+    for (auto& b : buckets_) out.emplace_back(&b->flat, int64_t(rank_) * b->flat.shard());
+    for (auto& g : groups3_) out.emplace_back(&g->layout, int64_t(rank_) * g->layout.shard());
+    return out;
+  }
   static std::vector<std::string> optimizer_state_names() {
     if constexpr (k8bit) return {"master", "m", "v", "m_absmax", "v_absmax"};
     else return {"master", "m", "v"};
@@ -679,10 +695,41 @@ class Trainer {
     if (kFp32Accum) rep_->acc_full = torch::zeros({rep_->flat.padded()}, flat.options().dtype(torch::kFloat32));
     if constexpr (kStage == 0) {
       make_owned(rep_->own, flat, kFp32Accum ? rep_->acc_full : rep_->flat.grad());
+      seed_master(rep_->own, rep_->flat, 0);
     } else {
       // The full gradient buffer is kept anyway: reduce-scatter in place into this rank's slice of it.
       make_owned(rep_->own, rep_->flat.shard_of(flat, rank_),
                  rep_->flat.shard_of(kFp32Accum ? rep_->acc_full : rep_->flat.grad(), rank_));
+      seed_master(rep_->own, rep_->flat, int64_t(rank_) * rep_->flat.shard());
+    }
+  }
+
+  // opt_.master_init: the fp32 master of partition o (elements [begin, begin + o.master.numel()) of layout's
+  // flat buffer) takes the float values each parameter was rounded from.
+  void seed_master(Partition& o, const FlatParams& layout, int64_t begin) {
+    if constexpr (!std::is_same_v<Compute, float>) {
+      if (!opt_.master_init || !o.master.defined()) return;
+      torch::NoGradGuard ng;
+      const int64_t end = begin + o.master.numel();
+      for (const FlatEntry& e : layout.entries()) {
+        torch::Tensor w = opt_.master_init(e.name);
+        TORCH_CHECK(w.defined(), "make_trainer: master_init returned no tensor for '", e.name, "'");
+        TORCH_CHECK(w.numel() == e.numel && w.sizes().vec() == e.shape, "make_trainer: master_init('", e.name, "') has shape ",
+                    w.sizes(), "; the parameter has ", c10::IntArrayRef(e.shape));
+        TORCH_CHECK(w.is_floating_point(), "make_trainer: master_init('", e.name, "') is ", w.scalar_type(), ", not floating point");
+        w = w.detach().to(torch::kFloat32).contiguous().view({-1});
+        if (world_ > 1) {  // rank 0's values, as the parameters were broadcast (device_ buffers suit the communicator)
+          w = w.to(device_);
+          broadcast(w);
+        }
+        const int64_t lo = std::max(begin, e.offset), hi = std::min(end, e.offset + e.numel);
+        if (lo >= hi) continue;
+        const torch::Tensor part = w.narrow(0, lo - e.offset, hi - lo);
+        TORCH_CHECK(torch::equal(part.to(o.param.device(), o.param.scalar_type()), o.param.narrow(0, lo - begin, hi - lo)),
+                    "make_trainer: master_init('", e.name, "') does not round to the parameter's ", o.param.scalar_type(),
+                    " values: pass the float values the module was converted from");
+        o.master.narrow(0, lo - begin, hi - lo).copy_(part);
+      }
     }
   }
 
@@ -704,6 +751,7 @@ class Trainer {
       torch::Tensor flat = b->flat.flat();
       broadcast(flat);
       make_owned(b->own, b->flat.shard_of(flat, rank_), torch::zeros({b->flat.shard()}, flat.options().dtype(grad_dtype_)));
+      seed_master(b->own, b->flat, int64_t(rank_) * b->flat.shard());
       for (auto& e : b->flat.entries()) {
         e.param.mutable_grad().reset();
         torch::autograd::impl::set_post_acc_grad_hooks(e.param, std::make_unique<detail::BucketHook>(b.get(), &e, state_.get()));
@@ -735,6 +783,7 @@ class Trainer {
     }
     auto own = std::make_unique<Partition>();
     make_owned(*own, g->shard.detach(), g->grad_shard);
+    seed_master(*own, g->layout, int64_t(rank_) * g->layout.shard());
     if (offload_) {
       Partition* p = own.get();
       OffloadPipeline* pipe = offload_.get();
