@@ -61,10 +61,15 @@ namespace squeeze::kernels::quant {
 
 // ---- configuration and plan (host) ----------------------------------------------------------------------
 // BN: batch rows per block (wgmma N: 64 or 128); WM: m64 tiles per warpgroup (block strip = 128 WM features);
-// STAGES: chunks in the cp.async ring; MINB: blocks per SM for __launch_bounds__ (2 halves the registers).
-template <int BN_, int WM_, int STAGES_, int MINB_ = 1>
+// STAGES: chunks in the cp.async ring; MINB: blocks per SM for __launch_bounds__ (2 halves the registers);
+// OVERLAP: a warpgroup keeps one chunk's wgmma in flight while it decodes the next (waits for the chunk before,
+// wgmma.wait_group 1), so the tensor cores need not idle across the chunk barrier; costs a second set of A
+// registers (16 WM) and one stage of copy distance (STAGES - 2 chunks ahead instead of STAGES - 1).
+template <int BN_, int WM_, int STAGES_, int MINB_ = 1, bool OVERLAP_ = false>
 struct Sm90Cfg {
   static constexpr int BN = BN_, WM = WM_, STAGES = STAGES_, MINB = MINB_;
+  static constexpr bool OVERLAP = OVERLAP_;
+  static constexpr int AHEAD = OVERLAP ? STAGES - 2 : STAGES - 1;  // chunks the copy ring runs ahead
   static constexpr int THREADS = 256;            // two consumer warpgroups
   static constexpr int STRIP = 2 * 64 * WM;      // output features per block
   static constexpr int TILES = STRIP / kTileN;   // 16-feature tiles per block
@@ -76,7 +81,7 @@ struct Sm90Cfg {
   static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024;  // + 1024: the kernel aligns the base itself
   static_assert(BN == 64 || BN == 128, "batch rows per block: 64 or 128 (the wgmma wrappers)");
   static_assert(WM >= 1 && WM <= 4, "m64 tiles per warpgroup: 1..4");
-  static_assert(STAGES >= 2, "at least two stages");
+  static_assert(STAGES >= (OVERLAP ? 3 : 2), "at least two stages (three with OVERLAP)");
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per block");
 };
 
@@ -333,8 +338,9 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
 #pragma unroll
     for (int i = 0; i < NACC; ++i) acc[t][i] = 0.f;
 
+  constexpr int AHEAD = C::AHEAD;
 #pragma unroll
-  for (int s = 0; s < S - 1; ++s) {  // prologue: S - 1 chunks in flight (a group per stage, empty ones too)
+  for (int s = 0; s < AHEAD; ++s) {  // prologue: AHEAD chunks in flight (a group per stage, empty ones too)
     if (s < nck) load_chunk(kc0 + s, s);
     cp_async_commit();
   }
@@ -342,10 +348,13 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   const int nl = wg * 64 * WM + wq * 16 + g4;  // feature of row l/4 of tile t = 0, relative to the strip
   int cur_g = -1;
   Sm90Group grp[WM];
+  std::uint32_t a_prev[4][WM][4] = {};  // OVERLAP: the A registers of the chunk still in flight
   for (int c = 0; c < nck; ++c) {
-    cp_async_wait<S - 2>();  // this thread's copies of chunk c landed
+    cp_async_wait<AHEAD - 1>();  // this thread's copies of chunk c landed
     fence_proxy_async();
-    __syncthreads();  // everyone's copies landed; every wgmma of chunk c - 1 finished (waited below)
+    // everyone's copies landed; every wgmma of chunk c - 1 (OVERLAP: c - 2) finished (waited below), so the
+    // stage it read may be refilled
+    __syncthreads();
     const int kc = kc0 + c;
     unsigned char* const st = smem + (c % S) * C::STAGE_BYTES;
     const int g0 = group_of(kc * kTileK);
@@ -372,21 +381,47 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       wgmma_fence();
 #pragma unroll
       for (int t = 0; t < WM; ++t) wgmma_rs<T>(acc[t], a[ks][t], sw128_desc(xaddr + 32 * ks));
-      if (ks == 0) {  // refill the stage chunk c - 1 used while the first wgmma run (off the path to them)
-        const int nx = c + S - 1;
+      if (ks == 0) {  // refill the stage chunk c - 1 (OVERLAP: c - 2) used while the first wgmma run
+        const int nx = c + AHEAD;
         if (nx < nck) load_chunk(kc0 + nx, nx % S);
         cp_async_commit();
         __syncwarp();  // the copy loops' trip counts differ per thread: reconverge before the .aligned wgmma ops
       }
     }
     wgmma_commit();
+    if constexpr (C::OVERLAP) {
+      wgmma_wait<1>();  // chunk c - 1 finished: its A registers may be reused; chunk c's stay live until next time
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+        for (int t = 0; t < WM; ++t)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            pin(a_prev[ks][t][i]);
+            a_prev[ks][t][i] = a[ks][t][i];
+          }
+    } else {
+      wgmma_wait<0>();
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+        for (int t = 0; t < WM; ++t)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) pin(a[ks][t][i]);
+#pragma unroll
+      for (int t = 0; t < WM; ++t)
+#pragma unroll
+        for (int i = 0; i < NACC; ++i) pin(acc[t][i]);
+    }
+  }
+  if constexpr (C::OVERLAP) {  // the last chunk's wgmma; accumulators are read only after this
     wgmma_wait<0>();
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
       for (int t = 0; t < WM; ++t)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) pin(a[ks][t][i]);
+        for (int i = 0; i < 4; ++i) pin(a_prev[ks][t][i]);
 #pragma unroll
     for (int t = 0; t < WM; ++t)
 #pragma unroll
@@ -471,11 +506,12 @@ namespace detail {
 template <class C>
 std::string sm90_cfg_name() {
   return "wg_b" + std::to_string(C::BN) + "m" + std::to_string(C::WM) + "s" + std::to_string(C::STAGES) +
-         (C::MINB > 1 ? "x" + std::to_string(C::MINB) : "");
+         (C::MINB > 1 ? "x" + std::to_string(C::MINB) : "") + (C::OVERLAP ? "o" : "");
 }
-// Configurations the benchmark times (batch rows per block, m64 tiles per warpgroup, stages, blocks per SM).
+// Configurations the benchmark times (batch rows per block, m64 tiles per warpgroup, stages, blocks per SM,
+// overlap across chunks; names wg_b<BN>m<WM>s<STAGES>[x<MINB>][o]).
 using Sm90TuningCfgs = CfgList<Sm90Cfg<64, 2, 6>, Sm90Cfg<64, 2, 4>, Sm90Cfg<64, 1, 6, 2>, Sm90Cfg<128, 2, 4>, Sm90Cfg<128, 2, 6>,
-                               Sm90Cfg<128, 1, 4, 2>>;
+                               Sm90Cfg<128, 1, 4, 2>, Sm90Cfg<64, 2, 6, 1, true>, Sm90Cfg<128, 1, 6, 1, true>>;
 // What qgemm_sm90_cuda runs: one batch slice of 64 rows up to M = 64, of 128 above (not yet measured).
 using Sm90Small = Sm90Cfg<64, 2, 6>;
 using Sm90Large = Sm90Cfg<128, 2, 4>;
