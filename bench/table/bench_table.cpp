@@ -450,7 +450,7 @@ int main(int argc, char** argv) {
   app.add_option("--steps", o.steps, "timed optimizer steps per row")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--warmup", o.warmup, "untimed steps first (the allocator and cuBLAS settle)")->capture_default_str();
   app.add_option("--eval-seqs", o.eval_seqs, "validation sequences of --seq tokens")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--lr", o.lr, "AdamW learning rate (llama-7b: 1e-5 unless given)")->capture_default_str();
+  app.add_option("--lr", o.lr, "AdamW learning rate (default: the preset's, llama::default_lr)");
   app.add_option("--lr-warmup", o.lr_warmup, "optimizer steps of linear learning-rate warm-up (0: constant --lr)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
@@ -475,11 +475,10 @@ int main(int argc, char** argv) {
                                        default_rows + ")");
   CLI11_PARSE(app, argc, argv);
   if (o.rows.empty()) o.rows = default_rows;
-  // At 7B the rows' few steps diverge at 3e-4 and 3e-5, fp32 and bf16 alike, while 1e-5 warmed up over 5 steps
-  // trains (bench/results/h200/diag7b.jsonl): that is the 7B default unless --lr / --lr-warmup are given.
-  if (o.preset == "llama-7b" && app.count("--lr") == 0) {
-    o.lr = 1e-5;
-    if (app.count("--lr-warmup") == 0) o.lr_warmup = 5;
+  // The preset's rate (llama::default_lr) unless --lr is given; at 7B warmed up over 5 steps unless --lr-warmup is.
+  if (app.count("--lr") == 0) {
+    o.lr = llama::default_lr(o.preset);
+    if (o.preset == "llama-7b" && app.count("--lr-warmup") == 0) o.lr_warmup = 5;
   }
   if (o.csv.empty()) o.csv = (o.out.size() > 6 && o.out.ends_with(".jsonl") ? o.out.substr(0, o.out.size() - 6) : o.out) + ".csv";
 

@@ -41,17 +41,6 @@ struct Options {
   uint64_t seed = 1337;
 };
 
-// Peak learning rate when --lr is not given, by preset: what trains each from scratch in a short run (warm-up
-// over 5% of --steps): tiny 3e-3; 125m 1e-3 (run_gpu.sh's llama_gptq model, 1000 steps); TinyLlama 3e-4 (the
-// strategy table's); LLaMA-7B 1e-5 (at 32 layers 3e-4 and 3e-5 diverge within a few steps, fp32 and bf16 alike:
-// bench/results/h200/diag7b.jsonl).
-double default_lr(const std::string& preset) {
-  if (preset == "125m") return 1e-3;
-  if (preset == "tinyllama-1.1b") return 3e-4;
-  if (preset == "llama-7b") return 1e-5;
-  return 3e-3;
-}
-
 // Learning rate: linear warm-up over the first 5% of steps, cosine decay to 10% at the end.
 double lr_at(int64_t step, int64_t steps, double lr) {
   const int64_t warmup = std::max<int64_t>(1, steps / 20);
@@ -217,7 +206,7 @@ int main(int argc, char** argv) {
   app.add_option("--threads", o.threads, "CPU threads (0: libtorch's default; 1 is faster on a busy machine)")->capture_default_str();
   app.add_option("--seed", o.seed, "seed of the initial weights and the batches")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
-  if (app.count("--lr") == 0) o.lr = default_lr(o.preset);
+  if (app.count("--lr") == 0) o.lr = llama::default_lr(o.preset);
 
   try {
     int rc = 0;
