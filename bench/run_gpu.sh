@@ -7,6 +7,7 @@
 #        GPU_TESTS_REGEX="Quant|Zero" runs only the cuda-labelled tests whose names match (ctest -R);
 #        BENCH_ARGS_<name>="..." extra arguments for one benchmark (e.g. BENCH_ARGS_table="--rows bf16,ckpt");
 #        BENCH_TIMEOUT=S stops a benchmark after S seconds (default 3600).
+#        CUDA_ARCHS=90 builds without the sm_90a-only kernels (default 90a).
 #        SCALE_WORLDS="1 2" the GPU counts of the scale section (default 1 2 4 8; those above the GPUs here are skipped).
 # From the development machine, snapshot the committed tree and send it with the device tool:
 #   rm -rf .snap && mkdir .snap && git archive HEAD | tar -x -C .snap && git rev-parse --short HEAD > .snap/COMMIT
@@ -24,8 +25,9 @@ TORCH_PREFIX=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
 want=("$@")
 
 t0=$(date +%s)
+# 90a: Hopper's arch-specific features (wgmma, used by kernels/quant/qgemm_sm90.cuh); such code runs on sm_90 only.
 cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" \
-  -DSQUEEZE_TORCH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 >"$OUT/configure.log" 2>&1 || { tail -40 "$OUT/configure.log"; exit 1; }
+  -DSQUEEZE_TORCH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHS:-90a} >"$OUT/configure.log" 2>&1 || { tail -40 "$OUT/configure.log"; exit 1; }
 # Keep going past a failing target (-k 0): everything else still builds, tests and benchmarks.
 targets=()
 for t in ${TARGETS:-}; do targets+=(--target "$t"); done
