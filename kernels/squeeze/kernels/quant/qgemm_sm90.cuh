@@ -173,6 +173,20 @@ __device__ __forceinline__ void wgmma_wait() {
 // early nor hands an A register an in-flight wgmma still reads to another value.
 __device__ __forceinline__ void pin(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 __device__ __forceinline__ void pin(std::uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
+// After a wgmma_wait<0>: every A register and accumulator of the finished wgmma.
+template <int WM, int NACC>
+__device__ __forceinline__ void pin_operands(std::uint32_t (&a)[4][WM][4], float (&acc)[WM][NACC]) {
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+    for (int t = 0; t < WM; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) pin(a[ks][t][i]);
+#pragma unroll
+  for (int t = 0; t < WM; ++t)
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) pin(acc[t][i]);
+}
 // cp.async writes shared memory through the generic proxy, wgmma reads it through the async proxy.
 __device__ __forceinline__ void fence_proxy_async() {
 #if SQUEEZE_SM90_WGMMA
@@ -402,30 +416,12 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
           }
     } else {
       wgmma_wait<0>();
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks)
-#pragma unroll
-        for (int t = 0; t < WM; ++t)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) pin(a[ks][t][i]);
-#pragma unroll
-      for (int t = 0; t < WM; ++t)
-#pragma unroll
-        for (int i = 0; i < NACC; ++i) pin(acc[t][i]);
+      pin_operands(a, acc);
     }
   }
   if constexpr (C::OVERLAP) {  // the last chunk's wgmma; accumulators are read only after this
     wgmma_wait<0>();
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
-#pragma unroll
-      for (int t = 0; t < WM; ++t)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) pin(a_prev[ks][t][i]);
-#pragma unroll
-    for (int t = 0; t < WM; ++t)
-#pragma unroll
-      for (int i = 0; i < NACC; ++i) pin(acc[t][i]);
+    pin_operands(a_prev, acc);
   }
   cp_async_wait<0>();  // no copy may land after the block exits
 
