@@ -357,8 +357,8 @@ void time_sm90_cfg(const GemmBuffers& b, const kq::QGemmShape& shape, int sm, in
     const auto plan = kq::plan_qgemm_sm90<C>(shape, sm, sp);
     if (!seen.insert(plan.splits).second) continue;  // clamped to a plan already timed
     watchdog_note(name + " (" + kq::describe(plan) + ")");
-    auto partial = torch::empty({std::max<std::int64_t>(plan.partial_elems, 1)}, cuda.dtype(torch::kFloat32));
-    auto counters = torch::zeros({std::max<std::int64_t>(plan.counter_elems, 1)}, cuda.dtype(torch::kInt32));
+    torch::Tensor partial = torch::empty({std::max<std::int64_t>(plan.partial_elems, 1)}, cuda.dtype(torch::kFloat32));
+    torch::Tensor counters = torch::zeros({std::max<std::int64_t>(plan.counter_elems, 1)}, cuda.dtype(torch::kInt32));
     const kq::QGemmWorkspace ws{partial.data_ptr<float>(), plan.partial_elems, counters.data_ptr<int>(), plan.counter_elems};
     auto launch = [&] { return kq::detail::launch_qgemm_sm90_cfg<bf16, C>(b.x, b.tiles, b.scales, b.zeros, b.y, shape, plan, ws, nullptr); };
     if (const cudaError_t e = launch(); e != cudaSuccess) {  // reported, not fatal
