@@ -1,6 +1,7 @@
 // 4-bit GEMM benchmark (GPU): y [M, N] = x [M, K] bf16 * W^T with W 4-bit GPTQ (group 128, asymmetric).
 // For each (K, N) and batch M it measures, in the same run:
-//   ours       squeeze int4 tensor-core GEMM as the library dispatches it (kq::qgemm_cuda)
+//   ours       squeeze int4 tensor-core GEMM as the library dispatches it (kq::quant_gemm_cuda: the wgmma kernel
+//              at M > 32 on sm_90a builds, qgemm_cuda otherwise)
 //   variants   every configuration of kq::detail::TuningCfgs (rows per block, warps, tiles per warp, loads
 //              in flight, register / cp.async / bulk loader, persistent grid, scaled B, register caps; names
 //              spelled by kq::detail::cfg_name) at several K-range lengths (cps, 64-k chunks), with
@@ -49,73 +50,16 @@
 #include <squeeze/quant/tiles.hpp>
 #include <squeeze/quant/rtn.hpp>
 
+#include "gemm_timing.cuh"
+
 namespace kq = squeeze::kernels::quant;
 using squeeze::bf16;
 using squeeze::half;
 
 namespace {
-
-__global__ void spin_kernel(long long cycles) {
-  const long long t0 = clock64();
-  while (clock64() - t0 < cycles) {
-  }
-}
-
-// L2 flush buffer (256 MiB, larger than any Hopper L2): overwritten before every timed launch so each
-// launch reads its weights from DRAM, as a real model whose layers do not fit in L2 does.
-void* g_flush = nullptr;
-constexpr std::size_t kFlushBytes = 256ull << 20;
-
-// Median GPU time (ms) of fn over reps, cold L2, launched in groups queued behind a spin kernel.
-double time_ms(const std::function<void()>& fn, int reps) {
-  if (!g_flush) SQUEEZE_CUDA_CHECK(cudaMalloc(&g_flush, kFlushBytes));
-  for (int i = 0; i < 3; ++i) fn();  // warm-up
-  SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<cudaEvent_t> ev(2 * reps);
-  for (auto& e : ev) SQUEEZE_CUDA_CHECK(cudaEventCreate(&e));
-  constexpr int kGroup = 10;
-  for (int r0 = 0; r0 < reps; r0 += kGroup) {
-    spin_kernel<<<1, 1>>>(2'000'000);  // ~1 ms: the CPU queues the group meanwhile
-    for (int r = r0; r < std::min(reps, r0 + kGroup); ++r) {
-      SQUEEZE_CUDA_CHECK(cudaMemsetAsync(g_flush, r & 0xff, kFlushBytes, nullptr));
-      SQUEEZE_CUDA_CHECK(cudaEventRecord(ev[2 * r], nullptr));
-      fn();
-      SQUEEZE_CUDA_CHECK(cudaEventRecord(ev[2 * r + 1], nullptr));
-    }
-  }
-  SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<float> t(reps);
-  for (int r = 0; r < reps; ++r) SQUEEZE_CUDA_CHECK(cudaEventElapsedTime(&t[r], ev[2 * r], ev[2 * r + 1]));
-  for (auto& e : ev) cudaEventDestroy(e);
-  std::nth_element(t.begin(), t.begin() + reps / 2, t.end());
-  return t[reps / 2];
-}
-
-// Watchdog: a configuration that hangs (e.g. a barrier bug) would stop the whole GPU run. Each variant notes its
-// name when it starts; if no note or case comes for kHangSeconds, the process prints what hung and exits with
-// code 3 (the JSON lines written so far stay).
-std::mutex g_wd_mu;
-std::string g_wd_what = "start";
-std::chrono::steady_clock::time_point g_wd_since = std::chrono::steady_clock::now();
-constexpr int kHangSeconds = 150;
-void watchdog_note(const std::string& what) {
-  std::lock_guard<std::mutex> lk(g_wd_mu);
-  g_wd_what = what;
-  g_wd_since = std::chrono::steady_clock::now();
-}
-void start_watchdog() {
-  std::thread([] {
-    for (;;) {
-      std::this_thread::sleep_for(std::chrono::seconds(5));
-      std::lock_guard<std::mutex> lk(g_wd_mu);
-      if (std::chrono::steady_clock::now() - g_wd_since > std::chrono::seconds(kHangSeconds)) {
-        std::printf("bench_quant_gemm: no progress for %d s in '%s': HUNG, exiting (code 3)\n", kHangSeconds, g_wd_what.c_str());
-        std::fflush(stdout);
-        std::_Exit(3);
-      }
-    }
-  }).detach();
-}
+using squeeze::bench::time_ms;
+using squeeze::bench::watchdog_note;
+using squeeze::bench::start_watchdog;
 
 std::string env_or(const char* name, const std::string& fallback) {
   const char* v = std::getenv(name);
@@ -318,7 +262,7 @@ struct GemmCase {
   kq::QGemmWorkspace ws;
   GemmBuffers buf;
   double rel_err;
-  void run_ours(int sm) const { SQUEEZE_CUDA_CHECK(kq::qgemm_cuda<bf16>(buf.x, buf.tiles, buf.scales, buf.zeros, buf.y, shape, ws, sm, nullptr)); }
+  void run_ours(int sm) const { SQUEEZE_CUDA_CHECK(kq::quant_gemm_cuda<bf16>(buf.x, buf.tiles, buf.scales, buf.zeros, buf.y, shape, ws, sm, nullptr)); }
 };
 GemmCase prepare_case(std::int64_t M, std::int64_t K, std::int64_t N, const squeeze::quant::QTiles& t, const DeviceLayer& d, int sm,
                       const torch::TensorOptions& cuda) {
@@ -326,15 +270,15 @@ GemmCase prepare_case(std::int64_t M, std::int64_t K, std::int64_t N, const sque
   c.x = torch::randn({M, K}, cuda.dtype(torch::kBFloat16));
   c.y = torch::empty({M, N}, cuda.dtype(torch::kBFloat16));
   c.shape = t.shape(M);
-  const auto need = kq::qgemm_workspace_size(c.shape, sm);
+  const auto need = kq::quant_gemm_workspace_size(c.shape, sm);
   c.partial = torch::empty({std::max<std::int64_t>(need.partial_elems, 1)}, cuda.dtype(torch::kFloat32));
   c.counters = torch::zeros({std::max<std::int64_t>(need.counter_elems, 1)}, cuda.dtype(torch::kInt32));
   c.ws = kq::QGemmWorkspace{c.partial.data_ptr<float>(), need.partial_elems, c.counters.data_ptr<int>(), need.counter_elems};
   c.buf = GemmBuffers{reinterpret_cast<const bf16*>(c.x.data_ptr()), reinterpret_cast<const std::uint32_t*>(d.tiles.data_ptr()),
                       reinterpret_cast<const half*>(d.scales.data_ptr()), d.zeros.data_ptr<std::uint8_t>(),
                       reinterpret_cast<bf16*>(c.y.data_ptr()), c.y, c.x.to(torch::kFloat32).matmul(d.w_deq.t())};
-  if (const cudaError_t e = kq::qgemm_cuda<bf16>(c.buf.x, c.buf.tiles, c.buf.scales, c.buf.zeros, c.buf.y, c.shape, c.ws, sm, nullptr); e != cudaSuccess)
-    throw std::runtime_error(std::string("qgemm_cuda (") + kq::describe(kq::qgemm_plan(c.shape, sm)) + "): " + cudaGetErrorString(e));
+  if (const cudaError_t e = kq::quant_gemm_cuda<bf16>(c.buf.x, c.buf.tiles, c.buf.scales, c.buf.zeros, c.buf.y, c.shape, c.ws, sm, nullptr); e != cudaSuccess)
+    throw std::runtime_error(std::string("quant_gemm_cuda (") + kq::quant_gemm_describe(c.shape, sm) + "): " + cudaGetErrorString(e));
   SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
   c.rel_err = ((c.y.to(torch::kFloat32) - c.buf.ref).abs().max() / c.buf.ref.abs().max().clamp_min(1e-30)).item<double>();
   return c;
@@ -415,7 +359,7 @@ bool sm90_section(const std::vector<std::pair<std::int64_t, std::int64_t>>& shap
   }
   bool ok = true;
   const auto cuda = torch::TensorOptions().device(torch::kCUDA, 0);
-  std::printf("\nwgmma GEMM (qgemm_sm90.cuh): ours = the library's dispatch (qgemm_cuda); sm90 = qgemm_sm90_cuda; best = fastest wgmma configuration\n");
+  std::printf("\nwgmma GEMM (qgemm_sm90.cuh): ours = the library's dispatch (quant_gemm_cuda); sm90 = qgemm_sm90_cuda; best = fastest wgmma configuration\n");
   std::printf("%-18s %8s %8s %6s | %8s %6s %6s | %-14s %3s %8s %6s | %5s | %8s\n", "case", "ours ms", "cublas", "x cub", "sm90 ms", "x cub", "splits",
               "best sm90", "sp", "best ms", "x cub", "roof", "rel err");
   for (auto [K, N] : shapes) {
@@ -523,7 +467,7 @@ int main(int argc, char** argv) {
   std::ofstream out;
   if (!out_path.empty()) out.open(out_path);
   torch::NoGradGuard ng;
-  start_watchdog();
+  start_watchdog("bench_quant_gemm");
   watchdog_note("module checks");
   const bool modules_ok = !checks || sm90_only || module_checks();
   watchdog_note("copy bandwidth");
@@ -640,10 +584,11 @@ int main(int argc, char** argv) {
                             {"ratio_vs_peer2", t_int4 > 0 ? nlohmann::json(t_int4 / t_ours) : nlohmann::json(nullptr)},
                             {"max_rel_err", rel_err},
                             {"copy_gbs", copy_gbs},
-                            {"splits", plan.splits},
+                            {"splits", plan.splits},  // the mma.sync kernel's plan (at M > 32 on sm_90a, "dispatch" says what ran)
                             {"cps", plan.cps},
                             {"rows_per_block", plan.rows},
                             {"default_cfg", kq::detail::default_cfg_name<4>(M)},
+                            {"dispatch", kq::quant_gemm_describe(shape, sm)},
                             {"best_variant", var.best_name},
                             {"best_cps", var.best_cps},
                             {"best_time_ms", var.best_ms > 0 ? nlohmann::json(var.best_ms) : nlohmann::json(nullptr)},

@@ -4,7 +4,8 @@
 // Kernel choice (forward), by device, width and batch rows M = x.numel() / in:
 //   CPU                         dequantize (CPU twin) once, cached, then float matmul
 //   CUDA, 3/4/8 bits, M <= max_fused_rows (default 256) fused tensor-core GEMM on weights repacked at load
-//                               into the kernel's tiles (kernels/.../qgemm.cuh; at 3 bits, the dequant-GEMV)
+//                               into the kernel's tiles (kernels/.../qgemm_sm90.cuh quant_gemm_cuda: at 4 bits
+//                               and M > 32 on sm_90 the wgmma kernel, otherwise qgemm.cuh's mma.sync one)
 //   CUDA, other widths (2 bits, or a g_idx the tiles cannot serve), M <= 8   GPTQ-layout GEMV (kernels/.../dequant.cuh)
 //   CUDA, otherwise             dequantize to x's dtype, cuBLAS matmul (compute-bound: cuBLAS wins)
 // Threshold (H200, bench/results/h200/gemm4.jsonl at e726527): at M = 16..128 dequantize + cuBLAS ran at
@@ -29,6 +30,7 @@
 
 #include <squeeze/kernels/quant/dequant.cuh>
 #include <squeeze/kernels/quant/qgemm.cuh>
+#include <squeeze/kernels/quant/qgemm_sm90.cuh>
 
 #include "../quant/tiles.hpp"
 #include "../quant/pack.hpp"
@@ -274,18 +276,18 @@ class QuantizedLinearImpl : public torch::nn::Module {
         int sm = 0;
         cudaDeviceGetAttribute(&sm, cudaDevAttrMultiProcessorCount, x2.device().index());
         const kq::QGemmShape s{M, out_, in_, Kpad_, Npad_, tile_group_, bits_};
-        const kq::QGemmWorkspace need = kq::qgemm_workspace_size(s, sm);
+        const kq::QGemmWorkspace need = kq::quant_gemm_workspace_size(s, sm);
         // split-K counters: scratch that the kernel leaves zero, kept per layer and grown on demand
         if (!counters_.defined() || counters_.device() != x2.device() || counters_.numel() < need.counter_elems)
           counters_ = torch::zeros({std::max<std::int64_t>(need.counter_elems, 1)}, x2.options().dtype(torch::kInt32));
         torch::Tensor partial = torch::empty({std::max<std::int64_t>(need.partial_elems, 1)}, x2.options().dtype(torch::kFloat32));
         const kq::QGemmWorkspace ws{static_cast<float*>(partial.data_ptr()), need.partial_elems, static_cast<int*>(counters_.data_ptr()),
                                     counters_.numel()};
-        e = kq::qgemm_cuda<T>(static_cast<const T*>(xg.data_ptr()), static_cast<const std::uint32_t*>(tiles_.data_ptr()),
+        e = kq::quant_gemm_cuda<T>(static_cast<const T*>(xg.data_ptr()), static_cast<const std::uint32_t*>(tiles_.data_ptr()),
                               static_cast<const half*>(tile_scales_.data_ptr()), static_cast<const std::uint8_t*>(tile_zeros_.data_ptr()), yp, s,
                               ws, sm, stream);
         TORCH_CHECK(e == cudaSuccess, "QuantizedLinear: quantized GEMM (", bits_, " bits, M ", M, ", N ", out_, ", K ", in_, "; ",
-                    kq::describe(kq::qgemm_plan(s, sm)), ") failed: ", cudaGetErrorString(e));
+                    kq::quant_gemm_describe(s, sm), ") failed: ", cudaGetErrorString(e));
         return y;
       }
       case Path::Gemv: {

@@ -65,12 +65,16 @@ namespace squeeze::kernels::quant {
 // OVERLAP: a warpgroup keeps one chunk's wgmma in flight while it decodes the next (waits for the chunk before,
 // wgmma.wait_group 1), so the tensor cores need not idle across the chunk barrier; costs a second set of A
 // registers (16 WM) and one stage of copy distance (STAGES - 2 chunks ahead instead of STAGES - 1).
-template <int BN_, int WM_, int STAGES_, int MINB_ = 1, bool OVERLAP_ = false>
+// WS (warp-specialised): a ninth warp is the producer: it alone queues every copy (bulk copies of the weight tiles
+// and the scale / zero rows, cp.async of x) and full / empty mbarriers per stage hand stages over, so the
+// consumer warpgroups run no address arithmetic and no block barrier per chunk; the ring runs STAGES chunks ahead.
+template <int BN_, int WM_, int STAGES_, int MINB_ = 1, bool OVERLAP_ = false, bool WS_ = false>
 struct Sm90Cfg {
   static constexpr int BN = BN_, WM = WM_, STAGES = STAGES_, MINB = MINB_;
-  static constexpr bool OVERLAP = OVERLAP_;
-  static constexpr int AHEAD = OVERLAP ? STAGES - 2 : STAGES - 1;  // chunks the copy ring runs ahead
-  static constexpr int THREADS = 256;            // two consumer warpgroups
+  static constexpr bool OVERLAP = OVERLAP_, WS = WS_;
+  static constexpr int AHEAD = OVERLAP ? STAGES - 2 : STAGES - 1;  // chunks the copy ring runs ahead (not WS)
+  static constexpr int CONSUMERS = 256;                            // two consumer warpgroups
+  static constexpr int THREADS = CONSUMERS + (WS ? 32 : 0);        // + the producer warp
   static constexpr int STRIP = 2 * 64 * WM;      // output features per block
   static constexpr int TILES = STRIP / kTileN;   // 16-feature tiles per block
   static constexpr int GROWS = 4;                // group rows per stage: a 64-k chunk meets <= 4 groups of >= 16
@@ -194,6 +198,14 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
+// The mbarrier gets one arrive once every cp.async this thread queued before has landed (.noinc: the arrive is
+// one of the barrier's expected count).
+__device__ __forceinline__ void cp_async_mbar_arrive_noinc(std::uint64_t* bar) {
+#if SQUEEZE_SM90_WGMMA
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+#endif
+}
+
 // Shared-memory matrix descriptor of a K-major operand with 128-byte swizzle: start address / 16 (bits 0-13),
 // leading byte offset 16 B (unused by this layout; bits 16-29), stride byte offset 1024 B between 8-row atoms
 // (bits 32-45), layout 1 = 128B swizzle (bits 62-63). Base offset 0: the atoms are 1024-byte aligned.
@@ -310,7 +322,9 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   // the 128B swizzle repeats every 1024 B of address: align the ring to it
   unsigned char* const smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2, wq = warp & 3;
+  // the warp index through a shuffle: the compiler then knows it is warp-uniform, so a branch on it (the
+  // producer's) is not a divergent path around the wgmma (which would serialize them)
+  const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xffffffffu, tid >> 5, 0), wg = warp >> 2, wq = warp & 3;
   const int g4 = lane >> 2, c4 = lane & 3;
   const int strip = blockIdx.x, z = blockIdx.y, split = blockIdx.z;
   const int ntiles = p.Npad / kTileN, tile0 = strip * TILES, n0 = strip * STRIP, m0 = z * BN;
@@ -352,31 +366,20 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
 #pragma unroll
     for (int i = 0; i < NACC; ++i) acc[t][i] = 0.f;
 
-  constexpr int AHEAD = C::AHEAD;
-#pragma unroll
-  for (int s = 0; s < AHEAD; ++s) {  // prologue: AHEAD chunks in flight (a group per stage, empty ones too)
-    if (s < nck) load_chunk(kc0 + s, s);
-    cp_async_commit();
-  }
   // this thread's A rows: tile (wg * 4 WM + 4 t + wq) of the strip, rows l/4 and l/4 + 8 of it
   const int nl = wg * 64 * WM + wq * 16 + g4;  // feature of row l/4 of tile t = 0, relative to the strip
   int cur_g = -1;
   Sm90Group grp[WM];
+  std::uint32_t a[4][WM][4];
   std::uint32_t a_prev[4][WM][4] = {};  // OVERLAP: the A registers of the chunk still in flight
-  for (int c = 0; c < nck; ++c) {
-    cp_async_wait<AHEAD - 1>();  // this thread's copies of chunk c landed
-    fence_proxy_async();
-    // everyone's copies landed; every wgmma of chunk c - 1 (OVERLAP: c - 2) finished (waited below), so the
-    // stage it read may be refilled
-    __syncthreads();
-    const int kc = kc0 + c;
-    unsigned char* const st = smem + (c % S) * C::STAGE_BYTES;
+  // ---- one chunk (stage st holds chunk kc): per k-step decode WM A fragments and queue WM wgmma; then commit
+  // and wait for the chunk before (OVERLAP) or this one. after_first(): run once the first k-step is queued.
+  auto mma_chunk = [&](const unsigned char* st, int kc, auto&& after_first) {
     const int g0 = group_of(kc * kTileK);
     uint4 wv[WM];  // this lane's 4 words (4 k-steps) of each of its tiles
 #pragma unroll
     for (int t = 0; t < WM; ++t) wv[t] = lds128(st + XB + ((wg * 4 * WM + 4 * t + wq) * 32 + lane) * 16);
     const std::uint32_t xaddr = smem_addr(st);
-    std::uint32_t a[4][WM][4];
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
       const int g = group_of(kc * kTileK + 16 * ks);
@@ -395,16 +398,11 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       wgmma_fence();
 #pragma unroll
       for (int t = 0; t < WM; ++t) wgmma_rs<T>(acc[t], a[ks][t], sw128_desc(xaddr + 32 * ks));
-      if (ks == 0) {  // refill the stage chunk c - 1 (OVERLAP: c - 2) used while the first wgmma run
-        const int nx = c + AHEAD;
-        if (nx < nck) load_chunk(kc0 + nx, nx % S);
-        cp_async_commit();
-        __syncwarp();  // the copy loops' trip counts differ per thread: reconverge before the .aligned wgmma ops
-      }
+      if (ks == 0) after_first();
     }
     wgmma_commit();
     if constexpr (C::OVERLAP) {
-      wgmma_wait<1>();  // chunk c - 1 finished: its A registers may be reused; chunk c's stay live until next time
+      wgmma_wait<1>();  // the chunk before finished: its A registers may be reused; this chunk's stay live until next time
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
@@ -418,16 +416,93 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       wgmma_wait<0>();
       pin_operands(a, acc);
     }
+  };
+
+  if constexpr (C::WS) {
+    // full[s]: the producer's expect-tx arrive + its 32 lanes' cp.async arrives + the bulk bytes;
+    // empty[s]: one arrive per consumer warp once the wgmma reading stage s finished
+    __shared__ std::uint64_t full_bar[S], empty_bar[S];
+    if (tid == 0) {
+#pragma unroll
+      for (int sl = 0; sl < S; ++sl) {
+        mbar_init(full_bar + sl, 33);
+        mbar_init(empty_bar + sl, C::CONSUMERS / 32);
+      }
+      mbar_init_fence();
+    }
+    __syncthreads();
+    if (warp == C::CONSUMERS / 32) {  // the producer
+      const int cols = min(STRIP, p.Npad - n0);  // features of this strip (multiple of 16)
+      const unsigned wbytes = unsigned(cols / kTileN) * 512u;
+      for (int c = 0; c < nck; ++c) {
+        const int slot = c % S, kc = kc0 + c;
+        if (c >= S) mbar_wait(empty_bar + slot, unsigned(c / S - 1) & 1u);
+        unsigned char* const st = smem + slot * C::STAGE_BYTES;
+        const int g0 = group_of(kc * kTileK), rows = group_of(kc * kTileK + 48) - g0 + 1;
+        if (lane == 0) {
+          mbar_arrive_expect_tx(full_bar + slot, wbytes + unsigned(rows * cols * 3));
+          bulk_copy_g2s(st + XB, p.tiles + (std::int64_t(kc) * ntiles + tile0) * (kTileK * kTileN / 8), wbytes, full_bar + slot);
+          for (int r = 0; r < rows; ++r) {
+            const std::int64_t off = std::int64_t(g0 + r) * p.Npad + n0;
+            bulk_copy_g2s(st + XB + WB + r * STRIP * 2, p.scales + off, unsigned(cols * 2), full_bar + slot);
+            bulk_copy_g2s(st + XB + WB + SB + r * STRIP, p.zeros + off, unsigned(cols), full_bar + slot);
+          }
+        }
+#pragma unroll 4
+        for (int i = lane; i < BN * 8; i += 32) {  // x [BN][64], 128B-swizzled, zero-filled past M and K
+          const int r = i >> 3, cc = i & 7, m = m0 + r, k = kc * kTileK + cc * 8;
+          const bool ok = m < p.M && k < p.K;
+          cp_async16(st + r * 128 + ((cc ^ (r & 7)) << 4), ok ? x + std::int64_t(m) * p.K + k : x, ok ? 16 : 0);
+        }
+        cp_async_mbar_arrive_noinc(full_bar + slot);
+      }
+      cp_async_wait<0>();
+    } else {
+      for (int c = 0; c < nck; ++c) {
+        const int slot = c % S;
+        mbar_wait(full_bar + slot, unsigned(c / S) & 1u);
+        __syncwarp();        // converged again before the .aligned wgmma operations
+        fence_proxy_async();  // x came through cp.async (generic proxy); wgmma reads it through the async proxy
+        mma_chunk(smem + slot * C::STAGE_BYTES, kc0 + c, [] {});
+        // the stage the finished wgmma read goes back to the producer (OVERLAP: the chunk before's)
+        if (lane == 0 && (!C::OVERLAP || c > 0)) mbar_arrive(empty_bar + (C::OVERLAP ? (c + S - 1) % S : slot));
+        __syncwarp();
+      }
+    }
+  } else {
+    constexpr int AHEAD = C::AHEAD;
+#pragma unroll
+    for (int s = 0; s < AHEAD; ++s) {  // prologue: AHEAD chunks in flight (a group per stage, empty ones too)
+      if (s < nck) load_chunk(kc0 + s, s);
+      cp_async_commit();
+    }
+    for (int c = 0; c < nck; ++c) {
+      cp_async_wait<AHEAD - 1>();  // this thread's copies of chunk c landed
+      fence_proxy_async();
+      // everyone's copies landed; every wgmma of chunk c - 1 (OVERLAP: c - 2) finished (waited in mma_chunk), so
+      // the stage it read may be refilled
+      __syncthreads();
+      mma_chunk(smem + (c % S) * C::STAGE_BYTES, kc0 + c, [&] {  // refill the stage chunk c - 1 (OVERLAP: c - 2) used
+        const int nx = c + AHEAD;
+        if (nx < nck) load_chunk(kc0 + nx, nx % S);
+        cp_async_commit();
+        __syncwarp();  // the copy loops' trip counts differ per thread: reconverge before the .aligned wgmma ops
+      });
+    }
+    cp_async_wait<0>();  // no copy may land after the block exits
   }
   if constexpr (C::OVERLAP) {  // the last chunk's wgmma; accumulators are read only after this
-    wgmma_wait<0>();
-    pin_operands(a_prev, acc);
+    if (!C::WS || warp < C::CONSUMERS / 32) {
+      wgmma_wait<0>();
+      pin_operands(a_prev, acc);
+    }
   }
-  cp_async_wait<0>();  // no copy may land after the block exits
+  const bool consumer = tid < C::CONSUMERS;
 
   // ---- epilogue: accumulator i of tile t holds (feature nl + 64 t + 8 ((i >> 1) & 1), batch row 8 (i >> 2) + 2 c4 + (i & 1))
   T* const y = static_cast<T*>(p.y);
   if (p.splits == 1) {
+    if (!consumer) return;
 #pragma unroll
     for (int t = 0; t < WM; ++t)
 #pragma unroll
@@ -438,13 +513,15 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     return;
   }
   float* const part = p.partial + std::int64_t(split) * p.M * p.Npad;
+  if (consumer) {
 #pragma unroll
-  for (int t = 0; t < WM; ++t)
+    for (int t = 0; t < WM; ++t)
 #pragma unroll
-    for (int i = 0; i < NACC; ++i) {
-      const int n = n0 + nl + 64 * t + 8 * ((i >> 1) & 1), m = m0 + 8 * (i >> 2) + 2 * c4 + (i & 1);
-      if (m < p.M && n < p.Npad) part[std::int64_t(m) * p.Npad + n] = acc[t][i];
-    }
+      for (int i = 0; i < NACC; ++i) {
+        const int n = n0 + nl + 64 * t + 8 * ((i >> 1) & 1), m = m0 + 8 * (i >> 2) + 2 * c4 + (i & 1);
+        if (m < p.M && n < p.Npad) part[std::int64_t(m) * p.Npad + n] = acc[t][i];
+      }
+  }
   __threadfence();  // partials visible device-wide before the counter says so
   __syncthreads();
   int* const counter = p.counters + z * p.strips + strip;
@@ -502,15 +579,40 @@ namespace detail {
 template <class C>
 std::string sm90_cfg_name() {
   return "wg_b" + std::to_string(C::BN) + "m" + std::to_string(C::WM) + "s" + std::to_string(C::STAGES) +
-         (C::MINB > 1 ? "x" + std::to_string(C::MINB) : "") + (C::OVERLAP ? "o" : "");
+         (C::MINB > 1 ? "x" + std::to_string(C::MINB) : "") + (C::OVERLAP ? "o" : "") + (C::WS ? "w" : "");
 }
 // Configurations the benchmark times (batch rows per block, m64 tiles per warpgroup, stages, blocks per SM,
 // overlap across chunks; names wg_b<BN>m<WM>s<STAGES>[x<MINB>][o]).
 using Sm90TuningCfgs = CfgList<Sm90Cfg<64, 2, 6>, Sm90Cfg<64, 2, 4>, Sm90Cfg<64, 1, 6, 2>, Sm90Cfg<128, 2, 4>, Sm90Cfg<128, 2, 6>,
-                               Sm90Cfg<128, 1, 4, 2>, Sm90Cfg<64, 2, 6, 1, true>, Sm90Cfg<128, 1, 6, 1, true>>;
-// What qgemm_sm90_cuda runs: one batch slice of 64 rows up to M = 64, of 128 above (not yet measured).
-using Sm90Small = Sm90Cfg<64, 2, 6>;
-using Sm90Large = Sm90Cfg<128, 2, 4>;
+                               Sm90Cfg<128, 1, 4, 2>, Sm90Cfg<64, 2, 6, 1, true>, Sm90Cfg<128, 1, 6, 1, true>,
+                               // warp-specialised (a producer warp, mbarriers; names end in w)
+                               Sm90Cfg<64, 2, 6, 1, true, true>, Sm90Cfg<64, 2, 8, 1, true, true>, Sm90Cfg<64, 1, 6, 2, false, true>,
+                               Sm90Cfg<128, 1, 6, 1, false, true>, Sm90Cfg<128, 1, 6, 1, true, true>>;
+// What qgemm_sm90_cuda runs, by batch (one slice of 64 rows up to M = 64, of 128 above) and layer width.
+// Measured on the H200 (bench/results/h200/gemm4-sm90-session7.*; 4096 x 4096, 4096 x 11008, 11008 x 4096,
+// 8192 x 28672 at M 33 / 64 / 128): one warpgroup tile per warpgroup and two blocks per SM (m1 ... x2) were
+// fastest, or within 3%, on every case but the widest layer, where strips of 256 features fill the SMs in one
+// wave and the two-tile configurations win by 16-20% (wg_b64m2s6o 0.187 ms vs wg_b64m1s6x2 0.222 at M 64;
+// wg_b128m2s6 0.224 vs wg_b128m1s4x2 0.274 at M 128). "Wide": at least 3/4 of a wave of 256-feature strips.
+using Sm90SmallNarrow = Sm90Cfg<64, 1, 6, 2>;
+using Sm90SmallWide = Sm90Cfg<64, 2, 6, 1, true>;
+using Sm90LargeNarrow = Sm90Cfg<128, 1, 4, 2>;
+using Sm90LargeWide = Sm90Cfg<128, 2, 6>;
+enum class Sm90Pick { SmallNarrow, SmallWide, LargeNarrow, LargeWide };
+inline Sm90Pick sm90_pick(const QGemmShape& s, int sm_count) {
+  const bool wide = 4 * (s.Npad / 256) >= 3 * std::int64_t(std::max(sm_count, 1));
+  return s.M <= 64 ? (wide ? Sm90Pick::SmallWide : Sm90Pick::SmallNarrow) : (wide ? Sm90Pick::LargeWide : Sm90Pick::LargeNarrow);
+}
+// Calls f(C{}) with the configuration type of `pick`.
+template <class F>
+decltype(auto) with_sm90_cfg(Sm90Pick pick, F&& f) {
+  switch (pick) {
+    case Sm90Pick::SmallNarrow: return f(Sm90SmallNarrow{});
+    case Sm90Pick::SmallWide: return f(Sm90SmallWide{});
+    case Sm90Pick::LargeNarrow: return f(Sm90LargeNarrow{});
+    default: return f(Sm90LargeWide{});
+  }
+}
 
 // Configuration C with an explicit plan (benchmarks, tests).
 template <class T, class C>
@@ -533,10 +635,13 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
 }
 }  // namespace detail
 
-// The plan qgemm_sm90_cuda uses for s.M rows (splits_override > 0 forces the K splits).
+// The configuration (name) and plan qgemm_sm90_cuda uses for s.M rows (splits_override > 0 forces the K splits).
+inline std::string qgemm_sm90_cfg_name(const QGemmShape& s, int sm_count) {
+  return detail::with_sm90_cfg(detail::sm90_pick(s, sm_count), [](auto c) { return detail::sm90_cfg_name<decltype(c)>(); });
+}
 inline Sm90Plan qgemm_sm90_plan(const QGemmShape& s, int sm_count, int splits_override = 0) {
-  return s.M <= 64 ? plan_qgemm_sm90<detail::Sm90Small>(s, sm_count, splits_override)
-                   : plan_qgemm_sm90<detail::Sm90Large>(s, sm_count, splits_override);
+  return detail::with_sm90_cfg(detail::sm90_pick(s, sm_count),
+                               [&](auto c) { return plan_qgemm_sm90<decltype(c)>(s, sm_count, splits_override); });
 }
 inline QGemmWorkspace qgemm_sm90_workspace_size(const QGemmShape& s, int sm_count, int splits_override = 0) {
   const Sm90Plan p = qgemm_sm90_plan(s, sm_count, splits_override);
@@ -545,13 +650,39 @@ inline QGemmWorkspace qgemm_sm90_workspace_size(const QGemmShape& s, int sm_coun
 
 // y [M, N] = x [M, K] * W^T with the same arguments as qgemm_cuda (4-bit tiles). cudaErrorInvalidValue: a shape
 // qgemm_sm90_reason rejects, misaligned pointers or a short workspace; cudaErrorNotSupported: no sm_90a device
-// code or not an sm_90 device (qgemm_sm90_supported). Not used by qgemm_cuda's dispatch yet.
+// code or not an sm_90 device (qgemm_sm90_supported).
 template <class T>
 cudaError_t qgemm_sm90_cuda(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y, const QGemmShape& s,
                             const QGemmWorkspace& ws, int sm_count, cudaStream_t stream, int splits_override = 0) {
-  const Sm90Plan p = qgemm_sm90_plan(s, sm_count, splits_override);
-  return s.M <= 64 ? detail::launch_qgemm_sm90_cfg<T, detail::Sm90Small>(x, tiles, scales, zeros, y, s, p, ws, stream)
-                   : detail::launch_qgemm_sm90_cfg<T, detail::Sm90Large>(x, tiles, scales, zeros, y, s, p, ws, stream);
+  return detail::with_sm90_cfg(detail::sm90_pick(s, sm_count), [&](auto c) {
+    using C = decltype(c);
+    const Sm90Plan p = plan_qgemm_sm90<C>(s, sm_count, splits_override);
+    return detail::launch_qgemm_sm90_cfg<T, C>(x, tiles, scales, zeros, y, s, p, ws, stream);
+  });
+}
+
+// ---- the library's quantized GEMM: the kernel each batch size is served by ----------------------------------
+// M > 32 rows on an sm_90 device with sm_90a device code and a shape the wgmma kernel takes: qgemm_sm90_cuda
+// (H200, session 7: 1.2-2.6x faster than qgemm_cuda at M 33-128 on the four LLaMA shapes, and slower at M 16
+// on three of them); everything else: qgemm_cuda (mma.sync; 3- and 8-bit, any device).
+inline bool quant_gemm_uses_sm90(const QGemmShape& s) { return s.M > 32 && qgemm_sm90_reason(s).empty() && qgemm_sm90_supported(); }
+// Workspace sizes for quant_gemm_cuda (pointers left null): partial fp32 (any contents) and counters int32
+// (zero before the first call; the kernels leave them zero).
+inline QGemmWorkspace quant_gemm_workspace_size(const QGemmShape& s, int sm_count) {
+  return quant_gemm_uses_sm90(s) ? qgemm_sm90_workspace_size(s, sm_count) : qgemm_workspace_size(s, sm_count);
+}
+// The kernel, configuration and plan quant_gemm_cuda takes for this shape, in words (error messages, benchmarks).
+inline std::string quant_gemm_describe(const QGemmShape& s, int sm_count) {
+  if (quant_gemm_uses_sm90(s)) return "wgmma " + qgemm_sm90_cfg_name(s, sm_count) + " " + describe(qgemm_sm90_plan(s, sm_count));
+  const std::string cfg = s.bits == 8 ? detail::default_cfg_name<8>(s.M) : s.bits == 3 ? detail::default_cfg_name<3>(s.M) : detail::default_cfg_name<4>(s.M);
+  return "mma.sync " + cfg + " " + describe(qgemm_plan(s, sm_count));
+}
+// y [M, N] = x [M, K] * W^T (3-, 4- or 8-bit tiles) on `stream` with the kernel quant_gemm_uses_sm90 picks.
+template <class T>
+cudaError_t quant_gemm_cuda(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y, const QGemmShape& s,
+                            const QGemmWorkspace& ws, int sm_count, cudaStream_t stream) {
+  if (quant_gemm_uses_sm90(s)) return qgemm_sm90_cuda<T>(x, tiles, scales, zeros, y, s, ws, sm_count, stream);
+  return qgemm_cuda<T>(x, tiles, scales, zeros, y, s, ws, sm_count, stream);
 }
 
 }  // namespace squeeze::kernels::quant

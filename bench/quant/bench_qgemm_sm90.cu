@@ -1,0 +1,272 @@
+// 4-bit GEMM benchmark without libtorch: one translation unit that builds in well under a minute, for kernel work
+// on the GPU machine (bench_quant_gemm, with libtorch and every mma.sync variant, takes minutes to build).
+// For each (K, N) of issue 6 and batch M it times, in the same run, cold L2, median of --reps:
+//   ours     the library's dispatch (kq::quant_gemm_cuda: wgmma at M > 32 on sm_90a, mma.sync otherwise)
+//   mma      qgemm_cuda (the mma.sync kernel) at every M
+//   wg_*     every wgmma configuration of kq::detail::Sm90TuningCfgs at K splits {its plan, 1, 2, 4, 8}
+//   cuBLAS   bf16 GEMM (cublasGemmEx, W [N, K] bf16 as nn.Linear stores it), the peer
+// Weights are random codes, scales and zero points (group 128): only time is measured here; the GPU tests check
+// the numbers. Each wgmma result is still compared with the mma.sync kernel's on the same data (max error
+// relative to max |y|), so a broken configuration shows as "BAD" and never as the fastest.
+// Roofline: weight + scale + zero + x + y bytes over the time, as a fraction of a device-to-device copy's
+// bandwidth measured in the same run.
+// Usage: bench_qgemm_sm90 [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m LIST] [--cfg NAME-SUBSTRING]
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <squeeze/error.hpp>
+#include <squeeze/kernels/quant/qgemm.cuh>
+#include <squeeze/kernels/quant/qgemm_sm90.cuh>
+
+#include "gemm_timing.cuh"
+
+namespace kq = squeeze::kernels::quant;
+using squeeze::bf16;
+using squeeze::half;
+using squeeze::bench::time_ms;
+using squeeze::bench::watchdog_note;
+
+namespace {
+
+template <class E>
+struct DevBuf {  // a device array, freed on scope exit
+  E* p = nullptr;
+  std::size_t n = 0;
+  explicit DevBuf(std::size_t count) : n(count) { SQUEEZE_CUDA_CHECK(cudaMalloc(&p, std::max<std::size_t>(n, 1) * sizeof(E))); }
+  DevBuf(const std::vector<E>& host) : DevBuf(host.size()) {
+    SQUEEZE_CUDA_CHECK(cudaMemcpy(p, host.data(), n * sizeof(E), cudaMemcpyHostToDevice));
+  }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  ~DevBuf() { cudaFree(p); }
+  std::vector<E> get() const {
+    std::vector<E> h(n);
+    SQUEEZE_CUDA_CHECK(cudaMemcpy(h.data(), p, n * sizeof(E), cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+void cublas_check(cublasStatus_t s, const char* what) {
+  if (s != CUBLAS_STATUS_SUCCESS) throw std::runtime_error(std::string("cuBLAS: ") + what + " failed (status " + std::to_string(int(s)) + ")");
+}
+
+// One 4-bit layer [N, K] in the tile layout with random contents, and its bf16 twin for cuBLAS.
+struct Layer {
+  std::int64_t K, N, Kpad, Npad;
+  int group = 128;
+  DevBuf<std::uint32_t> tiles;
+  DevBuf<half> scales;
+  DevBuf<std::uint8_t> zeros;
+  DevBuf<bf16> w_bf16;
+  static std::vector<std::uint32_t> random_words(std::size_t n, std::mt19937& rng) {
+    std::vector<std::uint32_t> v(n);
+    for (auto& w : v) w = rng();
+    return v;
+  }
+  Layer(std::int64_t k, std::int64_t n, std::mt19937& rng)
+      : K(k), N(n), Kpad((k + kq::kTileK - 1) / kq::kTileK * kq::kTileK), Npad((n + kq::kTileN - 1) / kq::kTileN * kq::kTileN),
+        tiles(random_words(std::size_t(Kpad * Npad / 8), rng)), scales(random_scales(std::size_t((Kpad + 127) / 128 * Npad), rng)),
+        zeros(random_zeros(std::size_t((Kpad + 127) / 128 * Npad), rng)), w_bf16(random_bf16(std::size_t(N * K), 0.02f, rng)) {}
+  static std::vector<half> random_scales(std::size_t n, std::mt19937& rng) {
+    std::uniform_real_distribution<float> u(0.002f, 0.02f);
+    std::vector<half> v(n);
+    for (auto& s : v) s = __float2half(u(rng));
+    return v;
+  }
+  static std::vector<std::uint8_t> random_zeros(std::size_t n, std::mt19937& rng) {
+    std::vector<std::uint8_t> v(n);
+    for (auto& z : v) z = std::uint8_t(1 + rng() % 15);
+    return v;
+  }
+  static std::vector<bf16> random_bf16(std::size_t n, float scale, std::mt19937& rng) {
+    std::normal_distribution<float> g(0.f, scale);
+    std::vector<bf16> v(n);
+    for (auto& e : v) e = __float2bfloat16(g(rng));
+    return v;
+  }
+  kq::QGemmShape shape(std::int64_t M) const { return {M, N, K, Kpad, Npad, group, 4}; }
+  double weight_bytes() const { return double(Kpad) * Npad / 2 + double((Kpad + 127) / 128) * Npad * 3; }
+};
+
+double max_rel(const std::vector<bf16>& got, const std::vector<bf16>& ref) {
+  double err = 0, mag = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    const double r = __bfloat162float(ref[i]), g = __bfloat162float(got[i]);
+    err = std::max(err, std::abs(g - r));
+    mag = std::max(mag, std::abs(r));
+  }
+  return err / std::max(mag, 1e-30);
+}
+
+struct Timed {
+  std::string name;
+  int splits = 0;
+  double ms = 0, err = 0;
+};
+
+// Every configuration of the list at each distinct K split count, error against ref, then timed.
+template <class... Cs>
+void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16* y, std::size_t ny,
+               const std::vector<bf16>& ref, int sm, int reps, const std::string& only_cfg, std::vector<Timed>& out) {
+  auto one = [&](auto c) {
+    using C = decltype(c);
+    const std::string name = kq::detail::sm90_cfg_name<C>();
+    if (!only_cfg.empty() && name.find(only_cfg) == std::string::npos) return;
+    int seen[32] = {};
+    for (int sp : {0, 1, 2, 4, 8}) {
+      const auto plan = kq::plan_qgemm_sm90<C>(s, sm, sp);
+      if (plan.splits < 32 && seen[plan.splits]++) continue;
+      watchdog_note(name + " " + kq::describe(plan));
+      DevBuf<float> part(std::size_t(std::max<std::int64_t>(plan.partial_elems, 1)));
+      DevBuf<int> cnt(std::size_t(std::max<std::int64_t>(plan.counter_elems, 1)));
+      SQUEEZE_CUDA_CHECK(cudaMemset(cnt.p, 0, cnt.n * sizeof(int)));
+      const kq::QGemmWorkspace ws{part.p, plan.partial_elems, cnt.p, plan.counter_elems};
+      auto launch = [&] { return kq::detail::launch_qgemm_sm90_cfg<bf16, C>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws, nullptr); };
+      SQUEEZE_CUDA_CHECK(cudaMemset(y, 0xff, ny * sizeof(bf16)));
+      if (const cudaError_t e = launch(); e != cudaSuccess) {
+        std::printf("  %s (%s): %s\n", name.c_str(), kq::describe(plan).c_str(), cudaGetErrorString(e));
+        cudaGetLastError();
+        return;
+      }
+      SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+      std::vector<bf16> got(ny);
+      SQUEEZE_CUDA_CHECK(cudaMemcpy(got.data(), y, ny * sizeof(bf16), cudaMemcpyDeviceToHost));
+      Timed t{name, plan.splits, 0, max_rel(got, ref)};
+      if (t.err < 2e-2) t.ms = time_ms([&] { SQUEEZE_CUDA_CHECK(launch()); }, reps);
+      out.push_back(t);
+    }
+  };
+  (one(Cs{}), ...);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string out_path, only, only_cfg;
+  std::vector<std::int64_t> batches = {1, 16, 33, 64, 128};
+  int reps = 30;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--out" && i + 1 < argc) out_path = argv[++i];
+    else if (a == "--reps" && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
+    else if (a == "--only" && i + 1 < argc) only = argv[++i];
+    else if (a == "--cfg" && i + 1 < argc) only_cfg = argv[++i];
+    else if (a == "--m" && i + 1 < argc) {
+      batches.clear();
+      std::stringstream list(argv[++i]);
+      for (std::string item; std::getline(list, item, ',');) batches.push_back(std::stoll(item));
+    } else {
+      std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m 1,16,...] [--cfg NAME-SUBSTRING]\n", argv[0]);
+      return 2;
+    }
+  }
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+    std::fprintf(stderr, "bench_qgemm_sm90: no CUDA device\n");
+    return 1;
+  }
+  cudaDeviceProp prop{};
+  SQUEEZE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  const int sm = prop.multiProcessorCount;
+  squeeze::bench::start_watchdog("bench_qgemm_sm90", 60);
+  std::ofstream out;
+  if (!out_path.empty()) out.open(out_path);
+  const char* commit = std::getenv("SQUEEZE_COMMIT");
+
+  // device-to-device copy bandwidth (1 GiB each way): the roofline
+  double copy_gbs = 0;
+  {
+    const std::size_t bytes = 1ull << 30;
+    DevBuf<unsigned char> a(bytes), b(bytes);
+    const double ms = time_ms([&] { SQUEEZE_CUDA_CHECK(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, nullptr)); }, 10);
+    copy_gbs = 2.0 * double(bytes) / (ms * 1e6);
+  }
+  std::printf("device %s, %d SMs, copy %.0f GB/s, wgmma kernel %s\n", prop.name, sm, copy_gbs,
+              kq::qgemm_sm90_supported() ? "available" : "NOT available (needs sm_90a device code)");
+  cublasHandle_t handle;
+  cublas_check(cublasCreate(&handle), "create");
+  std::printf("%-18s %8s %8s %6s %5s | %8s %6s | %-16s %2s %8s %6s %5s | %s\n", "case", "ours ms", "cublas", "x cub", "roof", "mma ms", "x cub",
+              "best wgmma", "sp", "best ms", "x cub", "roof", "dispatch");
+  std::mt19937 rng(2026);
+  const std::vector<std::pair<std::int64_t, std::int64_t>> shapes = {{4096, 4096}, {4096, 11008}, {11008, 4096}, {8192, 28672}};
+  for (const auto& [K, N] : shapes) {
+    const Layer L(K, N, rng);
+    for (const std::int64_t M : batches) {
+      const std::string cs = "K" + std::to_string(K) + "_N" + std::to_string(N) + "_M" + std::to_string(M);
+      if (!only.empty() && cs.find(only) == std::string::npos) continue;
+      watchdog_note(cs);
+      const kq::QGemmShape s = L.shape(M);
+      const DevBuf<bf16> x(Layer::random_bf16(std::size_t(M * K), 1.f, rng));
+      DevBuf<bf16> y(std::size_t(M * N)), y_cub(std::size_t(M * N));
+      // the mma.sync kernel: the reference for the wgmma results
+      const auto mneed = kq::qgemm_workspace_size(s, sm);
+      DevBuf<float> mpart(std::size_t(std::max<std::int64_t>(mneed.partial_elems, 1)));
+      DevBuf<int> mcnt(std::size_t(std::max<std::int64_t>(mneed.counter_elems, 1)));
+      SQUEEZE_CUDA_CHECK(cudaMemset(mcnt.p, 0, mcnt.n * sizeof(int)));
+      const kq::QGemmWorkspace mws{mpart.p, mneed.partial_elems, mcnt.p, mneed.counter_elems};
+      auto run_mma = [&] { SQUEEZE_CUDA_CHECK(kq::qgemm_cuda<bf16>(x.p, L.tiles.p, L.scales.p, L.zeros.p, y.p, s, mws, sm, nullptr)); };
+      run_mma();
+      const std::vector<bf16> ref = y.get();
+      const double t_mma = time_ms(run_mma, reps);
+      // the library's dispatch
+      const auto need = kq::quant_gemm_workspace_size(s, sm);
+      DevBuf<float> part(std::size_t(std::max<std::int64_t>(need.partial_elems, 1)));
+      DevBuf<int> cnt(std::size_t(std::max<std::int64_t>(need.counter_elems, 1)));
+      SQUEEZE_CUDA_CHECK(cudaMemset(cnt.p, 0, cnt.n * sizeof(int)));
+      const kq::QGemmWorkspace ws{part.p, need.partial_elems, cnt.p, need.counter_elems};
+      auto run_ours = [&] { SQUEEZE_CUDA_CHECK(kq::quant_gemm_cuda<bf16>(x.p, L.tiles.p, L.scales.p, L.zeros.p, y.p, s, ws, sm, nullptr)); };
+      run_ours();
+      const double err_ours = max_rel(y.get(), ref);
+      const double t_ours = time_ms(run_ours, reps);
+      // cuBLAS: column-major Y^T [N, M] = W^T' ... i.e. op(W) = T on the row-major [N, K] weights
+      const float one = 1.f, zero = 0.f;
+      auto run_cub = [&] {
+        cublas_check(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(M), int(K), &one, L.w_bf16.p, CUDA_R_16BF, int(K), x.p, CUDA_R_16BF,
+                                  int(K), &zero, y_cub.p, CUDA_R_16BF, int(N), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                     "GemmEx");
+      };
+      const double t_cub = time_ms(run_cub, reps);
+      std::vector<Timed> wg;
+      if (kq::qgemm_sm90_supported() && M > 1)
+        time_cfgs(kq::detail::Sm90TuningCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), only_cfg, wg);
+      const Timed* best = nullptr;
+      for (const auto& t : wg)
+        if (t.ms > 0 && (!best || t.ms < best->ms)) best = &t;
+      const double bytes = L.weight_bytes() + double(M) * K * 2 + double(M) * N * 2;
+      auto roof = [&](double ms) { return ms > 0 ? bytes / (ms * 1e6) / copy_gbs : 0.0; };
+      const std::string dispatch = kq::quant_gemm_describe(s, sm);
+      std::printf("%-18s %8.4f %8.4f %6.2f %5.2f | %8.4f %6.2f | %-16s %2d %8.4f %6.2f %5.2f | %s%s\n", cs.c_str(), t_ours, t_cub, t_cub / t_ours,
+                  roof(t_ours), t_mma, t_cub / t_mma, best ? best->name.c_str() : "-", best ? best->splits : 0, best ? best->ms : 0.0,
+                  best ? t_cub / best->ms : 0.0, best ? roof(best->ms) : 0.0, dispatch.c_str(), err_ours < 2e-2 ? "" : "  BAD (ours vs mma.sync)");
+      for (const auto& t : wg)
+        if (!(t.err < 2e-2)) std::printf("  %s splits %d: rel err %.2e vs mma.sync: BAD\n", t.name.c_str(), t.splits, t.err);
+      std::fflush(stdout);
+      if (out) {
+        std::ostringstream j;
+        j << "{\"bench\": \"gemm4_probe\", \"case\": \"" << cs << "\", \"time_ms\": " << t_ours << ", \"peer\": \"cublas_bf16\", \"peer_time_ms\": " << t_cub
+          << ", \"ratio_vs_peer\": " << t_cub / t_ours << ", \"roofline_fraction\": " << roof(t_ours) << ", \"mma_time_ms\": " << t_mma
+          << ", \"dispatch\": \"" << dispatch << "\", \"ours_rel_err_vs_mma\": " << err_ours << ", \"copy_gbs\": " << copy_gbs << ", \"device\": \""
+          << prop.name << "\", \"commit\": \"" << (commit ? commit : "unknown") << "\", \"wgmma\": [";
+        for (std::size_t i = 0; i < wg.size(); ++i)
+          j << (i ? ", " : "") << "{\"cfg\": \"" << wg[i].name << "\", \"splits\": " << wg[i].splits << ", \"ms\": " << wg[i].ms
+            << ", \"rel_err\": " << wg[i].err << "}";
+        j << "]}";
+        out << j.str() << "\n";
+        out.flush();
+      }
+    }
+  }
+  cublasDestroy(handle);
+  return 0;
+}

@@ -1,0 +1,84 @@
+#pragma once
+// Timing helpers shared by the quantized-GEMM benchmarks (bench_quant_gemm, bench_qgemm_sm90): cold-L2 median
+// GPU time of a launch, and a watchdog that ends a run whose kernel hangs. No libtorch.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include <squeeze/error.hpp>
+
+namespace squeeze::bench {
+
+__global__ void spin_kernel(long long cycles) {
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {
+  }
+}
+
+// L2 flush buffer (256 MiB, larger than any Hopper L2): overwritten before every timed launch so each
+// launch reads its weights from DRAM, as a real model whose layers do not fit in L2 does.
+inline void* g_flush = nullptr;
+constexpr std::size_t kFlushBytes = 256ull << 20;
+
+// Median GPU time (ms) of fn over reps, cold L2, launched in groups queued behind a spin kernel.
+inline double time_ms(const std::function<void()>& fn, int reps) {
+  if (!g_flush) SQUEEZE_CUDA_CHECK(cudaMalloc(&g_flush, kFlushBytes));
+  for (int i = 0; i < 3; ++i) fn();  // warm-up
+  SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<cudaEvent_t> ev(2 * reps);
+  for (auto& e : ev) SQUEEZE_CUDA_CHECK(cudaEventCreate(&e));
+  constexpr int kGroup = 10;
+  for (int r0 = 0; r0 < reps; r0 += kGroup) {
+    spin_kernel<<<1, 1>>>(2'000'000);  // ~1 ms: the CPU queues the group meanwhile
+    for (int r = r0; r < std::min(reps, r0 + kGroup); ++r) {
+      SQUEEZE_CUDA_CHECK(cudaMemsetAsync(g_flush, r & 0xff, kFlushBytes, nullptr));
+      SQUEEZE_CUDA_CHECK(cudaEventRecord(ev[2 * r], nullptr));
+      fn();
+      SQUEEZE_CUDA_CHECK(cudaEventRecord(ev[2 * r + 1], nullptr));
+    }
+  }
+  SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<float> t(reps);
+  for (int r = 0; r < reps; ++r) SQUEEZE_CUDA_CHECK(cudaEventElapsedTime(&t[r], ev[2 * r], ev[2 * r + 1]));
+  for (auto& e : ev) cudaEventDestroy(e);
+  std::nth_element(t.begin(), t.begin() + reps / 2, t.end());
+  return t[reps / 2];
+}
+
+// Watchdog: a configuration that hangs (e.g. a barrier bug) would stop the whole GPU run. Each variant notes its
+// name when it starts; if no note comes for the watchdog's seconds, the process prints what hung and exits with
+// code 3 (the JSON lines written so far stay).
+inline std::mutex g_wd_mu;
+inline std::string g_wd_what = "start", g_wd_program = "benchmark";
+inline std::chrono::steady_clock::time_point g_wd_since = std::chrono::steady_clock::now();
+inline int g_wd_seconds = 150;
+inline void watchdog_note(const std::string& what) {
+  std::lock_guard<std::mutex> lk(g_wd_mu);
+  g_wd_what = what;
+  g_wd_since = std::chrono::steady_clock::now();
+}
+inline void start_watchdog(const std::string& program, int seconds = 150) {
+  g_wd_program = program;
+  g_wd_seconds = seconds;
+  std::thread([] {
+    for (;;) {
+      std::this_thread::sleep_for(std::chrono::seconds(5));
+      std::lock_guard<std::mutex> lk(g_wd_mu);
+      if (std::chrono::steady_clock::now() - g_wd_since > std::chrono::seconds(g_wd_seconds)) {
+        std::printf("%s: no progress for %d s in '%s': HUNG, exiting (code 3)\n", g_wd_program.c_str(), g_wd_seconds, g_wd_what.c_str());
+        std::fflush(stdout);
+        std::_Exit(3);
+      }
+    }
+  }).detach();
+}
+
+}  // namespace squeeze::bench
