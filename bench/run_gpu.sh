@@ -2,7 +2,7 @@
 # One call on the GPU machine: build with libtorch's CUDA side, run the GPU tests (ctest -L cuda) and the
 # benchmarks, write full results under $OUT (default ./gpu-results) and print a short table last.
 #   usage: bash bench/run_gpu.sh [bench-name ...]    (no names: all benchmarks but the 7B rows;
-#          names: adamw gemm4 gemm4_probe gptq zero table table7b table7b_offload diag7b ncu_gemm llama_gptq scale scale7b scale7b_w1)
+#          names: adamw gemm4 gemm4_probe gptq zero table table7b table7b_offload diag7b ncu_gemm ncu_sm90 llama_gptq scale scale7b scale7b_w1)
 #   env: TARGETS="t1 t2" builds only those targets (default: everything); GPU_TESTS=0 skips ctest -L cuda;
 #        GPU_TESTS_REGEX="Quant|Zero" runs only the cuda-labelled tests whose names match (ctest -R);
 #        BENCH_ARGS_<name>="..." extra arguments for one benchmark (e.g. BENCH_ARGS_table="--rows bf16,ckpt");
@@ -145,6 +145,13 @@ if named ncu_gemm; then
       >"$OUT/ncu-qgemm-K8192_N28672_$m.txt" 2>&1
     grep -E "Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Stall|Issued Warp" "$OUT/ncu-qgemm-K8192_N28672_$m.txt" | head -20
   done
+fi
+
+# Nsight Compute on one wgmma configuration (only when named; NCU_CASE / NCU_CFG choose it).
+if named ncu_sm90; then
+  echo "== ncu_sm90"
+  bash "$ROOT/bench/quant/ncu_sm90.sh" "$BUILD/bench/quant/bench_qgemm_sm90" "${NCU_CASE:-K11008_N4096_M64}" "${NCU_CFG:-wg_b64m1s6x2w}" \
+    "$OUT/ncu-sm90-${NCU_CASE:-K11008_N4096_M64}-${NCU_CFG:-wg_b64m1s6x2w}.txt"
 fi
 
 # GPTQ vs RTN perplexity (issue 6): train the 125m preset for 1000 bf16 steps, then quantize it at 2/3/4/8 bits.

@@ -87,6 +87,10 @@ struct Sm90Cfg {
   static_assert(WM >= 1 && WM <= 4, "m64 tiles per warpgroup: 1..4");
   static_assert(STAGES >= (OVERLAP ? 3 : 2), "at least two stages (three with OVERLAP)");
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per block");
+  // H200 (bench_qgemm_sm90 at 2101881): wg_b64m2s6ow and wg_b64m2s8ow gave results 0.1-0.25 (relative to max |y|)
+  // away from the mma.sync kernel's on every shape, while WS with WM = 1 and every non-WS configuration agreed.
+  // Cause not found yet, so the combination is refused.
+  static_assert(!WS || WM == 1, "the warp-specialised form takes WM = 1 (one m64 tile per warpgroup): use Sm90Cfg<BN, 1, ...>");
 };
 
 struct Sm90Plan {
@@ -586,8 +590,7 @@ std::string sm90_cfg_name() {
 using Sm90TuningCfgs = CfgList<Sm90Cfg<64, 2, 6>, Sm90Cfg<64, 2, 4>, Sm90Cfg<64, 1, 6, 2>, Sm90Cfg<128, 2, 4>, Sm90Cfg<128, 2, 6>,
                                Sm90Cfg<128, 1, 4, 2>, Sm90Cfg<64, 2, 6, 1, true>, Sm90Cfg<128, 1, 6, 1, true>,
                                // warp-specialised (a producer warp, mbarriers; names end in w)
-                               Sm90Cfg<64, 2, 6, 1, true, true>, Sm90Cfg<64, 2, 8, 1, true, true>, Sm90Cfg<64, 1, 6, 2, false, true>,
-                               Sm90Cfg<128, 1, 6, 1, false, true>, Sm90Cfg<128, 1, 6, 1, true, true>>;
+                               Sm90Cfg<64, 1, 6, 2, false, true>, Sm90Cfg<64, 1, 7, 2, false, true>, Sm90Cfg<128, 1, 6, 1, true, true>>;
 // What qgemm_sm90_cuda runs, by batch (one slice of 64 rows up to M = 64, of 128 above) and layer width.
 // Measured on the H200 (bench/results/h200/gemm4-sm90-session7.*; 4096 x 4096, 4096 x 11008, 11008 x 4096,
 // 8192 x 28672 at M 33 / 64 / 128): one warpgroup tile per warpgroup and two blocks per SM (m1 ... x2) were
