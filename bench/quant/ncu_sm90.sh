@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Nsight Compute on one wgmma configuration of bench_qgemm_sm90 (GPU machine): speed of light, scheduler and warp
-# stall statistics, and the SASS lines with the most stall samples.
+# stall statistics, and the per-SASS-line stall samples (<out>.sass.csv: sort by the sampling columns).
 #   usage: bash bench/quant/ncu_sm90.sh <bench_qgemm_sm90> <case> <cfg-substring> <out-file>
 set -uo pipefail
 bin=$1 case=$2 cfg=$3 out=$4
 m=${case##*_M}
-ncu --clock-control none --kernel-name regex:qgemm_sm90_kernel --launch-skip 3 --launch-count 1 \
+rep=$(mktemp -d)/ncu
+ncu --clock-control none --kernel-name regex:qgemm_sm90_kernel --launch-skip 3 --launch-count 1 --import-source no \
   --section SpeedOfLight --section LaunchStats --section Occupancy --section SchedulerStats --section WarpStateStats \
-  --section MemoryWorkloadAnalysis --section SourceCounters \
-  "$bin" --only "$case" --m "$m" --cfg "$cfg" --reps 3 >"$out" 2>&1
-grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Issued Warp|No Eligible|Active Warps Per|Eligible Warps|Stall|Registers Per|Achieved Occupancy|Warp Cycles Per Issued" "$out" | head -40
+  --section MemoryWorkloadAnalysis --section SourceCounters -o "$rep" \
+  "$bin" --only "$case" --m "$m" --cfg "$cfg" --reps 3 >"$out.run.log" 2>&1
+ncu --import "$rep.ncu-rep" >"$out" 2>&1
+ncu --import "$rep.ncu-rep" --page source --print-source sass --csv >"$out.sass.csv" 2>&1
+grep -E "Duration|DRAM Throughput|Compute \(SM\)|Issued Warp|No Eligible|Eligible Warps|Registers Per|Achieved Occupancy|Warp Cycles Per Issued" "$out" | head -20
