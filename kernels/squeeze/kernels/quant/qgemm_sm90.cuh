@@ -49,6 +49,11 @@
 #include <squeeze/kernels/quant/qgemm.cuh>
 
 #if defined(__CUDACC__)
+#include <cuda.h>  // CUtensorMap (the type only: the encoder is reached through the runtime, no libcuda link)
+#include <cudaTypedefs.h>
+#endif
+
+#if defined(__CUDACC__)
 
 // wgmma exists only on the arch-specific target sm_90a (nvcc defines __CUDA_ARCH_FEAT_SM90_ALL there).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -65,9 +70,10 @@ namespace squeeze::kernels::quant {
 // OVERLAP: a warpgroup keeps one chunk's wgmma in flight while it decodes the next (waits for the chunk before,
 // wgmma.wait_group 1), so the tensor cores need not idle across the chunk barrier; costs a second set of A
 // registers (16 WM) and one stage of copy distance (STAGES - 2 chunks ahead instead of STAGES - 1).
-// WS (warp-specialised): a ninth warp is the producer: it alone queues every copy (bulk copies of the weight tiles
-// and the scale / zero rows, cp.async of x) and full / empty mbarriers per stage hand stages over, so the
-// consumer warpgroups run no address arithmetic and no block barrier per chunk; the ring runs STAGES chunks ahead.
+// WS (warp-specialised): a ninth warp is the producer: one lane queues every copy of a chunk (x by the TMA from a
+// tensor map, bulk copies of the weight tiles and the scale / zero rows) and full / empty mbarriers per stage hand
+// stages over, so the consumer warpgroups run no address arithmetic and no block barrier per chunk; the ring runs
+// STAGES chunks ahead.
 template <int BN_, int WM_, int STAGES_, int MINB_ = 1, bool OVERLAP_ = false, bool WS_ = false>
 struct Sm90Cfg {
   static constexpr int BN = BN_, WM = WM_, STAGES = STAGES_, MINB = MINB_;
@@ -202,11 +208,13 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
-// The mbarrier gets one arrive once every cp.async this thread queued before has landed (.noinc: the arrive is
-// one of the barrier's expected count).
-__device__ __forceinline__ void cp_async_mbar_arrive_noinc(std::uint64_t* bar) {
+// A 2-D tile of x ([64 k] x [rows] at (k0, m0), 128-byte swizzled as the descriptor expects, zero past the
+// tensor's edges) into shared memory by the tensor-memory accelerator, completing on bar's tx count.
+__device__ __forceinline__ void tma_load_x(void* dst, const CUtensorMap& map, int k0, int m0, std::uint64_t* bar) {
 #if SQUEEZE_SM90_WGMMA
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(smem_addr(dst)),
+               "l"(reinterpret_cast<std::uint64_t>(&map)), "r"(k0), "r"(m0), "r"(smem_addr(bar))
+               : "memory");
 #endif
 }
 
@@ -317,7 +325,8 @@ struct Sm90Params {
 
 // grid (strips, zslices, splits), C::THREADS threads, C::SMEM_BYTES dynamic shared memory
 template <class T, class C>
-__global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const Sm90Params p) {
+// x_map: (WS) x as a TMA tensor map, box [64 k] x [BN rows], 128-byte swizzle (unused otherwise)
+__global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const Sm90Params p, const __grid_constant__ CUtensorMap x_map) {
 #if SQUEEZE_SM90_WGMMA
   constexpr int BN = C::BN, WM = C::WM, S = C::STAGES, STRIP = C::STRIP, TILES = C::TILES, NACC = BN / 2;
   constexpr int XB = C::X_BYTES, WB = C::W_BYTES, SB = C::S_BYTES;
@@ -423,13 +432,13 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   };
 
   if constexpr (C::WS) {
-    // full[s]: the producer's expect-tx arrive + its 32 lanes' cp.async arrives + the bulk bytes;
+    // full[s]: the producer's expect-tx arrive + the TMA / bulk bytes;
     // empty[s]: one arrive per consumer warp once the wgmma reading stage s finished
     __shared__ std::uint64_t full_bar[S], empty_bar[S];
     if (tid == 0) {
 #pragma unroll
       for (int sl = 0; sl < S; ++sl) {
-        mbar_init(full_bar + sl, 33);
+        mbar_init(full_bar + sl, 1);
         mbar_init(empty_bar + sl, C::CONSUMERS / 32);
       }
       mbar_init_fence();
@@ -443,8 +452,9 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         if (c >= S) mbar_wait(empty_bar + slot, unsigned(c / S - 1) & 1u);
         unsigned char* const st = smem + slot * C::STAGE_BYTES;
         const int g0 = group_of(kc * kTileK), rows = group_of(kc * kTileK + 48) - g0 + 1;
-        if (lane == 0) {
-          mbar_arrive_expect_tx(full_bar + slot, wbytes + unsigned(rows * cols * 3));
+        if (lane == 0) {  // x (the TMA counts the whole box, zero-filled parts included), tiles, group rows
+          mbar_arrive_expect_tx(full_bar + slot, unsigned(XB) + wbytes + unsigned(rows * cols * 3));
+          tma_load_x(st, x_map, kc * kTileK, m0, full_bar + slot);
           bulk_copy_g2s(st + XB, p.tiles + (std::int64_t(kc) * ntiles + tile0) * (kTileK * kTileN / 8), wbytes, full_bar + slot);
           for (int r = 0; r < rows; ++r) {
             const std::int64_t off = std::int64_t(g0 + r) * p.Npad + n0;
@@ -452,21 +462,13 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
             bulk_copy_g2s(st + XB + WB + SB + r * STRIP, p.zeros + off, unsigned(cols), full_bar + slot);
           }
         }
-#pragma unroll 4
-        for (int i = lane; i < BN * 8; i += 32) {  // x [BN][64], 128B-swizzled, zero-filled past M and K
-          const int r = i >> 3, cc = i & 7, m = m0 + r, k = kc * kTileK + cc * 8;
-          const bool ok = m < p.M && k < p.K;
-          cp_async16(st + r * 128 + ((cc ^ (r & 7)) << 4), ok ? x + std::int64_t(m) * p.K + k : x, ok ? 16 : 0);
-        }
-        cp_async_mbar_arrive_noinc(full_bar + slot);
+        __syncwarp();
       }
-      cp_async_wait<0>();
     } else {
       for (int c = 0; c < nck; ++c) {
         const int slot = c % S;
         mbar_wait(full_bar + slot, unsigned(c / S) & 1u);
-        __syncwarp();        // converged again before the .aligned wgmma operations
-        fence_proxy_async();  // x came through cp.async (generic proxy); wgmma reads it through the async proxy
+        __syncwarp();  // converged again before the .aligned wgmma operations
         mma_chunk(smem + slot * C::STAGE_BYTES, kc0 + c, [] {});
         // the stage the finished wgmma read goes back to the producer (OVERLAP: the chunk before's)
         if (lane == 0 && (!C::OVERLAP || c > 0)) mbar_arrive(empty_bar + (C::OVERLAP ? (c + S - 1) % S : slot));
@@ -533,15 +535,40 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   __syncthreads();
   if (!last_flag) return;
   __threadfence();
-  // the last block of this (strip, batch slice): sum the K ranges in order (deterministic), coalesced over n
+  // the last block of this (strip, batch slice): sum the K ranges in order (deterministic), 4 features per thread
+  // and 4 K ranges' loads in flight at a time (Npad and n0 are multiples of 16: the float4 loads are aligned)
   const int rows = min(BN, p.M - m0), cols = min(STRIP, p.N - n0);
-  for (int i = tid; i < rows * STRIP; i += C::THREADS) {
-    const int r = i / STRIP, cc = i % STRIP;
+  const std::int64_t split_stride = std::int64_t(p.M) * p.Npad;
+  for (int i = tid; i < rows * (STRIP / 4); i += C::THREADS) {
+    const int r = i / (STRIP / 4), cc = (i % (STRIP / 4)) * 4;
     if (cc >= cols) continue;
-    const std::int64_t off = std::int64_t(m0 + r) * p.Npad + n0 + cc;
-    float sum = 0.f;
-    for (int sp = 0; sp < p.splits; ++sp) sum += __ldcg(p.partial + std::int64_t(sp) * p.M * p.Npad + off);
-    y[std::int64_t(m0 + r) * p.N + n0 + cc] = from_float<T>(sum);
+    const float* src = p.partial + std::int64_t(m0 + r) * p.Npad + n0 + cc;
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+    int sp = 0;
+    for (; sp + 4 <= p.splits; sp += 4) {
+      float4 v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) v[u] = __ldcg(reinterpret_cast<const float4*>(src + (sp + u) * split_stride));
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        sum.x += v[u].x;
+        sum.y += v[u].y;
+        sum.z += v[u].z;
+        sum.w += v[u].w;
+      }
+    }
+    for (; sp < p.splits; ++sp) {
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(src + sp * split_stride));
+      sum.x += v.x;
+      sum.y += v.y;
+      sum.z += v.z;
+      sum.w += v.w;
+    }
+    T* const dst = y + std::int64_t(m0 + r) * p.N + n0 + cc;
+    const float out4[4] = {sum.x, sum.y, sum.z, sum.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (cc + j < cols) dst[j] = from_float<T>(out4[j]);
   }
   if (tid == 0) *counter = 0;  // ready for the next launch
 #endif
@@ -590,7 +617,8 @@ std::string sm90_cfg_name() {
 using Sm90TuningCfgs = CfgList<Sm90Cfg<64, 2, 6>, Sm90Cfg<64, 2, 4>, Sm90Cfg<64, 1, 6, 2>, Sm90Cfg<128, 2, 4>, Sm90Cfg<128, 2, 6>,
                                Sm90Cfg<128, 1, 4, 2>, Sm90Cfg<64, 2, 6, 1, true>, Sm90Cfg<128, 1, 6, 1, true>,
                                // warp-specialised (a producer warp, mbarriers; names end in w)
-                               Sm90Cfg<64, 1, 6, 2, false, true>, Sm90Cfg<64, 1, 7, 2, false, true>, Sm90Cfg<128, 1, 6, 1, true, true>>;
+                               Sm90Cfg<64, 1, 6, 2, false, true>, Sm90Cfg<64, 1, 7, 2, false, true>, Sm90Cfg<64, 1, 6, 2, true, true>,
+                               Sm90Cfg<128, 1, 6, 1, true, true>>;
 // What qgemm_sm90_cuda runs, by batch (one slice of 64 rows up to M = 64, of 128 above) and layer width.
 // Measured on the H200 (bench/results/h200/gemm4-sm90-session7.*; 4096 x 4096, 4096 x 11008, 11008 x 4096,
 // 8192 x 28672 at M 33 / 64 / 128): one warpgroup tile per warpgroup and two blocks per SM (m1 ... x2) were
@@ -617,6 +645,30 @@ decltype(auto) with_sm90_cfg(Sm90Pick pick, F&& f) {
   }
 }
 
+// x [M, K] (fp16 / bf16, row-major, K % 8 == 0, 16-byte aligned) as a TMA tensor map: boxes of [64 k] x [box_rows]
+// rows, 128-byte swizzle (the layout sw128_desc describes), zeros past M and K. The driver's encoder is looked up
+// once through the runtime (no link against libcuda); cudaErrorNotSupported when the driver has none.
+inline cudaError_t make_x_tensor_map(CUtensorMap& map, const void* x, std::int64_t M, std::int64_t K, int box_rows, bool bf16_data) {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      fn = nullptr;
+    cudaGetLastError();
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {cuuint64_t(K), cuuint64_t(M)};
+  const cuuint64_t row_stride[1] = {cuuint64_t(K) * 2};
+  const cuuint32_t box[2] = {cuuint32_t(kTileK), cuuint32_t(box_rows)};
+  const cuuint32_t step[2] = {1, 1};
+  const CUresult r = encode(&map, bf16_data ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, const_cast<void*>(x), dims,
+                            row_stride, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
 // Configuration C with an explicit plan (benchmarks, tests).
 template <class T, class C>
 cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y,
@@ -628,12 +680,16 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
     return cudaErrorInvalidValue;  // 16-byte copies
   if (p.splits > 1 && (ws.partial == nullptr || ws.partial_elems < p.partial_elems || ws.counters == nullptr || ws.counter_elems < p.counter_elems))
     return cudaErrorInvalidValue;
+  if (p.splits > 1 && (reinterpret_cast<std::uintptr_t>(ws.partial) & 15)) return cudaErrorInvalidValue;  // float4 sums
   if (!qgemm_sm90_supported()) return cudaErrorNotSupported;
   static const cudaError_t attr = cudaFuncSetAttribute(qgemm_sm90_kernel<T, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
   if (attr != cudaSuccess) return attr;
+  CUtensorMap x_map{};
+  if constexpr (C::WS)
+    if (const cudaError_t e = make_x_tensor_map(x_map, x, s.M, s.K, C::BN, std::is_same_v<T, bf16>); e != cudaSuccess) return e;
   const Sm90Params prm{x, tiles, scales, zeros, y, ws.partial, ws.counters, int(s.M), int(s.N), int(s.K), int(s.Npad), int(s.group),
                        int(s.Kpad / kTileK), p.cps, p.strips, p.splits};
-  qgemm_sm90_kernel<T, C><<<dim3(unsigned(p.strips), unsigned(p.zslices), unsigned(p.splits)), C::THREADS, C::SMEM_BYTES, stream>>>(prm);
+  qgemm_sm90_kernel<T, C><<<dim3(unsigned(p.strips), unsigned(p.zslices), unsigned(p.splits)), C::THREADS, C::SMEM_BYTES, stream>>>(prm, x_map);
   return cudaGetLastError();
 }
 }  // namespace detail
