@@ -495,28 +495,27 @@ TEST(QuantCudaSm90, DispatchOnLargeLayersRepeatedly) {
   sm90_dispatch_check<bf16>(ragged, 100, 3);
   sm90_dispatch_check<half>(ragged, 33, 3);
 }
-// The library's entry (quant_gemm_cuda, what QuantizedLinear calls): the wgmma kernel from M = 33 on sm_90a
-// builds for 4-bit layers, by width (wide: 3/4 of a wave of 256-feature strips) and batch; mma.sync otherwise.
-// The choice in words first (host logic, any device), then the results of both sides of the M = 32 / 33
-// boundary and of a 3-bit layer against the CPU twin.
+// The library's entry (quant_gemm_cuda, what QuantizedLinear calls): the wgmma kernel from M = 17 on sm_90a builds
+// for 4-bit layers (64-row slices up to M = 64, 128-row slices above), mma.sync otherwise. The choice in words
+// first (host logic, any device), then the results on both sides of the M = 16 / 17 boundary and of a 3-bit
+// layer against the CPU twin.
 TEST(QuantCudaSm90, LibraryEntryPicksTheKernelByBatch) {
   REQUIRE_DEVICE();
   const bool wg = kq::qgemm_sm90_supported();
   auto says = [](const kq::QGemmShape& s, int sm) { return kq::quant_gemm_describe(s, sm); };
   auto starts = [](const std::string& text, const std::string& head) { return text.rfind(head, 0) == 0; };
-  const kq::QGemmShape wide{33, 28672, 8192, 8192, 28672, 128, 4}, narrow{33, 4096, 4096, 4096, 4096, 128, 4};
-  EXPECT_TRUE(starts(says(wide, 132), wg ? "wgmma wg_b64m2s6o " : "mma.sync ")) << says(wide, 132);
-  EXPECT_TRUE(starts(says({128, 28672, 8192, 8192, 28672, 128, 4}, 132), wg ? "wgmma wg_b128m2s6 " : "mma.sync "));
-  EXPECT_TRUE(starts(says(narrow, 132), wg ? "wgmma wg_b64m1s6x2 " : "mma.sync ")) << says(narrow, 132);
-  EXPECT_TRUE(starts(says({65, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b128m1s4x2 " : "mma.sync "));
-  EXPECT_TRUE(starts(says({32, 28672, 8192, 8192, 28672, 128, 4}, 132), "mma.sync "));
+  const kq::QGemmShape wide{17, 28672, 8192, 8192, 28672, 128, 4}, narrow{64, 4096, 4096, 4096, 4096, 128, 4};
+  EXPECT_TRUE(starts(says(wide, 132), wg ? "wgmma wg_b64m1s6x2w " : "mma.sync ")) << says(wide, 132);
+  EXPECT_TRUE(starts(says(narrow, 132), wg ? "wgmma wg_b64m1s6x2w " : "mma.sync ")) << says(narrow, 132);
+  EXPECT_TRUE(starts(says({65, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b128m1s6ow " : "mma.sync "));
+  EXPECT_TRUE(starts(says({16, 28672, 8192, 8192, 28672, 128, 4}, 132), "mma.sync "));
   EXPECT_TRUE(starts(says({64, 28672, 8192, 8192, 28672, 128, 3}, 132), "mma.sync "));
   EXPECT_TRUE(starts(says({64, 28672, 8196, 8256, 28672, 128, 4}, 132), "mma.sync "));  // K % 8: the wgmma kernel declines
   const int sm = sm_count();
   for (const int bits : {4, 3}) {
     const auto p = random_layer(1000, 1096, bits, 32, bits == 4, 40 + bits);
     const auto t = quant::to_tiles(p);
-    for (const std::int64_t M : {32, 33, 100}) {
+    for (const std::int64_t M : {16, 17, 100}) {
       const TwinCase<bf16> tc(p, t, M);
       const auto need = kq::quant_gemm_workspace_size(tc.shape, sm);
       Dev<float> part(std::size_t(std::max<std::int64_t>(need.partial_elems, 1)));

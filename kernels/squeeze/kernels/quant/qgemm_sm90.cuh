@@ -115,17 +115,19 @@ inline std::string describe(const Sm90Plan& p) {
 }
 
 // K splits: without an override, the count (1..16, K ranges of at least 4 chunks) with the least estimated
-// traffic: the weight bytes over the fraction of the grid's last wave that is used (idle SMs stretch the time),
-// plus the fp32 partials written and read back (8 B per split, row and column). E.g. 8192 x 28672 at M = 128:
-// 112 strips on 132 SMs, 1 split (fill 0.85) beats 7 (fill 0.99, but 205 MB of partials against 117 MB of
-// weights); 11008 x 4096: 16 strips, 8 splits (fill 0.97, 34 MB of partials).
+// traffic: the weight bytes over the fraction of the grid's last wave (of one block per SM) that is used (idle SMs
+// stretch the time), plus the fp32 partials written and read back, which mostly stay in L2 (weighted 2 B per split,
+// row and column). Fitted to the H200 sweep over split counts (bench_qgemm_sm90): it picks the fastest of 1/2/3/4/8
+// or one within 9% on the four LLaMA shapes at M 16..128 (4096 x 11008 at M = 128 picks 3, which was not timed),
+// e.g. 4096 x 4096 at M = 64: 4 splits (128 blocks), where the earlier 8-byte weight and two-blocks-per-SM waves
+// picked 6 (0.024 ms against 0.020).
 template <class C>
 Sm90Plan plan_qgemm_sm90(const QGemmShape& s, int sm_count, int splits_override = 0) {
   Sm90Plan p;
   const std::int64_t kchunks = s.Kpad / kTileK;
   p.zslices = int((s.M + C::BN - 1) / C::BN);
   p.strips = int((s.Npad + C::STRIP - 1) / C::STRIP);
-  const std::int64_t tiles = std::int64_t(p.zslices) * p.strips, slots = std::int64_t(std::max(sm_count, 1)) * C::MINB;
+  const std::int64_t tiles = std::int64_t(p.zslices) * p.strips, slots = std::max(sm_count, 1);
   const int max_splits = int(std::clamp<std::int64_t>(kchunks / 4, 1, 16));
   int splits = splits_override;
   if (splits <= 0) {
@@ -134,7 +136,7 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, int sm_count, int splits_override 
     for (int sp = 1; sp <= max_splits; ++sp) {
       const std::int64_t blocks = tiles * sp, waves = (blocks + slots - 1) / slots;
       const double fill = double(blocks) / double(waves * slots);
-      const double cost = wbytes / fill + (sp > 1 ? 8.0 * sp * double(s.M) * double(s.Npad) : 0.0);
+      const double cost = wbytes / fill + (sp > 1 ? 2.0 * sp * double(s.M) * double(s.Npad) : 0.0);
       if (sp == 1 || cost < best) {
         best = cost;
         splits = sp;
@@ -613,36 +615,23 @@ std::string sm90_cfg_name() {
          (C::MINB > 1 ? "x" + std::to_string(C::MINB) : "") + (C::OVERLAP ? "o" : "") + (C::WS ? "w" : "");
 }
 // Configurations the benchmark times (batch rows per block, m64 tiles per warpgroup, stages, blocks per SM,
-// overlap across chunks; names wg_b<BN>m<WM>s<STAGES>[x<MINB>][o]).
-using Sm90TuningCfgs = CfgList<Sm90Cfg<64, 2, 6>, Sm90Cfg<64, 2, 4>, Sm90Cfg<64, 1, 6, 2>, Sm90Cfg<128, 2, 4>, Sm90Cfg<128, 2, 6>,
-                               Sm90Cfg<128, 1, 4, 2>, Sm90Cfg<64, 2, 6, 1, true>, Sm90Cfg<128, 1, 6, 1, true>,
-                               // warp-specialised (a producer warp, mbarriers; names end in w)
+// overlap across chunks, warp-specialised; names wg_b<BN>m<WM>s<STAGES>[x<MINB>][o][w]). The H200 sweep of session 7
+// (bench/results/h200/gemm4-sm90-session7.*, gemm4_probe.*) also timed m2 / 4-stage forms, slower on every case.
+using Sm90TuningCfgs = CfgList<Sm90Cfg<64, 1, 6, 2>, Sm90Cfg<64, 2, 6, 1, true>, Sm90Cfg<128, 2, 6>,
+                               // warp-specialised (a producer warp, TMA / bulk copies, mbarriers; names end in w)
                                Sm90Cfg<64, 1, 6, 2, false, true>, Sm90Cfg<64, 1, 7, 2, false, true>, Sm90Cfg<64, 1, 6, 2, true, true>,
-                               Sm90Cfg<128, 1, 6, 1, true, true>>;
-// What qgemm_sm90_cuda runs, by batch (one slice of 64 rows up to M = 64, of 128 above) and layer width.
-// Measured on the H200 (bench/results/h200/gemm4-sm90-session7.*; 4096 x 4096, 4096 x 11008, 11008 x 4096,
-// 8192 x 28672 at M 33 / 64 / 128): one warpgroup tile per warpgroup and two blocks per SM (m1 ... x2) were
-// fastest, or within 3%, on every case but the widest layer, where strips of 256 features fill the SMs in one
-// wave and the two-tile configurations win by 16-20% (wg_b64m2s6o 0.187 ms vs wg_b64m1s6x2 0.222 at M 64;
-// wg_b128m2s6 0.224 vs wg_b128m1s4x2 0.274 at M 128). "Wide": at least 3/4 of a wave of 256-feature strips.
-using Sm90SmallNarrow = Sm90Cfg<64, 1, 6, 2>;
-using Sm90SmallWide = Sm90Cfg<64, 2, 6, 1, true>;
-using Sm90LargeNarrow = Sm90Cfg<128, 1, 4, 2>;
-using Sm90LargeWide = Sm90Cfg<128, 2, 6>;
-enum class Sm90Pick { SmallNarrow, SmallWide, LargeNarrow, LargeWide };
-inline Sm90Pick sm90_pick(const QGemmShape& s, int sm_count) {
-  const bool wide = 4 * (s.Npad / 256) >= 3 * std::int64_t(std::max(sm_count, 1));
-  return s.M <= 64 ? (wide ? Sm90Pick::SmallWide : Sm90Pick::SmallNarrow) : (wide ? Sm90Pick::LargeWide : Sm90Pick::LargeNarrow);
-}
-// Calls f(C{}) with the configuration type of `pick`.
+                               Sm90Cfg<128, 1, 6, 1, false, true>, Sm90Cfg<128, 1, 6, 1, true, true>>;
+// What qgemm_sm90_cuda runs: the warp-specialised form, one batch slice of 64 rows up to M = 64 (two blocks per
+// SM), of 128 rows above (with OVERLAP). Measured on the H200 (bench/results/h200/gemm4_probe.*, at the commit
+// after 2101881): on all four shapes at M 16..64 wg_b64m1s6x2w was the fastest configuration or within 3% of it,
+// and at M 128 wg_b128m1s6ow was the fastest on every shape; the other configurations stay for the benchmark.
+using Sm90Small = Sm90Cfg<64, 1, 6, 2, false, true>;
+using Sm90Large = Sm90Cfg<128, 1, 6, 1, true, true>;
+// Calls f(C{}) with the configuration type qgemm_sm90_cuda uses for M rows.
 template <class F>
-decltype(auto) with_sm90_cfg(Sm90Pick pick, F&& f) {
-  switch (pick) {
-    case Sm90Pick::SmallNarrow: return f(Sm90SmallNarrow{});
-    case Sm90Pick::SmallWide: return f(Sm90SmallWide{});
-    case Sm90Pick::LargeNarrow: return f(Sm90LargeNarrow{});
-    default: return f(Sm90LargeWide{});
-  }
+decltype(auto) with_sm90_cfg(std::int64_t M, F&& f) {
+  if (M <= 64) return f(Sm90Small{});
+  return f(Sm90Large{});
 }
 
 // x [M, K] (fp16 / bf16, row-major, K % 8 == 0, 16-byte aligned) as a TMA tensor map: boxes of [64 k] x [box_rows]
@@ -696,11 +685,10 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
 
 // The configuration (name) and plan qgemm_sm90_cuda uses for s.M rows (splits_override > 0 forces the K splits).
 inline std::string qgemm_sm90_cfg_name(const QGemmShape& s, int sm_count) {
-  return detail::with_sm90_cfg(detail::sm90_pick(s, sm_count), [](auto c) { return detail::sm90_cfg_name<decltype(c)>(); });
+  return detail::with_sm90_cfg(s.M, [](auto c) { return detail::sm90_cfg_name<decltype(c)>(); });
 }
 inline Sm90Plan qgemm_sm90_plan(const QGemmShape& s, int sm_count, int splits_override = 0) {
-  return detail::with_sm90_cfg(detail::sm90_pick(s, sm_count),
-                               [&](auto c) { return plan_qgemm_sm90<decltype(c)>(s, sm_count, splits_override); });
+  return detail::with_sm90_cfg(s.M, [&](auto c) { return plan_qgemm_sm90<decltype(c)>(s, sm_count, splits_override); });
 }
 inline QGemmWorkspace qgemm_sm90_workspace_size(const QGemmShape& s, int sm_count, int splits_override = 0) {
   const Sm90Plan p = qgemm_sm90_plan(s, sm_count, splits_override);
@@ -713,7 +701,7 @@ inline QGemmWorkspace qgemm_sm90_workspace_size(const QGemmShape& s, int sm_coun
 template <class T>
 cudaError_t qgemm_sm90_cuda(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y, const QGemmShape& s,
                             const QGemmWorkspace& ws, int sm_count, cudaStream_t stream, int splits_override = 0) {
-  return detail::with_sm90_cfg(detail::sm90_pick(s, sm_count), [&](auto c) {
+  return detail::with_sm90_cfg(s.M, [&](auto c) {
     using C = decltype(c);
     const Sm90Plan p = plan_qgemm_sm90<C>(s, sm_count, splits_override);
     return detail::launch_qgemm_sm90_cfg<T, C>(x, tiles, scales, zeros, y, s, p, ws, stream);
@@ -721,10 +709,14 @@ cudaError_t qgemm_sm90_cuda(const T* x, const std::uint32_t* tiles, const half* 
 }
 
 // ---- the library's quantized GEMM: the kernel each batch size is served by ----------------------------------
-// M > 32 rows on an sm_90 device with sm_90a device code and a shape the wgmma kernel takes: qgemm_sm90_cuda
-// (H200, session 7: 1.2-2.6x faster than qgemm_cuda at M 33-128 on the four LLaMA shapes, and slower at M 16
-// on three of them); everything else: qgemm_cuda (mma.sync; 3- and 8-bit, any device).
-inline bool quant_gemm_uses_sm90(const QGemmShape& s) { return s.M > 32 && qgemm_sm90_reason(s).empty() && qgemm_sm90_supported(); }
+// M >= 17 rows on an sm_90 device with sm_90a device code and a shape the wgmma kernel takes: qgemm_sm90_cuda;
+// everything else: qgemm_cuda (mma.sync; 3- and 8-bit, any device). H200 (bench/results/h200/gemm4_probe.*): at
+// M 33..128 the wgmma kernel was 1.4-3.3x faster than qgemm_cuda on the four LLaMA shapes; at M = 16 it was faster
+// on three of them (up to 1.6x) but 17% slower on 8192 x 28672, so M = 16 keeps the mma.sync kernel.
+inline constexpr std::int64_t kSm90MinRows = 17;
+inline bool quant_gemm_uses_sm90(const QGemmShape& s) {
+  return s.M >= kSm90MinRows && qgemm_sm90_reason(s).empty() && qgemm_sm90_supported();
+}
 // Workspace sizes for quant_gemm_cuda (pointers left null): partial fp32 (any contents) and counters int32
 // (zero before the first call; the kernels leave them zero).
 inline QGemmWorkspace quant_gemm_workspace_size(const QGemmShape& s, int sm_count) {
