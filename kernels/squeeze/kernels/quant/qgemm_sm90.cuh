@@ -1,5 +1,5 @@
 #pragma once
-// Hopper (sm_90a) 4-bit weight GEMM for batches of ~33..128 rows: y [M, N] = x [M, K] * W^T on wgmma.
+// Hopper (sm_90a) 4-bit weight GEMM for batches of 17 rows and more: y [M, N] = x [M, K] * W^T on wgmma.
 //
 // Why another kernel: qgemm.cuh's mma.sync kernel re-reads x per strip and runs far below the tensor-core
 // rate once M reaches 64 (H200: 0.41-0.48x cuBLAS bf16 at M = 64, 0.23-0.34x at M = 128). Here the product is
@@ -21,22 +21,29 @@
 //     8-row atoms of 1024 B, 16-byte chunk c of row r at chunk c ^ (r % 8)); the descriptor of k-step ks
 //     starts 32 B further into the atom (the hardware applies the swizzle to the address bits).
 //
-// Block (2 consumer warpgroups, 256 threads): a strip of 128 WM output features (warpgroup g takes
-// 64 WM of them: WM wgmma per k-step) x BN batch rows x one K range of cps 64-k chunks. Every thread takes
-// part in a STAGES-deep cp.async ring; one stage = x [BN][64] (swizzled), the strip's weight tiles of the
-// chunk (8 WM contiguous 512-byte tiles) and the scale / zero-point rows of the (at most four) groups the
-// chunk touches. Per chunk: wait for its stage, block barrier, then per k-step decode WM A fragments,
-// wgmma.fence, WM wgmma (after those of k-step 0, queue the copy of chunk c + STAGES - 1 into the stage chunk
-// c - 1 used); commit and wait for the chunk's wgmma before the next barrier (a stage is refilled only after
-// every wgmma that reads it ended).
-// Within a warpgroup the decode of k-step ks + 1 overlaps the wgmma of k-step ks; across chunks the tensor
-// cores idle from a warpgroup's wait to its next k-step 0 (barrier, shared loads, decode): a producer warp with
-// mbarriers and a second accumulator set would remove that (not done: measure this simple form first).
+// Block: 2 consumer warpgroups (256 threads) take a strip of 128 WM output features (warpgroup g takes 64 WM of
+// them: WM wgmma per k-step) x BN batch rows x one K range of cps 64-k chunks, through a STAGES-deep ring in
+// shared memory; one stage = x [BN][64] (swizzled), the strip's weight tiles of the chunk (8 WM contiguous
+// 512-byte tiles) and the scale / zero-point rows of the (at most four) groups the chunk touches. Per chunk and
+// k-step a consumer decodes its WM A fragments, fences and queues WM wgmma; it then commits and waits for the
+// chunk's wgmma (OVERLAP: for the chunk before) before the stage is refilled. Two ways to fill the ring:
+//   block-synchronous: every thread queues its share of 16-byte cp.async per chunk, and a block barrier per chunk
+//     hands stages over;
+//   warp-specialised (WS, what the dispatch uses): a ninth warp is the producer; one lane queues a chunk as one
+//     TMA copy of x (2-D tensor map, 128-byte swizzle, zeros past M and K) plus bulk copies of the tiles and the
+//     group rows, on a full mbarrier with the expected byte count; each consumer warp releases a stage on its
+//     empty mbarrier. On the H200 this took 4096 x 4096 at M = 64 from 0.035 ms (best block-synchronous
+//     configuration) to 0.020 ms: Nsight Compute had shown the block-synchronous form busy with its copy loops'
+//     address arithmetic and barrier, and a WS form with cp.async x waiting on its producer
+//     (bench/results/h200/ncu-sm90-stalls.txt).
 // K splits (small N: too few strips for the SMs) write fp32 partials; the last block of a (strip, batch
-// slice) to finish (a counter each) sums them in split order (deterministic), writes y and resets its counter.
+// slice) to finish (a counter each) sums them in split order (deterministic), four features and four K ranges
+// at a time, writes y and resets its counter.
+// Not done: a persistent grid (the last wave of 8192 x 28672 leaves SMs idle), 128 x 128 tiles per warpgroup pair
+// for M >= 128 (WS with WM = 2 computed wrong results, see Sm90Cfg), 8- and 3-bit tiles.
 //
 // Limits (checked by qgemm_sm90_reason; qgemm_cuda keeps serving the rest): 4-bit tiles, K % 8 == 0
-// (16-byte x copies), 16-byte aligned x / tiles / scales / zeros, group % 16 == 0 (as qgemm.cuh). Any M, N
+// (16-byte x copies; the tensor map's row pitch), 16-byte aligned x / tiles / scales / zeros, group % 16 == 0 (as qgemm.cuh). Any M, N
 // and K (M past BN: more batch slices; N, K not tile multiples: zero-filled copies, stores predicated).
 // Act-order: as for qgemm_cuda, the caller gathers x by QTiles::perm (the tiles are in kernel row order).
 // Needs sm_90a (wgmma): compiled for another target (plain sm_90 included) the kernel is empty and the
@@ -66,7 +73,7 @@ namespace squeeze::kernels::quant {
 
 // ---- configuration and plan (host) ----------------------------------------------------------------------
 // BN: batch rows per block (wgmma N: 64 or 128); WM: m64 tiles per warpgroup (block strip = 128 WM features);
-// STAGES: chunks in the cp.async ring; MINB: blocks per SM for __launch_bounds__ (2 halves the registers);
+// STAGES: chunks in the ring; MINB: blocks per SM for __launch_bounds__ (2 halves the registers);
 // OVERLAP: a warpgroup keeps one chunk's wgmma in flight while it decodes the next (waits for the chunk before,
 // wgmma.wait_group 1), so the tensor cores need not idle across the chunk barrier; costs a second set of A
 // registers (16 WM) and one stage of copy distance (STAGES - 2 chunks ahead instead of STAGES - 1).
@@ -116,11 +123,12 @@ inline std::string describe(const Sm90Plan& p) {
 
 // K splits: without an override, the count (1..16, K ranges of at least 4 chunks) with the least estimated
 // traffic: the weight bytes over the fraction of the grid's last wave (of one block per SM) that is used (idle SMs
-// stretch the time), plus the fp32 partials written and read back, which mostly stay in L2 (weighted 2 B per split,
-// row and column). Fitted to the H200 sweep over split counts (bench_qgemm_sm90): it picks the fastest of 1/2/3/4/8
-// or one within 9% on the four LLaMA shapes at M 16..128 (4096 x 11008 at M = 128 picks 3, which was not timed),
-// e.g. 4096 x 4096 at M = 64: 4 splits (128 blocks), where the earlier 8-byte weight and two-blocks-per-SM waves
-// picked 6 (0.024 ms against 0.020).
+// stretch the time), plus the fp32 partials written and read back, which mostly stay in L2 (weighted 4 B per split,
+// row and column, half their byte count). Fitted to the H200 sweep over split counts 1/2/3/4/8 (bench_qgemm_sm90,
+// bench/results/h200/gemm4_probe.jsonl) for the dispatch's configurations: on the four LLaMA shapes at M 16..128 it
+// picks the fastest count or one within 9% (11008 x 4096 at M <= 64: 4 where 8 was 8% faster), e.g. 4096 x 4096
+// at M = 64: 4 splits (128 blocks) in 0.020 ms, where the earlier 8-byte weight with waves of two blocks per SM
+// picked 6 (0.024 ms).
 template <class C>
 Sm90Plan plan_qgemm_sm90(const QGemmShape& s, int sm_count, int splits_override = 0) {
   Sm90Plan p;
@@ -136,7 +144,7 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, int sm_count, int splits_override 
     for (int sp = 1; sp <= max_splits; ++sp) {
       const std::int64_t blocks = tiles * sp, waves = (blocks + slots - 1) / slots;
       const double fill = double(blocks) / double(waves * slots);
-      const double cost = wbytes / fill + (sp > 1 ? 2.0 * sp * double(s.M) * double(s.Npad) : 0.0);
+      const double cost = wbytes / fill + (sp > 1 ? 4.0 * sp * double(s.M) * double(s.Npad) : 0.0);
       if (sp == 1 || cost < best) {
         best = cost;
         splits = sp;
