@@ -507,7 +507,7 @@ TEST(QuantCudaSm90, LibraryEntryPicksTheKernelByBatch) {
   const kq::QGemmShape wide{17, 28672, 8192, 8192, 28672, 128, 4}, narrow{64, 4096, 4096, 4096, 4096, 128, 4};
   EXPECT_TRUE(starts(says(wide, 132), wg ? "wgmma wg_b64m1s6x2w " : "mma.sync ")) << says(wide, 132);
   EXPECT_TRUE(starts(says(narrow, 132), wg ? "wgmma wg_b64m1s6x2w " : "mma.sync ")) << says(narrow, 132);
-  EXPECT_TRUE(starts(says({65, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b128m1s6ow " : "mma.sync "));
+  EXPECT_TRUE(starts(says({65, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b128m1s6w " : "mma.sync "));
   EXPECT_TRUE(starts(says({16, 28672, 8192, 8192, 28672, 128, 4}, 132), "mma.sync "));
   EXPECT_TRUE(starts(says({64, 28672, 8192, 8192, 28672, 128, 3}, 132), "mma.sync "));
   EXPECT_TRUE(starts(says({64, 28672, 8196, 8256, 28672, 128, 4}, 132), "mma.sync "));  // K % 8: the wgmma kernel declines

@@ -75,8 +75,11 @@ namespace squeeze::kernels::quant {
 // BN: batch rows per block (wgmma N: 64 or 128); WM: m64 tiles per warpgroup (block strip = 128 WM features);
 // STAGES: chunks in the ring; MINB: blocks per SM for __launch_bounds__ (2 halves the registers);
 // OVERLAP: a warpgroup keeps one chunk's wgmma in flight while it decodes the next (waits for the chunk before,
-// wgmma.wait_group 1), so the tensor cores need not idle across the chunk barrier; costs a second set of A
-// registers (16 WM) and one stage of copy distance (STAGES - 2 chunks ahead instead of STAGES - 1).
+// wgmma.wait_group 1) into the second set of A registers; costs one stage of copy distance (STAGES - 2 chunks
+// ahead instead of STAGES - 1). ptxas serializes the wgmma of this form (C7513: registers of a wgmma input set
+// defined inside an open pipeline stage), so it is kept for measurement only. (Session 7's first form reused one
+// register set and relied on the allocator for the overlap: the OVERLAP configurations measured on the H200 until
+// then read A registers the next chunk's decode could overwrite, and WS with WM = 2 did compute wrong results.)
 // WS (warp-specialised): a ninth warp is the producer: one lane queues every copy of a chunk (x by the TMA from a
 // tensor map, bulk copies of the weight tiles and the scale / zero rows) and full / empty mbarriers per stage hand
 // stages over, so the consumer warpgroups run no address arithmetic and no block barrier per chunk; the ring runs
@@ -102,7 +105,8 @@ struct Sm90Cfg {
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per block");
   // H200 (bench_qgemm_sm90 at 2101881): wg_b64m2s6ow and wg_b64m2s8ow gave results 0.1-0.25 (relative to max |y|)
   // away from the mma.sync kernel's on every shape, while WS with WM = 1 and every non-WS configuration agreed.
-  // Cause not found yet, so the combination is refused.
+  // The likely cause, the single A register set under OVERLAP, is gone (two sets now); refused until WS with
+  // WM = 2 has run against the CPU twin.
   static_assert(!WS || WM == 1, "the warp-specialised form takes WM = 1 (one m64 tile per warpgroup): use Sm90Cfg<BN, 1, ...>");
 };
 
@@ -194,18 +198,24 @@ __device__ __forceinline__ void wgmma_wait() {
 #endif
 }
 // Pins a register at this point of the program: after wgmma_wait, so the compiler neither reads an accumulator
-// early nor hands an A register an in-flight wgmma still reads to another value.
+// early nor hands an A register an in-flight wgmma still reads to another value (the register stays live, so
+// reserved, from its definition to the pin).
 __device__ __forceinline__ void pin(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 __device__ __forceinline__ void pin(std::uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
-// After a wgmma_wait<0>: every A register and accumulator of the finished wgmma.
-template <int WM, int NACC>
-__device__ __forceinline__ void pin_operands(std::uint32_t (&a)[4][WM][4], float (&acc)[WM][NACC]) {
+// After a wgmma_wait: the A registers of a finished chunk (live until here, so not reused while it ran).
+template <int WM>
+__device__ __forceinline__ void pin_a(std::uint32_t (&a)[4][WM][4]) {
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
     for (int t = 0; t < WM; ++t)
 #pragma unroll
       for (int i = 0; i < 4; ++i) pin(a[ks][t][i]);
+}
+// After a wgmma_wait<0>: every A register and accumulator of the finished wgmma.
+template <int WM, int NACC>
+__device__ __forceinline__ void pin_operands(std::uint32_t (&a)[4][WM][4], float (&acc)[WM][NACC]) {
+  pin_a(a);
 #pragma unroll
   for (int t = 0; t < WM; ++t)
 #pragma unroll
@@ -393,11 +403,14 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   const int nl = wg * 64 * WM + wq * 16 + g4;  // feature of row l/4 of tile t = 0, relative to the strip
   int cur_g = -1;
   Sm90Group grp[WM];
-  std::uint32_t a[4][WM][4];
-  std::uint32_t a_prev[4][WM][4] = {};  // OVERLAP: the A registers of the chunk still in flight
-  // ---- one chunk (stage st holds chunk kc): per k-step decode WM A fragments and queue WM wgmma; then commit
-  // and wait for the chunk before (OVERLAP) or this one. after_first(): run once the first k-step is queued.
-  auto mma_chunk = [&](const unsigned char* st, int kc, auto&& after_first) {
+  // A fragments, two sets used by alternate chunks: a wgmma reads its A registers until it completes, so with
+  // OVERLAP (chunk c in flight while chunk c + 1 is decoded) chunk c + 1 must decode into the other set. Each set
+  // is pinned after the wait that retires its chunk, which keeps its registers reserved until then (a rolled loop
+  // with one set would decode chunk c + 1 into the registers chunk c's wgmma is still reading).
+  std::uint32_t a0[4][WM][4] = {}, a1[4][WM][4] = {};
+  // ---- one chunk (stage st holds chunk kc): per k-step decode WM A fragments into a and queue WM wgmma, then
+  // commit. after_first(): run once the first k-step is queued.
+  auto mma_chunk = [&](const unsigned char* st, int kc, auto& a, auto&& after_first) {
     const int g0 = group_of(kc * kTileK);
     uint4 wv[WM];  // this lane's 4 words (4 k-steps) of each of its tiles
 #pragma unroll
@@ -424,20 +437,15 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       if (ks == 0) after_first();
     }
     wgmma_commit();
+  };
+  // After mma_chunk(a_cur): wait for the chunk before (OVERLAP; its set a_other is free again) or for this one.
+  auto retire = [&](auto& a_cur, auto& a_other) {
     if constexpr (C::OVERLAP) {
-      wgmma_wait<1>();  // the chunk before finished: its A registers may be reused; this chunk's stay live until next time
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks)
-#pragma unroll
-        for (int t = 0; t < WM; ++t)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            pin(a_prev[ks][t][i]);
-            a_prev[ks][t][i] = a[ks][t][i];
-          }
+      wgmma_wait<1>();
+      pin_a(a_other);
     } else {
       wgmma_wait<0>();
-      pin_operands(a, acc);
+      pin_operands(a_cur, acc);
     }
   };
 
@@ -475,14 +483,19 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         __syncwarp();
       }
     } else {
-      for (int c = 0; c < nck; ++c) {
+      auto consume = [&](int c, auto& a_cur, auto& a_other) {
         const int slot = c % S;
         mbar_wait(full_bar + slot, unsigned(c / S) & 1u);
         __syncwarp();  // converged again before the .aligned wgmma operations
-        mma_chunk(smem + slot * C::STAGE_BYTES, kc0 + c, [] {});
+        mma_chunk(smem + slot * C::STAGE_BYTES, kc0 + c, a_cur, [] {});
+        retire(a_cur, a_other);
         // the stage the finished wgmma read goes back to the producer (OVERLAP: the chunk before's)
         if (lane == 0 && (!C::OVERLAP || c > 0)) mbar_arrive(empty_bar + (C::OVERLAP ? (c + S - 1) % S : slot));
         __syncwarp();
+      };
+      for (int c = 0; c < nck; c += 2) {  // pairs: the two A sets alternate with static names
+        consume(c, a0, a1);
+        if (c + 1 < nck) consume(c + 1, a1, a0);
       }
     }
   } else {
@@ -492,25 +505,31 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       if (s < nck) load_chunk(kc0 + s, s);
       cp_async_commit();
     }
-    for (int c = 0; c < nck; ++c) {
+    auto step = [&](int c, auto& a_cur, auto& a_other) {
       cp_async_wait<AHEAD - 1>();  // this thread's copies of chunk c landed
       fence_proxy_async();
-      // everyone's copies landed; every wgmma of chunk c - 1 (OVERLAP: c - 2) finished (waited in mma_chunk), so
-      // the stage it read may be refilled
+      // everyone's copies landed; every wgmma of chunk c - 1 (OVERLAP: c - 2) finished (retired below), so the
+      // stage it read may be refilled
       __syncthreads();
-      mma_chunk(smem + (c % S) * C::STAGE_BYTES, kc0 + c, [&] {  // refill the stage chunk c - 1 (OVERLAP: c - 2) used
+      mma_chunk(smem + (c % S) * C::STAGE_BYTES, kc0 + c, a_cur, [&] {  // refill the stage chunk c - 1 (OVERLAP: c - 2) used
         const int nx = c + AHEAD;
         if (nx < nck) load_chunk(kc0 + nx, nx % S);
         cp_async_commit();
         __syncwarp();  // the copy loops' trip counts differ per thread: reconverge before the .aligned wgmma ops
       });
+      retire(a_cur, a_other);
+    };
+    for (int c = 0; c < nck; c += 2) {
+      step(c, a0, a1);
+      if (c + 1 < nck) step(c + 1, a1, a0);
     }
     cp_async_wait<0>();  // no copy may land after the block exits
   }
   if constexpr (C::OVERLAP) {  // the last chunk's wgmma; accumulators are read only after this
     if (!C::WS || warp < C::CONSUMERS / 32) {
       wgmma_wait<0>();
-      pin_operands(a_prev, acc);
+      pin_operands(a0, acc);
+      pin_a(a1);
     }
   }
   const bool consumer = tid < C::CONSUMERS;
@@ -625,16 +644,17 @@ std::string sm90_cfg_name() {
 // Configurations the benchmark times (batch rows per block, m64 tiles per warpgroup, stages, blocks per SM,
 // overlap across chunks, warp-specialised; names wg_b<BN>m<WM>s<STAGES>[x<MINB>][o][w]). The H200 sweep of session 7
 // (bench/results/h200/gemm4-sm90-session7.*, gemm4_probe.*) also timed m2 / 4-stage forms, slower on every case.
-using Sm90TuningCfgs = CfgList<Sm90Cfg<64, 1, 6, 2>, Sm90Cfg<64, 2, 6, 1, true>, Sm90Cfg<128, 2, 6>,
+using Sm90TuningCfgs = CfgList<Sm90Cfg<64, 1, 6, 2>, Sm90Cfg<128, 2, 6>,
                                // warp-specialised (a producer warp, TMA / bulk copies, mbarriers; names end in w)
-                               Sm90Cfg<64, 1, 6, 2, false, true>, Sm90Cfg<64, 1, 7, 2, false, true>, Sm90Cfg<64, 1, 6, 2, true, true>,
-                               Sm90Cfg<128, 1, 6, 1, false, true>, Sm90Cfg<128, 1, 6, 1, true, true>>;
+                               Sm90Cfg<64, 1, 6, 2, false, true>, Sm90Cfg<64, 1, 7, 2, false, true>, Sm90Cfg<128, 1, 6, 1, false, true>,
+                               Sm90Cfg<128, 1, 6, 1, true, true>>;
 // What qgemm_sm90_cuda runs: the warp-specialised form, one batch slice of 64 rows up to M = 64 (two blocks per
-// SM), of 128 rows above (with OVERLAP). Measured on the H200 (bench/results/h200/gemm4_probe.*, at the commit
-// after 2101881): on all four shapes at M 16..64 wg_b64m1s6x2w was the fastest configuration or within 3% of it,
-// and at M 128 wg_b128m1s6ow was the fastest on every shape; the other configurations stay for the benchmark.
+// SM), of 128 rows above. Measured on the H200 (bench/results/h200/gemm4_probe.*, fa028dc): at M 16..64
+// wg_b64m1s6x2w was the fastest configuration or within 3% of it on all four shapes. At M = 128 the fastest was
+// wg_b128m1s6ow, an OVERLAP form that is no longer fast (see Sm90Cfg); its plain twin wg_b128m1s6w ran within 3%
+// of it when both loaded x by cp.async (2101881) and has not been timed with the TMA producer yet.
 using Sm90Small = Sm90Cfg<64, 1, 6, 2, false, true>;
-using Sm90Large = Sm90Cfg<128, 1, 6, 1, true, true>;
+using Sm90Large = Sm90Cfg<128, 1, 6, 1, false, true>;
 // Calls f(C{}) with the configuration type qgemm_sm90_cuda uses for M rows.
 template <class F>
 decltype(auto) with_sm90_cfg(std::int64_t M, F&& f) {
