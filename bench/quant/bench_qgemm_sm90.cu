@@ -58,6 +58,18 @@ struct DevBuf {  // a device array, freed on scope exit
   }
 };
 
+// Split-K scratch of the sizes a plan asks for: fp32 partials (any contents) and counters (zeroed).
+struct Workspace {
+  DevBuf<float> partial;
+  DevBuf<int> counters;
+  kq::QGemmWorkspace ws;
+  explicit Workspace(const kq::QGemmWorkspace& need)
+      : partial(std::size_t(std::max<std::int64_t>(need.partial_elems, 1))), counters(std::size_t(std::max<std::int64_t>(need.counter_elems, 1))),
+        ws{partial.p, need.partial_elems, counters.p, need.counter_elems} {
+    SQUEEZE_CUDA_CHECK(cudaMemset(counters.p, 0, counters.n * sizeof(int)));
+  }
+};
+
 void cublas_check(cublasStatus_t s, const char* what) {
   if (s != CUBLAS_STATUS_SUCCESS) throw std::runtime_error(std::string("cuBLAS: ") + what + " failed (status " + std::to_string(int(s)) + ")");
 }
@@ -129,11 +141,8 @@ void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape&
       const auto plan = kq::plan_qgemm_sm90<C>(s, sm, sp);
       if (plan.splits < 32 && seen[plan.splits]++) continue;
       watchdog_note(name + " " + kq::describe(plan));
-      DevBuf<float> part(std::size_t(std::max<std::int64_t>(plan.partial_elems, 1)));
-      DevBuf<int> cnt(std::size_t(std::max<std::int64_t>(plan.counter_elems, 1)));
-      SQUEEZE_CUDA_CHECK(cudaMemset(cnt.p, 0, cnt.n * sizeof(int)));
-      const kq::QGemmWorkspace ws{part.p, plan.partial_elems, cnt.p, plan.counter_elems};
-      auto launch = [&] { return kq::detail::launch_qgemm_sm90_cfg<bf16, C>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws, nullptr); };
+      const Workspace ws({nullptr, plan.partial_elems, nullptr, plan.counter_elems});
+      auto launch = [&] { return kq::detail::launch_qgemm_sm90_cfg<bf16, C>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws.ws, nullptr); };
       SQUEEZE_CUDA_CHECK(cudaMemset(y, 0xff, ny * sizeof(bf16)));
       if (const cudaError_t e = launch(); e != cudaSuccess) {
         std::printf("  %s (%s): %s\n", name.c_str(), kq::describe(plan).c_str(), cudaGetErrorString(e));
@@ -211,22 +220,14 @@ int main(int argc, char** argv) {
       const DevBuf<bf16> x(Layer::random_bf16(std::size_t(M * K), 1.f, rng));
       DevBuf<bf16> y(std::size_t(M * N)), y_cub(std::size_t(M * N));
       // the mma.sync kernel: the reference for the wgmma results
-      const auto mneed = kq::qgemm_workspace_size(s, sm);
-      DevBuf<float> mpart(std::size_t(std::max<std::int64_t>(mneed.partial_elems, 1)));
-      DevBuf<int> mcnt(std::size_t(std::max<std::int64_t>(mneed.counter_elems, 1)));
-      SQUEEZE_CUDA_CHECK(cudaMemset(mcnt.p, 0, mcnt.n * sizeof(int)));
-      const kq::QGemmWorkspace mws{mpart.p, mneed.partial_elems, mcnt.p, mneed.counter_elems};
-      auto run_mma = [&] { SQUEEZE_CUDA_CHECK(kq::qgemm_cuda<bf16>(x.p, L.tiles.p, L.scales.p, L.zeros.p, y.p, s, mws, sm, nullptr)); };
+      const Workspace mws(kq::qgemm_workspace_size(s, sm));
+      auto run_mma = [&] { SQUEEZE_CUDA_CHECK(kq::qgemm_cuda<bf16>(x.p, L.tiles.p, L.scales.p, L.zeros.p, y.p, s, mws.ws, sm, nullptr)); };
       run_mma();
       const std::vector<bf16> ref = y.get();
       const double t_mma = time_ms(run_mma, reps);
       // the library's dispatch
-      const auto need = kq::quant_gemm_workspace_size(s, sm);
-      DevBuf<float> part(std::size_t(std::max<std::int64_t>(need.partial_elems, 1)));
-      DevBuf<int> cnt(std::size_t(std::max<std::int64_t>(need.counter_elems, 1)));
-      SQUEEZE_CUDA_CHECK(cudaMemset(cnt.p, 0, cnt.n * sizeof(int)));
-      const kq::QGemmWorkspace ws{part.p, need.partial_elems, cnt.p, need.counter_elems};
-      auto run_ours = [&] { SQUEEZE_CUDA_CHECK(kq::quant_gemm_cuda<bf16>(x.p, L.tiles.p, L.scales.p, L.zeros.p, y.p, s, ws, sm, nullptr)); };
+      const Workspace ws(kq::quant_gemm_workspace_size(s, sm));
+      auto run_ours = [&] { SQUEEZE_CUDA_CHECK(kq::quant_gemm_cuda<bf16>(x.p, L.tiles.p, L.scales.p, L.zeros.p, y.p, s, ws.ws, sm, nullptr)); };
       // with --cfg (a profiler run) the dispatch is not run: only that configuration's launches reach the profiler
       const bool dispatch_run = only_cfg.empty();
       if (dispatch_run) run_ours();
