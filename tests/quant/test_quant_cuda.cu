@@ -528,6 +528,31 @@ TEST(QuantCudaSm90, LibraryEntryPicksTheKernelByBatch) {
     }
   }
 }
+// The K-split plan of the dispatched configurations (host logic: runs without a GPU). Expected counts: the
+// fastest or within 9% in the H200 sweep over 1/2/3/4/8 splits (bench/results/h200/gemm4_probe.jsonl), 132 SMs.
+// Every plan covers K exactly once with no empty range and sizes its workspace to splits x M x Npad.
+TEST(QuantCudaSm90, SplitPlanFollowsTheMeasuredSweep) {
+  struct Case {
+    std::int64_t K, N, M;
+    int splits;
+  };
+  const Case cases[] = {{4096, 4096, 16, 4},   {4096, 4096, 64, 4},   {4096, 4096, 128, 4},  {4096, 11008, 33, 3}, {4096, 11008, 64, 3},
+                        {4096, 11008, 128, 1}, {11008, 4096, 64, 4},  {11008, 4096, 128, 4}, {8192, 28672, 33, 4}, {8192, 28672, 64, 1},
+                        {8192, 28672, 128, 1}};
+  for (const auto& c : cases) {
+    const kq::QGemmShape s{c.M, c.N, c.K, (c.K + 63) / 64 * 64, (c.N + 15) / 16 * 16, 128, 4};
+    const auto p = kq::qgemm_sm90_plan(s, 132);
+    SCOPED_TRACE("K " + std::to_string(c.K) + " N " + std::to_string(c.N) + " M " + std::to_string(c.M) + ": " + kq::describe(p));
+    EXPECT_EQ(p.splits, c.splits);
+    const std::int64_t kchunks = s.Kpad / 64;
+    EXPECT_GE(std::int64_t(p.splits) * p.cps, kchunks);
+    EXPECT_LT(std::int64_t(p.splits - 1) * p.cps, kchunks);
+    EXPECT_EQ(p.partial_elems, p.splits > 1 ? std::int64_t(p.splits) * s.M * s.Npad : 0);
+  }
+  // an override is clamped to the chunks there are (K = 200: 4 chunks)
+  const kq::QGemmShape small{40, 64, 200, 256, 64, 32, 4};
+  EXPECT_EQ(kq::qgemm_sm90_plan(small, 132, 16).splits, 4);
+}
 // What the wgmma GEMM does not take is rejected before any launch, with the reason named (qgemm_cuda serves it).
 TEST(QuantCudaSm90, RejectsShapesItCannotTake) {
   auto reason = [](kq::QGemmShape s) { return kq::qgemm_sm90_reason(s); };
