@@ -1,0 +1,112 @@
+#pragma once
+// Shared by the CUDA quant tests (test_quant_cuda.cu: dequantize, GEMV, the mma.sync GEMM; test_quant_sm90.cu: the
+// wgmma GEMM and the library entry): random GPTQ layers and activations, the twin's error scale, one layer and
+// batch on the device with the CPU twin's result. Two translation units so that the GPU machine builds them in
+// parallel.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+#include <squeeze/error.hpp>
+#include <squeeze/kernels/quant/dequant.cuh>
+#include <squeeze/kernels/quant/qgemm.cuh>
+#include <squeeze/kernels/quant/qgemm_sm90.cuh>
+#include <squeeze/quant/tiles.hpp>
+#include <squeeze/quant/rtn.hpp>
+
+#include "../cuda_buffer.hpp"
+
+using namespace squeeze;
+namespace kq = squeeze::kernels::quant;
+
+namespace {
+using test::Dev;
+
+quant::PackedLinear random_layer(std::int64_t out, std::int64_t in, int bits, int group, bool act_order, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, 0.02f);
+  std::vector<float> w(out * in);
+  for (auto& v : w) v = nd(rng);
+  auto p = quant::rtn_quantize(w, out, in, {.bits = bits, .group_size = group, .sym = false});
+  if (act_order && group > 0) {
+    std::vector<std::int32_t> perm(in);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (std::int64_t j = 0; j < in; ++j) p.g_idx[perm[j]] = std::int32_t(j / group);
+  }
+  return p;
+}
+template <class T>
+std::vector<T> random_x(std::int64_t n, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<T> x(n);
+  for (auto& v : x) v = from_float<T>(nd(rng));
+  return x;
+}
+template <class T>
+double ulp(double y) {
+  return std::ldexp(std::abs(y), std::is_same_v<T, half> ? -10 : -7) + 1e-30;
+}
+int sm_count() {
+  int sm = 0;
+  SQUEEZE_CUDA_CHECK(cudaDeviceGetAttribute(&sm, cudaDevAttrMultiProcessorCount, 0));
+  return sm;
+}
+// sum |x w| per output [M, N] (float64), the scale of the accumulation error
+template <class T>
+std::vector<double> magnitudes(const quant::PackedLinear& p, const quant::QTiles& t, const std::vector<T>& x, std::int64_t M) {
+  const auto wdq = quant::dequantize(p);
+  std::vector<double> mag(M * p.out, 0.0);
+  for (std::int64_t m = 0; m < M; ++m)
+    for (std::int64_t n = 0; n < p.out; ++n)
+      for (std::int64_t k = 0; k < p.in; ++k)
+        mag[m * p.out + n] += std::abs(double(to_float(x[m * p.in + k])) * wdq[n * p.in + (t.perm.empty() ? k : t.perm[k])]);
+  return mag;
+}
+// |gpu - twin| per output, bounded by rel * sum |x w| + one ulp of T; rel 1e-5: fp32 accumulation in another
+// order (the exact modes)
+template <class T>
+void expect_close_to_twin(const std::vector<double>& mag, const std::vector<T>& ref, const std::vector<T>& got, const std::string& what,
+                          double rel = 1e-5) {
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    const double r = to_float(ref[i]), g = to_float(got[i]);
+    ASSERT_LE(std::abs(g - r), rel * mag[i] + ulp<T>(r)) << what << " at flat index " << i << ": gpu " << g << " twin " << r;
+  }
+}
+// x in kernel row order (gathered by perm, as the torch layer does) and the twin's result
+template <class T>
+std::vector<T> kernel_order_x(const quant::QTiles& t, std::int64_t M, std::int64_t K, std::uint32_t seed) {
+  auto x = random_x<T>(M * K, seed);
+  if (t.perm.empty()) return x;
+  auto xg = x;
+  for (std::int64_t m = 0; m < M; ++m)
+    for (std::int64_t k = 0; k < K; ++k) xg[m * K + k] = x[m * K + t.perm[k]];
+  return xg;
+}
+
+// One layer and batch on the device with the twin's result and the error scale (computed once, shared by
+// every configuration checked on it).
+template <class T>
+struct TwinCase {
+  kq::QGemmShape shape;
+  std::int64_t M;
+  std::vector<T> ref;
+  std::vector<double> mag;
+  Dev<T> dx, dy;
+  Dev<std::uint32_t> dt;
+  Dev<half> ds;
+  Dev<std::uint8_t> dz;
+  TwinCase(const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t rows, const std::vector<T>& x)
+      : shape(t.shape(rows)), M(rows), ref(std::size_t(rows * p.out)), mag(magnitudes(p, t, x, rows)), dx(x), dy(ref.size()), dt(t.tiles),
+        ds(t.scales), dz(t.zeros) {
+    kq::qgemm_cpu(x.data(), t.tiles.data(), t.scales.data(), t.zeros.data(), ref.data(), shape);
+  }
+  TwinCase(const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t rows) : TwinCase(p, t, rows, kernel_order_x<T>(t, rows, p.in, 23)) {}
+};
+}  // namespace

@@ -1,0 +1,164 @@
+// The sm_90 wgmma GEMM (qgemm_sm90.cuh) and the library's GEMM entry (quant_gemm_cuda) against the CPU twin
+// (label cuda). The wgmma GEMM rounds each weight (q - z) * scale to T once: fp16 2^-10, bf16 2^-7 of sum|x w| + one
+// ulp (as the scaled-B configurations of the mma.sync kernel); its tests skip unless the device is sm_90 and the
+// build has sm_90a device code. The split-plan test is host logic and runs everywhere.
+#include "quant_cuda_common.cuh"
+
+// ---- sm_90 wgmma GEMM (qgemm_sm90.cuh, batch 33..128) ---------------------------------------------------
+#define REQUIRE_SM90()                                                                                                \
+  REQUIRE_DEVICE();                                                                                                   \
+  if (!kq::qgemm_sm90_supported())                                                                                    \
+  GTEST_SKIP() << "the wgmma GEMM needs an sm_90 device and sm_90a device code (configure with CMAKE_CUDA_ARCHITECTURES=90a)"
+
+// Configuration C on a twin case for each K split count (0: the plan's own), reps launches each on the same
+// counters (the kernel leaves them zero). Bound: each weight rounded to T once, as for scaled B (cfg_runs).
+template <class T, class C>
+void sm90_cfg_runs(const TwinCase<T>& tc, const std::vector<int>& split_counts, int reps) {
+  const double rel = std::is_same_v<T, bf16> ? 0x1p-7 : 0x1p-10;
+  for (const int sp : split_counts) {
+    const auto plan = kq::plan_qgemm_sm90<C>(tc.shape, sm_count(), sp);
+    SCOPED_TRACE(kq::detail::sm90_cfg_name<C>() + ": " + kq::describe(plan));
+    Dev<float> part(std::size_t(std::max<std::int64_t>(plan.partial_elems, 1)));
+    Dev<int> cnt(std::vector<int>(std::size_t(std::max<std::int64_t>(plan.counter_elems, 1)), 0));
+    const kq::QGemmWorkspace ws{part.p, plan.partial_elems, cnt.p, plan.counter_elems};
+    for (int rep = 0; rep < reps; ++rep) {
+      SQUEEZE_CUDA_CHECK(cudaMemset(tc.dy.p, 0xff, tc.dy.n * sizeof(T)));
+      SQUEEZE_CUDA_CHECK((kq::detail::launch_qgemm_sm90_cfg<T, C>(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, plan, ws, nullptr)));
+      SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+      expect_close_to_twin(tc.mag, tc.ref, tc.dy.get(),
+                           kq::detail::sm90_cfg_name<C>() + " M " + std::to_string(tc.M) + " N " + std::to_string(tc.shape.N) + " K " +
+                               std::to_string(tc.shape.K) + " splits " + std::to_string(plan.splits) + " rep " + std::to_string(rep),
+                           rel);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+    const auto counters = cnt.get();
+    EXPECT_TRUE(std::all_of(counters.begin(), counters.end(), [](int v) { return v == 0; })) << kq::detail::sm90_cfg_name<C>();
+  }
+}
+template <class T, class... Cs>
+void sm90_all_cfgs(kq::detail::CfgList<Cs...>, const TwinCase<T>& tc, const std::vector<int>& split_counts) {
+  (sm90_cfg_runs<T, Cs>(tc, split_counts, 2), ...);
+}
+// Every configuration the benchmark times, fp16 and bf16, M 33 / 64 / 100 / 128 (partial batch slices: 33 and
+// 100 are not multiples of 8), N 203 (odd: a partial strip and tile), K 1096 (a multiple of 8, padded to 1152),
+// groups of 32 with act-order (four groups per chunk, x gathered by perm), 128 and per channel; the plan's
+// K splits and forced 1, 3 and 7 (partials reduced by the last block).
+TEST(QuantCudaSm90, EveryConfigurationMatchesCpuTwin) {
+  REQUIRE_SM90();
+  for (int group : {32, 128, 0}) {
+    const auto p = random_layer(203, 1096, 4, group, group == 32, 301 + group);
+    const auto t = quant::to_tiles(p);
+    for (std::int64_t M : {33, 64, 100, 128}) {
+      SCOPED_TRACE("group " + std::to_string(group) + " M " + std::to_string(M));
+      sm90_all_cfgs(kq::detail::Sm90TuningCfgs{}, TwinCase<bf16>(p, t, M), {0, 1, 3, 7});
+      if (::testing::Test::HasFatalFailure()) return;
+      sm90_all_cfgs(kq::detail::Sm90TuningCfgs{}, TwinCase<half>(p, t, M), {0, 1, 3, 7});
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+}
+// qgemm_sm90_cuda (the configuration it picks by M, its own plan) on a LLaMA-sized layer, repeatedly (many
+// blocks in flight, split counters reused), and a ragged one (N 2090, K 3000, groups of 32, act-order).
+template <class T>
+void sm90_dispatch_check(const quant::PackedLinear& p, std::int64_t M, int reps) {
+  const auto t = quant::to_tiles(p);
+  const TwinCase<T> tc(p, t, M);
+  const double rel = std::is_same_v<T, bf16> ? 0x1p-7 : 0x1p-10;
+  const int sm = sm_count();
+  for (int sp : {0, 5}) {
+    const auto need = kq::qgemm_sm90_workspace_size(tc.shape, sm, sp);
+    SCOPED_TRACE("plan: " + kq::describe(kq::qgemm_sm90_plan(tc.shape, sm, sp)));
+    Dev<float> part(std::size_t(std::max<std::int64_t>(need.partial_elems, 1)));
+    Dev<int> cnt(std::vector<int>(std::size_t(std::max<std::int64_t>(need.counter_elems, 1)), 0));
+    const kq::QGemmWorkspace ws{part.p, need.partial_elems, cnt.p, need.counter_elems};
+    for (int rep = 0; rep < reps; ++rep) {
+      SQUEEZE_CUDA_CHECK(cudaMemset(tc.dy.p, 0xff, tc.dy.n * sizeof(T)));
+      SQUEEZE_CUDA_CHECK(kq::qgemm_sm90_cuda(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, ws, sm, nullptr, sp));
+      SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+      expect_close_to_twin(tc.mag, tc.ref, tc.dy.get(),
+                           "qgemm_sm90_cuda M " + std::to_string(M) + " N " + std::to_string(p.out) + " K " + std::to_string(p.in) + " rep " +
+                               std::to_string(rep),
+                           rel);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+    const auto counters = cnt.get();
+    EXPECT_TRUE(std::all_of(counters.begin(), counters.end(), [](int v) { return v == 0; }));
+  }
+}
+TEST(QuantCudaSm90, DispatchOnLargeLayersRepeatedly) {
+  REQUIRE_SM90();
+  const auto big = random_layer(4096, 4096, 4, 128, false, 7);
+  sm90_dispatch_check<bf16>(big, 64, 4);
+  sm90_dispatch_check<half>(big, 128, 4);
+  const auto ragged = random_layer(2090, 3000, 4, 32, true, 8);
+  sm90_dispatch_check<bf16>(ragged, 100, 3);
+  sm90_dispatch_check<half>(ragged, 33, 3);
+}
+// The library's entry (quant_gemm_cuda, what QuantizedLinear calls): the wgmma kernel from M = 17 on sm_90a builds
+// for 4-bit layers (64-row slices up to M = 64, 128-row slices above), mma.sync otherwise. The choice in words
+// first (host logic, any device), then the results on both sides of the M = 16 / 17 boundary and of a 3-bit
+// layer against the CPU twin.
+TEST(QuantCudaSm90, LibraryEntryPicksTheKernelByBatch) {
+  REQUIRE_DEVICE();
+  const bool wg = kq::qgemm_sm90_supported();
+  auto says = [](const kq::QGemmShape& s, int sm) { return kq::quant_gemm_describe(s, sm); };
+  auto starts = [](const std::string& text, const std::string& head) { return text.rfind(head, 0) == 0; };
+  const kq::QGemmShape wide{17, 28672, 8192, 8192, 28672, 128, 4}, narrow{64, 4096, 4096, 4096, 4096, 128, 4};
+  EXPECT_TRUE(starts(says(wide, 132), wg ? "wgmma wg_b64m1s6x2w " : "mma.sync ")) << says(wide, 132);
+  EXPECT_TRUE(starts(says(narrow, 132), wg ? "wgmma wg_b64m1s6x2w " : "mma.sync ")) << says(narrow, 132);
+  EXPECT_TRUE(starts(says({65, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b128m1s6w " : "mma.sync "));
+  EXPECT_TRUE(starts(says({16, 28672, 8192, 8192, 28672, 128, 4}, 132), "mma.sync "));
+  EXPECT_TRUE(starts(says({64, 28672, 8192, 8192, 28672, 128, 3}, 132), "mma.sync "));
+  EXPECT_TRUE(starts(says({64, 28672, 8196, 8256, 28672, 128, 4}, 132), "mma.sync "));  // K % 8: the wgmma kernel declines
+  const int sm = sm_count();
+  for (const int bits : {4, 3}) {
+    const auto p = random_layer(1000, 1096, bits, 32, bits == 4, 40 + bits);
+    const auto t = quant::to_tiles(p);
+    for (const std::int64_t M : {16, 17, 100}) {
+      const TwinCase<bf16> tc(p, t, M);
+      const auto need = kq::quant_gemm_workspace_size(tc.shape, sm);
+      Dev<float> part(std::size_t(std::max<std::int64_t>(need.partial_elems, 1)));
+      Dev<int> cnt(std::vector<int>(std::size_t(std::max<std::int64_t>(need.counter_elems, 1)), 0));
+      const kq::QGemmWorkspace ws{part.p, need.partial_elems, cnt.p, need.counter_elems};
+      SQUEEZE_CUDA_CHECK(kq::quant_gemm_cuda(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, ws, sm, nullptr));
+      SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+      expect_close_to_twin(tc.mag, tc.ref, tc.dy.get(), "quant_gemm_cuda (" + says(tc.shape, sm) + ") M " + std::to_string(M), 0x1p-7);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+}
+// The K-split plan of the dispatched configurations (host logic: runs without a GPU). Expected counts: the
+// fastest or within 9% in the H200 sweep over 1/2/3/4/8 splits (bench/results/h200/gemm4_probe.jsonl), 132 SMs.
+// Every plan covers K exactly once with no empty range and sizes its workspace to splits x M x Npad.
+TEST(QuantCudaSm90, SplitPlanFollowsTheMeasuredSweep) {
+  struct Case {
+    std::int64_t K, N, M;
+    int splits;
+  };
+  const Case cases[] = {{4096, 4096, 16, 4},   {4096, 4096, 64, 4},   {4096, 4096, 128, 4},  {4096, 11008, 33, 3}, {4096, 11008, 64, 3},
+                        {4096, 11008, 128, 1}, {11008, 4096, 64, 4},  {11008, 4096, 128, 4}, {8192, 28672, 33, 4}, {8192, 28672, 64, 1},
+                        {8192, 28672, 128, 1}};
+  for (const auto& c : cases) {
+    const kq::QGemmShape s{c.M, c.N, c.K, (c.K + 63) / 64 * 64, (c.N + 15) / 16 * 16, 128, 4};
+    const auto p = kq::qgemm_sm90_plan(s, 132);
+    SCOPED_TRACE("K " + std::to_string(c.K) + " N " + std::to_string(c.N) + " M " + std::to_string(c.M) + ": " + kq::describe(p));
+    EXPECT_EQ(p.splits, c.splits);
+    const std::int64_t kchunks = s.Kpad / 64;
+    EXPECT_GE(std::int64_t(p.splits) * p.cps, kchunks);
+    EXPECT_LT(std::int64_t(p.splits - 1) * p.cps, kchunks);
+    EXPECT_EQ(p.partial_elems, p.splits > 1 ? std::int64_t(p.splits) * s.M * s.Npad : 0);
+  }
+  // an override is clamped to the chunks there are (K = 200: 4 chunks)
+  const kq::QGemmShape small{40, 64, 200, 256, 64, 32, 4};
+  EXPECT_EQ(kq::qgemm_sm90_plan(small, 132, 16).splits, 4);
+}
+// What the wgmma GEMM does not take is rejected before any launch, with the reason named (qgemm_cuda serves it).
+TEST(QuantCudaSm90, RejectsShapesItCannotTake) {
+  auto reason = [](kq::QGemmShape s) { return kq::qgemm_sm90_reason(s); };
+  EXPECT_EQ(reason({64, 200, 1096, 1152, 208, 128, 4}), "");
+  EXPECT_NE(reason({64, 200, 1096, 1152, 208, 128, 3}).find("4-bit"), std::string::npos);
+  EXPECT_NE(reason({64, 200, 1100, 1152, 208, 128, 4}).find("multiple of 8"), std::string::npos);
+  EXPECT_NE(reason({64, 200, 1096, 1152, 208, 24, 4}).find("group"), std::string::npos);
+  const kq::QGemmShape odd_k{64, 200, 1100, 1152, 208, 128, 4};
+  EXPECT_EQ(kq::qgemm_sm90_cuda<half>(nullptr, nullptr, nullptr, nullptr, nullptr, odd_k, {}, 132, nullptr), cudaErrorInvalidValue);
+}
