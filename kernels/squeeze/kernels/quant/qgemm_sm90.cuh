@@ -130,7 +130,7 @@ inline std::string describe(const Sm90Plan& p) {
 // stretch the time), plus the fp32 partials written and read back, which mostly stay in L2 (weighted 4 B per split,
 // row and column, half their byte count). Fitted to the H200 sweep over split counts 1/2/3/4/8 (bench_qgemm_sm90,
 // bench/results/h200/gemm4_probe.jsonl) for the dispatch's configurations: on the four LLaMA shapes at M 16..128 it
-// picks the fastest count or one within 9% (11008 x 4096 at M <= 64: 4 where 8 was 8% faster), e.g. 4096 x 4096
+// picks the fastest count or one within 10% (11008 x 4096 at M 16-64: 4 where 8 was 5-9% faster), e.g. 4096 x 4096
 // at M = 64: 4 splits (128 blocks) in 0.020 ms, where the earlier 8-byte weight with waves of two blocks per SM
 // picked 6 (0.024 ms).
 template <class C>
