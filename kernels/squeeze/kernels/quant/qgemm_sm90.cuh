@@ -712,7 +712,7 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
 }  // namespace detail
 
 // The configuration (name) and plan qgemm_sm90_cuda uses for s.M rows (splits_override > 0 forces the K splits).
-inline std::string qgemm_sm90_cfg_name(const QGemmShape& s, int sm_count) {
+inline std::string qgemm_sm90_cfg_name(const QGemmShape& s) {
   return detail::with_sm90_cfg(s.M, [](auto c) { return detail::sm90_cfg_name<decltype(c)>(); });
 }
 inline Sm90Plan qgemm_sm90_plan(const QGemmShape& s, int sm_count, int splits_override = 0) {
@@ -752,7 +752,7 @@ inline QGemmWorkspace quant_gemm_workspace_size(const QGemmShape& s, int sm_coun
 }
 // The kernel, configuration and plan quant_gemm_cuda takes for this shape, in words (error messages, benchmarks).
 inline std::string quant_gemm_describe(const QGemmShape& s, int sm_count) {
-  if (quant_gemm_uses_sm90(s)) return "wgmma " + qgemm_sm90_cfg_name(s, sm_count) + " " + describe(qgemm_sm90_plan(s, sm_count));
+  if (quant_gemm_uses_sm90(s)) return "wgmma " + qgemm_sm90_cfg_name(s) + " " + describe(qgemm_sm90_plan(s, sm_count));
   const std::string cfg = s.bits == 8 ? detail::default_cfg_name<8>(s.M) : s.bits == 3 ? detail::default_cfg_name<3>(s.M) : detail::default_cfg_name<4>(s.M);
   return "mma.sync " + cfg + " " + describe(qgemm_plan(s, sm_count));
 }
