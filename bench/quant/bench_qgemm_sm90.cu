@@ -4,14 +4,19 @@
 //   ours     the library's dispatch (kq::quant_gemm_cuda: wgmma at M > 32 on sm_90a, mma.sync otherwise)
 //   mma      qgemm_cuda (the mma.sync kernel) at every M
 //   wg_*     every wgmma configuration of kq::detail::Sm90TuningCfgs at K splits {its plan, 1, 2, 4, 8}
+//   sv_*     every configuration of the streaming kernel (qgemv.cuh, M <= 16) with its own plan
 //   cuBLAS   bf16 GEMM (cublasGemmEx, W [N, K] bf16 as nn.Linear stores it), the peer
 // Weights are random codes, scales and zero points (group 128): only time is measured here; the GPU tests check
 // the numbers. Each wgmma result is still compared with the mma.sync kernel's on the same data (max error
 // relative to max |y|), so a broken configuration shows as "BAD" and never as the fastest.
 // Roofline: weight + scale + zero + x + y bytes over the time, as a fraction of a device-to-device copy's
-// bandwidth measured in the same run.
+// bandwidth measured in the same run. Per shape also the time of a plain streaming read (16-byte loads, every SM)
+// of the 4-bit tiles and of the bf16 weights, timed the same way: what merely reading those bytes costs at this
+// size, so read_bf16_ms / read4_ms bounds the ratio any kernel can reach against a memory-bound peer.
 // Usage: bench_qgemm_sm90 [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m LIST] [--cfg NAME-SUBSTRING]
-//   (--cfg: only the wgmma configurations whose names contain it, and not the dispatch: for a profiler)
+//                         [--l2-flush clean|dirty]
+//   (--cfg: only the wgmma configurations whose names contain it, and not the dispatch: for a profiler;
+//    --l2-flush: how L2 is swept before each timed launch, see gemm_timing.cuh; default clean)
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -29,6 +34,7 @@
 #include <squeeze/error.hpp>
 #include <squeeze/kernels/quant/qgemm.cuh>
 #include <squeeze/kernels/quant/qgemm_sm90.cuh>
+#include <squeeze/kernels/quant/qgemv.cuh>
 
 #include "gemm_timing.cuh"
 
@@ -160,6 +166,33 @@ void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape&
   (one(Cs{}), ...);
 }
 
+// Every streaming configuration with its own plan (occupancy-sized grid), error against ref, then timed.
+template <class... Cs>
+void time_qgemv_cfgs(kq::detail::QGemvCfgList<Cs...>, const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16* y, std::size_t ny,
+                     const std::vector<bf16>& ref, int sm, int reps, std::vector<Timed>& out) {
+  auto one = [&](auto c) {
+    using C = decltype(c);
+    const std::string name = kq::detail::qgemv_cfg_name<C>();
+    const auto plan = kq::qgemv_plan<bf16, C>(s, sm);
+    watchdog_note(name + " " + kq::describe(plan));
+    const Workspace ws({nullptr, plan.partial_elems, nullptr, plan.counter_elems});
+    auto launch = [&] { return kq::detail::launch_qgemv_cfg<bf16, C>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws.ws, nullptr); };
+    SQUEEZE_CUDA_CHECK(cudaMemset(y, 0xff, ny * sizeof(bf16)));
+    if (const cudaError_t e = launch(); e != cudaSuccess) {
+      std::printf("  %s (%s): %s\n", name.c_str(), kq::describe(plan).c_str(), cudaGetErrorString(e));
+      cudaGetLastError();
+      return;
+    }
+    SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<bf16> got(ny);
+    SQUEEZE_CUDA_CHECK(cudaMemcpy(got.data(), y, ny * sizeof(bf16), cudaMemcpyDeviceToHost));
+    Timed t{name, plan.max_parts, 0, max_rel(got, ref)};
+    if (t.err < 2e-2) t.ms = time_ms([&] { SQUEEZE_CUDA_CHECK(launch()); }, reps);
+    out.push_back(t);
+  };
+  (one(Cs{}), ...);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -172,12 +205,13 @@ int main(int argc, char** argv) {
     else if (a == "--reps" && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
     else if (a == "--only" && i + 1 < argc) only = argv[++i];
     else if (a == "--cfg" && i + 1 < argc) only_cfg = argv[++i];
+    else if (a == "--l2-flush" && i + 1 < argc) squeeze::bench::set_l2_flush(argv[++i]);
     else if (a == "--m" && i + 1 < argc) {
       batches.clear();
       std::stringstream list(argv[++i]);
       for (std::string item; std::getline(list, item, ',');) batches.push_back(std::stoll(item));
     } else {
-      std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m 1,16,...] [--cfg NAME-SUBSTRING]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m 1,16,...] [--cfg NAME-SUBSTRING] [--l2-flush clean|dirty]\n", argv[0]);
       return 2;
     }
   }
@@ -202,7 +236,7 @@ int main(int argc, char** argv) {
     const double ms = time_ms([&] { SQUEEZE_CUDA_CHECK(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, nullptr)); }, 10);
     copy_gbs = 2.0 * double(bytes) / (ms * 1e6);
   }
-  std::printf("device %s, %d SMs, copy %.0f GB/s, wgmma kernel %s\n", prop.name, sm, copy_gbs,
+  std::printf("device %s, %d SMs, copy %.0f GB/s, L2 flush %s, wgmma kernel %s\n", prop.name, sm, copy_gbs, squeeze::bench::l2_flush_name(),
               kq::qgemm_sm90_supported() ? "available" : "NOT available (needs sm_90a device code)");
   cublasHandle_t handle;
   cublas_check(cublasCreate(&handle), "create");
@@ -212,6 +246,15 @@ int main(int argc, char** argv) {
   const std::vector<std::pair<std::int64_t, std::int64_t>> shapes = {{4096, 4096}, {4096, 11008}, {11008, 4096}, {8192, 28672}};
   for (const auto& [K, N] : shapes) {
     const Layer L(K, N, rng);
+    auto read_ms = [&](const void* p, std::size_t bytes) {
+      return time_ms([&] {
+        squeeze::bench::read_sweep_kernel<<<sm * 4, 512>>>(static_cast<const uint4*>(p), bytes / 16, nullptr);
+        SQUEEZE_CUDA_CHECK(cudaGetLastError());
+      }, reps);
+    };
+    const double read4_ms = read_ms(L.tiles.p, L.tiles.n * 4), read_bf16_ms = read_ms(L.w_bf16.p, L.w_bf16.n * 2);
+    std::printf("K%lld_N%lld: streaming read of the 4-bit tiles %.4f ms, of the bf16 weights %.4f ms (ratio bound %.2f)\n", (long long)K,
+                (long long)N, read4_ms, read_bf16_ms, read_bf16_ms / read4_ms);
     for (const std::int64_t M : batches) {
       const std::string cs = "K" + std::to_string(K) + "_N" + std::to_string(N) + "_M" + std::to_string(M);
       if (!only.empty() && cs.find(only) == std::string::npos) continue;
@@ -244,6 +287,19 @@ int main(int argc, char** argv) {
       std::vector<Timed> wg;
       if (kq::qgemm_sm90_supported() && M > 1)
         time_cfgs(kq::detail::Sm90TuningCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), only_cfg, wg);
+      std::vector<Timed> sv;
+      if (kq::qgemv_reason(s).empty()) time_qgemv_cfgs(kq::detail::QGemvTuningCfgs{}, L, s, x.p, y.p, y.n, ref, sm, reps, sv);
+      const Timed* best_sv = nullptr;
+      for (const auto& t : sv)
+        if (t.ms > 0 && (!best_sv || t.ms < best_sv->ms)) best_sv = &t;
+      if (best_sv)
+        std::printf("  streaming: best %s %.4f ms = %.2fx cuBLAS (%s)\n", best_sv->name.c_str(), best_sv->ms, t_cub / best_sv->ms, [&] {
+          std::string all;
+          for (const auto& t : sv) all += t.name + " " + (t.ms > 0 ? std::to_string(t.ms).substr(0, 7) : std::string("BAD")) + "  ";
+          return all;
+        }().c_str());
+      for (const auto& t : sv)
+        if (!(t.err < 2e-2)) std::printf("  %s: rel err %.2e vs mma.sync: BAD\n", t.name.c_str(), t.err);
       const Timed* best = nullptr;
       for (const auto& t : wg)
         if (t.ms > 0 && (!best || t.ms < best->ms)) best = &t;
@@ -259,12 +315,16 @@ int main(int argc, char** argv) {
       if (out) {
         std::ostringstream j;
         j << "{\"bench\": \"gemm4_probe\", \"case\": \"" << cs << "\", \"time_ms\": " << t_ours << ", \"peer\": \"cublas_bf16\", \"peer_time_ms\": " << t_cub
-          << ", \"ratio_vs_peer\": " << (t_ours > 0 ? t_cub / t_ours : 0.0) << ", \"roofline_fraction\": " << roof(t_ours) << ", \"mma_time_ms\": " << t_mma
-          << ", \"dispatch\": \"" << dispatch << "\", \"ours_rel_err_vs_mma\": " << err_ours << ", \"copy_gbs\": " << copy_gbs << ", \"device\": \""
+          << ", \"ratio_vs_peer\": " << (t_ours > 0 ? t_cub / t_ours : 0.0) << ", \"roofline_fraction\": " << roof(t_ours) << ", \"mma_time_ms\": " << t_mma << ", \"read4_ms\": " << read4_ms << ", \"read_bf16_ms\": " << read_bf16_ms
+          << ", \"dispatch\": \"" << dispatch << "\", \"ours_rel_err_vs_mma\": " << err_ours << ", \"copy_gbs\": " << copy_gbs << ", \"l2_flush\": \"" << squeeze::bench::l2_flush_name() << "\", \"device\": \""
           << prop.name << "\", \"commit\": \"" << (commit ? commit : "unknown") << "\", \"wgmma\": [";
         for (std::size_t i = 0; i < wg.size(); ++i)
           j << (i ? ", " : "") << "{\"cfg\": \"" << wg[i].name << "\", \"splits\": " << wg[i].splits << ", \"ms\": " << wg[i].ms
             << ", \"rel_err\": " << wg[i].err << "}";
+        j << "], \"streaming\": [";
+        for (std::size_t i = 0; i < sv.size(); ++i)
+          j << (i ? ", " : "") << "{\"cfg\": \"" << sv[i].name << "\", \"max_parts\": " << sv[i].splits << ", \"ms\": " << sv[i].ms
+            << ", \"rel_err\": " << sv[i].err << "}";
         j << "]}";
         out << j.str() << "\n";
         out.flush();

@@ -24,6 +24,7 @@
 // the blocks per SM the occupancy calculator allows ("cfg" lines; per case in the JSON's variants_info).
 // A watchdog ends the process (exit code 3, naming the configuration) when nothing progresses for 150 s.
 // Usage: bench_quant_gemm [--out FILE] [--reps N] [--only CASE] [--no-checks] [--no-variants] [--no-sm90 | --sm90-only]
+//                         [--l2-flush clean|dirty]   (how L2 is swept before each timed launch: gemm_timing.cuh)
 //   (env SQUEEZE_DEVICE, SQUEEZE_DATE, SQUEEZE_COMMIT)
 #include <torch/torch.h>
 
@@ -418,6 +419,7 @@ bool sm90_section(const std::vector<std::pair<std::int64_t, std::int64_t>>& shap
                               {"variants_err", r.errors},
                               {"variants_info", r.info},
                               {"copy_gbs", copy_gbs},
+                            {"l2_flush", squeeze::bench::l2_flush_name()},
                               {"device", device},
                               {"date", date},
                               {"commit", commit}};
@@ -449,8 +451,9 @@ int main(int argc, char** argv) {
     else if (a == "--no-variants") variants = false;
     else if (a == "--no-sm90") sm90 = false;
     else if (a == "--sm90-only") sm90_only = true;
+    else if (a == "--l2-flush" && i + 1 < argc) squeeze::bench::set_l2_flush(argv[++i]);
     else {
-      std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--no-checks] [--no-variants] [--no-sm90 | --sm90-only]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--no-checks] [--no-variants] [--no-sm90 | --sm90-only] [--l2-flush clean|dirty]\n", argv[0]);
       return 2;
     }
   }
@@ -584,6 +587,7 @@ int main(int argc, char** argv) {
                             {"ratio_vs_peer2", t_int4 > 0 ? nlohmann::json(t_int4 / t_ours) : nlohmann::json(nullptr)},
                             {"max_rel_err", rel_err},
                             {"copy_gbs", copy_gbs},
+                            {"l2_flush", squeeze::bench::l2_flush_name()},
                             {"splits", plan.splits},  // the mma.sync kernel's plan (at M > 32 on sm_90a, "dispatch" says what ran)
                             {"cps", plan.cps},
                             {"rows_per_block", plan.rows},
@@ -667,6 +671,7 @@ int main(int argc, char** argv) {
                             {"gptq_layout_gemv_ms", t_gemv},
                             {"max_rel_err", rel_err},
                             {"copy_gbs", copy_gbs},
+                            {"l2_flush", squeeze::bench::l2_flush_name()},
                             {"best_variant", var.best_name},
                             {"best_cps", var.best_cps},
                             {"best_time_ms", var.best_ms > 0 ? nlohmann::json(var.best_ms) : nlohmann::json(nullptr)},

@@ -1,0 +1,131 @@
+// The streaming 4-bit GEMM for batches 1..16 (qgemv.cuh) against the CPU twin (label cuda), and its work split (host
+// logic, runs without a GPU). Its own small binary, so the GPU machine builds it in about a minute.
+// Bound: the kernel multiplies x by the exact integers q - z in fp32 and scales each 64-k chunk's sum once, as the
+// mma.sync kernel's exact modes: 1e-5 of sum |x w| + one ulp of T (fp32 sums in another order than the twin's).
+#include "quant_cuda_common.cuh"
+
+#include <squeeze/kernels/quant/qgemv.cuh>
+
+namespace {
+
+// Every unit in exactly one warp's run; parts per column group as the kernel counts them (qgemv_owner).
+TEST(QGemvPlan, WarpRunsCoverEveryUnitOnce) {
+  for (const auto& [K, N, sm, wps] : std::vector<std::tuple<std::int64_t, std::int64_t, int, int>>{
+           {4096, 4096, 132, 16}, {8192, 28672, 132, 12}, {1096, 203, 1, 4}, {1096, 203, 132, 16}, {11008, 4096, 132, 8}, {64, 16, 132, 16}}) {
+    const std::int64_t Kpad = (K + 63) / 64 * 64, Npad = (N + 15) / 16 * 16;
+    const kq::QGemmShape s{1, N, K, Kpad, Npad, 128, 4};
+    const auto p = kq::plan_qgemv(s, 2, sm, wps);
+    SCOPED_TRACE("K " + std::to_string(K) + " N " + std::to_string(N) + ": " + kq::describe(p));
+    const std::int64_t kchunks = Kpad / 64;
+    ASSERT_EQ(p.units, (Npad / 16 + 1) / 2 * kchunks);
+    ASSERT_EQ(p.warps, std::min<std::int64_t>(std::int64_t(sm) * wps, p.units));
+    std::vector<int> seen(std::size_t(p.units), 0);
+    std::int64_t most = 0, least = p.units;
+    for (std::int64_t w = 0; w < p.warps; ++w) {
+      const std::int64_t u0 = w * p.units / p.warps, u1 = (w + 1) * p.units / p.warps;
+      most = std::max(most, u1 - u0);
+      least = std::min(least, u1 - u0);
+      for (std::int64_t u = u0; u < u1; ++u) {
+        ++seen[std::size_t(u)];
+        ASSERT_EQ(kq::qgemv_owner(u, p.units, p.warps), w) << "unit " << u;
+      }
+    }
+    EXPECT_TRUE(std::all_of(seen.begin(), seen.end(), [](int v) { return v == 1; }));
+    EXPECT_LE(most - least, 1) << "runs differ by at most one unit";
+    int max_parts = 1;
+    for (std::int64_t g = 0; g < p.groups; ++g)
+      max_parts = std::max<int>(max_parts, int(kq::qgemv_owner((g + 1) * kchunks - 1, p.units, p.warps) - kq::qgemv_owner(g * kchunks, p.units, p.warps) + 1));
+    EXPECT_EQ(p.max_parts, max_parts);
+    EXPECT_EQ(p.partial_elems, max_parts > 1 ? p.groups * max_parts * 8 * 16 * 2 : 0);
+  }
+}
+
+TEST(QGemvPlan, RejectsShapesItCannotTake) {
+  const kq::QGemmShape ok{16, 4096, 4096, 4096, 4096, 128, 4};
+  EXPECT_EQ(kq::qgemv_reason(ok), "");
+  auto with = [&](auto f) {
+    auto s = ok;
+    f(s);
+    return kq::qgemv_reason(s);
+  };
+  EXPECT_NE(with([](auto& s) { s.bits = 3; }).find("4-bit"), std::string::npos);
+  EXPECT_NE(with([](auto& s) { s.M = 17; }).find("1..16"), std::string::npos);
+  EXPECT_NE(with([](auto& s) { s.K = 4092; }).find("multiple of 8"), std::string::npos);
+  EXPECT_NE(with([](auto& s) { s.group = 32; }).find("multiple of 64"), std::string::npos);
+  EXPECT_NE(with([](auto& s) { s.Npad = 4112; }).find("padding"), std::string::npos);
+}
+
+// Configuration C on a twin case under a given (sm, warps per SM) split, reps launches on the same counters.
+template <class T, class C>
+void qgemv_runs(const TwinCase<T>& tc, int sm, int wps, int reps) {
+  const auto plan = kq::plan_qgemv(tc.shape, C::NT, sm, wps);
+  SCOPED_TRACE(kq::detail::qgemv_cfg_name<C>() + ": " + kq::describe(plan));
+  Dev<float> part(std::size_t(std::max<std::int64_t>(plan.partial_elems, 1)));
+  Dev<int> cnt(std::vector<int>(std::size_t(std::max<std::int64_t>(plan.counter_elems, 1)), 0));
+  const kq::QGemmWorkspace ws{part.p, plan.partial_elems, cnt.p, plan.counter_elems};
+  for (int rep = 0; rep < reps; ++rep) {
+    SQUEEZE_CUDA_CHECK(cudaMemset(tc.dy.p, 0xff, tc.dy.n * sizeof(T)));
+    SQUEEZE_CUDA_CHECK((kq::detail::launch_qgemv_cfg<T, C>(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, plan, ws, nullptr)));
+    SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+    expect_close_to_twin(tc.mag, tc.ref, tc.dy.get(),
+                         kq::detail::qgemv_cfg_name<C>() + " M " + std::to_string(tc.M) + " N " + std::to_string(tc.shape.N) + " K " +
+                             std::to_string(tc.shape.K) + " rep " + std::to_string(rep));
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+  const auto counters = cnt.get();
+  EXPECT_TRUE(std::all_of(counters.begin(), counters.end(), [](int v) { return v == 0; })) << "counters left non-zero";
+}
+template <class T, class... Cs>
+void qgemv_all_cfgs(kq::detail::QGemvCfgList<Cs...>, const TwinCase<T>& tc) {
+  // (1 SM, 1 warp): one warp streams everything, every column group whole; (1, 4): runs of ~30 units, groups split
+  // in two or three; (132, 16): one unit per warp, every group in 18 parts
+  for (const auto& [sm, wps] : {std::pair{1, 1}, std::pair{1, 4}, std::pair{132, 16}}) (qgemv_runs<T, Cs>(tc, sm, wps, 2), ...);
+}
+
+// Every configuration, fp16 and bf16, M 1 / 3 / 8 / 9 / 16 (one and two n8 batch blocks, partial ones), N 203 (a
+// partial column group and tile), K 1096 (padded to 1152: x past K reads zero), groups of 128 with act-order (x
+// gathered by perm), of 64, and per channel.
+TEST(QGemvCuda, EveryConfigurationMatchesCpuTwin) {
+  REQUIRE_DEVICE();
+  for (int group : {128, 64, 0}) {
+    const auto p = random_layer(203, 1096, 4, group, group == 128, 501 + group);
+    const auto t = quant::to_tiles(p);
+    for (std::int64_t M : {1, 3, 8, 9, 16}) {
+      SCOPED_TRACE("group " + std::to_string(group) + " M " + std::to_string(M));
+      qgemv_all_cfgs(kq::detail::QGemvTuningCfgs{}, TwinCase<bf16>(p, t, M));
+      if (::testing::Test::HasFatalFailure()) return;
+      qgemv_all_cfgs(kq::detail::QGemvTuningCfgs{}, TwinCase<half>(p, t, M));
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+}
+
+// qgemv_cuda with its own plan (the occupancy calculator's warps) on a LLaMA-sized layer, repeatedly.
+TEST(QGemvCuda, LargeLayerRepeatedly) {
+  REQUIRE_DEVICE();
+  const auto p = random_layer(4096, 4096, 4, 128, false, 9);
+  const auto t = quant::to_tiles(p);
+  const int sm = sm_count();
+  for (const std::int64_t M : {1, 16}) {
+    const TwinCase<bf16> tc(p, t, M);
+    const auto need = kq::qgemv_workspace_size<bf16>(tc.shape, sm);
+    SCOPED_TRACE("plan: " + kq::describe(kq::qgemv_plan<bf16>(tc.shape, sm)));
+    Dev<float> part(std::size_t(std::max<std::int64_t>(need.partial_elems, 1)));
+    Dev<int> cnt(std::vector<int>(std::size_t(std::max<std::int64_t>(need.counter_elems, 1)), 0));
+    const kq::QGemmWorkspace ws{part.p, need.partial_elems, cnt.p, need.counter_elems};
+    for (int rep = 0; rep < 4; ++rep) {
+      SQUEEZE_CUDA_CHECK(cudaMemset(tc.dy.p, 0xff, tc.dy.n * sizeof(bf16)));
+      SQUEEZE_CUDA_CHECK(kq::qgemv_cuda(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, ws, sm, nullptr));
+      SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+      expect_close_to_twin(tc.mag, tc.ref, tc.dy.get(), "qgemv_cuda M " + std::to_string(M) + " rep " + std::to_string(rep));
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+    // a workspace smaller than the plan's is refused, nothing launched
+    if (need.partial_elems > 0)
+      EXPECT_EQ(kq::qgemv_cuda(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, kq::QGemmWorkspace{part.p, need.partial_elems - 1, cnt.p, need.counter_elems},
+                               sm, nullptr),
+                cudaErrorInvalidValue);
+  }
+}
+
+}  // namespace
