@@ -3,7 +3,8 @@
 // For each (K, N) of issue 6 and batch M it times, in the same run, cold L2, median of --reps:
 //   ours     the library's dispatch (kq::quant_gemm_cuda: wgmma at M > 32 on sm_90a, mma.sync otherwise)
 //   mma      qgemm_cuda (the mma.sync kernel) at every M
-//   wg_*     every wgmma configuration of kq::detail::Sm90TuningCfgs at K splits {its plan, 1, 2, 4, 8}
+//   wg_*     every wgmma configuration of kq::detail::Sm90TuningCfgs (and, at M > 16, of Sm90ProbeCfgs: candidates
+//            not yet checked against the CPU twin) at K splits {its plan, 1, 2, 4, 8}
 //   sv_*     every configuration of the streaming kernel (qgemv.cuh, M <= 16) with its own plan
 //   cuBLAS   bf16 GEMM (cublasGemmEx, W [N, K] bf16 as nn.Linear stores it), the peer
 // Weights are random codes, scales and zero points (group 128): only time is measured here; the GPU tests check
@@ -166,29 +167,33 @@ void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape&
   (one(Cs{}), ...);
 }
 
-// Every streaming configuration with its own plan (occupancy-sized grid), error against ref, then timed.
+// Every streaming configuration at K parts {its plan, 1, 2, 4, 8}, error against ref, then timed.
 template <class... Cs>
 void time_qgemv_cfgs(kq::detail::QGemvCfgList<Cs...>, const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16* y, std::size_t ny,
                      const std::vector<bf16>& ref, int sm, int reps, std::vector<Timed>& out) {
   auto one = [&](auto c) {
     using C = decltype(c);
     const std::string name = kq::detail::qgemv_cfg_name<C>();
-    const auto plan = kq::qgemv_plan<bf16, C>(s, sm);
-    watchdog_note(name + " " + kq::describe(plan));
-    const Workspace ws({nullptr, plan.partial_elems, nullptr, plan.counter_elems});
-    auto launch = [&] { return kq::detail::launch_qgemv_cfg<bf16, C>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws.ws, nullptr); };
-    SQUEEZE_CUDA_CHECK(cudaMemset(y, 0xff, ny * sizeof(bf16)));
-    if (const cudaError_t e = launch(); e != cudaSuccess) {
-      std::printf("  %s (%s): %s\n", name.c_str(), kq::describe(plan).c_str(), cudaGetErrorString(e));
-      cudaGetLastError();
-      return;
+    int seen[64] = {};
+    for (int parts : {0, 1, 2, 4, 8}) {
+      const auto plan = kq::plan_qgemv(s, C::NT, sm, kq::detail::qgemv_warps_per_sm<bf16, C>(s.M <= 8 ? 1 : 2), parts);
+      if (plan.parts < 64 && seen[plan.parts]++) continue;
+      watchdog_note(name + " " + kq::describe(plan));
+      const Workspace ws({nullptr, plan.partial_elems, nullptr, plan.counter_elems});
+      auto launch = [&] { return kq::detail::launch_qgemv_cfg<bf16, C>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws.ws, nullptr); };
+      SQUEEZE_CUDA_CHECK(cudaMemset(y, 0xff, ny * sizeof(bf16)));
+      if (const cudaError_t e = launch(); e != cudaSuccess) {
+        std::printf("  %s (%s): %s\n", name.c_str(), kq::describe(plan).c_str(), cudaGetErrorString(e));
+        cudaGetLastError();
+        return;
+      }
+      SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+      std::vector<bf16> got(ny);
+      SQUEEZE_CUDA_CHECK(cudaMemcpy(got.data(), y, ny * sizeof(bf16), cudaMemcpyDeviceToHost));
+      Timed t{name, plan.parts, 0, max_rel(got, ref)};
+      if (t.err < 2e-2) t.ms = time_ms([&] { SQUEEZE_CUDA_CHECK(launch()); }, reps);
+      out.push_back(t);
     }
-    SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
-    std::vector<bf16> got(ny);
-    SQUEEZE_CUDA_CHECK(cudaMemcpy(got.data(), y, ny * sizeof(bf16), cudaMemcpyDeviceToHost));
-    Timed t{name, plan.max_parts, 0, max_rel(got, ref)};
-    if (t.err < 2e-2) t.ms = time_ms([&] { SQUEEZE_CUDA_CHECK(launch()); }, reps);
-    out.push_back(t);
   };
   (one(Cs{}), ...);
 }
@@ -285,17 +290,20 @@ int main(int argc, char** argv) {
       };
       const double t_cub = time_ms(run_cub, reps);
       std::vector<Timed> wg;
-      if (kq::qgemm_sm90_supported() && M > 1)
+      if (kq::qgemm_sm90_supported() && M > 1) {
         time_cfgs(kq::detail::Sm90TuningCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), only_cfg, wg);
+        if (M > 16) time_cfgs(kq::detail::Sm90ProbeCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), only_cfg, wg);
+      }
       std::vector<Timed> sv;
       if (kq::qgemv_reason(s).empty()) time_qgemv_cfgs(kq::detail::QGemvTuningCfgs{}, L, s, x.p, y.p, y.n, ref, sm, reps, sv);
       const Timed* best_sv = nullptr;
       for (const auto& t : sv)
         if (t.ms > 0 && (!best_sv || t.ms < best_sv->ms)) best_sv = &t;
       if (best_sv)
-        std::printf("  streaming: best %s %.4f ms = %.2fx cuBLAS (%s)\n", best_sv->name.c_str(), best_sv->ms, t_cub / best_sv->ms, [&] {
+        std::printf("  streaming: best %s parts %d %.4f ms = %.2fx cuBLAS (cfg/parts ms: %s)\n", best_sv->name.c_str(), best_sv->splits, best_sv->ms, t_cub / best_sv->ms, [&] {
           std::string all;
-          for (const auto& t : sv) all += t.name + " " + (t.ms > 0 ? std::to_string(t.ms).substr(0, 7) : std::string("BAD")) + "  ";
+          for (const auto& t : sv)
+            all += t.name + "/" + std::to_string(t.splits) + " " + (t.ms > 0 ? std::to_string(t.ms).substr(0, 7) : std::string("BAD")) + "  ";
           return all;
         }().c_str());
       for (const auto& t : sv)
@@ -323,7 +331,7 @@ int main(int argc, char** argv) {
             << ", \"rel_err\": " << wg[i].err << "}";
         j << "], \"streaming\": [";
         for (std::size_t i = 0; i < sv.size(); ++i)
-          j << (i ? ", " : "") << "{\"cfg\": \"" << sv[i].name << "\", \"max_parts\": " << sv[i].splits << ", \"ms\": " << sv[i].ms
+          j << (i ? ", " : "") << "{\"cfg\": \"" << sv[i].name << "\", \"parts\": " << sv[i].splits << ", \"ms\": " << sv[i].ms
             << ", \"rel_err\": " << sv[i].err << "}";
         j << "]}";
         out << j.str() << "\n";

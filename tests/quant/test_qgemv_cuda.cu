@@ -8,35 +8,41 @@
 
 namespace {
 
-// Every unit in exactly one warp's run; parts per column group as the kernel counts them (qgemv_owner).
-TEST(QGemvPlan, WarpRunsCoverEveryUnitOnce) {
-  for (const auto& [K, N, sm, wps] : std::vector<std::tuple<std::int64_t, std::int64_t, int, int>>{
-           {4096, 4096, 132, 16}, {8192, 28672, 132, 12}, {1096, 203, 1, 4}, {1096, 203, 132, 16}, {11008, 4096, 132, 8}, {64, 16, 132, 16}}) {
-    const std::int64_t Kpad = (K + 63) / 64 * 64, Npad = (N + 15) / 16 * 16;
-    const kq::QGemmShape s{1, N, K, Kpad, Npad, 128, 4};
-    const auto p = kq::plan_qgemv(s, 2, sm, wps);
-    SCOPED_TRACE("K " + std::to_string(K) + " N " + std::to_string(N) + ": " + kq::describe(p));
-    const std::int64_t kchunks = Kpad / 64;
-    ASSERT_EQ(p.units, (Npad / 16 + 1) / 2 * kchunks);
-    ASSERT_EQ(p.warps, std::min<std::int64_t>(std::int64_t(sm) * wps, p.units));
-    std::vector<int> seen(std::size_t(p.units), 0);
-    std::int64_t most = 0, least = p.units;
-    for (std::int64_t w = 0; w < p.warps; ++w) {
-      const std::int64_t u0 = w * p.units / p.warps, u1 = (w + 1) * p.units / p.warps;
-      most = std::max(most, u1 - u0);
-      least = std::min(least, u1 - u0);
-      for (std::int64_t u = u0; u < u1; ++u) {
-        ++seen[std::size_t(u)];
-        ASSERT_EQ(kq::qgemv_owner(u, p.units, p.warps), w) << "unit " << u;
-      }
+// Parts fill the resident warps (never more than the chunks), K parts cover every chunk once with lengths that differ
+// by at most one, the workspace matches.
+TEST(QGemvPlan, PartsFillTheResidentWarps) {
+  struct Case {
+    std::int64_t K, N;
+    int sm, wps, override_parts, parts;
+  };
+  for (const Case& c : std::vector<Case>{{4096, 4096, 132, 16, 0, 16},     // 128 groups of 2 tiles, 2112 warps: 16 parts
+                                         {8192, 28672, 132, 12, 0, 1},     // 896 groups > 1584 / 2: one part
+                                         {11008, 4096, 132, 8, 0, 8},      // 1056 / 128
+                                         {4096, 11008, 132, 16, 0, 6},     // 2112 / 344
+                                         {1096, 203, 132, 16, 0, 18},      // capped at 18 chunks
+                                         {1096, 203, 132, 16, 7, 7},       // forced
+                                         {64, 16, 132, 16, 0, 1}}) {       // one chunk
+    const std::int64_t Kpad = (c.K + 63) / 64 * 64, Npad = (c.N + 15) / 16 * 16, kchunks = Kpad / 64;
+    const kq::QGemmShape s{1, c.N, c.K, Kpad, Npad, 128, 4};
+    const auto p = kq::plan_qgemv(s, 2, c.sm, c.wps, c.override_parts);
+    SCOPED_TRACE("K " + std::to_string(c.K) + " N " + std::to_string(c.N) + ": " + kq::describe(p));
+    EXPECT_EQ(p.groups, (Npad / 16 + 1) / 2);
+    EXPECT_EQ(p.parts, c.parts);
+    EXPECT_EQ(p.warps, p.groups * p.parts);
+    EXPECT_EQ(p.blocks, (p.warps + 3) / 4);
+    EXPECT_EQ(p.partial_elems, p.parts > 1 ? p.groups * p.parts * 8 * 16 * 2 : 0);
+    EXPECT_EQ(p.counter_elems, p.parts > 1 ? p.groups : 0);
+    std::int64_t covered = 0, most = 0, least = kchunks;
+    for (int part = 0; part < p.parts; ++part) {  // the kernel's K range of a part
+      const std::int64_t kc0 = part * kchunks / p.parts, kc1 = (part + 1) * kchunks / p.parts;
+      ASSERT_EQ(kc0, covered);
+      covered = kc1;
+      most = std::max(most, kc1 - kc0);
+      least = std::min(least, kc1 - kc0);
     }
-    EXPECT_TRUE(std::all_of(seen.begin(), seen.end(), [](int v) { return v == 1; }));
-    EXPECT_LE(most - least, 1) << "runs differ by at most one unit";
-    int max_parts = 1;
-    for (std::int64_t g = 0; g < p.groups; ++g)
-      max_parts = std::max<int>(max_parts, int(kq::qgemv_owner((g + 1) * kchunks - 1, p.units, p.warps) - kq::qgemv_owner(g * kchunks, p.units, p.warps) + 1));
-    EXPECT_EQ(p.max_parts, max_parts);
-    EXPECT_EQ(p.partial_elems, max_parts > 1 ? p.groups * max_parts * 8 * 16 * 2 : 0);
+    EXPECT_EQ(covered, kchunks);
+    EXPECT_GE(least, 1);
+    EXPECT_LE(most - least, 1);
   }
 }
 
@@ -55,10 +61,11 @@ TEST(QGemvPlan, RejectsShapesItCannotTake) {
   EXPECT_NE(with([](auto& s) { s.Npad = 4112; }).find("padding"), std::string::npos);
 }
 
-// Configuration C on a twin case under a given (sm, warps per SM) split, reps launches on the same counters.
+// Configuration C on a twin case with `parts` K parts (0: the plan's own), reps launches on the same counters.
 template <class T, class C>
-void qgemv_runs(const TwinCase<T>& tc, int sm, int wps, int reps) {
-  const auto plan = kq::plan_qgemv(tc.shape, C::NT, sm, wps);
+void qgemv_runs(const TwinCase<T>& tc, int parts, int reps) {
+  const int sm = sm_count();
+  const auto plan = kq::plan_qgemv(tc.shape, C::NT, sm, kq::detail::qgemv_warps_per_sm<T, C>(tc.shape.M <= 8 ? 1 : 2), parts);
   SCOPED_TRACE(kq::detail::qgemv_cfg_name<C>() + ": " + kq::describe(plan));
   Dev<float> part(std::size_t(std::max<std::int64_t>(plan.partial_elems, 1)));
   Dev<int> cnt(std::vector<int>(std::size_t(std::max<std::int64_t>(plan.counter_elems, 1)), 0));
@@ -77,9 +84,8 @@ void qgemv_runs(const TwinCase<T>& tc, int sm, int wps, int reps) {
 }
 template <class T, class... Cs>
 void qgemv_all_cfgs(kq::detail::QGemvCfgList<Cs...>, const TwinCase<T>& tc) {
-  // (1 SM, 1 warp): one warp streams everything, every column group whole; (1, 4): runs of ~30 units, groups split
-  // in two or three; (132, 16): one unit per warp, every group in 18 parts
-  for (const auto& [sm, wps] : {std::pair{1, 1}, std::pair{1, 4}, std::pair{132, 16}}) (qgemv_runs<T, Cs>(tc, sm, wps, 2), ...);
+  // one part (y stored directly), 2 and 7 parts (uneven K ranges), one chunk per part (18), the plan's own
+  for (const int parts : {1, 2, 7, 18, 0}) (qgemv_runs<T, Cs>(tc, parts, 2), ...);
 }
 
 // Every configuration, fp16 and bf16, M 1 / 3 / 8 / 9 / 16 (one and two n8 batch blocks, partial ones), N 203 (a

@@ -12,12 +12,15 @@
 // A fragments of its four k-steps (word ks: pairs 0 / 2 / 1 / 3 = a0..a3, rows n = l/4 and l/4 + 8). x is the B
 // operand of m16n8k16 (8 batch rows per mma, NB = 1 or 2 mmas per tile and k-step), its fragments read straight
 // from global memory (cached: every warp reads the same few KB).
-// Work: a unit is (column group cg of NT tiles, 64-k chunk kc), numbered cg-major, u = cg * kchunks + kc. Warp i
-// of the W warps takes units [i U / W, (i + 1) U / W), so every warp reads the same number of bytes (to one
-// unit). A column group covered by one warp is stored to y directly; one shared by several warps (K split at
-// arbitrary chunks, as in stream-K) gets each warp's fp32 partial in the workspace and a counter; the warp that
-// brings the count to the number of parts adds the parts in part order (deterministic), stores y and resets the
-// counter to zero for the next launch.
+// Work: warp w takes column group cg = w % groups (NT tiles) and K part w / groups (a contiguous range of 64-k
+// chunks, parts of equal length to one chunk); the parts per column group are as many as fill the GPU's
+// resident warps (occupancy). Warps with neighbouring numbers read neighbouring tiles at the same time, so
+// the GPU streams a few bands of whole tile rows (each row of tiles is contiguous in memory). (A first
+// form gave each warp one contiguous run of units numbered column-group-major, stream-K style: every warp read
+// a 1 KB piece far from every other warp's, and it ran 1.4x slower than the mma.sync kernel on the H200, run
+// 2 of session 8.) With one part, a warp stores y; with more, each writes its fp32 partial to the workspace
+// and bumps its column group's counter; the warp that completes the count adds the parts in part order
+// (deterministic), stores y and resets the counter to zero for the next launch.
 // Groups: one 64-k chunk lies in one group (group % 64 == 0, or per channel), so a unit's mma sum of
 // x * (q - z) (exact small integers times x, fp32) is multiplied by its group's scale once, as in qgemm.cuh.
 // Limits (qgemv_reason): 4-bit tiles, M <= 16, K % 8 == 0 (4-byte x pairs), group % 64 == 0; qgemm_cuda serves
@@ -31,47 +34,42 @@
 
 namespace squeeze::kernels::quant {
 
-// NT: 16-column tiles per unit (the bytes of one load step: NT x 512); PF: units in flight per warp;
+// NT: 16-column tiles per column group (the bytes of one load step: NT x 512); PF: chunks in flight per warp;
 // MINB: blocks (of 4 warps) per SM for __launch_bounds__, which caps the registers per thread.
 template <int NT_, int PF_, int MINB_ = 1>
 struct QGemvCfg {
   static constexpr int NT = NT_, PF = PF_, MINB = MINB_;
   static constexpr int WARPS = 4, THREADS = 32 * WARPS;
   static_assert(NT >= 1 && NT <= 4, "1..4 tiles per unit");
-  static_assert(PF >= 2, "at least two units in flight");
+  static_assert(PF >= 2, "at least two chunks in flight");
 };
 
 struct QGemvPlan {
   int nb = 1;                 // n8 mma columns (batch blocks of 8 rows): 1 (M <= 8) or 2
   std::int64_t groups = 0;    // column groups (NT tiles each)
-  std::int64_t units = 0;     // groups * kchunks
-  std::int64_t warps = 0;     // streaming warps
-  int max_parts = 1;          // most warps sharing one column group
+  int parts = 1;              // K parts per column group
+  std::int64_t warps = 0;     // groups * parts
   std::int64_t blocks = 0;    // warps / 4, rounded up
-  std::int64_t partial_elems = 0;  // fp32 [groups, max_parts, 8 nb, 16 NT] when some group is shared
+  std::int64_t partial_elems = 0;  // fp32 [groups, parts, 8 nb, 16 NT] when parts > 1
   std::int64_t counter_elems = 0;  // int32 [groups], zero between launches
 };
 inline std::string describe(const QGemvPlan& p) {
-  return "warps " + std::to_string(p.warps) + " units " + std::to_string(p.units) + " parts<=" + std::to_string(p.max_parts);
+  return "groups " + std::to_string(p.groups) + " parts " + std::to_string(p.parts) + " warps " + std::to_string(p.warps);
 }
 
-// The warp whose run holds unit u: the largest i with floor(i U / W) <= u.
-SQUEEZE_HD std::int64_t qgemv_owner(std::int64_t u, std::int64_t units, std::int64_t warps) { return ((u + 1) * warps + units - 1) / units - 1; }
-
-// warps_per_sm: streaming warps one SM holds at once (the launcher asks the occupancy calculator).
-inline QGemvPlan plan_qgemv(const QGemmShape& s, int nt, int sm_count, int warps_per_sm) {
+// warps_per_sm: streaming warps one SM holds at once (the launcher asks the occupancy calculator); parts_override
+// > 0 forces the K parts (tests, benchmarks).
+inline QGemvPlan plan_qgemv(const QGemmShape& s, int nt, int sm_count, int warps_per_sm, int parts_override = 0) {
   QGemvPlan p;
   const std::int64_t kchunks = s.Kpad / kTileK, ntiles = s.Npad / kTileN;
   p.nb = s.M <= 8 ? 1 : 2;
   p.groups = (ntiles + nt - 1) / nt;
-  p.units = p.groups * kchunks;
-  p.warps = std::clamp<std::int64_t>(std::int64_t(std::max(sm_count, 1)) * std::max(warps_per_sm, 1), 1, p.units);
+  const std::int64_t resident = std::int64_t(std::max(sm_count, 1)) * std::max(warps_per_sm, 1);
+  p.parts = int(std::clamp<std::int64_t>(parts_override > 0 ? parts_override : resident / p.groups, 1, kchunks));
+  p.warps = p.groups * p.parts;
   p.blocks = (p.warps + 3) / 4;
-  for (std::int64_t g = 0; g < p.groups; ++g)
-    p.max_parts = int(std::max<std::int64_t>(p.max_parts, qgemv_owner((g + 1) * kchunks - 1, p.units, p.warps) -
-                                                               qgemv_owner(g * kchunks, p.units, p.warps) + 1));
-  p.partial_elems = p.max_parts > 1 ? p.groups * p.max_parts * 8 * p.nb * 16 * nt : 0;
-  p.counter_elems = p.max_parts > 1 ? p.groups : 0;
+  p.partial_elems = p.parts > 1 ? p.groups * p.parts * 8 * p.nb * 16 * nt : 0;
+  p.counter_elems = p.parts > 1 ? p.groups : 0;
   return p;
 }
 
@@ -95,10 +93,10 @@ struct QGemvParams {
   const half* scales;          // [groups, Npad]
   const std::uint8_t* zeros;   // [groups, Npad]
   void* y;                     // T [M, N]
-  float* partial;              // [groups, max_parts, 8 NB, 16 NT]
+  float* partial;              // [groups, parts, 8 NB, 16 NT]
   int* counters;               // [groups]
-  int M, N, K, Npad, group, kchunks, ntiles, max_parts;
-  long long units, warps;
+  int M, N, K, Npad, group, kchunks, ntiles;
+  int groups, parts;
 };
 
 namespace detail {
@@ -109,12 +107,11 @@ template <class T, int NB, class C>
 __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemv_kernel(const QGemvParams p) {
   constexpr int NT = C::NT, PF = C::PF, ROWS = 8 * NB, COLS = NT * kTileN;
   const int lane = threadIdx.x & 31, g4 = lane >> 2, c4 = lane & 3;
-  const long long gw = static_cast<long long>(blockIdx.x) * C::WARPS + (threadIdx.x >> 5);
-  if (gw >= p.warps) return;  // warp-uniform
-  const long long u0 = gw * p.units / p.warps, u1 = (gw + 1) * p.units / p.warps;
-  const int n_units = int(u1 - u0);
-  if (n_units <= 0) return;
+  const int gw = blockIdx.x * C::WARPS + (threadIdx.x >> 5);
+  if (gw >= p.groups * p.parts) return;  // warp-uniform
+  const int cg = gw % p.groups, part = gw / p.groups;
   const int kchunks = p.kchunks;
+  const int kc0 = int(std::int64_t(part) * kchunks / p.parts), kc1 = int(std::int64_t(part + 1) * kchunks / p.parts);
   const T* x = static_cast<const T*>(p.x);
 
   // One unit as this lane holds it: the tiles' 16 bytes, and the group's scale (low 16 bits) and zero point
@@ -129,7 +126,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemv_kernel(const QGemvP
   struct XFrag {
     std::uint32_t b[NB][4][2];
   };
-  auto load = [&](int cg, int kc) {
+  auto load = [&](int kc) {
     Unit un;
     const int k0 = kc * kTileK;
     const std::int64_t grow = std::int64_t(min(k0, p.K - 1) / p.group) * p.Npad;
@@ -213,64 +210,13 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemv_kernel(const QGemvP
     }
   };
 
-  // End of this warp's part of column group cg (chunks kc_first..kc_last): store y, or a partial.
-  T* y = static_cast<T*>(p.y);
-  auto finish_group = [&](int cg, int kc_first, int kc_last) {
-    auto for_each = [&](auto&& f) {  // f(t, nb, e, m, n_local)
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-#pragma unroll
-        for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) f(t, nb, e, 8 * nb + 2 * c4 + (e & 1), t * kTileN + g4 + 8 * (e >> 1));
-    };
-    const int n0 = cg * COLS;
-    if (kc_first == 0 && kc_last == kchunks - 1) {
-      for_each([&](int t, int nb, int e, int m, int nl) {
-        if (m < p.M && n0 + nl < p.N) y[std::int64_t(m) * p.N + n0 + nl] = from_float<T>(acc[t][nb][e]);
-      });
-      return;
-    }
-    const long long first = qgemv_owner(std::int64_t(cg) * kchunks, p.units, p.warps);
-    const int nparts = int(qgemv_owner(std::int64_t(cg) * kchunks + kchunks - 1, p.units, p.warps) - first + 1);
-    float* const base = p.partial + std::int64_t(cg) * p.max_parts * ROWS * COLS;
-    float* const mine = base + (gw - first) * ROWS * COLS;
-    for_each([&](int t, int nb, int e, int m, int nl) {
-      if (m < p.M) mine[m * COLS + nl] = acc[t][nb][e];
-    });
-    __threadfence();  // this lane's partial is visible before the count says so
-    __syncwarp();
-    int last = 0;
-    if (lane == 0) last = atomicAdd(p.counters + cg, 1) == nparts - 1;
-    last = __shfl_sync(0xffffffffu, last, 0);
-    if (!last) return;
-    __threadfence();
-    for_each([&](int, int, int, int m, int nl) {
-      if (m >= p.M || n0 + nl >= p.N) return;
-      float sum = 0.f;
-      for (int part = 0; part < nparts; ++part) sum += __ldcg(base + part * ROWS * COLS + m * COLS + nl);
-      y[std::int64_t(m) * p.N + n0 + nl] = from_float<T>(sum);
-    });
-    if (lane == 0) p.counters[cg] = 0;  // ready for the next launch
-  };
-
-  // ---- the stream: PF units in flight; (lcg, lkc) the next unit to load, (ccg, ckc) the next to compute ----
-  int lcg = int(u0 / kchunks), lkc = int(u0 % kchunks);
-  int ccg = lcg, ckc = lkc, seg_first = lkc;
-  auto advance = [&](int& cg, int& kc) {
-    if (++kc == kchunks) {
-      kc = 0;
-      ++cg;
-    }
-  };
+  // ---- the stream: PF chunks of weights and group constants in flight, x one chunk ahead ----
+  const int n_units = kc1 - kc0;
   Unit buf[PF];
 #pragma unroll
   for (int q = 0; q < PF; ++q)
-    if (q < n_units) {
-      buf[q] = load(lcg, lkc);
-      advance(lcg, lkc);
-    }
-  XFrag xcur = load_x(ckc);
+    if (q < n_units) buf[q] = load(kc0 + q);
+  XFrag xcur = load_x(kc0);
   zero_acc();
   for (int base = 0; base < n_units; base += PF) {
 #pragma unroll
@@ -278,34 +224,62 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemv_kernel(const QGemvP
       const int i = base + q;
       if (i < n_units) {
         const Unit cur = buf[q];
-        if (i + PF < n_units) {
-          buf[q] = load(lcg, lkc);
-          advance(lcg, lkc);
-        }
+        if (i + PF < n_units) buf[q] = load(kc0 + i + PF);
         XFrag xnext;
-        if (i + 1 < n_units) xnext = load_x(ckc + 1 == kchunks ? 0 : ckc + 1);
+        if (i + 1 < n_units) xnext = load_x(kc0 + i + 1);
         compute(cur, xcur);
         xcur = xnext;
-        if (ckc == kchunks - 1 || i == n_units - 1) {  // the end of a column group, or of this warp's run
-          finish_group(ccg, seg_first, ckc);
-          zero_acc();
-        }
-        advance(ccg, ckc);
-        if (ckc == 0) seg_first = 0;
       }
     }
   }
+
+  // ---- y, or this part's partial and the counter ----
+  T* y = static_cast<T*>(p.y);
+  auto for_each = [&](auto&& f) {  // f(t, nb, e, m, n_local): C fragment element e of tile t, batch block nb
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) f(t, nb, e, 8 * nb + 2 * c4 + (e & 1), t * kTileN + g4 + 8 * (e >> 1));
+  };
+  const int n0 = cg * COLS;
+  if (p.parts == 1) {
+    for_each([&](int t, int nb, int e, int m, int nl) {
+      if (m < p.M && n0 + nl < p.N) y[std::int64_t(m) * p.N + n0 + nl] = from_float<T>(acc[t][nb][e]);
+    });
+    return;
+  }
+  float* const base = p.partial + std::int64_t(cg) * p.parts * ROWS * COLS;
+  float* const mine = base + part * ROWS * COLS;
+  for_each([&](int t, int nb, int e, int m, int nl) {
+    if (m < p.M) mine[m * COLS + nl] = acc[t][nb][e];
+  });
+  __threadfence();  // this lane's partial is visible before the count says so
+  __syncwarp();
+  int last = 0;
+  if (lane == 0) last = atomicAdd(p.counters + cg, 1) == p.parts - 1;
+  last = __shfl_sync(0xffffffffu, last, 0);
+  if (!last) return;
+  __threadfence();
+  for_each([&](int, int, int, int m, int nl) {
+    if (m >= p.M || n0 + nl >= p.N) return;
+    float sum = 0.f;
+    for (int q = 0; q < p.parts; ++q) sum += __ldcg(base + q * ROWS * COLS + m * COLS + nl);
+    y[std::int64_t(m) * p.N + n0 + nl] = from_float<T>(sum);
+  });
+  if (lane == 0) p.counters[cg] = 0;  // ready for the next launch
 }
 
 template <class T, class C>
 cudaError_t launch_qgemv_cfg(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y, const QGemmShape& s,
                              const QGemvPlan& p, const QGemmWorkspace& ws, cudaStream_t stream) {
   if (!qgemv_reason(s).empty()) return cudaErrorInvalidValue;
-  if (p.max_parts > 1 && (ws.partial == nullptr || ws.partial_elems < p.partial_elems || ws.counters == nullptr || ws.counter_elems < p.counter_elems))
+  if (p.parts > 1 && (ws.partial == nullptr || ws.partial_elems < p.partial_elems || ws.counters == nullptr || ws.counter_elems < p.counter_elems))
     return cudaErrorInvalidValue;
   if ((reinterpret_cast<std::uintptr_t>(x) & 3) || (reinterpret_cast<std::uintptr_t>(tiles) & 15)) return cudaErrorInvalidValue;
   const QGemvParams prm{x, tiles, scales, zeros, y, ws.partial, ws.counters, int(s.M), int(s.N), int(s.K), int(s.Npad), int(s.group),
-                        int(s.Kpad / kTileK), int(s.Npad / kTileN), p.max_parts, p.units, p.warps};
+                        int(s.Kpad / kTileK), int(s.Npad / kTileN), int(p.groups), p.parts};
   if (p.nb == 1) qgemv_kernel<T, 1, C><<<unsigned(p.blocks), C::THREADS, 0, stream>>>(prm);
   else qgemv_kernel<T, 2, C><<<unsigned(p.blocks), C::THREADS, 0, stream>>>(prm);
   return cudaGetLastError();
@@ -330,7 +304,7 @@ int qgemv_warps_per_sm(int nb) {
 // Configurations the benchmark times side by side (and the GPU tests check against the CPU twin).
 template <class... Cs>
 struct QGemvCfgList {};
-using QGemvTuningCfgs = QGemvCfgList<QGemvCfg<2, 6>, QGemvCfg<2, 4>, QGemvCfg<2, 8>, QGemvCfg<1, 8>, QGemvCfg<4, 4>, QGemvCfg<2, 6, 4>>;
+using QGemvTuningCfgs = QGemvCfgList<QGemvCfg<2, 6>, QGemvCfg<2, 4>, QGemvCfg<2, 8>, QGemvCfg<1, 8>, QGemvCfg<1, 12>, QGemvCfg<4, 4>>;
 using QGemvDefault = QGemvCfg<2, 6>;
 template <class C>
 std::string qgemv_cfg_name() {
