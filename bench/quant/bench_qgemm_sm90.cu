@@ -1,10 +1,9 @@
 // 4-bit GEMM benchmark without libtorch: one translation unit that builds in well under a minute, for kernel work
 // on the GPU machine (bench_quant_gemm, with libtorch and every mma.sync variant, takes minutes to build).
 // For each (K, N) of issue 6 and batch M it times, in the same run, cold L2, median of --reps:
-//   ours     the library's dispatch (kq::quant_gemm_cuda: wgmma at M > 32 on sm_90a, mma.sync otherwise)
+//   ours     the library's dispatch (kq::quant_gemm_cuda: wgmma from M = 9 on sm_90a, see quant_gemm_uses_sm90)
 //   mma      qgemm_cuda (the mma.sync kernel) at every M
-//   wg_*     every wgmma configuration of kq::detail::Sm90TuningCfgs (and, at M > 16, of Sm90ProbeCfgs: candidates
-//            not yet checked against the CPU twin) at K splits {its plan, 1, 2, 4, 8}
+//   wg_*     every wgmma configuration of kq::detail::Sm90TuningCfgs at K splits {its plan, 1, 2, 4, 8}
 //   sv_*     every configuration of the streaming kernel (qgemv.cuh, M <= 16) with its own plan
 //   cuBLAS   bf16 GEMM (cublasGemmEx, W [N, K] bf16 as nn.Linear stores it), the peer
 // Weights are random codes, scales and zero points (group 128): only time is measured here; the GPU tests check
@@ -290,10 +289,8 @@ int main(int argc, char** argv) {
       };
       const double t_cub = time_ms(run_cub, reps);
       std::vector<Timed> wg;
-      if (kq::qgemm_sm90_supported() && M > 1) {
+      if (kq::qgemm_sm90_supported() && M > 1)
         time_cfgs(kq::detail::Sm90TuningCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), only_cfg, wg);
-        if (M > 16) time_cfgs(kq::detail::Sm90ProbeCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), only_cfg, wg);
-      }
       std::vector<Timed> sv;
       if (kq::qgemv_reason(s).empty()) time_qgemv_cfgs(kq::detail::QGemvTuningCfgs{}, L, s, x.p, y.p, y.n, ref, sm, reps, sv);
       const Timed* best_sv = nullptr;

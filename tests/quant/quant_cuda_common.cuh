@@ -1,8 +1,8 @@
 #pragma once
 // Shared by the CUDA quant tests (test_quant_cuda.cu: dequantize, GEMV, the mma.sync GEMM; test_quant_sm90.cu: the
-// wgmma GEMM and the library entry): random GPTQ layers and activations, the twin's error scale, one layer and
-// batch on the device with the CPU twin's result. Two translation units so that the GPU machine builds them in
-// parallel.
+// wgmma GEMM and the library entry; test_qgemv_cuda.cu: the streaming GEMM): random GPTQ layers and activations,
+// the twin's error scale, one layer and batch on the device with the CPU twin's result. One binary each, so the
+// GPU machine can build (and rebuild) one without the others.
 #include <gtest/gtest.h>
 
 #include <algorithm>

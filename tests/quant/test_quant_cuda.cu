@@ -2,7 +2,7 @@
 // Tolerances: dequantize is bit-identical (same element function); gemv and the int4 GEMM sum in a
 // different order than their twins: |gpu - twin| <= 1e-5 * sum|x w| + one ulp of the output type.
 // The 3/4/8-bit GEMM is checked in every configuration the benchmark times, with and without K splits.
-// The sm_90 wgmma GEMM and the library's GEMM entry: test_quant_sm90.cu (same binary).
+// The sm_90 wgmma GEMM and the library's GEMM entry: test_quant_sm90.cu (binary test_quant_sm90).
 #include "quant_cuda_common.cuh"
 
 struct DevLayer {

@@ -1,5 +1,5 @@
 #pragma once
-// Hopper (sm_90a) 4-bit weight GEMM for batches of 17 rows and more: y [M, N] = x [M, K] * W^T on wgmma.
+// Hopper (sm_90a) 4-bit weight GEMM for batches of 9 rows and more: y [M, N] = x [M, K] * W^T on wgmma.
 //
 // Why another kernel: qgemm.cuh's mma.sync kernel re-reads x per strip and runs far below the tensor-core
 // rate once M reaches 64 (H200: 0.41-0.48x cuBLAS bf16 at M = 64, 0.23-0.34x at M = 128). Here the product is
@@ -40,7 +40,7 @@
 // slice) to finish (a counter each) sums them in split order (deterministic), four features and four K ranges
 // at a time, writes y and resets its counter.
 // Not done: a persistent grid (the last wave of 8192 x 28672 leaves SMs idle), 128 x 128 tiles per warpgroup pair
-// for M >= 128 (WS with WM = 2 computed wrong results, see Sm90Cfg), 8- and 3-bit tiles.
+// for M >= 128 (two 64 x 128 accumulators per warpgroup: ptxas serializes the wgmma, C7512), 8- and 3-bit tiles.
 //
 // Limits (checked by qgemm_sm90_reason; qgemm_cuda keeps serving the rest): 4-bit tiles, K % 8 == 0
 // (16-byte x copies; the tensor map's row pitch), 16-byte aligned x / tiles / scales / zeros, group % 16 == 0 (as qgemm.cuh). Any M, N
@@ -106,8 +106,7 @@ struct Sm90Cfg {
   // H200 (bench_qgemm_sm90 at 2101881): wg_b64m2s6ow and wg_b64m2s8ow gave results 0.1-0.25 (relative to max |y|)
   // away from the mma.sync kernel's on every shape, while WS with WM = 1 and every non-WS configuration agreed.
   // The likely cause, the single A register set under OVERLAP, is gone (two sets now). WS with WM = 2 sits in
-  // Sm90ProbeCfgs only (timed and checked against the mma.sync kernel by bench_qgemm_sm90), outside the dispatch
-  // and the tuning list, until it has run against the CPU twin.
+  // the tuning list (checked against the CPU twin by the GPU tests) since session 8.
 };
 
 struct Sm90Plan {
@@ -647,22 +646,30 @@ std::string sm90_cfg_name() {
 using Sm90TuningCfgs = CfgList<Sm90Cfg<64, 1, 6, 2>, Sm90Cfg<128, 2, 6>,
                                // warp-specialised (a producer warp, TMA / bulk copies, mbarriers; names end in w)
                                Sm90Cfg<64, 1, 6, 2, false, true>, Sm90Cfg<64, 1, 7, 2, false, true>, Sm90Cfg<128, 1, 6, 1, false, true>,
-                               Sm90Cfg<128, 1, 6, 1, true, true>>;
-// Candidates not yet checked against the CPU twin: the benchmark times them and compares them with the mma.sync
-// kernel (BAD when they disagree). WS with two m64 tiles per warpgroup: half the x reads per weight byte.
-using Sm90ProbeCfgs = CfgList<Sm90Cfg<64, 2, 6, 1, false, true>, Sm90Cfg<64, 2, 8, 1, false, true>>;  // (b128 x 2 tiles: ptxas serializes, C7512)
-// What qgemm_sm90_cuda runs: the warp-specialised form, one batch slice of 64 rows up to M = 64 (two blocks per
-// SM), of 128 rows above. Measured on the H200 (bench/results/h200/gemm4_probe.*, fa028dc): at M 16..64
-// wg_b64m1s6x2w was the fastest configuration or within 3% of it on all four shapes. At M = 128 the fastest was
-// wg_b128m1s6ow, an OVERLAP form that is no longer fast (see Sm90Cfg); its plain twin wg_b128m1s6w ran within 3%
-// of it when both loaded x by cp.async (2101881) and has not been timed with the TMA producer yet.
+                               Sm90Cfg<128, 1, 6, 1, true, true>,
+                               // two m64 tiles per warpgroup (half the x reads per weight byte); with 128-row slices
+                               // ptxas serializes the wgmma (C7512: too few registers for two 64 x 128 accumulators)
+                               Sm90Cfg<64, 2, 6, 1, false, true>, Sm90Cfg<64, 2, 8, 1, false, true>>;
+// What qgemm_sm90_cuda runs: the warp-specialised form; batch slices of 64 rows up to M = 64, of 128 rows above.
+// H200, clean L2 (bench/results/h200/gemm4_probe-session8-run3.*, 1911ab5), x cuBLAS bf16 on 4096 x 4096 /
+// 4096 x 11008 / 11008 x 4096 / 8192 x 28672:
+//   M = 16: wg_b64m1s6x2w 1.04 / 1.01 / 1.08 / 1.08 (the mma.sync kernel: 0.63 / 0.96 / 0.85 / 1.28);
+//   M = 64: wg_b64m1s6x2w 0.73 / 0.89 / 0.90 / 1.01, wg_b64m2s8w 0.60 / 0.86 / 0.88 / 1.23: two tiles per warpgroup
+//           pay on the large layer only, so layers of kSm90LargeLayer weights or more take them;
+//   M = 128: wg_b128m1s6w 0.66 / 0.60 / 0.74 / 0.78, the fastest configuration on every shape.
 using Sm90Small = Sm90Cfg<64, 1, 6, 2, false, true>;
+using Sm90SmallWide = Sm90Cfg<64, 2, 8, 1, false, true>;
 using Sm90Large = Sm90Cfg<128, 1, 6, 1, false, true>;
-// Calls f(C{}) with the configuration type qgemm_sm90_cuda uses for M rows.
+}  // namespace detail
+// Npad * Kpad from which a layer counts as large (8192 x 28672 is above, LLaMA-7B's 4096-wide layers below).
+inline constexpr std::int64_t kSm90LargeLayer = std::int64_t(1) << 27;
+namespace detail {
+// Calls f(C{}) with the configuration type qgemm_sm90_cuda uses for this shape.
 template <class F>
-decltype(auto) with_sm90_cfg(std::int64_t M, F&& f) {
-  if (M <= 64) return f(Sm90Small{});
-  return f(Sm90Large{});
+decltype(auto) with_sm90_cfg(const QGemmShape& s, F&& f) {
+  if (s.M > 64) return f(Sm90Large{});
+  if (s.Npad * s.Kpad >= kSm90LargeLayer) return f(Sm90SmallWide{});
+  return f(Sm90Small{});
 }
 
 // x [M, K] (fp16 / bf16, row-major, K % 8 == 0, 16-byte aligned) as a TMA tensor map: boxes of [64 k] x [box_rows]
@@ -716,10 +723,10 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
 
 // The configuration (name) and plan qgemm_sm90_cuda uses for s.M rows (splits_override > 0 forces the K splits).
 inline std::string qgemm_sm90_cfg_name(const QGemmShape& s) {
-  return detail::with_sm90_cfg(s.M, [](auto c) { return detail::sm90_cfg_name<decltype(c)>(); });
+  return detail::with_sm90_cfg(s, [](auto c) { return detail::sm90_cfg_name<decltype(c)>(); });
 }
 inline Sm90Plan qgemm_sm90_plan(const QGemmShape& s, int sm_count, int splits_override = 0) {
-  return detail::with_sm90_cfg(s.M, [&](auto c) { return plan_qgemm_sm90<decltype(c)>(s, sm_count, splits_override); });
+  return detail::with_sm90_cfg(s, [&](auto c) { return plan_qgemm_sm90<decltype(c)>(s, sm_count, splits_override); });
 }
 inline QGemmWorkspace qgemm_sm90_workspace_size(const QGemmShape& s, int sm_count, int splits_override = 0) {
   const Sm90Plan p = qgemm_sm90_plan(s, sm_count, splits_override);
@@ -732,7 +739,7 @@ inline QGemmWorkspace qgemm_sm90_workspace_size(const QGemmShape& s, int sm_coun
 template <class T>
 cudaError_t qgemm_sm90_cuda(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y, const QGemmShape& s,
                             const QGemmWorkspace& ws, int sm_count, cudaStream_t stream, int splits_override = 0) {
-  return detail::with_sm90_cfg(s.M, [&](auto c) {
+  return detail::with_sm90_cfg(s, [&](auto c) {
     using C = decltype(c);
     const Sm90Plan p = plan_qgemm_sm90<C>(s, sm_count, splits_override);
     return detail::launch_qgemm_sm90_cfg<T, C>(x, tiles, scales, zeros, y, s, p, ws, stream);
@@ -740,13 +747,16 @@ cudaError_t qgemm_sm90_cuda(const T* x, const std::uint32_t* tiles, const half* 
 }
 
 // ---- the library's quantized GEMM: the kernel each batch size is served by ----------------------------------
-// M >= 17 rows on an sm_90 device with sm_90a device code and a shape the wgmma kernel takes: qgemm_sm90_cuda;
-// everything else: qgemm_cuda (mma.sync; 3- and 8-bit, any device). H200 (bench/results/h200/gemm4_probe.*): at
-// M 33..128 the wgmma kernel was 1.4-3.3x faster than qgemm_cuda on the four LLaMA shapes; at M = 16 it was faster
-// on three of them (up to 1.6x) but 17% slower on 8192 x 28672, so M = 16 keeps the mma.sync kernel.
-inline constexpr std::int64_t kSm90MinRows = 17;
+// On an sm_90 device with sm_90a device code, for a 4-bit shape the wgmma kernel takes: M >= 17, and M 9..16 on
+// layers below kSm90LargeLayer weights, run qgemm_sm90_cuda; everything else (M <= 8, M 9..16 on large layers,
+// 3- and 8-bit, other devices) runs qgemm_cuda (mma.sync). H200, clean L2 (bench/results/h200/
+// gemm4_probe-session8-run3.*): at M = 16 the wgmma kernel was 1.04 / 1.01 / 1.08x cuBLAS bf16 on the three
+// LLaMA-7B shapes where the mma.sync kernel was 0.63 / 0.96 / 0.85x, but 1.08x against 1.28x on 8192 x 28672; at
+// M = 1 the mma.sync kernel (weights as the mma's A, 8 rows) is the faster one.
+inline constexpr std::int64_t kSm90MinRows = 9;
 inline bool quant_gemm_uses_sm90(const QGemmShape& s) {
-  return s.M >= kSm90MinRows && qgemm_sm90_reason(s).empty() && qgemm_sm90_supported();
+  const bool rows = s.M >= 17 || (s.M >= kSm90MinRows && s.Npad * s.Kpad < kSm90LargeLayer);
+  return rows && qgemm_sm90_reason(s).empty() && qgemm_sm90_supported();
 }
 // Workspace sizes for quant_gemm_cuda (pointers left null): partial fp32 (any contents) and counters int32
 // (zero before the first call; the kernels leave them zero).
