@@ -96,9 +96,9 @@ TEST(QuantCudaSm90, DispatchOnLargeLayersRepeatedly) {
 }
 // The library's entry (quant_gemm_cuda, what QuantizedLinear calls): on sm_90a builds the wgmma kernel for 4-bit
 // layers from M = 17, and from M = 9 on layers below kSm90LargeLayer weights (64-row slices up to M = 64, two tiles
-// per warpgroup on large layers, 128-row slices above), mma.sync otherwise. The choice in words first (host
-// logic, any device), then the results on both sides of the M = 8 / 9 boundary, at 16, 17 and 100, and of a 3-bit
-// layer against the CPU twin.
+// per warpgroup up to M = 32 and on large layers, 128-row slices above), mma.sync otherwise. The choice in words first (host
+// logic, any device), then the results on both sides of the M = 8 / 9 boundary, at 16, 17, 33 and 100, and of a
+// 3-bit layer against the CPU twin.
 TEST(QuantCudaSm90, LibraryEntryPicksTheKernelByBatch) {
   REQUIRE_DEVICE();
   const bool wg = kq::qgemm_sm90_supported();
@@ -109,8 +109,10 @@ TEST(QuantCudaSm90, LibraryEntryPicksTheKernelByBatch) {
   EXPECT_TRUE(starts(says(narrow, 132), wg ? "wgmma wg_b64m1s6x2w " : "mma.sync ")) << says(narrow, 132);
   EXPECT_TRUE(starts(says({65, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b128m1s6w " : "mma.sync "));
   EXPECT_TRUE(starts(says({16, 28672, 8192, 8192, 28672, 128, 4}, 132), "mma.sync "));  // large layer: mma.sync up to 16
-  EXPECT_TRUE(starts(says({16, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b64m1s6x2w " : "mma.sync "));
-  EXPECT_TRUE(starts(says({9, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b64m1s6x2w " : "mma.sync "));
+  EXPECT_TRUE(starts(says({16, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b64m2s8w " : "mma.sync "));
+  EXPECT_TRUE(starts(says({9, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b64m2s8w " : "mma.sync "));
+  EXPECT_TRUE(starts(says({32, 4096, 11008, 11008, 4096, 128, 4}, 132), wg ? "wgmma wg_b64m2s8w " : "mma.sync "));
+  EXPECT_TRUE(starts(says({33, 4096, 11008, 11008, 4096, 128, 4}, 132), wg ? "wgmma wg_b64m1s6x2w " : "mma.sync "));
   EXPECT_TRUE(starts(says({8, 4096, 4096, 4096, 4096, 128, 4}, 132), "mma.sync "));
   EXPECT_TRUE(starts(says({64, 28672, 8192, 8192, 28672, 128, 3}, 132), "mma.sync "));
   EXPECT_TRUE(starts(says({64, 28672, 8196, 8256, 28672, 128, 4}, 132), "mma.sync "));  // K % 8: the wgmma kernel declines
@@ -118,7 +120,7 @@ TEST(QuantCudaSm90, LibraryEntryPicksTheKernelByBatch) {
   for (const int bits : {4, 3}) {
     const auto p = random_layer(1000, 1096, bits, 32, bits == 4, 40 + bits);
     const auto t = quant::to_tiles(p);
-    for (const std::int64_t M : {8, 9, 16, 17, 100}) {
+    for (const std::int64_t M : {8, 9, 16, 17, 33, 100}) {
       const TwinCase<bf16> tc(p, t, M);
       const auto need = kq::quant_gemm_workspace_size(tc.shape, sm);
       Dev<float> part(std::size_t(std::max<std::int64_t>(need.partial_elems, 1)));
@@ -133,15 +135,15 @@ TEST(QuantCudaSm90, LibraryEntryPicksTheKernelByBatch) {
 }
 // The K-split plan of the dispatched configurations (host logic: runs without a GPU). Expected counts: the
 // fastest or within 10% in the H200 sweep over 1/2/3/4/8 splits (bench/results/h200/gemm4_probe.jsonl), 132 SMs;
-// 8192 x 28672 up to M = 64 takes wg_b64m2s8w since session 8: one split, the fastest at M = 64 in
-// gemm4_probe-session8-run3.jsonl (M = 33 gets the same plan).
+// since session 8 wg_b64m2s8w serves M <= 32 (4096 x 4096 at M = 16: 8 splits) and 8192 x 28672 up to M = 64 (one
+// split), the fastest counts for that configuration in gemm4_probe-session8-run4.jsonl.
 // Every plan covers K exactly once with no empty range and sizes its workspace to splits x M x Npad.
 TEST(QuantCudaSm90, SplitPlanFollowsTheMeasuredSweep) {
   struct Case {
     std::int64_t K, N, M;
     int splits;
   };
-  const Case cases[] = {{4096, 4096, 16, 4},   {4096, 4096, 64, 4},   {4096, 4096, 128, 4},  {4096, 11008, 33, 3}, {4096, 11008, 64, 3},
+  const Case cases[] = {{4096, 4096, 16, 8},   {4096, 4096, 64, 4},   {4096, 4096, 128, 4},  {4096, 11008, 33, 3}, {4096, 11008, 64, 3},
                         {4096, 11008, 128, 1}, {11008, 4096, 64, 4},  {11008, 4096, 128, 4}, {8192, 28672, 33, 1}, {8192, 28672, 64, 1},
                         {8192, 28672, 128, 1}};
   for (const auto& c : cases) {

@@ -651,12 +651,15 @@ using Sm90TuningCfgs = CfgList<Sm90Cfg<64, 1, 6, 2>, Sm90Cfg<128, 2, 6>,
                                // ptxas serializes the wgmma (C7512: too few registers for two 64 x 128 accumulators)
                                Sm90Cfg<64, 2, 6, 1, false, true>, Sm90Cfg<64, 2, 8, 1, false, true>>;
 // What qgemm_sm90_cuda runs: the warp-specialised form; batch slices of 64 rows up to M = 64, of 128 rows above.
-// H200, clean L2 (bench/results/h200/gemm4_probe-session8-run3.*, 1911ab5), x cuBLAS bf16 on 4096 x 4096 /
-// 4096 x 11008 / 11008 x 4096 / 8192 x 28672:
-//   M = 16: wg_b64m1s6x2w 1.04 / 1.01 / 1.08 / 1.08 (the mma.sync kernel: 0.63 / 0.96 / 0.85 / 1.28);
-//   M = 64: wg_b64m1s6x2w 0.73 / 0.89 / 0.90 / 1.01, wg_b64m2s8w 0.60 / 0.86 / 0.88 / 1.23: two tiles per warpgroup
-//           pay on the large layer only, so layers of kSm90LargeLayer weights or more take them;
-//   M = 128: wg_b128m1s6w 0.66 / 0.60 / 0.74 / 0.78, the fastest configuration on every shape.
+// H200, clean L2, x cuBLAS bf16 on 4096 x 4096 / 4096 x 11008 / 11008 x 4096 / 8192 x 28672, each configuration
+// at its best split count (bench/results/h200/gemm4_probe-session8-run4.*, 554a9c6):
+//   M = 9:   wg_b64m2s8w 1.09 / 1.18 / 1.26 / 1.27, wg_b64m1s6x2w 1.07 / 1.04 / 1.11 / 1.08 (mma.sync 0.75 / 1.13 / 1.07 / 1.40)
+//   M = 16:  wg_b64m2s8w 1.02 / 1.11 / 1.20 / 1.26, wg_b64m1s6x2w 0.99 / 1.01 / 1.07 / 1.07 (mma.sync 0.62 / 0.97 / 0.85 / 1.26)
+//   M = 33:  wg_b64m2s8w 0.89 / 1.02 / 1.02 / 1.26, wg_b64m1s6x2w 0.97 / 0.98 / 0.99 / 1.06
+//   M = 64:  wg_b64m2s8w 0.60 / 0.85 / 0.88 / 1.28, wg_b64m1s6x2w 0.74 / 0.90 / 0.91 / 1.05
+//   M = 128: wg_b128m1s6w 0.67 / 0.62 / 0.75 / 0.78, the fastest configuration on every shape.
+// So two m64 tiles per warpgroup (half the x reads per weight byte) up to M = 32, and up to M = 64 on layers of
+// kSm90LargeLayer weights or more; one tile and two blocks per SM for M 33..64 on the smaller layers.
 using Sm90Small = Sm90Cfg<64, 1, 6, 2, false, true>;
 using Sm90SmallWide = Sm90Cfg<64, 2, 8, 1, false, true>;
 using Sm90Large = Sm90Cfg<128, 1, 6, 1, false, true>;
@@ -668,7 +671,7 @@ namespace detail {
 template <class F>
 decltype(auto) with_sm90_cfg(const QGemmShape& s, F&& f) {
   if (s.M > 64) return f(Sm90Large{});
-  if (s.Npad * s.Kpad >= kSm90LargeLayer) return f(Sm90SmallWide{});
+  if (s.M <= 32 || s.Npad * s.Kpad >= kSm90LargeLayer) return f(Sm90SmallWide{});
   return f(Sm90Small{});
 }
 
@@ -749,10 +752,10 @@ cudaError_t qgemm_sm90_cuda(const T* x, const std::uint32_t* tiles, const half* 
 // ---- the library's quantized GEMM: the kernel each batch size is served by ----------------------------------
 // On an sm_90 device with sm_90a device code, for a 4-bit shape the wgmma kernel takes: M >= 17, and M 9..16 on
 // layers below kSm90LargeLayer weights, run qgemm_sm90_cuda; everything else (M <= 8, M 9..16 on large layers,
-// 3- and 8-bit, other devices) runs qgemm_cuda (mma.sync). H200, clean L2 (bench/results/h200/
-// gemm4_probe-session8-run3.*): at M = 16 the wgmma kernel was 1.04 / 1.01 / 1.08x cuBLAS bf16 on the three
-// LLaMA-7B shapes where the mma.sync kernel was 0.63 / 0.96 / 0.85x, but 1.08x against 1.28x on 8192 x 28672; at
-// M = 1 the mma.sync kernel (weights as the mma's A, 8 rows) is the faster one.
+// 3- and 8-bit, other devices) runs qgemm_cuda (mma.sync). H200, clean L2 (gemm4_probe-session8-run4.*, see
+// Sm90Small above): at M 9..16 the wgmma kernel beat the mma.sync kernel on the three LLaMA-7B shapes and lost to
+// it on 8192 x 28672 (1.27 against 1.40x cuBLAS bf16 at M = 9); at M = 1 the mma.sync kernel (weights as the
+// mma's A, 8 rows) is the faster one.
 inline constexpr std::int64_t kSm90MinRows = 9;
 inline bool quant_gemm_uses_sm90(const QGemmShape& s) {
   const bool rows = s.M >= 17 || (s.M >= kSm90MinRows && s.Npad * s.Kpad < kSm90LargeLayer);
