@@ -125,20 +125,21 @@ inline std::string describe(const Sm90Plan& p) {
 }
 
 // K splits: without an override, the count (1..16, K ranges of at least 4 chunks) with the least estimated
-// traffic: the weight bytes over the fraction of the grid's last wave (of one block per SM) that is used (idle SMs
-// stretch the time), plus the fp32 partials written and read back, which mostly stay in L2 (weighted 4 B per split,
-// row and column, half their byte count). Fitted to the H200 sweep over split counts 1/2/3/4/8 (bench_qgemm_sm90,
-// bench/results/h200/gemm4_probe.jsonl) for the dispatch's configurations: on the four LLaMA shapes at M 16..128 it
-// picks the fastest count or one within 10% (11008 x 4096 at M 16-64: 4 where 8 was 5-9% faster), e.g. 4096 x 4096
-// at M = 64: 4 splits (128 blocks) in 0.020 ms, where the earlier 8-byte weight with waves of two blocks per SM
-// picked 6 (0.024 ms).
+// traffic: the weight bytes over the fraction of the grid's last wave that is used (idle SMs stretch the time; a
+// wave is the blocks the GPU holds at once, MINB per SM), plus the fp32 partials written and read back, which
+// mostly stay in L2 (weighted 4 B per split, row and column, half their byte count). Fitted to the H200 sweeps
+// over split counts 1/2/3/4/8 with a clean L2 (bench_qgemm_sm90, bench/results/h200/gemm4_probe-session8-run4/5.jsonl)
+// for the dispatched configurations: on the four LLaMA shapes at M 9..128 it picks the fastest count or one
+// within 4% (4096 x 4096 at M = 64: 8 splits, 4% slower than 4). Counting a wave as one block per SM, as session 7
+// did for every configuration, cost the two-blocks-per-SM wg_b64m1s6x2w up to 15% (11008 x 4096 at M = 33: 4
+// splits 0.033 ms, 8 splits 0.029).
 template <class C>
 Sm90Plan plan_qgemm_sm90(const QGemmShape& s, int sm_count, int splits_override = 0) {
   Sm90Plan p;
   const std::int64_t kchunks = s.Kpad / kTileK;
   p.zslices = int((s.M + C::BN - 1) / C::BN);
   p.strips = int((s.Npad + C::STRIP - 1) / C::STRIP);
-  const std::int64_t tiles = std::int64_t(p.zslices) * p.strips, slots = std::max(sm_count, 1);
+  const std::int64_t tiles = std::int64_t(p.zslices) * p.strips, slots = std::int64_t(std::max(sm_count, 1)) * C::MINB;
   const int max_splits = int(std::clamp<std::int64_t>(kchunks / 4, 1, 16));
   int splits = splits_override;
   if (splits <= 0) {
