@@ -130,11 +130,30 @@ double max_rel(const std::vector<bf16>& got, const std::vector<bf16>& ref) {
 
 struct Timed {
   std::string name;
-  int splits = 0;
+  int splits = 0;  // K splits (the streaming kernel: K parts)
   double ms = 0, err = 0;
 };
 
-// Every configuration of the list at each distinct K split count, error against ref, then timed.
+// One configuration and plan: its result against ref (BAD past 2e-2 of max |y|), then timed when good.
+template <class Launch>
+void check_and_time(const std::string& name, const std::string& plan, int splits, Launch launch, bf16* y, std::size_t ny,
+                    const std::vector<bf16>& ref, int reps, std::vector<Timed>& out) {
+  watchdog_note(name + " " + plan);
+  SQUEEZE_CUDA_CHECK(cudaMemset(y, 0xff, ny * sizeof(bf16)));
+  if (const cudaError_t e = launch(); e != cudaSuccess) {
+    std::printf("  %s (%s): %s\n", name.c_str(), plan.c_str(), cudaGetErrorString(e));
+    cudaGetLastError();
+    return;
+  }
+  SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<bf16> got(ny);
+  SQUEEZE_CUDA_CHECK(cudaMemcpy(got.data(), y, ny * sizeof(bf16), cudaMemcpyDeviceToHost));
+  Timed t{name, splits, 0, max_rel(got, ref)};
+  if (t.err < 2e-2) t.ms = time_ms([&] { SQUEEZE_CUDA_CHECK(launch()); }, reps);
+  out.push_back(t);
+}
+
+// Every wgmma configuration of the list at each distinct K split count {its plan, 1, 2, 4, 8}.
 template <class... Cs>
 void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16* y, std::size_t ny,
                const std::vector<bf16>& ref, int sm, int reps, const std::string& only_cfg, std::vector<Timed>& out) {
@@ -146,52 +165,31 @@ void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape&
     for (int sp : {0, 1, 2, 4, 8}) {
       const auto plan = kq::plan_qgemm_sm90<C>(s, sm, sp);
       if (plan.splits < 32 && seen[plan.splits]++) continue;
-      watchdog_note(name + " " + kq::describe(plan));
       const Workspace ws({nullptr, plan.partial_elems, nullptr, plan.counter_elems});
-      auto launch = [&] { return kq::detail::launch_qgemm_sm90_cfg<bf16, C>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws.ws, nullptr); };
-      SQUEEZE_CUDA_CHECK(cudaMemset(y, 0xff, ny * sizeof(bf16)));
-      if (const cudaError_t e = launch(); e != cudaSuccess) {
-        std::printf("  %s (%s): %s\n", name.c_str(), kq::describe(plan).c_str(), cudaGetErrorString(e));
-        cudaGetLastError();
-        return;
-      }
-      SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
-      std::vector<bf16> got(ny);
-      SQUEEZE_CUDA_CHECK(cudaMemcpy(got.data(), y, ny * sizeof(bf16), cudaMemcpyDeviceToHost));
-      Timed t{name, plan.splits, 0, max_rel(got, ref)};
-      if (t.err < 2e-2) t.ms = time_ms([&] { SQUEEZE_CUDA_CHECK(launch()); }, reps);
-      out.push_back(t);
+      check_and_time(
+          name, kq::describe(plan), plan.splits,
+          [&] { return kq::detail::launch_qgemm_sm90_cfg<bf16, C>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws.ws, nullptr); }, y, ny,
+          ref, reps, out);
     }
   };
   (one(Cs{}), ...);
 }
 
-// Every streaming configuration at K parts {its plan, 1, 2, 4, 8}, error against ref, then timed.
+// Every streaming configuration at each distinct K part count {its plan, 1, 2, 4, 8}.
 template <class... Cs>
 void time_qgemv_cfgs(kq::detail::QGemvCfgList<Cs...>, const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16* y, std::size_t ny,
                      const std::vector<bf16>& ref, int sm, int reps, std::vector<Timed>& out) {
   auto one = [&](auto c) {
     using C = decltype(c);
-    const std::string name = kq::detail::qgemv_cfg_name<C>();
     int seen[64] = {};
     for (int parts : {0, 1, 2, 4, 8}) {
       const auto plan = kq::plan_qgemv(s, C::NT, sm, kq::detail::qgemv_warps_per_sm<bf16, C>(s.M <= 8 ? 1 : 2), parts);
       if (plan.parts < 64 && seen[plan.parts]++) continue;
-      watchdog_note(name + " " + kq::describe(plan));
       const Workspace ws({nullptr, plan.partial_elems, nullptr, plan.counter_elems});
-      auto launch = [&] { return kq::detail::launch_qgemv_cfg<bf16, C>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws.ws, nullptr); };
-      SQUEEZE_CUDA_CHECK(cudaMemset(y, 0xff, ny * sizeof(bf16)));
-      if (const cudaError_t e = launch(); e != cudaSuccess) {
-        std::printf("  %s (%s): %s\n", name.c_str(), kq::describe(plan).c_str(), cudaGetErrorString(e));
-        cudaGetLastError();
-        return;
-      }
-      SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
-      std::vector<bf16> got(ny);
-      SQUEEZE_CUDA_CHECK(cudaMemcpy(got.data(), y, ny * sizeof(bf16), cudaMemcpyDeviceToHost));
-      Timed t{name, plan.parts, 0, max_rel(got, ref)};
-      if (t.err < 2e-2) t.ms = time_ms([&] { SQUEEZE_CUDA_CHECK(launch()); }, reps);
-      out.push_back(t);
+      check_and_time(
+          kq::detail::qgemv_cfg_name<C>(), kq::describe(plan), plan.parts,
+          [&] { return kq::detail::launch_qgemv_cfg<bf16, C>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws.ws, nullptr); }, y, ny, ref,
+          reps, out);
     }
   };
   (one(Cs{}), ...);

@@ -91,4 +91,25 @@ struct TwinCase {
   }
   TwinCase(const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t rows) : TwinCase(p, t, rows, kernel_order_x<T>(t, rows, p.in, 23)) {}
 };
+// reps launches of launch(ws) on one workspace of the given sizes (counters zeroed once: the kernels leave them
+// zero), each result against the twin (bound rel * sum |x w| + one ulp); the counters must be zero at the end.
+template <class T, class Launch>
+void launches_match_twin(const TwinCase<T>& tc, std::int64_t partial_elems, std::int64_t counter_elems, int reps, const std::string& what,
+                         double rel, Launch launch) {
+  Dev<float> part(std::size_t(std::max<std::int64_t>(partial_elems, 1)));
+  Dev<int> cnt(std::vector<int>(std::size_t(std::max<std::int64_t>(counter_elems, 1)), 0));
+  const kq::QGemmWorkspace ws{part.p, partial_elems, cnt.p, counter_elems};
+  for (int rep = 0; rep < reps; ++rep) {
+    SQUEEZE_CUDA_CHECK(cudaMemset(tc.dy.p, 0xff, tc.dy.n * sizeof(T)));
+    SQUEEZE_CUDA_CHECK(launch(ws));
+    SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+    expect_close_to_twin(tc.mag, tc.ref, tc.dy.get(),
+                         what + " M " + std::to_string(tc.M) + " N " + std::to_string(tc.shape.N) + " K " + std::to_string(tc.shape.K) + " rep " +
+                             std::to_string(rep),
+                         rel);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+  const auto counters = cnt.get();
+  EXPECT_TRUE(std::all_of(counters.begin(), counters.end(), [](int v) { return v == 0; })) << what << ": counters left non-zero";
+}
 }  // namespace

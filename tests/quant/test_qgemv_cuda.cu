@@ -64,23 +64,11 @@ TEST(QGemvPlan, RejectsShapesItCannotTake) {
 // Configuration C on a twin case with `parts` K parts (0: the plan's own), reps launches on the same counters.
 template <class T, class C>
 void qgemv_runs(const TwinCase<T>& tc, int parts, int reps) {
-  const int sm = sm_count();
-  const auto plan = kq::plan_qgemv(tc.shape, C::NT, sm, kq::detail::qgemv_warps_per_sm<T, C>(tc.shape.M <= 8 ? 1 : 2), parts);
-  SCOPED_TRACE(kq::detail::qgemv_cfg_name<C>() + ": " + kq::describe(plan));
-  Dev<float> part(std::size_t(std::max<std::int64_t>(plan.partial_elems, 1)));
-  Dev<int> cnt(std::vector<int>(std::size_t(std::max<std::int64_t>(plan.counter_elems, 1)), 0));
-  const kq::QGemmWorkspace ws{part.p, plan.partial_elems, cnt.p, plan.counter_elems};
-  for (int rep = 0; rep < reps; ++rep) {
-    SQUEEZE_CUDA_CHECK(cudaMemset(tc.dy.p, 0xff, tc.dy.n * sizeof(T)));
-    SQUEEZE_CUDA_CHECK((kq::detail::launch_qgemv_cfg<T, C>(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, plan, ws, nullptr)));
-    SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
-    expect_close_to_twin(tc.mag, tc.ref, tc.dy.get(),
-                         kq::detail::qgemv_cfg_name<C>() + " M " + std::to_string(tc.M) + " N " + std::to_string(tc.shape.N) + " K " +
-                             std::to_string(tc.shape.K) + " rep " + std::to_string(rep));
-    if (::testing::Test::HasFatalFailure()) return;
-  }
-  const auto counters = cnt.get();
-  EXPECT_TRUE(std::all_of(counters.begin(), counters.end(), [](int v) { return v == 0; })) << "counters left non-zero";
+  const auto plan = kq::plan_qgemv(tc.shape, C::NT, sm_count(), kq::detail::qgemv_warps_per_sm<T, C>(tc.shape.M <= 8 ? 1 : 2), parts);
+  launches_match_twin(tc, plan.partial_elems, plan.counter_elems, reps, kq::detail::qgemv_cfg_name<C>() + " (" + kq::describe(plan) + ")", 1e-5,
+                      [&](const kq::QGemmWorkspace& ws) {
+                        return kq::detail::launch_qgemv_cfg<T, C>(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, plan, ws, nullptr);
+                      });
 }
 template <class T, class... Cs>
 void qgemv_all_cfgs(kq::detail::QGemvCfgList<Cs...>, const TwinCase<T>& tc) {
@@ -115,22 +103,17 @@ TEST(QGemvCuda, LargeLayerRepeatedly) {
   for (const std::int64_t M : {1, 16}) {
     const TwinCase<bf16> tc(p, t, M);
     const auto need = kq::qgemv_workspace_size<bf16>(tc.shape, sm);
-    SCOPED_TRACE("plan: " + kq::describe(kq::qgemv_plan<bf16>(tc.shape, sm)));
-    Dev<float> part(std::size_t(std::max<std::int64_t>(need.partial_elems, 1)));
-    Dev<int> cnt(std::vector<int>(std::size_t(std::max<std::int64_t>(need.counter_elems, 1)), 0));
-    const kq::QGemmWorkspace ws{part.p, need.partial_elems, cnt.p, need.counter_elems};
-    for (int rep = 0; rep < 4; ++rep) {
-      SQUEEZE_CUDA_CHECK(cudaMemset(tc.dy.p, 0xff, tc.dy.n * sizeof(bf16)));
-      SQUEEZE_CUDA_CHECK(kq::qgemv_cuda(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, ws, sm, nullptr));
-      SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
-      expect_close_to_twin(tc.mag, tc.ref, tc.dy.get(), "qgemv_cuda M " + std::to_string(M) + " rep " + std::to_string(rep));
-      if (::testing::Test::HasFatalFailure()) return;
-    }
-    // a workspace smaller than the plan's is refused, nothing launched
-    if (need.partial_elems > 0)
+    launches_match_twin(tc, need.partial_elems, need.counter_elems, 4, "qgemv_cuda (" + kq::describe(kq::qgemv_plan<bf16>(tc.shape, sm)) + ")", 1e-5,
+                        [&](const kq::QGemmWorkspace& ws) { return kq::qgemv_cuda(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, ws, sm, nullptr); });
+    if (::testing::Test::HasFatalFailure()) return;
+    // a workspace smaller than the plan's is refused before any launch
+    if (need.partial_elems > 0) {
+      Dev<float> part(std::size_t(need.partial_elems));
+      Dev<int> cnt(std::vector<int>(std::size_t(need.counter_elems), 0));
       EXPECT_EQ(kq::qgemv_cuda(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, kq::QGemmWorkspace{part.p, need.partial_elems - 1, cnt.p, need.counter_elems},
                                sm, nullptr),
                 cudaErrorInvalidValue);
+    }
   }
 }
 

@@ -17,22 +17,11 @@ void sm90_cfg_runs(const TwinCase<T>& tc, const std::vector<int>& split_counts, 
   const double rel = std::is_same_v<T, bf16> ? 0x1p-7 : 0x1p-10;
   for (const int sp : split_counts) {
     const auto plan = kq::plan_qgemm_sm90<C>(tc.shape, sm_count(), sp);
-    SCOPED_TRACE(kq::detail::sm90_cfg_name<C>() + ": " + kq::describe(plan));
-    Dev<float> part(std::size_t(std::max<std::int64_t>(plan.partial_elems, 1)));
-    Dev<int> cnt(std::vector<int>(std::size_t(std::max<std::int64_t>(plan.counter_elems, 1)), 0));
-    const kq::QGemmWorkspace ws{part.p, plan.partial_elems, cnt.p, plan.counter_elems};
-    for (int rep = 0; rep < reps; ++rep) {
-      SQUEEZE_CUDA_CHECK(cudaMemset(tc.dy.p, 0xff, tc.dy.n * sizeof(T)));
-      SQUEEZE_CUDA_CHECK((kq::detail::launch_qgemm_sm90_cfg<T, C>(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, plan, ws, nullptr)));
-      SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
-      expect_close_to_twin(tc.mag, tc.ref, tc.dy.get(),
-                           kq::detail::sm90_cfg_name<C>() + " M " + std::to_string(tc.M) + " N " + std::to_string(tc.shape.N) + " K " +
-                               std::to_string(tc.shape.K) + " splits " + std::to_string(plan.splits) + " rep " + std::to_string(rep),
-                           rel);
-      if (::testing::Test::HasFatalFailure()) return;
-    }
-    const auto counters = cnt.get();
-    EXPECT_TRUE(std::all_of(counters.begin(), counters.end(), [](int v) { return v == 0; })) << kq::detail::sm90_cfg_name<C>();
+    launches_match_twin(tc, plan.partial_elems, plan.counter_elems, reps, kq::detail::sm90_cfg_name<C>() + " (" + kq::describe(plan) + ")", rel,
+                        [&](const kq::QGemmWorkspace& ws) {
+                          return kq::detail::launch_qgemm_sm90_cfg<T, C>(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, plan, ws, nullptr);
+                        });
+    if (::testing::Test::HasFatalFailure()) return;
   }
 }
 template <class T, class... Cs>
@@ -67,22 +56,11 @@ void sm90_dispatch_check(const quant::PackedLinear& p, std::int64_t M, int reps)
   const int sm = sm_count();
   for (int sp : {0, 5}) {
     const auto need = kq::qgemm_sm90_workspace_size(tc.shape, sm, sp);
-    SCOPED_TRACE("plan: " + kq::describe(kq::qgemm_sm90_plan(tc.shape, sm, sp)));
-    Dev<float> part(std::size_t(std::max<std::int64_t>(need.partial_elems, 1)));
-    Dev<int> cnt(std::vector<int>(std::size_t(std::max<std::int64_t>(need.counter_elems, 1)), 0));
-    const kq::QGemmWorkspace ws{part.p, need.partial_elems, cnt.p, need.counter_elems};
-    for (int rep = 0; rep < reps; ++rep) {
-      SQUEEZE_CUDA_CHECK(cudaMemset(tc.dy.p, 0xff, tc.dy.n * sizeof(T)));
-      SQUEEZE_CUDA_CHECK(kq::qgemm_sm90_cuda(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, ws, sm, nullptr, sp));
-      SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
-      expect_close_to_twin(tc.mag, tc.ref, tc.dy.get(),
-                           "qgemm_sm90_cuda M " + std::to_string(M) + " N " + std::to_string(p.out) + " K " + std::to_string(p.in) + " rep " +
-                               std::to_string(rep),
-                           rel);
-      if (::testing::Test::HasFatalFailure()) return;
-    }
-    const auto counters = cnt.get();
-    EXPECT_TRUE(std::all_of(counters.begin(), counters.end(), [](int v) { return v == 0; }));
+    launches_match_twin(tc, need.partial_elems, need.counter_elems, reps, "qgemm_sm90_cuda (" + kq::describe(kq::qgemm_sm90_plan(tc.shape, sm, sp)) + ")",
+                        rel, [&](const kq::QGemmWorkspace& ws) {
+                          return kq::qgemm_sm90_cuda(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, ws, sm, nullptr, sp);
+                        });
+    if (::testing::Test::HasFatalFailure()) return;
   }
 }
 TEST(QuantCudaSm90, DispatchOnLargeLayersRepeatedly) {
