@@ -4,9 +4,14 @@
 // Why another kernel: at these batches the work is reading the weights once; qgemm.cuh's kernel splits the
 // work into many short blocks that each stage x and a group table in shared memory behind a barrier, fill
 // their load pipeline, drain it and end (H200: its load-only twin streamed at 0.6-0.7 of copy bandwidth, the
-// whole kernel at 0.45). Here the grid is only as large as fits on the GPU at once, every warp streams one
-// long contiguous run of the weights with PF chunks in flight from its first instruction to its last, and no
-// warp ever waits for another (no shared memory, no block barrier).
+// whole kernel at 0.45). Here the grid holds only as many warps as the GPU runs at once, each warp streams its
+// K part of one column group with PF chunks in flight, and no warp waits for another (no shared memory, no
+// block barrier).
+// Status: an experiment, not dispatched. On the H200 (bench/results/h200/gemm4_probe-session8-run3/4, best
+// configuration and part count per case) it ran 1.14-1.19x slower than the mma.sync kernel at M = 1 and 1.3-1.9x
+// slower at M = 16. Suspected: the x fragments, 8 (M <= 8) or 16 4-byte global loads per chunk and lane issued
+// only one chunk ahead; the next step is x staged once per block in shared memory (the block's four warps share
+// a K part) and read by ldmatrix, as qgemm.cuh does. The GPU tests check every configuration against the CPU twin.
 //
 // Layout: qgemm.cuh's tiles (64 k x 16 n, 512 bytes at 4 bits), unchanged; lane l's 16 bytes of a tile are the
 // A fragments of its four k-steps (word ks: pairs 0 / 2 / 1 / 3 = a0..a3, rows n = l/4 and l/4 + 8). x is the B
