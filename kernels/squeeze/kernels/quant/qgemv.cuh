@@ -8,8 +8,8 @@
 // K part of one column group with PF chunks in flight, and no warp waits for another (no shared memory, no
 // block barrier).
 // Status: an experiment, not dispatched. On the H200 (bench/results/h200/gemm4_probe-session8-run3/4, best
-// configuration and part count per case) it ran 1.14-1.19x slower than the mma.sync kernel at M = 1 and 1.3-1.9x
-// slower at M = 16. Suspected: the x fragments, 8 (M <= 8) or 16 4-byte global loads per chunk and lane issued
+// configuration and part count per case) it ran 1.08-1.19x slower than the mma.sync kernel at M = 1, and at M 9..16
+// between 0.93x and 1.22x of its time, slower than the wgmma kernel the dispatch takes there on three shapes. Suspected: the x fragments, 8 (M <= 8) or 16 4-byte global loads per chunk and lane issued
 // only one chunk ahead; the next step is x staged once per block in shared memory (the block's four warps share
 // a K part) and read by ldmatrix, as qgemm.cuh does. The GPU tests check every configuration against the CPU twin.
 //
