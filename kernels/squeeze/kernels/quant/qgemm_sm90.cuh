@@ -757,9 +757,9 @@ cudaError_t qgemm_sm90_cuda(const T* x, const std::uint32_t* tiles, const half* 
 // Sm90Small above): at M 9..16 the wgmma kernel beat the mma.sync kernel on the three LLaMA-7B shapes and lost to
 // it on 8192 x 28672 (1.27 against 1.40x cuBLAS bf16 at M = 9); at M = 1 the mma.sync kernel (weights as the
 // mma's A, 8 rows) is the faster one.
-inline constexpr std::int64_t kSm90MinRows = 9;
+inline constexpr std::int64_t kSm90MinRows = 9, kSm90MinRowsLargeLayer = 17;
 inline bool quant_gemm_uses_sm90(const QGemmShape& s) {
-  const bool rows = s.M >= 17 || (s.M >= kSm90MinRows && s.Npad * s.Kpad < kSm90LargeLayer);
+  const bool rows = s.M >= (s.Npad * s.Kpad < kSm90LargeLayer ? kSm90MinRows : kSm90MinRowsLargeLayer);
   return rows && qgemm_sm90_reason(s).empty() && qgemm_sm90_supported();
 }
 // Workspace sizes for quant_gemm_cuda (pointers left null): partial fp32 (any contents) and counters int32
