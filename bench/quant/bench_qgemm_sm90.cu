@@ -10,7 +10,9 @@
 // the numbers. Each wgmma result is still compared with the mma.sync kernel's on the same data (max error
 // relative to max |y|), so a broken configuration shows as "BAD" and never as the fastest.
 // Roofline: weight + scale + zero + x + y bytes over the time, as a fraction of a device-to-device copy's
-// bandwidth measured in the same run. Per shape also the time of a plain streaming read (16-byte loads, every SM)
+// bandwidth measured in the same run; and the GEMM's flops over the dense bf16 rate cuBLAS reaches on an
+// 8192 x 8192 x 8192 GEMM in the same run (tensor_fraction: the bound that matters from batch ~64 on). Per shape also
+// the time of a plain streaming read (16-byte loads, every SM)
 // of the 4-bit tiles and of the bf16 weights, timed the same way: what merely reading those bytes costs at this
 // size, so read_bf16_ms / read4_ms bounds the ratio any kernel can reach against a memory-bound peer.
 // Usage: bench_qgemm_sm90 [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m LIST] [--cfg NAME-SUBSTRING]
@@ -238,10 +240,29 @@ int main(int argc, char** argv) {
     const double ms = time_ms([&] { SQUEEZE_CUDA_CHECK(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, nullptr)); }, 10);
     copy_gbs = 2.0 * double(bytes) / (ms * 1e6);
   }
-  std::printf("device %s, %d SMs, copy %.0f GB/s, L2 flush %s, wgmma kernel %s\n", prop.name, sm, copy_gbs, squeeze::bench::l2_flush_name(),
-              kq::qgemm_sm90_supported() ? "available" : "NOT available (needs sm_90a device code)");
   cublasHandle_t handle;
   cublas_check(cublasCreate(&handle), "create");
+  // dense bf16 tensor-core rate: cuBLAS on 8192^3 (the compute roofline)
+  double tensor_tflops = 0;
+  try {  // a failure here costs only this column
+    constexpr int D = 8192;
+    const DevBuf<bf16> a(std::vector<bf16>(std::size_t(D) * D, __float2bfloat16(0.01f))), b(std::vector<bf16>(std::size_t(D) * D, __float2bfloat16(0.02f)));
+    DevBuf<bf16> c(std::size_t(D) * D);
+    const float one = 1.f, zero = 0.f;
+    const double ms = time_ms(
+        [&] {
+          cublas_check(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, D, D, D, &one, a.p, CUDA_R_16BF, D, b.p, CUDA_R_16BF, D, &zero, c.p, CUDA_R_16BF, D,
+                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                       "GemmEx 8192^3");
+        },
+        5);
+    tensor_tflops = 2.0 * D * double(D) * D / (ms * 1e9);
+  } catch (const std::exception& e) {
+    std::printf("dense bf16 rate not measured: %s\n", e.what());
+    cudaGetLastError();
+  }
+  std::printf("device %s, %d SMs, copy %.0f GB/s, dense bf16 %.0f TFLOP/s (cuBLAS 8192^3), L2 flush %s, wgmma kernel %s\n", prop.name, sm, copy_gbs,
+              tensor_tflops, squeeze::bench::l2_flush_name(), kq::qgemm_sm90_supported() ? "available" : "NOT available (needs sm_90a device code)");
   std::printf("%-18s %8s %8s %6s %5s | %8s %6s | %-16s %2s %8s %6s %5s | %s\n", "case", "ours ms", "cublas", "x cub", "roof", "mma ms", "x cub",
               "best wgmma", "sp", "best ms", "x cub", "roof", "dispatch");
   std::mt19937 rng(2026);
@@ -308,6 +329,9 @@ int main(int argc, char** argv) {
         if (t.ms > 0 && (!best || t.ms < best->ms)) best = &t;
       const double bytes = L.weight_bytes() + double(M) * K * 2 + double(M) * N * 2;
       auto roof = [&](double ms) { return ms > 0 ? bytes / (ms * 1e6) / copy_gbs : 0.0; };
+      auto tensor_fraction = [&](double ms) {
+        return ms > 0 && tensor_tflops > 0 ? 2.0 * double(M) * double(N) * double(K) / (ms * 1e9) / tensor_tflops : 0.0;
+      };
       const std::string dispatch = kq::quant_gemm_describe(s, sm);
       std::printf("%-18s %8.4f %8.4f %6.2f %5.2f | %8.4f %6.2f | %-16s %2d %8.4f %6.2f %5.2f | %s%s\n", cs.c_str(), t_ours, t_cub, t_ours > 0 ? t_cub / t_ours : 0.0,
                   roof(t_ours), t_mma, t_cub / t_mma, best ? best->name.c_str() : "-", best ? best->splits : 0, best ? best->ms : 0.0,
@@ -318,7 +342,8 @@ int main(int argc, char** argv) {
       if (out) {
         std::ostringstream j;
         j << "{\"bench\": \"gemm4_probe\", \"case\": \"" << cs << "\", \"time_ms\": " << t_ours << ", \"peer\": \"cublas_bf16\", \"peer_time_ms\": " << t_cub
-          << ", \"ratio_vs_peer\": " << (t_ours > 0 ? t_cub / t_ours : 0.0) << ", \"roofline_fraction\": " << roof(t_ours) << ", \"mma_time_ms\": " << t_mma << ", \"read4_ms\": " << read4_ms << ", \"read_bf16_ms\": " << read_bf16_ms
+          << ", \"ratio_vs_peer\": " << (t_ours > 0 ? t_cub / t_ours : 0.0) << ", \"roofline_fraction\": " << roof(t_ours) << ", \"tensor_fraction\": " << tensor_fraction(t_ours)
+          << ", \"tensor_tflops\": " << tensor_tflops << ", \"mma_time_ms\": " << t_mma << ", \"read4_ms\": " << read4_ms << ", \"read_bf16_ms\": " << read_bf16_ms
           << ", \"dispatch\": \"" << dispatch << "\", \"ours_rel_err_vs_mma\": " << err_ours << ", \"copy_gbs\": " << copy_gbs << ", \"l2_flush\": \"" << squeeze::bench::l2_flush_name() << "\", \"device\": \""
           << prop.name << "\", \"commit\": \"" << (commit ? commit : "unknown") << "\", \"wgmma\": [";
         for (std::size_t i = 0; i < wg.size(); ++i)
