@@ -389,6 +389,19 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// The zero-point operands of decode_word for zero point z: zlo = (magic + z) as a T pair (bf16 128 + z, fp16 1024 + z);
+// zhi (fp16 only; 0 for bf16) = -(64 + z), for the pairs that read as 1024 + 16 v.
+template <class T>
+__device__ __forceinline__ void zero_operands(std::uint32_t z, std::uint32_t& zlo, std::uint32_t& zhi) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    zlo = (0x4300u + z) * 0x00010001u;
+    zhi = 0u;
+  } else {
+    zlo = (0x6400u + z) * 0x00010001u;
+    zhi = u32(__float2half2_rn(-64.f - float(z)));
+  }
+}
+
 // B registers (q - z) of one k-step for both n8 halves j: b[j][r].
 template <class T>
 __device__ __forceinline__ void decode_word(std::uint32_t w, const std::uint32_t (&zlo)[2], const std::uint32_t (&zhi)[2],
@@ -905,11 +918,8 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_kernel(const QGemmP
         } else if constexpr (BITS == 8) {
           zf[t][j] = 8388608.f + float(zc);
           zlo[t][j] = (0x6400u + zc) * 0x00010001u;  // fp16 1024 + z
-        } else if constexpr (std::is_same_v<T, bf16>) {
-          zlo[t][j] = (0x4300u + zc) * 0x00010001u;  // bf16 128 + z
         } else {
-          zlo[t][j] = (0x6400u + zc) * 0x00010001u;
-          zhi[t][j] = u32(__float2half2_rn(float(-64 - zc)));
+          zero_operands<T>(std::uint32_t(zc), zlo[t][j], zhi[t][j]);
         }
         if constexpr (C::SCALEB) {
           if constexpr (std::is_same_v<T, bf16>) {

@@ -165,17 +165,9 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemv_kernel(const QGemvP
     return xf;
   };
 
-  // acc: this warp's sum for its current column group, C fragment element e at (n = g4 + 8 (e >> 1) of tile t,
+  // acc: this warp's sum for its column group and K part, C fragment element e at (n = g4 + 8 (e >> 1) of tile t,
   // batch row 8 nb + 2 c4 + (e & 1))
-  float acc[NT][NB][4];
-  auto zero_acc = [&] {
-#pragma unroll
-    for (int t = 0; t < NT; ++t)
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[t][nb][e] = 0.f;
-  };
+  float acc[NT][NB][4] = {};
   auto compute = [&](const Unit& un, const XFrag& xf) {
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
@@ -184,15 +176,8 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemv_kernel(const QGemvP
 #pragma unroll
       for (int h = 0; h < 2; ++h) {  // tile row n = 8 h + g4: unit column 16 t + 8 h + g4
         const std::uint32_t v = __shfl_sync(0xffffffffu, un.sz[(16 * t + 8 * h) / 32], (16 * t + 8 * h) % 32 + g4);
-        const std::uint32_t z = v >> 16;
         sc[h] = __half2float(__ushort_as_half(static_cast<unsigned short>(v & 0xFFFFu)));
-        if constexpr (std::is_same_v<T, bf16>) {
-          zlo[h] = (0x4300u + z) * 0x00010001u;  // bf16 128 + z
-          zhi[h] = 0u;
-        } else {
-          zlo[h] = (0x6400u + z) * 0x00010001u;  // fp16 1024 + z
-          zhi[h] = u32(__float2half2_rn(-64.f - float(z)));
-        }
+        zero_operands<T>(v >> 16, zlo[h], zhi[h]);
       }
       float tmp[NB][4];
 #pragma unroll
@@ -222,7 +207,6 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemv_kernel(const QGemvP
   for (int q = 0; q < PF; ++q)
     if (q < n_units) buf[q] = load(kc0 + q);
   XFrag xcur = load_x(kc0);
-  zero_acc();
   for (int base = 0; base < n_units; base += PF) {
 #pragma unroll
     for (int q = 0; q < PF; ++q) {
@@ -293,16 +277,12 @@ cudaError_t launch_qgemv_cfg(const T* x, const std::uint32_t* tiles, const half*
 // Streaming warps per SM for configuration C at nb (occupancy calculator, once per instantiation).
 template <class T, class C>
 int qgemv_warps_per_sm(int nb) {
-  static const int w[2] = {[] {
-                             int b = 0;
-                             if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, qgemv_kernel<T, 1, C>, C::THREADS, 0) != cudaSuccess) cudaGetLastError();
-                             return std::max(b, 1) * C::WARPS;
-                           }(),
-                           [] {
-                             int b = 0;
-                             if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, qgemv_kernel<T, 2, C>, C::THREADS, 0) != cudaSuccess) cudaGetLastError();
-                             return std::max(b, 1) * C::WARPS;
-                           }()};
+  auto resident = [](auto kernel) {
+    int blocks = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, C::THREADS, 0) != cudaSuccess) cudaGetLastError();
+    return std::max(blocks, 1) * C::WARPS;
+  };
+  static const int w[2] = {resident(qgemv_kernel<T, 1, C>), resident(qgemv_kernel<T, 2, C>)};
   return w[nb == 1 ? 0 : 1];
 }
 
