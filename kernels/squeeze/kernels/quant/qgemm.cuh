@@ -398,7 +398,7 @@ __device__ __forceinline__ void zero_operands(std::uint32_t z, std::uint32_t& zl
     zhi = 0u;
   } else {
     zlo = (0x6400u + z) * 0x00010001u;
-    zhi = u32(__float2half2_rn(-64.f - float(z)));
+    zhi = u32(__float2half2_rn(float(-64 - int(z))));
   }
 }
 
