@@ -210,12 +210,7 @@ int main(int argc, char** argv) {
     else if (a == "--only" && i + 1 < argc) only = argv[++i];
     else if (a == "--cfg" && i + 1 < argc) only_cfg = argv[++i];
     else if (a == "--l2-flush" && i + 1 < argc) {
-      try {
-        squeeze::bench::set_l2_flush(argv[++i]);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "%s: %s\n", argv[0], e.what());
-        return 2;
-      }
+      if (!squeeze::bench::set_l2_flush(argv[0], argv[++i])) return 2;
     }
     else if (a == "--m" && i + 1 < argc) {
       batches.clear();

@@ -452,12 +452,7 @@ int main(int argc, char** argv) {
     else if (a == "--no-sm90") sm90 = false;
     else if (a == "--sm90-only") sm90_only = true;
     else if (a == "--l2-flush" && i + 1 < argc) {
-      try {
-        squeeze::bench::set_l2_flush(argv[++i]);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "%s: %s\n", argv[0], e.what());
-        return 2;
-      }
+      if (!squeeze::bench::set_l2_flush(argv[0], argv[++i])) return 2;
     }
     else {
       std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--no-checks] [--no-variants] [--no-sm90 | --sm90-only] [--l2-flush clean|dirty]\n", argv[0]);

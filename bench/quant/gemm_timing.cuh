@@ -34,11 +34,15 @@ constexpr std::size_t kFlushBytes = 256ull << 20;
 enum class L2Flush { Clean, Dirty };
 inline L2Flush g_l2_flush = L2Flush::Clean;
 inline const char* l2_flush_name() { return g_l2_flush == L2Flush::Clean ? "clean" : "dirty"; }
-// From a command-line value: "clean" or "dirty".
-inline void set_l2_flush(const std::string& mode) {
+// From a command-line value, "clean" or "dirty"; anything else is named on stderr and returns false.
+inline bool set_l2_flush(const char* program, const std::string& mode) {
   if (mode == "clean") g_l2_flush = L2Flush::Clean;
   else if (mode == "dirty") g_l2_flush = L2Flush::Dirty;
-  else throw squeeze::Error("--l2-flush: expected clean or dirty, got '" + mode + "'");
+  else {
+    std::fprintf(stderr, "%s: --l2-flush: expected clean or dirty, got '%s'\n", program, mode.c_str());
+    return false;
+  }
+  return true;
 }
 
 // Reads every 16 bytes of the buffer; the store under an impossible condition keeps the loads alive.
