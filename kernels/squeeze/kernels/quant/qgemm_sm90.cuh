@@ -84,14 +84,24 @@ namespace squeeze::kernels::quant {
 // tensor map, bulk copies of the weight tiles and the scale / zero rows) and full / empty mbarriers per stage hand
 // stages over, so the consumer warpgroups run no address arithmetic and no block barrier per chunk; the ring runs
 // STAGES chunks ahead.
-template <int BN_, int WM_, int STAGES_, int MINB_ = 1, bool OVERLAP_ = false, bool WS_ = false>
+// WGS: consumer warpgroups (2 or 4); each takes 64 WM of the block's features, so 4 of them double the strip and
+// halve the x bytes read per weight byte without the registers of a second accumulator set (WM = 2 with BN = 128).
+template <int BN_, int WM_, int STAGES_, int MINB_ = 1, bool OVERLAP_ = false, bool WS_ = false, int WGS_ = 2>
 struct Sm90Cfg {
-  static constexpr int BN = BN_, WM = WM_, STAGES = STAGES_, MINB = MINB_;
+  static constexpr int BN = BN_, WM = WM_, STAGES = STAGES_, MINB = MINB_, WGS = WGS_;
   static constexpr bool OVERLAP = OVERLAP_, WS = WS_;
   static constexpr int AHEAD = OVERLAP ? STAGES - 2 : STAGES - 1;  // chunks the copy ring runs ahead (not WS)
-  static constexpr int CONSUMERS = 256;                            // two consumer warpgroups
-  static constexpr int THREADS = CONSUMERS + (WS ? 32 : 0);        // + the producer warp
-  static constexpr int STRIP = 2 * 64 * WM;      // output features per block
+  static constexpr int CONSUMERS = 128 * WGS;                      // the consumer warpgroups
+  // + the producer: one warp; with 4 consumer warpgroups a whole warpgroup, so that it can hand its registers to
+  // the consumers (setmaxnreg works per warpgroup). 4 x 128 + 32 threads would cap every thread at 96 registers,
+  // too few for a 64 x 128 accumulator without serialized wgmma (ptxas C7512).
+  static constexpr int PRODUCERS = WS ? (WGS == 4 ? 128 : 32) : 0;
+  static constexpr int THREADS = CONSUMERS + PRODUCERS;
+  // setmaxnreg targets (WGS = 4): the block starts with the registers __launch_bounds__ gives every thread
+  // (64 K over THREADS, in steps of 8) and may only move them between warpgroups: the producer keeps 24
+  static constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8, PRODUCER_REGS = 24;
+  static constexpr int CONSUMER_REGS = (THREADS * LAUNCH_REGS - PRODUCERS * PRODUCER_REGS) / CONSUMERS / 8 * 8;
+  static constexpr int STRIP = WGS * 64 * WM;    // output features per block
   static constexpr int TILES = STRIP / kTileN;   // 16-feature tiles per block
   static constexpr int GROWS = 4;                // group rows per stage: a 64-k chunk meets <= 4 groups of >= 16
   // stage layout (bytes): x [BN][128 B] first (1024-aligned for the swizzle), weights [TILES][512 B],
@@ -101,6 +111,7 @@ struct Sm90Cfg {
   static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024;  // + 1024: the kernel aligns the base itself
   static_assert(BN == 64 || BN == 128, "batch rows per block: 64 or 128 (the wgmma wrappers)");
   static_assert(WM >= 1 && WM <= 4, "m64 tiles per warpgroup: 1..4");
+  static_assert(WGS == 2 || WGS == 4, "consumer warpgroups: 2 or 4");
   static_assert(STAGES >= (OVERLAP ? 3 : 2), "at least two stages (three with OVERLAP)");
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per block");
   // H200 (bench_qgemm_sm90 at 2101881): wg_b64m2s6ow and wg_b64m2s8ow gave results 0.1-0.25 (relative to max |y|)
@@ -220,6 +231,21 @@ __device__ __forceinline__ void pin_operands(std::uint32_t (&a)[4][WM][4], float
   for (int t = 0; t < WM; ++t)
 #pragma unroll
     for (int i = 0; i < NACC; ++i) pin(acc[t][i]);
+}
+// Named barrier 1 over the consumer threads only (the producer has left by then).
+__device__ __forceinline__ void consumer_bar_sync(int count) { asm volatile("bar.sync 1, %0;\n" ::"r"(count) : "memory"); }
+// The register budget of this warp's warpgroup from here on (every warp of the warpgroup executes it).
+template <int N>
+__device__ __forceinline__ void set_max_regs_dec() {
+#if SQUEEZE_SM90_WGMMA
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+template <int N>
+__device__ __forceinline__ void set_max_regs_inc() {
+#if SQUEEZE_SM90_WGMMA
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
 }
 // cp.async writes shared memory through the generic proxy, wgmma reads it through the async proxy.
 __device__ __forceinline__ void fence_proxy_async() {
@@ -462,7 +488,9 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       mbar_init_fence();
     }
     __syncthreads();
-    if (warp == C::CONSUMERS / 32) {  // the producer
+    if (warp >= C::CONSUMERS / 32) {  // the producer (warp CONSUMERS / 32; with WGS = 4 the rest of its warpgroup idles)
+      if constexpr (C::PRODUCERS == 128) set_max_regs_dec<C::PRODUCER_REGS>();
+      if (warp > C::CONSUMERS / 32) return;
       const int cols = min(STRIP, p.Npad - n0);  // features of this strip (multiple of 16)
       const unsigned wbytes = unsigned(cols / kTileN) * 512u;
       for (int c = 0; c < nck; ++c) {
@@ -482,7 +510,9 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         }
         __syncwarp();
       }
+      return;  // the consumers wait for every copy it queued (full barriers) before they leave
     } else {
+      if constexpr (C::PRODUCERS == 128) set_max_regs_inc<C::CONSUMER_REGS>();
       auto consume = [&](int c, auto& a_cur, auto& a_other) {
         const int slot = c % S;
         mbar_wait(full_bar + slot, unsigned(c / S) & 1u);
@@ -525,19 +555,16 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     }
     cp_async_wait<0>();  // no copy may land after the block exits
   }
+  // only the consumer threads get here (every thread when not WS)
   if constexpr (C::OVERLAP) {  // the last chunk's wgmma; accumulators are read only after this
-    if (!C::WS || warp < C::CONSUMERS / 32) {
-      wgmma_wait<0>();
-      pin_operands(a0, acc);
-      pin_a(a1);
-    }
+    wgmma_wait<0>();
+    pin_operands(a0, acc);
+    pin_a(a1);
   }
-  const bool consumer = tid < C::CONSUMERS;
 
   // ---- epilogue: accumulator i of tile t holds (feature nl + 64 t + 8 ((i >> 1) & 1), batch row 8 (i >> 2) + 2 c4 + (i & 1))
   T* const y = static_cast<T*>(p.y);
   if (p.splits == 1) {
-    if (!consumer) return;
 #pragma unroll
     for (int t = 0; t < WM; ++t)
 #pragma unroll
@@ -548,27 +575,25 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     return;
   }
   float* const part = p.partial + std::int64_t(split) * p.M * p.Npad;
-  if (consumer) {
 #pragma unroll
-    for (int t = 0; t < WM; ++t)
+  for (int t = 0; t < WM; ++t)
 #pragma unroll
-      for (int i = 0; i < NACC; ++i) {
-        const int n = n0 + nl + 64 * t + 8 * ((i >> 1) & 1), m = m0 + 8 * (i >> 2) + 2 * c4 + (i & 1);
-        if (m < p.M && n < p.Npad) part[std::int64_t(m) * p.Npad + n] = acc[t][i];
-      }
-  }
+    for (int i = 0; i < NACC; ++i) {
+      const int n = n0 + nl + 64 * t + 8 * ((i >> 1) & 1), m = m0 + 8 * (i >> 2) + 2 * c4 + (i & 1);
+      if (m < p.M && n < p.Npad) part[std::int64_t(m) * p.Npad + n] = acc[t][i];
+    }
   __threadfence();  // partials visible device-wide before the counter says so
-  __syncthreads();
+  consumer_bar_sync(C::CONSUMERS);
   int* const counter = p.counters + z * p.strips + strip;
   if (tid == 0) last_flag = atomicAdd(counter, 1) == p.splits - 1;
-  __syncthreads();
+  consumer_bar_sync(C::CONSUMERS);
   if (!last_flag) return;
   __threadfence();
   // the last block of this (strip, batch slice): sum the K ranges in order (deterministic), 4 features per thread
   // and 4 K ranges' loads in flight at a time (Npad and n0 are multiples of 16: the float4 loads are aligned)
   const int rows = min(BN, p.M - m0), cols = min(STRIP, p.N - n0);
   const std::int64_t split_stride = std::int64_t(p.M) * p.Npad;
-  for (int i = tid; i < rows * (STRIP / 4); i += C::THREADS) {
+  for (int i = tid; i < rows * (STRIP / 4); i += C::CONSUMERS) {
     const int r = i / (STRIP / 4), cc = (i % (STRIP / 4)) * 4;
     if (cc >= cols) continue;
     const float* src = p.partial + std::int64_t(m0 + r) * p.Npad + n0 + cc;
@@ -639,7 +664,8 @@ namespace detail {
 template <class C>
 std::string sm90_cfg_name() {
   return "wg_b" + std::to_string(C::BN) + "m" + std::to_string(C::WM) + "s" + std::to_string(C::STAGES) +
-         (C::MINB > 1 ? "x" + std::to_string(C::MINB) : "") + (C::OVERLAP ? "o" : "") + (C::WS ? "w" : "");
+         (C::MINB > 1 ? "x" + std::to_string(C::MINB) : "") + (C::OVERLAP ? "o" : "") + (C::WS ? "w" : "") +
+         (C::WGS != 2 ? "g" + std::to_string(C::WGS) : "");
 }
 // Configurations the benchmark times (batch rows per block, m64 tiles per warpgroup, stages, blocks per SM,
 // overlap across chunks, warp-specialised; names wg_b<BN>m<WM>s<STAGES>[x<MINB>][o][w]). The H200 sweep of session 7
@@ -650,7 +676,11 @@ using Sm90TuningCfgs = CfgList<Sm90Cfg<64, 1, 6, 2>, Sm90Cfg<128, 2, 6>,
                                Sm90Cfg<128, 1, 6, 1, true, true>,
                                // two m64 tiles per warpgroup (half the x reads per weight byte); with 128-row slices
                                // ptxas serializes the wgmma (C7512: too few registers for two 64 x 128 accumulators)
-                               Sm90Cfg<64, 2, 6, 1, false, true>, Sm90Cfg<64, 2, 8, 1, false, true>>;
+                               Sm90Cfg<64, 2, 6, 1, false, true>, Sm90Cfg<64, 2, 8, 1, false, true>,
+                               // four consumer warpgroups and a producer warpgroup (setmaxnreg): 256-feature strips
+                               // with one accumulator set per warpgroup (names end in g4)
+                               Sm90Cfg<64, 1, 8, 1, false, true, 4>, Sm90Cfg<128, 1, 6, 1, false, true, 4>,
+                               Sm90Cfg<128, 1, 8, 1, false, true, 4>>;
 // What qgemm_sm90_cuda runs: the warp-specialised form; batch slices of 64 rows up to M = 64, of 128 rows above.
 // H200, clean L2, x cuBLAS bf16 on 4096 x 4096 / 4096 x 11008 / 11008 x 4096 / 8192 x 28672, each configuration
 // at its best split count (bench/results/h200/gemm4_probe-session8-run4.*, 554a9c6):
