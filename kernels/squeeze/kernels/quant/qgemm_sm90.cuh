@@ -21,15 +21,16 @@
 //     8-row atoms of 1024 B, 16-byte chunk c of row r at chunk c ^ (r % 8)); the descriptor of k-step ks
 //     starts 32 B further into the atom (the hardware applies the swizzle to the address bits).
 //
-// Block: 2 consumer warpgroups (256 threads) take a strip of 128 WM output features (warpgroup g takes 64 WM of
+// Block: WGS = 2 or 4 consumer warpgroups take a strip of 64 WM WGS output features (warpgroup g takes 64 WM of
 // them: WM wgmma per k-step) x BN batch rows x one K range of cps 64-k chunks, through a STAGES-deep ring in
-// shared memory; one stage = x [BN][64] (swizzled), the strip's weight tiles of the chunk (8 WM contiguous
+// shared memory; one stage = x [BN][64] (swizzled), the strip's weight tiles of the chunk (4 WM WGS contiguous
 // 512-byte tiles) and the scale / zero-point rows of the (at most four) groups the chunk touches. Per chunk and
 // k-step a consumer decodes its WM A fragments, fences and queues WM wgmma; it then commits and waits for the
 // chunk's wgmma (OVERLAP: for the chunk before) before the stage is refilled. Two ways to fill the ring:
 //   block-synchronous: every thread queues its share of 16-byte cp.async per chunk, and a block barrier per chunk
 //     hands stages over;
-//   warp-specialised (WS, what the dispatch uses): a ninth warp is the producer; one lane queues a chunk as one
+//   warp-specialised (WS, what the dispatch uses): one more warp is the producer (with 4 consumer warpgroups a
+//     fifth warpgroup, which gives its registers to the consumers by setmaxnreg); one lane queues a chunk as one
 //     TMA copy of x (2-D tensor map, 128-byte swizzle, zeros past M and K) plus bulk copies of the tiles and the
 //     group rows, on a full mbarrier with the expected byte count; each consumer warp releases a stage on its
 //     empty mbarrier. On the H200 this took 4096 x 4096 at M = 64 from 0.035 ms (best block-synchronous
@@ -427,8 +428,15 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
 
   // this thread's A rows: tile (wg * 4 WM + 4 t + wq) of the strip, rows l/4 and l/4 + 8 of it
   const int nl = wg * 64 * WM + wq * 16 + g4;  // feature of row l/4 of tile t = 0, relative to the strip
-  int cur_g = -1;
+  // The first k of the group after the one grp holds: the k-steps walk K in order, and a group (>= 16 k) ends
+  // at most once per k-step, so a compare replaces a division per k-step (Nsight Compute on the H200 had the
+  // divisions at a quarter of the main loop's instructions). Starts at the first k-step's own group, so that
+  // the first k-step loads its constants.
+  int next_group_k = group_of(kc0 * kTileK) * p.group;
   Sm90Group grp[WM];
+  // x's descriptor at the ring's base: a stage's and k-step's descriptor adds their byte offset / 16 (the start
+  // address field; the ring lies below 2^18 bytes, so the sum stays within it)
+  const std::uint64_t x_desc0 = sw128_desc(smem_addr(smem));
   // A fragments, two sets used by alternate chunks: a wgmma reads its A registers until it completes, so with
   // OVERLAP (chunk c in flight while chunk c + 1 is decoded) chunk c + 1 must decode into the other set. Each set
   // is pinned after the wait that retires its chunk, which keeps its registers reserved until then (a rolled loop
@@ -437,18 +445,18 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   // ---- one chunk (stage st holds chunk kc): per k-step decode WM A fragments into a and queue WM wgmma, then
   // commit. after_first(): run once the first k-step is queued.
   auto mma_chunk = [&](const unsigned char* st, int kc, auto& a, auto&& after_first) {
-    const int g0 = group_of(kc * kTileK);
     uint4 wv[WM];  // this lane's 4 words (4 k-steps) of each of its tiles
 #pragma unroll
     for (int t = 0; t < WM; ++t) wv[t] = lds128(st + XB + ((wg * 4 * WM + 4 * t + wq) * 32 + lane) * 16);
-    const std::uint32_t xaddr = smem_addr(st);
+    const std::uint64_t x_desc = x_desc0 + std::uint64_t((st - smem) >> 4);
+    int grow = 0;  // the stage's group row of cur_g (row 0: the group of the chunk's first k)
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      const int g = group_of(kc * kTileK + 16 * ks);
-      if (g != cur_g) {  // uniform across the block
-        cur_g = g;
-        const half* srow = reinterpret_cast<const half*>(st + XB + WB) + (g - g0) * STRIP;
-        const std::uint8_t* zrow = st + XB + WB + SB + (g - g0) * STRIP;
+      if (min(kc * kTileK + 16 * ks, p.K - 1) >= next_group_k) {  // a new group (uniform across the block)
+        next_group_k += p.group;
+        if (ks > 0) ++grow;
+        const half* srow = reinterpret_cast<const half*>(st + XB + WB) + grow * STRIP;
+        const std::uint8_t* zrow = st + XB + WB + SB + grow * STRIP;
 #pragma unroll
         for (int t = 0; t < WM; ++t) grp[t] = sm90_group<T>(srow, zrow, nl + 64 * t);
       }
@@ -459,7 +467,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       }
       wgmma_fence();
 #pragma unroll
-      for (int t = 0; t < WM; ++t) wgmma_rs<T>(acc[t], a[ks][t], sw128_desc(xaddr + 32 * ks));
+      for (int t = 0; t < WM; ++t) wgmma_rs<T>(acc[t], a[ks][t], x_desc + 2 * ks);  // + 32 B per k-step
       if (ks == 0) after_first();
     }
     wgmma_commit();
