@@ -79,7 +79,8 @@ TEST(QuantCudaSm90, DispatchOnLargeLayersRepeatedly) {
 }
 // The library's entry (quant_gemm_cuda, what QuantizedLinear calls): on sm_90a builds the wgmma kernel for 4-bit
 // layers from M = 17, and from M = 9 on layers below kSm90LargeLayer weights (64-row slices up to M = 64, two tiles
-// per warpgroup up to M = 32 and on large layers, 128-row slices above), mma.sync otherwise. The choice in words first (host
+// per warpgroup up to M = 32 and on large layers, 128-row slices above, four consumer warpgroups for those on layers
+// of kSm90WideN outputs or more), mma.sync otherwise. The choice in words first (host
 // logic, any device), then the results on both sides of the M = 8 / 9 boundary, at 16, 17, 33 and 100, and of a
 // 3-bit layer against the CPU twin.
 TEST(QuantCudaSm90, LibraryEntryPicksTheKernelByBatch) {
@@ -91,6 +92,8 @@ TEST(QuantCudaSm90, LibraryEntryPicksTheKernelByBatch) {
   EXPECT_TRUE(starts(says(wide, 132), wg ? "wgmma wg_b64m2s8w " : "mma.sync ")) << says(wide, 132);
   EXPECT_TRUE(starts(says(narrow, 132), wg ? "wgmma wg_b64m1s6x2w " : "mma.sync ")) << says(narrow, 132);
   EXPECT_TRUE(starts(says({65, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b128m1s6w " : "mma.sync "));
+  EXPECT_TRUE(starts(says({128, 11008, 4096, 4096, 11008, 128, 4}, 132), wg ? "wgmma wg_b128m1s6wg4 " : "mma.sync "));  // wide layer
+  EXPECT_TRUE(starts(says({65, 28672, 8192, 8192, 28672, 128, 4}, 132), wg ? "wgmma wg_b128m1s6wg4 " : "mma.sync "));
   EXPECT_TRUE(starts(says({16, 28672, 8192, 8192, 28672, 128, 4}, 132), "mma.sync "));  // large layer: mma.sync up to 16
   EXPECT_TRUE(starts(says({16, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b64m2s8w " : "mma.sync "));
   EXPECT_TRUE(starts(says({9, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b64m2s8w " : "mma.sync "));
@@ -126,7 +129,7 @@ TEST(QuantCudaSm90, SplitPlanFollowsTheMeasuredSweep) {
     int splits;
   };
   const Case cases[] = {{4096, 4096, 16, 8},    {4096, 4096, 64, 8},   {4096, 4096, 128, 4},  {4096, 11008, 33, 3},  {4096, 11008, 64, 3},
-                        {4096, 11008, 128, 1},  {11008, 4096, 33, 8},  {11008, 4096, 64, 8},  {11008, 4096, 128, 4}, {8192, 28672, 33, 1},
+                        {4096, 11008, 128, 3},  {11008, 4096, 33, 8},  {11008, 4096, 64, 8},  {11008, 4096, 128, 4}, {8192, 28672, 33, 1},
                         {8192, 28672, 64, 1},   {8192, 28672, 128, 1}};
   for (const auto& c : cases) {
     const kq::QGemmShape s{c.M, c.N, c.K, (c.K + 63) / 64 * 64, (c.N + 15) / 16 * 16, 128, 4};

@@ -39,9 +39,12 @@
 //     (bench/results/h200/ncu-sm90-stalls.txt).
 // K splits (small N: too few strips for the SMs) write fp32 partials; the last block of a (strip, batch
 // slice) to finish (a counter each) sums them in split order (deterministic), four features and four K ranges
-// at a time, writes y and resets its counter.
-// Not done: a persistent grid (the last wave of 8192 x 28672 leaves SMs idle), 128 x 128 tiles per warpgroup pair
-// for M >= 128 (two 64 x 128 accumulators per warpgroup: ptxas serializes the wgmma, C7512), 8- and 3-bit tiles.
+// at a time, writes y and resets its counter. Stream-K (warp-specialised configurations, plan_qgemm_sm90 with
+// kSm90StreamK): one block per SM slot walks an even share of the (tile, chunk) units, so a layer with fewer
+// strips than SMs (8192 x 28672 in 256-feature strips: 112 on 132 SMs) keeps every SM busy; a tile cut between
+// blocks is summed the same way, by its last part.
+// Not done: 128 x 128 tiles per warpgroup (two 64 x 128 accumulators: ptxas serializes the wgmma, C7512),
+// overlapping one chunk's wgmma with the next chunk's decode in a warpgroup (C7513), 8- and 3-bit tiles.
 //
 // Limits (checked by qgemm_sm90_reason; qgemm_cuda keeps serving the rest): 4-bit tiles, K % 8 == 0
 // (16-byte x copies; the tensor map's row pitch), 16-byte aligned x / tiles / scales / zeros, group % 16 == 0 (as qgemm.cuh). Any M, N
@@ -772,20 +775,27 @@ using Sm90TuningCfgs = CfgList<Sm90Cfg<64, 1, 6, 2>, Sm90Cfg<128, 2, 6>,
 //   M = 16:  wg_b64m2s8w 1.02 / 1.11 / 1.20 / 1.26, wg_b64m1s6x2w 0.99 / 1.01 / 1.07 / 1.07 (mma.sync 0.62 / 0.97 / 0.85 / 1.26)
 //   M = 33:  wg_b64m2s8w 0.89 / 1.02 / 1.02 / 1.26, wg_b64m1s6x2w 0.97 / 0.98 / 0.99 / 1.06
 //   M = 64:  wg_b64m2s8w 0.60 / 0.85 / 0.88 / 1.28, wg_b64m1s6x2w 0.74 / 0.90 / 0.91 / 1.05
-//   M = 128: wg_b128m1s6w 0.67 / 0.62 / 0.75 / 0.78, the fastest configuration on every shape.
+//   M = 128: wg_b128m1s6w 0.67 / 0.62 / 0.75 / 0.78, the fastest configuration on every shape (before Sm90LargeWide).
 // So two m64 tiles per warpgroup (half the x reads per weight byte) up to M = 32, and up to M = 64 on layers of
 // kSm90LargeLayer weights or more; one tile and two blocks per SM for M 33..64 on the smaller layers.
 using Sm90Small = Sm90Cfg<64, 1, 6, 2, false, true>;
 using Sm90SmallWide = Sm90Cfg<64, 2, 8, 1, false, true>;
 using Sm90Large = Sm90Cfg<128, 1, 6, 1, false, true>;
+// M > 64 on layers of kSm90WideN outputs or more: four consumer warpgroups (256-feature strips, half the x bytes per
+// weight byte). H200 (gemm4_probe-session9-run3, clean L2, best split count): 8192 x 28672 at M = 128 0.112 ms
+// against 0.156 for wg_b128m1s6w (cuBLAS bf16 0.124), 4096 x 11008 0.040 against 0.043; on 4096-wide layers it
+// lost (4096 x 4096: 0.030 against 0.024).
+using Sm90LargeWide = Sm90Cfg<128, 1, 6, 1, false, true, 4>;
 }  // namespace detail
 // Npad * Kpad from which a layer counts as large (8192 x 28672 is above, LLaMA-7B's 4096-wide layers below).
 inline constexpr std::int64_t kSm90LargeLayer = std::int64_t(1) << 27;
+// Npad from which M > 64 takes Sm90LargeWide.
+inline constexpr std::int64_t kSm90WideN = 8192;
 namespace detail {
 // Calls f(C{}) with the configuration type qgemm_sm90_cuda uses for this shape.
 template <class F>
 decltype(auto) with_sm90_cfg(const QGemmShape& s, F&& f) {
-  if (s.M > 64) return f(Sm90Large{});
+  if (s.M > 64) return s.Npad >= kSm90WideN ? f(Sm90LargeWide{}) : f(Sm90Large{});
   if (s.M <= 32 || s.Npad * s.Kpad >= kSm90LargeLayer) return f(Sm90SmallWide{});
   return f(Sm90Small{});
 }
