@@ -42,7 +42,9 @@
 // at a time, writes y and resets its counter. Stream-K (warp-specialised configurations, plan_qgemm_sm90 with
 // kSm90StreamK): one block per SM slot walks an even share of the (tile, chunk) units, so a layer with fewer
 // strips than SMs (8192 x 28672 in 256-feature strips: 112 on 132 SMs) keeps every SM busy; a tile cut between
-// blocks is summed the same way, by its last part.
+// blocks is summed the same way, by its last part. Measured slower than the best K split count in all but one case
+// on the H200 (bench/results/h200/gemm4_probe-session9-run3: 8192 x 28672 at M = 128, 0.128 against 0.112 ms), so
+// the dispatch does not use it; it is tested and swept by the benchmark.
 // Not done: 128 x 128 tiles per warpgroup (two 64 x 128 accumulators: ptxas serializes the wgmma, C7512),
 // overlapping one chunk's wgmma with the next chunk's decode in a warpgroup (C7513), 8- and 3-bit tiles.
 //
