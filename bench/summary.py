@@ -3,6 +3,7 @@ Strategy-table lines (bench "table") also show peak memory beside the planner an
 number of GPUs when more than one); FSDP2 peer lines (bench "fsdp2") peak memory per GPU, tokens/s per GPU and MFU;
 llama_gptq lines (examples/llama_gptq) show perplexity, its ratio to the unquantized model and the KL to it."""
 import json
+import os
 import sys
 
 
@@ -12,6 +13,9 @@ def num(r, key):
 
 
 for path in sys.argv[1:]:
+    if not os.path.exists(path):  # e.g. an unmatched glob: a run of profiles only writes no JSON lines
+        print(f"(no results: {path})")
+        continue
     for line in open(path):
         if not line.strip():
             continue

@@ -4,7 +4,7 @@
 // Why another kernel: qgemm.cuh's mma.sync kernel re-reads x per strip and runs far below the tensor-core
 // rate once M reaches 64 (H200: 0.41-0.48x cuBLAS bf16 at M = 64, 0.23-0.34x at M = 128). Here the product is
 // computed transposed, Y^T [N, M] = W [N, K] * X^T [K, M], so the large N is wgmma's M dimension (64 per
-// instruction) and the batch is wgmma's N dimension (BN = 64 or 128): one m64nBNk16 wgmma covers 64 output
+// instruction) and the batch is wgmma's N dimension (BN = 16, 32, 64 or 128): one m64nBNk16 wgmma covers 64 output
 // features x the whole batch slice x 16 k.
 //
 // Operands:
@@ -78,7 +78,7 @@
 namespace squeeze::kernels::quant {
 
 // ---- configuration and plan (host) ----------------------------------------------------------------------
-// BN: batch rows per block (wgmma N: 64 or 128); WM: m64 tiles per warpgroup (block strip = 128 WM features);
+// BN: batch rows per block (wgmma N: 16, 32, 64 or 128; a smaller N wastes less tensor work on short batches); WM: m64 tiles per warpgroup (block strip = 128 WM features);
 // STAGES: chunks in the ring; MINB: blocks per SM for __launch_bounds__ (2 halves the registers);
 // OVERLAP: a warpgroup keeps one chunk's wgmma in flight while it decodes the next (waits for the chunk before,
 // wgmma.wait_group 1) into the second set of A registers; costs one stage of copy distance (STAGES - 2 chunks
@@ -115,7 +115,7 @@ struct Sm90Cfg {
   static constexpr int X_BYTES = BN * 128, W_BYTES = TILES * 512, S_BYTES = GROWS * STRIP * 2, Z_BYTES = GROWS * STRIP;
   static constexpr int STAGE_BYTES = (X_BYTES + W_BYTES + S_BYTES + Z_BYTES + 1023) / 1024 * 1024;
   static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024;  // + 1024: the kernel aligns the base itself
-  static_assert(BN == 64 || BN == 128, "batch rows per block: 64 or 128 (the wgmma wrappers)");
+  static_assert(BN == 16 || BN == 32 || BN == 64 || BN == 128, "batch rows per block: 16, 32, 64 or 128 (the wgmma wrappers)");
   static_assert(WM >= 1 && WM <= 4, "m64 tiles per warpgroup: 1..4");
   static_assert(WGS == 2 || WGS == 4, "consumer warpgroups: 2 or 4");
   static_assert(STAGES >= (OVERLAP ? 3 : 2), "at least two stages (three with OVERLAP)");
@@ -308,6 +308,46 @@ __device__ __forceinline__ void tma_load_x(void* dst, const CUtensorMap& map, in
 // (bits 32-45), layout 1 = 128B swizzle (bits 62-63). Base offset 0: the atoms are 1024-byte aligned.
 __device__ __forceinline__ std::uint64_t sw128_desc(std::uint32_t saddr) {
   return std::uint64_t((saddr & 0x3FFFF) >> 4) | (std::uint64_t(16 >> 4) << 16) | (std::uint64_t(1024 >> 4) << 32) | (std::uint64_t(1) << 62);
+}
+
+// m64n16k16, A from registers, B from shared memory (K-major, tnspB 0), fp32 accumulators d[8].
+template <class T>
+__device__ __forceinline__ void wgmma_rs(float (&d)[8], const std::uint32_t (&a)[4], std::uint64_t desc_b) {
+#if SQUEEZE_SM90_WGMMA
+  if constexpr (std::is_same_v<T, bf16>) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));
+  }
+#endif
+}
+
+// m64n32k16, A from registers, B from shared memory (K-major, tnspB 0), fp32 accumulators d[16].
+template <class T>
+__device__ __forceinline__ void wgmma_rs(float (&d)[16], const std::uint32_t (&a)[4], std::uint64_t desc_b) {
+#if SQUEEZE_SM90_WGMMA
+  if constexpr (std::is_same_v<T, bf16>) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));
+  }
+#endif
 }
 
 // m64n64k16, A from registers, B from shared memory (K-major, tnspB 0), fp32 accumulators d[32].
@@ -769,7 +809,12 @@ using Sm90TuningCfgs = CfgList<Sm90Cfg<64, 1, 6, 2>, Sm90Cfg<128, 2, 6>,
                                // four consumer warpgroups and a producer warpgroup (setmaxnreg): 256-feature strips
                                // with one accumulator set per warpgroup (names end in g4)
                                Sm90Cfg<64, 1, 8, 1, false, true, 4>, Sm90Cfg<128, 1, 6, 1, false, true, 4>,
-                               Sm90Cfg<128, 1, 8, 1, false, true, 4>>;
+                               Sm90Cfg<128, 1, 8, 1, false, true, 4>,
+                               // 16- and 32-row batch slices (m64n16k16 / m64n32k16: a quarter / half the tensor work
+                               // of 64-row slices for batches up to 16 / 32); small accumulators leave room for two
+                               // blocks per SM
+                               Sm90Cfg<16, 2, 8, 1, false, true>, Sm90Cfg<16, 2, 8, 2, false, true>, Sm90Cfg<32, 2, 6, 2, false, true>,
+                               Sm90Cfg<32, 2, 8, 1, false, true>>;
 // What qgemm_sm90_cuda runs: the warp-specialised form; batch slices of 64 rows up to M = 64, of 128 rows above.
 // H200, clean L2, x cuBLAS bf16 on 4096 x 4096 / 4096 x 11008 / 11008 x 4096 / 8192 x 28672, each configuration
 // at its best split count (bench/results/h200/gemm4_probe-session8-run4.*, 554a9c6):
