@@ -73,14 +73,16 @@ TEST(QuantCudaSm90, DispatchOnLargeLayersRepeatedly) {
   const auto big = random_layer(4096, 4096, 4, 128, false, 7);
   sm90_dispatch_check<bf16>(big, 64, 4);
   sm90_dispatch_check<half>(big, 128, 4);
+  sm90_dispatch_check<bf16>(big, 16, 4);  // 16-row slices
+  sm90_dispatch_check<half>(big, 24, 4);  // 32-row slices
   const auto ragged = random_layer(2090, 3000, 4, 32, true, 8);
   sm90_dispatch_check<bf16>(ragged, 100, 3);
   sm90_dispatch_check<half>(ragged, 33, 3);
 }
 // The library's entry (quant_gemm_cuda, what QuantizedLinear calls): on sm_90a builds the wgmma kernel for 4-bit
-// layers from M = 17, and from M = 9 on layers below kSm90LargeLayer weights (64-row slices up to M = 64, two tiles
-// per warpgroup up to M = 32 and on large layers, 128-row slices above, four consumer warpgroups for those on layers
-// of kSm90WideN outputs or more), mma.sync otherwise. The choice in words first (host
+// layers from M = 9 (16-row slices up to M = 16, 32-row up to 32, 64-row up to 64 with two tiles per warpgroup on
+// large layers, 128-row slices above with four consumer warpgroups on layers of kSm90WideN outputs or more),
+// mma.sync otherwise. The choice in words first (host
 // logic, any device), then the results on both sides of the M = 8 / 9 boundary, at 16, 17, 33 and 100, and of a
 // 3-bit layer against the CPU twin.
 TEST(QuantCudaSm90, LibraryEntryPicksTheKernelByBatch) {
@@ -89,15 +91,16 @@ TEST(QuantCudaSm90, LibraryEntryPicksTheKernelByBatch) {
   auto says = [](const kq::QGemmShape& s, int sm) { return kq::quant_gemm_describe(s, sm); };
   auto starts = [](const std::string& text, const std::string& head) { return text.rfind(head, 0) == 0; };
   const kq::QGemmShape wide{17, 28672, 8192, 8192, 28672, 128, 4}, narrow{64, 4096, 4096, 4096, 4096, 128, 4};
-  EXPECT_TRUE(starts(says(wide, 132), wg ? "wgmma wg_b64m2s8w " : "mma.sync ")) << says(wide, 132);
+  EXPECT_TRUE(starts(says(wide, 132), wg ? "wgmma wg_b32m2s6x2w " : "mma.sync ")) << says(wide, 132);
   EXPECT_TRUE(starts(says(narrow, 132), wg ? "wgmma wg_b64m1s6x2w " : "mma.sync ")) << says(narrow, 132);
   EXPECT_TRUE(starts(says({65, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b128m1s6w " : "mma.sync "));
   EXPECT_TRUE(starts(says({128, 11008, 4096, 4096, 11008, 128, 4}, 132), wg ? "wgmma wg_b128m1s6wg4 " : "mma.sync "));  // wide layer
   EXPECT_TRUE(starts(says({65, 28672, 8192, 8192, 28672, 128, 4}, 132), wg ? "wgmma wg_b128m1s6wg4 " : "mma.sync "));
-  EXPECT_TRUE(starts(says({16, 28672, 8192, 8192, 28672, 128, 4}, 132), "mma.sync "));  // large layer: mma.sync up to 16
-  EXPECT_TRUE(starts(says({16, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b64m2s8w " : "mma.sync "));
-  EXPECT_TRUE(starts(says({9, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b64m2s8w " : "mma.sync "));
-  EXPECT_TRUE(starts(says({32, 4096, 11008, 11008, 4096, 128, 4}, 132), wg ? "wgmma wg_b64m2s8w " : "mma.sync "));
+  EXPECT_TRUE(starts(says({16, 28672, 8192, 8192, 28672, 128, 4}, 132), wg ? "wgmma wg_b16m2s8x2w " : "mma.sync "));
+  EXPECT_TRUE(starts(says({48, 28672, 8192, 8192, 28672, 128, 4}, 132), wg ? "wgmma wg_b64m2s8w " : "mma.sync "));  // large layer
+  EXPECT_TRUE(starts(says({16, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b16m2s8x2w " : "mma.sync "));
+  EXPECT_TRUE(starts(says({9, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b16m2s8x2w " : "mma.sync "));
+  EXPECT_TRUE(starts(says({32, 4096, 11008, 11008, 4096, 128, 4}, 132), wg ? "wgmma wg_b32m2s6x2w " : "mma.sync "));
   EXPECT_TRUE(starts(says({33, 4096, 11008, 11008, 4096, 128, 4}, 132), wg ? "wgmma wg_b64m1s6x2w " : "mma.sync "));
   EXPECT_TRUE(starts(says({8, 4096, 4096, 4096, 4096, 128, 4}, 132), "mma.sync "));
   EXPECT_TRUE(starts(says({64, 28672, 8192, 8192, 28672, 128, 3}, 132), "mma.sync "));
@@ -121,14 +124,16 @@ TEST(QuantCudaSm90, LibraryEntryPicksTheKernelByBatch) {
 }
 // The K-split plan of the dispatched configurations (host logic: runs without a GPU). Expected counts: the
 // fastest or within 4% in the H200 sweep over 1/2/3/4/8 splits with a clean L2 (bench/results/h200/
-// gemm4_probe-session8-run4.jsonl and -run5.jsonl, the configuration the dispatch takes for the case), 132 SMs.
+// gemm4_probe-session8-run4.jsonl and -run5.jsonl; M = 16, the 16-row slices: gemm4_probe-session9-run6.jsonl), the
+// configuration the dispatch takes for the case, 132 SMs. Two misses of the model at M = 16: 4096 x 4096 gets 16
+// splits, 10% slower than 8 (0.0156 against 0.0141 ms), and 8192 x 28672 gets 7, 3% slower than 2.
 // Every plan covers K exactly once with no empty range and sizes its workspace to splits x M x Npad.
 TEST(QuantCudaSm90, SplitPlanFollowsTheMeasuredSweep) {
   struct Case {
     std::int64_t K, N, M;
     int splits;
   };
-  const Case cases[] = {{4096, 4096, 16, 8},    {4096, 4096, 64, 8},   {4096, 4096, 128, 4},  {4096, 11008, 33, 3},  {4096, 11008, 64, 3},
+  const Case cases[] = {{4096, 4096, 16, 16},   {4096, 11008, 16, 6},  {11008, 4096, 16, 16}, {8192, 28672, 16, 7},    {4096, 4096, 64, 8},   {4096, 4096, 128, 4},  {4096, 11008, 33, 3},  {4096, 11008, 64, 3},
                         {4096, 11008, 128, 3},  {11008, 4096, 33, 8},  {11008, 4096, 64, 8},  {11008, 4096, 128, 4}, {8192, 28672, 33, 1},
                         {8192, 28672, 64, 1},   {8192, 28672, 128, 1}};
   for (const auto& c : cases) {

@@ -823,8 +823,14 @@ using Sm90TuningCfgs = CfgList<Sm90Cfg<64, 1, 6, 2>, Sm90Cfg<128, 2, 6>,
 //   M = 33:  wg_b64m2s8w 0.89 / 1.02 / 1.02 / 1.26, wg_b64m1s6x2w 0.97 / 0.98 / 0.99 / 1.06
 //   M = 64:  wg_b64m2s8w 0.60 / 0.85 / 0.88 / 1.28, wg_b64m1s6x2w 0.74 / 0.90 / 0.91 / 1.05
 //   M = 128: wg_b128m1s6w 0.67 / 0.62 / 0.75 / 0.78, the fastest configuration on every shape (before Sm90LargeWide).
-// So two m64 tiles per warpgroup (half the x reads per weight byte) up to M = 32, and up to M = 64 on layers of
-// kSm90LargeLayer weights or more; one tile and two blocks per SM for M 33..64 on the smaller layers.
+// So two m64 tiles per warpgroup (half the x reads per weight byte) up to M = 64 on layers of kSm90LargeLayer weights
+// or more; one tile and two blocks per SM for M 33..64 on the smaller layers.
+// Batches of up to 16 / 32 rows: slices of 16 / 32 rows (a quarter / half the tensor work of 64-row slices) and two
+// blocks per SM. H200 (gemm4_probe-session9-run6, 74973de, x cuBLAS bf16 at the best split count): M = 9 wg_b16m2s8x2w
+// 1.21 / 1.46 / 1.62 / 1.94, M = 16 1.13 / 1.35 / 1.54 / 1.91 (the dispatch then: 1.10 / 1.18 / 1.27 / 1.37 and 1.05 /
+// 1.12 / 1.25 / 1.27, mma.sync on 8192 x 28672); wg_b32m2s6x2w was the runner-up at both.
+using Sm90Tiny = Sm90Cfg<16, 2, 8, 2, false, true>;
+using Sm90Narrow = Sm90Cfg<32, 2, 6, 2, false, true>;
 using Sm90Small = Sm90Cfg<64, 1, 6, 2, false, true>;
 using Sm90SmallWide = Sm90Cfg<64, 2, 8, 1, false, true>;
 using Sm90Large = Sm90Cfg<128, 1, 6, 1, false, true>;
@@ -843,7 +849,9 @@ namespace detail {
 template <class F>
 decltype(auto) with_sm90_cfg(const QGemmShape& s, F&& f) {
   if (s.M > 64) return s.Npad >= kSm90WideN ? f(Sm90LargeWide{}) : f(Sm90Large{});
-  if (s.M <= 32 || s.Npad * s.Kpad >= kSm90LargeLayer) return f(Sm90SmallWide{});
+  if (s.M <= 16) return f(Sm90Tiny{});
+  if (s.M <= 32) return f(Sm90Narrow{});
+  if (s.Npad * s.Kpad >= kSm90LargeLayer) return f(Sm90SmallWide{});
   return f(Sm90Small{});
 }
 
@@ -924,15 +932,13 @@ cudaError_t qgemm_sm90_cuda(const T* x, const std::uint32_t* tiles, const half* 
 }
 
 // ---- the library's quantized GEMM: the kernel each batch size is served by ----------------------------------
-// On an sm_90 device with sm_90a device code, for a 4-bit shape the wgmma kernel takes: M >= 17, and M 9..16 on
-// layers below kSm90LargeLayer weights, run qgemm_sm90_cuda; everything else (M <= 8, M 9..16 on large layers,
-// 3- and 8-bit, other devices) runs qgemm_cuda (mma.sync). H200, clean L2 (gemm4_probe-session8-run4.*, see
-// Sm90Small above): at M 9..16 the wgmma kernel beat the mma.sync kernel on the three LLaMA-7B shapes and lost to
-// it on 8192 x 28672 (1.27 against 1.40x cuBLAS bf16 at M = 9); at M = 1 the mma.sync kernel (weights as the
-// mma's A, 8 rows) is the faster one.
-inline constexpr std::int64_t kSm90MinRows = 9, kSm90MinRowsLargeLayer = 17;
+// On an sm_90 device with sm_90a device code, 4-bit shapes the wgmma kernel takes with M >= 9 run qgemm_sm90_cuda;
+// everything else (M <= 8, 3- and 8-bit, other devices) runs qgemm_cuda (mma.sync). H200, clean L2: at M 9..16 the
+// 16-row slices (Sm90Tiny) beat the mma.sync kernel on every shape (8192 x 28672 at M = 9: 0.061 against 0.086 ms,
+// gemm4_probe-session9-run6); at M = 1 the mma.sync kernel (weights as the mma's A, 8 rows) is the faster one.
+inline constexpr std::int64_t kSm90MinRows = 9;
 inline bool quant_gemm_uses_sm90(const QGemmShape& s) {
-  const bool rows = s.M >= (s.Npad * s.Kpad < kSm90LargeLayer ? kSm90MinRows : kSm90MinRowsLargeLayer);
+  const bool rows = s.M >= kSm90MinRows;
   return rows && qgemm_sm90_reason(s).empty() && qgemm_sm90_supported();
 }
 // Workspace sizes for quant_gemm_cuda (pointers left null): partial fp32 (any contents) and counters int32
