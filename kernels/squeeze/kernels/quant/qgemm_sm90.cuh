@@ -163,7 +163,8 @@ inline std::string describe(const Sm90Plan& p) {
 // splits_override asking plan_qgemm_sm90 for stream-K (warp-specialised configurations; the others keep K splits)
 inline constexpr int kSm90StreamK = -1;
 
-// K splits: without an override, the count (1..16, K ranges of at least 4 chunks) with the least estimated
+// K splits: without an override, the count (1..16, K ranges of at least 8 chunks: with 4, 4096 x 4096 at M 9..16 took
+// 16 splits, 10% slower than 8 on the H200, gemm4_probe-session9-run6/7) with the least estimated
 // traffic: the weight bytes over the fraction of the grid's last wave that is used (idle SMs stretch the time; a
 // wave is the blocks the GPU holds at once, MINB per SM), plus the fp32 partials written and read back, which
 // mostly stay in L2 (weighted 4 B per split, row and column, half their byte count). Fitted to the H200 sweeps
@@ -179,7 +180,7 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, int sm_count, int splits_override 
   p.zslices = int((s.M + C::BN - 1) / C::BN);
   p.strips = int((s.Npad + C::STRIP - 1) / C::STRIP);
   const std::int64_t tiles = std::int64_t(p.zslices) * p.strips, slots = std::int64_t(std::max(sm_count, 1)) * C::MINB;
-  const int max_splits = int(std::clamp<std::int64_t>(kchunks / 4, 1, 16));
+  const int max_splits = int(std::clamp<std::int64_t>(kchunks / 8, 1, 16));  // K ranges of at least 8 chunks
   p.smem_bytes = C::SMEM_BYTES;
   if (splits_override == kSm90StreamK && C::WS) {  // one block per slot, or per unit when there are fewer
     const Sm90StreamK sk{tiles * kchunks, int(std::min(slots, tiles * kchunks))};
@@ -842,6 +843,10 @@ using Sm90LargeWide = Sm90Cfg<128, 1, 6, 1, false, true, 4>;
 }  // namespace detail
 // Npad * Kpad from which a layer counts as large (8192 x 28672 is above, LLaMA-7B's 4096-wide layers below).
 inline constexpr std::int64_t kSm90LargeLayer = std::int64_t(1) << 27;
+// Npad * Kpad from which M 17..32 takes 32-row slices (Sm90Narrow): on 4096 x 4096 one-tile 64-row slices were faster
+// (H200, gemm4_probe-session9-run7: M = 24 0.0142 against 0.0159 ms, M = 32 0.0152 against 0.0187), on the three
+// larger LLaMA shapes slower (4096 x 11008 at M = 24: 0.0248 against 0.0228).
+inline constexpr std::int64_t kSm90NarrowLayer = std::int64_t(1) << 25;
 // Npad from which M > 64 takes Sm90LargeWide.
 inline constexpr std::int64_t kSm90WideN = 8192;
 namespace detail {
@@ -850,7 +855,7 @@ template <class F>
 decltype(auto) with_sm90_cfg(const QGemmShape& s, F&& f) {
   if (s.M > 64) return s.Npad >= kSm90WideN ? f(Sm90LargeWide{}) : f(Sm90Large{});
   if (s.M <= 16) return f(Sm90Tiny{});
-  if (s.M <= 32) return f(Sm90Narrow{});
+  if (s.M <= 32) return s.Npad * s.Kpad >= kSm90NarrowLayer ? f(Sm90Narrow{}) : f(Sm90Small{});
   if (s.Npad * s.Kpad >= kSm90LargeLayer) return f(Sm90SmallWide{});
   return f(Sm90Small{});
 }
