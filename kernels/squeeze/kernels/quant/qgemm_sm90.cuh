@@ -450,7 +450,7 @@ struct Sm90Params {
   int zslices, stream;  // stream > 0: stream-K over that many blocks (Sm90StreamK), grid and splits unused
 };
 
-// grid (strips, zslices, splits), C::THREADS threads, C::SMEM_BYTES dynamic shared memory
+// grid (zslices x strips, splits), or (stream) with stream-K; C::THREADS threads, C::SMEM_BYTES dynamic shared memory
 template <class T, class C>
 // x_map: (WS) x as a TMA tensor map, box [64 k] x [BN rows], 128-byte swizzle (unused otherwise)
 __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const Sm90Params p, const __grid_constant__ CUtensorMap x_map) {
@@ -478,8 +478,10 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       body();
     };
     if (p.stream == 0) {
+      // the batch slices of a strip are neighbouring blocks, so they run at the same time and the slices after the
+      // first find the strip's weights in L2
       const int k0 = int(blockIdx.z) * p.cps;
-      enter(int(blockIdx.y), int(blockIdx.x), k0, min(p.kchunks, k0 + p.cps) - k0, int(blockIdx.z), p.splits);
+      enter(int(blockIdx.x % p.zslices), int(blockIdx.x / p.zslices), k0, min(p.kchunks, k0 + p.cps) - k0, int(blockIdx.z), p.splits);
       return;
     }
     const Sm90StreamK sk{std::int64_t(p.zslices) * p.strips * p.kchunks, p.stream};
@@ -905,7 +907,8 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
     if (const cudaError_t e = make_x_tensor_map(x_map, x, s.M, s.K, C::BN, std::is_same_v<T, bf16>); e != cudaSuccess) return e;
   const Sm90Params prm{x, tiles, scales, zeros, y, ws.partial, ws.counters, int(s.M), int(s.N), int(s.K), int(s.Npad), int(s.group),
                        int(s.Kpad / kTileK), p.cps, p.strips, p.splits, p.zslices, p.stream};
-  const dim3 grid = p.stream > 0 ? dim3(unsigned(p.stream)) : dim3(unsigned(p.strips), unsigned(p.zslices), unsigned(p.splits));
+  if (std::int64_t(p.zslices) * p.strips > 0x7fffffff) return cudaErrorInvalidValue;  // the grid's x dimension
+  const dim3 grid = p.stream > 0 ? dim3(unsigned(p.stream)) : dim3(unsigned(p.zslices * p.strips), 1, unsigned(p.splits));
   qgemm_sm90_kernel<T, C><<<grid, C::THREADS, C::SMEM_BYTES, stream>>>(prm, x_map);
   return cudaGetLastError();
 }
