@@ -186,6 +186,25 @@ TEST(QuantCudaSm90, RejectsShapesItCannotTake) {
   EXPECT_NE(reason({64, 200, 1096, 1152, 208, 128, 3}).find("4-bit"), std::string::npos);
   EXPECT_NE(reason({64, 200, 1100, 1152, 208, 128, 4}).find("multiple of 8"), std::string::npos);
   EXPECT_NE(reason({64, 200, 1096, 1152, 208, 24, 4}).find("group"), std::string::npos);
+  // plans the launcher cannot run: stream-K on a block-synchronous configuration, and a grid past 2^31 - 1 blocks
+  // (2^20 batch slices of 16 rows x 2^22 strips); refused before any launch, on any machine
+  const kq::QGemmShape fine{64, 200, 1096, 1152, 208, 128, 4};
+  const auto stream_plan = kq::plan_qgemm_sm90<kq::Sm90Cfg<64, 1, 6, 2, false, true>>(fine, 132, kq::kSm90StreamK);
+  ASSERT_GT(stream_plan.stream, 0);
+  // a workspace that passes the launcher's checks (host memory: nothing is launched), so that only the
+  // configuration is wrong
+  std::vector<float4> part(std::size_t(stream_plan.partial_elems / 4 + 1));
+  std::vector<int> cnt(std::size_t(stream_plan.counter_elems + 1));
+  const kq::QGemmWorkspace ws{reinterpret_cast<float*>(part.data()), stream_plan.partial_elems, cnt.data(), stream_plan.counter_elems};
+  EXPECT_EQ((kq::detail::launch_qgemm_sm90_cfg<half, kq::Sm90Cfg<64, 1, 6, 2>>(nullptr, nullptr, nullptr, nullptr, nullptr, fine, stream_plan, ws,
+                                                                               nullptr)),
+            cudaErrorInvalidValue);
+  using Tiny = kq::Sm90Cfg<16, 2, 8, 2, false, true>;
+  const kq::QGemmShape huge{std::int64_t(1) << 24, std::int64_t(1) << 30, 64, 64, std::int64_t(1) << 30, 64, 4};
+  const auto huge_plan = kq::plan_qgemm_sm90<Tiny>(huge, 132, 1);
+  EXPECT_GT(std::int64_t(huge_plan.zslices) * huge_plan.strips, 0x7fffffff);
+  EXPECT_EQ((kq::detail::launch_qgemm_sm90_cfg<half, Tiny>(nullptr, nullptr, nullptr, nullptr, nullptr, huge, huge_plan, {}, nullptr)),
+            cudaErrorInvalidValue);
   const kq::QGemmShape odd_k{64, 200, 1100, 1152, 208, 128, 4};
   EXPECT_EQ(kq::qgemm_sm90_cuda<half>(nullptr, nullptr, nullptr, nullptr, nullptr, odd_k, {}, 132, nullptr), cudaErrorInvalidValue);
 }

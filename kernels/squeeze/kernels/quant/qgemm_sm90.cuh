@@ -78,7 +78,8 @@
 namespace squeeze::kernels::quant {
 
 // ---- configuration and plan (host) ----------------------------------------------------------------------
-// BN: batch rows per block (wgmma N: 16, 32, 64 or 128; a smaller N wastes less tensor work on short batches); WM: m64 tiles per warpgroup (block strip = 128 WM features);
+// BN: batch rows per block (wgmma N: 16, 32, 64 or 128; a smaller N wastes less tensor work on short batches);
+// WM: m64 tiles per warpgroup (block strip = 64 WM WGS features);
 // STAGES: chunks in the ring; MINB: blocks per SM for __launch_bounds__ (2 halves the registers);
 // OVERLAP: a warpgroup keeps one chunk's wgmma in flight while it decodes the next (waits for the chunk before,
 // wgmma.wait_group 1) into the second set of A registers; costs one stage of copy distance (STAGES - 2 chunks
@@ -541,7 +542,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
 #pragma unroll
     for (int t = 0; t < WM; ++t) wv[t] = lds128(st + XB + ((wg * 4 * WM + 4 * t + wq) * 32 + lane) * 16);
     const std::uint64_t x_desc = x_desc0 + std::uint64_t((st - smem) >> 4);
-    int grow = 0;  // the stage's group row of cur_g (row 0: the group of the chunk's first k)
+    int grow = 0;  // the stage's group row of the group grp holds (row 0: the group of the chunk's first k)
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
       if (min(kc * kTileK + 16 * ks, p.K - 1) >= next_group_k) {  // a new group (uniform across the block)
@@ -881,6 +882,7 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
        reinterpret_cast<std::uintptr_t>(zeros)) & 15)
     return cudaErrorInvalidValue;  // 16-byte copies
   if (p.stream > 0 && !C::WS) return cudaErrorInvalidValue;  // stream-K: warp-specialised configurations only
+  if (std::int64_t(p.zslices) * p.strips > 0x7fffffff) return cudaErrorInvalidValue;  // the grid's x dimension
   if (p.max_parts > 1 && (ws.partial == nullptr || ws.partial_elems < p.partial_elems || ws.counters == nullptr || ws.counter_elems < p.counter_elems))
     return cudaErrorInvalidValue;
   if (p.max_parts > 1 && (reinterpret_cast<std::uintptr_t>(ws.partial) & 15)) return cudaErrorInvalidValue;  // float4 sums
@@ -892,7 +894,6 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
     if (const cudaError_t e = make_x_tensor_map(x_map, x, s.M, s.K, C::BN, std::is_same_v<T, bf16>); e != cudaSuccess) return e;
   const Sm90Params prm{x, tiles, scales, zeros, y, ws.partial, ws.counters, int(s.M), int(s.N), int(s.K), int(s.Npad), int(s.group),
                        int(s.Kpad / kTileK), p.cps, p.strips, p.splits, p.zslices, p.stream};
-  if (std::int64_t(p.zslices) * p.strips > 0x7fffffff) return cudaErrorInvalidValue;  // the grid's x dimension
   const dim3 grid = p.stream > 0 ? dim3(unsigned(p.stream)) : dim3(unsigned(p.zslices * p.strips), 1, unsigned(p.splits));
   qgemm_sm90_kernel<T, C><<<grid, C::THREADS, C::SMEM_BYTES, stream>>>(prm, x_map);
   return cudaGetLastError();
