@@ -3,8 +3,7 @@
 // For each (K, N) of issue 6 and batch M it times, in the same run, cold L2, median of --reps:
 //   ours     the library's dispatch (kq::quant_gemm_cuda: wgmma from M = 9 on sm_90a, see quant_gemm_uses_sm90)
 //   mma      qgemm_cuda (the mma.sync kernel) at every M
-//   wg_*     every wgmma configuration of kq::detail::Sm90TuningCfgs at K splits {its plan, 1, 2, 4, 8} and, for the
-//            warp-specialised ones, stream-K over the SMs (reported as splits -1)
+//   wg_*     every wgmma configuration of kq::detail::Sm90TuningCfgs at K splits {its plan, 1, 2, 4, 8}
 //   sv_*     every configuration of the streaming kernel (qgemv.cuh, M <= 16) with its own plan
 //   cuBLAS   bf16 GEMM (cublasGemmEx, W [N, K] bf16 as nn.Linear stores it), the peer
 // Weights are random codes, scales and zero points (group 128): only time is measured here; the GPU tests check
@@ -165,13 +164,12 @@ void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape&
     const std::string name = kq::detail::sm90_cfg_name<C>();
     if (!only_cfg.empty() && name.find(only_cfg) == std::string::npos) return;
     int seen[32] = {};
-    for (int sp : {0, 1, 2, 4, 8, kq::kSm90StreamK}) {
+    for (int sp : {0, 1, 2, 4, 8}) {
       const auto plan = kq::plan_qgemm_sm90<C>(s, sm, sp);
-      if (plan.stream == 0 && plan.splits < 32 && seen[plan.splits]++) continue;
-      if (sp == kq::kSm90StreamK && plan.stream == 0) continue;  // not warp-specialised: no stream-K
+      if (plan.splits < 32 && seen[plan.splits]++) continue;
       const Workspace ws({nullptr, plan.partial_elems, nullptr, plan.counter_elems});
       check_and_time(
-          name, kq::describe(plan), plan.stream > 0 ? kq::kSm90StreamK : plan.splits,
+          name, kq::describe(plan), plan.splits,
           [&] { return kq::detail::launch_qgemm_sm90_cfg<bf16, C>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws.ws, nullptr); }, y, ny,
           ref, reps, out);
     }

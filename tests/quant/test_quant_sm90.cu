@@ -12,16 +12,11 @@
 
 // Configuration C on a twin case for each K split count (0: the plan's own), reps launches each on the same
 // counters (the kernel leaves them zero). Bound: each weight rounded to T once, as for scaled B (cfg_runs).
-// Warp-specialised configurations also run stream-K, planned for this GPU's SMs and for 3 (a few blocks that each
-// walk several tiles, cut at odd places).
 template <class T, class C>
 void sm90_cfg_runs(const TwinCase<T>& tc, const std::vector<int>& split_counts, int reps) {
   const double rel = std::is_same_v<T, bf16> ? 0x1p-7 : 0x1p-10;
-  std::vector<std::pair<int, int>> plans;  // (SMs planned for, split count or kSm90StreamK)
-  for (const int sp : split_counts) plans.emplace_back(sm_count(), sp);
-  if (C::WS) plans.insert(plans.end(), {{sm_count(), kq::kSm90StreamK}, {3, kq::kSm90StreamK}});
-  for (const auto& [sms, sp] : plans) {
-    const auto plan = kq::plan_qgemm_sm90<C>(tc.shape, sms, sp);
+  for (const int sp : split_counts) {
+    const auto plan = kq::plan_qgemm_sm90<C>(tc.shape, sm_count(), sp);
     launches_match_twin(tc, plan.partial_elems, plan.counter_elems, reps, kq::detail::sm90_cfg_name<C>() + " (" + kq::describe(plan) + ")", rel,
                         [&](const kq::QGemmWorkspace& ws) {
                           return kq::detail::launch_qgemm_sm90_cfg<T, C>(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, plan, ws, nullptr);
@@ -36,7 +31,7 @@ void sm90_all_cfgs(kq::detail::CfgList<Cs...>, const TwinCase<T>& tc, const std:
 // Every configuration the benchmark times, fp16 and bf16, M 33 / 64 / 100 / 128 (partial batch slices: 33 and
 // 100 are not multiples of 8), N 299 (odd: two strips of 256 or three of 128, the last partial, and a partial tile), K 1096 (a multiple of 8, padded to 1152),
 // groups of 32 with act-order (four groups per chunk, x gathered by perm), 128 and per channel; the plan's
-// K splits and forced 1, 3 and 7 (partials reduced by the last block), and stream-K (sm90_cfg_runs).
+// K splits and forced 1, 3 and 7 (partials reduced by the last block).
 TEST(QuantCudaSm90, EveryConfigurationMatchesCpuTwin) {
   REQUIRE_SM90();
   for (int group : {32, 128, 0}) {
@@ -151,34 +146,6 @@ TEST(QuantCudaSm90, SplitPlanFollowsTheMeasuredSweep) {
   const kq::QGemmShape small{40, 64, 200, 256, 64, 32, 4};
   EXPECT_EQ(kq::qgemm_sm90_plan(small, 132, 16).splits, 4);
 }
-// Stream-K's deal (host logic): every unit belongs to exactly one block, block sizes differ by at most one, and
-// block_of inverts start; the plan sizes its partials to the most parts a tile is cut into.
-TEST(QuantCudaSm90, StreamKDealsTheUnitsEvenly) {
-  for (const auto& [units, blocks] : std::vector<std::pair<std::int64_t, int>>{{14336, 132}, {1024, 132}, {131, 132}, {7, 3}, {1000, 1}}) {
-    const kq::Sm90StreamK sk{units, int(std::min<std::int64_t>(blocks, units))};
-    SCOPED_TRACE(std::to_string(units) + " units over " + std::to_string(sk.blocks) + " blocks");
-    EXPECT_EQ(sk.start(0), 0);
-    EXPECT_EQ(sk.start(sk.blocks), units);
-    for (int b = 0; b < sk.blocks; ++b) {
-      const std::int64_t n = sk.start(b + 1) - sk.start(b);
-      EXPECT_TRUE(n == sk.q() || n == sk.q() + 1) << "block " << b << " has " << n;
-      EXPECT_EQ(sk.block_of(sk.start(b)), b);
-      EXPECT_EQ(sk.block_of(sk.start(b + 1) - 1), b);
-    }
-  }
-  // 8192 x 28672 at M = 128 with 256-feature strips: 112 tiles of 128 chunks over 132 blocks (108 or 109 units
-  // each), so some tiles are cut in three
-  using G4 = kq::Sm90Cfg<128, 1, 8, 1, false, true, 4>;
-  const kq::QGemmShape big{128, 28672, 8192, 8192, 28672, 128, 4};
-  const auto p = kq::plan_qgemm_sm90<G4>(big, 132, kq::kSm90StreamK);
-  EXPECT_EQ(p.stream, 132);
-  EXPECT_EQ(p.max_parts, 3);
-  EXPECT_EQ(p.partial_elems, 3 * 128 * 28672);
-  EXPECT_EQ(p.counter_elems, 112);
-  // configurations that are not warp-specialised keep K splits
-  using BlockSynchronous = kq::Sm90Cfg<64, 1, 6, 2>;
-  EXPECT_EQ(kq::plan_qgemm_sm90<BlockSynchronous>(big, 132, kq::kSm90StreamK).stream, 0);
-}
 // What the wgmma GEMM does not take is rejected before any launch, with the reason named (qgemm_cuda serves it).
 TEST(QuantCudaSm90, RejectsShapesItCannotTake) {
   auto reason = [](kq::QGemmShape s) { return kq::qgemm_sm90_reason(s); };
@@ -186,19 +153,22 @@ TEST(QuantCudaSm90, RejectsShapesItCannotTake) {
   EXPECT_NE(reason({64, 200, 1096, 1152, 208, 128, 3}).find("4-bit"), std::string::npos);
   EXPECT_NE(reason({64, 200, 1100, 1152, 208, 128, 4}).find("multiple of 8"), std::string::npos);
   EXPECT_NE(reason({64, 200, 1096, 1152, 208, 24, 4}).find("group"), std::string::npos);
-  // plans the launcher cannot run: stream-K on a block-synchronous configuration, and a grid past 2^31 - 1 blocks
-  // (2^20 batch slices of 16 rows x 2^22 strips); refused before any launch, on any machine
+  // plans the launcher cannot run: K splits with a workspace short of the partials or counters, and a grid past
+  // 2^31 - 1 blocks (2^20 batch slices of 16 rows x 2^22 strips); refused before any launch, on any machine
+  using Small = kq::Sm90Cfg<64, 1, 6, 2, false, true>;
   const kq::QGemmShape fine{64, 200, 1096, 1152, 208, 128, 4};
-  const auto stream_plan = kq::plan_qgemm_sm90<kq::Sm90Cfg<64, 1, 6, 2, false, true>>(fine, 132, kq::kSm90StreamK);
-  ASSERT_GT(stream_plan.stream, 0);
-  // a workspace that passes the launcher's checks (host memory: nothing is launched), so that only the
-  // configuration is wrong
-  std::vector<float4> part(std::size_t(stream_plan.partial_elems / 4 + 1));
-  std::vector<int> cnt(std::size_t(stream_plan.counter_elems + 1));
-  const kq::QGemmWorkspace ws{reinterpret_cast<float*>(part.data()), stream_plan.partial_elems, cnt.data(), stream_plan.counter_elems};
-  EXPECT_EQ((kq::detail::launch_qgemm_sm90_cfg<half, kq::Sm90Cfg<64, 1, 6, 2>>(nullptr, nullptr, nullptr, nullptr, nullptr, fine, stream_plan, ws,
-                                                                               nullptr)),
-            cudaErrorInvalidValue);
+  const auto split_plan = kq::plan_qgemm_sm90<Small>(fine, 132, 3);
+  ASSERT_EQ(split_plan.splits, 3);
+  std::vector<float4> part(std::size_t(split_plan.partial_elems / 4 + 1));  // host memory: nothing is launched
+  std::vector<int> cnt(std::size_t(split_plan.counter_elems + 1));
+  auto launch_with = [&](const kq::QGemmWorkspace& ws) {
+    return kq::detail::launch_qgemm_sm90_cfg<half, Small>(nullptr, nullptr, nullptr, nullptr, nullptr, fine, split_plan, ws, nullptr);
+  };
+  float* const partial = reinterpret_cast<float*>(part.data());
+  EXPECT_EQ(launch_with({partial, split_plan.partial_elems - 1, cnt.data(), split_plan.counter_elems}), cudaErrorInvalidValue);
+  EXPECT_EQ(launch_with({partial, split_plan.partial_elems, cnt.data(), split_plan.counter_elems - 1}), cudaErrorInvalidValue);
+  EXPECT_EQ(launch_with({partial, split_plan.partial_elems, nullptr, split_plan.counter_elems}), cudaErrorInvalidValue);
+  EXPECT_EQ(launch_with({partial + 1, split_plan.partial_elems, cnt.data(), split_plan.counter_elems}), cudaErrorInvalidValue);  // float4 sums
   using Tiny = kq::Sm90Cfg<16, 2, 8, 2, false, true>;
   const kq::QGemmShape huge{std::int64_t(1) << 24, std::int64_t(1) << 30, 64, 64, std::int64_t(1) << 30, 64, 4};
   const auto huge_plan = kq::plan_qgemm_sm90<Tiny>(huge, 132, 1);

@@ -39,12 +39,10 @@
 //     (bench/results/h200/ncu-sm90-stalls.txt).
 // K splits (small N: too few strips for the SMs) write fp32 partials; the last block of a (strip, batch
 // slice) to finish (a counter each) sums them in split order (deterministic), four features and four K ranges
-// at a time, writes y and resets its counter. Stream-K (warp-specialised configurations, plan_qgemm_sm90 with
-// kSm90StreamK): one block per SM slot walks an even share of the (tile, chunk) units, so a layer with fewer
-// strips than SMs (8192 x 28672 in 256-feature strips: 112 on 132 SMs) keeps every SM busy; a tile cut between
-// blocks is summed the same way, by its last part. Measured slower than the best K split count in all but one case
-// on the H200 (bench/results/h200/gemm4_probe-session9-run3: 8192 x 28672 at M = 128, 0.128 against 0.112 ms), so
-// the dispatch does not use it; it is tested and swept by the benchmark.
+// at a time, writes y and resets its counter. (Session 9 also built stream-K, persistent blocks walking an even
+// share of the (tile, chunk) units: correct, but slower than the best K split count in all but one case on the
+// H200, gemm4_probe-session9-run3: 8192 x 28672 at M = 128, 0.128 against 0.112 ms, and its per-block segment state
+// cost the two-blocks-per-SM and g4 configurations 44-96 bytes of register spills; removed in session 10.)
 // Not done: 128 x 128 tiles per warpgroup (two 64 x 128 accumulators: ptxas serializes the wgmma, C7512),
 // overlapping one chunk's wgmma with the next chunk's decode in a warpgroup (C7513), 8- and 3-bit tiles.
 //
@@ -127,42 +125,20 @@ struct Sm90Cfg {
   // the tuning list (checked against the CPU twin by the GPU tests) since session 8.
 };
 
-// Stream-K: the (batch slice, strip, chunk) units, tile-major (a tile = one batch slice x one strip), dealt out
-// evenly to `blocks` persistent blocks: block b takes units [start(b), start(b + 1)), the first r() blocks one
-// more than the others. A tile cut between blocks is summed from fp32 partials, slot j = block - first block
-// of the tile, by the last of its parts to finish, in slot order (deterministic).
-struct Sm90StreamK {
-  std::int64_t units = 0;
-  int blocks = 1;
-  __host__ __device__ std::int64_t q() const { return units / blocks; }
-  __host__ __device__ std::int64_t r() const { return units % blocks; }
-  __host__ __device__ std::int64_t start(std::int64_t b) const { return b * q() + (b < r() ? b : r()); }
-  __host__ __device__ int block_of(std::int64_t u) const {  // the block whose range holds unit u
-    const std::int64_t big = r() * (q() + 1);
-    return int(u < big ? u / (q() + 1) : r() + (u - big) / q());
-  }
-};
-
 struct Sm90Plan {
   int zslices = 1;  // ceil(M / BN)
   int strips = 1;   // ceil(Npad / STRIP)
-  int splits = 1;     // K ranges
-  int cps = 1;        // 64-k chunks per K range
-  int stream = 0;     // > 0: stream-K over this many blocks instead (splits 1)
-  int max_parts = 1;  // the most blocks one tile's K range is cut between (the splits, or stream-K's cuts)
+  int splits = 1;   // K ranges
+  int cps = 1;      // 64-k chunks per K range
   int smem_bytes = 0;
-  std::int64_t partial_elems = 0;  // fp32 [max_parts, M, Npad] when max_parts > 1
+  std::int64_t partial_elems = 0;  // fp32 [splits, M, Npad] when splits > 1
   std::int64_t counter_elems = 0;  // int32 [zslices, strips], zero between launches
-  std::int64_t blocks() const { return stream > 0 ? stream : std::int64_t(zslices) * strips * splits; }
+  std::int64_t blocks() const { return std::int64_t(zslices) * strips * splits; }
 };
 inline std::string describe(const Sm90Plan& p) {
-  return "zslices " + std::to_string(p.zslices) + " strips " + std::to_string(p.strips) +
-         (p.stream > 0 ? " stream-K blocks " + std::to_string(p.stream) + " max parts " + std::to_string(p.max_parts)
-                       : " splits " + std::to_string(p.splits) + " cps " + std::to_string(p.cps)) +
-         " smem " + std::to_string(p.smem_bytes) + " B";
+  return "zslices " + std::to_string(p.zslices) + " strips " + std::to_string(p.strips) + " splits " + std::to_string(p.splits) + " cps " +
+         std::to_string(p.cps) + " smem " + std::to_string(p.smem_bytes) + " B";
 }
-// splits_override asking plan_qgemm_sm90 for stream-K (warp-specialised configurations; the others keep K splits)
-inline constexpr int kSm90StreamK = -1;
 
 // K splits: without an override, the count (1..16, K ranges of at least 8 chunks: with 4, 4096 x 4096 at M 9..16 took
 // 16 splits, 10% slower than 8 on the H200, gemm4_probe-session9-run6/7) with the least estimated
@@ -183,16 +159,6 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, int sm_count, int splits_override 
   const std::int64_t tiles = std::int64_t(p.zslices) * p.strips, slots = std::int64_t(std::max(sm_count, 1)) * C::MINB;
   const int max_splits = int(std::clamp<std::int64_t>(kchunks / 8, 1, 16));  // K ranges of at least 8 chunks
   p.smem_bytes = C::SMEM_BYTES;
-  if (splits_override == kSm90StreamK && C::WS) {  // one block per slot, or per unit when there are fewer
-    const Sm90StreamK sk{tiles * kchunks, int(std::min(slots, tiles * kchunks))};
-    p.stream = sk.blocks;
-    p.cps = int(kchunks);
-    for (std::int64_t t = 0; t < tiles; ++t)
-      p.max_parts = std::max(p.max_parts, sk.block_of((t + 1) * kchunks - 1) - sk.block_of(t * kchunks) + 1);
-    p.partial_elems = p.max_parts > 1 ? std::int64_t(p.max_parts) * s.M * s.Npad : 0;
-    p.counter_elems = p.max_parts > 1 ? tiles : 0;
-    return p;
-  }
   int splits = splits_override;
   if (splits <= 0) {
     const double wbytes = double(s.Npad) * double(s.Kpad) / 2;
@@ -210,7 +176,6 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, int sm_count, int splits_override 
   splits = int(std::clamp<std::int64_t>(splits, 1, kchunks));
   p.cps = int((kchunks + splits - 1) / splits);
   p.splits = int((kchunks + p.cps - 1) / p.cps);  // no empty K range
-  p.max_parts = p.splits;
   p.partial_elems = p.splits > 1 ? std::int64_t(p.splits) * s.M * s.Npad : 0;
   p.counter_elems = p.splits > 1 ? tiles : 0;
   return p;
@@ -432,11 +397,10 @@ struct Sm90Params {
   float* partial;              // [splits, M, Npad] (splits > 1)
   int* counters;               // [zslices, strips], zero between launches
   int M, N, K, Npad, group;
-  int kchunks, cps, strips, splits;
-  int zslices, stream;  // stream > 0: stream-K over that many blocks (Sm90StreamK), grid and splits unused
+  int kchunks, cps, strips, splits, zslices;
 };
 
-// grid (zslices x strips, splits), or (stream) with stream-K; C::THREADS threads, C::SMEM_BYTES dynamic shared memory
+// grid (zslices x strips, 1, splits); C::THREADS threads, C::SMEM_BYTES dynamic shared memory
 template <class T, class C>
 // x_map: (WS) x as a TMA tensor map, box [64 k] x [BN rows], 128-byte swizzle (unused otherwise)
 __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const Sm90Params p, const __grid_constant__ CUtensorMap x_map) {
@@ -454,32 +418,12 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   const int g4 = lane >> 2, c4 = lane & 3;
   const int ntiles = p.Npad / kTileN;
   const T* const x = static_cast<const T*>(p.x);
-  // The segment being worked on: batch slice z, strip, chunks [kc0, kc0 + nck); this block's part `slot` of the
-  // tile's `parts` (1: the whole K range, y stored directly). One per block from the grid's coordinates (K
-  // splits), or the block's share of the stream-K units (each thread walks the same list).
-  int z = 0, strip = 0, n0 = 0, tile0 = 0, m0 = 0, kc0 = 0, nck = 0, slot = 0, parts = 1;
-  auto for_each_segment = [&](auto&& body) {
-    auto enter = [&](int zz, int st, int k0, int n, int sl, int np) {
-      z = zz, strip = st, n0 = st * STRIP, tile0 = st * TILES, m0 = zz * BN, kc0 = k0, nck = n, slot = sl, parts = np;
-      body();
-    };
-    if (p.stream == 0) {
-      // the batch slices of a strip are neighbouring blocks, so they run at the same time and the slices after the
-      // first find the strip's weights in L2
-      const int k0 = int(blockIdx.z) * p.cps;
-      enter(int(blockIdx.x % p.zslices), int(blockIdx.x / p.zslices), k0, min(p.kchunks, k0 + p.cps) - k0, int(blockIdx.z), p.splits);
-      return;
-    }
-    const Sm90StreamK sk{std::int64_t(p.zslices) * p.strips * p.kchunks, p.stream};
-    const std::int64_t u_end = sk.start(blockIdx.x + 1);
-    for (std::int64_t u = sk.start(blockIdx.x); u < u_end;) {
-      const std::int64_t tile = u / p.kchunks, t_begin = tile * p.kchunks, t_end = t_begin + p.kchunks;
-      const std::int64_t end = min(u_end, t_end);
-      const int first = sk.block_of(t_begin), last = sk.block_of(t_end - 1);
-      enter(int(tile / p.strips), int(tile % p.strips), int(u - t_begin), int(end - u), int(blockIdx.x) - first, last - first + 1);
-      u = end;
-    }
-  };
+  // This block's work: batch slice z, strip, chunks [kc0, kc0 + nck), K range `split` of p.splits (1: y stored
+  // directly). The batch slices of a strip are neighbouring blocks, so they run at the same time and the slices
+  // after the first find the strip's weights in L2.
+  const int z = int(blockIdx.x % p.zslices), strip = int(blockIdx.x / p.zslices), split = int(blockIdx.z);
+  const int n0 = strip * STRIP, tile0 = strip * TILES, m0 = z * BN;
+  const int kc0 = split * p.cps, nck = min(p.kchunks, kc0 + p.cps) - kc0;
   // padded k rows (k >= K) belong to the last group (x is zero there), as in the CPU twin
   auto group_of = [&](int k) { return min(k, p.K - 1) / p.group; };
 
@@ -518,14 +462,11 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   // at most once per k-step, so a compare replaces a division per k-step (Nsight Compute on the H200 had the
   // divisions at a quarter of the main loop's instructions). Starts at the first k-step's own group, so that
   // the first k-step loads its constants.
-  int next_group_k = 0;
-  auto begin_segment = [&] {  // consumers, before the segment's first chunk
+  int next_group_k = group_of(kc0 * kTileK) * p.group;
 #pragma unroll
-    for (int t = 0; t < WM; ++t)
+  for (int t = 0; t < WM; ++t)
 #pragma unroll
-      for (int i = 0; i < NACC; ++i) acc[t][i] = 0.f;
-    next_group_k = group_of(kc0 * kTileK) * p.group;
-  };
+    for (int i = 0; i < NACC; ++i) acc[t][i] = 0.f;
   Sm90Group grp[WM];
   // x's descriptor at the ring's base: a stage's and k-step's descriptor adds their byte offset / 16 (the start
   // address field; the ring lies below 2^18 bytes, so the sum stays within it)
@@ -576,8 +517,8 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     }
   };
 
-  // ---- the end of a segment (consumer threads only; every thread when not WS)
-  auto finish_segment = [&] {
+  // ---- after the last chunk (consumer threads only; every thread when not WS)
+  auto epilogue = [&] {
     if constexpr (C::OVERLAP) {  // the last chunk's wgmma; accumulators are read only after this
       wgmma_wait<0>();
       pin_operands(a0, acc);
@@ -586,7 +527,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
 
     // ---- epilogue: accumulator i of tile t holds (feature nl + 64 t + 8 ((i >> 1) & 1), batch row 8 (i >> 2) + 2 c4 + (i & 1))
     T* const y = static_cast<T*>(p.y);
-    if (parts == 1) {
+    if (p.splits == 1) {
 #pragma unroll
       for (int t = 0; t < WM; ++t)
 #pragma unroll
@@ -596,7 +537,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         }
       return;
     }
-    float* const part = p.partial + std::int64_t(slot) * p.M * p.Npad;
+    float* const part = p.partial + std::int64_t(split) * p.M * p.Npad;
 #pragma unroll
     for (int t = 0; t < WM; ++t)
 #pragma unroll
@@ -607,7 +548,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     __threadfence();  // partials visible device-wide before the counter says so
     consumer_bar_sync(C::CONSUMERS);
     int* const counter = p.counters + z * p.strips + strip;
-    if (tid == 0) last_flag = atomicAdd(counter, 1) == parts - 1;
+    if (tid == 0) last_flag = atomicAdd(counter, 1) == p.splits - 1;
     consumer_bar_sync(C::CONSUMERS);
     if (!last_flag) return;
     __threadfence();
@@ -621,7 +562,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       const float* src = p.partial + std::int64_t(m0 + r) * p.Npad + n0 + cc;
       float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
       int sp = 0;
-      for (; sp + 4 <= parts; sp += 4) {
+      for (; sp + 4 <= p.splits; sp += 4) {
         float4 v[4];
 #pragma unroll
         for (int u = 0; u < 4; ++u) v[u] = __ldcg(reinterpret_cast<const float4*>(src + (sp + u) * split_stride));
@@ -633,7 +574,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
           sum.w += v[u].w;
         }
       }
-      for (; sp < parts; ++sp) {
+      for (; sp < p.splits; ++sp) {
         const float4 v = __ldcg(reinterpret_cast<const float4*>(src + sp * split_stride));
         sum.x += v.x;
         sum.y += v.y;
@@ -665,83 +606,71 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     if (warp >= C::CONSUMERS / 32) {  // the producer (warp CONSUMERS / 32; with WGS = 4 the rest of its warpgroup idles)
       if constexpr (C::PRODUCERS == 128) set_max_regs_dec<C::PRODUCER_REGS>();
       if (warp > C::CONSUMERS / 32) return;
-      int c = 0;  // chunks queued so far (the ring position), across segments
-      for_each_segment([&] {
-        const int cols = min(STRIP, p.Npad - n0);  // features of this strip (multiple of 16)
-        const unsigned wbytes = unsigned(cols / kTileN) * 512u;
-        for (int i = 0; i < nck; ++i, ++c) {
-          const int ring = c % S, kc = kc0 + i;
-          if (c >= S) mbar_wait(empty_bar + ring, unsigned(c / S - 1) & 1u);
-          unsigned char* const st = smem + ring * C::STAGE_BYTES;
-          const int g0 = group_of(kc * kTileK), rows = group_of(kc * kTileK + 48) - g0 + 1;
-          if (lane == 0) {  // x (the TMA counts the whole box, zero-filled parts included), tiles, group rows
-            mbar_arrive_expect_tx(full_bar + ring, unsigned(XB) + wbytes + unsigned(rows * cols * 3));
-            tma_load_x(st, x_map, kc * kTileK, m0, full_bar + ring);
-            bulk_copy_g2s(st + XB, p.tiles + (std::int64_t(kc) * ntiles + tile0) * (kTileK * kTileN / 8), wbytes, full_bar + ring);
-            for (int r = 0; r < rows; ++r) {
-              const std::int64_t off = std::int64_t(g0 + r) * p.Npad + n0;
-              bulk_copy_g2s(st + XB + WB + r * STRIP * 2, p.scales + off, unsigned(cols * 2), full_bar + ring);
-              bulk_copy_g2s(st + XB + WB + SB + r * STRIP, p.zeros + off, unsigned(cols), full_bar + ring);
-            }
+      const int cols = min(STRIP, p.Npad - n0);  // features of this strip (multiple of 16)
+      const unsigned wbytes = unsigned(cols / kTileN) * 512u;
+      for (int c = 0; c < nck; ++c) {  // chunk c of the K range into ring stage c % S
+        const int ring = c % S, kc = kc0 + c;
+        if (c >= S) mbar_wait(empty_bar + ring, unsigned(c / S - 1) & 1u);
+        unsigned char* const st = smem + ring * C::STAGE_BYTES;
+        const int g0 = group_of(kc * kTileK), rows = group_of(kc * kTileK + 48) - g0 + 1;
+        if (lane == 0) {  // x (the TMA counts the whole box, zero-filled parts included), tiles, group rows
+          mbar_arrive_expect_tx(full_bar + ring, unsigned(XB) + wbytes + unsigned(rows * cols * 3));
+          tma_load_x(st, x_map, kc * kTileK, m0, full_bar + ring);
+          bulk_copy_g2s(st + XB, p.tiles + (std::int64_t(kc) * ntiles + tile0) * (kTileK * kTileN / 8), wbytes, full_bar + ring);
+          for (int r = 0; r < rows; ++r) {
+            const std::int64_t off = std::int64_t(g0 + r) * p.Npad + n0;
+            bulk_copy_g2s(st + XB + WB + r * STRIP * 2, p.scales + off, unsigned(cols * 2), full_bar + ring);
+            bulk_copy_g2s(st + XB + WB + SB + r * STRIP, p.zeros + off, unsigned(cols), full_bar + ring);
           }
-          __syncwarp();
         }
-      });
+        __syncwarp();
+      }
       return;  // the consumers wait for every copy it queued (full barriers) before they leave
     } else {
       if constexpr (C::PRODUCERS == 128) set_max_regs_inc<C::CONSUMER_REGS>();
-      int c = 0;  // chunks consumed so far (the ring position), across segments
-      auto consume = [&](int kc, auto& a_cur, auto& a_other) {
+      auto consume = [&](int c, auto& a_cur, auto& a_other) {  // chunk c of the K range, from ring stage c % S
         const int ring = c % S;
         mbar_wait(full_bar + ring, unsigned(c / S) & 1u);
         __syncwarp();  // converged again before the .aligned wgmma operations
-        mma_chunk(smem + ring * C::STAGE_BYTES, kc, a_cur, [] {});
+        mma_chunk(smem + ring * C::STAGE_BYTES, kc0 + c, a_cur, [] {});
         retire(a_cur, a_other);
-        // the stage the finished wgmma read goes back to the producer (OVERLAP: the chunk before's, which across
-        // a segment boundary is the last chunk of the segment before)
+        // the stage the finished wgmma read goes back to the producer (OVERLAP: the chunk before's)
         if (lane == 0 && (!C::OVERLAP || c > 0)) mbar_arrive(empty_bar + (C::OVERLAP ? (c + S - 1) % S : ring));
         __syncwarp();
-        ++c;
       };
-      for_each_segment([&] {
-        begin_segment();
-        for (int i = 0; i < nck; i += 2) {  // pairs: the two A sets alternate with static names
-          consume(kc0 + i, a0, a1);
-          if (i + 1 < nck) consume(kc0 + i + 1, a1, a0);
-        }
-        finish_segment();
-      });
+      for (int c = 0; c < nck; c += 2) {  // pairs: the two A sets alternate with static names
+        consume(c, a0, a1);
+        if (c + 1 < nck) consume(c + 1, a1, a0);
+      }
+      epilogue();
     }
   } else {
-    for_each_segment([&] {  // one segment: K splits only
-      begin_segment();
-      constexpr int AHEAD = C::AHEAD;
+    constexpr int AHEAD = C::AHEAD;
 #pragma unroll
-      for (int s = 0; s < AHEAD; ++s) {  // prologue: AHEAD chunks in flight (a group per stage, empty ones too)
-        if (s < nck) load_chunk(kc0 + s, s);
+    for (int s = 0; s < AHEAD; ++s) {  // prologue: AHEAD chunks in flight (a group per stage, empty ones too)
+      if (s < nck) load_chunk(kc0 + s, s);
+      cp_async_commit();
+    }
+    auto step = [&](int c, auto& a_cur, auto& a_other) {
+      cp_async_wait<AHEAD - 1>();  // this thread's copies of chunk c landed
+      fence_proxy_async();
+      // everyone's copies landed; every wgmma of chunk c - 1 (OVERLAP: c - 2) finished (retired below), so the
+      // stage it read may be refilled
+      __syncthreads();
+      mma_chunk(smem + (c % S) * C::STAGE_BYTES, kc0 + c, a_cur, [&] {  // refill the stage chunk c - 1 (OVERLAP: c - 2) used
+        const int nx = c + AHEAD;
+        if (nx < nck) load_chunk(kc0 + nx, nx % S);
         cp_async_commit();
-      }
-      auto step = [&](int c, auto& a_cur, auto& a_other) {
-        cp_async_wait<AHEAD - 1>();  // this thread's copies of chunk c landed
-        fence_proxy_async();
-        // everyone's copies landed; every wgmma of chunk c - 1 (OVERLAP: c - 2) finished (retired below), so the
-        // stage it read may be refilled
-        __syncthreads();
-        mma_chunk(smem + (c % S) * C::STAGE_BYTES, kc0 + c, a_cur, [&] {  // refill the stage chunk c - 1 (OVERLAP: c - 2) used
-          const int nx = c + AHEAD;
-          if (nx < nck) load_chunk(kc0 + nx, nx % S);
-          cp_async_commit();
-          __syncwarp();  // the copy loops' trip counts differ per thread: reconverge before the .aligned wgmma ops
-        });
-        retire(a_cur, a_other);
-      };
-      for (int c = 0; c < nck; c += 2) {
-        step(c, a0, a1);
-        if (c + 1 < nck) step(c + 1, a1, a0);
-      }
-      cp_async_wait<0>();  // no copy may land after the block exits
-      finish_segment();
-    });
+        __syncwarp();  // the copy loops' trip counts differ per thread: reconverge before the .aligned wgmma ops
+      });
+      retire(a_cur, a_other);
+    };
+    for (int c = 0; c < nck; c += 2) {
+      step(c, a0, a1);
+      if (c + 1 < nck) step(c + 1, a1, a0);
+    }
+    cp_async_wait<0>();  // no copy may land after the block exits
+    epilogue();
   }
 #endif
 }
@@ -881,11 +810,10 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
   if ((reinterpret_cast<std::uintptr_t>(x) | reinterpret_cast<std::uintptr_t>(tiles) | reinterpret_cast<std::uintptr_t>(scales) |
        reinterpret_cast<std::uintptr_t>(zeros)) & 15)
     return cudaErrorInvalidValue;  // 16-byte copies
-  if (p.stream > 0 && !C::WS) return cudaErrorInvalidValue;  // stream-K: warp-specialised configurations only
   if (std::int64_t(p.zslices) * p.strips > 0x7fffffff) return cudaErrorInvalidValue;  // the grid's x dimension
-  if (p.max_parts > 1 && (ws.partial == nullptr || ws.partial_elems < p.partial_elems || ws.counters == nullptr || ws.counter_elems < p.counter_elems))
+  if (p.splits > 1 && (ws.partial == nullptr || ws.partial_elems < p.partial_elems || ws.counters == nullptr || ws.counter_elems < p.counter_elems))
     return cudaErrorInvalidValue;
-  if (p.max_parts > 1 && (reinterpret_cast<std::uintptr_t>(ws.partial) & 15)) return cudaErrorInvalidValue;  // float4 sums
+  if (p.splits > 1 && (reinterpret_cast<std::uintptr_t>(ws.partial) & 15)) return cudaErrorInvalidValue;  // float4 sums
   if (!qgemm_sm90_supported()) return cudaErrorNotSupported;
   static const cudaError_t attr = cudaFuncSetAttribute(qgemm_sm90_kernel<T, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
   if (attr != cudaSuccess) return attr;
@@ -893,8 +821,8 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
   if constexpr (C::WS)
     if (const cudaError_t e = make_x_tensor_map(x_map, x, s.M, s.K, C::BN, std::is_same_v<T, bf16>); e != cudaSuccess) return e;
   const Sm90Params prm{x, tiles, scales, zeros, y, ws.partial, ws.counters, int(s.M), int(s.N), int(s.K), int(s.Npad), int(s.group),
-                       int(s.Kpad / kTileK), p.cps, p.strips, p.splits, p.zslices, p.stream};
-  const dim3 grid = p.stream > 0 ? dim3(unsigned(p.stream)) : dim3(unsigned(p.zslices * p.strips), 1, unsigned(p.splits));
+                       int(s.Kpad / kTileK), p.cps, p.strips, p.splits, p.zslices};
+  const dim3 grid(unsigned(p.zslices * p.strips), 1, unsigned(p.splits));
   qgemm_sm90_kernel<T, C><<<grid, C::THREADS, C::SMEM_BYTES, stream>>>(prm, x_map);
   return cudaGetLastError();
 }
