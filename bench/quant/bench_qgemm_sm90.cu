@@ -3,7 +3,7 @@
 // For each (K, N) of issue 6 and batch M it times, in the same run, cold L2, median of --reps:
 //   ours     the library's dispatch (kq::quant_gemm_cuda: wgmma from M = 9 on sm_90a, see quant_gemm_uses_sm90)
 //   mma      qgemm_cuda (the mma.sync kernel) at every M
-//   wg_*     every wgmma configuration of kq::detail::Sm90TuningCfgs at K splits {its plan, 1, 2, 4, 8}
+//   wg_*     every wgmma configuration of kq::detail::Sm90TuningCfgs at K splits {its plan, 1, 2, 3, 4, 6, 8}
 //   sv_*     every configuration of the streaming kernel (qgemv.cuh, M <= 16) with its own plan
 //   cuBLAS   bf16 GEMM (cublasGemmEx, W [N, K] bf16 as nn.Linear stores it), the peer
 // Weights are random codes, scales and zero points (group 128): only time is measured here; the GPU tests check
@@ -155,7 +155,7 @@ void check_and_time(const std::string& name, const std::string& plan, int splits
   out.push_back(t);
 }
 
-// Every wgmma configuration of the list at each distinct K split count {its plan, 1, 2, 4, 8}.
+// Every wgmma configuration of the list at each distinct K split count {its plan, 1, 2, 3, 4, 6, 8}.
 template <class... Cs>
 void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16* y, std::size_t ny,
                const std::vector<bf16>& ref, int sm, int reps, const std::string& only_cfg, std::vector<Timed>& out) {
@@ -164,14 +164,13 @@ void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape&
     const std::string name = kq::detail::sm90_cfg_name<C>();
     if (!only_cfg.empty() && name.find(only_cfg) == std::string::npos) return;
     int seen[32] = {};
-    for (int sp : {0, 1, 2, 4, 8}) {
+    for (int sp : {0, 1, 2, 3, 4, 6, 8}) {  // 3 and 6: clusters that fill a GPC less evenly
       const auto plan = kq::plan_qgemm_sm90<C>(s, sm, sp);
       if (plan.splits < 32 && seen[plan.splits]++) continue;
-      const Workspace ws({nullptr, plan.partial_elems, nullptr, plan.counter_elems});
       check_and_time(
           name, kq::describe(plan), plan.splits,
-          [&] { return kq::detail::launch_qgemm_sm90_cfg<bf16, C>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws.ws, nullptr); }, y, ny,
-          ref, reps, out);
+          [&] { return kq::detail::launch_qgemm_sm90_cfg<bf16, C>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, nullptr); }, y, ny, ref, reps,
+          out);
     }
   };
   (one(Cs{}), ...);

@@ -17,10 +17,9 @@ void sm90_cfg_runs(const TwinCase<T>& tc, const std::vector<int>& split_counts, 
   const double rel = std::is_same_v<T, bf16> ? 0x1p-7 : 0x1p-10;
   for (const int sp : split_counts) {
     const auto plan = kq::plan_qgemm_sm90<C>(tc.shape, sm_count(), sp);
-    launches_match_twin(tc, plan.partial_elems, plan.counter_elems, reps, kq::detail::sm90_cfg_name<C>() + " (" + kq::describe(plan) + ")", rel,
-                        [&](const kq::QGemmWorkspace& ws) {
-                          return kq::detail::launch_qgemm_sm90_cfg<T, C>(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, plan, ws, nullptr);
-                        });
+    launches_match_twin(tc, 0, 0, reps, kq::detail::sm90_cfg_name<C>() + " (" + kq::describe(plan) + ")", rel, [&](const kq::QGemmWorkspace&) {
+      return kq::detail::launch_qgemm_sm90_cfg<T, C>(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, plan, nullptr);
+    });
     if (::testing::Test::HasFatalFailure()) return;
   }
 }
@@ -46,8 +45,9 @@ TEST(QuantCudaSm90, EveryConfigurationMatchesCpuTwin) {
     }
   }
 }
-// qgemm_sm90_cuda (the configuration it picks by M, its own plan) on a LLaMA-sized layer, repeatedly (many
-// blocks in flight, split counters reused), and a ragged one (N 2090, K 3000, groups of 32, act-order).
+// qgemm_sm90_cuda (the configuration it picks by M, its own plan and 5 K splits: clusters of 5 blocks) on a
+// LLaMA-sized layer, repeatedly (many blocks and clusters in flight), and a ragged one (N 2090, K 3000, groups of
+// 32, act-order).
 template <class T>
 void sm90_dispatch_check(const quant::PackedLinear& p, std::int64_t M, int reps) {
   const auto t = quant::to_tiles(p);
@@ -55,11 +55,8 @@ void sm90_dispatch_check(const quant::PackedLinear& p, std::int64_t M, int reps)
   const double rel = std::is_same_v<T, bf16> ? 0x1p-7 : 0x1p-10;
   const int sm = sm_count();
   for (int sp : {0, 5}) {
-    const auto need = kq::qgemm_sm90_workspace_size(tc.shape, sm, sp);
-    launches_match_twin(tc, need.partial_elems, need.counter_elems, reps, "qgemm_sm90_cuda (" + kq::describe(kq::qgemm_sm90_plan(tc.shape, sm, sp)) + ")",
-                        rel, [&](const kq::QGemmWorkspace& ws) {
-                          return kq::qgemm_sm90_cuda(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, ws, sm, nullptr, sp);
-                        });
+    launches_match_twin(tc, 0, 0, reps, "qgemm_sm90_cuda (" + kq::describe(kq::qgemm_sm90_plan(tc.shape, sm, sp)) + ")", rel,
+                        [&](const kq::QGemmWorkspace&) { return kq::qgemm_sm90_cuda(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, sm, nullptr, sp); });
     if (::testing::Test::HasFatalFailure()) return;
   }
 }
@@ -123,7 +120,7 @@ TEST(QuantCudaSm90, LibraryEntryPicksTheKernelByBatch) {
 // gemm4_probe-session8-run4.jsonl and -run5.jsonl; M = 16, the 16-row slices: gemm4_probe-session9-run6.jsonl), the
 // configuration the dispatch takes for the case, 132 SMs. At M = 16 on 8192 x 28672 the model takes 7 splits, 3% slower
 // than 2 (gemm4_probe-session9-run7).
-// Every plan covers K exactly once with no empty range and sizes its workspace to splits x M x Npad.
+// Every plan covers K exactly once with no empty range.
 TEST(QuantCudaSm90, SplitPlanFollowsTheMeasuredSweep) {
   struct Case {
     std::int64_t K, N, M;
@@ -140,7 +137,6 @@ TEST(QuantCudaSm90, SplitPlanFollowsTheMeasuredSweep) {
     const std::int64_t kchunks = s.Kpad / 64;
     EXPECT_GE(std::int64_t(p.splits) * p.cps, kchunks);
     EXPECT_LT(std::int64_t(p.splits - 1) * p.cps, kchunks);
-    EXPECT_EQ(p.partial_elems, p.splits > 1 ? std::int64_t(p.splits) * s.M * s.Npad : 0);
   }
   // an override is clamped to the chunks there are (K = 200: 4 chunks)
   const kq::QGemmShape small{40, 64, 200, 256, 64, 32, 4};
@@ -153,28 +149,21 @@ TEST(QuantCudaSm90, RejectsShapesItCannotTake) {
   EXPECT_NE(reason({64, 200, 1096, 1152, 208, 128, 3}).find("4-bit"), std::string::npos);
   EXPECT_NE(reason({64, 200, 1100, 1152, 208, 128, 4}).find("multiple of 8"), std::string::npos);
   EXPECT_NE(reason({64, 200, 1096, 1152, 208, 24, 4}).find("group"), std::string::npos);
-  // plans the launcher cannot run: K splits with a workspace short of the partials or counters, and a grid past
-  // 2^31 - 1 blocks (2^20 batch slices of 16 rows x 2^22 strips); refused before any launch, on any machine
+  // plans the launcher cannot run: more K splits than a portable cluster holds, and a grid past 2^31 - 1 blocks
+  // (2^20 batch slices of 16 rows x 2^22 strips); refused before any launch, on any machine
   using Small = kq::Sm90Cfg<64, 1, 6, 2, false, true>;
   const kq::QGemmShape fine{64, 200, 1096, 1152, 208, 128, 4};
-  const auto split_plan = kq::plan_qgemm_sm90<Small>(fine, 132, 3);
-  ASSERT_EQ(split_plan.splits, 3);
-  std::vector<float4> part(std::size_t(split_plan.partial_elems / 4 + 1));  // host memory: nothing is launched
-  std::vector<int> cnt(std::size_t(split_plan.counter_elems + 1));
-  auto launch_with = [&](const kq::QGemmWorkspace& ws) {
-    return kq::detail::launch_qgemm_sm90_cfg<half, Small>(nullptr, nullptr, nullptr, nullptr, nullptr, fine, split_plan, ws, nullptr);
-  };
-  float* const partial = reinterpret_cast<float*>(part.data());
-  EXPECT_EQ(launch_with({partial, split_plan.partial_elems - 1, cnt.data(), split_plan.counter_elems}), cudaErrorInvalidValue);
-  EXPECT_EQ(launch_with({partial, split_plan.partial_elems, cnt.data(), split_plan.counter_elems - 1}), cudaErrorInvalidValue);
-  EXPECT_EQ(launch_with({partial, split_plan.partial_elems, nullptr, split_plan.counter_elems}), cudaErrorInvalidValue);
-  EXPECT_EQ(launch_with({partial + 1, split_plan.partial_elems, cnt.data(), split_plan.counter_elems}), cudaErrorInvalidValue);  // float4 sums
+  auto split_plan = kq::plan_qgemm_sm90<Small>(fine, 132, 12);
+  EXPECT_EQ(split_plan.splits, kq::kSm90MaxSplits);  // an override is clamped to the cluster limit
+  split_plan.splits = kq::kSm90MaxSplits + 1;
+  EXPECT_EQ((kq::detail::launch_qgemm_sm90_cfg<half, Small>(nullptr, nullptr, nullptr, nullptr, nullptr, fine, split_plan, nullptr)),
+            cudaErrorInvalidValue);
   using Tiny = kq::Sm90Cfg<16, 2, 8, 2, false, true>;
   const kq::QGemmShape huge{std::int64_t(1) << 24, std::int64_t(1) << 30, 64, 64, std::int64_t(1) << 30, 64, 4};
   const auto huge_plan = kq::plan_qgemm_sm90<Tiny>(huge, 132, 1);
   EXPECT_GT(std::int64_t(huge_plan.zslices) * huge_plan.strips, 0x7fffffff);
-  EXPECT_EQ((kq::detail::launch_qgemm_sm90_cfg<half, Tiny>(nullptr, nullptr, nullptr, nullptr, nullptr, huge, huge_plan, {}, nullptr)),
+  EXPECT_EQ((kq::detail::launch_qgemm_sm90_cfg<half, Tiny>(nullptr, nullptr, nullptr, nullptr, nullptr, huge, huge_plan, nullptr)),
             cudaErrorInvalidValue);
   const kq::QGemmShape odd_k{64, 200, 1100, 1152, 208, 128, 4};
-  EXPECT_EQ(kq::qgemm_sm90_cuda<half>(nullptr, nullptr, nullptr, nullptr, nullptr, odd_k, {}, 132, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(kq::qgemm_sm90_cuda<half>(nullptr, nullptr, nullptr, nullptr, nullptr, odd_k, 132, nullptr), cudaErrorInvalidValue);
 }

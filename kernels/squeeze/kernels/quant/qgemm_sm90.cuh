@@ -37,10 +37,12 @@
 //     configuration) to 0.020 ms: Nsight Compute had shown the block-synchronous form busy with its copy loops'
 //     address arithmetic and barrier, and a WS form with cp.async x waiting on its producer
 //     (bench/results/h200/ncu-sm90-stalls.txt).
-// K splits (small N: too few strips for the SMs) write fp32 partials; the last block of a (strip, batch
-// slice) to finish (a counter each) sums them in split order (deterministic), four features and four K ranges
-// at a time, writes y and resets its counter. (Session 9 also built stream-K, persistent blocks walking an even
-// share of the (tile, chunk) units: correct, but slower than the best K split count in all but one case on the
+// K splits (small N: too few strips for the SMs): the K ranges of one (batch slice, strip) tile are the blocks of
+// one thread-block cluster (1 x 1 x splits, at most 8). Each block leaves its fp32 sums in its own shared memory;
+// after a cluster barrier each block sums a 1/splits share of the tile over the cluster's buffers (distributed
+// shared memory), in K-range order (deterministic), and writes it to y. No global partials, counters or
+// workspace (sessions 7-9 wrote fp32 partials to global memory and the last block of a tile summed them all).
+// (Session 9 also built stream-K, persistent blocks walking an even share of the (tile, chunk) units: correct, but slower than the best K split count in all but one case on the
 // H200, gemm4_probe-session9-run3: 8192 x 28672 at M = 128, 0.128 against 0.112 ms, and its per-block segment state
 // cost the two-blocks-per-SM and g4 configurations 44-96 bytes of register spills; removed in session 10.)
 // Not done: 128 x 128 tiles per warpgroup (two 64 x 128 accumulators: ptxas serializes the wgmma, C7512),
@@ -114,6 +116,10 @@ struct Sm90Cfg {
   static constexpr int X_BYTES = BN * 128, W_BYTES = TILES * 512, S_BYTES = GROWS * STRIP * 2, Z_BYTES = GROWS * STRIP;
   static constexpr int STAGE_BYTES = (X_BYTES + W_BYTES + S_BYTES + Z_BYTES + 1023) / 1024 * 1024;
   static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024;  // + 1024: the kernel aligns the base itself
+  // K splits: the block's fp32 sums, [BN][SPLIT_PITCH] over the ring (+4 floats a row: the four rows one store
+  // instruction writes, 2 apart, fall in different banks)
+  static constexpr int SPLIT_PITCH = STRIP + 4;
+  static_assert(BN * SPLIT_PITCH * 4 <= STAGES * STAGE_BYTES, "the K-split sums must fit in the ring");
   static_assert(BN == 16 || BN == 32 || BN == 64 || BN == 128, "batch rows per block: 16, 32, 64 or 128 (the wgmma wrappers)");
   static_assert(WM >= 1 && WM <= 4, "m64 tiles per warpgroup: 1..4");
   static_assert(WGS == 2 || WGS == 4, "consumer warpgroups: 2 or 4");
@@ -128,11 +134,9 @@ struct Sm90Cfg {
 struct Sm90Plan {
   int zslices = 1;  // ceil(M / BN)
   int strips = 1;   // ceil(Npad / STRIP)
-  int splits = 1;   // K ranges
+  int splits = 1;   // K ranges: the blocks of a cluster (kSm90MaxSplits at most)
   int cps = 1;      // 64-k chunks per K range
   int smem_bytes = 0;
-  std::int64_t partial_elems = 0;  // fp32 [splits, M, Npad] when splits > 1
-  std::int64_t counter_elems = 0;  // int32 [zslices, strips], zero between launches
   std::int64_t blocks() const { return std::int64_t(zslices) * strips * splits; }
 };
 inline std::string describe(const Sm90Plan& p) {
@@ -140,7 +144,11 @@ inline std::string describe(const Sm90Plan& p) {
          std::to_string(p.cps) + " smem " + std::to_string(p.smem_bytes) + " B";
 }
 
-// K splits: without an override, the count (1..16, K ranges of at least 8 chunks: with 4, 4096 x 4096 at M 9..16 took
+// The most K splits: a cluster of at most 8 blocks is portable (larger ones need an opt-in and a GPC with that many
+// free SMs).
+inline constexpr int kSm90MaxSplits = 8;
+// K splits: without an override, the count (1, 2, 4 or 8: a cluster of 3, 5, 6 or 7 blocks packs the SMs of a GPC
+// less well; K ranges of at least 8 chunks: with 4, 4096 x 4096 at M 9..16 took
 // 16 splits, 10% slower than 8 on the H200, gemm4_probe-session9-run6/7) with the least estimated
 // traffic: the weight bytes over the fraction of the grid's last wave that is used (idle SMs stretch the time; a
 // wave is the blocks the GPU holds at once, MINB per SM), plus the fp32 partials written and read back, which
@@ -157,13 +165,13 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, int sm_count, int splits_override 
   p.zslices = int((s.M + C::BN - 1) / C::BN);
   p.strips = int((s.Npad + C::STRIP - 1) / C::STRIP);
   const std::int64_t tiles = std::int64_t(p.zslices) * p.strips, slots = std::int64_t(std::max(sm_count, 1)) * C::MINB;
-  const int max_splits = int(std::clamp<std::int64_t>(kchunks / 8, 1, 16));  // K ranges of at least 8 chunks
+  const int max_splits = int(std::clamp<std::int64_t>(kchunks / 8, 1, kSm90MaxSplits));  // K ranges of at least 8 chunks
   p.smem_bytes = C::SMEM_BYTES;
   int splits = splits_override;
   if (splits <= 0) {
     const double wbytes = double(s.Npad) * double(s.Kpad) / 2;
     double best = 0;
-    for (int sp = 1; sp <= max_splits; ++sp) {
+    for (int sp = 1; sp <= max_splits; sp *= 2) {
       const std::int64_t blocks = tiles * sp, waves = (blocks + slots - 1) / slots;
       const double fill = double(blocks) / double(waves * slots);
       const double cost = wbytes / fill + (sp > 1 ? 4.0 * sp * double(s.M) * double(s.Npad) : 0.0);
@@ -173,11 +181,9 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, int sm_count, int splits_override 
       }
     }
   }
-  splits = int(std::clamp<std::int64_t>(splits, 1, kchunks));
+  splits = int(std::clamp<std::int64_t>(splits, 1, std::min<std::int64_t>(kchunks, kSm90MaxSplits)));
   p.cps = int((kchunks + splits - 1) / splits);
   p.splits = int((kchunks + p.cps - 1) / p.cps);  // no empty K range
-  p.partial_elems = p.splits > 1 ? std::int64_t(p.splits) * s.M * s.Npad : 0;
-  p.counter_elems = p.splits > 1 ? tiles : 0;
   return p;
 }
 
@@ -237,6 +243,28 @@ __device__ __forceinline__ void pin_operands(std::uint32_t (&a)[4][WM][4], float
   for (int t = 0; t < WM; ++t)
 #pragma unroll
     for (int i = 0; i < NACC; ++i) pin(acc[t][i]);
+}
+// Every thread of every block of the cluster (release / acquire: shared-memory writes before it are seen by the
+// cluster's reads after it).
+__device__ __forceinline__ void cluster_sync() {
+#if SQUEEZE_SM90_WGMMA
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+// The address of the same shared-memory byte in block `rank` of the cluster, and a 16-byte load from it.
+__device__ __forceinline__ unsigned map_cluster(unsigned saddr, int rank) {
+  unsigned out = saddr;
+#if SQUEEZE_SM90_WGMMA
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(out) : "r"(saddr), "r"(rank));
+#endif
+  return out;
+}
+__device__ __forceinline__ float4 ld_cluster_f4(unsigned caddr) {
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#if SQUEEZE_SM90_WGMMA
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(caddr) : "memory");
+#endif
+  return v;
 }
 // Named barrier 1 over the consumer threads only (the producer has left by then).
 __device__ __forceinline__ void consumer_bar_sync(int count) { asm volatile("bar.sync 1, %0;\n" ::"r"(count) : "memory"); }
@@ -394,13 +422,11 @@ struct Sm90Params {
   const half* scales;          // [groups, Npad]
   const std::uint8_t* zeros;   // [groups, Npad]
   void* y;                     // T [M, N]
-  float* partial;              // [splits, M, Npad] (splits > 1)
-  int* counters;               // [zslices, strips], zero between launches
   int M, N, K, Npad, group;
   int kchunks, cps, strips, splits, zslices;
 };
 
-// grid (zslices x strips, 1, splits); C::THREADS threads, C::SMEM_BYTES dynamic shared memory
+// grid (zslices x strips, 1, splits), clusters of (1, 1, splits); C::THREADS threads, C::SMEM_BYTES dynamic shared memory
 template <class T, class C>
 // x_map: (WS) x as a TMA tensor map, box [64 k] x [BN rows], 128-byte swizzle (unused otherwise)
 __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const Sm90Params p, const __grid_constant__ CUtensorMap x_map) {
@@ -408,7 +434,6 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   constexpr int BN = C::BN, WM = C::WM, S = C::STAGES, STRIP = C::STRIP, TILES = C::TILES, NACC = BN / 2;
   constexpr int XB = C::X_BYTES, WB = C::W_BYTES, SB = C::S_BYTES;
   extern __shared__ unsigned char smem_raw[];
-  __shared__ int last_flag;
   // the 128B swizzle repeats every 1024 B of address: align the ring to it
   unsigned char* const smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
 
@@ -537,57 +562,44 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         }
       return;
     }
-    float* const part = p.partial + std::int64_t(split) * p.M * p.Npad;
+    // K splits: this block's sums into its shared memory, [BN][PITCH] fp32 over the ring (every copy landed, and
+    // after the barrier every warpgroup's wgmma finished reading it)
+    constexpr int PITCH = C::SPLIT_PITCH;
+    float* const buf = reinterpret_cast<float*>(smem);
+    consumer_bar_sync(C::CONSUMERS);
 #pragma unroll
     for (int t = 0; t < WM; ++t)
 #pragma unroll
-      for (int i = 0; i < NACC; ++i) {
-        const int n = n0 + nl + 64 * t + 8 * ((i >> 1) & 1), m = m0 + 8 * (i >> 2) + 2 * c4 + (i & 1);
-        if (m < p.M && n < p.Npad) part[std::int64_t(m) * p.Npad + n] = acc[t][i];
-      }
-    __threadfence();  // partials visible device-wide before the counter says so
-    consumer_bar_sync(C::CONSUMERS);
-    int* const counter = p.counters + z * p.strips + strip;
-    if (tid == 0) last_flag = atomicAdd(counter, 1) == p.splits - 1;
-    consumer_bar_sync(C::CONSUMERS);
-    if (!last_flag) return;
-    __threadfence();
-    // the last block of this tile: sum the K ranges in order (deterministic), 4 features per thread
-    // and 4 K ranges' loads in flight at a time (Npad and n0 are multiples of 16: the float4 loads are aligned)
-    const int rows = min(BN, p.M - m0), cols = min(STRIP, p.N - n0);
-    const std::int64_t split_stride = std::int64_t(p.M) * p.Npad;
-    for (int i = tid; i < rows * (STRIP / 4); i += C::CONSUMERS) {
-      const int r = i / (STRIP / 4), cc = (i % (STRIP / 4)) * 4;
+      for (int i = 0; i < NACC; ++i) buf[(8 * (i >> 2) + 2 * c4 + (i & 1)) * PITCH + nl + 64 * t + 8 * ((i >> 1) & 1)] = acc[t][i];
+    cluster_sync();  // every K range's sums are in its block's shared memory
+    // this block's share of the tile, in float4 units (4 features of one row), summed over the cluster in K-range order
+    const int rows = min(BN, p.M - m0), cols = min(STRIP, p.N - n0), units = rows * (STRIP / 4);
+    const int u_end = int(std::int64_t(units) * (split + 1) / p.splits);
+    const unsigned base = smem_addr(buf);
+    for (int u = int(std::int64_t(units) * split / p.splits) + tid; u < u_end; u += C::CONSUMERS) {
+      const int r = u / (STRIP / 4), cc = (u % (STRIP / 4)) * 4;
       if (cc >= cols) continue;
-      const float* src = p.partial + std::int64_t(m0 + r) * p.Npad + n0 + cc;
-      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-      int sp = 0;
-      for (; sp + 4 <= p.splits; sp += 4) {
-        float4 v[4];
+      const unsigned off = base + unsigned(r * PITCH + cc) * 4u;
+      float4 v[kSm90MaxSplits];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) v[u] = __ldcg(reinterpret_cast<const float4*>(src + (sp + u) * split_stride));
+      for (int sp = 0; sp < kSm90MaxSplits; ++sp)
+        if (sp < p.splits) v[sp] = ld_cluster_f4(map_cluster(off, sp));
+      float4 sum = v[0];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          sum.x += v[u].x;
-          sum.y += v[u].y;
-          sum.z += v[u].z;
-          sum.w += v[u].w;
+      for (int sp = 1; sp < kSm90MaxSplits; ++sp)
+        if (sp < p.splits) {
+          sum.x += v[sp].x;
+          sum.y += v[sp].y;
+          sum.z += v[sp].z;
+          sum.w += v[sp].w;
         }
-      }
-      for (; sp < p.splits; ++sp) {
-        const float4 v = __ldcg(reinterpret_cast<const float4*>(src + sp * split_stride));
-        sum.x += v.x;
-        sum.y += v.y;
-        sum.z += v.z;
-        sum.w += v.w;
-      }
       T* const dst = y + std::int64_t(m0 + r) * p.N + n0 + cc;
       const float out4[4] = {sum.x, sum.y, sum.z, sum.w};
 #pragma unroll
       for (int j = 0; j < 4; ++j)
         if (cc + j < cols) dst[j] = from_float<T>(out4[j]);
     }
-    if (tid == 0) *counter = 0;  // ready for the next launch
+    cluster_sync();  // no block leaves (its shared memory) while another still reads it
   };
 
   if constexpr (C::WS) {
@@ -605,7 +617,14 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     __syncthreads();
     if (warp >= C::CONSUMERS / 32) {  // the producer (warp CONSUMERS / 32; with WGS = 4 the rest of its warpgroup idles)
       if constexpr (C::PRODUCERS == 128) set_max_regs_dec<C::PRODUCER_REGS>();
-      if (warp > C::CONSUMERS / 32) return;
+      // the cluster barriers of the K-split reduction count every thread: the producer's take part, idle
+      if (warp > C::CONSUMERS / 32) {
+        if (p.splits > 1) {
+          cluster_sync();
+          cluster_sync();
+        }
+        return;
+      }
       const int cols = min(STRIP, p.Npad - n0);  // features of this strip (multiple of 16)
       const unsigned wbytes = unsigned(cols / kTileN) * 512u;
       for (int c = 0; c < nck; ++c) {  // chunk c of the K range into ring stage c % S
@@ -624,6 +643,10 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
           }
         }
         __syncwarp();
+      }
+      if (p.splits > 1) {  // the reduction's two cluster barriers (see epilogue)
+        cluster_sync();
+        cluster_sync();
       }
       return;  // the consumers wait for every copy it queued (full barriers) before they leave
     } else {
@@ -801,30 +824,38 @@ inline cudaError_t make_x_tensor_map(CUtensorMap& map, const void* x, std::int64
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-// Configuration C with an explicit plan (benchmarks, tests).
+// Configuration C with an explicit plan (benchmarks, tests). K splits launch as clusters of (1, 1, splits) blocks.
 template <class T, class C>
 cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y,
-                                  const QGemmShape& s, const Sm90Plan& p, const QGemmWorkspace& ws, cudaStream_t stream) {
+                                  const QGemmShape& s, const Sm90Plan& p, cudaStream_t stream) {
   static_assert(std::is_same_v<T, half> || std::is_same_v<T, bf16>, "the quantized GEMM takes fp16 or bf16 activations");
   if (!qgemm_sm90_reason(s).empty()) return cudaErrorInvalidValue;
   if ((reinterpret_cast<std::uintptr_t>(x) | reinterpret_cast<std::uintptr_t>(tiles) | reinterpret_cast<std::uintptr_t>(scales) |
        reinterpret_cast<std::uintptr_t>(zeros)) & 15)
     return cudaErrorInvalidValue;  // 16-byte copies
   if (std::int64_t(p.zslices) * p.strips > 0x7fffffff) return cudaErrorInvalidValue;  // the grid's x dimension
-  if (p.splits > 1 && (ws.partial == nullptr || ws.partial_elems < p.partial_elems || ws.counters == nullptr || ws.counter_elems < p.counter_elems))
-    return cudaErrorInvalidValue;
-  if (p.splits > 1 && (reinterpret_cast<std::uintptr_t>(ws.partial) & 15)) return cudaErrorInvalidValue;  // float4 sums
+  if (p.splits < 1 || p.splits > kSm90MaxSplits) return cudaErrorInvalidValue;     // a portable cluster
   if (!qgemm_sm90_supported()) return cudaErrorNotSupported;
   static const cudaError_t attr = cudaFuncSetAttribute(qgemm_sm90_kernel<T, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
   if (attr != cudaSuccess) return attr;
   CUtensorMap x_map{};
   if constexpr (C::WS)
     if (const cudaError_t e = make_x_tensor_map(x_map, x, s.M, s.K, C::BN, std::is_same_v<T, bf16>); e != cudaSuccess) return e;
-  const Sm90Params prm{x, tiles, scales, zeros, y, ws.partial, ws.counters, int(s.M), int(s.N), int(s.K), int(s.Npad), int(s.group),
-                       int(s.Kpad / kTileK), p.cps, p.strips, p.splits, p.zslices};
-  const dim3 grid(unsigned(p.zslices * p.strips), 1, unsigned(p.splits));
-  qgemm_sm90_kernel<T, C><<<grid, C::THREADS, C::SMEM_BYTES, stream>>>(prm, x_map);
-  return cudaGetLastError();
+  const Sm90Params prm{x, tiles, scales, zeros, y, int(s.M), int(s.N), int(s.K), int(s.Npad), int(s.group), int(s.Kpad / kTileK),
+                       p.cps, p.strips, p.splits, p.zslices};
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(unsigned(p.zslices * p.strips), 1, unsigned(p.splits));
+  cfg.blockDim = dim3(C::THREADS);
+  cfg.dynamicSmemBytes = C::SMEM_BYTES;
+  cfg.stream = stream;
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 1;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = unsigned(p.splits);
+  cfg.attrs = &cluster;
+  cfg.numAttrs = p.splits > 1 ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, qgemm_sm90_kernel<T, C>, prm, x_map);
 }
 }  // namespace detail
 
@@ -835,21 +866,17 @@ inline std::string qgemm_sm90_cfg_name(const QGemmShape& s) {
 inline Sm90Plan qgemm_sm90_plan(const QGemmShape& s, int sm_count, int splits_override = 0) {
   return detail::with_sm90_cfg(s, [&](auto c) { return plan_qgemm_sm90<decltype(c)>(s, sm_count, splits_override); });
 }
-inline QGemmWorkspace qgemm_sm90_workspace_size(const QGemmShape& s, int sm_count, int splits_override = 0) {
-  const Sm90Plan p = qgemm_sm90_plan(s, sm_count, splits_override);
-  return {nullptr, p.partial_elems, nullptr, p.counter_elems};
-}
 
-// y [M, N] = x [M, K] * W^T with the same arguments as qgemm_cuda (4-bit tiles). cudaErrorInvalidValue: a shape
-// qgemm_sm90_reason rejects, misaligned pointers or a short workspace; cudaErrorNotSupported: no sm_90a device
-// code or not an sm_90 device (qgemm_sm90_supported).
+// y [M, N] = x [M, K] * W^T with the tile layout of qgemm_cuda (4-bit tiles); no workspace. cudaErrorInvalidValue:
+// a shape qgemm_sm90_reason rejects or misaligned pointers; cudaErrorNotSupported: no sm_90a device code or not an
+// sm_90 device (qgemm_sm90_supported).
 template <class T>
 cudaError_t qgemm_sm90_cuda(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y, const QGemmShape& s,
-                            const QGemmWorkspace& ws, int sm_count, cudaStream_t stream, int splits_override = 0) {
+                            int sm_count, cudaStream_t stream, int splits_override = 0) {
   return detail::with_sm90_cfg(s, [&](auto c) {
     using C = decltype(c);
     const Sm90Plan p = plan_qgemm_sm90<C>(s, sm_count, splits_override);
-    return detail::launch_qgemm_sm90_cfg<T, C>(x, tiles, scales, zeros, y, s, p, ws, stream);
+    return detail::launch_qgemm_sm90_cfg<T, C>(x, tiles, scales, zeros, y, s, p, stream);
   });
 }
 
@@ -864,9 +891,10 @@ inline bool quant_gemm_uses_sm90(const QGemmShape& s) {
   return rows && qgemm_sm90_reason(s).empty() && qgemm_sm90_supported();
 }
 // Workspace sizes for quant_gemm_cuda (pointers left null): partial fp32 (any contents) and counters int32
-// (zero before the first call; the kernels leave them zero).
+// (zero before the first call; the kernels leave them zero). The wgmma kernel needs none (K splits reduce within a
+// cluster).
 inline QGemmWorkspace quant_gemm_workspace_size(const QGemmShape& s, int sm_count) {
-  return quant_gemm_uses_sm90(s) ? qgemm_sm90_workspace_size(s, sm_count) : qgemm_workspace_size(s, sm_count);
+  return quant_gemm_uses_sm90(s) ? QGemmWorkspace{} : qgemm_workspace_size(s, sm_count);
 }
 // The kernel, configuration and plan quant_gemm_cuda takes for this shape, in words (error messages, benchmarks).
 inline std::string quant_gemm_describe(const QGemmShape& s, int sm_count) {
@@ -878,7 +906,7 @@ inline std::string quant_gemm_describe(const QGemmShape& s, int sm_count) {
 template <class T>
 cudaError_t quant_gemm_cuda(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y, const QGemmShape& s,
                             const QGemmWorkspace& ws, int sm_count, cudaStream_t stream) {
-  if (quant_gemm_uses_sm90(s)) return qgemm_sm90_cuda<T>(x, tiles, scales, zeros, y, s, ws, sm_count, stream);
+  if (quant_gemm_uses_sm90(s)) return qgemm_sm90_cuda<T>(x, tiles, scales, zeros, y, s, sm_count, stream);
   return qgemm_cuda<T>(x, tiles, scales, zeros, y, s, ws, sm_count, stream);
 }
 
