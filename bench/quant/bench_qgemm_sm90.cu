@@ -155,6 +155,19 @@ void check_and_time(const std::string& name, const std::string& plan, int splits
   out.push_back(t);
 }
 
+// Per configuration: blocks the GPU holds at once, and clusters of 1..8 blocks (sm90_capacity).
+template <class... Cs>
+void print_capacities(kq::detail::CfgList<Cs...>, int sm) {
+  auto one = [&](auto c) {
+    using C = decltype(c);
+    const kq::Sm90Capacity cap = kq::detail::sm90_capacity<C>(sm);
+    std::printf("capacity %-16s slots %3d clusters", kq::detail::sm90_cfg_name<C>().c_str(), cap.slots);
+    for (int k = 1; k <= kq::kSm90MaxSplits; ++k) std::printf(" %d:%d", k, cap.clusters[k]);
+    std::printf("\n");
+  };
+  (one(Cs{}), ...);
+}
+
 // Every wgmma configuration of the list at each distinct K split count {its plan, 1, 2, 3, 4, 6, 8}.
 template <class... Cs>
 void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16* y, std::size_t ny,
@@ -165,7 +178,7 @@ void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape&
     if (!only_cfg.empty() && name.find(only_cfg) == std::string::npos) return;
     int seen[32] = {};
     for (int sp : {0, 1, 2, 3, 4, 6, 8}) {  // 3 and 6: clusters that fill a GPC less evenly
-      const auto plan = kq::plan_qgemm_sm90<C>(s, sm, sp);
+      const auto plan = kq::plan_qgemm_sm90<C>(s, kq::detail::sm90_capacity<C>(sm), sp);
       if (plan.splits < 32 && seen[plan.splits]++) continue;
       check_and_time(
           name, kq::describe(plan), plan.splits,
@@ -264,6 +277,8 @@ int main(int argc, char** argv) {
   }
   std::printf("device %s, %d SMs, copy %.0f GB/s, dense bf16 %.0f TFLOP/s (cuBLAS 8192^3), L2 flush %s, wgmma kernel %s\n", prop.name, sm, copy_gbs,
               tensor_tflops, squeeze::bench::l2_flush_name(), kq::qgemm_sm90_supported() ? "available" : "NOT available (needs sm_90a device code)");
+  // what the GPU holds of each wgmma configuration at once (the K-split plan counts its waves in clusters)
+  print_capacities(kq::detail::Sm90TuningCfgs{}, sm);
   std::printf("%-18s %8s %8s %6s %5s | %8s %6s | %-16s %2s %8s %6s %5s | %s\n", "case", "ours ms", "cublas", "x cub", "roof", "mma ms", "x cub",
               "best wgmma", "sp", "best ms", "x cub", "roof", "dispatch");
   std::mt19937 rng(2026);

@@ -298,7 +298,7 @@ void time_sm90_cfg(const GemmBuffers& b, const kq::QGemmShape& shape, int sm, in
   nlohmann::json t = nlohmann::json::object();
   std::set<int> seen;
   for (int sp : {0, 1, 2, 4, 8}) {
-    const auto plan = kq::plan_qgemm_sm90<C>(shape, sm, sp);
+    const auto plan = kq::plan_qgemm_sm90<C>(shape, kq::detail::sm90_capacity<C>(sm), sp);
     if (!seen.insert(plan.splits).second) continue;  // clamped to a plan already timed
     watchdog_note(name + " (" + kq::describe(plan) + ")");
     auto launch = [&] { return kq::detail::launch_qgemm_sm90_cfg<bf16, C>(b.x, b.tiles, b.scales, b.zeros, b.y, shape, plan, nullptr); };

@@ -16,7 +16,7 @@ template <class T, class C>
 void sm90_cfg_runs(const TwinCase<T>& tc, const std::vector<int>& split_counts, int reps) {
   const double rel = std::is_same_v<T, bf16> ? 0x1p-7 : 0x1p-10;
   for (const int sp : split_counts) {
-    const auto plan = kq::plan_qgemm_sm90<C>(tc.shape, sm_count(), sp);
+    const auto plan = kq::plan_qgemm_sm90<C>(tc.shape, kq::detail::sm90_capacity<C>(sm_count()), sp);
     launches_match_twin(tc, 0, 0, reps, kq::detail::sm90_cfg_name<C>() + " (" + kq::describe(plan) + ")", rel, [&](const kq::QGemmWorkspace&) {
       return kq::detail::launch_qgemm_sm90_cfg<T, C>(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, plan, nullptr);
     });
@@ -152,15 +152,15 @@ TEST(QuantCudaSm90, RejectsShapesItCannotTake) {
   // plans the launcher cannot run: more K splits than a portable cluster holds, and a grid past 2^31 - 1 blocks
   // (2^20 batch slices of 16 rows x 2^22 strips); refused before any launch, on any machine
   using Small = kq::Sm90Cfg<64, 1, 6, 2, false, true>;
-  const kq::QGemmShape fine{64, 200, 1096, 1152, 208, 128, 4};
-  auto split_plan = kq::plan_qgemm_sm90<Small>(fine, 132, 12);
+  const kq::QGemmShape deep{64, 200, 4096, 4096, 208, 128, 4};
+  auto split_plan = kq::plan_qgemm_sm90<Small>(deep, kq::sm90_even_capacity<Small>(132), 12);
   EXPECT_EQ(split_plan.splits, kq::kSm90MaxSplits);  // an override is clamped to the cluster limit
   split_plan.splits = kq::kSm90MaxSplits + 1;
-  EXPECT_EQ((kq::detail::launch_qgemm_sm90_cfg<half, Small>(nullptr, nullptr, nullptr, nullptr, nullptr, fine, split_plan, nullptr)),
+  EXPECT_EQ((kq::detail::launch_qgemm_sm90_cfg<half, Small>(nullptr, nullptr, nullptr, nullptr, nullptr, deep, split_plan, nullptr)),
             cudaErrorInvalidValue);
   using Tiny = kq::Sm90Cfg<16, 2, 8, 2, false, true>;
   const kq::QGemmShape huge{std::int64_t(1) << 24, std::int64_t(1) << 30, 64, 64, std::int64_t(1) << 30, 64, 4};
-  const auto huge_plan = kq::plan_qgemm_sm90<Tiny>(huge, 132, 1);
+  const auto huge_plan = kq::plan_qgemm_sm90<Tiny>(huge, kq::sm90_even_capacity<Tiny>(132), 1);
   EXPECT_GT(std::int64_t(huge_plan.zslices) * huge_plan.strips, 0x7fffffff);
   EXPECT_EQ((kq::detail::launch_qgemm_sm90_cfg<half, Tiny>(nullptr, nullptr, nullptr, nullptr, nullptr, huge, huge_plan, nullptr)),
             cudaErrorInvalidValue);

@@ -147,33 +147,44 @@ inline std::string describe(const Sm90Plan& p) {
 // The most K splits: a cluster of at most 8 blocks is portable (larger ones need an opt-in and a GPC with that many
 // free SMs).
 inline constexpr int kSm90MaxSplits = 8;
-// K splits: without an override, the count (1, 2, 4 or 8: a cluster of 3, 5, 6 or 7 blocks packs the SMs of a GPC
-// less well; K ranges of at least 8 chunks: with 4, 4096 x 4096 at M 9..16 took
-// 16 splits, 10% slower than 8 on the H200, gemm4_probe-session9-run6/7) with the least estimated
-// traffic: the weight bytes over the fraction of the grid's last wave that is used (idle SMs stretch the time; a
-// wave is the blocks the GPU holds at once, MINB per SM), plus the fp32 partials written and read back, which
-// mostly stay in L2 (weighted 4 B per split, row and column, half their byte count). Fitted to the H200 sweeps
-// over split counts 1/2/3/4/8 with a clean L2 (bench_qgemm_sm90, bench/results/h200/gemm4_probe-session8-run4/5.jsonl)
-// for the dispatched configurations: on the four LLaMA shapes at M 9..128 it picks the fastest count or one
-// within 4% (4096 x 4096 at M = 64: 8 splits, 4% slower than 4). Counting a wave as one block per SM, as session 7
-// did for every configuration, cost the two-blocks-per-SM wg_b64m1s6x2w up to 15% (11008 x 4096 at M = 33: 4
-// splits 0.033 ms, 8 splits 0.029).
+// What the GPU holds of one configuration at once: `slots` blocks (SMs x blocks per SM), and clusters[k] clusters of k
+// blocks (a cluster's blocks share a GPC, so a GPC whose free slots are fewer than k wastes them: the H200 holds
+// fewer clusters of 8 than slots / 8). sm90_capacity<C>(sm_count) asks the device (cudaOccupancyMaxActiveClusters).
+struct Sm90Capacity {
+  int slots = 1;
+  int clusters[kSm90MaxSplits + 1] = {};
+};
+// Every slot usable by clusters of every size: an idealised GPU of sm_count SMs (no device query).
 template <class C>
-Sm90Plan plan_qgemm_sm90(const QGemmShape& s, int sm_count, int splits_override = 0) {
+Sm90Capacity sm90_even_capacity(int sm_count) {
+  Sm90Capacity c;
+  c.slots = std::max(sm_count, 1) * C::MINB;
+  for (int k = 1; k <= kSm90MaxSplits; ++k) c.clusters[k] = c.slots / k;
+  return c;
+}
+// K splits: without an override, the count (1..8, K ranges of at least 8 chunks: with 4, 4096 x 4096 at M 9..16 took
+// 16 splits, 10% slower than 8 on the H200, gemm4_probe-session9-run6/7) with the least estimated cost: the weight
+// bytes over the fraction of the GPU's slots the grid keeps busy (waves of clusters: a wave is the clusters of
+// `splits` blocks the GPU holds at once, cap.clusters[splits]; idle slots stretch the time), plus the reduction
+// (weighted 4 B per split, row and column). Session 8 fitted this form to sweeps of the global-memory reduction
+// (bench/results/h200/gemm4_probe-session8-run4/5.jsonl); the cluster reduction keeps it, with the waves counted in
+// clusters.
+template <class C>
+Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int splits_override = 0) {
   Sm90Plan p;
   const std::int64_t kchunks = s.Kpad / kTileK;
   p.zslices = int((s.M + C::BN - 1) / C::BN);
   p.strips = int((s.Npad + C::STRIP - 1) / C::STRIP);
-  const std::int64_t tiles = std::int64_t(p.zslices) * p.strips, slots = std::int64_t(std::max(sm_count, 1)) * C::MINB;
+  const std::int64_t tiles = std::int64_t(p.zslices) * p.strips;
   const int max_splits = int(std::clamp<std::int64_t>(kchunks / 8, 1, kSm90MaxSplits));  // K ranges of at least 8 chunks
   p.smem_bytes = C::SMEM_BYTES;
   int splits = splits_override;
   if (splits <= 0) {
     const double wbytes = double(s.Npad) * double(s.Kpad) / 2;
     double best = 0;
-    for (int sp = 1; sp <= max_splits; sp *= 2) {
-      const std::int64_t blocks = tiles * sp, waves = (blocks + slots - 1) / slots;
-      const double fill = double(blocks) / double(waves * slots);
+    for (int sp = 1; sp <= max_splits; ++sp) {
+      const std::int64_t per_wave = std::max(cap.clusters[sp], 1), waves = (tiles + per_wave - 1) / per_wave;
+      const double fill = double(tiles * sp) / double(waves * std::max<std::int64_t>(cap.slots, per_wave * sp));
       const double cost = wbytes / fill + (sp > 1 ? 4.0 * sp * double(s.M) * double(s.Npad) : 0.0);
       if (sp == 1 || cost < best) {
         best = cost;
@@ -824,6 +835,46 @@ inline cudaError_t make_x_tensor_map(CUtensorMap& map, const void* x, std::int64
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+// The current device's capacity for configuration C: blocks per SM x SMs, and cudaOccupancyMaxActiveClusters per
+// cluster size; asked once per configuration. Where the device cannot say (no sm_90a code, not an sm_90 device), the
+// even capacity of sm_count SMs.
+template <class C>
+Sm90Capacity sm90_capacity(int sm_count) {
+  static const Sm90Capacity asked = [] {
+    Sm90Capacity c;
+    c.slots = 0;
+    if (!qgemm_sm90_supported()) return c;
+    const auto kernel = qgemm_sm90_kernel<bf16, C>;  // the fp16 kernel takes the same resources
+    int dev = 0, sms = 0, per_sm = 0;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES) != cudaSuccess || cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, C::THREADS, C::SMEM_BYTES) != cudaSuccess) {
+      cudaGetLastError();
+      return c;
+    }
+    c.slots = per_sm * sms;
+    for (int k = 1; k <= kSm90MaxSplits; ++k) {
+      cudaLaunchConfig_t cfg{};
+      cfg.gridDim = dim3(1, 1, unsigned(k));
+      cfg.blockDim = dim3(C::THREADS);
+      cfg.dynamicSmemBytes = C::SMEM_BYTES;
+      cudaLaunchAttribute cluster{};
+      cluster.id = cudaLaunchAttributeClusterDimension;
+      cluster.val.clusterDim.x = 1;
+      cluster.val.clusterDim.y = 1;
+      cluster.val.clusterDim.z = unsigned(k);
+      cfg.attrs = &cluster;
+      cfg.numAttrs = 1;
+      if (cudaOccupancyMaxActiveClusters(&c.clusters[k], kernel, &cfg) != cudaSuccess) {
+        cudaGetLastError();
+        c.clusters[k] = 0;
+      }
+    }
+    return c;
+  }();
+  return asked.slots > 0 ? asked : sm90_even_capacity<C>(sm_count);
+}
+
 // Configuration C with an explicit plan (benchmarks, tests). K splits launch as clusters of (1, 1, splits) blocks.
 template <class T, class C>
 cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y,
@@ -864,7 +915,10 @@ inline std::string qgemm_sm90_cfg_name(const QGemmShape& s) {
   return detail::with_sm90_cfg(s, [](auto c) { return detail::sm90_cfg_name<decltype(c)>(); });
 }
 inline Sm90Plan qgemm_sm90_plan(const QGemmShape& s, int sm_count, int splits_override = 0) {
-  return detail::with_sm90_cfg(s, [&](auto c) { return plan_qgemm_sm90<decltype(c)>(s, sm_count, splits_override); });
+  return detail::with_sm90_cfg(s, [&](auto c) {
+    using C = decltype(c);
+    return plan_qgemm_sm90<C>(s, detail::sm90_capacity<C>(sm_count), splits_override);
+  });
 }
 
 // y [M, N] = x [M, K] * W^T with the tile layout of qgemm_cuda (4-bit tiles); no workspace. cudaErrorInvalidValue:
@@ -875,7 +929,7 @@ cudaError_t qgemm_sm90_cuda(const T* x, const std::uint32_t* tiles, const half* 
                             int sm_count, cudaStream_t stream, int splits_override = 0) {
   return detail::with_sm90_cfg(s, [&](auto c) {
     using C = decltype(c);
-    const Sm90Plan p = plan_qgemm_sm90<C>(s, sm_count, splits_override);
+    const Sm90Plan p = plan_qgemm_sm90<C>(s, detail::sm90_capacity<C>(sm_count), splits_override);
     return detail::launch_qgemm_sm90_cfg<T, C>(x, tiles, scales, zeros, y, s, p, stream);
   });
 }
