@@ -3,7 +3,8 @@
 // For each (K, N) of issue 6 and batch M it times, in the same run, cold L2, median of --reps:
 //   ours     the library's dispatch (kq::quant_gemm_cuda: wgmma from M = 9 on sm_90a, see quant_gemm_uses_sm90)
 //   mma      qgemm_cuda (the mma.sync kernel) at every M
-//   wg_*     every wgmma configuration of kq::detail::Sm90TuningCfgs at K splits {its plan, 1, 2, 3, 4, 6, 8}
+//   wg_*     every wgmma configuration of kq::detail::Sm90TuningCfgs at K splits {its plan, 1, 2, 3, 4, 6, 8, 12, 16}, each
+//            K-split count reduced both ways (in a cluster up to 8, through global memory)
 //   sv_*     every configuration of the streaming kernel (qgemv.cuh, M <= 16) with its own plan
 //   cuBLAS   bf16 GEMM (cublasGemmEx, W [N, K] bf16 as nn.Linear stores it), the peer
 // Weights are random codes, scales and zero points (group 128): only time is measured here; the GPU tests check
@@ -26,6 +27,7 @@
 #include <fstream>
 #include <random>
 #include <sstream>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -133,13 +135,14 @@ double max_rel(const std::vector<bf16>& got, const std::vector<bf16>& ref) {
 struct Timed {
   std::string name;
   int splits = 0;  // K splits (the streaming kernel: K parts)
+  std::string reduce;  // the wgmma kernel's K-split reduction: "cluster" or "global" ("" for one K range)
   double ms = 0, err = 0;
 };
 
 // One configuration and plan: its result against ref (BAD past 2e-2 of max |y|), then timed when good.
 template <class Launch>
-void check_and_time(const std::string& name, const std::string& plan, int splits, Launch launch, bf16* y, std::size_t ny,
-                    const std::vector<bf16>& ref, int reps, std::vector<Timed>& out) {
+void check_and_time(const std::string& name, const std::string& plan, int splits, const std::string& reduce, Launch launch, bf16* y,
+                    std::size_t ny, const std::vector<bf16>& ref, int reps, std::vector<Timed>& out) {
   watchdog_note(name + " " + plan);
   SQUEEZE_CUDA_CHECK(cudaMemset(y, 0xff, ny * sizeof(bf16)));
   if (const cudaError_t e = launch(); e != cudaSuccess) {
@@ -150,7 +153,7 @@ void check_and_time(const std::string& name, const std::string& plan, int splits
   SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<bf16> got(ny);
   SQUEEZE_CUDA_CHECK(cudaMemcpy(got.data(), y, ny * sizeof(bf16), cudaMemcpyDeviceToHost));
-  Timed t{name, splits, 0, max_rel(got, ref)};
+  Timed t{name, splits, reduce, 0, max_rel(got, ref)};
   if (t.err < 2e-2) t.ms = time_ms([&] { SQUEEZE_CUDA_CHECK(launch()); }, reps);
   out.push_back(t);
 }
@@ -162,13 +165,13 @@ void print_capacities(kq::detail::CfgList<Cs...>, int sm) {
     using C = decltype(c);
     const kq::Sm90Capacity cap = kq::detail::sm90_capacity<C>(sm);
     std::printf("capacity %-16s slots %3d clusters", kq::detail::sm90_cfg_name<C>().c_str(), cap.slots);
-    for (int k = 1; k <= kq::kSm90MaxSplits; ++k) std::printf(" %d:%d", k, cap.clusters[k]);
+    for (int k = 1; k <= kq::kSm90MaxClusterSplits; ++k) std::printf(" %d:%d", k, cap.clusters[k]);
     std::printf("\n");
   };
   (one(Cs{}), ...);
 }
 
-// Every wgmma configuration of the list at each distinct K split count {its plan, 1, 2, 3, 4, 6, 8}.
+// Every wgmma configuration of the list at each distinct (K split count, reduction).
 template <class... Cs>
 void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16* y, std::size_t ny,
                const std::vector<bf16>& ref, int sm, int reps, const std::string& only_cfg, std::vector<Timed>& out) {
@@ -176,15 +179,17 @@ void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape&
     using C = decltype(c);
     const std::string name = kq::detail::sm90_cfg_name<C>();
     if (!only_cfg.empty() && name.find(only_cfg) == std::string::npos) return;
-    int seen[32] = {};
-    for (int sp : {0, 1, 2, 3, 4, 6, 8}) {  // 3 and 6: clusters that fill a GPC less evenly
-      const auto plan = kq::plan_qgemm_sm90<C>(s, kq::detail::sm90_capacity<C>(sm), sp);
-      if (plan.splits < 32 && seen[plan.splits]++) continue;
-      check_and_time(
-          name, kq::describe(plan), plan.splits,
-          [&] { return kq::detail::launch_qgemm_sm90_cfg<bf16, C>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, nullptr); }, y, ny, ref, reps,
-          out);
-    }
+    std::set<std::pair<int, bool>> seen;  // (splits, cluster) already timed
+    for (int sp : {0, 1, 2, 3, 4, 6, 8, 12, 16})  // 3 and 6: clusters that fill a GPC less evenly
+      for (const auto reduce : {kq::Sm90Reduce::Cluster, kq::Sm90Reduce::Global}) {
+        const auto plan = kq::plan_qgemm_sm90<C>(s, kq::detail::sm90_capacity<C>(sm), sp, sp == 0 ? kq::Sm90Reduce::Auto : reduce);
+        if (!seen.insert({plan.splits, plan.cluster}).second) continue;
+        const Workspace ws({nullptr, plan.partial_elems, nullptr, plan.counter_elems});
+        check_and_time(
+            name, kq::describe(plan), plan.splits, plan.splits == 1 ? "" : plan.cluster ? "cluster" : "global",
+            [&] { return kq::detail::launch_qgemm_sm90_cfg<bf16, C>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws.ws, nullptr); }, y, ny, ref,
+            reps, out);
+      }
   };
   (one(Cs{}), ...);
 }
@@ -201,7 +206,7 @@ void time_qgemv_cfgs(kq::detail::QGemvCfgList<Cs...>, const Layer& L, const kq::
       if (plan.parts < 64 && seen[plan.parts]++) continue;
       const Workspace ws({nullptr, plan.partial_elems, nullptr, plan.counter_elems});
       check_and_time(
-          kq::detail::qgemv_cfg_name<C>(), kq::describe(plan), plan.parts,
+          kq::detail::qgemv_cfg_name<C>(), kq::describe(plan), plan.parts, "",
           [&] { return kq::detail::launch_qgemv_cfg<bf16, C>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws.ws, nullptr); }, y, ny, ref,
           reps, out);
     }
@@ -363,7 +368,8 @@ int main(int argc, char** argv) {
           << ", \"dispatch\": \"" << dispatch << "\", \"ours_rel_err_vs_mma\": " << err_ours << ", \"copy_gbs\": " << copy_gbs << ", \"l2_flush\": \"" << squeeze::bench::l2_flush_name() << "\", \"device\": \""
           << prop.name << "\", \"commit\": \"" << (commit ? commit : "unknown") << "\", \"wgmma\": [";
         for (std::size_t i = 0; i < wg.size(); ++i)
-          j << (i ? ", " : "") << "{\"cfg\": \"" << wg[i].name << "\", \"splits\": " << wg[i].splits << ", \"ms\": " << wg[i].ms
+          j << (i ? ", " : "") << "{\"cfg\": \"" << wg[i].name << "\", \"splits\": " << wg[i].splits << ", \"reduce\": \"" << wg[i].reduce
+            << "\", \"ms\": " << wg[i].ms
             << ", \"rel_err\": " << wg[i].err << "}";
         j << "], \"streaming\": [";
         for (std::size_t i = 0; i < sv.size(); ++i)

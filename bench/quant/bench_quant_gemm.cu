@@ -301,7 +301,11 @@ void time_sm90_cfg(const GemmBuffers& b, const kq::QGemmShape& shape, int sm, in
     const auto plan = kq::plan_qgemm_sm90<C>(shape, kq::detail::sm90_capacity<C>(sm), sp);
     if (!seen.insert(plan.splits).second) continue;  // clamped to a plan already timed
     watchdog_note(name + " (" + kq::describe(plan) + ")");
-    auto launch = [&] { return kq::detail::launch_qgemm_sm90_cfg<bf16, C>(b.x, b.tiles, b.scales, b.zeros, b.y, shape, plan, nullptr); };
+    const auto cuda = torch::TensorOptions().device(torch::kCUDA, 0);
+    torch::Tensor partial = torch::empty({std::max<std::int64_t>(plan.partial_elems, 1)}, cuda.dtype(torch::kFloat32));
+    torch::Tensor counters = torch::zeros({std::max<std::int64_t>(plan.counter_elems, 1)}, cuda.dtype(torch::kInt32));
+    const kq::QGemmWorkspace ws{partial.data_ptr<float>(), plan.partial_elems, counters.data_ptr<int>(), plan.counter_elems};
+    auto launch = [&] { return kq::detail::launch_qgemm_sm90_cfg<bf16, C>(b.x, b.tiles, b.scales, b.zeros, b.y, shape, plan, ws, nullptr); };
     if (const cudaError_t e = launch(); e != cudaSuccess) {  // reported, not fatal
       std::printf("  sm90 %s (%s): %s\n", name.c_str(), kq::describe(plan).c_str(), cudaGetErrorString(e));
       cudaGetLastError();
@@ -376,8 +380,12 @@ bool sm90_section(const std::vector<std::pair<std::int64_t, std::int64_t>>& shap
         torch::Tensor yc;
         const double t_cublas = time_ms([&] { yc = at::mm(gc.x, w_bf16.t()); }, reps);
         // qgemm_sm90_cuda: its own configuration and plan
+        const auto need = kq::qgemm_sm90_workspace_size(gc.shape, sm);
+        auto partial = torch::empty({std::max<std::int64_t>(need.partial_elems, 1)}, cuda.dtype(torch::kFloat32));
+        auto counters = torch::zeros({std::max<std::int64_t>(need.counter_elems, 1)}, cuda.dtype(torch::kInt32));
+        const kq::QGemmWorkspace ws{partial.data_ptr<float>(), need.partial_elems, counters.data_ptr<int>(), need.counter_elems};
         const auto& b = gc.buf;
-        auto run_sm90 = [&] { SQUEEZE_CUDA_CHECK(kq::qgemm_sm90_cuda<bf16>(b.x, b.tiles, b.scales, b.zeros, b.y, gc.shape, sm, nullptr)); };
+        auto run_sm90 = [&] { SQUEEZE_CUDA_CHECK(kq::qgemm_sm90_cuda<bf16>(b.x, b.tiles, b.scales, b.zeros, b.y, gc.shape, ws, sm, nullptr)); };
         run_sm90();
         SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
         const double err = ((b.y_tensor.to(torch::kFloat32) - b.ref).abs().max() / b.ref.abs().max().clamp_min(1e-30)).item<double>();

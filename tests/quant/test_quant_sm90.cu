@@ -12,16 +12,20 @@
 
 // Configuration C on a twin case for each K split count (0: the plan's own), reps launches each on the same
 // counters (the kernel leaves them zero). Bound: each weight rounded to T once, as for scaled B (cfg_runs).
+// A forced split count runs with both reductions (in a cluster, through global memory).
 template <class T, class C>
 void sm90_cfg_runs(const TwinCase<T>& tc, const std::vector<int>& split_counts, int reps) {
   const double rel = std::is_same_v<T, bf16> ? 0x1p-7 : 0x1p-10;
-  for (const int sp : split_counts) {
-    const auto plan = kq::plan_qgemm_sm90<C>(tc.shape, kq::detail::sm90_capacity<C>(sm_count()), sp);
-    launches_match_twin(tc, 0, 0, reps, kq::detail::sm90_cfg_name<C>() + " (" + kq::describe(plan) + ")", rel, [&](const kq::QGemmWorkspace&) {
-      return kq::detail::launch_qgemm_sm90_cfg<T, C>(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, plan, nullptr);
-    });
-    if (::testing::Test::HasFatalFailure()) return;
-  }
+  for (const int sp : split_counts)
+    for (const auto reduce : {kq::Sm90Reduce::Cluster, kq::Sm90Reduce::Global}) {
+      if (sp == 0 && reduce == kq::Sm90Reduce::Global) continue;  // the plan's own choice: once
+      const auto plan = kq::plan_qgemm_sm90<C>(tc.shape, kq::detail::sm90_capacity<C>(sm_count()), sp, sp == 0 ? kq::Sm90Reduce::Auto : reduce);
+      launches_match_twin(tc, plan.partial_elems, plan.counter_elems, reps, kq::detail::sm90_cfg_name<C>() + " (" + kq::describe(plan) + ")", rel,
+                          [&](const kq::QGemmWorkspace& ws) {
+                            return kq::detail::launch_qgemm_sm90_cfg<T, C>(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, plan, ws, nullptr);
+                          });
+      if (::testing::Test::HasFatalFailure()) return;
+    }
 }
 template <class T, class... Cs>
 void sm90_all_cfgs(kq::detail::CfgList<Cs...>, const TwinCase<T>& tc, const std::vector<int>& split_counts) {
@@ -54,9 +58,12 @@ void sm90_dispatch_check(const quant::PackedLinear& p, std::int64_t M, int reps)
   const TwinCase<T> tc(p, t, M);
   const double rel = std::is_same_v<T, bf16> ? 0x1p-7 : 0x1p-10;
   const int sm = sm_count();
-  for (int sp : {0, 5}) {
-    launches_match_twin(tc, 0, 0, reps, "qgemm_sm90_cuda (" + kq::describe(kq::qgemm_sm90_plan(tc.shape, sm, sp)) + ")", rel,
-                        [&](const kq::QGemmWorkspace&) { return kq::qgemm_sm90_cuda(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, sm, nullptr, sp); });
+  for (int sp : {0, 5, 12}) {  // 12: through global memory (more than a cluster holds)
+    const auto need = kq::qgemm_sm90_workspace_size(tc.shape, sm, sp);
+    launches_match_twin(tc, need.partial_elems, need.counter_elems, reps, "qgemm_sm90_cuda (" + kq::describe(kq::qgemm_sm90_plan(tc.shape, sm, sp)) + ")",
+                        rel, [&](const kq::QGemmWorkspace& ws) {
+                          return kq::qgemm_sm90_cuda(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, ws, sm, nullptr, sp);
+                        });
     if (::testing::Test::HasFatalFailure()) return;
   }
 }
@@ -115,25 +122,51 @@ TEST(QuantCudaSm90, LibraryEntryPicksTheKernelByBatch) {
     }
   }
 }
-// The K-split plan of the dispatched configurations (host logic: runs without a GPU). Expected counts: the
-// fastest or within 4% in the H200 sweep over 1/2/3/4/8 splits with a clean L2 (bench/results/h200/
-// gemm4_probe-session8-run4.jsonl and -run5.jsonl; M = 16, the 16-row slices: gemm4_probe-session9-run6.jsonl), the
-// configuration the dispatch takes for the case, 132 SMs. At M = 16 on 8192 x 28672 the model takes 7 splits, 3% slower
-// than 2 (gemm4_probe-session9-run7).
+// The H200's capacity (cudaOccupancyMaxActiveClusters, gemm4_probe-session10-run3.log): clusters of 1..8 blocks it
+// holds of a configuration with one or two blocks per SM.
+template <class C>
+kq::Sm90Capacity h200_capacity() {
+  static constexpr int one_per_sm[] = {0, 132, 66, 39, 30, 22, 17, 15, 15}, two_per_sm[] = {0, 264, 132, 79, 62, 47, 39, 32, 30};
+  kq::Sm90Capacity c;
+  c.slots = 132 * C::MINB;
+  for (int k = 1; k <= kq::kSm90MaxClusterSplits; ++k) c.clusters[k] = C::MINB == 2 ? two_per_sm[k] : one_per_sm[k];
+  return c;
+}
+// The K-split plan of the dispatched configurations on the H200's capacity (host logic: runs without a GPU), against
+// the H200 sweeps of both reductions at 1..8, 12 and 16 splits (gemm4_probe-session10-run1 / -run3 / -run4, clean L2).
+// The expected plans are the model's; where the sweep's best differs, the comment gives it and the cost of the miss.
 // Every plan covers K exactly once with no empty range.
 TEST(QuantCudaSm90, SplitPlanFollowsTheMeasuredSweep) {
   struct Case {
     std::int64_t K, N, M;
     int splits;
+    bool cluster;
   };
-  const Case cases[] = {{4096, 4096, 16, 8},    {4096, 11008, 16, 6},  {11008, 4096, 16, 16}, {8192, 28672, 16, 7},    {4096, 4096, 64, 8},   {4096, 4096, 128, 4},  {4096, 11008, 33, 3},  {4096, 11008, 64, 3},
-                        {4096, 11008, 128, 3},  {11008, 4096, 33, 8},  {11008, 4096, 64, 8},  {11008, 4096, 128, 4}, {8192, 28672, 33, 1},
-                        {8192, 28672, 64, 1},   {8192, 28672, 128, 1}};
+  const Case cases[] = {
+      {4096, 4096, 16, 8, true},      // sweep: 6 in a cluster, 9% faster
+      {4096, 11008, 16, 6, false},    // sweep: 5 in a cluster, 6% faster
+      {11008, 4096, 16, 16, false},
+      {8192, 28672, 16, 7, false},    // sweep: 2 in a cluster, 4% faster
+      {4096, 4096, 64, 7, true},      // sweep: 6, 1% faster
+      {4096, 4096, 128, 3, true},
+      {4096, 11008, 33, 3, false},
+      {4096, 11008, 64, 3, false},
+      {4096, 11008, 128, 3, false},   // sweep: 2 in a cluster, 8% faster
+      {11008, 4096, 33, 8, false},
+      {11008, 4096, 64, 7, true},
+      {11008, 4096, 128, 4, false},
+      {8192, 28672, 33, 1, false},
+      {8192, 28672, 64, 1, false},
+      {8192, 28672, 128, 1, false}};
   for (const auto& c : cases) {
     const kq::QGemmShape s{c.M, c.N, c.K, (c.K + 63) / 64 * 64, (c.N + 15) / 16 * 16, 128, 4};
-    const auto p = kq::qgemm_sm90_plan(s, 132);
+    const auto p = kq::detail::with_sm90_cfg(s, [&](auto cfg) {
+      using C = decltype(cfg);
+      return kq::plan_qgemm_sm90<C>(s, h200_capacity<C>());
+    });
     SCOPED_TRACE("K " + std::to_string(c.K) + " N " + std::to_string(c.N) + " M " + std::to_string(c.M) + ": " + kq::describe(p));
     EXPECT_EQ(p.splits, c.splits);
+    EXPECT_EQ(p.cluster, c.cluster);
     const std::int64_t kchunks = s.Kpad / 64;
     EXPECT_GE(std::int64_t(p.splits) * p.cps, kchunks);
     EXPECT_LT(std::int64_t(p.splits - 1) * p.cps, kchunks);
@@ -149,21 +182,38 @@ TEST(QuantCudaSm90, RejectsShapesItCannotTake) {
   EXPECT_NE(reason({64, 200, 1096, 1152, 208, 128, 3}).find("4-bit"), std::string::npos);
   EXPECT_NE(reason({64, 200, 1100, 1152, 208, 128, 4}).find("multiple of 8"), std::string::npos);
   EXPECT_NE(reason({64, 200, 1096, 1152, 208, 24, 4}).find("group"), std::string::npos);
-  // plans the launcher cannot run: more K splits than a portable cluster holds, and a grid past 2^31 - 1 blocks
-  // (2^20 batch slices of 16 rows x 2^22 strips); refused before any launch, on any machine
+  // plans the launcher cannot run: more K splits than a portable cluster holds, K splits through global memory
+  // with a workspace short of the partials or counters (or misaligned), and a grid past 2^31 - 1 blocks (2^20 batch
+  // slices of 16 rows x 2^22 strips); refused before any launch, on any machine
   using Small = kq::Sm90Cfg<64, 1, 6, 2, false, true>;
   const kq::QGemmShape deep{64, 200, 4096, 4096, 208, 128, 4};
-  auto split_plan = kq::plan_qgemm_sm90<Small>(deep, kq::sm90_even_capacity<Small>(132), 12);
-  EXPECT_EQ(split_plan.splits, kq::kSm90MaxSplits);  // an override is clamped to the cluster limit
-  split_plan.splits = kq::kSm90MaxSplits + 1;
-  EXPECT_EQ((kq::detail::launch_qgemm_sm90_cfg<half, Small>(nullptr, nullptr, nullptr, nullptr, nullptr, deep, split_plan, nullptr)),
+  auto cluster_plan = kq::plan_qgemm_sm90<Small>(deep, kq::sm90_even_capacity<Small>(132), 12, kq::Sm90Reduce::Cluster);
+  EXPECT_EQ(cluster_plan.splits, kq::kSm90MaxClusterSplits);  // an override is clamped to the cluster limit
+  EXPECT_TRUE(cluster_plan.cluster);
+  cluster_plan.splits = kq::kSm90MaxClusterSplits + 1;
+  EXPECT_EQ((kq::detail::launch_qgemm_sm90_cfg<half, Small>(nullptr, nullptr, nullptr, nullptr, nullptr, deep, cluster_plan, {}, nullptr)),
             cudaErrorInvalidValue);
+  const auto global_plan = kq::plan_qgemm_sm90<Small>(deep, kq::sm90_even_capacity<Small>(132), 12, kq::Sm90Reduce::Global);
+  ASSERT_EQ(global_plan.splits, 11);  // 64 chunks in ranges of 6
+  ASSERT_FALSE(global_plan.cluster);
+  EXPECT_EQ(global_plan.partial_elems, 11 * 64 * 208);
+  EXPECT_EQ(global_plan.counter_elems, 2);
+  std::vector<float4> part(std::size_t(global_plan.partial_elems / 4 + 1));  // host memory: nothing is launched
+  std::vector<int> cnt(std::size_t(global_plan.counter_elems + 1));
+  auto launch_with = [&](const kq::QGemmWorkspace& ws) {
+    return kq::detail::launch_qgemm_sm90_cfg<half, Small>(nullptr, nullptr, nullptr, nullptr, nullptr, deep, global_plan, ws, nullptr);
+  };
+  float* const partial = reinterpret_cast<float*>(part.data());
+  EXPECT_EQ(launch_with({partial, global_plan.partial_elems - 1, cnt.data(), global_plan.counter_elems}), cudaErrorInvalidValue);
+  EXPECT_EQ(launch_with({partial, global_plan.partial_elems, cnt.data(), global_plan.counter_elems - 1}), cudaErrorInvalidValue);
+  EXPECT_EQ(launch_with({partial, global_plan.partial_elems, nullptr, global_plan.counter_elems}), cudaErrorInvalidValue);
+  EXPECT_EQ(launch_with({partial + 1, global_plan.partial_elems, cnt.data(), global_plan.counter_elems}), cudaErrorInvalidValue);  // float4 sums
   using Tiny = kq::Sm90Cfg<16, 2, 8, 2, false, true>;
   const kq::QGemmShape huge{std::int64_t(1) << 24, std::int64_t(1) << 30, 64, 64, std::int64_t(1) << 30, 64, 4};
   const auto huge_plan = kq::plan_qgemm_sm90<Tiny>(huge, kq::sm90_even_capacity<Tiny>(132), 1);
   EXPECT_GT(std::int64_t(huge_plan.zslices) * huge_plan.strips, 0x7fffffff);
-  EXPECT_EQ((kq::detail::launch_qgemm_sm90_cfg<half, Tiny>(nullptr, nullptr, nullptr, nullptr, nullptr, huge, huge_plan, nullptr)),
+  EXPECT_EQ((kq::detail::launch_qgemm_sm90_cfg<half, Tiny>(nullptr, nullptr, nullptr, nullptr, nullptr, huge, huge_plan, {}, nullptr)),
             cudaErrorInvalidValue);
   const kq::QGemmShape odd_k{64, 200, 1100, 1152, 208, 128, 4};
-  EXPECT_EQ(kq::qgemm_sm90_cuda<half>(nullptr, nullptr, nullptr, nullptr, nullptr, odd_k, 132, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(kq::qgemm_sm90_cuda<half>(nullptr, nullptr, nullptr, nullptr, nullptr, odd_k, {}, 132, nullptr), cudaErrorInvalidValue);
 }

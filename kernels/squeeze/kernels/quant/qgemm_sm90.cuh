@@ -37,14 +37,21 @@
 //     configuration) to 0.020 ms: Nsight Compute had shown the block-synchronous form busy with its copy loops'
 //     address arithmetic and barrier, and a WS form with cp.async x waiting on its producer
 //     (bench/results/h200/ncu-sm90-stalls.txt).
-// K splits (small N: too few strips for the SMs): the K ranges of one (batch slice, strip) tile are the blocks of
-// one thread-block cluster (1 x 1 x splits, at most 8). Each block leaves its fp32 sums in its own shared memory;
-// after a cluster barrier each block sums a 1/splits share of the tile over the cluster's buffers (distributed
-// shared memory), in K-range order (deterministic), and writes it to y. No global partials, counters or
-// workspace (sessions 7-9 wrote fp32 partials to global memory and the last block of a tile summed them all).
-// (Session 9 also built stream-K, persistent blocks walking an even share of the (tile, chunk) units: correct, but slower than the best K split count in all but one case on the
-// H200, gemm4_probe-session9-run3: 8192 x 28672 at M = 128, 0.128 against 0.112 ms, and its per-block segment state
-// cost the two-blocks-per-SM and g4 configurations 44-96 bytes of register spills; removed in session 10.)
+// K splits (small N: too few strips for the SMs), summed one of two ways (the plan picks, sm90_split_cost):
+//   in a cluster: the K ranges of one (batch slice, strip) tile are the blocks of one thread-block cluster (1 x 1 x
+//     splits, at most 8). Each block leaves its fp32 sums in its own shared memory; after a cluster barrier each
+//     sums a 1/splits share of the tile over the cluster's buffers (distributed shared memory) and writes it to y.
+//     No global traffic, fence or serial tail: where the clusters fit the GPU in one wave it was 5% faster (median,
+//     13% at the 10th percentile) than the global form on the H200 (gemm4_probe-session10-run1 against -run3).
+//     But a cluster's blocks must share a GPC, so fewer of them fit (15 clusters of 8 one-per-SM blocks on the
+//     H200's 132 SMs), and where that adds a wave the global form wins (median 5%, up to 1.5x);
+//   through global memory: fp32 partials, and the last block of a tile to finish (a counter each) sums them; up to
+//     16 K ranges (11008 x 4096 at M <= 32 takes 16).
+// Both add the K ranges in order (deterministic).
+// (Session 9 also built stream-K, persistent blocks walking an even share of the (tile, chunk) units: correct, but
+// slower than the best K split count in all but one case on the H200, gemm4_probe-session9-run3: 8192 x 28672 at
+// M = 128, 0.128 against 0.112 ms, and its per-block segment state cost the two-blocks-per-SM and g4
+// configurations 44-96 bytes of register spills; removed in session 10.)
 // Not done: 128 x 128 tiles per warpgroup (two 64 x 128 accumulators: ptxas serializes the wgmma, C7512),
 // overlapping one chunk's wgmma with the next chunk's decode in a warpgroup (C7513), 8- and 3-bit tiles.
 //
@@ -134,67 +141,103 @@ struct Sm90Cfg {
 struct Sm90Plan {
   int zslices = 1;  // ceil(M / BN)
   int strips = 1;   // ceil(Npad / STRIP)
-  int splits = 1;   // K ranges: the blocks of a cluster (kSm90MaxSplits at most)
-  int cps = 1;      // 64-k chunks per K range
+  int splits = 1;        // K ranges
+  int cps = 1;           // 64-k chunks per K range
+  bool cluster = false;  // K splits reduce within a cluster of `splits` blocks (else through global memory)
   int smem_bytes = 0;
+  std::int64_t partial_elems = 0;  // fp32 [splits, M, Npad] for a reduction through global memory
+  std::int64_t counter_elems = 0;  // int32 [zslices, strips], zero between launches (the same)
   std::int64_t blocks() const { return std::int64_t(zslices) * strips * splits; }
 };
 inline std::string describe(const Sm90Plan& p) {
-  return "zslices " + std::to_string(p.zslices) + " strips " + std::to_string(p.strips) + " splits " + std::to_string(p.splits) + " cps " +
-         std::to_string(p.cps) + " smem " + std::to_string(p.smem_bytes) + " B";
+  return "zslices " + std::to_string(p.zslices) + " strips " + std::to_string(p.strips) + " splits " + std::to_string(p.splits) +
+         (p.splits > 1 ? (p.cluster ? " (cluster)" : " (global)") : "") + " cps " + std::to_string(p.cps) + " smem " + std::to_string(p.smem_bytes) + " B";
 }
 
-// The most K splits: a cluster of at most 8 blocks is portable (larger ones need an opt-in and a GPC with that many
-// free SMs).
-inline constexpr int kSm90MaxSplits = 8;
+// K splits: at most 16 K ranges, at most 8 when they reduce within a cluster (a cluster of up to 8 blocks is portable).
+inline constexpr int kSm90MaxSplits = 16, kSm90MaxClusterSplits = 8;
+// How the K ranges of a tile are summed: Auto lets the plan pick (splits_override then fixes only the count).
+enum class Sm90Reduce { Auto, Cluster, Global };
 // What the GPU holds of one configuration at once: `slots` blocks (SMs x blocks per SM), and clusters[k] clusters of k
 // blocks (a cluster's blocks share a GPC, so a GPC whose free slots are fewer than k wastes them: the H200 holds
-// fewer clusters of 8 than slots / 8). sm90_capacity<C>(sm_count) asks the device (cudaOccupancyMaxActiveClusters).
+// 15 clusters of 8 one-per-SM blocks, 120 of its 132 SMs). sm90_capacity<C>(sm_count) asks the device
+// (cudaOccupancyMaxActiveClusters).
 struct Sm90Capacity {
   int slots = 1;
-  int clusters[kSm90MaxSplits + 1] = {};
+  int clusters[kSm90MaxClusterSplits + 1] = {};
 };
 // Every slot usable by clusters of every size: an idealised GPU of sm_count SMs (no device query).
 template <class C>
 Sm90Capacity sm90_even_capacity(int sm_count) {
   Sm90Capacity c;
   c.slots = std::max(sm_count, 1) * C::MINB;
-  for (int k = 1; k <= kSm90MaxSplits; ++k) c.clusters[k] = c.slots / k;
+  for (int k = 1; k <= kSm90MaxClusterSplits; ++k) c.clusters[k] = c.slots / k;
   return c;
 }
-// K splits: without an override, the count (1..8, K ranges of at least 8 chunks: with 4, 4096 x 4096 at M 9..16 took
-// 16 splits, 10% slower than 8 on the H200, gemm4_probe-session9-run6/7) with the least estimated cost: the weight
-// bytes over the fraction of the GPU's slots the grid keeps busy (waves of clusters: a wave is the clusters of
-// `splits` blocks the GPU holds at once, cap.clusters[splits]; idle slots stretch the time), plus the reduction
-// (weighted 4 B per split, row and column). Session 8 fitted this form to sweeps of the global-memory reduction
-// (bench/results/h200/gemm4_probe-session8-run4/5.jsonl); the cluster reduction keeps it, with the waves counted in
-// clusters.
+// The estimated cost of `splits` K ranges (at most K / 8 chunks... as planned) reduced one way: the weight bytes over
+// the fraction of the GPU's slots the grid keeps busy (idle slots stretch the time; a wave is the blocks, or for a
+// cluster reduction the clusters of `splits` blocks, the GPU holds at once), plus the reduction, weighted per split,
+// row and column: 4 B through global memory (fp32 partials written and read back, mostly in L2), 2 B in a
+// cluster (distributed shared memory). Session 8 fitted the global form to H200 sweeps with a clean L2
+// (bench/results/h200/gemm4_probe-session8-run4/5.jsonl); the cluster weight and the cluster waves were fitted to
+// session 10's sweeps of both (gemm4_probe-session10-run1 / -run3, 420 configuration x shape x batch cases): the
+// choice is on average 3% slower than the best of both sweeps.
+inline double sm90_split_cost(const QGemmShape& s, std::int64_t tiles, int splits, bool cluster, const Sm90Capacity& cap) {
+  const double wbytes = double(s.Npad) * double(s.Kpad) / 2;
+  const std::int64_t slots = std::max(cap.slots, 1);
+  double fill = 0;
+  if (cluster) {
+    const std::int64_t per_wave = std::max(cap.clusters[splits], 1), waves = (tiles + per_wave - 1) / per_wave;
+    fill = double(tiles * splits) / double(waves * std::max(slots, per_wave * splits));
+  } else {
+    const std::int64_t waves = (tiles * splits + slots - 1) / slots;
+    fill = double(tiles * splits) / double(waves * slots);
+  }
+  return wbytes / fill + (splits > 1 ? (cluster ? 2.0 : 4.0) * splits * double(s.M) * double(s.Npad) : 0.0);
+}
+// K splits: the count (1..16, K ranges of at least 8 chunks: with 4, 4096 x 4096 at M 9..16 took 16 splits, 10% slower
+// than 8 on the H200, gemm4_probe-session9-run6/7) and the reduction with the least sm90_split_cost, unless given.
 template <class C>
-Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int splits_override = 0) {
+Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int splits_override = 0, Sm90Reduce reduce = Sm90Reduce::Auto) {
   Sm90Plan p;
   const std::int64_t kchunks = s.Kpad / kTileK;
   p.zslices = int((s.M + C::BN - 1) / C::BN);
   p.strips = int((s.Npad + C::STRIP - 1) / C::STRIP);
   const std::int64_t tiles = std::int64_t(p.zslices) * p.strips;
-  const int max_splits = int(std::clamp<std::int64_t>(kchunks / 8, 1, kSm90MaxSplits));  // K ranges of at least 8 chunks
   p.smem_bytes = C::SMEM_BYTES;
-  int splits = splits_override;
-  if (splits <= 0) {
-    const double wbytes = double(s.Npad) * double(s.Kpad) / 2;
+  // the count a request for sp K ranges gives (no empty K range)
+  auto ranges = [&](std::int64_t sp) {
+    const std::int64_t cps = (kchunks + sp - 1) / sp;
+    return int((kchunks + cps - 1) / cps);
+  };
+  const int limit = reduce == Sm90Reduce::Cluster ? kSm90MaxClusterSplits : kSm90MaxSplits;
+  int splits = splits_override > 0 ? ranges(std::clamp<std::int64_t>(splits_override, 1, std::min<std::int64_t>(kchunks, limit))) : 1;
+  bool cluster = reduce != Sm90Reduce::Global;
+  if (splits_override > 0) {
+    if (reduce == Sm90Reduce::Auto)
+      cluster = splits <= kSm90MaxClusterSplits && sm90_split_cost(s, tiles, splits, true, cap) < sm90_split_cost(s, tiles, splits, false, cap);
+  } else {
+    const int max_splits = int(std::clamp<std::int64_t>(kchunks / 8, 1, limit));  // K ranges of at least 8 chunks
     double best = 0;
     for (int sp = 1; sp <= max_splits; ++sp) {
-      const std::int64_t per_wave = std::max(cap.clusters[sp], 1), waves = (tiles + per_wave - 1) / per_wave;
-      const double fill = double(tiles * sp) / double(waves * std::max<std::int64_t>(cap.slots, per_wave * sp));
-      const double cost = wbytes / fill + (sp > 1 ? 4.0 * sp * double(s.M) * double(s.Npad) : 0.0);
-      if (sp == 1 || cost < best) {
-        best = cost;
-        splits = sp;
+      const int r = ranges(sp);
+      for (const bool cl : {true, false}) {
+        if (reduce != Sm90Reduce::Auto && cl != (reduce == Sm90Reduce::Cluster)) continue;
+        if (cl && r > kSm90MaxClusterSplits) continue;
+        const double cost = sm90_split_cost(s, tiles, r, cl, cap);
+        if (best == 0 || cost < best) {
+          best = cost;
+          splits = r;
+          cluster = cl;
+        }
       }
     }
   }
-  splits = int(std::clamp<std::int64_t>(splits, 1, std::min<std::int64_t>(kchunks, kSm90MaxSplits)));
   p.cps = int((kchunks + splits - 1) / splits);
-  p.splits = int((kchunks + p.cps - 1) / p.cps);  // no empty K range
+  p.splits = int((kchunks + p.cps - 1) / p.cps);
+  p.cluster = p.splits > 1 && cluster;
+  p.partial_elems = p.splits > 1 && !p.cluster ? std::int64_t(p.splits) * s.M * s.Npad : 0;
+  p.counter_elems = p.splits > 1 && !p.cluster ? tiles : 0;
   return p;
 }
 
@@ -433,8 +476,11 @@ struct Sm90Params {
   const half* scales;          // [groups, Npad]
   const std::uint8_t* zeros;   // [groups, Npad]
   void* y;                     // T [M, N]
+  float* partial;              // [splits, M, Npad] (K splits through global memory)
+  int* counters;               // [zslices, strips], zero between launches (K splits through global memory)
   int M, N, K, Npad, group;
   int kchunks, cps, strips, splits, zslices;
+  bool cluster;  // K splits reduce within the cluster (else through global memory)
 };
 
 // grid (zslices x strips, 1, splits), clusters of (1, 1, splits); C::THREADS threads, C::SMEM_BYTES dynamic shared memory
@@ -445,6 +491,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   constexpr int BN = C::BN, WM = C::WM, S = C::STAGES, STRIP = C::STRIP, TILES = C::TILES, NACC = BN / 2;
   constexpr int XB = C::X_BYTES, WB = C::W_BYTES, SB = C::S_BYTES;
   extern __shared__ unsigned char smem_raw[];
+  __shared__ int last_flag;  // K splits through global memory: this block is the tile's last
   // the 128B swizzle repeats every 1024 B of address: align the ring to it
   unsigned char* const smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
 
@@ -573,44 +620,88 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         }
       return;
     }
-    // K splits: this block's sums into its shared memory, [BN][PITCH] fp32 over the ring (every copy landed, and
-    // after the barrier every warpgroup's wgmma finished reading it)
-    constexpr int PITCH = C::SPLIT_PITCH;
-    float* const buf = reinterpret_cast<float*>(smem);
-    consumer_bar_sync(C::CONSUMERS);
+    // K splits: the K ranges' sums of one float4 of the tile (row r, features cc..cc + 3) are added in K-range
+    // order (deterministic) and written to y
+    const int rows = min(BN, p.M - m0), cols = min(STRIP, p.N - n0);
+    auto add4 = [&](const float4 (&v)[kSm90MaxClusterSplits], int count, float4 sum) {
 #pragma unroll
-    for (int t = 0; t < WM; ++t)
-#pragma unroll
-      for (int i = 0; i < NACC; ++i) buf[(8 * (i >> 2) + 2 * c4 + (i & 1)) * PITCH + nl + 64 * t + 8 * ((i >> 1) & 1)] = acc[t][i];
-    cluster_sync();  // every K range's sums are in its block's shared memory
-    // this block's share of the tile, in float4 units (4 features of one row), summed over the cluster in K-range order
-    const int rows = min(BN, p.M - m0), cols = min(STRIP, p.N - n0), units = rows * (STRIP / 4);
-    const int u_end = int(std::int64_t(units) * (split + 1) / p.splits);
-    const unsigned base = smem_addr(buf);
-    for (int u = int(std::int64_t(units) * split / p.splits) + tid; u < u_end; u += C::CONSUMERS) {
-      const int r = u / (STRIP / 4), cc = (u % (STRIP / 4)) * 4;
-      if (cc >= cols) continue;
-      const unsigned off = base + unsigned(r * PITCH + cc) * 4u;
-      float4 v[kSm90MaxSplits];
-#pragma unroll
-      for (int sp = 0; sp < kSm90MaxSplits; ++sp)
-        if (sp < p.splits) v[sp] = ld_cluster_f4(map_cluster(off, sp));
-      float4 sum = v[0];
-#pragma unroll
-      for (int sp = 1; sp < kSm90MaxSplits; ++sp)
-        if (sp < p.splits) {
+      for (int sp = 0; sp < kSm90MaxClusterSplits; ++sp)
+        if (sp < count) {
           sum.x += v[sp].x;
           sum.y += v[sp].y;
           sum.z += v[sp].z;
           sum.w += v[sp].w;
         }
+      return sum;
+    };
+    auto write4 = [&](int r, int cc, float4 sum) {
       T* const dst = y + std::int64_t(m0 + r) * p.N + n0 + cc;
       const float out4[4] = {sum.x, sum.y, sum.z, sum.w};
 #pragma unroll
       for (int j = 0; j < 4; ++j)
         if (cc + j < cols) dst[j] = from_float<T>(out4[j]);
+    };
+    if (p.cluster) {
+      // in the cluster: this block's sums into its shared memory, [BN][PITCH] fp32 over the ring (every copy
+      // landed, and after the barrier every warpgroup's wgmma finished reading it); then each block sums its share
+      // of the tile over the cluster's buffers
+      constexpr int PITCH = C::SPLIT_PITCH;
+      float* const buf = reinterpret_cast<float*>(smem);
+      consumer_bar_sync(C::CONSUMERS);
+#pragma unroll
+      for (int t = 0; t < WM; ++t)
+#pragma unroll
+        for (int i = 0; i < NACC; ++i) buf[(8 * (i >> 2) + 2 * c4 + (i & 1)) * PITCH + nl + 64 * t + 8 * ((i >> 1) & 1)] = acc[t][i];
+      cluster_sync();  // every K range's sums are in its block's shared memory
+      const int units = rows * (STRIP / 4), u_end = int(std::int64_t(units) * (split + 1) / p.splits);
+      const unsigned base = smem_addr(buf);
+      for (int u = int(std::int64_t(units) * split / p.splits) + tid; u < u_end; u += C::CONSUMERS) {
+        const int r = u / (STRIP / 4), cc = (u % (STRIP / 4)) * 4;
+        if (cc >= cols) continue;
+        const unsigned off = base + unsigned(r * PITCH + cc) * 4u;
+        float4 v[kSm90MaxClusterSplits];
+#pragma unroll
+        for (int sp = 0; sp < kSm90MaxClusterSplits; ++sp)
+          if (sp < p.splits) v[sp] = ld_cluster_f4(map_cluster(off, sp));
+        write4(r, cc, add4(v, p.splits, make_float4(0.f, 0.f, 0.f, 0.f)));
+      }
+      cluster_sync();  // no block leaves (its shared memory) while another still reads it
+      return;
     }
-    cluster_sync();  // no block leaves (its shared memory) while another still reads it
+    // through global memory: fp32 partials, and the last block of the tile to finish (a counter each) sums them
+    float* const part = p.partial + std::int64_t(split) * p.M * p.Npad;
+#pragma unroll
+    for (int t = 0; t < WM; ++t)
+#pragma unroll
+      for (int i = 0; i < NACC; ++i) {
+        const int n = n0 + nl + 64 * t + 8 * ((i >> 1) & 1), m = m0 + 8 * (i >> 2) + 2 * c4 + (i & 1);
+        if (m < p.M && n < p.Npad) part[std::int64_t(m) * p.Npad + n] = acc[t][i];
+      }
+    __threadfence();  // partials visible device-wide before the counter says so
+    consumer_bar_sync(C::CONSUMERS);
+    int* const counter = p.counters + z * p.strips + strip;
+    if (tid == 0) last_flag = atomicAdd(counter, 1) == p.splits - 1;
+    consumer_bar_sync(C::CONSUMERS);
+    if (!last_flag) return;
+    __threadfence();
+    // the last block: 4 features per thread, 8 K ranges' loads in flight at a time (Npad and n0 are
+    // multiples of 16: the float4 loads are aligned)
+    const std::int64_t split_stride = std::int64_t(p.M) * p.Npad;
+    for (int u = tid; u < rows * (STRIP / 4); u += C::CONSUMERS) {
+      const int r = u / (STRIP / 4), cc = (u % (STRIP / 4)) * 4;
+      if (cc >= cols) continue;
+      const float* src = p.partial + std::int64_t(m0 + r) * p.Npad + n0 + cc;
+      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int sp0 = 0; sp0 < p.splits; sp0 += kSm90MaxClusterSplits) {
+        float4 v[kSm90MaxClusterSplits];
+#pragma unroll
+        for (int sp = 0; sp < kSm90MaxClusterSplits; ++sp)
+          if (sp0 + sp < p.splits) v[sp] = __ldcg(reinterpret_cast<const float4*>(src + (sp0 + sp) * split_stride));
+        sum = add4(v, p.splits - sp0, sum);
+      }
+      write4(r, cc, sum);
+    }
+    if (tid == 0) *counter = 0;  // ready for the next launch
   };
 
   if constexpr (C::WS) {
@@ -630,7 +721,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       if constexpr (C::PRODUCERS == 128) set_max_regs_dec<C::PRODUCER_REGS>();
       // the cluster barriers of the K-split reduction count every thread: the producer's take part, idle
       if (warp > C::CONSUMERS / 32) {
-        if (p.splits > 1) {
+        if (p.splits > 1 && p.cluster) {
           cluster_sync();
           cluster_sync();
         }
@@ -655,7 +746,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         }
         __syncwarp();
       }
-      if (p.splits > 1) {  // the reduction's two cluster barriers (see epilogue)
+      if (p.splits > 1 && p.cluster) {  // the reduction's two cluster barriers (see epilogue)
         cluster_sync();
         cluster_sync();
       }
@@ -853,7 +944,7 @@ Sm90Capacity sm90_capacity(int sm_count) {
       return c;
     }
     c.slots = per_sm * sms;
-    for (int k = 1; k <= kSm90MaxSplits; ++k) {
+    for (int k = 1; k <= kSm90MaxClusterSplits; ++k) {
       cudaLaunchConfig_t cfg{};
       cfg.gridDim = dim3(1, 1, unsigned(k));
       cfg.blockDim = dim3(C::THREADS);
@@ -875,25 +966,30 @@ Sm90Capacity sm90_capacity(int sm_count) {
   return asked.slots > 0 ? asked : sm90_even_capacity<C>(sm_count);
 }
 
-// Configuration C with an explicit plan (benchmarks, tests). K splits launch as clusters of (1, 1, splits) blocks.
+// Configuration C with an explicit plan (benchmarks, tests). K splits reduced in a cluster launch as clusters of
+// (1, 1, splits) blocks; reduced through global memory they need the plan's workspace.
 template <class T, class C>
 cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y,
-                                  const QGemmShape& s, const Sm90Plan& p, cudaStream_t stream) {
+                                  const QGemmShape& s, const Sm90Plan& p, const QGemmWorkspace& ws, cudaStream_t stream) {
   static_assert(std::is_same_v<T, half> || std::is_same_v<T, bf16>, "the quantized GEMM takes fp16 or bf16 activations");
   if (!qgemm_sm90_reason(s).empty()) return cudaErrorInvalidValue;
   if ((reinterpret_cast<std::uintptr_t>(x) | reinterpret_cast<std::uintptr_t>(tiles) | reinterpret_cast<std::uintptr_t>(scales) |
        reinterpret_cast<std::uintptr_t>(zeros)) & 15)
     return cudaErrorInvalidValue;  // 16-byte copies
   if (std::int64_t(p.zslices) * p.strips > 0x7fffffff) return cudaErrorInvalidValue;  // the grid's x dimension
-  if (p.splits < 1 || p.splits > kSm90MaxSplits) return cudaErrorInvalidValue;     // a portable cluster
+  if (p.splits < 1 || p.splits > (p.cluster ? kSm90MaxClusterSplits : kSm90MaxSplits)) return cudaErrorInvalidValue;  // a portable cluster
+  const bool global = p.splits > 1 && !p.cluster;
+  if (global && (ws.partial == nullptr || ws.partial_elems < p.partial_elems || ws.counters == nullptr || ws.counter_elems < p.counter_elems))
+    return cudaErrorInvalidValue;
+  if (global && (reinterpret_cast<std::uintptr_t>(ws.partial) & 15)) return cudaErrorInvalidValue;  // float4 sums
   if (!qgemm_sm90_supported()) return cudaErrorNotSupported;
   static const cudaError_t attr = cudaFuncSetAttribute(qgemm_sm90_kernel<T, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
   if (attr != cudaSuccess) return attr;
   CUtensorMap x_map{};
   if constexpr (C::WS)
     if (const cudaError_t e = make_x_tensor_map(x_map, x, s.M, s.K, C::BN, std::is_same_v<T, bf16>); e != cudaSuccess) return e;
-  const Sm90Params prm{x, tiles, scales, zeros, y, int(s.M), int(s.N), int(s.K), int(s.Npad), int(s.group), int(s.Kpad / kTileK),
-                       p.cps, p.strips, p.splits, p.zslices};
+  const Sm90Params prm{x, tiles, scales, zeros, y, ws.partial, ws.counters, int(s.M), int(s.N), int(s.K), int(s.Npad), int(s.group),
+                       int(s.Kpad / kTileK), p.cps, p.strips, p.splits, p.zslices, p.cluster};
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(unsigned(p.zslices * p.strips), 1, unsigned(p.splits));
   cfg.blockDim = dim3(C::THREADS);
@@ -905,7 +1001,7 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
   cluster.val.clusterDim.y = 1;
   cluster.val.clusterDim.z = unsigned(p.splits);
   cfg.attrs = &cluster;
-  cfg.numAttrs = p.splits > 1 ? 1 : 0;
+  cfg.numAttrs = p.cluster ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, qgemm_sm90_kernel<T, C>, prm, x_map);
 }
 }  // namespace detail
@@ -921,16 +1017,21 @@ inline Sm90Plan qgemm_sm90_plan(const QGemmShape& s, int sm_count, int splits_ov
   });
 }
 
-// y [M, N] = x [M, K] * W^T with the tile layout of qgemm_cuda (4-bit tiles); no workspace. cudaErrorInvalidValue:
-// a shape qgemm_sm90_reason rejects or misaligned pointers; cudaErrorNotSupported: no sm_90a device code or not an
-// sm_90 device (qgemm_sm90_supported).
+inline QGemmWorkspace qgemm_sm90_workspace_size(const QGemmShape& s, int sm_count, int splits_override = 0) {
+  const Sm90Plan p = qgemm_sm90_plan(s, sm_count, splits_override);
+  return {nullptr, p.partial_elems, nullptr, p.counter_elems};
+}
+
+// y [M, N] = x [M, K] * W^T with the same arguments as qgemm_cuda (4-bit tiles). cudaErrorInvalidValue: a shape
+// qgemm_sm90_reason rejects, misaligned pointers or a short workspace; cudaErrorNotSupported: no sm_90a device
+// code or not an sm_90 device (qgemm_sm90_supported).
 template <class T>
 cudaError_t qgemm_sm90_cuda(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y, const QGemmShape& s,
-                            int sm_count, cudaStream_t stream, int splits_override = 0) {
+                            const QGemmWorkspace& ws, int sm_count, cudaStream_t stream, int splits_override = 0) {
   return detail::with_sm90_cfg(s, [&](auto c) {
     using C = decltype(c);
     const Sm90Plan p = plan_qgemm_sm90<C>(s, detail::sm90_capacity<C>(sm_count), splits_override);
-    return detail::launch_qgemm_sm90_cfg<T, C>(x, tiles, scales, zeros, y, s, p, stream);
+    return detail::launch_qgemm_sm90_cfg<T, C>(x, tiles, scales, zeros, y, s, p, ws, stream);
   });
 }
 
@@ -945,10 +1046,9 @@ inline bool quant_gemm_uses_sm90(const QGemmShape& s) {
   return rows && qgemm_sm90_reason(s).empty() && qgemm_sm90_supported();
 }
 // Workspace sizes for quant_gemm_cuda (pointers left null): partial fp32 (any contents) and counters int32
-// (zero before the first call; the kernels leave them zero). The wgmma kernel needs none (K splits reduce within a
-// cluster).
+// (zero before the first call; the kernels leave them zero).
 inline QGemmWorkspace quant_gemm_workspace_size(const QGemmShape& s, int sm_count) {
-  return quant_gemm_uses_sm90(s) ? QGemmWorkspace{} : qgemm_workspace_size(s, sm_count);
+  return quant_gemm_uses_sm90(s) ? qgemm_sm90_workspace_size(s, sm_count) : qgemm_workspace_size(s, sm_count);
 }
 // The kernel, configuration and plan quant_gemm_cuda takes for this shape, in words (error messages, benchmarks).
 inline std::string quant_gemm_describe(const QGemmShape& s, int sm_count) {
@@ -960,7 +1060,7 @@ inline std::string quant_gemm_describe(const QGemmShape& s, int sm_count) {
 template <class T>
 cudaError_t quant_gemm_cuda(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y, const QGemmShape& s,
                             const QGemmWorkspace& ws, int sm_count, cudaStream_t stream) {
-  if (quant_gemm_uses_sm90(s)) return qgemm_sm90_cuda<T>(x, tiles, scales, zeros, y, s, sm_count, stream);
+  if (quant_gemm_uses_sm90(s)) return qgemm_sm90_cuda<T>(x, tiles, scales, zeros, y, s, ws, sm_count, stream);
   return qgemm_cuda<T>(x, tiles, scales, zeros, y, s, ws, sm_count, stream);
 }
 
