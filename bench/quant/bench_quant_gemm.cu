@@ -317,7 +317,7 @@ void time_sm90_cfg(const GemmBuffers& b, const kq::QGemmShape& shape, int sm, in
       r.errors[name] = err;
       cudaFuncAttributes fa{};
       int per_sm = 0;
-      const auto kernel = kq::detail::qgemm_sm90_kernel<bf16, C>;
+      const auto kernel = plan.cluster ? kq::detail::qgemm_sm90_kernel<bf16, C, true> : kq::detail::qgemm_sm90_kernel<bf16, C, false>;
       if (cudaFuncGetAttributes(&fa, kernel) == cudaSuccess &&
           cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, C::THREADS, std::size_t(C::SMEM_BYTES)) == cudaSuccess) {
         r.info[name] = {{"regs", fa.numRegs}, {"threads", C::THREADS}, {"smem", C::SMEM_BYTES + int(fa.sharedSizeBytes)},

@@ -480,12 +480,14 @@ struct Sm90Params {
   int* counters;               // [zslices, strips], zero between launches (K splits through global memory)
   int M, N, K, Npad, group;
   int kchunks, cps, strips, splits, zslices;
-  bool cluster;  // K splits reduce within the cluster (else through global memory)
 };
 
-// grid (zslices x strips, 1, splits), clusters of (1, 1, splits); C::THREADS threads, C::SMEM_BYTES dynamic shared memory
-template <class T, class C>
+// grid (zslices x strips, 1, splits); C::THREADS threads, C::SMEM_BYTES dynamic shared memory.
+// CLUSTER: K splits reduce within clusters of (1, 1, splits) blocks; otherwise K splits (if any) go through global
+// memory. Two kernels rather than a flag: with the cluster code in the same kernel, the global reduction measured
+// 5-20% slower on the H200 (gemm4_probe-session10-run4 against -run1, same plans).
 // x_map: (WS) x as a TMA tensor map, box [64 k] x [BN rows], 128-byte swizzle (unused otherwise)
+template <class T, class C, bool CLUSTER>
 __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const Sm90Params p, const __grid_constant__ CUtensorMap x_map) {
 #if SQUEEZE_SM90_WGMMA
   constexpr int BN = C::BN, WM = C::WM, S = C::STAGES, STRIP = C::STRIP, TILES = C::TILES, NACC = BN / 2;
@@ -641,7 +643,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       for (int j = 0; j < 4; ++j)
         if (cc + j < cols) dst[j] = from_float<T>(out4[j]);
     };
-    if (p.cluster) {
+    if constexpr (CLUSTER) {
       // in the cluster: this block's sums into its shared memory, [BN][PITCH] fp32 over the ring (every copy
       // landed, and after the barrier every warpgroup's wgmma finished reading it); then each block sums its share
       // of the tile over the cluster's buffers
@@ -721,7 +723,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       if constexpr (C::PRODUCERS == 128) set_max_regs_dec<C::PRODUCER_REGS>();
       // the cluster barriers of the K-split reduction count every thread: the producer's take part, idle
       if (warp > C::CONSUMERS / 32) {
-        if (p.splits > 1 && p.cluster) {
+        if (CLUSTER && p.splits > 1) {
           cluster_sync();
           cluster_sync();
         }
@@ -746,7 +748,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         }
         __syncwarp();
       }
-      if (p.splits > 1 && p.cluster) {  // the reduction's two cluster barriers (see epilogue)
+      if (CLUSTER && p.splits > 1) {  // the reduction's two cluster barriers (see epilogue)
         cluster_sync();
         cluster_sync();
       }
@@ -935,7 +937,7 @@ Sm90Capacity sm90_capacity(int sm_count) {
     Sm90Capacity c;
     c.slots = 0;
     if (!qgemm_sm90_supported()) return c;
-    const auto kernel = qgemm_sm90_kernel<bf16, C>;  // the fp16 kernel takes the same resources
+    const auto kernel = qgemm_sm90_kernel<bf16, C, true>;  // the fp16 and global-reduction kernels take the same resources
     int dev = 0, sms = 0, per_sm = 0;
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES) != cudaSuccess || cudaGetDevice(&dev) != cudaSuccess ||
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
@@ -983,13 +985,17 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
     return cudaErrorInvalidValue;
   if (global && (reinterpret_cast<std::uintptr_t>(ws.partial) & 15)) return cudaErrorInvalidValue;  // float4 sums
   if (!qgemm_sm90_supported()) return cudaErrorNotSupported;
-  static const cudaError_t attr = cudaFuncSetAttribute(qgemm_sm90_kernel<T, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
+  const auto kernel = p.cluster ? qgemm_sm90_kernel<T, C, true> : qgemm_sm90_kernel<T, C, false>;
+  static const cudaError_t attr = [] {
+    const cudaError_t a = cudaFuncSetAttribute(qgemm_sm90_kernel<T, C, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
+    return a != cudaSuccess ? a : cudaFuncSetAttribute(qgemm_sm90_kernel<T, C, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
+  }();
   if (attr != cudaSuccess) return attr;
   CUtensorMap x_map{};
   if constexpr (C::WS)
     if (const cudaError_t e = make_x_tensor_map(x_map, x, s.M, s.K, C::BN, std::is_same_v<T, bf16>); e != cudaSuccess) return e;
   const Sm90Params prm{x, tiles, scales, zeros, y, ws.partial, ws.counters, int(s.M), int(s.N), int(s.K), int(s.Npad), int(s.group),
-                       int(s.Kpad / kTileK), p.cps, p.strips, p.splits, p.zslices, p.cluster};
+                       int(s.Kpad / kTileK), p.cps, p.strips, p.splits, p.zslices};
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(unsigned(p.zslices * p.strips), 1, unsigned(p.splits));
   cfg.blockDim = dim3(C::THREADS);
@@ -1002,7 +1008,7 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
   cluster.val.clusterDim.z = unsigned(p.splits);
   cfg.attrs = &cluster;
   cfg.numAttrs = p.cluster ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, qgemm_sm90_kernel<T, C>, prm, x_map);
+  return cudaLaunchKernelEx(&cfg, kernel, prm, x_map);
 }
 }  // namespace detail
 
