@@ -178,10 +178,10 @@ Sm90Capacity sm90_even_capacity(int sm_count) {
 // the fraction of the GPU's slots the grid keeps busy (idle slots stretch the time; a wave is the blocks, or for a
 // cluster reduction the clusters of `splits` blocks, the GPU holds at once), plus the reduction, weighted per split,
 // row and column: 4 B through global memory (fp32 partials written and read back, mostly in L2), 2 B in a
-// cluster (distributed shared memory). Session 8 fitted the global form to H200 sweeps with a clean L2
-// (bench/results/h200/gemm4_probe-session8-run4/5.jsonl); the cluster weight and the cluster waves were fitted to
-// session 10's sweeps of both (gemm4_probe-session10-run1 / -run3, 420 configuration x shape x batch cases): the
-// choice is on average 3% slower than the best of both sweeps.
+// cluster (distributed shared memory). Fitted to the H200 sweep of both reductions at 1, 2, 3, 4, 6, 8 (cluster and
+// global), 12 and 16 (global) K ranges with a clean L2 (bench/results/h200/gemm4_probe-session10-run5.jsonl, 420
+// configuration x shape x batch cases): the weights 6 B and 3 B per split, row and column make the plan's choice on
+// average 2.2% slower than the sweep's best (2.8% for the dispatched configurations; the worst case 1.30x).
 inline double sm90_split_cost(const QGemmShape& s, std::int64_t tiles, int splits, bool cluster, const Sm90Capacity& cap) {
   const double wbytes = double(s.Npad) * double(s.Kpad) / 2;
   const std::int64_t slots = std::max(cap.slots, 1);
@@ -193,10 +193,11 @@ inline double sm90_split_cost(const QGemmShape& s, std::int64_t tiles, int split
     const std::int64_t waves = (tiles * splits + slots - 1) / slots;
     fill = double(tiles * splits) / double(waves * slots);
   }
-  return wbytes / fill + (splits > 1 ? (cluster ? 2.0 : 4.0) * splits * double(s.M) * double(s.Npad) : 0.0);
+  return wbytes / fill + (splits > 1 ? (cluster ? 3.0 : 6.0) * splits * double(s.M) * double(s.Npad) : 0.0);
 }
-// K splits: the count (1..16, K ranges of at least 8 chunks: with 4, 4096 x 4096 at M 9..16 took 16 splits, 10% slower
-// than 8 on the H200, gemm4_probe-session9-run6/7) and the reduction with the least sm90_split_cost, unless given.
+// K splits: the count (one of the counts the sweep measured: 1, 2, 3, 4, 6, 8, 12, 16; K ranges of at least 8
+// chunks: with 4, 4096 x 4096 at M 9..16 took 16 splits, 10% slower than 8 on the H200, gemm4_probe-session9-run6/7)
+// and the reduction with the least sm90_split_cost, unless given.
 template <class C>
 Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int splits_override = 0, Sm90Reduce reduce = Sm90Reduce::Auto) {
   Sm90Plan p;
@@ -219,7 +220,8 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int split
   } else {
     const int max_splits = int(std::clamp<std::int64_t>(kchunks / 8, 1, limit));  // K ranges of at least 8 chunks
     double best = 0;
-    for (int sp = 1; sp <= max_splits; ++sp) {
+    for (const int sp : {1, 2, 3, 4, 6, 8, 12, 16}) {
+      if (sp > max_splits) break;
       const int r = ranges(sp);
       for (const bool cl : {true, false}) {
         if (reduce != Sm90Reduce::Auto && cl != (reduce == Sm90Reduce::Cluster)) continue;
@@ -867,39 +869,40 @@ using Sm90TuningCfgs = CfgList<Sm90Cfg<64, 1, 6, 2>, Sm90Cfg<128, 2, 6>,
 //   M = 16:  wg_b64m2s8w 1.02 / 1.11 / 1.20 / 1.26, wg_b64m1s6x2w 0.99 / 1.01 / 1.07 / 1.07 (mma.sync 0.62 / 0.97 / 0.85 / 1.26)
 //   M = 33:  wg_b64m2s8w 0.89 / 1.02 / 1.02 / 1.26, wg_b64m1s6x2w 0.97 / 0.98 / 0.99 / 1.06
 //   M = 64:  wg_b64m2s8w 0.60 / 0.85 / 0.88 / 1.28, wg_b64m1s6x2w 0.74 / 0.90 / 0.91 / 1.05
-//   M = 128: wg_b128m1s6w 0.67 / 0.62 / 0.75 / 0.78, the fastest configuration on every shape (before Sm90LargeWide).
+//   M = 128: wg_b128m1s6w 0.67 / 0.62 / 0.75 / 0.78, the fastest configuration on every shape (before the g4 forms).
 // So two m64 tiles per warpgroup (half the x reads per weight byte) up to M = 64 on layers of kSm90LargeLayer weights
 // or more; one tile and two blocks per SM for M 33..64 on the smaller layers.
 // Batches of up to 16 / 32 rows: slices of 16 / 32 rows (a quarter / half the tensor work of 64-row slices) and two
 // blocks per SM. H200 (gemm4_probe-session9-run6, 74973de, x cuBLAS bf16 at the best split count): M = 9 wg_b16m2s8x2w
 // 1.21 / 1.46 / 1.62 / 1.94, M = 16 1.13 / 1.35 / 1.54 / 1.91 (the dispatch then: 1.10 / 1.18 / 1.27 / 1.37 and 1.05 /
 // 1.12 / 1.25 / 1.27, mma.sync on 8192 x 28672); wg_b32m2s6x2w was the runner-up at both.
+// With the two K-split reductions (session 10), each configuration at the split plan it gets, H200, clean L2
+// (gemm4_probe-session10-run5; ms on 4096 x 4096 / 4096 x 11008 / 11008 x 4096 / 8192 x 28672):
+//   M = 24..32: wg_b32m2s8w 0.0131 / 0.0242 / 0.0242 / 0.0806 at M = 24, wg_b32m2s6x2w 0.0147 / 0.0214 / 0.0261 / 0.0648:
+//     one block per SM and 8 stages on layers of fewer than kSm90WideN outputs, two blocks per SM on wider ones
+//     (session 9 took wg_b64m1s6x2w on 4096 x 4096: 0.0151);
+//   M = 128: wg_b128m1s8wg4 0.0202 / 0.0357 / 0.0355 / 0.1168, wg_b128m1s6w 0.0208 / 0.0430 / 0.0419 / 0.1546: four
+//     consumer warpgroups on every layer now that 4096-wide layers reduce 6 K ranges in a cluster (session 9 took
+//     wg_b128m1s6w below kSm90WideN outputs).
 using Sm90Tiny = Sm90Cfg<16, 2, 8, 2, false, true>;
 using Sm90Narrow = Sm90Cfg<32, 2, 6, 2, false, true>;
+using Sm90NarrowDeep = Sm90Cfg<32, 2, 8, 1, false, true>;
 using Sm90Small = Sm90Cfg<64, 1, 6, 2, false, true>;
 using Sm90SmallWide = Sm90Cfg<64, 2, 8, 1, false, true>;
-using Sm90Large = Sm90Cfg<128, 1, 6, 1, false, true>;
-// M > 64 on layers of kSm90WideN outputs or more: four consumer warpgroups (256-feature strips, half the x bytes per
-// weight byte). H200 (gemm4_probe-session9-run3, clean L2, best split count): 8192 x 28672 at M = 128 0.112 ms
-// against 0.156 for wg_b128m1s6w (cuBLAS bf16 0.124), 4096 x 11008 0.040 against 0.043; on 4096-wide layers it
-// lost (4096 x 4096: 0.030 against 0.024).
-using Sm90LargeWide = Sm90Cfg<128, 1, 6, 1, false, true, 4>;
+// M > 64: four consumer warpgroups (256-feature strips, half the x bytes per weight byte).
+using Sm90Large = Sm90Cfg<128, 1, 8, 1, false, true, 4>;
 }  // namespace detail
 // Npad * Kpad from which a layer counts as large (8192 x 28672 is above, LLaMA-7B's 4096-wide layers below).
 inline constexpr std::int64_t kSm90LargeLayer = std::int64_t(1) << 27;
-// Npad * Kpad from which M 17..32 takes 32-row slices (Sm90Narrow): on 4096 x 4096 one-tile 64-row slices were faster
-// (H200, gemm4_probe-session9-run7: M = 24 0.0142 against 0.0159 ms, M = 32 0.0152 against 0.0187), on the three
-// larger LLaMA shapes slower (4096 x 11008 at M = 24: 0.0248 against 0.0228).
-inline constexpr std::int64_t kSm90NarrowLayer = std::int64_t(1) << 25;
-// Npad from which M > 64 takes Sm90LargeWide.
+// Npad from which M 17..32 takes two blocks per SM (Sm90Narrow) rather than 8 stages (Sm90NarrowDeep).
 inline constexpr std::int64_t kSm90WideN = 8192;
 namespace detail {
 // Calls f(C{}) with the configuration type qgemm_sm90_cuda uses for this shape.
 template <class F>
 decltype(auto) with_sm90_cfg(const QGemmShape& s, F&& f) {
-  if (s.M > 64) return s.Npad >= kSm90WideN ? f(Sm90LargeWide{}) : f(Sm90Large{});
+  if (s.M > 64) return f(Sm90Large{});
   if (s.M <= 16) return f(Sm90Tiny{});
-  if (s.M <= 32) return s.Npad * s.Kpad >= kSm90NarrowLayer ? f(Sm90Narrow{}) : f(Sm90Small{});
+  if (s.M <= 32) return s.Npad >= kSm90WideN ? f(Sm90Narrow{}) : f(Sm90NarrowDeep{});
   if (s.Npad * s.Kpad >= kSm90LargeLayer) return f(Sm90SmallWide{});
   return f(Sm90Small{});
 }
