@@ -156,6 +156,10 @@ inline std::string describe(const Sm90Plan& p) {
 
 // K splits: at most 16 K ranges, at most 8 when they reduce within a cluster (a cluster of up to 8 blocks is portable).
 inline constexpr int kSm90MaxSplits = 16, kSm90MaxClusterSplits = 8;
+// The largest cluster the plan picks by itself: in the H200 sweep of session 10 (gemm4_probe-session10-run7, 480
+// configuration x shape x batch cases) a cluster of 8 was never the fastest (the H200 holds 15 of them of one-per-SM
+// blocks; 4096 x 4096 at M = 16, 16 tiles: 8 in a cluster 0.0137 ms, 6 in a cluster 0.0125).
+inline constexpr int kSm90AutoClusterSplits = 6;
 // How the K ranges of a tile are summed: Auto lets the plan pick (splits_override then fixes only the count).
 enum class Sm90Reduce { Auto, Cluster, Global };
 // What the GPU holds of one configuration at once: `slots` blocks (SMs x blocks per SM), and clusters[k] clusters of k
@@ -179,9 +183,10 @@ Sm90Capacity sm90_even_capacity(int sm_count) {
 // cluster reduction the clusters of `splits` blocks, the GPU holds at once), plus the reduction, weighted per split,
 // row and column: 4 B through global memory (fp32 partials written and read back, mostly in L2), 2 B in a
 // cluster (distributed shared memory). Fitted to the H200 sweep of both reductions at 1, 2, 3, 4, 6, 8 (cluster and
-// global), 12 and 16 (global) K ranges with a clean L2 (bench/results/h200/gemm4_probe-session10-run5.jsonl, 420
-// configuration x shape x batch cases): the weights 6 B and 3 B per split, row and column make the plan's choice on
-// average 2.2% slower than the sweep's best (2.8% for the dispatched configurations; the worst case 1.30x).
+// global), 12 and 16 (global) K ranges with a clean L2 (bench/results/h200/gemm4_probe-session10-run7.jsonl, 480
+// configuration x shape x batch cases): with the weights 6 B and 3 B per split, row and column, and clusters of at
+// most kSm90AutoClusterSplits, the plan's choice is on average 2.6% slower than the sweep's best (0.8% for the
+// dispatched configurations, at most 1.10x; the worst case of all 1.43x).
 inline double sm90_split_cost(const QGemmShape& s, std::int64_t tiles, int splits, bool cluster, const Sm90Capacity& cap) {
   const double wbytes = double(s.Npad) * double(s.Kpad) / 2;
   const std::int64_t slots = std::max(cap.slots, 1);
@@ -225,7 +230,7 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int split
       const int r = ranges(sp);
       for (const bool cl : {true, false}) {
         if (reduce != Sm90Reduce::Auto && cl != (reduce == Sm90Reduce::Cluster)) continue;
-        if (cl && r > kSm90MaxClusterSplits) continue;
+        if (cl && r > kSm90AutoClusterSplits) continue;
         const double cost = sm90_split_cost(s, tiles, r, cl, cap);
         if (best == 0 || cost < best) {
           best = cost;
@@ -880,12 +885,13 @@ using Sm90TuningCfgs = CfgList<Sm90Cfg<64, 1, 6, 2>, Sm90Cfg<128, 2, 6>,
 // 1.12 / 1.25 / 1.27, mma.sync on 8192 x 28672); wg_b32m2s6x2w was the runner-up at both.
 // With the two K-split reductions (session 10), each configuration at the split plan it gets, H200, clean L2
 // (gemm4_probe-session10-run5; ms on 4096 x 4096 / 4096 x 11008 / 11008 x 4096 / 8192 x 28672):
-//   M = 24..32: wg_b32m2s8w 0.0131 / 0.0242 / 0.0242 / 0.0806 at M = 24, wg_b32m2s6x2w 0.0147 / 0.0214 / 0.0261 / 0.0648:
-//     one block per SM and 8 stages on layers of fewer than kSm90WideN outputs, two blocks per SM on wider ones
-//     (session 9 took wg_b64m1s6x2w on 4096 x 4096: 0.0151);
+//   M = 24: wg_b32m2s6x2w 0.0133 (6 in a cluster; its plan takes 8 through global memory, 0.0152) / 0.0221 / 0.0216 /
+//     0.0649 (run 7), wg_b32m2s8w 0.0135 (its plan: 6 in a cluster) / 0.0242 / 0.0238 / 0.0806 (run 5 / 7): two blocks
+//     per SM from kSm90NarrowLayer weights, 8 stages and one block per SM below (4096 x 4096; session 9 took
+//     wg_b64m1s6x2w there, 0.0151 in run 5);
 //   M = 128: wg_b128m1s8wg4 0.0202 / 0.0357 / 0.0355 / 0.1168, wg_b128m1s6w 0.0208 / 0.0430 / 0.0419 / 0.1546: four
 //     consumer warpgroups on every layer now that 4096-wide layers reduce 6 K ranges in a cluster (session 9 took
-//     wg_b128m1s6w below kSm90WideN outputs).
+//     wg_b128m1s6w below 8192 outputs).
 using Sm90Tiny = Sm90Cfg<16, 2, 8, 2, false, true>;
 using Sm90Narrow = Sm90Cfg<32, 2, 6, 2, false, true>;
 using Sm90NarrowDeep = Sm90Cfg<32, 2, 8, 1, false, true>;
@@ -896,15 +902,15 @@ using Sm90Large = Sm90Cfg<128, 1, 8, 1, false, true, 4>;
 }  // namespace detail
 // Npad * Kpad from which a layer counts as large (8192 x 28672 is above, LLaMA-7B's 4096-wide layers below).
 inline constexpr std::int64_t kSm90LargeLayer = std::int64_t(1) << 27;
-// Npad from which M 17..32 takes two blocks per SM (Sm90Narrow) rather than 8 stages (Sm90NarrowDeep).
-inline constexpr std::int64_t kSm90WideN = 8192;
+// Npad * Kpad from which M 17..32 takes Sm90Narrow (4096 x 4096 is below, the three larger LLaMA shapes above).
+inline constexpr std::int64_t kSm90NarrowLayer = std::int64_t(1) << 25;
 namespace detail {
 // Calls f(C{}) with the configuration type qgemm_sm90_cuda uses for this shape.
 template <class F>
 decltype(auto) with_sm90_cfg(const QGemmShape& s, F&& f) {
   if (s.M > 64) return f(Sm90Large{});
   if (s.M <= 16) return f(Sm90Tiny{});
-  if (s.M <= 32) return s.Npad >= kSm90WideN ? f(Sm90Narrow{}) : f(Sm90NarrowDeep{});
+  if (s.M <= 32) return s.Npad * s.Kpad >= kSm90NarrowLayer ? f(Sm90Narrow{}) : f(Sm90NarrowDeep{});
   if (s.Npad * s.Kpad >= kSm90LargeLayer) return f(Sm90SmallWide{});
   return f(Sm90Small{});
 }
