@@ -178,15 +178,15 @@ Sm90Capacity sm90_even_capacity(int sm_count) {
   for (int k = 1; k <= kSm90MaxClusterSplits; ++k) c.clusters[k] = c.slots / k;
   return c;
 }
-// The estimated cost of `splits` K ranges (at most K / 8 chunks... as planned) reduced one way: the weight bytes over
-// the fraction of the GPU's slots the grid keeps busy (idle slots stretch the time; a wave is the blocks, or for a
-// cluster reduction the clusters of `splits` blocks, the GPU holds at once), plus the reduction, weighted per split,
-// row and column: 4 B through global memory (fp32 partials written and read back, mostly in L2), 2 B in a
+// The estimated cost of `splits` K ranges of `tiles` tiles reduced one way: the weight bytes over the fraction of the
+// GPU's slots the grid keeps busy (idle slots stretch the time; a wave is the blocks, or for a cluster reduction the
+// clusters of `splits` blocks, the GPU holds at once), plus the reduction, weighted per split, row and column: 6 B
+// through global memory (fp32 partials written and read back, mostly in L2, a fence and a serial tail), 3 B in a
 // cluster (distributed shared memory). Fitted to the H200 sweep of both reductions at 1, 2, 3, 4, 6, 8 (cluster and
 // global), 12 and 16 (global) K ranges with a clean L2 (bench/results/h200/gemm4_probe-session10-run7.jsonl, 480
-// configuration x shape x batch cases): with the weights 6 B and 3 B per split, row and column, and clusters of at
-// most kSm90AutoClusterSplits, the plan's choice is on average 2.6% slower than the sweep's best (0.8% for the
-// dispatched configurations, at most 1.10x; the worst case of all 1.43x).
+// configuration x shape x batch cases): with clusters of at most kSm90AutoClusterSplits the plan's choice is on
+// average 2.6% slower than the sweep's best (0.8% for the dispatched configurations, at most 1.10x; of all, 1.43x).
+// (Session 8's weight for the global form alone was 4 B.)
 inline double sm90_split_cost(const QGemmShape& s, std::int64_t tiles, int splits, bool cluster, const Sm90Capacity& cap) {
   const double wbytes = double(s.Npad) * double(s.Kpad) / 2;
   const std::int64_t slots = std::max(cap.slots, 1);
@@ -491,8 +491,9 @@ struct Sm90Params {
 
 // grid (zslices x strips, 1, splits); C::THREADS threads, C::SMEM_BYTES dynamic shared memory.
 // CLUSTER: K splits reduce within clusters of (1, 1, splits) blocks; otherwise K splits (if any) go through global
-// memory. Two kernels rather than a flag: with the cluster code in the same kernel, the global reduction measured
-// 5-20% slower on the H200 (gemm4_probe-session10-run4 against -run1, same plans).
+// memory. Two kernels rather than a flag, so that the global one carries no cluster code: one kernel holding both ran
+// the global plans ~1% slower (median) on the H200 (gemm4_probe-session10-run4 against -run5; the larger loss seen
+// in run 4 was the reduction loop, see below).
 // x_map: (WS) x as a TMA tensor map, box [64 k] x [BN rows], 128-byte swizzle (unused otherwise)
 template <class T, class C, bool CLUSTER>
 __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const Sm90Params p, const __grid_constant__ CUtensorMap x_map) {
