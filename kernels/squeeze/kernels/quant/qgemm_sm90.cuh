@@ -100,10 +100,18 @@ namespace squeeze::kernels::quant {
 // STAGES chunks ahead.
 // WGS: consumer warpgroups (2 or 4); each takes 64 WM of the block's features, so 4 of them double the strip and
 // halve the x bytes read per weight byte without the registers of a second accumulator set (WM = 2 with BN = 128).
-template <int BN_, int WM_, int STAGES_, int MINB_ = 1, bool OVERLAP_ = false, bool WS_ = false, int WGS_ = 2>
+// GSCALE: the A operand is the exact small integer q - z (no scale multiply in the decode: 3 of the decode's ~12
+// instructions per 8 weights, and the weights are no longer rounded to T); the wgmma accumulate a group's sums, which
+// are scaled in fp32 into the result once per group. Needs groups of whole 64-k chunks (group % 64 == 0; per
+// channel qualifies) and the warp-specialised form; a second accumulator set, so meant for 16- and 32-row slices.
+// Nsight Compute on wg_b16m2s8x2w at M = 16 (bench/results/h200/ncu-sm90-K8192_N28672_M16-wg_b16m2s8x2w.txt) counted
+// ~210 instructions per warp and chunk in the main loop, 32 of them the scale's HMUL2, at 0.54 issued per scheduler
+// and cycle. Added in session 10 without device time: in the tuning list, not dispatched, not yet measured.
+template <int BN_, int WM_, int STAGES_, int MINB_ = 1, bool OVERLAP_ = false, bool WS_ = false, int WGS_ = 2, bool GSCALE_ = false>
 struct Sm90Cfg {
   static constexpr int BN = BN_, WM = WM_, STAGES = STAGES_, MINB = MINB_, WGS = WGS_;
-  static constexpr bool OVERLAP = OVERLAP_, WS = WS_;
+  static constexpr bool OVERLAP = OVERLAP_, WS = WS_, GSCALE = GSCALE_;
+  static_assert(!GSCALE || (WS && !OVERLAP), "per-group fp32 scaling (GSCALE) is built for the warp-specialised form without OVERLAP");
   static constexpr int AHEAD = OVERLAP ? STAGES - 2 : STAGES - 1;  // chunks the copy ring runs ahead (not WS)
   static constexpr int CONSUMERS = 128 * WGS;                      // the consumer warpgroups
   // + the producer: one warp; with 4 consumer warpgroups a whole warpgroup, so that it can hand its registers to
@@ -436,6 +444,7 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const std::uint32_t (&a
 // sc = the scale (bf16: rounded from fp16).
 struct Sm90Group {
   std::uint32_t zc[2], zo[2], sc[2];
+  float scale[2];  // GSCALE: the rows' fp16 scales as fp32 (exact)
 };
 template <class T>
 __device__ __forceinline__ Sm90Group sm90_group(const half* srow, const std::uint8_t* zrow, int n_lo) {
@@ -444,6 +453,7 @@ __device__ __forceinline__ Sm90Group sm90_group(const half* srow, const std::uin
   for (int r = 0; r < 2; ++r) {
     const float z = float(zrow[n_lo + 8 * r]);
     const float s = __half2float(srow[n_lo + 8 * r]);
+    g.scale[r] = s;
     if constexpr (std::is_same_v<T, bf16>) {
       g.zc[r] = u32(__float2bfloat162_rn(128.f + z));
       g.zo[r] = 0;
@@ -457,8 +467,9 @@ __device__ __forceinline__ Sm90Group sm90_group(const half* srow, const std::uin
   return g;
 }
 // One tile word (k-step) -> the wgmma A fragment: pair i (nibbles i, i + 4) covers row l/4 + 8 (i >> 1) and
-// k 2 (l%4) + 8 (i & 1) (+1), i.e. register a[2 (i & 1) + (i >> 1)]; value (q - z) * scale rounded to T.
-template <class T>
+// k 2 (l%4) + 8 (i & 1) (+1), i.e. register a[2 (i & 1) + (i >> 1)]; value (q - z) * scale rounded to T, or with
+// SCALE false the exact q - z (the scale is applied to the group's fp32 sums, GSCALE).
+template <class T, bool SCALE = true>
 __device__ __forceinline__ void sm90_decode(std::uint32_t w, const Sm90Group& g, std::uint32_t (&a)[4]) {
   using V = typename Vec2<T>::type;
 #pragma unroll
@@ -473,7 +484,8 @@ __device__ __forceinline__ void sm90_decode(std::uint32_t w, const Sm90Group& g,
     } else {
       v = __hsub2(pair, as_vec2<V>(g.zc[r]));
     }
-    a[2 * (i & 1) + r] = u32(__hmul2(v, as_vec2<V>(g.sc[r])));
+    if constexpr (SCALE) a[2 * (i & 1) + r] = u32(__hmul2(v, as_vec2<V>(g.sc[r])));
+    else a[2 * (i & 1) + r] = u32(v);
   }
 }
 
@@ -548,6 +560,9 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   };
 
   float acc[WM][NACC];
+  // GSCALE: the wgmma accumulate the current group's unscaled sums here; scale_group adds them, scaled, to acc
+  float acc_group[WM][NACC];
+  float (&mma_acc)[WM][NACC] = C::GSCALE ? acc_group : acc;
 
   // this thread's A rows: tile (wg * 4 WM + 4 t + wq) of the strip, rows l/4 and l/4 + 8 of it
   const int nl = wg * 64 * WM + wq * 16 + g4;  // feature of row l/4 of tile t = 0, relative to the strip
@@ -559,8 +574,18 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
 #pragma unroll
   for (int t = 0; t < WM; ++t)
 #pragma unroll
-    for (int i = 0; i < NACC; ++i) acc[t][i] = 0.f;
+    for (int i = 0; i < NACC; ++i) acc[t][i] = acc_group[t][i] = 0.f;
   Sm90Group grp[WM];
+  // GSCALE, after the wait for a group's last chunk: its sums, times the rows' scales, into acc
+  auto scale_group = [&] {
+#pragma unroll
+    for (int t = 0; t < WM; ++t)
+#pragma unroll
+      for (int i = 0; i < NACC; ++i) {
+        acc[t][i] = fmaf(grp[t].scale[(i >> 1) & 1], acc_group[t][i], acc[t][i]);
+        acc_group[t][i] = 0.f;
+      }
+  };
   // x's descriptor at the ring's base: a stage's and k-step's descriptor adds their byte offset / 16 (the start
   // address field; the ring lies below 2^18 bytes, so the sum stays within it)
   const std::uint64_t x_desc0 = sw128_desc(smem_addr(smem));
@@ -590,11 +615,11 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
 #pragma unroll
       for (int t = 0; t < WM; ++t) {
         const std::uint32_t w = ks == 0 ? wv[t].x : ks == 1 ? wv[t].y : ks == 2 ? wv[t].z : wv[t].w;
-        sm90_decode<T>(w, grp[t], a[ks][t]);
+        sm90_decode<T, !C::GSCALE>(w, grp[t], a[ks][t]);
       }
       wgmma_fence();
 #pragma unroll
-      for (int t = 0; t < WM; ++t) wgmma_rs<T>(acc[t], a[ks][t], x_desc + 2 * ks);  // + 32 B per k-step
+      for (int t = 0; t < WM; ++t) wgmma_rs<T>(mma_acc[t], a[ks][t], x_desc + 2 * ks);  // + 32 B per k-step
       if (ks == 0) after_first();
     }
     wgmma_commit();
@@ -606,7 +631,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       pin_a(a_other);
     } else {
       wgmma_wait<0>();
-      pin_operands(a_cur, acc);
+      pin_operands(a_cur, mma_acc);
     }
   };
 
@@ -614,7 +639,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   auto epilogue = [&] {
     if constexpr (C::OVERLAP) {  // the last chunk's wgmma; accumulators are read only after this
       wgmma_wait<0>();
-      pin_operands(a0, acc);
+      pin_operands(a0, mma_acc);
       pin_a(a1);
     }
 
@@ -771,6 +796,10 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         __syncwarp();  // converged again before the .aligned wgmma operations
         mma_chunk(smem + ring * C::STAGE_BYTES, kc0 + c, a_cur, [] {});
         retire(a_cur, a_other);
+        // GSCALE: the group ends with this chunk (the K range's last, or the next chunk starts the group after:
+        // groups are whole chunks, and next_group_k is where the one grp holds ends)
+        if constexpr (C::GSCALE)
+          if (c + 1 == nck || (kc0 + c + 1) * kTileK >= next_group_k) scale_group();
         // the stage the finished wgmma read goes back to the producer (OVERLAP: the chunk before's)
         if (lane == 0 && (!C::OVERLAP || c > 0)) mbar_arrive(empty_bar + (C::OVERLAP ? (c + S - 1) % S : ring));
         __syncwarp();
@@ -849,10 +878,11 @@ template <class C>
 std::string sm90_cfg_name() {
   return "wg_b" + std::to_string(C::BN) + "m" + std::to_string(C::WM) + "s" + std::to_string(C::STAGES) +
          (C::MINB > 1 ? "x" + std::to_string(C::MINB) : "") + (C::OVERLAP ? "o" : "") + (C::WS ? "w" : "") +
-         (C::WGS != 2 ? "g" + std::to_string(C::WGS) : "");
+         (C::WGS != 2 ? "g" + std::to_string(C::WGS) : "") + (C::GSCALE ? "f" : "");
 }
 // Configurations the benchmark times (batch rows per block, m64 tiles per warpgroup, stages, blocks per SM,
-// overlap across chunks, warp-specialised; names wg_b<BN>m<WM>s<STAGES>[x<MINB>][o][w]). The H200 sweep of session 7
+// overlap across chunks, warp-specialised, consumer warpgroups, per-group fp32 scaling; names
+// wg_b<BN>m<WM>s<STAGES>[x<MINB>][o][w][g<WGS>][f]). The H200 sweep of session 7
 // (bench/results/h200/gemm4-sm90-session7.*, gemm4_probe.*) also timed m2 / 4-stage forms, slower on every case.
 using Sm90TuningCfgs = CfgList<Sm90Cfg<64, 1, 6, 2>, Sm90Cfg<128, 2, 6>,
                                // warp-specialised (a producer warp, TMA / bulk copies, mbarriers; names end in w)
@@ -869,7 +899,11 @@ using Sm90TuningCfgs = CfgList<Sm90Cfg<64, 1, 6, 2>, Sm90Cfg<128, 2, 6>,
                                // of 64-row slices for batches up to 16 / 32); small accumulators leave room for two
                                // blocks per SM
                                Sm90Cfg<16, 2, 8, 1, false, true>, Sm90Cfg<16, 2, 8, 2, false, true>, Sm90Cfg<32, 2, 6, 2, false, true>,
-                               Sm90Cfg<32, 2, 8, 1, false, true>>;
+                               Sm90Cfg<32, 2, 8, 1, false, true>,
+                               // the A operand unscaled, each group's sums scaled in fp32 (GSCALE; names end in f):
+                               // not measured yet. (The 32-row form spilled 392 bytes in its fp16 build at two blocks
+                               // per SM.)
+                               Sm90Cfg<16, 2, 8, 2, false, true, 2, true>>;
 // What qgemm_sm90_cuda runs: the warp-specialised form; batch slices of 64 rows up to M = 64, of 128 rows above.
 // H200, clean L2, x cuBLAS bf16 on 4096 x 4096 / 4096 x 11008 / 11008 x 4096 / 8192 x 28672, each configuration
 // at its best split count (bench/results/h200/gemm4_probe-session8-run4.*, 554a9c6):
@@ -992,6 +1026,7 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
     return cudaErrorInvalidValue;  // 16-byte copies
   if (std::int64_t(p.zslices) * p.strips > 0x7fffffff) return cudaErrorInvalidValue;  // the grid's x dimension
   if (p.splits < 1 || p.splits > (p.cluster ? kSm90MaxClusterSplits : kSm90MaxSplits)) return cudaErrorInvalidValue;  // a portable cluster
+  if (C::GSCALE && s.group % kTileK) return cudaErrorInvalidValue;  // per-group scaling: groups of whole chunks
   const bool global = p.splits > 1 && !p.cluster;
   if (global && (ws.partial == nullptr || ws.partial_elems < p.partial_elems || ws.counters == nullptr || ws.counter_elems < p.counter_elems))
     return cudaErrorInvalidValue;
