@@ -40,7 +40,8 @@ void sm90_all_cfgs(kq::detail::CfgList<Cs...>, const TwinCase<T>& tc, const std:
 // Every configuration the benchmark times, fp16 and bf16, M 33 / 64 / 100 / 128 (partial batch slices: 33 and
 // 100 are not multiples of 8), N 299 (odd: two strips of 256 or three of 128, the last partial, and a partial tile), K 1096 (a multiple of 8, padded to 1152),
 // groups of 32 with act-order (four groups per chunk, x gathered by perm), 128 and per channel; the plan's
-// K splits and forced 1, 3 and 7 (partials reduced by the last block).
+// K splits and forced 1, 3 and 7, each summed in a cluster and through global memory (sm90_cfg_runs). The GSCALE
+// configurations refuse the groups of 32 (not whole 64-k chunks).
 TEST(QuantCudaSm90, EveryConfigurationMatchesCpuTwin) {
   REQUIRE_SM90();
   for (int group : {32, 128, 0}) {
@@ -217,6 +218,13 @@ TEST(QuantCudaSm90, RejectsShapesItCannotTake) {
   EXPECT_EQ(launch_with({partial, global_plan.partial_elems, cnt.data(), global_plan.counter_elems - 1}), cudaErrorInvalidValue);
   EXPECT_EQ(launch_with({partial, global_plan.partial_elems, nullptr, global_plan.counter_elems}), cudaErrorInvalidValue);
   EXPECT_EQ(launch_with({partial + 1, global_plan.partial_elems, cnt.data(), global_plan.counter_elems}), cudaErrorInvalidValue);  // float4 sums
+  // per-group fp32 scaling (GSCALE) with groups that are not whole 64-k chunks
+  using TinyScaled = kq::Sm90Cfg<16, 2, 8, 2, false, true, 2, true>;
+  const kq::QGemmShape group32{16, 200, 1096, 1152, 208, 32, 4};
+  EXPECT_EQ((kq::detail::launch_qgemm_sm90_cfg<half, TinyScaled>(nullptr, nullptr, nullptr, nullptr, nullptr, group32,
+                                                                  kq::plan_qgemm_sm90<TinyScaled>(group32, kq::sm90_even_capacity<TinyScaled>(132), 1), {},
+                                                                  nullptr)),
+            cudaErrorInvalidValue);
   using Tiny = kq::Sm90Cfg<16, 2, 8, 2, false, true>;
   const kq::QGemmShape huge{std::int64_t(1) << 24, std::int64_t(1) << 30, 64, 64, std::int64_t(1) << 30, 64, 4};
   const auto huge_plan = kq::plan_qgemm_sm90<Tiny>(huge, kq::sm90_even_capacity<Tiny>(132), 1);
