@@ -974,6 +974,29 @@ inline cudaError_t make_x_tensor_map(CUtensorMap& map, const void* x, std::int64
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+// The launch of a configuration-C kernel over `grid`, in clusters of (1, 1, cluster) blocks (the K ranges of a tile),
+// or without a cluster attribute for cluster 0; for cudaLaunchKernelEx and cudaOccupancyMaxActiveClusters (which
+// wants the attribute, 1 included). Not copyable: cfg points at cluster_dim.
+template <class C>
+struct Sm90Launch {
+  cudaLaunchAttribute cluster_dim{};
+  cudaLaunchConfig_t cfg{};
+  Sm90Launch(dim3 grid, int cluster, cudaStream_t stream) {
+    cluster_dim.id = cudaLaunchAttributeClusterDimension;
+    cluster_dim.val.clusterDim.x = 1;
+    cluster_dim.val.clusterDim.y = 1;
+    cluster_dim.val.clusterDim.z = unsigned(cluster);
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(C::THREADS);
+    cfg.dynamicSmemBytes = C::SMEM_BYTES;
+    cfg.stream = stream;
+    cfg.attrs = &cluster_dim;
+    cfg.numAttrs = cluster > 0 ? 1 : 0;
+  }
+  Sm90Launch(const Sm90Launch&) = delete;
+  Sm90Launch& operator=(const Sm90Launch&) = delete;
+};
+
 // The current device's capacity for configuration C: blocks per SM x SMs, and cudaOccupancyMaxActiveClusters per
 // cluster size; asked once per configuration. Where the device cannot say (no sm_90a code, not an sm_90 device), the
 // even capacity of sm_count SMs.
@@ -993,18 +1016,8 @@ Sm90Capacity sm90_capacity(int sm_count) {
     }
     c.slots = per_sm * sms;
     for (int k = 1; k <= kSm90MaxClusterSplits; ++k) {
-      cudaLaunchConfig_t cfg{};
-      cfg.gridDim = dim3(1, 1, unsigned(k));
-      cfg.blockDim = dim3(C::THREADS);
-      cfg.dynamicSmemBytes = C::SMEM_BYTES;
-      cudaLaunchAttribute cluster{};
-      cluster.id = cudaLaunchAttributeClusterDimension;
-      cluster.val.clusterDim.x = 1;
-      cluster.val.clusterDim.y = 1;
-      cluster.val.clusterDim.z = unsigned(k);
-      cfg.attrs = &cluster;
-      cfg.numAttrs = 1;
-      if (cudaOccupancyMaxActiveClusters(&c.clusters[k], kernel, &cfg) != cudaSuccess) {
+      const Sm90Launch<C> launch(dim3(1, 1, unsigned(k)), k, nullptr);
+      if (cudaOccupancyMaxActiveClusters(&c.clusters[k], kernel, &launch.cfg) != cudaSuccess) {
         cudaGetLastError();
         c.clusters[k] = 0;
       }
@@ -1043,19 +1056,8 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
     if (const cudaError_t e = make_x_tensor_map(x_map, x, s.M, s.K, C::BN, std::is_same_v<T, bf16>); e != cudaSuccess) return e;
   const Sm90Params prm{x, tiles, scales, zeros, y, ws.partial, ws.counters, int(s.M), int(s.N), int(s.K), int(s.Npad), int(s.group),
                        int(s.Kpad / kTileK), p.cps, p.strips, p.splits, p.zslices};
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned(p.zslices * p.strips), 1, unsigned(p.splits));
-  cfg.blockDim = dim3(C::THREADS);
-  cfg.dynamicSmemBytes = C::SMEM_BYTES;
-  cfg.stream = stream;
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = 1;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = unsigned(p.splits);
-  cfg.attrs = &cluster;
-  cfg.numAttrs = p.cluster ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, prm, x_map);
+  const Sm90Launch<C> launch(dim3(unsigned(p.zslices * p.strips), 1, unsigned(p.splits)), p.cluster ? p.splits : 0, stream);
+  return cudaLaunchKernelEx(&launch.cfg, kernel, prm, x_map);
 }
 }  // namespace detail
 
