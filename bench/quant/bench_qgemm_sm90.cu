@@ -5,7 +5,9 @@
 //   mma      qgemm_cuda (the mma.sync kernel) at every M
 //   wg_*     every wgmma configuration of kq::detail::Sm90TuningCfgs at K splits {its plan, 1, 2, 3, 4, 6, 8, 12, 16}, each
 //            K-split count reduced both ways (in a cluster up to 8, through global memory)
-//   sv_*     every configuration of the streaming kernel (qgemv.cuh, M <= 16) with its own plan
+//   sv_*     (--streaming) every configuration of the streaming kernel (qgemv.cuh, M <= 16) with its own plan
+//   probes   (--probes) kq::detail::Sm90ProbeCfgs at their own plans: the dispatched forms without their decode
+//            (_probe1) or without any consumer work (_probe2), i.e. what the copies alone cost; results not checked
 //   cuBLAS   bf16 GEMM (cublasGemmEx, W [N, K] bf16 as nn.Linear stores it), the peer
 // Weights are random codes, scales and zero points (group 128): only time is measured here; the GPU tests check
 // the numbers. Each wgmma result is still compared with the mma.sync kernel's on the same data (max error
@@ -17,7 +19,7 @@
 // of the 4-bit tiles and of the bf16 weights, timed the same way: what merely reading those bytes costs at this
 // size, so read_bf16_ms / read4_ms bounds the ratio any kernel can reach against a memory-bound peer.
 // Usage: bench_qgemm_sm90 [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m LIST] [--cfg NAME-SUBSTRING]
-//                         [--l2-flush clean|dirty]
+//                         [--l2-flush clean|dirty] [--probes] [--streaming]
 //   (--cfg: only the wgmma configurations whose names contain it, and not the dispatch: for a profiler;
 //    --l2-flush: how L2 is swept before each timed launch, see gemm_timing.cuh; default clean)
 #include <algorithm>
@@ -142,7 +144,7 @@ struct Timed {
 // One configuration and plan: its result against ref (BAD past 2e-2 of max |y|), then timed when good.
 template <class Launch>
 void check_and_time(const std::string& name, const std::string& plan, int splits, const std::string& reduce, Launch launch, bf16* y,
-                    std::size_t ny, const std::vector<bf16>& ref, int reps, std::vector<Timed>& out) {
+                    std::size_t ny, const std::vector<bf16>& ref, int reps, std::vector<Timed>& out, bool check = true) {
   watchdog_note(name + " " + plan);
   SQUEEZE_CUDA_CHECK(cudaMemset(y, 0xff, ny * sizeof(bf16)));
   if (const cudaError_t e = launch(); e != cudaSuccess) {
@@ -154,7 +156,7 @@ void check_and_time(const std::string& name, const std::string& plan, int splits
   std::vector<bf16> got(ny);
   SQUEEZE_CUDA_CHECK(cudaMemcpy(got.data(), y, ny * sizeof(bf16), cudaMemcpyDeviceToHost));
   Timed t{name, splits, reduce, 0, max_rel(got, ref)};
-  if (t.err < 2e-2) t.ms = time_ms([&] { SQUEEZE_CUDA_CHECK(launch()); }, reps);
+  if (t.err < 2e-2 || !check) t.ms = time_ms([&] { SQUEEZE_CUDA_CHECK(launch()); }, reps);
   out.push_back(t);
 }
 
@@ -194,6 +196,23 @@ void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape&
   (one(Cs{}), ...);
 }
 
+// Each measuring variant (kq::detail::Sm90ProbeCfgs: wrong results by design, timed without the check) at its base
+// configuration's own plan.
+template <class... Cs>
+void time_probe_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16* y, std::size_t ny,
+                     const std::vector<bf16>& ref, int sm, int reps, std::vector<Timed>& out) {
+  auto one = [&](auto c) {
+    using C = decltype(c);
+    const auto plan = kq::plan_qgemm_sm90<C>(s, kq::detail::sm90_capacity<C>(sm), 0, kq::Sm90Reduce::Auto);
+    const Workspace ws({nullptr, plan.partial_elems, nullptr, plan.counter_elems});
+    check_and_time(
+        kq::detail::sm90_cfg_name<C>(), kq::describe(plan), plan.splits, plan.splits == 1 ? "" : plan.cluster ? "cluster" : "global",
+        [&] { return kq::detail::launch_qgemm_sm90_cfg<bf16, C>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws.ws, nullptr); }, y, ny, ref, reps,
+        out, false);
+  };
+  (one(Cs{}), ...);
+}
+
 // Every streaming configuration at each distinct K part count {its plan, 1, 2, 4, 8}.
 template <class... Cs>
 void time_qgemv_cfgs(kq::detail::QGemvCfgList<Cs...>, const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16* y, std::size_t ny,
@@ -218,6 +237,7 @@ void time_qgemv_cfgs(kq::detail::QGemvCfgList<Cs...>, const Layer& L, const kq::
 
 int main(int argc, char** argv) {
   std::string out_path, only, only_cfg;
+  bool probes = false, streaming = false;
   std::vector<std::int64_t> batches = {1, 16, 33, 64, 128};
   int reps = 30;
   for (int i = 1; i < argc; ++i) {
@@ -226,6 +246,8 @@ int main(int argc, char** argv) {
     else if (a == "--reps" && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
     else if (a == "--only" && i + 1 < argc) only = argv[++i];
     else if (a == "--cfg" && i + 1 < argc) only_cfg = argv[++i];
+    else if (a == "--probes") probes = true;
+    else if (a == "--streaming") streaming = true;
     else if (a == "--l2-flush" && i + 1 < argc) {
       if (!squeeze::bench::set_l2_flush(argv[0], argv[++i])) return 2;
     }
@@ -234,7 +256,7 @@ int main(int argc, char** argv) {
       std::stringstream list(argv[++i]);
       for (std::string item; std::getline(list, item, ',');) batches.push_back(std::stoll(item));
     } else {
-      std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m 1,16,...] [--cfg NAME-SUBSTRING] [--l2-flush clean|dirty]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m 1,16,...] [--cfg NAME-SUBSTRING] [--l2-flush clean|dirty] [--probes] [--streaming]\n", argv[0]);
       return 2;
     }
   }
@@ -331,8 +353,15 @@ int main(int argc, char** argv) {
       std::vector<Timed> wg;
       if (kq::qgemm_sm90_supported() && M > 1)
         time_cfgs(kq::detail::Sm90TuningCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), only_cfg, wg);
+      std::vector<Timed> pr;
+      if (kq::qgemm_sm90_supported() && probes) {
+        time_probe_cfgs(kq::detail::Sm90ProbeCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), pr);
+        std::printf("  probes:");
+        for (const auto& t : pr) std::printf("  %s/%d %.4f", t.name.c_str(), t.splits, t.ms);
+        std::printf("  (ms; read of the 4-bit tiles %.4f)\n", read4_ms);
+      }
       std::vector<Timed> sv;
-      if (kq::qgemv_reason(s).empty()) time_qgemv_cfgs(kq::detail::QGemvTuningCfgs{}, L, s, x.p, y.p, y.n, ref, sm, reps, sv);
+      if (streaming && kq::qgemv_reason(s).empty()) time_qgemv_cfgs(kq::detail::QGemvTuningCfgs{}, L, s, x.p, y.p, y.n, ref, sm, reps, sv);
       const Timed* best_sv = nullptr;
       for (const auto& t : sv)
         if (t.ms > 0 && (!best_sv || t.ms < best_sv->ms)) best_sv = &t;
@@ -371,6 +400,10 @@ int main(int argc, char** argv) {
           j << (i ? ", " : "") << "{\"cfg\": \"" << wg[i].name << "\", \"splits\": " << wg[i].splits << ", \"reduce\": \"" << wg[i].reduce
             << "\", \"ms\": " << wg[i].ms
             << ", \"rel_err\": " << wg[i].err << "}";
+        j << "], \"probes\": [";
+        for (std::size_t i = 0; i < pr.size(); ++i)
+          j << (i ? ", " : "") << "{\"cfg\": \"" << pr[i].name << "\", \"splits\": " << pr[i].splits << ", \"reduce\": \"" << pr[i].reduce
+            << "\", \"ms\": " << pr[i].ms << "}";
         j << "], \"streaming\": [";
         for (std::size_t i = 0; i < sv.size(); ++i)
           j << (i ? ", " : "") << "{\"cfg\": \"" << sv[i].name << "\", \"parts\": " << sv[i].splits << ", \"ms\": " << sv[i].ms

@@ -111,6 +111,7 @@ template <int BN_, int WM_, int STAGES_, int MINB_ = 1, bool OVERLAP_ = false, b
 struct Sm90Cfg {
   static constexpr int BN = BN_, WM = WM_, STAGES = STAGES_, MINB = MINB_, WGS = WGS_;
   static constexpr bool OVERLAP = OVERLAP_, WS = WS_, GSCALE = GSCALE_;
+  static constexpr int PROBE = 0;  // Sm90Probe: a measuring variant that skips work (wrong results; benchmark only)
   static_assert(!GSCALE || (WS && !OVERLAP), "per-group fp32 scaling (GSCALE) is built for the warp-specialised form without OVERLAP");
   static constexpr int AHEAD = OVERLAP ? STAGES - 2 : STAGES - 1;  // chunks the copy ring runs ahead (not WS)
   static constexpr int CONSUMERS = 128 * WGS;                      // the consumer warpgroups
@@ -144,6 +145,17 @@ struct Sm90Cfg {
   // away from the mma.sync kernel's on every shape, while WS with WM = 1 and every non-WS configuration agreed.
   // The likely cause, the single A register set under OVERLAP, is gone (two sets now). WS with WM = 2 sits in
   // the tuning list (checked against the CPU twin by the GPU tests) since session 8.
+};
+
+// Measuring variants of a warp-specialised configuration (bench_qgemm_sm90 --probe): the same grid, ring and
+// copies, less of the consumers' work, so the time says what bounds the real kernel. Their results are wrong.
+//   PROBE 1: no decode: the raw tile words are the A operand, no group constants (the wgmma, the copies remain);
+//   PROBE 2: no consumer work: each consumer warp waits for every stage and hands it back (the copies remain).
+template <class Base, int PROBE_>
+struct Sm90Probe : Base {
+  static_assert(Base::WS && !Base::OVERLAP, "probes measure the warp-specialised form");
+  static_assert(PROBE_ == 1 || PROBE_ == 2, "probe 1 (no decode) or 2 (no consumer work)");
+  static constexpr int PROBE = PROBE_;
 };
 
 struct Sm90Plan {
@@ -604,7 +616,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     int grow = 0;  // the stage's group row of the group grp holds (row 0: the group of the chunk's first k)
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      if (min(kc * kTileK + 16 * ks, p.K - 1) >= next_group_k) {  // a new group (uniform across the block)
+      if (C::PROBE == 0 && min(kc * kTileK + 16 * ks, p.K - 1) >= next_group_k) {  // a new group (uniform across the block)
         next_group_k += p.group;
         if (ks > 0) ++grow;
         const half* srow = reinterpret_cast<const half*>(st + XB + WB) + grow * STRIP;
@@ -615,7 +627,11 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
 #pragma unroll
       for (int t = 0; t < WM; ++t) {
         const std::uint32_t w = ks == 0 ? wv[t].x : ks == 1 ? wv[t].y : ks == 2 ? wv[t].z : wv[t].w;
-        sm90_decode<T, !C::GSCALE>(w, grp[t], a[ks][t]);
+        if constexpr (C::PROBE == 1) {
+          a[ks][t][0] = w, a[ks][t][1] = w ^ 1u, a[ks][t][2] = w ^ 2u, a[ks][t][3] = w ^ 3u;
+        } else {
+          sm90_decode<T, !C::GSCALE>(w, grp[t], a[ks][t]);
+        }
       }
       wgmma_fence();
 #pragma unroll
@@ -794,6 +810,11 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         const int ring = c % S;
         mbar_wait(full_bar + ring, unsigned(c / S) & 1u);
         __syncwarp();  // converged again before the .aligned wgmma operations
+        if constexpr (C::PROBE == 2) {
+          if (lane == 0) mbar_arrive(empty_bar + ring);
+          __syncwarp();
+          return;
+        }
         mma_chunk(smem + ring * C::STAGE_BYTES, kc0 + c, a_cur, [] {});
         retire(a_cur, a_other);
         // GSCALE: the group ends with this chunk (the K range's last, or the next chunk starts the group after:
@@ -878,7 +899,7 @@ template <class C>
 std::string sm90_cfg_name() {
   return "wg_b" + std::to_string(C::BN) + "m" + std::to_string(C::WM) + "s" + std::to_string(C::STAGES) +
          (C::MINB > 1 ? "x" + std::to_string(C::MINB) : "") + (C::OVERLAP ? "o" : "") + (C::WS ? "w" : "") +
-         (C::WGS != 2 ? "g" + std::to_string(C::WGS) : "") + (C::GSCALE ? "f" : "");
+         (C::WGS != 2 ? "g" + std::to_string(C::WGS) : "") + (C::GSCALE ? "f" : "") + (C::PROBE ? "_probe" + std::to_string(C::PROBE) : "");
 }
 // Configurations the benchmark times (batch rows per block, m64 tiles per warpgroup, stages, blocks per SM,
 // overlap across chunks, warp-specialised, consumer warpgroups, per-group fp32 scaling; names
@@ -904,6 +925,11 @@ using Sm90TuningCfgs = CfgList<Sm90Cfg<64, 1, 6, 2>, Sm90Cfg<128, 2, 6>,
                                // not measured yet. (The 32-row form spilled 392 bytes in its fp16 build at two blocks
                                // per SM.)
                                Sm90Cfg<16, 2, 8, 2, false, true, 2, true>>;
+// Measuring variants (bench_qgemm_sm90 --probes; names end in _probe1 / _probe2): what the dispatched 16-row and
+// 128-row forms cost without their decode, and without any consumer work.
+using Sm90ProbeCfgs = CfgList<Sm90Probe<Sm90Cfg<16, 2, 8, 2, false, true>, 1>, Sm90Probe<Sm90Cfg<16, 2, 8, 2, false, true>, 2>,
+                              Sm90Probe<Sm90Cfg<16, 2, 8, 1, false, true>, 2>, Sm90Probe<Sm90Cfg<64, 2, 8, 1, false, true>, 2>,
+                              Sm90Probe<Sm90Cfg<128, 1, 8, 1, false, true, 4>, 1>, Sm90Probe<Sm90Cfg<128, 1, 8, 1, false, true, 4>, 2>>;
 // What qgemm_sm90_cuda runs: the warp-specialised form; batch slices of 64 rows up to M = 64, of 128 rows above.
 // H200, clean L2, x cuBLAS bf16 on 4096 x 4096 / 4096 x 11008 / 11008 x 4096 / 8192 x 28672, each configuration
 // at its best split count (bench/results/h200/gemm4_probe-session8-run4.*, 554a9c6):
