@@ -7,7 +7,8 @@
 //            K-split count reduced both ways (in a cluster up to 8, through global memory)
 //   sv_*     (--streaming) every configuration of the streaming kernel (qgemv.cuh, M <= 16) with its own plan
 //   probes   (--probes) kq::detail::Sm90ProbeCfgs at their own plans: the dispatched forms without their decode
-//            (_probe1) or without any consumer work (_probe2), i.e. what the copies alone cost; results not checked
+//            (_probe1) or without any consumer work (_probe2), i.e. what the copies alone cost; results not checked;
+//            and kq::detail::Sm90TweakCfgs, variants under measurement (checked)
 //   cuBLAS   bf16 GEMM (cublasGemmEx, W [N, K] bf16 as nn.Linear stores it), the peer
 // Weights are random codes, scales and zero points (group 128): only time is measured here; the GPU tests check
 // the numbers. Each wgmma result is still compared with the mma.sync kernel's on the same data (max error
@@ -196,11 +197,11 @@ void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape&
   (one(Cs{}), ...);
 }
 
-// Each measuring variant (kq::detail::Sm90ProbeCfgs: wrong results by design, timed without the check) at its base
-// configuration's own plan.
+// Each variant at its base configuration's own plan: kq::detail::Sm90ProbeCfgs (wrong results by design, timed
+// without the check) and kq::detail::Sm90TweakCfgs (checked).
 template <class... Cs>
 void time_probe_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16* y, std::size_t ny,
-                     const std::vector<bf16>& ref, int sm, int reps, std::vector<Timed>& out) {
+                     const std::vector<bf16>& ref, int sm, int reps, std::vector<Timed>& out, bool check) {
   auto one = [&](auto c) {
     using C = decltype(c);
     const auto plan = kq::plan_qgemm_sm90<C>(s, kq::detail::sm90_capacity<C>(sm), 0, kq::Sm90Reduce::Auto);
@@ -208,7 +209,7 @@ void time_probe_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemm
     check_and_time(
         kq::detail::sm90_cfg_name<C>(), kq::describe(plan), plan.splits, plan.splits == 1 ? "" : plan.cluster ? "cluster" : "global",
         [&] { return kq::detail::launch_qgemm_sm90_cfg<bf16, C>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws.ws, nullptr); }, y, ny, ref, reps,
-        out, false);
+        out, check);
   };
   (one(Cs{}), ...);
 }
@@ -355,9 +356,10 @@ int main(int argc, char** argv) {
         time_cfgs(kq::detail::Sm90TuningCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), only_cfg, wg);
       std::vector<Timed> pr;
       if (kq::qgemm_sm90_supported() && probes) {
-        time_probe_cfgs(kq::detail::Sm90ProbeCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), pr);
-        std::printf("  probes:");
-        for (const auto& t : pr) std::printf("  %s/%d %.4f", t.name.c_str(), t.splits, t.ms);
+        time_probe_cfgs(kq::detail::Sm90ProbeCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), pr, false);
+        time_probe_cfgs(kq::detail::Sm90TweakCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), pr, true);
+        std::printf("  probes and tweaks:");
+        for (const auto& t : pr) std::printf("  %s/%d %.4f%s", t.name.c_str(), t.splits, t.ms, t.name.find("_probe") == std::string::npos && !(t.err < 2e-2) ? " BAD" : "");
         std::printf("  (ms; read of the 4-bit tiles %.4f)\n", read4_ms);
       }
       std::vector<Timed> sv;
@@ -403,7 +405,7 @@ int main(int argc, char** argv) {
         j << "], \"probes\": [";
         for (std::size_t i = 0; i < pr.size(); ++i)
           j << (i ? ", " : "") << "{\"cfg\": \"" << pr[i].name << "\", \"splits\": " << pr[i].splits << ", \"reduce\": \"" << pr[i].reduce
-            << "\", \"ms\": " << pr[i].ms << "}";
+            << "\", \"ms\": " << pr[i].ms << ", \"rel_err\": " << pr[i].err << "}";
         j << "], \"streaming\": [";
         for (std::size_t i = 0; i < sv.size(); ++i)
           j << (i ? ", " : "") << "{\"cfg\": \"" << sv[i].name << "\", \"parts\": " << sv[i].splits << ", \"ms\": " << sv[i].ms
