@@ -197,6 +197,14 @@ void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape&
   (one(Cs{}), ...);
 }
 
+// A number for JSON: null when not finite (a probe's garbage result can make the error inf or nan).
+std::string json_num(double v) {
+  if (!std::isfinite(v)) return "null";
+  std::ostringstream o;
+  o << v;
+  return o.str();
+}
+
 // Each variant at its base configuration's own plan: kq::detail::Sm90ProbeCfgs (wrong results by design, timed
 // without the check) and kq::detail::Sm90TweakCfgs (checked).
 template <class... Cs>
@@ -396,20 +404,20 @@ int main(int argc, char** argv) {
         j << "{\"bench\": \"gemm4_probe\", \"case\": \"" << cs << "\", \"time_ms\": " << t_ours << ", \"peer\": \"cublas_bf16\", \"peer_time_ms\": " << t_cub
           << ", \"ratio_vs_peer\": " << (t_ours > 0 ? t_cub / t_ours : 0.0) << ", \"roofline_fraction\": " << roof(t_ours) << ", \"tensor_fraction\": " << tensor_fraction(t_ours)
           << ", \"tensor_tflops\": " << tensor_tflops << ", \"mma_time_ms\": " << t_mma << ", \"read4_ms\": " << read4_ms << ", \"read_bf16_ms\": " << read_bf16_ms
-          << ", \"dispatch\": \"" << dispatch << "\", \"ours_rel_err_vs_mma\": " << err_ours << ", \"copy_gbs\": " << copy_gbs << ", \"l2_flush\": \"" << squeeze::bench::l2_flush_name() << "\", \"device\": \""
+          << ", \"dispatch\": \"" << dispatch << "\", \"ours_rel_err_vs_mma\": " << json_num(err_ours) << ", \"copy_gbs\": " << copy_gbs << ", \"l2_flush\": \"" << squeeze::bench::l2_flush_name() << "\", \"device\": \""
           << prop.name << "\", \"commit\": \"" << (commit ? commit : "unknown") << "\", \"wgmma\": [";
         for (std::size_t i = 0; i < wg.size(); ++i)
           j << (i ? ", " : "") << "{\"cfg\": \"" << wg[i].name << "\", \"splits\": " << wg[i].splits << ", \"reduce\": \"" << wg[i].reduce
             << "\", \"ms\": " << wg[i].ms
-            << ", \"rel_err\": " << wg[i].err << "}";
+            << ", \"rel_err\": " << json_num(wg[i].err) << "}";
         j << "], \"probes\": [";
         for (std::size_t i = 0; i < pr.size(); ++i)
           j << (i ? ", " : "") << "{\"cfg\": \"" << pr[i].name << "\", \"splits\": " << pr[i].splits << ", \"reduce\": \"" << pr[i].reduce
-            << "\", \"ms\": " << pr[i].ms << ", \"rel_err\": " << pr[i].err << "}";
+            << "\", \"ms\": " << pr[i].ms << ", \"rel_err\": " << json_num(pr[i].err) << "}";
         j << "], \"streaming\": [";
         for (std::size_t i = 0; i < sv.size(); ++i)
           j << (i ? ", " : "") << "{\"cfg\": \"" << sv[i].name << "\", \"parts\": " << sv[i].splits << ", \"ms\": " << sv[i].ms
-            << ", \"rel_err\": " << sv[i].err << "}";
+            << ", \"rel_err\": " << json_num(sv[i].err) << "}";
         j << "]}";
         out << j.str() << "\n";
         out.flush();
