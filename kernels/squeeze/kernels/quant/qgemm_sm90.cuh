@@ -112,8 +112,7 @@ struct Sm90Cfg {
   static constexpr int BN = BN_, WM = WM_, STAGES = STAGES_, MINB = MINB_, WGS = WGS_;
   static constexpr bool OVERLAP = OVERLAP_, WS = WS_, GSCALE = GSCALE_;
   static constexpr int PROBE = 0;  // Sm90Probe: a measuring variant that skips work (wrong results; benchmark only)
-  static constexpr int MULSHIFT = 0;  // Sm90Tweak: decode shifts done by the multiplier (see sm90_magic_pair)
-  static constexpr bool PAIR = false;  // Sm90Tweak: one wgmma wait per two chunks (see the consumer loop)
+  static constexpr int FIRST = 0;  // Sm90Tweak: chunks the producer queues before it waits for the first (0: no wait)
   static_assert(!GSCALE || (WS && !OVERLAP), "per-group fp32 scaling (GSCALE) is built for the warp-specialised form without OVERLAP");
   static constexpr int AHEAD = OVERLAP ? STAGES - 2 : STAGES - 1;  // chunks the copy ring runs ahead (not WS)
   static constexpr int CONSUMERS = 128 * WGS;                      // the consumer warpgroups
@@ -160,21 +159,19 @@ struct Sm90Probe : Base {
   static constexpr int PROBE = PROBE_;
 };
 
-// Variants of a warp-specialised configuration under measurement (bench_qgemm_sm90 times them beside their base):
-//   MULSHIFT k: the first k of the decode's right shifts (bf16: by 4, 8, 12; fp16: by 8) as multiply-high, which runs
-//     on the FMA pipe: the shifts and LOP3s otherwise share the integer pipe, which issues a warp's instruction every
-//     second cycle and bounds the decode (the no-decode probe ran 8192 x 28672 at M = 16 in 0.043 ms, the kernel in
-//     0.061, gemm4_probe-session11-run2);
-//   PAIR: the consumers queue two chunks' wgmma before they wait, so one wait's drain serves two chunks (the two A
-//     register sets alternate; both stages go back to the producer after the wait). Both sets live at once: with two
-//     blocks per SM (112 registers a thread) ptxas serializes the wgmma (C7512), so one block per SM.
-template <class Base, int MULSHIFT_, bool PAIR_>
+// Variants of a warp-specialised configuration under measurement (bench_qgemm_sm90 --probes times and checks them
+// beside their base):
+//   FIRST f: the producer queues the K range's first f chunks, then waits until the first has landed before it
+//     queues the rest of the ring. Queuing the whole ring at once puts every block's first chunk behind the others'
+//     eight: Nsight Compute on wg_b16m2s8x2w at M = 16 on 8192 x 28672 (gemm4_probe-session11-run4) found 13% of the
+//     kernel's stall samples on the consumers' wait for their first chunk.
+// (Session 11 also measured shifts by multiply-high in the decode (IMAD.HI, to unload the integer pipe: 1-11% slower)
+// and one wgmma wait per two chunks (needs both A register sets live: one block per SM, 1.3x slower), run 3.)
+template <class Base, int FIRST_>
 struct Sm90Tweak : Base {
-  static_assert(Base::WS && !Base::OVERLAP, "tweaks of the warp-specialised form");
-  static_assert(MULSHIFT_ >= 0 && MULSHIFT_ <= 3, "0..3 shifts by multiply");
-  static_assert(!PAIR_ || !Base::GSCALE, "PAIR waits once per two chunks; GSCALE scales after the wait of a group's last chunk");
-  static constexpr int MULSHIFT = MULSHIFT_;
-  static constexpr bool PAIR = PAIR_;
+  static_assert(Base::WS, "tweaks of the warp-specialised form");
+  static_assert(FIRST_ >= 1 && FIRST_ < Base::STAGES, "1 .. STAGES - 1 chunks before the wait");
+  static constexpr int FIRST = FIRST_;
 };
 
 struct Sm90Plan {
@@ -497,40 +494,16 @@ __device__ __forceinline__ Sm90Group sm90_group(const half* srow, const std::uin
   }
   return g;
 }
-// w >> S by multiply-high (IMAD.HI: the FMA pipe, not the integer one; Sm90Tweak's MULSHIFT)
-template <int S>
-__device__ __forceinline__ std::uint32_t shr_by_mul(std::uint32_t w) {
-  std::uint32_t r;
-  asm("mul.hi.u32 %0, %1, %2;" : "=r"(r) : "r"(w), "n"(1u << (32 - S)));
-  return r;
-}
-// magic_pair (qgemm.cuh) with the first MULSHIFT of its right shifts by multiply-high: the same bits.
-template <class T, int MULSHIFT>
-__device__ __forceinline__ std::uint32_t sm90_magic_pair(std::uint32_t w, int i) {
-  if constexpr (MULSHIFT == 0) {
-    return magic_pair<T>(w, i);
-  } else if constexpr (std::is_same_v<T, bf16>) {
-    const std::uint32_t sh = i == 0                ? w
-                             : i > MULSHIFT       ? w >> (4 * i)
-                             : i == 1             ? shr_by_mul<4>(w)
-                             : i == 2             ? shr_by_mul<8>(w)
-                                                  : shr_by_mul<12>(w);
-    return and_or<0x000F000Fu, 0x43004300u>(sh);
-  } else {
-    const std::uint32_t sh = i >> 1 ? shr_by_mul<8>(w) : w;
-    return (i & 1) ? and_or<0x00F000F0u, 0x64006400u>(sh) : and_or<0x000F000Fu, 0x64006400u>(sh);
-  }
-}
 // One tile word (k-step) -> the wgmma A fragment: pair i (nibbles i, i + 4) covers row l/4 + 8 (i >> 1) and
 // k 2 (l%4) + 8 (i & 1) (+1), i.e. register a[2 (i & 1) + (i >> 1)]; value (q - z) * scale rounded to T, or with
 // SCALE false the exact q - z (the scale is applied to the group's fp32 sums, GSCALE).
-template <class T, bool SCALE = true, int MULSHIFT = 0>
+template <class T, bool SCALE = true>
 __device__ __forceinline__ void sm90_decode(std::uint32_t w, const Sm90Group& g, std::uint32_t (&a)[4]) {
   using V = typename Vec2<T>::type;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int r = i >> 1;
-    const V pair = as_vec2<V>(sm90_magic_pair<T, MULSHIFT>(w, i));
+    const V pair = as_vec2<V>(magic_pair<T>(w, i));
     V v;
     if constexpr (std::is_same_v<T, bf16>) {
       v = __hsub2(pair, as_vec2<V>(g.zc[r]));  // exact small integer q - z
@@ -673,7 +646,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         if constexpr (C::PROBE == 1) {
           a[ks][t][0] = w, a[ks][t][1] = w ^ 1u, a[ks][t][2] = w ^ 2u, a[ks][t][3] = w ^ 3u;
         } else {
-          sm90_decode<T, !C::GSCALE, C::MULSHIFT>(w, grp[t], a[ks][t]);
+          sm90_decode<T, !C::GSCALE>(w, grp[t], a[ks][t]);
         }
       }
       wgmma_fence();
@@ -841,6 +814,8 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
           }
         }
         __syncwarp();
+        if constexpr (C::FIRST > 0)  // the first chunk ahead of the rest of the ring (Sm90Tweak)
+          if (c + 1 == C::FIRST) mbar_wait(full_bar, 0u);
       }
       if (CLUSTER && p.splits > 1) {  // the reduction's two cluster barriers (see epilogue)
         cluster_sync();
@@ -868,32 +843,9 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         if (lane == 0 && (!C::OVERLAP || c > 0)) mbar_arrive(empty_bar + (C::OVERLAP ? (c + S - 1) % S : ring));
         __syncwarp();
       };
-      if constexpr (C::PAIR) {
-        // two chunks' wgmma in flight, one wait: chunk c + 1's decode runs while chunk c's wgmma do (a1 against a0)
-        for (int c = 0; c < nck; c += 2) {
-          const bool two = c + 1 < nck;
-          mbar_wait(full_bar + c % S, unsigned(c / S) & 1u);
-          __syncwarp();
-          mma_chunk(smem + (c % S) * C::STAGE_BYTES, kc0 + c, a0, [] {});
-          if (two) {
-            mbar_wait(full_bar + (c + 1) % S, unsigned((c + 1) / S) & 1u);
-            __syncwarp();
-            mma_chunk(smem + ((c + 1) % S) * C::STAGE_BYTES, kc0 + c + 1, a1, [] {});
-          }
-          wgmma_wait<0>();
-          pin_operands(a0, mma_acc);
-          pin_a(a1);
-          if (lane == 0) {
-            mbar_arrive(empty_bar + c % S);
-            if (two) mbar_arrive(empty_bar + (c + 1) % S);
-          }
-          __syncwarp();
-        }
-      } else {
-        for (int c = 0; c < nck; c += 2) {  // pairs: the two A sets alternate with static names
-          consume(c, a0, a1);
-          if (c + 1 < nck) consume(c + 1, a1, a0);
-        }
+      for (int c = 0; c < nck; c += 2) {  // pairs: the two A sets alternate with static names
+        consume(c, a0, a1);
+        if (c + 1 < nck) consume(c + 1, a1, a0);
       }
       epilogue();
     }
@@ -966,7 +918,7 @@ std::string sm90_cfg_name() {
   return "wg_b" + std::to_string(C::BN) + "m" + std::to_string(C::WM) + "s" + std::to_string(C::STAGES) +
          (C::MINB > 1 ? "x" + std::to_string(C::MINB) : "") + (C::OVERLAP ? "o" : "") + (C::WS ? "w" : "") +
          (C::WGS != 2 ? "g" + std::to_string(C::WGS) : "") + (C::GSCALE ? "f" : "") + (C::PROBE ? "_probe" + std::to_string(C::PROBE) : "") +
-         (C::MULSHIFT ? "_ms" + std::to_string(C::MULSHIFT) : "") + (C::PAIR ? "_pair" : "");
+         (C::FIRST ? "_first" + std::to_string(C::FIRST) : "");
 }
 // Configurations the benchmark times (batch rows per block, m64 tiles per warpgroup, stages, blocks per SM,
 // overlap across chunks, warp-specialised, consumer warpgroups, per-group fp32 scaling; names
@@ -993,10 +945,11 @@ using Sm90TuningCfgs = CfgList<Sm90Cfg<64, 1, 6, 2>, Sm90Cfg<128, 2, 6>,
                                // per SM.)
                                Sm90Cfg<16, 2, 8, 2, false, true, 2, true>>;
 // Sm90Tweak variants under measurement (bench_qgemm_sm90 --probes times them with the probes, results checked).
-using Sm90TweakCfgs = CfgList<Sm90Tweak<Sm90Cfg<16, 2, 8, 2, false, true>, 1, false>, Sm90Tweak<Sm90Cfg<16, 2, 8, 2, false, true>, 2, false>,
-                              Sm90Tweak<Sm90Cfg<16, 2, 8, 2, false, true>, 3, false>, Sm90Tweak<Sm90Cfg<16, 2, 8, 1, false, true>, 0, true>,
-                              Sm90Tweak<Sm90Cfg<16, 2, 8, 1, false, true>, 2, true>, Sm90Tweak<Sm90Cfg<16, 2, 8, 2, false, true, 2, true>, 3, false>,
-                              Sm90Tweak<Sm90Cfg<128, 1, 8, 1, false, true, 4>, 2, false>, Sm90Tweak<Sm90Cfg<64, 2, 8, 1, false, true>, 0, true>>;
+using Sm90TweakCfgs = CfgList<Sm90Tweak<Sm90Cfg<16, 2, 8, 2, false, true>, 1>, Sm90Tweak<Sm90Cfg<16, 2, 8, 2, false, true>, 2>,
+                              Sm90Tweak<Sm90Cfg<16, 2, 8, 2, false, true>, 4>, Sm90Tweak<Sm90Cfg<16, 2, 8, 2, false, true, 2, true>, 1>,
+                              Sm90Tweak<Sm90Cfg<32, 2, 6, 2, false, true>, 1>, Sm90Tweak<Sm90Cfg<32, 2, 8, 1, false, true>, 1>,
+                              Sm90Tweak<Sm90Cfg<64, 2, 8, 1, false, true>, 1>, Sm90Tweak<Sm90Cfg<64, 1, 6, 2, false, true>, 1>,
+                              Sm90Tweak<Sm90Cfg<128, 1, 8, 1, false, true, 4>, 1>, Sm90Tweak<Sm90Cfg<128, 1, 8, 1, false, true, 4>, 2>>;
 // Measuring variants (bench_qgemm_sm90 --probes; names end in _probe1 / _probe2): what the dispatched 16-row and
 // 128-row forms cost without their decode, and without any consumer work.
 using Sm90ProbeCfgs = CfgList<Sm90Probe<Sm90Cfg<16, 2, 8, 2, false, true>, 1>, Sm90Probe<Sm90Cfg<16, 2, 8, 2, false, true>, 2>,
