@@ -102,7 +102,9 @@ TEST(QuantCudaSm90, LibraryEntryPicksTheKernelByBatch) {
   EXPECT_TRUE(starts(says({65, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b128m1s8wg4 " : "mma.sync "));
   EXPECT_TRUE(starts(says({128, 11008, 4096, 4096, 11008, 128, 4}, 132), wg ? "wgmma wg_b128m1s8wg4 " : "mma.sync "));
   EXPECT_TRUE(starts(says({65, 28672, 8192, 8192, 28672, 128, 4}, 132), wg ? "wgmma wg_b128m1s8wg4 " : "mma.sync "));
-  EXPECT_TRUE(starts(says({16, 28672, 8192, 8192, 28672, 128, 4}, 132), wg ? "wgmma wg_b16m2s8x2w " : "mma.sync "));
+  // large layers with groups of whole 64-k chunks: per-group fp32 scaling (GSCALE); groups of 32 cannot take it
+  EXPECT_TRUE(starts(says({16, 28672, 8192, 8192, 28672, 128, 4}, 132), wg ? "wgmma wg_b16m2s8x2wf " : "mma.sync "));
+  EXPECT_TRUE(starts(says({9, 28672, 8192, 8192, 28672, 32, 4}, 132), wg ? "wgmma wg_b16m2s8x2w " : "mma.sync "));
   EXPECT_TRUE(starts(says({48, 28672, 8192, 8192, 28672, 128, 4}, 132), wg ? "wgmma wg_b64m2s8w " : "mma.sync "));  // large layer
   EXPECT_TRUE(starts(says({16, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b16m2s8x2w " : "mma.sync "));
   EXPECT_TRUE(starts(says({9, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b16m2s8x2w " : "mma.sync "));

@@ -106,14 +106,22 @@ namespace squeeze::kernels::quant {
 // channel qualifies) and the warp-specialised form; a second accumulator set, so meant for 16- and 32-row slices.
 // Nsight Compute on wg_b16m2s8x2w at M = 16 (bench/results/h200/ncu-sm90-K8192_N28672_M16-wg_b16m2s8x2w.txt) counted
 // ~210 instructions per warp and chunk in the main loop, 32 of them the scale's HMUL2, at 0.54 issued per scheduler
-// and cycle. Added in session 10 without device time: in the tuning list, not dispatched, not yet measured.
-template <int BN_, int WM_, int STAGES_, int MINB_ = 1, bool OVERLAP_ = false, bool WS_ = false, int WGS_ = 2, bool GSCALE_ = false>
+// and cycle. Measured in session 11: 1-3% faster than wg_b16m2s8x2w on 8192 x 28672 at M 9..16 (Sm90TinyScaled), within
+// 2% either way on the 4096-wide layers: the decode is bound by more than its instruction count (see Sm90Probe).
+// ZFOLD (with GSCALE): the zero point leaves the decode too. The A operand is magic + q (bf16 128 + q straight from the
+// LOP3; fp16 1024 + q, the odd pairs rescaled by one HFMA2), and each group's sums are corrected once by
+// (magic + z) * sum(x over the group), the column sums coming from one more wgmma per k-step with A = 1 (fp32,
+// exact products). The decode keeps its LOP3s and shifts (fp16: and two HFMA2): 7 instructions per 8 weights instead
+// of 11. Exact up to fp32 accumulation, whose rounding now acts on sums magic times larger (a relative
+// 2^-24 of (magic + 15) * sum |x| per group, against the T-rounded output: below 2^-13 for fp16, 2^-16 for bf16).
+template <int BN_, int WM_, int STAGES_, int MINB_ = 1, bool OVERLAP_ = false, bool WS_ = false, int WGS_ = 2, bool GSCALE_ = false,
+          bool ZFOLD_ = false>
 struct Sm90Cfg {
   static constexpr int BN = BN_, WM = WM_, STAGES = STAGES_, MINB = MINB_, WGS = WGS_;
-  static constexpr bool OVERLAP = OVERLAP_, WS = WS_, GSCALE = GSCALE_;
+  static constexpr bool OVERLAP = OVERLAP_, WS = WS_, GSCALE = GSCALE_, ZFOLD = ZFOLD_;
   static constexpr int PROBE = 0;  // Sm90Probe: a measuring variant that skips work (wrong results; benchmark only)
-  static constexpr int FIRST = 0;  // Sm90Tweak: chunks the producer queues before it waits for the first (0: no wait)
   static_assert(!GSCALE || (WS && !OVERLAP), "per-group fp32 scaling (GSCALE) is built for the warp-specialised form without OVERLAP");
+  static_assert(!ZFOLD || GSCALE, "ZFOLD corrects the per-group sums of GSCALE: write Sm90Cfg<..., GSCALE = true, ZFOLD = true>");
   static constexpr int AHEAD = OVERLAP ? STAGES - 2 : STAGES - 1;  // chunks the copy ring runs ahead (not WS)
   static constexpr int CONSUMERS = 128 * WGS;                      // the consumer warpgroups
   // + the producer: one warp; with 4 consumer warpgroups a whole warpgroup, so that it can hand its registers to
@@ -148,30 +156,23 @@ struct Sm90Cfg {
   // the tuning list (checked against the CPU twin by the GPU tests) since session 8.
 };
 
-// Measuring variants of a warp-specialised configuration (bench_qgemm_sm90 --probe): the same grid, ring and
+// Measuring variants of a warp-specialised configuration (bench_qgemm_sm90 --probes): the same grid, ring and
 // copies, less of the consumers' work, so the time says what bounds the real kernel. Their results are wrong.
 //   PROBE 1: no decode: the raw tile words are the A operand, no group constants (the wgmma, the copies remain);
 //   PROBE 2: no consumer work: each consumer warp waits for every stage and hands it back (the copies remain).
+// H200, 8192 x 28672 at M = 16, wg_b16m2s8x2w, 2 K ranges in a cluster (gemm4_probe-session11-run2): the kernel 0.0605 ms,
+// without the decode 0.0427, the copies alone 0.0351, a plain read of the tiles 0.0322. So the ring streams at the
+// read bound and the decode is the largest cost. Nsight Compute on the kernel (ncu-sm90-...-session11-run4): the
+// integer pipe 40% busy, the FMA pipes 18 / 36%, 0.57 instructions issued per scheduler and cycle, the stalls
+// spread over fixed-latency waits (15%), the wgmma wait (5%) and the consumers' wait for their first chunk (13%).
+// Tried in session 11 and slower (gemm4_probe-session11-run3 / -run5): the decode's shifts by multiply-high (IMAD.HI,
+// off the integer pipe: 1-11%), one wgmma wait per two chunks (both A register sets live, so one block per SM: 1.3x),
+// and a producer that queues its first chunk alone and waits for it before filling the ring (1-7%).
 template <class Base, int PROBE_>
 struct Sm90Probe : Base {
   static_assert(Base::WS && !Base::OVERLAP, "probes measure the warp-specialised form");
   static_assert(PROBE_ == 1 || PROBE_ == 2, "probe 1 (no decode) or 2 (no consumer work)");
   static constexpr int PROBE = PROBE_;
-};
-
-// Variants of a warp-specialised configuration under measurement (bench_qgemm_sm90 --probes times and checks them
-// beside their base):
-//   FIRST f: the producer queues the K range's first f chunks, then waits until the first has landed before it
-//     queues the rest of the ring. Queuing the whole ring at once puts every block's first chunk behind the others'
-//     eight: Nsight Compute on wg_b16m2s8x2w at M = 16 on 8192 x 28672 (gemm4_probe-session11-run4) found 13% of the
-//     kernel's stall samples on the consumers' wait for their first chunk.
-// (Session 11 also measured shifts by multiply-high in the decode (IMAD.HI, to unload the integer pipe: 1-11% slower)
-// and one wgmma wait per two chunks (needs both A register sets live: one block per SM, 1.3x slower), run 3.)
-template <class Base, int FIRST_>
-struct Sm90Tweak : Base {
-  static_assert(Base::WS, "tweaks of the warp-specialised form");
-  static_assert(FIRST_ >= 1 && FIRST_ < Base::STAGES, "1 .. STAGES - 1 chunks before the wait");
-  static constexpr int FIRST = FIRST_;
 };
 
 struct Sm90Plan {
@@ -473,6 +474,7 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const std::uint32_t (&a
 struct Sm90Group {
   std::uint32_t zc[2], zo[2], sc[2];
   float scale[2];  // GSCALE: the rows' fp16 scales as fp32 (exact)
+  float zm[2];     // ZFOLD: magic + z as fp32 (bf16 128 + z, fp16 1024 + z)
 };
 template <class T>
 __device__ __forceinline__ Sm90Group sm90_group(const half* srow, const std::uint8_t* zrow, int n_lo) {
@@ -482,6 +484,7 @@ __device__ __forceinline__ Sm90Group sm90_group(const half* srow, const std::uin
     const float z = float(zrow[n_lo + 8 * r]);
     const float s = __half2float(srow[n_lo + 8 * r]);
     g.scale[r] = s;
+    g.zm[r] = (std::is_same_v<T, bf16> ? 128.f : 1024.f) + z;
     if constexpr (std::is_same_v<T, bf16>) {
       g.zc[r] = u32(__float2bfloat162_rn(128.f + z));
       g.zo[r] = 0;
@@ -496,8 +499,9 @@ __device__ __forceinline__ Sm90Group sm90_group(const half* srow, const std::uin
 }
 // One tile word (k-step) -> the wgmma A fragment: pair i (nibbles i, i + 4) covers row l/4 + 8 (i >> 1) and
 // k 2 (l%4) + 8 (i & 1) (+1), i.e. register a[2 (i & 1) + (i >> 1)]; value (q - z) * scale rounded to T, or with
-// SCALE false the exact q - z (the scale is applied to the group's fp32 sums, GSCALE).
-template <class T, bool SCALE = true>
+// SCALE false the exact q - z (the scale is applied to the group's fp32 sums, GSCALE), or with ZFOLD magic + q
+// (bf16 128 + q, fp16 1024 + q: the zero point is taken out of the group's sums).
+template <class T, bool SCALE = true, bool ZFOLD = false>
 __device__ __forceinline__ void sm90_decode(std::uint32_t w, const Sm90Group& g, std::uint32_t (&a)[4]) {
   using V = typename Vec2<T>::type;
 #pragma unroll
@@ -505,7 +509,12 @@ __device__ __forceinline__ void sm90_decode(std::uint32_t w, const Sm90Group& g,
     const int r = i >> 1;
     const V pair = as_vec2<V>(magic_pair<T>(w, i));
     V v;
-    if constexpr (std::is_same_v<T, bf16>) {
+    if constexpr (ZFOLD) {
+      static_assert(!SCALE, "ZFOLD leaves the scale to the group's sums");
+      if constexpr (std::is_same_v<T, bf16>) v = pair;  // 128 + q
+      else if (i & 1) v = __hfma2(pair, __float2half2_rn(1.f / 16.f), __float2half2_rn(960.f));  // (1024 + 16 q) / 16 + 960
+      else v = pair;  // 1024 + q
+    } else if constexpr (std::is_same_v<T, bf16>) {
       v = __hsub2(pair, as_vec2<V>(g.zc[r]));  // exact small integer q - z
     } else if (i & 1) {
       v = __hfma2(pair, __float2half2_rn(1.f / 16.f), as_vec2<V>(g.zo[r]));  // (1024 + 16 q) / 16 - (64 + z), exact
@@ -591,6 +600,11 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   // GSCALE: the wgmma accumulate the current group's unscaled sums here; scale_group adds them, scaled, to acc
   float acc_group[WM][NACC];
   float (&mma_acc)[WM][NACC] = C::GSCALE ? acc_group : acc;
+  // ZFOLD: the group's column sums of x (every row of the m64 tile the same), from the wgmma with A = 1
+  float acc_xsum[NACC];
+  // the A operand 1.0 (both halves): bf16 0x3F80, fp16 0x3C00
+  constexpr std::uint32_t kOnePair = std::is_same_v<T, bf16> ? 0x3F803F80u : 0x3C003C00u;
+  const std::uint32_t ones[4] = {kOnePair, kOnePair, kOnePair, kOnePair};
 
   // this thread's A rows: tile (wg * 4 WM + 4 t + wq) of the strip, rows l/4 and l/4 + 8 of it
   const int nl = wg * 64 * WM + wq * 16 + g4;  // feature of row l/4 of tile t = 0, relative to the strip
@@ -603,6 +617,8 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   for (int t = 0; t < WM; ++t)
 #pragma unroll
     for (int i = 0; i < NACC; ++i) acc[t][i] = acc_group[t][i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < NACC; ++i) acc_xsum[i] = 0.f;
   Sm90Group grp[WM];
   // GSCALE, after the wait for a group's last chunk: its sums, times the rows' scales, into acc
   auto scale_group = [&] {
@@ -610,9 +626,15 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     for (int t = 0; t < WM; ++t)
 #pragma unroll
       for (int i = 0; i < NACC; ++i) {
-        acc[t][i] = fmaf(grp[t].scale[(i >> 1) & 1], acc_group[t][i], acc[t][i]);
+        const int r = (i >> 1) & 1;
+        // ZFOLD: sum (magic + q) x - (magic + z) sum x = sum (q - z) x
+        const float sum = C::ZFOLD ? fmaf(-grp[t].zm[r], acc_xsum[i], acc_group[t][i]) : acc_group[t][i];
+        acc[t][i] = fmaf(grp[t].scale[r], sum, acc[t][i]);
         acc_group[t][i] = 0.f;
       }
+    if constexpr (C::ZFOLD)
+#pragma unroll
+      for (int i = 0; i < NACC; ++i) acc_xsum[i] = 0.f;
   };
   // x's descriptor at the ring's base: a stage's and k-step's descriptor adds their byte offset / 16 (the start
   // address field; the ring lies below 2^18 bytes, so the sum stays within it)
@@ -646,12 +668,13 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         if constexpr (C::PROBE == 1) {
           a[ks][t][0] = w, a[ks][t][1] = w ^ 1u, a[ks][t][2] = w ^ 2u, a[ks][t][3] = w ^ 3u;
         } else {
-          sm90_decode<T, !C::GSCALE>(w, grp[t], a[ks][t]);
+          sm90_decode<T, !C::GSCALE, C::ZFOLD>(w, grp[t], a[ks][t]);
         }
       }
       wgmma_fence();
 #pragma unroll
       for (int t = 0; t < WM; ++t) wgmma_rs<T>(mma_acc[t], a[ks][t], x_desc + 2 * ks);  // + 32 B per k-step
+      if constexpr (C::ZFOLD) wgmma_rs<T>(acc_xsum, ones, x_desc + 2 * ks);
       if (ks == 0) after_first();
     }
     wgmma_commit();
@@ -664,6 +687,9 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     } else {
       wgmma_wait<0>();
       pin_operands(a_cur, mma_acc);
+      if constexpr (C::ZFOLD)
+#pragma unroll
+        for (int i = 0; i < NACC; ++i) pin(acc_xsum[i]);
     }
   };
 
@@ -777,6 +803,8 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     // full[s]: the producer's expect-tx arrive + the TMA / bulk bytes;
     // empty[s]: one arrive per consumer warp once the wgmma reading stage s finished
     __shared__ std::uint64_t full_bar[S], empty_bar[S];
+    // the producer's first TMA copy needs x's tensor map: fetch it while the barriers are set up
+    if (warp == C::CONSUMERS / 32 && lane == 0) asm volatile("prefetch.tensormap [%0];\n" ::"l"(&x_map) : "memory");
     if (tid == 0) {
 #pragma unroll
       for (int sl = 0; sl < S; ++sl) {
@@ -814,8 +842,6 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
           }
         }
         __syncwarp();
-        if constexpr (C::FIRST > 0)  // the first chunk ahead of the rest of the ring (Sm90Tweak)
-          if (c + 1 == C::FIRST) mbar_wait(full_bar, 0u);
       }
       if (CLUSTER && p.splits > 1) {  // the reduction's two cluster barriers (see epilogue)
         cluster_sync();
@@ -917,12 +943,11 @@ template <class C>
 std::string sm90_cfg_name() {
   return "wg_b" + std::to_string(C::BN) + "m" + std::to_string(C::WM) + "s" + std::to_string(C::STAGES) +
          (C::MINB > 1 ? "x" + std::to_string(C::MINB) : "") + (C::OVERLAP ? "o" : "") + (C::WS ? "w" : "") +
-         (C::WGS != 2 ? "g" + std::to_string(C::WGS) : "") + (C::GSCALE ? "f" : "") + (C::PROBE ? "_probe" + std::to_string(C::PROBE) : "") +
-         (C::FIRST ? "_first" + std::to_string(C::FIRST) : "");
+         (C::WGS != 2 ? "g" + std::to_string(C::WGS) : "") + (C::GSCALE ? "f" : "") + (C::ZFOLD ? "z" : "") + (C::PROBE ? "_probe" + std::to_string(C::PROBE) : "");
 }
 // Configurations the benchmark times (batch rows per block, m64 tiles per warpgroup, stages, blocks per SM,
-// overlap across chunks, warp-specialised, consumer warpgroups, per-group fp32 scaling; names
-// wg_b<BN>m<WM>s<STAGES>[x<MINB>][o][w][g<WGS>][f]). The H200 sweep of session 7
+// overlap across chunks, warp-specialised, consumer warpgroups, per-group fp32 scaling, zero point folded; names
+// wg_b<BN>m<WM>s<STAGES>[x<MINB>][o][w][g<WGS>][f][z]). The H200 sweep of session 7
 // (bench/results/h200/gemm4-sm90-session7.*, gemm4_probe.*) also timed m2 / 4-stage forms, slower on every case.
 using Sm90TuningCfgs = CfgList<Sm90Cfg<64, 1, 6, 2>, Sm90Cfg<128, 2, 6>,
                                // warp-specialised (a producer warp, TMA / bulk copies, mbarriers; names end in w)
@@ -941,15 +966,12 @@ using Sm90TuningCfgs = CfgList<Sm90Cfg<64, 1, 6, 2>, Sm90Cfg<128, 2, 6>,
                                Sm90Cfg<16, 2, 8, 1, false, true>, Sm90Cfg<16, 2, 8, 2, false, true>, Sm90Cfg<32, 2, 6, 2, false, true>,
                                Sm90Cfg<32, 2, 8, 1, false, true>,
                                // the A operand unscaled, each group's sums scaled in fp32 (GSCALE; names end in f):
-                               // not measured yet. (The 32-row form spilled 392 bytes in its fp16 build at two blocks
+                               // dispatched on large layers (Sm90TinyScaled). (The 32-row form spilled 392 bytes in its fp16 build at two blocks
                                // per SM.)
-                               Sm90Cfg<16, 2, 8, 2, false, true, 2, true>>;
-// Sm90Tweak variants under measurement (bench_qgemm_sm90 --probes times them with the probes, results checked).
-using Sm90TweakCfgs = CfgList<Sm90Tweak<Sm90Cfg<16, 2, 8, 2, false, true>, 1>, Sm90Tweak<Sm90Cfg<16, 2, 8, 2, false, true>, 2>,
-                              Sm90Tweak<Sm90Cfg<16, 2, 8, 2, false, true>, 4>, Sm90Tweak<Sm90Cfg<16, 2, 8, 2, false, true, 2, true>, 1>,
-                              Sm90Tweak<Sm90Cfg<32, 2, 6, 2, false, true>, 1>, Sm90Tweak<Sm90Cfg<32, 2, 8, 1, false, true>, 1>,
-                              Sm90Tweak<Sm90Cfg<64, 2, 8, 1, false, true>, 1>, Sm90Tweak<Sm90Cfg<64, 1, 6, 2, false, true>, 1>,
-                              Sm90Tweak<Sm90Cfg<128, 1, 8, 1, false, true, 4>, 1>, Sm90Tweak<Sm90Cfg<128, 1, 8, 1, false, true, 4>, 2>>;
+                               Sm90Cfg<16, 2, 8, 2, false, true, 2, true>,
+                               // and the zero point folded out of the decode too (ZFOLD; names end in fz): one block
+                               // per SM (at two, 112 registers a thread, ptxas serializes its wgmma: C7512)
+                               Sm90Cfg<16, 2, 8, 1, false, true, 2, true, true>, Sm90Cfg<32, 2, 8, 1, false, true, 2, true, true>>;
 // Measuring variants (bench_qgemm_sm90 --probes; names end in _probe1 / _probe2): what the dispatched 16-row and
 // 128-row forms cost without their decode, and without any consumer work.
 using Sm90ProbeCfgs = CfgList<Sm90Probe<Sm90Cfg<16, 2, 8, 2, false, true>, 1>, Sm90Probe<Sm90Cfg<16, 2, 8, 2, false, true>, 2>,
@@ -979,6 +1001,11 @@ using Sm90ProbeCfgs = CfgList<Sm90Probe<Sm90Cfg<16, 2, 8, 2, false, true>, 1>, S
 //     consumer warpgroups on every layer now that 4096-wide layers reduce 6 K ranges in a cluster (session 9 took
 //     wg_b128m1s6w below 8192 outputs).
 using Sm90Tiny = Sm90Cfg<16, 2, 8, 2, false, true>;
+// The same with per-group fp32 scaling (GSCALE), on layers of kSm90LargeLayer weights and more with groups of whole
+// 64-k chunks. H200, 8192 x 28672, ms against wg_b16m2s8x2w at the same plan (2 K ranges in a cluster): M = 9 0.0592 /
+// 0.0608, 0.0600 / 0.0606; M = 16 0.0601 / 0.0609, 0.0598 / 0.0612 (gemm4_probe-session11-run1 / -run5); on the
+// 4096-wide layers within 2% either way, so not there.
+using Sm90TinyScaled = Sm90Cfg<16, 2, 8, 2, false, true, 2, true>;
 using Sm90Narrow = Sm90Cfg<32, 2, 6, 2, false, true>;
 using Sm90NarrowDeep = Sm90Cfg<32, 2, 8, 1, false, true>;
 using Sm90Small = Sm90Cfg<64, 1, 6, 2, false, true>;
@@ -995,7 +1022,7 @@ namespace detail {
 template <class F>
 decltype(auto) with_sm90_cfg(const QGemmShape& s, F&& f) {
   if (s.M > 64) return f(Sm90Large{});
-  if (s.M <= 16) return f(Sm90Tiny{});
+  if (s.M <= 16) return s.Npad * s.Kpad >= kSm90LargeLayer && s.group % kTileK == 0 ? f(Sm90TinyScaled{}) : f(Sm90Tiny{});
   if (s.M <= 32) return s.Npad * s.Kpad >= kSm90NarrowLayer ? f(Sm90Narrow{}) : f(Sm90NarrowDeep{});
   if (s.Npad * s.Kpad >= kSm90LargeLayer) return f(Sm90SmallWide{});
   return f(Sm90Small{});
