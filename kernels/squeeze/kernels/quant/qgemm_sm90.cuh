@@ -108,20 +108,18 @@ namespace squeeze::kernels::quant {
 // ~210 instructions per warp and chunk in the main loop, 32 of them the scale's HMUL2, at 0.54 issued per scheduler
 // and cycle. Measured in session 11: 1-3% faster than wg_b16m2s8x2w on 8192 x 28672 at M 9..16 (Sm90TinyScaled), within
 // 2% either way on the 4096-wide layers: the decode is bound by more than its instruction count (see Sm90Probe).
-// ZFOLD (with GSCALE): the zero point leaves the decode too. The A operand is magic + q (bf16 128 + q straight from the
-// LOP3; fp16 1024 + q, the odd pairs rescaled by one HFMA2), and each group's sums are corrected once by
-// (magic + z) * sum(x over the group), the column sums coming from one more wgmma per k-step with A = 1 (fp32,
-// exact products). The decode keeps its LOP3s and shifts (fp16: and two HFMA2): 7 instructions per 8 weights instead
-// of 11. Exact up to fp32 accumulation, whose rounding now acts on sums magic times larger (a relative
-// 2^-24 of (magic + 15) * sum |x| per group, against the T-rounded output: below 2^-13 for fp16, 2^-16 for bf16).
-template <int BN_, int WM_, int STAGES_, int MINB_ = 1, bool OVERLAP_ = false, bool WS_ = false, int WGS_ = 2, bool GSCALE_ = false,
-          bool ZFOLD_ = false>
+// Session 11 also folded the zero point out (A = magic + q, each group's sums corrected by (magic + z) * sum x, the
+// column sums from one more m64n16k16 wgmma per k-step with A = 1): the decode fell to 7 instructions per 8 weights, yet
+// it ran slower than the same configuration without it (wg_b16m2s8w, wg_b32m2s8w) on every case but one (1.00-1.43x,
+// mean 1.14x; 8192 x 28672 at M = 16 0.0833 ms against 0.0603, gemm4_probe-session11-run6):
+// the one extra wgmma in three cost more than the four HSUB2 it saved, so at batches up to 16 the register-A wgmma
+// themselves (one per 1024 weights) bound the consumers about as much as the decode does.
+template <int BN_, int WM_, int STAGES_, int MINB_ = 1, bool OVERLAP_ = false, bool WS_ = false, int WGS_ = 2, bool GSCALE_ = false>
 struct Sm90Cfg {
   static constexpr int BN = BN_, WM = WM_, STAGES = STAGES_, MINB = MINB_, WGS = WGS_;
-  static constexpr bool OVERLAP = OVERLAP_, WS = WS_, GSCALE = GSCALE_, ZFOLD = ZFOLD_;
+  static constexpr bool OVERLAP = OVERLAP_, WS = WS_, GSCALE = GSCALE_;
   static constexpr int PROBE = 0;  // Sm90Probe: a measuring variant that skips work (wrong results; benchmark only)
   static_assert(!GSCALE || (WS && !OVERLAP), "per-group fp32 scaling (GSCALE) is built for the warp-specialised form without OVERLAP");
-  static_assert(!ZFOLD || GSCALE, "ZFOLD corrects the per-group sums of GSCALE: write Sm90Cfg<..., GSCALE = true, ZFOLD = true>");
   static constexpr int AHEAD = OVERLAP ? STAGES - 2 : STAGES - 1;  // chunks the copy ring runs ahead (not WS)
   static constexpr int CONSUMERS = 128 * WGS;                      // the consumer warpgroups
   // + the producer: one warp; with 4 consumer warpgroups a whole warpgroup, so that it can hand its registers to
@@ -474,7 +472,6 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const std::uint32_t (&a
 struct Sm90Group {
   std::uint32_t zc[2], zo[2], sc[2];
   float scale[2];  // GSCALE: the rows' fp16 scales as fp32 (exact)
-  float zm[2];     // ZFOLD: magic + z as fp32 (bf16 128 + z, fp16 1024 + z)
 };
 template <class T>
 __device__ __forceinline__ Sm90Group sm90_group(const half* srow, const std::uint8_t* zrow, int n_lo) {
@@ -484,7 +481,6 @@ __device__ __forceinline__ Sm90Group sm90_group(const half* srow, const std::uin
     const float z = float(zrow[n_lo + 8 * r]);
     const float s = __half2float(srow[n_lo + 8 * r]);
     g.scale[r] = s;
-    g.zm[r] = (std::is_same_v<T, bf16> ? 128.f : 1024.f) + z;
     if constexpr (std::is_same_v<T, bf16>) {
       g.zc[r] = u32(__float2bfloat162_rn(128.f + z));
       g.zo[r] = 0;
@@ -499,9 +495,8 @@ __device__ __forceinline__ Sm90Group sm90_group(const half* srow, const std::uin
 }
 // One tile word (k-step) -> the wgmma A fragment: pair i (nibbles i, i + 4) covers row l/4 + 8 (i >> 1) and
 // k 2 (l%4) + 8 (i & 1) (+1), i.e. register a[2 (i & 1) + (i >> 1)]; value (q - z) * scale rounded to T, or with
-// SCALE false the exact q - z (the scale is applied to the group's fp32 sums, GSCALE), or with ZFOLD magic + q
-// (bf16 128 + q, fp16 1024 + q: the zero point is taken out of the group's sums).
-template <class T, bool SCALE = true, bool ZFOLD = false>
+// SCALE false the exact q - z (the scale is applied to the group's fp32 sums, GSCALE).
+template <class T, bool SCALE = true>
 __device__ __forceinline__ void sm90_decode(std::uint32_t w, const Sm90Group& g, std::uint32_t (&a)[4]) {
   using V = typename Vec2<T>::type;
 #pragma unroll
@@ -509,12 +504,7 @@ __device__ __forceinline__ void sm90_decode(std::uint32_t w, const Sm90Group& g,
     const int r = i >> 1;
     const V pair = as_vec2<V>(magic_pair<T>(w, i));
     V v;
-    if constexpr (ZFOLD) {
-      static_assert(!SCALE, "ZFOLD leaves the scale to the group's sums");
-      if constexpr (std::is_same_v<T, bf16>) v = pair;  // 128 + q
-      else if (i & 1) v = __hfma2(pair, __float2half2_rn(1.f / 16.f), __float2half2_rn(960.f));  // (1024 + 16 q) / 16 + 960
-      else v = pair;  // 1024 + q
-    } else if constexpr (std::is_same_v<T, bf16>) {
+    if constexpr (std::is_same_v<T, bf16>) {
       v = __hsub2(pair, as_vec2<V>(g.zc[r]));  // exact small integer q - z
     } else if (i & 1) {
       v = __hfma2(pair, __float2half2_rn(1.f / 16.f), as_vec2<V>(g.zo[r]));  // (1024 + 16 q) / 16 - (64 + z), exact
@@ -600,11 +590,6 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   // GSCALE: the wgmma accumulate the current group's unscaled sums here; scale_group adds them, scaled, to acc
   float acc_group[WM][NACC];
   float (&mma_acc)[WM][NACC] = C::GSCALE ? acc_group : acc;
-  // ZFOLD: the group's column sums of x (every row of the m64 tile the same), from the wgmma with A = 1
-  float acc_xsum[NACC];
-  // the A operand 1.0 (both halves): bf16 0x3F80, fp16 0x3C00
-  constexpr std::uint32_t kOnePair = std::is_same_v<T, bf16> ? 0x3F803F80u : 0x3C003C00u;
-  const std::uint32_t ones[4] = {kOnePair, kOnePair, kOnePair, kOnePair};
 
   // this thread's A rows: tile (wg * 4 WM + 4 t + wq) of the strip, rows l/4 and l/4 + 8 of it
   const int nl = wg * 64 * WM + wq * 16 + g4;  // feature of row l/4 of tile t = 0, relative to the strip
@@ -617,8 +602,6 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   for (int t = 0; t < WM; ++t)
 #pragma unroll
     for (int i = 0; i < NACC; ++i) acc[t][i] = acc_group[t][i] = 0.f;
-#pragma unroll
-  for (int i = 0; i < NACC; ++i) acc_xsum[i] = 0.f;
   Sm90Group grp[WM];
   // GSCALE, after the wait for a group's last chunk: its sums, times the rows' scales, into acc
   auto scale_group = [&] {
@@ -626,15 +609,9 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     for (int t = 0; t < WM; ++t)
 #pragma unroll
       for (int i = 0; i < NACC; ++i) {
-        const int r = (i >> 1) & 1;
-        // ZFOLD: sum (magic + q) x - (magic + z) sum x = sum (q - z) x
-        const float sum = C::ZFOLD ? fmaf(-grp[t].zm[r], acc_xsum[i], acc_group[t][i]) : acc_group[t][i];
-        acc[t][i] = fmaf(grp[t].scale[r], sum, acc[t][i]);
+        acc[t][i] = fmaf(grp[t].scale[(i >> 1) & 1], acc_group[t][i], acc[t][i]);
         acc_group[t][i] = 0.f;
       }
-    if constexpr (C::ZFOLD)
-#pragma unroll
-      for (int i = 0; i < NACC; ++i) acc_xsum[i] = 0.f;
   };
   // x's descriptor at the ring's base: a stage's and k-step's descriptor adds their byte offset / 16 (the start
   // address field; the ring lies below 2^18 bytes, so the sum stays within it)
@@ -668,13 +645,12 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         if constexpr (C::PROBE == 1) {
           a[ks][t][0] = w, a[ks][t][1] = w ^ 1u, a[ks][t][2] = w ^ 2u, a[ks][t][3] = w ^ 3u;
         } else {
-          sm90_decode<T, !C::GSCALE, C::ZFOLD>(w, grp[t], a[ks][t]);
+          sm90_decode<T, !C::GSCALE>(w, grp[t], a[ks][t]);
         }
       }
       wgmma_fence();
 #pragma unroll
       for (int t = 0; t < WM; ++t) wgmma_rs<T>(mma_acc[t], a[ks][t], x_desc + 2 * ks);  // + 32 B per k-step
-      if constexpr (C::ZFOLD) wgmma_rs<T>(acc_xsum, ones, x_desc + 2 * ks);
       if (ks == 0) after_first();
     }
     wgmma_commit();
@@ -687,9 +663,6 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     } else {
       wgmma_wait<0>();
       pin_operands(a_cur, mma_acc);
-      if constexpr (C::ZFOLD)
-#pragma unroll
-        for (int i = 0; i < NACC; ++i) pin(acc_xsum[i]);
     }
   };
 
@@ -943,11 +916,11 @@ template <class C>
 std::string sm90_cfg_name() {
   return "wg_b" + std::to_string(C::BN) + "m" + std::to_string(C::WM) + "s" + std::to_string(C::STAGES) +
          (C::MINB > 1 ? "x" + std::to_string(C::MINB) : "") + (C::OVERLAP ? "o" : "") + (C::WS ? "w" : "") +
-         (C::WGS != 2 ? "g" + std::to_string(C::WGS) : "") + (C::GSCALE ? "f" : "") + (C::ZFOLD ? "z" : "") + (C::PROBE ? "_probe" + std::to_string(C::PROBE) : "");
+         (C::WGS != 2 ? "g" + std::to_string(C::WGS) : "") + (C::GSCALE ? "f" : "") + (C::PROBE ? "_probe" + std::to_string(C::PROBE) : "");
 }
 // Configurations the benchmark times (batch rows per block, m64 tiles per warpgroup, stages, blocks per SM,
-// overlap across chunks, warp-specialised, consumer warpgroups, per-group fp32 scaling, zero point folded; names
-// wg_b<BN>m<WM>s<STAGES>[x<MINB>][o][w][g<WGS>][f][z]). The H200 sweep of session 7
+// overlap across chunks, warp-specialised, consumer warpgroups, per-group fp32 scaling; names
+// wg_b<BN>m<WM>s<STAGES>[x<MINB>][o][w][g<WGS>][f]). The H200 sweep of session 7
 // (bench/results/h200/gemm4-sm90-session7.*, gemm4_probe.*) also timed m2 / 4-stage forms, slower on every case.
 using Sm90TuningCfgs = CfgList<Sm90Cfg<64, 1, 6, 2>, Sm90Cfg<128, 2, 6>,
                                // warp-specialised (a producer warp, TMA / bulk copies, mbarriers; names end in w)
@@ -968,10 +941,7 @@ using Sm90TuningCfgs = CfgList<Sm90Cfg<64, 1, 6, 2>, Sm90Cfg<128, 2, 6>,
                                // the A operand unscaled, each group's sums scaled in fp32 (GSCALE; names end in f):
                                // dispatched on large layers (Sm90TinyScaled). (The 32-row form spilled 392 bytes in its fp16 build at two blocks
                                // per SM.)
-                               Sm90Cfg<16, 2, 8, 2, false, true, 2, true>,
-                               // and the zero point folded out of the decode too (ZFOLD; names end in fz): one block
-                               // per SM (at two, 112 registers a thread, ptxas serializes its wgmma: C7512)
-                               Sm90Cfg<16, 2, 8, 1, false, true, 2, true, true>, Sm90Cfg<32, 2, 8, 1, false, true, 2, true, true>>;
+                               Sm90Cfg<16, 2, 8, 2, false, true, 2, true>>;
 // Measuring variants (bench_qgemm_sm90 --probes; names end in _probe1 / _probe2): what the dispatched 16-row and
 // 128-row forms cost without their decode, and without any consumer work.
 using Sm90ProbeCfgs = CfgList<Sm90Probe<Sm90Cfg<16, 2, 8, 2, false, true>, 1>, Sm90Probe<Sm90Cfg<16, 2, 8, 2, false, true>, 2>,
