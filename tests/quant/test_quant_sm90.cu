@@ -188,6 +188,27 @@ TEST(QuantCudaSm90, SplitPlanFollowsTheMeasuredSweep) {
   EXPECT_EQ(kq::qgemm_sm90_plan(small, 132, 16).splits, 4);
 }
 // What the wgmma GEMM does not take is rejected before any launch, with the reason named (qgemm_cuda serves it).
+// The dispatch table in names, host logic only (any machine): which configuration qgemm_sm90_cuda runs for a batch,
+// layer size and group. 16-row slices with per-group fp32 scaling on layers from kSm90LargeLayer weights whose groups
+// are whole 64-k chunks (per channel included), the plain 16-row form otherwise.
+TEST(QuantCudaSm90, DispatchTableByBatchLayerAndGroup) {
+  auto cfg = [](std::int64_t M, std::int64_t N, std::int64_t K, std::int64_t group) {
+    const std::int64_t Kpad = (K + 63) / 64 * 64, Npad = (N + 15) / 16 * 16;
+    return kq::qgemm_sm90_cfg_name({M, N, K, Kpad, Npad, group == 0 ? Kpad : group, 4});
+  };
+  EXPECT_EQ(cfg(16, 28672, 8192, 128), "wg_b16m2s8x2wf");
+  EXPECT_EQ(cfg(1, 28672, 8192, 0), "wg_b16m2s8x2wf");    // per channel
+  EXPECT_EQ(cfg(9, 28672, 8192, 32), "wg_b16m2s8x2w");    // groups of 32: not whole chunks
+  EXPECT_EQ(cfg(16, 11008, 4096, 128), "wg_b16m2s8x2w");  // below kSm90LargeLayer
+  EXPECT_EQ(cfg(16, 4096, 11008, 128), "wg_b16m2s8x2w");
+  EXPECT_EQ(cfg(24, 28672, 8192, 128), "wg_b32m2s6x2w");
+  EXPECT_EQ(cfg(24, 4096, 4096, 128), "wg_b32m2s8w");
+  EXPECT_EQ(cfg(48, 28672, 8192, 128), "wg_b64m2s8w");
+  EXPECT_EQ(cfg(64, 4096, 4096, 128), "wg_b64m1s6x2w");
+  EXPECT_EQ(cfg(65, 4096, 4096, 128), "wg_b128m1s8wg4");
+  EXPECT_EQ(cfg(128, 28672, 8192, 32), "wg_b128m1s8wg4");
+}
+
 TEST(QuantCudaSm90, RejectsShapesItCannotTake) {
   auto reason = [](kq::QGemmShape s) { return kq::qgemm_sm90_reason(s); };
   EXPECT_EQ(reason({64, 200, 1096, 1152, 208, 128, 4}), "");
