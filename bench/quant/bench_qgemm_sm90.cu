@@ -208,7 +208,7 @@ std::string json_num(double v) {
 // base configuration's own plan.
 template <class... Cs>
 void time_probe_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16* y, std::size_t ny,
-                     const std::vector<bf16>& ref, int sm, int reps, std::vector<Timed>& out, bool check) {
+                     const std::vector<bf16>& ref, int sm, int reps, std::vector<Timed>& out) {
   auto one = [&](auto c) {
     using C = decltype(c);
     const auto plan = kq::plan_qgemm_sm90<C>(s, kq::detail::sm90_capacity<C>(sm), 0, kq::Sm90Reduce::Auto);
@@ -216,7 +216,7 @@ void time_probe_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemm
     check_and_time(
         kq::detail::sm90_cfg_name<C>(), kq::describe(plan), plan.splits, plan.splits == 1 ? "" : plan.cluster ? "cluster" : "global",
         [&] { return kq::detail::launch_qgemm_sm90_cfg<bf16, C>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws.ws, nullptr); }, y, ny, ref, reps,
-        out, check);
+        out, /*check=*/false);
   };
   (one(Cs{}), ...);
 }
@@ -363,7 +363,7 @@ int main(int argc, char** argv) {
         time_cfgs(kq::detail::Sm90TuningCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), only_cfg, wg);
       std::vector<Timed> pr;
       if (kq::qgemm_sm90_supported() && probes) {
-        time_probe_cfgs(kq::detail::Sm90ProbeCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), pr, false);
+        time_probe_cfgs(kq::detail::Sm90ProbeCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), pr);
         std::printf("  probes:");
         for (const auto& t : pr) std::printf("  %s/%d %.4f", t.name.c_str(), t.splits, t.ms);
         std::printf("  (ms; read of the 4-bit tiles %.4f)\n", read4_ms);

@@ -160,7 +160,7 @@ struct Sm90Cfg {
 //   PROBE 2: no consumer work: each consumer warp waits for every stage and hands it back (the copies remain).
 // H200, 8192 x 28672 at M = 16, wg_b16m2s8x2w, 2 K ranges in a cluster (gemm4_probe-session11-run2): the kernel 0.0605 ms,
 // without the decode 0.0427, the copies alone 0.0351, a plain read of the tiles 0.0322. So the ring streams at the
-// read bound and the decode is the largest cost. Nsight Compute on the kernel (ncu-sm90-...-session11-run4): the
+// read bound and the consumers' decode and wgmma are the cost (see ZFOLD at Sm90Cfg). Nsight Compute on the kernel (ncu-sm90-...-session11-run4): the
 // integer pipe 40% busy, the FMA pipes 18 / 36%, 0.57 instructions issued per scheduler and cycle, the stalls
 // spread over fixed-latency waits (15%), the wgmma wait (5%) and the consumers' wait for their first chunk (13%).
 // Tried in session 11 and slower (gemm4_probe-session11-run3 / -run5): the decode's shifts by multiply-high (IMAD.HI,
@@ -170,6 +170,7 @@ template <class Base, int PROBE_>
 struct Sm90Probe : Base {
   static_assert(Base::WS && !Base::OVERLAP, "probes measure the warp-specialised form");
   static_assert(PROBE_ == 1 || PROBE_ == 2, "probe 1 (no decode) or 2 (no consumer work)");
+  static_assert(!(Base::GSCALE && PROBE_ == 1), "probe 1 loads no group constants, which GSCALE's per-group scaling reads: probe its base without GSCALE");
   static constexpr int PROBE = PROBE_;
 };
 
