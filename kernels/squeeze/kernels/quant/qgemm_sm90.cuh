@@ -163,9 +163,11 @@ struct Sm90Cfg {
 // read bound and the consumers' decode and wgmma are the cost (see ZFOLD at Sm90Cfg). Nsight Compute on the kernel (ncu-sm90-...-session11-run4): the
 // integer pipe 40% busy, the FMA pipes 18 / 36%, 0.57 instructions issued per scheduler and cycle, the stalls
 // spread over fixed-latency waits (15%), the wgmma wait (5%) and the consumers' wait for their first chunk (13%).
-// Tried in session 11 and slower (gemm4_probe-session11-run3 / -run5): the decode's shifts by multiply-high (IMAD.HI,
-// off the integer pipe: 1-11%), one wgmma wait per two chunks (both A register sets live, so one block per SM: 1.3x),
-// and a producer that queues its first chunk alone and waits for it before filling the ring (1-7%).
+// Tried in session 11 and dropped, each against its base at the same plan (gemm4_probe-session11-run3 / -run5): the
+// decode's shifts by multiply-high (IMAD.HI, off the integer pipe): 0-17% slower; one wgmma wait per two chunks (both A
+// register sets live, so one block per SM): within 2.5% of its one-block base up to M = 32 (mean 1.4% faster there),
+// 1.25-1.35x slower at M = 64 on two shapes, and 0.98-1.42x the time of the two-block wg_b16m2s8x2w the dispatch takes; a
+// producer that queues its first chunk alone and waits for it before filling the ring: 0-10% slower (mean 1-3%).
 template <class Base, int PROBE_>
 struct Sm90Probe : Base {
   static_assert(Base::WS && !Base::OVERLAP, "probes measure the warp-specialised form");
