@@ -5,7 +5,8 @@
 // Why: at batch 16 on 8192 x 28672 the GEMM spends 0.060 ms where its copies alone take 0.035 and the kernel without
 // its decode 0.043 (Sm90Probe, gemm4_probe-session11-run2), and one more RS wgmma per three (ZFOLD, run 6) cost more
 // than the decode it removed. If an RS m64n16k16 costs an SM tens of cycles whatever N is, the weights would be better
-// the B operand of m64n128k16+ wgmma from shared memory (x as A), 8x fewer instructions per weight.
+// the B operand of m64n128k16 / m64n256k16 wgmma from shared memory (x as A): 2048 / 4096 weights per instruction against
+// 1024 now.
 // Each block (one per SM) runs ITERS chunks of 4 wgmma per warpgroup on constant operands (the rate does not depend
 // on the values), timed by clock64 on the SM; a line per case: cycles per wgmma per SM and FMAs per cycle per SM.
 // Usage: bench_wgmma_rate [--out FILE] [--iters N]
