@@ -1048,6 +1048,17 @@ struct Sm90Launch {
   Sm90Launch& operator=(const Sm90Launch&) = delete;
 };
 
+// Lets the kernels of (T, C), both reductions, take C::SMEM_BYTES of dynamic shared memory: once per (T, C), for the
+// launcher and the capacity query alike.
+template <class T, class C>
+cudaError_t sm90_allow_smem() {
+  static const cudaError_t attr = [] {
+    const cudaError_t a = cudaFuncSetAttribute(qgemm_sm90_kernel<T, C, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
+    return a != cudaSuccess ? a : cudaFuncSetAttribute(qgemm_sm90_kernel<T, C, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
+  }();
+  return attr;
+}
+
 // The current device's capacity for configuration C: blocks per SM x SMs, and cudaOccupancyMaxActiveClusters per
 // cluster size; asked once per configuration. Where the device cannot say (no sm_90a code, not an sm_90 device), the
 // even capacity of sm_count SMs.
@@ -1059,7 +1070,7 @@ Sm90Capacity sm90_capacity(int sm_count) {
     if (!qgemm_sm90_supported()) return c;
     const auto kernel = qgemm_sm90_kernel<bf16, C, true>;  // the fp16 and global-reduction kernels take the same resources
     int dev = 0, sms = 0, per_sm = 0;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES) != cudaSuccess || cudaGetDevice(&dev) != cudaSuccess ||
+    if (sm90_allow_smem<bf16, C>() != cudaSuccess || cudaGetDevice(&dev) != cudaSuccess ||
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, C::THREADS, C::SMEM_BYTES) != cudaSuccess) {
       cudaGetLastError();
@@ -1097,11 +1108,7 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
   if (global && (reinterpret_cast<std::uintptr_t>(ws.partial) & 15)) return cudaErrorInvalidValue;  // float4 sums
   if (!qgemm_sm90_supported()) return cudaErrorNotSupported;
   const auto kernel = p.cluster ? qgemm_sm90_kernel<T, C, true> : qgemm_sm90_kernel<T, C, false>;
-  static const cudaError_t attr = [] {
-    const cudaError_t a = cudaFuncSetAttribute(qgemm_sm90_kernel<T, C, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
-    return a != cudaSuccess ? a : cudaFuncSetAttribute(qgemm_sm90_kernel<T, C, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
-  }();
-  if (attr != cudaSuccess) return attr;
+  if (const cudaError_t attr = sm90_allow_smem<T, C>(); attr != cudaSuccess) return attr;
   CUtensorMap x_map{};
   if constexpr (C::WS)
     if (const cudaError_t e = make_x_tensor_map(x_map, x, s.M, s.K, C::BN, std::is_same_v<T, bf16>); e != cudaSuccess) return e;
