@@ -18,7 +18,7 @@
 // the time of a plain streaming read (16-byte loads, every SM)
 // of the 4-bit tiles and of the bf16 weights, timed the same way: what merely reading those bytes costs at this
 // size, so read_bf16_ms / read4_ms bounds the ratio any kernel can reach against a memory-bound peer.
-// Usage: bench_qgemm_sm90 [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m LIST] [--cfg NAME-SUBSTRING]
+// Usage: bench_qgemm_sm90 [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m LIST] [--shapes KxN,...] [--cfg NAME-SUBSTRING]
 //                         [--l2-flush clean|dirty] [--probes] [--streaming]
 //   (--cfg: only the wgmma configurations whose names contain it, and not the dispatch: for a profiler;
 //    --l2-flush: how L2 is swept before each timed launch, see gemm_timing.cuh; default clean)
@@ -247,6 +247,8 @@ int main(int argc, char** argv) {
   std::string out_path, only, only_cfg;
   bool probes = false, streaming = false;
   std::vector<std::int64_t> batches = {1, 16, 33, 64, 128};
+  // issue 6's (K, N); --shapes replaces them (e.g. 8192x33792: 132 strips of 256 features, one per SM)
+  std::vector<std::pair<std::int64_t, std::int64_t>> shapes = {{4096, 4096}, {4096, 11008}, {11008, 4096}, {8192, 28672}};
   int reps = 30;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -263,8 +265,21 @@ int main(int argc, char** argv) {
       batches.clear();
       std::stringstream list(argv[++i]);
       for (std::string item; std::getline(list, item, ',');) batches.push_back(std::stoll(item));
+    } else if (a == "--shapes" && i + 1 < argc) {
+      shapes.clear();
+      std::stringstream list(argv[++i]);
+      for (std::string item; std::getline(list, item, ',');) {
+        long long k = 0, n = 0;
+        char sep = 0;
+        std::stringstream one(item);
+        if (!(one >> k >> sep >> n) || sep != 'x' || k < 16 || n < 16 || k % 8) {
+          std::fprintf(stderr, "%s: --shapes: expected KxN pairs with K a multiple of 8 and K, N >= 16, got '%s'\n", argv[0], item.c_str());
+          return 2;
+        }
+        shapes.emplace_back(k, n);
+      }
     } else {
-      std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m 1,16,...] [--cfg NAME-SUBSTRING] [--l2-flush clean|dirty] [--probes] [--streaming]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m 1,16,...] [--shapes KxN,...] [--cfg NAME-SUBSTRING] [--l2-flush clean|dirty] [--probes] [--streaming]\n", argv[0]);
       return 2;
     }
   }
@@ -317,7 +332,6 @@ int main(int argc, char** argv) {
   std::printf("%-18s %8s %8s %6s %5s | %8s %6s | %-16s %2s %8s %6s %5s | %s\n", "case", "ours ms", "cublas", "x cub", "roof", "mma ms", "x cub",
               "best wgmma", "sp", "best ms", "x cub", "roof", "dispatch");
   std::mt19937 rng(2026);
-  const std::vector<std::pair<std::int64_t, std::int64_t>> shapes = {{4096, 4096}, {4096, 11008}, {11008, 4096}, {8192, 28672}};
   for (const auto& [K, N] : shapes) {
     const Layer L(K, N, rng);
     auto read_ms = [&](const void* p, std::size_t bytes) {
