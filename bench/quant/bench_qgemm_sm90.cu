@@ -19,9 +19,10 @@
 // the time of a plain streaming read (16-byte loads, every SM)
 // of the 4-bit tiles and of the bf16 weights, timed the same way: what merely reading those bytes costs at this
 // size, so read_bf16_ms / read4_ms bounds the ratio any kernel can reach against a memory-bound peer.
-// Usage: bench_qgemm_sm90 [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m LIST] [--shapes KxN,...] [--cfg NAME-SUBSTRING]
+// Usage: bench_qgemm_sm90 [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m LIST] [--shapes KxN,...] [--splits LIST] [--cfg NAME-SUBSTRING]
 //                         [--l2-flush clean|dirty] [--probes] [--streaming]
-//   (--cfg: only the wgmma configurations whose names contain it, and not the dispatch: for a profiler;
+//   (--cfg: only the wgmma configurations whose names contain it (or one of a comma-separated list), and not the
+//    dispatch: for a profiler; --splits: the K split counts swept, besides the plan's own (default 1,2,3,4,6,8,12,16);
 //    --l2-flush: how L2 is swept before each timed launch, see gemm_timing.cuh; default clean)
 #include <algorithm>
 #include <cmath>
@@ -177,13 +178,19 @@ void print_capacities(kq::detail::CfgList<Cs...>, int sm) {
 // Every wgmma configuration of the list at each distinct (K split count, reduction).
 template <class... Cs>
 void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16* y, std::size_t ny,
-               const std::vector<bf16>& ref, int sm, int reps, const std::string& only_cfg, std::vector<Timed>& out) {
+               const std::vector<bf16>& ref, int sm, int reps, const std::string& only_cfg, const std::vector<int>& split_counts,
+               std::vector<Timed>& out) {
   auto one = [&](auto c) {
     using C = decltype(c);
     const std::string name = kq::detail::sm90_cfg_name<C>();
-    if (!only_cfg.empty() && name.find(only_cfg) == std::string::npos) return;
+    if (!only_cfg.empty()) {  // a comma-separated list of name substrings
+      bool named = false;
+      std::stringstream list(only_cfg);
+      for (std::string item; std::getline(list, item, ',');) named = named || (!item.empty() && name.find(item) != std::string::npos);
+      if (!named) return;
+    }
     std::set<std::pair<int, bool>> seen;  // (splits, cluster) already timed
-    for (int sp : {0, 1, 2, 3, 4, 6, 8, 12, 16})  // 3 and 6: clusters that fill a GPC less evenly
+    for (const int sp : split_counts)
       for (const auto reduce : {kq::Sm90Reduce::Cluster, kq::Sm90Reduce::Global}) {
         const auto plan = kq::plan_qgemm_sm90<C>(s, kq::detail::sm90_capacity<C>(sm), sp, sp == 0 ? kq::Sm90Reduce::Auto : reduce);
         if (!seen.insert({plan.splits, plan.cluster}).second) continue;
@@ -256,6 +263,7 @@ int main(int argc, char** argv) {
   std::string out_path, only, only_cfg;
   bool probes = false, streaming = false;
   std::vector<std::int64_t> batches = {1, 16, 33, 64, 128};
+  std::vector<int> split_counts = {0, 1, 2, 3, 4, 6, 8, 12, 16};  // 0: the plan's own; 3 and 6: clusters that fill a GPC less evenly
   // issue 6's (K, N); --shapes replaces them (e.g. 8192x33792: 132 strips of 256 features, one per SM)
   std::vector<std::pair<std::int64_t, std::int64_t>> shapes = {{4096, 4096}, {4096, 11008}, {11008, 4096}, {8192, 28672}};
   int reps = 30;
@@ -274,6 +282,10 @@ int main(int argc, char** argv) {
       batches.clear();
       std::stringstream list(argv[++i]);
       for (std::string item; std::getline(list, item, ',');) batches.push_back(std::stoll(item));
+    } else if (a == "--splits" && i + 1 < argc) {
+      split_counts = {0};
+      std::stringstream list(argv[++i]);
+      for (std::string item; std::getline(list, item, ',');) split_counts.push_back(std::stoi(item));
     } else if (a == "--shapes" && i + 1 < argc) {
       shapes.clear();
       std::stringstream list(argv[++i]);
@@ -288,7 +300,7 @@ int main(int argc, char** argv) {
         shapes.emplace_back(k, n);
       }
     } else {
-      std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m 1,16,...] [--shapes KxN,...] [--cfg NAME-SUBSTRING] [--l2-flush clean|dirty] [--probes] [--streaming]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m 1,16,...] [--shapes KxN,...] [--splits 1,2,...] [--cfg NAME-SUBSTRING] [--l2-flush clean|dirty] [--probes] [--streaming]\n", argv[0]);
       return 2;
     }
   }
@@ -383,7 +395,7 @@ int main(int argc, char** argv) {
       const double t_cub = time_ms(run_cub, reps);
       std::vector<Timed> wg;
       if (kq::qgemm_sm90_supported() && M > 1)
-        time_cfgs(kq::detail::Sm90TuningCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), only_cfg, wg);
+        time_cfgs(kq::detail::Sm90TuningCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), only_cfg, split_counts, wg);
       std::vector<Timed> pr;
       if (kq::qgemm_sm90_supported() && probes) {
         time_probe_cfgs(kq::detail::Sm90ProbeCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), pr);
