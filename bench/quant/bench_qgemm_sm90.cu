@@ -227,12 +227,15 @@ void time_probe_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemm
                      const std::vector<bf16>& ref, int sm, int reps, std::vector<Timed>& out) {
   auto one = [&](auto c) {
     using C = decltype(c);
-    const auto plan = kq::plan_qgemm_sm90<C>(s, kq::detail::sm90_capacity<C>(sm), 0, kq::Sm90Reduce::Auto);
-    const Workspace ws({nullptr, plan.partial_elems, nullptr, plan.counter_elems});
-    check_and_time(
-        kq::detail::sm90_cfg_name<C>(), kq::describe(plan), plan.splits, plan.splits == 1 ? "" : plan.cluster ? "cluster" : "global",
-        [&] { return kq::detail::launch_qgemm_sm90_cfg<bf16, C>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws.ws, nullptr); }, y, ny, ref, reps,
-        out, /*check=*/false);
+    for (const auto reduce : {kq::Sm90Reduce::Auto, kq::Sm90Reduce::StreamK}) {  // its own plan, and stream-K
+      const auto plan = kq::plan_qgemm_sm90<C>(s, kq::detail::sm90_capacity<C>(sm), 0, reduce);
+      const Workspace ws({nullptr, plan.partial_elems, nullptr, plan.counter_elems});
+      check_and_time(
+          kq::detail::sm90_cfg_name<C>(), kq::describe(plan), plan.stream > 0 ? plan.max_parts : plan.splits,
+          plan.stream > 0 ? "stream" : plan.splits == 1 ? "" : plan.cluster ? "cluster" : "global",
+          [&] { return kq::detail::launch_qgemm_sm90_cfg<bf16, C>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws.ws, nullptr); }, y, ny, ref, reps,
+          out, /*check=*/false);
+    }
   };
   (one(Cs{}), ...);
 }
@@ -400,7 +403,7 @@ int main(int argc, char** argv) {
       if (kq::qgemm_sm90_supported() && probes) {
         time_probe_cfgs(kq::detail::Sm90ProbeCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), pr);
         std::printf("  probes:");
-        for (const auto& t : pr) std::printf("  %s/%d %.4f", t.name.c_str(), t.splits, t.ms);
+        for (const auto& t : pr) std::printf("  %s/%d%s %.4f", t.name.c_str(), t.splits, t.reduce == "stream" ? "s" : "", t.ms);
         std::printf("  (ms; read of the 4-bit tiles %.4f)\n", read4_ms);
       }
       std::vector<Timed> sv;
