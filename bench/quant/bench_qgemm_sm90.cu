@@ -3,9 +3,8 @@
 // For each (K, N) of issue 6 and batch M it times, in the same run, cold L2, median of --reps:
 //   ours     the library's dispatch (kq::quant_gemm_cuda: wgmma from M = 9 on sm_90a, see quant_gemm_uses_sm90)
 //   mma      qgemm_cuda (the mma.sync kernel) at every M
-//   wg_*     every wgmma configuration of kq::detail::Sm90TuningCfgs at K splits {its plan, 1, 2, 3, 4, 6, 8, 12, 16}, each
-//            K-split count reduced both ways (in a cluster up to 8, through global memory), and (warp-specialised
-//            without OVERLAP) stream-K over every block slot (JSON reduce "stream", splits = its most parts per tile)
+//   wg_*     every wgmma configuration of kq::detail::Sm90TuningCfgs at K splits {its plan, 1, 2, 3, 4, 6, 8, 12, 16} (--splits), each
+//            K-split count reduced both ways (in a cluster up to 8, through global memory)
 //   sv_*     (--streaming) every configuration of the streaming kernel (qgemv.cuh, M <= 16) with its own plan
 //   probes   (--probes) kq::detail::Sm90ProbeCfgs at their own plans: the dispatched forms without their decode
 //            (_probe1) or without any consumer work (_probe2), i.e. what the copies alone cost; results not checked
@@ -200,14 +199,6 @@ void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape&
             [&] { return kq::detail::launch_qgemm_sm90_cfg<bf16, C>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws.ws, nullptr); }, y, ny, ref,
             reps, out);
       }
-    if constexpr (C::WS && !C::OVERLAP) {  // stream-K over every block slot
-      const auto plan = kq::plan_qgemm_sm90<C>(s, kq::detail::sm90_capacity<C>(sm), 0, kq::Sm90Reduce::StreamK);
-      const Workspace ws({nullptr, plan.partial_elems, nullptr, plan.counter_elems});
-      check_and_time(
-          name, kq::describe(plan), plan.max_parts, "stream",
-          [&] { return kq::detail::launch_qgemm_sm90_cfg<bf16, C>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws.ws, nullptr); }, y, ny, ref, reps,
-          out);
-    }
   };
   (one(Cs{}), ...);
 }
@@ -227,15 +218,12 @@ void time_probe_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemm
                      const std::vector<bf16>& ref, int sm, int reps, std::vector<Timed>& out) {
   auto one = [&](auto c) {
     using C = decltype(c);
-    for (const auto reduce : {kq::Sm90Reduce::Auto, kq::Sm90Reduce::StreamK}) {  // its own plan, and stream-K
-      const auto plan = kq::plan_qgemm_sm90<C>(s, kq::detail::sm90_capacity<C>(sm), 0, reduce);
-      const Workspace ws({nullptr, plan.partial_elems, nullptr, plan.counter_elems});
-      check_and_time(
-          kq::detail::sm90_cfg_name<C>(), kq::describe(plan), plan.stream > 0 ? plan.max_parts : plan.splits,
-          plan.stream > 0 ? "stream" : plan.splits == 1 ? "" : plan.cluster ? "cluster" : "global",
-          [&] { return kq::detail::launch_qgemm_sm90_cfg<bf16, C>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws.ws, nullptr); }, y, ny, ref, reps,
-          out, /*check=*/false);
-    }
+    const auto plan = kq::plan_qgemm_sm90<C>(s, kq::detail::sm90_capacity<C>(sm), 0, kq::Sm90Reduce::Auto);
+    const Workspace ws({nullptr, plan.partial_elems, nullptr, plan.counter_elems});
+    check_and_time(
+        kq::detail::sm90_cfg_name<C>(), kq::describe(plan), plan.splits, plan.splits == 1 ? "" : plan.cluster ? "cluster" : "global",
+        [&] { return kq::detail::launch_qgemm_sm90_cfg<bf16, C>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws.ws, nullptr); }, y, ny, ref, reps,
+        out, /*check=*/false);
   };
   (one(Cs{}), ...);
 }
@@ -403,7 +391,7 @@ int main(int argc, char** argv) {
       if (kq::qgemm_sm90_supported() && probes) {
         time_probe_cfgs(kq::detail::Sm90ProbeCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), pr);
         std::printf("  probes:");
-        for (const auto& t : pr) std::printf("  %s/%d%s %.4f", t.name.c_str(), t.splits, t.reduce == "stream" ? "s" : "", t.ms);
+        for (const auto& t : pr) std::printf("  %s/%d %.4f", t.name.c_str(), t.splits, t.ms);
         std::printf("  (ms; read of the 4-bit tiles %.4f)\n", read4_ms);
       }
       std::vector<Timed> sv;
@@ -434,17 +422,6 @@ int main(int argc, char** argv) {
                   best ? t_cub / best->ms : 0.0, best ? roof(best->ms) : 0.0, dispatch.c_str(), err_ours < 2e-2 ? "" : "  BAD (ours vs mma.sync)");
       for (const auto& t : wg)
         if (!(t.err < 2e-2)) std::printf("  %s splits %d: rel err %.2e vs mma.sync: BAD\n", t.name.c_str(), t.splits, t.err);
-      {  // per configuration: its best K-split time against its stream-K time
-        std::string line;
-        for (const auto& t : wg) {
-          if (t.reduce != "stream" || !(t.ms > 0)) continue;
-          double split_ms = 0;
-          for (const auto& u : wg)
-            if (u.name == t.name && u.reduce != "stream" && u.ms > 0 && (split_ms == 0 || u.ms < split_ms)) split_ms = u.ms;
-          if (split_ms > 0) line += "  " + t.name + " " + std::to_string(split_ms).substr(0, 7) + "/" + std::to_string(t.ms).substr(0, 7);
-        }
-        if (!line.empty()) std::printf("  best K split / stream-K ms:%s\n", line.c_str());
-      }
       std::fflush(stdout);
       if (out) {
         std::ostringstream j;

@@ -51,7 +51,13 @@
 // (Session 9 also built stream-K, persistent blocks walking an even share of the (tile, chunk) units: correct, but
 // slower than the best K split count in all but one case on the H200, gemm4_probe-session9-run3: 8192 x 28672 at
 // M = 128, 0.128 against 0.112 ms, and its per-block segment state cost the two-blocks-per-SM and g4
-// configurations 44-96 bytes of register spills; removed in session 10.)
+// configurations 44-96 bytes of register spills; removed in session 10. Session 12 built it again, because 8192 x
+// 28672 at M = 16 leaves the H200's SMs unevenly loaded: its 224 blocks of 2 K ranges took 0.0604 ms, and 8192 x
+// 33792, 264 blocks with 18% more work, 0.0599 (gemm4_probe-session12-run2). Stream-K over the 264 slots was slower
+// than the best K-split plan in 245 of 260 (configuration, case) pairs, median 1.22x; wg_b16m2s8x2w at M = 16 0.0638
+// against 0.0609 ms (run 3); at M = 9 its copies alone (Sm90Probe 2) took 0.0457 ms at the stream-K plan against
+// 0.0343 at 2 K ranges (run 5): blocks that start at scattered K positions read the weights more slowly than K ranges that move
+// in step. K ranges of 7 (784 blocks, three even waves) were 5% slower than 2 as well (run 4). Removed again.)
 // Not done: 128 x 128 tiles per warpgroup (two 64 x 128 accumulators: ptxas serializes the wgmma, C7512),
 // overlapping one chunk's wgmma with the next chunk's decode in a warpgroup (C7513), 8- and 3-bit tiles.
 //
@@ -182,45 +188,15 @@ struct Sm90Plan {
   int splits = 1;        // K ranges
   int cps = 1;           // 64-k chunks per K range
   bool cluster = false;  // K splits reduce within a cluster of `splits` blocks (else through global memory)
-  int stream = 0;        // > 0: stream-K over this many blocks instead of K splits (splits 1; Sm90StreamK)
-  int max_parts = 1;     // the most blocks one tile's K range is cut between (the splits, or stream-K's cuts)
   int smem_bytes = 0;
-  std::int64_t partial_elems = 0;  // fp32 [max_parts, M, Npad] for a reduction through global memory
+  std::int64_t partial_elems = 0;  // fp32 [splits, M, Npad] for a reduction through global memory
   std::int64_t counter_elems = 0;  // int32 [zslices, strips], zero between launches (the same)
-  std::int64_t blocks() const { return stream > 0 ? stream : std::int64_t(zslices) * strips * splits; }
+  std::int64_t blocks() const { return std::int64_t(zslices) * strips * splits; }
 };
 inline std::string describe(const Sm90Plan& p) {
-  return "zslices " + std::to_string(p.zslices) + " strips " + std::to_string(p.strips) +
-         (p.stream > 0 ? " stream-K blocks " + std::to_string(p.stream) + " max parts " + std::to_string(p.max_parts)
-                       : " splits " + std::to_string(p.splits) + (p.splits > 1 ? (p.cluster ? " (cluster)" : " (global)") : "") + " cps " +
-                             std::to_string(p.cps)) +
-         " smem " + std::to_string(p.smem_bytes) + " B";
+  return "zslices " + std::to_string(p.zslices) + " strips " + std::to_string(p.strips) + " splits " + std::to_string(p.splits) +
+         (p.splits > 1 ? (p.cluster ? " (cluster)" : " (global)") : "") + " cps " + std::to_string(p.cps) + " smem " + std::to_string(p.smem_bytes) + " B";
 }
-
-// Stream-K: the (tile, chunk) units, tile-major (a tile = one batch slice x one strip; the batch slices of a strip
-// are neighbouring tiles), dealt out evenly to `blocks` blocks, all resident at once: block b takes units
-// [start(b), start(b + 1)), the first r() blocks one more than the others. A tile cut between blocks is summed
-// from fp32 partials, slot j = block - the tile's first block, by the last of its parts to finish, in slot order
-// (deterministic). Why: where a layer has fewer strips than the GPU has block slots, K splits of equal length leave
-// slots idle (8192 x 28672 in 256-feature strips: 112 tiles, 224 blocks in 2 K ranges on the H200's 264 slots). On
-// the H200, 8192 x 33792 (132 strips: 264 blocks) took 0.0599 ms at M = 16 and 8192 x 28672 0.0604, with 18% less
-// work (gemm4_probe-session12-run2).
-struct Sm90StreamK {
-  std::int64_t units = 0;
-  int blocks = 1;
-  __host__ __device__ std::int64_t q() const { return units / blocks; }
-  __host__ __device__ std::int64_t r() const { return units % blocks; }
-  __host__ __device__ std::int64_t start(std::int64_t b) const { return b * q() + (b < r() ? b : r()); }
-  __host__ __device__ int block_of(std::int64_t u) const {  // the block whose range holds unit u
-    const std::int64_t big = r() * (q() + 1);
-    return int(u < big ? u / (q() + 1) : r() + (u - big) / q());
-  }
-  // The most blocks a tile of `kchunks` units is cut between (its partial slots): its first block takes at least
-  // one unit, every other at least q() (blocks <= units, so q() >= 1).
-  std::int64_t max_parts(std::int64_t kchunks) const {
-    return std::min<std::int64_t>(blocks, 1 + (kchunks - 1 + q() - 1) / q());
-  }
-};
 
 // K splits: at most 16 K ranges, at most 8 when they reduce within a cluster (a cluster of up to 8 blocks is portable).
 inline constexpr int kSm90MaxSplits = 16, kSm90MaxClusterSplits = 8;
@@ -228,10 +204,8 @@ inline constexpr int kSm90MaxSplits = 16, kSm90MaxClusterSplits = 8;
 // configuration x shape x batch cases) a cluster of 8 was never the fastest (the H200 holds 15 of them of one-per-SM
 // blocks; 4096 x 4096 at M = 16, 16 tiles: 8 in a cluster 0.0137 ms, 6 in a cluster 0.0125).
 inline constexpr int kSm90AutoClusterSplits = 6;
-// How the K ranges of a tile are summed: Auto lets the plan pick (splits_override then fixes only the count);
-// StreamK: stream-K over every block slot (Sm90StreamK; warp-specialised configurations without OVERLAP, others plan
-// as Auto; splits_override unused).
-enum class Sm90Reduce { Auto, Cluster, Global, StreamK };
+// How the K ranges of a tile are summed: Auto lets the plan pick (splits_override then fixes only the count).
+enum class Sm90Reduce { Auto, Cluster, Global };
 // What the GPU holds of one configuration at once: `slots` blocks (SMs x blocks per SM), and clusters[k] clusters of k
 // blocks (a cluster's blocks share a GPC, so a GPC whose free slots are fewer than k wastes them: the H200 holds
 // 15 clusters of 8 one-per-SM blocks, 120 of its 132 SMs). sm90_capacity<C>(sm_count) asks the device
@@ -248,31 +222,43 @@ Sm90Capacity sm90_even_capacity(int sm_count) {
   for (int k = 1; k <= kSm90MaxClusterSplits; ++k) c.clusters[k] = c.slots / k;
   return c;
 }
-// The estimated cost of `splits` K ranges of `tiles` tiles reduced one way: the weight bytes over the fraction of the
-// GPU's slots the grid keeps busy (idle slots stretch the time; a wave is the blocks, or for a cluster reduction the
-// clusters of `splits` blocks, the GPU holds at once), plus the reduction, weighted per split, row and column: 6 B
-// through global memory (fp32 partials written and read back, mostly in L2, a fence and a serial tail), 3 B in a
-// cluster (distributed shared memory). Fitted to the H200 sweep of both reductions at 1, 2, 3, 4, 6, 8 (cluster and
-// global), 12 and 16 (global) K ranges with a clean L2 (bench/results/h200/gemm4_probe-session10-run7.jsonl, 480
-// configuration x shape x batch cases): with clusters of at most kSm90AutoClusterSplits the plan's choice is on
-// average 2.6% slower than the sweep's best (0.8% for the dispatched configurations, at most 1.10x; of all, 1.43x).
-// (Session 8's weight for the global form alone was 4 B.)
-inline double sm90_split_cost(const QGemmShape& s, std::int64_t tiles, int splits, bool cluster, const Sm90Capacity& cap) {
+// The estimated cost of `splits` K ranges of `tiles` tiles reduced one way, in bytes of weights streamed:
+//   the weight bytes over the fraction of the GPU's slots the grid keeps busy (idle slots stretch the time; a wave is
+//   the blocks, or for a cluster reduction the clusters of `splits` blocks, the GPU holds at once);
+//   x kSm90LoneBlock where a two-blocks-per-SM configuration has at most one block per SM (a block alone on an SM
+//   runs faster than each of a pair: on the H200 wg_b16m2s8x2w's 112 blocks on 8192 x 28672 at M = 16 took 0.0785
+//   ms for 128 chunks each, 224 blocks of 64 chunks 0.0609, gemm4_probe-session12-run3);
+//   + kSm90WaveBytes per wave after the first (a block's ring fills again);
+//   + the reduction per split, row and column: 6 B through global memory (fp32 partials written and read back, mostly
+//   in L2) plus kSm90GlobalBytes once (its fence and serial tail), 4 B in a cluster (distributed shared memory).
+// Fitted to the H200 sweep of both reductions at every count of 1..16 K ranges with a clean L2 (gemm4_probe-session12-
+// run5, the seven dispatched configurations, 168 configuration x shape x batch cases; clusters of at most
+// kSm90AutoClusterSplits): the plan's choice is the sweep's best on 23 of the 24 dispatched cases (the 24th, 11008 x
+// 4096 at M = 64, 8% slower than 7 in a cluster), on average 2.0% slower than the best over all 168 (at most 1.25x).
+// Session 10's model (6 B global, 3 B cluster, counts 1, 2, 3, 4, 6, 8, 12, 16) missed 4096 x 11008 at M 9..32 by up
+// to 1.26x (6 K ranges through global memory; 5 in a cluster is best) and 4096 x 4096 at M 9..16 by up to 1.09x.
+inline constexpr double kSm90LoneBlock = 0.8, kSm90WaveBytes = 4e6, kSm90GlobalBytes = 4e6;
+inline double sm90_split_cost(const QGemmShape& s, std::int64_t tiles, int splits, bool cluster, const Sm90Capacity& cap, int blocks_per_sm) {
   const double wbytes = double(s.Npad) * double(s.Kpad) / 2;
-  const std::int64_t slots = std::max(cap.slots, 1);
-  double fill = 0;
+  const std::int64_t slots = std::max(cap.slots, 1), blocks = tiles * splits;
+  std::int64_t waves = 1, wave_blocks = 0, wave_slots = slots;  // wave_slots: the slots a wave stands for
   if (cluster) {
-    const std::int64_t per_wave = std::max(cap.clusters[splits], 1), waves = (tiles + per_wave - 1) / per_wave;
-    fill = double(tiles * splits) / double(waves * std::max(slots, per_wave * splits));
+    const std::int64_t per_wave = std::max(cap.clusters[splits], 1);
+    waves = (tiles + per_wave - 1) / per_wave;
+    wave_blocks = std::min(tiles, per_wave) * splits;
+    wave_slots = std::max(slots, per_wave * splits);
   } else {
-    const std::int64_t waves = (tiles * splits + slots - 1) / slots;
-    fill = double(tiles * splits) / double(waves * slots);
+    waves = (blocks + slots - 1) / slots;
+    wave_blocks = std::min(blocks, slots);
   }
-  return wbytes / fill + (splits > 1 ? (cluster ? 3.0 : 6.0) * splits * double(s.M) * double(s.Npad) : 0.0);
+  double cost = wbytes * double(waves * wave_slots) / double(blocks);
+  if (blocks_per_sm > 1 && wave_blocks * blocks_per_sm <= slots) cost *= kSm90LoneBlock;
+  cost += kSm90WaveBytes * double(waves - 1);
+  if (splits > 1) cost += (cluster ? 4.0 : 6.0) * splits * double(s.M) * double(s.Npad) + (cluster ? 0.0 : kSm90GlobalBytes);
+  return cost;
 }
-// K splits: the count (one of the counts the sweep measured: 1, 2, 3, 4, 6, 8, 12, 16; K ranges of at least 8
-// chunks: with 4, 4096 x 4096 at M 9..16 took 16 splits, 10% slower than 8 on the H200, gemm4_probe-session9-run6/7)
-// and the reduction with the least sm90_split_cost, unless given.
+// K splits: the count (1..16; K ranges of at least 8 chunks: with 4, 4096 x 4096 at M 9..16 took 16 splits, 10% slower
+// than 8 on the H200, gemm4_probe-session9-run6/7) and the reduction with the least sm90_split_cost, unless given.
 template <class C>
 Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int splits_override = 0, Sm90Reduce reduce = Sm90Reduce::Auto) {
   Sm90Plan p;
@@ -281,15 +267,6 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int split
   p.strips = int((s.Npad + C::STRIP - 1) / C::STRIP);
   const std::int64_t tiles = std::int64_t(p.zslices) * p.strips;
   p.smem_bytes = C::SMEM_BYTES;
-  if (reduce == Sm90Reduce::StreamK && C::WS && !C::OVERLAP) {  // one block per slot, or per unit where there are fewer units
-    const Sm90StreamK sk{tiles * kchunks, int(std::min<std::int64_t>(std::max(cap.slots, 1), tiles * kchunks))};
-    p.stream = sk.blocks;
-    p.cps = int(kchunks);
-    p.max_parts = int(sk.max_parts(kchunks));
-    p.partial_elems = p.max_parts > 1 ? std::int64_t(p.max_parts) * s.M * s.Npad : 0;
-    p.counter_elems = p.max_parts > 1 ? tiles : 0;
-    return p;
-  }
   // the count a request for sp K ranges gives (no empty K range)
   auto ranges = [&](std::int64_t sp) {
     const std::int64_t cps = (kchunks + sp - 1) / sp;
@@ -300,17 +277,16 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int split
   bool cluster = reduce != Sm90Reduce::Global;
   if (splits_override > 0) {
     if (reduce == Sm90Reduce::Auto)
-      cluster = splits <= kSm90MaxClusterSplits && sm90_split_cost(s, tiles, splits, true, cap) < sm90_split_cost(s, tiles, splits, false, cap);
+      cluster = splits <= kSm90MaxClusterSplits && sm90_split_cost(s, tiles, splits, true, cap, C::MINB) < sm90_split_cost(s, tiles, splits, false, cap, C::MINB);
   } else {
     const int max_splits = int(std::clamp<std::int64_t>(kchunks / 8, 1, limit));  // K ranges of at least 8 chunks
     double best = 0;
-    for (const int sp : {1, 2, 3, 4, 6, 8, 12, 16}) {
-      if (sp > max_splits) break;
+    for (int sp = 1; sp <= max_splits; ++sp) {
       const int r = ranges(sp);
       for (const bool cl : {true, false}) {
         if (reduce != Sm90Reduce::Auto && cl != (reduce == Sm90Reduce::Cluster)) continue;
         if (cl && r > kSm90AutoClusterSplits) continue;
-        const double cost = sm90_split_cost(s, tiles, r, cl, cap);
+        const double cost = sm90_split_cost(s, tiles, r, cl, cap, C::MINB);
         if (best == 0 || cost < best) {
           best = cost;
           splits = r;
@@ -322,7 +298,6 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int split
   p.cps = int((kchunks + splits - 1) / splits);
   p.splits = int((kchunks + p.cps - 1) / p.cps);
   p.cluster = p.splits > 1 && cluster;
-  p.max_parts = p.splits;
   p.partial_elems = p.splits > 1 && !p.cluster ? std::int64_t(p.splits) * s.M * s.Npad : 0;
   p.counter_elems = p.splits > 1 && !p.cluster ? tiles : 0;
   return p;
@@ -571,10 +546,9 @@ struct Sm90Params {
   int* counters;               // [zslices, strips], zero between launches (K splits through global memory)
   int M, N, K, Npad, group;
   int kchunks, cps, strips, splits, zslices;
-  int stream;  // > 0: stream-K over that many blocks (Sm90StreamK; grid (stream), splits 1), else K splits
 };
 
-// grid (zslices x strips, 1, splits), or (stream) for stream-K; C::THREADS threads, C::SMEM_BYTES dynamic shared memory.
+// grid (zslices x strips, 1, splits); C::THREADS threads, C::SMEM_BYTES dynamic shared memory.
 // CLUSTER: K splits reduce within clusters of (1, 1, splits) blocks; otherwise K splits (if any) go through global
 // memory. Two kernels rather than a flag, so that the global one carries no cluster code: one kernel holding both ran
 // the global plans ~1% slower (median) on the H200 (gemm4_probe-session10-run4 against -run5; the larger loss seen
@@ -596,33 +570,12 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   const int g4 = lane >> 2, c4 = lane & 3;
   const int ntiles = p.Npad / kTileN;
   const T* const x = static_cast<const T*>(p.x);
-  // The segment being worked on: batch slice z, strip, chunks [kc0, kc0 + nck), this block's part `slot` of the
-  // tile's `parts` (1: the whole K range, y stored directly). K splits: one segment per block, from the grid's
-  // coordinates (K range `slot` of p.splits); the batch slices of a strip are neighbouring blocks, so they run at
-  // the same time and the slices after the first find the strip's weights in L2. Stream-K (warp-specialised, the
-  // global reduction): the block's share of the units, cut at tile ends (each thread walks the same list).
-  int z = 0, strip = 0, n0 = 0, tile0 = 0, m0 = 0, kc0 = 0, nck = 0, slot = 0, parts = 1;
-  auto for_each_segment = [&](auto&& body) {
-    auto enter = [&](int zz, int st, int k0, int n, int sl, int np) {
-      z = zz, strip = st, n0 = st * STRIP, tile0 = st * TILES, m0 = zz * BN, kc0 = k0, nck = n, slot = sl, parts = np;
-      body();
-    };
-    if constexpr (C::WS && !C::OVERLAP && !CLUSTER) {
-      if (p.stream > 0) {
-        const Sm90StreamK sk{std::int64_t(p.zslices) * p.strips * p.kchunks, p.stream};
-        const std::int64_t u_end = sk.start(blockIdx.x + 1);
-        for (std::int64_t u = sk.start(blockIdx.x); u < u_end;) {
-          const std::int64_t tile = u / p.kchunks, t_begin = tile * p.kchunks, t_end = t_begin + p.kchunks, end = min(u_end, t_end);
-          const int first = sk.block_of(t_begin), last = sk.block_of(t_end - 1);
-          enter(int(tile % p.zslices), int(tile / p.zslices), int(u - t_begin), int(end - u), int(blockIdx.x) - first, last - first + 1);
-          u = end;
-        }
-        return;
-      }
-    }
-    const int k0 = int(blockIdx.z) * p.cps;
-    enter(int(blockIdx.x % p.zslices), int(blockIdx.x / p.zslices), k0, min(p.kchunks, k0 + p.cps) - k0, int(blockIdx.z), p.splits);
-  };
+  // This block's work: batch slice z, strip, chunks [kc0, kc0 + nck), K range `split` of p.splits (1: y stored
+  // directly). The batch slices of a strip are neighbouring blocks, so they run at the same time and the slices
+  // after the first find the strip's weights in L2.
+  const int z = int(blockIdx.x % p.zslices), strip = int(blockIdx.x / p.zslices), split = int(blockIdx.z);
+  const int n0 = strip * STRIP, tile0 = strip * TILES, m0 = z * BN;
+  const int kc0 = split * p.cps, nck = min(p.kchunks, kc0 + p.cps) - kc0;
   // padded k rows (k >= K) belong to the last group (x is zero there), as in the CPU twin
   auto group_of = [&](int k) { return min(k, p.K - 1) / p.group; };
 
@@ -664,14 +617,11 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   // at most once per k-step, so a compare replaces a division per k-step (Nsight Compute on the H200 had the
   // divisions at a quarter of the main loop's instructions). Starts at the first k-step's own group, so that
   // the first k-step loads its constants.
-  int next_group_k = 0;
-  auto begin_segment = [&] {  // before the segment's first chunk (consumer threads; every thread when not WS)
-    next_group_k = group_of(kc0 * kTileK) * p.group;
+  int next_group_k = group_of(kc0 * kTileK) * p.group;
 #pragma unroll
-    for (int t = 0; t < WM; ++t)
+  for (int t = 0; t < WM; ++t)
 #pragma unroll
-      for (int i = 0; i < NACC; ++i) acc[t][i] = acc_group[t][i] = 0.f;
-  };
+    for (int i = 0; i < NACC; ++i) acc[t][i] = acc_group[t][i] = 0.f;
   Sm90Group grp[WM];
   // GSCALE, after the wait for a group's last chunk: its sums, times the rows' scales, into acc
   auto scale_group = [&] {
@@ -746,7 +696,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
 
     // ---- epilogue: accumulator i of tile t holds (feature nl + 64 t + 8 ((i >> 1) & 1), batch row 8 (i >> 2) + 2 c4 + (i & 1))
     T* const y = static_cast<T*>(p.y);
-    if (parts == 1) {
+    if (p.splits == 1) {
 #pragma unroll
       for (int t = 0; t < WM; ++t)
 #pragma unroll
@@ -784,9 +734,9 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
 #pragma unroll
         for (int i = 0; i < NACC; ++i) buf[(8 * (i >> 2) + 2 * c4 + (i & 1)) * PITCH + nl + 64 * t + 8 * ((i >> 1) & 1)] = acc[t][i];
       cluster_sync();  // every K range's sums are in its block's shared memory
-      const int units = rows * (STRIP / 4), u_end = int(std::int64_t(units) * (slot + 1) / p.splits);
+      const int units = rows * (STRIP / 4), u_end = int(std::int64_t(units) * (split + 1) / p.splits);
       const unsigned base = smem_addr(buf);
-      for (int u = int(std::int64_t(units) * slot / p.splits) + tid; u < u_end; u += C::CONSUMERS) {
+      for (int u = int(std::int64_t(units) * split / p.splits) + tid; u < u_end; u += C::CONSUMERS) {
         const int r = u / (STRIP / 4), cc = (u % (STRIP / 4)) * 4;
         if (cc >= cols) continue;
         const unsigned off = base + unsigned(r * PITCH + cc) * 4u;
@@ -804,7 +754,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       return;
     }
     // through global memory: fp32 partials, and the last block of the tile to finish (a counter each) sums them
-    float* const part = p.partial + std::int64_t(slot) * p.M * p.Npad;
+    float* const part = p.partial + std::int64_t(split) * p.M * p.Npad;
 #pragma unroll
     for (int t = 0; t < WM; ++t)
 #pragma unroll
@@ -815,7 +765,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     __threadfence();  // partials visible device-wide before the counter says so
     consumer_bar_sync(C::CONSUMERS);
     int* const counter = p.counters + z * p.strips + strip;
-    if (tid == 0) last_flag = atomicAdd(counter, 1) == parts - 1;
+    if (tid == 0) last_flag = atomicAdd(counter, 1) == p.splits - 1;
     consumer_bar_sync(C::CONSUMERS);
     if (!last_flag) return;
     __threadfence();
@@ -829,14 +779,14 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       const float* src = p.partial + std::int64_t(m0 + r) * p.Npad + n0 + cc;
       float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
       int sp = 0;
-      for (; sp + 4 <= parts; sp += 4) {
+      for (; sp + 4 <= p.splits; sp += 4) {
         float4 v[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) v[j] = __ldcg(reinterpret_cast<const float4*>(src + (sp + j) * split_stride));
 #pragma unroll
         for (int j = 0; j < 4; ++j) add4(sum, v[j]);
       }
-      for (; sp < parts; ++sp) add4(sum, __ldcg(reinterpret_cast<const float4*>(src + sp * split_stride)));
+      for (; sp < p.splits; ++sp) add4(sum, __ldcg(reinterpret_cast<const float4*>(src + sp * split_stride)));
       write4(r, cc, sum);
     }
     if (tid == 0) *counter = 0;  // ready for the next launch
@@ -867,28 +817,25 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         }
         return;
       }
-      int rc = 0;  // chunks queued so far (the ring position), across segments
-      for_each_segment([&] {
-        const int cols = min(STRIP, p.Npad - n0);  // features of this strip (multiple of 16)
-        const unsigned wbytes = unsigned(cols / kTileN) * 512u;
-        for (int c = 0; c < nck; ++c, ++rc) {  // chunk c of the segment into ring stage rc % S
-          const int ring = rc % S, kc = kc0 + c;
-          if (rc >= S) mbar_wait(empty_bar + ring, unsigned(rc / S - 1) & 1u);
-          unsigned char* const st = smem + ring * C::STAGE_BYTES;
-          const int g0 = group_of(kc * kTileK), rows = group_of(kc * kTileK + 48) - g0 + 1;
-          if (lane == 0) {  // x (the TMA counts the whole box, zero-filled parts included), tiles, group rows
-            mbar_arrive_expect_tx(full_bar + ring, unsigned(XB) + wbytes + unsigned(rows * cols * 3));
-            tma_load_x(st, x_map, kc * kTileK, m0, full_bar + ring);
-            bulk_copy_g2s(st + XB, p.tiles + (std::int64_t(kc) * ntiles + tile0) * (kTileK * kTileN / 8), wbytes, full_bar + ring);
-            for (int r = 0; r < rows; ++r) {
-              const std::int64_t off = std::int64_t(g0 + r) * p.Npad + n0;
-              bulk_copy_g2s(st + XB + WB + r * STRIP * 2, p.scales + off, unsigned(cols * 2), full_bar + ring);
-              bulk_copy_g2s(st + XB + WB + SB + r * STRIP, p.zeros + off, unsigned(cols), full_bar + ring);
-            }
+      const int cols = min(STRIP, p.Npad - n0);  // features of this strip (multiple of 16)
+      const unsigned wbytes = unsigned(cols / kTileN) * 512u;
+      for (int c = 0; c < nck; ++c) {  // chunk c of the K range into ring stage c % S
+        const int ring = c % S, kc = kc0 + c;
+        if (c >= S) mbar_wait(empty_bar + ring, unsigned(c / S - 1) & 1u);
+        unsigned char* const st = smem + ring * C::STAGE_BYTES;
+        const int g0 = group_of(kc * kTileK), rows = group_of(kc * kTileK + 48) - g0 + 1;
+        if (lane == 0) {  // x (the TMA counts the whole box, zero-filled parts included), tiles, group rows
+          mbar_arrive_expect_tx(full_bar + ring, unsigned(XB) + wbytes + unsigned(rows * cols * 3));
+          tma_load_x(st, x_map, kc * kTileK, m0, full_bar + ring);
+          bulk_copy_g2s(st + XB, p.tiles + (std::int64_t(kc) * ntiles + tile0) * (kTileK * kTileN / 8), wbytes, full_bar + ring);
+          for (int r = 0; r < rows; ++r) {
+            const std::int64_t off = std::int64_t(g0 + r) * p.Npad + n0;
+            bulk_copy_g2s(st + XB + WB + r * STRIP * 2, p.scales + off, unsigned(cols * 2), full_bar + ring);
+            bulk_copy_g2s(st + XB + WB + SB + r * STRIP, p.zeros + off, unsigned(cols), full_bar + ring);
           }
-          __syncwarp();
         }
-      });
+        __syncwarp();
+      }
       if (CLUSTER && p.splits > 1) {  // the reduction's two cluster barriers (see epilogue)
         cluster_sync();
         cluster_sync();
@@ -896,11 +843,9 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       return;  // the consumers wait for every copy it queued (full barriers) before they leave
     } else {
       if constexpr (C::PRODUCERS == 128) set_max_regs_inc<C::CONSUMER_REGS>();
-      int rc = 0;  // chunks consumed so far (the ring position), across segments
-      auto consume = [&](int c, auto& a_cur, auto& a_other) {  // chunk c of the segment, from ring stage rc % S
-        const int ring = rc % S, prev_ring = (rc + S - 1) % S;
-        mbar_wait(full_bar + ring, unsigned(rc / S) & 1u);
-        ++rc;
+      auto consume = [&](int c, auto& a_cur, auto& a_other) {  // chunk c of the K range, from ring stage c % S
+        const int ring = c % S;
+        mbar_wait(full_bar + ring, unsigned(c / S) & 1u);
         __syncwarp();  // converged again before the .aligned wgmma operations
         if constexpr (C::PROBE == 2) {
           if (lane == 0) mbar_arrive(empty_bar + ring);
@@ -914,22 +859,16 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         if constexpr (C::GSCALE)
           if (c + 1 == nck || (kc0 + c + 1) * kTileK >= next_group_k) scale_group();
         // the stage the finished wgmma read goes back to the producer (OVERLAP: the chunk before's)
-        // (stream-K runs only without OVERLAP: a segment's last stage is released above, not by the next segment)
-        if (lane == 0 && (!C::OVERLAP || c > 0)) mbar_arrive(empty_bar + (C::OVERLAP ? prev_ring : ring));
+        if (lane == 0 && (!C::OVERLAP || c > 0)) mbar_arrive(empty_bar + (C::OVERLAP ? (c + S - 1) % S : ring));
         __syncwarp();
       };
-      for_each_segment([&] {
-        begin_segment();
-        for (int c = 0; c < nck; c += 2) {  // pairs: the two A sets alternate with static names
-          consume(c, a0, a1);
-          if (c + 1 < nck) consume(c + 1, a1, a0);
-        }
-        epilogue();
-      });
+      for (int c = 0; c < nck; c += 2) {  // pairs: the two A sets alternate with static names
+        consume(c, a0, a1);
+        if (c + 1 < nck) consume(c + 1, a1, a0);
+      }
+      epilogue();
     }
   } else {
-    for_each_segment([&] {  // one segment: K splits only
-    begin_segment();
     constexpr int AHEAD = C::AHEAD;
 #pragma unroll
     for (int s = 0; s < AHEAD; ++s) {  // prologue: AHEAD chunks in flight (a group per stage, empty ones too)
@@ -956,7 +895,6 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     }
     cp_async_wait<0>();  // no copy may land after the block exits
     epilogue();
-    });
   }
 #endif
 }
@@ -1181,14 +1119,8 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
   if (std::int64_t(p.zslices) * p.strips > 0x7fffffff) return cudaErrorInvalidValue;  // the grid's x dimension
   if (p.splits < 1 || p.splits > (p.cluster ? kSm90MaxClusterSplits : kSm90MaxSplits)) return cudaErrorInvalidValue;  // a portable cluster
   if (C::GSCALE && s.group % kTileK) return cudaErrorInvalidValue;  // per-group scaling: groups of whole chunks
-  const std::int64_t ntile = std::int64_t(p.zslices) * p.strips, kchunks = s.Kpad / kTileK;
-  if (p.stream < 0 || (p.stream > 0 && (!C::WS || C::OVERLAP || p.splits != 1 || p.cluster || p.stream > ntile * kchunks)))
-    return cudaErrorInvalidValue;  // stream-K: warp-specialised without OVERLAP, every block at least one unit
-  // the partial slots one tile needs (K ranges, or stream-K's cuts)
-  const std::int64_t parts = p.stream > 0 ? Sm90StreamK{ntile * kchunks, p.stream}.max_parts(kchunks) : p.splits;
-  if (p.stream > 0 && p.max_parts < parts) return cudaErrorInvalidValue;  // a plan not from plan_qgemm_sm90
-  const bool global = parts > 1 && !p.cluster;
-  if (global && (ws.partial == nullptr || ws.partial_elems < parts * s.M * s.Npad || ws.counters == nullptr || ws.counter_elems < ntile))
+  const bool global = p.splits > 1 && !p.cluster;
+  if (global && (ws.partial == nullptr || ws.partial_elems < p.partial_elems || ws.counters == nullptr || ws.counter_elems < p.counter_elems))
     return cudaErrorInvalidValue;
   if (global && (reinterpret_cast<std::uintptr_t>(ws.partial) & 15)) return cudaErrorInvalidValue;  // float4 sums
   if (!qgemm_sm90_supported()) return cudaErrorNotSupported;
@@ -1198,9 +1130,8 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
   if constexpr (C::WS)
     if (const cudaError_t e = make_x_tensor_map(x_map, x, s.M, s.K, C::BN, std::is_same_v<T, bf16>); e != cudaSuccess) return e;
   const Sm90Params prm{x, tiles, scales, zeros, y, ws.partial, ws.counters, int(s.M), int(s.N), int(s.K), int(s.Npad), int(s.group),
-                       int(kchunks), p.cps, p.strips, p.splits, p.zslices, p.stream};
-  const dim3 grid = p.stream > 0 ? dim3(unsigned(p.stream)) : dim3(unsigned(p.zslices * p.strips), 1, unsigned(p.splits));
-  const Sm90Launch<C> launch(grid, p.cluster ? p.splits : 0, stream);
+                       int(s.Kpad / kTileK), p.cps, p.strips, p.splits, p.zslices};
+  const Sm90Launch<C> launch(dim3(unsigned(p.zslices * p.strips), 1, unsigned(p.splits)), p.cluster ? p.splits : 0, stream);
   return cudaLaunchKernelEx(&launch.cfg, kernel, prm, x_map);
 }
 }  // namespace detail
