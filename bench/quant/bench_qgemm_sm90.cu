@@ -19,7 +19,7 @@
 // of the 4-bit tiles and of the bf16 weights, timed the same way: what merely reading those bytes costs at this
 // size, so read_bf16_ms / read4_ms bounds the ratio any kernel can reach against a memory-bound peer.
 // Usage: bench_qgemm_sm90 [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m LIST] [--shapes KxN,...] [--splits LIST] [--cfg NAME-SUBSTRING]
-//                         [--l2-flush clean|dirty] [--probes] [--streaming]
+//                         [--l2-flush clean|dirty] [--probes] [--streaming] [--trial]
 //   (--cfg: only the wgmma configurations whose names contain it (or one of a comma-separated list), and not the
 //    dispatch: for a profiler; --splits: the K split counts swept, besides the plan's own (default 1,2,3,4,6,8,12,16);
 //    --l2-flush: how L2 is swept before each timed launch, see gemm_timing.cuh; default clean)
@@ -203,6 +203,12 @@ void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape&
   (one(Cs{}), ...);
 }
 
+// --trial: configurations under trial, not in the tuning list (the GPU tests do not check them; each result is still
+// compared with the mma.sync kernel's): 16-row slices at three and four blocks per SM (more consumer warps per SM to
+// hide the decode's latencies; fewer stages, or one m64 tile per warpgroup, to fit).
+using Sm90TrialCfgs = kq::detail::CfgList<kq::Sm90Cfg<16, 2, 5, 3, false, true>, kq::Sm90Cfg<16, 2, 5, 3, false, true, 2, true>,
+                                          kq::Sm90Cfg<16, 1, 8, 3, false, true>, kq::Sm90Cfg<16, 1, 6, 4, false, true>>;
+
 // A number for JSON: null when not finite (a probe's garbage result can make the error inf or nan).
 std::string json_num(double v) {
   if (!std::isfinite(v)) return "null";
@@ -252,7 +258,7 @@ void time_qgemv_cfgs(kq::detail::QGemvCfgList<Cs...>, const Layer& L, const kq::
 
 int main(int argc, char** argv) {
   std::string out_path, only, only_cfg;
-  bool probes = false, streaming = false;
+  bool probes = false, streaming = false, trial = false;
   std::vector<std::int64_t> batches = {1, 16, 33, 64, 128};
   std::vector<int> split_counts = {0, 1, 2, 3, 4, 6, 8, 12, 16};  // 0: the plan's own; 3 and 6: clusters that fill a GPC less evenly
   // issue 6's (K, N); --shapes replaces them (e.g. 8192x33792: 132 strips of 256 features, one per SM)
@@ -265,6 +271,7 @@ int main(int argc, char** argv) {
     else if (a == "--only" && i + 1 < argc) only = argv[++i];
     else if (a == "--cfg" && i + 1 < argc) only_cfg = argv[++i];
     else if (a == "--probes") probes = true;
+    else if (a == "--trial") trial = true;
     else if (a == "--streaming") streaming = true;
     else if (a == "--l2-flush" && i + 1 < argc) {
       if (!squeeze::bench::set_l2_flush(argv[0], argv[++i])) return 2;
@@ -291,7 +298,7 @@ int main(int argc, char** argv) {
         shapes.emplace_back(k, n);
       }
     } else {
-      std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m 1,16,...] [--shapes KxN,...] [--splits 1,2,...] [--cfg NAME-SUBSTRING] [--l2-flush clean|dirty] [--probes] [--streaming]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m 1,16,...] [--shapes KxN,...] [--splits 1,2,...] [--cfg NAME-SUBSTRING] [--l2-flush clean|dirty] [--probes] [--streaming] [--trial]\n", argv[0]);
       return 2;
     }
   }
@@ -341,6 +348,7 @@ int main(int argc, char** argv) {
               tensor_tflops, squeeze::bench::l2_flush_name(), kq::qgemm_sm90_supported() ? "available" : "NOT available (needs sm_90a device code)");
   // what the GPU holds of each wgmma configuration at once (the K-split plan counts its waves in clusters)
   print_capacities(kq::detail::Sm90TuningCfgs{}, sm);
+  if (trial) print_capacities(Sm90TrialCfgs{}, sm);
   std::printf("%-18s %8s %8s %6s %5s | %8s %6s | %-16s %2s %8s %6s %5s | %s\n", "case", "ours ms", "cublas", "x cub", "roof", "mma ms", "x cub",
               "best wgmma", "sp", "best ms", "x cub", "roof", "dispatch");
   std::mt19937 rng(2026);
@@ -387,6 +395,8 @@ int main(int argc, char** argv) {
       std::vector<Timed> wg;
       if (kq::qgemm_sm90_supported() && M > 1)
         time_cfgs(kq::detail::Sm90TuningCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), only_cfg, split_counts, wg);
+      if (kq::qgemm_sm90_supported() && M > 1 && trial)
+        time_cfgs(Sm90TrialCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), only_cfg, split_counts, wg);
       std::vector<Timed> pr;
       if (kq::qgemm_sm90_supported() && probes) {
         time_probe_cfgs(kq::detail::Sm90ProbeCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), pr);
