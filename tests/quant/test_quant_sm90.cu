@@ -103,8 +103,8 @@ TEST(QuantCudaSm90, LibraryEntryPicksTheKernelByBatch) {
   EXPECT_TRUE(starts(says({128, 11008, 4096, 4096, 11008, 128, 4}, 132), wg ? "wgmma wg_b128m1s8wg4 " : "mma.sync "));
   EXPECT_TRUE(starts(says({65, 28672, 8192, 8192, 28672, 128, 4}, 132), wg ? "wgmma wg_b128m1s8wg4 " : "mma.sync "));
   // large layers with groups of whole 64-k chunks: per-group fp32 scaling (GSCALE); groups of 32 cannot take it
-  EXPECT_TRUE(starts(says({16, 28672, 8192, 8192, 28672, 128, 4}, 132), wg ? "wgmma wg_b16m2s8x2wf " : "mma.sync "));
-  EXPECT_TRUE(starts(says({9, 28672, 8192, 8192, 28672, 32, 4}, 132), wg ? "wgmma wg_b16m2s8x2w " : "mma.sync "));
+  EXPECT_TRUE(starts(says({16, 28672, 8192, 8192, 28672, 128, 4}, 132), wg ? "wgmma wg_b16m2s5x3wf " : "mma.sync "));
+  EXPECT_TRUE(starts(says({9, 28672, 8192, 8192, 28672, 32, 4}, 132), wg ? "wgmma wg_b16m2s5x3w " : "mma.sync "));
   EXPECT_TRUE(starts(says({48, 28672, 8192, 8192, 28672, 128, 4}, 132), wg ? "wgmma wg_b64m2s8w " : "mma.sync "));  // large layer
   EXPECT_TRUE(starts(says({16, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b16m2s8x2w " : "mma.sync "));
   EXPECT_TRUE(starts(says({9, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b16m2s8x2w " : "mma.sync "));
@@ -133,13 +133,15 @@ TEST(QuantCudaSm90, LibraryEntryPicksTheKernelByBatch) {
   }
 }
 // The H200's capacity (cudaOccupancyMaxActiveClusters, gemm4_probe-session10-run3.log): clusters of 1..8 blocks it
-// holds of a configuration with one or two blocks per SM.
+// holds of a configuration with one, two or three blocks per SM (three: gemm4_probe-session12-run7.log).
 template <class C>
 kq::Sm90Capacity h200_capacity() {
-  static constexpr int one_per_sm[] = {0, 132, 66, 39, 30, 22, 17, 15, 15}, two_per_sm[] = {0, 264, 132, 79, 62, 47, 39, 32, 30};
+  static_assert(C::MINB >= 1 && C::MINB <= 3, "the H200 capacities known here: one, two or three blocks per SM");
+  static constexpr int per_sm[3][9] = {
+      {0, 132, 66, 39, 30, 22, 17, 15, 15}, {0, 264, 132, 79, 62, 47, 39, 32, 30}, {0, 396, 198, 124, 92, 69, 62, 47, 45}};
   kq::Sm90Capacity c;
   c.slots = 132 * C::MINB;
-  for (int k = 1; k <= kq::kSm90MaxClusterSplits; ++k) c.clusters[k] = C::MINB == 2 ? two_per_sm[k] : one_per_sm[k];
+  for (int k = 1; k <= kq::kSm90MaxClusterSplits; ++k) c.clusters[k] = per_sm[C::MINB - 1][k];
   return c;
 }
 // The K-split plan of the dispatched configurations on the H200's capacity (host logic: runs without a GPU), against
@@ -160,7 +162,8 @@ TEST(QuantCudaSm90, SplitPlanFollowsTheMeasuredSweep) {
       {4096, 11008, 24, 5, true},  // 6 through global memory: 18% slower
       {4096, 11008, 32, 5, true},  // 6 through global memory: 26% slower
       {11008, 4096, 16, 16, false},
-      {8192, 28672, 16, 2, true},
+      {8192, 28672, 9, 7, false},  // three blocks per SM (wg_b16m2s5x3wf): gemm4_probe-session12-run7
+      {8192, 28672, 16, 3, true},
       {4096, 4096, 24, 6, true},
       {11008, 4096, 24, 16, false},
       {4096, 4096, 64, 6, true},
@@ -191,18 +194,17 @@ TEST(QuantCudaSm90, SplitPlanFollowsTheMeasuredSweep) {
   const kq::QGemmShape small{40, 64, 200, 256, 64, 32, 4};
   EXPECT_EQ(kq::qgemm_sm90_plan(small, 132, 16).splits, 4);
 }
-// What the wgmma GEMM does not take is rejected before any launch, with the reason named (qgemm_cuda serves it).
 // The dispatch table in names, host logic only (any machine): which configuration qgemm_sm90_cuda runs for a batch,
-// layer size and group. 16-row slices with per-group fp32 scaling on layers from kSm90LargeLayer weights whose groups
-// are whole 64-k chunks (per channel included), the plain 16-row form otherwise.
+// layer size and group. Up to M = 16: 16-row slices, three blocks per SM on layers from kSm90LargeLayer weights (with
+// per-group fp32 scaling where the groups are whole 64-k chunks, per channel included), two below.
 TEST(QuantCudaSm90, DispatchTableByBatchLayerAndGroup) {
   auto cfg = [](std::int64_t M, std::int64_t N, std::int64_t K, std::int64_t group) {
     const std::int64_t Kpad = (K + 63) / 64 * 64, Npad = (N + 15) / 16 * 16;
     return kq::qgemm_sm90_cfg_name({M, N, K, Kpad, Npad, group == 0 ? Kpad : group, 4});
   };
-  EXPECT_EQ(cfg(16, 28672, 8192, 128), "wg_b16m2s8x2wf");
-  EXPECT_EQ(cfg(1, 28672, 8192, 0), "wg_b16m2s8x2wf");    // per channel
-  EXPECT_EQ(cfg(9, 28672, 8192, 32), "wg_b16m2s8x2w");    // groups of 32: not whole chunks
+  EXPECT_EQ(cfg(16, 28672, 8192, 128), "wg_b16m2s5x3wf");  // three blocks per SM
+  EXPECT_EQ(cfg(1, 28672, 8192, 0), "wg_b16m2s5x3wf");    // per channel
+  EXPECT_EQ(cfg(9, 28672, 8192, 32), "wg_b16m2s5x3w");    // groups of 32: not whole chunks
   EXPECT_EQ(cfg(16, 11008, 4096, 128), "wg_b16m2s8x2w");  // below kSm90LargeLayer
   EXPECT_EQ(cfg(16, 4096, 11008, 128), "wg_b16m2s8x2w");
   EXPECT_EQ(cfg(24, 28672, 8192, 128), "wg_b32m2s6x2w");
@@ -212,7 +214,7 @@ TEST(QuantCudaSm90, DispatchTableByBatchLayerAndGroup) {
   EXPECT_EQ(cfg(65, 4096, 4096, 128), "wg_b128m1s8wg4");
   EXPECT_EQ(cfg(128, 28672, 8192, 32), "wg_b128m1s8wg4");
 }
-
+// What the wgmma GEMM does not take is rejected before any launch, with the reason named (qgemm_cuda serves it).
 TEST(QuantCudaSm90, RejectsShapesItCannotTake) {
   auto reason = [](kq::QGemmShape s) { return kq::qgemm_sm90_reason(s); };
   EXPECT_EQ(reason({64, 200, 1096, 1152, 208, 128, 4}), "");

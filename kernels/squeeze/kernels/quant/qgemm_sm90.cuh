@@ -958,10 +958,11 @@ using Sm90TuningCfgs = CfgList<Sm90Cfg<64, 1, 6, 2>, Sm90Cfg<128, 2, 6>,
                                // blocks per SM
                                Sm90Cfg<16, 2, 8, 1, false, true>, Sm90Cfg<16, 2, 8, 2, false, true>, Sm90Cfg<32, 2, 6, 2, false, true>,
                                Sm90Cfg<32, 2, 8, 1, false, true>,
-                               // the A operand unscaled, each group's sums scaled in fp32 (GSCALE; names end in f):
-                               // dispatched on large layers (Sm90TinyScaled). (The 32-row form spilled 392 bytes in its fp16 build at two blocks
-                               // per SM.)
-                               Sm90Cfg<16, 2, 8, 2, false, true, 2, true>>;
+                               // three blocks per SM (5 stages to fit), plain and with the A operand unscaled and each
+                               // group's sums scaled in fp32 (GSCALE; names end in f): dispatched on large layers
+                               // (Sm90TinyLarge, Sm90TinyScaled). (A 32-row GSCALE form spilled 392 bytes in its fp16
+                               // build at two blocks per SM.)
+                               Sm90Cfg<16, 2, 5, 3, false, true>, Sm90Cfg<16, 2, 5, 3, false, true, 2, true>>;
 // Measuring variants (bench_qgemm_sm90 --probes; names end in _probe1 / _probe2): what the dispatched 16-row and
 // 128-row forms cost without their decode, and without any consumer work.
 using Sm90ProbeCfgs = CfgList<Sm90Probe<Sm90Cfg<16, 2, 8, 2, false, true>, 1>, Sm90Probe<Sm90Cfg<16, 2, 8, 2, false, true>, 2>,
@@ -991,11 +992,15 @@ using Sm90ProbeCfgs = CfgList<Sm90Probe<Sm90Cfg<16, 2, 8, 2, false, true>, 1>, S
 //     consumer warpgroups on every layer now that 4096-wide layers reduce 6 K ranges in a cluster (session 9 took
 //     wg_b128m1s6w below 8192 outputs).
 using Sm90Tiny = Sm90Cfg<16, 2, 8, 2, false, true>;
-// The same with per-group fp32 scaling (GSCALE), on layers of kSm90LargeLayer weights and more with groups of whole
-// 64-k chunks. H200, 8192 x 28672, ms against wg_b16m2s8x2w at the same plan (2 K ranges in a cluster): M = 9 0.0592 /
-// 0.0608, 0.0600 / 0.0606; M = 16 0.0601 / 0.0609, 0.0598 / 0.0612 (gemm4_probe-session11-run1 / -run5); on the
-// 4096-wide layers within 2% either way, so not there.
-using Sm90TinyScaled = Sm90Cfg<16, 2, 8, 2, false, true, 2, true>;
+// On layers of kSm90LargeLayer weights and more: three blocks per SM (24 consumer warps on an SM instead of 16, to
+// hide more of the decode's latencies; 5 stages, so that three rings fit), although ptxas serializes their
+// wgmma (C7512, registers capped at 72 a thread). With groups of whole 64-k chunks (per channel included) per-group
+// fp32 scaling too (GSCALE). H200, 8192 x 28672, each at its best K-split plan (gemm4_probe-session12-run7): M = 9
+// wg_b16m2s5x3wf 0.0553 ms, wg_b16m2s5x3w 0.0553, wg_b16m2s8x2wf 0.0595, wg_b16m2s8x2w 0.0604; M = 16 0.0571, 0.0582,
+// 0.0601, 0.0612. Not on the 4096-wide layers: there the three-block forms were 0.98-1.08x the time of wg_b16m2s8x2w.
+// (Session 11 measured GSCALE at two blocks per SM 1-3% faster on 8192 x 28672, within 2% either way on 4096-wide layers.)
+using Sm90TinyLarge = Sm90Cfg<16, 2, 5, 3, false, true>;
+using Sm90TinyScaled = Sm90Cfg<16, 2, 5, 3, false, true, 2, true>;
 using Sm90Narrow = Sm90Cfg<32, 2, 6, 2, false, true>;
 using Sm90NarrowDeep = Sm90Cfg<32, 2, 8, 1, false, true>;
 using Sm90Small = Sm90Cfg<64, 1, 6, 2, false, true>;
@@ -1012,7 +1017,10 @@ namespace detail {
 template <class F>
 decltype(auto) with_sm90_cfg(const QGemmShape& s, F&& f) {
   if (s.M > 64) return f(Sm90Large{});
-  if (s.M <= 16) return s.Npad * s.Kpad >= kSm90LargeLayer && s.group % kTileK == 0 ? f(Sm90TinyScaled{}) : f(Sm90Tiny{});
+  if (s.M <= 16) {
+    if (s.Npad * s.Kpad < kSm90LargeLayer) return f(Sm90Tiny{});
+    return s.group % kTileK == 0 ? f(Sm90TinyScaled{}) : f(Sm90TinyLarge{});
+  }
   if (s.M <= 32) return s.Npad * s.Kpad >= kSm90NarrowLayer ? f(Sm90Narrow{}) : f(Sm90NarrowDeep{});
   if (s.Npad * s.Kpad >= kSm90LargeLayer) return f(Sm90SmallWide{});
   return f(Sm90Small{});
