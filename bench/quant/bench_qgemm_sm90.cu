@@ -204,10 +204,11 @@ void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape&
 }
 
 // --trial: configurations under trial, not in the tuning list (the GPU tests do not check them; each result is still
-// compared with the mma.sync kernel's): 16-row slices at three and four blocks per SM (more consumer warps per SM to
-// hide the decode's latencies; fewer stages, or one m64 tile per warpgroup, to fit).
-using Sm90TrialCfgs = kq::detail::CfgList<kq::Sm90Cfg<16, 2, 5, 3, false, true>, kq::Sm90Cfg<16, 2, 5, 3, false, true, 2, true>,
-                                          kq::Sm90Cfg<16, 1, 8, 3, false, true>, kq::Sm90Cfg<16, 1, 6, 4, false, true>>;
+// compared with the mma.sync kernel's): 32-row slices at three blocks per SM (more consumer warps per SM to hide the
+// decode's latencies; fewer stages, or one m64 tile per warpgroup, to fit), as the 16-row ones now dispatched on large
+// layers. (Session 12 tried the 16-row forms wg_b16m1s8x3w and wg_b16m1s6x4w too: 1.1-1.3x slower than
+// wg_b16m2s8x2w on 8192 x 28672, gemm4_probe-session12-run7.)
+using Sm90TrialCfgs = kq::detail::CfgList<kq::Sm90Cfg<32, 2, 4, 3, false, true>, kq::Sm90Cfg<32, 1, 6, 3, false, true>>;
 
 // A number for JSON: null when not finite (a probe's garbage result can make the error inf or nan).
 std::string json_num(double v) {
