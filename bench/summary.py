@@ -1,7 +1,8 @@
 """Print one line per benchmark case from JSON-lines result files: bench, case, ratio to peer, roofline.
 Strategy-table lines (bench "table") also show peak memory beside the planner and validation perplexity (and the
 number of GPUs when more than one); FSDP2 peer lines (bench "fsdp2") peak memory per GPU, tokens/s per GPU and MFU;
-llama_gptq lines (examples/llama_gptq) show perplexity, its ratio to the unquantized model and the KL to it."""
+llama_gptq lines (examples/llama_gptq) show perplexity, its ratio to the unquantized model and the KL to it; wgmma_rate
+lines (bench_wgmma_rate) cycles per instruction."""
 import json
 import os
 import sys
@@ -39,6 +40,10 @@ for path in sys.argv[1:]:
                 continue
             print(f"fsdp2    {name:<44} peer of {r.get('peer_of', '?'):<24} peak {num(r, 'peak_gb'):6.2f} GB/GPU "
                   f"{num(r, 'tokens_per_s_per_gpu'):8.0f} tok/s/GPU  MFU {num(r, 'mfu'):5.3f}")
+            continue
+        if r.get("bench") == "wgmma_rate":  # bench_wgmma_rate: an instruction rate, no peer
+            print(f"wgmma_rate {r.get('case', '?'):<42} {num(r, 'cycles_per_wgmma_per_sm'):6.1f} cycles per wgmma per SM  "
+                  f"{num(r, 'fma_per_cycle_per_sm'):6.0f} FMA per cycle per SM")
             continue
         if r.get("bench") == "llama_gptq" or r.get("example") == "llama_gptq":
             group = r.get("group")

@@ -206,8 +206,9 @@ void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape&
 // --trial: configurations under trial, not in the tuning list (the GPU tests do not check them; each result is still
 // compared with the mma.sync kernel's): 32-row slices at three blocks per SM (more consumer warps per SM to hide the
 // decode's latencies; fewer stages, or one m64 tile per warpgroup, to fit), as the 16-row ones now dispatched on large
-// layers. (Session 12 tried the 16-row forms wg_b16m1s8x3w and wg_b16m1s6x4w too: 1.1-1.3x slower than
-// wg_b16m2s8x2w on 8192 x 28672, gemm4_probe-session12-run7.)
+// layers. (Session 12 tried the 16-row forms wg_b16m1s8x3w and wg_b16m1s6x4w too: slower than
+// wg_b16m2s8x2w on 8192 x 28672 at M 9 / 16, 1.09-1.24x, gemm4_probe-session12-run7; wg_b32m2s4x3w ran M 24 / 32 there
+// 3% / 2% faster than wg_b32m2s6x2w, run 9: not yet dispatched.)
 using Sm90TrialCfgs = kq::detail::CfgList<kq::Sm90Cfg<32, 2, 4, 3, false, true>, kq::Sm90Cfg<32, 1, 6, 3, false, true>>;
 
 // A number for JSON: null when not finite (a probe's garbage result can make the error inf or nan).

@@ -7,6 +7,10 @@
 // than the decode it removed. If an RS m64n16k16 costs an SM tens of cycles whatever N is, the weights would be better
 // the B operand of m64n128k16 / m64n256k16 wgmma from shared memory (x as A): 2048 / 4096 weights per instruction against
 // 1024 now.
+// H200 (wgmma_rate-session12-run1): A from registers at N = 16 13.2-15.3 cycles per wgmma with two or four warpgroups
+// (25.0 with one), from shared memory 20.0; at N = 128 64.0 cycles both ways (2048 FMA per cycle, the dense rate). So
+// the GEMM's register-A m64n16k16 stream 77 weights a cycle per SM, and weights as the B operand of m64n128k16 (x's
+// rows padded to 64) only 32: not pursued; and the tensor cores' rate does not bound the GEMM at batches up to 16.
 // Each block (one per SM) runs ITERS chunks of 4 wgmma per warpgroup on constant operands (the rate does not depend
 // on the values), timed by clock64 on the SM; a line per case: cycles per wgmma per SM and FMAs per cycle per SM.
 // Usage: bench_wgmma_rate [--out FILE] [--iters N]

@@ -118,8 +118,10 @@ namespace squeeze::kernels::quant {
 // column sums from one more m64n16k16 wgmma per k-step with A = 1): the decode fell to 7 instructions per 8 weights, yet
 // it ran slower than the same configuration without it (wg_b16m2s8w, wg_b32m2s8w) on every case but one (1.00-1.43x,
 // mean 1.14x; 8192 x 28672 at M = 16 0.0833 ms against 0.0603, gemm4_probe-session11-run6):
-// the one extra wgmma in three cost more than the four HSUB2 it saved, so at batches up to 16 the register-A wgmma
-// themselves (one per 1024 weights) bound the consumers about as much as the decode does.
+// the one extra wgmma in three cost more than the four HSUB2 it saved. Not by the tensor cores' rate: session 12 timed
+// m64n16k16 with A from registers at 13.2-15.3 cycles of an SM with two or four warpgroups issuing (25.0 with one;
+// bench_wgmma_rate, wgmma_rate-session12-run1), so 8192 x 28672's 1,738 per SM take ~23k of the ~106k cycles the
+// kernel runs; more likely the longer chain of wgmma each warpgroup waits for per chunk, and the registers.
 template <int BN_, int WM_, int STAGES_, int MINB_ = 1, bool OVERLAP_ = false, bool WS_ = false, int WGS_ = 2, bool GSCALE_ = false>
 struct Sm90Cfg {
   static constexpr int BN = BN_, WM = WM_, STAGES = STAGES_, MINB = MINB_, WGS = WGS_;
