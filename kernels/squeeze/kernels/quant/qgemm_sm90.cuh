@@ -56,8 +56,9 @@
 // 33792, 264 blocks with 18% more work, 0.0599 (gemm4_probe-session12-run2). Stream-K over the 264 slots was slower
 // than the best K-split plan in 245 of 260 (configuration, case) pairs, median 1.22x; wg_b16m2s8x2w at M = 16 0.0638
 // against 0.0609 ms (run 3); at M = 9 its copies alone (Sm90Probe 2) took 0.0457 ms at the stream-K plan against
-// 0.0343 at 2 K ranges (run 5): blocks that start at scattered K positions read the weights more slowly than K ranges that move
-// in step. K ranges of 7 (784 blocks, three even waves) were 5% slower than 2 as well (run 4). Removed again.)
+// 0.0343 at 2 K ranges (run 5): blocks that start at scattered K positions read the weights more slowly than K
+// ranges that move in step. K ranges of 7 (784 blocks, three even waves) were 5% slower than 2 as well (run 4).
+// Removed again.)
 // Not done: 128 x 128 tiles per warpgroup (two 64 x 128 accumulators: ptxas serializes the wgmma, C7512),
 // overlapping one chunk's wgmma with the next chunk's decode in a warpgroup (C7513), 8- and 3-bit tiles.
 //
@@ -112,8 +113,9 @@ namespace squeeze::kernels::quant {
 // channel qualifies) and the warp-specialised form; a second accumulator set, so meant for 16- and 32-row slices.
 // Nsight Compute on wg_b16m2s8x2w at M = 16 (bench/results/h200/ncu-sm90-K8192_N28672_M16-wg_b16m2s8x2w.txt) counted
 // ~210 instructions per warp and chunk in the main loop, 32 of them the scale's HMUL2, at 0.54 issued per scheduler
-// and cycle. Measured in session 11: 1-3% faster than wg_b16m2s8x2w on 8192 x 28672 at M 9..16 (Sm90TinyScaled), within
-// 2% either way on the 4096-wide layers: the decode is bound by more than its instruction count (see Sm90Probe).
+// and cycle. Measured in session 11: 1-3% faster than wg_b16m2s8x2w on 8192 x 28672 at M 9..16 (then Sm90TinyScaled,
+// at two blocks per SM), within 2% either way on the 4096-wide layers: the decode is bound by more than its
+// instruction count (see Sm90Probe).
 // Session 11 also folded the zero point out (A = magic + q, each group's sums corrected by (magic + z) * sum x, the
 // column sums from one more m64n16k16 wgmma per k-step with A = 1): the decode fell to 7 instructions per 8 weights, yet
 // it ran slower than the same configuration without it (wg_b16m2s8w, wg_b32m2s8w) on every case but one (1.00-1.43x,
