@@ -778,7 +778,7 @@ TEST(Trainer, BadInputIsAClearError) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  at::set_num_threads(1);  // ranks are threads already; also keeps BLAS results identical run to run
+  zero_test::reproducible_cpu_math();  // bitwise comparisons between runs
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
 }
