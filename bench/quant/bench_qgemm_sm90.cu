@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -174,20 +175,32 @@ void print_capacities(kq::detail::CfgList<Cs...>, int sm) {
   (one(Cs{}), ...);
 }
 
-// Every wgmma configuration of the list at each distinct (K split count, reduction).
+// The items of a comma-separated command-line list.
+std::vector<std::string> comma_list(const std::string& text) {
+  std::vector<std::string> items;
+  std::stringstream list(text);
+  for (std::string item; std::getline(list, item, ',');) items.push_back(item);
+  return items;
+}
+// A list item as a positive integer, or 0 when it is not one (the caller names the option).
+long long positive(const std::string& item) {
+  char* end = nullptr;
+  const long long v = std::strtoll(item.c_str(), &end, 10);
+  return !item.empty() && *end == '\0' && v > 0 ? v : 0;
+}
+
+// Every wgmma configuration of the list whose name contains one of only_cfgs (all when empty), at each distinct (K
+// split count, reduction).
 template <class... Cs>
 void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16* y, std::size_t ny,
-               const std::vector<bf16>& ref, int sm, int reps, const std::string& only_cfg, const std::vector<int>& split_counts,
+               const std::vector<bf16>& ref, int sm, int reps, const std::vector<std::string>& only_cfgs, const std::vector<int>& split_counts,
                std::vector<Timed>& out) {
   auto one = [&](auto c) {
     using C = decltype(c);
     const std::string name = kq::detail::sm90_cfg_name<C>();
-    if (!only_cfg.empty()) {  // a comma-separated list of name substrings
-      bool named = false;
-      std::stringstream list(only_cfg);
-      for (std::string item; std::getline(list, item, ',');) named = named || (!item.empty() && name.find(item) != std::string::npos);
-      if (!named) return;
-    }
+    if (!only_cfgs.empty() &&
+        std::none_of(only_cfgs.begin(), only_cfgs.end(), [&](const std::string& part) { return name.find(part) != std::string::npos; }))
+      return;
     std::set<std::pair<int, bool>> seen;  // (splits, cluster) already timed
     for (const int sp : split_counts)
       for (const auto reduce : {kq::Sm90Reduce::Cluster, kq::Sm90Reduce::Global}) {
@@ -259,7 +272,8 @@ void time_qgemv_cfgs(kq::detail::QGemvCfgList<Cs...>, const Layer& L, const kq::
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string out_path, only, only_cfg;
+  std::string out_path, only;
+  std::vector<std::string> only_cfgs;  // --cfg: name substrings
   bool probes = false, streaming = false, trial = false;
   std::vector<std::int64_t> batches = {1, 16, 33, 64, 128};
   std::vector<int> split_counts = {0, 1, 2, 3, 4, 6, 8, 12, 16};  // 0: the plan's own; 3 and 6: clusters that fill a GPC less evenly
@@ -271,25 +285,32 @@ int main(int argc, char** argv) {
     if (a == "--out" && i + 1 < argc) out_path = argv[++i];
     else if (a == "--reps" && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
     else if (a == "--only" && i + 1 < argc) only = argv[++i];
-    else if (a == "--cfg" && i + 1 < argc) only_cfg = argv[++i];
+    else if (a == "--cfg" && i + 1 < argc) {
+      only_cfgs.clear();
+      for (const std::string& part : comma_list(argv[++i]))
+        if (!part.empty()) only_cfgs.push_back(part);
+    }
     else if (a == "--probes") probes = true;
     else if (a == "--trial") trial = true;
     else if (a == "--streaming") streaming = true;
     else if (a == "--l2-flush" && i + 1 < argc) {
       if (!squeeze::bench::set_l2_flush(argv[0], argv[++i])) return 2;
     }
-    else if (a == "--m" && i + 1 < argc) {
-      batches.clear();
-      std::stringstream list(argv[++i]);
-      for (std::string item; std::getline(list, item, ',');) batches.push_back(std::stoll(item));
-    } else if (a == "--splits" && i + 1 < argc) {
-      split_counts = {0};
-      std::stringstream list(argv[++i]);
-      for (std::string item; std::getline(list, item, ',');) split_counts.push_back(std::stoi(item));
+    else if ((a == "--m" || a == "--splits") && i + 1 < argc) {  // positive integers; split counts past 16 are clamped
+      if (a == "--m") batches.clear();
+      else split_counts = {0};
+      for (const std::string& item : comma_list(argv[++i])) {
+        const long long v = positive(item);
+        if (v == 0 || (a == "--splits" && v > 1000)) {
+          std::fprintf(stderr, "%s: %s: expected a comma-separated list of positive integers, got '%s'\n", argv[0], a.c_str(), item.c_str());
+          return 2;
+        }
+        if (a == "--m") batches.push_back(v);
+        else split_counts.push_back(int(v));
+      }
     } else if (a == "--shapes" && i + 1 < argc) {
       shapes.clear();
-      std::stringstream list(argv[++i]);
-      for (std::string item; std::getline(list, item, ',');) {
+      for (const std::string& item : comma_list(argv[++i])) {
         long long k = 0, n = 0;
         char sep = 0;
         std::stringstream one(item);
@@ -382,7 +403,7 @@ int main(int argc, char** argv) {
       const Workspace ws(kq::quant_gemm_workspace_size(s, sm));
       auto run_ours = [&] { SQUEEZE_CUDA_CHECK(kq::quant_gemm_cuda<bf16>(x.p, L.tiles.p, L.scales.p, L.zeros.p, y.p, s, ws.ws, sm, nullptr)); };
       // with --cfg (a profiler run) the dispatch is not run: only that configuration's launches reach the profiler
-      const bool dispatch_run = only_cfg.empty();
+      const bool dispatch_run = only_cfgs.empty();
       if (dispatch_run) run_ours();
       const double err_ours = dispatch_run ? max_rel(y.get(), ref) : 0.0;
       const double t_ours = dispatch_run ? time_ms(run_ours, reps) : 0.0;
@@ -396,9 +417,9 @@ int main(int argc, char** argv) {
       const double t_cub = time_ms(run_cub, reps);
       std::vector<Timed> wg;
       if (kq::qgemm_sm90_supported() && M > 1)
-        time_cfgs(kq::detail::Sm90TuningCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), only_cfg, split_counts, wg);
+        time_cfgs(kq::detail::Sm90TuningCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), only_cfgs, split_counts, wg);
       if (kq::qgemm_sm90_supported() && M > 1 && trial)
-        time_cfgs(Sm90TrialCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), only_cfg, split_counts, wg);
+        time_cfgs(Sm90TrialCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), only_cfgs, split_counts, wg);
       std::vector<Timed> pr;
       if (kq::qgemm_sm90_supported() && probes) {
         time_probe_cfgs(kq::detail::Sm90ProbeCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), pr);
