@@ -19,7 +19,7 @@
 // of the 4-bit tiles and of the bf16 weights, timed the same way: what merely reading those bytes costs at this
 // size, so read_bf16_ms / read4_ms bounds the ratio any kernel can reach against a memory-bound peer.
 // Usage: bench_qgemm_sm90 [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m LIST] [--shapes KxN,...] [--splits LIST] [--cfg NAME-SUBSTRING]
-//                         [--l2-flush clean|dirty] [--probes] [--streaming] [--trial]
+//                         [--l2-flush clean|dirty] [--probes] [--streaming] [--trial] [--timeline]
 //   (--cfg: only the wgmma configurations whose names contain it (or one of a comma-separated list), and not the
 //    dispatch: for a profiler; --splits: the K split counts swept, besides the plan's own (default 1,2,3,4,6,8,12,16);
 //    --l2-flush: how L2 is swept before each timed launch, see gemm_timing.cuh; default clean)
@@ -217,12 +217,11 @@ void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape&
 }
 
 // --trial: configurations under trial, not in the tuning list (the GPU tests do not check them; each result is still
-// compared with the mma.sync kernel's): 32-row slices at three blocks per SM (more consumer warps per SM to hide the
-// decode's latencies; fewer stages, or one m64 tile per warpgroup, to fit), as the 16-row ones now dispatched on large
-// layers. (Session 12 tried the 16-row forms wg_b16m1s8x3w and wg_b16m1s6x4w too: slower than
-// wg_b16m2s8x2w on 8192 x 28672 at M 9 / 16, 1.09-1.24x, gemm4_probe-session12-run7; wg_b32m2s4x3w ran M 24 / 32 there
-// 3% / 2% faster than wg_b32m2s6x2w, run 9: not yet dispatched.)
-using Sm90TrialCfgs = kq::detail::CfgList<kq::Sm90Cfg<32, 2, 4, 3, false, true>, kq::Sm90Cfg<32, 1, 6, 3, false, true>>;
+// compared with the mma.sync kernel's): 32-row slices at three blocks per SM with one m64 tile per warpgroup.
+// (Session 12 tried the 16-row forms wg_b16m1s8x3w and wg_b16m1s6x4w too: slower than wg_b16m2s8x2w on 8192 x 28672
+// at M 9 / 16, 1.09-1.24x, gemm4_probe-session12-run7; wg_b32m2s4x3w ran M 24 / 32 there 3% / 2% faster than
+// wg_b32m2s6x2w, run 9, and is dispatched since session 13 as Sm90NarrowLarge.)
+using Sm90TrialCfgs = kq::detail::CfgList<kq::Sm90Cfg<32, 1, 6, 3, false, true>>;
 
 // A number for JSON: null when not finite (a probe's garbage result can make the error inf or nan).
 std::string json_num(double v) {
@@ -269,12 +268,95 @@ void time_qgemv_cfgs(kq::detail::QGemvCfgList<Cs...>, const Layer& L, const kq::
   (one(Cs{}), ...);
 }
 
+// --timeline: where the dispatched wgmma configuration's time goes. Its Sm90Probe 3 twin (the same work, plus per
+// block the clocks of kq::detail::kSm90TraceSlots points) runs `reps` times, each after an L2 flush and a one-thread
+// kernel that notes the global timer; the repetition with the median span is reported: the wait from that note to
+// the first block's start (launch), the spread of block starts (skew), first start to last end (span), and per block
+// (median over blocks, the SM clock converted by each block's own global-timer span) set-up, the wait for the first
+// chunk, the main loop and the epilogue.
+__global__ void note_global_ns(std::uint64_t* out) { *out = kq::detail::global_ns(); }
+struct Timeline {
+  std::string cfg;
+  int blocks = 0, max_per_sm = 0, tick_ns = 0;
+  double launch = 0, skew = 0, span = 0, setup = 0, first = 0, loop = 0, epilogue = 0, block = 0, block_max = 0, queued_first = 0,
+         queued_last = 0, ghz = 0;  // microseconds, and the SM clock
+};
+template <class C>
+Timeline trace_cfg(const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16* y, int sm, int reps) {
+  using P = kq::Sm90Probe<C, 3>;
+  constexpr int S = kq::detail::kSm90TraceSlots;
+  const auto plan = kq::plan_qgemm_sm90<C>(s, kq::detail::sm90_capacity<C>(sm));
+  const Workspace ws({nullptr, plan.partial_elems, nullptr, plan.counter_elems});
+  const std::size_t blocks = std::size_t(plan.blocks());
+  DevBuf<std::uint64_t> trace(blocks * S), note(1);
+  auto launch = [&] { SQUEEZE_CUDA_CHECK((kq::detail::launch_qgemm_sm90_cfg<bf16, P>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws.ws, nullptr, trace.p))); };
+  launch();
+  launch();
+  std::vector<Timeline> runs;
+  for (int r = 0; r < reps; ++r) {
+    squeeze::bench::flush_l2(r);
+    note_global_ns<<<1, 1>>>(note.p);
+    launch();
+    SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<std::uint64_t> t = trace.get(), n = note.get();
+    Timeline tl;
+    tl.cfg = kq::detail::sm90_cfg_name<C>() + " " + kq::describe(plan);
+    tl.blocks = int(blocks);
+    std::uint64_t first_in = ~0ull, last_in = 0, last_out = 0;
+    std::vector<std::uint64_t> starts;
+    std::vector<double> ghz, setup, first, loop, epi, all, qf, ql;
+    std::vector<int> per_sm(1024, 0);
+    for (std::size_t b = 0; b < blocks; ++b) {
+      const std::uint64_t* v = t.data() + b * S;
+      first_in = std::min(first_in, v[0]);
+      last_in = std::max(last_in, v[0]);
+      last_out = std::max(last_out, v[6]);
+      starts.push_back(v[0]);
+      if (v[7] < per_sm.size()) tl.max_per_sm = std::max(tl.max_per_sm, ++per_sm[v[7]]);
+      if (v[6] > v[0]) ghz.push_back(double(v[5] - v[1]) / double(v[6] - v[0]));
+      setup.push_back(double(v[2] - v[1]));
+      first.push_back(double(v[3] - v[2]));
+      loop.push_back(double(v[4] - v[3]));
+      epi.push_back(double(v[5] - v[4]));
+      all.push_back(double(v[5] - v[1]));
+      qf.push_back(double(v[8] - v[1]));
+      ql.push_back(double(v[9] - v[1]));
+    }
+    auto median = [](std::vector<double> a) {
+      if (a.empty()) return 0.0;
+      std::nth_element(a.begin(), a.begin() + a.size() / 2, a.end());
+      return a[a.size() / 2];
+    };
+    tl.ghz = median(ghz);
+    const double us_per_cycle = tl.ghz > 0 ? 1e-3 / tl.ghz : 0.0;
+    tl.launch = first_in >= n[0] ? double(first_in - n[0]) * 1e-3 : -double(n[0] - first_in) * 1e-3;
+    tl.skew = double(last_in - first_in) * 1e-3;
+    tl.span = double(last_out - first_in) * 1e-3;
+    tl.setup = median(setup) * us_per_cycle;
+    tl.first = median(first) * us_per_cycle;
+    tl.loop = median(loop) * us_per_cycle;
+    tl.epilogue = median(epi) * us_per_cycle;
+    tl.block = median(all) * us_per_cycle;
+    tl.block_max = *std::max_element(all.begin(), all.end()) * us_per_cycle;
+    tl.queued_first = median(qf) * us_per_cycle;
+    tl.queued_last = median(ql) * us_per_cycle;
+    std::sort(starts.begin(), starts.end());
+    std::uint64_t tick = 0;
+    for (std::size_t i = 1; i < starts.size(); ++i)
+      if (starts[i] > starts[i - 1] && (tick == 0 || starts[i] - starts[i - 1] < tick)) tick = starts[i] - starts[i - 1];
+    tl.tick_ns = int(tick);
+    runs.push_back(tl);
+  }
+  std::sort(runs.begin(), runs.end(), [](const Timeline& a, const Timeline& b) { return a.span < b.span; });
+  return runs[runs.size() / 2];
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string out_path, only;
   std::vector<std::string> only_cfgs;  // --cfg: name substrings
-  bool probes = false, streaming = false, trial = false;
+  bool probes = false, streaming = false, trial = false, timeline = false;
   std::vector<std::int64_t> batches = {1, 16, 33, 64, 128};
   std::vector<int> split_counts = {0, 1, 2, 3, 4, 6, 8, 12, 16};  // 0: the plan's own; 3 and 6: clusters that fill a GPC less evenly
   // issue 6's (K, N); --shapes replaces them (e.g. 8192x33792: 132 strips of 256 features, one per SM)
@@ -292,6 +374,7 @@ int main(int argc, char** argv) {
     }
     else if (a == "--probes") probes = true;
     else if (a == "--trial") trial = true;
+    else if (a == "--timeline") timeline = true;
     else if (a == "--streaming") streaming = true;
     else if (a == "--l2-flush" && i + 1 < argc) {
       if (!squeeze::bench::set_l2_flush(argv[0], argv[++i])) return 2;
@@ -321,7 +404,7 @@ int main(int argc, char** argv) {
         shapes.emplace_back(k, n);
       }
     } else {
-      std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m 1,16,...] [--shapes KxN,...] [--splits 1,2,...] [--cfg NAME-SUBSTRING] [--l2-flush clean|dirty] [--probes] [--streaming] [--trial]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m 1,16,...] [--shapes KxN,...] [--splits 1,2,...] [--cfg NAME-SUBSTRING] [--l2-flush clean|dirty] [--probes] [--streaming] [--trial] [--timeline]\n", argv[0]);
       return 2;
     }
   }
@@ -427,6 +510,15 @@ int main(int argc, char** argv) {
         for (const auto& t : pr) std::printf("  %s/%d %.4f", t.name.c_str(), t.splits, t.ms);
         std::printf("  (ms; read of the 4-bit tiles %.4f)\n", read4_ms);
       }
+      Timeline tl;
+      if (timeline && dispatch_run && kq::quant_gemm_uses_sm90(s)) {
+        watchdog_note(cs + " timeline");
+        tl = kq::detail::with_sm90_cfg(s, [&](auto c) { return trace_cfg<decltype(c)>(L, s, x.p, y.p, sm, 7); });
+        std::printf("  timeline %s: launch %.2f skew %.2f span %.2f us | per block (median) set-up %.2f, first chunk %.2f, loop %.2f, epilogue %.2f, "
+                    "all %.2f (max %.2f) us; producer queued chunk 1 at %.2f, the last at %.2f us | %.2f GHz, %d blocks, <= %d per SM, timer tick %d ns\n",
+                    tl.cfg.c_str(), tl.launch, tl.skew, tl.span, tl.setup, tl.first, tl.loop, tl.epilogue, tl.block, tl.block_max, tl.queued_first,
+                    tl.queued_last, tl.ghz, tl.blocks, tl.max_per_sm, tl.tick_ns);
+      }
       std::vector<Timed> sv;
       if (streaming && kq::qgemv_reason(s).empty()) time_qgemv_cfgs(kq::detail::QGemvTuningCfgs{}, L, s, x.p, y.p, y.n, ref, sm, reps, sv);
       const Timed* best_sv = nullptr;
@@ -475,7 +567,14 @@ int main(int argc, char** argv) {
         for (std::size_t i = 0; i < sv.size(); ++i)
           j << (i ? ", " : "") << "{\"cfg\": \"" << sv[i].name << "\", \"parts\": " << sv[i].splits << ", \"ms\": " << sv[i].ms
             << ", \"rel_err\": " << json_num(sv[i].err) << "}";
-        j << "]}";
+        j << "]";
+        if (!tl.cfg.empty())
+          j << ", \"timeline_us\": {\"cfg\": \"" << tl.cfg << "\", \"launch\": " << tl.launch << ", \"skew\": " << tl.skew << ", \"span\": " << tl.span
+            << ", \"setup\": " << tl.setup << ", \"first_chunk\": " << tl.first << ", \"loop\": " << tl.loop << ", \"epilogue\": " << tl.epilogue
+            << ", \"block\": " << tl.block << ", \"block_max\": " << tl.block_max << ", \"queued_first\": " << tl.queued_first
+            << ", \"queued_last\": " << tl.queued_last << ", \"ghz\": " << tl.ghz << ", \"blocks\": " << tl.blocks << ", \"max_per_sm\": " << tl.max_per_sm
+            << ", \"timer_tick_ns\": " << tl.tick_ns << "}";
+        j << "}";
         out << j.str() << "\n";
         out.flush();
       }

@@ -97,7 +97,7 @@ TEST(QuantCudaSm90, LibraryEntryPicksTheKernelByBatch) {
   auto says = [](const kq::QGemmShape& s, int sm) { return kq::quant_gemm_describe(s, sm); };
   auto starts = [](const std::string& text, const std::string& head) { return text.rfind(head, 0) == 0; };
   const kq::QGemmShape wide{17, 28672, 8192, 8192, 28672, 128, 4}, narrow{64, 4096, 4096, 4096, 4096, 128, 4};
-  EXPECT_TRUE(starts(says(wide, 132), wg ? "wgmma wg_b32m2s6x2w " : "mma.sync ")) << says(wide, 132);
+  EXPECT_TRUE(starts(says(wide, 132), wg ? "wgmma wg_b32m2s4x3w " : "mma.sync ")) << says(wide, 132);
   EXPECT_TRUE(starts(says(narrow, 132), wg ? "wgmma wg_b64m1s6x2w " : "mma.sync ")) << says(narrow, 132);
   EXPECT_TRUE(starts(says({65, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b128m1s8wg4 " : "mma.sync "));
   EXPECT_TRUE(starts(says({128, 11008, 4096, 4096, 11008, 128, 4}, 132), wg ? "wgmma wg_b128m1s8wg4 " : "mma.sync "));
@@ -164,6 +164,8 @@ TEST(QuantCudaSm90, SplitPlanFollowsTheMeasuredSweep) {
       {11008, 4096, 16, 16, false},
       {8192, 28672, 9, 7, false},  // three blocks per SM (wg_b16m2s5x3wf): gemm4_probe-session12-run7
       {8192, 28672, 16, 3, true},
+      {8192, 28672, 24, 3, true},  // wg_b32m2s4x3w: gemm4_probe-session12-run9 (2 in a cluster 3% slower)
+      {8192, 28672, 32, 3, true},
       {4096, 4096, 24, 6, true},
       {11008, 4096, 24, 16, false},
       {4096, 4096, 64, 6, true},
@@ -207,7 +209,9 @@ TEST(QuantCudaSm90, DispatchTableByBatchLayerAndGroup) {
   EXPECT_EQ(cfg(9, 28672, 8192, 32), "wg_b16m2s5x3w");    // groups of 32: not whole chunks
   EXPECT_EQ(cfg(16, 11008, 4096, 128), "wg_b16m2s8x2w");  // below kSm90LargeLayer
   EXPECT_EQ(cfg(16, 4096, 11008, 128), "wg_b16m2s8x2w");
-  EXPECT_EQ(cfg(24, 28672, 8192, 128), "wg_b32m2s6x2w");
+  EXPECT_EQ(cfg(24, 28672, 8192, 128), "wg_b32m2s4x3w");  // three blocks per SM on large layers
+  EXPECT_EQ(cfg(32, 28672, 8192, 32), "wg_b32m2s4x3w");
+  EXPECT_EQ(cfg(24, 11008, 4096, 128), "wg_b32m2s6x2w");
   EXPECT_EQ(cfg(24, 4096, 4096, 128), "wg_b32m2s8w");
   EXPECT_EQ(cfg(48, 28672, 8192, 128), "wg_b64m2s8w");
   EXPECT_EQ(cfg(64, 4096, 4096, 128), "wg_b64m1s6x2w");

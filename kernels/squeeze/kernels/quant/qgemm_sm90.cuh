@@ -178,10 +178,13 @@ struct Sm90Cfg {
 // register sets live, so one block per SM): within 2.5% of its one-block base up to M = 32 (mean 1.4% faster there),
 // 1.25-1.35x slower at M = 64 on two shapes, and 0.98-1.42x the time of the two-block wg_b16m2s8x2w the dispatch takes; a
 // producer that queues its first chunk alone and waits for it before filling the ring: 0-10% slower (mean 1-3%).
+//   PROBE 3: all the work (right results) plus a timeline: per block the clock at kSm90TraceSlots points into
+//     Sm90Params::trace (see there), so the benchmark can split a launch into start-up, wait for the first chunk, main
+//     loop and epilogue.
 template <class Base, int PROBE_>
 struct Sm90Probe : Base {
   static_assert(Base::WS && !Base::OVERLAP, "probes measure the warp-specialised form");
-  static_assert(PROBE_ == 1 || PROBE_ == 2, "probe 1 (no decode) or 2 (no consumer work)");
+  static_assert(PROBE_ >= 1 && PROBE_ <= 3, "probe 1 (no decode), 2 (no consumer work) or 3 (timeline)");
   static_assert(!(Base::GSCALE && PROBE_ == 1), "probe 1 loads no group constants, which GSCALE's per-group scaling reads: probe its base without GSCALE");
   static constexpr int PROBE = PROBE_;
 };
@@ -550,7 +553,23 @@ struct Sm90Params {
   int* counters;               // [zslices, strips], zero between launches (K splits through global memory)
   int M, N, K, Npad, group;
   int kchunks, cps, strips, splits, zslices;
+  // Sm90Probe 3 only: kSm90TraceSlots values per block (block blockIdx.x + gridDim.x * blockIdx.z), see sm90_trace
+  std::uint64_t* trace = nullptr;
 };
+// The timeline of Sm90Probe 3, per block: [0] %globaltimer (ns) at entry, [1] clock64 at entry, [2] clock64 after the
+// set-up barrier, [3] clock64 when consumer thread 0 has its first chunk, [4] when it retired its last, [5] after the
+// epilogue, [6] %globaltimer after the epilogue, [7] the SM, [8] / [9] the producer's clock64 after queueing its first /
+// last chunk.
+inline constexpr int kSm90TraceSlots = 10;
+__device__ __forceinline__ std::uint64_t global_ns() {
+  std::uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+template <class C>
+__device__ __forceinline__ void sm90_trace(const Sm90Params& p, int slot, std::uint64_t value) {
+  if constexpr (C::PROBE == 3) p.trace[(std::int64_t(blockIdx.z) * gridDim.x + blockIdx.x) * kSm90TraceSlots + slot] = value;
+}
 
 // grid (zslices x strips, 1, splits); C::THREADS threads, C::SMEM_BYTES dynamic shared memory.
 // CLUSTER: K splits reduce within clusters of (1, 1, splits) blocks; otherwise K splits (if any) go through global
@@ -571,6 +590,13 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   // the warp index through a shuffle: the compiler then knows it is warp-uniform, so a branch on it (the
   // producer's) is not a divergent path around the wgmma (which would serialize them)
   const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xffffffffu, tid >> 5, 0), wg = warp >> 2, wq = warp & 3;
+  if (C::PROBE == 3 && tid == 0) {
+    sm90_trace<C>(p, 0, global_ns());
+    sm90_trace<C>(p, 1, clock64());
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    sm90_trace<C>(p, 7, sm);
+  }
   const int g4 = lane >> 2, c4 = lane & 3;
   const int ntiles = p.Npad / kTileN;
   const T* const x = static_cast<const T*>(p.x);
@@ -811,6 +837,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       mbar_init_fence();
     }
     __syncthreads();
+    if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, 2, clock64());
     if (warp >= C::CONSUMERS / 32) {  // the producer (warp CONSUMERS / 32; with WGS = 4 the rest of its warpgroup idles)
       if constexpr (C::PRODUCERS == 128) set_max_regs_dec<C::PRODUCER_REGS>();
       // the cluster barriers of the K-split reduction count every thread: the producer's take part, idle
@@ -837,6 +864,8 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
             bulk_copy_g2s(st + XB + WB + r * STRIP * 2, p.scales + off, unsigned(cols * 2), full_bar + ring);
             bulk_copy_g2s(st + XB + WB + SB + r * STRIP, p.zeros + off, unsigned(cols), full_bar + ring);
           }
+          if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, 8, clock64());
+          if (C::PROBE == 3 && c + 1 == nck) sm90_trace<C>(p, 9, clock64());
         }
         __syncwarp();
       }
@@ -850,6 +879,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       auto consume = [&](int c, auto& a_cur, auto& a_other) {  // chunk c of the K range, from ring stage c % S
         const int ring = c % S;
         mbar_wait(full_bar + ring, unsigned(c / S) & 1u);
+        if (C::PROBE == 3 && c == 0 && tid == 0) sm90_trace<C>(p, 3, clock64());
         __syncwarp();  // converged again before the .aligned wgmma operations
         if constexpr (C::PROBE == 2) {
           if (lane == 0) mbar_arrive(empty_bar + ring);
@@ -870,7 +900,12 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         consume(c, a0, a1);
         if (c + 1 < nck) consume(c + 1, a1, a0);
       }
+      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, 4, clock64());
       epilogue();
+      if (C::PROBE == 3 && tid == 0) {
+        sm90_trace<C>(p, 5, clock64());
+        sm90_trace<C>(p, 6, global_ns());
+      }
     }
   } else {
     constexpr int AHEAD = C::AHEAD;
@@ -965,8 +1000,9 @@ using Sm90TuningCfgs = CfgList<Sm90Cfg<64, 1, 6, 2>, Sm90Cfg<128, 2, 6>,
                                // three blocks per SM (5 stages to fit), plain and with the A operand unscaled and each
                                // group's sums scaled in fp32 (GSCALE; names end in f): dispatched on large layers
                                // (Sm90TinyLarge, Sm90TinyScaled). (A 32-row GSCALE form spilled 392 bytes in its fp16
-                               // build at two blocks per SM.)
-                               Sm90Cfg<16, 2, 5, 3, false, true>, Sm90Cfg<16, 2, 5, 3, false, true, 2, true>>;
+                               // build at two blocks per SM.) 32-row slices at three blocks per SM (4 stages):
+                               // Sm90NarrowLarge
+                               Sm90Cfg<16, 2, 5, 3, false, true>, Sm90Cfg<16, 2, 5, 3, false, true, 2, true>, Sm90Cfg<32, 2, 4, 3, false, true>>;
 // Measuring variants (bench_qgemm_sm90 --probes; names end in _probe1 / _probe2): what the dispatched 16-row and
 // 128-row forms cost without their decode, and without any consumer work.
 using Sm90ProbeCfgs = CfgList<Sm90Probe<Sm90Cfg<16, 2, 8, 2, false, true>, 1>, Sm90Probe<Sm90Cfg<16, 2, 8, 2, false, true>, 2>,
@@ -1006,6 +1042,10 @@ using Sm90Tiny = Sm90Cfg<16, 2, 8, 2, false, true>;
 using Sm90TinyLarge = Sm90Cfg<16, 2, 5, 3, false, true>;
 using Sm90TinyScaled = Sm90Cfg<16, 2, 5, 3, false, true, 2, true>;
 using Sm90Narrow = Sm90Cfg<32, 2, 6, 2, false, true>;
+// M 17..32 on layers of kSm90LargeLayer weights and more: three blocks per SM as well (4 stages; 72 registers, wgmma
+// serialized, C7512). H200, 8192 x 28672, each at its best K-split plan (gemm4_probe-session12-run9): M = 24
+// wg_b32m2s4x3w 0.0626 ms (3 in a cluster) against wg_b32m2s6x2w 0.0645 (2 in a cluster); M = 32 0.0636 against 0.0650.
+using Sm90NarrowLarge = Sm90Cfg<32, 2, 4, 3, false, true>;
 using Sm90NarrowDeep = Sm90Cfg<32, 2, 8, 1, false, true>;
 using Sm90Small = Sm90Cfg<64, 1, 6, 2, false, true>;
 using Sm90SmallWide = Sm90Cfg<64, 2, 8, 1, false, true>;
@@ -1025,7 +1065,10 @@ decltype(auto) with_sm90_cfg(const QGemmShape& s, F&& f) {
     if (s.Npad * s.Kpad < kSm90LargeLayer) return f(Sm90Tiny{});
     return s.group % kTileK == 0 ? f(Sm90TinyScaled{}) : f(Sm90TinyLarge{});
   }
-  if (s.M <= 32) return s.Npad * s.Kpad >= kSm90NarrowLayer ? f(Sm90Narrow{}) : f(Sm90NarrowDeep{});
+  if (s.M <= 32) {
+    if (s.Npad * s.Kpad >= kSm90LargeLayer) return f(Sm90NarrowLarge{});
+    return s.Npad * s.Kpad >= kSm90NarrowLayer ? f(Sm90Narrow{}) : f(Sm90NarrowDeep{});
+  }
   if (s.Npad * s.Kpad >= kSm90LargeLayer) return f(Sm90SmallWide{});
   return f(Sm90Small{});
 }
@@ -1119,10 +1162,12 @@ Sm90Capacity sm90_capacity(int sm_count) {
 }
 
 // Configuration C with an explicit plan (benchmarks, tests). K splits reduced in a cluster launch as clusters of
-// (1, 1, splits) blocks; reduced through global memory they need the plan's workspace.
+// (1, 1, splits) blocks; reduced through global memory they need the plan's workspace. trace: Sm90Probe 3's timeline
+// (blocks x kSm90TraceSlots values), required there and unused otherwise.
 template <class T, class C>
 cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y,
-                                  const QGemmShape& s, const Sm90Plan& p, const QGemmWorkspace& ws, cudaStream_t stream) {
+                                  const QGemmShape& s, const Sm90Plan& p, const QGemmWorkspace& ws, cudaStream_t stream,
+                                  std::uint64_t* trace = nullptr) {
   static_assert(std::is_same_v<T, half> || std::is_same_v<T, bf16>, "the quantized GEMM takes fp16 or bf16 activations");
   if (!qgemm_sm90_reason(s).empty()) return cudaErrorInvalidValue;
   if ((reinterpret_cast<std::uintptr_t>(x) | reinterpret_cast<std::uintptr_t>(tiles) | reinterpret_cast<std::uintptr_t>(scales) |
@@ -1135,6 +1180,7 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
   if (global && (ws.partial == nullptr || ws.partial_elems < p.partial_elems || ws.counters == nullptr || ws.counter_elems < p.counter_elems))
     return cudaErrorInvalidValue;
   if (global && (reinterpret_cast<std::uintptr_t>(ws.partial) & 15)) return cudaErrorInvalidValue;  // float4 sums
+  if (C::PROBE == 3 && trace == nullptr) return cudaErrorInvalidValue;  // the timeline's buffer: blocks x kSm90TraceSlots
   if (!qgemm_sm90_supported()) return cudaErrorNotSupported;
   const auto kernel = p.cluster ? qgemm_sm90_kernel<T, C, true> : qgemm_sm90_kernel<T, C, false>;
   if (const cudaError_t attr = sm90_allow_smem<T, C>(); attr != cudaSuccess) return attr;
@@ -1142,7 +1188,7 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
   if constexpr (C::WS)
     if (const cudaError_t e = make_x_tensor_map(x_map, x, s.M, s.K, C::BN, std::is_same_v<T, bf16>); e != cudaSuccess) return e;
   const Sm90Params prm{x, tiles, scales, zeros, y, ws.partial, ws.counters, int(s.M), int(s.N), int(s.K), int(s.Npad), int(s.group),
-                       int(s.Kpad / kTileK), p.cps, p.strips, p.splits, p.zslices};
+                       int(s.Kpad / kTileK), p.cps, p.strips, p.splits, p.zslices, trace};
   const Sm90Launch<C> launch(dim3(unsigned(p.zslices * p.strips), 1, unsigned(p.splits)), p.cluster ? p.splits : 0, stream);
   return cudaLaunchKernelEx(&launch.cfg, kernel, prm, x_map);
 }
