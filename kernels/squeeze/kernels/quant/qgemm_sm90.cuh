@@ -724,33 +724,65 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       pin_a(a1);
     }
 
-    // ---- epilogue: accumulator i of tile t holds (feature nl + 64 t + 8 ((i >> 1) & 1), batch row 8 (i >> 2) + 2 c4 + (i & 1))
+    // ---- epilogue: accumulator i of tile t holds (feature nl + 64 t + 8 ((i >> 1) & 1), batch row 8 (i >> 2) + 2 c4 + (i & 1)).
+    // y is written 8 features (16 bytes) per store where rows of y are 16-byte aligned: the accumulators' own layout
+    // would store 2 bytes per thread, 16 contiguous bytes per 8 lanes. (Session 13's timeline, Sm90Probe 3, on the
+    // H200: that store loop took 5.3 us of wg_b128m1s8wg4's 106 us blocks on 8192 x 28672 at M = 128, and the cluster
+    // reduction's loop, 4 features and 4 stores per thread, 6.3 of 15.8 us on 4096 x 4096.)
     T* const y = static_cast<T*>(p.y);
+    const int rows = min(BN, p.M - m0), cols = min(STRIP, p.N - n0);
+    const bool y_vec = p.N % 8 == 0 && (reinterpret_cast<std::uintptr_t>(p.y) & 15) == 0;
+    // features cc..cc + 7 of row r of the tile, from fp32 sums
+    auto write8 = [&](int r, int cc, const float (&v)[8]) {
+      T* const dst = y + std::int64_t(m0 + r) * p.N + n0 + cc;
+      if (y_vec && cc + 8 <= cols) {
+        uint4 packed;
+        T* const h = reinterpret_cast<T*>(&packed);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) h[j] = from_float<T>(v[j]);
+        *reinterpret_cast<uint4*>(dst) = packed;
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          if (cc + j < cols) dst[j] = from_float<T>(v[j]);
+      }
+    };
     if (p.splits == 1) {
+      // the tile as T through the ring, [BN][PITCH] (after the barrier every warpgroup's wgmma finished reading the
+      // ring; every copy landed), then 16-byte rows out. +8 elements a row: the four rows one store writes, 2 apart,
+      // fall in different banks.
+      constexpr int PITCH = STRIP + 8;
+      static_assert(BN * PITCH * int(sizeof(T)) <= S * C::STAGE_BYTES, "the output tile must fit in the ring");
+      T* const out = reinterpret_cast<T*>(smem);
+      consumer_bar_sync(C::CONSUMERS);
 #pragma unroll
       for (int t = 0; t < WM; ++t)
 #pragma unroll
-        for (int i = 0; i < NACC; ++i) {
-          const int n = n0 + nl + 64 * t + 8 * ((i >> 1) & 1), m = m0 + 8 * (i >> 2) + 2 * c4 + (i & 1);
-          if (m < p.M && n < p.N) y[std::int64_t(m) * p.N + n] = from_float<T>(acc[t][i]);
+        for (int i = 0; i < NACC; ++i) out[(8 * (i >> 2) + 2 * c4 + (i & 1)) * PITCH + nl + 64 * t + 8 * ((i >> 1) & 1)] = from_float<T>(acc[t][i]);
+      consumer_bar_sync(C::CONSUMERS);
+      for (int u = tid; u < rows * (STRIP / 8); u += C::CONSUMERS) {
+        const int r = u / (STRIP / 8), cc = (u % (STRIP / 8)) * 8;
+        if (cc >= cols) continue;
+        const T* const src = out + r * PITCH + cc;
+        T* const dst = y + std::int64_t(m0 + r) * p.N + n0 + cc;
+        if (y_vec && cc + 8 <= cols) {
+          *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+        } else {
+          for (int j = 0; j < 8 && cc + j < cols; ++j) dst[j] = src[j];
         }
+      }
       return;
     }
-    // K splits: the K ranges' sums of one float4 of the tile (row r, features cc..cc + 3) are added in K-range
-    // order (deterministic) and written to y
-    const int rows = min(BN, p.M - m0), cols = min(STRIP, p.N - n0);
+    // K splits: the K ranges' sums of 8 features of the tile (row r, features cc..cc + 7) are added in K-range order
+    // (deterministic) and written to y
     auto add4 = [](float4& sum, const float4& v) {
       sum.x += v.x;
       sum.y += v.y;
       sum.z += v.z;
       sum.w += v.w;
     };
-    auto write4 = [&](int r, int cc, float4 sum) {
-      T* const dst = y + std::int64_t(m0 + r) * p.N + n0 + cc;
-      const float out4[4] = {sum.x, sum.y, sum.z, sum.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        if (cc + j < cols) dst[j] = from_float<T>(out4[j]);
+    auto unpack = [](const float4& lo, const float4& hi, float (&v)[8]) {
+      v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
     };
     if constexpr (CLUSTER) {
       // in the cluster: this block's sums into its shared memory, [BN][PITCH] fp32 over the ring (every copy
@@ -764,21 +796,34 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
 #pragma unroll
         for (int i = 0; i < NACC; ++i) buf[(8 * (i >> 2) + 2 * c4 + (i & 1)) * PITCH + nl + 64 * t + 8 * ((i >> 1) & 1)] = acc[t][i];
       cluster_sync();  // every K range's sums are in its block's shared memory
-      const int units = rows * (STRIP / 4), u_end = int(std::int64_t(units) * (split + 1) / p.splits);
+      const int units = rows * (STRIP / 8), u_end = int(std::int64_t(units) * (split + 1) / p.splits);
       const unsigned base = smem_addr(buf);
       for (int u = int(std::int64_t(units) * split / p.splits) + tid; u < u_end; u += C::CONSUMERS) {
-        const int r = u / (STRIP / 4), cc = (u % (STRIP / 4)) * 4;
+        const int r = u / (STRIP / 8), cc = (u % (STRIP / 8)) * 8;
         if (cc >= cols) continue;
         const unsigned off = base + unsigned(r * PITCH + cc) * 4u;
-        float4 v[kSm90MaxClusterSplits];
+        // four K ranges' loads in flight at a time (all eight held at once spilled at 72 registers a thread)
+        float4 lo = make_float4(0.f, 0.f, 0.f, 0.f), hi = lo;
 #pragma unroll
-        for (int sp = 0; sp < kSm90MaxClusterSplits; ++sp)
-          if (sp < p.splits) v[sp] = ld_cluster_f4(map_cluster(off, sp));
-        float4 sum = v[0];
+        for (int sp0 = 0; sp0 < kSm90MaxClusterSplits; sp0 += 4) {
+          float4 vl[4], vh[4];
 #pragma unroll
-        for (int sp = 1; sp < kSm90MaxClusterSplits; ++sp)
-          if (sp < p.splits) add4(sum, v[sp]);
-        write4(r, cc, sum);
+          for (int j = 0; j < 4; ++j)
+            if (sp0 + j < p.splits) {
+              const unsigned remote = map_cluster(off, sp0 + j);
+              vl[j] = ld_cluster_f4(remote);
+              vh[j] = ld_cluster_f4(remote + 16u);
+            }
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            if (sp0 + j < p.splits) {
+              add4(lo, vl[j]);
+              add4(hi, vh[j]);
+            }
+        }
+        float v[8];
+        unpack(lo, hi, v);
+        write8(r, cc, v);
       }
       cluster_sync();  // no block leaves (its shared memory) while another still reads it
       return;
@@ -799,25 +844,36 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     consumer_bar_sync(C::CONSUMERS);
     if (!last_flag) return;
     __threadfence();
-    // the last block: 4 features per thread, 4 K ranges' loads in flight at a time (Npad and n0 are multiples of 16:
+    // the last block: 8 features per thread, 4 K ranges' loads in flight at a time (Npad and n0 are multiples of 16:
     // the float4 loads are aligned). (Batches of 8 predicated loads, as in the cluster form, measured 4% slower at 4
     // splits and 12% at 16 on the H200, gemm4_probe-session10-run5 against -run1.)
     const std::int64_t split_stride = std::int64_t(p.M) * p.Npad;
-    for (int u = tid; u < rows * (STRIP / 4); u += C::CONSUMERS) {
-      const int r = u / (STRIP / 4), cc = (u % (STRIP / 4)) * 4;
+    for (int u = tid; u < rows * (STRIP / 8); u += C::CONSUMERS) {
+      const int r = u / (STRIP / 8), cc = (u % (STRIP / 8)) * 8;
       if (cc >= cols) continue;
       const float* src = p.partial + std::int64_t(m0 + r) * p.Npad + n0 + cc;
-      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+      float4 lo = make_float4(0.f, 0.f, 0.f, 0.f), hi = lo;
       int sp = 0;
       for (; sp + 4 <= p.splits; sp += 4) {
-        float4 v[4];
+        float4 vl[4], vh[4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) v[j] = __ldcg(reinterpret_cast<const float4*>(src + (sp + j) * split_stride));
+        for (int j = 0; j < 4; ++j) {
+          vl[j] = __ldcg(reinterpret_cast<const float4*>(src + (sp + j) * split_stride));
+          vh[j] = __ldcg(reinterpret_cast<const float4*>(src + (sp + j) * split_stride + 4));
+        }
 #pragma unroll
-        for (int j = 0; j < 4; ++j) add4(sum, v[j]);
+        for (int j = 0; j < 4; ++j) {
+          add4(lo, vl[j]);
+          add4(hi, vh[j]);
+        }
       }
-      for (; sp < p.splits; ++sp) add4(sum, __ldcg(reinterpret_cast<const float4*>(src + sp * split_stride)));
-      write4(r, cc, sum);
+      for (; sp < p.splits; ++sp) {
+        add4(lo, __ldcg(reinterpret_cast<const float4*>(src + sp * split_stride)));
+        add4(hi, __ldcg(reinterpret_cast<const float4*>(src + sp * split_stride + 4)));
+      }
+      float v[8];
+      unpack(lo, hi, v);
+      write8(r, cc, v);
     }
     if (tid == 0) *counter = 0;  // ready for the next launch
   };
