@@ -773,21 +773,25 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       }
       return;
     }
-    // K splits: the K ranges' sums of 8 features of the tile (row r, features cc..cc + 7) are added in K-range order
-    // (deterministic) and written to y
+    // K splits: the K ranges' sums of one float4 of the tile (row r, features cc..cc + 3) are added in K-range order
+    // (deterministic); lanes 2j and 2j + 1 hold features cc..cc + 7 of one row, and the even lane stores all eight.
+    // (Loading 8 features a lane, two float4 32 bytes apart, ran the cluster reduction 2x slower on the H200: the
+    // lanes' loads no longer contiguous.) The loops run whole warps (the shuffle), u over float4 units.
     auto add4 = [](float4& sum, const float4& v) {
       sum.x += v.x;
       sum.y += v.y;
       sum.z += v.z;
       sum.w += v.w;
     };
-    auto unpack = [](const float4& lo, const float4& hi, float (&v)[8]) {
-      v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
+    auto store_pairs = [&](bool valid, int r, int cc, const float4& sum) {
+      const float v[8] = {sum.x, sum.y, sum.z, sum.w, __shfl_down_sync(0xffffffffu, sum.x, 1), __shfl_down_sync(0xffffffffu, sum.y, 1),
+                          __shfl_down_sync(0xffffffffu, sum.z, 1), __shfl_down_sync(0xffffffffu, sum.w, 1)};
+      if (valid && (lane & 1) == 0) write8(r, cc, v);
     };
     if constexpr (CLUSTER) {
       // in the cluster: this block's sums into its shared memory, [BN][PITCH] fp32 over the ring (every copy
       // landed, and after the barrier every warpgroup's wgmma finished reading it); then each block sums its share
-      // of the tile over the cluster's buffers
+      // of the tile (whole 8-feature units) over the cluster's buffers
       constexpr int PITCH = C::SPLIT_PITCH;
       float* const buf = reinterpret_cast<float*>(smem);
       consumer_bar_sync(C::CONSUMERS);
@@ -796,34 +800,25 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
 #pragma unroll
         for (int i = 0; i < NACC; ++i) buf[(8 * (i >> 2) + 2 * c4 + (i & 1)) * PITCH + nl + 64 * t + 8 * ((i >> 1) & 1)] = acc[t][i];
       cluster_sync();  // every K range's sums are in its block's shared memory
-      const int units = rows * (STRIP / 8), u_end = int(std::int64_t(units) * (split + 1) / p.splits);
+      const int units8 = rows * (STRIP / 8);
+      const int u_begin = 2 * int(std::int64_t(units8) * split / p.splits), u_end = 2 * int(std::int64_t(units8) * (split + 1) / p.splits);
       const unsigned base = smem_addr(buf);
-      for (int u = int(std::int64_t(units) * split / p.splits) + tid; u < u_end; u += C::CONSUMERS) {
-        const int r = u / (STRIP / 8), cc = (u % (STRIP / 8)) * 8;
-        if (cc >= cols) continue;
-        const unsigned off = base + unsigned(r * PITCH + cc) * 4u;
-        // four K ranges' loads in flight at a time (all eight held at once spilled at 72 registers a thread)
-        float4 lo = make_float4(0.f, 0.f, 0.f, 0.f), hi = lo;
+      for (int w0 = u_begin + (tid & ~31); w0 < u_end; w0 += C::CONSUMERS) {
+        const int u = w0 + lane, r = u / (STRIP / 4), cc = (u % (STRIP / 4)) * 4;
+        const bool valid = u < u_end && cc < cols;
+        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (valid) {
+          const unsigned off = base + unsigned(r * PITCH + cc) * 4u;
+          float4 v[kSm90MaxClusterSplits];
 #pragma unroll
-        for (int sp0 = 0; sp0 < kSm90MaxClusterSplits; sp0 += 4) {
-          float4 vl[4], vh[4];
+          for (int sp = 0; sp < kSm90MaxClusterSplits; ++sp)
+            if (sp < p.splits) v[sp] = ld_cluster_f4(map_cluster(off, sp));
+          sum = v[0];
 #pragma unroll
-          for (int j = 0; j < 4; ++j)
-            if (sp0 + j < p.splits) {
-              const unsigned remote = map_cluster(off, sp0 + j);
-              vl[j] = ld_cluster_f4(remote);
-              vh[j] = ld_cluster_f4(remote + 16u);
-            }
-#pragma unroll
-          for (int j = 0; j < 4; ++j)
-            if (sp0 + j < p.splits) {
-              add4(lo, vl[j]);
-              add4(hi, vh[j]);
-            }
+          for (int sp = 1; sp < kSm90MaxClusterSplits; ++sp)
+            if (sp < p.splits) add4(sum, v[sp]);
         }
-        float v[8];
-        unpack(lo, hi, v);
-        write8(r, cc, v);
+        store_pairs(valid, r, cc, sum);
       }
       cluster_sync();  // no block leaves (its shared memory) while another still reads it
       return;
@@ -844,36 +839,28 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     consumer_bar_sync(C::CONSUMERS);
     if (!last_flag) return;
     __threadfence();
-    // the last block: 8 features per thread, 4 K ranges' loads in flight at a time (Npad and n0 are multiples of 16:
+    // the last block: 4 features per lane, 4 K ranges' loads in flight at a time (Npad and n0 are multiples of 16:
     // the float4 loads are aligned). (Batches of 8 predicated loads, as in the cluster form, measured 4% slower at 4
     // splits and 12% at 16 on the H200, gemm4_probe-session10-run5 against -run1.)
     const std::int64_t split_stride = std::int64_t(p.M) * p.Npad;
-    for (int u = tid; u < rows * (STRIP / 8); u += C::CONSUMERS) {
-      const int r = u / (STRIP / 8), cc = (u % (STRIP / 8)) * 8;
-      if (cc >= cols) continue;
-      const float* src = p.partial + std::int64_t(m0 + r) * p.Npad + n0 + cc;
-      float4 lo = make_float4(0.f, 0.f, 0.f, 0.f), hi = lo;
-      int sp = 0;
-      for (; sp + 4 <= p.splits; sp += 4) {
-        float4 vl[4], vh[4];
+    const int units = rows * (STRIP / 4);
+    for (int w0 = tid & ~31; w0 < units; w0 += C::CONSUMERS) {
+      const int u = w0 + lane, r = u / (STRIP / 4), cc = (u % (STRIP / 4)) * 4;
+      const bool valid = u < units && cc < cols;
+      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (valid) {
+        const float* src = p.partial + std::int64_t(m0 + r) * p.Npad + n0 + cc;
+        int sp = 0;
+        for (; sp + 4 <= p.splits; sp += 4) {
+          float4 v[4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          vl[j] = __ldcg(reinterpret_cast<const float4*>(src + (sp + j) * split_stride));
-          vh[j] = __ldcg(reinterpret_cast<const float4*>(src + (sp + j) * split_stride + 4));
-        }
+          for (int j = 0; j < 4; ++j) v[j] = __ldcg(reinterpret_cast<const float4*>(src + (sp + j) * split_stride));
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          add4(lo, vl[j]);
-          add4(hi, vh[j]);
+          for (int j = 0; j < 4; ++j) add4(sum, v[j]);
         }
+        for (; sp < p.splits; ++sp) add4(sum, __ldcg(reinterpret_cast<const float4*>(src + sp * split_stride)));
       }
-      for (; sp < p.splits; ++sp) {
-        add4(lo, __ldcg(reinterpret_cast<const float4*>(src + sp * split_stride)));
-        add4(hi, __ldcg(reinterpret_cast<const float4*>(src + sp * split_stride + 4)));
-      }
-      float v[8];
-      unpack(lo, hi, v);
-      write8(r, cc, v);
+      store_pairs(valid, r, cc, sum);
     }
     if (tid == 0) *counter = 0;  // ready for the next launch
   };
