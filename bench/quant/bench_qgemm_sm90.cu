@@ -280,6 +280,9 @@ struct Timeline {
   int blocks = 0, max_per_sm = 0, tick_ns = 0;
   double launch = 0, skew = 0, span = 0, setup = 0, first = 0, loop = 0, epilogue = 0, block = 0, block_max = 0, queued_first = 0,
          queued_last = 0, ghz = 0;  // microseconds, and the SM clock
+  // the epilogue's parts (blocks that reach the stores): the wait for the other warpgroups (global: + the partials'
+  // writes), the staging (cluster: + the wait for the cluster's blocks; global: the counter), the stores, the rest
+  double epi_wait = 0, epi_stage = 0, epi_store = 0, epi_tail = 0;
 };
 template <class C>
 Timeline trace_cfg(const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16* y, int sm, int reps) {
@@ -294,6 +297,7 @@ Timeline trace_cfg(const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16*
   launch();
   std::vector<Timeline> runs;
   for (int r = 0; r < reps; ++r) {
+    SQUEEZE_CUDA_CHECK(cudaMemsetAsync(trace.p, 0, trace.n * sizeof(std::uint64_t), nullptr));
     squeeze::bench::flush_l2(r);
     note_global_ns<<<1, 1>>>(note.p);
     launch();
@@ -304,7 +308,7 @@ Timeline trace_cfg(const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16*
     tl.blocks = int(blocks);
     std::uint64_t first_in = ~0ull, last_in = 0, last_out = 0;
     std::vector<std::uint64_t> starts;
-    std::vector<double> ghz, setup, first, loop, epi, all, qf, ql;
+    std::vector<double> ghz, setup, first, loop, epi, all, qf, ql, e_wait, e_stage, e_store, e_tail;
     std::vector<int> per_sm(1024, 0);
     for (std::size_t b = 0; b < blocks; ++b) {
       const std::uint64_t* v = t.data() + b * S;
@@ -321,6 +325,12 @@ Timeline trace_cfg(const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16*
       all.push_back(double(v[5] - v[1]));
       qf.push_back(double(v[8] - v[1]));
       ql.push_back(double(v[9] - v[1]));
+      if (v[12] != 0) {
+        e_wait.push_back(double(v[10] - v[4]));
+        e_stage.push_back(double(v[11] - v[10]));
+        e_store.push_back(double(v[12] - v[11]));
+        e_tail.push_back(double(v[5] - v[12]));
+      }
     }
     auto median = [](std::vector<double> a) {
       if (a.empty()) return 0.0;
@@ -340,6 +350,10 @@ Timeline trace_cfg(const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16*
     tl.block_max = *std::max_element(all.begin(), all.end()) * us_per_cycle;
     tl.queued_first = median(qf) * us_per_cycle;
     tl.queued_last = median(ql) * us_per_cycle;
+    tl.epi_wait = median(e_wait) * us_per_cycle;
+    tl.epi_stage = median(e_stage) * us_per_cycle;
+    tl.epi_store = median(e_store) * us_per_cycle;
+    tl.epi_tail = median(e_tail) * us_per_cycle;
     std::sort(starts.begin(), starts.end());
     std::uint64_t tick = 0;
     for (std::size_t i = 1; i < starts.size(); ++i)
@@ -514,10 +528,11 @@ int main(int argc, char** argv) {
       if (timeline && dispatch_run && kq::quant_gemm_uses_sm90(s)) {
         watchdog_note(cs + " timeline");
         tl = kq::detail::with_sm90_cfg(s, [&](auto c) { return trace_cfg<decltype(c)>(L, s, x.p, y.p, sm, 7); });
-        std::printf("  timeline %s: launch %.2f skew %.2f span %.2f us | per block (median) set-up %.2f, first chunk %.2f, loop %.2f, epilogue %.2f, "
-                    "all %.2f (max %.2f) us; producer queued chunk 1 at %.2f, the last at %.2f us | %.2f GHz, %d blocks, <= %d per SM, timer tick %d ns\n",
-                    tl.cfg.c_str(), tl.launch, tl.skew, tl.span, tl.setup, tl.first, tl.loop, tl.epilogue, tl.block, tl.block_max, tl.queued_first,
-                    tl.queued_last, tl.ghz, tl.blocks, tl.max_per_sm, tl.tick_ns);
+        std::printf("  timeline %s: launch %.2f skew %.2f span %.2f us | per block (median) set-up %.2f, first chunk %.2f, loop %.2f, epilogue %.2f "
+                    "(wait %.2f, stage %.2f, store %.2f, rest %.2f), all %.2f (max %.2f) us; producer queued chunk 1 at %.2f, the last at %.2f us | %.2f GHz, "
+                    "%d blocks, <= %d per SM, timer tick %d ns\n",
+                    tl.cfg.c_str(), tl.launch, tl.skew, tl.span, tl.setup, tl.first, tl.loop, tl.epilogue, tl.epi_wait, tl.epi_stage, tl.epi_store, tl.epi_tail,
+                    tl.block, tl.block_max, tl.queued_first, tl.queued_last, tl.ghz, tl.blocks, tl.max_per_sm, tl.tick_ns);
       }
       std::vector<Timed> sv;
       if (streaming && kq::qgemv_reason(s).empty()) time_qgemv_cfgs(kq::detail::QGemvTuningCfgs{}, L, s, x.p, y.p, y.n, ref, sm, reps, sv);
@@ -571,6 +586,8 @@ int main(int argc, char** argv) {
         if (!tl.cfg.empty())
           j << ", \"timeline_us\": {\"cfg\": \"" << tl.cfg << "\", \"launch\": " << tl.launch << ", \"skew\": " << tl.skew << ", \"span\": " << tl.span
             << ", \"setup\": " << tl.setup << ", \"first_chunk\": " << tl.first << ", \"loop\": " << tl.loop << ", \"epilogue\": " << tl.epilogue
+            << ", \"epilogue_wait\": " << tl.epi_wait << ", \"epilogue_stage\": " << tl.epi_stage << ", \"epilogue_store\": " << tl.epi_store
+            << ", \"epilogue_rest\": " << tl.epi_tail
             << ", \"block\": " << tl.block << ", \"block_max\": " << tl.block_max << ", \"queued_first\": " << tl.queued_first
             << ", \"queued_last\": " << tl.queued_last << ", \"ghz\": " << tl.ghz << ", \"blocks\": " << tl.blocks << ", \"max_per_sm\": " << tl.max_per_sm
             << ", \"timer_tick_ns\": " << tl.tick_ns << "}";

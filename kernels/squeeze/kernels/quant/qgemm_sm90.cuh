@@ -559,8 +559,11 @@ struct Sm90Params {
 // The timeline of Sm90Probe 3, per block: [0] %globaltimer (ns) at entry, [1] clock64 at entry, [2] clock64 after the
 // set-up barrier, [3] clock64 when consumer thread 0 has its first chunk, [4] when it retired its last, [5] after the
 // epilogue, [6] %globaltimer after the epilogue, [7] the SM, [8] / [9] the producer's clock64 after queueing its first /
-// last chunk.
-inline constexpr int kSm90TraceSlots = 10;
+// last chunk; in the epilogue, clock64 [10] after the consumers' first barrier (every warpgroup's last chunk done;
+// through global memory: the partials written), [11] after the next barrier (one K range: the tile staged; in a
+// cluster: every block's sums in place; global: the counter read) and [12] after the stores (0 where not reached:
+// not the last block of a global reduction).
+inline constexpr int kSm90TraceSlots = 13;
 __device__ __forceinline__ std::uint64_t global_ns() {
   std::uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -755,11 +758,13 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       static_assert(BN * PITCH * int(sizeof(T)) <= S * C::STAGE_BYTES, "the output tile must fit in the ring");
       T* const out = reinterpret_cast<T*>(smem);
       consumer_bar_sync(C::CONSUMERS);
+      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, 10, clock64());
 #pragma unroll
       for (int t = 0; t < WM; ++t)
 #pragma unroll
         for (int i = 0; i < NACC; ++i) out[(8 * (i >> 2) + 2 * c4 + (i & 1)) * PITCH + nl + 64 * t + 8 * ((i >> 1) & 1)] = from_float<T>(acc[t][i]);
       consumer_bar_sync(C::CONSUMERS);
+      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, 11, clock64());
       for (int u = tid; u < rows * (STRIP / 8); u += C::CONSUMERS) {
         const int r = u / (STRIP / 8), cc = (u % (STRIP / 8)) * 8;
         if (cc >= cols) continue;
@@ -771,6 +776,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
           for (int j = 0; j < 8 && cc + j < cols; ++j) dst[j] = src[j];
         }
       }
+      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, 12, clock64());
       return;
     }
     // K splits: the K ranges' sums of one float4 of the tile (row r, features cc..cc + 3) are added in K-range order
@@ -795,11 +801,13 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       constexpr int PITCH = C::SPLIT_PITCH;
       float* const buf = reinterpret_cast<float*>(smem);
       consumer_bar_sync(C::CONSUMERS);
+      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, 10, clock64());
 #pragma unroll
       for (int t = 0; t < WM; ++t)
 #pragma unroll
         for (int i = 0; i < NACC; ++i) buf[(8 * (i >> 2) + 2 * c4 + (i & 1)) * PITCH + nl + 64 * t + 8 * ((i >> 1) & 1)] = acc[t][i];
       cluster_sync();  // every K range's sums are in its block's shared memory
+      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, 11, clock64());
       const int units8 = rows * (STRIP / 8);
       const int u_begin = 2 * int(std::int64_t(units8) * split / p.splits), u_end = 2 * int(std::int64_t(units8) * (split + 1) / p.splits);
       const unsigned base = smem_addr(buf);
@@ -820,6 +828,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         }
         store_pairs(valid, r, cc, sum);
       }
+      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, 12, clock64());
       cluster_sync();  // no block leaves (its shared memory) while another still reads it
       return;
     }
@@ -834,9 +843,11 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       }
     __threadfence();  // partials visible device-wide before the counter says so
     consumer_bar_sync(C::CONSUMERS);
+    if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, 10, clock64());
     int* const counter = p.counters + z * p.strips + strip;
     if (tid == 0) last_flag = atomicAdd(counter, 1) == p.splits - 1;
     consumer_bar_sync(C::CONSUMERS);
+    if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, 11, clock64());
     if (!last_flag) return;
     __threadfence();
     // the last block: 4 features per lane, 4 K ranges' loads in flight at a time (Npad and n0 are multiples of 16:
@@ -862,6 +873,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       }
       store_pairs(valid, r, cc, sum);
     }
+    if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, 12, clock64());
     if (tid == 0) *counter = 0;  // ready for the next launch
   };
 
