@@ -811,35 +811,22 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       const int units8 = rows * (STRIP / 8);
       const int u_begin = 2 * int(std::int64_t(units8) * split / p.splits), u_end = 2 * int(std::int64_t(units8) * (split + 1) / p.splits);
       const unsigned base = smem_addr(buf);
-      // UNROLL units a lane at a time, every K range's loads of them in flight together: a round trip to the
-      // cluster's shared memory took ~1 us on the H200 (Sm90Probe 3: one round 1.25 us at M = 16, three 4.7 us at
-      // M = 128), so the rounds, not the bytes, set the time. (Three blocks per SM: 72 registers, one unit a lane.)
-      constexpr int UNROLL = C::MINB >= 3 ? 1 : 2;
-      for (int w0 = u_begin + (tid & ~31); w0 < u_end; w0 += UNROLL * C::CONSUMERS) {
-        int r[UNROLL], cc[UNROLL];
-        bool valid[UNROLL];
-        float4 v[UNROLL][kSm90MaxClusterSplits];
-#pragma unroll
-        for (int q = 0; q < UNROLL; ++q) {
-          const int u = w0 + q * C::CONSUMERS + lane;
-          r[q] = u / (STRIP / 4), cc[q] = (u % (STRIP / 4)) * 4;
-          valid[q] = u < u_end && cc[q] < cols;
-          const unsigned off = base + unsigned(r[q] * PITCH + cc[q]) * 4u;
+      for (int w0 = u_begin + (tid & ~31); w0 < u_end; w0 += C::CONSUMERS) {
+        const int u = w0 + lane, r = u / (STRIP / 4), cc = (u % (STRIP / 4)) * 4;
+        const bool valid = u < u_end && cc < cols;
+        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (valid) {
+          const unsigned off = base + unsigned(r * PITCH + cc) * 4u;
+          float4 v[kSm90MaxClusterSplits];
 #pragma unroll
           for (int sp = 0; sp < kSm90MaxClusterSplits; ++sp)
-            if (valid[q] && sp < p.splits) v[q][sp] = ld_cluster_f4(map_cluster(off, sp));
-        }
+            if (sp < p.splits) v[sp] = ld_cluster_f4(map_cluster(off, sp));
+          sum = v[0];
 #pragma unroll
-        for (int q = 0; q < UNROLL; ++q) {
-          float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-          if (valid[q]) {
-            sum = v[q][0];
-#pragma unroll
-            for (int sp = 1; sp < kSm90MaxClusterSplits; ++sp)
-              if (sp < p.splits) add4(sum, v[q][sp]);
-          }
-          store_pairs(valid[q], r[q], cc[q], sum);  // every lane (the shuffle); w0 + q CONSUMERS past u_end: none valid
+          for (int sp = 1; sp < kSm90MaxClusterSplits; ++sp)
+            if (sp < p.splits) add4(sum, v[sp]);
         }
+        store_pairs(valid, r, cc, sum);
       }
       if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, 12, clock64());
       cluster_sync();  // no block leaves (its shared memory) while another still reads it
