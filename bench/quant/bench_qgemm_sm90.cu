@@ -217,13 +217,14 @@ void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape&
 }
 
 // --trial: configurations under trial, not in the tuning list (the GPU tests do not check them; each result is still
-// compared with the mma.sync kernel's): 32-row slices at three blocks per SM with one m64 tile per warpgroup, and
-// 16-row slices of 128-feature strips (twice the strips of the dispatched wg_b16m2s8x2w: more SMs busy on the 4096-wide
-// layers, where its 16 strips x 6 K ranges take 96 of the H200's 132).
+// compared with the mma.sync kernel's): 32-row slices at three blocks per SM with one m64 tile per warpgroup.
+// (Session 13 tried 16-row slices of 128-feature strips, wg_b16m1s8x2w: twice the strips of the dispatched
+// wg_b16m2s8x2w, so more SMs busy on the 4096-wide layers, where its 16 strips x 6 K ranges take 96 of the H200's 132.
+// 1.05-1.45x the time of the best configuration at M 9 / 16 on every shape, gemm4_probe-session13-run7.)
 // (Session 12 tried the 16-row forms wg_b16m1s8x3w and wg_b16m1s6x4w too: slower than wg_b16m2s8x2w on 8192 x 28672
 // at M 9 / 16, 1.09-1.24x, gemm4_probe-session12-run7; wg_b32m2s4x3w ran M 24 / 32 there 3% / 2% faster than
 // wg_b32m2s6x2w, run 9, and is dispatched since session 13 as Sm90NarrowLarge.)
-using Sm90TrialCfgs = kq::detail::CfgList<kq::Sm90Cfg<32, 1, 6, 3, false, true>, kq::Sm90Cfg<16, 1, 8, 2, false, true>>;
+using Sm90TrialCfgs = kq::detail::CfgList<kq::Sm90Cfg<32, 1, 6, 3, false, true>>;
 
 // A number for JSON: null when not finite (a probe's garbage result can make the error inf or nan).
 std::string json_num(double v) {
@@ -285,7 +286,7 @@ struct Timeline {
   // the epilogue's parts (blocks that reach the stores): the wait for the other warpgroups (global: + the partials'
   // writes), the staging (cluster: + the wait for the cluster's blocks; global: the counter), the stores, the rest
   double epi_wait = 0, epi_stage = 0, epi_store = 0, epi_tail = 0;
-  // the producer's first chunk: from entry to its first copy, its bulk copies, its x (TMA)
+  // the producer's first chunk: from entry to its first copy, its x (TMA), its bulk copies
   double issue_start = 0, issue_bulk = 0, issue_x = 0;
 };
 template <class C>
@@ -330,8 +331,8 @@ Timeline trace_cfg(const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16*
       qf.push_back(double(v[8] - v[1]));
       ql.push_back(double(v[9] - v[1]));
       i_start.push_back(double(v[13] - v[1]));
-      i_bulk.push_back(double(v[14] - v[13]));
-      i_x.push_back(double(v[8] - v[14]));
+      i_x.push_back(double(v[14] - v[13]));
+      i_bulk.push_back(double(v[8] - v[14]));
       if (v[12] != 0) {
         e_wait.push_back(double(v[10] - v[4]));
         e_stage.push_back(double(v[11] - v[10]));
@@ -539,10 +540,10 @@ int main(int argc, char** argv) {
         watchdog_note(cs + " timeline");
         tl = kq::detail::with_sm90_cfg(s, [&](auto c) { return trace_cfg<decltype(c)>(L, s, x.p, y.p, sm, 7); });
         std::printf("  timeline %s: launch %.2f skew %.2f span %.2f us | per block (median) set-up %.2f, first chunk %.2f, loop %.2f, epilogue %.2f "
-                    "(wait %.2f, stage %.2f, store %.2f, rest %.2f), all %.2f (max %.2f) us; producer queued chunk 1 at %.2f (starts %.2f, bulk %.2f, x %.2f), "
+                    "(wait %.2f, stage %.2f, store %.2f, rest %.2f), all %.2f (max %.2f) us; producer queued chunk 1 at %.2f (starts %.2f, x %.2f, bulk %.2f), "
                     "the last at %.2f us | %.2f GHz, %d blocks, <= %d per SM, timer tick %d ns\n",
                     tl.cfg.c_str(), tl.launch, tl.skew, tl.span, tl.setup, tl.first, tl.loop, tl.epilogue, tl.epi_wait, tl.epi_stage, tl.epi_store, tl.epi_tail,
-                    tl.block, tl.block_max, tl.queued_first, tl.issue_start, tl.issue_bulk, tl.issue_x, tl.queued_last, tl.ghz, tl.blocks, tl.max_per_sm, tl.tick_ns);
+                    tl.block, tl.block_max, tl.queued_first, tl.issue_start, tl.issue_x, tl.issue_bulk, tl.queued_last, tl.ghz, tl.blocks, tl.max_per_sm, tl.tick_ns);
       }
       std::vector<Timed> sv;
       if (streaming && kq::qgemv_reason(s).empty()) time_qgemv_cfgs(kq::detail::QGemvTuningCfgs{}, L, s, x.p, y.p, y.n, ref, sm, reps, sv);

@@ -563,7 +563,7 @@ struct Sm90Params {
 // through global memory: the partials written), [11] after the next barrier (one K range: the tile staged; in a
 // cluster: every block's sums in place; global: the counter read) and [12] after the stores (0 where not reached:
 // not the last block of a global reduction); the producer's clock64 [13] before it queues its first chunk and [14]
-// after that chunk's bulk copies (before its x).
+// after that chunk's x (before its bulk copies).
 inline constexpr int kSm90TraceSlots = 15;
 __device__ __forceinline__ std::uint64_t global_ns() {
   std::uint64_t t;
@@ -911,19 +911,20 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         if (c >= S) mbar_wait(empty_bar + ring, unsigned(c / S - 1) & 1u);
         unsigned char* const st = smem + ring * C::STAGE_BYTES;
         const int g0 = group_of(kc * kTileK), rows = group_of(kc * kTileK + 48) - g0 + 1;
-        if (lane == 0) {  // tiles, group rows, x (the TMA counts the whole box, zero-filled parts included)
+        if (lane == 0) {  // x (the TMA counts the whole box, zero-filled parts included), tiles, group rows
+          // (Session 13 queued the bulk copies before x, in case the first TMA copy waited for x's tensor map: Sm90Probe 3
+          // then had x's copy queued 0.03 us after the bulk copies' 0.19, and the first chunk in hand no sooner, 1.21 us
+          // after the set-up barrier against 1.10; gemm4_probe-session13-run7 against -run6.)
           if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, 13, clock64());
           mbar_arrive_expect_tx(full_bar + ring, unsigned(XB) + wbytes + unsigned(rows * cols * 3));
-          // the bulk copies first: they need no tensor map, while the first TMA copy of x waits for x's (prefetched
-          // at entry)
+          tma_load_x(st, x_map, kc * kTileK, m0, full_bar + ring);
+          if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, 14, clock64());
           bulk_copy_g2s(st + XB, p.tiles + (std::int64_t(kc) * ntiles + tile0) * (kTileK * kTileN / 8), wbytes, full_bar + ring);
           for (int r = 0; r < rows; ++r) {
             const std::int64_t off = std::int64_t(g0 + r) * p.Npad + n0;
             bulk_copy_g2s(st + XB + WB + r * STRIP * 2, p.scales + off, unsigned(cols * 2), full_bar + ring);
             bulk_copy_g2s(st + XB + WB + SB + r * STRIP, p.zeros + off, unsigned(cols), full_bar + ring);
           }
-          if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, 14, clock64());
-          tma_load_x(st, x_map, kc * kTileK, m0, full_bar + ring);
           if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, 8, clock64());
           if (C::PROBE == 3 && c + 1 == nck) sm90_trace<C>(p, 9, clock64());
         }
