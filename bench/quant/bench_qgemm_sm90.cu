@@ -22,7 +22,8 @@
 //                         [--l2-flush clean|dirty] [--probes] [--streaming] [--trial] [--timeline]
 //   (--cfg: only the wgmma configurations whose names contain it (or one of a comma-separated list), and not the
 //    dispatch: for a profiler; --splits: the K split counts swept, besides the plan's own (default 1,2,3,4,6,8,12,16);
-//    --l2-flush: how L2 is swept before each timed launch, see gemm_timing.cuh; default clean)
+//    --l2-flush: how L2 is swept before each timed launch, see gemm_timing.cuh; default clean; --timeline: where the
+//    dispatched configuration's time goes, per block (see trace_cfg; not with --cfg, which skips the dispatch))
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -432,6 +433,10 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m 1,16,...] [--shapes KxN,...] [--splits 1,2,...] [--cfg NAME-SUBSTRING] [--l2-flush clean|dirty] [--probes] [--streaming] [--trial] [--timeline]\n", argv[0]);
       return 2;
     }
+  }
+  if (timeline && !only_cfgs.empty()) {
+    std::fprintf(stderr, "%s: --timeline traces the dispatched configuration, which --cfg leaves out: give one of them\n", argv[0]);
+    return 2;
   }
   int ndev = 0;
   if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
