@@ -731,8 +731,8 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     // ---- epilogue: accumulator i of tile t holds (feature nl + 64 t + 8 ((i >> 1) & 1), batch row 8 (i >> 2) + 2 c4 + (i & 1)).
     // y is written 8 features (16 bytes) per store where rows of y are 16-byte aligned: the accumulators' own layout
     // would store 2 bytes per thread, 16 contiguous bytes per 8 lanes. (Session 13's timeline, Sm90Probe 3, on the
-    // H200: that store loop took 5.3 us of wg_b128m1s8wg4's 106 us blocks on 8192 x 28672 at M = 128, and the cluster
-    // reduction's loop, 4 features and 4 stores per thread, 6.3 of 15.8 us on 4096 x 4096.)
+    // H200: that store loop took 5.3 us of wg_b128m1s8wg4's 106 us blocks on 8192 x 28672 at M = 128, 1.9 since;
+    // gemm4_probe-session13-run1 / -run3.)
     T* const y = static_cast<T*>(p.y);
     const int rows = min(BN, p.M - m0), cols = min(STRIP, p.N - n0);
     const bool y_vec = p.N % 8 == 0 && (reinterpret_cast<std::uintptr_t>(p.y) & 15) == 0;
@@ -784,6 +784,9 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     // (deterministic); lanes 2j and 2j + 1 hold features cc..cc + 7 of one row, and the even lane stores all eight.
     // (Loading 8 features a lane, two float4 32 bytes apart, ran the cluster reduction 2x slower on the H200: the
     // lanes' loads no longer contiguous.) The loops run whole warps (the shuffle), u over float4 units.
+    // The cluster form's cost is its loads: a block reads BN x STRIP fp32 sums from the cluster's shared memory, 128 KB
+    // at M = 128, which took 4.7 of wg_b128m1s8wg4's 15.8 us blocks on 4096 x 4096 (~27 bytes/ns; two units a lane in
+    // flight together made no difference: gemm4_probe-session13-run5 / -run6).
     auto add4 = [](float4& sum, const float4& v) {
       sum.x += v.x;
       sum.y += v.y;
