@@ -88,7 +88,8 @@ TEST(QuantCudaSm90, DispatchOnLargeLayersRepeatedly) {
   sm90_dispatch_check<half>(ragged, 33, 3);
 }
 // The library's entry (quant_gemm_cuda, what QuantizedLinear calls): on sm_90a builds the wgmma kernel for 4-bit
-// layers from M = 9 (16-row slices up to M = 16, 32-row up to 32 (one block per SM below kSm90NarrowLayer weights),
+// layers from M = 9 (16-row slices up to M = 16, 32-row up to 32 (one block per SM below kSm90NarrowLayer weights,
+// three from kSm90LargeLayer),
 // 64-row up to 64 with two tiles per warpgroup on large layers, 128-row slices above with four consumer warpgroups),
 // mma.sync otherwise. The choice in words first (host
 // logic, any device), then the results on both sides of the M = 8 / 9 boundary, at 16, 17, 33 and 100, and of a
@@ -200,7 +201,8 @@ TEST(QuantCudaSm90, SplitPlanFollowsTheMeasuredSweep) {
 }
 // The dispatch table in names, host logic only (any machine): which configuration qgemm_sm90_cuda runs for a batch,
 // layer size and group. Up to M = 16: 16-row slices, three blocks per SM on layers from kSm90LargeLayer weights (with
-// per-group fp32 scaling where the groups are whole 64-k chunks, per channel included), two below.
+// per-group fp32 scaling where the groups are whole 64-k chunks, per channel included), two below; up to M = 32: 32-row
+// slices, three blocks per SM on those layers too.
 TEST(QuantCudaSm90, DispatchTableByBatchLayerAndGroup) {
   auto cfg = [](std::int64_t M, std::int64_t N, std::int64_t K, std::int64_t group) {
     const std::int64_t Kpad = (K + 63) / 64 * 64, Npad = (N + 15) / 16 * 16;
