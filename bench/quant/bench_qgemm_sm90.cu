@@ -438,13 +438,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s: --timeline traces the dispatched configuration, which --cfg leaves out: give one of them\n", argv[0]);
     return 2;
   }
-  int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
-    std::fprintf(stderr, "bench_qgemm_sm90: no CUDA device\n");
-    return 1;
-  }
   cudaDeviceProp prop{};
-  SQUEEZE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  if (!squeeze::bench::first_device("bench_qgemm_sm90", prop)) return 1;
   const int sm = prop.multiProcessorCount;
   squeeze::bench::start_watchdog("bench_qgemm_sm90", 60);
   std::ofstream out;

@@ -459,13 +459,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
-    std::fprintf(stderr, "bench_quant_gemm: no CUDA device\n");
-    return 1;
-  }
   cudaDeviceProp prop{};
-  SQUEEZE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  if (!squeeze::bench::first_device("bench_quant_gemm", prop)) return 1;
   const int sm = prop.multiProcessorCount;
   const std::string device = env_or("SQUEEZE_DEVICE", prop.name), date = env_or("SQUEEZE_DATE", ""),
                     commit = env_or("SQUEEZE_COMMIT", "unknown");

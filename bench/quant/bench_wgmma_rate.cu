@@ -28,6 +28,8 @@
 #include <squeeze/error.hpp>
 #include <squeeze/kernels/quant/qgemm_sm90.cuh>
 
+#include "gemm_timing.cuh"
+
 namespace {
 namespace kq = squeeze::kernels::quant;
 namespace kd = squeeze::kernels::quant::detail;
@@ -143,17 +145,12 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
-    std::fprintf(stderr, "bench_wgmma_rate: no CUDA device\n");
-    return 1;
-  }
+  cudaDeviceProp prop{};
+  if (!squeeze::bench::first_device("bench_wgmma_rate", prop)) return 1;
   if (!kq::qgemm_sm90_supported()) {
     std::fprintf(stderr, "bench_wgmma_rate: no sm_90a device code (build with CMAKE_CUDA_ARCHITECTURES=90a on an sm_90 GPU)\n");
     return 1;
   }
-  cudaDeviceProp prop{};
-  SQUEEZE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   const int sms = prop.multiProcessorCount;
   std::vector<Row> rows = {
       run<16, false, 1, true>(sms, iters),   run<16, false, 2, true>(sms, iters),   run<16, false, 4, true>(sms, iters),

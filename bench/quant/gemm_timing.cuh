@@ -1,6 +1,6 @@
 #pragma once
-// Timing helpers shared by the quantized-GEMM benchmarks (bench_quant_gemm, bench_qgemm_sm90): cold-L2 median
-// GPU time of a launch, and a watchdog that ends a run whose kernel hangs. No libtorch.
+// Helpers shared by the quantized-GEMM benchmarks (bench_quant_gemm, bench_qgemm_sm90, bench_wgmma_rate): the device
+// they run on, cold-L2 median GPU time of a launch, and a watchdog that ends a run whose kernel hangs. No libtorch.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -16,6 +16,17 @@
 #include <squeeze/error.hpp>
 
 namespace squeeze::bench {
+
+// The first CUDA device's properties into prop; false, with the program named on stderr, when there is none.
+inline bool first_device(const char* program, cudaDeviceProp& prop) {
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+    std::fprintf(stderr, "%s: no CUDA device\n", program);
+    return false;
+  }
+  SQUEEZE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  return true;
+}
 
 __global__ void spin_kernel(long long cycles) {
   const long long t0 = clock64();
