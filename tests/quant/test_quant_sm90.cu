@@ -230,8 +230,9 @@ TEST(QuantCudaSm90, RejectsShapesItCannotTake) {
   EXPECT_NE(reason({64, 200, 1100, 1152, 208, 128, 4}).find("multiple of 8"), std::string::npos);
   EXPECT_NE(reason({64, 200, 1096, 1152, 208, 24, 4}).find("group"), std::string::npos);
   // plans the launcher cannot run: more K splits than a portable cluster holds, K splits through global memory
-  // with a workspace short of the partials or counters (or misaligned), and a grid past 2^31 - 1 blocks (2^20 batch
-  // slices of 16 rows x 2^22 strips); refused before any launch, on any machine
+  // with a workspace short of the partials or counters (or misaligned), a grid past 2^31 - 1 blocks (2^20 batch
+  // slices of 16 rows x 2^22 strips), the timeline probe without a trace buffer; refused before any launch, on any
+  // machine
   using Small = kq::Sm90Cfg<64, 1, 6, 2, false, true>;
   const kq::QGemmShape deep{64, 200, 4096, 4096, 208, 128, 4};
   auto cluster_plan = kq::plan_qgemm_sm90<Small>(deep, kq::sm90_even_capacity<Small>(132), 12, kq::Sm90Reduce::Cluster);
@@ -270,4 +271,10 @@ TEST(QuantCudaSm90, RejectsShapesItCannotTake) {
             cudaErrorInvalidValue);
   const kq::QGemmShape odd_k{64, 200, 1100, 1152, 208, 128, 4};
   EXPECT_EQ(kq::qgemm_sm90_cuda<half>(nullptr, nullptr, nullptr, nullptr, nullptr, odd_k, {}, 132, nullptr), cudaErrorInvalidValue);
+  // the timeline probe (bench_qgemm_sm90 --timeline) without its trace buffer
+  using Timeline = kq::Sm90Probe<Tiny, 3>;
+  const auto one_range = kq::plan_qgemm_sm90<Timeline>(deep, kq::sm90_even_capacity<Timeline>(132), 1);
+  ASSERT_EQ(one_range.splits, 1);
+  EXPECT_EQ((kq::detail::launch_qgemm_sm90_cfg<half, Timeline>(nullptr, nullptr, nullptr, nullptr, nullptr, deep, one_range, {}, nullptr, nullptr)),
+            cudaErrorInvalidValue);
 }
