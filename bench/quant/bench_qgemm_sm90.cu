@@ -294,6 +294,7 @@ template <class C>
 Timeline trace_cfg(const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16* y, int sm, int reps) {
   using P = kq::Sm90Probe<C, 3>;
   constexpr int S = kq::detail::kSm90TraceSlots;
+  namespace T = kq::detail::sm90_trace_slot;
   const auto plan = kq::plan_qgemm_sm90<C>(s, kq::detail::sm90_capacity<C>(sm));
   const Workspace ws({nullptr, plan.partial_elems, nullptr, plan.counter_elems});
   const std::size_t blocks = std::size_t(plan.blocks());
@@ -318,27 +319,27 @@ Timeline trace_cfg(const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16*
     std::vector<int> per_sm(1024, 0);
     for (std::size_t b = 0; b < blocks; ++b) {
       const std::uint64_t* v = t.data() + b * S;
-      first_in = std::min(first_in, v[0]);
-      last_in = std::max(last_in, v[0]);
-      last_out = std::max(last_out, v[6]);
-      starts.push_back(v[0]);
-      if (v[7] < per_sm.size()) tl.max_per_sm = std::max(tl.max_per_sm, ++per_sm[v[7]]);
-      if (v[6] > v[0]) ghz.push_back(double(v[5] - v[1]) / double(v[6] - v[0]));
-      setup.push_back(double(v[2] - v[1]));
-      first.push_back(double(v[3] - v[2]));
-      loop.push_back(double(v[4] - v[3]));
-      epi.push_back(double(v[5] - v[4]));
-      all.push_back(double(v[5] - v[1]));
-      qf.push_back(double(v[8] - v[1]));
-      ql.push_back(double(v[9] - v[1]));
-      i_start.push_back(double(v[13] - v[1]));
-      i_x.push_back(double(v[14] - v[13]));
-      i_bulk.push_back(double(v[8] - v[14]));
-      if (v[12] != 0) {
-        e_wait.push_back(double(v[10] - v[4]));
-        e_stage.push_back(double(v[11] - v[10]));
-        e_store.push_back(double(v[12] - v[11]));
-        e_tail.push_back(double(v[5] - v[12]));
+      first_in = std::min(first_in, v[T::EntryNs]);
+      last_in = std::max(last_in, v[T::EntryNs]);
+      last_out = std::max(last_out, v[T::EndNs]);
+      starts.push_back(v[T::EntryNs]);
+      if (v[T::Sm] < per_sm.size()) tl.max_per_sm = std::max(tl.max_per_sm, ++per_sm[v[T::Sm]]);
+      if (v[T::EndNs] > v[T::EntryNs]) ghz.push_back(double(v[T::End] - v[T::Entry]) / double(v[T::EndNs] - v[T::EntryNs]));
+      setup.push_back(double(v[T::SetUp] - v[T::Entry]));
+      first.push_back(double(v[T::FirstChunk] - v[T::SetUp]));
+      loop.push_back(double(v[T::LoopEnd] - v[T::FirstChunk]));
+      epi.push_back(double(v[T::End] - v[T::LoopEnd]));
+      all.push_back(double(v[T::End] - v[T::Entry]));
+      qf.push_back(double(v[T::QueuedFirst] - v[T::Entry]));
+      ql.push_back(double(v[T::QueuedLast] - v[T::Entry]));
+      i_start.push_back(double(v[T::ProducerStart] - v[T::Entry]));
+      i_x.push_back(double(v[T::ProducerX] - v[T::ProducerStart]));
+      i_bulk.push_back(double(v[T::QueuedFirst] - v[T::ProducerX]));
+      if (v[T::EpilogueStored] != 0) {
+        e_wait.push_back(double(v[T::EpilogueWaited] - v[T::LoopEnd]));
+        e_stage.push_back(double(v[T::EpilogueStaged] - v[T::EpilogueWaited]));
+        e_store.push_back(double(v[T::EpilogueStored] - v[T::EpilogueStaged]));
+        e_tail.push_back(double(v[T::End] - v[T::EpilogueStored]));
       }
     }
     auto median = [](std::vector<double> a) {

@@ -553,18 +553,32 @@ struct Sm90Params {
   int* counters;               // [zslices, strips], zero between launches (K splits through global memory)
   int M, N, K, Npad, group;
   int kchunks, cps, strips, splits, zslices;
-  // Sm90Probe 3 only: kSm90TraceSlots values per block (block blockIdx.x + gridDim.x * blockIdx.z), see sm90_trace
+  // Sm90Probe 3 only: kSm90TraceSlots values per block (block blockIdx.x + gridDim.x * blockIdx.z), see sm90_trace_slot
   std::uint64_t* trace = nullptr;
 };
-// The timeline of Sm90Probe 3, per block: [0] %globaltimer (ns) at entry, [1] clock64 at entry, [2] clock64 after the
-// set-up barrier, [3] clock64 when consumer thread 0 has its first chunk, [4] when it retired its last, [5] after the
-// epilogue, [6] %globaltimer after the epilogue, [7] the SM, [8] / [9] the producer's clock64 after queueing its first /
-// last chunk; in the epilogue, clock64 [10] after the consumers' first barrier (every warpgroup's last chunk done;
-// through global memory: the partials written), [11] after the next barrier (one K range: the tile staged; in a
-// cluster: every block's sums in place; global: the counter read) and [12] after the stores (0 where not reached:
-// not the last block of a global reduction); the producer's clock64 [13] before it queues its first chunk and [14]
-// after that chunk's x (before its bulk copies).
-inline constexpr int kSm90TraceSlots = 15;
+// The timeline of Sm90Probe 3, per block (the slots of Sm90Params::trace; clock64 unless named ns or Sm):
+namespace sm90_trace_slot {
+enum : int {
+  EntryNs,         // %globaltimer (ns) at entry
+  Entry,           // entry
+  SetUp,           // after the set-up barrier
+  FirstChunk,      // consumer thread 0 has its first chunk
+  LoopEnd,         // ... retired its last
+  End,             // after the epilogue
+  EndNs,           // %globaltimer after the epilogue
+  Sm,              // the SM
+  QueuedFirst,     // the producer queued its first chunk
+  QueuedLast,      // ... its last
+  EpilogueWaited,  // after the consumers' first barrier (every warpgroup's last chunk done; global: partials written)
+  EpilogueStaged,  // after the next barrier (one K range: the tile staged; cluster: every block's sums in place;
+                   // global: the counter read)
+  EpilogueStored,  // after the stores (0 where not reached: not the last block of a global reduction)
+  ProducerStart,   // the producer before it queues its first chunk
+  ProducerX,       // ... after that chunk's x (before its bulk copies)
+  Count
+};
+}  // namespace sm90_trace_slot
+inline constexpr int kSm90TraceSlots = sm90_trace_slot::Count;
 __device__ __forceinline__ std::uint64_t global_ns() {
   std::uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -595,11 +609,11 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   // producer's) is not a divergent path around the wgmma (which would serialize them)
   const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xffffffffu, tid >> 5, 0), wg = warp >> 2, wq = warp & 3;
   if (C::PROBE == 3 && tid == 0) {
-    sm90_trace<C>(p, 0, global_ns());
-    sm90_trace<C>(p, 1, clock64());
+    sm90_trace<C>(p, sm90_trace_slot::EntryNs, global_ns());
+    sm90_trace<C>(p, sm90_trace_slot::Entry, clock64());
     unsigned sm;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    sm90_trace<C>(p, 7, sm);
+    sm90_trace<C>(p, sm90_trace_slot::Sm, sm);
   }
   const int g4 = lane >> 2, c4 = lane & 3;
   const int ntiles = p.Npad / kTileN;
@@ -759,13 +773,13 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       static_assert(BN * PITCH * int(sizeof(T)) <= S * C::STAGE_BYTES, "the output tile must fit in the ring");
       T* const out = reinterpret_cast<T*>(smem);
       consumer_bar_sync(C::CONSUMERS);
-      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, 10, clock64());
+      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueWaited, clock64());
 #pragma unroll
       for (int t = 0; t < WM; ++t)
 #pragma unroll
         for (int i = 0; i < NACC; ++i) out[(8 * (i >> 2) + 2 * c4 + (i & 1)) * PITCH + nl + 64 * t + 8 * ((i >> 1) & 1)] = from_float<T>(acc[t][i]);
       consumer_bar_sync(C::CONSUMERS);
-      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, 11, clock64());
+      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStaged, clock64());
       for (int u = tid; u < rows * (STRIP / 8); u += C::CONSUMERS) {
         const int r = u / (STRIP / 8), cc = (u % (STRIP / 8)) * 8;
         if (cc >= cols) continue;
@@ -777,7 +791,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
           for (int j = 0; j < 8 && cc + j < cols; ++j) dst[j] = src[j];
         }
       }
-      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, 12, clock64());
+      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStored, clock64());
       return;
     }
     // K splits: the K ranges' sums of one float4 of the tile (row r, features cc..cc + 3) are added in K-range order
@@ -805,13 +819,13 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       constexpr int PITCH = C::SPLIT_PITCH;
       float* const buf = reinterpret_cast<float*>(smem);
       consumer_bar_sync(C::CONSUMERS);
-      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, 10, clock64());
+      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueWaited, clock64());
 #pragma unroll
       for (int t = 0; t < WM; ++t)
 #pragma unroll
         for (int i = 0; i < NACC; ++i) buf[(8 * (i >> 2) + 2 * c4 + (i & 1)) * PITCH + nl + 64 * t + 8 * ((i >> 1) & 1)] = acc[t][i];
       cluster_sync();  // every K range's sums are in its block's shared memory
-      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, 11, clock64());
+      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStaged, clock64());
       const int units8 = rows * (STRIP / 8);
       const int u_begin = 2 * int(std::int64_t(units8) * split / p.splits), u_end = 2 * int(std::int64_t(units8) * (split + 1) / p.splits);
       const unsigned base = smem_addr(buf);
@@ -832,7 +846,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         }
         store_pairs(valid, r, cc, sum);
       }
-      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, 12, clock64());
+      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStored, clock64());
       cluster_sync();  // no block leaves (its shared memory) while another still reads it
       return;
     }
@@ -847,11 +861,11 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       }
     __threadfence();  // partials visible device-wide before the counter says so
     consumer_bar_sync(C::CONSUMERS);
-    if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, 10, clock64());
+    if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueWaited, clock64());
     int* const counter = p.counters + z * p.strips + strip;
     if (tid == 0) last_flag = atomicAdd(counter, 1) == p.splits - 1;
     consumer_bar_sync(C::CONSUMERS);
-    if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, 11, clock64());
+    if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStaged, clock64());
     if (!last_flag) return;
     __threadfence();
     // the last block: 4 features per lane, 4 K ranges' loads in flight at a time (Npad and n0 are multiples of 16:
@@ -877,7 +891,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       }
       store_pairs(valid, r, cc, sum);
     }
-    if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, 12, clock64());
+    if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStored, clock64());
     if (tid == 0) *counter = 0;  // ready for the next launch
   };
 
@@ -896,7 +910,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       mbar_init_fence();
     }
     __syncthreads();
-    if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, 2, clock64());
+    if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::SetUp, clock64());
     if (warp >= C::CONSUMERS / 32) {  // the producer (warp CONSUMERS / 32; with WGS = 4 the rest of its warpgroup idles)
       if constexpr (C::PRODUCERS == 128) set_max_regs_dec<C::PRODUCER_REGS>();
       // the cluster barriers of the K-split reduction count every thread: the producer's take part, idle
@@ -918,18 +932,18 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
           // (Session 13 queued the bulk copies before x, in case the first TMA copy waited for x's tensor map: Sm90Probe 3
           // then had x's copy queued 0.03 us after the bulk copies' 0.19, and the first chunk in hand no sooner, 1.21 us
           // after the set-up barrier against 1.10; gemm4_probe-session13-run7 against -run6.)
-          if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, 13, clock64());
+          if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, sm90_trace_slot::ProducerStart, clock64());
           mbar_arrive_expect_tx(full_bar + ring, unsigned(XB) + wbytes + unsigned(rows * cols * 3));
           tma_load_x(st, x_map, kc * kTileK, m0, full_bar + ring);
-          if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, 14, clock64());
+          if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, sm90_trace_slot::ProducerX, clock64());
           bulk_copy_g2s(st + XB, p.tiles + (std::int64_t(kc) * ntiles + tile0) * (kTileK * kTileN / 8), wbytes, full_bar + ring);
           for (int r = 0; r < rows; ++r) {
             const std::int64_t off = std::int64_t(g0 + r) * p.Npad + n0;
             bulk_copy_g2s(st + XB + WB + r * STRIP * 2, p.scales + off, unsigned(cols * 2), full_bar + ring);
             bulk_copy_g2s(st + XB + WB + SB + r * STRIP, p.zeros + off, unsigned(cols), full_bar + ring);
           }
-          if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, 8, clock64());
-          if (C::PROBE == 3 && c + 1 == nck) sm90_trace<C>(p, 9, clock64());
+          if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, sm90_trace_slot::QueuedFirst, clock64());
+          if (C::PROBE == 3 && c + 1 == nck) sm90_trace<C>(p, sm90_trace_slot::QueuedLast, clock64());
         }
         __syncwarp();
       }
@@ -943,7 +957,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       auto consume = [&](int c, auto& a_cur, auto& a_other) {  // chunk c of the K range, from ring stage c % S
         const int ring = c % S;
         mbar_wait(full_bar + ring, unsigned(c / S) & 1u);
-        if (C::PROBE == 3 && c == 0 && tid == 0) sm90_trace<C>(p, 3, clock64());
+        if (C::PROBE == 3 && c == 0 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::FirstChunk, clock64());
         __syncwarp();  // converged again before the .aligned wgmma operations
         if constexpr (C::PROBE == 2) {
           if (lane == 0) mbar_arrive(empty_bar + ring);
@@ -964,11 +978,11 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         consume(c, a0, a1);
         if (c + 1 < nck) consume(c + 1, a1, a0);
       }
-      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, 4, clock64());
+      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::LoopEnd, clock64());
       epilogue();
       if (C::PROBE == 3 && tid == 0) {
-        sm90_trace<C>(p, 5, clock64());
-        sm90_trace<C>(p, 6, global_ns());
+        sm90_trace<C>(p, sm90_trace_slot::End, clock64());
+        sm90_trace<C>(p, sm90_trace_slot::EndNs, global_ns());
       }
     }
   } else {
