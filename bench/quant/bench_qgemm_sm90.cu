@@ -4,7 +4,8 @@
 //   ours     the library's dispatch (kq::quant_gemm_cuda: wgmma from M = 9 on sm_90a, see quant_gemm_uses_sm90)
 //   mma      qgemm_cuda (the mma.sync kernel) at every M
 //   wg_*     every wgmma configuration of kq::detail::Sm90TuningCfgs at K splits {its plan, 1, 2, 3, 4, 6, 8, 12, 16} (--splits), each
-//            K-split count reduced both ways (in a cluster up to 8, through global memory)
+//            K-split count reduced each way (in a cluster up to 8; through global memory summed by every block of a
+//            tile where the grid fits the GPU, "spread", and by the tile's last block, "global")
 //   sv_*     (--streaming) every configuration of the streaming kernel (qgemv.cuh, M <= 16) with its own plan
 //   probes   (--probes) kq::detail::Sm90ProbeCfgs at their own plans: the dispatched forms without their decode
 //            (_probe1) or without any consumer work (_probe2), i.e. what the copies alone cost; results not checked
@@ -140,7 +141,7 @@ double max_rel(const std::vector<bf16>& got, const std::vector<bf16>& ref) {
 struct Timed {
   std::string name;
   int splits = 0;  // K splits (the streaming kernel: K parts)
-  std::string reduce;  // the wgmma kernel's K-split reduction: "cluster" or "global" ("" for one K range)
+  std::string reduce;  // the wgmma kernel's K-split reduction: reduce_name ("" for one K range)
   double ms = 0, err = 0;
 };
 
@@ -162,6 +163,10 @@ void check_and_time(const std::string& name, const std::string& plan, int splits
   if (t.err < 2e-2 || !check) t.ms = time_ms([&] { SQUEEZE_CUDA_CHECK(launch()); }, reps);
   out.push_back(t);
 }
+
+// A plan's K-split reduction in the results: "cluster", "spread" (global memory, every block of a tile sums a share)
+// or "global" (global memory, the tile's last block sums); "" for one K range.
+std::string reduce_name(const kq::Sm90Plan& plan) { return plan.splits == 1 ? "" : plan.cluster ? "cluster" : plan.spread ? "spread" : "global"; }
 
 // Per configuration: blocks the GPU holds at once, and clusters of 1..8 blocks (sm90_capacity).
 template <class... Cs>
@@ -202,14 +207,14 @@ void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape&
     if (!only_cfgs.empty() &&
         std::none_of(only_cfgs.begin(), only_cfgs.end(), [&](const std::string& part) { return name.find(part) != std::string::npos; }))
       return;
-    std::set<std::pair<int, bool>> seen;  // (splits, cluster) already timed
+    std::set<std::pair<int, std::string>> seen;  // (splits, reduction) already timed
     for (const int sp : split_counts)
-      for (const auto reduce : {kq::Sm90Reduce::Cluster, kq::Sm90Reduce::Global}) {
+      for (const auto reduce : {kq::Sm90Reduce::Cluster, kq::Sm90Reduce::Global, kq::Sm90Reduce::GlobalLast}) {
         const auto plan = kq::plan_qgemm_sm90<C>(s, kq::detail::sm90_capacity<C>(sm), sp, sp == 0 ? kq::Sm90Reduce::Auto : reduce);
-        if (!seen.insert({plan.splits, plan.cluster}).second) continue;
+        if (!seen.insert({plan.splits, reduce_name(plan)}).second) continue;
         const Workspace ws({nullptr, plan.partial_elems, nullptr, plan.counter_elems});
         check_and_time(
-            name, kq::describe(plan), plan.splits, plan.splits == 1 ? "" : plan.cluster ? "cluster" : "global",
+            name, kq::describe(plan), plan.splits, reduce_name(plan),
             [&] { return kq::detail::launch_qgemm_sm90_cfg<bf16, C>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws.ws, nullptr); }, y, ny, ref,
             reps, out);
       }
@@ -245,7 +250,7 @@ void time_probe_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemm
     const auto plan = kq::plan_qgemm_sm90<C>(s, kq::detail::sm90_capacity<C>(sm), 0, kq::Sm90Reduce::Auto);
     const Workspace ws({nullptr, plan.partial_elems, nullptr, plan.counter_elems});
     check_and_time(
-        kq::detail::sm90_cfg_name<C>(), kq::describe(plan), plan.splits, plan.splits == 1 ? "" : plan.cluster ? "cluster" : "global",
+        kq::detail::sm90_cfg_name<C>(), kq::describe(plan), plan.splits, reduce_name(plan),
         [&] { return kq::detail::launch_qgemm_sm90_cfg<bf16, C>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws.ws, nullptr); }, y, ny, ref, reps,
         out, /*check=*/false);
   };

@@ -12,7 +12,8 @@
 
 // Configuration C on a twin case for each K split count (0: the plan's own), reps launches each on the same
 // counters (the kernel leaves them zero). Bound: each weight rounded to T once, as for scaled B (cfg_runs).
-// A forced split count runs with both reductions (in a cluster, through global memory).
+// A forced split count runs with each reduction: in a cluster, through global memory summed by every block of a tile
+// (spread: the test grids fit the GPU at once) and by the tile's last block.
 template <class T, class C>
 void sm90_cfg_runs(const TwinCase<T>& tc, const std::vector<int>& split_counts, int reps) {
   const double rel = std::is_same_v<T, bf16> ? 0x1p-7 : 0x1p-10;
@@ -23,8 +24,8 @@ void sm90_cfg_runs(const TwinCase<T>& tc, const std::vector<int>& split_counts, 
     return;
   }
   for (const int sp : split_counts)
-    for (const auto reduce : {kq::Sm90Reduce::Cluster, kq::Sm90Reduce::Global}) {
-      if (sp == 0 && reduce == kq::Sm90Reduce::Global) continue;  // the plan's own choice: once
+    for (const auto reduce : {kq::Sm90Reduce::Cluster, kq::Sm90Reduce::Global, kq::Sm90Reduce::GlobalLast}) {
+      if (sp == 0 && reduce != kq::Sm90Reduce::Cluster) continue;  // the plan's own choice: once
       const auto plan = kq::plan_qgemm_sm90<C>(tc.shape, kq::detail::sm90_capacity<C>(sm_count()), sp, sp == 0 ? kq::Sm90Reduce::Auto : reduce);
       launches_match_twin(tc, plan.partial_elems, plan.counter_elems, reps, kq::detail::sm90_cfg_name<C>() + " (" + kq::describe(plan) + ")", rel,
                           [&](const kq::QGemmWorkspace& ws) {
@@ -42,7 +43,7 @@ void sm90_all_cfgs(kq::detail::CfgList<Cs...>, const TwinCase<T>& tc, const std:
 // y's rows are not 16-byte aligned, so the epilogue stores element by element) and with groups of 128 N 296 (16-byte
 // rows, stored 8 features at a time; a partial tile), K 1096 (a multiple of 8, padded to 1152),
 // groups of 32 with act-order (four groups per chunk, x gathered by perm), 128 and per channel; the plan's
-// K splits and forced 1, 3 and 7, each summed in a cluster and through global memory (sm90_cfg_runs). The GSCALE
+// K splits and forced 1, 3 and 7, each summed in a cluster and both ways through global memory (sm90_cfg_runs). The GSCALE
 // configurations refuse the groups of 32 (not whole 64-k chunks).
 TEST(QuantCudaSm90, EveryConfigurationMatchesCpuTwin) {
   REQUIRE_SM90();
@@ -198,6 +199,33 @@ TEST(QuantCudaSm90, SplitPlanFollowsTheMeasuredSweep) {
   // an override is clamped to the chunks there are (K = 200: 4 chunks)
   const kq::QGemmShape small{40, 64, 200, 256, 64, 32, 4};
   EXPECT_EQ(kq::qgemm_sm90_plan(small, 132, 16).splits, 4);
+}
+// Through global memory, every block of a tile sums a share of it (spread) only where the whole grid fits the GPU at
+// once (the blocks wait for each other; the launch is cooperative), else the tile's last block sums; GlobalLast forces
+// the latter. Host logic only.
+TEST(QuantCudaSm90, SpreadReductionOnlyWhereTheGridFitsTheGpu) {
+  using Tiny = kq::Sm90Cfg<16, 2, 8, 2, false, true>;  // 256-feature strips, two blocks per SM
+  const kq::QGemmShape s{16, 4096, 11008, 11008, 4096, 128, 4};  // 16 strips x 16 K ranges = 256 blocks
+  const auto fits = kq::plan_qgemm_sm90<Tiny>(s, kq::sm90_even_capacity<Tiny>(132), 16, kq::Sm90Reduce::Global);
+  ASSERT_EQ(fits.blocks(), 256);
+  EXPECT_FALSE(fits.cluster);
+  EXPECT_TRUE(fits.spread);  // 264 slots
+  EXPECT_NE(kq::describe(fits).find("(global, spread)"), std::string::npos) << kq::describe(fits);
+  EXPECT_EQ(fits.counter_elems, 16);
+  EXPECT_EQ(fits.partial_elems, 16ll * 16 * 4096);
+  const auto last = kq::plan_qgemm_sm90<Tiny>(s, kq::sm90_even_capacity<Tiny>(132), 16, kq::Sm90Reduce::GlobalLast);
+  EXPECT_EQ(last.splits, 16);
+  EXPECT_FALSE(last.spread);
+  EXPECT_EQ(kq::describe(last).find("spread"), std::string::npos) << kq::describe(last);
+  const auto over = kq::plan_qgemm_sm90<Tiny>(s, kq::sm90_even_capacity<Tiny>(127), 16, kq::Sm90Reduce::Global);  // 254 slots
+  EXPECT_EQ(over.splits, 16);
+  EXPECT_FALSE(over.spread);
+  const auto cluster = kq::plan_qgemm_sm90<Tiny>(s, kq::sm90_even_capacity<Tiny>(132), 4, kq::Sm90Reduce::Cluster);
+  EXPECT_TRUE(cluster.cluster);
+  EXPECT_FALSE(cluster.spread);
+  const auto one = kq::plan_qgemm_sm90<Tiny>(s, kq::sm90_even_capacity<Tiny>(132), 1, kq::Sm90Reduce::Global);
+  EXPECT_EQ(one.splits, 1);
+  EXPECT_FALSE(one.spread);
 }
 // The dispatch table in names, host logic only (any machine): which configuration qgemm_sm90_cuda runs for a batch,
 // layer size and group. Up to M = 16: 16-row slices, three blocks per SM on layers from kSm90LargeLayer weights (with

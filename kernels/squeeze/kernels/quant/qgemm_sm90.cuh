@@ -195,6 +195,7 @@ struct Sm90Plan {
   int splits = 1;        // K ranges
   int cps = 1;           // 64-k chunks per K range
   bool cluster = false;  // K splits reduce within a cluster of `splits` blocks (else through global memory)
+  bool spread = false;   // through global memory, every block of a tile sums a share (else the tile's last block sums all)
   int smem_bytes = 0;
   std::int64_t partial_elems = 0;  // fp32 [splits, M, Npad] for a reduction through global memory
   std::int64_t counter_elems = 0;  // int32 [zslices, strips], zero between launches (the same)
@@ -202,7 +203,7 @@ struct Sm90Plan {
 };
 inline std::string describe(const Sm90Plan& p) {
   return "zslices " + std::to_string(p.zslices) + " strips " + std::to_string(p.strips) + " splits " + std::to_string(p.splits) +
-         (p.splits > 1 ? (p.cluster ? " (cluster)" : " (global)") : "") + " cps " + std::to_string(p.cps) + " smem " + std::to_string(p.smem_bytes) + " B";
+         (p.splits > 1 ? (p.cluster ? " (cluster)" : p.spread ? " (global, spread)" : " (global)") : "") + " cps " + std::to_string(p.cps) + " smem " + std::to_string(p.smem_bytes) + " B";
 }
 
 // K splits: at most 16 K ranges, at most 8 when they reduce within a cluster (a cluster of up to 8 blocks is portable).
@@ -212,7 +213,10 @@ inline constexpr int kSm90MaxSplits = 16, kSm90MaxClusterSplits = 8;
 // blocks; 4096 x 4096 at M = 16, 16 tiles: 8 in a cluster 0.0137 ms, 6 in a cluster 0.0125).
 inline constexpr int kSm90AutoClusterSplits = 6;
 // How the K ranges of a tile are summed: Auto lets the plan pick (splits_override then fixes only the count).
-enum class Sm90Reduce { Auto, Cluster, Global };
+// Cluster: in a cluster's distributed shared memory. Global: fp32 partials through global memory, summed by every block
+// of the tile, a share each, where the whole grid fits the GPU at once (launched cooperatively, so that the blocks may
+// wait for each other), else by the tile's last block. GlobalLast: the last block sums, whatever the grid (measurement).
+enum class Sm90Reduce { Auto, Cluster, Global, GlobalLast };
 // What the GPU holds of one configuration at once: `slots` blocks (SMs x blocks per SM), and clusters[k] clusters of k
 // blocks (a cluster's blocks share a GPC, so a GPC whose free slots are fewer than k wastes them: the H200 holds
 // 15 clusters of 8 one-per-SM blocks, 120 of its 132 SMs). sm90_capacity<C>(sm_count) asks the device
@@ -281,7 +285,8 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int split
   };
   const int limit = reduce == Sm90Reduce::Cluster ? kSm90MaxClusterSplits : kSm90MaxSplits;
   int splits = splits_override > 0 ? ranges(std::clamp<std::int64_t>(splits_override, 1, std::min<std::int64_t>(kchunks, limit))) : 1;
-  bool cluster = reduce != Sm90Reduce::Global;
+  const bool global = reduce == Sm90Reduce::Global || reduce == Sm90Reduce::GlobalLast;
+  bool cluster = !global;
   if (splits_override > 0) {
     if (reduce == Sm90Reduce::Auto)
       cluster = splits <= kSm90MaxClusterSplits && sm90_split_cost(s, tiles, splits, true, cap, C::MINB) < sm90_split_cost(s, tiles, splits, false, cap, C::MINB);
@@ -291,7 +296,7 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int split
     for (int sp = 1; sp <= max_splits; ++sp) {
       const int r = ranges(sp);
       for (const bool cl : {true, false}) {
-        if (reduce != Sm90Reduce::Auto && cl != (reduce == Sm90Reduce::Cluster)) continue;
+        if (reduce != Sm90Reduce::Auto && cl == global) continue;
         if (cl && r > kSm90AutoClusterSplits) continue;
         const double cost = sm90_split_cost(s, tiles, r, cl, cap, C::MINB);
         if (best == 0 || cost < best) {
@@ -305,6 +310,7 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int split
   p.cps = int((kchunks + splits - 1) / splits);
   p.splits = int((kchunks + p.cps - 1) / p.cps);
   p.cluster = p.splits > 1 && cluster;
+  p.spread = p.splits > 1 && !p.cluster && reduce != Sm90Reduce::GlobalLast && p.blocks() <= std::max(cap.slots, 1);
   p.partial_elems = p.splits > 1 && !p.cluster ? std::int64_t(p.splits) * s.M * s.Npad : 0;
   p.counter_elems = p.splits > 1 && !p.cluster ? tiles : 0;
   return p;
@@ -553,6 +559,7 @@ struct Sm90Params {
   int* counters;               // [zslices, strips], zero between launches (K splits through global memory)
   int M, N, K, Npad, group;
   int kchunks, cps, strips, splits, zslices;
+  int spread;  // K splits through global memory: every block sums a share (Sm90Plan::spread; a cooperative launch)
   // Sm90Probe 3 only: kSm90TraceSlots values per block (block blockIdx.x + gridDim.x * blockIdx.z), see sm90_trace_slot
   std::uint64_t* trace = nullptr;
 };
@@ -863,6 +870,57 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     consumer_bar_sync(C::CONSUMERS);
     if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueWaited, clock64());
     int* const counter = p.counters + z * p.strips + strip;
+    const std::int64_t split_stride = std::int64_t(p.M) * p.Npad;
+    if (p.spread) {
+      // Every block of the tile sums a 1/splits share of it (whole 8-feature units), as the cluster form does, from the
+      // partials in global memory: the last block summing all of them alone was bound by one SM's loads from L2 (11008 x
+      // 4096 at M 16, 16 K ranges: a 3-7.7 us tail, gemm4_probe-session13-run7). The blocks wait for each other, which
+      // the cooperative launch makes safe (all resident). The counter counts arrivals (up to splits), then departures;
+      // the last to leave sets it to zero for the next launch.
+      if (tid == 0) {
+        atomicAdd(counter, 1);
+        while (*static_cast<volatile int*>(counter) < p.splits) __nanosleep(64);
+        __threadfence();
+      }
+      consumer_bar_sync(C::CONSUMERS);
+      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStaged, clock64());
+      const int units8 = rows * (STRIP / 8);
+      const int u_begin = 2 * int(std::int64_t(units8) * split / p.splits), u_end = 2 * int(std::int64_t(units8) * (split + 1) / p.splits);
+      const int nu = u_end - u_begin, total = p.splits * nu;
+      // the share's partials, [splits][nu] float4 over the ring (free: every copy landed, every wgmma finished), loaded
+      // by all consumer threads at once, 8 per thread in flight; then each unit summed in K-range order (deterministic)
+      static_assert((BN * STRIP / 4 + 2 * kSm90MaxSplits) * 16 <= S * C::STAGE_BYTES, "the spread reduction's share must fit in the ring");
+      float4* const share = reinterpret_cast<float4*>(smem);
+      constexpr int BATCH = 8;
+      for (int i0 = tid; i0 < total; i0 += BATCH * C::CONSUMERS) {
+        float4 v[BATCH];
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j) {
+          const int i = i0 + j * C::CONSUMERS, sp = i / max(nu, 1), u = u_begin + i - sp * nu;
+          const int r = u / (STRIP / 4), cc = (u % (STRIP / 4)) * 4;
+          if (i < total && cc < cols) v[j] = __ldcg(reinterpret_cast<const float4*>(p.partial + sp * split_stride + std::int64_t(m0 + r) * p.Npad + n0 + cc));
+        }
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j) {
+          const int i = i0 + j * C::CONSUMERS, sp = i / max(nu, 1), u = u_begin + i - sp * nu;
+          if (i < total && (u % (STRIP / 4)) * 4 < cols) share[i] = v[j];
+        }
+      }
+      consumer_bar_sync(C::CONSUMERS);
+      for (int w0 = tid & ~31; w0 < nu; w0 += C::CONSUMERS) {
+        const int i = w0 + lane, u = u_begin + i, r = u / (STRIP / 4), cc = (u % (STRIP / 4)) * 4;
+        const bool valid = i < nu && cc < cols;
+        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (valid) {
+          sum = share[i];
+          for (int sp = 1; sp < p.splits; ++sp) add4(sum, share[sp * nu + i]);
+        }
+        store_pairs(valid, r, cc, sum);
+      }
+      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStored, clock64());
+      if (tid == 0 && atomicAdd(counter, 1) == 2 * p.splits - 1) *counter = 0;  // every block has left the wait
+      return;
+    }
     if (tid == 0) last_flag = atomicAdd(counter, 1) == p.splits - 1;
     consumer_bar_sync(C::CONSUMERS);
     if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStaged, clock64());
@@ -871,7 +929,6 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     // the last block: 4 features per lane, 4 K ranges' loads in flight at a time (Npad and n0 are multiples of 16:
     // the float4 loads are aligned). (Batches of 8 predicated loads, as in the cluster form, measured 4% slower at 4
     // splits and 12% at 16 on the H200, gemm4_probe-session10-run5 against -run1.)
-    const std::int64_t split_stride = std::int64_t(p.M) * p.Npad;
     const int units = rows * (STRIP / 4);
     for (int w0 = tid & ~31; w0 < units; w0 += C::CONSUMERS) {
       const int u = w0 + lane, r = u / (STRIP / 4), cc = (u % (STRIP / 4)) * 4;
@@ -1177,22 +1234,30 @@ inline cudaError_t make_x_tensor_map(CUtensorMap& map, const void* x, std::int64
 
 // The launch of a configuration-C kernel over `grid`, in clusters of (1, 1, cluster) blocks (the K ranges of a tile),
 // or without a cluster attribute for cluster 0; for cudaLaunchKernelEx and cudaOccupancyMaxActiveClusters (which
-// wants the attribute, 1 included). Not copyable: cfg points at cluster_dim.
+// wants the attribute, 1 included). cooperative: every block resident at once, or the launch fails (the spread
+// reduction's blocks wait for each other). Not copyable: cfg points at attrs.
 template <class C>
 struct Sm90Launch {
-  cudaLaunchAttribute cluster_dim{};
+  cudaLaunchAttribute attrs[2]{};
   cudaLaunchConfig_t cfg{};
-  Sm90Launch(dim3 grid, int cluster, cudaStream_t stream) {
-    cluster_dim.id = cudaLaunchAttributeClusterDimension;
-    cluster_dim.val.clusterDim.x = 1;
-    cluster_dim.val.clusterDim.y = 1;
-    cluster_dim.val.clusterDim.z = unsigned(cluster);
+  Sm90Launch(dim3 grid, int cluster, cudaStream_t stream, bool cooperative = false) {
     cfg.gridDim = grid;
     cfg.blockDim = dim3(C::THREADS);
     cfg.dynamicSmemBytes = C::SMEM_BYTES;
     cfg.stream = stream;
-    cfg.attrs = &cluster_dim;
-    cfg.numAttrs = cluster > 0 ? 1 : 0;
+    cfg.attrs = attrs;
+    if (cluster > 0) {
+      cudaLaunchAttribute& a = attrs[cfg.numAttrs++];
+      a.id = cudaLaunchAttributeClusterDimension;
+      a.val.clusterDim.x = 1;
+      a.val.clusterDim.y = 1;
+      a.val.clusterDim.z = unsigned(cluster);
+    }
+    if (cooperative) {
+      cudaLaunchAttribute& a = attrs[cfg.numAttrs++];
+      a.id = cudaLaunchAttributeCooperative;
+      a.val.cooperative = 1;
+    }
   }
   Sm90Launch(const Sm90Launch&) = delete;
   Sm90Launch& operator=(const Sm90Launch&) = delete;
@@ -1266,8 +1331,8 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
   if constexpr (C::WS)
     if (const cudaError_t e = make_x_tensor_map(x_map, x, s.M, s.K, C::BN, std::is_same_v<T, bf16>); e != cudaSuccess) return e;
   const Sm90Params prm{x, tiles, scales, zeros, y, ws.partial, ws.counters, int(s.M), int(s.N), int(s.K), int(s.Npad), int(s.group),
-                       int(s.Kpad / kTileK), p.cps, p.strips, p.splits, p.zslices, trace};
-  const Sm90Launch<C> launch(dim3(unsigned(p.zslices * p.strips), 1, unsigned(p.splits)), p.cluster ? p.splits : 0, stream);
+                       int(s.Kpad / kTileK), p.cps, p.strips, p.splits, p.zslices, int(global && p.spread), trace};
+  const Sm90Launch<C> launch(dim3(unsigned(p.zslices * p.strips), 1, unsigned(p.splits)), p.cluster ? p.splits : 0, stream, global && p.spread);
   return cudaLaunchKernelEx(&launch.cfg, kernel, prm, x_map);
 }
 }  // namespace detail
