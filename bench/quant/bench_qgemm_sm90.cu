@@ -168,13 +168,13 @@ void check_and_time(const std::string& name, const std::string& plan, int splits
 // or "global" (global memory, the tile's last block sums); "" for one K range.
 std::string reduce_name(const kq::Sm90Plan& plan) { return plan.splits == 1 ? "" : plan.cluster ? "cluster" : plan.spread ? "spread" : "global"; }
 
-// Per configuration: blocks the GPU holds at once, and clusters of 1..8 blocks (sm90_capacity).
+// Per configuration: blocks the GPU holds at once (the cluster kernels, the global ones), and clusters of 1..8 blocks (sm90_capacity).
 template <class... Cs>
 void print_capacities(kq::detail::CfgList<Cs...>, int sm) {
   auto one = [&](auto c) {
     using C = decltype(c);
     const kq::Sm90Capacity cap = kq::detail::sm90_capacity<C>(sm);
-    std::printf("capacity %-16s slots %3d clusters", kq::detail::sm90_cfg_name<C>().c_str(), cap.slots);
+    std::printf("capacity %-16s slots %3d (global kernels %3d) clusters", kq::detail::sm90_cfg_name<C>().c_str(), cap.slots, cap.spread_slots);
     for (int k = 1; k <= kq::kSm90MaxClusterSplits; ++k) std::printf(" %d:%d", k, cap.clusters[k]);
     std::printf("\n");
   };

@@ -144,7 +144,7 @@ kq::Sm90Capacity h200_capacity() {
   static constexpr int per_sm[3][9] = {
       {0, 132, 66, 39, 30, 22, 17, 15, 15}, {0, 264, 132, 79, 62, 47, 39, 32, 30}, {0, 396, 198, 124, 92, 69, 62, 47, 45}};
   kq::Sm90Capacity c;
-  c.slots = 132 * C::MINB;
+  c.slots = c.spread_slots = 132 * C::MINB;
   for (int k = 1; k <= kq::kSm90MaxClusterSplits; ++k) c.clusters[k] = per_sm[C::MINB - 1][k];
   return c;
 }

@@ -223,13 +223,16 @@ enum class Sm90Reduce { Auto, Cluster, Global, GlobalLast };
 // (cudaOccupancyMaxActiveClusters).
 struct Sm90Capacity {
   int slots = 1;
+  // blocks of the global-reduction kernels (fp16 and bf16) the GPU holds at once: the spread reduction's cooperative
+  // launch needs its whole grid resident (their registers can differ from the cluster kernel's)
+  int spread_slots = 1;
   int clusters[kSm90MaxClusterSplits + 1] = {};
 };
 // Every slot usable by clusters of every size: an idealised GPU of sm_count SMs (no device query).
 template <class C>
 Sm90Capacity sm90_even_capacity(int sm_count) {
   Sm90Capacity c;
-  c.slots = std::max(sm_count, 1) * C::MINB;
+  c.slots = c.spread_slots = std::max(sm_count, 1) * C::MINB;
   for (int k = 1; k <= kSm90MaxClusterSplits; ++k) c.clusters[k] = c.slots / k;
   return c;
 }
@@ -310,7 +313,7 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int split
   p.cps = int((kchunks + splits - 1) / splits);
   p.splits = int((kchunks + p.cps - 1) / p.cps);
   p.cluster = p.splits > 1 && cluster;
-  p.spread = p.splits > 1 && !p.cluster && reduce != Sm90Reduce::GlobalLast && p.blocks() <= std::max(cap.slots, 1);
+  p.spread = p.splits > 1 && !p.cluster && reduce != Sm90Reduce::GlobalLast && p.blocks() <= cap.spread_slots;
   p.partial_elems = p.splits > 1 && !p.cluster ? std::int64_t(p.splits) * s.M * s.Npad : 0;
   p.counter_elems = p.splits > 1 && !p.cluster ? tiles : 0;
   return p;
@@ -1283,15 +1286,18 @@ Sm90Capacity sm90_capacity(int sm_count) {
     Sm90Capacity c;
     c.slots = 0;
     if (!qgemm_sm90_supported()) return c;
-    const auto kernel = qgemm_sm90_kernel<bf16, C, true>;  // the fp16 and global-reduction kernels take the same resources
-    int dev = 0, sms = 0, per_sm = 0;
-    if (sm90_allow_smem<bf16, C>() != cudaSuccess || cudaGetDevice(&dev) != cudaSuccess ||
+    const auto kernel = qgemm_sm90_kernel<bf16, C, true>;  // the cluster kernels (fp16 takes the same resources)
+    int dev = 0, sms = 0, per_sm = 0, per_sm_bf16 = 0, per_sm_half = 0;
+    if (sm90_allow_smem<bf16, C>() != cudaSuccess || sm90_allow_smem<half, C>() != cudaSuccess || cudaGetDevice(&dev) != cudaSuccess ||
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, C::THREADS, C::SMEM_BYTES) != cudaSuccess) {
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, C::THREADS, C::SMEM_BYTES) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_bf16, qgemm_sm90_kernel<bf16, C, false>, C::THREADS, C::SMEM_BYTES) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_half, qgemm_sm90_kernel<half, C, false>, C::THREADS, C::SMEM_BYTES) != cudaSuccess) {
       cudaGetLastError();
       return c;
     }
     c.slots = per_sm * sms;
+    c.spread_slots = std::min(per_sm_bf16, per_sm_half) * sms;
     for (int k = 1; k <= kSm90MaxClusterSplits; ++k) {
       const Sm90Launch<C> launch(dim3(1, 1, unsigned(k)), k, nullptr);
       if (cudaOccupancyMaxActiveClusters(&c.clusters[k], kernel, &launch.cfg) != cudaSuccess) {
