@@ -45,9 +45,14 @@
 //     13% at the 10th percentile) than the global form on the H200 (gemm4_probe-session10-run1 against -run3).
 //     But a cluster's blocks must share a GPC, so fewer of them fit (15 clusters of 8 one-per-SM blocks on the
 //     H200's 132 SMs), and where that adds a wave the global form wins (median 5%, up to 1.5x);
-//   through global memory: fp32 partials, and the last block of a tile to finish (a counter each) sums them; up to
-//     16 K ranges (11008 x 4096 at M <= 32 takes 16).
-// Both add the K ranges in order (deterministic).
+//   through global memory: fp32 partials, up to 16 K ranges (11008 x 4096 at M <= 32 takes 16). Where the whole grid
+//     fits the GPU at once (spread), every block of a tile waits for the tile's others (a counter each; a cooperative
+//     launch, so all are resident) and sums a 1/splits share of it, as in a cluster but from L2; else the last block of
+//     a tile to finish sums it all. The last block alone was bound by one SM's loads: on the H200 11008 x 4096 at M 32
+//     took 0.0240 ms that way and 0.0204 spread (gemm4_probe-session13-run3, -session14-run1), and the spread form
+//     beat the cluster at 4096 x 11008 M 128 (3 K ranges, 0.0338 ms against 2 in a cluster 0.0359, -session14-run2):
+//     a cluster's blocks must share a GPC, a spread grid only has to fit the GPU.
+// All add the K ranges in order (deterministic).
 // (Session 9 also built stream-K, persistent blocks walking an even share of the (tile, chunk) units: correct, but
 // slower than the best K split count in all but one case on the H200, gemm4_probe-session9-run3: 8192 x 28672 at
 // M = 128, 0.128 against 0.112 ms, and its per-block segment state cost the two-blocks-per-SM and g4
@@ -243,15 +248,22 @@ Sm90Capacity sm90_even_capacity(int sm_count) {
 //   runs faster than each of a pair: on the H200 wg_b16m2s8x2w's 112 blocks on 8192 x 28672 at M = 16 took 0.0785
 //   ms for 128 chunks each, 224 blocks of 64 chunks 0.0609, gemm4_probe-session12-run3);
 //   + kSm90WaveBytes per wave after the first (a block's ring fills again);
-//   + the reduction per split, row and column: 6 B through global memory (fp32 partials written and read back, mostly
-//   in L2) plus kSm90GlobalBytes once (its fence and serial tail), 4 B in a cluster (distributed shared memory).
+//   + the reduction per split, row and column: 6 B through global memory summed by the tile's last block (fp32
+//   partials written and read back, mostly in L2) plus kSm90GlobalBytes once (its fence and serial tail); 4 B through
+//   global memory summed by every block (spread: the grid fits the GPU at once, no serial tail); 4 B in a cluster
+//   (distributed shared memory).
+// The spread form's 4 B (session 14): of 2, 3, 4, 5, 6 and 8 B with no tail, 1e6, 2e6 or 4e6 bytes of tail, 4 B and none
+// picks plans on average 0.3% slower than the best measured (at most 1.044x: 4096 x 11008 at M 32, 6 K ranges spread
+// against 5 in a cluster) over the H200 sweeps of the dispatched configurations at 2, 3, 4, 5, 6, 8, 12 and 16 K ranges,
+// each reduced three ways (gemm4_probe-session14-run1 / -run2, 20 shape x batch cases); costing it as the last-block
+// form, 1.7% (at most 1.13x).
 // Fitted to the H200 sweep of both reductions at every count of 1..16 K ranges with a clean L2 (gemm4_probe-session12-
 // run5, the seven dispatched configurations, 168 configuration x shape x batch cases; clusters of at most
 // kSm90AutoClusterSplits): the plan's choice is the sweep's best on 23 of the 24 dispatched cases (the 24th, 11008 x
 // 4096 at M = 64, 8% slower than 7 in a cluster), on average 2.0% slower than the best over all 168 (at most 1.25x).
 // Session 10's model (6 B global, 3 B cluster, counts 1, 2, 3, 4, 6, 8, 12, 16) missed 4096 x 11008 at M 9..32 by up
 // to 1.26x (6 K ranges through global memory; 5 in a cluster is best) and 4096 x 4096 at M 9..16 by up to 1.09x.
-inline constexpr double kSm90LoneBlock = 0.8, kSm90WaveBytes = 4e6, kSm90GlobalBytes = 4e6;
+inline constexpr double kSm90LoneBlock = 0.8, kSm90WaveBytes = 4e6, kSm90GlobalBytes = 4e6, kSm90SpreadBytes = 4.0;
 inline double sm90_split_cost(const QGemmShape& s, std::int64_t tiles, int splits, bool cluster, const Sm90Capacity& cap, int blocks_per_sm) {
   const double wbytes = double(s.Npad) * double(s.Kpad) / 2;
   const std::int64_t slots = std::max(cap.slots, 1), blocks = tiles * splits;
@@ -268,7 +280,9 @@ inline double sm90_split_cost(const QGemmShape& s, std::int64_t tiles, int split
   double cost = wbytes * double(waves * wave_slots) / double(blocks);
   if (blocks_per_sm > 1 && wave_blocks * blocks_per_sm <= slots) cost *= kSm90LoneBlock;
   cost += kSm90WaveBytes * double(waves - 1);
-  if (splits > 1) cost += (cluster ? 4.0 : 6.0) * splits * double(s.M) * double(s.Npad) + (cluster ? 0.0 : kSm90GlobalBytes);
+  const bool spread = !cluster && blocks <= cap.spread_slots;
+  if (splits > 1)
+    cost += (cluster ? 4.0 : spread ? kSm90SpreadBytes : 6.0) * splits * double(s.M) * double(s.Npad) + (cluster || spread ? 0.0 : kSm90GlobalBytes);
   return cost;
 }
 // K splits: the count (1..16; K ranges of at least 8 chunks: with 4, 4096 x 4096 at M 9..16 took 16 splits, 10% slower
