@@ -836,22 +836,27 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
                           __shfl_down_sync(0xffffffffu, sum.z, 1), __shfl_down_sync(0xffffffffu, sum.w, 1)};
       if (valid && (lane & 1) == 0) write8(r, cc, v);
     };
-    if constexpr (CLUSTER) {
-      // in the cluster: this block's sums into its shared memory, [BN][PITCH] fp32 over the ring (every copy
-      // landed, and after the barrier every warpgroup's wgmma finished reading it); then each block sums its share
-      // of the tile (whole 8-feature units) over the cluster's buffers
-      constexpr int PITCH = C::SPLIT_PITCH;
-      float* const buf = reinterpret_cast<float*>(smem);
+    // K splits reduced by share (in a cluster, or spread through global memory): this block's sums into its shared
+    // memory, [BN][PITCH] fp32 over the ring (every copy landed, and after the barrier every warpgroup's wgmma
+    // finished reading it); each block then sums its share of the tile, float4 units [u_begin, u_end) (whole 8-feature
+    // units: lanes 2j and 2j + 1 hold one)
+    constexpr int PITCH = C::SPLIT_PITCH;
+    float* const buf = reinterpret_cast<float*>(smem);
+    const int units8 = rows * (STRIP / 8);
+    const int u_begin = 2 * int(std::int64_t(units8) * split / p.splits), u_end = 2 * int(std::int64_t(units8) * (split + 1) / p.splits);
+    auto stage_sums = [&] {
       consumer_bar_sync(C::CONSUMERS);
       if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueWaited, clock64());
 #pragma unroll
       for (int t = 0; t < WM; ++t)
 #pragma unroll
         for (int i = 0; i < NACC; ++i) buf[(8 * (i >> 2) + 2 * c4 + (i & 1)) * PITCH + nl + 64 * t + 8 * ((i >> 1) & 1)] = acc[t][i];
+    };
+    if constexpr (CLUSTER) {
+      // in the cluster: the shares summed over the cluster's buffers (distributed shared memory)
+      stage_sums();
       cluster_sync();  // every K range's sums are in its block's shared memory
       if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStaged, clock64());
-      const int units8 = rows * (STRIP / 8);
-      const int u_begin = 2 * int(std::int64_t(units8) * split / p.splits), u_end = 2 * int(std::int64_t(units8) * (split + 1) / p.splits);
       const unsigned base = smem_addr(buf);
       for (int w0 = u_begin + (tid & ~31); w0 < u_end; w0 += C::CONSUMERS) {
         const int u = w0 + lane, r = u / (STRIP / 4), cc = (u % (STRIP / 4)) * 4;
@@ -874,7 +879,63 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       cluster_sync();  // no block leaves (its shared memory) while another still reads it
       return;
     }
-    // through global memory: fp32 partials, and the last block of the tile to finish (a counter each) sums them
+    int* const counter = p.counters + z * p.strips + strip;
+    const std::int64_t split_stride = std::int64_t(p.M) * p.Npad;
+    if (p.spread) {
+      // Through global memory, spread: every block of the tile sums its share, as in a cluster, from fp32 partials in L2.
+      // (The last block summing all of them alone was bound by one SM's loads from L2: 11008 x 4096 at M 32, 16 K
+      // ranges, took 0.0240 ms that way and 0.0204 spread, gemm4_probe-session13-run3 / -session14-run1.) Each block
+      // writes the other blocks' shares of its sums (16-byte stores from the staged tile; its own share stays in shared
+      // memory), waits for the tile's other blocks (the cooperative launch makes every block resident), then adds the
+      // K ranges of its share in order, its own from shared memory. The counter counts arrivals (up to splits), then
+      // departures; the last to leave sets it to zero for the next launch.
+      stage_sums();
+      consumer_bar_sync(C::CONSUMERS);
+      float* const part = p.partial + split * split_stride;
+      const int units = rows * (STRIP / 4);
+      for (int u = tid; u < units; u += C::CONSUMERS) {
+        const int r = u / (STRIP / 4), cc = (u % (STRIP / 4)) * 4;
+        if ((u < u_begin || u >= u_end) && cc < cols)
+          __stcg(reinterpret_cast<float4*>(part + std::int64_t(m0 + r) * p.Npad + n0 + cc), *reinterpret_cast<const float4*>(buf + r * PITCH + cc));
+      }
+      __threadfence();  // partials visible device-wide before the counter says so
+      consumer_bar_sync(C::CONSUMERS);
+      if (tid == 0) {
+        atomicAdd(counter, 1);
+        while (*static_cast<volatile int*>(counter) < p.splits) __nanosleep(64);
+        __threadfence();
+      }
+      consumer_bar_sync(C::CONSUMERS);
+      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStaged, clock64());
+      for (int w0 = u_begin + (tid & ~31); w0 < u_end; w0 += C::CONSUMERS) {  // whole warps (store_pairs shuffles)
+        const int u = w0 + lane, r = u / (STRIP / 4), cc = (u % (STRIP / 4)) * 4;
+        const bool valid = u < u_end && cc < cols;
+        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (valid) {
+          const float* const src = p.partial + std::int64_t(m0 + r) * p.Npad + n0 + cc;
+          const float4 own = *reinterpret_cast<const float4*>(buf + r * PITCH + cc);
+          // 8 K ranges' loads in flight at a time
+          for (int sp0 = 0; sp0 < p.splits; sp0 += 8) {
+            float4 v[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+              if (sp0 + j < p.splits) v[j] = sp0 + j == split ? own : __ldcg(reinterpret_cast<const float4*>(src + (sp0 + j) * split_stride));
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+              if (sp0 + j < p.splits) {
+                if (sp0 + j == 0) sum = v[j];
+                else add4(sum, v[j]);
+              }
+          }
+        }
+        store_pairs(valid, r, cc, sum);
+      }
+      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStored, clock64());
+      if (tid == 0 && atomicAdd(counter, 1) == 2 * p.splits - 1) *counter = 0;  // every block has left the wait
+      return;
+    }
+    // through global memory, the last block: fp32 partials, and the last block of the tile to finish (a counter each)
+    // sums them
     float* const part = p.partial + std::int64_t(split) * p.M * p.Npad;
 #pragma unroll
     for (int t = 0; t < WM; ++t)
@@ -886,58 +947,6 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     __threadfence();  // partials visible device-wide before the counter says so
     consumer_bar_sync(C::CONSUMERS);
     if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueWaited, clock64());
-    int* const counter = p.counters + z * p.strips + strip;
-    const std::int64_t split_stride = std::int64_t(p.M) * p.Npad;
-    if (p.spread) {
-      // Every block of the tile sums a 1/splits share of it (whole 8-feature units), as the cluster form does, from the
-      // partials in global memory: the last block summing all of them alone was bound by one SM's loads from L2 (11008 x
-      // 4096 at M 16, 16 K ranges: a 3-7.7 us tail, gemm4_probe-session13-run7). The blocks wait for each other, which
-      // the cooperative launch makes safe (all resident). The counter counts arrivals (up to splits), then departures;
-      // the last to leave sets it to zero for the next launch.
-      if (tid == 0) {
-        atomicAdd(counter, 1);
-        while (*static_cast<volatile int*>(counter) < p.splits) __nanosleep(64);
-        __threadfence();
-      }
-      consumer_bar_sync(C::CONSUMERS);
-      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStaged, clock64());
-      const int units8 = rows * (STRIP / 8);
-      const int u_begin = 2 * int(std::int64_t(units8) * split / p.splits), u_end = 2 * int(std::int64_t(units8) * (split + 1) / p.splits);
-      const int nu = u_end - u_begin, total = p.splits * nu;
-      // the share's partials, [splits][nu] float4 over the ring (free: every copy landed, every wgmma finished), loaded
-      // by all consumer threads at once, 8 per thread in flight; then each unit summed in K-range order (deterministic)
-      static_assert((BN * STRIP / 4 + 2 * kSm90MaxSplits) * 16 <= S * C::STAGE_BYTES, "the spread reduction's share must fit in the ring");
-      float4* const share = reinterpret_cast<float4*>(smem);
-      constexpr int BATCH = 8;
-      for (int i0 = tid; i0 < total; i0 += BATCH * C::CONSUMERS) {
-        float4 v[BATCH];
-#pragma unroll
-        for (int j = 0; j < BATCH; ++j) {
-          const int i = i0 + j * C::CONSUMERS, sp = i / max(nu, 1), u = u_begin + i - sp * nu;
-          const int r = u / (STRIP / 4), cc = (u % (STRIP / 4)) * 4;
-          if (i < total && cc < cols) v[j] = __ldcg(reinterpret_cast<const float4*>(p.partial + sp * split_stride + std::int64_t(m0 + r) * p.Npad + n0 + cc));
-        }
-#pragma unroll
-        for (int j = 0; j < BATCH; ++j) {
-          const int i = i0 + j * C::CONSUMERS, sp = i / max(nu, 1), u = u_begin + i - sp * nu;
-          if (i < total && (u % (STRIP / 4)) * 4 < cols) share[i] = v[j];
-        }
-      }
-      consumer_bar_sync(C::CONSUMERS);
-      for (int w0 = tid & ~31; w0 < nu; w0 += C::CONSUMERS) {
-        const int i = w0 + lane, u = u_begin + i, r = u / (STRIP / 4), cc = (u % (STRIP / 4)) * 4;
-        const bool valid = i < nu && cc < cols;
-        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (valid) {
-          sum = share[i];
-          for (int sp = 1; sp < p.splits; ++sp) add4(sum, share[sp * nu + i]);
-        }
-        store_pairs(valid, r, cc, sum);
-      }
-      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStored, clock64());
-      if (tid == 0 && atomicAdd(counter, 1) == 2 * p.splits - 1) *counter = 0;  // every block has left the wait
-      return;
-    }
     if (tid == 0) last_flag = atomicAdd(counter, 1) == p.splits - 1;
     consumer_bar_sync(C::CONSUMERS);
     if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStaged, clock64());
