@@ -252,11 +252,11 @@ Sm90Capacity sm90_even_capacity(int sm_count) {
 //   partials written and read back, mostly in L2) plus kSm90GlobalBytes once (its fence and serial tail); 4 B through
 //   global memory summed by every block (spread: the grid fits the GPU at once, no serial tail); 4 B in a cluster
 //   (distributed shared memory).
-// The spread form's 4 B (session 14): of 2, 3, 4, 5, 6 and 8 B with no tail, 1e6, 2e6 or 4e6 bytes of tail, 4 B and none
-// picks plans on average 0.3% slower than the best measured (at most 1.044x: 4096 x 11008 at M 32, 6 K ranges spread
-// against 5 in a cluster) over the H200 sweeps of the dispatched configurations at 2, 3, 4, 5, 6, 8, 12 and 16 K ranges,
-// each reduced three ways (gemm4_probe-session14-run1 / -run2, 20 shape x batch cases); costing it as the last-block
-// form, 1.7% (at most 1.13x).
+// The spread form's 4 B and no tail (session 14): of 2, 3, 3.5, 4, 4.5, 5, 6 and 8 B with no tail or a tail of 0.5e6,
+// 1e6, 2e6 or 4e6 bytes, the plans it picks are on average 0.1% slower than the best measured (at most 1.022x: 4096 x 4096
+// at M 128, 6 K ranges in a cluster against 8 spread) over the H200 sweep of the dispatched configurations at 2, 3, 4,
+// 5, 6, 7, 8, 10, 12 and 16 K ranges, each reduced three ways (gemm4_probe-session14-run5, 24 shape x batch cases);
+// costing it as the last-block form, 3.3% (at most 1.16x).
 // Fitted to the H200 sweep of both reductions at every count of 1..16 K ranges with a clean L2 (gemm4_probe-session12-
 // run5, the seven dispatched configurations, 168 configuration x shape x batch cases; clusters of at most
 // kSm90AutoClusterSplits): the plan's choice is the sweep's best on 23 of the 24 dispatched cases (the 24th, 11008 x
