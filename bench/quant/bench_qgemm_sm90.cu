@@ -530,9 +530,10 @@ int main(int argc, char** argv) {
       };
       const double t_cub = time_ms(run_cub, reps);
       std::vector<Timed> wg;
-      if (kq::qgemm_sm90_supported() && M > 1)
+      // (M 1..8 too: the dispatch's boundary, kSm90MinRows, is chosen by these times)
+      if (kq::qgemm_sm90_supported())
         time_cfgs(kq::detail::Sm90TuningCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), only_cfgs, split_counts, wg);
-      if (kq::qgemm_sm90_supported() && M > 1 && trial)
+      if (kq::qgemm_sm90_supported() && trial)
         time_cfgs(Sm90TrialCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), only_cfgs, split_counts, wg);
       std::vector<Timed> pr;
       if (kq::qgemm_sm90_supported() && probes) {
