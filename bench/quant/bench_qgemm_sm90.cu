@@ -1,7 +1,7 @@
 // 4-bit GEMM benchmark without libtorch: one translation unit that builds in well under a minute, for kernel work
 // on the GPU machine (bench_quant_gemm, with libtorch and every mma.sync variant, takes minutes to build).
 // For each (K, N) of issue 6 and batch M it times, in the same run, cold L2, median of --reps:
-//   ours     the library's dispatch (kq::quant_gemm_cuda: wgmma from M = 9 on sm_90a, see quant_gemm_uses_sm90)
+//   ours     the library's dispatch (kq::quant_gemm_cuda: wgmma for 4-bit layers on sm_90a, see quant_gemm_uses_sm90)
 //   mma      qgemm_cuda (the mma.sync kernel) at every M
 //   wg_*     every wgmma configuration of kq::detail::Sm90TuningCfgs at K splits {its plan, 1, 2, 3, 4, 6, 8, 12, 16} (--splits), each
 //            K-split count reduced each way (in a cluster up to 8; through global memory summed by every block of a

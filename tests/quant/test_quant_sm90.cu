@@ -89,12 +89,12 @@ TEST(QuantCudaSm90, DispatchOnLargeLayersRepeatedly) {
   sm90_dispatch_check<half>(ragged, 33, 3);
 }
 // The library's entry (quant_gemm_cuda, what QuantizedLinear calls): on sm_90a builds the wgmma kernel for 4-bit
-// layers from M = 9 (16-row slices up to M = 16, 32-row up to 32 (one block per SM below kSm90NarrowLayer weights,
+// layers at every M (16-row slices up to M = 16, 32-row up to 32 (one block per SM below kSm90NarrowLayer weights,
 // three from kSm90LargeLayer),
 // 64-row up to 64 with two tiles per warpgroup on large layers, 128-row slices above with four consumer warpgroups),
 // mma.sync otherwise. The choice in words first (host
-// logic, any device), then the results on both sides of the M = 8 / 9 boundary, at 16, 17, 33 and 100, and of a
-// 3-bit layer against the CPU twin.
+// logic, any device), then the results at M 1, 8, 9, 16, 17, 33 and 100 (16-row slices with 1 and 8 rows; each boundary
+// between slice sizes), and of a 3-bit layer against the CPU twin.
 TEST(QuantCudaSm90, LibraryEntryPicksTheKernelByBatch) {
   REQUIRE_DEVICE();
   const bool wg = kq::qgemm_sm90_supported();
@@ -116,14 +116,15 @@ TEST(QuantCudaSm90, LibraryEntryPicksTheKernelByBatch) {
   EXPECT_TRUE(starts(says({24, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b32m2s8w " : "mma.sync "));  // small layer
   EXPECT_TRUE(starts(says({24, 11008, 4096, 4096, 11008, 128, 4}, 132), wg ? "wgmma wg_b32m2s6x2w " : "mma.sync "));
   EXPECT_TRUE(starts(says({33, 4096, 11008, 11008, 4096, 128, 4}, 132), wg ? "wgmma wg_b64m1s6x2w " : "mma.sync "));
-  EXPECT_TRUE(starts(says({8, 4096, 4096, 4096, 4096, 128, 4}, 132), "mma.sync "));
+  EXPECT_TRUE(starts(says({8, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b16m2s8x2w " : "mma.sync "));
+  EXPECT_TRUE(starts(says({1, 28672, 8192, 8192, 28672, 128, 4}, 132), wg ? "wgmma wg_b16m2s5x3wf " : "mma.sync "));
   EXPECT_TRUE(starts(says({64, 28672, 8192, 8192, 28672, 128, 3}, 132), "mma.sync "));
   EXPECT_TRUE(starts(says({64, 28672, 8196, 8256, 28672, 128, 4}, 132), "mma.sync "));  // K % 8: the wgmma kernel declines
   const int sm = sm_count();
   for (const int bits : {4, 3}) {
     const auto p = random_layer(1000, 1096, bits, 32, bits == 4, 40 + bits);
     const auto t = quant::to_tiles(p);
-    for (const std::int64_t M : {8, 9, 16, 17, 33, 100}) {
+    for (const std::int64_t M : {1, 8, 9, 16, 17, 33, 100}) {
       const TwinCase<bf16> tc(p, t, M);
       const auto need = kq::quant_gemm_workspace_size(tc.shape, sm);
       Dev<float> part(std::size_t(std::max<std::int64_t>(need.partial_elems, 1)));
@@ -169,6 +170,10 @@ TEST(QuantCudaSm90, SplitPlanFollowsTheMeasuredSweep) {
       {4096, 11008, 32, 6, Spread},  // 5 in a cluster: 1.02x
       {11008, 4096, 16, 16, Spread},  // the last block summing: 1.09x
       {8192, 28672, 9, 7, Last},     // 784 blocks: more than the GPU holds at once
+      {4096, 4096, 1, 8, Last},      // below kSm90SpreadMinRows (gemm4_probe-session14-run6): sweep 16, 1% faster; 8 spread 1.06x
+      {11008, 4096, 1, 16, Last},    // 16 spread: 1.07x
+      {4096, 11008, 8, 6, Spread},
+      {8192, 28672, 1, 7, Last},
       {8192, 28672, 16, 3, Cluster},
       {8192, 28672, 24, 3, Cluster},
       {8192, 28672, 32, 3, Cluster},
@@ -204,8 +209,8 @@ TEST(QuantCudaSm90, SplitPlanFollowsTheMeasuredSweep) {
   EXPECT_EQ(kq::qgemm_sm90_plan(small, 132, 16).splits, 4);
 }
 // Through global memory, every block of a tile sums a share of it (spread) only where the whole grid fits the GPU at
-// once (the blocks wait for each other; the launch is cooperative), else the tile's last block sums; GlobalLast forces
-// the latter. Host logic only.
+// once (the blocks wait for each other; the launch is cooperative) and the batch has kSm90SpreadMinRows rows or more,
+// else the tile's last block sums; GlobalLast forces the latter. Host logic only.
 TEST(QuantCudaSm90, SpreadReductionOnlyWhereTheGridFitsTheGpu) {
   using Tiny = kq::Sm90Cfg<16, 2, 8, 2, false, true>;  // 256-feature strips, two blocks per SM
   const kq::QGemmShape s{16, 4096, 11008, 11008, 4096, 128, 4};  // 16 strips x 16 K ranges = 256 blocks
@@ -226,6 +231,11 @@ TEST(QuantCudaSm90, SpreadReductionOnlyWhereTheGridFitsTheGpu) {
   const auto cluster = kq::plan_qgemm_sm90<Tiny>(s, kq::sm90_even_capacity<Tiny>(132), 4, kq::Sm90Reduce::Cluster);
   EXPECT_TRUE(cluster.cluster);
   EXPECT_FALSE(cluster.spread);
+  // fewer than kSm90SpreadMinRows rows: the last block sums (its serial tail is short)
+  const kq::QGemmShape few{4, 4096, 11008, 11008, 4096, 128, 4};
+  const auto small = kq::plan_qgemm_sm90<Tiny>(few, kq::sm90_even_capacity<Tiny>(132), 16, kq::Sm90Reduce::Global);
+  EXPECT_EQ(small.splits, 16);
+  EXPECT_FALSE(small.spread);
   const auto one = kq::plan_qgemm_sm90<Tiny>(s, kq::sm90_even_capacity<Tiny>(132), 1, kq::Sm90Reduce::Global);
   EXPECT_EQ(one.splits, 1);
   EXPECT_FALSE(one.spread);

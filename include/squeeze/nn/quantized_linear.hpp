@@ -5,7 +5,7 @@
 //   CPU                         dequantize (CPU twin) once, cached, then float matmul
 //   CUDA, 3/4/8 bits, M <= max_fused_rows (default 256) fused tensor-core GEMM on weights repacked at load
 //                               into the kernel's tiles (kernels/.../qgemm_sm90.cuh quant_gemm_cuda: at 4 bits
-//                               and M >= 9 on sm_90 the wgmma kernel, otherwise qgemm.cuh's mma.sync one)
+//                               on sm_90 (sm_90a builds) the wgmma kernel, otherwise qgemm.cuh's mma.sync one)
 //   CUDA, other widths (2 bits, or a g_idx the tiles cannot serve), M <= 8   GPTQ-layout GEMV (kernels/.../dequant.cuh)
 //   CUDA, otherwise             dequantize to x's dtype, cuBLAS matmul (compute-bound: cuBLAS wins)
 // Threshold (H200, bench/results/h200/gemm4.jsonl at e726527): at M = 16..128 dequantize + cuBLAS ran at

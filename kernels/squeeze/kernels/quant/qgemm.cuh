@@ -1370,8 +1370,8 @@ using DiagnosticCfgs = CfgList<QGemmCfg<1, 4, 1, 8, R::Registers, false, M_::Loa
 // Measured with this table (H200, e8d7c8e, bench/results/h200/gemm4.jsonl), "ours" vs cuBLAS bf16 on the four shapes:
 //   M = 1: 1.47 / 1.75 / 1.79 / 1.90x;  M = 16: 0.72 / 1.19 / 0.99 / 1.28x;  M = 64: 0.41 / 0.48 / 0.43 / 0.41x;
 //   M = 128: 0.34 / 0.26 / 0.29 / 0.23x  (targets 3x / 3x / 1.5x / 1x: not met).
-// (The library's entry, quant_gemm_cuda in qgemm_sm90.cuh, sends 4-bit layers with M >= 9 (M >= 17 on layers of
-// kSm90LargeLayer weights or more) to the wgmma kernel on sm_90a builds; this table still serves every other case.)
+// (The library's entry, quant_gemm_cuda in qgemm_sm90.cuh, sends the 4-bit layers the wgmma kernel takes to it at every
+// M on sm_90a builds; this table still serves every other case.)
 inline int batch_class(std::int64_t M) { return M <= 8 ? 0 : M <= 16 ? 1 : M <= 32 ? 2 : M <= 64 ? 3 : 4; }
 template <int BITS, int CLASS>
 struct Dispatch {

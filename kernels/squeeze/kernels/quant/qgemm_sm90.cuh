@@ -264,6 +264,13 @@ Sm90Capacity sm90_even_capacity(int sm_count) {
 // Session 10's model (6 B global, 3 B cluster, counts 1, 2, 3, 4, 6, 8, 12, 16) missed 4096 x 11008 at M 9..32 by up
 // to 1.26x (6 K ranges through global memory; 5 in a cluster is best) and 4096 x 4096 at M 9..16 by up to 1.09x.
 inline constexpr double kSm90LoneBlock = 0.8, kSm90WaveBytes = 4e6, kSm90GlobalBytes = 4e6, kSm90SpreadBytes = 4.0;
+// The spread form from 8 batch rows on: below, the last block's sum covers few rows (its serial tail is short) while the
+// spread form always waits for a tile's slowest block. H200 (gemm4_probe-session14-run6), wg_b16m2s8x2w at M 1 / 2 / 4:
+// 4096 x 4096, 8 K ranges, 11.3 / 11.3 / 11.5 us the last block summing against 12.0 / 11.7 / 12.4 spread; 11008 x 4096,
+// 16, 16.6 / 16.9 / 17.2 against 17.7 / 17.7 / 17.8; at M 8 spread was as fast or faster (12.0 against 12.3, 17.7
+// against 18.2). With this bound the plans of the dispatched configurations are on average 0.1% slower than the best
+// measured over runs 5 and 6 (40 shape x batch cases, at most 1.022x), 1.0% without it (at most 1.084x).
+inline constexpr std::int64_t kSm90SpreadMinRows = 8;
 inline double sm90_split_cost(const QGemmShape& s, std::int64_t tiles, int splits, bool cluster, const Sm90Capacity& cap, int blocks_per_sm) {
   const double wbytes = double(s.Npad) * double(s.Kpad) / 2;
   const std::int64_t slots = std::max(cap.slots, 1), blocks = tiles * splits;
@@ -280,7 +287,7 @@ inline double sm90_split_cost(const QGemmShape& s, std::int64_t tiles, int split
   double cost = wbytes * double(waves * wave_slots) / double(blocks);
   if (blocks_per_sm > 1 && wave_blocks * blocks_per_sm <= slots) cost *= kSm90LoneBlock;
   cost += kSm90WaveBytes * double(waves - 1);
-  const bool spread = !cluster && blocks <= cap.spread_slots;
+  const bool spread = !cluster && blocks <= cap.spread_slots && s.M >= kSm90SpreadMinRows;
   if (splits > 1)
     cost += (cluster ? 4.0 : spread ? kSm90SpreadBytes : 6.0) * splits * double(s.M) * double(s.Npad) + (cluster || spread ? 0.0 : kSm90GlobalBytes);
   return cost;
@@ -327,7 +334,8 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int split
   p.cps = int((kchunks + splits - 1) / splits);
   p.splits = int((kchunks + p.cps - 1) / p.cps);
   p.cluster = p.splits > 1 && cluster;
-  p.spread = p.splits > 1 && !p.cluster && reduce != Sm90Reduce::GlobalLast && p.blocks() <= cap.spread_slots;
+  p.spread = p.splits > 1 && !p.cluster && reduce != Sm90Reduce::GlobalLast && p.blocks() <= cap.spread_slots &&
+             s.M >= kSm90SpreadMinRows;
   p.partial_elems = p.splits > 1 && !p.cluster ? std::int64_t(p.splits) * s.M * s.Npad : 0;
   p.counter_elems = p.splits > 1 && !p.cluster ? tiles : 0;
   return p;
@@ -1396,11 +1404,15 @@ cudaError_t qgemm_sm90_cuda(const T* x, const std::uint32_t* tiles, const half* 
 }
 
 // ---- the library's quantized GEMM: the kernel each batch size is served by ----------------------------------
-// On an sm_90 device with sm_90a device code, 4-bit shapes the wgmma kernel takes with M >= 9 run qgemm_sm90_cuda;
-// everything else (M <= 8, 3- and 8-bit, other devices) runs qgemm_cuda (mma.sync). H200, clean L2: at M 9..16 the
-// 16-row slices (Sm90Tiny) beat the mma.sync kernel on every shape (8192 x 28672 at M = 9: 0.061 against 0.086 ms,
-// gemm4_probe-session9-run6); at M = 1 the mma.sync kernel (weights as the mma's A, 8 rows) is the faster one.
-inline constexpr std::int64_t kSm90MinRows = 9;
+// On an sm_90 device with sm_90a device code, 4-bit shapes the wgmma kernel takes run qgemm_sm90_cuda at every M;
+// everything else (3- and 8-bit, shapes it declines, other devices) runs qgemm_cuda (mma.sync). H200, clean L2: at M
+// 9..16 the 16-row slices (Sm90Tiny) beat the mma.sync kernel on every shape since session 9 (8192 x 28672 at M = 9:
+// 0.061 against 0.086 ms, gemm4_probe-session9-run6); at M 1..8 since session 14 it is as fast (4096 x 4096 at M 1) or
+// faster (gemm4_probe-session14-run6, the dispatched 16-row configurations at their plans against the mma.sync kernel's
+// 8-row weights-as-A form): M 1 on 4096 x
+// 4096 / 4096 x 11008 / 11008 x 4096 / 8192 x 28672 0.0113 / 0.0167 / 0.0166 / 0.0527 ms against 0.0112 / 0.0186 /
+// 0.0187 / 0.0605, M 8 0.0120 / 0.0172 / 0.0177 / 0.0548 against 0.0150 / 0.0225 / 0.0260 / 0.0715.
+inline constexpr std::int64_t kSm90MinRows = 1;
 inline bool quant_gemm_uses_sm90(const QGemmShape& s) {
   const bool rows = s.M >= kSm90MinRows;
   return rows && qgemm_sm90_reason(s).empty() && qgemm_sm90_supported();
