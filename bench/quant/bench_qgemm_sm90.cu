@@ -530,7 +530,7 @@ int main(int argc, char** argv) {
       };
       const double t_cub = time_ms(run_cub, reps);
       std::vector<Timed> wg;
-      // (M 1..8 too: the dispatch's boundary, kSm90MinRows, is chosen by these times)
+      // (M 1..8 too: the dispatch sends them to the wgmma kernel since session 14, by these times)
       if (kq::qgemm_sm90_supported())
         time_cfgs(kq::detail::Sm90TuningCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), only_cfgs, split_counts, wg);
       if (kq::qgemm_sm90_supported() && trial)

@@ -1407,16 +1407,11 @@ cudaError_t qgemm_sm90_cuda(const T* x, const std::uint32_t* tiles, const half* 
 // On an sm_90 device with sm_90a device code, 4-bit shapes the wgmma kernel takes run qgemm_sm90_cuda at every M;
 // everything else (3- and 8-bit, shapes it declines, other devices) runs qgemm_cuda (mma.sync). H200, clean L2: at M
 // 9..16 the 16-row slices (Sm90Tiny) beat the mma.sync kernel on every shape since session 9 (8192 x 28672 at M = 9:
-// 0.061 against 0.086 ms, gemm4_probe-session9-run6); at M 1..8 since session 14 it is as fast (4096 x 4096 at M 1) or
-// faster (gemm4_probe-session14-run6, the dispatched 16-row configurations at their plans against the mma.sync kernel's
-// 8-row weights-as-A form): M 1 on 4096 x
-// 4096 / 4096 x 11008 / 11008 x 4096 / 8192 x 28672 0.0113 / 0.0167 / 0.0166 / 0.0527 ms against 0.0112 / 0.0186 /
-// 0.0187 / 0.0605, M 8 0.0120 / 0.0172 / 0.0177 / 0.0548 against 0.0150 / 0.0225 / 0.0260 / 0.0715.
-inline constexpr std::int64_t kSm90MinRows = 1;
-inline bool quant_gemm_uses_sm90(const QGemmShape& s) {
-  const bool rows = s.M >= kSm90MinRows;
-  return rows && qgemm_sm90_reason(s).empty() && qgemm_sm90_supported();
-}
+// 0.061 against 0.086 ms, gemm4_probe-session9-run6); at M 1..8 (the mma.sync kernel's 8-row weights-as-A form served
+// them until session 13) they are as fast or faster since session 14 (gemm4_probe-session14-run6, at their plans): M 1
+// on 4096 x 4096 / 4096 x 11008 / 11008 x 4096 / 8192 x 28672 0.0113 / 0.0167 / 0.0166 / 0.0527 ms against 0.0112 /
+// 0.0186 / 0.0187 / 0.0605, M 8 0.0120 / 0.0172 / 0.0177 / 0.0548 against 0.0150 / 0.0225 / 0.0260 / 0.0715.
+inline bool quant_gemm_uses_sm90(const QGemmShape& s) { return qgemm_sm90_reason(s).empty() && qgemm_sm90_supported(); }
 // Workspace sizes for quant_gemm_cuda (pointers left null): partial fp32 (any contents) and counters int32
 // (zero before the first call; the kernels leave them zero).
 inline QGemmWorkspace quant_gemm_workspace_size(const QGemmShape& s, int sm_count) {
