@@ -289,8 +289,9 @@ struct Timeline {
   int blocks = 0, max_per_sm = 0, tick_ns = 0;
   double launch = 0, skew = 0, span = 0, setup = 0, first = 0, loop = 0, epilogue = 0, block = 0, block_max = 0, queued_first = 0,
          queued_last = 0, ghz = 0;  // microseconds, and the SM clock
-  // the epilogue's parts (blocks that reach the stores): the wait for the other warpgroups (global: + the partials'
-  // writes), the staging (cluster: + the wait for the cluster's blocks; global: the counter), the stores, the rest
+  // the epilogue's parts (blocks that reach the stores): the wait for the other warpgroups (global, last block: + the
+  // partials' writes), the staging (cluster: + the wait for the cluster's blocks; spread: + the partials' writes and
+  // the wait for the tile's blocks; global, last block: the counter), the stores (spread: + the share's loads), the rest
   double epi_wait = 0, epi_stage = 0, epi_store = 0, epi_tail = 0;
   // the producer's first chunk: from entry to its first copy, its x (TMA), its bulk copies
   double issue_start = 0, issue_bulk = 0, issue_x = 0;

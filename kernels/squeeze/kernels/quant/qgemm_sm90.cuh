@@ -603,8 +603,8 @@ enum : int {
   QueuedLast,      // ... its last
   EpilogueWaited,  // after the consumers' first barrier (every warpgroup's last chunk done; global: partials written)
   EpilogueStaged,  // after the next barrier (one K range: the tile staged; cluster: every block's sums in place;
-                   // global: the counter read)
-  EpilogueStored,  // after the stores (0 where not reached: not the last block of a global reduction)
+                   // spread: the other shares written and every block of the tile arrived; last block: the counter read)
+  EpilogueStored,  // after the stores (0 where not reached: not the last block of a last-block reduction)
   ProducerStart,   // the producer before it queues its first chunk
   ProducerX,       // ... after that chunk's x (before its bulk copies)
   Count
