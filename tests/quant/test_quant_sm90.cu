@@ -88,6 +88,64 @@ TEST(QuantCudaSm90, DispatchOnLargeLayersRepeatedly) {
   sm90_dispatch_check<bf16>(ragged, 100, 3);
   sm90_dispatch_check<half>(ragged, 33, 3);
 }
+// The timeline probe (Sm90Probe<Cfg, 3>, what bench_qgemm_sm90 --timeline runs) does the kernel's whole work, so its y
+// matches the CPU twin, and each block's trace points come in program order: entry, set-up, first chunk, loop end, the
+// epilogue's barriers, end (one SM's clock); the producer's first chunk queued before its last; the global timer at
+// entry before the one at the end. One K range, and 3 K ranges summed each way: in a cluster, spread, and by the
+// tile's last block (only that block reaches the stores).
+TEST(QuantCudaSm90, TimelineProbeComputesAndTracesInOrder) {
+  REQUIRE_SM90();
+  using P = kq::Sm90Probe<kq::detail::Sm90Tiny, 3>;
+  namespace slot = kq::detail::sm90_trace_slot;
+  constexpr int kSlots = kq::detail::kSm90TraceSlots;
+  const auto layer = random_layer(296, 1096, 4, 128, false, 77);
+  const auto tiles = quant::to_tiles(layer);
+  const TwinCase<bf16> tc(layer, tiles, 16);
+  const int sms = sm_count();
+  struct Way {
+    int splits;
+    kq::Sm90Reduce reduce;
+  };
+  for (const Way way : {Way{1, kq::Sm90Reduce::Global}, Way{3, kq::Sm90Reduce::Cluster}, Way{3, kq::Sm90Reduce::Global},
+                        Way{3, kq::Sm90Reduce::GlobalLast}}) {
+    const auto plan = kq::plan_qgemm_sm90<P>(tc.shape, kq::detail::sm90_capacity<P>(sms), way.splits, way.reduce);
+    const std::string what = "timeline probe (" + kq::describe(plan) + ")";
+    Dev<std::uint64_t> trace(std::size_t(plan.blocks()) * kSlots);
+    SQUEEZE_CUDA_CHECK(cudaMemset(trace.p, 0, trace.n * sizeof(std::uint64_t)));
+    launches_match_twin(tc, plan.partial_elems, plan.counter_elems, 1, what, 0x1p-7, [&](const kq::QGemmWorkspace& ws) {
+      return kq::detail::launch_qgemm_sm90_cfg<bf16, P>(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, plan, ws, nullptr, trace.p);
+    });
+    if (::testing::Test::HasFatalFailure()) return;
+    const std::vector<std::uint64_t> v = trace.get();
+    std::int64_t stored = 0;
+    for (std::int64_t b = 0; b < plan.blocks(); ++b) {
+      const std::uint64_t* at = v.data() + b * kSlots;
+      SCOPED_TRACE(what + " block " + std::to_string(b));
+      EXPECT_GT(at[slot::Entry], 0u);
+      EXPECT_LE(at[slot::Entry], at[slot::SetUp]);
+      EXPECT_LE(at[slot::SetUp], at[slot::FirstChunk]);
+      EXPECT_LE(at[slot::FirstChunk], at[slot::LoopEnd]);
+      EXPECT_LE(at[slot::LoopEnd], at[slot::EpilogueWaited]);
+      EXPECT_LE(at[slot::EpilogueWaited], at[slot::EpilogueStaged]);
+      if (at[slot::EpilogueStored] != 0) {
+        ++stored;
+        EXPECT_LE(at[slot::EpilogueStaged], at[slot::EpilogueStored]);
+        EXPECT_LE(at[slot::EpilogueStored], at[slot::End]);
+      } else {
+        EXPECT_LE(at[slot::EpilogueStaged], at[slot::End]);
+      }
+      EXPECT_LT(at[slot::Sm], std::uint64_t(sms));
+      EXPECT_GT(at[slot::EntryNs], 0u);
+      EXPECT_LE(at[slot::EntryNs], at[slot::EndNs]);
+      EXPECT_GT(at[slot::ProducerStart], 0u);
+      EXPECT_LE(at[slot::ProducerStart], at[slot::ProducerX]);
+      EXPECT_LE(at[slot::ProducerX], at[slot::QueuedFirst]);
+      EXPECT_LE(at[slot::QueuedFirst], at[slot::QueuedLast]);
+    }
+    const bool last_block = plan.splits > 1 && !plan.cluster && !plan.spread;
+    EXPECT_EQ(stored, last_block ? std::int64_t(plan.zslices) * plan.strips : plan.blocks()) << what;
+  }
+}
 // The library's entry (quant_gemm_cuda, what QuantizedLinear calls): on sm_90a builds the wgmma kernel for 4-bit
 // layers at every M (16-row slices up to M = 16, 32-row up to 32 (one block per SM below kSm90NarrowLayer weights,
 // three from kSm90LargeLayer),
