@@ -271,6 +271,11 @@ inline constexpr double kSm90LoneBlock = 0.8, kSm90WaveBytes = 4e6, kSm90GlobalB
 // against 18.2). With this bound the plans of the dispatched configurations are on average 0.1% slower than the best
 // measured over runs 5 and 6 (40 shape x batch cases, at most 1.022x), 1.0% without it (at most 1.084x).
 inline constexpr std::int64_t kSm90SpreadMinRows = 8;
+// Whether K splits through global memory are summed spread (every block a share) rather than by the tile's last block:
+// the grid of `blocks` fits the GPU at once (the cooperative launch) and the batch has kSm90SpreadMinRows rows or more.
+inline bool sm90_spreads(const QGemmShape& s, std::int64_t blocks, const Sm90Capacity& cap) {
+  return blocks <= cap.spread_slots && s.M >= kSm90SpreadMinRows;
+}
 inline double sm90_split_cost(const QGemmShape& s, std::int64_t tiles, int splits, bool cluster, const Sm90Capacity& cap, int blocks_per_sm) {
   const double wbytes = double(s.Npad) * double(s.Kpad) / 2;
   const std::int64_t slots = std::max(cap.slots, 1), blocks = tiles * splits;
@@ -287,7 +292,7 @@ inline double sm90_split_cost(const QGemmShape& s, std::int64_t tiles, int split
   double cost = wbytes * double(waves * wave_slots) / double(blocks);
   if (blocks_per_sm > 1 && wave_blocks * blocks_per_sm <= slots) cost *= kSm90LoneBlock;
   cost += kSm90WaveBytes * double(waves - 1);
-  const bool spread = !cluster && blocks <= cap.spread_slots && s.M >= kSm90SpreadMinRows;
+  const bool spread = !cluster && sm90_spreads(s, blocks, cap);
   if (splits > 1)
     cost += (cluster ? 4.0 : spread ? kSm90SpreadBytes : 6.0) * splits * double(s.M) * double(s.Npad) + (cluster || spread ? 0.0 : kSm90GlobalBytes);
   return cost;
@@ -334,8 +339,7 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int split
   p.cps = int((kchunks + splits - 1) / splits);
   p.splits = int((kchunks + p.cps - 1) / p.cps);
   p.cluster = p.splits > 1 && cluster;
-  p.spread = p.splits > 1 && !p.cluster && reduce != Sm90Reduce::GlobalLast && p.blocks() <= cap.spread_slots &&
-             s.M >= kSm90SpreadMinRows;
+  p.spread = p.splits > 1 && !p.cluster && reduce != Sm90Reduce::GlobalLast && sm90_spreads(s, p.blocks(), cap);
   p.partial_elems = p.splits > 1 && !p.cluster ? std::int64_t(p.splits) * s.M * s.Npad : 0;
   p.counter_elems = p.splits > 1 && !p.cluster ? tiles : 0;
   return p;
