@@ -5,7 +5,8 @@
 //   mma      qgemm_cuda (the mma.sync kernel) at every M
 //   wg_*     every wgmma configuration of kq::detail::Sm90TuningCfgs at K splits {its plan, 1, 2, 3, 4, 6, 8, 12, 16} (--splits), each
 //            K-split count reduced each way (in a cluster up to 8; through global memory summed by every block of a
-//            tile where the grid fits the GPU, "spread", and by the tile's last block, "global")
+//            tile where the grid fits the GPU, "spread", and by the tile's last block, "global", also on a persistent
+//            grid of at most the GPU's slots where the units are more, "persist")
 //   sv_*     (--streaming) every configuration of the streaming kernel (qgemv.cuh, M <= 16) with its own plan
 //   probes   (--probes) kq::detail::Sm90ProbeCfgs at their own plans: the dispatched forms without their decode
 //            (_probe1) or without any consumer work (_probe2), i.e. what the copies alone cost; results not checked
@@ -164,9 +165,12 @@ void check_and_time(const std::string& name, const std::string& plan, int splits
   out.push_back(t);
 }
 
-// A plan's K-split reduction in the results: "cluster", "spread" (global memory, every block of a tile sums a share)
-// or "global" (global memory, the tile's last block sums); "" for one K range.
-std::string reduce_name(const kq::Sm90Plan& plan) { return plan.splits == 1 ? "" : plan.cluster ? "cluster" : plan.spread ? "spread" : "global"; }
+// A plan's K-split reduction in the results: "cluster", "spread" (global memory, every block of a tile sums a share),
+// "global" (global memory, the tile's last block sums) or "persist" (the same on a persistent grid, Sm90Plan::persist);
+// "" for one K range.
+std::string reduce_name(const kq::Sm90Plan& plan) {
+  return plan.splits == 1 ? "" : plan.cluster ? "cluster" : plan.spread ? "spread" : plan.persist > 0 ? "persist" : "global";
+}
 
 // Per configuration: blocks the GPU holds at once (the cluster kernels, the global ones), and clusters of 1..8 blocks (sm90_capacity).
 template <class... Cs>
@@ -209,7 +213,7 @@ void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape&
       return;
     std::set<std::pair<int, std::string>> seen;  // (splits, reduction) already timed
     for (const int sp : split_counts)
-      for (const auto reduce : {kq::Sm90Reduce::Cluster, kq::Sm90Reduce::Global, kq::Sm90Reduce::GlobalLast}) {
+      for (const auto reduce : {kq::Sm90Reduce::Cluster, kq::Sm90Reduce::Global, kq::Sm90Reduce::GlobalLast, kq::Sm90Reduce::Persist}) {
         const auto plan = kq::plan_qgemm_sm90<C>(s, kq::detail::sm90_capacity<C>(sm), sp, sp == 0 ? kq::Sm90Reduce::Auto : reduce);
         if (!seen.insert({plan.splits, reduce_name(plan)}).second) continue;
         const Workspace ws({nullptr, plan.partial_elems, nullptr, plan.counter_elems});
@@ -303,7 +307,7 @@ Timeline trace_cfg(const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16*
   namespace T = kq::detail::sm90_trace_slot;
   const auto plan = kq::plan_qgemm_sm90<C>(s, kq::detail::sm90_capacity<C>(sm));
   const Workspace ws({nullptr, plan.partial_elems, nullptr, plan.counter_elems});
-  const std::size_t blocks = std::size_t(plan.blocks());
+  const std::size_t blocks = std::size_t(plan.grid_blocks());
   DevBuf<std::uint64_t> trace(blocks * S), note(1);
   auto launch = [&] { SQUEEZE_CUDA_CHECK((kq::detail::launch_qgemm_sm90_cfg<bf16, P>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws.ws, nullptr, trace.p))); };
   launch();

@@ -201,14 +201,20 @@ struct Sm90Plan {
   int cps = 1;           // 64-k chunks per K range
   bool cluster = false;  // K splits reduce within a cluster of `splits` blocks (else through global memory)
   bool spread = false;   // through global memory, every block of a tile sums a share (else the tile's last block sums all)
+  // > 0: a persistent grid of this many blocks (at most the GPU's slots; K splits through global memory summed by the
+  // last block, warp-specialised configurations without OVERLAP), each walking units b, b + persist, ... of the
+  // blocks() (tile, K range) units with one ring: no block starts or refills its ring after the first wave
+  int persist = 0;
   int smem_bytes = 0;
   std::int64_t partial_elems = 0;  // fp32 [splits, M, Npad] for a reduction through global memory
   std::int64_t counter_elems = 0;  // int32 [zslices, strips], zero between launches (the same)
-  std::int64_t blocks() const { return std::int64_t(zslices) * strips * splits; }
+  std::int64_t blocks() const { return std::int64_t(zslices) * strips * splits; }  // the (tile, K range) units
+  std::int64_t grid_blocks() const { return persist > 0 ? persist : blocks(); }     // the blocks launched
 };
 inline std::string describe(const Sm90Plan& p) {
   return "zslices " + std::to_string(p.zslices) + " strips " + std::to_string(p.strips) + " splits " + std::to_string(p.splits) +
-         (p.splits > 1 ? (p.cluster ? " (cluster)" : p.spread ? " (global, spread)" : " (global)") : "") + " cps " + std::to_string(p.cps) + " smem " + std::to_string(p.smem_bytes) + " B";
+         (p.splits > 1 ? (p.cluster ? " (cluster)" : p.spread ? " (global, spread)" : " (global)") : "") +
+         (p.persist > 0 ? " persistent " + std::to_string(p.persist) + " blocks" : "") + " cps " + std::to_string(p.cps) + " smem " + std::to_string(p.smem_bytes) + " B";
 }
 
 // K splits: at most 16 K ranges, at most 8 when they reduce within a cluster (a cluster of up to 8 blocks is portable).
@@ -221,7 +227,9 @@ inline constexpr int kSm90AutoClusterSplits = 6;
 // Cluster: in a cluster's distributed shared memory. Global: fp32 partials through global memory, summed by every block
 // of the tile, a share each, where the whole grid fits the GPU at once (launched cooperatively, so that the blocks may
 // wait for each other), else by the tile's last block. GlobalLast: the last block sums, whatever the grid (measurement).
-enum class Sm90Reduce { Auto, Cluster, Global, GlobalLast };
+// Persist: as GlobalLast, on a persistent grid of at most the GPU's slots (Sm90Plan::persist) where the units are more
+// (measurement; configurations that cannot persist get the GlobalLast plan).
+enum class Sm90Reduce { Auto, Cluster, Global, GlobalLast, Persist };
 // What the GPU holds of one configuration at once: `slots` blocks (SMs x blocks per SM), and clusters[k] clusters of k
 // blocks (a cluster's blocks share a GPC, so a GPC whose free slots are fewer than k wastes them: the H200 holds
 // 15 clusters of 8 one-per-SM blocks, 120 of its 132 SMs). sm90_capacity<C>(sm_count) asks the device
@@ -297,6 +305,11 @@ inline double sm90_split_cost(const QGemmShape& s, std::int64_t tiles, int split
     cost += (cluster ? 4.0 : spread ? kSm90SpreadBytes : 6.0) * splits * double(s.M) * double(s.Npad) + (cluster || spread ? 0.0 : kSm90GlobalBytes);
   return cost;
 }
+// Configurations whose blocks can walk several units (Sm90Plan::persist): the warp-specialised ring without OVERLAP.
+template <class C>
+constexpr bool sm90_can_persist() {
+  return C::WS && !C::OVERLAP;
+}
 // K splits: the count (1..16; K ranges of at least 8 chunks: with 4, 4096 x 4096 at M 9..16 took 16 splits, 10% slower
 // than 8 on the H200, gemm4_probe-session9-run6/7) and the reduction with the least sm90_split_cost, unless given.
 template <class C>
@@ -314,7 +327,7 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int split
   };
   const int limit = reduce == Sm90Reduce::Cluster ? kSm90MaxClusterSplits : kSm90MaxSplits;
   int splits = splits_override > 0 ? ranges(std::clamp<std::int64_t>(splits_override, 1, std::min<std::int64_t>(kchunks, limit))) : 1;
-  const bool global = reduce == Sm90Reduce::Global || reduce == Sm90Reduce::GlobalLast;
+  const bool global = reduce == Sm90Reduce::Global || reduce == Sm90Reduce::GlobalLast || reduce == Sm90Reduce::Persist;
   bool cluster = !global;
   if (splits_override > 0) {
     if (reduce == Sm90Reduce::Auto)
@@ -339,7 +352,9 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int split
   p.cps = int((kchunks + splits - 1) / splits);
   p.splits = int((kchunks + p.cps - 1) / p.cps);
   p.cluster = p.splits > 1 && cluster;
-  p.spread = p.splits > 1 && !p.cluster && reduce != Sm90Reduce::GlobalLast && sm90_spreads(s, p.blocks(), cap);
+  const bool last = reduce == Sm90Reduce::GlobalLast || reduce == Sm90Reduce::Persist;
+  p.spread = p.splits > 1 && !p.cluster && !last && sm90_spreads(s, p.blocks(), cap);
+  if (reduce == Sm90Reduce::Persist && sm90_can_persist<C>() && p.splits > 1 && p.blocks() > cap.slots) p.persist = cap.slots;
   p.partial_elems = p.splits > 1 && !p.cluster ? std::int64_t(p.splits) * s.M * s.Npad : 0;
   p.counter_elems = p.splits > 1 && !p.cluster ? tiles : 0;
   return p;
@@ -631,8 +646,13 @@ __device__ __forceinline__ void sm90_trace(const Sm90Params& p, int slot, std::u
 // the global plans ~1% slower (median) on the H200 (gemm4_probe-session10-run4 against -run5; the larger loss seen
 // in run 4 was the reduction loop, see below).
 // x_map: (WS) x as a TMA tensor map, box [64 k] x [BN rows], 128-byte swizzle (unused otherwise)
-template <class T, class C, bool CLUSTER>
+// PERSIST (WS without OVERLAP, K splits through global memory summed by the last block): the block walks units (see
+// below). A third kernel rather than a loop in every kernel: the units' loop-carried state (unit, ring position, the
+// unit's coordinates, the group constants) cost the three-blocks-per-SM configurations (72 registers a thread)
+// 700-1200 bytes of spills when every kernel had it.
+template <class T, class C, bool CLUSTER, bool PERSIST = false>
 __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const Sm90Params p, const __grid_constant__ CUtensorMap x_map) {
+  static_assert(!PERSIST || (C::WS && !C::OVERLAP && !CLUSTER), "a persistent grid: the warp-specialised ring without OVERLAP, no cluster");
 #if SQUEEZE_SM90_WGMMA
   constexpr int BN = C::BN, WM = C::WM, S = C::STAGES, STRIP = C::STRIP, TILES = C::TILES, NACC = BN / 2;
   constexpr int XB = C::X_BYTES, WB = C::W_BYTES, SB = C::S_BYTES;
@@ -654,12 +674,25 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   const int g4 = lane >> 2, c4 = lane & 3;
   const int ntiles = p.Npad / kTileN;
   const T* const x = static_cast<const T*>(p.x);
-  // This block's work: batch slice z, strip, chunks [kc0, kc0 + nck), K range `split` of p.splits (1: y stored
-  // directly). The batch slices of a strip are neighbouring blocks, so they run at the same time and the slices
-  // after the first find the strip's weights in L2.
-  const int z = int(blockIdx.x % p.zslices), strip = int(blockIdx.x / p.zslices), split = int(blockIdx.z);
-  const int n0 = strip * STRIP, tile0 = strip * TILES, m0 = z * BN;
-  const int kc0 = split * p.cps, nck = min(p.kchunks, kc0 + p.cps) - kc0;
+  // This block's work, one unit at a time: batch slice z, strip, chunks [kc0, kc0 + nck), K range `split` of p.splits
+  // (1: y stored directly). Unit u is tile u % tiles (tile = z + zslices strip) of K range u / tiles. A grid of
+  // (zslices x strips, 1, splits) blocks takes one unit a block (unit blockIdx.x + gridDim.x blockIdx.z); a persistent
+  // grid (Sm90Plan::persist blocks, WS only) walks units b, b + gridDim.x, ..., its ring running on from one unit into
+  // the next. Either way the batch slices of a strip are neighbouring units, so they run at the same time and the slices
+  // after the first find the strip's weights in L2, and the units in flight cover a few neighbouring K ranges.
+  const int tiles_per_split = p.zslices * p.strips, units = tiles_per_split * p.splits;
+  const int unit_stride = int(gridDim.x * gridDim.z);
+  const int first_unit = int(blockIdx.x + gridDim.x * blockIdx.z);
+  int z = 0, strip = 0, split = 0, n0 = 0, tile0 = 0, m0 = 0, kc0 = 0, nck = 0;
+  auto set_unit = [&](int u) {
+    const int tile = u % tiles_per_split;
+    split = u / tiles_per_split;
+    z = tile % p.zslices;
+    strip = tile / p.zslices;
+    n0 = strip * STRIP, tile0 = strip * TILES, m0 = z * BN;
+    kc0 = split * p.cps, nck = min(p.kchunks, kc0 + p.cps) - kc0;
+  };
+  set_unit(first_unit);
   // padded k rows (k >= K) belong to the last group (x is zero there), as in the CPU twin
   auto group_of = [&](int k) { return min(k, p.K - 1) / p.group; };
 
@@ -701,11 +734,16 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   // at most once per k-step, so a compare replaces a division per k-step (Nsight Compute on the H200 had the
   // divisions at a quarter of the main loop's instructions). Starts at the first k-step's own group, so that
   // the first k-step loads its constants.
-  int next_group_k = group_of(kc0 * kTileK) * p.group;
+  int next_group_k = 0;
+  // a unit's start: no sums yet, and its first k-step loads its own group's constants
+  auto start_unit = [&] {
+    next_group_k = group_of(kc0 * kTileK) * p.group;
 #pragma unroll
-  for (int t = 0; t < WM; ++t)
+    for (int t = 0; t < WM; ++t)
 #pragma unroll
-    for (int i = 0; i < NACC; ++i) acc[t][i] = acc_group[t][i] = 0.f;
+      for (int i = 0; i < NACC; ++i) acc[t][i] = acc_group[t][i] = 0.f;
+  };
+  start_unit();
   Sm90Group grp[WM];
   // GSCALE, after the wait for a group's last chunk: its sums, times the rows' scales, into acc
   auto scale_group = [&] {
@@ -737,7 +775,8 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     for (int ks = 0; ks < 4; ++ks) {
       // a new group (uniform across the block); Sm90Probe 1 loads no group constants (until session 14 the timeline probe,
       // Sm90Probe 3, skipped them too: its y was wrong and its loop slightly short, TimelineProbeComputesAndTracesInOrder)
-      if (C::PROBE != 1 && min(kc * kTileK + 16 * ks, p.K - 1) >= next_group_k) {
+      // (PERSIST: a unit's first k-step always loads, so the compiler sees the constants dead between units)
+      if (C::PROBE != 1 && ((PERSIST && ks == 0 && kc == kc0) || min(kc * kTileK + 16 * ks, p.K - 1) >= next_group_k)) {
         next_group_k += p.group;
         if (ks > 0) ++grow;
         const half* srow = reinterpret_cast<const half*>(st + XB + WB) + grow * STRIP;
@@ -803,7 +842,9 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
           if (cc + j < cols) dst[j] = from_float<T>(v[j]);
       }
     };
-    if (p.splits == 1) {
+    // (PERSIST compiles only the last-block form, the one it runs: the others' registers, live while the next unit's
+    // state is, spilled)
+    if (!PERSIST && p.splits == 1) {
       // the tile as T through the ring, [BN][PITCH] (after the barrier every warpgroup's wgmma finished reading the
       // ring; every copy landed), then 16-byte rows out. +8 elements a row: the four rows one store writes, 2 apart,
       // fall in different banks.
@@ -895,7 +936,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     }
     int* const counter = p.counters + z * p.strips + strip;
     const std::int64_t split_stride = std::int64_t(p.M) * p.Npad;
-    if (p.spread) {
+    if (!PERSIST && p.spread) {
       // Through global memory, spread: every block of the tile sums its share, as in a cluster, from fp32 partials in L2.
       // (The last block summing all of them alone was bound by one SM's loads from L2: 11008 x 4096 at M 32, 16 K
       // ranges, took 0.0240 ms that way and 0.0204 spread, gemm4_probe-session13-run3 / -session14-run1.) Each block
@@ -1018,31 +1059,37 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         }
         return;
       }
+      int gc = 0;  // chunks queued so far, over every unit: chunk gc goes into ring stage gc % S
+      for (int u = first_unit;;) {
       const int cols = min(STRIP, p.Npad - n0);  // features of this strip (multiple of 16)
       const unsigned wbytes = unsigned(cols / kTileN) * 512u;
-      for (int c = 0; c < nck; ++c) {  // chunk c of the K range into ring stage c % S
-        const int ring = c % S, kc = kc0 + c;
-        if (c >= S) mbar_wait(empty_bar + ring, unsigned(c / S - 1) & 1u);
+      for (int c = 0; c < nck; ++c, ++gc) {  // chunk c of the unit's K range
+        const int ring = gc % S, kc = kc0 + c;
+        if (gc >= S) mbar_wait(empty_bar + ring, unsigned(gc / S - 1) & 1u);
         unsigned char* const st = smem + ring * C::STAGE_BYTES;
         const int g0 = group_of(kc * kTileK), rows = group_of(kc * kTileK + 48) - g0 + 1;
         if (lane == 0) {  // x (the TMA counts the whole box, zero-filled parts included), tiles, group rows
           // (Session 13 queued the bulk copies before x, in case the first TMA copy waited for x's tensor map: Sm90Probe 3
           // then had x's copy queued 0.03 us after the bulk copies' 0.19, and the first chunk in hand no sooner, 1.21 us
           // after the set-up barrier against 1.10; gemm4_probe-session13-run7 against -run6.)
-          if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, sm90_trace_slot::ProducerStart, clock64());
+          if (C::PROBE == 3 && gc == 0) sm90_trace<C>(p, sm90_trace_slot::ProducerStart, clock64());
           mbar_arrive_expect_tx(full_bar + ring, unsigned(XB) + wbytes + unsigned(rows * cols * 3));
           tma_load_x(st, x_map, kc * kTileK, m0, full_bar + ring);
-          if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, sm90_trace_slot::ProducerX, clock64());
+          if (C::PROBE == 3 && gc == 0) sm90_trace<C>(p, sm90_trace_slot::ProducerX, clock64());
           bulk_copy_g2s(st + XB, p.tiles + (std::int64_t(kc) * ntiles + tile0) * (kTileK * kTileN / 8), wbytes, full_bar + ring);
           for (int r = 0; r < rows; ++r) {
             const std::int64_t off = std::int64_t(g0 + r) * p.Npad + n0;
             bulk_copy_g2s(st + XB + WB + r * STRIP * 2, p.scales + off, unsigned(cols * 2), full_bar + ring);
             bulk_copy_g2s(st + XB + WB + SB + r * STRIP, p.zeros + off, unsigned(cols), full_bar + ring);
           }
-          if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, sm90_trace_slot::QueuedFirst, clock64());
+          if (C::PROBE == 3 && gc == 0) sm90_trace<C>(p, sm90_trace_slot::QueuedFirst, clock64());
           if (C::PROBE == 3 && c + 1 == nck) sm90_trace<C>(p, sm90_trace_slot::QueuedLast, clock64());
         }
         __syncwarp();
+      }
+      if constexpr (!PERSIST) break;
+      if ((u += unit_stride) >= units) break;
+      set_unit(u);
       }
       if (CLUSTER && p.splits > 1) {  // the reduction's two cluster barriers (see epilogue)
         cluster_sync();
@@ -1051,10 +1098,11 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       return;  // the consumers wait for every copy it queued (full barriers) before they leave
     } else {
       if constexpr (C::PRODUCERS == 128) set_max_regs_inc<C::CONSUMER_REGS>();
-      auto consume = [&](int c, auto& a_cur, auto& a_other) {  // chunk c of the K range, from ring stage c % S
-        const int ring = c % S;
-        mbar_wait(full_bar + ring, unsigned(c / S) & 1u);
-        if (C::PROBE == 3 && c == 0 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::FirstChunk, clock64());
+      int gc0 = 0;  // chunks of the units before this one (the ring position of its chunk 0)
+      auto consume = [&](int c, auto& a_cur, auto& a_other) {  // chunk c of the unit's K range, from ring stage (gc0 + c) % S
+        const int gc = gc0 + c, ring = gc % S;
+        mbar_wait(full_bar + ring, unsigned(gc / S) & 1u);
+        if (C::PROBE == 3 && gc == 0 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::FirstChunk, clock64());
         __syncwarp();  // converged again before the .aligned wgmma operations
         if constexpr (C::PROBE == 2) {
           if (lane == 0) mbar_arrive(empty_bar + ring);
@@ -1068,15 +1116,25 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         if constexpr (C::GSCALE)
           if (c + 1 == nck || (kc0 + c + 1) * kTileK >= next_group_k) scale_group();
         // the stage the finished wgmma read goes back to the producer (OVERLAP: the chunk before's)
-        if (lane == 0 && (!C::OVERLAP || c > 0)) mbar_arrive(empty_bar + (C::OVERLAP ? (c + S - 1) % S : ring));
+        if (lane == 0 && (!C::OVERLAP || c > 0)) mbar_arrive(empty_bar + (C::OVERLAP ? (gc + S - 1) % S : ring));
         __syncwarp();
       };
-      for (int c = 0; c < nck; c += 2) {  // pairs: the two A sets alternate with static names
-        consume(c, a0, a1);
-        if (c + 1 < nck) consume(c + 1, a1, a0);
+      // (a persistent grid's units: OVERLAP never hands its last chunk's stage back, so the launcher refuses the two
+      // together; the epilogue of a unit through global memory, last block, uses no shared memory, so the producer may
+      // already fill the ring with the next unit's chunks)
+      for (int u = first_unit;;) {
+        for (int c = 0; c < nck; c += 2) {  // pairs: the two A sets alternate with static names
+          consume(c, a0, a1);
+          if (c + 1 < nck) consume(c + 1, a1, a0);
+        }
+        if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::LoopEnd, clock64());
+        epilogue();
+        if constexpr (!PERSIST) break;
+        if ((u += unit_stride) >= units) break;
+        gc0 += nck;
+        set_unit(u);
+        start_unit();
       }
-      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::LoopEnd, clock64());
-      epilogue();
       if (C::PROBE == 3 && tid == 0) {
         sm90_trace<C>(p, sm90_trace_slot::End, clock64());
         sm90_trace<C>(p, sm90_trace_slot::EndNs, global_ns());
@@ -1303,13 +1361,16 @@ struct Sm90Launch {
   Sm90Launch& operator=(const Sm90Launch&) = delete;
 };
 
-// Lets the kernels of (T, C), both reductions, take C::SMEM_BYTES of dynamic shared memory: once per (T, C), for the
+// Lets the kernels of (T, C), every reduction (the persistent one too), take C::SMEM_BYTES of dynamic shared memory: once per (T, C), for the
 // launcher and the capacity query alike.
 template <class T, class C>
 cudaError_t sm90_allow_smem() {
   static const cudaError_t attr = [] {
-    const cudaError_t a = cudaFuncSetAttribute(qgemm_sm90_kernel<T, C, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
-    return a != cudaSuccess ? a : cudaFuncSetAttribute(qgemm_sm90_kernel<T, C, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
+    cudaError_t a = cudaFuncSetAttribute(qgemm_sm90_kernel<T, C, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
+    if (a == cudaSuccess) a = cudaFuncSetAttribute(qgemm_sm90_kernel<T, C, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
+    if constexpr (sm90_can_persist<C>())
+      if (a == cudaSuccess) a = cudaFuncSetAttribute(qgemm_sm90_kernel<T, C, false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
+    return a;
   }();
   return attr;
 }
@@ -1359,23 +1420,29 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
   if ((reinterpret_cast<std::uintptr_t>(x) | reinterpret_cast<std::uintptr_t>(tiles) | reinterpret_cast<std::uintptr_t>(scales) |
        reinterpret_cast<std::uintptr_t>(zeros)) & 15)
     return cudaErrorInvalidValue;  // 16-byte copies
-  if (std::int64_t(p.zslices) * p.strips > 0x7fffffff) return cudaErrorInvalidValue;  // the grid's x dimension
+  if (p.blocks() > 0x7fffffff) return cudaErrorInvalidValue;  // the grid's x dimension, the units' index
   if (p.splits < 1 || p.splits > (p.cluster ? kSm90MaxClusterSplits : kSm90MaxSplits)) return cudaErrorInvalidValue;  // a portable cluster
   if (C::GSCALE && s.group % kTileK) return cudaErrorInvalidValue;  // per-group scaling: groups of whole chunks
   const bool global = p.splits > 1 && !p.cluster;
   if (global && (ws.partial == nullptr || ws.partial_elems < p.partial_elems || ws.counters == nullptr || ws.counter_elems < p.counter_elems))
     return cudaErrorInvalidValue;
   if (global && (reinterpret_cast<std::uintptr_t>(ws.partial) & 15)) return cudaErrorInvalidValue;  // float4 sums
+  // a persistent grid: units through global memory summed by the last block (the other epilogues stage in the ring the
+  // producer is already refilling, or wait for other blocks), blocks at most the units
+  if (p.persist < 0 || (p.persist > 0 && (!sm90_can_persist<C>() || !global || p.spread || p.persist > p.blocks()))) return cudaErrorInvalidValue;
   if (C::PROBE == 3 && trace == nullptr) return cudaErrorInvalidValue;  // the timeline's buffer: blocks x kSm90TraceSlots
   if (!qgemm_sm90_supported()) return cudaErrorNotSupported;
-  const auto kernel = p.cluster ? qgemm_sm90_kernel<T, C, true> : qgemm_sm90_kernel<T, C, false>;
+  auto kernel = p.cluster ? qgemm_sm90_kernel<T, C, true> : qgemm_sm90_kernel<T, C, false>;
+  if constexpr (sm90_can_persist<C>())
+    if (p.persist > 0) kernel = qgemm_sm90_kernel<T, C, false, true>;
   if (const cudaError_t attr = sm90_allow_smem<T, C>(); attr != cudaSuccess) return attr;
   CUtensorMap x_map{};
   if constexpr (C::WS)
     if (const cudaError_t e = make_x_tensor_map(x_map, x, s.M, s.K, C::BN, std::is_same_v<T, bf16>); e != cudaSuccess) return e;
   const Sm90Params prm{x, tiles, scales, zeros, y, ws.partial, ws.counters, int(s.M), int(s.N), int(s.K), int(s.Npad), int(s.group),
                        int(s.Kpad / kTileK), p.cps, p.strips, p.splits, p.zslices, int(global && p.spread), trace};
-  const Sm90Launch<C> launch(dim3(unsigned(p.zslices * p.strips), 1, unsigned(p.splits)), p.cluster ? p.splits : 0, stream, global && p.spread);
+  const dim3 grid = p.persist > 0 ? dim3(unsigned(p.persist)) : dim3(unsigned(p.zslices * p.strips), 1, unsigned(p.splits));
+  const Sm90Launch<C> launch(grid, p.cluster ? p.splits : 0, stream, global && p.spread);
   return cudaLaunchKernelEx(&launch.cfg, kernel, prm, x_map);
 }
 }  // namespace detail
