@@ -33,14 +33,15 @@ void sm90_cfg_runs(const TwinCase<T>& tc, const std::vector<int>& split_counts, 
                           });
       if (::testing::Test::HasFatalFailure()) return;
     }
-  // a persistent grid (Sm90Plan::persist) over the last-block plan's units: one block walking all of them (its ring
-  // runs on from unit to unit), and a third of the blocks plus one (some walk one unit more than others)
+  // a persistent grid (Sm90Plan::persist) over the last-block plan's units: one block taking all of them (its ring
+  // runs on from unit to unit), and a third of the blocks plus one (they take the units left through the counter)
   for (const int sp : split_counts) {
     const auto last = kq::plan_qgemm_sm90<C>(tc.shape, kq::detail::sm90_capacity<C>(sm_count()), sp, kq::Sm90Reduce::GlobalLast);
     if (sp <= 1 || last.splits == 1) continue;
     for (const std::int64_t persist : {std::int64_t(1), last.blocks() / 3 + 1}) {
       kq::Sm90Plan plan = last;
       plan.persist = int(persist);
+      plan.counter_elems += 2;  // the unit counter and the blocks done (what plan_qgemm_sm90 adds for Persist)
       auto launch = [&](const kq::QGemmWorkspace& ws) {
         return kq::detail::launch_qgemm_sm90_cfg<T, C>(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, plan, ws, nullptr);
       };
@@ -332,6 +333,7 @@ TEST(QuantCudaSm90, PersistentGridOnlyWhereTheUnitsOutnumberTheSlots) {
   EXPECT_EQ(walk.blocks(), 784);
   EXPECT_EQ(walk.persist, 396);
   EXPECT_EQ(walk.grid_blocks(), 396);
+  EXPECT_EQ(walk.counter_elems, 112 + 2);  // a counter per tile, the next unit, the blocks done
   EXPECT_FALSE(walk.cluster);
   EXPECT_FALSE(walk.spread);
   EXPECT_NE(kq::describe(walk).find("persistent 396 blocks"), std::string::npos) << kq::describe(walk);
@@ -353,6 +355,9 @@ TEST(QuantCudaSm90, PersistentGridOnlyWhereTheUnitsOutnumberTheSlots) {
   };
   kq::Sm90Plan bad = walk;
   bad.persist = int(walk.blocks()) + 1;
+  EXPECT_TRUE(refused(bad, big));
+  bad = walk;
+  bad.counter_elems -= 2;  // no room for the unit counter
   EXPECT_TRUE(refused(bad, big));
   bad = kq::plan_qgemm_sm90<Large>(big, cap, 3, kq::Sm90Reduce::Cluster);
   bad.persist = 100;

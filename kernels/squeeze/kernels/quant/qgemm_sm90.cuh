@@ -202,12 +202,13 @@ struct Sm90Plan {
   bool cluster = false;  // K splits reduce within a cluster of `splits` blocks (else through global memory)
   bool spread = false;   // through global memory, every block of a tile sums a share (else the tile's last block sums all)
   // > 0: a persistent grid of this many blocks (at most the GPU's slots; K splits through global memory summed by the
-  // last block, warp-specialised configurations without OVERLAP), each walking units b, b + persist, ... of the
-  // blocks() (tile, K range) units with one ring: no block starts or refills its ring after the first wave
+  // last block, warp-specialised configurations without OVERLAP): block b takes unit b of the blocks() (tile, K range)
+  // units, then the next one no block has taken (a counter in the workspace) until none is left, with one ring: no
+  // block starts or fills its ring anew after the first wave
   int persist = 0;
   int smem_bytes = 0;
   std::int64_t partial_elems = 0;  // fp32 [splits, M, Npad] for a reduction through global memory
-  std::int64_t counter_elems = 0;  // int32 [zslices, strips], zero between launches (the same)
+  std::int64_t counter_elems = 0;  // int32 [zslices, strips] (+ 2 for a persistent grid), zero between launches (the same)
   std::int64_t blocks() const { return std::int64_t(zslices) * strips * splits; }  // the (tile, K range) units
   std::int64_t grid_blocks() const { return persist > 0 ? persist : blocks(); }     // the blocks launched
 };
@@ -357,6 +358,7 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int split
   if (reduce == Sm90Reduce::Persist && sm90_can_persist<C>() && p.splits > 1 && p.blocks() > cap.slots) p.persist = cap.slots;
   p.partial_elems = p.splits > 1 && !p.cluster ? std::int64_t(p.splits) * s.M * s.Npad : 0;
   p.counter_elems = p.splits > 1 && !p.cluster ? tiles : 0;
+  if (p.persist > 0) p.counter_elems += 2;  // the next unit to take, and the blocks that found none (zero between launches)
   return p;
 }
 
@@ -600,7 +602,7 @@ struct Sm90Params {
   const std::uint8_t* zeros;   // [groups, Npad]
   void* y;                     // T [M, N]
   float* partial;              // [splits, M, Npad] (K splits through global memory)
-  int* counters;               // [zslices, strips], zero between launches (K splits through global memory)
+  int* counters;               // [zslices, strips] (PERSIST: + the next unit, the blocks done), zero between launches
   int M, N, K, Npad, group;
   int kchunks, cps, strips, splits, zslices;
   int spread;  // K splits through global memory: every block sums a share (Sm90Plan::spread; a cooperative launch)
@@ -676,12 +678,12 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   const T* const x = static_cast<const T*>(p.x);
   // This block's work, one unit at a time: batch slice z, strip, chunks [kc0, kc0 + nck), K range `split` of p.splits
   // (1: y stored directly). Unit u is tile u % tiles (tile = z + zslices strip) of K range u / tiles. A grid of
-  // (zslices x strips, 1, splits) blocks takes one unit a block (unit blockIdx.x + gridDim.x blockIdx.z); a persistent
-  // grid (Sm90Plan::persist blocks, WS only) walks units b, b + gridDim.x, ..., its ring running on from one unit into
-  // the next. Either way the batch slices of a strip are neighbouring units, so they run at the same time and the slices
-  // after the first find the strip's weights in L2, and the units in flight cover a few neighbouring K ranges.
+  // (zslices x strips, 1, splits) blocks takes one unit a block (unit blockIdx.x + gridDim.x blockIdx.z); on a persistent
+  // grid (PERSIST: Sm90Plan::persist blocks) block b takes unit b, then the next unit not yet taken (a counter) until none
+  // is left, its ring running on from one unit into the next. Either way units are taken in order, so the batch slices
+  // of a strip run at the same time (the slices after the first find the strip's weights in L2) and the units in flight
+  // cover a few neighbouring K ranges.
   const int tiles_per_split = p.zslices * p.strips, units = tiles_per_split * p.splits;
-  const int unit_stride = int(gridDim.x * gridDim.z);
   const int first_unit = int(blockIdx.x + gridDim.x * blockIdx.z);
   int z = 0, strip = 0, split = 0, n0 = 0, tile0 = 0, m0 = 0, kc0 = 0, nck = 0;
   auto set_unit = [&](int u) {
@@ -1037,6 +1039,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     // full[s]: the producer's expect-tx arrive + the TMA / bulk bytes;
     // empty[s]: one arrive per consumer warp once the wgmma reading stage s finished
     __shared__ std::uint64_t full_bar[S], empty_bar[S];
+    __shared__ int stage_unit[PERSIST ? S : 1];  // PERSIST: the unit whose first chunk a stage holds (-1: no more units)
     // the producer's first TMA copy needs x's tensor map: fetch it while the barriers are set up
     if (warp == C::CONSUMERS / 32 && lane == 0) asm volatile("prefetch.tensormap [%0];\n" ::"l"(&x_map) : "memory");
     if (tid == 0) {
@@ -1069,6 +1072,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         unsigned char* const st = smem + ring * C::STAGE_BYTES;
         const int g0 = group_of(kc * kTileK), rows = group_of(kc * kTileK + 48) - g0 + 1;
         if (lane == 0) {  // x (the TMA counts the whole box, zero-filled parts included), tiles, group rows
+          if (PERSIST && c == 0) stage_unit[ring] = u;  // seen by the consumers after the full barrier (release / acquire)
           // (Session 13 queued the bulk copies before x, in case the first TMA copy waited for x's tensor map: Sm90Probe 3
           // then had x's copy queued 0.03 us after the bulk copies' 0.19, and the first chunk in hand no sooner, 1.21 us
           // after the set-up barrier against 1.10; gemm4_probe-session13-run7 against -run6.)
@@ -1088,7 +1092,25 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         __syncwarp();
       }
       if constexpr (!PERSIST) break;
-      if ((u += unit_stride) >= units) break;
+      // the next unit: the first gridDim.x are the blocks' first; the rest go to whichever block asks first, so a block
+      // on a slower SM takes fewer (a static share, units b, b + gridDim.x, ..., was 1.15-1.3x slower than the same
+      // units as a grid of blocks on the H200: its slowest blocks walked all of their units slowly)
+      if (lane == 0) {
+        u = int(gridDim.x) + atomicAdd(p.counters + tiles_per_split, 1);
+        if (u >= units) {  // no unit left: say so to the consumers through the next stage, as a chunk would
+          const int ring = gc % S;
+          if (gc >= S) mbar_wait(empty_bar + ring, unsigned(gc / S - 1) & 1u);
+          stage_unit[ring] = -1;
+          mbar_arrive(full_bar + ring);
+          __threadfence();  // this block's last fetch before its departure
+          if (atomicAdd(p.counters + tiles_per_split + 1, 1) == int(gridDim.x) - 1) {  // every block has fetched its last
+            p.counters[tiles_per_split] = 0;
+            p.counters[tiles_per_split + 1] = 0;
+          }
+        }
+      }
+      u = __shfl_sync(0xffffffffu, u, 0);
+      if (u >= units) break;
       set_unit(u);
       }
       if (CLUSTER && p.splits > 1) {  // the reduction's two cluster barriers (see epilogue)
@@ -1122,7 +1144,15 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       // (a persistent grid's units: OVERLAP never hands its last chunk's stage back, so the launcher refuses the two
       // together; the epilogue of a unit through global memory, last block, uses no shared memory, so the producer may
       // already fill the ring with the next unit's chunks)
-      for (int u = first_unit;;) {
+      for (;;) {
+        if constexpr (PERSIST) {  // the unit the producer queued next (its first chunk's stage), or -1: none left
+          const int ring = gc0 % S;
+          mbar_wait(full_bar + ring, unsigned(gc0 / S) & 1u);
+          const int u = stage_unit[ring];
+          if (u < 0) break;
+          set_unit(u);
+          start_unit();
+        }
         for (int c = 0; c < nck; c += 2) {  // pairs: the two A sets alternate with static names
           consume(c, a0, a1);
           if (c + 1 < nck) consume(c + 1, a1, a0);
@@ -1130,10 +1160,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::LoopEnd, clock64());
         epilogue();
         if constexpr (!PERSIST) break;
-        if ((u += unit_stride) >= units) break;
         gc0 += nck;
-        set_unit(u);
-        start_unit();
       }
       if (C::PROBE == 3 && tid == 0) {
         sm90_trace<C>(p, sm90_trace_slot::End, clock64());
@@ -1429,7 +1456,9 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
   if (global && (reinterpret_cast<std::uintptr_t>(ws.partial) & 15)) return cudaErrorInvalidValue;  // float4 sums
   // a persistent grid: units through global memory summed by the last block (the other epilogues stage in the ring the
   // producer is already refilling, or wait for other blocks), blocks at most the units
-  if (p.persist < 0 || (p.persist > 0 && (!sm90_can_persist<C>() || !global || p.spread || p.persist > p.blocks()))) return cudaErrorInvalidValue;
+  if (p.persist < 0 || (p.persist > 0 && (!sm90_can_persist<C>() || !global || p.spread || p.persist > p.blocks() ||
+                                           ws.counter_elems < std::int64_t(p.zslices) * p.strips + 2)))
+    return cudaErrorInvalidValue;
   if (C::PROBE == 3 && trace == nullptr) return cudaErrorInvalidValue;  // the timeline's buffer: blocks x kSm90TraceSlots
   if (!qgemm_sm90_supported()) return cudaErrorNotSupported;
   auto kernel = p.cluster ? qgemm_sm90_kernel<T, C, true> : qgemm_sm90_kernel<T, C, false>;
