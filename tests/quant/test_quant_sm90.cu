@@ -116,7 +116,8 @@ TEST(QuantCudaSm90, DispatchOnLargeLayersRepeatedly) {
 // matches the CPU twin, and each block's trace points come in program order: entry, set-up, first chunk, loop end, the
 // epilogue's barriers, end (one SM's clock); the producer's first chunk queued before its last; the global timer at
 // entry before the one at the end. One K range, and 3 K ranges summed each way: in a cluster, spread, and by the
-// tile's last block (only that block reaches the stores).
+// tile's last block (only that block reaches the stores), the last also on a persistent grid of two blocks (the units
+// each took add up to all of them once).
 TEST(QuantCudaSm90, TimelineProbeComputesAndTracesInOrder) {
   REQUIRE_SM90();
   using P = kq::Sm90Probe<kq::detail::Sm90Tiny, 3>;
@@ -129,20 +130,25 @@ TEST(QuantCudaSm90, TimelineProbeComputesAndTracesInOrder) {
   struct Way {
     int splits;
     kq::Sm90Reduce reduce;
+    int persist = 0;
   };
   for (const Way way : {Way{1, kq::Sm90Reduce::Global}, Way{3, kq::Sm90Reduce::Cluster}, Way{3, kq::Sm90Reduce::Global},
-                        Way{3, kq::Sm90Reduce::GlobalLast}}) {
-    const auto plan = kq::plan_qgemm_sm90<P>(tc.shape, kq::detail::sm90_capacity<P>(sms), way.splits, way.reduce);
+                        Way{3, kq::Sm90Reduce::GlobalLast}, Way{3, kq::Sm90Reduce::GlobalLast, 2}}) {
+    auto plan = kq::plan_qgemm_sm90<P>(tc.shape, kq::detail::sm90_capacity<P>(sms), way.splits, way.reduce);
+    if (way.persist > 0) {  // two blocks taking the units (a persistent grid; the test grid fits the GPU, so set by hand)
+      plan.persist = way.persist;
+      plan.counter_elems += 2;
+    }
     const std::string what = "timeline probe (" + kq::describe(plan) + ")";
-    Dev<std::uint64_t> trace(std::size_t(plan.blocks()) * kSlots);
+    Dev<std::uint64_t> trace(std::size_t(plan.grid_blocks()) * kSlots);
     SQUEEZE_CUDA_CHECK(cudaMemset(trace.p, 0, trace.n * sizeof(std::uint64_t)));
     launches_match_twin(tc, plan.partial_elems, plan.counter_elems, 1, what, 0x1p-7, [&](const kq::QGemmWorkspace& ws) {
       return kq::detail::launch_qgemm_sm90_cfg<bf16, P>(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, plan, ws, nullptr, trace.p);
     });
     if (::testing::Test::HasFatalFailure()) return;
     const std::vector<std::uint64_t> v = trace.get();
-    std::int64_t stored = 0;
-    for (std::int64_t b = 0; b < plan.blocks(); ++b) {
+    std::int64_t stored = 0, units = 0;
+    for (std::int64_t b = 0; b < plan.grid_blocks(); ++b) {
       const std::uint64_t* at = v.data() + b * kSlots;
       SCOPED_TRACE(what + " block " + std::to_string(b));
       EXPECT_GT(at[slot::Entry], 0u);
@@ -165,9 +171,13 @@ TEST(QuantCudaSm90, TimelineProbeComputesAndTracesInOrder) {
       EXPECT_LE(at[slot::ProducerStart], at[slot::ProducerX]);
       EXPECT_LE(at[slot::ProducerX], at[slot::QueuedFirst]);
       EXPECT_LE(at[slot::QueuedFirst], at[slot::QueuedLast]);
+      EXPECT_GE(at[slot::Units], 1u);
+      if (plan.persist == 0) EXPECT_EQ(at[slot::Units], 1u);
+      units += std::int64_t(at[slot::Units]);
     }
+    EXPECT_EQ(units, plan.blocks()) << what;  // every unit taken once
     const bool last_block = plan.splits > 1 && !plan.cluster && !plan.spread;
-    EXPECT_EQ(stored, last_block ? std::int64_t(plan.zslices) * plan.strips : plan.blocks()) << what;
+    if (plan.persist == 0) EXPECT_EQ(stored, last_block ? std::int64_t(plan.zslices) * plan.strips : plan.blocks()) << what;
   }
 }
 // The library's entry (quant_gemm_cuda, what QuantizedLinear calls): on sm_90a builds the wgmma kernel for 4-bit

@@ -628,6 +628,8 @@ enum : int {
   EpilogueStored,  // after the stores (0 where not reached: not the last block of a last-block reduction)
   ProducerStart,   // the producer before it queues its first chunk
   ProducerX,       // ... after that chunk's x (before its bulk copies)
+  Units,           // the units the block took (1 but on a persistent grid; there the points above are its first unit's
+                   // up to FirstChunk and QueuedFirst, its last unit's from LoopEnd and QueuedLast)
   Count
 };
 }  // namespace sm90_trace_slot
@@ -1144,6 +1146,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       // (a persistent grid's units: OVERLAP never hands its last chunk's stage back, so the launcher refuses the two
       // together; the epilogue of a unit through global memory, last block, uses no shared memory, so the producer may
       // already fill the ring with the next unit's chunks)
+      int units_taken = 0;  // (Sm90Probe 3's timeline)
       for (;;) {
         if constexpr (PERSIST) {  // the unit the producer queued next (its first chunk's stage), or -1: none left
           const int ring = gc0 % S;
@@ -1159,10 +1162,12 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         }
         if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::LoopEnd, clock64());
         epilogue();
+        ++units_taken;
         if constexpr (!PERSIST) break;
         gc0 += nck;
       }
       if (C::PROBE == 3 && tid == 0) {
+        sm90_trace<C>(p, sm90_trace_slot::Units, units_taken);
         sm90_trace<C>(p, sm90_trace_slot::End, clock64());
         sm90_trace<C>(p, sm90_trace_slot::EndNs, global_ns());
       }
