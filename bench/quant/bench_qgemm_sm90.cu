@@ -304,11 +304,12 @@ struct Timeline {
 };
 template <class C>
 Timeline trace_cfg(const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16* y, int sm, int reps, kq::Sm90Reduce reduce = kq::Sm90Reduce::Auto,
-                   int splits = 0) {
+                   int splits = 0, int persist = 0) {
   using P = kq::Sm90Probe<C, 3>;
   constexpr int S = kq::detail::kSm90TraceSlots;
   namespace T = kq::detail::sm90_trace_slot;
-  const auto plan = kq::plan_qgemm_sm90<C>(s, kq::detail::sm90_capacity<C>(sm), splits, reduce);
+  auto plan = kq::plan_qgemm_sm90<C>(s, kq::detail::sm90_capacity<C>(sm), splits, reduce);
+  if (persist > 0 && plan.persist > 0) plan.persist = persist;  // another grid size for the persistent kernel
   const Workspace ws({nullptr, plan.partial_elems, nullptr, plan.counter_elems});
   const std::size_t blocks = std::size_t(plan.grid_blocks());
   DevBuf<std::uint64_t> trace(blocks * S), note(1);
@@ -554,7 +555,7 @@ int main(int argc, char** argv) {
         for (const auto& t : pr) std::printf("  %s/%d %.4f", t.name.c_str(), t.splits, t.ms);
         std::printf("  (ms; read of the 4-bit tiles %.4f)\n", read4_ms);
       }
-      Timeline tl, tl_persist;
+      Timeline tl, tl_persist, tl_persist_all;
       auto print_timeline = [](const Timeline& t) {
         std::printf("  timeline %s: launch %.2f skew %.2f span %.2f us | per block (median) set-up %.2f, first chunk %.2f, loop %.2f, epilogue %.2f "
                     "(wait %.2f, stage %.2f, store %.2f, rest %.2f), all %.2f (max %.2f) us, units %d (max %d); producer queued chunk 1 at %.2f (starts %.2f, "
@@ -577,6 +578,14 @@ int main(int argc, char** argv) {
           return trace_cfg<C>(L, s, x.p, y.p, sm, 7, kq::Sm90Reduce::Persist, plan.splits);
         });
         if (!tl_persist.cfg.empty()) print_timeline(tl_persist);
+        // ... and the persistent kernel on a block per unit (its code, the grid's scheduling)
+        tl_persist_all = kq::detail::with_sm90_cfg(s, [&](auto c) {
+          using C = decltype(c);
+          const auto walk = kq::plan_qgemm_sm90<C>(s, kq::detail::sm90_capacity<C>(sm), tl_persist.cfg.empty() ? 1 : 0, kq::Sm90Reduce::Auto);
+          if (tl_persist.cfg.empty()) return Timeline{};
+          return trace_cfg<C>(L, s, x.p, y.p, sm, 7, kq::Sm90Reduce::Persist, walk.splits, int(walk.blocks()));
+        });
+        if (!tl_persist_all.cfg.empty()) print_timeline(tl_persist_all);
       }
       std::vector<Timed> sv;
       if (streaming && kq::qgemv_reason(s).empty()) time_qgemv_cfgs(kq::detail::QGemvTuningCfgs{}, L, s, x.p, y.p, y.n, ref, sm, reps, sv);
@@ -639,6 +648,7 @@ int main(int argc, char** argv) {
         };
         timeline_json("timeline_us", tl);
         timeline_json("timeline_persist_us", tl_persist);
+        timeline_json("timeline_persist_all_us", tl_persist_all);
         j << "}";
         out << j.str() << "\n";
         out.flush();
