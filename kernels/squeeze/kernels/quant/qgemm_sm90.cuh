@@ -1122,11 +1122,18 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       return;  // the consumers wait for every copy it queued (full barriers) before they leave
     } else {
       if constexpr (C::PRODUCERS == 128) set_max_regs_inc<C::CONSUMER_REGS>();
-      int gc0 = 0;  // chunks of the units before this one (the ring position of its chunk 0)
-      auto consume = [&](int c, auto& a_cur, auto& a_other) {  // chunk c of the unit's K range, from ring stage (gc0 + c) % S
-        const int gc = gc0 + c, ring = gc % S;
-        mbar_wait(full_bar + ring, unsigned(gc / S) & 1u);
-        if (C::PROBE == 3 && gc == 0 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::FirstChunk, clock64());
+      // PERSIST: the ring position of the next chunk, its stage and the parity of that stage's use, advanced by one per
+      // chunk (one unit a block: chunk c's, c % S). (Counted this way rather than from the chunks of the units before,
+      // which the compiler keeps in vector registers once they depend on a unit read at run time: every wgmma descriptor
+      // and barrier address then took a conversion to a uniform register, ~18% more instructions in the main loop, and
+      // spills; the loop ran 1.32x as long as the grid kernel's on the H200, gemm4_probe-session15-run5.)
+      int stage = 0;
+      unsigned stage_parity = 0;
+      int units_taken = 0;  // (Sm90Probe 3's timeline)
+      auto consume = [&](int c, auto& a_cur, auto& a_other) {  // chunk c of the unit's K range, from ring stage `stage`
+        const int ring = PERSIST ? stage : c % S;
+        mbar_wait(full_bar + ring, PERSIST ? stage_parity : unsigned(c / S) & 1u);
+        if (C::PROBE == 3 && c == 0 && units_taken == 0 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::FirstChunk, clock64());
         __syncwarp();  // converged again before the .aligned wgmma operations
         if constexpr (C::PROBE == 2) {
           if (lane == 0) mbar_arrive(empty_bar + ring);
@@ -1140,18 +1147,20 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         if constexpr (C::GSCALE)
           if (c + 1 == nck || (kc0 + c + 1) * kTileK >= next_group_k) scale_group();
         // the stage the finished wgmma read goes back to the producer (OVERLAP: the chunk before's)
-        if (lane == 0 && (!C::OVERLAP || c > 0)) mbar_arrive(empty_bar + (C::OVERLAP ? (gc + S - 1) % S : ring));
+        if (lane == 0 && (!C::OVERLAP || c > 0)) mbar_arrive(empty_bar + (C::OVERLAP ? (ring + S - 1) % S : ring));
         __syncwarp();
+        if (PERSIST && ++stage == S) {
+          stage = 0;
+          stage_parity ^= 1u;
+        }
       };
       // (a persistent grid's units: OVERLAP never hands its last chunk's stage back, so the launcher refuses the two
       // together; the epilogue of a unit through global memory, last block, uses no shared memory, so the producer may
       // already fill the ring with the next unit's chunks)
-      int units_taken = 0;  // (Sm90Probe 3's timeline)
       for (;;) {
         if constexpr (PERSIST) {  // the unit the producer queued next (its first chunk's stage), or -1: none left
-          const int ring = gc0 % S;
-          mbar_wait(full_bar + ring, unsigned(gc0 / S) & 1u);
-          const int u = stage_unit[ring];
+          mbar_wait(full_bar + stage, stage_parity);
+          const int u = __shfl_sync(0xffffffffu, stage_unit[stage], 0);
           if (u < 0) break;
           set_unit(u);
           start_unit();
@@ -1164,7 +1173,6 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         epilogue();
         ++units_taken;
         if constexpr (!PERSIST) break;
-        gc0 += nck;
       }
       if (C::PROBE == 3 && tid == 0) {
         sm90_trace<C>(p, sm90_trace_slot::Units, units_taken);
