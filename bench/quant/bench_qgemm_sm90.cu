@@ -5,8 +5,7 @@
 //   mma      qgemm_cuda (the mma.sync kernel) at every M
 //   wg_*     every wgmma configuration of kq::detail::Sm90TuningCfgs at K splits {its plan, 1, 2, 3, 4, 6, 8, 12, 16} (--splits), each
 //            K-split count reduced each way (in a cluster up to 8; through global memory summed by every block of a
-//            tile where the grid fits the GPU, "spread", and by the tile's last block, "global", also on a persistent
-//            grid of at most the GPU's slots where the units are more, "persist")
+//            tile where the grid fits the GPU, "spread", and by the tile's last block, "global")
 //   sv_*     (--streaming) every configuration of the streaming kernel (qgemv.cuh, M <= 16) with its own plan
 //   probes   (--probes) kq::detail::Sm90ProbeCfgs at their own plans: the dispatched forms without their decode
 //            (_probe1) or without any consumer work (_probe2), i.e. what the copies alone cost; results not checked
@@ -165,12 +164,9 @@ void check_and_time(const std::string& name, const std::string& plan, int splits
   out.push_back(t);
 }
 
-// A plan's K-split reduction in the results: "cluster", "spread" (global memory, every block of a tile sums a share),
-// "global" (global memory, the tile's last block sums) or "persist" (the same on a persistent grid, Sm90Plan::persist);
-// "" for one K range.
-std::string reduce_name(const kq::Sm90Plan& plan) {
-  return plan.splits == 1 ? "" : plan.cluster ? "cluster" : plan.spread ? "spread" : plan.persist > 0 ? "persist" : "global";
-}
+// A plan's K-split reduction in the results: "cluster", "spread" (global memory, every block of a tile sums a share)
+// or "global" (global memory, the tile's last block sums); "" for one K range.
+std::string reduce_name(const kq::Sm90Plan& plan) { return plan.splits == 1 ? "" : plan.cluster ? "cluster" : plan.spread ? "spread" : "global"; }
 
 // Per configuration: blocks the GPU holds at once (the cluster kernels, the global ones), and clusters of 1..8 blocks (sm90_capacity).
 template <class... Cs>
@@ -213,7 +209,7 @@ void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape&
       return;
     std::set<std::pair<int, std::string>> seen;  // (splits, reduction) already timed
     for (const int sp : split_counts)
-      for (const auto reduce : {kq::Sm90Reduce::Cluster, kq::Sm90Reduce::Global, kq::Sm90Reduce::GlobalLast, kq::Sm90Reduce::Persist}) {
+      for (const auto reduce : {kq::Sm90Reduce::Cluster, kq::Sm90Reduce::Global, kq::Sm90Reduce::GlobalLast}) {
         const auto plan = kq::plan_qgemm_sm90<C>(s, kq::detail::sm90_capacity<C>(sm), sp, sp == 0 ? kq::Sm90Reduce::Auto : reduce);
         if (!seen.insert({plan.splits, reduce_name(plan)}).second) continue;
         const Workspace ws({nullptr, plan.partial_elems, nullptr, plan.counter_elems});
@@ -299,19 +295,15 @@ struct Timeline {
   double epi_wait = 0, epi_stage = 0, epi_store = 0, epi_tail = 0;
   // the producer's first chunk: from entry to its first copy, its x (TMA), its bulk copies
   double issue_start = 0, issue_bulk = 0, issue_x = 0;
-  // units per block (a persistent grid: median and most; its loop then spans every unit's loop and epilogue but the last's)
-  int units = 1, units_max = 1;
 };
 template <class C>
-Timeline trace_cfg(const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16* y, int sm, int reps, kq::Sm90Reduce reduce = kq::Sm90Reduce::Auto,
-                   int splits = 0, int persist = 0) {
+Timeline trace_cfg(const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16* y, int sm, int reps) {
   using P = kq::Sm90Probe<C, 3>;
   constexpr int S = kq::detail::kSm90TraceSlots;
   namespace T = kq::detail::sm90_trace_slot;
-  auto plan = kq::plan_qgemm_sm90<C>(s, kq::detail::sm90_capacity<C>(sm), splits, reduce);
-  if (persist > 0 && plan.persist > 0) plan.persist = persist;  // another grid size for the persistent kernel
+  const auto plan = kq::plan_qgemm_sm90<C>(s, kq::detail::sm90_capacity<C>(sm));
   const Workspace ws({nullptr, plan.partial_elems, nullptr, plan.counter_elems});
-  const std::size_t blocks = std::size_t(plan.grid_blocks());
+  const std::size_t blocks = std::size_t(plan.blocks());
   DevBuf<std::uint64_t> trace(blocks * S), note(1);
   auto launch = [&] { SQUEEZE_CUDA_CHECK((kq::detail::launch_qgemm_sm90_cfg<bf16, P>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws.ws, nullptr, trace.p))); };
   launch();
@@ -331,7 +323,6 @@ Timeline trace_cfg(const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16*
     std::vector<std::uint64_t> starts;
     std::vector<double> ghz, setup, first, loop, epi, all, qf, ql, e_wait, e_stage, e_store, e_tail, i_start, i_bulk, i_x;
     std::vector<int> per_sm(1024, 0);
-    std::vector<double> units;
     for (std::size_t b = 0; b < blocks; ++b) {
       const std::uint64_t* v = t.data() + b * S;
       first_in = std::min(first_in, v[T::EntryNs]);
@@ -345,7 +336,6 @@ Timeline trace_cfg(const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16*
       loop.push_back(double(v[T::LoopEnd] - v[T::FirstChunk]));
       epi.push_back(double(v[T::End] - v[T::LoopEnd]));
       all.push_back(double(v[T::End] - v[T::Entry]));
-      units.push_back(double(v[T::Units]));
       qf.push_back(double(v[T::QueuedFirst] - v[T::Entry]));
       ql.push_back(double(v[T::QueuedLast] - v[T::Entry]));
       i_start.push_back(double(v[T::ProducerStart] - v[T::Entry]));
@@ -383,8 +373,6 @@ Timeline trace_cfg(const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16*
     tl.issue_start = median(i_start) * us_per_cycle;
     tl.issue_bulk = median(i_bulk) * us_per_cycle;
     tl.issue_x = median(i_x) * us_per_cycle;
-    tl.units = int(median(units));
-    tl.units_max = int(*std::max_element(units.begin(), units.end()));
     std::sort(starts.begin(), starts.end());
     std::uint64_t tick = 0;
     for (std::size_t i = 1; i < starts.size(); ++i)
@@ -555,37 +543,15 @@ int main(int argc, char** argv) {
         for (const auto& t : pr) std::printf("  %s/%d %.4f", t.name.c_str(), t.splits, t.ms);
         std::printf("  (ms; read of the 4-bit tiles %.4f)\n", read4_ms);
       }
-      Timeline tl, tl_persist, tl_persist_all;
-      auto print_timeline = [](const Timeline& t) {
-        std::printf("  timeline %s: launch %.2f skew %.2f span %.2f us | per block (median) set-up %.2f, first chunk %.2f, loop %.2f, epilogue %.2f "
-                    "(wait %.2f, stage %.2f, store %.2f, rest %.2f), all %.2f (max %.2f) us, units %d (max %d); producer queued chunk 1 at %.2f (starts %.2f, "
-                    "x %.2f, bulk %.2f), the last at %.2f us | %.2f GHz, %d blocks, <= %d per SM, timer tick %d ns\n",
-                    t.cfg.c_str(), t.launch, t.skew, t.span, t.setup, t.first, t.loop, t.epilogue, t.epi_wait, t.epi_stage, t.epi_store, t.epi_tail, t.block,
-                    t.block_max, t.units, t.units_max, t.queued_first, t.issue_start, t.issue_x, t.issue_bulk, t.queued_last, t.ghz, t.blocks, t.max_per_sm,
-                    t.tick_ns);
-      };
+      Timeline tl;
       if (timeline && dispatch_run && kq::quant_gemm_uses_sm90(s)) {
         watchdog_note(cs + " timeline");
         tl = kq::detail::with_sm90_cfg(s, [&](auto c) { return trace_cfg<decltype(c)>(L, s, x.p, y.p, sm, 7); });
-        print_timeline(tl);
-        // where the dispatched plan's units outnumber the GPU's slots (K splits summed by the last block), the same units on
-        // a persistent grid too
-        tl_persist = kq::detail::with_sm90_cfg(s, [&](auto c) {
-          using C = decltype(c);
-          const auto plan = kq::plan_qgemm_sm90<C>(s, kq::detail::sm90_capacity<C>(sm));
-          const auto walk = kq::plan_qgemm_sm90<C>(s, kq::detail::sm90_capacity<C>(sm), plan.splits, kq::Sm90Reduce::Persist);
-          if (plan.splits == 1 || plan.cluster || plan.spread || walk.persist == 0) return Timeline{};
-          return trace_cfg<C>(L, s, x.p, y.p, sm, 7, kq::Sm90Reduce::Persist, plan.splits);
-        });
-        if (!tl_persist.cfg.empty()) print_timeline(tl_persist);
-        // ... and the persistent kernel on a block per unit (its code, the grid's scheduling)
-        tl_persist_all = kq::detail::with_sm90_cfg(s, [&](auto c) {
-          using C = decltype(c);
-          const auto walk = kq::plan_qgemm_sm90<C>(s, kq::detail::sm90_capacity<C>(sm), tl_persist.cfg.empty() ? 1 : 0, kq::Sm90Reduce::Auto);
-          if (tl_persist.cfg.empty()) return Timeline{};
-          return trace_cfg<C>(L, s, x.p, y.p, sm, 7, kq::Sm90Reduce::Persist, walk.splits, int(walk.blocks()));
-        });
-        if (!tl_persist_all.cfg.empty()) print_timeline(tl_persist_all);
+        std::printf("  timeline %s: launch %.2f skew %.2f span %.2f us | per block (median) set-up %.2f, first chunk %.2f, loop %.2f, epilogue %.2f "
+                    "(wait %.2f, stage %.2f, store %.2f, rest %.2f), all %.2f (max %.2f) us; producer queued chunk 1 at %.2f (starts %.2f, x %.2f, bulk %.2f), "
+                    "the last at %.2f us | %.2f GHz, %d blocks, <= %d per SM, timer tick %d ns\n",
+                    tl.cfg.c_str(), tl.launch, tl.skew, tl.span, tl.setup, tl.first, tl.loop, tl.epilogue, tl.epi_wait, tl.epi_stage, tl.epi_store, tl.epi_tail,
+                    tl.block, tl.block_max, tl.queued_first, tl.issue_start, tl.issue_x, tl.issue_bulk, tl.queued_last, tl.ghz, tl.blocks, tl.max_per_sm, tl.tick_ns);
       }
       std::vector<Timed> sv;
       if (streaming && kq::qgemv_reason(s).empty()) time_qgemv_cfgs(kq::detail::QGemvTuningCfgs{}, L, s, x.p, y.p, y.n, ref, sm, reps, sv);
@@ -636,19 +602,15 @@ int main(int argc, char** argv) {
           j << (i ? ", " : "") << "{\"cfg\": \"" << sv[i].name << "\", \"parts\": " << sv[i].splits << ", \"ms\": " << sv[i].ms
             << ", \"rel_err\": " << json_num(sv[i].err) << "}";
         j << "]";
-        auto timeline_json = [&](const char* key, const Timeline& t) {
-          if (t.cfg.empty()) return;
-          j << ", \"" << key << "\": {\"cfg\": \"" << t.cfg << "\", \"launch\": " << t.launch << ", \"skew\": " << t.skew << ", \"span\": " << t.span
-            << ", \"setup\": " << t.setup << ", \"first_chunk\": " << t.first << ", \"loop\": " << t.loop << ", \"epilogue\": " << t.epilogue
-            << ", \"epilogue_wait\": " << t.epi_wait << ", \"epilogue_stage\": " << t.epi_stage << ", \"epilogue_store\": " << t.epi_store
-            << ", \"epilogue_rest\": " << t.epi_tail << ", \"issue_start\": " << t.issue_start << ", \"issue_bulk\": " << t.issue_bulk
-            << ", \"issue_x\": " << t.issue_x << ", \"block\": " << t.block << ", \"block_max\": " << t.block_max << ", \"queued_first\": " << t.queued_first
-            << ", \"queued_last\": " << t.queued_last << ", \"ghz\": " << t.ghz << ", \"blocks\": " << t.blocks << ", \"max_per_sm\": " << t.max_per_sm
-            << ", \"timer_tick_ns\": " << t.tick_ns << ", \"units\": " << t.units << ", \"units_max\": " << t.units_max << "}";
-        };
-        timeline_json("timeline_us", tl);
-        timeline_json("timeline_persist_us", tl_persist);
-        timeline_json("timeline_persist_all_us", tl_persist_all);
+        if (!tl.cfg.empty())
+          j << ", \"timeline_us\": {\"cfg\": \"" << tl.cfg << "\", \"launch\": " << tl.launch << ", \"skew\": " << tl.skew << ", \"span\": " << tl.span
+            << ", \"setup\": " << tl.setup << ", \"first_chunk\": " << tl.first << ", \"loop\": " << tl.loop << ", \"epilogue\": " << tl.epilogue
+            << ", \"epilogue_wait\": " << tl.epi_wait << ", \"epilogue_stage\": " << tl.epi_stage << ", \"epilogue_store\": " << tl.epi_store
+            << ", \"epilogue_rest\": " << tl.epi_tail << ", \"issue_start\": " << tl.issue_start << ", \"issue_bulk\": " << tl.issue_bulk
+            << ", \"issue_x\": " << tl.issue_x
+            << ", \"block\": " << tl.block << ", \"block_max\": " << tl.block_max << ", \"queued_first\": " << tl.queued_first
+            << ", \"queued_last\": " << tl.queued_last << ", \"ghz\": " << tl.ghz << ", \"blocks\": " << tl.blocks << ", \"max_per_sm\": " << tl.max_per_sm
+            << ", \"timer_tick_ns\": " << tl.tick_ns << "}";
         j << "}";
         out << j.str() << "\n";
         out.flush();

@@ -33,29 +33,6 @@ void sm90_cfg_runs(const TwinCase<T>& tc, const std::vector<int>& split_counts, 
                           });
       if (::testing::Test::HasFatalFailure()) return;
     }
-  // a persistent grid (Sm90Plan::persist) over the last-block plan's units: one block taking all of them (its ring
-  // runs on from unit to unit), and a third of the blocks plus one (they take the units left through the counter)
-  for (const int sp : split_counts) {
-    const auto last = kq::plan_qgemm_sm90<C>(tc.shape, kq::detail::sm90_capacity<C>(sm_count()), sp, kq::Sm90Reduce::GlobalLast);
-    if (sp <= 1 || last.splits == 1) continue;
-    for (const std::int64_t persist : {std::int64_t(1), last.blocks() / 3 + 1}) {
-      kq::Sm90Plan plan = last;
-      plan.persist = int(persist);
-      plan.counter_elems += 2;  // the unit counter and the blocks done (what plan_qgemm_sm90 adds for Persist)
-      auto launch = [&](const kq::QGemmWorkspace& ws) {
-        return kq::detail::launch_qgemm_sm90_cfg<T, C>(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, plan, ws, nullptr);
-      };
-      if constexpr (kq::sm90_can_persist<C>()) {
-        launches_match_twin(tc, plan.partial_elems, plan.counter_elems, reps, kq::detail::sm90_cfg_name<C>() + " (" + kq::describe(plan) + ")", rel,
-                            launch);
-        if (::testing::Test::HasFatalFailure()) return;
-      } else {  // OVERLAP, or the block-synchronous ring: refused
-        Dev<float> part(std::size_t(plan.partial_elems));
-        Dev<int> cnt(std::vector<int>(std::size_t(plan.counter_elems), 0));
-        EXPECT_EQ(launch({part.p, plan.partial_elems, cnt.p, plan.counter_elems}), cudaErrorInvalidValue) << kq::detail::sm90_cfg_name<C>();
-      }
-    }
-  }
 }
 template <class T, class... Cs>
 void sm90_all_cfgs(kq::detail::CfgList<Cs...>, const TwinCase<T>& tc, const std::vector<int>& split_counts) {
@@ -66,9 +43,8 @@ void sm90_all_cfgs(kq::detail::CfgList<Cs...>, const TwinCase<T>& tc, const std:
 // y's rows are not 16-byte aligned, so the epilogue stores element by element) and with groups of 128 N 296 (16-byte
 // rows, stored 8 features at a time; a partial tile), K 1096 (a multiple of 8, padded to 1152),
 // groups of 32 with act-order (four groups per chunk, x gathered by perm), 128 and per channel; the plan's
-// K splits and forced 1, 3 and 7, each summed in a cluster and both ways through global memory, and the last-block
-// form on persistent grids of 1 and blocks / 3 + 1 blocks (sm90_cfg_runs). The GSCALE configurations refuse the groups
-// of 32 (not whole 64-k chunks); the configurations that cannot persist refuse a persistent plan.
+// K splits and forced 1, 3 and 7, each summed in a cluster and both ways through global memory (sm90_cfg_runs). The GSCALE
+// configurations refuse the groups of 32 (not whole 64-k chunks).
 TEST(QuantCudaSm90, EveryConfigurationMatchesCpuTwin) {
   REQUIRE_SM90();
   for (int group : {32, 128, 0}) {
@@ -116,8 +92,7 @@ TEST(QuantCudaSm90, DispatchOnLargeLayersRepeatedly) {
 // matches the CPU twin, and each block's trace points come in program order: entry, set-up, first chunk, loop end, the
 // epilogue's barriers, end (one SM's clock); the producer's first chunk queued before its last; the global timer at
 // entry before the one at the end. One K range, and 3 K ranges summed each way: in a cluster, spread, and by the
-// tile's last block (only that block reaches the stores), the last also on a persistent grid of two blocks (the units
-// each took add up to all of them once).
+// tile's last block (only that block reaches the stores).
 TEST(QuantCudaSm90, TimelineProbeComputesAndTracesInOrder) {
   REQUIRE_SM90();
   using P = kq::Sm90Probe<kq::detail::Sm90Tiny, 3>;
@@ -130,25 +105,20 @@ TEST(QuantCudaSm90, TimelineProbeComputesAndTracesInOrder) {
   struct Way {
     int splits;
     kq::Sm90Reduce reduce;
-    int persist = 0;
   };
   for (const Way way : {Way{1, kq::Sm90Reduce::Global}, Way{3, kq::Sm90Reduce::Cluster}, Way{3, kq::Sm90Reduce::Global},
-                        Way{3, kq::Sm90Reduce::GlobalLast}, Way{3, kq::Sm90Reduce::GlobalLast, 2}}) {
-    auto plan = kq::plan_qgemm_sm90<P>(tc.shape, kq::detail::sm90_capacity<P>(sms), way.splits, way.reduce);
-    if (way.persist > 0) {  // two blocks taking the units (a persistent grid; the test grid fits the GPU, so set by hand)
-      plan.persist = way.persist;
-      plan.counter_elems += 2;
-    }
+                        Way{3, kq::Sm90Reduce::GlobalLast}}) {
+    const auto plan = kq::plan_qgemm_sm90<P>(tc.shape, kq::detail::sm90_capacity<P>(sms), way.splits, way.reduce);
     const std::string what = "timeline probe (" + kq::describe(plan) + ")";
-    Dev<std::uint64_t> trace(std::size_t(plan.grid_blocks()) * kSlots);
+    Dev<std::uint64_t> trace(std::size_t(plan.blocks()) * kSlots);
     SQUEEZE_CUDA_CHECK(cudaMemset(trace.p, 0, trace.n * sizeof(std::uint64_t)));
     launches_match_twin(tc, plan.partial_elems, plan.counter_elems, 1, what, 0x1p-7, [&](const kq::QGemmWorkspace& ws) {
       return kq::detail::launch_qgemm_sm90_cfg<bf16, P>(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, plan, ws, nullptr, trace.p);
     });
     if (::testing::Test::HasFatalFailure()) return;
     const std::vector<std::uint64_t> v = trace.get();
-    std::int64_t stored = 0, units = 0;
-    for (std::int64_t b = 0; b < plan.grid_blocks(); ++b) {
+    std::int64_t stored = 0;
+    for (std::int64_t b = 0; b < plan.blocks(); ++b) {
       const std::uint64_t* at = v.data() + b * kSlots;
       SCOPED_TRACE(what + " block " + std::to_string(b));
       EXPECT_GT(at[slot::Entry], 0u);
@@ -171,13 +141,9 @@ TEST(QuantCudaSm90, TimelineProbeComputesAndTracesInOrder) {
       EXPECT_LE(at[slot::ProducerStart], at[slot::ProducerX]);
       EXPECT_LE(at[slot::ProducerX], at[slot::QueuedFirst]);
       EXPECT_LE(at[slot::QueuedFirst], at[slot::QueuedLast]);
-      EXPECT_GE(at[slot::Units], 1u);
-      if (plan.persist == 0) EXPECT_EQ(at[slot::Units], 1u);
-      units += std::int64_t(at[slot::Units]);
     }
-    EXPECT_EQ(units, plan.blocks()) << what;  // every unit taken once
     const bool last_block = plan.splits > 1 && !plan.cluster && !plan.spread;
-    if (plan.persist == 0) EXPECT_EQ(stored, last_block ? std::int64_t(plan.zslices) * plan.strips : plan.blocks()) << what;
+    EXPECT_EQ(stored, last_block ? std::int64_t(plan.zslices) * plan.strips : plan.blocks()) << what;
   }
 }
 // The library's entry (quant_gemm_cuda, what QuantizedLinear calls): on sm_90a builds the wgmma kernel for 4-bit
@@ -331,55 +297,6 @@ TEST(QuantCudaSm90, SpreadReductionOnlyWhereTheGridFitsTheGpu) {
   const auto one = kq::plan_qgemm_sm90<Tiny>(s, kq::sm90_even_capacity<Tiny>(132), 1, kq::Sm90Reduce::Global);
   EXPECT_EQ(one.splits, 1);
   EXPECT_FALSE(one.spread);
-}
-// A persistent grid (Sm90Plan::persist: K splits summed by the last block, blocks walking the units) only where the units
-// outnumber the GPU's slots, with a block per slot, and only for configurations whose ring can run on from unit to unit
-// (warp-specialised, no OVERLAP); the launcher refuses it with the other reductions and past the units. Host logic only.
-TEST(QuantCudaSm90, PersistentGridOnlyWhereTheUnitsOutnumberTheSlots) {
-  using Large = kq::Sm90Cfg<16, 2, 5, 3, false, true>;  // three blocks per SM
-  const kq::QGemmShape big{1, 28672, 8192, 8192, 28672, 128, 4};  // 112 strips
-  const auto cap = kq::sm90_even_capacity<Large>(132);            // 396 slots
-  const auto walk = kq::plan_qgemm_sm90<Large>(big, cap, 7, kq::Sm90Reduce::Persist);
-  EXPECT_EQ(walk.blocks(), 784);
-  EXPECT_EQ(walk.persist, 396);
-  EXPECT_EQ(walk.grid_blocks(), 396);
-  EXPECT_EQ(walk.counter_elems, 112 + 2);  // a counter per tile, the next unit, the blocks done
-  EXPECT_FALSE(walk.cluster);
-  EXPECT_FALSE(walk.spread);
-  EXPECT_NE(kq::describe(walk).find("persistent 396 blocks"), std::string::npos) << kq::describe(walk);
-  const auto fits = kq::plan_qgemm_sm90<Large>(big, cap, 3, kq::Sm90Reduce::Persist);  // 336 units: one wave
-  EXPECT_EQ(fits.persist, 0);
-  EXPECT_EQ(fits.grid_blocks(), 336);
-  using Overlap = kq::Sm90Cfg<128, 1, 6, 1, true, true>;
-  const auto no = kq::plan_qgemm_sm90<Overlap>(big, kq::sm90_even_capacity<Overlap>(132), 7, kq::Sm90Reduce::Persist);
-  EXPECT_GT(no.blocks(), 132);
-  EXPECT_EQ(no.persist, 0);
-  EXPECT_FALSE(kq::sm90_can_persist<Overlap>());
-  EXPECT_FALSE((kq::sm90_can_persist<kq::Sm90Cfg<64, 1, 6, 2>>()));  // block-synchronous
-  // refused before any launch: persist with a cluster or spread plan, or more blocks than units
-  auto refused = [&](const kq::Sm90Plan& p, const kq::QGemmShape& shape) {  // with the workspace the plan asks for (host memory: nothing is launched)
-    std::vector<float4> part(std::size_t(p.partial_elems / 4 + 1));
-    std::vector<int> cnt(std::size_t(p.counter_elems + 1));
-    const kq::QGemmWorkspace ws{reinterpret_cast<float*>(part.data()), p.partial_elems, cnt.data(), p.counter_elems};
-    return kq::detail::launch_qgemm_sm90_cfg<half, Large>(nullptr, nullptr, nullptr, nullptr, nullptr, shape, p, ws, nullptr) == cudaErrorInvalidValue;
-  };
-  kq::Sm90Plan bad = walk;
-  bad.persist = int(walk.blocks()) + 1;
-  EXPECT_TRUE(refused(bad, big));
-  bad = walk;
-  bad.counter_elems -= 2;  // no room for the unit counter
-  EXPECT_TRUE(refused(bad, big));
-  bad = kq::plan_qgemm_sm90<Large>(big, cap, 3, kq::Sm90Reduce::Cluster);
-  bad.persist = 100;
-  EXPECT_TRUE(refused(bad, big));
-  const kq::QGemmShape batch16{16, 28672, 8192, 8192, 28672, 128, 4};
-  bad = kq::plan_qgemm_sm90<Large>(batch16, cap, 3, kq::Sm90Reduce::Global);
-  ASSERT_TRUE(bad.spread);
-  bad.persist = 100;
-  EXPECT_TRUE(refused(bad, batch16));
-  bad = kq::plan_qgemm_sm90<Large>(big, cap, 1, kq::Sm90Reduce::Global);  // one K range: y staged in the ring
-  bad.persist = 50;
-  EXPECT_TRUE(refused(bad, big));
 }
 // The dispatch table in names, host logic only (any machine): which configuration qgemm_sm90_cuda runs for a batch,
 // layer size and group. Up to M = 16: 16-row slices, three blocks per SM on layers from kSm90LargeLayer weights (with

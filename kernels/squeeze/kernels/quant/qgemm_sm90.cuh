@@ -64,6 +64,22 @@
 // 0.0343 at 2 K ranges (run 5): blocks that start at scattered K positions read the weights more slowly than K
 // ranges that move in step. K ranges of 7 (784 blocks, three even waves) were 5% slower than 2 as well (run 4).
 // Removed again.)
+// (Session 15 built a persistent grid of the (tile, K range) units instead, taken in order as the grid's blocks are, so
+// the K ranges in flight still move in step: one block per slot, the last-block reduction, the ring running on from one
+// unit into the next, so that no block starts or fills its ring anew after the first wave. The dispatched plan on 8192 x
+// 28672 at M 1..8 is two waves of 7 K ranges (784 blocks on 396 slots), and its span (50.2 us) is ~6 us longer than two
+// median blocks (21.6 us each) plus the launch. On the H200 (gemm4_probe-session15-run2..6):
+//   - a static share (units b, b + 396, ...): 1.15-1.3x the grid's time (wg_b16m2s5x3wf at 7 K ranges 0.0682 against
+//     0.0530 ms, run 2); a counter handing out the next unit to whichever block asks first was as slow (run 3);
+//   - the timeline showed why: the persistent kernel on a block per unit (the grid's scheduling, its code) ran its main
+//     loop 1.32x as long (23.5 against 17.8 us, run 5). The unit's coordinates, read at run time, put the ring position
+//     in vector registers: every wgmma descriptor and barrier address took a conversion to a uniform register, the loop
+//     ~18% more instructions, and it spilled. Counting the ring position one chunk at a time fixed that (17.1 against
+//     17.4 us, run 6);
+//   - then the persistent grid was no faster: span 52.9 against 50.2 us, its median block 44.0 us for two units but its
+//     slowest 53.1 (blocks on some SMs run ~25% longer than the median whatever units they take, and with two to four
+//     units a slot the counter cannot even that out), the first chunk later (2.7 against 1.6 us); over 7..16 K ranges
+//     0.0544-0.0581 ms against the best plan's 0.0532. Removed.)
 // Not done: 128 x 128 tiles per warpgroup (two 64 x 128 accumulators: ptxas serializes the wgmma, C7512),
 // overlapping one chunk's wgmma with the next chunk's decode in a warpgroup (C7513), 8- and 3-bit tiles.
 //
@@ -201,21 +217,14 @@ struct Sm90Plan {
   int cps = 1;           // 64-k chunks per K range
   bool cluster = false;  // K splits reduce within a cluster of `splits` blocks (else through global memory)
   bool spread = false;   // through global memory, every block of a tile sums a share (else the tile's last block sums all)
-  // > 0: a persistent grid of this many blocks (at most the GPU's slots; K splits through global memory summed by the
-  // last block, warp-specialised configurations without OVERLAP): block b takes unit b of the blocks() (tile, K range)
-  // units, then the next one no block has taken (a counter in the workspace) until none is left, with one ring: no
-  // block starts or fills its ring anew after the first wave
-  int persist = 0;
   int smem_bytes = 0;
   std::int64_t partial_elems = 0;  // fp32 [splits, M, Npad] for a reduction through global memory
-  std::int64_t counter_elems = 0;  // int32 [zslices, strips] (+ 2 for a persistent grid), zero between launches (the same)
-  std::int64_t blocks() const { return std::int64_t(zslices) * strips * splits; }  // the (tile, K range) units
-  std::int64_t grid_blocks() const { return persist > 0 ? persist : blocks(); }     // the blocks launched
+  std::int64_t counter_elems = 0;  // int32 [zslices, strips], zero between launches (the same)
+  std::int64_t blocks() const { return std::int64_t(zslices) * strips * splits; }
 };
 inline std::string describe(const Sm90Plan& p) {
   return "zslices " + std::to_string(p.zslices) + " strips " + std::to_string(p.strips) + " splits " + std::to_string(p.splits) +
-         (p.splits > 1 ? (p.cluster ? " (cluster)" : p.spread ? " (global, spread)" : " (global)") : "") +
-         (p.persist > 0 ? " persistent " + std::to_string(p.persist) + " blocks" : "") + " cps " + std::to_string(p.cps) + " smem " + std::to_string(p.smem_bytes) + " B";
+         (p.splits > 1 ? (p.cluster ? " (cluster)" : p.spread ? " (global, spread)" : " (global)") : "") + " cps " + std::to_string(p.cps) + " smem " + std::to_string(p.smem_bytes) + " B";
 }
 
 // K splits: at most 16 K ranges, at most 8 when they reduce within a cluster (a cluster of up to 8 blocks is portable).
@@ -228,9 +237,7 @@ inline constexpr int kSm90AutoClusterSplits = 6;
 // Cluster: in a cluster's distributed shared memory. Global: fp32 partials through global memory, summed by every block
 // of the tile, a share each, where the whole grid fits the GPU at once (launched cooperatively, so that the blocks may
 // wait for each other), else by the tile's last block. GlobalLast: the last block sums, whatever the grid (measurement).
-// Persist: as GlobalLast, on a persistent grid of at most the GPU's slots (Sm90Plan::persist) where the units are more
-// (measurement; configurations that cannot persist get the GlobalLast plan).
-enum class Sm90Reduce { Auto, Cluster, Global, GlobalLast, Persist };
+enum class Sm90Reduce { Auto, Cluster, Global, GlobalLast };
 // What the GPU holds of one configuration at once: `slots` blocks (SMs x blocks per SM), and clusters[k] clusters of k
 // blocks (a cluster's blocks share a GPC, so a GPC whose free slots are fewer than k wastes them: the H200 holds
 // 15 clusters of 8 one-per-SM blocks, 120 of its 132 SMs). sm90_capacity<C>(sm_count) asks the device
@@ -306,11 +313,6 @@ inline double sm90_split_cost(const QGemmShape& s, std::int64_t tiles, int split
     cost += (cluster ? 4.0 : spread ? kSm90SpreadBytes : 6.0) * splits * double(s.M) * double(s.Npad) + (cluster || spread ? 0.0 : kSm90GlobalBytes);
   return cost;
 }
-// Configurations whose blocks can walk several units (Sm90Plan::persist): the warp-specialised ring without OVERLAP.
-template <class C>
-constexpr bool sm90_can_persist() {
-  return C::WS && !C::OVERLAP;
-}
 // K splits: the count (1..16; K ranges of at least 8 chunks: with 4, 4096 x 4096 at M 9..16 took 16 splits, 10% slower
 // than 8 on the H200, gemm4_probe-session9-run6/7) and the reduction with the least sm90_split_cost, unless given.
 template <class C>
@@ -328,7 +330,7 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int split
   };
   const int limit = reduce == Sm90Reduce::Cluster ? kSm90MaxClusterSplits : kSm90MaxSplits;
   int splits = splits_override > 0 ? ranges(std::clamp<std::int64_t>(splits_override, 1, std::min<std::int64_t>(kchunks, limit))) : 1;
-  const bool global = reduce == Sm90Reduce::Global || reduce == Sm90Reduce::GlobalLast || reduce == Sm90Reduce::Persist;
+  const bool global = reduce == Sm90Reduce::Global || reduce == Sm90Reduce::GlobalLast;
   bool cluster = !global;
   if (splits_override > 0) {
     if (reduce == Sm90Reduce::Auto)
@@ -353,12 +355,9 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int split
   p.cps = int((kchunks + splits - 1) / splits);
   p.splits = int((kchunks + p.cps - 1) / p.cps);
   p.cluster = p.splits > 1 && cluster;
-  const bool last = reduce == Sm90Reduce::GlobalLast || reduce == Sm90Reduce::Persist;
-  p.spread = p.splits > 1 && !p.cluster && !last && sm90_spreads(s, p.blocks(), cap);
-  if (reduce == Sm90Reduce::Persist && sm90_can_persist<C>() && p.splits > 1 && p.blocks() > cap.slots) p.persist = cap.slots;
+  p.spread = p.splits > 1 && !p.cluster && reduce != Sm90Reduce::GlobalLast && sm90_spreads(s, p.blocks(), cap);
   p.partial_elems = p.splits > 1 && !p.cluster ? std::int64_t(p.splits) * s.M * s.Npad : 0;
   p.counter_elems = p.splits > 1 && !p.cluster ? tiles : 0;
-  if (p.persist > 0) p.counter_elems += 2;  // the next unit to take, and the blocks that found none (zero between launches)
   return p;
 }
 
@@ -602,7 +601,7 @@ struct Sm90Params {
   const std::uint8_t* zeros;   // [groups, Npad]
   void* y;                     // T [M, N]
   float* partial;              // [splits, M, Npad] (K splits through global memory)
-  int* counters;               // [zslices, strips] (PERSIST: + the next unit, the blocks done), zero between launches
+  int* counters;               // [zslices, strips], zero between launches (K splits through global memory)
   int M, N, K, Npad, group;
   int kchunks, cps, strips, splits, zslices;
   int spread;  // K splits through global memory: every block sums a share (Sm90Plan::spread; a cooperative launch)
@@ -628,8 +627,6 @@ enum : int {
   EpilogueStored,  // after the stores (0 where not reached: not the last block of a last-block reduction)
   ProducerStart,   // the producer before it queues its first chunk
   ProducerX,       // ... after that chunk's x (before its bulk copies)
-  Units,           // the units the block took (1 but on a persistent grid; there the points above are its first unit's
-                   // up to FirstChunk and QueuedFirst, its last unit's from LoopEnd and QueuedLast)
   Count
 };
 }  // namespace sm90_trace_slot
@@ -650,13 +647,8 @@ __device__ __forceinline__ void sm90_trace(const Sm90Params& p, int slot, std::u
 // the global plans ~1% slower (median) on the H200 (gemm4_probe-session10-run4 against -run5; the larger loss seen
 // in run 4 was the reduction loop, see below).
 // x_map: (WS) x as a TMA tensor map, box [64 k] x [BN rows], 128-byte swizzle (unused otherwise)
-// PERSIST (WS without OVERLAP, K splits through global memory summed by the last block): the block walks units (see
-// below). A third kernel rather than a loop in every kernel: the units' loop-carried state (unit, ring position, the
-// unit's coordinates, the group constants) cost the three-blocks-per-SM configurations (72 registers a thread)
-// 700-1200 bytes of spills when every kernel had it.
-template <class T, class C, bool CLUSTER, bool PERSIST = false>
+template <class T, class C, bool CLUSTER>
 __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const Sm90Params p, const __grid_constant__ CUtensorMap x_map) {
-  static_assert(!PERSIST || (C::WS && !C::OVERLAP && !CLUSTER), "a persistent grid: the warp-specialised ring without OVERLAP, no cluster");
 #if SQUEEZE_SM90_WGMMA
   constexpr int BN = C::BN, WM = C::WM, S = C::STAGES, STRIP = C::STRIP, TILES = C::TILES, NACC = BN / 2;
   constexpr int XB = C::X_BYTES, WB = C::W_BYTES, SB = C::S_BYTES;
@@ -678,25 +670,12 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   const int g4 = lane >> 2, c4 = lane & 3;
   const int ntiles = p.Npad / kTileN;
   const T* const x = static_cast<const T*>(p.x);
-  // This block's work, one unit at a time: batch slice z, strip, chunks [kc0, kc0 + nck), K range `split` of p.splits
-  // (1: y stored directly). Unit u is tile u % tiles (tile = z + zslices strip) of K range u / tiles. A grid of
-  // (zslices x strips, 1, splits) blocks takes one unit a block (unit blockIdx.x + gridDim.x blockIdx.z); on a persistent
-  // grid (PERSIST: Sm90Plan::persist blocks) block b takes unit b, then the next unit not yet taken (a counter) until none
-  // is left, its ring running on from one unit into the next. Either way units are taken in order, so the batch slices
-  // of a strip run at the same time (the slices after the first find the strip's weights in L2) and the units in flight
-  // cover a few neighbouring K ranges.
-  const int tiles_per_split = p.zslices * p.strips, units = tiles_per_split * p.splits;
-  const int first_unit = int(blockIdx.x + gridDim.x * blockIdx.z);
-  int z = 0, strip = 0, split = 0, n0 = 0, tile0 = 0, m0 = 0, kc0 = 0, nck = 0;
-  auto set_unit = [&](int u) {
-    const int tile = u % tiles_per_split;
-    split = u / tiles_per_split;
-    z = tile % p.zslices;
-    strip = tile / p.zslices;
-    n0 = strip * STRIP, tile0 = strip * TILES, m0 = z * BN;
-    kc0 = split * p.cps, nck = min(p.kchunks, kc0 + p.cps) - kc0;
-  };
-  set_unit(first_unit);
+  // This block's work: batch slice z, strip, chunks [kc0, kc0 + nck), K range `split` of p.splits (1: y stored
+  // directly). The batch slices of a strip are neighbouring blocks, so they run at the same time and the slices
+  // after the first find the strip's weights in L2.
+  const int z = int(blockIdx.x % p.zslices), strip = int(blockIdx.x / p.zslices), split = int(blockIdx.z);
+  const int n0 = strip * STRIP, tile0 = strip * TILES, m0 = z * BN;
+  const int kc0 = split * p.cps, nck = min(p.kchunks, kc0 + p.cps) - kc0;
   // padded k rows (k >= K) belong to the last group (x is zero there), as in the CPU twin
   auto group_of = [&](int k) { return min(k, p.K - 1) / p.group; };
 
@@ -738,16 +717,11 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   // at most once per k-step, so a compare replaces a division per k-step (Nsight Compute on the H200 had the
   // divisions at a quarter of the main loop's instructions). Starts at the first k-step's own group, so that
   // the first k-step loads its constants.
-  int next_group_k = 0;
-  // a unit's start: no sums yet, and its first k-step loads its own group's constants
-  auto start_unit = [&] {
-    next_group_k = group_of(kc0 * kTileK) * p.group;
+  int next_group_k = group_of(kc0 * kTileK) * p.group;
 #pragma unroll
-    for (int t = 0; t < WM; ++t)
+  for (int t = 0; t < WM; ++t)
 #pragma unroll
-      for (int i = 0; i < NACC; ++i) acc[t][i] = acc_group[t][i] = 0.f;
-  };
-  start_unit();
+    for (int i = 0; i < NACC; ++i) acc[t][i] = acc_group[t][i] = 0.f;
   Sm90Group grp[WM];
   // GSCALE, after the wait for a group's last chunk: its sums, times the rows' scales, into acc
   auto scale_group = [&] {
@@ -779,8 +753,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     for (int ks = 0; ks < 4; ++ks) {
       // a new group (uniform across the block); Sm90Probe 1 loads no group constants (until session 14 the timeline probe,
       // Sm90Probe 3, skipped them too: its y was wrong and its loop slightly short, TimelineProbeComputesAndTracesInOrder)
-      // (PERSIST: a unit's first k-step always loads, so the compiler sees the constants dead between units)
-      if (C::PROBE != 1 && ((PERSIST && ks == 0 && kc == kc0) || min(kc * kTileK + 16 * ks, p.K - 1) >= next_group_k)) {
+      if (C::PROBE != 1 && min(kc * kTileK + 16 * ks, p.K - 1) >= next_group_k) {
         next_group_k += p.group;
         if (ks > 0) ++grow;
         const half* srow = reinterpret_cast<const half*>(st + XB + WB) + grow * STRIP;
@@ -846,9 +819,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
           if (cc + j < cols) dst[j] = from_float<T>(v[j]);
       }
     };
-    // (PERSIST compiles only the last-block form, the one it runs: the others' registers, live while the next unit's
-    // state is, spilled)
-    if (!PERSIST && p.splits == 1) {
+    if (p.splits == 1) {
       // the tile as T through the ring, [BN][PITCH] (after the barrier every warpgroup's wgmma finished reading the
       // ring; every copy landed), then 16-byte rows out. +8 elements a row: the four rows one store writes, 2 apart,
       // fall in different banks.
@@ -940,7 +911,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     }
     int* const counter = p.counters + z * p.strips + strip;
     const std::int64_t split_stride = std::int64_t(p.M) * p.Npad;
-    if (!PERSIST && p.spread) {
+    if (p.spread) {
       // Through global memory, spread: every block of the tile sums its share, as in a cluster, from fp32 partials in L2.
       // (The last block summing all of them alone was bound by one SM's loads from L2: 11008 x 4096 at M 32, 16 K
       // ranges, took 0.0240 ms that way and 0.0204 spread, gemm4_probe-session13-run3 / -session14-run1.) Each block
@@ -1041,7 +1012,6 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     // full[s]: the producer's expect-tx arrive + the TMA / bulk bytes;
     // empty[s]: one arrive per consumer warp once the wgmma reading stage s finished
     __shared__ std::uint64_t full_bar[S], empty_bar[S];
-    __shared__ int stage_unit[PERSIST ? S : 1];  // PERSIST: the unit whose first chunk a stage holds (-1: no more units)
     // the producer's first TMA copy needs x's tensor map: fetch it while the barriers are set up
     if (warp == C::CONSUMERS / 32 && lane == 0) asm volatile("prefetch.tensormap [%0];\n" ::"l"(&x_map) : "memory");
     if (tid == 0) {
@@ -1064,56 +1034,31 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         }
         return;
       }
-      int gc = 0;  // chunks queued so far, over every unit: chunk gc goes into ring stage gc % S
-      for (int u = first_unit;;) {
       const int cols = min(STRIP, p.Npad - n0);  // features of this strip (multiple of 16)
       const unsigned wbytes = unsigned(cols / kTileN) * 512u;
-      for (int c = 0; c < nck; ++c, ++gc) {  // chunk c of the unit's K range
-        const int ring = gc % S, kc = kc0 + c;
-        if (gc >= S) mbar_wait(empty_bar + ring, unsigned(gc / S - 1) & 1u);
+      for (int c = 0; c < nck; ++c) {  // chunk c of the K range into ring stage c % S
+        const int ring = c % S, kc = kc0 + c;
+        if (c >= S) mbar_wait(empty_bar + ring, unsigned(c / S - 1) & 1u);
         unsigned char* const st = smem + ring * C::STAGE_BYTES;
         const int g0 = group_of(kc * kTileK), rows = group_of(kc * kTileK + 48) - g0 + 1;
         if (lane == 0) {  // x (the TMA counts the whole box, zero-filled parts included), tiles, group rows
-          if (PERSIST && c == 0) stage_unit[ring] = u;  // seen by the consumers after the full barrier (release / acquire)
           // (Session 13 queued the bulk copies before x, in case the first TMA copy waited for x's tensor map: Sm90Probe 3
           // then had x's copy queued 0.03 us after the bulk copies' 0.19, and the first chunk in hand no sooner, 1.21 us
           // after the set-up barrier against 1.10; gemm4_probe-session13-run7 against -run6.)
-          if (C::PROBE == 3 && gc == 0) sm90_trace<C>(p, sm90_trace_slot::ProducerStart, clock64());
+          if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, sm90_trace_slot::ProducerStart, clock64());
           mbar_arrive_expect_tx(full_bar + ring, unsigned(XB) + wbytes + unsigned(rows * cols * 3));
           tma_load_x(st, x_map, kc * kTileK, m0, full_bar + ring);
-          if (C::PROBE == 3 && gc == 0) sm90_trace<C>(p, sm90_trace_slot::ProducerX, clock64());
+          if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, sm90_trace_slot::ProducerX, clock64());
           bulk_copy_g2s(st + XB, p.tiles + (std::int64_t(kc) * ntiles + tile0) * (kTileK * kTileN / 8), wbytes, full_bar + ring);
           for (int r = 0; r < rows; ++r) {
             const std::int64_t off = std::int64_t(g0 + r) * p.Npad + n0;
             bulk_copy_g2s(st + XB + WB + r * STRIP * 2, p.scales + off, unsigned(cols * 2), full_bar + ring);
             bulk_copy_g2s(st + XB + WB + SB + r * STRIP, p.zeros + off, unsigned(cols), full_bar + ring);
           }
-          if (C::PROBE == 3 && gc == 0) sm90_trace<C>(p, sm90_trace_slot::QueuedFirst, clock64());
+          if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, sm90_trace_slot::QueuedFirst, clock64());
           if (C::PROBE == 3 && c + 1 == nck) sm90_trace<C>(p, sm90_trace_slot::QueuedLast, clock64());
         }
         __syncwarp();
-      }
-      if constexpr (!PERSIST) break;
-      // the next unit: the first gridDim.x are the blocks' first; the rest go to whichever block asks first, so a block
-      // on a slower SM takes fewer (a static share, units b, b + gridDim.x, ..., was 1.15-1.3x slower than the same
-      // units as a grid of blocks on the H200: its slowest blocks walked all of their units slowly)
-      if (lane == 0) {
-        u = int(gridDim.x) + atomicAdd(p.counters + tiles_per_split, 1);
-        if (u >= units) {  // no unit left: say so to the consumers through the next stage, as a chunk would
-          const int ring = gc % S;
-          if (gc >= S) mbar_wait(empty_bar + ring, unsigned(gc / S - 1) & 1u);
-          stage_unit[ring] = -1;
-          mbar_arrive(full_bar + ring);
-          __threadfence();  // this block's last fetch before its departure
-          if (atomicAdd(p.counters + tiles_per_split + 1, 1) == int(gridDim.x) - 1) {  // every block has fetched its last
-            p.counters[tiles_per_split] = 0;
-            p.counters[tiles_per_split + 1] = 0;
-          }
-        }
-      }
-      u = __shfl_sync(0xffffffffu, u, 0);
-      if (u >= units) break;
-      set_unit(u);
       }
       if (CLUSTER && p.splits > 1) {  // the reduction's two cluster barriers (see epilogue)
         cluster_sync();
@@ -1122,18 +1067,10 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       return;  // the consumers wait for every copy it queued (full barriers) before they leave
     } else {
       if constexpr (C::PRODUCERS == 128) set_max_regs_inc<C::CONSUMER_REGS>();
-      // PERSIST: the ring position of the next chunk, its stage and the parity of that stage's use, advanced by one per
-      // chunk (one unit a block: chunk c's, c % S). (Counted this way rather than from the chunks of the units before,
-      // which the compiler keeps in vector registers once they depend on a unit read at run time: every wgmma descriptor
-      // and barrier address then took a conversion to a uniform register, ~18% more instructions in the main loop, and
-      // spills; the loop ran 1.32x as long as the grid kernel's on the H200, gemm4_probe-session15-run5.)
-      int stage = 0;
-      unsigned stage_parity = 0;
-      int units_taken = 0;  // (Sm90Probe 3's timeline)
-      auto consume = [&](int c, auto& a_cur, auto& a_other) {  // chunk c of the unit's K range, from ring stage `stage`
-        const int ring = PERSIST ? stage : c % S;
-        mbar_wait(full_bar + ring, PERSIST ? stage_parity : unsigned(c / S) & 1u);
-        if (C::PROBE == 3 && c == 0 && units_taken == 0 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::FirstChunk, clock64());
+      auto consume = [&](int c, auto& a_cur, auto& a_other) {  // chunk c of the K range, from ring stage c % S
+        const int ring = c % S;
+        mbar_wait(full_bar + ring, unsigned(c / S) & 1u);
+        if (C::PROBE == 3 && c == 0 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::FirstChunk, clock64());
         __syncwarp();  // converged again before the .aligned wgmma operations
         if constexpr (C::PROBE == 2) {
           if (lane == 0) mbar_arrive(empty_bar + ring);
@@ -1147,35 +1084,16 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         if constexpr (C::GSCALE)
           if (c + 1 == nck || (kc0 + c + 1) * kTileK >= next_group_k) scale_group();
         // the stage the finished wgmma read goes back to the producer (OVERLAP: the chunk before's)
-        if (lane == 0 && (!C::OVERLAP || c > 0)) mbar_arrive(empty_bar + (C::OVERLAP ? (ring + S - 1) % S : ring));
+        if (lane == 0 && (!C::OVERLAP || c > 0)) mbar_arrive(empty_bar + (C::OVERLAP ? (c + S - 1) % S : ring));
         __syncwarp();
-        if (PERSIST && ++stage == S) {
-          stage = 0;
-          stage_parity ^= 1u;
-        }
       };
-      // (a persistent grid's units: OVERLAP never hands its last chunk's stage back, so the launcher refuses the two
-      // together; the epilogue of a unit through global memory, last block, uses no shared memory, so the producer may
-      // already fill the ring with the next unit's chunks)
-      for (;;) {
-        if constexpr (PERSIST) {  // the unit the producer queued next (its first chunk's stage), or -1: none left
-          mbar_wait(full_bar + stage, stage_parity);
-          const int u = __shfl_sync(0xffffffffu, stage_unit[stage], 0);
-          if (u < 0) break;
-          set_unit(u);
-          start_unit();
-        }
-        for (int c = 0; c < nck; c += 2) {  // pairs: the two A sets alternate with static names
-          consume(c, a0, a1);
-          if (c + 1 < nck) consume(c + 1, a1, a0);
-        }
-        if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::LoopEnd, clock64());
-        epilogue();
-        ++units_taken;
-        if constexpr (!PERSIST) break;
+      for (int c = 0; c < nck; c += 2) {  // pairs: the two A sets alternate with static names
+        consume(c, a0, a1);
+        if (c + 1 < nck) consume(c + 1, a1, a0);
       }
+      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::LoopEnd, clock64());
+      epilogue();
       if (C::PROBE == 3 && tid == 0) {
-        sm90_trace<C>(p, sm90_trace_slot::Units, units_taken);
         sm90_trace<C>(p, sm90_trace_slot::End, clock64());
         sm90_trace<C>(p, sm90_trace_slot::EndNs, global_ns());
       }
@@ -1401,16 +1319,13 @@ struct Sm90Launch {
   Sm90Launch& operator=(const Sm90Launch&) = delete;
 };
 
-// Lets the kernels of (T, C), every reduction (the persistent one too), take C::SMEM_BYTES of dynamic shared memory: once per (T, C), for the
+// Lets the kernels of (T, C), both reductions, take C::SMEM_BYTES of dynamic shared memory: once per (T, C), for the
 // launcher and the capacity query alike.
 template <class T, class C>
 cudaError_t sm90_allow_smem() {
   static const cudaError_t attr = [] {
-    cudaError_t a = cudaFuncSetAttribute(qgemm_sm90_kernel<T, C, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
-    if (a == cudaSuccess) a = cudaFuncSetAttribute(qgemm_sm90_kernel<T, C, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
-    if constexpr (sm90_can_persist<C>())
-      if (a == cudaSuccess) a = cudaFuncSetAttribute(qgemm_sm90_kernel<T, C, false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
-    return a;
+    const cudaError_t a = cudaFuncSetAttribute(qgemm_sm90_kernel<T, C, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
+    return a != cudaSuccess ? a : cudaFuncSetAttribute(qgemm_sm90_kernel<T, C, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
   }();
   return attr;
 }
@@ -1460,31 +1375,23 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
   if ((reinterpret_cast<std::uintptr_t>(x) | reinterpret_cast<std::uintptr_t>(tiles) | reinterpret_cast<std::uintptr_t>(scales) |
        reinterpret_cast<std::uintptr_t>(zeros)) & 15)
     return cudaErrorInvalidValue;  // 16-byte copies
-  if (p.blocks() > 0x7fffffff) return cudaErrorInvalidValue;  // the grid's x dimension, the units' index
+  if (std::int64_t(p.zslices) * p.strips > 0x7fffffff) return cudaErrorInvalidValue;  // the grid's x dimension
   if (p.splits < 1 || p.splits > (p.cluster ? kSm90MaxClusterSplits : kSm90MaxSplits)) return cudaErrorInvalidValue;  // a portable cluster
   if (C::GSCALE && s.group % kTileK) return cudaErrorInvalidValue;  // per-group scaling: groups of whole chunks
   const bool global = p.splits > 1 && !p.cluster;
   if (global && (ws.partial == nullptr || ws.partial_elems < p.partial_elems || ws.counters == nullptr || ws.counter_elems < p.counter_elems))
     return cudaErrorInvalidValue;
   if (global && (reinterpret_cast<std::uintptr_t>(ws.partial) & 15)) return cudaErrorInvalidValue;  // float4 sums
-  // a persistent grid: units through global memory summed by the last block (the other epilogues stage in the ring the
-  // producer is already refilling, or wait for other blocks), blocks at most the units
-  if (p.persist < 0 || (p.persist > 0 && (!sm90_can_persist<C>() || !global || p.spread || p.persist > p.blocks() ||
-                                           ws.counter_elems < std::int64_t(p.zslices) * p.strips + 2)))
-    return cudaErrorInvalidValue;
   if (C::PROBE == 3 && trace == nullptr) return cudaErrorInvalidValue;  // the timeline's buffer: blocks x kSm90TraceSlots
   if (!qgemm_sm90_supported()) return cudaErrorNotSupported;
-  auto kernel = p.cluster ? qgemm_sm90_kernel<T, C, true> : qgemm_sm90_kernel<T, C, false>;
-  if constexpr (sm90_can_persist<C>())
-    if (p.persist > 0) kernel = qgemm_sm90_kernel<T, C, false, true>;
+  const auto kernel = p.cluster ? qgemm_sm90_kernel<T, C, true> : qgemm_sm90_kernel<T, C, false>;
   if (const cudaError_t attr = sm90_allow_smem<T, C>(); attr != cudaSuccess) return attr;
   CUtensorMap x_map{};
   if constexpr (C::WS)
     if (const cudaError_t e = make_x_tensor_map(x_map, x, s.M, s.K, C::BN, std::is_same_v<T, bf16>); e != cudaSuccess) return e;
   const Sm90Params prm{x, tiles, scales, zeros, y, ws.partial, ws.counters, int(s.M), int(s.N), int(s.K), int(s.Npad), int(s.group),
                        int(s.Kpad / kTileK), p.cps, p.strips, p.splits, p.zslices, int(global && p.spread), trace};
-  const dim3 grid = p.persist > 0 ? dim3(unsigned(p.persist)) : dim3(unsigned(p.zslices * p.strips), 1, unsigned(p.splits));
-  const Sm90Launch<C> launch(grid, p.cluster ? p.splits : 0, stream, global && p.spread);
+  const Sm90Launch<C> launch(dim3(unsigned(p.zslices * p.strips), 1, unsigned(p.splits)), p.cluster ? p.splits : 0, stream, global && p.spread);
   return cudaLaunchKernelEx(&launch.cfg, kernel, prm, x_map);
 }
 }  // namespace detail
