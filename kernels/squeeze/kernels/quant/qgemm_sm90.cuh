@@ -556,16 +556,19 @@ __device__ __forceinline__ Sm90Group sm90_group(const half* srow, const std::uin
   Sm90Group g;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const float z = float(zrow[n_lo + 8 * r]);
+    // the zero point's patterns put together as bits (one integer op each instead of a conversion to float, an add,
+    // a rounding and a pack): z (a 4-bit zero point, < 16; exact up to 63) is the low mantissa bits of 128 + z in bf16 (exponent 7),
+    // of 1024 + z in fp16 (exponent 10), and z << 4 those of -(64 + z) in fp16 (exponent 6)
+    const std::uint32_t zz = std::uint32_t(zrow[n_lo + 8 * r]) * 0x10001u;
     const float s = __half2float(srow[n_lo + 8 * r]);
     g.scale[r] = s;
     if constexpr (std::is_same_v<T, bf16>) {
-      g.zc[r] = u32(__float2bfloat162_rn(128.f + z));
+      g.zc[r] = 0x43004300u | zz;
       g.zo[r] = 0;
       g.sc[r] = u32(__float2bfloat162_rn(s));
     } else {
-      g.zc[r] = u32(__float2half2_rn(1024.f + z));
-      g.zo[r] = u32(__float2half2_rn(-64.f - z));
+      g.zc[r] = 0x64006400u | zz;
+      g.zo[r] = 0xD400D400u | (zz << 4);
       g.sc[r] = u32(__float2half2_rn(s));  // exact: s is fp16
     }
   }
