@@ -2,6 +2,8 @@
 // (label cuda). The wgmma GEMM rounds each weight (q - z) * scale to T once: fp16 2^-10, bf16 2^-7 of sum|x w| + one
 // ulp (as the scaled-B configurations of the mma.sync kernel); its tests skip unless the device is sm_90 and the
 // build has sm_90a device code. The split-plan test is host logic and runs everywhere.
+#include <cstring>
+
 #include "quant_cuda_common.cuh"
 
 // ---- sm_90 wgmma GEMM (qgemm_sm90.cuh, batch 33..128) ---------------------------------------------------
@@ -297,6 +299,22 @@ TEST(QuantCudaSm90, SpreadReductionOnlyWhereTheGridFitsTheGpu) {
   const auto one = kq::plan_qgemm_sm90<Tiny>(s, kq::sm90_even_capacity<Tiny>(132), 1, kq::Sm90Reduce::Global);
   EXPECT_EQ(one.splits, 1);
   EXPECT_FALSE(one.spread);
+}
+// The group constants' zero-point patterns, put together as bits in the kernel, are the values the decode subtracts
+// (both halves): bf16 128 + z, fp16 1024 + z and -(64 + z), for every zero point up to 63 (4-bit ones are < 16).
+// Host logic only.
+TEST(QuantCudaSm90, ZeroPointPatternsAreTheMagicValues) {
+  auto pair = [](std::uint32_t bits16) { return bits16 | bits16 << 16; };
+  auto half_bits = [](float v) { return std::uint32_t(__half_raw(__float2half_rn(v)).x); };
+  for (std::uint32_t z = 0; z < 64; ++z) {
+    const float magic_bf16 = 128.f + float(z);  // exact in bf16 (7 mantissa bits): the top half of the float's bits
+    std::uint32_t f32 = 0;
+    std::memcpy(&f32, &magic_bf16, sizeof f32);
+    ASSERT_EQ(f32 & 0xffffu, 0u);
+    EXPECT_EQ(kq::detail::sm90_bf16_magic_zero(z), pair(f32 >> 16)) << "z " << z;
+    EXPECT_EQ(kq::detail::sm90_half_magic_zero(z), pair(half_bits(1024.f + float(z)))) << "z " << z;
+    EXPECT_EQ(kq::detail::sm90_half_odd_zero(z), pair(half_bits(-64.f - float(z)))) << "z " << z;
+  }
 }
 // The dispatch table in names, host logic only (any machine): which configuration qgemm_sm90_cuda runs for a batch,
 // layer size and group. Up to M = 16: 16-row slices, three blocks per SM on layers from kSm90LargeLayer weights (with
