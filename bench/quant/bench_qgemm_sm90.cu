@@ -19,10 +19,12 @@
 // the time of a plain streaming read (16-byte loads, every SM)
 // of the 4-bit tiles and of the bf16 weights, timed the same way: what merely reading those bytes costs at this
 // size, so read_bf16_ms / read4_ms bounds the ratio any kernel can reach against a memory-bound peer.
-// Usage: bench_qgemm_sm90 [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m LIST] [--shapes KxN,...] [--splits LIST] [--cfg NAME-SUBSTRING]
+// Usage: bench_qgemm_sm90 [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m LIST] [--shapes KxN,...] [--splits LIST] [--taper LIST] [--cfg NAME-SUBSTRING]
 //                         [--l2-flush clean|dirty] [--probes] [--streaming] [--trial] [--timeline]
 //   (--cfg: only the wgmma configurations whose names contain it (or one of a comma-separated list), and not the
 //    dispatch: for a profiler; --splits: the K split counts swept, besides the plan's own (default 1,2,3,4,6,8,12,16);
+//    --taper: each plan through global memory of more than one wave also with its last K ranges shorter, these ratios
+//    of the lead ones' length (kq::sm90_taper_ratio; "global taper L+C": L lead ranges, C chunks in each of the rest);
 //    --l2-flush: how L2 is swept before each timed launch, see gemm_timing.cuh; default clean; --timeline: where the
 //    dispatched configuration's time goes, per block (see trace_cfg; not with --cfg, which skips the dispatch))
 #include <algorithm>
@@ -200,7 +202,7 @@ long long positive(const std::string& item) {
 template <class... Cs>
 void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16* y, std::size_t ny,
                const std::vector<bf16>& ref, int sm, int reps, const std::vector<std::string>& only_cfgs, const std::vector<int>& split_counts,
-               std::vector<Timed>& out) {
+               const std::vector<double>& tapers, std::vector<Timed>& out) {
   auto one = [&](auto c) {
     using C = decltype(c);
     const std::string name = kq::detail::sm90_cfg_name<C>();
@@ -217,6 +219,22 @@ void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape&
             name, kq::describe(plan), plan.splits, reduce_name(plan),
             [&] { return kq::detail::launch_qgemm_sm90_cfg<bf16, C>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws.ws, nullptr); }, y, ny, ref,
             reps, out);
+        // --taper: a plan through global memory of more than one wave, its last K ranges shorter (sm90_taper_ratio),
+        // the lead ones those the first wave holds whole, or one more
+        const kq::Sm90Capacity cap = kq::detail::sm90_capacity<C>(sm);
+        const int wave_ranges = int(cap.spread_slots / std::max<std::int64_t>(std::int64_t(plan.zslices) * plan.strips, 1));
+        if (plan.cluster || plan.spread || plan.blocks() <= cap.spread_slots) continue;
+        for (const double ratio : tapers)
+          for (const int lead : {wave_ranges, wave_ranges + 1}) {
+            kq::Sm90Plan tapered = plan;
+            if (!kq::sm90_taper_ratio(tapered, s, lead, ratio).empty()) continue;
+            const std::string how = reduce_name(tapered) + " taper " + std::to_string(lead) + "+" + std::to_string(tapered.cps_tail);
+            if (!seen.insert({tapered.splits, how}).second) continue;
+            check_and_time(
+                name, kq::describe(tapered), tapered.splits, how,
+                [&] { return kq::detail::launch_qgemm_sm90_cfg<bf16, C>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, tapered, ws.ws, nullptr); }, y, ny,
+                ref, reps, out);
+          }
       }
   };
   (one(Cs{}), ...);
@@ -392,6 +410,7 @@ int main(int argc, char** argv) {
   bool probes = false, streaming = false, trial = false, timeline = false;
   std::vector<std::int64_t> batches = {1, 16, 33, 64, 128};
   std::vector<int> split_counts = {0, 1, 2, 3, 4, 6, 8, 12, 16};  // 0: the plan's own; 3 and 6: clusters that fill a GPC less evenly
+  std::vector<double> tapers;  // --taper: tail-to-lead K range length ratios (sm90_taper_ratio)
   // issue 6's (K, N); --shapes replaces them (e.g. 8192x33792: 132 strips of 256 features, one per SM)
   std::vector<std::pair<std::int64_t, std::int64_t>> shapes = {{4096, 4096}, {4096, 11008}, {11008, 4096}, {8192, 28672}};
   int reps = 30;
@@ -405,7 +424,17 @@ int main(int argc, char** argv) {
       for (const std::string& part : comma_list(argv[++i]))
         if (!part.empty()) only_cfgs.push_back(part);
     }
-    else if (a == "--probes") probes = true;
+    else if (a == "--taper" && i + 1 < argc) {  // ratios in (0, 1]
+      for (const std::string& item : comma_list(argv[++i])) {
+        char* end = nullptr;
+        const double r = std::strtod(item.c_str(), &end);
+        if (item.empty() || *end != '\0' || !(r > 0 && r <= 1)) {
+          std::fprintf(stderr, "%s: --taper: expected a comma-separated list of ratios in (0, 1], got '%s'\n", argv[0], item.c_str());
+          return 2;
+        }
+        tapers.push_back(r);
+      }
+    } else if (a == "--probes") probes = true;
     else if (a == "--trial") trial = true;
     else if (a == "--timeline") timeline = true;
     else if (a == "--streaming") streaming = true;
@@ -437,7 +466,7 @@ int main(int argc, char** argv) {
         shapes.emplace_back(k, n);
       }
     } else {
-      std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m 1,16,...] [--shapes KxN,...] [--splits 1,2,...] [--cfg NAME-SUBSTRING] [--l2-flush clean|dirty] [--probes] [--streaming] [--trial] [--timeline]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m 1,16,...] [--shapes KxN,...] [--splits 1,2,...] [--taper 0.5,...] [--cfg NAME-SUBSTRING] [--l2-flush clean|dirty] [--probes] [--streaming] [--trial] [--timeline]\n", argv[0]);
       return 2;
     }
   }
@@ -533,9 +562,9 @@ int main(int argc, char** argv) {
       std::vector<Timed> wg;
       // (M 1..8 too: the dispatch sends them to the wgmma kernel since session 14, by these times)
       if (kq::qgemm_sm90_supported())
-        time_cfgs(kq::detail::Sm90TuningCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), only_cfgs, split_counts, wg);
+        time_cfgs(kq::detail::Sm90TuningCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), only_cfgs, split_counts, tapers, wg);
       if (kq::qgemm_sm90_supported() && trial)
-        time_cfgs(Sm90TrialCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), only_cfgs, split_counts, wg);
+        time_cfgs(Sm90TrialCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), only_cfgs, split_counts, tapers, wg);
       std::vector<Timed> pr;
       if (kq::qgemm_sm90_supported() && probes) {
         time_probe_cfgs(kq::detail::Sm90ProbeCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), pr);

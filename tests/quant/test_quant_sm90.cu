@@ -61,6 +61,40 @@ TEST(QuantCudaSm90, EveryConfigurationMatchesCpuTwin) {
     }
   }
 }
+// Tapered K ranges (sm90_taper: the lead ranges longer than the rest) give the CPU twin's result: the dispatched
+// 16-row configurations (GSCALE among them: groups of 128 and per channel), fp16 and bf16, M 1 / 9 / 16, N 299 and
+// 296, K 1096 (18 chunks; 7 K ranges asked, 6 given) summed by the tile's last block and spread, tapered 2 x 5 + 4 x 2
+// and 3 x 5 + 3 x 1 chunks (groups of 128 cut by K ranges of odd length).
+template <class T, class C>
+void sm90_tapered_runs(const TwinCase<T>& tc) {
+  const double rel = std::is_same_v<T, bf16> ? 0x1p-7 : 0x1p-10;
+  for (const auto reduce : {kq::Sm90Reduce::GlobalLast, kq::Sm90Reduce::Global})
+    for (const auto [lead, tail] : {std::pair{2, 2}, std::pair{3, 1}}) {
+      auto plan = kq::plan_qgemm_sm90<C>(tc.shape, kq::detail::sm90_capacity<C>(sm_count()), 7, reduce);
+      ASSERT_EQ(plan.splits, 6);  // 18 chunks: 6 ranges of 3 (no empty seventh)
+      ASSERT_EQ(kq::sm90_taper(plan, tc.shape, lead, tail), "") << kq::describe(plan);
+      launches_match_twin(tc, plan.partial_elems, plan.counter_elems, 2, kq::detail::sm90_cfg_name<C>() + " (" + kq::describe(plan) + ")", rel,
+                          [&](const kq::QGemmWorkspace& ws) {
+                            return kq::detail::launch_qgemm_sm90_cfg<T, C>(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, plan, ws, nullptr);
+                          });
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+}
+TEST(QuantCudaSm90, TaperedKRangesMatchCpuTwin) {
+  REQUIRE_SM90();
+  for (int group : {128, 0}) {
+    const auto p = random_layer(group == 128 ? 296 : 299, 1096, 4, group, false, 401 + group);
+    const auto t = quant::to_tiles(p);
+    for (std::int64_t M : {1, 9, 16}) {
+      SCOPED_TRACE("group " + std::to_string(group) + " M " + std::to_string(M));
+      sm90_tapered_runs<bf16, kq::detail::Sm90Tiny>(TwinCase<bf16>(p, t, M));
+      sm90_tapered_runs<half, kq::detail::Sm90TinyLarge>(TwinCase<half>(p, t, M));
+      sm90_tapered_runs<bf16, kq::detail::Sm90TinyScaled>(TwinCase<bf16>(p, t, M));
+      sm90_tapered_runs<half, kq::detail::Sm90TinyScaled>(TwinCase<half>(p, t, M));
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+}
 // qgemm_sm90_cuda (the configuration it picks by M, its own plan and 5 K splits: clusters of 5 blocks) on a
 // LLaMA-sized layer, repeatedly (many blocks and clusters in flight), and a ragged one (N 2090, K 3000, groups of
 // 32, act-order).
@@ -299,6 +333,79 @@ TEST(QuantCudaSm90, SpreadReductionOnlyWhereTheGridFitsTheGpu) {
   const auto one = kq::plan_qgemm_sm90<Tiny>(s, kq::sm90_even_capacity<Tiny>(132), 1, kq::Sm90Reduce::Global);
   EXPECT_EQ(one.splits, 1);
   EXPECT_FALSE(one.spread);
+}
+// Tapered K ranges (sm90_taper): the lead ranges of cps chunks, the rest of cps_tail, the last the remainder; together
+// every chunk once, none empty; the launcher refuses plans whose ranges do not cover K. Host logic only.
+TEST(QuantCudaSm90, TaperedKRangesCoverKOnce) {
+  using Scaled = kq::detail::Sm90TinyScaled;
+  const kq::QGemmShape s{1, 28672, 8192, 8192, 28672, 128, 4};  // 128 chunks, 112 strips
+  auto plan = kq::plan_qgemm_sm90<Scaled>(s, kq::sm90_even_capacity<Scaled>(132), 7, kq::Sm90Reduce::GlobalLast);
+  ASSERT_EQ(plan.splits, 7);
+  EXPECT_EQ(plan.lead, 7);  // uniform: every range cps chunks
+  EXPECT_EQ(plan.cps_tail, plan.cps);
+  auto walk = [](const kq::Sm90Plan& p, int kchunks) {
+    int next = 0;
+    for (int sp = 0; sp < p.splits; ++sp) {
+      const kq::Sm90Range r = kq::sm90_k_range(sp, kchunks, p.cps, p.lead, p.cps_tail);
+      EXPECT_EQ(r.kc0, next) << "K range " << sp << " of " << kq::describe(p);
+      EXPECT_GE(r.nck, 1) << "K range " << sp << " of " << kq::describe(p);
+      if (sp + 1 < p.splits) EXPECT_EQ(r.nck, sp < p.lead ? p.cps : p.cps_tail) << "K range " << sp;
+      next = r.kc0 + r.nck;
+    }
+    EXPECT_EQ(next, kchunks) << kq::describe(p);
+  };
+  walk(plan, 128);
+  for (int lead = 1; lead < 7; ++lead)
+    for (int tail = 1; tail <= 19; ++tail) {
+      auto t = plan;
+      const std::string why = kq::sm90_taper(t, s, lead, tail);
+      SCOPED_TRACE("lead " + std::to_string(lead) + " tail " + std::to_string(tail) + ": " + why);
+      if (!why.empty()) {  // refused: the plan is unchanged
+        EXPECT_EQ(t.lead, plan.lead);
+        EXPECT_EQ(t.cps, plan.cps);
+        continue;
+      }
+      EXPECT_EQ(t.lead, lead);
+      EXPECT_EQ(t.cps_tail, tail);
+      EXPECT_GE(t.cps, tail);
+      EXPECT_TRUE(kq::sm90_ranges_cover(t, 128));
+      EXPECT_NE(kq::describe(t).find("taper " + std::to_string(lead) + "+" + std::to_string(tail)), std::string::npos) << kq::describe(t);
+      walk(t, 128);
+    }
+  {  // 4 K ranges of 22 chunks, then 14, 14 and the remaining 12
+    auto t = plan;
+    ASSERT_EQ(kq::sm90_taper(t, s, 4, 14), "");
+    EXPECT_EQ(t.cps, 22);
+    EXPECT_EQ(kq::sm90_k_range(6, 128, t.cps, t.lead, t.cps_tail).nck, 12);
+    auto r = plan;  // by ratio: 0.6 x 128 / (4 + 0.6 x 3) = 13.2 chunks a tail range, then 4 of 23
+    ASSERT_EQ(kq::sm90_taper_ratio(r, s, 4, 0.6), "");
+    EXPECT_EQ(r.cps_tail, 13);
+    EXPECT_EQ(r.cps, 23);
+    walk(r, 128);
+  }
+  // refused: a tail longer than the lead ranges, lead out of range, no K splits, a cluster plan, a bad ratio
+  auto t = plan;
+  EXPECT_NE(kq::sm90_taper(t, s, 4, 40), "");
+  EXPECT_NE(kq::sm90_taper(t, s, 0, 10), "");
+  EXPECT_NE(kq::sm90_taper(t, s, 7, 10), "");
+  EXPECT_NE(kq::sm90_taper(t, s, 3, 0), "");
+  EXPECT_NE(kq::sm90_taper_ratio(t, s, 3, 0.0), "");
+  EXPECT_NE(kq::sm90_taper_ratio(t, s, 3, 1.5), "");
+  auto one = kq::plan_qgemm_sm90<Scaled>(s, kq::sm90_even_capacity<Scaled>(132), 1, kq::Sm90Reduce::GlobalLast);
+  EXPECT_NE(kq::sm90_taper(one, s, 1, 1), "");
+  auto cluster = kq::plan_qgemm_sm90<Scaled>(s, kq::sm90_even_capacity<Scaled>(132), 4, kq::Sm90Reduce::Cluster);
+  ASSERT_TRUE(cluster.cluster);
+  EXPECT_NE(kq::sm90_taper(cluster, s, 2, 20), "");
+  EXPECT_EQ(t.lead, plan.lead);
+  // ranges that miss chunks, or reach past K with an empty last range
+  auto gap = plan;
+  gap.cps = 10;  // 7 x 10 < 128
+  EXPECT_FALSE(kq::sm90_ranges_cover(gap, 128));
+  auto empty_last = plan;
+  empty_last.cps = 22;  // 6 x 22 = 132: the seventh range starts past K
+  EXPECT_FALSE(kq::sm90_ranges_cover(empty_last, 128));
+  const kq::QGemmWorkspace none{};
+  EXPECT_EQ((kq::detail::launch_qgemm_sm90_cfg<bf16, Scaled>(nullptr, nullptr, nullptr, nullptr, nullptr, s, gap, none, nullptr)), cudaErrorInvalidValue);
 }
 // The group constants' zero-point patterns, put together as bits in the kernel, are the values the decode subtracts
 // (both halves): bf16 128 + z, fp16 1024 + z and -(64 + z), for every zero point up to 63 (4-bit ones are < 16).

@@ -90,6 +90,7 @@
 // Needs sm_90a (wgmma): compiled for another target (plain sm_90 included) the kernel is empty and the
 // launcher returns cudaErrorNotSupported (qgemm_sm90_supported() says so without launching the GEMM).
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -214,7 +215,9 @@ struct Sm90Plan {
   int zslices = 1;  // ceil(M / BN)
   int strips = 1;   // ceil(Npad / STRIP)
   int splits = 1;        // K ranges
-  int cps = 1;           // 64-k chunks per K range
+  int cps = 1;           // 64-k chunks of each of the first `lead` K ranges
+  int lead = 1;          // K ranges of cps chunks; the rest have cps_tail (tapered, sm90_taper), the last the remainder
+  int cps_tail = 1;      // (uniform plans: lead = splits, cps_tail = cps)
   bool cluster = false;  // K splits reduce within a cluster of `splits` blocks (else through global memory)
   bool spread = false;   // through global memory, every block of a tile sums a share (else the tile's last block sums all)
   int smem_bytes = 0;
@@ -224,7 +227,25 @@ struct Sm90Plan {
 };
 inline std::string describe(const Sm90Plan& p) {
   return "zslices " + std::to_string(p.zslices) + " strips " + std::to_string(p.strips) + " splits " + std::to_string(p.splits) +
-         (p.splits > 1 ? (p.cluster ? " (cluster)" : p.spread ? " (global, spread)" : " (global)") : "") + " cps " + std::to_string(p.cps) + " smem " + std::to_string(p.smem_bytes) + " B";
+         (p.splits > 1 ? (p.cluster ? " (cluster)" : p.spread ? " (global, spread)" : " (global)") : "") + " cps " + std::to_string(p.cps) +
+         (p.lead < p.splits ? " taper " + std::to_string(p.lead) + "+" + std::to_string(p.cps_tail) : "") + " smem " + std::to_string(p.smem_bytes) + " B";
+}
+// K range `split`'s chunks [kc0, kc0 + nck) of kchunks: `lead` ranges of cps chunks, then ranges of cps_tail (the
+// kernel and the plan's checks alike)
+struct Sm90Range {
+  int kc0, nck;
+};
+__host__ __device__ constexpr Sm90Range sm90_k_range(int split, int kchunks, int cps, int lead, int cps_tail) {
+  const int kc0 = split < lead ? split * cps : lead * cps + (split - lead) * cps_tail;
+  const int end = kc0 + (split < lead ? cps : cps_tail);
+  return {kc0, (end < kchunks ? end : kchunks) - kc0};
+}
+// Whether the plan's K ranges cover kchunks chunks, each at least one, and none past the end.
+inline bool sm90_ranges_cover(const Sm90Plan& p, std::int64_t kchunks) {
+  if (p.splits < 1 || p.lead < 1 || p.lead > p.splits || p.cps < 1 || p.cps_tail < 1 || kchunks > 0x7fffffff) return false;
+  const Sm90Range last = sm90_k_range(p.splits - 1, int(kchunks), p.cps, p.lead, p.cps_tail);
+  const std::int64_t reach = std::int64_t(p.lead) * p.cps + std::int64_t(p.splits - p.lead) * p.cps_tail;
+  return last.nck >= 1 && reach >= kchunks;
 }
 
 // K splits: at most 16 K ranges, at most 8 when they reduce within a cluster (a cluster of up to 8 blocks is portable).
@@ -354,11 +375,42 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int split
   }
   p.cps = int((kchunks + splits - 1) / splits);
   p.splits = int((kchunks + p.cps - 1) / p.cps);
+  p.lead = p.splits;
+  p.cps_tail = p.cps;
   p.cluster = p.splits > 1 && cluster;
   p.spread = p.splits > 1 && !p.cluster && reduce != Sm90Reduce::GlobalLast && sm90_spreads(s, p.blocks(), cap);
   p.partial_elems = p.splits > 1 && !p.cluster ? std::int64_t(p.splits) * s.M * s.Npad : 0;
   p.counter_elems = p.splits > 1 && !p.cluster ? tiles : 0;
   return p;
+}
+
+// Tapers a plan's K ranges through global memory: its first `lead` K ranges longer, the other splits - lead of
+// cps_tail chunks each (the last takes the remainder), so that the blocks a grid of more than one wave starts last
+// are the short ones (the grid runs K range by K range: blockIdx.z). Why: the blocks of the last wave start as the
+// blocks before them end, and blocks on some SMs run ~25% longer than the median (session 15's timelines), so the
+// span overhangs by a fraction of the last blocks' length. "" when done; else why not (the plan is unchanged).
+inline std::string sm90_taper(Sm90Plan& p, const QGemmShape& s, int lead, int cps_tail) {
+  const std::int64_t kchunks = s.Kpad / kTileK;
+  if (p.splits < 2 || p.cluster) return "tapered K ranges need K splits through global memory (this plan: " + describe(p) + ")";
+  if (lead < 1 || lead >= p.splits) return "lead " + std::to_string(lead) + " is not within 1.." + std::to_string(p.splits - 1);
+  if (cps_tail < 1) return "cps_tail " + std::to_string(cps_tail) + " is not positive";
+  const std::int64_t rest = kchunks - std::int64_t(p.splits - lead) * cps_tail;  // chunks left to the lead ranges
+  Sm90Plan t = p;
+  t.lead = lead;
+  t.cps_tail = cps_tail;
+  t.cps = int(std::max<std::int64_t>((rest + lead - 1) / lead, 1));
+  if (rest < lead || t.cps < cps_tail || !sm90_ranges_cover(t, kchunks))
+    return std::to_string(p.splits - lead) + " K ranges of " + std::to_string(cps_tail) + " chunks after " + std::to_string(lead) +
+           " longer ones do not fit " + std::to_string(kchunks) + " chunks";
+  p = t;
+  return "";
+}
+
+// sm90_taper with the tail ranges `ratio` times as long as the lead ones (rounded, at least one chunk).
+inline std::string sm90_taper_ratio(Sm90Plan& p, const QGemmShape& s, int lead, double ratio) {
+  if (!(ratio > 0 && ratio <= 1)) return "taper ratio " + std::to_string(ratio) + " is not within (0, 1]";
+  const double kchunks = double(s.Kpad / kTileK), tail = ratio * kchunks / (lead + ratio * (p.splits - lead));
+  return sm90_taper(p, s, lead, std::max(1, int(std::lround(tail))));
 }
 
 // Why the sm_90 kernel cannot take this shape ("" = it can); pointers are checked by the launcher.
@@ -610,7 +662,7 @@ struct Sm90Params {
   float* partial;              // [splits, M, Npad] (K splits through global memory)
   int* counters;               // [zslices, strips], zero between launches (K splits through global memory)
   int M, N, K, Npad, group;
-  int kchunks, cps, strips, splits, zslices;
+  int kchunks, cps, lead, cps_tail, strips, splits, zslices;  // K ranges: sm90_k_range
   int spread;  // K splits through global memory: every block sums a share (Sm90Plan::spread; a cooperative launch)
   // Sm90Probe 3 only: kSm90TraceSlots values per block (block blockIdx.x + gridDim.x * blockIdx.z), see sm90_trace_slot
   std::uint64_t* trace = nullptr;
@@ -682,7 +734,8 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   // after the first find the strip's weights in L2.
   const int z = int(blockIdx.x % p.zslices), strip = int(blockIdx.x / p.zslices), split = int(blockIdx.z);
   const int n0 = strip * STRIP, tile0 = strip * TILES, m0 = z * BN;
-  const int kc0 = split * p.cps, nck = min(p.kchunks, kc0 + p.cps) - kc0;
+  const Sm90Range range = sm90_k_range(split, p.kchunks, p.cps, p.lead, p.cps_tail);
+  const int kc0 = range.kc0, nck = range.nck;
   // padded k rows (k >= K) belong to the last group (x is zero there), as in the CPU twin
   auto group_of = [&](int k) { return min(k, p.K - 1) / p.group; };
 
@@ -1384,6 +1437,7 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
     return cudaErrorInvalidValue;  // 16-byte copies
   if (std::int64_t(p.zslices) * p.strips > 0x7fffffff) return cudaErrorInvalidValue;  // the grid's x dimension
   if (p.splits < 1 || p.splits > (p.cluster ? kSm90MaxClusterSplits : kSm90MaxSplits)) return cudaErrorInvalidValue;  // a portable cluster
+  if (!sm90_ranges_cover(p, s.Kpad / kTileK) || (p.cluster && p.lead < p.splits)) return cudaErrorInvalidValue;
   if (C::GSCALE && s.group % kTileK) return cudaErrorInvalidValue;  // per-group scaling: groups of whole chunks
   const bool global = p.splits > 1 && !p.cluster;
   if (global && (ws.partial == nullptr || ws.partial_elems < p.partial_elems || ws.counters == nullptr || ws.counter_elems < p.counter_elems))
@@ -1397,7 +1451,7 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
   if constexpr (C::WS)
     if (const cudaError_t e = make_x_tensor_map(x_map, x, s.M, s.K, C::BN, std::is_same_v<T, bf16>); e != cudaSuccess) return e;
   const Sm90Params prm{x, tiles, scales, zeros, y, ws.partial, ws.counters, int(s.M), int(s.N), int(s.K), int(s.Npad), int(s.group),
-                       int(s.Kpad / kTileK), p.cps, p.strips, p.splits, p.zslices, int(global && p.spread), trace};
+                       int(s.Kpad / kTileK), p.cps, p.lead, p.cps_tail, p.strips, p.splits, p.zslices, int(global && p.spread), trace};
   const Sm90Launch<C> launch(dim3(unsigned(p.zslices * p.strips), 1, unsigned(p.splits)), p.cluster ? p.splits : 0, stream, global && p.spread);
   return cudaLaunchKernelEx(&launch.cfg, kernel, prm, x_map);
 }
