@@ -334,6 +334,40 @@ inline double sm90_split_cost(const QGemmShape& s, std::int64_t tiles, int split
     cost += (cluster ? 4.0 : spread ? kSm90SpreadBytes : 6.0) * splits * double(s.M) * double(s.Npad) + (cluster || spread ? 0.0 : kSm90GlobalBytes);
   return cost;
 }
+// Tapers a plan's K ranges through global memory: its first `lead` K ranges longer, the other splits - lead of
+// cps_tail chunks each (the last takes the remainder), so that the blocks a grid of more than one wave starts last
+// are the short ones (the grid runs K range by K range: blockIdx.z). Why: the blocks of the last wave start as the
+// blocks before them end, and blocks on some SMs run ~25% longer than the median (session 15's timelines), so the
+// span overhangs by a fraction of the last blocks' length. "" when done; else why not (the plan is unchanged).
+inline std::string sm90_taper(Sm90Plan& p, const QGemmShape& s, int lead, int cps_tail) {
+  const std::int64_t kchunks = s.Kpad / kTileK;
+  if (p.splits < 2 || p.cluster) return "tapered K ranges need K splits through global memory (this plan: " + describe(p) + ")";
+  if (lead < 1 || lead >= p.splits) return "lead " + std::to_string(lead) + " is not within 1.." + std::to_string(p.splits - 1);
+  if (cps_tail < 1) return "cps_tail " + std::to_string(cps_tail) + " is not positive";
+  const std::int64_t rest = kchunks - std::int64_t(p.splits - lead) * cps_tail;  // chunks left to the lead ranges
+  Sm90Plan t = p;
+  t.lead = lead;
+  t.cps_tail = cps_tail;
+  t.cps = int(std::max<std::int64_t>((rest + lead - 1) / lead, 1));
+  if (rest < lead || t.cps < cps_tail || !sm90_ranges_cover(t, kchunks))
+    return std::to_string(p.splits - lead) + " K ranges of " + std::to_string(cps_tail) + " chunks after " + std::to_string(lead) +
+           " longer ones do not fit " + std::to_string(kchunks) + " chunks";
+  p = t;
+  return "";
+}
+
+// sm90_taper with the tail ranges `ratio` times as long as the lead ones (rounded, at least one chunk). The plan takes
+// kSm90TaperRatio with the K ranges the first wave holds whole, plus one, as lead: on the H200 (gemm4_probe-session16-run1,
+// wg_b16m2s5x3wf on 8192 x 28672, 7 K ranges, 784 blocks on 396 slots) 4 + 16 chunks (4 of 20, 3 of 16) took 0.0514 /
+// 0.0532 / 0.0570 ms at M 1 / 8 / 16 against the uniform 19's 0.0522 / 0.0543 / 0.0577; ratios 0.4-0.7 and 8-12 K
+// ranges, tapered or not, were no faster.
+inline constexpr double kSm90TaperRatio = 0.8;
+inline std::string sm90_taper_ratio(Sm90Plan& p, const QGemmShape& s, int lead, double ratio) {
+  if (!(ratio > 0 && ratio <= 1)) return "taper ratio " + std::to_string(ratio) + " is not within (0, 1]";
+  const double kchunks = double(s.Kpad / kTileK), tail = ratio * kchunks / (lead + ratio * (p.splits - lead));
+  return sm90_taper(p, s, lead, std::max(1, int(std::lround(tail))));
+}
+
 // K splits: the count (1..16; K ranges of at least 8 chunks: with 4, 4096 x 4096 at M 9..16 took 16 splits, 10% slower
 // than 8 on the H200, gemm4_probe-session9-run6/7) and the reduction with the least sm90_split_cost, unless given.
 template <class C>
@@ -381,36 +415,10 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int split
   p.spread = p.splits > 1 && !p.cluster && reduce != Sm90Reduce::GlobalLast && sm90_spreads(s, p.blocks(), cap);
   p.partial_elems = p.splits > 1 && !p.cluster ? std::int64_t(p.splits) * s.M * s.Npad : 0;
   p.counter_elems = p.splits > 1 && !p.cluster ? tiles : 0;
+  // a plan of its own choosing through global memory of more than one wave: tapered (forced counts stay uniform)
+  if (splits_override == 0 && p.splits > 1 && !p.cluster && !p.spread && p.blocks() > cap.spread_slots)
+    sm90_taper_ratio(p, s, int(cap.spread_slots / tiles) + 1, kSm90TaperRatio);  // refused: stays uniform
   return p;
-}
-
-// Tapers a plan's K ranges through global memory: its first `lead` K ranges longer, the other splits - lead of
-// cps_tail chunks each (the last takes the remainder), so that the blocks a grid of more than one wave starts last
-// are the short ones (the grid runs K range by K range: blockIdx.z). Why: the blocks of the last wave start as the
-// blocks before them end, and blocks on some SMs run ~25% longer than the median (session 15's timelines), so the
-// span overhangs by a fraction of the last blocks' length. "" when done; else why not (the plan is unchanged).
-inline std::string sm90_taper(Sm90Plan& p, const QGemmShape& s, int lead, int cps_tail) {
-  const std::int64_t kchunks = s.Kpad / kTileK;
-  if (p.splits < 2 || p.cluster) return "tapered K ranges need K splits through global memory (this plan: " + describe(p) + ")";
-  if (lead < 1 || lead >= p.splits) return "lead " + std::to_string(lead) + " is not within 1.." + std::to_string(p.splits - 1);
-  if (cps_tail < 1) return "cps_tail " + std::to_string(cps_tail) + " is not positive";
-  const std::int64_t rest = kchunks - std::int64_t(p.splits - lead) * cps_tail;  // chunks left to the lead ranges
-  Sm90Plan t = p;
-  t.lead = lead;
-  t.cps_tail = cps_tail;
-  t.cps = int(std::max<std::int64_t>((rest + lead - 1) / lead, 1));
-  if (rest < lead || t.cps < cps_tail || !sm90_ranges_cover(t, kchunks))
-    return std::to_string(p.splits - lead) + " K ranges of " + std::to_string(cps_tail) + " chunks after " + std::to_string(lead) +
-           " longer ones do not fit " + std::to_string(kchunks) + " chunks";
-  p = t;
-  return "";
-}
-
-// sm90_taper with the tail ranges `ratio` times as long as the lead ones (rounded, at least one chunk).
-inline std::string sm90_taper_ratio(Sm90Plan& p, const QGemmShape& s, int lead, double ratio) {
-  if (!(ratio > 0 && ratio <= 1)) return "taper ratio " + std::to_string(ratio) + " is not within (0, 1]";
-  const double kchunks = double(s.Kpad / kTileK), tail = ratio * kchunks / (lead + ratio * (p.splits - lead));
-  return sm90_taper(p, s, lead, std::max(1, int(std::lround(tail))));
 }
 
 // Why the sm_90 kernel cannot take this shape ("" = it can); pointers are checked by the launcher.
