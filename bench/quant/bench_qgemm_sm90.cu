@@ -248,11 +248,11 @@ void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape&
 // (Session 12 tried the 16-row forms wg_b16m1s8x3w and wg_b16m1s6x4w too: slower than wg_b16m2s8x2w on 8192 x 28672
 // at M 9 / 16, 1.09-1.24x, gemm4_probe-session12-run7; wg_b32m2s4x3w ran M 24 / 32 there 3% / 2% faster than
 // wg_b32m2s6x2w, run 9, and is dispatched since session 13 as Sm90NarrowLarge.)
-// Session 16: 16-row slices with four consumer warpgroups of one m64 tile each (the 256-feature strip of
-// wg_b16m2s8x2w with twice the warps, each decoding half as much per chunk), plain and GSCALE: for layers whose plan
-// holds at most one block per SM (4096 x 4096 at M 1..16: 128 blocks), where the decode's latency bounds the loop.
-using Sm90TrialCfgs = kq::detail::CfgList<kq::Sm90Cfg<32, 1, 6, 3, false, true>, kq::Sm90Cfg<16, 1, 8, 1, false, true, 4>,
-                                          kq::Sm90Cfg<16, 1, 8, 1, false, true, 4, true>>;
+// (Session 16 tried 16-row slices with four consumer warpgroups of one m64 tile each, wg_b16m1s8wg4 and its GSCALE
+// form: the 256-feature strip of wg_b16m2s8x2w with twice the warps, each decoding half as much per chunk, for plans
+// of at most one block per SM. Slower at its best K splits on every shape at M 1 / 8 / 16: 4096 x 4096 0.0123-0.0135 ms
+// against wg_b16m2s8x2w's 0.0110-0.0125, 1.3x on the 4096-wide layers, 1.6x on 8192 x 28672; gemm4_probe-session16-run4.)
+using Sm90TrialCfgs = kq::detail::CfgList<kq::Sm90Cfg<32, 1, 6, 3, false, true>>;
 
 // A number for JSON: null when not finite (a probe's garbage result can make the error inf or nan).
 std::string json_num(double v) {
