@@ -264,7 +264,9 @@ TEST(QuantCudaSm90, SplitPlanFollowsTheMeasuredSweep) {
       {4096, 11008, 32, 6, Spread},  // 5 in a cluster: 1.02x
       {11008, 4096, 16, 16, Spread},  // the last block summing: 1.09x
       {8192, 28672, 9, 7, Last},     // 784 blocks: more than the GPU holds at once
-      {4096, 4096, 1, 8, Last},      // below kSm90SpreadMinRows (gemm4_probe-session14-run6): sweep 16, 1% faster; 8 spread 1.06x
+      {4096, 4096, 1, 16, Last},     // below kSm90SpreadMinRows, K ranges of 4 chunks (kSm90MinChunksFewRows): 8 1.06x (session 16 run 5)
+      {4096, 4096, 4, 16, Last},     // 8 1.01x
+      {4096, 11008, 1, 6, Last},     // 8 / 16 K ranges 1.21 / 1.34x (session 16 run 4)
       {11008, 4096, 1, 16, Last},    // 16 spread: 1.07x
       {4096, 11008, 8, 6, Spread},
       {8192, 28672, 1, 7, Last},

@@ -368,8 +368,14 @@ inline std::string sm90_taper_ratio(Sm90Plan& p, const QGemmShape& s, int lead, 
   return sm90_taper(p, s, lead, std::max(1, int(std::lround(tail))));
 }
 
-// K splits: the count (1..16; K ranges of at least 8 chunks: with 4, 4096 x 4096 at M 9..16 took 16 splits, 10% slower
-// than 8 on the H200, gemm4_probe-session9-run6/7) and the reduction with the least sm90_split_cost, unless given.
+// K ranges of at least kSm90MinChunks chunks, kSm90MinChunksFewRows below kSm90SpreadMinRows batch rows (the partials
+// are small there): on the H200 4096 x 4096 (64 chunks) at M 1 / 2 / 4 ran 16 K ranges in 0.0111 / 0.0114 / 0.0118 ms
+// against 8's 0.0118 / 0.0116 / 0.0119 (wg_b16m2s8x2w, the last block summing; three passes, gemm4_probe-session16-run5),
+// while at M 8 16 spread took 0.0125 against 8's 0.0123.
+inline constexpr int kSm90MinChunks = 8, kSm90MinChunksFewRows = 4;
+// K splits: the count (1..16; K ranges of at least kSm90MinChunks: with 4, 4096 x 4096 at M 9..16 took 16 splits,
+// 10% slower than 8 on the H200, gemm4_probe-session9-run6/7) and the reduction with the least sm90_split_cost, unless
+// given.
 template <class C>
 Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int splits_override = 0, Sm90Reduce reduce = Sm90Reduce::Auto) {
   Sm90Plan p;
@@ -391,7 +397,8 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int split
     if (reduce == Sm90Reduce::Auto)
       cluster = splits <= kSm90MaxClusterSplits && sm90_split_cost(s, tiles, splits, true, cap, C::MINB) < sm90_split_cost(s, tiles, splits, false, cap, C::MINB);
   } else {
-    const int max_splits = int(std::clamp<std::int64_t>(kchunks / 8, 1, limit));  // K ranges of at least 8 chunks
+    const int min_chunks = s.M < kSm90SpreadMinRows ? kSm90MinChunksFewRows : kSm90MinChunks;
+    const int max_splits = int(std::clamp<std::int64_t>(kchunks / min_chunks, 1, limit));
     double best = 0;
     for (int sp = 1; sp <= max_splits; ++sp) {
       const int r = ranges(sp);
