@@ -222,7 +222,7 @@ void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape&
         // --taper: a plan through global memory of more than one wave, its last K ranges shorter (sm90_taper_ratio),
         // the lead ones those the first wave holds whole, or one more
         const kq::Sm90Capacity cap = kq::detail::sm90_capacity<C>(sm);
-        const int wave_ranges = int(cap.spread_slots / std::max<std::int64_t>(std::int64_t(plan.zslices) * plan.strips, 1));
+        const int wave_ranges = kq::sm90_first_wave_ranges(plan, cap);
         if (plan.cluster || plan.spread || plan.blocks() <= cap.spread_slots) continue;
         for (const double ratio : tapers)
           for (const int lead : {wave_ranges, wave_ranges + 1}) {

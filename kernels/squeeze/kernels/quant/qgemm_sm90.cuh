@@ -362,6 +362,10 @@ inline std::string sm90_taper(Sm90Plan& p, const QGemmShape& s, int lead, int cp
 // 0.0532 / 0.0570 ms at M 1 / 8 / 16 against the uniform 19's 0.0522 / 0.0543 / 0.0577; ratios 0.4-0.7 and 8-12 K
 // ranges, tapered or not, were no faster.
 inline constexpr double kSm90TaperRatio = 0.8;
+// The K ranges the plan's first wave holds whole (global-reduction kernels: the grid runs K range by K range).
+inline int sm90_first_wave_ranges(const Sm90Plan& p, const Sm90Capacity& cap) {
+  return int(cap.spread_slots / std::max<std::int64_t>(std::int64_t(p.zslices) * p.strips, 1));
+}
 inline std::string sm90_taper_ratio(Sm90Plan& p, const QGemmShape& s, int lead, double ratio) {
   if (!(ratio > 0 && ratio <= 1)) return "taper ratio " + std::to_string(ratio) + " is not within (0, 1]";
   const double kchunks = double(s.Kpad / kTileK), tail = ratio * kchunks / (lead + ratio * (p.splits - lead));
@@ -424,7 +428,7 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int split
   p.counter_elems = p.splits > 1 && !p.cluster ? tiles : 0;
   // a plan of its own choosing through global memory of more than one wave: tapered (forced counts stay uniform)
   if (splits_override == 0 && p.splits > 1 && !p.cluster && !p.spread && p.blocks() > cap.spread_slots)
-    sm90_taper_ratio(p, s, int(cap.spread_slots / tiles) + 1, kSm90TaperRatio);  // refused: stays uniform
+    sm90_taper_ratio(p, s, sm90_first_wave_ranges(p, cap) + 1, kSm90TaperRatio);  // refused: stays uniform
   return p;
 }
 
