@@ -146,12 +146,20 @@ namespace squeeze::kernels::quant {
 // m64n16k16 with A from registers at 13.2-15.3 cycles of an SM with two or four warpgroups issuing (25.0 with one;
 // bench_wgmma_rate, wgmma_rate-session12-run1), so 8192 x 28672's 1,738 per SM take ~23k of the ~106k cycles the
 // kernel runs; more likely the longer chain of wgmma each warpgroup waits for per chunk, and the registers.
-template <int BN_, int WM_, int STAGES_, int MINB_ = 1, bool OVERLAP_ = false, bool WS_ = false, int WGS_ = 2, bool GSCALE_ = false>
+// SYNC: the consumers multiply with mma.sync.m16n8k16 instead of wgmma: each warp takes its own 16-feature tiles
+// (the rows its warpgroup's wgmma would give it, so the accumulators and the epilogue are the same) and n8 slices of
+// the batch, with x's B fragments read by ldmatrix from the swizzled stage. No warpgroup-wide asynchronous pipeline:
+// the A fragment lives for one instruction (4 registers instead of a chunk's 2 x 4 x WM x 4), nothing waits for a
+// wgmma group, and ptxas has no wgmma to serialize (C7512 caps the three-block wgmma forms). Meant for batches of up
+// to 16 rows (BN 8 or 16), where the tensor work is small; names start with mma_ instead of wg_.
+template <int BN_, int WM_, int STAGES_, int MINB_ = 1, bool OVERLAP_ = false, bool WS_ = false, int WGS_ = 2, bool GSCALE_ = false,
+          bool SYNC_ = false>
 struct Sm90Cfg {
   static constexpr int BN = BN_, WM = WM_, STAGES = STAGES_, MINB = MINB_, WGS = WGS_;
-  static constexpr bool OVERLAP = OVERLAP_, WS = WS_, GSCALE = GSCALE_;
+  static constexpr bool OVERLAP = OVERLAP_, WS = WS_, GSCALE = GSCALE_, SYNC = SYNC_;
   static constexpr int PROBE = 0;  // Sm90Probe: a measuring variant that skips work (wrong results; benchmark only)
   static_assert(!GSCALE || (WS && !OVERLAP), "per-group fp32 scaling (GSCALE) is built for the warp-specialised form without OVERLAP");
+  static_assert(!SYNC || (WS && !OVERLAP && BN <= 16), "mma.sync consumers (SYNC) are built for the warp-specialised form without OVERLAP, batch slices of 8 or 16 rows");
   static constexpr int AHEAD = OVERLAP ? STAGES - 2 : STAGES - 1;  // chunks the copy ring runs ahead (not WS)
   static constexpr int CONSUMERS = 128 * WGS;                      // the consumer warpgroups
   // + the producer: one warp; with 4 consumer warpgroups a whole warpgroup, so that it can hand its registers to
@@ -175,7 +183,8 @@ struct Sm90Cfg {
   // instruction writes, 2 apart, fall in different banks)
   static constexpr int SPLIT_PITCH = STRIP + 4;
   static_assert(BN * SPLIT_PITCH * 4 <= STAGES * STAGE_BYTES, "the K-split sums must fit in the ring");
-  static_assert(BN == 16 || BN == 32 || BN == 64 || BN == 128, "batch rows per block: 16, 32, 64 or 128 (the wgmma wrappers)");
+  static_assert(BN == 16 || BN == 32 || BN == 64 || BN == 128 || (SYNC && BN == 8),
+                "batch rows per block: 16, 32, 64 or 128 (the wgmma wrappers), or 8 with mma.sync (SYNC)");
   static_assert(WM >= 1 && WM <= 4, "m64 tiles per warpgroup: 1..4");
   static_assert(WGS == 2 || WGS == 4, "consumer warpgroups: 2 or 4");
   static_assert(STAGES >= (OVERLAP ? 3 : 2), "at least two stages (three with OVERLAP)");
@@ -826,7 +835,12 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     uint4 wv[WM];  // this lane's 4 words (4 k-steps) of each of its tiles
 #pragma unroll
     for (int t = 0; t < WM; ++t) wv[t] = lds128(st + XB + ((wg * 4 * WM + 4 * t + wq) * 32 + lane) * 16);
-    const std::uint64_t x_desc = x_desc0 + std::uint64_t((st - smem) >> 4);
+    [[maybe_unused]] const std::uint64_t x_desc = x_desc0 + std::uint64_t((st - smem) >> 4);
+    // SYNC: x's B fragments of k-steps 2 kp and 2 kp + 1 (kp = ks / 2), n8 slice j: ldmatrix.x4 of the 8 x 8 matrices
+    // (batch rows 8 j.., k 32 kp + 8 i..), lane L addressing row 8 j + L % 8 of matrix L / 8; x's 16-byte unit u of row
+    // r lies at (u ^ r % 8) << 4 (the TMA's 128-byte swizzle). Register i = matrix i: (b0, b1) of k-step 2 kp are
+    // registers 0, 1, of k-step 2 kp + 1 registers 2, 3. Loaded a pair of k-steps at a time (registers).
+    [[maybe_unused]] std::uint32_t bx[C::SYNC ? BN / 8 : 1][4];
     int grow = 0;  // the stage's group row of the group grp holds (row 0: the group of the chunk's first k)
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
@@ -840,25 +854,49 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
 #pragma unroll
         for (int t = 0; t < WM; ++t) grp[t] = sm90_group<T>(srow, zrow, nl + 64 * t);
       }
+      if constexpr (C::SYNC) {
+        if (ks % 2 == 0)
 #pragma unroll
-      for (int t = 0; t < WM; ++t) {
-        const std::uint32_t w = ks == 0 ? wv[t].x : ks == 1 ? wv[t].y : ks == 2 ? wv[t].z : wv[t].w;
-        if constexpr (C::PROBE == 1) {
-          a[ks][t][0] = w, a[ks][t][1] = w ^ 1u, a[ks][t][2] = w ^ 2u, a[ks][t][3] = w ^ 3u;
-        } else {
-          sm90_decode<T, !C::GSCALE>(w, grp[t], a[ks][t]);
+          for (int j = 0; j < BN / 8; ++j) {
+            const int r = 8 * j + (lane & 7), u = 2 * ks + (lane >> 3);
+            ldmatrix_x4(bx[j], st + r * 128 + ((u ^ (r & 7)) << 4));
+          }
+#pragma unroll
+        for (int t = 0; t < WM; ++t) {
+          const std::uint32_t w = ks == 0 ? wv[t].x : ks == 1 ? wv[t].y : ks == 2 ? wv[t].z : wv[t].w;
+          std::uint32_t af[4];
+          if constexpr (C::PROBE == 1) {
+            af[0] = w, af[1] = w ^ 1u, af[2] = w ^ 2u, af[3] = w ^ 3u;
+          } else {
+            sm90_decode<T, !C::GSCALE>(w, grp[t], af);
+          }
+#pragma unroll
+          for (int j = 0; j < BN / 8; ++j)
+            mma16816<T>(*reinterpret_cast<float(*)[4]>(&mma_acc[t][4 * j]), af, bx[j][2 * (ks & 1)], bx[j][2 * (ks & 1) + 1]);
         }
-      }
-      wgmma_fence();
+      } else {
 #pragma unroll
-      for (int t = 0; t < WM; ++t) wgmma_rs<T>(mma_acc[t], a[ks][t], x_desc + 2 * ks);  // + 32 B per k-step
+        for (int t = 0; t < WM; ++t) {
+          const std::uint32_t w = ks == 0 ? wv[t].x : ks == 1 ? wv[t].y : ks == 2 ? wv[t].z : wv[t].w;
+          if constexpr (C::PROBE == 1) {
+            a[ks][t][0] = w, a[ks][t][1] = w ^ 1u, a[ks][t][2] = w ^ 2u, a[ks][t][3] = w ^ 3u;
+          } else {
+            sm90_decode<T, !C::GSCALE>(w, grp[t], a[ks][t]);
+          }
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int t = 0; t < WM; ++t) wgmma_rs<T>(mma_acc[t], a[ks][t], x_desc + 2 * ks);  // + 32 B per k-step
+      }
       if (ks == 0) after_first();
     }
-    wgmma_commit();
+    if constexpr (!C::SYNC) wgmma_commit();
   };
   // After mma_chunk(a_cur): wait for the chunk before (OVERLAP; its set a_other is free again) or for this one.
   auto retire = [&](auto& a_cur, auto& a_other) {
-    if constexpr (C::OVERLAP) {
+    if constexpr (C::SYNC) {
+      // mma.sync: the results are in registers when the next instruction reads them; nothing in flight
+    } else if constexpr (C::OVERLAP) {
       wgmma_wait<1>();
       pin_a(a_other);
     } else {
@@ -1243,7 +1281,7 @@ inline bool qgemm_sm90_supported() {
 namespace detail {
 template <class C>
 std::string sm90_cfg_name() {
-  return "wg_b" + std::to_string(C::BN) + "m" + std::to_string(C::WM) + "s" + std::to_string(C::STAGES) +
+  return (C::SYNC ? "mma_b" : "wg_b") + std::to_string(C::BN) + "m" + std::to_string(C::WM) + "s" + std::to_string(C::STAGES) +
          (C::MINB > 1 ? "x" + std::to_string(C::MINB) : "") + (C::OVERLAP ? "o" : "") + (C::WS ? "w" : "") +
          (C::WGS != 2 ? "g" + std::to_string(C::WGS) : "") + (C::GSCALE ? "f" : "") + (C::PROBE ? "_probe" + std::to_string(C::PROBE) : "");
 }
