@@ -252,11 +252,13 @@ void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape&
 // form: the 256-feature strip of wg_b16m2s8x2w with twice the warps, each decoding half as much per chunk, for plans
 // of at most one block per SM. Slower at its best K splits on every shape at M 1 / 8 / 16: 4096 x 4096 0.0123-0.0135 ms
 // against wg_b16m2s8x2w's 0.0110-0.0125, 1.3x on the 4096-wide layers, 1.6x on 8192 x 28672; gemm4_probe-session16-run4.)
-// Session 17: mma.sync consumers (SYNC, names mma_*) in 8- and 16-row slices, three and four blocks per SM.
+// Session 17: mma.sync consumers (SYNC, names mma_*) in 8- and 16-row slices, three and four blocks per SM, with the
+// zero point folded into the group sums (ZFOLD, names end in z) and without.
 using Sm90TrialCfgs =
-    kq::detail::CfgList<kq::Sm90Cfg<16, 2, 5, 3, false, true, 2, true, true>, kq::Sm90Cfg<16, 2, 5, 3, false, true, 2, false, true>,
-                        kq::Sm90Cfg<8, 2, 5, 3, false, true, 2, true, true>, kq::Sm90Cfg<8, 2, 4, 4, false, true, 2, true, true>,
-                        kq::Sm90Cfg<16, 2, 8, 2, false, true, 2, false, true>, kq::Sm90Cfg<8, 2, 8, 2, false, true, 2, false, true>>;
+    kq::detail::CfgList<kq::Sm90Cfg<8, 2, 4, 4, false, true, 2, true, true>, kq::Sm90Cfg<8, 2, 4, 4, false, true, 2, true, true, true>,
+                        kq::Sm90Cfg<8, 2, 5, 3, false, true, 2, true, true>, kq::Sm90Cfg<8, 2, 5, 3, false, true, 2, true, true, true>,
+                        kq::Sm90Cfg<8, 2, 6, 3, false, true, 2, true, true, true>, kq::Sm90Cfg<16, 2, 5, 3, false, true, 2, true, true>,
+                        kq::Sm90Cfg<16, 2, 5, 3, false, true, 2, true, true, true>, kq::Sm90Cfg<16, 2, 8, 2, false, true, 2, true, true, true>>;
 
 // A number for JSON: null when not finite (a probe's garbage result can make the error inf or nan).
 std::string json_num(double v) {

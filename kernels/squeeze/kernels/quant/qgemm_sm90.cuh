@@ -152,14 +152,20 @@ namespace squeeze::kernels::quant {
 // the A fragment lives for one instruction (4 registers instead of a chunk's 2 x 4 x WM x 4), nothing waits for a
 // wgmma group, and ptxas has no wgmma to serialize (C7512 caps the three-block wgmma forms). Meant for batches of up
 // to 16 rows (BN 8 or 16), where the tensor work is small; names start with mma_ instead of wg_.
+// ZFOLD (with SYNC and GSCALE): the A operand is magic + q as decoded (bf16 128 + q: no instruction after the LOP3;
+// fp16 1024 + q: one HFMA2 for the odd pairs only), and each group's fp32 sums are corrected by (magic + z) times the
+// group's sum of x, which one more m16n8k16 per k-step and n8 slice computes (A = ones), shared by the warp's WM tiles.
+// (Session 11 folded the zero point into the wgmma form, its x sums from one more m64n16k16 wgmma per k-step and tile:
+// slower there, see GSCALE.)
 template <int BN_, int WM_, int STAGES_, int MINB_ = 1, bool OVERLAP_ = false, bool WS_ = false, int WGS_ = 2, bool GSCALE_ = false,
-          bool SYNC_ = false>
+          bool SYNC_ = false, bool ZFOLD_ = false>
 struct Sm90Cfg {
   static constexpr int BN = BN_, WM = WM_, STAGES = STAGES_, MINB = MINB_, WGS = WGS_;
-  static constexpr bool OVERLAP = OVERLAP_, WS = WS_, GSCALE = GSCALE_, SYNC = SYNC_;
+  static constexpr bool OVERLAP = OVERLAP_, WS = WS_, GSCALE = GSCALE_, SYNC = SYNC_, ZFOLD = ZFOLD_;
   static constexpr int PROBE = 0;  // Sm90Probe: a measuring variant that skips work (wrong results; benchmark only)
   static_assert(!GSCALE || (WS && !OVERLAP), "per-group fp32 scaling (GSCALE) is built for the warp-specialised form without OVERLAP");
   static_assert(!SYNC || (WS && !OVERLAP && BN <= 16), "mma.sync consumers (SYNC) are built for the warp-specialised form without OVERLAP, batch slices of 8 or 16 rows");
+  static_assert(!ZFOLD || (SYNC && GSCALE), "the folded zero point (ZFOLD) is built for mma.sync consumers (SYNC) with per-group fp32 scaling (GSCALE)");
   static constexpr int AHEAD = OVERLAP ? STAGES - 2 : STAGES - 1;  // chunks the copy ring runs ahead (not WS)
   static constexpr int CONSUMERS = 128 * WGS;                      // the consumer warpgroups
   // + the producer: one warp; with 4 consumer warpgroups a whole warpgroup, so that it can hand its registers to
@@ -630,6 +636,7 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const std::uint32_t (&a
 struct Sm90Group {
   std::uint32_t zc[2], zo[2], sc[2];
   float scale[2];  // GSCALE: the rows' fp16 scales as fp32 (exact)
+  float zf[2];     // ZFOLD: magic + z as fp32 (bf16 128 + z, fp16 1024 + z)
 };
 // The zero point's patterns put together as bits (one integer op each instead of a conversion to float, an add, a
 // rounding and a pack): z (a 4-bit zero point, < 16; exact up to 63) is the low mantissa bits of 128 + z in bf16
@@ -646,6 +653,7 @@ __device__ __forceinline__ Sm90Group sm90_group(const half* srow, const std::uin
     const std::uint32_t z = zrow[n_lo + 8 * r];
     const float s = __half2float(srow[n_lo + 8 * r]);
     g.scale[r] = s;
+    g.zf[r] = float(z) + (std::is_same_v<T, bf16> ? 128.f : 1024.f);
     if constexpr (std::is_same_v<T, bf16>) {
       g.zc[r] = sm90_bf16_magic_zero(z);
       g.zo[r] = 0;
@@ -661,6 +669,18 @@ __device__ __forceinline__ Sm90Group sm90_group(const half* srow, const std::uin
 // One tile word (k-step) -> the wgmma A fragment: pair i (nibbles i, i + 4) covers row l/4 + 8 (i >> 1) and
 // k 2 (l%4) + 8 (i & 1) (+1), i.e. register a[2 (i & 1) + (i >> 1)]; value (q - z) * scale rounded to T, or with
 // SCALE false the exact q - z (the scale is applied to the group's fp32 sums, GSCALE).
+// ZFOLD: magic + q (bf16 128 + q as the LOP3 leaves it; fp16 1024 + q, the odd pairs' 1024 + 16 q scaled by 1/16 and
+// moved by 960: exact), the zero point applied to the group's sums.
+template <class T>
+__device__ __forceinline__ void sm90_decode_folded(std::uint32_t w, std::uint32_t (&a)[4]) {
+  using V = typename Vec2<T>::type;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const std::uint32_t pair = magic_pair<T>(w, i);
+    if constexpr (std::is_same_v<T, bf16>) a[2 * (i & 1) + (i >> 1)] = pair;
+    else a[2 * (i & 1) + (i >> 1)] = (i & 1) ? u32(__hfma2(as_vec2<V>(pair), __float2half2_rn(1.f / 16.f), __float2half2_rn(960.f))) : pair;
+  }
+}
 template <class T, bool SCALE = true>
 __device__ __forceinline__ void sm90_decode(std::uint32_t w, const Sm90Group& g, std::uint32_t (&a)[4]) {
   using V = typename Vec2<T>::type;
@@ -798,6 +818,9 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   // GSCALE: the wgmma accumulate the current group's unscaled sums here; scale_group adds them, scaled, to acc
   float acc_group[WM][NACC];
   float (&mma_acc)[WM][NACC] = C::GSCALE ? acc_group : acc;
+  // ZFOLD: the current group's sums of x, fragment of m16n8k16 with A = ones (register i of slice j: batch row
+  // 8 j + 2 c4 + (i & 1), the same for both A rows)
+  [[maybe_unused]] float xsum[C::ZFOLD ? BN / 8 : 1][4] = {};
 
   // this thread's A rows: tile (wg * 4 WM + 4 t + wq) of the strip, rows l/4 and l/4 + 8 of it
   const int nl = wg * 64 * WM + wq * 16 + g4;  // feature of row l/4 of tile t = 0, relative to the strip
@@ -817,9 +840,15 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     for (int t = 0; t < WM; ++t)
 #pragma unroll
       for (int i = 0; i < NACC; ++i) {
-        acc[t][i] = fmaf(grp[t].scale[(i >> 1) & 1], acc_group[t][i], acc[t][i]);
+        const float sum = C::ZFOLD ? fmaf(-grp[t].zf[(i >> 1) & 1], xsum[C::ZFOLD ? i >> 2 : 0][i & 1], acc_group[t][i]) : acc_group[t][i];
+        acc[t][i] = fmaf(grp[t].scale[(i >> 1) & 1], sum, acc[t][i]);
         acc_group[t][i] = 0.f;
       }
+    if constexpr (C::ZFOLD)
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) xsum[j][i] = 0.f;
   };
   // x's descriptor at the ring's base: a stage's and k-step's descriptor adds their byte offset / 16 (the start
   // address field; the ring lies below 2^18 bytes, so the sum stays within it)
@@ -867,12 +896,20 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
           std::uint32_t af[4];
           if constexpr (C::PROBE == 1) {
             af[0] = w, af[1] = w ^ 1u, af[2] = w ^ 2u, af[3] = w ^ 3u;
+          } else if constexpr (C::ZFOLD) {
+            sm90_decode_folded<T>(w, af);
           } else {
             sm90_decode<T, !C::GSCALE>(w, grp[t], af);
           }
 #pragma unroll
           for (int j = 0; j < BN / 8; ++j)
             mma16816<T>(*reinterpret_cast<float(*)[4]>(&mma_acc[t][4 * j]), af, bx[j][2 * (ks & 1)], bx[j][2 * (ks & 1) + 1]);
+        }
+        if constexpr (C::ZFOLD) {
+          constexpr std::uint32_t one2 = std::is_same_v<T, bf16> ? 0x3F803F80u : 0x3C003C00u;  // (1, 1) in T
+          const std::uint32_t ones[4] = {one2, one2, one2, one2};
+#pragma unroll
+          for (int j = 0; j < BN / 8; ++j) mma16816<T>(xsum[j], ones, bx[j][2 * (ks & 1)], bx[j][2 * (ks & 1) + 1]);
         }
       } else {
 #pragma unroll
@@ -1283,7 +1320,7 @@ template <class C>
 std::string sm90_cfg_name() {
   return (C::SYNC ? "mma_b" : "wg_b") + std::to_string(C::BN) + "m" + std::to_string(C::WM) + "s" + std::to_string(C::STAGES) +
          (C::MINB > 1 ? "x" + std::to_string(C::MINB) : "") + (C::OVERLAP ? "o" : "") + (C::WS ? "w" : "") +
-         (C::WGS != 2 ? "g" + std::to_string(C::WGS) : "") + (C::GSCALE ? "f" : "") + (C::PROBE ? "_probe" + std::to_string(C::PROBE) : "");
+         (C::WGS != 2 ? "g" + std::to_string(C::WGS) : "") + (C::GSCALE ? "f" : "") + (C::ZFOLD ? "z" : "") + (C::PROBE ? "_probe" + std::to_string(C::PROBE) : "");
 }
 // Configurations the benchmark times (batch rows per block, m64 tiles per warpgroup, stages, blocks per SM,
 // overlap across chunks, warp-specialised, consumer warpgroups, per-group fp32 scaling; names
