@@ -61,8 +61,28 @@ TEST(QuantCudaSm90, EveryConfigurationMatchesCpuTwin) {
     }
   }
 }
+// The mma.sync configurations (SYNC: Sm90Row8, Sm90Row8Large, 8-row slices) at the batches they are dispatched for and
+// past them: M 1 / 5 / 8 / 11 (11: a second, partial slice), fp16 and bf16, N 299 / 296, K 1096, groups of 128, per
+// channel and 32 (refused: GSCALE), the plan's K splits and forced 1, 3 and 7, each reduced the three ways.
+TEST(QuantCudaSm90, MmaSyncConfigurationsMatchCpuTwin) {
+  REQUIRE_SM90();
+  using SyncCfgs = kq::detail::CfgList<kq::detail::Sm90Row8, kq::detail::Sm90Row8Large>;
+  static_assert(kq::detail::Sm90Row8::SYNC && kq::detail::Sm90Row8Large::SYNC && kq::detail::Sm90Row8::BN == 8);
+  for (int group : {128, 0, 32}) {
+    const auto p = random_layer(group == 128 ? 296 : 299, 1096, 4, group, group == 32, 501 + group);
+    const auto t = quant::to_tiles(p);
+    for (std::int64_t M : {1, 5, 8, 11}) {
+      SCOPED_TRACE("group " + std::to_string(group) + " M " + std::to_string(M));
+      sm90_all_cfgs(SyncCfgs{}, TwinCase<bf16>(p, t, M), {0, 1, 3, 7});
+      if (::testing::Test::HasFatalFailure()) return;
+      sm90_all_cfgs(SyncCfgs{}, TwinCase<half>(p, t, M), {0, 1, 3, 7});
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+}
 // Tapered K ranges (sm90_taper: the lead ranges longer than the rest) give the CPU twin's result: the dispatched
-// 16-row configurations (GSCALE among them: groups of 128 and per channel), fp16 and bf16, M 1 / 9 / 16, N 299 and
+// 16-row configurations (GSCALE among them: groups of 128 and per channel) and the 8-row mma.sync ones (M 9 / 16: two
+// slices), fp16 and bf16, M 1 / 9 / 16, N 299 and
 // 296, K 1096 (18 chunks; 7 K ranges asked, 6 given) summed by the tile's last block and spread, tapered 2 x 5 + 4 x 2
 // and 3 x 5 + 3 x 1 chunks (groups of 128 cut by K ranges of odd length).
 template <class T, class C>
@@ -91,6 +111,8 @@ TEST(QuantCudaSm90, TaperedKRangesMatchCpuTwin) {
       sm90_tapered_runs<half, kq::detail::Sm90TinyLarge>(TwinCase<half>(p, t, M));
       sm90_tapered_runs<bf16, kq::detail::Sm90TinyScaled>(TwinCase<bf16>(p, t, M));
       sm90_tapered_runs<half, kq::detail::Sm90TinyScaled>(TwinCase<half>(p, t, M));
+      sm90_tapered_runs<bf16, kq::detail::Sm90Row8Large>(TwinCase<bf16>(p, t, M));
+      sm90_tapered_runs<half, kq::detail::Sm90Row8>(TwinCase<half>(p, t, M));
       if (::testing::Test::HasFatalFailure()) return;
     }
   }
@@ -232,12 +254,15 @@ TEST(QuantCudaSm90, LibraryEntryPicksTheKernelByBatch) {
   }
 }
 // The H200's capacity (cudaOccupancyMaxActiveClusters, gemm4_probe-session10-run3.log): clusters of 1..8 blocks it
-// holds of a configuration with one, two or three blocks per SM (three: gemm4_probe-session12-run7.log).
+// holds of a configuration with one, two, three or four blocks per SM (three: gemm4_probe-session12-run7.log; four:
+// gemm4_probe-session17-run1.log).
 template <class C>
 kq::Sm90Capacity h200_capacity() {
-  static_assert(C::MINB >= 1 && C::MINB <= 3, "the H200 capacities known here: one, two or three blocks per SM");
-  static constexpr int per_sm[3][9] = {
-      {0, 132, 66, 39, 30, 22, 17, 15, 15}, {0, 264, 132, 79, 62, 47, 39, 32, 30}, {0, 396, 198, 124, 92, 69, 62, 47, 45}};
+  static_assert(C::MINB >= 1 && C::MINB <= 4, "the H200 capacities known here: one to four blocks per SM");
+  static constexpr int per_sm[4][9] = {{0, 132, 66, 39, 30, 22, 17, 15, 15},
+                                       {0, 264, 132, 79, 62, 47, 39, 32, 30},
+                                       {0, 396, 198, 124, 92, 69, 62, 47, 45},
+                                       {0, 528, 264, 163, 124, 94, 79, 69, 62}};
   kq::Sm90Capacity c;
   c.slots = c.spread_slots = 132 * C::MINB;
   for (int k = 1; k <= kq::kSm90MaxClusterSplits; ++k) c.clusters[k] = per_sm[C::MINB - 1][k];
@@ -434,16 +459,23 @@ TEST(QuantCudaSm90, ZeroPointPatternsAreTheMagicValues) {
   }
 }
 // The dispatch table in names, host logic only (any machine): which configuration qgemm_sm90_cuda runs for a batch,
-// layer size and group. Up to M = 16: 16-row slices, three blocks per SM on layers from kSm90LargeLayer weights (with
-// per-group fp32 scaling where the groups are whole 64-k chunks, per channel included), two below; up to M = 32: 32-row
-// slices, three blocks per SM on those layers too.
+// layer size and group. Up to M = 8 with groups of whole 64-k chunks (per channel included): 8-row slices on mma.sync,
+// four blocks per SM on layers from kSm90LargeLayer weights, three below. Up to M = 16: 16-row slices on wgmma, three
+// blocks per SM on those layers (with per-group fp32 scaling where the groups are whole 64-k chunks), two below; up to
+// M = 32: 32-row slices, three blocks per SM on those layers too.
 TEST(QuantCudaSm90, DispatchTableByBatchLayerAndGroup) {
   auto cfg = [](std::int64_t M, std::int64_t N, std::int64_t K, std::int64_t group) {
     const std::int64_t Kpad = (K + 63) / 64 * 64, Npad = (N + 15) / 16 * 16;
     return kq::qgemm_sm90_cfg_name({M, N, K, Kpad, Npad, group == 0 ? Kpad : group, 4});
   };
-  EXPECT_EQ(cfg(16, 28672, 8192, 128), "wg_b16m2s5x3wf");  // three blocks per SM
-  EXPECT_EQ(cfg(1, 28672, 8192, 0), "wg_b16m2s5x3wf");    // per channel
+  EXPECT_EQ(cfg(1, 28672, 8192, 0), "mma_b8m2s4x4wf");    // per channel, four blocks per SM
+  EXPECT_EQ(cfg(8, 28672, 8192, 128), "mma_b8m2s4x4wf");
+  EXPECT_EQ(cfg(1, 4096, 4096, 128), "mma_b8m2s5x3wf");   // below kSm90LargeLayer: three
+  EXPECT_EQ(cfg(8, 11008, 4096, 0), "mma_b8m2s5x3wf");
+  EXPECT_EQ(cfg(1, 28672, 8192, 32), "wg_b16m2s5x3w");    // groups of 32: not whole chunks
+  EXPECT_EQ(cfg(4, 4096, 4096, 32), "wg_b16m2s8x2w");
+  EXPECT_EQ(cfg(9, 28672, 8192, 128), "wg_b16m2s5x3wf");  // three blocks per SM
+  EXPECT_EQ(cfg(16, 28672, 8192, 128), "wg_b16m2s5x3wf");
   EXPECT_EQ(cfg(9, 28672, 8192, 32), "wg_b16m2s5x3w");    // groups of 32: not whole chunks
   EXPECT_EQ(cfg(16, 11008, 4096, 128), "wg_b16m2s8x2w");  // below kSm90LargeLayer
   EXPECT_EQ(cfg(16, 4096, 11008, 128), "wg_b16m2s8x2w");

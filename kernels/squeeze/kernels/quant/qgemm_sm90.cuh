@@ -152,20 +152,18 @@ namespace squeeze::kernels::quant {
 // the A fragment lives for one instruction (4 registers instead of a chunk's 2 x 4 x WM x 4), nothing waits for a
 // wgmma group, and ptxas has no wgmma to serialize (C7512 caps the three-block wgmma forms). Meant for batches of up
 // to 16 rows (BN 8 or 16), where the tensor work is small; names start with mma_ instead of wg_.
-// ZFOLD (with SYNC and GSCALE): the A operand is magic + q as decoded (bf16 128 + q: no instruction after the LOP3;
-// fp16 1024 + q: one HFMA2 for the odd pairs only), and each group's fp32 sums are corrected by (magic + z) times the
-// group's sum of x, which one more m16n8k16 per k-step and n8 slice computes (A = ones), shared by the warp's WM tiles.
-// (Session 11 folded the zero point into the wgmma form, its x sums from one more m64n16k16 wgmma per k-step and tile:
-// slower there, see GSCALE.)
+// (Session 17 also folded the zero point out of the mma.sync decode: A = magic + q, each group's sums corrected by
+// (magic + z) times the group's x sums from one more m16n8k16 per k-step with A = ones. No faster on the H200: within
+// -1..+3% of the same configuration at 8 rows, 3-11% slower at 16 rows, which it made spill (gemm4_probe-session17-run2);
+// removed.)
 template <int BN_, int WM_, int STAGES_, int MINB_ = 1, bool OVERLAP_ = false, bool WS_ = false, int WGS_ = 2, bool GSCALE_ = false,
-          bool SYNC_ = false, bool ZFOLD_ = false>
+          bool SYNC_ = false>
 struct Sm90Cfg {
   static constexpr int BN = BN_, WM = WM_, STAGES = STAGES_, MINB = MINB_, WGS = WGS_;
-  static constexpr bool OVERLAP = OVERLAP_, WS = WS_, GSCALE = GSCALE_, SYNC = SYNC_, ZFOLD = ZFOLD_;
+  static constexpr bool OVERLAP = OVERLAP_, WS = WS_, GSCALE = GSCALE_, SYNC = SYNC_;
   static constexpr int PROBE = 0;  // Sm90Probe: a measuring variant that skips work (wrong results; benchmark only)
   static_assert(!GSCALE || (WS && !OVERLAP), "per-group fp32 scaling (GSCALE) is built for the warp-specialised form without OVERLAP");
   static_assert(!SYNC || (WS && !OVERLAP && BN <= 16), "mma.sync consumers (SYNC) are built for the warp-specialised form without OVERLAP, batch slices of 8 or 16 rows");
-  static_assert(!ZFOLD || (SYNC && GSCALE), "the folded zero point (ZFOLD) is built for mma.sync consumers (SYNC) with per-group fp32 scaling (GSCALE)");
   static constexpr int AHEAD = OVERLAP ? STAGES - 2 : STAGES - 1;  // chunks the copy ring runs ahead (not WS)
   static constexpr int CONSUMERS = 128 * WGS;                      // the consumer warpgroups
   // + the producer: one warp; with 4 consumer warpgroups a whole warpgroup, so that it can hand its registers to
@@ -269,6 +267,13 @@ inline constexpr int kSm90MaxSplits = 16, kSm90MaxClusterSplits = 8;
 // configuration x shape x batch cases) a cluster of 8 was never the fastest (the H200 holds 15 of them of one-per-SM
 // blocks; 4096 x 4096 at M = 16, 16 tiles: 8 in a cluster 0.0137 ms, 6 in a cluster 0.0125).
 inline constexpr int kSm90AutoClusterSplits = 6;
+// ... but clusters of 8 for the mma.sync configurations (SYNC, three or four blocks per SM): on the H200 mma_b8m2s5x3wf ran
+// 4096 x 11008 at M 1 / 4 / 8 in 14.7 / 15.0 / 15.4 us with 8 K ranges in a cluster, 15.3 / 15.6 / 16.7 through global
+// memory (the plan's pick with clusters of at most 6; gemm4_probe-session17-run2).
+template <class C>
+constexpr int sm90_auto_cluster_splits() {
+  return C::SYNC ? kSm90MaxClusterSplits : kSm90AutoClusterSplits;
+}
 // How the K ranges of a tile are summed: Auto lets the plan pick (splits_override then fixes only the count).
 // Cluster: in a cluster's distributed shared memory. Global: fp32 partials through global memory, summed by every block
 // of the tile, a share each, where the whole grid fits the GPU at once (launched cooperatively, so that the blocks may
@@ -423,7 +428,7 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int split
       const int r = ranges(sp);
       for (const bool cl : {true, false}) {
         if (reduce != Sm90Reduce::Auto && cl == global) continue;
-        if (cl && r > kSm90AutoClusterSplits) continue;
+        if (cl && r > sm90_auto_cluster_splits<C>()) continue;
         const double cost = sm90_split_cost(s, tiles, r, cl, cap, C::MINB);
         if (best == 0 || cost < best) {
           best = cost;
@@ -636,7 +641,6 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const std::uint32_t (&a
 struct Sm90Group {
   std::uint32_t zc[2], zo[2], sc[2];
   float scale[2];  // GSCALE: the rows' fp16 scales as fp32 (exact)
-  float zf[2];     // ZFOLD: magic + z as fp32 (bf16 128 + z, fp16 1024 + z)
 };
 // The zero point's patterns put together as bits (one integer op each instead of a conversion to float, an add, a
 // rounding and a pack): z (a 4-bit zero point, < 16; exact up to 63) is the low mantissa bits of 128 + z in bf16
@@ -653,7 +657,6 @@ __device__ __forceinline__ Sm90Group sm90_group(const half* srow, const std::uin
     const std::uint32_t z = zrow[n_lo + 8 * r];
     const float s = __half2float(srow[n_lo + 8 * r]);
     g.scale[r] = s;
-    g.zf[r] = float(z) + (std::is_same_v<T, bf16> ? 128.f : 1024.f);
     if constexpr (std::is_same_v<T, bf16>) {
       g.zc[r] = sm90_bf16_magic_zero(z);
       g.zo[r] = 0;
@@ -669,18 +672,6 @@ __device__ __forceinline__ Sm90Group sm90_group(const half* srow, const std::uin
 // One tile word (k-step) -> the wgmma A fragment: pair i (nibbles i, i + 4) covers row l/4 + 8 (i >> 1) and
 // k 2 (l%4) + 8 (i & 1) (+1), i.e. register a[2 (i & 1) + (i >> 1)]; value (q - z) * scale rounded to T, or with
 // SCALE false the exact q - z (the scale is applied to the group's fp32 sums, GSCALE).
-// ZFOLD: magic + q (bf16 128 + q as the LOP3 leaves it; fp16 1024 + q, the odd pairs' 1024 + 16 q scaled by 1/16 and
-// moved by 960: exact), the zero point applied to the group's sums.
-template <class T>
-__device__ __forceinline__ void sm90_decode_folded(std::uint32_t w, std::uint32_t (&a)[4]) {
-  using V = typename Vec2<T>::type;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const std::uint32_t pair = magic_pair<T>(w, i);
-    if constexpr (std::is_same_v<T, bf16>) a[2 * (i & 1) + (i >> 1)] = pair;
-    else a[2 * (i & 1) + (i >> 1)] = (i & 1) ? u32(__hfma2(as_vec2<V>(pair), __float2half2_rn(1.f / 16.f), __float2half2_rn(960.f))) : pair;
-  }
-}
 template <class T, bool SCALE = true>
 __device__ __forceinline__ void sm90_decode(std::uint32_t w, const Sm90Group& g, std::uint32_t (&a)[4]) {
   using V = typename Vec2<T>::type;
@@ -818,9 +809,6 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   // GSCALE: the wgmma accumulate the current group's unscaled sums here; scale_group adds them, scaled, to acc
   float acc_group[WM][NACC];
   float (&mma_acc)[WM][NACC] = C::GSCALE ? acc_group : acc;
-  // ZFOLD: the current group's sums of x, fragment of m16n8k16 with A = ones (register i of slice j: batch row
-  // 8 j + 2 c4 + (i & 1), the same for both A rows)
-  [[maybe_unused]] float xsum[C::ZFOLD ? BN / 8 : 1][4] = {};
 
   // this thread's A rows: tile (wg * 4 WM + 4 t + wq) of the strip, rows l/4 and l/4 + 8 of it
   const int nl = wg * 64 * WM + wq * 16 + g4;  // feature of row l/4 of tile t = 0, relative to the strip
@@ -840,15 +828,9 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     for (int t = 0; t < WM; ++t)
 #pragma unroll
       for (int i = 0; i < NACC; ++i) {
-        const float sum = C::ZFOLD ? fmaf(-grp[t].zf[(i >> 1) & 1], xsum[C::ZFOLD ? i >> 2 : 0][i & 1], acc_group[t][i]) : acc_group[t][i];
-        acc[t][i] = fmaf(grp[t].scale[(i >> 1) & 1], sum, acc[t][i]);
+        acc[t][i] = fmaf(grp[t].scale[(i >> 1) & 1], acc_group[t][i], acc[t][i]);
         acc_group[t][i] = 0.f;
       }
-    if constexpr (C::ZFOLD)
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) xsum[j][i] = 0.f;
   };
   // x's descriptor at the ring's base: a stage's and k-step's descriptor adds their byte offset / 16 (the start
   // address field; the ring lies below 2^18 bytes, so the sum stays within it)
@@ -896,20 +878,12 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
           std::uint32_t af[4];
           if constexpr (C::PROBE == 1) {
             af[0] = w, af[1] = w ^ 1u, af[2] = w ^ 2u, af[3] = w ^ 3u;
-          } else if constexpr (C::ZFOLD) {
-            sm90_decode_folded<T>(w, af);
           } else {
             sm90_decode<T, !C::GSCALE>(w, grp[t], af);
           }
 #pragma unroll
           for (int j = 0; j < BN / 8; ++j)
             mma16816<T>(*reinterpret_cast<float(*)[4]>(&mma_acc[t][4 * j]), af, bx[j][2 * (ks & 1)], bx[j][2 * (ks & 1) + 1]);
-        }
-        if constexpr (C::ZFOLD) {
-          constexpr std::uint32_t one2 = std::is_same_v<T, bf16> ? 0x3F803F80u : 0x3C003C00u;  // (1, 1) in T
-          const std::uint32_t ones[4] = {one2, one2, one2, one2};
-#pragma unroll
-          for (int j = 0; j < BN / 8; ++j) mma16816<T>(xsum[j], ones, bx[j][2 * (ks & 1)], bx[j][2 * (ks & 1) + 1]);
         }
       } else {
 #pragma unroll
@@ -1320,7 +1294,7 @@ template <class C>
 std::string sm90_cfg_name() {
   return (C::SYNC ? "mma_b" : "wg_b") + std::to_string(C::BN) + "m" + std::to_string(C::WM) + "s" + std::to_string(C::STAGES) +
          (C::MINB > 1 ? "x" + std::to_string(C::MINB) : "") + (C::OVERLAP ? "o" : "") + (C::WS ? "w" : "") +
-         (C::WGS != 2 ? "g" + std::to_string(C::WGS) : "") + (C::GSCALE ? "f" : "") + (C::ZFOLD ? "z" : "") + (C::PROBE ? "_probe" + std::to_string(C::PROBE) : "");
+         (C::WGS != 2 ? "g" + std::to_string(C::WGS) : "") + (C::GSCALE ? "f" : "") + (C::PROBE ? "_probe" + std::to_string(C::PROBE) : "");
 }
 // Configurations the benchmark times (batch rows per block, m64 tiles per warpgroup, stages, blocks per SM,
 // overlap across chunks, warp-specialised, consumer warpgroups, per-group fp32 scaling; names
@@ -1347,7 +1321,10 @@ using Sm90TuningCfgs = CfgList<Sm90Cfg<64, 1, 6, 2>, Sm90Cfg<128, 2, 6>,
                                // (Sm90TinyLarge, Sm90TinyScaled). (A 32-row GSCALE form spilled 392 bytes in its fp16
                                // build at two blocks per SM.) 32-row slices at three blocks per SM (4 stages):
                                // Sm90NarrowLarge
-                               Sm90Cfg<16, 2, 5, 3, false, true>, Sm90Cfg<16, 2, 5, 3, false, true, 2, true>, Sm90Cfg<32, 2, 4, 3, false, true>>;
+                               Sm90Cfg<16, 2, 5, 3, false, true>, Sm90Cfg<16, 2, 5, 3, false, true, 2, true>, Sm90Cfg<32, 2, 4, 3, false, true>,
+                               // mma.sync consumers (SYNC; names start with mma_) in 8-row slices with GSCALE, three and
+                               // four blocks per SM: Sm90Row8, Sm90Row8Large
+                               Sm90Cfg<8, 2, 5, 3, false, true, 2, true, true>, Sm90Cfg<8, 2, 4, 4, false, true, 2, true, true>>;
 // Measuring variants (bench_qgemm_sm90 --probes; names end in _probe1 / _probe2): what the dispatched 16-row and
 // 128-row forms cost without their decode, and without any consumer work.
 using Sm90ProbeCfgs = CfgList<Sm90Probe<Sm90Cfg<16, 2, 8, 2, false, true>, 1>, Sm90Probe<Sm90Cfg<16, 2, 8, 2, false, true>, 2>,
@@ -1391,6 +1368,14 @@ using Sm90Narrow = Sm90Cfg<32, 2, 6, 2, false, true>;
 // serialized, C7512). H200, 8192 x 28672, each at its best K-split plan (gemm4_probe-session12-run9): M = 24
 // wg_b32m2s4x3w 0.0626 ms (3 in a cluster) against wg_b32m2s6x2w 0.0645 (2 in a cluster); M = 32 0.0636 against 0.0650.
 using Sm90NarrowLarge = Sm90Cfg<32, 2, 4, 3, false, true>;
+// M <= 8 with groups of whole 64-k chunks: mma.sync consumers in 8-row slices (SYNC), three blocks per SM (5 stages), on
+// layers of kSm90LargeLayer weights and more four (4 stages; ptxas spills 12-24 bytes at the 56 registers that leaves).
+// H200, x cuBLAS bf16 at M 1 / 4 / 8 on 4096 x 4096 / 4096 x 11008 / 11008 x 4096 / 8192 x 28672, each at its best K
+// splits (gemm4_probe-session17-run2): mma_b8m2s5x3wf 10.5 / 14.7 / 15.6 us at M 1 on the three smaller shapes (the
+// wgmma dispatch then: 11.1 / 16.2 / 16.8), mma_b8m2s4x4wf 45.3 us on 8192 x 28672 (51.9), 47.7 at M 8 (53.3). The
+// 16-row mma.sync forms ran M 12 / 16 no faster than the wgmma ones (within -5..+2%), so those keep wgmma.
+using Sm90Row8 = Sm90Cfg<8, 2, 5, 3, false, true, 2, true, true>;
+using Sm90Row8Large = Sm90Cfg<8, 2, 4, 4, false, true, 2, true, true>;
 using Sm90NarrowDeep = Sm90Cfg<32, 2, 8, 1, false, true>;
 using Sm90Small = Sm90Cfg<64, 1, 6, 2, false, true>;
 using Sm90SmallWide = Sm90Cfg<64, 2, 8, 1, false, true>;
@@ -1406,6 +1391,7 @@ namespace detail {
 template <class F>
 decltype(auto) with_sm90_cfg(const QGemmShape& s, F&& f) {
   if (s.M > 64) return f(Sm90Large{});
+  if (s.M <= 8 && s.group % kTileK == 0) return s.Npad * s.Kpad >= kSm90LargeLayer ? f(Sm90Row8Large{}) : f(Sm90Row8{});
   if (s.M <= 16) {
     if (s.Npad * s.Kpad < kSm90LargeLayer) return f(Sm90Tiny{});
     return s.group % kTileK == 0 ? f(Sm90TinyScaled{}) : f(Sm90TinyLarge{});
