@@ -204,8 +204,8 @@ TEST(QuantCudaSm90, TimelineProbeComputesAndTracesInOrder) {
     EXPECT_EQ(stored, last_block ? std::int64_t(plan.zslices) * plan.strips : plan.blocks()) << what;
   }
 }
-// The library's entry (quant_gemm_cuda, what QuantizedLinear calls): on sm_90a builds the wgmma kernel for 4-bit
-// layers at every M (16-row slices up to M = 16, 32-row up to 32 (one block per SM below kSm90NarrowLayer weights,
+// The library's entry (quant_gemm_cuda, what QuantizedLinear calls): on sm_90a builds the Hopper kernel for 4-bit
+// layers at every M (8-row mma.sync slices up to M = 8 with groups of whole chunks, 16-row wgmma slices up to M = 16, 32-row up to 32 (one block per SM below kSm90NarrowLayer weights,
 // three from kSm90LargeLayer),
 // 64-row up to 64 with two tiles per warpgroup on large layers, 128-row slices above with four consumer warpgroups),
 // mma.sync otherwise. The choice in words first (host
@@ -217,23 +217,25 @@ TEST(QuantCudaSm90, LibraryEntryPicksTheKernelByBatch) {
   auto says = [](const kq::QGemmShape& s, int sm) { return kq::quant_gemm_describe(s, sm); };
   auto starts = [](const std::string& text, const std::string& head) { return text.rfind(head, 0) == 0; };
   const kq::QGemmShape wide{17, 28672, 8192, 8192, 28672, 128, 4}, narrow{64, 4096, 4096, 4096, 4096, 128, 4};
-  EXPECT_TRUE(starts(says(wide, 132), wg ? "wgmma wg_b32m2s4x3w " : "mma.sync ")) << says(wide, 132);
-  EXPECT_TRUE(starts(says(narrow, 132), wg ? "wgmma wg_b64m1s6x2w " : "mma.sync ")) << says(narrow, 132);
-  EXPECT_TRUE(starts(says({65, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b128m1s8wg4 " : "mma.sync "));
-  EXPECT_TRUE(starts(says({128, 11008, 4096, 4096, 11008, 128, 4}, 132), wg ? "wgmma wg_b128m1s8wg4 " : "mma.sync "));
-  EXPECT_TRUE(starts(says({65, 28672, 8192, 8192, 28672, 128, 4}, 132), wg ? "wgmma wg_b128m1s8wg4 " : "mma.sync "));
+  EXPECT_TRUE(starts(says(wide, 132), wg ? "sm90 wg_b32m2s4x3w " : "mma.sync ")) << says(wide, 132);
+  EXPECT_TRUE(starts(says(narrow, 132), wg ? "sm90 wg_b64m1s6x2w " : "mma.sync ")) << says(narrow, 132);
+  EXPECT_TRUE(starts(says({65, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "sm90 wg_b128m1s8wg4 " : "mma.sync "));
+  EXPECT_TRUE(starts(says({128, 11008, 4096, 4096, 11008, 128, 4}, 132), wg ? "sm90 wg_b128m1s8wg4 " : "mma.sync "));
+  EXPECT_TRUE(starts(says({65, 28672, 8192, 8192, 28672, 128, 4}, 132), wg ? "sm90 wg_b128m1s8wg4 " : "mma.sync "));
   // large layers with groups of whole 64-k chunks: per-group fp32 scaling (GSCALE); groups of 32 cannot take it
-  EXPECT_TRUE(starts(says({16, 28672, 8192, 8192, 28672, 128, 4}, 132), wg ? "wgmma wg_b16m2s5x3wf " : "mma.sync "));
-  EXPECT_TRUE(starts(says({9, 28672, 8192, 8192, 28672, 32, 4}, 132), wg ? "wgmma wg_b16m2s5x3w " : "mma.sync "));
-  EXPECT_TRUE(starts(says({48, 28672, 8192, 8192, 28672, 128, 4}, 132), wg ? "wgmma wg_b64m2s8w " : "mma.sync "));  // large layer
-  EXPECT_TRUE(starts(says({16, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b16m2s8x2w " : "mma.sync "));
-  EXPECT_TRUE(starts(says({9, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b16m2s8x2w " : "mma.sync "));
-  EXPECT_TRUE(starts(says({32, 4096, 11008, 11008, 4096, 128, 4}, 132), wg ? "wgmma wg_b32m2s6x2w " : "mma.sync "));
-  EXPECT_TRUE(starts(says({24, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b32m2s8w " : "mma.sync "));  // small layer
-  EXPECT_TRUE(starts(says({24, 11008, 4096, 4096, 11008, 128, 4}, 132), wg ? "wgmma wg_b32m2s6x2w " : "mma.sync "));
-  EXPECT_TRUE(starts(says({33, 4096, 11008, 11008, 4096, 128, 4}, 132), wg ? "wgmma wg_b64m1s6x2w " : "mma.sync "));
-  EXPECT_TRUE(starts(says({8, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "wgmma wg_b16m2s8x2w " : "mma.sync "));
-  EXPECT_TRUE(starts(says({1, 28672, 8192, 8192, 28672, 128, 4}, 132), wg ? "wgmma wg_b16m2s5x3wf " : "mma.sync "));
+  EXPECT_TRUE(starts(says({16, 28672, 8192, 8192, 28672, 128, 4}, 132), wg ? "sm90 wg_b16m2s5x3wf " : "mma.sync "));
+  EXPECT_TRUE(starts(says({9, 28672, 8192, 8192, 28672, 32, 4}, 132), wg ? "sm90 wg_b16m2s5x3w " : "mma.sync "));
+  EXPECT_TRUE(starts(says({48, 28672, 8192, 8192, 28672, 128, 4}, 132), wg ? "sm90 wg_b64m2s8w " : "mma.sync "));  // large layer
+  EXPECT_TRUE(starts(says({16, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "sm90 wg_b16m2s8x2w " : "mma.sync "));
+  EXPECT_TRUE(starts(says({9, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "sm90 wg_b16m2s8x2w " : "mma.sync "));
+  EXPECT_TRUE(starts(says({32, 4096, 11008, 11008, 4096, 128, 4}, 132), wg ? "sm90 wg_b32m2s6x2w " : "mma.sync "));
+  EXPECT_TRUE(starts(says({24, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "sm90 wg_b32m2s8w " : "mma.sync "));  // small layer
+  EXPECT_TRUE(starts(says({24, 11008, 4096, 4096, 11008, 128, 4}, 132), wg ? "sm90 wg_b32m2s6x2w " : "mma.sync "));
+  EXPECT_TRUE(starts(says({33, 4096, 11008, 11008, 4096, 128, 4}, 132), wg ? "sm90 wg_b64m1s6x2w " : "mma.sync "));
+  // up to 8 rows with groups of whole chunks: mma.sync consumers in 8-row slices; groups of 32: 16-row wgmma slices
+  EXPECT_TRUE(starts(says({8, 4096, 4096, 4096, 4096, 128, 4}, 132), wg ? "sm90 mma_b8m2s5x3wf " : "mma.sync "));
+  EXPECT_TRUE(starts(says({1, 28672, 8192, 8192, 28672, 128, 4}, 132), wg ? "sm90 mma_b8m2s4x4wf " : "mma.sync "));
+  EXPECT_TRUE(starts(says({8, 4096, 4096, 4096, 4096, 32, 4}, 132), wg ? "sm90 wg_b16m2s8x2w " : "mma.sync "));
   EXPECT_TRUE(starts(says({64, 28672, 8192, 8192, 28672, 128, 3}, 132), "mma.sync "));
   EXPECT_TRUE(starts(says({64, 28672, 8196, 8256, 28672, 128, 4}, 132), "mma.sync "));  // K % 8: the wgmma kernel declines
   const int sm = sm_count();
@@ -270,7 +272,8 @@ kq::Sm90Capacity h200_capacity() {
 }
 // The K-split plan of the dispatched configurations on the H200's capacity (host logic: runs without a GPU), against
 // the H200 sweep of the three reductions at 2, 3, 4, 5, 6, 7, 8, 10, 12 and 16 K ranges (gemm4_probe-session14-run5,
-// clean L2, M 9 / 16 / 24 / 32 / 64 / 128): the expected plans are the model's and the sweep's best but where a comment
+// clean L2, M 9 / 16 / 24 / 32 / 64 / 128; at M 1..8 the mma.sync configurations' sweep of 5..16 K ranges,
+// gemm4_probe-session17-run3): the expected plans are the model's and the sweep's best but where a comment
 // gives the best; comments give what session 13's plan took, against the plan here. Every plan covers K exactly once
 // with no empty range; multi-wave plans through global memory are tapered (sm90_taper_ratio).
 TEST(QuantCudaSm90, SplitPlanFollowsTheMeasuredSweep) {
@@ -291,9 +294,13 @@ TEST(QuantCudaSm90, SplitPlanFollowsTheMeasuredSweep) {
       {8192, 28672, 9, 7, Last},     // 784 blocks: more than the GPU holds at once
       {4096, 4096, 1, 16, Last},     // below kSm90SpreadMinRows, K ranges of 4 chunks (kSm90MinChunksFewRows): 8 1.06x (session 16 run 5)
       {4096, 4096, 4, 16, Last},     // 8 1.01x
-      {4096, 11008, 1, 6, Last},     // 8 / 16 K ranges 1.21 / 1.34x (session 16 run 4)
+      {4096, 11008, 1, 8, Cluster},  // mma_b8m2s5x3wf (session 17 run 3): 8 through global memory 1.07x
       {11008, 4096, 1, 16, Last},    // 16 spread: 1.07x
-      {4096, 11008, 8, 6, Spread},
+      {4096, 11008, 8, 8, Cluster},  // 8 spread 1.08x
+      {4096, 4096, 8, 8, Spread},     // 16 the last block summing 0.98x, 8 in a cluster 1.05x
+      {11008, 4096, 8, 16, Spread},
+      {8192, 28672, 4, 7, Last},      // mma_b8m2s4x4wf: 7 / 8 / 9 K ranges within 2%, every cluster plan 1.07-1.14x
+      {8192, 28672, 8, 7, Last},
       {8192, 28672, 1, 7, Last},
       {8192, 28672, 16, 3, Cluster},
       {8192, 28672, 24, 3, Cluster},
@@ -322,10 +329,11 @@ TEST(QuantCudaSm90, SplitPlanFollowsTheMeasuredSweep) {
     EXPECT_EQ(p.cluster, c.reduce == Cluster);
     EXPECT_EQ(p.spread, c.reduce == Spread);
     EXPECT_TRUE(kq::sm90_ranges_cover(p, s.Kpad / 64));
-    // more than one wave through global memory (8192 x 28672 at M <= 16: 784 blocks on 396 slots): tapered, the
-    // first wave's 3 K ranges + 1 lead (kSm90TaperRatio: 4 of 20 chunks, 3 of 16); uniform everywhere else
+    // more than one wave through global memory (8192 x 28672 at M <= 16: 784 blocks on 396 or 528 slots): tapered,
+    // the first wave's 3 (M 9..16: three blocks per SM) or 4 (M <= 8: four) K ranges + 1 lead (kSm90TaperRatio: 20
+    // chunks each, the rest 16); uniform everywhere else
     if (c.K == 8192 && c.reduce == Last) {
-      EXPECT_EQ(p.lead, 4);
+      EXPECT_EQ(p.lead, c.M <= 8 ? 5 : 4);
       EXPECT_EQ(p.cps, 20);
       EXPECT_EQ(p.cps_tail, 16);
     } else {

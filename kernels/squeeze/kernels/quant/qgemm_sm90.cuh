@@ -267,12 +267,14 @@ inline constexpr int kSm90MaxSplits = 16, kSm90MaxClusterSplits = 8;
 // configuration x shape x batch cases) a cluster of 8 was never the fastest (the H200 holds 15 of them of one-per-SM
 // blocks; 4096 x 4096 at M = 16, 16 tiles: 8 in a cluster 0.0137 ms, 6 in a cluster 0.0125).
 inline constexpr int kSm90AutoClusterSplits = 6;
-// ... but clusters of 8 for the mma.sync configurations (SYNC, three or four blocks per SM): on the H200 mma_b8m2s5x3wf ran
-// 4096 x 11008 at M 1 / 4 / 8 in 14.7 / 15.0 / 15.4 us with 8 K ranges in a cluster, 15.3 / 15.6 / 16.7 through global
-// memory (the plan's pick with clusters of at most 6; gemm4_probe-session17-run2).
+// ... but for the mma.sync configurations (SYNC) clusters of 8 at three blocks per SM and none at four. H200
+// (gemm4_probe-session17-run2, -run3): mma_b8m2s5x3wf ran 4096 x 11008 at M 1 / 4 / 8 in 14.5-15.3 us with 8 K ranges
+// in a cluster, 15.5-16.5 through global memory (the plan's pick with clusters of at most 6); mma_b8m2s4x4wf ran 8192 x
+// 28672 at M 1 / 4 / 8 with every cluster plan (5..8 K ranges) 7-14% slower than 7..9 through global memory (M 8: 4 in
+// a cluster, which the cost model put level with 9 through global memory, 49.9 us against 46.8).
 template <class C>
 constexpr int sm90_auto_cluster_splits() {
-  return C::SYNC ? kSm90MaxClusterSplits : kSm90AutoClusterSplits;
+  return !C::SYNC ? kSm90AutoClusterSplits : C::MINB >= 4 ? 1 : kSm90MaxClusterSplits;
 }
 // How the K ranges of a tile are summed: Auto lets the plan pick (splits_override then fixes only the count).
 // Cluster: in a cluster's distributed shared memory. Global: fp32 partials through global memory, summed by every block
@@ -300,7 +302,13 @@ Sm90Capacity sm90_even_capacity(int sm_count) {
 }
 // The estimated cost of `splits` K ranges of `tiles` tiles reduced one way, in bytes of weights streamed:
 //   the weight bytes over the fraction of the GPU's slots the grid keeps busy (idle slots stretch the time; a wave is
-//   the blocks, or for a cluster reduction the clusters of `splits` blocks, the GPU holds at once);
+//   the blocks, or for a cluster reduction the clusters of `splits` blocks, the GPU holds at once); through global
+//   memory in more than one wave, over the fraction of the SMs' blocks: an SM starts its next block as one of its own
+//   ends, so the grid lasts as long as ceil(blocks / SMs) blocks on one SM (session 17: with 7 K ranges for 784 blocks
+//   of mma_b8m2s4x4wf on the H200's 528 slots ~6 a SM, 0.99 of SM-blocks busy, against 0.74 counted in whole waves; the
+//   H200 ran 8192 x 28672 at M 1 with 5 / 6 / 7 / 8 / 9 / 10 / 12 / 16 K ranges in 50.7 / 48.5 / 45.9 / 45.6 / 46.6 /
+//   46.7 / 47.0 / 48.5 us, in the order of this measure, gemm4_probe-session17-run3; no plan of the wgmma
+//   configurations in SplitPlanFollowsTheMeasuredSweep changed);
 //   x kSm90LoneBlock where a two-blocks-per-SM configuration has at most one block per SM (a block alone on an SM
 //   runs faster than each of a pair: on the H200 wg_b16m2s8x2w's 112 blocks on 8192 x 28672 at M = 16 took 0.0785
 //   ms for 128 chunks each, 224 blocks of 64 chunks 0.0609, gemm4_probe-session12-run3);
@@ -347,7 +355,13 @@ inline double sm90_split_cost(const QGemmShape& s, std::int64_t tiles, int split
     wave_blocks = std::min(blocks, slots);
   }
   double cost = wbytes * double(waves * wave_slots) / double(blocks);
-  if (blocks_per_sm > 1 && wave_blocks * blocks_per_sm <= slots) cost *= kSm90LoneBlock;
+  if (!cluster && waves > 1) {
+    // more than one wave: an SM takes its next block as one of its own ends, so the grid ends with the SM that ran the
+    // most blocks: ceil(blocks / SMs) of them
+    const std::int64_t sms = std::max<std::int64_t>(slots / std::max(blocks_per_sm, 1), 1);
+    cost = wbytes * double((blocks + sms - 1) / sms * sms) / double(blocks);
+  }
+  if (blocks_per_sm > 1 && wave_blocks * blocks_per_sm <= slots && !cluster) cost *= kSm90LoneBlock;
   cost += kSm90WaveBytes * double(waves - 1);
   const bool spread = !cluster && sm90_spreads(s, blocks, cap);
   if (splits > 1)
@@ -1582,7 +1596,7 @@ inline QGemmWorkspace quant_gemm_workspace_size(const QGemmShape& s, int sm_coun
 }
 // The kernel, configuration and plan quant_gemm_cuda takes for this shape, in words (error messages, benchmarks).
 inline std::string quant_gemm_describe(const QGemmShape& s, int sm_count) {
-  if (quant_gemm_uses_sm90(s)) return "wgmma " + qgemm_sm90_cfg_name(s) + " " + describe(qgemm_sm90_plan(s, sm_count));
+  if (quant_gemm_uses_sm90(s)) return "sm90 " + qgemm_sm90_cfg_name(s) + " " + describe(qgemm_sm90_plan(s, sm_count));
   const std::string cfg = s.bits == 8 ? detail::default_cfg_name<8>(s.M) : s.bits == 3 ? detail::default_cfg_name<3>(s.M) : detail::default_cfg_name<4>(s.M);
   return "mma.sync " + cfg + " " + describe(qgemm_plan(s, sm_count));
 }
