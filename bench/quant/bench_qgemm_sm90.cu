@@ -252,12 +252,10 @@ void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape&
 // form: the 256-feature strip of wg_b16m2s8x2w with twice the warps, each decoding half as much per chunk, for plans
 // of at most one block per SM. Slower at its best K splits on every shape at M 1 / 8 / 16: 4096 x 4096 0.0123-0.0135 ms
 // against wg_b16m2s8x2w's 0.0110-0.0125, 1.3x on the 4096-wide layers, 1.6x on 8192 x 28672; gemm4_probe-session16-run4.)
-// Session 17: mma.sync consumers (SYNC, names mma_*) in 16-row slices (the 8-row ones are in the tuning list).
-// (Session 17's run 2 timed them at M 12 / 16 within -5..+2% of the wgmma forms; not dispatched.)
-// Run 5: 16-row mma.sync slices at four blocks per SM (one m64 tile per warpgroup, or two without GSCALE), for M 9..16.
-using Sm90TrialCfgs = kq::detail::CfgList<kq::Sm90Cfg<32, 1, 6, 3, false, true>, kq::Sm90Cfg<16, 2, 5, 3, false, true, 2, true, true>,
-                                          kq::Sm90Cfg<16, 2, 4, 4, false, true, 2, false, true>, kq::Sm90Cfg<16, 1, 6, 4, false, true, 2, true, true>,
-                                          kq::Sm90Cfg<16, 1, 6, 4, false, true, 2, false, true>>;
+// Session 17: mma.sync consumers (SYNC, names mma_*) in 16-row slices (the 8-row ones are in the tuning list):
+// mma_b16m2s5x3wf ran M 9 / 12 / 16 within -5..+4% of the best wgmma form (gemm4_probe-session17-run2, -run5;
+// not dispatched); at four blocks per SM (mma_b16m2s4x4w, mma_b16m1s6x4w[f], 8-24 bytes of spills) 1-19% slower (run 5).
+using Sm90TrialCfgs = kq::detail::CfgList<kq::Sm90Cfg<32, 1, 6, 3, false, true>, kq::Sm90Cfg<16, 2, 5, 3, false, true, 2, true, true>>;
 
 // A number for JSON: null when not finite (a probe's garbage result can make the error inf or nan).
 std::string json_num(double v) {

@@ -1,5 +1,6 @@
 #pragma once
-// Hopper (sm_90a) 4-bit weight GEMM for batches of 9 rows and more: y [M, N] = x [M, K] * W^T on wgmma.
+// Hopper (sm_90a) 4-bit weight GEMM: y [M, N] = x [M, K] * W^T on wgmma, or below 9 batch rows on mma.sync consumers
+// (SYNC) in the same warp-specialised ring.
 //
 // Why another kernel: qgemm.cuh's mma.sync kernel re-reads x per strip and runs far below the tensor-core
 // rate once M reaches 64 (H200: 0.41-0.48x cuBLAS bf16 at M = 64, 0.23-0.34x at M = 128). Here the product is
@@ -37,6 +38,13 @@
 //     configuration) to 0.020 ms: Nsight Compute had shown the block-synchronous form busy with its copy loops'
 //     address arithmetic and barrier, and a WS form with cp.async x waiting on its producer
 //     (bench/results/h200/ncu-sm90-stalls.txt).
+// mma.sync consumers (SYNC, dispatched at M <= 8 since session 17): the same block, ring, producer and epilogue, but each
+//   consumer warp multiplies its own 16-feature tiles with mma.sync.m16n8k16 (the A fragment decoded as for wgmma, x's
+//   B fragments by ldmatrix from the swizzled stage) in 8-row batch slices. A warpgroup's wgmma must hold a chunk's A
+//   registers until the group completes, and with three blocks per SM ptxas serializes them for want of registers
+//   (C7512); mma.sync holds one fragment per instruction and each warp runs on its own, so 8-row slices fit three or
+//   four blocks per SM without serialized tensor work. H200 (gemm4_probe-session17-run4, the dispatch): 8192 x 28672 at
+//   M = 1 in 44.6 us against the wgmma dispatch's 51.2 (session 16 run 6), 4096 x 11008 in 14.8 against 17.0.
 // K splits (small N: too few strips for the SMs), summed one of two ways (the plan picks, sm90_split_cost):
 //   in a cluster: the K ranges of one (batch slice, strip) tile are the blocks of one thread-block cluster (1 x 1 x
 //     splits, at most 8). Each block leaves its fp32 sums in its own shared memory; after a cluster barrier each
@@ -1384,10 +1392,10 @@ using Sm90Narrow = Sm90Cfg<32, 2, 6, 2, false, true>;
 using Sm90NarrowLarge = Sm90Cfg<32, 2, 4, 3, false, true>;
 // M <= 8 with groups of whole 64-k chunks: mma.sync consumers in 8-row slices (SYNC), three blocks per SM (5 stages), on
 // layers of kSm90LargeLayer weights and more four (4 stages; ptxas spills 12-24 bytes at the 56 registers that leaves).
-// H200, x cuBLAS bf16 at M 1 / 4 / 8 on 4096 x 4096 / 4096 x 11008 / 11008 x 4096 / 8192 x 28672, each at its best K
-// splits (gemm4_probe-session17-run2): mma_b8m2s5x3wf 10.5 / 14.7 / 15.6 us at M 1 on the three smaller shapes (the
-// wgmma dispatch then: 11.1 / 16.2 / 16.8), mma_b8m2s4x4wf 45.3 us on 8192 x 28672 (51.9), 47.7 at M 8 (53.3). The
-// 16-row mma.sync forms ran M 12 / 16 no faster than the wgmma ones (within -5..+2%), so those keep wgmma.
+// H200, each at its best K splits (gemm4_probe-session17-run2): mma_b8m2s5x3wf 10.5 / 14.7 / 15.6 us at M 1 on 4096 x
+// 4096 / 4096 x 11008 / 11008 x 4096 (the best wgmma forms: 11.1 / 16.2 / 16.8), mma_b8m2s4x4wf 45.3 us on 8192 x
+// 28672 (51.9), 47.7 at M 8 (53.3). The
+// 16-row mma.sync forms ran M 9 / 12 / 16 within -5..+4% of the best wgmma form (runs 2, 5), so those keep wgmma.
 using Sm90Row8 = Sm90Cfg<8, 2, 5, 3, false, true, 2, true, true>;
 using Sm90Row8Large = Sm90Cfg<8, 2, 4, 4, false, true, 2, true, true>;
 using Sm90NarrowDeep = Sm90Cfg<32, 2, 8, 1, false, true>;
