@@ -162,7 +162,7 @@ namespace squeeze::kernels::quant {
 // to 16 rows (BN 8 or 16), where the tensor work is small; names start with mma_ instead of wg_.
 // (Session 17 also folded the zero point out of the mma.sync decode: A = magic + q, each group's sums corrected by
 // (magic + z) times the group's x sums from one more m16n8k16 per k-step with A = ones. No faster on the H200: within
-// -1..+3% of the same configuration at 8 rows, 3-11% slower at 16 rows, which it made spill (gemm4_probe-session17-run2);
+// -2..+4% of the same configuration at 8 rows, 3-12% slower at 16 rows, which it made spill (gemm4_probe-session17-run2);
 // removed.)
 template <int BN_, int WM_, int STAGES_, int MINB_ = 1, bool OVERLAP_ = false, bool WS_ = false, int WGS_ = 2, bool GSCALE_ = false,
           bool SYNC_ = false>
