@@ -313,10 +313,11 @@ Sm90Capacity sm90_even_capacity(int sm_count) {
 //   the blocks, or for a cluster reduction the clusters of `splits` blocks, the GPU holds at once); through global
 //   memory in more than one wave, over the fraction of the SMs' blocks: an SM starts its next block as one of its own
 //   ends, so the grid lasts as long as ceil(blocks / SMs) blocks on one SM (session 17: with 7 K ranges for 784 blocks
-//   of mma_b8m2s4x4wf on the H200's 528 slots ~6 a SM, 0.99 of SM-blocks busy, against 0.74 counted in whole waves; the
-//   H200 ran 8192 x 28672 at M 1 with 5 / 6 / 7 / 8 / 9 / 10 / 12 / 16 K ranges in 50.7 / 48.5 / 45.9 / 45.6 / 46.6 /
-//   46.7 / 47.0 / 48.5 us, in the order of this measure, gemm4_probe-session17-run3; no plan of the wgmma
-//   configurations in SplitPlanFollowsTheMeasuredSweep changed);
+//   of mma_b8m2s4x4wf on the H200's 528 slots ~6 a SM, 0.99 of SM-blocks busy, against 0.74 counted in whole waves.
+//   The H200 ran 8192 x 28672 at M 1 with 5 / 6 / 7 / 8 / 9 / 10 / 12 / 16 K ranges in 50.7 / 48.5 / 45.9 / 45.6 / 46.6
+//   (tapered) / 46.7 / 47.0 / 48.5 us, gemm4_probe-session17-run3; this measure gives 1.18 / 1.18 / 1.01 / 1.03 / 1.05
+//   / 1.06 / 1.08 / 1.03 (16: more partials to add), whole waves 1.89 / 1.57 / 1.35 / 1.18 / 1.05 / 1.41 / 1.18 /
+//   1.18. No plan of the wgmma configurations in SplitPlanFollowsTheMeasuredSweep changed);
 //   x kSm90LoneBlock where a two-blocks-per-SM configuration has at most one block per SM (a block alone on an SM
 //   runs faster than each of a pair: on the H200 wg_b16m2s8x2w's 112 blocks on 8192 x 28672 at M = 16 took 0.0785
 //   ms for 128 chunks each, 224 blocks of 64 chunks 0.0609, gemm4_probe-session12-run3);
@@ -1394,8 +1395,8 @@ using Sm90NarrowLarge = Sm90Cfg<32, 2, 4, 3, false, true>;
 // layers of kSm90LargeLayer weights and more four (4 stages; ptxas spills 12-24 bytes at the 56 registers that leaves).
 // H200, each at its best K splits (gemm4_probe-session17-run2): mma_b8m2s5x3wf 10.5 / 14.7 / 15.6 us at M 1 on 4096 x
 // 4096 / 4096 x 11008 / 11008 x 4096 (the best wgmma forms: 11.1 / 16.2 / 16.8), mma_b8m2s4x4wf 45.3 us on 8192 x
-// 28672 (51.9), 47.7 at M 8 (53.3). The
-// 16-row mma.sync forms ran M 9 / 12 / 16 within -5..+4% of the best wgmma form (runs 2, 5), so those keep wgmma.
+// 28672 (51.9), 47.7 at M 8 (53.3). The 16-row mma.sync forms ran M 9 / 12 / 16 within -5..+4% of the best wgmma form
+// (runs 2, 5), so those batches keep wgmma.
 using Sm90Row8 = Sm90Cfg<8, 2, 5, 3, false, true, 2, true, true>;
 using Sm90Row8Large = Sm90Cfg<8, 2, 4, 4, false, true, 2, true, true>;
 using Sm90NarrowDeep = Sm90Cfg<32, 2, 8, 1, false, true>;
