@@ -2,7 +2,7 @@
 # One call on the GPU machine: build with libtorch's CUDA side, run the GPU tests (ctest -L cuda) and the
 # benchmarks, write full results under $OUT (default ./gpu-results) and print a short table last.
 #   usage: bash bench/run_gpu.sh [bench-name ...]    (no names: all benchmarks but the 7B rows;
-#          names: adamw gemm4 gemm4_probe wgmma_rate gptq zero table table7b table7b_offload diag7b ncu_gemm ncu_sm90 llama_gptq scale scale7b scale7b_w1)
+#          names: adamw gemm4 gemm4_probe dequant wgmma_rate gptq zero table table7b table7b_offload diag7b ncu_gemm ncu_sm90 llama_gptq scale scale7b scale7b_w1)
 #   env: TARGETS="t1 t2" builds only those targets (default: everything); GPU_TESTS=0 skips ctest -L cuda;
 #        GPU_TESTS_REGEX="Quant|Zero" runs only the cuda-labelled tests whose names match (ctest -R);
 #        BENCH_ARGS_<name>="..." extra arguments for one benchmark (e.g. BENCH_ARGS_table="--rows bf16,ckpt");
@@ -55,6 +55,9 @@ run_bench gemm4 "$BUILD/bench/quant/bench_quant_gemm"
 # the same shapes without libtorch (builds in ~30 s: TARGETS=bench_qgemm_sm90): dispatch, mma.sync, every wgmma
 # configuration, cuBLAS bf16
 run_bench gemm4_probe "$BUILD/bench/quant/bench_qgemm_sm90"
+# GPTQ dequantize (tiled against the per-element kernel, the copy bandwidth) and the fused GEMM / dequantize + cuBLAS
+# crossover (TARGETS=bench_dequant)
+run_bench dequant "$BUILD/bench/quant/bench_dequant"
 # cycles per wgmma on one SM (A from registers or shared memory, N 16 / 128): only when named (TARGETS=bench_wgmma_rate)
 if named wgmma_rate; then run_bench wgmma_rate "$BUILD/bench/quant/bench_wgmma_rate"; fi
 run_bench gptq "$BUILD/bench/quant/bench_gptq"

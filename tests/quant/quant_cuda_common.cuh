@@ -1,8 +1,8 @@
 #pragma once
-// Shared by the CUDA quant tests (test_quant_cuda.cu: dequantize, GEMV, the mma.sync GEMM; test_quant_sm90.cu: the
-// wgmma GEMM and the library entry; test_qgemv_cuda.cu: the streaming GEMM): random GPTQ layers and activations,
-// the twin's error scale, one layer and batch on the device with the CPU twin's result. One binary each, so the
-// GPU machine can build (and rebuild) one without the others.
+// Shared by the CUDA quant tests (test_quant_cuda.cu: GEMV, the mma.sync GEMM; test_dequant_cuda.cu: dequantize;
+// test_quant_sm90.cu: the wgmma GEMM and the library entry; test_qgemv_cuda.cu: the streaming GEMM): random GPTQ
+// layers and activations, the twin's error scale, one layer and batch on the device with the CPU twin's result. One
+// binary each, so the GPU machine can build (and rebuild) one without the others.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -30,6 +30,14 @@ namespace {
 using test::random_layer;
 using test::random_x;
 using test::Dev;
+
+// A GPTQ-layout layer on the device (the dequantize and GEMV kernels read it as is).
+struct DevLayer {
+  Dev<std::int32_t> qw, qz, gi;
+  Dev<half> sc;
+  explicit DevLayer(const quant::PackedLinear& p) : qw(p.qweight), qz(p.qzeros), gi(p.g_idx), sc(p.scales) {}
+  kq::GptqView view(const quant::PackedLinear& p) const { return {qw.p, qz.p, sc.p, gi.p, p.in, p.out, p.bits}; }
+};
 
 template <class T>
 double ulp(double y) {

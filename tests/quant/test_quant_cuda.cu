@@ -1,31 +1,9 @@
-// CUDA quant kernels against their CPU twins (label cuda; skips without a device).
-// Tolerances: dequantize is bit-identical (same element function); gemv and the int4 GEMM sum in a
-// different order than their twins: |gpu - twin| <= 1e-5 * sum|x w| + one ulp of the output type.
+// CUDA quant kernels against their CPU twins (label cuda; skips without a device). Dequantize: test_dequant_cuda.cu.
+// Tolerances: gemv and the int4 GEMM sum in a different order than their twins: |gpu - twin| <= 1e-5 * sum|x w| + one
+// ulp of the output type.
 // The 3/4/8-bit GEMM is checked in every configuration the benchmark times, with and without K splits.
 // The sm_90 wgmma GEMM and the library's GEMM entry: test_quant_sm90.cu (binary test_quant_sm90).
 #include "quant_cuda_common.cuh"
-
-struct DevLayer {
-  Dev<std::int32_t> qw, qz, gi;
-  Dev<half> sc;
-  explicit DevLayer(const quant::PackedLinear& p) : qw(p.qweight), qz(p.qzeros), gi(p.g_idx), sc(p.scales) {}
-  kq::GptqView view(const quant::PackedLinear& p) const { return {qw.p, qz.p, sc.p, gi.p, p.in, p.out, p.bits}; }
-};
-
-TEST(QuantCuda, DequantizeIsBitIdenticalToCpuTwin) {
-  REQUIRE_DEVICE();
-  for (int bits : {2, 3, 4, 8}) {
-    const auto p = random_layer(67, 300, bits, 32, bits == 4, 3 + bits);
-    DevLayer d(p);
-    const kq::GptqView hv{p.qweight.data(), p.qzeros.data(), p.scales.data(), p.g_idx.data(), p.in, p.out, p.bits};
-    std::vector<bf16> ref(p.in * p.out);
-    kq::dequantize_cpu(hv, ref.data());
-    Dev<bf16> w(ref.size());
-    SQUEEZE_CUDA_CHECK(kq::dequantize_cuda(d.view(p), w.p, nullptr));
-    const auto got = w.get();
-    for (std::size_t k = 0; k < ref.size(); ++k) ASSERT_EQ(to_float(got[k]), to_float(ref[k])) << bits << " " << k;
-  }
-}
 
 TEST(QuantCuda, GemvMatchesCpuTwin) {
   REQUIRE_DEVICE();

@@ -63,12 +63,75 @@ void gemv_cpu(const GptqView& v, const T* x /*[M, in]*/, T* y /*[M, out]*/, std:
 
 #if defined(__CUDACC__)
 namespace detail {
+// Dequantize in tiles of W [64 out][64 in]. The per-element form (one thread per W element, session 17 and before)
+// read qweight across its rows (stride out) and ran 6-8x below the copy bandwidth (8192 x 28672 at 4 bits: 0.92 ms on
+// the H200, bench/results/h200/gemm4-session17-run6). Here a block
+//   1. copies the tile's qweight words, 2 * bits rows x 64 outs, coalesced along out (64 in x bits is a whole
+//      number of words for every width, so tiles start on word boundaries and 3-bit codes straddle only inside one);
+//   2. decodes with one thread per out column and 8 consecutive in (shared-memory reads conflict-free: a warp's
+//      threads read 32 consecutive columns of one word row), into a [64 out][64 in] tile of T in shared memory;
+//   3. writes W's rows 16 bytes a thread (a row's 64 in are 128 / 256 contiguous bytes), or element by element where
+//      the row pitch (in * sizeof T) is not a multiple of 16 bytes or the tile is cut by in.
+// The element math is gptq_weight's (bit-identical to the CPU twin).
+constexpr int kDeqTile = 64, kDeqThreads = 256;
 template <class T>
-__global__ void dequantize_kernel(GptqView v, T* __restrict__ w) {
-  const std::int64_t total = v.in * v.out;
-  for (std::int64_t idx = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; idx < total; idx += std::int64_t(gridDim.x) * blockDim.x) {
-    const std::int64_t o = idx / v.in, i = idx % v.in;
-    w[idx] = from_float<T>(gptq_weight(v, i, o));
+__global__ void __launch_bounds__(kDeqThreads) dequantize_kernel(GptqView v, T* __restrict__ w) {
+  constexpr int kChunk = 16 / int(sizeof(T));  // elements per 16-byte store
+  __shared__ std::uint32_t words[16][kDeqTile];  // [2 * bits <= 16 word rows][64 outs]
+  __shared__ int groups[kDeqTile];
+  __shared__ alignas(16) T tile[kDeqTile][kDeqTile + kChunk];  // [out][in], one chunk of padding a row (banks)
+  const std::int64_t o0 = std::int64_t(blockIdx.x) * kDeqTile, i0 = std::int64_t(blockIdx.y) * kDeqTile;
+  const int bits = v.bits, word_rows = 2 * bits;
+  const std::int64_t qrows = (v.in * bits + 31) / 32, wr0 = i0 * bits / 32;
+  for (int t = threadIdx.x; t < word_rows * kDeqTile; t += kDeqThreads) {
+    const int r = t / kDeqTile, c = t % kDeqTile;
+    words[r][c] = wr0 + r < qrows && o0 + c < v.out ? std::uint32_t(v.qweight[(wr0 + r) * v.out + o0 + c]) : 0u;
+  }
+  if (threadIdx.x < kDeqTile) groups[threadIdx.x] = i0 + threadIdx.x < v.in ? v.g_idx[i0 + threadIdx.x] : 0;
+  __syncthreads();
+  // decode: column c, in runs of 8 j and j + 4 (j = thread / 64)
+  const int c = threadIdx.x % kDeqTile;
+  const std::int64_t o = o0 + c;
+  if (o < v.out) {
+    const std::uint32_t maxq = (1u << bits) - 1u;
+    const std::int64_t zcols = (v.out * bits + 31) / 32;
+    int g_have = -1;
+    float scale = 0.f, zero = 0.f;
+#pragma unroll
+    for (int half_tile = 0; half_tile < 2; ++half_tile) {
+      const int j = threadIdx.x / kDeqTile + 4 * half_tile;
+      alignas(16) T run[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const int il = 8 * j + e;
+        const int g = groups[il];
+        if (g != g_have) {  // groups change at most every 16 in without act-order
+          g_have = g;
+          scale = to_float(v.scales[std::int64_t(g) * v.out + o]);
+          zero = float((stream_get(v.qzeros + std::int64_t(g) * zcols, 1, o, bits) + 1u) & maxq);
+        }
+        const int bit = il * bits, wd = bit >> 5, off = bit & 31;
+        std::uint32_t q = words[wd][c] >> off;
+        if (off + bits > 32) q |= words[wd + 1][c] << (32 - off);
+        run[e] = from_float<T>(scale * (float(q & maxq) - zero));
+      }
+#pragma unroll
+      for (int k = 0; k < 8; k += kChunk) *reinterpret_cast<uint4*>(&tile[c][8 * j + k]) = *reinterpret_cast<const uint4*>(&run[k]);
+    }
+  }
+  __syncthreads();
+  // store: thread t -> row t / (64 / kChunk), chunk t % (64 / kChunk)
+  constexpr int kChunksPerRow = kDeqTile / kChunk;
+  const bool vector_rows = (v.in * std::int64_t(sizeof(T))) % 16 == 0 && reinterpret_cast<std::uintptr_t>(w) % 16 == 0;
+  for (int t = threadIdx.x; t < kDeqTile * kChunksPerRow; t += kDeqThreads) {
+    const int r = t / kChunksPerRow, k = (t % kChunksPerRow) * kChunk;
+    if (o0 + r >= v.out) continue;
+    T* const dst = w + (o0 + r) * v.in + i0 + k;
+    if (vector_rows && i0 + k + kChunk <= v.in) {
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&tile[r][k]);
+    } else {
+      for (int e = 0; e < kChunk && i0 + k + e < v.in; ++e) dst[e] = tile[r][k + e];
+    }
   }
 }
 
@@ -100,12 +163,14 @@ __global__ void round_kernel(const float* __restrict__ acc, T* __restrict__ y, s
 }
 }  // namespace detail
 
+// W [out, in] in T from a GPTQ layer, all on the device. cudaErrorInvalidValue for a bad width or shape (in tiles
+// of 64 past the grid's y limit, in > 4,194,240).
 template <FloatingElement T>
 cudaError_t dequantize_cuda(const GptqView& v, T* w, cudaStream_t stream) {
   if (v.in <= 0 || v.out <= 0 || !(v.bits == 2 || v.bits == 3 || v.bits == 4 || v.bits == 8)) return cudaErrorInvalidValue;
-  const std::int64_t total = v.in * v.out;
-  const unsigned blocks = unsigned(std::min<std::int64_t>((total + 255) / 256, 65535));
-  detail::dequantize_kernel<T><<<blocks, 256, 0, stream>>>(v, w);
+  const std::int64_t out_tiles = (v.out + detail::kDeqTile - 1) / detail::kDeqTile, in_tiles = (v.in + detail::kDeqTile - 1) / detail::kDeqTile;
+  if (in_tiles > 65535 || out_tiles > 0x7fffffff) return cudaErrorInvalidValue;
+  detail::dequantize_kernel<T><<<dim3(unsigned(out_tiles), unsigned(in_tiles)), detail::kDeqThreads, 0, stream>>>(v, w);
   return cudaGetLastError();
 }
 

@@ -1,0 +1,293 @@
+// GPTQ dequantize benchmark (GPU, no libtorch): W [N, K] from a packed GPTQ layer (qweight / qzeros / scales / g_idx),
+// the kernel QuantizedLinear runs for its large-batch forward and for every backward (dX = dY W, LoRA on a GPTQ base).
+// For each (K, N) of issue 6, in the same run, cold L2, median of --reps:
+//   dequant      kq::dequantize_cuda (tiled: qgemm-independent, kernels/.../dequant.cuh) at 4 bits into bf16, fp16 and
+//                float, with act-order g_idx (4 bits, bf16), and at 2 / 3 / 8 bits into bf16
+//   elementwise  the per-element kernel dequantize_cuda was until session 17 (one thread per W element), the peer;
+//                every output is compared with it byte for byte ("BAD" otherwise)
+//   roofline     (qweight + qzeros + scales + g_idx + W bytes) / time over a device-to-device copy's bandwidth
+//                measured in the same run
+//   crossover    (4 bits, bf16, --m batches) the fused GEMM as the library dispatches it (kq::quant_gemm_cuda) against
+//                dequantize + cuBLAS bf16 (cublasGemmEx on the fresh W) and cuBLAS alone on resident bf16 weights:
+//                the batch from which QuantizedLinear's dequantize path pays (its max_fused_rows)
+// Weights are random codes, zero points and scales (group 128): only time is measured here; the GPU tests check the
+// numbers against the CPU twin.
+// Usage: bench_dequant [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m LIST] [--shapes KxN,...]
+//   (env SQUEEZE_DEVICE, SQUEEZE_COMMIT)
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <squeeze/error.hpp>
+#include <squeeze/kernels/quant/dequant.cuh>
+#include <squeeze/kernels/quant/qgemm_sm90.cuh>
+
+#include "gemm_timing.cuh"
+
+namespace kq = squeeze::kernels::quant;
+using squeeze::bf16;
+using squeeze::half;
+using squeeze::bench::time_ms;
+using squeeze::bench::watchdog_note;
+
+namespace {
+
+template <class E>
+struct DevBuf {  // a device array, freed on scope exit
+  E* p = nullptr;
+  std::size_t n = 0;
+  explicit DevBuf(std::size_t count) : n(count) { SQUEEZE_CUDA_CHECK(cudaMalloc(&p, std::max<std::size_t>(n, 1) * sizeof(E))); }
+  explicit DevBuf(const std::vector<E>& host) : DevBuf(host.size()) {
+    SQUEEZE_CUDA_CHECK(cudaMemcpy(p, host.data(), n * sizeof(E), cudaMemcpyHostToDevice));
+  }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  ~DevBuf() { cudaFree(p); }
+};
+
+void cublas_check(cublasStatus_t s, const char* what) {
+  if (s != CUBLAS_STATUS_SUCCESS) throw std::runtime_error(std::string("cuBLAS: ") + what + " failed (status " + std::to_string(int(s)) + ")");
+}
+
+// The per-element dequantize of sessions 1-17, kept here as the peer: one thread per W element, qweight read
+// across its rows.
+template <class T>
+__global__ void elementwise_dequantize_kernel(kq::GptqView v, T* __restrict__ w) {
+  const std::int64_t total = v.in * v.out;
+  for (std::int64_t idx = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; idx < total; idx += std::int64_t(gridDim.x) * blockDim.x) {
+    const std::int64_t o = idx / v.in, i = idx % v.in;
+    w[idx] = squeeze::from_float<T>(kq::gptq_weight(v, i, o));
+  }
+}
+template <class T>
+void elementwise_dequantize(const kq::GptqView& v, T* w) {
+  const unsigned blocks = unsigned(std::min<std::int64_t>((v.in * v.out + 255) / 256, 65535));
+  elementwise_dequantize_kernel<T><<<blocks, 256>>>(v, w);
+  SQUEEZE_CUDA_CHECK(cudaGetLastError());
+}
+
+// A random GPTQ layer [N out, K in] on the device: codes, zero points and fp16 scales (group 128); act_order shuffles
+// g_idx into equal groups, as GPTQ's act-order writes it.
+struct GptqLayer {
+  std::int64_t K, N;
+  int bits;
+  DevBuf<std::int32_t> qweight, qzeros, g_idx;
+  DevBuf<half> scales;
+  static std::vector<std::int32_t> random_words(std::size_t n, std::mt19937& rng) {
+    std::vector<std::int32_t> v(n);
+    for (auto& w : v) w = std::int32_t(rng());
+    return v;
+  }
+  static std::vector<half> random_scales(std::size_t n, std::mt19937& rng) {
+    std::uniform_real_distribution<float> u(0.002f, 0.02f);
+    std::vector<half> v(n);
+    for (auto& s : v) s = __float2half(u(rng));
+    return v;
+  }
+  static std::vector<std::int32_t> group_index(std::int64_t K, bool act_order, std::mt19937& rng) {
+    std::vector<std::int32_t> g(K);
+    for (std::int64_t i = 0; i < K; ++i) g[i] = std::int32_t(i / 128);
+    if (act_order) std::shuffle(g.begin(), g.end(), rng);
+    return g;
+  }
+  GptqLayer(std::int64_t k, std::int64_t n, int b, bool act_order, std::mt19937& rng)
+      : K(k), N(n), bits(b), qweight(random_words(std::size_t((k * b + 31) / 32 * n), rng)),
+        qzeros(random_words(std::size_t((k + 127) / 128 * ((n * b + 31) / 32)), rng)), g_idx(group_index(k, act_order, rng)),
+        scales(random_scales(std::size_t((k + 127) / 128 * n), rng)) {}
+  kq::GptqView view() const { return {qweight.p, qzeros.p, scales.p, g_idx.p, K, N, bits}; }
+  double packed_bytes() const { return double(qweight.n) * 4 + double(qzeros.n) * 4 + double(scales.n) * 2 + double(g_idx.n) * 4; }
+};
+
+bool same_bytes(const void* a, const void* b, std::size_t bytes) {
+  std::vector<unsigned char> ha(bytes), hb(bytes);
+  SQUEEZE_CUDA_CHECK(cudaMemcpy(ha.data(), a, bytes, cudaMemcpyDeviceToHost));
+  SQUEEZE_CUDA_CHECK(cudaMemcpy(hb.data(), b, bytes, cudaMemcpyDeviceToHost));
+  return std::memcmp(ha.data(), hb.data(), bytes) == 0;
+}
+
+std::vector<std::string> comma_list(const std::string& text) {
+  std::vector<std::string> items;
+  std::stringstream ss(text);
+  for (std::string item; std::getline(ss, item, ',');) items.push_back(item);
+  return items;
+}
+
+const char* type_name(int bytes, bool bf) { return bytes == 4 ? "fp32" : bf ? "bf16" : "fp16"; }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string out_path, only;
+  int reps = 30;
+  std::vector<std::int64_t> batches = {64, 128, 192, 256, 384, 512};
+  std::vector<std::pair<std::int64_t, std::int64_t>> shapes = {{4096, 4096}, {4096, 11008}, {11008, 4096}, {8192, 28672}};
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--out" && i + 1 < argc) out_path = argv[++i];
+    else if (a == "--reps" && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
+    else if (a == "--only" && i + 1 < argc) only = argv[++i];
+    else if (a == "--m" && i + 1 < argc) {
+      batches.clear();
+      for (const std::string& item : comma_list(argv[++i])) {
+        const long long m = std::atoll(item.c_str());
+        if (m <= 0 || std::to_string(m) != item) {
+          std::fprintf(stderr, "%s: --m: expected a comma-separated list of positive integers, got '%s'\n", argv[0], item.c_str());
+          return 2;
+        }
+        batches.push_back(m);
+      }
+    } else if (a == "--shapes" && i + 1 < argc) {
+      shapes.clear();
+      for (const std::string& item : comma_list(argv[++i])) {
+        long long k = 0, n = 0;
+        char sep = 0;
+        std::stringstream one(item);
+        if (!(one >> k >> sep >> n) || sep != 'x' || k < 16 || n < 16 || k % 8) {
+          std::fprintf(stderr, "%s: --shapes: expected KxN pairs with K a multiple of 8 and K, N >= 16, got '%s'\n", argv[0], item.c_str());
+          return 2;
+        }
+        shapes.emplace_back(k, n);
+      }
+    } else {
+      std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m LIST] [--shapes KxN,...]\n", argv[0]);
+      return 2;
+    }
+  }
+  cudaDeviceProp prop{};
+  if (!squeeze::bench::first_device("bench_dequant", prop)) return 1;
+  const int sm = prop.multiProcessorCount;
+  squeeze::bench::start_watchdog("bench_dequant", 120);
+  std::ofstream out;
+  if (!out_path.empty()) out.open(out_path);
+  const char* commit = std::getenv("SQUEEZE_COMMIT");
+  const std::string device = prop.name;
+
+  double copy_gbs = 0;  // device-to-device copy, bytes read + written per second: the roofline
+  {
+    const std::size_t bytes = 1ull << 30;
+    DevBuf<unsigned char> a(bytes), b(bytes);
+    const double ms = time_ms([&] { SQUEEZE_CUDA_CHECK(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, nullptr)); }, 10);
+    copy_gbs = 2.0 * double(bytes) / (ms * 1e6);
+  }
+  std::printf("device %s, %d SMs, device-to-device copy %.0f GB/s\n", device.c_str(), sm, copy_gbs);
+  std::printf("%-28s %9s %9s %6s %6s %s\n", "case", "ms", "elemwise", "x peer", "roof", "check");
+  std::mt19937 rng(20261201);
+  cublasHandle_t handle;
+  cublas_check(cublasCreate(&handle), "create");
+  auto emit = [&](const std::string& json) {
+    if (out) out << json << "\n" << std::flush;
+  };
+  auto common = [&] {
+    return std::string(", \"device\": \"") + device + "\", \"commit\": \"" + (commit ? commit : "unknown") + "\", \"l2_flush\": \"" +
+           squeeze::bench::l2_flush_name() + "\", \"copy_gbs\": " + std::to_string(copy_gbs) + "}";
+  };
+
+  for (const auto& [K, N] : shapes) {
+    // ---- dequantize: the tiled kernel against the per-element one ----
+    struct Variant {
+      int bits, type_bytes;
+      bool bf, act_order;
+    };
+    for (const Variant var : {Variant{4, 2, true, false}, Variant{4, 2, false, false}, Variant{4, 4, false, false}, Variant{4, 2, true, true},
+                              Variant{3, 2, true, false}, Variant{8, 2, true, false}, Variant{2, 2, true, false}}) {
+      const std::string cs = "K" + std::to_string(K) + "_N" + std::to_string(N) + "_b" + std::to_string(var.bits) + "_" +
+                             type_name(var.type_bytes, var.bf) + (var.act_order ? "_actorder" : "");
+      if (!only.empty() && cs.find(only) == std::string::npos) continue;
+      watchdog_note(cs);
+      const GptqLayer L(K, N, var.bits, var.act_order, rng);
+      const std::size_t w_bytes = std::size_t(K * N) * std::size_t(var.type_bytes);
+      DevBuf<unsigned char> w(w_bytes), w_ref(w_bytes);
+      const kq::GptqView v = L.view();
+      auto tiled = [&] {
+        if (var.type_bytes == 4) SQUEEZE_CUDA_CHECK(kq::dequantize_cuda(v, reinterpret_cast<float*>(w.p), nullptr));
+        else if (var.bf) SQUEEZE_CUDA_CHECK(kq::dequantize_cuda(v, reinterpret_cast<bf16*>(w.p), nullptr));
+        else SQUEEZE_CUDA_CHECK(kq::dequantize_cuda(v, reinterpret_cast<half*>(w.p), nullptr));
+      };
+      auto elementwise = [&] {
+        if (var.type_bytes == 4) elementwise_dequantize(v, reinterpret_cast<float*>(w_ref.p));
+        else if (var.bf) elementwise_dequantize(v, reinterpret_cast<bf16*>(w_ref.p));
+        else elementwise_dequantize(v, reinterpret_cast<half*>(w_ref.p));
+      };
+      tiled();
+      elementwise();
+      SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+      const bool same = same_bytes(w.p, w_ref.p, w_bytes);
+      const double t = time_ms(tiled, reps), t_peer = time_ms(elementwise, std::max(5, reps / 3));
+      const double bytes = L.packed_bytes() + double(w_bytes), roof = bytes / (t * 1e6) / copy_gbs;
+      std::printf("%-28s %9.4f %9.4f %6.2f %6.2f %s\n", cs.c_str(), t, t_peer, t_peer / t, roof, same ? "same bytes" : "BAD: differs from the peer");
+      std::fflush(stdout);
+      std::ostringstream j;
+      j << "{\"bench\": \"dequant\", \"case\": \"" << cs << "\", \"bits\": " << var.bits << ", \"out_type\": \"" << type_name(var.type_bytes, var.bf)
+        << "\", \"act_order\": " << (var.act_order ? "true" : "false") << ", \"time_ms\": " << t
+        << ", \"peer\": \"elementwise_dequantize (session 17)\", \"peer_time_ms\": " << t_peer << ", \"ratio_vs_peer\": " << t_peer / t
+        << ", \"bytes\": " << bytes << ", \"roofline_fraction\": " << roof << ", \"same_bytes_as_peer\": " << (same ? "true" : "false") << common();
+      emit(j.str());
+    }
+
+    // ---- crossover: fused GEMM against dequantize + cuBLAS (4 bits, bf16) ----
+    if (!kq::qgemm_sm90_supported()) {
+      std::printf("crossover: no sm_90a kernel image here, skipped\n");
+      continue;
+    }
+    const GptqLayer L(K, N, 4, false, rng);
+    const std::int64_t Kpad = (K + kq::kTileK - 1) / kq::kTileK * kq::kTileK, Npad = (N + kq::kTileN - 1) / kq::kTileN * kq::kTileN;
+    // the fused kernel's tiles (random codes: its time does not depend on them) and resident bf16 weights for cuBLAS alone
+    DevBuf<std::uint32_t> tiles(std::size_t(Kpad * Npad / 8));
+    const DevBuf<half> tile_scales(GptqLayer::random_scales(std::size_t((Kpad + 127) / 128 * Npad), rng));
+    std::vector<std::uint8_t> zs(std::size_t((Kpad + 127) / 128 * Npad));
+    for (auto& z : zs) z = std::uint8_t(1 + rng() % 15);
+    const DevBuf<std::uint8_t> tile_zeros(zs);
+    SQUEEZE_CUDA_CHECK(cudaMemset(tiles.p, 0x5a, tiles.n * 4));
+    DevBuf<bf16> w(std::size_t(K * N)), w_resident(std::size_t(K * N));
+    SQUEEZE_CUDA_CHECK(kq::dequantize_cuda(L.view(), w_resident.p, nullptr));
+    for (const std::int64_t M : batches) {
+      const std::string cs = "K" + std::to_string(K) + "_N" + std::to_string(N) + "_M" + std::to_string(M);
+      if (!only.empty() && cs.find(only) == std::string::npos) continue;
+      watchdog_note("crossover " + cs);
+      std::vector<bf16> hx(std::size_t(M * K));
+      std::normal_distribution<float> g(0.f, 1.f);
+      for (auto& e : hx) e = __float2bfloat16(g(rng));
+      const DevBuf<bf16> x(hx);
+      DevBuf<bf16> y(std::size_t(M * N));
+      const kq::QGemmShape s{M, N, K, Kpad, Npad, 128, 4};
+      const kq::QGemmWorkspace need = kq::quant_gemm_workspace_size(s, sm);
+      DevBuf<float> partial(std::size_t(std::max<std::int64_t>(need.partial_elems, 1)));
+      DevBuf<int> counters(std::size_t(std::max<std::int64_t>(need.counter_elems, 1)));
+      SQUEEZE_CUDA_CHECK(cudaMemset(counters.p, 0, counters.n * sizeof(int)));
+      const kq::QGemmWorkspace ws{partial.p, need.partial_elems, counters.p, need.counter_elems};
+      auto fused = [&] { SQUEEZE_CUDA_CHECK(kq::quant_gemm_cuda<bf16>(x.p, tiles.p, tile_scales.p, tile_zeros.p, y.p, s, ws, sm, nullptr)); };
+      const float one = 1.f, zero = 0.f;
+      auto cublas_on = [&](const bf16* weights) {
+        cublas_check(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(M), int(K), &one, weights, CUDA_R_16BF, int(K), x.p, CUDA_R_16BF,
+                                  int(K), &zero, y.p, CUDA_R_16BF, int(N), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                     "GemmEx");
+      };
+      auto deq_cublas = [&] {
+        SQUEEZE_CUDA_CHECK(kq::dequantize_cuda(L.view(), w.p, nullptr));
+        cublas_on(w.p);
+      };
+      const double t_fused = time_ms(fused, reps), t_deq = time_ms(deq_cublas, reps), t_cub = time_ms([&] { cublas_on(w_resident.p); }, reps);
+      std::printf("%-28s fused %.4f ms | dequantize + cuBLAS %.4f (fused %.2fx) | cuBLAS alone %.4f | %s\n", cs.c_str(), t_fused, t_deq, t_deq / t_fused,
+                  t_cub, t_fused <= t_deq ? "fused" : "dequantize");
+      std::fflush(stdout);
+      std::ostringstream j;
+      j << "{\"bench\": \"dequant_crossover\", \"case\": \"" << cs << "\", \"M\": " << M << ", \"time_ms\": " << t_fused
+        << ", \"dispatch\": \"" << kq::quant_gemm_describe(s, sm) << "\", \"peer\": \"dequantize+cublas_bf16\", \"peer_time_ms\": " << t_deq
+        << ", \"ratio_vs_peer\": " << t_deq / t_fused << ", \"cublas_resident_ms\": " << t_cub << common();
+      emit(j.str());
+    }
+  }
+  cublasDestroy(handle);
+  return 0;
+}

@@ -1,0 +1,52 @@
+// The GPTQ-layout dequantize kernel (kernels/.../dequant.cuh) against its CPU twin (label cuda; skips without a device):
+// bit-identical, since both apply the same element function. A binary of its own: it builds in seconds on the GPU
+// machine.
+#include "quant_cuda_common.cuh"
+
+// The tiled dequantize against the twin, exactly, in every output type: tiles cut by out and in (67 / 130 outs; 300 in,
+// whose bf16 rows are not a whole number of 16-byte stores, 200 whose are, with a 64-tile cut at 8), 3-bit codes
+// straddling words, groups of 32 / 128 / per channel, act-order g_idx.
+template <class T>
+void expect_dequantize_matches_twin() {
+  struct Case {
+    std::int64_t out, in;
+    int group;
+    bool act_order;
+  };
+  for (int bits : {2, 3, 4, 8})
+    for (const Case c : {Case{67, 300, 32, true}, Case{130, 200, 128, false}, Case{64, 448, 0, false}, Case{19, 136, 32, false}}) {
+      const auto p = random_layer(c.out, c.in, bits, c.group, c.act_order, 3 + bits);
+      DevLayer d(p);
+      const kq::GptqView hv{p.qweight.data(), p.qzeros.data(), p.scales.data(), p.g_idx.data(), p.in, p.out, p.bits};
+      std::vector<T> ref(p.in * p.out);
+      kq::dequantize_cpu(hv, ref.data());
+      Dev<T> w(ref.size());
+      SQUEEZE_CUDA_CHECK(kq::dequantize_cuda(d.view(p), w.p, nullptr));
+      const auto got = w.get();
+      for (std::size_t k = 0; k < ref.size(); ++k)
+        ASSERT_EQ(to_float(got[k]), to_float(ref[k])) << bits << " bits, " << c.out << " x " << c.in << ", W[" << k / c.in << ", " << k % c.in << "]";
+    }
+}
+TEST(QuantCuda, DequantizeIsBitIdenticalToCpuTwinBf16) {
+  REQUIRE_DEVICE();
+  expect_dequantize_matches_twin<bf16>();
+}
+TEST(QuantCuda, DequantizeIsBitIdenticalToCpuTwinHalf) {
+  REQUIRE_DEVICE();
+  expect_dequantize_matches_twin<half>();
+}
+TEST(QuantCuda, DequantizeIsBitIdenticalToCpuTwinFloat) {
+  REQUIRE_DEVICE();
+  expect_dequantize_matches_twin<float>();
+}
+// Widths other than 2/3/4/8 and layers wider than the grid allows are refused before any launch.
+TEST(QuantCuda, DequantizeRejectsBadWidthAndShape) {
+  REQUIRE_DEVICE();
+  const kq::GptqView five{nullptr, nullptr, nullptr, nullptr, 64, 64, 5};
+  EXPECT_EQ(kq::dequantize_cuda(five, static_cast<bf16*>(nullptr), nullptr), cudaErrorInvalidValue);
+  const kq::GptqView wide{nullptr, nullptr, nullptr, nullptr, std::int64_t(64) * 65536, 64, 4};
+  EXPECT_EQ(kq::dequantize_cuda(wide, static_cast<bf16*>(nullptr), nullptr), cudaErrorInvalidValue);
+  const kq::GptqView empty{nullptr, nullptr, nullptr, nullptr, 0, 64, 4};
+  EXPECT_EQ(kq::dequantize_cuda(empty, static_cast<bf16*>(nullptr), nullptr), cudaErrorInvalidValue);
+}
+
