@@ -130,7 +130,7 @@ const char* type_name(int bytes, bool bf) { return bytes == 4 ? "fp32" : bf ? "b
 int main(int argc, char** argv) {
   std::string out_path, only;
   int reps = 30;
-  std::vector<std::int64_t> batches = {64, 128, 192, 256, 384, 512};
+  std::vector<std::int64_t> batches = {128, 256, 384, 512, 768, 1024, 2048};
   std::vector<std::pair<std::int64_t, std::int64_t>> shapes = {{4096, 4096}, {4096, 11008}, {11008, 4096}, {8192, 28672}};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];

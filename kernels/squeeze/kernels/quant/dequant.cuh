@@ -66,57 +66,80 @@ namespace detail {
 // Dequantize in tiles of W [64 out][64 in]. The per-element form (one thread per W element, session 17 and before)
 // read qweight across its rows (stride out) and ran 6-8x below the copy bandwidth (8192 x 28672 at 4 bits: 0.92 ms on
 // the H200, bench/results/h200/gemm4-session17-run6). Here a block
-//   1. copies the tile's qweight words, 2 * bits rows x 64 outs, coalesced along out (64 in x bits is a whole
-//      number of words for every width, so tiles start on word boundaries and 3-bit codes straddle only inside one);
-//   2. decodes with one thread per out column and 8 consecutive in (shared-memory reads conflict-free: a warp's
-//      threads read 32 consecutive columns of one word row), into a [64 out][64 in] tile of T in shared memory;
+//   1. copies the tile's qweight words, 2 BITS rows x 64 outs, coalesced along out (64 in x BITS is a whole number of
+//      words for every width, so tiles start on word boundaries and 3-bit codes straddle only inside one), and each
+//      thread loads the scale and zero point of the group its runs start in (so the decode waits on no global load
+//      unless a group changes inside a run: act-order, or groups of fewer than 8);
+//   2. decodes with one thread per out column and runs of 8 consecutive in (shared-memory reads conflict-free: a
+//      warp's threads read 32 consecutive columns of one word row), into a [64 out][64 in] tile of T in shared memory;
 //   3. writes W's rows 16 bytes a thread (a row's 64 in are 128 / 256 contiguous bytes), or element by element where
 //      the row pitch (in * sizeof T) is not a multiple of 16 bytes or the tile is cut by in.
-// The element math is gptq_weight's (bit-identical to the CPU twin).
+// The element math is gptq_weight's, bit-identical to the CPU twin: q - z is exact in fp32 (taken as (2^23 + q) -
+// (2^23 + z), the code OR-ed into the float 2^23's mantissa), one fp32 product with the scale, one rounding to T.
+// (The first tiled form, with the width a run-time value and each group's constants loaded after the copy, ran at
+// 0.30-0.37 of the copy bandwidth: bench/results/h200/dequant-session18-run1.)
 constexpr int kDeqTile = 64, kDeqThreads = 256;
-template <class T>
+template <class T, int BITS>
 __global__ void __launch_bounds__(kDeqThreads) dequantize_kernel(GptqView v, T* __restrict__ w) {
   constexpr int kChunk = 16 / int(sizeof(T));  // elements per 16-byte store
-  __shared__ std::uint32_t words[16][kDeqTile];  // [2 * bits <= 16 word rows][64 outs]
-  __shared__ int groups[kDeqTile];
+  constexpr int kWordRows = 2 * BITS;          // qweight rows of a 64-in tile
+  constexpr std::uint32_t kMaxq = (1u << BITS) - 1u;
+  __shared__ std::uint32_t words[kWordRows][kDeqTile];
+  __shared__ alignas(16) int groups[kDeqTile];
   __shared__ alignas(16) T tile[kDeqTile][kDeqTile + kChunk];  // [out][in], one chunk of padding a row (banks)
   const std::int64_t o0 = std::int64_t(blockIdx.x) * kDeqTile, i0 = std::int64_t(blockIdx.y) * kDeqTile;
-  const int bits = v.bits, word_rows = 2 * bits;
-  const std::int64_t qrows = (v.in * bits + 31) / 32, wr0 = i0 * bits / 32;
-  for (int t = threadIdx.x; t < word_rows * kDeqTile; t += kDeqThreads) {
+  const std::int64_t qrows = (v.in * BITS + 31) / 32, wr0 = i0 * BITS / 32;
+  for (int t = threadIdx.x; t < kWordRows * kDeqTile; t += kDeqThreads) {
     const int r = t / kDeqTile, c = t % kDeqTile;
     words[r][c] = wr0 + r < qrows && o0 + c < v.out ? std::uint32_t(v.qweight[(wr0 + r) * v.out + o0 + c]) : 0u;
   }
   if (threadIdx.x < kDeqTile) groups[threadIdx.x] = i0 + threadIdx.x < v.in ? v.g_idx[i0 + threadIdx.x] : 0;
-  __syncthreads();
-  // decode: column c, in runs of 8 j and j + 4 (j = thread / 64)
-  const int c = threadIdx.x % kDeqTile;
+  // this thread: column c, runs j0 and j0 + 4 of 8 in; the constants of the group each run starts in
+  const int c = threadIdx.x % kDeqTile, j0 = threadIdx.x / kDeqTile;
   const std::int64_t o = o0 + c;
-  if (o < v.out) {
-    const std::uint32_t maxq = (1u << bits) - 1u;
-    const std::int64_t zcols = (v.out * bits + 31) / 32;
-    int g_have = -1;
-    float scale = 0.f, zero = 0.f;
+  const std::int64_t zcols = (v.out * BITS + 31) / 32;
+  auto group_constants = [&](int g, float& scale, float& zero_magic) {
+    scale = to_float(v.scales[std::int64_t(g) * v.out + o]);
+    zero_magic = 8388608.f + float((stream_get(v.qzeros + std::int64_t(g) * zcols, 1, o, BITS) + 1u) & kMaxq);
+  };
+  int run_group[2] = {0, 0};
+  float run_scale[2] = {0.f, 0.f}, run_zero[2] = {0.f, 0.f};
+  if (o < v.out)
 #pragma unroll
-    for (int half_tile = 0; half_tile < 2; ++half_tile) {
-      const int j = threadIdx.x / kDeqTile + 4 * half_tile;
-      alignas(16) T run[8];
+    for (int h = 0; h < 2; ++h) {
+      const std::int64_t i = i0 + 8 * (j0 + 4 * h);
+      run_group[h] = i < v.in ? v.g_idx[i] : 0;
+      group_constants(run_group[h], run_scale[h], run_zero[h]);
+    }
+  __syncthreads();
+  if (o < v.out) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int j = j0 + 4 * h;
+      // the run's 8 BITS bits, from bit 8 BITS j of the column's words
+      const int bit0 = 8 * BITS * j;
+      std::uint64_t run = words[bit0 >> 5][c];
+      if ((bit0 & 31) + 8 * BITS > 32) run |= std::uint64_t(words[(bit0 >> 5) + 1][c]) << 32;
+      run >>= (bit0 & 31);
+      const int4 g_lo = *reinterpret_cast<const int4*>(&groups[8 * j]), g_hi = *reinterpret_cast<const int4*>(&groups[8 * j + 4]);
+      const int g_run[8] = {g_lo.x, g_lo.y, g_lo.z, g_lo.w, g_hi.x, g_hi.y, g_hi.z, g_hi.w};
+      int g_have = run_group[h];
+      float scale = run_scale[h], zero_magic = run_zero[h];
+      float vals[8];
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
-        const int il = 8 * j + e;
-        const int g = groups[il];
-        if (g != g_have) {  // groups change at most every 16 in without act-order
-          g_have = g;
-          scale = to_float(v.scales[std::int64_t(g) * v.out + o]);
-          zero = float((stream_get(v.qzeros + std::int64_t(g) * zcols, 1, o, bits) + 1u) & maxq);
+        if (g_run[e] != g_have) {  // act-order, or groups shorter than a run
+          g_have = g_run[e];
+          group_constants(g_have, scale, zero_magic);
         }
-        const int bit = il * bits, wd = bit >> 5, off = bit & 31;
-        std::uint32_t q = words[wd][c] >> off;
-        if (off + bits > 32) q |= words[wd + 1][c] << (32 - off);
-        run[e] = from_float<T>(scale * (float(q & maxq) - zero));
+        const std::uint32_t q = std::uint32_t(run >> (BITS * e)) & kMaxq;
+        vals[e] = scale * (__uint_as_float(0x4B000000u | q) - zero_magic);
       }
+      alignas(16) T out[8];
 #pragma unroll
-      for (int k = 0; k < 8; k += kChunk) *reinterpret_cast<uint4*>(&tile[c][8 * j + k]) = *reinterpret_cast<const uint4*>(&run[k]);
+      for (int e = 0; e < 8; ++e) out[e] = from_float<T>(vals[e]);
+#pragma unroll
+      for (int k = 0; k < 8; k += kChunk) *reinterpret_cast<uint4*>(&tile[c][8 * j + k]) = *reinterpret_cast<const uint4*>(&out[k]);
     }
   }
   __syncthreads();
@@ -170,7 +193,13 @@ cudaError_t dequantize_cuda(const GptqView& v, T* w, cudaStream_t stream) {
   if (v.in <= 0 || v.out <= 0 || !(v.bits == 2 || v.bits == 3 || v.bits == 4 || v.bits == 8)) return cudaErrorInvalidValue;
   const std::int64_t out_tiles = (v.out + detail::kDeqTile - 1) / detail::kDeqTile, in_tiles = (v.in + detail::kDeqTile - 1) / detail::kDeqTile;
   if (in_tiles > 65535 || out_tiles > 0x7fffffff) return cudaErrorInvalidValue;
-  detail::dequantize_kernel<T><<<dim3(unsigned(out_tiles), unsigned(in_tiles)), detail::kDeqThreads, 0, stream>>>(v, w);
+  const dim3 grid{unsigned(out_tiles), unsigned(in_tiles)};
+  switch (v.bits) {
+    case 2: detail::dequantize_kernel<T, 2><<<grid, detail::kDeqThreads, 0, stream>>>(v, w); break;
+    case 3: detail::dequantize_kernel<T, 3><<<grid, detail::kDeqThreads, 0, stream>>>(v, w); break;
+    case 4: detail::dequantize_kernel<T, 4><<<grid, detail::kDeqThreads, 0, stream>>>(v, w); break;
+    default: detail::dequantize_kernel<T, 8><<<grid, detail::kDeqThreads, 0, stream>>>(v, w); break;
+  }
   return cudaGetLastError();
 }
 
