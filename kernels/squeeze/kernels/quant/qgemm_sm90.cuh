@@ -309,7 +309,8 @@ Sm90Capacity sm90_even_capacity(int sm_count) {
   return c;
 }
 // The estimated cost of `splits` K ranges of `tiles` tiles reduced one way, in bytes of weights streamed:
-//   the weight bytes over the fraction of the GPU's slots the grid keeps busy (idle slots stretch the time; a wave is
+//   the weight bytes, once per batch slice (zslices: every slice streams them again, and above 128 rows the tensor
+//   work, which grows with the slices, is what bounds a block), over the fraction of the GPU's slots the grid keeps busy (idle slots stretch the time; a wave is
 //   the blocks, or for a cluster reduction the clusters of `splits` blocks, the GPU holds at once); through global
 //   memory in more than one wave, over the fraction of the SMs' blocks: an SM starts its next block as one of its own
 //   ends, so the grid lasts as long as ceil(blocks / SMs) blocks on one SM (session 17: with 7 K ranges for 784 blocks
@@ -350,8 +351,9 @@ inline constexpr std::int64_t kSm90SpreadMinRows = 8;
 inline bool sm90_spreads(const QGemmShape& s, std::int64_t blocks, const Sm90Capacity& cap) {
   return blocks <= cap.spread_slots && s.M >= kSm90SpreadMinRows;
 }
-inline double sm90_split_cost(const QGemmShape& s, std::int64_t tiles, int splits, bool cluster, const Sm90Capacity& cap, int blocks_per_sm) {
-  const double wbytes = double(s.Npad) * double(s.Kpad) / 2;
+inline double sm90_split_cost(const QGemmShape& s, int zslices, std::int64_t tiles, int splits, bool cluster, const Sm90Capacity& cap,
+                              int blocks_per_sm) {
+  const double wbytes = double(s.Npad) * double(s.Kpad) / 2 * zslices;
   const std::int64_t slots = std::max(cap.slots, 1), blocks = tiles * splits;
   std::int64_t waves = 1, wave_blocks = 0, wave_slots = slots;  // wave_slots: the slots a wave stands for
   if (cluster) {
@@ -442,7 +444,8 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int split
   bool cluster = !global;
   if (splits_override > 0) {
     if (reduce == Sm90Reduce::Auto)
-      cluster = splits <= kSm90MaxClusterSplits && sm90_split_cost(s, tiles, splits, true, cap, C::MINB) < sm90_split_cost(s, tiles, splits, false, cap, C::MINB);
+      cluster = splits <= kSm90MaxClusterSplits &&
+                sm90_split_cost(s, p.zslices, tiles, splits, true, cap, C::MINB) < sm90_split_cost(s, p.zslices, tiles, splits, false, cap, C::MINB);
   } else {
     const int min_chunks = s.M < kSm90SpreadMinRows ? kSm90MinChunksFewRows : kSm90MinChunks;
     const int max_splits = int(std::clamp<std::int64_t>(kchunks / min_chunks, 1, limit));
@@ -452,7 +455,7 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int split
       for (const bool cl : {true, false}) {
         if (reduce != Sm90Reduce::Auto && cl == global) continue;
         if (cl && r > sm90_auto_cluster_splits<C>()) continue;
-        const double cost = sm90_split_cost(s, tiles, r, cl, cap, C::MINB);
+        const double cost = sm90_split_cost(s, p.zslices, tiles, r, cl, cap, C::MINB);
         if (best == 0 || cost < best) {
           best = cost;
           splits = r;
