@@ -7,9 +7,11 @@
 //                every output is compared with it byte for byte ("BAD" otherwise)
 //   roofline     (qweight + qzeros + scales + g_idx + W bytes) / time over a device-to-device copy's bandwidth
 //                measured in the same run
-//   crossover    (4 bits, bf16, --m batches) the fused GEMM as the library dispatches it (kq::quant_gemm_cuda) against
-//                dequantize + cuBLAS bf16 (cublasGemmEx on the fresh W) and cuBLAS alone on resident bf16 weights:
-//                the batch from which QuantizedLinear's dequantize path pays (its max_fused_rows)
+//   crossover    (4, 3 and 8 bits, bf16, --m batches; 3 and 8 bits up to 512) the fused GEMM as the library dispatches
+//                it (kq::quant_gemm_cuda: the Hopper kernel at 4 bits on sm_90a, the mma.sync kernel otherwise) against
+//                dequantize + cuBLAS bf16 (cublasGemmEx on the fresh W) and cuBLAS alone on resident bf16 weights; at
+//                4 bits also the mma.sync kernel (qgemm_cuda, what other GPUs run) up to 512: the batch from which
+//                QuantizedLinear's dequantize path pays (its max_fused_rows)
 // Weights are random codes, zero points and scales (group 128): only time is measured here; the GPU tests check the
 // numbers against the CPU twin.
 // Usage: bench_dequant [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m LIST] [--shapes KxN,...]
@@ -31,6 +33,7 @@
 
 #include <squeeze/error.hpp>
 #include <squeeze/kernels/quant/dequant.cuh>
+#include <squeeze/kernels/quant/qgemm.cuh>
 #include <squeeze/kernels/quant/qgemm_sm90.cuh>
 
 #include "gemm_timing.cuh"
@@ -130,7 +133,7 @@ const char* type_name(int bytes, bool bf) { return bytes == 4 ? "fp32" : bf ? "b
 int main(int argc, char** argv) {
   std::string out_path, only;
   int reps = 30;
-  std::vector<std::int64_t> batches = {128, 256, 384, 512, 768, 1024, 2048};
+  std::vector<std::int64_t> batches = {16, 32, 64, 128, 256, 384, 512, 1024, 1536, 2048};
   std::vector<std::pair<std::int64_t, std::int64_t>> shapes = {{4096, 4096}, {4096, 11008}, {11008, 4096}, {8192, 28672}};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -235,57 +238,68 @@ int main(int argc, char** argv) {
       emit(j.str());
     }
 
-    // ---- crossover: fused GEMM against dequantize + cuBLAS (4 bits, bf16) ----
-    if (!kq::qgemm_sm90_supported()) {
-      std::printf("crossover: no sm_90a kernel image here, skipped\n");
-      continue;
-    }
-    const GptqLayer L(K, N, 4, false, rng);
-    const std::int64_t Kpad = (K + kq::kTileK - 1) / kq::kTileK * kq::kTileK, Npad = (N + kq::kTileN - 1) / kq::kTileN * kq::kTileN;
-    // the fused kernel's tiles (random codes: its time does not depend on them) and resident bf16 weights for cuBLAS alone
-    DevBuf<std::uint32_t> tiles(std::size_t(Kpad * Npad / 8));
-    const DevBuf<half> tile_scales(GptqLayer::random_scales(std::size_t((Kpad + 127) / 128 * Npad), rng));
-    std::vector<std::uint8_t> zs(std::size_t((Kpad + 127) / 128 * Npad));
-    for (auto& z : zs) z = std::uint8_t(1 + rng() % 15);
-    const DevBuf<std::uint8_t> tile_zeros(zs);
-    SQUEEZE_CUDA_CHECK(cudaMemset(tiles.p, 0x5a, tiles.n * 4));
-    DevBuf<bf16> w(std::size_t(K * N)), w_resident(std::size_t(K * N));
-    SQUEEZE_CUDA_CHECK(kq::dequantize_cuda(L.view(), w_resident.p, nullptr));
-    for (const std::int64_t M : batches) {
-      const std::string cs = "K" + std::to_string(K) + "_N" + std::to_string(N) + "_M" + std::to_string(M);
-      if (!only.empty() && cs.find(only) == std::string::npos) continue;
-      watchdog_note("crossover " + cs);
-      std::vector<bf16> hx(std::size_t(M * K));
-      std::normal_distribution<float> g(0.f, 1.f);
-      for (auto& e : hx) e = __float2bfloat16(g(rng));
-      const DevBuf<bf16> x(hx);
-      DevBuf<bf16> y(std::size_t(M * N));
-      const kq::QGemmShape s{M, N, K, Kpad, Npad, 128, 4};
-      const kq::QGemmWorkspace need = kq::quant_gemm_workspace_size(s, sm);
-      DevBuf<float> partial(std::size_t(std::max<std::int64_t>(need.partial_elems, 1)));
-      DevBuf<int> counters(std::size_t(std::max<std::int64_t>(need.counter_elems, 1)));
-      SQUEEZE_CUDA_CHECK(cudaMemset(counters.p, 0, counters.n * sizeof(int)));
-      const kq::QGemmWorkspace ws{partial.p, need.partial_elems, counters.p, need.counter_elems};
-      auto fused = [&] { SQUEEZE_CUDA_CHECK(kq::quant_gemm_cuda<bf16>(x.p, tiles.p, tile_scales.p, tile_zeros.p, y.p, s, ws, sm, nullptr)); };
-      const float one = 1.f, zero = 0.f;
-      auto cublas_on = [&](const bf16* weights) {
-        cublas_check(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(M), int(K), &one, weights, CUDA_R_16BF, int(K), x.p, CUDA_R_16BF,
-                                  int(K), &zero, y.p, CUDA_R_16BF, int(N), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-                     "GemmEx");
-      };
-      auto deq_cublas = [&] {
-        SQUEEZE_CUDA_CHECK(kq::dequantize_cuda(L.view(), w.p, nullptr));
-        cublas_on(w.p);
-      };
-      const double t_fused = time_ms(fused, reps), t_deq = time_ms(deq_cublas, reps), t_cub = time_ms([&] { cublas_on(w_resident.p); }, reps);
-      std::printf("%-28s fused %.4f ms | dequantize + cuBLAS %.4f (fused %.2fx) | cuBLAS alone %.4f | %s\n", cs.c_str(), t_fused, t_deq, t_deq / t_fused,
-                  t_cub, t_fused <= t_deq ? "fused" : "dequantize");
-      std::fflush(stdout);
-      std::ostringstream j;
-      j << "{\"bench\": \"dequant_crossover\", \"case\": \"" << cs << "\", \"M\": " << M << ", \"time_ms\": " << t_fused
-        << ", \"dispatch\": \"" << kq::quant_gemm_describe(s, sm) << "\", \"peer\": \"dequantize+cublas_bf16\", \"peer_time_ms\": " << t_deq
-        << ", \"ratio_vs_peer\": " << t_deq / t_fused << ", \"cublas_resident_ms\": " << t_cub << common();
-      emit(j.str());
+    // ---- crossover: fused GEMM against dequantize + cuBLAS (bf16) ----
+    for (const int bits : {4, 3, 8}) {
+      const GptqLayer L(K, N, bits, false, rng);
+      const std::int64_t Kpad = (K + kq::kTileK - 1) / kq::kTileK * kq::kTileK, Npad = (N + kq::kTileN - 1) / kq::kTileN * kq::kTileN;
+      // the fused kernel's tiles (constant codes: its time does not depend on them) and resident bf16 weights for cuBLAS
+      // alone
+      DevBuf<std::uint32_t> tiles(std::size_t(Kpad / kq::kTileK * (Npad / kq::kTileN) * kq::tile_words(bits)));
+      SQUEEZE_CUDA_CHECK(cudaMemset(tiles.p, 0x5a, tiles.n * 4));
+      const DevBuf<half> tile_scales(GptqLayer::random_scales(std::size_t((Kpad + 127) / 128 * Npad), rng));
+      std::vector<std::uint8_t> zs(std::size_t((Kpad + 127) / 128 * Npad));
+      for (auto& z : zs) z = std::uint8_t(1 + rng() % ((1u << bits) - 1));
+      const DevBuf<std::uint8_t> tile_zeros(zs);
+      DevBuf<bf16> w(std::size_t(K * N)), w_resident(std::size_t(K * N));
+      SQUEEZE_CUDA_CHECK(kq::dequantize_cuda(L.view(), w_resident.p, nullptr));
+      for (const std::int64_t M : batches) {
+        // 3 and 8 bits run the mma.sync kernel, whose crossover comes early: batches up to 512
+        if (bits != 4 && M > 512) continue;
+        const std::string cs = "K" + std::to_string(K) + "_N" + std::to_string(N) + "_b" + std::to_string(bits) + "_M" + std::to_string(M);
+        if (!only.empty() && cs.find(only) == std::string::npos) continue;
+        watchdog_note("crossover " + cs);
+        std::vector<bf16> hx(std::size_t(M * K));
+        std::normal_distribution<float> g(0.f, 1.f);
+        for (auto& e : hx) e = __float2bfloat16(g(rng));
+        const DevBuf<bf16> x(hx);
+        DevBuf<bf16> y(std::size_t(M * N));
+        const kq::QGemmShape s{M, N, K, Kpad, Npad, 128, bits};
+        // workspace for the library's dispatch and for the mma.sync kernel (4 bits: what a GPU without sm_90a runs)
+        const kq::QGemmWorkspace need = kq::quant_gemm_workspace_size(s, sm), need_mma = kq::qgemm_workspace_size(s, sm);
+        const std::int64_t partial_elems = std::max<std::int64_t>({need.partial_elems, need_mma.partial_elems, 1}),
+                           counter_elems = std::max<std::int64_t>({need.counter_elems, need_mma.counter_elems, 1});
+        DevBuf<float> partial{std::size_t(partial_elems)};
+        DevBuf<int> counters{std::size_t(counter_elems)};
+        SQUEEZE_CUDA_CHECK(cudaMemset(counters.p, 0, counters.n * sizeof(int)));
+        const kq::QGemmWorkspace ws{partial.p, partial_elems, counters.p, counter_elems};
+        auto fused = [&] { SQUEEZE_CUDA_CHECK(kq::quant_gemm_cuda<bf16>(x.p, tiles.p, tile_scales.p, tile_zeros.p, y.p, s, ws, sm, nullptr)); };
+        auto mma = [&] { SQUEEZE_CUDA_CHECK(kq::qgemm_cuda<bf16>(x.p, tiles.p, tile_scales.p, tile_zeros.p, y.p, s, ws, sm, nullptr)); };
+        const float one = 1.f, zero = 0.f;
+        auto cublas_on = [&](const bf16* weights) {
+          cublas_check(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(M), int(K), &one, weights, CUDA_R_16BF, int(K), x.p, CUDA_R_16BF,
+                                    int(K), &zero, y.p, CUDA_R_16BF, int(N), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                       "GemmEx");
+        };
+        auto deq_cublas = [&] {
+          SQUEEZE_CUDA_CHECK(kq::dequantize_cuda(L.view(), w.p, nullptr));
+          cublas_on(w.p);
+        };
+        const bool sm90 = kq::quant_gemm_uses_sm90(s);
+        const double t_fused = time_ms(fused, reps), t_deq = time_ms(deq_cublas, reps), t_cub = time_ms([&] { cublas_on(w_resident.p); }, reps);
+        const double t_mma = sm90 && M <= 512 ? time_ms(mma, reps) : 0.0;
+        std::printf("%-28s fused %.4f ms | dequantize + cuBLAS %.4f (fused %.2fx) | cuBLAS alone %.4f | %s", cs.c_str(), t_fused, t_deq, t_deq / t_fused,
+                    t_cub, t_fused <= t_deq ? "fused" : "dequantize");
+        if (t_mma > 0) std::printf(" | mma.sync kernel %.4f (%.2fx)", t_mma, t_deq / t_mma);
+        std::printf("\n");
+        std::fflush(stdout);
+        std::ostringstream j;
+        j << "{\"bench\": \"dequant_crossover\", \"case\": \"" << cs << "\", \"bits\": " << bits << ", \"M\": " << M << ", \"time_ms\": " << t_fused
+          << ", \"dispatch\": \"" << kq::quant_gemm_describe(s, sm) << "\", \"peer\": \"dequantize+cublas_bf16\", \"peer_time_ms\": " << t_deq
+          << ", \"ratio_vs_peer\": " << t_deq / t_fused << ", \"cublas_resident_ms\": " << t_cub;
+        if (t_mma > 0) j << ", \"mma_sync_ms\": " << t_mma << ", \"mma_sync_ratio_vs_peer\": " << t_deq / t_mma;
+        j << common();
+        emit(j.str());
+      }
     }
   }
   cublasDestroy(handle);
