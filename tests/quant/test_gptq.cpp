@@ -234,6 +234,27 @@ TEST(Gptq, TrueSequentialCaptureQuantizesLayerByLayer) {
 }
 
 // ---- QuantizedLinear (CPU path: dequantize twin + matmul) ----------------------------------------------------
+// The fused GEMM's batch-row limit: by kernel unless set (3 / 4 bits on the mma.sync kernel 64, 8 bits 32; a host
+// translation unit never sees the Hopper kernel, whose 1024 test_lora_cuda checks); 0 restores it, negative is refused.
+TEST(QuantizedLinear, MaxFusedRowsDefaultsByKernelAndCanBeSet) {
+  for (const auto& [bits, rows] : {std::pair{3, 64}, std::pair{4, 64}, std::pair{8, 32}}) {
+    const torch::Tensor w = torch::randn({32, 64});
+    nn::QuantizedLinear q(quant::rtn_quantize({w.data_ptr<float>(), std::size_t(w.numel())}, 32, 64, {.bits = bits, .group_size = 32}));
+    EXPECT_EQ(q->max_fused_rows(), rows) << bits;
+    q->set_max_fused_rows(300);
+    EXPECT_EQ(q->max_fused_rows(), 300);
+    q->set_max_fused_rows(0);
+    EXPECT_EQ(q->max_fused_rows(), rows);
+    try {
+      q->set_max_fused_rows(-1);
+      ADD_FAILURE() << "a negative limit was accepted";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("max_fused_rows must be >= 0"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(q->max_fused_rows(), rows);  // the refused value changed nothing
+  }
+}
+
 TEST(QuantizedLinear, CpuForwardMatchesFloat64DequantMatmul) {
   // tolerance: float32 matmul over `in` terms, 1e-5 relative to sum |x||w| (+ bias exactly in fp16)
   for (int bits : {3, 4, 8}) {

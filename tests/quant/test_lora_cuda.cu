@@ -166,6 +166,26 @@ TEST(LoRACuda, GptqLayerMatchesCpuLayerOnEveryPath) {
   }
 }
 
+// QuantizedLinear takes the fused GEMM up to max_fused_rows() batch rows and dequantize + cuBLAS above: 1024 where the
+// Hopper kernel serves the layer (4 bits on an sm_90a build and device), 64 on the mma.sync kernel at 3 / 4 bits, 32 at
+// 8 (the H200 crossover, bench/results/h200/dequant-session18-run4); set_max_fused_rows moves it.
+TEST(LoRACuda, QuantizedLinearPicksFusedOrDequantizeByBatch) {
+  REQUIRE_CUDA();
+  using Path = nn::QuantizedLinearImpl::Path;
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  for (const int bits : {3, 4, 8}) {
+    nn::QuantizedLinear q = nn::quantize_rtn(torch::randn({96, 160}), torch::Tensor(), {.bits = bits, .group_size = 32});
+    q->to(torch::kCUDA);
+    const bool hopper = bits == 4 && kernels::quant::quant_gemm_uses_sm90({1, 96, 160, 192, 96, 32, 4});
+    const std::int64_t limit = hopper ? 1024 : bits == 8 ? 32 : 64;
+    EXPECT_EQ(q->max_fused_rows(), limit) << bits;
+    EXPECT_EQ(q->path_for(torch::empty({limit, 160}, cuda)), Path::TensorCoreGemm) << bits;
+    EXPECT_EQ(q->path_for(torch::empty({limit + 1, 160}, cuda)), Path::DequantMatmul) << bits;
+    q->set_max_fused_rows(limit + 1);
+    EXPECT_EQ(q->path_for(torch::empty({limit + 1, 160}, cuda)), Path::TensorCoreGemm) << bits;
+  }
+}
+
 TEST(LoRACuda, GptqLoRATrainsOnTheGpu) {
   REQUIRE_CUDA();
   torch::manual_seed(5);

@@ -317,7 +317,16 @@ TEST(QuantCudaSm90, SplitPlanFollowsTheMeasuredSweep) {
       {11008, 4096, 128, 8, Spread},  // 6 in a cluster: 1.12x
       {8192, 28672, 33, 1, One},
       {8192, 28672, 64, 1, One},
-      {8192, 28672, 128, 1, One}};
+      {8192, 28672, 128, 1, One},
+      // above 128 rows (wg_b128m1s8wg4 in 2..4 batch slices; gemm4_probe-session18-run3, 4096 x 4096 only: the other
+      // shapes' plans did not change when the cost counted the weights once per slice): 3 in a cluster 1.07x / 1.05x,
+      // one K range 2.19x / 2.12x / 1.59x / 1.56x (the plans before session 18: 3 in a cluster, 3, 1, 1)
+      {4096, 4096, 192, 4, Spread},
+      {4096, 4096, 256, 4, Spread},
+      {4096, 4096, 384, 2, Cluster},
+      {4096, 4096, 512, 2, Cluster},
+      {4096, 11008, 256, 1, One},
+      {8192, 28672, 256, 1, One}};
   for (const auto& c : cases) {
     const kq::QGemmShape s{c.M, c.N, c.K, (c.K + 63) / 64 * 64, (c.N + 15) / 16 * 16, 128, 4};
     const auto p = kq::detail::with_sm90_cfg(s, [&](auto cfg) {

@@ -3,16 +3,20 @@
 //
 // Kernel choice (forward), by device, width and batch rows M = x.numel() / in:
 //   CPU                         dequantize (CPU twin) once, cached, then float matmul
-//   CUDA, 3/4/8 bits, M <= max_fused_rows (default 256) fused tensor-core GEMM on weights repacked at load
-//                               into the kernel's tiles (kernels/.../qgemm_sm90.cuh quant_gemm_cuda: at 4 bits
-//                               on sm_90 (sm_90a builds) the wgmma kernel, otherwise qgemm.cuh's mma.sync one)
+//   CUDA, 3/4/8 bits, M <= max_fused_rows()   fused tensor-core GEMM on weights repacked at load into the kernel's
+//                               tiles (kernels/.../qgemm_sm90.cuh quant_gemm_cuda: at 4 bits on sm_90 (sm_90a builds)
+//                               the Hopper kernel, otherwise qgemm.cuh's mma.sync one)
 //   CUDA, other widths (2 bits, or a g_idx the tiles cannot serve), M <= 8   GPTQ-layout GEMV (kernels/.../dequant.cuh)
-//   CUDA, otherwise             dequantize to x's dtype, cuBLAS matmul (compute-bound: cuBLAS wins)
-// Threshold (H200, bench/results/h200/gemm4.jsonl at e726527): at M = 16..128 dequantize + cuBLAS ran at
-// 0.12-0.18x the speed of cuBLAS bf16 (the dequantize pass alone 0.09-0.92 ms), the fused GEMM at
-// 0.31-1.4x, so the fused kernel wins at every measured batch. Its time grows about linearly with M above 64 rows
-// (K 8192, N 28672: 0.24 ms at 64, 0.45 ms at 128) while dequantize + cuBLAS stays ~0.92 ms + cuBLAS
-// (0.14 ms at 128): they cross near 350-400 rows there, so the fused path is used up to 256 rows.
+//   CUDA, otherwise             dequantize to x's dtype, cuBLAS matmul
+// max_fused_rows() by default (set_max_fused_rows overrides), from the H200 crossover of the fused GEMM against
+// dequantize + cuBLAS bf16 on the four LLaMA-7B / 70B shapes (bench_dequant, bench/results/h200/dequant-session18-run4;
+// dequantize + cuBLAS time over the fused GEMM's, > 1: the fused GEMM faster; 4096 x 4096 / 4096 x 11008 / 11008 x 4096 / 8192 x 28672):
+//   the Hopper kernel (4 bits): 1024 rows; at 1024 1.21 / 1.07 / 1.20 / 1.23x, at 1536 0.84 / 1.06 / 1.02 / 1.07x, at
+//     2048 1.00 / 0.95 / 1.01 / 1.05x;
+//   the mma.sync kernel at 3 and 4 bits: 64 rows; at 64 0.89 / 1.28 / 1.07 / 1.39x (3 bits), at 128 0.69-0.75x;
+//   the mma.sync kernel at 8 bits: 32 rows; at 32 1.27-2.11x, at 64 0.82 / 0.96 / 1.07 / 1.03x.
+// (Until session 17 the limit was 256 rows for every kernel, set when dequantize itself took 0.09-0.92 ms on these
+// shapes; its tiled form takes 0.024-0.28 ms.)
 // CUDA paths need this header compiled by nvcc (a .cu translation unit); activations fp16 or bf16.
 // Kernels run on libtorch's current stream. One layer must not run concurrently on two streams
 // (the GEMM's split-K counters are per layer).
@@ -111,9 +115,20 @@ class QuantizedLinearImpl : public torch::nn::Module {
     }
   }
 
-  // Batch rows up to which the fused GEMM is used; above it, dequantize + cuBLAS (see the threshold note).
-  void set_max_fused_rows(std::int64_t rows) { max_fused_rows_ = rows; }
-  std::int64_t max_fused_rows() const { return max_fused_rows_; }
+  // Batch rows up to which the fused GEMM is used; above it, dequantize + cuBLAS. 0 restores the default, which
+  // depends on the kernel that serves this layer (see the threshold note at the top).
+  void set_max_fused_rows(std::int64_t rows) {
+    TORCH_CHECK(rows >= 0, "QuantizedLinear: max_fused_rows must be >= 0 (0: the default for the kernel), got ", rows);
+    max_fused_rows_ = rows;
+  }
+  std::int64_t max_fused_rows() const {
+    if (max_fused_rows_ > 0) return max_fused_rows_;
+#if defined(__CUDACC__)
+    if (tiles_.defined() && kernels::quant::quant_gemm_uses_sm90({1, out_, in_, Kpad_, Npad_, tile_group_, bits_})) return kFusedRowsHopper;
+#endif
+    return bits_ == 8 ? kFusedRowsMma8 : kFusedRowsMma;
+  }
+  static constexpr std::int64_t kFusedRowsHopper = 1024, kFusedRowsMma = 64, kFusedRowsMma8 = 32;
 
   std::int64_t in_features() const { return in_; }
   std::int64_t out_features() const { return out_; }
@@ -122,7 +137,7 @@ class QuantizedLinearImpl : public torch::nn::Module {
   Path path_for(const torch::Tensor& x) const {
     const std::int64_t M = x.numel() / in_;
     if (!x.is_cuda()) return Path::CpuDequant;
-    if (tiles_.defined() && M <= max_fused_rows_) return Path::TensorCoreGemm;
+    if (tiles_.defined() && M <= max_fused_rows()) return Path::TensorCoreGemm;
     if (M <= 8) return Path::Gemv;
     return Path::DequantMatmul;
   }
@@ -310,7 +325,7 @@ class QuantizedLinearImpl : public torch::nn::Module {
   int bits_, group_size_;
   std::int64_t in_, out_;
   std::int64_t Npad_ = 0, Kpad_ = 0, tile_group_ = 0;
-  std::int64_t max_fused_rows_ = 256;  // see the threshold note at the top
+  std::int64_t max_fused_rows_ = 0;  // 0: max_fused_rows() by kernel (the threshold note at the top)
   torch::Tensor qweight_, qzeros_, scales_, g_idx_, bias_;
   torch::Tensor tiles_, tile_scales_, tile_zeros_, perm_, counters_;
   torch::Tensor w_cpu_;

@@ -310,7 +310,10 @@ Sm90Capacity sm90_even_capacity(int sm_count) {
 }
 // The estimated cost of `splits` K ranges of `tiles` tiles reduced one way, in bytes of weights streamed:
 //   the weight bytes, once per batch slice (zslices: every slice streams them again, and above 128 rows the tensor
-//   work, which grows with the slices, is what bounds a block), over the fraction of the GPU's slots the grid keeps busy (idle slots stretch the time; a wave is
+//   work, which grows with the slices, is what bounds a block; counted once, the reduction outweighed it and 4096 x 4096
+//   at M 384 / 512 ran one K range on 48 / 64 of the H200's SMs in 56.3 / 56.0 us, against 35.6 / 36.0 with 2 in a
+//   cluster, gemm4_probe-session18-run3; no plan up to 128 rows changes: one slice), over the fraction of the GPU's
+//   slots the grid keeps busy (idle slots stretch the time; a wave is
 //   the blocks, or for a cluster reduction the clusters of `splits` blocks, the GPU holds at once); through global
 //   memory in more than one wave, over the fraction of the SMs' blocks: an SM starts its next block as one of its own
 //   ends, so the grid lasts as long as ceil(blocks / SMs) blocks on one SM (session 17: with 7 K ranges for 784 blocks
