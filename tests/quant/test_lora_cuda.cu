@@ -135,7 +135,8 @@ TEST(LoRACuda, GptqLayerMatchesCpuLayerOnEveryPath) {
   struct Case { int bits; int64_t out, in; int group; bool tiles; int64_t rows; const char* path; };
   for (const Case c : {Case{4, 96, 160, 32, true, 4, "fused"}, Case{4, 96, 160, 32, true, 132, "fused"}, Case{3, 80, 200, 32, true, 4, "fused 3-bit"},
                        Case{8, 48, 96, 0, true, 4, "fused 8-bit"}, Case{4, 96, 160, 32, false, 4, "gemv"}, Case{4, 96, 160, 32, false, 300, "dequant+cublas"},
-                       Case{2, 40, 72, 32, true, 300, "2-bit dequant+cublas"}}) {
+                       Case{2, 40, 72, 32, true, 300, "2-bit dequant+cublas"}, Case{4, 96, 160, 32, true, 300, "fused at 300 rows (Hopper)"},
+                       Case{3, 80, 200, 32, true, 100, "3-bit dequant+cublas past max_fused_rows"}}) {
     const torch::Tensor w = torch::randn({c.out, c.in}) * 0.05;
     const quant::RtnOptions o{c.bits, c.group, false};
     nn::LoRALinear cpu(nn::quantize_rtn(w, torch::Tensor(), o), nn::LoRAOptions{.rank = 4, .alpha = 8});
