@@ -44,7 +44,7 @@ TEST(QuantCuda, DequantizeRejectsBadWidthAndShape) {
   REQUIRE_DEVICE();
   const kq::GptqView five{nullptr, nullptr, nullptr, nullptr, 64, 64, 5};
   EXPECT_EQ(kq::dequantize_cuda(five, static_cast<bf16*>(nullptr), nullptr), cudaErrorInvalidValue);
-  const kq::GptqView wide{nullptr, nullptr, nullptr, nullptr, std::int64_t(64) * 65536, 64, 4};
+  const kq::GptqView wide{nullptr, nullptr, nullptr, nullptr, std::int64_t(256) * 65536, 64, 4};
   EXPECT_EQ(kq::dequantize_cuda(wide, static_cast<bf16*>(nullptr), nullptr), cudaErrorInvalidValue);
   const kq::GptqView empty{nullptr, nullptr, nullptr, nullptr, 0, 64, 4};
   EXPECT_EQ(kq::dequantize_cuda(empty, static_cast<bf16*>(nullptr), nullptr), cudaErrorInvalidValue);

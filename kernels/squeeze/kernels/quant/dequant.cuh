@@ -63,97 +63,111 @@ void gemv_cpu(const GptqView& v, const T* x /*[M, in]*/, T* y /*[M, out]*/, std:
 
 #if defined(__CUDACC__)
 namespace detail {
-// Dequantize in tiles of W [64 out][64 in]. The per-element form (one thread per W element, session 17 and before)
-// read qweight across its rows (stride out) and ran 6-8x below the copy bandwidth (8192 x 28672 at 4 bits: 0.92 ms on
-// the H200, bench/results/h200/gemm4-session17-run6). Here a block
+// Dequantize in tiles of W [64 out][64 in], kDeqTilesPerBlock tiles along in per block. The per-element form (one
+// thread per W element, session 17 and before) read qweight across its rows (stride out) and ran 6-8x below the copy
+// bandwidth (8192 x 28672 at 4 bits: 0.92 ms on the H200, bench/results/h200/gemm4-session17-run6). Per tile a block
 //   1. copies the tile's qweight words, 2 BITS rows x 64 outs, coalesced along out (64 in x BITS is a whole number of
-//      words for every width, so tiles start on word boundaries and 3-bit codes straddle only inside one), and each
-//      thread loads the scale and zero point of the group its runs start in (so the decode waits on no global load
-//      unless a group changes inside a run: act-order, or groups of fewer than 8);
+//      words for every width, so tiles start on word boundaries and 3-bit codes straddle only inside one); the next
+//      tile's words are loaded into registers while this one is decoded and stored;
 //   2. decodes with one thread per out column and runs of 8 consecutive in (shared-memory reads conflict-free: a
 //      warp's threads read 32 consecutive columns of one word row), into a [64 out][64 in] tile of T in shared memory;
+//      a run's scale and zero point are loaded when its group differs from the one it had (act-order, or groups of
+//      fewer than 8, change groups inside a run);
 //   3. writes W's rows 16 bytes a thread (a row's 64 in are 128 / 256 contiguous bytes), or element by element where
 //      the row pitch (in * sizeof T) is not a multiple of 16 bytes or the tile is cut by in.
 // The element math is gptq_weight's, bit-identical to the CPU twin: q - z is exact in fp32 (taken as (2^23 + q) -
 // (2^23 + z), the code OR-ed into the float 2^23's mantissa), one fp32 product with the scale, one rounding to T.
-// (The first tiled form, with the width a run-time value and each group's constants loaded after the copy, ran at
-// 0.30-0.37 of the copy bandwidth: bench/results/h200/dequant-session18-run1.)
-constexpr int kDeqTile = 64, kDeqThreads = 256;
+// H200 (bench_dequant): one tile per block with the width a run-time value ran at 0.30-0.37 of the copy bandwidth
+// (dequant-session18-run1); the width a template parameter and the group constants loaded with the copy, 0.39-0.49
+// (run 2), where the SASS showed the block's set-up and index arithmetic outweighing its 16 elements a thread.
+constexpr int kDeqTile = 64, kDeqThreads = 256, kDeqTilesPerBlock = 4;
 template <class T, int BITS>
-__global__ void __launch_bounds__(kDeqThreads) dequantize_kernel(GptqView v, T* __restrict__ w) {
-  constexpr int kChunk = 16 / int(sizeof(T));  // elements per 16-byte store
-  constexpr int kWordRows = 2 * BITS;          // qweight rows of a 64-in tile
+__global__ void __launch_bounds__(kDeqThreads, 6) dequantize_kernel(GptqView v, T* __restrict__ w) {
+  constexpr int kChunk = 16 / int(sizeof(T));              // elements per 16-byte store
+  constexpr int kWordRows = 2 * BITS;                      // qweight rows of a 64-in tile
+  constexpr int kWordsPerThread = (kWordRows + 3) / 4;     // rows r4, r4 + 4, ... of column c
+  constexpr int kChunksPerRow = kDeqTile / kChunk;
   constexpr std::uint32_t kMaxq = (1u << BITS) - 1u;
   __shared__ std::uint32_t words[kWordRows][kDeqTile];
   __shared__ alignas(16) int groups[kDeqTile];
   __shared__ alignas(16) T tile[kDeqTile][kDeqTile + kChunk];  // [out][in], one chunk of padding a row (banks)
-  const std::int64_t o0 = std::int64_t(blockIdx.x) * kDeqTile, i0 = std::int64_t(blockIdx.y) * kDeqTile;
-  const std::int64_t qrows = (v.in * BITS + 31) / 32, wr0 = i0 * BITS / 32;
-  for (int t = threadIdx.x; t < kWordRows * kDeqTile; t += kDeqThreads) {
-    const int r = t / kDeqTile, c = t % kDeqTile;
-    words[r][c] = wr0 + r < qrows && o0 + c < v.out ? std::uint32_t(v.qweight[(wr0 + r) * v.out + o0 + c]) : 0u;
-  }
-  if (threadIdx.x < kDeqTile) groups[threadIdx.x] = i0 + threadIdx.x < v.in ? v.g_idx[i0 + threadIdx.x] : 0;
-  // this thread: column c, runs j0 and j0 + 4 of 8 in; the constants of the group each run starts in
-  const int c = threadIdx.x % kDeqTile, j0 = threadIdx.x / kDeqTile;
-  const std::int64_t o = o0 + c;
-  const std::int64_t zcols = (v.out * BITS + 31) / 32;
+  // this thread: column c (decode, copies) and runs r4, r4 + 4 of 8 in
+  const int c = threadIdx.x % kDeqTile, r4 = threadIdx.x / kDeqTile;
+  const std::int64_t o0 = std::int64_t(blockIdx.x) * kDeqTile, o = o0 + c;
+  const bool column = o < v.out;
+  const std::int64_t first = std::int64_t(blockIdx.y) * kDeqTilesPerBlock, in_tiles = (v.in + kDeqTile - 1) / kDeqTile;
+  const int tiles = int(min(std::int64_t(kDeqTilesPerBlock), in_tiles - first));
+  const std::int64_t qrows = (v.in * BITS + 31) / 32, zcols = (v.out * BITS + 31) / 32;
+  const std::int32_t* const qcol = v.qweight + o;
+  auto load_words = [&](std::int64_t t, std::uint32_t (&reg)[kWordsPerThread]) {
+#pragma unroll
+    for (int m = 0; m < kWordsPerThread; ++m) {
+      const std::int64_t row = t * kWordRows + r4 + 4 * m;
+      reg[m] = r4 + 4 * m < kWordRows && row < qrows && column ? std::uint32_t(qcol[row * v.out]) : 0u;
+    }
+  };
+  const bool vector_rows = (v.in * std::int64_t(sizeof(T))) % 16 == 0 && reinterpret_cast<std::uintptr_t>(w) % 16 == 0;
+  int run_group[2] = {-1, -1};
+  float run_scale[2] = {0.f, 0.f}, run_zero[2] = {0.f, 0.f};
   auto group_constants = [&](int g, float& scale, float& zero_magic) {
     scale = to_float(v.scales[std::int64_t(g) * v.out + o]);
     zero_magic = 8388608.f + float((stream_get(v.qzeros + std::int64_t(g) * zcols, 1, o, BITS) + 1u) & kMaxq);
   };
-  int run_group[2] = {0, 0};
-  float run_scale[2] = {0.f, 0.f}, run_zero[2] = {0.f, 0.f};
-  if (o < v.out)
+  std::uint32_t next[kWordsPerThread];
+  load_words(first, next);
+  for (int k = 0; k < tiles; ++k) {
+    const std::int64_t t = first + k, i0 = t * kDeqTile;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const std::int64_t i = i0 + 8 * (j0 + 4 * h);
-      run_group[h] = i < v.in ? v.g_idx[i] : 0;
-      group_constants(run_group[h], run_scale[h], run_zero[h]);
-    }
-  __syncthreads();
-  if (o < v.out) {
+    for (int m = 0; m < kWordsPerThread; ++m)
+      if (r4 + 4 * m < kWordRows) words[r4 + 4 * m][c] = next[m];
+    if (threadIdx.x < kDeqTile) groups[threadIdx.x] = i0 + threadIdx.x < v.in ? v.g_idx[i0 + threadIdx.x] : 0;
+    if (k + 1 < tiles) load_words(t + 1, next);
+    __syncthreads();  // the words and groups are in (and the previous tile's stores have read `tile`)
+    if (column) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int j = j0 + 4 * h;
-      // the run's 8 BITS bits, from bit 8 BITS j of the column's words
-      const int bit0 = 8 * BITS * j;
-      std::uint64_t run = words[bit0 >> 5][c];
-      if ((bit0 & 31) + 8 * BITS > 32) run |= std::uint64_t(words[(bit0 >> 5) + 1][c]) << 32;
-      run >>= (bit0 & 31);
-      const int4 g_lo = *reinterpret_cast<const int4*>(&groups[8 * j]), g_hi = *reinterpret_cast<const int4*>(&groups[8 * j + 4]);
-      const int g_run[8] = {g_lo.x, g_lo.y, g_lo.z, g_lo.w, g_hi.x, g_hi.y, g_hi.z, g_hi.w};
-      int g_have = run_group[h];
-      float scale = run_scale[h], zero_magic = run_zero[h];
-      float vals[8];
+      for (int h = 0; h < 2; ++h) {
+        const int j = r4 + 4 * h;
+        // the run's 8 BITS bits, from bit 8 BITS j of the column's words
+        const int bit0 = 8 * BITS * j;
+        std::uint64_t run = words[bit0 >> 5][c];
+        if ((bit0 & 31) + 8 * BITS > 32) run |= std::uint64_t(words[(bit0 >> 5) + 1][c]) << 32;
+        run >>= (bit0 & 31);
+        const int4 g_lo = *reinterpret_cast<const int4*>(&groups[8 * j]), g_hi = *reinterpret_cast<const int4*>(&groups[8 * j + 4]);
+        const int g_run[8] = {g_lo.x, g_lo.y, g_lo.z, g_lo.w, g_hi.x, g_hi.y, g_hi.z, g_hi.w};
+        float vals[8];
+        if (g_run[0] == run_group[h] && g_run[7] == run_group[h] && ((g_run[1] ^ g_run[0]) | (g_run[2] ^ g_run[0]) | (g_run[3] ^ g_run[0]) |
+                                                                      (g_run[4] ^ g_run[0]) | (g_run[5] ^ g_run[0]) | (g_run[6] ^ g_run[0])) == 0) {
+          const float scale = run_scale[h], zero_magic = run_zero[h];  // one group, the run's constants at hand
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        if (g_run[e] != g_have) {  // act-order, or groups shorter than a run
-          g_have = g_run[e];
-          group_constants(g_have, scale, zero_magic);
+          for (int e = 0; e < 8; ++e) vals[e] = scale * (__uint_as_float(0x4B000000u | (std::uint32_t(run >> (BITS * e)) & kMaxq)) - zero_magic);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {  // a group changes: look its constants up
+            if (g_run[e] != run_group[h]) {
+              run_group[h] = g_run[e];
+              group_constants(g_run[e], run_scale[h], run_zero[h]);
+            }
+            vals[e] = run_scale[h] * (__uint_as_float(0x4B000000u | (std::uint32_t(run >> (BITS * e)) & kMaxq)) - run_zero[h]);
+          }
         }
-        const std::uint32_t q = std::uint32_t(run >> (BITS * e)) & kMaxq;
-        vals[e] = scale * (__uint_as_float(0x4B000000u | q) - zero_magic);
+        alignas(16) T out[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) out[e] = from_float<T>(vals[e]);
+#pragma unroll
+        for (int q = 0; q < 8; q += kChunk) *reinterpret_cast<uint4*>(&tile[c][8 * j + q]) = *reinterpret_cast<const uint4*>(&out[q]);
       }
-      alignas(16) T out[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) out[e] = from_float<T>(vals[e]);
-#pragma unroll
-      for (int k = 0; k < 8; k += kChunk) *reinterpret_cast<uint4*>(&tile[c][8 * j + k]) = *reinterpret_cast<const uint4*>(&out[k]);
     }
-  }
-  __syncthreads();
-  // store: thread t -> row t / (64 / kChunk), chunk t % (64 / kChunk)
-  constexpr int kChunksPerRow = kDeqTile / kChunk;
-  const bool vector_rows = (v.in * std::int64_t(sizeof(T))) % 16 == 0 && reinterpret_cast<std::uintptr_t>(w) % 16 == 0;
-  for (int t = threadIdx.x; t < kDeqTile * kChunksPerRow; t += kDeqThreads) {
-    const int r = t / kChunksPerRow, k = (t % kChunksPerRow) * kChunk;
-    if (o0 + r >= v.out) continue;
-    T* const dst = w + (o0 + r) * v.in + i0 + k;
-    if (vector_rows && i0 + k + kChunk <= v.in) {
-      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&tile[r][k]);
-    } else {
-      for (int e = 0; e < kChunk && i0 + k + e < v.in; ++e) dst[e] = tile[r][k + e];
+    __syncthreads();  // the tile is decoded (and every thread is done with words and groups)
+    // store: thread -> row / kChunksPerRow, chunk % kChunksPerRow
+    for (int u = threadIdx.x; u < kDeqTile * kChunksPerRow; u += kDeqThreads) {
+      const int r = u / kChunksPerRow, q = (u % kChunksPerRow) * kChunk;
+      if (o0 + r >= v.out) continue;
+      T* const dst = w + (o0 + r) * v.in + i0 + q;
+      if (vector_rows && i0 + q + kChunk <= v.in) {
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&tile[r][q]);
+      } else {
+        for (int e = 0; e < kChunk && i0 + q + e < v.in; ++e) dst[e] = tile[r][q + e];
+      }
     }
   }
 }
@@ -187,13 +201,14 @@ __global__ void round_kernel(const float* __restrict__ acc, T* __restrict__ y, s
 }  // namespace detail
 
 // W [out, in] in T from a GPTQ layer, all on the device. cudaErrorInvalidValue for a bad width or shape (in tiles
-// of 64 past the grid's y limit, in > 4,194,240).
+// of 64 x kDeqTilesPerBlock past the grid's y limit, in > 16,776,960).
 template <FloatingElement T>
 cudaError_t dequantize_cuda(const GptqView& v, T* w, cudaStream_t stream) {
   if (v.in <= 0 || v.out <= 0 || !(v.bits == 2 || v.bits == 3 || v.bits == 4 || v.bits == 8)) return cudaErrorInvalidValue;
-  const std::int64_t out_tiles = (v.out + detail::kDeqTile - 1) / detail::kDeqTile, in_tiles = (v.in + detail::kDeqTile - 1) / detail::kDeqTile;
-  if (in_tiles > 65535 || out_tiles > 0x7fffffff) return cudaErrorInvalidValue;
-  const dim3 grid{unsigned(out_tiles), unsigned(in_tiles)};
+  const std::int64_t out_tiles = (v.out + detail::kDeqTile - 1) / detail::kDeqTile,
+                     in_blocks = (v.in + detail::kDeqTile * detail::kDeqTilesPerBlock - 1) / (detail::kDeqTile * detail::kDeqTilesPerBlock);
+  if (in_blocks > 65535 || out_tiles > 0x7fffffff) return cudaErrorInvalidValue;
+  const dim3 grid{unsigned(out_tiles), unsigned(in_blocks)};
   switch (v.bits) {
     case 2: detail::dequantize_kernel<T, 2><<<grid, detail::kDeqThreads, 0, stream>>>(v, w); break;
     case 3: detail::dequantize_kernel<T, 3><<<grid, detail::kDeqThreads, 0, stream>>>(v, w); break;
