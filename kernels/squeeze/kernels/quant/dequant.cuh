@@ -79,10 +79,12 @@ namespace detail {
 // (2^23 + z), the code OR-ed into the float 2^23's mantissa), one fp32 product with the scale, one rounding to T.
 // H200 (bench_dequant): one tile per block with the width a run-time value ran at 0.30-0.37 of the copy bandwidth
 // (dequant-session18-run1); the width a template parameter and the group constants loaded with the copy, 0.39-0.49
-// (run 2), where the SASS showed the block's set-up and index arithmetic outweighing its 16 elements a thread.
+// (run 2), where the SASS showed the block's set-up and index arithmetic outweighing its 16 elements a thread; four
+// tiles a block, 0.43-0.60 at 4 bits (run 6; 8192 x 28672 0.283 -> 0.233 ms). Six blocks of 40 registers per SM (at
+// 8 bits five, whose four prefetched words a thread spilled at 40).
 constexpr int kDeqTile = 64, kDeqThreads = 256, kDeqTilesPerBlock = 4;
 template <class T, int BITS>
-__global__ void __launch_bounds__(kDeqThreads, 6) dequantize_kernel(GptqView v, T* __restrict__ w) {
+__global__ void __launch_bounds__(kDeqThreads, BITS == 8 ? 5 : 6) dequantize_kernel(GptqView v, T* __restrict__ w) {
   constexpr int kChunk = 16 / int(sizeof(T));              // elements per 16-byte store
   constexpr int kWordRows = 2 * BITS;                      // qweight rows of a 64-in tile
   constexpr int kWordsPerThread = (kWordRows + 3) / 4;     // rows r4, r4 + 4, ... of column c
