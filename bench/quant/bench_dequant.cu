@@ -43,21 +43,10 @@ using squeeze::bf16;
 using squeeze::half;
 using squeeze::bench::time_ms;
 using squeeze::bench::watchdog_note;
+using squeeze::bench::DevBuf;
+using squeeze::bench::comma_list;
 
 namespace {
-
-template <class E>
-struct DevBuf {  // a device array, freed on scope exit
-  E* p = nullptr;
-  std::size_t n = 0;
-  explicit DevBuf(std::size_t count) : n(count) { SQUEEZE_CUDA_CHECK(cudaMalloc(&p, std::max<std::size_t>(n, 1) * sizeof(E))); }
-  explicit DevBuf(const std::vector<E>& host) : DevBuf(host.size()) {
-    SQUEEZE_CUDA_CHECK(cudaMemcpy(p, host.data(), n * sizeof(E), cudaMemcpyHostToDevice));
-  }
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-  ~DevBuf() { cudaFree(p); }
-};
 
 void cublas_check(cublasStatus_t s, const char* what) {
   if (s != CUBLAS_STATUS_SUCCESS) throw std::runtime_error(std::string("cuBLAS: ") + what + " failed (status " + std::to_string(int(s)) + ")");
@@ -119,13 +108,6 @@ bool same_bytes(const void* a, const void* b, std::size_t bytes) {
   return std::memcmp(ha.data(), hb.data(), bytes) == 0;
 }
 
-std::vector<std::string> comma_list(const std::string& text) {
-  std::vector<std::string> items;
-  std::stringstream ss(text);
-  for (std::string item; std::getline(ss, item, ',');) items.push_back(item);
-  return items;
-}
-
 const char* type_name(int bytes, bool bf) { return bytes == 4 ? "fp32" : bf ? "bf16" : "fp16"; }
 
 }  // namespace
@@ -143,24 +125,17 @@ int main(int argc, char** argv) {
     else if (a == "--m" && i + 1 < argc) {
       batches.clear();
       for (const std::string& item : comma_list(argv[++i])) {
-        const long long m = std::atoll(item.c_str());
-        if (m <= 0 || std::to_string(m) != item) {
+        const long long m = squeeze::bench::positive(item);
+        if (m == 0) {
           std::fprintf(stderr, "%s: --m: expected a comma-separated list of positive integers, got '%s'\n", argv[0], item.c_str());
           return 2;
         }
         batches.push_back(m);
       }
     } else if (a == "--shapes" && i + 1 < argc) {
-      shapes.clear();
-      for (const std::string& item : comma_list(argv[++i])) {
-        long long k = 0, n = 0;
-        char sep = 0;
-        std::stringstream one(item);
-        if (!(one >> k >> sep >> n) || sep != 'x' || k < 16 || n < 16 || k % 8) {
-          std::fprintf(stderr, "%s: --shapes: expected KxN pairs with K a multiple of 8 and K, N >= 16, got '%s'\n", argv[0], item.c_str());
-          return 2;
-        }
-        shapes.emplace_back(k, n);
+      if (const std::string bad = squeeze::bench::parse_shapes(argv[++i], shapes); !bad.empty()) {
+        std::fprintf(stderr, "%s: --shapes: expected KxN pairs with K a multiple of 8 and K, N >= 16, got '%s'\n", argv[0], bad.c_str());
+        return 2;
       }
     } else {
       std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m LIST] [--shapes KxN,...]\n", argv[0]);
@@ -176,13 +151,7 @@ int main(int argc, char** argv) {
   const char* commit = std::getenv("SQUEEZE_COMMIT");
   const std::string device = prop.name;
 
-  double copy_gbs = 0;  // device-to-device copy, bytes read + written per second: the roofline
-  {
-    const std::size_t bytes = 1ull << 30;
-    DevBuf<unsigned char> a(bytes), b(bytes);
-    const double ms = time_ms([&] { SQUEEZE_CUDA_CHECK(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, nullptr)); }, 10);
-    copy_gbs = 2.0 * double(bytes) / (ms * 1e6);
-  }
+  const double copy_gbs = squeeze::bench::copy_bandwidth_gbs();  // the roofline
   std::printf("device %s, %d SMs, device-to-device copy %.0f GB/s\n", device.c_str(), sm, copy_gbs);
   std::printf("%-28s %9s %9s %6s %6s %s\n", "case", "ms", "elemwise", "x peer", "roof", "check");
   std::mt19937 rng(20261201);

@@ -55,26 +55,11 @@ using squeeze::bf16;
 using squeeze::half;
 using squeeze::bench::time_ms;
 using squeeze::bench::watchdog_note;
+using squeeze::bench::DevBuf;
+using squeeze::bench::comma_list;
+using squeeze::bench::positive;
 
 namespace {
-
-template <class E>
-struct DevBuf {  // a device array, freed on scope exit
-  E* p = nullptr;
-  std::size_t n = 0;
-  explicit DevBuf(std::size_t count) : n(count) { SQUEEZE_CUDA_CHECK(cudaMalloc(&p, std::max<std::size_t>(n, 1) * sizeof(E))); }
-  DevBuf(const std::vector<E>& host) : DevBuf(host.size()) {
-    SQUEEZE_CUDA_CHECK(cudaMemcpy(p, host.data(), n * sizeof(E), cudaMemcpyHostToDevice));
-  }
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-  ~DevBuf() { cudaFree(p); }
-  std::vector<E> get() const {
-    std::vector<E> h(n);
-    SQUEEZE_CUDA_CHECK(cudaMemcpy(h.data(), p, n * sizeof(E), cudaMemcpyDeviceToHost));
-    return h;
-  }
-};
 
 // Split-K scratch of the sizes a plan asks for: fp32 partials (any contents) and counters (zeroed).
 struct Workspace {
@@ -181,20 +166,6 @@ void print_capacities(kq::detail::CfgList<Cs...>, int sm) {
     std::printf("\n");
   };
   (one(Cs{}), ...);
-}
-
-// The items of a comma-separated command-line list.
-std::vector<std::string> comma_list(const std::string& text) {
-  std::vector<std::string> items;
-  std::stringstream list(text);
-  for (std::string item; std::getline(list, item, ',');) items.push_back(item);
-  return items;
-}
-// A list item as a positive integer, or 0 when it is not one (the caller names the option).
-long long positive(const std::string& item) {
-  char* end = nullptr;
-  const long long v = std::strtoll(item.c_str(), &end, 10);
-  return !item.empty() && *end == '\0' && v > 0 ? v : 0;
 }
 
 // Every wgmma configuration of the list whose name contains one of only_cfgs (all when empty), at each distinct (K
@@ -461,16 +432,9 @@ int main(int argc, char** argv) {
         else split_counts.push_back(int(v));
       }
     } else if (a == "--shapes" && i + 1 < argc) {
-      shapes.clear();
-      for (const std::string& item : comma_list(argv[++i])) {
-        long long k = 0, n = 0;
-        char sep = 0;
-        std::stringstream one(item);
-        if (!(one >> k >> sep >> n) || sep != 'x' || k < 16 || n < 16 || k % 8) {
-          std::fprintf(stderr, "%s: --shapes: expected KxN pairs with K a multiple of 8 and K, N >= 16, got '%s'\n", argv[0], item.c_str());
-          return 2;
-        }
-        shapes.emplace_back(k, n);
+      if (const std::string bad = squeeze::bench::parse_shapes(argv[++i], shapes); !bad.empty()) {
+        std::fprintf(stderr, "%s: --shapes: expected KxN pairs with K a multiple of 8 and K, N >= 16, got '%s'\n", argv[0], bad.c_str());
+        return 2;
       }
     } else {
       std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m 1,16,...] [--shapes KxN,...] [--splits 1,2,...] [--taper 0.5,...] [--cfg NAME-SUBSTRING] [--l2-flush clean|dirty] [--probes] [--streaming] [--trial] [--timeline]\n", argv[0]);
@@ -489,14 +453,7 @@ int main(int argc, char** argv) {
   if (!out_path.empty()) out.open(out_path);
   const char* commit = std::getenv("SQUEEZE_COMMIT");
 
-  // device-to-device copy bandwidth (1 GiB each way): the roofline
-  double copy_gbs = 0;
-  {
-    const std::size_t bytes = 1ull << 30;
-    DevBuf<unsigned char> a(bytes), b(bytes);
-    const double ms = time_ms([&] { SQUEEZE_CUDA_CHECK(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, nullptr)); }, 10);
-    copy_gbs = 2.0 * double(bytes) / (ms * 1e6);
-  }
+  const double copy_gbs = squeeze::bench::copy_bandwidth_gbs();  // the roofline
   cublasHandle_t handle;
   cublas_check(cublasCreate(&handle), "create");
   // dense bf16 tensor-core rate: cuBLAS on 8192^3 (the compute roofline)

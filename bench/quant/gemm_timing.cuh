@@ -1,14 +1,17 @@
 #pragma once
-// Helpers shared by the quantized-GEMM benchmarks (bench_quant_gemm, bench_qgemm_sm90, bench_wgmma_rate): the device
-// they run on, cold-L2 median GPU time of a launch, and a watchdog that ends a run whose kernel hangs. No libtorch.
+// Helpers shared by the quantized-GEMM benchmarks (bench_quant_gemm, bench_qgemm_sm90, bench_dequant, bench_wgmma_rate):
+// the device they run on, device arrays, cold-L2 median GPU time of a launch and the copy bandwidth (the roofline),
+// command-line lists, and a watchdog that ends a run whose kernel hangs. No libtorch.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -101,6 +104,59 @@ inline double time_ms(const std::function<void()>& fn, int reps) {
   for (auto& e : ev) cudaEventDestroy(e);
   std::nth_element(t.begin(), t.begin() + reps / 2, t.end());
   return t[reps / 2];
+}
+
+// A device array, freed on scope exit.
+template <class E>
+struct DevBuf {
+  E* p = nullptr;
+  std::size_t n = 0;
+  explicit DevBuf(std::size_t count) : n(count) { SQUEEZE_CUDA_CHECK(cudaMalloc(&p, std::max<std::size_t>(n, 1) * sizeof(E))); }
+  explicit DevBuf(const std::vector<E>& host) : DevBuf(host.size()) {
+    SQUEEZE_CUDA_CHECK(cudaMemcpy(p, host.data(), n * sizeof(E), cudaMemcpyHostToDevice));
+  }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  ~DevBuf() { cudaFree(p); }
+  std::vector<E> get() const {
+    std::vector<E> h(n);
+    SQUEEZE_CUDA_CHECK(cudaMemcpy(h.data(), p, n * sizeof(E), cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+// Bytes read + written per second (GB/s) by a device-to-device copy of 1 GiB, timed as time_ms does: the roofline.
+inline double copy_bandwidth_gbs() {
+  const std::size_t bytes = 1ull << 30;
+  DevBuf<unsigned char> a(bytes), b(bytes);
+  const double ms = time_ms([&] { SQUEEZE_CUDA_CHECK(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, nullptr)); }, 10);
+  return 2.0 * double(bytes) / (ms * 1e6);
+}
+
+// The items of a comma-separated command-line list.
+inline std::vector<std::string> comma_list(const std::string& text) {
+  std::vector<std::string> items;
+  std::stringstream list(text);
+  for (std::string item; std::getline(list, item, ',');) items.push_back(item);
+  return items;
+}
+// A list item as a positive integer, or 0 when it is not one (the caller names the option).
+inline long long positive(const std::string& item) {
+  char* end = nullptr;
+  const long long v = std::strtoll(item.c_str(), &end, 10);
+  return !item.empty() && *end == '\0' && v > 0 ? v : 0;
+}
+// --shapes: KxN pairs (K a multiple of 8, K and N >= 16) into shapes; the first bad item, or "" when all are good.
+inline std::string parse_shapes(const std::string& text, std::vector<std::pair<std::int64_t, std::int64_t>>& shapes) {
+  shapes.clear();
+  for (const std::string& item : comma_list(text)) {
+    long long k = 0, n = 0;
+    char sep = 0;
+    std::stringstream one(item);
+    if (!(one >> k >> sep >> n) || sep != 'x' || k < 16 || n < 16 || k % 8) return item.empty() ? "(empty)" : item;
+    shapes.emplace_back(k, n);
+  }
+  return "";
 }
 
 // Watchdog: a configuration that hangs (e.g. a barrier bug) would stop the whole GPU run. Each variant notes its

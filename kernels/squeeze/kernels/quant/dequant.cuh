@@ -64,8 +64,9 @@ void gemv_cpu(const GptqView& v, const T* x /*[M, in]*/, T* y /*[M, out]*/, std:
 #if defined(__CUDACC__)
 namespace detail {
 // Dequantize in tiles of W [64 out][64 in], kDeqTilesPerBlock tiles along in per block. The per-element form (one
-// thread per W element, session 17 and before) read qweight across its rows (stride out) and ran 6-8x below the copy
-// bandwidth (8192 x 28672 at 4 bits: 0.92 ms on the H200, bench/results/h200/gemm4-session17-run6). Per tile a block
+// thread per W element, session 17 and before; bench_dequant keeps it as the peer) read qweight across its rows (stride
+// out) and ran at 0.10-0.18 of the copy bandwidth into bf16 (8192 x 28672 at 4 bits: 0.924 ms on the H200,
+// bench/results/h200/dequant-session18-run7). Per tile a block
 //   1. copies the tile's qweight words, 2 BITS rows x 64 outs, coalesced along out (64 in x BITS is a whole number of
 //      words for every width, so tiles start on word boundaries and 3-bit codes straddle only inside one); the next
 //      tile's words are loaded into registers while this one is decoded and stored;
