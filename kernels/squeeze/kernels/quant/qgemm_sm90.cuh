@@ -625,7 +625,7 @@ __device__ __forceinline__ void mbar_arrive_cluster(std::uint64_t* bar, int rank
 #if SQUEEZE_SM90_WGMMA
   unsigned remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(bar)), "r"(rank));
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
 #endif
 }
 __device__ __forceinline__ int cluster_rank() {
@@ -1433,10 +1433,7 @@ using Sm90TuningCfgs = CfgList<Sm90Cfg<64, 1, 6, 2>, Sm90Cfg<128, 2, 6>,
 // 128-row forms cost without their decode, and without any consumer work.
 using Sm90ProbeCfgs = CfgList<Sm90Probe<Sm90Cfg<16, 2, 8, 2, false, true>, 1>, Sm90Probe<Sm90Cfg<16, 2, 8, 2, false, true>, 2>,
                               Sm90Probe<Sm90Cfg<16, 2, 8, 1, false, true>, 2>, Sm90Probe<Sm90Cfg<64, 2, 8, 1, false, true>, 2>,
-                              Sm90Probe<Sm90Cfg<128, 1, 8, 1, false, true, 4>, 1>, Sm90Probe<Sm90Cfg<128, 1, 8, 1, false, true, 4>, 2>,
-                              Sm90Probe<Sm90Cfg<64, 2, 8, 1, false, true, 2, false, false, 2>, 2>,
-                              Sm90Probe<Sm90Cfg<128, 1, 8, 1, false, true, 4, false, false, 2>, 1>,
-                              Sm90Probe<Sm90Cfg<128, 1, 8, 1, false, true, 4, false, false, 2>, 2>>;
+                              Sm90Probe<Sm90Cfg<128, 1, 8, 1, false, true, 4>, 1>, Sm90Probe<Sm90Cfg<128, 1, 8, 1, false, true, 4>, 2>>;
 // x multicast over pairs of strips (MCAST = 2; names end in c2): the forms dispatched at M 33..128 (Sm90Small,
 // Sm90SmallWide, Sm90Large) and 128-feature strips of 128 rows (half the K-split sums of Sm90Large a block), under
 // trial (bench_qgemm_sm90 --trial; the GPU tests check them against the CPU twin).
