@@ -80,25 +80,6 @@ TEST(QuantCudaSm90, MmaSyncConfigurationsMatchCpuTwin) {
     }
   }
 }
-// The x-multicast configurations (MCAST = 2: clusters of two strips, each block copying half of x's rows into both;
-// kq::detail::Sm90McastCfgs), fp16 and bf16: N 299 (two strips of 256; three of 128, so a fourth past N that copies x
-// and stores nothing) and 520 (three strips of 256 plus one past N; five of 128 plus one), K 1096, groups of 32 with
-// act-order, 128 and per channel, M 33 / 64 / 100 / 200 (200: two or four batch slices, each cluster within one), the
-// plan's K splits and forced 1, 3 and 7 (7 in a cluster: 4, clusters of 2 x 4 blocks), each reduced the three ways.
-TEST(QuantCudaSm90, MulticastConfigurationsMatchCpuTwin) {
-  REQUIRE_SM90();
-  for (const auto [group, N] : {std::pair{32, 299}, std::pair{128, 520}, std::pair{0, 299}}) {
-    const auto p = random_layer(N, 1096, 4, group, group == 32, 601 + group);
-    const auto t = quant::to_tiles(p);
-    for (std::int64_t M : {33, 64, 100, 200}) {
-      SCOPED_TRACE("group " + std::to_string(group) + " N " + std::to_string(N) + " M " + std::to_string(M));
-      sm90_all_cfgs(kq::detail::Sm90McastCfgs{}, TwinCase<bf16>(p, t, M), {0, 1, 3, 7});
-      if (::testing::Test::HasFatalFailure()) return;
-      sm90_all_cfgs(kq::detail::Sm90McastCfgs{}, TwinCase<half>(p, t, M), {0, 1, 3, 7});
-      if (::testing::Test::HasFatalFailure()) return;
-    }
-  }
-}
 // Tapered K ranges (sm90_taper: the lead ranges longer than the rest) give the CPU twin's result: the dispatched
 // 16-row configurations (GSCALE among them: groups of 128 and per channel) and the 8-row mma.sync ones (M 9 / 16: two
 // slices), fp16 and bf16, M 1 / 9 / 16, N 299 and
@@ -404,33 +385,6 @@ TEST(QuantCudaSm90, SpreadReductionOnlyWhereTheGridFitsTheGpu) {
   const auto one = kq::plan_qgemm_sm90<Tiny>(s, kq::sm90_even_capacity<Tiny>(132), 1, kq::Sm90Reduce::Global);
   EXPECT_EQ(one.splits, 1);
   EXPECT_FALSE(one.spread);
-}
-// x multicast (MCAST = 2): the plan takes whole pairs of strips (a last one past N where their count is odd) and clusters
-// of at most 2 x 4 blocks (kSm90MaxClusterSplits / MCAST K ranges); the launcher refuses an odd strip count. Host logic only.
-TEST(QuantCudaSm90, MulticastPlanTakesPairsOfStrips) {
-  using Pair = kq::Sm90Cfg<128, 1, 8, 1, false, true, 4, false, false, 2>;  // 256-feature strips
-  static_assert(Pair::MCAST == 2 && kq::sm90_max_cluster_splits<Pair>() == 4);
-  EXPECT_EQ(kq::detail::sm90_cfg_name<Pair>(), "wg_b128m1s8wg4c2");
-  const auto cap = kq::sm90_even_capacity<Pair>(132);
-  EXPECT_EQ(cap.clusters[4], 32);  // 132 / 8 = 16 clusters of 2 x 4 blocks: 32 tiles' K ranges
-  EXPECT_EQ(cap.clusters[5], 0);
-  const kq::QGemmShape odd{128, 4864, 4096, 4096, 4864, 128, 4};  // N 4864: 19 strips of 256 -> 20
-  const auto plan = kq::plan_qgemm_sm90<Pair>(odd, cap);
-  EXPECT_EQ(plan.strips, 20) << kq::describe(plan);
-  EXPECT_EQ(plan.strips % 2, 0);
-  const auto forced = kq::plan_qgemm_sm90<Pair>(odd, cap, 7, kq::Sm90Reduce::Cluster);
-  EXPECT_TRUE(forced.cluster);
-  EXPECT_EQ(forced.splits, 4) << kq::describe(forced);  // 2 x 4 blocks: the largest portable cluster
-  const auto global = kq::plan_qgemm_sm90<Pair>(odd, cap, 7, kq::Sm90Reduce::Global);
-  EXPECT_EQ(global.splits, 7);
-  EXPECT_EQ(global.counter_elems, 20);  // a counter for the strip past N too
-  for (int sp = 0; sp <= 8; ++sp) {
-    const auto any = kq::plan_qgemm_sm90<Pair>(odd, cap, sp);
-    EXPECT_TRUE(!any.cluster || any.splits <= 4) << kq::describe(any);
-  }
-  auto bad = plan;
-  bad.strips = 19;
-  EXPECT_EQ((kq::detail::launch_qgemm_sm90_cfg<bf16, Pair>(nullptr, nullptr, nullptr, nullptr, nullptr, odd, bad, {}, nullptr)), cudaErrorInvalidValue);
 }
 // Tapered K ranges (sm90_taper): the lead ranges of cps chunks, the rest of cps_tail, the last the remainder; together
 // every chunk once, none empty; the launcher refuses plans whose ranges do not cover K. Host logic only.

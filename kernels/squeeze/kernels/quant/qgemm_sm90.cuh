@@ -164,16 +164,10 @@ namespace squeeze::kernels::quant {
 // (magic + z) times the group's x sums from one more m16n8k16 per k-step with A = ones. No faster on the H200: within
 // -2..+4% of the same configuration at 8 rows, 3-12% slower at 16 rows, which it made spill (gemm4_probe-session17-run2);
 // removed.)
-// MCAST: x multicast over a cluster of MCAST neighbouring strips (of one batch slice): each block's producer copies
-// 1 / MCAST of the chunk's x rows into every block of the cluster (TMA .multicast::cluster), so x leaves L2 once per
-// MCAST strips instead of once per strip; each consumer warp releases a stage in every block of the cluster (the
-// producers overwrite each other's stages), and the cluster's blocks leave together. Why: x re-read by every strip is
-// most of the bytes at 64-128 batch rows (8192 x 28672 at M 128: the copies alone 61 of the kernel's 117 us, x two thirds
-// of them; gemm4_probe-session11-run2). Names end in c<MCAST>.
 template <int BN_, int WM_, int STAGES_, int MINB_ = 1, bool OVERLAP_ = false, bool WS_ = false, int WGS_ = 2, bool GSCALE_ = false,
-          bool SYNC_ = false, int MCAST_ = 1>
+          bool SYNC_ = false>
 struct Sm90Cfg {
-  static constexpr int BN = BN_, WM = WM_, STAGES = STAGES_, MINB = MINB_, WGS = WGS_, MCAST = MCAST_;
+  static constexpr int BN = BN_, WM = WM_, STAGES = STAGES_, MINB = MINB_, WGS = WGS_;
   static constexpr bool OVERLAP = OVERLAP_, WS = WS_, GSCALE = GSCALE_, SYNC = SYNC_;
   static constexpr int PROBE = 0;  // Sm90Probe: a measuring variant that skips work (wrong results; benchmark only)
   static_assert(!GSCALE || (WS && !OVERLAP), "per-group fp32 scaling (GSCALE) is built for the warp-specialised form without OVERLAP");
@@ -205,8 +199,6 @@ struct Sm90Cfg {
                 "batch rows per block: 16, 32, 64 or 128 (the wgmma wrappers), or 8 with mma.sync (SYNC)");
   static_assert(WM >= 1 && WM <= 4, "m64 tiles per warpgroup: 1..4");
   static_assert(WGS == 2 || WGS == 4, "consumer warpgroups: 2 or 4");
-  static_assert(MCAST == 1 || (MCAST == 2 && WS && !SYNC && BN >= 16),
-                "x multicast (MCAST = 2) is built for the warp-specialised wgmma form; write MCAST = 1 otherwise");
   static_assert(STAGES >= (OVERLAP ? 3 : 2), "at least two stages (three with OVERLAP)");
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per block");
   // H200 (bench_qgemm_sm90 at 2101881): wg_b64m2s6ow and wg_b64m2s8ow gave results 0.1-0.25 (relative to max |y|)
@@ -288,14 +280,9 @@ inline constexpr int kSm90AutoClusterSplits = 6;
 // in a cluster, 15.5-16.5 through global memory (the plan's pick with clusters of at most 6); mma_b8m2s4x4wf ran 8192 x
 // 28672 at M 1 / 4 / 8 with every cluster plan (5..8 K ranges) 7-14% slower than 7..9 through global memory (M 8: 4 in
 // a cluster, which the cost model put level with 9 through global memory, 49.9 us against 46.8).
-// With x multicast (MCAST) a cluster spans MCAST strips x the K ranges: at most kSm90MaxClusterSplits / MCAST of these.
-template <class C>
-constexpr int sm90_max_cluster_splits() {
-  return kSm90MaxClusterSplits / C::MCAST;
-}
 template <class C>
 constexpr int sm90_auto_cluster_splits() {
-  return std::min(!C::SYNC ? kSm90AutoClusterSplits : C::MINB >= 4 ? 1 : kSm90MaxClusterSplits, sm90_max_cluster_splits<C>());
+  return !C::SYNC ? kSm90AutoClusterSplits : C::MINB >= 4 ? 1 : kSm90MaxClusterSplits;
 }
 // How the K ranges of a tile are summed: Auto lets the plan pick (splits_override then fixes only the count).
 // Cluster: in a cluster's distributed shared memory. Global: fp32 partials through global memory, summed by every block
@@ -308,8 +295,6 @@ enum class Sm90Reduce { Auto, Cluster, Global, GlobalLast };
 // (cudaOccupancyMaxActiveClusters).
 struct Sm90Capacity {
   int slots = 1;
-  // (x multicast, MCAST: clusters[k] counts the tiles whose k K ranges the GPU holds at once, MCAST per cluster of MCAST
-  // x k blocks; 0 past sm90_max_cluster_splits)
   // blocks of the global-reduction kernels (fp16 and bf16) the GPU holds at once: the spread reduction's cooperative
   // launch needs its whole grid resident (their registers can differ from the cluster kernel's)
   int spread_slots = 1;
@@ -320,7 +305,7 @@ template <class C>
 Sm90Capacity sm90_even_capacity(int sm_count) {
   Sm90Capacity c;
   c.slots = c.spread_slots = std::max(sm_count, 1) * C::MINB;
-  for (int k = 1; k <= sm90_max_cluster_splits<C>(); ++k) c.clusters[k] = c.slots / (k * C::MCAST) * C::MCAST;
+  for (int k = 1; k <= kSm90MaxClusterSplits; ++k) c.clusters[k] = c.slots / k;
   return c;
 }
 // The estimated cost of `splits` K ranges of `tiles` tiles reduced one way, in bytes of weights streamed:
@@ -448,8 +433,7 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int split
   Sm90Plan p;
   const std::int64_t kchunks = s.Kpad / kTileK;
   p.zslices = int((s.M + C::BN - 1) / C::BN);
-  // x multicast: whole clusters of MCAST strips (a last strip past Npad copies its share of x and stores nothing)
-  p.strips = int((s.Npad + C::STRIP - 1) / C::STRIP + C::MCAST - 1) / C::MCAST * C::MCAST;
+  p.strips = int((s.Npad + C::STRIP - 1) / C::STRIP);
   const std::int64_t tiles = std::int64_t(p.zslices) * p.strips;
   p.smem_bytes = C::SMEM_BYTES;
   // the count a request for sp K ranges gives (no empty K range)
@@ -457,13 +441,13 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int split
     const std::int64_t cps = (kchunks + sp - 1) / sp;
     return int((kchunks + cps - 1) / cps);
   };
-  const int limit = reduce == Sm90Reduce::Cluster ? sm90_max_cluster_splits<C>() : kSm90MaxSplits;
+  const int limit = reduce == Sm90Reduce::Cluster ? kSm90MaxClusterSplits : kSm90MaxSplits;
   int splits = splits_override > 0 ? ranges(std::clamp<std::int64_t>(splits_override, 1, std::min<std::int64_t>(kchunks, limit))) : 1;
   const bool global = reduce == Sm90Reduce::Global || reduce == Sm90Reduce::GlobalLast;
   bool cluster = !global;
   if (splits_override > 0) {
     if (reduce == Sm90Reduce::Auto)
-      cluster = splits <= sm90_max_cluster_splits<C>() &&
+      cluster = splits <= kSm90MaxClusterSplits &&
                 sm90_split_cost(s, p.zslices, tiles, splits, true, cap, C::MINB) < sm90_split_cost(s, p.zslices, tiles, splits, false, cap, C::MINB);
   } else {
     const int min_chunks = s.M < kSm90SpreadMinRows ? kSm90MinChunksFewRows : kSm90MinChunks;
@@ -606,34 +590,6 @@ __device__ __forceinline__ void tma_load_x(void* dst, const CUtensorMap& map, in
                "l"(reinterpret_cast<std::uint64_t>(&map)), "r"(k0), "r"(m0), "r"(smem_addr(bar))
                : "memory");
 #endif
-}
-
-// x multicast (MCAST): the box into the same offset of the shared memory of every block in cta_mask (cluster ranks),
-// completing on each one's barrier at bar's offset.
-__device__ __forceinline__ void tma_load_x_multicast(void* dst, const CUtensorMap& map, int k0, int m0, std::uint64_t* bar, std::uint16_t cta_mask) {
-#if SQUEEZE_SM90_WGMMA
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(
-          smem_addr(dst)),
-      "l"(reinterpret_cast<std::uint64_t>(&map)), "r"(k0), "r"(m0), "r"(smem_addr(bar)), "h"(cta_mask)
-      : "memory");
-#endif
-}
-// One arrive on the barrier at bar's offset in the shared memory of cluster block `rank` (release at cluster scope: this
-// block's reads of the stage happen before the other block's producer refills it).
-__device__ __forceinline__ void mbar_arrive_cluster(std::uint64_t* bar, int rank) {
-#if SQUEEZE_SM90_WGMMA
-  unsigned remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(bar)), "r"(rank));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
-#endif
-}
-__device__ __forceinline__ int cluster_rank() {
-  unsigned r = 0;
-#if SQUEEZE_SM90_WGMMA
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-#endif
-  return int(r);
 }
 
 // Shared-memory matrix descriptor of a K-major operand with 128-byte swizzle: start address / 16 (bits 0-13),
@@ -844,11 +800,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   // This block's work: batch slice z, strip, chunks [kc0, kc0 + nck), K range `split` of p.splits (1: y stored
   // directly). The batch slices of a strip are neighbouring blocks, so they run at the same time and the slices
   // after the first find the strip's weights in L2.
-  // (x multicast, MCAST: strips neighbouring instead, so that a cluster's blocks take one batch slice's x; xrank: this
-  // block's share of it)
-  const int z = int(C::MCAST > 1 ? blockIdx.x / p.strips : blockIdx.x % p.zslices);
-  const int strip = int(C::MCAST > 1 ? blockIdx.x % p.strips : blockIdx.x / p.zslices), split = int(blockIdx.z);
-  const int xrank = int(blockIdx.x % C::MCAST);
+  const int z = int(blockIdx.x % p.zslices), strip = int(blockIdx.x / p.zslices), split = int(blockIdx.z);
   const int n0 = strip * STRIP, tile0 = strip * TILES, m0 = z * BN;
   const Sm90Range range = sm90_k_range(split, p.kchunks, p.cps, p.lead, p.cps_tail);
   const int kc0 = range.kc0, nck = range.nck;
@@ -1102,7 +1054,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
           float4 v[kSm90MaxClusterSplits];
 #pragma unroll
           for (int sp = 0; sp < kSm90MaxClusterSplits; ++sp)
-            if (sp < p.splits) v[sp] = ld_cluster_f4(map_cluster(off, sp * C::MCAST + xrank));  // ranks: x fastest
+            if (sp < p.splits) v[sp] = ld_cluster_f4(map_cluster(off, sp));
           sum = v[0];
 #pragma unroll
           for (int sp = 1; sp < kSm90MaxClusterSplits; ++sp)
@@ -1216,8 +1168,6 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   if constexpr (C::WS) {
     // full[s]: the producer's expect-tx arrive + the TMA / bulk bytes;
     // empty[s]: one arrive per consumer warp once the wgmma reading stage s finished
-    // (x multicast: empty[s] counts the consumer warps of the cluster's MCAST blocks of this K range, whose producers
-    // all write stage s)
     __shared__ std::uint64_t full_bar[S], empty_bar[S];
     // the producer's first TMA copy needs x's tensor map: fetch it while the barriers are set up
     if (warp == C::CONSUMERS / 32 && lane == 0) asm volatile("prefetch.tensormap [%0];\n" ::"l"(&x_map) : "memory");
@@ -1225,30 +1175,11 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
 #pragma unroll
       for (int sl = 0; sl < S; ++sl) {
         mbar_init(full_bar + sl, 1);
-        mbar_init(empty_bar + sl, C::CONSUMERS / 32 * C::MCAST);
+        mbar_init(empty_bar + sl, C::CONSUMERS / 32);
       }
       mbar_init_fence();
     }
-    if constexpr (C::MCAST > 1) cluster_sync();  // the other blocks' barriers are set up before any copy or arrive
-    else __syncthreads();
-    // x multicast: the cluster ranks of this K range's MCAST blocks (first, and as a mask)
-    [[maybe_unused]] const int mc_rank0 = C::MCAST > 1 ? cluster_rank() - xrank : 0;
-    [[maybe_unused]] const std::uint16_t mc_mask = std::uint16_t(((1u << C::MCAST) - 1u) << mc_rank0);
-    // a consumer warp hands stage `ring` back: to its own producer, or (x multicast) to every producer of the cluster
-    auto release = [&](int ring) {
-      if constexpr (C::MCAST > 1) {
-#pragma unroll
-        for (int r = 0; r < C::MCAST; ++r) mbar_arrive_cluster(empty_bar + ring, mc_rank0 + r);
-      } else {
-        mbar_arrive(empty_bar + ring);
-      }
-    };
-    // x multicast: no block leaves while another may still arrive on its barriers (the K-split cluster reduction has
-    // its own two barriers after the last chunk)
-    auto leave = [&] {
-      if constexpr (C::MCAST > 1)
-        if (!(CLUSTER && p.splits > 1)) cluster_sync();
-    };
+    __syncthreads();
     if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::SetUp, clock64());
     if (warp >= C::CONSUMERS / 32) {  // the producer (warp CONSUMERS / 32; with WGS = 4 the rest of its warpgroup idles)
       if constexpr (C::PRODUCERS == 128) set_max_regs_dec<C::PRODUCER_REGS>();
@@ -1258,10 +1189,9 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
           cluster_sync();
           cluster_sync();
         }
-        leave();
         return;
       }
-      const int cols = max(min(STRIP, p.Npad - n0), 0);  // features of this strip (multiple of 16; x multicast: 0 past Npad)
+      const int cols = min(STRIP, p.Npad - n0);  // features of this strip (multiple of 16)
       const unsigned wbytes = unsigned(cols / kTileN) * 512u;
       for (int c = 0; c < nck; ++c) {  // chunk c of the K range into ring stage c % S
         const int ring = c % S, kc = kc0 + c;
@@ -1274,13 +1204,10 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
           // after the set-up barrier against 1.10; gemm4_probe-session13-run7 against -run6.)
           if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, sm90_trace_slot::ProducerStart, clock64());
           mbar_arrive_expect_tx(full_bar + ring, unsigned(XB) + wbytes + unsigned(rows * cols * 3));
-          if constexpr (C::MCAST > 1)  // this block's BN / MCAST rows of x, into every block of the cluster
-            tma_load_x_multicast(st + xrank * (XB / C::MCAST), x_map, kc * kTileK, m0 + xrank * (BN / C::MCAST), full_bar + ring, mc_mask);
-          else
-            tma_load_x(st, x_map, kc * kTileK, m0, full_bar + ring);
+          tma_load_x(st, x_map, kc * kTileK, m0, full_bar + ring);
           if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, sm90_trace_slot::ProducerX, clock64());
-          if (wbytes > 0) bulk_copy_g2s(st + XB, p.tiles + (std::int64_t(kc) * ntiles + tile0) * (kTileK * kTileN / 8), wbytes, full_bar + ring);
-          for (int r = 0; r < rows && cols > 0; ++r) {
+          bulk_copy_g2s(st + XB, p.tiles + (std::int64_t(kc) * ntiles + tile0) * (kTileK * kTileN / 8), wbytes, full_bar + ring);
+          for (int r = 0; r < rows; ++r) {
             const std::int64_t off = std::int64_t(g0 + r) * p.Npad + n0;
             bulk_copy_g2s(st + XB + WB + r * STRIP * 2, p.scales + off, unsigned(cols * 2), full_bar + ring);
             bulk_copy_g2s(st + XB + WB + SB + r * STRIP, p.zeros + off, unsigned(cols), full_bar + ring);
@@ -1294,7 +1221,6 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         cluster_sync();
         cluster_sync();
       }
-      leave();
       return;  // the consumers wait for every copy it queued (full barriers) before they leave
     } else {
       if constexpr (C::PRODUCERS == 128) set_max_regs_inc<C::CONSUMER_REGS>();
@@ -1304,7 +1230,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         if (C::PROBE == 3 && c == 0 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::FirstChunk, clock64());
         __syncwarp();  // converged again before the .aligned wgmma operations
         if constexpr (C::PROBE == 2) {
-          if (lane == 0) release(ring);
+          if (lane == 0) mbar_arrive(empty_bar + ring);
           __syncwarp();
           return;
         }
@@ -1315,7 +1241,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         if constexpr (C::GSCALE)
           if (c + 1 == nck || (kc0 + c + 1) * kTileK >= next_group_k) scale_group();
         // the stage the finished wgmma read goes back to the producer (OVERLAP: the chunk before's)
-        if (lane == 0 && (!C::OVERLAP || c > 0)) release(C::OVERLAP ? (c + S - 1) % S : ring);
+        if (lane == 0 && (!C::OVERLAP || c > 0)) mbar_arrive(empty_bar + (C::OVERLAP ? (c + S - 1) % S : ring));
         __syncwarp();
       };
       for (int c = 0; c < nck; c += 2) {  // pairs: the two A sets alternate with static names
@@ -1328,7 +1254,6 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         sm90_trace<C>(p, sm90_trace_slot::End, clock64());
         sm90_trace<C>(p, sm90_trace_slot::EndNs, global_ns());
       }
-      leave();
     }
   } else {
     constexpr int AHEAD = C::AHEAD;
@@ -1398,7 +1323,7 @@ template <class C>
 std::string sm90_cfg_name() {
   return (C::SYNC ? "mma_b" : "wg_b") + std::to_string(C::BN) + "m" + std::to_string(C::WM) + "s" + std::to_string(C::STAGES) +
          (C::MINB > 1 ? "x" + std::to_string(C::MINB) : "") + (C::OVERLAP ? "o" : "") + (C::WS ? "w" : "") +
-         (C::WGS != 2 ? "g" + std::to_string(C::WGS) : "") + (C::GSCALE ? "f" : "") + (C::MCAST > 1 ? "c" + std::to_string(C::MCAST) : "") + (C::PROBE ? "_probe" + std::to_string(C::PROBE) : "");
+         (C::WGS != 2 ? "g" + std::to_string(C::WGS) : "") + (C::GSCALE ? "f" : "") + (C::PROBE ? "_probe" + std::to_string(C::PROBE) : "");
 }
 // Configurations the benchmark times (batch rows per block, m64 tiles per warpgroup, stages, blocks per SM,
 // overlap across chunks, warp-specialised, consumer warpgroups, per-group fp32 scaling; names
@@ -1434,11 +1359,6 @@ using Sm90TuningCfgs = CfgList<Sm90Cfg<64, 1, 6, 2>, Sm90Cfg<128, 2, 6>,
 using Sm90ProbeCfgs = CfgList<Sm90Probe<Sm90Cfg<16, 2, 8, 2, false, true>, 1>, Sm90Probe<Sm90Cfg<16, 2, 8, 2, false, true>, 2>,
                               Sm90Probe<Sm90Cfg<16, 2, 8, 1, false, true>, 2>, Sm90Probe<Sm90Cfg<64, 2, 8, 1, false, true>, 2>,
                               Sm90Probe<Sm90Cfg<128, 1, 8, 1, false, true, 4>, 1>, Sm90Probe<Sm90Cfg<128, 1, 8, 1, false, true, 4>, 2>>;
-// x multicast over pairs of strips (MCAST = 2; names end in c2): the forms dispatched at M 33..128 (Sm90Small,
-// Sm90SmallWide, Sm90Large) and 128-feature strips of 128 rows (half the K-split sums of Sm90Large a block), under
-// trial (bench_qgemm_sm90 --trial; the GPU tests check them against the CPU twin).
-using Sm90McastCfgs = CfgList<Sm90Cfg<64, 1, 6, 2, false, true, 2, false, false, 2>, Sm90Cfg<64, 2, 8, 1, false, true, 2, false, false, 2>,
-                              Sm90Cfg<128, 1, 8, 1, false, true, 4, false, false, 2>, Sm90Cfg<128, 1, 6, 1, false, true, 2, false, false, 2>>;
 // What qgemm_sm90_cuda runs: the warp-specialised form; batch slices of 64 rows up to M = 64, of 128 rows above.
 // H200, clean L2, x cuBLAS bf16 on 4096 x 4096 / 4096 x 11008 / 11008 x 4096 / 8192 x 28672, each configuration
 // at its best split count (bench/results/h200/gemm4_probe-session8-run4.*, 554a9c6):
@@ -1551,12 +1471,12 @@ struct Sm90Launch {
     cfg.dynamicSmemBytes = C::SMEM_BYTES;
     cfg.stream = stream;
     cfg.attrs = attrs;
-    if (cluster > 0 || C::MCAST > 1) {  // x multicast: clusters of (MCAST, 1, K ranges or 1)
+    if (cluster > 0) {
       cudaLaunchAttribute& a = attrs[cfg.numAttrs++];
       a.id = cudaLaunchAttributeClusterDimension;
-      a.val.clusterDim.x = unsigned(C::MCAST);
+      a.val.clusterDim.x = 1;
       a.val.clusterDim.y = 1;
-      a.val.clusterDim.z = unsigned(std::max(cluster, 1));
+      a.val.clusterDim.z = unsigned(cluster);
     }
     if (cooperative) {
       cudaLaunchAttribute& a = attrs[cfg.numAttrs++];
@@ -1600,13 +1520,12 @@ Sm90Capacity sm90_capacity(int sm_count) {
     }
     c.slots = per_sm * sms;
     c.spread_slots = std::min(per_sm_bf16, per_sm_half) * sms;
-    for (int k = 1; k <= sm90_max_cluster_splits<C>(); ++k) {
-      const Sm90Launch<C> launch(dim3(unsigned(C::MCAST), 1, unsigned(k)), k, nullptr);
+    for (int k = 1; k <= kSm90MaxClusterSplits; ++k) {
+      const Sm90Launch<C> launch(dim3(1, 1, unsigned(k)), k, nullptr);
       if (cudaOccupancyMaxActiveClusters(&c.clusters[k], kernel, &launch.cfg) != cudaSuccess) {
         cudaGetLastError();
         c.clusters[k] = 0;
       }
-      c.clusters[k] *= C::MCAST;  // tiles (see Sm90Capacity::clusters)
     }
     return c;
   }();
@@ -1626,8 +1545,7 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
        reinterpret_cast<std::uintptr_t>(zeros)) & 15)
     return cudaErrorInvalidValue;  // 16-byte copies
   if (std::int64_t(p.zslices) * p.strips > 0x7fffffff) return cudaErrorInvalidValue;  // the grid's x dimension
-  if (p.splits < 1 || p.splits > (p.cluster ? sm90_max_cluster_splits<C>() : kSm90MaxSplits)) return cudaErrorInvalidValue;  // a portable cluster
-  if (p.strips % C::MCAST) return cudaErrorInvalidValue;  // x multicast: whole clusters of strips
+  if (p.splits < 1 || p.splits > (p.cluster ? kSm90MaxClusterSplits : kSm90MaxSplits)) return cudaErrorInvalidValue;  // a portable cluster
   if (!sm90_ranges_cover(p, s.Kpad / kTileK) || (p.cluster && p.lead < p.splits)) return cudaErrorInvalidValue;
   if (C::GSCALE && s.group % kTileK) return cudaErrorInvalidValue;  // per-group scaling: groups of whole chunks
   const bool global = p.splits > 1 && !p.cluster;
@@ -1640,7 +1558,7 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
   if (const cudaError_t attr = sm90_allow_smem<T, C>(); attr != cudaSuccess) return attr;
   CUtensorMap x_map{};
   if constexpr (C::WS)
-    if (const cudaError_t e = make_x_tensor_map(x_map, x, s.M, s.K, C::BN / C::MCAST, std::is_same_v<T, bf16>); e != cudaSuccess) return e;
+    if (const cudaError_t e = make_x_tensor_map(x_map, x, s.M, s.K, C::BN, std::is_same_v<T, bf16>); e != cudaSuccess) return e;
   const Sm90Params prm{x, tiles, scales, zeros, y, ws.partial, ws.counters, int(s.M), int(s.N), int(s.K), int(s.Npad), int(s.group),
                        int(s.Kpad / kTileK), p.cps, p.lead, p.cps_tail, p.strips, p.splits, p.zslices, int(global && p.spread), trace};
   const Sm90Launch<C> launch(dim3(unsigned(p.zslices * p.strips), 1, unsigned(p.splits)), p.cluster ? p.splits : 0, stream, global && p.spread);
