@@ -88,6 +88,15 @@
 //     slowest 53.1 (blocks on some SMs run ~25% longer than the median whatever units they take, and with two to four
 //     units a slot the counter cannot even that out), the first chunk later (2.7 against 1.6 us); over 7..16 K ranges
 //     0.0544-0.0581 ms against the best plan's 0.0532. Removed.)
+// (Session 19 built x multicast over pairs of strips, for 64-128 batch rows, where x is most of the bytes a block copies:
+// clusters of two neighbouring strips of one batch slice, each block's producer copying half of x's rows into both
+// blocks (TMA .multicast::cluster), each consumer warp releasing a stage in both blocks, the strips padded to whole pairs.
+// Right results (the CPU twin, every form), but no faster on the H200 (gemm4_probe-session19-run2, each at its best K
+// splits): 8192 x 28672 at M 64 wg_b64m2s8w 0.0876 ms, with multicast 0.0861; at M 128 wg_b128m1s8wg4 0.1084 against
+// 0.1102; 4096 x 4096 at M 64 / 128 0.0158 / 0.0200 against 0.0164 / 0.0215. The copies alone (Sm90Probe 2) were not
+// shorter either: 8192 x 28672 at M 128, wg_b128m1s8wg4 54.5 us, with multicast 56.6. So the ring is bound by what an SM
+// takes in (~25 KB a chunk at ~59 bytes/ns), not by L2 reading x once per strip. With the remote arrive at cluster scope
+// (.release.cluster) every multicast form took 1.3-2.0x its base's time, ~0.6 us more per chunk (run 1). Removed.)
 // Not done: 128 x 128 tiles per warpgroup (two 64 x 128 accumulators: ptxas serializes the wgmma, C7512),
 // overlapping one chunk's wgmma with the next chunk's decode in a warpgroup (C7513), 8- and 3-bit tiles.
 //
