@@ -96,8 +96,9 @@ struct GptqLayer {
   GptqLayer(std::int64_t k, std::int64_t n, int b, bool act_order, std::mt19937& rng)
       : K(k), N(n), bits(b), qweight(random_words(std::size_t((k * b + 31) / 32 * n), rng)),
         qzeros(random_words(std::size_t((k + 127) / 128 * ((n * b + 31) / 32)), rng)), g_idx(group_index(k, act_order, rng)),
-        scales(random_scales(std::size_t((k + 127) / 128 * n), rng)) {}
-  kq::GptqView view() const { return {qweight.p, qzeros.p, scales.p, g_idx.p, K, N, bits}; }
+        scales(random_scales(std::size_t((k + 127) / 128 * n), rng)), act(act_order) {}
+  bool act;
+  kq::GptqView view() const { return {qweight.p, qzeros.p, scales.p, g_idx.p, K, N, bits, act}; }
   double packed_bytes() const { return double(qweight.n) * 4 + double(qzeros.n) * 4 + double(scales.n) * 2 + double(g_idx.n) * 4; }
 };
 

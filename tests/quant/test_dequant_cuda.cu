@@ -5,7 +5,8 @@
 
 // The tiled dequantize against the twin, exactly, in every output type: tiles cut by out and in (67 / 130 outs; 300 in,
 // whose bf16 rows are not a whole number of 16-byte stores, 200 whose are, with a 64-tile cut at 8), 3-bit codes
-// straddling words, groups of 32 / 128 / per channel, act-order g_idx.
+// straddling words, groups of 32 / 128 / per channel, act-order g_idx; each case with both kernels (GptqView::act_order
+// false and true: the flag picks the kernel, either is exact for any g_idx).
 template <class T>
 void expect_dequantize_matches_twin() {
   struct Case {
@@ -20,11 +21,16 @@ void expect_dequantize_matches_twin() {
       const kq::GptqView hv{p.qweight.data(), p.qzeros.data(), p.scales.data(), p.g_idx.data(), p.in, p.out, p.bits};
       std::vector<T> ref(p.in * p.out);
       kq::dequantize_cpu(hv, ref.data());
-      Dev<T> w(ref.size());
-      SQUEEZE_CUDA_CHECK(kq::dequantize_cuda(d.view(p), w.p, nullptr));
-      const auto got = w.get();
-      for (std::size_t k = 0; k < ref.size(); ++k)
-        ASSERT_EQ(to_float(got[k]), to_float(ref[k])) << bits << " bits, " << c.out << " x " << c.in << ", W[" << k / c.in << ", " << k % c.in << "]";
+      for (const bool act_kernel : {false, true}) {
+        Dev<T> w(ref.size());
+        kq::GptqView dv = d.view(p);
+        dv.act_order = act_kernel;
+        SQUEEZE_CUDA_CHECK(kq::dequantize_cuda(dv, w.p, nullptr));
+        const auto got = w.get();
+        for (std::size_t k = 0; k < ref.size(); ++k)
+          ASSERT_EQ(to_float(got[k]), to_float(ref[k])) << bits << " bits, " << c.out << " x " << c.in << ", act-order kernel " << act_kernel << ", W["
+                                                        << k / c.in << ", " << k % c.in << "]";
+      }
     }
 }
 TEST(QuantCuda, DequantizeIsBitIdenticalToCpuTwinBf16) {

@@ -32,6 +32,7 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <algorithm>
 #include <optional>
 
 #include <squeeze/kernels/quant/dequant.cuh>
@@ -85,7 +86,7 @@ class QuantizedLinearImpl : public torch::nn::Module {
   // qweight, see bytes()): forward then takes the GEMV up to 8 rows and dequantize + cuBLAS above. Training
   // runs far more rows than max_fused_rows per forward, so it never reads the tiles (apply_lora leaves them out).
   explicit QuantizedLinearImpl(const quant::PackedLinear& p, bool fused_tiles = true)
-      : bits_(p.bits), group_size_(p.group_size), in_(p.in), out_(p.out) {
+      : bits_(p.bits), group_size_(p.group_size), in_(p.in), out_(p.out), act_order_(!std::is_sorted(p.g_idx.begin(), p.g_idx.end())) {
     p.validate();
     auto i32 = [](const std::vector<std::int32_t>& v, std::vector<std::int64_t> shape) {
       return torch::from_blob(const_cast<std::int32_t*>(v.data()), shape, torch::kInt32).clone();
@@ -199,7 +200,8 @@ class QuantizedLinearImpl : public torch::nn::Module {
         static_cast<cudaStream_t>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(qweight_.device()).native_handle());
     torch::Tensor w = torch::empty({out_, in_}, qweight_.options().dtype(dtype));
     const kernels::quant::GptqView v{static_cast<const std::int32_t*>(qweight_.data_ptr()), static_cast<const std::int32_t*>(qzeros_.data_ptr()),
-                                     static_cast<const half*>(scales_.data_ptr()), static_cast<const std::int32_t*>(g_idx_.data_ptr()), in_, out_, bits_};
+                                     static_cast<const half*>(scales_.data_ptr()), static_cast<const std::int32_t*>(g_idx_.data_ptr()), in_, out_, bits_,
+                                     act_order_};
     cudaError_t e = cudaSuccess;
     switch (dtype) {
       case torch::kFloat32: e = kernels::quant::dequantize_cuda<float>(v, static_cast<float*>(w.data_ptr()), stream); break;
@@ -285,7 +287,8 @@ class QuantizedLinearImpl : public torch::nn::Module {
     torch::Tensor y = torch::empty({M, out_}, x2.options());
     T* yp = static_cast<T*>(y.data_ptr());
     const kq::GptqView v{static_cast<const std::int32_t*>(qweight_.data_ptr()), static_cast<const std::int32_t*>(qzeros_.data_ptr()),
-                         static_cast<const half*>(scales_.data_ptr()), static_cast<const std::int32_t*>(g_idx_.data_ptr()), in_, out_, bits_};
+                         static_cast<const half*>(scales_.data_ptr()), static_cast<const std::int32_t*>(g_idx_.data_ptr()), in_, out_, bits_,
+                         act_order_};
     cudaError_t e = cudaSuccess;
     switch (path_for(x2)) {
       case Path::TensorCoreGemm: {
@@ -326,6 +329,7 @@ class QuantizedLinearImpl : public torch::nn::Module {
 
   int bits_, group_size_;
   std::int64_t in_, out_;
+  bool act_order_;  // g_idx out of order: dequantize takes the kernel for scattered groups (GptqView::act_order)
   std::int64_t Npad_ = 0, Kpad_ = 0, tile_group_ = 0;
   std::int64_t max_fused_rows_ = 0;  // 0: max_fused_rows() by kernel (the threshold note at the top)
   torch::Tensor qweight_, qzeros_, scales_, g_idx_, bias_;

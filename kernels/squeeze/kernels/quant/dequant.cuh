@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include <squeeze/dtype.hpp>
 
@@ -26,6 +27,9 @@ struct GptqView {
   const std::int32_t* g_idx;    // [in]
   std::int64_t in, out;
   int bits;
+  // g_idx out of order (act-order): dequantize_cuda then takes the kernel that looks a run's group constants up per
+  // element, four at a time. Only a speed hint: either kernel is right for any g_idx.
+  bool act_order = false;
 };
 
 SQUEEZE_HD float gptq_weight(const GptqView& v, std::int64_t i, std::int64_t o) {
@@ -84,8 +88,12 @@ namespace detail {
 // tiles a block, 0.43-0.60 at 4 bits (run 6; 8192 x 28672 0.283 -> 0.233 ms). Six blocks of 40 registers per SM (at
 // 8 bits five, whose four prefetched words a thread spilled at 40).
 constexpr int kDeqTile = 64, kDeqThreads = 256, kDeqTilesPerBlock = 4;
-template <class T, int BITS>
-__global__ void __launch_bounds__(kDeqThreads, BITS == 8 ? 5 : 6) dequantize_kernel(GptqView v, T* __restrict__ w) {
+// ACT (act-order, GptqView::act_order): where a run's groups change, the constants of four elements are looked up at once
+// (independent loads in flight together) instead of one group change after the other (H200: see dequantize_cuda). A
+// kernel of its own: in the other the batched lookups raised the register pressure past the 40 a thread that six blocks
+// per SM allow, and every width took 20-30% longer (dequant-session19-run3); this one runs five blocks per SM.
+template <class T, int BITS, bool ACT = false>
+__global__ void __launch_bounds__(kDeqThreads, BITS == 8 || ACT ? 5 : 6) dequantize_kernel(GptqView v, T* __restrict__ w) {
   constexpr int kChunk = 16 / int(sizeof(T));              // elements per 16-byte store
   constexpr int kWordRows = 2 * BITS;                      // qweight rows of a 64-in tile
   constexpr int kWordsPerThread = (kWordRows + 3) / 4;     // rows r4, r4 + 4, ... of column c
@@ -143,12 +151,9 @@ __global__ void __launch_bounds__(kDeqThreads, BITS == 8 ? 5 : 6) dequantize_ker
           const float scale = run_scale[h], zero_magic = run_zero[h];  // one group, the run's constants at hand
 #pragma unroll
           for (int e = 0; e < 8; ++e) vals[e] = scale * (__uint_as_float(0x4B000000u | (std::uint32_t(run >> (BITS * e)) & kMaxq)) - zero_magic);
-        } else {
-          // a group changes: the constants of four elements at a time looked up together (independent loads, in
-          // flight at once; one group change at a time, act-order ran at 0.22-0.27 of the copy bandwidth,
-          // dequant-session18-run7; eight at a time spilled)
+        } else if constexpr (ACT) {
 #pragma unroll
-          for (int e0 = 0; e0 < 8; e0 += 4) {
+          for (int e0 = 0; e0 < 8; e0 += 4) {  // groups change (or a new one starts): four elements' constants at a time
             float scale[4], zero_magic[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) group_constants(g_run[e0 + e], scale[e], zero_magic[e]);
@@ -159,6 +164,15 @@ __global__ void __launch_bounds__(kDeqThreads, BITS == 8 ? 5 : 6) dequantize_ker
             run_zero[h] = zero_magic[3];
           }
           run_group[h] = g_run[7];
+        } else {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {  // a group changes: look its constants up
+            if (g_run[e] != run_group[h]) {
+              run_group[h] = g_run[e];
+              group_constants(g_run[e], run_scale[h], run_zero[h]);
+            }
+            vals[e] = run_scale[h] * (__uint_as_float(0x4B000000u | (std::uint32_t(run >> (BITS * e)) & kMaxq)) - run_zero[h]);
+          }
         }
         alignas(16) T out[8];
 #pragma unroll
@@ -219,12 +233,17 @@ cudaError_t dequantize_cuda(const GptqView& v, T* w, cudaStream_t stream) {
                      in_blocks = (v.in + detail::kDeqTile * detail::kDeqTilesPerBlock - 1) / (detail::kDeqTile * detail::kDeqTilesPerBlock);
   if (in_blocks > 65535 || out_tiles > 0x7fffffff) return cudaErrorInvalidValue;
   const dim3 grid{unsigned(out_tiles), unsigned(in_blocks)};
-  switch (v.bits) {
-    case 2: detail::dequantize_kernel<T, 2><<<grid, detail::kDeqThreads, 0, stream>>>(v, w); break;
-    case 3: detail::dequantize_kernel<T, 3><<<grid, detail::kDeqThreads, 0, stream>>>(v, w); break;
-    case 4: detail::dequantize_kernel<T, 4><<<grid, detail::kDeqThreads, 0, stream>>>(v, w); break;
-    default: detail::dequantize_kernel<T, 8><<<grid, detail::kDeqThreads, 0, stream>>>(v, w); break;
-  }
+  auto launch = [&](auto act) {
+    constexpr bool ACT = decltype(act)::value;
+    switch (v.bits) {
+      case 2: detail::dequantize_kernel<T, 2, ACT><<<grid, detail::kDeqThreads, 0, stream>>>(v, w); break;
+      case 3: detail::dequantize_kernel<T, 3, ACT><<<grid, detail::kDeqThreads, 0, stream>>>(v, w); break;
+      case 4: detail::dequantize_kernel<T, 4, ACT><<<grid, detail::kDeqThreads, 0, stream>>>(v, w); break;
+      default: detail::dequantize_kernel<T, 8, ACT><<<grid, detail::kDeqThreads, 0, stream>>>(v, w); break;
+    }
+  };
+  if (v.act_order) launch(std::true_type{});
+  else launch(std::false_type{});
   return cudaGetLastError();
 }
 
