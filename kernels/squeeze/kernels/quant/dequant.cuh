@@ -89,9 +89,11 @@ namespace detail {
 // 8 bits five, whose four prefetched words a thread spilled at 40).
 constexpr int kDeqTile = 64, kDeqThreads = 256, kDeqTilesPerBlock = 4;
 // ACT (act-order, GptqView::act_order): where a run's groups change, the constants of four elements are looked up at once
-// (independent loads in flight together) instead of one group change after the other (H200: see dequantize_cuda). A
-// kernel of its own: in the other the batched lookups raised the register pressure past the 40 a thread that six blocks
-// per SM allow, and every width took 20-30% longer (dequant-session19-run3); this one runs five blocks per SM.
+// (independent loads in flight together) instead of one group change after the other. H200, 4 bits into bf16, act-order
+// g_idx (bench_dequant, dequant-session19-run4 against session18-run7): 4096 x 4096 / 4096 x 11008 / 11008 x 4096 /
+// 8192 x 28672 in 0.0366 / 0.0854 / 0.0859 / 0.416 ms against 0.0444 / 0.1022 / 0.1051 / 0.506, 0.27-0.33 of the copy
+// bandwidth (was 0.22-0.27). A kernel of its own: in the in-order one the batched lookups raised the register pressure
+// past the 40 a thread that six blocks per SM allow, and every width took 20-30% longer (run 3); this one runs five.
 template <class T, int BITS, bool ACT = false>
 __global__ void __launch_bounds__(kDeqThreads, BITS == 8 || ACT ? 5 : 6) dequantize_kernel(GptqView v, T* __restrict__ w) {
   constexpr int kChunk = 16 / int(sizeof(T));              // elements per 16-byte store
