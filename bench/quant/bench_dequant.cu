@@ -98,7 +98,7 @@ struct GptqLayer {
         qzeros(random_words(std::size_t((k + 127) / 128 * ((n * b + 31) / 32)), rng)), g_idx(group_index(k, act_order, rng)),
         scales(random_scales(std::size_t((k + 127) / 128 * n), rng)), act(act_order) {}
   bool act;
-  kq::GptqView view() const { return {qweight.p, qzeros.p, scales.p, g_idx.p, K, N, bits, act}; }
+  kq::GptqView view() const { return {qweight.p, qzeros.p, scales.p, g_idx.p, K, N, bits, act, (K + 127) / 128}; }
   double packed_bytes() const { return double(qweight.n) * 4 + double(qzeros.n) * 4 + double(scales.n) * 2 + double(g_idx.n) * 4; }
 };
 

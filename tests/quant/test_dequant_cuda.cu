@@ -5,8 +5,9 @@
 
 // The tiled dequantize against the twin, exactly, in every output type: tiles cut by out and in (67 / 130 outs; 300 in,
 // whose bf16 rows are not a whole number of 16-byte stores, 200 whose are, with a 64-tile cut at 8), 3-bit codes
-// straddling words, groups of 32 / 128 / per channel, act-order g_idx; each case with both kernels (GptqView::act_order
-// false and true: the flag picks the kernel, either is exact for any g_idx).
+// straddling words, groups of 32 / 128 / per channel, act-order g_idx; each case with every kernel (GptqView::act_order
+// false; true with the group count, the shared-memory table, 128 groups its largest; true without it, or with 129 groups,
+// the four-at-a-time lookups): the flag only picks the kernel, each is exact for any g_idx.
 template <class T>
 void expect_dequantize_matches_twin() {
   struct Case {
@@ -15,20 +16,22 @@ void expect_dequantize_matches_twin() {
     bool act_order;
   };
   for (int bits : {2, 3, 4, 8})
-    for (const Case c : {Case{67, 300, 32, true}, Case{130, 200, 128, false}, Case{64, 448, 0, false}, Case{19, 136, 32, false}}) {
+    for (const Case c : {Case{67, 300, 32, true}, Case{130, 200, 128, false}, Case{64, 448, 0, false}, Case{19, 136, 32, false},
+                         Case{40, 4096, 32, true}, Case{40, 4100, 32, true}}) {
       const auto p = random_layer(c.out, c.in, bits, c.group, c.act_order, 3 + bits);
       DevLayer d(p);
       const kq::GptqView hv{p.qweight.data(), p.qzeros.data(), p.scales.data(), p.g_idx.data(), p.in, p.out, p.bits};
       std::vector<T> ref(p.in * p.out);
       kq::dequantize_cpu(hv, ref.data());
-      for (const bool act_kernel : {false, true}) {
+      for (const int kernel : {0, 1, 2}) {  // in order; act-order lookups; act-order table (lookups past 128 groups)
         Dev<T> w(ref.size());
         kq::GptqView dv = d.view(p);
-        dv.act_order = act_kernel;
+        dv.act_order = kernel > 0;
+        dv.groups = kernel == 2 ? p.groups() : 0;
         SQUEEZE_CUDA_CHECK(kq::dequantize_cuda(dv, w.p, nullptr));
         const auto got = w.get();
         for (std::size_t k = 0; k < ref.size(); ++k)
-          ASSERT_EQ(to_float(got[k]), to_float(ref[k])) << bits << " bits, " << c.out << " x " << c.in << ", act-order kernel " << act_kernel << ", W["
+          ASSERT_EQ(to_float(got[k]), to_float(ref[k])) << bits << " bits, " << c.out << " x " << c.in << ", kernel " << kernel << ", W["
                                                         << k / c.in << ", " << k % c.in << "]";
       }
     }

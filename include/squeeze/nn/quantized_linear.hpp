@@ -201,7 +201,7 @@ class QuantizedLinearImpl : public torch::nn::Module {
     torch::Tensor w = torch::empty({out_, in_}, qweight_.options().dtype(dtype));
     const kernels::quant::GptqView v{static_cast<const std::int32_t*>(qweight_.data_ptr()), static_cast<const std::int32_t*>(qzeros_.data_ptr()),
                                      static_cast<const half*>(scales_.data_ptr()), static_cast<const std::int32_t*>(g_idx_.data_ptr()), in_, out_, bits_,
-                                     act_order_};
+                                     act_order_, scales_.size(0)};
     cudaError_t e = cudaSuccess;
     switch (dtype) {
       case torch::kFloat32: e = kernels::quant::dequantize_cuda<float>(v, static_cast<float*>(w.data_ptr()), stream); break;
@@ -288,7 +288,7 @@ class QuantizedLinearImpl : public torch::nn::Module {
     T* yp = static_cast<T*>(y.data_ptr());
     const kq::GptqView v{static_cast<const std::int32_t*>(qweight_.data_ptr()), static_cast<const std::int32_t*>(qzeros_.data_ptr()),
                          static_cast<const half*>(scales_.data_ptr()), static_cast<const std::int32_t*>(g_idx_.data_ptr()), in_, out_, bits_,
-                         act_order_};
+                         act_order_, scales_.size(0)};
     cudaError_t e = cudaSuccess;
     switch (path_for(x2)) {
       case Path::TensorCoreGemm: {
@@ -329,7 +329,7 @@ class QuantizedLinearImpl : public torch::nn::Module {
 
   int bits_, group_size_;
   std::int64_t in_, out_;
-  bool act_order_;  // g_idx out of order: dequantize takes the kernel for scattered groups (GptqView::act_order)
+  bool act_order_;  // g_idx out of order: dequantize takes a kernel for scattered groups (GptqView::act_order)
   std::int64_t Npad_ = 0, Kpad_ = 0, tile_group_ = 0;
   std::int64_t max_fused_rows_ = 0;  // 0: max_fused_rows() by kernel (the threshold note at the top)
   torch::Tensor qweight_, qzeros_, scales_, g_idx_, bias_;

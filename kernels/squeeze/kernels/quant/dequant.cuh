@@ -27,9 +27,11 @@ struct GptqView {
   const std::int32_t* g_idx;    // [in]
   std::int64_t in, out;
   int bits;
-  // g_idx out of order (act-order): dequantize_cuda then takes the kernel that looks a run's group constants up per
-  // element, four at a time. Only a speed hint: either kernel is right for any g_idx.
+  // g_idx out of order (act-order): dequantize_cuda then takes a kernel for scattered groups (a shared-memory table of
+  // the groups' constants where `groups` is given and at most kDeqMaxTableGroups, else lookups four elements at a time).
+  // Only a speed hint: every kernel is right for any g_idx.
   bool act_order = false;
+  std::int64_t groups = 0;  // rows of scales / qzeros (0: not given)
 };
 
 SQUEEZE_HD float gptq_weight(const GptqView& v, std::int64_t i, std::int64_t o) {
@@ -88,14 +90,24 @@ namespace detail {
 // tiles a block, 0.43-0.60 at 4 bits (run 6; 8192 x 28672 0.283 -> 0.233 ms). Six blocks of 40 registers per SM (at
 // 8 bits five, whose four prefetched words a thread spilled at 40).
 constexpr int kDeqTile = 64, kDeqThreads = 256, kDeqTilesPerBlock = 4;
-// ACT (act-order, GptqView::act_order): where a run's groups change, the constants of four elements are looked up at once
-// (independent loads in flight together) instead of one group change after the other. H200, 4 bits into bf16, act-order
-// g_idx (bench_dequant, dequant-session19-run4 against session18-run7): 4096 x 4096 / 4096 x 11008 / 11008 x 4096 /
-// 8192 x 28672 in 0.0366 / 0.0854 / 0.0859 / 0.416 ms against 0.0444 / 0.1022 / 0.1051 / 0.506, 0.27-0.33 of the copy
-// bandwidth (was 0.22-0.27). A kernel of its own: in the in-order one the batched lookups raised the register pressure
-// past the 40 a thread that six blocks per SM allow, and every width took 20-30% longer (run 3); this one runs five.
-template <class T, int BITS, bool ACT = false>
-__global__ void __launch_bounds__(kDeqThreads, BITS == 8 || ACT ? 5 : 6) dequantize_kernel(GptqView v, T* __restrict__ w) {
+// How a kernel finds a run's group constants (GptqView::act_order picks one of the last two):
+//   kDeqInOrder   kept in registers while a run's group stays the one it had; looked up one group change at a time;
+//   kDeqActLookup where a run's groups change, the constants of four elements looked up at once (independent loads in
+//                 flight together). H200, 4 bits into bf16, act-order g_idx (bench_dequant, dequant-session19-run4 against
+//                 session18-run7): 4096 x 4096 / 4096 x 11008 / 11008 x 4096 / 8192 x 28672 in 0.0366 / 0.0854 / 0.0859 /
+//                 0.416 ms against 0.0444 / 0.1022 / 0.1051 / 0.506, 0.27-0.33 of the copy bandwidth (was 0.22-0.27). A
+//                 kernel of its own: in the in-order one the batched lookups raised the register pressure past the 40 a
+//                 thread that six blocks per SM allow, and every width took 20-30% longer (run 3); this one runs five;
+//   kDeqActTable  the block's 64 columns' constants of every group in shared memory first ([groups][64] words: the
+//                 scale's fp16 bits | zero point << 16; up to kDeqMaxTableGroups groups, 32 KB), then one shared-memory
+//                 read per element; kDeqTableTilesPerBlock tiles a block to spread the table's cost.
+enum : int { kDeqInOrder, kDeqActLookup, kDeqActTable };
+constexpr int kDeqMaxTableGroups = 128, kDeqTableTilesPerBlock = 8;
+template <int MODE>
+inline constexpr int kDeqTilesFor = MODE == kDeqActTable ? kDeqTableTilesPerBlock : kDeqTilesPerBlock;
+template <class T, int BITS, int MODE = kDeqInOrder>
+__global__ void __launch_bounds__(kDeqThreads, BITS == 8 || MODE == kDeqActLookup ? 5 : 6) dequantize_kernel(GptqView v, T* __restrict__ w) {
+  constexpr bool ACT = MODE == kDeqActLookup;
   constexpr int kChunk = 16 / int(sizeof(T));              // elements per 16-byte store
   constexpr int kWordRows = 2 * BITS;                      // qweight rows of a 64-in tile
   constexpr int kWordsPerThread = (kWordRows + 3) / 4;     // rows r4, r4 + 4, ... of column c
@@ -108,8 +120,8 @@ __global__ void __launch_bounds__(kDeqThreads, BITS == 8 || ACT ? 5 : 6) dequant
   const int c = threadIdx.x % kDeqTile, r4 = threadIdx.x / kDeqTile;
   const std::int64_t o0 = std::int64_t(blockIdx.x) * kDeqTile, o = o0 + c;
   const bool column = o < v.out;
-  const std::int64_t first = std::int64_t(blockIdx.y) * kDeqTilesPerBlock, in_tiles = (v.in + kDeqTile - 1) / kDeqTile;
-  const int tiles = int(min(std::int64_t(kDeqTilesPerBlock), in_tiles - first));
+  const std::int64_t first = std::int64_t(blockIdx.y) * kDeqTilesFor<MODE>, in_tiles = (v.in + kDeqTile - 1) / kDeqTile;
+  const int tiles = int(min(std::int64_t(kDeqTilesFor<MODE>), in_tiles - first));
   const std::int64_t qrows = (v.in * BITS + 31) / 32, zcols = (v.out * BITS + 31) / 32;
   const std::int32_t* const qcol = v.qweight + o;
   auto load_words = [&](std::int64_t t, std::uint32_t (&reg)[kWordsPerThread]) {
@@ -126,6 +138,16 @@ __global__ void __launch_bounds__(kDeqThreads, BITS == 8 || ACT ? 5 : 6) dequant
     scale = to_float(v.scales[std::int64_t(g) * v.out + o]);
     zero_magic = 8388608.f + float((stream_get(v.qzeros + std::int64_t(g) * zcols, 1, o, BITS) + 1u) & kMaxq);
   };
+  [[maybe_unused]] extern __shared__ std::uint32_t table[];  // kDeqActTable: [groups][64], dynamic
+  if constexpr (MODE == kDeqActTable) {
+    for (int u = threadIdx.x; u < int(v.groups) * kDeqTile; u += kDeqThreads) {
+      const std::int64_t g = u / kDeqTile, oc = o0 + u % kDeqTile;
+      std::uint32_t entry = 0;
+      if (oc < v.out)
+        entry = std::uint32_t(__half_as_ushort(v.scales[g * v.out + oc])) | ((stream_get(v.qzeros + g * zcols, 1, oc, BITS) + 1u) & kMaxq) << 16;
+      table[u] = entry;
+    }  // read after the tile loop's first barrier
+  }
   std::uint32_t next[kWordsPerThread];
   load_words(first, next);
   for (int k = 0; k < tiles; ++k) {
@@ -148,7 +170,14 @@ __global__ void __launch_bounds__(kDeqThreads, BITS == 8 || ACT ? 5 : 6) dequant
         const int4 g_lo = *reinterpret_cast<const int4*>(&groups[8 * j]), g_hi = *reinterpret_cast<const int4*>(&groups[8 * j + 4]);
         const int g_run[8] = {g_lo.x, g_lo.y, g_lo.z, g_lo.w, g_hi.x, g_hi.y, g_hi.z, g_hi.w};
         float vals[8];
-        if (g_run[0] == run_group[h] && g_run[7] == run_group[h] && ((g_run[1] ^ g_run[0]) | (g_run[2] ^ g_run[0]) | (g_run[3] ^ g_run[0]) |
+        if constexpr (MODE == kDeqActTable) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const std::uint32_t entry = table[g_run[e] * kDeqTile + c];
+            vals[e] = __half2float(__ushort_as_half(std::uint16_t(entry & 0xFFFFu))) *
+                      (__uint_as_float(0x4B000000u | (std::uint32_t(run >> (BITS * e)) & kMaxq)) - __uint_as_float(0x4B000000u | entry >> 16));
+          }
+        } else if (g_run[0] == run_group[h] && g_run[7] == run_group[h] && ((g_run[1] ^ g_run[0]) | (g_run[2] ^ g_run[0]) | (g_run[3] ^ g_run[0]) |
                                                                       (g_run[4] ^ g_run[0]) | (g_run[5] ^ g_run[0]) | (g_run[6] ^ g_run[0])) == 0) {
           const float scale = run_scale[h], zero_magic = run_zero[h];  // one group, the run's constants at hand
 #pragma unroll
@@ -233,20 +262,31 @@ cudaError_t dequantize_cuda(const GptqView& v, T* w, cudaStream_t stream) {
   if (v.in <= 0 || v.out <= 0 || !(v.bits == 2 || v.bits == 3 || v.bits == 4 || v.bits == 8)) return cudaErrorInvalidValue;
   const std::int64_t out_tiles = (v.out + detail::kDeqTile - 1) / detail::kDeqTile,
                      in_blocks = (v.in + detail::kDeqTile * detail::kDeqTilesPerBlock - 1) / (detail::kDeqTile * detail::kDeqTilesPerBlock);
-  if (in_blocks > 65535 || out_tiles > 0x7fffffff) return cudaErrorInvalidValue;
-  const dim3 grid{unsigned(out_tiles), unsigned(in_blocks)};
-  auto launch = [&](auto act) {
-    constexpr bool ACT = decltype(act)::value;
+  if (in_blocks > 65535 || out_tiles > 0x7fffffff) return cudaErrorInvalidValue;  // (the table kernel's grid is shorter)
+  auto launch = [&](auto mode) -> cudaError_t {
+    constexpr int MODE = decltype(mode)::value;
+    constexpr std::int64_t span = detail::kDeqTile * detail::kDeqTilesFor<MODE>;
+    const dim3 g{unsigned(out_tiles), unsigned((v.in + span - 1) / span)};
+    const int smem = MODE == detail::kDeqActTable ? int(v.groups) * detail::kDeqTile * 4 : 0;
+    auto run = [&](auto kernel) -> cudaError_t {
+      if constexpr (MODE == detail::kDeqActTable) {  // the table's 32 KB at most, past the default with the static arrays
+        static const cudaError_t allowed =
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, detail::kDeqMaxTableGroups * detail::kDeqTile * 4);
+        if (allowed != cudaSuccess) return allowed;
+      }
+      kernel<<<g, detail::kDeqThreads, smem, stream>>>(v, w);
+      return cudaGetLastError();
+    };
     switch (v.bits) {
-      case 2: detail::dequantize_kernel<T, 2, ACT><<<grid, detail::kDeqThreads, 0, stream>>>(v, w); break;
-      case 3: detail::dequantize_kernel<T, 3, ACT><<<grid, detail::kDeqThreads, 0, stream>>>(v, w); break;
-      case 4: detail::dequantize_kernel<T, 4, ACT><<<grid, detail::kDeqThreads, 0, stream>>>(v, w); break;
-      default: detail::dequantize_kernel<T, 8, ACT><<<grid, detail::kDeqThreads, 0, stream>>>(v, w); break;
+      case 2: return run(detail::dequantize_kernel<T, 2, MODE>);
+      case 3: return run(detail::dequantize_kernel<T, 3, MODE>);
+      case 4: return run(detail::dequantize_kernel<T, 4, MODE>);
+      default: return run(detail::dequantize_kernel<T, 8, MODE>);
     }
   };
-  if (v.act_order) launch(std::true_type{});
-  else launch(std::false_type{});
-  return cudaGetLastError();
+  if (!v.act_order) return launch(std::integral_constant<int, detail::kDeqInOrder>{});
+  if (v.groups >= 1 && v.groups <= detail::kDeqMaxTableGroups) return launch(std::integral_constant<int, detail::kDeqActTable>{});
+  return launch(std::integral_constant<int, detail::kDeqActLookup>{});
 }
 
 // acc: fp32 workspace of M * out elements (contents ignored; zeroed here).
