@@ -268,7 +268,8 @@ cudaError_t dequantize_cuda(const GptqView& v, T* w, cudaStream_t stream) {
     constexpr std::int64_t span = detail::kDeqTile * detail::kDeqTilesFor<MODE>;
     const dim3 g{unsigned(out_tiles), unsigned((v.in + span - 1) / span)};
     const int smem = MODE == detail::kDeqActTable ? int(v.groups) * detail::kDeqTile * 4 : 0;
-    auto run = [&](auto kernel) -> cudaError_t {
+    auto run = [&](auto bits) -> cudaError_t {  // one instantiation (and one attribute call) per kernel
+      const auto kernel = detail::dequantize_kernel<T, decltype(bits)::value, MODE>;
       if constexpr (MODE == detail::kDeqActTable) {  // the table's 32 KB at most, past the default with the static arrays
         static const cudaError_t allowed =
             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, detail::kDeqMaxTableGroups * detail::kDeqTile * 4);
@@ -278,10 +279,10 @@ cudaError_t dequantize_cuda(const GptqView& v, T* w, cudaStream_t stream) {
       return cudaGetLastError();
     };
     switch (v.bits) {
-      case 2: return run(detail::dequantize_kernel<T, 2, MODE>);
-      case 3: return run(detail::dequantize_kernel<T, 3, MODE>);
-      case 4: return run(detail::dequantize_kernel<T, 4, MODE>);
-      default: return run(detail::dequantize_kernel<T, 8, MODE>);
+      case 2: return run(std::integral_constant<int, 2>{});
+      case 3: return run(std::integral_constant<int, 3>{});
+      case 4: return run(std::integral_constant<int, 4>{});
+      default: return run(std::integral_constant<int, 8>{});
     }
   };
   if (!v.act_order) return launch(std::integral_constant<int, detail::kDeqInOrder>{});
