@@ -140,7 +140,6 @@ __global__ void __launch_bounds__(kDeqThreads, BITS == 8 || MODE == kDeqActLooku
   };
   [[maybe_unused]] extern __shared__ std::uint32_t table[];  // kDeqActTable: [groups][64], dynamic
   if constexpr (MODE == kDeqActTable) {
-#pragma unroll 4
     for (int u = threadIdx.x; u < int(v.groups) * kDeqTile; u += kDeqThreads) {
       const std::int64_t g = u / kDeqTile, oc = o0 + u % kDeqTile;
       std::uint32_t entry = 0;
