@@ -100,7 +100,10 @@ constexpr int kDeqTile = 64, kDeqThreads = 256, kDeqTilesPerBlock = 4;
 //                 thread that six blocks per SM allow, and every width took 20-30% longer (run 3); this one runs five;
 //   kDeqActTable  the block's 64 columns' constants of every group in shared memory first ([groups][64] words: the
 //                 scale's fp16 bits | zero point << 16; up to kDeqMaxTableGroups groups, 32 KB), then one shared-memory
-//                 read per element; kDeqTableTilesPerBlock tiles a block to spread the table's cost.
+//                 read per element; kDeqTableTilesPerBlock tiles a block to spread the table's cost. H200 (run 7), the
+//                 same shapes: 0.0255 / 0.0541 / 0.0645 / 0.280 ms, 0.39-0.49 of the copy bandwidth (the in-order kernel
+//                 on in-order layers: 0.0226 / 0.0497 / 0.0503 / 0.232). Unrolling the table fill by 4 changed nothing
+//                 (run 6 against run 5).
 enum : int { kDeqInOrder, kDeqActLookup, kDeqActTable };
 constexpr int kDeqMaxTableGroups = 128, kDeqTableTilesPerBlock = 8;
 template <int MODE>
