@@ -29,9 +29,9 @@ struct GptqView {
   int bits;
   // g_idx out of order (act-order): dequantize_cuda then takes a kernel for scattered groups (a shared-memory table of
   // the groups' constants where `groups` is given and at most kDeqMaxTableGroups, else lookups four elements at a time).
-  // Only a speed hint: every kernel is right for any g_idx.
+  // act_order is only a speed hint: every kernel is right for any g_idx.
   bool act_order = false;
-  std::int64_t groups = 0;  // rows of scales / qzeros (0: not given)
+  std::int64_t groups = 0;  // rows of scales / qzeros: 0 (not given) or the true count (the table holds that many)
 };
 
 SQUEEZE_HD float gptq_weight(const GptqView& v, std::int64_t i, std::int64_t o) {
