@@ -12,9 +12,11 @@
 //                dequantize + cuBLAS bf16 (cublasGemmEx on the fresh W) and cuBLAS alone on resident bf16 weights; at
 //                4 bits also the mma.sync kernel (qgemm_cuda, what other GPUs run) up to 512: the batch from which
 //                QuantizedLinear's dequantize path pays (its max_fused_rows)
+//   tiles        (--tiles LIST) the 4-bit bf16 dequantize, in order and act-order, at each count of 64-in tiles a block
+//                (detail::launch_dequantize), every output compared with the default's
 // Weights are random codes, zero points and scales (group 128): only time is measured here; the GPU tests check the
 // numbers against the CPU twin.
-// Usage: bench_dequant [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m LIST] [--shapes KxN,...]
+// Usage: bench_dequant [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m LIST] [--shapes KxN,...] [--tiles LIST]
 //   (env SQUEEZE_DEVICE, SQUEEZE_COMMIT)
 #include <algorithm>
 #include <cstdint>
@@ -118,6 +120,7 @@ int main(int argc, char** argv) {
   int reps = 30;
   std::vector<std::int64_t> batches = {16, 32, 64, 128, 256, 384, 512, 1024, 1536, 2048};
   std::vector<std::pair<std::int64_t, std::int64_t>> shapes = {{4096, 4096}, {4096, 11008}, {11008, 4096}, {8192, 28672}};
+  std::vector<int> tile_counts;  // --tiles: 64-in tiles a block to sweep (none: no sweep)
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--out" && i + 1 < argc) out_path = argv[++i];
@@ -133,13 +136,22 @@ int main(int argc, char** argv) {
         }
         batches.push_back(m);
       }
+    } else if (a == "--tiles" && i + 1 < argc) {
+      for (const std::string& item : comma_list(argv[++i])) {
+        const long long t = squeeze::bench::positive(item);
+        if (t == 0 || t > 64) {
+          std::fprintf(stderr, "%s: --tiles: expected a comma-separated list of integers 1..64, got '%s'\n", argv[0], item.c_str());
+          return 2;
+        }
+        tile_counts.push_back(int(t));
+      }
     } else if (a == "--shapes" && i + 1 < argc) {
       if (const std::string bad = squeeze::bench::parse_shapes(argv[++i], shapes); !bad.empty()) {
         std::fprintf(stderr, "%s: --shapes: expected KxN pairs with K a multiple of 8 and K, N >= 16, got '%s'\n", argv[0], bad.c_str());
         return 2;
       }
     } else {
-      std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m LIST] [--shapes KxN,...]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m LIST] [--shapes KxN,...] [--tiles LIST]\n", argv[0]);
       return 2;
     }
   }
@@ -206,6 +218,35 @@ int main(int argc, char** argv) {
         << ", \"peer\": \"elementwise_dequantize (session 17)\", \"peer_time_ms\": " << t_peer << ", \"ratio_vs_peer\": " << t_peer / t
         << ", \"bytes\": " << bytes << ", \"roofline_fraction\": " << roof << ", \"same_bytes_as_peer\": " << (same ? "true" : "false") << common();
       emit(j.str());
+    }
+
+    // ---- tiles a block: 4-bit bf16, in order and act-order ----
+    for (const bool act : {false, true}) {
+      if (tile_counts.empty()) break;
+      const std::string cs = "K" + std::to_string(K) + "_N" + std::to_string(N) + "_b4_bf16" + (act ? "_actorder" : "") + "_tiles";
+      if (!only.empty() && cs.find(only) == std::string::npos) continue;
+      watchdog_note(cs);
+      const GptqLayer L(K, N, 4, act, rng);
+      const kq::GptqView v = L.view();
+      DevBuf<bf16> w(std::size_t(K * N)), w_ref(std::size_t(K * N));
+      SQUEEZE_CUDA_CHECK(kq::dequantize_cuda(v, w_ref.p, nullptr));
+      const double bytes = L.packed_bytes() + double(K * N) * 2;
+      std::printf("%-28s", cs.c_str());
+      for (const int tpb : tile_counts) {
+        auto run = [&] { SQUEEZE_CUDA_CHECK(kq::detail::launch_dequantize(v, w.p, nullptr, tpb)); };
+        run();
+        SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+        const bool same = same_bytes(w.p, w_ref.p, std::size_t(K * N) * 2);
+        const double t = time_ms(run, reps);
+        std::printf("  %d: %.4f%s", tpb, t, same ? "" : " BAD");
+        std::ostringstream j;
+        j << "{\"bench\": \"dequant_tiles\", \"case\": \"" << cs << "\", \"act_order\": " << (act ? "true" : "false") << ", \"tiles_per_block\": " << tpb
+          << ", \"time_ms\": " << t << ", \"roofline_fraction\": " << bytes / (t * 1e6) / copy_gbs << ", \"same_bytes_as_default\": " << (same ? "true" : "false")
+          << common();
+        emit(j.str());
+      }
+      std::printf("\n");
+      std::fflush(stdout);
     }
 
     // ---- crossover: fused GEMM against dequantize + cuBLAS (bf16) ----

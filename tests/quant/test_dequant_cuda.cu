@@ -7,7 +7,8 @@
 // whose bf16 rows are not a whole number of 16-byte stores, 200 whose are, with a 64-tile cut at 8), 3-bit codes
 // straddling words, groups of 32 / 128 / per channel, act-order g_idx; each case with every kernel (GptqView::act_order
 // false; true with the group count, the shared-memory table, 128 groups its largest; true without it, or with 129 groups,
-// the four-at-a-time lookups): the flag only picks the kernel, each is exact for any g_idx.
+// the four-at-a-time lookups): the flag only picks the kernel, each is exact for any g_idx; and each with its own count of
+// 64-in tiles a block and with 3 (blocks whose last tile is cut, or past in).
 template <class T>
 void expect_dequantize_matches_twin() {
   struct Case {
@@ -23,17 +24,18 @@ void expect_dequantize_matches_twin() {
       const kq::GptqView hv{p.qweight.data(), p.qzeros.data(), p.scales.data(), p.g_idx.data(), p.in, p.out, p.bits};
       std::vector<T> ref(p.in * p.out);
       kq::dequantize_cpu(hv, ref.data());
-      for (const int kernel : {0, 1, 2}) {  // in order; act-order lookups; act-order table (lookups past 128 groups)
-        Dev<T> w(ref.size());
-        kq::GptqView dv = d.view(p);
-        dv.act_order = kernel > 0;
-        dv.groups = kernel == 2 ? p.groups() : 0;
-        SQUEEZE_CUDA_CHECK(kq::dequantize_cuda(dv, w.p, nullptr));
-        const auto got = w.get();
-        for (std::size_t k = 0; k < ref.size(); ++k)
-          ASSERT_EQ(to_float(got[k]), to_float(ref[k])) << bits << " bits, " << c.out << " x " << c.in << ", kernel " << kernel << ", W["
-                                                        << k / c.in << ", " << k % c.in << "]";
-      }
+      for (const int kernel : {0, 1, 2})  // in order; act-order lookups; act-order table (lookups past 128 groups)
+        for (const int tiles : {0, 3}) {  // 0: the kernel's own count
+          Dev<T> w(ref.size());
+          kq::GptqView dv = d.view(p);
+          dv.act_order = kernel > 0;
+          dv.groups = kernel == 2 ? p.groups() : 0;
+          SQUEEZE_CUDA_CHECK(kq::detail::launch_dequantize(dv, w.p, nullptr, tiles));
+          const auto got = w.get();
+          for (std::size_t k = 0; k < ref.size(); ++k)
+            ASSERT_EQ(to_float(got[k]), to_float(ref[k])) << bits << " bits, " << c.out << " x " << c.in << ", kernel " << kernel << ", tiles " << tiles << ", W["
+                                                          << k / c.in << ", " << k % c.in << "]";
+        }
     }
 }
 TEST(QuantCuda, DequantizeIsBitIdenticalToCpuTwinBf16) {
@@ -48,7 +50,7 @@ TEST(QuantCuda, DequantizeIsBitIdenticalToCpuTwinFloat) {
   REQUIRE_DEVICE();
   expect_dequantize_matches_twin<float>();
 }
-// Widths other than 2/3/4/8 and layers wider than the grid allows are refused before any launch.
+// Widths other than 2/3/4/8, layers wider than the grid allows and bad tile counts are refused before any launch.
 TEST(QuantCuda, DequantizeRejectsBadWidthAndShape) {
   REQUIRE_DEVICE();
   const kq::GptqView five{nullptr, nullptr, nullptr, nullptr, 64, 64, 5};
@@ -57,5 +59,9 @@ TEST(QuantCuda, DequantizeRejectsBadWidthAndShape) {
   EXPECT_EQ(kq::dequantize_cuda(wide, static_cast<bf16*>(nullptr), nullptr), cudaErrorInvalidValue);
   const kq::GptqView empty{nullptr, nullptr, nullptr, nullptr, 0, 64, 4};
   EXPECT_EQ(kq::dequantize_cuda(empty, static_cast<bf16*>(nullptr), nullptr), cudaErrorInvalidValue);
+  // an explicit count of tiles a block: negative, or so few that the grid passes its y limit (in within the rule above)
+  const kq::GptqView deep{nullptr, nullptr, nullptr, nullptr, std::int64_t(64) * 65536 + 64, 64, 4};
+  EXPECT_EQ(kq::detail::launch_dequantize(deep, static_cast<bf16*>(nullptr), nullptr, -1), cudaErrorInvalidValue);
+  EXPECT_EQ(kq::detail::launch_dequantize(deep, static_cast<bf16*>(nullptr), nullptr, 1), cudaErrorInvalidValue);
 }
 

@@ -109,7 +109,8 @@ constexpr int kDeqMaxTableGroups = 128, kDeqTableTilesPerBlock = 8;
 template <int MODE>
 inline constexpr int kDeqTilesFor = MODE == kDeqActTable ? kDeqTableTilesPerBlock : kDeqTilesPerBlock;
 template <class T, int BITS, int MODE = kDeqInOrder>
-__global__ void __launch_bounds__(kDeqThreads, BITS == 8 || MODE == kDeqActLookup ? 5 : 6) dequantize_kernel(GptqView v, T* __restrict__ w) {
+__global__ void __launch_bounds__(kDeqThreads, BITS == 8 || MODE == kDeqActLookup ? 5 : 6)
+    dequantize_kernel(GptqView v, T* __restrict__ w, int tiles_per_block) {
   constexpr bool ACT = MODE == kDeqActLookup;
   constexpr int kChunk = 16 / int(sizeof(T));              // elements per 16-byte store
   constexpr int kWordRows = 2 * BITS;                      // qweight rows of a 64-in tile
@@ -123,8 +124,8 @@ __global__ void __launch_bounds__(kDeqThreads, BITS == 8 || MODE == kDeqActLooku
   const int c = threadIdx.x % kDeqTile, r4 = threadIdx.x / kDeqTile;
   const std::int64_t o0 = std::int64_t(blockIdx.x) * kDeqTile, o = o0 + c;
   const bool column = o < v.out;
-  const std::int64_t first = std::int64_t(blockIdx.y) * kDeqTilesFor<MODE>, in_tiles = (v.in + kDeqTile - 1) / kDeqTile;
-  const int tiles = int(min(std::int64_t(kDeqTilesFor<MODE>), in_tiles - first));
+  const std::int64_t first = std::int64_t(blockIdx.y) * tiles_per_block, in_tiles = (v.in + kDeqTile - 1) / kDeqTile;
+  const int tiles = int(min(std::int64_t(tiles_per_block), in_tiles - first));
   const std::int64_t qrows = (v.in * BITS + 31) / 32, zcols = (v.out * BITS + 31) / 32;
   const std::int32_t* const qcol = v.qweight + o;
   auto load_words = [&](std::int64_t t, std::uint32_t (&reg)[kWordsPerThread]) {
@@ -258,27 +259,28 @@ __global__ void round_kernel(const float* __restrict__ acc, T* __restrict__ y, s
 }
 }  // namespace detail
 
-// W [out, in] in T from a GPTQ layer, all on the device. cudaErrorInvalidValue for a bad width or shape (in tiles
-// of 64 x kDeqTilesPerBlock past the grid's y limit, in > 16,776,960).
+namespace detail {
+// dequantize_cuda with tiles_per_block 64-in tiles a block (0: the kernel's own, kDeqTilesFor; bench_dequant --tiles
+// sweeps it). cudaErrorInvalidValue where the grid would pass its y limit.
 template <FloatingElement T>
-cudaError_t dequantize_cuda(const GptqView& v, T* w, cudaStream_t stream) {
-  if (v.in <= 0 || v.out <= 0 || !(v.bits == 2 || v.bits == 3 || v.bits == 4 || v.bits == 8)) return cudaErrorInvalidValue;
-  const std::int64_t out_tiles = (v.out + detail::kDeqTile - 1) / detail::kDeqTile,
-                     in_blocks = (v.in + detail::kDeqTile * detail::kDeqTilesPerBlock - 1) / (detail::kDeqTile * detail::kDeqTilesPerBlock);
-  if (in_blocks > 65535 || out_tiles > 0x7fffffff) return cudaErrorInvalidValue;  // (the table kernel's grid is shorter)
+cudaError_t launch_dequantize(const GptqView& v, T* w, cudaStream_t stream, int tiles_per_block) {
+  if (v.in <= 0 || v.out <= 0 || !(v.bits == 2 || v.bits == 3 || v.bits == 4 || v.bits == 8) || tiles_per_block < 0) return cudaErrorInvalidValue;
+  const std::int64_t out_tiles = (v.out + kDeqTile - 1) / kDeqTile, in_tiles = (v.in + kDeqTile - 1) / kDeqTile;
+  if ((in_tiles + kDeqTilesPerBlock - 1) / kDeqTilesPerBlock > 65535 || out_tiles > 0x7fffffff) return cudaErrorInvalidValue;  // one rule for all
   auto launch = [&](auto mode) -> cudaError_t {
     constexpr int MODE = decltype(mode)::value;
-    constexpr std::int64_t span = detail::kDeqTile * detail::kDeqTilesFor<MODE>;
-    const dim3 g{unsigned(out_tiles), unsigned((v.in + span - 1) / span)};
-    const int smem = MODE == detail::kDeqActTable ? int(v.groups) * detail::kDeqTile * 4 : 0;
+    const int tpb = tiles_per_block > 0 ? tiles_per_block : kDeqTilesFor<MODE>;
+    const std::int64_t in_blocks = (in_tiles + tpb - 1) / tpb;
+    if (in_blocks > 65535) return cudaErrorInvalidValue;
+    const dim3 g{unsigned(out_tiles), unsigned(in_blocks)};
+    const int smem = MODE == kDeqActTable ? int(v.groups) * kDeqTile * 4 : 0;
     auto run = [&](auto bits) -> cudaError_t {  // one instantiation (and one attribute call) per kernel
-      const auto kernel = detail::dequantize_kernel<T, decltype(bits)::value, MODE>;
-      if constexpr (MODE == detail::kDeqActTable) {  // the table's 32 KB at most, past the default with the static arrays
-        static const cudaError_t allowed =
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, detail::kDeqMaxTableGroups * detail::kDeqTile * 4);
+      const auto kernel = dequantize_kernel<T, decltype(bits)::value, MODE>;
+      if constexpr (MODE == kDeqActTable) {  // the table's 32 KB at most, past the default with the static arrays
+        static const cudaError_t allowed = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kDeqMaxTableGroups * kDeqTile * 4);
         if (allowed != cudaSuccess) return allowed;
       }
-      kernel<<<g, detail::kDeqThreads, smem, stream>>>(v, w);
+      kernel<<<g, kDeqThreads, smem, stream>>>(v, w, tpb);
       return cudaGetLastError();
     };
     switch (v.bits) {
@@ -288,9 +290,17 @@ cudaError_t dequantize_cuda(const GptqView& v, T* w, cudaStream_t stream) {
       default: return run(std::integral_constant<int, 8>{});
     }
   };
-  if (!v.act_order) return launch(std::integral_constant<int, detail::kDeqInOrder>{});
-  if (v.groups >= 1 && v.groups <= detail::kDeqMaxTableGroups) return launch(std::integral_constant<int, detail::kDeqActTable>{});
-  return launch(std::integral_constant<int, detail::kDeqActLookup>{});
+  if (!v.act_order) return launch(std::integral_constant<int, kDeqInOrder>{});
+  if (v.groups >= 1 && v.groups <= kDeqMaxTableGroups) return launch(std::integral_constant<int, kDeqActTable>{});
+  return launch(std::integral_constant<int, kDeqActLookup>{});
+}
+}  // namespace detail
+
+// W [out, in] in T from a GPTQ layer, all on the device. cudaErrorInvalidValue for a bad width or shape (in tiles
+// of 64 x kDeqTilesPerBlock past the grid's y limit, in > 16,776,960).
+template <FloatingElement T>
+cudaError_t dequantize_cuda(const GptqView& v, T* w, cudaStream_t stream) {
+  return detail::launch_dequantize(v, w, stream, 0);
 }
 
 // acc: fp32 workspace of M * out elements (contents ignored; zeroed here).
