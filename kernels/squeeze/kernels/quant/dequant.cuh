@@ -100,14 +100,17 @@ constexpr int kDeqTile = 64, kDeqThreads = 256, kDeqTilesPerBlock = 4;
 //                 thread that six blocks per SM allow, and every width took 20-30% longer (run 3); this one runs five;
 //   kDeqActTable  the block's 64 columns' constants of every group in shared memory first ([groups][64] words: the
 //                 scale's fp16 bits | zero point << 16; up to kDeqMaxTableGroups groups, 32 KB), then one shared-memory
-//                 read per element; kDeqTableTilesPerBlock tiles a block to spread the table's cost. H200 (run 7), the
-//                 same shapes: 0.0255 / 0.0541 / 0.0645 / 0.280 ms, 0.39-0.49 of the copy bandwidth (the in-order kernel
-//                 on in-order layers: 0.0226 / 0.0497 / 0.0503 / 0.232). Unrolling the table fill by 4 changed nothing
-//                 (run 6 against run 5).
+//                 read per element. H200 (run 7, 8 tiles a block), the same shapes: 0.0255 / 0.0541 / 0.0645 / 0.280 ms,
+//                 0.39-0.49 of the copy bandwidth (the in-order kernel on in-order layers: 0.0226 / 0.0497 / 0.0503 /
+//                 0.232). Unrolling the table fill by 4 changed nothing (run 6 against run 5). Tiles a block: groups / 4
+//                 within 8..16 (deq_table_tiles), so that the table's fill stays near 1/16 of the block's elements: in
+//                 run 8's sweep (bench_dequant --tiles) 16 were 10% faster than 8 at 64 and 86 groups (8192 x 28672
+//                 0.2517 against 0.2807 ms, 11008 x 4096 0.0586 against 0.0650), 8 within 3% of the best at 32 groups
+//                 (16 then 5-16% slower: too few blocks). The in-order kernel's 4 were within 4% of the best count
+//                 everywhere (2 on 4096 x 4096 0.0218 against 0.0227 ms, 6 on 8192 x 28672 0.2298 against 0.2344).
 enum : int { kDeqInOrder, kDeqActLookup, kDeqActTable };
-constexpr int kDeqMaxTableGroups = 128, kDeqTableTilesPerBlock = 8;
-template <int MODE>
-inline constexpr int kDeqTilesFor = MODE == kDeqActTable ? kDeqTableTilesPerBlock : kDeqTilesPerBlock;
+constexpr int kDeqMaxTableGroups = 128;
+inline int deq_table_tiles(std::int64_t groups) { return int(std::clamp<std::int64_t>(groups / 4, 8, 16)); }
 template <class T, int BITS, int MODE = kDeqInOrder>
 __global__ void __launch_bounds__(kDeqThreads, BITS == 8 || MODE == kDeqActLookup ? 5 : 6)
     dequantize_kernel(GptqView v, T* __restrict__ w, int tiles_per_block) {
@@ -260,8 +263,8 @@ __global__ void round_kernel(const float* __restrict__ acc, T* __restrict__ y, s
 }  // namespace detail
 
 namespace detail {
-// dequantize_cuda with tiles_per_block 64-in tiles a block (0: the kernel's own, kDeqTilesFor; bench_dequant --tiles
-// sweeps it). cudaErrorInvalidValue where the grid would pass its y limit.
+// dequantize_cuda with tiles_per_block 64-in tiles a block (0: the kernel's own, kDeqTilesPerBlock or deq_table_tiles;
+// bench_dequant --tiles sweeps it). cudaErrorInvalidValue where the grid would pass its y limit.
 template <FloatingElement T>
 cudaError_t launch_dequantize(const GptqView& v, T* w, cudaStream_t stream, int tiles_per_block) {
   if (v.in <= 0 || v.out <= 0 || !(v.bits == 2 || v.bits == 3 || v.bits == 4 || v.bits == 8) || tiles_per_block < 0) return cudaErrorInvalidValue;
@@ -269,7 +272,7 @@ cudaError_t launch_dequantize(const GptqView& v, T* w, cudaStream_t stream, int 
   if ((in_tiles + kDeqTilesPerBlock - 1) / kDeqTilesPerBlock > 65535 || out_tiles > 0x7fffffff) return cudaErrorInvalidValue;  // one rule for all
   auto launch = [&](auto mode) -> cudaError_t {
     constexpr int MODE = decltype(mode)::value;
-    const int tpb = tiles_per_block > 0 ? tiles_per_block : kDeqTilesFor<MODE>;
+    const int tpb = tiles_per_block > 0 ? tiles_per_block : MODE == kDeqActTable ? deq_table_tiles(v.groups) : kDeqTilesPerBlock;
     const std::int64_t in_blocks = (in_tiles + tpb - 1) / tpb;
     if (in_blocks > 65535) return cudaErrorInvalidValue;
     const dim3 g{unsigned(out_tiles), unsigned(in_blocks)};
