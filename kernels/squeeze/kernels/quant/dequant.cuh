@@ -107,7 +107,9 @@ constexpr int kDeqTile = 64, kDeqThreads = 256, kDeqTilesPerBlock = 4;
 //                 run 8's sweep (bench_dequant --tiles) 16 were 10% faster than 8 at 64 and 86 groups (8192 x 28672
 //                 0.2517 against 0.2807 ms, 11008 x 4096 0.0586 against 0.0650), 8 within 3% of the best at 32 groups
 //                 (16 then 5-16% slower: too few blocks). The in-order kernel's 4 were within 4% of the best count
-//                 everywhere (2 on 4096 x 4096 0.0218 against 0.0227 ms, 6 on 8192 x 28672 0.2298 against 0.2344).
+//                 everywhere (2 on 4096 x 4096 0.0218 against 0.0227 ms, 6 on 8192 x 28672 0.2298 against 0.2344). With
+//                 this count (run 9): 0.0250 / 0.0539 / 0.0587 / 0.251 ms, 0.39-0.55 of the copy bandwidth, 1.8-2.0x
+//                 session 18's act-order dequantize.
 enum : int { kDeqInOrder, kDeqActLookup, kDeqActTable };
 constexpr int kDeqMaxTableGroups = 128;
 inline int deq_table_tiles(std::int64_t groups) { return int(std::clamp<std::int64_t>(groups / 4, 8, 16)); }
