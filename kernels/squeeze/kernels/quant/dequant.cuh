@@ -262,9 +262,7 @@ __global__ void round_kernel(const float* __restrict__ acc, T* __restrict__ y, s
   for (std::int64_t idx = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; idx < n; idx += std::int64_t(gridDim.x) * blockDim.x)
     y[idx] = from_float<T>(acc[idx]);
 }
-}  // namespace detail
 
-namespace detail {
 // dequantize_cuda with tiles_per_block 64-in tiles a block (0: the kernel's own, kDeqTilesPerBlock or deq_table_tiles;
 // bench_dequant --tiles sweeps it). cudaErrorInvalidValue where the grid would pass its y limit.
 template <FloatingElement T>
