@@ -154,6 +154,33 @@ TEST(Gptq, ImpossibleHessianErrorsClearly) {
   EXPECT_THROW(nn::gptq_quantize(torch::randn({3, 4}), torch::eye(4), o), c10::Error);
 }
 
+// A scale past fp16's range (weights ~1e6) is refused, whether the column loop finds the grid (groups) or it is set
+// before the loop (per channel, static groups); block sizes past the column loop's 256 are refused up front.
+TEST(Gptq, WeightsPastHalfRangeAndWideBlocksErrorClearly) {
+  const auto W = torch::randn({8, 64}) * 1e6;
+  for (const auto& [group, static_groups] : {std::pair{32, false}, std::pair{0, false}, std::pair{32, true}}) {
+    GptqOptions o;
+    o.group_size = group;
+    o.static_groups = static_groups;
+    o.act_order = static_groups;
+    o.sym = false;
+    try {
+      nn::gptq_quantize(W, torch::eye(64), o);
+      ADD_FAILURE() << "expected an error, group " << group << (static_groups ? " static" : "");
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("too large for an fp16 scale"), std::string::npos) << e.what();
+    }
+  }
+  GptqOptions o;
+  o.block_size = 257;
+  try {
+    nn::gptq_quantize(torch::randn({8, 64}), torch::eye(64), o);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("block_size must be in 1..256"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Gptq, DeadInputsGetZeroWeight) {
   auto X = correlated_inputs(256, 40, 9).to(torch::kFloat32);
   X.index_put_({torch::indexing::Slice(), 5}, 0.0);

@@ -1,5 +1,6 @@
 #pragma once
-// GPTQ (Frantar et al., 2022) on libtorch tensors: runs on CPU here and on CUDA where the tensors live.
+// GPTQ (Frantar et al., 2022) on libtorch tensors: runs on the CPU, and on the GPU for CUDA tensors where this header
+// is compiled by nvcc (else CUDA tensors are refused with a clear error).
 //
 //   Hessian     H = 2/N * sum_n x_n x_n^T over calibration inputs x_n [in] of one linear layer
 //   damping     H += percdamp * mean(diag H) * I; when the Cholesky factorisation fails the fraction is
@@ -8,15 +9,20 @@
 //   act-order   columns processed by descending diag(H); g_idx records each input's group
 //   solve       Hinv = upper Cholesky factor of H^-1; columns quantized in blocks of block_size, the
 //               error of each column spread over the rest of its block at once and over later blocks
-//               lazily with one matmul per block (the paper's "lazy batch" update)
-// The grid math mirrors quant::find_grid / quant::quantize_code exactly (fp16-rounded scales, zero >= 1
-// for asymmetric grids), so the codes pack into the v1 checkpoint format without loss.
+//               lazily with one matmul per block (the paper's "lazy batch" update). A block's column loop is
+//               kernels/quant/gptq_solve.cuh: a CUDA kernel and its bit-identical CPU twin
+// The grid math is quant::find_grid / quant::quantize_code (fp16-rounded scales, zero >= 1 for asymmetric
+// grids; find_row_grid applies find_grid to whole rows), so the codes pack into the v1 checkpoint format without loss.
 //
 // True-sequential capture: observe(linear, x) is a one-line hook a model calls in front of each of its
 // linear layers (it returns linear(x)); while a HessianCapture is alive it adds x to that layer's
 // Hessian. gptq_sequential quantizes groups of layers step by step, re-running the caller's forward
 // closure before each step so later layers see the outputs of already-quantized earlier ones.
 #include <torch/torch.h>
+#if defined(__CUDACC__)
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#endif
 
 #include <chrono>
 #include <cmath>
@@ -27,6 +33,8 @@
 #include <unordered_map>
 #include <utility>
 #include <vector>
+
+#include <squeeze/kernels/quant/gptq_solve.cuh>
 
 #include "../policy/quantization.hpp"
 #include "../quant/pack.hpp"
@@ -87,37 +95,20 @@ struct RowGrid {
   torch::Tensor scale, zero;  // float [rows]
 };
 
+// quant::find_grid on each row's [min, max] (the min / max on x's device, the grid on the CPU: exactly the rule the
+// column loop and RTN use, on any device).
 inline RowGrid find_row_grid(const torch::Tensor& x /*[rows, n]*/, int bits, bool sym) {
-  const double maxq = double((1u << bits) - 1u);
-  auto lo = std::get<0>(x.min(1)).clamp_max(0.0);
-  auto hi = std::get<0>(x.max(1)).clamp_min(0.0);
-  if (sym) {
-    hi = torch::maximum(-lo, hi);
-    lo = torch::where(lo < 0, -hi, lo);
+  const auto lo = std::get<0>(x.min(1)).to(torch::kCPU, torch::kFloat32).contiguous();
+  const auto hi = std::get<0>(x.max(1)).to(torch::kCPU, torch::kFloat32).contiguous();
+  const std::int64_t rows = lo.size(0);
+  auto scale = torch::empty({rows}, torch::kFloat32), zero = torch::empty({rows}, torch::kFloat32);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const auto g = quant::find_grid(lo.data_ptr<float>()[r], hi.data_ptr<float>()[r], bits, sym);
+    TORCH_CHECK(kernels::quant::grid_fits_half(g), "GPTQ: weight range too large for an fp16 scale (or weights are not finite)");
+    scale.data_ptr<float>()[r] = g.scale;
+    zero.data_ptr<float>()[r] = float(g.zero);
   }
-  const auto both0 = (lo == 0).logical_and(hi == 0);
-  lo = torch::where(both0, torch::full_like(lo, -1.0), lo);
-  hi = torch::where(both0, torch::full_like(hi, 1.0), hi);
-  constexpr double tiny = 5.9604645e-8;  // fp16's smallest subnormal
-  auto to_half = [](const torch::Tensor& t) { return t.to(torch::kHalf).to(torch::kFloat); };
-  auto scale = to_half((hi - lo) / maxq).clamp_min(tiny);
-  torch::Tensor zero;
-  if (sym) {
-    zero = torch::full_like(scale, (maxq + 1) / 2);
-  } else {
-    zero = torch::round(-lo / scale).clamp(0.0, maxq);
-    const auto z0 = zero == 0;
-    zero = torch::where(z0, torch::ones_like(zero), zero);
-    scale = torch::where(z0, to_half(hi / (maxq - 1)).clamp_min(tiny), scale);
-  }
-  TORCH_CHECK(scale.isfinite().all().item<bool>() && (scale <= 65504).all().item<bool>(),
-              "GPTQ: weight range too large for an fp16 scale (or weights are not finite)");
-  return {scale, zero};
-}
-
-inline torch::Tensor quantize_codes(const torch::Tensor& w /*[rows]*/, const RowGrid& g, int bits) {
-  const double maxq = double((1u << bits) - 1u);
-  return (w / g.scale).round_().add_(g.zero).clamp_(0.0, maxq);
+  return {scale.to(x.device()), zero.to(x.device())};
 }
 
 // ---- Hessian accumulation -------------------------------------------------------------------------------
@@ -178,7 +169,8 @@ inline GptqResult gptq_quantize(const torch::Tensor& weight, const torch::Tensor
   using torch::indexing::Slice;
   TORCH_CHECK(quant::supported_bits(opt.bits), "GPTQ: bits must be 2, 3, 4 or 8, got ", opt.bits);
   TORCH_CHECK(opt.group_size >= 0, "GPTQ: group_size must be >= 0 (0 = per channel)");
-  TORCH_CHECK(opt.block_size > 0, "GPTQ: block_size must be positive");
+  TORCH_CHECK(opt.block_size > 0 && opt.block_size <= kernels::quant::kGptqMaxBlock, "GPTQ: block_size must be in 1..",
+              kernels::quant::kGptqMaxBlock, ", got ", opt.block_size);
   TORCH_CHECK(opt.percdamp >= 0, "GPTQ: percdamp must be >= 0");
   TORCH_CHECK(weight.dim() == 2, "GPTQ: weight must be [out, in]");
   const std::int64_t rows = weight.size(0), cols = weight.size(1);
@@ -213,6 +205,7 @@ inline GptqResult gptq_quantize(const torch::Tensor& weight, const torch::Tensor
   auto [Hinv, frac, retries] = detail::damped_inverse_cholesky(H, opt);
   H = torch::Tensor();  // free
 
+  Hinv = Hinv.contiguous();
   auto fopts = W.options();
   auto Q = torch::zeros_like(W);       // dequantized, permuted order
   auto codes = torch::zeros_like(W);   // codes as floats, permuted order
@@ -222,46 +215,68 @@ inline GptqResult gptq_quantize(const torch::Tensor& weight, const torch::Tensor
   auto perm_at = [&](std::int64_t c) { return opt.act_order ? perm_cpu.data_ptr<std::int64_t>()[c] : c; };
   auto loss = torch::zeros({rows}, fopts);
 
-  RowGrid grid;
-  if (!grouped) {  // one grid per row from the whole (dead-zeroed) weight
-    grid = find_row_grid(W, opt.bits, opt.sym);
+  // Grids known before the loop: per channel, one a row from the whole (dead-zeroed) weight; static groups, fixed
+  // from the weights in natural order, column c (processing order) on group perm[c] / gs. Grouped otherwise, the
+  // column loop finds each group's grid at its first column.
+  torch::Tensor col_group;  // int32 [cols] on W's device (static groups only)
+  if (!grouped) {
+    const RowGrid grid = find_row_grid(W, opt.bits, opt.sym);
     scales[0].copy_(grid.scale);
     zeros[0].copy_(grid.zero);
+  } else if (opt.static_groups) {
+    for (std::int64_t g = 0; g < groups; ++g) {
+      scales[g].copy_(static_grids[g].scale);
+      zeros[g].copy_(static_grids[g].zero);
+    }
+    auto cg = torch::empty({cols}, torch::kInt32);
+    for (std::int64_t c = 0; c < cols; ++c) cg.data_ptr<std::int32_t>()[c] = std::int32_t(perm_at(c) / gs);
+    col_group = cg.to(W.device());
   }
+  auto bad_grid = torch::zeros({1}, fopts.dtype(torch::kInt32));
+  // The column loop of a block: the kernel of kernels/quant/gptq_solve.cuh on CUDA tensors (nvcc translation units),
+  // its CPU twin on CPU tensors.
+  auto column_loop = [&](kernels::quant::GptqBlock& b) {
+    const char* const why = kernels::quant::gptq_block_error(b);
+    TORCH_CHECK(*why == 0, "GPTQ: column block refused: ", why);
+    if (W.is_cpu()) return kernels::quant::gptq_block_cpu(b);
+#if defined(__CUDACC__)
+    TORCH_CHECK(W.is_cuda(), "GPTQ: tensors on ", W.device(), "; CPU or CUDA expected");
+    const c10::DeviceGuard guard(W.device());
+    const cudaStream_t stream =
+        static_cast<cudaStream_t>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(W.device()).native_handle());
+    const cudaError_t e = kernels::quant::gptq_block_cuda(b, stream);
+    TORCH_CHECK(e == cudaSuccess, "GPTQ: column-loop kernel failed: ", cudaGetErrorString(e));
+#else
+    TORCH_CHECK(false, "GPTQ: tensors on ", W.device(), ", but this translation unit was not compiled by nvcc; include "
+                       "squeeze/nn/gptq.hpp from a .cu file to quantize on the GPU (or quantize CPU tensors)");
+#endif
+  };
   for (std::int64_t i1 = 0; i1 < cols; i1 += opt.block_size) {
     const std::int64_t i2 = std::min(cols, i1 + opt.block_size), count = i2 - i1;
-    auto W1 = W.index({Slice(), Slice(i1, i2)}).clone();  // [rows, count]
-    auto Err1 = torch::zeros_like(W1);
-    auto Hinv1 = Hinv.index({Slice(i1, i2), Slice(i1, i2)});
-    auto dvec = Hinv1.diagonal().to(torch::kCPU).contiguous();
-    for (std::int64_t i = 0; i < count; ++i) {
-      const std::int64_t col = i1 + i;
-      if (grouped) {
-        if (opt.static_groups) {
-          grid = static_grids[perm_at(col) / gs];
-        } else if (col % gs == 0) {  // a new group starts: its grid from the current (error-updated) weights
-          const std::int64_t end = std::min(cols, col + gs);
-          auto seg = W1.index({Slice(), Slice(i, std::min(count, end - i1))});
-          if (end > i2) seg = torch::cat({seg, W.index({Slice(), Slice(i2, end)})}, 1);
-          grid = find_row_grid(seg, opt.bits, opt.sym);
-          scales[col / gs].copy_(grid.scale);
-          zeros[col / gs].copy_(grid.zero);
-        }
-      }
-      auto w = W1.select(1, i);
-      const double d = dvec.data_ptr<float>()[i];
-      auto q = quantize_codes(w, grid, opt.bits);
-      auto dq = (q - grid.zero).mul_(grid.scale);
-      codes.select(1, col).copy_(q);
-      Q.select(1, col).copy_(dq);
-      auto err = (w - dq) / d;
-      // spread the error over the block's remaining columns: W1[:, i:] -= err (x) Hinv1[i, i:]
-      W1.index({Slice(), Slice(i, count)}).sub_(torch::outer(err, Hinv1.index({i, Slice(i, count)})));
-      Err1.select(1, i).copy_(err);
-    }
+    auto Err1 = torch::empty({rows, count}, fopts);  // (w - q) / d of the block's columns
+    kernels::quant::GptqBlock b;
+    b.u = Hinv.data_ptr<float>();
+    b.w = W.data_ptr<float>();
+    b.col_group = col_group.defined() ? col_group.data_ptr<std::int32_t>() : nullptr;
+    b.codes = codes.data_ptr<float>();
+    b.dequantized = Q.data_ptr<float>();
+    b.err = Err1.data_ptr<float>();
+    b.scales = scales.data_ptr<float>();
+    b.zeros = zeros.data_ptr<float>();
+    b.bad_grid = bad_grid.data_ptr<std::int32_t>();
+    b.rows = rows;
+    b.cols = b.u_pitch = b.w_pitch = cols;
+    b.first = i1;
+    b.count = count;
+    b.group = gs;
+    b.bits = opt.bits;
+    b.sym = opt.sym;
+    b.find_grids = grouped && !opt.static_groups;
+    column_loop(b);
     loss.add_(Err1.square().sum(1), 0.5);  // (w - q)^2 / (2 d^2) summed over the block's columns
     if (i2 < cols) W.index({Slice(), Slice(i2, cols)}).sub_(Err1.matmul(Hinv.index({Slice(i1, i2), Slice(i2, cols)})));
   }
+  TORCH_CHECK(bad_grid.item<int>() == 0, "GPTQ: weight range too large for an fp16 scale (or weights are not finite)");
 
   GptqResult r;
   r.bits = opt.bits;
@@ -283,11 +298,6 @@ inline GptqResult gptq_quantize(const torch::Tensor& weight, const torch::Tensor
     Q = Q.index_select(1, inv);
     codes = codes.index_select(1, inv);
   }
-  if (grouped && opt.static_groups)
-    for (std::int64_t g = 0; g < groups; ++g) {
-      scales[g].copy_(static_grids[g].scale);
-      zeros[g].copy_(static_grids[g].zero);
-    }
   r.codes = codes.to(torch::kUInt8);
   r.scales = scales;
   r.zeros = zeros.to(torch::kUInt8);

@@ -1,0 +1,84 @@
+// nn::gptq_quantize on CUDA tensors (gptq.hpp compiled by nvcc: the column-loop kernel, cuSOLVER, cuBLAS) against the same
+// call on CPU tensors (the CPU twin, LAPACK): the factorisations round differently, so the two solves agree closely but
+// not bit for bit; each result must pack without loss and beat RTN. Skips where libtorch sees no GPU.
+#include <gtest/gtest.h>
+
+#include <squeeze/nn/gptq.hpp>
+#include <squeeze/quant/pack.hpp>
+#include <squeeze/quant/rtn.hpp>
+
+using namespace squeeze;
+
+namespace {
+// Correlated inputs X [n, in] (low-rank mixing, per-feature scales over 10x) and their Hessian on the CPU.
+torch::Tensor correlated_inputs(std::int64_t n, std::int64_t in, int seed) {
+  torch::manual_seed(seed);
+  auto Z = torch::randn({n, in}, torch::kFloat64);
+  auto U = torch::randn({in, 8}, torch::kFloat64);
+  auto A = torch::eye(in, torch::kFloat64) + U.matmul(U.t()) * 0.3;
+  return Z.matmul(A) * torch::logspace(0, 1, in, 10.0, torch::kFloat64);
+}
+double output_error(const torch::Tensor& X, const torch::Tensor& W, const torch::Tensor& Wq) {
+  const auto w = W.to(torch::kCPU, torch::kFloat64), q = Wq.to(torch::kCPU, torch::kFloat64);
+  return (X.matmul(w.t()) - X.matmul(q.t())).norm().item<double>();
+}
+torch::Tensor packed_dequant(const quant::PackedLinear& p) {
+  const auto d = quant::dequantize(p);
+  return torch::from_blob(const_cast<float*>(d.data()), {p.out, p.in}, torch::kFloat32).clone();
+}
+torch::Tensor rtn_dequant(const torch::Tensor& W, int bits, int group, bool sym) {
+  auto w = W.to(torch::kFloat32).contiguous();
+  return packed_dequant(quant::rtn_quantize({w.data_ptr<float>(), std::size_t(w.numel())}, w.size(0), w.size(1),
+                                            {.bits = bits, .group_size = group, .sym = sym}));
+}
+}  // namespace
+
+// 300 inputs (blocks of 128 + 128 + 44; 96 with act-order's sort), 50 outputs: grouped (32, and 100, whose groups cross
+// blocks), per channel, act-order, static groups, 3 and 4 bits.
+TEST(GptqCuda, QuantizeOnGpuAgreesWithCpu) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "libtorch sees no CUDA device";
+  const std::int64_t out = 50, in = 300;
+  const auto X = correlated_inputs(2048, in, 7);
+  nn::Hessian h(in, torch::kCPU);
+  h.add(X.to(torch::kFloat32));
+  torch::manual_seed(8);
+  const auto W = torch::randn({out, in}) * 0.05;
+  struct Case {
+    int bits, group;
+    bool act_order, static_groups, sym;
+  };
+  for (const Case c : {Case{4, 32, false, false, true}, Case{3, 100, false, false, false}, Case{4, 0, true, false, false},
+                       Case{4, 32, true, false, true}, Case{3, 64, true, true, false}}) {
+    nn::GptqOptions o;
+    o.bits = c.bits;
+    o.group_size = c.group;
+    o.act_order = c.act_order;
+    o.static_groups = c.static_groups;
+    o.sym = c.sym;
+    const std::string what = std::to_string(c.bits) + " bits, group " + std::to_string(c.group) + (c.act_order ? ", act-order" : "") +
+                             (c.static_groups ? ", static" : "") + (c.sym ? ", sym" : ", asym");
+    const auto cpu = nn::gptq_quantize(W, h.matrix(), o);
+    const auto gpu = nn::gptq_quantize(W.cuda(), h.matrix().cuda(), o);
+    ASSERT_TRUE(gpu.dequantized.is_cuda()) << what;
+    EXPECT_NEAR(gpu.loss, cpu.loss, 0.02 * cpu.loss) << what;
+    const double same_codes = gpu.codes.cpu().eq(cpu.codes).to(torch::kFloat64).mean().item<double>();
+    EXPECT_GT(same_codes, 0.95) << what;
+    EXPECT_TRUE(torch::equal(gpu.g_idx.cpu(), cpu.g_idx)) << what;
+    EXPECT_TRUE(torch::equal(packed_dequant(gpu.pack()), gpu.dequantized.cpu())) << what << ": the grids pack without loss";
+    EXPECT_LT(output_error(X, W, gpu.dequantized), output_error(X, W, rtn_dequant(W, c.bits, c.group, c.sym))) << what;
+  }
+}
+
+TEST(GptqCuda, WeightsPastHalfRangeErrorClearlyOnGpu) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "libtorch sees no CUDA device";
+  auto W = torch::randn({8, 64}) * 1e6;
+  nn::GptqOptions o;
+  o.group_size = 32;
+  o.sym = false;
+  try {
+    nn::gptq_quantize(W.cuda(), torch::eye(64).cuda(), o);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("too large for an fp16 scale"), std::string::npos) << e.what();
+  }
+}
