@@ -82,3 +82,20 @@ TEST(GptqCuda, WeightsPastHalfRangeErrorClearlyOnGpu) {
     EXPECT_NE(std::string(e.what()).find("too large for an fp16 scale"), std::string::npos) << e.what();
   }
 }
+
+// The Hessian from bf16 / fp16 inputs on the GPU (multiplied as they are, fp32 sums) against 2/N X^T X in float64 from
+// the same values, over several additions (the running average), 300 features (not a tile multiple).
+TEST(GptqCuda, HessianFromHalfInputsOnGpuMatchesFloat64) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "libtorch sees no CUDA device";
+  for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    torch::manual_seed(3);
+    const auto X = (torch::randn({3, 700, 300}) * 2.0).to(dtype);
+    nn::Hessian h(300, torch::Device(torch::kCUDA));
+    for (int b = 0; b < 3; ++b) h.add(X.index({b}).cuda());
+    const auto X64 = X.reshape({-1, 300}).to(torch::kFloat64);
+    const auto ref = X64.t().matmul(X64) * (2.0 / 2100.0);
+    const double err = (h.matrix().cpu().to(torch::kFloat64) - ref).abs().max().item<double>();
+    EXPECT_EQ(h.samples(), 2100);
+    EXPECT_LT(err, 1e-5 * ref.abs().max().item<double>()) << dtype;  // fp32 sums of exact products
+  }
+}
