@@ -1,7 +1,8 @@
 // GPTQ quantization time on the LLaMA-7B geometry (random weights and activations), on the GPU when
-// libtorch sees one: one decoder layer (q, k, v, o: 4096x4096; gate, up: 11008x4096; down: 4096x11008),
+// libtorch sees one: decoder layers of q, k, v, o: 4096x4096; gate, up: 11008x4096; down: 4096x11008,
 // Hessians from --tokens calibration tokens (default 128 x 2048), 4 bits, group 128, act-order.
-// Reports the layer's time and the 32-layer estimate against the target (<= 5 minutes), and on q_proj
+// Quantizes --layers such layers (default 32: the model), each from its own random weights and activations, and reports
+// the time against the target (<= 5 minutes), and on q_proj
 // (4096 x 4096) the library's solve against the same solve with its column loop as libtorch ops per column (the
 // formulation of the GPTQ paper's reference code, and squeeze's before the column-loop kernel), in the same run.
 // On the GPU machine this file is compiled by nvcc (bench/quant/CMakeLists.txt), so the column loop runs as the kernel
@@ -107,19 +108,12 @@ int main(int argc, char** argv) {
 
   // Hessians: activations streamed in chunks (bf16, as a model would produce them). A LLaMA decoder layer
   // needs four: three of width 4096 (attention input, o_proj input, mlp input) and one of 11008 (down_proj).
-  auto hessian = [&](squeeze::nn::Hessian& h, std::int64_t width) {
-    sync();
-    const auto t0 = std::chrono::steady_clock::now();
+  auto hessian = [&](std::int64_t width) {
+    squeeze::nn::Hessian h(width, dev);
     for (std::int64_t n = 0; n < tokens; n += chunk)
       h.add(torch::randn({std::min(chunk, tokens - n), width}, torch::TensorOptions().device(dev).dtype(torch::kBFloat16)));
-    sync();
-    return seconds_since(t0);
+    return h;
   };
-  squeeze::nn::Hessian h_hidden(hidden, dev), h_inter(inter, dev);
-  const double t_h4096 = hessian(h_hidden, hidden), t_h11008 = hessian(h_inter, inter);
-  const double t_hessian = 3 * t_h4096 + t_h11008;
-  std::printf("Hessians (%lld tokens): width 4096 %.2f s, width 11008 %.2f s\n", (long long)tokens, t_h4096, t_h11008);
-
   squeeze::nn::GptqOptions opt;
   opt.bits = 4;
   opt.group_size = 128;
@@ -127,42 +121,62 @@ int main(int argc, char** argv) {
   struct L {
     const char* name;
     std::int64_t out, in;
+    int hessian;  // which of the layer's four inputs
   };
-  const L geo[] = {{"q_proj", hidden, hidden}, {"k_proj", hidden, hidden}, {"v_proj", hidden, hidden}, {"o_proj", hidden, hidden},
-                   {"gate_proj", inter, hidden}, {"up_proj", inter, hidden}, {"down_proj", hidden, inter}};
+  const L geo[] = {{"q_proj", hidden, hidden, 0}, {"k_proj", hidden, hidden, 0},    {"v_proj", hidden, hidden, 0},
+                   {"o_proj", hidden, hidden, 1}, {"gate_proj", inter, hidden, 2}, {"up_proj", inter, hidden, 2},
+                   {"down_proj", hidden, inter, 3}};
+  auto random_weight = [&](std::int64_t out, std::int64_t in) {
+    return torch::randn({out, in}, torch::TensorOptions().device(dev).dtype(torch::kFloat32)) * 0.02;
+  };
+
   // q_proj: the library's solve against the per-column libtorch ops, from the same weights and Hessian
   double t_ours = 0, t_peer = 0, loss_ours = 0, loss_peer = 0;
   {
-    auto W = torch::randn({hidden, hidden}, torch::TensorOptions().device(dev).dtype(torch::kFloat32)) * 0.02;
+    const auto h = hessian(hidden);
+    const auto W = random_weight(hidden, hidden);
     for (int rep = 0; rep < 2; ++rep) {  // the first of each warms up (cuSOLVER / cuBLAS handles, caches)
       sync();
       auto t0 = std::chrono::steady_clock::now();
-      loss_ours = squeeze::nn::gptq_quantize(W, h_hidden.matrix(), opt).loss;
+      loss_ours = squeeze::nn::gptq_quantize(W, h.matrix(), opt).loss;
       sync();
       t_ours = seconds_since(t0);
       t0 = std::chrono::steady_clock::now();
-      loss_peer = gptq_torch_ops(W, h_hidden.matrix(), opt);
+      loss_peer = gptq_torch_ops(W, h.matrix(), opt);
       sync();
       t_peer = seconds_since(t0);
     }
     std::printf("q_proj 4096x4096: library %.3f s (loss %.5g), per-column libtorch ops %.3f s (loss %.5g): %.1fx\n", t_ours, loss_ours,
                 t_peer, loss_peer, t_peer / t_ours);
   }
-  double t_solve = 0;
-  for (const auto& l : geo) {
-    auto W = torch::randn({l.out, l.in}, torch::TensorOptions().device(dev).dtype(torch::kFloat32)) * 0.02;
+
+  // The model: `layers` decoder layers, each its four Hessians from fresh activations and its seven matrices' solves,
+  // timed for real (one line a layer).
+  double t_hessian = 0, t_solve = 0;
+  for (std::int64_t layer = 0; layer < layers; ++layer) {
     sync();
-    const auto t1 = std::chrono::steady_clock::now();
-    auto r = squeeze::nn::gptq_quantize(W, l.in == hidden ? h_hidden.matrix() : h_inter.matrix(), opt);
+    auto t0 = std::chrono::steady_clock::now();
+    const squeeze::nn::Hessian h[4] = {hessian(hidden), hessian(hidden), hessian(hidden), hessian(inter)};
     sync();
-    const double s = seconds_since(t1);
-    t_solve += s;
-    std::printf("  %-10s %5lldx%-5lld  %.2f s  damp %.3g  loss %.4g\n", l.name, (long long)l.out, (long long)l.in, s, r.damp_fraction, r.loss);
+    const double th = seconds_since(t0);
+    double ts = 0, loss = 0;
+    for (const auto& l : geo) {
+      const auto W = random_weight(l.out, l.in);
+      sync();
+      t0 = std::chrono::steady_clock::now();
+      const auto r = squeeze::nn::gptq_quantize(W, h[l.hessian].matrix(), opt);
+      sync();
+      ts += seconds_since(t0);
+      loss += r.loss;
+    }
+    t_hessian += th;
+    t_solve += ts;
+    std::printf("layer %2lld/%lld: Hessians %.2f s, solves %.2f s (loss %.5g); %.1f s so far\n", (long long)layer + 1, (long long)layers, th, ts,
+                loss, t_hessian + t_solve);
+    std::fflush(stdout);
   }
-  const double per_layer = t_solve + t_hessian;
-  const double total = per_layer * double(layers);
-  std::printf("decoder layer: solve %.2f s + Hessians %.2f s; %lld layers ~ %.1f s (target <= 300 s)\n", t_solve, t_hessian,
-              (long long)layers, total);
+  const double total = t_hessian + t_solve;
+  std::printf("%lld decoder layers: %.1f s (Hessians %.1f s, solves %.1f s; target <= 300 s)\n", (long long)layers, total, t_hessian, t_solve);
   if (!out_path.empty()) {
     std::ofstream out(out_path);
     const nlohmann::json q = {{"bench", "gptq"},
@@ -179,13 +193,14 @@ int main(int argc, char** argv) {
                               {"commit", env_or("SQUEEZE_COMMIT", "unknown")}};
     out << q.dump() << "\n";
     const nlohmann::json j = {{"bench", "gptq"},
-                              {"case", "llama7b_4bit_g128_actorder_" + std::to_string(tokens) + "tok"},
+                              {"case", "llama7b_" + std::to_string(layers) + "layers_4bit_g128_actorder_" + std::to_string(tokens) + "tok"},
                               {"time_ms", total * 1e3},
                               {"peer", "target_5min"},
                               {"peer_time_ms", 300e3},
                               {"ratio_vs_peer", 300.0 / total},
                               {"roofline_fraction", nullptr},
-                              {"layer_solve_s", t_solve},
+                              {"layers", layers},
+                              {"solve_s", t_solve},
                               {"hessian_s", t_hessian},
                               {"device", env_or("SQUEEZE_DEVICE", gpu ? "cuda" : "cpu")},
                               {"date", env_or("SQUEEZE_DATE", "")},
