@@ -3,6 +3,8 @@
 // true-sequential capture. Float64 references where numbers are compared.
 #include <gtest/gtest.h>
 
+#include <sstream>
+
 #include <squeeze/nn/gptq.hpp>
 #include <squeeze/nn/quantized_linear.hpp>
 #include <squeeze/quant/rtn.hpp>
@@ -310,4 +312,39 @@ TEST(QuantizedLinear, CpuForwardMatchesFloat64DequantMatmul) {
     EXPECT_EQ(q->forward(x.to(torch::kBFloat16)).scalar_type(), torch::kBFloat16);
     EXPECT_THROW(q->forward(torch::randn({3, 71})), c10::Error);
   }
+}
+
+// A state dict loaded into a QuantizedLinear (torch::save / torch::load, or buffers written in place) replaces what the
+// module derived from its old buffers: the CPU forward then uses the new weights (it cached the dequantized old ones),
+// and the act-order hint follows the new g_idx.
+TEST(QuantizedLinear, LoadedStateDictReplacesCachedWeightsAndActOrderHint) {
+  auto X = correlated_inputs(64, 96, 4).to(torch::kFloat32);
+  nn::Hessian h(96, torch::kCPU);
+  h.add(X);
+  GptqOptions o;
+  o.group_size = 32;
+  o.act_order = true;
+  const auto p_act = nn::gptq_quantize(torch::randn({24, 96}), h.matrix(), o).pack();
+  o.act_order = false;
+  const auto p_in_order = nn::gptq_quantize(torch::randn({24, 96}), h.matrix(), o).pack();
+  nn::QuantizedLinear a(p_act, /*fused_tiles=*/false), b(p_in_order, /*fused_tiles=*/false);
+  const auto x = torch::randn({3, 96});
+  const auto y_a = a->forward(x), y_b = b->forward(x);
+  ASSERT_FALSE(torch::allclose(y_a, y_b));
+  EXPECT_TRUE(a->act_order());
+  EXPECT_FALSE(b->act_order());
+  std::stringstream file;
+  torch::save(b, file);
+  torch::load(a, file);
+  EXPECT_TRUE(torch::equal(a->forward(x), y_b)) << "a's forward after loading b's state";
+  EXPECT_FALSE(a->act_order());
+  // buffers written in place (copy_) count as well
+  nn::QuantizedLinear c(p_act, /*fused_tiles=*/false);
+  EXPECT_TRUE(torch::equal(c->forward(x), y_a));
+  {
+    torch::NoGradGuard ng;
+    for (auto& item : c->named_buffers()) item.value().copy_(b->named_buffers()[item.key()]);
+  }
+  EXPECT_TRUE(torch::equal(c->forward(x), y_b));
+  EXPECT_FALSE(c->act_order());
 }

@@ -33,6 +33,8 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <algorithm>
+#include <array>
+#include <cstdint>
 #include <optional>
 
 #include <squeeze/kernels/quant/dequant.cuh>
@@ -86,7 +88,7 @@ class QuantizedLinearImpl : public torch::nn::Module {
   // qweight, see bytes()): forward then takes the GEMV up to 8 rows and dequantize + cuBLAS above. Training
   // runs far more rows than max_fused_rows per forward, so it never reads the tiles (apply_lora leaves them out).
   explicit QuantizedLinearImpl(const quant::PackedLinear& p, bool fused_tiles = true)
-      : bits_(p.bits), group_size_(p.group_size), in_(p.in), out_(p.out), act_order_(!std::is_sorted(p.g_idx.begin(), p.g_idx.end())) {
+      : bits_(p.bits), group_size_(p.group_size), in_(p.in), out_(p.out) {
     p.validate();
     auto i32 = [](const std::vector<std::int32_t>& v, std::vector<std::int64_t> shape) {
       return torch::from_blob(const_cast<std::int32_t*>(v.data()), shape, torch::kInt32).clone();
@@ -201,7 +203,7 @@ class QuantizedLinearImpl : public torch::nn::Module {
     torch::Tensor w = torch::empty({out_, in_}, qweight_.options().dtype(dtype));
     const kernels::quant::GptqView v{static_cast<const std::int32_t*>(qweight_.data_ptr()), static_cast<const std::int32_t*>(qzeros_.data_ptr()),
                                      static_cast<const half*>(scales_.data_ptr()), static_cast<const std::int32_t*>(g_idx_.data_ptr()), in_, out_, bits_,
-                                     act_order_, scales_.size(0)};
+                                     act_order(), scales_.size(0)};
     cudaError_t e = cudaSuccess;
     switch (dtype) {
       case torch::kFloat32: e = kernels::quant::dequantize_cuda<float>(v, static_cast<float*>(w.data_ptr()), stream); break;
@@ -246,8 +248,10 @@ class QuantizedLinearImpl : public torch::nn::Module {
     return b;
   }
 
-  // W [out, in] in float on the CPU (cached: the weights are frozen).
+  // W [out, in] in float on the CPU (cached while the packed buffers stay as they are: the weights are frozen, but a
+  // state dict loaded into the module rewrites them).
   const torch::Tensor& dequantized_cpu() {
+    refresh_derived();
     if (!w_cpu_.defined()) {
       w_cpu_ = torch::empty({out_, in_}, torch::kFloat32);
       auto qw = qweight_.to(torch::kCPU).contiguous(), qz = qzeros_.to(torch::kCPU).contiguous(), gi = g_idx_.to(torch::kCPU).contiguous();
@@ -255,6 +259,13 @@ class QuantizedLinearImpl : public torch::nn::Module {
       kernels::quant::dequantize_cpu(view(qw, qz, sc, gi), w_cpu_.data_ptr<float>());
     }
     return w_cpu_;
+  }
+
+  // g_idx out of order (act-order): dequantize then takes a kernel for scattered groups (GptqView::act_order, a speed
+  // hint); follows g_idx when a state dict is loaded.
+  bool act_order() {
+    refresh_derived();
+    return act_order_;
   }
 
  private:
@@ -288,7 +299,7 @@ class QuantizedLinearImpl : public torch::nn::Module {
     T* yp = static_cast<T*>(y.data_ptr());
     const kq::GptqView v{static_cast<const std::int32_t*>(qweight_.data_ptr()), static_cast<const std::int32_t*>(qzeros_.data_ptr()),
                          static_cast<const half*>(scales_.data_ptr()), static_cast<const std::int32_t*>(g_idx_.data_ptr()), in_, out_, bits_,
-                         act_order_, scales_.size(0)};
+                         act_order(), scales_.size(0)};
     cudaError_t e = cudaSuccess;
     switch (path_for(x2)) {
       case Path::TensorCoreGemm: {
@@ -327,9 +338,26 @@ class QuantizedLinearImpl : public torch::nn::Module {
   }
 #endif
 
+  // What is derived from the packed buffers (the CPU copy of W, the act-order hint) is recomputed when one of them was
+  // written in place (its version counter: copy_, set_) or replaced (its data pointer: a loaded state dict, to()).
+  void refresh_derived() {
+    std::array<std::int64_t, 8> state{};
+    const torch::Tensor* bufs[4] = {&qweight_, &qzeros_, &scales_, &g_idx_};
+    for (int i = 0; i < 4; ++i) {
+      state[2 * i] = bufs[i]->is_inference() ? 0 : std::int64_t(bufs[i]->_version());  // inference tensors keep no count
+      state[2 * i + 1] = std::int64_t(reinterpret_cast<std::uintptr_t>(bufs[i]->data_ptr()));
+    }
+    if (state == buffers_state_) return;
+    buffers_state_ = state;
+    w_cpu_ = torch::Tensor();
+    const auto g = g_idx_.to(torch::kCPU).contiguous();
+    act_order_ = !std::is_sorted(g.data_ptr<std::int32_t>(), g.data_ptr<std::int32_t>() + g.numel());
+  }
+
   int bits_, group_size_;
   std::int64_t in_, out_;
-  bool act_order_;  // g_idx out of order: dequantize takes a kernel for scattered groups (GptqView::act_order)
+  bool act_order_ = false;                      // see act_order()
+  std::array<std::int64_t, 8> buffers_state_{};  // see refresh_derived()
   std::int64_t Npad_ = 0, Kpad_ = 0, tile_group_ = 0;
   std::int64_t max_fused_rows_ = 0;  // 0: max_fused_rows() by kernel (the threshold note at the top)
   torch::Tensor qweight_, qzeros_, scales_, g_idx_, bias_;
