@@ -1178,41 +1178,15 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     // full[s]: the producer's expect-tx arrive + the TMA / bulk bytes;
     // empty[s]: one arrive per consumer warp once the wgmma reading stage s finished
     __shared__ std::uint64_t full_bar[S], empty_bar[S];
-    const int cols = min(STRIP, p.Npad - n0);  // features of this strip (multiple of 16)
-    const unsigned wbytes = unsigned(cols / kTileN) * 512u;
-    // Chunk c of the K range into ring stage c % S (the producer's lane 0; the stage must be free).
-    auto queue_chunk = [&](int c) {
-      const int ring = c % S, kc = kc0 + c;
-      unsigned char* const st = smem + ring * C::STAGE_BYTES;
-      const int g0 = group_of(kc * kTileK), rows = group_of(kc * kTileK + 48) - g0 + 1;
-      // x (the TMA counts the whole box, zero-filled parts included), tiles, group rows
-      // (Session 13 queued the bulk copies before x, in case the first TMA copy waited for x's tensor map: Sm90Probe 3
-      // then had x's copy queued 0.03 us after the bulk copies' 0.19, and the first chunk in hand no sooner, 1.21 us
-      // after the set-up barrier against 1.10; gemm4_probe-session13-run7 against -run6.)
-      if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, sm90_trace_slot::ProducerStart, clock64());
-      mbar_arrive_expect_tx(full_bar + ring, unsigned(XB) + wbytes + unsigned(rows * cols * 3));
-      tma_load_x(st, x_map, kc * kTileK, m0, full_bar + ring);
-      if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, sm90_trace_slot::ProducerX, clock64());
-      bulk_copy_g2s(st + XB, p.tiles + (std::int64_t(kc) * ntiles + tile0) * (kTileK * kTileN / 8), wbytes, full_bar + ring);
-      for (int r = 0; r < rows; ++r) {
-        const std::int64_t off = std::int64_t(g0 + r) * p.Npad + n0;
-        bulk_copy_g2s(st + XB + WB + r * STRIP * 2, p.scales + off, unsigned(cols * 2), full_bar + ring);
-        bulk_copy_g2s(st + XB + WB + SB + r * STRIP, p.zeros + off, unsigned(cols), full_bar + ring);
-      }
-      if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, sm90_trace_slot::QueuedFirst, clock64());
-      if (C::PROBE == 3 && c + 1 == nck) sm90_trace<C>(p, sm90_trace_slot::QueuedLast, clock64());
-    };
-    // The producer's lane sets the barriers up and queues the first chunk before the block's barrier, so that the
-    // chunk's DRAM latency starts as early as it can (the consumers have nothing to do before it lands).
-    if (warp == C::CONSUMERS / 32 && lane == 0) {
-      asm volatile("prefetch.tensormap [%0];\n" ::"l"(&x_map) : "memory");
+    // the producer's first TMA copy needs x's tensor map: fetch it while the barriers are set up
+    if (warp == C::CONSUMERS / 32 && lane == 0) asm volatile("prefetch.tensormap [%0];\n" ::"l"(&x_map) : "memory");
+    if (tid == 0) {
 #pragma unroll
       for (int sl = 0; sl < S; ++sl) {
         mbar_init(full_bar + sl, 1);
         mbar_init(empty_bar + sl, C::CONSUMERS / 32);
       }
       mbar_init_fence();
-      if (nck > 0) queue_chunk(0);
     }
     __syncthreads();
     if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::SetUp, clock64());
@@ -1226,9 +1200,30 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         }
         return;
       }
-      for (int c = 1; c < nck; ++c) {  // chunk 0 was queued before the barrier
-        if (c >= S) mbar_wait(empty_bar + c % S, unsigned(c / S - 1) & 1u);
-        if (lane == 0) queue_chunk(c);
+      const int cols = min(STRIP, p.Npad - n0);  // features of this strip (multiple of 16)
+      const unsigned wbytes = unsigned(cols / kTileN) * 512u;
+      for (int c = 0; c < nck; ++c) {  // chunk c of the K range into ring stage c % S
+        const int ring = c % S, kc = kc0 + c;
+        if (c >= S) mbar_wait(empty_bar + ring, unsigned(c / S - 1) & 1u);
+        unsigned char* const st = smem + ring * C::STAGE_BYTES;
+        const int g0 = group_of(kc * kTileK), rows = group_of(kc * kTileK + 48) - g0 + 1;
+        if (lane == 0) {  // x (the TMA counts the whole box, zero-filled parts included), tiles, group rows
+          // (Session 13 queued the bulk copies before x, in case the first TMA copy waited for x's tensor map: Sm90Probe 3
+          // then had x's copy queued 0.03 us after the bulk copies' 0.19, and the first chunk in hand no sooner, 1.21 us
+          // after the set-up barrier against 1.10; gemm4_probe-session13-run7 against -run6.)
+          if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, sm90_trace_slot::ProducerStart, clock64());
+          mbar_arrive_expect_tx(full_bar + ring, unsigned(XB) + wbytes + unsigned(rows * cols * 3));
+          tma_load_x(st, x_map, kc * kTileK, m0, full_bar + ring);
+          if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, sm90_trace_slot::ProducerX, clock64());
+          bulk_copy_g2s(st + XB, p.tiles + (std::int64_t(kc) * ntiles + tile0) * (kTileK * kTileN / 8), wbytes, full_bar + ring);
+          for (int r = 0; r < rows; ++r) {
+            const std::int64_t off = std::int64_t(g0 + r) * p.Npad + n0;
+            bulk_copy_g2s(st + XB + WB + r * STRIP * 2, p.scales + off, unsigned(cols * 2), full_bar + ring);
+            bulk_copy_g2s(st + XB + WB + SB + r * STRIP, p.zeros + off, unsigned(cols), full_bar + ring);
+          }
+          if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, sm90_trace_slot::QueuedFirst, clock64());
+          if (C::PROBE == 3 && c + 1 == nck) sm90_trace<C>(p, sm90_trace_slot::QueuedLast, clock64());
+        }
         __syncwarp();
       }
       if (CLUSTER && p.splits > 1) {  // the reduction's two cluster barriers (see epilogue)
