@@ -97,6 +97,11 @@
 // shorter either: 8192 x 28672 at M 128, wg_b128m1s8wg4 54.5 us, with multicast 56.6. So the ring is bound by what an SM
 // takes in (~25 KB a chunk at ~59 bytes/ns), not by L2 reading x once per strip. With the remote arrive at cluster scope
 // (.release.cluster) every multicast form took 1.3-2.0x its base's time, ~0.6 us more per chunk (run 1). Removed.)
+// (Session 20 had the producer's lane set the ring's barriers up and queue the first chunk before the block's barrier,
+// instead of after it: on the H200's timeline (gemm4_probe-session20-run4) the first copy left 0.32 us after entry
+// instead of 0.63 and the block's set-up plus first chunk took 1.49 us instead of 1.89 (4096 x 4096 at M 1, span 6.85
+// against 7.23 us), but the dispatch's times did not move (0.0107 ms there, 8192 x 28672 at M 1 0.0450 against 0.0447)
+// and M 128 ran slower (8192 x 28672 0.1149 against 0.1089 ms; cuBLAS moved 3% the other way). Reverted.)
 // Not done: 128 x 128 tiles per warpgroup (two 64 x 128 accumulators: ptxas serializes the wgmma, C7512),
 // overlapping one chunk's wgmma with the next chunk's decode in a warpgroup (C7513), 8- and 3-bit tiles.
 //
