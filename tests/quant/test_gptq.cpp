@@ -9,34 +9,15 @@
 #include <squeeze/nn/quantized_linear.hpp>
 #include <squeeze/quant/rtn.hpp>
 
+#include "gptq_helpers.hpp"
+
 using namespace squeeze;
 using squeeze::nn::GptqOptions;
 
-namespace {
-// Correlated calibration inputs: X = Z A, A = I + low-rank mixing, plus per-feature scales spanning 10x.
-torch::Tensor correlated_inputs(std::int64_t n, std::int64_t in, int seed) {
-  torch::manual_seed(seed);
-  auto Z = torch::randn({n, in}, torch::kFloat64);
-  auto U = torch::randn({in, 8}, torch::kFloat64);
-  auto A = torch::eye(in, torch::kFloat64) + U.matmul(U.t()) * 0.3;
-  auto s = torch::logspace(0, 1, in, 10.0, torch::kFloat64);
-  return Z.matmul(A) * s;
-}
-double output_error(const torch::Tensor& X, const torch::Tensor& W, const torch::Tensor& Wq) {
-  return (X.matmul(W.to(torch::kFloat64).t()) - X.matmul(Wq.to(torch::kFloat64).t())).norm().item<double>();
-}
-torch::Tensor rtn_dequant(const torch::Tensor& W, int bits, int group, bool sym) {
-  auto w = W.to(torch::kFloat32).contiguous();
-  const auto p = quant::rtn_quantize({w.data_ptr<float>(), std::size_t(w.numel())}, w.size(0), w.size(1),
-                                     {.bits = bits, .group_size = group, .sym = sym});
-  const auto d = quant::dequantize(p);
-  return torch::from_blob(const_cast<float*>(d.data()), {w.size(0), w.size(1)}, torch::kFloat32).clone();
-}
-torch::Tensor packed_dequant(const quant::PackedLinear& p) {
-  const auto d = quant::dequantize(p);
-  return torch::from_blob(const_cast<float*>(d.data()), {p.out, p.in}, torch::kFloat32).clone();
-}
-}  // namespace
+using squeeze::test::correlated_inputs;
+using squeeze::test::output_error;
+using squeeze::test::packed_dequant;
+using squeeze::test::rtn_dequant;
 
 struct GptqCase {
   int bits, group;

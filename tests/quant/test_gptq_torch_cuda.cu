@@ -7,31 +7,14 @@
 #include <squeeze/quant/pack.hpp>
 #include <squeeze/quant/rtn.hpp>
 
+#include "gptq_helpers.hpp"
+
 using namespace squeeze;
 
-namespace {
-// Correlated inputs X [n, in] (low-rank mixing, per-feature scales over 10x) and their Hessian on the CPU.
-torch::Tensor correlated_inputs(std::int64_t n, std::int64_t in, int seed) {
-  torch::manual_seed(seed);
-  auto Z = torch::randn({n, in}, torch::kFloat64);
-  auto U = torch::randn({in, 8}, torch::kFloat64);
-  auto A = torch::eye(in, torch::kFloat64) + U.matmul(U.t()) * 0.3;
-  return Z.matmul(A) * torch::logspace(0, 1, in, 10.0, torch::kFloat64);
-}
-double output_error(const torch::Tensor& X, const torch::Tensor& W, const torch::Tensor& Wq) {
-  const auto w = W.to(torch::kCPU, torch::kFloat64), q = Wq.to(torch::kCPU, torch::kFloat64);
-  return (X.matmul(w.t()) - X.matmul(q.t())).norm().item<double>();
-}
-torch::Tensor packed_dequant(const quant::PackedLinear& p) {
-  const auto d = quant::dequantize(p);
-  return torch::from_blob(const_cast<float*>(d.data()), {p.out, p.in}, torch::kFloat32).clone();
-}
-torch::Tensor rtn_dequant(const torch::Tensor& W, int bits, int group, bool sym) {
-  auto w = W.to(torch::kFloat32).contiguous();
-  return packed_dequant(quant::rtn_quantize({w.data_ptr<float>(), std::size_t(w.numel())}, w.size(0), w.size(1),
-                                            {.bits = bits, .group_size = group, .sym = sym}));
-}
-}  // namespace
+using squeeze::test::correlated_inputs;
+using squeeze::test::output_error;
+using squeeze::test::packed_dequant;
+using squeeze::test::rtn_dequant;
 
 // 300 inputs (blocks of 128 + 128 + 44; 96 with act-order's sort), 50 outputs: grouped (32, and 100, whose groups cross
 // blocks), per channel, act-order, static groups, 3 and 4 bits.
