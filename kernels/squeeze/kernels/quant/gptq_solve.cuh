@@ -15,7 +15,8 @@
 // update: ~12 launches each) it was bound by launch overhead on the GPU: 6.2 s for one LLaMA-7B decoder layer's seven
 // matrices on the H200 (bench/results/h200/gptq.jsonl, session 1). The kernel runs a block of 128 columns of all rows
 // in one launch: a warp per row, lane l holding columns l, l + 32, ... in registers; U's row i is read by every warp of
-// a thread block at once (L1).
+// a thread block at once (L1). H200 (bench_gptq, gptq-session20-run1 / -run3): the layer's seven solves in 0.34 s;
+// q_proj (4096 x 4096, act-order, g128) 0.024 s against 0.50 s with the column loop as libtorch ops in the same run.
 #include <cmath>
 #include <cstdint>
 
