@@ -329,3 +329,19 @@ TEST(QuantizedLinear, LoadedStateDictReplacesCachedWeightsAndActOrderHint) {
   EXPECT_TRUE(torch::equal(c->forward(x), y_b));
   EXPECT_FALSE(c->act_order());
 }
+
+// A weight given as a strided view (here the transpose of [in, out] storage, as GPT-2's Conv1D keeps it) is quantized as
+// its row-major copy would be: the column loop reads rows at a fixed pitch.
+TEST(Gptq, StridedWeightIsQuantizedAsItsContiguousCopy) {
+  auto X = correlated_inputs(256, 70, 11).to(torch::kFloat32);
+  nn::Hessian h(70, torch::kCPU);
+  h.add(X);
+  torch::manual_seed(12);
+  const auto W = torch::randn({70, 20}).t();  // [20, 70], column-major
+  ASSERT_FALSE(W.is_contiguous());
+  GptqOptions o;
+  o.group_size = 32;
+  const auto strided = nn::gptq_quantize(W, h.matrix(), o), dense = nn::gptq_quantize(W.contiguous(), h.matrix(), o);
+  EXPECT_TRUE(torch::equal(strided.dequantized, dense.dequantized));
+  EXPECT_TRUE(torch::equal(strided.codes, dense.codes));
+}

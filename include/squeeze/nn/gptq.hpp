@@ -186,7 +186,7 @@ inline GptqResult gptq_quantize(const torch::Tensor& weight, const torch::Tensor
   const std::int64_t rows = weight.size(0), cols = weight.size(1);
   TORCH_CHECK(hessian.dim() == 2 && hessian.size(0) == cols && hessian.size(1) == cols, "GPTQ: Hessian must be [in, in] = [",
               cols, ", ", cols, "], got ", hessian.sizes());
-  auto W = weight.detach().to(torch::kFloat32).clone();                 // [rows, cols]
+  auto W = weight.detach().to(torch::kFloat32).clone(at::MemoryFormat::Contiguous);  // [rows, cols], row-major (the column loop's pitch)
   auto H = hessian.detach().to(W.device(), torch::kFloat32).clone();  // [cols, cols]
   TORCH_CHECK(W.isfinite().all().item<bool>(), "GPTQ: weight contains NaN or inf");
   TORCH_CHECK(H.isfinite().all().item<bool>(), "GPTQ: Hessian contains NaN or inf (check the calibration activations)");
