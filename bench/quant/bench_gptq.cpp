@@ -29,12 +29,14 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// The peer: GPTQ (groups found at their first column, in processing order) with the column loop as libtorch ops, a
+// The peer: GPTQ (groups found at their first column, in processing order; symmetric grids as the benchmark uses) with
+// the column loop as libtorch ops, a
 // dozen small ops per column. Returns the loss, to check it solved the same problem.
 double gptq_torch_ops(const torch::Tensor& weight, const torch::Tensor& hessian, const squeeze::nn::GptqOptions& opt) {
   using torch::indexing::Slice;
   const std::int64_t rows = weight.size(0), cols = weight.size(1), gs = opt.group_size;
   const double maxq = double((1u << opt.bits) - 1u);
+  TORCH_CHECK(gs > 0, "gptq_torch_ops: grouped grids only (group_size > 0)");
   auto W = weight.to(torch::kFloat32).clone();
   auto H = hessian.to(torch::kFloat32).clone();
   if (opt.act_order) {
