@@ -30,8 +30,7 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 }
 
 // The peer: GPTQ (groups found at their first column, in processing order; symmetric grids as the benchmark uses) with
-// the column loop as libtorch ops, a
-// dozen small ops per column. Returns the loss, to check it solved the same problem.
+// the column loop as libtorch ops, a dozen small ops per column. Returns the loss, to check it solved the same problem.
 double gptq_torch_ops(const torch::Tensor& weight, const torch::Tensor& hessian, const squeeze::nn::GptqOptions& opt) {
   using torch::indexing::Slice;
   const std::int64_t rows = weight.size(0), cols = weight.size(1), gs = opt.group_size;
