@@ -16,9 +16,9 @@
 // Roofline: weight + scale + zero + x + y bytes over the time, as a fraction of a device-to-device copy's
 // bandwidth measured in the same run; and the GEMM's flops over the dense bf16 rate cuBLAS reaches on an
 // 8192 x 8192 x 8192 GEMM in the same run (tensor_fraction: the bound that matters from batch ~64 on). Per shape also
-// the time of a plain streaming read (16-byte loads, every SM)
-// of the 4-bit tiles and of the bf16 weights, timed the same way: what merely reading those bytes costs at this
-// size, so read_bf16_ms / read4_ms bounds the ratio any kernel can reach against a memory-bound peer.
+// the read bound of the 4-bit tiles and of the bf16 weights (read_bound.cuh: the fastest of several plain reads, timed the
+// same way): what merely reading those bytes costs at this size. The "bound" column, cuBLAS's time over the tiles' read
+// bound, is the ratio against cuBLAS no kernel that reads the tiles from DRAM can pass.
 // Usage: bench_qgemm_sm90 [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m LIST] [--shapes KxN,...] [--splits LIST] [--taper LIST] [--cfg NAME-SUBSTRING]
 //                         [--l2-flush clean|dirty] [--probes] [--streaming] [--trial] [--timeline]
 //   (--cfg: only the wgmma configurations whose names contain it (or one of a comma-separated list), and not the
@@ -49,6 +49,7 @@
 #include <squeeze/kernels/quant/qgemv.cuh>
 
 #include "gemm_timing.cuh"
+#include "read_bound.cuh"
 
 namespace kq = squeeze::kernels::quant;
 using squeeze::bf16;
@@ -480,20 +481,17 @@ int main(int argc, char** argv) {
   // what the GPU holds of each wgmma configuration at once (the K-split plan counts its waves in clusters)
   print_capacities(kq::detail::Sm90TuningCfgs{}, sm);
   if (trial) print_capacities(Sm90TrialCfgs{}, sm);
-  std::printf("%-18s %8s %8s %6s %5s | %8s %6s | %-16s %2s %8s %6s %5s | %s\n", "case", "ours ms", "cublas", "x cub", "roof", "mma ms", "x cub",
-              "best wgmma", "sp", "best ms", "x cub", "roof", "dispatch");
+  std::printf("%-18s %8s %8s %6s %5s %5s | %8s %6s | %-16s %2s %8s %6s %5s | %s\n", "case", "ours ms", "cublas", "x cub", "roof", "bound", "mma ms",
+              "x cub", "best wgmma", "sp", "best ms", "x cub", "roof", "dispatch");
   std::mt19937 rng(2026);
   for (const auto& [K, N] : shapes) {
     const Layer L(K, N, rng);
-    auto read_ms = [&](const void* p, std::size_t bytes) {
-      return time_ms([&] {
-        squeeze::bench::read_sweep_kernel<<<sm * 4, 512>>>(static_cast<const uint4*>(p), bytes / 16, nullptr);
-        SQUEEZE_CUDA_CHECK(cudaGetLastError());
-      }, reps);
-    };
-    const double read4_ms = read_ms(L.tiles.p, L.tiles.n * 4), read_bf16_ms = read_ms(L.w_bf16.p, L.w_bf16.n * 2);
-    std::printf("K%lld_N%lld: streaming read of the 4-bit tiles %.4f ms, of the bf16 weights %.4f ms (ratio bound %.2f)\n", (long long)K,
-                (long long)N, read4_ms, read_bf16_ms, read_bf16_ms / read4_ms);
+    const squeeze::bench::ReadBound read4 = squeeze::bench::read_bound(L.tiles.p, L.tiles.n * 4, sm, prop.major, reps),
+                                    read_bf16 = squeeze::bench::read_bound(L.w_bf16.p, L.w_bf16.n * 2, sm, prop.major, reps);
+    const double read4_ms = read4.ms, read_bf16_ms = read_bf16.ms;
+    std::printf("K%lld_N%lld: read bound of the 4-bit tiles %.4f ms (%s), of the bf16 weights %.4f ms (%s), ratio bound %.2f\n", (long long)K,
+                (long long)N, read4_ms, read4.how.c_str(), read_bf16_ms, read_bf16.how.c_str(), read_bf16_ms / read4_ms);
+    std::printf("  reads of the 4-bit tiles (ms): %s\n  reads of the bf16 weights (ms): %s\n", describe(read4).c_str(), describe(read_bf16).c_str());
     for (const std::int64_t M : batches) {
       const std::string cs = "K" + std::to_string(K) + "_N" + std::to_string(N) + "_M" + std::to_string(M);
       if (!only.empty() && cs.find(only) == std::string::npos) continue;
@@ -569,8 +567,8 @@ int main(int argc, char** argv) {
         return ms > 0 && tensor_tflops > 0 ? 2.0 * double(M) * double(N) * double(K) / (ms * 1e9) / tensor_tflops : 0.0;
       };
       const std::string dispatch = kq::quant_gemm_describe(s, sm);
-      std::printf("%-18s %8.4f %8.4f %6.2f %5.2f | %8.4f %6.2f | %-16s %2d %8.4f %6.2f %5.2f | %s%s\n", cs.c_str(), t_ours, t_cub, t_ours > 0 ? t_cub / t_ours : 0.0,
-                  roof(t_ours), t_mma, t_cub / t_mma, best ? best->name.c_str() : "-", best ? best->splits : 0, best ? best->ms : 0.0,
+      std::printf("%-18s %8.4f %8.4f %6.2f %5.2f %5.2f | %8.4f %6.2f | %-16s %2d %8.4f %6.2f %5.2f | %s%s\n", cs.c_str(), t_ours, t_cub, t_ours > 0 ? t_cub / t_ours : 0.0,
+                  roof(t_ours), t_cub / read4_ms, t_mma, t_cub / t_mma, best ? best->name.c_str() : "-", best ? best->splits : 0, best ? best->ms : 0.0,
                   best ? t_cub / best->ms : 0.0, best ? roof(best->ms) : 0.0, dispatch.c_str(), err_ours < 2e-2 ? "" : "  BAD (ours vs mma.sync)");
       for (const auto& t : wg)
         if (!(t.err < 2e-2)) std::printf("  %s splits %d: rel err %.2e vs mma.sync: BAD\n", t.name.c_str(), t.splits, t.err);
@@ -579,7 +577,8 @@ int main(int argc, char** argv) {
         std::ostringstream j;
         j << "{\"bench\": \"gemm4_probe\", \"case\": \"" << cs << "\", \"time_ms\": " << t_ours << ", \"peer\": \"cublas_bf16\", \"peer_time_ms\": " << t_cub
           << ", \"ratio_vs_peer\": " << (t_ours > 0 ? t_cub / t_ours : 0.0) << ", \"roofline_fraction\": " << roof(t_ours) << ", \"tensor_fraction\": " << tensor_fraction(t_ours)
-          << ", \"tensor_tflops\": " << tensor_tflops << ", \"mma_time_ms\": " << t_mma << ", \"read4_ms\": " << read4_ms << ", \"read_bf16_ms\": " << read_bf16_ms
+          << ", \"tensor_tflops\": " << tensor_tflops << ", \"mma_time_ms\": " << t_mma << ", \"read4_ms\": " << read4_ms << ", \"read4_how\": \"" << read4.how << "\", \"read_bf16_ms\": " << read_bf16_ms
+          << ", \"ratio_bound_vs_peer\": " << t_cub / read4_ms
           << ", \"dispatch\": \"" << dispatch << "\", \"ours_rel_err_vs_mma\": " << json_num(err_ours) << ", \"copy_gbs\": " << copy_gbs << ", \"l2_flush\": \"" << squeeze::bench::l2_flush_name() << "\", \"device\": \""
           << prop.name << "\", \"commit\": \"" << (commit ? commit : "unknown") << "\", \"wgmma\": [";
         for (std::size_t i = 0; i < wg.size(); ++i)
