@@ -164,6 +164,18 @@ TEST(Gptq, WeightsPastHalfRangeAndWideBlocksErrorClearly) {
   }
 }
 
+// A layer of no outputs or no inputs is named as such, not refused by the column loop's bounds check.
+TEST(Gptq, EmptyWeightErrorsClearly) {
+  for (const auto& [rows, cols] : {std::pair{0, 64}, std::pair{8, 0}}) {
+    try {
+      nn::gptq_quantize(torch::randn({rows, cols}), torch::eye(cols), GptqOptions{});
+      ADD_FAILURE() << "expected an error for [" << rows << ", " << cols << "]";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("is empty"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(Gptq, DeadInputsGetZeroWeight) {
   auto X = correlated_inputs(256, 40, 9).to(torch::kFloat32);
   X.index_put_({torch::indexing::Slice(), 5}, 0.0);

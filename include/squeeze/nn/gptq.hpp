@@ -184,6 +184,7 @@ inline GptqResult gptq_quantize(const torch::Tensor& weight, const torch::Tensor
   TORCH_CHECK(opt.percdamp >= 0, "GPTQ: percdamp must be >= 0");
   TORCH_CHECK(weight.dim() == 2, "GPTQ: weight must be [out, in]");
   const std::int64_t rows = weight.size(0), cols = weight.size(1);
+  TORCH_CHECK(rows > 0 && cols > 0, "GPTQ: weight ", weight.sizes(), " is empty (a layer needs at least one output and one input)");
   TORCH_CHECK(hessian.dim() == 2 && hessian.size(0) == cols && hessian.size(1) == cols, "GPTQ: Hessian must be [in, in] = [",
               cols, ", ", cols, "], got ", hessian.sizes());
   auto W = weight.detach().to(torch::kFloat32).clone(at::MemoryFormat::Contiguous);  // [rows, cols], row-major (the column loop's pitch)
