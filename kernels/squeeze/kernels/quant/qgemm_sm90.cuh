@@ -552,6 +552,19 @@ __device__ __forceinline__ void pin_operands(std::uint32_t (&a)[4][WM][4], float
 #pragma unroll
     for (int i = 0; i < NACC; ++i) pin(acc[t][i]);
 }
+// A K-split tile's counter in global memory. The block's partials are ordered before its arrival by a block barrier
+// and one thread's release (PTX's memory model: the barrier, then release cumulativity), and the other blocks'
+// partials before its reads by that thread's acquire and the next block barrier, so no thread fences on its own.
+__device__ __forceinline__ int atom_add_acq_rel_gpu(int* p, int v) {
+  int old;
+  asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
 // Every thread of every block of the cluster (release / acquire: shared-memory writes before it are seen by the
 // cluster's reads after it).
 __device__ __forceinline__ void cluster_sync() {
@@ -1099,14 +1112,12 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         if ((u < u_begin || u >= u_end) && cc < cols)
           __stcg(reinterpret_cast<float4*>(part + std::int64_t(m0 + r) * p.Npad + n0 + cc), *reinterpret_cast<const float4*>(buf + r * PITCH + cc));
       }
-      __threadfence();  // partials visible device-wide before the counter says so
-      consumer_bar_sync(C::CONSUMERS);
+      consumer_bar_sync(C::CONSUMERS);  // every share written, then released by thread 0's arrival
       if (tid == 0) {
-        atomicAdd(counter, 1);
-        while (*static_cast<volatile int*>(counter) < p.splits) __nanosleep(64);
-        __threadfence();
+        atom_add_acq_rel_gpu(counter, 1);
+        while (ld_acquire_gpu(counter) < p.splits) __nanosleep(64);
       }
-      consumer_bar_sync(C::CONSUMERS);
+      consumer_bar_sync(C::CONSUMERS);  // the other blocks' shares, acquired by thread 0, for every thread
       if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStaged, clock64());
       for (int w0 = u_begin + (tid & ~31); w0 < u_end; w0 += C::CONSUMERS) {  // whole warps (store_pairs shuffles)
         const int u = w0 + lane, r = u / (STRIP / 4), cc = (u % (STRIP / 4)) * 4;
@@ -1145,14 +1156,12 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         const int n = n0 + nl + 64 * t + 8 * ((i >> 1) & 1), m = m0 + 8 * (i >> 2) + 2 * c4 + (i & 1);
         if (m < p.M && n < p.Npad) part[std::int64_t(m) * p.Npad + n] = acc[t][i];
       }
-    __threadfence();  // partials visible device-wide before the counter says so
-    consumer_bar_sync(C::CONSUMERS);
+    consumer_bar_sync(C::CONSUMERS);  // every partial written, then released by thread 0's arrival
     if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueWaited, clock64());
-    if (tid == 0) last_flag = atomicAdd(counter, 1) == p.splits - 1;
+    if (tid == 0) last_flag = atom_add_acq_rel_gpu(counter, 1) == p.splits - 1;  // the last: the others' partials acquired
     consumer_bar_sync(C::CONSUMERS);
     if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStaged, clock64());
     if (!last_flag) return;
-    __threadfence();
     // the last block: 4 features per lane, 4 K ranges' loads in flight at a time (Npad and n0 are multiples of 16:
     // the float4 loads are aligned). (Batches of 8 predicated loads, as in the cluster form, measured 4% slower at 4
     // splits and 12% at 16 on the H200, gemm4_probe-session10-run5 against -run1.)
