@@ -49,6 +49,7 @@
 #include "../policy/strategy.hpp"
 #include "../quant/nf4.hpp"
 #include "../quant/rtn.hpp"
+#include "adamw8_optimizer.hpp"
 #include "quantized_linear.hpp"
 #include "sharded.hpp"
 #include "squeeze/kernels/quant/nf4.hpp"
@@ -587,8 +588,8 @@ LoraSetup prepare_lora(torch::nn::Module& model, torch::Device device) {
   return s;
 }
 
-// A minimal LoRA / QLoRA trainer: prepare_lora<S>, then AdamW over the adapters only, with S's gradient
-// accumulation and a global-norm clip. Adapters are fp32 (master) and are cast to the activations' dtype in
+// A minimal LoRA / QLoRA trainer: prepare_lora<S>, then AdamW over the adapters only (8-bit moments, nn::AdamW8,
+// under Quantized<8, Blockwise8>), with S's gradient accumulation and a global-norm clip. Adapters are fp32 (master) and are cast to the activations' dtype in
 // forward, so bf16 compute needs no master copy; fp16 would need loss scaling, which this trainer leaves out.
 struct LoraTrainOptions {
   double lr = 1e-3;
@@ -607,16 +608,19 @@ class LoraTrainer {
   static_assert(S::has_lora && S::training, "LoraTrainer<S> trains LoRA adapters: S needs LoRA<R, A> (and no Inference)");
   static_assert(!S::loss_scaling, "LoraTrainer keeps no loss scale: use Precision<bf16, float> (or float) with LoRA, not fp16");
   static_assert(S::stage == 0 && !S::offload_to_host, "LoraTrainer runs on one device: the adapters are small, drop Sharded/Offload");
-  static_assert(S::state_bits == 32, "LoraTrainer keeps fp32 Adam moments: 8-bit optimizer state (Quantized<8, Blockwise8>) is not implemented; remove it");
+  static_assert(S::state_bits == 32 || S::state_quantization::group == int(kernels::kStateBlock),
+                "LoraTrainer's 8-bit optimizer state uses blocks of 256 values: write Quantized<8, Blockwise8> (or Group<256>)");
 
  public:
   LoraTrainer(torch::nn::Module& model, torch::Device device, const LoraTrainOptions& o = {}) : opt_(o) {
     setup_ = prepare_lora<S>(model, device);
-    optimizer_ = std::make_unique<torch::optim::AdamW>(
+    optimizer_ = std::make_unique<Optimizer>(
         setup_.parameters, torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
   }
   const LoraSetup& setup() const { return setup_; }
-  torch::optim::AdamW& optimizer() { return *optimizer_; }
+  // torch::optim::AdamW, or nn::AdamW8 under Quantized<8, Blockwise8> (the adapters' moments as 8-bit codes)
+  using Optimizer = std::conditional_t<S::state_bits == 8, AdamW8, torch::optim::AdamW>;
+  Optimizer& optimizer() { return *optimizer_; }
 
   // micro_loss(i) returns the mean loss of micro-batch i in [0, S::accumulation_steps).
   template <class Fn>
@@ -639,7 +643,7 @@ class LoraTrainer {
  private:
   LoraTrainOptions opt_;
   LoraSetup setup_;
-  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  std::unique_ptr<Optimizer> optimizer_;
 };
 
 }  // namespace squeeze::nn

@@ -93,6 +93,7 @@
 #include "../comm/communicator.hpp"
 #include "../plan/memory.hpp"
 #include "../policy/strategy.hpp"
+#include "adamw8_optimizer.hpp"
 #include "flat_params.hpp"
 #include "offload.hpp"
 #include "sharded.hpp"
@@ -184,46 +185,6 @@ template <class T> constexpr torch::ScalarType scalar_type_of() {
   if constexpr (std::is_same_v<T, float>) return torch::kFloat32;
   else if constexpr (std::is_same_v<T, half>) return torch::kFloat16;
   else return torch::kBFloat16;
-}
-
-// Device work on a whole partition goes in chunks of this many elements, so its fp32/fp64 temporaries stay
-// small (a 1 B-parameter stage-1 partition would otherwise need ~13 bytes per parameter of them).
-inline constexpr int64_t kDeviceChunk = int64_t(1) << 24;
-
-// One AdamW update in torch ops, for tensors our kernels cannot reach from a host-compiled TU (device buffers)
-// or that need no kernel (the LLaMA example's local trainer): w, m, v fp32, g32 the fp32 gradient already
-// multiplied by clip / loss scale. Same math as kernels::adamw_element.
-inline void adamw_torch_ops(torch::Tensor& w, torch::Tensor& m, torch::Tensor& v, const torch::Tensor& g32, const kernels::AdamWCoeffs& c) {
-  m.mul_(c.beta1).add_(g32, 1.0f - c.beta1);
-  v.mul_(c.beta2).addcmul_(g32, g32, 1.0f - c.beta2);
-  const torch::Tensor denom = v.sqrt().mul_(c.inv_sqrt_bc2).add_(c.eps);
-  w.mul_(1.0f - c.lr * c.weight_decay).addcdiv_(m, denom, -c.step_size);
-}
-
-// 8-bit state (Quantized<8, Blockwise8>) in torch ops, for device buffers in a host-compiled TU: the maps and
-// the nearest-code rule of kernels/adamw8.hpp (torch::bucketize over the 255 midpoints counts those below x,
-// which is nearest_code), block scales of kernels::kStateBlock elements.
-struct StateMapTensors {
-  torch::Tensor value, mid;  // [256], [255] fp32
-};
-inline StateMapTensors state_map_tensors(const kernels::StateCodeMap& map, torch::Device device) {
-  auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
-  return {torch::from_blob(const_cast<float*>(map.value), {kernels::kStateCodes}, f32).to(device),
-          torch::from_blob(const_cast<float*>(map.mid), {kernels::kStateCodes - 1}, f32).to(device)};
-}
-// codes [n] uint8, absmax [ceil(n / 256)] -> values [n] fp32
-inline torch::Tensor decode_state(const torch::Tensor& codes, const torch::Tensor& absmax, const StateMapTensors& map) {
-  return map.value.index_select(0, codes.to(torch::kInt64)) *
-         absmax.repeat_interleave(kernels::kStateBlock).narrow(0, 0, codes.numel());
-}
-// values [n] fp32 -> codes [n] uint8 and absmax [ceil(n / 256)], written in place.
-inline void encode_state(const torch::Tensor& x, torch::Tensor codes, torch::Tensor absmax, const StateMapTensors& map) {
-  const int64_t n = x.numel(), blocks = absmax.numel();
-  const torch::Tensor padded = torch::constant_pad_nd(x, {0, blocks * kernels::kStateBlock - n}).view({blocks, kernels::kStateBlock});
-  const torch::Tensor a = padded.abs().amax(1);                                     // [blocks]
-  const torch::Tensor inv = torch::where(a > 0, a.reciprocal(), torch::zeros_like(a));  // as kernels::inverse_absmax
-  codes.copy_(torch::bucketize((padded * inv.unsqueeze(1)).view({-1}).narrow(0, 0, n), map.mid));
-  absmax.copy_(a);
 }
 
 // Sum of squares in double, deterministic: host sequentially; device by sum_squares_tensor (nn/offload.hpp, the
@@ -1008,14 +969,8 @@ class Trainer {
           auto blocks = [&](const torch::Tensor& t) {
             return t.narrow(0, off / kernels::kStateBlock, kernels::state_blocks(len));
           };
-          if (!maps_[0].value.defined())
-            maps_ = {detail::state_map_tensors(kernels::signed_state_map(), device_),
-                     detail::state_map_tensors(kernels::unsigned_state_map(), device_)};
-          torch::Tensor m = detail::decode_state(part(o.m), blocks(o.m_absmax), maps_[0]);
-          torch::Tensor v = detail::decode_state(part(o.v), blocks(o.v_absmax), maps_[1]);
-          detail::adamw_torch_ops(w, m, v, g, c);
-          detail::encode_state(m, part(o.m), blocks(o.m_absmax), maps_[0]);
-          detail::encode_state(v, part(o.v), blocks(o.v_absmax), maps_[1]);
+          if (!maps_.m.value.defined()) maps_ = detail::state_maps(device_);
+          detail::adamw8_torch_ops(w, g, part(o.m), blocks(o.m_absmax), part(o.v), blocks(o.v_absmax), maps_, c);
         } else {
           torch::Tensor m = part(o.m), v = part(o.v);
           detail::adamw_torch_ops(w, m, v, g, c);
@@ -1047,7 +1002,7 @@ class Trainer {
   int64_t applied_ = 0, skipped_ = 0;
   int64_t last_window_rs_bytes_ = 0;
   bool last_eager_ = false;
-  std::array<detail::StateMapTensors, 2> maps_;  // 8-bit state on the device: signed (m) and unsigned (v) maps
+  detail::StateMaps maps_;  // 8-bit state on the device: the signed (m) and unsigned (v) maps
 };
 
 // module: a torch::nn::ModuleHolder (e.g. an `MLP` from TORCH_MODULE) or a shared_ptr to a Module.
