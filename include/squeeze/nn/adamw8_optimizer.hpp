@@ -145,6 +145,7 @@ class AdamW8 : public torch::optim::Optimizer {
                                                                   st.m_absmax.data_ptr<float>(), st.v.data_ptr<std::uint8_t>(),
                                                                   st.v_absmax.data_ptr<float>(), n},
                               c);
+          p.unsafeGetTensorImpl()->bump_version();  // written through its pointer: as an in-place op would, for autograd's checks
         } else {
           if (!maps_.m.value.defined() || maps_.m.value.device() != p.device()) maps_ = detail::state_maps(p.device());
           const torch::Tensor w = p.view({-1}), g = p.grad().reshape({-1});
