@@ -589,8 +589,9 @@ LoraSetup prepare_lora(torch::nn::Module& model, torch::Device device) {
 }
 
 // A minimal LoRA / QLoRA trainer: prepare_lora<S>, then AdamW over the adapters only (8-bit moments, nn::AdamW8,
-// under Quantized<8, Blockwise8>), with S's gradient accumulation and a global-norm clip. Adapters are fp32 (master) and are cast to the activations' dtype in
-// forward, so bf16 compute needs no master copy; fp16 would need loss scaling, which this trainer leaves out.
+// under Quantized<8, Blockwise8>), with S's gradient accumulation and a global-norm clip. Adapters are fp32 (master)
+// and are cast to the activations' dtype in forward, so bf16 compute needs no master copy; fp16 would need loss
+// scaling, which this trainer leaves out.
 struct LoraTrainOptions {
   double lr = 1e-3;
   double weight_decay = 0.0;
