@@ -78,6 +78,9 @@ void for_each_strategy(F&& f) {
       "zero3-offload-bf16-ckpt-adam8");
   // QLoRA (squeeze's LoraTrainer): NF4 base weights, bf16 compute, fp32 adapters. CPU, or CUDA from an nvcc TU.
   f.template operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed>>("qlora");
+  // ... with the adapters' Adam moments as 8-bit codes (nn::AdamW8; 2 bytes + 8/256 per adapter value instead of 8)
+  f.template operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed, Quantized<8, Blockwise8>>>(
+      "qlora-adam8");
   // The same on a GPTQ-format 4-bit base (group 128; the values by round-to-nearest: apply_lora has no calibration
   // data; a GPTQ-quantized checkpoint has the same format, memory and kernels).
   f.template operator()<Strategy<Quantized<4, RTN, Group<128>>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed>>("gptq4-lora");

@@ -726,6 +726,12 @@ TEST(LlamaCheckpoint, RoundTripContinuesExactlyQLoRA) {
   round_trip<QLoRA>(/*other_seed=*/9);
 }
 
+// The same with the adapters' Adam moments as 8-bit codes (nn::AdamW8): its codes, scales and steps come back.
+TEST(LlamaCheckpoint, RoundTripContinuesExactlyQLoRAAdam8) {
+  round_trip<squeeze::Strategy<squeeze::Quantized<4, squeeze::NF4, squeeze::DoubleQuant>, squeeze::LoRA<8, 16>, squeeze::Precision<squeeze::bf16, float>,
+                               squeeze::Checkpointed, squeeze::Quantized<8, squeeze::Blockwise8>>>(/*other_seed=*/9);
+}
+
 TEST(LlamaCheckpoint, QLoRARefusesAnotherBase) {
   TempDir dir;
   torch::manual_seed(9);
