@@ -18,7 +18,7 @@
 // --smoke: the "tiny" preset on the CPU for two steps per case (CI: it runs, nothing is measured).
 #include <squeeze/comm/local.hpp>
 #include <squeeze/nn/llama.hpp>
-#include <squeeze/nn/trainer.hpp>
+#include <squeeze/train/trainer.hpp>
 #include <squeeze/optim/adamw.hpp>
 
 #include <torch/torch.h>

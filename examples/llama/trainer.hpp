@@ -17,7 +17,7 @@
 #include <squeeze/comm/local.hpp>
 #include <squeeze/nn/llama.hpp>
 #include <squeeze/nn/lora.hpp>
-#include <squeeze/nn/trainer.hpp>
+#include <squeeze/train/trainer.hpp>
 #include <squeeze/optim/adamw.hpp>
 #include <squeeze/plan.hpp>
 #include <squeeze/policy.hpp>

@@ -18,7 +18,7 @@
 #include <squeeze/nn/llama.hpp>
 #include <squeeze/nn/lora.hpp>
 #include <squeeze/nn/quantized_linear.hpp>
-#include <squeeze/quant/checkpoint.hpp>
+#include <squeeze/quant/gptq_file.hpp>
 #include <squeeze/quant/rtn.hpp>
 
 #include <torch/torch.h>

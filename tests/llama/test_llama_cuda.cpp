@@ -4,7 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <squeeze/nn/checkpoint.hpp>
+#include <squeeze/nn/activation_checkpoint.hpp>
 
 #include "trainer.hpp"
 

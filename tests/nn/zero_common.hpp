@@ -10,9 +10,9 @@
 #include <iostream>
 #include <map>
 #include <squeeze/comm/local.hpp>
-#include <squeeze/nn/flat_params.hpp>
+#include <squeeze/train/flat_params.hpp>
 #include <squeeze/nn/sharded.hpp>
-#include <squeeze/nn/trainer.hpp>
+#include <squeeze/train/trainer.hpp>
 #include <squeeze/optim/adamw.hpp>
 
 namespace zero_test {

@@ -5,7 +5,7 @@
 #include <fstream>
 #include <random>
 #include <squeeze/io/safetensors.hpp>
-#include <squeeze/quant/checkpoint.hpp>
+#include <squeeze/quant/gptq_file.hpp>
 #include <squeeze/quant/rtn.hpp>
 
 using namespace squeeze;

@@ -21,7 +21,7 @@
 
 #include "../plan/memory.hpp"
 #include "../plan/model_shape.hpp"
-#include "checkpoint.hpp"
+#include "activation_checkpoint.hpp"
 #include "lora.hpp"
 #include "sharded.hpp"
 

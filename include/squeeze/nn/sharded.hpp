@@ -27,7 +27,7 @@
 //
 // Prefetch: one layer ahead (forward order in forward, its reverse in backward), issued right after the
 // current layer's gather. On CUDA with a device communicator (NcclComm) the gathers and the
-// gradient reduce-scatters run on a side stream (nn/streams.hpp): the side stream waits for the compute
+// gradient reduce-scatters run on a side stream (train/streams.hpp): the side stream waits for the compute
 // issued so far, the collective is enqueued without a host wait, and the compute stream waits for the
 // gathered buffer only where the layer uses it -- so the next layer's gather overlaps this layer's compute.
 // Elsewhere (CPU, LocalComm) the same operations run in the same order, blocking.
@@ -46,8 +46,8 @@
 #include <vector>
 
 #include "../comm/communicator.hpp"
-#include "flat_params.hpp"
-#include "streams.hpp"
+#include "../train/flat_params.hpp"
+#include "../train/streams.hpp"
 
 namespace squeeze::nn {
 

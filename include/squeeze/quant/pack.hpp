@@ -38,7 +38,7 @@ inline void check_bits(int bits) {
 // Number of int32 words holding `count` codes of `bits` bits.
 constexpr std::int64_t packed_words(std::int64_t count, int bits) { return (count * bits + 31) / 32; }
 
-using kernels::quant::stream_get;  // the bit stream of the format (kernels/squeeze/kernels/quant/bitstream.cuh)
+using kernels::quant::stream_get;  // the bit stream of the format (squeeze/kernels/quant/bitstream.cuh)
 using kernels::quant::stream_put;
 
 // ---- the packed tensors of one layer ----------------------------------------------------------------------

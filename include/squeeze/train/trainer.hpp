@@ -45,7 +45,7 @@
 // Without Accumulate the two choices coincide. All ranks must run the same graph (the buckets complete in the
 // same order everywhere; parameters that get no gradient are reduced as zeros after backward, in bucket order).
 //
-// Offload<Host> (nn/offload.hpp): each partition's gradient shard streams to pinned host memory as soon as it
+// Offload<Host> (train/offload.hpp): each partition's gradient shard streams to pinned host memory as soon as it
 // is final (inside backward), with its sum of squares (summed on the GPU before the copy; by the CPU worker
 // for a CPU model); then
 //   eager    (no clipping and no loss scaling: the update cannot depend on the other partitions) the worker
@@ -93,10 +93,10 @@
 #include "../comm/communicator.hpp"
 #include "../plan/memory.hpp"
 #include "../policy/strategy.hpp"
-#include "adamw8_optimizer.hpp"
+#include "../nn/adamw8_optimizer.hpp"
 #include "flat_params.hpp"
 #include "offload.hpp"
-#include "sharded.hpp"
+#include "../nn/sharded.hpp"
 #include "squeeze/kernels/adamw.hpp"
 #include "squeeze/kernels/adamw8.hpp"
 #include "squeeze/kernels/grad_norm.hpp"
@@ -187,7 +187,7 @@ template <class T> constexpr torch::ScalarType scalar_type_of() {
   else return torch::kBFloat16;
 }
 
-// Sum of squares in double, deterministic: host sequentially; device by sum_squares_tensor (nn/offload.hpp, the
+// Sum of squares in double, deterministic: host sequentially; device by sum_squares_tensor (train/offload.hpp, the
 // function Offload<Host> runs on the device too, so offloaded and device-resident partitions give the same bits),
 // one read-back.
 inline double sum_squares(const torch::Tensor& t) {
