@@ -591,7 +591,7 @@ std::vector<torch::Tensor> stage3_weights(int steps, int64_t chunk, int64_t ever
     ZeroTrainer<S> t(models[r], o, torch::kCPU, comm);
     t.model()->checkpoint_every = every;
     EXPECT_EQ(t.model()->loss_chunk_tokens, chunk);
-    squeeze::nn::Stage3Group* head = t.model()->head->group();
+    squeeze::train::Stage3Group* head = t.model()->head->group();
     EXPECT_NE(head, nullptr);
     for (int s = 0; s < steps; ++s) {
       const auto [x, y] = batch(data, 8, 16, 100 * r + s);
@@ -755,7 +755,7 @@ TEST(LlamaCheckpoint, QLoRARefusesAnotherBase) {
 }
 
 // ZeRO-3 + offload: every rank's file brings back the full weights, its optimizer partitions and the counters
-// (nn::Trainer::restore_counters), so the resumed run continues exactly.
+// (train::Trainer::restore_counters), so the resumed run continues exactly.
 TEST(LlamaCheckpoint, RoundTripContinuesExactlyZero3Offload) {
   using S = squeeze::Strategy<squeeze::Sharded<squeeze::Stage3>, squeeze::Offload<squeeze::Host>, squeeze::Precision<squeeze::bf16, float>>;
   round_trip<S>();

@@ -1,4 +1,4 @@
-// nn::Trainer with 8-bit optimizer state (Quantized<8, Blockwise8>; kernels/adamw8.hpp), on LocalComm ranks on
+// train::Trainer with 8-bit optimizer state (Quantized<8, Blockwise8>; kernels/adamw8.hpp), on LocalComm ranks on
 // the CPU: training against the fp32-state run, memory against the planner, checkpoint round trips, the
 // offload pipeline's overlapped == in-order guarantee, and the device path's torch ops against the kernels.
 #include "zero_common.hpp"
@@ -37,7 +37,7 @@ RunResult train_cycled(int world, int steps) {
   return out;
 }
 
-double mean_loss(const std::vector<nn::StepResult>& log, std::size_t from, std::size_t to) {
+double mean_loss(const std::vector<train::StepResult>& log, std::size_t from, std::size_t to) {
   double s = 0;
   for (std::size_t i = from; i < to; ++i) s += log[i].loss;
   return s / double(to - from);
@@ -83,10 +83,10 @@ TEST(Adam8Trainer, CpuModelWithoutOffloadTrains) {
 // eager (no clipping) and deferred (clipping).
 TEST(Adam8Trainer, OverlappedOffloadEqualsInOrder) {
   for (float clip : {0.f, 0.05f}) {
-    nn::TrainerOptions in_order;
+    train::TrainerOptions in_order;
     in_order.overlap_offload = false;
     in_order.max_grad_norm = clip;
-    nn::TrainerOptions overlapped;
+    train::TrainerOptions overlapped;
     overlapped.max_grad_norm = clip;
     const auto a = train<Z3Off8>(Model::llama, 2, 4, in_order);
     const auto b = train<Z3Off8>(Model::llama, 2, 4, overlapped);
@@ -97,7 +97,7 @@ TEST(Adam8Trainer, OverlappedOffloadEqualsInOrder) {
 // Bytes of 8-bit state: 2 per element + 8 per 256-element block of each partition. The planner counts blocks
 // over the whole shard, so it may be short by up to 8 bytes per partition (a partial last block each).
 TEST(Adam8Trainer, StateBytesMatchThePlanner) {
-  nn::TrainerOptions opt;
+  train::TrainerOptions opt;
   opt.align_bytes = 1;
   for (int world : {1, 2}) {
     const Data data = make_data(Model::llama, world, 1, 2);
@@ -158,7 +158,7 @@ TEST(Adam8Trainer, CheckpointRoundTripContinuesBitwise) {
       state.emplace_back();
       for (auto& t : part) state.back().push_back(t.defined() ? t.clone() : t);
     }
-    EXPECT_EQ((nn::Trainer<Z3Off8, Hyper>::optimizer_state_names()), (std::vector<std::string>{"master", "m", "v", "m_absmax", "v_absmax"}));
+    EXPECT_EQ((train::Trainer<Z3Off8, Hyper>::optimizer_state_names()), (std::vector<std::string>{"master", "m", "v", "m_absmax", "v_absmax"}));
     const int64_t applied = trainer.steps_applied();
     for (int s = first; s < first + second; ++s) step(trainer, *model, s);
     for (auto& [n, t] : trainer.full_parameters()) straight[r][n] = t.to(torch::kFloat32);
@@ -169,11 +169,11 @@ TEST(Adam8Trainer, CheckpointRoundTripContinuesBitwise) {
     {
       torch::NoGradGuard ng;
       for (auto& item : model2->named_modules()) {
-        auto* sh = dynamic_cast<nn::Shardable*>(item.value().get());
+        auto* sh = dynamic_cast<train::Shardable*>(item.value().get());
         if (sh == nullptr || sh->group() == nullptr) continue;
-        nn::Stage3Group& g = *sh->group();
+        train::Stage3Group& g = *sh->group();
         torch::Tensor full = torch::zeros({g.layout.padded()}, g.shard.options().requires_grad(false));
-        for (const auto& e : g.layout.entries()) nn::FlatParams::view(full, e).copy_(weights.at(e.name));
+        for (const auto& e : g.layout.entries()) train::FlatParams::view(full, e).copy_(weights.at(e.name));
         g.shard.detach().copy_(g.layout.shard_of(full, r));
       }
       for (auto& p : model2->named_parameters())
@@ -220,7 +220,7 @@ TEST(Adam8Trainer, TorchOpsStatePathMatchesTheKernels) {
   torch::Tensor mc = torch::randint(0, 256, {n}, torch::kUInt8), vc = torch::randint(0, 256, {n}, torch::kUInt8);
   torch::Tensor ma = torch::rand({sk::state_blocks(n)}) * 0.1, va = torch::rand({sk::state_blocks(n)}) * 0.01;
   torch::Tensor w2 = w.clone(), mc2 = mc.clone(), vc2 = vc.clone(), ma2 = ma.clone(), va2 = va.clone();
-  // the update nn::Trainer's device partitions and nn::AdamW8's device parameters run, here on host tensors
+  // the update train::Trainer's device partitions and nn::AdamW8's device parameters run, here on host tensors
   nn::detail::adamw8_torch_ops(w, g, mc, ma, vc, va, nn::detail::state_maps(torch::kCPU), c);
   sk::adamw8_cpu(sk::AdamW8Tensor<float, float>{w2.data_ptr<float>(), nullptr, g.data_ptr<float>(), mc2.data_ptr<std::uint8_t>(),
                                                 ma2.data_ptr<float>(), vc2.data_ptr<std::uint8_t>(), va2.data_ptr<float>(), n},
@@ -245,7 +245,7 @@ TEST(Adam8Trainer, CudaDeviceStateTracksTheCpuRun) {
     auto model = make_model(Model::llama, torch::kBFloat16);
     model->to(dev);
     auto trainer = make_trainer<S>(model, Hyper{}, LocalComm::single());
-    std::vector<nn::StepResult> log;
+    std::vector<train::StepResult> log;
     for (int s = 0; s < 30; ++s)
       log.push_back(trainer.step([&] { return model_loss(Model::llama, *model, data.x[s % 2][0].to(dev), data.y[s % 2][0]); }));
     for (const auto& part : trainer.optimizer_state()) {

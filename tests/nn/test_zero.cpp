@@ -80,9 +80,9 @@ TEST(Stage3, PrefetchAndPersistenceKeepResultsBitwise) {
   using S3 = Strategy<Sharded<Stage3>, Precision<bf16, float>>;
   for (int world : {2, 3}) {
     const auto base = train<S0>(Model::llama, world, 4);
-    nn::TrainerOptions no_prefetch;
+    train::TrainerOptions no_prefetch;
     no_prefetch.prefetch = false;
-    nn::TrainerOptions persistent;
+    train::TrainerOptions persistent;
     persistent.persistence_threshold = 300;  // k, v (128 each) and q, o (256 each) stay whole; the rest is sharded
     expect_bitwise(train<S3>(Model::llama, world, 4).params, base.params, "Stage3 prefetch");
     expect_bitwise(train<S3>(Model::llama, world, 4, no_prefetch).params, base.params, "Stage3 without prefetch");
@@ -91,11 +91,11 @@ TEST(Stage3, PrefetchAndPersistenceKeepResultsBitwise) {
 }
 
 template <class S>
-nn::MemoryUse memory_use(int world, nn::TrainerOptions opt) {
+train::MemoryUse memory_use(int world, train::TrainerOptions opt) {
   const Data data = make_data(Model::llama, world, 2, 2);
   std::vector<std::shared_ptr<torch::nn::Module>> models;
   for (int r = 0; r < world; ++r) models.push_back(make_model(Model::llama, torch::kFloat32));
-  nn::MemoryUse use;
+  train::MemoryUse use;
   run_ranks(world, [&](std::shared_ptr<LocalComm> comm) {
     const int r = comm->rank();
     auto trainer = make_trainer<S>(models[r], Hyper{}, comm, opt);
@@ -107,7 +107,7 @@ nn::MemoryUse memory_use(int world, nn::TrainerOptions opt) {
 
 TEST(Stage3, PersistentLayersAndPrefetchInTheAccounting) {
   using S3 = Strategy<Sharded<Stage3>>;
-  nn::TrainerOptions opt;
+  train::TrainerOptions opt;
   opt.align_bytes = 4;
   const auto sharded = memory_use<S3>(2, opt);
   opt.persistence_threshold = 300;
@@ -134,7 +134,7 @@ void buckets_bitwise(Model kind, int world) {
                           std::string(dtype_name<C>()) + " accumulate " + std::to_string(A);
   const auto one_bucket = train<S2>(kind, world, 4);
   for (int64_t bytes : {int64_t(1), int64_t(300), int64_t(2048)}) {
-    nn::TrainerOptions o;
+    train::TrainerOptions o;
     o.bucket_bytes = bytes;
     o.align_bytes = 4;  // the default 256-byte alignment would pad these tiny buckets to several times their size
     const auto got = train<S2>(kind, world, 4, o);
@@ -172,10 +172,10 @@ TEST(Stage2, BucketsBitwiseAndBelowTheFullGradient) {
 // A parameter without a gradient (unused in this forward) is reduced as zeros after backward on every rank.
 TEST(Stage2, UnusedParameterDoesNotHang) {
   struct Net : torch::nn::Module {
-    nn::ShardedLinear a{nullptr}, unused{nullptr};
+    nn::Linear a{nullptr}, unused{nullptr};
     Net() {
-      a = register_module("a", nn::ShardedLinear(5, 3));
-      unused = register_module("unused", nn::ShardedLinear(3, 3));
+      a = register_module("a", nn::Linear(5, 3));
+      unused = register_module("unused", nn::Linear(3, 3));
     }
   };
   for (int world : {1, 3}) {
@@ -184,7 +184,7 @@ TEST(Stage2, UnusedParameterDoesNotHang) {
     for (int r = 0; r < world; ++r) nets.push_back(std::make_shared<Net>());
     run_ranks(world, [&](std::shared_ptr<LocalComm> comm) {
       auto& net = *nets[comm->rank()];
-      nn::TrainerOptions o;
+      train::TrainerOptions o;
       o.bucket_bytes = 16;
       auto t = make_trainer<Strategy<Sharded<Stage2>>>(nets[comm->rank()], Hyper{}, comm, o);
       const auto before = net.unused->weight.detach().clone();  // rank 0's, after the broadcast
@@ -206,7 +206,7 @@ void offload_overlap_bitwise(int world) {
   using S3 = Strategy<Sharded<Stage3>, Offload<Host>, Accumulate<A>, Precision<C, float>>;
   const std::string tag = "world " + std::to_string(world) + " " + std::string(dtype_name<C>()) + " accumulate " + std::to_string(A);
   for (float clip : {0.0f, 0.05f}) {
-    nn::TrainerOptions overlapped, in_order;
+    train::TrainerOptions overlapped, in_order;
     overlapped.bucket_bytes = in_order.bucket_bytes = 200;
     overlapped.max_grad_norm = in_order.max_grad_norm = clip;
     in_order.overlap_offload = false;
@@ -245,7 +245,7 @@ TEST(Offload, CheckpointedLlamaBitwise) {
   torch::manual_seed(99);
   std::vector<torch::Tensor> ids;
   for (int i = 0; i < steps * world; ++i) ids.push_back(torch::randint(0, cfg.vocab, {2, 9}, torch::kInt64));
-  auto run = [&]<class S>(S*, nn::TrainerOptions o) {
+  auto run = [&]<class S>(S*, train::TrainerOptions o) {
     std::vector<nn::Llama> models;
     for (int r = 0; r < world; ++r) {
       torch::manual_seed(5);
@@ -269,7 +269,7 @@ TEST(Offload, CheckpointedLlamaBitwise) {
   using S0 = Strategy<Sharded<Stage0>, Precision<bf16, float>>;
   using S2 = Strategy<Sharded<Stage2>, Precision<bf16, float>>;
   using S3O = Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>;
-  nn::TrainerOptions small;
+  train::TrainerOptions small;
   small.bucket_bytes = 100;
   const Params base = run((S0*)nullptr, {});
   expect_bitwise(run((S2*)nullptr, small), base, "checkpointed Stage2 buckets");
@@ -284,7 +284,7 @@ TEST(FlatParams, ViewsPaddingAndGrads) {
   std::vector<std::pair<std::string, torch::Tensor>> ps;
   Params before;
   for (auto& item : m->named_parameters()) ps.emplace_back(item.key(), item.value()), before[item.key()] = item.value().detach().clone();
-  nn::FlatParams flat(ps, /*world=*/3, /*align=*/16);
+  train::FlatParams flat(ps, /*world=*/3, /*align=*/16);
   EXPECT_EQ(flat.padded() % (3 * 16), 0);
   EXPECT_EQ(flat.shard() * 3, flat.padded());
   int64_t numel = 0;
@@ -311,8 +311,8 @@ TEST(FlatParams, ViewsPaddingAndGrads) {
   EXPECT_EQ(flat.flat().masked_select(gaps).abs().max().item<float>(), 0.f);
   // A bad group is a clear error.
   auto a = torch::zeros({3}), b = torch::zeros({3}, torch::kFloat64);
-  EXPECT_THROW(nn::FlatParams({{"a", a}, {"b", b}}, 2), c10::Error);
-  EXPECT_THROW(nn::FlatParams({{"a", a}}, 0), c10::Error);
+  EXPECT_THROW(train::FlatParams({{"a", a}, {"b", b}}, 2), c10::Error);
+  EXPECT_THROW(train::FlatParams({{"a", a}}, 0), c10::Error);
 }
 
 // ---- overflow: inf in one rank's shard -------------------------------------------------------------------
@@ -321,7 +321,7 @@ void overflow_skips_everywhere(int world) {
   const Data data = make_data(Model::mlp, world, 3, 6);
   std::vector<std::shared_ptr<torch::nn::Module>> models;
   for (int r = 0; r < world; ++r) models.push_back(make_model(Model::mlp, nn::detail::scalar_type_of<typename S::compute_type>()));
-  nn::TrainerOptions opt;
+  train::TrainerOptions opt;
   opt.loss_scale = kernels::LossScaleOptions{.init_scale = 1024.0f};  // 2^16 overflows this model's fp16 gradients on the first step
   opt.align_bytes = 2;  // element-aligned, so `gain` spreads over several ranks' shards
   std::atomic<int> skipped{0};
@@ -432,7 +432,7 @@ template <class S>
 void clipping_uses_global_norm(int world) {
   Hyper h;
   h.eps = 1e-2f;  // Adam's step is scale-invariant up to eps: a large eps makes clipping visible in the update
-  nn::TrainerOptions opt;
+  train::TrainerOptions opt;
   opt.max_grad_norm = 0.05f;
   std::vector<float> ref_norms;
   const auto ref = reference_float64(Model::mlp, world, 3, 1, opt.max_grad_norm, h, &ref_norms);
@@ -453,7 +453,7 @@ void clipping_uses_global_norm(int world) {
 // squeeze::AdamW (the optimizer's own options) carries max_grad_norm and the loss-scale options.
 TEST(Clipping, FromSqueezeAdamWOptions) {
   const Hyper h{.eps = 1e-2f};
-  const auto via_trainer_options = train<Strategy<Sharded<Stage2>>>(Model::mlp, 3, 3, nn::TrainerOptions{.max_grad_norm = 0.05f}, h);
+  const auto via_trainer_options = train<Strategy<Sharded<Stage2>>>(Model::mlp, 3, 3, train::TrainerOptions{.max_grad_norm = 0.05f}, h);
   const Data data = make_data(Model::mlp, 3, 3, 6);
   std::vector<std::shared_ptr<torch::nn::Module>> models;
   for (int r = 0; r < 3; ++r) models.push_back(make_model(Model::mlp, torch::kFloat32));
@@ -482,11 +482,11 @@ TEST(Clipping, GlobalNormAcrossShards) {
 
 // ---- memory: stage-3 bytes per rank vs the planner -----------------------------------------------------
 template <class S>
-nn::MemoryReport memory_of(int world, nn::TrainerOptions opt) {
+train::MemoryReport memory_of(int world, train::TrainerOptions opt) {
   const Data data = make_data(Model::llama, world, 1, 2);
   std::vector<std::shared_ptr<torch::nn::Module>> models;
   for (int r = 0; r < world; ++r) models.push_back(make_model(Model::llama, nn::detail::scalar_type_of<typename S::compute_type>()));
-  nn::MemoryReport rep;
+  train::MemoryReport rep;
   run_ranks(world, [&](std::shared_ptr<LocalComm> comm) {
     const int r = comm->rank();
     auto trainer = make_trainer<S>(models[r], Hyper{}, comm, opt);
@@ -498,7 +498,7 @@ nn::MemoryReport memory_of(int world, nn::TrainerOptions opt) {
 
 TEST(Memory, Stage3MatchesThePlanner) {
   // Element alignment and a world size that divides every layer: the planner's Ψ/N is exact per layer.
-  nn::TrainerOptions opt;
+  train::TrainerOptions opt;
   opt.align_bytes = 1;
   const int64_t persistent = kLlamaShape.layers * 2 * kLlamaShape.hidden + kLlamaShape.hidden;  // RMSNorm gains
   for (int world : {1, 2, 4}) {
@@ -533,7 +533,7 @@ TEST(Memory, Stage3MatchesThePlanner) {
 }
 
 TEST(Memory, Stage1And2ShardStateAsPlanned) {
-  nn::TrainerOptions opt;
+  train::TrainerOptions opt;
   opt.align_bytes = 1;
   const auto r1 = memory_of<Strategy<Sharded<Stage1>, Precision<bf16, float>>>(4, opt);
   EXPECT_EQ(r1.actual.parameters.device, r1.predicted.parameters.device);
@@ -583,25 +583,25 @@ TEST(Offload, DeviceSumOfSquaresMatchesFloat64) {
       for (auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat16}) {
         const auto t = (torch::randn({n}) * 3).to(dtype);
         const double ref = t.to(torch::kFloat64).square().sum().item<double>();
-        const torch::Tensor got = nn::sum_squares_tensor(t, chunk);
+        const torch::Tensor got = train::sum_squares_tensor(t, chunk);
         EXPECT_EQ(got.scalar_type(), torch::kFloat64);
         EXPECT_EQ(got.dim(), 0);
         EXPECT_NEAR(got.item<double>(), ref, 1e-13 * ref + 1e-300) << n << " " << dtype << " chunk " << chunk;
-        EXPECT_EQ(got.item<double>(), nn::sum_squares_tensor(t, chunk).item<double>()) << "deterministic";
+        EXPECT_EQ(got.item<double>(), train::sum_squares_tensor(t, chunk).item<double>()) << "deterministic";
       }
     }
   }
   // A 2-d tensor is summed whole.
   const auto m = torch::randn({37, 29});
-  EXPECT_NEAR(nn::sum_squares_tensor(m, 100).item<double>(), m.to(torch::kFloat64).square().sum().item<double>(), 1e-13 * 2000);
-  EXPECT_EQ(nn::sum_squares_tensor(torch::empty({0})).item<double>(), 0.0);
+  EXPECT_NEAR(train::sum_squares_tensor(m, 100).item<double>(), m.to(torch::kFloat64).square().sum().item<double>(), 1e-13 * 2000);
+  EXPECT_EQ(train::sum_squares_tensor(torch::empty({0})).item<double>(), 0.0);
   auto bad = torch::randn({5000});
   bad[3333] = std::numeric_limits<float>::infinity();
-  EXPECT_TRUE(std::isinf(nn::sum_squares_tensor(bad, 1000).item<double>())) << "inf is seen";
+  EXPECT_TRUE(std::isinf(train::sum_squares_tensor(bad, 1000).item<double>())) << "inf is seen";
   bad[3333] = std::nanf("");
-  EXPECT_TRUE(std::isnan(nn::sum_squares_tensor(bad, 1000).item<double>())) << "NaN is seen";
-  EXPECT_THROW(nn::sum_squares_tensor(torch::ones({4}, torch::kInt32)), c10::Error);
-  EXPECT_THROW(nn::sum_squares_tensor(torch::ones({4}), 0), c10::Error);
+  EXPECT_TRUE(std::isnan(train::sum_squares_tensor(bad, 1000).item<double>())) << "NaN is seen";
+  EXPECT_THROW(train::sum_squares_tensor(torch::ones({4}, torch::kInt32)), c10::Error);
+  EXPECT_THROW(train::sum_squares_tensor(torch::ones({4}), 0), c10::Error);
 }
 
 // ---- a moved trainer keeps working (examples/llama holds one in a std::optional) ----------------------------
@@ -615,7 +615,7 @@ void moved_trainer_bitwise(int world) {
   Params got;
   run_ranks(world, [&](std::shared_ptr<LocalComm> comm) {
     const int r = comm->rank();
-    std::optional<nn::Trainer<S, Hyper>> holder;
+    std::optional<train::Trainer<S, Hyper>> holder;
     holder.emplace(make_trainer<S>(models[r], Hyper{}, comm));  // a move
     auto moved = std::move(*holder);                             // and another
     holder.reset();                                              // the moved-from one is destroyed first
@@ -637,8 +637,8 @@ TEST(Trainer, MovedTrainerKeepsTraining) {
 template <class S>
 void set_lr_applies(const char* what) {
   struct Net : torch::nn::Module {
-    nn::ShardedLinear a{nullptr};
-    Net() { a = register_module("a", nn::ShardedLinear(5, 3)); }
+    nn::Linear a{nullptr};
+    Net() { a = register_module("a", nn::Linear(5, 3)); }
   };
   torch::manual_seed(3);
   auto net = std::make_shared<Net>();
@@ -690,7 +690,7 @@ void masters_from_float(int world) {
   }
   run_ranks(world, [&](std::shared_ptr<LocalComm> comm) {
     const int r = comm->rank();
-    nn::TrainerOptions opt;
+    train::TrainerOptions opt;
     std::set<std::string> asked;
     opt.master_init = [&, r](const std::string& name) {
       EXPECT_TRUE(asked.insert(name).second) << "asked twice for " << name;
@@ -737,7 +737,7 @@ TEST(Trainer, MasterInitBadInputIsAClearError) {
     std::map<std::string, torch::Tensor> f;
     for (const auto& p : m->named_parameters()) f[p.key()] = p.value().detach().clone();
     m->to(torch::kBFloat16);
-    nn::TrainerOptions opt;
+    train::TrainerOptions opt;
     opt.master_init = [&](const std::string& name) { return init ? init(name) : f.at(name); };
     if (!init) {
       EXPECT_NO_THROW((make_trainer<S>(m, Hyper{}, LocalComm::single(), opt)));

@@ -66,7 +66,7 @@ template <class S>
 void gpu_offload_bitwise(const std::string& what, comm::CommPtr single = nullptr) {
   const torch::Device dev(torch::kCUDA, 0);
   for (float clip : {0.0f, 0.05f}) {
-    nn::TrainerOptions overlapped, in_order;
+    train::TrainerOptions overlapped, in_order;
     overlapped.bucket_bytes = in_order.bucket_bytes = 512;
     overlapped.max_grad_norm = in_order.max_grad_norm = clip;
     in_order.overlap_offload = false;
@@ -88,7 +88,7 @@ TEST(ZeroCuda, OffloadOverlapBitwise) {
   gpu_offload_bitwise<Strategy<Sharded<Stage2>, Offload<Host>, Accumulate<4>>>("GPU Stage2+Offload float acc 4");
 }
 
-// The offload pipeline's norm pass runs on the device (nn::sum_squares_tensor on the d2h stream): against a float64
+// The offload pipeline's norm pass runs on the device (train::sum_squares_tensor on the d2h stream): against a float64
 // host sum across chunk borders, deterministic; and the offloaded and device-resident trainers report the same
 // first-step norm bitwise (one function for both; after that their AdamW paths differ).
 TEST(ZeroCuda, DeviceSumOfSquaresMatchesFloat64) {
@@ -99,14 +99,14 @@ TEST(ZeroCuda, DeviceSumOfSquaresMatchesFloat64) {
       const auto t = (torch::randn({n}) * 3).to(dtype);
       const double ref = t.to(torch::kFloat64).square().sum().item<double>();
       const auto d = t.to(torch::kCUDA);
-      const torch::Tensor got = nn::sum_squares_tensor(d);
+      const torch::Tensor got = train::sum_squares_tensor(d);
       EXPECT_TRUE(got.is_cuda());
       EXPECT_NEAR(got.item<double>(), ref, 1e-13 * ref) << n << " " << dtype;
-      EXPECT_EQ(got.item<double>(), nn::sum_squares_tensor(d).item<double>()) << "deterministic";
+      EXPECT_EQ(got.item<double>(), train::sum_squares_tensor(d).item<double>()) << "deterministic";
     }
   }
   const torch::Device dev(torch::kCUDA, 0);
-  nn::TrainerOptions clip;
+  train::TrainerOptions clip;
   clip.max_grad_norm = 0.05f;  // deferred offload: the norm decides the update
   using S2 = Strategy<Sharded<Stage2>, Precision<bf16, float>>;
   using S2O = Strategy<Sharded<Stage2>, Offload<Host>, Precision<bf16, float>>;
@@ -116,7 +116,7 @@ TEST(ZeroCuda, DeviceSumOfSquaresMatchesFloat64) {
   EXPECT_GT(off.log[0].grad_norm, 0.0f);
 }
 
-// Offload<Host> state from a GPU lives in pinned host memory of its own (nn::pinned_empty, not torch's caching
+// Offload<Host> state from a GPU lives in pinned host memory of its own (train::pinned_empty, not torch's caching
 // host allocator): every state tensor is on the host and pinned, and a step through the asynchronous copies trains.
 TEST(ZeroCuda, OffloadStateIsPinnedHostMemory) {
   REQUIRE_CUDA();
@@ -148,7 +148,7 @@ TEST(ZeroCuda, Stage2BucketsBitwise) {
   const torch::Device dev(torch::kCUDA, 0);
   using S2 = Strategy<Sharded<Stage2>, Accumulate<4>, Precision<bf16, float>>;
   for (int world : {1, 2}) {
-    nn::TrainerOptions small;
+    train::TrainerOptions small;
     small.bucket_bytes = 1;
     expect_bitwise(train<S2>(Model::llama, world, 4, small, {}, dev).params, train<S2>(Model::llama, world, 4, {}, {}, dev).params,
                    "GPU Stage2 buckets world " + std::to_string(world));

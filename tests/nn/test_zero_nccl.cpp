@@ -126,7 +126,7 @@ TEST(ZeroNccl, Stage3MemoryPerGpu) {
   const plan::ModelShape shape{/*vocab=*/4096, /*hidden=*/512, /*layers=*/4, /*heads=*/8, /*kv_heads=*/4, /*ffn=*/1408};
   const plan::TrainShape batch{/*micro_batch=*/2, /*seq=*/64};
   using S = Strategy<Sharded<Stage3>, Precision<bf16, float>>;
-  nn::TrainerOptions opt;
+  train::TrainerOptions opt;
   opt.align_bytes = 1;
   torch::manual_seed(77);
   const auto tokens = torch::randint(0, shape.vocab, {batch.micro_batch, batch.seq + 1}, torch::kInt64).to(dev);

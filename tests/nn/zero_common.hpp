@@ -11,7 +11,7 @@
 #include <map>
 #include <squeeze/comm/local.hpp>
 #include <squeeze/train/flat_params.hpp>
-#include <squeeze/nn/sharded.hpp>
+#include <squeeze/nn/layers.hpp>
 #include <squeeze/train/trainer.hpp>
 #include <squeeze/optim/adamw.hpp>
 
@@ -40,12 +40,12 @@ struct Hyper {  // the AdamW hyper-parameters (optim::AdamW has the same fields)
 // ---- models ------------------------------------------------------------------------------------------
 // Sizes that do not divide by 2, 3 or 4; `gain` is a plain parameter (not shardable): stage 3 keeps it whole.
 struct MLPImpl : torch::nn::Module {
-  nn::ShardedLinear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
+  nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
   torch::Tensor gain;
   MLPImpl() {
-    fc1 = register_module("fc1", nn::ShardedLinear(7, 19));
-    fc2 = register_module("fc2", nn::ShardedLinear(19, 19));
-    fc3 = register_module("fc3", nn::ShardedLinear(19, 5));
+    fc1 = register_module("fc1", nn::Linear(7, 19));
+    fc2 = register_module("fc2", nn::Linear(19, 19));
+    fc3 = register_module("fc3", nn::Linear(19, 5));
     gain = register_parameter("gain", torch::ones({19}) + 0.1 * torch::randn({19}));
   }
   torch::Tensor forward(const torch::Tensor& x) {  // x: [B, 7] -> [B, 5]
@@ -61,28 +61,28 @@ TORCH_MODULE(MLP);
 // and untied head; parameters exactly as plan::ModelShape counts them (no biases).
 struct TinyLlamaImpl : torch::nn::Module {
   plan::ModelShape shape;
-  nn::ShardedEmbedding embed{nullptr};
-  nn::ShardedLinear head{nullptr};
-  std::vector<nn::ShardedLinear> q, k, v, o, gate, up, down;
+  nn::Embedding embed{nullptr};
+  nn::Linear head{nullptr};
+  std::vector<nn::Linear> q, k, v, o, gate, up, down;
   std::vector<torch::Tensor> attn_norm, mlp_norm;
   torch::Tensor final_norm;
   explicit TinyLlamaImpl(plan::ModelShape s) : shape(s) {
     const int64_t h = s.hidden, kv = s.kv_dim();
-    embed = register_module("embed", nn::ShardedEmbedding(s.vocab, h));
+    embed = register_module("embed", nn::Embedding(s.vocab, h));
     for (int64_t l = 0; l < s.layers; ++l) {
       const std::string p = "layer" + std::to_string(l) + "_";
       attn_norm.push_back(register_parameter(p + "attn_norm", torch::ones({h})));
-      q.push_back(register_module(p + "q", nn::ShardedLinear(h, h, false)));
-      k.push_back(register_module(p + "k", nn::ShardedLinear(h, kv, false)));
-      v.push_back(register_module(p + "v", nn::ShardedLinear(h, kv, false)));
-      o.push_back(register_module(p + "o", nn::ShardedLinear(h, h, false)));
+      q.push_back(register_module(p + "q", nn::Linear(h, h, false)));
+      k.push_back(register_module(p + "k", nn::Linear(h, kv, false)));
+      v.push_back(register_module(p + "v", nn::Linear(h, kv, false)));
+      o.push_back(register_module(p + "o", nn::Linear(h, h, false)));
       mlp_norm.push_back(register_parameter(p + "mlp_norm", torch::ones({h})));
-      gate.push_back(register_module(p + "gate", nn::ShardedLinear(h, s.ffn, false)));
-      up.push_back(register_module(p + "up", nn::ShardedLinear(h, s.ffn, false)));
-      down.push_back(register_module(p + "down", nn::ShardedLinear(s.ffn, h, false)));
+      gate.push_back(register_module(p + "gate", nn::Linear(h, s.ffn, false)));
+      up.push_back(register_module(p + "up", nn::Linear(h, s.ffn, false)));
+      down.push_back(register_module(p + "down", nn::Linear(s.ffn, h, false)));
     }
     final_norm = register_parameter("final_norm", torch::ones({h}));
-    head = register_module("head", nn::ShardedLinear(h, s.vocab, false));
+    head = register_module("head", nn::Linear(h, s.vocab, false));
   }
   static torch::Tensor rms(const torch::Tensor& x, const torch::Tensor& g) {
     const auto xf = x.to(torch::kFloat32);
@@ -153,8 +153,8 @@ using Params = std::map<std::string, torch::Tensor>;
 
 struct RunResult {
   Params params;                    // rank 0's (single: this rank's) full parameters after training, float
-  std::vector<nn::StepResult> log;  // rank 0's boundary results
-  nn::MemoryUse memory;             // rank 0's accounting after training
+  std::vector<train::StepResult> log;  // rank 0's boundary results
+  train::MemoryUse memory;             // rank 0's accounting after training
   int64_t reduce_scatter_bytes = 0; // rank 0: bytes into gradient reduce-scatters in the last window
   bool updated_during_backward = false;  // rank 0, Offload<Host>: the last step updated inside backward
 };
@@ -165,7 +165,7 @@ struct RunResult {
 // threads; every process then sees data[step][its rank], the rows the LocalComm run at `world` gives that
 // rank, and RunResult holds this rank's results.
 template <class S>
-RunResult train(Model kind, int world, int windows, nn::TrainerOptions opt = {}, Hyper hyper = {},
+RunResult train(Model kind, int world, int windows, train::TrainerOptions opt = {}, Hyper hyper = {},
                 torch::Device device = torch::kCPU, comm::CommPtr single = nullptr) {
   constexpr int A = S::accumulation_steps;
   const auto dtype = nn::detail::scalar_type_of<typename S::compute_type>();

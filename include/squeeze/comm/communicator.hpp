@@ -9,7 +9,7 @@
 //
 // Counts are per rank and equal on every rank, as in NCCL: a buffer whose length is not a multiple of
 // the world size is padded by the caller to padded_count(n, world) elements (pad with zeros so sums and
-// norms are unchanged); shard_count(n, world) is each rank's block. nn::FlatParams lays buffers out so.
+// norms are unchanged); shard_count(n, world) is each rank's block. train::FlatParams lays buffers out so.
 // In-place use is allowed: all_gather with send == recv + rank*count, reduce_scatter with
 // recv == send + rank*count, all_reduce and broadcast with send == recv.
 //

@@ -17,6 +17,11 @@
 //
 // checkpoint_chunked_sum(chunk, rows, shared, fn) sums fn over chunks of rows, each chunk checkpointed, so one
 // chunk's intermediates exist at a time (a language model's head + cross-entropy over token chunks).
+//
+// Under a trainer (the Checkpointed / CheckpointEvery<N> policies), for any model:
+//   nn::Blocks            a container that chains its blocks; a Checkpointed trainer makes it recompute them
+//                         (segments of N blocks), otherwise it is a plain chain
+//   nn::checkpoint(b, x)  b(x), recomputed in backward while a Checkpointed trainer's step runs, a plain call otherwise
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
@@ -25,6 +30,8 @@
 #include <mutex>
 #include <utility>
 #include <vector>
+
+#include "layers.hpp"
 
 namespace squeeze::nn {
 
@@ -272,5 +279,71 @@ inline torch::Tensor checkpoint_chunked_sum(int64_t chunk, const std::vector<tor
   }
   return total;
 }
+
+// ---- what a trainer switches on -----------------------------------------------------------------------------
+
+// A module whose forward recomputes its parts when a Checkpointed trainer says so (every: blocks per segment).
+class Recomputable {
+ public:
+  virtual ~Recomputable() = default;
+  virtual void set_recompute(int every) = 0;  // 0: keep every activation
+};
+
+namespace detail {
+// Set by a Checkpointed trainer on its thread while step() runs the closure; checkpoint(block, x) reads it.
+struct RecomputeScope {
+  static int& every() {
+    thread_local int e = 0;
+    return e;
+  }
+  static int64_t& calls() {  // checkpoint(block, x) calls seen while active
+    thread_local int64_t c = 0;
+    return c;
+  }
+};
+}  // namespace detail
+
+// block(x), recomputed in backward while a Checkpointed trainer's step runs (only x is kept), else a plain call.
+// block: a module holder (or pointer) whose forward takes one tensor.
+template <class M>
+  requires requires(M& m, const torch::Tensor& x) { { m->forward(x) } -> std::convertible_to<torch::Tensor>; }
+torch::Tensor checkpoint(M& block, const torch::Tensor& x) {
+  if (detail::RecomputeScope::every() <= 0) return block->forward(x);
+  ++detail::RecomputeScope::calls();
+  auto b = block;  // a copy (shared ownership): the recompute runs in backward, after the caller's scope
+  return checkpoint(x, trainable_leaves(*b), [b](const torch::Tensor& h) mutable { return b->forward(h); });
+}
+
+// Blocks run one after another: x = block_i(x). Under a Checkpointed trainer each segment of N blocks keeps only
+// its input and runs again in backward (CheckpointEvery<N>; Checkpointed: N = 1); otherwise a plain chain.
+class BlocksImpl : public torch::nn::Module, public Recomputable {
+ public:
+  BlocksImpl() = default;
+  // block: a module holder whose forward takes and returns one tensor [..., h]; registered as child "<index>".
+  template <class M>
+    requires requires(M& m, const torch::Tensor& x) { { m->forward(x) } -> std::convertible_to<torch::Tensor>; }
+  void push_back(M block) {
+    auto ptr = register_module(std::to_string(blocks_.size()), block.ptr());
+    blocks_.push_back({ptr, [ptr](const torch::Tensor& x) { return ptr->forward(x); }});
+  }
+  int64_t size() const { return int64_t(blocks_.size()); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const int every = is_training() ? every_ : 0;
+    return checkpoint_sequential(
+        size(), every, x, [this](int64_t i, const torch::Tensor& h) { return blocks_[std::size_t(i)].run(h); },
+        [this](int64_t i) { return trainable_leaves(*blocks_[std::size_t(i)].module); });
+  }
+  void set_recompute(int every) override { every_ = every; }
+  int recompute_every() const { return every_; }
+
+ private:
+  struct Entry {
+    std::shared_ptr<torch::nn::Module> module;
+    std::function<torch::Tensor(const torch::Tensor&)> run;
+  };
+  std::vector<Entry> blocks_;
+  int every_ = 0;
+};
+TORCH_MODULE(Blocks);
 
 }  // namespace squeeze::nn

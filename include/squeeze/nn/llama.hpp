@@ -6,7 +6,7 @@
 // The model runs in whatever dtype its parameters have (float, bf16, half): a mixed-precision strategy
 // converts the module to its compute type and keeps float master weights elsewhere. Norm statistics, RoPE
 // angles and the loss are computed in float (float64 for a float64 model) whatever the parameter dtype.
-// Linears and the embedding are ShardedLinear / ShardedEmbedding: plain Linear / Embedding until a stage-3
+// Linears and the embedding are Linear / Embedding: plain Linear / Embedding until a stage-3
 // trainer shards them; checkpointed segments then hand the shards (the real leaves) to the checkpoint.
 // Block projections are called by name (forward_linear), so apply_lora can swap in LoRA / NF4 layers.
 // The loss runs the head + fp32 cross-entropy over chunks of loss_chunk_tokens tokens, each recomputed in
@@ -23,7 +23,7 @@
 #include "../plan/model_shape.hpp"
 #include "activation_checkpoint.hpp"
 #include "lora.hpp"
-#include "sharded.hpp"
+#include "layers.hpp"
 
 namespace squeeze::nn {
 
@@ -74,7 +74,7 @@ struct LlamaConfig {
 };
 
 // y = x / rms(x) * g, statistics in float.
-struct RMSNormImpl : torch::nn::Module {
+struct RMSNormImpl : torch::nn::Module, train::KeptWhole {
   torch::Tensor weight;  // [h]
   double eps;
   RMSNormImpl(int64_t hidden, double eps_) : eps(eps_) { weight = register_parameter("weight", torch::ones({hidden})); }
@@ -105,9 +105,9 @@ inline torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos
 
 struct AttentionImpl : torch::nn::Module {
   int64_t heads, kv_heads, head_dim;
-  ShardedLinear q{nullptr}, k{nullptr}, v{nullptr}, o{nullptr};
+  Linear q{nullptr}, k{nullptr}, v{nullptr}, o{nullptr};
   explicit AttentionImpl(const LlamaConfig& c) : heads(c.heads), kv_heads(c.kv_heads), head_dim(c.head_dim()) {
-    const auto lin = [](int64_t in, int64_t out) { return ShardedLinear(in, out, /*bias=*/false); };
+    const auto lin = [](int64_t in, int64_t out) { return Linear(torch::nn::LinearOptions(in, out).bias(false)); };
     q = register_module("q", lin(c.hidden, heads * head_dim));
     k = register_module("k", lin(c.hidden, kv_heads * head_dim));
     v = register_module("v", lin(c.hidden, kv_heads * head_dim));
@@ -137,9 +137,9 @@ TORCH_MODULE(Attention);
 
 // SwiGLU: down(silu(gate(x)) * up(x)).
 struct MlpImpl : torch::nn::Module {
-  ShardedLinear gate{nullptr}, up{nullptr}, down{nullptr};
+  Linear gate{nullptr}, up{nullptr}, down{nullptr};
   explicit MlpImpl(const LlamaConfig& c) {
-    const auto lin = [](int64_t in, int64_t out) { return ShardedLinear(in, out, /*bias=*/false); };
+    const auto lin = [](int64_t in, int64_t out) { return Linear(torch::nn::LinearOptions(in, out).bias(false)); };
     gate = register_module("gate", lin(c.hidden, c.ffn));
     up = register_module("up", lin(c.hidden, c.ffn));
     down = register_module("down", lin(c.ffn, c.hidden));
@@ -167,38 +167,24 @@ struct BlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
-// The tensors a module's forward reads that get gradients: its parameters, or for layers a stage-3
-// trainer has sharded (their own weights emptied) the shard each gathers from.
-inline std::vector<torch::Tensor> trainable_leaves(torch::nn::Module& m) {
-  std::vector<torch::Tensor> out;
-  for (const auto& sub : m.modules(/*include_self=*/true)) {
-    if (auto* s = dynamic_cast<Shardable*>(sub.get()); s != nullptr && s->group() != nullptr) {
-      out.push_back(s->group()->shard);
-      continue;
-    }
-    for (const auto& p : sub->parameters(/*recurse=*/false))
-      if (p.numel() > 0) out.push_back(p);
-  }
-  return out;
-}
-
-struct LlamaImpl : torch::nn::Module {
+struct LlamaImpl : torch::nn::Module, Recomputable {
   LlamaConfig config;
-  ShardedEmbedding embed{nullptr};
+  Embedding embed{nullptr};
   std::vector<Block> blocks;
   RMSNorm norm{nullptr};
-  ShardedLinear head{nullptr};
+  Linear head{nullptr};
   int64_t checkpoint_every = 0;  // 0: keep all activations; N: checkpoint segments of N blocks (training only)
+  void set_recompute(int every) override { checkpoint_every = every; }  // a Checkpointed trainer's switch
   // Tokens per chunk of the loss (see loss()); 0: all at once. The default (and why) is the planner's, whose
   // TrainShape::loss_chunk_tokens must match it for plan_memory to predict this model's peak.
   int64_t loss_chunk_tokens = plan::kDefaultLossChunkTokens;
 
   explicit LlamaImpl(LlamaConfig c) : config(std::move(c)) {
     config.validate();
-    embed = register_module("embed", ShardedEmbedding(config.vocab, config.hidden));
+    embed = register_module("embed", Embedding(config.vocab, config.hidden));
     for (int64_t i = 0; i < config.layers; ++i) blocks.push_back(register_module("block" + std::to_string(i), Block(config)));
     norm = register_module("norm", RMSNorm(config.hidden, config.norm_eps));
-    head = register_module("head", ShardedLinear(config.hidden, config.vocab, /*bias=*/false));
+    head = register_module("head", Linear(torch::nn::LinearOptions(config.hidden, config.vocab).bias(false)));
     reset_parameters();
   }
 

@@ -9,7 +9,7 @@
 //                         A [r, in] kaiming-uniform (a = sqrt 5, as torch::nn::Linear), B [out, r] zeros, so
 //                         an adapted model starts out computing exactly what the base did.
 //                         Only A ("lora_A") and B ("lora_B") are parameters; the base is buffers.
-//   apply_lora<S>(model)  freezes every parameter of `model` and swaps each torch::nn::Linear / ShardedLinear
+//   apply_lora<S>(model)  freezes every parameter of `model` and swaps each torch::nn::Linear / Linear
 //                         child whose name is one of LoRA's targets (q, k, v, o, gate, up, down; also the
 //                         Hugging Face spelling q_proj, ..., down_proj) for a LoRALinear; under
 //                         Quantized<4, NF4, ...> the base is packed to NF4 first, and the other block linears
@@ -19,7 +19,6 @@
 //                         adopted as it is: targets get adapters on it, the others stay.
 //   nn::Nf4Linear         a frozen NF4 linear without adapter (QLoRA's non-target projections)
 //   prepare_lora<S>(model, device)   to device + compute type, apply_lora<S>, parameters for the optimizer
-//   LoraTrainer<S>        prepare_lora + AdamW over the adapters, S's accumulation, clipping
 //   forward_linear(parent, "q", x)   the child registered as "q", whatever it now is (for modules that
 //                         keep typed members: replace_module cannot re-point a member, see apply_lora);
 //                         modules implementing nn::LinearForward plug in too
@@ -33,6 +32,7 @@
 // elsewhere CUDA inputs with a packed base get a clear error. Dense bases run on any device.
 #include <torch/torch.h>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
@@ -49,22 +49,15 @@
 #include "../policy/strategy.hpp"
 #include "../quant/nf4.hpp"
 #include "../quant/rtn.hpp"
-#include "adamw8_optimizer.hpp"
+#include "../train/torch_types.hpp"
 #include "quantized_linear.hpp"
-#include "sharded.hpp"
+#include "layers.hpp"
 #include "squeeze/kernels/quant/nf4.hpp"
 #if defined(__CUDACC__)
 #include "squeeze/kernels/quant/nf4.cuh"
 #endif
 
 namespace squeeze::nn {
-
-template <class T>
-constexpr torch::ScalarType torch_dtype() {
-  if constexpr (std::is_same_v<T, float>) return torch::kFloat32;
-  else if constexpr (std::is_same_v<T, bf16>) return torch::kBFloat16;
-  else return torch::kHalf;
-}
 
 // ---- NF4 weight as torch buffers -------------------------------------------------------------------------------
 struct Nf4Weight {
@@ -228,6 +221,9 @@ struct LoRAOptions {
   int64_t rank = 8;
   double alpha = 16;                                   // scaling = alpha / rank
   torch::ScalarType adapter_dtype = torch::kFloat32;   // A and B (the trainable "master" copy)
+  // >= 0: A is drawn from a generator seeded with this (apply_lora: one seed per layer), so every rank and every
+  // run starts from the same adapters whatever else drew from torch's global generator; < 0: the global generator.
+  int64_t seed = -1;
 };
 
 class LoRALinearImpl : public torch::nn::Module {
@@ -329,7 +325,13 @@ class LoRALinearImpl : public torch::nn::Module {
     if (bias.defined()) bias_ = register_buffer("bias", bias.detach().clone());
     const auto o = torch::TensorOptions().dtype(opt_.adapter_dtype).device(dev);
     torch::Tensor a = torch::empty({opt_.rank, in_}, o);
-    torch::nn::init::kaiming_uniform_(a, std::sqrt(5.0));  // = U(-1/sqrt(in), 1/sqrt(in)), torch::nn::Linear's init
+    if (opt_.seed >= 0) {  // kaiming_uniform_ with a = sqrt 5 is U(-1/sqrt(in), 1/sqrt(in)); drawn on the CPU, then moved
+      const double bound = 1.0 / std::sqrt(double(in_));
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(uint64_t(opt_.seed));
+      a.copy_(torch::empty({opt_.rank, in_}, torch::kFloat64).uniform_(-bound, bound, gen));
+    } else {
+      torch::nn::init::kaiming_uniform_(a, std::sqrt(5.0));  // = U(-1/sqrt(in), 1/sqrt(in)), torch::nn::Linear's init
+    }
     lora_A = register_parameter("lora_A", a);
     lora_B = register_parameter("lora_B", torch::zeros({out_, opt_.rank}, o));
   }
@@ -434,7 +436,7 @@ struct AdaptedLayer {
   LoRALinear layer;
 };
 
-// Freezes every parameter of `model`, then replaces each Linear / ShardedLinear child named by S's LoRA targets
+// Freezes every parameter of `model`, then replaces each Linear / Linear child named by S's LoRA targets
 // with a LoRALinear: rank and alpha from LoRA<R, A>; under Quantized<4, NF4, ...> the base is packed to NF4
 // (block and DoubleQuant from the policy), under Quantized<B, GPTQ|RTN, Group<G>|PerChannel> to the GPTQ layout
 // by round-to-nearest (B bits, group G; see the note at the top), otherwise kept dense in S's compute type;
@@ -442,7 +444,7 @@ struct AdaptedLayer {
 // GPTQ-format layers it packs itself keep no tensor-core tile copy when S trains (QuantizedLinearImpl's
 // fused_tiles: a training forward runs more rows than the fused GEMM serves), so their bytes are the planner's.
 // The replaced layer's weight is released (set to an empty tensor), so a typed member that still points at the
-// old layer (e.g. nn/llama.hpp's `ShardedLinear q`) holds no memory: such modules must call their projections
+// old layer (e.g. nn/llama.hpp's `Linear q`) holds no memory: such modules must call their projections
 // through forward_linear(*this, "q", x). Returns the adapted layers in module order; errors when none matched.
 template <class S>
 std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model) {
@@ -454,7 +456,8 @@ std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model) {
   static_assert(!gptq || !WQ::act_order,
                 "apply_lora fills the GPTQ layout by round-to-nearest, which has no column order: drop ActOrder, or quantize with "
                 "GPTQ + ActOrder first (examples/llama_gptq) and apply_lora to the packed model");
-  const LoRAOptions opt{L::rank, double(L::alpha), torch_dtype<typename S::master_type>()};
+  LoRAOptions opt{L::rank, double(L::alpha), torch_dtype<typename S::master_type>()};
+  int64_t layer_index = 0;  // each adapted layer's generator seed: its position in module order
   for (auto& p : model.parameters()) p.set_requires_grad(false);
 
   std::vector<AdaptedLayer> adapted;
@@ -474,10 +477,32 @@ std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model) {
       if (auto lin = std::dynamic_pointer_cast<torch::nn::LinearImpl>(child.value())) {
         weight = lin->weight;
         bias = lin->bias;
-      } else if (auto sl = std::dynamic_pointer_cast<ShardedLinearImpl>(child.value())) {
-        TORCH_CHECK(sl->group() == nullptr, "apply_lora: ", item.key(), ".", child.key(), " is sharded by a stage-3 trainer; apply LoRA before sharding");
-        weight = sl->weight;
-        if (sl->with_bias) bias = sl->bias;
+      } else if (auto sl = std::dynamic_pointer_cast<LinearImpl>(child.value())) {
+        // squeeze's own Linear keeps its identity (a user's member stays valid): it gets the new backing.
+        const std::string path = item.key().empty() ? child.key() : item.key() + "." + child.key();
+        TORCH_CHECK(sl->group() == nullptr, "apply_lora: ", path, " is sharded by a stage-3 trainer; apply LoRA before sharding");
+        if (sl->backed()) continue;  // adapted already
+        torch::NoGradGuard ng;
+        const torch::Tensor w = sl->weight, b = sl->has_bias() ? sl->bias : torch::Tensor();
+        if (!target) {
+          if constexpr (nf4) {
+            Nf4Linear q(Nf4Weight::quantize(w, quant::nf4_options<WQ>()), b);
+            sl->back_with("frozen", q.ptr(), [m = q.get()](const torch::Tensor& x) { return m->forward(x); });
+          }
+          if constexpr (gptq) {
+            QuantizedLinear q = quantize_rtn(w, b, detail::rtn_options<WQ>(), !S::training);
+            sl->back_with("frozen", q.ptr(), [m = q.get()](const torch::Tensor& x) { return m->forward(x); });
+          }
+          continue;
+        }
+        LoRALinear rep{nullptr};
+        opt.seed = layer_index++;
+        if constexpr (nf4) rep = LoRALinear(Nf4Weight::quantize(w, quant::nf4_options<WQ>()), b, opt);
+        else if constexpr (gptq) rep = LoRALinear(quantize_rtn(w, b, detail::rtn_options<WQ>(), !S::training), opt);
+        else rep = LoRALinear(w.to(torch_dtype<typename S::compute_type>()), b, opt);
+        sl->back_with("lora", rep.ptr(), [m = rep.get()](const torch::Tensor& x) { return m->forward(x); });
+        adapted.push_back({path, rep});
+        continue;
       } else {
         continue;  // already adapted, or not a linear layer
       }
@@ -521,9 +546,9 @@ inline torch::Tensor forward_linear(torch::nn::Module& parent, const std::string
   if (auto l = std::dynamic_pointer_cast<LoRALinearImpl>(m)) return l->forward(x);
   if (auto l = std::dynamic_pointer_cast<Nf4LinearImpl>(m)) return l->forward(x);
   if (auto l = std::dynamic_pointer_cast<QuantizedLinearImpl>(m)) return l->forward(x);
-  if (auto l = std::dynamic_pointer_cast<ShardedLinearImpl>(m)) return l->forward(x);
+  if (auto l = std::dynamic_pointer_cast<LinearImpl>(m)) return l->forward(x);
   if (auto l = std::dynamic_pointer_cast<torch::nn::LinearImpl>(m)) return l->forward(x);
-  TORCH_CHECK(false, "forward_linear: child '", name, "' is not a Linear, ShardedLinear, LoRALinear, Nf4Linear, QuantizedLinear or LinearForward");
+  TORCH_CHECK(false, "forward_linear: child '", name, "' is not a Linear, Linear, LoRALinear, Nf4Linear, QuantizedLinear or LinearForward");
   return {};
 }
 
@@ -541,6 +566,17 @@ inline int64_t merge_lora(torch::nn::Module& model) {
   int64_t merged = 0;
   for (const auto& item : model.named_modules("", /*include_self=*/true)) {
     if (std::dynamic_pointer_cast<LoRALinearImpl>(item.value())) continue;  // its GPTQ base goes with it
+    if (auto sl = std::dynamic_pointer_cast<LinearImpl>(item.value()); sl && sl->backed()) {
+      const auto back = sl->backing();
+      torch::nn::Linear dense{nullptr};
+      if (auto l = std::dynamic_pointer_cast<LoRALinearImpl>(back)) dense = l->merged(), ++merged;
+      else if (auto q = std::dynamic_pointer_cast<Nf4LinearImpl>(back)) dense = q->dense();
+      else if (auto g = std::dynamic_pointer_cast<QuantizedLinearImpl>(back)) dense = g->dense();
+      else TORCH_CHECK(false, "merge_lora: ", item.key(), " has a backing merge_lora does not know");
+      sl->unback(dense->weight.detach(), sl->has_bias() ? dense->bias.detach() : torch::Tensor());
+      continue;
+    }
+    if (std::dynamic_pointer_cast<LinearImpl>(item.value())) continue;  // its backing was handled above
     for (const auto& child : item.value()->named_children())
       if (auto l = std::dynamic_pointer_cast<LoRALinearImpl>(child.value())) {
         item.value()->replace_module(child.key(), l->merged());
@@ -587,64 +623,5 @@ LoraSetup prepare_lora(torch::nn::Module& model, torch::Device device) {
   s.base_bytes = frozen_base_bytes(model);
   return s;
 }
-
-// A minimal LoRA / QLoRA trainer: prepare_lora<S>, then AdamW over the adapters only (8-bit moments, nn::AdamW8,
-// under Quantized<8, Blockwise8>), with S's gradient accumulation and a global-norm clip. Adapters are fp32 (master)
-// and are cast to the activations' dtype in forward, so bf16 compute needs no master copy; fp16 would need loss
-// scaling, which this trainer leaves out.
-struct LoraTrainOptions {
-  double lr = 1e-3;
-  double weight_decay = 0.0;
-  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
-  double clip = 1.0;  // <= 0: off
-};
-struct LoraStepResult {
-  double loss = 0;       // mean over the micro-batches
-  double grad_norm = 0;  // before clipping
-  bool applied = true;   // false: non-finite gradients, update skipped
-};
-
-template <class S>
-class LoraTrainer {
-  static_assert(S::has_lora && S::training, "LoraTrainer<S> trains LoRA adapters: S needs LoRA<R, A> (and no Inference)");
-  static_assert(!S::loss_scaling, "LoraTrainer keeps no loss scale: use Precision<bf16, float> (or float) with LoRA, not fp16");
-  static_assert(S::stage == 0 && !S::offload_to_host, "LoraTrainer runs on one device: the adapters are small, drop Sharded/Offload");
-  static_assert(S::state_bits == 32 || S::state_quantization::group == int(kernels::kStateBlock),
-                "LoraTrainer's 8-bit optimizer state uses blocks of 256 values: write Quantized<8, Blockwise8> (or Group<256>)");
-
- public:
-  LoraTrainer(torch::nn::Module& model, torch::Device device, const LoraTrainOptions& o = {}) : opt_(o) {
-    setup_ = prepare_lora<S>(model, device);
-    optimizer_ = std::make_unique<Optimizer>(
-        setup_.parameters, torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
-  }
-  const LoraSetup& setup() const { return setup_; }
-  // torch::optim::AdamW, or nn::AdamW8 under Quantized<8, Blockwise8> (the adapters' moments as 8-bit codes)
-  using Optimizer = std::conditional_t<S::state_bits == 8, AdamW8, torch::optim::AdamW>;
-  Optimizer& optimizer() { return *optimizer_; }
-
-  // micro_loss(i) returns the mean loss of micro-batch i in [0, S::accumulation_steps).
-  template <class Fn>
-  LoraStepResult step(Fn&& micro_loss) {
-    constexpr int N = S::accumulation_steps;
-    LoraStepResult r;
-    for (int i = 0; i < N; ++i) {
-      const torch::Tensor loss = micro_loss(i);
-      TORCH_CHECK(loss.numel() == 1, "LoraTrainer::step: the loss must be a scalar, got ", loss.sizes());
-      r.loss += loss.item<double>() / N;
-      (loss / N).backward();
-    }
-    r.grad_norm = torch::nn::utils::clip_grad_norm_(setup_.parameters, opt_.clip > 0 ? opt_.clip : std::numeric_limits<double>::infinity());
-    r.applied = std::isfinite(r.grad_norm);
-    if (r.applied) optimizer_->step();
-    optimizer_->zero_grad();
-    return r;
-  }
-
- private:
-  LoraTrainOptions opt_;
-  LoraSetup setup_;
-  std::unique_ptr<Optimizer> optimizer_;
-};
 
 }  // namespace squeeze::nn

@@ -126,7 +126,7 @@ class FlatAdamW {
   static_assert(St::training, "FlatAdamW trains: remove Inference from the Strategy");
   static_assert(std::is_same_v<typename St::master_type, float> || std::is_same_v<param_type, float>,
                 "FlatAdamW keeps fp32 master weights for half/bf16 params: write Precision<bf16, float> or Precision<half, float>");
-  static_assert(St::state_bits == 32, "FlatAdamW keeps fp32 Adam moments; for 8-bit state (Quantized<8, Blockwise8>) use nn::Trainer (make_trainer) or kernels::adamw8_cpu / adamw8_cuda");
+  static_assert(St::state_bits == 32, "FlatAdamW keeps fp32 Adam moments; for 8-bit state (Quantized<8, Blockwise8>) use train::Trainer (make_trainer) or kernels::adamw8_cpu / adamw8_cuda");
   static_assert(!St::loss_scaling || St::dynamic_loss_scaling,
                 "FlatAdamW implements dynamic loss scaling; for a fixed scale use DynamicLossScale with a huge growth_interval");
 #if !defined(__CUDACC__)

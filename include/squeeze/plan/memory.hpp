@@ -236,7 +236,7 @@ constexpr MemoryPlan plan_memory(const ModelShape& m, const TrainShape& t, int w
   const unsigned trained = S::base_trainable ? kAllLinears : (S::has_lora ? unsigned(L::targets) : 0u);
   plan.activations.device = activation_bytes(m, t, p_c, S::checkpoint_every, S::training, lora_act, trained);
   // Stage 3 with a chunked loss: the head's weight is gathered once and held from its forward until the last
-  // chunk's backward (nn::ShardedLinear::full_weight), at any world size.
+  // chunk's backward (nn::Linear::full_weight), at any world size.
   if constexpr (S::stage >= 3 && S::training) {
     const i64 tokens = t.micro_batch * t.seq;
     if (S::base_trainable && t.loss_chunk_tokens > 0 && t.loss_chunk_tokens < tokens) plan.activations.device += m.vocab * m.hidden * p_c;

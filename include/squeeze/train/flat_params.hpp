@@ -18,7 +18,7 @@
 #include <utility>
 #include <vector>
 
-namespace squeeze::nn {
+namespace squeeze::train {
 
 struct FlatEntry {
   std::string name;
@@ -111,4 +111,4 @@ class FlatParams {
   torch::Tensor flat_, grad_;
 };
 
-}  // namespace squeeze::nn
+}  // namespace squeeze::train

@@ -23,6 +23,8 @@
 // One worker: jobs run in submission order, so a partition's jobs never run out of order.
 #include <torch/torch.h>
 
+#include "squeeze/kernels/adamw.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -40,9 +42,16 @@
 #include "squeeze/kernels/grad_norm.hpp"
 #include "streams.hpp"
 
-namespace squeeze::nn {
+namespace squeeze::train {
 
 // One optimizer partition: what this rank updates.
+// A run of a partition's elements whose parameters share one parameter group (learning rate, weight decay).
+struct Segment {
+  int64_t begin = 0, len = 0;  // elements [begin, begin + len) of the partition
+  int group = 0;               // index into the trainer's group settings
+};
+using GroupCoeffs = std::vector<kernels::AdamWCoeffs>;  // one set of AdamW coefficients per group
+
 struct Partition {
   torch::Tensor param;      // [n] compute dtype, written by AdamW (flat-buffer slice or stage-3 shard)
   torch::Tensor grad;       // [n] reduced gradient (stage 0: the full buffer itself)
@@ -51,6 +60,7 @@ struct Partition {
   torch::Tensor m_absmax, v_absmax;  // [ceil(n / 256)] fp32 block scales of m and v (8-bit state only)
   torch::Tensor host_grad;  // [n] host copy of grad in grad's dtype (offload; pinned for a CUDA model)
   torch::Tensor host_sumsq; // [1] float64, pinned: the device's sum of squares of grad (offload of a CUDA model)
+  std::vector<Segment> segments;  // cover [0, n) in order
   // The update wrote the new parameters, rounded to param's dtype, over host_grad (possible when grad and
   // param share a 16-bit dtype): the upload then moves 2 bytes per parameter instead of the fp32 master's 4.
   bool staged = false;
@@ -320,4 +330,4 @@ class OffloadPipeline {
   std::thread worker_;
 };
 
-}  // namespace squeeze::nn
+}  // namespace squeeze::train

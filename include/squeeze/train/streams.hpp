@@ -27,7 +27,7 @@
 #define SQUEEZE_NN_STREAMS 1
 #endif
 
-namespace squeeze::nn {
+namespace squeeze::train {
 
 #if SQUEEZE_NN_STREAMS
 
@@ -142,4 +142,4 @@ inline void record_use_current(const torch::Tensor&) {}
 
 #endif
 
-}  // namespace squeeze::nn
+}  // namespace squeeze::train

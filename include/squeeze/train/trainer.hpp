@@ -93,16 +93,19 @@
 #include "../comm/communicator.hpp"
 #include "../plan/memory.hpp"
 #include "../policy/strategy.hpp"
-#include "../nn/adamw8_optimizer.hpp"
+#include "adamw_torch_ops.hpp"
+#include "adopt.hpp"
+#include "collectives.hpp"
 #include "flat_params.hpp"
 #include "offload.hpp"
-#include "../nn/sharded.hpp"
+#include "stage3.hpp"
+#include "torch_types.hpp"
 #include "squeeze/kernels/adamw.hpp"
 #include "squeeze/kernels/adamw8.hpp"
 #include "squeeze/kernels/grad_norm.hpp"
 #include "squeeze/kernels/loss_scale.hpp"
 
-namespace squeeze::nn {
+namespace squeeze::train {
 
 // Anything with AdamW's five hyper-parameters (optim::AdamW, or an aggregate of your own).
 template <class O>
@@ -116,8 +119,24 @@ concept AdamWHyperparameters = requires(const O& o) {
 
 // Clipping and loss scaling come from the AdamW options when they carry them (squeeze::AdamW has
 // max_grad_norm and loss_scale); set them here only for an options type without them. Setting both is an error.
+// A set of parameters with its own learning rate and weight decay (TrainerOptions::param_groups).
+struct ParamGroup {
+  std::function<bool(const std::string& name)> match;  // by the parameter's full name, e.g. "blocks.0.attn.q.weight"
+  float lr_scale = 1.0f;                               // this group's lr = AdamW's lr * lr_scale
+  float weight_decay = -1.0f;                          // < 0: AdamW's weight_decay
+};
+
 struct TrainerOptions {
   float max_grad_norm = 0;                                // clip the global L2 norm to this; <= 0: no clipping
+  // Plain libtorch layers (not squeeze::nn::Linear / Embedding) that the Strategy would have to shard (Stage 3)
+  // or quantize (Quantized<...>) are refused, listed by name; the module names here (an exact dotted name, or its
+  // last component: "norm" matches "norm" and "blocks.3.norm"; "*" matches all) are accepted and kept whole on every
+  // rank (frozen under LoRA), counted in memory(). Meant for small layers such as norms.
+  std::vector<std::string> replicate{};
+  // Parameter groups, first match wins. Parameters that match none: AdamW's lr and weight decay, except that norms,
+  // biases (every parameter of one dimension) and embeddings get no weight decay unless decay_norms_biases_embeddings.
+  std::vector<ParamGroup> param_groups{};
+  bool decay_norms_biases_embeddings = false;
   std::optional<kernels::LossScaleOptions> loss_scale{};  // used when the Strategy scales the loss (half compute)
   int64_t persistence_threshold = 0;       // stage 3: sharded layers with fewer parameters stay whole
   int64_t align_bytes = 256;               // every tensor and every shard of a flat buffer starts aligned
@@ -125,10 +144,10 @@ struct TrainerOptions {
                                            // (CUDA + NCCL: on a side stream, overlapping compute)
   int64_t bucket_bytes = int64_t(32) << 20;  // stage 2 (and stage 3's whole-kept parameters): gradient bucket size
   bool overlap_offload = true;             // Offload<Host>: transfers + CPU AdamW beside backward (see above)
-  // 16-bit compute with fp32 masters: the float values a parameter was rounded from (by its full name, as in
-  // full_parameters()), e.g. the float initialisation or a float checkpoint. The masters start from them, so the
-  // first updates act on the same weights as an fp32 run; null: the masters start from the 16-bit parameters.
-  // Called once per parameter while the trainer is built (a tensor it returns may be freed after). Every rank
+  // 16-bit compute with fp32 masters, for a module handed over already in the compute type: the float values a
+  // parameter was rounded from (by its full name, as in full_parameters()), e.g. a float checkpoint. Not needed
+  // for a float module: the trainer converts it and seeds the masters from its float values itself. Null: the
+  // masters start from the 16-bit parameters. Called once per parameter while the trainer is built; every rank
   // must return the same values; each must round to the parameter it is given for (checked).
   std::function<torch::Tensor(const std::string& name)> master_init{};
 };
@@ -137,6 +156,7 @@ struct StepResult {
   float loss = 0;                  // this micro-batch's loss (unscaled)
   bool applied = false;            // the optimizer updated the parameters on this call
   bool boundary = false;           // this call ended an accumulation window (applied or skipped)
+  int64_t step = 0;                // optimizer steps applied so far, this call's included
   float scale = 1;                 // the loss scale used for this micro-batch
   float grad_norm = std::nanf("");  // global L2 norm of the unscaled gradient (boundary only)
 };
@@ -180,12 +200,6 @@ struct MemoryReport {
 };
 
 namespace detail {
-
-template <class T> constexpr torch::ScalarType scalar_type_of() {
-  if constexpr (std::is_same_v<T, float>) return torch::kFloat32;
-  else if constexpr (std::is_same_v<T, half>) return torch::kFloat16;
-  else return torch::kBFloat16;
-}
 
 // Sum of squares in double, deterministic: host sequentially; device by sum_squares_tensor (train/offload.hpp, the
 // function Offload<Host> runs on the device too, so offloaded and device-resident partitions give the same bits),
@@ -288,20 +302,22 @@ template <StrategyType S, AdamWHyperparameters O>
 class Trainer {
  public:
   using Compute = typename S::compute_type;
+  // LoRA trains adapters kept in the master type (fp32), cast to the activations' dtype in forward: they are their
+  // own masters. Full training keeps parameters in the compute type (with fp32 masters when that is 16-bit).
+  using Param = std::conditional_t<S::has_lora, typename S::master_type, Compute>;
+  static constexpr bool kMaster = !std::is_same_v<Param, float>;
   static constexpr int kStage = S::stage;
   static constexpr int kAccum = S::accumulation_steps;
   static constexpr bool kOffload = S::offload_to_host;
   // Mixed-precision micro-batches are summed in fp32 (the planner counts the same).
-  static constexpr bool kFp32Accum = kAccum > 1 && S::has_master_copy;
-  static_assert(S::training, "make_trainer needs a training Strategy (remove Inference)");
-  static_assert(!S::quantized_weights && !S::has_lora,
-                "make_trainer trains full weights; quantized/LoRA strategies have their own trainers");
+  static constexpr bool kFp32Accum = kAccum > 1 && kMaster;
+  static_assert(S::training, "make_trainer needs a training Strategy: remove Inference (an inference model needs no trainer)");
   // 8-bit Adam moments (Quantized<8, Blockwise8>): uint8 codes + one fp32 absmax per kernels::kStateBlock
   // elements (kernels/adamw8.hpp). Host buffers (Offload<Host>, CPU models) run kernels::adamw8_cpu; device
   // buffers the same maps and rule in torch ops.
   static constexpr bool k8bit = S::state_bits == 8;
   static_assert(!k8bit || S::state_quantization::group == int(kernels::kStateBlock),
-                "nn::Trainer's 8-bit optimizer state uses blocks of 256 values: write Quantized<8, Blockwise8> (or Group<256>)");
+                "train::Trainer's 8-bit optimizer state uses blocks of 256 values: write Quantized<8, Blockwise8> (or Group<256>)");
 
   Trainer(std::shared_ptr<torch::nn::Module> module, O adamw, comm::CommPtr comm, TrainerOptions opt = {})
       : module_(std::move(module)), adamw_(adamw), comm_(std::move(comm)), opt_(resolve(adamw, opt)),
@@ -313,21 +329,31 @@ class Trainer {
     TORCH_CHECK(!std::isnan(opt_.max_grad_norm), "make_trainer: max_grad_norm is NaN (use 0 for no clipping)");
     rank_ = comm_->rank();
     world_ = comm_->size();
-    compute_dtype_ = detail::scalar_type_of<Compute>();
+    compute_dtype_ = torch_dtype<Param>();
     grad_dtype_ = kFp32Accum ? torch::kFloat32 : compute_dtype_;
     if constexpr (S::loss_scaling && !S::dynamic_loss_scaling) static_scale_ = std::ldexp(1.0f, S::loss_scale::log2_scale);
     // Validate the AdamW hyper-parameters now, not at the first boundary.
     (void)kernels::adamw_coeffs(adamw_.lr, adamw_.beta1, adamw_.beta2, adamw_.eps, adamw_.weight_decay, 1);
 
+    // The module as built (float, or already in the compute type) becomes what S trains: layers adopted,
+    // parameters converted; the float values seed the masters (train/adopt.hpp).
+    adopted_ = adopt_model<S>(*module_, AdoptOptions{opt_.replicate});
+    if (!opt_.master_init && !adopted_.float_values.empty()) {
+      opt_.master_init = [this](const std::string& name) {
+        auto it = adopted_.float_values.find(name);
+        TORCH_CHECK(it != adopted_.float_values.end(), "make_trainer: no float value kept for '", name, "'");
+        return it->second;
+      };
+    }
     std::vector<std::pair<std::string, torch::Tensor>> trainable;
     for (auto& item : module_->named_parameters(/*recurse=*/true)) {
       if (!item.value().requires_grad()) continue;
       TORCH_CHECK(item.value().scalar_type() == compute_dtype_, "make_trainer: parameter '", item.key(), "' is ",
-                  item.value().scalar_type(), " but the Strategy computes in ", compute_dtype_,
-                  "; convert the module first: module->to(", compute_dtype_, ")");
+                  item.value().scalar_type(), " but the Strategy trains it in ", compute_dtype_);
       trainable.emplace_back(item.key(), item.value());
     }
     TORCH_CHECK(!trainable.empty(), "make_trainer: the module has no trainable parameters");
+    assign_groups(trainable);
     device_ = trainable.front().second.device();
     if (world_ > 1) {
       TORCH_CHECK(!device_.is_cuda() || comm_->device_buffers(), "make_trainer: the module is on ", device_, " but the '",
@@ -371,6 +397,7 @@ class Trainer {
     if constexpr (kStage >= 2)
       for (Partition* p : partitions()) state_->shard_bytes += int64_t(p->grad.nbytes());
     opt_.master_init = nullptr;  // used only while building: what it refers to may go now
+    adopted_.float_values.clear();
   }
 
   // Merges the clipping / loss-scale knobs of the AdamW options into the trainer options.
@@ -425,10 +452,30 @@ class Trainer {
   }
 
   // One micro-batch. closure() returns the micro-batch's scalar loss (graph attached).
-  StepResult step(const std::function<torch::Tensor()>& closure) {
+  StepResult step(const std::function<torch::Tensor()>& closure) { return run_micro_batch(closure, 0); }
+  // Token-weighted accumulation: the micro-batch's loss (its mean over `tokens` targets) weighs tokens / (the
+  // window's tokens on all ranks) instead of 1 / (accumulation steps x ranks), so the window's gradient is that of
+  // one big batch whatever the micro-batches' sizes. Every micro-batch of a window passes its count, or none does.
+  StepResult step(const std::function<torch::Tensor()>& closure, int64_t tokens) {
+    TORCH_CHECK(tokens >= 1, "Trainer::step: tokens must be >= 1 (the micro-batch's target count), got ", tokens);
+    return run_micro_batch(closure, tokens);
+  }
+
+ private:
+  StepResult run_micro_batch(const std::function<torch::Tensor()>& closure, int64_t tokens) {
     StepResult r;
     r.scale = scale();
     const bool boundary = micro_ + 1 == kAccum;
+    if (micro_ == 0) window_weighted_ = tokens > 0, window_tokens_ = 0;
+    TORCH_CHECK(window_weighted_ == (tokens > 0), "Trainer::step: micro-batch ", micro_ + 1, " of ", kAccum,
+                tokens > 0 ? " passes a token count but the window's first did not"
+                           : " passes no token count but the window's first did: pass it to every step() of a window");
+    double weight = 1.0 / double(kAccum);
+    if (tokens > 0) {
+      if (token_ref_ == 0) token_ref_ = agreed_token_reference(tokens);
+      weight = double(tokens) / double(token_ref_);
+      window_tokens_ += tokens;
+    }
     begin_micro_step(boundary);
     // If the closure or backward throws, free what stage 3 gathered (the window's gradients are kept;
     // the other ranks will fail their next collective by timeout, as a lost rank would make them).
@@ -445,12 +492,28 @@ class Trainer {
       }
     } guard{runtime_.get()};
     if (runtime_) runtime_->set_phase(Stage3Runtime::Phase::forward);
-    torch::Tensor loss = closure();
+    torch::Tensor loss;
+    {
+      // Checkpointed: nn::checkpoint(block, x) recomputes while this closure runs (nn/activation_checkpoint.hpp).
+      struct RecomputeGuard {
+        int saved = nn::detail::RecomputeScope::every();
+        ~RecomputeGuard() { nn::detail::RecomputeScope::every() = saved; }
+      } recompute;
+      nn::detail::RecomputeScope::every() = S::checkpoint_every;
+      const int64_t calls = nn::detail::RecomputeScope::calls();
+      loss = closure();
+      if constexpr (S::checkpoint_every > 0) {
+        TORCH_CHECK(adopted_.recomputable > 0 || nn::detail::RecomputeScope::calls() > calls,
+                    "make_trainer: the Strategy is Checkpointed but the model recomputed nothing: run its blocks through "
+                    "squeeze::nn::Blocks, or call squeeze::nn::checkpoint(block, x) in its forward (or drop Checkpointed)");
+        adopted_.recomputable = std::max(adopted_.recomputable, 1);  // checked once
+      }
+    }
     TORCH_CHECK(loss.defined() && loss.numel() == 1, "Trainer::step: the closure must return a scalar loss, got ",
                 loss.defined() ? loss.sizes() : torch::IntArrayRef{});
     TORCH_CHECK(loss.requires_grad(), "Trainer::step: the loss does not require grad (computed under NoGradGuard?)");
     if (runtime_) runtime_->set_phase(Stage3Runtime::Phase::backward);
-    (loss * double(r.scale / float(kAccum))).backward();
+    (loss * (double(r.scale) * weight)).backward();
     r.loss = loss.detach().to(torch::kFloat32).item<float>();  // read after backward: no host stall between them
     if (runtime_) {
       runtime_->release_all();
@@ -459,11 +522,34 @@ class Trainer {
     guard.rt = nullptr;
     after_backward(boundary);
     micro_ = boundary ? 0 : micro_ + 1;
+    r.step = applied_;
     if (!boundary) return r;
     r.boundary = true;
     finish_window(r);
+    r.step = applied_;
     return r;
   }
+
+  // Token weighting's reference count: the largest first micro-batch over the ranks (one collective, once), so
+  // each micro-batch's gradient is scaled by about 1 (no overflow under fp16's loss scale).
+  int64_t agreed_token_reference(int64_t tokens) {
+    if (world_ == 1) return tokens;
+    auto t = torch::full({1}, double(tokens), torch::TensorOptions().dtype(torch::kFloat64).device(device_));
+    all_reduce_inplace(*comm_, t, comm::ReduceOp::max);
+    return int64_t(t.item<double>());
+  }
+  // Token weighting: the factor that turns the reduced (rank-averaged) gradient into the token-weighted mean.
+  double token_weighting_factor() {
+    double total = double(window_tokens_);
+    if (world_ > 1) {
+      auto t = torch::full({1}, total, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
+      all_reduce_inplace(*comm_, t, comm::ReduceOp::sum);
+      total = t.item<double>();
+    }
+    return double(world_) * double(token_ref_) / total;
+  }
+
+ public:
 
   float scale() const {
     if constexpr (S::dynamic_loss_scaling) return scaler_.scale();
@@ -611,10 +697,12 @@ class Trainer {
 
   int64_t align_elems() const {
     const int64_t es = int64_t(c10::elementSize(compute_dtype_));
-    return std::max<int64_t>(1, opt_.align_bytes / es);
+    const int64_t a = std::max<int64_t>(1, opt_.align_bytes / es);
+    // 8-bit state: every tensor starts on a state block, so parameter groups split partitions at whole blocks.
+    return k8bit ? std::lcm(a, int64_t(kernels::kStateBlock)) : a;
   }
   // [n] optimizer-state buffer: on the device, on the host, or (offload from a GPU) pinned host memory of exactly
-  // n elements (nn::pinned_empty: torch's caching host allocator would round each one up to a power of two).
+  // n elements (train::pinned_empty: torch's caching host allocator would round each one up to a power of two).
   torch::Tensor state_empty(int64_t n, torch::ScalarType dtype) const {
     const auto options = torch::TensorOptions().dtype(dtype);
     if (!kOffload) return torch::empty({n}, options.device(device_));
@@ -626,7 +714,7 @@ class Trainer {
     o.param = param;
     o.grad = grad;
     const int64_t n = param.numel();
-    if (kOffload || S::has_master_copy) {
+    if (kOffload || kMaster) {
       o.master = state_empty(n, torch::kFloat32);
       o.master.copy_(param);
     }
@@ -657,18 +745,20 @@ class Trainer {
     if constexpr (kStage == 0) {
       make_owned(rep_->own, flat, kFp32Accum ? rep_->acc_full : rep_->flat.grad());
       seed_master(rep_->own, rep_->flat, 0);
+      set_segments(rep_->own, rep_->flat, 0);
     } else {
       // The full gradient buffer is kept anyway: reduce-scatter in place into this rank's slice of it.
       make_owned(rep_->own, rep_->flat.shard_of(flat, rank_),
                  rep_->flat.shard_of(kFp32Accum ? rep_->acc_full : rep_->flat.grad(), rank_));
       seed_master(rep_->own, rep_->flat, int64_t(rank_) * rep_->flat.shard());
+      set_segments(rep_->own, rep_->flat, int64_t(rank_) * rep_->flat.shard());
     }
   }
 
   // opt_.master_init: the fp32 master of partition o (elements [begin, begin + o.master.numel()) of layout's
   // flat buffer) takes the float values each parameter was rounded from.
   void seed_master(Partition& o, const FlatParams& layout, int64_t begin) {
-    if constexpr (!std::is_same_v<Compute, float>) {
+    if constexpr (kMaster) {
       if (!opt_.master_init || !o.master.defined()) return;
       torch::NoGradGuard ng;
       const int64_t end = begin + o.master.numel();
@@ -713,6 +803,7 @@ class Trainer {
       broadcast(flat);
       make_owned(b->own, b->flat.shard_of(flat, rank_), torch::zeros({b->flat.shard()}, flat.options().dtype(grad_dtype_)));
       seed_master(b->own, b->flat, int64_t(rank_) * b->flat.shard());
+      set_segments(b->own, b->flat, int64_t(rank_) * b->flat.shard());
       for (auto& e : b->flat.entries()) {
         e.param.mutable_grad().reset();
         torch::autograd::impl::set_post_acc_grad_hooks(e.param, std::make_unique<detail::BucketHook>(b.get(), &e, state_.get()));
@@ -745,6 +836,7 @@ class Trainer {
     auto own = std::make_unique<Partition>();
     make_owned(*own, g->shard.detach(), g->grad_shard);
     seed_master(*own, g->layout, int64_t(rank_) * g->layout.shard());
+    set_segments(*own, g->layout, int64_t(rank_) * g->layout.shard());
     if (offload_) {
       Partition* p = own.get();
       OffloadPipeline* pipe = offload_.get();
@@ -770,7 +862,7 @@ class Trainer {
     if constexpr (kOffload && kStage >= 2) {
       // Eager: nothing global can change this step's update (no clipping, no loss scale), so each partition
       // is updated as soon as its gradient is on the host.
-      if (boundary && offload_->threaded() && !(opt_.max_grad_norm > 0) && !S::loss_scaling) {
+      if (boundary && offload_->threaded() && !(opt_.max_grad_norm > 0) && !S::loss_scaling && !window_weighted_) {
         // Jobs run in order on one worker: from the first non-finite partition on, nothing is updated.
         detail::GradState* st = state_.get();
         st->non_finite = false;
@@ -843,21 +935,61 @@ class Trainer {
     }
   }
 
-  kernels::AdamWCoeffs coeffs_for_next_step() const {
-    return kernels::adamw_coeffs(adamw_.lr, adamw_.beta1, adamw_.beta2, adamw_.eps, adamw_.weight_decay, applied_ + 1);
+  // One set of AdamW coefficients per parameter group (index: Segment::group).
+  GroupCoeffs coeffs_for_next_step() const {
+    GroupCoeffs cs;
+    for (const GroupSetting& g : group_settings_)
+      cs.push_back(kernels::adamw_coeffs(adamw_.lr * g.lr_scale, adamw_.beta1, adamw_.beta2, adamw_.eps,
+                                         g.weight_decay < 0 ? adamw_.weight_decay : g.weight_decay, applied_ + 1));
+    return cs;
+  }
+
+  // Which group each trainable parameter is in (TrainerOptions::param_groups, then the default rule).
+  void assign_groups(const std::vector<std::pair<std::string, torch::Tensor>>& trainable) {
+    std::unordered_set<std::string> embeddings;
+    for (const auto& m : module_->named_modules())
+      if (is_embedding(*m.value())) embeddings.insert(m.key().empty() ? "weight" : m.key() + ".weight");
+    group_settings_ = {{1.0f, -1.0f}, {1.0f, 0.0f}};  // 0: AdamW's settings, 1: no decay (norms, biases, embeddings)
+    for (const ParamGroup& g : opt_.param_groups) {
+      TORCH_CHECK(bool(g.match), "make_trainer: a parameter group has no match function");
+      TORCH_CHECK(g.lr_scale >= 0 && std::isfinite(g.lr_scale), "make_trainer: a parameter group's lr_scale must be >= 0, got ", g.lr_scale);
+      group_settings_.push_back({g.lr_scale, g.weight_decay});
+    }
+    for (const auto& [name, p] : trainable) {
+      int gi = -1;
+      for (std::size_t i = 0; i < opt_.param_groups.size() && gi < 0; ++i)
+        if (opt_.param_groups[i].match(name)) gi = int(i) + 2;
+      if (gi < 0) gi = !opt_.decay_norms_biases_embeddings && (p.dim() <= 1 || embeddings.count(name)) ? 1 : 0;
+      group_of_[name] = gi;
+    }
+  }
+  // The segments of a partition (elements [begin, begin + n) of layout's flat buffer) that share a group: each
+  // entry's range runs to the next entry's offset, so alignment gaps (zeros, which no update changes) join it.
+  void set_segments(Partition& o, const FlatParams& layout, int64_t begin) {
+    const int64_t end = begin + o.param.numel();
+    const auto& es = layout.entries();
+    o.segments.clear();
+    for (std::size_t i = 0; i < es.size(); ++i) {
+      const int64_t lo = std::max(begin, i == 0 ? int64_t(0) : es[i].offset);
+      const int64_t hi = std::min(end, i + 1 < es.size() ? es[i + 1].offset : layout.padded());
+      if (lo >= hi) continue;
+      const int g = group_of_.at(es[i].name);
+      if (!o.segments.empty() && o.segments.back().group == g) o.segments.back().len += hi - lo;
+      else o.segments.push_back({lo - begin, hi - lo, g});
+    }
   }
 
   // The CPU AdamW of one offloaded partition: fp32 master, m, v and the host gradient copy. When the
   // gradient is in the (16-bit) compute dtype, the rounded new parameters overwrite it element by element
   // (each element's gradient is read before its parameter is written), so the upload moves half the bytes
   // of the fp32 master and needs no conversion on the device.
-  static OffloadPipeline::Fn host_update(kernels::AdamWCoeffs c, float inv_scale, float clip) {
+  static OffloadPipeline::Fn host_update(GroupCoeffs c, float inv_scale, float clip) {
     return [c, inv_scale, clip](Partition& p) {
       const kernels::AdamWDynamic d{&inv_scale, nullptr, &clip, nullptr};
-      if constexpr (!std::is_same_v<Compute, float>) {
+      if constexpr (kMaster) {
         if (p.host_grad.scalar_type() == p.param.scalar_type()) {
-          Compute* staged = reinterpret_cast<Compute*>(p.host_grad.data_ptr());
-          adamw_on_host<Compute, Compute>(p, staged, p.master.data_ptr<float>(), staged, c, d);
+          Param* staged = reinterpret_cast<Param*>(p.host_grad.data_ptr());
+          adamw_on_host<Param, Param>(p, staged, p.master.data_ptr<float>(), staged, c, d);
           p.staged = true;
           return;
         }
@@ -865,13 +997,13 @@ class Trainer {
       if (p.host_grad.scalar_type() == torch::kFloat32)
         adamw_on_host<float, float>(p, p.master.data_ptr<float>(), nullptr, p.host_grad.data_ptr<float>(), c, d);
       else
-        adamw_on_host<float, Compute>(p, p.master.data_ptr<float>(), nullptr, reinterpret_cast<const Compute*>(p.host_grad.data_ptr()), c, d);
+        adamw_on_host<float, Param>(p, p.master.data_ptr<float>(), nullptr, reinterpret_cast<const Param*>(p.host_grad.data_ptr()), c, d);
     };
   }
 
   void finish_window(StepResult& r) {
     if (offload_) offload_->wait_all();  // the gradient jobs: host copies, sums of squares (and eager updates)
-    const float inv_scale = 1.0f / r.scale;
+    const float inv_scale = float((1.0 / double(r.scale)) * (window_weighted_ ? token_weighting_factor() : 1.0));
     float norm = 0, clip = 1, found_inf = 0;
     kernels::grad_norm_finalize(global_sum_squares(), kernels::NormType::L2, opt_.max_grad_norm, &inv_scale,
                                 {&norm, &clip, &found_inf});
@@ -927,45 +1059,51 @@ class Trainer {
       for (Partition* o : partitions()) o->grad.zero_();
   }
 
-  // The CPU AdamW on one partition's host state (fp32 or 8-bit moments): param [n] (P), master [n] or null, grad [n].
+  // The CPU AdamW on one partition's host state (fp32 or 8-bit moments): param [n] (P), master [n] or null, grad [n],
+  // segment by segment (their groups' coefficients; 8-bit segments start on a state block, see align_elems).
   template <class P, class G>
-  static void adamw_on_host(Partition& p, P* param, float* master, const G* grad, const kernels::AdamWCoeffs& c,
+  static void adamw_on_host(Partition& p, P* param, float* master, const G* grad, const GroupCoeffs& cs,
                             const kernels::AdamWDynamic& d) {
-    const int64_t n = p.m.numel();
-    if constexpr (k8bit) {
-      const kernels::AdamW8Tensor<P, G> t{param, master, grad, p.m.data_ptr<std::uint8_t>(), p.m_absmax.data_ptr<float>(),
-                                          p.v.data_ptr<std::uint8_t>(), p.v_absmax.data_ptr<float>(), n};
-      kernels::adamw8_cpu(t, c, d);
-    } else {
-      const kernels::AdamWTensor<P, G> t{param, master, grad, p.m.data_ptr<float>(), p.v.data_ptr<float>(), n};
-      kernels::adamw_cpu(t, c, d);
+    for (const Segment& s : p.segments) {
+      const int64_t o = s.begin, n = s.len;
+      float* mo = master ? master + o : nullptr;
+      if constexpr (k8bit) {
+        const int64_t b = o / kernels::kStateBlock;
+        const kernels::AdamW8Tensor<P, G> t{param + o, mo, grad + o, p.m.data_ptr<std::uint8_t>() + o, p.m_absmax.data_ptr<float>() + b,
+                                            p.v.data_ptr<std::uint8_t>() + o, p.v_absmax.data_ptr<float>() + b, n};
+        kernels::adamw8_cpu(t, cs[std::size_t(s.group)], d);
+      } else {
+        const kernels::AdamWTensor<P, G> t{param + o, mo, grad + o, p.m.data_ptr<float>() + o, p.v.data_ptr<float>() + o, n};
+        kernels::adamw_cpu(t, cs[std::size_t(s.group)], d);
+      }
     }
   }
 
   template <class G>
-  void adamw_host(Partition& o, const kernels::AdamWCoeffs& c, const kernels::AdamWDynamic& d) {
-    adamw_on_host<Compute, G>(o, reinterpret_cast<Compute*>(o.param.data_ptr()),
-                              std::is_same_v<Compute, float> ? nullptr : o.master.template data_ptr<float>(),
+  void adamw_host(Partition& o, const GroupCoeffs& c, const kernels::AdamWDynamic& d) {
+    adamw_on_host<Param, G>(o, reinterpret_cast<Param*>(o.param.data_ptr()),
+                              kMaster ? o.master.template data_ptr<float>() : nullptr,
                               reinterpret_cast<const G*>(o.grad.data_ptr()), c, d);
   }
 
-  void update(Partition& o, const kernels::AdamWCoeffs& c, const kernels::AdamWDynamic& d, float gmul) {
+  void update(Partition& o, const GroupCoeffs& cs, const kernels::AdamWDynamic& d, float gmul) {
     if (o.param.is_cpu()) {
-      if (o.grad.scalar_type() == torch::kFloat32) adamw_host<float>(o, c, d);
-      else adamw_host<Compute>(o, c, d);
+      if (o.grad.scalar_type() == torch::kFloat32) adamw_host<float>(o, cs, d);
+      else adamw_host<Param>(o, cs, d);
     } else {
       // Device buffers from a host-compiled TU: the same math in torch ops (an nvcc TU could launch
       // kernels/adamw.cuh instead).
-      // Elementwise, so chunking changes no bit; it bounds the temporaries to one chunk.
+      // Elementwise, so chunking changes no bit; it bounds the temporaries to one chunk. 8-bit: segments start on
+      // a state block and kDeviceChunk is a multiple of one, so each chunk's blocks are its own.
       torch::NoGradGuard ng;
-      const int64_t n = o.param.numel();
-      for (int64_t off = 0; off < n; off += detail::kDeviceChunk) {
-        const int64_t len = std::min(detail::kDeviceChunk, n - off);
+      for (const Segment& seg : o.segments)
+      for (int64_t off = seg.begin; off < seg.begin + seg.len; off += detail::kDeviceChunk) {
+        const auto& c = cs[std::size_t(seg.group)];
+        const int64_t len = std::min(detail::kDeviceChunk, seg.begin + seg.len - off);
         auto part = [&](const torch::Tensor& t) { return t.narrow(0, off, len); };
         const torch::Tensor g = part(o.grad).to(torch::kFloat32) * gmul;
-        torch::Tensor w = part(S::has_master_copy ? o.master : o.param);
+        torch::Tensor w = part(kMaster ? o.master : o.param);
         if constexpr (k8bit) {
-          // kDeviceChunk is a multiple of the state block: the chunk's blocks are its own.
           auto blocks = [&](const torch::Tensor& t) {
             return t.narrow(0, off / kernels::kStateBlock, kernels::state_blocks(len));
           };
@@ -975,13 +1113,23 @@ class Trainer {
           torch::Tensor m = part(o.m), v = part(o.v);
           detail::adamw_torch_ops(w, m, v, g, c);
         }
-        if (S::has_master_copy) part(o.param).copy_(w);
+        if (kMaster) part(o.param).copy_(w);
       }
     }
   }
 
+  struct GroupSetting {
+    float lr_scale, weight_decay;  // weight_decay < 0: AdamW's
+  };
+
   // Declaration order = reverse destruction order: the offload worker stops before what it points to goes.
   std::shared_ptr<torch::nn::Module> module_;
+  AdoptedModel adopted_;
+  std::vector<GroupSetting> group_settings_;
+  std::unordered_map<std::string, int> group_of_;
+  bool window_weighted_ = false;  // this window's micro-batches pass token counts
+  int64_t window_tokens_ = 0;     // their sum on this rank
+  int64_t token_ref_ = 0;         // token weighting's reference count (agreed_token_reference)
   O adamw_;
   comm::CommPtr comm_;
   TrainerOptions opt_;
@@ -1014,8 +1162,13 @@ auto make_trainer(M& module, O adamw, comm::CommPtr comm, TrainerOptions opt = {
   return Trainer<S, O>(std::move(m), adamw, std::move(comm), opt);
 }
 
-}  // namespace squeeze::nn
+}  // namespace squeeze::train
 
 namespace squeeze {
-using nn::make_trainer;
+using train::make_trainer;
+using train::MemoryReport;
+using train::MemoryUse;
+using train::ParamGroup;
+using train::StepResult;
+using train::TrainerOptions;
 }  // namespace squeeze

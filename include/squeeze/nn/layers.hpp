@@ -1,0 +1,266 @@
+#pragma once
+// squeeze::nn::Linear and squeeze::nn::Embedding: drop-in for torch::nn::Linear / Embedding (same options,
+// parameter names, initialisation and math). A trainer adopts them and changes their backing while the
+// object (and so the user's member holding it) stays the same:
+//   plain              until a trainer adopts them (stages 0-2, or plain use): weight / bias are ordinary parameters
+//   sharded (Stage 3)  the layer's parameters live as 1/N shards in a train::Stage3Group; weight / bias are emptied
+//                      (numel 0) and gathered around the layer's forward and backward (train/stage3.hpp)
+//   backed (LoRA)      Linear only: a frozen base (dense, NF4 or GPTQ-packed) with or without LoRA adapters, a child
+//                      module registered as "lora" (adapters) or "frozen" (nn/lora.hpp: apply_lora)
+//
+// Why autograd Functions for the sharded form: libtorch modules have no forward hooks, so the gather must sit
+// inside the layer's own forward; and a layer's backward must run even when its input needs no gradient (the
+// first layer), so the shard tensor is an input of the Function (a leaf that requires grad; its own .grad stays
+// empty: the reduced gradient goes to the group's gradient shard in its accumulation dtype). The backward uses
+// exactly the ATen ops of linear's / embedding's own derivatives (g^T x, g W, sum over rows;
+// embedding_dense_backward), so stage 3 produces the same gradient bits as an unsharded layer.
+#include <torch/torch.h>
+
+#include <cmath>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../train/stage3.hpp"
+
+namespace squeeze::nn {
+
+using train::FlatParams;
+using train::Shardable;
+using train::Stage3Group;
+
+namespace detail {
+
+inline Stage3Group* group_from(torch::autograd::AutogradContext* ctx) {
+  return reinterpret_cast<Stage3Group*>(ctx->saved_data["group"].toInt());
+}
+
+// y = x W^T + b with W, b gathered from the shard. x: [..., in], y: [..., out].
+struct ShardedLinearFn : torch::autograd::Function<ShardedLinearFn> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& shard,
+                               int64_t group_ptr) {
+    (void)shard;
+    auto* g = reinterpret_cast<Stage3Group*>(group_ptr);
+    const torch::Tensor full = g->runtime->acquire(*g);
+    const auto& es = g->layout.entries();
+    const torch::Tensor w = FlatParams::view(full, es[0]);
+    const torch::Tensor b = es.size() > 1 ? FlatParams::view(full, es[1]) : torch::Tensor();
+    torch::Tensor y = torch::nn::functional::linear(x, w, b);
+    g->runtime->release(*g);
+    ctx->save_for_backward({x});
+    ctx->saved_data["group"] = group_ptr;
+    return y;
+  }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::tensor_list grads) {
+    Stage3Group* g = group_from(ctx);
+    const torch::Tensor x = ctx->get_saved_variables()[0];
+    const torch::Tensor full = g->runtime->acquire(*g);
+    const auto& es = g->layout.entries();
+    const torch::Tensor w = FlatParams::view(full, es[0]);  // [out, in]
+    const int64_t out = w.size(0), in = w.size(1);
+    const torch::Tensor go = grads[0].reshape({-1, out});    // [rows, out]
+    const torch::Tensor x2 = x.reshape({-1, in});           // [rows, in]
+    torch::Tensor gx;
+    if (ctx->needs_input_grad(0)) gx = go.mm(w).view(x.sizes());
+    auto full_grad = torch::zeros({g->layout.padded()}, full.options());
+    FlatParams::view(full_grad, es[0]).copy_(go.t().mm(x2));  // [out, in], as AddmmBackward computes it
+    if (es.size() > 1) FlatParams::view(full_grad, es[1]).copy_(go.sum(0));
+    g->runtime->release(*g);
+    g->runtime->reduce_grad(*g, full_grad);
+    return {gx, torch::Tensor(), torch::Tensor()};
+  }
+};
+
+// W [out, in] gathered from the shard as a tensor autograd differentiates, for a caller that reads it several
+// times (a chunked loss): autograd sums the gradients of every use before this node's backward runs, which
+// reduce-scatters the sum once. The runtime forgets the gathered buffer at once; it lives as long as W does.
+struct GatheredWeightFn : torch::autograd::Function<GatheredWeightFn> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& shard, int64_t group_ptr) {
+    (void)shard;
+    auto* g = reinterpret_cast<Stage3Group*>(group_ptr);
+    const torch::Tensor full = g->runtime->acquire(*g);
+    torch::Tensor w = FlatParams::view(full, g->layout.entries()[0]);  // [out, in]
+    g->runtime->release(*g);
+    ctx->saved_data["group"] = group_ptr;
+    return w;
+  }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::tensor_list grads) {
+    Stage3Group* g = group_from(ctx);
+    auto full_grad = torch::zeros({g->layout.padded()}, g->shard.options().requires_grad(false));
+    if (grads[0].defined()) FlatParams::view(full_grad, g->layout.entries()[0]).copy_(grads[0]);
+    g->runtime->reduce_grad(*g, full_grad);
+    return {torch::Tensor(), torch::Tensor()};
+  }
+};
+
+// y = W[idx]. idx: [...] int64, y: [..., dim].
+struct ShardedEmbeddingFn : torch::autograd::Function<ShardedEmbeddingFn> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& idx, const torch::Tensor& shard,
+                               int64_t group_ptr) {
+    (void)shard;
+    auto* g = reinterpret_cast<Stage3Group*>(group_ptr);
+    const torch::Tensor full = g->runtime->acquire(*g);
+    const torch::Tensor w = FlatParams::view(full, g->layout.entries()[0]);
+    torch::Tensor y = torch::embedding(w, idx);
+    g->runtime->release(*g);
+    ctx->save_for_backward({idx});
+    ctx->saved_data["group"] = group_ptr;
+    return y;
+  }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::tensor_list grads) {
+    Stage3Group* g = group_from(ctx);
+    const torch::Tensor idx = ctx->get_saved_variables()[0];
+    const auto& e = g->layout.entries()[0];
+    auto full_grad = torch::zeros({g->layout.padded()}, grads[0].options());
+    FlatParams::view(full_grad, e).copy_(torch::embedding_dense_backward(grads[0], idx, e.shape[0], -1, false));
+    g->runtime->reduce_grad(*g, full_grad);
+    return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+}  // namespace detail
+
+// ---- modules ---------------------------------------------------------------------------------------
+
+// What a Linear runs when a trainer has given it another backing (nn/lora.hpp: a LoRA adapter over a frozen
+// dense, NF4 or GPTQ-packed base, or such a frozen base alone).
+using LinearBacking = std::function<torch::Tensor(const torch::Tensor&)>;
+
+class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public Shardable {
+ public:
+  LinearImpl(int64_t in, int64_t out) : LinearImpl(torch::nn::LinearOptions(in, out)) {}
+  explicit LinearImpl(const torch::nn::LinearOptions& o) : options(o) { reset(); }
+
+  // torch::nn::Linear's initialisation: U(-1/sqrt(in), 1/sqrt(in)) for weight and bias.
+  void reset() override {
+    TORCH_CHECK(options.in_features() > 0 && options.out_features() > 0, "squeeze::nn::Linear: sizes must be positive, got ",
+                options.in_features(), "x", options.out_features());
+    const double bound = 1.0 / std::sqrt(double(options.in_features()));
+    weight = register_parameter("weight", torch::empty({options.out_features(), options.in_features()}).uniform_(-bound, bound));
+    if (options.bias()) bias = register_parameter("bias", torch::empty({options.out_features()}).uniform_(-bound, bound));
+  }
+  void pretty_print(std::ostream& s) const override {
+    s << "squeeze::nn::Linear(in_features=" << options.in_features() << ", out_features=" << options.out_features()
+      << ", bias=" << std::boolalpha << options.bias() << (group_ ? ", sharded" : backing_ ? ", backed" : "") << ")";
+  }
+
+  torch::Tensor forward(const torch::Tensor& x) {  // x: [..., in] -> [..., out]
+    if (backing_) return backing_(x);
+    if (group_ == nullptr) return torch::nn::functional::linear(x, weight, bias);
+    if (torch::GradMode::is_enabled()) ++group_->uses;
+    return detail::ShardedLinearFn::apply(x, group_->shard, reinterpret_cast<int64_t>(group_));
+  }
+  // The weight [out, in] as one tensor, for a caller that reads it several times (nn::Llama's chunked loss): the
+  // parameter itself, or, once a stage-3 trainer has sharded the layer, a gathered copy held while autograd needs
+  // it, whose backward reduce-scatters the gradients of all uses summed: one gather and one reduction per pass
+  // however many chunks read it (one use for the runtime's readiness count). Layers without a bias only.
+  torch::Tensor full_weight() {
+    TORCH_CHECK(!options.bias(), "squeeze::nn::Linear::full_weight: the layer has a bias, which full_weight() would leave out");
+    TORCH_CHECK(!backing_, "squeeze::nn::Linear::full_weight: the layer is backed by a frozen quantized base");
+    if (group_ == nullptr) return weight;
+    if (torch::GradMode::is_enabled()) ++group_->uses;
+    return detail::GatheredWeightFn::apply(group_->shard, reinterpret_cast<int64_t>(group_));
+  }
+
+  std::vector<std::pair<std::string, torch::Tensor>> shardable_parameters() override {
+    std::vector<std::pair<std::string, torch::Tensor>> p{{"weight", weight}};
+    if (options.bias()) p.emplace_back("bias", bias);
+    return p;
+  }
+  void attach(Stage3Group* g) override { group_ = g; }
+  Stage3Group* group() const override { return group_; }
+
+  // The layer now runs `forward` of `module` (registered as child `name`); its own weight and bias are released.
+  void back_with(const std::string& name, std::shared_ptr<torch::nn::Module> module, LinearBacking forward) {
+    TORCH_CHECK(group_ == nullptr, "squeeze::nn::Linear: a sharded layer cannot take another backing");
+    TORCH_CHECK(!backing_, "squeeze::nn::Linear: the layer already has a backing ('", backing_name_, "')");
+    register_module(name, std::move(module));
+    backing_ = std::move(forward);
+    backing_name_ = name;
+    torch::NoGradGuard ng;
+    weight.set_data(torch::empty({0}, weight.options()));
+    if (bias.defined()) bias.set_data(torch::empty({0}, bias.options()));
+  }
+  // Back to a plain layer holding weight [out, in] and bias [out] (merge_lora's export of an adapted layer).
+  void unback(const torch::Tensor& w, const torch::Tensor& b) {
+    TORCH_CHECK(backing_, "squeeze::nn::Linear::unback: the layer has no backing");
+    TORCH_CHECK(w.sizes() == torch::IntArrayRef({out_features(), in_features()}), "squeeze::nn::Linear::unback: weight must be [",
+                out_features(), ", ", in_features(), "], got ", w.sizes());
+    unregister_module(backing_name_);
+    backing_ = {};
+    backing_name_.clear();
+    torch::NoGradGuard ng;
+    weight.set_data(w);
+    if (bias.defined() && b.defined()) bias.set_data(b);
+  }
+  bool backed() const { return bool(backing_); }
+  std::shared_ptr<torch::nn::Module> backing() const { return backed() ? named_children()[backing_name_] : nullptr; }
+
+  int64_t in_features() const { return options.in_features(); }
+  int64_t out_features() const { return options.out_features(); }
+  bool has_bias() const { return options.bias(); }
+
+  torch::nn::LinearOptions options;
+  torch::Tensor weight;  // [out, in]
+  torch::Tensor bias;    // [out], or undefined without bias
+
+ private:
+  Stage3Group* group_ = nullptr;
+  LinearBacking backing_;
+  std::string backing_name_;
+};
+TORCH_MODULE(Linear);
+
+class EmbeddingImpl : public torch::nn::Cloneable<EmbeddingImpl>, public Shardable {
+ public:
+  EmbeddingImpl(int64_t num, int64_t dim) : EmbeddingImpl(torch::nn::EmbeddingOptions(num, dim)) {}
+  explicit EmbeddingImpl(const torch::nn::EmbeddingOptions& o) : options(o) {
+    TORCH_CHECK(!o.padding_idx() && !o.max_norm() && !o.scale_grad_by_freq() && !o.sparse() && !o._weight().defined(),
+                "squeeze::nn::Embedding supports num_embeddings and embedding_dim only (padding_idx, max_norm, "
+                "scale_grad_by_freq, sparse and _weight are not implemented): load weights after construction instead");
+    reset();
+  }
+  // torch::nn::Embedding's initialisation: N(0, 1).
+  void reset() override {
+    TORCH_CHECK(options.num_embeddings() > 0 && options.embedding_dim() > 0, "squeeze::nn::Embedding: sizes must be positive");
+    weight = register_parameter("weight", torch::randn({options.num_embeddings(), options.embedding_dim()}));
+  }
+  void pretty_print(std::ostream& s) const override {
+    s << "squeeze::nn::Embedding(num_embeddings=" << options.num_embeddings() << ", embedding_dim=" << options.embedding_dim()
+      << (group_ ? ", sharded" : "") << ")";
+  }
+  torch::Tensor forward(const torch::Tensor& idx) {  // idx: [...] int64 -> [..., dim]
+    if (group_ == nullptr) return torch::embedding(weight, idx);
+    if (torch::GradMode::is_enabled()) ++group_->uses;
+    return detail::ShardedEmbeddingFn::apply(idx, group_->shard, reinterpret_cast<int64_t>(group_));
+  }
+  std::vector<std::pair<std::string, torch::Tensor>> shardable_parameters() override { return {{"weight", weight}}; }
+  void attach(Stage3Group* g) override { group_ = g; }
+  Stage3Group* group() const override { return group_; }
+
+  torch::nn::EmbeddingOptions options;
+  torch::Tensor weight;  // [num, dim]
+
+ private:
+  Stage3Group* group_ = nullptr;
+};
+TORCH_MODULE(Embedding);
+
+// The tensors a module's forward reads that get gradients: its parameters, or for layers a stage-3 trainer has
+// sharded (their own weights emptied) the shard each gathers from. What activation checkpointing hands to autograd.
+inline std::vector<torch::Tensor> trainable_leaves(torch::nn::Module& m) {
+  std::vector<torch::Tensor> out;
+  for (const auto& sub : m.modules(/*include_self=*/true)) {
+    if (auto* s = dynamic_cast<Shardable*>(sub.get()); s != nullptr && s->group() != nullptr) {
+      out.push_back(s->group()->shard);
+      continue;
+    }
+    for (const auto& p : sub->parameters(/*recurse=*/false))
+      if (p.defined() && p.numel() > 0) out.push_back(p);
+  }
+  return out;
+}
+
+}  // namespace squeeze::nn

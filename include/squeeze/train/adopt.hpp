@@ -1,0 +1,128 @@
+#pragma once
+// How make_trainer turns the model a user built into what Strategy S trains, before any partition exists:
+//   1. refuses plain libtorch layers S would have to shard (Stage 3) or quantize (Quantized<...>), naming each with
+//      its parameter count, unless TrainerOptions::replicate lists it (then it is kept whole, counted in memory());
+//   2. refuses parameters in a dtype S cannot start from (anything but float and S's compute type);
+//   3. converts the module to S's compute type, keeping the float values of trainable parameters for the masters;
+//   4. LoRA strategies: apply_lora<S> (nn/lora.hpp) gives squeeze::nn::Linear layers their frozen (dense, NF4 or
+//      GPTQ-packed) base and adapters, the same objects throughout;
+//   5. Checkpointed strategies: switches on every nn::Recomputable module (nn::Blocks, nn::Llama); a model with none
+//      must call nn::checkpoint(block, x), which the trainer checks on its first step.
+// This is the layer above nn/: the engine's other files know nothing of modules.
+#include <torch/torch.h>
+
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "../nn/activation_checkpoint.hpp"
+#include "../nn/layers.hpp"
+#include "../nn/lora.hpp"
+#include "../policy/strategy.hpp"
+#include "torch_types.hpp"
+
+namespace squeeze::train {
+
+struct AdoptOptions {
+  std::vector<std::string> replicate;  // TrainerOptions::replicate
+};
+
+struct AdoptedModel {
+  std::map<std::string, torch::Tensor> float_values;  // trainable parameters' float values before the conversion
+  std::vector<nn::AdaptedLayer> adapted;               // LoRA: the layers that got adapters
+  int64_t quantized_layers = 0;                        // layers whose base S quantized
+  int recomputable = 0;                                // nn::Recomputable modules switched on
+};
+
+// "norm" matches "norm" and "blocks.3.norm"; "*" matches every module.
+inline bool listed(const std::vector<std::string>& names, const std::string& module) {
+  for (const auto& n : names) {
+    if (n == "*" || n == module) return true;
+    if (module.size() > n.size() && module.ends_with(n) && module[module.size() - n.size() - 1] == '.') return true;
+  }
+  return false;
+}
+
+inline bool is_embedding(const torch::nn::Module& m) {
+  return dynamic_cast<const nn::EmbeddingImpl*>(&m) != nullptr || dynamic_cast<const torch::nn::EmbeddingImpl*>(&m) != nullptr;
+}
+
+template <StrategyType S>
+AdoptedModel adopt_model(torch::nn::Module& model, const AdoptOptions& o) {
+  using Compute = typename S::compute_type;
+  const auto compute = torch_dtype<Compute>();
+  AdoptedModel out;
+
+  // 1. plain layers S cannot handle
+  std::string refused;
+  int64_t refused_count = 0;
+  for (const auto& item : model.named_modules("", /*include_self=*/true)) {
+    torch::nn::Module& m = *item.value();
+    const std::string name = item.key().empty() ? "(the model itself)" : item.key();
+    int64_t own = 0;
+    for (const auto& p : m.parameters(/*recurse=*/false))
+      if (p.defined() && p.requires_grad()) own += p.numel();
+    const bool torch_linear = dynamic_cast<torch::nn::LinearImpl*>(&m) != nullptr;
+    const bool squeeze_layer = dynamic_cast<Shardable*>(&m) != nullptr || dynamic_cast<KeptWhole*>(&m) != nullptr;
+    std::string why;
+    if constexpr (S::quantized_weights) {
+      if (torch_linear) why = "S quantizes linear layers";
+    } else if constexpr (S::has_lora) {
+      if (torch_linear && nn::detail::is_lora_target(item.key().substr(item.key().rfind('.') + 1), S::lora::targets))
+        why = "LoRA adapts layers of this name";
+    } else if constexpr (S::stage == 3) {
+      if (own > 0 && !squeeze_layer) why = "Stage 3 shards every layer";
+    }
+    if (why.empty() || listed(o.replicate, item.key())) continue;
+    refused += "\n  '" + name + "' (" + m.name() + ", " + std::to_string(own) + " parameters): " + why;
+    ++refused_count;
+  }
+  TORCH_CHECK(refused_count == 0, "make_trainer: ", refused_count, " plain libtorch layer(s) the Strategy cannot handle:", refused,
+              "\nWrite squeeze::nn::Linear / squeeze::nn::Embedding for torch::nn::Linear / Embedding (same options and "
+              "parameters), or keep small layers whole on every rank with TrainerOptions::replicate (e.g. .replicate = "
+              "{\"norm\"}).");
+
+  // 2., 3. dtypes and the conversion
+  bool convert = false;
+  for (const auto& p : model.named_parameters(/*recurse=*/true)) {
+    const auto t = p.value().scalar_type();
+    if (!p.value().is_floating_point()) continue;
+    TORCH_CHECK(t == torch::kFloat32 || t == compute, "make_trainer: parameter '", p.key(), "' is ", t,
+                "; the Strategy starts from float parameters (converting them to its ", compute, ") or from ", compute, " ones");
+    if (t != compute) {
+      convert = true;
+      if (!S::has_lora && p.value().requires_grad()) out.float_values[p.key()] = p.value().detach();
+    }
+  }
+  if (convert) model.to(compute);
+
+  // 4. LoRA
+  if constexpr (S::has_lora) {
+    bool has_linear = false;
+    for (const auto& m : model.modules()) has_linear |= dynamic_cast<nn::LinearImpl*>(m.get()) != nullptr;
+    TORCH_CHECK(has_linear, "make_trainer: a LoRA Strategy needs squeeze::nn::Linear layers to adapt; the model has none");
+    try {
+      out.adapted = nn::apply_lora<S>(model);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "make_trainer: ", e.what_without_backtrace(),
+                  " (LoRA<R, A, Targets> names the layers it adapts: q, k, v, o, gate, up, down, or q_proj, ...)");
+    }
+    for (const auto& m : model.modules())
+      if (auto* l = dynamic_cast<nn::LinearImpl*>(m.get()); l && l->backed()) {
+        auto b = l->backing();
+        if (auto* a = dynamic_cast<nn::LoRALinearImpl*>(b.get())) out.quantized_layers += a->nf4() || a->gptq();
+        else ++out.quantized_layers;  // a frozen quantized base without adapter
+      }
+    if constexpr (S::quantized_weights)
+      TORCH_CHECK(out.quantized_layers > 0, "make_trainer: the Strategy quantizes the base weights, but no layer was quantized");
+  }
+
+  // 5. activation checkpointing
+  if constexpr (S::checkpoint_every > 0)
+    for (const auto& m : model.modules(/*include_self=*/true))
+      if (auto* r = dynamic_cast<nn::Recomputable*>(m.get())) r->set_recompute(S::checkpoint_every), ++out.recomputable;
+  return out;
+}
+
+}  // namespace squeeze::train

@@ -1,0 +1,42 @@
+#pragma once
+// Tensor collectives of the torch layer (blocking: they synchronize the communicator). At world size 1
+// they are a torch copy or nothing, so a single process works with any backend on any device, whatever
+// its translation unit was compiled with.
+#include <torch/torch.h>
+
+#include "../comm/communicator.hpp"
+#include "torch_types.hpp"
+
+namespace squeeze::train {
+
+//   gather_into:         shard [n] -> full [size*n] (shard may be full's own slice: in place)
+//   reduce_scatter_avg:  full [size*n] -> shard [n], average over ranks (shard may be full's own slice)
+inline void gather_into(comm::Communicator& c, const torch::Tensor& shard, const torch::Tensor& full) {
+  if (c.size() == 1) {
+    if (shard.data_ptr() != full.data_ptr()) full.copy_(shard);
+    return;
+  }
+  c.all_gather(shard.data_ptr(), full.data_ptr(), std::size_t(shard.numel()), comm_dtype(full.scalar_type()));
+  c.synchronize();
+}
+inline void reduce_scatter_avg(comm::Communicator& c, const torch::Tensor& full, const torch::Tensor& shard) {
+  if (c.size() == 1) {
+    if (shard.data_ptr() != full.data_ptr()) shard.copy_(full.narrow(0, 0, shard.numel()));
+    return;
+  }
+  c.reduce_scatter(full.data_ptr(), shard.data_ptr(), std::size_t(shard.numel()), comm_dtype(full.scalar_type()),
+                   comm::ReduceOp::avg);
+  c.synchronize();
+}
+inline void all_reduce_inplace(comm::Communicator& c, const torch::Tensor& t, comm::ReduceOp op) {
+  if (c.size() == 1) return;
+  c.all_reduce(t.data_ptr(), t.data_ptr(), std::size_t(t.numel()), comm_dtype(t.scalar_type()), op);
+  c.synchronize();
+}
+inline void broadcast_inplace(comm::Communicator& c, const torch::Tensor& t, int root) {
+  if (c.size() == 1) return;
+  c.broadcast(t.data_ptr(), t.data_ptr(), std::size_t(t.numel()), comm_dtype(t.scalar_type()), root);
+  c.synchronize();
+}
+
+}  // namespace squeeze::train
