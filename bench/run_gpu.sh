@@ -12,7 +12,8 @@
 # From the development machine, snapshot the committed tree and send it with the device tool:
 #   rm -rf .snap && mkdir .snap && git archive HEAD | tar -x -C .snap && git rev-parse --short HEAD > .snap/COMMIT
 #   device run (carry .snap): bash .snap/bench/run_gpu.sh
-# Results: $OUT/<bench>.jsonl (one JSON object per case, fields as ARCHITECTURE.md says), $OUT/ctest.log.
+# Results: $OUT/<bench>.jsonl (one JSON object per case, fields as docs/architecture.md says), $OUT/ctest.log;
+# committed as bench/results/<device>/<bench>.* (the latest file of each benchmark; its README names the command).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-results}
 mkdir -p "$OUT"
@@ -64,7 +65,7 @@ run_bench gptq "$BUILD/bench/quant/bench_gptq"
 run_bench zero "$BUILD/bench/zero/bench_zero"
 corpus=(); [ -f "$ROOT/kjv.txt" ] && corpus=(--corpus "$ROOT/kjv.txt")
 run_bench table "$BUILD/bench/table/bench_table" "${corpus[@]}"
-# The LLaMA-7B geometry rows (issue 5), only when named: a few minutes each. The offload row keeps Adam's
+# The LLaMA-7B geometry rows, only when named: a few minutes each. The offload row keeps Adam's
 # state and the fp32 master weights in host memory (~100 GB for 7B); --clip 0 selects the eager pipeline;
 # lr 1e-5 warmed up over the 5 steps: at 7B, 3e-4 and 3e-5 diverged within them (fp32 and bf16 alike), 1e-5 trains
 # (diag7b at e8d7c8e: 32 layers, B=1, 12 steps, loss 11.2 -> 6.4, val ppl 311; 2 layers at 3e-5: 11.4 -> 3.1).
@@ -76,9 +77,9 @@ if named table7b_offload; then
 fi
 
 # The 7B learning rate (only when named): bf16 + checkpointing, T=2048, 12 optimizer steps each, the loss of every
-# step in `losses`. Session 5 (B=1, at e8d7c8e): 7B width at 2 layers trains at 3e-5, 32 layers diverge at 3e-5 and
-# train unsteadily at 1e-5. Session 6 (338a3d7, table7b): at B=8, 1e-5 falls to 5.4 by step 3, then climbs back
-# to 11.2 as the warm-up reaches 6e-6 .. 1e-5. So: B=8 at 5e-6 and 3e-6 (warmed up over 5 steps).
+# step in `losses`. At B=1 (e8d7c8e) the 7B width at 2 layers trains at 3e-5, 32 layers diverge at 3e-5 and train
+# unsteadily at 1e-5; at B=8 (338a3d7, table7b) 1e-5 falls to 5.4 by step 3, then climbs back to 11.2 as the warm-up
+# reaches 6e-6 .. 1e-5. So: B=8 at 5e-6 and 3e-6 (warmed up over 5 steps).
 if named diag7b; then
   echo "== diag7b"
   for args in "--lr 5e-6" "--lr 3e-6"; do
@@ -88,7 +89,7 @@ if named diag7b; then
   done
 fi
 
-# Issue 7, several GPUs (only when named). scale: ZeRO-3 + bf16 without and with checkpointing, and with
+# Several GPUs (only when named). scale: ZeRO-3 + bf16 without and with checkpointing, and with
 # Offload<Host> + checkpointing, at TinyLlama-1.1B, B=8 per GPU, T=2048, at world 1 and 2 (only worlds <= the GPUs
 # here), beside PyTorch FSDP2 in the same configurations (bench/fsdp2/fsdp2_llama.py); scale7b: LLaMA-7B at world 2
 # (scale7b_w1: at world 1).
@@ -159,7 +160,7 @@ if named ncu_sm90; then
     "$OUT/ncu-sm90-${NCU_CASE:-K11008_N4096_M64}-${NCU_CFG:-wg_b64m1s6x2w}.txt"
 fi
 
-# GPTQ vs RTN perplexity (issue 6): train the 125m preset for 1000 bf16 steps, then quantize it at 2/3/4/8 bits.
+# GPTQ vs RTN perplexity: train the 125m preset for 1000 bf16 steps, then quantize it at 2/3/4/8 bits.
 # The KJV text comes from $ROOT/kjv.txt when the snapshot carries it (the GPU machine has no `bible` program).
 if [ ${#want[@]} -eq 0 ] || named llama_gptq; then
   echo "== llama_gptq"
