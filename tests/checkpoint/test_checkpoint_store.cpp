@@ -147,6 +147,12 @@ TEST(CheckpointStore, CommitRefusesIncompleteSaves) {
   s.commit();
   EXPECT_EQ(store.latest_step(), 2);
   EXPECT_HAS(error_of([&] { s.commit(); }), "already committed");
+  CheckpointSave dropped = store.begin(3, meta(1, 3));
+  write_rank(dropped, 3, 0);
+  dropped.abandon();
+  EXPECT_TRUE(leftovers(root.path).empty());
+  EXPECT_HAS(error_of([&] { dropped.commit(); }), "already committed or abandoned");
+  EXPECT_EQ(store.latest_step(), 2);
   EXPECT_HAS(error_of([&] { store.begin(3, CheckpointMeta{}); }), "must name the Strategy");
 }
 

@@ -493,7 +493,7 @@ class CheckpointSave {
                                            " is outside the world of " + std::to_string(s.world));
     {
       std::lock_guard lock(s.mu);
-      check(!s.committed, "checkpoint save of step " + std::to_string(s.step) + ": already committed");
+      check(!s.committed && !s.abandoned, "checkpoint save of step " + std::to_string(s.step) + ": already committed or abandoned");
       check(s.writing.insert(rank).second, "checkpoint save of step " + std::to_string(s.step) + ": rank " + std::to_string(rank) +
                                                " is written twice");
     }
@@ -525,7 +525,7 @@ class CheckpointSave {
     std::lock_guard lock(s.mu);
     const std::string what = "checkpoint save of step " + std::to_string(s.step) + " in " + s.root.string();
     check(s.meta.has_value(), what + ": only the process that called begin() commits; the others write their rank and wait at the barrier");
-    check(!s.committed, what + ": already committed");
+    check(!s.committed && !s.abandoned, what + ": already committed or abandoned");
     const CheckpointMeta& m = *s.meta;
     CheckpointIndex idx;
     idx.step = s.step;
@@ -585,12 +585,28 @@ class CheckpointSave {
     detail::hook(s.hook, "root:fsynced-latest");
     s.committed = true;
 
-    if (!displaced.empty()) {
-      fs::remove_all(displaced);
-      detail::hook(s.hook, "displaced:removed");
+    try {
+      if (!displaced.empty()) {
+        fs::remove_all(displaced);
+        detail::hook(s.hook, "displaced:removed");
+      }
+      prune(s);
+    } catch (const std::exception& e) {
+      // The checkpoint is whole and `latest` names it; say so rather than let this look like a failed save.
+      throw Error(what + ": committed as " + final_dir.string() + ", but removing old checkpoints failed (the next save retries): " +
+                  e.what());
     }
-    prune(s);
     return final_dir;
+  }
+
+  // Gives up an uncommitted save: removes its staging directory (coordinator only; a save that is merely
+  // dropped leaves it for the next begin() to remove).
+  void abandon() {
+    std::lock_guard lock(s_->mu);
+    check(s_->meta.has_value(), "checkpoint save: only the coordinator abandons a save");
+    if (s_->committed || s_->abandoned) return;
+    std::filesystem::remove_all(s_->staging);
+    s_->abandoned = true;
   }
 
  private:
@@ -606,7 +622,7 @@ class CheckpointSave {
     FaultHook hook;
     mutable std::mutex mu;
     std::set<int> writing;
-    bool committed = false;
+    bool committed = false, abandoned = false;
   };
   explicit CheckpointSave(std::unique_ptr<State> s) : s_(std::move(s)) {}
 
