@@ -166,11 +166,14 @@ class SafetensorsCheckpoint {
     }
     // Every tensor the index names is in its shard, and every tensor of every shard is in the index, once.
     std::map<std::string, std::string> seen;  // tensor -> the shard whose header holds it
-    for (std::size_t s = 0; s < c.shards_.size(); ++s) {
-      for (const auto& [name, t] : c.shards_[s].tensors()) {
+    for (std::size_t s = 0; s < c.shards_.size(); ++s)
+      for (const auto& [name, _] : c.shards_[s].tensors()) {
         if (auto it = seen.find(name); it != seen.end())
           fail("tensor '" + name + "' is stored in two shards: '" + it->second + "' and '" + c.files_[s] + "'");
         seen[name] = c.files_[s];
+      }
+    for (std::size_t s = 0; s < c.shards_.size(); ++s) {
+      for (const auto& [name, t] : c.shards_[s].tensors()) {
         const auto w = weight_map.find(name);
         if (w == weight_map.end()) fail("shard '" + c.files_[s] + "' holds tensor '" + name + "', which the weight_map does not list");
         if (w->second != c.files_[s])
