@@ -111,6 +111,42 @@ const char* kLlama31_8B_v5 = R"({
   "vocab_size": 128256
 })";
 
+// A tiny LLaMA-3-style model as transformers 5.17 saved it (tied, GQA, head_dim != hidden / heads, llama3).
+const char* kSavedByTransformers5 = R"({
+  "architectures": ["LlamaForCausalLM"],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "bos_token_id": 1,
+  "dtype": "bfloat16",
+  "eos_token_id": 2,
+  "head_dim": 16,
+  "hidden_act": "silu",
+  "hidden_size": 16,
+  "initializer_range": 0.02,
+  "intermediate_size": 24,
+  "max_position_embeddings": 128,
+  "mlp_bias": false,
+  "model_type": "llama",
+  "num_attention_heads": 2,
+  "num_hidden_layers": 2,
+  "num_key_value_heads": 1,
+  "pad_token_id": null,
+  "pretraining_tp": 1,
+  "rms_norm_eps": 1e-05,
+  "rope_parameters": {
+    "factor": 8.0,
+    "high_freq_factor": 4.0,
+    "low_freq_factor": 1.0,
+    "original_max_position_embeddings": 16,
+    "rope_theta": 500000.0,
+    "rope_type": "llama3"
+  },
+  "tie_word_embeddings": true,
+  "transformers_version": "5.17.0",
+  "use_cache": true,
+  "vocab_size": 32
+})";
+
 // Llama-3.2-1B: tied embeddings, explicit head_dim, rope factor 32.
 const char* kLlama32_1B = R"({
   "architectures": ["LlamaForCausalLM"],
@@ -226,6 +262,23 @@ TEST(HfConfig, Transformers5SpellingReadsTheSame) {
   j["rope_parameters"] = js(kLlama31_8B_v5)["rope_parameters"];
   j["dtype"] = "bfloat16";
   EXPECT_EQ(parse(j), io::parse_llama_config(kLlama31_8B));
+}
+
+TEST(HfConfig, ReadsWhatTransformers5Saves) {
+  const auto c = io::parse_llama_config(kSavedByTransformers5);
+  EXPECT_TRUE(c.tie_word_embeddings);
+  EXPECT_EQ(c.head_dim, 16);
+  EXPECT_EQ(c.num_key_value_heads, 1);
+  EXPECT_EQ(c.dtype, io::DType::BF16);
+  EXPECT_EQ(c.rope_scaling.type, io::RopeType::Llama3);
+  EXPECT_EQ(c.rope_scaling.original_max_position_embeddings, 16);
+  EXPECT_DOUBLE_EQ(c.rope_theta, 500000.0);
+  // that model's inv_freq buffer (bf16): our double values round to it
+  const double theirs[] = {0.57421875, 0.0242919921875, 0.00469970703125, 0.000911712646484375,
+                           0.00017642974853515625, 3.4332275390625e-05, 6.645917892456055e-06, 1.2889504432678223e-06};
+  const auto f = io::rope_inv_freq(c);
+  ASSERT_EQ(f.size(), 8u);
+  for (int i = 0; i < 8; ++i) EXPECT_NEAR(f[i], theirs[i], theirs[i] * (1.0 / 256)) << i;  // within bf16's rounding
 }
 
 TEST(HfConfig, InstructEosListTiedEmbeddingsAndExplicitHeadDim) {

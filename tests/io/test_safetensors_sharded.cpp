@@ -332,6 +332,16 @@ TEST(ShardedSafetensors, BadDirectoriesAndIndexes) {
   expect_error(open, {"total_size"});
 }
 
+TEST(ShardedSafetensors, IndexMetadataAsTransformers5WritesIt) {
+  io_test::TempDir dir("tf5");
+  const auto ts = sample_tensors();
+  write_all(dir.path, ts, 300);
+  auto idx = read_json(dir.path / "model.safetensors.index.json");
+  idx["metadata"]["total_parameters"] = 1234;  // transformers 5 adds it; nothing to check against
+  write_text(dir.path / "model.safetensors.index.json", idx.dump());
+  EXPECT_EQ(io::SafetensorsCheckpoint::open(dir.path).tensors().size(), ts.size());
+}
+
 TEST(ShardedSafetensors, TensorInTwoShards) {
   io_test::TempDir dir("twice");
   const std::vector<float> a = {1, 2}, b = {3};
