@@ -8,6 +8,10 @@
 // known dtypes, non-negative shapes without overflow, byte count == numel * element size, offsets inside
 // the file and non-overlapping. A corrupt or hostile file yields squeeze::Error naming the problem.
 // Writing goes to "<path>.tmp" and renames over <path>, so a failed save never destroys an old file.
+//
+// SafetensorsFile holds a whole file in memory (small checkpoints). SafetensorsReader reads only the
+// header when opened and each tensor's bytes on request (pread), so a model larger than host memory can
+// be loaded one tensor, or one slice of a tensor, at a time. Sharded checkpoints: safetensors_sharded.hpp.
 #include <algorithm>
 #include <bit>
 #include <cstddef>
@@ -22,6 +26,12 @@
 #include <string_view>
 #include <utility>
 #include <vector>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 
 #include <nlohmann/json.hpp>
 
@@ -90,6 +100,79 @@ inline std::optional<std::uint64_t> byte_count(const std::vector<std::int64_t>& 
   }
   return n;
 }
+
+inline std::uint64_t read_le64(const std::byte* p) {
+  std::uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | std::uint64_t(std::to_integer<std::uint8_t>(p[i]));
+  return n;
+}
+
+// The 8-byte header length n of a file of file_size bytes: within the format's limit and the file.
+inline void check_header_length(std::uint64_t n, std::uint64_t file_size, const std::string& source) {
+  auto fail = [&](const std::string& what) { throw Error("safetensors " + source + ": " + what); };
+  if (n > kMaxHeaderBytes) fail("header length " + std::to_string(n) + " exceeds the 100 MiB limit");
+  if (n > file_size - 8) fail("header length " + std::to_string(n) + " runs past the end of the file (" + std::to_string(file_size) + " bytes)");
+}
+
+struct Header {
+  std::map<std::string, TensorInfo> tensors;
+  std::map<std::string, std::string> metadata;
+};
+
+// Validates a header's JSON text against a data section of data_size bytes (shared by the in-memory
+// SafetensorsFile and the streaming SafetensorsReader, so both refuse exactly the same files).
+inline Header parse_header(std::string_view text, std::uint64_t data_size, const std::string& source) {
+  Header out;
+  auto fail = [&](const std::string& what) { throw Error("safetensors " + source + ": " + what); };
+  const auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) fail("header is not valid JSON");
+  if (!j.is_object()) fail("header JSON is not an object");
+  for (const auto& [name, v] : j.items()) {
+    if (name == "__metadata__") {
+      if (!v.is_object()) fail("__metadata__ is not an object");
+      for (const auto& [k, mv] : v.items()) {
+        if (!mv.is_string()) fail("__metadata__ value of '" + k + "' is not a string");
+        out.metadata[k] = mv.get<std::string>();
+      }
+      continue;
+    }
+    auto bad = [&](const std::string& what) { fail("tensor '" + name + "': " + what); };
+    if (!v.is_object()) bad("entry is not an object");
+    if (!v.contains("dtype") || !v["dtype"].is_string()) bad("missing string 'dtype'");
+    const auto dt = parse_dtype(v["dtype"].get<std::string>());
+    if (!dt) bad("unknown dtype '" + v["dtype"].get<std::string>() + "'");
+    if (!v.contains("shape") || !v["shape"].is_array()) bad("missing array 'shape'");
+    TensorInfo info{*dt, {}, 0, 0};
+    for (const auto& d : v["shape"]) {
+      if (!d.is_number_unsigned()) bad("shape entries must be non-negative integers");
+      const auto u = d.get<std::uint64_t>();
+      if (u > (std::uint64_t(1) << 62)) bad("shape entry too large");
+      info.shape.push_back(std::int64_t(u));
+    }
+    if (!v.contains("data_offsets") || !v["data_offsets"].is_array() || v["data_offsets"].size() != 2 ||
+        !v["data_offsets"][0].is_number_unsigned() || !v["data_offsets"][1].is_number_unsigned())
+      bad("'data_offsets' must be two non-negative integers");
+    info.begin = v["data_offsets"][0].get<std::uint64_t>();
+    info.end = v["data_offsets"][1].get<std::uint64_t>();
+    if (info.begin > info.end) bad("data_offsets begin > end");
+    if (info.end > data_size)
+      bad("data_offsets end " + std::to_string(info.end) + " is past the data section (" + std::to_string(data_size) + " bytes)");
+    const auto want = byte_count(info.shape, info.dtype);
+    if (!want) bad("shape overflows");
+    if (*want != info.end - info.begin)
+      bad("holds " + std::to_string(info.end - info.begin) + " bytes but dtype " + std::string(dtype_name(info.dtype)) +
+          " and its shape need " + std::to_string(*want));
+    out.tensors[name] = std::move(info);
+  }
+  // non-overlapping
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> spans;
+  for (const auto& [_, t] : out.tensors)
+    if (t.end > t.begin) spans.emplace_back(t.begin, t.end);
+  std::sort(spans.begin(), spans.end());
+  for (std::size_t i = 1; i < spans.size(); ++i)
+    if (spans[i].first < spans[i - 1].second) fail("tensor byte ranges overlap at data offset " + std::to_string(spans[i].first));
+  return out;
+}
 }  // namespace detail
 
 class SafetensorsFile {
@@ -112,59 +195,12 @@ class SafetensorsFile {
     sf.source_ = source;
     auto fail = [&](const std::string& what) { throw Error("safetensors " + source + ": " + what); };
     if (bytes.size() < 8) fail("file has " + std::to_string(bytes.size()) + " bytes, shorter than the 8-byte header length");
-    std::uint64_t n = 0;
-    for (int i = 7; i >= 0; --i) n = (n << 8) | std::uint64_t(std::to_integer<std::uint8_t>(bytes[i]));
-    if (n > kMaxHeaderBytes) fail("header length " + std::to_string(n) + " exceeds the 100 MiB limit");
-    if (n > bytes.size() - 8) fail("header length " + std::to_string(n) + " runs past the end of the file (" + std::to_string(bytes.size()) + " bytes)");
+    const std::uint64_t n = detail::read_le64(bytes.data());
+    detail::check_header_length(n, bytes.size(), source);
     const std::string_view text(reinterpret_cast<const char*>(bytes.data()) + 8, std::size_t(n));
-    const auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded()) fail("header is not valid JSON");
-    if (!j.is_object()) fail("header JSON is not an object");
-    const std::uint64_t data_size = bytes.size() - 8 - n;
-    for (const auto& [name, v] : j.items()) {
-      if (name == "__metadata__") {
-        if (!v.is_object()) fail("__metadata__ is not an object");
-        for (const auto& [k, mv] : v.items()) {
-          if (!mv.is_string()) fail("__metadata__ value of '" + k + "' is not a string");
-          sf.metadata_[k] = mv.get<std::string>();
-        }
-        continue;
-      }
-      auto bad = [&](const std::string& what) { fail("tensor '" + name + "': " + what); };
-      if (!v.is_object()) bad("entry is not an object");
-      if (!v.contains("dtype") || !v["dtype"].is_string()) bad("missing string 'dtype'");
-      const auto dt = parse_dtype(v["dtype"].get<std::string>());
-      if (!dt) bad("unknown dtype '" + v["dtype"].get<std::string>() + "'");
-      if (!v.contains("shape") || !v["shape"].is_array()) bad("missing array 'shape'");
-      TensorInfo info{*dt, {}, 0, 0};
-      for (const auto& d : v["shape"]) {
-        if (!d.is_number_unsigned()) bad("shape entries must be non-negative integers");
-        const auto u = d.get<std::uint64_t>();
-        if (u > (std::uint64_t(1) << 62)) bad("shape entry too large");
-        info.shape.push_back(std::int64_t(u));
-      }
-      if (!v.contains("data_offsets") || !v["data_offsets"].is_array() || v["data_offsets"].size() != 2 ||
-          !v["data_offsets"][0].is_number_unsigned() || !v["data_offsets"][1].is_number_unsigned())
-        bad("'data_offsets' must be two non-negative integers");
-      info.begin = v["data_offsets"][0].get<std::uint64_t>();
-      info.end = v["data_offsets"][1].get<std::uint64_t>();
-      if (info.begin > info.end) bad("data_offsets begin > end");
-      if (info.end > data_size)
-        bad("data_offsets end " + std::to_string(info.end) + " is past the data section (" + std::to_string(data_size) + " bytes)");
-      const auto want = detail::byte_count(info.shape, info.dtype);
-      if (!want) bad("shape overflows");
-      if (*want != info.end - info.begin)
-        bad("holds " + std::to_string(info.end - info.begin) + " bytes but dtype " + std::string(dtype_name(info.dtype)) +
-            " and its shape need " + std::to_string(*want));
-      sf.tensors_[name] = std::move(info);
-    }
-    // non-overlapping
-    std::vector<std::pair<std::uint64_t, std::uint64_t>> spans;
-    for (const auto& [_, t] : sf.tensors_)
-      if (t.end > t.begin) spans.emplace_back(t.begin, t.end);
-    std::sort(spans.begin(), spans.end());
-    for (std::size_t i = 1; i < spans.size(); ++i)
-      if (spans[i].first < spans[i - 1].second) fail("tensor byte ranges overlap at data offset " + std::to_string(spans[i].first));
+    auto h = detail::parse_header(text, bytes.size() - 8 - n, source);
+    sf.tensors_ = std::move(h.tensors);
+    sf.metadata_ = std::move(h.metadata);
     sf.data_offset_ = 8 + n;
     sf.bytes_ = std::move(bytes);
     return sf;
@@ -201,6 +237,131 @@ class SafetensorsFile {
   std::string source_;
   std::vector<std::byte> bytes_;
   std::uint64_t data_offset_ = 0;
+  std::map<std::string, TensorInfo> tensors_;
+  std::map<std::string, std::string> metadata_;
+};
+
+namespace detail {
+// An open file descriptor, closed on destruction (move-only).
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) : fd_(fd) {}
+  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  Fd& operator=(Fd&& o) noexcept {
+    if (this != &o) reset(std::exchange(o.fd_, -1));
+    return *this;
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() { reset(); }
+  int get() const { return fd_; }
+  void reset(int fd = -1) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = fd;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+inline std::string errno_text() { return std::strerror(errno); }
+
+// Reads exactly out.size() bytes at `offset`; false if the file ends first. Retries short reads and EINTR.
+inline bool pread_all(int fd, std::span<std::byte> out, std::uint64_t offset, const std::string& source) {
+  std::size_t done = 0;
+  while (done < out.size()) {
+    const ::ssize_t r = ::pread(fd, out.data() + done, out.size() - done, ::off_t(offset + done));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      throw Error("safetensors " + source + ": read failed: " + errno_text());
+    }
+    if (r == 0) return false;
+    done += std::size_t(r);
+  }
+  return true;
+}
+}  // namespace detail
+
+// A safetensors file whose header is read and validated on open (as SafetensorsFile does) and whose tensor
+// bytes stay on disk until read_bytes / read asks for them. Reads of different tensors may run concurrently.
+class SafetensorsReader {
+ public:
+  static SafetensorsReader open(const std::filesystem::path& path) {
+    SafetensorsReader r;
+    r.path_ = path;
+    r.source_ = path.string();
+    auto fail = [&](const std::string& what) { throw Error("safetensors " + r.source_ + ": " + what); };
+    r.fd_ = detail::Fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (r.fd_.get() < 0) throw Error("safetensors: cannot open " + r.source_ + ": " + detail::errno_text());
+    struct ::stat st {};
+    if (::fstat(r.fd_.get(), &st) != 0) fail("cannot stat: " + detail::errno_text());
+    if (!S_ISREG(st.st_mode)) fail("not a regular file");
+    const auto size = std::uint64_t(st.st_size);
+    if (size < 8) fail("file has " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
+    std::byte len[8];
+    if (!detail::pread_all(r.fd_.get(), len, 0, r.source_)) fail("file ended inside the header length");
+    const std::uint64_t n = detail::read_le64(len);
+    detail::check_header_length(n, size, r.source_);
+    std::string text(std::size_t(n), '\0');
+    if (!detail::pread_all(r.fd_.get(), std::as_writable_bytes(std::span(text)), 8, r.source_)) fail("file ended inside the header");
+    auto h = detail::parse_header(text, size - 8 - n, r.source_);
+    r.tensors_ = std::move(h.tensors);
+    r.metadata_ = std::move(h.metadata);
+    r.data_offset_ = 8 + n;
+    r.file_size_ = size;
+    return r;
+  }
+
+  const std::map<std::string, TensorInfo>& tensors() const { return tensors_; }
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  const std::string& source() const { return source_; }
+  const std::filesystem::path& path() const { return path_; }
+  std::uint64_t file_size() const { return file_size_; }
+  std::uint64_t data_offset() const { return data_offset_; }  // where the data section starts in the file
+  bool contains(const std::string& name) const { return tensors_.count(name) != 0; }
+
+  const TensorInfo& info(const std::string& name) const {
+    auto it = tensors_.find(name);
+    check(it != tensors_.end(), "safetensors " + source_ + ": no tensor named '" + name + "'");
+    return it->second;
+  }
+
+  // Bytes [offset, offset + out.size()) of tensor `name` into `out`: a whole tensor, or the rows of one
+  // rank's shard of it, without reading anything else.
+  void read_bytes(const std::string& name, std::span<std::byte> out, std::uint64_t offset = 0) const {
+    const auto& t = info(name);
+    const std::uint64_t n = t.end - t.begin;
+    check(offset <= n && out.size() <= n - offset,
+          "safetensors " + source_ + ": tensor '" + name + "': bytes [" + std::to_string(offset) + ", " +
+              std::to_string(offset + out.size()) + ") requested of its " + std::to_string(n));
+    if (out.empty()) return;
+    check(detail::pread_all(fd_.get(), out, data_offset_ + t.begin + offset, source_),
+          "safetensors " + source_ + ": tensor '" + name + "': the file ended before its bytes (truncated after it was opened?)");
+  }
+  std::vector<std::byte> read_bytes(const std::string& name) const {
+    const auto& t = info(name);
+    std::vector<std::byte> out(std::size_t(t.end - t.begin));
+    read_bytes(name, out);
+    return out;
+  }
+  // Copy of a tensor's values; the dtype must be `expected` (element size must match T).
+  template <class T>
+  std::vector<T> read(const std::string& name, DType expected) const {
+    const auto& t = info(name);
+    check(t.dtype == expected, "safetensors " + source_ + ": tensor '" + name + "' has dtype " + std::string(dtype_name(t.dtype)) +
+                                   ", expected " + std::string(dtype_name(expected)));
+    check(sizeof(T) == dtype_size(expected), "safetensors: element type size does not match the dtype");
+    std::vector<T> out(std::size_t(t.numel()));
+    read_bytes(name, std::as_writable_bytes(std::span(out)));
+    return out;
+  }
+
+ private:
+  std::filesystem::path path_;
+  std::string source_;
+  detail::Fd fd_;
+  std::uint64_t data_offset_ = 0, file_size_ = 0;
   std::map<std::string, TensorInfo> tensors_;
   std::map<std::string, std::string> metadata_;
 };

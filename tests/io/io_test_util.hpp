@@ -1,0 +1,51 @@
+#pragma once
+// Helpers of the io tests: a scratch directory removed afterwards, and "throws squeeze::Error naming X".
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <functional>
+#include <initializer_list>
+#include <string>
+
+#include <squeeze/error.hpp>
+
+namespace io_test {
+
+struct TempDir {
+  std::filesystem::path path;
+  explicit TempDir(const std::string& name)
+      : path(std::filesystem::temp_directory_path() / ("squeeze_io_" + name + "_" + std::to_string(::getpid()))) {
+    std::filesystem::remove_all(path);
+    std::filesystem::create_directories(path);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+};
+
+// The message of the squeeze::Error `f` throws ("" if it throws nothing, a failure if it throws anything else).
+inline std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const squeeze::Error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "threw a non-squeeze exception: " << e.what();
+    return e.what();
+  }
+  return "";
+}
+
+// `f` throws squeeze::Error whose message contains every needle.
+inline void expect_error(const std::function<void()>& f, std::initializer_list<std::string> needles) {
+  const std::string msg = error_of(f);
+  if (msg.empty()) {
+    ADD_FAILURE() << "no error thrown; expected one naming '" << *needles.begin() << "'";
+    return;
+  }
+  for (const auto& n : needles) EXPECT_NE(msg.find(n), std::string::npos) << "'" << n << "' not in: " << msg;
+}
+
+}  // namespace io_test
