@@ -22,8 +22,8 @@
 // --batch is per GPU: rank r trains on rows [r·B, (r+1)·B) of the B·world windows drawn from (--seed, step), so
 // the global batch does not depend on how it is split. Every rank evaluates the same validation windows (stage 3
 // gathers are collectives). peak_gb is the largest over the ranks, time_ms the slowest rank's, final_loss the
-// mean; planned_gb is plan_for<S>(config, B, T, world); tokens_per_s counts every GPU. Only ZeRO rows
-// (Sharded<StageN>) train data-parallel: the others, and the plain-libtorch peer, are skipped at world > 1.
+// mean; planned_gb is plan_for<S>(config, B, T, world); tokens_per_s counts every GPU. Every strategy trains
+// data-parallel (make_trainer); the plain-libtorch peer is skipped at world > 1.
 // A row that fails on some rank ends the run at world > 1 (the others may be inside a collective it will never
 // join; they stop when the launcher sees this rank exit, or at their watchdog timeout): run one row per launch.
 // torchrun shares its own TCP store on MASTER_PORT with its workers, and rank 0 here hosts another one there:
@@ -173,7 +173,7 @@ void synchronize(const torch::Device& d) {
 
 // After each row: what the row freed goes back to the system, so the next row starts from the same state. Device:
 // the CUDA caching allocator's blocks. Host: torch's pinned-memory cache (Offload<Host> state is cudaHostAlloc'd
-// by nn::pinned_empty and freed with its trainer, but other pinned tensors go through the cache, which keeps
+// by train::pinned_empty and freed with its trainer, but other pinned tensors go through the cache, which keeps
 // freed blocks for reuse by the same power-of-two size class only) and glibc's free heap pages.
 void release_cached_memory(const torch::Device& d) {
 #if defined(SQUEEZE_TORCH_CUDA)
@@ -378,8 +378,7 @@ Row run_strategy(const RowSpec& spec, const Options& o, const nn::LlamaConfig& c
       llama::reset_peak_memory(device);
       torch::manual_seed(1);
       std::optional<Trainer<S>> trainer;
-      if constexpr (std::is_same_v<Trainer<S>, llama::ZeroTrainer<S>>) trainer.emplace(config, topt, device, d.comm);  // d.comm null at world 1: one-rank LocalComm
-      else trainer.emplace(config, topt, device);  // never at world > 1 (main skips the row)
+      trainer.emplace(config, topt, device, d.comm);  // d.comm null at world 1: one-rank LocalComm
       run_steps(
           o, spec.batch, data, d, device, row,
           [&, i = int64_t(0)](const torch::Tensor& x, const torch::Tensor& y) mutable {
@@ -392,7 +391,7 @@ Row run_strategy(const RowSpec& spec, const Options& o, const nn::LlamaConfig& c
           [&](bool begin) {
             if constexpr (S::offload_to_host) {
               if (begin) return trainer->reset_offload_stats();
-              const nn::OffloadStats st = trainer->offload_stats();
+              const train::OffloadStats st = trainer->offload_stats();
               const double per_step_ms = 1e3 / double(o.steps);
               row.host_wait_ms = st.transfer_wait_s * per_step_ms;
               row.host_sumsq_ms = st.sum_squares_s * per_step_ms;
@@ -407,11 +406,8 @@ Row run_strategy(const RowSpec& spec, const Options& o, const nn::LlamaConfig& c
 }
 
 // Whether a row trains data-parallel over several GPUs here: the ZeRO strategies (Sharded<StageN>).
-bool data_parallel(const std::string& name) {
-  bool sharded = false;
-  if (name != kPeer) llama::with_strategy(name, [&]<StrategyType S>() { sharded = S::stage > 0; });
-  return sharded;
-}
+// Every strategy trains data-parallel through make_trainer; the plain-libtorch peer runs at world 1 only.
+bool data_parallel(const std::string& name) { return name != kPeer; }
 
 std::vector<RowSpec> parse_rows(const std::string& s, int64_t batch) {
   std::vector<RowSpec> out;
@@ -516,8 +512,7 @@ int main(int argc, char** argv) {
     }
     if (dist.world > 1 && !data_parallel(r.name)) {  // decided from the arguments alone, so every rank skips alike
       if (dist.root())
-        std::printf("bench_table: row '%s' skipped at world %d: only the ZeRO strategies (Sharded<StageN>) train data-parallel "
-                    "here; the plain-libtorch peer and the one-GPU trainers run at world 1\n", r.name.c_str(), dist.world);
+        std::printf("bench_table: row '%s' skipped at world %d: the plain-libtorch peer runs at world 1\n", r.name.c_str(), dist.world);
       continue;
     }
     rows.push_back(r);

@@ -83,9 +83,9 @@ struct Measured {
   std::string name;
   double ms_per_step = 0, tokens_per_s = 0;
   int64_t peak_bytes = -1, planned_bytes = 0;
-  nn::MemoryUse actual;
+  train::MemoryUse actual;
   bool eager = false;
-  nn::OffloadStats cpu;  // Offload<Host>: the pipeline's host seconds over the timed steps
+  train::OffloadStats cpu;  // Offload<Host>: the pipeline's host seconds over the timed steps
 };
 
 nn::LlamaConfig config_of(const Args& a) {
@@ -95,7 +95,7 @@ nn::LlamaConfig config_of(const Args& a) {
 }
 
 template <class S>
-Measured run_case(const Args& a, torch::Device dev, const std::string& name, comm::CommPtr comm, nn::TrainerOptions opt = {},
+Measured run_case(const Args& a, torch::Device dev, const std::string& name, comm::CommPtr comm, train::TrainerOptions opt = {},
                   float clip = 0) {
   Measured m;
   m.name = name;
@@ -169,7 +169,7 @@ int main(int argc, char** argv) try {
   using Off2 = Strategy<Sharded<Stage2>, Offload<Host>, Precision<bf16, float>>;
   auto want = [&](const std::string& n) { return a.only.empty() || n.find(a.only) != std::string::npos; };
   auto local = [] { return comm::LocalComm::single(); };
-  nn::TrainerOptions in_order;
+  train::TrainerOptions in_order;
   in_order.overlap_offload = false;
 
   std::vector<Measured> results;

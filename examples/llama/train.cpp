@@ -19,6 +19,9 @@
 #include <iostream>
 #include <sstream>
 
+#include <squeeze/comm/env.hpp>
+#include <squeeze/comm/from_env.hpp>
+
 #include "data.hpp"
 #include "trainer.hpp"
 
@@ -94,7 +97,10 @@ std::string sample_text(nn::Llama& model, const std::string& prompt, int64_t n, 
 // ---- the training loop, one instantiation per strategy --------------------------------------------------
 template <StrategyType S>
 int train(const Options& o) {
-  const torch::Device device(o.device == "cuda" ? torch::kCUDA : torch::kCPU);
+  // Several processes (squeeze-launch / torchrun: one per GPU): rank r trains on rows [r B/N, (r+1) B/N) of each
+  // --batch and runs on cuda:LOCAL_RANK; alone, world size 1.
+  const comm::DistEnv env = comm::DistEnv::from_environment();
+  const torch::Device device = o.device == "cuda" ? torch::Device(torch::kCUDA, c10::DeviceIndex(env.local_rank)) : torch::Device(torch::kCPU);
   if (device.is_cuda() && !torch::cuda::is_available())
     throw std::runtime_error("--device cuda: this libtorch has no CUDA device available (build with -DSQUEEZE_TORCH_CUDA=ON on a GPU machine)");
   torch::manual_seed(o.seed);
@@ -111,7 +117,11 @@ int train(const Options& o) {
   nn::LlamaConfig config = nn::LlamaConfig::preset(o.preset);
   llama::TrainOptions topt;
   topt.lr = o.lr, topt.weight_decay = o.weight_decay, topt.clip = o.clip, topt.loss_chunk_tokens = o.loss_chunk;
-  Trainer<S> trainer(config, topt, device);
+  if (o.batch % (int64_t(env.world) * S::accumulation_steps) != 0)
+    throw std::runtime_error("--batch " + std::to_string(o.batch) + " must split into " + std::to_string(env.world) + " rank(s) x " +
+                             std::to_string(S::accumulation_steps) + " micro-batches");
+  Trainer<S> trainer(config, topt, device, comm::from_env());
+  const int64_t rows = o.batch / env.world;  // this rank's rows of every batch
   if (!o.load.empty()) {
     trainer.load(o.load);
     std::cerr << "resumed from " << o.load << " at step " << trainer.step_count() << "\n";
@@ -143,7 +153,8 @@ int train(const Options& o) {
   double first_loss = NAN, last_loss = NAN, tokens = 0, seconds = 0;
   const int64_t first_step = trainer.step_count();  // its time (allocator warm-up) is left out of tokens/s
   for (int64_t step = trainer.step_count(); step < o.steps; step = trainer.step_count()) {
-    const auto [x, y] = sample_batch(train_ids, o.batch, o.seq, o.seed, step, device);
+    const auto [bx, by] = sample_batch(train_ids, o.batch, o.seq, o.seed, step, device);
+    const torch::Tensor x = bx.narrow(0, env.rank * rows, rows), y = by.narrow(0, env.rank * rows, rows);
     trainer.set_lr(lr_at(step, o.steps, o.lr));
     const auto t0 = std::chrono::steady_clock::now();
     const llama::StepResult r = trainer.step(x, y);  // the loss read-back synchronises the device

@@ -83,8 +83,8 @@ TORCH_MODULE(CaptureLinear);
 inline torch::Tensor dense_weight(Llama& model, int64_t block, const std::string& path) {
   auto [parent, child] = parent_of(model, block, path);
   const auto m = parent->named_children()[child];
-  if (auto l = std::dynamic_pointer_cast<nn::ShardedLinearImpl>(m)) {
-    TORCH_CHECK(!l->with_bias, "llama_gptq: ", layer_name(block, path), " has a bias; the LLaMA block linears have none");
+  if (auto l = std::dynamic_pointer_cast<nn::LinearImpl>(m)) {
+    TORCH_CHECK(!l->has_bias(), "llama_gptq: ", layer_name(block, path), " has a bias; the LLaMA block linears have none");
     return l->weight;
   }
   if (auto l = std::dynamic_pointer_cast<CaptureLinearImpl>(m)) return l->linear->weight;

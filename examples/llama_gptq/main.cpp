@@ -177,7 +177,7 @@ void train_and_save(const Options& o, const torch::Tensor& train_ids, torch::Dev
 
 // The float weights of a llama_train checkpoint (any local strategy; geometry checked against --preset).
 nn::Llama load_float(const Options& o, const std::string& path, torch::Device device) {
-  llama::LocalTrainer<Strategy<>> t(nn::LlamaConfig::preset(o.preset), {}, device);
+  llama::Trainer<Strategy<>> t(nn::LlamaConfig::preset(o.preset), {}, device);
   t.load(path);
   return t.model();
 }

@@ -65,15 +65,6 @@ static_assert(sizeof(S) > 0);
 #elif defined(CASE_checkpoint_every_zero)
 using C = CheckpointEvery<0>;
 static_assert(sizeof(C) > 0);
-#elif defined(CASE_flat_adamw_low_precision_master)
-#include <squeeze/optim/adamw.hpp>
-squeeze::optim::FlatAdamW<squeeze::Strategy<squeeze::Precision<squeeze::bf16, squeeze::bf16>>> o(squeeze::AdamW{});
-#elif defined(CASE_flat_adamw_device_without_nvcc)
-#include <squeeze/optim/adamw.hpp>
-squeeze::optim::FlatAdamW<squeeze::Strategy<squeeze::Precision<squeeze::bf16, float>>> o(squeeze::AdamW{});
-#elif defined(CASE_flat_adamw_8bit_state)
-#include <squeeze/optim/adamw.hpp>
-squeeze::optim::FlatAdamW<squeeze::Strategy<squeeze::Quantized<8, squeeze::Blockwise8>>> o(squeeze::AdamW{});
 #elif defined(CASE_adamw_uint8_moments)
 // The fp32-state AdamW with byte moments: 8-bit state needs its block scales (AdamW8Tensor, adamw8_cpu).
 #include <squeeze/kernels/adamw.hpp>

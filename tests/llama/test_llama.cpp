@@ -523,7 +523,7 @@ std::pair<std::vector<std::vector<double>>, std::vector<double>> train_two_ranks
   std::vector<double> val(2);
   const auto vb = batch(data, 4, 16, 999);
   run_ranks(2, [&](int r, std::shared_ptr<squeeze::comm::LocalComm> comm) {
-    ZeroTrainer<S> t(models[r], fast_options(), torch::kCPU, comm);
+    Trainer<S> t(models[r], fast_options(), torch::kCPU, comm);
     t.model()->checkpoint_every = checkpoint_every;
     if constexpr (S::stage == 3) {  // the layers really are sharded: their own weights emptied, a shard per rank
       auto& q = t.model()->blocks[0]->attn->q;
@@ -588,7 +588,7 @@ std::vector<torch::Tensor> stage3_weights(int steps, int64_t chunk, int64_t ever
     TrainOptions o = fast_options();
     o.clip = clip;
     o.loss_chunk_tokens = chunk;
-    ZeroTrainer<S> t(models[r], o, torch::kCPU, comm);
+    Trainer<S> t(models[r], o, torch::kCPU, comm);
     t.model()->checkpoint_every = every;
     EXPECT_EQ(t.model()->loss_chunk_tokens, chunk);
     squeeze::train::Stage3Group* head = t.model()->head->group();

@@ -21,11 +21,11 @@ template <class S>
 RunResult train_cycled(int world, int steps) {
   const Data data = make_data(Model::llama, world, 2, 6);
   std::vector<std::shared_ptr<torch::nn::Module>> models;
-  for (int r = 0; r < world; ++r) models.push_back(make_model(Model::llama, nn::detail::scalar_type_of<typename S::compute_type>()));
+  for (int r = 0; r < world; ++r) models.push_back(make_model(Model::llama, squeeze::torch_dtype<typename S::compute_type>()));
   RunResult out;
   run_ranks(world, [&](std::shared_ptr<LocalComm> comm) {
     const int r = comm->rank();
-    auto trainer = make_trainer<S>(models[r], Hyper{}, comm);
+    auto trainer = zero_trainer<S>(models[r], Hyper{}, comm);
     for (int s = 0; s < steps; ++s) {
       auto res = trainer.step([&] { return model_loss(Model::llama, *models[r], data.x[s % 2][r], data.y[s % 2][r]); });
       if (r == 0) out.log.push_back(res);
@@ -105,7 +105,7 @@ TEST(Adam8Trainer, StateBytesMatchThePlanner) {
     for (int r = 0; r < world; ++r) models.push_back(make_model(Model::llama, torch::kBFloat16));
     run_ranks(world, [&](std::shared_ptr<LocalComm> comm) {
       const int r = comm->rank();
-      auto trainer = make_trainer<Z3Off8>(models[r], Hyper{}, comm, opt);
+      auto trainer = zero_trainer<Z3Off8>(models[r], Hyper{}, comm, opt);
       trainer.step([&] { return model_loss(Model::llama, *models[r], data.x[0][r], data.y[0][r]); });
       if (r != 0) return;
       const auto rep = trainer.memory_report(kLlamaShape, {1, 6});
@@ -148,7 +148,7 @@ TEST(Adam8Trainer, CheckpointRoundTripContinuesBitwise) {
       trainer.step([&] { return model_loss(Model::llama, m, data.x[s][r], data.y[s][r]); });
     };
     auto model = make_model(Model::llama, torch::kBFloat16);
-    auto trainer = make_trainer<Z3Off8>(model, Hyper{}, comm);
+    auto trainer = zero_trainer<Z3Off8>(model, Hyper{}, comm);
     for (int s = 0; s < first; ++s) step(trainer, *model, s);
     // Save: full parameters and this rank's state (copies).
     Params weights;
@@ -165,7 +165,7 @@ TEST(Adam8Trainer, CheckpointRoundTripContinuesBitwise) {
 
     // Load into a fresh model + trainer.
     auto model2 = make_model(Model::llama, torch::kBFloat16);
-    auto trainer2 = make_trainer<Z3Off8>(model2, Hyper{}, comm);
+    auto trainer2 = zero_trainer<Z3Off8>(model2, Hyper{}, comm);
     {
       torch::NoGradGuard ng;
       for (auto& item : model2->named_modules()) {
@@ -199,18 +199,18 @@ TEST(Adam8Trainer, TorchOpsStatePathMatchesTheKernels) {
   const int64_t n = 1000;
   for (bool is_signed : {true, false}) {
     const sk::StateCodeMap& map = is_signed ? sk::signed_state_map() : sk::unsigned_state_map();
-    const auto maps = nn::detail::state_map_tensors(map, torch::kCPU);
+    const auto maps = train::detail::state_map_tensors(map, torch::kCPU);
     torch::Tensor x = torch::randn({n}) * torch::exp(torch::randn({n}) * 3);
     if (!is_signed) x = x.abs();
     auto codes = torch::empty({n}, torch::kUInt8);
     auto absmax = torch::empty({sk::state_blocks(n)}, torch::kFloat32);
-    nn::detail::encode_state(x, codes, absmax, maps);
+    train::detail::encode_state(x, codes, absmax, maps);
     std::vector<std::uint8_t> kc(n);
     std::vector<float> ka(std::size_t(sk::state_blocks(n))), kd(n);
     sk::quantize_blockwise(map, x.data_ptr<float>(), n, kc.data(), ka.data());
     EXPECT_EQ(std::memcmp(codes.data_ptr<std::uint8_t>(), kc.data(), std::size_t(n)), 0) << "codes";
     EXPECT_EQ(std::memcmp(absmax.data_ptr<float>(), ka.data(), ka.size() * 4), 0) << "absmax";
-    const auto dec = nn::detail::decode_state(codes, absmax, maps);
+    const auto dec = train::detail::decode_state(codes, absmax, maps);
     sk::dequantize_blockwise(map, kc.data(), ka.data(), n, kd.data());
     EXPECT_EQ(std::memcmp(dec.data_ptr<float>(), kd.data(), std::size_t(n) * 4), 0) << "decoded values";
   }
@@ -220,8 +220,8 @@ TEST(Adam8Trainer, TorchOpsStatePathMatchesTheKernels) {
   torch::Tensor mc = torch::randint(0, 256, {n}, torch::kUInt8), vc = torch::randint(0, 256, {n}, torch::kUInt8);
   torch::Tensor ma = torch::rand({sk::state_blocks(n)}) * 0.1, va = torch::rand({sk::state_blocks(n)}) * 0.01;
   torch::Tensor w2 = w.clone(), mc2 = mc.clone(), vc2 = vc.clone(), ma2 = ma.clone(), va2 = va.clone();
-  // the update train::Trainer's device partitions and nn::AdamW8's device parameters run, here on host tensors
-  nn::detail::adamw8_torch_ops(w, g, mc, ma, vc, va, nn::detail::state_maps(torch::kCPU), c);
+  // the update train::Trainer's device partitions run, here on host tensors
+  train::detail::adamw8_torch_ops(w, g, mc, ma, vc, va, train::detail::state_maps(torch::kCPU), c);
   sk::adamw8_cpu(sk::AdamW8Tensor<float, float>{w2.data_ptr<float>(), nullptr, g.data_ptr<float>(), mc2.data_ptr<std::uint8_t>(),
                                                 ma2.data_ptr<float>(), vc2.data_ptr<std::uint8_t>(), va2.data_ptr<float>(), n},
                  c);
@@ -244,7 +244,7 @@ TEST(Adam8Trainer, CudaDeviceStateTracksTheCpuRun) {
   auto run = [&](torch::Device dev) {
     auto model = make_model(Model::llama, torch::kBFloat16);
     model->to(dev);
-    auto trainer = make_trainer<S>(model, Hyper{}, LocalComm::single());
+    auto trainer = zero_trainer<S>(model, Hyper{}, LocalComm::single());
     std::vector<train::StepResult> log;
     for (int s = 0; s < 30; ++s)
       log.push_back(trainer.step([&] { return model_loss(Model::llama, *model, data.x[s % 2][0].to(dev), data.y[s % 2][0]); }));

@@ -28,7 +28,7 @@ using namespace zero_test;
 template <class C, int A>
 void parity_matrix(Model kind, int world) {
   using Base = Strategy<Sharded<Stage0>, Accumulate<A>, Precision<C, float>>;
-  const auto dtype = nn::detail::scalar_type_of<C>();
+  const auto dtype = squeeze::torch_dtype<C>();
   const int windows = 10;
   const std::string tag = std::string(kind == Model::mlp ? "mlp" : "llama") + " world " + std::to_string(world) + " " +
                           std::string(dtype_name<C>()) + " accumulate " + std::to_string(A);
@@ -98,7 +98,7 @@ train::MemoryUse memory_use(int world, train::TrainerOptions opt) {
   train::MemoryUse use;
   run_ranks(world, [&](std::shared_ptr<LocalComm> comm) {
     const int r = comm->rank();
-    auto trainer = make_trainer<S>(models[r], Hyper{}, comm, opt);
+    auto trainer = zero_trainer<S>(models[r], Hyper{}, comm, opt);
     for (int s = 0; s < 2; ++s) trainer.step([&] { return model_loss(Model::llama, *models[r], data.x[s][r], data.y[s][r]); });
     if (r == 0) use = trainer.memory();
   });
@@ -186,7 +186,7 @@ TEST(Stage2, UnusedParameterDoesNotHang) {
       auto& net = *nets[comm->rank()];
       train::TrainerOptions o;
       o.bucket_bytes = 16;
-      auto t = make_trainer<Strategy<Sharded<Stage2>>>(nets[comm->rank()], Hyper{}, comm, o);
+      auto t = zero_trainer<Strategy<Sharded<Stage2>>>(nets[comm->rank()], Hyper{}, comm, o);
       const auto before = net.unused->weight.detach().clone();  // rank 0's, after the broadcast
       for (int s = 0; s < 2; ++s)
         EXPECT_TRUE(t.step([&] { return net.a(torch::randn({4, 5})).square().mean(); }).applied);
@@ -256,7 +256,7 @@ TEST(Offload, CheckpointedLlamaBitwise) {
     Params out;
     run_ranks(world, [&](std::shared_ptr<LocalComm> comm) {
       const int r = comm->rank();
-      auto t = make_trainer<S>(models[r], Hyper{}, comm, o);
+      auto t = zero_trainer<S>(models[r], Hyper{}, comm, o);
       for (int s = 0; s < steps; ++s) {
         const auto& x = ids[s * world + r];
         t.step([&] { return models[r]->loss(x.narrow(1, 0, 8), x.narrow(1, 1, 8)); });
@@ -320,7 +320,7 @@ template <class S>
 void overflow_skips_everywhere(int world) {
   const Data data = make_data(Model::mlp, world, 3, 6);
   std::vector<std::shared_ptr<torch::nn::Module>> models;
-  for (int r = 0; r < world; ++r) models.push_back(make_model(Model::mlp, nn::detail::scalar_type_of<typename S::compute_type>()));
+  for (int r = 0; r < world; ++r) models.push_back(make_model(Model::mlp, squeeze::torch_dtype<typename S::compute_type>()));
   train::TrainerOptions opt;
   opt.loss_scale = kernels::LossScaleOptions{.init_scale = 1024.0f};  // 2^16 overflows this model's fp16 gradients on the first step
   opt.align_bytes = 2;  // element-aligned, so `gain` spreads over several ranks' shards
@@ -328,7 +328,7 @@ void overflow_skips_everywhere(int world) {
   run_ranks(world, [&](std::shared_ptr<LocalComm> comm) {
     const int r = comm->rank();
     auto& model = static_cast<MLPImpl&>(*models[r]);
-    auto trainer = make_trainer<S>(models[r], Hyper{}, comm, opt);
+    auto trainer = zero_trainer<S>(models[r], Hyper{}, comm, opt);
     auto res0 = trainer.step([&] { return model.loss(data.x[0][r].to(torch::kHalf), data.y[0][r].to(torch::kHalf)); });
     ASSERT_TRUE(res0.applied);
     const float scale_before = trainer.scale();
@@ -391,7 +391,7 @@ TEST(Overflow, EagerOffloadNeverAppliesANonFiniteGradient) {
   run_ranks(world, [&](std::shared_ptr<LocalComm> comm) {
     const int r = comm->rank();
     auto& model = static_cast<MLPImpl&>(*models[r]);
-    auto trainer = make_trainer<S>(models[r], Hyper{}, comm);
+    auto trainer = zero_trainer<S>(models[r], Hyper{}, comm);
     auto loss = [&](int s) { return model.loss(data.x[s][r].to(torch::kBFloat16), data.y[s][r].to(torch::kBFloat16)); };
     ASSERT_TRUE(trainer.step([&] { return loss(0); }).applied);
     std::vector<torch::Tensor> state_before;
@@ -462,12 +462,12 @@ TEST(Clipping, FromSqueezeAdamWOptions) {
     const int r = comm->rank();
     const squeeze::AdamW adamw{.lr = h.lr, .beta1 = h.beta1, .beta2 = h.beta2, .eps = h.eps, .weight_decay = h.weight_decay,
                                .max_grad_norm = 0.05f};
-    auto trainer = make_trainer<Strategy<Sharded<Stage2>>>(models[r], adamw, comm);
+    auto trainer = zero_trainer<Strategy<Sharded<Stage2>>>(models[r], adamw, comm);
     for (int s = 0; s < 3; ++s) trainer.step([&] { return model_loss(Model::mlp, *models[r], data.x[s][r], data.y[s][r]); });
     auto full = trainer.full_parameters();
     if (r == 0) for (auto& [n, t] : full) got[n] = t;
     // Setting it twice is an error.
-    EXPECT_THROW((make_trainer<Strategy<Sharded<Stage2>>>(models[r], adamw, LocalComm::single(), {.max_grad_norm = 1.0f})), c10::Error);
+    EXPECT_THROW((zero_trainer<Strategy<Sharded<Stage2>>>(models[r], adamw, LocalComm::single(), {.max_grad_norm = 1.0f})), c10::Error);
   });
   expect_bitwise(got, via_trainer_options.params, "max_grad_norm from squeeze::AdamW");
 }
@@ -485,11 +485,11 @@ template <class S>
 train::MemoryReport memory_of(int world, train::TrainerOptions opt) {
   const Data data = make_data(Model::llama, world, 1, 2);
   std::vector<std::shared_ptr<torch::nn::Module>> models;
-  for (int r = 0; r < world; ++r) models.push_back(make_model(Model::llama, nn::detail::scalar_type_of<typename S::compute_type>()));
+  for (int r = 0; r < world; ++r) models.push_back(make_model(Model::llama, squeeze::torch_dtype<typename S::compute_type>()));
   train::MemoryReport rep;
   run_ranks(world, [&](std::shared_ptr<LocalComm> comm) {
     const int r = comm->rank();
-    auto trainer = make_trainer<S>(models[r], Hyper{}, comm, opt);
+    auto trainer = zero_trainer<S>(models[r], Hyper{}, comm, opt);
     trainer.step([&] { return model_loss(Model::llama, *models[r], data.x[0][r], data.y[0][r]); });
     if (r == 0) rep = trainer.memory_report(kLlamaShape, {1, 6});
   });
@@ -560,17 +560,17 @@ TEST(Offload, ChunkedSumOfSquaresMatchesFloat64) {
     for (auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat16}) {
       const auto t = (torch::randn({n}) * 3).to(dtype);
       const double ref = t.to(torch::kFloat64).square().sum().item<double>();
-      const double got = nn::chunked_sum_squares(t);
+      const double got = train::chunked_sum_squares(t);
       EXPECT_NEAR(got, ref, 1e-13 * ref + 1e-300) << n << " " << dtype;
-      EXPECT_EQ(got, nn::chunked_sum_squares(t)) << "deterministic";
+      EXPECT_EQ(got, train::chunked_sum_squares(t)) << "deterministic";
     }
   }
   auto bad = torch::randn({100000});
   bad[77777] = std::numeric_limits<float>::infinity();
-  EXPECT_FALSE(std::isfinite(nn::chunked_sum_squares(bad))) << "inf is seen";
+  EXPECT_FALSE(std::isfinite(train::chunked_sum_squares(bad))) << "inf is seen";
   bad[77777] = std::nanf("");
-  EXPECT_TRUE(std::isnan(nn::chunked_sum_squares(bad))) << "NaN is seen";
-  EXPECT_THROW(nn::chunked_sum_squares(torch::ones({4}, torch::kInt32)), c10::Error);
+  EXPECT_TRUE(std::isnan(train::chunked_sum_squares(bad))) << "NaN is seen";
+  EXPECT_THROW(train::chunked_sum_squares(torch::ones({4}, torch::kInt32)), c10::Error);
 }
 
 // sum_squares_tensor: the device norm pass of Offload<Host> (and of device-resident partitions), run here on host
@@ -578,7 +578,7 @@ TEST(Offload, ChunkedSumOfSquaresMatchesFloat64) {
 // chunk's norm) of the float64 sum, chunk borders crossed, deterministic, inf/NaN seen, empty = 0.
 TEST(Offload, DeviceSumOfSquaresMatchesFloat64) {
   torch::manual_seed(4);
-  for (int64_t chunk : {int64_t(1000), nn::kSumSquaresChunk}) {
+  for (int64_t chunk : {int64_t(1000), train::kSumSquaresChunk}) {
     for (int64_t n : {int64_t(1), int64_t(999), int64_t(1000), int64_t(1001), int64_t(70001)}) {
       for (auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat16}) {
         const auto t = (torch::randn({n}) * 3).to(dtype);
@@ -611,12 +611,12 @@ void moved_trainer_bitwise(int world) {
   const auto ref = train<S>(Model::llama, world, 3);
   const Data data = make_data(Model::llama, world, 3, 6);
   std::vector<std::shared_ptr<torch::nn::Module>> models;
-  for (int r = 0; r < world; ++r) models.push_back(make_model(Model::llama, nn::detail::scalar_type_of<typename S::compute_type>()));
+  for (int r = 0; r < world; ++r) models.push_back(make_model(Model::llama, squeeze::torch_dtype<typename S::compute_type>()));
   Params got;
   run_ranks(world, [&](std::shared_ptr<LocalComm> comm) {
     const int r = comm->rank();
     std::optional<train::Trainer<S, Hyper>> holder;
-    holder.emplace(make_trainer<S>(models[r], Hyper{}, comm));  // a move
+    holder.emplace(zero_trainer<S>(models[r], Hyper{}, comm));  // a move
     auto moved = std::move(*holder);                             // and another
     holder.reset();                                              // the moved-from one is destroyed first
     for (int s = 0; s < 3; ++s) moved.step([&] { return model_loss(Model::llama, *models[r], data.x[s][r], data.y[s][r]); });
@@ -642,7 +642,7 @@ void set_lr_applies(const char* what) {
   };
   torch::manual_seed(3);
   auto net = std::make_shared<Net>();
-  auto t = make_trainer<S>(net, Hyper{}, LocalComm::single());
+  auto t = zero_trainer<S>(net, Hyper{}, LocalComm::single());
   auto loss = [&] { return net->a(torch::randn({4, 5})).square().mean(); };
   auto weights = [&] {  // every parameter, gathered (stage 3 keeps only shards between steps)
     t.sync();
@@ -680,7 +680,7 @@ void masters_from_float(int world) {
   const std::string what = std::string("stage ") + std::to_string(S::stage) + (S::offload_to_host ? " + offload" : "") +
                            ", world " + std::to_string(world);
   SCOPED_TRACE(what);
-  const auto dtype = nn::detail::scalar_type_of<typename S::compute_type>();
+  const auto dtype = squeeze::torch_dtype<typename S::compute_type>();
   std::vector<std::shared_ptr<torch::nn::Module>> models;
   std::vector<std::map<std::string, torch::Tensor>> floats(world);
   for (int r = 0; r < world; ++r) {
@@ -696,7 +696,7 @@ void masters_from_float(int world) {
       EXPECT_TRUE(asked.insert(name).second) << "asked twice for " << name;
       return floats[r].at(name);
     };
-    auto t = make_trainer<S>(models[r], Hyper{}, comm, opt);
+    auto t = zero_trainer<S>(models[r], Hyper{}, comm, opt);
     EXPECT_EQ(asked.size(), floats[r].size()) << "every parameter's float values are asked for once";
     // Each partition's master against the float values laid out by the names and offsets of its flat layout.
     const auto state = t.optimizer_state();
@@ -740,11 +740,11 @@ TEST(Trainer, MasterInitBadInputIsAClearError) {
     train::TrainerOptions opt;
     opt.master_init = [&](const std::string& name) { return init ? init(name) : f.at(name); };
     if (!init) {
-      EXPECT_NO_THROW((make_trainer<S>(m, Hyper{}, LocalComm::single(), opt)));
+      EXPECT_NO_THROW((zero_trainer<S>(m, Hyper{}, LocalComm::single(), opt)));
       return;
     }
     try {
-      (void)make_trainer<S>(m, Hyper{}, LocalComm::single(), opt);
+      (void)zero_trainer<S>(m, Hyper{}, LocalComm::single(), opt);
       ADD_FAILURE() << "accepted: " << words;
     } catch (const c10::Error& e) {
       EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
@@ -765,13 +765,13 @@ TEST(Trainer, BadInputIsAClearError) {
   auto m = make_model(Model::mlp, torch::kFloat32);
   auto one = LocalComm::single();
   // Wrong dtype for the strategy.
-  EXPECT_THROW((make_trainer<Strategy<Sharded<Stage1>, Precision<bf16, float>>>(m, Hyper{}, one)), c10::Error);
+  EXPECT_THROW((zero_trainer<Strategy<Sharded<Stage1>, Precision<bf16, float>>>(m, Hyper{}, one)), c10::Error);
   // Bad hyper-parameters.
   Hyper bad;
   bad.beta1 = 1.5f;
-  EXPECT_THROW((make_trainer<Strategy<Sharded<Stage1>>>(m, bad, one)), squeeze::Error);
+  EXPECT_THROW((zero_trainer<Strategy<Sharded<Stage1>>>(m, bad, one)), squeeze::Error);
   // A closure that returns a non-scalar.
-  auto t = make_trainer<Strategy<Sharded<Stage2>>>(m, Hyper{}, one);
+  auto t = zero_trainer<Strategy<Sharded<Stage2>>>(m, Hyper{}, one);
   EXPECT_THROW(t.step([] { return torch::ones({2}, torch::requires_grad()); }), c10::Error);
 }
 

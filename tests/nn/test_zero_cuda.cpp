@@ -25,7 +25,7 @@ void gpu_parity(int world) {
     else expect_update_close(got.params, ref.params, Model::mlp, 0.2, what);
   };
   const auto base = train<Strategy<Sharded<Stage0>, Accumulate<A>, Precision<C, float>>>(Model::mlp, world, 10, {}, {}, dev);
-  expect_trained(base.params, Model::mlp, nn::detail::scalar_type_of<C>());
+  expect_trained(base.params, Model::mlp, squeeze::torch_dtype<C>());
   const std::string tag = " world " + std::to_string(world) + " " + std::string(dtype_name<C>()) + " acc " + std::to_string(A);
   close(train<Strategy<Sharded<Stage1>, Accumulate<A>, Precision<C, float>>>(Model::mlp, world, 10, {}, {}, dev), base, "GPU Stage1" + tag);
   close(train<Strategy<Sharded<Stage2>, Offload<Host>, Accumulate<A>, Precision<C, float>>>(Model::mlp, world, 10, {}, {}, dev), base,
@@ -76,7 +76,7 @@ void gpu_offload_bitwise(const std::string& what, comm::CommPtr single = nullptr
     expect_bitwise(a.params, b.params, tag);
     EXPECT_EQ(a.updated_during_backward, clip == 0) << tag;
     for (std::size_t i = 0; i < a.log.size(); ++i) EXPECT_EQ(a.log[i].grad_norm, b.log[i].grad_norm) << tag;
-    expect_trained(a.params, Model::llama, nn::detail::scalar_type_of<typename S::compute_type>());
+    expect_trained(a.params, Model::llama, squeeze::torch_dtype<typename S::compute_type>());
   }
 }
 
@@ -94,7 +94,7 @@ TEST(ZeroCuda, OffloadOverlapBitwise) {
 TEST(ZeroCuda, DeviceSumOfSquaresMatchesFloat64) {
   REQUIRE_CUDA();
   torch::manual_seed(8);
-  for (int64_t n : {int64_t(1), int64_t(4097), nn::kSumSquaresChunk + 13}) {
+  for (int64_t n : {int64_t(1), int64_t(4097), train::kSumSquaresChunk + 13}) {
     for (auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat16}) {
       const auto t = (torch::randn({n}) * 3).to(dtype);
       const double ref = t.to(torch::kFloat64).square().sum().item<double>();
@@ -124,7 +124,7 @@ TEST(ZeroCuda, OffloadStateIsPinnedHostMemory) {
   auto model = make_model(Model::llama, torch::kBFloat16);
   model->to(dev);
   const Data data = make_data(Model::llama, 1, 1, 2);
-  auto t = make_trainer<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>>(model, Hyper{}, LocalComm::single());
+  auto t = zero_trainer<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>>(model, Hyper{}, LocalComm::single());
   // the llama model's targets come from x itself: y is an undefined tensor, passed on as it is
   const auto r = t.step([&] { return model_loss(Model::llama, *model, data.x[0][0].to(dev), data.y[0][0]); });
   EXPECT_TRUE(r.applied);

@@ -89,7 +89,7 @@ void nccl_parity(Model kind, int windows) {
   };
   using S0 = Strategy<Sharded<Stage0>, Accumulate<A>, Precision<C, float>>;
   const auto ref = train<S0>(kind, W, windows, {}, {}, dev);  // LocalComm thread-ranks over this GPU
-  expect_trained(ref.params, kind, nn::detail::scalar_type_of<C>());
+  expect_trained(ref.params, kind, squeeze::torch_dtype<C>());
   close(train<S0>(kind, W, windows, {}, {}, dev, nccl), ref, "NCCL Stage0 vs LocalComm Stage0");
   close(train<Strategy<Sharded<Stage1>, Accumulate<A>, Precision<C, float>>>(kind, W, windows, {}, {}, dev, nccl), ref,
         "NCCL Stage1 vs Stage0");
@@ -146,7 +146,7 @@ TEST(ZeroNccl, Stage3MemoryPerGpu) {
   torch::manual_seed(1234);
   auto model = TinyLlama(shape).ptr();
   model->to(dev, torch::kBFloat16);
-  auto trainer = make_trainer<S>(model, Hyper{}, g_comm, opt);
+  auto trainer = zero_trainer<S>(model, Hyper{}, g_comm, opt);
   for (int s = 0; s < 3; ++s) trainer.step([&] { return model->loss(tokens); });
   trainer.sync();
   world().synchronize();
@@ -293,7 +293,7 @@ TEST(ZeroNccl, FaultRankSkipsATrainerStep) {
   auto model = make_model(Model::mlp, torch::kBFloat16);
   model->to(dev);
   const Data data = make_data(Model::mlp, W, 2, 6);
-  auto trainer = std::make_unique<decltype(make_trainer<S>(model, Hyper{}, faulty))>(make_trainer<S>(model, Hyper{}, faulty));
+  auto trainer = std::make_unique<decltype(zero_trainer<S>(model, Hyper{}, faulty))>(zero_trainer<S>(model, Hyper{}, faulty));
   auto step = [&](int s) {
     return trainer->step([&] { return model_loss(Model::mlp, *model, data.x[s][r].to(dev), data.y[s][r].to(dev)); });
   };

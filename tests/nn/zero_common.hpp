@@ -37,6 +37,15 @@ struct Hyper {  // the AdamW hyper-parameters (optim::AdamW has the same fields)
   float lr = 1e-2f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.1f;
 };
 
+// The ZeRO tests' trainer: their models keep a few plain parameters on the root module (kept whole under Stage 3:
+// replicate "*") and their float64 reference decays every parameter as torch::optim::AdamW does.
+template <StrategyType S, class M, class O>
+auto zero_trainer(M& model, O hyper, comm::CommPtr comm, train::TrainerOptions opt = {}) {
+  opt.replicate.push_back("*");
+  opt.decay_norms_biases_embeddings = true;
+  return make_trainer<S>(model, hyper, std::move(comm), std::move(opt));
+}
+
 // ---- models ------------------------------------------------------------------------------------------
 // Sizes that do not divide by 2, 3 or 4; `gain` is a plain parameter (not shardable): stage 3 keeps it whole.
 struct MLPImpl : torch::nn::Module {
@@ -72,17 +81,17 @@ struct TinyLlamaImpl : torch::nn::Module {
     for (int64_t l = 0; l < s.layers; ++l) {
       const std::string p = "layer" + std::to_string(l) + "_";
       attn_norm.push_back(register_parameter(p + "attn_norm", torch::ones({h})));
-      q.push_back(register_module(p + "q", nn::Linear(h, h, false)));
-      k.push_back(register_module(p + "k", nn::Linear(h, kv, false)));
-      v.push_back(register_module(p + "v", nn::Linear(h, kv, false)));
-      o.push_back(register_module(p + "o", nn::Linear(h, h, false)));
+      q.push_back(register_module(p + "q", nn::Linear(torch::nn::LinearOptions(h, h).bias(false))));
+      k.push_back(register_module(p + "k", nn::Linear(torch::nn::LinearOptions(h, kv).bias(false))));
+      v.push_back(register_module(p + "v", nn::Linear(torch::nn::LinearOptions(h, kv).bias(false))));
+      o.push_back(register_module(p + "o", nn::Linear(torch::nn::LinearOptions(h, h).bias(false))));
       mlp_norm.push_back(register_parameter(p + "mlp_norm", torch::ones({h})));
-      gate.push_back(register_module(p + "gate", nn::Linear(h, s.ffn, false)));
-      up.push_back(register_module(p + "up", nn::Linear(h, s.ffn, false)));
-      down.push_back(register_module(p + "down", nn::Linear(s.ffn, h, false)));
+      gate.push_back(register_module(p + "gate", nn::Linear(torch::nn::LinearOptions(h, s.ffn).bias(false))));
+      up.push_back(register_module(p + "up", nn::Linear(torch::nn::LinearOptions(h, s.ffn).bias(false))));
+      down.push_back(register_module(p + "down", nn::Linear(torch::nn::LinearOptions(s.ffn, h).bias(false))));
     }
     final_norm = register_parameter("final_norm", torch::ones({h}));
-    head = register_module("head", nn::Linear(h, s.vocab, false));
+    head = register_module("head", nn::Linear(torch::nn::LinearOptions(h, s.vocab).bias(false)));
   }
   static torch::Tensor rms(const torch::Tensor& x, const torch::Tensor& g) {
     const auto xf = x.to(torch::kFloat32);
@@ -168,7 +177,7 @@ template <class S>
 RunResult train(Model kind, int world, int windows, train::TrainerOptions opt = {}, Hyper hyper = {},
                 torch::Device device = torch::kCPU, comm::CommPtr single = nullptr) {
   constexpr int A = S::accumulation_steps;
-  const auto dtype = nn::detail::scalar_type_of<typename S::compute_type>();
+  const auto dtype = squeeze::torch_dtype<typename S::compute_type>();
   const Data data = make_data(kind, world, windows * A, 6);
   std::vector<std::shared_ptr<torch::nn::Module>> models;
   for (int r = 0; r < world; ++r) models.push_back(make_model(kind, dtype)), models.back()->to(device);
@@ -178,7 +187,7 @@ RunResult train(Model kind, int world, int windows, train::TrainerOptions opt = 
     const c10::OptionalDeviceGuard guard(device.is_cuda() ? std::optional<c10::Device>(device) : std::nullopt);
     const int r = comm->rank();
     const bool mine = single != nullptr || r == 0;  // the rank whose results this process returns
-    auto trainer = make_trainer<S>(models[r], hyper, comm, opt);
+    auto trainer = zero_trainer<S>(models[r], hyper, comm, opt);
     for (int s = 0; s < windows * A; ++s) {
       auto res = trainer.step([&] {
         auto y = data.y[s][r].defined() ? data.y[s][r].to(device) : data.y[s][r];

@@ -5,7 +5,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <squeeze/comm/local.hpp>
 #include <squeeze/nn/llama.hpp>
+#include <squeeze/train/trainer.hpp>
+#include <squeeze/optim/adamw.hpp>
 #include <squeeze/nn/lora.hpp>
 #include <squeeze/plan/memory.hpp>
 #include <squeeze/policy/strategy.hpp>
@@ -19,12 +22,12 @@ namespace F = torch::nn::functional;
 
 namespace {
 
-// A LLaMA-shaped toy block: q, k, v, o, gate, up, down (torch::nn::Linear), called by name through
-// forward_linear so apply_lora's replacements take effect. Needs 2 * kv_dim == hidden.
+// A LLaMA-shaped toy block: q, k, v, o, gate, up, down (squeeze::nn::Linear, which apply_lora backs with adapters
+// in place), called by name through forward_linear as nn::Llama does. Needs 2 * kv_dim == hidden.
 struct ToyBlockImpl : torch::nn::Module {
   torch::Tensor gain;
   explicit ToyBlockImpl(const plan::ModelShape& s) {
-    const auto lin = [](int64_t in, int64_t out) { return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false)); };
+    const auto lin = [](int64_t in, int64_t out) { return nn::Linear(torch::nn::LinearOptions(in, out).bias(false)); };
     register_module("q", lin(s.hidden, s.hidden));
     register_module("k", lin(s.hidden, s.kv_dim()));
     register_module("v", lin(s.hidden, s.kv_dim()));
@@ -318,14 +321,16 @@ TEST(LoRA, BadInputIsAClearError) {
   EXPECT_NE(message([&] { nn::Nf4Weight::quantize(bad, {}); }).find("weight 18 is not finite"), std::string::npos);
 }
 
-// LoraTrainer: QLoRA with Accumulate<2> on the toy; the step's loss over two equal half batches is the
+// QLoRA through make_trainer with Accumulate<2> on the toy; the window's two equal half batches average to the
 // full-batch loss, and training reduces the loss.
-TEST(LoRA, LoraTrainerAccumulatesAndLearns) {
+TEST(LoRA, MakeTrainerQloraAccumulatesAndLearns) {
   using QLoRA2 = Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Accumulate<2>>;
   torch::manual_seed(8);
   Toy model(kShape);
-  nn::LoraTrainer<QLoRA2> trainer(*model, torch::kCPU, {.lr = 1e-2});
-  EXPECT_EQ(trainer.setup().adapter_params, kShape.layers * plan::lora_block_params<QLoRA2::lora>(kShape));
+  auto trainer = make_trainer<QLoRA2>(model, AdamW{.lr = 1e-2f, .weight_decay = 0.0f, .max_grad_norm = 1.0f}, comm::LocalComm::single());
+  int64_t adapter_params = 0;
+  for (const auto& p : nn::lora_parameters(*model)) adapter_params += p.numel();
+  EXPECT_EQ(adapter_params, kShape.layers * plan::lora_block_params<QLoRA2::lora>(kShape));
   const torch::Tensor x = torch::randn({16, kShape.hidden}).to(torch::kBFloat16);
   const torch::Tensor target = torch::randn({16, kShape.hidden});
   const auto micro = [&](int i) { return F::mse_loss(model(x.narrow(0, 8 * i, 8)).to(torch::kFloat32), target.narrow(0, 8 * i, 8)); };
@@ -334,46 +339,46 @@ TEST(LoRA, LoraTrainerAccumulatesAndLearns) {
     return F::mse_loss(model(x).to(torch::kFloat32), target).item<double>();
   };
   const double before = full();
-  const nn::LoraStepResult first = trainer.step(micro);
-  EXPECT_NEAR(first.loss, before, 1e-6 * before);  // equal halves: the mean of the two means is the full mean
-  EXPECT_TRUE(first.applied);
-  EXPECT_GT(first.grad_norm, 0);
-  for (int s = 0; s < 40; ++s) trainer.step(micro);
+  const StepResult a = trainer.step([&] { return micro(0); }), b = trainer.step([&] { return micro(1); });
+  EXPECT_NEAR(0.5 * (a.loss + b.loss), before, 1e-5 * before);  // equal halves: the mean of the two means is the full mean
+  EXPECT_FALSE(a.boundary);
+  EXPECT_TRUE(b.applied);
+  EXPECT_GT(b.grad_norm, 0);
+  for (int s = 0; s < 80; ++s) trainer.step([&] { return micro(s % 2); });
   EXPECT_LT(full(), 0.9 * before);
-  EXPECT_THROW(trainer.step([&](int) { return model(x).to(torch::kFloat32); }), c10::Error);  // not a scalar
+  EXPECT_THROW(trainer.step([&] { return model(x).to(torch::kFloat32); }), c10::Error);  // not a scalar
 }
 
-// LoraTrainer under Quantized<8, Blockwise8>: the adapters' Adam moments as 8-bit codes (nn::AdamW8). The same
-// model and data trained with fp32 moments (torch::optim::AdamW) give the reference. Tolerances: after the first step
-// the adapters agree to 2^-23 of their largest magnitude, a rounding or two (the first update reads the moments
-// before they are encoded: only the float rounding of the two implementations differs); after 30 steps the 8-bit run's change of the adapters is within 10% (relative,
-// L2) of the fp32 run's, and its loss is within 1% of the starting loss of the fp32 run's (measured: 2.8% and 0.04%).
-TEST(LoRA, LoraTrainerWith8BitStateTracksFp32State) {
+// QLoRA with the adapters' Adam moments as 8-bit codes (Quantized<8, Blockwise8>) against fp32 moments, same model
+// and data. Tolerances: after the first step the adapters agree to 2^-23 of their largest magnitude, a rounding or
+// two (the first update reads the moments before they are encoded); after 30 steps the 8-bit run's change of the
+// adapters is within 10% (relative, L2) of the fp32 run's, and its loss within 1% of the starting loss of the fp32 run's.
+TEST(LoRA, MakeTrainerQloraWith8BitStateTracksFp32State) {
   using Q32 = Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>>;
   using Q8 = Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Quantized<8, Blockwise8>>;
-  static_assert(std::is_same_v<nn::LoraTrainer<Q8>::Optimizer, nn::AdamW8>);
-  static_assert(std::is_same_v<nn::LoraTrainer<Q32>::Optimizer, torch::optim::AdamW>);
-  // the same base and adapters in both: the same seed before each model and its trainer (apply_lora draws A)
   torch::manual_seed(9);
   Toy m32(kShape);
-  nn::LoraTrainer<Q32> t32(*m32, torch::kCPU, {.lr = 1e-2, .weight_decay = 0.01});
   torch::manual_seed(9);
   Toy m8(kShape);
-  nn::LoraTrainer<Q8> t8(*m8, torch::kCPU, {.lr = 1e-2, .weight_decay = 0.01});
+  const AdamW hyper{.lr = 1e-2f, .weight_decay = 0.01f};
+  auto t32 = make_trainer<Q32>(m32, hyper, comm::LocalComm::single());
+  auto t8 = make_trainer<Q8>(m8, hyper, comm::LocalComm::single());
+  const auto p32 = nn::lora_parameters(*m32), p8 = nn::lora_parameters(*m8);  // views into the trainers' buffers
   torch::manual_seed(21);
   const torch::Tensor x = torch::randn({16, kShape.hidden}).to(torch::kBFloat16);
   const torch::Tensor target = torch::randn({16, kShape.hidden});
   std::vector<torch::Tensor> start;
-  for (const auto& p : t8.setup().parameters) start.push_back(p.detach().clone());
-  for (std::size_t i = 0; i < start.size(); ++i) {
+  for (std::size_t i = 0; i < p8.size(); ++i) {
     // lora_B starts at zero, so its A's first gradient is zero: give B values to move both
     torch::NoGradGuard ng;
-    if (t8.setup().parameters[i].abs().sum().item<float>() == 0) {
-      const torch::Tensor b = torch::randn(start[i].sizes()) * 0.05;
-      t8.setup().parameters[i].copy_(b), t32.setup().parameters[i].copy_(b), start[i].copy_(b);
+    EXPECT_TRUE(torch::equal(p8[i], p32[i])) << "the same adapters at the start";
+    if (p8[i].abs().sum().item<float>() == 0) {
+      const torch::Tensor b = torch::randn(p8[i].sizes()) * 0.05;
+      p8[i].copy_(b), p32[i].copy_(b);
     }
+    start.push_back(p8[i].detach().clone());
   }
-  const auto loss_of = [&](Toy& m) { return [&](int) { return F::mse_loss(m(x).to(torch::kFloat32), target); }; };
+  const auto loss_of = [&](Toy& m) { return [&] { return F::mse_loss(m(x).to(torch::kFloat32), target); }; };
   const auto full = [&](Toy& m) {
     torch::NoGradGuard ng;
     return F::mse_loss(m(x).to(torch::kFloat32), target).item<double>();
@@ -387,84 +392,23 @@ TEST(LoRA, LoraTrainerWith8BitStateTracksFp32State) {
   t32.step(loss_of(m32));
   t8.step(loss_of(m8));
   {
-    const torch::Tensor d32 = change(t32.setup().parameters), d8 = change(t8.setup().parameters);
+    const torch::Tensor d32 = change(p32), d8 = change(p8);
     double largest = 0;
-    for (const auto& p : t32.setup().parameters) largest = std::max(largest, p.detach().abs().max().item<double>());
+    for (const auto& p : p32) largest = std::max(largest, p.detach().abs().max().item<double>());
     EXPECT_LE((d8 - d32).abs().max().item<double>(), std::ldexp(largest, -23)) << "first step";
     EXPECT_GT(d32.abs().max().item<double>(), 1e-3) << "the first step moved the adapters";
   }
   for (int s = 0; s < 29; ++s) t32.step(loss_of(m32)), t8.step(loss_of(m8));
-  const torch::Tensor d32 = change(t32.setup().parameters), d8 = change(t8.setup().parameters);
+  const torch::Tensor d32 = change(p32), d8 = change(p8);
   EXPECT_LE((d8 - d32).norm().item<double>(), 0.1 * d32.norm().item<double>());
   const double after32 = full(m32), after8 = full(m8);
   EXPECT_LT(after8, 0.9 * before);
   EXPECT_LE(std::abs(after8 - after32), 0.01 * before);
-  // state: 2 bytes a value + 8 bytes per 256-value block of each adapter
-  int64_t expect = 0;
-  for (const auto& p : t8.setup().parameters) expect += 2 * p.numel() + 8 * ((p.numel() + 255) / 256);
-  EXPECT_EQ(t8.optimizer().state_bytes(), expect);
-}
-
-// AdamW8's state survives save / load: a run resumed from a saved optimizer and adapters continues bit for bit.
-TEST(LoRA, AdamW8SaveLoadContinuesBitwise) {
-  torch::manual_seed(4);
-  const torch::Tensor w0 = torch::randn({300, 5}), x = torch::randn({64, 300}), y = torch::randn({64, 5});
-  const auto train = [&](torch::Tensor& w, nn::AdamW8& opt, int steps) {
-    for (int s = 0; s < steps; ++s) {
-      opt.zero_grad();
-      F::mse_loss(torch::matmul(x, w), y).backward();
-      opt.step();
-    }
-  };
-  torch::Tensor wa = w0.clone().requires_grad_(true);
-  nn::AdamW8 a({wa}, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-  train(wa, a, 3);
-  std::stringstream saved;
-  {
-    torch::serialize::OutputArchive archive;
-    a.save(archive);
-    archive.save_to(saved);
-  }
-  torch::Tensor wb = wa.detach().clone().requires_grad_(true);
-  train(wa, a, 4);
-  nn::AdamW8 b({wb}, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-  {
-    torch::serialize::InputArchive archive;
-    archive.load_from(saved);
-    b.load(archive);
-  }
-  train(wb, b, 4);
-  EXPECT_TRUE(torch::equal(wa, wb));
-  EXPECT_EQ(a.state_bytes(), b.state_bytes());
-  // a state of another shape is named, not used
-  torch::Tensor wc = torch::randn({7, 5}).requires_grad_(true);
-  nn::AdamW8 c({wc}, torch::optim::AdamWOptions(1e-2));
-  saved.clear();
-  saved.seekg(0);
-  try {
-    torch::serialize::InputArchive archive;
-    archive.load_from(saved);
-    c.load(archive);
-    FAIL() << "expected an error";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("a state dict of another model"), std::string::npos) << e.what();
-  }
-}
-
-TEST(LoRA, AdamW8RefusesWhatItCannotUpdate) {
-  const auto message = [](auto&& f) {
-    try {
-      f();
-    } catch (const std::exception& e) {  // c10::Error, or squeeze::Error from the AdamW coefficients' checks
-      return std::string(e.what());
-    }
-    return std::string("(no error)");
-  };
-  torch::Tensor half_param = torch::zeros({4}, torch::kBFloat16).requires_grad_(true);
-  EXPECT_NE(message([&] { nn::AdamW8({half_param}); }).find("updates fp32 parameters"), std::string::npos);
-  torch::Tensor p = torch::zeros({4}).requires_grad_(true);
-  EXPECT_NE(message([&] { nn::AdamW8({p}, torch::optim::AdamWOptions(1e-3).amsgrad(true)); }).find("amsgrad"), std::string::npos);
-  EXPECT_NE(message([&] { nn::AdamW8({p}, torch::optim::AdamWOptions(-1.0)); }).find("lr must be"), std::string::npos);
+  // state: 2 bytes a value + 8 bytes per 256-value block, over the trainer's partitions (tensors start on a block)
+  int64_t values = 0, blocks = 0;
+  for (const auto& part : t8.optimizer_state()) values += part[1].numel(), blocks += part[3].numel();
+  EXPECT_EQ(t8.memory().optimizer_state.host + t8.memory().optimizer_state.device, 2 * values + 8 * blocks);
+  EXPECT_LE(values, int64_t(p8.size()) * 256 + [&] { int64_t n = 0; for (auto& p : p8) n += p.numel(); return n; }());
 }
 
 // ---- GPTQ-format bases (nn::QuantizedLinear: GPTQ v1 packed layout, filled by RTN or loaded from a checkpoint) ----

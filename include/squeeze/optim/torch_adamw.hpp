@@ -10,7 +10,7 @@
 //
 // The math is PyTorch's AdamW (decoupled decay, bias correction, per-parameter step counts), so it is a
 // drop-in for torch::optim::AdamW. Gradient clipping and loss scaling belong to the caller here (e.g.
-// torch::nn::utils::clip_grad_norm_); FlatAdamW fuses both. squeeze::Error becomes a TORCH_CHECK failure.
+// torch::nn::utils::clip_grad_norm_); make_trainer fuses both. squeeze::Error becomes a TORCH_CHECK failure.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
@@ -36,7 +36,7 @@ class TorchAdamW {
   explicit TorchAdamW(std::vector<at::Tensor> params, const AdamW& options = {}) : opt_(options) {
     guard([&] { validate(opt_); });
     TORCH_CHECK(opt_.max_grad_norm <= 0, "squeeze TorchAdamW: clip gradients before step() (torch::nn::utils::clip_grad_norm_); "
-                                         "max_grad_norm is fused only in FlatAdamW");
+                                         "max_grad_norm is fused only in make_trainer");
     for (std::size_t i = 0; i < params.size(); ++i) {
       at::Tensor& p = params[i];
       TORCH_CHECK(p.defined(), "squeeze TorchAdamW: parameter ", i, " is undefined");

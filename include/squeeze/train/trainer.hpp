@@ -1,4 +1,7 @@
 #pragma once
+// (About 1,000 lines: one class template whose members share the Strategy's compile-time switches; its seams are
+// files of their own: options.hpp, adopt.hpp, buckets.hpp, stage3.hpp, offload.hpp, flat_params.hpp.)
+//
 // make_trainer<Strategy>(module, adamw, comm): data-parallel training with ZeRO stages 0-3, optional
 // Offload<Host>, gradient accumulation, loss scaling, global-norm clipping and memory accounting.
 //
@@ -10,11 +13,12 @@
 //     if (r.applied) log(r.loss, r.grad_norm, r.scale);
 //   }
 //
-// The module must already be in the Strategy's compute type (module->to(torch::kBFloat16)) and on its
-// device. Every rank builds the same module; rank 0's initial values are broadcast to all.
+// The module comes as built, on its device: in float (the trainer converts it to the Strategy's compute type and
+// seeds fp32 masters from the float values) or already in the compute type; its layers are adopted as the
+// Strategy requires (train/adopt.hpp). Every rank builds the same module; rank 0's initial values are broadcast.
 //
 // One step() call is one micro-batch: closure() returns that micro-batch's mean loss; the trainer
-// backpropagates loss * scale / accumulation_steps. The optimizer runs on every accumulation_steps-th
+// backpropagates loss * scale / accumulation_steps (token-weighted: step(closure, tokens), see step()). The optimizer runs on every accumulation_steps-th
 // call (the boundary); the others return applied = false, boundary = false. What happens per stage:
 //
 //            non-final micro-step                                  boundary micro-step
@@ -66,8 +70,12 @@
 // Quantized<8, Blockwise8>: Adam's m and v are kept as uint8 codes with one fp32 absmax per 256 elements
 // (kernels/adamw8.hpp: Dettmers et al.'s block-wise dynamic quantization), 2 bytes + 8/256 per parameter
 // instead of 8; the update decodes, runs the same AdamW element, re-encodes. Blocks start at each partition's
-// first element, so stages and world sizes that cut partitions differently group different elements under
-// one absmax: the cross-stage bitwise guarantees below do not hold for it (overlapped == in-order offload does).
+// first element and every tensor starts on a block, so stages and world sizes that cut partitions differently
+// group different elements under one absmax: the cross-stage bitwise guarantees below do not hold for it
+// (overlapped == in-order offload does).
+//
+// Parameter groups (TrainerOptions::param_groups; by default no decay on norms, biases and embeddings): each
+// partition is cut into segments of one group (Segment), each updated with its group's coefficients.
 //
 // Parity guarantees on LocalComm (reduction in rank order, see comm/local.hpp), float or bf16, same data:
 //   accumulation 1: Stage0 == Stage1 == Stage2 == Stage3 bitwise, with or without Offload<Host> (overlapped
@@ -95,9 +103,11 @@
 #include "../policy/strategy.hpp"
 #include "adamw_torch_ops.hpp"
 #include "adopt.hpp"
+#include "buckets.hpp"
 #include "collectives.hpp"
 #include "flat_params.hpp"
 #include "offload.hpp"
+#include "options.hpp"
 #include "stage3.hpp"
 #include "torch_types.hpp"
 #include "squeeze/kernels/adamw.hpp"
@@ -106,197 +116,6 @@
 #include "squeeze/kernels/loss_scale.hpp"
 
 namespace squeeze::train {
-
-// Anything with AdamW's five hyper-parameters (optim::AdamW, or an aggregate of your own).
-template <class O>
-concept AdamWHyperparameters = requires(const O& o) {
-  float(o.lr);
-  float(o.beta1);
-  float(o.beta2);
-  float(o.eps);
-  float(o.weight_decay);
-};
-
-// Clipping and loss scaling come from the AdamW options when they carry them (squeeze::AdamW has
-// max_grad_norm and loss_scale); set them here only for an options type without them. Setting both is an error.
-// A set of parameters with its own learning rate and weight decay (TrainerOptions::param_groups).
-struct ParamGroup {
-  std::function<bool(const std::string& name)> match;  // by the parameter's full name, e.g. "blocks.0.attn.q.weight"
-  float lr_scale = 1.0f;                               // this group's lr = AdamW's lr * lr_scale
-  float weight_decay = -1.0f;                          // < 0: AdamW's weight_decay
-};
-
-struct TrainerOptions {
-  float max_grad_norm = 0;                                // clip the global L2 norm to this; <= 0: no clipping
-  // Plain libtorch layers (not squeeze::nn::Linear / Embedding) that the Strategy would have to shard (Stage 3)
-  // or quantize (Quantized<...>) are refused, listed by name; the module names here (an exact dotted name, or its
-  // last component: "norm" matches "norm" and "blocks.3.norm"; "*" matches all) are accepted and kept whole on every
-  // rank (frozen under LoRA), counted in memory(). Meant for small layers such as norms.
-  std::vector<std::string> replicate{};
-  // Parameter groups, first match wins. Parameters that match none: AdamW's lr and weight decay, except that norms,
-  // biases (every parameter of one dimension) and embeddings get no weight decay unless decay_norms_biases_embeddings.
-  std::vector<ParamGroup> param_groups{};
-  bool decay_norms_biases_embeddings = false;
-  std::optional<kernels::LossScaleOptions> loss_scale{};  // used when the Strategy scales the loss (half compute)
-  int64_t persistence_threshold = 0;       // stage 3: sharded layers with fewer parameters stay whole
-  int64_t align_bytes = 256;               // every tensor and every shard of a flat buffer starts aligned
-  bool prefetch = true;                    // stage 3: gather the next layer right after the current one
-                                           // (CUDA + NCCL: on a side stream, overlapping compute)
-  int64_t bucket_bytes = int64_t(32) << 20;  // stage 2 (and stage 3's whole-kept parameters): gradient bucket size
-  bool overlap_offload = true;             // Offload<Host>: transfers + CPU AdamW beside backward (see above)
-  // 16-bit compute with fp32 masters, for a module handed over already in the compute type: the float values a
-  // parameter was rounded from (by its full name, as in full_parameters()), e.g. a float checkpoint. Not needed
-  // for a float module: the trainer converts it and seeds the masters from its float values itself. Null: the
-  // masters start from the 16-bit parameters. Called once per parameter while the trainer is built; every rank
-  // must return the same values; each must round to the parameter it is given for (checked).
-  std::function<torch::Tensor(const std::string& name)> master_init{};
-};
-
-struct StepResult {
-  float loss = 0;                  // this micro-batch's loss (unscaled)
-  bool applied = false;            // the optimizer updated the parameters on this call
-  bool boundary = false;           // this call ended an accumulation window (applied or skipped)
-  int64_t step = 0;                // optimizer steps applied so far, this call's included
-  float scale = 1;                 // the loss scale used for this micro-batch
-  float grad_norm = std::nanf("");  // global L2 norm of the unscaled gradient (boundary only)
-};
-
-// Bytes this rank holds per category; "device" is where the compute parameters live (the CPU in CPU
-// runs), "host" what Offload<Host> moved to host memory.
-struct MemoryUse {
-  plan::Placement parameters, gradients, master_weights, optimizer_state, communication;
-  int64_t persistent_params = 0;  // stage 3: elements kept whole on every rank (not sharded)
-  // Stage 2/3: the most gradient bytes alive at once on the device during backward, measured at every
-  // gradient hook: the reduced shards + in-flight bucket buffers + the parameter .grad being taken over.
-  // (Stage 0/1: the full gradient buffers.) Compare with full_gradient_bytes, what one full gradient takes.
-  int64_t peak_gradient_bytes = 0;
-  int64_t full_gradient_bytes = 0;
-  plan::Placement model_state() const {
-    plan::Placement p = parameters;
-    p += gradients; p += master_weights; p += optimizer_state;
-    return p;
-  }
-};
-
-struct MemoryReport {
-  MemoryUse actual;
-  plan::MemoryPlan predicted;
-  // A table: category, actual device/host bytes, predicted device/host bytes.
-  std::string table() const {
-    std::ostringstream s;
-    auto row = [&](const char* name, plan::Placement a, plan::Placement p) {
-      s << name << "  actual device " << a.device << " host " << a.host << "  |  planned device " << p.device << " host "
-        << p.host << "\n";
-    };
-    row("parameters     ", actual.parameters, predicted.parameters);
-    row("gradients      ", actual.gradients, predicted.gradients);
-    row("master_weights ", actual.master_weights, predicted.master_weights);
-    row("optimizer_state", actual.optimizer_state, predicted.optimizer_state);
-    row("communication  ", actual.communication, predicted.communication);
-    s << "peak gradients   measured device " << actual.peak_gradient_bytes << "  |  one full gradient " << actual.full_gradient_bytes
-      << "\n";
-    return s.str();
-  }
-};
-
-namespace detail {
-
-// Sum of squares in double, deterministic: host sequentially; device by sum_squares_tensor (train/offload.hpp, the
-// function Offload<Host> runs on the device too, so offloaded and device-resident partitions give the same bits),
-// one read-back.
-inline double sum_squares(const torch::Tensor& t) {
-  if (t.numel() == 0) return 0.0;
-  if (!t.is_cpu()) return sum_squares_tensor(t).item<double>();
-  const torch::Tensor c = t.contiguous();
-  const int64_t n = c.numel();
-  double acc = 0;
-  auto run = [&]<class T>(const T* p) {
-    for (int64_t i = 0; i < n; ++i) acc = kernels::NormOp<kernels::NormType::L2>::element(acc, to_float(p[i]));
-  };
-  switch (c.scalar_type()) {
-    case torch::kFloat32: run(c.data_ptr<float>()); break;
-    case torch::kBFloat16: run(reinterpret_cast<const bf16*>(c.data_ptr())); break;
-    case torch::kFloat16: run(reinterpret_cast<const half*>(c.data_ptr())); break;
-    default: TORCH_CHECK(false, "sum_squares: unsupported gradient dtype ", c.scalar_type());
-  }
-  return acc;
-}
-
-}  // namespace detail
-
-namespace detail {
-
-// What backward hooks and stage-3 callbacks reach while backward runs (on the heap: the Trainer may move).
-struct GradState {
-  comm::CommPtr comm;
-  bool final_micro = false;     // this micro-step ends the accumulation window
-  bool defer = false;           // hooks only collect; buckets are reduced after backward (see Trainer)
-  OffloadPipeline* offload = nullptr;
-  OffloadPipeline::Fn eager;    // set for a boundary micro-step when the offloaded update may run at once
-  int64_t shard_bytes = 0;      // device bytes of the reduced gradient shards (constant)
-  int64_t live = 0;             // device bytes of in-flight bucket buffers
-  int64_t peak_live = 0;        // most of `live` seen
-  int64_t peak_grad = 0;        // most of shard_bytes + live + one parameter's .grad seen in a hook
-  int64_t reduce_scatter_bytes = 0;  // bytes entering reduce-scatters, this accumulation window
-  std::atomic<bool> non_finite{false};  // eager offload: a partition's gradient was inf/NaN this window
-  void note(int64_t transient) {
-    peak_live = std::max(peak_live, live);
-    peak_grad = std::max(peak_grad, shard_bytes + live + transient);
-  }
-};
-
-// Stage 2 (and stage 3's whole-kept parameters): parameters whose gradients are reduce-scattered together.
-struct Bucket {
-  FlatParams flat;       // [padded] parameters; the module's parameters are views into it
-  torch::Tensor send;    // [padded] compute dtype: this micro-step's local gradients while they arrive
-  int pending = 0;       // parameters whose gradient has not arrived this micro-step
-  bool reduced = false;  // reduce-scattered this micro-step
-  Partition own;         // this rank's shard of the bucket
-};
-
-// Sends a bucket's gradients (zeros where none arrived) through the reduce-scatter into its shard.
-inline void reduce_bucket(Bucket& b, GradState& st) {
-  if (!b.send.defined()) {
-    b.send = torch::zeros({b.flat.padded()}, b.flat.options());
-    st.live += int64_t(b.send.nbytes());
-  }
-  auto mine = torch::empty({b.flat.shard()}, b.send.options());
-  st.live += int64_t(mine.nbytes());
-  st.note(0);
-  reduce_scatter_avg(*st.comm, b.send, mine);
-  b.own.grad.add_(mine);
-  st.reduce_scatter_bytes += int64_t(b.send.nbytes());
-  st.live -= int64_t(b.send.nbytes() + mine.nbytes());
-  b.send = torch::Tensor();
-  b.reduced = true;
-  if (st.final_micro && st.offload && st.offload->threaded()) st.offload->gradient_ready(b.own, st.eager);
-}
-
-// The post-accumulate-grad hook of one bucketed parameter: its .grad moves into the bucket buffer.
-struct BucketHook final : torch::autograd::PostAccumulateGradHook {
-  Bucket* bucket;
-  const FlatEntry* entry;
-  GradState* state;
-  BucketHook(Bucket* b, const FlatEntry* e, GradState* s) : bucket(b), entry(e), state(s) {}
-  void operator()(const torch::autograd::Variable& param) override {
-    const torch::Tensor g = param.grad();
-    if (!g.defined()) return;
-    Bucket& b = *bucket;
-    GradState& st = *state;
-    TORCH_CHECK(!b.reduced, "Stage2: a gradient of '", entry->name, "' arrived after its bucket was reduced (a second "
-                "backward in one step() is not supported)");
-    if (!b.send.defined()) {
-      b.send = torch::zeros({b.flat.padded()}, b.flat.options());
-      st.live += int64_t(b.send.nbytes());
-    }
-    st.note(int64_t(g.nbytes()));
-    FlatParams::view(b.send, *entry).copy_(g);
-    param.mutable_grad().reset();  // autograd's full-size .grad is freed: only the bucket holds it
-    if (--b.pending == 0 && !st.defer) reduce_bucket(b, st);
-  }
-};
-
-}  // namespace detail
 
 template <StrategyType S, AdamWHyperparameters O>
 class Trainer {

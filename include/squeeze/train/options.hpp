@@ -1,0 +1,111 @@
+#pragma once
+// What make_trainer takes besides the model and AdamW's knobs (TrainerOptions, ParamGroup), and what it reports:
+// StepResult per micro-batch, MemoryUse / MemoryReport (bytes held against the planner's prediction).
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "../plan/memory.hpp"
+#include "squeeze/kernels/loss_scale.hpp"
+
+namespace squeeze::train {
+
+// Anything with AdamW's five hyper-parameters (optim::AdamW, or an aggregate of your own).
+template <class O>
+concept AdamWHyperparameters = requires(const O& o) {
+  float(o.lr);
+  float(o.beta1);
+  float(o.beta2);
+  float(o.eps);
+  float(o.weight_decay);
+};
+
+// A set of parameters with its own learning rate and weight decay (TrainerOptions::param_groups).
+struct ParamGroup {
+  std::function<bool(const std::string& name)> match;  // by the parameter's full name, e.g. "blocks.0.attn.q.weight"
+  float lr_scale = 1.0f;                               // this group's lr = AdamW's lr * lr_scale
+  float weight_decay = -1.0f;                          // < 0: AdamW's weight_decay
+};
+
+// Clipping and loss scaling come from the AdamW options when they carry them (squeeze::AdamW has
+// max_grad_norm and loss_scale); set them here only for an options type without them. Setting both is an error.
+struct TrainerOptions {
+  float max_grad_norm = 0;                                // clip the global L2 norm to this; <= 0: no clipping
+  // Plain libtorch layers (not squeeze::nn::Linear / Embedding) that the Strategy would have to shard (Stage 3)
+  // or quantize (Quantized<...>) are refused, listed by name; the module names here (an exact dotted name, or its
+  // last component: "norm" matches "norm" and "blocks.3.norm"; "*" matches all) are accepted and kept whole on every
+  // rank (frozen under LoRA), counted in memory(). Meant for small layers such as norms.
+  std::vector<std::string> replicate{};
+  // Parameter groups, first match wins. Parameters that match none: AdamW's lr and weight decay, except that norms,
+  // biases (every parameter of one dimension) and embeddings get no weight decay unless decay_norms_biases_embeddings.
+  std::vector<ParamGroup> param_groups{};
+  bool decay_norms_biases_embeddings = false;
+  std::optional<kernels::LossScaleOptions> loss_scale{};  // used when the Strategy scales the loss (half compute)
+  int64_t persistence_threshold = 0;       // stage 3: sharded layers with fewer parameters stay whole
+  int64_t align_bytes = 256;               // every tensor and every shard of a flat buffer starts aligned
+  bool prefetch = true;                    // stage 3: gather the next layer right after the current one
+                                           // (CUDA + NCCL: on a side stream, overlapping compute)
+  int64_t bucket_bytes = int64_t(32) << 20;  // stage 2 (and stage 3's whole-kept parameters): gradient bucket size
+  bool overlap_offload = true;             // Offload<Host>: transfers + CPU AdamW beside backward (see above)
+  // 16-bit compute with fp32 masters, for a module handed over already in the compute type: the float values a
+  // parameter was rounded from (by its full name, as in full_parameters()), e.g. a float checkpoint. Not needed
+  // for a float module: the trainer converts it and seeds the masters from its float values itself. Null: the
+  // masters start from the 16-bit parameters. Called once per parameter while the trainer is built; every rank
+  // must return the same values; each must round to the parameter it is given for (checked).
+  std::function<torch::Tensor(const std::string& name)> master_init{};
+};
+
+struct StepResult {
+  float loss = 0;                  // this micro-batch's loss (unscaled)
+  bool applied = false;            // the optimizer updated the parameters on this call
+  bool boundary = false;           // this call ended an accumulation window (applied or skipped)
+  int64_t step = 0;                // optimizer steps applied so far, this call's included
+  float scale = 1;                 // the loss scale used for this micro-batch
+  float grad_norm = std::nanf("");  // global L2 norm of the unscaled gradient (boundary only)
+};
+
+// Bytes this rank holds per category; "device" is where the compute parameters live (the CPU in CPU
+// runs), "host" what Offload<Host> moved to host memory.
+struct MemoryUse {
+  plan::Placement parameters, gradients, master_weights, optimizer_state, communication;
+  int64_t persistent_params = 0;  // stage 3: elements kept whole on every rank (not sharded)
+  // Stage 2/3: the most gradient bytes alive at once on the device during backward, measured at every
+  // gradient hook: the reduced shards + in-flight bucket buffers + the parameter .grad being taken over.
+  // (Stage 0/1: the full gradient buffers.) Compare with full_gradient_bytes, what one full gradient takes.
+  int64_t peak_gradient_bytes = 0;
+  int64_t full_gradient_bytes = 0;
+  plan::Placement model_state() const {
+    plan::Placement p = parameters;
+    p += gradients; p += master_weights; p += optimizer_state;
+    return p;
+  }
+};
+
+struct MemoryReport {
+  MemoryUse actual;
+  plan::MemoryPlan predicted;
+  // A table: category, actual device/host bytes, predicted device/host bytes.
+  std::string table() const {
+    std::ostringstream s;
+    auto row = [&](const char* name, plan::Placement a, plan::Placement p) {
+      s << name << "  actual device " << a.device << " host " << a.host << "  |  planned device " << p.device << " host "
+        << p.host << "\n";
+    };
+    row("parameters     ", actual.parameters, predicted.parameters);
+    row("gradients      ", actual.gradients, predicted.gradients);
+    row("master_weights ", actual.master_weights, predicted.master_weights);
+    row("optimizer_state", actual.optimizer_state, predicted.optimizer_state);
+    row("communication  ", actual.communication, predicted.communication);
+    s << "peak gradients   measured device " << actual.peak_gradient_bytes << "  |  one full gradient " << actual.full_gradient_bytes
+      << "\n";
+    return s.str();
+  }
+};
+
+}  // namespace squeeze::train
