@@ -386,9 +386,9 @@ struct LoadedModel {
 
 // Reads a directory written by save_packed; the model is on `device` in `dtype` with QuantizedLinear layers.
 inline LoadedModel load_packed(const std::filesystem::path& dir, torch::Device device, torch::ScalarType dtype) {
-  TORCH_CHECK(std::filesystem::is_directory(dir), "quantized checkpoint '", dir.string(), "' is not a directory");
+  TORCH_CHECK(std::filesystem::is_directory(dir), "quantized model file '", dir.string(), "' is not a directory");
   std::ifstream f(dir / "config.json");
-  TORCH_CHECK(bool(f), "quantized checkpoint '", dir.string(), "' has no config.json (written by llama_gptq --save)");
+  TORCH_CHECK(bool(f), "quantized model file '", dir.string(), "' has no config.json (written by llama_gptq --save)");
   const auto j = nlohmann::json::parse(f, nullptr, false);
   TORCH_CHECK(!j.is_discarded() && j.is_object() && j.value("format", "") == kConfigFormat, "'", (dir / "config.json").string(),
               "' is not a llama_gptq model config (format tag missing or of another version)");
@@ -403,7 +403,7 @@ inline LoadedModel load_packed(const std::filesystem::path& dir, torch::Device d
   }
   c.validate();
 
-  quant::QuantizedCheckpoint ck = quant::load_quantized(dir);  // checks every layer's tensors against quantize_config.json
+  quant::QuantizedModelFile ck = quant::load_quantized(dir);  // checks every layer's tensors against quantize_config.json
   LoadedModel out;
   out.spec.method = j.value("method", "gptq") == "rtn" ? Method::RTN : Method::GPTQ;
   out.spec.bits = ck.config.bits;
@@ -416,9 +416,9 @@ inline LoadedModel load_packed(const std::filesystem::path& dir, torch::Device d
   torch::NoGradGuard ng;
   for (auto& p : model->named_parameters()) {
     if (!is_dense_tensor(p.key())) continue;
-    TORCH_CHECK(ck.file.contains(p.key()), "quantized checkpoint '", dir.string(), "' has no tensor '", p.key(), "'");
+    TORCH_CHECK(ck.file.contains(p.key()), "quantized model file '", dir.string(), "' has no tensor '", p.key(), "'");
     const auto& info = ck.file.info(p.key());
-    TORCH_CHECK(info.shape == p.value().sizes().vec(), "quantized checkpoint '", dir.string(), "': ", p.key(), " is ",
+    TORCH_CHECK(info.shape == p.value().sizes().vec(), "quantized model file '", dir.string(), "': ", p.key(), " is ",
                 c10::IntArrayRef(info.shape), ", the model (config.json) expects ", p.value().sizes());
     const auto v = ck.file.read<float>(p.key(), io::DType::F32);
     p.value().copy_(torch::from_blob(const_cast<float*>(v.data()), p.value().sizes(), torch::kFloat32));
@@ -427,12 +427,12 @@ inline LoadedModel load_packed(const std::filesystem::path& dir, torch::Device d
     for (const auto& path : block_linears()) {
       const std::string name = layer_name(b, path);
       const auto it = ck.layers.find(name);
-      TORCH_CHECK(it != ck.layers.end(), "quantized checkpoint '", dir.string(), "' has no packed layer '", name, "'");
+      TORCH_CHECK(it != ck.layers.end(), "quantized model file '", dir.string(), "' has no packed layer '", name, "'");
       const auto want = dense_weight(model, b, path).sizes();
-      TORCH_CHECK(it->second.out == want[0] && it->second.in == want[1], "quantized checkpoint '", dir.string(), "': ", name, " is ",
+      TORCH_CHECK(it->second.out == want[0] && it->second.in == want[1], "quantized model file '", dir.string(), "': ", name, " is ",
                   it->second.out, "x", it->second.in, ", the model (config.json) expects ", want);
     }
-  TORCH_CHECK(int64_t(ck.layers.size()) == c.layers * int64_t(block_linears().size()), "quantized checkpoint '", dir.string(), "' holds ",
+  TORCH_CHECK(int64_t(ck.layers.size()) == c.layers * int64_t(block_linears().size()), "quantized model file '", dir.string(), "' holds ",
               ck.layers.size(), " packed layers, the model has ", c.layers * int64_t(block_linears().size()));
   model->to(device, dtype);
   use_packed(model, ck.layers);

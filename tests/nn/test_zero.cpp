@@ -764,8 +764,9 @@ TEST(Trainer, MasterInitBadInputIsAClearError) {
 TEST(Trainer, BadInputIsAClearError) {
   auto m = make_model(Model::mlp, torch::kFloat32);
   auto one = LocalComm::single();
-  // Wrong dtype for the strategy.
-  EXPECT_THROW((zero_trainer<Strategy<Sharded<Stage1>, Precision<bf16, float>>>(m, Hyper{}, one)), c10::Error);
+  // A dtype the strategy cannot start from (float and its compute type can: the trainer converts float itself).
+  auto m64 = make_model(Model::mlp, torch::kFloat64);
+  EXPECT_THROW((zero_trainer<Strategy<Sharded<Stage1>, Precision<bf16, float>>>(m64, Hyper{}, one)), c10::Error);
   // Bad hyper-parameters.
   Hyper bad;
   bad.beta1 = 1.5f;

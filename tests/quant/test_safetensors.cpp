@@ -106,7 +106,7 @@ TEST(Safetensors, CorruptAndHostileHeadersGiveClearErrors) {
   expect_rejected(raw_file(R"({"a":7})", 0), "entry is not an object");
 }
 
-TEST(QuantizedCheckpoint, RoundTripsLayersAndConfig) {
+TEST(QuantizedModelFile, RoundTripsLayersAndConfig) {
   const auto dir = temp_dir("ck");
   std::map<std::string, quant::PackedLinear> layers = {{"model.layers.0.mlp.up_proj", layer(48, 96, 3, 32, 1)},
                                                        {"model.layers.0.self_attn.q_proj", layer(17, 64, 3, 32, 2)}};
@@ -151,7 +151,7 @@ void expect_load_error(const fs::path& dir, const std::string& needle) {
 void write_config(const fs::path& dir, const nlohmann::json& j) { std::ofstream(dir / "quantize_config.json") << j.dump(); }
 }  // namespace
 
-TEST(QuantizedCheckpoint, MismatchedOrCorruptCheckpointsGiveClearErrors) {
+TEST(QuantizedModelFile, MismatchedOrCorruptCheckpointsGiveClearErrors) {
   const auto dir = temp_dir("bad");
   std::map<std::string, quant::PackedLinear> layers = {{"l", layer(16, 64, 4, 32, 3)}};
   const quant::QuantizeConfig cfg{.bits = 4, .group_size = 32};

@@ -1,5 +1,5 @@
 #pragma once
-// GPTQ checkpoints as AutoGPTQ / GPTQModel write them: a directory with
+// The quantized model file (GPTQ weights as AutoGPTQ / GPTQModel write them): a directory with
 //   model.safetensors      <layer>.qweight I32, <layer>.qzeros I32, <layer>.scales F16, <layer>.g_idx I32,
 //                          <layer>.bias F16 (optional), plus any unquantized tensors passed through
 //   quantize_config.json   {"bits", "group_size" (-1 = per channel), "desc_act", "sym", "static_groups",
@@ -27,7 +27,7 @@ struct QuantizeConfig {
   bool true_sequential = true;
 };
 
-struct QuantizedCheckpoint {
+struct QuantizedModelFile {
   QuantizeConfig config;
   std::map<std::string, PackedLinear> layers;
   io::SafetensorsFile file;  // everything, including unquantized tensors (embeddings, norms, ...)
@@ -107,8 +107,8 @@ inline QuantizeConfig read_quantize_config(const std::filesystem::path& path) {
   return c;
 }
 
-inline QuantizedCheckpoint load_quantized(const std::filesystem::path& dir) {
-  QuantizedCheckpoint ck;
+inline QuantizedModelFile load_quantized(const std::filesystem::path& dir) {
+  QuantizedModelFile ck;
   ck.config = read_quantize_config(dir / "quantize_config.json");
   ck.file = io::SafetensorsFile::open(dir / "model.safetensors");
   const auto& cfg = ck.config;
@@ -117,12 +117,12 @@ inline QuantizedCheckpoint load_quantized(const std::filesystem::path& dir) {
     if (tname.size() <= suffix.size() || tname.compare(tname.size() - suffix.size(), suffix.size(), suffix) != 0) continue;
     const std::string name = tname.substr(0, tname.size() - suffix.size());
     auto need = [&](const std::string& part) {
-      check(ck.file.contains(name + part), "quantized checkpoint: layer '" + name + "' has a qweight but no '" + name + part + "'");
+      check(ck.file.contains(name + part), "quantized model file: layer '" + name + "' has a qweight but no '" + name + part + "'");
       return ck.file.info(name + part);
     };
     const auto qz = need(".qzeros"), sc = need(".scales"), gi = need(".g_idx");
     auto rank = [&](const io::TensorInfo& t, std::size_t r, const std::string& part) {
-      check(t.shape.size() == r, "quantized checkpoint: " + name + part + " must have rank " + std::to_string(r));
+      check(t.shape.size() == r, "quantized model file: " + name + part + " must have rank " + std::to_string(r));
     };
     rank(info, 2, ".qweight");
     rank(qz, 2, ".qzeros");
@@ -134,7 +134,7 @@ inline QuantizedCheckpoint load_quantized(const std::filesystem::path& dir) {
     p.in = gi.shape[0];
     p.out = info.shape[1];
     const auto mismatch = [&](const std::string& what) {
-      throw Error("quantized checkpoint: layer '" + name + "': " + what + " (quantize_config.json: bits " + std::to_string(cfg.bits) +
+      throw Error("quantized model file: layer '" + name + "': " + what + " (quantize_config.json: bits " + std::to_string(cfg.bits) +
                   ", group_size " + std::to_string(cfg.group_size > 0 ? cfg.group_size : -1) + ")");
     };
     if (p.in <= 0 || p.out <= 0) mismatch("empty layer");
@@ -153,7 +153,7 @@ inline QuantizedCheckpoint load_quantized(const std::filesystem::path& dir) {
     p.g_idx = ck.file.read<std::int32_t>(name + ".g_idx", io::DType::I32);
     if (ck.file.contains(name + ".bias")) {
       const auto& b = ck.file.info(name + ".bias");
-      check(b.shape.size() == 1 && b.shape[0] == p.out, "quantized checkpoint: " + name + ".bias must be [" + std::to_string(p.out) + "]");
+      check(b.shape.size() == 1 && b.shape[0] == p.out, "quantized model file: " + name + ".bias must be [" + std::to_string(p.out) + "]");
       p.bias = ck.file.read<half>(name + ".bias", io::DType::F16);
     }
     try {
@@ -163,7 +163,7 @@ inline QuantizedCheckpoint load_quantized(const std::filesystem::path& dir) {
     }
     ck.layers[name] = std::move(p);
   }
-  check(!ck.layers.empty(), "quantized checkpoint: " + (dir / "model.safetensors").string() + " holds no '*.qweight' tensors");
+  check(!ck.layers.empty(), "quantized model file: " + (dir / "model.safetensors").string() + " holds no '*.qweight' tensors");
   return ck;
 }
 

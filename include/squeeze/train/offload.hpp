@@ -49,6 +49,7 @@ namespace squeeze::train {
 struct Segment {
   int64_t begin = 0, len = 0;  // elements [begin, begin + len) of the partition
   int group = 0;               // index into the trainer's group settings
+  int64_t block = 0;           // 8-bit state: the segment's first absmax block (blocks start at each segment)
 };
 using GroupCoeffs = std::vector<kernels::AdamWCoeffs>;  // one set of AdamW coefficients per group
 

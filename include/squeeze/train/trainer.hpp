@@ -69,10 +69,10 @@
 //
 // Quantized<8, Blockwise8>: Adam's m and v are kept as uint8 codes with one fp32 absmax per 256 elements
 // (kernels/adamw8.hpp: Dettmers et al.'s block-wise dynamic quantization), 2 bytes + 8/256 per parameter
-// instead of 8; the update decodes, runs the same AdamW element, re-encodes. Blocks start at each partition's
-// first element and every tensor starts on a block, so stages and world sizes that cut partitions differently
-// group different elements under one absmax: the cross-stage bitwise guarantees below do not hold for it
-// (overlapped == in-order offload does).
+// instead of 8; the update decodes, runs the same AdamW element, re-encodes. Blocks start at the first element of
+// each partition's segment (below), so stages and world sizes that cut partitions differently group different
+// elements under one absmax: the cross-stage bitwise guarantees below do not hold for it (overlapped == in-order
+// offload does).
 //
 // Parameter groups (TrainerOptions::param_groups; by default no decay on norms, biases and embeddings): each
 // partition is cut into segments of one group (Segment), each updated with its group's coefficients.
@@ -516,9 +516,7 @@ class Trainer {
 
   int64_t align_elems() const {
     const int64_t es = int64_t(c10::elementSize(compute_dtype_));
-    const int64_t a = std::max<int64_t>(1, opt_.align_bytes / es);
-    // 8-bit state: every tensor starts on a state block, so parameter groups split partitions at whole blocks.
-    return k8bit ? std::lcm(a, int64_t(kernels::kStateBlock)) : a;
+    return std::max<int64_t>(1, opt_.align_bytes / es);
   }
   // [n] optimizer-state buffer: on the device, on the host, or (offload from a GPU) pinned host memory of exactly
   // n elements (train::pinned_empty: torch's caching host allocator would round each one up to a power of two).
@@ -541,8 +539,11 @@ class Trainer {
       // Zero codes with zero block scales are the zero state (absmax 0 decodes every code to 0).
       o.m = state_zeros(n, torch::kUInt8);
       o.v = state_zeros(n, torch::kUInt8);
-      o.m_absmax = state_zeros(kernels::state_blocks(n), torch::kFloat32);
-      o.v_absmax = state_zeros(kernels::state_blocks(n), torch::kFloat32);
+      // Blocks start at each segment's first element (one group's elements under one absmax).
+      int64_t blocks = 0;
+      for (const Segment& s : o.segments) blocks += kernels::state_blocks(s.len);
+      o.m_absmax = state_zeros(blocks, torch::kFloat32);
+      o.v_absmax = state_zeros(blocks, torch::kFloat32);
     } else {
       o.m = state_zeros(n, torch::kFloat32);
       o.v = state_zeros(n, torch::kFloat32);
@@ -562,15 +563,15 @@ class Trainer {
     rep_->flat.attach_grads();
     if (kFp32Accum) rep_->acc_full = torch::zeros({rep_->flat.padded()}, flat.options().dtype(torch::kFloat32));
     if constexpr (kStage == 0) {
+      set_segments(rep_->own, rep_->flat, 0, flat.numel());
       make_owned(rep_->own, flat, kFp32Accum ? rep_->acc_full : rep_->flat.grad());
       seed_master(rep_->own, rep_->flat, 0);
-      set_segments(rep_->own, rep_->flat, 0);
     } else {
       // The full gradient buffer is kept anyway: reduce-scatter in place into this rank's slice of it.
+      set_segments(rep_->own, rep_->flat, int64_t(rank_) * rep_->flat.shard(), rep_->flat.shard());
       make_owned(rep_->own, rep_->flat.shard_of(flat, rank_),
                  rep_->flat.shard_of(kFp32Accum ? rep_->acc_full : rep_->flat.grad(), rank_));
       seed_master(rep_->own, rep_->flat, int64_t(rank_) * rep_->flat.shard());
-      set_segments(rep_->own, rep_->flat, int64_t(rank_) * rep_->flat.shard());
     }
   }
 
@@ -620,9 +621,9 @@ class Trainer {
       b->flat = FlatParams(std::move(g), world_, align_elems());
       torch::Tensor flat = b->flat.flat();
       broadcast(flat);
+      set_segments(b->own, b->flat, int64_t(rank_) * b->flat.shard(), b->flat.shard());
       make_owned(b->own, b->flat.shard_of(flat, rank_), torch::zeros({b->flat.shard()}, flat.options().dtype(grad_dtype_)));
       seed_master(b->own, b->flat, int64_t(rank_) * b->flat.shard());
-      set_segments(b->own, b->flat, int64_t(rank_) * b->flat.shard());
       for (auto& e : b->flat.entries()) {
         e.param.mutable_grad().reset();
         torch::autograd::impl::set_post_acc_grad_hooks(e.param, std::make_unique<detail::BucketHook>(b.get(), &e, state_.get()));
@@ -653,9 +654,9 @@ class Trainer {
       }
     }
     auto own = std::make_unique<Partition>();
+    set_segments(*own, g->layout, int64_t(rank_) * g->layout.shard(), g->layout.shard());
     make_owned(*own, g->shard.detach(), g->grad_shard);
     seed_master(*own, g->layout, int64_t(rank_) * g->layout.shard());
-    set_segments(*own, g->layout, int64_t(rank_) * g->layout.shard());
     if (offload_) {
       Partition* p = own.get();
       OffloadPipeline* pipe = offload_.get();
@@ -784,8 +785,8 @@ class Trainer {
   }
   // The segments of a partition (elements [begin, begin + n) of layout's flat buffer) that share a group: each
   // entry's range runs to the next entry's offset, so alignment gaps (zeros, which no update changes) join it.
-  void set_segments(Partition& o, const FlatParams& layout, int64_t begin) {
-    const int64_t end = begin + o.param.numel();
+  void set_segments(Partition& o, const FlatParams& layout, int64_t begin, int64_t n) {
+    const int64_t end = begin + n;
     const auto& es = layout.entries();
     o.segments.clear();
     for (std::size_t i = 0; i < es.size(); ++i) {
@@ -796,6 +797,8 @@ class Trainer {
       if (!o.segments.empty() && o.segments.back().group == g) o.segments.back().len += hi - lo;
       else o.segments.push_back({lo - begin, hi - lo, g});
     }
+    for (std::size_t i = 1; i < o.segments.size(); ++i)  // 8-bit state: each segment's first absmax block
+      o.segments[i].block = o.segments[i - 1].block + kernels::state_blocks(o.segments[i - 1].len);
   }
 
   // The CPU AdamW of one offloaded partition: fp32 master, m, v and the host gradient copy. When the
@@ -887,7 +890,7 @@ class Trainer {
       const int64_t o = s.begin, n = s.len;
       float* mo = master ? master + o : nullptr;
       if constexpr (k8bit) {
-        const int64_t b = o / kernels::kStateBlock;
+        const int64_t b = s.block;
         const kernels::AdamW8Tensor<P, G> t{param + o, mo, grad + o, p.m.data_ptr<std::uint8_t>() + o, p.m_absmax.data_ptr<float>() + b,
                                             p.v.data_ptr<std::uint8_t>() + o, p.v_absmax.data_ptr<float>() + b, n};
         kernels::adamw8_cpu(t, cs[std::size_t(s.group)], d);
@@ -913,7 +916,7 @@ class Trainer {
       // Device buffers from a host-compiled TU: the same math in torch ops (an nvcc TU could launch
       // kernels/adamw.cuh instead).
       // Elementwise, so chunking changes no bit; it bounds the temporaries to one chunk. 8-bit: segments start on
-      // a state block and kDeviceChunk is a multiple of one, so each chunk's blocks are its own.
+      // a state block of their own and kDeviceChunk is a multiple of one, so each chunk's blocks are its own.
       torch::NoGradGuard ng;
       for (const Segment& seg : o.segments)
       for (int64_t off = seg.begin; off < seg.begin + seg.len; off += detail::kDeviceChunk) {
@@ -924,7 +927,7 @@ class Trainer {
         torch::Tensor w = part(kMaster ? o.master : o.param);
         if constexpr (k8bit) {
           auto blocks = [&](const torch::Tensor& t) {
-            return t.narrow(0, off / kernels::kStateBlock, kernels::state_blocks(len));
+            return t.narrow(0, seg.block + (off - seg.begin) / kernels::kStateBlock, kernels::state_blocks(len));
           };
           if (!maps_.m.value.defined()) maps_ = detail::state_maps(device_);
           detail::adamw8_torch_ops(w, g, part(o.m), blocks(o.m_absmax), part(o.v), blocks(o.v_absmax), maps_, c);
