@@ -181,18 +181,17 @@ inline double evaluate_loss(Llama& model, const std::vector<std::pair<torch::Ten
 }
 
 // ---- checkpoints (every trainer) -----------------------------------------------------------------------
-// A torch archive: format tag, the trainer kind ("local", "zero", "lora": each has its own state), the
-// strategy and geometry it was written under, then the trainer's named tensors and scalars. Written to
+// A torch archive: format tag, the strategy and geometry it was written under, then the trainer's named tensors
+// and scalars. Written to
 // FILE.tmp and renamed, so a failed save never replaces a good checkpoint.
-inline constexpr const char* kCheckpointFormat = "squeeze-llama-checkpoint-2";
+inline constexpr const char* kCheckpointFormat = "squeeze-llama-checkpoint-3";
 
 inline std::vector<int64_t> geometry_of(const LlamaConfig& c) { return {c.vocab, c.hidden, c.layers, c.heads, c.kv_heads, c.ffn}; }
 
 class CheckpointWriter {
  public:
-  CheckpointWriter(const LlamaConfig& c, std::string_view strategy, std::string_view kind) {
+  CheckpointWriter(const LlamaConfig& c, std::string_view strategy) {
     archive_.write("format", c10::IValue(std::string(kCheckpointFormat)));
-    archive_.write("kind", c10::IValue(std::string(kind)));
     archive_.write("strategy", c10::IValue(std::string(strategy)));
     archive_.write("preset", c10::IValue(c.name));
     archive_.write("geometry", c10::IValue(geometry_of(c)));
@@ -200,6 +199,7 @@ class CheckpointWriter {
   void tensor(const std::string& key, const torch::Tensor& t) { archive_.write(key, t.detach().to(torch::kCPU).clone()); }
   void scalar(const std::string& key, int64_t v) { archive_.write(key, c10::IValue(v)); }
   void scalar(const std::string& key, double v) { archive_.write(key, c10::IValue(v)); }
+  void string(const std::string& key, const std::string& v) { archive_.write(key, c10::IValue(v)); }
   void archive(const std::string& key, torch::serialize::OutputArchive& a) { archive_.write(key, a); }
   void save(const std::string& path) {
     const std::string tmp = path + ".tmp";
@@ -219,11 +219,11 @@ class CheckpointWriter {
   torch::serialize::OutputArchive archive_;
 };
 
-// Opens and checks a checkpoint (format, kind, geometry); the trainer then reads everything it needs and
+// Opens and checks a checkpoint (format, geometry); the trainer then reads everything it needs and
 // checks it before changing anything.
 class CheckpointReader {
  public:
-  CheckpointReader(const std::string& path, const LlamaConfig& c, std::string_view kind) : path_(path) {
+  CheckpointReader(const std::string& path, const LlamaConfig& c) : path_(path) {
     TORCH_CHECK(std::filesystem::exists(path), "checkpoint '", path, "' does not exist");
     try {
       archive_.load_from(path);
@@ -234,9 +234,6 @@ class CheckpointReader {
     c10::IValue v;
     TORCH_CHECK(archive_.try_read("format", v) && v.isString() && v.toStringRef() == kCheckpointFormat, "'", path,
                 "' is not a squeeze LLaMA checkpoint (format tag missing or of another version)");
-    const std::string got_kind = string("kind"), strategy = string("strategy");
-    TORCH_CHECK(got_kind == kind, "checkpoint '", path, "' was written by strategy '", strategy, "' (", got_kind,
-                " trainer); this strategy uses the ", std::string(kind), " trainer: load it with a strategy of the same kind");
     const std::vector<int64_t> want = geometry_of(c);
     TORCH_CHECK(archive_.try_read("geometry", v) && v.isIntList(), "checkpoint '", path, "' has no geometry");
     const std::vector<int64_t> got = v.toIntVector();
@@ -347,12 +344,13 @@ class Trainer {
   // model's). A checkpoint loads into the same strategy at the same world size.
   void save(const std::string& path, std::string_view strategy_name) {
     comm::Communicator& c = trainer_->communicator();
-    CheckpointWriter w(model_->config, strategy_name, "squeeze");
+    CheckpointWriter w(model_->config, strategy_name);
     w.scalar("world", int64_t(c.size()));
     w.scalar("rank", int64_t(c.rank()));
     w.scalar("step", trainer_->steps_applied());
     w.scalar("loss_scale", double(trainer_->scale()));
     w.scalar("good_steps", int64_t(trainer_->loss_scaler().state().growth_tracker));
+    w.string("layout", layout());
     for (const auto& [name, t] : trainer_->full_parameters()) w.tensor("weights/" + name, t.to(torch::kFloat32));
     for (const auto& [name, t] : frozen()) w.tensor("base/" + name, t);
     const auto state = trainer_->optimizer_state();
@@ -364,9 +362,12 @@ class Trainer {
 
   void load(const std::string& path) {
     comm::Communicator& c = trainer_->communicator();
-    CheckpointReader r(rank_path(path), model_->config, "squeeze");
+    CheckpointReader r(rank_path(path), model_->config);
     TORCH_CHECK(r.integer("world") == c.size() && r.integer("rank") == c.rank(), "checkpoint '", rank_path(path), "' is rank ",
                 r.integer("rank"), " of ", r.integer("world"), "; this trainer is rank ", c.rank(), " of ", c.size());
+    const std::string theirs = r.string("layout"), mine = layout();
+    TORCH_CHECK(theirs == mine, "checkpoint '", rank_path(path), "' was written by strategy '", r.string("strategy"), "' (", theirs,
+                "); this strategy keeps ", mine, ": load it with the strategy it was written by");
     std::map<std::string, torch::Tensor> weights;
     for (const auto& [name, shape] : shapes_) weights[name] = r.tensor("weights/" + name, shape);
     for (const auto& [name, mine] : frozen())
@@ -411,6 +412,13 @@ class Trainer {
   }
 
  private:
+  // What the optimizer state looks like: a checkpoint loads only into a trainer that keeps the same.
+  std::string layout() {
+    std::string s = std::string(S::has_lora ? "adapters" : "weights") + ", " + (S::state_bits == 8 ? "8-bit" : "fp32") + " moments, " +
+                    (S::has_master_copy && !S::has_lora ? "fp32 masters" : "no masters") + ", partitions";
+    for (const auto& [layout, begin] : trainer_->partition_layouts()) s += " " + std::to_string(layout->shard());
+    return s;
+  }
   // The frozen tensors (a LoRA strategy's base: parameters that take no gradient and every buffer), by name.
   std::vector<std::pair<std::string, torch::Tensor>> frozen() {
     std::vector<std::pair<std::string, torch::Tensor>> out;
@@ -432,6 +440,17 @@ class Trainer {
   std::vector<std::pair<std::string, std::vector<int64_t>>> shapes_;
   std::optional<train::Trainer<S, squeeze::AdamW>> trainer_;
 };
+
+// The float weights of a checkpoint written by Trainer<S>::save for any strategy that trains full weights, as a new
+// model on `device` (geometry checked against `config`): what llama_gptq quantizes.
+inline Llama load_weights(const std::string& path, LlamaConfig config, torch::Device device) {
+  CheckpointReader r(path, config);
+  Llama model(std::move(config));
+  torch::NoGradGuard no_grad;
+  for (auto& p : model->named_parameters()) p.value().copy_(r.tensor("weights/" + p.key(), p.value().sizes()));
+  model->to(device);
+  return model;
+}
 
 // The planner for S with B sequences of T tokens per optimizer step on one rank, and the example's trainer
 // (whether it frees its gradients between steps or keeps flat buffers) with the model's loss chunk

@@ -175,11 +175,9 @@ void train_and_save(const Options& o, const torch::Tensor& train_ids, torch::Dev
   bar.message("trained " + std::to_string(o.train_steps) + " steps (" + o.strategy + "), checkpoint " + path);
 }
 
-// The float weights of a llama_train checkpoint (any local strategy; geometry checked against --preset).
+// The float weights of a llama_train checkpoint (any strategy that trains full weights; geometry checked against --preset).
 nn::Llama load_float(const Options& o, const std::string& path, torch::Device device) {
-  llama::Trainer<Strategy<>> t(nn::LlamaConfig::preset(o.preset), {}, device);
-  t.load(path);
-  return t.model();
+  return llama::load_weights(path, nn::LlamaConfig::preset(o.preset), device);
 }
 
 nn::Llama copy_model(nn::Llama& src, torch::Device device, torch::ScalarType dtype) {
@@ -282,9 +280,9 @@ int run(Options& o) {
     ckpt = o.train_save.empty() ? (std::filesystem::temp_directory_path() / ("llama_gptq-" + std::to_string(getpid()) + ".pt")).string() : o.train_save;
     if (const auto parent = std::filesystem::path(ckpt).parent_path(); !parent.empty()) std::filesystem::create_directories(parent);
     llama::with_strategy(o.strategy, [&]<StrategyType S>() {
-      // only the strategies whose checkpoints hold the float weights (the local trainer's)
-      if constexpr (S::stage == 0 && !S::offload_to_host && !S::has_lora) train_and_save<S>(o, train_ids, device, ckpt, bar);
-      else throw std::runtime_error("--strategy " + o.strategy + ": its trainer writes no checkpoints yet; train with fp32, bf16, fp16, accum4 or a ckpt variant");
+      // the strategies that train full weights (a LoRA checkpoint holds adapters only)
+      if constexpr (!S::has_lora) train_and_save<S>(o, train_ids, device, ckpt, bar);
+      else throw std::runtime_error("--strategy " + o.strategy + ": LoRA trains adapters, not the weights GPTQ quantizes; pick a full-weight strategy");
     });
   }
   nn::Llama dense = load_float(o, ckpt, device);
