@@ -283,21 +283,24 @@ template <StrategyType S>
 class Trainer {
  public:
   static constexpr int micro_batches = S::accumulation_steps;
-  static constexpr bool frees_gradients = false;  // flat gradient buffers (plan::TrainShape::free_grads)
+  // Stages 0-1 release their flat gradient buffers between steps (TrainerOptions::free_gradients), stages 2-3 keep
+  // their shards: plan::TrainShape::free_grads.
+  static constexpr bool frees_gradients = S::stage <= 1;
 
   Trainer(LlamaConfig config, TrainOptions options, torch::Device device, comm::CommPtr comm = nullptr)
       : Trainer(Llama(std::move(config)), options, device, std::move(comm)) {}
   // A model built by the caller (e.g. one per rank, built in order so every rank starts alike). Each rank
   // of `comm` constructs its Trainer at the same time (the constructor broadcasts rank 0's weights).
   Trainer(Llama model, TrainOptions options, torch::Device device, comm::CommPtr comm) : model_(std::move(model)) {
-    model_->to(device);
     model_->loss_chunk_tokens = options.loss_chunk_tokens;
     model_->train();
     squeeze::AdamW adamw{.lr = float(options.lr), .beta1 = float(options.beta1), .beta2 = float(options.beta2), .eps = float(options.eps),
                          .weight_decay = float(S::has_lora ? 0.0 : options.weight_decay), .max_grad_norm = float(std::max(0.0, options.clip))};
     adamw.loss_scale.init_scale = float(options.initial_scale);
     adamw.loss_scale.growth_interval = int(options.scale_growth_interval);
-    trainer_.emplace(make_trainer<S>(model_, adamw, comm ? std::move(comm) : comm::LocalComm::single()));
+    // The model is built on the host in float; the trainer converts it on its way to `device`, so the device never
+    // holds the float copy (the masters start from the float values kept on the host).
+    trainer_.emplace(make_trainer<S>(model_, adamw, comm ? std::move(comm) : comm::LocalComm::single(), {.device = device}));
     for (const auto& [layout, begin] : trainer_->partition_layouts())
       for (const auto& e : layout->entries()) shapes_.emplace_back(e.name, e.shape);
   }

@@ -39,10 +39,12 @@ struct Hyper {  // the AdamW hyper-parameters (optim::AdamW has the same fields)
 
 // The ZeRO tests' trainer: their models keep a few plain parameters on the root module (kept whole under Stage 3:
 // replicate "*") and their float64 reference decays every parameter as torch::optim::AdamW does.
+// One way to train: make_trainer with those options spelled out.
 template <StrategyType S, class M, class O>
 auto zero_trainer(M& model, O hyper, comm::CommPtr comm, train::TrainerOptions opt = {}) {
   opt.replicate.push_back("*");
   opt.decay_norms_biases_embeddings = true;
+  opt.free_gradients = false;  // the accounting tests read the stage 0/1 gradient buffers after training
   return make_trainer<S>(model, hyper, std::move(comm), std::move(opt));
 }
 

@@ -12,6 +12,7 @@
 #include <torch/torch.h>
 
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -25,7 +26,8 @@
 namespace squeeze::train {
 
 struct AdoptOptions {
-  std::vector<std::string> replicate;  // TrainerOptions::replicate
+  std::vector<std::string> replicate;   // TrainerOptions::replicate
+  std::optional<torch::Device> device;  // TrainerOptions::device
 };
 
 struct AdoptedModel {
@@ -95,7 +97,9 @@ AdoptedModel adopt_model(torch::nn::Module& model, const AdoptOptions& o) {
       if (!S::has_lora && p.value().requires_grad()) out.float_values[p.key()] = p.value().detach();
     }
   }
-  if (convert) model.to(compute);
+  // One conversion, straight onto the training device when one is given: the float storage stays where it was.
+  if (o.device) model.to(*o.device, compute);
+  else if (convert) model.to(compute);
 
   // 4. LoRA
   if constexpr (S::has_lora) {

@@ -83,6 +83,11 @@ class FlatParams {
   void zero_grad() {
     if (grad_.defined()) grad_.zero_();
   }
+  // Frees the gradient buffer: the parameters' .grad become undefined until attach_grads() again.
+  void release_grads() {
+    for (auto& e : entries_) e.param.mutable_grad().reset();
+    grad_ = torch::Tensor();
+  }
 
   // Rank r's slice of a flat buffer: [shard].
   torch::Tensor shard_of(const torch::Tensor& flat, int rank) const { return flat.narrow(0, int64_t(rank) * shard_, shard_); }

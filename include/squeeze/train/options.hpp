@@ -42,6 +42,13 @@ struct TrainerOptions {
   // last component: "norm" matches "norm" and "blocks.3.norm"; "*" matches all) are accepted and kept whole on every
   // rank (frozen under LoRA), counted in memory(). Meant for small layers such as norms.
   std::vector<std::string> replicate{};
+  // Where the model trains. A model built on the host (in float) is converted to the compute type on its way there,
+  // so the device never holds the float copy (its values stay on the host for the masters). Empty: where it is.
+  std::optional<torch::Device> device{};
+  // Stages 0-1: the full gradient buffers exist only from backward to the update (as torch's
+  // zero_grad(set_to_none)), so forward's activations and the gradients never peak together; memory() then counts
+  // them only while they exist. false: kept allocated between steps.
+  bool free_gradients = true;
   // Parameter groups, first match wins. Parameters that match none: AdamW's lr and weight decay, except that norms,
   // biases (every parameter of one dimension) and embeddings get no weight decay unless decay_norms_biases_embeddings.
   std::vector<ParamGroup> param_groups{};

@@ -156,7 +156,7 @@ class Trainer {
 
     // The module as built (float, or already in the compute type) becomes what S trains: layers adopted,
     // parameters converted; the float values seed the masters (train/adopt.hpp).
-    adopted_ = adopt_model<S>(*module_, AdoptOptions{opt_.replicate});
+    adopted_ = adopt_model<S>(*module_, AdoptOptions{opt_.replicate, opt_.device});
     if (!opt_.master_init && !adopted_.float_values.empty()) {
       opt_.master_init = [this](const std::string& name) {
         auto it = adopted_.float_values.find(name);
@@ -332,6 +332,7 @@ class Trainer {
                 loss.defined() ? loss.sizes() : torch::IntArrayRef{});
     TORCH_CHECK(loss.requires_grad(), "Trainer::step: the loss does not require grad (computed under NoGradGuard?)");
     if (runtime_) runtime_->set_phase(Stage3Runtime::Phase::backward);
+    if (rep_) attach_replicated_grads();  // after forward: activations and gradients do not peak together
     (loss * (double(r.scale) * weight)).backward();
     r.loss = loss.detach().to(torch::kFloat32).item<float>();  // read after backward: no host stall between them
     if (runtime_) {
@@ -560,8 +561,7 @@ class Trainer {
     rep_->flat = FlatParams(std::move(params), world_, align_elems());
     torch::Tensor flat = rep_->flat.flat();
     broadcast(flat);
-    rep_->flat.attach_grads();
-    if (kFp32Accum) rep_->acc_full = torch::zeros({rep_->flat.padded()}, flat.options().dtype(torch::kFloat32));
+    attach_replicated_grads();
     if constexpr (kStage == 0) {
       set_segments(rep_->own, rep_->flat, 0, flat.numel());
       make_owned(rep_->own, flat, kFp32Accum ? rep_->acc_full : rep_->flat.grad());
@@ -573,6 +573,24 @@ class Trainer {
                  rep_->flat.shard_of(kFp32Accum ? rep_->acc_full : rep_->flat.grad(), rank_));
       seed_master(rep_->own, rep_->flat, int64_t(rank_) * rep_->flat.shard());
     }
+  }
+
+  // Stages 0-1: the full gradient buffer (and the fp32 accumulator with mixed-precision accumulation), attached as
+  // the parameters' .grad; the partition's gradient is (this rank's slice of) the one the update reads.
+  void attach_replicated_grads() {
+    auto& flat = rep_->flat;
+    if (!flat.grad().defined()) flat.attach_grads();
+    if (kFp32Accum && !rep_->acc_full.defined())
+      rep_->acc_full = torch::zeros({flat.padded()}, flat.options().dtype(torch::kFloat32));
+    const torch::Tensor& g = kFp32Accum ? rep_->acc_full : flat.grad();
+    rep_->own.grad = kStage == 0 ? g : flat.shard_of(g, rank_);
+  }
+  // TrainerOptions::free_gradients: released after the update (and each micro-batch's compute-type gradient once
+  // added into the fp32 accumulator), attached again before the next backward.
+  void release_replicated_grads(bool window_done) {
+    if (!opt_.free_gradients || !rep_) return;
+    if (kFp32Accum || window_done) rep_->flat.release_grads();
+    if (window_done) rep_->acc_full = torch::Tensor(), rep_->own.grad = torch::Tensor();
   }
 
   // opt_.master_init: the fp32 master of partition o (elements [begin, begin + o.master.numel()) of layout's
@@ -703,6 +721,7 @@ class Trainer {
       if (kFp32Accum) {
         rep_->acc_full.add_(flat.grad());
         flat.zero_grad();
+        if (!boundary) release_replicated_grads(false);
       }
       if (boundary) {
         const torch::Tensor src = kFp32Accum ? rep_->acc_full : flat.grad();
@@ -878,7 +897,9 @@ class Trainer {
       if (rep_->acc_full.defined()) rep_->acc_full.zero_();
     }
     if constexpr (!kOffload)  // offloaded gradient shards were zeroed right after their host copy
-      for (Partition* o : partitions()) o->grad.zero_();
+      for (Partition* o : partitions())
+        if (o->grad.defined()) o->grad.zero_();
+    release_replicated_grads(true);
   }
 
   // The CPU AdamW on one partition's host state (fp32 or 8-bit moments): param [n] (P), master [n] or null, grad [n],
