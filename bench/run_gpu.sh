@@ -26,7 +26,7 @@ TORCH_PREFIX=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
 want=("$@")
 
 t0=$(date +%s)
-# 90a: Hopper's arch-specific features (wgmma, used by kernels/quant/qgemm_sm90.cuh); such code runs on sm_90 only.
+# 90a: Hopper's arch-specific features (wgmma, used by kernels/quant/gemm/sm90.cuh); such code runs on sm_90 only.
 cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" \
   -DSQUEEZE_TORCH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHS:-90a} >"$OUT/configure.log" 2>&1 || { tail -40 "$OUT/configure.log"; exit 1; }
 # Keep going past a failing target (-k 0): everything else still builds, tests and benchmarks.

@@ -1,9 +1,9 @@
 // GPTQ dequantize benchmark (GPU, no libtorch): W [N, K] from a packed GPTQ layer (qweight / qzeros / scales / g_idx),
 // the kernel QuantizedLinear runs for its large-batch forward and for every backward (dX = dY W, LoRA on a GPTQ base).
-// For each (K, N) of issue 6, in the same run, cold L2, median of --reps:
-//   dequant      kq::dequantize_cuda (tiled: qgemm-independent, kernels/.../dequant.cuh) at 4 bits into bf16, fp16 and
+// For each of the four LLaMA (K, N), in the same run, cold L2, median of --reps:
+//   dequant      kq::dequantize_cuda (tiled, kernels/quant/dequant.cuh) at 4 bits into bf16, fp16 and
 //                float, with act-order g_idx (4 bits, bf16), and at 2 / 3 / 8 bits into bf16
-//   elementwise  the per-element kernel dequantize_cuda was until session 17 (one thread per W element), the peer;
+//   elementwise  the per-element kernel dequantize_cuda replaced (one thread per W element), the peer;
 //                every output is compared with it byte for byte ("BAD" otherwise)
 //   roofline     (qweight + qzeros + scales + g_idx + W bytes) / time over a device-to-device copy's bandwidth
 //                measured in the same run
@@ -35,8 +35,7 @@
 
 #include <squeeze/error.hpp>
 #include <squeeze/kernels/quant/dequant.cuh>
-#include <squeeze/kernels/quant/qgemm.cuh>
-#include <squeeze/kernels/quant/qgemm_sm90.cuh>
+#include <squeeze/kernels/quant/gemm.cuh>
 
 #include "gemm_timing.cuh"
 
@@ -54,7 +53,7 @@ void cublas_check(cublasStatus_t s, const char* what) {
   if (s != CUBLAS_STATUS_SUCCESS) throw std::runtime_error(std::string("cuBLAS: ") + what + " failed (status " + std::to_string(int(s)) + ")");
 }
 
-// The per-element dequantize of sessions 1-17, kept here as the peer: one thread per W element, qweight read
+// The per-element dequantize the tiled kernel replaced, kept here as the peer: one thread per W element, qweight read
 // across its rows.
 template <class T>
 __global__ void elementwise_dequantize_kernel(kq::GptqView v, T* __restrict__ w) {
@@ -215,7 +214,7 @@ int main(int argc, char** argv) {
       std::ostringstream j;
       j << "{\"bench\": \"dequant\", \"case\": \"" << cs << "\", \"bits\": " << var.bits << ", \"out_type\": \"" << type_name(var.type_bytes, var.bf)
         << "\", \"act_order\": " << (var.act_order ? "true" : "false") << ", \"time_ms\": " << t
-        << ", \"peer\": \"elementwise_dequantize (session 17)\", \"peer_time_ms\": " << t_peer << ", \"ratio_vs_peer\": " << t_peer / t
+        << ", \"peer\": \"elementwise_dequantize\", \"peer_time_ms\": " << t_peer << ", \"ratio_vs_peer\": " << t_peer / t
         << ", \"bytes\": " << bytes << ", \"roofline_fraction\": " << roof << ", \"same_bytes_as_peer\": " << (same ? "true" : "false") << common();
       emit(j.str());
     }

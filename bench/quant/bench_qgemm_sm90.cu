@@ -1,13 +1,15 @@
 // 4-bit GEMM benchmark without libtorch: one translation unit that builds in well under a minute, for kernel work
 // on the GPU machine (bench_quant_gemm, with libtorch and every mma.sync variant, takes minutes to build).
-// For each (K, N) of issue 6 and batch M it times, in the same run, cold L2, median of --reps:
+// For each of the four LLaMA (K, N) and batch M it times, in the same run, cold L2, median of --reps:
 //   ours     the library's dispatch (kq::quant_gemm_cuda: wgmma for 4-bit layers on sm_90a, see quant_gemm_uses_sm90)
 //   mma      qgemm_cuda (the mma.sync kernel) at every M
-//   wg_*     every configuration of kq::detail::Sm90TuningCfgs (wgmma; mma_*: mma.sync consumers, SYNC) at K splits {its plan, 1, 2, 3, 4, 6, 8, 12, 16} (--splits), each
-//            K-split count reduced each way (in a cluster up to 8; through global memory summed by every block of a
-//            tile where the grid fits the GPU, "spread", and by the tile's last block, "global")
+//   wg_*     every configuration of Sm90TuningCfgs (gemm_configs.cuh; wgmma, mma_*: mma.sync consumers) at K splits
+//            {its plan, 1, 2, 3, 4, 6, 8, 12, 16} (--splits), each K-split count reduced each way (in a cluster up to 8;
+//            through global memory summed by every block of a tile where the grid fits the GPU, "spread", and by the
+//            tile's last block, "global")
+//   extra    (--extra) Sm90ExtraCfgs, timed the same way (not checked by the GPU tests)
 //   sv_*     (--streaming) every configuration of the streaming kernel (qgemv.cuh, M <= 16) with its own plan
-//   probes   (--probes) kq::detail::Sm90ProbeCfgs at their own plans: the dispatched forms without their decode
+//   probes   (--probes) Sm90ProbeCfgs at their own plans: the dispatched forms without their decode
 //            (_probe1) or without any consumer work (_probe2), i.e. what the copies alone cost; results not checked
 //   cuBLAS   bf16 GEMM (cublasGemmEx, W [N, K] bf16 as nn.Linear stores it), the peer
 // Weights are random codes, scales and zero points (group 128): only time is measured here; the GPU tests check
@@ -20,7 +22,7 @@
 // same way): what merely reading those bytes costs at this size. The "bound" column, cuBLAS's time over the tiles' read
 // bound, is the ratio against cuBLAS no kernel that reads the tiles from DRAM can pass.
 // Usage: bench_qgemm_sm90 [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m LIST] [--shapes KxN,...] [--splits LIST] [--taper LIST] [--cfg NAME-SUBSTRING]
-//                         [--l2-flush clean|dirty] [--probes] [--streaming] [--trial] [--timeline]
+//                         [--l2-flush clean|dirty] [--probes] [--streaming] [--extra] [--timeline]
 //   (--cfg: only the wgmma configurations whose names contain it (or one of a comma-separated list), and not the
 //    dispatch: for a profiler; --splits: the K split counts swept, besides the plan's own (default 1,2,3,4,6,8,12,16);
 //    --taper: each plan through global memory of more than one wave also with its last K ranges shorter, these ratios
@@ -44,14 +46,15 @@
 #include <cuda_runtime.h>
 
 #include <squeeze/error.hpp>
-#include <squeeze/kernels/quant/qgemm.cuh>
-#include <squeeze/kernels/quant/qgemm_sm90.cuh>
+#include <squeeze/kernels/quant/gemm.cuh>
 #include <squeeze/kernels/quant/qgemv.cuh>
 
+#include "gemm_configs.cuh"
 #include "gemm_timing.cuh"
 #include "read_bound.cuh"
 
 namespace kq = squeeze::kernels::quant;
+namespace bg = squeeze::bench::gemm;
 using squeeze::bf16;
 using squeeze::half;
 using squeeze::bench::time_ms;
@@ -158,7 +161,7 @@ std::string reduce_name(const kq::Sm90Plan& plan) { return plan.splits == 1 ? ""
 
 // Per configuration: blocks the GPU holds at once (the cluster kernels, the global ones), and clusters of 1..8 blocks (sm90_capacity).
 template <class... Cs>
-void print_capacities(kq::detail::CfgList<Cs...>, int sm) {
+void print_capacities(bg::CfgList<Cs...>, int sm) {
   auto one = [&](auto c) {
     using C = decltype(c);
     const kq::Sm90Capacity cap = kq::detail::sm90_capacity<C>(sm);
@@ -172,7 +175,7 @@ void print_capacities(kq::detail::CfgList<Cs...>, int sm) {
 // Every wgmma configuration of the list whose name contains one of only_cfgs (all when empty), at each distinct (K
 // split count, reduction).
 template <class... Cs>
-void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16* y, std::size_t ny,
+void time_cfgs(bg::CfgList<Cs...>, const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16* y, std::size_t ny,
                const std::vector<bf16>& ref, int sm, int reps, const std::vector<std::string>& only_cfgs, const std::vector<int>& split_counts,
                const std::vector<double>& tapers, std::vector<Timed>& out) {
   auto one = [&](auto c) {
@@ -212,22 +215,6 @@ void time_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape&
   (one(Cs{}), ...);
 }
 
-// --trial: configurations under trial, not in the tuning list (the GPU tests do not check them; each result is still
-// compared with the mma.sync kernel's): 32-row slices at three blocks per SM with one m64 tile per warpgroup.
-// (Session 13 tried 16-row slices of 128-feature strips, wg_b16m1s8x2w: twice the strips of the dispatched
-// wg_b16m2s8x2w, so more SMs busy on the 4096-wide layers, where its 16 strips x 6 K ranges take 96 of the H200's 132.
-// 1.05-1.45x the time of the best configuration at M 9 / 16 on every shape, gemm4_probe-session13-run7.)
-// (Session 12 tried the 16-row forms wg_b16m1s8x3w and wg_b16m1s6x4w too: slower than wg_b16m2s8x2w on 8192 x 28672
-// at M 9 / 16, 1.09-1.24x, gemm4_probe-session12-run7; wg_b32m2s4x3w ran M 24 / 32 there 3% / 2% faster than
-// wg_b32m2s6x2w, run 9, and is dispatched since session 13 as Sm90NarrowLarge.)
-// (Session 16 tried 16-row slices with four consumer warpgroups of one m64 tile each, wg_b16m1s8wg4 and its GSCALE
-// form: the 256-feature strip of wg_b16m2s8x2w with twice the warps, each decoding half as much per chunk, for plans
-// of at most one block per SM. Slower at its best K splits on every shape at M 1 / 8 / 16: 4096 x 4096 0.0123-0.0135 ms
-// against wg_b16m2s8x2w's 0.0110-0.0125, 1.3x on the 4096-wide layers, 1.6x on 8192 x 28672; gemm4_probe-session16-run4.)
-// Session 17: mma.sync consumers (SYNC, names mma_*) in 16-row slices (the 8-row ones are in the tuning list):
-// mma_b16m2s5x3wf ran M 9 / 12 / 16 within -5..+4% of the best wgmma form (gemm4_probe-session17-run2, -run5;
-// not dispatched); at four blocks per SM (mma_b16m2s4x4w, mma_b16m1s6x4w[f], 8-24 bytes of spills) 1-19% slower (run 5).
-using Sm90TrialCfgs = kq::detail::CfgList<kq::Sm90Cfg<32, 1, 6, 3, false, true>, kq::Sm90Cfg<16, 2, 5, 3, false, true, 2, true, true>>;
 
 // A number for JSON: null when not finite (a probe's garbage result can make the error inf or nan).
 std::string json_num(double v) {
@@ -237,10 +224,10 @@ std::string json_num(double v) {
   return o.str();
 }
 
-// Each measuring variant (kq::detail::Sm90ProbeCfgs: wrong results by design, so timed without the check) at its
+// Each measuring variant (Sm90ProbeCfgs: wrong results by design, so timed without the check) at its
 // base configuration's own plan.
 template <class... Cs>
-void time_probe_cfgs(kq::detail::CfgList<Cs...>, const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16* y, std::size_t ny,
+void time_probe_cfgs(bg::CfgList<Cs...>, const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16* y, std::size_t ny,
                      const std::vector<bf16>& ref, int sm, int reps, std::vector<Timed>& out) {
   auto one = [&](auto c) {
     using C = decltype(c);
@@ -274,7 +261,7 @@ void time_qgemv_cfgs(kq::detail::QGemvCfgList<Cs...>, const Layer& L, const kq::
   (one(Cs{}), ...);
 }
 
-// --timeline: where the dispatched wgmma configuration's time goes. Its Sm90Probe 3 twin (the same work, plus per
+// --timeline: where the dispatched wgmma configuration's time goes. Its Sm90Probe<C, 3> twin (the same work, plus per
 // block the clocks of kq::detail::kSm90TraceSlots points) runs `reps` times, each after an L2 flush and a one-thread
 // kernel that notes the global timer; the repetition with the median span is reported: the wait from that note to
 // the first block's start (launch), the spread of block starts (skew), first start to last end (span), and per block
@@ -295,7 +282,7 @@ struct Timeline {
 };
 template <class C>
 Timeline trace_cfg(const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16* y, int sm, int reps) {
-  using P = kq::Sm90Probe<C, 3>;
+  using P = bg::Sm90Probe<C, 3>;
   constexpr int S = kq::detail::kSm90TraceSlots;
   namespace T = kq::detail::sm90_trace_slot;
   const auto plan = kq::plan_qgemm_sm90<C>(s, kq::detail::sm90_capacity<C>(sm));
@@ -386,11 +373,11 @@ Timeline trace_cfg(const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16*
 int main(int argc, char** argv) {
   std::string out_path, only;
   std::vector<std::string> only_cfgs;  // --cfg: name substrings
-  bool probes = false, streaming = false, trial = false, timeline = false;
+  bool probes = false, streaming = false, extra = false, timeline = false;
   std::vector<std::int64_t> batches = {1, 16, 33, 64, 128};
   std::vector<int> split_counts = {0, 1, 2, 3, 4, 6, 8, 12, 16};  // 0: the plan's own; 3 and 6: clusters that fill a GPC less evenly
   std::vector<double> tapers;  // --taper: tail-to-lead K range length ratios (sm90_taper_ratio)
-  // issue 6's (K, N); --shapes replaces them (e.g. 8192x33792: 132 strips of 256 features, one per SM)
+  // the LLaMA-7B / 70B (K, N); --shapes replaces them (e.g. 8192x33792: 132 strips of 256 features, one per SM)
   std::vector<std::pair<std::int64_t, std::int64_t>> shapes = {{4096, 4096}, {4096, 11008}, {11008, 4096}, {8192, 28672}};
   int reps = 30;
   for (int i = 1; i < argc; ++i) {
@@ -414,7 +401,7 @@ int main(int argc, char** argv) {
         tapers.push_back(r);
       }
     } else if (a == "--probes") probes = true;
-    else if (a == "--trial") trial = true;
+    else if (a == "--extra") extra = true;
     else if (a == "--timeline") timeline = true;
     else if (a == "--streaming") streaming = true;
     else if (a == "--l2-flush" && i + 1 < argc) {
@@ -438,7 +425,7 @@ int main(int argc, char** argv) {
         return 2;
       }
     } else {
-      std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m 1,16,...] [--shapes KxN,...] [--splits 1,2,...] [--taper 0.5,...] [--cfg NAME-SUBSTRING] [--l2-flush clean|dirty] [--probes] [--streaming] [--trial] [--timeline]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m 1,16,...] [--shapes KxN,...] [--splits 1,2,...] [--taper 0.5,...] [--cfg NAME-SUBSTRING] [--l2-flush clean|dirty] [--probes] [--streaming] [--extra] [--timeline]\n", argv[0]);
       return 2;
     }
   }
@@ -479,8 +466,8 @@ int main(int argc, char** argv) {
   std::printf("device %s, %d SMs, copy %.0f GB/s, dense bf16 %.0f TFLOP/s (cuBLAS 8192^3), L2 flush %s, wgmma kernel %s\n", prop.name, sm, copy_gbs,
               tensor_tflops, squeeze::bench::l2_flush_name(), kq::qgemm_sm90_supported() ? "available" : "NOT available (needs sm_90a device code)");
   // what the GPU holds of each wgmma configuration at once (the K-split plan counts its waves in clusters)
-  print_capacities(kq::detail::Sm90TuningCfgs{}, sm);
-  if (trial) print_capacities(Sm90TrialCfgs{}, sm);
+  print_capacities(bg::Sm90TuningCfgs{}, sm);
+  if (extra) print_capacities(bg::Sm90ExtraCfgs{}, sm);
   std::printf("%-18s %8s %8s %6s %5s %5s | %8s %6s | %-16s %2s %8s %6s %5s | %s\n", "case", "ours ms", "cublas", "x cub", "roof", "bound", "mma ms",
               "x cub", "best wgmma", "sp", "best ms", "x cub", "roof", "dispatch");
   std::mt19937 rng(2026);
@@ -522,14 +509,14 @@ int main(int argc, char** argv) {
       };
       const double t_cub = time_ms(run_cub, reps);
       std::vector<Timed> wg;
-      // (M 1..8 too: the dispatch sends them to the wgmma kernel since session 14, by these times)
+      // (M 1..8 too: the dispatch sends them to the sm90 kernel)
       if (kq::qgemm_sm90_supported())
-        time_cfgs(kq::detail::Sm90TuningCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), only_cfgs, split_counts, tapers, wg);
-      if (kq::qgemm_sm90_supported() && trial)
-        time_cfgs(Sm90TrialCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), only_cfgs, split_counts, tapers, wg);
+        time_cfgs(bg::Sm90TuningCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), only_cfgs, split_counts, tapers, wg);
+      if (kq::qgemm_sm90_supported() && extra)
+        time_cfgs(bg::Sm90ExtraCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), only_cfgs, split_counts, tapers, wg);
       std::vector<Timed> pr;
       if (kq::qgemm_sm90_supported() && probes) {
-        time_probe_cfgs(kq::detail::Sm90ProbeCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), pr);
+        time_probe_cfgs(bg::Sm90ProbeCfgs{}, L, s, x.p, y.p, y.n, ref, sm, std::max(5, reps / 2), pr);
         std::printf("  probes:");
         for (const auto& t : pr) std::printf("  %s/%d %.4f", t.name.c_str(), t.splits, t.ms);
         std::printf("  (ms; read of the 4-bit tiles %.4f)\n", read4_ms);
@@ -537,7 +524,7 @@ int main(int argc, char** argv) {
       Timeline tl;
       if (timeline && dispatch_run && kq::quant_gemm_uses_sm90(s)) {
         watchdog_note(cs + " timeline");
-        tl = kq::detail::with_sm90_cfg(s, [&](auto c) { return trace_cfg<decltype(c)>(L, s, x.p, y.p, sm, 7); });
+        tl = kq::with_sm90_cfg(s, [&](auto c) { return trace_cfg<decltype(c)>(L, s, x.p, y.p, sm, 7); });
         std::printf("  timeline %s: launch %.2f skew %.2f span %.2f us | per block (median) set-up %.2f, first chunk %.2f, loop %.2f, epilogue %.2f "
                     "(wait %.2f, stage %.2f, store %.2f, rest %.2f), all %.2f (max %.2f) us; producer queued chunk 1 at %.2f (starts %.2f, x %.2f, bulk %.2f), "
                     "the last at %.2f us | %.2f GHz, %d blocks, <= %d per SM, timer tick %d ns\n",

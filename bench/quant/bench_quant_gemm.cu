@@ -1,8 +1,8 @@
 // 4-bit GEMM benchmark (GPU): y [M, N] = x [M, K] bf16 * W^T with W 4-bit GPTQ (group 128, asymmetric).
 // For each (K, N) and batch M it measures, in the same run:
-//   ours       squeeze int4 tensor-core GEMM as the library dispatches it (kq::quant_gemm_cuda: the wgmma kernel
-//              at M > 32 on sm_90a builds, qgemm_cuda otherwise)
-//   variants   every configuration of kq::detail::TuningCfgs (rows per block, warps, tiles per warp, loads
+//   ours       squeeze int4 tensor-core GEMM as the library dispatches it (kq::quant_gemm_cuda: the sm90 kernel
+//              for 4-bit layers on sm_90a builds, qgemm_cuda otherwise)
+//   variants   every configuration of TuningCfgs (gemm_configs.cuh) (rows per block, warps, tiles per warp, loads
 //              in flight, register / cp.async / bulk loader, persistent grid, scaled B, register caps; names
 //              spelled by kq::detail::cfg_name) at several K-range lengths (cps, 64-k chunks), with
 //              its error; the fastest is reported beside the library's choice (to pick the dispatch table)
@@ -11,8 +11,8 @@
 //   peer       cuBLAS bf16 GEMM through libtorch (at::mm on bf16 CUDA tensors, W [N, K] as nn.Linear stores it)
 //   peer2      PyTorch's int4 weight-only GEMM at::_weight_int4pack_mm (group 128), when it runs here
 //   deq+cublas dequantize the GPTQ layer to bf16, then cuBLAS (QuantizedLinear's path for large batches)
-//   sm90       (last section) the Hopper wgmma GEMM of qgemm_sm90.cuh at batch 16..128: every configuration of
-//              kq::detail::Sm90TuningCfgs at several K split counts, and qgemm_sm90_cuda as it would be
+//   sm90       (last section) the Hopper GEMM (gemm/sm90.cuh) at batch 16..128: every configuration of
+//              Sm90TuningCfgs at several K split counts, and qgemm_sm90_cuda as it would be
 //              dispatched, beside the library's dispatch and cuBLAS bf16 (needs sm_90a device code)
 //   roofline   bytes our kernel must read (weights + scales + zeros + x) / time, over the bandwidth of a
 //              device-to-device copy measured in the same run
@@ -45,15 +45,16 @@
 
 #include <squeeze/error.hpp>
 #include <squeeze/kernels/quant/dequant.cuh>
-#include <squeeze/kernels/quant/qgemm.cuh>
-#include <squeeze/kernels/quant/qgemm_sm90.cuh>
+#include <squeeze/kernels/quant/gemm.cuh>
 #include <squeeze/nn/quantized_linear.hpp>
 #include <squeeze/quant/tiles.hpp>
 #include <squeeze/quant/rtn.hpp>
 
+#include "gemm_configs.cuh"
 #include "gemm_timing.cuh"
 
 namespace kq = squeeze::kernels::quant;
+namespace bg = squeeze::bench::gemm;
 using squeeze::bf16;
 using squeeze::half;
 
@@ -159,7 +160,7 @@ struct GemmBuffers {
 };
 template <int BITS, class C>
 void time_variant(const GemmBuffers& b, const kq::QGemmShape& shape, int sm, int reps, bool diagnostic, VariantResult& r) {
-  if constexpr (BITS == 3 && C::LOADER == kq::detail::QGemmLoader::CpAsync) {
+  if constexpr (BITS == 3 && C::LOADER == kq::QGemmLoader::CpAsync) {
     return;  // 3-bit tiles take the register loader only
   } else {
   constexpr int rows = C::ROWS;
@@ -169,7 +170,7 @@ void time_variant(const GemmBuffers& b, const kq::QGemmShape& shape, int sm, int
   nlohmann::json t = nlohmann::json::object();
   int last_splits = -1;
   for (int cps : {0, 4, 8, 16, 32}) {
-    const auto plan = kq::plan_qgemm(shape, C::template geometry<BITS>(), sm, cps);
+    const auto plan = kq::plan_qgemm(shape, kq::qgemm_geometry<C, BITS>(), sm, cps);
     if (cps > 0 && plan.splits == last_splits) continue;  // clamped to a plan already timed
     watchdog_note(kq::detail::cfg_name<C>() + " (" + std::to_string(BITS) + "-bit, " + kq::describe(plan) + ")");
     auto partial = torch::empty({std::max<std::int64_t>(plan.partial_elems, 1)}, cuda.dtype(torch::kFloat32));
@@ -222,7 +223,7 @@ void time_variant(const GemmBuffers& b, const kq::QGemmShape& shape, int sm, int
   }
 }
 template <int BITS, class... Cs>
-void time_variants(kq::detail::CfgList<Cs...>, const GemmBuffers& b, const kq::QGemmShape& shape, int sm, int reps, bool diagnostic,
+void time_variants(bg::CfgList<Cs...>, const GemmBuffers& b, const kq::QGemmShape& shape, int sm, int reps, bool diagnostic,
                    VariantResult& r) {
   (time_variant<BITS, Cs>(b, shape, sm, reps, diagnostic, r), ...);
 }
@@ -346,7 +347,7 @@ void time_sm90_cfg(const GemmBuffers& b, const kq::QGemmShape& shape, int sm, in
   r.times[name] = t;
 }
 template <class... Cs>
-void time_sm90_cfgs(kq::detail::CfgList<Cs...>, const GemmBuffers& b, const kq::QGemmShape& shape, int sm, int reps, Sm90Result& r) {
+void time_sm90_cfgs(bg::CfgList<Cs...>, const GemmBuffers& b, const kq::QGemmShape& shape, int sm, int reps, Sm90Result& r) {
   (time_sm90_cfg<Cs>(b, shape, sm, reps, r), ...);
 }
 
@@ -360,7 +361,7 @@ bool sm90_section(const std::vector<std::pair<std::int64_t, std::int64_t>>& shap
   }
   bool ok = true;
   const auto cuda = torch::TensorOptions().device(torch::kCUDA, 0);
-  std::printf("\nwgmma GEMM (qgemm_sm90.cuh): ours = the library's dispatch (quant_gemm_cuda); sm90 = qgemm_sm90_cuda; best = fastest wgmma configuration\n");
+  std::printf("\nwgmma GEMM (gemm/sm90.cuh): ours = the library's dispatch (quant_gemm_cuda); sm90 = qgemm_sm90_cuda; best = fastest wgmma configuration\n");
   std::printf("%-18s %8s %8s %6s | %8s %6s %6s | %-14s %3s %8s %6s | %5s | %8s\n", "case", "ours ms", "cublas", "x cub", "sm90 ms", "x cub", "splits",
               "best sm90", "sp", "best ms", "x cub", "roof", "rel err");
   for (auto [K, N] : shapes) {
@@ -392,7 +393,7 @@ bool sm90_section(const std::vector<std::pair<std::int64_t, std::int64_t>>& shap
         const bool good = err < 2e-2;
         const double t_sm90 = good ? time_ms(run_sm90, reps) : 0.0;
         Sm90Result r;
-        time_sm90_cfgs(kq::detail::Sm90TuningCfgs{}, b, gc.shape, sm, std::max(10, reps / 2), r);
+        time_sm90_cfgs(bg::Sm90TuningCfgs{}, b, gc.shape, sm, std::max(10, reps / 2), r);
         const double bytes = weight_bytes + double(M) * K * 2 + double(M) * N * 2;
         const auto plan = kq::qgemm_sm90_plan(gc.shape, sm);
         std::printf("%-18s %8.4f %8.4f %6.2f | %8.4f %6.2f %6d | %-14s %3d %8.4f %6.2f | %5.2f | %8.1e%s\n", cs.c_str(), t_ours, t_cublas, t_cublas / t_ours,
@@ -551,8 +552,8 @@ int main(int argc, char** argv) {
       }
       VariantResult var, diag;
       if (variants) {
-        time_variants<4>(kq::detail::TuningCfgs{}, buf, shape, sm, std::max(10, reps / 2), false, var);
-        time_variants<4>(kq::detail::DiagnosticCfgs{}, buf, shape, sm, std::max(10, reps / 2), true, diag);
+        time_variants<4>(bg::TuningCfgs{}, buf, shape, sm, std::max(10, reps / 2), false, var);
+        time_variants<4>(bg::DiagnosticCfgs{}, buf, shape, sm, std::max(10, reps / 2), true, diag);
       }
       const auto plan = kq::qgemm_plan(shape, sm);
       const double bytes = weight_bytes + double(M) * K * 2 + double(M) * N * 2;
@@ -588,7 +589,7 @@ int main(int argc, char** argv) {
                             {"splits", plan.splits},  // the mma.sync kernel's plan (at M > 32 on sm_90a, "dispatch" says what ran)
                             {"cps", plan.cps},
                             {"rows_per_block", plan.rows},
-                            {"default_cfg", kq::detail::default_cfg_name<4>(M)},
+                            {"default_cfg", kq::qgemm_cfg_name(shape)},
                             {"dispatch", kq::quant_gemm_describe(shape, sm)},
                             {"best_variant", var.best_name},
                             {"best_cps", var.best_cps},
@@ -650,7 +651,7 @@ int main(int argc, char** argv) {
           },
           std::max(5, reps / 5));
       VariantResult var;
-      if (variants) time_variants<3>(kq::detail::TuningCfgs{}, buf, shape, sm, std::max(10, reps / 2), false, var);
+      if (variants) time_variants<3>(bg::TuningCfgs{}, buf, shape, sm, std::max(10, reps / 2), false, var);
       const double bytes = weight_bytes + double(M) * K * 2 + double(M) * N * 2;
       const double roof = bytes / (t_ours * 1e6) / copy_gbs;
       std::printf("3-bit: %-18s %8.4f %8.4f %6.2f | %-14s %4d %8.4f %6.2f | %8.4f %6.2f | %5.2f | %8.1e\n", cs.c_str(), t_ours, t_cublas,

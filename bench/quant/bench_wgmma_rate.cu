@@ -1,13 +1,13 @@
 // Tensor-core instruction rates on one SM (sm_90a): cycles per m64nNk16 bf16 wgmma with A from registers (RS, what
-// qgemm_sm90 issues: the decoded weights are the A operand) or from shared memory (SS), at N = 16 (the 16-row batch
+// the sm90 GEMM issues: the decoded weights are the A operand) or from shared memory (SS), at N = 16 (the 16-row batch
 // slices) and N = 128, with 1, 2 or 4 warpgroups per SM issuing them, waiting after every 4 (one 64-k chunk, as the
 // GEMM's consumers do) or keeping a group in flight.
 // Why: at batch 16 on 8192 x 28672 the GEMM spends 0.060 ms where its copies alone take 0.035 and the kernel without
-// its decode 0.043 (Sm90Probe, gemm4_probe-session11-run2), and one more RS wgmma per three (ZFOLD, run 6) cost more
-// than the decode it removed. If an RS m64n16k16 costs an SM tens of cycles whatever N is, the weights would be better
+// its decode 0.043 (bench_qgemm_sm90 --probes), and one more RS wgmma per three (a folded zero point) cost more than
+// the decode it removed. If an RS m64n16k16 costs an SM tens of cycles whatever N is, the weights would be better
 // the B operand of m64n128k16 / m64n256k16 wgmma from shared memory (x as A): 2048 / 4096 weights per instruction against
 // 1024 now.
-// H200 (wgmma_rate-session12-run1): A from registers at N = 16 13.2-15.3 cycles per wgmma with two or four warpgroups
+// H200: A from registers at N = 16 13.2-15.3 cycles per wgmma with two or four warpgroups
 // (25.0 with one), from shared memory 20.0; at N = 128 64.0 cycles both ways (2048 FMA per cycle, the dense rate). So
 // the GEMM's register-A m64n16k16 stream 77 weights a cycle per SM, and weights as the B operand of m64n128k16 (x's
 // rows padded to 64) only 32: not pursued; and the tensor cores' rate does not bound the GEMM at batches up to 16.
@@ -26,7 +26,8 @@
 #include <cuda_runtime.h>
 
 #include <squeeze/error.hpp>
-#include <squeeze/kernels/quant/qgemm_sm90.cuh>
+#include <squeeze/kernels/quant/gemm/ptx.cuh>
+#include <squeeze/kernels/quant/gemm/sm90.cuh>  // qgemm_sm90_supported
 
 #include "gemm_timing.cuh"
 

@@ -41,8 +41,8 @@ __global__ void spin_kernel(long long cycles) {
 // weights from DRAM, as a real model whose layers do not fit in L2 does. Two ways to sweep it:
 //   clean (default): a read pass, so L2 is left holding clean lines, as after a previous layer's weight reads;
 //   dirty: a memset, so L2 is left holding ~50 MB of dirty lines that the timed kernel's reads must first write
-//          back to DRAM. Sessions 4-7 timed this way; it adds the same write-back to ours and to the peer, which
-//          weighs most on the smaller, faster operation.
+//          back to DRAM; it adds the same write-back to ours and to the peer, which weighs most on the smaller,
+//          faster operation.
 inline void* g_flush = nullptr;
 constexpr std::size_t kFlushBytes = 256ull << 20;
 enum class L2Flush { Clean, Dirty };

@@ -2,8 +2,8 @@
 // What merely reading a buffer once from DRAM costs at its size: the fastest of a few plain reads of it, each timed as
 // time_ms times a kernel (cold L2, median). Any kernel that must read those bytes takes at least this long, so against a
 // peer's time it bounds the ratio a kernel can reach. The reads:
-//   sweep     16-byte loads in a grid-stride loop, 4 blocks of 512 threads an SM (the one read the benchmarks timed
-//             until session 21: one load in flight a thread per step);
+//   sweep     16-byte loads in a grid-stride loop, 4 blocks of 512 threads an SM (one load in flight a thread per
+//             step);
 //   spans U   each block reads a contiguous span, every thread U independent 16-byte loads a step (more bytes in flight
 //             a thread, DRAM pages read in order), 2 or 4 blocks of 512 threads an SM;
 //   bulk B S  one thread a block queues bulk copies (the TMA engine, as the sm_90 GEMM's producer reads its weight tiles)
@@ -16,7 +16,7 @@
 
 #include <cuda_runtime.h>
 
-#include <squeeze/kernels/quant/qgemm.cuh>  // mbarrier and bulk-copy helpers
+#include <squeeze/kernels/quant/gemm/ptx.cuh>  // mbarrier and bulk-copy helpers
 
 #include "gemm_timing.cuh"
 

@@ -14,17 +14,21 @@
 #include <vector>
 #include <squeeze/error.hpp>
 #include <squeeze/kernels/quant/dequant.cuh>
-#include <squeeze/kernels/quant/qgemm.cuh>
-#include <squeeze/kernels/quant/qgemm_sm90.cuh>
+#include <squeeze/kernels/quant/gemm.cuh>
+#include <squeeze/kernels/quant/gemm/cpu.hpp>
 #include <squeeze/quant/tiles.hpp>
 #include <squeeze/quant/rtn.hpp>
 
 #include "random_layer.hpp"
 
+// the configurations the benchmarks time, which the GPU tests check against the CPU twin
+#include "../../bench/quant/gemm_configs.cuh"
+
 #include "../cuda_buffer.hpp"
 
 using namespace squeeze;
 namespace kq = squeeze::kernels::quant;
+namespace bg = squeeze::bench::gemm;
 
 namespace {
 using test::random_layer;

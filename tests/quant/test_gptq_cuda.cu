@@ -55,7 +55,7 @@ void expect_kernel_matches_twin(const Problem& p, unsigned seed) {
   std::vector<std::int32_t> col_group(C, 0);
   if (p.grids != Grids::Found) {  // given grids: from random ranges around the weights'
     for (std::int64_t k = 0; k < groups * R; ++k) {
-      const auto g = squeeze::quant::find_grid(-2.f * p.weight_scale * unit(rng), 2.f * p.weight_scale * unit(rng), p.bits, p.sym);
+      const auto g = kq::find_grid(-2.f * p.weight_scale * unit(rng), 2.f * p.weight_scale * unit(rng), p.bits, p.sym);
       scales[k] = g.scale;
       zeros[k] = float(g.zero);
     }

@@ -9,7 +9,8 @@
 #include <numeric>
 #include <random>
 #include <squeeze/kernels/quant/dequant.cuh>
-#include <squeeze/kernels/quant/qgemm.cuh>
+#include <squeeze/kernels/quant/gemm/cpu.hpp>
+#include <squeeze/kernels/quant/gemm/decode.hpp>
 #include <squeeze/quant/tiles.hpp>
 #include <squeeze/quant/rtn.hpp>
 
@@ -191,113 +192,4 @@ TEST(QTiles, RejectsWhatTheKernelCannotServe) {
   auto p = random_layer(8, 64, 4, 32, false, 1);
   p.g_idx[0] = 1;  // group 1 now has 33 rows
   EXPECT_THROW(quant::to_tiles(p), Error);
-}
-
-TEST(QGemmPlan, SplitsCoverKAndSharedMemoryHoldsTheBlock) {
-  for (std::int64_t M : {1, 7, 16, 17, 64, 128})
-    for (std::int64_t K : {64, 200, 4096, 11008})
-      for (std::int64_t N : {16, 300, 4096, 28672})
-        for (int group : {16, 128, 0})
-          for (int rows : {8, 16, 32, 64})
-            for (int cps_override : {0, 3, 64}) {
-              const std::int64_t Kpad = kq::pad_to(K, 64), Npad = kq::pad_to(N, 16);
-              const kq::QGemmShape s{M, N, K, Kpad, Npad, group > 0 ? group : Kpad, 4};
-              const kq::QGemmGeometry g{rows, 64, 4, 0};
-              const auto p = kq::plan_qgemm(s, g, 132, cps_override);
-              const std::int64_t chunks = Kpad / 64;
-              EXPECT_GE(std::int64_t(p.splits) * p.cps, chunks);          // K covered
-              EXPECT_LT(std::int64_t(p.splits - 1) * p.cps, chunks);      // no empty split
-              EXPECT_GE(std::int64_t(p.zslices) * p.rows, M);
-              EXPECT_LT(std::int64_t(p.zslices - 1) * p.rows, M);
-              EXPECT_GE(std::int64_t(p.strips) * 64, Npad);
-              EXPECT_LE(p.smem_bytes, 130 * 1024);  // x <= 96 KB, group table <= 32 KB: fits an H200 block (227 KB)
-              // every K range fits its group table: count the groups the worst-aligned range touches
-              for (int sp = 0; sp < p.splits; ++sp) {
-                const std::int64_t kb = std::int64_t(sp) * p.cps * 64, ke = std::min<std::int64_t>(K, kb + std::int64_t(p.cps) * 64);
-                EXPECT_LE((ke - 1) / s.group - kb / s.group + 1, p.ngroups);
-              }
-              EXPECT_EQ(p.partial_elems, p.splits > 1 ? std::int64_t(p.splits) * M * Npad : 0);
-              EXPECT_EQ(p.counter_elems, std::int64_t(p.strips) * p.zslices);
-            }
-}
-
-// Bulk-loader plans (qgemm.cuh, QGemmLoader::Bulk): each ring slot has room for the scale / zero rows the
-// producer copies with its chunk, i.e. the groups that start in the chunk plus, for the first chunk of a
-// K range, the group the range begins in (counted here by brute force over k); no group table in shared
-// memory; the block fits an H200 (227 KB); a persistent grid gives every work item to exactly one block and
-// uses at most `persist` blocks per SM.
-TEST(QGemmPlan, BulkSlotsHoldTheirGroupRowsAndPersistentGridsCoverEveryItem) {
-  constexpr int kSlots = 8, kStrip = 128, kSlotWeights = 4096;  // r*w4n2p8b at 4 bits: 8 tiles of 512 B per slot
-  for (std::int64_t M : {1, 16, 64, 128})
-    for (std::int64_t K : {200, 4096, 11008})
-      for (std::int64_t N : {300, 4096, 28672})
-        for (int group : {16, 32, 48, 128, 0})
-          for (int rows : {8, 16, 32, 64})
-            for (int persist : {0, 2})
-              for (int cps_override : {0, 3}) {
-                const std::int64_t Kpad = kq::pad_to(K, 64), Npad = kq::pad_to(N, 16);
-                const kq::QGemmShape s{M, N, K, Kpad, Npad, group > 0 ? group : Kpad, 4};
-                const kq::QGemmGeometry g{rows, kStrip, 4, kSlots * kSlotWeights, kSlots, persist};
-                const auto p = kq::plan_qgemm(s, g, 132, cps_override);
-                SCOPED_TRACE(kq::describe(p) + " K " + std::to_string(K) + " group " + std::to_string(s.group));
-                EXPECT_EQ(p.ngroups, 0);
-                EXPECT_EQ(p.slot_bytes % 16, 0);
-                EXPECT_GE(p.slot_bytes, kSlotWeights + p.slot_rows * kStrip * 3);
-                EXPECT_LE(p.smem_bytes, 220 * 1024 + 16);
-                const std::int64_t chunks = Kpad / 64;
-                int need_max = 0;
-                for (std::int64_t kc = 0; kc < chunks; ++kc) {
-                  const bool first = kc % p.cps == 0;
-                  const std::int64_t k_lo = kc * 64, k_hi = std::min(k_lo + 64, K) - 1;
-                  int need = 0;
-                  std::int64_t last = -1;
-                  for (std::int64_t k = k_lo; k <= k_hi; ++k) {
-                    const std::int64_t gi = k / s.group;
-                    if (gi != last && (gi * s.group >= k_lo || (first && k == k_lo))) ++need;
-                    last = gi;
-                  }
-                  need_max = std::max(need_max, need);
-                }
-                EXPECT_LE(need_max, p.slot_rows);
-                EXPECT_GE(p.blocks() * p.items_per_block, p.items());
-                EXPECT_LT((p.blocks() - 1) * p.items_per_block, p.items());
-                if (persist == 0) EXPECT_EQ(p.items_per_block, 1);
-                else EXPECT_LE(p.blocks(), 132 * persist);
-              }
-}
-
-// The K-range rule the dispatch uses (plan_qgemm without override), on the benchmark's shapes with the
-// geometry of the 16-row, two-tiles-per-warp configuration: 16 chunks, halved while under 2 blocks per SM.
-TEST(QGemmPlan, KRangesOf16ChunksHalvedOnSmallGrids) {
-  const kq::QGemmGeometry g{16, 128, 4, 0};
-  auto plan = [&](std::int64_t M, std::int64_t K, std::int64_t N) {
-    const std::int64_t Kpad = kq::pad_to(K, 64), Npad = kq::pad_to(N, 16);
-    return kq::plan_qgemm(kq::QGemmShape{M, N, K, Kpad, Npad, 128, 4}, g, 132);
-  };
-  EXPECT_EQ(plan(1, 8192, 28672).cps, 16);
-  EXPECT_EQ(plan(1, 4096, 11008).cps, 16);
-  EXPECT_EQ(plan(1, 4096, 4096).cps, 4);  // 32 strips: 16 chunks would leave 128 blocks for 132 SMs
-  EXPECT_EQ(plan(64, 4096, 4096).cps, 16);  // 4 z slices x 32 strips x 4 splits = 512 blocks
-}
-
-// Weights as A (geometry.swap): the block stages min(rows, M) x rows, so batch 1 takes one row of shared memory
-// (the kernel computes the same layout from M); the split of K and the z slices are those of the plain geometry.
-TEST(QGemmPlan, WeightsAsAStagesOnlyTheBatchRows) {
-  for (int rows : {8, 16})
-    for (std::int64_t M : {1, 5, 8, 13, 16, 40})
-      for (int group : {32, 128}) {
-        const std::int64_t K = 4096, N = 11008;
-        const kq::QGemmShape s{M, N, K, K, N, group, 4};
-        kq::QGemmGeometry g{rows, 128, 4, 0};
-        const auto plain = kq::plan_qgemm(s, g, 132);
-        g.swap = true;
-        const auto p = kq::plan_qgemm(s, g, 132);
-        const int xrows = int(std::min<std::int64_t>(rows, M));
-        EXPECT_EQ(p.smem_bytes, kq::qgemm_smem(xrows, p.cps, p.ngroups, 128, 0).total) << "rows " << rows << " M " << M;
-        EXPECT_EQ(plain.smem_bytes, kq::qgemm_smem(rows, plain.cps, plain.ngroups, 128, 0).total);
-        EXPECT_LE(p.smem_bytes, plain.smem_bytes);
-        EXPECT_EQ(p.zslices, plain.zslices);
-        EXPECT_EQ(p.splits, plain.splits);
-        if (M < rows) EXPECT_LT(p.smem_bytes, plain.smem_bytes);
-      }
 }

@@ -97,7 +97,7 @@ TEST(QuantCuda, GemmZeroScaleGroupIsExactlyZero) {
   }
 }
 
-// Every configuration the benchmark times (kq::detail::TuningCfgs), on shapes that do not divide the
+// Every configuration the benchmark times (bench/quant/gemm_configs.cuh, TuningCfgs), on shapes that do not divide the
 // tiles, with and without K splits: a configuration the library may switch to is correct before it is timed.
 // Runs configuration C on the case for each (K range length, SM count the plan assumes), reps launches each
 // (the same counters: the kernel leaves them zero), every result against the twin.
@@ -113,7 +113,7 @@ void cfg_runs(const TwinCase<T>& tc, const std::vector<std::pair<int, int>>& run
   const double zfold_rel = C::ZFOLD && C::SWAP && std::is_same_v<T, half> ? 0x1p-12 : 1e-5;
   const double rel = C::SCALEB ? (std::is_same_v<T, bf16> ? 0x1p-7 : 0x1p-10) : zfold_rel;
   for (const auto& [cps, sm] : runs) {
-    const auto plan = kq::plan_qgemm(tc.shape, C::template geometry<BITS>(), sm, cps);
+    const auto plan = kq::plan_qgemm(tc.shape, kq::qgemm_geometry<C, BITS>(), sm, cps);
     SCOPED_TRACE(kq::detail::cfg_name<C>() + ": " + kq::describe(plan));
     Dev<float> part(std::size_t(std::max<std::int64_t>(plan.partial_elems, 1)));
     Dev<int> cnt(std::vector<int>(std::size_t(plan.counter_elems), 0));
@@ -143,7 +143,7 @@ void cfg_check(const quant::PackedLinear& p, const quant::QTiles& t, std::int64_
   cfg_runs<T, C, BITS>(tc, runs, 2);
 }
 template <class T, class... Cs>
-void all_cfgs(kq::detail::CfgList<Cs...>, const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t M) {
+void all_cfgs(bg::CfgList<Cs...>, const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t M) {
   (cfg_check<T, Cs>(p, t, M), ...);
 }
 TEST(QuantCuda, EveryTunedConfigurationMatchesCpuTwin) {
@@ -152,8 +152,8 @@ TEST(QuantCuda, EveryTunedConfigurationMatchesCpuTwin) {
   const auto p = random_layer(300, 1000, 4, 64, true, 91);
   const auto t = quant::to_tiles(p);
   for (std::int64_t M : {1, 5, 16, 37, 70}) {
-    all_cfgs<bf16>(kq::detail::TuningCfgs{}, p, t, M);
-    all_cfgs<half>(kq::detail::TuningCfgs{}, p, t, M);
+    all_cfgs<bf16>(bg::TuningCfgs{}, p, t, M);
+    all_cfgs<half>(bg::TuningCfgs{}, p, t, M);
   }
 }
 // The bulk loader (one producer warp, whole-strip chunks) at every width and group kind: N = 200 (13 tiles:
@@ -161,10 +161,10 @@ TEST(QuantCuda, EveryTunedConfigurationMatchesCpuTwin) {
 // to 1152), groups of 32 (two per chunk), 128 and per channel, M not a multiple of the rows per block.
 template <class T, int BITS, class C>
 void bulk_check(const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t M) {
-  if constexpr (C::LOADER == kq::detail::QGemmLoader::Bulk && C::MODE == kq::detail::QGemmMode::Full) cfg_check<T, C, BITS>(p, t, M);
+  if constexpr (C::LOADER == kq::QGemmLoader::Bulk && C::MODE == kq::QGemmMode::Full) cfg_check<T, C, BITS>(p, t, M);
 }
 template <class T, int BITS, class... Cs>
-void bulk_cfgs(kq::detail::CfgList<Cs...>, const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t M) {
+void bulk_cfgs(bg::CfgList<Cs...>, const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t M) {
   (bulk_check<T, BITS, Cs>(p, t, M), ...);
 }
 template <int BITS>
@@ -174,8 +174,8 @@ void bulk_all_groups() {
     const auto t = quant::to_tiles(p);
     for (std::int64_t M : {3, 17, 70}) {
       SCOPED_TRACE("group " + std::to_string(group) + " M " + std::to_string(M));
-      bulk_cfgs<bf16, BITS>(kq::detail::TuningCfgs{}, p, t, M);
-      bulk_cfgs<half, BITS>(kq::detail::TuningCfgs{}, p, t, M);
+      bulk_cfgs<bf16, BITS>(bg::TuningCfgs{}, p, t, M);
+      bulk_cfgs<half, BITS>(bg::TuningCfgs{}, p, t, M);
       if (::testing::Test::HasFatalFailure()) return;
     }
   }
@@ -199,11 +199,11 @@ TEST(QuantCuda, BulkLoaderMatchesCpuTwinAt8Bits) {
 // M = 1, 7 (a partial batch block), 13 (16 rows: a partial second block), 16. Tolerances as in cfg_runs.
 template <class T, int BITS, class C>
 void swap_check(const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t M) {
-  if constexpr (C::SWAP && C::MODE == kq::detail::QGemmMode::Full && !(BITS == 3 && C::LOADER == kq::detail::QGemmLoader::CpAsync))
+  if constexpr (C::SWAP && C::MODE == kq::QGemmMode::Full && !(BITS == 3 && C::LOADER == kq::QGemmLoader::CpAsync))
     cfg_check<T, C, BITS>(p, t, M);
 }
 template <class T, int BITS, class... Cs>
-void swap_cfgs(kq::detail::CfgList<Cs...>, const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t M) {
+void swap_cfgs(bg::CfgList<Cs...>, const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t M) {
   (swap_check<T, BITS, Cs>(p, t, M), ...);
 }
 template <int BITS>
@@ -213,8 +213,8 @@ void swap_all_groups() {
     const auto t = quant::to_tiles(p);
     for (std::int64_t M : {1, 7, 13, 16}) {
       SCOPED_TRACE("group " + std::to_string(group) + " M " + std::to_string(M));
-      swap_cfgs<bf16, BITS>(kq::detail::TuningCfgs{}, p, t, M);
-      swap_cfgs<half, BITS>(kq::detail::TuningCfgs{}, p, t, M);
+      swap_cfgs<bf16, BITS>(bg::TuningCfgs{}, p, t, M);
+      swap_cfgs<half, BITS>(bg::TuningCfgs{}, p, t, M);
       if (::testing::Test::HasFatalFailure()) return;
     }
   }
@@ -240,8 +240,8 @@ TEST(QuantCuda, WeightsAsAOperandMatchCpuTwinAt8Bits) {
 // sequences per block). Then a ragged layer (N 2096: partial last strip, K 3000: padded, groups of 32).
 template <class T, class C>
 void stress_cfg(const TwinCase<T>& tc, bool ragged) {
-  if constexpr (C::MODE == kq::detail::QGemmMode::Full) {
-    if (ragged && C::LOADER != kq::detail::QGemmLoader::Bulk) return;  // the ragged layer is for the bulk loader
+  if constexpr (C::MODE == kq::QGemmMode::Full) {
+    if (ragged && C::LOADER != kq::QGemmLoader::Bulk) return;  // the ragged layer is for the bulk loader
     if (C::ROWS > 2 * std::max<std::int64_t>(tc.M, 16)) return;       // far from this batch (as the benchmark skips it)
     std::vector<std::pair<int, int>> runs = {{0, sm_count()}, {4, sm_count()}, {16, sm_count()}};
     if constexpr (C::PERSIST > 0) runs.insert(runs.end(), {{4, 7}, {16, 7}});
@@ -249,7 +249,7 @@ void stress_cfg(const TwinCase<T>& tc, bool ragged) {
   }
 }
 template <class T, class... Cs>
-void stress_cfgs(kq::detail::CfgList<Cs...>, const TwinCase<T>& tc, bool ragged) {
+void stress_cfgs(bg::CfgList<Cs...>, const TwinCase<T>& tc, bool ragged) {
   (stress_cfg<T, Cs>(tc, ragged), ...);
 }
 TEST(QuantCuda, EveryTunedConfigurationOnLargeLayersRepeatedly) {
@@ -259,14 +259,14 @@ TEST(QuantCuda, EveryTunedConfigurationOnLargeLayersRepeatedly) {
     const auto t = quant::to_tiles(p);
     for (std::int64_t M : {16, 64}) {
       const TwinCase<bf16> tc(p, t, M);
-      stress_cfgs(kq::detail::TuningCfgs{}, tc, false);
+      stress_cfgs(bg::TuningCfgs{}, tc, false);
       if (::testing::Test::HasFatalFailure()) return;
     }
   }
   const auto p = random_layer(2096, 3000, 4, 32, true, 6);
   const auto t = quant::to_tiles(p);
   const TwinCase<half> tc(p, t, 48);
-  stress_cfgs(kq::detail::TuningCfgs{}, tc, true);
+  stress_cfgs(bg::TuningCfgs{}, tc, true);
 }
 
 TEST(QuantCuda, GemmRejectsBadArguments) {

@@ -4,8 +4,8 @@
 // Kernel choice (forward), by device, width and batch rows M = x.numel() / in:
 //   CPU                         dequantize (CPU twin) once, cached, then float matmul
 //   CUDA, 3/4/8 bits, M <= max_fused_rows()   fused tensor-core GEMM on weights repacked at load into the kernel's
-//                               tiles (kernels/.../qgemm_sm90.cuh quant_gemm_cuda: at 4 bits on sm_90 (sm_90a builds)
-//                               the Hopper kernel, otherwise qgemm.cuh's mma.sync one)
+//                               tiles (kernels/quant/gemm.cuh quant_gemm_cuda: at 4 bits on sm_90 (sm_90a builds)
+//                               the Hopper kernel, otherwise the mma.sync one)
 //   CUDA, other widths (2 bits, or a g_idx the tiles cannot serve), M <= 8   GPTQ-layout GEMV (kernels/.../dequant.cuh)
 //   CUDA, otherwise             dequantize to x's dtype, cuBLAS matmul
 // max_fused_rows() by default (set_max_fused_rows overrides), from the H200 crossover of the fused GEMM against
@@ -38,8 +38,9 @@
 #include <optional>
 
 #include <squeeze/kernels/quant/dequant.cuh>
-#include <squeeze/kernels/quant/qgemm.cuh>
-#include <squeeze/kernels/quant/qgemm_sm90.cuh>
+#if defined(__CUDACC__)
+#include <squeeze/kernels/quant/gemm.cuh>
+#endif
 
 #include "../quant/tiles.hpp"
 #include "../quant/pack.hpp"

@@ -1,5 +1,5 @@
 #pragma once
-// GPTQ 3-, 4- and 8-bit checkpoint layout -> the tensor-core GEMM's tile layout (kernels/.../qgemm.cuh),
+// GPTQ 3-, 4- and 8-bit checkpoint layout -> the tensor-core GEMM's tile layout (kernels/quant/gemm/layout.hpp),
 // once at load. Act-order checkpoints (g_idx not i / group) are served by sorting the input rows by group:
 // `perm` then names, for each kernel row k, the checkpoint input row it came from, and callers gather
 // x[:, perm] before the GEMM. That works when every group is `group_size` rows (what GPTQ's act-order
@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include <squeeze/kernels/quant/qgemm.cuh>
+#include <squeeze/kernels/quant/gemm/layout.hpp>
 
 #include "pack.hpp"
 

@@ -70,9 +70,8 @@ void gemv_cpu(const GptqView& v, const T* x /*[M, in]*/, T* y /*[M, out]*/, std:
 #if defined(__CUDACC__)
 namespace detail {
 // Dequantize in tiles of W [64 out][64 in], kDeqTilesPerBlock tiles along in per block. The per-element form (one
-// thread per W element, session 17 and before; bench_dequant keeps it as the peer) read qweight across its rows (stride
-// out) and ran at 0.10-0.18 of the copy bandwidth into bf16 (8192 x 28672 at 4 bits: 0.924 ms on the H200,
-// bench/results/h200/dequant-session18-run7). Per tile a block
+// thread per W element; bench_dequant keeps it as the peer) read qweight across its rows (stride out) and ran at
+// 0.10-0.18 of the copy bandwidth into bf16 (8192 x 28672 at 4 bits: 0.924 ms on the H200). Per tile a block
 //   1. copies the tile's qweight words, 2 BITS rows x 64 outs, coalesced along out (64 in x BITS is a whole number of
 //      words for every width, so tiles start on word boundaries and 3-bit codes straddle only inside one); the next
 //      tile's words are loaded into registers while this one is decoded and stored;
@@ -84,32 +83,23 @@ namespace detail {
 //      the row pitch (in * sizeof T) is not a multiple of 16 bytes or the tile is cut by in.
 // The element math is gptq_weight's, bit-identical to the CPU twin: q - z is exact in fp32 (taken as (2^23 + q) -
 // (2^23 + z), the code OR-ed into the float 2^23's mantissa), one fp32 product with the scale, one rounding to T.
-// H200 (bench_dequant): one tile per block with the width a run-time value ran at 0.30-0.37 of the copy bandwidth
-// (dequant-session18-run1); the width a template parameter and the group constants loaded with the copy, 0.39-0.49
-// (run 2), where the SASS showed the block's set-up and index arithmetic outweighing its 16 elements a thread; four
-// tiles a block, 0.43-0.60 at 4 bits (run 6; 8192 x 28672 0.283 -> 0.233 ms). Six blocks of 40 registers per SM (at
-// 8 bits five, whose four prefetched words a thread spilled at 40).
+// The width is a template parameter and the group constants come with the copy (with a run-time width the block's
+// set-up and index arithmetic outweighed its 16 elements a thread: 0.30-0.37 of the copy bandwidth); four tiles a block
+// (0.43-0.60 at 4 bits, 8192 x 28672 0.283 -> 0.233 ms on the H200). Six blocks of 40 registers per SM (at 8 bits
+// five, whose four prefetched words a thread spilled at 40).
 constexpr int kDeqTile = 64, kDeqThreads = 256, kDeqTilesPerBlock = 4;
 // How a kernel finds a run's group constants (GptqView::act_order picks one of the last two):
 //   kDeqInOrder   kept in registers while a run's group stays the one it had; looked up one group change at a time;
 //   kDeqActLookup where a run's groups change, the constants of four elements looked up at once (independent loads in
-//                 flight together). H200, 4 bits into bf16, act-order g_idx (bench_dequant, dequant-session19-run4 against
-//                 session18-run7): 4096 x 4096 / 4096 x 11008 / 11008 x 4096 / 8192 x 28672 in 0.0366 / 0.0854 / 0.0859 /
-//                 0.416 ms against 0.0444 / 0.1022 / 0.1051 / 0.506, 0.27-0.33 of the copy bandwidth (was 0.22-0.27). A
-//                 kernel of its own: in the in-order one the batched lookups raised the register pressure past the 40 a
-//                 thread that six blocks per SM allow, and every width took 20-30% longer (run 3); this one runs five;
+//                 flight together): act-order at 0.27-0.33 of the copy bandwidth on the H200, from 0.22-0.27. A kernel
+//                 of its own: in the in-order one the batched lookups raised the register pressure past the 40 a thread
+//                 that six blocks per SM allow, and every width took 20-30% longer; this one runs five;
 //   kDeqActTable  the block's 64 columns' constants of every group in shared memory first ([groups][64] words: the
 //                 scale's fp16 bits | zero point << 16; up to kDeqMaxTableGroups groups, 32 KB), then one shared-memory
-//                 read per element. H200 (run 7, 8 tiles a block), the same shapes: 0.0255 / 0.0541 / 0.0645 / 0.280 ms,
-//                 0.39-0.49 of the copy bandwidth (the in-order kernel on in-order layers: 0.0226 / 0.0497 / 0.0503 /
-//                 0.232). Unrolling the table fill by 4 changed nothing (run 6 against run 5). Tiles a block: groups / 4
-//                 within 8..16 (deq_table_tiles), so that the table's fill stays near 1/16 of the block's elements: in
-//                 run 8's sweep (bench_dequant --tiles) 16 were 10% faster than 8 at 64 and 86 groups (8192 x 28672
-//                 0.2517 against 0.2807 ms, 11008 x 4096 0.0586 against 0.0650), 8 within 3% of the best at 32 groups
-//                 (16 then 5-16% slower: too few blocks). The in-order kernel's 4 were within 4% of the best count
-//                 everywhere (2 on 4096 x 4096 0.0218 against 0.0227 ms, 6 on 8192 x 28672 0.2298 against 0.2344). With
-//                 this count (run 9): 0.0250 / 0.0539 / 0.0587 / 0.251 ms, 0.39-0.55 of the copy bandwidth, 1.8-2.0x
-//                 session 18's act-order dequantize.
+//                 read per element: 0.39-0.55 of the copy bandwidth (8192 x 28672 0.251 ms; the in-order kernel on
+//                 in-order layers 0.232). Tiles a block: groups / 4 within 8..16 (deq_table_tiles), so that the
+//                 table's fill stays near 1/16 of the block's elements (16 were 10% faster than 8 at 64 and 86 groups,
+//                 8 within 3% of the best at 32); the in-order kernel's 4 were within 4% of the best count everywhere.
 enum : int { kDeqInOrder, kDeqActLookup, kDeqActTable };
 constexpr int kDeqMaxTableGroups = 128;
 inline int deq_table_tiles(std::int64_t groups) { return int(std::clamp<std::int64_t>(groups / 4, 8, 16)); }

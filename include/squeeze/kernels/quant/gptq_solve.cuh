@@ -8,19 +8,19 @@
 // Grids: with find_grids (grouped, not static) a group's grid is found when the loop reaches the group's first column,
 // from the row's current values of the group's columns (those past the block as the earlier blocks left them) and
 // written to scales / zeros; else every column's grid is read from scales / zeros (static groups, per channel).
-// The math is quant::find_grid / quantize_code / dequantize_code, the division an IEEE one, and the update a rounded
+// The math is grid.hpp's find_grid / quantize_code / dequantize_code, the division an IEEE one, and the update a rounded
 // product then a rounded difference (no fused multiply-add), so the kernel reproduces the twin bit for bit.
 //
 // Why a kernel: the loop is sequential over columns, and as libtorch ops per column (quantize, error, outer-product
 // update: ~12 launches each) it was bound by launch overhead on the GPU: 6.2 s for one LLaMA-7B decoder layer's seven
-// matrices on the H200 (bench/results/h200/gptq.jsonl, session 1). The kernel runs a block of 128 columns of all rows
-// in one launch: a warp per row, lane l holding columns l, l + 32, ... in registers; U's row i is read by every warp of
-// a thread block at once (L1). H200 (bench_gptq, gptq-session20-run1 / -run3): the layer's seven solves in 0.34 s;
-// q_proj (4096 x 4096, act-order, g128) 0.024 s against 0.50 s with the column loop as libtorch ops in the same run.
+// matrices on the H200. The kernel runs a block of 128 columns of all rows in one launch: a warp per row, lane l holding
+// columns l, l + 32, ... in registers; U's row i is read by every warp of a thread block at once (L1). H200 (bench_gptq):
+// the layer's seven solves in 0.34 s; q_proj (4096 x 4096, act-order, g128) 0.024 s against 0.50 s with the column loop
+// as libtorch ops in the same run.
 #include <cmath>
 #include <cstdint>
 
-#include <squeeze/quant/rtn.hpp>
+#include <squeeze/kernels/quant/grid.hpp>
 
 #if defined(__CUDACC__)
 #include <cuda_runtime.h>
@@ -71,11 +71,10 @@ SQUEEZE_HD float minus_product(float w, float e, float h) {
 #endif
 }
 
-SQUEEZE_HD bool grid_fits_half(const squeeze::quant::Grid& g) { return g.scale <= 65504.f && g.scale == g.scale; }
+SQUEEZE_HD bool grid_fits_half(const Grid& g) { return g.scale <= 65504.f && g.scale == g.scale; }
 
 // ---- CPU twin --------------------------------------------------------------------------------------------------
 inline void gptq_block_cpu(const GptqBlock& b) {
-  namespace q = squeeze::quant;
   const int count = int(b.count);
 #if defined(_OPENMP)
 #pragma omp parallel for schedule(static)
@@ -84,7 +83,7 @@ inline void gptq_block_cpu(const GptqBlock& b) {
     float v[kGptqMaxBlock];
     const float* const wrow = b.w + r * b.w_pitch;
     for (int j = 0; j < count; ++j) v[j] = wrow[b.first + j];
-    q::Grid grid{1.f, 0};
+    Grid grid{1.f, 0};
     std::int64_t grid_group = -1;
     for (int i = 0; i < count; ++i) {
       const std::int64_t col = b.first + i;
@@ -96,7 +95,7 @@ inline void gptq_block_cpu(const GptqBlock& b) {
           lo = fminf(lo, x);
           hi = fmaxf(hi, x);
         }
-        grid = q::find_grid(lo, hi, b.bits, b.sym);
+        grid = find_grid(lo, hi, b.bits, b.sym);
         grid_group = col / b.group;
         b.scales[grid_group * b.rows + r] = grid.scale;
         b.zeros[grid_group * b.rows + r] = float(grid.zero);
@@ -109,8 +108,8 @@ inline void gptq_block_cpu(const GptqBlock& b) {
         }
       }
       const float w = v[i];
-      const std::uint32_t code = q::quantize_code(w, grid, b.bits);
-      const float w_hat = q::dequantize_code(code, grid);
+      const std::uint32_t code = quantize_code(w, grid, b.bits);
+      const float w_hat = dequantize_code(code, grid);
       const float* const urow = b.u + col * b.u_pitch + b.first;
       const float e = (w - w_hat) / urow[i];
       b.codes[r * b.w_pitch + col] = float(code);
@@ -127,7 +126,6 @@ constexpr int kGptqWarps = 8;  // rows a thread block (one warp each)
 
 template <int LANE_COLS>
 __global__ void __launch_bounds__(32 * kGptqWarps) gptq_block_kernel(const GptqBlock b) {
-  namespace q = squeeze::quant;
   const int lane = threadIdx.x & 31;
   const std::int64_t r = std::int64_t(blockIdx.x) * kGptqWarps + (threadIdx.x >> 5);
   if (r >= b.rows) return;  // whole warps
@@ -141,7 +139,7 @@ __global__ void __launch_bounds__(32 * kGptqWarps) gptq_block_kernel(const GptqB
     v[t] = j < count ? wrow[b.first + j] : 0.f;
     code_out[t] = w_hat_out[t] = err_out[t] = 0.f;
   }
-  q::Grid grid{1.f, 0};
+  Grid grid{1.f, 0};
   std::int64_t grid_group = -1;
   for (int i = 0; i < count; ++i) {
     const std::int64_t col = b.first + i;
@@ -166,7 +164,7 @@ __global__ void __launch_bounds__(32 * kGptqWarps) gptq_block_kernel(const GptqB
         lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
         hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
       }
-      grid = q::find_grid(lo, hi, b.bits, b.sym);
+      grid = find_grid(lo, hi, b.bits, b.sym);
       grid_group = col / b.group;
       if (lane == 0) {
         b.scales[grid_group * b.rows + r] = grid.scale;
@@ -187,8 +185,8 @@ __global__ void __launch_bounds__(32 * kGptqWarps) gptq_block_kernel(const GptqB
     for (int t = 0; t < LANE_COLS; ++t)
       if (t == ti) mine = v[t];
     const float w = __shfl_sync(0xffffffffu, mine, owner);
-    const std::uint32_t code = q::quantize_code(w, grid, b.bits);
-    const float w_hat = q::dequantize_code(code, grid);
+    const std::uint32_t code = quantize_code(w, grid, b.bits);
+    const float w_hat = dequantize_code(code, grid);
     const float* const urow = b.u + col * b.u_pitch + b.first;
     const float e = __fdiv_rn(w - w_hat, urow[i]);
 #pragma unroll

@@ -1,20 +1,21 @@
 #pragma once
 // Streaming 4-bit GEMM for batches of 1..16 rows: y [M, N] = x [M, K] * W^T on mma.sync, weights as the A operand.
 //
-// Why another kernel: at these batches the work is reading the weights once; qgemm.cuh's kernel splits the
-// work into many short blocks that each stage x and a group table in shared memory behind a barrier, fill
+// Why another kernel: at these batches the work is reading the weights once; the mma.sync GEMM (gemm/mma_sync.cuh)
+// splits the work into many short blocks that each stage x and a group table in shared memory behind a barrier, fill
 // their load pipeline, drain it and end (H200: its load-only twin streamed at 0.6-0.7 of copy bandwidth, the
 // whole kernel at 0.45). Here the grid holds only as many warps as the GPU runs at once, each warp streams its
 // K part of one column group with PF chunks in flight, and no warp waits for another (no shared memory, no
 // block barrier).
-// Status: an experiment, not dispatched. On the H200 (bench/results/h200/gemm4_probe-session8-run3/4, best
-// configuration and part count per case) it ran 1.08-1.19x slower than the mma.sync kernel at M = 1, and at M 9..16
-// between 0.93x and 1.22x of its time, slower than the wgmma kernel the dispatch takes there on three shapes. Suspected: the x fragments, 8 (M <= 8) or 16 4-byte global loads per chunk and lane issued
-// only one chunk ahead; the next step is x staged once per block in shared memory (the block's four warps share
-// a K part) and read by ldmatrix, as qgemm.cuh does. The GPU tests check every configuration against the CPU twin.
+// Status: an experiment, not dispatched. On the H200 (best configuration and part count per case) it ran 1.08-1.19x
+// slower than the mma.sync kernel at M = 1, and at M 9..16 between 0.93x and 1.22x of its time, slower than the wgmma
+// kernel the dispatch takes there on three shapes. Suspected: the x fragments, 8 (M <= 8) or 16 4-byte global loads per
+// chunk and lane issued only one chunk ahead; the next step is x staged once per block in shared memory (the block's
+// four warps share a K part) and read by ldmatrix, as the mma.sync GEMM does. The GPU tests check every configuration
+// against the CPU twin.
 //
-// Layout: qgemm.cuh's tiles (64 k x 16 n, 512 bytes at 4 bits), unchanged; lane l's 16 bytes of a tile are the
-// A fragments of its four k-steps (word ks: pairs 0 / 2 / 1 / 3 = a0..a3, rows n = l/4 and l/4 + 8). x is the B
+// Layout: the GEMM's tiles (gemm/layout.hpp: 64 k x 16 n, 512 bytes at 4 bits), unchanged; lane l's 16 bytes of a
+// tile are the A fragments of its four k-steps (word ks: pairs 0 / 2 / 1 / 3 = a0..a3, rows n = l/4 and l/4 + 8). x is the B
 // operand of m16n8k16 (8 batch rows per mma, NB = 1 or 2 mmas per tile and k-step), its fragments read straight
 // from global memory (cached: every warp reads the same few KB).
 // Work: warp w takes column group cg = w % groups (NT tiles) and K part w / groups (a contiguous range of 64-k
@@ -22,12 +23,12 @@
 // resident warps (occupancy). Warps with neighbouring numbers read neighbouring tiles at the same time, so
 // the GPU streams a few bands of whole tile rows (each row of tiles is contiguous in memory). (A first
 // form gave each warp one contiguous run of units numbered column-group-major, stream-K style: every warp read
-// a 1 KB piece far from every other warp's, and it ran 1.4x slower than the mma.sync kernel on the H200, run
-// 2 of session 8.) With one part, a warp stores y; with more, each writes its fp32 partial to the workspace
-// and bumps its column group's counter; the warp that completes the count adds the parts in part order
-// (deterministic), stores y and resets the counter to zero for the next launch.
+// a 1 KB piece far from every other warp's, and it ran 1.4x slower than the mma.sync kernel on the H200.) With one
+// part, a warp stores y; with more, each writes its fp32 partial to the workspace and bumps its column group's
+// counter; the warp that completes the count adds the parts in part order (deterministic), stores y and resets the
+// counter to zero for the next launch.
 // Groups: one 64-k chunk lies in one group (group % 64 == 0, or per channel), so a unit's mma sum of
-// x * (q - z) (exact small integers times x, fp32) is multiplied by its group's scale once, as in qgemm.cuh.
+// x * (q - z) (exact small integers times x, fp32) is multiplied by its group's scale once, as in the mma.sync GEMM.
 // Limits (qgemv_reason): 4-bit tiles, M <= 16, K % 8 == 0 (4-byte x pairs), group % 64 == 0; qgemm_cuda serves
 // the rest.
 #include <algorithm>
@@ -35,7 +36,12 @@
 #include <string>
 #include <type_traits>
 
-#include <squeeze/kernels/quant/qgemm.cuh>
+#include <cuda_runtime.h>
+
+#include <squeeze/kernels/quant/gemm/decode.cuh>
+#include <squeeze/kernels/quant/gemm/layout.hpp>
+#include <squeeze/kernels/quant/gemm/plan.hpp>
+#include <squeeze/kernels/quant/gemm/ptx.cuh>
 
 namespace squeeze::kernels::quant {
 

@@ -1,0 +1,853 @@
+#pragma once
+// The sm90 family of the quantized GEMM (4-bit weights, Hopper, sm_90a builds): y [M, N] = x [M, K] * W^T computed
+// transposed, Y^T [N, M] = W [N, K] * X^T [K, M], so the large N is wgmma's M dimension (64 per instruction) and the
+// batch is wgmma's N (BN = 16, 32, 64 or 128): one m64nBNk16 wgmma covers 64 output features x the batch slice x 16 k.
+// Below 9 batch rows mma.sync consumers (Sm90Knobs::mma_sync) run in the same warp-specialised ring. Why a second
+// family: the mma.sync kernel re-reads x per strip and runs far below the tensor-core rate from M = 64 on.
+// Over 800 lines: the kernel is ~500 of them, and its launchers (capacity query, tensor map, checks) belong with it.
+//
+// Operands:
+//   A (weights) from registers. The tile layout (layout.hpp) already holds, in 32-bit word ks of lane l of a tile, the
+//     eight codes of that lane's A fragment for k-step ks: pairs 0 / 2 / 1 / 3 of the word are the fragment's
+//     registers a0..a3 (rows n = l/4, l/4 + 8; k = 2 (l%4), 2 (l%4) + 8). wgmma's register A fragment is the
+//     mma.m16n8k16 one per warp, warp w of the warpgroup taking rows 16 w .. 16 w + 15, so warp w decodes tile w of
+//     four consecutive tiles and the four warps form the m64 operand. Decode: magic + q minus (magic + z) is the exact
+//     q - z, times the group's scale gives the weight, rounded to T once (fp16: 2^-11 relative; bf16: the fp16 scale
+//     rounded to bf16 and the product rounded, ~2^-8); with group_scale the exact q - z, each group's fp32 sums scaled.
+//   B (x^T) from shared memory, K-major, 128-byte swizzle: a stage holds x [BN rows][64 k] (128 B per row, 8-row atoms
+//     of 1024 B, 16-byte chunk c of row r at chunk c ^ (r % 8)); the descriptor of k-step ks starts 32 B further into
+//     the atom (the hardware applies the swizzle to the address bits).
+// Block: WGS consumer warpgroups take a strip of 64 WM WGS output features x BN batch rows x one K range of cps 64-k
+// chunks through a STAGES-deep ring; one stage = x [BN][64] (swizzled), the strip's weight tiles of the chunk and the
+// scale / zero-point rows of the (at most four) groups the chunk touches. Per chunk and k-step a consumer decodes its
+// WM A fragments, fences and queues WM wgmma, then waits for the chunk's wgmma before the stage is refilled. The ring is
+// filled either block-synchronously (every thread's cp.async, a block barrier per chunk) or, in what the dispatch runs,
+// warp-specialised: one producer warp queues a chunk as one TMA copy of x (zeros past M and K) plus bulk copies of the
+// tiles and group rows on a full mbarrier, and each consumer warp releases a stage on its empty mbarrier (on the H200
+// 4096 x 4096 at M = 64 went from 0.035 ms block-synchronous to 0.020).
+// K splits (plan.hpp): summed in a cluster's distributed shared memory, or through global memory by every block of a
+// tile (spread) or by its last block; all in K-range order (deterministic).
+//
+// Limits (qgemm_sm90_reason; qgemm_cuda serves the rest): 4-bit tiles, K % 8 == 0 (16-byte x copies; the tensor map's
+// row pitch), 16-byte aligned x / tiles / scales / zeros, group % 16 == 0. Any M, N and K (more batch slices past BN;
+// zero-filled copies and predicated stores at the edges). Act-order: the caller gathers x by QTiles::perm. Compiled
+// for another target than sm_90a the kernel is empty and the launcher returns cudaErrorNotSupported
+// (qgemm_sm90_supported() says so without launching the GEMM).
+#if !defined(__CUDACC__)
+#error "gemm/sm90.cuh is a CUDA header: compile this translation unit with nvcc"
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include <cuda.h>  // CUtensorMap (the type only: the encoder is reached through the runtime, no libcuda link)
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <squeeze/kernels/quant/gemm/config.hpp>
+#include <squeeze/kernels/quant/gemm/decode.cuh>
+#include <squeeze/kernels/quant/gemm/layout.hpp>
+#include <squeeze/kernels/quant/gemm/plan.hpp>
+#include <squeeze/kernels/quant/gemm/ptx.cuh>
+
+namespace squeeze::kernels::quant {
+namespace detail {
+
+// Group constants of one thread's two A rows (r = 0: row l/4, r = 1: row l/4 + 8) of one tile, as T2 patterns:
+// zc = magic + z (fp16 1024 + z, bf16 128 + z), zo = -(64 + z) (fp16 odd pairs, which read as 1024 + 16 q),
+// sc = the scale (bf16: rounded from fp16).
+struct Sm90Group {
+  std::uint32_t zc[2], zo[2], sc[2];
+  float scale[2];  // GSCALE: the rows' fp16 scales as fp32 (exact)
+};
+template <class T>
+__device__ __forceinline__ Sm90Group sm90_group(const half* srow, const std::uint8_t* zrow, int n_lo) {
+  Sm90Group g;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const std::uint32_t z = zrow[n_lo + 8 * r];
+    const float s = __half2float(srow[n_lo + 8 * r]);
+    g.scale[r] = s;
+    if constexpr (std::is_same_v<T, bf16>) {
+      g.zc[r] = sm90_bf16_magic_zero(z);
+      g.zo[r] = 0;
+      g.sc[r] = u32(__float2bfloat162_rn(s));
+    } else {
+      g.zc[r] = sm90_half_magic_zero(z);
+      g.zo[r] = sm90_half_odd_zero(z);
+      g.sc[r] = u32(__float2half2_rn(s));  // exact: s is fp16
+    }
+  }
+  return g;
+}
+// One tile word (k-step) -> the wgmma A fragment: pair i (nibbles i, i + 4) covers row l/4 + 8 (i >> 1) and
+// k 2 (l%4) + 8 (i & 1) (+1), i.e. register a[2 (i & 1) + (i >> 1)]; value (q - z) * scale rounded to T, or with
+// SCALE false the exact q - z (the scale is applied to the group's fp32 sums, GSCALE).
+template <class T, bool SCALE = true>
+__device__ __forceinline__ void sm90_decode(std::uint32_t w, const Sm90Group& g, std::uint32_t (&a)[4]) {
+  using V = typename Vec2<T>::type;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int r = i >> 1;
+    const V pair = as_vec2<V>(magic_pair<T>(w, i));
+    V v;
+    if constexpr (std::is_same_v<T, bf16>) {
+      v = __hsub2(pair, as_vec2<V>(g.zc[r]));  // exact small integer q - z
+    } else if (i & 1) {
+      v = __hfma2(pair, __float2half2_rn(1.f / 16.f), as_vec2<V>(g.zo[r]));  // (1024 + 16 q) / 16 - (64 + z), exact
+    } else {
+      v = __hsub2(pair, as_vec2<V>(g.zc[r]));
+    }
+    if constexpr (SCALE) a[2 * (i & 1) + r] = u32(__hmul2(v, as_vec2<V>(g.sc[r])));
+    else a[2 * (i & 1) + r] = u32(v);
+  }
+}
+
+struct Sm90Params {
+  const void* x;               // T [M, K]
+  const std::uint32_t* tiles;  // [Kpad/64][Npad/16] tiles
+  const half* scales;          // [groups, Npad]
+  const std::uint8_t* zeros;   // [groups, Npad]
+  void* y;                     // T [M, N]
+  float* partial;              // [splits, M, Npad] (K splits through global memory)
+  int* counters;               // [zslices, strips], zero between launches (K splits through global memory)
+  int M, N, K, Npad, group;
+  int kchunks, cps, lead, cps_tail, strips, splits, zslices;  // K ranges: sm90_k_range
+  int spread;  // K splits through global memory: every block sums a share (Sm90Plan::spread; a cooperative launch)
+  // the timeline probe (PROBE 3) only: kSm90TraceSlots values per block (block blockIdx.x + gridDim.x * blockIdx.z)
+  std::uint64_t* trace = nullptr;
+};
+// The timeline of the measuring variant PROBE 3 (bench/quant/gemm_configs.cuh), per block: the slots of
+// Sm90Params::trace (clock64 unless named ns or Sm).
+namespace sm90_trace_slot {
+enum : int {
+  EntryNs,         // %globaltimer (ns) at entry
+  Entry,           // entry
+  SetUp,           // after the set-up barrier
+  FirstChunk,      // consumer thread 0 has its first chunk
+  LoopEnd,         // ... retired its last
+  End,             // after the epilogue
+  EndNs,           // %globaltimer after the epilogue
+  Sm,              // the SM
+  QueuedFirst,     // the producer queued its first chunk
+  QueuedLast,      // ... its last
+  EpilogueWaited,  // after the consumers' first barrier (every warpgroup's last chunk done; global: partials written)
+  EpilogueStaged,  // after the next barrier (one K range: the tile staged; cluster: every block's sums in place;
+                   // spread: the other shares written and every block of the tile arrived; last block: the counter read)
+  EpilogueStored,  // after the stores (0 where not reached: not the last block of a last-block reduction)
+  ProducerStart,   // the producer before it queues its first chunk
+  ProducerX,       // ... after that chunk's x (before its bulk copies)
+  Count
+};
+}  // namespace sm90_trace_slot
+inline constexpr int kSm90TraceSlots = sm90_trace_slot::Count;
+template <class C>
+__device__ __forceinline__ void sm90_trace(const Sm90Params& p, int slot, std::uint64_t value) {
+  if constexpr (C::PROBE == 3) p.trace[(std::int64_t(blockIdx.z) * gridDim.x + blockIdx.x) * kSm90TraceSlots + slot] = value;
+}
+
+// grid (zslices x strips, 1, splits); C::THREADS threads, C::SMEM_BYTES dynamic shared memory.
+// CLUSTER: K splits reduce within clusters of (1, 1, splits) blocks; otherwise K splits (if any) go through global
+// memory. Two kernels rather than a flag, so that the global one carries no cluster code (one kernel holding both ran
+// the global plans ~1% slower).
+// x_map: (WS) x as a TMA tensor map, box [64 k] x [BN rows], 128-byte swizzle (unused otherwise)
+template <class T, class C, bool CLUSTER>
+__global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const Sm90Params p, const __grid_constant__ CUtensorMap x_map) {
+#if SQUEEZE_SM90_WGMMA
+  constexpr int BN = C::BN, WM = C::WM, S = C::STAGES, STRIP = C::STRIP, TILES = C::TILES, NACC = BN / 2;
+  constexpr int XB = C::X_BYTES, WB = C::W_BYTES, SB = C::S_BYTES;
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ int last_flag;  // K splits through global memory: this block is the tile's last
+  // the 128B swizzle repeats every 1024 B of address: align the ring to it
+  unsigned char* const smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+
+  // the warp index through a shuffle: the compiler then knows it is warp-uniform, so a branch on it (the
+  // producer's) is not a divergent path around the wgmma (which would serialize them)
+  const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xffffffffu, tid >> 5, 0), wg = warp >> 2, wq = warp & 3;
+  if (C::PROBE == 3 && tid == 0) {
+    sm90_trace<C>(p, sm90_trace_slot::EntryNs, global_ns());
+    sm90_trace<C>(p, sm90_trace_slot::Entry, clock64());
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    sm90_trace<C>(p, sm90_trace_slot::Sm, sm);
+  }
+  const int g4 = lane >> 2, c4 = lane & 3;
+  const int ntiles = p.Npad / kTileN;
+  const T* const x = static_cast<const T*>(p.x);
+  // This block's work: batch slice z, strip, chunks [kc0, kc0 + nck), K range `split` of p.splits (1: y stored
+  // directly). The batch slices of a strip are neighbouring blocks, so they run at the same time and the slices
+  // after the first find the strip's weights in L2.
+  const int z = int(blockIdx.x % p.zslices), strip = int(blockIdx.x / p.zslices), split = int(blockIdx.z);
+  const int n0 = strip * STRIP, tile0 = strip * TILES, m0 = z * BN;
+  const Sm90Range range = sm90_k_range(split, p.kchunks, p.cps, p.lead, p.cps_tail);
+  const int kc0 = range.kc0, nck = range.nck;
+  // padded k rows (k >= K) belong to the last group (x is zero there), as in the CPU twin
+  auto group_of = [&](int k) { return min(k, p.K - 1) / p.group; };
+
+  // ---- one chunk (64 k) into stage s; every thread queues its share of 16-byte cp.async (0 source bytes =
+  // zero fill: rows past M, k past K, tiles / columns past Npad)
+  auto load_chunk = [&](int kc, int s) {
+    unsigned char* const st = smem + s * C::STAGE_BYTES;
+    for (int i = tid; i < BN * 8; i += C::THREADS) {  // x [BN][64], 128B-swizzled
+      const int r = i >> 3, c = i & 7, m = m0 + r, k = kc * kTileK + c * 8;
+      const bool ok = m < p.M && k < p.K;
+      cp_async16(st + r * 128 + ((c ^ (r & 7)) << 4), ok ? x + std::int64_t(m) * p.K + k : x, ok ? 16 : 0);
+    }
+    const std::uint32_t* const wsrc = p.tiles + (std::int64_t(kc) * ntiles + tile0) * (kTileK * kTileN / 8);
+    for (int i = tid; i < TILES * 32; i += C::THREADS) {  // the strip's tiles of this chunk: contiguous
+      const bool ok = tile0 + (i >> 5) < ntiles;
+      cp_async16(st + XB + i * 16, ok ? wsrc + i * 4 : p.tiles, ok ? 16 : 0);
+    }
+    const int g0 = group_of(kc * kTileK), rows = group_of(kc * kTileK + 48) - g0 + 1;
+    for (int i = tid; i < rows * (STRIP / 8); i += C::THREADS) {  // scales [rows][STRIP]
+      const int r = i / (STRIP / 8), n = n0 + (i % (STRIP / 8)) * 8;
+      const bool ok = n < p.Npad;
+      cp_async16(st + XB + WB + (r * STRIP + n - n0) * 2, ok ? p.scales + std::int64_t(g0 + r) * p.Npad + n : p.scales, ok ? 16 : 0);
+    }
+    for (int i = tid; i < rows * (STRIP / 16); i += C::THREADS) {  // zero points [rows][STRIP]
+      const int r = i / (STRIP / 16), n = n0 + (i % (STRIP / 16)) * 16;
+      const bool ok = n < p.Npad;
+      cp_async16(st + XB + WB + SB + r * STRIP + n - n0, ok ? p.zeros + std::int64_t(g0 + r) * p.Npad + n : p.zeros, ok ? 16 : 0);
+    }
+  };
+
+  float acc[WM][NACC];
+  // GSCALE: the wgmma accumulate the current group's unscaled sums here; scale_group adds them, scaled, to acc
+  float acc_group[WM][NACC];
+  float (&mma_acc)[WM][NACC] = C::GSCALE ? acc_group : acc;
+
+  // this thread's A rows: tile (wg * 4 WM + 4 t + wq) of the strip, rows l/4 and l/4 + 8 of it
+  const int nl = wg * 64 * WM + wq * 16 + g4;  // feature of row l/4 of tile t = 0, relative to the strip
+  // The first k of the group after the one grp holds: the k-steps walk K in order, and a group (>= 16 k) ends
+  // at most once per k-step, so a compare replaces a division per k-step (Nsight Compute on the H200 had the
+  // divisions at a quarter of the main loop's instructions). Starts at the first k-step's own group, so that
+  // the first k-step loads its constants.
+  int next_group_k = group_of(kc0 * kTileK) * p.group;
+#pragma unroll
+  for (int t = 0; t < WM; ++t)
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) acc[t][i] = acc_group[t][i] = 0.f;
+  Sm90Group grp[WM];
+  // GSCALE, after the wait for a group's last chunk: its sums, times the rows' scales, into acc
+  auto scale_group = [&] {
+#pragma unroll
+    for (int t = 0; t < WM; ++t)
+#pragma unroll
+      for (int i = 0; i < NACC; ++i) {
+        acc[t][i] = fmaf(grp[t].scale[(i >> 1) & 1], acc_group[t][i], acc[t][i]);
+        acc_group[t][i] = 0.f;
+      }
+  };
+  // x's descriptor at the ring's base: a stage's and k-step's descriptor adds their byte offset / 16 (the start
+  // address field; the ring lies below 2^18 bytes, so the sum stays within it)
+  const std::uint64_t x_desc0 = sw128_desc(smem_addr(smem));
+  // A fragments, two sets used by alternate chunks: a wgmma reads its A registers until it completes, so with
+  // OVERLAP (chunk c in flight while chunk c + 1 is decoded) chunk c + 1 must decode into the other set. Each set
+  // is pinned after the wait that retires its chunk, which keeps its registers reserved until then (a rolled loop
+  // with one set would decode chunk c + 1 into the registers chunk c's wgmma is still reading).
+  std::uint32_t a0[4][WM][4] = {}, a1[4][WM][4] = {};
+  // ---- one chunk (stage st holds chunk kc): per k-step decode WM A fragments into a and queue WM wgmma, then
+  // commit. after_first(): run once the first k-step is queued.
+  auto mma_chunk = [&](const unsigned char* st, int kc, auto& a, auto&& after_first) {
+    uint4 wv[WM];  // this lane's 4 words (4 k-steps) of each of its tiles
+#pragma unroll
+    for (int t = 0; t < WM; ++t) wv[t] = lds128(st + XB + ((wg * 4 * WM + 4 * t + wq) * 32 + lane) * 16);
+    [[maybe_unused]] const std::uint64_t x_desc = x_desc0 + std::uint64_t((st - smem) >> 4);
+    // SYNC: x's B fragments of k-steps 2 kp and 2 kp + 1 (kp = ks / 2), n8 slice j: ldmatrix.x4 of the 8 x 8 matrices
+    // (batch rows 8 j.., k 32 kp + 8 i..), lane L addressing row 8 j + L % 8 of matrix L / 8; x's 16-byte unit u of row
+    // r lies at (u ^ r % 8) << 4 (the TMA's 128-byte swizzle). Register i = matrix i: (b0, b1) of k-step 2 kp are
+    // registers 0, 1, of k-step 2 kp + 1 registers 2, 3. Loaded a pair of k-steps at a time (registers).
+    [[maybe_unused]] std::uint32_t bx[C::SYNC ? BN / 8 : 1][4];
+    int grow = 0;  // the stage's group row of the group grp holds (row 0: the group of the chunk's first k)
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      // a new group (uniform across the block); probe 1 loads no group constants (the timeline probe, 3, does: its y is
+      // checked, TimelineProbeComputesAndTracesInOrder)
+      if (C::PROBE != 1 && min(kc * kTileK + 16 * ks, p.K - 1) >= next_group_k) {
+        next_group_k += p.group;
+        if (ks > 0) ++grow;
+        const half* srow = reinterpret_cast<const half*>(st + XB + WB) + grow * STRIP;
+        const std::uint8_t* zrow = st + XB + WB + SB + grow * STRIP;
+#pragma unroll
+        for (int t = 0; t < WM; ++t) grp[t] = sm90_group<T>(srow, zrow, nl + 64 * t);
+      }
+      if constexpr (C::SYNC) {
+        if (ks % 2 == 0)
+#pragma unroll
+          for (int j = 0; j < BN / 8; ++j) {
+            const int r = 8 * j + (lane & 7), u = 2 * ks + (lane >> 3);
+            ldmatrix_x4(bx[j], st + r * 128 + ((u ^ (r & 7)) << 4));
+          }
+#pragma unroll
+        for (int t = 0; t < WM; ++t) {
+          const std::uint32_t w = ks == 0 ? wv[t].x : ks == 1 ? wv[t].y : ks == 2 ? wv[t].z : wv[t].w;
+          std::uint32_t af[4];
+          if constexpr (C::PROBE == 1) {
+            af[0] = w, af[1] = w ^ 1u, af[2] = w ^ 2u, af[3] = w ^ 3u;
+          } else {
+            sm90_decode<T, !C::GSCALE>(w, grp[t], af);
+          }
+#pragma unroll
+          for (int j = 0; j < BN / 8; ++j)
+            mma16816<T>(*reinterpret_cast<float(*)[4]>(&mma_acc[t][4 * j]), af, bx[j][2 * (ks & 1)], bx[j][2 * (ks & 1) + 1]);
+        }
+      } else {
+#pragma unroll
+        for (int t = 0; t < WM; ++t) {
+          const std::uint32_t w = ks == 0 ? wv[t].x : ks == 1 ? wv[t].y : ks == 2 ? wv[t].z : wv[t].w;
+          if constexpr (C::PROBE == 1) {
+            a[ks][t][0] = w, a[ks][t][1] = w ^ 1u, a[ks][t][2] = w ^ 2u, a[ks][t][3] = w ^ 3u;
+          } else {
+            sm90_decode<T, !C::GSCALE>(w, grp[t], a[ks][t]);
+          }
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int t = 0; t < WM; ++t) wgmma_rs<T>(mma_acc[t], a[ks][t], x_desc + 2 * ks);  // + 32 B per k-step
+      }
+      if (ks == 0) after_first();
+    }
+    if constexpr (!C::SYNC) wgmma_commit();
+  };
+  // After mma_chunk(a_cur): wait for the chunk before (OVERLAP; its set a_other is free again) or for this one.
+  auto retire = [&](auto& a_cur, auto& a_other) {
+    if constexpr (C::SYNC) {
+      // mma.sync: the results are in registers when the next instruction reads them; nothing in flight
+    } else if constexpr (C::OVERLAP) {
+      wgmma_wait<1>();
+      pin_a(a_other);
+    } else {
+      wgmma_wait<0>();
+      pin_operands(a_cur, mma_acc);
+    }
+  };
+
+  // ---- after the last chunk (consumer threads only; every thread when not WS)
+  auto epilogue = [&] {
+    if constexpr (C::OVERLAP) {  // the last chunk's wgmma; accumulators are read only after this
+      wgmma_wait<0>();
+      pin_operands(a0, mma_acc);
+      pin_a(a1);
+    }
+
+    // ---- epilogue: accumulator i of tile t holds (feature nl + 64 t + 8 ((i >> 1) & 1), batch row 8 (i >> 2) + 2 c4 + (i & 1)).
+    // y is written 8 features (16 bytes) per store where rows of y are 16-byte aligned: the accumulators' own layout
+    // would store 2 bytes per thread, 16 contiguous bytes per 8 lanes (on the H200 that store loop took 5.3 us of a
+    // 106 us block at M = 128, this one 1.9).
+    T* const y = static_cast<T*>(p.y);
+    const int rows = min(BN, p.M - m0), cols = min(STRIP, p.N - n0);
+    const bool y_vec = p.N % 8 == 0 && (reinterpret_cast<std::uintptr_t>(p.y) & 15) == 0;
+    // features cc..cc + 7 of row r of the tile, from fp32 sums
+    auto write8 = [&](int r, int cc, const float (&v)[8]) {
+      T* const dst = y + std::int64_t(m0 + r) * p.N + n0 + cc;
+      if (y_vec && cc + 8 <= cols) {
+        uint4 packed;
+        T* const h = reinterpret_cast<T*>(&packed);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) h[j] = from_float<T>(v[j]);
+        *reinterpret_cast<uint4*>(dst) = packed;
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          if (cc + j < cols) dst[j] = from_float<T>(v[j]);
+      }
+    };
+    if (p.splits == 1) {
+      // the tile as T through the ring, [BN][PITCH] (after the barrier every warpgroup's wgmma finished reading the
+      // ring; every copy landed), then 16-byte rows out. +8 elements a row: the four rows one store writes, 2 apart,
+      // fall in different banks.
+      constexpr int PITCH = STRIP + 8;
+      static_assert(BN * PITCH * int(sizeof(T)) <= S * C::STAGE_BYTES, "the output tile must fit in the ring");
+      T* const out = reinterpret_cast<T*>(smem);
+      consumer_bar_sync(C::CONSUMERS);
+      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueWaited, clock64());
+#pragma unroll
+      for (int t = 0; t < WM; ++t)
+#pragma unroll
+        for (int i = 0; i < NACC; ++i) out[(8 * (i >> 2) + 2 * c4 + (i & 1)) * PITCH + nl + 64 * t + 8 * ((i >> 1) & 1)] = from_float<T>(acc[t][i]);
+      consumer_bar_sync(C::CONSUMERS);
+      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStaged, clock64());
+      for (int u = tid; u < rows * (STRIP / 8); u += C::CONSUMERS) {
+        const int r = u / (STRIP / 8), cc = (u % (STRIP / 8)) * 8;
+        if (cc >= cols) continue;
+        const T* const src = out + r * PITCH + cc;
+        T* const dst = y + std::int64_t(m0 + r) * p.N + n0 + cc;
+        if (y_vec && cc + 8 <= cols) {
+          *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+        } else {
+          for (int j = 0; j < 8 && cc + j < cols; ++j) dst[j] = src[j];
+        }
+      }
+      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStored, clock64());
+      return;
+    }
+    // K splits: the K ranges' sums of one float4 of the tile (row r, features cc..cc + 3) are added in K-range order
+    // (deterministic); lanes 2j and 2j + 1 hold features cc..cc + 7 of one row, and the even lane stores all eight.
+    // (Loading 8 features a lane, two float4 32 bytes apart, ran the cluster reduction 2x slower: the lanes' loads no
+    // longer contiguous.) The loops run whole warps (the shuffle), u over float4 units. The cluster form's cost is its
+    // loads: BN x STRIP fp32 sums from the cluster's shared memory, 128 KB at M = 128 (~27 bytes/ns on the H200).
+    auto add4 = [](float4& sum, const float4& v) {
+      sum.x += v.x;
+      sum.y += v.y;
+      sum.z += v.z;
+      sum.w += v.w;
+    };
+    auto store_pairs = [&](bool valid, int r, int cc, const float4& sum) {
+      const float v[8] = {sum.x, sum.y, sum.z, sum.w, __shfl_down_sync(0xffffffffu, sum.x, 1), __shfl_down_sync(0xffffffffu, sum.y, 1),
+                          __shfl_down_sync(0xffffffffu, sum.z, 1), __shfl_down_sync(0xffffffffu, sum.w, 1)};
+      if (valid && (lane & 1) == 0) write8(r, cc, v);
+    };
+    // K splits reduced by share (in a cluster, or spread through global memory): this block's sums into its shared
+    // memory, [BN][PITCH] fp32 over the ring (every copy landed, and after the barrier every warpgroup's wgmma
+    // finished reading it); each block then sums its share of the tile, float4 units [u_begin, u_end) (whole 8-feature
+    // units: lanes 2j and 2j + 1 hold one)
+    constexpr int PITCH = C::SPLIT_PITCH;
+    float* const buf = reinterpret_cast<float*>(smem);
+    const int units8 = rows * (STRIP / 8);
+    const int u_begin = 2 * int(std::int64_t(units8) * split / p.splits), u_end = 2 * int(std::int64_t(units8) * (split + 1) / p.splits);
+    auto stage_sums = [&] {
+      consumer_bar_sync(C::CONSUMERS);
+      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueWaited, clock64());
+#pragma unroll
+      for (int t = 0; t < WM; ++t)
+#pragma unroll
+        for (int i = 0; i < NACC; ++i) buf[(8 * (i >> 2) + 2 * c4 + (i & 1)) * PITCH + nl + 64 * t + 8 * ((i >> 1) & 1)] = acc[t][i];
+    };
+    if constexpr (CLUSTER) {
+      // in the cluster: the shares summed over the cluster's buffers (distributed shared memory)
+      stage_sums();
+      cluster_sync();  // every K range's sums are in its block's shared memory
+      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStaged, clock64());
+      const unsigned base = smem_addr(buf);
+      for (int w0 = u_begin + (tid & ~31); w0 < u_end; w0 += C::CONSUMERS) {
+        const int u = w0 + lane, r = u / (STRIP / 4), cc = (u % (STRIP / 4)) * 4;
+        const bool valid = u < u_end && cc < cols;
+        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (valid) {
+          const unsigned off = base + unsigned(r * PITCH + cc) * 4u;
+          float4 v[kSm90MaxClusterSplits];
+#pragma unroll
+          for (int sp = 0; sp < kSm90MaxClusterSplits; ++sp)
+            if (sp < p.splits) v[sp] = ld_cluster_f4(map_cluster(off, sp));
+          sum = v[0];
+#pragma unroll
+          for (int sp = 1; sp < kSm90MaxClusterSplits; ++sp)
+            if (sp < p.splits) add4(sum, v[sp]);
+        }
+        store_pairs(valid, r, cc, sum);
+      }
+      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStored, clock64());
+      cluster_sync();  // no block leaves (its shared memory) while another still reads it
+      return;
+    }
+    int* const counter = p.counters + z * p.strips + strip;
+    const std::int64_t split_stride = std::int64_t(p.M) * p.Npad;
+    if (p.spread) {
+      // Through global memory, spread: every block of the tile sums its share, as in a cluster, from fp32 partials in L2
+      // (the last block summing all of them alone is bound by one SM's loads from L2: 11008 x 4096 at M 32, 16 K
+      // ranges, took 0.0240 ms that way on the H200 and 0.0204 spread). Each block writes the other blocks' shares of
+      // its sums (16-byte stores from the staged tile; its own share stays in shared memory), waits for the tile's other
+      // blocks (the cooperative launch makes every block resident), then adds the K ranges of its share in order, its
+      // own from shared memory. The counter counts arrivals (up to splits), then departures; the last to leave sets it
+      // to zero for the next launch.
+      stage_sums();
+      consumer_bar_sync(C::CONSUMERS);
+      float* const part = p.partial + split * split_stride;
+      const int units = rows * (STRIP / 4);
+      for (int u = tid; u < units; u += C::CONSUMERS) {
+        const int r = u / (STRIP / 4), cc = (u % (STRIP / 4)) * 4;
+        if ((u < u_begin || u >= u_end) && cc < cols)
+          __stcg(reinterpret_cast<float4*>(part + std::int64_t(m0 + r) * p.Npad + n0 + cc), *reinterpret_cast<const float4*>(buf + r * PITCH + cc));
+      }
+      consumer_bar_sync(C::CONSUMERS);  // every share written, then released by thread 0's arrival
+      if (tid == 0) {
+        atom_add_acq_rel_gpu(counter, 1);
+        while (ld_acquire_gpu(counter) < p.splits) __nanosleep(64);
+      }
+      consumer_bar_sync(C::CONSUMERS);  // the other blocks' shares, acquired by thread 0, for every thread
+      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStaged, clock64());
+      for (int w0 = u_begin + (tid & ~31); w0 < u_end; w0 += C::CONSUMERS) {  // whole warps (store_pairs shuffles)
+        const int u = w0 + lane, r = u / (STRIP / 4), cc = (u % (STRIP / 4)) * 4;
+        const bool valid = u < u_end && cc < cols;
+        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (valid) {
+          const float* const src = p.partial + std::int64_t(m0 + r) * p.Npad + n0 + cc;
+          const float4 own = *reinterpret_cast<const float4*>(buf + r * PITCH + cc);
+          // 8 K ranges' loads in flight at a time
+          for (int sp0 = 0; sp0 < p.splits; sp0 += 8) {
+            float4 v[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+              if (sp0 + j < p.splits) v[j] = sp0 + j == split ? own : __ldcg(reinterpret_cast<const float4*>(src + (sp0 + j) * split_stride));
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+              if (sp0 + j < p.splits) {
+                if (sp0 + j == 0) sum = v[j];
+                else add4(sum, v[j]);
+              }
+          }
+        }
+        store_pairs(valid, r, cc, sum);
+      }
+      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStored, clock64());
+      if (tid == 0 && atomicAdd(counter, 1) == 2 * p.splits - 1) *counter = 0;  // every block has left the wait
+      return;
+    }
+    // through global memory, the last block: fp32 partials, and the last block of the tile to finish (a counter each)
+    // sums them
+    float* const part = p.partial + std::int64_t(split) * p.M * p.Npad;
+#pragma unroll
+    for (int t = 0; t < WM; ++t)
+#pragma unroll
+      for (int i = 0; i < NACC; ++i) {
+        const int n = n0 + nl + 64 * t + 8 * ((i >> 1) & 1), m = m0 + 8 * (i >> 2) + 2 * c4 + (i & 1);
+        if (m < p.M && n < p.Npad) part[std::int64_t(m) * p.Npad + n] = acc[t][i];
+      }
+    consumer_bar_sync(C::CONSUMERS);  // every partial written, then released by thread 0's arrival
+    if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueWaited, clock64());
+    if (tid == 0) last_flag = atom_add_acq_rel_gpu(counter, 1) == p.splits - 1;  // the last: the others' partials acquired
+    consumer_bar_sync(C::CONSUMERS);
+    if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStaged, clock64());
+    if (!last_flag) return;
+    // the last block: 4 features per lane, 4 K ranges' loads in flight at a time (Npad and n0 are multiples of 16:
+    // the float4 loads are aligned). (Batches of 8 predicated loads, as in the cluster form, were 4% slower at 4
+    // splits and 12% at 16.)
+    const int units = rows * (STRIP / 4);
+    for (int w0 = tid & ~31; w0 < units; w0 += C::CONSUMERS) {
+      const int u = w0 + lane, r = u / (STRIP / 4), cc = (u % (STRIP / 4)) * 4;
+      const bool valid = u < units && cc < cols;
+      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (valid) {
+        const float* src = p.partial + std::int64_t(m0 + r) * p.Npad + n0 + cc;
+        int sp = 0;
+        for (; sp + 4 <= p.splits; sp += 4) {
+          float4 v[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) v[j] = __ldcg(reinterpret_cast<const float4*>(src + (sp + j) * split_stride));
+#pragma unroll
+          for (int j = 0; j < 4; ++j) add4(sum, v[j]);
+        }
+        for (; sp < p.splits; ++sp) add4(sum, __ldcg(reinterpret_cast<const float4*>(src + sp * split_stride)));
+      }
+      store_pairs(valid, r, cc, sum);
+    }
+    if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStored, clock64());
+    if (tid == 0) *counter = 0;  // ready for the next launch
+  };
+
+  if constexpr (C::WS) {
+    // full[s]: the producer's expect-tx arrive + the TMA / bulk bytes;
+    // empty[s]: one arrive per consumer warp once the wgmma reading stage s finished
+    __shared__ std::uint64_t full_bar[S], empty_bar[S];
+    // the producer's first TMA copy needs x's tensor map: fetch it while the barriers are set up
+    if (warp == C::CONSUMERS / 32 && lane == 0) asm volatile("prefetch.tensormap [%0];\n" ::"l"(&x_map) : "memory");
+    if (tid == 0) {
+#pragma unroll
+      for (int sl = 0; sl < S; ++sl) {
+        mbar_init(full_bar + sl, 1);
+        mbar_init(empty_bar + sl, C::CONSUMERS / 32);
+      }
+      mbar_init_fence();
+    }
+    __syncthreads();
+    if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::SetUp, clock64());
+    if (warp >= C::CONSUMERS / 32) {  // the producer (warp CONSUMERS / 32; with WGS = 4 the rest of its warpgroup idles)
+      if constexpr (C::PRODUCERS == 128) set_max_regs_dec<C::PRODUCER_REGS>();
+      // the cluster barriers of the K-split reduction count every thread: the producer's take part, idle
+      if (warp > C::CONSUMERS / 32) {
+        if (CLUSTER && p.splits > 1) {
+          cluster_sync();
+          cluster_sync();
+        }
+        return;
+      }
+      const int cols = min(STRIP, p.Npad - n0);  // features of this strip (multiple of 16)
+      const unsigned wbytes = unsigned(cols / kTileN) * 512u;
+      for (int c = 0; c < nck; ++c) {  // chunk c of the K range into ring stage c % S
+        const int ring = c % S, kc = kc0 + c;
+        if (c >= S) mbar_wait(empty_bar + ring, unsigned(c / S - 1) & 1u);
+        unsigned char* const st = smem + ring * C::STAGE_BYTES;
+        const int g0 = group_of(kc * kTileK), rows = group_of(kc * kTileK + 48) - g0 + 1;
+        if (lane == 0) {  // x (the TMA counts the whole box, zero-filled parts included), tiles, group rows
+          if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, sm90_trace_slot::ProducerStart, clock64());
+          mbar_arrive_expect_tx(full_bar + ring, unsigned(XB) + wbytes + unsigned(rows * cols * 3));
+          tma_load_x(st, x_map, kc * kTileK, m0, full_bar + ring);
+          if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, sm90_trace_slot::ProducerX, clock64());
+          bulk_copy_g2s(st + XB, p.tiles + (std::int64_t(kc) * ntiles + tile0) * (kTileK * kTileN / 8), wbytes, full_bar + ring);
+          for (int r = 0; r < rows; ++r) {
+            const std::int64_t off = std::int64_t(g0 + r) * p.Npad + n0;
+            bulk_copy_g2s(st + XB + WB + r * STRIP * 2, p.scales + off, unsigned(cols * 2), full_bar + ring);
+            bulk_copy_g2s(st + XB + WB + SB + r * STRIP, p.zeros + off, unsigned(cols), full_bar + ring);
+          }
+          if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, sm90_trace_slot::QueuedFirst, clock64());
+          if (C::PROBE == 3 && c + 1 == nck) sm90_trace<C>(p, sm90_trace_slot::QueuedLast, clock64());
+        }
+        __syncwarp();
+      }
+      if (CLUSTER && p.splits > 1) {  // the reduction's two cluster barriers (see epilogue)
+        cluster_sync();
+        cluster_sync();
+      }
+      return;  // the consumers wait for every copy it queued (full barriers) before they leave
+    } else {
+      if constexpr (C::PRODUCERS == 128) set_max_regs_inc<C::CONSUMER_REGS>();
+      auto consume = [&](int c, auto& a_cur, auto& a_other) {  // chunk c of the K range, from ring stage c % S
+        const int ring = c % S;
+        mbar_wait(full_bar + ring, unsigned(c / S) & 1u);
+        if (C::PROBE == 3 && c == 0 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::FirstChunk, clock64());
+        __syncwarp();  // converged again before the .aligned wgmma operations
+        if constexpr (C::PROBE == 2) {
+          if (lane == 0) mbar_arrive(empty_bar + ring);
+          __syncwarp();
+          return;
+        }
+        mma_chunk(smem + ring * C::STAGE_BYTES, kc0 + c, a_cur, [] {});
+        retire(a_cur, a_other);
+        // GSCALE: the group ends with this chunk (the K range's last, or the next chunk starts the group after:
+        // groups are whole chunks, and next_group_k is where the one grp holds ends)
+        if constexpr (C::GSCALE)
+          if (c + 1 == nck || (kc0 + c + 1) * kTileK >= next_group_k) scale_group();
+        // the stage the finished wgmma read goes back to the producer (OVERLAP: the chunk before's)
+        if (lane == 0 && (!C::OVERLAP || c > 0)) mbar_arrive(empty_bar + (C::OVERLAP ? (c + S - 1) % S : ring));
+        __syncwarp();
+      };
+      for (int c = 0; c < nck; c += 2) {  // pairs: the two A sets alternate with static names
+        consume(c, a0, a1);
+        if (c + 1 < nck) consume(c + 1, a1, a0);
+      }
+      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::LoopEnd, clock64());
+      epilogue();
+      if (C::PROBE == 3 && tid == 0) {
+        sm90_trace<C>(p, sm90_trace_slot::End, clock64());
+        sm90_trace<C>(p, sm90_trace_slot::EndNs, global_ns());
+      }
+    }
+  } else {
+    constexpr int AHEAD = C::AHEAD;
+#pragma unroll
+    for (int s = 0; s < AHEAD; ++s) {  // prologue: AHEAD chunks in flight (a group per stage, empty ones too)
+      if (s < nck) load_chunk(kc0 + s, s);
+      cp_async_commit();
+    }
+    auto step = [&](int c, auto& a_cur, auto& a_other) {
+      cp_async_wait<AHEAD - 1>();  // this thread's copies of chunk c landed
+      fence_proxy_async();
+      // everyone's copies landed; every wgmma of chunk c - 1 (OVERLAP: c - 2) finished (retired below), so the
+      // stage it read may be refilled
+      __syncthreads();
+      mma_chunk(smem + (c % S) * C::STAGE_BYTES, kc0 + c, a_cur, [&] {  // refill the stage chunk c - 1 (OVERLAP: c - 2) used
+        const int nx = c + AHEAD;
+        if (nx < nck) load_chunk(kc0 + nx, nx % S);
+        cp_async_commit();
+        __syncwarp();  // the copy loops' trip counts differ per thread: reconverge before the .aligned wgmma ops
+      });
+      retire(a_cur, a_other);
+    };
+    for (int c = 0; c < nck; c += 2) {
+      step(c, a0, a1);
+      if (c + 1 < nck) step(c + 1, a1, a0);
+    }
+    cp_async_wait<0>();  // no copy may land after the block exits
+    epilogue();
+  }
+#endif
+}
+
+// Writes 1 when this build's device code has wgmma (compiled for sm_90a), 0 otherwise. A template, so that several
+// translation units of one program may include this header.
+template <int = 0>
+__global__ void sm90_wgmma_available(int* out) { *out = SQUEEZE_SM90_WGMMA; }
+
+}  // namespace detail
+
+// ---- host launchers ------------------------------------------------------------------------------------
+// True when the current device is sm_90 and this build's device code has wgmma (sm_90a). The first call
+// launches a one-thread probe and synchronizes; the answer is cached for the process.
+inline bool qgemm_sm90_supported() {
+  static const bool ok = [] {
+    int dev = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess || major != 9 || minor != 0) {
+      cudaGetLastError();
+      return false;
+    }
+    int* flag = nullptr;
+    int host = 0;
+    bool good = cudaMalloc(&flag, sizeof(int)) == cudaSuccess;
+    if (good) {
+      detail::sm90_wgmma_available<><<<1, 1>>>(flag);
+      good = cudaMemcpy(&host, flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess && host == 1;
+      cudaFree(flag);
+    }
+    cudaGetLastError();  // a launch without a kernel image for this device is an answer, not a sticky error
+    return good;
+  }();
+  return ok;
+}
+
+namespace detail {
+// x [M, K] (fp16 / bf16, row-major, K % 8 == 0, 16-byte aligned) as a TMA tensor map: boxes of [64 k] x [box_rows]
+// rows, 128-byte swizzle (the layout sw128_desc describes), zeros past M and K. The driver's encoder is looked up
+// once through the runtime (no link against libcuda); cudaErrorNotSupported when the driver has none.
+inline cudaError_t make_x_tensor_map(CUtensorMap& map, const void* x, std::int64_t M, std::int64_t K, int box_rows, bool bf16_data) {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      fn = nullptr;
+    cudaGetLastError();
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {cuuint64_t(K), cuuint64_t(M)};
+  const cuuint64_t row_stride[1] = {cuuint64_t(K) * 2};
+  const cuuint32_t box[2] = {cuuint32_t(kTileK), cuuint32_t(box_rows)};
+  const cuuint32_t step[2] = {1, 1};
+  const CUresult r = encode(&map, bf16_data ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, const_cast<void*>(x), dims,
+                            row_stride, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// The launch of a configuration-C kernel over `grid`, in clusters of (1, 1, cluster) blocks (the K ranges of a tile),
+// or without a cluster attribute for cluster 0; for cudaLaunchKernelEx and cudaOccupancyMaxActiveClusters (which
+// wants the attribute, 1 included). cooperative: every block resident at once, or the launch fails (the spread
+// reduction's blocks wait for each other). Not copyable: cfg points at attrs.
+template <class C>
+struct Sm90Launch {
+  cudaLaunchAttribute attrs[2]{};
+  cudaLaunchConfig_t cfg{};
+  Sm90Launch(dim3 grid, int cluster, cudaStream_t stream, bool cooperative = false) {
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(C::THREADS);
+    cfg.dynamicSmemBytes = C::SMEM_BYTES;
+    cfg.stream = stream;
+    cfg.attrs = attrs;
+    if (cluster > 0) {
+      cudaLaunchAttribute& a = attrs[cfg.numAttrs++];
+      a.id = cudaLaunchAttributeClusterDimension;
+      a.val.clusterDim.x = 1;
+      a.val.clusterDim.y = 1;
+      a.val.clusterDim.z = unsigned(cluster);
+    }
+    if (cooperative) {
+      cudaLaunchAttribute& a = attrs[cfg.numAttrs++];
+      a.id = cudaLaunchAttributeCooperative;
+      a.val.cooperative = 1;
+    }
+  }
+  Sm90Launch(const Sm90Launch&) = delete;
+  Sm90Launch& operator=(const Sm90Launch&) = delete;
+};
+
+// Lets the kernels of (T, C), both reductions, take C::SMEM_BYTES of dynamic shared memory: once per (T, C), for the
+// launcher and the capacity query alike.
+template <class T, class C>
+cudaError_t sm90_allow_smem() {
+  static const cudaError_t attr = [] {
+    const cudaError_t a = cudaFuncSetAttribute(qgemm_sm90_kernel<T, C, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
+    return a != cudaSuccess ? a : cudaFuncSetAttribute(qgemm_sm90_kernel<T, C, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
+  }();
+  return attr;
+}
+
+// The current device's capacity for configuration C: blocks per SM x SMs, and cudaOccupancyMaxActiveClusters per
+// cluster size; asked once per configuration. Where the device cannot say (no sm_90a code, not an sm_90 device), the
+// even capacity of sm_count SMs.
+template <class C>
+Sm90Capacity sm90_capacity(int sm_count) {
+  static const Sm90Capacity asked = [] {
+    Sm90Capacity c;
+    c.slots = 0;
+    if (!qgemm_sm90_supported()) return c;
+    const auto kernel = qgemm_sm90_kernel<bf16, C, true>;  // the cluster kernels (fp16 takes the same resources)
+    int dev = 0, sms = 0, per_sm = 0, per_sm_bf16 = 0, per_sm_half = 0;
+    if (sm90_allow_smem<bf16, C>() != cudaSuccess || sm90_allow_smem<half, C>() != cudaSuccess || cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, C::THREADS, C::SMEM_BYTES) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_bf16, qgemm_sm90_kernel<bf16, C, false>, C::THREADS, C::SMEM_BYTES) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_half, qgemm_sm90_kernel<half, C, false>, C::THREADS, C::SMEM_BYTES) != cudaSuccess) {
+      cudaGetLastError();
+      return c;
+    }
+    c.slots = per_sm * sms;
+    c.spread_slots = std::min(per_sm_bf16, per_sm_half) * sms;
+    for (int k = 1; k <= kSm90MaxClusterSplits; ++k) {
+      const Sm90Launch<C> launch(dim3(1, 1, unsigned(k)), k, nullptr);
+      if (cudaOccupancyMaxActiveClusters(&c.clusters[k], kernel, &launch.cfg) != cudaSuccess) {
+        cudaGetLastError();
+        c.clusters[k] = 0;
+      }
+    }
+    return c;
+  }();
+  return asked.slots > 0 ? asked : sm90_even_capacity<C>(sm_count);
+}
+
+// Configuration C with an explicit plan (benchmarks, tests). K splits reduced in a cluster launch as clusters of
+// (1, 1, splits) blocks; reduced through global memory they need the plan's workspace. trace: the timeline probe's
+// (blocks x kSm90TraceSlots values), required there and unused otherwise.
+template <class T, class C>
+cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y,
+                                  const QGemmShape& s, const Sm90Plan& p, const QGemmWorkspace& ws, cudaStream_t stream,
+                                  std::uint64_t* trace = nullptr) {
+  static_assert(std::is_same_v<T, half> || std::is_same_v<T, bf16>, "the quantized GEMM takes fp16 or bf16 activations");
+  if (!qgemm_sm90_reason(s).empty()) return cudaErrorInvalidValue;
+  if ((reinterpret_cast<std::uintptr_t>(x) | reinterpret_cast<std::uintptr_t>(tiles) | reinterpret_cast<std::uintptr_t>(scales) |
+       reinterpret_cast<std::uintptr_t>(zeros)) & 15)
+    return cudaErrorInvalidValue;  // 16-byte copies
+  if (std::int64_t(p.zslices) * p.strips > 0x7fffffff) return cudaErrorInvalidValue;  // the grid's x dimension
+  if (p.splits < 1 || p.splits > (p.cluster ? kSm90MaxClusterSplits : kSm90MaxSplits)) return cudaErrorInvalidValue;  // a portable cluster
+  if (!sm90_ranges_cover(p, s.Kpad / kTileK) || (p.cluster && p.lead < p.splits)) return cudaErrorInvalidValue;
+  if (C::GSCALE && s.group % kTileK) return cudaErrorInvalidValue;  // per-group scaling: groups of whole chunks
+  const bool global = p.splits > 1 && !p.cluster;
+  if (global && (ws.partial == nullptr || ws.partial_elems < p.partial_elems || ws.counters == nullptr || ws.counter_elems < p.counter_elems))
+    return cudaErrorInvalidValue;
+  if (global && (reinterpret_cast<std::uintptr_t>(ws.partial) & 15)) return cudaErrorInvalidValue;  // float4 sums
+  if (C::PROBE == 3 && trace == nullptr) return cudaErrorInvalidValue;  // the timeline's buffer: blocks x kSm90TraceSlots
+  if (!qgemm_sm90_supported()) return cudaErrorNotSupported;
+  const auto kernel = p.cluster ? qgemm_sm90_kernel<T, C, true> : qgemm_sm90_kernel<T, C, false>;
+  if (const cudaError_t attr = sm90_allow_smem<T, C>(); attr != cudaSuccess) return attr;
+  CUtensorMap x_map{};
+  if constexpr (C::WS)
+    if (const cudaError_t e = make_x_tensor_map(x_map, x, s.M, s.K, C::BN, std::is_same_v<T, bf16>); e != cudaSuccess) return e;
+  const Sm90Params prm{x, tiles, scales, zeros, y, ws.partial, ws.counters, int(s.M), int(s.N), int(s.K), int(s.Npad), int(s.group),
+                       int(s.Kpad / kTileK), p.cps, p.lead, p.cps_tail, p.strips, p.splits, p.zslices, int(global && p.spread), trace};
+  const Sm90Launch<C> launch(dim3(unsigned(p.zslices * p.strips), 1, unsigned(p.splits)), p.cluster ? p.splits : 0, stream, global && p.spread);
+  return cudaLaunchKernelEx(&launch.cfg, kernel, prm, x_map);
+}
+}  // namespace detail
+
+// The plan qgemm_sm90_cuda uses for s on this device (splits_override > 0 forces the K splits), and its workspace.
+inline Sm90Plan qgemm_sm90_plan(const QGemmShape& s, int sm_count, int splits_override = 0) {
+  return with_sm90_cfg(s, [&](auto c) {
+    using C = decltype(c);
+    return plan_qgemm_sm90<C>(s, detail::sm90_capacity<C>(sm_count), splits_override);
+  });
+}
+
+inline QGemmWorkspace qgemm_sm90_workspace_size(const QGemmShape& s, int sm_count, int splits_override = 0) {
+  const Sm90Plan p = qgemm_sm90_plan(s, sm_count, splits_override);
+  return {nullptr, p.partial_elems, nullptr, p.counter_elems};
+}
+
+// y [M, N] = x [M, K] * W^T with the same arguments as qgemm_cuda (4-bit tiles). cudaErrorInvalidValue: a shape
+// qgemm_sm90_reason rejects, misaligned pointers or a short workspace; cudaErrorNotSupported: no sm_90a device
+// code or not an sm_90 device (qgemm_sm90_supported).
+template <class T>
+cudaError_t qgemm_sm90_cuda(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y, const QGemmShape& s,
+                            const QGemmWorkspace& ws, int sm_count, cudaStream_t stream, int splits_override = 0) {
+  return with_sm90_cfg(s, [&](auto c) {
+    using C = decltype(c);
+    const Sm90Plan p = plan_qgemm_sm90<C>(s, detail::sm90_capacity<C>(sm_count), splits_override);
+    return detail::launch_qgemm_sm90_cfg<T, C>(x, tiles, scales, zeros, y, s, p, ws, stream);
+  });
+}
+
+}  // namespace squeeze::kernels::quant
