@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 7's scaling table: squeeze's ZeRO-3 rows (bench_table JSON lines, bench "table") beside the PyTorch FSDP2
+"""The several-GPU scaling table: squeeze's ZeRO-3 rows (bench_table JSON lines, bench "table") beside the PyTorch FSDP2
 peer in the same configuration (fsdp2_llama.py JSON lines, bench "fsdp2", matched by peer_of = the bench_table
 case, preset, layers, world, batch per GPU and seq), per world size.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The PyTorch FSDP2 peer of bench_table's ZeRO-3 rows (issue 7): the same LLaMA as examples/llama
+"""The PyTorch FSDP2 peer of bench_table's ZeRO-3 rows: the same LLaMA as examples/llama
 (include/squeeze/nn/llama.hpp: RMSNorm, RoPE in the rotate-half layout, grouped-query attention through
 F.scaled_dot_product_attention(is_causal=True), SwiGLU, an untied head, loss in float), written in plain PyTorch
 (no transformers), trained with torch.distributed.fsdp.fully_shard on every transformer block and on the root:
