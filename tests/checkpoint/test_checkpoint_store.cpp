@@ -411,7 +411,7 @@ TEST(SafetensorsReader, StrictAboutTheDataSection) {
     return root / name;
   };
   const std::string t = R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}})";
-  EXPECT_EQ(SafetensorsReader::open(write_raw("ok", t, 4)).read("a").size(), 4u);
+  EXPECT_EQ(SafetensorsReader::open(write_raw("ok", t, 4)).read_bytes("a").size(), 4u);
   EXPECT_HAS(error_of([&] { SafetensorsReader::open(write_raw("trailing", t, 6)); }), "cover 4 bytes of a 6-byte data section");
   EXPECT_HAS(error_of([&] { SafetensorsReader::open(write_raw("short", t, 3)); }), "past the data section");
   EXPECT_HAS(error_of([&] { SafetensorsReader::open(write_raw("gap", R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[2,4]}})", 4)); }),

@@ -390,17 +390,17 @@ class CheckpointReader {
                   detail::shape_text(t.shape) + ", expected " + std::string(dtype_name(dtype)) + " " + detail::shape_text(shape));
     return t;
   }
-  std::vector<std::byte> read_rank(int rank, const std::string& name) const { return rank_file(rank).read(name); }
+  std::vector<std::byte> read_rank(int rank, const std::string& name) const { return rank_file(rank).read_bytes(name); }
   // The whole tensor into `out`, whose size must be the tensor's byte count.
   void read_rank_into(int rank, const std::string& name, std::span<std::byte> out) const {
     const SafetensorsReader& f = rank_file(rank);
     const TensorInfo& t = f.info(name);
     check(out.size() == t.end - t.begin, "checkpoint file " + f.path().string() + ": tensor '" + name + "' has " +
                                              std::to_string(t.end - t.begin) + " bytes; the destination has " + std::to_string(out.size()));
-    f.read(name, 0, out);
+    f.read_bytes(name, out);
   }
   void read_rank_range(int rank, const std::string& name, std::uint64_t byte_offset, std::span<std::byte> out) const {
-    rank_file(rank).read(name, byte_offset, out);
+    rank_file(rank).read_bytes(name, out, byte_offset);
   }
   // Values of a tensor of the expected dtype (T's size must be the dtype's).
   template <class T>
@@ -412,7 +412,7 @@ class CheckpointReader {
       throw Error("checkpoint file " + f.path().string() + ": tensor '" + name + "' is " + std::string(dtype_name(t.dtype)) + ", expected " +
                   std::string(dtype_name(dtype)));
     std::vector<T> out(std::size_t((t.end - t.begin) / sizeof(T)));
-    f.read(name, 0, std::as_writable_bytes(std::span(out)));
+    f.read_bytes(name, std::as_writable_bytes(std::span(out)));
     return out;
   }
 

@@ -111,7 +111,8 @@ inline std::uint64_t read_le64(const std::byte* p) {
 inline void check_header_length(std::uint64_t n, std::uint64_t file_size, const std::string& source) {
   auto fail = [&](const std::string& what) { throw Error("safetensors " + source + ": " + what); };
   if (n > kMaxHeaderBytes) fail("header length " + std::to_string(n) + " exceeds the 100 MiB limit");
-  if (n > file_size - 8) fail("header length " + std::to_string(n) + " runs past the end of the file (" + std::to_string(file_size) + " bytes)");
+  if (n > file_size - 8)
+    fail("truncated header: header length " + std::to_string(n) + " runs past the end of the file (" + std::to_string(file_size) + " bytes)");
 }
 
 struct Header {
@@ -124,6 +125,7 @@ struct Header {
 inline Header parse_header(std::string_view text, std::uint64_t data_size, const std::string& source) {
   Header out;
   auto fail = [&](const std::string& what) { throw Error("safetensors " + source + ": " + what); };
+  if (text.empty() || text.front() != '{') fail("header does not start with '{'");
   const auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) fail("header is not valid JSON");
   if (!j.is_object()) fail("header JSON is not an object");
@@ -164,13 +166,18 @@ inline Header parse_header(std::string_view text, std::uint64_t data_size, const
           " and its shape need " + std::to_string(*want));
     out.tensors[name] = std::move(info);
   }
-  // non-overlapping
+  // Tensor after tensor from offset 0 to the end of the data section, as the format's reference reader requires:
+  // no overlap, no gap, no trailing bytes.
   std::vector<std::pair<std::uint64_t, std::uint64_t>> spans;
-  for (const auto& [_, t] : out.tensors)
-    if (t.end > t.begin) spans.emplace_back(t.begin, t.end);
+  for (const auto& [_, t] : out.tensors) spans.emplace_back(t.begin, t.end);
   std::sort(spans.begin(), spans.end());
-  for (std::size_t i = 1; i < spans.size(); ++i)
-    if (spans[i].first < spans[i - 1].second) fail("tensor byte ranges overlap at data offset " + std::to_string(spans[i].first));
+  std::uint64_t at = 0;
+  for (const auto& [b, e] : spans) {
+    if (b < at) fail("tensor byte ranges overlap at data offset " + std::to_string(b));
+    if (b > at) fail("tensor data is not contiguous at data offset " + std::to_string(at) + " (a gap)");
+    at = e;
+  }
+  if (at != data_size) fail("the tensors cover " + std::to_string(at) + " bytes of a " + std::to_string(data_size) + "-byte data section");
   return out;
 }
 }  // namespace detail
@@ -194,7 +201,7 @@ class SafetensorsFile {
     SafetensorsFile sf;
     sf.source_ = source;
     auto fail = [&](const std::string& what) { throw Error("safetensors " + source + ": " + what); };
-    if (bytes.size() < 8) fail("file has " + std::to_string(bytes.size()) + " bytes, shorter than the 8-byte header length");
+    if (bytes.size() < 8) fail("truncated header: the file has " + std::to_string(bytes.size()) + " bytes, shorter than the 8-byte header length");
     const std::uint64_t n = detail::read_le64(bytes.data());
     detail::check_header_length(n, bytes.size(), source);
     const std::string_view text(reinterpret_cast<const char*>(bytes.data()) + 8, std::size_t(n));
@@ -298,7 +305,7 @@ class SafetensorsReader {
     if (::fstat(r.fd_.get(), &st) != 0) fail("cannot stat: " + detail::errno_text());
     if (!S_ISREG(st.st_mode)) fail("not a regular file");
     const auto size = std::uint64_t(st.st_size);
-    if (size < 8) fail("file has " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
+    if (size < 8) fail("truncated header: the file has " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
     std::byte len[8];
     if (!detail::pread_all(r.fd_.get(), len, 0, r.source_)) fail("file ended inside the header length");
     const std::uint64_t n = detail::read_le64(len);
@@ -319,6 +326,8 @@ class SafetensorsReader {
   const std::filesystem::path& path() const { return path_; }
   std::uint64_t file_size() const { return file_size_; }
   std::uint64_t data_offset() const { return data_offset_; }  // where the data section starts in the file
+  // Where tensor `name`'s bytes start in the file (for copies of byte ranges between files).
+  std::uint64_t file_offset(const std::string& name) const { return data_offset_ + info(name).begin; }
   bool contains(const std::string& name) const { return tensors_.count(name) != 0; }
 
   const TensorInfo& info(const std::string& name) const {
