@@ -112,6 +112,7 @@ struct TrainOptions {
   int64_t scale_growth_interval = 2000;
   // Tokens per chunk of the model's loss (nn::LlamaImpl::loss_chunk_tokens; 0: unchunked); plan_for takes the same.
   int64_t loss_chunk_tokens = plan::kDefaultLossChunkTokens;
+  bool decay_norms_biases_embeddings = false;  // TrainerOptions' default: no weight decay on them
 };
 
 struct StepResult {
@@ -300,7 +301,8 @@ class Trainer {
     adamw.loss_scale.growth_interval = int(options.scale_growth_interval);
     // The model is built on the host in float; the trainer converts it on its way to `device`, so the device never
     // holds the float copy (the masters start from the float values kept on the host).
-    trainer_.emplace(make_trainer<S>(model_, adamw, comm ? std::move(comm) : comm::LocalComm::single(), {.device = device}));
+    trainer_.emplace(make_trainer<S>(model_, adamw, comm ? std::move(comm) : comm::LocalComm::single(),
+                                     {.device = device, .decay_norms_biases_embeddings = options.decay_norms_biases_embeddings}));
     for (const auto& [layout, begin] : trainer_->partition_layouts())
       for (const auto& e : layout->entries()) shapes_.emplace_back(e.name, e.shape);
   }

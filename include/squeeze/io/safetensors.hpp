@@ -220,7 +220,7 @@ class SafetensorsFile {
 
   const TensorInfo& info(const std::string& name) const {
     auto it = tensors_.find(name);
-    check(it != tensors_.end(), "safetensors " + source_ + ": no tensor named '" + name + "'");
+    check(it != tensors_.end(), "safetensors " + source_ + ": tensor '" + name + "' is missing");
     return it->second;
   }
   std::span<const std::byte> bytes(const std::string& name) const {
@@ -332,7 +332,7 @@ class SafetensorsReader {
 
   const TensorInfo& info(const std::string& name) const {
     auto it = tensors_.find(name);
-    check(it != tensors_.end(), "safetensors " + source_ + ": no tensor named '" + name + "'");
+    check(it != tensors_.end(), "safetensors " + source_ + ": tensor '" + name + "' is missing");
     return it->second;
   }
 

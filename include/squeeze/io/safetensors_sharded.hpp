@@ -195,7 +195,7 @@ class SafetensorsCheckpoint {
   bool contains(const std::string& name) const { return tensors_.count(name) != 0; }
   const CheckpointTensor& info(const std::string& name) const {
     auto it = tensors_.find(name);
-    check(it != tensors_.end(), "checkpoint " + source_ + ": no tensor named '" + name + "'");
+    check(it != tensors_.end(), "checkpoint " + source_ + ": tensor '" + name + "' is missing");
     return it->second;
   }
   const std::vector<std::string>& files() const { return files_; }
