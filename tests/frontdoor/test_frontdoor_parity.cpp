@@ -49,7 +49,10 @@ using StrategyOf = sq::Strategy<Sharded<sq::Stage<Stage>>, Precision<C, float>, 
 using Strategies = ::testing::Types<StrategyOf<0, float, 1>, StrategyOf<0, float, 4>, StrategyOf<0, bf16, 1>, StrategyOf<0, bf16, 4>,
                                     StrategyOf<1, float, 1>, StrategyOf<1, float, 4>, StrategyOf<1, bf16, 1>, StrategyOf<1, bf16, 4>,
                                     StrategyOf<2, float, 1>, StrategyOf<2, float, 4>, StrategyOf<2, bf16, 1>, StrategyOf<2, bf16, 4>,
-                                    StrategyOf<3, float, 1>, StrategyOf<3, float, 4>, StrategyOf<3, bf16, 1>, StrategyOf<3, bf16, 4>>;
+                                    StrategyOf<3, float, 1>, StrategyOf<3, float, 4>, StrategyOf<3, bf16, 1>, StrategyOf<3, bf16, 4>,
+                                    // host offload: stage 1 frees its gradient buffers between windows as stage 0 does
+                                    sq::Strategy<Sharded<sq::Stage1>, sq::Offload<sq::Host>, Precision<bf16, float>, Accumulate<4>>,
+                                    sq::Strategy<Sharded<sq::Stage3>, sq::Offload<sq::Host>, Precision<float, float>>>;
 TYPED_TEST_SUITE(Parity, Strategies);
 
 TYPED_TEST(Parity, UserModelAtWorlds1To4MatchesUnshardedTraining) {
