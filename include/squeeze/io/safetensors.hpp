@@ -120,6 +120,14 @@ struct Header {
   std::map<std::string, std::string> metadata;
 };
 
+// read<T>(name, expected) of SafetensorsFile and SafetensorsReader: the stored dtype and T's size must match.
+inline void check_read_type(const TensorInfo& t, DType expected, std::size_t element_size, const std::string& source,
+                            const std::string& name) {
+  check(t.dtype == expected, "safetensors " + source + ": tensor '" + name + "' has dtype " + std::string(dtype_name(t.dtype)) +
+                                 ", expected " + std::string(dtype_name(expected)));
+  check(element_size == dtype_size(expected), "safetensors: element type size does not match the dtype");
+}
+
 // Validates a header's JSON text against a data section of data_size bytes (shared by the in-memory
 // SafetensorsFile and the streaming SafetensorsReader, so both refuse exactly the same files).
 inline Header parse_header(std::string_view text, std::uint64_t data_size, const std::string& source) {
@@ -231,9 +239,7 @@ class SafetensorsFile {
   template <class T>
   std::vector<T> read(const std::string& name, DType expected) const {
     const auto& t = info(name);
-    check(t.dtype == expected, "safetensors " + source_ + ": tensor '" + name + "' has dtype " + std::string(dtype_name(t.dtype)) +
-                                   ", expected " + std::string(dtype_name(expected)));
-    check(sizeof(T) == dtype_size(expected), "safetensors: element type size does not match the dtype");
+    detail::check_read_type(t, expected, sizeof(T), source_, name);
     std::vector<T> out(std::size_t(t.numel()));
     const auto b = bytes(name);
     if (!b.empty()) std::memcpy(out.data(), b.data(), b.size());
@@ -358,9 +364,7 @@ class SafetensorsReader {
   template <class T>
   std::vector<T> read(const std::string& name, DType expected) const {
     const auto& t = info(name);
-    check(t.dtype == expected, "safetensors " + source_ + ": tensor '" + name + "' has dtype " + std::string(dtype_name(t.dtype)) +
-                                   ", expected " + std::string(dtype_name(expected)));
-    check(sizeof(T) == dtype_size(expected), "safetensors: element type size does not match the dtype");
+    detail::check_read_type(t, expected, sizeof(T), source_, name);
     std::vector<T> out(std::size_t(t.numel()));
     read_bytes(name, std::as_writable_bytes(std::span(out)));
     return out;
