@@ -32,6 +32,13 @@ if(NOT TARGET fmt::fmt AND EXISTS "${SQUEEZE_DEPS_DIR}/include/fmt")
   target_include_directories(fmt::fmt INTERFACE "${SQUEEZE_DEPS_DIR}/include")
   target_compile_definitions(fmt::fmt INTERFACE FMT_HEADER_ONLY=1)
 endif()
+# Training checkpoints (train/checkpoint.hpp, io/checkpoint_store.hpp) hash with OpenSSL's libcrypto (Debian:
+# libssl-dev) and index in JSON.
+find_package(OpenSSL COMPONENTS Crypto)
+if(TARGET OpenSSL::Crypto AND TARGET nlohmann_json::nlohmann_json)
+  add_library(squeeze_checkpoint_deps INTERFACE)
+  target_link_libraries(squeeze_checkpoint_deps INTERFACE nlohmann_json::nlohmann_json OpenSSL::Crypto)
+endif()
 if(SQUEEZE_HAS_CUDA)
   find_package(NCCL)
 endif()

@@ -63,6 +63,7 @@
 #include <sstream>
 
 #include <squeeze/comm/env.hpp>
+#include <squeeze/policy/strategy_name.hpp>
 #if defined(SQUEEZE_WITH_NCCL) && SQUEEZE_WITH_NCCL
 #include <squeeze/comm/nccl.hpp>
 #endif
@@ -341,37 +342,12 @@ Row run_peer(const RowSpec& spec, const Options& o, const nn::LlamaConfig& confi
   return row;
 }
 
-template <StrategyType S>
-std::string spelled() {
-  std::string s = "Strategy<";
-  std::vector<std::string> parts;
-  if constexpr (S::stage > 0) parts.push_back("Sharded<Stage" + std::to_string(S::stage) + ">");
-  if constexpr (S::offload_to_host) parts.push_back("Offload<Host>");
-  if constexpr (S::quantized_weights) {
-    using Q = typename S::weight_quantization;
-    constexpr bool nf4 = std::is_same_v<typename Q::method, NF4>;
-    std::string q = "Quantized<" + std::to_string(Q::bits) + ", " + (nf4 ? "NF4" : std::is_same_v<typename Q::method, GPTQ> ? "GPTQ" : "RTN");
-    if constexpr (!nf4) q += Q::group > 0 ? ", Group<" + std::to_string(Q::group) + ">" : ", PerChannel";
-    if constexpr (Q::double_quant) q += ", DoubleQuant";
-    parts.push_back(q + ">");
-  }
-  if constexpr (S::has_lora) parts.push_back("LoRA<" + std::to_string(S::lora_rank) + ", " + std::to_string(S::lora::alpha) + ">");
-  if constexpr (S::accumulation_steps > 1) parts.push_back("Accumulate<" + std::to_string(S::accumulation_steps) + ">");
-  if constexpr (!std::is_same_v<typename S::compute_type, float>)
-    parts.push_back(std::is_same_v<typename S::compute_type, bf16> ? "Precision<bf16, float>" : "Precision<half, float>");
-  if constexpr (S::checkpoint_every == 1) parts.push_back("Checkpointed");
-  else if constexpr (S::checkpoint_every > 1) parts.push_back("CheckpointEvery<" + std::to_string(S::checkpoint_every) + ">");
-  if constexpr (S::state_bits == 8) parts.push_back("Quantized<8, Blockwise8>");
-  for (size_t i = 0; i < parts.size(); ++i) s += (i ? ", " : "") + parts[i];
-  return s + ">";
-}
-
 Row run_strategy(const RowSpec& spec, const Options& o, const nn::LlamaConfig& config, const Data& data, const Dist& d,
                  const torch::Device& device, const llama::TrainOptions& topt) {
   Row row{spec, ""};
   guarded(row, device, [&] {
     llama::with_strategy(spec.name, [&]<StrategyType S>() {
-      row.strategy = spelled<S>();
+      row.strategy = strategy_name<S>();
       const plan::MemoryPlan p = llama::plan_for<S>(config, spec.batch, o.seq, d.world, topt.loss_chunk_tokens);
       row.planned_gb = double(p.peak().device) / 1e9;
       row.planned_host_gb = double(p.peak().host) / 1e9;

@@ -144,7 +144,7 @@ int train(const Options& o) {
   };
   const auto save = [&](Progress& bar) {
     if (o.save.empty()) return;
-    trainer.save(o.save, o.strategy);
+    trainer.save(o.save);
     bar.message("saved " + o.save + " at step " + std::to_string(trainer.step_count()));
   };
 
@@ -208,8 +208,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--device", o.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
   app.add_option("--corpus", o.corpus, "train on this text file instead of the KJV");
-  app.add_option("--save", o.save, "write a checkpoint here at every evaluation and at the end");
-  app.add_option("--load", o.load, "resume from this checkpoint")->check(CLI::ExistingFile);
+  app.add_option("--save", o.save, "checkpoint directory: a checkpoint at every evaluation and at the end (the newest three kept)");
+  app.add_option("--load", o.load, "resume from the latest checkpoint in this directory (any world size)")->check(CLI::ExistingDirectory);
   app.add_option("--eval-every", o.eval_every, "steps between validation runs (0: only at the end)")->capture_default_str();
   app.add_option("--eval-batches", o.eval_batches, "validation batches per evaluation")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--log-every", o.log_every, "steps between progress lines when not on a terminal (0: ten lines)");

@@ -2,11 +2,12 @@
 // The LLaMA example's strategies and its one trainer (shared by train.cpp, the llama tests and bench/table): every
 // strategy goes through squeeze::make_trainer<S> (train/trainer.hpp), which does all that S says (precision and
 // masters, loss scaling, accumulation, ZeRO stages, host offload, 8-bit state, LoRA / QLoRA, checkpointing).
-// Checkpoints (save/load) hold the trainable weights, the optimizer state, the step and the loss scale; they are
-// written to a temporary file and renamed, so a failed save never replaces a good checkpoint.
+// Checkpoints (save/load) are the library's (train/checkpoint.hpp): per-rank safetensors shards, an index, crash-safe
+// saves, loading at any world size and stage.
 #include <squeeze/comm/local.hpp>
 #include <squeeze/nn/llama.hpp>
 #include <squeeze/nn/lora.hpp>
+#include <squeeze/train/checkpoint.hpp>
 #include <squeeze/train/trainer.hpp>
 #include <squeeze/optim/adamw.hpp>
 #include <squeeze/plan.hpp>
@@ -182,98 +183,25 @@ inline double evaluate_loss(Llama& model, const std::vector<std::pair<torch::Ten
 }
 
 // ---- checkpoints (every trainer) -----------------------------------------------------------------------
-// A torch archive: format tag, the strategy and geometry it was written under, then the trainer's named tensors
-// and scalars. Written to
-// FILE.tmp and renamed, so a failed save never replaces a good checkpoint.
-inline constexpr const char* kCheckpointFormat = "squeeze-llama-checkpoint-3";
+// The library's (squeeze::save_checkpoint, train/checkpoint.hpp): a directory of step-NNNNNN/ checkpoints, one
+// safetensors file per rank and an index, `latest` naming the newest; the model's geometry rides in the record.
+inline nlohmann::json geometry_of(const LlamaConfig& c) {
+  return {{"preset", c.name}, {"vocab", c.vocab}, {"hidden", c.hidden}, {"layers", c.layers}, {"heads", c.heads},
+          {"kv_heads", c.kv_heads}, {"ffn", c.ffn}};
+}
 
-inline std::vector<int64_t> geometry_of(const LlamaConfig& c) { return {c.vocab, c.hidden, c.layers, c.heads, c.kv_heads, c.ffn}; }
-
-class CheckpointWriter {
- public:
-  CheckpointWriter(const LlamaConfig& c, std::string_view strategy) {
-    archive_.write("format", c10::IValue(std::string(kCheckpointFormat)));
-    archive_.write("strategy", c10::IValue(std::string(strategy)));
-    archive_.write("preset", c10::IValue(c.name));
-    archive_.write("geometry", c10::IValue(geometry_of(c)));
-  }
-  void tensor(const std::string& key, const torch::Tensor& t) { archive_.write(key, t.detach().to(torch::kCPU).clone()); }
-  void scalar(const std::string& key, int64_t v) { archive_.write(key, c10::IValue(v)); }
-  void scalar(const std::string& key, double v) { archive_.write(key, c10::IValue(v)); }
-  void string(const std::string& key, const std::string& v) { archive_.write(key, c10::IValue(v)); }
-  void archive(const std::string& key, torch::serialize::OutputArchive& a) { archive_.write(key, a); }
-  void save(const std::string& path) {
-    const std::string tmp = path + ".tmp";
-    try {
-      archive_.save_to(tmp);
-    } catch (const std::exception& e) {
-      std::error_code ec;
-      std::filesystem::remove(tmp, ec);
-      TORCH_CHECK(false, "could not write checkpoint '", tmp, "': ", e.what(), " (", path, " was left as it was)");
-    }
-    std::error_code ec;
-    std::filesystem::rename(tmp, path, ec);
-    TORCH_CHECK(!ec, "could not rename '", tmp, "' to '", path, "': ", ec.message());
-  }
-
- private:
-  torch::serialize::OutputArchive archive_;
-};
-
-// Opens and checks a checkpoint (format, geometry); the trainer then reads everything it needs and
-// checks it before changing anything.
-class CheckpointReader {
- public:
-  CheckpointReader(const std::string& path, const LlamaConfig& c) : path_(path) {
-    TORCH_CHECK(std::filesystem::exists(path), "checkpoint '", path, "' does not exist");
-    try {
-      archive_.load_from(path);
-    } catch (const std::exception& e) {
-      const std::string what = e.what();
-      TORCH_CHECK(false, "checkpoint '", path, "' is corrupt or not a checkpoint (", what.substr(0, what.find('\n')), ")");
-    }
-    c10::IValue v;
-    TORCH_CHECK(archive_.try_read("format", v) && v.isString() && v.toStringRef() == kCheckpointFormat, "'", path,
-                "' is not a squeeze LLaMA checkpoint (format tag missing or of another version)");
-    const std::vector<int64_t> want = geometry_of(c);
-    TORCH_CHECK(archive_.try_read("geometry", v) && v.isIntList(), "checkpoint '", path, "' has no geometry");
-    const std::vector<int64_t> got = v.toIntVector();
-    TORCH_CHECK(got == want, "checkpoint '", path, "' holds preset '", string("preset"), "' with (vocab, hidden, layers, heads, kv_heads, ffn) = ",
-                c10::IntArrayRef(got), ", but this model is '", c.name, "' ", c10::IntArrayRef(want));
-  }
-  std::string string(const std::string& key) {
-    c10::IValue v;
-    TORCH_CHECK(archive_.try_read(key, v) && v.isString(), "checkpoint '", path_, "' has no '", key, "'");
-    return v.toStringRef();
-  }
-  int64_t integer(const std::string& key) {
-    c10::IValue v;
-    TORCH_CHECK(archive_.try_read(key, v) && v.isInt(), "checkpoint '", path_, "' has no '", key, "'");
-    return v.toInt();
-  }
-  double real(const std::string& key) {
-    c10::IValue v;
-    TORCH_CHECK(archive_.try_read(key, v) && v.isDouble(), "checkpoint '", path_, "' has no '", key, "'");
-    return v.toDouble();
-  }
-  torch::serialize::InputArchive archive(const std::string& key) {
-    torch::serialize::InputArchive a;
-    TORCH_CHECK(archive_.try_read(key, a), "checkpoint '", path_, "' has no '", key, "'");
-    return a;
-  }
-  // A tensor of the given shape (finite, if floating-point).
-  torch::Tensor tensor(const std::string& key, c10::IntArrayRef shape) {
-    torch::Tensor t;
-    TORCH_CHECK(archive_.try_read(key, t), "checkpoint '", path_, "' has no tensor '", key, "'");
-    TORCH_CHECK(t.sizes() == shape, "checkpoint '", path_, "': '", key, "' is ", t.sizes(), ", the model expects ", shape);
-    if (t.is_floating_point()) TORCH_CHECK(t.isfinite().all().item<bool>(), "checkpoint '", path_, "': '", key, "' holds inf/NaN");
-    return t;
-  }
-
- private:
-  std::string path_;
-  torch::serialize::InputArchive archive_;
-};
+// The record of the checkpoint under `root` that a load would read, after checking it holds this geometry.
+inline nlohmann::json checked_record(const std::string& root, const LlamaConfig& c) {
+  const io::CheckpointReader r = io::CheckpointStore(root).open_latest({.verify = io::Verify::sizes});
+  const nlohmann::json rec = r.index().record.value("user", nlohmann::json::object());
+  const nlohmann::json want = geometry_of(c), got = rec.value("model", nlohmann::json::object());
+  TORCH_CHECK(got.is_object(), "checkpoint ", r.dir().string(), " has no model geometry: it was not written by this example");
+  nlohmann::json a = got, b = want;
+  a.erase("preset"), b.erase("preset");
+  TORCH_CHECK(a == b, "checkpoint ", r.dir().string(), " holds preset '", got.value("preset", std::string("?")), "' ", got.dump(),
+              ", but this model is '", c.name, "' ", want.dump());
+  return rec;
+}
 
 // The example's trainer for any strategy: squeeze::make_trainer<S> on an nn::Llama built in float (rank 0's
 // initial values are broadcast; the trainer converts the model to S's compute type with fp32 masters from the float
@@ -303,12 +231,11 @@ class Trainer {
     // holds the float copy (the masters start from the float values kept on the host).
     trainer_.emplace(make_trainer<S>(model_, adamw, comm ? std::move(comm) : comm::LocalComm::single(),
                                      {.device = device, .decay_norms_biases_embeddings = options.decay_norms_biases_embeddings}));
-    for (const auto& [layout, begin] : trainer_->partition_layouts())
-      for (const auto& e : layout->entries()) shapes_.emplace_back(e.name, e.shape);
   }
   Trainer(const Trainer&) = delete;
 
   Llama& model() { return model_; }
+  train::Trainer<S, squeeze::AdamW>& trainer() { return *trainer_; }  // the library's trainer it drives
   int64_t step_count() const { return trainer_->steps_applied(); }
   double loss_scale() const { return trainer_->scale(); }
   void set_lr(double lr) { trainer_->set_lr(float(lr)); }
@@ -342,117 +269,28 @@ class Trainer {
   std::vector<std::pair<std::string, torch::Tensor>> full_parameters() { return trainer_->full_parameters(); }
 
   // ---- checkpoints ------------------------------------------------------------------------------------
-  // Every rank writes its own file (PATH at world size 1, PATH.rank<r>-of-<N> otherwise): the full trainable
-  // weights by name (float; gathering them is a collective, so every rank calls save), this rank's optimizer
-  // partitions (fp32 master, m, v, in the trainer's flat layout), the counters, and the frozen base as stored
-  // (LoRA: dense tensors, NF4 codes and scales, GPTQ buffers; built from the seed, so load checks it is this
-  // model's). A checkpoint loads into the same strategy at the same world size.
-  void save(const std::string& path, std::string_view strategy_name) {
-    comm::Communicator& c = trainer_->communicator();
-    CheckpointWriter w(model_->config, strategy_name);
-    w.scalar("world", int64_t(c.size()));
-    w.scalar("rank", int64_t(c.rank()));
-    w.scalar("step", trainer_->steps_applied());
-    w.scalar("loss_scale", double(trainer_->scale()));
-    w.scalar("good_steps", int64_t(trainer_->loss_scaler().state().growth_tracker));
-    w.string("layout", layout());
-    for (const auto& [name, t] : trainer_->full_parameters()) w.tensor("weights/" + name, t.to(torch::kFloat32));
-    for (const auto& [name, t] : frozen()) w.tensor("base/" + name, t);
-    const auto state = trainer_->optimizer_state();
-    for (size_t k = 0; k < state.size(); ++k)
-      for (size_t j = 0; j < state[k].size(); ++j)
-        if (state[k][j].defined()) w.tensor(partition_key(k, j), state[k][j]);
-    w.save(rank_path(path));
+  // Every rank calls save (a collective) and writes its own shard of the optimizer state; load maps a checkpoint
+  // of any world size and stage onto this trainer (squeeze::load_checkpoint), after checking the geometry.
+  void save(const std::string& root, nlohmann::json record = nlohmann::json::object()) {
+    record["model"] = geometry_of(model_->config);
+    save_checkpoint(*trainer_, root, std::move(record));
   }
-
-  void load(const std::string& path) {
-    comm::Communicator& c = trainer_->communicator();
-    CheckpointReader r(rank_path(path), model_->config);
-    TORCH_CHECK(r.integer("world") == c.size() && r.integer("rank") == c.rank(), "checkpoint '", rank_path(path), "' is rank ",
-                r.integer("rank"), " of ", r.integer("world"), "; this trainer is rank ", c.rank(), " of ", c.size());
-    const std::string theirs = r.string("layout"), mine = layout();
-    TORCH_CHECK(theirs == mine, "checkpoint '", rank_path(path), "' was written by strategy '", r.string("strategy"), "' (", theirs,
-                "); this strategy keeps ", mine, ": load it with the strategy it was written by");
-    std::map<std::string, torch::Tensor> weights;
-    for (const auto& [name, shape] : shapes_) weights[name] = r.tensor("weights/" + name, shape);
-    for (const auto& [name, mine] : frozen())
-      TORCH_CHECK(torch::equal(r.tensor("base/" + name, mine.sizes()), mine.detach().cpu()), "checkpoint '", rank_path(path),
-                  "': the frozen base differs from this model's ('", name, "'); it is built from the seed: resume with the --seed it was trained with");
-    auto state = trainer_->optimizer_state();
-    std::vector<std::vector<torch::Tensor>> loaded(state.size());
-    for (size_t k = 0; k < state.size(); ++k) {
-      loaded[k].resize(state[k].size());
-      for (size_t j = 0; j < state[k].size(); ++j) {
-        if (!state[k][j].defined()) continue;
-        const std::string key = partition_key(k, j);
-        loaded[k][j] = r.tensor(key, state[k][j].sizes());
-        // 8-bit state (uint8 codes) and fp32 moments have the same shapes: the dtype tells them apart.
-        TORCH_CHECK(loaded[k][j].scalar_type() == state[k][j].scalar_type(), "checkpoint '", rank_path(path), "': '", key, "' is ",
-                    loaded[k][j].scalar_type(), " but this strategy keeps ", state[k][j].scalar_type(),
-                    " (fp32 vs 8-bit optimizer state): load it with the strategy it was written by");
-      }
-    }
-    const int64_t step = r.integer("step");
-    const double scale = r.real("loss_scale");
-    const int64_t good = r.integer("good_steps");
-
-    trainer_->sync();  // an offloaded update still in flight must not land on the loaded values
-    torch::NoGradGuard no_grad;
-    // Trainable parameters: whole ones are views into the trainer's flat buffers; stage-3 layers keep a shard of
-    // their flat layout, cut from the full values here.
-    for (auto& p : model_->named_parameters())
-      if (p.value().requires_grad() && p.value().numel() > 0) p.value().copy_(weights.at(p.key()));
-    for (auto& item : model_->named_modules()) {
-      auto* sh = dynamic_cast<train::Shardable*>(item.value().get());
-      if (sh == nullptr || sh->group() == nullptr) continue;
-      train::Stage3Group& g = *sh->group();
-      torch::Tensor full = torch::zeros({g.layout.padded()}, g.shard.options().requires_grad(false));
-      for (const auto& e : g.layout.entries()) train::FlatParams::view(full, e).copy_(weights.at(e.name));
-      g.shard.detach().copy_(g.layout.shard_of(full, c.rank()));
-    }
-    for (size_t k = 0; k < state.size(); ++k)
-      for (size_t j = 0; j < state[k].size(); ++j)
-        if (state[k][j].defined()) state[k][j].copy_(loaded[k][j]);
-    trainer_->restore_counters(step, float(scale), good);
+  nlohmann::json load(const std::string& root) {
+    checked_record(root, model_->config);
+    return load_checkpoint(*trainer_, root);
   }
 
  private:
-  // What the optimizer state looks like: a checkpoint loads only into a trainer that keeps the same.
-  std::string layout() {
-    std::string s = std::string(S::has_lora ? "adapters" : "weights") + ", " + (S::state_bits == 8 ? "8-bit" : "fp32") + " moments, " +
-                    (S::has_master_copy && !S::has_lora ? "fp32 masters" : "no masters") + ", partitions";
-    for (const auto& [layout, begin] : trainer_->partition_layouts()) s += " " + std::to_string(layout->shard());
-    return s;
-  }
-  // The frozen tensors (a LoRA strategy's base: parameters that take no gradient and every buffer), by name.
-  std::vector<std::pair<std::string, torch::Tensor>> frozen() {
-    std::vector<std::pair<std::string, torch::Tensor>> out;
-    for (const auto& p : model_->named_parameters())
-      if (!p.value().requires_grad() && p.value().numel() > 0) out.emplace_back(p.key(), p.value());
-    for (const auto& b : model_->named_buffers()) out.emplace_back(b.key(), b.value());
-    return out;
-  }
-  // zero/<partition>/<master|m|v> (+ m_absmax, v_absmax with 8-bit state: train::Trainer::optimizer_state_names).
-  static std::string partition_key(size_t k, size_t j) {
-    return "zero/" + std::to_string(k) + "/" + train::Trainer<S, squeeze::AdamW>::optimizer_state_names().at(j);
-  }
-  std::string rank_path(const std::string& path) {
-    comm::Communicator& c = trainer_->communicator();
-    return c.size() == 1 ? path : path + ".rank" + std::to_string(c.rank()) + "-of-" + std::to_string(c.size());
-  }
-
   Llama model_;
-  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes_;
   std::optional<train::Trainer<S, squeeze::AdamW>> trainer_;
 };
 
-// The float weights of a checkpoint written by Trainer<S>::save for any strategy that trains full weights, as a new
+// The trained weights of a checkpoint written by Trainer<S>::save for a strategy that trains full weights, as a new
 // model on `device` (geometry checked against `config`): what llama_gptq quantizes.
-inline Llama load_weights(const std::string& path, LlamaConfig config, torch::Device device) {
-  CheckpointReader r(path, config);
+inline Llama load_weights(const std::string& root, LlamaConfig config, torch::Device device) {
+  checked_record(root, config);
   Llama model(std::move(config));
-  torch::NoGradGuard no_grad;
-  for (auto& p : model->named_parameters()) p.value().copy_(r.tensor("weights/" + p.key(), p.value().sizes()));
+  load_checkpoint_weights(*model, root);
   model->to(device);
   return model;
 }

@@ -1,7 +1,7 @@
 // Quantize a LLaMA trained by the LLaMA example (llama_train) with RTN and GPTQ, and report validation
 // perplexity on the King James Bible for the dense model and every method x bits x group.
 //
-//   llama_gptq --preset tiny --checkpoint kjv.pt --bits 4,3 --group 128,channel --out results/tiny
+//   llama_gptq --preset tiny --checkpoint kjv-checkpoints --bits 4,3 --group 128,channel --out results/tiny
 //   llama_gptq --preset tiny --train-steps 600 --bits 4,3 --group 128,channel --save packed/
 //   llama_gptq --load-quantized packed/gptq-w4-g128          (evaluate a saved packed checkpoint)
 //
@@ -171,7 +171,7 @@ void train_and_save(const Options& o, const torch::Tensor& train_ids, torch::Dev
                   (long long)o.train_steps, r.loss, double(trainer.step_count() * o.train_batch * o.seq) / s);
     bar.status(line, trainer.step_count() % std::max<int64_t>(1, o.train_steps / 10) == 0);
   }
-  trainer.save(path, o.strategy);
+  trainer.save(path);
   bar.message("trained " + std::to_string(o.train_steps) + " steps (" + o.strategy + "), checkpoint " + path);
 }
 
@@ -277,7 +277,7 @@ int run(Options& o) {
   // The float model: a llama_train checkpoint, or one trained here first with the same trainer.
   std::string ckpt = o.checkpoint;
   if (o.train_steps > 0) {
-    ckpt = o.train_save.empty() ? (std::filesystem::temp_directory_path() / ("llama_gptq-" + std::to_string(getpid()) + ".pt")).string() : o.train_save;
+    ckpt = o.train_save.empty() ? (std::filesystem::temp_directory_path() / ("llama_gptq-" + std::to_string(getpid()) + "-checkpoints")).string() : o.train_save;
     if (const auto parent = std::filesystem::path(ckpt).parent_path(); !parent.empty()) std::filesystem::create_directories(parent);
     llama::with_strategy(o.strategy, [&]<StrategyType S>() {
       // the strategies that train full weights (a LoRA checkpoint holds adapters only)

@@ -80,6 +80,20 @@ class FlatParams {
     grad_ = torch::zeros({padded_}, options_);
     for (auto& e : entries_) e.param.mutable_grad() = view(grad_, e);
   }
+  // Moves the parameters' own .grad (one tensor each, as autograd made them) into a flat buffer [padded]:
+  // added into `into` (allocated zeroed in `dtype` when undefined), each .grad freed once moved.
+  void move_grads_into(torch::Tensor& into, torch::ScalarType dtype) {
+    torch::NoGradGuard no_grad;
+    if (!into.defined()) into = torch::zeros({padded_}, options_.dtype(dtype));
+    for (auto& e : entries_) {
+      torch::Tensor& g = e.param.mutable_grad();
+      if (!g.defined()) continue;
+      view(into, e).add_(g);
+      g.reset();
+    }
+  }
+  // The same into this group's own gradient buffer (the parameters' dtype).
+  void collect_grads() { move_grads_into(grad_, options_.dtype().toScalarType()); }
   void zero_grad() {
     if (grad_.defined()) grad_.zero_();
   }

@@ -120,6 +120,7 @@ namespace squeeze::train {
 template <StrategyType S, AdamWHyperparameters O>
 class Trainer {
  public:
+  using strategy = S;
   using Compute = typename S::compute_type;
   // LoRA trains adapters kept in the master type (fp32), cast to the activations' dtype in forward: they are their
   // own masters. Full training keeps parameters in the compute type (with fp32 masters when that is 16-bit).
@@ -332,7 +333,6 @@ class Trainer {
                 loss.defined() ? loss.sizes() : torch::IntArrayRef{});
     TORCH_CHECK(loss.requires_grad(), "Trainer::step: the loss does not require grad (computed under NoGradGuard?)");
     if (runtime_) runtime_->set_phase(Stage3Runtime::Phase::backward);
-    if (rep_) attach_replicated_grads();  // after forward: activations and gradients do not peak together
     (loss * (double(r.scale) * weight)).backward();
     r.loss = loss.detach().to(torch::kFloat32).item<float>();  // read after backward: no host stall between them
     if (runtime_) {
@@ -387,7 +387,8 @@ class Trainer {
   // Resuming from a checkpoint whose parameters and optimizer state were copied in: AdamW's bias correction
   // continues from `steps_applied`; the dynamic loss scale (ignored for a static or no scale) and its clean
   // steps since the last change come back as they were saved.
-  void restore_counters(int64_t steps_applied, float loss_scale, int64_t good_steps) {
+  void restore_counters(int64_t steps_applied, float loss_scale, int64_t good_steps, int64_t skipped = 0) {
+    TORCH_CHECK(skipped >= 0, "Trainer::restore_counters: skipped must be >= 0, got ", skipped);
     TORCH_CHECK(steps_applied >= 0, "Trainer::restore_counters: steps_applied must be >= 0, got ", steps_applied);
     TORCH_CHECK(good_steps >= 0 && good_steps <= std::numeric_limits<std::int32_t>::max(),
                 "Trainer::restore_counters: good_steps out of range: ", good_steps);
@@ -400,6 +401,7 @@ class Trainer {
       }
     }
     applied_ = steps_applied;
+    skipped_ = skipped;
   }
   const kernels::LossScaler& loss_scaler() const { return scaler_; }
   comm::Communicator& communicator() { return *comm_; }
@@ -455,6 +457,47 @@ class Trainer {
     for (auto& g : groups3_) out.emplace_back(&g->layout, int64_t(rank_) * g->layout.shard());
     return out;
   }
+  // One optimizer partition as a checkpoint stores it (train/checkpoint.hpp): its flat layout, whether every rank
+  // holds all of it (stage 0's replicated buffer) or its own shard, and its buffers. Views: copying values into
+  // them restores them (then share_loaded_parameters()).
+  struct PartitionBuffers {
+    std::string key;           // "replicated", "bucket<i>" or the stage-3 layer's name: unique within the trainer
+    const FlatParams* layout;  // parameter names, shapes and offsets of the flat buffer the partition cuts
+    int64_t align;             // the layout's alignment in elements
+    bool whole;                // stage 0: the buffers hold the whole padded layout on every rank
+    std::vector<std::pair<std::string, torch::Tensor>> elementwise;  // one element per parameter element: param, master, m, v
+    std::vector<std::pair<std::string, torch::Tensor>> blockwise;    // 8-bit state: m_absmax, v_absmax (one per 256-element block)
+  };
+  std::vector<PartitionBuffers> partition_buffers() {
+    sync();
+    std::vector<PartitionBuffers> out;
+    const auto layouts = partition_layouts();
+    const std::vector<Partition*> parts = partitions();
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const Partition& o = *parts[i];
+      PartitionBuffers b{i == 0 && rep_ ? "replicated" : "", layouts[i].first, align_elems(), kStage == 0 && rep_ && i == 0, {}, {}};
+      if (b.key.empty()) b.key = i < (rep_ ? 1 : 0) + buckets_.size() ? "bucket" + std::to_string(i - (rep_ ? 1 : 0))
+                                                                      : groups3_[i - (rep_ ? 1 : 0) - buckets_.size()]->name;
+      b.elementwise.emplace_back("param", o.param.detach());
+      if (o.master.defined()) b.elementwise.emplace_back("master", o.master);
+      b.elementwise.emplace_back("m", o.m);
+      b.elementwise.emplace_back("v", o.v);
+      if constexpr (k8bit) b.blockwise = {{"m_absmax", o.m_absmax}, {"v_absmax", o.v_absmax}};
+      out.push_back(std::move(b));
+    }
+    return out;
+  }
+  // After a checkpoint's values were copied into partition_buffers(): stages 1-2 give every rank the parameters
+  // the other ranks own (a collective).
+  void share_loaded_parameters() {
+    sync();
+    torch::NoGradGuard no_grad;
+    gather_replicated();
+  }
+  // Micro-batches stepped in the current accumulation window (0 at a boundary).
+  int micro_step() const { return micro_; }
+  torch::nn::Module& module() { return *module_; }
+  const TrainerOptions& options() const { return opt_; }
   static std::vector<std::string> optimizer_state_names() {
     if constexpr (k8bit) return {"master", "m", "v", "m_absmax", "v_absmax"};
     else return {"master", "m", "v"};
@@ -550,7 +593,7 @@ class Trainer {
       o.v = state_zeros(n, torch::kFloat32);
     }
     // The gradient travels in its own dtype (bf16: half the PCIe bytes of fp32); the CPU AdamW widens it.
-    if (kOffload) o.host_grad = state_zeros(n, grad.scalar_type());
+    if (kOffload) o.host_grad = state_zeros(n, grad_dtype_);
     if (kOffload && device_.is_cuda()) o.host_sumsq = state_zeros(1, torch::kFloat64);
   }
 
@@ -561,7 +604,7 @@ class Trainer {
     rep_->flat = FlatParams(std::move(params), world_, align_elems());
     torch::Tensor flat = rep_->flat.flat();
     broadcast(flat);
-    attach_replicated_grads();
+    if (!opt_.free_gradients) attach_replicated_grads();
     if constexpr (kStage == 0) {
       set_segments(rep_->own, rep_->flat, 0, flat.numel());
       make_owned(rep_->own, flat, kFp32Accum ? rep_->acc_full : rep_->flat.grad());
@@ -569,28 +612,42 @@ class Trainer {
     } else {
       // The full gradient buffer is kept anyway: reduce-scatter in place into this rank's slice of it.
       set_segments(rep_->own, rep_->flat, int64_t(rank_) * rep_->flat.shard(), rep_->flat.shard());
-      make_owned(rep_->own, rep_->flat.shard_of(flat, rank_),
-                 rep_->flat.shard_of(kFp32Accum ? rep_->acc_full : rep_->flat.grad(), rank_));
+      const torch::Tensor& g = kFp32Accum ? rep_->acc_full : rep_->flat.grad();  // undefined with free_gradients
+      make_owned(rep_->own, rep_->flat.shard_of(flat, rank_), g.defined() ? rep_->flat.shard_of(g, rank_) : torch::Tensor());
       seed_master(rep_->own, rep_->flat, int64_t(rank_) * rep_->flat.shard());
     }
   }
 
-  // Stages 0-1: the full gradient buffer (and the fp32 accumulator with mixed-precision accumulation), attached as
-  // the parameters' .grad; the partition's gradient is (this rank's slice of) the one the update reads.
+  // Stages 0-1 with free_gradients off: the full gradient buffer (and the fp32 accumulator with mixed-precision
+  // accumulation), attached as the parameters' .grad and kept between steps.
   void attach_replicated_grads() {
     auto& flat = rep_->flat;
     if (!flat.grad().defined()) flat.attach_grads();
     if (kFp32Accum && !rep_->acc_full.defined())
       rep_->acc_full = torch::zeros({flat.padded()}, flat.options().dtype(torch::kFloat32));
-    const torch::Tensor& g = kFp32Accum ? rep_->acc_full : flat.grad();
-    rep_->own.grad = kStage == 0 ? g : flat.shard_of(g, rank_);
+    point_own_grad();
   }
-  // TrainerOptions::free_gradients: released after the update (and each micro-batch's compute-type gradient once
-  // added into the fp32 accumulator), attached again before the next backward.
-  void release_replicated_grads(bool window_done) {
+  // The partition's gradient is (this rank's slice of) the buffer the update reads.
+  void point_own_grad() {
+    const torch::Tensor& g = kFp32Accum ? rep_->acc_full : rep_->flat.grad();
+    rep_->own.grad = kStage == 0 ? g : rep_->flat.shard_of(g, rank_);
+  }
+  // free_gradients: backward leaves one gradient per parameter, made as activations are freed (as torch's
+  // set_to_none does; a flat buffer attached before backward would add its full size to the activation peak).
+  // After backward they move into the flat buffers (the fp32 accumulator at each micro-batch; the compute-type
+  // buffer at the window's end, where float gradients accumulated in place in .grad), which live until the update.
+  void collect_replicated_grads(bool boundary) {
+    auto& flat = rep_->flat;
+    if (kFp32Accum) flat.move_grads_into(rep_->acc_full, torch::kFloat32);
+    else if (boundary) flat.collect_grads();
+    else return;
+    point_own_grad();
+  }
+  void release_replicated_grads() {
     if (!opt_.free_gradients || !rep_) return;
-    if (kFp32Accum || window_done) rep_->flat.release_grads();
-    if (window_done) rep_->acc_full = torch::Tensor(), rep_->own.grad = torch::Tensor();
+    rep_->flat.release_grads();
+    rep_->acc_full = torch::Tensor();
+    rep_->own.grad = torch::Tensor();
   }
 
   // opt_.master_init: the fp32 master of partition o (elements [begin, begin + o.master.numel()) of layout's
@@ -718,10 +775,11 @@ class Trainer {
   void after_backward(bool boundary) {
     if (rep_) {
       auto& flat = rep_->flat;
-      if (kFp32Accum) {
+      if (opt_.free_gradients) {
+        collect_replicated_grads(boundary);
+      } else if (kFp32Accum) {
         rep_->acc_full.add_(flat.grad());
         flat.zero_grad();
-        if (!boundary) release_replicated_grads(false);
       }
       if (boundary) {
         const torch::Tensor src = kFp32Accum ? rep_->acc_full : flat.grad();
@@ -899,7 +957,7 @@ class Trainer {
     if constexpr (!kOffload)  // offloaded gradient shards were zeroed right after their host copy
       for (Partition* o : partitions())
         if (o->grad.defined()) o->grad.zero_();
-    release_replicated_grads(true);
+    release_replicated_grads();
   }
 
   // The CPU AdamW on one partition's host state (fp32 or 8-bit moments): param [n] (P), master [n] or null, grad [n],
