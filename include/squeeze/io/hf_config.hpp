@@ -34,6 +34,7 @@
 #include <nlohmann/json.hpp>
 
 #include "../error.hpp"
+#include "json_file.hpp"
 #include "rope.hpp"
 #include "safetensors.hpp"
 
@@ -443,15 +444,7 @@ inline nlohmann::json llama_config_json(const LlamaConfig& c) {
 // Writes <dir>/config.json (via a temporary file, so a failure leaves any old one intact).
 inline void save_llama_config(const std::filesystem::path& dir, const LlamaConfig& c) {
   std::filesystem::create_directories(dir);
-  const auto file = dir / "config.json", tmp = dir / "config.json.tmp";
-  {
-    std::ofstream f(tmp, std::ios::trunc);
-    check(bool(f), "config: cannot write " + tmp.string());
-    f << llama_config_json(c).dump(2) << "\n";
-    f.flush();
-    check(bool(f), "config: writing " + tmp.string() + " failed (disk full?)");
-  }
-  std::filesystem::rename(tmp, file);
+  save_json(dir / "config.json", llama_config_json(c), "config");
 }
 
 // The scaled RoPE inverse frequencies of a config (io/rope.hpp).

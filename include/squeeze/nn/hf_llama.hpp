@@ -40,6 +40,7 @@
 
 #include "../io/hf_config.hpp"
 #include "../io/hf_names.hpp"
+#include "../io/json_file.hpp"
 #include "../io/safetensors_sharded.hpp"
 #include "llama.hpp"
 #include "lora.hpp"
@@ -197,8 +198,9 @@ inline void load_hf_weights(LlamaImpl& model, const std::filesystem::path& dir, 
 inline Llama load_hf_llama(const std::filesystem::path& dir, const HfLoadOptions& o = {}) {
   const io::LlamaConfig hf = detail::torch_errors([&] { return io::load_llama_config(dir, o.config); });
   const torch::ScalarType dtype = o.dtype.value_or(torch_dtype_of(hf.dtype.value_or(io::DType::F32)));
-  (void)io_dtype_of(dtype);  // float, bf16 or half
-  Llama model(from_hf_config(hf, dir.filename().string()));
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kHalf,
+              "load_hf_llama: dtype must be float, bf16 or half, got ", dtype);
+  Llama model(from_hf_config(hf, dir.string()));
   model->to(o.device, dtype);
   load_hf_weights(*model, dir, o.config);
   return model;
@@ -220,8 +222,8 @@ using HfTensorSource = std::function<torch::Tensor(const std::string& name)>;
 // *.tmp files exist; a failure (a source error, a wrong shape) leaves the directory as it was.
 inline void save_hf_llama(const LlamaConfig& c, const HfTensorSource& source, const std::filesystem::path& dir, const HfSaveOptions& o = {}) {
   const io::DType dtype = o.dtype.value_or(io::DType::F32);
-  (void)torch_dtype_of(dtype);
-  TORCH_CHECK(dtype != io::DType::F64, "save_hf_llama: export dtype must be F32, BF16 or F16");
+  TORCH_CHECK(dtype == io::DType::F32 || dtype == io::DType::BF16 || dtype == io::DType::F16,
+              "save_hf_llama: export dtype must be F32, BF16 or F16, got ", std::string(io::dtype_name(dtype)));
   const io::LlamaConfig h = to_hf_config(c, dtype, o.source_config);
   const std::vector<io::NameEntry> table = io::hf_checkpoint_tensors(h);
   std::vector<io::TensorSpec> specs;
@@ -392,15 +394,7 @@ inline PeftAdapters save_peft_adapters(LlamaImpl& model, const std::filesystem::
   detail::torch_errors([&] {
     std::filesystem::create_directories(dir);
     io::save_safetensors(dir / kPeftWeightsFile, tensors, {{"format", "pt"}});
-    const auto tmp = dir / (std::string(kPeftConfigFile) + ".tmp");
-    {
-      std::ofstream f(tmp, std::ios::trunc);
-      check(bool(f), "save_peft_adapters: cannot write " + tmp.string());
-      f << j.dump(2) << "\n";
-      f.flush();
-      check(bool(f), "save_peft_adapters: writing " + tmp.string() + " failed (disk full?)");
-    }
-    std::filesystem::rename(tmp, dir / kPeftConfigFile);
+    io::save_json(dir / kPeftConfigFile, j, "save_peft_adapters");
   });
   return a;
 }
