@@ -41,19 +41,9 @@ const fs::path kFixtures = SQUEEZE_HF_FIXTURES;
 // bf16 logits vs transformers' bf16 logits (see the top of the file): about 2x the largest distance measured.
 constexpr double kBf16Tolerance = 1.5e-2;
 
-// The message of the c10::Error `f` throws ("" if it throws none).
-std::string torch_error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
+// Errors of the nn layer are c10::Error (TORCH_CHECK).
 void expect_torch_error(const std::function<void()>& f, std::initializer_list<std::string> needles) {
-  const std::string msg = torch_error_of(f);
-  ASSERT_FALSE(msg.empty()) << "no error thrown; expected one naming '" << *needles.begin() << "'";
-  for (const auto& n : needles) EXPECT_NE(msg.find(n), std::string::npos) << "'" << n << "' not in: " << msg;
+  io_test::expect_error<c10::Error>(f, needles);
 }
 
 double rel_err(const torch::Tensor& got, const torch::Tensor& ref) {
