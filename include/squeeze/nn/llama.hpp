@@ -235,7 +235,7 @@ struct LlamaImpl : torch::nn::Module, Recomputable {
     TORCH_CHECK(ids.scalar_type() == torch::kLong, "Llama::forward: token ids must be int64, got ", ids.scalar_type());
     const int64_t T = ids.size(1);
     const auto [cos, sin] = rope_tables(T, config, ids.device());  // [T, D] each
-    torch::Tensor x = embed(ids);                                                                   // [B, T, h]
+    torch::Tensor x = embed(ids);                                   // [B, T, h]
     const auto layer = [this, cos, sin](int64_t i, const torch::Tensor& h) { return blocks[i]->forward(h, cos, sin); };
     const auto layer_params = [this](int64_t i) { return trainable_leaves(*blocks[i]); };
     const int64_t every = is_training() ? checkpoint_every : 0;
