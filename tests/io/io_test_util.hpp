@@ -25,22 +25,25 @@ struct TempDir {
   }
 };
 
-// The message of the squeeze::Error `f` throws ("" if it throws nothing, a failure if it throws anything else).
-inline std::string error_of(const std::function<void()>& f) {
+// The message of the E `f` throws ("" if it throws nothing, a failure if it throws anything else). E: squeeze::Error
+// for the torch-free layers, c10::Error for the torch layer.
+template <class E = squeeze::Error>
+std::string error_of(const std::function<void()>& f) {
   try {
     f();
-  } catch (const squeeze::Error& e) {
+  } catch (const E& e) {
     return e.what();
   } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw a non-squeeze exception: " << e.what();
+    ADD_FAILURE() << "threw another exception type: " << e.what();
     return e.what();
   }
   return "";
 }
 
-// `f` throws squeeze::Error whose message contains every needle.
-inline void expect_error(const std::function<void()>& f, std::initializer_list<std::string> needles) {
-  const std::string msg = error_of(f);
+// `f` throws an E whose message contains every needle.
+template <class E = squeeze::Error>
+void expect_error(const std::function<void()>& f, std::initializer_list<std::string> needles) {
+  const std::string msg = error_of<E>(f);
   if (msg.empty()) {
     ADD_FAILURE() << "no error thrown; expected one naming '" << *needles.begin() << "'";
     return;

@@ -24,7 +24,6 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
-#include <numbers>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -35,28 +34,11 @@
 #include <nlohmann/json.hpp>
 
 #include "../error.hpp"
+#include "json_file.hpp"
+#include "rope.hpp"
 #include "safetensors.hpp"
 
 namespace squeeze::io {
-
-enum class RopeType { Default, Linear, Llama3 };
-
-inline std::string_view rope_type_name(RopeType t) {
-  switch (t) {
-    case RopeType::Linear: return "linear";
-    case RopeType::Llama3: return "llama3";
-    default: return "default";
-  }
-}
-
-struct RopeScaling {
-  RopeType type = RopeType::Default;
-  double factor = 1.0;                              // linear and llama3
-  double low_freq_factor = 1.0;                     // llama3
-  double high_freq_factor = 4.0;                    // llama3
-  std::int64_t original_max_position_embeddings = 8192;  // llama3: the context the model was pretrained with
-  bool operator==(const RopeScaling&) const = default;
-};
 
 struct LlamaConfig {
   std::string model_type = "llama";
@@ -462,51 +444,10 @@ inline nlohmann::json llama_config_json(const LlamaConfig& c) {
 // Writes <dir>/config.json (via a temporary file, so a failure leaves any old one intact).
 inline void save_llama_config(const std::filesystem::path& dir, const LlamaConfig& c) {
   std::filesystem::create_directories(dir);
-  const auto file = dir / "config.json", tmp = dir / "config.json.tmp";
-  {
-    std::ofstream f(tmp, std::ios::trunc);
-    check(bool(f), "config: cannot write " + tmp.string());
-    f << llama_config_json(c).dump(2) << "\n";
-    f.flush();
-    check(bool(f), "config: writing " + tmp.string() + " failed (disk full?)");
-  }
-  std::filesystem::rename(tmp, file);
+  save_json(dir / "config.json", llama_config_json(c), "config");
 }
 
-// ---- RoPE frequencies ---------------------------------------------------------------------------------------
-// The head_dim / 2 inverse frequencies theta^(-2i / head_dim), i = 0 .. head_dim/2 - 1, after scaling:
-//   linear: each divided by factor.
-//   llama3 (Llama 3.1): with L = original_max_position_embeddings and wavelength w = 2 pi / f, frequencies
-//     whose wavelength is shorter than L / high_freq_factor are kept, those longer than L / low_freq_factor
-//     are divided by factor, and in between the two are blended: with s = (L / w - low_freq_factor) /
-//     (high_freq_factor - low_freq_factor), f' = (1 - s) f / factor + s f.
-// Double precision (transformers computes the same in float32: they agree to about 1e-7 relative). Neither
-// type rescales attention (its attention factor is 1).
-inline std::vector<double> rope_inv_freq(std::int64_t head_dim, double theta, const RopeScaling& scaling) {
-  check(head_dim > 0 && head_dim % 2 == 0, "rope_inv_freq: head_dim must be positive and even, got " + std::to_string(head_dim));
-  check(theta > 0, "rope_inv_freq: theta must be positive");
-  std::vector<double> f(std::size_t(head_dim / 2));
-  for (std::size_t i = 0; i < f.size(); ++i) f[i] = std::pow(theta, -double(2 * i) / double(head_dim));
-  if (scaling.type == RopeType::Linear) {
-    for (auto& x : f) x /= scaling.factor;
-  } else if (scaling.type == RopeType::Llama3) {
-    check(scaling.high_freq_factor > scaling.low_freq_factor, "rope_inv_freq: llama3 needs high_freq_factor > low_freq_factor");
-    const double L = double(scaling.original_max_position_embeddings);
-    const double short_wavelen = L / scaling.high_freq_factor;  // shorter than this: unchanged
-    const double long_wavelen = L / scaling.low_freq_factor;    // longer than this: divided by factor
-    for (auto& x : f) {
-      const double w = 2.0 * std::numbers::pi / x;
-      if (w < short_wavelen) continue;
-      if (w > long_wavelen) {
-        x /= scaling.factor;
-        continue;
-      }
-      const double s = (L / w - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor);
-      x = (1.0 - s) * x / scaling.factor + s * x;
-    }
-  }
-  return f;
-}
+// The scaled RoPE inverse frequencies of a config (io/rope.hpp).
 inline std::vector<double> rope_inv_freq(const LlamaConfig& c) { return rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling); }
 
 }  // namespace squeeze::io

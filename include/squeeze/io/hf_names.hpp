@@ -177,14 +177,18 @@ struct NameCheck {
   std::vector<std::string> unexpected;  // in the checkpoint, not in the table for this config
   std::vector<std::string> wrong_shape; // "name: [a, b] in the checkpoint, [c, d] expected"
   std::vector<std::string> ignored;     // rotary_emb.inv_freq buffers older exports carry (recomputed, not weights)
+  std::map<std::string, std::string> files;  // checkpoint tensor -> the file holding it, where the caller said
   bool ok() const { return missing.empty() && unexpected.empty() && wrong_shape.empty(); }
 
   // Throws one error listing (up to 8 of) each kind of problem.
   void require_ok(std::string_view source) const {
     if (ok()) return;
-    auto list = [](const std::vector<std::string>& v) {
+    auto list = [this](const std::vector<std::string>& v) {
       std::string s;
-      for (std::size_t i = 0; i < v.size() && i < 8; ++i) s += (i ? ", '" : "'") + v[i] + "'";
+      for (std::size_t i = 0; i < v.size() && i < 8; ++i) {
+        const auto f = files.find(v[i]);
+        s += (i ? ", '" : "'") + v[i] + "'" + (f == files.end() ? "" : " in " + f->second);
+      }
       if (v.size() > 8) s += " and " + std::to_string(v.size() - 8) + " more";
       return s;
     };
@@ -203,9 +207,12 @@ inline std::string shape_string(const std::vector<std::int64_t>& s) {
   return out + "]";
 }
 
-// `found`: the checkpoint's tensor names and shapes (e.g. from SafetensorsCheckpoint::tensors()).
-inline NameCheck check_hf_tensors(const std::map<std::string, std::vector<std::int64_t>>& found, const LlamaConfig& c) {
+// `found`: the checkpoint's tensor names and shapes (e.g. from SafetensorsCheckpoint::tensors()); `files`,
+// optionally, the file of each, which errors then name.
+inline NameCheck check_hf_tensors(const std::map<std::string, std::vector<std::int64_t>>& found, const LlamaConfig& c,
+                                  std::map<std::string, std::string> files = {}) {
   NameCheck r;
+  r.files = std::move(files);
   std::map<std::string, const NameEntry*> want;
   const auto table = hf_checkpoint_tensors(c);
   for (const auto& e : table) want[e.hf] = &e;
@@ -216,8 +223,10 @@ inline NameCheck check_hf_tensors(const std::map<std::string, std::vector<std::i
       else r.unexpected.push_back(name);
       continue;
     }
-    if (shape != it->second->shape)
-      r.wrong_shape.push_back(name + ": " + shape_string(shape) + " in the checkpoint, " + shape_string(it->second->shape) + " expected");
+    if (shape == it->second->shape) continue;
+    const auto f = r.files.find(name);
+    r.wrong_shape.push_back(name + (f == r.files.end() ? "" : " in " + f->second) + ": " + shape_string(shape) + " in the checkpoint, " +
+                            shape_string(it->second->shape) + " expected");
   }
   for (const auto& e : table)
     if (!found.count(e.hf)) r.missing.push_back(e.hf);

@@ -32,6 +32,7 @@
 
 #include "../dtype.hpp"
 #include "../error.hpp"
+#include "json_file.hpp"
 #include "safetensors.hpp"
 
 namespace squeeze::io {
@@ -405,15 +406,7 @@ class ShardedSafetensorsWriter {
       idx["metadata"] = {{"total_size", total_size()}};
       idx["weight_map"] = nlohmann::json::object();
       for (const auto& t : slots_) idx["weight_map"][specs_[t.spec].name] = shards_[t.shard].file;
-      const auto tmp = dir_ / (std::string(kSafetensorsIndexFile) + ".tmp");
-      {
-        std::ofstream f(tmp, std::ios::trunc);
-        check(bool(f), "ShardedSafetensorsWriter: cannot write " + tmp.string());
-        f << idx.dump(2) << "\n";
-        f.flush();
-        check(bool(f), "ShardedSafetensorsWriter: writing " + tmp.string() + " failed (disk full?)");
-      }
-      fs::rename(tmp, dir_ / kSafetensorsIndexFile);
+      save_json(dir_ / kSafetensorsIndexFile, idx, "ShardedSafetensorsWriter");
       fs::remove(dir_ / kSafetensorsSingleFile);
     }
     finished_ = true;

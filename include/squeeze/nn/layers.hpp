@@ -95,6 +95,12 @@ struct GatheredWeightFn : torch::autograd::Function<GatheredWeightFn> {
   }
 };
 
+// A sharded layer's first parameter as GatheredWeightFn's gathered tensor, counted as one use of the layer.
+inline torch::Tensor gathered_weight(Stage3Group* g) {
+  if (torch::GradMode::is_enabled()) ++g->uses;
+  return GatheredWeightFn::apply(g->shard, reinterpret_cast<int64_t>(g));
+}
+
 // y = W[idx]. idx: [...] int64, y: [..., dim].
 struct ShardedEmbeddingFn : torch::autograd::Function<ShardedEmbeddingFn> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& idx, const torch::Tensor& shard,
@@ -159,9 +165,7 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public Shardable {
   torch::Tensor full_weight() {
     TORCH_CHECK(!options.bias(), "squeeze::nn::Linear::full_weight: the layer has a bias, which full_weight() would leave out");
     TORCH_CHECK(!backing_, "squeeze::nn::Linear::full_weight: the layer is backed by a frozen quantized base");
-    if (group_ == nullptr) return weight;
-    if (torch::GradMode::is_enabled()) ++group_->uses;
-    return detail::GatheredWeightFn::apply(group_->shard, reinterpret_cast<int64_t>(group_));
+    return group_ == nullptr ? weight : detail::gathered_weight(group_);
   }
 
   std::vector<std::pair<std::string, torch::Tensor>> shardable_parameters() override {
@@ -235,6 +239,11 @@ class EmbeddingImpl : public torch::nn::Cloneable<EmbeddingImpl>, public Shardab
     if (group_ == nullptr) return torch::embedding(weight, idx);
     if (torch::GradMode::is_enabled()) ++group_->uses;
     return detail::ShardedEmbeddingFn::apply(idx, group_->shard, reinterpret_cast<int64_t>(group_));
+  }
+  // The table [num, dim] as one tensor, for a tied LM head that reads it as a linear weight: the parameter, or
+  // once sharded a gathered copy whose backward reduce-scatters its gradient (see LinearImpl::full_weight).
+  torch::Tensor full_weight() {
+    return group_ == nullptr ? weight : detail::gathered_weight(group_);
   }
   std::vector<std::pair<std::string, torch::Tensor>> shardable_parameters() override { return {{"weight", weight}}; }
   void attach(Stage3Group* g) override { group_ = g; }

@@ -1,7 +1,8 @@
 #pragma once
 // A LLaMA decoder in libtorch C++: token embedding -> N x [RMSNorm -> grouped-query attention with RoPE
 // (fused causal scaled-dot-product attention) -> residual -> RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm
-// -> untied LM head. Shapes: B batch, T tokens, h hidden, H query heads, Hkv key/value heads, D = h / H.
+// -> LM head (its own weight, or the embedding's under tie_embeddings). Shapes: B batch, T tokens, h hidden,
+// H query heads, Hkv key/value heads, D head_dim (h / H unless the config sets it, as Hugging Face configs may).
 //
 // The model runs in whatever dtype its parameters have (float, bf16, half): a mixed-precision strategy
 // converts the module to its compute type and keeps float master weights elsewhere. Norm statistics, RoPE
@@ -19,6 +20,7 @@
 #include <string_view>
 #include <vector>
 
+#include "../io/rope.hpp"
 #include "../plan/memory.hpp"
 #include "../plan/model_shape.hpp"
 #include "activation_checkpoint.hpp"
@@ -36,17 +38,23 @@ struct LlamaConfig {
   int64_t kv_heads = 2;
   int64_t ffn = 352;
   double rope_theta = 10000.0;
+  io::RopeScaling rope_scaling;  // default: none, the frequencies are rope_theta's alone
   double norm_eps = 1e-5;
+  // 0: hidden / heads. Hugging Face configs may set head_dim apart from it (Llama 3 style tiny models).
+  int64_t explicit_head_dim = 0;
+  // The LM head reads the embedding's weight: one parameter (embed.weight), no head module.
+  bool tie_embeddings = false;
 
-  int64_t head_dim() const { return hidden / heads; }
+  int64_t head_dim() const { return explicit_head_dim != 0 ? explicit_head_dim : hidden / heads; }
 
-  // The planner's view of the same geometry (LLaMA heads are never tied here).
-  plan::ModelShape shape() const { return {vocab, hidden, layers, heads, kv_heads, ffn, /*tied_embeddings=*/false}; }
+  // The planner's view of the same geometry.
+  plan::ModelShape shape() const { return {vocab, hidden, layers, heads, kv_heads, ffn, tie_embeddings, explicit_head_dim}; }
 
   void validate() const {
-    TORCH_CHECK(vocab > 0 && hidden > 0 && layers > 0 && heads > 0 && kv_heads > 0 && ffn > 0,
+    TORCH_CHECK(vocab > 0 && hidden > 0 && layers > 0 && heads > 0 && kv_heads > 0 && ffn > 0 && explicit_head_dim >= 0,
                 "LlamaConfig '", name, "': every size must be positive");
-    TORCH_CHECK(hidden % heads == 0, "LlamaConfig '", name, "': hidden (", hidden, ") must be a multiple of heads (", heads, ")");
+    TORCH_CHECK(explicit_head_dim != 0 || hidden % heads == 0, "LlamaConfig '", name, "': hidden (", hidden,
+                ") must be a multiple of heads (", heads, ") unless explicit_head_dim is set");
     TORCH_CHECK(heads % kv_heads == 0, "LlamaConfig '", name, "': heads (", heads, ") must be a multiple of kv_heads (", kv_heads, ")");
     TORCH_CHECK(head_dim() % 2 == 0, "LlamaConfig '", name, "': head_dim (", head_dim(), ") must be even for RoPE");
   }
@@ -86,14 +94,24 @@ struct RMSNormImpl : torch::nn::Module, train::KeptWhole {
 };
 TORCH_MODULE(RMSNorm);
 
-// Rotary position embedding tables for T positions: cos and sin, each [T, D] (the D/2 frequencies twice,
-// matching the rotate-half layout), in float.
+// Rotary position embedding tables for T positions from the D/2 inverse frequencies inv_freq [D/2] (float):
+// cos and sin, each [T, D] (the frequencies twice, matching the rotate-half layout), in float.
+inline std::pair<torch::Tensor, torch::Tensor> rope_tables(int64_t T, const torch::Tensor& inv_freq) {
+  const torch::Tensor angles = torch::outer(torch::arange(T, inv_freq.options()), inv_freq);  // [T, D/2]
+  const torch::Tensor both = torch::cat({angles, angles}, -1);                                 // [T, D]
+  return {both.cos(), both.sin()};
+}
+// Unscaled RoPE: theta^(-2i/D), computed in float as squeeze always has (so default-RoPE models keep their bits).
 inline std::pair<torch::Tensor, torch::Tensor> rope_tables(int64_t T, int64_t D, double theta, torch::Device device) {
   const auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(device);
-  const torch::Tensor inv_freq = torch::pow(theta, -torch::arange(0, D, 2, f32) / double(D));  // [D/2]
-  const torch::Tensor angles = torch::outer(torch::arange(T, f32), inv_freq);                   // [T, D/2]
-  const torch::Tensor both = torch::cat({angles, angles}, -1);                                   // [T, D]
-  return {both.cos(), both.sin()};
+  return rope_tables(T, torch::pow(theta, -torch::arange(0, D, 2, f32) / double(D)));  // inv_freq [D/2]
+}
+// A config's tables: unscaled as above, or linear / llama3 scaling by io::rope_inv_freq (double, rounded to float).
+inline std::pair<torch::Tensor, torch::Tensor> rope_tables(int64_t T, const LlamaConfig& c, torch::Device device) {
+  if (c.rope_scaling.type == io::RopeType::Default) return rope_tables(T, c.head_dim(), c.rope_theta, device);
+  const std::vector<double> f = io::rope_inv_freq(c.head_dim(), c.rope_theta, c.rope_scaling);
+  const torch::Tensor inv_freq = torch::tensor(f, torch::kFloat64).to(device, torch::kFloat32);  // [D/2]
+  return rope_tables(T, inv_freq);
 }
 
 // x: [B, heads, T, D]; rotates each pair (x_i, x_{i+D/2}) by its position's angle.
@@ -172,7 +190,7 @@ struct LlamaImpl : torch::nn::Module, Recomputable {
   Embedding embed{nullptr};
   std::vector<Block> blocks;
   RMSNorm norm{nullptr};
-  Linear head{nullptr};
+  Linear head{nullptr};  // null under tie_embeddings: the head is embed's weight
   int64_t checkpoint_every = 0;  // 0: keep all activations; N: checkpoint segments of N blocks (training only)
   void set_recompute(int every) override { checkpoint_every = every; }  // a Checkpointed trainer's switch
   // Tokens per chunk of the loss (see loss()); 0: all at once. The default (and why) is the planner's, whose
@@ -184,7 +202,8 @@ struct LlamaImpl : torch::nn::Module, Recomputable {
     embed = register_module("embed", Embedding(config.vocab, config.hidden));
     for (int64_t i = 0; i < config.layers; ++i) blocks.push_back(register_module("block" + std::to_string(i), Block(config)));
     norm = register_module("norm", RMSNorm(config.hidden, config.norm_eps));
-    head = register_module("head", Linear(torch::nn::LinearOptions(config.hidden, config.vocab).bias(false)));
+    if (!config.tie_embeddings)
+      head = register_module("head", Linear(torch::nn::LinearOptions(config.hidden, config.vocab).bias(false)));
     reset_parameters();
   }
 
@@ -201,15 +220,22 @@ struct LlamaImpl : torch::nn::Module, Recomputable {
   }
 
   // ids: [B, T] int64 -> logits [B, T, vocab] in the parameter dtype.
-  torch::Tensor forward(const torch::Tensor& ids) { return head(hidden(ids)); }
+  torch::Tensor forward(const torch::Tensor& ids) { return logits(hidden(ids)); }
+
+  // x: [..., h] -> logits [..., vocab]: the head, or under tie_embeddings x E^T with E the embedding [vocab, h].
+  torch::Tensor logits(const torch::Tensor& x) {
+    return config.tie_embeddings ? torch::nn::functional::linear(x, embed->full_weight()) : head(x);
+  }
+  // The head's weight [vocab, h] as one tensor (Linear::full_weight; the embedding's under tie_embeddings).
+  torch::Tensor head_weight() { return config.tie_embeddings ? embed->full_weight() : head->full_weight(); }
 
   // ids: [B, T] int64 -> the final norm's output [B, T, h], what the head reads.
   torch::Tensor hidden(const torch::Tensor& ids) {
     TORCH_CHECK(ids.dim() == 2, "Llama::forward: token ids must be [batch, seq], got ", ids.sizes());
     TORCH_CHECK(ids.scalar_type() == torch::kLong, "Llama::forward: token ids must be int64, got ", ids.scalar_type());
     const int64_t T = ids.size(1);
-    const auto [cos, sin] = rope_tables(T, config.head_dim(), config.rope_theta, ids.device());  // [T, D] each
-    torch::Tensor x = embed(ids);                                                                   // [B, T, h]
+    const auto [cos, sin] = rope_tables(T, config, ids.device());  // [T, D] each
+    torch::Tensor x = embed(ids);                                   // [B, T, h]
     const auto layer = [this, cos, sin](int64_t i, const torch::Tensor& h) { return blocks[i]->forward(h, cos, sin); };
     const auto layer_params = [this](int64_t i) { return trainable_leaves(*blocks[i]); };
     const int64_t every = is_training() ? checkpoint_every : 0;
@@ -222,7 +248,7 @@ struct LlamaImpl : torch::nn::Module, Recomputable {
   // (the final norm runs once, on all of them): the sum of each chunk's losses, divided by the token count at
   // the end. Training, each chunk is checkpointed: its logits [chunk, V] (and their fp32 copy and gradients) are
   // recomputed in its backward and freed before the next chunk's, and the head's weight is read through
-  // full_weight(), so a stage-3 head is gathered once and its gradient, summed over the chunks by autograd,
+  // head_weight(), so a stage-3 head is gathered once and its gradient, summed over the chunks by autograd,
   // reduce-scattered once. Evaluation (eval mode or no grad) runs the chunks one by one, recomputing nothing.
   torch::Tensor loss(const torch::Tensor& ids, const torch::Tensor& targets) {
     TORCH_CHECK(loss_chunk_tokens >= 0, "Llama::loss: loss_chunk_tokens must be >= 0 (0: the whole batch at once), got ",
@@ -232,8 +258,8 @@ struct LlamaImpl : torch::nn::Module, Recomputable {
     const torch::Tensor x = hidden(ids).reshape({-1, config.hidden});  // [N, h], N = B·T
     const torch::Tensor t = targets.reshape({-1});                     // [N]
     if (loss_chunk_tokens == 0 || x.size(0) <= loss_chunk_tokens)
-      return torch::nn::functional::cross_entropy(float_logits(head(x)), t);  // logits [N, V] at once
-    const torch::Tensor w = head->full_weight();  // [V, h]
+      return torch::nn::functional::cross_entropy(float_logits(logits(x)), t);  // logits [N, V] at once
+    const torch::Tensor w = head_weight();  // [V, h]
     const BlockFn chunk_loss = [](const std::vector<torch::Tensor>& in) {  // in: rows [c, h], targets [c], weight [V, h]
       const torch::Tensor logits = torch::nn::functional::linear(in[0], in[2]);  // [c, V]
       return torch::nn::functional::cross_entropy(float_logits(logits), in[1],

@@ -302,6 +302,12 @@ class LoRALinearImpl : public torch::nn::Module {
 
   double scaling() const { return opt_.alpha / double(opt_.rank); }
   int64_t rank() const { return opt_.rank; }
+  double alpha() const { return opt_.alpha; }
+  // Imported adapters (PEFT's lora_alpha) may carry any positive alpha, not the strategy's integer one.
+  void set_alpha(double alpha) {
+    TORCH_CHECK(alpha > 0 && std::isfinite(alpha), "LoRALinear: alpha must be positive, got ", alpha);
+    opt_.alpha = alpha;
+  }
   int64_t in_features() const { return in_; }
   int64_t out_features() const { return out_; }
   bool nf4() const { return is_nf4_; }
@@ -588,6 +594,17 @@ inline int64_t merge_lora(torch::nn::Module& model) {
       }
   }
   return merged;
+}
+
+// The dense float weight [out, in] a Linear's backing computes with (export): a LoRALinear's base, dequantised
+// when NF4 or GPTQ, plus scaling * B A; an Nf4Linear's or QuantizedLinear's base dequantised. Undefined for any
+// other module.
+inline torch::Tensor dense_weight(torch::nn::Module& backing) {
+  torch::NoGradGuard ng;
+  if (auto* l = dynamic_cast<LoRALinearImpl*>(&backing)) return l->merged_weight();
+  if (auto* q = dynamic_cast<Nf4LinearImpl*>(&backing)) return q->nf4_weight().dequantize(torch::kFloat32);
+  if (auto* g = dynamic_cast<QuantizedLinearImpl*>(&backing)) return g->dequantize(torch::kFloat32);
+  return {};
 }
 
 // Bytes of the frozen bases of every LoRALinear / Nf4Linear / QuantizedLinear in `model` (packed NF4, dense, or

@@ -18,14 +18,18 @@ struct ModelShape {
   i64 kv_heads = 32;
   i64 ffn = 11008;
   bool tied_embeddings = false;
+  // 0: hidden / heads. Hugging Face configs may set head_dim apart from it (q then has heads * head_dim
+  // outputs, not hidden).
+  i64 explicit_head_dim = 0;
 
-  constexpr i64 head_dim() const { return hidden / heads; }
+  constexpr i64 head_dim() const { return explicit_head_dim != 0 ? explicit_head_dim : hidden / heads; }
+  constexpr i64 q_dim() const { return heads * head_dim(); }
   constexpr i64 kv_dim() const { return kv_heads * head_dim(); }
 
   // The seven linear layers of a block as (in, out): q, k, v, o, gate, up, down.
   struct Linear { i64 in, out; };
   constexpr std::array<Linear, 7> block_linears() const {
-    return {{{hidden, hidden}, {hidden, kv_dim()}, {hidden, kv_dim()}, {hidden, hidden},
+    return {{{hidden, q_dim()}, {hidden, kv_dim()}, {hidden, kv_dim()}, {q_dim(), hidden},
              {hidden, ffn}, {hidden, ffn}, {ffn, hidden}}};
   }
   constexpr i64 block_linear_params() const {

@@ -1,0 +1,586 @@
+// Hugging Face LlamaForCausalLM directories into nn::Llama and out again, and PEFT adapters (libtorch, CPU).
+//
+// Logits are compared with transformers 5.17's on the fixtures' input_ids (tests/fixtures/hf, written by
+// tools/make_hf_fixtures.py), in the norm rel = max |ours - ref| / max |ref| over the [2, 11, 288] logits:
+//   fp32 model vs logits_fp32: rel <= 1e-5 (the bound). Measured: llama2-tiny 2.7e-7, llama3-tiny 2.4e-7
+//     with the fixture's bf16-rounded RoPE frequencies, 2.7e-5 with exact ones (see the test).
+//   bf16 model vs logits_bf16: rel <= kBf16Tolerance = 1.5e-2, and <= 2x transformers' own bf16-vs-fp32 distance.
+//     Measured: llama2-tiny 7.3e-3 (transformers' own 7.6e-3), llama3-tiny 6.0e-3 (its own 4.6e-3). Both sides
+//     round every matmul output and activation to bf16 (unit roundoff 2^-9) but in different orders
+//     (transformers' eager attention vs scaled_dot_product_attention, other GEMM blockings), so the bound is set by
+//     bf16's rounding, whose scale is transformers' own bf16 error, not by the loader.
+// "Bit-exact" means torch::equal (same dtype, same bits).
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <squeeze/nn/hf_llama.hpp>
+#include <squeeze/policy/strategy.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "../io/io_test_util.hpp"
+
+namespace {
+
+using namespace squeeze;
+namespace fs = std::filesystem;
+using io_test::TempDir;
+
+const bool one_thread = (torch::set_num_threads(1), true);  // tiny models; spinning OpenMP threads cost more than they give
+const fs::path kFixtures = SQUEEZE_HF_FIXTURES;
+
+// bf16 logits vs transformers' bf16 logits (see the top of the file): about 2x the largest distance measured.
+constexpr double kBf16Tolerance = 1.5e-2;
+
+// Errors of the nn layer are c10::Error (TORCH_CHECK).
+void expect_torch_error(const std::function<void()>& f, std::initializer_list<std::string> needles) {
+  io_test::expect_error<c10::Error>(f, needles);
+}
+
+double rel_err(const torch::Tensor& got, const torch::Tensor& ref) {
+  const torch::Tensor r = ref.to(torch::kFloat64);
+  return (got.to(torch::kFloat64) - r).abs().max().item<double>() / r.abs().max().item<double>();
+}
+
+struct Expected {
+  torch::Tensor ids;           // [2, 11] int64
+  torch::Tensor fp32, bf16;    // [2, 11, 288] float
+};
+Expected expected(const std::string& model) {
+  const auto f = io::SafetensorsFile::open(kFixtures / model / "expected.safetensors");
+  const auto tensor = [&](const std::string& name, io::DType d) {
+    const auto& info = f.info(name);
+    EXPECT_EQ(info.dtype, d) << name;
+    torch::Tensor t = torch::empty(info.shape, d == io::DType::I64 ? torch::kLong : torch::kFloat32);
+    const auto b = f.bytes(name);
+    std::memcpy(t.data_ptr(), b.data(), b.size());
+    return t;
+  };
+  return {tensor("input_ids", io::DType::I64), tensor("logits_fp32", io::DType::F32), tensor("logits_bf16", io::DType::F32)};
+}
+
+torch::Tensor logits_of(nn::Llama& m, const torch::Tensor& ids) {
+  torch::NoGradGuard ng;
+  m->eval();
+  return m->forward(ids).to(torch::kFloat32);  // [B, T, vocab]
+}
+
+// Geometry nothing divides nicely: q has heads * head_dim = 60 outputs for hidden 40, one KV head, llama3 RoPE.
+nn::LlamaConfig odd_config(bool tied) {
+  nn::LlamaConfig c;
+  c.name = "odd";
+  c.vocab = 291, c.hidden = 40, c.layers = 3, c.heads = 5, c.kv_heads = 1, c.ffn = 97;
+  c.explicit_head_dim = 12;
+  c.rope_theta = 50000.0;
+  c.rope_scaling = {io::RopeType::Llama3, 4.0, 1.0, 4.0, 32};
+  c.norm_eps = 1e-6;
+  c.tie_embeddings = tied;
+  return c;
+}
+nn::Llama random_model(const nn::LlamaConfig& c, uint64_t seed) {
+  torch::manual_seed(seed);
+  nn::Llama m(c);
+  torch::NoGradGuard ng;
+  for (auto& p : m->named_parameters())
+    if (p.key().ends_with("norm.weight")) p.value().uniform_(0.5, 1.5);  // not all ones, so a skipped norm shows
+  return m;
+}
+torch::Tensor random_ids(int64_t vocab, uint64_t seed) {
+  torch::manual_seed(seed);
+  return torch::randint(vocab, {2, 13}, torch::kLong);
+}
+
+void expect_same_parameters(nn::Llama& a, nn::Llama& b) {
+  const auto pa = a->named_parameters(), pb = b->named_parameters();
+  ASSERT_EQ(pa.size(), pb.size());
+  for (const auto& p : pa) {
+    const torch::Tensor* q = pb.find(p.key());
+    ASSERT_NE(q, nullptr) << p.key();
+    EXPECT_TRUE(torch::equal(p.value(), *q)) << p.key();
+  }
+}
+
+nlohmann::json read_json(const fs::path& file) {
+  std::ifstream in(file);
+  return nlohmann::json::parse(in);
+}
+void write_json(const fs::path& file, const nlohmann::json& j) { std::ofstream(file) << j.dump(2); }
+
+// A copy of a fixture's config.json and its tensors as one model.safetensors, edited by `edit`
+// (name -> (dtype, shape, bytes)).
+using TensorMap = std::map<std::string, std::tuple<io::DType, std::vector<int64_t>, std::vector<std::byte>>>;
+void write_edited_checkpoint(const std::string& model, const fs::path& dir, const std::function<void(TensorMap&)>& edit) {
+  fs::copy_file(kFixtures / model / "config.json", dir / "config.json", fs::copy_options::overwrite_existing);
+  const auto ck = io::SafetensorsCheckpoint::open(kFixtures / model);
+  TensorMap t;
+  for (const auto& [name, info] : ck.tensors()) t[name] = {info.dtype, info.shape, ck.read_bytes(name)};
+  edit(t);
+  std::map<std::string, io::TensorRef> refs;
+  for (const auto& [name, v] : t) refs[name] = {std::get<0>(v), std::get<1>(v), std::get<2>(v)};
+  io::save_safetensors(dir / "model.safetensors", refs, {{"format", "pt"}});
+}
+
+// ---- configs -------------------------------------------------------------------------------------------------------
+TEST(HfConfigMap, DefaultGeometryStaysImplicitAndTheMapRoundTrips) {
+  const io::LlamaConfig l2 = io::load_llama_config(kFixtures / "llama2-tiny");
+  const nn::LlamaConfig c2 = nn::from_hf_config(l2);
+  EXPECT_EQ(c2.explicit_head_dim, 0);  // head_dim 16 == 64 / 4: the same config a squeeze preset would be
+  EXPECT_FALSE(c2.tie_embeddings);
+  EXPECT_EQ(c2.rope_scaling.type, io::RopeType::Default);
+  EXPECT_EQ(c2.norm_eps, 1e-5);
+
+  const io::LlamaConfig l3 = io::load_llama_config(kFixtures / "llama3-tiny");
+  const nn::LlamaConfig c3 = nn::from_hf_config(l3);
+  EXPECT_EQ(c3.explicit_head_dim, 24);
+  EXPECT_EQ(c3.head_dim(), 24);
+  EXPECT_TRUE(c3.tie_embeddings);
+  EXPECT_EQ(c3.rope_scaling.type, io::RopeType::Llama3);
+  EXPECT_EQ(c3.rope_scaling.original_max_position_embeddings, 16);
+  EXPECT_EQ(c3.shape().params(), 160576);  // the index's total_parameters: the planner counts head_dim and the tie
+
+  for (const auto& l : {l2, l3}) {
+    const io::LlamaConfig back = nn::to_hf_config(nn::from_hf_config(l), *l.dtype, l);
+    EXPECT_EQ(back, l);  // geometry, RoPE, eps, tie, dtype, max_position_embeddings, token ids
+  }
+  nn::LlamaConfig other = c3;
+  other.rope_scaling.factor = 2.0;
+  EXPECT_EQ(nn::network_difference(c3, other), "rope_scaling: the llama3 parameters differ");
+  expect_torch_error([&] { nn::to_hf_config(other, io::DType::F32, l2); }, {"another network", "layers: 3 vs 2"});
+}
+
+TEST(HfConfigMap, RopeTablesFollowTheConfig) {
+  const int64_t T = 19;
+  nn::LlamaConfig plain;
+  const auto [c0, s0] = nn::rope_tables(T, plain, torch::kCPU);
+  const auto [c1, s1] = nn::rope_tables(T, plain.head_dim(), plain.rope_theta, torch::kCPU);
+  EXPECT_TRUE(torch::equal(c0, c1) && torch::equal(s0, s1));  // unscaled RoPE: the same bits as before
+
+  const nn::LlamaConfig c = odd_config(false);
+  const auto [cos, sin] = nn::rope_tables(T, c, torch::kCPU);  // [T, 12]
+  ASSERT_EQ(cos.sizes(), torch::IntArrayRef({T, 12}));
+  const auto f = io::rope_inv_freq(c.head_dim(), c.rope_theta, c.rope_scaling);
+  for (int64_t t : {1, 7, 18})
+    for (int64_t i = 0; i < 6; ++i) {
+      const double angle = double(t) * double(float(f[size_t(i)]));
+      EXPECT_NEAR(cos[t][i].item<double>(), std::cos(angle), 1e-6) << t << " " << i;
+      EXPECT_NEAR(sin[t][i + 6].item<double>(), std::sin(angle), 1e-6) << t << " " << i;
+    }
+  EXPECT_LT(f.back(), std::pow(c.rope_theta, -10.0 / 12.0) / 3.9);  // the low frequencies really are scaled (factor 4)
+}
+
+// ---- loading the fixtures --------------------------------------------------------------------------------------
+// nn::Llama's forward with the RoPE inverse frequencies `inv_freq` [D/2] (float) in place of the config's.
+torch::Tensor logits_with_inv_freq(nn::Llama& m, const torch::Tensor& ids, const torch::Tensor& inv_freq) {
+  torch::NoGradGuard ng;
+  m->eval();
+  const auto [cos, sin] = nn::rope_tables(ids.size(1), inv_freq);  // [T, D]
+  torch::Tensor x = m->embed(ids);                                  // [B, T, h]
+  for (auto& b : m->blocks) x = b->forward(x, cos, sin);
+  return m->logits(m->norm(x)).to(torch::kFloat32);  // [B, T, vocab]
+}
+
+TEST(HfLoad, FixtureLogitsMatchTransformersInFp32) {
+  const Expected e2 = expected("llama2-tiny");
+  nn::Llama l2 = nn::load_hf_llama(kFixtures / "llama2-tiny", {.dtype = torch::kFloat32});
+  const double rel2 = rel_err(logits_of(l2, e2.ids), e2.fp32);
+  std::printf("[ measured ] llama2-tiny fp32: max|diff| / max|ref| = %.3g\n", rel2);
+  EXPECT_LE(rel2, 1e-5);
+
+  // llama3-tiny's logits_fp32 come from a model whose RoPE buffer inv_freq had been through bf16: the fixture
+  // script casts the model to bf16 (Module.to casts buffers too) before saving, then back to fp32 for these
+  // logits. With the frequencies rounded the same way, the network matches to float precision; with the exact
+  // float frequencies nn::Llama uses, the logits differ by what that rounding of the rotation angles makes.
+  const Expected e3 = expected("llama3-tiny");
+  nn::Llama l3 = nn::load_hf_llama(kFixtures / "llama3-tiny", {.dtype = torch::kFloat32});
+  const auto f = io::rope_inv_freq(l3->config.head_dim(), l3->config.rope_theta, l3->config.rope_scaling);
+  const torch::Tensor as_fixture = torch::tensor(f, torch::kFloat64).to(torch::kBFloat16).to(torch::kFloat32);  // [D/2]
+  const double rel3 = rel_err(logits_with_inv_freq(l3, e3.ids, as_fixture), e3.fp32);
+  const double rel3_exact = rel_err(logits_of(l3, e3.ids), e3.fp32);
+  std::printf("[ measured ] llama3-tiny fp32: max|diff| / max|ref| = %.3g (exact float RoPE frequencies: %.3g)\n", rel3, rel3_exact);
+  EXPECT_LE(rel3, 1e-5);
+  EXPECT_LE(rel3_exact, 1e-4);
+}
+
+TEST(HfLoad, FixtureLogitsMatchTransformersInBf16) {
+  for (const std::string name : {"llama2-tiny", "llama3-tiny"}) {
+    const Expected e = expected(name);
+    nn::Llama m = nn::load_hf_llama(kFixtures / name, {.dtype = torch::kBFloat16});
+    const double rel = rel_err(logits_of(m, e.ids), e.bf16);
+    const double hf_own = rel_err(e.bf16, e.fp32);  // transformers' bf16 logits vs its fp32 ones
+    std::printf("[ measured ] %s bf16: max|diff| / max|ref| = %.3g (transformers bf16 vs fp32: %.3g)\n", name.c_str(), rel, hf_own);
+    EXPECT_LE(rel, kBf16Tolerance) << name;
+    EXPECT_LE(rel, 2.0 * hf_own) << name;  // no further from transformers' bf16 than bf16 is from fp32, within 2x
+  }
+}
+
+TEST(HfLoad, LoadsInTheFilesDtypeOnTheDeviceByDefault) {
+  nn::Llama l2 = nn::load_hf_llama(kFixtures / "llama2-tiny");
+  nn::Llama l3 = nn::load_hf_llama(kFixtures / "llama3-tiny");
+  for (const auto& p : l2->parameters()) EXPECT_EQ(p.scalar_type(), torch::kFloat32);
+  for (const auto& p : l3->parameters()) {
+    EXPECT_EQ(p.scalar_type(), torch::kBFloat16);
+    EXPECT_TRUE(p.device().is_cpu());
+  }
+  // bf16 file loaded as bf16: the same bits the file holds.
+  const auto ck = io::SafetensorsCheckpoint::open(kFixtures / "llama3-tiny");
+  const auto bytes = ck.read_bytes("model.layers.2.mlp.down_proj.weight");
+  const torch::Tensor w = l3->blocks[2]->mlp->down->weight.contiguous();
+  ASSERT_EQ(size_t(w.nbytes()), bytes.size());
+  EXPECT_EQ(std::memcmp(w.data_ptr(), bytes.data(), bytes.size()), 0);
+}
+
+TEST(HfLoad, TiedEmbeddingsAreOneParameter) {
+  nn::Llama m = nn::load_hf_llama(kFixtures / "llama3-tiny", {.dtype = torch::kFloat32});
+  const auto params = m->named_parameters();
+  EXPECT_EQ(params.find("head.weight"), nullptr);
+  EXPECT_TRUE(m->head.is_empty());
+  int64_t n = 0;
+  for (const auto& p : m->parameters()) n += p.numel();
+  EXPECT_EQ(n, m->config.shape().params());  // counted once
+  EXPECT_EQ(n, 160576);                      // transformers' count (the index's total_parameters)
+
+  // The head reads the embedding: a token that is never input still gets a gradient, through the head alone.
+  const torch::Tensor ids = torch::tensor({{5, 9, 11, 5}}, torch::kLong);
+  m->train();
+  m->zero_grad();
+  m->loss(ids, torch::tensor({{9, 11, 5, 200}}, torch::kLong)).backward();
+  const torch::Tensor g = m->embed->weight.grad();  // [vocab, hidden]
+  ASSERT_TRUE(g.defined());
+  EXPECT_GT(g[17].abs().sum().item<double>(), 0.0);  // token 17: only the softmax over the head touches it
+
+  // The chunked loss reads the same weight through head_weight().
+  torch::NoGradGuard ng;
+  const torch::Tensor t = torch::tensor({{9, 11, 5, 200}}, torch::kLong);
+  m->loss_chunk_tokens = 0;
+  const double whole = m->loss(ids, t).item<double>();
+  m->loss_chunk_tokens = 3;
+  EXPECT_NEAR(m->loss(ids, t).item<double>(), whole, 1e-6);
+}
+
+// ---- refusals ------------------------------------------------------------------------------------------------------
+TEST(HfLoad, RefusalsNameTheKeyOrTensor) {
+  TempDir d("hf_refuse");
+  {  // a config with attention biases
+    const fs::path dir = d.path / "bias";
+    fs::create_directories(dir);
+    fs::copy(kFixtures / "llama2-tiny", dir, fs::copy_options::recursive);
+    auto j = read_json(dir / "config.json");
+    j["attention_bias"] = true;
+    write_json(dir / "config.json", j);
+    expect_torch_error([&] { nn::load_hf_llama(dir); }, {"'attention_bias'", "config.json"});
+  }
+  {  // a missing tensor
+    const fs::path dir = d.path / "missing";
+    fs::create_directories(dir);
+    write_edited_checkpoint("llama2-tiny", dir, [](TensorMap& t) { t.erase("model.layers.1.mlp.up_proj.weight"); });
+    expect_torch_error([&] { nn::load_hf_llama(dir); }, {"missing tensors 'model.layers.1.mlp.up_proj.weight'", dir.string()});
+  }
+  {  // a wrong shape, and an unexpected tensor
+    const fs::path dir = d.path / "shape";
+    fs::create_directories(dir);
+    write_edited_checkpoint("llama2-tiny", dir, [](TensorMap& t) {
+      auto& k = t.at("model.layers.0.self_attn.k_proj.weight");
+      std::get<1>(k) = {32, 128};  // [64, 64] in truth; same byte count
+      const auto& norm = t.at("model.norm.weight");
+      t["model.layers.0.self_attn.q_proj.bias"] = norm;
+    });
+    expect_torch_error([&] { nn::load_hf_llama(dir); },
+                       {"model.layers.0.self_attn.k_proj.weight in model.safetensors: [32, 128] in the checkpoint, [64, 64] expected",
+                        "unexpected tensors 'model.layers.0.self_attn.q_proj.bias' in model.safetensors"});
+    // Into an existing model: refused before any parameter changes.
+    nn::Llama m = random_model(nn::from_hf_config(io::load_llama_config(dir)), 3);
+    const torch::Tensor before = m->embed->weight.clone();
+    expect_torch_error([&] { nn::load_hf_weights(*m, dir); }, {"model.layers.0.self_attn.k_proj.weight"});
+    EXPECT_TRUE(torch::equal(before, m->embed->weight));
+  }
+  {  // a model whose network differs from config.json's
+    nn::LlamaConfig c = nn::from_hf_config(io::load_llama_config(kFixtures / "llama2-tiny"));
+    c.norm_eps = 1e-6;
+    nn::Llama m(c);
+    expect_torch_error([&] { nn::load_hf_weights(*m, kFixtures / "llama2-tiny"); }, {"another network", "norm_eps"});
+  }
+  {  // a model whose projections LoRA already backs holds no dense weight to fill
+    nn::Llama m(nn::from_hf_config(io::load_llama_config(kFixtures / "llama2-tiny")));
+    nn::apply_lora<Strategy<LoRA<4, 8>>>(*m);
+    expect_torch_error([&] { nn::load_hf_weights(*m, kFixtures / "llama2-tiny"); }, {"'block0.attn.q.weight'", "apply_lora"});
+  }
+}
+
+// ---- export ---------------------------------------------------------------------------------------------------------
+TEST(HfExport, RoundTripIsBitExact) {
+  TempDir d("hf_roundtrip");
+  for (const bool tied : {false, true}) {
+    nn::Llama m = random_model(odd_config(tied), 10 + tied);
+    const fs::path f32 = d.path / ("f32_" + std::to_string(tied)), b16 = d.path / ("bf16_" + std::to_string(tied));
+    nn::save_hf_llama(*m, f32, {.max_shard_bytes = 40000});  // several shards
+    nn::Llama back = nn::load_hf_llama(f32);
+    EXPECT_EQ(nn::network_difference(m->config, back->config), "");
+    expect_same_parameters(m, back);
+    const torch::Tensor ids = random_ids(m->config.vocab, 4);
+    EXPECT_TRUE(torch::equal(logits_of(m, ids), logits_of(back, ids)));
+
+    // bf16: the export rounds once; loading gives those bits back.
+    m->to(torch::kBFloat16);
+    nn::save_hf_llama(*m, b16);  // the model's dtype
+    EXPECT_EQ(read_json(b16 / "config.json")["torch_dtype"], "bfloat16");
+    nn::Llama back16 = nn::load_hf_llama(b16);
+    expect_same_parameters(m, back16);
+  }
+  // half, from a float model
+  nn::Llama m = random_model(odd_config(false), 12);
+  nn::save_hf_llama(*m, d.path / "f16", {.dtype = io::DType::F16});
+  nn::Llama back = nn::load_hf_llama(d.path / "f16");
+  m->to(torch::kHalf);
+  expect_same_parameters(m, back);
+}
+
+TEST(HfExport, ShardedIndexIsConsistent) {
+  TempDir d("hf_index");
+  nn::Llama m = random_model(odd_config(false), 20);
+  const uint64_t max_bytes = 30000;
+  nn::save_hf_llama(*m, d.path, {.max_shard_bytes = max_bytes});
+  const auto idx = read_json(d.path / "model.safetensors.index.json");
+  const auto table = io::hf_checkpoint_tensors(nn::to_hf_config(m->config, io::DType::F32));
+  std::set<std::string> names, files;
+  for (const auto& [name, file] : idx["weight_map"].items()) names.insert(name), files.insert(file.get<std::string>());
+  std::set<std::string> want;
+  uint64_t total = 0;
+  for (const auto& e : table) {
+    want.insert(e.hf);
+    uint64_t n = 4;
+    for (auto s : e.shape) n *= uint64_t(s);
+    total += n;
+  }
+  EXPECT_EQ(names, want);
+  EXPECT_EQ(idx["metadata"]["total_size"].get<uint64_t>(), total);
+  ASSERT_GT(files.size(), 2u);
+  int k = 1;
+  for (const auto& f : files) {  // model-00001-of-0000N.safetensors, ..., each within the limit unless one tensor alone
+    char want_name[64];
+    std::snprintf(want_name, sizeof want_name, "model-%05d-of-%05zu.safetensors", k++, files.size());
+    EXPECT_EQ(f, want_name);
+    const auto r = io::SafetensorsReader::open(d.path / f);
+    if (r.tensors().size() > 1) EXPECT_LE(fs::file_size(d.path / f), max_bytes) << f;
+    for (const auto& [name, _] : r.tensors()) EXPECT_EQ(idx["weight_map"][name], f) << name;
+  }
+  EXPECT_FALSE(fs::exists(d.path / "model.safetensors"));
+  const auto ck = io::SafetensorsCheckpoint::open(d.path);  // checks every header against the index
+  EXPECT_EQ(ck.total_bytes(), total);
+  for (const auto& entry : fs::directory_iterator(d.path)) EXPECT_FALSE(entry.path().string().ends_with(".tmp"));
+}
+
+TEST(HfExport, FixtureExportKeepsTheFilesBytesAndConfig) {
+  TempDir d("hf_fixture_export");
+  for (const std::string name : {"llama2-tiny", "llama3-tiny"}) {
+    const io::LlamaConfig cfg = io::load_llama_config(kFixtures / name);
+    nn::Llama m = nn::load_hf_llama(kFixtures / name);  // the file's dtype
+    const fs::path out = d.path / name;
+    nn::save_hf_llama(*m, out, {.source_config = cfg});
+    EXPECT_EQ(io::load_llama_config(out), cfg) << name;  // token ids and max_position_embeddings kept
+    const auto a = io::SafetensorsCheckpoint::open(kFixtures / name), b = io::SafetensorsCheckpoint::open(out);
+    EXPECT_EQ(a.names(), b.names()) << name;
+    for (const auto& t : a.names()) {
+      EXPECT_EQ(a.info(t).dtype, b.info(t).dtype) << t;
+      EXPECT_EQ(a.read_bytes(t), b.read_bytes(t)) << name << " " << t;
+    }
+  }
+}
+
+TEST(HfExport, TensorsComeOneAtATimeFromTheSource) {
+  TempDir d("hf_source");
+  nn::Llama m = random_model(odd_config(true), 30);
+  const auto params = m->named_parameters();
+  std::vector<std::string> asked;
+  nn::save_hf_llama(m->config, [&](const std::string& name) {
+    asked.push_back(name);
+    return *params.find(name);
+  }, d.path / "ok", {.max_shard_bytes = 50000});
+  std::vector<std::string> order;
+  for (const auto& e : io::hf_checkpoint_tensors(nn::to_hf_config(m->config, io::DType::F32))) order.push_back(e.squeeze);
+  EXPECT_EQ(asked, order);  // checkpoint order, each once, no head under tied embeddings
+  nn::Llama back = nn::load_hf_llama(d.path / "ok");
+  expect_same_parameters(m, back);
+
+  // A wrong shape from the source: an error naming the parameter, and no checkpoint written.
+  const fs::path bad = d.path / "bad";
+  expect_torch_error([&] {
+    nn::save_hf_llama(m->config, [&](const std::string& name) {
+      return name == "block1.mlp.up.weight" ? torch::zeros({97, 41}) : *params.find(name);
+    }, bad, {.max_shard_bytes = 50000});
+  }, {"'block1.mlp.up.weight'", "model.layers.1.mlp.up_proj.weight", "[97, 41]", "[97, 40] expected"});
+  if (fs::exists(bad))
+    for (const auto& entry : fs::directory_iterator(bad)) ADD_FAILURE() << "left behind: " << entry.path();
+}
+
+TEST(HfExport, LoraIsMergedAndQuantizedBasesDequantised) {
+  TempDir d("hf_lora_export");
+  const torch::Tensor ids = random_ids(291, 5);
+  {  // dense base
+    nn::Llama m = random_model(odd_config(false), 40);
+    const auto layers = nn::apply_lora<Strategy<LoRA<4, 6, LoraTargets::q | LoraTargets::v | LoraTargets::down>>>(*m);
+    {
+      torch::NoGradGuard ng;
+      for (const auto& l : layers) l.layer->lora_B.normal_(0.0, 0.05);
+    }
+    const torch::Tensor want = logits_of(m, ids);
+    nn::save_hf_llama(*m, d.path / "dense");
+    nn::Llama back = nn::load_hf_llama(d.path / "dense");
+    EXPECT_TRUE(torch::equal(back->blocks[1]->attn->q->weight, layers[3].layer->merged_weight()));  // layers: q, v, down per block
+    EXPECT_LE(rel_err(logits_of(back, ids), want), 1e-5);
+  }
+  {  // QLoRA: NF4 bases under adapters (q, v) and without (k, o, gate, up, down)
+    nn::Llama m = random_model(odd_config(true), 41);
+    const auto layers = nn::apply_lora<Strategy<Quantized<4, NF4>, LoRA<4, 8>>>(*m);
+    {
+      torch::NoGradGuard ng;
+      for (const auto& l : layers) l.layer->lora_B.normal_(0.0, 0.05);
+    }
+    const torch::Tensor want = logits_of(m, ids);
+    nn::save_hf_llama(*m, d.path / "nf4");
+    nn::Llama back = nn::load_hf_llama(d.path / "nf4");
+    EXPECT_TRUE(torch::equal(back->blocks[0]->attn->q->weight, layers[0].layer->merged_weight()));
+    const auto* k = dynamic_cast<nn::Nf4LinearImpl*>(m->blocks[0]->attn->k->backing().get());
+    ASSERT_NE(k, nullptr);
+    EXPECT_TRUE(torch::equal(back->blocks[0]->attn->k->weight, k->nf4_weight().dequantize(torch::kFloat32)));
+    EXPECT_LE(rel_err(logits_of(back, ids), want), 1e-5);
+  }
+}
+
+// ---- PEFT adapters ----------------------------------------------------------------------------------------------------
+using PeftStrategy = Strategy<LoRA<4, 6>>;  // q and v, r 4, alpha 6
+
+// A random model with random adapters (A and B both, so an import that kept its own A would show).
+nn::Llama adapted_model(uint64_t seed) {
+  nn::Llama m = random_model(odd_config(false), 50);  // the same base every time
+  const auto layers = nn::apply_lora<PeftStrategy>(*m);
+  torch::manual_seed(seed);
+  torch::NoGradGuard ng;
+  for (const auto& l : layers) {
+    l.layer->lora_A.normal_(0.0, 0.2);
+    l.layer->lora_B.normal_(0.0, 0.05);
+  }
+  return m;
+}
+
+TEST(Peft, ExportWritesPeftsNamesAndConfig) {
+  TempDir d("peft_export");
+  nn::Llama m = adapted_model(1);
+  const auto info = nn::save_peft_adapters(*m, d.path, {.base_model_name_or_path = "org/odd-llama", .lora_dropout = 0.05});
+  EXPECT_EQ(info.target_modules, (std::vector<std::string>{"q_proj", "v_proj"}));
+
+  const auto f = io::SafetensorsReader::open(d.path / "adapter_model.safetensors");
+  std::set<std::string> want;
+  for (int i = 0; i < 3; ++i)
+    for (const std::string mod : {"q_proj", "v_proj"}) {
+      const std::string key = "base_model.model.model.layers." + std::to_string(i) + ".self_attn." + mod;
+      want.insert(key + ".lora_A.weight");
+      want.insert(key + ".lora_B.weight");
+      EXPECT_EQ(f.info(key + ".lora_A.weight").shape, (std::vector<int64_t>{4, 40}));                      // [r, in]
+      EXPECT_EQ(f.info(key + ".lora_B.weight").shape, (std::vector<int64_t>{mod == "q_proj" ? 60 : 12, 4}));  // [out, r]
+      EXPECT_EQ(f.info(key + ".lora_A.weight").dtype, io::DType::F32);
+    }
+  std::set<std::string> got;
+  for (const auto& [name, _] : f.tensors()) got.insert(name);
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(f.metadata().at("format"), "pt");
+
+  const auto j = read_json(d.path / "adapter_config.json");
+  EXPECT_EQ(j["peft_type"], "LORA");
+  EXPECT_EQ(j["task_type"], "CAUSAL_LM");
+  EXPECT_EQ(j["r"], 4);
+  EXPECT_TRUE(j["lora_alpha"].is_number_integer());
+  EXPECT_EQ(j["lora_alpha"], 6);
+  EXPECT_EQ(j["lora_dropout"], 0.05);
+  EXPECT_EQ(j["bias"], "none");
+  EXPECT_EQ(j["target_modules"], (nlohmann::json{"q_proj", "v_proj"}));
+  EXPECT_EQ(j["base_model_name_or_path"], "org/odd-llama");
+}
+
+TEST(Peft, ImportRoundTripIsExact) {
+  TempDir d("peft_roundtrip");
+  nn::Llama src = adapted_model(2);
+  nn::save_peft_adapters(*src, d.path, {.base_model_name_or_path = "org/odd-llama"});
+  nn::Llama dst = adapted_model(3);  // same base, other adapters
+  const auto info = nn::load_peft_adapters(*dst, d.path);
+  EXPECT_EQ(info.r, 4);
+  EXPECT_EQ(info.lora_alpha, 6.0);
+  EXPECT_EQ(info.base_model_name_or_path, "org/odd-llama");
+  expect_same_parameters(src, dst);  // every lora_A / lora_B, bit for bit
+  const torch::Tensor ids = random_ids(291, 6);
+  EXPECT_TRUE(torch::equal(logits_of(src, ids), logits_of(dst, ids)));
+}
+
+TEST(Peft, NonIntegerAlphaIsKept) {
+  TempDir d("peft_alpha");
+  nn::Llama src = adapted_model(4);
+  nn::save_peft_adapters(*src, d.path);
+  auto j = read_json(d.path / "adapter_config.json");
+  j["lora_alpha"] = 7.5;
+  write_json(d.path / "adapter_config.json", j);
+  nn::Llama dst = adapted_model(5);
+  EXPECT_EQ(nn::load_peft_adapters(*dst, d.path).lora_alpha, 7.5);
+  for (const auto& l : nn::peft_layers(*dst)) EXPECT_EQ(l.lora->scaling(), 7.5 / 4.0) << l.path;
+  const fs::path again = d.path / "again";
+  nn::save_peft_adapters(*dst, again);
+  EXPECT_EQ(read_json(again / "adapter_config.json")["lora_alpha"], 7.5);
+}
+
+TEST(Peft, RefusalsNameTheKey) {
+  TempDir d("peft_refuse");
+  nn::Llama src = adapted_model(6);
+  nn::save_peft_adapters(*src, d.path / "good");
+  const auto variant = [&](const std::string& name, const std::function<void(nlohmann::json&)>& edit_config,
+                           const std::function<void(TensorMap&)>& edit_tensors) {
+    const fs::path dir = d.path / name;
+    fs::create_directories(dir);
+    auto j = read_json(d.path / "good" / "adapter_config.json");
+    edit_config(j);
+    write_json(dir / "adapter_config.json", j);
+    const auto f = io::SafetensorsReader::open(d.path / "good" / "adapter_model.safetensors");
+    TensorMap t;
+    for (const auto& [n, info] : f.tensors()) t[n] = {info.dtype, info.shape, f.read_bytes(n)};
+    edit_tensors(t);
+    std::map<std::string, io::TensorRef> refs;
+    for (const auto& [n, v] : t) refs[n] = {std::get<0>(v), std::get<1>(v), std::get<2>(v)};
+    io::save_safetensors(dir / "adapter_model.safetensors", refs);
+    return dir;
+  };
+  const auto same = [](auto&) {};
+  const std::string q0 = "base_model.model.model.layers.0.self_attn.q_proj";
+  nn::Llama dst = adapted_model(7);
+  const torch::Tensor before = dst->blocks[0]->attn->q->backing()->named_parameters()["lora_A"].clone();
+
+  expect_torch_error([&] { nn::load_peft_adapters(*dst, variant("r", [](auto& j) { j["r"] = 8; }, same)); }, {"'r'", "8", "rank 4"});
+  expect_torch_error([&] { nn::load_peft_adapters(*dst, variant("targets", [](auto& j) { j["target_modules"] = nlohmann::json::array({"q_proj", "k_proj"}); }, same)); },
+                     {"'target_modules'", "[k_proj, q_proj]", "[q_proj, v_proj]"});
+  expect_torch_error([&] { nn::load_peft_adapters(*dst, variant("regex", [](auto& j) { j["target_modules"] = ".*proj"; }, same)); },
+                     {"'target_modules'", "regular expression"});
+  expect_torch_error([&] { nn::load_peft_adapters(*dst, variant("dora", [](auto& j) { j["use_dora"] = true; }, same)); }, {"'use_dora'"});
+  expect_torch_error([&] { nn::load_peft_adapters(*dst, variant("type", [](auto& j) { j["peft_type"] = "IA3"; }, same)); }, {"'peft_type'", "IA3"});
+  expect_torch_error([&] { nn::load_peft_adapters(*dst, variant("bias", [](auto& j) { j["bias"] = "all"; }, same)); }, {"'bias'"});
+  expect_torch_error([&] {
+    nn::load_peft_adapters(*dst, variant("missing", [](auto&) {}, [&](TensorMap& t) { t.erase(q0 + ".lora_B.weight"); }));
+  }, {"missing tensor '" + q0 + ".lora_B.weight'", "block0.attn.q"});
+  expect_torch_error([&] {
+    nn::load_peft_adapters(*dst, variant("shape", [](auto&) {}, [&](TensorMap& t) { std::get<1>(t.at(q0 + ".lora_A.weight")) = {40, 4}; }));
+  }, {"'" + q0 + ".lora_A.weight'", "[40, 4]", "[4, 40]"});
+  expect_torch_error([&] {
+    nn::load_peft_adapters(*dst, variant("extra", [](auto&) {}, [&](TensorMap& t) { t[q0 + ".lora_magnitude_vector"] = t.at(q0 + ".lora_A.weight"); }));
+  }, {"unexpected tensor '" + q0 + ".lora_magnitude_vector'"});
+  EXPECT_TRUE(torch::equal(before, dst->blocks[0]->attn->q->backing()->named_parameters()["lora_A"]));  // nothing imported
+
+  nn::Llama plain = random_model(odd_config(false), 50);
+  expect_torch_error([&] { nn::load_peft_adapters(*plain, d.path / "good"); }, {"apply_lora first"});
+  expect_torch_error([&] { nn::save_peft_adapters(*plain, d.path / "none"); }, {"apply_lora first"});
+}
+
+}  // namespace
