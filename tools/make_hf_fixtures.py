@@ -7,8 +7,8 @@ Writes, each model saved sharded by transformers' save_pretrained:
     llama2-tiny/   LLaMA-2 style: fp32 weights, multi-head attention, untied head, rope_theta 10000
     llama3-tiny/   LLaMA-3 style: bf16 weights, grouped-query attention (4 heads, 2 kv heads), head_dim 24 with
                    hidden 64, rope type "llama3", tied embeddings
-    each with expected.safetensors: input_ids [2, 11] (int64), logits_fp32 [2, 11, vocab] (the model in fp32),
-    logits_bf16 [2, 11, vocab] (the model in bf16, stored as fp32)
+    each with expected.safetensors: input_ids [2, 11] (int64), logits_fp32 [2, 11, vocab] (the saved directory loaded
+    by from_pretrained in fp32), logits_bf16 [2, 11, vocab] (loaded in bf16; stored as fp32)
     spm-tiny/      tokenizer.model (SentencePiece BPE, 288 pieces, byte fallback) and encodings.json
     versions.json  the library versions that wrote them
 """
@@ -53,13 +53,16 @@ def make_model(out_dir, name, dtype, seed, **config_kwargs):
     path = os.path.join(out_dir, name)
     model.save_pretrained(path, max_shard_size="150KB", safe_serialization=True)
 
+    # The references come from the saved directory as a user loads it: in fp32 (a bf16 file's weights widened, RoPE
+    # frequencies computed in fp32) and in bf16.
     g = torch.Generator().manual_seed(seed + 1)
     input_ids = torch.randint(0, VOCAB, (2, 11), generator=g)
+    logits = {}
     with torch.no_grad():
-        fp32 = model.float()(input_ids).logits.float().contiguous()
-        bf16 = model.to(torch.bfloat16)(input_ids).logits.float().contiguous()
-    save_file({"input_ids": input_ids.contiguous(), "logits_fp32": fp32, "logits_bf16": bf16},
-              os.path.join(path, "expected.safetensors"))
+        for key, dt in (("logits_fp32", torch.float32), ("logits_bf16", torch.bfloat16)):
+            loaded = transformers.LlamaForCausalLM.from_pretrained(path, dtype=dt, attn_implementation="eager").eval()
+            logits[key] = loaded(input_ids).logits.float().contiguous()
+    save_file({"input_ids": input_ids.contiguous(), **logits}, os.path.join(path, "expected.safetensors"))
     print(f"{name}: {sum(p.numel() for p in model.parameters())} parameters, files {sorted(os.listdir(path))}")
 
 

@@ -17,6 +17,7 @@
 #include <squeeze/policy/strategy.hpp>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -584,3 +585,50 @@ TEST(Peft, RefusalsNameTheKey) {
 }
 
 }  // namespace
+
+// ---- for the real clients ---------------------------------------------------------------------------------------
+// What tools/check_hf_interop.py gives transformers and PEFT (on a machine that has them), written to
+// $SQUEEZE_INTEROP_DIR when set (else a temporary directory): llama3-tiny with random adapters on q, v and down
+// (alpha 6.5 over r 4) exported merged (merged/) and as PEFT adapters over the fixture (peft/), llama2-tiny
+// exported in bf16 (llama2-bf16/), and squeeze's logits for each (squeeze_logits.safetensors). Here: squeeze reads
+// its own merged export back to the adapted model's logits (fp32, rel <= 1e-5).
+TEST(HfInterop, WritesExportsForTransformersAndPeft) {
+  const char* env = std::getenv("SQUEEZE_INTEROP_DIR");
+  TempDir tmp("interop");
+  const fs::path out = env ? fs::path(env) : tmp.path;
+  fs::create_directories(out);
+  const Expected e3 = expected("llama3-tiny");
+  nn::Llama m = nn::load_hf_llama(kFixtures / "llama3-tiny", {.dtype = torch::kFloat32});
+  const auto layers = nn::apply_lora<Strategy<LoRA<4, 6, LoraTargets::q | LoraTargets::v | LoraTargets::down>>>(*m);
+  torch::manual_seed(21);
+  {
+    torch::NoGradGuard ng;
+    for (auto l : layers) {  // LoRALinear is a holder: a copy refers to the same layer
+      l.layer->lora_A.normal_(0.0, 0.3);
+      l.layer->lora_B.normal_(0.0, 0.1);
+      l.layer->set_alpha(6.5);  // PEFT keeps a non-integer alpha; scale = alpha / r
+    }
+  }
+  const torch::Tensor lora_logits = logits_of(m, e3.ids);  // [2, 11, 288]
+  nn::save_hf_llama(*m, out / "merged", {.dtype = io::DType::F32, .max_shard_bytes = 200'000});
+  nn::save_peft_adapters(*m, out / "peft", {.base_model_name_or_path = "llama3-tiny"});
+  nn::Llama back = nn::load_hf_llama(out / "merged", {.dtype = torch::kFloat32});
+  const double rel = rel_err(logits_of(back, e3.ids), lora_logits);
+  std::printf("[ measured ] merged export read back: max|diff| / max|ref| = %.3g\n", rel);
+  EXPECT_LE(rel, 1e-5);
+
+  const Expected e2 = expected("llama2-tiny");
+  nn::Llama l2 = nn::load_hf_llama(kFixtures / "llama2-tiny", {.dtype = torch::kBFloat16});
+  nn::save_hf_llama(*l2, out / "llama2-bf16", {.max_shard_bytes = 150'000});
+  const torch::Tensor l2_logits = logits_of(l2, e2.ids);
+  const torch::Tensor ids3 = e3.ids.contiguous(), ids2 = e2.ids.contiguous(), a = lora_logits.contiguous(), b = l2_logits.contiguous();
+  const auto ref = [](const torch::Tensor& t, io::DType d) {
+    return io::TensorRef{d, std::vector<int64_t>(t.sizes().begin(), t.sizes().end()),
+                         std::span<const std::byte>(static_cast<const std::byte*>(t.data_ptr()), t.nbytes())};
+  };
+  io::save_safetensors(out / "squeeze_logits.safetensors", {{"llama3_input_ids", ref(ids3, io::DType::I64)},
+                                                            {"llama3_lora_logits", ref(a, io::DType::F32)},
+                                                            {"llama2_input_ids", ref(ids2, io::DType::I64)},
+                                                            {"llama2_bf16_logits", ref(b, io::DType::F32)}});
+  EXPECT_TRUE(fs::exists(out / "peft" / "adapter_model.safetensors"));
+}
