@@ -10,11 +10,11 @@ step() { printf '\n==> %s\n' "$*"; }
 SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
 
 if [ "${SKIP_APT:-0}" != 1 ]; then
-  step "Debian packages: compilers, GoogleTest, Google Benchmark, CLI11, nlohmann-json, fmt, ccache, KJV corpus"
+  step "Debian packages: compilers (clang for the fuzz target), GoogleTest, Google Benchmark, CLI11, nlohmann-json, fmt, OpenSSL, ccache, KJV corpus"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
     g++ make cmake python3-pip libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev \
-    libfmt-dev libssl-dev ccache bible-kjv-text bible-kjv >/dev/null
+    libfmt-dev libssl-dev clang libclang-rt-dev ccache bible-kjv-text bible-kjv >/dev/null
 fi
 
 if [ "${SKIP_PIP:-0}" != 1 ]; then

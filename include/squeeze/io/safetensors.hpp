@@ -137,7 +137,9 @@ inline Header parse_header(std::string_view text, std::uint64_t data_size, const
   const auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) fail("header is not valid JSON");
   if (!j.is_object()) fail("header JSON is not an object");
-  for (const auto& [name, v] : j.items()) {
+  for (const auto& item : j.items()) {  // not a structured binding: clang 14 (the fuzz build) cannot capture one
+    const std::string& name = item.key();
+    const nlohmann::json& v = item.value();
     if (name == "__metadata__") {
       if (!v.is_object()) fail("__metadata__ is not an object");
       for (const auto& [k, mv] : v.items()) {

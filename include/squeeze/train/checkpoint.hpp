@@ -269,8 +269,13 @@ nlohmann::json load_checkpoint(TrainerT& trainer, const std::filesystem::path& r
   TORCH_CHECK(rec.contains("state") && rec.contains("trainer") && rec.contains("frozen"), where,
               ": not a trainer checkpoint (its index has no state/trainer/frozen records)");
   const nlohmann::json mine = train::detail::state_kind<S>();
-  TORCH_CHECK(rec["state"] == mine, where, " was written by ", idx.strategy, " (optimizer state ", rec["state"].dump(), "); this trainer (",
-              strategy_name<S>(), ") keeps ", mine.dump(), ": load it into a strategy that keeps the same state");
+  const nlohmann::json& saved = rec["state"];
+  // The compute type and the masters convert (fp32 weights become masters, masters become fp32 weights, 16-bit
+  // weights are rounded from the fp32 values); what is trained and the moments' format must agree.
+  TORCH_CHECK(saved.value("weights", "") == mine["weights"] && saved.value("moments", "") == mine["moments"], where, " was written by ",
+              idx.strategy, " (optimizer state ", saved.dump(), "); this trainer (", strategy_name<S>(), ") keeps ", mine.dump(),
+              ": load it into a strategy that trains the same weights with the same kind of moments");
+  const bool saved_masters = saved.value("masters", false);
   const nlohmann::json frozen = train::detail::frozen_digest(trainer.module());
   TORCH_CHECK(rec["frozen"]["sha256"] == frozen["sha256"], where, ": the frozen tensors (", rec["frozen"]["tensors"].dump(),
               " tensors, a LoRA strategy's base) differ from this model's (", frozen["tensors"].dump(),
@@ -295,18 +300,32 @@ nlohmann::json load_checkpoint(TrainerT& trainer, const std::filesystem::path& r
     for (const auto& [name, t] : p.elementwise) {
       for (int tr = p.whole ? 0 : rank; tr < (p.whole ? world : rank + 1); ++tr) {
         const torch::Tensor dst = p.whole ? t.narrow(0, int64_t(tr) * shard, shard) : t;
+        // Where the values come from: the buffer of that name, except across a change of precision (fp32 weights
+        // from masters, masters from fp32 weights).
+        const io::DType want = train::detail::io_dtype(t.scalar_type());
+        const auto stored_as = [&](const std::string& b) { return r.rank_file(0).info(io::shard_tensor_name(from.front().key, b)).dtype; };
+        std::string source = name;
+        if (name == "param" && saved_masters && stored_as("param") != want) source = "master";
+        if (name == "master" && !saved_masters) source = "param";
+        const io::DType stored = stored_as(source);
+        TORCH_CHECK(stored == want || name == "param" || (name == "master" && stored == io::DType::F32), where,
+                    ": buffer '", source, "' is stored as ", io::dtype_name(stored), ", this trainer's '", name, "' is ", t.scalar_type());
         // The same layout reads each shard as stored, alignment gaps included (an 8-bit code's zero is not byte 0);
         // another one goes parameter by parameter through the plan, gaps zero-filled.
-        const std::string n = io::shard_tensor_name(p.key, name);
-        const io::DType stored = train::detail::read_into(dst, [&](std::span<std::byte> out) {
-          if (!same_layout) return io::read_resharded(r, plan, i, tr, name, out);
-          const io::DType dt = r.rank_file(tr).info(n).dtype;
-          r.expect_tensor(tr, n, dt, {shard});
+        const std::string n = io::shard_tensor_name(p.key, source);
+        const auto read = [&](std::span<std::byte> out) {
+          if (!same_layout) return io::read_resharded(r, plan, i, tr, source, out);
+          r.expect_tensor(tr, n, stored, {shard});
           r.read_rank_into(tr, n, out);
-          return dt;
-        });
-        TORCH_CHECK(stored == train::detail::io_dtype(t.scalar_type()), where, ": buffer '", name, "' is stored as ", io::dtype_name(stored),
-                    ", this trainer keeps ", t.scalar_type());
+          return stored;
+        };
+        if (stored == want) {
+          train::detail::read_into(dst, read);
+        } else {  // widened exactly, or rounded to nearest even as the trainer rounds its masters
+          torch::Tensor host = torch::empty({shard}, torch::TensorOptions().dtype(train::detail::torch_dtype_of(stored)));  // [shard]
+          train::detail::read_into(host, read);
+          dst.copy_(host);
+        }
       }
     }
     for (const auto& [name, t] : p.blockwise) {
