@@ -272,7 +272,9 @@ nlohmann::json load_checkpoint(TrainerT& trainer, const std::filesystem::path& r
   const nlohmann::json& saved = rec["state"];
   // The compute type and the masters convert (fp32 weights become masters, masters become fp32 weights, 16-bit
   // weights are rounded from the fp32 values); what is trained and the moments' format must agree.
-  TORCH_CHECK(saved.value("weights", "") == mine["weights"] && saved.value("moments", "") == mine["moments"], where, " was written by ",
+  TORCH_CHECK(saved.value("weights", std::string()) == mine["weights"].get<std::string>() &&
+                  saved.value("moments", std::string()) == mine["moments"].get<std::string>(),
+              where, " was written by ",
               idx.strategy, " (optimizer state ", saved.dump(), "); this trainer (", strategy_name<S>(), ") keeps ", mine.dump(),
               ": load it into a strategy that trains the same weights with the same kind of moments");
   const bool saved_masters = saved.value("masters", false);
