@@ -14,7 +14,7 @@ if [ "${SKIP_APT:-0}" != 1 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
     g++ make cmake python3-pip libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev \
-    libfmt-dev libssl-dev clang libclang-rt-dev ccache bible-kjv-text bible-kjv >/dev/null
+    libfmt-dev libssl-dev libsentencepiece-dev clang libclang-rt-dev ccache bible-kjv-text bible-kjv >/dev/null
 fi
 
 if [ "${SKIP_PIP:-0}" != 1 ]; then

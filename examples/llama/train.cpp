@@ -22,6 +22,8 @@
 #include <squeeze/comm/env.hpp>
 #include <squeeze/comm/from_env.hpp>
 
+#include <squeeze/nn/hf_llama.hpp>
+
 #include "data.hpp"
 #include "trainer.hpp"
 
@@ -37,7 +39,7 @@ using squeeze::llama::val_batches;
 namespace {
 
 struct Options {
-  std::string preset = "tiny", strategy = "fp32", device = "cpu", corpus, save, load;
+  std::string preset = "tiny", strategy = "fp32", device = "cpu", corpus, save, load, hf, export_hf, export_peft;
   int64_t steps = 200, batch = 16, seq = 128, eval_every = 100, eval_batches = 8, log_every = 0, sample = 160, threads = 0;
   int64_t loss_chunk = llama::TrainOptions{}.loss_chunk_tokens;
   double lr = 3e-3, weight_decay = 0.1, clip = 1.0, val_fraction = 0.05;
@@ -94,6 +96,35 @@ std::string sample_text(nn::Llama& model, const std::string& prompt, int64_t n, 
   return detokenize(ids[0]);
 }
 
+// --export-hf DIR: the trained model as a Hugging Face LLaMA directory (LoRA merged into its base); --export-peft DIR:
+// a LoRA strategy's adapters in PEFT's format. Gathering the weights is a collective; rank 0 writes.
+template <StrategyType S>
+void export_results(const Options& o, Trainer<S>& trainer, const nn::LlamaConfig& config, int rank) {
+  if (!o.export_hf.empty()) {
+    if constexpr (S::has_lora) {
+      if (rank == 0) nn::save_hf_llama(*trainer.model(), o.export_hf);
+    } else {
+      const auto full = trainer.full_parameters();  // name -> full values (stage 3 gathers them)
+      if (rank == 0) {
+        nn::Llama plain(config);
+        torch::NoGradGuard no_grad;
+        std::map<std::string, torch::Tensor> by_name(full.begin(), full.end());
+        for (auto& p : plain->named_parameters()) p.value().copy_(by_name.at(p.key()));
+        nn::save_hf_llama(*plain, o.export_hf);
+      }
+    }
+    if (rank == 0) std::cerr << "exported the model to " << o.export_hf << " (Hugging Face LlamaForCausalLM)\n";
+  }
+  if (!o.export_peft.empty()) {
+    if constexpr (!S::has_lora) {
+      throw std::runtime_error("--export-peft: strategy " + o.strategy + " trains full weights, not LoRA adapters (use --export-hf)");
+    } else if (rank == 0) {
+      nn::save_peft_adapters(*trainer.model(), o.export_peft, {.base_model_name_or_path = o.hf});
+      std::cerr << "exported the adapters to " << o.export_peft << " (PEFT)\n";
+    }
+  }
+}
+
 // ---- the training loop, one instantiation per strategy --------------------------------------------------
 template <StrategyType S>
 int train(const Options& o) {
@@ -114,13 +145,18 @@ int train(const Options& o) {
   if (train_ids.size(0) <= o.seq + 1 || val_ids.size(0) <= o.seq + 1)
     throw std::runtime_error("--seq " + std::to_string(o.seq) + " is longer than the corpus' training or validation text");
 
-  nn::LlamaConfig config = nn::LlamaConfig::preset(o.preset);
+  // --hf: a Hugging Face LLaMA directory is the starting point (its geometry, RoPE and weights, read in float).
+  std::optional<nn::Llama> pretrained;
+  if (!o.hf.empty()) pretrained.emplace(nn::load_hf_llama(o.hf, {.dtype = torch::kFloat32}));
+  nn::LlamaConfig config = pretrained ? (*pretrained)->config : nn::LlamaConfig::preset(o.preset);
+  if (pretrained && config.vocab < 256)
+    throw std::runtime_error("--hf " + o.hf + ": its vocabulary (" + std::to_string(config.vocab) + ") is smaller than the 256 byte ids this example feeds");
   llama::TrainOptions topt;
   topt.lr = o.lr, topt.weight_decay = o.weight_decay, topt.clip = o.clip, topt.loss_chunk_tokens = o.loss_chunk;
   if (o.batch % (int64_t(env.world) * S::accumulation_steps) != 0)
     throw std::runtime_error("--batch " + std::to_string(o.batch) + " must split into " + std::to_string(env.world) + " rank(s) x " +
                              std::to_string(S::accumulation_steps) + " micro-batches");
-  Trainer<S> trainer(config, topt, device, comm::from_env());
+  Trainer<S> trainer = pretrained ? Trainer<S>(std::move(*pretrained), topt, device, comm::from_env()) : Trainer<S>(config, topt, device, comm::from_env());
   const int64_t rows = o.batch / env.world;  // this rank's rows of every batch
   if (!o.load.empty()) {
     trainer.load(o.load);
@@ -182,6 +218,7 @@ int train(const Options& o) {
               o.strategy.c_str(), first_loss, last_loss, std::exp(val_loss), seconds > 0 ? tokens / seconds : 0.0, mem.peak_gb,
               planned_gb);
   if (o.sample > 0) std::printf("sample: %s\n", sample_text(trainer.model(), "And God said", o.sample, o.seq, device, o.seed).c_str());
+  export_results(o, trainer, config, env.rank);
   return 0;
 }
 
@@ -208,6 +245,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--device", o.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
   app.add_option("--corpus", o.corpus, "train on this text file instead of the KJV");
+  app.add_option("--hf", o.hf, "start from this Hugging Face LLaMA directory (config.json + safetensors) instead of --preset")
+      ->check(CLI::ExistingDirectory);
+  app.add_option("--export-hf", o.export_hf, "write the trained model here as a Hugging Face LLaMA directory (LoRA merged)");
+  app.add_option("--export-peft", o.export_peft, "write a LoRA strategy's adapters here in PEFT's format");
   app.add_option("--save", o.save, "checkpoint directory: a checkpoint at every evaluation and at the end (the newest three kept)");
   app.add_option("--load", o.load, "resume from the latest checkpoint in this directory (any world size)")->check(CLI::ExistingDirectory);
   app.add_option("--eval-every", o.eval_every, "steps between validation runs (0: only at the end)")->capture_default_str();

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <functional>
 #include <map>
 #include <string>
 #include <squeeze/comm/local.hpp>
@@ -34,6 +35,16 @@ inline torch::Tensor lm_loss(UserLM& m, const torch::Tensor& seq) {  // seq: [B,
   const int64_t T = seq.size(1) - 1;
   auto logits = m(seq.narrow(1, 0, T).clamp_min(0));  // [B, T, V]
   return torch::nn::functional::cross_entropy(logits.flatten(0, 1).to(torch::kFloat32), seq.narrow(1, 1, T).flatten());
+}
+
+// The message of what f throws ("" when it does not throw).
+inline std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
 }
 
 inline Params to_params(const std::vector<std::pair<std::string, torch::Tensor>>& full) {

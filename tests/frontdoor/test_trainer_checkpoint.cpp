@@ -34,15 +34,6 @@ struct TempDir {
   ~TempDir() { fs::remove_all(path); }
 };
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
-
 struct TrainRun {
   std::vector<float> losses;                  // rank 0's micro-batch losses
   Params params;                              // full parameters at the end (rank 0)
