@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "../io/json_file.hpp"
 #include "../io/safetensors.hpp"
 #include "pack.hpp"
 
@@ -33,6 +34,61 @@ struct QuantizedModelFile {
   io::SafetensorsFile file;  // everything, including unquantized tensors (embeddings, norms, ...)
 };
 
+// quantize_config.json as AutoGPTQ / GPTQModel write it; config.json's "quantization_config" holds the same
+// keys (transformers' GPTQConfig reads bits, group_size, desc_act, sym, checkpoint_format from either).
+inline nlohmann::json quantize_config_json(const QuantizeConfig& cfg) {
+  check_bits(cfg.bits);
+  return {{"bits", cfg.bits},
+          {"group_size", cfg.group_size > 0 ? cfg.group_size : -1},
+          {"desc_act", cfg.desc_act},
+          {"sym", cfg.sym},
+          {"static_groups", cfg.static_groups},
+          {"damp_percent", cfg.damp_percent},
+          {"true_sequential", cfg.true_sequential},
+          {"quant_method", "gptq"},
+          {"checkpoint_format", "gptq"},
+          {"format", "gptq"}};
+}
+
+// The inverse of quantize_config_json; errors start with `source` and name the key.
+inline QuantizeConfig parse_quantize_config(const nlohmann::json& j, const std::string& source) {
+  check(!j.is_discarded() && j.is_object(), source + ": is not a JSON object");
+  auto get_int = [&](const char* k) {
+    check(j.contains(k) && j[k].is_number_integer(), source + ": '" + k + "' must be an integer");
+    return j[k].get<std::int64_t>();
+  };
+  auto get_bool = [&](const char* k, bool def) {
+    if (!j.contains(k) || j[k].is_null()) return def;
+    check(j[k].is_boolean(), source + ": '" + k + "' must be true or false");
+    return j[k].get<bool>();
+  };
+  if (j.contains("quant_method")) {
+    check(j["quant_method"].is_string(), source + ": 'quant_method' must be a string");
+    const auto m = j["quant_method"].get<std::string>();
+    check(m == "gptq", source + ": quant_method '" + m + "' is not supported (this reader takes 'gptq')");
+  }
+  QuantizeConfig c;
+  const auto bits = get_int("bits");
+  check(supported_bits(int(bits)), source + ": bits " + std::to_string(bits) + " unsupported (2, 3, 4 or 8)");
+  c.bits = int(bits);
+  const auto g = get_int("group_size");
+  check(g == -1 || (g > 0 && g <= (1 << 30)), source + ": group_size must be -1 or positive, got " + std::to_string(g));
+  c.group_size = g > 0 ? int(g) : 0;
+  c.desc_act = get_bool("desc_act", false);
+  c.sym = get_bool("sym", true);
+  c.static_groups = get_bool("static_groups", false);
+  c.true_sequential = get_bool("true_sequential", true);
+  if (j.contains("damp_percent") && j["damp_percent"].is_number()) c.damp_percent = j["damp_percent"].get<double>();
+  for (const char* k : {"checkpoint_format", "format"})
+    if (j.contains(k) && !j[k].is_null()) {
+      check(j[k].is_string(), source + ": '" + k + "' must be a string");
+      const auto fmt = j[k].get<std::string>();
+      check(fmt == "gptq", source + ": " + std::string(k) + " '" + fmt +
+                               "' is not supported; this reader takes the v1 'gptq' format (zero points stored minus one)");
+    }
+  return c;
+}
+
 inline void save_quantized(const std::filesystem::path& dir, const std::map<std::string, PackedLinear>& layers, const QuantizeConfig& cfg,
                            const std::map<std::string, io::TensorRef>& extra = {}) {
   check_bits(cfg.bits);
@@ -50,61 +106,13 @@ inline void save_quantized(const std::filesystem::path& dir, const std::map<std:
     if (!p.bias.empty()) t[name + ".bias"] = io::tensor_ref<half>(io::DType::F16, {p.out}, p.bias);
   }
   io::save_safetensors(dir / "model.safetensors", t, {{"format", "pt"}, {"quantizer", "squeeze"}});
-  nlohmann::json j = {{"bits", cfg.bits},
-                      {"group_size", cfg.group_size > 0 ? cfg.group_size : -1},
-                      {"desc_act", cfg.desc_act},
-                      {"sym", cfg.sym},
-                      {"static_groups", cfg.static_groups},
-                      {"damp_percent", cfg.damp_percent},
-                      {"true_sequential", cfg.true_sequential},
-                      {"quant_method", "gptq"},
-                      {"checkpoint_format", "gptq"},
-                      {"format", "gptq"}};
-  const auto path = dir / "quantize_config.json", tmp = dir / "quantize_config.json.tmp";
-  {
-    std::ofstream f(tmp);
-    check(bool(f), "save_quantized: cannot write " + tmp.string());
-    f << j.dump(2) << "\n";
-    f.flush();
-    check(bool(f), "save_quantized: write to " + tmp.string() + " failed");
-  }
-  std::filesystem::rename(tmp, path);
+  io::save_json(dir / "quantize_config.json", quantize_config_json(cfg), "save_quantized");
 }
 
 inline QuantizeConfig read_quantize_config(const std::filesystem::path& path) {
   std::ifstream f(path);
   check(bool(f), "quantize_config.json: cannot open " + path.string());
-  const auto j = nlohmann::json::parse(f, nullptr, false);
-  check(!j.is_discarded() && j.is_object(), "quantize_config.json: " + path.string() + " is not a JSON object");
-  auto get_int = [&](const char* k) {
-    check(j.contains(k) && j[k].is_number_integer(), std::string("quantize_config.json: '") + k + "' must be an integer");
-    return j[k].get<std::int64_t>();
-  };
-  auto get_bool = [&](const char* k, bool def) {
-    if (!j.contains(k)) return def;
-    check(j[k].is_boolean(), std::string("quantize_config.json: '") + k + "' must be true or false");
-    return j[k].get<bool>();
-  };
-  QuantizeConfig c;
-  const auto bits = get_int("bits");
-  check(supported_bits(int(bits)), "quantize_config.json: bits " + std::to_string(bits) + " unsupported (2, 3, 4 or 8)");
-  c.bits = int(bits);
-  const auto g = get_int("group_size");
-  check(g == -1 || (g > 0 && g <= (1 << 30)), "quantize_config.json: group_size must be -1 or positive, got " + std::to_string(g));
-  c.group_size = g > 0 ? int(g) : 0;
-  c.desc_act = get_bool("desc_act", false);
-  c.sym = get_bool("sym", true);
-  c.static_groups = get_bool("static_groups", false);
-  c.true_sequential = get_bool("true_sequential", true);
-  if (j.contains("damp_percent") && j["damp_percent"].is_number()) c.damp_percent = j["damp_percent"].get<double>();
-  for (const char* k : {"checkpoint_format", "format"})
-    if (j.contains(k)) {
-      check(j[k].is_string(), std::string("quantize_config.json: '") + k + "' must be a string");
-      const auto fmt = j[k].get<std::string>();
-      check(fmt == "gptq", "quantize_config.json: " + std::string(k) + " '" + fmt +
-                               "' is not supported; this reader takes the v1 'gptq' format (zero points stored minus one)");
-    }
-  return c;
+  return parse_quantize_config(nlohmann::json::parse(f, nullptr, false), "quantize_config.json");
 }
 
 inline QuantizedModelFile load_quantized(const std::filesystem::path& dir) {
