@@ -159,3 +159,20 @@ TEST(BnbNf4, BadStateDictsNameTheKey) {
             std::string::npos);
   EXPECT_NE(with([&](auto& t) { t[k].dtype = io::DType::I8; }).find("dtype I8"), std::string::npos);
 }
+
+TEST(BnbConfig, QuantizationConfigRoundTripAndRefusals) {
+  const io::BnbConfig c{.double_quant = true, .compute_dtype = "float16"};
+  const auto j = io::bnb_quantization_config_json(c);
+  EXPECT_EQ(j.at("quant_method"), "bitsandbytes");
+  EXPECT_EQ(j.at("bnb_4bit_quant_type"), "nf4");
+  EXPECT_EQ(io::parse_bnb_quantization_config(j), c);
+  auto bad = j;
+  bad["bnb_4bit_quant_type"] = "fp4";
+  io_test::expect_error([&] { io::parse_bnb_quantization_config(bad); }, {"bnb_4bit_quant_type 'fp4'"});
+  bad = j;
+  bad["load_in_4bit"] = false;
+  io_test::expect_error([&] { io::parse_bnb_quantization_config(bad); }, {"load_in_4bit"});
+  bad = j;
+  bad["quant_method"] = "gptq";
+  io_test::expect_error([&] { io::parse_bnb_quantization_config(bad); }, {"quant_method 'gptq'"});
+}

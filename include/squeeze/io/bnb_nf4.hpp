@@ -174,6 +174,50 @@ inline BnbNf4Weight from_nf4_packed(const quant::Nf4Packed& p, std::vector<std::
   return b;
 }
 
+// ---- config.json's quantization_config (transformers' BitsAndBytesConfig.to_dict for load_in_4bit) ------
+struct BnbConfig {
+  bool double_quant = true;                // bnb_4bit_use_double_quant
+  std::string compute_dtype = "bfloat16";  // bnb_4bit_compute_dtype
+  bool operator==(const BnbConfig&) const = default;
+};
+
+inline nlohmann::json bnb_quantization_config_json(const BnbConfig& c) {
+  return {{"quant_method", "bitsandbytes"},
+          {"load_in_4bit", true},
+          {"load_in_8bit", false},
+          {"_load_in_4bit", true},
+          {"_load_in_8bit", false},
+          {"bnb_4bit_quant_type", "nf4"},
+          {"bnb_4bit_use_double_quant", c.double_quant},
+          {"bnb_4bit_compute_dtype", c.compute_dtype},
+          {"bnb_4bit_quant_storage", "uint8"},
+          {"llm_int8_threshold", 6.0},
+          {"llm_int8_skip_modules", nullptr},
+          {"llm_int8_enable_fp32_cpu_offload", false},
+          {"llm_int8_has_fp16_weight", false}};
+}
+
+// Refuses what this reader does not take (8-bit, fp4, another quant_method or storage), naming the key.
+inline BnbConfig parse_bnb_quantization_config(const nlohmann::json& j, const std::string& source = "config.json quantization_config") {
+  check(j.is_object(), source + ": is not a JSON object");
+  const auto str = [&](const char* k, const char* def) {
+    if (!j.contains(k) || j[k].is_null()) return std::string(def);
+    check(j[k].is_string(), source + ": '" + k + "' must be a string");
+    return j[k].get<std::string>();
+  };
+  const auto method = str("quant_method", "");
+  check(method == "bitsandbytes", source + ": quant_method '" + method + "' is not 'bitsandbytes'");
+  check(j.value("load_in_4bit", false) == true, source + ": 'load_in_4bit' is not true (8-bit bitsandbytes is not supported)");
+  const auto type = str("bnb_4bit_quant_type", "fp4");
+  check(type == "nf4", source + ": bnb_4bit_quant_type '" + type + "' is not supported (nf4)");
+  const auto storage = str("bnb_4bit_quant_storage", "uint8");
+  check(storage == "uint8", source + ": bnb_4bit_quant_storage '" + storage + "' is not supported (uint8)");
+  BnbConfig c;
+  c.double_quant = j.value("bnb_4bit_use_double_quant", false);
+  c.compute_dtype = str("bnb_4bit_compute_dtype", "float32");
+  return c;
+}
+
 // ---- the state-dict keys ----------------------------------------------------------------------------------
 struct OwnedTensor {
   DType dtype;
