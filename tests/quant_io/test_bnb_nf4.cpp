@@ -23,7 +23,7 @@ std::vector<float> random_weights(std::int64_t n, std::uint32_t seed) {
 }
 
 // Writes the module's keys to one safetensors file and opens it as a checkpoint.
-io::SafetensorsCheckpoint write_and_open(const io_test::TempDir& dir, const std::map<std::string, io::OwnedTensor>& t) {
+io::SafetensorsCheckpoint write_and_open(const io_test::TempDir& dir, const io::NamedTensors& t) {
   std::map<std::string, io::TensorRef> refs;
   for (const auto& [name, o] : t) refs[name] = o.ref();
   io::save_safetensors(dir.path / "model.safetensors", refs, {{"format", "pt"}});
@@ -143,10 +143,11 @@ TEST(BnbNf4, BadStateDictsNameTheKey) {
   const auto b = io::bnb_nf4_quantize(random_weights(64 * 300, 4), {64, 300}, true);
   const std::string k = kModule + ".weight";
   const auto with = [&](const std::function<void(std::map<std::string, io::OwnedTensor>&)>& edit) {
-    auto t = io::bnb_nf4_tensors(kModule, b);
+    const auto list = io::bnb_nf4_tensors(kModule, b);
+    std::map<std::string, io::OwnedTensor> t(list.begin(), list.end());
     edit(t);
     io_test::TempDir dir("bnb_bad");
-    const auto ck = write_and_open(dir, t);
+    const auto ck = write_and_open(dir, io::NamedTensors(t.begin(), t.end()));
     return io_test::error_of([&] { io::read_bnb_nf4(ck, kModule); });
   };
   EXPECT_NE(with([&](auto& t) { t.erase(k + ".nested_absmax"); }).find(k + ".nested_absmax' is missing"), std::string::npos);

@@ -260,5 +260,5 @@ TEST(HfGptq, BadInputNamesTheTensorOrKey) {
   io_test::expect_error([&] { io::save_hf_gptq(dir.path, bad); }, {"block1.mlp.gate", "model.layers.1.mlp.gate_proj"});
   bad = m;
   bad.layers["block0.attn.q"] = random_layer(16, 64, 4, 32, false, false, rng);
-  io_test::expect_error([&] { io::save_hf_gptq(dir.path, bad); }, {"block0.attn.q", "[64, 64]"});
+  io_test::expect_error([&] { io::save_hf_gptq(dir.path, bad); }, {"model.layers.0.self_attn.q_proj", "[64, 64]"});
 }

@@ -25,8 +25,7 @@
 
 #include "../quant/bnb_dynamic_map.hpp"
 #include "../quant/nf4.hpp"
-#include "hf_names.hpp"
-#include "safetensors_sharded.hpp"
+#include "hf_quant_layout.hpp"
 
 namespace squeeze::io {
 
@@ -219,42 +218,27 @@ inline BnbConfig parse_bnb_quantization_config(const nlohmann::json& j, const st
 }
 
 // ---- the state-dict keys ----------------------------------------------------------------------------------
-struct OwnedTensor {
-  DType dtype;
-  std::vector<std::int64_t> shape;
-  std::vector<std::byte> bytes;
-  TensorRef ref() const { return {dtype, shape, bytes}; }
-};
-
-namespace detail {
-template <class T>
-OwnedTensor owned(DType d, std::vector<std::int64_t> shape, std::span<const T> v) {
-  const auto b = std::as_bytes(v);
-  return {d, std::move(shape), {b.begin(), b.end()}};
-}
-}  // namespace detail
-
 // The tensors transformers saves for Linear4bit `module` ("model.layers.0.self_attn.q_proj"), by full name.
-inline std::map<std::string, OwnedTensor> bnb_nf4_tensors(const std::string& module, const BnbNf4Weight& b) {
+inline NamedTensors bnb_nf4_tensors(const std::string& module, const BnbNf4Weight& b) {
   namespace kq = kernels::quant;
   const std::string w = module + ".weight";
-  std::map<std::string, OwnedTensor> t;
+  NamedTensors t;
   check(std::int64_t(b.codes.size()) == kq::nf4_code_bytes(b.numel()), "bnb_nf4_tensors: '" + w + "' has " + std::to_string(b.codes.size()) +
                                                                            " code bytes, its shape needs " + std::to_string(kq::nf4_code_bytes(b.numel())));
-  t[w] = detail::owned<std::uint8_t>(DType::U8, {std::int64_t(b.codes.size()), 1}, b.codes);
+  t.push_back({w, owned_tensor<std::uint8_t>(DType::U8, {std::int64_t(b.codes.size()), 1}, b.codes)});
   std::array<float, 16> nf4{};
   for (int c = 0; c < 16; ++c) nf4[c] = kq::nf4_code_value(c);
-  t[w + ".quant_map"] = detail::owned<float>(DType::F32, {16}, nf4);
+  t.push_back({w + ".quant_map", owned_tensor<float>(DType::F32, {16}, nf4)});
   if (b.info.nested) {
-    t[w + ".absmax"] = detail::owned<std::uint8_t>(DType::U8, {std::int64_t(b.absmax_codes.size())}, b.absmax_codes);
-    t[w + ".nested_absmax"] = detail::owned<float>(DType::F32, {std::int64_t(b.nested_absmax.size())}, b.nested_absmax);
+    t.push_back({w + ".absmax", owned_tensor<std::uint8_t>(DType::U8, {std::int64_t(b.absmax_codes.size())}, b.absmax_codes)});
+    t.push_back({w + ".nested_absmax", owned_tensor<float>(DType::F32, {std::int64_t(b.nested_absmax.size())}, b.nested_absmax)});
     check(b.nested_quant_map.size() == 256, "bnb_nf4_tensors: '" + w + "' needs a 256-entry nested quant map");
-    t[w + ".nested_quant_map"] = detail::owned<float>(DType::F32, {256}, b.nested_quant_map);
+    t.push_back({w + ".nested_quant_map", owned_tensor<float>(DType::F32, {256}, b.nested_quant_map)});
   } else {
-    t[w + ".absmax"] = detail::owned<float>(DType::F32, {std::int64_t(b.absmax.size())}, b.absmax);
+    t.push_back({w + ".absmax", owned_tensor<float>(DType::F32, {std::int64_t(b.absmax.size())}, b.absmax)});
   }
   const auto json = encode_quant_state(b.info);
-  t[w + "." + kBnbNf4StateKey] = detail::owned<char>(DType::U8, {std::int64_t(json.size())}, json);
+  t.push_back({w + "." + kBnbNf4StateKey, owned_tensor<char>(DType::U8, {std::int64_t(json.size())}, json)});
   return t;
 }
 

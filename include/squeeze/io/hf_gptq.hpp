@@ -23,10 +23,8 @@
 
 #include "../quant/gptq_file.hpp"
 #include "../quant/v1_zeros.hpp"
-#include "hf_config.hpp"
-#include "hf_names.hpp"
+#include "hf_quant_layout.hpp"
 #include "json_file.hpp"
-#include "safetensors_sharded.hpp"
 
 namespace squeeze::io {
 
@@ -43,25 +41,20 @@ struct HfGptqWriteOptions {
 };
 
 namespace detail {
-// The seven linears of a block are quantized; embeddings, norms and the head stay dense.
-inline bool is_linear_kind(ParamKind k) {
-  switch (k) {
-    case ParamKind::Q: case ParamKind::K: case ParamKind::V: case ParamKind::O: case ParamKind::Gate: case ParamKind::Up:
-    case ParamKind::Down: return true;
-    default: return false;
-  }
-}
-// "x.weight" -> "x"
-inline std::string module_of(const std::string& weight_name) { return weight_name.substr(0, weight_name.size() - 7); }
-
-// The five GPTQ parts of one layer as the Hugging Face layout stores them (bias only when present).
-inline std::vector<TensorSpec> gptq_specs(const std::string& hf_module, const quant::PackedLinear& p) {
-  std::vector<TensorSpec> s = {{hf_module + ".qweight", DType::I32, {p.qweight_rows(), p.out}},
-                               {hf_module + ".qzeros", DType::I32, {p.groups(), p.qzeros_cols()}},
-                               {hf_module + ".scales", DType::F16, {p.groups(), p.out}},
-                               {hf_module + ".g_idx", DType::I32, {p.in}}};
-  if (!p.bias.empty()) s.push_back({hf_module + ".bias", DType::F16, {p.out}});
-  return s;
+// The GPTQ tensors of one layer as the Hugging Face layout stores them (bias only when present).
+inline NamedTensors gptq_tensors(const quant::PackedLinear& p, const std::string& hf, const quant::QuantizeConfig& q,
+                                 quant::ZeroArithmetic zeros) {
+  p.validate();
+  check(p.bits == q.bits && p.group_size == q.group_size,
+        "save_hf_gptq: layer " + hf + " has bits " + std::to_string(p.bits) + " group " + std::to_string(p.group_size) +
+            ", the quantization config bits " + std::to_string(q.bits) + " group " + std::to_string(q.group_size));
+  NamedTensors t;
+  t.push_back({hf + ".qweight", owned_tensor<std::int32_t>(DType::I32, {p.qweight_rows(), p.out}, p.qweight)});
+  t.push_back({hf + ".qzeros", owned_tensor<std::int32_t>(DType::I32, {p.groups(), p.qzeros_cols()}, quant::qzeros_from_packed(p, zeros))});
+  t.push_back({hf + ".scales", owned_tensor<half>(DType::F16, {p.groups(), p.out}, p.scales)});
+  t.push_back({hf + ".g_idx", owned_tensor<std::int32_t>(DType::I32, {p.in}, p.g_idx)});
+  if (!p.bias.empty()) t.push_back({hf + ".bias", owned_tensor<half>(DType::F16, {p.out}, p.bias)});
+  return t;
 }
 }  // namespace detail
 
@@ -76,73 +69,17 @@ inline nlohmann::json hf_gptq_config_json(LlamaConfig c, const quant::QuantizeCo
 // Writes `m` into `dir` (created) in the Hugging Face GPTQ layout. Every linear of every layer and every
 // dense tensor the config implies must be present with its shape; extra names are refused.
 inline void save_hf_gptq(const std::filesystem::path& dir, const HfGptqModel& m, const HfGptqWriteOptions& o = {}) {
-  const auto entries = hf_checkpoint_tensors(m.config);
-  std::vector<TensorSpec> specs;
-  std::map<std::string, std::vector<std::int32_t>> qzeros;  // by HF module name
-  std::map<std::string, std::vector<std::byte>> dense16;     // by HF tensor name
-  std::size_t linears = 0, denses = 0;
-  for (const auto& e : entries) {
-    if (detail::is_linear_kind(e.kind)) {
-      const auto name = detail::module_of(e.squeeze), hf = detail::module_of(e.hf);
-      const auto it = m.layers.find(name);
-      check(it != m.layers.end(), "save_hf_gptq: no quantized layer '" + name + "' (for " + hf + ")");
-      const auto& p = it->second;
-      p.validate();
-      check(p.out == e.shape[0] && p.in == e.shape[1], "save_hf_gptq: layer '" + name + "' is [" + std::to_string(p.out) + ", " +
-                                                           std::to_string(p.in) + "], the config needs " + shape_string(e.shape));
-      check(p.bits == m.quant.bits && p.group_size == m.quant.group_size,
-            "save_hf_gptq: layer '" + name + "' has bits " + std::to_string(p.bits) + " group " + std::to_string(p.group_size) +
-                ", the quantization config bits " + std::to_string(m.quant.bits) + " group " + std::to_string(m.quant.group_size));
-      for (auto& s : detail::gptq_specs(hf, p)) specs.push_back(std::move(s));
-      qzeros[hf] = quant::qzeros_from_packed(p, o.zeros);
-      ++linears;
-    } else {
-      const auto it = m.dense.find(e.squeeze);
-      check(it != m.dense.end(), "save_hf_gptq: no dense tensor '" + e.squeeze + "' (for " + e.hf + ")");
-      std::int64_t numel = 1;
-      for (auto d : e.shape) numel *= d;
-      check(std::int64_t(it->second.size()) == numel,
-            "save_hf_gptq: '" + e.squeeze + "' has " + std::to_string(it->second.size()) + " values, " + e.hf + " is " + shape_string(e.shape));
-      specs.push_back({e.hf, DType::F16, e.shape});
-      dense16[e.hf] = encode_float(DType::F16, it->second);
-      ++denses;
-    }
-  }
-  check(linears == m.layers.size(), "save_hf_gptq: " + std::to_string(m.layers.size() - linears) +
-                                        " quantized layers are not LLaMA linears of this config (names like 'block0.attn.q')");
-  // head.weight is in dense but has no file name under tied embeddings
-  const std::size_t tied_head = m.config.tie_word_embeddings && m.dense.count("head.weight") ? 1 : 0;
-  check(denses + tied_head == m.dense.size(), "save_hf_gptq: some dense tensors are not LLaMA tensors of this config");
-
-  std::filesystem::create_directories(dir);
-  ShardedSafetensorsWriter w(dir, specs, o.max_shard_bytes, {{"format", "pt"}, {"quantizer", "squeeze"}});
-  for (const auto& e : entries) {
-    if (!detail::is_linear_kind(e.kind)) {
-      w.write(e.hf, std::span<const std::byte>(dense16[e.hf]));
-      continue;
-    }
-    const auto& p = m.layers.at(detail::module_of(e.squeeze));
-    const auto hf = detail::module_of(e.hf);
-    w.write(hf + ".qweight", std::as_bytes(std::span(p.qweight)));
-    w.write(hf + ".qzeros", std::as_bytes(std::span(qzeros[hf])));
-    w.write(hf + ".scales", std::as_bytes(std::span(p.scales)));
-    w.write(hf + ".g_idx", std::as_bytes(std::span(p.g_idx)));
-    if (!p.bias.empty()) w.write(hf + ".bias", std::as_bytes(std::span(p.bias)));
-  }
-  w.finish();
-  save_json(dir / "config.json", hf_gptq_config_json(m.config, m.quant), "save_hf_gptq");
+  const auto linear = [&](const quant::PackedLinear& p, const std::string& hf, const std::vector<std::int64_t>& shape) {
+    check(p.out == shape[0] && p.in == shape[1], "save_hf_gptq: layer " + hf + " is [" + std::to_string(p.out) + ", " +
+                                                     std::to_string(p.in) + "], the config needs " + shape_string(shape));
+    return detail::gptq_tensors(p, hf, m.quant, o.zeros);
+  };
+  const auto tensors = quantized_llama_tensors(m.config, m.layers, m.dense, DType::F16, linear, "save_hf_gptq");
+  write_quantized_llama(dir, tensors, hf_gptq_config_json(m.config, m.quant), o.max_shard_bytes, "save_hf_gptq");
   save_json(dir / "quantize_config.json", quant::quantize_config_json(m.quant), "save_hf_gptq");
 }
 
 namespace detail {
-inline nlohmann::json read_json_file(const std::filesystem::path& f) {
-  std::ifstream in(f);
-  check(bool(in), "hf gptq: cannot open " + f.string());
-  auto j = nlohmann::json::parse(in, nullptr, false);
-  check(!j.is_discarded() && j.is_object(), "hf gptq: " + f.string() + " is not a JSON object");
-  return j;
-}
-
 // One quantized layer from the checkpoint, its shapes checked against the config and the bit width.
 inline quant::PackedLinear read_gptq_layer(const SafetensorsCheckpoint& ck, const std::string& hf, std::int64_t out, std::int64_t in,
                                            const quant::QuantizeConfig& q) {
@@ -196,7 +133,7 @@ inline quant::QuantizeConfig read_hf_gptq_quant_config(const std::filesystem::pa
   if (config.contains("quantization_config"))
     a = quant::parse_quantize_config(config["quantization_config"], "config.json quantization_config");
   if (std::filesystem::exists(dir / "quantize_config.json"))
-    b = quant::parse_quantize_config(detail::read_json_file(dir / "quantize_config.json"), "quantize_config.json");
+    b = quant::parse_quantize_config(read_json_object(dir / "quantize_config.json", "hf gptq"), "quantize_config.json");
   check(a || b, "hf gptq: " + dir.string() + " has neither a quantization_config in config.json nor a quantize_config.json");
   if (a && b)
     check(a->bits == b->bits && a->group_size == b->group_size,
@@ -207,22 +144,13 @@ inline quant::QuantizeConfig read_hf_gptq_quant_config(const std::filesystem::pa
 
 inline HfGptqModel load_hf_gptq(const std::filesystem::path& dir) {
   HfGptqModel m;
-  auto j = detail::read_json_file(dir / "config.json");
+  const auto j = read_json_object(dir / "config.json", "hf gptq");
   m.quant = read_hf_gptq_quant_config(dir, j);
-  j.erase("quantization_config");
-  m.config = llama_config_from_json(j, (dir / "config.json").string());
+  m.config = llama_config_of_quantized(j, dir / "config.json");
   const auto ck = SafetensorsCheckpoint::open(dir);
-  for (const auto& e : hf_checkpoint_tensors(m.config)) {
-    if (detail::is_linear_kind(e.kind)) {
-      m.layers[detail::module_of(e.squeeze)] = detail::read_gptq_layer(ck, detail::module_of(e.hf), e.shape[0], e.shape[1], m.quant);
-      continue;
-    }
-    check(ck.contains(e.hf), "hf gptq: tensor '" + e.hf + "' is missing");
-    check(ck.info(e.hf).shape == e.shape, "hf gptq: tensor '" + e.hf + "' is " + shape_string(ck.info(e.hf).shape) + ", expected " +
-                                              shape_string(e.shape));
-    auto v = ck.read_float(e.hf);
-    for (const auto& s : squeeze_names_for(e.hf, m.config)) m.dense[s] = v;
-  }
+  for (const auto& e : hf_checkpoint_tensors(m.config))
+    if (is_quantized_kind(e.kind)) m.layers[module_of(e.squeeze)] = detail::read_gptq_layer(ck, module_of(e.hf), e.shape[0], e.shape[1], m.quant);
+  m.dense = read_llama_dense(ck, m.config, "hf gptq");
   return m;
 }
 
