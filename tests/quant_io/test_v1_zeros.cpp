@@ -3,6 +3,7 @@
 
 #include <random>
 
+#include <squeeze/quant/gptq_file.hpp>
 #include <squeeze/quant/v1_zeros.hpp>
 
 #include "io_test_util.hpp"
@@ -80,4 +81,23 @@ TEST(V1Zeros, ThreeBitBorrowCrossesIntoTheStraddlingField) {
   const auto word = q::encode_v1_qzeros(z, 1, 32, 3);
   EXPECT_EQ(word, q::encode_v1_qzeros(z, 1, 32, 3, q::ZeroArithmetic::field));
   for (std::int64_t j = 0; j < 32; ++j) EXPECT_EQ(q::stream_get(word.data(), 1, j, 3), 3u) << "field " << j;
+}
+
+// squeeze's own quantized file (quant/gptq_file.hpp) stores and reads zero points the same word-wise way.
+TEST(V1Zeros, GptqFileKeepsZeroPointZero) {
+  io_test::TempDir dir("v1_gptq_file");
+  const std::int64_t out = 24, in = 40;
+  std::mt19937 rng(5);
+  std::vector<std::uint8_t> codes(out * in);
+  for (auto& c : codes) c = std::uint8_t(rng() & 15u);
+  auto zeros = random_zeros(2 * out, 4, 9);
+  const std::vector<float> scales(2 * out, 0.01f);
+  const auto p = q::pack(codes, zeros, scales, q::default_g_idx(in, 32), out, in, 4, 32);
+  q::QuantizeConfig cfg;
+  cfg.group_size = 32;
+  q::save_quantized(dir.path, {{"layer", p}}, cfg);
+  const auto ck = q::load_quantized(dir.path);
+  EXPECT_EQ(ck.file.read<std::int32_t>("layer.qzeros", squeeze::io::DType::I32), q::encode_v1_qzeros(zeros, 2, out, 4));
+  EXPECT_EQ(q::unpack_zeros(ck.layers.at("layer")), zeros);
+  EXPECT_EQ(q::dequantize(ck.layers.at("layer")), q::dequantize(p));
 }

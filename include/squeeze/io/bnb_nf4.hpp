@@ -90,9 +90,10 @@ inline BnbQuantStateInfo decode_quant_state(std::string_view text, const std::st
   const auto type = need("quant_type");
   check(type.is_string() && type.get<std::string>() == "nf4", "bitsandbytes quant state '" + key + "': quant_type " + type.dump() +
                                                                   " is not supported (nf4)");
-  check(need("blocksize").is_number_integer() && j["blocksize"].get<int>() >= 2 && (j["blocksize"].get<int>() & (j["blocksize"].get<int>() - 1)) == 0,
-        "bitsandbytes quant state '" + key + "': blocksize must be a power of two >= 2");
+  check(need("blocksize").is_number_integer(), "bitsandbytes quant state '" + key + "': blocksize must be an integer");
   s.blocksize = j["blocksize"].get<int>();
+  check(s.blocksize >= 2 && (s.blocksize & (s.blocksize - 1)) == 0,
+        "bitsandbytes quant state '" + key + "': blocksize " + std::to_string(s.blocksize) + " is not a power of two >= 2");
   check(need("dtype").is_string(), "bitsandbytes quant state '" + key + "': dtype must be a string");
   s.dtype = j["dtype"].get<std::string>();
   check(need("shape").is_array() && !j["shape"].empty(), "bitsandbytes quant state '" + key + "': shape must be a non-empty list");
@@ -107,7 +108,10 @@ inline BnbQuantStateInfo decode_quant_state(std::string_view text, const std::st
     s.nested_blocksize = j["nested_blocksize"].get<int>();
     check(need("nested_offset").is_number(), "bitsandbytes quant state '" + key + "': nested_offset must be a number");
     s.nested_offset = j["nested_offset"].get<float>();
-    if (j.contains("nested_dtype")) s.nested_dtype = j["nested_dtype"].get<std::string>();
+    if (j.contains("nested_dtype")) {
+      check(j["nested_dtype"].is_string(), "bitsandbytes quant state '" + key + "': nested_dtype must be a string");
+      s.nested_dtype = j["nested_dtype"].get<std::string>();
+    }
     check(s.nested_dtype == "float32", "bitsandbytes quant state '" + key + "': nested_dtype '" + s.nested_dtype + "' is not supported");
   }
   return s;

@@ -11,7 +11,8 @@
 // In memory the layers are squeeze's PackedLinear under squeeze's module names ("block3.attn.q", as
 // quant/gptq_file.hpp keys them) and the dense tensors float under squeeze's parameter names.
 // Reading takes v1 zero points word-wise (quant/v1_zeros.hpp), files without g_idx (g_idx = i / group_size),
-// biases F16 or F32 (kept as fp16, PackedLinear's bias type) and any sharding.
+// scales F16 (F32 / BF16 rounded to fp16), biases F16 or F32 (kept as fp16, PackedLinear's bias type) and any
+// sharding. Writing assembles every tensor in memory first (io/hf_quant_layout.hpp), fine up to a few GB.
 #include <cstdint>
 #include <filesystem>
 #include <fstream>

@@ -15,6 +15,7 @@
 #include "../io/json_file.hpp"
 #include "../io/safetensors.hpp"
 #include "pack.hpp"
+#include "v1_zeros.hpp"
 
 namespace squeeze::quant {
 
@@ -94,13 +95,15 @@ inline void save_quantized(const std::filesystem::path& dir, const std::map<std:
   check_bits(cfg.bits);
   std::filesystem::create_directories(dir);
   std::map<std::string, io::TensorRef> t = extra;
+  std::map<std::string, std::vector<std::int32_t>> file_qzeros;  // v1 word-wise, as GPTQModel reads them back
   for (const auto& [name, p] : layers) {
     p.validate();
+    file_qzeros[name] = qzeros_from_packed(p, ZeroArithmetic::word);
     check(p.bits == cfg.bits && p.group_size == cfg.group_size,
           "save_quantized: layer '" + name + "' has bits " + std::to_string(p.bits) + " group " + std::to_string(p.group_size) +
               " but the config says bits " + std::to_string(cfg.bits) + " group " + std::to_string(cfg.group_size));
     t[name + ".qweight"] = io::tensor_ref<std::int32_t>(io::DType::I32, {p.qweight_rows(), p.out}, p.qweight);
-    t[name + ".qzeros"] = io::tensor_ref<std::int32_t>(io::DType::I32, {p.groups(), p.qzeros_cols()}, p.qzeros);
+    t[name + ".qzeros"] = io::tensor_ref<std::int32_t>(io::DType::I32, {p.groups(), p.qzeros_cols()}, file_qzeros.at(name));
     t[name + ".scales"] = io::tensor_ref<half>(io::DType::F16, {p.groups(), p.out}, p.scales);
     t[name + ".g_idx"] = io::tensor_ref<std::int32_t>(io::DType::I32, {p.in}, p.g_idx);
     if (!p.bias.empty()) t[name + ".bias"] = io::tensor_ref<half>(io::DType::F16, {p.out}, p.bias);
@@ -156,7 +159,8 @@ inline QuantizedModelFile load_quantized(const std::filesystem::path& dir) {
       mismatch("qzeros are [" + std::to_string(qz.shape[0]) + ", " + std::to_string(qz.shape[1]) + "], expected [" +
                std::to_string(p.groups()) + ", " + std::to_string(p.qzeros_cols()) + "]");
     p.qweight = ck.file.read<std::int32_t>(name + ".qweight", io::DType::I32);
-    p.qzeros = ck.file.read<std::int32_t>(name + ".qzeros", io::DType::I32);
+    p.qzeros = qzeros_to_packed(ck.file.read<std::int32_t>(name + ".qzeros", io::DType::I32), p.groups(), p.out, p.bits,
+                                ZeroArithmetic::word);  // a zero point of 0 borrows in the file (quant/v1_zeros.hpp)
     p.scales = ck.file.read<half>(name + ".scales", io::DType::F16);
     p.g_idx = ck.file.read<std::int32_t>(name + ".g_idx", io::DType::I32);
     if (ck.file.contains(name + ".bias")) {
