@@ -12,8 +12,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include "../io/json_file.hpp"
 #include "../io/safetensors.hpp"
 #include "pack.hpp"
+#include "v1_zeros.hpp"
 
 namespace squeeze::quant {
 
@@ -33,64 +35,45 @@ struct QuantizedModelFile {
   io::SafetensorsFile file;  // everything, including unquantized tensors (embeddings, norms, ...)
 };
 
-inline void save_quantized(const std::filesystem::path& dir, const std::map<std::string, PackedLinear>& layers, const QuantizeConfig& cfg,
-                           const std::map<std::string, io::TensorRef>& extra = {}) {
+// quantize_config.json as AutoGPTQ / GPTQModel write it; config.json's "quantization_config" holds the same
+// keys (transformers' GPTQConfig reads bits, group_size, desc_act, sym, checkpoint_format from either).
+inline nlohmann::json quantize_config_json(const QuantizeConfig& cfg) {
   check_bits(cfg.bits);
-  std::filesystem::create_directories(dir);
-  std::map<std::string, io::TensorRef> t = extra;
-  for (const auto& [name, p] : layers) {
-    p.validate();
-    check(p.bits == cfg.bits && p.group_size == cfg.group_size,
-          "save_quantized: layer '" + name + "' has bits " + std::to_string(p.bits) + " group " + std::to_string(p.group_size) +
-              " but the config says bits " + std::to_string(cfg.bits) + " group " + std::to_string(cfg.group_size));
-    t[name + ".qweight"] = io::tensor_ref<std::int32_t>(io::DType::I32, {p.qweight_rows(), p.out}, p.qweight);
-    t[name + ".qzeros"] = io::tensor_ref<std::int32_t>(io::DType::I32, {p.groups(), p.qzeros_cols()}, p.qzeros);
-    t[name + ".scales"] = io::tensor_ref<half>(io::DType::F16, {p.groups(), p.out}, p.scales);
-    t[name + ".g_idx"] = io::tensor_ref<std::int32_t>(io::DType::I32, {p.in}, p.g_idx);
-    if (!p.bias.empty()) t[name + ".bias"] = io::tensor_ref<half>(io::DType::F16, {p.out}, p.bias);
-  }
-  io::save_safetensors(dir / "model.safetensors", t, {{"format", "pt"}, {"quantizer", "squeeze"}});
-  nlohmann::json j = {{"bits", cfg.bits},
-                      {"group_size", cfg.group_size > 0 ? cfg.group_size : -1},
-                      {"desc_act", cfg.desc_act},
-                      {"sym", cfg.sym},
-                      {"static_groups", cfg.static_groups},
-                      {"damp_percent", cfg.damp_percent},
-                      {"true_sequential", cfg.true_sequential},
-                      {"quant_method", "gptq"},
-                      {"checkpoint_format", "gptq"},
-                      {"format", "gptq"}};
-  const auto path = dir / "quantize_config.json", tmp = dir / "quantize_config.json.tmp";
-  {
-    std::ofstream f(tmp);
-    check(bool(f), "save_quantized: cannot write " + tmp.string());
-    f << j.dump(2) << "\n";
-    f.flush();
-    check(bool(f), "save_quantized: write to " + tmp.string() + " failed");
-  }
-  std::filesystem::rename(tmp, path);
+  return {{"bits", cfg.bits},
+          {"group_size", cfg.group_size > 0 ? cfg.group_size : -1},
+          {"desc_act", cfg.desc_act},
+          {"sym", cfg.sym},
+          {"static_groups", cfg.static_groups},
+          {"damp_percent", cfg.damp_percent},
+          {"true_sequential", cfg.true_sequential},
+          {"quant_method", "gptq"},
+          {"checkpoint_format", "gptq"},
+          {"format", "gptq"}};
 }
 
-inline QuantizeConfig read_quantize_config(const std::filesystem::path& path) {
-  std::ifstream f(path);
-  check(bool(f), "quantize_config.json: cannot open " + path.string());
-  const auto j = nlohmann::json::parse(f, nullptr, false);
-  check(!j.is_discarded() && j.is_object(), "quantize_config.json: " + path.string() + " is not a JSON object");
+// The inverse of quantize_config_json; errors start with `source` and name the key.
+inline QuantizeConfig parse_quantize_config(const nlohmann::json& j, const std::string& source) {
+  check(!j.is_discarded() && j.is_object(), source + ": is not a JSON object");
   auto get_int = [&](const char* k) {
-    check(j.contains(k) && j[k].is_number_integer(), std::string("quantize_config.json: '") + k + "' must be an integer");
+    check(j.contains(k) && j[k].is_number_integer(), source + ": '" + k + "' must be an integer");
     return j[k].get<std::int64_t>();
   };
   auto get_bool = [&](const char* k, bool def) {
-    if (!j.contains(k)) return def;
-    check(j[k].is_boolean(), std::string("quantize_config.json: '") + k + "' must be true or false");
+    if (!j.contains(k) || j[k].is_null()) return def;
+    check(j[k].is_boolean(), source + ": '" + k + "' must be true or false");
     return j[k].get<bool>();
   };
+  if (j.contains("quant_method")) {
+    check(j["quant_method"].is_string(), source + ": 'quant_method' must be a string");
+    const auto m = j["quant_method"].get<std::string>();
+    check(m == "gptq", source + ": quant_method '" + m + "' is not supported (this reader takes 'gptq')");
+  }
   QuantizeConfig c;
   const auto bits = get_int("bits");
-  check(supported_bits(int(bits)), "quantize_config.json: bits " + std::to_string(bits) + " unsupported (2, 3, 4 or 8)");
+  check(supported_bits(int(bits)), source + ": bits " + std::to_string(bits) + " unsupported (2, 3, 4 or 8)");
   c.bits = int(bits);
   const auto g = get_int("group_size");
-  check(g == -1 || (g > 0 && g <= (1 << 30)), "quantize_config.json: group_size must be -1 or positive, got " + std::to_string(g));
+  check(g == -1 || (g > 0 && g <= (1 << 30)), source + ": group_size must be -1 or positive, got " + std::to_string(g));
   c.group_size = g > 0 ? int(g) : 0;
   c.desc_act = get_bool("desc_act", false);
   c.sym = get_bool("sym", true);
@@ -98,13 +81,41 @@ inline QuantizeConfig read_quantize_config(const std::filesystem::path& path) {
   c.true_sequential = get_bool("true_sequential", true);
   if (j.contains("damp_percent") && j["damp_percent"].is_number()) c.damp_percent = j["damp_percent"].get<double>();
   for (const char* k : {"checkpoint_format", "format"})
-    if (j.contains(k)) {
-      check(j[k].is_string(), std::string("quantize_config.json: '") + k + "' must be a string");
+    if (j.contains(k) && !j[k].is_null()) {
+      check(j[k].is_string(), source + ": '" + k + "' must be a string");
       const auto fmt = j[k].get<std::string>();
-      check(fmt == "gptq", "quantize_config.json: " + std::string(k) + " '" + fmt +
+      check(fmt == "gptq", source + ": " + std::string(k) + " '" + fmt +
                                "' is not supported; this reader takes the v1 'gptq' format (zero points stored minus one)");
     }
   return c;
+}
+
+inline void save_quantized(const std::filesystem::path& dir, const std::map<std::string, PackedLinear>& layers, const QuantizeConfig& cfg,
+                           const std::map<std::string, io::TensorRef>& extra = {}) {
+  check_bits(cfg.bits);
+  std::filesystem::create_directories(dir);
+  std::map<std::string, io::TensorRef> t = extra;
+  std::map<std::string, std::vector<std::int32_t>> file_qzeros;  // v1 word-wise, as GPTQModel reads them back
+  for (const auto& [name, p] : layers) {
+    p.validate();
+    file_qzeros[name] = qzeros_from_packed(p, ZeroArithmetic::word);
+    check(p.bits == cfg.bits && p.group_size == cfg.group_size,
+          "save_quantized: layer '" + name + "' has bits " + std::to_string(p.bits) + " group " + std::to_string(p.group_size) +
+              " but the config says bits " + std::to_string(cfg.bits) + " group " + std::to_string(cfg.group_size));
+    t[name + ".qweight"] = io::tensor_ref<std::int32_t>(io::DType::I32, {p.qweight_rows(), p.out}, p.qweight);
+    t[name + ".qzeros"] = io::tensor_ref<std::int32_t>(io::DType::I32, {p.groups(), p.qzeros_cols()}, file_qzeros.at(name));
+    t[name + ".scales"] = io::tensor_ref<half>(io::DType::F16, {p.groups(), p.out}, p.scales);
+    t[name + ".g_idx"] = io::tensor_ref<std::int32_t>(io::DType::I32, {p.in}, p.g_idx);
+    if (!p.bias.empty()) t[name + ".bias"] = io::tensor_ref<half>(io::DType::F16, {p.out}, p.bias);
+  }
+  io::save_safetensors(dir / "model.safetensors", t, {{"format", "pt"}, {"quantizer", "squeeze"}});
+  io::save_json(dir / "quantize_config.json", quantize_config_json(cfg), "save_quantized");
+}
+
+inline QuantizeConfig read_quantize_config(const std::filesystem::path& path) {
+  std::ifstream f(path);
+  check(bool(f), "quantize_config.json: cannot open " + path.string());
+  return parse_quantize_config(nlohmann::json::parse(f, nullptr, false), "quantize_config.json");
 }
 
 inline QuantizedModelFile load_quantized(const std::filesystem::path& dir) {
@@ -148,7 +159,8 @@ inline QuantizedModelFile load_quantized(const std::filesystem::path& dir) {
       mismatch("qzeros are [" + std::to_string(qz.shape[0]) + ", " + std::to_string(qz.shape[1]) + "], expected [" +
                std::to_string(p.groups()) + ", " + std::to_string(p.qzeros_cols()) + "]");
     p.qweight = ck.file.read<std::int32_t>(name + ".qweight", io::DType::I32);
-    p.qzeros = ck.file.read<std::int32_t>(name + ".qzeros", io::DType::I32);
+    p.qzeros = qzeros_to_packed(ck.file.read<std::int32_t>(name + ".qzeros", io::DType::I32), p.groups(), p.out, p.bits,
+                                ZeroArithmetic::word);  // a zero point of 0 borrows in the file (quant/v1_zeros.hpp)
     p.scales = ck.file.read<half>(name + ".scales", io::DType::F16);
     p.g_idx = ck.file.read<std::int32_t>(name + ".g_idx", io::DType::I32);
     if (ck.file.contains(name + ".bias")) {

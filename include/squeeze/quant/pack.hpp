@@ -15,9 +15,10 @@
 // straddle two words, exactly as AutoGPTQ's 3-bit packer lays them out. When the dimension does not
 // fill the last word (odd shapes) the unused high bits are zero.
 //
-// The v1 zero-1 convention cannot store zero = 0; our unpack reads the stored field back as
-// ((field + 1) mod 2^bits), and quant/rtn.hpp's grid never produces zero = 0 (it keeps zero >= 1), so
-// files we write read back identically in other v1 loaders.
+// In memory qzeros hold (zero - 1) mod 2^bits per field, read back as ((field + 1) mod 2^bits). Files differ
+// only where a zero point is 0: GPTQModel's v1 subtracts the constant from whole words, borrowing from the
+// field above; quant/v1_zeros.hpp converts (gptq_file.hpp and io/hf_gptq.hpp read and write files that way).
+// quant/rtn.hpp's grid keeps zero >= 1, where both forms are the same words.
 #include <cstddef>
 #include <cstdint>
 #include <span>
