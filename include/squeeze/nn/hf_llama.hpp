@@ -41,6 +41,7 @@
 #include "../io/hf_config.hpp"
 #include "../io/hf_names.hpp"
 #include "../io/json_file.hpp"
+#include "../train/io_dtypes.hpp"
 #include "../io/safetensors_sharded.hpp"
 #include "llama.hpp"
 #include "lora.hpp"
@@ -67,24 +68,16 @@ inline std::span<std::byte> writable_bytes_of(torch::Tensor& t) {  // t: CPU, co
 }  // namespace detail
 
 // ---- dtypes ---------------------------------------------------------------------------------------------------
-// A checkpoint's floating-point dtype as torch's.
+// The floating-point dtypes Hugging Face LLaMA weights come in (float, bf16, half), through the one dtype map.
 inline torch::ScalarType torch_dtype_of(io::DType d) {
-  switch (d) {
-    case io::DType::F32: return torch::kFloat32;
-    case io::DType::BF16: return torch::kBFloat16;
-    case io::DType::F16: return torch::kHalf;
-    case io::DType::F64: return torch::kFloat64;
-    default: TORCH_CHECK(false, "dtype ", std::string(io::dtype_name(d)), " is not a floating-point weight dtype");
-  }
+  TORCH_CHECK(d == io::DType::F32 || d == io::DType::BF16 || d == io::DType::F16 || d == io::DType::F64, "dtype ",
+              std::string(io::dtype_name(d)), " is not a floating-point weight dtype");
+  return train::scalar_type(d);
 }
-// The dtypes Hugging Face LLaMA checkpoints are written in: float, bf16, half.
 inline io::DType io_dtype_of(torch::ScalarType t) {
-  switch (t) {
-    case torch::kFloat32: return io::DType::F32;
-    case torch::kBFloat16: return io::DType::BF16;
-    case torch::kHalf: return io::DType::F16;
-    default: TORCH_CHECK(false, "dtype ", t, " is not a Hugging Face checkpoint dtype (float, bf16 or half)");
-  }
+  TORCH_CHECK(t == torch::kFloat32 || t == torch::kBFloat16 || t == torch::kHalf, "dtype ", t,
+              " is not a Hugging Face checkpoint dtype (float, bf16 or half)");
+  return train::io_dtype(t);
 }
 
 // ---- configs ----------------------------------------------------------------------------------------------------

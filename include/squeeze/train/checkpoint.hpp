@@ -32,6 +32,7 @@
 #include "../io/sha256.hpp"
 #include "../policy/strategy_name.hpp"
 #include "collectives.hpp"
+#include "io_dtypes.hpp"
 
 namespace squeeze {
 
@@ -47,20 +48,7 @@ struct CheckpointLoadOptions {
 
 namespace train::detail {
 
-inline io::DType io_dtype(torch::ScalarType t) {
-  switch (t) {
-    case torch::kFloat32: return io::DType::F32;
-    case torch::kBFloat16: return io::DType::BF16;
-    case torch::kFloat16: return io::DType::F16;
-    case torch::kFloat64: return io::DType::F64;
-    case torch::kUInt8: return io::DType::U8;
-    case torch::kInt8: return io::DType::I8;
-    case torch::kInt32: return io::DType::I32;
-    case torch::kInt64: return io::DType::I64;
-    case torch::kBool: return io::DType::BOOL;
-    default: TORCH_CHECK(false, "checkpoint: no safetensors dtype for ", t);
-  }
-}
+using train::io_dtype;
 
 // A contiguous tensor as bytes for the writer: borrowed on the host, staged chunk by chunk from a device.
 inline io::TensorView view_of(std::string name, const torch::Tensor& t) {
@@ -153,18 +141,6 @@ inline void set_rng_state(const std::string& name, const torch::Tensor& state) {
       std::lock_guard<std::mutex> lock(gens[i].mutex());
       gens[i].set_state(state);
     }
-}
-
-inline torch::ScalarType torch_dtype_of(io::DType d) {
-  switch (d) {
-    case io::DType::F32: return torch::kFloat32;
-    case io::DType::BF16: return torch::kBFloat16;
-    case io::DType::F16: return torch::kFloat16;
-    case io::DType::F64: return torch::kFloat64;
-    case io::DType::U8: return torch::kUInt8;
-    case io::DType::I64: return torch::kInt64;
-    default: TORCH_CHECK(false, "checkpoint: dtype ", io::dtype_name(d), " has no torch type here");
-  }
 }
 
 inline io::CheckpointReader open_checkpoint(const std::filesystem::path& root, const CheckpointLoadOptions& opt, io::OpenOptions oo) {
@@ -324,7 +300,7 @@ nlohmann::json load_checkpoint(TrainerT& trainer, const std::filesystem::path& r
         if (stored == want) {
           train::detail::read_into(dst, read);
         } else {  // widened exactly, or rounded to nearest even as the trainer rounds its masters
-          torch::Tensor host = torch::empty({shard}, torch::TensorOptions().dtype(train::detail::torch_dtype_of(stored)));  // [shard]
+          torch::Tensor host = torch::empty({shard}, torch::TensorOptions().dtype(train::scalar_type(stored)));  // [shard]
           train::detail::read_into(host, read);
           dst.copy_(host);
         }
@@ -373,7 +349,7 @@ inline nlohmann::json load_checkpoint_weights(torch::nn::Module& model, const st
   for (size_t i = 0; i < layouts.size(); ++i) {
     const std::string buffer = masters ? "master" : "param";
     const io::DType dt = io::detail::check_shard_tensors(r, layouts, buffer);
-    torch::Tensor flat = torch::empty({layouts[i].padded(1)}, torch::TensorOptions().dtype(train::detail::torch_dtype_of(dt)));  // [padded]
+    torch::Tensor flat = torch::empty({layouts[i].padded(1)}, torch::TensorOptions().dtype(train::scalar_type(dt)));  // [padded]
     io::read_resharded(r, whole, i, 0, buffer, std::span<std::byte>(static_cast<std::byte*>(flat.data_ptr()), flat.nbytes()));
     for (const auto& e : layouts[i].entries) {
       const auto it = params.find(e.name);
