@@ -2,6 +2,8 @@
 // leftovers, and every way a checkpoint on disk can be wrong.
 #include <sys/wait.h>
 
+#include <cstring>
+#include <iterator>
 #include <thread>
 
 #include "ckpt_test_util.hpp"
@@ -176,6 +178,48 @@ TEST(CheckpointStore, StreamedSourcesInSmallChunks) {
   const CheckpointReader r = store.open_latest();
   EXPECT_EQ(r.read_rank_as<std::uint16_t>(0, "big", DType::BF16), big);
   EXPECT_EQ(r.expect_tensor(0, "empty", DType::F32, {0, 4}).begin, r.expect_tensor(0, "empty", DType::F32, {0, 4}).end);
+}
+
+// Writing, hashing and producing overlap chunk by chunk; the digest must still see the bytes in file order.
+TEST(CheckpointStore, PipelinedDigestsAreTheFileOrderDigests) {
+  TempRoot root("digest");
+  const auto abc = root.path / "abc";
+  {
+    std::ofstream(abc, std::ios::binary) << "abc";
+  }
+  for (std::size_t chunk : {1, 2, 3, 4096})  // FIPS 180-2's "abc" vector, read one byte to the whole file at a time
+    EXPECT_EQ(sha256_file(abc, chunk), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad") << chunk;
+
+  std::vector<std::uint8_t> a(1237), b(515);
+  for (std::size_t i = 0; i < a.size(); ++i) a[i] = std::uint8_t(i * 7 + 1);
+  for (std::size_t i = 0; i < b.size(); ++i) b[i] = std::uint8_t(i * 13 + 5);
+  TensorView filled("b", DType::U8, {515}, [&](std::uint64_t off, std::span<std::byte> out) {
+    std::memcpy(out.data(), b.data() + off, out.size());
+  });
+  const auto path = root.path / "two.safetensors";
+  const WrittenFile wf = write_safetensors_durably(path, std::vector<TensorView>{tensor_view("a", DType::U8, {1237}, a), filled}, {},
+                                                   {.chunk_bytes = 24});
+  std::ifstream in(path, std::ios::binary);
+  const std::string whole((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(wf.bytes, whole.size());
+  EXPECT_EQ(wf.sha256, sha256_hex(std::as_bytes(std::span(whole.data(), whole.size()))));
+  EXPECT_EQ(sha256_file(path, 40), wf.sha256);
+  EXPECT_EQ(whole.substr(whole.size() - 515), std::string(reinterpret_cast<const char*>(b.data()), 515));
+}
+
+// A source failing in the middle of the stream leaves neither the file nor its temporary.
+TEST(CheckpointStore, FailingSourceLeavesNothing) {
+  TempRoot root("failing");
+  std::vector<std::uint8_t> a(300, 1);
+  TensorView failing("f", DType::U8, {300}, [](std::uint64_t off, std::span<std::byte> out) {
+    if (off >= 64) throw Error("device copy failed");
+    std::memset(out.data(), 2, out.size());
+  });
+  const auto path = root.path / "f.safetensors";
+  EXPECT_THROW(write_safetensors_durably(path, std::vector<TensorView>{tensor_view("a", DType::U8, {300}, a), failing}, {}, {.chunk_bytes = 32}),
+               Error);
+  EXPECT_FALSE(std::filesystem::exists(path));
+  EXPECT_FALSE(std::filesystem::exists(path.string() + ".tmp"));
 }
 
 TEST(CheckpointStore, KeepLastK) {

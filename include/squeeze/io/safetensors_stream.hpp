@@ -23,6 +23,7 @@
 #include <nlohmann/json.hpp>
 
 #include "../error.hpp"
+#include "chunk_pipeline.hpp"
 #include "posix_file.hpp"
 #include "safetensors.hpp"
 #include "sha256.hpp"
@@ -115,29 +116,38 @@ inline WrittenFile write_safetensors_durably(const std::filesystem::path& path, 
   try {
     PosixFile f = PosixFile::create(tmp);
     Sha256 sha;
-    auto put = [&](std::span<const std::byte> b) {
-      f.write_all(b);
-      sha.update(b);
-    };
     std::byte len[8];
     for (int i = 0; i < 8; ++i) len[i] = std::byte((std::uint64_t(header.size()) >> (8 * i)) & 0xff);
-    put(len);
-    put(std::as_bytes(std::span(header.data(), header.size())));
-    std::vector<std::byte> staging;
-    for (const TensorView& t : tensors) {
-      const std::uint64_t n = t.nbytes();
-      for (std::uint64_t at = 0; at < n;) {
-        const std::size_t k = std::size_t(std::min<std::uint64_t>(opt.chunk_bytes, n - at));
-        if (t.fill) {
-          if (staging.size() < k) staging.resize(k);
-          t.fill(at, std::span(staging.data(), k));
-          put(std::span(staging.data(), k));
-        } else {
-          put(t.data.subspan(std::size_t(at), k));
-        }
-        at += k;
-      }
+    for (std::span<const std::byte> b : {std::span<const std::byte>(len), std::as_bytes(std::span(header.data(), header.size()))}) {
+      f.write_all(b);
+      sha.update(b);
     }
+    // The data section as chunks of at most chunk_bytes, each inside one tensor.
+    struct Chunk {
+      std::size_t tensor;
+      std::uint64_t at;
+      std::size_t size;
+    };
+    std::vector<Chunk> chunks;
+    for (std::size_t t = 0; t < tensors.size(); ++t)
+      for (std::uint64_t at = 0, n = tensors[t].nbytes(); at < n; at += opt.chunk_bytes)
+        chunks.push_back({t, at, std::size_t(std::min<std::uint64_t>(opt.chunk_bytes, n - at))});
+    std::vector<std::byte> staging[2];
+    std::span<const std::byte> ready[2];
+    pipeline_chunks(
+        chunks.size(),
+        [&](std::size_t i, int slot) {  // fill views copy here, on the caller's thread (and CUDA stream)
+          const Chunk& c = chunks[i];
+          const TensorView& t = tensors[c.tensor];
+          if (t.fill) {
+            if (staging[slot].size() < c.size) staging[slot].resize(c.size);
+            t.fill(c.at, std::span(staging[slot].data(), c.size));
+            ready[slot] = std::span<const std::byte>(staging[slot].data(), c.size);
+          } else {
+            ready[slot] = t.data.subspan(std::size_t(c.at), c.size);
+          }
+        },
+        [&](std::size_t, int slot) { run_both([&] { f.write_all(ready[slot]); }, [&] { sha.update(ready[slot]); }); });
     out.bytes = 8 + header.size() + off;
     out.sha256 = sha.hex();
     detail::hook(opt.hook, label + ":written");

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../error.hpp"
+#include "chunk_pipeline.hpp"
 #include "posix_file.hpp"
 
 namespace squeeze::io {
@@ -61,18 +62,19 @@ inline std::string sha256_hex(std::span<const std::byte> b) {
   return h.hex();
 }
 
-// Streams the file through the digest in chunks (a checkpoint shard can be tens of GB).
-inline std::string sha256_file(const std::filesystem::path& path, std::size_t chunk_bytes = std::size_t(4) << 20) {
+// Streams the file through the digest in chunks (a checkpoint shard can be tens of GB), reading the next chunk
+// while the last one is hashed.
+inline std::string sha256_file(const std::filesystem::path& path, std::size_t chunk_bytes = std::size_t(8) << 20) {
   const PosixFile f = PosixFile::open_read(path);
   const std::uint64_t size = f.size();
-  std::vector<std::byte> buf(std::max<std::size_t>(1, std::min<std::uint64_t>(chunk_bytes, size)));
+  const std::size_t chunk = std::max<std::size_t>(1, std::min<std::uint64_t>(chunk_bytes, size));
+  std::vector<std::byte> buf[2] = {std::vector<std::byte>(chunk), std::vector<std::byte>(chunk)};
+  auto bytes_of = [&](std::size_t i) { return std::size_t(std::min<std::uint64_t>(chunk, size - i * chunk)); };
   Sha256 h;
-  for (std::uint64_t at = 0; at < size;) {
-    const std::size_t n = std::size_t(std::min<std::uint64_t>(buf.size(), size - at));
-    f.pread_exact(at, std::span(buf.data(), n));
-    h.update(std::span(buf.data(), n));
-    at += n;
-  }
+  pipeline_chunks(
+      std::size_t((size + chunk - 1) / chunk),
+      [&](std::size_t i, int slot) { f.pread_exact(i * chunk, std::span(buf[slot].data(), bytes_of(i))); },
+      [&](std::size_t i, int slot) { h.update(std::span(buf[slot].data(), bytes_of(i))); });
   return h.hex();
 }
 
