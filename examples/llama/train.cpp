@@ -101,18 +101,9 @@ std::string sample_text(nn::Llama& model, const std::string& prompt, int64_t n, 
 template <StrategyType S>
 void export_results(const Options& o, Trainer<S>& trainer, const nn::LlamaConfig& config, int rank) {
   if (!o.export_hf.empty()) {
-    if constexpr (S::has_lora) {
-      if (rank == 0) nn::save_hf_llama(*trainer.model(), o.export_hf);
-    } else {
-      const auto full = trainer.full_parameters();  // name -> full values (stage 3 gathers them)
-      if (rank == 0) {
-        nn::Llama plain(config);
-        torch::NoGradGuard no_grad;
-        std::map<std::string, torch::Tensor> by_name(full.begin(), full.end());
-        for (auto& p : plain->named_parameters()) p.value().copy_(by_name.at(p.key()));
-        nn::save_hf_llama(*plain, o.export_hf);
-      }
-    }
+    std::optional<io::LlamaConfig> source;
+    if (!o.hf.empty()) source = io::load_llama_config(o.hf);
+    nn::save_hf_llama(trainer.trainer(), config, o.export_hf, {.source_config = source});  // stage 3: one layer gathered at a time
     if (rank == 0) std::cerr << "exported the model to " << o.export_hf << " (Hugging Face LlamaForCausalLM)\n";
   }
   if (!o.export_peft.empty()) {

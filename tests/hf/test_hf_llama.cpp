@@ -13,7 +13,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <squeeze/comm/local.hpp>
 #include <squeeze/nn/hf_llama.hpp>
+#include <squeeze/train/trainer.hpp>
 #include <squeeze/policy/strategy.hpp>
 
 #include <cmath>
@@ -403,6 +405,40 @@ TEST(HfExport, TensorsComeOneAtATimeFromTheSource) {
   }, {"'block1.mlp.up.weight'", "model.layers.1.mlp.up_proj.weight", "[97, 41]", "[97, 40] expected"});
   if (fs::exists(bad))
     for (const auto& entry : fs::directory_iterator(bad)) ADD_FAILURE() << "left behind: " << entry.path();
+}
+
+// A stage-3 trainer exports without gathering the model: gather_parameter brings one layer at a time (a
+// collective), rank 0 writes, and the file holds the trained bf16 weights bit for bit, at world 1, 2 and 3.
+TEST(HfExport, FromAStage3TrainerOneLayerAtATime) {
+  using S = Strategy<Sharded<Stage3>, Precision<bf16, float>>;
+  TempDir d("hf_stage3");
+  for (const bool tied : {false, true})
+    for (int world : {1, 2, 3}) {
+      const nn::LlamaConfig c = odd_config(tied);
+      std::vector<nn::Llama> models;
+      for (int r = 0; r < world; ++r) models.push_back(random_model(c, 21));
+      const fs::path dir = d.path / ("w" + std::to_string(world) + "_" + std::to_string(tied));
+      std::vector<std::pair<std::string, torch::Tensor>> trained;
+      comm::run_ranks(world, [&](std::shared_ptr<comm::LocalComm> comm) {
+        nn::Llama& m = models[std::size_t(comm->rank())];
+        auto trainer = make_trainer<S>(m, AdamW{.lr = 1e-2f}, comm);
+        torch::manual_seed(5 + comm->rank());
+        const torch::Tensor ids = torch::randint(c.vocab, {2, 9}, torch::kLong);  // [B, T + 1], per rank
+        trainer.step([&] { return m->loss(ids.narrow(1, 0, 8), ids.narrow(1, 1, 8)); });
+        auto full = trainer.full_parameters();  // the reference: every layer gathered at once
+        nn::save_hf_llama(trainer, c, dir);
+        if (comm->rank() == 0) trained = std::move(full);
+      });
+      EXPECT_EQ(read_json(dir / "config.json")["torch_dtype"], "bfloat16");
+      const nn::Llama back = nn::load_hf_llama(dir);
+      const auto loaded = back->named_parameters();
+      ASSERT_EQ(loaded.size(), trained.size()) << "world " << world;
+      for (const auto& [name, value] : trained) {
+        const torch::Tensor* q = loaded.find(name);
+        ASSERT_NE(q, nullptr) << name;
+        EXPECT_TRUE(torch::equal(*q, value)) << name << " world " << world << " tied " << tied;
+      }
+    }
 }
 
 TEST(HfExport, LoraIsMergedAndQuantizedBasesDequantised) {

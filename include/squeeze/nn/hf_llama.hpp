@@ -267,6 +267,32 @@ inline void save_hf_llama(LlamaImpl& model, const std::filesystem::path& dir, Hf
   save_hf_llama(model.config, [&model](const std::string& name) { return dense_parameter(model, name); }, dir, o);
 }
 
+// A trainer's model as a Hugging Face directory, at any ZeRO stage: trainable weights come from
+// trainer.gather_parameter, so stage 3 holds one layer gathered at a time. A collective under stage 3: every rank
+// calls it; rank `writer_rank` writes. LoRA strategies export their model (adapters merged, base dequantised).
+// The export dtype defaults to the compute dtype of the trained weights.
+template <class TrainerT>
+void save_hf_llama(TrainerT& trainer, const LlamaConfig& c, const std::filesystem::path& dir, HfSaveOptions o = {}) {
+  const int rank = trainer.communicator().rank();
+  if constexpr (TrainerT::strategy::has_lora) {
+    auto* model = dynamic_cast<LlamaImpl*>(&trainer.module());
+    TORCH_CHECK(model != nullptr, "save_hf_llama: the trainer's module is not an nn::Llama");
+    if (rank == 0) save_hf_llama(*model, dir, std::move(o));
+  } else {
+    if (!o.dtype) {
+      const std::string first = io::hf_checkpoint_tensors(to_hf_config(c, io::DType::F32, o.source_config)).front().squeeze;
+      o.dtype = io_dtype_of(trainer.gather_parameter(first).scalar_type());
+    }
+    const io::DType dtype = *o.dtype;
+    if (rank == 0) {
+      save_hf_llama(c, [&](const std::string& name) { return trainer.gather_parameter(name); }, dir, o);
+    } else {
+      for (const auto& e : io::hf_checkpoint_tensors(to_hf_config(c, dtype, o.source_config))) (void)trainer.gather_parameter(e.squeeze);
+    }
+    trainer.release_gathered();
+  }
+}
+
 // ---- PEFT adapters ----------------------------------------------------------------------------------------------
 inline constexpr std::string_view kPeftConfigFile = "adapter_config.json";
 inline constexpr std::string_view kPeftWeightsFile = "adapter_model.safetensors";

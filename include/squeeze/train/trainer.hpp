@@ -284,6 +284,7 @@ class Trainer {
  private:
   StepResult run_micro_batch(const std::function<torch::Tensor()>& closure, int64_t tokens) {
     StepResult r;
+    last_gathered_ = {};  // the step changes the weights
     r.scale = scale();
     const bool boundary = micro_ + 1 == kAccum;
     if (micro_ == 0) window_weighted_ = tokens > 0, window_tokens_ = 0;
@@ -434,6 +435,36 @@ class Trainer {
     }
     return out;
   }
+
+  // Full values of one trainable parameter (a copy). Under stage 3 this gathers only the layer that holds it, so a
+  // caller walking the parameters layer by layer (an export) holds one layer gathered at a time; the last layer
+  // gathered is kept for the next call. A collective under stage 3: every rank asks for the same names in order.
+  torch::Tensor gather_parameter(const std::string& name) {
+    sync();
+    auto find = [&](const FlatParams& flat) -> const FlatEntry* {
+      for (auto& e : flat.entries())
+        if (e.name == name) return &e;
+      return nullptr;
+    };
+    if (rep_)
+      if (auto* e = find(rep_->flat)) return e->param.detach().clone();
+    for (auto& b : buckets_)
+      if (auto* e = find(b->flat)) return e->param.detach().clone();
+    for (auto& g : groups3_)
+      if (auto* e = find(g->layout)) {
+        if (last_gathered_.first != g.get()) {
+          last_gathered_.second = torch::Tensor();  // one layer gathered at a time
+          auto full = torch::empty({g->layout.padded()}, g->shard.options().requires_grad(false));
+          gather_into(*comm_, g->shard.detach(), full);
+          last_gathered_ = {g.get(), full};
+        }
+        return FlatParams::view(last_gathered_.second, *e).clone();
+      }
+    TORCH_CHECK(false, "gather_parameter: '", name, "' is not a trainable parameter of this trainer (frozen parameters stay in the module)");
+    return {};
+  }
+  // Drops the layer gather_parameter keeps (after an export; the next step would make it stale).
+  void release_gathered() { last_gathered_ = {}; }
 
   // Optimizer state per partition (replicated group or buckets first, then stage-3 layers): {master, m, v},
   // fp32; with 8-bit state {master, m, v, m_absmax, v_absmax}: m, v uint8 codes [n], their block scales fp32
@@ -1044,6 +1075,7 @@ class Trainer {
   std::unique_ptr<Replicated> rep_;
   std::vector<std::unique_ptr<detail::Bucket>> buckets_;
   std::vector<std::unique_ptr<Stage3Group>> groups3_;
+  std::pair<const Stage3Group*, torch::Tensor> last_gathered_;  // gather_parameter's layer
   std::vector<std::unique_ptr<Partition>> own3_;
   std::vector<Shardable*> attached_;
   std::unique_ptr<OffloadPipeline> offload_;
