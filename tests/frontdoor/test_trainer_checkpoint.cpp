@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <fstream>
 
+#include <squeeze/nn/hf_llama.hpp>
 #include <squeeze/train/checkpoint.hpp>
 
 #include "frontdoor_model.hpp"
@@ -293,6 +294,47 @@ TEST(TrainerCheckpoint, CommandLineToolInfoVerifyConsolidateReshard) {
   text = run_tool("verify " + dir.path.string(), &rc);
   EXPECT_NE(rc, 0);
   EXPECT_NE(text.find("checksum mismatch"), std::string::npos) << text;
+}
+
+// consolidate --hf-config: a stage-3 checkpoint of a fine-tuned Hugging Face model (llama3-tiny: GQA, tied
+// embeddings, llama3 RoPE scaling) becomes a directory load_hf_llama reads, with the fp32 masters that round to
+// the trained bf16 weights; a config of another model is refused, naming what does not fit.
+TEST(TrainerCheckpoint, ConsolidateIntoAHuggingFaceDirectory) {
+  using S = sq::Strategy<Sharded<sq::Stage3>, Precision<bf16, float>>;
+  const fs::path source = fs::path(SQUEEZE_HF_FIXTURES) / "llama3-tiny";
+  TempDir dir, out;
+  Params trained;
+  std::vector<sq::nn::Llama> models;
+  for (int r = 0; r < 2; ++r) models.push_back(sq::nn::load_hf_llama(source, {.dtype = torch::kFloat32}));
+  sq::comm::run_ranks(2, [&](std::shared_ptr<sq::comm::LocalComm> comm) {
+    sq::nn::Llama& m = models[std::size_t(comm->rank())];
+    auto trainer = sq::make_trainer<S>(m, sq::AdamW{.lr = 1e-2f}, comm);
+    torch::manual_seed(3 + comm->rank());
+    const torch::Tensor ids = torch::randint(m->config.vocab, {2, 7}, torch::kLong);  // [B, T + 1]
+    trainer.step([&] { return m->loss(ids.narrow(1, 0, 6), ids.narrow(1, 1, 6)); });
+    auto full = trainer.full_parameters();
+    sq::save_checkpoint(trainer, dir.path);
+    if (comm->rank() == 0) trained = Params(full.begin(), full.end());
+  });
+  int rc = 0;
+  const fs::path hf = out.path / "hf";
+  std::string text = run_tool("consolidate " + dir.path.string() + " " + hf.string() + " --hf-config " + source.string(), &rc);
+  ASSERT_EQ(rc, 0) << text;
+  const sq::nn::Llama back = sq::nn::load_hf_llama(hf);
+  EXPECT_EQ(sq::io::load_llama_config(hf).dtype, sq::io::DType::F32);
+  EXPECT_TRUE(back->config.tie_embeddings);
+  const auto loaded = back->named_parameters();
+  ASSERT_EQ(loaded.size(), trained.size());
+  for (const auto& [name, t] : trained) {
+    const torch::Tensor* q = loaded.find(name);
+    ASSERT_NE(q, nullptr) << name;
+    EXPECT_TRUE(torch::equal(q->to(torch::kBFloat16), t)) << name << ": the master rounds to the trained weight";
+  }
+  text = run_tool("consolidate " + dir.path.string() + " " + (out.path / "wrong").string() + " --hf-config " +
+                      (fs::path(SQUEEZE_HF_FIXTURES) / "llama2-tiny").string(), &rc);
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(text.find("does not match its config"), std::string::npos) << text;
+  EXPECT_FALSE(fs::exists(out.path / "wrong" / "model.safetensors"));
 }
 #endif
 

@@ -4,6 +4,9 @@
 //   squeeze-ckpt verify DIR [--step N]                        sizes, SHA-256 and headers of every rank file
 //   squeeze-ckpt consolidate DIR OUT.safetensors [--dtype bf16] [--step N]
 //                                                             the trained weights in one file (fp32 masters where kept)
+//   squeeze-ckpt consolidate DIR OUT_DIR --hf-config MODEL_DIR [--dtype bf16]
+//                                                             ... as a Hugging Face LLaMA directory: Hugging Face names,
+//                                                             MODEL_DIR's config.json (the model the run started from)
 //   squeeze-ckpt reshard DIR OUT_DIR --world M [--step N]     the same checkpoint for M ranks
 //
 // DIR is a checkpoint root (the directory holding `latest`) or one step directory. Everything streams: no tensor
@@ -19,6 +22,8 @@
 #include <vector>
 
 #include <squeeze/io/checkpoint_store.hpp>
+#include <squeeze/io/hf_config.hpp>
+#include <squeeze/io/hf_names.hpp>
 #include <squeeze/io/reshard.hpp>
 
 namespace io = squeeze::io;
@@ -68,12 +73,41 @@ std::optional<io::DType> dtype_named(const std::string& s) {
   throw squeeze::Error("--dtype must be fp32, bf16 or fp16, got '" + s + "'");
 }
 
-int consolidate(const io::CheckpointReader& r, const std::string& out, const std::string& dtype) {
+// One safetensors file of the weights; with `hf_config` (a Hugging Face model directory) a directory that
+// LlamaForCausalLM.from_pretrained loads: the weights under Hugging Face names as OUT/model.safetensors, after
+// checking that they are exactly the tensors that config's model has, and its config.json with the written dtype.
+int consolidate(const io::CheckpointReader& r, const std::string& out, const std::string& dtype, const std::string& hf_config) {
   const bool masters = r.index().record.contains("state") && r.index().record["state"].value("masters", false);
   io::ConsolidateOptions o{.buffer = masters ? "master" : "param", .dtype = dtype_named(dtype)};
   o.metadata = {{"format", "pt"}, {"squeeze_strategy", r.index().strategy}, {"squeeze_step", std::to_string(r.index().step)}};
-  const io::WrittenFile f = io::consolidate(r, layouts_of(r), out, o);
-  std::printf("wrote %s: %llu bytes (the %s buffer), sha256 %s\n", out.c_str(), (unsigned long long)f.bytes, o.buffer.c_str(), f.sha256.c_str());
+  const auto layouts = layouts_of(r);
+  fs::path file = out;
+  std::optional<io::LlamaConfig> config;
+  if (!hf_config.empty()) {
+    config = io::load_llama_config(hf_config);
+    std::map<std::string, std::vector<std::int64_t>> found;  // Hugging Face name -> shape, as this checkpoint would write it
+    std::vector<std::string> unnamed;
+    for (const auto& l : layouts)
+      for (const auto& e : l.entries) {
+        if (const auto n = io::hf_name(e.name, *config)) found[*n] = e.shape;
+        else unnamed.push_back(e.name);
+      }
+    if (!unnamed.empty())
+      throw squeeze::Error("consolidate --hf-config: parameter '" + unnamed.front() + "' (and " + std::to_string(unnamed.size() - 1) +
+                           " more) has no Hugging Face name for the LLaMA of " + hf_config + " (is this checkpoint of that model?)");
+    io::check_hf_tensors(found, *config).require_ok(r.dir().string() + " against " + (fs::path(hf_config) / "config.json").string());
+    o.rename = [&](const std::string& name) { return *io::hf_name(name, *config); };
+    fs::create_directories(out);
+    file = fs::path(out) / "model.safetensors";
+  }
+  const io::WrittenFile f = io::consolidate(r, layouts, file, o);
+  if (config) {
+    config->dtype = r.rank_file(0).info(io::shard_tensor_name(layouts.front().key, o.buffer)).dtype;
+    if (o.dtype) config->dtype = *o.dtype;
+    io::save_llama_config(out, *config);
+  }
+  std::printf("wrote %s: %llu bytes (the %s buffer%s), sha256 %s\n", file.c_str(), (unsigned long long)f.bytes, o.buffer.c_str(),
+              config ? ", Hugging Face names, config.json beside it" : "", f.sha256.c_str());
   return 0;
 }
 
@@ -127,7 +161,7 @@ int reshard(const io::CheckpointReader& r, const std::string& out, int world) {
 int main(int argc, char** argv) {
   CLI::App app{"squeeze-ckpt: inspect, verify, consolidate and reshard squeeze training checkpoints"};
   app.require_subcommand(1);
-  std::string dir, out, dtype;
+  std::string dir, out, dtype, hf_config;
   std::optional<long long> step;
   int world = 0;
   auto add_common = [&](CLI::App* c) {
@@ -140,7 +174,8 @@ int main(int argc, char** argv) {
   add_common(verify_cmd);
   CLI::App* cons = app.add_subcommand("consolidate", "the trained weights in one safetensors file");
   add_common(cons);
-  cons->add_option("out", out, "the safetensors file to write")->required();
+  cons->add_option("out", out, "the safetensors file to write (with --hf-config: the directory)")->required();
+  cons->add_option("--hf-config", hf_config, "the Hugging Face model directory the run started from: write its layout")->check(CLI::ExistingDirectory);
   cons->add_option("--dtype", dtype, "fp32, bf16 or fp16 (default: as stored)");
   CLI::App* resh = app.add_subcommand("reshard", "the same checkpoint for another number of ranks");
   add_common(resh);
@@ -150,7 +185,7 @@ int main(int argc, char** argv) {
   try {
     if (*info_cmd) return info(open(dir, step, io::Verify::sizes));
     if (*verify_cmd) return verify(open(dir, step, io::Verify::checksums));
-    if (*cons) return consolidate(open(dir, step, io::Verify::checksums), out, dtype);
+    if (*cons) return consolidate(open(dir, step, io::Verify::checksums), out, dtype, hf_config);
     if (*resh) return reshard(open(dir, step, io::Verify::checksums), out, world);
   } catch (const std::exception& e) {
     std::cerr << "squeeze-ckpt: " << e.what() << "\n";
