@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "../io/rope.hpp"
+#include "fused_linear_cross_entropy.hpp"
 #include "../plan/memory.hpp"
 #include "../plan/model_shape.hpp"
 #include "activation_checkpoint.hpp"
@@ -196,6 +197,9 @@ struct LlamaImpl : torch::nn::Module, Recomputable {
   // Tokens per chunk of the loss (see loss()); 0: all at once. The default (and why) is the planner's, whose
   // TrainShape::loss_chunk_tokens must match it for plan_memory to predict this model's peak.
   int64_t loss_chunk_tokens = plan::kDefaultLossChunkTokens;
+  // Training through fused_linear_cross_entropy (the head's and the hidden states' gradients in the loss's own
+  // pass, chunks of loss_chunk_tokens rows, no recomputed head). Off: the checkpointed chunked loss below.
+  bool fused_loss = false;
 
   explicit LlamaImpl(LlamaConfig c) : config(std::move(c)) {
     config.validate();
@@ -257,6 +261,8 @@ struct LlamaImpl : torch::nn::Module, Recomputable {
                 ids.sizes());
     const torch::Tensor x = hidden(ids).reshape({-1, config.hidden});  // [N, h], N = B·T
     const torch::Tensor t = targets.reshape({-1});                     // [N]
+    if (fused_loss && torch::GradMode::is_enabled())
+      return fused_linear_cross_entropy(x, head_weight(), t, loss_chunk_tokens > 0 ? loss_chunk_tokens : x.size(0), kIgnoreIndex);
     if (loss_chunk_tokens == 0 || x.size(0) <= loss_chunk_tokens)
       return torch::nn::functional::cross_entropy(float_logits(logits(x)), t);  // logits [N, V] at once
     const torch::Tensor w = head_weight();  // [V, h]
