@@ -65,6 +65,8 @@ run_bench gptq "$BUILD/bench/quant/bench_gptq"
 run_bench zero "$BUILD/bench/zero/bench_zero"
 corpus=(); [ -f "$ROOT/kjv.txt" ] && corpus=(--corpus "$ROOT/kjv.txt")
 run_bench table "$BUILD/bench/table/bench_table" "${corpus[@]}"
+# The LM head's loss: torch's unfused ops against the chunked and the fused loss (TinyLlama-1.1B head, 16k tokens)
+run_bench loss "$BUILD/bench/loss/bench_loss"
 # The LLaMA-7B geometry rows, only when named: a few minutes each. The offload row keeps Adam's
 # state and the fp32 master weights in host memory (~100 GB for 7B); --clip 0 selects the eager pipeline;
 # lr 1e-5 warmed up over the 5 steps: at 7B, 3e-4 and 3e-5 diverged within them (fp32 and bf16 alike), 1e-5 trains

@@ -3,12 +3,14 @@
 peer in the same configuration (fsdp2_llama.py JSON lines, bench "fsdp2", matched by peer_of = the bench_table
 case, preset, layers, world, batch per GPU and seq), per world size.
 
-    python3 bench/fsdp2/compare.py gpu-results/scale.jsonl gpu-results/fsdp2.jsonl
+    python3 bench/fsdp2/compare.py gpu-results/scale.jsonl gpu-results/fsdp2.jsonl [--jsonl fsdp2-compare.jsonl]
 
 Columns: peak GB per GPU (the largest over the ranks) and the planner's, tokens/s per GPU, MFU (6N + 12LTd model
 FLOPs over the H200's dense bf16 peak, the same in both programs), x1: tokens/s per GPU over the same row's at
 world 1 (scaling efficiency), then FSDP2's peak and tokens/s per GPU, speed = ours / FSDP2 tokens/s,
 mem = FSDP2's peak / ours (> 1: ours smaller). The last line of each configuration wins (files may be appended to).
+--jsonl OUT appends one line per matched pair: {"case", "preset", "world", "tokens_per_s_per_gpu",
+"fsdp2_tokens_per_s_per_gpu", "speed_vs_fsdp2", "peak_gb", "fsdp2_peak_gb", "mem_vs_fsdp2", "fused_loss", "commit", "date"}.
 Standard library only.
 """
 import json
@@ -41,7 +43,14 @@ def f(r, key, fmt):
 def main():
     if len(sys.argv) < 2:
         raise SystemExit(__doc__)
-    ours, peer = load(sys.argv[1:])
+    args = sys.argv[1:]
+    jsonl = None
+    if "--jsonl" in args:
+        i = args.index("--jsonl")
+        jsonl = args[i + 1]
+        del args[i:i + 2]
+    ours, peer = load(args)
+    pairs = []
     keys = sorted(set(ours) | set(peer), key=lambda k: (str(k[0]), str(k[1]), k[3] or 0, k[4] or 0, k[2]))
     print(f"{'preset':<15} {'case':<26} {'world':>5} {'B':>3} {'peak GB':>8} {'plan GB':>8} {'tok/s/GPU':>10} {'MFU':>6} {'x1':>5} |"
           f" {'FSDP2 GB':>8} {'tok/s/GPU':>10} {'MFU':>6} | {'speed':>6} {'mem':>6}  note")
@@ -57,11 +66,21 @@ def main():
             speed = f"{o['tokens_per_s_per_gpu'] / p['tokens_per_s_per_gpu']:.2f}"
         if o is not None and p is not None and o.get("peak_gb") and p.get("peak_gb"):
             mem = f"{p['peak_gb'] / o['peak_gb']:.2f}"
+            if o.get("tokens_per_s_per_gpu") and p.get("tokens_per_s_per_gpu"):
+                pairs.append({"case": case, "preset": preset, "world": world, "tokens_per_s_per_gpu": o["tokens_per_s_per_gpu"],
+                              "fsdp2_tokens_per_s_per_gpu": p["tokens_per_s_per_gpu"],
+                              "speed_vs_fsdp2": o["tokens_per_s_per_gpu"] / p["tokens_per_s_per_gpu"], "peak_gb": o["peak_gb"],
+                              "fsdp2_peak_gb": p["peak_gb"], "mem_vs_fsdp2": p["peak_gb"] / o["peak_gb"],
+                              "fused_loss": o.get("fused_loss", False), "commit": o.get("commit"), "date": o.get("date")})
         notes = [f"ours: {o['error']}" for o in [o] if o is not None and o.get("error")]
         notes += [f"FSDP2: {p['error']}" for p in [p] if p is not None and p.get("error")]
         print(f"{str(preset):<15} {str(case):<26} {world:>5} {batch or 0:>3} {f(o, 'peak_gb', '.2f'):>8} {f(o, 'planned_gb', '.2f'):>8} "
               f"{f(o, 'tokens_per_s_per_gpu', '.0f'):>10} {f(o, 'mfu', '.3f'):>6} {scale:>5} | {f(p, 'peak_gb', '.2f'):>8} "
               f"{f(p, 'tokens_per_s_per_gpu', '.0f'):>10} {f(p, 'mfu', '.3f'):>6} | {speed:>6} {mem:>6}  {'; '.join(notes)[:120]}")
+    if jsonl:
+        with open(jsonl, "a") as out:
+            for row in pairs:
+                out.write(json.dumps(row) + "\n")
     print("reference (published, not this machine): torchtitan FSDP, Llama3.1-8B on 8x H100: 5,762 tokens/s per GPU")
 
 

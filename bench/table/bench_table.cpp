@@ -94,6 +94,7 @@ struct Options {
   std::string out, csv, preset = "tinyllama-1.1b", device = "cuda", rows, corpus;
   int64_t batch = 8, seq = 2048, steps = 3, warmup = 2, layers = 0, eval_seqs = 8, threads = 0, lr_warmup = 0;
   int64_t loss_chunk = llama::TrainOptions{}.loss_chunk_tokens;  // the strategy rows' (the peer never chunks)
+  bool fused_loss = false;                                         // the strategy rows' loss fused (nn::fused_linear_cross_entropy)
   double lr = 3e-4, clip = 1.0, loss_scale = 1024, comm_timeout_s = 600;
   uint64_t seed = 1337;
 };
@@ -429,6 +430,7 @@ int main(int argc, char** argv) {
   app.add_option("--clip", o.clip, "global gradient-norm clip (0: off; Offload<Host> then updates inside backward)")->capture_default_str();
   app.add_option("--loss-scale", o.loss_scale, "initial dynamic loss scale of the fp16 rows (PyTorch's GradScaler starts at 65536; "
                                                 "from there a short run spends its first steps skipping overflows)")->capture_default_str();
+  app.add_flag("--fused-loss", o.fused_loss, "the strategy rows train through the fused linear + cross-entropy");
   app.add_option("--loss-chunk", o.loss_chunk, "tokens per chunk of the strategy rows' LM head + cross-entropy, each recomputed in "
                                                "backward (0: the whole micro-batch at once, as the peer)")
       ->check(CLI::Range(int64_t(0), int64_t(1) << 30))
@@ -474,6 +476,7 @@ int main(int argc, char** argv) {
   topt.clip = o.clip;
   topt.initial_scale = o.loss_scale;
   topt.loss_chunk_tokens = o.loss_chunk;
+  topt.fused_loss = o.fused_loss;
 
   const auto known = llama::strategy_names();
   std::vector<RowSpec> rows;
@@ -547,7 +550,8 @@ int main(int argc, char** argv) {
               {"layers", config.layers}, {"world", dist.world}, {"batch", spec.batch}, {"seq", o.seq}, {"steps", o.steps}, {"warmup", o.warmup},
               {"clip", o.clip}, {"lr", o.lr}, {"lr_warmup", o.lr_warmup}, {"corpus", data.source}, {"device", dev_name},
               {"date", env_or("SQUEEZE_DATE", "")}, {"commit", env_or("SQUEEZE_COMMIT", "")}, {"oom", row.oom},
-              {"flops_per_token", model_flops}, {"loss_chunk", spec.name == kPeer ? int64_t(0) : o.loss_chunk}};
+              {"flops_per_token", model_flops}, {"loss_chunk", spec.name == kPeer ? int64_t(0) : o.loss_chunk},
+              {"fused_loss", spec.name != kPeer && o.fused_loss}};
     // Keys are left out (not null) when unknown: consumers read missing numbers as 0.
     std::optional<double> tps, tps_gpu, mfu, ratio, mem_ratio, plan_ratio, ppl;
     if (row.time_ms) {

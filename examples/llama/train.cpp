@@ -42,6 +42,7 @@ struct Options {
   std::string preset = "tiny", strategy = "fp32", device = "cpu", corpus, save, load, hf, export_hf, export_peft;
   int64_t steps = 200, batch = 16, seq = 128, eval_every = 100, eval_batches = 8, log_every = 0, sample = 160, threads = 0;
   int64_t loss_chunk = llama::TrainOptions{}.loss_chunk_tokens;
+  bool fused_loss = false;
   double lr = 3e-3, weight_decay = 0.1, clip = 1.0, val_fraction = 0.05;
   uint64_t seed = 1337;
 };
@@ -144,6 +145,7 @@ int train(const Options& o) {
     throw std::runtime_error("--hf " + o.hf + ": its vocabulary (" + std::to_string(config.vocab) + ") is smaller than the 256 byte ids this example feeds");
   llama::TrainOptions topt;
   topt.lr = o.lr, topt.weight_decay = o.weight_decay, topt.clip = o.clip, topt.loss_chunk_tokens = o.loss_chunk;
+  topt.fused_loss = o.fused_loss;
   if (o.batch % (int64_t(env.world) * S::accumulation_steps) != 0)
     throw std::runtime_error("--batch " + std::to_string(o.batch) + " must split into " + std::to_string(env.world) + " rank(s) x " +
                              std::to_string(S::accumulation_steps) + " micro-batches");
@@ -230,6 +232,7 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->capture_default_str();
   app.add_option("--clip", o.clip, "gradient-norm clip (0: off)")->capture_default_str();
+  app.add_flag("--fused-loss", o.fused_loss, "train through the fused linear + cross-entropy (both gradients in the loss's pass, no recomputed head)");
   app.add_option("--loss-chunk", o.loss_chunk, "tokens per chunk of the LM head + cross-entropy, each recomputed in backward "
                                                "(0: all tokens of a micro-batch at once)")
       ->check(CLI::Range(int64_t(0), int64_t(1) << 30))

@@ -113,6 +113,8 @@ struct TrainOptions {
   int64_t scale_growth_interval = 2000;
   // Tokens per chunk of the model's loss (nn::LlamaImpl::loss_chunk_tokens; 0: unchunked); plan_for takes the same.
   int64_t loss_chunk_tokens = plan::kDefaultLossChunkTokens;
+  // The loss through nn::fused_linear_cross_entropy (nn::LlamaImpl::fused_loss).
+  bool fused_loss = false;
   bool decay_norms_biases_embeddings = false;  // TrainerOptions' default: no weight decay on them
 };
 
@@ -222,6 +224,7 @@ class Trainer {
   // of `comm` constructs its Trainer at the same time (the constructor broadcasts rank 0's weights).
   Trainer(Llama model, TrainOptions options, torch::Device device, comm::CommPtr comm) : model_(std::move(model)) {
     model_->loss_chunk_tokens = options.loss_chunk_tokens;
+    model_->fused_loss = options.fused_loss;
     model_->train();
     squeeze::AdamW adamw{.lr = float(options.lr), .beta1 = float(options.beta1), .beta2 = float(options.beta2), .eps = float(options.eps),
                          .weight_decay = float(S::has_lora ? 0.0 : options.weight_decay), .max_grad_norm = float(std::max(0.0, options.clip))};

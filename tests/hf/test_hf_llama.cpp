@@ -15,6 +15,7 @@
 
 #include <squeeze/comm/local.hpp>
 #include <squeeze/nn/hf_llama.hpp>
+#include <squeeze/optim/adamw.hpp>
 #include <squeeze/train/trainer.hpp>
 #include <squeeze/policy/strategy.hpp>
 

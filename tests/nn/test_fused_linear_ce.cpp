@@ -66,6 +66,21 @@ TEST(FusedLinearCrossEntropy, MatchesFloat64AutogradInEveryDtype) {
     }
 }
 
+// The same on a CUDA device (cuBLAS GEMMs; skipped without one), larger and still odd: 1000 rows of 4099 classes.
+TEST(FusedLinearCrossEntropy, MatchesFloat64AutogradOnCuda) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  for (const auto dt : {torch::kFloat32, torch::kBFloat16}) {
+    Case c = random_case(1000, 257, 4099, dt, 8);
+    const Result ref = reference(c);
+    c.x = c.x.cuda(), c.w = c.w.cuda(), c.t = c.t.cuda();
+    const Result got = fused(c, 300);
+    const double tol_loss = dt == torch::kFloat32 ? 2e-5 : 3e-2, tol_grad = dt == torch::kFloat32 ? 5e-5 : 4e-2;  // TF32 off: torch's default
+    EXPECT_LE(rel(got.loss.cpu(), ref.loss), tol_loss) << c10::toString(dt);
+    EXPECT_LE(rel(got.dx.cpu(), ref.dx), tol_grad) << c10::toString(dt);
+    EXPECT_LE(rel(got.dw.cpu(), ref.dw), tol_grad) << c10::toString(dt);
+  }
+}
+
 TEST(FusedLinearCrossEntropy, GradientsMatchFiniteDifferences) {
   const Case c = random_case(11, 7, 13, torch::kFloat64, 3);
   const Result got = fused(c, 4);
