@@ -20,9 +20,10 @@ fi
 if [ "${SKIP_PIP:-0}" != 1 ]; then
   # libtorch from PyPI's torch wheel. --no-deps skips the multi-GB NVIDIA runtime wheels: the C++
   # libraries squeeze links for CPU work (torch_cpu, c10) need none of them. Supported: libtorch 2.4 - 2.x
-  # (tested: 2.15 here, 2.11+cu130 on the GPU machine). A CMake >= 3.28 is needed for CUDA C++20.
-  step "PyPI: libtorch (torch wheel, no NVIDIA runtime wheels) and CMake >= 3.28"
-  python3 -m pip install -q --no-deps "torch>=2.4,<3" "cmake>=3.28,<5"
+  # (tested: 2.15 here, 2.11+cu130 on the GPU machine). A CMake >= 3.28 is needed for CUDA C++20. numpy: the
+  # GPTQ reimplementation of tools/check_quant_interop.py (ctest quant_interop_numpy_gptq).
+  step "PyPI: libtorch (torch wheel, no NVIDIA runtime wheels), CMake >= 3.28, numpy"
+  python3 -m pip install -q --no-deps "torch>=2.4,<3" "cmake>=3.28,<5" "numpy>=1.24"
 fi
 CMAKE=$(python3 -c 'import cmake, os; print(os.path.join(cmake.CMAKE_BIN_DIR, "cmake"))' 2>/dev/null || command -v cmake)
 echo "cmake: $($CMAKE --version | head -1)"
