@@ -87,11 +87,15 @@ int consolidate(const io::CheckpointReader& r, const std::string& out, const std
     config = io::load_llama_config(hf_config);
     std::map<std::string, std::vector<std::int64_t>> found;  // Hugging Face name -> shape, as this checkpoint would write it
     std::vector<std::string> unnamed;
-    for (const auto& l : layouts)
-      for (const auto& e : l.entries) {
-        if (const auto n = io::hf_name(e.name, *config)) found[*n] = e.shape;
-        else unnamed.push_back(e.name);
-      }
+    try {
+      for (const auto& l : layouts)
+        for (const auto& e : l.entries) {
+          if (const auto n = io::hf_name(e.name, *config)) found[*n] = e.shape;
+          else unnamed.push_back(e.name);
+        }
+    } catch (const squeeze::Error& e) {
+      throw squeeze::Error("consolidate --hf-config " + hf_config + ": this checkpoint is not of that model: " + e.what());
+    }
     if (!unnamed.empty())
       throw squeeze::Error("consolidate --hf-config: parameter '" + unnamed.front() + "' (and " + std::to_string(unnamed.size() - 1) +
                            " more) has no Hugging Face name for the LLaMA of " + hf_config + " (is this checkpoint of that model?)");
