@@ -4,14 +4,19 @@
 // and the GPTQ example.
 //   Corpus c = load_corpus("", 0.05);           // the KJV (Debian's bible-kjv), or a built-in text
 //   auto [x, y] = sample_batch(tokenize(c.train), B, T, seed, step, device);   // [B, T] each
+// or token shards (--data DIR, written by squeeze-tokenize or llm.c) in the model's own vocabulary:
+//   ShardData d = open_shards(dir, vocab, B, T, seed, rank, world);  auto [x, y] = shard_batch(*d.train, step, device);
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
+
+#include <squeeze/io/token_shards.hpp>
 
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -112,6 +117,56 @@ inline std::vector<std::pair<torch::Tensor, torch::Tensor>> val_batches(const to
     const torch::Tensor w = data.index_select(0, idx.reshape({-1})).view({B, T + 1});
     out.emplace_back(w.narrow(1, 0, T).to(device), w.narrow(1, 1, T).to(device));
   }
+  return out;
+}
+
+// ---- token shards ------------------------------------------------------------------------------------------
+// The train and val shards of a directory (io::token_shard_files: squeeze-tokenize's train_000000.bin, ... or llm.c's
+// names). Training windows are shuffled per epoch by (seed, epoch) and split between the ranks; validation is read in
+// order, whole batches on every rank. Every id is checked against the model's vocabulary on open.
+struct ShardData {
+  std::optional<io::TokenDataset> train, val;
+  std::uint64_t train_tokens = 0, val_tokens = 0;
+};
+
+// `model` names where the vocabulary comes from, for the error.
+inline ShardData open_shards(const std::filesystem::path& dir, int64_t vocab, const std::string& model, int64_t rows, int64_t batch, int64_t T,
+                             uint64_t seed, int64_t rank, int64_t world) {
+  const std::string src = "--data " + dir.string() + ": ";
+  const auto train = io::token_shard_files(dir, "train"), val = io::token_shard_files(dir, "val");
+  if (train.empty() || val.empty()) throw std::runtime_error(src + "needs train_*.bin and val_*.bin token shards (squeeze-tokenize writes them)");
+  ShardData d;
+  try {
+    d.train.emplace(train, io::TokenDatasetOptions{.batch = rows, .seq = T, .vocab = vocab, .shuffle = true, .seed = seed, .rank = rank, .world = world});
+    d.val.emplace(val, io::TokenDatasetOptions{.batch = batch, .seq = T, .vocab = vocab, .shuffle = false});
+  } catch (const Error& e) {
+    throw std::runtime_error(src + e.what());
+  }
+  for (const io::TokenDataset* ds : {&*d.train, &*d.val})
+    for (std::size_t s = 0; s < ds->shard_count(); ++s) {
+      try {
+        ds->shard(s).check_vocab(vocab);  // an id >= vocab: the error names the file, the id and its position
+      } catch (const Error& e) {
+        throw std::runtime_error(src + e.what() + " of the model (" + model + "): tokenize with the model's own tokenizer");
+      }
+      (ds == &*d.train ? d.train_tokens : d.val_tokens) += ds->shard(s).size();
+    }
+  return d;
+}
+
+// Batch `step` of a dataset as (x, y) = (window[:-1], window[1:]), each [B, T] int64.
+inline std::pair<torch::Tensor, torch::Tensor> shard_batch(const io::TokenDataset& d, uint64_t step, torch::Device device) {
+  std::vector<std::int32_t> rows = d.batch(step);
+  const int64_t B = d.options().batch, T = d.options().seq;
+  const torch::Tensor w = torch::from_blob(rows.data(), {B, T + 1}, torch::kInt).to(torch::kLong);
+  return {w.narrow(1, 0, T).to(device), w.narrow(1, 1, T).to(device)};
+}
+
+// n evenly spaced validation batches (fewer if the shards hold fewer), the same ones every evaluation.
+inline std::vector<std::pair<torch::Tensor, torch::Tensor>> shard_val_batches(const io::TokenDataset& d, int64_t n, torch::Device device) {
+  const uint64_t have = d.batches_per_epoch(), take = std::min<uint64_t>(have, uint64_t(n));
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> out;
+  for (uint64_t i = 0; i < take; ++i) out.push_back(shard_batch(d, i * have / take, device));
   return out;
 }
 

@@ -6,7 +6,8 @@
 // Every strategy is a compile-time squeeze::Strategy<...> (see trainer.hpp's for_each_strategy); --strategy
 // picks one of those compiled in. The corpus is Debian's bible-kjv-text, printed verse by verse by the
 // `bible` program of bible-kjv (`apt-get install bible-kjv`); --corpus FILE trains on any text file instead,
-// and without either a small built-in text keeps the example running.
+// and without either a small built-in text keeps the example running. --data DIR trains on token shards in the
+// model's own vocabulary instead of bytes (squeeze-tokenize writes them with a Hugging Face model's tokenizer).
 #include <CLI/CLI.hpp>
 #include <ATen/CPUGeneratorImpl.h>
 
@@ -32,15 +33,18 @@ using squeeze::llama::Trainer;
 using squeeze::llama::Corpus;
 using squeeze::llama::detokenize;
 using squeeze::llama::load_corpus;
+using squeeze::llama::open_shards;
 using squeeze::llama::sample_batch;
+using squeeze::llama::shard_batch;
+using squeeze::llama::shard_val_batches;
 using squeeze::llama::tokenize;
 using squeeze::llama::val_batches;
 
 namespace {
 
 struct Options {
-  std::string preset = "tiny", strategy = "fp32", device = "cpu", corpus, save, load, hf, export_hf, export_peft;
-  int64_t steps = 200, batch = 16, seq = 128, eval_every = 100, eval_batches = 8, log_every = 0, sample = 160, threads = 0;
+  std::string preset = "tiny", strategy = "fp32", device = "cpu", corpus, data, save, load, hf, export_hf, export_peft;
+  int64_t vocab = 0, steps = 200, batch = 16, seq = 128, eval_every = 100, eval_batches = 8, log_every = 0, sample = 160, threads = 0;
   int64_t loss_chunk = llama::TrainOptions{}.loss_chunk_tokens;
   bool fused_loss = false;
   double lr = 3e-3, weight_decay = 0.1, clip = 1.0, val_fraction = 0.05;
@@ -132,25 +136,35 @@ int train(const Options& o) {
   at::globalContext().setFlushDenormal(true);
   if (o.threads > 0) torch::set_num_threads(int(o.threads));
 
-  const Corpus corpus = load_corpus(o.corpus, o.val_fraction);
-  const torch::Tensor train_ids = tokenize(corpus.train), val_ids = tokenize(corpus.val);  // [n] each
-  if (train_ids.size(0) <= o.seq + 1 || val_ids.size(0) <= o.seq + 1)
-    throw std::runtime_error("--seq " + std::to_string(o.seq) + " is longer than the corpus' training or validation text");
-
   // --hf: a Hugging Face LLaMA directory is the starting point (its geometry, RoPE and weights, read in float).
   std::optional<nn::Llama> pretrained;
   if (!o.hf.empty()) pretrained.emplace(nn::load_hf_llama(o.hf, {.dtype = torch::kFloat32}));
   nn::LlamaConfig config = pretrained ? (*pretrained)->config : nn::LlamaConfig::preset(o.preset);
-  if (pretrained && config.vocab < 256)
-    throw std::runtime_error("--hf " + o.hf + ": its vocabulary (" + std::to_string(config.vocab) + ") is smaller than the 256 byte ids this example feeds");
-  llama::TrainOptions topt;
-  topt.lr = o.lr, topt.weight_decay = o.weight_decay, topt.clip = o.clip, topt.loss_chunk_tokens = o.loss_chunk;
-  topt.fused_loss = o.fused_loss;
+  if (o.vocab > 0) config.vocab = o.vocab;
+  const std::string model_name = pretrained ? "--hf " + o.hf : "--preset " + o.preset;
+
   if (o.batch % (int64_t(env.world) * S::accumulation_steps) != 0)
     throw std::runtime_error("--batch " + std::to_string(o.batch) + " must split into " + std::to_string(env.world) + " rank(s) x " +
                              std::to_string(S::accumulation_steps) + " micro-batches");
-  Trainer<S> trainer = pretrained ? Trainer<S>(std::move(*pretrained), topt, device, comm::from_env()) : Trainer<S>(config, topt, device, comm::from_env());
+  // The data: bytes of a text (ids 0-255), or --data's token shards, whose ids must be < the model's vocabulary.
+  Corpus corpus;
+  torch::Tensor train_ids, val_ids;  // [n] each, the byte path
+  llama::ShardData shards;
   const int64_t rows = o.batch / env.world;  // this rank's rows of every batch
+  if (o.data.empty()) {
+    if (config.vocab < 256)
+      throw std::runtime_error(model_name + ": its vocabulary (" + std::to_string(config.vocab) + ") is smaller than the 256 byte ids this example feeds");
+    corpus = load_corpus(o.corpus, o.val_fraction);
+    train_ids = tokenize(corpus.train), val_ids = tokenize(corpus.val);
+    if (train_ids.size(0) <= o.seq + 1 || val_ids.size(0) <= o.seq + 1)
+      throw std::runtime_error("--seq " + std::to_string(o.seq) + " is longer than the corpus' training or validation text");
+  } else {
+    shards = open_shards(o.data, config.vocab, model_name, rows, o.batch, o.seq, o.seed, env.rank, env.world);
+  }
+  llama::TrainOptions topt;
+  topt.lr = o.lr, topt.weight_decay = o.weight_decay, topt.clip = o.clip, topt.loss_chunk_tokens = o.loss_chunk;
+  topt.fused_loss = o.fused_loss;
+  Trainer<S> trainer = pretrained ? Trainer<S>(std::move(*pretrained), topt, device, comm::from_env()) : Trainer<S>(config, topt, device, comm::from_env());
   if (!o.load.empty()) {
     trainer.load(o.load);
     std::cerr << "resumed from " << o.load << " at step " << trainer.step_count() << "\n";
@@ -158,12 +172,17 @@ int train(const Options& o) {
   const double planned_gb = double(llama::plan_for<S>(config, o.batch, o.seq, 1, o.loss_chunk).peak().device) / 1e9;
   int64_t n_params = 0;
   for (const auto& p : trainer.model()->parameters()) n_params += p.numel();
-  std::cerr << "model " << o.preset << " (" << n_params / 1e6 << "M parameters), strategy " << o.strategy << ", device "
-            << device << ", peak lr " << o.lr << "\ncorpus: " << corpus.source << ": " << train_ids.size(0) << " training bytes, " << val_ids.size(0)
-            << " validation bytes\nplanner: " << planned_gb << " GB peak on the device for batch "
-            << o.batch << " x " << o.seq << "\n";
+  std::cerr << "model " << (pretrained ? o.hf : o.preset) << " (" << n_params / 1e6 << "M parameters, vocabulary " << config.vocab
+            << "), strategy " << o.strategy << ", device " << device << ", peak lr " << o.lr << "\n";
+  if (o.data.empty())
+    std::cerr << "corpus: " << corpus.source << ": " << train_ids.size(0) << " training bytes, " << val_ids.size(0) << " validation bytes\n";
+  else
+    std::cerr << "data: " << o.data << ": " << shards.train_tokens << " training tokens in " << shards.train->shard_count() << " shard(s), "
+              << shards.val_tokens << " validation tokens in " << shards.val->shard_count() << " shard(s)\n";
+  std::cerr << "planner: " << planned_gb << " GB peak on the device for batch " << o.batch << " x " << o.seq << "\n";
 
-  const auto val = val_batches(val_ids, o.batch, o.seq, o.eval_batches, device);
+  const auto val = o.data.empty() ? val_batches(val_ids, o.batch, o.seq, o.eval_batches, device)
+                                  : shard_val_batches(*shards.val, o.eval_batches, device);
   const auto report_val = [&](Progress& bar) {
     const double loss = trainer.evaluate(val);
     char s[128];
@@ -182,8 +201,13 @@ int train(const Options& o) {
   double first_loss = NAN, last_loss = NAN, tokens = 0, seconds = 0;
   const int64_t first_step = trainer.step_count();  // its time (allocator warm-up) is left out of tokens/s
   for (int64_t step = trainer.step_count(); step < o.steps; step = trainer.step_count()) {
-    const auto [bx, by] = sample_batch(train_ids, o.batch, o.seq, o.seed, step, device);
-    const torch::Tensor x = bx.narrow(0, env.rank * rows, rows), y = by.narrow(0, env.rank * rows, rows);
+    torch::Tensor x, y;
+    if (o.data.empty()) {
+      const auto [bx, by] = sample_batch(train_ids, o.batch, o.seq, o.seed, step, device);
+      x = bx.narrow(0, env.rank * rows, rows), y = by.narrow(0, env.rank * rows, rows);
+    } else {
+      std::tie(x, y) = shard_batch(*shards.train, uint64_t(step), device);  // this rank's windows of the step
+    }
     trainer.set_lr(lr_at(step, o.steps, o.lr));
     const auto t0 = std::chrono::steady_clock::now();
     const llama::StepResult r = trainer.step(x, y);  // the loss read-back synchronises the device
@@ -210,7 +234,7 @@ int train(const Options& o) {
   std::printf("strategy %s: train loss %.4f -> %.4f, validation perplexity %.3f, %.0f tokens/s, peak memory %.2f GB (planner %.2f GB)\n",
               o.strategy.c_str(), first_loss, last_loss, std::exp(val_loss), seconds > 0 ? tokens / seconds : 0.0, mem.peak_gb,
               planned_gb);
-  if (o.sample > 0) std::printf("sample: %s\n", sample_text(trainer.model(), "And God said", o.sample, o.seq, device, o.seed).c_str());
+  if (o.sample > 0 && o.data.empty()) std::printf("sample: %s\n", sample_text(trainer.model(), "And God said", o.sample, o.seq, device, o.seed).c_str());
   export_results(o, trainer, config, env.rank);
   return 0;
 }
@@ -219,7 +243,7 @@ int train(const Options& o) {
 
 int main(int argc, char** argv) {
   Options o;
-  CLI::App app{"Train a LLaMA on the King James Bible (byte-level) with a squeeze memory strategy"};
+  CLI::App app{"Train a LLaMA on the King James Bible (byte-level) or on token shards (--data) with a squeeze memory strategy"};
   app.add_option("--preset", o.preset, "model size")->check(CLI::IsMember(nn::LlamaConfig::preset_names()))->capture_default_str();
   app.add_option("--strategy", o.strategy, "memory strategy compiled into this program")
       ->check(CLI::IsMember(llama::strategy_names()))
@@ -238,9 +262,16 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t(0), int64_t(1) << 30))
       ->capture_default_str();
   app.add_option("--device", o.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
-  app.add_option("--corpus", o.corpus, "train on this text file instead of the KJV");
-  app.add_option("--hf", o.hf, "start from this Hugging Face LLaMA directory (config.json + safetensors) instead of --preset")
-      ->check(CLI::ExistingDirectory);
+  auto* corpus = app.add_option("--corpus", o.corpus, "train on this text file instead of the KJV");
+  app.add_option("--data", o.data, "train on the token shards in this directory (train_*.bin, val_*.bin: squeeze-tokenize's or llm.c's) "
+                                   "instead of bytes; ids must be below the model's vocabulary")
+      ->check(CLI::ExistingDirectory)
+      ->excludes(corpus);
+  auto* hf = app.add_option("--hf", o.hf, "start from this Hugging Face LLaMA directory (config.json + safetensors) instead of --preset")
+                 ->check(CLI::ExistingDirectory);
+  app.add_option("--vocab", o.vocab, "the preset's vocabulary size (default: its own; tiny: 256 bytes), e.g. the tokenizer's for --data")
+      ->check(CLI::PositiveNumber)
+      ->excludes(hf);
   app.add_option("--export-hf", o.export_hf, "write the trained model here as a Hugging Face LLaMA directory (LoRA merged)");
   app.add_option("--export-peft", o.export_peft, "write a LoRA strategy's adapters here in PEFT's format");
   app.add_option("--save", o.save, "checkpoint directory: a checkpoint at every evaluation and at the end (the newest three kept)");
@@ -248,7 +279,7 @@ int main(int argc, char** argv) {
   app.add_option("--eval-every", o.eval_every, "steps between validation runs (0: only at the end)")->capture_default_str();
   app.add_option("--eval-batches", o.eval_batches, "validation batches per evaluation")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--log-every", o.log_every, "steps between progress lines when not on a terminal (0: ten lines)");
-  app.add_option("--sample", o.sample, "bytes of text to sample at the end (0: none)")->capture_default_str();
+  app.add_option("--sample", o.sample, "bytes of text to sample at the end (0: none; not with --data)")->capture_default_str();
   app.add_option("--threads", o.threads, "CPU threads (0: libtorch's default; 1 is faster on a busy machine)")->capture_default_str();
   app.add_option("--seed", o.seed, "seed of the initial weights and the batches")->capture_default_str();
   CLI11_PARSE(app, argc, argv);

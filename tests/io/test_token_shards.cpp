@@ -1,5 +1,6 @@
 // llm.c token shards: both widths round trip with odd sizes, corrupt headers and truncation named, windows
-// sequential and shuffled (deterministic by seed, a permutation per epoch), ranks disjoint, vocab checks.
+// sequential and shuffled (deterministic by seed, a permutation per epoch), ranks disjoint, vocab checks, and which
+// files of a directory are a split's shards.
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -242,4 +243,18 @@ TEST(TokenDataset, IndexPermutationIsABijection) {
     std::sort(out.begin(), out.end());
     for (std::uint64_t i = 0; i < n; ++i) ASSERT_EQ(out[i], i) << "n = " << n;
   }
+}
+
+TEST(TokenShards, SplitFilesFollowLlmcNaming) {
+  io_test::TempDir dir("names");
+  for (const char* n : {"train_000001.bin", "train_000000.bin", "fineweb_train_000002.bin", "tiny_shakespeare_val.bin", "val_000000.bin",
+                        "trainer_000000.bin", "train_000000.bin.tmp", "retrain.bin", "val.txt"})
+    std::ofstream(dir.path / n) << "x";
+  fs::create_directory(dir.path / "train_dir.bin");
+  std::vector<std::string> train, val;
+  for (const auto& p : io::token_shard_files(dir.path, "train")) train.push_back(p.filename().string());
+  for (const auto& p : io::token_shard_files(dir.path, "val")) val.push_back(p.filename().string());
+  EXPECT_EQ(train, (std::vector<std::string>{"fineweb_train_000002.bin", "train_000000.bin", "train_000001.bin"}));
+  EXPECT_EQ(val, (std::vector<std::string>{"tiny_shakespeare_val.bin", "val_000000.bin"}));
+  expect_error([&] { io::token_shard_files(dir.path / "missing", "train"); }, {"missing", "not a directory"});
 }

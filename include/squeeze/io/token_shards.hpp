@@ -25,6 +25,7 @@
 #include <filesystem>
 #include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -136,6 +137,28 @@ void write_token_shard(const std::filesystem::path& path, std::span<const Int> t
 template <class Int>
 void write_token_shard(const std::filesystem::path& path, const std::vector<Int>& tokens, TokenWidth width) {
   write_token_shard(path, std::span<const Int>(tokens), width);
+}
+
+// The shards of one split in `dir`, sorted by name: the regular *.bin files that have `split` ("train", "val") as one
+// of the '_'-separated words of their name, as llm.c names them (fineweb_train_000001.bin, tiny_shakespeare_val.bin)
+// and squeeze-tokenize writes them (train_000000.bin). A missing directory is an error; no match is an empty list.
+inline std::vector<std::filesystem::path> token_shard_files(const std::filesystem::path& dir, std::string_view split) {
+  check(std::filesystem::is_directory(dir), "token shards: " + dir.string() + " is not a directory");
+  std::vector<std::filesystem::path> out;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    if (!e.is_regular_file() || e.path().extension() != ".bin") continue;
+    const std::string stem = e.path().stem().string();
+    for (std::size_t b = 0; b <= stem.size();) {
+      const std::size_t u = std::min(stem.find('_', b), stem.size());
+      if (std::string_view(stem).substr(b, u - b) == split) {
+        out.push_back(e.path());
+        break;
+      }
+      b = u + 1;
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 // One shard, memory-mapped read-only and validated on open (magic, version, size == header + count tokens).
