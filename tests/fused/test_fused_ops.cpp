@@ -180,7 +180,13 @@ TEST(FusedRope, InPlaceMatchesFloat64ApplyRopeInEveryDtype) {
     torch::Tensor flat = x0.clone().view({B, T, H * D});  // the projection's layout, half tables
     nn::fused_rope_(flat, cos.narrow(1, 0, D / 2).contiguous(), sin.narrow(1, 0, D / 2).contiguous(), D);
     EXPECT_LT(rel(flat.view({B, T, H, D}), ref), tol) << name(dt) << " [B, T, H * D]";
+    const torch::Tensor before = x0.clone();
+    const torch::Tensor copy = nn::fused_rope(x0, cos, sin);  // out of place: same values, x0 untouched
+    EXPECT_TRUE(torch::equal(copy, x)) << name(dt);
+    EXPECT_TRUE(torch::equal(x0, before)) << name(dt);
   }
+  EXPECT_FALSE(nn::can_modify_in_place(torch::randn({2}).requires_grad_(true)));
+  EXPECT_TRUE(nn::can_modify_in_place(torch::randn({2}).requires_grad_(true) * 2));
 }
 
 TEST(FusedRope, BackwardIsTheInverseRotation) {

@@ -3,6 +3,7 @@
 //   fused_rms_norm(x, weight, eps)               -> y                 saves x and r [rows] (fp32)
 //   fused_add_rms_norm(x, residual, weight, eps) -> {x + residual, y} saves the sum and r
 //   fused_rope_(x, cos, sin[, head_dim])         -> x rotated in place (backward: the inverse rotation)
+//   fused_rope(x, cos, sin[, head_dim])          -> the same into a new tensor
 //   fused_swiglu(g, u)                           -> silu(g) * u       saves g and u; silu recomputed in backward
 // x, residual, weight, g, u: float32, bfloat16 or float16 (float64 too: the CPU twins and torch ops take it),
 // contiguous, one dtype and one device per call; statistics and math in fp32 (float64 for float64).
@@ -16,6 +17,7 @@
 
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <string>
 #include <utility>
@@ -269,19 +271,20 @@ inline void rope_apply(const torch::Tensor& out, const torch::Tensor& in, const 
 class RopeFn : public torch::autograd::Function<RopeFn> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
-                               int64_t head_dim) {
-    rope_apply(x, x, cos, sin, head_dim, /*inverse=*/false);
-    ctx->mark_dirty({x});
+                               int64_t head_dim, bool in_place) {
+    torch::Tensor out = in_place ? x : torch::empty_like(x);
+    rope_apply(out, x, cos, sin, head_dim, /*inverse=*/false);
+    if (in_place) ctx->mark_dirty({x});
     ctx->save_for_backward({cos, sin});
     ctx->saved_data["head_dim"] = head_dim;
-    return x;
+    return out;
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grad) {
     const auto s = ctx->get_saved_variables();
     const torch::Tensor dy = grad[0].contiguous();
     torch::Tensor dx = torch::empty_like(dy);
     rope_apply(dx, dy, s[0], s[1], ctx->saved_data["head_dim"].toInt(), /*inverse=*/true);
-    return {dx, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return {dx, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -366,12 +369,17 @@ inline std::pair<torch::Tensor, torch::Tensor> fused_add_rms_norm(const torch::T
   return {out[0], out[1]};
 }
 
-// Rotates x in place and returns it. x: [B, T, H, D], or [B, T, H * D] with head_dim = D; contiguous, not a leaf
-// that requires grad. cos, sin: [>= T, D] (nn::rope_tables) or [>= T, D / 2], floating point (converted to fp32,
-// float64 for a float64 x). Row b * T + t is position t.
-inline torch::Tensor fused_rope_(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin, int64_t head_dim = 0) {
-  const char* op = "fused_rope_";
-  fused_detail::check_operand(op, "x", x, x);
+// True when autograd lets x be modified in place: not a leaf that requires grad, and not a view it forbids writing to
+// (one made by a custom autograd function, in no-grad mode, or by a multi-output op).
+inline bool can_modify_in_place(const torch::Tensor& x) {
+  if (x.is_leaf() && x.requires_grad()) return false;
+  const auto* view = torch::autograd::impl::get_view_autograd_meta(x);
+  return view == nullptr || view->get_creation_meta() == torch::autograd::CreationMeta::DEFAULT;
+}
+
+namespace fused_detail {
+inline torch::Tensor rope(const char* op, torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin, int64_t head_dim, bool in_place) {
+  check_operand(op, "x", x, x);
   TORCH_CHECK(x.dim() == 3 || x.dim() == 4, op, ": x must be [B, T, H, D] or [B, T, H * D] (with head_dim), got ", x.sizes());
   if (x.dim() == 4) {
     TORCH_CHECK(head_dim == 0 || head_dim == x.size(3), op, ": head_dim ", head_dim, " differs from x's last dim ", x.size(3));
@@ -387,8 +395,21 @@ inline torch::Tensor fused_rope_(torch::Tensor x, const torch::Tensor& cos, cons
     TORCH_CHECK(t->device() == x.device(), op, ": cos / sin are on ", t->device(), " but x is on ", x.device(), "; move them with .to(x.device())");
   }
   TORCH_CHECK(cos.sizes() == sin.sizes(), op, ": cos ", cos.sizes(), " and sin ", sin.sizes(), " differ in shape");
-  const auto acc = fused_detail::acc_type(x);
-  return fused_detail::RopeFn::apply(x, cos.to(acc).contiguous(), sin.to(acc).contiguous(), head_dim);
+  const auto acc = acc_type(x);
+  return RopeFn::apply(x, cos.to(acc).contiguous(), sin.to(acc).contiguous(), head_dim, in_place);
+}
+}  // namespace fused_detail
+
+// Rotates x in place and returns it. x: [B, T, H, D], or [B, T, H * D] with head_dim = D; contiguous, not a leaf
+// that requires grad, not a view made by a custom autograd function (torch forbids modifying those in place: use
+// fused_rope). cos, sin: [>= T, D] (nn::rope_tables) or [>= T, D / 2], floating point (converted to fp32, float64
+// for a float64 x). Row b * T + t is position t.
+inline torch::Tensor fused_rope_(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin, int64_t head_dim = 0) {
+  return fused_detail::rope("fused_rope_", std::move(x), cos, sin, head_dim, /*in_place=*/true);
+}
+// The same rotation into a new tensor (x unchanged).
+inline torch::Tensor fused_rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, int64_t head_dim = 0) {
+  return fused_detail::rope("fused_rope", x, cos, sin, head_dim, /*in_place=*/false);
 }
 
 // silu(g) * u, elementwise. g, u: one shape.

@@ -148,9 +148,13 @@ struct AttentionImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {  // x: [B, T, h]
     const int64_t B = x.size(0), T = x.size(1);
     torch::Tensor qh, kh;
-    if (fused) {  // rotated in place in the projections' [B, T, H * D] layout
-      qh = fused_rope_(forward_linear(*this, "q", x).contiguous(), cos, sin, head_dim).view({B, T, heads, head_dim}).transpose(1, 2);
-      kh = fused_rope_(forward_linear(*this, "k", x).contiguous(), cos, sin, head_dim).view({B, T, kv_heads, head_dim}).transpose(1, 2);
+    if (fused) {  // rotated in the projections' [B, T, H * D] layout: in place unless autograd forbids it (QuantizedLinear's view)
+      const auto rope = [&](const torch::Tensor& p) {
+        const torch::Tensor c = p.contiguous();
+        return can_modify_in_place(c) ? fused_rope_(c, cos, sin, head_dim) : fused_rope(c, cos, sin, head_dim);
+      };
+      qh = rope(forward_linear(*this, "q", x)).view({B, T, heads, head_dim}).transpose(1, 2);     // [B, H, T, D]
+      kh = rope(forward_linear(*this, "k", x)).view({B, T, kv_heads, head_dim}).transpose(1, 2);  // [B, Hkv, T, D]
     } else {
       qh = apply_rope(forward_linear(*this, "q", x).view({B, T, heads, head_dim}).transpose(1, 2), cos, sin);     // [B, H, T, D]
       kh = apply_rope(forward_linear(*this, "k", x).view({B, T, kv_heads, head_dim}).transpose(1, 2), cos, sin);  // [B, Hkv, T, D]
