@@ -276,6 +276,7 @@ TEST(LlamaLoss, RejectsABadChunkSize) {
 TEST(LlamaPlanner, ActivationsAreWhatAutogradKeeps) {
   LlamaConfig c = small_config();
   c.hidden = 64, c.heads = 4, c.kv_heads = 2, c.ffn = 160, c.layers = 3;
+  c.fused_kernels = false;  // the planner models the unfused ops (the fused ones keep less: plan/memory.hpp)
   const int64_t B = 4, T = 64;
   torch::manual_seed(15);
   squeeze::nn::Llama model(c);
@@ -306,6 +307,7 @@ TEST(LlamaPlanner, FrozenBaseActivationsAreWhatAutogradKeeps) {
   using S = squeeze::Strategy<squeeze::LoRA<8, 16>>;
   LlamaConfig c = small_config();
   c.hidden = 64, c.heads = 4, c.kv_heads = 2, c.ffn = 160, c.layers = 3;
+  c.fused_kernels = false;  // the planner models the unfused ops (the fused ones keep less: plan/memory.hpp)
   const int64_t B = 4, T = 64;
   torch::manual_seed(16);
   squeeze::nn::Llama model(c);
@@ -331,6 +333,7 @@ TEST(LlamaPlanner, FrozenBaseActivationsAreWhatAutogradKeeps) {
 TEST(LlamaPlanner, ChunkedLossPeakIsThePlanners) {
   LlamaConfig c = small_config();
   c.hidden = 64, c.heads = 4, c.kv_heads = 2, c.ffn = 160, c.layers = 3;
+  c.fused_kernels = false;  // the planner models the unfused ops (the fused ones keep less: plan/memory.hpp)
   const int64_t B = 4, T = 64;
   torch::manual_seed(17);
   squeeze::nn::Llama model(c);

@@ -12,6 +12,9 @@
 // Block projections are called by name (forward_linear), so apply_lora can swap in LoRA / NF4 layers.
 // The loss runs the head + fp32 cross-entropy over chunks of loss_chunk_tokens tokens, each recomputed in
 // backward (checkpoint_chunked_sum), so one chunk's logits exist at a time; see LlamaImpl::loss.
+// LlamaConfig::fused_kernels (default on) runs RMSNorm, residual add + RMSNorm, RoPE (in place on the q / k
+// projections) and SwiGLU through the fused autograd functions of fused_ops.hpp (CUDA kernels in nvcc TUs, the
+// CPU twins on the CPU); off, the same math in plain torch ops (the reference the fused path is tested against).
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
@@ -22,6 +25,7 @@
 
 #include "../io/rope.hpp"
 #include "fused_linear_cross_entropy.hpp"
+#include "fused_ops.hpp"
 #include "../plan/memory.hpp"
 #include "../plan/model_shape.hpp"
 #include "activation_checkpoint.hpp"
@@ -45,6 +49,8 @@ struct LlamaConfig {
   int64_t explicit_head_dim = 0;
   // The LM head reads the embedding's weight: one parameter (embed.weight), no head module.
   bool tie_embeddings = false;
+  // RMSNorm, add + RMSNorm, RoPE and SwiGLU through fused_ops.hpp; false: unfused torch ops (for comparison).
+  bool fused_kernels = true;
 
   int64_t head_dim() const { return explicit_head_dim != 0 ? explicit_head_dim : hidden / heads; }
 
@@ -82,12 +88,18 @@ struct LlamaConfig {
   }
 };
 
-// y = x / rms(x) * g, statistics in float.
+// y = x / rms(x) * g, statistics in float. fused: fused_rms_norm when x has the weight's dtype (not under autocast,
+// where activations and weights differ) and is contiguous.
 struct RMSNormImpl : torch::nn::Module, train::KeptWhole {
   torch::Tensor weight;  // [h]
   double eps;
-  RMSNormImpl(int64_t hidden, double eps_) : eps(eps_) { weight = register_parameter("weight", torch::ones({hidden})); }
+  bool fused;
+  RMSNormImpl(int64_t hidden, double eps_, bool fused_ = false) : eps(eps_), fused(fused_) {
+    weight = register_parameter("weight", torch::ones({hidden}));
+  }
+  bool can_fuse(const torch::Tensor& x) const { return fused && x.scalar_type() == weight.scalar_type() && x.is_contiguous(); }
   torch::Tensor forward(const torch::Tensor& x) {  // x: [..., h]
+    if (can_fuse(x)) return fused_rms_norm(x, weight, eps);
     const torch::Tensor xf = x.to(torch::kFloat32);
     const torch::Tensor y = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
     return y.to(weight.scalar_type()) * weight;
@@ -124,8 +136,9 @@ inline torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos
 
 struct AttentionImpl : torch::nn::Module {
   int64_t heads, kv_heads, head_dim;
+  bool fused;  // RoPE in place on the q / k projections (fused_rope_) before the head transpose
   Linear q{nullptr}, k{nullptr}, v{nullptr}, o{nullptr};
-  explicit AttentionImpl(const LlamaConfig& c) : heads(c.heads), kv_heads(c.kv_heads), head_dim(c.head_dim()) {
+  explicit AttentionImpl(const LlamaConfig& c) : heads(c.heads), kv_heads(c.kv_heads), head_dim(c.head_dim()), fused(c.fused_kernels) {
     const auto lin = [](int64_t in, int64_t out) { return Linear(torch::nn::LinearOptions(in, out).bias(false)); };
     q = register_module("q", lin(c.hidden, heads * head_dim));
     k = register_module("k", lin(c.hidden, kv_heads * head_dim));
@@ -134,11 +147,19 @@ struct AttentionImpl : torch::nn::Module {
   }
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {  // x: [B, T, h]
     const int64_t B = x.size(0), T = x.size(1);
-    torch::Tensor qh = forward_linear(*this, "q", x).view({B, T, heads, head_dim}).transpose(1, 2);     // [B, H, T, D]
-    torch::Tensor kh = forward_linear(*this, "k", x).view({B, T, kv_heads, head_dim}).transpose(1, 2);  // [B, Hkv, T, D]
+    torch::Tensor qh, kh;
+    if (fused) {  // rotated in the projections' [B, T, H * D] layout: in place unless autograd forbids it (QuantizedLinear's view)
+      const auto rope = [&](const torch::Tensor& p) {
+        const torch::Tensor c = p.contiguous();
+        return can_modify_in_place(c) ? fused_rope_(c, cos, sin, head_dim) : fused_rope(c, cos, sin, head_dim);
+      };
+      qh = rope(forward_linear(*this, "q", x)).view({B, T, heads, head_dim}).transpose(1, 2);     // [B, H, T, D]
+      kh = rope(forward_linear(*this, "k", x)).view({B, T, kv_heads, head_dim}).transpose(1, 2);  // [B, Hkv, T, D]
+    } else {
+      qh = apply_rope(forward_linear(*this, "q", x).view({B, T, heads, head_dim}).transpose(1, 2), cos, sin);     // [B, H, T, D]
+      kh = apply_rope(forward_linear(*this, "k", x).view({B, T, kv_heads, head_dim}).transpose(1, 2), cos, sin);  // [B, Hkv, T, D]
+    }
     torch::Tensor vh = forward_linear(*this, "v", x).view({B, T, kv_heads, head_dim}).transpose(1, 2);  // [B, Hkv, T, D]
-    qh = apply_rope(qh, cos, sin);
-    kh = apply_rope(kh, cos, sin);
     // Grouped-query attention: the fused flash kernel reads shared K/V heads directly (enable_gqa) for
     // half/bf16 on CUDA; other backends (float, CPU) take K/V repeated to H heads, which they all accept.
     const bool fused_gqa = qh.is_cuda() && qh.scalar_type() != torch::kFloat32;
@@ -154,17 +175,21 @@ struct AttentionImpl : torch::nn::Module {
 };
 TORCH_MODULE(Attention);
 
-// SwiGLU: down(silu(gate(x)) * up(x)).
+// SwiGLU: down(silu(gate(x)) * up(x)); fused: silu(g) * u by fused_swiglu (saves g and u only).
 struct MlpImpl : torch::nn::Module {
   Linear gate{nullptr}, up{nullptr}, down{nullptr};
-  explicit MlpImpl(const LlamaConfig& c) {
+  bool fused;
+  explicit MlpImpl(const LlamaConfig& c) : fused(c.fused_kernels) {
     const auto lin = [](int64_t in, int64_t out) { return Linear(torch::nn::LinearOptions(in, out).bias(false)); };
     gate = register_module("gate", lin(c.hidden, c.ffn));
     up = register_module("up", lin(c.hidden, c.ffn));
     down = register_module("down", lin(c.ffn, c.hidden));
   }
   torch::Tensor forward(const torch::Tensor& x) {  // [B, T, h] -> [B, T, h]
-    return forward_linear(*this, "down", torch::silu(forward_linear(*this, "gate", x)) * forward_linear(*this, "up", x));
+    const torch::Tensor g = forward_linear(*this, "gate", x), u = forward_linear(*this, "up", x);  // [B, T, ffn]
+    if (fused && g.scalar_type() == u.scalar_type() && g.is_contiguous() && u.is_contiguous())
+      return forward_linear(*this, "down", fused_swiglu(g, u));
+    return forward_linear(*this, "down", torch::silu(g) * u);
   }
 };
 TORCH_MODULE(Mlp);
@@ -174,13 +199,18 @@ struct BlockImpl : torch::nn::Module {
   Attention attn{nullptr};
   Mlp mlp{nullptr};
   explicit BlockImpl(const LlamaConfig& c) {
-    attn_norm = register_module("attn_norm", RMSNorm(c.hidden, c.norm_eps));
+    attn_norm = register_module("attn_norm", RMSNorm(c.hidden, c.norm_eps, c.fused_kernels));
     attn = register_module("attn", Attention(c));
-    mlp_norm = register_module("mlp_norm", RMSNorm(c.hidden, c.norm_eps));
+    mlp_norm = register_module("mlp_norm", RMSNorm(c.hidden, c.norm_eps, c.fused_kernels));
     mlp = register_module("mlp", Mlp(c));
   }
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {  // [B, T, h]
-    const torch::Tensor h = x + attn(attn_norm(x), cos, sin);
+    const torch::Tensor a = attn(attn_norm(x), cos, sin);
+    if (mlp_norm->can_fuse(x) && a.scalar_type() == x.scalar_type() && a.is_contiguous()) {  // the residual add inside the norm
+      const auto [h, n] = fused_add_rms_norm(x, a, mlp_norm->weight, mlp_norm->eps);
+      return h + mlp(n);
+    }
+    const torch::Tensor h = x + a;
     return h + mlp(mlp_norm(h));
   }
 };
@@ -205,7 +235,7 @@ struct LlamaImpl : torch::nn::Module, Recomputable {
     config.validate();
     embed = register_module("embed", Embedding(config.vocab, config.hidden));
     for (int64_t i = 0; i < config.layers; ++i) blocks.push_back(register_module("block" + std::to_string(i), Block(config)));
-    norm = register_module("norm", RMSNorm(config.hidden, config.norm_eps));
+    norm = register_module("norm", RMSNorm(config.hidden, config.norm_eps, config.fused_kernels));
     if (!config.tie_embeddings)
       head = register_module("head", Linear(torch::nn::LinearOptions(config.hidden, config.vocab).bias(false)));
     reset_parameters();

@@ -113,7 +113,10 @@ constexpr i64 lora_block_params(const ModelShape& m) {
 inline constexpr unsigned kAllLinears = 0x7Fu;
 
 // Activation bytes on one rank at the start of backward (training), or the working set (inference), for
-// squeeze::nn::Llama on a GPU (fused attention: flash for 16-bit compute, memory-efficient for fp32). Per
+// squeeze::nn::Llama with LlamaConfig::fused_kernels = false, on a GPU (fused attention: flash for 16-bit compute,
+// memory-efficient for fp32). The fused RMSNorm / RoPE / SwiGLU (the default) keep less (no fp32 copy or pre-gain
+// value per norm, silu(gate) not kept; 3.47 MB against these terms' 4.41 MB on tests/llama's planner model), so for
+// the default model this is an upper bound until the planner has a fused term. Per
 // block and token, what autograd keeps (p_c: compute bytes):
 //   each RMSNorm   its input in fp32 (the statistics are computed in float: a copy for 16-bit compute, the
 //                  input itself for fp32) = 4h bytes, its reciprocal RMS (4 bytes), the normalised value

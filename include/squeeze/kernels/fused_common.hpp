@@ -1,0 +1,83 @@
+#pragma once
+// Shared pieces of the fused LLaMA kernels (rms_norm, rope, swiglu): the accumulation type of a storage type,
+// loads and stores through it, and the row-parallel CPU loop. Plain C++ (SQUEEZE_HD: host and device).
+//   storage T  : float, squeeze::half, squeeze::bf16 (the GPU kernels' types) and double (CPU twins only: the
+//                float64 instance is what the finite-difference tests check)
+//   acc_t<T>   : float for float / half / bf16 (fp32 math), double for double
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "squeeze/dtype.hpp"
+#include "squeeze/error.hpp"
+#include "squeeze/kernels/cpu_parallel.hpp"
+
+namespace squeeze::kernels {
+
+template <class T>
+concept FusedElement = FloatingElement<T> || std::is_same_v<T, double>;
+
+template <FusedElement T>
+using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+template <class T>
+SQUEEZE_HD acc_t<T> load_acc(const T& x) {
+  if constexpr (std::is_same_v<T, double> || std::is_same_v<T, float>) return x;
+  else return to_float(x);
+}
+template <class T>
+SQUEEZE_HD T store_acc(acc_t<T> v) {
+  if constexpr (std::is_same_v<T, double> || std::is_same_v<T, float>) return v;
+  else return from_float<T>(v);
+}
+// Rounds v to T's precision and back (what a value stored as T and read again is).
+template <class T>
+SQUEEZE_HD acc_t<T> round_acc(acc_t<T> v) { return load_acc<T>(store_acc<T>(v)); }
+
+SQUEEZE_HD float acc_sqrt(float x) { return sqrtf(x); }
+SQUEEZE_HD double acc_sqrt(double x) { return sqrt(x); }
+SQUEEZE_HD float acc_exp(float x) { return expf(x); }
+SQUEEZE_HD double acc_exp(double x) { return exp(x); }
+
+template <FusedElement T>
+constexpr const char* fused_dtype_name() {
+  if constexpr (std::is_same_v<T, double>) return "double";
+  else return dtype_name<T>().data();
+}
+
+namespace cpu {
+
+// Threads for `rows` rows of `per_row` elements: 1 below kSerialBelow elements in all, else up to max_threads().
+inline int row_threads(std::int64_t rows, std::int64_t per_row) {
+  if (rows <= 1 || rows * per_row < kSerialBelow) return 1;
+  return int(std::min<std::int64_t>(max_threads(), rows));
+}
+
+// Calls fn(t, r0, r1) for t in [0, row_threads(rows, per_row)), contiguous row ranges covering [0, rows) once.
+template <class Fn>
+void parallel_rows(std::int64_t rows, std::int64_t per_row, Fn&& fn) {
+  if (rows <= 0) return;
+  const int threads = row_threads(rows, per_row);
+  auto range = [&](int t) {
+    const std::int64_t per = rows / threads, extra = rows % threads;
+    const std::int64_t r0 = t * per + std::min<std::int64_t>(t, extra);
+    fn(t, r0, r0 + per + (t < extra ? 1 : 0));
+  };
+  if (threads == 1) return range(0);
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+  for (int t = 0; t < threads; ++t) range(t);
+#else
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(range, t);
+  range(0);
+  for (auto& th : pool) th.join();
+#endif
+}
+
+}  // namespace cpu
+}  // namespace squeeze::kernels
