@@ -304,7 +304,8 @@ inline Llama load_weights(const std::string& root, LlamaConfig config, torch::De
 template <StrategyType S>
 plan::MemoryPlan plan_for(const LlamaConfig& c, int64_t batch, int64_t seq, int world = 1,
                           int64_t loss_chunk_tokens = plan::kDefaultLossChunkTokens) {
-  return plan::plan_memory<S>(c.shape(), {batch / S::accumulation_steps, seq, Trainer<S>::frees_gradients, loss_chunk_tokens}, world);
+  return plan::plan_memory<S>(c.shape(), {batch / S::accumulation_steps, seq, Trainer<S>::frees_gradients, loss_chunk_tokens, c.fused_kernels},
+                              world);
 }
 
 }  // namespace squeeze::llama

@@ -274,30 +274,35 @@ TEST(LlamaLoss, RejectsABadChunkSize) {
 // keeps one log-sum-exp per head), so the bytes alive after forward are the planner's activations minus the
 // loss's backward transient (2 of its 3·V·4 bytes per token: the gradients backward has not made yet).
 TEST(LlamaPlanner, ActivationsAreWhatAutogradKeeps) {
-  LlamaConfig c = small_config();
-  c.hidden = 64, c.heads = 4, c.kv_heads = 2, c.ffn = 160, c.layers = 3;
-  c.fused_kernels = false;  // the planner models the unfused ops (the fused ones keep less: plan/memory.hpp)
-  const int64_t B = 4, T = 64;
-  torch::manual_seed(15);
-  squeeze::nn::Llama model(c);
-  model->train();
-  const torch::Tensor x = torch::randint(0, c.vocab, {B, T}, torch::kLong), y = torch::randint(0, c.vocab, {B, T}, torch::kLong);
-  for (int64_t every : {0, 1, 3}) {
-    model->checkpoint_every = every;
-    squeeze::test::MemoryMeter meter;
-    torch::Tensor loss = model->loss(x, y);
-    const int64_t held = meter.live_bytes();  // the graph's saved tensors (+ the scalar loss)
-    const int64_t tokens = B * T, logsoftmax = tokens * c.vocab * 4;
-    // Checkpointed: the segments' inputs, the final norm and the log-softmax (the planner adds the larger of
-    // the loss's transient and one recomputed segment, neither of which exists yet).
-    const int64_t final_norm = tokens * (4 * c.hidden + 4 + 2 * c.hidden * 4);
-    const int64_t planned = every == 0 ? squeeze::plan::activation_bytes(c.shape(), {B, T}, 4, 0, true) - 2 * logsoftmax
-                                       : (c.layers + every - 1) / every * tokens * c.hidden * 4 + final_norm + logsoftmax;
-    // Slack: RoPE's cos/sin tables ([T, D] each, kept by the products), per-checkpoint RNG state (~5 kB).
-    EXPECT_NEAR(double(held), double(planned), 0.02 * double(planned) + 16384.0) << "checkpoint every " << every;
-    std::cout << "every " << every << ": held " << held << " bytes, planned " << planned << "\n";
-    loss.backward();
-    model->zero_grad();
+  for (const bool fused : {false, true}) {
+    LlamaConfig c = small_config();
+    c.hidden = 64, c.heads = 4, c.kv_heads = 2, c.ffn = 160, c.layers = 3;
+    c.fused_kernels = fused;  // the planner's TrainShape::fused_kernels says which ops the model runs
+    const int64_t B = 4, T = 64;
+    torch::manual_seed(15);
+    squeeze::nn::Llama model(c);
+    model->train();
+    const torch::Tensor x = torch::randint(0, c.vocab, {B, T}, torch::kLong), y = torch::randint(0, c.vocab, {B, T}, torch::kLong);
+    squeeze::plan::TrainShape shape{B, T};
+    shape.fused_kernels = fused;
+    for (int64_t every : {0, 1, 3}) {
+      model->checkpoint_every = every;
+      squeeze::test::MemoryMeter meter;
+      torch::Tensor loss = model->loss(x, y);
+      const int64_t held = meter.live_bytes();  // the graph's saved tensors (+ the scalar loss)
+      const int64_t tokens = B * T, logsoftmax = tokens * c.vocab * 4;
+      // Checkpointed: the segments' inputs, the final norm and the log-softmax (the planner adds the larger of
+      // the loss's transient and one recomputed segment, neither of which exists yet). fp32: the norm keeps its
+      // input and reciprocal RMS, its output, and unfused the value before the gain.
+      const int64_t final_norm = tokens * (4 * c.hidden + 4 + (fused ? 1 : 2) * c.hidden * 4);
+      const int64_t planned = every == 0 ? squeeze::plan::activation_bytes(c.shape(), shape, 4, 0, true) - 2 * logsoftmax
+                                         : (c.layers + every - 1) / every * tokens * c.hidden * 4 + final_norm + logsoftmax;
+      // Slack: RoPE's cos/sin tables ([T, D] each, kept by the products), per-checkpoint RNG state (~5 kB).
+      EXPECT_NEAR(double(held), double(planned), 0.02 * double(planned) + 16384.0) << "checkpoint every " << every << " fused " << fused;
+      std::cout << "fused " << fused << " every " << every << ": held " << held << " bytes, planned " << planned << "\n";
+      loss.backward();
+      model->zero_grad();
+    }
   }
 }
 
@@ -305,25 +310,29 @@ TEST(LlamaPlanner, ActivationsAreWhatAutogradKeeps) {
 // frozen-base terms say is kept.
 TEST(LlamaPlanner, FrozenBaseActivationsAreWhatAutogradKeeps) {
   using S = squeeze::Strategy<squeeze::LoRA<8, 16>>;
-  LlamaConfig c = small_config();
-  c.hidden = 64, c.heads = 4, c.kv_heads = 2, c.ffn = 160, c.layers = 3;
-  c.fused_kernels = false;  // the planner models the unfused ops (the fused ones keep less: plan/memory.hpp)
-  const int64_t B = 4, T = 64;
-  torch::manual_seed(16);
-  squeeze::nn::Llama model(c);
-  squeeze::nn::apply_lora<S>(*model);
-  model->train();
-  const torch::Tensor x = torch::randint(0, c.vocab, {B, T}, torch::kLong), y = torch::randint(0, c.vocab, {B, T}, torch::kLong);
-  squeeze::test::MemoryMeter meter;
-  torch::Tensor loss = model->loss(x, y);
-  const int64_t held = meter.live_bytes();
-  const auto plan = squeeze::plan::plan_memory<S>(c.shape(), {B, T}, 1);
-  const int64_t planned = plan.activations.device - 2 * B * T * c.vocab * 4;
-  EXPECT_NEAR(double(held), double(planned), 0.02 * double(planned) + 16384.0);
-  EXPECT_LT(planned, squeeze::plan::activation_bytes(c.shape(), {B, T}, 4, 0, true) - 2 * B * T * c.vocab * 4)
-      << "a frozen base keeps less than full training";
-  std::cout << "frozen base: held " << held << " bytes, planned " << planned << "\n";
-  loss.backward();
+  for (const bool fused : {false, true}) {
+    LlamaConfig c = small_config();
+    c.hidden = 64, c.heads = 4, c.kv_heads = 2, c.ffn = 160, c.layers = 3;
+    c.fused_kernels = fused;
+    const int64_t B = 4, T = 64;
+    torch::manual_seed(16);
+    squeeze::nn::Llama model(c);
+    squeeze::nn::apply_lora<S>(*model);
+    model->train();
+    const torch::Tensor x = torch::randint(0, c.vocab, {B, T}, torch::kLong), y = torch::randint(0, c.vocab, {B, T}, torch::kLong);
+    squeeze::test::MemoryMeter meter;
+    torch::Tensor loss = model->loss(x, y);
+    const int64_t held = meter.live_bytes();
+    squeeze::plan::TrainShape shape{B, T};
+    shape.fused_kernels = fused;
+    const auto plan = squeeze::plan::plan_memory<S>(c.shape(), shape, 1);
+    const int64_t planned = plan.activations.device - 2 * B * T * c.vocab * 4;
+    EXPECT_NEAR(double(held), double(planned), 0.02 * double(planned) + 16384.0) << "fused " << fused;
+    EXPECT_LT(planned, squeeze::plan::activation_bytes(c.shape(), shape, 4, 0, true) - 2 * B * T * c.vocab * 4)
+        << "a frozen base keeps less than full training";
+    std::cout << "fused " << fused << " frozen base: held " << held << " bytes, planned " << planned << "\n";
+    loss.backward();
+  }
 }
 
 // The high-water mark of forward + backward (fp32, CPU: the GPU's fp32 attention path) against the planner's
@@ -333,7 +342,7 @@ TEST(LlamaPlanner, FrozenBaseActivationsAreWhatAutogradKeeps) {
 TEST(LlamaPlanner, ChunkedLossPeakIsThePlanners) {
   LlamaConfig c = small_config();
   c.hidden = 64, c.heads = 4, c.kv_heads = 2, c.ffn = 160, c.layers = 3;
-  c.fused_kernels = false;  // the planner models the unfused ops (the fused ones keep less: plan/memory.hpp)
+  c.fused_kernels = false;  // the unfused model (TrainShape::fused_kernels below); the first test covers both
   const int64_t B = 4, T = 64;
   torch::manual_seed(17);
   squeeze::nn::Llama model(c);
@@ -350,7 +359,7 @@ TEST(LlamaPlanner, ChunkedLossPeakIsThePlanners) {
       const int64_t held = meter.live_bytes();
       loss.backward();
       const int64_t peak = meter.peak_bytes();
-      const squeeze::plan::TrainShape shape{B, T, true, chunk};
+      const squeeze::plan::TrainShape shape{B, T, true, chunk, false};
       const int64_t planned = squeeze::plan::activation_bytes(c.shape(), shape, 4, every, true);
       const int64_t loss_term = squeeze::plan::loss_bytes(c.shape(), B * T, 4, chunk, true);
       std::cout << "every " << every << " chunk " << chunk << ": held " << held << " peak " << peak << " planned " << planned
