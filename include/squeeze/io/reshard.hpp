@@ -40,6 +40,7 @@ struct FlatLayoutEntry {
   std::vector<std::int64_t> shape;
   std::int64_t offset = 0;  // elements into the flat buffer
   std::int64_t numel = 0;
+  int group = -1;           // the trainer's parameter group (8-bit state blocks start at each group's run); -1: not recorded
 };
 
 struct FlatLayout {
@@ -117,7 +118,10 @@ inline nlohmann::json flat_layouts_to_json(const std::vector<FlatLayout>& ls) {
   nlohmann::json a = nlohmann::json::array();
   for (const auto& l : ls) {
     nlohmann::json es = nlohmann::json::array();
-    for (const auto& e : l.entries) es.push_back({{"name", e.name}, {"shape", e.shape}, {"offset", e.offset}});
+    for (const auto& e : l.entries) {
+      es.push_back({{"name", e.name}, {"shape", e.shape}, {"offset", e.offset}});
+      if (e.group >= 0) es.back()["group"] = e.group;
+    }
     a.push_back({{"key", l.key}, {"align", l.align}, {"entries", es}});
   }
   return a;
@@ -149,6 +153,7 @@ inline std::vector<FlatLayout> flat_layouts_from_json(const nlohmann::json& j, c
         fe.shape.push_back(d.get<std::int64_t>());
         fe.numel *= fe.shape.back();
       }
+      if (e.contains("group")) fe.group = int(detail::int_field(e, "group", src + ", '" + fe.name + "'"));
       l.entries.push_back(std::move(fe));
     }
     l.validate();

@@ -24,15 +24,18 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "../io/checkpoint_store.hpp"
 #include "../io/reshard.hpp"
 #include "../io/sha256.hpp"
+#include "../kernels/adamw8.hpp"
 #include "../policy/strategy_name.hpp"
 #include "collectives.hpp"
 #include "io_dtypes.hpp"
+#include "offload.hpp"
 
 namespace squeeze {
 
@@ -152,8 +155,84 @@ inline io::CheckpointReader open_checkpoint(const std::filesystem::path& root, c
 template <class TrainerT>
 std::vector<io::FlatLayout> layouts_of(const std::vector<typename TrainerT::PartitionBuffers>& parts) {
   std::vector<io::FlatLayout> out;
-  for (const auto& p : parts) out.push_back(io::flat_layout_of(p.key, *p.layout, p.align));
+  for (const auto& p : parts) {
+    out.push_back(io::flat_layout_of(p.key, *p.layout, p.align));
+    for (std::size_t k = 0; k < p.groups.size(); ++k) out.back().entries[k].group = p.groups[k];
+  }
   return out;
+}
+
+// 8-bit moments across a change of world or layout (load_checkpoint): each target value is decoded from its saved
+// code and the absmax of the block it was saved in, then encoded again over the target's blocks. Bit for bit where
+// a block keeps its elements; elsewhere a value moves by at most half a code step of its new block.
+template <class PB>
+void load_8bit_moments_resharded(const io::CheckpointReader& r, const io::ReshardPlan& plan, std::size_t i, const PB& p, int world, int rank) {
+  const io::FlatLayout& tl = plan.to[i];
+  const int64_t shard = tl.shard(world);
+  const int64_t n = p.whole ? int64_t(world) * shard : shard;  // the target buffer: whole (stage 0) or this rank's shard
+  const auto group = [](const io::FlatLayoutEntry& e) { return e.group; };
+  const std::vector<Segment> target = state_segments(tl.entries, tl.padded(world), p.whole ? 0 : int64_t(rank) * shard, n, group);
+  const int64_t blocks = target.empty() ? 0 : target.back().block + kernels::state_blocks(target.back().len);
+  for (const std::string b : {"m", "v"}) {
+    const kernels::StateCodeMap& map = b == "m" ? kernels::signed_state_map() : kernels::unsigned_state_map();
+    // A saved partition's block scales and block cut per saved rank (whole: rank 0's cover the whole buffer).
+    struct Saved {
+      std::vector<float> absmax;
+      std::vector<Segment> segments;
+      int64_t first = 0;  // the saved rank's first element in the buffer the segments cut
+    };
+    std::map<std::pair<int, int>, Saved> saved;
+    auto saved_of = [&](int sp, int sr) -> const Saved& {
+      auto it = saved.find({sp, sr});
+      if (it != saved.end()) return it->second;
+      const io::FlatLayout& fl = plan.from[std::size_t(sp)];
+      const int64_t src_shard = fl.shard(plan.from_world);
+      const std::string scales = io::shard_tensor_name(fl.key, b + "_absmax");
+      const bool whole = plan.from_world > 1 && !r.rank_file(1).contains(scales);
+      Saved v;
+      v.absmax = r.read_rank_as<float>(whole ? 0 : sr, scales, io::DType::F32);
+      v.first = whole ? int64_t(sr) * src_shard : 0;
+      v.segments = whole ? state_segments(fl.entries, fl.padded(plan.from_world), 0, fl.padded(plan.from_world), group)
+                         : state_segments(fl.entries, fl.padded(plan.from_world), int64_t(sr) * src_shard, src_shard, group);
+      return saved.emplace(std::make_pair(sp, sr), std::move(v)).first->second;
+    };
+    std::vector<float> values(static_cast<std::size_t>(n), 0.0f);  // gaps stay 0
+    std::vector<std::uint8_t> codes;
+    for (int tr = p.whole ? 0 : rank; tr < (p.whole ? world : rank + 1); ++tr)
+      for (const io::CopySegment& c : plan.at(i, tr).segments) {
+        if (c.zero_fill()) continue;
+        const Saved& sv = saved_of(c.src_partition, c.src_rank);
+        codes.resize(std::size_t(c.count));
+        r.read_rank_range(c.src_rank, io::shard_tensor_name(plan.from[std::size_t(c.src_partition)].key, b), uint64_t(c.src_offset),
+                          std::as_writable_bytes(std::span(codes)));
+        float* out = values.data() + (p.whole ? int64_t(tr) * shard : 0) + c.dst_offset;
+        std::size_t seg = 0;
+        for (int64_t k = 0; k < c.count; ++k) {
+          const int64_t e = sv.first + c.src_offset + k;  // the element in the saved rank's segments' coordinates
+          while (seg + 1 < sv.segments.size() && e >= sv.segments[seg].begin + sv.segments[seg].len) ++seg;
+          const Segment& sg = sv.segments[seg];
+          const int64_t block = sg.block + (e - sg.begin) / kernels::kStateBlock;
+          TORCH_CHECK(e >= sg.begin && block < int64_t(sv.absmax.size()), "load_checkpoint: 8-bit moment '", b, "' of partition '",
+                      plan.from[std::size_t(c.src_partition)].key, "' has no block scale for element ", e, " (a damaged index?)");
+          out[k] = map.value[codes[std::size_t(k)]] * sv.absmax[std::size_t(block)];
+        }
+      }
+    std::vector<std::uint8_t> new_codes(static_cast<std::size_t>(n));
+    std::vector<float> new_absmax(static_cast<std::size_t>(blocks));
+    for (const Segment& sg : target)
+      kernels::quantize_blockwise(map, values.data() + sg.begin, sg.len, new_codes.data() + sg.begin, new_absmax.data() + sg.block);
+    const auto find = [&](const auto& list, const std::string& name) {
+      for (const auto& [k, t] : list)
+        if (k == name) return t;
+      TORCH_CHECK(false, "load_checkpoint: the trainer has no 8-bit buffer '", name, "'");
+      return torch::Tensor();
+    };
+    const torch::Tensor dst = find(p.elementwise, b), dst_scales = find(p.blockwise, b + "_absmax");
+    TORCH_CHECK(dst.numel() == n && dst_scales.numel() == blocks, "load_checkpoint: partition '", tl.key, "': the trainer's 8-bit '", b,
+                "' holds ", dst.numel(), " codes and ", dst_scales.numel(), " block scales; its layout cuts ", n, " and ", blocks);
+    dst.copy_(torch::from_blob(new_codes.data(), {n}, torch::kUInt8));
+    dst_scales.copy_(torch::from_blob(new_absmax.data(), {blocks}, torch::kFloat32));
+  }
 }
 
 }  // namespace train::detail
@@ -263,11 +342,24 @@ nlohmann::json load_checkpoint(TrainerT& trainer, const std::filesystem::path& r
   const auto to = train::detail::layouts_of<TrainerT>(parts);
   const auto from = io::flat_layouts_from_json(idx.partitions, where + "/index.json");
   const io::ReshardPlan plan = io::plan_reshard(from, r.world_size(), to, world);  // refuses differing parameters by name
-  const bool same_layout = r.world_size() == world && io::flat_layouts_to_json(from) == io::flat_layouts_to_json(to);
-  if constexpr (S::state_bits == 8)
-    TORCH_CHECK(same_layout, where, ": 8-bit Adam moments reload only into the layout they were saved from (world ", r.world_size(),
-                ", the same stage and buckets); this trainer's world is ", world,
-                " or its partitions differ. Resume at the saved world size and strategy");
+  // Layouts compare without their parameter groups (checkpoints before groups were recorded have none), unless both
+  // record them: 8-bit moments need the saved groups to decode at another layout.
+  const auto without_groups = [](std::vector<io::FlatLayout> ls) {
+    for (auto& l : ls)
+      for (auto& e : l.entries) e.group = -1;
+    return io::flat_layouts_to_json(ls);
+  };
+  bool groups_recorded = true;
+  for (const auto& l : from)
+    for (const auto& e : l.entries) groups_recorded &= e.group >= 0;
+  const bool same_layout = r.world_size() == world && without_groups(from) == without_groups(to) &&
+                           (!groups_recorded || io::flat_layouts_to_json(from) == io::flat_layouts_to_json(to));
+  constexpr bool k8bit = S::state_bits == 8;
+  if constexpr (k8bit)
+    TORCH_CHECK(same_layout || groups_recorded, where, ": its 8-bit Adam moments were saved without their parameter groups, so they reload ",
+                "only into the layout they were saved from (world ", r.world_size(), ", the same stage and buckets); this trainer's world is ",
+                world, " or its partitions differ. Resume at the saved world size and strategy");
+  const bool reencode_8bit = k8bit && !same_layout;  // decode and encode the moments at the new blocks
 
   // Read everything into the trainer's buffers (nothing was changed before the checks above).
   trainer.sync();
@@ -275,7 +367,9 @@ nlohmann::json load_checkpoint(TrainerT& trainer, const std::filesystem::path& r
   for (size_t i = 0; i < parts.size(); ++i) {
     const auto& p = parts[i];
     const int64_t shard = to[i].shard(world);
+    if (reencode_8bit) train::detail::load_8bit_moments_resharded(r, plan, i, p, world, rank);
     for (const auto& [name, t] : p.elementwise) {
+      if (reencode_8bit && (name == "m" || name == "v")) continue;
       for (int tr = p.whole ? 0 : rank; tr < (p.whole ? world : rank + 1); ++tr) {
         const torch::Tensor dst = p.whole ? t.narrow(0, int64_t(tr) * shard, shard) : t;
         // Where the values come from: the buffer of that name, except across a change of precision (fp32 weights
@@ -307,6 +401,7 @@ nlohmann::json load_checkpoint(TrainerT& trainer, const std::filesystem::path& r
       }
     }
     for (const auto& [name, t] : p.blockwise) {
+      if (reencode_8bit) break;
       const std::string n = io::shard_tensor_name(p.key, name);
       const int src = p.whole ? 0 : rank;
       r.expect_tensor(src, n, io::DType::F32, {t.numel()});

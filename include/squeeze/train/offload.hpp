@@ -53,6 +53,27 @@ struct Segment {
 };
 using GroupCoeffs = std::vector<kernels::AdamWCoeffs>;  // one set of AdamW coefficients per group
 
+// The segments of elements [begin, begin + n) of a flat buffer of `padded` elements whose entries (in offset order,
+// each with .offset and a group from group_of(entry)) share a group: each entry's range runs to the next entry's
+// offset, so alignment gaps (zeros, which no update changes) join it; neighbours of one group merge. 8-bit state
+// starts a block at each segment. The trainer cuts its partitions so; a checkpoint's reshard recomputes the cut of
+// any rank at any world from the layout and the groups the index records.
+template <class Entries, class GroupOf>
+std::vector<Segment> state_segments(const Entries& es, int64_t padded, int64_t begin, int64_t n, GroupOf&& group_of) {
+  const int64_t end = begin + n;
+  std::vector<Segment> out;
+  for (std::size_t i = 0; i < es.size(); ++i) {
+    const int64_t lo = std::max(begin, i == 0 ? int64_t(0) : int64_t(es[i].offset));
+    const int64_t hi = std::min(end, i + 1 < es.size() ? int64_t(es[i + 1].offset) : padded);
+    if (lo >= hi) continue;
+    const int g = group_of(es[i]);
+    if (!out.empty() && out.back().group == g) out.back().len += hi - lo;
+    else out.push_back({lo - begin, hi - lo, g});
+  }
+  for (std::size_t i = 1; i < out.size(); ++i) out[i].block = out[i - 1].block + kernels::state_blocks(out[i - 1].len);
+  return out;
+}
+
 struct Partition {
   torch::Tensor param;      // [n] compute dtype, written by AdamW (flat-buffer slice or stage-3 shard)
   torch::Tensor grad;       // [n] reduced gradient (stage 0: the full buffer itself)

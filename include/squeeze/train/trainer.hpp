@@ -498,6 +498,7 @@ class Trainer {
     bool whole;                // stage 0: the buffers hold the whole padded layout on every rank
     std::vector<std::pair<std::string, torch::Tensor>> elementwise;  // one element per parameter element: param, master, m, v
     std::vector<std::pair<std::string, torch::Tensor>> blockwise;    // 8-bit state: m_absmax, v_absmax (one per 256-element block)
+    std::vector<int> groups;   // each layout entry's parameter group (its 8-bit blocks start at each group's run)
   };
   std::vector<PartitionBuffers> partition_buffers() {
     sync();
@@ -506,7 +507,8 @@ class Trainer {
     const std::vector<Partition*> parts = partitions();
     for (size_t i = 0; i < parts.size(); ++i) {
       const Partition& o = *parts[i];
-      PartitionBuffers b{i == 0 && rep_ ? "replicated" : "", layouts[i].first, align_elems(), kStage == 0 && rep_ && i == 0, {}, {}};
+      PartitionBuffers b{i == 0 && rep_ ? "replicated" : "", layouts[i].first, align_elems(), kStage == 0 && rep_ && i == 0, {}, {}, {}};
+      for (const auto& e : layouts[i].first->entries()) b.groups.push_back(group_of_.at(e.name));
       if (b.key.empty()) b.key = i < (rep_ ? 1 : 0) + buckets_.size() ? "bucket" + std::to_string(i - (rep_ ? 1 : 0))
                                                                       : groups3_[i - (rep_ ? 1 : 0) - buckets_.size()]->name;
       b.elementwise.emplace_back("param", o.param.detach());
@@ -894,19 +896,7 @@ class Trainer {
   // The segments of a partition (elements [begin, begin + n) of layout's flat buffer) that share a group: each
   // entry's range runs to the next entry's offset, so alignment gaps (zeros, which no update changes) join it.
   void set_segments(Partition& o, const FlatParams& layout, int64_t begin, int64_t n) {
-    const int64_t end = begin + n;
-    const auto& es = layout.entries();
-    o.segments.clear();
-    for (std::size_t i = 0; i < es.size(); ++i) {
-      const int64_t lo = std::max(begin, i == 0 ? int64_t(0) : es[i].offset);
-      const int64_t hi = std::min(end, i + 1 < es.size() ? es[i + 1].offset : layout.padded());
-      if (lo >= hi) continue;
-      const int g = group_of_.at(es[i].name);
-      if (!o.segments.empty() && o.segments.back().group == g) o.segments.back().len += hi - lo;
-      else o.segments.push_back({lo - begin, hi - lo, g});
-    }
-    for (std::size_t i = 1; i < o.segments.size(); ++i)  // 8-bit state: each segment's first absmax block
-      o.segments[i].block = o.segments[i - 1].block + kernels::state_blocks(o.segments[i - 1].len);
+    o.segments = state_segments(layout.entries(), layout.padded(), begin, n, [this](const FlatEntry& e) { return group_of_.at(e.name); });
   }
 
   // The CPU AdamW of one offloaded partition: fp32 master, m, v and the host gradient copy. When the
