@@ -14,6 +14,7 @@
 #include <squeeze/policy/strategy.hpp>
 
 #include <sstream>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -164,6 +165,16 @@ std::pair<double, double> fit(nn::LoRALinear& layer, const torch::Tensor& base_w
   }
   return {first, last};
 }
+// The message of the c10::Error f throws ("" when none).
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
 }  // namespace
 
 TEST(LoRA, TrainingReducesLossAndMergeKeepsOutputs) {
@@ -202,6 +213,47 @@ TEST(LoRA, MergeLoraReplacesEveryAdapter) {
   EXPECT_EQ(nn::merge_lora(*model), 4);
   for (const auto& m : model->modules()) EXPECT_EQ(std::dynamic_pointer_cast<nn::LoRALinearImpl>(m), nullptr);
   EXPECT_TRUE(torch::allclose(model(x), y, /*rtol=*/1e-5, /*atol=*/1e-5));
+}
+
+// merge_adapters / unmerge_adapters in place (PEFT's merge_adapter / unmerge_adapter). Merged, the model computes
+// what the adapted one does (fp32: within the rounding of W + scaling B A); unmerged, every base weight comes back
+// within one rounding of its elements and the adapters train again. Training while merged, merging twice and an
+// NF4 base are refused by name.
+TEST(LoRA, MergeAndUnmergeInPlace) {
+  torch::manual_seed(6);
+  Toy model(kShape);
+  const auto adapted = nn::apply_lora<Dense>(*model);
+  std::vector<std::pair<std::shared_ptr<nn::LoRALinearImpl>, torch::Tensor>> bases;
+  {
+    torch::NoGradGuard ng;
+    for (auto& a : adapted) a.layer->lora_B.normal_(0, 0.1);
+    for (const auto& m : model->modules())
+      if (auto l = std::dynamic_pointer_cast<nn::LoRALinearImpl>(m)) bases.emplace_back(l, l->named_buffers()["weight"].clone());
+  }
+  ASSERT_EQ(bases.size(), 4u);
+  const torch::Tensor x = torch::randn({6, kShape.hidden});
+  torch::Tensor y;
+  {
+    torch::NoGradGuard ng;
+    y = model(x);
+  }
+  EXPECT_EQ(nn::merge_adapters(*model), 4);
+  {
+    torch::NoGradGuard ng;
+    EXPECT_TRUE(torch::allclose(model(x), y, /*rtol=*/1e-5, /*atol=*/1e-5));
+  }
+  EXPECT_NE(error_of([&] { model(x); }).find("unmerge_adapter() first"), std::string::npos) << "training while merged";
+  EXPECT_NE(error_of([&] { nn::merge_adapters(*model); }).find("already merged"), std::string::npos);
+  EXPECT_EQ(nn::unmerge_adapters(*model), 4);
+  for (const auto& [l, w] : bases) {
+    const torch::Tensor now = l->named_buffers()["weight"];
+    EXPECT_LE((now - w).abs().max().item<double>(), 1e-6) << "the base weight after merge and unmerge";
+    EXPECT_FALSE(l->adapter_merged());
+  }
+  model(x).square().mean().backward();  // training again reaches the adapters
+  for (auto& a : adapted) EXPECT_TRUE(a.layer->lora_B.grad().defined());
+  nn::LoRALinear q(nn::Nf4Weight::quantize(torch::randn({8, 64}), {.block = 64}), torch::Tensor(), nn::LoRAOptions{.rank = 2, .alpha = 4});
+  EXPECT_NE(error_of([&] { q->merge_adapter(); }).find("needs a dense base"), std::string::npos);
 }
 
 TEST(LoRA, AdapterParametersEqualThePlanner) {

@@ -23,6 +23,7 @@
 //                         keep typed members: replace_module cannot re-point a member, see apply_lora);
 //                         modules implementing nn::LinearForward plug in too
 //   merge_lora(model)     folds scaling * B A into each adapter's base, back to a dense torch::nn::Linear (export)
+//   merge_adapters(model) / unmerge_adapters(model)   the same in place and back (dense bases; PEFT's merge_adapter)
 // GPTQ-format bases and apply_lora: apply_lora has no calibration data, so it fills the GPTQ layout by
 // round-to-nearest (quant/rtn.hpp: asymmetric, fp16 scales, g_idx = i / G; packed on the CPU, then moved back
 // to the weight's device). A Hessian-quantized (GPTQ) base comes from quantizing first (examples/llama_gptq
@@ -265,6 +266,11 @@ class LoRALinearImpl : public torch::nn::Module {
     TORCH_CHECK(x.is_floating_point(), "LoRALinear: floating-point input required, got ", x.scalar_type());
     const auto dt = x.scalar_type();
     torch::Tensor y = base_forward(x);
+    if (merged_) {  // the adapter is in the base weight (merge_adapter)
+      TORCH_CHECK(!(is_training() && torch::GradMode::is_enabled() && lora_B.requires_grad()),
+                  "LoRALinear: the adapter is merged into the base weight, so training would not reach it: unmerge_adapter() first");
+      return y;
+    }
     const torch::Tensor xa = torch::matmul(x, lora_A.to(dt).t());  // [..., r]
     return y + torch::matmul(xa, lora_B.to(dt).t()) * scaling();    // [..., out]
   }
@@ -288,7 +294,7 @@ class LoRALinearImpl : public torch::nn::Module {
     torch::NoGradGuard ng;
     const torch::Tensor base = gptq_ ? gptq_.ptr()->dequantize(torch::kFloat32)
                                : is_nf4_ ? nf4_.dequantize(torch::kFloat32) : weight_.to(torch::kFloat32);
-    return base + torch::matmul(lora_B.to(torch::kFloat32), lora_A.to(torch::kFloat32)) * scaling();
+    return merged_ ? base : base + delta_weight();
   }
   // A dense torch::nn::Linear with the adapter folded in (float weights, on the layer's device).
   torch::nn::Linear merged() const {
@@ -298,6 +304,30 @@ class LoRALinearImpl : public torch::nn::Module {
     lin->weight.set_data(merged_weight());
     if (bias.defined()) lin->bias.set_data(bias.to(torch::kFloat32).clone());
     return lin;
+  }
+
+  // PEFT's merge_adapter / unmerge_adapter, in place on a dense base: W += scaling · B A (computed in float, added in
+  // the base's dtype) and the forward skips the adapter while merged; unmerge subtracts the same product. In float
+  // the round trip gives W back to within its rounding; NF4 and GPTQ bases cannot take it (merge_lora exports them).
+  void merge_adapter() {
+    TORCH_CHECK(!merged_, "LoRALinear: the adapter is already merged");
+    TORCH_CHECK(!is_nf4_ && !gptq_, "LoRALinear: merge_adapter needs a dense base; an ", is_nf4_ ? "NF4" : "GPTQ",
+                " base stays quantized (merge_lora exports a dense copy instead)");
+    torch::NoGradGuard ng;
+    weight_.add_(delta_weight().to(weight_.scalar_type()));
+    merged_ = true;
+  }
+  void unmerge_adapter() {
+    TORCH_CHECK(merged_, "LoRALinear: the adapter is not merged");
+    torch::NoGradGuard ng;
+    weight_.sub_(delta_weight().to(weight_.scalar_type()));
+    merged_ = false;
+  }
+  bool adapter_merged() const { return merged_; }
+  // scaling · B A [out, in] in float: what the adapter adds to the base weight.
+  torch::Tensor delta_weight() const {
+    torch::NoGradGuard ng;
+    return torch::matmul(lora_B.to(torch::kFloat32), lora_A.to(torch::kFloat32)) * scaling();
   }
 
   double scaling() const { return opt_.alpha / double(opt_.rank); }
@@ -344,6 +374,7 @@ class LoRALinearImpl : public torch::nn::Module {
 
   LoRAOptions opt_;
   int64_t in_ = 0, out_ = 0;
+  bool merged_ = false;  // merge_adapter: scaling · B A is in weight_
   torch::Tensor weight_, bias_;
   Nf4Weight nf4_;
   bool is_nf4_ = false;
@@ -594,6 +625,21 @@ inline int64_t merge_lora(torch::nn::Module& model) {
       }
   }
   return merged;
+}
+
+// merge_adapter / unmerge_adapter on every LoRALinear of `model` (dense bases; PEFT's merge_adapter and
+// unmerge_adapter): inference without the adapter's two extra products, then back to training. Returns how many.
+inline int64_t merge_adapters(torch::nn::Module& model) {
+  int64_t n = 0;
+  for (const auto& m : model.modules(/*include_self=*/true))
+    if (auto l = std::dynamic_pointer_cast<LoRALinearImpl>(m)) l->merge_adapter(), ++n;
+  return n;
+}
+inline int64_t unmerge_adapters(torch::nn::Module& model) {
+  int64_t n = 0;
+  for (const auto& m : model.modules(/*include_self=*/true))
+    if (auto l = std::dynamic_pointer_cast<LoRALinearImpl>(m)) l->unmerge_adapter(), ++n;
+  return n;
 }
 
 // The dense float weight [out, in] a Linear's backing computes with (export): a LoRALinear's base, dequantised
