@@ -125,8 +125,7 @@ struct Case {
 // A GPTQ directory in the Hugging Face layout (4-bit g128, zero points of 0 included, act-order at 3 bits) loads
 // into nn::Llama with every block projection an nn::QuantizedLinear: its fp32 logits are the dense model's on the
 // dequantized weights (rel <= 1e-5; measured 0 on the CPU, whose path multiplies by the dequantized weights), and
-// apply_lora adopts those layers as
-// the frozen bases of a gptq4-lora model whose output at initialisation is the base's.
+// apply_lora adopts those layers as the frozen bases of a gptq4-lora model whose output at initialisation is the base's.
 TEST(QuantInterop, GptqDirectoryLoadsIntoAQuantizedLlama) {
   const io::LlamaConfig c = io::load_llama_config(kFixture);
   const Weights fp32 = read_weights(kFixture, c);
