@@ -176,6 +176,53 @@ TEST(QuantInterop, GptqDirectoryLoadsIntoAQuantizedLlama) {
   fs::remove_all(tmp);
 }
 
+// A bitsandbytes NF4 directory (nested statistics, as transformers writes load_in_4bit with double quant) loads into
+// nn::Llama with every block projection an nn::Nf4Linear over bitsandbytes' codes and decoded block scales: its fp32
+// logits are the dense model's on bitsandbytes' dequantization (rel <= 1e-5), and apply_lora adopts those layers as
+// the frozen bases of a QLoRA model whose output at initialisation is the base's.
+TEST(QuantInterop, BnbDirectoryLoadsIntoAnNf4Llama) {
+  const io::LlamaConfig c = io::load_llama_config(kFixture);
+  const Weights fp32 = read_weights(kFixture, c);
+  const auto expected = io::SafetensorsFile::open(kFixture / "expected.safetensors");
+  const torch::Tensor ids = tensor_of(expected, "input_ids").contiguous();  // [2, 11]
+  const fs::path tmp = fs::temp_directory_path() / ("squeeze-bnb-load-" + std::to_string(::getpid()));
+  fs::remove_all(tmp);
+  for (const bool nested : {true, false}) {
+    io::HfBnbModel m{.config = c, .bnb = {.double_quant = nested, .compute_dtype = "float32"}};
+    for (const auto& e : io::hf_checkpoint_tensors(c)) {
+      if (io::is_quantized_kind(e.kind)) m.layers[io::module_of(e.squeeze)] = io::bnb_nf4_quantize(fp32.at(e.squeeze), e.shape, nested, 64, "float32");
+      else m.dense[e.squeeze] = fp32.at(e.squeeze);
+    }
+    const fs::path dir = tmp / (nested ? "nested" : "plain");
+    io::save_hf_bnb(dir, m);
+    const io::HfBnbModel back = io::load_hf_bnb(dir);
+    Weights deq = back.dense;
+    for (const auto& [name, layer] : back.layers) deq[name + ".weight"] = io::bnb_nf4_dequantize(layer);
+    const torch::Tensor reference = save_dense_and_run(tmp / (nested ? "dense-nested" : "dense-plain"), c, deq, ids);
+
+    nn::Llama q = nn::load_hf_bnb_llama(dir);
+    int nf4 = 0;
+    for (const auto& mod : q->modules()) nf4 += std::dynamic_pointer_cast<nn::Nf4LinearImpl>(mod) != nullptr;
+    EXPECT_EQ(nf4, 7 * c.num_hidden_layers);
+    torch::Tensor logits;
+    {
+      torch::NoGradGuard ng;
+      q->eval();
+      logits = q->forward(ids).to(torch::kFloat32);
+    }
+    const double rel = rel_err(logits, reference);
+    std::printf("[ measured ] bitsandbytes NF4 directory (%s) as Nf4Linear layers: logits vs bitsandbytes' dequantization %.3g\n",
+                nested ? "nested" : "plain", rel);
+    EXPECT_LE(rel, 1e-5);
+    const auto adapted = nn::apply_lora<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<4, 8>>>(*q);
+    EXPECT_EQ(int64_t(adapted.size()), 2 * c.num_hidden_layers) << "q and v of every block";
+    torch::NoGradGuard ng;
+    q->eval();
+    EXPECT_TRUE(torch::equal(q->forward(ids).to(torch::kFloat32), logits)) << "B = 0: the adapted model is its base";
+  }
+  fs::remove_all(tmp);
+}
+
 TEST(QuantInterop, WritesFilesForRealClients) {
   const char* env = std::getenv("SQUEEZE_INTEROP_DIR");
   if (!env) GTEST_SKIP() << "set SQUEEZE_INTEROP_DIR to write the files tools/check_quant_interop.py checks";

@@ -1,5 +1,8 @@
 #pragma once
-// Quantized Hugging Face LLaMA checkpoints into nn::Llama. A GPTQ directory (io/hf_gptq.hpp: AutoGPTQ / GPTQModel's
+// Quantized Hugging Face LLaMA checkpoints into nn::Llama. A bitsandbytes NF4 directory (io/hf_bnb.hpp: what
+// transformers writes for load_in_4bit, nested statistics or plain) becomes a model of nn::Nf4Linear projections
+// holding bitsandbytes' codes as they are and its decoded block scales (fp32: what dequantize_4bit multiplies by),
+// the base of a QLoRA run. A GPTQ directory (io/hf_gptq.hpp: AutoGPTQ / GPTQModel's
 // layout, v1 zero points read word-wise, with or without g_idx, any sharding) becomes a model whose block
 // projections are nn::QuantizedLinear over the packed weights (its CPU / GEMV / GEMM paths), the embedding, norms
 // and head dense in the chosen dtype. nn::apply_lora adopts those layers as frozen bases, so the same model is the
@@ -15,8 +18,10 @@
 #include <filesystem>
 #include <string>
 
+#include "../io/hf_bnb.hpp"
 #include "../io/hf_gptq.hpp"
 #include "hf_llama.hpp"
+#include "lora.hpp"
 #include "quantized_linear.hpp"
 
 namespace squeeze::nn {
@@ -26,36 +31,58 @@ struct HfQuantizedLoadOptions {
   torch::Device device = torch::kCPU;
 };
 
-inline Llama load_hf_gptq_llama(const std::filesystem::path& dir, const HfQuantizedLoadOptions& o = {}) {
-  const io::HfGptqModel m = detail::torch_errors([&] { return io::load_hf_gptq(dir); });
-  Llama model(from_hf_config(m.config));
+namespace detail {
+// A model of `config` with its dense tensors from `dense` (squeeze names, float) and each block projection named in
+// `layers` replaced by make(layer): on o.device, dense tensors in o.dtype.
+template <class Layers, class Make>
+Llama quantized_llama(const std::filesystem::path& dir, const io::LlamaConfig& config, const std::map<std::string, std::vector<float>>& dense,
+                      const Layers& layers, Make&& make, const HfQuantizedLoadOptions& o, const char* what) {
+  Llama model(from_hf_config(config));
   torch::NoGradGuard no_grad;
   const auto params = model->named_parameters();
-  for (const auto& [name, values] : m.dense) {
+  for (const auto& [name, values] : dense) {
     const torch::Tensor* p = params.find(name);
-    TORCH_CHECK(p != nullptr, "load_hf_gptq_llama: ", dir.string(), " holds '", name, "', which the model has no parameter for");
-    TORCH_CHECK(p->numel() == int64_t(values.size()), "load_hf_gptq_llama: ", dir.string(), ": '", name, "' has ", values.size(),
+    TORCH_CHECK(p != nullptr, what, ": ", dir.string(), " holds '", name, "', which the model has no parameter for");
+    TORCH_CHECK(p->numel() == int64_t(values.size()), what, ": ", dir.string(), ": '", name, "' has ", values.size(),
                 " values, the model's parameter ", p->sizes());
     p->copy_(torch::from_blob(const_cast<float*>(values.data()), p->sizes(), torch::kFloat32));
   }
-  model->to(o.device, o.dtype);  // before the packed layers join: their integer and fp16 tensors keep their types
+  model->to(o.device, o.dtype);  // before the quantized layers join: their integer and scale tensors keep their types
   const auto modules = model->named_modules();
-  for (const auto& [name, packed] : m.layers) {  // "block3.attn.q"
+  for (const auto& [name, layer] : layers) {  // "block3.attn.q"
     const auto dot = name.rfind('.');
     const std::string parent_path = name.substr(0, dot), child = name.substr(dot + 1);
     const auto* parent = modules.find(parent_path);
-    TORCH_CHECK(parent != nullptr && (*parent)->named_children().contains(child), "load_hf_gptq_llama: ", dir.string(),
-                " holds the packed layer '", name, "', which the model does not have");
+    TORCH_CHECK(parent != nullptr && (*parent)->named_children().contains(child), what, ": ", dir.string(), " holds the quantized layer '",
+                name, "', which the model does not have");
     const std::shared_ptr<torch::nn::Module> old = (*parent)->named_children()[child];
     if (auto lin = std::dynamic_pointer_cast<LinearImpl>(old)) {  // the typed member keeps pointing here: free its weight
       lin->weight.set_data(torch::empty({0}, lin->weight.options()));
       if (lin->has_bias()) lin->bias.set_data(torch::empty({0}, lin->bias.options()));
     }
-    QuantizedLinear q(packed);
-    q->to(o.device);
-    (*parent)->replace_module(child, q);
+    (*parent)->replace_module(child, make(layer));
   }
   return model;
+}
+}  // namespace detail
+
+inline Llama load_hf_bnb_llama(const std::filesystem::path& dir, const HfQuantizedLoadOptions& o = {}) {
+  const io::HfBnbModel m = detail::torch_errors([&] { return io::load_hf_bnb(dir); });
+  return detail::quantized_llama(dir, m.config, m.dense, m.layers, [&](const io::BnbNf4Weight& w) {
+    TORCH_CHECK(w.info.shape.size() == 2, "load_hf_bnb_llama: an NF4 weight of shape ", io::shape_string(w.info.shape), " is not [out, in]");
+    const quant::Nf4Packed p = detail::torch_errors([&] { return io::to_nf4_packed(w); });
+    Nf4Linear l(Nf4Weight::from_packed(p, w.info.shape[0], w.info.shape[1], o.device), torch::Tensor());
+    return l;
+  }, o, "load_hf_bnb_llama");
+}
+
+inline Llama load_hf_gptq_llama(const std::filesystem::path& dir, const HfQuantizedLoadOptions& o = {}) {
+  const io::HfGptqModel m = detail::torch_errors([&] { return io::load_hf_gptq(dir); });
+  return detail::quantized_llama(dir, m.config, m.dense, m.layers, [&](const quant::PackedLinear& packed) {
+    QuantizedLinear q(packed);
+    q->to(o.device);
+    return q;
+  }, o, "load_hf_gptq_llama");
 }
 
 }  // namespace squeeze::nn

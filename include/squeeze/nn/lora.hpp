@@ -90,17 +90,25 @@ struct Nf4Weight {
     } catch (const squeeze::Error& e) {
       TORCH_CHECK(false, "Nf4Weight: ", e.what());
     }
+    return from_packed(p, w.size(0), w.size(1), w.device());
+  }
+
+  // A packed NF4 tensor (quant::Nf4Packed: squeeze's quantizer, or a bitsandbytes file through io::to_nf4_packed) as
+  // the weight [out, in] on `device`.
+  static Nf4Weight from_packed(const quant::Nf4Packed& p, int64_t out, int64_t in, torch::Device device) {
+    TORCH_CHECK(out > 0 && in > 0 && p.n == out * in, "Nf4Weight: the packed tensor holds ", p.n, " values, [", out, ", ", in, "] needs ",
+                out * in);
     Nf4Weight r;
-    r.out = w.size(0);
-    r.in = w.size(1);
+    r.out = out;
+    r.in = in;
     r.block = p.block;
     r.double_quant = p.double_quant;
     r.absmax_offset = p.absmax_offset;
     auto from = [&](const auto& v, torch::ScalarType t) {
-      if (v.empty()) return torch::empty({0}, torch::TensorOptions().dtype(t).device(w.device()));
+      if (v.empty()) return torch::empty({0}, torch::TensorOptions().dtype(t).device(device));
       return torch::from_blob(const_cast<void*>(static_cast<const void*>(v.data())), {int64_t(v.size())}, torch::TensorOptions().dtype(t))
           .clone()
-          .to(w.device());
+          .to(device);
     };
     r.codes = from(p.codes, torch::kUInt8);
     r.absmax = from(p.absmax, torch::kFloat32);
@@ -406,6 +414,7 @@ class Nf4LinearImpl : public torch::nn::Module {
     return bias_.defined() ? y + bias_.to(x.scalar_type()) : y;
   }
   const Nf4Weight& nf4_weight() const { return nf4_; }
+  const torch::Tensor& bias() const { return bias_; }  // undefined without one
   int64_t base_bytes() const { return nf4_.bytes(); }
   // A dense torch::nn::Linear (float), for export.
   torch::nn::Linear dense() const {
@@ -477,7 +486,8 @@ struct AdaptedLayer {
 // with a LoRALinear: rank and alpha from LoRA<R, A>; under Quantized<4, NF4, ...> the base is packed to NF4
 // (block and DoubleQuant from the policy), under Quantized<B, GPTQ|RTN, Group<G>|PerChannel> to the GPTQ layout
 // by round-to-nearest (B bits, group G; see the note at the top), otherwise kept dense in S's compute type;
-// adapters in S's master type. Children that already are nn::QuantizedLinear (a packed checkpoint) are adopted.
+// adapters in S's master type. Children that already are nn::QuantizedLinear or nn::Nf4Linear (a quantized
+// checkpoint's layers, nn/hf_quantized.hpp) are adopted as they are.
 // GPTQ-format layers it packs itself keep no tensor-core tile copy when S trains (QuantizedLinearImpl's
 // fused_tiles: a training forward runs more rows than the fused GEMM serves), so their bytes are the planner's.
 // The replaced layer's weight is released (set to an empty tensor), so a typed member that still points at the
@@ -507,6 +517,13 @@ std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model) {
       if (auto ql = std::dynamic_pointer_cast<QuantizedLinearImpl>(child.value())) {  // already packed: keep it
         if (!target) continue;
         LoRALinear rep(QuantizedLinear(ql), opt);
+        parent->replace_module(child.key(), rep);
+        adapted.push_back({item.key().empty() ? child.key() : item.key() + "." + child.key(), rep});
+        continue;
+      }
+      if (auto nl = std::dynamic_pointer_cast<Nf4LinearImpl>(child.value())) {  // an NF4 checkpoint's layer: its codes as they are
+        if (!target) continue;
+        LoRALinear rep(nl->nf4_weight(), nl->bias(), opt);
         parent->replace_module(child.key(), rep);
         adapted.push_back({item.key().empty() ? child.key() : item.key() + "." + child.key(), rep});
         continue;
