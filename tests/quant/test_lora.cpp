@@ -165,12 +165,14 @@ std::pair<double, double> fit(nn::LoRALinear& layer, const torch::Tensor& base_w
   }
   return {first, last};
 }
-// The message of the c10::Error f throws ("" when none).
+// The message of the c10::Error or squeeze::Error f throws ("" when none).
 std::string error_of(const std::function<void()>& f) {
   try {
     f();
   } catch (const c10::Error& e) {
     return e.what_without_backtrace();
+  } catch (const squeeze::Error& e) {
+    return e.what();
   }
   return "";
 }
@@ -351,26 +353,18 @@ TEST(LoRA, FindsTheLlamaProjections) {
 }
 
 TEST(LoRA, BadInputIsAClearError) {
-  auto message = [](auto&& fn) -> std::string {
-    try {
-      fn();
-    } catch (const c10::Error& e) {
-      return e.what();
-    }
-    return "";
-  };
   torch::nn::Sequential none(torch::nn::Linear(4, 4));
-  EXPECT_NE(message([&] { nn::apply_lora<Dense>(*none); }).find("no Linear child named like LoRA's targets"), std::string::npos);
+  EXPECT_NE(error_of([&] { nn::apply_lora<Dense>(*none); }).find("no Linear child named like LoRA's targets"), std::string::npos);
   nn::LoRALinear l(torch::randn({8, 16}), torch::Tensor(), nn::LoRAOptions{.rank = 2, .alpha = 4});
-  EXPECT_NE(message([&] { l(torch::randn({3, 15})); }).find("layer expects 16"), std::string::npos);
-  EXPECT_NE(message([&] { l(torch::ones({3, 16}, torch::kInt64)); }).find("floating-point"), std::string::npos);
-  EXPECT_NE(message([&] { nn::LoRALinear(torch::randn({8, 16}), torch::Tensor(), nn::LoRAOptions{.rank = 0}); }).find("rank must be >= 1"), std::string::npos);
-  EXPECT_NE(message([&] { nn::LoRALinear(torch::randn({8, 16}), torch::randn({7}), nn::LoRAOptions{}); }).find("bias must be [8]"), std::string::npos);
-  EXPECT_NE(message([&] { nn::Nf4Weight::quantize(torch::randn({16}), {}); }).find("[out, in]"), std::string::npos);
-  EXPECT_NE(message([&] { nn::Nf4Weight::quantize(torch::randn({4, 16}), {.block = 48}); }).find("power of two"), std::string::npos);
+  EXPECT_NE(error_of([&] { l(torch::randn({3, 15})); }).find("layer expects 16"), std::string::npos);
+  EXPECT_NE(error_of([&] { l(torch::ones({3, 16}, torch::kInt64)); }).find("floating-point"), std::string::npos);
+  EXPECT_NE(error_of([&] { nn::LoRALinear(torch::randn({8, 16}), torch::Tensor(), nn::LoRAOptions{.rank = 0}); }).find("rank must be >= 1"), std::string::npos);
+  EXPECT_NE(error_of([&] { nn::LoRALinear(torch::randn({8, 16}), torch::randn({7}), nn::LoRAOptions{}); }).find("bias must be [8]"), std::string::npos);
+  EXPECT_NE(error_of([&] { nn::Nf4Weight::quantize(torch::randn({16}), {}); }).find("[out, in]"), std::string::npos);
+  EXPECT_NE(error_of([&] { nn::Nf4Weight::quantize(torch::randn({4, 16}), {.block = 48}); }).find("power of two"), std::string::npos);
   torch::Tensor bad = torch::randn({4, 16});
   bad[1][2] = std::nan("");
-  EXPECT_NE(message([&] { nn::Nf4Weight::quantize(bad, {}); }).find("weight 18 is not finite"), std::string::npos);
+  EXPECT_NE(error_of([&] { nn::Nf4Weight::quantize(bad, {}); }).find("weight 18 is not finite"), std::string::npos);
 }
 
 // QLoRA through make_trainer with Accumulate<2> on the toy; the window's two equal half batches average to the
@@ -683,30 +677,20 @@ TEST(LoRA, AttachesAdaptersToAPackedCheckpointLayer) {
 }
 
 TEST(LoRA, GptqBadInputIsAClearError) {
-  auto message = [](auto&& fn) -> std::string {
-    try {
-      fn();
-    } catch (const c10::Error& e) {
-      return e.what();
-    } catch (const squeeze::Error& e) {
-      return e.what();
-    }
-    return "";
-  };
-  EXPECT_NE(message([&] { nn::LoRALinear(nn::QuantizedLinear(nullptr), nn::LoRAOptions{}); }).find("base is empty"), std::string::npos);
-  EXPECT_NE(message([&] { nn::quantize_rtn(torch::randn({16}), torch::Tensor(), {}); }).find("[out, in]"), std::string::npos);
-  EXPECT_NE(message([&] { nn::quantize_rtn(torch::randn({4, 16}), torch::randn({3}), {}); }).find("bias must be [4]"), std::string::npos);
-  EXPECT_NE(message([&] { nn::quantize_rtn(torch::randn({4, 16}), torch::Tensor(), {.bits = 5}); }).find("2, 3, 4 or 8 bits"), std::string::npos);
+  EXPECT_NE(error_of([&] { nn::LoRALinear(nn::QuantizedLinear(nullptr), nn::LoRAOptions{}); }).find("base is empty"), std::string::npos);
+  EXPECT_NE(error_of([&] { nn::quantize_rtn(torch::randn({16}), torch::Tensor(), {}); }).find("[out, in]"), std::string::npos);
+  EXPECT_NE(error_of([&] { nn::quantize_rtn(torch::randn({4, 16}), torch::randn({3}), {}); }).find("bias must be [4]"), std::string::npos);
+  EXPECT_NE(error_of([&] { nn::quantize_rtn(torch::randn({4, 16}), torch::Tensor(), {.bits = 5}); }).find("2, 3, 4 or 8 bits"), std::string::npos);
   torch::Tensor bad = torch::randn({4, 16});
   bad[1][2] = std::nan("");
-  EXPECT_NE(message([&] { nn::quantize_rtn(bad, torch::Tensor(), {}); }).find("not finite"), std::string::npos);
+  EXPECT_NE(error_of([&] { nn::quantize_rtn(bad, torch::Tensor(), {}); }).find("not finite"), std::string::npos);
   quant::PackedLinear p = quant::rtn_quantize(std::vector<float>(8 * 40, 0.5f), 8, 40, {4, 32, false});
   p.qzeros.pop_back();
-  EXPECT_NE(message([&] { nn::QuantizedLinear{p}; }).find("qzeros has"), std::string::npos);
+  EXPECT_NE(error_of([&] { nn::QuantizedLinear{p}; }).find("qzeros has"), std::string::npos);
   nn::LoRALinear l(nn::quantize_rtn(torch::randn({8, 40}), torch::Tensor(), {4, 32, false}), nn::LoRAOptions{.rank = 2, .alpha = 4});
-  EXPECT_NE(message([&] { l(torch::randn({3, 39})); }).find("layer expects 40"), std::string::npos);
-  EXPECT_NE(message([&] { l(torch::ones({3, 40}, torch::kInt64)); }).find("floating-point"), std::string::npos);
-  EXPECT_NE(message([&] { nn::LoRALinear(nn::quantize_rtn(torch::randn({8, 40}), torch::Tensor(), {}), nn::LoRAOptions{.rank = 0}); }).find("rank must be >= 1"),
+  EXPECT_NE(error_of([&] { l(torch::randn({3, 39})); }).find("layer expects 40"), std::string::npos);
+  EXPECT_NE(error_of([&] { l(torch::ones({3, 40}, torch::kInt64)); }).find("floating-point"), std::string::npos);
+  EXPECT_NE(error_of([&] { nn::LoRALinear(nn::quantize_rtn(torch::randn({8, 40}), torch::Tensor(), {}), nn::LoRAOptions{.rank = 0}); }).find("rank must be >= 1"),
             std::string::npos);
 }
 

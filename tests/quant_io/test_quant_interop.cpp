@@ -122,6 +122,25 @@ struct Case {
 
 }  // namespace
 
+// The checks both quantized loaders share: `layers` projections of type Layer, logits within 1e-5 of `reference`
+// (printed as `what`), and apply_lora<S> adopting q and v with the output unchanged at initialisation.
+template <class Layer, class S>
+void expect_quantized_llama(nn::Llama& q, int64_t layers, const torch::Tensor& ids, const torch::Tensor& reference, const std::string& what) {
+  int count = 0;
+  for (const auto& mod : q->modules()) count += std::dynamic_pointer_cast<Layer>(mod) != nullptr;
+  EXPECT_EQ(count, 7 * layers) << what;
+  torch::NoGradGuard ng;
+  q->eval();
+  const torch::Tensor logits = q->forward(ids).to(torch::kFloat32);
+  const double rel = rel_err(logits, reference);
+  std::printf("[ measured ] %s: logits vs the dense model on the same dequantized weights %.3g\n", what.c_str(), rel);
+  EXPECT_LE(rel, 1e-5) << what;
+  const auto adapted = nn::apply_lora<S>(*q);
+  EXPECT_EQ(int64_t(adapted.size()), 2 * layers) << what << ": q and v of every block";
+  q->eval();
+  EXPECT_TRUE(torch::equal(q->forward(ids).to(torch::kFloat32), logits)) << what << ": B = 0, the adapted model is its base";
+}
+
 // A GPTQ directory in the Hugging Face layout (4-bit g128, zero points of 0 included, act-order at 3 bits) loads
 // into nn::Llama with every block projection an nn::QuantizedLinear: its fp32 logits are the dense model's on the
 // dequantized weights (rel <= 1e-5; measured 0 on the CPU, whose path multiplies by the dequantized weights), and
@@ -153,25 +172,8 @@ TEST(QuantInterop, GptqDirectoryLoadsIntoAQuantizedLlama) {
     const torch::Tensor reference = save_dense_and_run(tmp / ("dense-" + std::to_string(bits)), c, deq, ids);
 
     nn::Llama q = nn::load_hf_gptq_llama(dir);
-    int quantized = 0;
-    for (const auto& mod : q->modules()) quantized += std::dynamic_pointer_cast<nn::QuantizedLinearImpl>(mod) != nullptr;
-    EXPECT_EQ(quantized, 7 * c.num_hidden_layers) << bits << " bits";
-    torch::Tensor logits;
-    {
-      torch::NoGradGuard ng;
-      q->eval();
-      logits = q->forward(ids).to(torch::kFloat32);
-    }
-    const double rel = rel_err(logits, reference);
-    std::printf("[ measured ] gptq %d-bit directory as QuantizedLinear layers: logits vs the dequantized dense model %.3g\n", bits, rel);
-    EXPECT_LE(rel, 1e-5) << bits << " bits";
-    if (bits == 4) {
-      const auto adapted = nn::apply_lora<Strategy<Quantized<4, RTN, Group<128>>, LoRA<4, 8>>>(*q);
-      EXPECT_EQ(int64_t(adapted.size()), 2 * c.num_hidden_layers) << "q and v of every block";
-      torch::NoGradGuard ng;
-      q->eval();
-      EXPECT_TRUE(torch::equal(q->forward(ids).to(torch::kFloat32), logits)) << "B = 0: the adapted model is its base";
-    }
+    expect_quantized_llama<nn::QuantizedLinearImpl, Strategy<Quantized<4, RTN, Group<128>>, LoRA<4, 8>>>(
+        q, c.num_hidden_layers, ids, reference, "gptq " + std::to_string(bits) + "-bit directory as QuantizedLinear layers");
   }
   fs::remove_all(tmp);
 }
@@ -201,24 +203,8 @@ TEST(QuantInterop, BnbDirectoryLoadsIntoAnNf4Llama) {
     const torch::Tensor reference = save_dense_and_run(tmp / (nested ? "dense-nested" : "dense-plain"), c, deq, ids);
 
     nn::Llama q = nn::load_hf_bnb_llama(dir);
-    int nf4 = 0;
-    for (const auto& mod : q->modules()) nf4 += std::dynamic_pointer_cast<nn::Nf4LinearImpl>(mod) != nullptr;
-    EXPECT_EQ(nf4, 7 * c.num_hidden_layers);
-    torch::Tensor logits;
-    {
-      torch::NoGradGuard ng;
-      q->eval();
-      logits = q->forward(ids).to(torch::kFloat32);
-    }
-    const double rel = rel_err(logits, reference);
-    std::printf("[ measured ] bitsandbytes NF4 directory (%s) as Nf4Linear layers: logits vs bitsandbytes' dequantization %.3g\n",
-                nested ? "nested" : "plain", rel);
-    EXPECT_LE(rel, 1e-5);
-    const auto adapted = nn::apply_lora<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<4, 8>>>(*q);
-    EXPECT_EQ(int64_t(adapted.size()), 2 * c.num_hidden_layers) << "q and v of every block";
-    torch::NoGradGuard ng;
-    q->eval();
-    EXPECT_TRUE(torch::equal(q->forward(ids).to(torch::kFloat32), logits)) << "B = 0: the adapted model is its base";
+    expect_quantized_llama<nn::Nf4LinearImpl, Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<4, 8>>>(
+        q, c.num_hidden_layers, ids, reference, std::string("bitsandbytes NF4 directory (") + (nested ? "nested" : "plain") + ") as Nf4Linear layers");
   }
   fs::remove_all(tmp);
 }
