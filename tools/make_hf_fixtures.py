@@ -3,6 +3,7 @@
 
 Run where PyTorch, transformers, safetensors and sentencepiece are installed (the GPU machine; a CPU is enough):
     python3 tools/make_hf_fixtures.py OUT_DIR [--corpus TEXT_FILE]
+    python3 tools/make_hf_fixtures.py OUT_DIR --llama-7b     # only OUT_DIR/llama-7b (for benchmarks, not committed)
 Writes, each model saved sharded by transformers' save_pretrained:
     llama2-tiny/   LLaMA-2 style: fp32 weights, multi-head attention, untied head, rope_theta 10000
     llama3-tiny/   LLaMA-3 style: bf16 weights, grouped-query attention (4 heads, 2 kv heads), head_dim 24 with
@@ -11,6 +12,9 @@ Writes, each model saved sharded by transformers' save_pretrained:
     by from_pretrained in fp32), logits_bf16 [2, 11, vocab] (loaded in bf16; stored as fp32)
     spm-tiny/      tokenizer.model (SentencePiece BPE, 288 pieces, byte fallback) and encodings.json
     versions.json  the library versions that wrote them
+With --llama-7b: llama-7b/, the LLaMA-7B geometry (squeeze's llama-7b preset) with transformers' random
+initialisation in bf16, saved in shards of at most 5 GB as the published LLaMA-2 checkpoints are (13.5 GB; built on the
+GPU when there is one). What bench/hf loads and bench/quant quantizes.
 """
 import argparse
 import json
@@ -66,6 +70,23 @@ def make_model(out_dir, name, dtype, seed, **config_kwargs):
     print(f"{name}: {sum(p.numel() for p in model.parameters())} parameters, files {sorted(os.listdir(path))}")
 
 
+def make_random_llama_7b(out_dir):
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                                      num_attention_heads=32, num_key_value_heads=32, rms_norm_eps=1e-5,
+                                      max_position_embeddings=4096, tie_word_embeddings=False, **rope_config(10000.0))
+    # Built straight in bf16 on the device: a float copy on the host would be 27 GB and its initialisation minutes.
+    torch.manual_seed(7)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = transformers.LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    path = os.path.join(out_dir, "llama-7b")
+    model.save_pretrained(path, max_shard_size="5GB", safe_serialization=True)
+    print(f"llama-7b: {sum(p.numel() for p in model.parameters())} parameters, files {sorted(os.listdir(path))}")
+
+
 def make_sentencepiece(out_dir, corpus):
     path = os.path.join(out_dir, "spm-tiny")
     os.makedirs(path, exist_ok=True)
@@ -102,8 +123,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--corpus")
+    ap.add_argument("--llama-7b", action="store_true", help="write only llama-7b/ (random weights, 13.5 GB)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.llama_7b:
+        make_random_llama_7b(args.out)
+        return 0
     make_model(args.out, "llama2-tiny", torch.float32, 7, hidden_size=64, intermediate_size=172,
                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, rms_norm_eps=1e-5,
                max_position_embeddings=128, tie_word_embeddings=False, **rope_config(10000.0))

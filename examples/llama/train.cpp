@@ -136,10 +136,9 @@ int train(const Options& o) {
   at::globalContext().setFlushDenormal(true);
   if (o.threads > 0) torch::set_num_threads(int(o.threads));
 
-  // --hf: a Hugging Face LLaMA directory is the starting point (its geometry, RoPE and weights, read in float).
-  std::optional<nn::Llama> pretrained;
-  if (!o.hf.empty()) pretrained.emplace(nn::load_hf_llama(o.hf, {.dtype = torch::kFloat32}));
-  nn::LlamaConfig config = pretrained ? (*pretrained)->config : nn::LlamaConfig::preset(o.preset);
+  // --hf: a Hugging Face LLaMA directory is the starting point (its geometry, RoPE and weights).
+  const bool pretrained = !o.hf.empty();
+  nn::LlamaConfig config = pretrained ? nn::from_hf_config(io::load_llama_config(o.hf), o.hf) : nn::LlamaConfig::preset(o.preset);
   if (o.vocab > 0) config.vocab = o.vocab;
   const std::string model_name = pretrained ? "--hf " + o.hf : "--preset " + o.preset;
 
@@ -164,7 +163,7 @@ int train(const Options& o) {
   llama::TrainOptions topt;
   topt.lr = o.lr, topt.weight_decay = o.weight_decay, topt.clip = o.clip, topt.loss_chunk_tokens = o.loss_chunk;
   topt.fused_loss = o.fused_loss;
-  Trainer<S> trainer = pretrained ? Trainer<S>(std::move(*pretrained), topt, device, comm::from_env()) : Trainer<S>(config, topt, device, comm::from_env());
+  Trainer<S> trainer = pretrained ? Trainer<S>::from_hf(o.hf, topt, device, comm::from_env()) : Trainer<S>(config, topt, device, comm::from_env());
   if (!o.load.empty()) {
     trainer.load(o.load);
     std::cerr << "resumed from " << o.load << " at step " << trainer.step_count() << "\n";

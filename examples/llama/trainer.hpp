@@ -5,6 +5,7 @@
 // Checkpoints (save/load) are the library's (train/checkpoint.hpp): per-rank safetensors shards, an index, crash-safe
 // saves, loading at any world size and stage.
 #include <squeeze/comm/local.hpp>
+#include <squeeze/nn/hf_llama.hpp>
 #include <squeeze/nn/llama.hpp>
 #include <squeeze/nn/lora.hpp>
 #include <squeeze/train/checkpoint.hpp>
@@ -188,16 +189,27 @@ inline double evaluate_loss(Llama& model, const std::vector<std::pair<torch::Ten
 // The library's (squeeze::save_checkpoint, train/checkpoint.hpp): a directory of step-NNNNNN/ checkpoints, one
 // safetensors file per rank and an index, `latest` naming the newest; the model's geometry rides in the record.
 inline nlohmann::json geometry_of(const LlamaConfig& c) {
+  const io::RopeScaling& r = c.rope_scaling;
   return {{"preset", c.name}, {"vocab", c.vocab}, {"hidden", c.hidden}, {"layers", c.layers}, {"heads", c.heads},
-          {"kv_heads", c.kv_heads}, {"ffn", c.ffn}};
+          {"kv_heads", c.kv_heads}, {"ffn", c.ffn}, {"head_dim", c.head_dim()}, {"tie_embeddings", c.tie_embeddings},
+          {"rope_theta", c.rope_theta}, {"norm_eps", c.norm_eps},
+          {"rope_scaling", {{"type", io::rope_type_name(r.type)}, {"factor", r.factor}, {"low_freq_factor", r.low_freq_factor},
+                            {"high_freq_factor", r.high_freq_factor}, {"original_max_position_embeddings", r.original_max_position_embeddings}}}};
 }
 
 // The record of the checkpoint under `root` that a load would read, after checking it holds this geometry.
 inline nlohmann::json checked_record(const std::string& root, const LlamaConfig& c) {
   const io::CheckpointReader r = io::CheckpointStore(root).open_latest({.verify = io::Verify::sizes});
   const nlohmann::json rec = r.index().record.value("user", nlohmann::json::object());
-  const nlohmann::json want = geometry_of(c), got = rec.value("model", nlohmann::json::object());
+  const nlohmann::json want = geometry_of(c);
+  nlohmann::json got = rec.value("model", nlohmann::json::object());
   TORCH_CHECK(got.is_object(), "checkpoint ", r.dir().string(), " has no model geometry: it was not written by this example");
+  // Records that predate a field were written when it could only have its default (head_dim: hidden / heads).
+  LlamaConfig defaults = c;
+  defaults.explicit_head_dim = 0, defaults.tie_embeddings = false, defaults.rope_theta = LlamaConfig{}.rope_theta;
+  defaults.norm_eps = LlamaConfig{}.norm_eps, defaults.rope_scaling = {};
+  for (const auto& [key, value] : geometry_of(defaults).items())
+    if (!got.contains(key)) got[key] = value;
   nlohmann::json a = got, b = want;
   a.erase("preset"), b.erase("preset");
   TORCH_CHECK(a == b, "checkpoint ", r.dir().string(), " holds preset '", got.value("preset", std::string("?")), "' ", got.dump(),
@@ -236,6 +248,23 @@ class Trainer {
                                      {.device = device, .decay_norms_biases_embeddings = options.decay_norms_biases_embeddings}));
   }
   Trainer(const Trainer&) = delete;
+  Trainer(Trainer&&) = default;
+
+  // A trainer starting from the Hugging Face LLaMA in `dir`. Strategies that train full weights build the model
+  // uninitialised in the compute dtype on `device` and stream the file into the trainer (under stage 3 each rank's
+  // shards, the masters from the file's values): host memory holds the optimizer state and one tensor at a time.
+  // LoRA strategies load the float model first: their frozen base is quantized or converted from it.
+  static Trainer from_hf(const std::filesystem::path& dir, TrainOptions options, torch::Device device, comm::CommPtr comm = nullptr) {
+    if constexpr (S::has_lora) {
+      return Trainer(nn::load_hf_llama(dir, {.dtype = torch::kFloat32}), options, device, std::move(comm));
+    } else {
+      const io::LlamaConfig hf = io::load_llama_config(dir);
+      const auto compute = torch::TensorOptions().dtype(torch_dtype<typename S::compute_type>()).device(device);
+      Trainer t(Llama(nn::from_hf_config(hf, dir.string()), nn::ParamInit{compute, /*random=*/false}), options, device, std::move(comm));
+      nn::load_hf_weights(*t.trainer_, *t.model_, dir);
+      return t;
+    }
+  }
 
   Llama& model() { return model_; }
   train::Trainer<S, squeeze::AdamW>& trainer() { return *trainer_; }  // the library's trainer it drives

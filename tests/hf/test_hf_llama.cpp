@@ -302,6 +302,122 @@ TEST(HfLoad, RefusalsNameTheKeyOrTensor) {
   }
 }
 
+// ---- loading into a trainer ------------------------------------------------------------------------------------------
+// The model a loader into a trainer starts from: the file's network, uninitialised, in the compute dtype.
+nn::Llama empty_model(const fs::path& dir, torch::ScalarType dtype) {
+  return nn::Llama(nn::from_hf_config(io::load_llama_config(dir)), nn::ParamInit{torch::TensorOptions().dtype(dtype), false});
+}
+
+TEST(HfLoad, ParamInitBuildsInTheDtypeWithoutDrawing) {
+  const nn::LlamaConfig c = odd_config(false);
+  nn::Llama m(c, nn::ParamInit{torch::TensorOptions().dtype(torch::kBFloat16), /*random=*/false});
+  for (const auto& p : m->named_parameters()) EXPECT_EQ(p.value().scalar_type(), torch::kBFloat16) << p.key();
+  EXPECT_TRUE(torch::equal(m->norm->weight, torch::ones({c.hidden}, torch::kBFloat16)));  // norms start at one either way
+  // The default draws what it always drew: the same seed, the same float weights as a model built without options.
+  torch::manual_seed(9);
+  nn::Llama a(c);
+  torch::manual_seed(9);
+  nn::Llama b(c, nn::ParamInit{});
+  expect_same_parameters(a, b);
+}
+
+// For each optimizer partition of this rank, its fp32 master against `ref` (name -> float value) over the part it owns.
+template <class T>
+void expect_masters(T& trainer, const std::map<std::string, torch::Tensor>& ref, const std::string& what) {
+  const auto layouts = trainer.partition_layouts();
+  const auto state = trainer.optimizer_state();
+  ASSERT_EQ(layouts.size(), state.size());
+  for (std::size_t i = 0; i < state.size(); ++i) {
+    const torch::Tensor& master = state[i][0];
+    ASSERT_TRUE(master.defined()) << what;
+    const int64_t begin = layouts[i].second, end = begin + master.numel();
+    for (const auto& e : layouts[i].first->entries()) {
+      const int64_t lo = std::max(begin, e.offset), hi = std::min(end, e.offset + e.numel);
+      if (lo >= hi) continue;
+      const torch::Tensor want = ref.at(e.name).reshape({-1}).narrow(0, lo - e.offset, hi - lo);
+      EXPECT_TRUE(torch::equal(master.narrow(0, lo - begin, hi - lo).cpu(), want)) << e.name << " " << what;
+    }
+  }
+}
+
+// Streaming into a trainer (each rank its shards and masters) trains exactly like building the trainer on the model
+// loaded whole in float: after a step every parameter has the same bits.
+template <class S>
+void expect_streamed_load_matches(const std::string& fixture, int world) {
+  const fs::path dir = kFixtures / fixture;
+  const std::string what = fixture + " world " + std::to_string(world);
+  nn::Llama whole_f32 = nn::load_hf_llama(dir, {.dtype = torch::kFloat32});
+  std::map<std::string, torch::Tensor> file_values;  // the file's values in float: what the masters must hold
+  for (const auto& p : whole_f32->named_parameters()) file_values[p.key()] = p.value().detach().clone();
+  const nn::LlamaConfig c = whole_f32->config;
+  std::vector<nn::Llama> streamed, whole;
+  for (int r = 0; r < world; ++r) {
+    streamed.push_back(empty_model(dir, torch::kBFloat16));
+    whole.push_back(nn::load_hf_llama(dir, {.dtype = torch::kFloat32}));
+  }
+  std::vector<std::vector<std::pair<std::string, torch::Tensor>>> got(world), want(world), loaded(world);
+  comm::run_ranks(world, [&](std::shared_ptr<comm::LocalComm> comm) {
+    const int r = comm->rank();
+    torch::manual_seed(17 + r);
+    const torch::Tensor ids = torch::randint(c.vocab, {2, 9}, torch::kLong);  // [B, T + 1], per rank
+    const auto step = [&](auto& trainer, nn::Llama& m) { trainer.step([&] { return m->loss(ids.narrow(1, 0, 8), ids.narrow(1, 1, 8)); }); };
+    {
+      auto trainer = make_trainer<S>(streamed[r], AdamW{.lr = 1e-2f}, comm);
+      nn::load_hf_weights(trainer, *streamed[r], dir);
+      loaded[r] = trainer.full_parameters();
+      expect_masters(trainer, file_values, what);
+      step(trainer, streamed[r]);
+      got[r] = trainer.full_parameters();
+    }
+    auto trainer = make_trainer<S>(whole[r], AdamW{.lr = 1e-2f}, comm);
+    step(trainer, whole[r]);
+    want[r] = trainer.full_parameters();
+  });
+  for (const auto& [name, value] : loaded[0])  // before the step: the file's values rounded to bf16
+    EXPECT_TRUE(torch::equal(value, file_values.at(name).to(torch::kBFloat16))) << name << " " << what;
+  ASSERT_EQ(got[0].size(), want[0].size());
+  for (std::size_t i = 0; i < got[0].size(); ++i) {
+    EXPECT_EQ(got[0][i].first, want[0][i].first);
+    EXPECT_TRUE(torch::equal(got[0][i].second, want[0][i].second)) << got[0][i].first << " " << what;
+  }
+}
+
+TEST(HfLoad, IntoAStage3TrainerShardByShard) {
+  using S = Strategy<Sharded<Stage3>, Precision<bf16, float>>;
+  for (const std::string fixture : {"llama2-tiny", "llama3-tiny"})  // an fp32 file and a bf16 one (tied, head_dim 24)
+    for (const int world : {1, 2, 3}) expect_streamed_load_matches<S>(fixture, world);
+}
+
+TEST(HfLoad, IntoEveryStageAndHostOffload) {
+  expect_streamed_load_matches<Strategy<Precision<bf16, float>>>("llama2-tiny", 2);
+  expect_streamed_load_matches<Strategy<Sharded<Stage1>, Precision<bf16, float>>>("llama2-tiny", 2);
+  expect_streamed_load_matches<Strategy<Sharded<Stage2>, Precision<bf16, float>>>("llama3-tiny", 3);
+  expect_streamed_load_matches<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed>>("llama2-tiny", 2);
+}
+
+TEST(HfLoad, IntoATrainerRefusalsNameTheParameter) {
+  using S = Strategy<Sharded<Stage3>, Precision<bf16, float>>;
+  const fs::path dir = kFixtures / "llama2-tiny";
+  nn::Llama m = empty_model(dir, torch::kBFloat16);
+  auto trainer = make_trainer<S>(m, AdamW{.lr = 1e-2f}, comm::LocalComm::single());
+  expect_torch_error([&] { trainer.load_parameter("block0.attn.qq.weight", torch::zeros({64, 64})); },
+                     {"'block0.attn.qq.weight'", "not a trainable parameter"});
+  expect_torch_error([&] { trainer.load_parameter("block0.attn.k.weight", torch::zeros({64, 65})); },
+                     {"'block0.attn.k.weight'", "[64, 65]"});
+  expect_torch_error([&] { trainer.load_parameter("block0.attn.k.weight", torch::zeros({64, 64}, torch::kLong)); },
+                     {"'block0.attn.k.weight'", "floating-point"});
+  expect_torch_error([&] { trainer.gather_parameter("block9.mlp.up.weight"); }, {"'block9.mlp.up.weight'", "not a trainable parameter"});
+  // A checkpoint of another network: refused before anything is written.
+  nn::load_hf_weights(trainer, *m, dir);
+  const torch::Tensor before = trainer.gather_parameter("block0.attn.k.weight");
+  expect_torch_error([&] { nn::load_hf_weights(trainer, *m, kFixtures / "llama3-tiny"); }, {"another network"});
+  EXPECT_TRUE(torch::equal(before, trainer.gather_parameter("block0.attn.k.weight")));
+  // LoRA's frozen base is not the trainer's: it must be in the model before make_trainer replaces it.
+  nn::Llama lora_model = empty_model(dir, torch::kFloat32);
+  auto lora = make_trainer<Strategy<LoRA<4, 8>>>(lora_model, AdamW{.lr = 1e-2f}, comm::LocalComm::single());
+  expect_torch_error([&] { nn::load_hf_weights(lora, *lora_model, dir); }, {"'block0.attn.q.weight'", "apply_lora"});
+}
+
 // ---- export ---------------------------------------------------------------------------------------------------------
 TEST(HfExport, RoundTripIsBitExact) {
   TempDir d("hf_roundtrip");

@@ -5,6 +5,8 @@
 //                                      its weights streamed from model.safetensors or the shards of
 //                                      model.safetensors.index.json one tensor at a time
 //   load_hf_weights(model, dir)        the same weights into an existing model (its config must be the file's)
+//   load_hf_weights(trainer, model, dir)  into a trainer at any ZeRO stage: each rank writes only its shards and
+//                                      masters (Trainer::load_parameter), for models that do not fit whole
 //   save_hf_llama(model, dir, options) config.json + safetensors shards + index under Hugging Face names, with
 //                                      LoRA folded in and quantized bases dequantised
 //   save_hf_llama(config, source, ...) the same, the tensors coming one at a time from a callback (a trainer that
@@ -15,13 +17,14 @@
 // (which refuses what squeeze does not implement, by key). Errors are c10::Error (TORCH_CHECK), as elsewhere in
 // nn; they name the tensor, key or file that was wrong.
 //
-// Host memory while loading: nn::Llama's constructor allocates the model once (float, on the host, then moved to
-// the chosen dtype and device parameter by parameter); each checkpoint tensor is then read into one buffer of its
-// own size and copied into its parameter. The model is never held twice.
+// Host memory while loading: load_hf_llama builds the model uninitialised straight in its dtype on its device
+// (ParamInit); each checkpoint tensor is then read into one host buffer of its own size and copied into its
+// parameter. The model is never held twice, and into a trainer never whole on one rank.
 #include <torch/torch.h>
 
 #include <charconv>
 #include <cmath>
+#include <concepts>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -147,44 +150,84 @@ struct HfLoadOptions {
   io::ConfigOptions config;  // allow_unknown_keys
 };
 
-// Streams the checkpoint in `dir` into `model`'s parameters, converting to their dtype and device. The model
-// must be a plain nn::Llama (before apply_lora or a stage-3 trainer empties its weights); when `dir` holds a
-// config.json, its network must be the model's.
-inline void load_hf_weights(LlamaImpl& model, const std::filesystem::path& dir, const io::ConfigOptions& config_options = {}) {
-  const io::LlamaConfig expect = to_hf_config(model.config, io::DType::F32);  // the names and shapes to find
+namespace detail {
+// A checkpoint directory checked against the network it must hold: config.json (when present) describes the same
+// network, every tensor is there with its shape and a floating-point dtype, nothing unexpected. Nothing is read yet.
+struct HfWeights {
+  io::SafetensorsCheckpoint ckpt;
+  std::vector<io::NameEntry> entries;  // in checkpoint order
+};
+inline HfWeights open_hf_weights(const LlamaConfig& c, const std::filesystem::path& dir, const io::ConfigOptions& config_options) {
+  const io::LlamaConfig expect = to_hf_config(c, io::DType::F32);  // the names and shapes to find
   if (std::filesystem::exists(dir / "config.json")) {
-    const io::LlamaConfig file = detail::torch_errors([&] { return io::load_llama_config(dir, config_options); });
-    const std::string diff = network_difference(model.config, from_hf_config(file));
+    const io::LlamaConfig file = torch_errors([&] { return io::load_llama_config(dir, config_options); });
+    const std::string diff = network_difference(c, from_hf_config(file));
     TORCH_CHECK(diff.empty(), "load_hf_weights: ", (dir / "config.json").string(), " describes another network than the model's (",
                 diff, ", the model's value first)");
   }
-  const io::SafetensorsCheckpoint ckpt = detail::torch_errors([&] { return io::SafetensorsCheckpoint::open(dir); });
+  HfWeights w{torch_errors([&] { return io::SafetensorsCheckpoint::open(dir); }), io::hf_checkpoint_tensors(expect)};
   std::map<std::string, std::vector<std::int64_t>> found;
   std::map<std::string, std::string> files;
-  for (const auto& [name, t] : ckpt.tensors()) found[name] = t.shape, files[name] = t.file;
-  detail::torch_errors([&] { io::check_hf_tensors(found, expect, files).require_ok(dir.string()); });
-
-  // Everything is checked before the first parameter changes.
-  auto params = model.named_parameters();
-  std::vector<std::pair<torch::Tensor*, io::NameEntry>> todo;
-  for (auto& e : io::hf_checkpoint_tensors(expect)) {
-    torch::Tensor* p = params.find(e.squeeze);
-    TORCH_CHECK(p != nullptr, "load_hf_weights: the model has no parameter '", e.squeeze, "' for '", e.hf, "' (not an nn::Llama?)");
-    TORCH_CHECK(p->sizes().vec() == e.shape, "load_hf_weights: parameter '", e.squeeze, "' is ", p->sizes(), ", '", e.hf, "' is ",
-                io::shape_string(e.shape), ": a LoRA-backed, quantized or stage-3-sharded layer holds no dense weight; load "
-                "before apply_lora or handing the model to a trainer");
-    const io::CheckpointTensor& info = ckpt.info(e.hf);
+  for (const auto& [name, t] : w.ckpt.tensors()) found[name] = t.shape, files[name] = t.file;
+  torch_errors([&] { io::check_hf_tensors(found, expect, files).require_ok(dir.string()); });
+  for (const io::NameEntry& e : w.entries) {
+    const io::CheckpointTensor& info = w.ckpt.info(e.hf);
     TORCH_CHECK(io::is_float_dtype(info.dtype), "load_hf_weights: tensor '", e.hf, "' in ", info.file, " has dtype ",
                 std::string(io::dtype_name(info.dtype)), ", not a floating-point dtype");
-    todo.emplace_back(p, std::move(e));
   }
+  return w;
+}
+// Reads the tensors one at a time, each into one host buffer of its own size, and hands each to sink.
+inline void stream_hf_weights(const HfWeights& w, const std::function<void(const io::NameEntry&, const torch::Tensor&)>& sink) {
   torch::NoGradGuard no_grad;
-  for (const auto& [p, e] : todo) {
-    const torch::ScalarType stored = torch_dtype_of(ckpt.info(e.hf).dtype);
-    torch::Tensor buf = torch::empty(e.shape, torch::TensorOptions().dtype(stored));  // one tensor on the host
-    detail::torch_errors([&] { ckpt.read_bytes(e.hf, detail::writable_bytes_of(buf)); });
-    p->copy_(buf);  // converts to the parameter's dtype, moves to its device
+  for (const io::NameEntry& e : w.entries) {
+    torch::Tensor buf = torch::empty(e.shape, torch::TensorOptions().dtype(torch_dtype_of(w.ckpt.info(e.hf).dtype)));
+    torch_errors([&] { w.ckpt.read_bytes(e.hf, writable_bytes_of(buf)); });
+    sink(e, buf);
   }
+}
+// The module's dense parameter for entry e, checked before anything is written.
+inline torch::Tensor* dense_target(torch::OrderedDict<std::string, torch::Tensor>& params, const io::NameEntry& e) {
+  torch::Tensor* p = params.find(e.squeeze);
+  TORCH_CHECK(p != nullptr, "load_hf_weights: the model has no parameter '", e.squeeze, "' for '", e.hf, "' (not an nn::Llama?)");
+  TORCH_CHECK(p->sizes().vec() == e.shape, "load_hf_weights: parameter '", e.squeeze, "' is ", p->sizes(), ", '", e.hf, "' is ",
+              io::shape_string(e.shape), ": a LoRA-backed, quantized or stage-3-sharded layer holds no dense weight; load "
+              "before apply_lora, or into the trainer (load_hf_weights(trainer, model, dir))");
+  return p;
+}
+}  // namespace detail
+
+// Streams the checkpoint in `dir` into `model`'s parameters, converting to their dtype and device. The model
+// must be a plain nn::Llama (before apply_lora or a stage-3 trainer empties its weights); when `dir` holds a
+// config.json, its network must be the model's. Everything is checked before the first parameter changes.
+inline void load_hf_weights(LlamaImpl& model, const std::filesystem::path& dir, const io::ConfigOptions& config_options = {}) {
+  const detail::HfWeights w = detail::open_hf_weights(model.config, dir, config_options);
+  auto params = model.named_parameters();
+  std::map<std::string, torch::Tensor*> target;
+  for (const io::NameEntry& e : w.entries) target[e.squeeze] = detail::dense_target(params, e);
+  detail::stream_hf_weights(w, [&](const io::NameEntry& e, const torch::Tensor& t) { target.at(e.squeeze)->copy_(t); });
+}
+
+// The same into a trainer built on `model` (any Strategy, any ZeRO stage): its trainable parameters through
+// trainer.load_parameter (under stage 3 each rank fills only its shards; the fp32 masters take the file's values),
+// the others into the module. Build the model with ParamInit{options, /*random=*/false} to skip drawing weights
+// that are overwritten here; host memory then holds the trainer's state and one checkpoint tensor at a time.
+// Every rank reads the checkpoint (not a collective). Tensors a LoRA or quantized base replaced are refused.
+template <class TrainerT>
+  requires requires(TrainerT& t, const std::string& n, const torch::Tensor& v) {
+    t.load_parameter(n, v);
+    { t.has_parameter(n) } -> std::convertible_to<bool>;
+  }
+inline void load_hf_weights(TrainerT& trainer, LlamaImpl& model, const std::filesystem::path& dir, const io::ConfigOptions& config_options = {}) {
+  const detail::HfWeights w = detail::open_hf_weights(model.config, dir, config_options);
+  auto params = model.named_parameters();
+  std::map<std::string, torch::Tensor*> target;  // module parameters the trainer does not hold
+  for (const io::NameEntry& e : w.entries)
+    if (!trainer.has_parameter(e.squeeze)) target[e.squeeze] = detail::dense_target(params, e);
+  detail::stream_hf_weights(w, [&](const io::NameEntry& e, const torch::Tensor& t) {
+    if (auto it = target.find(e.squeeze); it != target.end()) it->second->copy_(t);
+    else trainer.load_parameter(e.squeeze, t);
+  });
 }
 
 // An nn::Llama built from `dir`'s config.json and filled with its weights.
@@ -193,8 +236,7 @@ inline Llama load_hf_llama(const std::filesystem::path& dir, const HfLoadOptions
   const torch::ScalarType dtype = o.dtype.value_or(torch_dtype_of(hf.dtype.value_or(io::DType::F32)));
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kHalf,
               "load_hf_llama: dtype must be float, bf16 or half, got ", dtype);
-  Llama model(from_hf_config(hf, dir.string()));
-  model->to(o.device, dtype);
+  Llama model(from_hf_config(hf, dir.string()), ParamInit{torch::TensorOptions().dtype(dtype).device(o.device), /*random=*/false});
   load_hf_weights(*model, dir, o.config);
   return model;
 }

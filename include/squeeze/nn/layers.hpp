@@ -28,6 +28,14 @@
 namespace squeeze::nn {
 
 using train::FlatParams;
+
+// Where a layer allocates its parameters and whether it draws their initial values. The default is torch's:
+// float on the CPU, random. random = false leaves the memory uninitialised, for weights loaded right after
+// construction (nn/hf_llama.hpp), so a 7B model is neither built in float on the host first nor drawn at random.
+struct ParamInit {
+  torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat32);
+  bool random = true;
+};
 using train::Shardable;
 using train::Stage3Group;
 
@@ -137,15 +145,19 @@ using LinearBacking = std::function<torch::Tensor(const torch::Tensor&)>;
 class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public Shardable {
  public:
   LinearImpl(int64_t in, int64_t out) : LinearImpl(torch::nn::LinearOptions(in, out)) {}
-  explicit LinearImpl(const torch::nn::LinearOptions& o) : options(o) { reset(); }
+  explicit LinearImpl(const torch::nn::LinearOptions& o, ParamInit init = {}) : options(o), init_(std::move(init)) { reset(); }
 
   // torch::nn::Linear's initialisation: U(-1/sqrt(in), 1/sqrt(in)) for weight and bias.
   void reset() override {
     TORCH_CHECK(options.in_features() > 0 && options.out_features() > 0, "squeeze::nn::Linear: sizes must be positive, got ",
                 options.in_features(), "x", options.out_features());
     const double bound = 1.0 / std::sqrt(double(options.in_features()));
-    weight = register_parameter("weight", torch::empty({options.out_features(), options.in_features()}).uniform_(-bound, bound));
-    if (options.bias()) bias = register_parameter("bias", torch::empty({options.out_features()}).uniform_(-bound, bound));
+    const auto make = [&](torch::IntArrayRef shape) {
+      torch::Tensor t = torch::empty(shape, init_.options);
+      return init_.random ? t.uniform_(-bound, bound) : t;
+    };
+    weight = register_parameter("weight", make({options.out_features(), options.in_features()}));
+    if (options.bias()) bias = register_parameter("bias", make({options.out_features()}));
   }
   void pretty_print(std::ostream& s) const override {
     s << "squeeze::nn::Linear(in_features=" << options.in_features() << ", out_features=" << options.out_features()
@@ -211,6 +223,7 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public Shardable {
   torch::Tensor bias;    // [out], or undefined without bias
 
  private:
+  ParamInit init_;
   Stage3Group* group_ = nullptr;
   LinearBacking backing_;
   std::string backing_name_;
@@ -220,7 +233,7 @@ TORCH_MODULE(Linear);
 class EmbeddingImpl : public torch::nn::Cloneable<EmbeddingImpl>, public Shardable {
  public:
   EmbeddingImpl(int64_t num, int64_t dim) : EmbeddingImpl(torch::nn::EmbeddingOptions(num, dim)) {}
-  explicit EmbeddingImpl(const torch::nn::EmbeddingOptions& o) : options(o) {
+  explicit EmbeddingImpl(const torch::nn::EmbeddingOptions& o, ParamInit init = {}) : options(o), init_(std::move(init)) {
     TORCH_CHECK(!o.padding_idx() && !o.max_norm() && !o.scale_grad_by_freq() && !o.sparse() && !o._weight().defined(),
                 "squeeze::nn::Embedding supports num_embeddings and embedding_dim only (padding_idx, max_norm, "
                 "scale_grad_by_freq, sparse and _weight are not implemented): load weights after construction instead");
@@ -229,7 +242,8 @@ class EmbeddingImpl : public torch::nn::Cloneable<EmbeddingImpl>, public Shardab
   // torch::nn::Embedding's initialisation: N(0, 1).
   void reset() override {
     TORCH_CHECK(options.num_embeddings() > 0 && options.embedding_dim() > 0, "squeeze::nn::Embedding: sizes must be positive");
-    weight = register_parameter("weight", torch::randn({options.num_embeddings(), options.embedding_dim()}));
+    torch::Tensor w = torch::empty({options.num_embeddings(), options.embedding_dim()}, init_.options);
+    weight = register_parameter("weight", init_.random ? w.normal_() : w);
   }
   void pretty_print(std::ostream& s) const override {
     s << "squeeze::nn::Embedding(num_embeddings=" << options.num_embeddings() << ", embedding_dim=" << options.embedding_dim()
@@ -253,6 +267,7 @@ class EmbeddingImpl : public torch::nn::Cloneable<EmbeddingImpl>, public Shardab
   torch::Tensor weight;  // [num, dim]
 
  private:
+  ParamInit init_;
   Stage3Group* group_ = nullptr;
 };
 TORCH_MODULE(Embedding);

@@ -94,8 +94,8 @@ struct RMSNormImpl : torch::nn::Module, train::KeptWhole {
   torch::Tensor weight;  // [h]
   double eps;
   bool fused;
-  RMSNormImpl(int64_t hidden, double eps_, bool fused_ = false) : eps(eps_), fused(fused_) {
-    weight = register_parameter("weight", torch::ones({hidden}));
+  RMSNormImpl(int64_t hidden, double eps_, bool fused_ = false, const ParamInit& init = {}) : eps(eps_), fused(fused_) {
+    weight = register_parameter("weight", torch::ones({hidden}, init.options));
   }
   bool can_fuse(const torch::Tensor& x) const { return fused && x.scalar_type() == weight.scalar_type() && x.is_contiguous(); }
   torch::Tensor forward(const torch::Tensor& x) {  // x: [..., h]
@@ -138,8 +138,9 @@ struct AttentionImpl : torch::nn::Module {
   int64_t heads, kv_heads, head_dim;
   bool fused;  // RoPE in place on the q / k projections (fused_rope_) before the head transpose
   Linear q{nullptr}, k{nullptr}, v{nullptr}, o{nullptr};
-  explicit AttentionImpl(const LlamaConfig& c) : heads(c.heads), kv_heads(c.kv_heads), head_dim(c.head_dim()), fused(c.fused_kernels) {
-    const auto lin = [](int64_t in, int64_t out) { return Linear(torch::nn::LinearOptions(in, out).bias(false)); };
+  explicit AttentionImpl(const LlamaConfig& c, const ParamInit& init = {})
+      : heads(c.heads), kv_heads(c.kv_heads), head_dim(c.head_dim()), fused(c.fused_kernels) {
+    const auto lin = [&](int64_t in, int64_t out) { return Linear(torch::nn::LinearOptions(in, out).bias(false), init); };
     q = register_module("q", lin(c.hidden, heads * head_dim));
     k = register_module("k", lin(c.hidden, kv_heads * head_dim));
     v = register_module("v", lin(c.hidden, kv_heads * head_dim));
@@ -179,8 +180,8 @@ TORCH_MODULE(Attention);
 struct MlpImpl : torch::nn::Module {
   Linear gate{nullptr}, up{nullptr}, down{nullptr};
   bool fused;
-  explicit MlpImpl(const LlamaConfig& c) : fused(c.fused_kernels) {
-    const auto lin = [](int64_t in, int64_t out) { return Linear(torch::nn::LinearOptions(in, out).bias(false)); };
+  explicit MlpImpl(const LlamaConfig& c, const ParamInit& init = {}) : fused(c.fused_kernels) {
+    const auto lin = [&](int64_t in, int64_t out) { return Linear(torch::nn::LinearOptions(in, out).bias(false), init); };
     gate = register_module("gate", lin(c.hidden, c.ffn));
     up = register_module("up", lin(c.hidden, c.ffn));
     down = register_module("down", lin(c.ffn, c.hidden));
@@ -198,11 +199,11 @@ struct BlockImpl : torch::nn::Module {
   RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};
   Attention attn{nullptr};
   Mlp mlp{nullptr};
-  explicit BlockImpl(const LlamaConfig& c) {
-    attn_norm = register_module("attn_norm", RMSNorm(c.hidden, c.norm_eps, c.fused_kernels));
-    attn = register_module("attn", Attention(c));
-    mlp_norm = register_module("mlp_norm", RMSNorm(c.hidden, c.norm_eps, c.fused_kernels));
-    mlp = register_module("mlp", Mlp(c));
+  explicit BlockImpl(const LlamaConfig& c, const ParamInit& init = {}) {
+    attn_norm = register_module("attn_norm", RMSNorm(c.hidden, c.norm_eps, c.fused_kernels, init));
+    attn = register_module("attn", Attention(c, init));
+    mlp_norm = register_module("mlp_norm", RMSNorm(c.hidden, c.norm_eps, c.fused_kernels, init));
+    mlp = register_module("mlp", Mlp(c, init));
   }
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {  // [B, T, h]
     const torch::Tensor a = attn(attn_norm(x), cos, sin);
@@ -231,14 +232,16 @@ struct LlamaImpl : torch::nn::Module, Recomputable {
   // pass, chunks of loss_chunk_tokens rows, no recomputed head). Off: the checkpointed chunked loss below.
   bool fused_loss = false;
 
-  explicit LlamaImpl(LlamaConfig c) : config(std::move(c)) {
+  // init: where the parameters live (default float on the CPU) and whether they are drawn (reset_parameters) or
+  // left uninitialised for weights loaded next (ParamInit{options, false}: a 7B model straight in bf16 on its GPU).
+  explicit LlamaImpl(LlamaConfig c, const ParamInit& init = {}) : config(std::move(c)) {
     config.validate();
-    embed = register_module("embed", Embedding(config.vocab, config.hidden));
-    for (int64_t i = 0; i < config.layers; ++i) blocks.push_back(register_module("block" + std::to_string(i), Block(config)));
-    norm = register_module("norm", RMSNorm(config.hidden, config.norm_eps, config.fused_kernels));
+    embed = register_module("embed", Embedding(torch::nn::EmbeddingOptions(config.vocab, config.hidden), init));
+    for (int64_t i = 0; i < config.layers; ++i) blocks.push_back(register_module("block" + std::to_string(i), Block(config, init)));
+    norm = register_module("norm", RMSNorm(config.hidden, config.norm_eps, config.fused_kernels, init));
     if (!config.tie_embeddings)
-      head = register_module("head", Linear(torch::nn::LinearOptions(config.hidden, config.vocab).bias(false)));
-    reset_parameters();
+      head = register_module("head", Linear(torch::nn::LinearOptions(config.hidden, config.vocab).bias(false), init));
+    if (init.random) reset_parameters();
   }
 
   // GPT-2/LLaMA-style init: N(0, 0.02) everywhere, the two residual projections scaled by 1/sqrt(2 layers).

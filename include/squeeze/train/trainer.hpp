@@ -466,6 +466,43 @@ class Trainer {
   // Drops the layer gather_parameter keeps (after an export; the next step would make it stale).
   void release_gathered() { last_gathered_ = {}; }
 
+  // Whether `name` is a trainable parameter the trainer holds (load_parameter / gather_parameter take it).
+  bool has_parameter(const std::string& name) const { return group_of_.count(name) != 0; }
+
+  // Sets trainable parameter `name` to `value` (its full shape, any float dtype, any device): the parameter in the
+  // compute dtype and, where it has one, its fp32 master from `value` itself (a bf16 file gives exact masters; an
+  // fp32 one keeps its extra bits). Under stages 1-3 each rank writes only the part it owns, so a loader streaming a
+  // checkpoint tensor by tensor fills stage-3 shards without a full copy of the model anywhere. Not a collective:
+  // every rank passes the same full value. Adam moments are left as they are (zero before the first step).
+  void load_parameter(const std::string& name, const torch::Tensor& value) {
+    sync();
+    release_gathered();
+    TORCH_CHECK(value.defined() && value.is_floating_point(), "load_parameter: the value for '", name, "' must be a floating-point tensor");
+    const auto layouts = partition_layouts();
+    const std::vector<Partition*> parts = partitions();
+    for (std::size_t i = 0; i < parts.size(); ++i) {
+      const FlatParams& layout = *layouts[i].first;
+      for (const FlatEntry& e : layout.entries()) {
+        if (e.name != name) continue;
+        TORCH_CHECK(value.sizes().vec() == e.shape, "load_parameter: '", name, "' is ", c10::IntArrayRef(e.shape), " but the value is ",
+                    value.sizes());
+        torch::NoGradGuard ng;
+        const torch::Tensor flat = value.detach().contiguous().view({-1});
+        const bool sharded = i >= parts.size() - own3_.size();  // stage 3: e.param is emptied, the shard holds the values
+        if (!sharded) e.param.detach().copy_(flat.view(e.param.sizes()));  // stages 0-2: every rank holds the full value
+        Partition& o = *parts[i];
+        const int64_t begin = layouts[i].second, end = begin + o.param.numel();
+        const int64_t lo = std::max(begin, e.offset), hi = std::min(end, e.offset + e.numel);
+        if (lo >= hi) return;
+        const torch::Tensor part = flat.narrow(0, lo - e.offset, hi - lo);
+        if (sharded) o.param.narrow(0, lo - begin, hi - lo).copy_(part);
+        if (o.master.defined()) o.master.narrow(0, lo - begin, hi - lo).copy_(part);
+        return;
+      }
+    }
+    TORCH_CHECK(false, "load_parameter: '", name, "' is not a trainable parameter of this trainer (frozen parameters stay in the module)");
+  }
+
   // Optimizer state per partition (replicated group or buckets first, then stage-3 layers): {master, m, v},
   // fp32; with 8-bit state {master, m, v, m_absmax, v_absmax}: m, v uint8 codes [n], their block scales fp32
   // [ceil(n / 256)] (names: optimizer_state_names()). master is undefined where the parameter is its own master

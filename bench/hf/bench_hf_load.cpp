@@ -1,0 +1,127 @@
+// A Hugging Face LLaMA directory into the LLaMA example's trainer (llama::Trainer<S>::from_hf: the model built
+// uninitialised in the compute dtype on the device, then each checkpoint tensor streamed into the trainer's shards and
+// fp32 masters): seconds, GB/s over the checkpoint's bytes, peak host memory against the trainer's own state plus one
+// shard file, then one training step (its loss) and a spot check that a parameter holds the file's bits.
+//   bench_hf_load --hf DIR --out FILE.jsonl [--strategy zero3-offload-bf16-ckpt] [--batch 8] [--seq 2048] [--device cuda]
+// The row is one JSON line (commit and date from SQUEEZE_COMMIT / SQUEEZE_DATE). Make DIR with
+// tools/make_hf_fixtures.py OUT --llama-7b.
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <string>
+
+#include "trainer.hpp"
+
+namespace {
+
+using namespace squeeze;
+using Clock = std::chrono::steady_clock;
+
+struct Options {
+  std::string hf, out, strategy = "zero3-offload-bf16-ckpt", device = "cuda";
+  int64_t batch = 8, seq = 2048;
+};
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+void reset_host_peak() { std::ofstream("/proc/self/clear_refs") << "5"; }
+
+// Bytes of the host buffers the trainer keeps (masters, moments, host gradients: the optimizer state on the host).
+template <class T>
+double host_state_gb(T& trainer) {
+  double bytes = 0;
+  for (const auto& b : trainer.partition_buffers())
+    for (const auto* list : {&b.elementwise, &b.blockwise})
+      for (const auto& [name, t] : *list)
+        if (t.defined() && t.is_cpu()) bytes += double(t.nbytes());
+  return bytes / 1e9;
+}
+
+template <StrategyType S>
+nlohmann::json run(const Options& o) {
+  const torch::Device device(o.device);
+  const io::SafetensorsCheckpoint ckpt = io::SafetensorsCheckpoint::open(o.hf);
+  uint64_t checkpoint_bytes = 0, largest_shard = 0;
+  for (const auto& f : ckpt.files()) {
+    const uint64_t n = std::filesystem::file_size(std::filesystem::path(o.hf) / f);
+    checkpoint_bytes += n, largest_shard = std::max(largest_shard, n);
+  }
+  llama::TrainOptions topt;
+  topt.clip = 0;  // as the table's 7B rows: the eager offload pipeline
+  topt.lr = 1e-5;
+
+  reset_host_peak();
+  const double host_before = llama::memory_use(torch::kCPU).current_gb;
+  llama::reset_peak_memory(device);
+  const auto t0 = Clock::now();
+  llama::Trainer<S> t = llama::Trainer<S>::from_hf(o.hf, topt, device);
+  t.sync();
+  const double load_s = seconds_since(t0);
+  const double host_peak = llama::memory_use(torch::kCPU).peak_gb;
+  const double device_peak = llama::memory_use(device).peak_gb;
+  const double state_gb = host_state_gb(t.trainer());
+
+  // The file's bits in the trainer: the first block's down projection, gathered, against the tensor read directly.
+  const std::string hf_name = "model.layers.0.mlp.down_proj.weight";
+  const io::CheckpointTensor& info = ckpt.info(hf_name);
+  torch::Tensor file = torch::empty(info.shape, torch::TensorOptions().dtype(nn::torch_dtype_of(info.dtype)));
+  ckpt.read_bytes(hf_name, {reinterpret_cast<std::byte*>(file.data_ptr()), size_t(file.nbytes())});
+  const torch::Tensor held = t.trainer().gather_parameter("block0.mlp.down.weight").cpu();
+  t.trainer().release_gathered();
+  const bool bits_match = torch::equal(held, file.to(held.scalar_type()));
+
+  const nn::LlamaConfig& config = t.model()->config;
+  torch::manual_seed(1);
+  const auto tokens = torch::randint(config.vocab, {o.batch, o.seq + 1}, torch::TensorOptions().dtype(torch::kLong)).to(device);
+  const torch::Tensor x = tokens.narrow(1, 0, o.seq), y = tokens.narrow(1, 1, o.seq);  // [B, T]
+  const auto ts = Clock::now();
+  const double loss = t.step(x, y).loss;
+  t.sync();
+  const double step_s = seconds_since(ts);
+
+  // Target: host peak within the trainer's own state + one shard file (+ the process before loading).
+  const double host_budget = host_before + state_gb + double(largest_shard) / 1e9;
+  const char* commit = std::getenv("SQUEEZE_COMMIT");
+  const char* date = std::getenv("SQUEEZE_DATE");
+  return {{"bench", "hf_load"}, {"case", o.strategy + "/" + std::filesystem::path(o.hf).filename().string()},
+          {"strategy", strategy_name<S>()}, {"params", config.shape().params()}, {"checkpoint_gb", double(checkpoint_bytes) / 1e9},
+          {"largest_shard_gb", double(largest_shard) / 1e9}, {"load_s", load_s}, {"load_GBps", double(checkpoint_bytes) / 1e9 / load_s},
+          {"host_before_gb", host_before}, {"host_peak_gb", host_peak}, {"host_state_gb", state_gb}, {"host_budget_gb", host_budget},
+          {"host_within_budget", host_peak <= host_budget}, {"device_peak_gb", device_peak}, {"target_s", 30.0},
+          {"within_target_s", load_s <= 30.0}, {"bits_match_file", bits_match}, {"first_step_loss", loss}, {"first_step_s", step_s},
+          {"batch", o.batch}, {"seq", o.seq}, {"commit", commit ? commit : "unknown"}, {"date", date ? date : ""}};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  CLI::App app{"squeeze: a Hugging Face LLaMA into a trainer (time, host peak, first step)"};
+  app.add_option("--hf", o.hf, "Hugging Face LLaMA directory (config.json + safetensors)")->required()->check(CLI::ExistingDirectory);
+  app.add_option("--out", o.out, "append the JSON line here")->required();
+  app.add_option("--strategy", o.strategy, "zero3-offload-bf16-ckpt, zero3-offload-bf16-ckpt-adam8 or zero3-bf16-ckpt")->capture_default_str();
+  app.add_option("--batch", o.batch, "sequences of the step after loading")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--seq", o.seq)->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--device", o.device)->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  try {
+    nlohmann::json row;
+    if (o.strategy == "zero3-offload-bf16-ckpt") row = run<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed>>(o);
+    else if (o.strategy == "zero3-offload-bf16-ckpt-adam8")
+      row = run<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed, Quantized<8, Blockwise8>>>(o);
+    else if (o.strategy == "zero3-bf16-ckpt") row = run<Strategy<Sharded<Stage3>, Precision<bf16, float>, Checkpointed>>(o);
+    else throw std::runtime_error("--strategy: one of zero3-offload-bf16-ckpt, zero3-offload-bf16-ckpt-adam8, zero3-bf16-ckpt, got '" + o.strategy + "'");
+    std::ofstream(o.out, std::ios::app) << row.dump() << "\n";
+    std::cout << row.dump(1) << "\n";
+  } catch (const std::exception& e) {
+    std::cerr << "bench_hf_load: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}
