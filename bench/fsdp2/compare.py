@@ -11,44 +11,29 @@ world 1 (scaling efficiency), then FSDP2's peak and tokens/s per GPU, speed = ou
 mem = FSDP2's peak / ours (> 1: ours smaller). The last line of each configuration wins (files may be appended to).
 --jsonl OUT appends one line per matched pair: {"case", "preset", "world", "tokens_per_s_per_gpu",
 "fsdp2_tokens_per_s_per_gpu", "speed_vs_fsdp2", "peak_gb", "fsdp2_peak_gb", "mem_vs_fsdp2", "fused_loss", "commit", "date"}.
-Standard library only.
+Standard library only (and bench/bench_common.py).
 """
-import json
+import os
 import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_common import append_jsonl, fmt as f, read_jsonl, split_jsonl_option  # noqa: E402
 
 
 def load(paths):
     ours, peer = {}, {}
-    for path in paths:
-        try:
-            with open(path) as f:
-                for line in f:
-                    line = line.strip()
-                    if not line:
-                        continue
-                    r = json.loads(line)
-                    if r.get("bench") == "table":
-                        ours[(r.get("preset"), r.get("case"), r.get("world", 1), r.get("batch"), r.get("seq"), r.get("layers"))] = r
-                    elif r.get("bench") == "fsdp2":
-                        peer[(r.get("preset"), r.get("peer_of"), r.get("world", 1), r.get("batch"), r.get("seq"), r.get("layers"))] = r
-        except FileNotFoundError:
-            print(f"compare.py: {path} not found", file=sys.stderr)
+    for r in read_jsonl(paths, "compare.py"):
+        if r.get("bench") == "table":
+            ours[(r.get("preset"), r.get("case"), r.get("world", 1), r.get("batch"), r.get("seq"), r.get("layers"))] = r
+        elif r.get("bench") == "fsdp2":
+            peer[(r.get("preset"), r.get("peer_of"), r.get("world", 1), r.get("batch"), r.get("seq"), r.get("layers"))] = r
     return ours, peer
-
-
-def f(r, key, fmt):
-    return format(r[key], fmt) if r is not None and key in r else "-"
 
 
 def main():
     if len(sys.argv) < 2:
         raise SystemExit(__doc__)
-    args = sys.argv[1:]
-    jsonl = None
-    if "--jsonl" in args:
-        i = args.index("--jsonl")
-        jsonl = args[i + 1]
-        del args[i:i + 2]
+    args, jsonl = split_jsonl_option(sys.argv[1:])
     ours, peer = load(args)
     pairs = []
     keys = sorted(set(ours) | set(peer), key=lambda k: (str(k[0]), str(k[1]), k[3] or 0, k[4] or 0, k[2]))
@@ -78,9 +63,7 @@ def main():
               f"{f(o, 'tokens_per_s_per_gpu', '.0f'):>10} {f(o, 'mfu', '.3f'):>6} {scale:>5} | {f(p, 'peak_gb', '.2f'):>8} "
               f"{f(p, 'tokens_per_s_per_gpu', '.0f'):>10} {f(p, 'mfu', '.3f'):>6} | {speed:>6} {mem:>6}  {'; '.join(notes)[:120]}")
     if jsonl:
-        with open(jsonl, "a") as out:
-            for row in pairs:
-                out.write(json.dumps(row) + "\n")
+        append_jsonl(jsonl, pairs)
     print("reference (published, not this machine): torchtitan FSDP, Llama3.1-8B on 8x H100: 5,762 tokens/s per GPU")
 
 

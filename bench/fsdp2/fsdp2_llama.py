@@ -35,7 +35,6 @@ Without WORLD_SIZE in the environment (plain python3) it runs as the one rank of
 """
 import argparse
 import datetime
-import json
 import math
 import os
 import sys
@@ -48,30 +47,10 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
-# vocab, hidden, layers, heads, kv_heads, ffn: nn::LlamaConfig::preset (include/squeeze/nn/llama.hpp) and
-# plan::find_preset (include/squeeze/plan/model_shape.hpp).
-PRESETS = {
-    "tiny": (256, 128, 4, 4, 2, 352),
-    "125m": (32000, 768, 12, 12, 12, 2048),
-    "tinyllama-1.1b": (32000, 2048, 22, 32, 4, 5632),
-    "llama-7b": (32000, 4096, 32, 32, 32, 11008),
-}
-ROPE_THETA = 10000.0
-NORM_EPS = 1e-5
-
-# NVIDIA's H200 SXM datasheet: 1,979 TFLOP/s of bf16 tensor-core math with 2:4 sparsity, so 989 TFLOP/s dense
-# (bench_table's kH200DenseBf16Flops).
-H200_DENSE_BF16_FLOPS = 989e12
-
-
-def flops_per_token(vocab, hidden, layers, heads, kv_heads, ffn, seq):
-    """6·N + 12·L·T·d with N = every parameter but the token-embedding table (plan::ModelShape::params() -
-    embedding_params(), as bench_table: the seven linears and two norm gains per block, the final norm, the head)."""
-    kv_dim = kv_heads * (hidden // heads)
-    block = 2 * hidden * hidden + 2 * hidden * kv_dim + 3 * hidden * ffn + 2 * hidden
-    n = layers * block + hidden + vocab * hidden
-    return 6.0 * n + 12.0 * layers * seq * hidden
-
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# The presets, the FLOPs formula and peak constant, the data windows: shared with bench_table's other peers.
+from bench_common import (H200_DENSE_BF16_FLOPS, NORM_EPS, PRESETS, ROPE_THETA, append_jsonl, batch, corpus_tokens,  # noqa: E402
+                          flops_per_token, run_metadata)
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden):
@@ -176,32 +155,6 @@ class Llama(nn.Module):
         return F.cross_entropy(logits.reshape(-1, self.vocab).float(), targets.reshape(-1))
 
 
-def corpus_tokens(path):
-    """bench_table's training text of FILE as byte tokens: every line but the last 5% (at least one)."""
-    with open(path, "rb") as f:
-        lines = f.read().split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    if len(lines) < 2:
-        raise SystemExit(f"--corpus {path}: needs at least two lines (train and validation)")
-    n_val = max(1, int(len(lines) * 0.05))
-    text = b"".join(line + b"\n" for line in lines[: len(lines) - n_val])
-    return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()  # [n]
-
-
-def batch(args, vocab, tokens, step, rank, world, device):
-    """This rank's [B, T] inputs and targets of step `step`: rows [rank·B, (rank+1)·B) of B·world windows."""
-    g = torch.Generator().manual_seed(args.seed * 1000003 + step)
-    n = args.batch * world
-    if tokens is None:
-        w = torch.randint(0, vocab, (n, args.seq + 1), generator=g)  # [B·world, T+1]
-    else:
-        start = torch.randint(0, tokens.numel() - args.seq - 1, (n, 1), generator=g)  # [B·world, 1]
-        w = tokens[start + torch.arange(args.seq + 1)]  # [B·world, T+1]
-    w = w[rank * args.batch : (rank + 1) * args.batch].to(device)
-    return w[:, :-1], w[:, 1:]
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="append the JSON line here (rank 0)")
@@ -253,8 +206,7 @@ def main():
     record = {"bench": "fsdp2", "case": case, "peer_of": peer_of, "preset": args.preset, "layers": layers, "world": world,
               "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup, "clip": args.clip, "lr": args.lr,
               "ckpt": args.ckpt, "offload": args.offload, "flops_per_token": model_flops, "torch": torch.__version__,
-              "device": os.environ.get("SQUEEZE_DEVICE", device.type), "date": os.environ.get("SQUEEZE_DATE", ""),
-              "commit": os.environ.get("SQUEEZE_COMMIT", ""), "oom": False}
+              **run_metadata(device.type), "oom": False}
 
     try:
         if device.type == "cuda":
@@ -317,15 +269,13 @@ def main():
         record["error"] = str(e).split("\n")[0][:300]
         print(f"fsdp2_llama rank {rank} of {world}: {case} failed: {record['error']}", file=sys.stderr, flush=True)
         if rank == 0:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            append_jsonl(args.out, [record])
         # Another rank may be inside a collective this one will never join: leave at once (torchrun then stops
         # the others; otherwise their NCCL timeout does).
         os._exit(1)
 
     if rank == 0:
-        with open(args.out, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_jsonl(args.out, [record])
         print(f"{case:<24} world {world} B {args.batch} T {args.seq}: peak {record['peak_gb']:.2f} GB/GPU, "
               f"{record['tokens_per_s']:.0f} tok/s ({record['tokens_per_s_per_gpu']:.0f}/GPU), MFU {record['mfu']:.3f}, "
               f"{record['time_ms']:.0f} ms/step, loss {record['final_loss']:.3f}", flush=True)
