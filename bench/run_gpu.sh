@@ -2,7 +2,7 @@
 # One call on the GPU machine: build with libtorch's CUDA side, run the GPU tests (ctest -L cuda) and the
 # benchmarks, write full results under $OUT (default ./gpu-results) and print a short table last.
 #   usage: bash bench/run_gpu.sh [bench-name ...]    (no names: all benchmarks but the 7B rows;
-#          names: adamw fused gemm4 gemm4_probe dequant wgmma_rate gptq zero table table7b table7b_offload diag7b ncu_gemm ncu_sm90 llama_gptq scale scale7b scale7b_w1)
+#          names: adamw fused gemm4 gemm4_probe dequant wgmma_rate gptq zero table table7b table7b_offload diag7b ncu_gemm ncu_sm90 llama_gptq scale scale7b scale7b_w1 qlora)
 #   env: TARGETS="t1 t2" builds only those targets (default: everything); GPU_TESTS=0 skips ctest -L cuda;
 #        GPU_TESTS_REGEX="Quant|Zero" runs only the cuda-labelled tests whose names match (ctest -R);
 #        BENCH_ARGS_<name>="..." extra arguments for one benchmark (e.g. BENCH_ARGS_table="--rows bf16,ckpt");
@@ -143,6 +143,11 @@ if named scale7b_w1; then  # the same at world 1 (planned 119 GB; the offload ro
     tee "$OUT/scale7b_w1.log"
 fi
 if named scale || named scale7b || named scale7b_w1; then python3 "$ROOT/bench/fsdp2/compare.py" "$OUT/scale.jsonl" "$OUT/fsdp2.jsonl" | tee "$OUT/scale-table.txt"; fi
+
+# QLoRA against transformers + bitsandbytes + PEFT (only when named): bench_table's qlora row and bench/qlora/qlora_peer.py
+# at TinyLlama-1.1B and LLaMA-7B, B=8, T=2048, then bench/qlora/compare.py ($OUT/qlora-*.jsonl, qlora-compare.txt);
+# about 5 minutes. bitsandbytes and peft must be importable first (bench/qlora/README.md: the carried wheels).
+if named qlora; then bash "$ROOT/bench/qlora/run_h200.sh" "$BUILD/bench/table/bench_table"; fi
 
 # Nsight Compute on the library's 4-bit GEMM at batch 1 and 16 on the largest shape (only when named): speed
 # of light, occupancy, launch statistics and warp stall reasons of the first launches of each case.

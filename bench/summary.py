@@ -1,6 +1,7 @@
 """Print one line per benchmark case from JSON-lines result files: bench, case, ratio to peer, roofline.
 Strategy-table lines (bench "table") also show peak memory beside the planner and validation perplexity (and the
-number of GPUs when more than one); FSDP2 peer lines (bench "fsdp2") peak memory per GPU, tokens/s per GPU and MFU;
+number of GPUs when more than one); FSDP2 peer lines (bench "fsdp2") peak memory per GPU, tokens/s per GPU and MFU; the QLoRA
+peer's (bench "hf_qlora") and bench/qlora/compare.py's lines likewise;
 llama_gptq lines (examples/llama_gptq) show perplexity, its ratio to the unquantized model and the KL to it; wgmma_rate
 lines (bench_wgmma_rate) cycles per instruction."""
 import json
@@ -40,6 +41,18 @@ for path in sys.argv[1:]:
                 continue
             print(f"fsdp2    {name:<44} peer of {r.get('peer_of', '?'):<24} peak {num(r, 'peak_gb'):6.2f} GB/GPU "
                   f"{num(r, 'tokens_per_s_per_gpu'):8.0f} tok/s/GPU  MFU {num(r, 'mfu'):5.3f}")
+            continue
+        if r.get("bench") == "hf_qlora":  # bench/qlora/qlora_peer.py: the transformers + bitsandbytes + PEFT peer of qlora
+            name = f"{r.get('case', '?')} {r.get('preset', '')} B={r.get('batch', '?')}"
+            if r.get("error"):
+                print(f"hf_qlora {name:<44} {'OOM' if r.get('oom') else 'error'}: {r['error'][:80]}")
+                continue
+            print(f"hf_qlora {name:<44} peer of {r.get('peer_of', '?'):<24} peak {num(r, 'peak_gb'):6.2f} GB "
+                  f"{num(r, 'tokens_per_s'):8.0f} tok/s  MFU {num(r, 'mfu'):5.3f}")
+            continue
+        if "bench" not in r and "peer_tokens_per_s" in r:  # bench/qlora/compare.py --jsonl: ours against the peer
+            print(f"qlora    {r.get('case', '?')} {r.get('preset', ''):<38} x{num(r, 'speed_vs_peer'):6.2f} tokens/s, "
+                  f"x{num(r, 'mem_vs_peer'):5.2f} memory vs transformers + bitsandbytes + PEFT ({num(r, 'peak_gb'):.2f} GB)")
             continue
         if r.get("bench") == "wgmma_rate":  # bench_wgmma_rate: an instruction rate, no peer
             print(f"wgmma_rate {r.get('case', '?'):<42} {num(r, 'cycles_per_wgmma_per_sm'):6.1f} cycles per wgmma per SM  "

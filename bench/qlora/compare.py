@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""The QLoRA table: bench_table's `qlora` row (JSON lines, bench "table") beside the transformers + bitsandbytes +
+PEFT peer in the same configuration (qlora_peer.py JSON lines, bench "hf_qlora", matched by peer_of = the
+bench_table case, preset, layers, batch and seq), one GPU.
+
+    python3 bench/qlora/compare.py gpu-results/qlora-table.jsonl gpu-results/qlora-peer.jsonl [--jsonl qlora-compare.jsonl]
+
+Columns: peak GB (both: the CUDA caching allocator's peak of allocated bytes from the model's construction or
+loading to the last timed step) and the planner's, tokens/s, MFU (6N + 12LTd model FLOPs over the H200's dense
+bf16 peak, the same in both programs), then the peer's peak and tokens/s, speed = ours / peer's tokens/s,
+mem = the peer's peak / ours (> 1: ours smaller), target: speed >= 1.2 and mem >= 1 (issue 36's QLoRA target).
+The last line of each configuration wins (files may be appended to). --jsonl OUT appends one line per matched pair:
+{"case", "preset", "tokens_per_s", "peer_tokens_per_s", "speed_vs_peer", "peak_gb", "peer_peak_gb", "mem_vs_peer",
+"commit", "date"} (commit and date: bench_table's line). Standard library only (and bench/bench_common.py).
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_common import append_jsonl, fmt as f, read_jsonl, split_jsonl_option  # noqa: E402
+
+SPEED_TARGET = 1.2  # ours / peer tokens/s
+MEM_TARGET = 1.0  # peer's peak / ours
+
+
+def key(r, case_field):
+    return (r.get("preset"), r.get(case_field), r.get("layers"), r.get("batch"), r.get("seq"))
+
+
+def load(paths):
+    ours, peer = {}, {}
+    for r in read_jsonl(paths, "compare.py"):
+        if r.get("bench") == "table" and r.get("case") == "qlora" and r.get("world", 1) == 1:
+            ours[key(r, "case")] = r
+        elif r.get("bench") == "hf_qlora":
+            peer[key(r, "peer_of")] = r
+    return ours, peer
+
+
+def pair(o, p):
+    """The qlora-compare line of a matched pair, or None when either side has no measurement."""
+    if o is None or p is None or not all(r.get("tokens_per_s") and r.get("peak_gb") for r in (o, p)):
+        return None
+    return {"case": o["case"], "preset": o["preset"], "tokens_per_s": o["tokens_per_s"], "peer_tokens_per_s": p["tokens_per_s"],
+            "speed_vs_peer": o["tokens_per_s"] / p["tokens_per_s"], "peak_gb": o["peak_gb"], "peer_peak_gb": p["peak_gb"],
+            "mem_vs_peer": p["peak_gb"] / o["peak_gb"], "commit": o.get("commit"), "date": o.get("date")}
+
+
+def main():
+    if len(sys.argv) < 2:
+        raise SystemExit(__doc__)
+    args, jsonl = split_jsonl_option(sys.argv[1:])
+    ours, peer = load(args)
+    pairs = []
+    keys = sorted(set(ours) | set(peer), key=lambda k: tuple(str(x) for x in k))
+    print(f"{'preset':<15} {'case':<12} {'L':>3} {'B':>3} {'T':>5} {'peak GB':>8} {'plan GB':>8} {'tok/s':>8} {'MFU':>6} |"
+          f" {'peer GB':>8} {'tok/s':>8} {'MFU':>6} | {'speed':>6} {'mem':>6} {'target':>6}  note")
+    for k in keys:
+        preset, case, layers, batch, seq = k
+        o, p = ours.get(k), peer.get(k)
+        row = pair(o, p)
+        speed = mem = target = "-"
+        if row is not None:
+            pairs.append(row)
+            speed, mem = f"{row['speed_vs_peer']:.2f}", f"{row['mem_vs_peer']:.2f}"
+            target = "met" if row["speed_vs_peer"] >= SPEED_TARGET and row["mem_vs_peer"] >= MEM_TARGET else "missed"
+        notes = [f"{who}: {'OOM' if r.get('oom') else r['error']}" for who, r in (("ours", o), ("peer", p)) if r is not None and r.get("error")]
+        if o is None:
+            notes.append("no bench_table line")
+        if p is None:
+            notes.append("no peer line")
+        if o is not None and p is not None and o.get("commit") and p.get("commit") and o["commit"] != p["commit"]:
+            notes.append(f"commits differ: {o['commit']} / {p['commit']}")
+        print(f"{str(preset):<15} {str(case):<12} {layers or 0:>3} {batch or 0:>3} {seq or 0:>5} {f(o, 'peak_gb', '.2f'):>8} "
+              f"{f(o, 'planned_gb', '.2f'):>8} {f(o, 'tokens_per_s', '.0f'):>8} {f(o, 'mfu', '.3f'):>6} | {f(p, 'peak_gb', '.2f'):>8} "
+              f"{f(p, 'tokens_per_s', '.0f'):>8} {f(p, 'mfu', '.3f'):>6} | {speed:>6} {mem:>6} {target:>6}  {'; '.join(notes)[:120]}")
+    if jsonl:
+        append_jsonl(jsonl, pairs)
+    print(f"peer: transformers LlamaForCausalLM + bitsandbytes NF4 (double quant, bf16 compute) + PEFT LoRA, gradient "
+          f"checkpointing, sdpa; target: speed >= {SPEED_TARGET} and mem >= {MEM_TARGET}")
+
+
+if __name__ == "__main__":
+    main()
