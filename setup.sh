@@ -22,8 +22,10 @@ if [ "${SKIP_PIP:-0}" != 1 ]; then
   # libraries squeeze links for CPU work (torch_cpu, c10) need none of them. Supported: libtorch 2.4 - 2.x
   # (tested: 2.15 here, 2.11+cu130 on the GPU machine). A CMake >= 3.28 is needed for CUDA C++20. numpy: the
   # GPTQ reimplementation of tools/check_quant_interop.py (ctest quant_interop_numpy_gptq).
-  step "PyPI: libtorch (torch wheel, no NVIDIA runtime wheels), CMake >= 3.28, numpy"
+  step "PyPI: libtorch (torch wheel, no NVIDIA runtime wheels), CMake >= 3.28, numpy, tokenizers"
   python3 -m pip install -q --no-deps "torch>=2.4,<3" "cmake>=3.28,<5" "numpy>=1.24"
+  # tokenizers: tools/tokenize_hf.py (tokenizer.json to token shards) and its ctest hf.tokenize_hf.
+  python3 -m pip install -q "tokenizers>=0.15"
 fi
 CMAKE=$(python3 -c 'import cmake, os; print(os.path.join(cmake.CMAKE_BIN_DIR, "cmake"))' 2>/dev/null || command -v cmake)
 echo "cmake: $($CMAKE --version | head -1)"

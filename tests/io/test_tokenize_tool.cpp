@@ -138,7 +138,7 @@ TEST(TokenizeTool, BadInputsAreNamedAndLeaveNoShards) {
   // A tokenizer.json-only model (LLaMA 3) is not supported, and says so.
   fs::remove(dir.path / "hf" / "tokenizer.model");
   std::ofstream(dir.path / "hf" / "tokenizer.json") << "{}";
-  expect_failure(tokenize("--model " + q(dir.path / "hf") + out + q(kGenesis)), {"tokenizer.json", "not supported", "SentencePiece"});
+  expect_failure(tokenize("--model " + q(dir.path / "hf") + out + q(kGenesis)), {"tokenizer.json", "not supported", "SentencePiece", "tools/tokenize_hf.py"});
   expect_failure(tokenize("--model " + q(dir.path / "nowhere") + out + q(kGenesis)), {"nowhere", "does not exist"});
   // One file as one document cannot be split into training and validation.
   expect_failure(tokenize("--model " + q(kSpm) + out + q(kGenesis)), {"validation would be empty", "--split"});

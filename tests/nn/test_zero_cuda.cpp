@@ -8,6 +8,10 @@
 #if defined(SQUEEZE_WITH_NCCL) && SQUEEZE_WITH_NCCL
 #include <squeeze/comm/nccl.hpp>
 #endif
+#if defined(SQUEEZE_TORCH_CUDA)
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/util/Exception.h>
+#endif
 
 namespace {
 
@@ -154,6 +158,64 @@ TEST(ZeroCuda, Stage2BucketsBitwise) {
                    "GPU Stage2 buckets world " + std::to_string(world));
   }
 }
+
+#if defined(SQUEEZE_TORCH_CUDA)
+// libtorch's synchronizing CUDA calls (item(), blocking copies, stream syncs) while f runs: in sync debug mode
+// "warn" each one raises a c10 warning, which this handler counts.
+int count_host_syncs(const std::function<void()>& f) {
+  struct Counter : c10::WarningHandler {
+    int n = 0;
+    void process(const c10::Warning& w) override {
+      if (w.msg().find("synchroniz") != std::string::npos) ++n;
+    }
+  } counter;
+  c10::WarningUtils::WarningHandlerGuard guard(&counter);
+  struct DebugMode {
+    DebugMode() { c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_WARN); }
+    ~DebugMode() { c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED); }
+  } mode;
+  f();
+  return counter.n;
+}
+
+// With TrainerOptions::read_loss off, a micro-batch that ends no window syncs the host not at all and an optimizer
+// step once (the gradient norm's overflow and clipping decision); reading the loss adds one per micro-batch.
+template <class S>
+void expect_syncs(bool read_loss, const std::string& what) {
+  const torch::Device dev(torch::kCUDA, 0);
+  auto m = make_model(Model::mlp, torch::kFloat32);
+  m->to(dev);
+  train::TrainerOptions o;
+  o.read_loss = read_loss;
+  auto trainer = make_trainer<S>(m, AdamW{.lr = 1e-3f, .max_grad_norm = 1.0f}, comm::LocalComm::single(), o);
+  const Data data = make_data(Model::mlp, 1, 4, 8);
+  std::vector<torch::Tensor> x, y;  // on the device before the steps: a blocking upload is a sync of its own
+  for (int s = 0; s < 4; ++s) x.push_back(data.x[s][0].to(dev)), y.push_back(data.y[s][0].to(dev));
+  const auto micro = [&](int s) { return trainer.step([&] { return model_loss(Model::mlp, *m, x[s], y[s]); }); };
+  micro(0), micro(1);  // a first window: allocations, lazy initialisation
+  torch::cuda::synchronize();
+  train::StepResult inside, boundary;
+  const int inside_syncs = count_host_syncs([&] { inside = micro(2); });
+  const int boundary_syncs = count_host_syncs([&] { boundary = micro(3); });
+  EXPECT_FALSE(inside.boundary);
+  EXPECT_TRUE(boundary.boundary && boundary.applied) << what;
+  EXPECT_EQ(inside_syncs, read_loss ? 1 : 0) << what;
+  EXPECT_EQ(boundary_syncs, read_loss ? 2 : 1) << what;
+  EXPECT_EQ(std::isnan(inside.loss), !read_loss) << what;
+  EXPECT_TRUE(inside.loss_value.defined() && inside.loss_value.is_cuda()) << what;
+  EXPECT_GT(inside.loss_value.item<float>(), 0.0f) << what;
+}
+
+TEST(ZeroCuda, AStepSyncsTheHostOncePerOptimizerStep) {
+  REQUIRE_CUDA();
+  for (const bool read_loss : {false, true}) {
+    const std::string tag = read_loss ? " reading the loss" : "";
+    expect_syncs<Strategy<Accumulate<2>, Precision<bf16, float>>>(read_loss, "stage 0" + tag);
+    expect_syncs<Strategy<Sharded<Stage2>, Accumulate<2>, Precision<bf16, float>>>(read_loss, "stage 2" + tag);
+    expect_syncs<Strategy<Sharded<Stage3>, Accumulate<2>, Precision<bf16, float>>>(read_loss, "stage 3" + tag);
+  }
+}
+#endif
 
 #if defined(SQUEEZE_WITH_NCCL) && SQUEEZE_WITH_NCCL
 std::shared_ptr<comm::NcclComm> nccl_world_one() {

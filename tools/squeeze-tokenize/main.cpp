@@ -52,7 +52,8 @@ fs::path tokenizer_file(const fs::path& model) {
   if (fs::is_regular_file(model / "tokenizer.model")) return model / "tokenizer.model";
   check(!fs::exists(model / "tokenizer.json"),
         "--model " + model.string() + " has only tokenizer.json, which is not supported: squeeze reads SentencePiece "
-        "tokenizers (tokenizer.model: LLaMA-1/2, TinyLlama, Mistral), not the byte-level BPE of tokenizer.json (LLaMA 3, GPT-2)");
+        "tokenizers (tokenizer.model: LLaMA-1/2, TinyLlama, Mistral), not the byte-level BPE of tokenizer.json (LLaMA 3, GPT-2): "
+        "write its shards with tools/tokenize_hf.py");
   throw squeeze::Error("--model " + model.string() + " has no tokenizer.model");
 }
 

@@ -60,6 +60,10 @@ struct TrainerOptions {
                                            // (CUDA + NCCL: on a side stream, overlapping compute)
   int64_t bucket_bytes = int64_t(32) << 20;  // stage 2 (and stage 3's whole-kept parameters): gradient bucket size
   bool overlap_offload = true;             // Offload<Host>: transfers + CPU AdamW beside backward (see above)
+  // Each micro-batch's loss read back into StepResult::loss (one host sync per micro-batch). false: loss is NaN and
+  // StepResult::loss_value holds it on the device, to read only when logging (a CUDA step then syncs at most once per
+  // optimizer step, for the gradient norm's overflow and clipping decision).
+  bool read_loss = true;
   // 16-bit compute with fp32 masters, for a module handed over already in the compute type: the float values a
   // parameter was rounded from (by its full name, as in full_parameters()), e.g. a float checkpoint. Not needed
   // for a float module: the trainer converts it and seeds the masters from its float values itself. Null: the
@@ -69,7 +73,8 @@ struct TrainerOptions {
 };
 
 struct StepResult {
-  float loss = 0;                  // this micro-batch's loss (unscaled)
+  float loss = 0;                  // this micro-batch's loss (unscaled); NaN under TrainerOptions::read_loss = false
+  torch::Tensor loss_value;        // [] float32, where the model runs: the same loss, detached, never read by the trainer
   bool applied = false;            // the optimizer updated the parameters on this call
   bool boundary = false;           // this call ended an accumulation window (applied or skipped)
   int64_t step = 0;                // optimizer steps applied so far, this call's included

@@ -335,7 +335,8 @@ class Trainer {
     TORCH_CHECK(loss.requires_grad(), "Trainer::step: the loss does not require grad (computed under NoGradGuard?)");
     if (runtime_) runtime_->set_phase(Stage3Runtime::Phase::backward);
     (loss * (double(r.scale) * weight)).backward();
-    r.loss = loss.detach().to(torch::kFloat32).item<float>();  // read after backward: no host stall between them
+    r.loss_value = loss.detach().to(torch::kFloat32).reshape({});
+    r.loss = opt_.read_loss ? r.loss_value.item<float>() : std::nanf("");  // read after backward: no stall between them
     if (runtime_) {
       runtime_->release_all();
       runtime_->set_phase(Stage3Runtime::Phase::idle);
@@ -878,12 +879,21 @@ class Trainer {
     return p;
   }
 
-  // The global sum of squares of the reduced gradients (scaled), identical on every rank.
+  // The global sum of squares of the reduced gradients (scaled), identical on every rank. Device partitions are
+  // summed on the device in the same order and association as the host's doubles (so the same bits) and read back
+  // once: one host sync per optimizer step, not one per partition.
   double global_sum_squares() {
+    const bool on_device = !kOffload && !device_.is_cpu();
+    const auto f64 = torch::TensorOptions().dtype(torch::kFloat64).device(device_);
     if constexpr (kStage == 0) {
       // Same association as stage 1: per rank-sized chunk, chunks in rank order.
       const torch::Tensor& g = rep_->own.grad;
       const int64_t shard = rep_->flat.shard();
+      if (on_device) {
+        torch::Tensor total = torch::zeros({}, f64);
+        for (int r = 0; r < world_; ++r) total.add_(sum_squares_tensor(g.narrow(0, int64_t(r) * shard, shard)));
+        return total.item<double>();
+      }
       double total = 0;
       for (int r = 0; r < world_; ++r) {
         const double part = detail::sum_squares(g.narrow(0, int64_t(r) * shard, shard));
@@ -891,13 +901,19 @@ class Trainer {
       }
       return total;
     } else {
-      double local = 0;
-      // Offload: the worker summed each partition's host copy (the same way whether overlapped or not).
-      for (Partition* o : partitions()) local += kOffload ? o->sumsq : detail::sum_squares(o->grad);
-      if (world_ == 1) return local;
       // Where the communicator takes buffers: device memory for NCCL.
-      auto t = torch::full({1}, local, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
-      all_reduce_inplace(*comm_, t, comm::ReduceOp::sum);
+      torch::Tensor t;
+      if (on_device) {
+        t = torch::zeros({1}, f64);
+        for (Partition* o : partitions()) t.add_(sum_squares_tensor(o->grad));
+      } else {
+        double local = 0;
+        // Offload: the worker summed each partition's host copy (the same way whether overlapped or not).
+        for (Partition* o : partitions()) local += kOffload ? o->sumsq : detail::sum_squares(o->grad);
+        if (world_ == 1) return local;
+        t = torch::full({1}, local, f64);
+      }
+      if (world_ > 1) all_reduce_inplace(*comm_, t, comm::ReduceOp::sum);
       return t.item<double>();
     }
   }
