@@ -41,6 +41,7 @@ Llama quantized_llama(const std::filesystem::path& dir, const io::LlamaConfig& c
   torch::NoGradGuard no_grad;
   const auto params = model->named_parameters();
   for (const auto& [name, values] : dense) {
+    if (config.tie_word_embeddings && name == "head.weight") continue;  // the embedding's values again: a tied model reads embed.weight
     const torch::Tensor* p = params.find(name);
     TORCH_CHECK(p != nullptr, what, ": ", dir.string(), " holds '", name, "', which the model has no parameter for");
     TORCH_CHECK(p->numel() == int64_t(values.size()), what, ": ", dir.string(), ": '", name, "' has ", values.size(),
