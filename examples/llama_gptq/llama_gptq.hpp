@@ -67,13 +67,25 @@ inline std::pair<torch::nn::Module*, std::string> parent_of(Llama& model, int64_
 // The dense weight [out, in] of a block linear as it is now (ShardedLinear, Linear or CaptureLinear).
 torch::Tensor dense_weight(Llama& model, int64_t block, const std::string& path);
 
-// A dense linear that feeds its inputs to the active nn::HessianCapture (nn::observe), for calibration.
+// A block linear that is being replaced stays reachable through its block's typed member (attn->q, ...): it lets go
+// of its weight, so replaced weights are neither kept alive nor moved between devices for nothing.
+inline void release_replaced_weight(torch::nn::Module* parent, const std::string& child) {
+  if (auto old = std::dynamic_pointer_cast<nn::LinearImpl>(parent->named_children()[child])) {
+    torch::NoGradGuard ng;
+    old->weight.set_data(torch::empty({0}, old->weight.options()));
+  }
+}
+
+// A dense linear that feeds its inputs to the active nn::HessianCapture (nn::observe), for calibration. It holds
+// `weight` itself, not a copy (quantize() writes the dequantized weights into it).
 class CaptureLinearImpl : public torch::nn::Module, public nn::LinearForward {
  public:
   explicit CaptureLinearImpl(const torch::Tensor& weight /*[out, in]*/) {
-    linear = register_module("linear", torch::nn::Linear(torch::nn::LinearOptions(weight.size(1), weight.size(0)).bias(false)));
+    // Built 1 x 1 and then given the weight (its options keep saying 1 x 1): built at full size, torch::nn::Linear
+    // would first allocate and randomly initialise a weight of that size on the host (minutes for a 7B model).
+    linear = register_module("linear", torch::nn::Linear(torch::nn::LinearOptions(1, 1).bias(false)));
     torch::NoGradGuard ng;
-    linear->weight.set_data(weight.detach().clone());
+    linear->weight.set_data(weight.detach());
   }
   torch::Tensor forward_linear(const torch::Tensor& x) override { return nn::observe(linear, x); }
   torch::nn::Linear linear{nullptr};
@@ -196,12 +208,13 @@ inline QuantizeResult quantize(Llama& model, const QuantSpec& spec, const Calibr
   const std::string tag = spec.tag();
   char line[320];
 
-  // Every block linear becomes a CaptureLinear with the same weights (forward_linear reaches it by name).
+  // Every block linear becomes a CaptureLinear holding its weight (forward_linear reaches it by name).
   std::map<std::string, CaptureLinear> layers;
   for (int64_t b = 0; b < L; ++b)
     for (const auto& path : block_linears()) {
       auto [parent, child] = parent_of(model, b, path);
       CaptureLinear cl(dense_weight(model, b, path).to(torch::kFloat32));
+      release_replaced_weight(parent, child);
       parent->replace_module(child, cl);
       layers.emplace(layer_name(b, path), cl);
     }
@@ -235,7 +248,7 @@ inline QuantizeResult quantize(Llama& model, const QuantSpec& spec, const Calibr
 
   // The input of block 0 on every calibration chunk, then block by block: [b, T, h] float each.
   const int64_t T = calib.ids.front().size(1);
-  const auto [cos, sin] = nn::rope_tables(T, model->config.head_dim(), model->config.rope_theta, device);
+  const auto [cos, sin] = nn::rope_tables(T, model->config, device);  // the config's RoPE, scaled where it says so
   std::vector<torch::Tensor> x;
   for (const auto& ids : calib.ids) x.push_back(model->embed(ids));
 
@@ -288,6 +301,7 @@ inline void use_packed(Llama& model, const std::map<std::string, quant::PackedLi
       // registered as it is, so nn::apply_lora adopts it as a LoRA base (forward_linear calls it directly)
       nn::QuantizedLinear pl(it->second);
       pl->to(device);
+      release_replaced_weight(parent, child);
       parent->replace_module(child, pl);
     }
 }
