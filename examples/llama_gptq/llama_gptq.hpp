@@ -13,13 +13,23 @@
 //       form: the perplexity is computed with the packed weights actually used in the forward (CPU: the
 //       layer's dequantized weights in float; CUDA, from an nvcc translation unit: its GEMM/GEMV kernels).
 //   save_packed / load_packed  the AutoGPTQ v1 layout (quant::save_quantized: model.safetensors +
-//       quantize_config.json) plus the dense tensors in float and a config.json with the geometry.
+//       quantize_config.json) plus the dense tensors in float and a config.json with the geometry (and the
+//       model's Hugging Face config, so a model that came from one converts back to its own).
+//   hf_gptq_model / export_hf_gptq  the quantized model in the Hugging Face GPTQ layout (io/hf_gptq.hpp), written
+//       to a temporary directory, read back and compared, then renamed into place.
+//   shard_windows  calibration and validation windows from llm.c-style token shards (io/token_shards.hpp).
+#include <squeeze/io/hf_gptq.hpp>
+#include <squeeze/io/posix_file.hpp>
+#include <squeeze/io/token_shards.hpp>
 #include <squeeze/nn/gptq.hpp>
+#include <squeeze/nn/hf_llama.hpp>
 #include <squeeze/nn/llama.hpp>
 #include <squeeze/nn/lora.hpp>
 #include <squeeze/nn/quantized_linear.hpp>
 #include <squeeze/quant/gptq_file.hpp>
 #include <squeeze/quant/rtn.hpp>
+
+#include <unistd.h>
 
 #include <torch/torch.h>
 
@@ -28,11 +38,14 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -82,7 +95,7 @@ class CaptureLinearImpl : public torch::nn::Module, public nn::LinearForward {
  public:
   explicit CaptureLinearImpl(const torch::Tensor& weight /*[out, in]*/) {
     // Built 1 x 1 and then given the weight (its options keep saying 1 x 1): built at full size, torch::nn::Linear
-    // would first allocate and randomly initialise a weight of that size on the host (minutes for a 7B model).
+    // would first draw a random weight of that size on the host (about half a minute of one core for a 7B model).
     linear = register_module("linear", torch::nn::Linear(torch::nn::LinearOptions(1, 1).bias(false)));
     torch::NoGradGuard ng;
     linear->weight.set_data(weight.detach());
@@ -349,17 +362,56 @@ inline Eval evaluate(Llama& model, const std::vector<std::pair<torch::Tensor, to
   return e;
 }
 
+// Runs f() with the model's parameters converted to `dtype`, the originals restored afterwards (also when f throws):
+// the dense reference evaluated in the evaluation dtype without building a second model (for 7B: no second copy of
+// its weights, and no minute of host-side construction).
+template <class F>
+decltype(auto) with_parameters_in(Llama& model, torch::ScalarType dtype, F&& f) {
+  struct Restore {
+    std::vector<torch::Tensor> params, kept;
+    ~Restore() {
+      torch::NoGradGuard ng;
+      for (size_t i = 0; i < kept.size(); ++i) params[i].set_data(kept[i]);
+    }
+  } restore;
+  {
+    torch::NoGradGuard ng;
+    for (auto& p : model->parameters()) {
+      if (p.scalar_type() == dtype) continue;
+      restore.params.push_back(p);
+      restore.kept.push_back(p.data());
+      p.set_data(p.to(dtype));
+    }
+  }
+  return f();
+}
+
 // ---- packed checkpoints --------------------------------------------------------------------------------
 inline constexpr const char* kConfigFormat = "squeeze-llama-gptq-1";
+
+// What quantize_config.json says about a spec (the packed format and the Hugging Face layout alike).
+inline quant::QuantizeConfig quantize_config(const QuantSpec& spec) {
+  spec.validate();
+  quant::QuantizeConfig qc;
+  qc.bits = spec.bits;
+  qc.group_size = spec.group_size;
+  qc.sym = spec.sym;
+  qc.desc_act = spec.method == Method::GPTQ && spec.act_order;
+  qc.damp_percent = spec.percdamp;
+  qc.true_sequential = true;
+  return qc;
+}
 
 // The dense (unquantized) tensors: embedding, norms, head.
 inline bool is_dense_tensor(const std::string& name) {
   return name == "embed.weight" || name == "head.weight" || name.ends_with("norm.weight");
 }
 
+// `source`: the Hugging Face config the model came from (what nn::LlamaConfig does not hold: positions, token ids),
+// kept in config.json's "hf_config" with the rest of the network (tied embeddings, head_dim, RoPE scaling).
 inline void save_packed(const std::filesystem::path& dir, Llama& model, const std::map<std::string, quant::PackedLinear>& layers,
-                        const QuantSpec& spec) {
-  spec.validate();
+                        const QuantSpec& spec, const std::optional<io::LlamaConfig>& source = std::nullopt) {
+  const quant::QuantizeConfig qc = quantize_config(spec);
   std::vector<std::pair<std::string, torch::Tensor>> keep;  // owns the float copies while they are written
   std::map<std::string, io::TensorRef> extra;
   for (const auto& p : model->named_parameters()) {
@@ -368,19 +420,13 @@ inline void save_packed(const std::filesystem::path& dir, Llama& model, const st
     const auto& t = keep.back().second;
     extra[p.key()] = io::tensor_ref<float>(io::DType::F32, t.sizes().vec(), {t.data_ptr<float>(), size_t(t.numel())});
   }
-  quant::QuantizeConfig qc;
-  qc.bits = spec.bits;
-  qc.group_size = spec.group_size;
-  qc.sym = spec.sym;
-  qc.desc_act = spec.method == Method::GPTQ && spec.act_order;
-  qc.damp_percent = spec.percdamp;
-  qc.true_sequential = true;
   quant::save_quantized(dir, layers, qc, extra);
   const LlamaConfig& c = model->config;
   const nlohmann::json j = {{"format", kConfigFormat}, {"preset", c.name},        {"method", method_name(spec.method)},
                             {"vocab", c.vocab},        {"hidden", c.hidden},      {"layers", c.layers},
                             {"heads", c.heads},        {"kv_heads", c.kv_heads},  {"ffn", c.ffn},
-                            {"rope_theta", c.rope_theta}, {"norm_eps", c.norm_eps}};
+                            {"rope_theta", c.rope_theta}, {"norm_eps", c.norm_eps},
+                            {"hf_config", io::llama_config_json(nn::to_hf_config(c, io::DType::F32, source))}};
   const auto path = dir / "config.json", tmp = dir / "config.json.tmp";
   {
     std::ofstream f(tmp);
@@ -396,6 +442,7 @@ struct LoadedModel {
   Llama model{nullptr};
   QuantSpec spec;
   std::map<std::string, quant::PackedLinear> layers;
+  std::optional<io::LlamaConfig> hf_config;  // config.json's "hf_config" (directories written before it: none)
 };
 
 // Reads a directory written by save_packed; the model is on `device` in `dtype` with QuantizedLinear layers.
@@ -414,6 +461,20 @@ inline LoadedModel load_packed(const std::filesystem::path& dir, torch::Device d
     c.rope_theta = j.at("rope_theta").get<double>(), c.norm_eps = j.at("norm_eps").get<double>();
   } catch (const nlohmann::json::exception& e) {
     TORCH_CHECK(false, "'", (dir / "config.json").string(), "': ", e.what());
+  }
+  // The Hugging Face config holds the whole network (tied embeddings, head_dim, RoPE scaling); the fields above,
+  // written for readers that predate it, must say the same.
+  std::optional<io::LlamaConfig> hf_config;
+  if (j.contains("hf_config")) {
+    const std::string src = (dir / "config.json").string() + " hf_config";
+    hf_config = nn::detail::torch_errors([&] { return io::llama_config_from_json(j["hf_config"], src); });
+    const LlamaConfig h = nn::from_hf_config(*hf_config, c.name);
+    const std::vector<std::tuple<const char*, int64_t, int64_t>> fields = {{"vocab", c.vocab, h.vocab},       {"hidden", c.hidden, h.hidden},
+                                                                           {"layers", c.layers, h.layers},    {"heads", c.heads, h.heads},
+                                                                           {"kv_heads", c.kv_heads, h.kv_heads}, {"ffn", c.ffn, h.ffn}};
+    for (const auto& [field, mine, theirs] : fields)
+      TORCH_CHECK(mine == theirs, "'", (dir / "config.json").string(), "': ", field, " is ", mine, " but its hf_config says ", theirs);
+    c = h;
   }
   c.validate();
 
@@ -448,11 +509,157 @@ inline LoadedModel load_packed(const std::filesystem::path& dir, torch::Device d
     }
   TORCH_CHECK(int64_t(ck.layers.size()) == c.layers * int64_t(block_linears().size()), "quantized model file '", dir.string(), "' holds ",
               ck.layers.size(), " packed layers, the model has ", c.layers * int64_t(block_linears().size()));
+  for (int64_t b = 0; b < c.layers; ++b)
+    for (const auto& path : block_linears()) {
+      auto [parent, child] = parent_of(model, b, path);
+      release_replaced_weight(parent, child);  // about to be replaced: not worth moving to the device
+    }
   model->to(device, dtype);
   use_packed(model, ck.layers);
   out.model = model;
   out.layers = std::move(ck.layers);
+  out.hf_config = std::move(hf_config);
   return out;
+}
+
+// ---- the Hugging Face GPTQ layout -------------------------------------------------------------------------
+// The quantized model as io::save_hf_gptq takes it: the packed block linears as they are, the dense tensors
+// (embedding, norms, head) from `model` as float (the file stores them in fp16), config.json's network from the
+// model and the rest (positions, token ids) from `source`, the config the model was loaded from, where there is one.
+inline io::HfGptqModel hf_gptq_model(Llama& model, const std::map<std::string, quant::PackedLinear>& layers, const QuantSpec& spec,
+                                     const std::optional<io::LlamaConfig>& source = std::nullopt) {
+  io::HfGptqModel m;
+  m.config = nn::to_hf_config(model->config, io::DType::F16, source);
+  m.quant = quantize_config(spec);
+  m.layers = layers;
+  torch::NoGradGuard ng;
+  for (const auto& p : model->named_parameters()) {
+    if (!is_dense_tensor(p.key())) continue;
+    const torch::Tensor t = p.value().detach().to(torch::kCPU, torch::kFloat32).contiguous();
+    m.dense[p.key()] = std::vector<float>(t.data_ptr<float>(), t.data_ptr<float>() + t.numel());
+  }
+  return m;
+}
+
+// Rounds the model's dense tensors to fp16 values (in their own dtype), so that the model evaluated is the one the
+// Hugging Face layout stores.
+inline void round_dense_to_half(Llama& model) {
+  torch::NoGradGuard ng;
+  for (auto& p : model->named_parameters())
+    if (is_dense_tensor(p.key())) p.value().copy_(p.value().to(torch::kHalf));
+}
+
+// An export directory must be absent or empty; with `force` a non-empty one is replaced (after the new one is whole).
+inline void check_export_target(const std::filesystem::path& out, bool force) {
+  namespace fs = std::filesystem;
+  TORCH_CHECK(!out.empty(), "--export-hf: no directory given");
+  if (!fs::exists(out)) return;
+  TORCH_CHECK(fs::is_directory(out), "--export-hf ", out.string(), ": exists and is not a directory");
+  TORCH_CHECK(force || fs::is_empty(out), "--export-hf ", out.string(),
+              ": the directory exists and is not empty; pass --force to replace it (the old one is removed only once the new "
+              "export is complete)");
+}
+
+// --export-hf writes one quantized model: one method, one bit width, one group size.
+inline void check_single_export(const std::vector<int>& bits, const std::vector<int>& groups, const std::vector<Method>& methods) {
+  const auto several = [](size_t n, const char* what, const char* flag) {
+    TORCH_CHECK(n == 1, "--export-hf writes one quantized model, but ", flag, " asks for ", n, " ", what, ": give one --bits, one --group ",
+                "and one --methods with --export-hf");
+  };
+  several(bits.size(), "bit widths", "--bits");
+  several(groups.size(), "group sizes", "--group");
+  several(methods.size(), "methods", "--methods");
+}
+
+namespace detail {
+// The read-back export against what was written: the packed tensors bit for bit, the dense tensors as their fp16.
+inline void check_export_reads_back(const std::filesystem::path& dir, const io::HfGptqModel& written) {
+  const io::HfGptqModel back = nn::detail::torch_errors([&] { return io::load_hf_gptq(dir); });
+  const std::string src = "--export-hf: the export read back from " + dir.string();
+  TORCH_CHECK(back.layers.size() == written.layers.size(), src, " holds ", back.layers.size(), " quantized layers, ",
+              written.layers.size(), " were written");
+  for (const auto& [name, p] : written.layers) {
+    const auto it = back.layers.find(name);
+    TORCH_CHECK(it != back.layers.end(), src, " has no layer ", name);
+    const quant::PackedLinear& r = it->second;
+    const bool scales_equal = r.scales.size() == p.scales.size() &&
+                              std::memcmp(r.scales.data(), p.scales.data(), p.scales.size() * sizeof(half)) == 0;
+    TORCH_CHECK(r.in == p.in && r.out == p.out && r.bits == p.bits && r.group_size == p.group_size && r.qweight == p.qweight &&
+                    r.qzeros == p.qzeros && r.g_idx == p.g_idx && scales_equal,
+                src, ": layer ", name, " differs from the one written");
+  }
+  for (const auto& [name, v] : written.dense) {
+    const auto it = back.dense.find(name);
+    TORCH_CHECK(it != back.dense.end(), src, " has no dense tensor ", name);
+    TORCH_CHECK(io::encode_float(io::DType::F16, it->second) == io::encode_float(io::DType::F16, v), src, ": ", name,
+                " differs from the fp16 of the tensor written");
+  }
+}
+}  // namespace detail
+
+// Writes `m` to `out` whole or not at all: into a temporary directory beside it (plus `copy_files` that exist, as
+// they are: a source model's tokenizer), read back and compared, then renamed to `out`. An empty `out` is replaced;
+// a non-empty one only with `force`, and it is removed only after the new export is in place. On an error the
+// temporary directory is removed and `out` is as it was.
+inline void export_hf_gptq(const std::filesystem::path& out, const io::HfGptqModel& m, bool force,
+                           const std::vector<std::filesystem::path>& copy_files = {}) {
+  namespace fs = std::filesystem;
+  check_export_target(out, force);
+  const fs::path target = fs::absolute(out).lexically_normal();
+  const fs::path parent = target.parent_path(), name = target.filename();
+  fs::create_directories(parent);
+  const std::string token = std::to_string(::getpid());
+  const fs::path tmp = parent / (name.string() + ".tmp-" + token), old = parent / (name.string() + ".old-" + token);
+  try {
+    fs::remove_all(tmp);
+    nn::detail::torch_errors([&] { io::save_hf_gptq(tmp, m); });
+    for (const auto& f : copy_files)
+      if (fs::is_regular_file(f)) fs::copy_file(f, tmp / f.filename());
+    detail::check_export_reads_back(tmp, m);
+    check_export_target(out, force);  // nothing appeared there meanwhile
+    if (fs::exists(target) && fs::is_empty(target)) fs::remove(target);
+    if (fs::exists(target)) {
+      nn::detail::torch_errors([&] {
+        io::rename_path(target, old);
+        io::rename_path(tmp, target);
+      });
+    } else {
+      nn::detail::torch_errors([&] { io::rename_path(tmp, target); });
+    }
+    nn::detail::torch_errors([&] { io::fsync_directory(parent); });
+  } catch (...) {
+    std::error_code ec;
+    if (fs::exists(old) && !fs::exists(target)) fs::rename(old, target, ec);  // the swap half done: the old one back
+    fs::remove_all(tmp, ec);
+    throw;
+  }
+  std::error_code ec;
+  fs::remove_all(old, ec);
+}
+
+// A source model's files an export carries over as they are (what runs the model's text: its tokenizer).
+inline std::vector<std::filesystem::path> hf_side_files(const std::filesystem::path& hf_dir) {
+  std::vector<std::filesystem::path> out;
+  for (const char* f : {"tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"})
+    out.push_back(hf_dir / f);
+  return out;
+}
+
+// ---- token shards ----------------------------------------------------------------------------------------
+// Windows [first, first + n) of a token dataset of batch 1 (io::TokenDataset, in its order: shuffled by its seed, or
+// the files' order) as inputs and next-token targets, [n, T] int64 each on `device`.
+inline std::pair<torch::Tensor, torch::Tensor> shard_windows(const io::TokenDataset& d, int64_t first, int64_t n, torch::Device device) {
+  TORCH_CHECK(d.options().batch == 1, "shard_windows: the dataset must have batch 1, not ", d.options().batch);
+  TORCH_CHECK(first >= 0 && n > 0 && uint64_t(first + n) <= d.batches_per_epoch(), "shard_windows: windows [", first, ", ", first + n,
+              ") of ", d.batches_per_epoch());
+  const int64_t T = d.options().seq;
+  torch::Tensor w = torch::empty({n, T + 1}, torch::kInt);
+  for (int64_t i = 0; i < n; ++i) {
+    const std::vector<std::int32_t> row = nn::detail::torch_errors([&] { return d.batch(uint64_t(first + i)); });  // [T + 1]
+    std::memcpy(w[i].data_ptr<std::int32_t>(), row.data(), row.size() * sizeof(std::int32_t));
+  }
+  w = w.to(torch::kLong);
+  return {w.narrow(1, 0, T).contiguous().to(device), w.narrow(1, 1, T).contiguous().to(device)};
 }
 
 }  // namespace squeeze::llama_gptq

@@ -298,9 +298,12 @@ TEST(LlamaGptq, BadCheckpointsGiveClearErrors) {
   write(dir.path / "quantize_config.json", q3);
   EXPECT_TRUE(has(error_of(load), "the bit width does not match the tensors")) << error_of(load);
   write(dir.path / "quantize_config.json", qconfig);
-  // a geometry the tensors do not fit
+  // a geometry the tensors do not fit (in the fields and in the Hugging Face config beside them)
   auto c2 = config;
   c2.replace(c2.find("\"hidden\": 128"), 13, "\"hidden\": 256");
+  write(dir.path / "config.json", c2);
+  EXPECT_TRUE(has(error_of(load), "hidden is 256 but its hf_config says 128")) << error_of(load);
+  c2.replace(c2.find("\"hidden_size\": 128"), 18, "\"hidden_size\": 256");
   write(dir.path / "config.json", c2);
   EXPECT_TRUE(has(error_of(load), "the model (config.json) expects")) << error_of(load);
   // not our config
