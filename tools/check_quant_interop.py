@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Check squeeze's quantized checkpoints with the real clients, and squeeze's reader on files the clients wrote.
 
-    python3 tools/check_quant_interop.py [--numpy-only] [--reader TEST_BINARY] [--read-dir DIR] FILES OUT.jsonl
+    python3 tools/check_quant_interop.py [--numpy-only] [--reader TEST_BINARY] [--read-dir DIR] [--cases A,B] FILES OUT.jsonl
 FILES is what test_quant_interop's QuantInterop.WritesFilesForRealClients wrote (SQUEEZE_INTEROP_DIR): bnb-nf4/,
 gptq-4bit/, gptq-3bit/, each with <case>-dequantized/ (squeeze's reading, dequantized, fp32) and
-squeeze_quant_logits.safetensors. One JSON line per check; exits 1 when a check fails.
+squeeze_quant_logits.safetensors. With --numpy-only --cases, the GPTQ directories named there instead, each beside its
+<case>-dequantized/ (e.g. examples/llama_gptq's exports: test_llama_gptq_hf's LlamaGptqHf.WritesFilesForTheNumpyCheck).
+One JSON line per check; exits 1 when a check fails.
 
 bitsandbytes (needs torch, transformers, bitsandbytes and a CUDA device):
   - AutoModelForCausalLM.from_pretrained(bnb-nf4, device cuda, float32) against squeeze's logits of its dequantized
@@ -20,8 +22,13 @@ GPTQ: GPTQModel has no wheel that installs without a compiler, so the GPTQ check
 reimplementation of its dequantization (below, written from GPTQModel's loader: 2/4/8-bit v1 zero points become v2 by
 adding 0x55555555 / 0x11111111 / 0x01010101 to each int32 word; 3-bit ones field by field, (field + 1) mod 8;
 W[o, i] = scales[g_idx[i], o] * (q[i, o] - zero[g_idx[i], o])):
+  - the layout as GPTQModel loads it: quantize_config.json agrees with config.json's quantization_config, every LLaMA
+    linear of every layer is there (nothing else quantized), each with qweight I32 [in * bits / 32, out], qzeros I32
+    [groups, out * bits / 32], scales F16 [groups, out], g_idx I32 [in] in [0, groups) (i // group_size without
+    desc_act); groups = ceil(in / group_size), 1 for group_size -1;
   - against squeeze's dequantized weights: bit for bit (the product of an fp16 scale and a small integer is exact in
-    fp32; GPTQModel's own kernels compute it in fp16, which rounds it to 2^-11 relative);
+    fp32; GPTQModel's own kernels compute it in fp16, which rounds it to 2^-11 relative); the dense tensors
+    (embeddings, norms, head) equal squeeze's values;
   - (not with --numpy-only) a plain LlamaForCausalLM (CPU, fp32) holding the reimplementation's weights and the file's
     fp16 dense tensors, against squeeze's logits: rel <= 1e-5.
 --numpy-only runs the GPTQ weight checks alone (numpy, no torch): what ctest's quant_interop_numpy_gptq does.
@@ -99,6 +106,43 @@ def gptq_dequantize(t, module, bits):
     return (scales[g_idx].T * (q - z[g_idx].T).astype(np.float32)).astype(np.float32)
 
 
+LLAMA_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                 "mlp.down_proj")
+
+
+def packed_words(n, bits):
+    """int32 words holding n fields of `bits` bits: n * bits / 32 (GPTQModel's sizes are multiples of 32; the tiny
+    fixtures' are not, and take the last word partly filled)."""
+    return -(-n * bits // 32)
+
+
+def layout_problems(t, config, qc):
+    """What in GPTQ tensors `t` does not follow the layout GPTQModel loads, as a list of strings."""
+    bits, group = qc["bits"], qc["group_size"]
+    want = {f"model.layers.{i}.{m}" for i in range(config["num_hidden_layers"]) for m in LLAMA_LINEARS}
+    have = {k[:-len(".qweight")] for k in t if k.endswith(".qweight")}
+    problems = [f"missing {m}" for m in sorted(want - have)] + [f"unexpected {m}" for m in sorted(have - want)]
+    for m in sorted(want & have):
+        n_in = t[m + ".g_idx"].shape[0] if m + ".g_idx" in t else None
+        out = t[m + ".scales"].shape[1] if m + ".scales" in t else None
+        if n_in is None or out is None:
+            problems.append(f"{m}: no g_idx or scales")
+            continue
+        groups = 1 if group == -1 else -(-n_in // group)
+        expect = {".qweight": ((packed_words(n_in, bits), out), np.int32), ".qzeros": ((groups, packed_words(out, bits)), np.int32),
+                  ".scales": ((groups, out), np.float16), ".g_idx": ((n_in,), np.int32)}
+        for part, (shape, dtype) in expect.items():
+            a = t.get(m + part)
+            if a is None or a.shape != shape or a.dtype != dtype:
+                problems.append(f"{m}{part}: {None if a is None else (a.shape, a.dtype)}, expected {(shape, np.dtype(dtype))}")
+        g = t[m + ".g_idx"].astype(np.int64)
+        if g.min() < 0 or g.max() >= groups:
+            problems.append(f"{m}.g_idx outside [0, {groups})")
+        elif not qc["desc_act"] and group != -1 and not np.array_equal(g, np.arange(n_in) // group):
+            problems.append(f"{m}.g_idx is not i // group_size without desc_act")
+    return problems
+
+
 def gptq_checks(files, case, record, logits_check):
     d = os.path.join(files, case)
     with open(os.path.join(d, "config.json")) as f:
@@ -107,6 +151,15 @@ def gptq_checks(files, case, record, logits_check):
     assert qc["quant_method"] == "gptq" and qc.get("checkpoint_format", "gptq") == "gptq", qc
     bits = qc["bits"]
     t, ours = read_dir(d), read_dir(d + "-dequantized")
+    problems = layout_problems(t, config, qc)
+    qc_file = os.path.join(d, "quantize_config.json")
+    if os.path.exists(qc_file):
+        with open(qc_file) as f:
+            other = json.load(f)
+        problems += [f"quantize_config.json {k}: {other.get(k)} vs {qc.get(k)}" for k in ("bits", "group_size", "desc_act", "sym")
+                     if other.get(k) != qc.get(k)]
+    record(f"{case}: the GPTQModel layout (count of problems)", "gptq-reimplementation", float(len(problems)), 0.0,
+           problems=problems[:5])
     modules = sorted(k[:-len(".qweight")] for k in t if k.endswith(".qweight"))
     weights, differing, worst = {}, [], 0.0
     for m in modules:
@@ -119,9 +172,14 @@ def gptq_checks(files, case, record, logits_check):
     record(f"{case}: GPTQModel's dequantization (reimplemented) equals squeeze's (count of layers differing)",
            "gptq-reimplementation", float(len(differing)), 0.0, layers=len(modules), bits=bits, desc_act=qc["desc_act"],
            differing=differing[:5], max_rel=worst)
+    dense_differing = []
     for k, v in t.items():
         if not k.endswith((".qweight", ".qzeros", ".scales", ".g_idx")):
             weights[k] = v.astype(np.float32)
+            if k not in ours or not np.array_equal(weights[k], ours[k]):
+                dense_differing.append(k)
+    record(f"{case}: the dense tensors equal squeeze's (count differing)", "gptq-reimplementation", float(len(dense_differing)), 0.0,
+           differing=dense_differing[:5])
     if logits_check:
         logits_check(case, config, weights)
 
@@ -133,7 +191,11 @@ def main():
     ap.add_argument("--numpy-only", action="store_true", help="the GPTQ weight checks alone (numpy, no torch)")
     ap.add_argument("--read-dir", help="where bitsandbytes' files for squeeze's reader go (default FILES/bnb-read)")
     ap.add_argument("--reader", help="test_quant_interop: run its ReadsFilesFromRealClients on them")
+    ap.add_argument("--cases", help="with --numpy-only: the GPTQ directories under FILES to check, comma-separated "
+                                    "(default gptq-4bit,gptq-3bit)")
     a = ap.parse_args()
+    if a.cases and not a.numpy_only:
+        ap.error("--cases needs --numpy-only (the other checks read test_quant_interop's files)")
     commit, date = os.environ.get("SQUEEZE_COMMIT", "unknown"), os.environ.get("SQUEEZE_DATE", "")
     versions = {"numpy": np.__version__}
     rows, ok = [], True
@@ -147,7 +209,7 @@ def main():
         print(f"{'ok  ' if passed else 'FAIL'} {check}: {value:.3g} (bound {bound:g})")
 
     if a.numpy_only:
-        for case in ("gptq-4bit", "gptq-3bit"):
+        for case in (a.cases or "gptq-4bit,gptq-3bit").split(","):
             gptq_checks(a.files, case, record, None)
     else:
         import torch
