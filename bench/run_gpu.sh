@@ -2,7 +2,7 @@
 # One call on the GPU machine: build with libtorch's CUDA side, run the GPU tests (ctest -L cuda) and the
 # benchmarks, write full results under $OUT (default ./gpu-results) and print a short table last.
 #   usage: bash bench/run_gpu.sh [bench-name ...]    (no names: all benchmarks but the 7B rows;
-#          names: adamw fused gemm4 gemm4_probe dequant wgmma_rate gptq zero table table7b table7b_offload diag7b ncu_gemm ncu_sm90 llama_gptq scale scale7b scale7b_w1 qlora)
+#          names: adamw fused gemm4 gemm4_probe dequant wgmma_rate gptq zero table table7b table7b_offload diag7b ncu_gemm ncu_sm90 llama_gptq quantize7b scale scale7b scale7b_w1 qlora)
 #   env: TARGETS="t1 t2" builds only those targets (default: everything); GPU_TESTS=0 skips ctest -L cuda;
 #        GPU_TESTS_REGEX="Quant|Zero" runs only the cuda-labelled tests whose names match (ctest -R);
 #        BENCH_ARGS_<name>="..." extra arguments for one benchmark (e.g. BENCH_ARGS_table="--rows bf16,ckpt");
@@ -177,6 +177,14 @@ if [ ${#want[@]} -eq 0 ] || named llama_gptq; then
     --eval-batches 8 --sample 0 "${corpus[@]}" --save "$BUILD/kjv-125m.pt" >"$OUT/llama_gptq-train.log" 2>&1 && tail -2 "$OUT/llama_gptq-train.log" &&
   "$BUILD/bin/llama_gptq" --preset 125m --device cuda --checkpoint "$BUILD/kjv-125m.pt" "${corpus[@]}" --seq 256 --bits 4,3,2,8 \
     --group 128,channel --calib-tokens 65536 --eval-batch 32 --kl --out "$OUT/llama_gptq.jsonl" 2>&1 | tail -20
+fi
+
+# The LLaMA-7B geometry quantized from the command line (only when named; TARGETS=llama_gptq): a random bf16 Hugging Face
+# directory written once under $WORK (13.5 GB, ${TMPDIR:-/tmp}/squeeze-quant7b), random token shards, then
+# llama_gptq --hf --data --bits 4 --group 128 --act-order --export-hf, timed by phase against 120 s (quantize7b.jsonl).
+if named quantize7b; then
+  echo "== quantize7b"
+  OUT="$OUT" BUILD="$BUILD" bash "$ROOT/bench/quant/quantize_7b.sh" || echo "   quantize7b failed (exit $?; $OUT/quantize7b.log)"
 fi
 
 echo "== summary (bench, case, ratio vs peer (>1: ours faster/smaller), roofline fraction, time)"

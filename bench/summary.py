@@ -2,7 +2,8 @@
 Strategy-table lines (bench "table") also show peak memory beside the planner and validation perplexity (and the
 number of GPUs when more than one); FSDP2 peer lines (bench "fsdp2") peak memory per GPU, tokens/s per GPU and MFU; the QLoRA
 peer's (bench "hf_qlora") and bench/qlora/compare.py's lines likewise;
-llama_gptq lines (examples/llama_gptq) show perplexity, its ratio to the unquantized model and the KL to it; wgmma_rate
+llama_gptq lines (examples/llama_gptq) show perplexity, its ratio to the unquantized model and the KL to it (and a run's
+wall time by phase, as bench/quant/quantize_7b.sh's lines do); wgmma_rate
 lines (bench_wgmma_rate) cycles per instruction."""
 import json
 import os
@@ -57,6 +58,11 @@ for path in sys.argv[1:]:
         if r.get("bench") == "wgmma_rate":  # bench_wgmma_rate: an instruction rate, no peer
             print(f"wgmma_rate {r.get('case', '?'):<42} {num(r, 'cycles_per_wgmma_per_sm'):6.1f} cycles per wgmma per SM  "
                   f"{num(r, 'fma_per_cycle_per_sm'):6.0f} FMA per cycle per SM")
+            continue
+        if "phases_s" in r:  # llama_gptq's last line, and bench/quant/quantize_7b.sh's: wall time by phase
+            phases = " ".join(f"{k} {v:.1f}" for k, v in r["phases_s"].items())
+            print(f"{r.get('bench', '?'):<8} {r.get('case', '?'):<44} {num(r, 'time_ms') / 1e3:7.1f} s ({phases})  "
+                  f"ppl {num(r, 'ppl_reference'):.4g} -> {num(r, 'ppl_quantized'):.4g}")
             continue
         if r.get("bench") == "llama_gptq" or r.get("example") == "llama_gptq":
             group = r.get("group")
