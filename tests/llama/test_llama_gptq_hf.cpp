@@ -225,6 +225,41 @@ TEST(LlamaGptqHf, PackedDirectoryConvertsToAnEqualHuggingFaceDirectory) {
   }
 }
 
+// GPTQ calibrates each block on the inputs the model's own forward gives it, RoPE scaling included (llama3-tiny's
+// llama3 RoPE): block1.attn.q quantized by lg::quantize equals nn::gptq_quantize on the Hessian captured through the
+// whole model's forward, with block 0 holding quantize's dequantized weights, bit for bit.
+TEST(LlamaGptqHf, CalibratesOnTheModelsOwnForward) {
+  TempDir dir;
+  write_shards(dir.path / "shards", 288);
+  const fs::path fixture = kFixtures / "llama3-tiny";
+  const auto shards = squeeze::llama::open_shards(dir.path / "shards", 288, "llama3-tiny", 1, 1, kSeq, 7, 0, 1);
+  const auto calib = lg::make_calibration(lg::shard_windows(*shards.train, 0, 16, torch::kCPU).first, 8, torch::kCPU);
+  lg::QuantSpec spec;
+  spec.bits = 4, spec.group_size = 32, spec.act_order = true;
+  Llama m = nn::load_hf_llama(fixture, {.dtype = torch::kFloat32});
+  ASSERT_NE(m->config.rope_scaling.type, io::RopeType::Default) << "the case needs a scaled RoPE";
+  const auto q = lg::quantize(m, spec, calib);
+
+  Llama ref = nn::load_hf_llama(fixture, {.dtype = torch::kFloat32});
+  ref->eval();
+  torch::NoGradGuard ng;
+  for (const auto& path : lg::block_linears()) {
+    const auto& p = q.layers.at(lg::layer_name(0, path));
+    const std::vector<float> w = squeeze::quant::dequantize(p);
+    lg::dense_weight(ref, 0, path).copy_(torch::from_blob(const_cast<float*>(w.data()), {p.out, p.in}, torch::kFloat32));
+  }
+  const torch::Tensor W = lg::dense_weight(ref, 1, "attn.q").clone();
+  auto [parent, child] = lg::parent_of(ref, 1, "attn.q");
+  lg::CaptureLinear capture(W.clone());
+  parent->replace_module(child, capture);
+  squeeze::nn::GptqOptions opt;
+  opt.bits = spec.bits, opt.group_size = spec.group_size, opt.sym = spec.sym, opt.act_order = spec.act_order, opt.percdamp = spec.percdamp;
+  squeeze::nn::HessianCapture hessians({{"block1.attn.q", capture->linear}});
+  for (const auto& ids : calib.ids) (void)ref->forward(ids);
+  const squeeze::quant::PackedLinear want = squeeze::nn::gptq_quantize(W, hessians.at("block1.attn.q").matrix(), opt).pack();
+  expect_same_layers({{"block1.attn.q", q.layers.at("block1.attn.q")}}, {{"block1.attn.q", want}}, "block1.attn.q");
+}
+
 // Bad requests fail with messages that say what was wrong, and a refused or failed export leaves the target as it was.
 TEST(LlamaGptqHf, BadRequestsGiveClearErrorsAndLeaveNothingHalfWritten) {
   using M = lg::Method;
