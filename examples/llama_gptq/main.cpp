@@ -318,6 +318,9 @@ int run(Options& o) {
                              "(a Hugging Face LLaMA) or --load-quantized DIR");
   if (!o.checkpoint.empty() && !std::filesystem::exists(o.checkpoint))
     throw std::runtime_error("--checkpoint '" + o.checkpoint + "' does not exist (write one with llama_train --save FILE, or use --train-steps N)");
+  if (!o.load_quantized.empty() && (o.bits_given || o.groups_given || o.methods_given || o.act_order || o.sym))
+    throw std::runtime_error("--load-quantized " + o.load_quantized + ": its method, bits, group, act-order and grid come from its "
+                             "quantize_config.json; leave out --bits, --group, --methods, --act-order and --sym");
   if (o.train_steps > 0 && !o.data.empty())
     throw std::runtime_error("--train-steps trains on the bytes of a text, not on --data's shards: train with llama_train --data, then --checkpoint");
   if (!o.export_hf.empty()) {
