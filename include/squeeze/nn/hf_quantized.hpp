@@ -11,8 +11,8 @@
 //   nn::Llama m = nn::load_hf_gptq_llama("TheBloke-llama-gptq/", {.dtype = torch::kBFloat16, .device = torch::kCUDA});
 //   nn::apply_lora<Strategy<Quantized<4, GPTQ, Group<128>>, LoRA<8, 16>, Precision<bf16, float>>>(*m);
 //
-// Host memory: the packed layers are read whole (io::load_hf_gptq), the dense model is built once and its
-// projections released as they are replaced.
+// Host memory: the packed layers are read whole (io::load_hf_gptq); the model is built once, uninitialised in its dtype
+// on its device (ParamInit), and its projections released as they are replaced.
 #include <torch/torch.h>
 
 #include <filesystem>
@@ -37,7 +37,9 @@ namespace detail {
 template <class Layers, class Make>
 Llama quantized_llama(const std::filesystem::path& dir, const io::LlamaConfig& config, const std::map<std::string, std::vector<float>>& dense,
                       const Layers& layers, Make&& make, const HfQuantizedLoadOptions& o, const char* what) {
-  Llama model(from_hf_config(config));
+  // Built uninitialised in its dtype on its device: every parameter is written from `dense` or replaced by its
+  // quantized projection (checked below), so a 7B model is neither drawn at random nor built in float on the host.
+  Llama model(from_hf_config(config), ParamInit{torch::TensorOptions().dtype(o.dtype).device(o.device), /*random=*/false});
   torch::NoGradGuard no_grad;
   const auto params = model->named_parameters();
   for (const auto& [name, values] : dense) {
@@ -48,7 +50,12 @@ Llama quantized_llama(const std::filesystem::path& dir, const io::LlamaConfig& c
                 " values, the model's parameter ", p->sizes());
     p->copy_(torch::from_blob(const_cast<float*>(values.data()), p->sizes(), torch::kFloat32));
   }
-  model->to(o.device, o.dtype);  // before the quantized layers join: their integer and scale tensors keep their types
+  for (const auto& p : params) {
+    const std::string& name = p.key();
+    const bool replaced = name.ends_with(".weight") && layers.count(name.substr(0, name.size() - 7)) > 0;
+    TORCH_CHECK(replaced || dense.count(name) > 0, what, ": ", dir.string(), " has neither a dense tensor nor a quantized layer for the ",
+                "model's '", name, "'");
+  }
   const auto modules = model->named_modules();
   for (const auto& [name, layer] : layers) {  // "block3.attn.q"
     const auto dot = name.rfind('.');
