@@ -487,7 +487,8 @@ inline LoadedModel load_packed(const std::filesystem::path& dir, torch::Device d
   out.spec.act_order = ck.config.desc_act;
   out.spec.percdamp = ck.config.damp_percent;
 
-  Llama model(c);
+  // Uninitialised in the evaluation dtype on the device: the dense tensors are read below, the block linears replaced.
+  Llama model(c, nn::ParamInit{torch::TensorOptions().dtype(dtype).device(device), /*random=*/false});
   torch::NoGradGuard ng;
   for (auto& p : model->named_parameters()) {
     if (!is_dense_tensor(p.key())) continue;
@@ -509,12 +510,6 @@ inline LoadedModel load_packed(const std::filesystem::path& dir, torch::Device d
     }
   TORCH_CHECK(int64_t(ck.layers.size()) == c.layers * int64_t(block_linears().size()), "quantized model file '", dir.string(), "' holds ",
               ck.layers.size(), " packed layers, the model has ", c.layers * int64_t(block_linears().size()));
-  for (int64_t b = 0; b < c.layers; ++b)
-    for (const auto& path : block_linears()) {
-      auto [parent, child] = parent_of(model, b, path);
-      release_replaced_weight(parent, child);  // about to be replaced: not worth moving to the device
-    }
-  model->to(device, dtype);
   use_packed(model, ck.layers);
   out.model = model;
   out.layers = std::move(ck.layers);

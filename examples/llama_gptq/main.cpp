@@ -215,12 +215,11 @@ nn::Llama load_float(const Options& o, const std::string& path, torch::Device de
 }
 
 nn::Llama copy_model(nn::Llama& src, torch::Device device, torch::ScalarType dtype) {
-  nn::Llama m(src->config);
+  nn::Llama m(src->config, nn::ParamInit{torch::TensorOptions().dtype(dtype).device(device), /*random=*/false});  // every parameter copied next
   torch::NoGradGuard ng;
   auto dst = m->parameters();
   const auto from = src->parameters();
   for (size_t i = 0; i < dst.size(); ++i) dst[i].copy_(from[i]);
-  m->to(device, dtype);
   m->eval();
   return m;
 }
