@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""Draw the fidelity benchmark (fidelity.py's summary lines) as a PNG: per preset, each strategy's validation
+perplexity (mean over seeds, with its standard deviation) beside fp32's and the 1% band around it, labelled with the
+ratio to fp32 and its seed spread; with a finetune.jsonl, a second panel: each method's share of full fine-tuning's
+improvement against the 90% target.
+
+    python3 bench/fidelity/chart.py bench/results/h200/fidelity.jsonl [bench/results/h200/finetune.jsonl] [-o fidelity.png]
+
+Needs matplotlib (Debian: apt-get install python3-matplotlib, then run it with /usr/bin/python3); fidelity.py itself
+needs nothing but the standard library.
+"""
+import argparse
+import json
+import os
+
+
+def read(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("jsonl", nargs="+", help="fidelity.jsonl and/or finetune.jsonl")
+    ap.add_argument("-o", "--out", help="PNG to write (default: the first file with .png)")
+    args = ap.parse_args()
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = [ln for p in args.jsonl for ln in read(p)]
+    fid = [ln for ln in lines if ln.get("bench") == "fidelity"]
+    ft = [ln for ln in lines if ln.get("bench") == "finetune"]
+    if not fid and not ft:
+        raise SystemExit("no fidelity or finetune lines in " + ", ".join(args.jsonl))
+    settings = []  # one panel per (preset, tokens)
+    for ln in fid:
+        key = (ln["preset"], str(ln["tokens"]))
+        if key not in settings:
+            settings.append(key)
+    panels = len(settings) + (1 if ft else 0)
+    heights = [max(2.5, 0.32 * sum(1 for ln in fid if (ln["preset"], str(ln["tokens"])) == s) + 1.2) for s in settings]
+    if ft:
+        heights.append(0.5 * len(ft) + 1.5)
+    fig, axes = plt.subplots(panels, 1, figsize=(11, sum(heights)), gridspec_kw={"height_ratios": heights}, squeeze=False)
+    axes = [a[0] for a in axes]
+
+    for ax, (preset, tokens) in zip(axes, settings):
+        rows = [ln for ln in fid if (ln["preset"], str(ln["tokens"])) == (preset, tokens)]
+        ref = next((ln for ln in rows if ln["strategy"] == "fp32" and ln["ppl_mean"] is not None), None)
+        y = list(range(len(rows)))
+        means = [ln["ppl_mean"] or 0 for ln in rows]
+        stds = [ln["ppl_std"] or 0 for ln in rows]
+        colors = ["#718096" if ln["strategy"] == "fp32" else ("#38a169" if ln.get("within_target") else "#dd6b20") for ln in rows]
+        ax.barh(y, means, xerr=stds, color=colors, height=0.6, error_kw={"elinewidth": 1, "capsize": 2})
+        if ref:
+            m = ref["ppl_mean"]
+            ax.axvspan(m * 0.99, m * 1.01, color="#a0aec0", alpha=0.35, label="fp32 ± 1%")
+            ax.axvline(m, color="#2d3748", lw=0.8)
+        finite = [ln["ppl_mean"] for ln in rows if ln["ppl_mean"] is not None]
+        lo = min(finite) * 0.97 if finite else 0
+        ax.set_xlim(left=lo)
+        for i, ln in enumerate(rows):
+            if ln["ppl_mean"] is None:
+                ax.text(lo, i, "  " + ln.get("note", "no result"), va="center", fontsize=7)
+                continue
+            r, rs = ln.get("ratio_vs_fp32"), ln.get("ratio_std")
+            label = f" {ln['ppl_mean']:.3f}" + (f"  ×{r:.4f}" if r is not None else "") + (f" ± {rs:.4f}" if rs is not None else "")
+            ax.text(ln["ppl_mean"] + (ln["ppl_std"] or 0), i, label, va="center", fontsize=7)
+        ax.set_yticks(y)
+        ax.set_yticklabels([ln["strategy"] + (" (LoRA on a random base)" if ln.get("lora") else "") for ln in rows], fontsize=8)
+        ax.invert_yaxis()
+        seeds = sorted({len(ln["seeds"]) for ln in rows})
+        ax.set_title(f"{preset}: {int(tokens):,} tokens a run, {'/'.join(map(str, seeds))} seeds; validation perplexity per byte "
+                     "(mean ± sample std; green: within target)" if tokens.isdigit() else f"{preset}: {tokens}", fontsize=9)
+        if ref:
+            ax.legend(fontsize=7, loc="lower right")
+
+    if ft:
+        ax = axes[-1]
+        y = list(range(len(ft)))
+        share = [(ln["share_of_full"] or 0) * 100 for ln in ft]
+        ax.barh(y, share, color=["#718096" if ln["method"] == "full" else ("#38a169" if ln.get("within_target") else "#dd6b20") for ln in ft],
+                height=0.6)
+        ax.axvline(90, color="#c53030", lw=0.8, ls="--", label="90% target")
+        for i, ln in enumerate(ft):
+            ax.text(share[i], i, f" {share[i]:.1f}%  ppl {ln['base_ppl'] or 0:.3f} → {ln['ppl_mean'] or 0:.3f}"
+                    + (f" ± {ln['ppl_std']:.3f}" if ln.get("ppl_std") is not None else ""), va="center", fontsize=7)
+        ax.set_yticks(y)
+        ax.set_yticklabels([f"{ln['method']} ({ln['strategy']})" for ln in ft], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("share of full fine-tuning's perplexity improvement, %")
+        first = ft[0]
+        ax.set_title(f"fine-tuning a {first['preset']} base ({first['base_corpus']}, {first['base_tokens']:,} tokens) on {first['corpus']}, "
+                     f"{first['tokens']:,} tokens a method, {len(first['seeds'])} seeds", fontsize=9)
+        ax.legend(fontsize=7, loc="lower right")
+
+    fig.tight_layout()
+    out = args.out or os.path.splitext(args.jsonl[0])[0] + ".png"
+    fig.savefig(out, dpi=120)
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()
