@@ -28,6 +28,7 @@ def main():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.transforms import blended_transform_factory as blended
 
     lines = [ln for p in args.jsonl for ln in read(p)]
     fid = [ln for ln in lines if ln.get("bench") == "fidelity"]
@@ -48,34 +49,40 @@ def main():
 
     for ax, (preset, tokens) in zip(axes, settings):
         rows = [ln for ln in fid if (ln["preset"], str(ln["tokens"])) == (preset, tokens)]
-        ref = next((ln for ln in rows if ln["strategy"] == "fp32" and ln["ppl_mean"] is not None), None)
         y = list(range(len(rows)))
-        means = [ln["ppl_mean"] or 0 for ln in rows]
-        stds = [ln["ppl_std"] or 0 for ln in rows]
-        colors = ["#718096" if ln["strategy"] == "fp32" else ("#38a169" if ln.get("within_target") else "#dd6b20") for ln in rows]
-        ax.barh(y, means, xerr=stds, color=colors, height=0.6, error_kw={"elinewidth": 1, "capsize": 2})
-        if ref:
-            m = ref["ppl_mean"]
-            ax.axvspan(m * 0.99, m * 1.01, color="#a0aec0", alpha=0.35, label="fp32 ± 1%")
-            ax.axvline(m, color="#2d3748", lw=0.8)
-        finite = [ln["ppl_mean"] for ln in rows if ln["ppl_mean"] is not None]
-        lo = min(finite) * 0.97 if finite else 0
-        ax.set_xlim(left=lo)
-        for i, ln in enumerate(rows):
-            if ln["ppl_mean"] is None:
-                ax.text(lo, i, "  " + ln.get("note", "no result"), va="center", fontsize=7)
+        ratio = [ln.get("ratio_vs_fp32") for ln in rows]
+        spread = [ln.get("ratio_std") or 0 for ln in rows]
+        # The axis spans the full-weight strategies (LoRA from scratch sits far right: drawn at the edge, labelled).
+        near = [(r - e, r + e) for ln, r, e in zip(rows, ratio, spread) if r is not None and not ln.get("lora")]
+        lo = min([0.985] + [a for a, _ in near])
+        hi = max([1.015] + [b for _, b in near])
+        pad = (hi - lo) * 0.04
+        lo, hi = lo - pad, hi + pad
+        ax.axvspan(0.99, 1.01, color="#a0aec0", alpha=0.35, label="fp32 ± 1%")
+        ax.axvline(1.0, color="#2d3748", lw=0.8)
+        for i, (ln, r, e) in enumerate(zip(rows, ratio, spread)):
+            if r is None:
+                ax.text(lo, i, "  " + ("no fp32 runs at this setting" if ln["ppl_mean"] is not None else ln.get("note", "no result")),
+                        va="center", fontsize=7)
                 continue
-            r, rs = ln.get("ratio_vs_fp32"), ln.get("ratio_std")
-            label = f" {ln['ppl_mean']:.3f}" + (f"  ×{r:.4f}" if r is not None else "") + (f" ± {rs:.4f}" if rs is not None else "")
-            ax.text(ln["ppl_mean"] + (ln["ppl_std"] or 0), i, label, va="center", fontsize=7)
+            color = "#4a5568" if ln["strategy"] == "fp32" else ("#38a169" if ln.get("within_target") else "#dd6b20")
+            std = ln["ppl_std"]
+            label = f"  ppl {ln['ppl_mean']:.3f}" + (f" ± {std:.3f}" if std is not None else "") + f"   ×{r:.4f}" + (f" ± {e:.4f}" if e else "")
+            if r > hi:  # off the axis: an arrow at its edge
+                ax.plot([hi], [i], marker=">", color=color, ms=7, clip_on=False)
+            else:
+                ax.errorbar([r], [i], xerr=[e], fmt="o", color=color, ms=4, elinewidth=1, capsize=2)
+            ax.text(1.02, i, label.strip(), va="center", fontsize=7, transform=blended(ax.transAxes, ax.transData))
+        ax.set_xlim(lo, hi)
         ax.set_yticks(y)
         ax.set_yticklabels([ln["strategy"] + (" (LoRA on a random base)" if ln.get("lora") else "") for ln in rows], fontsize=8)
         ax.invert_yaxis()
-        seeds = sorted({len(ln["seeds"]) for ln in rows})
-        ax.set_title(f"{preset}: {int(tokens):,} tokens a run, {'/'.join(map(str, seeds))} seeds; validation perplexity per byte "
-                     "(mean ± sample std; green: within target)" if tokens.isdigit() else f"{preset}: {tokens}", fontsize=9)
-        if ref:
-            ax.legend(fontsize=7, loc="lower right")
+        ax.set_xlabel("validation perplexity / fp32's (mean over seeds; bars: the strategy's seed standard deviation / fp32's mean)",
+                      fontsize=8)
+        seeds = "/".join(map(str, sorted({len(ln["seeds"]) for ln in rows})))
+        title = f"{preset}: {int(tokens):,} tokens a run" if tokens.isdigit() else f"{preset}: {tokens} tokens"
+        ax.set_title(f"{title}, {seeds} seeds; per-byte perplexity (green: within target)", fontsize=9)
+        ax.legend(fontsize=7, loc="lower right")
 
     if ft:
         ax = axes[-1]
@@ -85,8 +92,10 @@ def main():
                 height=0.6)
         ax.axvline(90, color="#c53030", lw=0.8, ls="--", label="90% target")
         for i, ln in enumerate(ft):
-            ax.text(share[i], i, f" {share[i]:.1f}%  ppl {ln['base_ppl'] or 0:.3f} → {ln['ppl_mean'] or 0:.3f}"
-                    + (f" ± {ln['ppl_std']:.3f}" if ln.get("ppl_std") is not None else ""), va="center", fontsize=7)
+            ax.text(1.02, i, f"{share[i]:.1f}%  ppl {ln['base_ppl'] or 0:.3f} → {ln['ppl_mean'] or 0:.3f}"
+                    + (f" ± {ln['ppl_std']:.3f}" if ln.get("ppl_std") is not None else "")
+                    + (f" (start {ln['start_ppl']:.3f})" if ln.get("start_ppl") is not None else ""), va="center", fontsize=7,
+                    transform=blended(ax.transAxes, ax.transData))
         ax.set_yticks(y)
         ax.set_yticklabels([f"{ln['method']} ({ln['strategy']})" for ln in ft], fontsize=8)
         ax.invert_yaxis()
@@ -98,7 +107,7 @@ def main():
 
     fig.tight_layout()
     out = args.out or os.path.splitext(args.jsonl[0])[0] + ".png"
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=120, bbox_inches="tight")  # "tight": the labels right of the axes
     print("wrote", out)
 
 

@@ -144,8 +144,10 @@ class Runner:
         self.durations = {}  # (kind, strategy) -> seconds of its last run in this call, to judge what still fits
         os.makedirs(os.path.join(work, "results"), exist_ok=True)
         os.makedirs(os.path.join(work, "logs"), exist_ok=True)
+        self.past = {}  # the same configuration but the seed -> wall seconds of a run in an earlier call
         for rec in read_jsonl(runs_path):
             self.done[config_key(rec["config"])] = rec
+            self.past[seedless_key(rec["config"])] = rec.get("wall_s", 0.0)
 
     def say(self, msg):
         if not self.quiet:
@@ -165,7 +167,7 @@ class Runner:
         label = f"{config['kind']} {config.get('preset') or ''} {config['strategy']} seed {config['seed']}".replace("  ", " ")
         if self.deadline is not None:
             remaining = self.deadline - time.monotonic()
-            estimate = self.durations.get((config["kind"], config["strategy"]), 0.0)
+            estimate = self.durations.get((config["kind"], config["strategy"])) or self.past.get(seedless_key(config), 0.0)
             if remaining <= 0 or estimate > remaining:
                 self.left.append(label)
                 return None
@@ -222,6 +224,10 @@ class Runner:
 
 def config_key(config):
     return json.dumps(config, sort_keys=True)
+
+
+def seedless_key(config):
+    return config_key({k: v for k, v in config.items() if k != "seed"})
 
 
 def read_jsonl(path):
