@@ -168,6 +168,8 @@ class Runner:
         if self.deadline is not None:
             remaining = self.deadline - time.monotonic()
             estimate = self.durations.get((config["kind"], config["strategy"])) or self.past.get(seedless_key(config), 0.0)
+            if resume_dir is not None and os.path.exists(os.path.join(resume_dir, "latest")):
+                estimate = 0.0  # part of it is done: let it go on as far as the budget takes it
             if remaining <= 0 or estimate > remaining:
                 self.left.append(label)
                 return None
