@@ -97,7 +97,7 @@ def main():
                     + (f" (start {ln['start_ppl']:.3f})" if ln.get("start_ppl") is not None else ""), va="center", fontsize=7,
                     transform=blended(ax.transAxes, ax.transData))
         ax.set_yticks(y)
-        ax.set_yticklabels([f"{ln['method']} ({ln['strategy']})" for ln in ft], fontsize=8)
+        ax.set_yticklabels([f"{ln['method']} ({ln['strategy']}, lr {ln['lr']:g})" for ln in ft], fontsize=8)
         ax.invert_yaxis()
         ax.set_xlabel("share of full fine-tuning's perplexity improvement, %")
         first = ft[0]

@@ -485,10 +485,10 @@ def cmd_finetune(args):
         return 1
     base_id = base["run_id"]
 
-    def ft_cfg(kind, method, seed, n):
+    def ft_cfg(kind, method, seed, n):  # a steps-0 evaluation does not depend on the rate: lr None, run once
+        lr = None if n == 0 else args.full_lr if method == "full" else args.lora_lr
         return {"kind": kind, "base": base_id, "method": method, "strategy": METHODS[method], "seed": seed, "steps": n, "batch": args.batch,
-                "seq": args.seq, "lr": args.full_lr if method == "full" else args.lora_lr, "eval_batches": args.eval_batches,
-                "device": args.device, "corpus": corpus_name(args.ft_corpus)}
+                "seq": args.seq, "lr": lr, "eval_batches": args.eval_batches, "device": args.device, "corpus": corpus_name(args.ft_corpus)}
 
     def ft_args(method, seed, n):
         lr = args.full_lr if method == "full" else args.lora_lr
@@ -508,7 +508,9 @@ def cmd_finetune(args):
 
 
 def summarize_finetune(records, base_id=None):
-    """One line per fine-tuning method on the base `base_id` (default: the newest base in the records)."""
+    """One line per fine-tuning method, learning rate and length on the base `base_id` (default: the newest base in
+    the records). Each is measured against full fine-tuning of the same length; of several full fine-tuning rates,
+    the best (lowest mean perplexity) is the reference."""
     bases = [r for r in records if r.get("config", {}).get("kind") == "ft-base"]
     if not bases:
         return []
@@ -516,7 +518,7 @@ def summarize_finetune(records, base_id=None):
     if base is None:
         return []
     rid = base["run_id"]
-    start, runs, order = {}, {}, []
+    start, runs = {}, {}  # method -> its steps-0 record; (method, lr, steps) -> seed -> record (the latest wins)
     for r in records:
         c = r.get("config", {})
         if c.get("base") != rid:
@@ -524,47 +526,52 @@ def summarize_finetune(records, base_id=None):
         if c["kind"] == "ft-start":
             start[c["method"]] = r
         elif c["kind"] == "ft":
-            if c["method"] not in runs:
-                order.append(c["method"])
-            runs.setdefault(c["method"], {})[c["seed"]] = r
+            runs.setdefault((c["method"], c["lr"], c["steps"]), {})[c["seed"]] = r
     # The base's perplexity on the second corpus is full fine-tuning's starting point (bf16, before any step).
     base_start = start.get("full")
     base_ppl = base_start["result"]["val_ppl"] if base_start else None
     stats = {}
-    for method, seeds in runs.items():
+    for key, seeds in runs.items():
         ppl = [seeds[s]["result"]["val_ppl"] for s in sorted(seeds)]
         if all(p is not None for p in ppl):
-            stats[method] = (mean(ppl), sample_std(ppl), ppl)
-    full = stats.get("full")
+            stats[key] = (mean(ppl), sample_std(ppl), ppl)
+    full = {}  # steps -> the best full fine-tuning's (mean, lr)
+    for (method, lr, steps), st in stats.items():
+        if method == "full" and (steps not in full or st[0] < full[steps][0]):
+            full[steps] = (st[0], lr)
+    rank = {m: i for i, m in enumerate(METHODS)}
     lines = []
-    for method in [m for m in METHODS if m in runs] + [m for m in order if m not in METHODS]:
-        seeds = runs[method]
+    for key in sorted(runs, key=lambda k: (k[2], rank.get(k[0], len(rank)), k[0], k[1])):
+        method, lr, steps = key
+        seeds = runs[key]
         recs = [seeds[s] for s in sorted(seeds)]
         results = [r["result"] for r in recs]
         tokens = sorted({r["tokens"] for r in results})
-        line = {"bench": "finetune", "case": f"{method} {base['config']['preset']}", "peer": "full", "method": method,
+        line = {"bench": "finetune", "case": f"{method} {base['config']['preset']} lr {lr:g}", "peer": "full", "method": method,
                 "strategy": recs[0]["config"]["strategy"], "preset": base["config"]["preset"],
-                "tokens": tokens[0] if len(tokens) == 1 else tokens, "seeds": sorted(seeds), "lr": recs[0]["config"]["lr"],
+                "tokens": tokens[0] if len(tokens) == 1 else tokens, "seeds": sorted(seeds), "lr": lr,
                 "base_tokens": base["result"]["tokens"], "base_corpus": base["config"]["corpus"], "corpus": recs[0]["config"]["corpus"],
                 "base_val_ppl": base["result"]["val_ppl"], "base_ppl": base_ppl,
                 "start_ppl": start[method]["result"]["val_ppl"] if method in start else None,
-                "device": device_of(recs + [base]), "train_device": base["config"]["device"], "commit": ",".join(sorted({r["commit"] for r in recs + [base]})),
-                "date": max(r["date"] for r in recs)}
-        if method not in stats:
+                "device": device_of(recs + [base]), "train_device": base["config"]["device"],
+                "commit": ",".join(sorted({r["commit"] for r in recs + [base]})), "date": max(r["date"] for r in recs)}
+        if key not in stats:
             line.update({"ppl_mean": None, "ppl_std": None, "improvement": None, "share_of_full": None, "within_target": False,
                          "note": "a seed ended without a finite perplexity"})
             lines.append(line)
             continue
-        m, s, ppl = stats[method]
-        line.update({"ppl_mean": m, "ppl_std": s, "ppl_per_seed": ppl})
+        m, s, ppl = stats[key]
+        ref = full.get(steps)
+        line.update({"ppl_mean": m, "ppl_std": s, "ppl_per_seed": ppl, "full_lr": ref[1] if ref else None})
         line["improvement"] = None if base_ppl is None else base_ppl - m
-        if base_ppl is not None and full is not None and base_ppl - full[0] > 0:
-            line["share_of_full"] = (base_ppl - m) / (base_ppl - full[0])
+        if base_ppl is not None and ref is not None and base_ppl - ref[0] > 0:
+            line["share_of_full"] = (base_ppl - m) / (base_ppl - ref[0])
             # The same share on the loss scale (nats per byte), which perplexity's exponential does not bend.
-            line["share_of_full_loss"] = (math.log(base_ppl) - math.log(m)) / (math.log(base_ppl) - math.log(full[0]))
+            line["share_of_full_loss"] = (math.log(base_ppl) - math.log(m)) / (math.log(base_ppl) - math.log(ref[0]))
         else:
             line["share_of_full"] = line["share_of_full_loss"] = None
-            line["note"] = "full fine-tuning did not improve on the base" if full is not None and base_ppl is not None else "no full fine-tuning or base evaluation yet"
+            line["note"] = ("full fine-tuning did not improve on the base" if ref is not None and base_ppl is not None
+                            else "no full fine-tuning of this length or no base evaluation yet")
         if method != "full":
             line["share_target"] = SHARE_TARGET
             line["within_target"] = line["share_of_full"] is not None and line["share_of_full"] >= SHARE_TARGET
@@ -765,6 +772,13 @@ def cmd_selftest(_args):
                                                          ft("ft-start", "qlora", 1, 10.5, 0), ft("ft", "qlora", 1, 6.2), ft("ft", "qlora", 2, 6.4)])}
     ck.ok(close(f["full"]["share_of_full"], 1.0) and close(f["qlora"]["share_of_full"], 3.7 / 3.9), "share of full fine-tuning's improvement")
     ck.ok(f["qlora"]["within_target"] is True and f["qlora"]["start_ppl"] == 10.5 and f["qlora"]["base_ppl"] == 10.0, "fine-tuning target and start")
+    # A second full fine-tuning rate that does better becomes the reference; each rate keeps its own line.
+    sweep = [base, ft("ft-start", "full", 1, 10.0, 0), ft("ft", "full", 1, 6.0), ft("ft", "qlora", 1, 6.5)]
+    faster = ft("ft", "full", 1, 5.0)
+    faster["config"]["lr"] = 1e-2
+    g = summarize_finetune(sweep + [faster])
+    ck.ok([(ln["method"], ln["lr"]) for ln in g] == [("full", 1e-3), ("full", 1e-2), ("qlora", 1e-3)], f"one line per rate: {g}")
+    ck.ok(close(g[2]["share_of_full"], 3.5 / 5.0) and g[2]["full_lr"] == 1e-2 and close(g[0]["share_of_full"], 0.8), "the best full rate is the reference")
     print(f"selftest: {ck.n} checks passed")
     return 0
 
