@@ -33,6 +33,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+import bench_common  # noqa: E402  (the run metadata and JSON-lines files, as the other Python benchmarks)
 
 # The fields every summary line carries (README.md, "Output"); selfcheck verifies them.
 FIDELITY_FIELDS = ("bench", "case", "strategy", "preset", "tokens", "seeds", "ppl_mean", "ppl_std", "ratio_vs_fp32", "within_target",
@@ -57,8 +59,9 @@ def fail(msg):
 
 
 def commit_of():
-    if os.environ.get("SQUEEZE_COMMIT"):
-        return os.environ["SQUEEZE_COMMIT"]
+    """SQUEEZE_COMMIT (bench_common.run_metadata, as run_h200.sh sets it), else this checkout's HEAD."""
+    if bench_common.run_metadata("")["commit"]:
+        return bench_common.run_metadata("")["commit"]
     try:
         return subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip() or "unknown"
@@ -67,7 +70,7 @@ def commit_of():
 
 
 def date_now():
-    return os.environ.get("SQUEEZE_DATE") or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return bench_common.run_metadata("")["date"] or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def int_list(text):
@@ -207,9 +210,10 @@ class Runner:
         with open(result_path) as f:
             result = json.load(f)
         rec = {"bench": "fidelity-run", "config": config, "result": result, "wall_s": round(wall, 2), "commit": commit_of(),
-               "date": date_now(), "gpu": os.environ.get("SQUEEZE_DEVICE", ""), "run_id": f"{slug}-{int(time.time() * 1000)}", "log": os.path.basename(log_path),
+               "date": date_now(), "gpu": bench_common.run_metadata("")["device"], "run_id": f"{slug}-{int(time.time() * 1000)}", "log": os.path.basename(log_path),
                "command": shlex.join(cmd)}
-        append_jsonl(self.runs_path, rec)
+        os.makedirs(os.path.dirname(os.path.abspath(self.runs_path)), exist_ok=True)
+        bench_common.append_jsonl(self.runs_path, [rec])
         self.done[key] = rec
         self.ran += 1
         ppl = result.get("val_ppl")
@@ -233,27 +237,13 @@ def seedless_key(config):
 
 
 def read_jsonl(path):
+    """The records of a JSON-lines file; none while it does not exist yet (a first call)."""
     if not path or not os.path.exists(path):
         return []
-    out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                fail(f"{path}:{n}: not a JSON line ({e})")
-    return out
-
-
-def append_jsonl(path, obj):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(obj, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        return list(bench_common.read_jsonl([path], "fidelity.py"))
+    except json.JSONDecodeError as e:
+        fail(f"{path}: not a JSON-lines file ({e})")
 
 
 def write_jsonl(path, objs):
