@@ -4,7 +4,8 @@ number of GPUs when more than one); FSDP2 peer lines (bench "fsdp2") peak memory
 peer's (bench "hf_qlora") and bench/qlora/compare.py's lines likewise;
 llama_gptq lines (examples/llama_gptq) show perplexity, its ratio to the unquantized model and the KL to it (and a run's
 wall time by phase, as bench/quant/quantize_7b.sh's lines do); wgmma_rate
-lines (bench_wgmma_rate) cycles per instruction."""
+lines (bench_wgmma_rate) cycles per instruction; fidelity / finetune lines (bench/fidelity) perplexity over seeds
+against fp32's and the share of full fine-tuning's improvement."""
 import json
 import os
 import sys
@@ -72,6 +73,18 @@ for path in sys.argv[1:]:
             kl_txt = f"KL {kl:9.3e}" if isinstance(kl, (int, float)) else "KL         -"
             print(f"gptq     {name:<44} ppl {num(r, 'ppl'):8.4f} ({num(r, 'ppl_ratio'):6.4f}x reference)  {kl_txt}  "
                   f"quantized in {num(r, 'quantize_s'):6.1f} s")
+            continue
+        if r.get("bench") == "fidelity-run":  # bench/fidelity's per-run records: their summary lines say it
+            continue
+        if r.get("bench") == "fidelity":  # bench/fidelity: validation perplexity over seeds against fp32's
+            std = r.get("ppl_std")
+            print(f"fidelity {r.get('case', '?'):<44} ppl {num(r, 'ppl_mean'):8.4f} ± {std if std is not None else 0:.4f} "
+                  f"({num(r, 'ratio_vs_fp32'):6.4f}x fp32, {len(r.get('seeds', []))} seeds, {r.get('tokens')} tokens)"
+                  f"{'' if r.get('within_target') else '  outside target'}")
+            continue
+        if r.get("bench") == "finetune":  # bench/fidelity: fine-tuning methods against full fine-tuning
+            print(f"finetune {r.get('case', '?'):<44} ppl {num(r, 'base_ppl'):8.4f} -> {num(r, 'ppl_mean'):8.4f}  "
+                  f"{100 * num(r, 'share_of_full'):5.1f}% of full fine-tuning's improvement")
             continue
         roof = num(r, "roofline_fraction")
         print(f"{r.get('bench', '?'):<8} {r.get('case', '?'):<44} x{ratio:6.2f} vs {r.get('peer', '?'):<22} "

@@ -43,7 +43,7 @@ using squeeze::llama::val_batches;
 namespace {
 
 struct Options {
-  std::string preset = "tiny", strategy = "fp32", device = "cpu", corpus, data, save, load, hf, export_hf, export_peft;
+  std::string preset = "tiny", strategy = "fp32", device = "cpu", corpus, data, save, load, hf, export_hf, export_peft, result_json;
   int64_t vocab = 0, steps = 200, batch = 16, seq = 128, eval_every = 100, eval_batches = 8, log_every = 0, sample = 160, threads = 0;
   int64_t loss_chunk = llama::TrainOptions{}.loss_chunk_tokens;
   bool fused_loss = false;
@@ -120,6 +120,23 @@ void export_results(const Options& o, Trainer<S>& trainer, const nn::LlamaConfig
     }
   }
 }
+
+// --result-json FILE: the run's outcome as one JSON object, for drivers such as bench/fidelity/fidelity.py that
+// compare strategies over seeds. Written to FILE.tmp and renamed, so a reader never sees half a file.
+void write_result(const std::string& path, const nlohmann::json& result) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp);
+    out << result.dump() << "\n";
+    if (!out) throw std::runtime_error("--result-json: cannot write " + tmp);
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) throw std::runtime_error("--result-json: cannot rename " + tmp + " to " + path + ": " + ec.message());
+}
+
+// A number for JSON: NaN and infinities (e.g. no training step ran) become null, which JSON can hold.
+nlohmann::json finite_or_null(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr); }
 
 // ---- the training loop, one instantiation per strategy --------------------------------------------------
 template <StrategyType S>
@@ -198,6 +215,7 @@ int train(const Options& o) {
   Progress bar(trainer.step_count(), o.steps, o.log_every);
   llama::reset_peak_memory(device);
   double first_loss = NAN, last_loss = NAN, tokens = 0, seconds = 0;
+  int64_t skipped = 0;  // fp16 steps skipped on overflow (their batch is tried again, so the tokens trained stay equal)
   const int64_t first_step = trainer.step_count();  // its time (allocator warm-up) is left out of tokens/s
   for (int64_t step = trainer.step_count(); step < o.steps; step = trainer.step_count()) {
     torch::Tensor x, y;
@@ -214,6 +232,7 @@ int train(const Options& o) {
     if (!r.applied && trainer.step_count() == step) {
       // A skipped fp16 step (overflow) does not count; give up if the scale collapses.
       bar.update(step, r, 0, llama::memory_use(device));
+      ++skipped;
       if (r.scale <= 1.0) throw std::runtime_error("gradients are not finite even at loss scale 1: lower --lr");
       continue;
     }
@@ -235,6 +254,18 @@ int train(const Options& o) {
               planned_gb);
   if (o.sample > 0 && o.data.empty()) std::printf("sample: %s\n", sample_text(trainer.model(), "And God said", o.sample, o.seq, device, o.seed).c_str());
   export_results(o, trainer, config, env.rank);
+  if (!o.result_json.empty() && env.rank == 0) {
+    int64_t val_tokens = 0;
+    for (const auto& b : val) val_tokens += b.second.numel();
+    const int64_t steps = trainer.step_count();
+    write_result(o.result_json, {{"strategy", o.strategy}, {"lora", S::has_lora}, {"preset", pretrained ? std::string() : o.preset}, {"hf", o.hf},
+                                 {"corpus", o.data.empty() ? corpus.source : o.data}, {"device", o.device}, {"seed", o.seed},
+                                 {"steps", steps}, {"batch", o.batch}, {"seq", o.seq}, {"tokens", steps * o.batch * o.seq},
+                                 {"resumed_from", first_step}, {"skipped_steps", skipped}, {"lr", o.lr}, {"val_tokens", val_tokens},
+                                 {"val_loss", finite_or_null(val_loss)}, {"val_ppl", finite_or_null(std::exp(val_loss))},
+                                 {"train_loss", finite_or_null(last_loss)}, {"tokens_per_s", seconds > 0 ? tokens / seconds : 0.0},
+                                 {"peak_gb", mem.peak_gb}, {"planned_gb", planned_gb}});
+  }
   return 0;
 }
 
@@ -247,7 +278,9 @@ int main(int argc, char** argv) {
   app.add_option("--strategy", o.strategy, "memory strategy compiled into this program")
       ->check(CLI::IsMember(llama::strategy_names()))
       ->capture_default_str();
-  app.add_option("--steps", o.steps, "optimizer steps in total (a resumed run continues to this step)")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--steps", o.steps, "optimizer steps in total (a resumed run continues to this step; 0: evaluate only)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--batch", o.batch, "sequences per optimizer step (split into micro-batches by Accumulate<N>)")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--seq", o.seq, "tokens (bytes) per sequence")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--lr", o.lr, "peak learning rate (warm-up, then cosine to 10%); default by preset: tiny 3e-3, 125m 1e-3, "
@@ -273,6 +306,8 @@ int main(int argc, char** argv) {
       ->excludes(hf);
   app.add_option("--export-hf", o.export_hf, "write the trained model here as a Hugging Face LLaMA directory (LoRA merged)");
   app.add_option("--export-peft", o.export_peft, "write a LoRA strategy's adapters here in PEFT's format");
+  app.add_option("--result-json", o.result_json, "write the run's outcome here as one JSON object (strategy, steps, tokens, seed, "
+                                                 "validation loss and perplexity, tokens/s, peak memory)");
   app.add_option("--save", o.save, "checkpoint directory: a checkpoint at every evaluation and at the end (the newest three kept)");
   app.add_option("--load", o.load, "resume from the latest checkpoint in this directory (any world size)")->check(CLI::ExistingDirectory);
   app.add_option("--eval-every", o.eval_every, "steps between validation runs (0: only at the end)")->capture_default_str();
