@@ -9,7 +9,10 @@
 //   fp32-scaled as fp32, with the loss-scaling inputs live: ours reads inv_scale / found_inf / clip_coef
 //               from device memory, the peer gets grad_scale / found_inf tensors (values 1 and 0)
 //   bf16-mixed-adam8  as bf16-mixed with 8-bit m, v (kernels/adamw8.cuh: uint8 codes + fp32 absmax per 256):
-//               16 B/param + 8 B per 256 (read 4+2+1+1, write 4+1+1+2); peer as bf16-mixed (fp32 state)
+//               16 B/param + 16 B per 256 (read 4+2+1+1 + 8 of scales, write 4+1+1+2 + 8); peer as bf16-mixed
+//               (fp32 state). Also measured in the same case: torch's fused fp32 AdamW alone on the same n
+//               (peer_fp32_time_ms, ratio_vs_fused_fp32) and the copy bound of the same bytes, a cudaMemcpy D2D that
+//               reads and writes as many bytes as the kernel moves (copy_same_bytes_GBps, roofline_fraction_same_bytes).
 // Peer: at::_fused_adamw_ over the same tensors (flat: a list of one; 64 tensors: a list of 64). For
 // bf16-mixed PyTorch has no master-weight fused AdamW, so the peer is the usual recipe: _fused_adamw_ on the
 // fp32 master with fp32 grads (cast outside the timed region, in the peer's favour) + copy_ into the bf16
@@ -62,6 +65,7 @@ struct Options {
 struct Result {
   std::string name, peer;
   double time_ms = -1, peer_time_ms = -1, bandwidth_GBps = -1, roofline = -1, params_per_s = -1, copy_GBps = -1;
+  double peer_fp32_time_ms = -1, copy_same_GBps = -1, roofline_same = -1, bytes_per_param = kBytesPerParam;
   std::int64_t params = 0;
   int threads = 0;
   std::string error;
@@ -99,7 +103,11 @@ void emit(std::ofstream* out, const Result& r) {
     num("bandwidth_GBps", r.bandwidth_GBps);
     num("copy_bandwidth_GBps", r.copy_GBps);
     num("params_per_s", r.params_per_s);
-    j << ",\"params\":" << r.params << ",\"bytes_per_param\":" << kBytesPerParam;
+    num("peer_fp32_time_ms", r.peer_fp32_time_ms);
+    if (r.peer_fp32_time_ms > 0 && r.time_ms > 0) num("ratio_vs_fused_fp32", r.peer_fp32_time_ms / r.time_ms);
+    num("copy_same_bytes_GBps", r.copy_same_GBps);
+    num("roofline_fraction_same_bytes", r.roofline_same);
+    j << ",\"params\":" << r.params << ",\"bytes_per_param\":" << r.bytes_per_param;
     if (r.threads > 0) j << ",\"cpu_threads\":" << r.threads;
   } else {
     j << ",\"error\":" << json_str(r.error);
@@ -114,6 +122,9 @@ void emit(std::ofstream* out, const Result& r) {
     std::printf("%-34s %10.3f ms  peer %10.3f ms  x%5.2f  %8.1f GB/s  roof %5.3f", r.name.c_str(), r.time_ms, r.peer_time_ms,
                 r.peer_time_ms > 0 ? r.peer_time_ms / r.time_ms : 0.0, r.bandwidth_GBps, r.roofline > 0 ? r.roofline : 0.0);
     if (r.params_per_s > 0) std::printf("  %.3g params/s (%d threads)", r.params_per_s, r.threads);
+    if (r.copy_same_GBps > 0)
+      std::printf("  same-bytes copy %.1f GB/s, fraction %.3f; fused fp32 %.3f ms (x%.2f)", r.copy_same_GBps, r.roofline_same,
+                  r.peer_fp32_time_ms, r.peer_fp32_time_ms / r.time_ms);
     std::printf("\n");
   } else {
     std::printf("%-34s ERROR: %s\n", r.name.c_str(), r.error.c_str());
@@ -150,9 +161,8 @@ struct Events {
   }
 };
 
-// Device-to-device cudaMemcpy bandwidth (read + write bytes per second), median of 10 copies of 4 GiB.
-double copy_bandwidth_GBps() {
-  const std::int64_t bytes = std::int64_t(4) << 30;
+// Device-to-device cudaMemcpy bandwidth (read + write bytes per second), median of 10 copies of `bytes` (4 GiB).
+double copy_bandwidth_GBps(std::int64_t bytes = std::int64_t(4) << 30) {
   auto src = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
   auto dst = at::empty_like(src);
   src.fill_(1);
@@ -258,10 +268,24 @@ Result gpu_case(const std::string& precision, int tensors, const Options& o, dou
           peer_fused_adamw(PM, G, M, V, S);
           for (int i = 0; i < tensors; ++i) PB[std::size_t(i)].copy_(PM[std::size_t(i)]);
         });
+    if (precision == "bf16-mixed-adam8") {
+      // torch's fused fp32 AdamW alone (fp32 params, grads and state: 28 B/param), then the copy bound of this
+      // kernel's bytes: a copy of half of them reads and writes them all.
+      Events ev;
+      std::vector<double> ms;
+      for (int i = 0; i < o.iters + 3; ++i) {
+        const double t = ev.time([&] { peer_fused_adamw(PM, G, M, V, S); });
+        if (i >= 3) ms.push_back(t);
+      }
+      r.peer_fp32_time_ms = median(ms);
+      r.copy_same_GBps = copy_bandwidth_GBps(std::int64_t(bytes_per_param(precision) * double(o.n) / 2));
+    }
   }
   SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
-  r.bandwidth_GBps = bytes_per_param(precision) * double(o.n) / (r.time_ms * 1e-3) / 1e9;
+  r.bytes_per_param = bytes_per_param(precision);
+  r.bandwidth_GBps = r.bytes_per_param * double(o.n) / (r.time_ms * 1e-3) / 1e9;
   if (copy_GBps > 0) r.roofline = r.bandwidth_GBps / copy_GBps;
+  if (r.copy_same_GBps > 0) r.roofline_same = r.bandwidth_GBps / r.copy_same_GBps;
   return r;
 }
 
@@ -329,7 +353,8 @@ Result cpu_case(const std::string& precision, const Options& o) {
   } catch (const std::exception& e) {
     r.peer += " (unavailable: " + std::string(e.what()).substr(0, 120) + ")";
   }
-  r.bandwidth_GBps = bytes_per_param(precision) * double(n) / (r.time_ms * 1e-3) / 1e9;
+  r.bytes_per_param = bytes_per_param(precision);
+  r.bandwidth_GBps = r.bytes_per_param * double(n) / (r.time_ms * 1e-3) / 1e9;
   r.params_per_s = double(n) / (r.time_ms * 1e-3);
   return r;
 }

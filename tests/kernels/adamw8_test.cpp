@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <bit>
 #include <set>
 
 #include "squeeze/kernels/adamw8.hpp"
@@ -101,14 +102,17 @@ TEST(Adam8Maps, NearestCodeIsTheArgmin) {
   }
 }
 
-// The CPU's bucket-table search gives exactly the binary search's code: on random values over 30 octaves of
-// both signs, every midpoint and its float neighbours, every code value, zeros, denormals, values past 1, infinities.
-TEST(Adam8Maps, BucketTableSearchEqualsBinarySearch) {
+// The bucket rule (bucket_code, the generic block encoder and, where the CPU has it, the AVX-512 one) gives exactly
+// the binary search's code: on random values over 30 octaves of both signs, every midpoint and its float neighbours,
+// every code value, every bucket's edges, zeros, denormals, values past 1, infinities and NaNs. (Checked on all 2^32
+// floats when the rule was written; tests/kernels/adamw8_reference_test.cpp sweeps a stride of them.)
+TEST(Adam8Maps, BucketRuleEqualsBinarySearch) {
   std::mt19937 rng(13);
   for (bool is_signed : {true, false}) {
     const sk::StateCodeMap& map = is_signed ? sk::signed_state_map() : sk::unsigned_state_map();
+    const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
     std::vector<float> xs = {0.f, -0.f, 1e-45f, -1e-45f, 1e-38f, 1.f, -1.f, 1.0000001f, -1.0000001f, 2.f, -2.f, 3.5f, 1e30f, -1e30f,
-                             std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()};
+                             inf, -inf, nan, -nan, std::bit_cast<float>(0x7f800001u), std::bit_cast<float>(0xffc00001u)};
     for (int c = 0; c < 256; ++c) {
       for (float base : {map.value[c], c < 255 ? map.mid[c] : 1.f}) {
         for (float x : {base, std::nextafter(base, -1e30f), std::nextafter(base, 1e30f)}) {
@@ -117,16 +121,26 @@ TEST(Adam8Maps, BucketTableSearchEqualsBinarySearch) {
         }
       }
     }
+    for (int key = sk::kBucketKeyLo - 2; key <= sk::kBucketKeyHi + 2; ++key)
+      for (std::uint32_t u : {std::uint32_t(key) << 16, (std::uint32_t(key) << 16) - 1, (std::uint32_t(key) << 16) | 0xffffu}) {
+        xs.push_back(std::bit_cast<float>(u));
+        xs.push_back(-std::bit_cast<float>(u));
+      }
     std::uniform_real_distribution<float> e(-30.f, 1.f);
     for (int k = 0; k < 200000; ++k) xs.push_back(std::exp2(e(rng)) * (k % 2 ? -1.f : 1.f));
-    for (float x : xs) ASSERT_EQ(sk::nearest_code_cpu(map, x), sk::nearest_code(map.mid, x)) << "x = " << x;
-    // The vectorised block encoder too.
-    std::vector<std::uint8_t> codes(xs.size());
-    for (std::size_t o = 0; o < xs.size(); o += 256) {
-      const int len = int(std::min<std::size_t>(256, xs.size() - o));
-      sk::cpu::encode_block(map, xs.data() + o, 1.0f, len, codes.data() + o);
+    for (float x : xs) ASSERT_EQ(sk::bucket_code(map.bucket, x, is_signed), sk::nearest_code(map.mid, x)) << "x = " << x;
+    // The block encoders, every clone and the AVX-512 path.
+    for (bool avx512 : {false, true}) {
+      if (avx512 && !sk::cpu::avx512::cpu_has_codec()) continue;
+      std::vector<std::uint8_t> codes(xs.size());
+      for (std::size_t o = 0; o < xs.size(); o += 256) {
+        const int len = int(std::min<std::size_t>(256, xs.size() - o));
+        if (avx512) sk::cpu::avx512::encode_block(map, xs.data() + o, 1.0f, len, codes.data() + o);
+        else sk::cpu::encode_block(map, xs.data() + o, 1.0f, len, codes.data() + o);
+      }
+      for (std::size_t i = 0; i < xs.size(); ++i)
+        ASSERT_EQ(codes[i], sk::nearest_code(map.mid, xs[i])) << (avx512 ? "AVX-512" : "generic") << " encoder, x = " << xs[i];
     }
-    for (std::size_t i = 0; i < xs.size(); ++i) ASSERT_EQ(codes[i], sk::nearest_code(map.mid, xs[i])) << "x = " << xs[i];
   }
 }
 

@@ -11,8 +11,9 @@
 //
 // The update of one block (256 elements): decode m and v, run adamw_element (adamw.hpp: the same fp32
 // math, gradient unscale/clip and found_inf skip as the fp32-state AdamW), take the block's new absmax of m
-// and of v, encode each value as the nearest code of value / absmax. Zeroed codes and absmax are the zero
-// state (absmax 0 decodes every code to 0), so fresh state is memset(0).
+// and of v, encode each value as the nearest code of value / absmax (nearest_code: the count of midpoints below it,
+// computed as bucket_code by one table read on the CPU and the GPU). Zeroed codes and absmax are the zero state
+// (absmax 0 decodes every code to 0), so fresh state is memset(0).
 //
 // Bytes per parameter (bf16 param + fp32 master, bf16 grad): read master 4, grad 2, m 1, v 1; write master 4,
 // m 1, v 1, param 2: 16 (+ 16 bytes of absmax per 256), against 28 with fp32 moments.
@@ -37,29 +38,78 @@ inline constexpr std::int64_t kStateBlock = 256;  // elements per absmax
 inline constexpr int kStateCodes = 256;
 SQUEEZE_HD constexpr std::int64_t state_blocks(std::int64_t n) { return (n + kStateBlock - 1) / kStateBlock; }
 
-// The CPU's shortcut to the nearest code: a table indexed by the magnitude's exponent and top 8 mantissa bits
-// (buckets 1/256 of an octave wide) gives, per sign, the code below the bucket; one or two compares with the
-// midpoints finish the search. Exactly nearest_code's answer (tests check it), ~10x faster on a CPU than 8
-// dependent binary-search steps. Magnitudes below 2^-24 share bucket 0 (no midpoint is that small), those
-// from 2 up the last bucket.
-inline constexpr int kCodeBucketBits = 8;
-inline constexpr std::uint32_t kCodeBucketLow = (127u - 24u) << kCodeBucketBits;  // bits of 2^-24, >> (23 - 8)
-inline constexpr int kCodeBuckets = 25 * (1 << kCodeBucketBits) + 2;                    // [0, 2^-24), 25 octaves, [2, inf)
+// The encoder's shortcut to the nearest code (CPU and GPU alike): a bucket per value of the top 16 bits of |x| (sign,
+// exponent, 7 mantissa bits) over [2^-24, 1], smaller magnitudes in the first bucket, larger ones in the last. No
+// bucket holds two midpoints (make_dynamic_map checks it), so a bucket's entry says how many midpoints lie below it and,
+// if one lies inside, its low 16 bits: one table read and integer arithmetic give nearest_code's answer exactly
+// (bucket_code; tests compare the two on every float).
+inline constexpr int kBucketKeyLo = 103 << 7;  // bits of 2^-24 >> 16
+inline constexpr int kBucketKeyHi = 127 << 7;  // bits of 1.0f >> 16
+inline constexpr int kCodeBuckets = kBucketKeyHi - kBucketKeyLo + 1;
 
-// A code map: 256 sorted values in [-1, 1], and the midpoints between neighbours that quantization searches.
+// A code map: 256 sorted values in [-1, 1], the midpoints between neighbours (the nearest-code rule) and the tables
+// derived from them.
 struct StateCodeMap {
   float value[kStateCodes];  // ascending, distinct
-  float mid[kStateCodes];    // mid[i] = (value[i] + value[i + 1]) / 2; mid[255] = +inf (a sentinel for the CPU search)
-  // below[k]: bucket k = [lo, hi) of x >= 0: midpoints < lo; below[kCodeBuckets + k]: x < 0, x in (-hi, -lo]:
-  // midpoints <= -hi. Indexed by the sign bit without a branch (random signs would mispredict half the time).
-  // int32, not uint8: AVX2 gathers 32-bit lanes.
-  std::int32_t below[2 * kCodeBuckets];
+  float mid[kStateCodes];    // mid[i] = (value[i] + value[i + 1]) / 2; mid[255] = +inf (never read by the rule)
+  // bucket_entry for each bucket: (positive midpoints below it) << 16 | (0xffff - low 16 bits of the one inside, or 0).
+  std::int32_t bucket[kCodeBuckets];
+  std::uint8_t value_bytes[4][kStateCodes];  // byte b of value[c]: the AVX-512 decoder's four 256-byte tables
+  bool is_signed;
 };
 
-// Bucket of |x| (bits: x's bit pattern).
-SQUEEZE_HD int code_bucket(std::uint32_t bits) {
-  const std::int32_t k = std::int32_t((bits & 0x7fffffffu) >> (23 - kCodeBucketBits)) - std::int32_t(kCodeBucketLow) + 1;
-  return k < 0 ? 0 : k > kCodeBuckets - 1 ? kCodeBuckets - 1 : k;
+SQUEEZE_HD std::uint32_t float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  return std::bit_cast<std::uint32_t>(x);
+#endif
+}
+SQUEEZE_HD float bits_float(std::uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  return std::bit_cast<float>(u);
+#endif
+}
+
+// The nearest code to x (already divided by the block's absmax): the number of midpoints below x, so a tie goes to
+// the lower code and NaN to code 0. This is the rule's definition; bucket_code computes the same faster.
+SQUEEZE_HD std::uint8_t nearest_code(const float* mid, float x) {
+  int lo = 0;
+  for (int s = kStateCodes / 2; s >= 1; s >>= 1) lo += (mid[lo + s - 1] < x) ? s : 0;
+  return std::uint8_t(lo);
+}
+
+// Entry of bucket key (kBucketKeyLo..kBucketKeyHi) from the midpoints, by nearest_code (the host's map and the GPU's
+// shared-memory copy are built by this one function). Signed maps count only their positive midpoints (127..254):
+// the negative ones mirror them (mid[j] = -mid[253 - j] exactly, as value[] is symmetric but for 1).
+SQUEEZE_HD std::int32_t bucket_entry(const float* mid, int key, bool is_signed) {
+  const float lo = key == kBucketKeyLo ? 0.0f : bits_float(std::uint32_t(key) << 16);
+  const float hi = bits_float(std::uint32_t(key + 1) << 16);
+  const int first = is_signed ? 127 : 0;  // midpoints of negative values lie below any bucket
+  const int below = int(nearest_code(mid, lo)), upto = int(nearest_code(mid, hi));  // midpoints < lo, < hi
+  const std::int32_t inside = upto > below ? std::int32_t(0xffff - (float_bits(mid[below]) & 0xffffu)) : 0;
+  return std::int32_t(below - first) << 16 | inside;
+}
+
+// The nearest code to y by the bucket table: nearest_code's answer for every float (NaN, infinities, |y| > 1 included).
+// x = |y| past the bucket's lower end by its low 16 bits; adding them to 0xffff - low16(mid) carries exactly when x > mid.
+// Negative y counts midpoints <= x (x's successor's count): by the mirror, code = 127 - that.
+SQUEEZE_HD int bucket_code(const std::int32_t* bucket, float y, bool is_signed) {
+  std::uint32_t bits = float_bits(y);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0;  // NaN
+  if (is_signed) {
+    const std::uint32_t neg = bits >> 31;
+    bits = (bits & 0x7fffffffu) + neg;
+    const int key = int(bits >> 16);
+    const int c = (bucket[(key < kBucketKeyHi ? (key > kBucketKeyLo ? key : kBucketKeyLo) : kBucketKeyHi) - kBucketKeyLo] +
+                   int(bits & 0xffffu)) >> 16;
+    return neg ? (127 - c > 0 ? 127 - c : 0) : 127 + c;
+  }
+  const int key = std::int32_t(bits) >> 16;  // negative y: below the first bucket
+  return (bucket[(key < kBucketKeyHi ? (key > kBucketKeyLo ? key : kBucketKeyLo) : kBucketKeyHi) - kBucketKeyLo] +
+          int(bits & 0xffffu)) >> 16;
 }
 
 // The "dynamic" (dynamic-exponent) map. For exponent level i = 0..6 the midpoints of equally spaced points in
@@ -84,32 +134,25 @@ inline StateCodeMap make_dynamic_map(bool is_signed) {
   std::sort(v.begin(), v.end());
   check(v.size() == std::size_t(kStateCodes), "make_dynamic_map: built " + std::to_string(v.size()) + " values, not 256");
   StateCodeMap map{};
+  map.is_signed = is_signed;
   for (int c = 0; c < kStateCodes; ++c) map.value[c] = float(v[std::size_t(c)]);
   for (int c = 0; c + 1 < kStateCodes; ++c) map.mid[c] = 0.5f * (map.value[c] + map.value[c + 1]);
   map.mid[kStateCodes - 1] = std::numeric_limits<float>::infinity();
-  // The bucket table: bucket k covers magnitudes [lo, hi).
-  const auto bound = [](int k) -> float {  // lower end of bucket k
-    if (k == 0) return 0.0f;
-    if (k == kCodeBuckets) return std::numeric_limits<float>::infinity();
-    const std::uint32_t bits = (std::uint32_t(k - 1) + kCodeBucketLow) << (23 - kCodeBucketBits);
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-  };
-  for (int k = 0; k < kCodeBuckets; ++k) {
-    const float lo = bound(k), hi = bound(k + 1);
-    int pos = 0, neg = 0, in_pos = 0, in_neg = 0;
-    for (int c = 0; c + 1 < kStateCodes; ++c) {
-      const float m = map.mid[c];
-      pos += m < lo;
-      neg += m <= -hi;
-      in_pos += m >= lo && m < hi;
-      in_neg += m > -hi && m <= -lo;
-    }
-    check(in_pos <= 2 && in_neg <= 2, "make_dynamic_map: a code bucket holds more than 2 midpoints");
-    map.below[k] = pos;
-    map.below[kCodeBuckets + k] = neg;
+  for (int c = 0; c < kStateCodes; ++c)
+    for (int b = 0; b < 4; ++b) map.value_bytes[b][c] = std::uint8_t(std::bit_cast<std::uint32_t>(map.value[c]) >> (8 * b));
+  // The bucket rule's premises: one midpoint per bucket at most, none in the first and last buckets (the clamped
+  // magnitudes below 2^-24 and from 1 on share them) and, for the signed map, the mirror.
+  for (int key = kBucketKeyLo; key <= kBucketKeyHi; ++key) {
+    const float lo = key == kBucketKeyLo ? 0.0f : bits_float(std::uint32_t(key) << 16);
+    const float hi = bits_float(std::uint32_t(key + 1) << 16);
+    int inside = 0;
+    for (int c = 0; c + 1 < kStateCodes; ++c) inside += map.mid[c] >= lo && map.mid[c] < hi;
+    check(inside <= 1, "make_dynamic_map: a code bucket holds more than one midpoint");
+    check(inside == 0 || (key != kBucketKeyLo && key != kBucketKeyHi), "make_dynamic_map: a midpoint in a clamped bucket");
+    map.bucket[key - kBucketKeyLo] = bucket_entry(map.mid, key, is_signed);
   }
+  if (is_signed)
+    for (int j = 0; j < 127; ++j) check(map.mid[j] == -map.mid[253 - j], "make_dynamic_map: the signed map's midpoints are not symmetric");
   return map;
 }
 
@@ -123,44 +166,50 @@ inline const StateCodeMap& unsigned_state_map() {
   return m;
 }
 
-// Nearest code to x (already divided by the block's absmax): the number of midpoints below x (a tie goes to
-// the lower code). Branch-free binary search over the 255 sorted midpoints: 8 steps.
-SQUEEZE_HD std::uint8_t nearest_code(const float* mid, float x) {
-  int lo = 0;
-  for (int s = kStateCodes / 2; s >= 1; s >>= 1) lo += (mid[lo + s - 1] < x) ? s : 0;
-  return std::uint8_t(lo);
-}
+// The CPU block passes are multiversioned (SQUEEZE_CPU_CLONES, cpu_parallel.hpp: x86-64-v4, v3 and the baseline,
+// picked at run time); the AdamW math in them writes its FMAs explicitly, so every clone gives the same bits. On
+// CPUs with AVX-512 VBMI adamw8_cpu runs the hand-vectorised block of adamw8_avx512.hpp instead (same bits).
+// g++ vectorises the two table loops below with its gathers emulated lane by lane (its generic tuning avoids vpgather),
+// which runs slower than the scalar loops (179 against 131 M params/s per core for the whole update here).
+#if defined(__GNUC__) && !defined(__clang__)
+#define SQUEEZE_CPU_SCALAR __attribute__((optimize("no-tree-vectorize")))
+#else
+#define SQUEEZE_CPU_SCALAR
+#endif
 
-// The same code by the bucket table (CPU): at most two midpoints lie in a bucket, so two compares finish.
-inline std::uint8_t nearest_code_cpu(const StateCodeMap& map, float x) {
-  const std::uint32_t bits = std::bit_cast<std::uint32_t>(x);  // (memcpy here stops g++ vectorising the loops)
-  const int k = code_bucket(bits);
-  int c = map.below[int(bits >> 31) * kCodeBuckets + k];
-  c += map.mid[c] < x ? 1 : 0;
-  c += map.mid[c] < x ? 1 : 0;
-  return std::uint8_t(c);
-}
-
-// The CPU block passes that gather from tables are multiversioned (SQUEEZE_CPU_CLONES, cpu_parallel.hpp: x86-64-v4,
-// v3 and the baseline, picked at run time); the AdamW math in them writes its FMAs explicitly, so every clone gives
-// the same bits. (Hand-written AVX2 gathers were slower than g++'s code on the EPYC here: 178 vs 221 Mparam/s per core.)
 namespace cpu {
-// out[j] = nearest_code_cpu(map, x[j] * inv), j < len.
-SQUEEZE_CPU_CLONES inline void encode_block(const StateCodeMap& map, const float* __restrict__ x, float inv, int len,
+// out[j] = bucket_code(map, x[j] * inv), j < len, spelled out over restrict pointers.
+SQUEEZE_CPU_SCALAR SQUEEZE_CPU_CLONES inline void encode_block(const StateCodeMap& map, const float* __restrict__ x, float inv, int len,
                                             std::uint8_t* __restrict__ out) {
-  const std::int32_t* __restrict__ below = map.below;
-  const float* __restrict__ mid = map.mid;
-  for (int j = 0; j < len; ++j) {  // nearest_code_cpu, spelled out over restrict pointers so g++ vectorises it
-    const float y = x[j] * inv;
-    const std::uint32_t bits = std::bit_cast<std::uint32_t>(y);
-    int c = below[int(bits >> 31) * kCodeBuckets + code_bucket(bits)];
-    c += mid[c] < y ? 1 : 0;
-    c += mid[c] < y ? 1 : 0;
-    out[j] = std::uint8_t(c);
+  const std::int32_t* __restrict__ bucket = map.bucket;
+  if (map.is_signed) {
+    for (int j = 0; j < len; ++j) {
+      std::uint32_t bits = std::bit_cast<std::uint32_t>(x[j] * inv);
+      const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+      const std::uint32_t neg = bits >> 31;
+      bits = (bits & 0x7fffffffu) + neg;
+      int key = int(bits >> 16);
+      key = key < kBucketKeyHi ? (key > kBucketKeyLo ? key : kBucketKeyLo) : kBucketKeyHi;
+      const int c = (bucket[key - kBucketKeyLo] + int(bits & 0xffffu)) >> 16;
+      // 127 + c, or max(127 - c, 0) for negative values, and 0 for NaN: arithmetic, not branches (random signs).
+      const int sign = -int(neg);
+      int code = 127 + ((c ^ sign) - sign);
+      code &= ~(code >> 31);
+      out[j] = std::uint8_t(code & -int(!nan));
+    }
+  } else {
+    for (int j = 0; j < len; ++j) {
+      const std::uint32_t bits = std::bit_cast<std::uint32_t>(x[j] * inv);
+      const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+      int key = std::int32_t(bits) >> 16;
+      key = key < kBucketKeyHi ? (key > kBucketKeyLo ? key : kBucketKeyLo) : kBucketKeyHi;
+      const int code = (bucket[key - kBucketKeyLo] + int(bits & 0xffffu)) >> 16;
+      out[j] = std::uint8_t(code & -int(!nan));
+    }
   }
 }
 // out[j] = map.value[codes[j]] * scale, j < len.
-SQUEEZE_CPU_CLONES inline void decode_block(const StateCodeMap& map, const std::uint8_t* __restrict__ codes, float scale,
+SQUEEZE_CPU_SCALAR SQUEEZE_CPU_CLONES inline void decode_block(const StateCodeMap& map, const std::uint8_t* __restrict__ codes, float scale,
                                             int len, float* __restrict__ out) {
   for (int j = 0; j < len; ++j) out[j] = map.value[codes[j]] * scale;
 }
@@ -206,10 +255,56 @@ void validate(const AdamW8Tensor<P, G>& t, const std::string& what = "AdamW8 ten
 }
 
 // ---- CPU launcher ---------------------------------------------------------------------------------------
+#if defined(__GNUC__)
+#define SQUEEZE_CPU_INLINE inline __attribute__((always_inline))
+#else
+#define SQUEEZE_CPU_INLINE inline
+#endif
+
 namespace cpu {
 
+// from_float<P>, spelled so that g++ vectorises it in 16 lanes for bf16 (round to nearest even; NaN as from_float
+// gives it: CUDA's 0x7fff with the toolkit's types, else the quiet NaN of dtype.hpp); other types are from_float's.
+template <class P>
+SQUEEZE_CPU_INLINE P round_param(float w) {
+  if constexpr (std::is_same_v<P, bf16>) {
+    const std::uint32_t u = std::bit_cast<std::uint32_t>(w);
+#if SQUEEZE_CUDA_TYPES
+    const std::uint32_t nan_bits = 0x7fffu;
+#else
+    const std::uint32_t nan_bits = (u >> 16) | 0x40u;
+#endif
+    const std::uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return std::bit_cast<bf16>(std::uint16_t((u & 0x7fffffffu) > 0x7f800000u ? nan_bits : r));
+  } else {
+    return from_float<P>(w);
+  }
+}
+
+// The AdamW pass of a block: gf [len] the widened gradient, m, v [len] decoded; updates w (and param), leaves the new
+// m, v in place and their largest magnitudes in m_max, v_max. The float loop vectorises like adamw_range; the
+// rounded copy is a second loop over the block (in L1), so the float loop keeps the full vector width.
+template <class P>
+SQUEEZE_CPU_INLINE void adamw8_block_math(float* __restrict__ w, P* __restrict__ param, float* __restrict__ m, float* __restrict__ v,
+                                          const float* __restrict__ gf, int len, const AdamWScalars& s, float& m_max_out, float& v_max_out) {
+  float m_max = 0.0f, v_max = 0.0f;  // (a > b ? a : b, not fmaxf: g++ calls libm's fmaxf and stops vectorising)
+#pragma omp simd reduction(max : m_max, v_max)
+  for (int j = 0; j < len; ++j) {
+    float wj = w[j];
+    adamw_element(wj, m[j], v[j], gf[j], s);
+    w[j] = wj;
+    const float am = fabsf(m[j]), av = fabsf(v[j]);
+    m_max = am > m_max ? am : m_max;
+    v_max = av > v_max ? av : v_max;
+  }
+  if constexpr (!std::is_same_v<P, float>)
+    for (int j = 0; j < len; ++j) param[j] = round_param<P>(w[j]);
+  m_max_out = m_max;
+  v_max_out = v_max;
+}
+
 // State block b of tensor t, in three passes over the block so the middle one (the AdamW math) vectorises
-// like adamw_range: decode (table gathers) and read the gradient, update + absmax, encode (bucket table).
+// like adamw_range: decode (value table) and read the gradient, update + absmax, encode (bucket table).
 // grad may be param's own buffer (Offload<Host> stages the rounded 16-bit parameters over the gradient):
 // the block's gradient is read whole before any parameter is written.
 template <class P, class G>
@@ -217,35 +312,27 @@ SQUEEZE_CPU_CLONES void adamw8_block(const AdamW8Tensor<P, G>& t, std::int64_t b
                                      const StateCodeMap& mmap, const StateCodeMap& vmap) {
   const std::int64_t lo = b * kStateBlock;
   const int len = int(std::min(kStateBlock, t.n - lo));
-  float* __restrict__ w = (std::is_same_v<P, float> ? reinterpret_cast<float*>(t.param) : t.master) + lo;
-  P* __restrict__ param = t.param + lo;
-  const G* g = t.grad + lo;
-  std::uint8_t* __restrict__ mc = t.exp_avg + lo;
-  std::uint8_t* __restrict__ vc = t.exp_avg_sq + lo;
-  const float m_scale = t.exp_avg_absmax[b], v_scale = t.exp_avg_sq_absmax[b];
+  float* w = (std::is_same_v<P, float> ? reinterpret_cast<float*>(t.param) : t.master) + lo;
   alignas(64) float m[kStateBlock], v[kStateBlock], gf[kStateBlock];
+  const G* g = t.grad + lo;
   for (int j = 0; j < len; ++j) gf[j] = to_float(g[j]);
-  decode_block(mmap, mc, m_scale, len, m);
-  decode_block(vmap, vc, v_scale, len, v);
-  float m_max = 0.0f, v_max = 0.0f;  // (a > b ? a : b, not fmaxf: g++ calls libm's fmaxf and stops vectorising)
-#pragma omp simd reduction(max : m_max, v_max)
-  for (int j = 0; j < len; ++j) {
-    float wj = w[j];
-    adamw_element(wj, m[j], v[j], gf[j], s);
-    w[j] = wj;
-    if constexpr (!std::is_same_v<P, float>) param[j] = from_float<P>(wj);
-    const float am = fabsf(m[j]), av = fabsf(v[j]);
-    m_max = am > m_max ? am : m_max;
-    v_max = av > v_max ? av : v_max;
-  }
-  const float m_inv = inverse_absmax(m_max), v_inv = inverse_absmax(v_max);
-  encode_block(mmap, m, m_inv, len, mc);
-  encode_block(vmap, v, v_inv, len, vc);
+  decode_block(mmap, t.exp_avg + lo, t.exp_avg_absmax[b], len, m);
+  decode_block(vmap, t.exp_avg_sq + lo, t.exp_avg_sq_absmax[b], len, v);
+  float m_max, v_max;
+  adamw8_block_math(w, t.param + lo, m, v, gf, len, s, m_max, v_max);
+  encode_block(mmap, m, inverse_absmax(m_max), len, t.exp_avg + lo);
+  encode_block(vmap, v, inverse_absmax(v_max), len, t.exp_avg_sq + lo);
   t.exp_avg_absmax[b] = m_max;
   t.exp_avg_sq_absmax[b] = v_max;
 }
 
 }  // namespace cpu
+
+}  // namespace squeeze::kernels
+
+#include "squeeze/kernels/adamw8_avx512.hpp"
+
+namespace squeeze::kernels {
 
 // AdamW over a list of host tensors with 8-bit state, all cores (whole state blocks per thread).
 // Dynamic values are host pointers. A skipped step (found_inf) touches nothing.
@@ -256,10 +343,13 @@ void adamw8_cpu(std::span<const AdamW8Tensor<P, G>> tensors, const AdamWCoeffs& 
   if (s.skip) return;
   const StateCodeMap& mmap = signed_state_map();
   const StateCodeMap& vmap = unsigned_state_map();
+  const bool avx512 = cpu::avx512::codec_available();
   for (const auto& t : tensors) {
     // Whole state blocks, handed out in pieces of cpu::kPiece elements (blocks are independent: any split, same bits).
     cpu::parallel_pieces(state_blocks(t.n), cpu::kPiece / kStateBlock, [&](std::int64_t b, std::int64_t e) {
-      for (std::int64_t k = b; k < e; ++k) cpu::adamw8_block(t, k, s, mmap, vmap);
+      if (avx512) cpu::avx512::adamw8_blocks(t, b, e, s, mmap, vmap);
+      else
+        for (std::int64_t k = b; k < e; ++k) cpu::adamw8_block(t, k, s, mmap, vmap);
     });
   }
 }

@@ -2,6 +2,8 @@
 // AdamW on device buffers in torch ops, for a host-compiled translation unit (no kernel launch): the trainer's
 // device partitions. The same math as kernels/adamw.hpp; 8-bit state (Quantized<8, Blockwise8>: Adam's m and v as
 // uint8 codes with one fp32 absmax per 256 values) with the same maps and nearest-code rule as kernels::adamw8_cpu.
+// Where the translation unit is compiled by nvcc, the trainer runs 8-bit device state through the CUDA kernel
+// instead (adamw8_device_update below: kernels/adamw8.cuh, bitwise the CPU twin).
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -9,6 +11,12 @@
 
 #include "squeeze/kernels/adamw.hpp"
 #include "squeeze/kernels/adamw8.hpp"
+
+#if defined(__CUDACC__)
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include "squeeze/kernels/adamw8.cuh"
+#endif
 
 namespace squeeze::train {
 namespace detail {
@@ -70,6 +78,29 @@ inline void adamw8_torch_ops(torch::Tensor w, const torch::Tensor& g32, torch::T
   encode_state(m, m_codes, m_absmax, maps.m);
   encode_state(v, v_codes, v_absmax, maps.v);
 }
+
+#if defined(__CUDACC__)
+// One 8-bit AdamW update of device buffers by the CUDA kernel, on the device's current stream: param [n] (P) with its
+// fp32 master [n] (undefined for float P), grad [n] (G), m / v codes [n] with their absmax [state_blocks(n)] (blocks
+// from element 0); dyn [2] fp32 on the device holds the inverse loss scale and the clip coefficient.
+template <class P, class G>
+inline void adamw8_device_update(const torch::Tensor& param, const torch::Tensor& master, const torch::Tensor& grad, const torch::Tensor& m_codes,
+                                 const torch::Tensor& m_absmax, const torch::Tensor& v_codes, const torch::Tensor& v_absmax, const torch::Tensor& dyn,
+                                 const kernels::AdamWCoeffs& c) {
+  const kernels::AdamW8Tensor<P, G> t{reinterpret_cast<P*>(param.data_ptr()), master.defined() ? master.data_ptr<float>() : nullptr,
+                                      reinterpret_cast<const G*>(grad.data_ptr()), m_codes.data_ptr<std::uint8_t>(),
+                                      m_absmax.data_ptr<float>(), v_codes.data_ptr<std::uint8_t>(), v_absmax.data_ptr<float>(), param.numel()};
+  const float* d = dyn.data_ptr<float>();
+  const auto stream = static_cast<cudaStream_t>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(param.device()).native_handle());
+  cudaError_t e = cudaSuccess;
+  try {
+    e = kernels::adamw8_cuda(t, c, {d, nullptr, d + 1, nullptr}, stream);
+  } catch (const squeeze::Error& err) {
+    TORCH_CHECK(false, "8-bit AdamW (CUDA): ", err.what());
+  }
+  TORCH_CHECK(e == cudaSuccess, "8-bit AdamW (CUDA): ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
+}
+#endif
 
 }  // namespace detail
 }  // namespace squeeze::train

@@ -134,7 +134,8 @@ class Trainer {
   static_assert(S::training, "make_trainer needs a training Strategy: remove Inference (an inference model needs no trainer)");
   // 8-bit Adam moments (Quantized<8, Blockwise8>): uint8 codes + one fp32 absmax per kernels::kStateBlock
   // elements (kernels/adamw8.hpp). Host buffers (Offload<Host>, CPU models) run kernels::adamw8_cpu; device
-  // buffers the same maps and rule in torch ops.
+  // buffers the CUDA kernel (kernels/adamw8.cuh) where this header is compiled by nvcc, else the same maps and
+  // rule in torch ops.
   static constexpr bool k8bit = S::state_bits == 8;
   static_assert(!k8bit || S::state_quantization::group == int(kernels::kStateBlock),
                 "train::Trainer's 8-bit optimizer state uses blocks of 256 values: write Quantized<8, Blockwise8> (or Group<256>)");
@@ -1065,13 +1066,23 @@ class Trainer {
     if (o.param.is_cpu()) {
       if (o.grad.scalar_type() == torch::kFloat32) adamw_host<float>(o, cs, d);
       else adamw_host<Param>(o, cs, d);
-    } else {
-      // Device buffers from a host-compiled TU: the same math in torch ops (an nvcc TU could launch
-      // kernels/adamw.cuh instead).
-      // Elementwise, so chunking changes no bit; it bounds the temporaries to one chunk. 8-bit: segments start on
-      // a state block of their own and kDeviceChunk is a multiple of one, so each chunk's blocks are its own.
-      torch::NoGradGuard ng;
-      for (const Segment& seg : o.segments)
+      return;
+    }
+    torch::NoGradGuard ng;
+#if defined(__CUDACC__)
+    if constexpr (k8bit) update_device8(o, cs, d);
+    else update_torch_ops(o, cs, gmul);
+#else
+    update_torch_ops(o, cs, gmul);
+#endif
+  }
+
+  // Device buffers from a host-compiled TU: the same math in torch ops (an nvcc TU could launch
+  // kernels/adamw.cuh instead; it does for 8-bit state).
+  // Elementwise, so chunking changes no bit; it bounds the temporaries to one chunk. 8-bit: segments start on
+  // a state block of their own and kDeviceChunk is a multiple of one, so each chunk's blocks are its own.
+  void update_torch_ops(Partition& o, const GroupCoeffs& cs, float gmul) {
+    for (const Segment& seg : o.segments)
       for (int64_t off = seg.begin; off < seg.begin + seg.len; off += detail::kDeviceChunk) {
         const auto& c = cs[std::size_t(seg.group)];
         const int64_t len = std::min(detail::kDeviceChunk, seg.begin + seg.len - off);
@@ -1090,8 +1101,29 @@ class Trainer {
         }
         if (kMaster) part(o.param).copy_(w);
       }
+  }
+
+#if defined(__CUDACC__)
+  // 8-bit state on the device, an nvcc TU: the CUDA kernel per segment (its group's coefficients; blocks start at
+  // each segment), reading the inverse loss scale and clip coefficient from a 2-float device copy of d's values.
+  void update_device8(Partition& o, const GroupCoeffs& cs, const kernels::AdamWDynamic& d) {
+    const float values[2] = {d.inv_scale ? *d.inv_scale : 1.0f, d.clip_coef ? *d.clip_coef : 1.0f};
+    const torch::Tensor dyn = torch::from_blob(const_cast<float*>(values), {2}, torch::kFloat32).to(device_);
+    const bool fp32_grad = o.grad.scalar_type() == torch::kFloat32;
+    for (const Segment& seg : o.segments) {
+      auto part = [&](const torch::Tensor& t) { return t.narrow(0, seg.begin, seg.len); };
+      auto blocks = [&](const torch::Tensor& t) { return t.narrow(0, seg.block, kernels::state_blocks(seg.len)); };
+      const torch::Tensor master = kMaster ? part(o.master) : torch::Tensor();
+      const auto& c = cs[std::size_t(seg.group)];
+      if (fp32_grad)
+        detail::adamw8_device_update<Param, float>(part(o.param), master, part(o.grad), part(o.m), blocks(o.m_absmax), part(o.v),
+                                                   blocks(o.v_absmax), dyn, c);
+      else
+        detail::adamw8_device_update<Param, Param>(part(o.param), master, part(o.grad), part(o.m), blocks(o.m_absmax), part(o.v),
+                                                   blocks(o.v_absmax), dyn, c);
     }
   }
+#endif
 
   struct GroupSetting {
     float lr_scale, weight_decay;  // weight_decay < 0: AdamW's
