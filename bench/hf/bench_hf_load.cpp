@@ -32,15 +32,12 @@ struct Options {
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 void reset_host_peak() { std::ofstream("/proc/self/clear_refs") << "5"; }
 
-// Bytes of the host buffers the trainer keeps (masters, moments, host gradients: the optimizer state on the host).
+// Bytes the trainer keeps in host memory (Offload<Host>: masters, moments, the host gradient copies), as it counts them.
 template <class T>
-double host_state_gb(T& trainer) {
-  double bytes = 0;
-  for (const auto& b : trainer.partition_buffers())
-    for (const auto* list : {&b.elementwise, &b.blockwise})
-      for (const auto& [name, t] : *list)
-        if (t.defined() && t.is_cpu()) bytes += double(t.nbytes());
-  return bytes / 1e9;
+double host_state_gb(const T& trainer) {
+  const train::MemoryUse m = trainer.memory();
+  const plan::Placement p = m.model_state();
+  return double(p.host + m.communication.host) / 1e9;
 }
 
 template <StrategyType S>
