@@ -16,6 +16,7 @@
 #include <iostream>
 #include <string>
 
+#include "named_strategy.hpp"
 #include "trainer.hpp"
 
 namespace {
@@ -132,7 +133,7 @@ int main(int argc, char** argv) {
   app.add_option("--out", o.out, "append the JSON line here")->required();
   app.add_option("--dir", o.dir, "checkpoint root to write (removed first)")->required();
   app.add_option("--preset", o.preset)->check(CLI::IsMember(nn::LlamaConfig::preset_names()))->capture_default_str();
-  app.add_option("--strategy", o.strategy, "zero3-offload-bf16-ckpt, zero3-offload-bf16-ckpt-adam8, zero3-bf16-ckpt or bf16-ckpt")->capture_default_str();
+  app.add_option("--strategy", o.strategy, bench::kBenchStrategies)->capture_default_str();
   app.add_option("--batch", o.batch)->capture_default_str();
   app.add_option("--seq", o.seq)->capture_default_str();
   app.add_option("--steps", o.steps, "optimizer steps before the save")->capture_default_str();
@@ -141,13 +142,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     // A few of the example's strategies, by its names (each one compiled here costs build time).
-    nlohmann::json row;
-    if (o.strategy == "zero3-offload-bf16-ckpt") row = run<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed>>(o);
-    else if (o.strategy == "zero3-offload-bf16-ckpt-adam8")
-      row = run<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed, Quantized<8, Blockwise8>>>(o);
-    else if (o.strategy == "zero3-bf16-ckpt") row = run<Strategy<Sharded<Stage3>, Precision<bf16, float>, Checkpointed>>(o);
-    else if (o.strategy == "bf16-ckpt") row = run<Strategy<Precision<bf16, float>, Checkpointed>>(o);
-    else throw std::runtime_error("--strategy: one of zero3-offload-bf16-ckpt, zero3-offload-bf16-ckpt-adam8, zero3-bf16-ckpt, bf16-ckpt, got '" + o.strategy + "'");
+    const nlohmann::json row = bench::run_named_strategy(o.strategy, [&]<class S>() { return run<S>(o); });
     std::ofstream(o.out, std::ios::app) << row.dump() << "\n";
     std::cout << row.dump(1) << "\n";
   } catch (const std::exception& e) {

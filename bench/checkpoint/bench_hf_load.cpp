@@ -17,6 +17,7 @@
 #include <iostream>
 #include <string>
 
+#include "named_strategy.hpp"
 #include "trainer.hpp"
 
 namespace {
@@ -102,18 +103,13 @@ int main(int argc, char** argv) {
   CLI::App app{"squeeze: a Hugging Face LLaMA into a trainer (time, host peak, first step)"};
   app.add_option("--hf", o.hf, "Hugging Face LLaMA directory (config.json + safetensors)")->required()->check(CLI::ExistingDirectory);
   app.add_option("--out", o.out, "append the JSON line here")->required();
-  app.add_option("--strategy", o.strategy, "zero3-offload-bf16-ckpt, zero3-offload-bf16-ckpt-adam8 or zero3-bf16-ckpt")->capture_default_str();
+  app.add_option("--strategy", o.strategy, bench::kBenchStrategies)->capture_default_str();
   app.add_option("--batch", o.batch, "sequences of the step after loading")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--seq", o.seq)->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--device", o.device)->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
-    nlohmann::json row;
-    if (o.strategy == "zero3-offload-bf16-ckpt") row = run<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed>>(o);
-    else if (o.strategy == "zero3-offload-bf16-ckpt-adam8")
-      row = run<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed, Quantized<8, Blockwise8>>>(o);
-    else if (o.strategy == "zero3-bf16-ckpt") row = run<Strategy<Sharded<Stage3>, Precision<bf16, float>, Checkpointed>>(o);
-    else throw std::runtime_error("--strategy: one of zero3-offload-bf16-ckpt, zero3-offload-bf16-ckpt-adam8, zero3-bf16-ckpt, got '" + o.strategy + "'");
+    const nlohmann::json row = bench::run_named_strategy(o.strategy, [&]<class S>() { return run<S>(o); });
     std::ofstream(o.out, std::ios::app) << row.dump() << "\n";
     std::cout << row.dump(1) << "\n";
   } catch (const std::exception& e) {
