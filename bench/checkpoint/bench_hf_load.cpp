@@ -1,7 +1,8 @@
 // A Hugging Face LLaMA directory into the LLaMA example's trainer (llama::Trainer<S>::from_hf: the model built
 // uninitialised in the compute dtype on the device, then each checkpoint tensor streamed into the trainer's shards and
-// fp32 masters): seconds, GB/s over the checkpoint's bytes, peak host memory against the trainer's own state plus one
-// shard file, then one training step (its loss) and a spot check that a parameter holds the file's bits.
+// fp32 masters): seconds (split into building the trainer and streaming the file; the stream's reads overlap its
+// writes), GB/s over the checkpoint's bytes, peak host memory against the trainer's own state plus one shard file,
+// then one training step (its loss) and a spot check that a parameter holds the file's bits.
 //   bench_hf_load --hf DIR --out FILE.jsonl [--strategy zero3-offload-bf16-ckpt] [--batch 8] [--seq 2048] [--device cuda]
 // The row is one JSON line (commit and date from SQUEEZE_COMMIT / SQUEEZE_DATE). Make DIR with
 // tools/make_hf_fixtures.py OUT --llama-7b.
@@ -11,6 +12,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -58,7 +60,16 @@ nlohmann::json run(const Options& o) {
   const double host_before = llama::memory_use(torch::kCPU).current_gb;
   llama::reset_peak_memory(device);
   const auto t0 = Clock::now();
-  llama::Trainer<S> t = llama::Trainer<S>::from_hf(o.hf, topt, device);
+  nn::HfLoadProgress streamed;  // the last report: where the streaming part of the time went
+  double last_line = 0;
+  const auto progress = [&](const nn::HfLoadProgress& p) {
+    streamed = p;
+    if (p.seconds - last_line < 5 && p.tensors != p.tensors_total) return;
+    last_line = p.seconds;
+    std::fprintf(stderr, "bench_hf_load: %zu/%zu tensors, %.2f GB in %.1f s (read %.1f s, write %.1f s)\n", p.tensors, p.tensors_total,
+                 double(p.bytes) / 1e9, p.seconds, p.read_s, p.write_s);
+  };
+  llama::Trainer<S> t = llama::Trainer<S>::from_hf(o.hf, topt, device, nullptr, progress);
   t.sync();
   const double load_s = seconds_since(t0);
   const double host_peak = llama::memory_use(torch::kCPU).peak_gb;
@@ -90,6 +101,7 @@ nlohmann::json run(const Options& o) {
   return {{"bench", "hf_load"}, {"case", o.strategy + "/" + std::filesystem::path(o.hf).filename().string()},
           {"strategy", strategy_name<S>()}, {"params", config.shape().params()}, {"checkpoint_gb", double(checkpoint_bytes) / 1e9},
           {"largest_shard_gb", double(largest_shard) / 1e9}, {"load_s", load_s}, {"load_GBps", double(checkpoint_bytes) / 1e9 / load_s},
+          {"build_s", load_s - streamed.seconds}, {"stream_s", streamed.seconds}, {"read_s", streamed.read_s}, {"write_s", streamed.write_s},
           {"host_before_gb", host_before}, {"host_peak_gb", host_peak}, {"host_state_gb", state_gb}, {"host_budget_gb", host_budget},
           {"host_within_budget", host_peak <= host_budget}, {"device_peak_gb", device_peak}, {"target_s", 30.0},
           {"within_target_s", load_s <= 30.0}, {"bits_match_file", bits_match}, {"first_step_loss", loss}, {"first_step_s", step_s},

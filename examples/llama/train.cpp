@@ -13,11 +13,13 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <memory>
 #include <sstream>
 
 #include <squeeze/comm/env.hpp>
@@ -123,6 +125,20 @@ void export_results(const Options& o, Trainer<S>& trainer, const nn::LlamaConfig
 
 // --result-json FILE: the run's outcome as one JSON object, for drivers such as bench/fidelity/fidelity.py that
 // compare strategies over seeds. Written to FILE.tmp and renamed, so a reader never sees half a file.
+// --hf: a line on stderr about every 5 seconds while the checkpoint streams in, and one when it is all in.
+nn::HfProgressFn load_progress(const std::string& dir, bool print) {
+  if (!print) return {};
+  auto last = std::make_shared<double>(0.0);
+  return [dir, last](const nn::HfLoadProgress& p) {
+    const bool done = p.tensors == p.tensors_total;
+    if (!done && p.seconds - *last < 5) return;
+    *last = p.seconds;
+    std::fprintf(stderr, "loading %s: %zu/%zu tensors, %.2f of %.2f GB in %.1f s (%.2f GB/s)%s\n", dir.c_str(), p.tensors, p.tensors_total,
+                 double(p.bytes) / 1e9, double(p.bytes_total) / 1e9, p.seconds, double(p.bytes) / 1e9 / std::max(p.seconds, 1e-9),
+                 done ? "" : " ...");
+  };
+}
+
 void write_result(const std::string& path, const nlohmann::json& result) {
   const std::string tmp = path + ".tmp";
   {
@@ -180,7 +196,7 @@ int train(const Options& o) {
   llama::TrainOptions topt;
   topt.lr = o.lr, topt.weight_decay = o.weight_decay, topt.clip = o.clip, topt.loss_chunk_tokens = o.loss_chunk;
   topt.fused_loss = o.fused_loss;
-  Trainer<S> trainer = pretrained ? Trainer<S>::from_hf(o.hf, topt, device, comm::from_env()) : Trainer<S>(config, topt, device, comm::from_env());
+  Trainer<S> trainer = pretrained ? Trainer<S>::from_hf(o.hf, topt, device, comm::from_env(), load_progress(o.hf, env.rank == 0)) : Trainer<S>(config, topt, device, comm::from_env());
   if (!o.load.empty()) {
     trainer.load(o.load);
     std::cerr << "resumed from " << o.load << " at step " << trainer.step_count() << "\n";

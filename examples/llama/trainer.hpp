@@ -25,6 +25,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -254,16 +255,30 @@ class Trainer {
 
   // A trainer starting from the Hugging Face LLaMA in `dir`. Strategies that train full weights build the model
   // uninitialised in the compute dtype on `device` and stream the file into the trainer (under stage 3 each rank's
-  // shards, the masters from the file's values): host memory holds the optimizer state and one tensor at a time.
-  // LoRA strategies load the float model first: their frozen base is quantized or converted from it.
-  static Trainer from_hf(const std::filesystem::path& dir, TrainOptions options, torch::Device device, comm::CommPtr comm = nullptr) {
+  // shards, the masters from the file's values): host memory holds the optimizer state and at most two checkpoint
+  // tensors. LoRA strategies load the float model first: their frozen base is quantized or converted from it.
+  // progress is called after each checkpoint tensor.
+  static Trainer from_hf(const std::filesystem::path& dir, TrainOptions options, torch::Device device, comm::CommPtr comm = nullptr,
+                         const nn::HfProgressFn& progress = {}) {
     if constexpr (S::has_lora) {
-      return Trainer(nn::load_hf_llama(dir, {.dtype = torch::kFloat32}), options, device, std::move(comm));
+      return Trainer(nn::load_hf_llama(dir, {.dtype = torch::kFloat32, .progress = progress}), options, device, std::move(comm));
     } else {
+      // The files start into the page cache while the trainer allocates its state (a hint; the loader below
+      // checks the directory and reports what is wrong with it).
+      std::thread warm([dir] {
+        try {
+          io::SafetensorsCheckpoint::open(dir).will_need();
+        } catch (...) {
+        }
+      });
+      struct Join {
+        std::thread& t;
+        ~Join() { t.join(); }
+      } join{warm};
       const io::LlamaConfig hf = io::load_llama_config(dir);
       const auto compute = torch::TensorOptions().dtype(torch_dtype<typename S::compute_type>()).device(device);
       Trainer t(Llama(nn::from_hf_config(hf, dir.string()), nn::ParamInit{compute, /*random=*/false}), options, device, std::move(comm));
-      nn::load_hf_weights(*t.trainer_, *t.model_, dir);
+      nn::load_hf_weights(*t.trainer_, *t.model_, dir, {}, progress);
       return t;
     }
   }

@@ -253,6 +253,45 @@ TEST(HfLoad, TiedEmbeddingsAreOneParameter) {
   EXPECT_NEAR(m->loss(ids, t).item<double>(), whole, 1e-6);
 }
 
+// ---- streaming -----------------------------------------------------------------------------------------------------
+// The progress callback sees every tensor once, in order, its bytes adding up to the checkpoint's.
+TEST(HfLoad, ProgressCountsEveryTensorAndByte) {
+  const auto ck = io::SafetensorsCheckpoint::open(kFixtures / "llama2-tiny");
+  std::vector<nn::HfLoadProgress> seen;
+  nn::Llama m = nn::load_hf_llama(kFixtures / "llama2-tiny",
+                                  {.dtype = torch::kFloat32, .progress = [&](const nn::HfLoadProgress& p) { seen.push_back(p); }});
+  ASSERT_EQ(seen.size(), ck.tensors().size());
+  for (std::size_t i = 0; i < seen.size(); ++i) {
+    EXPECT_EQ(seen[i].tensors, i + 1);
+    EXPECT_EQ(seen[i].tensors_total, seen.size());
+    EXPECT_EQ(seen[i].bytes_total, ck.total_bytes());
+    if (i > 0) EXPECT_GT(seen[i].bytes, seen[i - 1].bytes);
+  }
+  EXPECT_EQ(seen.back().bytes, ck.total_bytes());
+  EXPECT_GE(seen.back().seconds, 0.0);
+  nn::Llama plain = nn::load_hf_llama(kFixtures / "llama2-tiny", {.dtype = torch::kFloat32});
+  expect_same_parameters(m, plain);
+}
+
+// A tensor above the 64 MB piece size is read by concurrent preads of its pieces: the bytes are the file's, and a
+// file cut inside the tensor is an error naming it.
+TEST(HfLoad, LargeTensorsReadInPiecesAreTheFilesBytes) {
+  const TempDir tmp("hf_pieces");
+  torch::manual_seed(7);
+  const torch::Tensor big = torch::randn({4099, 4103}, torch::kFloat32);  // 67.3 MB: two pieces, the second shorter
+  const std::span<const std::byte> bytes(static_cast<const std::byte*>(big.data_ptr()), big.nbytes());
+  io::save_safetensors(tmp.path / "model.safetensors", {{"w", {io::DType::F32, {4099, 4103}, bytes}}});
+  const io::NameEntry e{"w", "w", io::ParamKind::Down, -1, {4099, 4103}};
+  {
+    const nn::detail::HfWeights w{io::SafetensorsCheckpoint::open(tmp.path), {e}};
+    EXPECT_TRUE(torch::equal(nn::detail::read_hf_tensor(w, e), big));
+  }
+  const auto file = tmp.path / "model.safetensors";
+  const nn::detail::HfWeights w{io::SafetensorsCheckpoint::open(tmp.path), {e}};
+  fs::resize_file(file, fs::file_size(file) - 1000);  // truncated after it was opened
+  expect_torch_error([&] { (void)nn::detail::read_hf_tensor(w, e); }, {"'w'", "truncated"});
+}
+
 // ---- refusals ------------------------------------------------------------------------------------------------------
 TEST(HfLoad, RefusalsNameTheKeyOrTensor) {
   TempDir d("hf_refuse");

@@ -362,6 +362,9 @@ class SafetensorsReader {
     read_bytes(name, out);
     return out;
   }
+  // Asks the kernel to start reading the whole file into the page cache (posix_fadvise WILLNEED). A hint:
+  // failures are ignored. It may block while the reads are queued, so a loader calls it from a thread of its own.
+  void will_need() const { (void)::posix_fadvise(fd_.get(), 0, 0, POSIX_FADV_WILLNEED); }
   // Copy of a tensor's values; the dtype must be `expected` (element size must match T).
   template <class T>
   std::vector<T> read(const std::string& name, DType expected) const {

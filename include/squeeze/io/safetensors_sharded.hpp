@@ -217,6 +217,10 @@ class SafetensorsCheckpoint {
     shard_of(name).read_bytes(name, out, offset);
   }
   std::vector<std::byte> read_bytes(const std::string& name) const { return shard_of(name).read_bytes(name); }
+  // Every shard into the page cache, in file order (SafetensorsReader::will_need: a hint; may block while queued).
+  void will_need() const {
+    for (const auto& s : shards_) s.will_need();
+  }
   template <class T>
   std::vector<T> read(const std::string& name, DType expected) const {
     return shard_of(name).template read<T>(name, expected);

@@ -18,17 +18,21 @@
 // nn; they name the tensor, key or file that was wrong.
 //
 // Host memory while loading: load_hf_llama builds the model uninitialised straight in its dtype on its device
-// (ParamInit); each checkpoint tensor is then read into one host buffer of its own size and copied into its
-// parameter. The model is never held twice, and into a trainer never whole on one rank.
+// (ParamInit); each checkpoint tensor is then read into a host buffer of its own size (the next one is read while
+// the current one is written) and copied into its parameter. The model is never held twice, and into a trainer
+// never whole on one rank. HfLoadOptions::progress / the progress argument report each tensor as it lands.
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <charconv>
+#include <chrono>
 #include <cmath>
 #include <concepts>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <map>
 #include <optional>
 #include <set>
@@ -144,10 +148,21 @@ inline io::LlamaConfig to_hf_config(const LlamaConfig& c, io::DType dtype, const
 }
 
 // ---- loading ----------------------------------------------------------------------------------------------------
+// Where a load stands, after each tensor: for progress lines and for seeing where the time goes.
+struct HfLoadProgress {
+  std::size_t tensors = 0, tensors_total = 0;
+  std::uint64_t bytes = 0, bytes_total = 0;  // checkpoint bytes read so far, of all
+  double seconds = 0;                        // since the first read began
+  double read_s = 0;   // reading the files (on a thread of its own, overlapping the writes)
+  double write_s = 0;  // converting and copying into the parameters, shards and masters
+};
+using HfProgressFn = std::function<void(const HfLoadProgress&)>;
+
 struct HfLoadOptions {
   std::optional<torch::ScalarType> dtype;  // kFloat32, kBFloat16 or kHalf; default: config.json's (float when it names none)
   torch::Device device = torch::kCPU;
   io::ConfigOptions config;  // allow_unknown_keys
+  HfProgressFn progress;     // called after each tensor
 };
 
 namespace detail {
@@ -177,13 +192,54 @@ inline HfWeights open_hf_weights(const LlamaConfig& c, const std::filesystem::pa
   }
   return w;
 }
-// Reads the tensors one at a time, each into one host buffer of its own size, and hands each to sink.
-inline void stream_hf_weights(const HfWeights& w, const std::function<void(const io::NameEntry&, const torch::Tensor&)>& sink) {
+// Entry e's bytes into a host tensor of its shape and dtype. A large tensor is read in up to 8 concurrent pieces
+// of at least 64 MB: one pread copies out of the page cache on one core, far below what memory or a drive gives.
+inline torch::Tensor read_hf_tensor(const HfWeights& w, const io::NameEntry& e) {
+  torch::Tensor buf = torch::empty(e.shape, torch::TensorOptions().dtype(torch_dtype_of(w.ckpt.info(e.hf).dtype)));
+  const std::span<std::byte> bytes = writable_bytes_of(buf);
+  constexpr std::size_t kPiece = std::size_t(64) << 20;
+  const std::size_t pieces = std::clamp<std::size_t>(bytes.size() / kPiece, 1, 8);
+  const std::size_t step = (bytes.size() + pieces - 1) / pieces;
+  const auto read_piece = [&](std::size_t off) { w.ckpt.read_bytes(e.hf, bytes.subspan(off, std::min(step, bytes.size() - off)), off); };
+  std::vector<std::future<void>> rest;
+  for (std::size_t off = step; off < bytes.size(); off += step) rest.push_back(std::async(std::launch::async, read_piece, off));
+  torch_errors([&] {
+    if (!bytes.empty()) read_piece(0);
+    for (auto& f : rest) f.get();  // rethrows a piece's error
+  });
+  return buf;
+}
+
+// Reads the tensors in checkpoint order and hands each to sink; the next tensor is read on another thread while
+// sink writes the current one, so host memory holds at most two checkpoint tensors. progress (if set) is called
+// after each tensor.
+inline void stream_hf_weights(const HfWeights& w, const std::function<void(const io::NameEntry&, const torch::Tensor&)>& sink,
+                              const HfProgressFn& progress = {}) {
+  using Clock = std::chrono::steady_clock;
+  const auto since = [](Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); };
   torch::NoGradGuard no_grad;
-  for (const io::NameEntry& e : w.entries) {
-    torch::Tensor buf = torch::empty(e.shape, torch::TensorOptions().dtype(torch_dtype_of(w.ckpt.info(e.hf).dtype)));
-    torch_errors([&] { w.ckpt.read_bytes(e.hf, writable_bytes_of(buf)); });
-    sink(e, buf);
+  HfLoadProgress p;
+  p.tensors_total = w.entries.size();
+  for (const io::NameEntry& e : w.entries) p.bytes_total += w.ckpt.info(e.hf).bytes;
+  const auto t0 = Clock::now();
+  const auto read = [&w](std::size_t i) {
+    const auto tr = Clock::now();
+    torch::Tensor t = read_hf_tensor(w, w.entries[i]);
+    return std::pair{t, std::chrono::duration<double>(Clock::now() - tr).count()};
+  };
+  std::future<std::pair<torch::Tensor, double>> next;
+  if (!w.entries.empty()) next = std::async(std::launch::async, read, std::size_t(0));
+  for (std::size_t i = 0; i < w.entries.size(); ++i) {
+    auto [buf, read_s] = next.get();
+    if (i + 1 < w.entries.size()) next = std::async(std::launch::async, read, i + 1);
+    const auto tw = Clock::now();
+    sink(w.entries[i], buf);
+    p.write_s += since(tw);
+    p.read_s += read_s;
+    p.tensors = i + 1;
+    p.bytes += std::uint64_t(buf.nbytes());
+    p.seconds = since(t0);
+    if (progress) progress(p);
   }
 }
 // The module's dense parameter for entry e, checked before anything is written.
@@ -200,12 +256,13 @@ inline torch::Tensor* dense_target(torch::OrderedDict<std::string, torch::Tensor
 // Streams the checkpoint in `dir` into `model`'s parameters, converting to their dtype and device. The model
 // must be a plain nn::Llama (before apply_lora or a stage-3 trainer empties its weights); when `dir` holds a
 // config.json, its network must be the model's. Everything is checked before the first parameter changes.
-inline void load_hf_weights(LlamaImpl& model, const std::filesystem::path& dir, const io::ConfigOptions& config_options = {}) {
+inline void load_hf_weights(LlamaImpl& model, const std::filesystem::path& dir, const io::ConfigOptions& config_options = {},
+                            const HfProgressFn& progress = {}) {
   const detail::HfWeights w = detail::open_hf_weights(model.config, dir, config_options);
   auto params = model.named_parameters();
   std::map<std::string, torch::Tensor*> target;
   for (const io::NameEntry& e : w.entries) target[e.squeeze] = detail::dense_target(params, e);
-  detail::stream_hf_weights(w, [&](const io::NameEntry& e, const torch::Tensor& t) { target.at(e.squeeze)->copy_(t); });
+  detail::stream_hf_weights(w, [&](const io::NameEntry& e, const torch::Tensor& t) { target.at(e.squeeze)->copy_(t); }, progress);
 }
 
 // The same into a trainer built on `model` (any Strategy, any ZeRO stage): its trainable parameters through
@@ -218,7 +275,8 @@ template <class TrainerT>
     t.load_parameter(n, v);
     { t.has_parameter(n) } -> std::convertible_to<bool>;
   }
-inline void load_hf_weights(TrainerT& trainer, LlamaImpl& model, const std::filesystem::path& dir, const io::ConfigOptions& config_options = {}) {
+inline void load_hf_weights(TrainerT& trainer, LlamaImpl& model, const std::filesystem::path& dir, const io::ConfigOptions& config_options = {},
+                            const HfProgressFn& progress = {}) {
   const detail::HfWeights w = detail::open_hf_weights(model.config, dir, config_options);
   auto params = model.named_parameters();
   std::map<std::string, torch::Tensor*> target;  // module parameters the trainer does not hold
@@ -227,7 +285,7 @@ inline void load_hf_weights(TrainerT& trainer, LlamaImpl& model, const std::file
   detail::stream_hf_weights(w, [&](const io::NameEntry& e, const torch::Tensor& t) {
     if (auto it = target.find(e.squeeze); it != target.end()) it->second->copy_(t);
     else trainer.load_parameter(e.squeeze, t);
-  });
+  }, progress);
 }
 
 // An nn::Llama built from `dir`'s config.json and filled with its weights.
@@ -237,7 +295,7 @@ inline Llama load_hf_llama(const std::filesystem::path& dir, const HfLoadOptions
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kHalf,
               "load_hf_llama: dtype must be float, bf16 or half, got ", dtype);
   Llama model(from_hf_config(hf, dir.string()), ParamInit{torch::TensorOptions().dtype(dtype).device(o.device), /*random=*/false});
-  load_hf_weights(*model, dir, o.config);
+  load_hf_weights(*model, dir, o.config, o.progress);
   return model;
 }
 

@@ -1,6 +1,7 @@
 #pragma once
-// Where fp32 master weights and optimizer state live. Offload<Host> keeps them in pinned host memory
-// and runs the CPU AdamW there (DeepSpeed's offload_optimizer: cpu).
+// Where fp32 master weights and optimizer state live. Offload<Host> keeps them in host memory and runs the
+// CPU AdamW there (DeepSpeed's offload_optimizer: cpu); only what crosses PCIe (the gradient and parameter copies)
+// is pinned.
 #include <type_traits>
 
 #include "family.hpp"

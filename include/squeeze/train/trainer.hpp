@@ -634,39 +634,46 @@ class Trainer {
     const int64_t es = int64_t(c10::elementSize(compute_dtype_));
     return std::max<int64_t>(1, opt_.align_bytes / es);
   }
-  // [n] optimizer-state buffer: on the device, on the host, or (offload from a GPU) pinned host memory of exactly
-  // n elements (train::pinned_empty: torch's caching host allocator would round each one up to a power of two).
-  torch::Tensor state_empty(int64_t n, torch::ScalarType dtype) const {
+  // [n] optimizer-state buffer: on the device, or on the host with Offload<Host>. From a GPU, what the pipeline's
+  // asynchronous copies touch (`transferred`: the host gradient copy, which also carries the rounded new parameters
+  // back, and the fp32 master where it is the upload's source) is pinned host memory of exactly n elements
+  // (train::pinned_empty: torch's caching host allocator would round each one up to a power of two). The moments
+  // never cross PCIe, so they stay pageable: pinning them would lock most of the host state (54 of 94 GB at 7B) and
+  // cost seconds per 10 GB when the trainer is built, for no copy.
+  torch::Tensor state_empty(int64_t n, torch::ScalarType dtype, bool transferred) const {
     const auto options = torch::TensorOptions().dtype(dtype);
     if (!kOffload) return torch::empty({n}, options.device(device_));
-    return device_.is_cuda() ? pinned_empty(n, dtype) : torch::empty({n}, options);  // a CPU model: plain host memory
+    return device_.is_cuda() && transferred ? pinned_empty(n, dtype) : torch::empty({n}, options);
   }
-  torch::Tensor state_zeros(int64_t n, torch::ScalarType dtype) const { return state_empty(n, dtype).zero_(); }
+  torch::Tensor state_zeros(int64_t n, torch::ScalarType dtype, bool transferred) const { return state_empty(n, dtype, transferred).zero_(); }
+  // The fp32 master is the upload's source unless the CPU AdamW stages the rounded parameters in the host
+  // gradient copy (a 16-bit gradient of the parameter's dtype: OffloadPipeline::write_back's staged path).
+  bool master_uploaded() const { return !(kMaster && grad_dtype_ == compute_dtype_); }
 
   void make_owned(Partition& o, torch::Tensor param, torch::Tensor grad) {
     o.param = param;
     o.grad = grad;
     const int64_t n = param.numel();
     if (kOffload || kMaster) {
-      o.master = state_empty(n, torch::kFloat32);
+      o.master = state_empty(n, torch::kFloat32, master_uploaded());
       o.master.copy_(param);
     }
     if constexpr (k8bit) {
       // Zero codes with zero block scales are the zero state (absmax 0 decodes every code to 0).
-      o.m = state_zeros(n, torch::kUInt8);
-      o.v = state_zeros(n, torch::kUInt8);
+      o.m = state_zeros(n, torch::kUInt8, false);
+      o.v = state_zeros(n, torch::kUInt8, false);
       // Blocks start at each segment's first element (one group's elements under one absmax).
       int64_t blocks = 0;
       for (const Segment& s : o.segments) blocks += kernels::state_blocks(s.len);
-      o.m_absmax = state_zeros(blocks, torch::kFloat32);
-      o.v_absmax = state_zeros(blocks, torch::kFloat32);
+      o.m_absmax = state_zeros(blocks, torch::kFloat32, false);
+      o.v_absmax = state_zeros(blocks, torch::kFloat32, false);
     } else {
-      o.m = state_zeros(n, torch::kFloat32);
-      o.v = state_zeros(n, torch::kFloat32);
+      o.m = state_zeros(n, torch::kFloat32, false);
+      o.v = state_zeros(n, torch::kFloat32, false);
     }
     // The gradient travels in its own dtype (bf16: half the PCIe bytes of fp32); the CPU AdamW widens it.
-    if (kOffload) o.host_grad = state_zeros(n, grad_dtype_);
-    if (kOffload && device_.is_cuda()) o.host_sumsq = state_zeros(1, torch::kFloat64);
+    if (kOffload) o.host_grad = state_zeros(n, grad_dtype_, true);
+    if (kOffload && device_.is_cuda()) o.host_sumsq = state_zeros(1, torch::kFloat64, true);
   }
 
   void broadcast(torch::Tensor& t) { broadcast_inplace(*comm_, t, 0); }
