@@ -1,12 +1,16 @@
 // A Hugging Face LLaMA directory into the LLaMA example's trainer (llama::Trainer<S>::from_hf: the model built
 // uninitialised in the compute dtype on the device, then each checkpoint tensor streamed into the trainer's shards and
 // fp32 masters): seconds (split into building the trainer and streaming the file; the stream's reads overlap its
-// writes), GB/s over the checkpoint's bytes, peak host memory against the trainer's own state plus one shard file,
-// then one training step (its loss) and a spot check that a parameter holds the file's bits.
+// writes), the share of the files in the page cache beforehand, GB/s over the checkpoint's bytes, peak host memory
+// against the trainer's own state plus one shard file, then one training step (its loss) and a spot check that a
+// parameter holds the file's bits.
 //   bench_hf_load --hf DIR --out FILE.jsonl [--strategy zero3-offload-bf16-ckpt] [--batch 8] [--seq 2048] [--device cuda]
 // The row is one JSON line (commit and date from SQUEEZE_COMMIT / SQUEEZE_DATE). Make DIR with
 // tools/make_hf_fixtures.py OUT --llama-7b.
 #include <CLI/CLI.hpp>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -43,14 +47,32 @@ double host_state_gb(const T& trainer) {
   return double(p.host + m.communication.host) / 1e9;
 }
 
+// The fraction of a file's pages in the page cache (mincore over a mapping of it): a load from a warm cache and
+// one from the drive are different measurements, so each row says which it was.
+double cached_fraction(const std::filesystem::path& file) {
+  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  const size_t size = std::filesystem::file_size(file), page = size_t(::sysconf(_SC_PAGESIZE));
+  void* map = size ? ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0) : MAP_FAILED;
+  ::close(fd);
+  if (map == MAP_FAILED) return -1;
+  std::vector<unsigned char> resident((size + page - 1) / page);
+  const bool ok = ::mincore(map, size, resident.data()) == 0;
+  ::munmap(map, size);
+  if (!ok) return -1;
+  return double(std::count_if(resident.begin(), resident.end(), [](unsigned char r) { return r & 1; })) / double(resident.size());
+}
+
 template <StrategyType S>
 nlohmann::json run(const Options& o) {
   const torch::Device device(o.device);
   const io::SafetensorsCheckpoint ckpt = io::SafetensorsCheckpoint::open(o.hf);
   uint64_t checkpoint_bytes = 0, largest_shard = 0;
+  double cached_bytes = 0;
   for (const auto& f : ckpt.files()) {
     const uint64_t n = std::filesystem::file_size(std::filesystem::path(o.hf) / f);
     checkpoint_bytes += n, largest_shard = std::max(largest_shard, n);
+    cached_bytes += std::max(0.0, cached_fraction(std::filesystem::path(o.hf) / f)) * double(n);
   }
   llama::TrainOptions topt;
   topt.clip = 0;  // as the table's 7B rows: the eager offload pipeline
@@ -100,7 +122,7 @@ nlohmann::json run(const Options& o) {
   const char* date = std::getenv("SQUEEZE_DATE");
   return {{"bench", "hf_load"}, {"case", o.strategy + "/" + std::filesystem::path(o.hf).filename().string()},
           {"strategy", strategy_name<S>()}, {"params", config.shape().params()}, {"checkpoint_gb", double(checkpoint_bytes) / 1e9},
-          {"largest_shard_gb", double(largest_shard) / 1e9}, {"load_s", load_s}, {"load_GBps", double(checkpoint_bytes) / 1e9 / load_s},
+          {"largest_shard_gb", double(largest_shard) / 1e9}, {"page_cached_before", cached_bytes / double(checkpoint_bytes)}, {"load_s", load_s}, {"load_GBps", double(checkpoint_bytes) / 1e9 / load_s},
           {"build_s", load_s - streamed.seconds}, {"stream_s", streamed.seconds}, {"read_s", streamed.read_s}, {"write_s", streamed.write_s},
           {"host_before_gb", host_before}, {"host_peak_gb", host_peak}, {"host_state_gb", state_gb}, {"host_budget_gb", host_budget},
           {"host_within_budget", host_peak <= host_budget}, {"device_peak_gb", device_peak}, {"target_s", 30.0},
