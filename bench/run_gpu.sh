@@ -2,7 +2,7 @@
 # One call on the GPU machine: build with libtorch's CUDA side, run the GPU tests (ctest -L cuda) and the
 # benchmarks, write full results under $OUT (default ./gpu-results) and print a short table last.
 #   usage: bash bench/run_gpu.sh [bench-name ...]    (no names: all benchmarks but the 7B rows;
-#          names: adamw fused gemm4 gemm4_probe dequant wgmma_rate gptq zero table table7b table7b_offload diag7b ncu_gemm ncu_sm90 llama_gptq quantize7b scale scale7b scale7b_w1 qlora)
+#          names: adamw adamw8_shapes fused gemm4 gemm4_probe dequant wgmma_rate gptq zero table table7b table7b_offload diag7b ncu_gemm ncu_sm90 llama_gptq quantize7b scale scale7b scale7b_w1 qlora)
 #   env: TARGETS="t1 t2" builds only those targets (default: everything); GPU_TESTS=0 skips ctest -L cuda;
 #        GPU_TESTS_REGEX="Quant|Zero" runs only the cuda-labelled tests whose names match (ctest -R);
 #        BENCH_ARGS_<name>="..." extra arguments for one benchmark (e.g. BENCH_ARGS_table="--rows bf16,ckpt");
@@ -52,6 +52,9 @@ run_bench() {  # run_bench <name> <executable> [args...]
   echo "== $name"; timeout "${BENCH_TIMEOUT:-3600}" "$@" ${!extra_var:-} --out "$OUT/$name.jsonl" 2>&1 | tee "$OUT/$name.log" | tail -30
 }
 run_bench adamw "$BUILD/bench/kernels/bench_adamw"
+# every shape of the 8-bit AdamW kernel against the copy bound, no libtorch (TARGETS=bench_adamw8_shapes; exits 1 when a
+# shape's bytes differ from the default shape's)
+run_bench adamw8_shapes "$BUILD/bench/kernels/bench_adamw8_shapes"
 # fused RMSNorm / add + RMSNorm / RoPE / SwiGLU against eager torch, GB/s vs the copy bandwidth (TARGETS=bench_fused)
 run_bench fused "$BUILD/bench/fused/bench_fused"
 run_bench gemm4 "$BUILD/bench/quant/bench_quant_gemm"

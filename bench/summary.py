@@ -86,6 +86,7 @@ for path in sys.argv[1:]:
             print(f"finetune {r.get('case', '?'):<44} ppl {num(r, 'base_ppl'):8.4f} -> {num(r, 'ppl_mean'):8.4f}  "
                   f"{100 * num(r, 'share_of_full'):5.1f}% of full fine-tuning's improvement")
             continue
-        roof = num(r, "roofline_fraction")
-        print(f"{r.get('bench', '?'):<8} {r.get('case', '?'):<44} x{ratio:6.2f} vs {r.get('peer', '?'):<22} "
+        roof = num(r, "roofline_fraction") or num(r, "roofline_fraction_same_bytes")  # the latter alone: bench_adamw8_shapes
+        case = r.get("case", "?") + (f" [{r['variant']}]" if r.get("variant") else "")  # bench_adamw's 8-bit kernel shapes
+        print(f"{r.get('bench', '?'):<8} {case:<44} x{ratio:6.2f} vs {r.get('peer', '?'):<22} "
               f"roof {roof:5.2f}  {num(r, 'time_ms'):9.3f} ms")

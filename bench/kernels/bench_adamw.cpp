@@ -13,6 +13,8 @@
 //               (fp32 state). Also measured in the same case: torch's fused fp32 AdamW alone on the same n
 //               (peer_fp32_time_ms, ratio_vs_fused_fp32) and the copy bound of the same bytes, a cudaMemcpy D2D that
 //               reads and writes as many bytes as the kernel moves (copy_same_bytes_GBps, roofline_fraction_same_bytes).
+//               One row per kernel shape (kernels::AdamW8Policies; field `variant`, the policy's name, and
+//               `default_variant` true on the shape adamw8_cuda launches), each measured as above in the same run.
 // Peer: at::_fused_adamw_ over the same tensors (flat: a list of one; 64 tensors: a list of 64). For
 // bf16-mixed PyTorch has no master-weight fused AdamW, so the peer is the usual recipe: _fused_adamw_ on the
 // fp32 master with fp32 grads (cast outside the timed region, in the peer's favour) + copy_ into the bf16
@@ -64,6 +66,8 @@ struct Options {
 
 struct Result {
   std::string name, peer;
+  std::string variant;  // the 8-bit kernel's shape; empty for the other cases
+  bool default_variant = false;
   double time_ms = -1, peer_time_ms = -1, bandwidth_GBps = -1, roofline = -1, params_per_s = -1, copy_GBps = -1;
   double peer_fp32_time_ms = -1, copy_same_GBps = -1, roofline_same = -1, bytes_per_param = kBytesPerParam;
   std::int64_t params = 0;
@@ -91,6 +95,7 @@ void emit(std::ofstream* out, const Result& r) {
   std::ostringstream j;
   j.precision(6);
   j << "{\"bench\":\"adamw\",\"case\":" << json_str(r.name);
+  if (!r.variant.empty()) j << ",\"variant\":" << json_str(r.variant) << ",\"default_variant\":" << (r.default_variant ? "true" : "false");
   auto num = [&](const char* k, double v) {
     if (v >= 0) j << ",\"" << k << "\":" << v;
   };
@@ -119,7 +124,8 @@ void emit(std::ofstream* out, const Result& r) {
     out->flush();
   }
   if (r.error.empty()) {
-    std::printf("%-34s %10.3f ms  peer %10.3f ms  x%5.2f  %8.1f GB/s  roof %5.3f", r.name.c_str(), r.time_ms, r.peer_time_ms,
+    const std::string label = r.variant.empty() ? r.name : r.name + " [" + r.variant + "]";
+    std::printf("%-34s %10.3f ms  peer %10.3f ms  x%5.2f  %8.1f GB/s  roof %5.3f", label.c_str(), r.time_ms, r.peer_time_ms,
                 r.peer_time_ms > 0 ? r.peer_time_ms / r.time_ms : 0.0, r.bandwidth_GBps, r.roofline > 0 ? r.roofline : 0.0);
     if (r.params_per_s > 0) std::printf("  %.3g params/s (%d threads)", r.params_per_s, r.threads);
     if (r.copy_same_GBps > 0)
@@ -209,7 +215,8 @@ void time_pair(Result& r, int iters, const std::function<void(int)>& ours, const
   r.peer_time_ms = median(b);
 }
 
-Result gpu_case(const std::string& precision, int tensors, const Options& o, double copy_GBps) {
+// variant: the 8-bit kernel's shape (bench_adamw_kernels.hpp's adamw8_variants()), unused by the other precisions.
+Result gpu_case(const std::string& precision, int tensors, const Options& o, double copy_GBps, const std::string& variant = "") {
   Result r;
   r.name = "gpu/" + precision + "/" + (tensors == 1 ? std::string("flat") : std::to_string(tensors) + "-tensors") + "/" +
            std::to_string(o.n >> 20) + "Mi";
@@ -251,7 +258,9 @@ Result gpu_case(const std::string& precision, int tensors, const Options& o, dou
       const auto u8 = at::TensorOptions().dtype(at::kByte).device(at::kCUDA);
       m8 = at::zeros({o.n}, u8), v8 = at::zeros({o.n}, u8);
       ma = at::zeros({sk::state_blocks(o.n)}, f32), va = at::zeros({sk::state_blocks(o.n)}, f32);
-      ours = squeeze::bench::make_bf16_mixed_adamw8(pp, master.data_ptr<float>(), reinterpret_cast<const bf16*>(g.data_ptr()),
+      r.variant = variant;
+      r.default_variant = variant == squeeze::bench::adamw8_default_variant();
+      ours = squeeze::bench::make_bf16_mixed_adamw8(variant, pp, master.data_ptr<float>(), reinterpret_cast<const bf16*>(g.data_ptr()),
                                                     m8.data_ptr<std::uint8_t>(), ma.data_ptr<float>(), v8.data_ptr<std::uint8_t>(),
                                                     va.data_ptr<float>(), o.n, tensors);
     } else {
@@ -433,10 +442,16 @@ int main(int argc, char** argv) {
         r.params = 0;
         return r;
       });
-      for (const char* prec : {"fp32", "bf16-mixed", "fp32-scaled", "bf16-mixed-adam8"})
+      for (const char* prec : {"fp32", "bf16-mixed", "fp32-scaled"})
         for (int k : {1, o.tensors}) {
           const std::string name = std::string("gpu/") + prec + "/" + (k == 1 ? "flat" : std::to_string(k) + "-tensors");
           guarded(out, name, [&] { return gpu_case(prec, k, o, copy); });
+        }
+      for (int k : {1, o.tensors})
+        for (const std::string& variant : squeeze::bench::adamw8_variants()) {
+          const std::string name =
+              std::string("gpu/bf16-mixed-adam8/") + (k == 1 ? "flat" : std::to_string(k) + "-tensors") + " [" + variant + "]";
+          guarded(out, name, [&] { return gpu_case("bf16-mixed-adam8", k, o, copy, variant); });
         }
     }
   }

@@ -1,4 +1,6 @@
 // The nvcc half of bench_adamw (see bench_adamw_kernels.hpp).
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "bench_adamw_kernels.hpp"
@@ -30,7 +32,7 @@ class Launcher final : public AdamWLauncher {
   kernels::DeviceTensorTable<kernels::AdamWTensor<P, G>> table_;
 };
 
-template <class P, class G>
+template <class Policy, class P, class G>
 class Launcher8 final : public AdamWLauncher {
  public:
   Launcher8(P* param, float* master, const G* grad, std::uint8_t* m, float* ma, std::uint8_t* v, float* va, std::int64_t n, int tensors) {
@@ -43,8 +45,8 @@ class Launcher8 final : public AdamWLauncher {
     if (tensors > 1) table_.upload(list_);
   }
   cudaError_t run(const kernels::AdamWCoeffs& c, const kernels::AdamWDynamic& d, cudaStream_t stream) override {
-    if (list_.size() == 1) return kernels::adamw8_cuda(list_[0], c, d, stream);
-    return kernels::adamw8_cuda(table_.view(), c, d, stream);
+    if (list_.size() == 1) return kernels::adamw8_cuda<Policy>(list_[0], c, d, stream);
+    return kernels::adamw8_cuda<Policy>(table_.view(), c, d, stream);
   }
 
  private:
@@ -54,9 +56,24 @@ class Launcher8 final : public AdamWLauncher {
 
 }  // namespace
 
-std::unique_ptr<AdamWLauncher> make_bf16_mixed_adamw8(bf16* param, float* master, const bf16* grad, std::uint8_t* m, float* m_absmax,
-                                                      std::uint8_t* v, float* v_absmax, std::int64_t n, int tensors) {
-  return std::make_unique<Launcher8<bf16, bf16>>(param, master, grad, m, m_absmax, v, v_absmax, n, tensors);
+std::vector<std::string> adamw8_variants() {
+  return []<class... Policies>(std::tuple<Policies...>*) { return std::vector<std::string>{Policies::name...}; }(
+      static_cast<kernels::AdamW8Policies*>(nullptr));
+}
+std::string adamw8_default_variant() { return kernels::AdamW8DefaultPolicy::name; }
+
+std::unique_ptr<AdamWLauncher> make_bf16_mixed_adamw8(const std::string& variant, bf16* param, float* master, const bf16* grad,
+                                                      std::uint8_t* m, float* m_absmax, std::uint8_t* v, float* v_absmax, std::int64_t n,
+                                                      int tensors) {
+  std::unique_ptr<AdamWLauncher> out;
+  [&]<class... Policies>(std::tuple<Policies...>*) {
+    ((variant == Policies::name ? (void)(out = std::make_unique<Launcher8<Policies, bf16, bf16>>(param, master, grad, m, m_absmax, v,
+                                                                                                 v_absmax, n, tensors))
+                                : void()),
+     ...);
+  }(static_cast<kernels::AdamW8Policies*>(nullptr));
+  check(out != nullptr, "bench: unknown AdamW8 variant " + variant);
+  return out;
 }
 
 std::unique_ptr<AdamWLauncher> make_fp32_adamw(float* param, const float* grad, float* m, float* v, std::int64_t n, int tensors) {

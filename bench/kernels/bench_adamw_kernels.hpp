@@ -6,6 +6,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "squeeze/kernels/adamw.hpp"
 
@@ -25,8 +27,12 @@ std::unique_ptr<AdamWLauncher> make_fp32_adamw(float* param, const float* grad, 
 std::unique_ptr<AdamWLauncher> make_bf16_mixed_adamw(bf16* param, float* master, const bf16* grad, float* m, float* v, std::int64_t n,
                                                      int tensors);
 // The same with 8-bit state (kernels/adamw8.cuh): m, v uint8 codes [n], absmax [ceil(n / 256)] each; slices
-// are whole 256-element blocks (the last takes the remainder).
-std::unique_ptr<AdamWLauncher> make_bf16_mixed_adamw8(bf16* param, float* master, const bf16* grad, std::uint8_t* m, float* m_absmax,
-                                                      std::uint8_t* v, float* v_absmax, std::int64_t n, int tensors);
+// are whole 256-element blocks (the last takes the remainder). variant: one of adamw8_variants(), the kernel shape
+// (kernels::AdamW8Policies' names; adamw8_default_variant() is the one the library launches).
+std::vector<std::string> adamw8_variants();
+std::string adamw8_default_variant();
+std::unique_ptr<AdamWLauncher> make_bf16_mixed_adamw8(const std::string& variant, bf16* param, float* master, const bf16* grad,
+                                                      std::uint8_t* m, float* m_absmax, std::uint8_t* v, float* v_absmax, std::int64_t n,
+                                                      int tensors);
 
 }  // namespace squeeze::bench

@@ -8,6 +8,8 @@
 // path and the element path of the last partial block), buffers at odd offsets (the element path throughout), 20
 // steps in a row through a table, and gradients with zero blocks, huge and tiny values, infinities and NaNs (there a
 // NaN weight matches any NaN: which NaN an operation returns is left open by IEEE and differs between CPU and GPU).
+// Every kernel shape (kernels::AdamW8Policies) runs every test: a typed suite, Adam8Cuda/<shape>.<test>; the sizes
+// leave partial state blocks, partial chunks and warps with fewer blocks than their neighbours.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -110,10 +112,31 @@ void expect_state_equal_nan(const Host8<P, G>& got, const Host8<P, G>& want, con
   same(codes(got.v), codes(want.v), "v code", false);
 }
 
-const std::vector<std::int64_t> kSizes8 = {1, 255, 257, 1000, (std::int64_t(1) << 14) + 5, (std::int64_t(1) << 20) + 3};
+const std::vector<std::int64_t> kSizes8 = {1, 255, 257, 1000, (std::int64_t(1) << 14) + 5, (std::int64_t(1) << 16) + 37 * 256 + 100,
+                                           (std::int64_t(1) << 20) + 3};
 
-TEST(Adam8Cuda, FlatMatchesCpuTwinForEveryTypePairAndSize) {
+// The suite runs once per shape; names are the policies' with '_' for '-' (a '-' would split a --gtest_filter).
+template <class Tuple>
+struct GTestTypesOf;
+template <class... Ts>
+struct GTestTypesOf<std::tuple<Ts...>> {
+  using type = ::testing::Types<Ts...>;
+};
+struct PolicyName {
+  template <class Policy>
+  static std::string GetName(int) {
+    std::string s = Policy::name;
+    std::replace(s.begin(), s.end(), '-', '_');
+    return s;
+  }
+};
+template <class Policy>
+class Adam8Cuda : public ::testing::Test {};
+TYPED_TEST_SUITE(Adam8Cuda, GTestTypesOf<sk::AdamW8Policies>::type, PolicyName);
+
+TYPED_TEST(Adam8Cuda, FlatMatchesCpuTwinForEveryTypePairAndSize) {
   REQUIRE_DEVICE();
+  using Policy = TypeParam;
   std::mt19937 rng(301);
   test::for_each_type_pair([&]<class P, class G>() {
     for (std::int64_t n : kSizes8) {
@@ -131,7 +154,7 @@ TEST(Adam8Cuda, FlatMatchesCpuTwinForEveryTypePairAndSize) {
       Dev<float> dyn(std::vector<float>{inv, no_inf, clip});
       Dev<std::int64_t> step(std::vector<std::int64_t>{applied});
       const auto c = sk::adamw_coeffs(1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 1);
-      ASSERT_EQ(sk::adamw8_cuda(d.tensor(), c, {dyn.p, dyn.p + 1, dyn.p + 2, step.p}), cudaSuccess);
+      ASSERT_EQ(sk::adamw8_cuda<Policy>(d.tensor(), c, {dyn.p, dyn.p + 1, dyn.p + 2, step.p}), cudaSuccess);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       sk::adamw8_cpu(h.tensor(), c, {&inv, &no_inf, &clip, &applied});
       test::expect_state_bitwise(d.download(h), h, label);
@@ -139,8 +162,9 @@ TEST(Adam8Cuda, FlatMatchesCpuTwinForEveryTypePairAndSize) {
   });
 }
 
-TEST(Adam8Cuda, TensorTableInOneLaunchOverManySteps) {
+TYPED_TEST(Adam8Cuda, TensorTableInOneLaunchOverManySteps) {
   REQUIRE_DEVICE();
+  using Policy = TypeParam;
   std::mt19937 rng(302);
   using P = bf16;
   using G = bf16;
@@ -157,7 +181,7 @@ TEST(Adam8Cuda, TensorTableInOneLaunchOverManySteps) {
   for (auto& h : host) ht.push_back(h.tensor());
   for (int t = 1; t <= 20; ++t) {
     const auto c = sk::adamw_coeffs(3e-3f, 0.9f, 0.95f, 1e-8f, 0.05f, t);
-    ASSERT_EQ(sk::adamw8_cuda(table.view(), c), cudaSuccess);
+    ASSERT_EQ(sk::adamw8_cuda<Policy>(table.view(), c), cudaSuccess);
     sk::adamw8_cpu(std::span<const sk::AdamW8Tensor<P, G>>(ht), c);
   }
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -165,8 +189,9 @@ TEST(Adam8Cuda, TensorTableInOneLaunchOverManySteps) {
 }
 
 // Buffers one element past an aligned address: every block takes the element path, still bitwise.
-TEST(Adam8Cuda, BuffersAtOddOffsetsMatchCpuTwinBitwise) {
+TYPED_TEST(Adam8Cuda, BuffersAtOddOffsetsMatchCpuTwinBitwise) {
   REQUIRE_DEVICE();
+  using Policy = TypeParam;
   std::mt19937 rng(304);
   test::for_each_type_pair([&]<class P, class G>() {
     for (std::int64_t n : {std::int64_t(300), std::int64_t(40001)}) {
@@ -176,7 +201,7 @@ TEST(Adam8Cuda, BuffersAtOddOffsetsMatchCpuTwinBitwise) {
       h.grad = test::random_vec<G>(n, rng, -1.f, 1.f);
       Device8<P, G> d(h, 1);
       const auto c = sk::adamw_coeffs(1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 2);
-      ASSERT_EQ(sk::adamw8_cuda(d.tensor(), c), cudaSuccess);
+      ASSERT_EQ(sk::adamw8_cuda<Policy>(d.tensor(), c), cudaSuccess);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       sk::adamw8_cpu(h.tensor(), c);
       test::expect_state_bitwise(d.download(h), h, label);
@@ -186,8 +211,9 @@ TEST(Adam8Cuda, BuffersAtOddOffsetsMatchCpuTwinBitwise) {
 
 // One table launch over aligned and odd-offset tensors with gradients that have zero blocks, values 26 decades
 // apart, denormals, 1e30 (v overflows), infinities and NaNs, three steps in a row.
-TEST(Adam8Cuda, AwkwardGradientsInATableMatchCpuTwin) {
+TYPED_TEST(Adam8Cuda, AwkwardGradientsInATableMatchCpuTwin) {
   REQUIRE_DEVICE();
+  using Policy = TypeParam;
   std::mt19937 rng(305);
   using P = bf16;
   using G = float;
@@ -220,7 +246,7 @@ TEST(Adam8Cuda, AwkwardGradientsInATableMatchCpuTwin) {
     }
     sk::DeviceTensorTable<sk::AdamW8Tensor<P, G>> table(dt);
     const auto c = sk::adamw_coeffs(1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, t);
-    ASSERT_EQ(sk::adamw8_cuda(table.view(), c), cudaSuccess);
+    ASSERT_EQ(sk::adamw8_cuda<Policy>(table.view(), c), cudaSuccess);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     std::vector<Host8<P, G>> want = host;
     for (auto& h : want) sk::adamw8_cpu(h.tensor(), c);
@@ -232,14 +258,15 @@ TEST(Adam8Cuda, AwkwardGradientsInATableMatchCpuTwin) {
   }
 }
 
-TEST(Adam8Cuda, SkippedStepLeavesEveryByteUnchanged) {
+TYPED_TEST(Adam8Cuda, SkippedStepLeavesEveryByteUnchanged) {
   REQUIRE_DEVICE();
+  using Policy = TypeParam;
   std::mt19937 rng(303);
   Host8<half, half> h = random_state8<half, half>(5000, rng);
   sk::adamw8_cpu(h.tensor(), sk::adamw_coeffs(1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 1));
   Device8<half, half> d(h);
   Dev<float> dyn(std::vector<float>{1.f, 1.f});  // inv_scale, found_inf != 0
-  ASSERT_EQ(sk::adamw8_cuda(d.tensor(), sk::adamw_coeffs(1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 2), {dyn.p, dyn.p + 1, nullptr, nullptr}),
+  ASSERT_EQ(sk::adamw8_cuda<Policy>(d.tensor(), sk::adamw_coeffs(1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 2), {dyn.p, dyn.p + 1, nullptr, nullptr}),
             cudaSuccess);
   test::expect_state_bitwise(d.download(h), h, "skipped step on the GPU");
 }

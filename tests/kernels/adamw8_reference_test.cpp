@@ -153,7 +153,7 @@ TEST(Adam8Reference, InfinitiesAndNaNsMatchTheReplacedImplementation) {
 TEST(Adam8Reference, LargeTensorMatchesBitwise) { expect_matches_reference<bf16, bf16>((std::int64_t(1) << 20) + 200003, 300, false); }
 
 // The encoders on a stride through all 2^32 float patterns (every 61st: 70 M values, every exponent and sign, NaN
-// payloads, denormals), both maps, against the binary search.
+// payloads, denormals), both maps, against the binary search (the block encoders and the GPU's branch-free rule).
 TEST(Adam8Reference, EncodersMatchTheBinarySearchOnAStrideOfAllFloats) {
   constexpr std::uint64_t kStride = 61;
   for (bool is_signed : {true, false}) {
@@ -172,6 +172,7 @@ TEST(Adam8Reference, EncodersMatchTheBinarySearchOnAStrideOfAllFloats) {
       for (std::size_t k = 0; k < len; ++k) {
         const std::uint8_t want = sk::nearest_code(map.mid, x[k]);
         ASSERT_EQ(generic[k], want) << "generic encoder, bits " << std::bit_cast<std::uint32_t>(x[k]);
+        ASSERT_EQ(sk::bucket_code_branch_free(map.bucket, x[k], is_signed), want) << "branch-free rule, bits " << std::bit_cast<std::uint32_t>(x[k]);
         if (avx512) ASSERT_EQ(fast[k], want) << "AVX-512 encoder, bits " << std::bit_cast<std::uint32_t>(x[k]);
       }
     }

@@ -102,10 +102,11 @@ TEST(Adam8Maps, NearestCodeIsTheArgmin) {
   }
 }
 
-// The bucket rule (bucket_code, the generic block encoder and, where the CPU has it, the AVX-512 one) gives exactly
-// the binary search's code: on random values over 30 octaves of both signs, every midpoint and its float neighbours,
-// every code value, every bucket's edges, zeros, denormals, values past 1, infinities and NaNs. (Checked on all 2^32
-// floats when the rule was written; tests/kernels/adamw8_reference_test.cpp sweeps a stride of them.)
+// The bucket rule (bucket_code, its branch-free spelling, the generic block encoder and, where the CPU has it, the
+// AVX-512 one) gives exactly the binary search's code: on random values over 30 octaves of both signs, every midpoint
+// and its float neighbours, every code value, every bucket's edges, zeros, denormals, values past 1, infinities and
+// NaNs. (Checked on all 2^32 floats when the rule was written, and the branch-free spelling against bucket_code when
+// it was; tests/kernels/adamw8_reference_test.cpp sweeps a stride of them.)
 TEST(Adam8Maps, BucketRuleEqualsBinarySearch) {
   std::mt19937 rng(13);
   for (bool is_signed : {true, false}) {
@@ -128,7 +129,10 @@ TEST(Adam8Maps, BucketRuleEqualsBinarySearch) {
       }
     std::uniform_real_distribution<float> e(-30.f, 1.f);
     for (int k = 0; k < 200000; ++k) xs.push_back(std::exp2(e(rng)) * (k % 2 ? -1.f : 1.f));
-    for (float x : xs) ASSERT_EQ(sk::bucket_code(map.bucket, x, is_signed), sk::nearest_code(map.mid, x)) << "x = " << x;
+    for (float x : xs) {
+      ASSERT_EQ(sk::bucket_code(map.bucket, x, is_signed), sk::nearest_code(map.mid, x)) << "x = " << x;
+      ASSERT_EQ(sk::bucket_code_branch_free(map.bucket, x, is_signed), sk::nearest_code(map.mid, x)) << "branch-free, x = " << x;
+    }
     // The block encoders, every clone and the AVX-512 path.
     for (bool avx512 : {false, true}) {
       if (avx512 && !sk::cpu::avx512::cpu_has_codec()) continue;

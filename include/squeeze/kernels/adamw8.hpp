@@ -112,6 +112,33 @@ SQUEEZE_HD int bucket_code(const std::int32_t* bucket, float y, bool is_signed) 
           int(bits & 0xffffu)) >> 16;
 }
 
+// bucket_code's answer for every float, spelled without a branch: the NaN test and the sign's two formulas become
+// selects (a NaN still reads a valid, clamped bucket, then gives 0). The GPU's branch-free shapes (adamw8.cuh) encode
+// with it so a warp's lanes never split on a value; tests compare it with bucket_code and nearest_code.
+SQUEEZE_HD int bucket_code_branch_free(const std::int32_t* bucket, float y, bool is_signed) {
+  const std::uint32_t bits = float_bits(y);
+  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  int code;
+  if (is_signed) {
+    const std::uint32_t neg = bits >> 31;
+    const std::uint32_t mag = (bits & 0x7fffffffu) + neg;  // -NaN's 0x7fffffff + 1 still clamps to the last bucket
+    const int key = int(mag >> 16);
+    const int c = (bucket[(key < kBucketKeyHi ? (key > kBucketKeyLo ? key : kBucketKeyLo) : kBucketKeyHi) - kBucketKeyLo] +
+                   int(mag & 0xffffu)) >> 16;
+    const int below = 127 - c;
+    code = neg ? (below > 0 ? below : 0) : 127 + c;
+  } else {
+    const int key = std::int32_t(bits) >> 16;
+    code = (bucket[(key < kBucketKeyHi ? (key > kBucketKeyLo ? key : kBucketKeyLo) : kBucketKeyHi) - kBucketKeyLo] +
+            int(bits & 0xffffu)) >> 16;
+  }
+  return nan ? 0 : code;
+}
+
+// The codes whose value is exactly 0 (make_dynamic_map checks them): padding lanes of a partial state block hold
+// them, so they decode to 0 (or NaN for an infinite scale) and never raise the block's absmax.
+inline constexpr std::uint8_t kZeroCodeSigned = 127, kZeroCodeUnsigned = 0;
+
 // The "dynamic" (dynamic-exponent) map. For exponent level i = 0..6 the midpoints of equally spaced points in
 // [0.1, 1] (2^i + 1 points signed, 2^(i+1) + 1 unsigned), scaled by 10^(i-6); the signed map takes them with
 // both signs. Plus 0 and 1: 2 * 127 + 2 = 256 values signed, 254 + 2 unsigned. Each level covers a decade,
@@ -153,6 +180,7 @@ inline StateCodeMap make_dynamic_map(bool is_signed) {
   }
   if (is_signed)
     for (int j = 0; j < 127; ++j) check(map.mid[j] == -map.mid[253 - j], "make_dynamic_map: the signed map's midpoints are not symmetric");
+  check(map.value[is_signed ? kZeroCodeSigned : kZeroCodeUnsigned] == 0.0f, "make_dynamic_map: the zero code does not decode to 0");
   return map;
 }
 
