@@ -31,6 +31,7 @@ namespace {
 namespace sk = squeeze::kernels;
 using squeeze::bf16;
 using Tensor8 = sk::AdamW8Tensor<bf16, bf16>;
+using DefaultShape = sk::AdamW8DefaultPolicy<bf16, bf16>;  // what adamw8_cuda launches for these types
 
 constexpr double kBytesPerParam = 16.0 + 16.0 / 256;
 
@@ -252,7 +253,7 @@ int main(int argc, char** argv) {
     fill_grad<<<1024, 256>>>(st.grad, o.check_n + 64, 11);
     const std::vector<Tensor8> list = st.slices(o.check_n, 3, 1);
     sk::DeviceTensorTable<Tensor8> table(list);
-    CHECK_CUDA(Shape<sk::AdamW8DefaultPolicy>::step(list, table, 1));  // non-trivial moments first
+    CHECK_CUDA(Shape<DefaultShape>::step(list, table, 1));  // non-trivial moments first
     fill_grad<<<1024, 256>>>(st.grad, o.check_n + 64, 12);
     CHECK_CUDA(cudaDeviceSynchronize());
     const std::vector<std::uint8_t> start = st.bytes();
@@ -268,7 +269,7 @@ int main(int argc, char** argv) {
       put(st.ma, blocks * sizeof(float)), put(st.va, blocks * sizeof(float));
     };
     restore();
-    CHECK_CUDA(Shape<sk::AdamW8DefaultPolicy>::step(list, table, 2));
+    CHECK_CUDA(Shape<DefaultShape>::step(list, table, 2));
     CHECK_CUDA(cudaDeviceSynchronize());
     want = st.bytes();
     for_each_shape(o.only, [&]<class Policy>() {
@@ -308,7 +309,7 @@ int main(int argc, char** argv) {
       std::ostringstream j;
       j.precision(6);
       j << "{\"bench\":\"adamw8_shapes\",\"case\":\"" << name << "\",\"variant\":\"" << Policy::name
-        << "\",\"default_variant\":" << (std::strcmp(Policy::name, sk::AdamW8DefaultPolicy::name) == 0 ? "true" : "false")
+        << "\",\"default_variant\":" << (std::strcmp(Policy::name, DefaultShape::name) == 0 ? "true" : "false")
         << ",\"time_ms\":" << time_ms << ",\"bandwidth_GBps\":" << bw << ",\"copy_same_bytes_GBps\":" << copy
         << ",\"roofline_fraction_same_bytes\":" << bw / copy << ",\"registers\":" << regs << ",\"blocks_per_sm\":" << per_sm
         << ",\"threads\":" << Policy::threads << ",\"per_lane\":" << Policy::per_lane << ",\"blocks_in_flight\":" << Policy::blocks_in_flight

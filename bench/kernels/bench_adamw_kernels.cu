@@ -60,7 +60,7 @@ std::vector<std::string> adamw8_variants() {
   return []<class... Policies>(std::tuple<Policies...>*) { return std::vector<std::string>{Policies::name...}; }(
       static_cast<kernels::AdamW8Policies*>(nullptr));
 }
-std::string adamw8_default_variant() { return kernels::AdamW8DefaultPolicy::name; }
+std::string adamw8_default_variant() { return kernels::AdamW8DefaultPolicy<bf16, bf16>::name; }
 
 std::unique_ptr<AdamWLauncher> make_bf16_mixed_adamw8(const std::string& variant, bf16* param, float* master, const bf16* grad,
                                                       std::uint8_t* m, float* m_absmax, std::uint8_t* v, float* v_absmax, std::int64_t n,

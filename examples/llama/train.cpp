@@ -156,7 +156,7 @@ nlohmann::json finite_or_null(double v) { return std::isfinite(v) ? nlohmann::js
 
 // ---- the training loop, one instantiation per strategy --------------------------------------------------
 template <StrategyType S>
-int train(const Options& o) {
+int run_training(const Options& o) {
   // Several processes (squeeze-launch / torchrun: one per GPU): rank r trains on rows [r B/N, (r+1) B/N) of each
   // --batch and runs on cuda:LOCAL_RANK; alone, world size 1.
   const comm::DistEnv env = comm::DistEnv::from_environment();
@@ -337,7 +337,7 @@ int main(int argc, char** argv) {
 
   try {
     int rc = 0;
-    llama::with_strategy(o.strategy, [&]<StrategyType S>() { rc = train<S>(o); });
+    llama::with_strategy(o.strategy, [&]<StrategyType S>() { rc = run_training<S>(o); });
     return rc;
   } catch (const c10::Error& e) {
     std::cerr << "\nerror: " << e.what_without_backtrace() << "\n";

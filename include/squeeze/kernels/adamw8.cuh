@@ -2,7 +2,7 @@
 // CUDA launchers of AdamW with 8-bit block-wise state (maps, block update and CPU twin: adamw8.hpp).
 //   adamw8_cuda(tensor, coeffs, dynamic, stream)   one flat buffer
 //   adamw8_cuda(table, coeffs, dynamic, stream)    a DeviceTensorTable of tensors, ONE launch for all
-//   adamw8_cuda<Policy>(...)                       the same with a kernel shape other than AdamW8DefaultPolicy
+//   adamw8_cuda<Policy>(...)                       the same with a kernel shape other than AdamW8DefaultPolicy<P, G>
 // (advance a device step counter with adamw_commit_step_cuda from adamw.cuh, as for the fp32 state).
 //
 // The kernel's shape is a policy (AdamW8HalfWarp and the others below). In every shape a group of lanes (a half-warp
@@ -20,6 +20,7 @@
 // every shape and type pair.
 #include <atomic>
 #include <tuple>
+#include <type_traits>
 
 #include "squeeze/kernels/adamw8.hpp"
 #include "squeeze/kernels/tensor_list.cuh"
@@ -84,8 +85,13 @@ struct AdamW8WarpInterleavedPipelined {  // a warp per state block, the next blo
 // Every shape (the tests and bench_adamw run each one).
 using AdamW8Policies = std::tuple<AdamW8HalfWarp, AdamW8HalfWarpBranchFree, AdamW8HalfWarpInterleaved, AdamW8HalfWarpInterleavedPipelined,
                                   AdamW8WarpInterleaved, AdamW8WarpInterleavedPipelined>;
-// The shape adamw8_cuda launches unless told otherwise: switch it here once a GPU run shows a faster one.
-using AdamW8DefaultPolicy = AdamW8HalfWarp;
+// The shape adamw8_cuda launches unless told otherwise, per parameter and gradient type: with 16-bit ones the fastest
+// measured (half-warp-interleaved-pipelined, 0.83 / 0.81 against the first shape's 0.65 / 0.56); with a float among
+// them that shape spills 150-238 bytes a thread, so the warp-per-block pipelined one, which does not (same bits;
+// not timed with float types).
+template <class P, class G>
+using AdamW8DefaultPolicy =
+    std::conditional_t<sizeof(P) == 2 && sizeof(G) == 2, AdamW8HalfWarpInterleavedPipelined, AdamW8WarpInterleavedPipelined>;
 
 template <class Policy>
 inline constexpr bool adamw8_policy_ok = (Policy::per_lane == 8 || Policy::per_lane == 16) &&
@@ -575,29 +581,31 @@ cudaError_t adamw8_grid(std::int64_t chunks, unsigned& grid) {
 }  // namespace detail
 
 // One flat buffer. All pointers are device pointers (d's too). Returns the launch status.
-template <class Policy = AdamW8DefaultPolicy, class P, class G>
+template <class Policy = void, class P, class G>  // void: AdamW8DefaultPolicy<P, G>
 cudaError_t adamw8_cuda(const AdamW8Tensor<P, G>& t, const AdamWCoeffs& c, const AdamWDynamic& d = {}, cudaStream_t stream = nullptr) {
+  using Shape = std::conditional_t<std::is_void_v<Policy>, AdamW8DefaultPolicy<P, G>, Policy>;
   validate(t, "AdamW8 (CUDA) tensor");
   const std::int64_t chunks = chunks_of(t.n);
   if (chunks == 0) return cudaSuccess;
   using Source = FlatSource<AdamW8Tensor<P, G>>;
   unsigned grid = 0;
-  if (const cudaError_t e = detail::adamw8_grid<Policy, P, G, Source>(chunks, grid); e != cudaSuccess) return e;
-  detail::adamw8_kernel<Policy, P, G><<<grid, Policy::threads, 0, stream>>>(Source{t, chunks}, state_map_values(), c, d);
+  if (const cudaError_t e = detail::adamw8_grid<Shape, P, G, Source>(chunks, grid); e != cudaSuccess) return e;
+  detail::adamw8_kernel<Shape, P, G><<<grid, Shape::threads, 0, stream>>>(Source{t, chunks}, state_map_values(), c, d);
   return cudaGetLastError();
 }
 
 // A list of tensors in one launch. The table was validated when uploaded.
-template <class Policy = AdamW8DefaultPolicy, class P, class G>
+template <class Policy = void, class P, class G>  // void: AdamW8DefaultPolicy<P, G>
 cudaError_t adamw8_cuda(const TensorTable<AdamW8Tensor<P, G>>& table, const AdamWCoeffs& c, const AdamWDynamic& d = {},
                         cudaStream_t stream = nullptr) {
+  using Shape = std::conditional_t<std::is_void_v<Policy>, AdamW8DefaultPolicy<P, G>, Policy>;
   check(table.count == 0 || (table.entries != nullptr && table.chunk_prefix != nullptr),
         "AdamW8 (CUDA): tensor table has null entries; build it with DeviceTensorTable::upload");
   if (table.chunks == 0) return cudaSuccess;
   using Source = TableSource<AdamW8Tensor<P, G>>;
   unsigned grid = 0;
-  if (const cudaError_t e = detail::adamw8_grid<Policy, P, G, Source>(table.chunks, grid); e != cudaSuccess) return e;
-  detail::adamw8_kernel<Policy, P, G><<<grid, Policy::threads, 0, stream>>>(Source{table, table.chunks}, state_map_values(), c, d);
+  if (const cudaError_t e = detail::adamw8_grid<Shape, P, G, Source>(table.chunks, grid); e != cudaSuccess) return e;
+  detail::adamw8_kernel<Shape, P, G><<<grid, Shape::threads, 0, stream>>>(Source{table, table.chunks}, state_map_values(), c, d);
   return cudaGetLastError();
 }
 

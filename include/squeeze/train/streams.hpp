@@ -14,7 +14,11 @@
 //   s.record_use(t);                       // t (allocated on one stream) is also used on s: tell the allocator
 #include <torch/torch.h>
 
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <memory>
 
 #if defined(SQUEEZE_TORCH_CUDA) && SQUEEZE_TORCH_CUDA
@@ -141,5 +145,20 @@ inline void set_device(torch::Device) {}
 inline void record_use_current(const torch::Tensor&) {}
 
 #endif
+
+// [n] zeroed host memory for state only the CPU touches (the offloaded moments, a master that is not uploaded): a
+// private anonymous mapping, which the kernel hands out zero-filled page by page on first touch, so nothing is
+// written when the trainer is built, with transparent huge pages asked for (MADV_HUGEPAGE: a 2 MB fault where 4 KB
+// ones would take most of the first touch's time; a hint the kernel may ignore). Unmapped when the last tensor
+// sharing it goes. Host bytes are resident only once touched: the first optimizer step touches them all.
+inline torch::Tensor host_zeros(int64_t n, torch::ScalarType dtype) {
+  TORCH_CHECK(n >= 0, "host_zeros: negative size ", n);
+  const size_t bytes = std::max<size_t>(1, size_t(n) * c10::elementSize(dtype));
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK(p != MAP_FAILED, "host_zeros: cannot map ", bytes, " bytes of host memory for optimizer state: ", std::strerror(errno));
+  constexpr size_t kHugePage = size_t(2) << 20;
+  if (bytes >= kHugePage) (void)::madvise(p, bytes, MADV_HUGEPAGE);
+  return torch::from_blob(p, {n}, [bytes](void* q) { (void)::munmap(q, bytes); }, torch::TensorOptions().dtype(dtype));
+}
 
 }  // namespace squeeze::train

@@ -640,12 +640,15 @@ class Trainer {
   // (train::pinned_empty: torch's caching host allocator would round each one up to a power of two). The moments
   // never cross PCIe, so they stay pageable: pinning them would lock most of the host state (54 of 94 GB at 7B) and
   // cost seconds per 10 GB when the trainer is built, for no copy.
+  // Host state the copies never touch comes zeroed from train::host_zeros, which writes nothing until first use.
   torch::Tensor state_empty(int64_t n, torch::ScalarType dtype, bool transferred) const {
-    const auto options = torch::TensorOptions().dtype(dtype);
-    if (!kOffload) return torch::empty({n}, options.device(device_));
-    return device_.is_cuda() && transferred ? pinned_empty(n, dtype) : torch::empty({n}, options);
+    if (!kOffload) return torch::empty({n}, torch::TensorOptions().dtype(dtype).device(device_));
+    return device_.is_cuda() && transferred ? pinned_empty(n, dtype) : host_zeros(n, dtype);
   }
-  torch::Tensor state_zeros(int64_t n, torch::ScalarType dtype, bool transferred) const { return state_empty(n, dtype, transferred).zero_(); }
+  torch::Tensor state_zeros(int64_t n, torch::ScalarType dtype, bool transferred) const {
+    torch::Tensor t = state_empty(n, dtype, transferred);
+    return kOffload && !(device_.is_cuda() && transferred) ? t : t.zero_();
+  }
   // The fp32 master is the upload's source unless the CPU AdamW stages the rounded parameters in the host
   // gradient copy (a 16-bit gradient of the parameter's dtype: OffloadPipeline::write_back's staged path).
   bool master_uploaded() const { return !(kMaster && grad_dtype_ == compute_dtype_); }
