@@ -115,6 +115,9 @@ nlohmann::json run(const Options& o) {
   const double loss = t.step(x, y).loss;
   t.sync();
   const double step_s = seconds_since(ts);
+  // The offloaded moments are resident only once the first update has touched them (train::host_zeros): the
+  // peak after that step is the one the budget is held to.
+  const double host_peak_step = llama::memory_use(torch::kCPU).peak_gb;
 
   // Target: host peak within the trainer's own state + one shard file (+ the process before loading).
   const double host_budget = host_before + state_gb + double(largest_shard) / 1e9;
@@ -124,8 +127,8 @@ nlohmann::json run(const Options& o) {
           {"strategy", strategy_name<S>()}, {"params", config.shape().params()}, {"checkpoint_gb", double(checkpoint_bytes) / 1e9},
           {"largest_shard_gb", double(largest_shard) / 1e9}, {"page_cached_before", cached_bytes / double(checkpoint_bytes)}, {"load_s", load_s}, {"load_GBps", double(checkpoint_bytes) / 1e9 / load_s},
           {"build_s", load_s - streamed.seconds}, {"stream_s", streamed.seconds}, {"read_s", streamed.read_s}, {"write_s", streamed.write_s},
-          {"host_before_gb", host_before}, {"host_peak_gb", host_peak}, {"host_state_gb", state_gb}, {"host_budget_gb", host_budget},
-          {"host_within_budget", host_peak <= host_budget}, {"device_peak_gb", device_peak}, {"target_s", 30.0},
+          {"host_before_gb", host_before}, {"host_peak_gb", host_peak}, {"host_peak_after_step_gb", host_peak_step}, {"host_state_gb", state_gb},
+          {"host_budget_gb", host_budget}, {"host_within_budget", std::max(host_peak, host_peak_step) <= host_budget}, {"device_peak_gb", device_peak}, {"target_s", 30.0},
           {"within_target_s", load_s <= 30.0}, {"bits_match_file", bits_match}, {"first_step_loss", loss}, {"first_step_s", step_s},
           {"batch", o.batch}, {"seq", o.seq}, {"commit", commit ? commit : "unknown"}, {"date", date ? date : ""}};
 }

@@ -18,12 +18,13 @@
 // nn; they name the tensor, key or file that was wrong.
 //
 // Host memory while loading: load_hf_llama builds the model uninitialised straight in its dtype on its device
-// (ParamInit); each checkpoint tensor is then read into a host buffer of its own size (the next one is read while
-// the current one is written) and copied into its parameter. The model is never held twice, and into a trainer
+// (ParamInit); each checkpoint tensor is then read into one of two host buffers of the largest tensor's size (the
+// next one is read while the current one is written) and copied into its parameter. The model is never held twice, and into a trainer
 // never whole on one rank. HfLoadOptions::progress / the progress argument report each tensor as it lands.
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <array>
 #include <charconv>
 #include <chrono>
 #include <cmath>
@@ -192,12 +193,11 @@ inline HfWeights open_hf_weights(const LlamaConfig& c, const std::filesystem::pa
   }
   return w;
 }
-// Entry e's bytes into a host tensor of its shape and dtype. A large tensor is read in up to 8 concurrent pieces
-// of at least 64 MB: one pread copies out of the page cache on one core, far below what memory or a drive gives.
-inline torch::Tensor read_hf_tensor(const HfWeights& w, const io::NameEntry& e) {
-  torch::Tensor buf = torch::empty(e.shape, torch::TensorOptions().dtype(torch_dtype_of(w.ckpt.info(e.hf).dtype)));
-  const std::span<std::byte> bytes = writable_bytes_of(buf);
-  constexpr std::size_t kPiece = std::size_t(64) << 20;
+// Entry e's bytes into `into` (a host tensor of its shape and dtype). A large tensor is read in up to 8 concurrent
+// pieces of at least 16 MB: one pread copies out of the page cache on one core, far below what memory or a drive gives.
+inline void read_hf_tensor(const HfWeights& w, const io::NameEntry& e, torch::Tensor& into) {
+  const std::span<std::byte> bytes = writable_bytes_of(into);
+  constexpr std::size_t kPiece = std::size_t(16) << 20;
   const std::size_t pieces = std::clamp<std::size_t>(bytes.size() / kPiece, 1, 8);
   const std::size_t step = (bytes.size() + pieces - 1) / pieces;
   const auto read_piece = [&](std::size_t off) { w.ckpt.read_bytes(e.hf, bytes.subspan(off, std::min(step, bytes.size() - off)), off); };
@@ -207,12 +207,17 @@ inline torch::Tensor read_hf_tensor(const HfWeights& w, const io::NameEntry& e) 
     if (!bytes.empty()) read_piece(0);
     for (auto& f : rest) f.get();  // rethrows a piece's error
   });
-  return buf;
+}
+inline torch::Tensor read_hf_tensor(const HfWeights& w, const io::NameEntry& e) {
+  torch::Tensor t = torch::empty(e.shape, torch::TensorOptions().dtype(torch_dtype_of(w.ckpt.info(e.hf).dtype)));
+  read_hf_tensor(w, e, t);
+  return t;
 }
 
 // Reads the tensors in checkpoint order and hands each to sink; the next tensor is read on another thread while
-// sink writes the current one, so host memory holds at most two checkpoint tensors. progress (if set) is called
-// after each tensor.
+// sink writes the current one. Two host buffers of the largest tensor's size take turns (reused, so their pages are
+// faulted in once, not once per tensor); the tensor sink sees is valid until it returns. progress (if set) is
+// called after each tensor.
 inline void stream_hf_weights(const HfWeights& w, const std::function<void(const io::NameEntry&, const torch::Tensor&)>& sink,
                               const HfProgressFn& progress = {}) {
   using Clock = std::chrono::steady_clock;
@@ -220,18 +225,27 @@ inline void stream_hf_weights(const HfWeights& w, const std::function<void(const
   torch::NoGradGuard no_grad;
   HfLoadProgress p;
   p.tensors_total = w.entries.size();
-  for (const io::NameEntry& e : w.entries) p.bytes_total += w.ckpt.info(e.hf).bytes;
+  std::uint64_t largest = 0;
+  for (const io::NameEntry& e : w.entries) p.bytes_total += w.ckpt.info(e.hf).bytes, largest = std::max(largest, w.ckpt.info(e.hf).bytes);
+  std::array<torch::Tensor, 2> buffers;  // [largest] bytes each
+  for (auto& b : buffers) b = torch::empty({std::int64_t(largest)}, torch::kUInt8);
+  const auto view = [&](std::size_t i) {  // tensor i in its buffer
+    const io::NameEntry& e = w.entries[i];
+    const io::CheckpointTensor& info = w.ckpt.info(e.hf);
+    return buffers[i % 2].narrow(0, 0, std::int64_t(info.bytes)).view(torch_dtype_of(info.dtype)).view(e.shape);
+  };
   const auto t0 = Clock::now();
-  const auto read = [&w](std::size_t i) {
+  const auto read = [&](std::size_t i) {
     const auto tr = Clock::now();
-    torch::Tensor t = read_hf_tensor(w, w.entries[i]);
-    return std::pair{t, std::chrono::duration<double>(Clock::now() - tr).count()};
+    torch::Tensor t = view(i);
+    read_hf_tensor(w, w.entries[i], t);
+    return std::pair{t, since(tr)};
   };
   std::future<std::pair<torch::Tensor, double>> next;
   if (!w.entries.empty()) next = std::async(std::launch::async, read, std::size_t(0));
   for (std::size_t i = 0; i < w.entries.size(); ++i) {
     auto [buf, read_s] = next.get();
-    if (i + 1 < w.entries.size()) next = std::async(std::launch::async, read, i + 1);
+    if (i + 1 < w.entries.size()) next = std::async(std::launch::async, read, i + 1);  // the other buffer
     const auto tw = Clock::now();
     sink(w.entries[i], buf);
     p.write_s += since(tw);
@@ -242,6 +256,7 @@ inline void stream_hf_weights(const HfWeights& w, const std::function<void(const
     if (progress) progress(p);
   }
 }
+
 // The module's dense parameter for entry e, checked before anything is written.
 inline torch::Tensor* dense_target(torch::OrderedDict<std::string, torch::Tensor>& params, const io::NameEntry& e) {
   torch::Tensor* p = params.find(e.squeeze);
