@@ -488,8 +488,10 @@ int run(Options& o) {
         if (!o.export_hf.empty()) lg::round_dense_to_half(m);  // everything below (saved, evaluated) is what the export holds
         if (!o.save.empty())
           phases.time("save", [&] { lg::save_packed(std::filesystem::path(o.save) / spec.tag(), m, q.layers, spec, hf_config); });  // dense tensors still float
-        m->to(device, dtype);
-        lg::use_packed(m, q.layers);
+        phases.time("use_packed", [&] {  // QuantizedLinear layers from the packed ones (the fused GEMM's tiles built on the host)
+          m->to(device, dtype);
+          lg::use_packed(m, q.layers);
+        });
         if (!o.export_hf.empty()) {
           phases.time("export", [&] {
             lg::export_hf_gptq(o.export_hf, lg::hf_gptq_model(m, q.layers, spec, hf_config), o.force,
