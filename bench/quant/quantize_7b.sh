@@ -4,7 +4,8 @@
 #      once into $WORK (13.5 GB; kept between runs, never in the repository)
 #   2. random token shards (llm.c's uint16 format, ids < 32000) into $WORK/shards
 #   3. llama_gptq --hf $WORK/llama-7b --data $WORK/shards --bits 4 --group 128 --act-order --device cuda --export-hf ...
-#      timed by phase (load, data, reference, quantize = calibration forwards + GPTQ, export, eval)
+#      timed by phase (load, data, reference, quantize = calibration forwards + GPTQ, export, eval; quantize split into
+#      calibration forwards, solves, packing, RTN + output errors: quantize_phases_s)
 #   4. one JSON line appended to $OUT/quantize7b.jsonl: llama_gptq's phase seconds and perplexities before and after,
 #      the wall time of the whole llama_gptq process against the 120 s target, the export's size
 # Random weights and random tokens: the perplexities only show that the quantized model computes what the dense one
@@ -102,7 +103,9 @@ if rc != 0:
 with open(out, "a") as f:
     f.write(json.dumps(row) + "\n")
 ph = phases.get("phases_s", {})
-print("quantize7b: %.1f s (target %d s, exit %d); phases %s; ppl %s -> %s" % (
-    wall, target, rc, ", ".join(f"{k} {v:.1f}" for k, v in ph.items()), phases.get("ppl_reference"), phases.get("ppl_quantized")))
+qph = phases.get("quantize_phases_s", {})
+print("quantize7b: %.1f s (target %d s, exit %d); phases %s; quantize: %s; ppl %s -> %s" % (
+    wall, target, rc, ", ".join(f"{k} {v:.1f}" for k, v in ph.items()), ", ".join(f"{k} {v:.1f}" for k, v in qph.items()),
+    phases.get("ppl_reference"), phases.get("ppl_quantized")))
 PY
 exit "$rc"

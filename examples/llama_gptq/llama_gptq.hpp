@@ -5,10 +5,12 @@
 //
 //   quantize(model, spec, calibration)  RTN: each weight on its own. GPTQ: block by block; the block's input
 //       on the calibration windows is kept, each true-sequential step ([q k v], [o], [gate up], [down]) runs
-//       the block once to collect its layers' Hessians (nn::HessianCapture through CaptureLinear), solves
-//       them with nn::gptq_quantize and writes the dequantized result back, so later steps and blocks see
-//       the outputs of the quantized layers. Each layer also reports its output error on the calibration
-//       inputs, tr(D H D^T) / tr(W H W^T) with D = W_hat - W, for GPTQ and for RTN on the same Hessian.
+//       the block to collect its layers' Hessians (nn::HessianCapture through CaptureLinear; each forward stops
+//       once those layers have seen their input), solves them with nn::gptq_quantize and writes the dequantized
+//       result back, so later steps and blocks see the outputs of the quantized layers. The forwards run in the
+//       calibration's dtype (bf16 on CUDA by default), the solver on the float weights. Each layer also reports
+//       its output error on the calibration inputs, tr(D H D^T) / tr(W H W^T) with D = W_hat - W, for GPTQ and
+//       for RTN on the same Hessian; the result holds the seconds of each phase (forwards, solves, packing, errors).
 //   use_packed(model, layers)  swaps every block linear for an nn::QuantizedLinear built from its packed
 //       form: the perplexity is computed with the packed weights actually used in the forward (CPU: the
 //       layer's dequantized weights in float; CUDA, from an nvcc translation unit: its GEMM/GEMV kernels).
@@ -26,6 +28,7 @@
 #include <squeeze/nn/llama.hpp>
 #include <squeeze/nn/lora.hpp>
 #include <squeeze/nn/quantized_linear.hpp>
+#include <squeeze/nn/rtn.hpp>
 #include <squeeze/quant/gptq_file.hpp>
 #include <squeeze/quant/rtn.hpp>
 
@@ -144,7 +147,7 @@ struct LayerReport {
   int64_t out = 0, in = 0;
   double error = NAN;      // tr(D H D^T) / tr(W H W^T) of the chosen method (NaN for RTN without calibration)
   double rtn_error = NAN;  // the same for RTN on the same Hessian (GPTQ runs only)
-  double seconds = 0;
+  double seconds = 0;  // this layer's solve, packing and errors (the forwards are QuantizeResult::calibration_s)
   double damp = 0;
 };
 
@@ -152,6 +155,18 @@ struct QuantizeResult {
   std::map<std::string, quant::PackedLinear> layers;
   std::vector<LayerReport> reports;  // in quantization order
   double seconds = 0;                // wall time of the whole quantization (calibration forwards included)
+  // Where the time went, summed over blocks and layers. Each phase waits for its device work before its clock stops,
+  // so GPU time is counted in the phase that queued it.
+  double calibration_s = 0;  // GPTQ: the calibration forwards, their Hessian accumulation included
+  double solve_s = 0;        // nn::gptq_quantize (RTN: nn::rtn_quantize), the dequantized weights written back
+  double pack_s = 0;         // the v1 bit streams and their copy to the host
+  double error_s = 0;        // GPTQ: RTN on the same weights and both output errors
+  std::string phase_summary() const {
+    char b[200];
+    std::snprintf(b, sizeof b, "%.1f s: calibration forwards %.1f s, solve %.1f s, pack %.1f s, rtn + errors %.1f s", seconds,
+                  calibration_s, solve_s, pack_s, error_s);
+    return b;
+  }
   int64_t packed_bytes() const {     // qweight + qzeros + fp16 scales + g_idx (+ bias) of the quantized linears
     int64_t b = 0;
     for (const auto& [_, p] : layers)
@@ -172,6 +187,9 @@ using ProgressFn = std::function<void(const std::string&)>;
 // Calibration windows [n, T] int64, split into chunks of at most `chunk` sequences for the forwards.
 struct Calibration {
   std::vector<torch::Tensor> ids;  // each [b, T] int64 on the model's device
+  // The calibration forwards' dtype: the block's weights are cast to it for each forward (the solver keeps the float
+  // weights) and the activations between blocks are kept in it; the Hessians accumulate in fp32 either way.
+  torch::ScalarType dtype = torch::kFloat32;
   int64_t tokens() const {
     int64_t n = 0;
     for (const auto& t : ids) n += t.numel();
@@ -179,47 +197,94 @@ struct Calibration {
   }
 };
 
-inline Calibration make_calibration(const torch::Tensor& windows /*[n, T]*/, int64_t chunk, torch::Device device) {
+// bf16 on CUDA (tensor-core GEMMs and the flash attention kernel, which fp32 forwards do without), float on the CPU.
+inline torch::ScalarType default_calibration_dtype(torch::Device device) { return device.is_cuda() ? torch::kBFloat16 : torch::kFloat32; }
+
+inline Calibration make_calibration(const torch::Tensor& windows /*[n, T]*/, int64_t chunk, torch::Device device,
+                                    std::optional<torch::ScalarType> dtype = std::nullopt) {
   TORCH_CHECK(windows.dim() == 2 && windows.size(0) > 0, "calibration windows must be [n, T] with n > 0");
+  TORCH_CHECK(chunk > 0, "calibration chunk must be at least one window, got ", chunk);
   Calibration c;
+  c.dtype = dtype.value_or(default_calibration_dtype(device));
+  TORCH_CHECK(c.dtype == torch::kFloat32 || c.dtype == torch::kBFloat16, "calibration dtype must be float or bf16, got ", c.dtype);
   for (int64_t i = 0; i < windows.size(0); i += chunk) c.ids.push_back(windows.narrow(0, i, std::min(chunk, windows.size(0) - i)).to(device));
   return c;
 }
 
 namespace detail {
-// tr(D H D^T) / tr(W H W^T): the layer's output error on the calibration inputs, relative to its output.
-inline double relative_output_error(const torch::Tensor& W, const torch::Tensor& What, const torch::Tensor& H) {
-  const auto w = W.to(torch::kFloat64), h = H.to(torch::kFloat64), d = What.to(torch::kFloat64) - w;
-  const double num = (d.matmul(h) * d).sum().item<double>(), den = (w.matmul(h) * w).sum().item<double>();
-  return den > 0 ? num / den : num;
+// tr(D H D^T) / tr(W H W^T) with D = W_hat - W for each W_hat: the layer's output error on the calibration inputs,
+// relative to its output (fp64 on H's device; tr(W H W^T) once for all of them).
+inline std::vector<double> relative_output_errors(const torch::Tensor& W, const std::vector<torch::Tensor>& quantized, const torch::Tensor& H) {
+  const auto w = W.to(torch::kFloat64), h = H.to(torch::kFloat64);
+  const double den = (w.matmul(h) * w).sum().item<double>();
+  std::vector<double> errors;
+  for (const auto& What : quantized) {
+    const auto d = What.to(torch::kFloat64) - w;
+    const double num = (d.matmul(h) * d).sum().item<double>();
+    errors.push_back(den > 0 ? num / den : num);
+  }
+  return errors;
 }
 
-inline quant::PackedLinear rtn_pack(const torch::Tensor& W, const QuantSpec& s) {
-  const auto w = W.detach().to(torch::kCPU, torch::kFloat32).contiguous();
-  return quant::rtn_quantize({w.data_ptr<float>(), size_t(w.numel())}, w.size(0), w.size(1),
-                             {.bits = s.bits, .group_size = s.group_size, .sym = s.sym});
-}
-
-inline torch::Tensor dequantized(const quant::PackedLinear& p, torch::Device device) {
-  const auto d = quant::dequantize(p);
-  return torch::from_blob(const_cast<float*>(d.data()), {p.out, p.in}, torch::kFloat32).clone().to(device);
+// Waits for the work queued on `device`, so that a phase's clock holds its own GPU time.
+inline void synchronize(torch::Device device) {
+  if (device.is_cuda()) torch::cuda::synchronize(device.index());
 }
 }  // namespace detail
 
+// Runs f() with the parameters of `module` converted to `dtype`, the originals restored afterwards (also when f throws).
+// The model: the dense reference evaluated in the evaluation dtype without building a second model (for 7B: no second
+// copy of its weights, and no minute of host-side construction). A block: its calibration forwards in bf16 while the
+// solver reads and writes the float weights.
+template <class F>
+decltype(auto) with_parameters_in(torch::nn::Module& module, torch::ScalarType dtype, F&& f) {
+  struct Restore {
+    std::vector<torch::Tensor> params, kept;
+    ~Restore() {
+      torch::NoGradGuard ng;
+      for (size_t i = 0; i < kept.size(); ++i) params[i].set_data(kept[i]);
+    }
+  } restore;
+  {
+    torch::NoGradGuard ng;
+    for (auto& p : module.parameters()) {
+      if (p.scalar_type() == dtype) continue;
+      restore.params.push_back(p);
+      restore.kept.push_back(p.data());
+      p.set_data(p.to(dtype));
+    }
+  }
+  return f();
+}
+template <class F>
+decltype(auto) with_parameters_in(Llama& model, torch::ScalarType dtype, F&& f) {
+  return with_parameters_in(*model, dtype, std::forward<F>(f));
+}
+
 // Quantizes the block linears of `model` (dense, float, left with the dequantized weights in place: a
-// CaptureLinear per layer). GPTQ needs `calib`; RTN ignores it.
+// CaptureLinear per layer). GPTQ needs `calib`; RTN ignores it. RTN, the GPTQ solves, the output errors and the bit
+// packing run on the model's device; only the packed words come to the host.
 inline QuantizeResult quantize(Llama& model, const QuantSpec& spec, const Calibration& calib, const ProgressFn& progress = {}) {
   spec.validate();
   TORCH_CHECK(spec.method == Method::RTN || !calib.ids.empty(), "GPTQ needs calibration data (--calib-tokens > 0)");
+  TORCH_CHECK(calib.dtype == torch::kFloat32 || calib.dtype == torch::kBFloat16, "calibration dtype must be float or bf16, got ", calib.dtype);
   torch::NoGradGuard ng;
   model->eval();
-  const auto t_start = std::chrono::steady_clock::now();
-  const auto seconds_since = [](auto t0) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+  using Clock = std::chrono::steady_clock;
+  const auto t_start = Clock::now();
+  const auto seconds_since = [](Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); };
   const int64_t L = model->config.layers;
   const auto device = model->parameters().front().device();
   QuantizeResult res;
   const std::string tag = spec.tag();
   char line[320];
+  // The clock of one phase, stopped once the device has done what the phase queued.
+  const auto add_phase = [&](double& phase, Clock::time_point t0) {
+    detail::synchronize(device);
+    const double s = seconds_since(t0);
+    phase += s;
+    return s;
+  };
 
   // Every block linear becomes a CaptureLinear holding its weight (forward_linear reaches it by name).
   std::map<std::string, CaptureLinear> layers;
@@ -235,12 +300,16 @@ inline QuantizeResult quantize(Llama& model, const QuantSpec& spec, const Calibr
   if (spec.method == Method::RTN) {
     for (int64_t b = 0; b < L; ++b)
       for (const auto& path : block_linears()) {
-        const auto t0 = std::chrono::steady_clock::now();
         const std::string name = layer_name(b, path);
         auto& w = layers.at(name)->linear->weight;
-        auto p = detail::rtn_pack(w, spec);
-        w.copy_(detail::dequantized(p, w.device()));
-        res.reports.push_back({name, p.out, p.in, NAN, NAN, seconds_since(t0), 0});
+        auto t0 = Clock::now();
+        const nn::RtnResult r = nn::rtn_quantize(w, spec.bits, spec.group_size, spec.sym);
+        w.copy_(r.dequantized);
+        double seconds = add_phase(res.solve_s, t0);
+        t0 = Clock::now();
+        auto p = r.pack();
+        seconds += add_phase(res.pack_s, t0);
+        res.reports.push_back({name, p.out, p.in, NAN, NAN, seconds, 0});
         res.layers.emplace(name, std::move(p));
         if (progress) {
           std::snprintf(line, sizeof line, "[%s] block %lld/%lld  %-18s %5lldx%-5lld", tag.c_str(), (long long)(b + 1), (long long)L,
@@ -249,6 +318,7 @@ inline QuantizeResult quantize(Llama& model, const QuantSpec& spec, const Calibr
         }
       }
     res.seconds = seconds_since(t_start);
+    if (progress) progress("[" + tag + "] quantized in " + res.phase_summary());
     return res;
   }
 
@@ -259,11 +329,15 @@ inline QuantizeResult quantize(Llama& model, const QuantSpec& spec, const Calibr
   opt.act_order = spec.act_order;
   opt.percdamp = spec.percdamp;
 
-  // The input of block 0 on every calibration chunk, then block by block: [b, T, h] float each.
+  // The input of block 0 on every calibration chunk, then block by block: [b, T, h] each, in the calibration dtype.
   const int64_t T = calib.ids.front().size(1);
   const auto [cos, sin] = nn::rope_tables(T, model->config, device);  // the config's RoPE, scaled where it says so
   std::vector<torch::Tensor> x;
-  for (const auto& ids : calib.ids) x.push_back(model->embed(ids));
+  {
+    const auto t0 = Clock::now();
+    for (const auto& ids : calib.ids) x.push_back(model->embed(ids).to(calib.dtype));
+    add_phase(res.calibration_s, t0);
+  }
 
   const int64_t total = L * int64_t(block_linears().size());
   for (int64_t b = 0; b < L; ++b) {
@@ -271,52 +345,87 @@ inline QuantizeResult quantize(Llama& model, const QuantSpec& spec, const Calibr
     for (const auto& step : block_steps()) {
       std::vector<nn::NamedLinear> named;
       for (const auto& path : step) named.emplace_back(layer_name(b, path), layers.at(layer_name(b, path))->linear);
-      nn::HessianCapture capture(named);
-      for (const auto& xi : x) (void)block->forward(xi, cos, sin);  // the layers of this step see quantized predecessors
-      for (const auto& [name, lin] : named) {
-        const auto t0 = std::chrono::steady_clock::now();
-        const auto& h = capture.at(name);
-        TORCH_CHECK(h.samples() > 0, "llama_gptq: ", name, " saw no calibration input");
-        const torch::Tensor W = lin->weight.detach().clone();  // [out, in] float
-        const nn::GptqResult r = nn::gptq_quantize(W, h.matrix(), opt);
-        lin->weight.copy_(r.dequantized);
-        auto p = r.pack();
-        LayerReport rep{name, W.size(0), W.size(1), 0, 0, 0, r.damp_fraction};
-        rep.error = detail::relative_output_error(W, r.dequantized, h.matrix());
-        rep.rtn_error = detail::relative_output_error(W, detail::dequantized(detail::rtn_pack(W, spec), W.device()), h.matrix());
-        rep.seconds = seconds_since(t0);
-        res.reports.push_back(rep);
-        res.layers.emplace(name, std::move(p));
-        if (progress) {
-          std::snprintf(line, sizeof line, "[%s] layer %3zu/%lld  %-18s %5lldx%-5lld  output error %.3e (rtn %.3e)  %.2fs", tag.c_str(),
-                        res.reports.size(), (long long)total, name.c_str(), (long long)rep.out, (long long)rep.in, rep.error, rep.rtn_error,
-                        rep.seconds);
-          progress(line);
+      {
+        // Each forward ends once this step's layers have seen their input (nn::CaptureComplete); they see the outputs
+        // of the quantized layers before them.
+        nn::HessianCapture capture(named, /*stop_when_complete=*/true);
+        const auto t0 = Clock::now();
+        with_parameters_in(*block, calib.dtype, [&] {
+          for (const auto& xi : x) {
+            try {
+              (void)block->forward(xi, cos, sin);
+            } catch (const nn::CaptureComplete&) {
+            }
+          }
+        });
+        add_phase(res.calibration_s, t0);
+        for (const auto& [name, lin] : named) {
+          const auto& h = capture.at(name);
+          TORCH_CHECK(h.samples() > 0, "llama_gptq: ", name, " saw no calibration input");
+          auto t = Clock::now();
+          const torch::Tensor W = lin->weight.detach().clone();  // [out, in] float
+          const nn::GptqResult r = nn::gptq_quantize(W, h.matrix(), opt);
+          lin->weight.copy_(r.dequantized);
+          LayerReport rep{name, W.size(0), W.size(1), 0, 0, 0, r.damp_fraction};
+          rep.seconds = add_phase(res.solve_s, t);
+          t = Clock::now();
+          auto p = r.pack();
+          rep.seconds += add_phase(res.pack_s, t);
+          t = Clock::now();
+          const nn::RtnResult rtn = nn::rtn_quantize(W, spec.bits, spec.group_size, spec.sym);
+          const std::vector<double> errors = detail::relative_output_errors(W, {r.dequantized, rtn.dequantized}, h.matrix());
+          rep.error = errors[0], rep.rtn_error = errors[1];
+          rep.seconds += add_phase(res.error_s, t);
+          res.reports.push_back(rep);
+          res.layers.emplace(name, std::move(p));
+          if (progress) {
+            std::snprintf(line, sizeof line, "[%s] layer %3zu/%lld  %-18s %5lldx%-5lld  output error %.3e (rtn %.3e)  %.2fs", tag.c_str(),
+                          res.reports.size(), (long long)total, name.c_str(), (long long)rep.out, (long long)rep.in, rep.error,
+                          rep.rtn_error, rep.seconds);
+            progress(line);
+          }
         }
       }
     }
-    for (auto& xi : x) xi = block->forward(xi, cos, sin);  // the next block's input, through this quantized block
+    // the next block's input, through this quantized block
+    const auto t0 = Clock::now();
+    with_parameters_in(*block, calib.dtype, [&] {
+      for (auto& xi : x) xi = block->forward(xi, cos, sin);
+    });
+    add_phase(res.calibration_s, t0);
   }
   res.seconds = seconds_since(t_start);
+  if (progress) progress("[" + tag + "] quantized in " + res.phase_summary());
   return res;
 }
 
 // Replaces every block linear by an nn::QuantizedLinear of its packed form (on the model's device). Convert
-// the model to its evaluation dtype first: the packed buffers keep their own types.
+// the model to its evaluation dtype first: the packed buffers keep their own types. The layers are built on libtorch's
+// intra-op threads (each builds the fused GEMM's tiles on the host: 0.16 s for a 7B MLP layer on one core, so tens of
+// seconds for the whole 7B model on one), then moved to the device and registered in order.
 inline void use_packed(Llama& model, const std::map<std::string, quant::PackedLinear>& layers) {
   const auto device = model->parameters().front().device();
+  std::vector<std::pair<int64_t, std::string>> places;  // (block, path) of each layer, in order
+  std::vector<const quant::PackedLinear*> packed;
   for (int64_t b = 0; b < model->config.layers; ++b)
     for (const auto& path : block_linears()) {
       const std::string name = layer_name(b, path);
       const auto it = layers.find(name);
       TORCH_CHECK(it != layers.end(), "packed weights: no layer '", name, "'");
-      auto [parent, child] = parent_of(model, b, path);
-      // registered as it is, so nn::apply_lora adopts it as a LoRA base (forward_linear calls it directly)
-      nn::QuantizedLinear pl(it->second);
-      pl->to(device);
-      release_replaced_weight(parent, child);
-      parent->replace_module(child, pl);
+      places.emplace_back(b, path);
+      packed.push_back(&it->second);
     }
+  std::vector<nn::QuantizedLinear> built(packed.size(), nn::QuantizedLinear(nullptr));
+  at::parallel_for(0, int64_t(packed.size()), 1, [&](int64_t first, int64_t last) {  // a worker's error is rethrown here
+    for (int64_t i = first; i < last; ++i) built[size_t(i)] = nn::QuantizedLinear(*packed[size_t(i)]);
+  });
+  for (size_t i = 0; i < built.size(); ++i) {
+    auto [parent, child] = parent_of(model, places[i].first, places[i].second);
+    // registered as it is, so nn::apply_lora adopts it as a LoRA base (forward_linear calls it directly)
+    built[i]->to(device);
+    release_replaced_weight(parent, child);
+    parent->replace_module(child, built[i]);
+  }
 }
 
 // ---- evaluation ----------------------------------------------------------------------------------------
@@ -360,30 +469,6 @@ inline Eval evaluate(Llama& model, const std::vector<std::pair<torch::Tensor, to
   if (reference) e.kl = kl / double(batches.size());
   e.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return e;
-}
-
-// Runs f() with the model's parameters converted to `dtype`, the originals restored afterwards (also when f throws):
-// the dense reference evaluated in the evaluation dtype without building a second model (for 7B: no second copy of
-// its weights, and no minute of host-side construction).
-template <class F>
-decltype(auto) with_parameters_in(Llama& model, torch::ScalarType dtype, F&& f) {
-  struct Restore {
-    std::vector<torch::Tensor> params, kept;
-    ~Restore() {
-      torch::NoGradGuard ng;
-      for (size_t i = 0; i < kept.size(); ++i) params[i].set_data(kept[i]);
-    }
-  } restore;
-  {
-    torch::NoGradGuard ng;
-    for (auto& p : model->parameters()) {
-      if (p.scalar_type() == dtype) continue;
-      restore.params.push_back(p);
-      restore.kept.push_back(p.data());
-      p.set_data(p.to(dtype));
-    }
-  }
-  return f();
 }
 
 // ---- packed checkpoints --------------------------------------------------------------------------------

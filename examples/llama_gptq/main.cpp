@@ -34,7 +34,7 @@ namespace lg = squeeze::llama_gptq;
 namespace {
 
 struct Options {
-  std::string preset = "tiny", device = "cpu", dtype = "auto", checkpoint, corpus, save, load_quantized, out, strategy = "fp32", train_save;
+  std::string preset = "tiny", device = "cpu", dtype = "auto", calib_dtype = "auto", checkpoint, corpus, save, load_quantized, out, strategy = "fp32", train_save;
   std::string hf, data, export_hf;
   std::vector<int> bits{4, 3};
   std::vector<std::string> groups{"128", "channel"}, methods{"rtn", "gptq"};
@@ -103,6 +103,7 @@ struct Row {
   bool act_order = false, sym = false;
   lg::Eval eval;
   double ratio = 1, quantize_s = 0, gptq_error = NAN, rtn_error = NAN, reloaded_ppl = NAN;
+  nlohmann::json quantize_phases;  // quantized rows: lg::QuantizeResult's seconds by phase (phases_json)
   int64_t packed_bytes = 0, dense_bytes = 0;
 };
 
@@ -135,7 +136,8 @@ class Results {
                               {"val_loss", num(r.eval.loss)}, {"eval_tokens", r.eval.tokens}, {"calib_tokens", r.bits < 16 ? calib_tokens_ : 0},
                               {"quantize_s", r.quantize_s}, {"packed_bytes", r.packed_bytes}, {"dense_fp16_bytes", r.dense_bytes},
                               {"gptq_layer_error", num(r.gptq_error)}, {"rtn_layer_error", num(r.rtn_error)},
-                              {"kl_to_reference", num(r.eval.kl)}, {"reloaded_ppl", num(r.reloaded_ppl)}, {"seq", o_.seq}, {"seed", o_.seed},
+                              {"kl_to_reference", num(r.eval.kl)}, {"reloaded_ppl", num(r.reloaded_ppl)}, {"quantize_phases_s", r.quantize_phases},
+                              {"seq", o_.seq}, {"seed", o_.seed},
                               {"commit", commit ? commit : ""}, {"command", o_.command}};
     jsonl_ << j.dump() << "\n" << std::flush;
     char line[512];
@@ -243,6 +245,18 @@ torch::ScalarType eval_dtype(const Options& o) {
   return o.device == "cuda" ? torch::kHalf : torch::kFloat32;  // auto: the CUDA kernels take fp16/bf16 activations
 }
 std::string dtype_name(torch::ScalarType t) { return t == torch::kFloat32 ? "fp32" : t == torch::kHalf ? "fp16" : "bf16"; }
+
+// --calib-dtype: the calibration forwards' dtype (auto: lg::default_calibration_dtype, bf16 on cuda and float on cpu).
+torch::ScalarType calibration_dtype(const Options& o, torch::Device device) {
+  if (o.calib_dtype == "float" || o.calib_dtype == "fp32") return torch::kFloat32;
+  if (o.calib_dtype == "bf16") return torch::kBFloat16;
+  return lg::default_calibration_dtype(device);
+}
+
+// A quantization's seconds by phase (the JSON lines' quantize_phases_s).
+nlohmann::json phases_json(const lg::QuantizeResult& q) {
+  return {{"calibration_forwards", q.calibration_s}, {"solve", q.solve_s}, {"pack", q.pack_s}, {"rtn_and_errors", q.error_s}};
+}
 
 // The calibration windows and the validation batches: bytes of a text (the KJV or --corpus), or --data's token shards.
 struct Data {
@@ -421,15 +435,16 @@ int run(Options& o) {
   nn::Llama dense = phases.time("load", [&] {
     return hf_config ? nn::load_hf_llama(o.hf, {.dtype = torch::kFloat32, .device = device}) : load_float(o, ckpt, device);
   });
-  if (o.train_steps > 0 && o.train_save.empty()) std::filesystem::remove(ckpt);
+  if (o.train_steps > 0 && o.train_save.empty()) std::filesystem::remove_all(ckpt);  // the trainer's checkpoint is a directory
   int64_t params = 0;
   for (const auto& p : dense->parameters()) params += p.numel();
 
-  const auto calib = lg::make_calibration(data.calib_windows, o.calib_batch, device);
+  const auto calib = lg::make_calibration(data.calib_windows, o.calib_batch, device, calibration_dtype(o, device));
   Results results(o, model_name, params, calib.tokens(), dtype_name(dtype));
   bar.message("model " + model_name + " (" + std::to_string(params) + " parameters) from " +
               (hf_config ? "its Hugging Face directory" : o.checkpoint.empty() ? "training" : o.checkpoint) + "; calibration " +
-              std::to_string(calib.tokens()) + " tokens; evaluation in " + dtype_name(dtype) + " on " + o.device);
+              std::to_string(calib.tokens()) + " tokens (forwards in " + dtype_name(calib.dtype) + "); evaluation in " + dtype_name(dtype) +
+              " on " + o.device);
 
   Row ref;
   ref.method = dtype_name(dtype);
@@ -450,6 +465,7 @@ int run(Options& o) {
   const size_t configurations = groups.size() * o.bits.size() * methods.size();
   size_t configuration = 0;
   Row last;
+  lg::QuantizeResult quantize_phases;  // the phase seconds summed over the configurations (only the seconds are kept)
   for (int group : groups)
     for (int bits : o.bits)
       for (lg::Method method : methods) {
@@ -459,9 +475,11 @@ int run(Options& o) {
         auto m = ++configuration == configurations ? dense : copy_model(dense, device, torch::kFloat32);
         const lg::QuantizeResult q = lg::quantize(m, spec, calib, bar.layers());
         phases.add("quantize", q.seconds);
+        quantize_phases.seconds += q.seconds, quantize_phases.calibration_s += q.calibration_s, quantize_phases.solve_s += q.solve_s;
+        quantize_phases.pack_s += q.pack_s, quantize_phases.error_s += q.error_s;
         Row r;
         r.method = lg::method_name(method), r.bits = bits, r.group = group, r.sym = o.sym, r.act_order = o.act_order && method == lg::Method::GPTQ;
-        r.quantize_s = q.seconds, r.packed_bytes = q.packed_bytes(), r.dense_bytes = q.dense_fp16_bytes();
+        r.quantize_s = q.seconds, r.packed_bytes = q.packed_bytes(), r.dense_bytes = q.dense_fp16_bytes(), r.quantize_phases = phases_json(q);
         if (method == lg::Method::GPTQ) {  // mean relative output error over the layers, GPTQ vs RTN on the same inputs
           double g = 0, rt = 0;
           for (const auto& l : q.reports) g += l.error, rt += l.rtn_error;
@@ -470,8 +488,10 @@ int run(Options& o) {
         if (!o.export_hf.empty()) lg::round_dense_to_half(m);  // everything below (saved, evaluated) is what the export holds
         if (!o.save.empty())
           phases.time("save", [&] { lg::save_packed(std::filesystem::path(o.save) / spec.tag(), m, q.layers, spec, hf_config); });  // dense tensors still float
-        m->to(device, dtype);
-        lg::use_packed(m, q.layers);
+        phases.time("use_packed", [&] {  // QuantizedLinear layers from the packed ones (the fused GEMM's tiles built on the host)
+          m->to(device, dtype);
+          lg::use_packed(m, q.layers);
+        });
         if (!o.export_hf.empty()) {
           phases.time("export", [&] {
             lg::export_hf_gptq(o.export_hf, lg::hf_gptq_model(m, q.layers, spec, hf_config), o.force,
@@ -496,9 +516,9 @@ int run(Options& o) {
         }
         results.add(r);
         last = r;
-        char line[256];
-        std::snprintf(line, sizeof line, "%s: validation perplexity %.4f (%.3fx %s), quantized in %.1f s, %.2f MB packed", spec.tag().c_str(),
-                      r.eval.ppl(), r.ratio, ref.method.c_str(), r.quantize_s, double(r.packed_bytes) / 1e6);
+        char line[512];
+        std::snprintf(line, sizeof line, "%s: validation perplexity %.4f (%.3fx %s), quantized in %s, %.2f MB packed", spec.tag().c_str(),
+                      r.eval.ppl(), r.ratio, ref.method.c_str(), q.phase_summary().c_str(), double(r.packed_bytes) / 1e6);
         bar.message(line);
       }
   results.print_table();
@@ -506,7 +526,8 @@ int run(Options& o) {
                    {"model", model_name}, {"params", params}, {"configurations", configurations}, {"method", last.method}, {"bits", last.bits},
                    {"group", last.group > 0 ? last.group : -1}, {"act_order", last.act_order}, {"calib_tokens", calib.tokens()},
                    {"eval_tokens", ref.eval.tokens}, {"ppl_reference", num(ref.eval.ppl())}, {"ppl_quantized", num(last.eval.ppl())},
-                   {"ppl_ratio", num(last.ratio)}, {"packed_bytes", last.packed_bytes}, {"export_hf", o.export_hf}});
+                   {"ppl_ratio", num(last.ratio)}, {"packed_bytes", last.packed_bytes}, {"export_hf", o.export_hf},
+                   {"calib_dtype", dtype_name(calib.dtype)}, {"quantize_phases_s", phases_json(quantize_phases)}});
   return 0;
 }
 
@@ -537,6 +558,9 @@ int main(int argc, char** argv) {
   app.add_flag("--sym", o.sym, "symmetric grid (default: asymmetric min-max, as in the GPTQ paper)");
   app.add_option("--percdamp", o.percdamp, "GPTQ damping as a fraction of mean(diag H)")->check(CLI::NonNegativeNumber)->capture_default_str();
   app.add_option("--calib-tokens", o.calib_tokens, "calibration tokens from the training split (windows of --seq)")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--calib-dtype", o.calib_dtype, "dtype of the calibration forwards: float or bf16 (auto: bf16 on cuda, float on cpu; the "
+                                                 "solver works on the float weights and the Hessians accumulate in fp32 either way)")
+      ->check(CLI::IsMember({"auto", "float", "fp32", "bf16"}))->capture_default_str();
   app.add_option("--calib-batch", o.calib_batch, "calibration sequences per forward")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--seq", o.seq, "tokens (bytes) per window: training, calibration and evaluation")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--eval-tokens", o.eval_tokens, "validation tokens to evaluate (0: the whole validation split)")->check(CLI::NonNegativeNumber)->capture_default_str();

@@ -1,12 +1,16 @@
 // GPTQ solver (libtorch, CPU here): error below RTN on correlated inputs, grid identical to the torch-free
 // RTN, packed result == dequantized result, damping retries, dead inputs, act-order / static groups,
-// true-sequential capture. Float64 references where numbers are compared.
+// true-sequential capture. Float64 references where numbers are compared. RTN and packing on tensors
+// (nn/rtn.hpp) bit for bit against the torch-free quant::rtn_quantize and quant::pack.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <sstream>
+#include <tuple>
 
 #include <squeeze/nn/gptq.hpp>
 #include <squeeze/nn/quantized_linear.hpp>
+#include <squeeze/nn/rtn.hpp>
 #include <squeeze/quant/rtn.hpp>
 
 #include "gptq_helpers.hpp"
@@ -255,6 +259,35 @@ TEST(Gptq, TrueSequentialCaptureQuantizesLayerByLayer) {
   EXPECT_THROW(nn::gptq_sequential({{{"stray", stray}}}, [&] { m->forward(X); }, o), c10::Error);
 }
 
+// stop_when_complete: each forward ends (nn::CaptureComplete) once a and b have seen their input, before c runs; the
+// Hessians are those of full forwards, pass after pass.
+TEST(Gptq, CaptureStopsTheForwardOnceItsLayersHaveSeenTheirInput) {
+  torch::manual_seed(12);
+  Mlp m;
+  const auto X = torch::randn({3, 64, 24});
+  torch::NoGradGuard ng;
+  const std::vector<nn::NamedLinear> step = {{"a", m->a}, {"b", m->b}};
+  std::vector<torch::Tensor> full;
+  {
+    nn::HessianCapture capture(step);
+    for (int i = 0; i < 3; ++i) m->forward(X[i]);
+    full = {capture.at("a").matrix().clone(), capture.at("b").matrix().clone()};
+  }
+  nn::HessianCapture capture(step, /*stop_when_complete=*/true);
+  int stopped = 0;
+  for (int i = 0; i < 3; ++i) {
+    try {
+      m->forward(X[i]);
+    } catch (const nn::CaptureComplete&) {
+      ++stopped;
+    }
+  }
+  EXPECT_EQ(stopped, 3);
+  EXPECT_EQ(capture.at("a").samples(), 3 * 64);
+  EXPECT_TRUE(torch::equal(capture.at("a").matrix(), full[0]));
+  EXPECT_TRUE(torch::equal(capture.at("b").matrix(), full[1]));
+}
+
 // ---- QuantizedLinear (CPU path: dequantize twin + matmul) ----------------------------------------------------
 // The fused GEMM's batch-row limit: by kernel unless set (3 / 4 bits on the mma.sync kernel 64, 8 bits 32; a host
 // translation unit never sees the Hopper kernel, whose 1024 test_lora_cuda checks); 0 restores it, negative is refused.
@@ -356,4 +389,113 @@ TEST(Gptq, StridedWeightIsQuantizedAsItsContiguousCopy) {
   const auto strided = nn::gptq_quantize(W, h.matrix(), o), dense = nn::gptq_quantize(W.contiguous(), h.matrix(), o);
   EXPECT_TRUE(torch::equal(strided.dequantized, dense.dequantized));
   EXPECT_TRUE(torch::equal(strided.codes, dense.codes));
+}
+
+// ---- RTN and packing on tensors (nn/rtn.hpp) against the torch-free quant::rtn_quantize / quant::pack ----------
+namespace {
+// Rows that reach every branch of the grid: mixed signs, all >= 0 (the asymmetric zero of 0 moved to 1), all <= 0,
+// all zero, constant, and ranges tiny enough for fp16-subnormal scales.
+torch::Tensor grid_edge_rows(std::int64_t out, std::int64_t in, int seed) {
+  torch::manual_seed(seed);
+  auto W = torch::randn({out, in}) * 0.05;
+  W[1] = W[1].abs();
+  W[2] = -W[2].abs();
+  W[3].zero_();
+  W[4].fill_(0.25);
+  W[5] *= 1e-5;
+  W[6] *= 1e-7;
+  W[7] = torch::randn({in}) * 100;
+  return W;
+}
+
+void expect_same_packed(const quant::PackedLinear& a, const quant::PackedLinear& b, const std::string& what) {
+  EXPECT_EQ(a.bits, b.bits) << what;
+  EXPECT_EQ(a.group_size, b.group_size) << what;
+  EXPECT_EQ(a.in, b.in) << what;
+  EXPECT_EQ(a.out, b.out) << what;
+  EXPECT_EQ(a.qweight, b.qweight) << what;
+  EXPECT_EQ(a.qzeros, b.qzeros) << what;
+  EXPECT_EQ(a.g_idx, b.g_idx) << what;
+  ASSERT_EQ(a.scales.size(), b.scales.size()) << what;
+  EXPECT_EQ(std::memcmp(a.scales.data(), b.scales.data(), a.scales.size() * sizeof(half)), 0) << what << ": scales";
+}
+}  // namespace
+
+// Bit for bit: the grid is the same sequence of IEEE float operations, so no tolerance is needed.
+TEST(RtnOnTensors, DequantizedAndPackedEqualTorchFreeRtn) {
+  for (auto [out, in] : {std::pair<std::int64_t, std::int64_t>{37, 300}, {8, 128}, {9, 1}, {16, 77}})
+    for (int group : {128, 32, 7, 0})
+      for (int bits : {2, 3, 4, 8})
+        for (bool sym : {false, true}) {
+          const auto W = grid_edge_rows(out, in, int(out * 1000 + in + bits));
+          const std::string what = std::to_string(out) + "x" + std::to_string(in) + " group " + std::to_string(group) + " bits " +
+                                   std::to_string(bits) + (sym ? " sym" : " asym");
+          const nn::RtnResult r = nn::rtn_quantize(W, bits, group, sym);
+          const auto w = W.contiguous();
+          const quant::PackedLinear want = quant::rtn_quantize({w.data_ptr<float>(), std::size_t(w.numel())}, out, in,
+                                                               {.bits = bits, .group_size = group, .sym = sym});
+          ASSERT_TRUE(torch::equal(r.dequantized, packed_dequant(want))) << what;
+          expect_same_packed(r.pack(), want, what);
+          expect_same_packed(nn::detail::pack_linear_by_tensor_ops(r.codes, r.zeros, r.scales, r.g_idx, bits, group), want, what + " (GPU path)");
+        }
+}
+
+// llama_gptq flushes float denormals (setFlushDenormal): the fp16-subnormal scales of tiny groups are normal floats, and
+// torch's float -> half conversion must still give them as the torch-free one does.
+TEST(RtnOnTensors, TinyGroupsEqualTorchFreeRtnWithDenormalsFlushed) {
+  if (!at::globalContext().setFlushDenormal(true)) GTEST_SKIP() << "this CPU cannot flush denormals";
+  const auto W = grid_edge_rows(16, 300, 3) * 1e-3;  // scales down to fp16's subnormals
+  for (int bits : {2, 4, 8})
+    for (bool sym : {false, true}) {
+      const auto r = nn::rtn_quantize(W, bits, 128, sym);
+      EXPECT_TRUE(torch::equal(r.dequantized, rtn_dequant(W, bits, 128, sym))) << bits << (sym ? " sym" : " asym");
+    }
+  at::globalContext().setFlushDenormal(false);
+}
+
+TEST(RtnOnTensors, PackLinearEqualsTorchFreePackOnRandomCodes) {
+  torch::manual_seed(11);
+  for (auto [out, in, group] : {std::tuple<std::int64_t, std::int64_t, int>{37, 300, 128}, {1, 1, 0}, {33, 257, 32}, {5, 64, 0}, {13, 100, 7}})
+    for (int bits : {2, 3, 4, 8}) {
+      const std::int64_t groups = group > 0 ? (in + group - 1) / group : 1, maxq = (1 << bits) - 1;
+      const auto q = torch::randint(0, maxq + 1, {out, in}, torch::kUInt8);
+      const auto z = torch::randint(0, maxq + 1, {groups, out}, torch::kUInt8);  // zero 0 included: v1 wraps it to maxq
+      const auto s = torch::rand({groups, out}) * 2 + 1e-3;                      // not fp16 values: both round them
+      const auto g = torch::randint(0, groups, {in}, torch::kInt32);             // act-order's g_idx: any group per input
+      const quant::PackedLinear want = quant::pack({q.data_ptr<std::uint8_t>(), std::size_t(q.numel())}, {z.data_ptr<std::uint8_t>(), std::size_t(z.numel())},
+                                                   {s.data_ptr<float>(), std::size_t(s.numel())}, {g.data_ptr<std::int32_t>(), std::size_t(g.numel())},
+                                                   out, in, bits, group);
+      const std::string what = std::to_string(out) + "x" + std::to_string(in) + " group " + std::to_string(group) + " bits " + std::to_string(bits);
+      expect_same_packed(nn::pack_linear(q, z, s, g, bits, group), want, what);
+      // the path CUDA tensors take, here on the CPU
+      expect_same_packed(nn::detail::pack_linear_by_tensor_ops(q, z, s, g, bits, group), want, what + " (GPU path)");
+    }
+}
+
+TEST(RtnOnTensors, BadInputsErrorClearly) {
+  const auto message = [](auto&& f) {
+    try {
+      f();
+    } catch (const c10::Error& e) {
+      return std::string(e.what_without_backtrace());
+    }
+    return std::string("no error");
+  };
+  auto W = torch::randn({4, 16});
+  W[1][3] = NAN;
+  EXPECT_NE(message([&] { nn::rtn_quantize(W, 4, 8, false); }).find("rtn: weight is not finite"), std::string::npos);
+  EXPECT_NE(message([&] { nn::rtn_quantize(torch::randn({4, 16}) * 1e30, 4, 8, false); }).find("too large for an fp16 scale"),
+            std::string::npos);
+  EXPECT_NE(message([&] { nn::rtn_quantize(torch::randn({4, 16}), 5, 8, false); }).find("bits must be 2, 3, 4 or 8"), std::string::npos);
+  const auto codes = torch::full({2, 8}, 16, torch::kUInt8), zeros = torch::ones({1, 2}, torch::kUInt8), scales = torch::ones({1, 2});
+  const auto g_idx = torch::zeros({8}, torch::kInt32);
+  for (auto pack : {&nn::pack_linear, &nn::detail::pack_linear_by_tensor_ops}) {
+    EXPECT_NE(message([&] { pack(codes, zeros, scales, g_idx, 4, 0); }).find("a code is outside [0, 15] for 4 bits"), std::string::npos);
+    EXPECT_NE(message([&] { pack(codes.clamp_max(15), zeros * 16, scales, g_idx, 4, 0); }).find("a zero point is outside [0, 15]"),
+              std::string::npos);
+    EXPECT_NE(message([&] { pack(codes.clamp_max(15), zeros, scales, torch::zeros({7}, torch::kInt32), 4, 0); }).find("g_idx must be [in]"),
+              std::string::npos);
+    EXPECT_NE(message([&] { pack(codes.to(torch::kInt32), zeros, scales, g_idx, 4, 0); }).find("codes and zero points must be uint8"),
+              std::string::npos);
+  }
 }

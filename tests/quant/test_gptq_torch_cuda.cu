@@ -1,9 +1,13 @@
 // nn::gptq_quantize on CUDA tensors (gptq.hpp compiled by nvcc: the column-loop kernel, cuSOLVER, cuBLAS) against the same
 // call on CPU tensors (the CPU twin, LAPACK): the factorisations round differently, so the two solves agree closely but
-// not bit for bit; each result must pack without loss and beat RTN. Skips where libtorch sees no GPU.
+// not bit for bit; each result must pack without loss and beat RTN. RTN and the v1 packing on CUDA tensors (nn/rtn.hpp)
+// against the torch-free quant::rtn_quantize / quant::pack, bit for bit. Skips where libtorch sees no GPU.
 #include <gtest/gtest.h>
 
+#include <cstring>
+
 #include <squeeze/nn/gptq.hpp>
+#include <squeeze/nn/rtn.hpp>
 #include <squeeze/quant/pack.hpp>
 #include <squeeze/quant/rtn.hpp>
 
@@ -50,6 +54,38 @@ TEST(GptqCuda, QuantizeOnGpuAgreesWithCpu) {
     EXPECT_TRUE(torch::equal(packed_dequant(gpu.pack()), gpu.dequantized.cpu())) << what << ": the grids pack without loss";
     EXPECT_LT(output_error(X, W, gpu.dequantized), output_error(X, W, rtn_dequant(W, c.bits, c.group, c.sym))) << what;
   }
+}
+
+// The grid is the same IEEE float ops on the GPU (divisions by tensors, round half to even, fp16 rounding of the
+// scales), so the dequantized weights and the packed words are those of the CPU, exactly; 37 x 300 does not fill the
+// groups, and rows 1-7 reach the grid's edge cases (all >= 0, all <= 0, zero, constant, fp16-subnormal scales, wide).
+TEST(GptqCuda, RtnAndPackingOnGpuEqualTorchFreeCpu) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "libtorch sees no CUDA device";
+  torch::manual_seed(21);
+  auto W = torch::randn({37, 300}) * 0.05;
+  W[1] = W[1].abs();
+  W[2] = -W[2].abs();
+  W[3].zero_();
+  W[4].fill_(0.25);
+  W[5] *= 1e-5;
+  W[6] *= 1e-7;
+  W[7] = torch::randn({300}) * 100;
+  for (int group : {128, 7, 0})
+    for (int bits : {2, 3, 4, 8})
+      for (bool sym : {false, true}) {
+        const std::string what = "group " + std::to_string(group) + ", " + std::to_string(bits) + " bits" + (sym ? ", sym" : ", asym");
+        const quant::PackedLinear want = quant::rtn_quantize({W.data_ptr<float>(), std::size_t(W.numel())}, W.size(0), W.size(1),
+                                                             {.bits = bits, .group_size = group, .sym = sym});
+        const nn::RtnResult gpu = nn::rtn_quantize(W.cuda(), bits, group, sym);
+        ASSERT_TRUE(gpu.dequantized.is_cuda()) << what;
+        EXPECT_TRUE(torch::equal(gpu.dequantized.cpu(), packed_dequant(want))) << what;
+        const quant::PackedLinear got = gpu.pack();  // the bit streams built on the GPU
+        EXPECT_EQ(got.qweight, want.qweight) << what;
+        EXPECT_EQ(got.qzeros, want.qzeros) << what;
+        EXPECT_EQ(got.g_idx, want.g_idx) << what;
+        ASSERT_EQ(got.scales.size(), want.scales.size()) << what;
+        EXPECT_EQ(std::memcmp(got.scales.data(), want.scales.data(), want.scales.size() * sizeof(half)), 0) << what;
+      }
 }
 
 TEST(GptqCuda, WeightsPastHalfRangeErrorClearlyOnGpu) {

@@ -17,7 +17,9 @@
 // True-sequential capture: observe(linear, x) is a one-line hook a model calls in front of each of its
 // linear layers (it returns linear(x)); while a HessianCapture is alive it adds x to that layer's
 // Hessian. gptq_sequential quantizes groups of layers step by step, re-running the caller's forward
-// closure before each step so later layers see the outputs of already-quantized earlier ones.
+// closure before each step so later layers see the outputs of already-quantized earlier ones. A capture made with
+// stop_when_complete ends each forward (nn::CaptureComplete) as soon as all its layers have seen their input.
+// GptqResult::pack() builds the v1 bit streams on the result's device (nn/rtn.hpp pack_linear).
 #include <torch/torch.h>
 #include <torch/version.h>
 #if defined(__CUDACC__)
@@ -28,6 +30,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <functional>
 #include <map>
 #include <string>
@@ -40,6 +43,7 @@
 #include "../policy/quantization.hpp"
 #include "../quant/pack.hpp"
 #include "../quant/rtn.hpp"
+#include "rtn.hpp"
 
 namespace squeeze::nn {
 
@@ -78,17 +82,8 @@ struct GptqResult {
   double loss = 0;            // sum over columns of (w - w_hat)^2 / (2 [H^-1]_jj^2), the paper's objective
   int bits = 4, group_size = 0;
 
-  // The v1 packed layout (copies to CPU).
-  quant::PackedLinear pack() const {
-    auto c = codes.to(torch::kCPU).contiguous();
-    auto s = scales.to(torch::kCPU).contiguous();
-    auto z = zeros.to(torch::kCPU).contiguous();
-    auto g = g_idx.to(torch::kCPU).contiguous();
-    const auto out = c.size(0), in = c.size(1);
-    return quant::pack({c.data_ptr<std::uint8_t>(), std::size_t(c.numel())}, {z.data_ptr<std::uint8_t>(), std::size_t(z.numel())},
-                       {s.data_ptr<float>(), std::size_t(s.numel())}, {g.data_ptr<std::int32_t>(), std::size_t(g.numel())}, out,
-                       in, bits, group_size);
-  }
+  // The v1 packed layout: the bit streams built on the result's device (pack_linear), the packed words copied to the host.
+  quant::PackedLinear pack() const { return pack_linear(codes, zeros, scales, g_idx, bits, group_size); }
 };
 
 // ---- the grid on rows of a tensor (mirror of quant::find_grid) ------------------------------------------
@@ -323,16 +318,27 @@ namespace detail {
 inline thread_local HessianCapture* active_capture = nullptr;
 }
 
+// Thrown by observe() out of a forward once every layer of a HessianCapture made with stop_when_complete has seen
+// its input in this pass: the rest of the forward would only compute what the captured Hessians do not need (the
+// [q k v] step of a LLaMA block needs its attention norm and nothing after). The caller catches it around the forward.
+struct CaptureComplete : std::exception {
+  const char* what() const noexcept override {
+    return "HessianCapture: every captured layer has seen its input (catch squeeze::nn::CaptureComplete around the forward)";
+  }
+};
+
 // While alive (one per thread), observe() feeds the inputs of the given layers into their Hessians.
 class HessianCapture {
  public:
-  explicit HessianCapture(const std::vector<std::pair<std::string, torch::nn::Linear>>& layers) {
+  explicit HessianCapture(const std::vector<std::pair<std::string, torch::nn::Linear>>& layers, bool stop_when_complete = false)
+      : stop_when_complete_(stop_when_complete) {
     TORCH_CHECK(detail::active_capture == nullptr, "HessianCapture: one capture at a time per thread");
     for (const auto& [name, lin] : layers) {
       const auto& w = lin->weight;
       index_[lin.get()] = hessians_.size();
       hessians_.emplace_back(name, Hessian(w.size(1), w.device()));
     }
+    seen_.assign(hessians_.size(), false);
     detail::active_capture = this;
   }
   ~HessianCapture() { detail::active_capture = nullptr; }
@@ -340,7 +346,19 @@ class HessianCapture {
   HessianCapture& operator=(const HessianCapture&) = delete;
 
   void add(const torch::nn::Module* m, const torch::Tensor& x) {
-    if (auto it = index_.find(m); it != index_.end()) hessians_[it->second].second.add(x);
+    const auto it = index_.find(m);
+    if (it == index_.end()) return;
+    hessians_[it->second].second.add(x);
+    if (!stop_when_complete_) return;
+    if (!seen_[it->second]) {
+      seen_[it->second] = true;
+      ++seen_count_;
+    }
+    if (seen_count_ == seen_.size()) {  // this pass is done: the next forward starts a new one
+      seen_.assign(seen_.size(), false);
+      seen_count_ = 0;
+      throw CaptureComplete{};
+    }
   }
   Hessian& at(const std::string& name) {
     for (auto& [n, h] : hessians_)
@@ -352,6 +370,9 @@ class HessianCapture {
  private:
   std::unordered_map<const torch::nn::Module*, std::size_t> index_;
   std::vector<std::pair<std::string, Hessian>> hessians_;
+  bool stop_when_complete_ = false;
+  std::vector<bool> seen_;  // stop_when_complete: the layers observed in this pass
+  std::size_t seen_count_ = 0;
 };
 
 // The hook a model calls in front of a linear layer: records x when that layer is being captured.
