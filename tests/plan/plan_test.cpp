@@ -88,7 +88,8 @@ TEST(Plan, Nf4DoubleQuantAndLoRA) {
   using NFdq = Quantized<4, NF4, DoubleQuant>;
   const i64 n = 4096 * 4096;
   EXPECT_EQ(plan::quantized_matrix_bytes<NF>(4096, 4096), n / 2 + n / 64 * 4);
-  EXPECT_EQ(plan::quantized_matrix_bytes<NFdq>(4096, 4096), n / 2 + n / 64 + ceil_div(n / 64, 256) * 4 + 4);
+  // codes, a nested code per block, an fp32 nested absmax per 256 blocks, the offset, the 256-entry map
+  EXPECT_EQ(plan::quantized_matrix_bytes<NFdq>(4096, 4096), n / 2 + n / 64 + ceil_div(n / 64, 256) * 4 + 4 + 256 * 4);
   using QLoRA = Strategy<NFdq, LoRA<8, 16>, Precision<bf16, float>>;
   const auto p = plan_memory<QLoRA>(llama7b, train, 1);
   const i64 lora = 32 * (8 * (4096 + 4096) * 2);  // q and v: r·(in + out) each, 32 blocks

@@ -4,8 +4,9 @@
 //
 // Error bounds (stated): NF4 with exact absmax: |w - deq| <= G/2 * absmax_b (G = largest gap between
 // neighbouring codes = 1 - 0.6961928 = 0.3038072), plus the output dtype's rounding of deq (relative 2^-24
-// float, 2^-8 bf16, 2^-11 half). With DoubleQuant the decoder uses absmax' (|absmax' - absmax| <= s/2, s the
-// group's scale, plus float rounding): |w - deq| <= G/2 * absmax' + s/2 (values above absmax' clamp to +-1).
+// float, 2^-8 bf16, 2^-11 half). DoubleQuant (bitsandbytes' nested form): the codes are chosen against the exact
+// absmax, the decoder uses absmax' with |absmax' - absmax| <= D/2 * nested (D = largest gap of the dynamic map,
+// nested = the group's max |absmax - mean|, plus float rounding): |w - deq| <= G/2 * absmax + D/2 * nested.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -30,6 +31,14 @@ double code(int c) { return double(kq::nf4_code_value(c)); }
 double max_gap() {
   double g = 0;
   for (int c = 0; c < 15; ++c) g = std::max(g, code(c + 1) - code(c));
+  return g;
+}
+
+// The largest gap between neighbouring entries of bitsandbytes' dynamic map (0.9 / 64 among the largest).
+double map_max_gap() {
+  const auto& m = quant::bnb_dynamic_map();
+  double g = 0;
+  for (std::size_t i = 0; i + 1 < m.size(); ++i) g = std::max(g, double(m[i + 1]) - double(m[i]));
   return g;
 }
 
@@ -112,6 +121,39 @@ TEST(Nf4Codes, EncodePicksTheNearestCode) {
   }
 }
 
+// The thresholds between codes are bitsandbytes' (its decision tree's constants): the float64 midpoints of the
+// published values, within a float32 rounding of the float32 table's midpoints.
+TEST(Nf4Codes, ThresholdsAreBitsandbytesMidpoints) {
+  EXPECT_EQ(kq::nf4_midpoint(7), 0.03979014977812767f);
+  EXPECT_EQ(kq::nf4_midpoint(14), 0.8614784181118011f);
+  for (int k = 0; k < 15; ++k) {
+    EXPECT_NEAR(kq::nf4_midpoint(k), 0.5 * (code(k) + code(k + 1)), 1.2e-7) << k;
+    EXPECT_EQ(kq::nf4_encode(kq::nf4_midpoint(k)), k) << "a tie goes to the lower code";
+    EXPECT_EQ(kq::nf4_encode(std::nextafter(kq::nf4_midpoint(k), 2.f)), k + 1) << k;
+  }
+}
+
+// The nested (DoubleQuant) code: the nearest map entry, a tie to the even index, NaN to 0 (bitsandbytes' search).
+TEST(Nf4Codes, NestedCodeIsTheNearestMapEntry) {
+  const auto& m = quant::bnb_dynamic_map();
+  for (int c = 0; c < 256; ++c) EXPECT_EQ(kq::nf4_nested_code(m.data(), m[std::size_t(c)]), c) << c;
+  EXPECT_EQ(kq::nf4_nested_code(m.data(), -2.f), 0);
+  EXPECT_EQ(kq::nf4_nested_code(m.data(), 2.f), 255);
+  EXPECT_EQ(kq::nf4_nested_code(m.data(), std::nanf("")), 0);
+  for (int c : {10, 11, 126, 127, 200, 253, 254}) {
+    const float mid = (m[std::size_t(c)] + m[std::size_t(c + 1)]) * 0.5f;
+    EXPECT_EQ(kq::nf4_nested_code(m.data(), mid), c % 2 == 0 ? c : c + 1) << "tie between " << c << " and " << c + 1;
+  }
+  std::mt19937 rng(2);
+  std::uniform_real_distribution<float> ud(-1.f, 1.f);
+  for (int t = 0; t < 20000; ++t) {
+    const float x = ud(rng);
+    const int got = kq::nf4_nested_code(m.data(), x);
+    for (int c = 0; c < 256; ++c)
+      ASSERT_LE(std::fabs(double(x) - m[std::size_t(got)]), std::fabs(double(x) - m[std::size_t(c)]) + 1e-9) << "x=" << x << " got " << got << " but " << c;
+  }
+}
+
 TEST(Nf4Codec, NibbleOrderIsHighThenLow) {
   const std::vector<float> w{-1.f, 1.f, 0.f};  // codes 0, 15, 7 (+ padding nibble 7)
   const auto p = quant::nf4_quantize(w.data(), 3, {.block = 64});
@@ -157,24 +199,32 @@ TYPED_TEST(Nf4RoundTrip, PlainWithinHalfGapTimesAbsmaxAndNearest) {
 
 TYPED_TEST(Nf4RoundTrip, DoubleQuantBoundAndCloseToPlain) {
   using T = TypeParam;
-  const double half_gap = 0.5 * max_gap();
+  const double half_gap = 0.5 * max_gap(), half_map_gap = 0.5 * map_max_gap();
+  EXPECT_NEAR(map_max_gap(), 0.9 / 64, 1e-6);
   for (const std::int64_t n : {std::int64_t(256 * 64 * 3 + 1000), std::int64_t(64 * 300), std::int64_t(999)}) {
     const auto w = normal_weights<T>(n, std::uint32_t(n));
     const auto plain = quant::nf4_quantize(w.data(), n, {.block = 64});
     const auto dq = quant::nf4_quantize(w.data(), n, {.block = 64, .double_quant = true});
     ASSERT_TRUE(dq.absmax.empty());
-    ASSERT_EQ(std::int64_t(dq.absmax_q.size()), dq.blocks());
-    ASSERT_EQ(std::int64_t(dq.absmax_scale.size()), (dq.blocks() + 255) / 256);
-    // offset = mean of the block absmax values
+    ASSERT_EQ(std::int64_t(dq.absmax_code.size()), dq.blocks());
+    ASSERT_EQ(std::int64_t(dq.nested_absmax.size()), (dq.blocks() + 255) / 256);
+    ASSERT_EQ(dq.nested_map.size(), 256u);
+    EXPECT_EQ(dq.codes, plain.codes) << "both modes choose the codes against the exact absmax";
+    // offset = mean of the block absmax values; nested = max |absmax - offset| per 256 blocks
     double mean = 0;
     for (float a : plain.absmax) mean += a;
     mean /= double(plain.absmax.size());
     EXPECT_NEAR(dq.absmax_offset, mean, 1e-6 * mean);
+    for (std::int64_t g = 0; g < std::int64_t(dq.nested_absmax.size()); ++g) {
+      float m = 0.f;
+      for (std::int64_t b = g * 256; b < std::min<std::int64_t>(dq.blocks(), (g + 1) * 256); ++b) m = std::max(m, std::fabs(plain.absmax[b] - dq.absmax_offset));
+      EXPECT_EQ(dq.nested_absmax[std::size_t(g)], m) << "group " << g;
+    }
     std::vector<double> b_dq(std::size_t(dq.blocks()));
     for (std::int64_t b = 0; b < dq.blocks(); ++b) {
-      const double s = dq.absmax_scale[std::size_t(b / 256)];
+      const double s = half_map_gap * dq.nested_absmax[std::size_t(b / 256)];
       b_dq[std::size_t(b)] = kq::nf4_block_absmax(dq.view(), b);
-      ASSERT_LE(std::fabs(b_dq[std::size_t(b)] - plain.absmax[std::size_t(b)]), 0.5 * s + 1e-6 * plain.absmax[std::size_t(b)]) << "absmax' of block " << b;
+      ASSERT_LE(std::fabs(b_dq[std::size_t(b)] - plain.absmax[std::size_t(b)]), s + 1e-6 * plain.absmax[std::size_t(b)]) << "absmax' of block " << b;
     }
     std::vector<double> back_plain(static_cast<std::size_t>(n)), back_dq(static_cast<std::size_t>(n));
     std::vector<float> tmp(static_cast<std::size_t>(n));
@@ -184,12 +234,12 @@ TYPED_TEST(Nf4RoundTrip, DoubleQuantBoundAndCloseToPlain) {
     std::copy(tmp.begin(), tmp.end(), back_dq.begin());
     double se_plain = 0, se_dq = 0;
     for (std::int64_t i = 0; i < n; ++i) {
-      const double x = to_float(w[i]), s = dq.absmax_scale[std::size_t(i / 64 / 256)];
-      ASSERT_LE(std::fabs(x - back_dq[i]), half_gap * b_dq[std::size_t(i / 64)] + 0.5 * s + 1e-7 * std::fabs(x)) << "i=" << i;
+      const double x = to_float(w[i]), s = half_map_gap * dq.nested_absmax[std::size_t(i / 64 / 256)];
+      ASSERT_LE(std::fabs(x - back_dq[i]), half_gap * plain.absmax[std::size_t(i / 64)] + s + 1e-6 * std::fabs(x)) << "i=" << i;
       se_plain += (x - back_plain[i]) * (x - back_plain[i]);
       se_dq += (x - back_dq[i]) * (x - back_dq[i]);
     }
-    // 8-bit scales cost little: the RMS error grows by < 2 %.
+    // 8-bit nested absmax values cost little: the RMS error grows by < 2 %.
     EXPECT_LE(std::sqrt(se_dq / se_plain), 1.02) << "n=" << n;
     EXPECT_GE(std::sqrt(se_dq / se_plain), 0.98) << "n=" << n;
   }
@@ -220,9 +270,9 @@ TEST(Nf4Codec, LargeTensorOnThreadsWithinBounds) {
     std::vector<float> back(static_cast<std::size_t>(n));
     quant::nf4_dequantize(p, back.data());
     for (std::int64_t i = 0; i < n; ++i) {
-      const double a = kq::nf4_block_absmax(p.view(), i / 64);
-      const double s = dqf ? double(p.absmax_scale[std::size_t(i / 64 / 256)]) : 0.0;
-      ASSERT_LE(std::fabs(double(w[std::size_t(i)]) - double(back[std::size_t(i)])), half_gap * a + 0.5 * s + 1e-7 * std::fabs(w[std::size_t(i)])) << "dq=" << dqf << " i=" << i;
+      const double a = ref_absmax(w, i / 64, 64);
+      const double s = dqf ? 0.5 * map_max_gap() * double(p.nested_absmax[std::size_t(i / 64 / 256)]) : 0.0;
+      ASSERT_LE(std::fabs(double(w[std::size_t(i)]) - double(back[std::size_t(i)])), half_gap * a + s + 1e-6 * std::fabs(w[std::size_t(i)])) << "dq=" << dqf << " i=" << i;
     }
   }
 }

@@ -1,11 +1,12 @@
 // NF4 CUDA launchers against the CPU twin (label cuda; skips without a device).
-// Tolerance: none. Dequantise and quantise apply the same element functions (explicit fmaf for absmax'),
-// so outputs are bit-identical; the one exception is the DoubleQuant mean (float64 sums in another order),
-// which may differ in its last bit: then the device codes are checked against a CPU encode that uses the
-// device's own offset and scales, again exactly.
+// Tolerance: none. Dequantise and quantise apply the same element functions (absmax' as a rounded product then a
+// rounded sum on both sides), so outputs are bit-identical; the one exception is the DoubleQuant mean (float64 sums
+// in another order), which may differ in its last bit: then the device's nested statistics are checked against the
+// CPU's DoubleQuant of the same absmax with the device's own offset, again exactly.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -54,15 +55,16 @@ TYPED_TEST(Nf4Cuda, DequantizeMatchesTwinBitForBit) {
       const auto p = quant::nf4_quantize(w.data(), n, {.block = 64, .double_quant = dq});
       std::vector<T> twin(static_cast<std::size_t>(n));
       quant::nf4_dequantize(p, twin.data());
-      Dev<std::uint8_t> codes(p.codes);
-      Dev<float> absmax(p.absmax), scale(p.absmax_scale);
-      Dev<std::int8_t> absmax_q(p.absmax_q);
+      Dev<std::uint8_t> codes(p.codes), absmax_code(p.absmax_code);
+      Dev<float> absmax(p.absmax), nested(p.nested_absmax), map(p.nested_map), offset(std::vector<float>{p.absmax_offset});
       Dev<T> out(static_cast<std::size_t>(n));
       kq::Nf4View v = p.view();
       v.codes = codes.p;
       v.absmax = dq ? nullptr : absmax.p;
-      v.absmax_q = dq ? absmax_q.p : nullptr;
-      v.absmax_scale = dq ? scale.p : nullptr;
+      v.absmax_code = dq ? absmax_code.p : nullptr;
+      v.nested_absmax = dq ? nested.p : nullptr;
+      v.nested_map = dq ? map.p : nullptr;
+      v.absmax_offset = dq ? offset.p : nullptr;
       SQUEEZE_CUDA_CHECK(kq::nf4_dequantize_cuda(v, out.p));
       SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
       EXPECT_TRUE(same_bits(out.get(), twin)) << "n=" << n << " dq=" << dq;
@@ -78,31 +80,34 @@ TYPED_TEST(Nf4Cuda, QuantizeMatchesTwin) {
       const auto p = quant::nf4_quantize(w.data(), n, {.block = 64, .double_quant = dq});
       const std::int64_t blocks = p.blocks();
       Dev<T> dw(w);
-      Dev<std::uint8_t> codes(p.codes.size());
-      Dev<float> absmax(static_cast<std::size_t>(blocks)), scale(static_cast<std::size_t>(kq::nf4_dq_groups(blocks))), offset(1);
-      Dev<std::int8_t> absmax_q(static_cast<std::size_t>(blocks));
-      float dev_offset = 0.f;
-      SQUEEZE_CUDA_CHECK(kq::nf4_quantize_cuda(dw.p, n, 64, dq, {codes.p, absmax.p, absmax_q.p, scale.p, offset.p}, &dev_offset));
+      Dev<std::uint8_t> codes(p.codes.size()), absmax_code(static_cast<std::size_t>(blocks));
+      Dev<float> absmax(static_cast<std::size_t>(blocks)), nested(static_cast<std::size_t>(kq::nf4_dq_groups(blocks))), offset(1);
+      const Dev<float> map(std::vector<float>(quant::bnb_dynamic_map().begin(), quant::bnb_dynamic_map().end()));
+      SQUEEZE_CUDA_CHECK(kq::nf4_quantize_cuda(dw.p, n, 64, dq,
+                                               {.codes = codes.p, .absmax = absmax.p, .absmax_code = absmax_code.p, .nested_absmax = nested.p,
+                                                .nested_map = map.p, .absmax_offset = offset.p}));
       SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+      EXPECT_TRUE(same_bits(codes.get(), p.codes)) << "n=" << n << " (the codes come from the exact absmax in both modes)";
       if (!dq) {
         EXPECT_TRUE(same_bits(absmax.get(), p.absmax)) << "n=" << n;
-        EXPECT_TRUE(same_bits(codes.get(), p.codes)) << "n=" << n;
         continue;
       }
+      const float dev_offset = offset.get()[0];
       EXPECT_NEAR(dev_offset, p.absmax_offset, 1e-6f * p.absmax_offset) << "n=" << n;
-      if (dev_offset == p.absmax_offset) {
-        EXPECT_TRUE(same_bits(absmax_q.get(), p.absmax_q)) << "n=" << n;
-        EXPECT_TRUE(same_bits(scale.get(), p.absmax_scale)) << "n=" << n;
-        EXPECT_TRUE(same_bits(codes.get(), p.codes)) << "n=" << n;
-      } else {  // re-encode on the CPU with the device's scales: the codes must agree exactly
-        quant::Nf4Packed d = p;
-        d.absmax_q = absmax_q.get();
-        d.absmax_scale = scale.get();
-        d.absmax_offset = dev_offset;
-        std::vector<std::uint8_t> ref(p.codes.size());
-        kq::nf4_encode_cpu(d.view(), w.data(), ref.data());
-        EXPECT_TRUE(same_bits(codes.get(), ref)) << "n=" << n;
+      std::vector<std::uint8_t> ref_code = p.absmax_code;
+      std::vector<float> ref_nested = p.nested_absmax;
+      if (dev_offset != p.absmax_offset) {  // the CPU's nested statistics from the device's offset
+        const auto exact = absmax.get();
+        for (std::int64_t g = 0; g < kq::nf4_dq_groups(blocks); ++g) {
+          float m = 0.f;
+          for (std::int64_t b = g * 256; b < std::min<std::int64_t>(blocks, (g + 1) * 256); ++b) m = std::fmax(m, std::fabs(exact[b] - dev_offset));
+          ref_nested[std::size_t(g)] = m;
+          for (std::int64_t b = g * 256; b < std::min<std::int64_t>(blocks, (g + 1) * 256); ++b)
+            ref_code[std::size_t(b)] = kq::nf4_nested_code(p.nested_map.data(), (exact[b] - dev_offset) * (1.0f / m));
+        }
       }
+      EXPECT_TRUE(same_bits(absmax_code.get(), ref_code)) << "n=" << n;
+      EXPECT_TRUE(same_bits(nested.get(), ref_nested)) << "n=" << n;
     }
 }
 

@@ -55,12 +55,19 @@ TEST(BnbDynamicMap, MatchesThePublishedConstruction) {
   EXPECT_EQ(negative, 127);
 }
 
-TEST(BnbDynamicMap, BlockwiseRoundTripIsWithinHalfAGap) {
-  auto x = random_weights(700, 3);  // 3 blocks of 256, the last short
-  const auto c = q::bnb_quantize_blockwise(x);
-  ASSERT_EQ(c.absmax.size(), 3u);
-  const auto back = q::bnb_dequantize_blockwise(c.codes, c.absmax);
-  for (std::size_t i = 0; i < x.size(); ++i) EXPECT_LE(std::fabs(back[i] - x[i]), 0.0071f * c.absmax[i / 256] + 1e-12f) << i;
+// The nested statistics of a 3-group absmax vector (the last short): each absmax' within half the map's largest gap
+// (0.9 / 64) times its group's nested absmax of the exact value.
+TEST(BnbDynamicMap, NestedRoundTripIsWithinHalfAGap) {
+  auto x = random_weights(700, 3);
+  for (auto& v : x) v = std::fabs(v);
+  std::vector<std::uint8_t> code(700);
+  std::vector<float> nested(3);
+  float offset = 0.f;
+  squeeze::kernels::quant::nf4_double_quantize_cpu(x.data(), 700, q::bnb_dynamic_map().data(), code.data(), nested.data(), &offset);
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const float back = squeeze::kernels::quant::nf4_nested_absmax(q::bnb_dynamic_map().data(), code[i], nested[i / 256], offset);
+    EXPECT_LE(std::fabs(back - x[i]), 0.5f * 0.9f / 64 * nested[i / 256] + 1e-7f) << i;
+  }
 }
 
 TEST(BnbQuantState, JsonRoundTripAndPythonsSpelling) {
@@ -82,7 +89,7 @@ TEST(BnbQuantState, JsonRoundTripAndPythonsSpelling) {
   io_test::expect_error([] { io::decode_quant_state(R"({"quant_type": "nf4", "blocksize": 64, "dtype": "x"})", "w.qs"); }, {"'shape'"});
 }
 
-// squeeze's NF4 tensors (plain and squeeze's DoubleQuant) written as bitsandbytes keys dequantize to squeeze's values.
+// squeeze's NF4 tensors (plain and DoubleQuant) written as bitsandbytes keys: the same numbers, nested when DoubleQuant.
 TEST(BnbNf4, WrittenSqueezeTensorsDequantizeLikeSqueeze) {
   const std::int64_t out = 41, in = 75;  // odd n, a short last block
   const auto w = random_weights(out * in, 1);
@@ -91,6 +98,13 @@ TEST(BnbNf4, WrittenSqueezeTensorsDequantizeLikeSqueeze) {
     const auto p = q::nf4_quantize(w.data(), out * in, q::Nf4Options{64, dq});
     const auto ck = write_and_open(dir, io::bnb_nf4_tensors(kModule, io::from_nf4_packed(p, {out, in})));
     const auto b = io::read_bnb_nf4(ck, kModule);
+    EXPECT_EQ(b.info.nested, dq);
+    const auto back = io::to_nf4_packed(b);
+    EXPECT_EQ(back.codes, p.codes);
+    EXPECT_EQ(back.absmax, p.absmax);
+    EXPECT_EQ(back.absmax_code, p.absmax_code);
+    EXPECT_EQ(back.nested_absmax, p.nested_absmax);
+    EXPECT_EQ(back.absmax_offset, p.absmax_offset);
     std::vector<float> ref(static_cast<std::size_t>(out * in));
     q::nf4_dequantize(p, ref.data());
     EXPECT_EQ(io::bnb_nf4_dequantize(b), ref);
@@ -135,8 +149,9 @@ TEST(BnbNf4, NestedStateKeysAndSqueezeDequantization) {
   // the nested absmax' stays near the exact absmax (8-bit dynamic codes of absmax - mean)
   std::vector<float> exact(600);
   squeeze::kernels::quant::nf4_absmax_cpu(w.data(), out * in, 64, exact.data());
-  const auto approx = r.block_absmax();
-  for (int i = 0; i < 600; ++i) EXPECT_NEAR(approx[i], exact[i], 0.01f * r.nested_absmax[i / 256] + 1e-6f) << i;
+  const auto packed = io::to_nf4_packed(r);
+  for (int i = 0; i < 600; ++i)
+    EXPECT_NEAR(squeeze::kernels::quant::nf4_block_absmax(packed.view(), i), exact[i], 0.5f * 0.9f / 64 * r.nested_absmax[i / 256] + 1e-6f) << i;
 }
 
 TEST(BnbNf4, BadStateDictsNameTheKey) {

@@ -45,12 +45,14 @@ TEST(V1Zeros, RoundTripEveryWidthOddShapes) {
       }
 }
 
-TEST(V1Zeros, WordAndFieldAgreeWithoutZeroPointZero) {
+TEST(V1Zeros, WordAndFieldAgreeWithoutZeroPointZeroAndAlwaysAtThreeBits) {
   for (int bits : {2, 3, 4, 8}) {
     auto z = random_zeros(2 * 64, bits, 7u + bits);
     for (auto& v : z) v = v == 0 ? 1 : v;
     EXPECT_EQ(q::encode_v1_qzeros(z, 2, 64, bits, q::ZeroArithmetic::word), q::encode_v1_qzeros(z, 2, 64, bits, q::ZeroArithmetic::field));
   }
+  const auto z3 = random_zeros(2 * 45, 3, 11u);  // zero points of 0 included
+  EXPECT_EQ(q::encode_v1_qzeros(z3, 2, 45, 3, q::ZeroArithmetic::word), q::encode_v1_qzeros(z3, 2, 45, 3, q::ZeroArithmetic::field));
 }
 
 // Regression: reading GPTQModel's word-wise v1 per field (+1 each) gets the field above a zero point of 0 wrong.
@@ -74,13 +76,18 @@ TEST(V1Zeros, BadShapesAndValuesNameTheProblem) {
   io_test::expect_error([] { q::encode_v1_qzeros(std::vector<std::uint8_t>(8), 1, 8, 5); }, {"5"});
 }
 
-// 3 bits: a borrow at a straddling field reaches its high bit in the next word, so the symmetric zero 4 is
-// stored as AutoGPTQ stores it (3 in every field), not as 7.
-TEST(V1Zeros, ThreeBitBorrowCrossesIntoTheStraddlingField) {
-  const std::vector<std::uint8_t> z(32, 4);
-  const auto word = q::encode_v1_qzeros(z, 1, 32, 3);
-  EXPECT_EQ(word, q::encode_v1_qzeros(z, 1, 32, 3, q::ZeroArithmetic::field));
-  for (std::int64_t j = 0; j < 32; ++j) EXPECT_EQ(q::stream_get(word.data(), 1, j, 3), 3u) << "field " << j;
+// 3 bits: GPTQModel shifts each field on its own (fields 10 and 21 straddle two words), so a zero point of 0 is
+// stored as 7 in its own field and its neighbours keep theirs; the symmetric zero 4 is 3 in every field.
+TEST(V1Zeros, ThreeBitsShiftEachFieldAsGptqModelDoes) {
+  std::vector<std::uint8_t> z(32, 4);
+  const auto sym = q::encode_v1_qzeros(z, 1, 32, 3);
+  for (std::int64_t j = 0; j < 32; ++j) EXPECT_EQ(q::stream_get(sym.data(), 1, j, 3), 3u) << "field " << j;
+  z[0] = z[10] = z[21] = 0;  // the first field and both straddling ones
+  const auto words = q::encode_v1_qzeros(z, 1, 32, 3);
+  EXPECT_EQ(words, q::encode_v1_qzeros(z, 1, 32, 3, q::ZeroArithmetic::field));
+  for (std::int64_t j = 0; j < 32; ++j)
+    EXPECT_EQ(q::stream_get(words.data(), 1, j, 3), z[std::size_t(j)] == 0 ? 7u : 3u) << "field " << j;
+  EXPECT_EQ(q::decode_v1_qzeros(words, 1, 32, 3), z);
 }
 
 // squeeze's own quantized file (quant/gptq_file.hpp) stores and reads zero points the same word-wise way.

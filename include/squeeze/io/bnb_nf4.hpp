@@ -11,9 +11,8 @@
 // Nested, as bitsandbytes does it: offset = mean(absmax); (absmax - offset) quantized blockwise (256) to
 // dynamic-map codes; absmax' = nested_quant_map[code] * nested_absmax[b / 256] + offset (a product, then a sum).
 // The weight codes are chosen against the exact absmax (bitsandbytes quantizes the weights first).
-// squeeze's NF4 tensors (quant/nf4.hpp) meet this through the decoded absmax': to_nf4_packed gives a plain
-// Nf4Packed whose absmax are bitsandbytes' absmax' (so the values are bitsandbytes' own), and from_nf4_packed
-// writes squeeze's absmax' (plain or squeeze's DoubleQuant) unnested, the one bitsandbytes form that keeps them.
+// squeeze's NF4 tensors (quant/nf4.hpp; DoubleQuant is this nested form) are the same numbers: to_nf4_packed and
+// from_nf4_packed move them between the two spellings unchanged, the file's own nested map included.
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -59,13 +58,6 @@ struct BnbNf4Weight {
     return n;
   }
   std::int64_t blocks() const { return (numel() + info.blocksize - 1) / info.blocksize; }
-  // absmax' of every block as bitsandbytes' dequantize_4bit computes it.
-  std::vector<float> block_absmax() const {
-    if (!info.nested) return absmax;
-    auto a = quant::bnb_dequantize_blockwise(absmax_codes, nested_absmax, info.nested_blocksize, nested_quant_map);
-    for (auto& v : a) v = v + info.nested_offset;
-    return a;
-  }
 };
 
 // ---- the JSON blob ----------------------------------------------------------------------------------------
@@ -117,64 +109,56 @@ inline BnbQuantStateInfo decode_quant_state(std::string_view text, const std::st
   return s;
 }
 
-// ---- quantize / dequantize as bitsandbytes does -----------------------------------------------------------
-// W (shape, flattened row-major) -> bitsandbytes' NF4 state; nested = DoubleQuant.
-inline BnbNf4Weight bnb_nf4_quantize(std::span<const float> w, std::vector<std::int64_t> shape, bool nested, int blocksize = 64,
-                                     std::string dtype = "bfloat16") {
-  namespace kq = kernels::quant;
-  BnbNf4Weight r;
-  r.info = {.blocksize = blocksize, .dtype = std::move(dtype), .shape = std::move(shape), .nested = nested};
-  check(r.numel() == std::int64_t(w.size()), "bnb_nf4_quantize: shape holds " + std::to_string(r.numel()) + " values, got " +
-                                                 std::to_string(w.size()));
-  kq::nf4_validate(r.numel(), blocksize, "bnb_nf4_quantize");
-  std::vector<float> absmax(std::size_t(r.blocks()));
-  kq::nf4_absmax_cpu(w.data(), r.numel(), blocksize, absmax.data());
-  r.codes.resize(std::size_t(kq::nf4_code_bytes(r.numel())));
-  kq::Nf4View v{.absmax = absmax.data(), .n = r.numel(), .block = blocksize};
-  kq::nf4_encode_cpu(v, w.data(), r.codes.data());
-  if (!nested) {
-    r.absmax = std::move(absmax);
-    return r;
-  }
-  double sum = 0;  // torch's float32 mean up to summation order; the offset is saved, so readers agree
-  for (float a : absmax) sum += a;
-  const float offset = float(sum / double(absmax.size()));
-  r.info.nested_offset = offset;
-  for (auto& a : absmax) a -= offset;
-  auto q = quant::bnb_quantize_blockwise(absmax, r.info.nested_blocksize);
-  r.absmax_codes = std::move(q.codes);
-  r.nested_absmax = std::move(q.absmax);
-  return r;
-}
-
-// The values of W (flattened), as bitsandbytes' dequantize_4bit gives them.
-inline std::vector<float> bnb_nf4_dequantize(const BnbNf4Weight& b) {
-  const auto absmax = b.block_absmax();
-  std::vector<float> out(std::size_t(b.numel()));
-  for (std::int64_t i = 0; i < b.numel(); ++i)
-    out[i] = kernels::quant::nf4_code_value(kernels::quant::nf4_code_at(b.codes.data(), i)) * absmax[i / b.info.blocksize];
-  return out;
-}
-
 // ---- squeeze's NF4 tensors --------------------------------------------------------------------------------
 inline quant::Nf4Packed to_nf4_packed(const BnbNf4Weight& b) {
   quant::Nf4Packed p;
   p.n = b.numel();
   p.block = b.info.blocksize;
   p.codes = b.codes;
-  p.absmax = b.block_absmax();
+  p.double_quant = b.info.nested;
+  if (!b.info.nested) {
+    p.absmax = b.absmax;
+    return p;
+  }
+  check(b.info.nested_blocksize == kernels::quant::kNf4DqBlock, "bitsandbytes NF4: nested_blocksize " + std::to_string(b.info.nested_blocksize) +
+                                                                    " is not supported (" + std::to_string(kernels::quant::kNf4DqBlock) + ")");
+  p.absmax_code = b.absmax_codes;
+  p.nested_absmax = b.nested_absmax;
+  p.nested_map = b.nested_quant_map;
+  p.absmax_offset = b.info.nested_offset;
   return p;
 }
 
 inline BnbNf4Weight from_nf4_packed(const quant::Nf4Packed& p, std::vector<std::int64_t> shape, std::string dtype = "bfloat16") {
   BnbNf4Weight b;
-  b.info = {.blocksize = p.block, .dtype = std::move(dtype), .shape = std::move(shape)};
+  b.info = {.blocksize = p.block, .dtype = std::move(dtype), .shape = std::move(shape), .nested = p.double_quant};
   check(b.numel() == p.n, "from_nf4_packed: shape holds " + std::to_string(b.numel()) + " values, the NF4 tensor " + std::to_string(p.n));
   b.codes = p.codes;
-  b.absmax.resize(std::size_t(p.blocks()));
-  const auto v = p.view();
-  for (std::int64_t i = 0; i < p.blocks(); ++i) b.absmax[i] = kernels::quant::nf4_block_absmax(v, i);
+  if (!p.double_quant) {
+    b.absmax = p.absmax;
+    return b;
+  }
+  b.info.nested_offset = p.absmax_offset;
+  b.absmax_codes = p.absmax_code;
+  b.nested_absmax = p.nested_absmax;
+  b.nested_quant_map = p.nested_map;
   return b;
+}
+
+// W (shape, flattened row-major) -> bitsandbytes' NF4 state (quant::nf4_quantize); nested = DoubleQuant.
+inline BnbNf4Weight bnb_nf4_quantize(std::span<const float> w, std::vector<std::int64_t> shape, bool nested, int blocksize = 64,
+                                     std::string dtype = "bfloat16") {
+  std::int64_t n = 1;
+  for (auto d : shape) n *= d;
+  check(n == std::int64_t(w.size()), "bnb_nf4_quantize: shape holds " + std::to_string(n) + " values, got " + std::to_string(w.size()));
+  return from_nf4_packed(quant::nf4_quantize(w.data(), n, {.block = blocksize, .double_quant = nested}), std::move(shape), std::move(dtype));
+}
+
+// The values of W (flattened), as bitsandbytes' dequantize_4bit gives them.
+inline std::vector<float> bnb_nf4_dequantize(const BnbNf4Weight& b) {
+  std::vector<float> out(std::size_t(b.numel()));
+  quant::nf4_dequantize(to_nf4_packed(b), out.data());
+  return out;
 }
 
 // ---- config.json's quantization_config (transformers' BitsAndBytesConfig.to_dict for load_in_4bit) ------

@@ -61,12 +61,15 @@
 namespace squeeze::nn {
 
 // ---- NF4 weight as torch buffers -------------------------------------------------------------------------------
+// Layout: kernels/quant/nf4.hpp (DoubleQuant is bitsandbytes' nested form); the DoubleQuant tensors are empty
+// for a plain weight, absmax is empty under DoubleQuant.
 struct Nf4Weight {
-  torch::Tensor codes;         // uint8 [ceil(out*in/2)]
-  torch::Tensor absmax;        // float [blocks]               (plain; empty under DoubleQuant)
-  torch::Tensor absmax_q;      // int8  [blocks]               (DoubleQuant; empty otherwise)
-  torch::Tensor absmax_scale;  // float [ceil(blocks/256)]     (DoubleQuant; empty otherwise)
-  float absmax_offset = 0.f;   //                              (DoubleQuant)
+  torch::Tensor codes;          // uint8 [ceil(out*in/2)]
+  torch::Tensor absmax;         // float [blocks]               (plain)
+  torch::Tensor absmax_code;    // uint8 [blocks]               (DoubleQuant)
+  torch::Tensor nested_absmax;  // float [ceil(blocks/256)]     (DoubleQuant)
+  torch::Tensor nested_map;     // float [256]                  (DoubleQuant)
+  torch::Tensor absmax_offset;  // float [1]                    (DoubleQuant)
   int64_t out = 0, in = 0;
   int block = 64;
   bool double_quant = false;
@@ -103,7 +106,6 @@ struct Nf4Weight {
     r.in = in;
     r.block = p.block;
     r.double_quant = p.double_quant;
-    r.absmax_offset = p.absmax_offset;
     auto from = [&](const auto& v, torch::ScalarType t) {
       if (v.empty()) return torch::empty({0}, torch::TensorOptions().dtype(t).device(device));
       return torch::from_blob(const_cast<void*>(static_cast<const void*>(v.data())), {int64_t(v.size())}, torch::TensorOptions().dtype(t))
@@ -112,8 +114,10 @@ struct Nf4Weight {
     };
     r.codes = from(p.codes, torch::kUInt8);
     r.absmax = from(p.absmax, torch::kFloat32);
-    r.absmax_q = from(p.absmax_q, torch::kInt8);
-    r.absmax_scale = from(p.absmax_scale, torch::kFloat32);
+    r.absmax_code = from(p.absmax_code, torch::kUInt8);
+    r.nested_absmax = from(p.nested_absmax, torch::kFloat32);
+    r.nested_map = from(p.nested_map, torch::kFloat32);
+    r.absmax_offset = from(p.double_quant ? std::vector<float>{p.absmax_offset} : std::vector<float>{}, torch::kFloat32);
     return r;
   }
 
@@ -136,44 +140,58 @@ struct Nf4Weight {
     const int64_t blocks = kq::nf4_blocks(n, o.block);
     const auto on = [&](torch::ScalarType t) { return torch::TensorOptions().dtype(t).device(w.device()); };
     r.codes = torch::empty({kq::nf4_code_bytes(n)}, on(torch::kUInt8));
-    torch::Tensor absmax = torch::empty({blocks}, on(torch::kFloat32)), offset = torch::empty({1}, on(torch::kFloat32));
-    r.absmax_q = torch::empty({o.double_quant ? blocks : 0}, on(torch::kInt8));
-    r.absmax_scale = torch::empty({o.double_quant ? kq::nf4_dq_groups(blocks) : 0}, on(torch::kFloat32));
-    const kq::Nf4DeviceBuffers bufs{static_cast<std::uint8_t*>(r.codes.data_ptr()), static_cast<float*>(absmax.data_ptr()),
-                                    o.double_quant ? static_cast<std::int8_t*>(r.absmax_q.data_ptr()) : nullptr,
-                                    o.double_quant ? static_cast<float*>(r.absmax_scale.data_ptr()) : nullptr,
-                                    static_cast<float*>(offset.data_ptr())};
+    const bool dq = o.double_quant;
+    const torch::Tensor absmax = torch::empty({blocks}, on(torch::kFloat32));
+    r.absmax_code = torch::empty({dq ? blocks : 0}, on(torch::kUInt8));
+    r.nested_absmax = torch::empty({dq ? kq::nf4_dq_groups(blocks) : 0}, on(torch::kFloat32));
+    r.nested_map = dq ? torch::from_blob(const_cast<float*>(quant::bnb_dynamic_map().data()), {256}, torch::kFloat32).to(w.device())
+                      : torch::empty({0}, on(torch::kFloat32));
+    r.absmax_offset = torch::empty({dq ? 1 : 0}, on(torch::kFloat32));
+    const kq::Nf4DeviceBuffers bufs{.codes = static_cast<std::uint8_t*>(r.codes.data_ptr()),
+                                    .absmax = static_cast<float*>(absmax.data_ptr()),
+                                    .absmax_code = dq ? static_cast<std::uint8_t*>(r.absmax_code.data_ptr()) : nullptr,
+                                    .nested_absmax = dq ? static_cast<float*>(r.nested_absmax.data_ptr()) : nullptr,
+                                    .nested_map = dq ? static_cast<const float*>(r.nested_map.data_ptr()) : nullptr,
+                                    .absmax_offset = dq ? static_cast<float*>(r.absmax_offset.data_ptr()) : nullptr};
     const c10::DeviceGuard guard(w.device());
     const cudaStream_t stream =
         static_cast<cudaStream_t>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(w.device()).native_handle());
     const auto st = w.scalar_type();
     cudaError_t e = cudaSuccess;
-    if (st == torch::kFloat32) e = kq::nf4_quantize_cuda(static_cast<const float*>(wc.data_ptr()), n, o.block, o.double_quant, bufs, &r.absmax_offset, stream);
-    else if (st == torch::kBFloat16) e = kq::nf4_quantize_cuda(static_cast<const bf16*>(wc.data_ptr()), n, o.block, o.double_quant, bufs, &r.absmax_offset, stream);
-    else e = kq::nf4_quantize_cuda(static_cast<const half*>(wc.data_ptr()), n, o.block, o.double_quant, bufs, &r.absmax_offset, stream);
+    if (st == torch::kFloat32) e = kq::nf4_quantize_cuda(static_cast<const float*>(wc.data_ptr()), n, o.block, dq, bufs, stream);
+    else if (st == torch::kBFloat16) e = kq::nf4_quantize_cuda(static_cast<const bf16*>(wc.data_ptr()), n, o.block, dq, bufs, stream);
+    else e = kq::nf4_quantize_cuda(static_cast<const half*>(wc.data_ptr()), n, o.block, dq, bufs, stream);
     TORCH_CHECK(e == cudaSuccess, "Nf4Weight: NF4 quantise kernels failed: ", cudaGetErrorString(e));
-    r.absmax = o.double_quant ? torch::empty({0}, on(torch::kFloat32)) : absmax;
+    r.absmax = dq ? torch::empty({0}, on(torch::kFloat32)) : absmax;
     return r;
   }
 #endif
 
   int64_t bytes() const {
-    return codes.numel() + absmax.numel() * 4 + absmax_q.numel() + absmax_scale.numel() * 4 + (double_quant ? 4 : 0);
+    return codes.numel() + absmax.numel() * 4 + absmax_code.numel() + (nested_absmax.numel() + nested_map.numel() + absmax_offset.numel()) * 4;
   }
   torch::Device device() const { return codes.device(); }
 
   // W [out, in] in `dtype` on the buffers' device.
   torch::Tensor dequantize(torch::ScalarType dtype) const {
-    TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && absmax.scalar_type() == torch::kFloat32 && absmax_q.scalar_type() == torch::kInt8 &&
-                    absmax_scale.scalar_type() == torch::kFloat32,
+    TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && absmax.scalar_type() == torch::kFloat32 && absmax_code.scalar_type() == torch::kUInt8 &&
+                    nested_absmax.scalar_type() == torch::kFloat32 && nested_map.scalar_type() == torch::kFloat32 &&
+                    absmax_offset.scalar_type() == torch::kFloat32,
                 "Nf4Weight: packed buffers changed type (codes ", codes.scalar_type(), "); move NF4 layers between devices only");
+    TORCH_CHECK(!double_quant || (nested_map.numel() == 256 && absmax_offset.numel() == 1), "Nf4Weight: DoubleQuant needs a 256-entry nested map and one offset, got ",
+                nested_map.numel(), " and ", absmax_offset.numel());
     TORCH_CHECK(codes.numel() == (out * in + 1) / 2, "Nf4Weight: codes hold ", codes.numel(), " bytes, [", out, ", ", in, "] needs ", (out * in + 1) / 2);
     torch::Tensor w = torch::empty({out, in}, torch::TensorOptions().dtype(dtype).device(device()));
-    kernels::quant::Nf4View v{static_cast<const std::uint8_t*>(codes.data_ptr()),
-                              double_quant ? nullptr : static_cast<const float*>(absmax.data_ptr()),
-                              double_quant ? static_cast<const std::int8_t*>(absmax_q.data_ptr()) : nullptr,
-                              double_quant ? static_cast<const float*>(absmax_scale.data_ptr()) : nullptr,
-                              absmax_offset, out * in, block, double_quant};
+    kernels::quant::Nf4View v{.codes = static_cast<const std::uint8_t*>(codes.data_ptr()), .n = out * in, .block = block};
+    if (double_quant) {
+      v.absmax_code = static_cast<const std::uint8_t*>(absmax_code.data_ptr());
+      v.nested_absmax = static_cast<const float*>(nested_absmax.data_ptr());
+      v.nested_map = static_cast<const float*>(nested_map.data_ptr());
+      v.absmax_offset = static_cast<const float*>(absmax_offset.data_ptr());
+      v.double_quant = true;
+    } else {
+      v.absmax = static_cast<const float*>(absmax.data_ptr());
+    }
     if (device().is_cpu()) {
       switch (dtype) {
         case torch::kFloat32: kernels::quant::nf4_dequantize_cpu(v, static_cast<float*>(w.data_ptr())); break;
@@ -251,8 +269,10 @@ class LoRALinearImpl : public torch::nn::Module {
     in_ = nf4_.in;
     nf4_.codes = register_buffer("nf4_codes", nf4_.codes);
     nf4_.absmax = register_buffer("nf4_absmax", nf4_.absmax);
-    nf4_.absmax_q = register_buffer("nf4_absmax_q", nf4_.absmax_q);
-    nf4_.absmax_scale = register_buffer("nf4_absmax_scale", nf4_.absmax_scale);
+    nf4_.absmax_code = register_buffer("nf4_absmax_code", nf4_.absmax_code);
+    nf4_.nested_absmax = register_buffer("nf4_nested_absmax", nf4_.nested_absmax);
+    nf4_.nested_map = register_buffer("nf4_nested_map", nf4_.nested_map);
+    nf4_.absmax_offset = register_buffer("nf4_absmax_offset", nf4_.absmax_offset);
     init(bias, nf4_.device());
   }
   // GPTQ-format frozen base (registered as child "base"; its bias, if any, is the base's). Build it from a
@@ -397,8 +417,10 @@ class Nf4LinearImpl : public torch::nn::Module {
   Nf4LinearImpl(Nf4Weight w, const torch::Tensor& bias) : nf4_(std::move(w)) {
     nf4_.codes = register_buffer("nf4_codes", nf4_.codes);
     nf4_.absmax = register_buffer("nf4_absmax", nf4_.absmax);
-    nf4_.absmax_q = register_buffer("nf4_absmax_q", nf4_.absmax_q);
-    nf4_.absmax_scale = register_buffer("nf4_absmax_scale", nf4_.absmax_scale);
+    nf4_.absmax_code = register_buffer("nf4_absmax_code", nf4_.absmax_code);
+    nf4_.nested_absmax = register_buffer("nf4_nested_absmax", nf4_.nested_absmax);
+    nf4_.nested_map = register_buffer("nf4_nested_map", nf4_.nested_map);
+    nf4_.absmax_offset = register_buffer("nf4_absmax_offset", nf4_.absmax_offset);
     TORCH_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == nf4_.out), "Nf4Linear: bias must be [", nf4_.out, "]");
     if (bias.defined()) bias_ = register_buffer("bias", bias.detach().clone());
   }

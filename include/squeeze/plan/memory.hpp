@@ -87,7 +87,8 @@ constexpr i64 quantized_matrix_bytes(i64 in, i64 out) {
   const i64 n = in * out;
   if constexpr (std::is_same_v<typename Q::method, NF4>) {
     const i64 blocks = ceil_div(n, Q::group);
-    if constexpr (Q::double_quant) return n / 2 + blocks + ceil_div(blocks, 256) * 4 + 4;
+    // DoubleQuant (bitsandbytes' nested form): a code per block, an fp32 absmax per 256 blocks, the offset, the 256-entry map
+    if constexpr (Q::double_quant) return n / 2 + blocks + ceil_div(blocks, 256) * 4 + 4 + 256 * 4;
     else return n / 2 + blocks * 4;
   } else {
     const i64 group = Q::group == 0 ? in : Q::group;

@@ -14,13 +14,14 @@
 #include "../dtype.hpp"
 #include "../error.hpp"
 #include "../policy/quantization.hpp"
+#include "bnb_dynamic_map.hpp"
 #include "squeeze/kernels/quant/nf4.hpp"
 
 namespace squeeze::quant {
 
 struct Nf4Options {
   int block = 64;             // values per absmax (Group<G>)
-  bool double_quant = false;  // 8-bit absmax, one fp32 scale per 256 blocks + one fp32 offset
+  bool double_quant = false;  // bitsandbytes' nested absmax: 8-bit dynamic-map codes, one fp32 absmax per 256 blocks, one offset
 };
 
 // Options of a Quantized<4, NF4, ...> policy.
@@ -35,21 +36,25 @@ struct Nf4Packed {
   std::int64_t n = 0;
   int block = 64;
   bool double_quant = false;
-  std::vector<std::uint8_t> codes;       // [ceil(n/2)], value 2j in the high nibble
-  std::vector<float> absmax;             // [blocks] (plain)
-  std::vector<std::int8_t> absmax_q;     // [blocks] (DoubleQuant)
-  std::vector<float> absmax_scale;       // [ceil(blocks/256)] (DoubleQuant)
-  float absmax_offset = 0.f;             // (DoubleQuant)
+  std::vector<std::uint8_t> codes;          // [ceil(n/2)], value 2j in the high nibble
+  std::vector<float> absmax;                // [blocks] (plain)
+  std::vector<std::uint8_t> absmax_code;    // [blocks] (DoubleQuant)
+  std::vector<float> nested_absmax;         // [ceil(blocks/256)] (DoubleQuant)
+  std::vector<float> nested_map;            // [256] (DoubleQuant: bnb_dynamic_map(), or a file's own map)
+  float absmax_offset = 0.f;                // (DoubleQuant)
 
   std::int64_t blocks() const { return kernels::quant::nf4_blocks(n, block); }
-  // Bytes of storage: codes + scales (+ DoubleQuant's scales and offset).
+  // Bytes of storage: codes + scales (+ DoubleQuant's nested absmax, offset and map, which each weight holds as in
+  // bitsandbytes).
   std::int64_t bytes() const {
-    if (double_quant) return std::int64_t(codes.size()) + std::int64_t(absmax_q.size()) + 4 * std::int64_t(absmax_scale.size()) + 4;
+    if (double_quant)
+      return std::int64_t(codes.size()) + std::int64_t(absmax_code.size()) + 4 * std::int64_t(nested_absmax.size()) + 4 + 4 * std::int64_t(nested_map.size());
     return std::int64_t(codes.size()) + 4 * std::int64_t(absmax.size());
   }
   kernels::quant::Nf4View view() const {
-    return {codes.data(), double_quant ? nullptr : absmax.data(), double_quant ? absmax_q.data() : nullptr,
-            double_quant ? absmax_scale.data() : nullptr, absmax_offset, n, block, double_quant};
+    if (!double_quant) return {.codes = codes.data(), .absmax = absmax.data(), .n = n, .block = block};
+    return {.codes = codes.data(), .absmax_code = absmax_code.data(), .nested_absmax = nested_absmax.data(), .nested_map = nested_map.data(),
+            .absmax_offset = &absmax_offset, .n = n, .block = block, .double_quant = true};
   }
 };
 
@@ -69,14 +74,15 @@ Nf4Packed nf4_quantize(const T* w, std::int64_t n, const Nf4Options& o = {}) {
   const std::int64_t blocks = p.blocks();
   p.absmax.resize(std::size_t(blocks));
   kq::nf4_absmax_cpu(w, n, o.block, p.absmax.data());
-  if (o.double_quant) {
-    p.absmax_q.resize(std::size_t(blocks));
-    p.absmax_scale.resize(std::size_t(kq::nf4_dq_groups(blocks)));
-    kq::nf4_double_quantize_cpu(p.absmax.data(), blocks, p.absmax_q.data(), p.absmax_scale.data(), &p.absmax_offset);
-    p.absmax = {};  // the decoder (and the encoder below) use absmax' only
-  }
   p.codes.resize(std::size_t(kq::nf4_code_bytes(n)));
-  kq::nf4_encode_cpu(p.view(), w, p.codes.data());
+  kq::nf4_encode_cpu(w, n, o.block, p.absmax.data(), p.codes.data());  // against the exact absmax, as bitsandbytes
+  if (o.double_quant) {
+    p.absmax_code.resize(std::size_t(blocks));
+    p.nested_absmax.resize(std::size_t(kq::nf4_dq_groups(blocks)));
+    p.nested_map.assign(bnb_dynamic_map().begin(), bnb_dynamic_map().end());
+    kq::nf4_double_quantize_cpu(p.absmax.data(), blocks, p.nested_map.data(), p.absmax_code.data(), p.nested_absmax.data(), &p.absmax_offset);
+    p.absmax = {};  // the decoder uses absmax' only
+  }
   return p;
 }
 

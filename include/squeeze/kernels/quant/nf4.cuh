@@ -3,7 +3,7 @@
 // dequantise and quantise agree with the CPU twin bit for bit (the DoubleQuant mean is summed in float64
 // in a different order; it can differ from the twin's in its last bit only).
 //   nf4_dequantize_cuda(view, out, stream)            out [n] in float / half / bf16
-//   nf4_quantize_cuda(w, n, block, dq, bufs, stream)  absmax per block -> (DoubleQuant) -> codes
+//   nf4_quantize_cuda(w, n, block, dq, bufs, stream)  absmax per block -> codes -> (DoubleQuant of the absmax)
 // All pointers are device pointers; returns cudaError_t (launch errors), squeeze::Error on bad arguments.
 #include <cuda_runtime.h>
 
@@ -72,34 +72,40 @@ __global__ void __launch_bounds__(Threads) nf4_mean_kernel(const float* __restri
   if (threadIdx.x == 0) *offset = float(total / double(blocks));
 }
 
-// One CUDA block of 256 threads per DoubleQuant group: scale = max|absmax - mean| / 127, then the int8 codes.
+// One CUDA block of 256 threads per DoubleQuant group: nested_absmax = max|absmax - mean|, then each absmax value's
+// code in the map (held in shared memory for the search).
 template <int Threads>  // a template so the header can be included by many .cu files
 __global__ void __launch_bounds__(Threads) nf4_dq_kernel(const float* __restrict__ absmax, std::int64_t blocks, const float* offset_ptr,
-                                                            std::int8_t* __restrict__ absmax_q, float* __restrict__ scale) {
-  const float mean = *offset_ptr;
+                                                            const float* __restrict__ map, std::uint8_t* __restrict__ absmax_code,
+                                                            float* __restrict__ nested_absmax) {
   static_assert(Threads == kNf4DqBlock, "one thread per absmax value of a DoubleQuant group");
+  __shared__ float s_map[256];
+  for (int i = threadIdx.x; i < 256; i += Threads) s_map[i] = map[i];
+  const float mean = *offset_ptr;
   const std::int64_t b = std::int64_t(blockIdx.x) * Threads + threadIdx.x;
-  const float dev = b < blocks ? fabsf(absmax[b] - mean) : 0.f;
+  const float centred = b < blocks ? absmax[b] - mean : 0.f;
   using Reduce = cub::BlockReduce<float, Threads>;
   __shared__ typename Reduce::TempStorage tmp;
-  __shared__ float s_scale;
-  const float m = Reduce(tmp).Reduce(dev, [](float a, float c) { return fmaxf(a, c); });
+  __shared__ float s_nested;
+  const float m = Reduce(tmp).Reduce(fabsf(centred), [](float a, float c) { return fmaxf(a, c); });
   if (threadIdx.x == 0) {
-    s_scale = m / 127.f;
-    scale[blockIdx.x] = s_scale;
+    s_nested = m;
+    nested_absmax[blockIdx.x] = m;
   }
   __syncthreads();
-  if (b < blocks) absmax_q[b] = nf4_dq_encode(absmax[b], s_scale, mean);
+  if (b < blocks) absmax_code[b] = nf4_nested_code(s_map, centred * (1.0f / s_nested));
 }
 
-// One thread per code byte (the twin's loop body).
+// One thread per code byte (the twin's loop body), against the exact block absmax.
 template <class T>
-__global__ void __launch_bounds__(kNf4Threads) nf4_encode_kernel(const Nf4View v, const T* __restrict__ w, std::uint8_t* __restrict__ codes) {
-  const std::int64_t bytes = (v.n + 1) / 2;
+__global__ void __launch_bounds__(kNf4Threads) nf4_encode_kernel(const T* __restrict__ w, std::int64_t n, int block, const float* __restrict__ absmax,
+                                                                 std::uint8_t* __restrict__ codes) {
+  const std::int64_t bytes = (n + 1) / 2;
   for (std::int64_t j = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; j < bytes; j += std::int64_t(gridDim.x) * blockDim.x) {
     const std::int64_t i = 2 * j;
-    const std::uint8_t hi = nf4_quantize_element(to_float(w[i]), nf4_block_absmax(v, i / v.block));
-    const std::uint8_t lo = i + 1 < v.n ? nf4_quantize_element(to_float(w[i + 1]), nf4_block_absmax(v, (i + 1) / v.block)) : kNf4ZeroCode;
+    const float a0 = absmax[i / block], a1 = i + 1 < n ? absmax[(i + 1) / block] : 0.f;
+    const std::uint8_t hi = nf4_quantize_element(to_float(w[i]), a0, 1.0f / a0);
+    const std::uint8_t lo = i + 1 < n ? nf4_quantize_element(to_float(w[i + 1]), a1, 1.0f / a1) : kNf4ZeroCode;
     codes[j] = std::uint8_t(hi << 4 | lo);
   }
 }
@@ -114,41 +120,33 @@ cudaError_t nf4_dequantize_cuda(const Nf4View& v, T* out /*[n], device*/, cudaSt
   return cudaGetLastError();
 }
 
-// Device output buffers of nf4_quantize_cuda (sizes as in nf4.hpp's layout). absmax is needed in both
-// modes (under DoubleQuant it is scratch: the decoder uses absmax_q/scale/offset).
+// Device buffers of nf4_quantize_cuda (sizes as in nf4.hpp's layout). absmax is written in both modes (under
+// DoubleQuant it is scratch: the decoder uses absmax_code / nested_absmax / offset); nested_map is read.
 struct Nf4DeviceBuffers {
-  std::uint8_t* codes = nullptr;      // [ceil(n/2)]
-  float* absmax = nullptr;            // [blocks]
-  std::int8_t* absmax_q = nullptr;    // [blocks]            (DoubleQuant)
-  float* absmax_scale = nullptr;      // [ceil(blocks/256)]  (DoubleQuant)
-  float* absmax_offset = nullptr;     // [1]                 (DoubleQuant; device, read back by the caller)
+  std::uint8_t* codes = nullptr;          // [ceil(n/2)]
+  float* absmax = nullptr;                // [blocks]
+  std::uint8_t* absmax_code = nullptr;    // [blocks]            (DoubleQuant)
+  float* nested_absmax = nullptr;         // [ceil(blocks/256)]  (DoubleQuant)
+  const float* nested_map = nullptr;      // [256], an input     (DoubleQuant)
+  float* absmax_offset = nullptr;         // [1]                 (DoubleQuant)
 };
 
-// Quantises w [n] (device) into bufs. Under DoubleQuant the view needs the offset by value, so this
-// function synchronises the stream once to read it (returned through *offset_out when not null).
+// Quantises w [n] (device) into bufs, all on `stream` (no host synchronisation).
 template <FloatingElement T>
-cudaError_t nf4_quantize_cuda(const T* w, std::int64_t n, int block, bool double_quant, const Nf4DeviceBuffers& bufs,
-                              float* offset_out = nullptr, cudaStream_t stream = nullptr) {
+cudaError_t nf4_quantize_cuda(const T* w, std::int64_t n, int block, bool double_quant, const Nf4DeviceBuffers& bufs, cudaStream_t stream = nullptr) {
   nf4_validate(n, block, "nf4_quantize_cuda");
   check(w != nullptr && bufs.codes != nullptr && bufs.absmax != nullptr, "nf4_quantize_cuda: weight / codes / absmax pointer is null");
-  check(!double_quant || (bufs.absmax_q != nullptr && bufs.absmax_scale != nullptr && bufs.absmax_offset != nullptr),
-        "nf4_quantize_cuda: DoubleQuant needs absmax_q, absmax_scale and absmax_offset buffers");
+  check(!double_quant || (bufs.absmax_code != nullptr && bufs.nested_absmax != nullptr && bufs.nested_map != nullptr && bufs.absmax_offset != nullptr),
+        "nf4_quantize_cuda: DoubleQuant needs absmax_code, nested_absmax, nested_map and absmax_offset buffers");
   const std::int64_t blocks = nf4_blocks(n, block);
   detail::nf4_absmax_kernel<T><<<detail::nf4_grid(blocks, kNf4Threads), kNf4Threads, 0, stream>>>(w, n, block, bufs.absmax);
+  detail::nf4_encode_kernel<T><<<detail::nf4_grid(nf4_code_bytes(n), kNf4Threads), kNf4Threads, 0, stream>>>(w, n, block, bufs.absmax, bufs.codes);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  Nf4View v{nullptr, bufs.absmax, nullptr, nullptr, 0.f, n, block, false};
   if (double_quant) {
     detail::nf4_mean_kernel<1024><<<1, 1024, 0, stream>>>(bufs.absmax, blocks, bufs.absmax_offset);
-    detail::nf4_dq_kernel<kNf4DqBlock><<<unsigned(nf4_dq_groups(blocks)), kNf4DqBlock, 0, stream>>>(bufs.absmax, blocks, bufs.absmax_offset, bufs.absmax_q,
-                                                                                     bufs.absmax_scale);
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-    float offset = 0.f;
-    if (cudaError_t e = cudaMemcpyAsync(&offset, bufs.absmax_offset, sizeof(float), cudaMemcpyDeviceToHost, stream); e != cudaSuccess) return e;
-    if (cudaError_t e = cudaStreamSynchronize(stream); e != cudaSuccess) return e;
-    if (offset_out != nullptr) *offset_out = offset;
-    v = Nf4View{nullptr, nullptr, bufs.absmax_q, bufs.absmax_scale, offset, n, block, true};
+    detail::nf4_dq_kernel<kNf4DqBlock><<<unsigned(nf4_dq_groups(blocks)), kNf4DqBlock, 0, stream>>>(
+        bufs.absmax, blocks, bufs.absmax_offset, bufs.nested_map, bufs.absmax_code, bufs.nested_absmax);
   }
-  detail::nf4_encode_kernel<T><<<detail::nf4_grid(nf4_code_bytes(n), kNf4Threads), kNf4Threads, 0, stream>>>(v, w, bufs.codes);
   return cudaGetLastError();
 }
 

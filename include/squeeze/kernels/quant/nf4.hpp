@@ -2,20 +2,22 @@
 // NF4 (4-bit NormalFloat, QLoRA paper, Dettmers et al. 2023): element math + CPU launchers.
 // The CUDA launchers are in nf4.cuh and apply the same functions, so the CPU twin checks the GPU math.
 //
-// Layout of one packed tensor of n values (flattened row-major), block size B (Group<G>, default 64):
+// Layout of one packed tensor of n values (flattened row-major), block size B (Group<G>, default 64), exactly
+// bitsandbytes' Linear4bit weight (io/bnb_nf4.hpp names its state-dict keys):
 //   codes   uint8 [ceil(n/2)]   two 4-bit code indices per byte: value 2j in the HIGH nibble, value 2j+1
 //                               in the LOW nibble (the bitsandbytes order); a padding nibble (odd n) is
 //                               code 7 (exactly 0).
-//   plain:        absmax     float [blocks]                 blocks = ceil(n/B); the last block may be short
-//   DoubleQuant:  absmax_q   int8  [blocks]                 absmax' = absmax_q * scale[b / 256] + offset
-//                 scale      float [ceil(blocks/256)]       (fmaf, so host and device agree bit for bit)
-//                 offset     float (one)                    offset = mean of all block absmax values
-//     i.e. the absmax values minus their mean, symmetric 8-bit (round to nearest, [-127, 127]) with one fp32
-//     scale = max|absmax - mean| / 127 per 256 consecutive blocks.
+//   plain:        absmax        float [blocks]            blocks = ceil(n/B); the last block may be short
+//   DoubleQuant (bitsandbytes' nested statistics):
+//                 absmax_code   uint8 [blocks]            absmax'(b) = nested_map[absmax_code[b]] * nested_absmax[b / 256]
+//                 nested_absmax float [ceil(blocks/256)]               + offset   (product and sum each rounded,
+//                 nested_map    float [256]               bitsandbytes' dynamic map   as bitsandbytes computes them)
+//                 offset        float [1]                 the mean of all block absmax values
 //   value i = kNf4Codes[code_i] * absmax'(i / B)
-// Quantisation: block absmax (over the valid values of the block); under DoubleQuant the absmax values are
-// compressed first and the codes are chosen against the DEQUANTISED absmax' the decoder will use; each value
-// goes to the nearest code of w / absmax' (clamped to [-1, 1]). Nearest: the count of code midpoints below x.
+// Quantisation, as bitsandbytes' quantize_4bit: block absmax over the valid values; each value goes to the nearest
+// code of w * (1 / absmax) (clamped to [-1, 1]; bitsandbytes' thresholds between codes); under DoubleQuant the exact absmax values are then compressed: offset = mean, nested_absmax =
+// max |absmax - offset| per 256 blocks, absmax_code = the nearest map entry of (absmax - offset) * (1 / nested_absmax).
+// (A block of zeros gets code 7 where bitsandbytes computes 0 * inf and stores code 0: both decode to zero.)
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -52,31 +54,67 @@ SQUEEZE_HD float nf4_code_value(int c) {
   return table[c & 15];
 }
 
-// Nearest code index of x in [-1, 1] (values outside clamp to the ends; NaN goes to 0 = code 7).
+// The threshold between codes k and k + 1: bitsandbytes' (its quantizer's decision tree), the midpoints of the NF4
+// values in float64 before those were rounded to float32, so a few differ in the last bit from midpoints of the
+// float32 table above.
+SQUEEZE_HD float nf4_midpoint(int k) {
+  constexpr float table[15] = {-0.8480964004993439f, -0.6106329262256622f, -0.4599952697753906f, -0.33967943489551544f,
+                               -0.23460740596055984f, -0.13791173323988914f, -0.045525018125772476f, 0.03979014977812767f,
+                               0.1202552504837513f,   0.2035212516784668f,   0.2920137718319893f,   0.3893125355243683f,
+                               0.5016634166240692f,   0.6427869200706482f,   0.8614784181118011f};
+  return table[k < 0 ? 0 : k > 14 ? 14 : k];
+}
+
+// Nearest code index of x in [-1, 1] (values outside clamp to the ends; a tie goes to the lower code; NaN goes
+// to 0 = code 7).
 SQUEEZE_HD std::uint8_t nf4_encode(float x) {
   if (!(x == x)) return kNf4ZeroCode;
   int c = 0;
 #pragma unroll
-  for (int k = 0; k < 15; ++k) c += x > 0.5f * (nf4_code_value(k) + nf4_code_value(k + 1)) ? 1 : 0;
+  for (int k = 0; k < 15; ++k) c += x > nf4_midpoint(k) ? 1 : 0;
   return std::uint8_t(c);
+}
+
+// Index of the entry of the sorted 256-entry `map` nearest x, as bitsandbytes' blockwise quantizer picks it: an exact
+// tie between two entries goes to the even index, x below the first entry to 0, above the last to 255, NaN to 0.
+SQUEEZE_HD std::uint8_t nf4_nested_code(const float* map, float x) {
+  if (!(x == x) || x <= map[0]) return 0;
+  if (x > map[255]) return 255;
+  int lo = 0, hi = 255;  // map[lo] < x <= map[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (x <= map[mid]) hi = mid;
+    else lo = mid;
+  }
+  const float m = (map[lo] + map[hi]) * 0.5f;
+  return std::uint8_t(x > m ? hi : x < m ? lo : (lo % 2 == 0 ? lo : hi));
 }
 
 // Raw view of one packed tensor (host or device pointers, matching the launcher).
 struct Nf4View {
-  const std::uint8_t* codes = nullptr;  // [ceil(n/2)]
-  const float* absmax = nullptr;        // [blocks]                (plain; null under DoubleQuant)
-  const std::int8_t* absmax_q = nullptr;// [blocks]                (DoubleQuant)
-  const float* absmax_scale = nullptr;  // [ceil(blocks/256)]      (DoubleQuant)
-  float absmax_offset = 0.f;            //                         (DoubleQuant)
+  const std::uint8_t* codes = nullptr;        // [ceil(n/2)]
+  const float* absmax = nullptr;              // [blocks]            (plain; null under DoubleQuant)
+  const std::uint8_t* absmax_code = nullptr;  // [blocks]            (DoubleQuant)
+  const float* nested_absmax = nullptr;       // [ceil(blocks/256)]  (DoubleQuant)
+  const float* nested_map = nullptr;          // [256]               (DoubleQuant)
+  const float* absmax_offset = nullptr;       // [1]                 (DoubleQuant)
   std::int64_t n = 0;
   int block = 64;
   bool double_quant = false;
 };
 
-// absmax' of block b as the decoder sees it.
-SQUEEZE_HD float nf4_dq_absmax(std::int8_t q, float scale, float offset) { return fmaf(float(q), scale, offset); }
+// absmax' of a block from its nested code: the product rounded, then the sum (bitsandbytes' dequantize_blockwise,
+// then its `+ offset`; never one fused multiply-add, which would round once).
+SQUEEZE_HD float nf4_nested_absmax(const float* map, std::uint8_t code, float nested_absmax, float offset) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(__fmul_rn(map[code], nested_absmax), offset);
+#else
+  const float product = map[code] * nested_absmax;  // host builds do not contract this (no -ffp-contract=fast with FMA)
+  return product + offset;
+#endif
+}
 SQUEEZE_HD float nf4_block_absmax(const Nf4View& v, std::int64_t b) {
-  return v.double_quant ? nf4_dq_absmax(v.absmax_q[b], v.absmax_scale[b / kNf4DqBlock], v.absmax_offset) : v.absmax[b];
+  return v.double_quant ? nf4_nested_absmax(v.nested_map, v.absmax_code[b], v.nested_absmax[b / kNf4DqBlock], *v.absmax_offset) : v.absmax[b];
 }
 SQUEEZE_HD std::uint8_t nf4_code_at(const std::uint8_t* codes, std::int64_t i) {
   const std::uint8_t byte = codes[i >> 1];
@@ -86,16 +124,9 @@ SQUEEZE_HD std::uint8_t nf4_code_at(const std::uint8_t* codes, std::int64_t i) {
 SQUEEZE_HD float nf4_value(const Nf4View& v, std::int64_t i) {
   return nf4_code_value(nf4_code_at(v.codes, i)) * nf4_block_absmax(v, i / v.block);
 }
-// The code of w in a block whose decoder scale is absmax (absmax <= 0 or non-finite: everything -> 0).
-SQUEEZE_HD std::uint8_t nf4_quantize_element(float w, float absmax) {
-  return absmax > 0.f && absmax < INFINITY ? nf4_encode(w / absmax) : kNf4ZeroCode;
-}
-// DoubleQuant of one absmax value given its 256-block's scale and the mean (scale 0: every q is 0).
-SQUEEZE_HD std::int8_t nf4_dq_encode(float absmax, float scale, float offset) {
-  if (!(scale > 0.f)) return 0;
-  float q = rintf((absmax - offset) / scale);
-  q = q > 127.f ? 127.f : q < -127.f ? -127.f : q;
-  return std::int8_t(q);
+// The code of w in a block of absmax `absmax`, given inv_absmax = 1 / absmax (absmax <= 0 or non-finite: code 7).
+SQUEEZE_HD std::uint8_t nf4_quantize_element(float w, float absmax, float inv_absmax) {
+  return absmax > 0.f && absmax < INFINITY ? nf4_encode(w * inv_absmax) : kNf4ZeroCode;
 }
 
 inline std::int64_t nf4_blocks(std::int64_t n, int block) { return (n + block - 1) / block; }
@@ -112,7 +143,8 @@ inline void nf4_validate(const Nf4View& v, const char* who) {
   nf4_validate(v.n, v.block, who);
   check(v.codes != nullptr, std::string(who) + ": codes pointer is null");
   if (v.double_quant)
-    check(v.absmax_q != nullptr && v.absmax_scale != nullptr, std::string(who) + ": DoubleQuant absmax_q / scale pointer is null");
+    check(v.absmax_code != nullptr && v.nested_absmax != nullptr && v.nested_map != nullptr && v.absmax_offset != nullptr,
+          std::string(who) + ": DoubleQuant absmax_code / nested_absmax / nested_map / offset pointer is null");
   else
     check(v.absmax != nullptr, std::string(who) + ": absmax pointer is null");
 }
@@ -146,8 +178,10 @@ void nf4_absmax_cpu(const T* w, std::int64_t n, int block, float* absmax /*[bloc
   });
 }
 
-// DoubleQuant of absmax [blocks] into absmax_q [blocks], scale [groups], *offset. Mean in float64.
-inline void nf4_double_quantize_cpu(const float* absmax, std::int64_t blocks, std::int8_t* absmax_q, float* scale, float* offset) {
+// DoubleQuant of the exact absmax [blocks] against `map` [256]: *offset (the mean, summed in float64),
+// nested_absmax [ceil(blocks/256)] and absmax_code [blocks].
+inline void nf4_double_quantize_cpu(const float* absmax, std::int64_t blocks, const float* map, std::uint8_t* absmax_code, float* nested_absmax,
+                                    float* offset) {
   double sum = 0;
   for (std::int64_t b = 0; b < blocks; ++b) sum += absmax[b];
   const float mean = float(sum / double(blocks));
@@ -156,21 +190,22 @@ inline void nf4_double_quantize_cpu(const float* absmax, std::int64_t blocks, st
     const std::int64_t end = (g + 1) * kNf4DqBlock < blocks ? (g + 1) * kNf4DqBlock : blocks;
     float m = 0.f;
     for (std::int64_t b = g * kNf4DqBlock; b < end; ++b) m = std::fmax(m, std::fabs(absmax[b] - mean));
-    scale[g] = m / 127.f;
-    for (std::int64_t b = g * kNf4DqBlock; b < end; ++b) absmax_q[b] = nf4_dq_encode(absmax[b], scale[g], mean);
+    nested_absmax[g] = m;
+    const float inv = 1.0f / m;  // m == 0: inf, and 0 * inf = NaN takes code 0, as in bitsandbytes
+    for (std::int64_t b = g * kNf4DqBlock; b < end; ++b) absmax_code[b] = nf4_nested_code(map, (absmax[b] - mean) * inv);
   }
 }
 
-// Codes of w given the decoder's block scales (v.absmax or v.absmax_q/scale/offset already filled):
-// writes codes [ceil(n/2)] (v.codes is ignored; codes is the output).
+// Codes of w [n] against the exact block absmax [blocks] (both modes: DoubleQuant compresses absmax afterwards).
 template <FloatingElement T>
-void nf4_encode_cpu(const Nf4View& v, const T* w, std::uint8_t* codes) {
-  const std::int64_t bytes = nf4_code_bytes(v.n);
+void nf4_encode_cpu(const T* w, std::int64_t n, int block, const float* absmax, std::uint8_t* codes /*[ceil(n/2)]*/) {
+  const std::int64_t bytes = nf4_code_bytes(n);
   cpu::parallel_ranges(bytes, [&](int, std::int64_t j0, std::int64_t j1) {
     for (std::int64_t j = j0; j < j1; ++j) {
       const std::int64_t i = 2 * j;
-      const std::uint8_t hi = nf4_quantize_element(to_float(w[i]), nf4_block_absmax(v, i / v.block));
-      const std::uint8_t lo = i + 1 < v.n ? nf4_quantize_element(to_float(w[i + 1]), nf4_block_absmax(v, (i + 1) / v.block)) : kNf4ZeroCode;
+      const float a0 = absmax[i / block], a1 = i + 1 < n ? absmax[(i + 1) / block] : 0.f;
+      const std::uint8_t hi = nf4_quantize_element(to_float(w[i]), a0, 1.0f / a0);
+      const std::uint8_t lo = i + 1 < n ? nf4_quantize_element(to_float(w[i + 1]), a1, 1.0f / a1) : kNf4ZeroCode;
       codes[j] = std::uint8_t(hi << 4 | lo);
     }
   });
