@@ -404,7 +404,7 @@ nlohmann::json load_checkpoint(TrainerT& trainer, const std::filesystem::path& r
       if (reencode_8bit) break;
       const std::string n = io::shard_tensor_name(p.key, name);
       const int src = p.whole ? 0 : rank;
-      r.expect_tensor(src, n, io::DType::F32, {t.numel()});
+      r.expect_tensor(src, n, io::DType::F32, std::vector<std::int64_t>{t.numel()});
       train::detail::read_into(t, [&](std::span<std::byte> out) { return r.read_rank_into(src, n, out), io::DType::F32; });
     }
   }
