@@ -504,6 +504,14 @@ struct AdaptedLayer {
   LoRALinear layer;
 };
 
+// Where apply_lora puts each dense base just before it packs or adapts it: one layer at a time, so the device never
+// holds the whole dense model (make_trainer's quantized strategies leave the bases on the host for this). Unset: the
+// bases stay where they are.
+struct LoraBasePlacement {
+  std::optional<torch::Device> device;
+  std::optional<torch::Dtype> dtype;
+};
+
 // Freezes every parameter of `model`, then replaces each Linear / Linear child named by S's LoRA targets
 // with a LoRALinear: rank and alpha from LoRA<R, A>; under Quantized<4, NF4, ...> the base is packed to NF4
 // (block and DoubleQuant from the policy), under Quantized<B, GPTQ|RTN, Group<G>|PerChannel> to the GPTQ layout
@@ -514,9 +522,10 @@ struct AdaptedLayer {
 // fused_tiles: a training forward runs more rows than the fused GEMM serves), so their bytes are the planner's.
 // The replaced layer's weight is released (set to an empty tensor), so a typed member that still points at the
 // old layer (e.g. nn/llama.hpp's `Linear q`) holds no memory: such modules must call their projections
-// through forward_linear(*this, "q", x). Returns the adapted layers in module order; errors when none matched.
+// through forward_linear(*this, "q", x). `place` moves each dense base (weight and bias) first. Returns the adapted
+// layers in module order; errors when none matched.
 template <class S>
-std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model) {
+std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model, const LoraBasePlacement& place = {}) {
   static_assert(S::has_lora, "apply_lora<S> needs a strategy with LoRA<R, A>: e.g. Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, ...>");
   using L = typename S::lora;
   using WQ = typename S::weight_quantization;
@@ -529,6 +538,11 @@ std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model) {
   int64_t layer_index = 0;  // each adapted layer's generator seed: its position in module order
   for (auto& p : model.parameters()) p.set_requires_grad(false);
 
+  const auto placed = [&](torch::Tensor t) {  // set_data: the layer's own parameter (the same TensorImpl) follows
+    if (!t.defined() || (!place.device && !place.dtype)) return;
+    torch::NoGradGuard ng;
+    t.set_data(t.to(place.device.value_or(t.device()), place.dtype.value_or(t.scalar_type())));
+  };
   std::vector<AdaptedLayer> adapted;
   for (const auto& item : model.named_modules("", /*include_self=*/true)) {
     const std::shared_ptr<torch::nn::Module>& parent = item.value();
@@ -551,6 +565,8 @@ std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model) {
         continue;
       }
       if (auto lin = std::dynamic_pointer_cast<torch::nn::LinearImpl>(child.value())) {
+        placed(lin->weight);
+        placed(lin->bias);
         weight = lin->weight;
         bias = lin->bias;
       } else if (auto sl = std::dynamic_pointer_cast<LinearImpl>(child.value())) {
@@ -558,6 +574,8 @@ std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model) {
         const std::string path = item.key().empty() ? child.key() : item.key() + "." + child.key();
         TORCH_CHECK(sl->group() == nullptr, "apply_lora: ", path, " is sharded by a stage-3 trainer; apply LoRA before sharding");
         if (sl->backed()) continue;  // adapted already
+        placed(sl->weight);
+        if (sl->has_bias()) placed(sl->bias);
         torch::NoGradGuard ng;
         const torch::Tensor w = sl->weight, b = sl->has_bias() ? sl->bias : torch::Tensor();
         if (!target) {

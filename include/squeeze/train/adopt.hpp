@@ -3,7 +3,8 @@
 //   1. refuses plain libtorch layers S would have to shard (Stage 3) or quantize (Quantized<...>), naming each with
 //      its parameter count, unless TrainerOptions::replicate lists it (then it is kept whole, counted in memory());
 //   2. refuses parameters in a dtype S cannot start from (anything but float and S's compute type);
-//   3. converts the module to S's compute type, keeping the float values of trainable parameters for the masters;
+//   3. converts the module to S's compute type, keeping the float values of trainable parameters for the masters
+//      (under a quantized base, all but the dense linears apply_lora packs: it moves those one at a time);
 //   4. LoRA strategies: apply_lora<S> (nn/lora.hpp) gives squeeze::nn::Linear layers their frozen (dense, NF4 or
 //      GPTQ-packed) base and adapters, the same objects throughout;
 //   5. Checkpointed strategies: switches on every nn::Recomputable module (nn::Blocks, nn::Llama); a model with none
@@ -36,6 +37,35 @@ struct AdoptedModel {
   int64_t quantized_layers = 0;                        // layers whose base S quantized
   int recomputable = 0;                                // nn::Recomputable modules switched on
 };
+
+namespace detail {
+// Whether apply_lora<S> packs child `name` of its parent: a dense linear named like one of the seven projections.
+inline bool packed_by_apply_lora(const std::string& name, torch::nn::Module& m) {
+  if (!nn::detail::is_lora_target(name, 127u)) return false;
+  if (dynamic_cast<torch::nn::LinearImpl*>(&m) != nullptr) return true;
+  const auto* l = dynamic_cast<nn::LinearImpl*>(&m);
+  return l != nullptr && !l->backed() && l->group() == nullptr;
+}
+inline bool holds_packed_base(torch::nn::Module& m) {
+  for (const auto& c : m.named_children())
+    if (packed_by_apply_lora(c.key(), *c.value()) || holds_packed_base(*c.value())) return true;
+  return false;
+}
+// module.to(device, dtype) (module.to(dtype) without a device), except the dense linears apply_lora packs.
+template <class S>
+void to_except_packed_bases(torch::nn::Module& m, const std::optional<torch::Device>& device, torch::Dtype dtype) {
+  for (const auto& c : m.named_children()) {
+    if (packed_by_apply_lora(c.key(), *c.value())) continue;
+    if (holds_packed_base(*c.value())) to_except_packed_bases<S>(*c.value(), device, dtype);
+    else if (device) c.value()->to(*device, dtype);
+    else c.value()->to(dtype);
+  }
+  torch::NoGradGuard ng;
+  const auto moved = [&](const torch::Tensor& t) { return device ? t.to(*device, dtype) : t.to(dtype); };
+  for (auto& p : m.named_parameters(/*recurse=*/false)) p.value().set_data(moved(p.value()));
+  for (auto& b : m.named_buffers(/*recurse=*/false)) b.value().set_data(moved(b.value()));
+}
+}  // namespace detail
 
 // "norm" matches "norm" and "blocks.3.norm"; "*" matches every module.
 inline bool listed(const std::vector<std::string>& names, const std::string& module) {
@@ -98,8 +128,18 @@ AdoptedModel adopt_model(torch::nn::Module& model, const AdoptOptions& o) {
     }
   }
   // One conversion, straight onto the training device when one is given: the float storage stays where it was.
-  if (o.device) model.to(*o.device, compute);
-  else if (convert) model.to(compute);
+  // Under a quantized base the dense linears apply_lora packs stay behind: it moves them one at a time (LoRA, below),
+  // so the device never holds the dense model (LLaMA-7B: 13.5 GB of bf16 for a 3.5 GB NF4 base).
+  nn::LoraBasePlacement base_placement;
+  if constexpr (S::quantized_weights) {
+    if (o.device || convert) {
+      base_placement = {o.device, compute};
+      detail::to_except_packed_bases<S>(model, o.device, compute);
+    }
+  } else {
+    if (o.device) model.to(*o.device, compute);
+    else if (convert) model.to(compute);
+  }
 
   // 4. LoRA
   if constexpr (S::has_lora) {
@@ -107,7 +147,7 @@ AdoptedModel adopt_model(torch::nn::Module& model, const AdoptOptions& o) {
     for (const auto& m : model.modules()) has_linear |= dynamic_cast<nn::LinearImpl*>(m.get()) != nullptr;
     TORCH_CHECK(has_linear, "make_trainer: a LoRA Strategy needs squeeze::nn::Linear layers to adapt; the model has none");
     try {
-      out.adapted = nn::apply_lora<S>(model);
+      out.adapted = nn::apply_lora<S>(model, base_placement);
     } catch (const c10::Error& e) {
       TORCH_CHECK(false, "make_trainer: ", e.what_without_backtrace(),
                   " (LoRA<R, A, Targets> names the layers it adapts: q, k, v, o, gate, up, down, or q_proj, ...)");
