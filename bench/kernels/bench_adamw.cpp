@@ -41,11 +41,14 @@
 #include <vector>
 
 #include "bench_adamw_kernels.hpp"
+#include "cuda_timing.hpp"
 #include "squeeze/error.hpp"
 #include "squeeze/kernels/adamw.hpp"
 #include "squeeze/kernels/adamw8.hpp"
 
 namespace {
+using bench::Events;
+using bench::median;
 
 using squeeze::bf16;
 namespace sk = squeeze::kernels;
@@ -138,48 +141,7 @@ void emit(std::ofstream* out, const Result& r) {
   std::fflush(stdout);
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? -1 : v[v.size() / 2];
-}
-
 // ---- GPU -------------------------------------------------------------------------------------------------
-
-struct Events {
-  cudaEvent_t a{}, b{};
-  Events() {
-    SQUEEZE_CUDA_CHECK(cudaEventCreate(&a));
-    SQUEEZE_CUDA_CHECK(cudaEventCreate(&b));
-  }
-  ~Events() {
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
-  }
-  // Milliseconds of fn's work on the default stream.
-  double time(const std::function<void()>& fn) {
-    SQUEEZE_CUDA_CHECK(cudaEventRecord(a, nullptr));
-    fn();
-    SQUEEZE_CUDA_CHECK(cudaEventRecord(b, nullptr));
-    SQUEEZE_CUDA_CHECK(cudaEventSynchronize(b));
-    float ms = 0;
-    SQUEEZE_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    return ms;
-  }
-};
-
-// Device-to-device cudaMemcpy bandwidth (read + write bytes per second), median of 10 copies of `bytes` (4 GiB).
-double copy_bandwidth_GBps(std::int64_t bytes = std::int64_t(4) << 30) {
-  auto src = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
-  auto dst = at::empty_like(src);
-  src.fill_(1);
-  Events ev;
-  std::vector<double> ms;
-  for (int i = 0; i < 12; ++i) {
-    const double t = ev.time([&] { SQUEEZE_CUDA_CHECK(cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), size_t(bytes), cudaMemcpyDeviceToDevice, nullptr)); });
-    if (i >= 2) ms.push_back(t);
-  }
-  return 2.0 * double(bytes) / (median(ms) * 1e-3) / 1e9;
-}
 
 // Slices of a flat tensor: the peer's tensor list (views share memory with ours).
 std::vector<at::Tensor> slices(const at::Tensor& flat, int k) {
@@ -287,7 +249,7 @@ Result gpu_case(const std::string& precision, int tensors, const Options& o, dou
         if (i >= 3) ms.push_back(t);
       }
       r.peer_fp32_time_ms = median(ms);
-      r.copy_same_GBps = copy_bandwidth_GBps(std::int64_t(bytes_per_param(precision) * double(o.n) / 2));
+      r.copy_same_GBps = bench::copy_GBps(std::int64_t(bytes_per_param(precision) * double(o.n) / 2));
     }
   }
   SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
@@ -432,7 +394,7 @@ int main(int argc, char** argv) {
     } else {
       double copy = -1;
       guarded(out, "gpu/copy-d2d/4GiB", [&] {
-        copy = copy_bandwidth_GBps();
+        copy = bench::copy_GBps(std::int64_t(4) << 30);  // the roofline
         Result r;
         r.name = "gpu/copy-d2d/4GiB";
         r.peer = "none (the roofline itself)";

@@ -24,6 +24,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cuda_timing.hpp"
 #include "squeeze/kernels/adamw8.cuh"
 
 namespace {
@@ -141,45 +142,6 @@ struct State {
   }
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? -1 : v[v.size() / 2];
-}
-
-struct Events {
-  cudaEvent_t a{}, b{};
-  Events() {
-    CHECK_CUDA(cudaEventCreate(&a));
-    CHECK_CUDA(cudaEventCreate(&b));
-  }
-  ~Events() { cudaEventDestroy(a), cudaEventDestroy(b); }
-  template <class F>
-  double time(F&& f) {
-    CHECK_CUDA(cudaEventRecord(a));
-    f();
-    CHECK_CUDA(cudaEventRecord(b));
-    CHECK_CUDA(cudaEventSynchronize(b));
-    float ms = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
-    return ms;
-  }
-};
-
-double copy_GBps(std::int64_t bytes) {
-  void *src = nullptr, *dst = nullptr;
-  CHECK_CUDA(cudaMalloc(&src, bytes));
-  CHECK_CUDA(cudaMalloc(&dst, bytes));
-  CHECK_CUDA(cudaMemset(src, 1, bytes));
-  Events ev;
-  std::vector<double> ms;
-  for (int i = 0; i < 12; ++i) {
-    const double t = ev.time([&] { CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice)); });
-    if (i >= 2) ms.push_back(t);
-  }
-  cudaFree(src), cudaFree(dst);
-  return 2.0 * double(bytes) / (median(ms) * 1e-3) / 1e9;
-}
-
 template <class Policy>
 struct Shape {
   static cudaError_t step(const std::vector<Tensor8>& list, const sk::DeviceTensorTable<Tensor8>& table, int t) {
@@ -285,7 +247,7 @@ int main(int argc, char** argv) {
 
   State st(o.n);
   CHECK_CUDA(cudaDeviceSynchronize());
-  const double copy = copy_GBps(std::int64_t(kBytesPerParam * double(o.n) / 2));
+  const double copy = bench::copy_GBps(std::int64_t(kBytesPerParam * double(o.n) / 2));
   std::printf("copy bound (cudaMemcpy D2D of the kernel's bytes): %.1f GB/s\n", copy);
   for (int k : {1, o.tensors}) {
     const std::vector<Tensor8> list = st.slices(o.n, k);
@@ -295,13 +257,13 @@ int main(int argc, char** argv) {
                              std::to_string(o.n >> 20) + "Mi";
     for_each_shape(o.only, [&]<class Policy>() {
       st.reset();
-      Events ev;
+      bench::Events ev;
       std::vector<double> ms;
       for (int i = 0; i < 3 + o.iters; ++i) {
         const double t = ev.time([&] { CHECK_CUDA(Shape<Policy>::step(list, table, i + 1)); });
         if (i >= 3) ms.push_back(t);
       }
-      const double time_ms = median(ms), bw = kBytesPerParam * double(o.n) / (time_ms * 1e-3) / 1e9;
+      const double time_ms = bench::median(ms), bw = kBytesPerParam * double(o.n) / (time_ms * 1e-3) / 1e9;
       int regs = 0, per_sm = 0;
       Shape<Policy>::kernel_figures(k == 1, regs, per_sm);
       std::printf("%-36s %-24s %8.3f ms %8.1f GB/s  fraction of copy %.3f  (%d regs, %d blocks of %d per SM)\n", name.c_str(), Policy::name,
