@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "../cuda_timing.hpp"
 #include <squeeze/nn/fused_ops.hpp>
 #include <squeeze/nn/llama.hpp>
 
@@ -39,32 +40,11 @@ std::string env_or(const char* name, const char* fallback) {
 }
 
 double time_ms(const std::function<void()>& f, int iters, cudaStream_t stream) {
-  cudaEvent_t a, b;
-  SQUEEZE_CUDA_CHECK(cudaEventCreate(&a));
-  SQUEEZE_CUDA_CHECK(cudaEventCreate(&b));
+  squeeze::bench::Events ev;
   for (int i = 0; i < 3; ++i) f();
   std::vector<double> t;
-  for (int i = 0; i < iters; ++i) {
-    SQUEEZE_CUDA_CHECK(cudaEventRecord(a, stream));
-    f();
-    SQUEEZE_CUDA_CHECK(cudaEventRecord(b, stream));
-    SQUEEZE_CUDA_CHECK(cudaEventSynchronize(b));
-    float ms = 0;
-    SQUEEZE_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
-
-double copy_GBps(cudaStream_t stream) {
-  const std::int64_t bytes = std::int64_t(1) << 30;
-  const torch::Tensor src = torch::empty({bytes}, torch::TensorOptions().dtype(torch::kUInt8).device(torch::kCUDA)), dst = torch::empty_like(src);
-  const double ms = time_ms([&] { SQUEEZE_CUDA_CHECK(cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), bytes, cudaMemcpyDeviceToDevice, stream)); },
-                            10, stream);
-  return 2.0 * double(bytes) / (ms * 1e-3) / 1e9;
+  for (int i = 0; i < iters; ++i) t.push_back(ev.time(f, stream));
+  return squeeze::bench::median(t);
 }
 
 // The unfused math of nn::Llama (llama.hpp): RMSNormImpl::forward, apply_rope, silu(g) * u.
@@ -110,7 +90,7 @@ int main(int argc, char** argv) {
   }
   const torch::Tensor probe = torch::empty({1}, torch::kCUDA);
   const cudaStream_t stream = nn::fused_detail::stream_of(probe);
-  const double copy = copy_GBps(stream);
+  const double copy = squeeze::bench::copy_GBps(std::int64_t(1) << 30, stream);
   std::printf("copy bandwidth (D2D): %.0f GB/s\n", copy);
   std::ofstream jout;
   if (!out.empty()) jout.open(out);

@@ -41,14 +41,14 @@
 #include <vector>
 
 #include "bench_adamw_kernels.hpp"
-#include "cuda_timing.hpp"
+#include "../cuda_timing.hpp"
 #include "squeeze/error.hpp"
 #include "squeeze/kernels/adamw.hpp"
 #include "squeeze/kernels/adamw8.hpp"
 
 namespace {
-using bench::Events;
-using bench::median;
+using squeeze::bench::Events;
+using squeeze::bench::median;
 
 using squeeze::bf16;
 namespace sk = squeeze::kernels;
@@ -249,7 +249,7 @@ Result gpu_case(const std::string& precision, int tensors, const Options& o, dou
         if (i >= 3) ms.push_back(t);
       }
       r.peer_fp32_time_ms = median(ms);
-      r.copy_same_GBps = bench::copy_GBps(std::int64_t(bytes_per_param(precision) * double(o.n) / 2));
+      r.copy_same_GBps = squeeze::bench::copy_GBps(std::int64_t(bytes_per_param(precision) * double(o.n) / 2));
     }
   }
   SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
@@ -394,7 +394,7 @@ int main(int argc, char** argv) {
     } else {
       double copy = -1;
       guarded(out, "gpu/copy-d2d/4GiB", [&] {
-        copy = bench::copy_GBps(std::int64_t(4) << 30);  // the roofline
+        copy = squeeze::bench::copy_GBps(std::int64_t(4) << 30);  // the roofline
         Result r;
         r.name = "gpu/copy-d2d/4GiB";
         r.peer = "none (the roofline itself)";

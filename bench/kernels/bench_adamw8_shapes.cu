@@ -24,7 +24,7 @@
 #include <tuple>
 #include <vector>
 
-#include "cuda_timing.hpp"
+#include "../cuda_timing.hpp"
 #include "squeeze/kernels/adamw8.cuh"
 
 namespace {
@@ -247,7 +247,7 @@ int main(int argc, char** argv) {
 
   State st(o.n);
   CHECK_CUDA(cudaDeviceSynchronize());
-  const double copy = bench::copy_GBps(std::int64_t(kBytesPerParam * double(o.n) / 2));
+  const double copy = squeeze::bench::copy_GBps(std::int64_t(kBytesPerParam * double(o.n) / 2));
   std::printf("copy bound (cudaMemcpy D2D of the kernel's bytes): %.1f GB/s\n", copy);
   for (int k : {1, o.tensors}) {
     const std::vector<Tensor8> list = st.slices(o.n, k);
@@ -257,13 +257,13 @@ int main(int argc, char** argv) {
                              std::to_string(o.n >> 20) + "Mi";
     for_each_shape(o.only, [&]<class Policy>() {
       st.reset();
-      bench::Events ev;
+      squeeze::bench::Events ev;
       std::vector<double> ms;
       for (int i = 0; i < 3 + o.iters; ++i) {
         const double t = ev.time([&] { CHECK_CUDA(Shape<Policy>::step(list, table, i + 1)); });
         if (i >= 3) ms.push_back(t);
       }
-      const double time_ms = bench::median(ms), bw = kBytesPerParam * double(o.n) / (time_ms * 1e-3) / 1e9;
+      const double time_ms = squeeze::bench::median(ms), bw = kBytesPerParam * double(o.n) / (time_ms * 1e-3) / 1e9;
       int regs = 0, per_sm = 0;
       Shape<Policy>::kernel_figures(k == 1, regs, per_sm);
       std::printf("%-36s %-24s %8.3f ms %8.1f GB/s  fraction of copy %.3f  (%d regs, %d blocks of %d per SM)\n", name.c_str(), Policy::name,

@@ -1,6 +1,6 @@
 #pragma once
-// What the kernel benchmarks share (torch-free host code, for g++ or nvcc): the median of a sample, CUDA-event timing
-// of work on the default stream, and the device-to-device copy bandwidth that is their roofline.
+// What the CUDA benchmarks share (torch-free host code, for g++ or nvcc): the median of a sample, CUDA-event timing of
+// work on a stream, and the device-to-device copy bandwidth that is their roofline.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -9,7 +9,7 @@
 
 #include "squeeze/error.hpp"
 
-namespace bench {
+namespace squeeze::bench {
 
 inline double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -25,12 +25,12 @@ struct Events {
   ~Events() { cudaEventDestroy(a), cudaEventDestroy(b); }
   Events(const Events&) = delete;
   Events& operator=(const Events&) = delete;
-  // Milliseconds of f's work on the default stream.
+  // Milliseconds of f's work on `stream`.
   template <class F>
-  double time(F&& f) {
-    SQUEEZE_CUDA_CHECK(cudaEventRecord(a, nullptr));
+  double time(F&& f, cudaStream_t stream = nullptr) {
+    SQUEEZE_CUDA_CHECK(cudaEventRecord(a, stream));
     f();
-    SQUEEZE_CUDA_CHECK(cudaEventRecord(b, nullptr));
+    SQUEEZE_CUDA_CHECK(cudaEventRecord(b, stream));
     SQUEEZE_CUDA_CHECK(cudaEventSynchronize(b));
     float ms = 0;
     SQUEEZE_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
@@ -39,7 +39,7 @@ struct Events {
 };
 
 // Device-to-device cudaMemcpy bandwidth of `bytes` (read + write bytes per second, GB/s): median of 10 copies after 2.
-inline double copy_GBps(std::int64_t bytes) {
+inline double copy_GBps(std::int64_t bytes, cudaStream_t stream = nullptr) {
   void *src = nullptr, *dst = nullptr;
   SQUEEZE_CUDA_CHECK(cudaMalloc(&src, size_t(bytes)));
   SQUEEZE_CUDA_CHECK(cudaMalloc(&dst, size_t(bytes)));
@@ -47,11 +47,11 @@ inline double copy_GBps(std::int64_t bytes) {
   Events ev;
   std::vector<double> ms;
   for (int i = 0; i < 12; ++i) {
-    const double t = ev.time([&] { SQUEEZE_CUDA_CHECK(cudaMemcpyAsync(dst, src, size_t(bytes), cudaMemcpyDeviceToDevice, nullptr)); });
+    const double t = ev.time([&] { SQUEEZE_CUDA_CHECK(cudaMemcpyAsync(dst, src, size_t(bytes), cudaMemcpyDeviceToDevice, stream)); }, stream);
     if (i >= 2) ms.push_back(t);
   }
   cudaFree(src), cudaFree(dst);
   return 2.0 * double(bytes) / (median(ms) * 1e-3) / 1e9;
 }
 
-}  // namespace bench
+}  // namespace squeeze::bench
