@@ -96,16 +96,8 @@ TYPED_TEST(Nf4Cuda, QuantizeMatchesTwin) {
       EXPECT_NEAR(dev_offset, p.absmax_offset, 1e-6f * p.absmax_offset) << "n=" << n;
       std::vector<std::uint8_t> ref_code = p.absmax_code;
       std::vector<float> ref_nested = p.nested_absmax;
-      if (dev_offset != p.absmax_offset) {  // the CPU's nested statistics from the device's offset
-        const auto exact = absmax.get();
-        for (std::int64_t g = 0; g < kq::nf4_dq_groups(blocks); ++g) {
-          float m = 0.f;
-          for (std::int64_t b = g * 256; b < std::min<std::int64_t>(blocks, (g + 1) * 256); ++b) m = std::fmax(m, std::fabs(exact[b] - dev_offset));
-          ref_nested[std::size_t(g)] = m;
-          for (std::int64_t b = g * 256; b < std::min<std::int64_t>(blocks, (g + 1) * 256); ++b)
-            ref_code[std::size_t(b)] = kq::nf4_nested_code(p.nested_map.data(), (exact[b] - dev_offset) * (1.0f / m));
-        }
-      }
+      if (dev_offset != p.absmax_offset)  // the CPU's nested statistics from the device's offset
+        kq::nf4_nested_quantize_cpu(absmax.get().data(), blocks, p.nested_map.data(), dev_offset, ref_code.data(), ref_nested.data());
       EXPECT_TRUE(same_bits(absmax_code.get(), ref_code)) << "n=" << n;
       EXPECT_TRUE(same_bits(nested.get(), ref_nested)) << "n=" << n;
     }

@@ -174,6 +174,10 @@ TEST(BnbNf4, BadStateDictsNameTheKey) {
             }).find("quant_map' is not the NF4 table"),
             std::string::npos);
   EXPECT_NE(with([&](auto& t) { t[k].dtype = io::DType::I8; }).find("dtype I8"), std::string::npos);
+  // nested statistics in groups other than 256 have no squeeze form: refused by name, not misread
+  auto other = b;
+  other.info.nested_blocksize = 128;
+  EXPECT_NE(io_test::error_of([&] { io::to_nf4_packed(other); }).find("nested_blocksize 128"), std::string::npos);
 }
 
 TEST(BnbConfig, QuantizationConfigRoundTripAndRefusals) {

@@ -467,6 +467,20 @@ inline bool is_lora_target(std::string_view name, unsigned targets) {
   return false;
 }
 
+// Whether apply_lora packs child `name` of its parent under a quantized strategy: a dense linear (torch's, or squeeze's
+// neither backed nor sharded) named like one of the seven projections. make_trainer leaves these on the host.
+inline bool is_packed_base(const std::string& name, torch::nn::Module& m) {
+  if (!is_lora_target(name, 127u)) return false;
+  if (dynamic_cast<torch::nn::LinearImpl*>(&m) != nullptr) return true;
+  const auto* l = dynamic_cast<LinearImpl*>(&m);
+  return l != nullptr && !l->backed() && l->group() == nullptr;
+}
+inline bool holds_packed_base(torch::nn::Module& m) {
+  for (const auto& c : m.named_children())
+    if (is_packed_base(c.key(), *c.value()) || holds_packed_base(*c.value())) return true;
+  return false;
+}
+
 // Quantized<B, GPTQ|RTN, Group<G>|PerChannel> -> the round-to-nearest options filling its GPTQ layout.
 template <class Q>
 constexpr quant::RtnOptions rtn_options() {

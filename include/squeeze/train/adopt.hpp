@@ -39,24 +39,11 @@ struct AdoptedModel {
 };
 
 namespace detail {
-// Whether apply_lora<S> packs child `name` of its parent: a dense linear named like one of the seven projections.
-inline bool packed_by_apply_lora(const std::string& name, torch::nn::Module& m) {
-  if (!nn::detail::is_lora_target(name, 127u)) return false;
-  if (dynamic_cast<torch::nn::LinearImpl*>(&m) != nullptr) return true;
-  const auto* l = dynamic_cast<nn::LinearImpl*>(&m);
-  return l != nullptr && !l->backed() && l->group() == nullptr;
-}
-inline bool holds_packed_base(torch::nn::Module& m) {
-  for (const auto& c : m.named_children())
-    if (packed_by_apply_lora(c.key(), *c.value()) || holds_packed_base(*c.value())) return true;
-  return false;
-}
 // module.to(device, dtype) (module.to(dtype) without a device), except the dense linears apply_lora packs.
-template <class S>
-void to_except_packed_bases(torch::nn::Module& m, const std::optional<torch::Device>& device, torch::Dtype dtype) {
+inline void to_except_packed_bases(torch::nn::Module& m, const std::optional<torch::Device>& device, torch::Dtype dtype) {
   for (const auto& c : m.named_children()) {
-    if (packed_by_apply_lora(c.key(), *c.value())) continue;
-    if (holds_packed_base(*c.value())) to_except_packed_bases<S>(*c.value(), device, dtype);
+    if (nn::detail::is_packed_base(c.key(), *c.value())) continue;
+    if (nn::detail::holds_packed_base(*c.value())) to_except_packed_bases(*c.value(), device, dtype);
     else if (device) c.value()->to(*device, dtype);
     else c.value()->to(dtype);
   }
@@ -134,7 +121,7 @@ AdoptedModel adopt_model(torch::nn::Module& model, const AdoptOptions& o) {
   if constexpr (S::quantized_weights) {
     if (o.device || convert) {
       base_placement = {o.device, compute};
-      detail::to_except_packed_bases<S>(model, o.device, compute);
+      detail::to_except_packed_bases(model, o.device, compute);
     }
   } else {
     if (o.device) model.to(*o.device, compute);

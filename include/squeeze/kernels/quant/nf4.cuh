@@ -101,13 +101,8 @@ template <class T>
 __global__ void __launch_bounds__(kNf4Threads) nf4_encode_kernel(const T* __restrict__ w, std::int64_t n, int block, const float* __restrict__ absmax,
                                                                  std::uint8_t* __restrict__ codes) {
   const std::int64_t bytes = (n + 1) / 2;
-  for (std::int64_t j = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; j < bytes; j += std::int64_t(gridDim.x) * blockDim.x) {
-    const std::int64_t i = 2 * j;
-    const float a0 = absmax[i / block], a1 = i + 1 < n ? absmax[(i + 1) / block] : 0.f;
-    const std::uint8_t hi = nf4_quantize_element(to_float(w[i]), a0, 1.0f / a0);
-    const std::uint8_t lo = i + 1 < n ? nf4_quantize_element(to_float(w[i + 1]), a1, 1.0f / a1) : kNf4ZeroCode;
-    codes[j] = std::uint8_t(hi << 4 | lo);
-  }
+  for (std::int64_t j = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; j < bytes; j += std::int64_t(gridDim.x) * blockDim.x)
+    codes[j] = nf4_code_byte(w, n, block, absmax, j);
 }
 
 }  // namespace detail

@@ -124,9 +124,18 @@ SQUEEZE_HD std::uint8_t nf4_code_at(const std::uint8_t* codes, std::int64_t i) {
 SQUEEZE_HD float nf4_value(const Nf4View& v, std::int64_t i) {
   return nf4_code_value(nf4_code_at(v.codes, i)) * nf4_block_absmax(v, i / v.block);
 }
-// The code of w in a block of absmax `absmax`, given inv_absmax = 1 / absmax (absmax <= 0 or non-finite: code 7).
-SQUEEZE_HD std::uint8_t nf4_quantize_element(float w, float absmax, float inv_absmax) {
-  return absmax > 0.f && absmax < INFINITY ? nf4_encode(w * inv_absmax) : kNf4ZeroCode;
+// The code of w in a block of absmax `absmax`: w * (1 / absmax), as bitsandbytes scales it (absmax <= 0 or
+// non-finite: code 7).
+SQUEEZE_HD std::uint8_t nf4_quantize_element(float w, float absmax) {
+  return absmax > 0.f && absmax < INFINITY ? nf4_encode(w * (1.0f / absmax)) : kNf4ZeroCode;
+}
+// Code byte j of w [n] against the exact block absmax (the encode loops' body on both sides).
+template <class T>
+SQUEEZE_HD std::uint8_t nf4_code_byte(const T* w, std::int64_t n, int block, const float* absmax, std::int64_t j) {
+  const std::int64_t i = 2 * j;
+  const std::uint8_t hi = nf4_quantize_element(to_float(w[i]), absmax[i / block]);
+  const std::uint8_t lo = i + 1 < n ? nf4_quantize_element(to_float(w[i + 1]), absmax[(i + 1) / block]) : kNf4ZeroCode;
+  return std::uint8_t(hi << 4 | lo);
 }
 
 inline std::int64_t nf4_blocks(std::int64_t n, int block) { return (n + block - 1) / block; }
@@ -178,22 +187,27 @@ void nf4_absmax_cpu(const T* w, std::int64_t n, int block, float* absmax /*[bloc
   });
 }
 
-// DoubleQuant of the exact absmax [blocks] against `map` [256]: *offset (the mean, summed in float64),
-// nested_absmax [ceil(blocks/256)] and absmax_code [blocks].
+// The nested statistics of the exact absmax [blocks] around a given offset, against `map` [256]: nested_absmax
+// [ceil(blocks/256)] = max |absmax - offset| per group, absmax_code [blocks].
+inline void nf4_nested_quantize_cpu(const float* absmax, std::int64_t blocks, const float* map, float offset, std::uint8_t* absmax_code,
+                                    float* nested_absmax) {
+  for (std::int64_t g = 0; g < nf4_dq_groups(blocks); ++g) {
+    const std::int64_t end = (g + 1) * kNf4DqBlock < blocks ? (g + 1) * kNf4DqBlock : blocks;
+    float m = 0.f;
+    for (std::int64_t b = g * kNf4DqBlock; b < end; ++b) m = std::fmax(m, std::fabs(absmax[b] - offset));
+    nested_absmax[g] = m;
+    const float inv = 1.0f / m;  // m == 0: inf, and 0 * inf = NaN takes code 0, as in bitsandbytes
+    for (std::int64_t b = g * kNf4DqBlock; b < end; ++b) absmax_code[b] = nf4_nested_code(map, (absmax[b] - offset) * inv);
+  }
+}
+
+// DoubleQuant of the exact absmax [blocks]: *offset = their mean (summed in float64), then the nested statistics.
 inline void nf4_double_quantize_cpu(const float* absmax, std::int64_t blocks, const float* map, std::uint8_t* absmax_code, float* nested_absmax,
                                     float* offset) {
   double sum = 0;
   for (std::int64_t b = 0; b < blocks; ++b) sum += absmax[b];
-  const float mean = float(sum / double(blocks));
-  *offset = mean;
-  for (std::int64_t g = 0; g < nf4_dq_groups(blocks); ++g) {
-    const std::int64_t end = (g + 1) * kNf4DqBlock < blocks ? (g + 1) * kNf4DqBlock : blocks;
-    float m = 0.f;
-    for (std::int64_t b = g * kNf4DqBlock; b < end; ++b) m = std::fmax(m, std::fabs(absmax[b] - mean));
-    nested_absmax[g] = m;
-    const float inv = 1.0f / m;  // m == 0: inf, and 0 * inf = NaN takes code 0, as in bitsandbytes
-    for (std::int64_t b = g * kNf4DqBlock; b < end; ++b) absmax_code[b] = nf4_nested_code(map, (absmax[b] - mean) * inv);
-  }
+  *offset = float(sum / double(blocks));
+  nf4_nested_quantize_cpu(absmax, blocks, map, *offset, absmax_code, nested_absmax);
 }
 
 // Codes of w [n] against the exact block absmax [blocks] (both modes: DoubleQuant compresses absmax afterwards).
@@ -201,13 +215,7 @@ template <FloatingElement T>
 void nf4_encode_cpu(const T* w, std::int64_t n, int block, const float* absmax, std::uint8_t* codes /*[ceil(n/2)]*/) {
   const std::int64_t bytes = nf4_code_bytes(n);
   cpu::parallel_ranges(bytes, [&](int, std::int64_t j0, std::int64_t j1) {
-    for (std::int64_t j = j0; j < j1; ++j) {
-      const std::int64_t i = 2 * j;
-      const float a0 = absmax[i / block], a1 = i + 1 < n ? absmax[(i + 1) / block] : 0.f;
-      const std::uint8_t hi = nf4_quantize_element(to_float(w[i]), a0, 1.0f / a0);
-      const std::uint8_t lo = i + 1 < n ? nf4_quantize_element(to_float(w[i + 1]), a1, 1.0f / a1) : kNf4ZeroCode;
-      codes[j] = std::uint8_t(hi << 4 | lo);
-    }
+    for (std::int64_t j = j0; j < j1; ++j) codes[j] = nf4_code_byte(w, n, block, absmax, j);
   });
 }
 
