@@ -507,11 +507,14 @@ def summarize_finetune(records, base_id=None):
     base = next((b for b in bases if b["run_id"] == base_id), None) if base_id else bases[-1]
     if base is None:
         return []
-    rid = base["run_id"]
+    # A base trained again from the same configuration (a new machine) is the same base when it evaluates the same:
+    # the runs on either are pooled.
+    same = {b["run_id"] for b in bases
+            if b["config"] == base["config"] and b["result"]["val_ppl"] == base["result"]["val_ppl"]}
     start, runs = {}, {}  # method -> its steps-0 record; (method, lr, steps) -> seed -> record (the latest wins)
     for r in records:
         c = r.get("config", {})
-        if c.get("base") != rid:
+        if c.get("base") not in same:
             continue
         if c["kind"] == "ft-start":
             start[c["method"]] = r
@@ -575,7 +578,7 @@ def print_finetune(lines):
     for ln in lines:
         if ln.get("bench") != "finetune":
             continue
-        print(f"{ln['preset']:>14} {ln['method']:<12} {len(ln['seeds'])} seeds  base {fmt(ln['base_ppl'])} -> {fmt(ln['ppl_mean'])} ± "
+        print(f"{ln['preset']:>14} {ln['method']:<12} lr {ln['lr']:<7g} {len(ln['seeds'])} seeds  base {fmt(ln['base_ppl'])} -> {fmt(ln['ppl_mean'])} ± "
               f"{fmt(ln['ppl_std'])} (start {fmt(ln['start_ppl'])})  share of full {fmt(ln['share_of_full'], '.3f')}"
               + ("" if ln["method"] == "full" else f"  {'meets' if ln.get('within_target') else 'below'} {SHARE_TARGET:.0%}"))
 
@@ -769,6 +772,18 @@ def cmd_selftest(_args):
     g = summarize_finetune(sweep + [faster])
     ck.ok([(ln["method"], ln["lr"]) for ln in g] == [("full", 1e-3), ("full", 1e-2), ("qlora", 1e-3)], f"one line per rate: {g}")
     ck.ok(close(g[2]["share_of_full"], 3.5 / 5.0) and g[2]["full_lr"] == 1e-2 and close(g[0]["share_of_full"], 0.8), "the best full rate is the reference")
+    # The same base trained again (a new run id, the same configuration and perplexity) pools its runs with the first;
+    # one that evaluates differently is another base.
+    again = dict(base, run_id="B2")
+    on_again = ft("ft", "lora", 1, 6.1)
+    on_again["config"]["base"] = "B2"
+    h = {ln["method"]: ln for ln in summarize_finetune(sweep + [again, on_again])}
+    ck.ok(sorted(h) == ["full", "lora", "qlora"] and close(h["lora"]["share_of_full"], 3.9 / 4.0), f"a retrained base pools: {sorted(h)}")
+    other = dict(base, run_id="B3", result={"val_ppl": 3.1, "tokens": 100})
+    on_other = ft("ft", "lora", 1, 6.1)
+    on_other["config"]["base"] = "B3"
+    k = summarize_finetune(sweep + [on_other, other])  # the newest base, B3: only its own run, no full reference
+    ck.ok([ln["method"] for ln in k] == ["lora"] and k[0]["share_of_full"] is None, f"a base that evaluates differently is not pooled: {k}")
     print(f"selftest: {ck.n} checks passed")
     return 0
 
