@@ -226,6 +226,26 @@ TEST(Plan, FrozenBaseKeepsLessForBackward) {
   EXPECT_LT((plan_memory<QLoRA>(llama7b, train, 1).activations.device), (plan_memory<Full>(llama7b, train, 1).activations.device));
 }
 
+TEST(Plan, LoRAOnEveryLinearStillFreezesTheBase) {
+  // Adapters on all seven linears: every norm output and silu(gate)·up is kept (they feed adapters), but the base
+  // stays frozen: no pre-gain value, nothing of the frozen head's input, block 0's first norm keeps nothing.
+  constexpr ModelShape m{1000, 64, 3, 4, 2, 160};
+  const TrainShape t{2, 16, false, plan::kDefaultLossChunkTokens, /*fused_kernels=*/false};
+  const i64 tokens = 32, kv = 2 * 16, r = 8;
+  const i64 norm = 4 * 64 + 4;
+  const i64 block = tokens * (2 * norm + (64 + 64 + 2 * 64 + 2 * kv + 3 * 160 + 160 + 7 * r) * 2 + 4 * 4);
+  const i64 final_norm = tokens * norm;
+  EXPECT_EQ(plan::activation_bytes(m, t, 2, 0, true, 7 * r, all_linears), 3 * block - tokens * norm + final_norm + tokens * 3 * 1000 * 4);
+  using QLoRAAll = Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16, all_linears>, Precision<bf16, float>>;
+  using QLoRA = Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>>;
+  const auto all = plan_memory<QLoRAAll>(llama7b, train, 1);
+  i64 lora = 0;
+  for (auto l : llama7b.block_linears()) lora += 32 * 8 * (l.in + l.out);
+  EXPECT_EQ(all.trainable_params, lora);
+  EXPECT_GT(all.activations.device, (plan_memory<QLoRA>(llama7b, train, 1).activations.device));
+  EXPECT_LT(all.activations.device, (plan_memory<Strategy<Precision<bf16, float>>>(llama7b, train, 1).activations.device));
+}
+
 TEST(Plan, PeakIsBackwardStartOrOptimizerStep) {
   using Bf16 = Strategy<Precision<bf16, float>>;
   const auto kept = plan_memory<Bf16>(llama7b, {1, 2048}, 1);

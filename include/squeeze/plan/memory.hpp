@@ -112,8 +112,7 @@ constexpr i64 lora_block_params(const ModelShape& m) {
 }
 
 // Which of a block's seven linears (q, k, v, o, gate, up, down: bit i as in ModelShape::block_linears())
-// train: all of them for full training, the LoRA targets when the base is frozen.
-inline constexpr unsigned kAllLinears = 0x7Fu;
+// train: all of them (squeeze::all_linears) for full training, the LoRA targets when the base is frozen.
 
 // Activation bytes on one rank at the start of backward (training), or the working set (inference), for
 // squeeze::nn::Llama on a GPU (fused attention: flash for 16-bit compute, memory-efficient for fp32). Per block
@@ -157,11 +156,12 @@ constexpr i64 loss_bytes(const ModelShape& m, i64 tokens, i64 p_c, i64 chunk_tok
 }
 
 constexpr i64 activation_bytes(const ModelShape& m, const TrainShape& t, i64 p_c, int checkpoint_every,
-                               bool training, i64 lora_rank_targets = 0, unsigned trained_linears = kAllLinears) {
+                               bool training, i64 lora_rank_targets = 0, unsigned trained_linears = all_linears) {
   const i64 tokens = t.micro_batch * t.seq;
   const i64 h = m.hidden;
   if (!training) return tokens * (2 * h + 2 * m.kv_dim() + 3 * m.ffn) * p_c + tokens * m.vocab * p_c;
-  const bool frozen = trained_linears != kAllLinears;
+  // The base is frozen under LoRA (norm gains, embedding and head too), also with adapters on every linear.
+  const bool frozen = lora_rank_targets > 0 || trained_linears != all_linears;
   const auto trains = [trained_linears](unsigned mask) { return (trained_linears & mask) != 0; };
   const i64 kv = p_c >= 4 ? h : m.kv_dim();  // fp32 attention reads K/V repeated to every head
   const bool fused = t.fused_kernels;
@@ -240,7 +240,7 @@ constexpr MemoryPlan plan_memory(const ModelShape& m, const TrainShape& t, int w
   }
 
   const i64 lora_act = S::has_lora ? S::lora_rank * std::popcount(L::targets) : 0;
-  const unsigned trained = S::base_trainable ? kAllLinears : (S::has_lora ? unsigned(L::targets) : 0u);
+  const unsigned trained = S::base_trainable ? all_linears : (S::has_lora ? unsigned(L::targets) : 0u);
   plan.activations.device = activation_bytes(m, t, p_c, S::checkpoint_every, S::training, lora_act, trained);
   // Stage 3 with a chunked loss: the head's weight is gathered once and held from its forward until the last
   // chunk's backward (nn::Linear::full_weight), at any world size.
