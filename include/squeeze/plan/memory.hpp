@@ -111,9 +111,6 @@ constexpr i64 lora_block_params(const ModelShape& m) {
   return n;
 }
 
-// Which of a block's seven linears (q, k, v, o, gate, up, down: bit i as in ModelShape::block_linears())
-// train: all of them (squeeze::all_linears) for full training, the LoRA targets when the base is frozen.
-
 // Activation bytes on one rank at the start of backward (training), or the working set (inference), for
 // squeeze::nn::Llama on a GPU (fused attention: flash for 16-bit compute, memory-efficient for fp32). Per block
 // and token, what autograd keeps (p_c: compute bytes):
@@ -155,6 +152,8 @@ constexpr i64 loss_bytes(const ModelShape& m, i64 tokens, i64 p_c, i64 chunk_tok
   return chunked ? chunk + head_grad + (tokens - c) * m.hidden * p_c : chunk;
 }
 
+// `trained_linears`: which of a block's seven linears (bit i as in ModelShape::block_linears()) train or carry
+// adapters: squeeze::all_linears for full training, the LoRA targets when the base is frozen.
 constexpr i64 activation_bytes(const ModelShape& m, const TrainShape& t, i64 p_c, int checkpoint_every,
                                bool training, i64 lora_rank_targets = 0, unsigned trained_linears = all_linears) {
   const i64 tokens = t.micro_batch * t.seq;
