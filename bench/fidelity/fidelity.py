@@ -47,7 +47,7 @@ SPREAD_FACTOR = 2.0
 SHARE_TARGET = 0.90
 # Fine-tuning methods: name -> llama_train strategy. "full" trains every weight in bf16 (with fp32 masters);
 # the others train LoRA adapters on the frozen base: dense bf16, NF4 + DoubleQuant, 4-bit GPTQ layout (RTN values).
-METHODS = {"full": "bf16", "lora": "lora", "qlora": "qlora", "gptq4-lora": "gptq4-lora"}
+METHODS = {"full": "bf16", "lora": "lora", "qlora": "qlora", "qlora-all": "qlora-all", "gptq4-lora": "gptq4-lora"}
 # Old / New Testament boundary of the KJV as the `bible` program prints it: 23,145 verses from Genesis 1:1 to
 # Malachi 4:6, 31,102 in all; the first New Testament verse opens like this.
 KJV_VERSES, KJV_OT_VERSES = 31102, 23145

@@ -66,6 +66,9 @@ void for_each_strategy(F&& f) {
   f.template operator()<Strategy<LoRA<8, 16>, Precision<bf16, float>, Checkpointed>>("lora");
   // QLoRA: NF4 base weights, bf16 compute, fp32 adapters. CPU, or CUDA from an nvcc TU.
   f.template operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed>>("qlora");
+  // ... with adapters on all seven linears of each block, as the QLoRA paper trains them
+  f.template operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16, all_linears>, Precision<bf16, float>, Checkpointed>>(
+      "qlora-all");
   // ... with the adapters' Adam moments as 8-bit codes (2 bytes + 8/256 per adapter value instead of 8)
   f.template operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed, Quantized<8, Blockwise8>>>(
       "qlora-adam8");
