@@ -3,14 +3,16 @@
 # one part of the runs within a time budget. The runs of earlier calls, committed as bench/results/h200/*-runs.jsonl,
 # are carried on: each call adds to them and brings back the whole file and its summary.
 #   usage: bash bench/fidelity/run_h200.sh
-#   env:   PART=fidelity (default) | finetune
+#   env:   PART=fidelity (default) | finetune | table (bench_table from the fine-tuning base: every row fine-tunes it)
 #          BUDGET_S=480    seconds for the whole call, the build included; no run starts that cannot end in it
 #          PRESET=125m  STEPS=20 (or TOKENS=N)  SEEDS=1,2,3  STRATEGIES=all (or a,b,c)  BATCH=32  SEQ=256  EVAL_BATCHES=16
 #          LR (default: llama_train's for the preset)   CKPT_ROOT=DIR, SAVE_EVERY=200: checkpoint each run there, so a run
 #          stopped at the budget resumes in the next call on the same (still warm) machine
 #          finetune: BASE_TOKENS=10000000  FT_TOKENS=2457600  FULL_LR=3e-4  LORA_LR=3e-3  METHODS=full,lora,qlora,gptq4-lora
+#          table: TABLE_STEPS=50 TABLE_WARMUP=5, TABLE_FULL_ROWS / TABLE_LORA_ROWS (at FULL_LR / LORA_LR)
 #          KJV=$ROOT/kjv.txt (the `bible` program's text, one verse per line; the GPU machine has no `bible`)
-# Writes $OUT/fidelity.jsonl + fidelity-runs.jsonl (or finetune.jsonl + finetune-runs.jsonl) and the logs of this call.
+# Writes $OUT/fidelity.jsonl + fidelity-runs.jsonl (or finetune.jsonl + finetune-runs.jsonl, or table-ft.jsonl + .csv)
+# and the logs of this call.
 set -uo pipefail
 t0=$(date +%s)
 OUT=${OUT:-$PWD/gpu-results}
@@ -25,12 +27,15 @@ export SQUEEZE_COMMIT=$(cat "$ROOT/COMMIT" 2>/dev/null || git -C "$ROOT" rev-par
 export SQUEEZE_DATE=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 export SQUEEZE_DEVICE=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || echo unknown)
 
-if [ ! -x "$BUILD/bin/llama_train" ]; then
+targets=()
+[ -x "$BUILD/bin/llama_train" ] || targets+=(llama_train)
+[ "$PART" = table ] && [ ! -x "$BUILD/bench/table/bench_table" ] && targets+=(bench_table)
+if [ ${#targets[@]} -gt 0 ]; then
   TORCH_PREFIX=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
-  # As bench/run_gpu.sh configures (90a: the Hopper kernels), but one target.
+  # As bench/run_gpu.sh configures (90a: the Hopper kernels), but the targets this part runs.
   cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" \
     -DSQUEEZE_TORCH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHS:-90a} >"$OUT/configure.log" 2>&1 || { tail -40 "$OUT/configure.log"; exit 1; }
-  cmake --build "$BUILD" -j16 --target llama_train >"$OUT/build.log" 2>&1 || { grep -E "error|FAILED" "$OUT/build.log" | head -30; exit 1; }
+  cmake --build "$BUILD" -j16 --target "${targets[@]}" >"$OUT/build.log" 2>&1 || { grep -E "error|FAILED" "$OUT/build.log" | head -30; exit 1; }
   echo "build: $(( $(date +%s) - t0 )) s"
 fi
 
@@ -66,7 +71,7 @@ case "$PART" in
     python3 "$DRIVER" summarize --runs "$runs" --out "$OUT/fidelity.jsonl" >/dev/null
     work="$BUILD/fidelity-work"
     ;;
-  finetune)
+  finetune | table)
     runs="$OUT/finetune-runs.jsonl"
     [ -f "$RESULTS/finetune-runs.jsonl" ] && cp "$RESULTS/finetune-runs.jsonl" "$runs"
     # The exported base (~0.5 GB at 125m) stays in $BUILD on this machine; only the runs' records come back.
@@ -76,9 +81,20 @@ case "$PART" in
       --runs "$runs" --work "$BUILD/finetune-work" --out "$OUT/finetune.jsonl"
     rc=$?
     work="$BUILD/finetune-work"
+    if [ "$PART" = table ] && [ $rc -eq 0 ]; then
+      # The committed runs are all there, so the call above only trained the base (when this machine lacks it).
+      base=$(ls -d "$BUILD"/finetune-work/base-*/ 2>/dev/null | head -1)
+      [ -n "$base" ] || { echo "table: no base under $BUILD/finetune-work"; exit 1; }
+      table=("$BUILD/bench/table/bench_table" --hf "$base" --corpus "$corpora/nt.txt" --batch "${BATCH:-32}" --seq "${SEQ:-256}"
+             --steps "${TABLE_STEPS:-50}" --warmup "${TABLE_WARMUP:-5}" --eval-seqs 128 --out "$OUT/table-ft.jsonl")
+      "${table[@]}" --lr "${FULL_LR:-3e-4}" --csv "$OUT/table-ft-full.csv" \
+        --rows "${TABLE_FULL_ROWS:-libtorch-autocast-bf16,fp32,bf16,fp16,bf16-ckpt,bf16-accum4-ckpt,zero2-bf16,zero3-offload-bf16-ckpt}" || rc=1
+      "${table[@]}" --lr "${LORA_LR:-3e-3}" --csv "$OUT/table-ft-lora.csv" \
+        --rows "${TABLE_LORA_ROWS:-lora,qlora,qlora-all,qlora-adam8,gptq4-lora}" || rc=1
+    fi
     ;;
   *)
-    echo "PART=$PART: fidelity or finetune"; exit 1 ;;
+    echo "PART=$PART: fidelity, finetune or table"; exit 1 ;;
 esac
 # This call's logs (a few kB each), for a run that failed or looks odd.
 mkdir -p "$OUT/logs"

@@ -2,7 +2,9 @@
 // compiled into the LLaMA example, beside a plain-libtorch peer (the same model, float weights, bf16 autocast,
 // torch AdamW) measured in the same run. Every row starts from the same weights (seed 1) and trains on the
 // same batches of the same corpus (the KJV when Debian's bible-kjv is installed, --corpus FILE, or the
-// example's built-in text), then evaluates the same validation windows. Per row:
+// example's built-in text), then evaluates the same validation windows. With --hf DIR every row starts from that
+// Hugging Face LLaMA directory instead (a trained base, e.g. llama_train --export-hf): the rows then fine-tune it and
+// the perplexity column compares them (from random weights a few steps leave it near the vocabulary size). Per row:
 //   peak_gb       the CUDA caching allocator's peak of allocated bytes, reset before the row is built (so it
 //                 covers construction and every step) and read after the last training step
 //   planned_gb    the planner's peak for the strategy and geometry (plan_for<S>(...).peak(): no measurement
@@ -31,6 +33,7 @@
 //
 //   bench_table --out table.jsonl [--csv table.csv] [--preset tinyllama-1.1b] [--batch 8] [--seq 2048]
 //               [--rows fp32,bf16,bf16-ckpt:1,...]     (NAME:B runs that row with batch B)
+//   bench_table --out ft.jsonl --hf BASE_DIR --lr 3e-4 --corpus nt.txt --seq 256 --batch 32     (fine-tuning a base)
 //   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone
 //       --nproc_per_node 2 --no-python bench_table --rows zero3-bf16 --out scale.jsonl     (B = 8 per GPU)
 //
@@ -92,6 +95,7 @@ constexpr double kH200DenseBf16Flops = 989e12;
 
 struct Options {
   std::string out, csv, preset = "tinyllama-1.1b", device = "cuda", rows, corpus;
+  std::string hf;  // a Hugging Face LLaMA directory every row starts from (its config replaces the preset)
   int64_t batch = 8, seq = 2048, steps = 3, warmup = 2, layers = 0, eval_seqs = 8, threads = 0, lr_warmup = 0;
   int64_t loss_chunk = llama::TrainOptions{}.loss_chunk_tokens;  // the strategy rows' (the peer never chunks)
   bool fused_loss = false;                                         // the strategy rows' loss fused (nn::fused_linear_cross_entropy)
@@ -296,7 +300,7 @@ Row run_peer(const RowSpec& spec, const Options& o, const nn::LlamaConfig& confi
   guarded(row, device, [&] {
     llama::reset_peak_memory(device);
     torch::manual_seed(1);
-    nn::Llama model(config);
+    nn::Llama model = o.hf.empty() ? nn::Llama(config) : nn::load_hf_llama(o.hf, {.dtype = torch::kFloat32});
     model->loss_chunk_tokens = 0;  // plain libtorch: the logits of the whole batch at once
     model->to(device);
     model->train();
@@ -355,7 +359,8 @@ Row run_strategy(const RowSpec& spec, const Options& o, const nn::LlamaConfig& c
       llama::reset_peak_memory(device);
       torch::manual_seed(1);
       std::optional<Trainer<S>> trainer;
-      trainer.emplace(config, topt, device, d.comm);  // d.comm null at world 1: one-rank LocalComm
+      if (o.hf.empty()) trainer.emplace(config, topt, device, d.comm);  // d.comm null at world 1: one-rank LocalComm
+      else trainer.emplace(Trainer<S>::from_hf(o.hf, topt, device, d.comm));
       run_steps(
           o, spec.batch, data, d, device, row,
           [&, i = int64_t(0)](const torch::Tensor& x, const torch::Tensor& y) mutable {
@@ -417,13 +422,13 @@ int main(int argc, char** argv) {
   app.add_option("--out", o.out, "append JSON lines here")->required();
   app.add_option("--csv", o.csv, "write the table as CSV here (default: --out with .csv)");
   app.add_option("--preset", o.preset, "model geometry")->check(CLI::IsMember(nn::LlamaConfig::preset_names()))->capture_default_str();
-  app.add_option("--layers", o.layers, "override the preset's layer count (smaller runs)");
+  auto* layers_opt = app.add_option("--layers", o.layers, "override the preset's layer count (smaller runs)");
   app.add_option("--batch", o.batch, "sequences per optimizer step (rows NAME:B override it)")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--seq", o.seq, "tokens per sequence")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--steps", o.steps, "timed optimizer steps per row")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--warmup", o.warmup, "untimed steps first (the allocator and cuBLAS settle)")->capture_default_str();
   app.add_option("--eval-seqs", o.eval_seqs, "validation sequences of --seq tokens")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--lr", o.lr, "AdamW learning rate (default: the preset's, llama::default_lr)");
+  auto* lr_opt = app.add_option("--lr", o.lr, "AdamW learning rate (default: the preset's, llama::default_lr)");
   app.add_option("--lr-warmup", o.lr_warmup, "optimizer steps of linear learning-rate warm-up (0: constant --lr)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
@@ -447,8 +452,17 @@ int main(int argc, char** argv) {
                                    ",fp32,zero3-offload,accum4,fp16,bf16,zero3-offload-fp16,zero3-offload-fp16-accum4,ckpt,bf16-ckpt,qlora,gptq4-lora";
   app.add_option("--rows", o.rows, "comma-separated rows: " + std::string(kPeer) + " and strategy names, NAME:B for batch B (default: " +
                                        default_rows + ")");
+  app.add_option("--hf", o.hf, "every row starts from this Hugging Face LLaMA directory (a trained base, e.g. llama_train "
+                               "--export-hf): its config.json replaces --preset, and the perplexity column measures fine-tuning it")
+      ->check(CLI::ExistingDirectory)
+      ->excludes(layers_opt)
+      ->needs(lr_opt);  // no preset rate applies to someone else's model
   CLI11_PARSE(app, argc, argv);
   if (o.rows.empty()) o.rows = default_rows;
+  if (!o.hf.empty() && app.count("--preset") > 0) {
+    std::cerr << "bench_table: --hf " << o.hf << " gives the model's geometry; leave out --preset " << o.preset << "\n";
+    return 1;
+  }
   // The preset's rate (llama::default_lr) unless --lr is given; at 7B warmed up over 5 steps unless --lr-warmup is.
   if (app.count("--lr") == 0) {
     o.lr = llama::default_lr(o.preset);
@@ -469,8 +483,19 @@ int main(int argc, char** argv) {
   }
   if (o.threads > 0) torch::set_num_threads(int(o.threads));
   at::globalContext().setFlushDenormal(true);  // as llama_train: denormal AdamW moments are slow on x86 CPUs
-  nn::LlamaConfig config = nn::LlamaConfig::preset(o.preset);
-  if (o.layers > 0) config.layers = o.layers;
+  nn::LlamaConfig config;
+  if (o.hf.empty()) {
+    config = nn::LlamaConfig::preset(o.preset);
+    if (o.layers > 0) config.layers = o.layers;
+  } else {
+    try {
+      config = nn::from_hf_config(io::load_llama_config(o.hf), o.hf);
+    } catch (const std::exception& e) {
+      std::cerr << "bench_table: --hf " << o.hf << ": " << e.what() << "\n";
+      return 1;
+    }
+    o.preset = "hf";  // the JSON's "hf" key names the directory
+  }
   llama::TrainOptions topt;
   topt.lr = o.lr;
   topt.clip = o.clip;
@@ -527,7 +552,7 @@ int main(int argc, char** argv) {
   const double model_flops = flops_per_token(config, o.seq);
   if (dist.root()) {
     std::printf("LLaMA %s (%lld layers), T=%lld, %lld warm-up + %lld timed steps per row on %d x %s (B per GPU); corpus: %s\n",
-                o.preset.c_str(), (long long)config.layers, (long long)o.seq, (long long)o.warmup, (long long)o.steps, dist.world,
+                o.hf.empty() ? o.preset.c_str() : ("from " + o.hf).c_str(), (long long)config.layers, (long long)o.seq, (long long)o.warmup, (long long)o.steps, dist.world,
                 dev_name.c_str(), data.source.c_str());
     std::printf("%-27s %3s %8s %8s %6s %7s %9s %9s %6s %8s %7s %7s  %s\n", "case", "B", "peak GB", "plan GB", "/plan", "it/s", "tok/s",
                 "tok/s/GPU", "MFU", "val ppl", "x peer", "mem x", claims_apply ? "claimed GB it/s ppl | note" : "note");
@@ -552,6 +577,7 @@ int main(int argc, char** argv) {
               {"date", env_or("SQUEEZE_DATE", "")}, {"commit", env_or("SQUEEZE_COMMIT", "")}, {"oom", row.oom},
               {"flops_per_token", model_flops}, {"loss_chunk", spec.name == kPeer ? int64_t(0) : o.loss_chunk},
               {"fused_loss", spec.name != kPeer && o.fused_loss}};
+    if (!o.hf.empty()) j["hf"] = o.hf;  // every row fine-tunes this model: losses[0] is its loss on the first batch
     // Keys are left out (not null) when unknown: consumers read missing numbers as 0.
     std::optional<double> tps, tps_gpu, mfu, ratio, mem_ratio, plan_ratio, ppl;
     if (row.time_ms) {
