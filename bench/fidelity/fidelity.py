@@ -473,7 +473,8 @@ def cmd_finetune(args):
     if base is None:
         runner.report()
         return 1
-    base_id = base["run_id"]
+    # A base trained again from the same configuration that evaluates the same is the first one: its runs are kept.
+    base_id = same_bases(read_jsonl(args.runs), base)[0]["run_id"]
 
     def ft_cfg(kind, method, seed, n):  # a steps-0 evaluation does not depend on the rate: lr None, run once
         lr = None if n == 0 else args.full_lr if method == "full" else args.lora_lr
@@ -497,6 +498,13 @@ def cmd_finetune(args):
     return 1 if runner.failed else 0
 
 
+def same_bases(records, base):
+    """The base records among `records` that are `base` (itself included): trained from the same configuration, they
+    evaluate the same (a base trained again on a new machine), in file order."""
+    return [b for b in records if b.get("config", {}).get("kind") == "ft-base"
+            and b["config"] == base["config"] and b["result"]["val_ppl"] == base["result"]["val_ppl"]]
+
+
 def summarize_finetune(records, base_id=None):
     """One line per fine-tuning method, learning rate and length on the base `base_id` (default: the newest base in
     the records). Each is measured against full fine-tuning of the same length; of several full fine-tuning rates,
@@ -509,8 +517,7 @@ def summarize_finetune(records, base_id=None):
         return []
     # A base trained again from the same configuration (a new machine) is the same base when it evaluates the same:
     # the runs on either are pooled.
-    same = {b["run_id"] for b in bases
-            if b["config"] == base["config"] and b["result"]["val_ppl"] == base["result"]["val_ppl"]}
+    same = {b["run_id"] for b in same_bases(bases, base)}
     start, runs = {}, {}  # method -> its steps-0 record; (method, lr, steps) -> seed -> record (the latest wins)
     for r in records:
         c = r.get("config", {})
@@ -779,6 +786,8 @@ def cmd_selftest(_args):
     on_again["config"]["base"] = "B2"
     h = {ln["method"]: ln for ln in summarize_finetune(sweep + [again, on_again])}
     ck.ok(sorted(h) == ["full", "lora", "qlora"] and close(h["lora"]["share_of_full"], 3.9 / 4.0), f"a retrained base pools: {sorted(h)}")
+    firsts = [b["run_id"] for b in same_bases(sweep + [again], again)]
+    ck.ok(firsts[0] == base["run_id"] and firsts[-1] == "B2", f"a retrained base fine-tunes as the first one, so its runs are kept: {firsts}")
     other = dict(base, run_id="B3", result={"val_ppl": 3.1, "tokens": 100})
     on_other = ft("ft", "lora", 1, 6.1)
     on_other["config"]["base"] = "B3"
