@@ -79,12 +79,12 @@ void for_each_strategy(F&& f) {
 
 // Peak AdamW learning rate when none is given, by preset (llama_train and bench_table): what trains each from
 // scratch: tiny 3e-3; 125m 1e-3 (run_gpu.sh's llama_gptq model, 1000 steps); TinyLlama 3e-4 (the strategy
-// table's); LLaMA-7B 1e-5 (at 32 layers 3e-4 and 3e-5 diverge within a few steps, fp32 and bf16 alike:
-// bench/results/h200/diag7b.jsonl; B=8 is still unsteady at 1e-5: table-7b.jsonl).
+// table's); LLaMA-7B 5e-6, warmed up (at 32 layers 3e-4 and 3e-5 diverge within a few steps, fp32 and bf16 alike;
+// at B=8, 1e-5 falls to 5.4 and climbs back to 11.2, 5e-6 goes 11.2 -> 4.4 in 12 steps: bench/results/h200/diag7b.jsonl).
 inline double default_lr(std::string_view preset) {
   if (preset == "125m") return 1e-3;
   if (preset == "tinyllama-1.1b") return 3e-4;
-  if (preset == "llama-7b") return 1e-5;
+  if (preset == "llama-7b") return 5e-6;
   return 3e-3;
 }
 
