@@ -133,7 +133,8 @@ constexpr i64 lora_block_params(const ModelShape& m) {
 // segment's input (h·p_c) instead; one segment's blocks are recomputed at a time, after the loss's transient is
 // gone: inputs + final norm + max(loss, segment). A recomputed segment's backward holds, beside its blocks' saved
 // values, the gradient arriving at it (h·p_c per token) and, in the last block's MLP backward, the gradients of
-// silu(gate) and up beside the product's (2·ffn·p_c more than the saved values that are already freed).
+// silu(gate) and up beside the product's (2·ffn·p_c more than the saved values that are already freed; 3·ffn·p_c
+// under a frozen down projection, which saved no product to free).
 //
 // The loss over c tokens at a time (n tokens in all; c = n unchunked): the logits cast to fp32 and the fp32
 // log-softmax kept for backward; the first backward node holds it beside the fp32 gradients it reads and writes:
@@ -180,7 +181,9 @@ constexpr i64 activation_bytes(const ModelShape& m, const TrainShape& t, i64 p_c
   const i64 final_norm = tokens * (norm_fp32 + (pre_gain + (frozen && !chunked ? 0 : h)) * p_c);
   const i64 loss = loss_bytes(m, tokens, p_c, t.loss_chunk_tokens, !frozen);
   if (checkpoint_every == 0) return m.layers * block - first_norm + final_norm + loss;
-  const i64 segment = (checkpoint_every < m.layers ? checkpoint_every : m.layers) * block + tokens * (h + 2 * m.ffn) * p_c;
+  // A frozen down projection kept no silu(gate)·up, so none is freed when its gradient arrives: one ffn more.
+  const i64 segment = (checkpoint_every < m.layers ? checkpoint_every : m.layers) * block +
+                      tokens * (h + 2 * m.ffn + (product == 0 ? m.ffn : 0)) * p_c;
   return ceil_div(m.layers, checkpoint_every) * tokens * h * p_c + final_norm + (loss > segment ? loss : segment);
 }
 

@@ -1,0 +1,73 @@
+// The planner against whole training runs on the CPU: the most bytes the CPU allocator had out during three
+// optimizer steps, counted from before the model was built, beside plan_for<S>(...).peak() for the same strategy
+// and shapes (on the CPU the planner's "device" is this memory; nothing is offloaded). The steps, not the
+// construction: a LoRA strategy's dense float model is the user's, on the host, while a GPU trainer packs it, and
+// the table's rows peak in training. The rows the strategy table measures on the GPU, at a geometry where
+// parameters, optimizer state and activations all count.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+
+#include "memory_meter.hpp"
+#include "trainer.hpp"
+
+namespace {
+
+using namespace squeeze;
+using squeeze::llama::Trainer;
+
+nn::LlamaConfig plan_config() {
+  nn::LlamaConfig c;  // GQA, a vocabulary the byte tokens fill, sizes that do not divide evenly
+  c.name = "plan-test";
+  c.vocab = 256, c.hidden = 160, c.layers = 4, c.heads = 4, c.kv_heads = 2, c.ffn = 424;
+  return c;
+}
+
+struct Measured {
+  int64_t peak = 0, planned = 0;
+};
+
+template <StrategyType S>
+Measured measure(int64_t batch, int64_t seq, int64_t loss_chunk, bool fused = true) {
+  nn::LlamaConfig c = plan_config();
+  c.fused_kernels = fused;
+  llama::TrainOptions o;
+  o.loss_chunk_tokens = loss_chunk;
+  torch::manual_seed(21);
+  const torch::Tensor x = torch::randint(0, c.vocab, {batch, seq}, torch::kLong), y = torch::randint(0, c.vocab, {batch, seq}, torch::kLong);
+  squeeze::test::MemoryMeter meter;  // after the batch: the planner does not count the input tokens
+  Trainer<S> trainer(c, o, torch::kCPU);
+  squeeze::test::CountingCpuAllocator::reset_peak();
+  for (int step = 0; step < 3; ++step) trainer.step(x, y);
+  return {meter.peak_bytes(), int64_t(llama::plan_for<S>(c, batch, seq, 1, loss_chunk).peak().device)};
+}
+
+// The table's rows that train on one device without offload: within 10% of the plan, the fidelity issue's bound
+// (bf16-accum4-ckpt at 125m was 18% off on the GPU); all are within 8% here, so that is the bound asserted. The
+// q/v-adapter rows were 10.4-11.2% over until the planner counted the gradient of silu(gate)·up that a frozen
+// down projection never saved (plan/memory.hpp's recomputed segment).
+TEST(LlamaPlanPeak, TrainingRunsPeakWithinEightPercentOfThePlan) {
+  const int64_t B = 8, T = 72;
+  using QLoRA = Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed>;
+  std::vector<std::pair<const char*, Measured>> rows;
+  rows.emplace_back("fp32", measure<Strategy<>>(B, T, 0));
+  rows.emplace_back("bf16", measure<Strategy<Precision<bf16, float>>>(B, T, 0));
+  rows.emplace_back("bf16-ckpt", measure<Strategy<Precision<bf16, float>, Checkpointed>>(B, T, 0));
+  rows.emplace_back("bf16-ckpt unfused", measure<Strategy<Precision<bf16, float>, Checkpointed>>(B, T, 0, false));
+  rows.emplace_back("bf16-ckpt chunked", measure<Strategy<Precision<bf16, float>, Checkpointed>>(B, T, 96));
+  rows.emplace_back("bf16-accum4-ckpt", measure<Strategy<Precision<bf16, float>, Accumulate<4>, Checkpointed>>(B, T, 0));
+  rows.emplace_back("zero3-bf16-ckpt", measure<Strategy<Sharded<Stage3>, Precision<bf16, float>, Checkpointed>>(B, T, 0));
+  rows.emplace_back("lora", measure<Strategy<LoRA<8, 16>, Precision<bf16, float>, Checkpointed>>(B, T, 0));
+  rows.emplace_back("qlora", measure<QLoRA>(B, T, 0));
+  rows.emplace_back("qlora B=16", measure<QLoRA>(2 * B, T, 0));
+  rows.emplace_back("qlora unfused", measure<QLoRA>(B, T, 0, false));
+  rows.emplace_back("qlora no ckpt", measure<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>>>(B, T, 0));
+  rows.emplace_back("qlora-all", measure<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16, all_linears>, Precision<bf16, float>, Checkpointed>>(B, T, 0));
+  for (const auto& [name, m] : rows) {
+    std::printf("[ measured ] %-18s peak %9lld bytes, planned %9lld (peak / plan %.3f)\n", name, (long long)m.peak, (long long)m.planned,
+                double(m.peak) / double(m.planned));
+    EXPECT_NEAR(double(m.peak) / double(m.planned), 1.0, 0.08) << name;
+  }
+}
+
+}  // namespace
