@@ -45,7 +45,9 @@ Measured measure(int64_t batch, int64_t seq, int64_t loss_chunk, bool fused = tr
 // The table's rows that train on one device without offload: within 10% of the plan, the fidelity issue's bound
 // (bf16-accum4-ckpt at 125m was 18% off on the GPU); all are within 8% here, so that is the bound asserted. The
 // q/v-adapter rows were 10.4-11.2% over until the planner counted the gradient of silu(gate)·up that a frozen
-// down projection never saved (plan/memory.hpp's recomputed segment).
+// down projection never saved (plan/memory.hpp's recomputed segment); bf16-ckpt at B=4, where the parameters
+// dominate as at LLaMA-7B (12.6% over there on the GPU), 12.2% over until it counted the freed gradients beside the
+// flat buffer they are collected into (MemoryPlan::gradient_collect).
 TEST(LlamaPlanPeak, TrainingRunsPeakWithinEightPercentOfThePlan) {
   const int64_t B = 8, T = 72;
   using QLoRA = Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed>;
@@ -53,6 +55,7 @@ TEST(LlamaPlanPeak, TrainingRunsPeakWithinEightPercentOfThePlan) {
   rows.emplace_back("fp32", measure<Strategy<>>(B, T, 0));
   rows.emplace_back("bf16", measure<Strategy<Precision<bf16, float>>>(B, T, 0));
   rows.emplace_back("bf16-ckpt", measure<Strategy<Precision<bf16, float>, Checkpointed>>(B, T, 0));
+  rows.emplace_back("bf16-ckpt B=4", measure<Strategy<Precision<bf16, float>, Checkpointed>>(B / 2, T, 0));  // peaks in the update
   rows.emplace_back("bf16-ckpt unfused", measure<Strategy<Precision<bf16, float>, Checkpointed>>(B, T, 0, false));
   rows.emplace_back("bf16-ckpt chunked", measure<Strategy<Precision<bf16, float>, Checkpointed>>(B, T, 96));
   rows.emplace_back("bf16-accum4-ckpt", measure<Strategy<Precision<bf16, float>, Accumulate<4>, Checkpointed>>(B, T, 0));

@@ -259,7 +259,8 @@ TEST(Plan, PeakIsBackwardStartOrOptimizerStep) {
   EXPECT_EQ(freed.model_state().device, 16 * Psi) << "the categories do not change, only what is live when";
   ASSERT_GT(freed.activations.device, 0);
   ASSERT_LT(freed.activations.device, Psi);  // checkpointed B=1: far fewer activation bytes than gradient bytes
-  EXPECT_EQ(freed.peak().device, 16 * Psi) << "the optimizer step is the peak";
+  EXPECT_EQ(freed.gradient_collect, 2 * Psi);
+  EXPECT_EQ(freed.peak().device, 18 * Psi) << "the optimizer step is the peak: the freed gradients beside the flat buffer they move into";
   const auto big = plan_memory<Bf16>(llama7b, {8, 2048, true}, 1);
   ASSERT_GT(big.activations.device, 2 * Psi);
   EXPECT_EQ(big.peak().device, 14 * Psi + big.activations.device) << "the start of backward is the peak";
@@ -267,10 +268,14 @@ TEST(Plan, PeakIsBackwardStartOrOptimizerStep) {
   const auto acc = plan_memory<Strategy<Precision<bf16, float>, Accumulate<4>>>(llama7b, {2, 2048, true}, 1);
   EXPECT_EQ(acc.transient_gradients, 2 * Psi);
   EXPECT_EQ(acc.peak().device, 18 * Psi + acc.activations.device);
-  // fp32 accumulation sums into the gradients themselves: nothing is transient.
+  EXPECT_EQ(acc.gradient_collect, 0) << "each micro-batch's gradients go into the fp32 accumulator, counted as kept";
+  // fp32 accumulation sums into the gradients themselves: nothing is transient, but they too are collected.
   EXPECT_EQ((plan_memory<Strategy<Accumulate<4>>>(llama7b, {2, 2048, true}, 1).transient_gradients), 0);
+  EXPECT_EQ((plan_memory<Strategy<Accumulate<4>>>(llama7b, {2, 2048, true}, 1).gradient_collect), 4 * Psi);
+  EXPECT_EQ(kept.gradient_collect, 0) << "gradients kept between steps are the flat buffer's views";
   // Sharded trainers keep flat gradient buffers: the flag does not apply.
   EXPECT_EQ((plan_memory<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>>(llama7b, {8, 2048, true}, 1).transient_gradients), 0);
+  EXPECT_EQ((plan_memory<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>>(llama7b, {8, 2048, true}, 1).gradient_collect), 0);
   // Host memory is persistent.
   const auto off = plan_memory<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>>(llama7b, train, 1);
   EXPECT_EQ(off.peak().host, 14 * Psi) << "fp32 master and moments, bf16 gradient shard";

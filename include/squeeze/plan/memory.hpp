@@ -10,8 +10,8 @@
 //   communication gather/reduce buckets: one block (stage 1-2), three (stage 3: current, prefetch, grads)
 // Offload<Host> moves master + optimizer state (and a gradient shard in the gradient's type) to host memory.
 // peak(): a training step's device high-water mark: the start of backward (everything saved, the loss's
-// gradients being formed) or the optimizer step (every gradient materialised, no activations), whichever
-// is larger. A trainer that frees its gradients between steps (TrainShape::free_grads) has none of them at
+// gradients being formed) or the optimizer step (every gradient materialised, no activations; freed gradients
+// beside the flat buffer they are collected into), whichever is larger. A trainer that frees its gradients between steps (TrainShape::free_grads) has none of them at
 // the start of backward unless it is accumulating.
 #include <bit>
 #include <cstdint>
@@ -57,6 +57,9 @@ struct MemoryPlan {
   // Device gradient bytes that do not exist at the start of backward (TrainShape::free_grads): they are
   // created by backward, summed into an accumulator or read by the optimizer, then freed.
   i64 transient_gradients = 0;
+  // Device bytes beside the model state when backward ends: the per-parameter gradients backward left moving into
+  // the flat buffer the update reads (free_grads at stages 0-1 without an fp32 accumulator: both exist at once).
+  i64 gradient_collect = 0;
   constexpr Placement model_state() const {
     Placement p = parameters;
     p += gradients; p += master_weights; p += optimizer_state;
@@ -69,10 +72,11 @@ struct MemoryPlan {
     return p;
   }
   // The device high-water mark of one step: the start of backward (all activations, the gradients kept
-  // between steps) or the optimizer step (all gradients, no activations). Host: everything, it is persistent.
+  // between steps) or the optimizer step (all gradients, no activations; freed gradients while they are
+  // collected into their flat buffer). Host: everything, it is persistent.
   constexpr Placement peak() const {
     const i64 backward_start = total().device - transient_gradients;
-    const i64 optimizer_step = model_state().device + communication.device;
+    const i64 optimizer_step = model_state().device + communication.device + gradient_collect;
     return {backward_start > optimizer_step ? backward_start : optimizer_step, total().host};
   }
 };
@@ -227,6 +231,9 @@ constexpr MemoryPlan plan_memory(const ModelShape& m, const TrainShape& t, int w
       // Freed between steps: all of them, except what accumulates across micro-batches (the fp32
       // accumulator, or the gradients themselves when there is no master copy).
       if (t.free_grads && !(S::accumulation_steps > 1 && !fp32_accumulator)) plan.transient_gradients = trainable * p_g;
+      // Collected at the window's end into a flat buffer allocated beside them (train::FlatParams::collect_grads);
+      // an fp32 accumulator takes each micro-batch's instead and is counted above.
+      if (t.free_grads && !fp32_accumulator) plan.gradient_collect = trainable * p_g;
     }
     const i64 owned = S::stage >= 1 ? shard(trainable) : trainable;  // optimizer-state shard
     const i64 master = master_copy ? owned * p_m : 0;
