@@ -12,12 +12,14 @@ same geometry: from random weights (--preset tiny) and from that base (--hf). Ch
   usage: check_hf.py --bench-table BIN --llama-train BIN --corpus TEXT --work DIR
 """
 import argparse
-import json
 import math
 import os
 import shutil
 import subprocess
 import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_common import read_jsonl  # noqa: E402
 
 MIN_GAIN = 1.0     # nats: the base's first loss below random weights' (ln 256 = 5.5 at the start)
 LOSS_RTOL = 0.02   # dense rows against the peer: bf16 weights and activations against float under autocast
@@ -34,8 +36,7 @@ def run(cmd, expect_ok=True):
 
 
 def rows(path):
-    with open(path) as f:
-        return {r["case"]: r for r in map(json.loads, f)}
+    return {r["case"]: r for r in read_jsonl([path], "check_hf")}
 
 
 def main():

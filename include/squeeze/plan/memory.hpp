@@ -11,8 +11,8 @@
 // Offload<Host> moves master + optimizer state (and a gradient shard in the gradient's type) to host memory.
 // peak(): a training step's device high-water mark: the start of backward (everything saved, the loss's
 // gradients being formed) or the optimizer step (every gradient materialised, no activations; freed gradients
-// beside the flat buffer they are collected into), whichever is larger. A trainer that frees its gradients between steps (TrainShape::free_grads) has none of them at
-// the start of backward unless it is accumulating.
+// beside the flat buffer they are collected into), whichever is larger. A trainer that frees its gradients
+// between steps (TrainShape::free_grads) has none of them at the start of backward unless it is accumulating.
 #include <bit>
 #include <cstdint>
 
