@@ -30,7 +30,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
@@ -138,10 +140,12 @@ def corpus_name(path):
 
 class Runner:
     """Runs llama_train for one configuration at a time, appends each result to the runs file, skips what that file
-    already holds, and keeps to a wall-clock budget (a run that cannot finish in it is left for a later call)."""
+    already holds, and keeps to a wall-clock budget (a run that cannot finish in it is left for a later call).
+    run() may be called from `jobs` threads at once: a small model leaves most of a GPU idle, so runs share it."""
 
-    def __init__(self, binary, work, runs_path, budget_s=None, quiet=False):
-        self.binary, self.work, self.runs_path, self.quiet = binary, work, runs_path, quiet
+    def __init__(self, binary, work, runs_path, budget_s=None, quiet=False, jobs=1):
+        self.binary, self.work, self.runs_path, self.quiet, self.jobs = binary, work, runs_path, quiet, jobs
+        self.lock = threading.Lock()  # guards everything below and the runs file
         self.deadline = time.monotonic() + budget_s if budget_s is not None else None
         self.done, self.ran, self.left, self.failed = {}, 0, [], []
         self.durations = {}  # (kind, strategy) -> seconds of its last run in this call, to judge what still fits
@@ -164,18 +168,19 @@ class Runner:
         """The record of this configuration: from the runs file, or by running llama_train; None if it failed or
         did not fit the budget."""
         key = config_key(config)
-        if key in self.done:
-            return self.done[key]
         slug = self.slug(config)
         label = f"{config['kind']} {config.get('preset') or ''} {config['strategy']} seed {config['seed']}".replace("  ", " ")
-        if self.deadline is not None:
-            remaining = self.deadline - time.monotonic()
-            estimate = self.durations.get((config["kind"], config["strategy"])) or self.past.get(seedless_key(config), 0.0)
-            if resume_dir is not None and os.path.exists(os.path.join(resume_dir, "latest")):
-                estimate = 0.0  # part of it is done: let it go on as far as the budget takes it
-            if remaining <= 0 or estimate > remaining:
-                self.left.append(label)
-                return None
+        with self.lock:
+            if key in self.done:
+                return self.done[key]
+            if self.deadline is not None:
+                remaining = self.deadline - time.monotonic()
+                estimate = self.durations.get((config["kind"], config["strategy"])) or self.past.get(seedless_key(config), 0.0)
+                if resume_dir is not None and os.path.exists(os.path.join(resume_dir, "latest")):
+                    estimate = 0.0  # part of it is done: let it go on as far as the budget takes it
+                if remaining <= 0 or estimate > remaining:
+                    self.left.append(label)
+                    return None
         result_path = os.path.join(self.work, "results", slug + ".json")
         log_path = os.path.join(self.work, "logs", slug + ".log")
         if os.path.exists(result_path):
@@ -197,25 +202,28 @@ class Runner:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-                self.left.append(label + " (stopped at the budget" + ("; resumes from its checkpoint" if resume_dir else "") + ")")
+                with self.lock:
+                    self.left.append(label + " (stopped at the budget" + ("; resumes from its checkpoint" if resume_dir else "") + ")")
                 return None
         wall = time.monotonic() - t0
-        self.durations[(config["kind"], config["strategy"])] = wall
-        if rc != 0 or not os.path.exists(result_path):
-            tail = open(log_path, errors="replace").read().strip().splitlines()[-3:]
-            why = f"exit code {rc}" if rc != 0 else "no --result-json file"
-            self.failed.append(f"{label}: {why}: " + " | ".join(tail))
-            self.say(f"  FAILED {label}: {why} (log: {log_path})")
-            return None
-        with open(result_path) as f:
-            result = json.load(f)
-        rec = {"bench": "fidelity-run", "config": config, "result": result, "wall_s": round(wall, 2), "commit": commit_of(),
-               "date": date_now(), "gpu": bench_common.run_metadata("")["device"], "run_id": f"{slug}-{int(time.time() * 1000)}", "log": os.path.basename(log_path),
-               "command": shlex.join(cmd)}
-        os.makedirs(os.path.dirname(os.path.abspath(self.runs_path)), exist_ok=True)
-        bench_common.append_jsonl(self.runs_path, [rec])
-        self.done[key] = rec
-        self.ran += 1
+        with self.lock:
+            self.durations[(config["kind"], config["strategy"])] = wall
+            if rc != 0 or not os.path.exists(result_path):
+                tail = open(log_path, errors="replace").read().strip().splitlines()[-3:]
+                why = f"exit code {rc}" if rc != 0 else "no --result-json file"
+                self.failed.append(f"{label}: {why}: " + " | ".join(tail))
+                self.say(f"  FAILED {label}: {why} (log: {log_path})")
+                return None
+            with open(result_path) as f:
+                result = json.load(f)
+            # concurrent_runs: how many runs shared the GPU (their tokens/s is then a share of it; the perplexity is not affected)
+            rec = {"bench": "fidelity-run", "config": config, "result": result, "wall_s": round(wall, 2), "concurrent_runs": self.jobs,
+                   "commit": commit_of(), "date": date_now(), "gpu": bench_common.run_metadata("")["device"],
+                   "run_id": f"{slug}-{int(time.time() * 1000)}", "log": os.path.basename(log_path), "command": shlex.join(cmd)}
+            os.makedirs(os.path.dirname(os.path.abspath(self.runs_path)), exist_ok=True)
+            bench_common.append_jsonl(self.runs_path, [rec])
+            self.done[key] = rec
+            self.ran += 1
         ppl = result.get("val_ppl")
         self.say(f"  {label}: validation perplexity {ppl if ppl is None else f'{ppl:.4f}'}, {result.get('tokens')} tokens, {wall:.1f} s")
         return rec
@@ -294,18 +302,26 @@ def cmd_run(args):
             fail(f"--strategies: {', '.join(unknown)} not in this llama_train ({', '.join(known)})")
     order = ["fp32"] + [s for s in wanted if s != "fp32"] if "fp32" in wanted else wanted  # the reference first
     seeds, steps = int_list(args.seeds), steps_for(args)
-    runner = Runner(args.binary, args.work, args.runs, args.budget_s, args.quiet)
+    if args.jobs < 1:
+        fail(f"--jobs {args.jobs}: at least 1")
+    runner = Runner(args.binary, args.work, args.runs, args.budget_s, args.quiet, args.jobs)
     runner.say(f"fidelity: {args.preset}, {len(order)} strategies x {len(seeds)} seeds, {steps} steps of {args.batch} x {args.seq} "
-               f"= {steps * args.batch * args.seq} tokens each" + (f", budget {args.budget_s:.0f} s" if args.budget_s else ""))
-    for strategy in order:
-        for seed in seeds:
-            resume = None
-            if args.ckpt_root:
-                resume = os.path.join(args.ckpt_root, runner.slug(pretrain_config(args, strategy, seed, steps)))
-            eval_every = args.save_every if args.ckpt_root else 0
-            rec = runner.run(pretrain_config(args, strategy, seed, steps), pretrain_args(args, strategy, seed, steps, eval_every), resume)
-            if rec is not None and resume and os.path.isdir(resume) and not args.keep_checkpoints:
-                shutil.rmtree(resume)  # finished: its checkpoints are no longer needed
+               f"= {steps * args.batch * args.seq} tokens each" + (f", budget {args.budget_s:.0f} s" if args.budget_s else "") +
+               (f", {args.jobs} runs at a time" if args.jobs > 1 else ""))
+
+    def one(strategy, seed):
+        resume = None
+        if args.ckpt_root:
+            resume = os.path.join(args.ckpt_root, runner.slug(pretrain_config(args, strategy, seed, steps)))
+        eval_every = args.save_every if args.ckpt_root else 0
+        rec = runner.run(pretrain_config(args, strategy, seed, steps), pretrain_args(args, strategy, seed, steps, eval_every), resume)
+        if rec is not None and resume and os.path.isdir(resume) and not args.keep_checkpoints:
+            shutil.rmtree(resume)  # finished: its checkpoints are no longer needed
+
+    # In order (the reference first); with --jobs N the next configuration starts as soon as one of N ends.
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for f in [pool.submit(one, strategy, seed) for strategy in order for seed in seeds]:
+            f.result()
     runner.report()
     if args.out:
         lines = summarize(read_jsonl(args.runs))
@@ -475,6 +491,9 @@ def cmd_finetune(args):
         return 1
     # A base trained again from the same configuration that evaluates the same is the first one: its runs are kept.
     base_id = same_bases(read_jsonl(args.runs), base)[0]["run_id"]
+    if args.base_path:
+        with open(args.base_path, "w") as f:
+            f.write(os.path.abspath(base_dir) + "\n")
 
     def ft_cfg(kind, method, seed, n):  # a steps-0 evaluation does not depend on the rate: lr None, run once
         lr = None if n == 0 else args.full_lr if method == "full" else args.lora_lr
@@ -639,10 +658,14 @@ def cmd_selfcheck(args):
     call(["--strategies", ",".join(strategies[:-1])])
     n_first = len(read_jsonl(runs))
     ck.ok(n_first == (len(strategies) - 1) * len(seeds), f"the first call recorded {n_first} runs")
-    call(["--strategies", strategies[-1]])
+    call(["--strategies", strategies[-1], "--jobs", "2"])  # its seeds at once, as on the GPU
     out = call(["--strategies", ",".join(strategies[:-1])])
     recs = read_jsonl(runs)
     ck.ok(len(recs) == len(strategies) * len(seeds), f"{len(recs)} runs recorded after the second call")
+    ck.ok(sorted(r["config"]["seed"] for r in recs if r["config"]["strategy"] == strategies[-1]) == sorted(seeds),
+          "the runs made two at a time are each seed once")
+    ck.ok(all(r["concurrent_runs"] == (2 if r["config"]["strategy"] == strategies[-1] else 1) for r in recs),
+          "each run records how many shared the device: " + str([r.get("concurrent_runs") for r in recs]))
     ck.ok("0 run(s) this call" in out, "repeating a call runs nothing again: " + out[-300:])
 
     # 2. The binary's own result files (not the runs file the driver wrote), against its printed line.
@@ -705,8 +728,11 @@ def cmd_selfcheck(args):
                                "--steps", str(args.steps), "--batch", "4", "--seq", "32", "--eval-batches", "1", "--threads", "1",
                                "--base-corpus", os.path.join(work, "a.txt"), "--ft-corpus", os.path.join(work, "b.txt"), "--seeds", args.seeds,
                                "--base-seed", str(base_seed), "--base-lr", "3e-3", "--full-lr", "1e-3", "--lora-lr", "1e-2", "--runs", ft_runs, "--work", os.path.join(work, "ft"),
-                               "--out", ft_out, "--quiet"], capture_output=True, text=True)
+                               "--out", ft_out, "--base-path", os.path.join(work, "base.path"), "--quiet"], capture_output=True, text=True)
     ck.ok(p.returncode == 0, f"fidelity.py finetune exited {p.returncode}: {p.stdout[-800:]} {p.stderr[-800:]}")
+    base_path = open(os.path.join(work, "base.path")).read().strip()
+    ck.ok(os.path.isfile(os.path.join(base_path, "config.json")) and os.path.dirname(base_path) == os.path.join(work, "ft"),
+          f"--base-path names the exported base: {base_path}")
     ft = {ln["method"]: ln for ln in read_jsonl(ft_out)}
     ck.ok(sorted(ft) == sorted(METHODS), f"one fine-tuning line per method: {sorted(ft)}")
     ft_recs = read_jsonl(ft_runs)
@@ -827,6 +853,7 @@ def main():
                                                    "resumes from it in a later call on the same machine")
     p.add_argument("--save-every", type=int, default=200)
     p.add_argument("--keep-checkpoints", action="store_true", help="keep a finished run's checkpoints")
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time on the one device (default 1; their tokens/s is then shared)")
     p.add_argument("--out", default="", help="also write the summary here")
     p.set_defaults(fn=cmd_run)
 
@@ -854,6 +881,7 @@ def main():
     p.add_argument("--full-lr", type=float, default=3e-4, help="full fine-tuning's peak learning rate")
     p.add_argument("--lora-lr", type=float, default=3e-3, help="the LoRA methods' peak learning rate (adapters only)")
     p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--base-path", default="", help="write the exported base's directory into this file (for bench_table --hf)")
     p.add_argument("--out", default="")
     p.set_defaults(fn=cmd_finetune)
 

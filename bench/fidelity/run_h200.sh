@@ -6,6 +6,7 @@
 #   env:   PART=fidelity (default) | finetune | table (bench_table from the fine-tuning base: every row fine-tunes it)
 #          BUDGET_S=480    seconds for the whole call, the build included; no run starts that cannot end in it
 #          PRESET=125m  STEPS=20 (or TOKENS=N)  SEEDS=1,2,3  STRATEGIES=all (or a,b,c)  BATCH=32  SEQ=256  EVAL_BATCHES=16
+#          JOBS=1 (fidelity: runs sharing the GPU at a time; a 125m run leaves most of it idle)
 #          LR (default: llama_train's for the preset)   CKPT_ROOT=DIR, SAVE_EVERY=200: checkpoint each run there, so a run
 #          stopped at the budget resumes in the next call on the same (still warm) machine
 #          finetune: BASE_TOKENS=10000000  FT_TOKENS=2457600  FULL_LR=3e-4  LORA_LR=3e-3  METHODS=full,lora,qlora,gptq4-lora
@@ -65,7 +66,7 @@ case "$PART" in
     [ -f "$RESULTS/fidelity-runs.jsonl" ] && cp "$RESULTS/fidelity-runs.jsonl" "$runs"
     if [ -n "${TOKENS:-}" ]; then length=(--tokens "$TOKENS"); else length=(--steps "${STEPS:-20}"); fi
     python3 "$DRIVER" run "${geometry[@]}" "${length[@]}" --seeds "${SEEDS:-1,2,3}" --strategies "${STRATEGIES:-all}" \
-      --corpus "$corpora/kjv.txt" ${LR:+--lr "$LR"} ${CKPT_ROOT:+--ckpt-root "$CKPT_ROOT" --save-every "${SAVE_EVERY:-200}"} \
+      --corpus "$corpora/kjv.txt" --jobs "${JOBS:-1}" ${LR:+--lr "$LR"} ${CKPT_ROOT:+--ckpt-root "$CKPT_ROOT" --save-every "${SAVE_EVERY:-200}"} \
       --runs "$runs" --work "$BUILD/fidelity-work"
     rc=$?
     python3 "$DRIVER" summarize --runs "$runs" --out "$OUT/fidelity.jsonl" >/dev/null
@@ -78,13 +79,12 @@ case "$PART" in
     python3 "$DRIVER" finetune "${geometry[@]}" --base-corpus "$corpora/ot.txt" --ft-corpus "$corpora/nt.txt" \
       --base-tokens "${BASE_TOKENS:-10000000}" --tokens "${FT_TOKENS:-2457600}" --seeds "${SEEDS:-1,2,3}" \
       --full-lr "${FULL_LR:-3e-4}" --lora-lr "${LORA_LR:-3e-3}" --methods "${METHODS:-full,lora,qlora,gptq4-lora}" \
-      --runs "$runs" --work "$BUILD/finetune-work" --out "$OUT/finetune.jsonl"
+      --runs "$runs" --work "$BUILD/finetune-work" --out "$OUT/finetune.jsonl" --base-path "$BUILD/finetune-work/base.path"
     rc=$?
     work="$BUILD/finetune-work"
     if [ "$PART" = table ] && [ $rc -eq 0 ]; then
       # The committed runs are all there, so the call above only trained the base (when this machine lacks it).
-      base=$(ls -d "$BUILD"/finetune-work/base-*/ 2>/dev/null | head -1)
-      [ -n "$base" ] || { echo "table: no base under $BUILD/finetune-work"; exit 1; }
+      base=$(cat "$BUILD/finetune-work/base.path")
       table=("$BUILD/bench/table/bench_table" --hf "$base" --corpus "$corpora/nt.txt" --batch "${BATCH:-32}" --seq "${SEQ:-256}"
              --steps "${TABLE_STEPS:-50}" --warmup "${TABLE_WARMUP:-5}" --eval-seqs 128 --out "$OUT/table-ft.jsonl")
       "${table[@]}" --lr "${FULL_LR:-3e-4}" --csv "$OUT/table-ft-full.csv" \
