@@ -658,6 +658,8 @@ def cmd_selfcheck(args):
     call(["--strategies", ",".join(strategies[:-1])])
     n_first = len(read_jsonl(runs))
     ck.ok(n_first == (len(strategies) - 1) * len(seeds), f"the first call recorded {n_first} runs")
+    bad = subprocess.run(base + ["run"] + common + ["--jobs", "0"], capture_output=True, text=True)
+    ck.ok(bad.returncode != 0 and "--jobs 0" in bad.stderr + bad.stdout, "--jobs 0 is refused by name: " + (bad.stderr + bad.stdout)[-300:])
     call(["--strategies", strategies[-1], "--jobs", "2"])  # its seeds at once, as on the GPU
     out = call(["--strategies", ",".join(strategies[:-1])])
     recs = read_jsonl(runs)
