@@ -386,10 +386,19 @@ def summarize(records):
             else:
                 line["ratio_vs_fp32"] = None
                 line["within_target"] = None  # no fp32 runs at this setting yet
-            line["tokens_per_s_mean"] = mean([r["tokens_per_s"] for r in results])
-            line["peak_gb_max"] = max(r["peak_gb"] for r in results)
+            line.update(speed_of(recs))
             lines.append(line)
     return lines
+
+
+def speed_of(recs):
+    """tokens_per_s_mean over the runs that had the GPU to themselves (records older than concurrent_runs did), None if
+    every run shared it: a shared run's tokens/s is a share of the GPU, not the strategy's speed. The peak memory is
+    each process's own, so it counts from every run."""
+    alone = [r["result"]["tokens_per_s"] for r in recs if r.get("concurrent_runs", 1) == 1]
+    return {"tokens_per_s_mean": mean(alone) if alone else None, "tokens_per_s_runs": len(alone),
+            "concurrent_runs": sorted({r.get("concurrent_runs", 1) for r in recs}),
+            "peak_gb_max": max(r["result"]["peak_gb"] for r in recs)}
 
 
 def device_of(recs):
@@ -594,8 +603,7 @@ def summarize_finetune(records, base_id=None):
         if method != "full":
             line["share_target"] = SHARE_TARGET
             line["within_target"] = line["share_of_full"] is not None and line["share_of_full"] >= SHARE_TARGET
-        line["tokens_per_s_mean"] = mean([r["tokens_per_s"] for r in results])
-        line["peak_gb_max"] = max(r["peak_gb"] for r in results)
+        line.update(speed_of(recs))
         lines.append(line)
     return lines
 
@@ -713,6 +721,10 @@ def cmd_selfcheck(args):
         ck.ok(close(ln["ppl_mean"], m), f"{ln['strategy']}: ppl_mean {ln['ppl_mean']} != statistics.mean {m}")
         ck.ok(close(ln["ppl_std"], s, 1e-9), f"{ln['strategy']}: ppl_std {ln['ppl_std']} != statistics.stdev {s}")
         ck.ok(close(ln["ratio_vs_fp32"], m / ref_m, 1e-12), f"{ln['strategy']}: ratio {ln['ratio_vs_fp32']} != {m / ref_m}")
+        shared = ln["strategy"] == strategies[-1]  # its seeds ran two at a time: no speed of its own
+        speed = None if shared else statistics.mean(results[(ln["strategy"], x)]["tokens_per_s"] for x in seeds)
+        ck.ok(ln["concurrent_runs"] == [2 if shared else 1] and (ln["tokens_per_s_mean"] is None if shared else close(ln["tokens_per_s_mean"], speed)),
+              f"{ln['strategy']}: tokens_per_s_mean {ln['tokens_per_s_mean']} from the runs alone ({speed}), concurrent_runs {ln['concurrent_runs']}")
         expect = abs(m - ref_m) <= 0.01 * ref_m or abs(m - ref_m) <= 2 * math.sqrt((s * s + ref_s * ref_s) / 2)
         ck.ok(ln["within_target"] is expect, f"{ln['strategy']}: within_target {ln['within_target']}, expected {expect}")
         ck.ok(isinstance(ln["commit"], str) and ln["commit"] and re.match(r"\d{4}-\d\d-\d\dT", ln["date"]), f"{ln['strategy']}: commit and date")
