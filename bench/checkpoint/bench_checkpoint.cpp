@@ -18,6 +18,7 @@
 
 #include "named_strategy.hpp"
 #include "trainer.hpp"
+#include "squeeze/io/posix_file.hpp"
 
 namespace {
 
@@ -84,10 +85,10 @@ nlohmann::json run(const Options& o) {
   const torch::Tensor x = tokens.narrow(1, 0, o.seq), y = tokens.narrow(1, 1, o.seq);  // [B, T]
   for (int64_t s = 0; s < o.steps; ++s) t.step(x, y);
   t.sync();
-  std::filesystem::remove_all(o.dir);
+  squeeze::io::remove_tree(o.dir);
 
   const Bounds bound = measure_bounds(o.dir + ".bound", uint64_t(o.bound_gb * 1e9));
-  std::filesystem::remove_all(o.dir + ".bound");
+  squeeze::io::remove_tree(o.dir + ".bound");
 
   const double dev_before = llama::memory_use(device).current_gb;
   llama::reset_peak_memory(device);

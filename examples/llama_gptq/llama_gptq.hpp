@@ -691,7 +691,7 @@ inline void export_hf_gptq(const std::filesystem::path& out, const io::HfGptqMod
   const std::string token = std::to_string(::getpid());
   const fs::path tmp = parent / (name.string() + ".tmp-" + token), old = parent / (name.string() + ".old-" + token);
   try {
-    fs::remove_all(tmp);
+    squeeze::io::remove_tree(tmp);
     nn::detail::torch_errors([&] { io::save_hf_gptq(tmp, m); });
     for (const auto& f : copy_files)
       if (fs::is_regular_file(f)) fs::copy_file(f, tmp / f.filename());
@@ -710,11 +710,10 @@ inline void export_hf_gptq(const std::filesystem::path& out, const io::HfGptqMod
   } catch (...) {
     std::error_code ec;
     if (fs::exists(old) && !fs::exists(target)) fs::rename(old, target, ec);  // the swap half done: the old one back
-    fs::remove_all(tmp, ec);
+    squeeze::io::try_remove_tree(tmp);
     throw;
   }
-  std::error_code ec;
-  fs::remove_all(old, ec);
+  squeeze::io::try_remove_tree(old);
 }
 
 // A source model's files an export carries over as they are (what runs the model's text: its tokenizer).

@@ -27,6 +27,7 @@
 #include "data.hpp"
 #include "llama_gptq.hpp"
 #include "trainer.hpp"
+#include "squeeze/io/posix_file.hpp"
 
 using namespace squeeze;
 namespace lg = squeeze::llama_gptq;
@@ -435,7 +436,7 @@ int run(Options& o) {
   nn::Llama dense = phases.time("load", [&] {
     return hf_config ? nn::load_hf_llama(o.hf, {.dtype = torch::kFloat32, .device = device}) : load_float(o, ckpt, device);
   });
-  if (o.train_steps > 0 && o.train_save.empty()) std::filesystem::remove_all(ckpt);  // the trainer's checkpoint is a directory
+  if (o.train_steps > 0 && o.train_save.empty()) squeeze::io::remove_tree(ckpt);  // the trainer's checkpoint is a directory
   int64_t params = 0;
   for (const auto& p : dense->parameters()) params += p.numel();
 

@@ -24,12 +24,11 @@ struct TempRoot {
     static std::atomic<int> counter{0};
     path = fs::temp_directory_path() /
            ("squeeze_ckpt_" + name + "_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::remove_all(path);
+    squeeze::io::remove_tree(path);
     fs::create_directories(path);
   }
   ~TempRoot() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
+    squeeze::io::try_remove_tree(path);
   }
   fs::path operator/(const std::string& s) const { return path / s; }
 };

@@ -467,4 +467,35 @@ TEST(SafetensorsReader, StrictAboutTheDataSection) {
              "holds 4 bytes but dtype F32");
 }
 
+
+// remove_tree, which the store prunes and cleans up with (in place of std::filesystem::remove_all; posix_file.hpp says why).
+TEST(RemoveTree, RemovesEverythingBelowAndFollowsNoLink) {
+  TempRoot root("remove_tree");
+  const fs::path outside = root / "outside.txt", tree = root / "tree";
+  std::ofstream(outside) << "kept";
+  fs::create_directories(tree / "a" / "b");
+  std::ofstream(tree / "top.bin") << "x";
+  std::ofstream(tree / "a" / "b" / "deep.bin") << "y";
+  fs::create_symlink(outside, tree / "a" / "link");
+  fs::create_directory_symlink(root.path, tree / "dirlink");
+  EXPECT_EQ(remove_tree(tree), 7u);  // 2 files, 2 links, a, a/b and tree itself
+  EXPECT_FALSE(fs::exists(tree));
+  EXPECT_TRUE(fs::exists(outside)) << "a link's target is never removed";
+  EXPECT_EQ(remove_tree(tree), 0u) << "a missing path is nothing to remove";
+  EXPECT_EQ(remove_tree(outside), 1u) << "a plain file is removed too";
+}
+
+TEST(RemoveTree, ErrorNamesThePath) {
+  TempRoot root("remove_tree_error");
+  std::ofstream(root / "file") << "x";
+  try {
+    remove_tree(root / "file" / "child");  // a path through a file: ENOTDIR
+    FAIL() << "expected an error";
+  } catch (const squeeze::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("file/child"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(try_remove_tree(root / "file" / "child"));
+  EXPECT_TRUE(fs::exists(root / "file"));
+}
+
 }  // namespace

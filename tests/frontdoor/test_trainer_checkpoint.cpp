@@ -10,6 +10,7 @@
 #include <squeeze/train/checkpoint.hpp>
 
 #include "frontdoor_model.hpp"
+#include <squeeze/io/posix_file.hpp>
 
 namespace frontdoor {
 namespace {
@@ -29,10 +30,10 @@ struct TempDir {
   TempDir() {
     static int n = 0;
     path = fs::temp_directory_path() / ("squeeze-trainer-ckpt-" + std::to_string(::getpid()) + "-" + std::to_string(n++));
-    fs::remove_all(path);
+    squeeze::io::remove_tree(path);
     fs::create_directories(path);
   }
-  ~TempDir() { fs::remove_all(path); }
+  ~TempDir() { squeeze::io::remove_tree(path); }
 };
 
 struct TrainRun {

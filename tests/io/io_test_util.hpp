@@ -9,6 +9,7 @@
 #include <string>
 
 #include <squeeze/error.hpp>
+#include <squeeze/io/posix_file.hpp>
 
 namespace io_test {
 
@@ -16,12 +17,11 @@ struct TempDir {
   std::filesystem::path path;
   explicit TempDir(const std::string& name)
       : path(std::filesystem::temp_directory_path() / ("squeeze_io_" + name + "_" + std::to_string(::getpid()))) {
-    std::filesystem::remove_all(path);
+    squeeze::io::remove_tree(path);
     std::filesystem::create_directories(path);
   }
   ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
+    squeeze::io::try_remove_tree(path);
   }
 };
 

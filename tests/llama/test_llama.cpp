@@ -14,6 +14,7 @@
 
 #include "memory_meter.hpp"
 #include "trainer.hpp"
+#include "squeeze/io/posix_file.hpp"
 
 namespace {
 
@@ -685,8 +686,7 @@ struct TempDir {
     std::filesystem::create_directories(path);
   }
   ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
+    squeeze::io::try_remove_tree(path);
   }
   std::string file(const std::string& name) const { return (path / name).string(); }
 };

@@ -14,6 +14,7 @@
 #include "data.hpp"
 #include "llama_gptq.hpp"
 #include "trainer.hpp"
+#include "squeeze/io/posix_file.hpp"
 
 namespace {
 
@@ -32,8 +33,7 @@ struct TempDir {
     std::filesystem::create_directories(path);
   }
   ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
+    squeeze::io::try_remove_tree(path);
   }
   static int& counter() {
     static int n = 0;

@@ -25,6 +25,7 @@
 
 #include "data.hpp"
 #include "llama_gptq.hpp"
+#include <squeeze/io/posix_file.hpp>
 
 namespace {
 
@@ -45,8 +46,7 @@ struct TempDir {
     fs::create_directories(path);
   }
   ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
+    squeeze::io::try_remove_tree(path);
   }
   static int& counter() {
     static int n = 0;
@@ -320,7 +320,7 @@ TEST(LlamaGptqHf, WritesFilesForTheNumpyCheck) {
   };
   for (const Case& k : {Case{"llama2-gptq-w4-g32-actorder", "llama2-tiny", 4, true}, Case{"llama3-gptq-w3-g32", "llama3-tiny", 3, false}}) {
     Quantized r = quantize_fixture(k.fixture, root / "shards", k.bits, k.act_order);
-    fs::remove_all(root / k.name);
+    squeeze::io::remove_tree(root / k.name);
     lg::export_hf_gptq(root / k.name, lg::hf_gptq_model(r.model, r.q.layers, r.spec, r.source), false);
     // the in-memory model's weights as squeeze dequantizes them, and its dense tensors
     const nn::LlamaConfig& c = r.model->config;
@@ -332,7 +332,7 @@ TEST(LlamaGptqHf, WritesFilesForTheNumpyCheck) {
       }
       return r.model->named_parameters()[name].detach().to(torch::kFloat32).clone();
     };
-    fs::remove_all(root / (k.name + "-dequantized"));
+    squeeze::io::remove_tree(root / (k.name + "-dequantized"));
     nn::save_hf_llama(c, source, root / (k.name + "-dequantized"), {.dtype = io::DType::F32, .max_shard_bytes = 0, .source_config = r.source});
     std::printf("wrote %s and %s-dequantized\n", (root / k.name).c_str(), k.name.c_str());
   }

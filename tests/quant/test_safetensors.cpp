@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <squeeze/io/posix_file.hpp>
 #include <squeeze/io/safetensors.hpp>
 #include <squeeze/quant/gptq_file.hpp>
 #include <squeeze/quant/rtn.hpp>
@@ -14,7 +15,7 @@ namespace fs = std::filesystem;
 namespace {
 fs::path temp_dir(const std::string& name) {
   auto d = fs::temp_directory_path() / ("squeeze_quant_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(d);
+  squeeze::io::remove_tree(d);
   fs::create_directories(d);
   return d;
 }
@@ -75,14 +76,14 @@ TEST(Safetensors, RoundTripKeepsBytesDtypesShapesMetadata) {
   std::uint64_t n = 0;
   in.read(reinterpret_cast<char*>(&n), 8);
   EXPECT_EQ(n % 8, 0u);
-  fs::remove_all(dir);
+  squeeze::io::remove_tree(dir);
 }
 
 TEST(Safetensors, WriterRejectsInconsistentTensor) {
   const auto dir = temp_dir("wr");
   std::vector<float> a = {1, 2, 3};
   EXPECT_THROW(io::save_safetensors(dir / "x.safetensors", {{"a", io::tensor_ref<float>(io::DType::F32, {2, 2}, a)}}), Error);
-  fs::remove_all(dir);
+  squeeze::io::remove_tree(dir);
 }
 
 TEST(Safetensors, CorruptAndHostileHeadersGiveClearErrors) {
@@ -136,7 +137,7 @@ TEST(QuantizedModelFile, RoundTripsLayersAndConfig) {
   EXPECT_EQ(j["group_size"], 32);
   EXPECT_EQ(j["desc_act"], true);
   EXPECT_EQ(j["checkpoint_format"], "gptq");
-  fs::remove_all(dir);
+  squeeze::io::remove_tree(dir);
 }
 
 namespace {
@@ -212,5 +213,5 @@ TEST(QuantizedModelFile, MismatchedOrCorruptCheckpointsGiveClearErrors) {
   quant::save_quantized(dir, layers, cfg);
   fs::resize_file(dir / "model.safetensors", fs::file_size(dir / "model.safetensors") - 10);
   expect_load_error(dir, "past the data section");
-  fs::remove_all(dir);
+  squeeze::io::remove_tree(dir);
 }

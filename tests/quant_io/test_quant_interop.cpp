@@ -27,6 +27,7 @@
 
 #include <squeeze/io/hf_bnb.hpp>
 #include <squeeze/io/hf_gptq.hpp>
+#include <squeeze/io/posix_file.hpp>
 #include <squeeze/nn/hf_llama.hpp>
 #include <squeeze/nn/hf_quantized.hpp>
 #include <squeeze/nn/lora.hpp>
@@ -151,7 +152,7 @@ TEST(QuantInterop, GptqDirectoryLoadsIntoAQuantizedLlama) {
   const auto expected = io::SafetensorsFile::open(kFixture / "expected.safetensors");
   const torch::Tensor ids = tensor_of(expected, "input_ids").contiguous();  // [2, 11]
   const fs::path tmp = fs::temp_directory_path() / ("squeeze-gptq-load-" + std::to_string(::getpid()));
-  fs::remove_all(tmp);
+  squeeze::io::remove_tree(tmp);
   for (const int bits : {4, 3}) {
     io::HfGptqModel m{.config = c, .quant = {.bits = bits, .group_size = 128, .desc_act = bits == 3, .sym = false}};
     std::mt19937 rng(7 + bits);
@@ -175,7 +176,7 @@ TEST(QuantInterop, GptqDirectoryLoadsIntoAQuantizedLlama) {
     expect_quantized_llama<nn::QuantizedLinearImpl, Strategy<Quantized<4, RTN, Group<128>>, LoRA<4, 8>>>(
         q, c.num_hidden_layers, ids, reference, "gptq " + std::to_string(bits) + "-bit directory as QuantizedLinear layers");
   }
-  fs::remove_all(tmp);
+  squeeze::io::remove_tree(tmp);
 }
 
 // A bitsandbytes NF4 directory (nested statistics, as transformers writes load_in_4bit with double quant) loads into
@@ -188,7 +189,7 @@ TEST(QuantInterop, BnbDirectoryLoadsIntoAnNf4Llama) {
   const auto expected = io::SafetensorsFile::open(kFixture / "expected.safetensors");
   const torch::Tensor ids = tensor_of(expected, "input_ids").contiguous();  // [2, 11]
   const fs::path tmp = fs::temp_directory_path() / ("squeeze-bnb-load-" + std::to_string(::getpid()));
-  fs::remove_all(tmp);
+  squeeze::io::remove_tree(tmp);
   for (const bool nested : {true, false}) {
     io::HfBnbModel m{.config = c, .bnb = {.double_quant = nested, .compute_dtype = "float32"}};
     for (const auto& e : io::hf_checkpoint_tensors(c)) {
@@ -206,7 +207,7 @@ TEST(QuantInterop, BnbDirectoryLoadsIntoAnNf4Llama) {
     expect_quantized_llama<nn::Nf4LinearImpl, Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<4, 8>>>(
         q, c.num_hidden_layers, ids, reference, std::string("bitsandbytes NF4 directory (") + (nested ? "nested" : "plain") + ") as Nf4Linear layers");
   }
-  fs::remove_all(tmp);
+  squeeze::io::remove_tree(tmp);
 }
 
 TEST(QuantInterop, WritesFilesForRealClients) {

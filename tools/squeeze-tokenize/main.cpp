@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include <squeeze/io/posix_file.hpp>
 #include <squeeze/io/sentencepiece.hpp>
 #include <squeeze/io/token_shards.hpp>
 
@@ -158,13 +159,12 @@ int tokenize(const Options& o) {
   if (!old.empty() && !o.force)
     throw squeeze::Error(out.string() + " already holds token shards (" + old.front().filename().string() + (old.size() > 1 ? ", ..." : "") +
                          "): pass --force to replace them");
-  fs::remove_all(stage);
+  squeeze::io::remove_tree(stage);
   fs::create_directory(stage);
   struct Cleanup {
     fs::path dir;
     ~Cleanup() {
-      std::error_code ec;
-      fs::remove_all(dir, ec);
+      squeeze::io::try_remove_tree(dir);
     }
   } cleanup{stage};
 

@@ -587,7 +587,7 @@ class CheckpointSave {
 
     try {
       if (!displaced.empty()) {
-        fs::remove_all(displaced);
+        remove_tree(displaced);
         detail::hook(s.hook, "displaced:removed");
       }
       prune(s);
@@ -605,7 +605,7 @@ class CheckpointSave {
     std::lock_guard lock(s_->mu);
     check(s_->meta.has_value(), "checkpoint save: only the coordinator abandons a save");
     if (s_->committed || s_->abandoned) return;
-    std::filesystem::remove_all(s_->staging);
+    remove_tree(s_->staging);
     s_->abandoned = true;
   }
 
@@ -647,7 +647,7 @@ class CheckpointSave {
     fsync_directory(s.root);
     detail::hook(s.hook, "root:fsynced-prune");
     for (const auto& p : moved) {
-      fs::remove_all(p);
+      remove_tree(p);
       const std::string n = p.filename().string();
       detail::hook(s.hook, n.substr(0, n.find('.')) + ":removed");
     }
@@ -735,7 +735,7 @@ class CheckpointStore {
     std::vector<std::filesystem::path> victims;
     for (const auto& e : std::filesystem::directory_iterator(root_, ec))
       if (detail::is_leftover(e.path().filename().string())) victims.push_back(e.path());
-    for (const auto& p : victims) std::filesystem::remove_all(p);
+    for (const auto& p : victims) remove_tree(p);
   }
 
  private:

@@ -3,6 +3,7 @@
 // std::fstream cannot fsync, and a rename survives a power cut only once its directory is fsync'd too.
 // Errors are squeeze::Error naming the path and the system's reason.
 #include <fcntl.h>
+#include <ftw.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -150,6 +151,44 @@ inline void write_file_durably(const std::filesystem::path& path, const std::fil
   f.close();
   rename_path(tmp, path);
   detail::hook(hook, l + ":renamed");
+}
+
+// Removes `path` and, for a directory, everything under it, without following symbolic links; returns the entries
+// removed (0 when `path` does not exist). In place of std::filesystem::remove_all: PyTorch's wheels export their own
+// statically linked copy of it (pytorch/pytorch#133437), which a program linked with libtorch binds to, and the
+// copy in the 2.11 CUDA wheel crashed (SIGSEGV) removing a checkpoint directory. glibc's nftw has no such twin.
+inline std::uintmax_t remove_tree(const std::filesystem::path& path) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return 0;
+    throw Error(detail::sys_error("cannot remove", path, errno));
+  }
+  static thread_local std::uintmax_t removed;
+  static thread_local int failure;
+  static thread_local std::string failed_at;
+  removed = 0, failure = 0, failed_at.clear();
+  auto remove_entry = [](const char* p, const struct stat*, int, struct FTW*) -> int {
+    if (::remove(p) != 0) {
+      failure = errno, failed_at = p;
+      return 1;  // stops the walk
+    }
+    ++removed;
+    return 0;
+  };
+  // FTW_DEPTH: a directory after its entries; FTW_PHYS: links removed, never followed; 16 descriptors at most.
+  if (::nftw(path.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS) != 0)
+    throw Error(detail::sys_error("cannot remove", failure ? std::filesystem::path(failed_at) : path, failure ? failure : errno));
+  return removed;
+}
+
+// As remove_tree, for clean-up on a path that is already failing: false instead of an exception.
+inline bool try_remove_tree(const std::filesystem::path& path) noexcept {
+  try {
+    remove_tree(path);
+    return true;
+  } catch (...) {
+    return false;
+  }
 }
 
 }  // namespace squeeze::io
