@@ -158,11 +158,6 @@ inline void write_file_durably(const std::filesystem::path& path, const std::fil
 // statically linked copy of it (pytorch/pytorch#133437), which a program linked with libtorch binds to, and the
 // copy in the 2.11 CUDA wheel crashed (SIGSEGV) removing a checkpoint directory. glibc's nftw has no such twin.
 inline std::uintmax_t remove_tree(const std::filesystem::path& path) {
-  struct stat st;
-  if (::lstat(path.c_str(), &st) != 0) {
-    if (errno == ENOENT) return 0;
-    throw Error(detail::sys_error("cannot remove", path, errno));
-  }
   static thread_local std::uintmax_t removed;
   static thread_local int failure;
   static thread_local std::string failed_at;
@@ -176,9 +171,10 @@ inline std::uintmax_t remove_tree(const std::filesystem::path& path) {
     return 0;
   };
   // FTW_DEPTH: a directory after its entries; FTW_PHYS: links removed, never followed; 16 descriptors at most.
-  if (::nftw(path.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS) != 0)
-    throw Error(detail::sys_error("cannot remove", failure ? std::filesystem::path(failed_at) : path, failure ? failure : errno));
-  return removed;
+  if (::nftw(path.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS) == 0) return removed;
+  if (failure) throw Error(detail::sys_error("cannot remove", failed_at, failure));
+  if (errno == ENOENT) return 0;  // `path` itself is missing
+  throw Error(detail::sys_error("cannot remove", path, errno));
 }
 
 // As remove_tree, for clean-up on a path that is already failing: false instead of an exception.
