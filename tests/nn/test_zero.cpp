@@ -16,6 +16,7 @@
 //             to ~8% of an update; a wrong gradient scale or sign gives >= 1).
 #include "zero_common.hpp"
 
+#include <future>
 #include <set>
 
 #include <squeeze/nn/llama.hpp>
@@ -602,6 +603,50 @@ TEST(Offload, DeviceSumOfSquaresMatchesFloat64) {
   EXPECT_TRUE(std::isnan(train::sum_squares_tensor(bad, 1000).item<double>())) << "NaN is seen";
   EXPECT_THROW(train::sum_squares_tensor(torch::ones({4}, torch::kInt32)), c10::Error);
   EXPECT_THROW(train::sum_squares_tensor(torch::ones({4}), 0), c10::Error);
+}
+
+// ---- the offload worker's order: lowest Partition::priority first, a partition's own jobs in order -------------
+// A gate job holds the worker while jobs queue: a blocking job of priority 9, then jobs of priorities 3, 0, 0. The
+// worker takes 0, 0 (in submission order), 3, then the blocker; wait(p) returns once p's own jobs are done, with
+// the blocker still queued or running (a count of finished jobs in submission order could not say so).
+TEST(Offload, WorkerTakesTheLowestPriorityFirst) {
+  train::OffloadPipeline pipe(torch::kCPU, /*threaded=*/true);
+  auto partition = [](int64_t priority) {
+    auto p = std::make_unique<train::Partition>();
+    p->priority = priority;
+    p->param = torch::zeros({4});
+    p->master = torch::ones({4});
+    p->host_grad = torch::zeros({4});
+    return p;
+  };
+  auto gate = partition(-1), blocker = partition(9), late = partition(3), early = partition(0);
+  std::promise<void> open_gate, open_blocker;
+  std::shared_future<void> gate_open = open_gate.get_future().share(), blocker_open = open_blocker.get_future().share();
+  std::mutex m;
+  std::vector<std::string> order;
+  auto record = [&](std::string what) {
+    return [&m, &order, what](train::Partition&) {
+      std::lock_guard lk(m);
+      order.push_back(what);
+    };
+  };
+  pipe.update(*gate, [&](train::Partition& p) { gate_open.wait(); record("gate")(p); });
+  pipe.update(*blocker, [&](train::Partition& p) { blocker_open.wait(); record("blocker")(p); });
+  pipe.update(*late, record("late"));
+  pipe.update(*early, record("early 1"));
+  pipe.update(*early, record("early 2"));
+  open_gate.set_value();
+  auto waited = std::async(std::launch::async, [&] { pipe.wait(*late); });
+  const bool returned = waited.wait_for(std::chrono::seconds(20)) == std::future_status::ready;
+  {
+    std::lock_guard lk(m);
+    EXPECT_TRUE(returned) << "wait(p) waited for a job of another partition";
+    EXPECT_EQ(order, (std::vector<std::string>{"gate", "early 1", "early 2", "late"}));
+  }
+  open_blocker.set_value();
+  pipe.wait_all();
+  EXPECT_EQ(order, (std::vector<std::string>{"gate", "early 1", "early 2", "late", "blocker"}));
+  EXPECT_TRUE(torch::equal(late->param, late->master)) << "the job's write-back ran";
 }
 
 // ---- a moved trainer keeps working (examples/llama holds one in a std::optional) ----------------------------

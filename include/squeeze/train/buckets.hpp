@@ -5,7 +5,6 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 
 #include "../comm/communicator.hpp"
@@ -55,7 +54,6 @@ struct GradState {
   int64_t peak_live = 0;        // most of `live` seen
   int64_t peak_grad = 0;        // most of shard_bytes + live + one parameter's .grad seen in a hook
   int64_t reduce_scatter_bytes = 0;  // bytes entering reduce-scatters, this accumulation window
-  std::atomic<bool> non_finite{false};  // eager offload: a partition's gradient was inf/NaN this window
   void note(int64_t transient) {
     peak_live = std::max(peak_live, live);
     peak_grad = std::max(peak_grad, shard_bytes + live + transient);

@@ -20,7 +20,11 @@
 //
 // With threaded = false every job runs inline at once (the non-overlapped reference path); the arithmetic
 // is the same function either way, so both paths give the same bits (tests/nn/test_zero.cpp checks it).
-// One worker: jobs run in submission order, so a partition's jobs never run out of order.
+// One worker, which takes the queued job of the lowest Partition::priority first (ties: submission order), so a
+// partition's own jobs never run out of order. The trainer ranks partitions in the order the next forward needs
+// them: backward hands gradients over last layer first, and the backlog the CPU has not updated when backward
+// ends is then worked off first layer first, so the next forward starts as soon as its first layer has landed
+// instead of after the whole backlog (wait(p) waits for p's own jobs only).
 #include <torch/torch.h>
 
 #include "squeeze/kernels/adamw.hpp"
@@ -29,7 +33,6 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <exception>
 #include <functional>
 #include <mutex>
@@ -83,13 +86,15 @@ struct Partition {
   torch::Tensor host_grad;  // [n] host copy of grad in grad's dtype (offload; pinned for a CUDA model)
   torch::Tensor host_sumsq; // [1] float64, pinned: the device's sum of squares of grad (offload of a CUDA model)
   std::vector<Segment> segments;  // cover [0, n) in order
+  int64_t priority = 0;           // the worker's order among queued jobs, lowest first (see the header)
   // The update wrote the new parameters, rounded to param's dtype, over host_grad (possible when grad and
   // param share a 16-bit dtype): the upload then moves 2 bytes per parameter instead of the fp32 master's 4.
   bool staged = false;
   // Offload pipeline state (written by the worker, read after wait()).
   double sumsq = 0;         // sum of squares of host_grad (scaled gradient), this window
   bool submitted = false;   // gradient_ready was called this window
-  std::uint64_t last_job = 0;
+  std::uint64_t last_job = 0;   // the id of the last job submitted for this partition
+  std::uint64_t done_job = 0;   // the id of the last job of this partition that finished
   Event d2h_done, h2d_done;
 };
 
@@ -232,10 +237,21 @@ class OffloadPipeline {
     });
   }
 
+  // The sum of squares of p's gradient for this window (gradient_ready's copy). With the device's sum it waits
+  // for that copy alone, not for the job that may update p after it.
+  double gradient_sum_squares(Partition& p) {
+    if (d2h_.active()) {
+      p.d2h_done.synchronize();
+      return p.host_sumsq.data_ptr<double>()[0];
+    }
+    wait(p);
+    return p.sumsq;
+  }
+
   // The host waits for p's jobs; the current stream for its copies.
   void wait(Partition& p) {
     std::unique_lock lk(m_);
-    done_cv_.wait(lk, [&] { return done_ >= p.last_job || error_; });
+    done_cv_.wait(lk, [&] { return p.done_job >= p.last_job || error_; });
     rethrow(lk);
     lk.unlock();
     wait_current(device_, p.d2h_done);
@@ -272,6 +288,7 @@ class OffloadPipeline {
   struct Job {
     Partition* p;
     Fn fn;
+    std::uint64_t id;
   };
 
   void write_back(Partition& q, const Event& after) {
@@ -306,9 +323,10 @@ class OffloadPipeline {
       fn(p);
       lk.lock();
       done_ = issued_;
+      p.done_job = p.last_job;
       return;
     }
-    queue_.push_back({&p, std::move(fn)});
+    queue_.push_back({&p, std::move(fn), p.last_job});
     lk.unlock();
     cv_.notify_one();
   }
@@ -319,8 +337,13 @@ class OffloadPipeline {
     for (;;) {
       cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
       if (queue_.empty()) return;  // stop_ and nothing left
-      Job j = std::move(queue_.front());
-      queue_.pop_front();
+      // The lowest priority, then the earliest submitted (a few hundred jobs a step: a scan is enough).
+      auto first = std::min_element(queue_.begin(), queue_.end(), [](const Job& a, const Job& b) {
+        return a.p->priority != b.p->priority ? a.p->priority < b.p->priority : a.id < b.id;
+      });
+      Job j = std::move(*first);
+      *first = std::move(queue_.back());
+      queue_.pop_back();
       lk.unlock();
       std::exception_ptr err;
       try {
@@ -330,6 +353,7 @@ class OffloadPipeline {
       }
       lk.lock();
       if (err && !error_) error_ = err;
+      j.p->done_job = j.id;
       ++done_;
       done_cv_.notify_all();
     }
@@ -344,7 +368,7 @@ class OffloadPipeline {
   SideStream d2h_, h2d_;
   std::mutex m_;
   std::condition_variable cv_, done_cv_;
-  std::deque<Job> queue_;
+  std::vector<Job> queue_;
   std::uint64_t issued_ = 0, done_ = 0;
   bool stop_ = false;
   std::exception_ptr error_;

@@ -30,6 +30,7 @@
 #include <cmath>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -102,6 +103,13 @@ class Stage3Runtime {
     }
   }
   Phase phase() const { return phase_; }
+  // The forward order recorded on the first pass: whether it is final, its length, and a layer's place in it.
+  bool forward_order_final() const { return order_final_; }
+  std::size_t forward_order_size() const { return order_.size(); }
+  std::optional<std::size_t> forward_position(const Stage3Group& g) const {
+    const auto it = index_.find(&g);
+    return it == index_.end() ? std::nullopt : std::optional<std::size_t>(it->second);
+  }
 
   // The layer's full flat parameters [padded] (gathering them unless already prefetched), then
   // prefetches the next layer of this pass.

@@ -53,7 +53,9 @@
 // is final (inside backward), with its sum of squares (summed on the GPU before the copy; by the CPU worker
 // for a CPU model); then
 //   eager    (no clipping and no loss scaling: the update cannot depend on the other partitions) the worker
-//            runs AdamW on the partition at once and streams its parameters back, all during backward;
+//            runs AdamW on the partition at once and streams its parameters back, during backward; what it has
+//            not done when backward ends it works off first layer first beside the next forward (step() waits
+//            for the gradient copies only, and each stage-3 gather for its own partition);
 //   deferred (clipping or loss scaling) after backward the global norm decides skip/clip, then the worker
 //            updates partition by partition; stage 3 returns from step() at once and each layer's next
 //            gather waits only for its own partition, so the CPU AdamW overlaps the next forward.
@@ -217,6 +219,7 @@ class Trainer {
     }
     if constexpr (kStage >= 2)
       for (Partition* p : partitions()) state_->shard_bytes += int64_t(p->grad.nbytes());
+    rank_offload_jobs();
     opt_.master_init = nullptr;  // used only while building: what it refers to may go now
     adopted_.float_values.clear();
   }
@@ -334,7 +337,10 @@ class Trainer {
     TORCH_CHECK(loss.defined() && loss.numel() == 1, "Trainer::step: the closure must return a scalar loss, got ",
                 loss.defined() ? loss.sizes() : torch::IntArrayRef{});
     TORCH_CHECK(loss.requires_grad(), "Trainer::step: the loss does not require grad (computed under NoGradGuard?)");
-    if (runtime_) runtime_->set_phase(Stage3Runtime::Phase::backward);
+    if (runtime_) {
+      runtime_->set_phase(Stage3Runtime::Phase::backward);  // the forward order is known from here on
+      if (!ranked_by_forward_) rank_offload_jobs();
+    }
     (loss * (double(r.scale) * weight)).backward();
     r.loss_value = loss.detach().to(torch::kFloat32).reshape({});
     r.loss = opt_.read_loss ? r.loss_value.item<float>() : std::nanf("");  // read after backward: no stall between them
@@ -831,6 +837,22 @@ class Trainer {
     groups3_.push_back(std::move(g));
   }
 
+  // Offload<Host>: the worker's order among queued jobs (Partition::priority), the order the next forward needs the
+  // partitions: replicated and bucketed ones first (the step waits for them), then stage-3 layers in the forward
+  // order the runtime recorded (until it has, in the order the layers were registered).
+  void rank_offload_jobs() {
+    if (!offload_) return;
+    int64_t rank = 0;
+    if (rep_) rep_->own.priority = rank++;
+    for (auto& b : buckets_) b->own.priority = rank++;
+    const int64_t seen = runtime_ ? int64_t(runtime_->forward_order_size()) : 0;
+    for (std::size_t i = 0; i < own3_.size(); ++i) {
+      const auto pos = runtime_ ? runtime_->forward_position(*groups3_[i]) : std::nullopt;
+      own3_[i]->priority = rank + (pos ? int64_t(*pos) : seen + int64_t(i));
+    }
+    ranked_by_forward_ = runtime_ && runtime_->forward_order_final();
+  }
+
   void begin_micro_step(bool boundary) {
     state_->final_micro = boundary;
     state_->eager = {};
@@ -840,12 +862,12 @@ class Trainer {
       // Eager: nothing global can change this step's update (no clipping, no loss scale), so each partition
       // is updated as soon as its gradient is on the host.
       if (boundary && offload_->threaded() && !(opt_.max_grad_norm > 0) && !S::loss_scaling && !window_weighted_) {
-        // Jobs run in order on one worker: from the first non-finite partition on, nothing is updated.
-        detail::GradState* st = state_.get();
-        st->non_finite = false;
-        state_->eager = [st, upd = host_update(coeffs_for_next_step(), 1.0f, 1.0f)](Partition& p) {
-          if (!std::isfinite(p.sumsq)) st->non_finite = true;
-          if (!st->non_finite) upd(p);
+        // One worker runs the jobs: from the first non-finite partition it takes on, nothing is updated. The flag
+        // is this window's own: the window's last updates may still run while the next window begins.
+        auto non_finite = std::make_shared<std::atomic<bool>>(false);
+        state_->eager = [non_finite, upd = host_update(coeffs_for_next_step(), 1.0f, 1.0f)](Partition& p) {
+          if (!std::isfinite(p.sumsq)) *non_finite = true;
+          if (!*non_finite) upd(p);
         };
       }
     }
@@ -919,8 +941,9 @@ class Trainer {
         for (Partition* o : partitions()) t.add_(sum_squares_tensor(o->grad));
       } else {
         double local = 0;
-        // Offload: the worker summed each partition's host copy (the same way whether overlapped or not).
-        for (Partition* o : partitions()) local += kOffload ? o->sumsq : detail::sum_squares(o->grad);
+        // Offload: each partition's sum of its host copy's values (summed on the device with the copy, or by the
+        // worker from the copy: the same way whether overlapped or not).
+        for (Partition* o : partitions()) local += kOffload ? offload_->gradient_sum_squares(*o) : detail::sum_squares(o->grad);
         if (world_ == 1) return local;
         t = torch::full({1}, local, f64);
       }
@@ -986,7 +1009,8 @@ class Trainer {
   }
 
   void finish_window(StepResult& r) {
-    if (offload_) offload_->wait_all();  // the gradient jobs: host copies, sums of squares (and eager updates)
+    // Offload: the norm needs every partition's gradient copy (global_sum_squares waits for each), not the eager
+    // updates, which go on beside the next forward (each stage-3 gather waits for its own partition).
     const float inv_scale = float((1.0 / double(r.scale)) * (window_weighted_ ? token_weighting_factor() : 1.0));
     float norm = 0, clip = 1, found_inf = 0;
     kernels::grad_norm_finalize(global_sum_squares(), kernels::NormType::L2, opt_.max_grad_norm, &inv_scale,
@@ -996,6 +1020,7 @@ class Trainer {
     state_->eager = {};
     if (found_inf != 0) {
       // Some rank's shard overflowed: everyone saw the same global sum, so everyone skips.
+      if (offload_) offload_->wait_all();  // the jobs that saw it have stopped updating
       ++skipped_;
       if constexpr (S::dynamic_loss_scaling) {
         *scaler_.found_inf() = 1.0f;
@@ -1168,6 +1193,7 @@ class Trainer {
   int64_t applied_ = 0, skipped_ = 0;
   int64_t last_window_rs_bytes_ = 0;
   bool last_eager_ = false;
+  bool ranked_by_forward_ = false;  // Partition::priority follows the recorded forward order
   detail::StateMaps maps_;  // 8-bit state on the device: the signed (m) and unsigned (v) maps
 };
 
