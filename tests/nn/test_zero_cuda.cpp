@@ -236,8 +236,24 @@ std::shared_ptr<comm::NcclComm> nccl_world_one() {
 }
 
 // NcclComm takes the asynchronous path of stage 3 (gathers and reduce-scatters on a side stream, the compute
-// stream waiting on events); at world size 1 NCCL's collectives are copies, so the bits equal the blocking
-// LocalComm path. With Offload<Host> the transfers go through the pipeline's streams as well.
+// stream waiting on events) and of stage 2's buckets (reduce-scattered on the same side stream during backward,
+// small buckets so that many are in flight); at world size 1 NCCL's collectives are copies, so the bits equal the
+// blocking LocalComm path. With Offload<Host> the transfers go through the pipeline's streams as well.
+TEST(ZeroCuda, NcclSideStreamStage2Bitwise) {
+  REQUIRE_CUDA();
+  const torch::Device dev(torch::kCUDA, 0);
+  auto nccl = nccl_world_one();
+  train::TrainerOptions small;
+  small.bucket_bytes = 512;
+  using S2 = Strategy<Sharded<Stage2>, Precision<bf16, float>>;
+  using S2A = Strategy<Sharded<Stage2>, Accumulate<4>, Precision<bf16, float>>;
+  expect_bitwise(train<S2>(Model::llama, 1, 6, small, {}, dev, nccl).params, train<S2>(Model::llama, 1, 6, small, {}, dev).params,
+                 "NCCL side-stream Stage2 vs LocalComm");
+  expect_bitwise(train<S2A>(Model::llama, 1, 3, small, {}, dev, nccl).params, train<S2A>(Model::llama, 1, 3, small, {}, dev).params,
+                 "NCCL side-stream Stage2 acc 4 vs LocalComm");
+  gpu_offload_bitwise<Strategy<Sharded<Stage2>, Offload<Host>, Precision<bf16, float>>>("NCCL Stage2+Offload bf16", nccl);
+}
+
 TEST(ZeroCuda, NcclSideStreamStage3Bitwise) {
   REQUIRE_CUDA();
   const torch::Device dev(torch::kCUDA, 0);

@@ -2,6 +2,9 @@
 // Gradient reduction of the whole-kept parameters under stages 2 and 3: buckets of about
 // TrainerOptions::bucket_bytes, reduce-scattered during backward by a post-accumulate-grad hook per parameter;
 // and GradState, what those hooks and stage 3's callbacks reach while backward runs. Used by train/trainer.hpp.
+// With asynchronous device collectives (NCCL) a bucket's reduce-scatter, its add into the shard and its offload
+// hand-over run on the collectives' side stream (the one stage 3 uses), behind the compute that filled the bucket,
+// so backward goes on meanwhile; the trainer joins the side stream once backward's buckets are all reduced.
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -11,6 +14,7 @@
 #include "collectives.hpp"
 #include "flat_params.hpp"
 #include "offload.hpp"
+#include "streams.hpp"
 #include "squeeze/kernels/grad_norm.hpp"
 
 namespace squeeze::train {
@@ -45,6 +49,8 @@ namespace detail {
 // What backward hooks and stage-3 callbacks reach while backward runs (on the heap: the Trainer may move).
 struct GradState {
   comm::CommPtr comm;
+  SideStream* collectives = nullptr;  // active only for asynchronous device collectives (see the header)
+  torch::Device device{torch::kCPU};
   bool final_micro = false;     // this micro-step ends the accumulation window
   bool defer = false;           // hooks only collect; buckets are reduced after backward (see Trainer)
   OffloadPipeline* offload = nullptr;
@@ -75,16 +81,31 @@ inline void reduce_bucket(Bucket& b, GradState& st) {
     b.send = torch::zeros({b.flat.padded()}, b.flat.options());
     st.live += int64_t(b.send.nbytes());
   }
-  auto mine = torch::empty({b.flat.shard()}, b.send.options());
-  st.live += int64_t(mine.nbytes());
+  const int64_t mine_bytes = b.flat.shard() * int64_t(b.send.element_size());  // the shard the reduce-scatter writes
+  st.live += mine_bytes;
   st.note(0);
-  reduce_scatter_avg(*st.comm, b.send, mine);
-  b.own.grad.add_(mine);
+  const bool hand_over = st.final_micro && st.offload && st.offload->threaded();
+  SideStream* side = st.collectives;
+  if (side && side->active()) {
+    side->wait(record_current(st.device));  // the bucket's gradients were copied in on the compute stream
+    side->record_use(b.send);
+    side->run([&] {
+      auto mine = torch::empty({b.flat.shard()}, b.send.options());
+      st.comm->reduce_scatter(b.send.data_ptr(), mine.data_ptr(), std::size_t(mine.numel()), comm_dtype(b.send.scalar_type()),
+                              comm::ReduceOp::avg, side->handle());
+      b.own.grad.add_(mine);
+      if (hand_over) st.offload->gradient_ready(b.own, st.eager);  // its copies queue behind the add
+    });
+  } else {
+    auto mine = torch::empty({b.flat.shard()}, b.send.options());
+    reduce_scatter_avg(*st.comm, b.send, mine);
+    b.own.grad.add_(mine);
+    if (hand_over) st.offload->gradient_ready(b.own, st.eager);
+  }
   st.reduce_scatter_bytes += int64_t(b.send.nbytes());
-  st.live -= int64_t(b.send.nbytes() + mine.nbytes());
+  st.live -= int64_t(b.send.nbytes()) + mine_bytes;
   b.send = torch::Tensor();
   b.reduced = true;
-  if (st.final_micro && st.offload && st.offload->threaded()) st.offload->gradient_ready(b.own, st.eager);
 }
 
 // The post-accumulate-grad hook of one bucketed parameter: its .grad moves into the bucket buffer.

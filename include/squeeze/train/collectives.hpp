@@ -11,6 +11,12 @@ namespace squeeze::train {
 
 //   gather_into:         shard [n] -> full [size*n] (shard may be full's own slice: in place)
 //   reduce_scatter_avg:  full [size*n] -> shard [n], average over ranks (shard may be full's own slice)
+// Whether collectives run asynchronously on a side stream: a communicator that takes device memory and honours
+// streams (NCCL; at world size 1 too, where NCCL's collectives are copies: that is how one GPU tests this path).
+inline bool asynchronous_collectives(torch::Device d, const comm::Communicator& c) {
+  return d.is_cuda() && c.device_buffers() && c.backend() != "local";
+}
+
 inline void gather_into(comm::Communicator& c, const torch::Tensor& shard, const torch::Tensor& full) {
   if (c.size() == 1) {
     if (shard.data_ptr() != full.data_ptr()) full.copy_(shard);

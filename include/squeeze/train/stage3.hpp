@@ -78,13 +78,10 @@ class KeptWhole {
 
 class Stage3Runtime {
  public:
-  Stage3Runtime(comm::CommPtr comm, bool prefetch, torch::Device device = torch::kCPU)
-      : comm_(std::move(comm)), prefetch_(prefetch), device_(device) {
-    // Asynchronous collectives need a communicator that takes device memory and honours streams (NCCL; at
-    // world size 1 too, where NCCL's collectives are copies: that is how one GPU tests this path).
-    if (device.is_cuda() && comm_->device_buffers() && comm_->backend() != "local")
-      side_ = SideStream(device);
-  }
+  // side: the collectives' stream, shared with the trainer's buckets; inert (blocking collectives) unless
+  // asynchronous_collectives(device, comm).
+  Stage3Runtime(comm::CommPtr comm, bool prefetch, torch::Device device, SideStream& side)
+      : comm_(std::move(comm)), prefetch_(prefetch), device_(device), side_(side) {}
 
   void add_group(Stage3Group& g) { groups_.push_back(&g); }
 
@@ -202,7 +199,7 @@ class Stage3Runtime {
   comm::CommPtr comm_;
   bool prefetch_;
   torch::Device device_;
-  SideStream side_;  // active only for asynchronous device collectives (see the header comment)
+  SideStream& side_;  // active only for asynchronous device collectives (see the header comment)
   Phase phase_ = Phase::idle;
   std::vector<Stage3Group*> groups_;
   std::vector<Stage3Group*> order_;

@@ -185,8 +185,11 @@ class Trainer {
       TORCH_CHECK(device_.is_cuda() || comm_->host_buffers(), "make_trainer: the module is on the CPU but the '",
                   comm_->backend(), "' communicator takes device buffers only: move the module to its GPU");
     }
+    collectives_ = std::make_unique<SideStream>(asynchronous_collectives(device_, *comm_) ? SideStream(device_) : SideStream());
     state_ = std::make_unique<detail::GradState>();
     state_->comm = comm_;
+    state_->collectives = collectives_.get();
+    state_->device = device_;
     // Thread-ranks sharing one GPU cannot meet in a collective inside backward: libtorch runs every CUDA
     // backward of the process on one worker thread per device. Their buckets are reduced after backward.
     state_->defer = device_.is_cuda() && world_ > 1 && comm_->backend() == "local";
@@ -195,7 +198,7 @@ class Trainer {
 
     std::unordered_set<const void*> sharded;  // TensorImpls owned by stage-3 groups
     if constexpr (kStage == 3) {
-      runtime_ = std::make_unique<Stage3Runtime>(comm_, opt_.prefetch, device_);
+      runtime_ = std::make_unique<Stage3Runtime>(comm_, opt_.prefetch, device_, *collectives_);
       for (auto& item : module_->named_modules()) {
         auto* s = dynamic_cast<Shardable*>(item.value().get());
         if (s == nullptr) continue;
@@ -895,6 +898,12 @@ class Trainer {
     // GPU, which reduce everything here), in bucket order on every rank.
     for (auto& b : buckets_)
       if (!b->reduced) detail::reduce_bucket(*b, *state_);
+    if (!buckets_.empty() && collectives_->active()) {
+      // The buckets' reductions ran on the side stream: the update reads their shards on this one. A failed or
+      // timed-out collective throws here.
+      wait_current(device_, collectives_->record());
+      comm_->synchronize(collectives_->handle());
+    }
     if (boundary) {
       last_window_rs_bytes_ = state_->reduce_scatter_bytes;
       // Offload: every partition not yet handed over (all of them when not overlapping) goes now, in order.
@@ -1180,6 +1189,7 @@ class Trainer {
   int rank_ = 0, world_ = 1;
   torch::ScalarType compute_dtype_, grad_dtype_;
   torch::Device device_{torch::kCPU};
+  std::unique_ptr<SideStream> collectives_;  // the collectives' side stream (stage 3's gathers, buckets' reductions)
   std::unique_ptr<detail::GradState> state_;
   std::unique_ptr<Stage3Runtime> runtime_;
   std::unique_ptr<Replicated> rep_;
