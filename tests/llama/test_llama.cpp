@@ -611,7 +611,7 @@ std::vector<torch::Tensor> stage3_weights(int steps, int64_t chunk, int64_t ever
       rank_losses[r].push_back(t.step(x, y).loss);
       if (head) {
         EXPECT_EQ(head->uses, 1) << "step " << s;
-        EXPECT_EQ(head->reduced, 1) << "step " << s;
+        EXPECT_EQ(head->added, 1) << "step " << s;
       }
     }
     for (auto& [name, w] : t.full_parameters()) weights[r].push_back(w.to(torch::kFloat32));

@@ -82,13 +82,131 @@ TEST(Stage3, PrefetchAndPersistenceKeepResultsBitwise) {
   for (int world : {2, 3}) {
     const auto base = train<S0>(Model::llama, world, 4);
     train::TrainerOptions no_prefetch;
-    no_prefetch.prefetch = false;
+    no_prefetch.prefetch_depth = 0;
     train::TrainerOptions persistent;
     persistent.persistence_threshold = 300;  // k, v (128 each) and q, o (256 each) stay whole; the rest is sharded
     expect_bitwise(train<S3>(Model::llama, world, 4).params, base.params, "Stage3 prefetch");
     expect_bitwise(train<S3>(Model::llama, world, 4, no_prefetch).params, base.params, "Stage3 without prefetch");
     expect_bitwise(train<S3>(Model::llama, world, 4, persistent).params, base.params, "Stage3 with persistent layers");
   }
+}
+
+// ---- stage 3: gather units, prefetch depth, parameters kept for backward --------------------------------
+// The test LLaMA's layers are children of the model itself, so the model is the one module holding several: as
+// one gather unit it is gathered once in forward and once in backward, its gradient reduce-scattered once.
+train::TrainerOptions units(bool whole_model, int prefetch_depth = 1, int keep_last = 0) {
+  train::TrainerOptions o;
+  o.gather_unit = [whole_model](const std::string& name, const torch::nn::Module&) { return whole_model && name.empty(); };
+  o.prefetch_depth = prefetch_depth;
+  o.keep_last_gathered = keep_last;
+  return o;
+}
+
+TEST(Stage3, GatherUnitsKeepResultsBitwise) {
+  using S0 = Strategy<Sharded<Stage0>, Precision<bf16, float>>;
+  using S3 = Strategy<Sharded<Stage3>, Precision<bf16, float>>;
+  using S3O = Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>;
+  using S2A = Strategy<Sharded<Stage2>, Accumulate<4>>;
+  using S3A = Strategy<Sharded<Stage3>, Accumulate<4>>;
+  for (int world : {2, 3}) {
+    const auto base = train<S0>(Model::llama, world, 4);
+    const auto base_a = train<S2A>(Model::llama, world, 2);
+    for (const bool whole : {false, true})
+      for (const auto [depth, keep] : {std::pair{0, 0}, std::pair{1, 0}, std::pair{2, 3}, std::pair{1, 100}}) {
+        const std::string what = std::string(whole ? "the model as one unit" : "every layer alone") + ", prefetch " +
+                                 std::to_string(depth) + ", kept " + std::to_string(keep) + ", world " + std::to_string(world);
+        expect_bitwise(train<S3>(Model::llama, world, 4, units(whole, depth, keep)).params, base.params, "Stage3, " + what);
+        expect_bitwise(train<S3O>(Model::llama, world, 4, units(whole, depth, keep)).params, base.params, "Stage3+Offload, " + what);
+        expect_bitwise(train<S3A>(Model::llama, world, 2, units(whole, depth, keep)).params, base_a.params, "Stage3 acc 4 vs Stage2, " + what);
+      }
+  }
+}
+
+// A communicator that counts the collectives its trainer issues (forwarding to a LocalComm rank).
+class CountingComm final : public comm::Communicator {
+ public:
+  explicit CountingComm(comm::CommPtr inner) : inner_(std::move(inner)) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  std::string_view backend() const override { return inner_->backend(); }
+  void all_gather(const void* a, void* b, std::size_t n, comm::DType t, comm::Stream s) override { ++gathers, inner_->all_gather(a, b, n, t, s); }
+  void reduce_scatter(const void* a, void* b, std::size_t n, comm::DType t, comm::ReduceOp op, comm::Stream s) override {
+    ++reductions, inner_->reduce_scatter(a, b, n, t, op, s);
+  }
+  void all_reduce(const void* a, void* b, std::size_t n, comm::DType t, comm::ReduceOp op, comm::Stream s) override { inner_->all_reduce(a, b, n, t, op, s); }
+  void broadcast(const void* a, void* b, std::size_t n, comm::DType t, int root, comm::Stream s) override { inner_->broadcast(a, b, n, t, root, s); }
+  void barrier() override { inner_->barrier(); }
+  void synchronize(comm::Stream s) override { inner_->synchronize(s); }
+  bool host_buffers() const override { return inner_->host_buffers(); }
+  bool device_buffers() const override { return inner_->device_buffers(); }
+  int gathers = 0, reductions = 0;
+
+ private:
+  comm::CommPtr inner_;
+};
+
+// Collectives of one training step (the third: the forward order is recorded by then) at world 2, and the
+// checkpoint partitions the units make.
+struct StepCollectives {
+  int gathers = 0, reductions = 0;
+  std::vector<std::string> keys;
+};
+StepCollectives collectives_of_a_step(const train::TrainerOptions& opt) {
+  using S3 = Strategy<Sharded<Stage3>>;
+  const Data data = make_data(Model::llama, 2, 3, 2);
+  std::vector<std::shared_ptr<torch::nn::Module>> models;
+  for (int r = 0; r < 2; ++r) models.push_back(make_model(Model::llama, torch::kFloat32));
+  StepCollectives out;
+  run_ranks(2, [&](std::shared_ptr<LocalComm> local) {
+    const int r = local->rank();
+    auto counting = std::make_shared<CountingComm>(local);
+    auto trainer = zero_trainer<S3>(models[r], Hyper{}, counting, opt);
+    for (int s = 0; s < 3; ++s) {
+      const int g0 = counting->gathers, r0 = counting->reductions;
+      trainer.step([&] { return model_loss(Model::llama, *models[r], data.x[s][r], data.y[s][r]); });
+      if (r == 0 && s == 2) out.gathers = counting->gathers - g0, out.reductions = counting->reductions - r0;
+    }
+    if (r == 0)
+      for (const auto& p : trainer.partition_buffers()) out.keys.push_back(p.key);
+  });
+  return out;
+}
+
+TEST(Stage3, AGatherUnitIsOneCollectiveAPass) {
+  const int64_t layers = kLlamaShape.layers * 7 + 2;  // 7 linears a block, the embedding, the head
+  // Each layer alone: a gather in forward and one in backward (none for the embedding, whose backward needs no
+  // weights: backward prefetches in the order the first backward used the units), a reduce-scatter each; and for
+  // the bucket of whole-kept norms a reduce-scatter and the gather of its updated values.
+  const auto alone = collectives_of_a_step(units(false));
+  EXPECT_EQ(alone.gathers, (2 * layers - 1) + 1);
+  EXPECT_EQ(alone.reductions, layers + 1);
+  EXPECT_EQ(alone.keys.size(), std::size_t(layers + 1));
+  // The head, last in forward, kept gathered for its backward: one gather fewer.
+  EXPECT_EQ(collectives_of_a_step(units(false, 1, 1)).gathers, (2 * layers - 2) + 1);
+  EXPECT_EQ(collectives_of_a_step(units(false, 0, 0)).gathers, alone.gathers) << "without prefetch, the same gathers";
+  // The model as one unit: one gather a pass, one reduce-scatter (and the bucket's two).
+  const auto whole = collectives_of_a_step(units(true));
+  EXPECT_EQ(whole.gathers, 2 + 1);
+  EXPECT_EQ(whole.reductions, 1 + 1);
+  EXPECT_EQ(whole.keys, (std::vector<std::string>{"bucket0", "model"}));
+  EXPECT_EQ(collectives_of_a_step(units(true, 1, 1)).gathers, 1 + 1) << "kept from forward to backward";
+}
+
+TEST(Stage3, BadPrefetchOptionsAreRefused) {
+  using S3 = Strategy<Sharded<Stage3>>;
+  auto model = make_model(Model::llama, torch::kFloat32);
+  train::TrainerOptions o;
+  o.prefetch_depth = -1;
+  EXPECT_THROW(
+      {
+        try {
+          zero_trainer<S3>(model, Hyper{}, LocalComm::single(), o);
+        } catch (const c10::Error& e) {
+          EXPECT_NE(std::string(e.what()).find("prefetch_depth must be >= 0"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      c10::Error);
 }
 
 template <class S>
@@ -119,7 +237,7 @@ TEST(Stage3, PersistentLayersAndPrefetchInTheAccounting) {
   EXPECT_EQ(persistent.persistent_params, norms + small);
   EXPECT_EQ(persistent.parameters.device - sharded.parameters.device, small * 4 / 2) << "whole instead of half";
   opt.persistence_threshold = 0;
-  opt.prefetch = false;
+  opt.prefetch_depth = 0;
   const auto no_prefetch = memory_use<S3>(2, opt);
   EXPECT_LT(no_prefetch.communication.device, sharded.communication.device) << "a prefetched layer is held beside the current one";
 }

@@ -16,6 +16,7 @@
 // embedding_dense_backward), so stage 3 produces the same gradient bits as an unsharded layer.
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <memory>
@@ -41,43 +42,54 @@ using train::Stage3Group;
 
 namespace detail {
 
-inline Stage3Group* group_from(torch::autograd::AutogradContext* ctx) {
-  return reinterpret_cast<Stage3Group*>(ctx->saved_data["group"].toInt());
+// A sharded layer's place in its gather unit: the unit and the index of the layer's first layout entry. What the
+// autograd Functions below carry (as two integers: Functions take no pointers).
+struct Member {
+  Stage3Group* group;
+  std::size_t first;
+  const train::FlatEntry& entry(std::size_t i) const { return group->layout.entries()[first + i]; }
+};
+inline Member member_from(torch::autograd::AutogradContext* ctx) {
+  return {reinterpret_cast<Stage3Group*>(ctx->saved_data["group"].toInt()), std::size_t(ctx->saved_data["first"].toInt())};
+}
+inline void save_member(torch::autograd::AutogradContext* ctx, int64_t group_ptr, int64_t first) {
+  ctx->saved_data["group"] = group_ptr;
+  ctx->saved_data["first"] = first;
 }
 
-// y = x W^T + b with W, b gathered from the shard. x: [..., in], y: [..., out].
+// y = x W^T + b with W, b gathered from the unit. x: [..., in], y: [..., out].
 struct ShardedLinearFn : torch::autograd::Function<ShardedLinearFn> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& shard,
-                               int64_t group_ptr) {
+                               int64_t group_ptr, int64_t first, bool has_bias) {
     (void)shard;
-    auto* g = reinterpret_cast<Stage3Group*>(group_ptr);
-    const torch::Tensor full = g->runtime->acquire(*g);
-    const auto& es = g->layout.entries();
-    const torch::Tensor w = FlatParams::view(full, es[0]);
-    const torch::Tensor b = es.size() > 1 ? FlatParams::view(full, es[1]) : torch::Tensor();
+    const Member m{reinterpret_cast<Stage3Group*>(group_ptr), std::size_t(first)};
+    const torch::Tensor full = m.group->runtime->acquire(*m.group);
+    const torch::Tensor w = FlatParams::view(full, m.entry(0));
+    const torch::Tensor b = has_bias ? FlatParams::view(full, m.entry(1)) : torch::Tensor();
     torch::Tensor y = torch::nn::functional::linear(x, w, b);
-    g->runtime->release(*g);
+    m.group->runtime->release(*m.group);
     ctx->save_for_backward({x});
-    ctx->saved_data["group"] = group_ptr;
+    save_member(ctx, group_ptr, first);
+    ctx->saved_data["bias"] = has_bias;
     return y;
   }
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::tensor_list grads) {
-    Stage3Group* g = group_from(ctx);
+    const Member m = member_from(ctx);
+    Stage3Group& g = *m.group;
     const torch::Tensor x = ctx->get_saved_variables()[0];
-    const torch::Tensor full = g->runtime->acquire(*g);
-    const auto& es = g->layout.entries();
-    const torch::Tensor w = FlatParams::view(full, es[0]);  // [out, in]
+    const torch::Tensor full = g.runtime->acquire(g);
+    const torch::Tensor w = FlatParams::view(full, m.entry(0));  // [out, in]
     const int64_t out = w.size(0), in = w.size(1);
     const torch::Tensor go = grads[0].reshape({-1, out});    // [rows, out]
     const torch::Tensor x2 = x.reshape({-1, in});           // [rows, in]
     torch::Tensor gx;
     if (ctx->needs_input_grad(0)) gx = go.mm(w).view(x.sizes());
-    auto full_grad = torch::zeros({g->layout.padded()}, full.options());
-    FlatParams::view(full_grad, es[0]).copy_(go.t().mm(x2));  // [out, in], as AddmmBackward computes it
-    if (es.size() > 1) FlatParams::view(full_grad, es[1]).copy_(go.sum(0));
-    g->runtime->release(*g);
-    g->runtime->reduce_grad(*g, full_grad);
-    return {gx, torch::Tensor(), torch::Tensor()};
+    const torch::Tensor full_grad = g.runtime->gradient_buffer(g, full.options());
+    FlatParams::view(full_grad, m.entry(0)).add_(go.t().mm(x2));  // [out, in], as AddmmBackward computes it
+    if (ctx->saved_data["bias"].toBool()) FlatParams::view(full_grad, m.entry(1)).add_(go.sum(0));
+    g.runtime->release(g);
+    g.runtime->added(g);
+    return {gx, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -85,52 +97,54 @@ struct ShardedLinearFn : torch::autograd::Function<ShardedLinearFn> {
 // times (a chunked loss): autograd sums the gradients of every use before this node's backward runs, which
 // reduce-scatters the sum once. The runtime forgets the gathered buffer at once; it lives as long as W does.
 struct GatheredWeightFn : torch::autograd::Function<GatheredWeightFn> {
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& shard, int64_t group_ptr) {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& shard, int64_t group_ptr, int64_t first) {
     (void)shard;
-    auto* g = reinterpret_cast<Stage3Group*>(group_ptr);
-    const torch::Tensor full = g->runtime->acquire(*g);
-    torch::Tensor w = FlatParams::view(full, g->layout.entries()[0]);  // [out, in]
-    g->runtime->release(*g);
-    ctx->saved_data["group"] = group_ptr;
+    const Member m{reinterpret_cast<Stage3Group*>(group_ptr), std::size_t(first)};
+    const torch::Tensor full = m.group->runtime->acquire(*m.group);
+    torch::Tensor w = FlatParams::view(full, m.entry(0));  // [out, in]
+    m.group->runtime->release(*m.group);
+    save_member(ctx, group_ptr, first);
     return w;
   }
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::tensor_list grads) {
-    Stage3Group* g = group_from(ctx);
-    auto full_grad = torch::zeros({g->layout.padded()}, g->shard.options().requires_grad(false));
-    if (grads[0].defined()) FlatParams::view(full_grad, g->layout.entries()[0]).copy_(grads[0]);
-    g->runtime->reduce_grad(*g, full_grad);
-    return {torch::Tensor(), torch::Tensor()};
+    const Member m = member_from(ctx);
+    Stage3Group& g = *m.group;
+    const torch::Tensor full_grad = g.runtime->gradient_buffer(g, g.shard.options());
+    if (grads[0].defined()) FlatParams::view(full_grad, m.entry(0)).add_(grads[0]);
+    g.runtime->added(g);
+    return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
 // A sharded layer's first parameter as GatheredWeightFn's gathered tensor, counted as one use of the layer.
-inline torch::Tensor gathered_weight(Stage3Group* g) {
+inline torch::Tensor gathered_weight(Stage3Group* g, std::size_t first) {
   if (torch::GradMode::is_enabled()) ++g->uses;
-  return GatheredWeightFn::apply(g->shard, reinterpret_cast<int64_t>(g));
+  return GatheredWeightFn::apply(g->shard, reinterpret_cast<int64_t>(g), int64_t(first));
 }
 
 // y = W[idx]. idx: [...] int64, y: [..., dim].
 struct ShardedEmbeddingFn : torch::autograd::Function<ShardedEmbeddingFn> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& idx, const torch::Tensor& shard,
-                               int64_t group_ptr) {
+                               int64_t group_ptr, int64_t first) {
     (void)shard;
-    auto* g = reinterpret_cast<Stage3Group*>(group_ptr);
-    const torch::Tensor full = g->runtime->acquire(*g);
-    const torch::Tensor w = FlatParams::view(full, g->layout.entries()[0]);
+    const Member m{reinterpret_cast<Stage3Group*>(group_ptr), std::size_t(first)};
+    const torch::Tensor full = m.group->runtime->acquire(*m.group);
+    const torch::Tensor w = FlatParams::view(full, m.entry(0));
     torch::Tensor y = torch::embedding(w, idx);
-    g->runtime->release(*g);
+    m.group->runtime->release(*m.group);
     ctx->save_for_backward({idx});
-    ctx->saved_data["group"] = group_ptr;
+    save_member(ctx, group_ptr, first);
     return y;
   }
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::tensor_list grads) {
-    Stage3Group* g = group_from(ctx);
+    const Member m = member_from(ctx);
+    Stage3Group& g = *m.group;
     const torch::Tensor idx = ctx->get_saved_variables()[0];
-    const auto& e = g->layout.entries()[0];
-    auto full_grad = torch::zeros({g->layout.padded()}, grads[0].options());
-    FlatParams::view(full_grad, e).copy_(torch::embedding_dense_backward(grads[0], idx, e.shape[0], -1, false));
-    g->runtime->reduce_grad(*g, full_grad);
-    return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    const auto& e = m.entry(0);
+    const torch::Tensor full_grad = g.runtime->gradient_buffer(g, grads[0].options());
+    FlatParams::view(full_grad, e).add_(torch::embedding_dense_backward(grads[0], idx, e.shape[0], -1, false));
+    g.runtime->added(g);
+    return {torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -168,7 +182,7 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public Shardable {
     if (backing_) return backing_(x);
     if (group_ == nullptr) return torch::nn::functional::linear(x, weight, bias);
     if (torch::GradMode::is_enabled()) ++group_->uses;
-    return detail::ShardedLinearFn::apply(x, group_->shard, reinterpret_cast<int64_t>(group_));
+    return detail::ShardedLinearFn::apply(x, group_->shard, reinterpret_cast<int64_t>(group_), int64_t(first_entry_), options.bias());
   }
   // The weight [out, in] as one tensor, for a caller that reads it several times (nn::Llama's chunked loss): the
   // parameter itself, or, once a stage-3 trainer has sharded the layer, a gathered copy held while autograd needs
@@ -177,7 +191,7 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public Shardable {
   torch::Tensor full_weight() {
     TORCH_CHECK(!options.bias(), "squeeze::nn::Linear::full_weight: the layer has a bias, which full_weight() would leave out");
     TORCH_CHECK(!backing_, "squeeze::nn::Linear::full_weight: the layer is backed by a frozen quantized base");
-    return group_ == nullptr ? weight : detail::gathered_weight(group_);
+    return group_ == nullptr ? weight : detail::gathered_weight(group_, first_entry_);
   }
 
   std::vector<std::pair<std::string, torch::Tensor>> shardable_parameters() override {
@@ -185,7 +199,7 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public Shardable {
     if (options.bias()) p.emplace_back("bias", bias);
     return p;
   }
-  void attach(Stage3Group* g) override { group_ = g; }
+  void attach(Stage3Group* g, std::size_t first_entry) override { group_ = g, first_entry_ = first_entry; }
   Stage3Group* group() const override { return group_; }
 
   // The layer now runs `forward` of `module` (registered as child `name`); its own weight and bias are released.
@@ -225,6 +239,7 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public Shardable {
  private:
   ParamInit init_;
   Stage3Group* group_ = nullptr;
+  std::size_t first_entry_ = 0;  // weight's entry in group_'s layout (bias: the next)
   LinearBacking backing_;
   std::string backing_name_;
 };
@@ -252,15 +267,15 @@ class EmbeddingImpl : public torch::nn::Cloneable<EmbeddingImpl>, public Shardab
   torch::Tensor forward(const torch::Tensor& idx) {  // idx: [...] int64 -> [..., dim]
     if (group_ == nullptr) return torch::embedding(weight, idx);
     if (torch::GradMode::is_enabled()) ++group_->uses;
-    return detail::ShardedEmbeddingFn::apply(idx, group_->shard, reinterpret_cast<int64_t>(group_));
+    return detail::ShardedEmbeddingFn::apply(idx, group_->shard, reinterpret_cast<int64_t>(group_), int64_t(first_entry_));
   }
   // The table [num, dim] as one tensor, for a tied LM head that reads it as a linear weight: the parameter, or
   // once sharded a gathered copy whose backward reduce-scatters its gradient (see LinearImpl::full_weight).
   torch::Tensor full_weight() {
-    return group_ == nullptr ? weight : detail::gathered_weight(group_);
+    return group_ == nullptr ? weight : detail::gathered_weight(group_, first_entry_);
   }
   std::vector<std::pair<std::string, torch::Tensor>> shardable_parameters() override { return {{"weight", weight}}; }
-  void attach(Stage3Group* g) override { group_ = g; }
+  void attach(Stage3Group* g, std::size_t first_entry) override { group_ = g, first_entry_ = first_entry; }
   Stage3Group* group() const override { return group_; }
 
   torch::nn::EmbeddingOptions options;
@@ -269,6 +284,7 @@ class EmbeddingImpl : public torch::nn::Cloneable<EmbeddingImpl>, public Shardab
  private:
   ParamInit init_;
   Stage3Group* group_ = nullptr;
+  std::size_t first_entry_ = 0;
 };
 TORCH_MODULE(Embedding);
 
@@ -276,9 +292,13 @@ TORCH_MODULE(Embedding);
 // sharded (their own weights emptied) the shard each gathers from. What activation checkpointing hands to autograd.
 inline std::vector<torch::Tensor> trainable_leaves(torch::nn::Module& m) {
   std::vector<torch::Tensor> out;
+  std::vector<const Stage3Group*> units;  // a unit's shard once, however many of its layers are here
   for (const auto& sub : m.modules(/*include_self=*/true)) {
     if (auto* s = dynamic_cast<Shardable*>(sub.get()); s != nullptr && s->group() != nullptr) {
-      out.push_back(s->group()->shard);
+      if (std::find(units.begin(), units.end(), s->group()) == units.end()) {
+        units.push_back(s->group());
+        out.push_back(s->group()->shard);
+      }
       continue;
     }
     for (const auto& p : sub->parameters(/*recurse=*/false))

@@ -195,7 +195,7 @@ struct MlpImpl : torch::nn::Module {
 };
 TORCH_MODULE(Mlp);
 
-struct BlockImpl : torch::nn::Module {
+struct BlockImpl : torch::nn::Module, train::GatherUnit {  // one stage-3 gather per block
   RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};
   Attention attn{nullptr};
   Mlp mlp{nullptr};

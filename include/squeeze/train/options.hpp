@@ -56,8 +56,18 @@ struct TrainerOptions {
   std::optional<kernels::LossScaleOptions> loss_scale{};  // used when the Strategy scales the loss (half compute)
   int64_t persistence_threshold = 0;       // stage 3: sharded layers with fewer parameters stay whole
   int64_t align_bytes = 256;               // every tensor and every shard of a flat buffer starts aligned
-  bool prefetch = true;                    // stage 3: gather the next layer right after the current one
-                                           // (CUDA + NCCL: on a side stream, overlapping compute)
+  // Stage 3: gather units gathered ahead of the one running (forward order in forward, its reverse in backward;
+  // CUDA + NCCL: on a side stream, overlapping compute). 0: none; each one more holds one more unit's parameters.
+  int prefetch_depth = 1;
+  // Stage 3: the last units of the forward order keep their parameters gathered from their forward to their backward,
+  // which comes right after (FSDP's reshard_after_forward off for them): no second gather, their size held meanwhile.
+  int keep_last_gathered = 0;
+  // Stage 3: which modules are gather units, whose sharded layers are gathered as one (train/stage3.hpp): a block's
+  // parameters in one flat buffer, one all-gather in forward, one in backward, one reduce-scatter. A layer joins its
+  // outermost unit; a layer in none is a unit alone. Unset: modules deriving from squeeze::train::GatherUnit
+  // (nn::Llama's blocks) and the blocks of an nn::Blocks. [](const std::string&, const torch::nn::Module&)
+  // { return false; } gathers every layer alone.
+  std::function<bool(const std::string& name, const torch::nn::Module& module)> gather_unit{};
   int64_t bucket_bytes = int64_t(32) << 20;  // stage 2 (and stage 3's whole-kept parameters): gradient bucket size
   bool overlap_offload = true;             // Offload<Host>: transfers + CPU AdamW beside backward (see above)
   // Each micro-batch's loss read back into StepResult::loss (one host sync per micro-batch). false: loss is NaN and

@@ -1,30 +1,43 @@
 #pragma once
-// ZeRO stage 3's gather runtime: layers whose parameters live as 1/N shards are all-gathered just before the
-// layer's forward and again before its backward, then freed (the layers: nn/layers.hpp).
+// ZeRO stage 3's gather runtime: layers whose parameters live as 1/N shards are all-gathered just before they run
+// in forward and again for backward, then freed (the layers: nn/layers.hpp).
 //
-//   Stage3Group     one sharded layer: its parameters' flat layout, its shard [S] and its gradient shard.
+//   Stage3Group     one gather unit: a layer, or a block of layers gathered together (TrainerOptions::gather_unit);
+//                   its members' parameters in one flat layout, its shard [S] and its gradient shard.
 //   Shardable       what a layer implements for a stage-3 trainer to shard it (nn::Linear, nn::Embedding).
-//   Stage3Runtime   the gathers: all_gather into a transient [padded] buffer, release after use, and
-//       prefetch of the next layer in execution order (forward order recorded on the first pass,
-//       backward = its reverse). Gradients: the layer's full gradient is reduce-scattered (average) in
-//       its backward and added into the group's gradient shard, then freed.
+//   Stage3Runtime   the gathers: all_gather into a transient [padded] buffer, release after use, and prefetch of
+//       the next units in execution order (forward order recorded on the first pass, backward = its reverse).
+//       Gradients: each member adds its parameters' gradients into the unit's full gradient buffer; when the
+//       unit's gradient is complete it is reduce-scattered (average) once, added into the gradient shard and freed.
+//
+// A block as one unit (FSDP's wrapping of a transformer block) makes one collective of a block's 7 linears: one
+// all-gather in forward, one in backward and one reduce-scatter, and larger messages, at the cost of holding a
+// block's parameters (and in backward its gradients) gathered instead of one layer's.
+//
+// Lifetimes. Forward: a unit is freed once each of its members has run (a member that did not run keeps it until
+// the pass ends), unless it keeps its parameters for backward (keep_last_gathered: the last units of the forward,
+// whose backward comes first). Backward: gathered by the first member that needs it (a checkpointed block's
+// recompute, or a backward), held until the unit's gradient is reduced.
 //
 // Threads as ranks: CPU backward runs on the calling thread, so LocalComm's thread-ranks work. libtorch
 // runs all CUDA backward work of a process on one worker thread per device, so thread-ranks sharing one
 // GPU would block each other inside backward: on GPUs use one process per device (NcclComm), or
 // LocalComm at world size 1.
 //
-// Prefetch: one layer ahead (forward order in forward, its reverse in backward), issued right after the
-// current layer's gather. On CUDA with a device communicator (NcclComm) the gathers and the
-// gradient reduce-scatters run on a side stream (train/streams.hpp): the side stream waits for the compute
-// issued so far, the collective is enqueued without a host wait, and the compute stream waits for the
-// gathered buffer only where the layer uses it -- so the next layer's gather overlaps this layer's compute.
-// Elsewhere (CPU, LocalComm) the same operations run in the same order, blocking.
+// Prefetch: prefetch_depth units ahead, issued right after the current unit's gather, in the order the first pass of
+// each kind used the units (backward's is not forward's reversed: an embedding's backward needs no weights, and a
+// checkpointed segment recomputes its blocks in forward order). On CUDA with a device communicator (NcclComm) the gathers and the gradient
+// reduce-scatters run on a side stream (train/streams.hpp): the side stream waits for the compute issued so far,
+// the collective is enqueued without a host wait, and the compute stream waits for the gathered buffer only where
+// a member uses it -- so the next unit's gather overlaps this unit's compute. Elsewhere (CPU, LocalComm) the same
+// operations run in the same order, blocking.
 //
-// Readiness: a layer's gradient is final for the micro-step when it has been reduced as many times as
-// the layer ran with grad enabled (uses counted in the module's forward: a checkpointed segment's no-grad
-// first pass does not count, its recompute does; a layer used twice reduces twice). Then grad_done() runs
-// (the trainer's hook: Offload<Host> streams the shard to the host there).
+// Readiness: a unit's gradient is final for the micro-step when its members' backwards have added as many
+// gradients as its members ran with grad enabled (uses counted in the members' forward: a checkpointed segment's
+// no-grad first pass does not count, its recompute does). Then it is reduced and grad_done() runs (the trainer's
+// hook: Offload<Host> streams the shard to the host there). A unit whose count is not reached when backward ends
+// (a member whose output got no gradient) is reduced then, in unit order, by finish_backward(). A unit should lie
+// within one checkpointed segment: one that spans two is reduced once per segment (the same sum, more traffic).
 #include <torch/torch.h>
 
 #include <cmath>
@@ -33,6 +46,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "../comm/communicator.hpp"
@@ -44,19 +58,23 @@ namespace squeeze::train {
 
 class Stage3Runtime;
 
-// One sharded layer's state (owned by the Stage3Runtime, pointed to by the module).
+// One gather unit's state (owned by the trainer, pointed to by its member layers).
 struct Stage3Group {
-  std::string name;
-  FlatParams layout;          // entries + sizes; no flat buffer of its own
-  torch::Tensor shard;        // [S] compute dtype; leaf that requires grad (see above)
+  std::string name;           // the unit: a layer's module name, or its block's
+  FlatParams layout;          // the members' parameters, member by member; no flat buffer of its own
+  torch::Tensor shard;        // [S] compute dtype; leaf that requires grad (see nn/layers.hpp)
   torch::Tensor grad_shard;   // [S] accumulation dtype: reduced gradients of this step's micro-batches
-  torch::Tensor gathered;     // [padded] while gathered (forward/backward of this layer), else undefined
+  torch::Tensor gathered;     // [padded] while gathered, else undefined
+  torch::Tensor full_grad;    // [padded] backward: the members' gradients added so far, until reduced
   Event gathered_ready;       // side-stream gather still in flight (CUDA)
   Stage3Runtime* runtime = nullptr;
-  int uses = 0, reduced = 0;  // this micro-step: grad-enabled forwards, gradient reductions
+  int members = 1;            // layers in the unit
+  int uses = 0, added = 0;    // this micro-step: members' grad-enabled forwards, members' gradients added
+  int released = 0;           // forward: members done with the gathered buffer since it was gathered
+  bool keep_for_backward = false;  // not freed after forward (TrainerOptions::keep_last_gathered)
   std::function<void()> before_gather;  // trainer: wait until this shard's update has landed
   std::function<void()> grad_done;      // trainer: the gradient shard is final for this micro-step
-  bool finished() const { return uses > 0 && reduced == uses; }
+  bool finished() const { return uses > 0 && added == uses; }
 };
 
 // Interface of modules that a stage-3 trainer can shard.
@@ -65,8 +83,17 @@ class Shardable {
   virtual ~Shardable() = default;
   // (name, parameter) in flat order.
   virtual std::vector<std::pair<std::string, torch::Tensor>> shardable_parameters() = 0;
-  virtual void attach(Stage3Group* group) = 0;
+  // The unit the layer's parameters now live in, and the index of its first parameter among the unit's layout
+  // entries (null: a plain layer again).
+  virtual void attach(Stage3Group* group, std::size_t first_entry) = 0;
   virtual Stage3Group* group() const = 0;
+};
+
+// A module whose sharded layers a stage-3 trainer gathers together, one collective for all of them (a transformer
+// block: nn::Llama's blocks are). TrainerOptions::gather_unit chooses units without changing the module's type.
+class GatherUnit {
+ public:
+  virtual ~GatherUnit() = default;
 };
 
 // A layer whose parameters stay whole on every rank under Stage 3 by design (a norm: a few thousand values), so a
@@ -79,19 +106,26 @@ class KeptWhole {
 class Stage3Runtime {
  public:
   // side: the collectives' stream, shared with the trainer's buckets; inert (blocking collectives) unless
-  // asynchronous_collectives(device, comm).
-  Stage3Runtime(comm::CommPtr comm, bool prefetch, torch::Device device, SideStream& side)
-      : comm_(std::move(comm)), prefetch_(prefetch), device_(device), side_(side) {}
+  // asynchronous_collectives(device, comm). prefetch_depth: units gathered ahead (0: none). keep_last_gathered:
+  // the last units of the forward order stay gathered from their forward to their backward.
+  Stage3Runtime(comm::CommPtr comm, int prefetch_depth, int keep_last_gathered, torch::Device device, SideStream& side)
+      : comm_(std::move(comm)), prefetch_depth_(prefetch_depth), keep_last_(keep_last_gathered), device_(device), side_(side) {
+    TORCH_CHECK(prefetch_depth >= 0, "Stage3: prefetch_depth must be >= 0, got ", prefetch_depth);
+    TORCH_CHECK(keep_last_gathered >= 0, "Stage3: keep_last_gathered must be >= 0, got ", keep_last_gathered);
+  }
 
   void add_group(Stage3Group& g) { groups_.push_back(&g); }
 
   enum class Phase { forward, backward, idle };
   void set_phase(Phase p) {
     if (p == Phase::forward)
-      for (auto* g : groups_) g->uses = g->reduced = 0;
+      for (auto* g : groups_) g->uses = g->added = g->released = 0;
+    if (phase_ == Phase::backward && p != Phase::backward && !backward_.order.empty()) backward_.final = true;
     phase_ = p;
-    if (p == Phase::backward || p == Phase::idle) {
-      if (!order_.empty()) order_final_ = true;
+    if ((p == Phase::backward || p == Phase::idle) && !forward_.order.empty() && !forward_.final) {
+      forward_.final = true;
+      const auto& o = forward_.order;
+      for (std::size_t i = 0; i < o.size(); ++i) o[i]->keep_for_backward = i + std::size_t(keep_last_) >= o.size();
     }
     if (p == Phase::idle && side_.active()) {
       // The compute stream waits for the side stream's reductions; a failed or timed-out collective throws here.
@@ -100,20 +134,21 @@ class Stage3Runtime {
     }
   }
   Phase phase() const { return phase_; }
-  // The forward order recorded on the first pass: whether it is final, its length, and a layer's place in it.
-  bool forward_order_final() const { return order_final_; }
-  std::size_t forward_order_size() const { return order_.size(); }
+  // The forward order recorded on the first pass: whether it is final, its length, and a unit's place in it.
+  bool forward_order_final() const { return forward_.final; }
+  std::size_t forward_order_size() const { return forward_.order.size(); }
   std::optional<std::size_t> forward_position(const Stage3Group& g) const {
-    const auto it = index_.find(&g);
-    return it == index_.end() ? std::nullopt : std::optional<std::size_t>(it->second);
+    const auto it = forward_.index.find(&g);
+    return it == forward_.index.end() ? std::nullopt : std::optional<std::size_t>(it->second);
   }
 
-  // The layer's full flat parameters [padded] (gathering them unless already prefetched), then
-  // prefetches the next layer of this pass.
+  // The unit's full flat parameters [padded] (gathering them unless already gathered), then prefetches the units
+  // that come next in this pass.
   torch::Tensor acquire(Stage3Group& g) {
-    if (phase_ == Phase::forward && !order_final_) {
-      index_[&g] = order_.size();
-      order_.push_back(&g);
+    PassOrder* pass = phase_ == Phase::forward ? &forward_ : phase_ == Phase::backward ? &backward_ : nullptr;
+    if (pass && !pass->final && !pass->index.count(&g)) {
+      pass->index[&g] = pass->order.size();
+      pass->order.push_back(&g);
     }
     if (!g.gathered.defined()) gather(g);
     torch::Tensor full = g.gathered;
@@ -122,34 +157,62 @@ class Stage3Runtime {
       record_use_current(full);
       g.gathered_ready = Event();
     }
-    if (prefetch_ && order_final_) {
-      auto it = index_.find(&g);
-      if (it != index_.end()) {
-        const std::ptrdiff_t i = std::ptrdiff_t(it->second), next = phase_ == Phase::backward ? i - 1 : i + 1;
-        if (next >= 0 && next < std::ptrdiff_t(order_.size())) {
-          Stage3Group& n = *order_[std::size_t(next)];
-          // Not a layer whose backward is done (a checkpoint recompute may run ahead of the order).
+    if (pass && pass->final) {
+      auto it = pass->index.find(&g);
+      if (it != pass->index.end()) {
+        for (std::size_t next = it->second + 1; next <= it->second + std::size_t(prefetch_depth_) && next < pass->order.size(); ++next) {
+          Stage3Group& n = *pass->order[next];
+          // Not a unit whose backward is done (a checkpoint recompute may run ahead of the order).
           if (!n.gathered.defined() && !(phase_ == Phase::backward && n.finished())) gather(n);
         }
       }
     }
     return full;
   }
+  // A member is done with the gathered parameters for now (see Lifetimes in the header).
   void release(Stage3Group& g) {
-    if (g.gathered.defined()) {
-      live_bytes_ -= g.gathered.nbytes();
-      g.gathered = torch::Tensor();
-    }
+    if (!g.gathered.defined() || phase_ == Phase::backward) return;  // backward: freed once the gradient is reduced
+    if (phase_ == Phase::forward && g.keep_for_backward && forward_.final) return;
+    if (++g.released >= g.members) free_gathered(g);
   }
-  // Frees whatever a pass left gathered (a prefetch the graph did not use).
+  // Frees whatever a pass left gathered (a prefetch the graph did not use, a unit kept for a backward that did not
+  // come).
   void release_all() {
-    for (auto* g : order_) release(*g);
+    for (auto* g : groups_) free_gathered(*g);
   }
 
-  // Reduce-scatters a layer's full gradient [padded] (average over ranks) and adds it into its shard;
-  // calls g.grad_done() once the layer's gradient for this micro-step is complete.
-  void reduce_grad(Stage3Group& g, const torch::Tensor& full_grad) {
-    track(full_grad.nbytes());
+  // The unit's full gradient buffer [padded] for this micro-step, zeros when the first member asks: each member's
+  // backward adds its parameters' gradients into its entries, then calls added().
+  torch::Tensor gradient_buffer(Stage3Group& g, const torch::TensorOptions& options) {
+    if (!g.full_grad.defined()) {
+      g.full_grad = torch::zeros({g.layout.padded()}, options.requires_grad(false));
+      track(g.full_grad.nbytes());
+    }
+    return g.full_grad;
+  }
+  // One member's gradient is in the buffer; once the unit's is complete: reduce-scatter, grad_done(), free.
+  void added(Stage3Group& g) {
+    ++g.added;
+    if (!g.finished()) return;
+    reduce(g);
+    if (phase_ == Phase::backward) free_gathered(g);
+  }
+  // After backward: units whose gradients are partly added (a member's output got no gradient) are reduced now,
+  // in unit order (the same on every rank).
+  void finish_backward() {
+    for (auto* g : groups_)
+      if (g->full_grad.defined()) reduce(*g);
+  }
+
+  comm::Communicator& comm() { return *comm_; }
+  int64_t peak_bytes() const { return peak_bytes_; }  // largest sum of live gathered + gradient buffers
+  void reset_peak() { peak_bytes_ = live_bytes_; }
+
+ private:
+  // Reduce-scatters the unit's full gradient (average over ranks) into its gradient shard and frees it.
+  void reduce(Stage3Group& g) {
+    torch::Tensor full_grad = std::exchange(g.full_grad, torch::Tensor());
+    const bool complete = g.finished();
     if (side_.active()) {
       side_.wait(record_current(device_));
       side_.record_use(full_grad);
@@ -158,24 +221,27 @@ class Stage3Runtime {
         comm_->reduce_scatter(full_grad.data_ptr(), mine.data_ptr(), std::size_t(mine.numel()),
                               comm_dtype(full_grad.scalar_type()), comm::ReduceOp::avg, side_.handle());
         g.grad_shard.add_(mine);
-        if (++g.reduced == g.uses && g.grad_done) g.grad_done();  // its transfers queue behind the add
+        if (complete && g.grad_done) g.grad_done();  // its transfers queue behind the add
       });
     } else {
       auto mine = torch::empty({g.layout.shard()}, full_grad.options());
       reduce_scatter_avg(*comm_, full_grad, mine);
       g.grad_shard.add_(mine);
-      if (++g.reduced == g.uses && g.grad_done) g.grad_done();
+      if (complete && g.grad_done) g.grad_done();
     }
     live_bytes_ -= full_grad.nbytes();
   }
-
-  comm::Communicator& comm() { return *comm_; }
-  int64_t peak_bytes() const { return peak_bytes_; }  // largest sum of live gathered + gradient buffers
-  void reset_peak() { peak_bytes_ = live_bytes_; }
-
- private:
+  void free_gathered(Stage3Group& g) {
+    if (g.gathered.defined()) {
+      live_bytes_ -= g.gathered.nbytes();
+      g.gathered = torch::Tensor();
+      g.gathered_ready = Event();
+    }
+    g.released = 0;
+  }
   void gather(Stage3Group& g) {
     if (g.before_gather) g.before_gather();
+    g.released = 0;
     if (side_.active()) {
       side_.wait(record_current(device_));  // the shard's latest values are queued on the compute stream
       auto full = side_.run([&] { return torch::empty({g.layout.padded()}, g.shard.options().requires_grad(false)); });
@@ -197,14 +263,18 @@ class Stage3Runtime {
   }
 
   comm::CommPtr comm_;
-  bool prefetch_;
+  int prefetch_depth_, keep_last_;
   torch::Device device_;
   SideStream& side_;  // active only for asynchronous device collectives (see the header comment)
   Phase phase_ = Phase::idle;
   std::vector<Stage3Group*> groups_;
-  std::vector<Stage3Group*> order_;
-  std::unordered_map<const Stage3Group*, std::size_t> index_;
-  bool order_final_ = false;
+  // Units in the order the first pass of a kind acquired them (final once that pass ended).
+  struct PassOrder {
+    std::vector<Stage3Group*> order;
+    std::unordered_map<const Stage3Group*, std::size_t> index;
+    bool final = false;
+  };
+  PassOrder forward_, backward_;
   int64_t live_bytes_ = 0, peak_bytes_ = 0;
 };
 

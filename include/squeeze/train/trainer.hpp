@@ -198,20 +198,24 @@ class Trainer {
 
     std::unordered_set<const void*> sharded;  // TensorImpls owned by stage-3 groups
     if constexpr (kStage == 3) {
-      runtime_ = std::make_unique<Stage3Runtime>(comm_, opt_.prefetch, device_, *collectives_);
+      runtime_ = std::make_unique<Stage3Runtime>(comm_, opt_.prefetch_depth, opt_.keep_last_gathered, device_, *collectives_);
+      // Sharded layers by gather unit, units in the order of their first layer, layers in module order.
+      const std::vector<std::string> units = gather_unit_names();
+      std::vector<std::pair<std::string, std::vector<std::pair<std::string, Shardable*>>>> by_unit;
       for (auto& item : module_->named_modules()) {
         auto* s = dynamic_cast<Shardable*>(item.value().get());
         if (s == nullptr) continue;
-        auto params = s->shardable_parameters();
         int64_t n = 0;
-        for (auto& [name, p] : params) n += p.requires_grad() ? p.numel() : 0;
+        bool frozen = false;
+        for (auto& [name, p] : s->shardable_parameters()) p.requires_grad() ? void(n += p.numel()) : void(frozen = true);
         if (n == 0 || n < opt_.persistence_threshold) continue;  // small: stays whole (replicated)
-        for (auto& [name, p] : params) {
-          TORCH_CHECK(p.requires_grad(), "Stage3: layer '", item.key(), "' mixes frozen and trainable parameters");
-          name = item.key() + "." + name;
-        }
-        add_stage3_group(item.key(), std::move(params), *s, sharded);
+        TORCH_CHECK(!frozen, "Stage3: layer '", item.key(), "' mixes frozen and trainable parameters");
+        const std::string unit = unit_of(units, item.key());
+        auto it = std::find_if(by_unit.begin(), by_unit.end(), [&](const auto& u) { return u.first == unit; });
+        if (it == by_unit.end()) it = by_unit.insert(by_unit.end(), {unit, {}});
+        it->second.emplace_back(item.key(), s);
       }
+      for (auto& [unit, layers] : by_unit) add_stage3_group(unit, layers, sharded);
     }
     std::vector<std::pair<std::string, torch::Tensor>> replicated;
     for (auto& p : trainable)
@@ -258,7 +262,7 @@ class Trainer {
       } catch (...) {  // a failed update was reported by step(); nothing to do here
       }
     }
-    for (Shardable* s : attached_) s->attach(nullptr);
+    for (Shardable* s : attached_) s->attach(nullptr, 0);
     for (auto& b : buckets_)
       for (auto& e : b->flat.entries()) torch::autograd::impl::set_post_acc_grad_hooks(e.param, nullptr);
   }
@@ -267,14 +271,13 @@ class Trainer {
   // (a collective). The trainer must not step afterwards.
   void restore_module() {
     sync();
-    for (std::size_t i = 0; i < groups3_.size(); ++i) {
-      auto& g = *groups3_[i];
-      auto full = torch::empty({g.layout.padded()}, g.shard.options().requires_grad(false));
-      gather_into(*comm_, g.shard.detach(), full);
+    for (auto& g : groups3_) {
+      auto full = torch::empty({g->layout.padded()}, g->shard.options().requires_grad(false));
+      gather_into(*comm_, g->shard.detach(), full);
       torch::NoGradGuard ng;
-      for (auto& e : g.layout.entries()) e.param.set_data(FlatParams::view(full, e).clone());
-      attached_[i]->attach(nullptr);
+      for (auto& e : g->layout.entries()) e.param.set_data(FlatParams::view(full, e).clone());
     }
+    for (Shardable* s : attached_) s->attach(nullptr, 0);
     attached_.clear();
   }
 
@@ -345,6 +348,7 @@ class Trainer {
       if (!ranked_by_forward_) rank_offload_jobs();
     }
     (loss * (double(r.scale) * weight)).backward();
+    if (runtime_) runtime_->finish_backward();
     r.loss_value = loss.detach().to(torch::kFloat32).reshape({});
     r.loss = opt_.read_loss ? r.loss_value.item<float>() : std::nanf("");  // read after backward: no stall between them
     if (runtime_) {
@@ -798,10 +802,41 @@ class Trainer {
     }
   }
 
-  void add_stage3_group(const std::string& name, std::vector<std::pair<std::string, torch::Tensor>> params, Shardable& s,
+  // Stage 3's gather units (train/stage3.hpp): the modules TrainerOptions::gather_unit names, or by default those
+  // deriving from GatherUnit and the blocks of an nn::Blocks.
+  std::vector<std::string> gather_unit_names() const {
+    std::vector<std::string> units;
+    for (const auto& item : module_->named_modules()) {
+      const torch::nn::Module& m = *item.value();
+      if (opt_.gather_unit ? opt_.gather_unit(item.key(), m) : dynamic_cast<const GatherUnit*>(&m) != nullptr)
+        units.push_back(item.key());
+      if (!opt_.gather_unit && dynamic_cast<const nn::BlocksImpl*>(&m) != nullptr)
+        for (const auto& c : m.named_children()) units.push_back(item.key().empty() ? c.key() : item.key() + "." + c.key());
+    }
+    return units;
+  }
+  // The outermost unit holding layer `name`, or the layer itself.
+  static std::string unit_of(const std::vector<std::string>& units, const std::string& name) {
+    const std::string* best = nullptr;
+    for (const auto& u : units)
+      if ((u.empty() || name == u || (name.size() > u.size() && name.starts_with(u) && name[u.size()] == '.')) &&
+          (best == nullptr || u.size() < best->size()))
+        best = &u;
+    return best ? *best : name;
+  }
+
+  // One gather unit: its layers' trainable parameters in one flat layout, sharded; each layer attached to it.
+  void add_stage3_group(const std::string& name, const std::vector<std::pair<std::string, Shardable*>>& layers,
                         std::unordered_set<const void*>& sharded) {
+    std::vector<std::pair<std::string, torch::Tensor>> params;
+    std::vector<std::size_t> first;  // each layer's first entry
+    for (const auto& [layer, s] : layers) {
+      first.push_back(params.size());
+      for (auto& [pname, p] : s->shardable_parameters()) params.emplace_back(layer + "." + pname, p);
+    }
     auto g = std::make_unique<Stage3Group>();
-    g->name = name;
+    g->name = name.empty() ? "model" : name;
+    g->members = int(layers.size());
     g->layout = FlatParams(params, world_, align_elems(), /*materialize=*/false);
     auto full = torch::zeros({g->layout.padded()}, params.front().second.options().requires_grad(false));
     {
@@ -834,8 +869,10 @@ class Trainer {
         };
     }
     runtime_->add_group(*g);
-    s.attach(g.get());
-    attached_.push_back(&s);
+    for (std::size_t i = 0; i < layers.size(); ++i) {
+      layers[i].second->attach(g.get(), first[i]);
+      attached_.push_back(layers[i].second);
+    }
     own3_.push_back(std::move(own));
     groups3_.push_back(std::move(g));
   }
