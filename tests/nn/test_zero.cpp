@@ -94,6 +94,9 @@ TEST(Stage3, PrefetchAndPersistenceKeepResultsBitwise) {
 // ---- stage 3: gather units, prefetch depth, parameters kept for backward --------------------------------
 // The test LLaMA's layers are children of the model itself, so the model is the one module holding several: as
 // one gather unit it is gathered once in forward and once in backward, its gradient reduce-scattered once.
+template <class S>
+train::MemoryUse memory_use(int world, train::TrainerOptions opt);
+
 train::TrainerOptions units(bool whole_model, int prefetch_depth = 1, int keep_last = 0) {
   train::TrainerOptions o;
   o.gather_unit = [whole_model](const std::string& name, const torch::nn::Module&) { return whole_model && name.empty(); };
@@ -108,7 +111,7 @@ TEST(Stage3, GatherUnitsKeepResultsBitwise) {
   using S3O = Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>;
   using S2A = Strategy<Sharded<Stage2>, Accumulate<4>>;
   using S3A = Strategy<Sharded<Stage3>, Accumulate<4>>;
-  for (int world : {2, 3}) {
+  for (int world : {1, 2, 3}) {  // one rank: the shards are used in place
     const auto base = train<S0>(Model::llama, world, 4);
     const auto base_a = train<S2A>(Model::llama, world, 2);
     for (const bool whole : {false, true})
@@ -190,6 +193,18 @@ TEST(Stage3, AGatherUnitIsOneCollectiveAPass) {
   EXPECT_EQ(whole.reductions, 1 + 1);
   EXPECT_EQ(whole.keys, (std::vector<std::string>{"bucket0", "model"}));
   EXPECT_EQ(collectives_of_a_step(units(true, 1, 1)).gathers, 1 + 1) << "kept from forward to backward";
+}
+
+// One rank with blocking collectives: a unit's shard is the whole unit, so nothing is gathered into a copy and the
+// gradients are added into the gradient shard itself: the communication peak (the norms' bucket alone) is the same
+// whether the whole model is one unit or every layer is. Two ranks gather: the whole model held at once is more.
+TEST(Stage3, OneRankUsesTheShardsInPlace) {
+  using S3 = Strategy<Sharded<Stage3>, Precision<bf16, float>>;
+  EXPECT_EQ(memory_use<S3>(1, units(true)).communication.device, memory_use<S3>(1, units(false)).communication.device);
+  const int64_t whole = memory_use<S3>(2, units(true)).communication.device, alone = memory_use<S3>(2, units(false)).communication.device;
+  const int64_t model_bytes = kLlamaShape.params() * 2;
+  EXPECT_GT(whole, alone);
+  EXPECT_GE(whole, model_bytes) << "the whole model gathered in bf16";
 }
 
 TEST(Stage3, BadPrefetchOptionsAreRefused) {

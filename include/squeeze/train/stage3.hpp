@@ -19,6 +19,10 @@
 // whose backward comes first). Backward: gathered by the first member that needs it (a checkpointed block's
 // recompute, or a backward), held until the unit's gradient is reduced.
 //
+// One rank with blocking collectives (LocalComm, the CPU): the shard is the whole unit, so it is used in place: no
+// gathered copy, and members add their gradients straight into the gradient shard when it has the compute dtype.
+// (NCCL at world size 1 still takes the side-stream path, which is how one GPU tests it.)
+//
 // Threads as ranks: CPU backward runs on the calling thread, so LocalComm's thread-ranks work. libtorch
 // runs all CUDA backward work of a process on one worker thread per device, so thread-ranks sharing one
 // GPU would block each other inside backward: on GPUs use one process per device (NcclComm), or
@@ -184,7 +188,10 @@ class Stage3Runtime {
   // The unit's full gradient buffer [padded] for this micro-step, zeros when the first member asks: each member's
   // backward adds its parameters' gradients into its entries, then calls added().
   torch::Tensor gradient_buffer(Stage3Group& g, const torch::TensorOptions& options) {
-    if (!g.full_grad.defined()) {
+    if (g.full_grad.defined()) return g.full_grad;
+    if (in_place() && g.grad_shard.scalar_type() == options.dtype().toScalarType()) {
+      g.full_grad = g.grad_shard;  // one rank: the gradient shard is the unit's whole gradient
+    } else {
       g.full_grad = torch::zeros({g.layout.padded()}, options.requires_grad(false));
       track(g.full_grad.nbytes());
     }
@@ -213,6 +220,10 @@ class Stage3Runtime {
   void reduce(Stage3Group& g) {
     torch::Tensor full_grad = std::exchange(g.full_grad, torch::Tensor());
     const bool complete = g.finished();
+    if (full_grad.is_same(g.grad_shard)) {  // added in place (one rank)
+      if (complete && g.grad_done) g.grad_done();
+      return;
+    }
     if (side_.active()) {
       side_.wait(record_current(device_));
       side_.record_use(full_grad);
@@ -233,15 +244,20 @@ class Stage3Runtime {
   }
   void free_gathered(Stage3Group& g) {
     if (g.gathered.defined()) {
-      live_bytes_ -= g.gathered.nbytes();
+      if (!in_place()) live_bytes_ -= g.gathered.nbytes();
       g.gathered = torch::Tensor();
       g.gathered_ready = Event();
     }
     g.released = 0;
   }
+  bool in_place() const { return comm_->size() == 1 && !side_.active(); }
   void gather(Stage3Group& g) {
     if (g.before_gather) g.before_gather();
     g.released = 0;
+    if (in_place()) {
+      g.gathered = g.shard.detach();  // one rank: the shard is the whole unit
+      return;
+    }
     if (side_.active()) {
       side_.wait(record_current(device_));  // the shard's latest values are queued on the compute stream
       auto full = side_.run([&] { return torch::empty({g.layout.padded()}, g.shard.options().requires_grad(false)); });
