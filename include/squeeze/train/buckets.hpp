@@ -49,7 +49,7 @@ namespace detail {
 // What backward hooks and stage-3 callbacks reach while backward runs (on the heap: the Trainer may move).
 struct GradState {
   comm::CommPtr comm;
-  SideStream* collectives = nullptr;  // active only for asynchronous device collectives (see the header)
+  SideStream* collectives = nullptr;  // the trainer's; active only for asynchronous device collectives (see the header)
   torch::Device device{torch::kCPU};
   bool final_micro = false;     // this micro-step ends the accumulation window
   bool defer = false;           // hooks only collect; buckets are reduced after backward (see Trainer)
@@ -85,23 +85,9 @@ inline void reduce_bucket(Bucket& b, GradState& st) {
   st.live += mine_bytes;
   st.note(0);
   const bool hand_over = st.final_micro && st.offload && st.offload->threaded();
-  SideStream* side = st.collectives;
-  if (side && side->active()) {
-    side->wait(record_current(st.device));  // the bucket's gradients were copied in on the compute stream
-    side->record_use(b.send);
-    side->run([&] {
-      auto mine = torch::empty({b.flat.shard()}, b.send.options());
-      st.comm->reduce_scatter(b.send.data_ptr(), mine.data_ptr(), std::size_t(mine.numel()), comm_dtype(b.send.scalar_type()),
-                              comm::ReduceOp::avg, side->handle());
-      b.own.grad.add_(mine);
-      if (hand_over) st.offload->gradient_ready(b.own, st.eager);  // its copies queue behind the add
-    });
-  } else {
-    auto mine = torch::empty({b.flat.shard()}, b.send.options());
-    reduce_scatter_avg(*st.comm, b.send, mine);
-    b.own.grad.add_(mine);
-    if (hand_over) st.offload->gradient_ready(b.own, st.eager);
-  }
+  reduce_scatter_add(*st.comm, *st.collectives, st.device, b.send, b.own.grad, [&] {
+    if (hand_over) st.offload->gradient_ready(b.own, st.eager);  // its copies queue behind the add
+  });
   st.reduce_scatter_bytes += int64_t(b.send.nbytes());
   st.live -= int64_t(b.send.nbytes()) + mine_bytes;
   b.send = torch::Tensor();

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include "../comm/communicator.hpp"
+#include "streams.hpp"
 #include "torch_types.hpp"
 
 namespace squeeze::train {
@@ -34,6 +35,30 @@ inline void reduce_scatter_avg(comm::Communicator& c, const torch::Tensor& full,
                    comm::ReduceOp::avg);
   c.synchronize();
 }
+// Reduce-scatters full [size*n] (average over ranks), adds this rank's part into grad_shard [n], then runs then()
+// (an offload hand-over): asynchronously on `side` behind the compute queued so far on `device`'s current stream
+// when the side stream is active (its work then follows the add), else blocking.
+template <class Then>
+void reduce_scatter_add(comm::Communicator& c, SideStream& side, torch::Device device, const torch::Tensor& full,
+                        const torch::Tensor& grad_shard, Then&& then) {
+  if (side.active()) {
+    side.wait(record_current(device));
+    side.record_use(full);
+    side.run([&] {
+      auto mine = torch::empty({grad_shard.numel()}, full.options());
+      c.reduce_scatter(full.data_ptr(), mine.data_ptr(), std::size_t(mine.numel()), comm_dtype(full.scalar_type()),
+                       comm::ReduceOp::avg, side.handle());
+      grad_shard.add_(mine);
+      then();
+    });
+    return;
+  }
+  auto mine = torch::empty({grad_shard.numel()}, full.options());
+  reduce_scatter_avg(c, full, mine);
+  grad_shard.add_(mine);
+  then();
+}
+
 inline void all_reduce_inplace(comm::Communicator& c, const torch::Tensor& t, comm::ReduceOp op) {
   if (c.size() == 1) return;
   c.all_reduce(t.data_ptr(), t.data_ptr(), std::size_t(t.numel()), comm_dtype(t.scalar_type()), op);

@@ -224,22 +224,9 @@ class Stage3Runtime {
       if (complete && g.grad_done) g.grad_done();
       return;
     }
-    if (side_.active()) {
-      side_.wait(record_current(device_));
-      side_.record_use(full_grad);
-      side_.run([&] {
-        auto mine = torch::empty({g.layout.shard()}, full_grad.options());
-        comm_->reduce_scatter(full_grad.data_ptr(), mine.data_ptr(), std::size_t(mine.numel()),
-                              comm_dtype(full_grad.scalar_type()), comm::ReduceOp::avg, side_.handle());
-        g.grad_shard.add_(mine);
-        if (complete && g.grad_done) g.grad_done();  // its transfers queue behind the add
-      });
-    } else {
-      auto mine = torch::empty({g.layout.shard()}, full_grad.options());
-      reduce_scatter_avg(*comm_, full_grad, mine);
-      g.grad_shard.add_(mine);
-      if (complete && g.grad_done) g.grad_done();
-    }
+    reduce_scatter_add(*comm_, side_, device_, full_grad, g.grad_shard, [&] {
+      if (complete && g.grad_done) g.grad_done();  // its transfers queue behind the add
+    });
     live_bytes_ -= full_grad.nbytes();
   }
   void free_gathered(Stage3Group& g) {
