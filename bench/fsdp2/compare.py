@@ -10,7 +10,8 @@ FLOPs over the H200's dense bf16 peak, the same in both programs), x1: tokens/s 
 world 1 (scaling efficiency), then FSDP2's peak and tokens/s per GPU, speed = ours / FSDP2 tokens/s,
 mem = FSDP2's peak / ours (> 1: ours smaller). The last line of each configuration wins (files may be appended to).
 --jsonl OUT appends one line per matched pair: {"case", "preset", "world", "tokens_per_s_per_gpu",
-"fsdp2_tokens_per_s_per_gpu", "speed_vs_fsdp2", "peak_gb", "fsdp2_peak_gb", "mem_vs_fsdp2", "fused_loss", "commit", "date"}.
+"fsdp2_tokens_per_s_per_gpu", "speed_vs_fsdp2", "peak_gb", "fsdp2_peak_gb", "mem_vs_fsdp2", "fused_loss", "gather_layers_alone",
+"commit", "date"}.
 Standard library only (and bench/bench_common.py).
 """
 import os
@@ -56,7 +57,8 @@ def main():
                               "fsdp2_tokens_per_s_per_gpu": p["tokens_per_s_per_gpu"],
                               "speed_vs_fsdp2": o["tokens_per_s_per_gpu"] / p["tokens_per_s_per_gpu"], "peak_gb": o["peak_gb"],
                               "fsdp2_peak_gb": p["peak_gb"], "mem_vs_fsdp2": p["peak_gb"] / o["peak_gb"],
-                              "fused_loss": o.get("fused_loss", False), "commit": o.get("commit"), "date": o.get("date")})
+                              "fused_loss": o.get("fused_loss", False), "gather_layers_alone": o.get("gather_layers_alone", False),
+                              "commit": o.get("commit"), "date": o.get("date")})
         notes = [f"ours: {o['error']}" for o in [o] if o is not None and o.get("error")]
         notes += [f"FSDP2: {p['error']}" for p in [p] if p is not None and p.get("error")]
         print(f"{str(preset):<15} {str(case):<26} {world:>5} {batch or 0:>3} {f(o, 'peak_gb', '.2f'):>8} {f(o, 'planned_gb', '.2f'):>8} "

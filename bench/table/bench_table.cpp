@@ -99,6 +99,7 @@ struct Options {
   int64_t batch = 8, seq = 2048, steps = 3, warmup = 2, layers = 0, eval_seqs = 8, threads = 0, lr_warmup = 0;
   int64_t loss_chunk = llama::TrainOptions{}.loss_chunk_tokens;  // the strategy rows' (the peer never chunks)
   bool fused_loss = false;                                         // the strategy rows' loss fused (nn::fused_linear_cross_entropy)
+  bool gather_layers_alone = false;                                // stage-3 rows: every linear its own gather unit
   double lr = 3e-4, clip = 1.0, loss_scale = 1024, comm_timeout_s = 600;
   uint64_t seed = 1337;
 };
@@ -436,6 +437,8 @@ int main(int argc, char** argv) {
   app.add_option("--loss-scale", o.loss_scale, "initial dynamic loss scale of the fp16 rows (PyTorch's GradScaler starts at 65536; "
                                                 "from there a short run spends its first steps skipping overflows)")->capture_default_str();
   app.add_flag("--fused-loss", o.fused_loss, "the strategy rows train through the fused linear + cross-entropy");
+  app.add_flag("--gather-layers-alone", o.gather_layers_alone, "stage-3 rows gather each linear alone instead of each block "
+               "(TrainerOptions::gather_unit; the planner assumes blocks)");
   app.add_option("--loss-chunk", o.loss_chunk, "tokens per chunk of the strategy rows' LM head + cross-entropy, each recomputed in "
                                                "backward (0: the whole micro-batch at once, as the peer)")
       ->check(CLI::Range(int64_t(0), int64_t(1) << 30))
@@ -502,6 +505,7 @@ int main(int argc, char** argv) {
   topt.initial_scale = o.loss_scale;
   topt.loss_chunk_tokens = o.loss_chunk;
   topt.fused_loss = o.fused_loss;
+  topt.gather_layers_alone = o.gather_layers_alone;
 
   const auto known = llama::strategy_names();
   std::vector<RowSpec> rows;
@@ -576,7 +580,8 @@ int main(int argc, char** argv) {
               {"clip", o.clip}, {"lr", o.lr}, {"lr_warmup", o.lr_warmup}, {"corpus", data.source}, {"device", dev_name},
               {"date", env_or("SQUEEZE_DATE", "")}, {"commit", env_or("SQUEEZE_COMMIT", "")}, {"oom", row.oom},
               {"flops_per_token", model_flops}, {"loss_chunk", spec.name == kPeer ? int64_t(0) : o.loss_chunk},
-              {"fused_loss", spec.name != kPeer && o.fused_loss}};
+              {"fused_loss", spec.name != kPeer && o.fused_loss},
+              {"gather_layers_alone", spec.name != kPeer && o.gather_layers_alone}};
     if (!o.hf.empty()) j["hf"] = o.hf;  // every row fine-tunes this model: losses[0] is its loss on the first batch
     // Keys are left out (not null) when unknown: consumers read missing numbers as 0.
     std::optional<double> tps, tps_gpu, mfu, ratio, mem_ratio, plan_ratio, ppl;

@@ -123,6 +123,8 @@ struct TrainOptions {
   // The loss through nn::fused_linear_cross_entropy (nn::LlamaImpl::fused_loss).
   bool fused_loss = false;
   bool decay_norms_biases_embeddings = false;  // TrainerOptions' default: no weight decay on them
+  // Stage 3: every linear its own gather unit instead of each block (TrainerOptions::gather_unit), to compare the two.
+  bool gather_layers_alone = false;
 };
 
 struct StepResult {
@@ -228,6 +230,9 @@ inline nlohmann::json checked_record(const std::string& root, const LlamaConfig&
 // values, gives LoRA strategies their frozen base and adapters, and switches Checkpointed on), stepped one batch of
 // S::accumulation_steps micro-batches at a time. On one rank by default, or on the communicator given (LocalComm
 // ranks in tests, NcclComm under squeeze-launch).
+// TrainerOptions::gather_unit for TrainOptions::gather_layers_alone: no module is a unit, so each layer is one.
+inline bool every_layer_alone(const std::string&, const torch::nn::Module&) { return false; }
+
 template <StrategyType S>
 class Trainer {
  public:
@@ -251,7 +256,9 @@ class Trainer {
     // The model is built on the host in float; the trainer converts it on its way to `device`, so the device never
     // holds the float copy (the masters start from the float values kept on the host).
     trainer_.emplace(make_trainer<S>(model_, adamw, comm ? std::move(comm) : comm::LocalComm::single(),
-                                     {.device = device, .decay_norms_biases_embeddings = options.decay_norms_biases_embeddings}));
+                                     {.device = device,
+                                      .decay_norms_biases_embeddings = options.decay_norms_biases_embeddings,
+                                      .gather_unit = options.gather_layers_alone ? every_layer_alone : nullptr}));
   }
   Trainer(const Trainer&) = delete;
   Trainer(Trainer&&) = default;
