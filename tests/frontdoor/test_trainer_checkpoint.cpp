@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <cstdio>
 #include <fstream>
+#include <tuple>
 
 #include <squeeze/nn/hf_llama.hpp>
 #include <squeeze/train/checkpoint.hpp>
@@ -47,7 +48,8 @@ sq::TrainerOptions options_for(bool lora) { return lora ? sq::TrainerOptions{} :
 // Windows [first, last) of a fixed data stream at `world`; loads from `load` first and saves into `save` at the end
 // when given. Every run builds the models from seed 0, as a resumed job would.
 template <class S>
-TrainRun train(int world, int first, int last, const fs::path* load, const fs::path* save, uint64_t model_seed = 0) {
+TrainRun train(int world, int first, int last, const fs::path* load, const fs::path* save, uint64_t model_seed = 0,
+               const sq::TrainerOptions* options = nullptr) {
   constexpr int A = S::accumulation_steps;
   torch::manual_seed(1);
   const auto data = torch::randint(37, {kWindows * A, kRows, 9});  // [micro-steps, rows, T + 1]
@@ -56,7 +58,7 @@ TrainRun train(int world, int first, int last, const fs::path* load, const fs::p
   for (int r = 0; r < world; ++r) torch::manual_seed(model_seed), models.emplace_back();
   sq::comm::run_ranks(world, [&](std::shared_ptr<sq::comm::LocalComm> comm) {
     UserLM& model = models[std::size_t(comm->rank())];
-    auto trainer = sq::make_trainer<S>(model, sq::AdamW{.lr = 1e-2f, .weight_decay = 0.1f}, comm, options_for(S::has_lora));
+    auto trainer = sq::make_trainer<S>(model, sq::AdamW{.lr = 1e-2f, .weight_decay = 0.1f}, comm, options ? *options : options_for(S::has_lora));
     if (load) sq::load_checkpoint(trainer, *load);
     const int r = comm->rank(), per = kRows / world;
     for (int s = first * A; s < last * A; ++s) {
@@ -135,6 +137,31 @@ TEST(TrainerCheckpoint, ReshardsAcrossWorldsAndStages) {
     expect_bitwise(loaded0.params, saved.params, what + ", stage 0: loaded weights");
     expect_close(train<sq::Strategy<Sharded<sq::Stage3>>>(world, 2, 3, &dir.path, nullptr).params, cont.params, 1e-5, 1e-4,
                  what + ", stage 3: one more window");
+  }
+}
+
+// Stage 3's gather units change what a partition is (a layer, or a block of layers in one flat buffer): a checkpoint
+// saved with each layer alone loads into a trainer that gathers the whole model as one unit, and back, at the same
+// and at another world size; the weights load bit for bit and the next window is bit for bit the one the saving
+// layout trains (the units change which collectives run, not the arithmetic).
+TEST(TrainerCheckpoint, LoadsAcrossStage3GatherUnits) {
+  using S3 = sq::Strategy<Sharded<sq::Stage3>, Precision<bf16, float>>;
+  sq::TrainerOptions alone = options_for(false), whole = options_for(false);
+  alone.gather_unit = [](const std::string&, const torch::nn::Module&) { return false; };
+  whole.gather_unit = [](const std::string& name, const torch::nn::Module&) { return name.empty(); };
+  for (const auto& [from, to, what] : {std::tuple{&alone, &whole, "layers alone -> one unit"}, std::tuple{&whole, &alone, "one unit -> layers alone"}}) {
+    TempDir dir;
+    const TrainRun saved = train<S3>(2, 0, 2, nullptr, &dir.path, 0, from);
+    const TrainRun cont = train<S3>(2, 2, 3, &dir.path, nullptr, 0, from);
+    for (int world : {2, 3}) {
+      const std::string at = std::string(what) + ", world " + std::to_string(world);
+      expect_bitwise(train<S3>(world, 2, 2, &dir.path, nullptr, 0, to).params, saved.params, at + ": loaded weights");
+      if (world == 2) {
+        const TrainRun next = train<S3>(world, 2, 3, &dir.path, nullptr, 0, to);
+        expect_bitwise(next.params, cont.params, at + ": one more window");
+        EXPECT_EQ(next.losses, cont.losses) << at;
+      }
+    }
   }
 }
 
