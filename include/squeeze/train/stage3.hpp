@@ -6,7 +6,7 @@
 //                   its members' parameters in one flat layout, its shard [S] and its gradient shard.
 //   Shardable       what a layer implements for a stage-3 trainer to shard it (nn::Linear, nn::Embedding).
 //   Stage3Runtime   the gathers: all_gather into a transient [padded] buffer, release after use, and prefetch of
-//       the next units in execution order (forward order recorded on the first pass, backward = its reverse).
+//       the next units in execution order (the order the first pass of each kind used them, see Prefetch).
 //       Gradients: each member adds its parameters' gradients into the unit's full gradient buffer; when the
 //       unit's gradient is complete it is reduce-scattered (average) once, added into the gradient shard and freed.
 //
@@ -30,11 +30,11 @@
 //
 // Prefetch: prefetch_depth units ahead, issued right after the current unit's gather, in the order the first pass of
 // each kind used the units (backward's is not forward's reversed: an embedding's backward needs no weights, and a
-// checkpointed segment recomputes its blocks in forward order). On CUDA with a device communicator (NcclComm) the gathers and the gradient
-// reduce-scatters run on a side stream (train/streams.hpp): the side stream waits for the compute issued so far,
-// the collective is enqueued without a host wait, and the compute stream waits for the gathered buffer only where
-// a member uses it -- so the next unit's gather overlaps this unit's compute. Elsewhere (CPU, LocalComm) the same
-// operations run in the same order, blocking.
+// checkpointed segment recomputes its blocks in forward order). On CUDA with a device communicator (NcclComm) the
+// gathers and the gradient reduce-scatters run on a side stream (train/streams.hpp): the side stream waits for the
+// compute issued so far, the collective is enqueued without a host wait, and the compute stream waits for the
+// gathered buffer only where a member uses it -- so the next unit's gather overlaps this unit's compute. Elsewhere
+// (CPU, LocalComm) the same operations run in the same order, blocking.
 //
 // Readiness: a unit's gradient is final for the micro-step when its members' backwards have added as many
 // gradients as its members ran with grad enabled (uses counted in the members' forward: a checkpointed segment's
