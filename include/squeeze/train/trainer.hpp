@@ -882,6 +882,7 @@ class Trainer {
   // order the runtime recorded (until it has, in the order the layers were registered).
   void rank_offload_jobs() {
     if (!offload_) return;
+    offload_->wait_all();  // no job is queued while the priorities change: the worker reads them
     int64_t rank = 0;
     if (rep_) rep_->own.priority = rank++;
     for (auto& b : buckets_) b->own.priority = rank++;
@@ -890,7 +891,7 @@ class Trainer {
       const auto pos = runtime_ ? runtime_->forward_position(*groups3_[i]) : std::nullopt;
       own3_[i]->priority = rank + (pos ? int64_t(*pos) : seen + int64_t(i));
     }
-    ranked_by_forward_ = runtime_ && runtime_->forward_order_final();
+    ranked_by_forward_ = own3_.empty() || (runtime_ && runtime_->forward_order_final());
   }
 
   void begin_micro_step(bool boundary) {
