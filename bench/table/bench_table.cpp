@@ -43,7 +43,8 @@
 // JSON lines: bench "table", case, strategy, world, batch (per GPU), seq, loss_chunk, peak_gb, reserved_gb, planned_gb,
 // plan_ratio, time_ms, iters_per_s, tokens_per_s, tokens_per_s_per_gpu, flops_per_token, mfu, val_loss, val_ppl,
 // final_loss, losses (rank 0's training loss per step, warm-up included), host_{wait,sumsq,update}_ms
-// (Offload<Host> rows: the CPU pipeline's time per step), ratio_vs_peer (tokens/s over the
+// (Offload<Host> rows: the CPU pipeline's time per step), gradient_buffers (stages 0-1: when the full gradient buffer
+// existed, the planner's choice for the shape: plan::GradientBuffers), ratio_vs_peer (tokens/s over the
 // peer's: > 1 is faster), mem_ratio_vs_peer (peer's peak over ours: > 1 is smaller), claimed_* (the widely
 // shared LLaMA-7B figures, at that geometry), oom / error, device, date, commit (SQUEEZE_DEVICE /
 // SQUEEZE_DATE / SQUEEZE_COMMIT). The CSV has one line per row; bench/table/chart.py draws the PNG from it.
@@ -155,6 +156,7 @@ struct Row {
   // time_ms the CPU bounds the step): waiting for gradient copies, sums of squares, AdamW + upload queueing.
   std::optional<double> host_wait_ms, host_sumsq_ms, host_update_ms;
   int64_t skipped = 0;  // optimizer steps skipped for non-finite gradients (fp16 loss scaling)
+  std::string gradient_buffers;  // stages 0-1: when the trainer's full gradient buffer existed (plan::GradientBuffers)
   bool oom = false;
   std::string error;
 };
@@ -368,6 +370,7 @@ Row run_strategy(const RowSpec& spec, const Options& o, const nn::LlamaConfig& c
             trainer->set_lr(lr_at(o, i++));
             const llama::StepResult r = trainer->step(x, y);
             row.skipped += r.applied ? 0 : 1;
+            if constexpr (S::stage <= 1) row.gradient_buffers = plan::to_string(trainer->trainer().options().gradient_buffers);
             return r.loss;
           },
           [&] { trainer->sync(); },
@@ -582,6 +585,7 @@ int main(int argc, char** argv) {
               {"flops_per_token", model_flops}, {"loss_chunk", spec.name == kPeer ? int64_t(0) : o.loss_chunk},
               {"fused_loss", spec.name != kPeer && o.fused_loss},
               {"gather_layers_alone", spec.name != kPeer && o.gather_layers_alone}};
+    if (!row.gradient_buffers.empty()) j["gradient_buffers"] = row.gradient_buffers;
     if (!o.hf.empty()) j["hf"] = o.hf;  // every row fine-tunes this model: losses[0] is its loss on the first batch
     // Keys are left out (not null) when unknown: consumers read missing numbers as 0.
     std::optional<double> tps, tps_gpu, mfu, ratio, mem_ratio, plan_ratio, ppl;

@@ -211,7 +211,10 @@ int run_training(const Options& o) {
   else
     std::cerr << "data: " << o.data << ": " << shards.train_tokens << " training tokens in " << shards.train->shard_count() << " shard(s), "
               << shards.val_tokens << " validation tokens in " << shards.val->shard_count() << " shard(s)\n";
-  std::cerr << "planner: " << planned_gb << " GB peak on the device for batch " << o.batch << " x " << o.seq << "\n";
+  std::cerr << "planner: " << planned_gb << " GB peak on the device for batch " << o.batch << " x " << o.seq;
+  if constexpr (S::stage <= 1)  // the example's choice, which the planner assumed (docs/memory-model.md)
+    std::cerr << ", gradient buffer " << plan::to_string(llama::train_shape<S>(config, o.batch, o.seq, 1, o.loss_chunk, {}).gradient_buffers);
+  std::cerr << "\n";
 
   const auto val = o.data.empty() ? val_batches(val_ids, o.batch, o.seq, o.eval_batches, device)
                                   : shard_val_batches(*shards.val, o.eval_batches, device);

@@ -23,6 +23,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -125,7 +126,20 @@ struct TrainOptions {
   bool decay_norms_biases_embeddings = false;  // TrainerOptions' default: no weight decay on them
   // Stage 3: every linear its own gather unit instead of each block (TrainerOptions::gather_unit), to compare the two.
   bool gather_layers_alone = false;
+  // Stages 0-1: when the full gradient buffer exists (TrainerOptions::gradient_buffers). Unset: the timing with the
+  // lower planned peak for each step's batch shape (plan::best_gradient_buffers, as plan_for plans it).
+  std::optional<plan::GradientBuffers> gradient_buffers{};
 };
+
+// The planner's TrainShape for B sequences of T tokens per optimizer step on one rank (S's micro-batches of B / N).
+template <StrategyType S>
+plan::TrainShape train_shape(const LlamaConfig& c, int64_t batch, int64_t seq, int world, int64_t loss_chunk_tokens,
+                             std::optional<plan::GradientBuffers> gradient_buffers) {
+  plan::TrainShape t{.micro_batch = batch / S::accumulation_steps, .seq = seq, .loss_chunk_tokens = loss_chunk_tokens,
+                     .fused_kernels = c.fused_kernels};
+  t.gradient_buffers = gradient_buffers ? *gradient_buffers : plan::best_gradient_buffers<S>(c.shape(), t, world);
+  return t;
+}
 
 struct StepResult {
   double loss = 0;       // mean over the batch
@@ -237,15 +251,12 @@ template <StrategyType S>
 class Trainer {
  public:
   static constexpr int micro_batches = S::accumulation_steps;
-  // Stages 0-1 release their flat gradient buffers between steps (TrainerOptions::free_gradients), stages 2-3 keep
-  // their shards: plan::TrainShape::free_grads.
-  static constexpr bool frees_gradients = S::stage <= 1;
-
   Trainer(LlamaConfig config, TrainOptions options, torch::Device device, comm::CommPtr comm = nullptr)
       : Trainer(Llama(std::move(config)), options, device, std::move(comm)) {}
   // A model built by the caller (e.g. one per rank, built in order so every rank starts alike). Each rank
   // of `comm` constructs its Trainer at the same time (the constructor broadcasts rank 0's weights).
-  Trainer(Llama model, TrainOptions options, torch::Device device, comm::CommPtr comm) : model_(std::move(model)) {
+  Trainer(Llama model, TrainOptions options, torch::Device device, comm::CommPtr comm)
+      : model_(std::move(model)), gradient_buffers_(options.gradient_buffers) {
     model_->loss_chunk_tokens = options.loss_chunk_tokens;
     model_->fused_loss = options.fused_loss;
     model_->train();
@@ -257,6 +268,7 @@ class Trainer {
     // holds the float copy (the masters start from the float values kept on the host).
     trainer_.emplace(make_trainer<S>(model_, adamw, comm ? std::move(comm) : comm::LocalComm::single(),
                                      {.device = device,
+                                      .gradient_buffers = options.gradient_buffers.value_or(plan::GradientBuffers::after_backward),
                                       .decay_norms_biases_embeddings = options.decay_norms_biases_embeddings,
                                       .gather_unit = options.gather_layers_alone ? every_layer_alone : nullptr}));
   }
@@ -308,6 +320,9 @@ class Trainer {
   // One optimizer step: x, y [B, T] in S::accumulation_steps micro-batches of B / N rows.
   StepResult step(const torch::Tensor& x, const torch::Tensor& y) {
     check_batch(x, y, micro_batches);
+    if (!gradient_buffers_)  // the planner's choice for this batch shape (plan_for plans the same)
+      trainer_->set_gradient_buffers(train_shape<S>(model_->config, x.size(0), x.size(1), trainer_->communicator().size(), model_->loss_chunk_tokens, {})
+                                         .gradient_buffers);
     StepResult r;
     r.scale = trainer_->scale();
     const int64_t micro = x.size(0) / micro_batches;
@@ -341,6 +356,7 @@ class Trainer {
 
  private:
   Llama model_;
+  std::optional<plan::GradientBuffers> gradient_buffers_;  // TrainOptions::gradient_buffers
   std::optional<train::Trainer<S, squeeze::AdamW>> trainer_;
 };
 
@@ -354,14 +370,14 @@ inline Llama load_weights(const std::string& root, LlamaConfig config, torch::De
   return model;
 }
 
-// The planner for S with B sequences of T tokens per optimizer step on one rank, and the example's trainer
-// (whether it frees its gradients between steps or keeps flat buffers) with the model's loss chunk
+// The planner for S with B sequences of T tokens per optimizer step on one rank, and the example's trainer (its
+// gradient buffer timing, TrainOptions::gradient_buffers or unset the planner's choice) with the model's loss chunk
 // (TrainOptions::loss_chunk_tokens): plan_for<S>(c, B, T).peak().device.
 template <StrategyType S>
 plan::MemoryPlan plan_for(const LlamaConfig& c, int64_t batch, int64_t seq, int world = 1,
-                          int64_t loss_chunk_tokens = plan::kDefaultLossChunkTokens) {
-  return plan::plan_memory<S>(c.shape(), {batch / S::accumulation_steps, seq, Trainer<S>::frees_gradients, loss_chunk_tokens, c.fused_kernels},
-                              world);
+                          int64_t loss_chunk_tokens = plan::kDefaultLossChunkTokens,
+                          std::optional<plan::GradientBuffers> gradient_buffers = {}) {
+  return plan::plan_memory<S>(c.shape(), train_shape<S>(c, batch, seq, world, loss_chunk_tokens, gradient_buffers), world);
 }
 
 }  // namespace squeeze::llama

@@ -3,7 +3,9 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
 
+#include <array>
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -299,6 +301,116 @@ TEST(FrontDoor, CheckpointedOnAPlainModelSameGradientsLessActivationMemory) {
     EXPECT_EQ(fw_ckpt, 8);  // each block runs again in backward
     EXPECT_LT(double(peak_ckpt), 0.7 * double(peak_plain)) << "plain " << peak_plain << " B, checkpointed " << peak_ckpt << " B";
   }
+}
+
+// ---- Stages 0-1: when the full gradient buffer exists (TrainerOptions::gradient_buffers) ----------------------
+
+// A checkpointed stack at a batch of a few rows: the activations are few bytes beside one gradient, as at LLaMA-7B
+// with checkpointing. at_backward then peaks one gradient lower than after_backward, whose per-parameter gradients
+// meet the flat buffer they move into at the end of backward; every timing trains the same weights bit for bit,
+// also when it changes between steps, with accumulation (in .grad, or in an fp32 accumulator) and over two ranks.
+TEST(FrontDoor, GradientBuffersAtBackwardSameWeightsOneGradientLess) {
+  using G = sq::train::GradientBuffers;
+  auto* counting = new CountingAllocator();  // lives as long as the process: tensors it made may outlive the test
+  c10::SetCPUAllocator(counting, /*priority=*/100);
+  struct Restore {
+    ~Restore() { c10::SetCPUAllocator(c10::GetDefaultCPUAllocator(), /*priority=*/101); }
+  } restore;
+  torch::manual_seed(3);
+  const auto x = torch::randn({2, 4, 6, 48});  // [ranks, steps, rows, d]: 6 rows a step, sizes that do not divide
+  struct Run {
+    Params weights;
+    int64_t step_peak = 0;       // the most bytes above the live ones before a step, over steps 2-4 (state allocated)
+    int64_t gradients_after = 0;  // memory().gradients.device between steps
+    int64_t one_gradient = 0;
+  };
+  // timing(s): the timing for step s (set between steps through set_gradient_buffers from step 1 on).
+  auto run = [&](auto tag, int world, const std::function<G(int)>& timing) {
+    using S = typename decltype(tag)::type;
+    Run out;
+    std::vector<Stack> models;
+    std::atomic<int> forwards{0};
+    for (int r = 0; r < world; ++r) torch::manual_seed(0), models.emplace_back(48, 4, &forwards, false);
+    sq::comm::run_ranks(world, [&](std::shared_ptr<sq::comm::LocalComm> comm) {
+      Stack& model = models[std::size_t(comm->rank())];
+      auto trainer = sq::make_trainer<S>(model, sq::AdamW{.lr = 1e-2f}, comm, {.gradient_buffers = timing(0)});
+      for (int s = 0; s < 4; ++s) {
+        if (s > 0) trainer.set_gradient_buffers(timing(s));
+        const int64_t before = counting->live.load();
+        if (world == 1) counting->peak = before;
+        const auto xs = x[comm->rank()][s].to(sq::torch_dtype<typename S::compute_type>());
+        for (int m = 0; m < S::accumulation_steps; ++m) {
+          const int64_t rows = 6 / S::accumulation_steps;
+          trainer.step([&] { return model(xs.narrow(0, m * rows, rows)).to(torch::kFloat32).pow(2).mean(); });
+        }
+        if (world == 1 && s > 0) out.step_peak = std::max(out.step_peak, counting->peak.load() - before);
+      }
+      auto p = to_params(trainer.full_parameters());
+      if (comm->rank() == 0) {
+        out.weights = p;
+        out.gradients_after = trainer.memory().gradients.device;
+        out.one_gradient = trainer.memory().full_gradient_bytes;
+      }
+    });
+    return out;
+  };
+  auto fixed = [](G g) { return [g](int) { return g; }; };
+  struct Fp32 { using type = sq::Strategy<sq::Checkpointed>; };
+  struct Bf16Stage1 { using type = sq::Strategy<Sharded<sq::Stage1>, Precision<bf16, float>, sq::Checkpointed>; };
+  struct Fp32Accum { using type = sq::Strategy<sq::Accumulate<2>, sq::Checkpointed>; };            // sums in .grad
+  struct Bf16Accum { using type = sq::Strategy<sq::Accumulate<3>, Precision<bf16, float>, sq::Checkpointed>; };  // fp32 accumulator
+  auto same = [](const Params& a, const Params& b, const std::string& what) {
+    ASSERT_EQ(a.size(), b.size()) << what;
+    for (const auto& [n, t] : a) EXPECT_TRUE(torch::equal(t, b.at(n))) << what << ": " << n;
+  };
+
+  const Run after = run(Fp32{}, 1, fixed(G::after_backward)), at = run(Fp32{}, 1, fixed(G::at_backward)), kept = run(Fp32{}, 1, fixed(G::kept));
+  same(at.weights, after.weights, "fp32, at_backward against after_backward");
+  same(kept.weights, after.weights, "fp32, kept against after_backward");
+  ASSERT_GT(after.one_gradient, 100000);
+  EXPECT_EQ(after.gradients_after, 0) << "freed after the update";
+  EXPECT_EQ(at.gradients_after, 0) << "freed after the update";
+  // Kept between steps: one gradient, each tensor's start aligned to 256 bytes (4 blocks of 2 weights + 2 biases).
+  EXPECT_GE(kept.gradients_after, after.one_gradient);
+  EXPECT_LE(kept.gradients_after, after.one_gradient + 16 * 256);
+  // after_backward: the per-parameter gradients and the buffer they move into, at once. at_backward: the buffer
+  // once, beside what a step with the buffer already allocated (kept) adds; one gradient less here.
+  EXPECT_GE(after.step_peak, 2 * after.one_gradient);
+  EXPECT_LE(at.step_peak, kept.step_peak + after.one_gradient + 16 * 256);
+  EXPECT_LT(at.step_peak, after.step_peak);
+  std::printf("[ measured ] step peak above the model: after_backward %lld B, at_backward %lld B, kept %lld B; one gradient %lld B\n",
+              (long long)after.step_peak, (long long)at.step_peak, (long long)kept.step_peak, (long long)after.one_gradient);
+
+  // Changing between steps, from and to kept (whose attached views must not be collected into themselves).
+  const Run switching = run(Fp32{}, 1, [](int s) { return std::array{G::kept, G::after_backward, G::at_backward, G::kept}[std::size_t(s)]; });
+  same(switching.weights, after.weights, "fp32, kept -> after_backward -> at_backward -> kept");
+
+  for (int world : {1, 2}) {
+    const std::string w = " at world " + std::to_string(world);
+    const Params ref = run(Bf16Stage1{}, world, fixed(G::after_backward)).weights;
+    same(run(Bf16Stage1{}, world, fixed(G::at_backward)).weights, ref, "bf16 stage 1, at_backward" + w);
+    same(run(Bf16Stage1{}, world, fixed(G::kept)).weights, ref, "bf16 stage 1, kept" + w);
+  }
+  same(run(Fp32Accum{}, 1, fixed(G::at_backward)).weights, run(Fp32Accum{}, 1, fixed(G::after_backward)).weights,
+       "fp32, accumulate 2, at_backward");
+  same(run(Bf16Accum{}, 1, fixed(G::at_backward)).weights, run(Bf16Accum{}, 1, fixed(G::after_backward)).weights,
+       "bf16, accumulate 3 (fp32 accumulator), at_backward");
+}
+
+TEST(FrontDoor, GradientBuffersChangeOnlyBetweenSteps) {
+  torch::manual_seed(0);
+  UserLM model;
+  auto trainer = sq::make_trainer<sq::Strategy<sq::Accumulate<2>>>(model, sq::AdamW{.lr = 1e-2f}, sq::comm::LocalComm::single(), {});
+  const auto seq = torch::randint(37, {2, 9});
+  trainer.step([&] { return lm_loss(model, seq); });
+  const std::string e = error_of([&] { trainer.set_gradient_buffers(sq::train::GradientBuffers::kept); });
+  EXPECT_NE(e.find("micro-batch 2 of 2"), std::string::npos) << e;
+  EXPECT_NE(e.find("between optimizer steps"), std::string::npos) << e;
+  trainer.step([&] { return lm_loss(model, seq); });
+  EXPECT_NO_THROW(trainer.set_gradient_buffers(sq::train::GradientBuffers::kept));
+
+  EXPECT_GE(trainer.memory().gradients.device, trainer.memory().full_gradient_bytes);
+  EXPECT_LE(trainer.memory().gradients.device, trainer.memory().full_gradient_bytes + 6 * 256);
 }
 
 // ---- LoRA / QLoRA through the same front door, data parallel ---------------------------------------------------

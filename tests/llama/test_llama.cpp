@@ -360,7 +360,7 @@ TEST(LlamaPlanner, ChunkedLossPeakIsThePlanners) {
       const int64_t held = meter.live_bytes();
       loss.backward();
       const int64_t peak = meter.peak_bytes();
-      const squeeze::plan::TrainShape shape{B, T, true, chunk, false};
+      const squeeze::plan::TrainShape shape{B, T, squeeze::plan::GradientBuffers::after_backward, chunk, false};
       const int64_t planned = squeeze::plan::activation_bytes(c.shape(), shape, 4, every, true);
       const int64_t loss_term = squeeze::plan::loss_bytes(c.shape(), B * T, 4, chunk, true);
       std::cout << "every " << every << " chunk " << chunk << ": held " << held << " peak " << peak << " planned " << planned

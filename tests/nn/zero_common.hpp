@@ -44,7 +44,7 @@ template <StrategyType S, class M, class O>
 auto zero_trainer(M& model, O hyper, comm::CommPtr comm, train::TrainerOptions opt = {}) {
   opt.replicate.push_back("*");
   opt.decay_norms_biases_embeddings = true;
-  opt.free_gradients = false;  // the accounting tests read the stage 0/1 gradient buffers after training
+  opt.gradient_buffers = squeeze::train::GradientBuffers::kept;  // the accounting tests read the stage 0/1 gradient buffers after training
   return make_trainer<S>(model, hyper, std::move(comm), std::move(opt));
 }
 

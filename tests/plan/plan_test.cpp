@@ -10,6 +10,7 @@ using squeeze::plan::i64;
 using squeeze::plan::ModelShape;
 using squeeze::plan::plan_memory;
 using squeeze::plan::TrainShape;
+using squeeze::plan::GradientBuffers;
 
 namespace {
 constexpr ModelShape llama7b = *squeeze::plan::find_preset("llama-7b");
@@ -109,7 +110,7 @@ TEST(Plan, LlamaActivationsByHand) {
   //   q (h), k and v after RoPE (kv each: flash attention reads the shared GQA heads), attention output
   //   (h), log-sum-exp (fp32 per head); SwiGLU: gate, silu(gate), up, silu(gate)·up (4 ffn)
   constexpr ModelShape m{1000, 64, 3, 4, 2, 160};
-  const TrainShape t{2, 16, false, plan::kDefaultLossChunkTokens, /*fused_kernels=*/false};
+  const TrainShape t{2, 16, GradientBuffers::kept, plan::kDefaultLossChunkTokens, /*fused_kernels=*/false};
   const i64 tokens = 32, kv = 2 * 16;
   const i64 norm = 4 * 64 + 4 + (64 + 64) * 2;
   const i64 block = tokens * (2 * norm + (64 + 2 * kv + 64 + 4 * 160) * 2 + 4 * 4);
@@ -141,8 +142,8 @@ TEST(Plan, LlamaActivationsByHand) {
   // Accumulation with the same tokens per step: each micro-batch holds 1/4 of the activations' tokens
   // (with the loss unchunked: a chunked loss's transient does not grow with the tokens, see ChunkedLossByHand).
   using A4 = Strategy<Accumulate<4>>;
-  const auto big = plan_memory<Strategy<>>(llama7b, {8, 2048, false, 0}, 1);
-  const auto small = plan_memory<A4>(llama7b, {2, 2048, false, 0}, 1);
+  const auto big = plan_memory<Strategy<>>(llama7b, {8, 2048, GradientBuffers::kept, 0}, 1);
+  const auto small = plan_memory<A4>(llama7b, {2, 2048, GradientBuffers::kept, 0}, 1);
   EXPECT_EQ(small.activations.device * 4, big.activations.device);
 }
 
@@ -152,7 +153,7 @@ TEST(Plan, FusedKernelsActivationsByHand) {
   constexpr ModelShape m{1000, 64, 3, 4, 2, 160};
   const TrainShape fused{2, 16};
   static_assert(TrainShape{}.fused_kernels, "the planner's default is the model's: fused kernels on");
-  const TrainShape unfused{2, 16, false, plan::kDefaultLossChunkTokens, false};
+  const TrainShape unfused{2, 16, GradientBuffers::kept, plan::kDefaultLossChunkTokens, false};
   const i64 tokens = 32, kv = 2 * 16;
   const i64 norm = 64 * 2 + 4 + 64 * 2;
   const i64 block = tokens * (2 * norm + (64 + 2 * kv + 64 + 3 * 160) * 2 + 4 * 4);
@@ -164,8 +165,8 @@ TEST(Plan, FusedKernelsActivationsByHand) {
   EXPECT_EQ(plan::activation_bytes(m, unfused, 2, 0, true) - plan::activation_bytes(m, fused, 2, 0, true),
             3 * tokens * (8 * 64 + 160 * 2) + tokens * 4 * 64);
   constexpr ModelShape tiny = *squeeze::plan::find_preset("tinyllama-1.1b");
-  const i64 saved = plan::activation_bytes(tiny, {8, 2048, false, 4096, false}, 2, 0, true) -
-                    plan::activation_bytes(tiny, {8, 2048, false, 4096, true}, 2, 0, true);
+  const i64 saved = plan::activation_bytes(tiny, {8, 2048, GradientBuffers::kept, 4096, false}, 2, 0, true) -
+                    plan::activation_bytes(tiny, {8, 2048, GradientBuffers::kept, 4096, true}, 2, 0, true);
   EXPECT_NEAR(double(saved), 10.0e9, 0.1e9);
 }
 
@@ -173,7 +174,7 @@ TEST(Plan, ChunkedLossByHand) {
   // nn::Llama's loss over chunks of c tokens (B·T = 2·37 = 74 tokens, c = 16: four chunks of 16 and one of 10).
   constexpr ModelShape m{1000, 64, 3, 4, 2, 160};
   const i64 tokens = 74, V = 1000, h = 64;
-  const TrainShape whole{2, 37, false, 0}, chunked{2, 37, false, 16};
+  const TrainShape whole{2, 37, GradientBuffers::kept, 0}, chunked{2, 37, GradientBuffers::kept, 16};
   const i64 unchunked_loss = 12 * tokens * V;  // fp32 log-softmax + the two fp32 gradients of its backward
   EXPECT_EQ(plan::loss_bytes(m, tokens, 2, 0, true), unchunked_loss);
   // One chunk's: the same 12·c·V; beside it the head's weight gradient summed over the chunks done (V·h·p_c) and
@@ -211,7 +212,7 @@ TEST(Plan, FrozenBaseKeepsLessForBackward) {
   // output feeds only frozen gate/up (not kept), silu(gate)·up feeds a frozen down (not kept); the adapters
   // keep x·A^T (r values) each.
   constexpr ModelShape m{1000, 64, 3, 4, 2, 160};
-  const TrainShape t{2, 16, false, plan::kDefaultLossChunkTokens, /*fused_kernels=*/false};
+  const TrainShape t{2, 16, GradientBuffers::kept, plan::kDefaultLossChunkTokens, /*fused_kernels=*/false};
   const i64 tokens = 32, kv = 2 * 16, r = 8;
   const unsigned qv = 0x1u | 0x4u;
   const i64 norm = 4 * 64 + 4;
@@ -230,7 +231,7 @@ TEST(Plan, LoRAOnEveryLinearStillFreezesTheBase) {
   // Adapters on all seven linears: every norm output and silu(gate)·up is kept (they feed adapters), but the base
   // stays frozen: no pre-gain value, nothing of the frozen head's input, block 0's first norm keeps nothing.
   constexpr ModelShape m{1000, 64, 3, 4, 2, 160};
-  const TrainShape t{2, 16, false, plan::kDefaultLossChunkTokens, /*fused_kernels=*/false};
+  const TrainShape t{2, 16, GradientBuffers::kept, plan::kDefaultLossChunkTokens, /*fused_kernels=*/false};
   const i64 tokens = 32, kv = 2 * 16, r = 8;
   const i64 norm = 4 * 64 + 4;
   const i64 block = tokens * (2 * norm + (64 + 64 + 2 * 64 + 2 * kv + 3 * 160 + 160 + 7 * r) * 2 + 4 * 4);
@@ -254,28 +255,42 @@ TEST(Plan, PeakIsBackwardStartOrOptimizerStep) {
   EXPECT_EQ(kept.peak().device, kept.total().device);
   // Freed between steps: none exist at the start of backward; the optimizer step has all of them.
   using Bf16Ckpt = Strategy<Precision<bf16, float>, Checkpointed>;
-  const auto freed = plan_memory<Bf16Ckpt>(llama7b, {1, 2048, /*free_grads=*/true}, 1);
+  const auto freed = plan_memory<Bf16Ckpt>(llama7b, {1, 2048, GradientBuffers::after_backward}, 1);
   EXPECT_EQ(freed.transient_gradients, 2 * Psi);
   EXPECT_EQ(freed.model_state().device, 16 * Psi) << "the categories do not change, only what is live when";
   ASSERT_GT(freed.activations.device, 0);
   ASSERT_LT(freed.activations.device, Psi);  // checkpointed B=1: far fewer activation bytes than gradient bytes
   EXPECT_EQ(freed.gradient_collect, 2 * Psi);
   EXPECT_EQ(freed.peak().device, 18 * Psi) << "the optimizer step is the peak: the freed gradients beside the flat buffer they move into";
-  const auto big = plan_memory<Bf16>(llama7b, {8, 2048, true}, 1);
+  const auto big = plan_memory<Bf16>(llama7b, {8, 2048, GradientBuffers::after_backward}, 1);
   ASSERT_GT(big.activations.device, 2 * Psi);
   EXPECT_EQ(big.peak().device, 14 * Psi + big.activations.device) << "the start of backward is the peak";
   // Accumulating: the fp32 accumulator lives through the micro-batches; the bf16 gradients come and go.
-  const auto acc = plan_memory<Strategy<Precision<bf16, float>, Accumulate<4>>>(llama7b, {2, 2048, true}, 1);
+  const auto acc = plan_memory<Strategy<Precision<bf16, float>, Accumulate<4>>>(llama7b, {2, 2048, GradientBuffers::after_backward}, 1);
   EXPECT_EQ(acc.transient_gradients, 2 * Psi);
   EXPECT_EQ(acc.peak().device, 18 * Psi + acc.activations.device);
   EXPECT_EQ(acc.gradient_collect, 0) << "each micro-batch's gradients go into the fp32 accumulator, counted as kept";
   // fp32 accumulation sums into the gradients themselves: nothing is transient, but they too are collected.
-  EXPECT_EQ((plan_memory<Strategy<Accumulate<4>>>(llama7b, {2, 2048, true}, 1).transient_gradients), 0);
-  EXPECT_EQ((plan_memory<Strategy<Accumulate<4>>>(llama7b, {2, 2048, true}, 1).gradient_collect), 4 * Psi);
+  EXPECT_EQ((plan_memory<Strategy<Accumulate<4>>>(llama7b, {2, 2048, GradientBuffers::after_backward}, 1).transient_gradients), 0);
+  EXPECT_EQ((plan_memory<Strategy<Accumulate<4>>>(llama7b, {2, 2048, GradientBuffers::after_backward}, 1).gradient_collect), 4 * Psi);
   EXPECT_EQ(kept.gradient_collect, 0) << "gradients kept between steps are the flat buffer's views";
+  // Attached at the start of backward: nothing transient, nothing collected; the buffer sits beside the activations,
+  // so the checkpointed B=1 step peaks at the model state plus its activations, under the collecting one.
+  const auto at = plan_memory<Bf16Ckpt>(llama7b, {1, 2048, GradientBuffers::at_backward}, 1);
+  EXPECT_EQ(at.transient_gradients, 0);
+  EXPECT_EQ(at.gradient_collect, 0);
+  EXPECT_EQ(at.peak().device, 16 * Psi + at.activations.device);
+  EXPECT_LT(at.peak().device, freed.peak().device);
+  EXPECT_EQ(plan::best_gradient_buffers<Bf16Ckpt>(llama7b, {1, 2048}, 1), GradientBuffers::at_backward);
+  EXPECT_EQ(plan::best_gradient_buffers<Bf16Ckpt>(llama7b, {8, 2048}, 1), GradientBuffers::at_backward) << "activations < 2 bytes a parameter";
+  EXPECT_EQ(plan::best_gradient_buffers<Bf16>(llama7b, {8, 2048}, 1), GradientBuffers::after_backward) << "activations dominate";
+  // With an fp32 accumulator each micro-batch's gradients go into it after backward whichever timing is asked.
+  const auto acc_at = plan_memory<Strategy<Precision<bf16, float>, Accumulate<4>>>(llama7b, {2, 2048, GradientBuffers::at_backward}, 1);
+  EXPECT_EQ(acc_at.peak().device, acc.peak().device);
+  EXPECT_EQ(acc_at.transient_gradients, acc.transient_gradients);
   // Sharded trainers keep flat gradient buffers: the flag does not apply.
-  EXPECT_EQ((plan_memory<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>>(llama7b, {8, 2048, true}, 1).transient_gradients), 0);
-  EXPECT_EQ((plan_memory<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>>(llama7b, {8, 2048, true}, 1).gradient_collect), 0);
+  EXPECT_EQ((plan_memory<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>>(llama7b, {8, 2048, GradientBuffers::after_backward}, 1).transient_gradients), 0);
+  EXPECT_EQ((plan_memory<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>>(llama7b, {8, 2048, GradientBuffers::after_backward}, 1).gradient_collect), 0);
   // Host memory is persistent.
   const auto off = plan_memory<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>>(llama7b, train, 1);
   EXPECT_EQ(off.peak().host, 14 * Psi) << "fp32 master and moments, bf16 gradient shard";

@@ -11,8 +11,8 @@
 // Offload<Host> moves master + optimizer state (and a gradient shard in the gradient's type) to host memory.
 // peak(): a training step's device high-water mark: the start of backward (everything saved, the loss's
 // gradients being formed) or the optimizer step (every gradient materialised, no activations; freed gradients
-// beside the flat buffer they are collected into), whichever is larger. A trainer that frees its gradients
-// between steps (TrainShape::free_grads) has none of them at the start of backward unless it is accumulating.
+// beside the flat buffer they are collected into), whichever is larger. At stages 0-1, when the gradient buffer
+// exists (TrainShape::gradient_buffers) decides which gradients count at each moment.
 #include <bit>
 #include <cstdint>
 
@@ -30,13 +30,27 @@ namespace squeeze::plan {
 // one extra head forward (2·tokens·V·h FLOPs, ~2% of a 1.1B step) whenever there is more than one chunk.
 inline constexpr i64 kDefaultLossChunkTokens = 4096;
 
+// Stages 0-1: when the full gradient buffer (one flat buffer in the gradient type, what the update reads) exists
+// (train::TrainerOptions::gradient_buffers; stages 2-3 keep their gradient shards).
+enum class GradientBuffers {
+  kept,  // allocated once and attached as the parameters' .grad, kept between steps
+  // From the end of backward to the update: backward leaves one gradient per parameter, made as activations are
+  // freed (as torch's zero_grad(set_to_none)), and they move into the buffer, both existing for that moment.
+  after_backward,
+  // From the start of a window's first backward to the update, attached as .grad so backward adds into it: no
+  // second copy, but it exists beside every activation backward starts with. The lower peak where those activations
+  // are fewer bytes than one gradient (best_gradient_buffers). With an fp32 accumulator, the same as after_backward.
+  at_backward,
+};
+
+constexpr const char* to_string(GradientBuffers g) {
+  return g == GradientBuffers::kept ? "kept" : g == GradientBuffers::after_backward ? "after_backward" : "at_backward";
+}
+
 struct TrainShape {
   i64 micro_batch = 1;  // sequences per micro-batch on one rank
   i64 seq = 2048;       // tokens per sequence
-  // The trainer frees the gradients after each optimizer step and backward creates them again (PyTorch's
-  // zero_grad(set_to_none=True); the LLaMA example's local trainer). Sharded trainers keep flat gradient
-  // buffers instead (false).
-  bool free_grads = false;
+  GradientBuffers gradient_buffers = GradientBuffers::kept;  // stages 0-1
   // The model's loss chunk (LlamaImpl::loss_chunk_tokens): <= 0 or >= micro_batch·seq is the unchunked loss.
   i64 loss_chunk_tokens = kDefaultLossChunkTokens;
   // The model runs the fused RMSNorm / RoPE / SwiGLU (LlamaConfig::fused_kernels, its default).
@@ -54,11 +68,11 @@ struct MemoryPlan {
   Placement parameters, gradients, master_weights, optimizer_state, activations, communication;
   i64 total_params = 0;      // Ψ
   i64 trainable_params = 0;  // Ψ_t
-  // Device gradient bytes that do not exist at the start of backward (TrainShape::free_grads): they are
+  // Device gradient bytes that do not exist at the start of backward (GradientBuffers::after_backward): they are
   // created by backward, summed into an accumulator or read by the optimizer, then freed.
   i64 transient_gradients = 0;
   // Device bytes beside the model state when backward ends: the per-parameter gradients backward left moving into
-  // the flat buffer the update reads (free_grads at stages 0-1 without an fp32 accumulator: both exist at once).
+  // the flat buffer the update reads (after_backward at stages 0-1 without an fp32 accumulator: both exist at once).
   i64 gradient_collect = 0;
   constexpr Placement model_state() const {
     Placement p = parameters;
@@ -228,12 +242,15 @@ constexpr MemoryPlan plan_memory(const ModelShape& m, const TrainShape& t, int w
       plan.gradients.device = shard(trainable) * (fp32_accumulator ? 4 : p_g);
     } else {
       plan.gradients.device = trainable * p_g + (fp32_accumulator ? trainable * 4 : 0);
-      // Freed between steps: all of them, except what accumulates across micro-batches (the fp32
-      // accumulator, or the gradients themselves when there is no master copy).
-      if (t.free_grads && !(S::accumulation_steps > 1 && !fp32_accumulator)) plan.transient_gradients = trainable * p_g;
+      // An fp32 accumulator takes each micro-batch's gradients after its backward, whichever buffer timing.
+      const bool after_backward = t.gradient_buffers == GradientBuffers::after_backward ||
+                                  (t.gradient_buffers == GradientBuffers::at_backward && fp32_accumulator);
+      // Made by backward: all of them, except what accumulates across micro-batches (the fp32 accumulator, or the
+      // gradients themselves when there is no master copy). Attached at backward's start, they count there.
+      if (after_backward && !(S::accumulation_steps > 1 && !fp32_accumulator)) plan.transient_gradients = trainable * p_g;
       // Collected at the window's end into a flat buffer allocated beside them (train::FlatParams::collect_grads);
       // an fp32 accumulator takes each micro-batch's instead and is counted above.
-      if (t.free_grads && !fp32_accumulator) plan.gradient_collect = trainable * p_g;
+      if (after_backward && !fp32_accumulator) plan.gradient_collect = trainable * p_g;
     }
     const i64 owned = S::stage >= 1 ? shard(trainable) : trainable;  // optimizer-state shard
     const i64 master = master_copy ? owned * p_m : 0;
@@ -264,6 +281,18 @@ constexpr MemoryPlan plan_memory(const ModelShape& m, const TrainShape& t, int w
     else if constexpr (S::stage >= 1) plan.communication.device = S::training ? bucket : 0;
   }
   return plan;
+}
+
+// Stages 0-1: the gradient buffer timing with the lower planned peak for these shapes (after_backward on a tie, and at
+// stages 2-3, where it changes nothing): at_backward where the activations backward starts with are fewer bytes than
+// one gradient, e.g. a large model with checkpointing at a small batch, or accumulation without an fp32 accumulator.
+template <StrategyType S>
+constexpr GradientBuffers best_gradient_buffers(const ModelShape& m, TrainShape t, int world) {
+  t.gradient_buffers = GradientBuffers::after_backward;
+  const i64 after = plan_memory<S>(m, t, world).peak().device;
+  t.gradient_buffers = GradientBuffers::at_backward;
+  const i64 at = plan_memory<S>(m, t, world).peak().device;
+  return at < after ? GradientBuffers::at_backward : GradientBuffers::after_backward;
 }
 
 }  // namespace squeeze::plan

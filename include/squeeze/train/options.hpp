@@ -16,6 +16,8 @@
 
 namespace squeeze::train {
 
+using plan::GradientBuffers;
+
 // Anything with AdamW's five hyper-parameters (optim::AdamW, or an aggregate of your own).
 template <class O>
 concept AdamWHyperparameters = requires(const O& o) {
@@ -45,10 +47,13 @@ struct TrainerOptions {
   // Where the model trains. A model built on the host (in float) is converted to the compute type on its way there,
   // so the device never holds the float copy (its values stay on the host for the masters). Empty: where it is.
   std::optional<torch::Device> device{};
-  // Stages 0-1: the full gradient buffers exist only from backward to the update (as torch's
-  // zero_grad(set_to_none)), so forward's activations and the gradients never peak together; memory() then counts
-  // them only while they exist. false: kept allocated between steps.
-  bool free_gradients = true;
+  // Stages 0-1: when the full gradient buffer exists (plan::GradientBuffers). after_backward: from the end of
+  // backward to the update (as torch's zero_grad(set_to_none)), so forward's activations and the gradients never
+  // peak together, but one gradient more exists while backward's per-parameter gradients move into it.
+  // at_backward: from the start of each window's first backward, the lower peak where the activations are fewer
+  // bytes than one gradient (plan::best_gradient_buffers says which for nn::Llama). kept: between steps too.
+  // memory() counts the buffer only while it exists. Trainer::set_gradient_buffers changes it between windows.
+  GradientBuffers gradient_buffers = GradientBuffers::after_backward;
   // Parameter groups, first match wins. Parameters that match none: AdamW's lr and weight decay, except that norms,
   // biases (every parameter of one dimension) and embeddings get no weight decay unless decay_norms_biases_embeddings.
   std::vector<ParamGroup> param_groups{};

@@ -347,6 +347,7 @@ class Trainer {
       runtime_->set_phase(Stage3Runtime::Phase::backward);  // the forward order is known from here on
       if (!ranked_by_forward_) rank_offload_jobs();
     }
+    attach_at_backward();
     (loss * (double(r.scale) * weight)).backward();
     if (runtime_) runtime_->finish_backward();
     r.loss_value = loss.detach().to(torch::kFloat32).reshape({});
@@ -399,6 +400,18 @@ class Trainer {
     adamw_.lr = lr;
   }
   float lr() const { return adamw_.lr; }
+  // Stages 0-1: when the full gradient buffer exists from the next window on (TrainerOptions::gradient_buffers).
+  // Between windows only: a window's gradients live where it began them.
+  void set_gradient_buffers(GradientBuffers g) {
+    TORCH_CHECK(micro_ == 0, "Trainer::set_gradient_buffers: called at micro-batch ", micro_ + 1, " of ", kAccum,
+                "; change it between optimizer steps, when no window has begun");
+    if (g == opt_.gradient_buffers) return;
+    const bool was_kept = opt_.gradient_buffers == GradientBuffers::kept;
+    opt_.gradient_buffers = g;
+    if (!rep_) return;
+    if (g == GradientBuffers::kept) attach_replicated_grads();
+    else if (was_kept) release_replicated_grads();
+  }
   int64_t steps_skipped() const { return skipped_; }
   // Resuming from a checkpoint whose parameters and optimizer state were copied in: AdamW's bias correction
   // continues from `steps_applied`; the dynamic loss scale (ignored for a static or no scale) and its clean
@@ -699,7 +712,7 @@ class Trainer {
     rep_->flat = FlatParams(std::move(params), world_, align_elems());
     torch::Tensor flat = rep_->flat.flat();
     broadcast(flat);
-    if (!opt_.free_gradients) attach_replicated_grads();
+    if (opt_.gradient_buffers == GradientBuffers::kept) attach_replicated_grads();
     if constexpr (kStage == 0) {
       set_segments(rep_->own, rep_->flat, 0, flat.numel());
       make_owned(rep_->own, flat, kFp32Accum ? rep_->acc_full : rep_->flat.grad());
@@ -707,14 +720,14 @@ class Trainer {
     } else {
       // The full gradient buffer is kept anyway: reduce-scatter in place into this rank's slice of it.
       set_segments(rep_->own, rep_->flat, int64_t(rank_) * rep_->flat.shard(), rep_->flat.shard());
-      const torch::Tensor& g = kFp32Accum ? rep_->acc_full : rep_->flat.grad();  // undefined with free_gradients
+      const torch::Tensor& g = kFp32Accum ? rep_->acc_full : rep_->flat.grad();  // undefined until backward, unless kept
       make_owned(rep_->own, rep_->flat.shard_of(flat, rank_), g.defined() ? rep_->flat.shard_of(g, rank_) : torch::Tensor());
       seed_master(rep_->own, rep_->flat, int64_t(rank_) * rep_->flat.shard());
     }
   }
 
-  // Stages 0-1 with free_gradients off: the full gradient buffer (and the fp32 accumulator with mixed-precision
-  // accumulation), attached as the parameters' .grad and kept between steps.
+  // Stages 0-1: the full gradient buffer (and the fp32 accumulator with mixed-precision accumulation), attached as
+  // the parameters' .grad: when the trainer is built (kept) or at a window's first backward (at_backward).
   void attach_replicated_grads() {
     auto& flat = rep_->flat;
     if (!flat.grad().defined()) flat.attach_grads();
@@ -727,10 +740,19 @@ class Trainer {
     const torch::Tensor& g = kFp32Accum ? rep_->acc_full : rep_->flat.grad();
     rep_->own.grad = kStage == 0 ? g : rep_->flat.shard_of(g, rank_);
   }
-  // free_gradients: backward leaves one gradient per parameter, made as activations are freed (as torch's
-  // set_to_none does; a flat buffer attached before backward would add its full size to the activation peak).
-  // After backward they move into the flat buffers (the fp32 accumulator at each micro-batch; the compute-type
-  // buffer at the window's end, where float gradients accumulated in place in .grad), which live until the update.
+  // GradientBuffers::after_backward: backward leaves one gradient per parameter, made as activations are freed (as
+  // torch's set_to_none does). After backward they move into the flat buffers (the fp32 accumulator at each
+  // micro-batch; the compute-type buffer at the window's end, where float gradients accumulated in place in .grad),
+  // which live until the update. at_backward with an fp32 accumulator does the same: attaching would only add a buffer.
+  bool collects_after_backward() const {
+    return opt_.gradient_buffers == GradientBuffers::after_backward || (opt_.gradient_buffers == GradientBuffers::at_backward && kFp32Accum);
+  }
+  // at_backward: attached before the window's first backward, which then adds into it (its activations are all
+  // alive, so this is the lower peak only where they are fewer bytes than the buffer: plan::best_gradient_buffers).
+  void attach_at_backward() {
+    if (rep_ && opt_.gradient_buffers == GradientBuffers::at_backward && !kFp32Accum && !rep_->flat.grad().defined())
+      attach_replicated_grads();
+  }
   void collect_replicated_grads(bool boundary) {
     auto& flat = rep_->flat;
     if (kFp32Accum) flat.move_grads_into(rep_->acc_full, torch::kFloat32);
@@ -739,7 +761,7 @@ class Trainer {
     point_own_grad();
   }
   void release_replicated_grads() {
-    if (!opt_.free_gradients || !rep_) return;
+    if (opt_.gradient_buffers == GradientBuffers::kept || !rep_) return;
     rep_->flat.release_grads();
     rep_->acc_full = torch::Tensor();
     rep_->own.grad = torch::Tensor();
@@ -920,7 +942,7 @@ class Trainer {
   void after_backward(bool boundary) {
     if (rep_) {
       auto& flat = rep_->flat;
-      if (opt_.free_gradients) {
+      if (collects_after_backward()) {
         collect_replicated_grads(boundary);
       } else if (kFp32Accum) {
         rep_->acc_full.add_(flat.grad());
