@@ -234,6 +234,13 @@ struct CountingAllocator final : c10::Allocator {
   }
   c10::DeleterFnPtr raw_deleter() const override { return &release; }
   void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
+  // The CPU allocator while in scope, then the default again. c10 ignores a setting of lower priority than the last,
+  // so each one goes above every earlier one (tests of one process run in turn).
+  struct Installed {
+    static inline uint8_t priority = 100;
+    explicit Installed(c10::Allocator* a) { c10::SetCPUAllocator(a, ++priority); }
+    ~Installed() { c10::SetCPUAllocator(c10::GetDefaultCPUAllocator(), ++priority); }
+  };
 };
 
 struct BlockImpl : torch::nn::Module {
@@ -269,10 +276,7 @@ TORCH_MODULE(Stack);
 
 TEST(FrontDoor, CheckpointedOnAPlainModelSameGradientsLessActivationMemory) {
   auto* counting = new CountingAllocator();  // lives as long as the process: tensors it made may outlive the test
-  c10::SetCPUAllocator(counting, /*priority=*/100);
-  struct Restore {
-    ~Restore() { c10::SetCPUAllocator(c10::GetDefaultCPUAllocator(), /*priority=*/101); }
-  } restore;
+  const CountingAllocator::Installed installed(counting);
   const auto x = torch::randn({256, 32});
   for (bool calls : {false, true}) {
     auto run = [&](auto tag, int64_t* activation_peak, int* forwards_per_step) {
@@ -312,10 +316,7 @@ TEST(FrontDoor, CheckpointedOnAPlainModelSameGradientsLessActivationMemory) {
 TEST(FrontDoor, GradientBuffersAtBackwardSameWeightsOneGradientLess) {
   using G = sq::train::GradientBuffers;
   auto* counting = new CountingAllocator();  // lives as long as the process: tensors it made may outlive the test
-  c10::SetCPUAllocator(counting, /*priority=*/100);
-  struct Restore {
-    ~Restore() { c10::SetCPUAllocator(c10::GetDefaultCPUAllocator(), /*priority=*/101); }
-  } restore;
+  const CountingAllocator::Installed installed(counting);
   torch::manual_seed(3);
   const auto x = torch::randn({2, 4, 6, 48});  // [ranks, steps, rows, d]: 6 rows a step, sizes that do not divide
   struct Run {

@@ -43,6 +43,12 @@ enum class GradientBuffers {
   at_backward,
 };
 
+// What a timing does: at_backward with an fp32 accumulator is after_backward (each micro-batch's gradients are added
+// into the accumulator after its backward; attaching the compute-type buffer would only add one).
+constexpr GradientBuffers effective_gradient_buffers(GradientBuffers g, bool fp32_accumulator) {
+  return g == GradientBuffers::at_backward && fp32_accumulator ? GradientBuffers::after_backward : g;
+}
+
 constexpr const char* to_string(GradientBuffers g) {
   return g == GradientBuffers::kept ? "kept" : g == GradientBuffers::after_backward ? "after_backward" : "at_backward";
 }
@@ -242,9 +248,7 @@ constexpr MemoryPlan plan_memory(const ModelShape& m, const TrainShape& t, int w
       plan.gradients.device = shard(trainable) * (fp32_accumulator ? 4 : p_g);
     } else {
       plan.gradients.device = trainable * p_g + (fp32_accumulator ? trainable * 4 : 0);
-      // An fp32 accumulator takes each micro-batch's gradients after its backward, whichever buffer timing.
-      const bool after_backward = t.gradient_buffers == GradientBuffers::after_backward ||
-                                  (t.gradient_buffers == GradientBuffers::at_backward && fp32_accumulator);
+      const bool after_backward = effective_gradient_buffers(t.gradient_buffers, fp32_accumulator) == GradientBuffers::after_backward;
       // Made by backward: all of them, except what accumulates across micro-batches (the fp32 accumulator, or the
       // gradients themselves when there is no master copy). Attached at backward's start, they count there.
       if (after_backward && !(S::accumulation_steps > 1 && !fp32_accumulator)) plan.transient_gradients = trainable * p_g;

@@ -743,14 +743,12 @@ class Trainer {
   // GradientBuffers::after_backward: backward leaves one gradient per parameter, made as activations are freed (as
   // torch's set_to_none does). After backward they move into the flat buffers (the fp32 accumulator at each
   // micro-batch; the compute-type buffer at the window's end, where float gradients accumulated in place in .grad),
-  // which live until the update. at_backward with an fp32 accumulator does the same: attaching would only add a buffer.
-  bool collects_after_backward() const {
-    return opt_.gradient_buffers == GradientBuffers::after_backward || (opt_.gradient_buffers == GradientBuffers::at_backward && kFp32Accum);
-  }
+  // which live until the update (at_backward too with an fp32 accumulator: plan::effective_gradient_buffers).
+  GradientBuffers effective_gradient_buffers() const { return plan::effective_gradient_buffers(opt_.gradient_buffers, kFp32Accum); }
   // at_backward: attached before the window's first backward, which then adds into it (its activations are all
   // alive, so this is the lower peak only where they are fewer bytes than the buffer: plan::best_gradient_buffers).
   void attach_at_backward() {
-    if (rep_ && opt_.gradient_buffers == GradientBuffers::at_backward && !kFp32Accum && !rep_->flat.grad().defined())
+    if (rep_ && effective_gradient_buffers() == GradientBuffers::at_backward && !rep_->flat.grad().defined())
       attach_replicated_grads();
   }
   void collect_replicated_grads(bool boundary) {
@@ -942,7 +940,7 @@ class Trainer {
   void after_backward(bool boundary) {
     if (rep_) {
       auto& flat = rep_->flat;
-      if (collects_after_backward()) {
+      if (effective_gradient_buffers() == GradientBuffers::after_backward) {
         collect_replicated_grads(boundary);
       } else if (kFp32Accum) {
         rep_->acc_full.add_(flat.grad());
