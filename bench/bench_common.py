@@ -37,7 +37,32 @@ def flops_per_token(vocab, hidden, layers, heads, kv_heads, ffn, seq):
 
 def default_lr(preset):
     """bench_table's AdamW learning rate when --lr is not given (llama::default_lr in examples/llama/trainer.hpp)."""
-    return {"125m": 1e-3, "tinyllama-1.1b": 3e-4, "llama-7b": 1e-5}.get(preset, 3e-3)
+    return {"125m": 1e-3, "tinyllama-1.1b": 3e-4, "llama-7b": 5e-6}.get(preset, 3e-3)
+
+
+def add_run_arguments(ap, out_help, batch_help):
+    """The options every peer shares with bench_table's run: --out, --preset, --layers, --batch, --seq, --steps,
+    --warmup, --clip, --seed, --corpus, --device."""
+    ap.add_argument("--out", required=True, help=out_help)
+    ap.add_argument("--preset", default="tinyllama-1.1b", choices=sorted(PRESETS))
+    ap.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
+    ap.add_argument("--batch", type=int, default=8, help=batch_help)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    ap.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0: off)")
+    ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--corpus", default="", help="byte windows of this text file instead of random tokens")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+
+
+def require_positive(args, names):
+    """Exits naming the first of `names` that is not positive (and --warmup when negative)."""
+    for name in names:
+        if getattr(args, name) <= 0:
+            raise SystemExit(f"--{name} must be positive")
+    if args.warmup < 0:
+        raise SystemExit("--warmup must not be negative")
 
 
 def corpus_tokens(path):
@@ -115,3 +140,39 @@ def split_jsonl_option(args):
     if i + 1 >= len(args):
         raise SystemExit("--jsonl needs a file name")
     return args[:i] + args[i + 2:], args[i + 1]
+
+
+def check_presets(llama_train):
+    """The mismatches between this module's presets, RoPE theta, norm epsilon and default learning rates and
+    what `llama_train --presets` prints (one JSON line per preset, from the C++ definitions)."""
+    import subprocess
+
+    out = subprocess.run([llama_train, "--presets"], check=True, capture_output=True, text=True).stdout
+    lines = [json.loads(line) for line in out.splitlines() if line.strip()]
+    problems = []
+    if sorted(r["preset"] for r in lines) != sorted(PRESETS):
+        problems.append(f"presets: llama_train has {sorted(r['preset'] for r in lines)}, bench_common {sorted(PRESETS)}")
+    for r in lines:
+        name = r["preset"]
+        if name not in PRESETS:
+            continue
+        want = tuple(r[k] for k in ("vocab", "hidden", "layers", "heads", "kv_heads", "ffn"))
+        if PRESETS[name] != want:
+            problems.append(f"{name}: geometry {PRESETS[name]} here, {want} in llama_train")
+        if default_lr(name) != r["default_lr"]:
+            problems.append(f"{name}: default_lr {default_lr(name)} here, {r['default_lr']} in llama_train")
+        if (ROPE_THETA, NORM_EPS) != (r["rope_theta"], r["norm_eps"]):
+            problems.append(f"{name}: rope_theta, norm_eps {(ROPE_THETA, NORM_EPS)} here, {(r['rope_theta'], r['norm_eps'])} in llama_train")
+    return problems
+
+
+if __name__ == "__main__":
+    # python3 bench/bench_common.py --check-presets LLAMA_TRAIN: the Python peers' presets against the C++ ones.
+    if len(sys.argv) != 3 or sys.argv[1] != "--check-presets":
+        raise SystemExit("usage: bench_common.py --check-presets LLAMA_TRAIN")
+    found = check_presets(sys.argv[2])
+    for p in found:
+        print("mismatch:", p)
+    if found:
+        raise SystemExit(1)
+    print(f"bench_common: {len(PRESETS)} presets agree with llama_train")

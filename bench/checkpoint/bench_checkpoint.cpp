@@ -141,14 +141,5 @@ int main(int argc, char** argv) {
   app.add_option("--bound-gb", o.bound_gb, "GB written and hashed to measure the save's bounds")->capture_default_str();
   app.add_option("--device", o.device)->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
   CLI11_PARSE(app, argc, argv);
-  try {
-    // A few of the example's strategies, by its names (each one compiled here costs build time).
-    const nlohmann::json row = bench::run_named_strategy(o.strategy, [&]<class S>() { return run<S>(o); });
-    std::ofstream(o.out, std::ios::app) << row.dump() << "\n";
-    std::cout << row.dump(1) << "\n";
-  } catch (const std::exception& e) {
-    std::cerr << "bench_checkpoint: " << e.what() << "\n";
-    return 1;
-  }
-  return 0;
+  return bench::append_named_strategy_row("bench_checkpoint", o.strategy, o.out, [&]<class S>() { return run<S>(o); });
 }

@@ -145,13 +145,5 @@ int main(int argc, char** argv) {
   app.add_option("--seq", o.seq)->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--device", o.device)->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
   CLI11_PARSE(app, argc, argv);
-  try {
-    const nlohmann::json row = bench::run_named_strategy(o.strategy, [&]<class S>() { return run<S>(o); });
-    std::ofstream(o.out, std::ios::app) << row.dump() << "\n";
-    std::cout << row.dump(1) << "\n";
-  } catch (const std::exception& e) {
-    std::cerr << "bench_hf_load: " << e.what() << "\n";
-    return 1;
-  }
-  return 0;
+  return bench::append_named_strategy_row("bench_hf_load", o.strategy, o.out, [&]<class S>() { return run<S>(o); });
 }

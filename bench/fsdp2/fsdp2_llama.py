@@ -50,7 +50,7 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 # The presets, the FLOPs formula and peak constant, the data windows: shared with bench_table's other peers.
 from bench_common import (H200_DENSE_BF16_FLOPS, NORM_EPS, PRESETS, ROPE_THETA, append_jsonl, batch, corpus_tokens,  # noqa: E402
-                          flops_per_token, run_metadata)
+                          add_run_arguments, flops_per_token, require_positive, run_metadata)
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden):
@@ -157,25 +157,13 @@ class Llama(nn.Module):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="append the JSON line here (rank 0)")
-    ap.add_argument("--preset", default="tinyllama-1.1b", choices=sorted(PRESETS))
-    ap.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
-    ap.add_argument("--batch", type=int, default=8, help="sequences per GPU per step")
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    add_run_arguments(ap, out_help="append the JSON line here (rank 0)", batch_help="sequences per GPU per step")
     ap.add_argument("--ckpt", action="store_true", help="activation checkpointing per block")
     ap.add_argument("--offload", action="store_true", help="CPUOffloadPolicy: parameters, gradients and AdamW on the host")
     ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0: off)")
-    ap.add_argument("--seed", type=int, default=1337)
-    ap.add_argument("--corpus", default="", help="byte windows of this text file instead of random tokens")
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--comm-timeout", type=float, default=600, help="seconds a collective may wait for the other ranks")
     args = ap.parse_args()
-    for name in ("batch", "seq", "steps"):
-        if getattr(args, name) <= 0:
-            raise SystemExit(f"--{name} must be positive")
+    require_positive(args, ("batch", "seq", "steps"))
 
     # The process group: torchrun's environment, or a single-process group (fully_shard needs one).
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -66,7 +66,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 # The presets, the FLOPs formula and peak constant, the learning rate, the data windows: bench_table's, shared.
 from bench_common import (H200_DENSE_BF16_FLOPS, NORM_EPS, PRESETS, ROPE_THETA, append_jsonl, batch, corpus_tokens,  # noqa: E402
-                          default_lr, flops_per_token, run_metadata)
+                          add_run_arguments, default_lr, flops_per_token, require_positive, run_metadata)
 
 
 def llama_config(vocab, hidden, layers, heads, kv_heads, ffn, seq):
@@ -142,31 +142,17 @@ def load_qlora(path, args, device):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="append the JSON line here")
-    ap.add_argument("--preset", default="tinyllama-1.1b", choices=sorted(PRESETS))
-    ap.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
-    ap.add_argument("--batch", type=int, default=8, help="sequences per step")
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    add_run_arguments(ap, out_help="append the JSON line here", batch_help="sequences per step")
     ap.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: the preset's, as bench_table)")
     ap.add_argument("--lr-warmup", type=int, default=None, help="steps of linear warm-up (default: 5 at llama-7b without --lr, else 0)")
-    ap.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0: off)")
     ap.add_argument("--rank", type=int, default=8, help="LoRA rank r")
     ap.add_argument("--alpha", type=int, default=16, help="LoRA alpha")
     ap.add_argument("--targets", default="q_proj,v_proj", help="LoRA target modules")
     ap.add_argument("--prepare-kbit", action="store_true", help="peft.prepare_model_for_kbit_training first (fp32 norms, embedding, head)")
-    ap.add_argument("--seed", type=int, default=1337)
-    ap.add_argument("--corpus", default="", help="byte windows of this text file instead of random tokens")
     ap.add_argument("--model-dir", default="", help="write the random bf16 checkpoint here and keep it (reused when it holds this "
                                                      "geometry); default: a temporary directory under TMPDIR, removed at the end")
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = ap.parse_args()
-    for name in ("batch", "seq", "steps", "rank"):
-        if getattr(args, name) <= 0:
-            raise SystemExit(f"--{name} must be positive")
-    if args.warmup < 0:
-        raise SystemExit("--warmup must not be negative")
+    require_positive(args, ("batch", "seq", "steps", "rank"))
     lr = args.lr if args.lr is not None else default_lr(args.preset)
     lr_warmup = args.lr_warmup if args.lr_warmup is not None else (5 if args.preset == "llama-7b" and args.lr is None else 0)
 

@@ -152,6 +152,14 @@ void write_result(const std::string& path, const nlohmann::json& result) {
 }
 
 // A number for JSON: NaN and infinities (e.g. no training step ran) become null, which JSON can hold.
+// "tiny 0.003, 125m 0.001, ...": llama::default_lr of every preset, for --lr's help.
+std::string default_lr_list() {
+  std::ostringstream out;
+  for (const auto& name : nn::LlamaConfig::preset_names())
+    out << (out.tellp() > 0 ? ", " : "") << name << " " << llama::default_lr(name);
+  return out.str();
+}
+
 nlohmann::json finite_or_null(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr); }
 
 // ---- the training loop, one instantiation per strategy --------------------------------------------------
@@ -302,8 +310,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--batch", o.batch, "sequences per optimizer step (split into micro-batches by Accumulate<N>)")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--seq", o.seq, "tokens (bytes) per sequence")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--lr", o.lr, "peak learning rate (warm-up, then cosine to 10%); default by preset: tiny 3e-3, 125m 1e-3, "
-                               "tinyllama-1.1b 3e-4, llama-7b 1e-5")
+  app.add_option("--lr", o.lr, "peak learning rate (warm-up, then cosine to 10%); default by preset: " + default_lr_list())
       ->check(CLI::PositiveNumber);
   app.add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->capture_default_str();
   app.add_option("--clip", o.clip, "gradient-norm clip (0: off)")->capture_default_str();
@@ -335,7 +342,17 @@ int main(int argc, char** argv) {
   app.add_option("--sample", o.sample, "bytes of text to sample at the end (0: none; not with --data)")->capture_default_str();
   app.add_option("--threads", o.threads, "CPU threads (0: libtorch's default; 1 is faster on a busy machine)")->capture_default_str();
   app.add_option("--seed", o.seed, "seed of the initial weights and the batches")->capture_default_str();
+  bool presets = false;
+  app.add_flag("--presets", presets, "print each preset's geometry and default learning rate as a JSON line, and exit");
   CLI11_PARSE(app, argc, argv);
+  if (presets) {
+    for (const auto& name : nn::LlamaConfig::preset_names()) {
+      nlohmann::json line = llama::geometry_of(nn::LlamaConfig::preset(name));
+      line["default_lr"] = llama::default_lr(name);
+      std::cout << line.dump() << "\n";
+    }
+    return 0;
+  }
   if (app.count("--lr") == 0) o.lr = llama::default_lr(o.preset);
 
   try {

@@ -78,34 +78,6 @@ std::vector<G> awkward_grad(std::int64_t n, std::mt19937& rng, bool special) {
   return g;
 }
 
-// Every byte equal, except that a NaN weight or parameter matches any NaN: which NaN an operation returns (sign,
-// payload) depends on operand order, which IEEE leaves open and vectorised code reorders. Codes and scales are exact
-// (NaN encodes as 0 and is never a block's absmax).
-template <class T>
-bool same_value(const T& a, const T& b) {
-  const float fa = to_float(a), fb = to_float(b);
-  return std::memcmp(&a, &b, sizeof a) == 0 || (std::isnan(fa) && std::isnan(fb));
-}
-template <class P, class G>
-void expect_same_state(const test::Adam8State<P, G>& got, const test::Adam8State<P, G>& want, const std::string& label) {
-  auto same = [&](const auto& a, const auto& b, const char* what, bool nan_is_nan) {
-    ASSERT_EQ(a.size(), b.size()) << label << " " << what;
-    int shown = 0;
-    for (std::size_t i = 0; i < a.size() && shown < 5; ++i)
-      if (nan_is_nan ? !same_value(a[i], b[i]) : std::memcmp(&a[i], &b[i], sizeof a[i]) != 0) {
-        ++shown;
-        ADD_FAILURE() << label << " " << what << " differs at " << i << ": " << double(to_float(a[i])) << " vs " << double(to_float(b[i]));
-      }
-  };
-  same(got.param, want.param, "param", true);
-  same(got.master, want.master, "master", true);
-  same(got.m_absmax, want.m_absmax, "m absmax", false);
-  same(got.v_absmax, want.v_absmax, "v absmax", false);
-  auto codes = [](const std::vector<std::uint8_t>& c) { return std::vector<float>(c.begin(), c.end()); };
-  same(codes(got.m), codes(want.m), "m code", false);
-  same(codes(got.v), codes(want.v), "v code", false);
-}
-
 template <class P, class G>
 void expect_matches_reference(std::int64_t n, std::uint32_t seed, bool special) {
   std::mt19937 rng(seed);
@@ -126,10 +98,10 @@ void expect_matches_reference(std::int64_t n, std::uint32_t seed, bool special) 
     sk::cpu::avx512::use_codec(false);
     sk::adamw8_cpu(gen.tensor(), c, d);
     sk::cpu::avx512::use_codec(true);
-    expect_same_state(gen, ref, label + " generic, step " + std::to_string(step));
+    test::expect_state_bitwise(gen, ref, label + " generic, step " + std::to_string(step), /*nan_matches_nan=*/true);
     if (sk::cpu::avx512::codec_available()) {
       sk::adamw8_cpu(fast.tensor(), c, d);
-      expect_same_state(fast, ref, label + " AVX-512, step " + std::to_string(step));
+      test::expect_state_bitwise(fast, ref, label + " AVX-512, step " + std::to_string(step), /*nan_matches_nan=*/true);
     }
     if (::testing::Test::HasFailure()) return;
   }

@@ -3,6 +3,7 @@
 #pragma once
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -41,25 +42,31 @@ struct Adam8State {
 };
 
 // Every byte of every buffer of `got` equal to `want`'s; the first differences (up to 5 per buffer) are reported
-// with their index.
+// with their index. nan_matches_nan: a NaN parameter or master matches any NaN (NaN payloads may differ between
+// two correct implementations); codes and scales stay bitwise.
+template <class T>
+bool same_or_both_nan(const T& a, const T& b) {
+  return std::memcmp(&a, &b, sizeof a) == 0 || (std::isnan(to_float(a)) && std::isnan(to_float(b)));
+}
 template <class P, class G>
-void expect_state_bitwise(const Adam8State<P, G>& got, const Adam8State<P, G>& want, const std::string& label) {
-  auto same = [&](const auto& a, const auto& b, const char* what) {
+void expect_state_bitwise(const Adam8State<P, G>& got, const Adam8State<P, G>& want, const std::string& label,
+                          bool nan_matches_nan = false) {
+  auto same = [&](const auto& a, const auto& b, const char* what, bool nan_is_nan) {
     ASSERT_EQ(a.size(), b.size()) << label << " " << what;
     int shown = 0;
     for (std::size_t i = 0; i < a.size() && shown < 5; ++i)
-      if (std::memcmp(&a[i], &b[i], sizeof(a[i])) != 0) {
+      if (nan_is_nan ? !same_or_both_nan(a[i], b[i]) : std::memcmp(&a[i], &b[i], sizeof(a[i])) != 0) {
         ++shown;
         ADD_FAILURE() << label << " " << what << " differs at " << i << ": " << double(to_float(a[i])) << " vs " << double(to_float(b[i]));
       }
   };
-  same(got.param, want.param, "param");
-  same(got.master, want.master, "master");
-  same(got.m_absmax, want.m_absmax, "m absmax");
-  same(got.v_absmax, want.v_absmax, "v absmax");
+  same(got.param, want.param, "param", nan_matches_nan);
+  same(got.master, want.master, "master", nan_matches_nan);
+  same(got.m_absmax, want.m_absmax, "m absmax", false);
+  same(got.v_absmax, want.v_absmax, "v absmax", false);
   auto codes = [](const std::vector<std::uint8_t>& c) { return std::vector<float>(c.begin(), c.end()); };
-  same(codes(got.m), codes(want.m), "m code");
-  same(codes(got.v), codes(want.v), "v code");
+  same(codes(got.m), codes(want.m), "m code", false);
+  same(codes(got.v), codes(want.v), "v code", false);
 }
 
 }  // namespace squeeze::test
