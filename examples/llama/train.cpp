@@ -263,7 +263,13 @@ int run_training(const Options& o) {
       if (r.scale <= 1.0) throw std::runtime_error("gradients are not finite even at loss scale 1: lower --lr");
       continue;
     }
-    if (std::isnan(first_loss)) first_loss = r.loss;
+    if (std::isnan(first_loss)) {
+      first_loss = r.loss;
+      if constexpr (S::offload_to_host && !S::loss_scaling)
+        if (!trainer.trainer().updated_during_backward() && o.clip > 0)
+          bar.message("Offload<Host>: the host AdamW starts after backward, when the clipping norm is known; --clip 0 lets it start "
+                      "during backward, partition by partition");
+    }
     last_loss = r.loss;
     if (step > first_step || o.steps - first_step == 1) { tokens += double(o.batch * o.seq); seconds += dt; }
     bar.update(step, r, double(o.batch * o.seq) / dt, llama::memory_use(device));
