@@ -207,6 +207,38 @@ TEST(Stage3, OneRankUsesTheShardsInPlace) {
   EXPECT_GE(whole, model_bytes) << "the whole model gathered in bf16";
 }
 
+// A prefetch never waits for an Offload<Host> update still on the host: the unit is left for its own gather, so the
+// host queues the current unit's compute first. Two units on one rank (in place); the second pass prefetches.
+TEST(Stage3, PrefetchSkipsAUnitWhoseUpdateHasNotLanded) {
+  train::SideStream side(torch::kCPU);
+  train::Stage3Runtime rt(LocalComm::single(), /*prefetch_depth=*/1, /*keep_last_gathered=*/0, torch::kCPU, side);
+  train::Stage3Group a, b;
+  int waits_a = 0, waits_b = 0;
+  bool b_landed = false;
+  for (auto* g : {&a, &b}) g->shard = torch::zeros({4}), g->runtime = &rt, rt.add_group(*g);
+  a.before_gather = [&] { ++waits_a; };
+  b.before_gather = [&] { ++waits_b; };
+  b.update_landed = [&] { return b_landed; };
+  auto forward = [&] {
+    rt.set_phase(train::Stage3Runtime::Phase::forward);
+    rt.acquire(a);
+    const bool prefetched = b.gathered.defined();
+    rt.release(a);
+    rt.acquire(b);
+    rt.release(b);
+    rt.set_phase(train::Stage3Runtime::Phase::idle);
+    return prefetched;
+  };
+  EXPECT_FALSE(forward()) << "the first pass records the order: nothing to prefetch yet";
+  EXPECT_EQ(waits_b, 1);
+  EXPECT_FALSE(forward()) << "b's update is still on the host: not prefetched";
+  EXPECT_EQ(waits_b, 2) << "b waited for once, at its own gather";
+  b_landed = true;
+  EXPECT_TRUE(forward()) << "b's update has landed: prefetched with a's gather";
+  EXPECT_EQ(waits_b, 3);
+  EXPECT_EQ(waits_a, 3);
+}
+
 TEST(Stage3, BadPrefetchOptionsAreRefused) {
   using S3 = Strategy<Sharded<Stage3>>;
   auto model = make_model(Model::llama, torch::kFloat32);
@@ -776,8 +808,11 @@ TEST(Offload, WorkerTakesTheLowestPriorityFirst) {
     EXPECT_TRUE(returned) << "wait(p) waited for a job of another partition";
     EXPECT_EQ(order, (std::vector<std::string>{"gate", "early 1", "early 2", "late"}));
   }
+  EXPECT_TRUE(pipe.finished(*late));
+  EXPECT_FALSE(pipe.finished(*blocker)) << "its job is held";
   open_blocker.set_value();
   pipe.wait_all();
+  EXPECT_TRUE(pipe.finished(*blocker));
   EXPECT_EQ(order, (std::vector<std::string>{"gate", "early 1", "early 2", "late", "blocker"}));
   EXPECT_TRUE(torch::equal(late->param, late->master)) << "the job's write-back ran";
 }

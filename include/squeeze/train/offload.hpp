@@ -248,6 +248,12 @@ class OffloadPipeline {
     return p.sumsq;
   }
 
+  // Whether p's jobs have all run (a failed one counts: wait(p) then reports it), without waiting.
+  bool finished(const Partition& p) {
+    std::lock_guard lk(m_);
+    return p.done_job >= p.last_job || error_;
+  }
+
   // The host waits for p's jobs; the current stream for its copies.
   void wait(Partition& p) {
     std::unique_lock lk(m_);

@@ -30,7 +30,8 @@
 //
 // Prefetch: prefetch_depth units ahead, issued right after the current unit's gather, in the order the first pass of
 // each kind used the units (backward's is not forward's reversed: an embedding's backward needs no weights, and a
-// checkpointed segment recomputes its blocks in forward order). On CUDA with a device communicator (NcclComm) the
+// checkpointed segment recomputes its blocks in forward order). A unit whose Offload<Host> update is still on the
+// host is not prefetched: the host would wait for it before the current unit's compute is even queued. On CUDA with a device communicator (NcclComm) the
 // gathers and the gradient reduce-scatters run on a side stream (train/streams.hpp): the side stream waits for the
 // compute issued so far, the collective is enqueued without a host wait, and the compute stream waits for the
 // gathered buffer only where a member uses it -- so the next unit's gather overlaps this unit's compute. Elsewhere
@@ -77,6 +78,7 @@ struct Stage3Group {
   int released = 0;           // forward: members done with the gathered buffer since it was gathered
   bool keep_for_backward = false;  // not freed after forward (TrainerOptions::keep_last_gathered)
   std::function<void()> before_gather;  // trainer: wait until this shard's update has landed
+  std::function<bool()> update_landed;  // trainer: whether it has, without waiting (unset: always)
   std::function<void()> grad_done;      // trainer: the gradient shard is final for this micro-step
   bool finished() const { return uses > 0 && added == uses; }
 };
@@ -166,8 +168,9 @@ class Stage3Runtime {
       if (it != pass->index.end()) {
         for (std::size_t next = it->second + 1; next <= it->second + std::size_t(prefetch_depth_) && next < pass->order.size(); ++next) {
           Stage3Group& n = *pass->order[next];
-          // Not a unit whose backward is done (a checkpoint recompute may run ahead of the order).
-          if (!n.gathered.defined() && !(phase_ == Phase::backward && n.finished())) gather(n);
+          // Not a unit whose backward is done (a checkpoint recompute may run ahead of the order), nor one whose
+          // offloaded update is still on the host: waiting for it here would hold back this unit's compute too.
+          if (!n.gathered.defined() && !(phase_ == Phase::backward && n.finished()) && (!n.update_landed || n.update_landed())) gather(n);
         }
       }
     }

@@ -883,6 +883,7 @@ class Trainer {
       OffloadPipeline* pipe = offload_.get();
       detail::GradState* st = state_.get();
       g->before_gather = [pipe, p] { pipe->wait(*p); };
+      g->update_landed = [pipe, p] { return pipe->finished(*p); };
       if (pipe->threaded())
         g->grad_done = [pipe, p, st] {
           if (st->final_micro) pipe->gradient_ready(*p, st->eager);
