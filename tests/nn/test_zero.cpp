@@ -771,50 +771,86 @@ TEST(Offload, DeviceSumOfSquaresMatchesFloat64) {
 }
 
 // ---- the offload worker's order: lowest Partition::priority first, a partition's own jobs in order -------------
+std::unique_ptr<train::Partition> worker_partition(int64_t priority) {
+  auto p = std::make_unique<train::Partition>();
+  p->priority = priority;
+  p->param = torch::zeros({4});
+  p->master = torch::ones({4});
+  p->host_grad = torch::zeros({4});
+  return p;
+}
+// A job the worker records by name in `order` when it runs it, after `open` is ready when given.
+struct WorkerLog {
+  std::mutex m;
+  std::vector<std::string> order;
+  train::OffloadPipeline::Fn record(std::string what, std::shared_future<void> open = {}) {
+    return [this, what, open](train::Partition&) {
+      if (open.valid()) open.wait();
+      std::lock_guard lk(m);
+      order.push_back(what);
+    };
+  }
+  std::vector<std::string> seen() {
+    std::lock_guard lk(m);
+    return order;
+  }
+};
+
 // A gate job holds the worker while jobs queue: a blocking job of priority 9, then jobs of priorities 3, 0, 0. The
 // worker takes 0, 0 (in submission order), 3, then the blocker; wait(p) returns once p's own jobs are done, with
 // the blocker still queued or running (a count of finished jobs in submission order could not say so).
 TEST(Offload, WorkerTakesTheLowestPriorityFirst) {
   train::OffloadPipeline pipe(torch::kCPU, /*threaded=*/true);
-  auto partition = [](int64_t priority) {
-    auto p = std::make_unique<train::Partition>();
-    p->priority = priority;
-    p->param = torch::zeros({4});
-    p->master = torch::ones({4});
-    p->host_grad = torch::zeros({4});
-    return p;
-  };
-  auto gate = partition(-1), blocker = partition(9), late = partition(3), early = partition(0);
+  auto gate = worker_partition(-1), blocker = worker_partition(9), late = worker_partition(3), early = worker_partition(0);
   std::promise<void> open_gate, open_blocker;
-  std::shared_future<void> gate_open = open_gate.get_future().share(), blocker_open = open_blocker.get_future().share();
-  std::mutex m;
-  std::vector<std::string> order;
-  auto record = [&](std::string what) {
-    return [&m, &order, what](train::Partition&) {
-      std::lock_guard lk(m);
-      order.push_back(what);
-    };
-  };
-  pipe.update(*gate, [&](train::Partition& p) { gate_open.wait(); record("gate")(p); });
-  pipe.update(*blocker, [&](train::Partition& p) { blocker_open.wait(); record("blocker")(p); });
-  pipe.update(*late, record("late"));
-  pipe.update(*early, record("early 1"));
-  pipe.update(*early, record("early 2"));
+  WorkerLog log;
+  pipe.update(*gate, log.record("gate", open_gate.get_future().share()));
+  pipe.update(*blocker, log.record("blocker", open_blocker.get_future().share()));
+  pipe.update(*late, log.record("late"));
+  pipe.update(*early, log.record("early 1"));
+  pipe.update(*early, log.record("early 2"));
   open_gate.set_value();
   auto waited = std::async(std::launch::async, [&] { pipe.wait(*late); });
   const bool returned = waited.wait_for(std::chrono::seconds(20)) == std::future_status::ready;
-  {
-    std::lock_guard lk(m);
-    EXPECT_TRUE(returned) << "wait(p) waited for a job of another partition";
-    EXPECT_EQ(order, (std::vector<std::string>{"gate", "early 1", "early 2", "late"}));
-  }
+  EXPECT_TRUE(returned) << "wait(p) waited for a job of another partition";
+  EXPECT_EQ(log.seen(), (std::vector<std::string>{"gate", "early 1", "early 2", "late"}));
   EXPECT_TRUE(pipe.finished(*late));
   EXPECT_FALSE(pipe.finished(*blocker)) << "its job is held";
   open_blocker.set_value();
   pipe.wait_all();
   EXPECT_TRUE(pipe.finished(*blocker));
-  EXPECT_EQ(order, (std::vector<std::string>{"gate", "early 1", "early 2", "late", "blocker"}));
+  EXPECT_EQ(log.seen(), (std::vector<std::string>{"gate", "early 1", "early 2", "late", "blocker"}));
   EXPECT_TRUE(torch::equal(late->param, late->master)) << "the job's write-back ran";
+}
+
+// Jobs whose input is still in flight (a gradient copy the GPU has not reached: the host queues backward's jobs
+// long before) do not hold the worker while an earlier one has landed: behind a gate, a landed job of priority 5
+// and one of priority 0 still in flight run landed first; with nothing landed, the earliest submitted runs first
+// (inputs land in submission order), not the lowest priority, which would wait for the last copy of backward.
+TEST(Offload, WorkerTakesLandedJobsBeforeOnesInFlight) {
+  train::OffloadPipeline pipe(torch::kCPU, /*threaded=*/true);
+  const train::OffloadPipeline::Landed landed = [] { return true; }, in_flight = [] { return false; };
+  for (const bool first_landed : {true, false}) {
+    auto gate = worker_partition(-1), first = worker_partition(5), second = worker_partition(0);
+    std::promise<void> open_gate;
+    WorkerLog log;
+    pipe.update(*gate, log.record("gate", open_gate.get_future().share()));
+    pipe.update(*first, log.record("first"), first_landed ? landed : in_flight);
+    pipe.update(*second, log.record("second"), in_flight);
+    open_gate.set_value();
+    pipe.wait_all();
+    EXPECT_EQ(log.seen(), (std::vector<std::string>{"gate", "first", "second"})) << "first landed: " << first_landed;
+  }
+  // Landed alike, priority decides (the partition the next forward needs first).
+  auto gate = worker_partition(-1), first = worker_partition(5), second = worker_partition(0);
+  std::promise<void> open_gate;
+  WorkerLog log;
+  pipe.update(*gate, log.record("gate", open_gate.get_future().share()));
+  pipe.update(*first, log.record("first"), landed);
+  pipe.update(*second, log.record("second"), landed);
+  open_gate.set_value();
+  pipe.wait_all();
+  EXPECT_EQ(log.seen(), (std::vector<std::string>{"gate", "second", "first"}));
 }
 
 // ---- a moved trainer keeps working (examples/llama holds one in a std::optional) ----------------------------

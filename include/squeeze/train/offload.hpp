@@ -20,11 +20,15 @@
 //
 // With threaded = false every job runs inline at once (the non-overlapped reference path); the arithmetic
 // is the same function either way, so both paths give the same bits (tests/nn/test_zero.cpp checks it).
-// One worker, which takes the queued job of the lowest Partition::priority first (ties: submission order), so a
+// One worker. Of the queued jobs whose input has landed on the host (a gradient job: its copy is done; an update:
+// at once) it takes the one of the lowest Partition::priority (ties: submission order); when none has landed, the
+// earliest submitted, which is the first to land (the copies run in submission order on one stream). A
 // partition's own jobs never run out of order. The trainer ranks partitions in the order the next forward needs
-// them: backward hands gradients over last layer first, and the backlog the CPU has not updated when backward
-// ends is then worked off first layer first, so the next forward starts as soon as its first layer has landed
-// instead of after the whole backlog (wait(p) waits for p's own jobs only).
+// them: backward hands gradients over last layer first and the CPU updates each as it lands; the backlog it has not
+// updated when backward ends is worked off first layer first, so the next forward starts as soon as its first layer
+// has landed instead of after the whole backlog (wait(p) waits for p's own jobs only). Taking the lowest priority
+// among jobs still in flight instead would hold the worker on the layer backward hands over last (the host queues
+// backward's jobs long before the GPU reaches them), idle for all of backward.
 #include <torch/torch.h>
 
 #include "squeeze/kernels/adamw.hpp"
@@ -37,6 +41,7 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -166,6 +171,7 @@ struct OffloadStats {
 class OffloadPipeline {
  public:
   using Fn = std::function<void(Partition&)>;
+  using Landed = std::function<bool()>;  // a job's input is on the host (unset: from the start)
 
   OffloadPipeline(torch::Device device, bool threaded)
       : device_(device), threaded_(threaded), d2h_(device), h2d_(device) {
@@ -221,11 +227,13 @@ class OffloadPipeline {
         write_back(q, after);
       }
       account(t1 - t0, t2 - t1, clock::now() - t2);
-    });
+    }, [done = p.d2h_done] { return done.query(); });
   }
 
-  // Queues fn(p) (the CPU AdamW) after p's gradient job, then streams p.master back into p.param.
-  void update(Partition& p, Fn fn) {
+  // Queues fn(p) (the CPU AdamW) after p's gradient job, then streams p.master back into p.param. `landed`, when
+  // given, says whether what fn waits for has arrived, for the worker's order only (fn still waits for it itself);
+  // inputs are taken to land in submission order.
+  void update(Partition& p, Fn fn, Landed landed = {}) {
     Event after = record_current(device_);
     submit(p, [this, after, fn = std::move(fn)](Partition& q) {
       const auto t0 = clock::now();
@@ -234,7 +242,7 @@ class OffloadPipeline {
       fn(q);
       write_back(q, after);
       account(t1 - t0, clock::duration::zero(), clock::now() - t1);
-    });
+    }, std::move(landed));
   }
 
   // The sum of squares of p's gradient for this window (gradient_ready's copy). With the device's sum it waits
@@ -295,6 +303,7 @@ class OffloadPipeline {
     Partition* p;
     Fn fn;
     std::uint64_t id;
+    Landed landed;
   };
 
   void write_back(Partition& q, const Event& after) {
@@ -320,7 +329,7 @@ class OffloadPipeline {
     }
   }
 
-  void submit(Partition& p, Fn fn) {
+  void submit(Partition& p, Fn fn, Landed landed = {}) {
     std::unique_lock lk(m_);
     rethrow(lk);
     p.last_job = ++issued_;
@@ -332,7 +341,7 @@ class OffloadPipeline {
       p.done_job = p.last_job;
       return;
     }
-    queue_.push_back({&p, std::move(fn), p.last_job});
+    queue_.push_back({&p, std::move(fn), p.last_job, std::move(landed)});
     lk.unlock();
     cv_.notify_one();
   }
@@ -343,13 +352,9 @@ class OffloadPipeline {
     for (;;) {
       cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
       if (queue_.empty()) return;  // stop_ and nothing left
-      // The lowest priority, then the earliest submitted (a few hundred jobs a step: a scan is enough).
-      auto first = std::min_element(queue_.begin(), queue_.end(), [](const Job& a, const Job& b) {
-        return a.p->priority != b.p->priority ? a.p->priority < b.p->priority : a.id < b.id;
-      });
-      Job j = std::move(*first);
-      *first = std::move(queue_.back());
-      queue_.pop_back();
+      const auto next = pick();
+      Job j = std::move(*next);
+      queue_.erase(next);
       lk.unlock();
       std::exception_ptr err;
       try {
@@ -363,6 +368,22 @@ class OffloadPipeline {
       ++done_;
       done_cv_.notify_all();
     }
+  }
+
+  // The next job (the header's rule), queue_ in submission order (a few hundred jobs a step: a scan is enough).
+  // Inputs land in submission order, so after the first one still in flight no later one is asked.
+  std::vector<Job>::iterator pick() {
+    auto best = queue_.end();
+    bool in_flight = false;
+    std::unordered_set<const Partition*> seen;
+    for (auto it = queue_.begin(); it != queue_.end(); ++it) {
+      if (!seen.insert(it->p).second) continue;  // not its partition's first job
+      bool landed = true;
+      if (it->landed) landed = !in_flight && it->landed();
+      in_flight = in_flight || !landed;
+      if (landed && (best == queue_.end() || it->p->priority < best->p->priority)) best = it;
+    }
+    return best != queue_.end() ? best : queue_.begin();
   }
 
   void rethrow(std::unique_lock<std::mutex>&) {

@@ -52,6 +52,16 @@ class Event {
   void synchronize() const {  // host waits
     if (ev_) C10_CUDA_CHECK(cudaEventSynchronize(ev_.get()));
   }
+  bool query() const {  // complete, without waiting
+    if (!ev_) return true;
+    const cudaError_t e = cudaEventQuery(ev_.get());
+    if (e == cudaErrorNotReady) {
+      (void)cudaGetLastError();  // not an error: clear it so the next check does not report it
+      return false;
+    }
+    C10_CUDA_CHECK(e);
+    return true;
+  }
   void block(cudaStream_t s) const {  // stream s waits
     if (ev_) C10_CUDA_CHECK(cudaStreamWaitEvent(s, ev_.get(), 0));
   }
@@ -123,6 +133,7 @@ class Event {
  public:
   bool empty() const { return true; }
   void synchronize() const {}
+  bool query() const { return true; }
 };
 class SideStream {
  public:
