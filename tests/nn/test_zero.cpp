@@ -830,27 +830,24 @@ TEST(Offload, WorkerTakesTheLowestPriorityFirst) {
 TEST(Offload, WorkerTakesLandedJobsBeforeOnesInFlight) {
   train::OffloadPipeline pipe(torch::kCPU, /*threaded=*/true);
   const train::OffloadPipeline::Landed landed = [] { return true; }, in_flight = [] { return false; };
-  for (const bool first_landed : {true, false}) {
+  // The order the worker runs a job of priority 5 and then one of priority 0 (or a second job of the first's
+  // partition), queued behind a gate in that order. An unset Landed: an update, whose input is there from the start.
+  auto order = [&](const train::OffloadPipeline::Landed& first_input, const train::OffloadPipeline::Landed& second_input,
+                   bool one_partition = false) {
     auto gate = worker_partition(-1), first = worker_partition(5), second = worker_partition(0);
     std::promise<void> open_gate;
     WorkerLog log;
     pipe.update(*gate, log.record("gate", open_gate.get_future().share()));
-    pipe.update(*first, log.record("first"), first_landed ? landed : in_flight);
-    pipe.update(*second, log.record("second"), in_flight);
+    pipe.update(*first, log.record("first"), first_input);
+    pipe.update(one_partition ? *first : *second, log.record("second"), second_input);
     open_gate.set_value();
     pipe.wait_all();
-    EXPECT_EQ(log.seen(), (std::vector<std::string>{"gate", "first", "second"})) << "first landed: " << first_landed;
-  }
-  // Landed alike, priority decides (the partition the next forward needs first).
-  auto gate = worker_partition(-1), first = worker_partition(5), second = worker_partition(0);
-  std::promise<void> open_gate;
-  WorkerLog log;
-  pipe.update(*gate, log.record("gate", open_gate.get_future().share()));
-  pipe.update(*first, log.record("first"), landed);
-  pipe.update(*second, log.record("second"), landed);
-  open_gate.set_value();
-  pipe.wait_all();
-  EXPECT_EQ(log.seen(), (std::vector<std::string>{"gate", "second", "first"}));
+    return log.seen();
+  };
+  EXPECT_EQ(order(landed, in_flight), (std::vector<std::string>{"gate", "first", "second"})) << "the landed one first";
+  EXPECT_EQ(order(in_flight, in_flight), (std::vector<std::string>{"gate", "first", "second"})) << "the earliest submitted";
+  EXPECT_EQ(order(landed, landed), (std::vector<std::string>{"gate", "second", "first"})) << "landed alike: priority";
+  EXPECT_EQ(order(in_flight, {}, true), (std::vector<std::string>{"gate", "first", "second"})) << "a partition's jobs in order";
 }
 
 // ---- a moved trainer keeps working (examples/llama holds one in a std::optional) ----------------------------

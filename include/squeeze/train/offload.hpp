@@ -41,7 +41,6 @@
 #include <functional>
 #include <mutex>
 #include <thread>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -303,6 +302,7 @@ class OffloadPipeline {
     Partition* p;
     Fn fn;
     std::uint64_t id;
+    std::uint64_t previous;  // the id of the partition's job before this one (0: none)
     Landed landed;
   };
 
@@ -332,7 +332,7 @@ class OffloadPipeline {
   void submit(Partition& p, Fn fn, Landed landed = {}) {
     std::unique_lock lk(m_);
     rethrow(lk);
-    p.last_job = ++issued_;
+    const std::uint64_t previous = std::exchange(p.last_job, ++issued_);
     if (!threaded_) {
       lk.unlock();
       fn(p);
@@ -341,7 +341,7 @@ class OffloadPipeline {
       p.done_job = p.last_job;
       return;
     }
-    queue_.push_back({&p, std::move(fn), p.last_job, std::move(landed)});
+    queue_.push_back({&p, std::move(fn), p.last_job, previous, std::move(landed)});
     lk.unlock();
     cv_.notify_one();
   }
@@ -371,13 +371,13 @@ class OffloadPipeline {
   }
 
   // The next job (the header's rule), queue_ in submission order (a few hundred jobs a step: a scan is enough).
-  // Inputs land in submission order, so after the first one still in flight no later one is asked.
+  // Only a partition's next job may run: the one whose predecessor has finished. Inputs land in submission order,
+  // so after the first one still in flight no later one is asked.
   std::vector<Job>::iterator pick() {
     auto best = queue_.end();
     bool in_flight = false;
-    std::unordered_set<const Partition*> seen;
     for (auto it = queue_.begin(); it != queue_.end(); ++it) {
-      if (!seen.insert(it->p).second) continue;  // not its partition's first job
+      if (it->previous > it->p->done_job) continue;  // its partition's earlier job is still queued
       bool landed = true;
       if (it->landed) landed = !in_flight && it->landed();
       in_flight = in_flight || !landed;
