@@ -199,18 +199,18 @@ TEST(Adam8Trainer, TorchOpsStatePathMatchesTheKernels) {
   const int64_t n = 1000;
   for (bool is_signed : {true, false}) {
     const sk::StateCodeMap& map = is_signed ? sk::signed_state_map() : sk::unsigned_state_map();
-    const auto maps = train::detail::state_map_tensors(map, torch::kCPU);
+    const auto maps = engine::detail::state_map_tensors(map, torch::kCPU);
     torch::Tensor x = torch::randn({n}) * torch::exp(torch::randn({n}) * 3);
     if (!is_signed) x = x.abs();
     auto codes = torch::empty({n}, torch::kUInt8);
     auto absmax = torch::empty({sk::state_blocks(n)}, torch::kFloat32);
-    train::detail::encode_state(x, codes, absmax, maps);
+    engine::detail::encode_state(x, codes, absmax, maps);
     std::vector<std::uint8_t> kc(n);
     std::vector<float> ka(std::size_t(sk::state_blocks(n))), kd(n);
     sk::quantize_blockwise(map, x.data_ptr<float>(), n, kc.data(), ka.data());
     EXPECT_EQ(std::memcmp(codes.data_ptr<std::uint8_t>(), kc.data(), std::size_t(n)), 0) << "codes";
     EXPECT_EQ(std::memcmp(absmax.data_ptr<float>(), ka.data(), ka.size() * 4), 0) << "absmax";
-    const auto dec = train::detail::decode_state(codes, absmax, maps);
+    const auto dec = engine::detail::decode_state(codes, absmax, maps);
     sk::dequantize_blockwise(map, kc.data(), ka.data(), n, kd.data());
     EXPECT_EQ(std::memcmp(dec.data_ptr<float>(), kd.data(), std::size_t(n) * 4), 0) << "decoded values";
   }
@@ -221,7 +221,7 @@ TEST(Adam8Trainer, TorchOpsStatePathMatchesTheKernels) {
   torch::Tensor ma = torch::rand({sk::state_blocks(n)}) * 0.1, va = torch::rand({sk::state_blocks(n)}) * 0.01;
   torch::Tensor w2 = w.clone(), mc2 = mc.clone(), vc2 = vc.clone(), ma2 = ma.clone(), va2 = va.clone();
   // the update train::Trainer's device partitions run, here on host tensors
-  train::detail::adamw8_torch_ops(w, g, mc, ma, vc, va, train::detail::state_maps(torch::kCPU), c);
+  engine::detail::adamw8_torch_ops(w, g, mc, ma, vc, va, engine::detail::state_maps(torch::kCPU), c);
   sk::adamw8_cpu(sk::AdamW8Tensor<float, float>{w2.data_ptr<float>(), nullptr, g.data_ptr<float>(), mc2.data_ptr<std::uint8_t>(),
                                                 ma2.data_ptr<float>(), vc2.data_ptr<std::uint8_t>(), va2.data_ptr<float>(), n},
                  c);

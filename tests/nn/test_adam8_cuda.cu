@@ -1,5 +1,5 @@
 // train::Trainer with 8-bit optimizer state on CUDA tensors in an nvcc translation unit, where the device update is
-// the CUDA kernel (kernels/adamw8.cuh through train::detail::adamw8_device_update), not torch ops. Label cuda; skips
+// the CUDA kernel (kernels/adamw8.cuh through engine::detail::adamw8_device_update), not torch ops. Label cuda; skips
 // without a device or without libtorch's CUDA side.
 //   * the update helper on device tensors against kernels::adamw8_cpu on host copies: bitwise (the kernel is the CPU
 //     twin's arithmetic: tests/kernels/adamw8_cuda_test.cu), bf16 params with fp32 masters, bf16 and fp32 gradients,
@@ -9,7 +9,7 @@
 #include "zero_common.hpp"
 
 #include <squeeze/kernels/adamw8.hpp>
-#include <squeeze/train/adamw_torch_ops.hpp>
+#include <squeeze/engine/adamw_torch_ops.hpp>
 
 namespace {
 
@@ -32,7 +32,7 @@ void expect_device_update_bitwise(torch::ScalarType grad_dtype) {
   const torch::Device dev(torch::kCUDA);
   auto on = [&](const torch::Tensor& t) { return t.to(dev).contiguous(); };
   torch::Tensor dp = on(param), dm = on(master), dmc = on(mc), dma = on(ma), dvc = on(vc), dva = on(va);
-  train::detail::adamw8_device_update<bf16, G>(dp, dm, on(grad), dmc, dma, dvc, dva, on(torch::from_blob(const_cast<float*>(values), {2}, f32)), c);
+  engine::detail::adamw8_device_update<bf16, G>(dp, dm, on(grad), dmc, dma, dvc, dva, on(torch::from_blob(const_cast<float*>(values), {2}, f32)), c);
   const sk::AdamWDynamic d{&values[0], nullptr, &values[1], nullptr};
   sk::adamw8_cpu(sk::AdamW8Tensor<bf16, G>{reinterpret_cast<bf16*>(param.data_ptr()), master.data_ptr<float>(),
                                            reinterpret_cast<const G*>(grad.data_ptr()), mc.data_ptr<std::uint8_t>(), ma.data_ptr<float>(),

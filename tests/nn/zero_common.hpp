@@ -10,7 +10,7 @@
 #include <iostream>
 #include <map>
 #include <squeeze/comm/local.hpp>
-#include <squeeze/train/flat_params.hpp>
+#include <squeeze/engine/flat_params.hpp>
 #include <squeeze/nn/layers.hpp>
 #include <squeeze/train/trainer.hpp>
 #include <squeeze/optim/adamw.hpp>

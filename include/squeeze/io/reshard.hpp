@@ -1,7 +1,7 @@
 #pragma once
 // Resharding and consolidation of checkpoints of flat partitions, torch-free (docs/checkpoints.md).
 //
-// A partition is a flat buffer of named parameters laid out as FlatParams lays it out (train/flat_params.hpp):
+// A partition is a flat buffer of named parameters laid out as FlatParams lays it out (engine/flat_params.hpp):
 //   offset_0 = 0, offset_{i+1} = round_up(offset_i + numel_i, align),  used = offset_last + numel_last,
 //   padded(world) = round_up(max(used, 1), world * align),  shard(world) = padded(world) / world.
 // A checkpoint stores each buffer of a partition (master, m, v, ...) as one 1-D tensor per rank named

@@ -289,27 +289,40 @@ class Recomputable {
   virtual void set_recompute(int every) = 0;  // 0: keep every activation
 };
 
-namespace detail {
-// Set by a Checkpointed trainer on its thread while step() runs the closure; checkpoint(block, x) reads it.
-struct RecomputeScope {
-  static int& every() {
+// While alive on a thread, checkpoint(block, x) recomputes block in backward, segment by segment of `every` blocks
+// (0: a plain call). A Checkpointed trainer opens one around the closure of each step(); scopes nest, the inner one
+// winning until it closes.
+class RecomputeScope {
+ public:
+  explicit RecomputeScope(int every) : saved_(current()), calls_at_open_(calls()) { current() = every; }
+  RecomputeScope(const RecomputeScope&) = delete;
+  RecomputeScope& operator=(const RecomputeScope&) = delete;
+  ~RecomputeScope() { current() = saved_; }
+  // Whether checkpoint(block, x) recomputed anything since this scope opened.
+  bool recomputed() const { return calls() > calls_at_open_; }
+  // The innermost open scope's setting on this thread (0 where none is open).
+  static int active() { return current(); }
+  static void count_call() { ++calls(); }  // checkpoint(block, x) counts itself
+
+ private:
+  static int& current() {
     thread_local int e = 0;
     return e;
   }
-  static int64_t& calls() {  // checkpoint(block, x) calls seen while active
+  static int64_t& calls() {  // checkpoint(block, x) calls on this thread
     thread_local int64_t c = 0;
     return c;
   }
+  int saved_;
+  int64_t calls_at_open_;
 };
-}  // namespace detail
-
 // block(x), recomputed in backward while a Checkpointed trainer's step runs (only x is kept), else a plain call.
 // block: a module holder (or pointer) whose forward takes one tensor.
 template <class M>
   requires requires(M& m, const torch::Tensor& x) { { m->forward(x) } -> std::convertible_to<torch::Tensor>; }
 torch::Tensor checkpoint(M& block, const torch::Tensor& x) {
-  if (detail::RecomputeScope::every() <= 0) return block->forward(x);
-  ++detail::RecomputeScope::calls();
+  if (RecomputeScope::active() <= 0) return block->forward(x);
+  RecomputeScope::count_call();
   auto b = block;  // a copy (shared ownership): the recompute runs in backward, after the caller's scope
   return checkpoint(x, trainable_leaves(*b), [b](const torch::Tensor& h) mutable { return b->forward(h); });
 }

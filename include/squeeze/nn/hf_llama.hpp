@@ -49,7 +49,7 @@
 #include "../io/hf_config.hpp"
 #include "../io/hf_names.hpp"
 #include "../io/json_file.hpp"
-#include "../train/io_dtypes.hpp"
+#include "../engine/io_dtypes.hpp"
 #include "../io/safetensors_sharded.hpp"
 #include "llama.hpp"
 #include "lora.hpp"
@@ -80,12 +80,12 @@ inline std::span<std::byte> writable_bytes_of(torch::Tensor& t) {  // t: CPU, co
 inline torch::ScalarType torch_dtype_of(io::DType d) {
   TORCH_CHECK(d == io::DType::F32 || d == io::DType::BF16 || d == io::DType::F16 || d == io::DType::F64, "dtype ",
               std::string(io::dtype_name(d)), " is not a floating-point weight dtype");
-  return train::scalar_type(d);
+  return engine::scalar_type(d);
 }
 inline io::DType io_dtype_of(torch::ScalarType t) {
   TORCH_CHECK(t == torch::kFloat32 || t == torch::kBFloat16 || t == torch::kHalf, "dtype ", t,
               " is not a Hugging Face checkpoint dtype (float, bf16 or half)");
-  return train::io_dtype(t);
+  return engine::io_dtype(t);
 }
 
 // ---- configs ----------------------------------------------------------------------------------------------------

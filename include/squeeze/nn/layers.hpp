@@ -3,8 +3,8 @@
 // parameter names, initialisation and math). A trainer adopts them and changes their backing while the
 // object (and so the user's member holding it) stays the same:
 //   plain              until a trainer adopts them (stages 0-2, or plain use): weight / bias are ordinary parameters
-//   sharded (Stage 3)  the layer's parameters live as 1/N shards in a train::Stage3Group; weight / bias are emptied
-//                      (numel 0) and gathered around the layer's forward and backward (train/stage3.hpp)
+//   sharded (Stage 3)  the layer's parameters live as 1/N shards in a engine::Stage3Group; weight / bias are emptied
+//                      (numel 0) and gathered around the layer's forward and backward (engine/stage3.hpp)
 //   backed (LoRA)      Linear only: a frozen base (dense, NF4 or GPTQ-packed) with or without LoRA adapters, a child
 //                      module registered as "lora" (adapters) or "frozen" (nn/lora.hpp: apply_lora)
 //
@@ -24,11 +24,11 @@
 #include <utility>
 #include <vector>
 
-#include "../train/stage3.hpp"
+#include "../engine/stage3.hpp"
 
 namespace squeeze::nn {
 
-using train::FlatParams;
+using engine::FlatParams;
 
 // Where a layer allocates its parameters and whether it draws their initial values. The default is torch's:
 // float on the CPU, random. random = false leaves the memory uninitialised, for weights loaded right after
@@ -37,8 +37,8 @@ struct ParamInit {
   torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat32);
   bool random = true;
 };
-using train::Shardable;
-using train::Stage3Group;
+using engine::Shardable;
+using engine::Stage3Group;
 
 namespace detail {
 
@@ -47,7 +47,7 @@ namespace detail {
 struct Member {
   Stage3Group* group;
   std::size_t first;
-  const train::FlatEntry& entry(std::size_t i) const { return group->layout.entries()[first + i]; }
+  const engine::FlatEntry& entry(std::size_t i) const { return group->layout.entries()[first + i]; }
 };
 inline Member member_from(torch::autograd::AutogradContext* ctx) {
   return {reinterpret_cast<Stage3Group*>(ctx->saved_data["group"].toInt()), std::size_t(ctx->saved_data["first"].toInt())};

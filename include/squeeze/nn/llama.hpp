@@ -90,7 +90,7 @@ struct LlamaConfig {
 
 // y = x / rms(x) * g, statistics in float. fused: fused_rms_norm when x has the weight's dtype (not under autocast,
 // where activations and weights differ) and is contiguous.
-struct RMSNormImpl : torch::nn::Module, train::KeptWhole {
+struct RMSNormImpl : torch::nn::Module, engine::KeptWhole {
   torch::Tensor weight;  // [h]
   double eps;
   bool fused;
@@ -195,7 +195,7 @@ struct MlpImpl : torch::nn::Module {
 };
 TORCH_MODULE(Mlp);
 
-struct BlockImpl : torch::nn::Module, train::GatherUnit {  // one stage-3 gather per block
+struct BlockImpl : torch::nn::Module, engine::GatherUnit {  // one stage-3 gather per block
   RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};
   Attention attn{nullptr};
   Mlp mlp{nullptr};

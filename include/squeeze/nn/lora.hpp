@@ -50,7 +50,7 @@
 #include "../policy/strategy.hpp"
 #include "../quant/nf4.hpp"
 #include "../quant/rtn.hpp"
-#include "../train/torch_types.hpp"
+#include "../engine/torch_types.hpp"
 #include "quantized_linear.hpp"
 #include "layers.hpp"
 #include "squeeze/kernels/quant/nf4.hpp"

@@ -22,9 +22,13 @@
 #include "../nn/layers.hpp"
 #include "../nn/lora.hpp"
 #include "../policy/strategy.hpp"
-#include "torch_types.hpp"
+#include "../engine/torch_types.hpp"
 
 namespace squeeze::train {
+
+// The engine below the trainer (flat parameters, buckets, gather units, offload, streams, collectives): its
+// names are the trainer's vocabulary, and squeeze::train::X keeps naming them for code written against it.
+using namespace squeeze::engine;
 
 struct AdoptOptions {
   std::vector<std::string> replicate;   // TrainerOptions::replicate

@@ -33,11 +33,15 @@
 #include "../io/sha256.hpp"
 #include "../kernels/adamw8.hpp"
 #include "../policy/strategy_name.hpp"
-#include "collectives.hpp"
-#include "io_dtypes.hpp"
-#include "offload.hpp"
+#include "../engine/collectives.hpp"
+#include "../engine/io_dtypes.hpp"
+#include "../engine/offload.hpp"
 
 namespace squeeze {
+
+namespace train {
+using namespace squeeze::engine;  // the trainer's floor (train/parts/context.hpp says why)
+}  // namespace train
 
 struct CheckpointSaveOptions {
   int keep_last = 3;     // checkpoints kept under the root, the newest first (0: all)

@@ -67,7 +67,7 @@ struct TrainerOptions {
   // Stage 3: the last units of the forward order keep their parameters gathered from their forward to their backward,
   // which comes right after (FSDP's reshard_after_forward off for them): no second gather, their size held meanwhile.
   int keep_last_gathered = 0;
-  // Stage 3: which modules are gather units, whose sharded layers are gathered as one (train/stage3.hpp): a block's
+  // Stage 3: which modules are gather units, whose sharded layers are gathered as one (engine/stage3.hpp): a block's
   // parameters in one flat buffer, one all-gather in forward, one in backward, one reduce-scatter. A layer joins its
   // outermost unit; a layer in none is a unit alone. Unset: modules deriving from squeeze::train::GatherUnit
   // (nn::Llama's blocks) and the blocks of an nn::Blocks. [](const std::string&, const torch::nn::Module&)

@@ -18,7 +18,7 @@
 #include <utility>
 #include <vector>
 
-namespace squeeze::train {
+namespace squeeze::engine {
 
 struct FlatEntry {
   std::string name;
@@ -130,4 +130,4 @@ class FlatParams {
   torch::Tensor flat_, grad_;
 };
 
-}  // namespace squeeze::train
+}  // namespace squeeze::engine

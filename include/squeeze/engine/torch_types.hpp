@@ -19,7 +19,7 @@ constexpr torch::ScalarType torch_dtype() {
   else return torch::kHalf;
 }
 
-namespace train {
+namespace engine {
 
 inline comm::DType comm_dtype(torch::ScalarType t) {
   switch (t) {
@@ -34,5 +34,5 @@ inline comm::DType comm_dtype(torch::ScalarType t) {
   }
 }
 
-}  // namespace train
+}  // namespace engine
 }  // namespace squeeze

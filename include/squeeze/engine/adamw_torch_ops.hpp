@@ -18,7 +18,7 @@
 #include "squeeze/kernels/adamw8.cuh"
 #endif
 
-namespace squeeze::train {
+namespace squeeze::engine {
 namespace detail {
 
 // Device work on a whole partition goes in chunks of this many elements, so its fp32/fp64 temporaries stay
@@ -103,4 +103,4 @@ inline void adamw8_device_update(const torch::Tensor& param, const torch::Tensor
 #endif
 
 }  // namespace detail
-}  // namespace squeeze::train
+}  // namespace squeeze::engine

@@ -32,7 +32,7 @@
 // each kind used the units (backward's is not forward's reversed: an embedding's backward needs no weights, and a
 // checkpointed segment recomputes its blocks in forward order). A unit whose Offload<Host> update is still on the
 // host is not prefetched: the host would wait for it before the current unit's compute is even queued. On CUDA with a device communicator (NcclComm) the
-// gathers and the gradient reduce-scatters run on a side stream (train/streams.hpp): the side stream waits for the
+// gathers and the gradient reduce-scatters run on a side stream (engine/streams.hpp): the side stream waits for the
 // compute issued so far, the collective is enqueued without a host wait, and the compute stream waits for the
 // gathered buffer only where a member uses it -- so the next unit's gather overlaps this unit's compute. Elsewhere
 // (CPU, LocalComm) the same operations run in the same order, blocking.
@@ -59,7 +59,7 @@
 #include "flat_params.hpp"
 #include "streams.hpp"
 
-namespace squeeze::train {
+namespace squeeze::engine {
 
 class Stage3Runtime;
 
@@ -284,4 +284,4 @@ class Stage3Runtime {
   int64_t live_bytes_ = 0, peak_bytes_ = 0;
 };
 
-}  // namespace squeeze::train
+}  // namespace squeeze::engine

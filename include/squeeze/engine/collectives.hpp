@@ -8,7 +8,7 @@
 #include "streams.hpp"
 #include "torch_types.hpp"
 
-namespace squeeze::train {
+namespace squeeze::engine {
 
 //   gather_into:         shard [n] -> full [size*n] (shard may be full's own slice: in place)
 //   reduce_scatter_avg:  full [size*n] -> shard [n], average over ranks (shard may be full's own slice)
@@ -70,4 +70,4 @@ inline void broadcast_inplace(comm::Communicator& c, const torch::Tensor& t, int
   c.synchronize();
 }
 
-}  // namespace squeeze::train
+}  // namespace squeeze::engine

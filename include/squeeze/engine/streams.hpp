@@ -31,7 +31,7 @@
 #define SQUEEZE_NN_STREAMS 1
 #endif
 
-namespace squeeze::train {
+namespace squeeze::engine {
 
 #if SQUEEZE_NN_STREAMS
 
@@ -172,4 +172,4 @@ inline torch::Tensor host_zeros(int64_t n, torch::ScalarType dtype) {
   return torch::from_blob(p, {n}, [bytes](void* q) { (void)::munmap(q, bytes); }, torch::TensorOptions().dtype(dtype));
 }
 
-}  // namespace squeeze::train
+}  // namespace squeeze::engine

@@ -8,7 +8,7 @@
 
 #include "../io/safetensors.hpp"
 
-namespace squeeze::train {
+namespace squeeze::engine {
 
 // torch's ScalarType <-> safetensors' DType (checkpoints, Hugging Face files).
 inline io::DType io_dtype(torch::ScalarType t) {
@@ -40,4 +40,4 @@ inline torch::ScalarType scalar_type(io::DType d) {
   }
 }
 
-}  // namespace squeeze::train
+}  // namespace squeeze::engine

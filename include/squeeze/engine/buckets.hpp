@@ -17,11 +17,11 @@
 #include "streams.hpp"
 #include "squeeze/kernels/grad_norm.hpp"
 
-namespace squeeze::train {
+namespace squeeze::engine {
 
 namespace detail {
 
-// Sum of squares in double, deterministic: host sequentially; device by sum_squares_tensor (train/offload.hpp, the
+// Sum of squares in double, deterministic: host sequentially; device by sum_squares_tensor (engine/offload.hpp, the
 // function Offload<Host> runs on the device too, so offloaded and device-resident partitions give the same bits),
 // one read-back.
 inline double sum_squares(const torch::Tensor& t) {
@@ -120,4 +120,4 @@ struct BucketHook final : torch::autograd::PostAccumulateGradHook {
 
 }  // namespace detail
 
-}  // namespace squeeze::train
+}  // namespace squeeze::engine

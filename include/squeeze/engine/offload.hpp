@@ -49,7 +49,7 @@
 #include "squeeze/kernels/grad_norm.hpp"
 #include "streams.hpp"
 
-namespace squeeze::train {
+namespace squeeze::engine {
 
 // One optimizer partition: what this rank updates.
 // A run of a partition's elements whose parameters share one parameter group (learning rate, weight decay).
@@ -91,6 +91,7 @@ struct Partition {
   torch::Tensor host_sumsq; // [1] float64, pinned: the device's sum of squares of grad (offload of a CUDA model)
   std::vector<Segment> segments;  // cover [0, n) in order
   int64_t priority = 0;           // the worker's order among queued jobs, lowest first (see the header)
+  bool waited_by_gather = false;  // stage 3: the next gather waits for the update (others: the step does)
   // The update wrote the new parameters, rounded to param's dtype, over host_grad (possible when grad and
   // param share a 16-bit dtype): the upload then moves 2 bytes per parameter instead of the fp32 master's 4.
   bool staged = false;
@@ -403,4 +404,4 @@ class OffloadPipeline {
   std::thread worker_;
 };
 
-}  // namespace squeeze::train
+}  // namespace squeeze::engine

@@ -1,0 +1,359 @@
+#pragma once
+// Where the optimizer state lives and who updates it: the state part of a trainer (docs/architecture.md).
+//   DeviceAdamW<S>  the state beside the parameters (on the GPU, or on the host for a CPU model); the trainer's own
+//                   thread updates every partition at the boundary: torch ops (fp32 moments), the 8-bit CUDA kernel
+//                   where this header is compiled by nvcc, the CPU AdamW on host tensors.
+//   HostAdamW<S>    Offload<Host>: the state in host memory, updated by the offload worker (engine/offload.hpp) as
+//                   each gradient lands; the new parameters stream back.
+// Both allocate a partition's state the same way (AdamWState) and run the same CPU arithmetic on host buffers.
+#include <torch/torch.h>
+
+#include <atomic>
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include "../../engine/adamw_torch_ops.hpp"
+#include "context.hpp"
+#include "squeeze/kernels/adamw.hpp"
+#include "squeeze/kernels/adamw8.hpp"
+
+namespace squeeze::train {
+
+template <StrategyType S, bool OnHost>
+class AdamWState {
+ protected:
+  using T = TrainTypes<S>;
+  using Param = typename T::Param;
+
+ public:
+  static constexpr bool on_host = OnHost;  // the state lives in host memory while the parameters train on the device
+  static_assert(!T::k8bit || S::state_quantization::group == int(kernels::kStateBlock),
+                "train::Trainer's 8-bit optimizer state uses blocks of 256 values: write Quantized<8, Blockwise8> (or Group<256>)");
+
+  explicit AdamWState(TrainContext& ctx) : ctx_(ctx) {}
+
+  // Partition o will update `param` [n] (elements [begin, begin + n) of layout's flat buffer) from `grad` [n]: its
+  // segments, its state, and its fp32 master seeded from the float values the parameters were rounded from.
+  void own(Partition& o, torch::Tensor param, torch::Tensor grad, const FlatParams& layout, int64_t begin) {
+    o.segments = ctx_.segments(layout, begin, param.numel());
+    allocate(o, std::move(param), std::move(grad));
+    seed_master(o, layout, begin);
+  }
+
+  // The CPU AdamW on one partition's host buffers (fp32 or 8-bit moments): param [n] (P), master [n] or null,
+  // grad [n], segment by segment (their groups' coefficients; 8-bit segments start on a state block).
+  template <class P, class G>
+  static void adamw_on_host(Partition& p, P* param, float* master, const G* grad, const GroupCoeffs& cs,
+                            const kernels::AdamWDynamic& d) {
+    for (const Segment& s : p.segments) {
+      const int64_t o = s.begin, n = s.len;
+      float* mo = master ? master + o : nullptr;
+      if constexpr (T::k8bit) {
+        const int64_t b = s.block;
+        const kernels::AdamW8Tensor<P, G> t{param + o, mo, grad + o, p.m.template data_ptr<std::uint8_t>() + o,
+                                            p.m_absmax.template data_ptr<float>() + b, p.v.template data_ptr<std::uint8_t>() + o,
+                                            p.v_absmax.template data_ptr<float>() + b, n};
+        kernels::adamw8_cpu(t, cs[std::size_t(s.group)], d);
+      } else {
+        const kernels::AdamWTensor<P, G> t{param + o, mo, grad + o, p.m.template data_ptr<float>() + o,
+                                           p.v.template data_ptr<float>() + o, n};
+        kernels::adamw_cpu(t, cs[std::size_t(s.group)], d);
+      }
+    }
+  }
+
+ protected:
+  // [n] optimizer-state buffer: on the device, or on the host with Offload<Host>. From a GPU, what the pipeline's
+  // asynchronous copies touch (`transferred`: the host gradient copy, which also carries the rounded new parameters
+  // back, and the fp32 master where it is the upload's source) is pinned host memory of exactly n elements
+  // (train::pinned_empty: torch's caching host allocator would round each one up to a power of two). The moments
+  // never cross PCIe, so they stay pageable: pinning them would lock most of the host state and cost seconds per
+  // 10 GB when the trainer is built, for no copy. Host state the copies never touch comes zeroed from
+  // train::host_zeros, which writes nothing until first use.
+  torch::Tensor state_empty(int64_t n, torch::ScalarType dtype, bool transferred) const {
+    if (!OnHost) return torch::empty({n}, torch::TensorOptions().dtype(dtype).device(ctx_.device));
+    return ctx_.device.is_cuda() && transferred ? pinned_empty(n, dtype) : host_zeros(n, dtype);
+  }
+  torch::Tensor state_zeros(int64_t n, torch::ScalarType dtype, bool transferred) const {
+    torch::Tensor t = state_empty(n, dtype, transferred);
+    return OnHost && !(ctx_.device.is_cuda() && transferred) ? t : t.zero_();
+  }
+  // The fp32 master is the upload's source unless the CPU AdamW stages the rounded parameters in the host
+  // gradient copy (a 16-bit gradient of the parameter's dtype: OffloadPipeline::write_back's staged path).
+  bool master_uploaded() const { return !(T::kMaster && ctx_.grad_dtype == ctx_.compute_dtype); }
+
+  void allocate(Partition& o, torch::Tensor param, torch::Tensor grad) {
+    o.param = param;
+    o.grad = grad;
+    const int64_t n = param.numel();
+    if (OnHost || T::kMaster) {
+      o.master = state_empty(n, torch::kFloat32, master_uploaded());
+      o.master.copy_(param);
+    }
+    if constexpr (T::k8bit) {
+      // Zero codes with zero block scales are the zero state (absmax 0 decodes every code to 0).
+      o.m = state_zeros(n, torch::kUInt8, false);
+      o.v = state_zeros(n, torch::kUInt8, false);
+      int64_t blocks = 0;  // blocks start at each segment's first element (one group's elements under one absmax)
+      for (const Segment& s : o.segments) blocks += kernels::state_blocks(s.len);
+      o.m_absmax = state_zeros(blocks, torch::kFloat32, false);
+      o.v_absmax = state_zeros(blocks, torch::kFloat32, false);
+    } else {
+      o.m = state_zeros(n, torch::kFloat32, false);
+      o.v = state_zeros(n, torch::kFloat32, false);
+    }
+    // The gradient travels in its own dtype (bf16: half the PCIe bytes of fp32); the CPU AdamW widens it.
+    if (OnHost) o.host_grad = state_zeros(n, ctx_.grad_dtype, true);
+    if (OnHost && ctx_.device.is_cuda()) o.host_sumsq = state_zeros(1, torch::kFloat64, true);
+  }
+
+  // TrainerOptions::master_init: the fp32 master of partition o (elements [begin, begin + o.master.numel()) of
+  // layout's flat buffer) takes the float values each parameter was rounded from.
+  void seed_master(Partition& o, const FlatParams& layout, int64_t begin) {
+    if constexpr (T::kMaster) {
+      const auto& init = ctx_.opt.master_init;
+      if (!init || !o.master.defined()) return;
+      torch::NoGradGuard ng;
+      const int64_t end = begin + o.master.numel();
+      for (const FlatEntry& e : layout.entries()) {
+        torch::Tensor w = init(e.name);
+        TORCH_CHECK(w.defined(), "make_trainer: master_init returned no tensor for '", e.name, "'");
+        TORCH_CHECK(w.numel() == e.numel && w.sizes().vec() == e.shape, "make_trainer: master_init('", e.name, "') has shape ",
+                    w.sizes(), "; the parameter has ", c10::IntArrayRef(e.shape));
+        TORCH_CHECK(w.is_floating_point(), "make_trainer: master_init('", e.name, "') is ", w.scalar_type(), ", not floating point");
+        w = w.detach().to(torch::kFloat32).contiguous().view({-1});
+        if (ctx_.world > 1) {  // rank 0's values, as the parameters were broadcast (device buffers suit the communicator)
+          w = w.to(ctx_.device);
+          ctx_.broadcast(w);
+        }
+        const int64_t lo = std::max(begin, e.offset), hi = std::min(end, e.offset + e.numel);
+        if (lo >= hi) continue;
+        const torch::Tensor part = w.narrow(0, lo - e.offset, hi - lo);
+        TORCH_CHECK(torch::equal(part.to(o.param.device(), o.param.scalar_type()), o.param.narrow(0, lo - begin, hi - lo)),
+                    "make_trainer: master_init('", e.name, "') does not round to the parameter's ", o.param.scalar_type(),
+                    " values: pass the float values the module was converted from");
+        o.master.narrow(0, lo - begin, hi - lo).copy_(part);
+      }
+    }
+  }
+
+  TrainContext& ctx_;
+};
+
+// The state beside the parameters; the trainer's thread updates at the boundary.
+template <StrategyType S>
+class DeviceAdamW : public AdamWState<S, false> {
+  using Base = AdamWState<S, false>;
+  using T = typename Base::T;
+  using Param = typename Base::Param;
+  using Base::ctx_;
+
+ public:
+  explicit DeviceAdamW(TrainContext& ctx) : Base(ctx) {}
+
+  // Gradient sums of squares are taken on the device (one read-back a step) unless the model is on the CPU.
+  bool sums_on_device() const { return !ctx_.device.is_cpu(); }
+  double host_sum_squares(Partition& o) { return engine::detail::sum_squares(o.grad); }
+  static constexpr bool zeroes_gradients = false;  // the window's end zeroes the gradient shards
+
+  void begin_micro_step(bool, bool, const GroupCoeffs&) {}
+  void gradients_final(const std::vector<Partition*>&) {}
+  bool take_eager() { return false; }
+  bool updated_during_backward() const { return false; }
+  // Partition::priority orders offloaded jobs only.
+  template <class Sync>
+  void rank_jobs(Sync&) {}
+  void skip() {}
+
+  void apply(const std::vector<Partition*>& parts, const GroupCoeffs& cs, float inv_scale, float clip, bool /*eager*/) {
+    const kernels::AdamWDynamic dyn{&inv_scale, nullptr, &clip, nullptr};
+    for (Partition* o : parts) update(*o, cs, dyn, inv_scale * clip);
+  }
+  void wait(Partition&) {}
+  void wait_all() {}
+  OffloadStats stats() const { return {}; }
+  void reset_stats() {}
+
+ private:
+  void update(Partition& o, const GroupCoeffs& cs, const kernels::AdamWDynamic& d, float gmul) {
+    if (o.param.is_cpu()) {
+      if (o.grad.scalar_type() == torch::kFloat32) update_host<float>(o, cs, d);
+      else update_host<Param>(o, cs, d);
+      return;
+    }
+    torch::NoGradGuard ng;
+#if defined(__CUDACC__)
+    if constexpr (T::k8bit) update_device8(o, cs, d);
+    else update_torch_ops(o, cs, gmul);
+#else
+    update_torch_ops(o, cs, gmul);
+#endif
+  }
+
+  template <class G>
+  void update_host(Partition& o, const GroupCoeffs& c, const kernels::AdamWDynamic& d) {
+    Base::template adamw_on_host<Param, G>(o, reinterpret_cast<Param*>(o.param.data_ptr()),
+                                           T::kMaster ? o.master.template data_ptr<float>() : nullptr,
+                                           reinterpret_cast<const G*>(o.grad.data_ptr()), c, d);
+  }
+
+  // Device buffers from a host-compiled TU: the same math in torch ops (an nvcc TU launches the 8-bit kernel).
+  // Elementwise, so chunking changes no bit; it bounds the temporaries to one chunk. 8-bit: segments start on
+  // a state block of their own and kDeviceChunk is a multiple of one, so each chunk's blocks are its own.
+  void update_torch_ops(Partition& o, const GroupCoeffs& cs, float gmul) {
+    for (const Segment& seg : o.segments)
+      for (int64_t off = seg.begin; off < seg.begin + seg.len; off += engine::detail::kDeviceChunk) {
+        const auto& c = cs[std::size_t(seg.group)];
+        const int64_t len = std::min(engine::detail::kDeviceChunk, seg.begin + seg.len - off);
+        auto part = [&](const torch::Tensor& t) { return t.narrow(0, off, len); };
+        const torch::Tensor g = part(o.grad).to(torch::kFloat32) * gmul;
+        torch::Tensor w = part(T::kMaster ? o.master : o.param);
+        if constexpr (T::k8bit) {
+          auto blocks = [&](const torch::Tensor& t) {
+            return t.narrow(0, seg.block + (off - seg.begin) / kernels::kStateBlock, kernels::state_blocks(len));
+          };
+          if (!maps_.m.value.defined()) maps_ = engine::detail::state_maps(ctx_.device);
+          engine::detail::adamw8_torch_ops(w, g, part(o.m), blocks(o.m_absmax), part(o.v), blocks(o.v_absmax), maps_, c);
+        } else {
+          torch::Tensor m = part(o.m), v = part(o.v);
+          engine::detail::adamw_torch_ops(w, m, v, g, c);
+        }
+        if (T::kMaster) part(o.param).copy_(w);
+      }
+  }
+
+#if defined(__CUDACC__)
+  // 8-bit state on the device, an nvcc TU: the CUDA kernel per segment (its group's coefficients; blocks start at
+  // each segment), reading the inverse loss scale and clip coefficient from a 2-float device copy of d's values.
+  void update_device8(Partition& o, const GroupCoeffs& cs, const kernels::AdamWDynamic& d) {
+    const float values[2] = {d.inv_scale ? *d.inv_scale : 1.0f, d.clip_coef ? *d.clip_coef : 1.0f};
+    const torch::Tensor dyn = torch::from_blob(const_cast<float*>(values), {2}, torch::kFloat32).to(ctx_.device);
+    const bool fp32_grad = o.grad.scalar_type() == torch::kFloat32;
+    for (const Segment& seg : o.segments) {
+      auto part = [&](const torch::Tensor& t) { return t.narrow(0, seg.begin, seg.len); };
+      auto blocks = [&](const torch::Tensor& t) { return t.narrow(0, seg.block, kernels::state_blocks(seg.len)); };
+      const torch::Tensor master = T::kMaster ? part(o.master) : torch::Tensor();
+      const auto& c = cs[std::size_t(seg.group)];
+      if (fp32_grad)
+        engine::detail::adamw8_device_update<Param, float>(part(o.param), master, part(o.grad), part(o.m), blocks(o.m_absmax), part(o.v),
+                                                   blocks(o.v_absmax), dyn, c);
+      else
+        engine::detail::adamw8_device_update<Param, Param>(part(o.param), master, part(o.grad), part(o.m), blocks(o.m_absmax), part(o.v),
+                                                   blocks(o.v_absmax), dyn, c);
+    }
+  }
+#endif
+
+  engine::detail::StateMaps maps_;  // 8-bit state on the device: the signed (m) and unsigned (v) maps
+};
+
+// Offload<Host>: the state in host memory, updated by the offload worker (engine/offload.hpp). Each partition's
+// final gradient shard streams to pinned host memory as soon as it is reduced, its sum of squares taken on the GPU in
+// float64 first; the CPU AdamW writes the rounded parameters over that copy, which streams back.
+//   eager    (no clipping, no loss scaling, no token weighting: the update cannot depend on the other partitions)
+//            the worker updates each partition as its gradient lands, during backward; what it has not done when
+//            backward ends it works off first layer first beside the next forward;
+//   deferred after backward the global norm decides skip / clip, then the worker updates partition by partition;
+//            stage 3 returns from step() at once and each layer's next gather waits only for its own partition.
+// TrainerOptions::overlap_offload = false runs the same jobs in program order (bitwise the same results). A
+// non-finite gradient in eager mode: the partitions updated before it was seen keep their update (as an
+// optimizer-in-backward does); the rest are not updated and the step reports applied = false.
+template <StrategyType S>
+class HostAdamW : public AdamWState<S, true> {
+  using Base = AdamWState<S, true>;
+  using T = typename Base::T;
+  using Param = typename Base::Param;
+  using Base::ctx_;
+
+ public:
+  explicit HostAdamW(TrainContext& ctx)
+      : Base(ctx), pipeline_(std::make_unique<OffloadPipeline>(ctx.device, ctx.opt.overlap_offload)) {
+    ctx.offload = pipeline_.get();
+    ctx.grads.offload = pipeline_.get();
+  }
+  ~HostAdamW() {
+    try {
+      pipeline_->wait_all();
+    } catch (...) {  // a failed update was reported by step(); nothing to do here
+    }
+  }
+
+  bool sums_on_device() const { return false; }  // each partition's sum came with its host copy
+  double host_sum_squares(Partition& o) { return pipeline_->gradient_sum_squares(o); }
+  static constexpr bool zeroes_gradients = true;  // each gradient shard is zeroed right after its host copy
+
+  // A boundary micro-step may update each partition as its gradient lands when nothing global can change the update.
+  void begin_micro_step(bool boundary, bool global_free, const GroupCoeffs& next) {
+    ctx_.grads.eager = {};
+    if (boundary && pipeline_->threaded() && global_free) {
+      // One worker runs the jobs: from the first non-finite partition it takes on, nothing is updated. The flag
+      // is this window's own: the window's last updates may still run while the next window begins.
+      auto non_finite = std::make_shared<std::atomic<bool>>(false);
+      ctx_.grads.eager = [non_finite, upd = job(next, 1.0f, 1.0f)](Partition& p) {
+        if (!std::isfinite(p.sumsq)) *non_finite = true;
+        if (!*non_finite) upd(p);
+      };
+    }
+    last_eager_ = bool(ctx_.grads.eager);
+  }
+  // After the boundary's backward: every partition not yet handed over (all of them when not overlapping), in order.
+  void gradients_final(const std::vector<Partition*>& parts) {
+    for (Partition* p : parts)
+      if (!p->submitted) pipeline_->gradient_ready(*p, ctx_.grads.eager);
+  }
+  bool take_eager() {
+    const bool eager = bool(ctx_.grads.eager);
+    ctx_.grads.eager = {};
+    return eager;
+  }
+  bool updated_during_backward() const { return last_eager_; }
+  // The worker's order among queued jobs (Partition::priority): the order the next forward needs the partitions.
+  template <class Sync>
+  void rank_jobs(Sync& sync) {
+    pipeline_->wait_all();  // no job is queued while the priorities change: the worker reads them
+    sync.rank_partitions();
+  }
+  void skip() { pipeline_->wait_all(); }  // the jobs that saw the overflow have stopped updating
+
+  void apply(const std::vector<Partition*>& parts, const GroupCoeffs& cs, float inv_scale, float clip, bool eager) {
+    if (!eager)
+      for (Partition* o : parts) pipeline_->update(*o, job(cs, inv_scale, clip));
+    // Partitions the next forward uses without a gather are waited for here; stage-3 units by their next gather.
+    for (Partition* o : parts)
+      if (!o->waited_by_gather) pipeline_->wait(*o);
+  }
+  void wait(Partition& p) { pipeline_->wait(p); }
+  void wait_all() { pipeline_->wait_all(); }
+  OffloadStats stats() const { return pipeline_->stats(); }
+  void reset_stats() { pipeline_->reset_stats(); }
+
+ private:
+  // The CPU AdamW of one offloaded partition: fp32 master, m, v and the host gradient copy. When the gradient is in
+  // the (16-bit) compute dtype, the rounded new parameters overwrite it element by element (each element's gradient
+  // is read before its parameter is written), so the upload moves half the bytes of the fp32 master and needs no
+  // conversion on the device.
+  static OffloadPipeline::Fn job(GroupCoeffs c, float inv_scale, float clip) {
+    return [c, inv_scale, clip](Partition& p) {
+      const kernels::AdamWDynamic d{&inv_scale, nullptr, &clip, nullptr};
+      if constexpr (T::kMaster) {
+        if (p.host_grad.scalar_type() == p.param.scalar_type()) {
+          Param* staged = reinterpret_cast<Param*>(p.host_grad.data_ptr());
+          Base::template adamw_on_host<Param, Param>(p, staged, p.master.template data_ptr<float>(), staged, c, d);
+          p.staged = true;
+          return;
+        }
+      }
+      if (p.host_grad.scalar_type() == torch::kFloat32)
+        Base::template adamw_on_host<float, float>(p, p.master.template data_ptr<float>(), nullptr, p.host_grad.template data_ptr<float>(), c, d);
+      else
+        Base::template adamw_on_host<float, Param>(p, p.master.template data_ptr<float>(), nullptr,
+                                                   reinterpret_cast<const Param*>(p.host_grad.data_ptr()), c, d);
+    };
+  }
+
+  std::unique_ptr<OffloadPipeline> pipeline_;
+  bool last_eager_ = false;
+};
+
+}  // namespace squeeze::train
