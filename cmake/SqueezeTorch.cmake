@@ -12,9 +12,15 @@ set_property(CACHE SQUEEZE_TORCH_CUDA PROPERTY STRINGS AUTO ON OFF)
 
 # Caffe2's cuda.cmake (inside TorchConfig) appends -gencode flags for its own arch list to
 # CMAKE_CUDA_FLAGS (compute_50 and others nvcc 13 rejects) and clears CMAKE_CUDA_ARCHITECTURES:
-# keep the including project's CUDA settings.
+# keep the including project's CUDA settings. A project that set no architectures (-DSQUEEZE_ENABLE_CUDA=OFF on a
+# machine with nvcc: libtorch enables CUDA itself) keeps libtorch's OFF, not an empty value, on which every later
+# CUDA try_compile (FindOpenMP's probe) fails with "CUDA_ARCHITECTURES is empty".
 set(_squeeze_cuda_flags "${CMAKE_CUDA_FLAGS}")
-set(_squeeze_cuda_archs "${CMAKE_CUDA_ARCHITECTURES}")
+set(_squeeze_cuda_archs_defined OFF)
+if(DEFINED CMAKE_CUDA_ARCHITECTURES)
+  set(_squeeze_cuda_archs_defined ON)
+  set(_squeeze_cuda_archs "${CMAKE_CUDA_ARCHITECTURES}")
+endif()
 
 # Where the user pointed CMake (Torch_DIR, CMAKE_PREFIX_PATH, Torch_ROOT) comes first.
 find_package(Torch CONFIG QUIET)
@@ -46,7 +52,9 @@ if(NOT Torch_FOUND)
 endif()
 
 set(CMAKE_CUDA_FLAGS "${_squeeze_cuda_flags}")
-set(CMAKE_CUDA_ARCHITECTURES "${_squeeze_cuda_archs}")
+if(_squeeze_cuda_archs_defined)
+  set(CMAKE_CUDA_ARCHITECTURES "${_squeeze_cuda_archs}")
+endif()
 
 set(SQUEEZE_TORCH_FOUND OFF)
 string(TOUPPER "${SQUEEZE_TORCH_CUDA}" _squeeze_torch_request)

@@ -187,11 +187,16 @@ int run_training(const Options& o) {
     throw std::runtime_error("--batch " + std::to_string(o.batch) + " must split into " + std::to_string(env.world) + " rank(s) x " +
                              std::to_string(S::accumulation_steps) + " micro-batches");
   // The data: bytes of a text (ids 0-255), or --data's token shards, whose ids must be < the model's vocabulary.
+  // A run that trains no step, names no data and exports (e.g. --hf DIR --steps 0 --export-hf OUT, a conversion)
+  // reads no data and evaluates nothing: the KJV may be missing, and the built-in text is shorter than --seq.
+  const bool export_only = o.steps == 0 && o.data.empty() && o.corpus.empty() && (!o.export_hf.empty() || !o.export_peft.empty());
   Corpus corpus;
   torch::Tensor train_ids, val_ids;  // [n] each, the byte path
   llama::ShardData shards;
   const int64_t rows = o.batch / env.world;  // this rank's rows of every batch
-  if (o.data.empty()) {
+  if (export_only) {
+    corpus.source = "none";  // --result-json's "corpus"
+  } else if (o.data.empty()) {
     if (config.vocab < 256)
       throw std::runtime_error(model_name + ": its vocabulary (" + std::to_string(config.vocab) + ") is smaller than the 256 byte ids this example feeds");
     corpus = load_corpus(o.corpus, o.val_fraction);
@@ -214,7 +219,9 @@ int run_training(const Options& o) {
   for (const auto& p : trainer.model()->parameters()) n_params += p.numel();
   std::cerr << "model " << (pretrained ? o.hf : o.preset) << " (" << n_params / 1e6 << "M parameters, vocabulary " << config.vocab
             << "), strategy " << o.strategy << ", device " << device << ", peak lr " << o.lr << "\n";
-  if (o.data.empty())
+  if (export_only)
+    std::cerr << "no data: --steps 0 with an export and no --corpus / --data, so nothing is evaluated\n";
+  else if (o.data.empty())
     std::cerr << "corpus: " << corpus.source << ": " << train_ids.size(0) << " training bytes, " << val_ids.size(0) << " validation bytes\n";
   else
     std::cerr << "data: " << o.data << ": " << shards.train_tokens << " training tokens in " << shards.train->shard_count() << " shard(s), "
@@ -224,8 +231,9 @@ int run_training(const Options& o) {
     std::cerr << ", gradient buffer " << plan::to_string(llama::train_shape<S>(config, o.batch, o.seq, 1, o.loss_chunk, {}).gradient_buffers);
   std::cerr << "\n";
 
-  const auto val = o.data.empty() ? val_batches(val_ids, o.batch, o.seq, o.eval_batches, device)
-                                  : shard_val_batches(*shards.val, o.eval_batches, device);
+  const auto val = export_only    ? std::vector<std::pair<torch::Tensor, torch::Tensor>>{}
+                   : o.data.empty() ? val_batches(val_ids, o.batch, o.seq, o.eval_batches, device)
+                                    : shard_val_batches(*shards.val, o.eval_batches, device);
   const auto report_val = [&](Progress& bar) {
     const double loss = trainer.evaluate(val);
     char s[128];
@@ -279,13 +287,14 @@ int run_training(const Options& o) {
     }
   }
   bar.done();
-  const double val_loss = report_val(bar);
+  const double val_loss = export_only ? NAN : report_val(bar);
   save(bar);
   const auto mem = llama::memory_use(device);
-  std::printf("strategy %s: train loss %.4f -> %.4f, validation perplexity %.3f, %.0f tokens/s, peak memory %.2f GB (planner %.2f GB)\n",
-              o.strategy.c_str(), first_loss, last_loss, std::exp(val_loss), seconds > 0 ? tokens / seconds : 0.0, mem.peak_gb,
-              planned_gb);
-  if (o.sample > 0 && o.data.empty()) std::printf("sample: %s\n", sample_text(trainer.model(), "And God said", o.sample, o.seq, device, o.seed).c_str());
+  if (!export_only)
+    std::printf("strategy %s: train loss %.4f -> %.4f, validation perplexity %.3f, %.0f tokens/s, peak memory %.2f GB (planner %.2f GB)\n",
+                o.strategy.c_str(), first_loss, last_loss, std::exp(val_loss), seconds > 0 ? tokens / seconds : 0.0, mem.peak_gb,
+                planned_gb);
+  if (o.sample > 0 && o.data.empty() && !export_only) std::printf("sample: %s\n", sample_text(trainer.model(), "And God said", o.sample, o.seq, device, o.seed).c_str());
   export_results(o, trainer, config, env.rank);
   if (!o.result_json.empty() && env.rank == 0) {
     int64_t val_tokens = 0;

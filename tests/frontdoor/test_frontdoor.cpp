@@ -71,15 +71,15 @@ TEST(FrontDoor, PlainTorchLinearUnderStage3IsRefusedWithNameAndSize) {
 TEST(FrontDoor, BadModelsAreRefusedNamingTheModule) {
   using QLoRA = sq::Strategy<sq::Quantized<4, sq::NF4, sq::DoubleQuant>, sq::LoRA<4, 8, sq::LoraTargets::up | sq::LoraTargets::down>,
                              Precision<bf16, float>>;
-  {  // a module type the strategy cannot handle: a plain torch Linear under QLoRA
+  {  // a plain torch Linear named like a projection under QLoRA: its base would be packed behind the member's back
     struct MixedImpl : torch::nn::Module {
       sq::nn::Linear up{nullptr};
-      torch::nn::Linear proj{nullptr};
-      MixedImpl() : up(register_module("up", sq::nn::Linear(8, 8))), proj(register_module("proj", torch::nn::Linear(8, 8))) {}
+      torch::nn::Linear gate{nullptr};
+      MixedImpl() : up(register_module("up", sq::nn::Linear(8, 8))), gate(register_module("gate", torch::nn::Linear(8, 8))) {}
     };
     auto m = std::make_shared<MixedImpl>();
     const std::string e = error_of([&] { sq::make_trainer<QLoRA>(m, sq::AdamW{}, sq::comm::LocalComm::single()); });
-    EXPECT_NE(e.find("'proj'"), std::string::npos) << e;
+    EXPECT_NE(e.find("'gate'"), std::string::npos) << e;
     EXPECT_NE(e.find("quantizes"), std::string::npos) << e;
   }
   {  // a quantized strategy with nothing to quantize
@@ -452,6 +452,44 @@ TEST(FrontDoor, QloraAtWorld2MatchesWorld1) {
   expect_close(train_adapters<QLoRA1>(3), w1, 1e-5, 1e-4, "QLoRA world 3, stage 1 (sharded adapter state)");
   // the adapters moved (B starts at zero): the comparison is not between two untrained copies
   EXPECT_GT(w1.at("up.lora.lora_B").abs().max().item<float>(), 1e-4);
+}
+
+// QLoRA on a model with a plain torch::nn::Linear head (and LayerNorm), without TrainerOptions::replicate: LoRA freezes
+// every parameter and packs only the projections, so the head is kept whole and frozen while the adapters train.
+TEST(FrontDoor, QloraKeepsAPlainTorchHeadFrozenWithoutReplicate) {
+  struct HeadLMImpl : torch::nn::Module {
+    sq::nn::Embedding embed{nullptr};
+    sq::nn::Linear up{nullptr}, down{nullptr};
+    torch::nn::LayerNorm norm{nullptr};
+    torch::nn::Linear head{nullptr};
+    HeadLMImpl()
+        : embed(register_module("embed", sq::nn::Embedding(37, 16))),
+          up(register_module("up", sq::nn::Linear(16, 48))),
+          down(register_module("down", sq::nn::Linear(48, 16))),
+          norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({16})))),
+          head(register_module("head", torch::nn::Linear(16, 37))) {}
+    torch::Tensor forward(const torch::Tensor& tokens) { return head(down(torch::gelu(up(norm(embed(tokens)))))); }
+  };
+  using QLoRA = sq::Strategy<sq::Quantized<4, sq::NF4, sq::DoubleQuant>, sq::LoRA<4, 8, sq::LoraTargets::up | sq::LoraTargets::down>,
+                             Precision<bf16, float>>;
+  torch::manual_seed(0);
+  auto model = std::make_shared<HeadLMImpl>();
+  const torch::Tensor head_before = model->head->weight.detach().clone();
+  auto trainer = sq::make_trainer<QLoRA>(model, sq::AdamW{.lr = 1e-2f}, sq::comm::LocalComm::single());
+  const auto seq = torch::randint(37, {4, 9});
+  for (int i = 0; i < 3; ++i)
+    trainer.step([&] {
+      const auto logits = model->forward(seq.narrow(1, 0, 8));
+      return torch::nn::functional::cross_entropy(logits.flatten(0, 1).to(torch::kFloat32), seq.narrow(1, 1, 8).flatten());
+    });
+  EXPECT_TRUE(model->up->backed());  // the projections got their NF4 base and adapters
+  EXPECT_FALSE(model->head->weight.requires_grad());
+  EXPECT_EQ(model->head->weight.sizes(), head_before.sizes());  // whole, in the compute type, never updated
+  EXPECT_TRUE(torch::equal(model->head->weight, head_before.to(torch::kBFloat16)));
+  const Params trained = to_params(trainer.full_parameters());
+  ASSERT_EQ(trained.size(), 4u);  // lora_A and lora_B of up and down
+  for (const auto& [n, t] : trained) EXPECT_NE(n.find("lora"), std::string::npos) << n;
+  EXPECT_GT(trained.at("up.lora.lora_B").abs().max().item<float>(), 1e-4);
 }
 
 TEST(FrontDoor, LoraOnADenseBaseTrainsOnlyTheAdapters) {

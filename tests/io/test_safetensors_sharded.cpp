@@ -354,6 +354,40 @@ TEST(ShardedSafetensors, TensorInTwoShards) {
                {"'a'", "two shards", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"});
 }
 
+// The format disallows duplicate keys and its reference reader refuses them; nlohmann::json alone would keep the last
+// one. Every way in (SafetensorsFile, SafetensorsReader, a checkpoint directory and its index) names the key.
+TEST(ShardedSafetensors, DuplicateKeysAreRefused) {
+  io_test::TempDir dir("dupkeys");
+  const auto& p = dir.path;
+  const auto file = p / "model.safetensors";
+  // "a" twice with different bytes: which one loads would depend on the JSON library
+  write_raw(file, R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]},)"
+                  R"( "a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})", 8);
+  expect_error([&] { io::SafetensorsReader::open(file); }, {file.string(), "duplicate key 'a'"});
+  expect_error([&] { io::SafetensorsFile::open(file); }, {file.string(), "duplicate key 'a'"});
+  expect_error([&] { io::SafetensorsCheckpoint::open(p); }, {file.string(), "duplicate key 'a'"});
+  // inside a tensor's entry and inside __metadata__
+  write_raw(file, R"({"w": {"dtype": "F32", "shape": [1], "dtype": "I32", "data_offsets": [0, 4]}})", 4);
+  expect_error([&] { io::SafetensorsReader::open(file); }, {"duplicate key 'dtype' in 'w'"});
+  write_raw(file, R"({"__metadata__": {"format": "pt", "format": "np"}, "w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})", 4);
+  expect_error([&] { io::SafetensorsReader::open(file); }, {"duplicate key 'format' in '__metadata__'"});
+  // the same key in two different objects is no duplicate
+  write_raw(file, R"({"v": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})", 8);
+  EXPECT_EQ(io::SafetensorsReader::open(file).tensors().size(), 2u);
+  fs::remove(file);
+
+  // an index mapping one tensor to two shards
+  const std::vector<float> a = {1, 2}, b = {3};
+  io::save_safetensors(p / "model-00001-of-00002.safetensors", {{"a", io::tensor_ref<float>(io::DType::F32, {2}, a)}});
+  io::save_safetensors(p / "model-00002-of-00002.safetensors", {{"b", io::tensor_ref<float>(io::DType::F32, {1}, b)}});
+  const auto idx = p / "model.safetensors.index.json";
+  write_text(idx, R"({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors", )"
+                  R"("a": "model-00002-of-00002.safetensors"}})");
+  expect_error([&] { io::SafetensorsCheckpoint::open(p); }, {idx.string(), "duplicate key 'a' in 'weight_map'"});
+  write_text(idx, R"({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})");
+  EXPECT_EQ(io::SafetensorsCheckpoint::open(p).tensors().size(), 2u);
+}
+
 TEST(ShardedSafetensors, BadShardFiles) {
   io_test::TempDir dir("badshard");
   const auto& p = dir.path;

@@ -206,7 +206,7 @@ TEST(LoRACuda, ActOrderGptqLayerDequantizesOnTheGpu) {
 
 // QuantizedLinear takes the fused GEMM up to max_fused_rows() batch rows and dequantize + cuBLAS above: 1024 where the
 // Hopper kernel serves the layer (4 bits on an sm_90a build and device), 64 on the mma.sync kernel at 3 / 4 bits, 32 at
-// 8 (the H200 crossover, bench/results/h200/dequant-session18-run4); set_max_fused_rows moves it.
+// 8 (where dequantize + cuBLAS overtakes it: docs/results.md, "GPTQ dequantize"); set_max_fused_rows moves it.
 TEST(LoRACuda, QuantizedLinearPicksFusedOrDequantizeByBatch) {
   REQUIRE_CUDA();
   using Path = nn::QuantizedLinearImpl::Path;

@@ -5,7 +5,7 @@
 // tensor names to {"dtype": "F16", "shape": [..], "data_offsets": [begin, end]} (offsets relative to
 // the data section) plus an optional "__metadata__" object of string values.
 // Reading validates everything before handing out a byte: header length bounds, JSON syntax and types,
-// known dtypes, non-negative shapes without overflow, byte count == numel * element size, offsets inside
+// no duplicate keys, known dtypes, non-negative shapes without overflow, byte count == numel * element size, offsets inside
 // the file and non-overlapping. A corrupt or hostile file yields squeeze::Error naming the problem.
 // Writing goes to "<path>.tmp" and renames over <path>, so a failed save never destroys an old file.
 //
@@ -21,6 +21,7 @@
 #include <fstream>
 #include <map>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <string_view>
@@ -128,14 +129,51 @@ inline void check_read_type(const TensorInfo& t, DType expected, std::size_t ele
   check(element_size == dtype_size(expected), "safetensors: element type size does not match the dtype");
 }
 
+// JSON text parsed, and the first key an object repeats ("'k'" at the top level, "'k' in 'parent'" below it; empty if
+// none). nlohmann::json silently keeps the last of duplicate keys, while the safetensors format disallows them (its
+// reference reader refuses such a header): a name given two tensors must not quietly load one of them.
+struct UniqueKeysJson {
+  nlohmann::json json;  // discarded when the text is not valid JSON
+  std::string duplicate;
+};
+inline UniqueKeysJson parse_json_unique_keys(std::string_view text) {
+  UniqueKeysJson out;
+  struct Level {
+    bool object = false;
+    std::string key;  // the member being parsed
+    std::set<std::string> keys;
+  };
+  std::vector<Level> open;  // the objects and arrays around the parser's position
+  const auto callback = [&](int, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+    using E = nlohmann::json::parse_event_t;
+    if (event == E::object_start || event == E::array_start) {
+      open.push_back({event == E::object_start, {}, {}});
+    } else if (event == E::object_end || event == E::array_end) {
+      if (!open.empty()) open.pop_back();
+    } else if (event == E::key && !open.empty()) {
+      Level& level = open.back();
+      level.key = parsed.get<std::string>();
+      if (!level.keys.insert(level.key).second && out.duplicate.empty()) {
+        out.duplicate = "'" + level.key + "'";
+        if (open.size() >= 2 && open[open.size() - 2].object) out.duplicate += " in '" + open[open.size() - 2].key + "'";
+      }
+    }
+    return true;
+  };
+  out.json = nlohmann::json::parse(text, callback, /*allow_exceptions=*/false);
+  return out;
+}
+
 // Validates a header's JSON text against a data section of data_size bytes (shared by the in-memory
 // SafetensorsFile and the streaming SafetensorsReader, so both refuse exactly the same files).
 inline Header parse_header(std::string_view text, std::uint64_t data_size, const std::string& source) {
   Header out;
   auto fail = [&](const std::string& what) { throw Error("safetensors " + source + ": " + what); };
   if (text.empty() || text.front() != '{') fail("header does not start with '{'");
-  const auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  const auto parsed = parse_json_unique_keys(text);
+  const nlohmann::json& j = parsed.json;
   if (j.is_discarded()) fail("header is not valid JSON");
+  if (!parsed.duplicate.empty()) fail("header has the duplicate key " + parsed.duplicate + " (the format allows each key once)");
   if (!j.is_object()) fail("header JSON is not an object");
   for (const auto& item : j.items()) {  // not a structured binding: clang 14 (the fuzz build) cannot capture one
     const std::string& name = item.key();

@@ -133,8 +133,10 @@ class SafetensorsCheckpoint {
     if (!in) fail("cannot open");
     std::stringstream ss;
     ss << in.rdbuf();
-    const auto j = nlohmann::json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
+    const auto parsed = detail::parse_json_unique_keys(ss.str());  // a tensor mapped twice would keep only its last shard
+    const nlohmann::json& j = parsed.json;
     if (j.is_discarded()) fail("not valid JSON");
+    if (!parsed.duplicate.empty()) fail("duplicate key " + parsed.duplicate);
     if (!j.is_object()) fail("not a JSON object");
     if (j.contains("metadata") && !j["metadata"].is_null()) {
       if (!j["metadata"].is_object()) fail("'metadata' is not an object");

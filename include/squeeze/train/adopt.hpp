@@ -1,7 +1,8 @@
 #pragma once
 // How make_trainer turns the model a user built into what Strategy S trains, before any partition exists:
-//   1. refuses plain libtorch layers S would have to shard (Stage 3) or quantize (Quantized<...>), naming each with
-//      its parameter count, unless TrainerOptions::replicate lists it (then it is kept whole, counted in memory());
+//   1. refuses plain libtorch layers S would have to shard (Stage 3), quantize (Quantized<...>) or swap for an adapted
+//      or packed layer (LoRA's projections), naming each with its parameter count, unless TrainerOptions::replicate
+//      lists it (then it is kept whole, counted in memory()); under LoRA every other plain layer is frozen as it is;
 //   2. refuses parameters in a dtype S cannot start from (anything but float and S's compute type);
 //   3. converts the module to S's compute type, keeping the float values of trainable parameters for the masters
 //      (under a quantized base, all but the dense linears apply_lora packs: it moves those one at a time);
@@ -89,11 +90,15 @@ AdoptedModel adopt_model(torch::nn::Module& model, const AdoptOptions& o) {
     const bool torch_linear = dynamic_cast<torch::nn::LinearImpl*>(&m) != nullptr;
     const bool squeeze_layer = dynamic_cast<Shardable*>(&m) != nullptr || dynamic_cast<KeptWhole*>(&m) != nullptr;
     std::string why;
-    if constexpr (S::quantized_weights) {
+    if constexpr (S::has_lora) {
+      // LoRA freezes every parameter as it is; apply_lora swaps out only the projections (LoRA's targets, and under a
+      // quantized base all seven, packed), which a plain layer's typed member would not follow. Any other plain layer
+      // (a torch::nn::Linear head) stays frozen and whole, as under replicate.
+      const std::string child = item.key().substr(item.key().rfind('.') + 1);
+      if (torch_linear && nn::detail::is_lora_target(child, S::quantized_weights ? 127u : S::lora::targets))
+        why = S::quantized_weights ? "S quantizes linear layers of this name" : "LoRA adapts layers of this name";
+    } else if constexpr (S::quantized_weights) {
       if (torch_linear) why = "S quantizes linear layers";
-    } else if constexpr (S::has_lora) {
-      if (torch_linear && nn::detail::is_lora_target(item.key().substr(item.key().rfind('.') + 1), S::lora::targets))
-        why = "LoRA adapts layers of this name";
     } else if constexpr (S::stage == 3) {
       if (own > 0 && !squeeze_layer) why = "Stage 3 shards every layer";
     }
