@@ -14,7 +14,7 @@
 //   use_packed(model, layers)  swaps every block linear for an nn::QuantizedLinear built from its packed
 //       form: the perplexity is computed with the packed weights actually used in the forward (CPU: the
 //       layer's dequantized weights in float; CUDA, from an nvcc translation unit: its GEMM/GEMV kernels).
-//   save_packed / load_packed  the AutoGPTQ v1 layout (quant::save_quantized: model.safetensors +
+//   save_packed / load_packed  the AutoGPTQ v1 layout (io::save_quantized: model.safetensors +
 //       quantize_config.json) plus the dense tensors in float and a config.json with the geometry (and the
 //       model's Hugging Face config, so a model that came from one converts back to its own).
 //   hf_gptq_model / export_hf_gptq  the quantized model in the Hugging Face GPTQ layout (io/hf_gptq.hpp), written
@@ -29,7 +29,7 @@
 #include <squeeze/nn/lora.hpp>
 #include <squeeze/nn/quantized_linear.hpp>
 #include <squeeze/nn/rtn.hpp>
-#include <squeeze/quant/gptq_file.hpp>
+#include <squeeze/io/gptq_file.hpp>
 #include <squeeze/quant/rtn.hpp>
 
 #include <unistd.h>
@@ -475,9 +475,9 @@ inline Eval evaluate(Llama& model, const std::vector<std::pair<torch::Tensor, to
 inline constexpr const char* kConfigFormat = "squeeze-llama-gptq-1";
 
 // What quantize_config.json says about a spec (the packed format and the Hugging Face layout alike).
-inline quant::QuantizeConfig quantize_config(const QuantSpec& spec) {
+inline io::QuantizeConfig quantize_config(const QuantSpec& spec) {
   spec.validate();
-  quant::QuantizeConfig qc;
+  io::QuantizeConfig qc;
   qc.bits = spec.bits;
   qc.group_size = spec.group_size;
   qc.sym = spec.sym;
@@ -496,7 +496,7 @@ inline bool is_dense_tensor(const std::string& name) {
 // kept in config.json's "hf_config" with the rest of the network (tied embeddings, head_dim, RoPE scaling).
 inline void save_packed(const std::filesystem::path& dir, Llama& model, const std::map<std::string, quant::PackedLinear>& layers,
                         const QuantSpec& spec, const std::optional<io::LlamaConfig>& source = std::nullopt) {
-  const quant::QuantizeConfig qc = quantize_config(spec);
+  const io::QuantizeConfig qc = quantize_config(spec);
   std::vector<std::pair<std::string, torch::Tensor>> keep;  // owns the float copies while they are written
   std::map<std::string, io::TensorRef> extra;
   for (const auto& p : model->named_parameters()) {
@@ -505,7 +505,7 @@ inline void save_packed(const std::filesystem::path& dir, Llama& model, const st
     const auto& t = keep.back().second;
     extra[p.key()] = io::tensor_ref<float>(io::DType::F32, t.sizes().vec(), {t.data_ptr<float>(), size_t(t.numel())});
   }
-  quant::save_quantized(dir, layers, qc, extra);
+  io::save_quantized(dir, layers, qc, extra);
   const LlamaConfig& c = model->config;
   const nlohmann::json j = {{"format", kConfigFormat}, {"preset", c.name},        {"method", method_name(spec.method)},
                             {"vocab", c.vocab},        {"hidden", c.hidden},      {"layers", c.layers},
@@ -563,7 +563,7 @@ inline LoadedModel load_packed(const std::filesystem::path& dir, torch::Device d
   }
   c.validate();
 
-  quant::QuantizedModelFile ck = quant::load_quantized(dir);  // checks every layer's tensors against quantize_config.json
+  io::QuantizedModelFile ck = io::load_quantized(dir);  // checks every layer's tensors against quantize_config.json
   LoadedModel out;
   out.spec.method = j.value("method", "gptq") == "rtn" ? Method::RTN : Method::GPTQ;
   out.spec.bits = ck.config.bits;

@@ -6,7 +6,7 @@
 #include <random>
 #include <squeeze/io/posix_file.hpp>
 #include <squeeze/io/safetensors.hpp>
-#include <squeeze/quant/gptq_file.hpp>
+#include <squeeze/io/gptq_file.hpp>
 #include <squeeze/quant/rtn.hpp>
 
 using namespace squeeze;
@@ -113,9 +113,9 @@ TEST(QuantizedModelFile, RoundTripsLayersAndConfig) {
                                                        {"model.layers.0.self_attn.q_proj", layer(17, 64, 3, 32, 2)}};
   layers.begin()->second.bias.assign(48, from_float<half>(0.25f));
   std::vector<float> emb = {1, 2, 3, 4};
-  quant::QuantizeConfig cfg{.bits = 3, .group_size = 32, .desc_act = true, .sym = false};
-  quant::save_quantized(dir, layers, cfg, {{"model.embed_tokens.weight", io::tensor_ref<float>(io::DType::F32, {2, 2}, emb)}});
-  const auto ck = quant::load_quantized(dir);
+  io::QuantizeConfig cfg{.bits = 3, .group_size = 32, .desc_act = true, .sym = false};
+  io::save_quantized(dir, layers, cfg, {{"model.embed_tokens.weight", io::tensor_ref<float>(io::DType::F32, {2, 2}, emb)}});
+  const auto ck = io::load_quantized(dir);
   EXPECT_EQ(ck.config.bits, 3);
   EXPECT_EQ(ck.config.group_size, 32);
   EXPECT_TRUE(ck.config.desc_act);
@@ -143,7 +143,7 @@ TEST(QuantizedModelFile, RoundTripsLayersAndConfig) {
 namespace {
 void expect_load_error(const fs::path& dir, const std::string& needle) {
   try {
-    quant::load_quantized(dir);
+    io::load_quantized(dir);
     ADD_FAILURE() << "loaded a bad checkpoint; expected: " << needle;
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
@@ -155,9 +155,9 @@ void write_config(const fs::path& dir, const nlohmann::json& j) { std::ofstream(
 TEST(QuantizedModelFile, MismatchedOrCorruptCheckpointsGiveClearErrors) {
   const auto dir = temp_dir("bad");
   std::map<std::string, quant::PackedLinear> layers = {{"l", layer(16, 64, 4, 32, 3)}};
-  const quant::QuantizeConfig cfg{.bits = 4, .group_size = 32};
-  quant::save_quantized(dir, layers, cfg);
-  EXPECT_NO_THROW(quant::load_quantized(dir));
+  const io::QuantizeConfig cfg{.bits = 4, .group_size = 32};
+  io::save_quantized(dir, layers, cfg);
+  EXPECT_NO_THROW(io::load_quantized(dir));
   auto j = nlohmann::json::parse(std::ifstream(dir / "quantize_config.json"));
 
   auto jb = j;
@@ -210,7 +210,7 @@ TEST(QuantizedModelFile, MismatchedOrCorruptCheckpointsGiveClearErrors) {
     expect_load_error(dir, "no 'l.qzeros'");
   }
   // truncated file
-  quant::save_quantized(dir, layers, cfg);
+  io::save_quantized(dir, layers, cfg);
   fs::resize_file(dir / "model.safetensors", fs::file_size(dir / "model.safetensors") - 10);
   expect_load_error(dir, "past the data section");
   squeeze::io::remove_tree(dir);

@@ -3,7 +3,7 @@
 
 #include <random>
 
-#include <squeeze/quant/gptq_file.hpp>
+#include <squeeze/io/gptq_file.hpp>
 #include <squeeze/quant/v1_zeros.hpp>
 
 #include "io_test_util.hpp"
@@ -90,7 +90,7 @@ TEST(V1Zeros, ThreeBitsShiftEachFieldAsGptqModelDoes) {
   EXPECT_EQ(q::decode_v1_qzeros(words, 1, 32, 3), z);
 }
 
-// squeeze's own quantized file (quant/gptq_file.hpp) stores and reads zero points the same word-wise way.
+// squeeze's own quantized file (io/gptq_file.hpp) stores and reads zero points the same word-wise way.
 TEST(V1Zeros, GptqFileKeepsZeroPointZero) {
   io_test::TempDir dir("v1_gptq_file");
   const std::int64_t out = 24, in = 40;
@@ -100,10 +100,10 @@ TEST(V1Zeros, GptqFileKeepsZeroPointZero) {
   auto zeros = random_zeros(2 * out, 4, 9);
   const std::vector<float> scales(2 * out, 0.01f);
   const auto p = q::pack(codes, zeros, scales, q::default_g_idx(in, 32), out, in, 4, 32);
-  q::QuantizeConfig cfg;
+  squeeze::io::QuantizeConfig cfg;
   cfg.group_size = 32;
-  q::save_quantized(dir.path, {{"layer", p}}, cfg);
-  const auto ck = q::load_quantized(dir.path);
+  squeeze::io::save_quantized(dir.path, {{"layer", p}}, cfg);
+  const auto ck = squeeze::io::load_quantized(dir.path);
   EXPECT_EQ(ck.file.read<std::int32_t>("layer.qzeros", squeeze::io::DType::I32), q::encode_v1_qzeros(zeros, 2, out, 4));
   EXPECT_EQ(q::unpack_zeros(ck.layers.at("layer")), zeros);
   EXPECT_EQ(q::dequantize(ck.layers.at("layer")), q::dequantize(p));

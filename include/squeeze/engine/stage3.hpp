@@ -83,6 +83,28 @@ struct Stage3Group {
   bool finished() const { return uses > 0 && added == uses; }
 };
 
+// A sharded layer's place in its gather unit: the unit and the index of the layer's first layout entry. The typed
+// handle a layer's autograd Functions take as an argument and keep for backward (save / saved), in one place.
+struct UnitMember {
+  Stage3Group* group = nullptr;
+  std::size_t first = 0;
+  const FlatEntry& entry(std::size_t i) const { return group->layout.entries()[first + i]; }
+  inline void save(torch::autograd::AutogradContext* ctx) const;
+  static inline UnitMember saved(torch::autograd::AutogradContext* ctx);
+};
+namespace detail {
+struct SavedUnitMember : torch::CustomClassHolder {  // what saved_data holds: an IValue capsule
+  explicit SavedUnitMember(UnitMember m) : member(m) {}
+  UnitMember member;
+};
+}  // namespace detail
+void UnitMember::save(torch::autograd::AutogradContext* ctx) const {
+  ctx->saved_data["unit_member"] = c10::IValue::make_capsule(c10::make_intrusive<detail::SavedUnitMember>(*this));
+}
+UnitMember UnitMember::saved(torch::autograd::AutogradContext* ctx) {
+  return static_cast<const detail::SavedUnitMember*>(ctx->saved_data.at("unit_member").toCapsule().get())->member;
+}
+
 // Interface of modules that a stage-3 trainer can shard.
 class Shardable {
  public:

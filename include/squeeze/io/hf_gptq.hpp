@@ -9,7 +9,7 @@
 //       qweight I32 [in*bits/32, out]  qzeros I32 [groups, out*bits/32]  scales F16 [groups, out]  g_idx I32 [in]
 //     embeddings, norms and lm_head F16 under their usual names (io/hf_names.hpp)
 // In memory the layers are squeeze's PackedLinear under squeeze's module names ("block3.attn.q", as
-// quant/gptq_file.hpp keys them) and the dense tensors float under squeeze's parameter names.
+// io/gptq_file.hpp keys them) and the dense tensors float under squeeze's parameter names.
 // Reading takes v1 zero points word-wise (quant/v1_zeros.hpp), files without g_idx (g_idx = i / group_size),
 // scales F16 (F32 / BF16 rounded to fp16), biases F16 or F32 (kept as fp16, PackedLinear's bias type) and any
 // sharding. Writing assembles every tensor in memory first (io/hf_quant_layout.hpp), fine up to a few GB.
@@ -22,7 +22,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "../quant/gptq_file.hpp"
+#include "gptq_file.hpp"
 #include "../quant/v1_zeros.hpp"
 #include "hf_quant_layout.hpp"
 #include "json_file.hpp"
@@ -31,7 +31,7 @@ namespace squeeze::io {
 
 struct HfGptqModel {
   LlamaConfig config;
-  quant::QuantizeConfig quant;
+  io::QuantizeConfig quant;
   std::map<std::string, quant::PackedLinear> layers;  // "block{i}.attn.q", ... (squeeze module names)
   std::map<std::string, std::vector<float>> dense;     // "embed.weight", "block{i}.attn_norm.weight", ...
 };
@@ -43,7 +43,7 @@ struct HfGptqWriteOptions {
 
 namespace detail {
 // The GPTQ tensors of one layer as the Hugging Face layout stores them (bias only when present).
-inline NamedTensors gptq_tensors(const quant::PackedLinear& p, const std::string& hf, const quant::QuantizeConfig& q,
+inline NamedTensors gptq_tensors(const quant::PackedLinear& p, const std::string& hf, const io::QuantizeConfig& q,
                                  quant::ZeroArithmetic zeros) {
   p.validate();
   check(p.bits == q.bits && p.group_size == q.group_size,
@@ -60,10 +60,10 @@ inline NamedTensors gptq_tensors(const quant::PackedLinear& p, const std::string
 }  // namespace detail
 
 // config.json's object: the LLaMA config (fp16) with the quantization_config transformers reads.
-inline nlohmann::json hf_gptq_config_json(LlamaConfig c, const quant::QuantizeConfig& q) {
+inline nlohmann::json hf_gptq_config_json(LlamaConfig c, const io::QuantizeConfig& q) {
   c.dtype = DType::F16;
   auto j = llama_config_json(c);
-  j["quantization_config"] = quant::quantize_config_json(q);
+  j["quantization_config"] = io::quantize_config_json(q);
   return j;
 }
 
@@ -77,13 +77,13 @@ inline void save_hf_gptq(const std::filesystem::path& dir, const HfGptqModel& m,
   };
   const auto tensors = quantized_llama_tensors(m.config, m.layers, m.dense, DType::F16, linear, "save_hf_gptq");
   write_quantized_llama(dir, tensors, hf_gptq_config_json(m.config, m.quant), o.max_shard_bytes, "save_hf_gptq");
-  save_json(dir / "quantize_config.json", quant::quantize_config_json(m.quant), "save_hf_gptq");
+  save_json(dir / "quantize_config.json", io::quantize_config_json(m.quant), "save_hf_gptq");
 }
 
 namespace detail {
 // One quantized layer from the checkpoint, its shapes checked against the config and the bit width.
 inline quant::PackedLinear read_gptq_layer(const SafetensorsCheckpoint& ck, const std::string& hf, std::int64_t out, std::int64_t in,
-                                           const quant::QuantizeConfig& q) {
+                                           const io::QuantizeConfig& q) {
   quant::PackedLinear p;
   p.bits = q.bits;
   p.group_size = q.group_size;
@@ -129,12 +129,12 @@ inline quant::PackedLinear read_gptq_layer(const SafetensorsCheckpoint& ck, cons
 
 // The quantization config of a model directory: config.json's quantization_config, else quantize_config.json;
 // when both exist they must agree on bits and group_size.
-inline quant::QuantizeConfig read_hf_gptq_quant_config(const std::filesystem::path& dir, const nlohmann::json& config) {
-  std::optional<quant::QuantizeConfig> a, b;
+inline io::QuantizeConfig read_hf_gptq_quant_config(const std::filesystem::path& dir, const nlohmann::json& config) {
+  std::optional<io::QuantizeConfig> a, b;
   if (config.contains("quantization_config"))
-    a = quant::parse_quantize_config(config["quantization_config"], "config.json quantization_config");
+    a = io::parse_quantize_config(config["quantization_config"], "config.json quantization_config");
   if (std::filesystem::exists(dir / "quantize_config.json"))
-    b = quant::parse_quantize_config(read_json_object(dir / "quantize_config.json", "hf gptq"), "quantize_config.json");
+    b = io::parse_quantize_config(read_json_object(dir / "quantize_config.json", "hf gptq"), "quantize_config.json");
   check(a || b, "hf gptq: " + dir.string() + " has neither a quantization_config in config.json nor a quantize_config.json");
   if (a && b)
     check(a->bits == b->bits && a->group_size == b->group_size,

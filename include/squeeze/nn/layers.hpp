@@ -42,39 +42,25 @@ using engine::Stage3Group;
 
 namespace detail {
 
-// A sharded layer's place in its gather unit: the unit and the index of the layer's first layout entry. What the
-// autograd Functions below carry (as two integers: Functions take no pointers).
-struct Member {
-  Stage3Group* group;
-  std::size_t first;
-  const engine::FlatEntry& entry(std::size_t i) const { return group->layout.entries()[first + i]; }
-};
-inline Member member_from(torch::autograd::AutogradContext* ctx) {
-  return {reinterpret_cast<Stage3Group*>(ctx->saved_data["group"].toInt()), std::size_t(ctx->saved_data["first"].toInt())};
-}
-inline void save_member(torch::autograd::AutogradContext* ctx, int64_t group_ptr, int64_t first) {
-  ctx->saved_data["group"] = group_ptr;
-  ctx->saved_data["first"] = first;
-}
+using Member = engine::UnitMember;
 
 // y = x W^T + b with W, b gathered from the unit. x: [..., in], y: [..., out].
 struct ShardedLinearFn : torch::autograd::Function<ShardedLinearFn> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& shard,
-                               int64_t group_ptr, int64_t first, bool has_bias) {
+                               Member m, bool has_bias) {
     (void)shard;
-    const Member m{reinterpret_cast<Stage3Group*>(group_ptr), std::size_t(first)};
     const torch::Tensor full = m.group->runtime->acquire(*m.group);
     const torch::Tensor w = FlatParams::view(full, m.entry(0));
     const torch::Tensor b = has_bias ? FlatParams::view(full, m.entry(1)) : torch::Tensor();
     torch::Tensor y = torch::nn::functional::linear(x, w, b);
     m.group->runtime->release(*m.group);
     ctx->save_for_backward({x});
-    save_member(ctx, group_ptr, first);
+    m.save(ctx);
     ctx->saved_data["bias"] = has_bias;
     return y;
   }
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::tensor_list grads) {
-    const Member m = member_from(ctx);
+    const Member m = Member::saved(ctx);
     Stage3Group& g = *m.group;
     const torch::Tensor x = ctx->get_saved_variables()[0];
     const torch::Tensor full = g.runtime->acquire(g);
@@ -89,7 +75,7 @@ struct ShardedLinearFn : torch::autograd::Function<ShardedLinearFn> {
     if (ctx->saved_data["bias"].toBool()) FlatParams::view(full_grad, m.entry(1)).add_(go.sum(0));
     g.runtime->release(g);
     g.runtime->added(g);
-    return {gx, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return {gx, torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -97,54 +83,52 @@ struct ShardedLinearFn : torch::autograd::Function<ShardedLinearFn> {
 // times (a chunked loss): autograd sums the gradients of every use before this node's backward runs, which
 // reduce-scatters the sum once. The runtime forgets the gathered buffer at once; it lives as long as W does.
 struct GatheredWeightFn : torch::autograd::Function<GatheredWeightFn> {
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& shard, int64_t group_ptr, int64_t first) {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& shard, Member m) {
     (void)shard;
-    const Member m{reinterpret_cast<Stage3Group*>(group_ptr), std::size_t(first)};
     const torch::Tensor full = m.group->runtime->acquire(*m.group);
     torch::Tensor w = FlatParams::view(full, m.entry(0));  // [out, in]
     m.group->runtime->release(*m.group);
-    save_member(ctx, group_ptr, first);
+    m.save(ctx);
     return w;
   }
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::tensor_list grads) {
-    const Member m = member_from(ctx);
+    const Member m = Member::saved(ctx);
     Stage3Group& g = *m.group;
     const torch::Tensor full_grad = g.runtime->gradient_buffer(g, g.shard.options());
     if (grads[0].defined()) FlatParams::view(full_grad, m.entry(0)).add_(grads[0]);
     g.runtime->added(g);
-    return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return {torch::Tensor(), torch::Tensor()};
   }
 };
 
 // A sharded layer's first parameter as GatheredWeightFn's gathered tensor, counted as one use of the layer.
 inline torch::Tensor gathered_weight(Stage3Group* g, std::size_t first) {
   if (torch::GradMode::is_enabled()) ++g->uses;
-  return GatheredWeightFn::apply(g->shard, reinterpret_cast<int64_t>(g), int64_t(first));
+  return GatheredWeightFn::apply(g->shard, Member{g, first});
 }
 
 // y = W[idx]. idx: [...] int64, y: [..., dim].
 struct ShardedEmbeddingFn : torch::autograd::Function<ShardedEmbeddingFn> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& idx, const torch::Tensor& shard,
-                               int64_t group_ptr, int64_t first) {
+                               Member m) {
     (void)shard;
-    const Member m{reinterpret_cast<Stage3Group*>(group_ptr), std::size_t(first)};
     const torch::Tensor full = m.group->runtime->acquire(*m.group);
     const torch::Tensor w = FlatParams::view(full, m.entry(0));
     torch::Tensor y = torch::embedding(w, idx);
     m.group->runtime->release(*m.group);
     ctx->save_for_backward({idx});
-    save_member(ctx, group_ptr, first);
+    m.save(ctx);
     return y;
   }
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::tensor_list grads) {
-    const Member m = member_from(ctx);
+    const Member m = Member::saved(ctx);
     Stage3Group& g = *m.group;
     const torch::Tensor idx = ctx->get_saved_variables()[0];
     const auto& e = m.entry(0);
     const torch::Tensor full_grad = g.runtime->gradient_buffer(g, grads[0].options());
     FlatParams::view(full_grad, e).add_(torch::embedding_dense_backward(grads[0], idx, e.shape[0], -1, false));
     g.runtime->added(g);
-    return {torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -182,7 +166,7 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public Shardable {
     if (backing_) return backing_(x);
     if (group_ == nullptr) return torch::nn::functional::linear(x, weight, bias);
     if (torch::GradMode::is_enabled()) ++group_->uses;
-    return detail::ShardedLinearFn::apply(x, group_->shard, reinterpret_cast<int64_t>(group_), int64_t(first_entry_), options.bias());
+    return detail::ShardedLinearFn::apply(x, group_->shard, engine::UnitMember{group_, first_entry_}, options.bias());
   }
   // The weight [out, in] as one tensor, for a caller that reads it several times (nn::Llama's chunked loss): the
   // parameter itself, or, once a stage-3 trainer has sharded the layer, a gathered copy held while autograd needs
@@ -267,7 +251,7 @@ class EmbeddingImpl : public torch::nn::Cloneable<EmbeddingImpl>, public Shardab
   torch::Tensor forward(const torch::Tensor& idx) {  // idx: [...] int64 -> [..., dim]
     if (group_ == nullptr) return torch::embedding(weight, idx);
     if (torch::GradMode::is_enabled()) ++group_->uses;
-    return detail::ShardedEmbeddingFn::apply(idx, group_->shard, reinterpret_cast<int64_t>(group_), int64_t(first_entry_));
+    return detail::ShardedEmbeddingFn::apply(idx, group_->shard, engine::UnitMember{group_, first_entry_});
   }
   // The table [num, dim] as one tensor, for a tied LM head that reads it as a linear weight: the parameter, or
   // once sharded a gathered copy whose backward reduce-scatters its gradient (see LinearImpl::full_weight).

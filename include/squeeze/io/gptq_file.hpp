@@ -12,12 +12,14 @@
 
 #include <nlohmann/json.hpp>
 
-#include "../io/json_file.hpp"
-#include "../io/safetensors.hpp"
-#include "pack.hpp"
-#include "v1_zeros.hpp"
+#include "json_file.hpp"
+#include "safetensors.hpp"
+#include "../quant/pack.hpp"
+#include "../quant/v1_zeros.hpp"
 
-namespace squeeze::quant {
+namespace squeeze::io {
+
+using quant::PackedLinear;
 
 struct QuantizeConfig {
   int bits = 4;
@@ -38,7 +40,7 @@ struct QuantizedModelFile {
 // quantize_config.json as AutoGPTQ / GPTQModel write it; config.json's "quantization_config" holds the same
 // keys (transformers' GPTQConfig reads bits, group_size, desc_act, sym, checkpoint_format from either).
 inline nlohmann::json quantize_config_json(const QuantizeConfig& cfg) {
-  check_bits(cfg.bits);
+  quant::check_bits(cfg.bits);
   return {{"bits", cfg.bits},
           {"group_size", cfg.group_size > 0 ? cfg.group_size : -1},
           {"desc_act", cfg.desc_act},
@@ -70,7 +72,7 @@ inline QuantizeConfig parse_quantize_config(const nlohmann::json& j, const std::
   }
   QuantizeConfig c;
   const auto bits = get_int("bits");
-  check(supported_bits(int(bits)), source + ": bits " + std::to_string(bits) + " unsupported (2, 3, 4 or 8)");
+  check(quant::supported_bits(int(bits)), source + ": bits " + std::to_string(bits) + " unsupported (2, 3, 4 or 8)");
   c.bits = int(bits);
   const auto g = get_int("group_size");
   check(g == -1 || (g > 0 && g <= (1 << 30)), source + ": group_size must be -1 or positive, got " + std::to_string(g));
@@ -92,13 +94,13 @@ inline QuantizeConfig parse_quantize_config(const nlohmann::json& j, const std::
 
 inline void save_quantized(const std::filesystem::path& dir, const std::map<std::string, PackedLinear>& layers, const QuantizeConfig& cfg,
                            const std::map<std::string, io::TensorRef>& extra = {}) {
-  check_bits(cfg.bits);
+  quant::check_bits(cfg.bits);
   std::filesystem::create_directories(dir);
   std::map<std::string, io::TensorRef> t = extra;
   std::map<std::string, std::vector<std::int32_t>> file_qzeros;  // v1 word-wise, as GPTQModel reads them back
   for (const auto& [name, p] : layers) {
     p.validate();
-    file_qzeros[name] = qzeros_from_packed(p, ZeroArithmetic::word);
+    file_qzeros[name] = qzeros_from_packed(p, quant::ZeroArithmetic::word);
     check(p.bits == cfg.bits && p.group_size == cfg.group_size,
           "save_quantized: layer '" + name + "' has bits " + std::to_string(p.bits) + " group " + std::to_string(p.group_size) +
               " but the config says bits " + std::to_string(cfg.bits) + " group " + std::to_string(cfg.group_size));
@@ -159,8 +161,8 @@ inline QuantizedModelFile load_quantized(const std::filesystem::path& dir) {
       mismatch("qzeros are [" + std::to_string(qz.shape[0]) + ", " + std::to_string(qz.shape[1]) + "], expected [" +
                std::to_string(p.groups()) + ", " + std::to_string(p.qzeros_cols()) + "]");
     p.qweight = ck.file.read<std::int32_t>(name + ".qweight", io::DType::I32);
-    p.qzeros = qzeros_to_packed(ck.file.read<std::int32_t>(name + ".qzeros", io::DType::I32), p.groups(), p.out, p.bits,
-                                ZeroArithmetic::word);  // a zero point of 0 borrows in the file (quant/v1_zeros.hpp)
+    p.qzeros = quant::qzeros_to_packed(ck.file.read<std::int32_t>(name + ".qzeros", io::DType::I32), p.groups(), p.out, p.bits,
+                                quant::ZeroArithmetic::word);  // a zero point of 0 borrows in the file (quant/v1_zeros.hpp)
     p.scales = ck.file.read<half>(name + ".scales", io::DType::F16);
     p.g_idx = ck.file.read<std::int32_t>(name + ".g_idx", io::DType::I32);
     if (ck.file.contains(name + ".bias")) {
@@ -179,4 +181,4 @@ inline QuantizedModelFile load_quantized(const std::filesystem::path& dir) {
   return ck;
 }
 
-}  // namespace squeeze::quant
+}  // namespace squeeze::io
