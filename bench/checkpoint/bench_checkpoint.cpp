@@ -34,7 +34,7 @@ struct Options {
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 // Peak resident host memory since the last reset_host_peak() (VmHWM), in bytes.
-double host_peak_gb() { return llama::memory_use(torch::kCPU).peak_gb; }
+double host_peak_gb() { return llama::device_memory(torch::kCPU).peak_gb; }
 void reset_host_peak() { std::ofstream("/proc/self/clear_refs") << "5"; }
 
 // The bounds a save streams against, measured on this machine in the same run: one stream of buffered writes
@@ -80,7 +80,7 @@ nlohmann::json run(const Options& o) {
   topt.clip = 0;  // as the table's 7B rows: the eager offload pipeline
   topt.lr = 1e-5;
   torch::manual_seed(1);
-  llama::Trainer<S> t(config, topt, device, nullptr);
+  llama::LlamaRun<S> t(config, topt, device, nullptr);
   const auto tokens = torch::randint(config.vocab, {o.batch, o.seq + 1}, torch::TensorOptions().dtype(torch::kLong)).to(device);
   const torch::Tensor x = tokens.narrow(1, 0, o.seq), y = tokens.narrow(1, 1, o.seq);  // [B, T]
   for (int64_t s = 0; s < o.steps; ++s) t.step(x, y);
@@ -90,26 +90,26 @@ nlohmann::json run(const Options& o) {
   const Bounds bound = measure_bounds(o.dir + ".bound", uint64_t(o.bound_gb * 1e9));
   squeeze::io::remove_tree(o.dir + ".bound");
 
-  const double dev_before = llama::memory_use(device).current_gb;
+  const double dev_before = llama::device_memory(device).current_gb;
   llama::reset_peak_memory(device);
   reset_host_peak();
-  const double host_before = llama::memory_use(torch::kCPU).current_gb;
+  const double host_before = llama::device_memory(torch::kCPU).current_gb;
   auto t0 = Clock::now();
   t.save(o.dir);
   const double save_s = seconds_since(t0);
-  const double save_dev_extra = llama::memory_use(device).peak_gb - dev_before, save_host_extra = host_peak_gb() - host_before;
+  const double save_dev_extra = llama::device_memory(device).peak_gb - dev_before, save_host_extra = host_peak_gb() - host_before;
   const uint64_t bytes = bytes_under(o.dir);
 
   const double next = t.step(x, y).loss;  // the uninterrupted run's next step
   t.sync();
-  const double dev_before_load = llama::memory_use(device).current_gb;
+  const double dev_before_load = llama::device_memory(device).current_gb;
   llama::reset_peak_memory(device);
   reset_host_peak();
-  const double host_before_load = llama::memory_use(torch::kCPU).current_gb;
+  const double host_before_load = llama::device_memory(torch::kCPU).current_gb;
   t0 = Clock::now();
   t.load(o.dir);
   const double load_s = seconds_since(t0);
-  const double load_dev_extra = llama::memory_use(device).peak_gb - dev_before_load, load_host_extra = host_peak_gb() - host_before_load;
+  const double load_dev_extra = llama::device_memory(device).peak_gb - dev_before_load, load_host_extra = host_peak_gb() - host_before_load;
   const double resumed = t.step(x, y).loss;
 
   const char* commit = std::getenv("SQUEEZE_COMMIT");

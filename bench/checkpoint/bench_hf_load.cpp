@@ -1,4 +1,4 @@
-// A Hugging Face LLaMA directory into the LLaMA example's trainer (llama::Trainer<S>::from_hf: the model built
+// A Hugging Face LLaMA directory into the LLaMA example's trainer (llama::LlamaRun<S>::from_hf: the model built
 // uninitialised in the compute dtype on the device, then each checkpoint tensor streamed into the trainer's shards and
 // fp32 masters): seconds (split into building the trainer and streaming the file; the stream's reads overlap its
 // writes), the share of the files in the page cache beforehand, GB/s over the checkpoint's bytes, peak host memory
@@ -79,7 +79,7 @@ nlohmann::json run(const Options& o) {
   topt.lr = 1e-5;
 
   reset_host_peak();
-  const double host_before = llama::memory_use(torch::kCPU).current_gb;
+  const double host_before = llama::device_memory(torch::kCPU).current_gb;
   llama::reset_peak_memory(device);
   const auto t0 = Clock::now();
   nn::HfLoadProgress streamed;  // the last report: where the streaming part of the time went
@@ -91,11 +91,11 @@ nlohmann::json run(const Options& o) {
     std::fprintf(stderr, "bench_hf_load: %zu/%zu tensors, %.2f GB in %.1f s (read %.1f s, write %.1f s)\n", p.tensors, p.tensors_total,
                  double(p.bytes) / 1e9, p.seconds, p.read_s, p.write_s);
   };
-  llama::Trainer<S> t = llama::Trainer<S>::from_hf(o.hf, topt, device, nullptr, progress);
+  llama::LlamaRun<S> t = llama::LlamaRun<S>::from_hf(o.hf, topt, device, nullptr, progress);
   t.sync();
   const double load_s = seconds_since(t0);
-  const double host_peak = llama::memory_use(torch::kCPU).peak_gb;
-  const double device_peak = llama::memory_use(device).peak_gb;
+  const double host_peak = llama::device_memory(torch::kCPU).peak_gb;
+  const double device_peak = llama::device_memory(device).peak_gb;
   const double state_gb = host_state_gb(t.trainer());
 
   // The file's bits in the trainer: the first block's down projection, gathered, against the tensor read directly.
@@ -117,7 +117,7 @@ nlohmann::json run(const Options& o) {
   const double step_s = seconds_since(ts);
   // The offloaded moments are resident only once the first update has touched them (train::host_zeros): the
   // peak after that step is the one the budget is held to.
-  const double host_peak_step = llama::memory_use(torch::kCPU).peak_gb;
+  const double host_peak_step = llama::device_memory(torch::kCPU).peak_gb;
 
   // Target: host peak within the trainer's own state + one shard file (+ the process before loading).
   const double host_budget = host_before + state_gb + double(largest_shard) / 1e9;

@@ -83,7 +83,7 @@
 #include "trainer.hpp"
 
 using namespace squeeze;
-using squeeze::llama::Trainer;
+using squeeze::llama::LlamaRun;
 using json = nlohmann::json;
 
 namespace {
@@ -249,7 +249,7 @@ void run_steps(const Options& o, int64_t batch, const Data& data, const Dist& d,
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   row.time_ms = 1e3 * s / double(o.steps);
   row.final_loss = loss;
-  const auto m = llama::memory_use(device);
+  const auto m = llama::device_memory(device);
   row.peak_gb = m.peak_gb;
   row.reserved_gb = m.reserved_peak_gb;
   timed.clear();
@@ -361,14 +361,14 @@ Row run_strategy(const RowSpec& spec, const Options& o, const nn::LlamaConfig& c
       row.planned_host_gb = double(p.peak().host) / 1e9;
       llama::reset_peak_memory(device);
       torch::manual_seed(1);
-      std::optional<Trainer<S>> trainer;
+      std::optional<LlamaRun<S>> trainer;
       if (o.hf.empty()) trainer.emplace(config, topt, device, d.comm);  // d.comm null at world 1: one-rank LocalComm
-      else trainer.emplace(Trainer<S>::from_hf(o.hf, topt, device, d.comm));
+      else trainer.emplace(LlamaRun<S>::from_hf(o.hf, topt, device, d.comm));
       run_steps(
           o, spec.batch, data, d, device, row,
           [&, i = int64_t(0)](const torch::Tensor& x, const torch::Tensor& y) mutable {
             trainer->set_lr(lr_at(o, i++));
-            const llama::StepResult r = trainer->step(x, y);
+            const llama::BatchResult r = trainer->step(x, y);
             row.skipped += r.applied ? 0 : 1;
             if constexpr (S::stage <= 1) row.gradient_buffers = plan::to_string(trainer->trainer().options().gradient_buffers);
             return r.loss;

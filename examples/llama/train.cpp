@@ -31,7 +31,7 @@
 #include "trainer.hpp"
 
 using namespace squeeze;
-using squeeze::llama::Trainer;
+using squeeze::llama::LlamaRun;
 using squeeze::llama::Corpus;
 using squeeze::llama::detokenize;
 using squeeze::llama::load_corpus;
@@ -67,7 +67,7 @@ class Progress {
   Progress(int64_t first, int64_t last, int64_t log_every) : first_(first), last_(last), tty_(isatty(fileno(stderr))) {
     every_ = log_every > 0 ? log_every : std::max<int64_t>(1, (last - first) / 10);
   }
-  void update(int64_t step, const llama::StepResult& r, double tokens_per_s, const llama::MemoryUse& m) {
+  void update(int64_t step, const llama::BatchResult& r, double tokens_per_s, const llama::DeviceMemory& m) {
     const double frac = double(step + 1 - first_) / double(std::max<int64_t>(1, last_ - first_));
     char line[256];
     const int width = 24, filled = int(frac * width);
@@ -106,7 +106,7 @@ std::string sample_text(nn::Llama& model, const std::string& prompt, int64_t n, 
 // --export-hf DIR: the trained model as a Hugging Face LLaMA directory (LoRA merged into its base); --export-peft DIR:
 // a LoRA strategy's adapters in PEFT's format. Gathering the weights is a collective; rank 0 writes.
 template <StrategyType S>
-void export_results(const Options& o, Trainer<S>& trainer, const nn::LlamaConfig& config, int rank) {
+void export_results(const Options& o, LlamaRun<S>& trainer, const nn::LlamaConfig& config, int rank) {
   if (!o.export_hf.empty()) {
     std::optional<io::LlamaConfig> source;
     if (!o.hf.empty()) source = io::load_llama_config(o.hf);
@@ -209,7 +209,7 @@ int run_training(const Options& o) {
   llama::TrainOptions topt;
   topt.lr = o.lr, topt.weight_decay = o.weight_decay, topt.clip = o.clip, topt.loss_chunk_tokens = o.loss_chunk;
   topt.fused_loss = o.fused_loss;
-  Trainer<S> trainer = pretrained ? Trainer<S>::from_hf(o.hf, topt, device, comm::from_env(), load_progress(o.hf, env.rank == 0)) : Trainer<S>(config, topt, device, comm::from_env());
+  LlamaRun<S> trainer = pretrained ? LlamaRun<S>::from_hf(o.hf, topt, device, comm::from_env(), load_progress(o.hf, env.rank == 0)) : LlamaRun<S>(config, topt, device, comm::from_env());
   if (!o.load.empty()) {
     trainer.load(o.load);
     std::cerr << "resumed from " << o.load << " at step " << trainer.step_count() << "\n";
@@ -262,11 +262,11 @@ int run_training(const Options& o) {
     }
     trainer.set_lr(lr_at(step, o.steps, o.lr));
     const auto t0 = std::chrono::steady_clock::now();
-    const llama::StepResult r = trainer.step(x, y);  // the loss read-back synchronises the device
+    const llama::BatchResult r = trainer.step(x, y);  // the loss read-back synchronises the device
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (!r.applied && trainer.step_count() == step) {
       // A skipped fp16 step (overflow) does not count; give up if the scale collapses.
-      bar.update(step, r, 0, llama::memory_use(device));
+      bar.update(step, r, 0, llama::device_memory(device));
       ++skipped;
       if (r.scale <= 1.0) throw std::runtime_error("gradients are not finite even at loss scale 1: lower --lr");
       continue;
@@ -280,7 +280,7 @@ int run_training(const Options& o) {
     }
     last_loss = r.loss;
     if (step > first_step || o.steps - first_step == 1) { tokens += double(o.batch * o.seq); seconds += dt; }
-    bar.update(step, r, double(o.batch * o.seq) / dt, llama::memory_use(device));
+    bar.update(step, r, double(o.batch * o.seq) / dt, llama::device_memory(device));
     if (o.eval_every > 0 && trainer.step_count() % o.eval_every == 0 && trainer.step_count() < o.steps) {
       report_val(bar);
       save(bar);
@@ -289,7 +289,7 @@ int run_training(const Options& o) {
   bar.done();
   const double val_loss = export_only ? NAN : report_val(bar);
   save(bar);
-  const auto mem = llama::memory_use(device);
+  const auto mem = llama::device_memory(device);
   if (!export_only)
     std::printf("strategy %s: train loss %.4f -> %.4f, validation perplexity %.3f, %.0f tokens/s, peak memory %.2f GB (planner %.2f GB)\n",
                 o.strategy.c_str(), first_loss, last_loss, std::exp(val_loss), seconds > 0 ? tokens / seconds : 0.0, mem.peak_gb,

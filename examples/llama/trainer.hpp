@@ -141,7 +141,7 @@ plan::TrainShape train_shape(const LlamaConfig& c, int64_t batch, int64_t seq, i
   return t;
 }
 
-struct StepResult {
+struct BatchResult {
   double loss = 0;       // mean over the batch
   double grad_norm = 0;  // before clipping, unscaled
   double scale = 1;      // loss scale used for this step
@@ -150,7 +150,7 @@ struct StepResult {
 
 // Device memory in bytes: allocated now and the peak since the last reset (CUDA caching allocator), or the
 // process's resident set on the CPU (peak: high-water mark).
-struct MemoryUse { double current_gb = 0, peak_gb = 0, reserved_peak_gb = 0; };
+struct DeviceMemory { double current_gb = 0, peak_gb = 0, reserved_peak_gb = 0; };
 
 #if defined(SQUEEZE_TORCH_CUDA)
 // c10's CUDA caching allocator sets itself up at the first CUDA allocation (C++ has no lazy init as Python
@@ -162,8 +162,8 @@ inline c10::DeviceIndex cuda_allocator_ready(const torch::Device& device) {
 }
 #endif
 
-inline MemoryUse memory_use(const torch::Device& device) {
-  MemoryUse m;
+inline DeviceMemory device_memory(const torch::Device& device) {
+  DeviceMemory m;
 #if defined(SQUEEZE_TORCH_CUDA)
   if (device.is_cuda()) {
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(cuda_allocator_ready(device));
@@ -190,15 +190,15 @@ inline void reset_peak_memory(const torch::Device& device) {
 }
 
 inline void check_batch(const torch::Tensor& x, const torch::Tensor& y, int micro_batches) {
-  TORCH_CHECK(x.sizes() == y.sizes() && x.dim() == 2, "Trainer::step: inputs ", x.sizes(), " and targets ", y.sizes(),
+  TORCH_CHECK(x.sizes() == y.sizes() && x.dim() == 2, "LlamaRun::step: inputs ", x.sizes(), " and targets ", y.sizes(),
               " must both be [batch, seq]");
-  TORCH_CHECK(x.size(0) % micro_batches == 0, "Trainer::step: batch ", x.size(0), " does not split into Accumulate<", micro_batches,
+  TORCH_CHECK(x.size(0) % micro_batches == 0, "LlamaRun::step: batch ", x.size(0), " does not split into Accumulate<", micro_batches,
               "> micro-batches: use a batch that is a multiple of ", micro_batches);
 }
 
 // Mean loss over (x, y) batches without gradients, in eval mode.
 inline double evaluate_loss(Llama& model, const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches) {
-  TORCH_CHECK(!batches.empty(), "Trainer::evaluate: no validation batches");
+  TORCH_CHECK(!batches.empty(), "LlamaRun::evaluate: no validation batches");
   torch::NoGradGuard no_grad;
   model->eval();
   double sum = 0;
@@ -248,14 +248,14 @@ inline nlohmann::json checked_record(const std::string& root, const LlamaConfig&
 inline bool every_layer_alone(const std::string&, const torch::nn::Module&) { return false; }
 
 template <StrategyType S>
-class Trainer {
+class LlamaRun {
  public:
   static constexpr int micro_batches = S::accumulation_steps;
-  Trainer(LlamaConfig config, TrainOptions options, torch::Device device, comm::CommPtr comm = nullptr)
-      : Trainer(Llama(std::move(config)), options, device, std::move(comm)) {}
+  LlamaRun(LlamaConfig config, TrainOptions options, torch::Device device, comm::CommPtr comm = nullptr)
+      : LlamaRun(Llama(std::move(config)), options, device, std::move(comm)) {}
   // A model built by the caller (e.g. one per rank, built in order so every rank starts alike). Each rank
-  // of `comm` constructs its Trainer at the same time (the constructor broadcasts rank 0's weights).
-  Trainer(Llama model, TrainOptions options, torch::Device device, comm::CommPtr comm)
+  // of `comm` constructs its LlamaRun at the same time (the constructor broadcasts rank 0's weights).
+  LlamaRun(Llama model, TrainOptions options, torch::Device device, comm::CommPtr comm)
       : model_(std::move(model)), gradient_buffers_(options.gradient_buffers) {
     model_->loss_chunk_tokens = options.loss_chunk_tokens;
     model_->fused_loss = options.fused_loss;
@@ -272,18 +272,18 @@ class Trainer {
                                       .decay_norms_biases_embeddings = options.decay_norms_biases_embeddings,
                                       .gather_unit = options.gather_layers_alone ? every_layer_alone : nullptr}));
   }
-  Trainer(const Trainer&) = delete;
-  Trainer(Trainer&&) = default;
+  LlamaRun(const LlamaRun&) = delete;
+  LlamaRun(LlamaRun&&) = default;
 
   // A trainer starting from the Hugging Face LLaMA in `dir`. Strategies that train full weights build the model
   // uninitialised in the compute dtype on `device` and stream the file into the trainer (under stage 3 each rank's
   // shards, the masters from the file's values): host memory holds the optimizer state and at most two checkpoint
   // tensors. LoRA strategies load the float model first: their frozen base is quantized or converted from it.
   // progress is called after each checkpoint tensor.
-  static Trainer from_hf(const std::filesystem::path& dir, TrainOptions options, torch::Device device, comm::CommPtr comm = nullptr,
+  static LlamaRun from_hf(const std::filesystem::path& dir, TrainOptions options, torch::Device device, comm::CommPtr comm = nullptr,
                          const nn::HfProgressFn& progress = {}) {
     if constexpr (S::has_lora) {
-      return Trainer(nn::load_hf_llama(dir, {.dtype = torch::kFloat32, .progress = progress}), options, device, std::move(comm));
+      return LlamaRun(nn::load_hf_llama(dir, {.dtype = torch::kFloat32, .progress = progress}), options, device, std::move(comm));
     } else {
       // The files start into the page cache while the trainer allocates its state (a hint; the loader below
       // checks the directory and reports what is wrong with it).
@@ -299,7 +299,7 @@ class Trainer {
       } join{warm};
       const io::LlamaConfig hf = io::load_llama_config(dir);
       const auto compute = torch::TensorOptions().dtype(torch_dtype<typename S::compute_type>()).device(device);
-      Trainer t(Llama(nn::from_hf_config(hf, dir.string()), nn::ParamInit{compute, /*random=*/false}), options, device, std::move(comm));
+      LlamaRun t(Llama(nn::from_hf_config(hf, dir.string()), nn::ParamInit{compute, /*random=*/false}), options, device, std::move(comm));
       nn::load_hf_weights(*t.trainer_, *t.model_, dir, {}, progress);
       return t;
     }
@@ -318,12 +318,12 @@ class Trainer {
   void reset_offload_stats() { trainer_->reset_offload_stats(); }
 
   // One optimizer step: x, y [B, T] in S::accumulation_steps micro-batches of B / N rows.
-  StepResult step(const torch::Tensor& x, const torch::Tensor& y) {
+  BatchResult step(const torch::Tensor& x, const torch::Tensor& y) {
     check_batch(x, y, micro_batches);
     if (!gradient_buffers_)  // the planner's choice for this batch shape (plan_for plans the same)
       trainer_->set_gradient_buffers(train_shape<S>(model_->config, x.size(0), x.size(1), trainer_->communicator().size(), model_->loss_chunk_tokens, {})
                                          .gradient_buffers);
-    StepResult r;
+    BatchResult r;
     r.scale = trainer_->scale();
     const int64_t micro = x.size(0) / micro_batches;
     for (int i = 0; i < micro_batches; ++i) {
@@ -360,7 +360,7 @@ class Trainer {
   std::optional<train::Trainer<S, squeeze::AdamW>> trainer_;
 };
 
-// The trained weights of a checkpoint written by Trainer<S>::save for a strategy that trains full weights, as a new
+// The trained weights of a checkpoint written by LlamaRun<S>::save for a strategy that trains full weights, as a new
 // model on `device` (geometry checked against `config`): what llama_gptq quantizes.
 inline Llama load_weights(const std::string& root, LlamaConfig config, torch::Device device) {
   checked_record(root, config);

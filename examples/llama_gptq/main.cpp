@@ -195,7 +195,7 @@ void train_and_save(const Options& o, const torch::Tensor& train_ids, torch::Dev
   torch::manual_seed(o.seed);
   llama::TrainOptions topt;
   topt.lr = o.lr;
-  llama::Trainer<S> trainer(nn::LlamaConfig::preset(o.preset), topt, device);
+  llama::LlamaRun<S> trainer(nn::LlamaConfig::preset(o.preset), topt, device);
   const auto t0 = std::chrono::steady_clock::now();
   for (int64_t step = trainer.step_count(); step < o.train_steps; step = trainer.step_count()) {
     const auto [x, y] = llama::sample_batch(train_ids, o.train_batch, o.seq, o.seed, step, device);

@@ -415,11 +415,11 @@ TEST(LlamaTrain, EveryStrategyLowersTheLoss) {
     torch::manual_seed(6);
     TrainOptions o = fast_options();
     if constexpr (S::has_lora) o.lr = 5e-2;  // adapters only: a higher rate, as is usual for LoRA
-    Trainer<S> trainer(small_config(), o, torch::kCPU);
+    LlamaRun<S> trainer(small_config(), o, torch::kCPU);
     std::vector<double> losses;
     for (int64_t step = 0; step < 30; ++step) {
       const auto [x, y] = batch(data, 8, 32, step);
-      const StepResult r = trainer.step(x, y);
+      const BatchResult r = trainer.step(x, y);
       EXPECT_TRUE(r.applied) << "step " << step;
       EXPECT_TRUE(std::isfinite(r.loss));
       losses.push_back(r.loss);
@@ -438,7 +438,7 @@ template <squeeze::StrategyType S>
 std::vector<torch::Tensor> weights_after(int steps, std::vector<double>* losses = nullptr) {
   const torch::Tensor data = training_bytes();
   torch::manual_seed(7);
-  Trainer<S> trainer(small_config(), fast_options(), torch::kCPU);
+  LlamaRun<S> trainer(small_config(), fast_options(), torch::kCPU);
   for (int step = 0; step < steps; ++step) {
     const auto [x, y] = batch(data, 8, 32, step);
     const double loss = trainer.step(x, y).loss;
@@ -481,10 +481,10 @@ TEST(LlamaTrain, Fp16OverflowSkipsTheStepAndHalvesTheScale) {
   TrainOptions o = fast_options();
   o.initial_scale = std::ldexp(1.0, 40);  // the scaled gradients overflow fp16
   torch::manual_seed(8);
-  Trainer<S> trainer(small_config(), o, torch::kCPU);
+  LlamaRun<S> trainer(small_config(), o, torch::kCPU);
   const auto before = trainer.model()->parameters()[1].clone();
   const auto [x, y] = batch(training_bytes(), 4, 16, 0);
-  const StepResult r = trainer.step(x, y);
+  const BatchResult r = trainer.step(x, y);
   EXPECT_FALSE(r.applied);
   EXPECT_EQ(trainer.loss_scale(), std::ldexp(1.0, 39));
   EXPECT_EQ(trainer.step_count(), 0);
@@ -498,7 +498,7 @@ TEST(LlamaTrain, Fp16OverflowSkipsTheStepAndHalvesTheScale) {
 }
 
 TEST(LlamaTrain, RejectsABatchThatDoesNotSplitIntoMicroBatches) {
-  Trainer<squeeze::Strategy<squeeze::Accumulate<4>>> trainer(small_config(), fast_options(), torch::kCPU);
+  LlamaRun<squeeze::Strategy<squeeze::Accumulate<4>>> trainer(small_config(), fast_options(), torch::kCPU);
   const auto [x, y] = batch(training_bytes(), 6, 8, 0);
   EXPECT_THROW(trainer.step(x, y), c10::Error);
 }
@@ -536,7 +536,7 @@ std::pair<std::vector<std::vector<double>>, std::vector<double>> train_two_ranks
   std::vector<double> val(2);
   const auto vb = batch(data, 4, 16, 999);
   run_ranks(2, [&](int r, std::shared_ptr<squeeze::comm::LocalComm> comm) {
-    Trainer<S> t(models[r], fast_options(), torch::kCPU, comm);
+    LlamaRun<S> t(models[r], fast_options(), torch::kCPU, comm);
     t.model()->checkpoint_every = checkpoint_every;
     if constexpr (S::stage == 3) {  // the layers really are sharded: their own weights emptied, a shard per rank
       auto& q = t.model()->blocks[0]->attn->q;
@@ -601,7 +601,7 @@ std::vector<torch::Tensor> stage3_weights(int steps, int64_t chunk, int64_t ever
     TrainOptions o = fast_options();
     o.clip = clip;
     o.loss_chunk_tokens = chunk;
-    Trainer<S> t(models[r], o, torch::kCPU, comm);
+    LlamaRun<S> t(models[r], o, torch::kCPU, comm);
     t.model()->checkpoint_every = every;
     EXPECT_EQ(t.model()->loss_chunk_tokens, chunk);
     squeeze::train::Stage3Group* head = t.model()->head->group();
@@ -655,9 +655,9 @@ TEST(LlamaZero, Bf16MastersStartFromTheFloatInitialisation) {
   TrainOptions o = fast_options();
   o.lr = 1e-5, o.clip = 0;
   torch::manual_seed(21);
-  Trainer<Local> local(small_config(), o, torch::kCPU);
+  LlamaRun<Local> local(small_config(), o, torch::kCPU);
   torch::manual_seed(21);
-  Trainer<Z3> zero(small_config(), o, torch::kCPU);
+  LlamaRun<Z3> zero(small_config(), o, torch::kCPU);
   torch::manual_seed(21);
   const squeeze::nn::Llama init(small_config());
   for (int s = 0; s < 4; ++s) {
@@ -697,7 +697,7 @@ void round_trip(uint64_t other_seed = 123) {
   const torch::Tensor data = training_bytes();
   const std::string ckpt = dir.file("a.pt");
   torch::manual_seed(9);
-  Trainer<S> a(small_config(), fast_options(), torch::kCPU);
+  LlamaRun<S> a(small_config(), fast_options(), torch::kCPU);
   for (int s = 0; s < 3; ++s) {
     const auto [x, y] = batch(data, 8, 16, s);
     a.step(x, y);
@@ -710,7 +710,7 @@ void round_trip(uint64_t other_seed = 123) {
   }
 
   torch::manual_seed(other_seed);  // a different initialisation, overwritten by the load
-  Trainer<S> b(small_config(), fast_options(), torch::kCPU);
+  LlamaRun<S> b(small_config(), fast_options(), torch::kCPU);
   b.load(ckpt);
   EXPECT_EQ(b.step_count(), 3);
   EXPECT_EQ(b.loss_scale(), a.loss_scale());
@@ -747,12 +747,12 @@ TEST(LlamaCheckpoint, RoundTripContinuesExactlyQLoRAAdam8) {
 TEST(LlamaCheckpoint, QLoRARefusesAnotherBase) {
   TempDir dir;
   torch::manual_seed(9);
-  Trainer<QLoRA> a(small_config(), fast_options(), torch::kCPU);
+  LlamaRun<QLoRA> a(small_config(), fast_options(), torch::kCPU);
   const auto [x, y] = batch(training_bytes(), 8, 16, 0);
   a.step(x, y);
   a.save(dir.file("q.pt"));
   torch::manual_seed(10);  // another base
-  Trainer<QLoRA> b(small_config(), fast_options(), torch::kCPU);
+  LlamaRun<QLoRA> b(small_config(), fast_options(), torch::kCPU);
   const auto before = b.model()->parameters();
   std::vector<torch::Tensor> kept;
   for (const auto& p : before) kept.push_back(p.clone());
@@ -782,11 +782,11 @@ TEST(LlamaCheckpoint, RoundTripContinuesExactlyZero3OffloadAdam8) {
   using S = squeeze::Strategy<squeeze::Sharded<squeeze::Stage3>, squeeze::Offload<squeeze::Host>, squeeze::Precision<squeeze::bf16, float>>;
   TempDir dir;
   torch::manual_seed(15);
-  Trainer<S> fp32_state(small_config(), fast_options(), torch::kCPU);
+  LlamaRun<S> fp32_state(small_config(), fast_options(), torch::kCPU);
   const auto [x, y] = batch(training_bytes(), 8, 16, 0);
   fp32_state.step(x, y);
   fp32_state.save(dir.file("z3.pt"));
-  Trainer<S8> adam8(small_config(), fast_options(), torch::kCPU);
+  LlamaRun<S8> adam8(small_config(), fast_options(), torch::kCPU);
   try {
     adam8.load(dir.file("z3.pt"));
     FAIL() << "no error";
@@ -807,9 +807,9 @@ TEST(LlamaCheckpoint, RoundTripContinuesExactlyZero2Fp16) {
 TEST(LlamaCheckpoint, RefusesACheckpointOfAnotherStrategy) {
   TempDir dir;
   torch::manual_seed(14);
-  Trainer<squeeze::Strategy<>> local(small_config(), fast_options(), torch::kCPU);
+  LlamaRun<squeeze::Strategy<>> local(small_config(), fast_options(), torch::kCPU);
   local.save(dir.file("local.pt"));
-  Trainer<QLoRA> q(small_config(), fast_options(), torch::kCPU);
+  LlamaRun<QLoRA> q(small_config(), fast_options(), torch::kCPU);
   try {
     q.load(dir.file("local.pt"));
     FAIL() << "no error";
@@ -823,11 +823,11 @@ TEST(LlamaCheckpoint, RefusesACheckpointOfAnotherStrategy) {
 TEST(LlamaCheckpoint, LoadsAnotherPrecisionsCheckpoint) {
   TempDir dir;
   torch::manual_seed(10);
-  Trainer<squeeze::Strategy<squeeze::Precision<squeeze::bf16, float>>> a(small_config(), fast_options(), torch::kCPU);
+  LlamaRun<squeeze::Strategy<squeeze::Precision<squeeze::bf16, float>>> a(small_config(), fast_options(), torch::kCPU);
   const auto [x, y] = batch(training_bytes(), 8, 16, 0);
   a.step(x, y);
   a.save(dir.file("bf16"));
-  Trainer<squeeze::Strategy<>> b(small_config(), fast_options(), torch::kCPU);
+  LlamaRun<squeeze::Strategy<>> b(small_config(), fast_options(), torch::kCPU);
   b.load(dir.file("bf16"));
   EXPECT_EQ(b.step_count(), 1);
   auto pa = a.model()->parameters(), pb = b.model()->parameters();
@@ -837,7 +837,7 @@ TEST(LlamaCheckpoint, LoadsAnotherPrecisionsCheckpoint) {
 TEST(LlamaCheckpoint, BadFilesGiveClearErrorsAndChangeNothing) {
   TempDir dir;
   torch::manual_seed(11);
-  Trainer<squeeze::Strategy<>> t(small_config(), fast_options(), torch::kCPU);
+  LlamaRun<squeeze::Strategy<>> t(small_config(), fast_options(), torch::kCPU);
   const auto before = t.model()->parameters()[0].clone();
   const auto expect_error = [&](const std::string& path, const std::string& words) {
     try {
@@ -864,7 +864,7 @@ TEST(LlamaCheckpoint, BadFilesGiveClearErrorsAndChangeNothing) {
   // Another model's checkpoint.
   LlamaConfig other = small_config();
   other.hidden = 48;
-  Trainer<squeeze::Strategy<>> o(other, fast_options(), torch::kCPU);
+  LlamaRun<squeeze::Strategy<>> o(other, fast_options(), torch::kCPU);
   o.save(dir.file("other"));
   expect_error(dir.file("other"), "holds preset");
 }
@@ -872,7 +872,7 @@ TEST(LlamaCheckpoint, BadFilesGiveClearErrorsAndChangeNothing) {
 TEST(LlamaCheckpoint, AFailedSaveKeepsTheOldCheckpoint) {
   TempDir dir;
   torch::manual_seed(12);
-  Trainer<squeeze::Strategy<>> t(small_config(), fast_options(), torch::kCPU);
+  LlamaRun<squeeze::Strategy<>> t(small_config(), fast_options(), torch::kCPU);
   const std::string root = dir.file("ckpt");
   t.save(root);
   const auto [x, y] = batch(training_bytes(), 8, 16, 0);
@@ -882,7 +882,7 @@ TEST(LlamaCheckpoint, AFailedSaveKeepsTheOldCheckpoint) {
                  if (point == "index.json:renamed") throw std::runtime_error("killed");
                }}),
                std::runtime_error);
-  Trainer<squeeze::Strategy<>> u(small_config(), fast_options(), torch::kCPU);
+  LlamaRun<squeeze::Strategy<>> u(small_config(), fast_options(), torch::kCPU);
   EXPECT_NO_THROW(u.load(root));
   EXPECT_EQ(u.step_count(), 0);
 }

@@ -85,19 +85,19 @@ TEST(LlamaCuda, EveryStrategyLowersTheLossAndReportsMemory) {
     o.lr = 1e-2, o.weight_decay = 0;
     torch::manual_seed(3);
     reset_peak_memory(dev);
-    Trainer<S> t(cuda_config(), o, dev);
+    LlamaRun<S> t(cuda_config(), o, dev);
     double first = 0, last = 0;
     for (int step = 0; step < 30; ++step) {
       auto gen = at::detail::createCPUGenerator(uint64_t(step));
       const torch::Tensor start = torch::randint(0, data.size(0) - 65, {8, 1}, gen, torch::kLong);
       const torch::Tensor w = data.index_select(0, (start + torch::arange(65, torch::kLong)).reshape({-1})).view({8, 65}).to(dev);
-      const StepResult r = t.step(w.narrow(1, 0, 64), w.narrow(1, 1, 64));
+      const BatchResult r = t.step(w.narrow(1, 0, 64), w.narrow(1, 1, 64));
       if (step == 0) first = r.loss;
       last = r.loss;
     }
     EXPECT_LT(last, first - 1.5) << first << " -> " << last;
 #if defined(SQUEEZE_TORCH_CUDA)
-    EXPECT_GT(memory_use(dev).peak_gb, 0.0);
+    EXPECT_GT(device_memory(dev).peak_gb, 0.0);
 #endif
   });
 }

@@ -74,7 +74,7 @@ Llama trained_tiny() {
   // Weight decay on every parameter, the recipe the assertions below were set on: without decay on the norms and
   // the embedding this 150-step model's KL at 2 and 3 bits falls within the noise between them.
   topt.decay_norms_biases_embeddings = true;
-  squeeze::llama::Trainer<squeeze::Strategy<>> trainer(LlamaConfig::preset("tiny"), topt, torch::kCPU);
+  squeeze::llama::LlamaRun<squeeze::Strategy<>> trainer(LlamaConfig::preset("tiny"), topt, torch::kCPU);
   const int64_t steps = 150;
   for (int64_t step = 0; step < steps; ++step) {
     const auto [x, y] = squeeze::llama::sample_batch(d.train_ids, 8, kSeq, 1337, step, torch::kCPU);

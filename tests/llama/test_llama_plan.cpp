@@ -15,7 +15,7 @@
 namespace {
 
 using namespace squeeze;
-using squeeze::llama::Trainer;
+using squeeze::llama::LlamaRun;
 
 nn::LlamaConfig plan_config() {
   nn::LlamaConfig c;  // GQA, a vocabulary the byte tokens fill, sizes that do not divide evenly
@@ -40,7 +40,7 @@ Measured measure(int64_t batch, int64_t seq, int64_t loss_chunk, bool fused = tr
   torch::manual_seed(21);
   const torch::Tensor x = torch::randint(0, c.vocab, {batch, seq}, torch::kLong), y = torch::randint(0, c.vocab, {batch, seq}, torch::kLong);
   squeeze::test::MemoryMeter meter;  // after the batch: the planner does not count the input tokens
-  Trainer<S> trainer(c, o, torch::kCPU);
+  LlamaRun<S> trainer(c, o, torch::kCPU);
   squeeze::test::CountingCpuAllocator::reset_peak();
   for (int step = 0; step < 3; ++step) trainer.step(x, y);
   return {meter.peak_bytes(), int64_t(llama::plan_for<S>(c, batch, seq, 1, loss_chunk, gradient_buffers).peak().device)};
