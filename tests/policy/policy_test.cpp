@@ -92,3 +92,73 @@ TEST(Policy, ErrorsNameWhereAndWhat) {
     EXPECT_NE(what.find("micro_batch must be >= 1"), std::string::npos) << what;
   }
 }
+
+// ---- strategy_name: every non-default policy, in canonical order; different strategies, different names ----------
+#include <squeeze/policy/strategy_name.hpp>
+
+#include <set>
+#include <tuple>
+
+namespace {
+
+using NameCases = std::tuple<
+    squeeze::Strategy<>, squeeze::Strategy<squeeze::Sharded<squeeze::Stage1>>, squeeze::Strategy<squeeze::Sharded<squeeze::Stage2>>,
+    squeeze::Strategy<squeeze::Sharded<squeeze::Stage3>>, squeeze::Strategy<squeeze::Sharded<squeeze::Stage3>, squeeze::Offload<squeeze::Host>>,
+    squeeze::Strategy<squeeze::Accumulate<4>>, squeeze::Strategy<squeeze::Accumulate<8>>,
+    squeeze::Strategy<squeeze::Precision<squeeze::bf16, float>>, squeeze::Strategy<squeeze::Precision<squeeze::bf16, squeeze::bf16>>,
+    squeeze::Strategy<squeeze::Precision<squeeze::half, float>>,
+    squeeze::Strategy<squeeze::Precision<squeeze::half, float>, squeeze::StaticLossScale<10>>,
+    squeeze::Strategy<squeeze::Precision<squeeze::half, float>, squeeze::StaticLossScale<12>>,
+    squeeze::Strategy<squeeze::Precision<squeeze::half, float>, squeeze::NoLossScale>,
+    squeeze::Strategy<squeeze::Precision<squeeze::half, squeeze::half>>,
+    squeeze::Strategy<squeeze::Quantized<4, squeeze::NF4>, squeeze::LoRA<8, 16>>,
+    squeeze::Strategy<squeeze::Quantized<4, squeeze::NF4, squeeze::DoubleQuant>, squeeze::LoRA<8, 16>>,
+    squeeze::Strategy<squeeze::Quantized<4, squeeze::NF4, squeeze::DoubleQuant>, squeeze::LoRA<8, 16, squeeze::all_linears>>,
+    squeeze::Strategy<squeeze::Quantized<4, squeeze::NF4, squeeze::DoubleQuant>, squeeze::LoRA<8, 32>>,
+    squeeze::Strategy<squeeze::Quantized<4, squeeze::NF4, squeeze::DoubleQuant>, squeeze::LoRA<16, 32>>,
+    squeeze::Strategy<squeeze::Quantized<4, squeeze::GPTQ, squeeze::Group<128>>, squeeze::LoRA<8, 16>>,
+    squeeze::Strategy<squeeze::Quantized<4, squeeze::GPTQ, squeeze::Group<128>, squeeze::ActOrder>, squeeze::LoRA<8, 16>>,
+    squeeze::Strategy<squeeze::Quantized<4, squeeze::GPTQ>, squeeze::LoRA<8, 16>>,
+    squeeze::Strategy<squeeze::Quantized<4, squeeze::RTN, squeeze::Group<128>>, squeeze::LoRA<8, 16>>,
+    squeeze::Strategy<squeeze::Quantized<3, squeeze::GPTQ, squeeze::Group<128>>, squeeze::LoRA<8, 16>>,
+    squeeze::Strategy<squeeze::Quantized<4, squeeze::GPTQ, squeeze::Group<128>>, squeeze::Inference>,
+    squeeze::Strategy<squeeze::Quantized<8, squeeze::Blockwise8>>, squeeze::Strategy<squeeze::Quantized<8, squeeze::Blockwise8, squeeze::Group<128>>>,
+    squeeze::Strategy<squeeze::Checkpointed>, squeeze::Strategy<squeeze::CheckpointEvery<2>>, squeeze::Strategy<squeeze::Inference>,
+    squeeze::Strategy<squeeze::LoRA<8, 16>>, squeeze::Strategy<squeeze::LoRA<8, 16, squeeze::LoraTargets::q | squeeze::LoraTargets::k>>>;
+
+template <std::size_t... I>
+void check_names(std::index_sequence<I...>) {
+  std::vector<std::string> names = {squeeze::strategy_name<std::tuple_element_t<I, NameCases>>()...};
+  std::set<std::string> distinct(names.begin(), names.end());
+  EXPECT_EQ(distinct.size(), names.size()) << "two different strategies share a name";
+}
+
+}  // namespace
+
+TEST(StrategyName, EveryPairOfDifferentStrategiesHasADifferentName) {
+  // The cases are pairwise different strategies (checked at compile time through their canonical forms).
+  []<std::size_t... I>(std::index_sequence<I...>) {
+    auto distinct_types = []<std::size_t A>() {
+      return ((A == I || !std::is_same_v<typename std::tuple_element_t<A, NameCases>::canonical,
+                                          typename std::tuple_element_t<I, NameCases>::canonical>) && ...);
+    };
+    static_assert((distinct_types.template operator()<I>() && ...), "two cases are the same strategy");
+  }(std::make_index_sequence<std::tuple_size_v<NameCases>>{});
+  check_names(std::make_index_sequence<std::tuple_size_v<NameCases>>{});
+}
+
+TEST(StrategyName, SpellsEveryPolicyInCanonicalOrder) {
+  using namespace squeeze;
+  EXPECT_EQ(strategy_name<Strategy<>>(), "Strategy<>");
+  EXPECT_EQ((strategy_name<Strategy<Checkpointed, Precision<bf16, float>, Offload<Host>, Sharded<Stage3>>>()),
+            "Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed>");
+  EXPECT_EQ((strategy_name<Strategy<LoRA<8, 16, all_linears>, Quantized<4, NF4, DoubleQuant>, Accumulate<2>, Precision<bf16, float>>>()),
+            "Strategy<Accumulate<2>, Precision<bf16, float>, Quantized<4, NF4, DoubleQuant>, LoRA<8, 16, all_linears>>");
+  EXPECT_EQ((strategy_name<Strategy<Quantized<8, Blockwise8>, Checkpointed, Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>>()),
+            "Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Quantized<8, Blockwise8>, Checkpointed>");
+  EXPECT_EQ((strategy_name<Strategy<StaticLossScale<10>, Precision<half, float>>>()), "Strategy<Precision<half, float>, StaticLossScale<10>>");
+  EXPECT_EQ((strategy_name<Strategy<Precision<half, float>>>()), "Strategy<Precision<half, float>>");  // dynamic: half's default
+  EXPECT_EQ((strategy_name<Strategy<Quantized<4, GPTQ, Group<128>, ActOrder>, Inference>>()),
+            "Strategy<Quantized<4, GPTQ, Group<128>, ActOrder>, Inference>");
+  EXPECT_EQ((strategy_name<Strategy<LoRA<8, 16, LoraTargets::q | LoraTargets::k>>>()), "Strategy<LoRA<8, 16, LoraTargets::q | LoraTargets::k>>");
+}

@@ -6,7 +6,7 @@
 #include <type_traits>
 
 #include "accumulation.hpp"
-#include "checkpoint.hpp"
+#include "recompute.hpp"
 #include "family.hpp"
 #include "lora.hpp"
 #include "loss_scale.hpp"
