@@ -33,7 +33,12 @@ echo "cmake: $($CMAKE --version | head -1)"
 step "configure ($BUILD_DIR)"
 "$CMAKE" -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release
 step "build (2 jobs; the CUDA and libtorch translation units take a few minutes)"
+rm -f "$BUILD_DIR/compile_times.log"
 "$CMAKE" --build "$BUILD_DIR" -j2
+if [ -s "$BUILD_DIR/compile_times.log" ]; then
+  step "the slowest translation units (seconds; ccache hits are fast): $BUILD_DIR/compile_times.log"
+  sort -rn "$BUILD_DIR/compile_times.log" | head -8 | sed "s|$PWD/||"
+fi
 
 if [ "${SKIP_EXAMPLE:-0}" != 1 ]; then
   step "main example: a tiny LLaMA learns the King James Bible on the CPU (bf16 compute, fp32 master, checkpointing)"

@@ -55,11 +55,23 @@ if(NOT SQUEEZE_TORCH_FOUND)
   message(STATUS "squeeze: torch-based tests and examples are skipped")
 endif()
 
-# Compile-time cache: pays for the torch-including translation units.
+# Compile-time cache: pays for the torch-including translation units. Every unit's compile time goes to
+# compile_times.log in the build tree (setup.sh prints the slowest); -DSQUEEZE_TIME_COMPILES=OFF leaves it out.
+option(SQUEEZE_TIME_COMPILES "Log each translation unit's compile time to <build>/compile_times.log" ON)
 find_program(CCACHE_PROGRAM ccache)
-if(CCACHE_PROGRAM AND NOT CMAKE_CXX_COMPILER_LAUNCHER)
-  set(CMAKE_CXX_COMPILER_LAUNCHER ${CCACHE_PROGRAM})
-  set(CMAKE_CUDA_COMPILER_LAUNCHER ${CCACHE_PROGRAM})
+if(NOT CMAKE_CXX_COMPILER_LAUNCHER)
+  set(_squeeze_launcher "")
+  find_program(BASH_PROGRAM bash)
+  if(SQUEEZE_TIME_COMPILES AND BASH_PROGRAM)
+    list(APPEND _squeeze_launcher ${BASH_PROGRAM} ${PROJECT_SOURCE_DIR}/cmake/time_compile.sh ${PROJECT_BINARY_DIR}/compile_times.log)
+  endif()
+  if(CCACHE_PROGRAM)
+    list(APPEND _squeeze_launcher ${CCACHE_PROGRAM})
+  endif()
+  if(_squeeze_launcher)
+    set(CMAKE_CXX_COMPILER_LAUNCHER ${_squeeze_launcher})
+    set(CMAKE_CUDA_COMPILER_LAUNCHER ${_squeeze_launcher})
+  endif()
 endif()
 
 # Host flags for a torch translation unit that nvcc compiles (CUDA libtorch builds: bench_table, llama_train,
