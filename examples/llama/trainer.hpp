@@ -211,11 +211,11 @@ inline double evaluate_loss(Llama& model, const std::vector<std::pair<torch::Ten
 // The library's (squeeze::save_checkpoint, train/checkpoint.hpp): a directory of step-NNNNNN/ checkpoints, one
 // safetensors file per rank and an index, `latest` naming the newest; the model's geometry rides in the record.
 inline nlohmann::json geometry_of(const LlamaConfig& c) {
-  const io::RopeScaling& r = c.rope_scaling;
+  const plan::RopeScaling& r = c.rope_scaling;
   return {{"preset", c.name}, {"vocab", c.vocab}, {"hidden", c.hidden}, {"layers", c.layers}, {"heads", c.heads},
           {"kv_heads", c.kv_heads}, {"ffn", c.ffn}, {"head_dim", c.head_dim()}, {"tie_embeddings", c.tie_embeddings},
           {"rope_theta", c.rope_theta}, {"norm_eps", c.norm_eps},
-          {"rope_scaling", {{"type", io::rope_type_name(r.type)}, {"factor", r.factor}, {"low_freq_factor", r.low_freq_factor},
+          {"rope_scaling", {{"type", plan::rope_type_name(r.type)}, {"factor", r.factor}, {"low_freq_factor", r.low_freq_factor},
                             {"high_freq_factor", r.high_freq_factor}, {"original_max_position_embeddings", r.original_max_position_embeddings}}}};
 }
 

@@ -85,7 +85,7 @@ nn::LlamaConfig odd_config(bool tied) {
   c.vocab = 291, c.hidden = 40, c.layers = 3, c.heads = 5, c.kv_heads = 1, c.ffn = 97;
   c.explicit_head_dim = 12;
   c.rope_theta = 50000.0;
-  c.rope_scaling = {io::RopeType::Llama3, 4.0, 1.0, 4.0, 32};
+  c.rope_scaling = {plan::RopeType::Llama3, 4.0, 1.0, 4.0, 32};
   c.norm_eps = 1e-6;
   c.tie_embeddings = tied;
   return c;
@@ -139,7 +139,7 @@ TEST(HfConfigMap, DefaultGeometryStaysImplicitAndTheMapRoundTrips) {
   const nn::LlamaConfig c2 = nn::from_hf_config(l2);
   EXPECT_EQ(c2.explicit_head_dim, 0);  // head_dim 16 == 64 / 4: the same config a squeeze preset would be
   EXPECT_FALSE(c2.tie_embeddings);
-  EXPECT_EQ(c2.rope_scaling.type, io::RopeType::Default);
+  EXPECT_EQ(c2.rope_scaling.type, plan::RopeType::Default);
   EXPECT_EQ(c2.norm_eps, 1e-5);
 
   const io::LlamaConfig l3 = io::load_llama_config(kFixtures / "llama3-tiny");
@@ -147,7 +147,7 @@ TEST(HfConfigMap, DefaultGeometryStaysImplicitAndTheMapRoundTrips) {
   EXPECT_EQ(c3.explicit_head_dim, 24);
   EXPECT_EQ(c3.head_dim(), 24);
   EXPECT_TRUE(c3.tie_embeddings);
-  EXPECT_EQ(c3.rope_scaling.type, io::RopeType::Llama3);
+  EXPECT_EQ(c3.rope_scaling.type, plan::RopeType::Llama3);
   EXPECT_EQ(c3.rope_scaling.original_max_position_embeddings, 16);
   EXPECT_EQ(c3.shape().params(), 160576);  // the index's total_parameters: the planner counts head_dim and the tie
 
@@ -171,7 +171,7 @@ TEST(HfConfigMap, RopeTablesFollowTheConfig) {
   const nn::LlamaConfig c = odd_config(false);
   const auto [cos, sin] = nn::rope_tables(T, c, torch::kCPU);  // [T, 12]
   ASSERT_EQ(cos.sizes(), torch::IntArrayRef({T, 12}));
-  const auto f = io::rope_inv_freq(c.head_dim(), c.rope_theta, c.rope_scaling);
+  const auto f = plan::rope_inv_freq(c.head_dim(), c.rope_theta, c.rope_scaling);
   for (int64_t t : {1, 7, 18})
     for (int64_t i = 0; i < 6; ++i) {
       const double angle = double(t) * double(float(f[size_t(i)]));

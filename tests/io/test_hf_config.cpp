@@ -225,7 +225,7 @@ TEST(HfConfig, TinyLlama) {
   EXPECT_EQ(c.head_dim, 64);  // hidden / heads
   EXPECT_DOUBLE_EQ(c.rms_norm_eps, 1e-5);
   EXPECT_DOUBLE_EQ(c.rope_theta, 10000.0);
-  EXPECT_EQ(c.rope_scaling.type, io::RopeType::Default);
+  EXPECT_EQ(c.rope_scaling.type, plan::RopeType::Default);
   EXPECT_FALSE(c.tie_word_embeddings);
   EXPECT_EQ(c.max_position_embeddings, 2048);
   EXPECT_EQ(c.dtype, io::DType::BF16);
@@ -246,7 +246,7 @@ TEST(HfConfig, Llama31WithLlama3RopeScaling) {
   EXPECT_EQ(c.head_dim, 128);
   EXPECT_EQ(c.max_position_embeddings, 131072);
   EXPECT_DOUBLE_EQ(c.rope_theta, 500000.0);
-  EXPECT_EQ(c.rope_scaling.type, io::RopeType::Llama3);
+  EXPECT_EQ(c.rope_scaling.type, plan::RopeType::Llama3);
   EXPECT_DOUBLE_EQ(c.rope_scaling.factor, 8.0);
   EXPECT_DOUBLE_EQ(c.rope_scaling.low_freq_factor, 1.0);
   EXPECT_DOUBLE_EQ(c.rope_scaling.high_freq_factor, 4.0);
@@ -270,7 +270,7 @@ TEST(HfConfig, ReadsWhatTransformers5Saves) {
   EXPECT_EQ(c.head_dim, 16);
   EXPECT_EQ(c.num_key_value_heads, 1);
   EXPECT_EQ(c.dtype, io::DType::BF16);
-  EXPECT_EQ(c.rope_scaling.type, io::RopeType::Llama3);
+  EXPECT_EQ(c.rope_scaling.type, plan::RopeType::Llama3);
   EXPECT_EQ(c.rope_scaling.original_max_position_embeddings, 16);
   EXPECT_DOUBLE_EQ(c.rope_theta, 500000.0);
   // that model's inv_freq buffer (bf16): our double values round to it
@@ -432,7 +432,7 @@ TEST(HfConfig, WriterRoundTripsAndSpellsWhatTransformersReads) {
   io::LlamaConfig c;
   c.vocab_size = 512, c.hidden_size = 64, c.intermediate_size = 176, c.num_hidden_layers = 2, c.num_attention_heads = 4;
   c.num_key_value_heads = 2, c.head_dim = 32, c.rms_norm_eps = 1e-5, c.rope_theta = 5e5;
-  c.rope_scaling = {io::RopeType::Linear, 4.0};
+  c.rope_scaling = {plan::RopeType::Linear, 4.0};
   c.pad_token_id = 0, c.bos_token_id = 1, c.eos_token_ids = {2, 3};
   const auto w = io::llama_config_json(c);
   EXPECT_EQ(w["torch_dtype"], "float32");
@@ -469,8 +469,8 @@ TEST(HfConfig, SaveAndLoadFile) {
 // below L / 4 = 256, divided by 8 above L / 1 = 1024, blended between. The third: s = (1024 / 628.3185 - 1) / 3
 // = 0.2099155, f' = 0.01 (1 - s) / 8 + 0.01 s = 0.0030867610.
 TEST(RopeFrequencies, Llama3HandComputed) {
-  const io::RopeScaling s{io::RopeType::Llama3, 8.0, 1.0, 4.0, 1024};
-  const auto f = io::rope_inv_freq(8, 10000.0, s);
+  const plan::RopeScaling s{plan::RopeType::Llama3, 8.0, 1.0, 4.0, 1024};
+  const auto f = plan::rope_inv_freq(8, 10000.0, s);
   ASSERT_EQ(f.size(), 4u);
   EXPECT_NEAR(f[0], 1.0, 1e-15);
   EXPECT_NEAR(f[1], 0.1, 1e-15);
@@ -479,20 +479,20 @@ TEST(RopeFrequencies, Llama3HandComputed) {
 }
 
 TEST(RopeFrequencies, DefaultAndLinear) {
-  const auto d = io::rope_inv_freq(8, 10000.0, {});
-  const auto l = io::rope_inv_freq(8, 10000.0, {io::RopeType::Linear, 4.0});
+  const auto d = plan::rope_inv_freq(8, 10000.0, {});
+  const auto l = plan::rope_inv_freq(8, 10000.0, {plan::RopeType::Linear, 4.0});
   const double base[] = {1.0, 0.1, 0.01, 0.001};
   for (int i = 0; i < 4; ++i) {
     EXPECT_NEAR(d[i], base[i], 1e-15 * 10);
     EXPECT_NEAR(l[i], base[i] / 4, 1e-15 * 10);
   }
-  expect_error([] { io::rope_inv_freq(7, 10000.0, {}); }, {"head_dim", "even"});
+  expect_error([] { plan::rope_inv_freq(7, 10000.0, {}); }, {"head_dim", "even"});
 }
 
 TEST(RopeFrequencies, Llama31Geometry) {
   const auto c = io::parse_llama_config(kLlama31_8B);
   const auto f = io::rope_inv_freq(c);
-  const auto base = io::rope_inv_freq(c.head_dim, c.rope_theta, {});
+  const auto base = plan::rope_inv_freq(c.head_dim, c.rope_theta, {});
   ASSERT_EQ(f.size(), 64u);
   int kept = 0, divided = 0, blended = 0;
   for (std::size_t i = 0; i < f.size(); ++i) {

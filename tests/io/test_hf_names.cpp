@@ -167,7 +167,7 @@ TEST(RopeLayout, PermutedWeightsGiveTheSameRotatedQueries) {
   std::vector<double> w(std::size_t(heads * D * in)), x(static_cast<std::size_t>(in));
   for (auto& v : w) v = nd(rng);
   for (auto& v : x) v = nd(rng);
-  const auto freq = io::rope_inv_freq(D, 10000.0, {});
+  const auto freq = plan::rope_inv_freq(D, 10000.0, {});
   auto project = [&](const std::vector<double>& m) {
     std::vector<double> y(std::size_t(heads * D), 0.0);
     for (std::int64_t r = 0; r < heads * D; ++r)

@@ -35,7 +35,7 @@
 
 #include "../error.hpp"
 #include "json_file.hpp"
-#include "rope.hpp"
+#include "../plan/rope.hpp"
 #include "safetensors.hpp"
 
 namespace squeeze::io {
@@ -51,7 +51,7 @@ struct LlamaConfig {
   std::int64_t head_dim = 128;
   double rms_norm_eps = 1e-6;
   double rope_theta = 10000.0;
-  RopeScaling rope_scaling;
+  plan::RopeScaling rope_scaling;
   bool tie_word_embeddings = false;
   std::int64_t max_position_embeddings = 2048;
   std::optional<DType> dtype;  // torch_dtype / dtype: F32, F16 or BF16; absent when the file names none
@@ -84,8 +84,8 @@ struct LlamaConfig {
     need(head_dim % 2 == 0, "head_dim (" + std::to_string(head_dim) + ") must be even for RoPE");
     need(rms_norm_eps > 0 && std::isfinite(rms_norm_eps), "rms_norm_eps must be positive");
     need(rope_theta > 0 && std::isfinite(rope_theta), "rope_theta must be positive");
-    if (rope_scaling.type != RopeType::Default) need(rope_scaling.factor > 0 && std::isfinite(rope_scaling.factor), "rope_scaling.factor must be positive");
-    if (rope_scaling.type == RopeType::Llama3) {
+    if (rope_scaling.type != plan::RopeType::Default) need(rope_scaling.factor > 0 && std::isfinite(rope_scaling.factor), "rope_scaling.factor must be positive");
+    if (rope_scaling.type == plan::RopeType::Llama3) {
       need(rope_scaling.low_freq_factor > 0, "rope_scaling.low_freq_factor must be positive");
       need(rope_scaling.high_freq_factor > rope_scaling.low_freq_factor,
            "rope_scaling.high_freq_factor must be greater than low_freq_factor (the llama3 formula divides by their difference)");
@@ -189,7 +189,7 @@ class ConfigReader {
   }
 
   // A rope_scaling / rope_parameters object: its scaling and, if it names one, its rope_theta.
-  std::pair<RopeScaling, std::optional<double>> rope(const nlohmann::json& o, const std::string& where) const {
+  std::pair<plan::RopeScaling, std::optional<double>> rope(const nlohmann::json& o, const std::string& where) const {
     if (!o.is_object()) fail("'" + where + "' must be an object or null, got " + o.dump());
     std::optional<std::string> type;
     for (const char* k : {"rope_type", "type"}) {
@@ -203,15 +203,15 @@ class ConfigReader {
       if (where == "rope_scaling") fail("'rope_scaling' has no 'rope_type' (or 'type')");
       type = "default";
     }
-    RopeScaling r;
+    plan::RopeScaling r;
     std::set<std::string> allowed = {"rope_type", "type", "rope_theta", "partial_rotary_factor"};
     if (*type == "default") {
-      r.type = RopeType::Default;
+      r.type = plan::RopeType::Default;
     } else if (*type == "linear") {
-      r.type = RopeType::Linear;
+      r.type = plan::RopeType::Linear;
       allowed.insert("factor");
     } else if (*type == "llama3") {
-      r.type = RopeType::Llama3;
+      r.type = plan::RopeType::Llama3;
       allowed.insert({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"});
     } else {
       refuse(where + ".rope_type", "'" + *type + "'", "squeeze implements RoPE types default, linear and llama3");
@@ -222,8 +222,8 @@ class ConfigReader {
       if (!o.contains(k) || o[k].is_null()) fail("'" + where + "' of type '" + *type + "' needs '" + k + "'");
       return number_value(o[k], where + "." + k);
     };
-    if (r.type != RopeType::Default) r.factor = num("factor");
-    if (r.type == RopeType::Llama3) {
+    if (r.type != plan::RopeType::Default) r.factor = num("factor");
+    if (r.type == plan::RopeType::Llama3) {
       r.low_freq_factor = num("low_freq_factor");
       r.high_freq_factor = num("high_freq_factor");
       if (!o.contains("original_max_position_embeddings")) fail("'" + where + "' of type 'llama3' needs 'original_max_position_embeddings'");
@@ -295,7 +295,7 @@ inline LlamaConfig llama_config_from_json(const nlohmann::json& j, std::string_v
     if (theta && *theta != *t) r.fail("'" + where + ".rope_theta' (" + std::to_string(*t) + ") disagrees with rope_theta (" + std::to_string(*theta) + ")");
     theta = t;
   };
-  std::optional<RopeScaling> from_scaling, from_params;
+  std::optional<plan::RopeScaling> from_scaling, from_params;
   if (const auto* s = r.find("rope_scaling"); s && !s->is_null()) {
     auto [rs, t] = r.rope(*s, "rope_scaling");
     from_scaling = rs;
@@ -307,9 +307,9 @@ inline LlamaConfig llama_config_from_json(const nlohmann::json& j, std::string_v
     merge_theta(t, "rope_parameters");
   }
   if (from_scaling && from_params && !(*from_scaling == *from_params))
-    r.fail("'rope_scaling' (type " + std::string(rope_type_name(from_scaling->type)) + ") and 'rope_parameters' (type " +
-           std::string(rope_type_name(from_params->type)) + ") describe different RoPE scalings");
-  c.rope_scaling = from_scaling ? *from_scaling : from_params ? *from_params : RopeScaling{};
+    r.fail("'rope_scaling' (type " + std::string(plan::rope_type_name(from_scaling->type)) + ") and 'rope_parameters' (type " +
+           std::string(plan::rope_type_name(from_params->type)) + ") describe different RoPE scalings");
+  c.rope_scaling = from_scaling ? *from_scaling : from_params ? *from_params : plan::RopeScaling{};
   c.rope_theta = theta.value_or(10000.0);
 
   // dtype
@@ -415,11 +415,11 @@ inline nlohmann::json llama_config_json(const LlamaConfig& c) {
   j["initializer_range"] = 0.02;
   j["rms_norm_eps"] = c.rms_norm_eps;
   j["rope_theta"] = c.rope_theta;
-  if (c.rope_scaling.type == RopeType::Default) {
+  if (c.rope_scaling.type == plan::RopeType::Default) {
     j["rope_scaling"] = nullptr;
   } else {
-    nlohmann::json s = {{"rope_type", std::string(rope_type_name(c.rope_scaling.type))}, {"factor", c.rope_scaling.factor}};
-    if (c.rope_scaling.type == RopeType::Llama3) {
+    nlohmann::json s = {{"rope_type", std::string(plan::rope_type_name(c.rope_scaling.type))}, {"factor", c.rope_scaling.factor}};
+    if (c.rope_scaling.type == plan::RopeType::Llama3) {
       s["low_freq_factor"] = c.rope_scaling.low_freq_factor;
       s["high_freq_factor"] = c.rope_scaling.high_freq_factor;
       s["original_max_position_embeddings"] = c.rope_scaling.original_max_position_embeddings;
@@ -447,7 +447,7 @@ inline void save_llama_config(const std::filesystem::path& dir, const LlamaConfi
   save_json(dir / "config.json", llama_config_json(c), "config");
 }
 
-// The scaled RoPE inverse frequencies of a config (io/rope.hpp).
-inline std::vector<double> rope_inv_freq(const LlamaConfig& c) { return rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling); }
+// The scaled RoPE inverse frequencies of a config (plan/rope.hpp).
+inline std::vector<double> rope_inv_freq(const LlamaConfig& c) { return plan::rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling); }
 
 }  // namespace squeeze::io

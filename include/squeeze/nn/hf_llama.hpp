@@ -119,11 +119,11 @@ inline std::string network_difference(const LlamaConfig& a, const LlamaConfig& b
       {"tie_embeddings", a.tie_embeddings ? "true" : "false", b.tie_embeddings ? "true" : "false"},
       {"norm_eps", num(a.norm_eps), num(b.norm_eps)},
       {"rope_theta", num(a.rope_theta), num(b.rope_theta)},
-      {"rope_scaling", std::string(io::rope_type_name(a.rope_scaling.type)), std::string(io::rope_type_name(b.rope_scaling.type))},
+      {"rope_scaling", std::string(plan::rope_type_name(a.rope_scaling.type)), std::string(plan::rope_type_name(b.rope_scaling.type))},
   };
   for (const auto& [field, x, y] : fields)
     if (x != y) return std::string(field) + ": " + x + " vs " + y;
-  if (!(a.rope_scaling == b.rope_scaling)) return "rope_scaling: the " + std::string(io::rope_type_name(a.rope_scaling.type)) + " parameters differ";
+  if (!(a.rope_scaling == b.rope_scaling)) return "rope_scaling: the " + std::string(plan::rope_type_name(a.rope_scaling.type)) + " parameters differ";
   return "";
 }
 

@@ -23,7 +23,7 @@
 #include <string_view>
 #include <vector>
 
-#include "../io/rope.hpp"
+#include "../plan/rope.hpp"
 #include "fused_linear_cross_entropy.hpp"
 #include "fused_ops.hpp"
 #include "../plan/memory.hpp"
@@ -43,7 +43,7 @@ struct LlamaConfig {
   int64_t kv_heads = 2;
   int64_t ffn = 352;
   double rope_theta = 10000.0;
-  io::RopeScaling rope_scaling;  // default: none, the frequencies are rope_theta's alone
+  plan::RopeScaling rope_scaling;  // default: none, the frequencies are rope_theta's alone
   double norm_eps = 1e-5;
   // 0: hidden / heads. Hugging Face configs may set head_dim apart from it (Llama 3 style tiny models).
   int64_t explicit_head_dim = 0;
@@ -119,10 +119,10 @@ inline std::pair<torch::Tensor, torch::Tensor> rope_tables(int64_t T, int64_t D,
   const auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(device);
   return rope_tables(T, torch::pow(theta, -torch::arange(0, D, 2, f32) / double(D)));  // inv_freq [D/2]
 }
-// A config's tables: unscaled as above, or linear / llama3 scaling by io::rope_inv_freq (double, rounded to float).
+// A config's tables: unscaled as above, or linear / llama3 scaling by plan::rope_inv_freq (double, rounded to float).
 inline std::pair<torch::Tensor, torch::Tensor> rope_tables(int64_t T, const LlamaConfig& c, torch::Device device) {
-  if (c.rope_scaling.type == io::RopeType::Default) return rope_tables(T, c.head_dim(), c.rope_theta, device);
-  const std::vector<double> f = io::rope_inv_freq(c.head_dim(), c.rope_theta, c.rope_scaling);
+  if (c.rope_scaling.type == plan::RopeType::Default) return rope_tables(T, c.head_dim(), c.rope_theta, device);
+  const std::vector<double> f = plan::rope_inv_freq(c.head_dim(), c.rope_theta, c.rope_scaling);
   const torch::Tensor inv_freq = torch::tensor(f, torch::kFloat64).to(device, torch::kFloat32);  // [D/2]
   return rope_tables(T, inv_freq);
 }

@@ -10,7 +10,7 @@
 
 #include "../error.hpp"
 
-namespace squeeze::io {
+namespace squeeze::plan {
 
 enum class RopeType { Default, Linear, Llama3 };
 
@@ -66,4 +66,4 @@ inline std::vector<double> rope_inv_freq(std::int64_t head_dim, double theta, co
   return f;
 }
 
-}  // namespace squeeze::io
+}  // namespace squeeze::plan
