@@ -20,7 +20,7 @@ template <class F>
 nlohmann::json run_named_strategy(const std::string& name, F&& run) {
   if (name == "zero3-offload-bf16-ckpt") return run.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed>>();
   if (name == "zero3-offload-bf16-ckpt-adam8")
-    return run.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed, Quantized<8, Blockwise8>>>();
+    return run.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed, QuantizedState<8>>>();
   if (name == "zero3-bf16-ckpt") return run.template operator()<Strategy<Sharded<Stage3>, Precision<bf16, float>, Checkpointed>>();
   if (name == "bf16-ckpt") return run.template operator()<Strategy<Precision<bf16, float>, Checkpointed>>();
   throw std::runtime_error("--strategy: one of " + std::string(kBenchStrategies) + ", got '" + name + "'");

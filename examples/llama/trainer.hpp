@@ -61,7 +61,7 @@ void for_each_strategy(F&& f) {
   f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<half, float>, Accumulate<4>>>("zero3-offload-fp16-accum4");
   f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed>>("zero3-offload-bf16-ckpt");
   // The same with 8-bit Adam moments (block-wise quantized, 2 bytes per parameter instead of 8 on the host).
-  f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed, Quantized<8, Blockwise8>>>(
+  f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed, QuantizedState<8>>>(
       "zero3-offload-bf16-ckpt-adam8");
   // LoRA on a dense frozen bf16 base (the fine-tuning comparison's plain LoRA: QLoRA without the quantization).
   f.template operator()<Strategy<LoRA<8, 16>, Precision<bf16, float>, Checkpointed>>("lora");
@@ -71,7 +71,7 @@ void for_each_strategy(F&& f) {
   f.template operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16, all_linears>, Precision<bf16, float>, Checkpointed>>(
       "qlora-all");
   // ... with the adapters' Adam moments as 8-bit codes (2 bytes + 8/256 per adapter value instead of 8)
-  f.template operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed, Quantized<8, Blockwise8>>>(
+  f.template operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed, QuantizedState<8>>>(
       "qlora-adam8");
   // The same on a GPTQ-format 4-bit base (group 128; the values by round-to-nearest: apply_lora has no calibration
   // data; a GPTQ-quantized checkpoint has the same format, memory and kernels).

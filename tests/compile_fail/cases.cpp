@@ -9,7 +9,7 @@ static_assert(sizeof(S) > 0);
 using Q = Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 32>, Precision<bf16, float>>;
 static_assert(sizeof(Q) > 0);
 static_assert(S::stage == 3 && Q::has_lora);
-using A8 = Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Quantized<8, Blockwise8>>;  // 8-bit Adam state
+using A8 = Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, QuantizedState<8>>;  // 8-bit Adam state
 static_assert(A8::state_bits == 8 && A8::state_quantization::group == 256);
 #elif defined(CASE_duplicate_family)
 using S = Strategy<Sharded<Stage1>, Accumulate<2>, Sharded<Stage3>>;

@@ -96,8 +96,8 @@ using Strategies = ::testing::Types<
     sq::Strategy<>, sq::Strategy<Precision<bf16, float>, Accumulate<2>>, sq::Strategy<Sharded<sq::Stage1>, Precision<bf16, float>>,
     sq::Strategy<Sharded<sq::Stage2>, Precision<half, float>>, sq::Strategy<Sharded<sq::Stage3>, Precision<bf16, float>, Accumulate<2>>,
     sq::Strategy<Sharded<sq::Stage3>, sq::Offload<sq::Host>, Precision<bf16, float>>,
-    sq::Strategy<Precision<bf16, float>, sq::Quantized<8, sq::Blockwise8>>,
-    sq::Strategy<Sharded<sq::Stage1>, sq::Offload<sq::Host>, Precision<bf16, float>, sq::Quantized<8, sq::Blockwise8>>,
+    sq::Strategy<Precision<bf16, float>, sq::QuantizedState<8>>,
+    sq::Strategy<Sharded<sq::Stage1>, sq::Offload<sq::Host>, Precision<bf16, float>, sq::QuantizedState<8>>,
     sq::Strategy<sq::LoRA<4, 8, Targets::value>, Accumulate<2>>,
     sq::Strategy<sq::Quantized<4, sq::NF4, sq::DoubleQuant>, sq::LoRA<4, 8, Targets::value>, Sharded<sq::Stage1>>>;
 TYPED_TEST_SUITE(Resume, Strategies);
@@ -170,14 +170,14 @@ TEST(TrainerCheckpoint, LoadsAcrossStage3GatherUnits) {
 // window then stays within the 8-bit moments' requantization of the world-2 continuation (lr 1e-2: a 1% change of
 // a moment moves an update by about 1e-4).
 TEST(TrainerCheckpoint, EightBitMomentsReshardAcrossWorldsAndStages) {
-  using Saved = sq::Strategy<Sharded<sq::Stage1>, sq::Quantized<8, sq::Blockwise8>>;
+  using Saved = sq::Strategy<Sharded<sq::Stage1>, sq::QuantizedState<8>>;
   TempDir dir;
   const TrainRun saved = train<Saved>(2, 0, 2, nullptr, &dir.path);
   const TrainRun cont = train<Saved>(2, 2, 3, &dir.path, nullptr);
   for (int world : {1, 3}) {
     const std::string what = "8-bit, world " + std::to_string(world);
-    using Z3 = sq::Strategy<Sharded<sq::Stage3>, sq::Quantized<8, sq::Blockwise8>>;
-    using Z0 = sq::Strategy<sq::Quantized<8, sq::Blockwise8>>;
+    using Z3 = sq::Strategy<Sharded<sq::Stage3>, sq::QuantizedState<8>>;
+    using Z0 = sq::Strategy<sq::QuantizedState<8>>;
     expect_bitwise(train<Z3>(world, 2, 2, &dir.path, nullptr).params, saved.params, what + ", stage 3: loaded weights");
     expect_bitwise(train<Z0>(world, 2, 2, &dir.path, nullptr).params, saved.params, what + ", stage 0: loaded weights");
     expect_close(train<Z3>(world, 2, 3, &dir.path, nullptr).params, cont.params, 5e-4, 1e-3, what + ", stage 3: one more window");
@@ -208,7 +208,7 @@ TEST(TrainerCheckpoint, ConvertsBetweenBf16WithMastersAndFp32) {
 
 TEST(TrainerCheckpoint, RefusalsNameTheProblemAndChangeNothing) {
   using Fp32 = sq::Strategy<Sharded<sq::Stage1>>;
-  using Adam8 = sq::Strategy<Sharded<sq::Stage1>, sq::Quantized<8, sq::Blockwise8>>;
+  using Adam8 = sq::Strategy<Sharded<sq::Stage1>, sq::QuantizedState<8>>;
   TempDir dir, dir8;
   train<Fp32>(2, 0, 1, nullptr, &dir.path);
   train<Adam8>(2, 0, 1, nullptr, &dir8.path);

@@ -741,7 +741,7 @@ TEST(LlamaCheckpoint, RoundTripContinuesExactlyQLoRA) {
 // The same with the adapters' Adam moments as 8-bit codes (nn::AdamW8): its codes, scales and steps come back.
 TEST(LlamaCheckpoint, RoundTripContinuesExactlyQLoRAAdam8) {
   round_trip<squeeze::Strategy<squeeze::Quantized<4, squeeze::NF4, squeeze::DoubleQuant>, squeeze::LoRA<8, 16>, squeeze::Precision<squeeze::bf16, float>,
-                               squeeze::Checkpointed, squeeze::Quantized<8, squeeze::Blockwise8>>>(/*other_seed=*/9);
+                               squeeze::Checkpointed, squeeze::QuantizedState<8>>>(/*other_seed=*/9);
 }
 
 TEST(LlamaCheckpoint, QLoRARefusesAnotherBase) {
@@ -777,7 +777,7 @@ TEST(LlamaCheckpoint, RoundTripContinuesExactlyZero3Offload) {
 // fp32-state strategy (same shapes) is refused by dtype before anything changes.
 TEST(LlamaCheckpoint, RoundTripContinuesExactlyZero3OffloadAdam8) {
   using S8 = squeeze::Strategy<squeeze::Sharded<squeeze::Stage3>, squeeze::Offload<squeeze::Host>, squeeze::Precision<squeeze::bf16, float>,
-                               squeeze::Quantized<8, squeeze::Blockwise8>>;
+                               squeeze::QuantizedState<8>>;
   round_trip<S8>();
   using S = squeeze::Strategy<squeeze::Sharded<squeeze::Stage3>, squeeze::Offload<squeeze::Host>, squeeze::Precision<squeeze::bf16, float>>;
   TempDir dir;

@@ -1,4 +1,4 @@
-// train::Trainer with 8-bit optimizer state (Quantized<8, Blockwise8>; kernels/adamw8.hpp), on LocalComm ranks on
+// train::Trainer with 8-bit optimizer state (QuantizedState<8>; kernels/adamw8.hpp), on LocalComm ranks on
 // the CPU: training against the fp32-state run, memory against the planner, checkpoint round trips, the
 // offload pipeline's overlapped == in-order guarantee, and the device path's torch ops against the kernels.
 #include "zero_common.hpp"
@@ -10,7 +10,7 @@ namespace {
 using namespace zero_test;
 namespace sk = squeeze::kernels;
 
-using Adam8 = Quantized<8, Blockwise8>;
+using Adam8 = QuantizedState<8>;
 using Z3Off = Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>;
 using Z3Off8 = Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Adam8>;
 static_assert(Z3Off8::state_bits == 8 && Z3Off8::state_quantization::group == 256);

@@ -54,7 +54,7 @@ TEST(Adam8TrainerCuda, DeviceUpdateIsTheCpuTwinBitwise) {
 
 TEST(Adam8TrainerCuda, KernelPathTracksTheCpuRun) {
   REQUIRE_CUDA();
-  using S = Strategy<Precision<bf16, float>, Quantized<8, Blockwise8>>;
+  using S = Strategy<Precision<bf16, float>, QuantizedState<8>>;
   const Data data = make_data(Model::llama, 1, 2, 6);
   auto run = [&](torch::Device dev) {
     auto model = make_model(Model::llama, torch::kBFloat16);

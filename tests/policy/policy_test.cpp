@@ -13,7 +13,7 @@ static_assert(ShardingPolicy<Sharded<Stage2>> && !ShardingPolicy<Accumulate<2>>)
 static_assert(AccumulationPolicy<Accumulate<4>> && !AccumulationPolicy<Sharded<Stage1>>);
 static_assert(PrecisionPolicy<Precision<half, float>> && !PrecisionPolicy<Checkpointed>);
 static_assert(WeightQuantizationPolicy<Quantized<3, GPTQ, Group<128>, ActOrder>>);
-static_assert(!WeightQuantizationPolicy<Quantized<8, Blockwise8>> && StateQuantizationPolicy<Quantized<8, Blockwise8>>);
+static_assert(!WeightQuantizationPolicy<QuantizedState<8>> && StateQuantizationPolicy<QuantizedState<8>>);
 static_assert(LoraPolicy<LoRA<16, 32>> && CheckpointPolicy<CheckpointEvery<4>> && OffloadPolicy<Offload<Host>>);
 static_assert(ModePolicy<Inference> && LossScalePolicy<StaticLossScale<12>>);
 static_assert(!Policy<int> && !Policy<float>);
@@ -52,10 +52,10 @@ static_assert(QLoRA::lora::targets == (LoraTargets::q | LoraTargets::v));
 using GPTQ4 = Strategy<Quantized<4, GPTQ, Group<128>>, Inference, Precision<half, half>>;
 static_assert(!GPTQ4::training && !GPTQ4::base_trainable && GPTQ4::weight_quantization::group == 128);
 static_assert(Quantized<4, GPTQ>::group == 0, "GPTQ defaults to one scale per output channel");
-static_assert(Quantized<4, RTN, PerChannel>::group == 0 && Quantized<8, Blockwise8>::group == 256);
+static_assert(Quantized<4, RTN, PerChannel>::group == 0 && QuantizedState<8>::group == 256);
 static_assert(Quantized<4, GPTQ, ActOrder, Group<32>>::act_order && Quantized<4, GPTQ, ActOrder, Group<32>>::group == 32);
 
-using Adam8 = Strategy<Quantized<8, Blockwise8>, Precision<bf16, float>>;
+using Adam8 = Strategy<QuantizedState<8>, Precision<bf16, float>>;
 static_assert(Adam8::state_bits == 8 && Adam8::base_trainable && !Adam8::quantized_weights,
               "8-bit optimizer state leaves the weights trainable");
 using LoraOnly = Strategy<LoRA<4, 8>>;
@@ -122,7 +122,7 @@ using NameCases = std::tuple<
     squeeze::Strategy<squeeze::Quantized<4, squeeze::RTN, squeeze::Group<128>>, squeeze::LoRA<8, 16>>,
     squeeze::Strategy<squeeze::Quantized<3, squeeze::GPTQ, squeeze::Group<128>>, squeeze::LoRA<8, 16>>,
     squeeze::Strategy<squeeze::Quantized<4, squeeze::GPTQ, squeeze::Group<128>>, squeeze::Inference>,
-    squeeze::Strategy<squeeze::Quantized<8, squeeze::Blockwise8>>, squeeze::Strategy<squeeze::Quantized<8, squeeze::Blockwise8, squeeze::Group<128>>>,
+    squeeze::Strategy<squeeze::QuantizedState<8>>, squeeze::Strategy<squeeze::Quantized<8, squeeze::Blockwise8, squeeze::Group<128>>>,
     squeeze::Strategy<squeeze::Checkpointed>, squeeze::Strategy<squeeze::CheckpointEvery<2>>, squeeze::Strategy<squeeze::Inference>,
     squeeze::Strategy<squeeze::LoRA<8, 16>>, squeeze::Strategy<squeeze::LoRA<8, 16, squeeze::LoraTargets::q | squeeze::LoraTargets::k>>>;
 
@@ -154,11 +154,24 @@ TEST(StrategyName, SpellsEveryPolicyInCanonicalOrder) {
             "Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed>");
   EXPECT_EQ((strategy_name<Strategy<LoRA<8, 16, all_linears>, Quantized<4, NF4, DoubleQuant>, Accumulate<2>, Precision<bf16, float>>>()),
             "Strategy<Accumulate<2>, Precision<bf16, float>, Quantized<4, NF4, DoubleQuant>, LoRA<8, 16, all_linears>>");
-  EXPECT_EQ((strategy_name<Strategy<Quantized<8, Blockwise8>, Checkpointed, Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>>()),
-            "Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Quantized<8, Blockwise8>, Checkpointed>");
+  EXPECT_EQ((strategy_name<Strategy<QuantizedState<8>, Checkpointed, Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>>()),
+            "Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, QuantizedState<8>, Checkpointed>");
   EXPECT_EQ((strategy_name<Strategy<StaticLossScale<10>, Precision<half, float>>>()), "Strategy<Precision<half, float>, StaticLossScale<10>>");
   EXPECT_EQ((strategy_name<Strategy<Precision<half, float>>>()), "Strategy<Precision<half, float>>");  // dynamic: half's default
   EXPECT_EQ((strategy_name<Strategy<Quantized<4, GPTQ, Group<128>, ActOrder>, Inference>>()),
             "Strategy<Quantized<4, GPTQ, Group<128>, ActOrder>, Inference>");
   EXPECT_EQ((strategy_name<Strategy<LoRA<8, 16, LoraTargets::q | LoraTargets::k>>>()), "Strategy<LoRA<8, 16, LoraTargets::q | LoraTargets::k>>");
 }
+
+// The old spelling of 8-bit optimizer state still means the same state (it warns at compile time).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+TEST(StrategyName, OldSpellingOfEightBitStateIsTheSameState) {
+  using Old = squeeze::Strategy<squeeze::Quantized<8, squeeze::Blockwise8>>;
+  using New = squeeze::Strategy<squeeze::QuantizedState<8>>;
+  static_assert(Old::state_bits == 8 && New::state_bits == 8 && Old::state_quantization::group == New::state_quantization::group);
+  static_assert(!Old::quantized_weights && Old::base_trainable);
+  EXPECT_EQ(squeeze::strategy_name<Old>(), squeeze::strategy_name<New>());
+  EXPECT_EQ(squeeze::strategy_name<New>(), "Strategy<QuantizedState<8>>");
+}
+#pragma GCC diagnostic pop

@@ -395,13 +395,13 @@ TEST(LoRA, MakeTrainerQloraAccumulatesAndLearns) {
   EXPECT_THROW(trainer.step([&] { return model(x).to(torch::kFloat32); }), c10::Error);  // not a scalar
 }
 
-// QLoRA with the adapters' Adam moments as 8-bit codes (Quantized<8, Blockwise8>) against fp32 moments, same model
+// QLoRA with the adapters' Adam moments as 8-bit codes (QuantizedState<8>) against fp32 moments, same model
 // and data. Tolerances: after the first step the adapters agree to 2^-23 of their largest magnitude, a rounding or
 // two (the first update reads the moments before they are encoded); after 30 steps the 8-bit run's change of the
 // adapters is within 10% (relative, L2) of the fp32 run's, and its loss within 1% of the starting loss of the fp32 run's.
 TEST(LoRA, MakeTrainerQloraWith8BitStateTracksFp32State) {
   using Q32 = Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>>;
-  using Q8 = Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Quantized<8, Blockwise8>>;
+  using Q8 = Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, QuantizedState<8>>;
   torch::manual_seed(9);
   Toy m32(kShape);
   torch::manual_seed(9);

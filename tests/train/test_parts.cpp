@@ -29,7 +29,7 @@ static_assert(std::is_same_v<SyncOf<Strategy<Sharded<Stage3>>>, tr::GatherUnits<
 static_assert(std::is_same_v<StateOf<Strategy<Sharded<Stage2>>>, tr::DeviceAdamW<Strategy<Sharded<Stage2>>>>);
 static_assert(std::is_same_v<StateOf<Strategy<Sharded<Stage2>, Offload<Host>>>, tr::HostAdamW<Strategy<Sharded<Stage2>, Offload<Host>>>>);
 static_assert(tr::GradientSyncPart<tr::GatherUnits<Strategy<Sharded<Stage3>, Offload<Host>>>>);
-static_assert(tr::OptimizerStatePart<tr::HostAdamW<Strategy<Sharded<Stage3>, Offload<Host>, Quantized<8, Blockwise8>>>>);
+static_assert(tr::OptimizerStatePart<tr::HostAdamW<Strategy<Sharded<Stage3>, Offload<Host>, QuantizedState<8>>>>);
 static_assert(tr::HostAdamW<Strategy<Sharded<Stage1>, Offload<Host>>>::on_host && !tr::DeviceAdamW<Strategy<>>::on_host);
 
 TEST(Parts, WindowWeighsMicroBatchesEquallyAndEndsOnTheLast) {

@@ -1,6 +1,6 @@
 #pragma once
 // AdamW on device buffers in torch ops, for a host-compiled translation unit (no kernel launch): the trainer's
-// device partitions. The same math as kernels/adamw.hpp; 8-bit state (Quantized<8, Blockwise8>: Adam's m and v as
+// device partitions. The same math as kernels/adamw.hpp; 8-bit state (QuantizedState<8>: Adam's m and v as
 // uint8 codes with one fp32 absmax per 256 values) with the same maps and nearest-code rule as kernels::adamw8_cpu.
 // Where the translation unit is compiled by nvcc, the trainer runs 8-bit device state through the CUDA kernel
 // instead (adamw8_device_update below: kernels/adamw8.cuh, bitwise the CPU twin).
@@ -35,7 +35,7 @@ inline void adamw_torch_ops(torch::Tensor& w, torch::Tensor& m, torch::Tensor& v
   w.mul_(1.0f - c.lr * c.weight_decay).addcdiv_(m, denom, -c.step_size);
 }
 
-// 8-bit state (Quantized<8, Blockwise8>) in torch ops, for device buffers in a host-compiled TU: the maps and
+// 8-bit state (QuantizedState<8>) in torch ops, for device buffers in a host-compiled TU: the maps and
 // the nearest-code rule of kernels/adamw8.hpp (torch::bucketize over the 255 midpoints counts those below x,
 // which is nearest_code), block scales of kernels::kStateBlock elements.
 struct StateMapTensors {

@@ -85,7 +85,7 @@ struct Partition {
   torch::Tensor param;      // [n] compute dtype, written by AdamW (flat-buffer slice or stage-3 shard)
   torch::Tensor grad;       // [n] reduced gradient (stage 0: the full buffer itself)
   torch::Tensor master;     // [n] fp32 master (mixed precision, or on the host under offload)
-  torch::Tensor m, v;       // [n] Adam moments: fp32, or uint8 codes with 8-bit state (Quantized<8, Blockwise8>)
+  torch::Tensor m, v;       // [n] Adam moments: fp32, or uint8 codes with 8-bit state (QuantizedState<8>)
   torch::Tensor m_absmax, v_absmax;  // [ceil(n / 256)] fp32 block scales of m and v (8-bit state only)
   torch::Tensor host_grad;  // [n] host copy of grad in grad's dtype (offload; pinned for a CUDA model)
   torch::Tensor host_sumsq; // [1] float64, pinned: the device's sum of squares of grad (offload of a CUDA model)

@@ -1,8 +1,7 @@
 #pragma once
-// Quantized<Bits, Method, Options...>:
-//   weights (frozen):  GPTQ (Hessian-based, bits 2/3/4/8), RTN (round to nearest, 2/3/4/8), NF4 (4-bit
-//                      normal-float codebook, optional DoubleQuant of its block scales)
-//   optimizer state:   Blockwise8 (8-bit blockwise-quantized Adam moments; weights stay trainable)
+// Quantized<Bits, Method, Options...>: frozen weights in Bits bits: GPTQ (Hessian-based, bits 2/3/4/8), RTN (round to
+//   nearest, 2/3/4/8), NF4 (4-bit normal-float codebook, optional DoubleQuant of its block scales).
+// QuantizedState<8>: optimizer state, Blockwise8 (8-bit blockwise-quantized Adam moments; weights stay trainable).
 // Options: Group<G> (values per scale; GPTQ/RTN default per output channel, NF4 default 64,
 // Blockwise8 default 256, the block of kernels/adamw8.hpp), PerChannel, DoubleQuant (NF4 only), ActOrder (GPTQ only).
 #include <type_traits>
@@ -44,8 +43,10 @@ constexpr int group_of() {  // the Group<G>/PerChannel option's size, or -1 for 
 }
 }  // namespace detail
 
+namespace detail {
+// What Quantized and QuantizedState share: the checks of the spelling and the traits.
 template <int Bits, QuantMethod Method, class... Options>
-struct Quantized {
+struct QuantizedPolicy {
   static_assert(((sizeof(Options) > 0) && ... && true), "");  // completes Group<G> so its own checks run
   static_assert((detail::is_quant_option_v<Options> && ...),
                 "Quantized's options are Group<G>, PerChannel, DoubleQuant and ActOrder: e.g. Quantized<4, GPTQ, Group<128>, ActOrder>");
@@ -55,7 +56,7 @@ struct Quantized {
   static_assert(!std::is_same_v<Method, RTN> || Bits == 2 || Bits == 3 || Bits == 4 || Bits == 8,
                 "RTN quantizes to 2, 3, 4 or 8 bits: write e.g. Quantized<4, RTN, Group<128>>");
   static_assert(!std::is_same_v<Method, NF4> || Bits == 4, "NF4 is a 4-bit code: write Quantized<4, NF4> (or Quantized<4, NF4, DoubleQuant>)");
-  static_assert(!std::is_same_v<Method, Blockwise8> || Bits == 8, "Blockwise8 stores optimizer state in 8 bits: write Quantized<8, Blockwise8>");
+  static_assert(!std::is_same_v<Method, Blockwise8> || Bits == 8, "Blockwise8 stores optimizer state in 8 bits: write QuantizedState<8>");
   static_assert(std::is_same_v<Method, NF4> || !(std::is_same_v<Options, DoubleQuant> || ...),
                 "DoubleQuant quantizes NF4's block scales; other methods have none: drop it, or write Quantized<4, NF4, DoubleQuant>");
   static_assert(std::is_same_v<Method, GPTQ> || !(std::is_same_v<Options, ActOrder> || ...),
@@ -73,6 +74,26 @@ struct Quantized {
   static constexpr bool act_order = (std::is_same_v<Options, ActOrder> || ...);
   static constexpr bool frozen_weights = Method::frozen_weights;
 };
+// Quantized<8, Blockwise8> spells optimizer state with the weights' policy; it still works, with a warning.
+template <class M>
+constexpr bool weights_spelling(M*) { return true; }
+[[deprecated("Quantized<8, Blockwise8> quantizes optimizer state, not weights: write QuantizedState<8>")]]
+constexpr bool weights_spelling(Blockwise8*) { return true; }
+}  // namespace detail
+
+// Frozen weights stored in Bits bits (GPTQ, RTN, NF4).
+template <int Bits, QuantMethod Method, class... Options>
+struct Quantized : detail::QuantizedPolicy<Bits, Method, Options...> {
+  static_assert(detail::weights_spelling(static_cast<Method*>(nullptr)));
+};
+
+// Adam's moments stored in Bits bits (Blockwise8: uint8 codes with one fp32 absmax per block of 256); the weights
+// stay trainable. Named apart from Quantized, which quantizes and freezes weights.
+template <int Bits, QuantMethod Method = Blockwise8, class... Options>
+struct QuantizedState : detail::QuantizedPolicy<Bits, Method, Options...> {
+  static_assert(std::is_same_v<Method, Blockwise8>,
+                "QuantizedState<8> stores optimizer moments (Blockwise8); weights are quantized by Quantized<4, NF4>, Quantized<4, GPTQ>, ...");
+};
 
 template <class P>
 concept WeightQuantizationPolicy = PolicyOf<P, weight_quantization_family> && requires {
@@ -82,6 +103,6 @@ concept WeightQuantizationPolicy = PolicyOf<P, weight_quantization_family> && re
 template <class P>
 concept StateQuantizationPolicy = PolicyOf<P, state_quantization_family> && requires { { P::bits } -> std::convertible_to<int>; };
 static_assert(WeightQuantizationPolicy<Quantized<4, GPTQ, Group<128>>>);
-static_assert(StateQuantizationPolicy<Quantized<8, Blockwise8>>);
+static_assert(StateQuantizationPolicy<QuantizedState<8>>);
 
 }  // namespace squeeze

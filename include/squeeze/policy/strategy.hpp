@@ -66,7 +66,7 @@ struct Strategy {
   static_assert(detail::count_family<accumulation_family, Ps...> <= 1, "Strategy has two Accumulate<N> policies: keep one (the counts do not multiply)");
   static_assert(detail::count_family<precision_family, Ps...> <= 1, "Strategy has two Precision<...> policies: keep one, e.g. Precision<bf16, float>");
   static_assert(detail::count_family<weight_quantization_family, Ps...> <= 1, "Strategy has two weight Quantized<...> policies: keep one");
-  static_assert(detail::count_family<state_quantization_family, Ps...> <= 1, "Strategy has two Quantized<8, Blockwise8> policies: keep one");
+  static_assert(detail::count_family<state_quantization_family, Ps...> <= 1, "Strategy has two QuantizedState<8> policies: keep one");
   static_assert(detail::count_family<lora_family, Ps...> <= 1, "Strategy has two LoRA<...> policies: keep one");
   static_assert(detail::count_family<checkpoint_family, Ps...> <= 1, "Strategy has two checkpoint policies: keep one of Checkpointed or CheckpointEvery<N>");
   static_assert(detail::count_family<loss_scale_family, Ps...> <= 1, "Strategy has two loss-scale policies: keep one");
@@ -123,7 +123,7 @@ struct Strategy {
   static_assert(training || !offload_to_host, "Inference has no optimizer state to offload: remove Offload<Host>");
   static_assert(training || (stage == 0 || stage == 3),
                 "Inference has no optimizer state or gradients to shard: use Sharded<Stage3> to shard the weights, or remove Sharded<...>");
-  static_assert(training || state_bits == 32, "Inference has no optimizer state: remove Quantized<8, Blockwise8>");
+  static_assert(training || state_bits == 32, "Inference has no optimizer state: remove QuantizedState<8>");
   static_assert(!(has_lora && !training), "LoRA adapters are trained: remove Inference");
 };
 

@@ -47,10 +47,14 @@ std::string policy_name() {
   } else if constexpr (std::is_same_v<F, weight_quantization_family> || std::is_same_v<F, state_quantization_family>) {
     if constexpr (P::bits == 0 || std::is_same_v<P, NoStateQuantization>) {
       return "";
+    } else if constexpr (std::is_same_v<F, state_quantization_family>) {
+      std::string q = "QuantizedState<" + std::to_string(P::bits);
+      if constexpr (P::group != P::default_group) q += ", Blockwise8, Group<" + std::to_string(P::group) + ">";
+      return q + ">";
     } else {
       using Me = typename P::method;
       std::string q = "Quantized<" + std::to_string(P::bits) + ", ";
-      q += std::is_same_v<Me, NF4> ? "NF4" : std::is_same_v<Me, GPTQ> ? "GPTQ" : std::is_same_v<Me, RTN> ? "RTN" : "Blockwise8";
+      q += std::is_same_v<Me, NF4> ? "NF4" : std::is_same_v<Me, GPTQ> ? "GPTQ" : "RTN";
       if constexpr (P::group != P::default_group) q += P::group > 0 ? ", Group<" + std::to_string(P::group) + ">" : ", PerChannel";
       if constexpr (P::double_quant) q += ", DoubleQuant";
       if constexpr (P::act_order) q += ", ActOrder";

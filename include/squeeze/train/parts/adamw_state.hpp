@@ -29,7 +29,7 @@ class AdamWState {
  public:
   static constexpr bool on_host = OnHost;  // the state lives in host memory while the parameters train on the device
   static_assert(!T::k8bit || S::state_quantization::group == int(kernels::kStateBlock),
-                "train::Trainer's 8-bit optimizer state uses blocks of 256 values: write Quantized<8, Blockwise8> (or Group<256>)");
+                "train::Trainer's 8-bit optimizer state uses blocks of 256 values: write QuantizedState<8> (or Group<256>)");
 
   explicit AdamWState(TrainContext& ctx) : ctx_(ctx) {}
 

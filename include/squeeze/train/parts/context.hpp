@@ -40,7 +40,7 @@ struct TrainTypes {
   static constexpr bool kMaster = !std::is_same_v<Param, float>;
   // Mixed-precision micro-batches are summed in fp32 (the planner counts the same).
   static constexpr bool kFp32Accum = S::accumulation_steps > 1 && kMaster;
-  // 8-bit Adam moments (Quantized<8, Blockwise8>): uint8 codes + one fp32 absmax per kernels::kStateBlock elements.
+  // 8-bit Adam moments (QuantizedState<8>): uint8 codes + one fp32 absmax per kernels::kStateBlock elements.
   static constexpr bool k8bit = S::state_bits == 8;
 };
 
