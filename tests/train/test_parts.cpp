@@ -1,6 +1,6 @@
 // The trainer's parts (include/squeeze/train/parts/) on their own: the table that picks them, the accumulation
 // window, the loss scale, the parameter groups, and how the gradient-sync parts cut partitions. The trainer they
-// compose is tested end to end in tests/nn/test_zero.cpp.
+// compose is tested end to end in tests/train/test_zero.cpp.
 #include <gtest/gtest.h>
 
 #include <squeeze/comm/local.hpp>

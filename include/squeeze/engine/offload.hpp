@@ -19,7 +19,7 @@
 //   wait(p) / wait_all()  the host waits for the jobs, the current stream for their copies
 //
 // With threaded = false every job runs inline at once (the non-overlapped reference path); the arithmetic
-// is the same function either way, so both paths give the same bits (tests/nn/test_zero.cpp checks it).
+// is the same function either way, so both paths give the same bits (tests/train/test_zero.cpp checks it).
 // One worker. Of the queued jobs whose input has landed on the host (a gradient job: its copy is done; an update:
 // at once) it takes the one of the lowest Partition::priority (ties: submission order); when none has landed, the
 // earliest submitted, which is the first to land (the copies run in submission order on one stream). A

@@ -1,5 +1,5 @@
 // The ZeRO trainer over NCCL, one process per GPU (labels cuda, multigpu, zero). Run it through the launcher:
-//   tools/squeeze-launch --nproc 2 --timeout 540 -- build/tests/nn/test_zero_nccl
+//   tools/squeeze-launch --nproc 2 --timeout 540 -- build/tests/train/test_zero_nccl
 // Each process drives GPU LOCAL_RANK and joins the others with comm::NcclComm::from_env(). main() exits 77
 // (ctest SKIP_RETURN_CODE) before anything else when WORLD_SIZE is unset, libtorch has no CUDA, or there are
 // fewer GPUs than WORLD_SIZE.
