@@ -112,8 +112,13 @@ class BucketedGrads {
       for (auto& b : buckets_) b->own.grad.zero_();
   }
 
-  // kept_whole: stage 3 counts these parameters as persistent (not sharded).
-  void add_memory(MemoryUse& m, bool state_on_host, bool kept_whole = false) const {
+  // Stage 2: the buckets' bytes, then the in-flight and peak figures.
+  void add_memory(MemoryUse& m, bool state_on_host) const {
+    add_bucket_memory(m, state_on_host, /*kept_whole=*/false);
+    finish_memory(m);
+  }
+  // The buckets' bytes alone; kept_whole: stage 3 counts these parameters as persistent (not sharded).
+  void add_bucket_memory(MemoryUse& m, bool state_on_host, bool kept_whole) const {
     for (auto& b : buckets_) {
       m.parameters.device += int64_t(b->flat.flat().nbytes());
       add_partition_memory(m, b->own, true, state_on_host);

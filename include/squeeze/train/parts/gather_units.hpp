@@ -121,7 +121,7 @@ class GatherUnits {
   }
 
   void add_memory(MemoryUse& m, bool state_on_host) const {
-    buckets_->add_memory(m, state_on_host, /*kept_whole=*/true);
+    buckets_->add_bucket_memory(m, state_on_host, /*kept_whole=*/true);
     for (auto& u : units_) {
       m.parameters.device += int64_t(u.group->shard.nbytes());
       add_partition_memory(m, u.own, true, state_on_host);
