@@ -47,10 +47,10 @@
 
 #include <squeeze/error.hpp>
 #include <squeeze/kernels/quant/gemm.cuh>
-#include <squeeze/kernels/quant/qgemv.cuh>
 
 #include "gemm_configs.cuh"
 #include "gemm_timing.cuh"
+#include "qgemv.cuh"
 #include "read_bound.cuh"
 
 namespace kq = squeeze::kernels::quant;
