@@ -50,6 +50,20 @@ struct QGemmParams {
   int slot_bytes, slot_rows;  // Bulk: ring slot bytes, group rows per slot
 };
 
+// ---- the work done on the streamed weights ----------------------------------------------------------------------------
+// The GEMM's: group constants, decode, mma, epilogue. A configuration may name another as C::Work (config.hpp's WorkOf):
+// the measuring policies of bench/quant/gemm_configs.cuh stop after the loads or the decode, handing what they skip to
+// keep() so that the compiler does not remove the work they time.
+struct QGemmWork {
+  static constexpr bool kDecode = true;    // group constants and decode
+  static constexpr bool kMultiply = true;  // mma and epilogue
+  struct Sink {};
+  template <class Words>
+  __device__ __forceinline__ static void keep(Sink&, const Words&) {}
+  template <class T>
+  __device__ __forceinline__ static void finish(const Sink&, const QGemmParams&) {}
+};
+
 template <class T, int BITS, class C>
 __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_kernel(const QGemmParams p) {
   constexpr int W = C::W, NT = C::NT, PF = C::PF, MT = C::MT, ROWS = C::ROWS, STRIP = C::STRIP;
@@ -59,8 +73,8 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_kernel(const QGemmP
   constexpr int NC = W * 32;  // threads that compute (Bulk adds one producer warp)
   static_assert(BITS == 3 || BITS == 4 || BITS == 8, "3, 4 or 8 bits");
   static_assert(BITS != 3 || C::LOADER != QGemmLoader::CpAsync, "3-bit tiles (12 bytes per lane) use the register or bulk loader");
+  using Work = typename WorkOf<C, QGemmWork>::type;
   constexpr bool kBulk = C::LOADER == QGemmLoader::Bulk;
-  constexpr bool kFull = C::MODE == QGemmMode::Full;
   constexpr bool kFold = C::ZFOLD && !(BITS == 8 && std::is_same_v<T, bf16>);  // bf16 cannot hold 128 + 255
   // SWAP: weights as A; accumulators [NT][NJ = batch blocks of 8][4], element e at (n = g4 + 8 (e >> 1), batch 2 c4 + (e & 1))
   // of the tile; otherwise [MT][NT][NJ = n8 halves][4], element e at (row g4 + 8 (e >> 1), n 8 j + 2 c4 + (e & 1))
@@ -206,9 +220,9 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_kernel(const QGemmP
     return ch;
   };
 
-  std::uint32_t sink = 0;  // diagnostics modes: keeps loads / decode alive
-  int q_next = 0;          // Bulk: sequence number of the next chunk to read
-  int x_key = -1;          // Bulk: (z, K range) of the staged x slice
+  typename Work::Sink sink{};  // what a measuring Work skips
+  int q_next = 0;              // Bulk: sequence number of the next chunk to read
+  int x_key = -1;              // Bulk: (z, K range) of the staged x slice
   for (int item = item0; item < item_end; ++item) {
   const Item it = decode_item(item);
   const int z = it.z, strip = it.strip, split = it.split, kc0 = it.kc0, nck = it.nck;
@@ -435,11 +449,11 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_kernel(const QGemmP
           for (int e = 0; e < 4; ++e) xacc[mt][e] = 0.f;
     }
   };
-  constexpr bool kGroups = kFull || C::MODE == QGemmMode::LoadDecode;
+  constexpr bool kGroups = Work::kDecode;
   if constexpr (kGroups && !kBulk) apply_group(fetch_group(g));  // (Bulk: with the first chunk's slot)
 
   auto advance_group = [&]() {
-    if constexpr (kFull) flush();
+    if constexpr (Work::kMultiply) flush();
     ++g;
     next_k = (g + 1) * p.group < p.K ? (g + 1) * p.group : 0x7fffffff;
     apply_group(fetch_group(g));
@@ -481,9 +495,8 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_kernel(const QGemmP
             for (int r = 0; r < 2; ++r) b[t][j][r] = u32(__hmul2(as_vec2<V>(b[t][j][r]), as_vec2<V>(sb2[t][j])));
         }
       }
-      if constexpr (!kFull) {
-#pragma unroll
-        for (int t = 0; t < NT; ++t) sink ^= b[t][0][0] ^ b[t][0][1] ^ b[t][1][0] ^ b[t][1][1];
+      if constexpr (!Work::kMultiply) {
+        Work::keep(sink, b);
         continue;
       }
       if constexpr (kSwap) {
@@ -545,11 +558,8 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_kernel(const QGemmP
     }
   };
   auto compute = [&](const Chunk& ch, int c) {
-    if constexpr (C::MODE == QGemmMode::LoadOnly) {
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-#pragma unroll
-        for (int i = 0; i < LW; ++i) sink ^= ch.w[t][i];
+    if constexpr (!Work::kDecode) {
+      Work::keep(sink, ch.w);
       return;
     }
     const int kl = c * kTileK;  // local k in xs
@@ -602,7 +612,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_kernel(const QGemmP
     }
   }
 
-  if constexpr (!kFull) continue;
+  if constexpr (!Work::kMultiply) continue;
   flush();
 
   // ---- epilogue: C fragment rows g4 / g4 + 8, columns 2 c4, 2 c4 + 1 of each n8 half (SWAP: rows are the
@@ -671,8 +681,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_kernel(const QGemmP
   if (tid == 0) *counter = 0;  // ready for the next launch
   }  // items
 
-  if constexpr (!kFull)
-    if (sink == 0x9e3779b9u && p.M < 0) static_cast<T*>(p.y)[0] = from_float<T>(float(sink));  // never true; keeps the work
+  Work::template finish<T>(sink, p);
 }
 
 // Launch one configuration. Returns cudaErrorInvalidValue when the workspace is smaller than the plan.

@@ -324,11 +324,4 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const std::uint32_t (&a
 #endif
 }
 
-// The global timer (ns), for the timeline of the sm90 kernel's measuring variant.
-__device__ __forceinline__ std::uint64_t global_ns() {
-  std::uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 }  // namespace squeeze::kernels::quant::detail

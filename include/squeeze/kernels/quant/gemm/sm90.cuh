@@ -119,37 +119,29 @@ struct Sm90Params {
   int M, N, K, Npad, group;
   int kchunks, cps, lead, cps_tail, strips, splits, zslices;  // K ranges: sm90_k_range
   int spread;  // K splits through global memory: every block sums a share (Sm90Plan::spread; a cooperative launch)
-  // the timeline probe (PROBE 3) only: kSm90TraceSlots values per block (block blockIdx.x + gridDim.x * blockIdx.z)
-  std::uint64_t* trace = nullptr;
+  void* work_data = nullptr;  // the Work policy's own buffer (a measuring policy's timeline; the GEMM's has none)
 };
-// The timeline of the measuring variant PROBE 3 (bench/quant/gemm_configs.cuh), per block: the slots of
-// Sm90Params::trace (clock64 unless named ns or Sm).
-namespace sm90_trace_slot {
-enum : int {
-  EntryNs,         // %globaltimer (ns) at entry
-  Entry,           // entry
-  SetUp,           // after the set-up barrier
-  FirstChunk,      // consumer thread 0 has its first chunk
-  LoopEnd,         // ... retired its last
-  End,             // after the epilogue
-  EndNs,           // %globaltimer after the epilogue
-  Sm,              // the SM
-  QueuedFirst,     // the producer queued its first chunk
-  QueuedLast,      // ... its last
-  EpilogueWaited,  // after the consumers' first barrier (every warpgroup's last chunk done; global: partials written)
-  EpilogueStaged,  // after the next barrier (one K range: the tile staged; cluster: every block's sums in place;
-                   // spread: the other shares written and every block of the tile arrived; last block: the counter read)
-  EpilogueStored,  // after the stores (0 where not reached: not the last block of a last-block reduction)
-  ProducerStart,   // the producer before it queues its first chunk
-  ProducerX,       // ... after that chunk's x (before its bulk copies)
-  Count
+
+// ---- the work done on each stage ------------------------------------------------------------------------------------
+// Points of a block's timeline, in program order, where the kernel calls Work::at (consumer thread 0, or the producer
+// lane for Producer*). Epilogue*: after the consumers' first barrier (every warpgroup's last chunk done; global: the
+// partials written), after the next (one K range: the tile staged; cluster: every block's sums in place; spread: the
+// other shares written and every block of the tile arrived; last block: the counter read), after the stores (reached
+// only by the block that stores).
+enum class Sm90Point { Entry, SetUp, FirstChunk, LoopEnd, End, EpilogueWaited, EpilogueStaged, EpilogueStored, ProducerStart, ProducerX,
+                       QueuedFirst, QueuedLast };
+// The GEMM's work: load each group's constants, decode, multiply, store; observe nothing. A configuration may name
+// another as C::Work (config.hpp's WorkOf): the measuring policies of bench/quant/gemm_configs.cuh skip the decode or
+// the consumers' work, or record a timeline at the Sm90Points.
+struct Sm90Work {
+  static constexpr bool kGroupConstants = true;  // each group's scale and zero-point rows read from the stage
+  static constexpr bool kConsume = true;         // the consumers decode and multiply each stage (else only hand it back)
+  template <class T, bool SCALE>
+  __device__ __forceinline__ static void decode(std::uint32_t w, const Sm90Group& g, std::uint32_t (&a)[4]) {
+    sm90_decode<T, SCALE>(w, g, a);
+  }
+  __device__ __forceinline__ static void at(const Sm90Params&, Sm90Point) {}
 };
-}  // namespace sm90_trace_slot
-inline constexpr int kSm90TraceSlots = sm90_trace_slot::Count;
-template <class C>
-__device__ __forceinline__ void sm90_trace(const Sm90Params& p, int slot, std::uint64_t value) {
-  if constexpr (C::PROBE == 3) p.trace[(std::int64_t(blockIdx.z) * gridDim.x + blockIdx.x) * kSm90TraceSlots + slot] = value;
-}
 
 // grid (zslices x strips, 1, splits); C::THREADS threads, C::SMEM_BYTES dynamic shared memory.
 // CLUSTER: K splits reduce within clusters of (1, 1, splits) blocks; otherwise K splits (if any) go through global
@@ -159,6 +151,7 @@ __device__ __forceinline__ void sm90_trace(const Sm90Params& p, int slot, std::u
 template <class T, class C, bool CLUSTER>
 __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const Sm90Params p, const __grid_constant__ CUtensorMap x_map) {
 #if SQUEEZE_SM90_WGMMA
+  using Work = typename WorkOf<C, Sm90Work>::type;
   constexpr int BN = C::BN, WM = C::WM, S = C::STAGES, STRIP = C::STRIP, TILES = C::TILES, NACC = BN / 2;
   constexpr int XB = C::X_BYTES, WB = C::W_BYTES, SB = C::S_BYTES;
   extern __shared__ unsigned char smem_raw[];
@@ -169,13 +162,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   // the warp index through a shuffle: the compiler then knows it is warp-uniform, so a branch on it (the
   // producer's) is not a divergent path around the wgmma (which would serialize them)
   const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xffffffffu, tid >> 5, 0), wg = warp >> 2, wq = warp & 3;
-  if (C::PROBE == 3 && tid == 0) {
-    sm90_trace<C>(p, sm90_trace_slot::EntryNs, global_ns());
-    sm90_trace<C>(p, sm90_trace_slot::Entry, clock64());
-    unsigned sm;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    sm90_trace<C>(p, sm90_trace_slot::Sm, sm);
-  }
+  if (tid == 0) Work::at(p, Sm90Point::Entry);
   const int g4 = lane >> 2, c4 = lane & 3;
   const int ntiles = p.Npad / kTileN;
   const T* const x = static_cast<const T*>(p.x);
@@ -266,9 +253,8 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     int grow = 0;  // the stage's group row of the group grp holds (row 0: the group of the chunk's first k)
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      // a new group (uniform across the block); probe 1 loads no group constants (the timeline probe, 3, does: its y is
-      // checked, TimelineProbeComputesAndTracesInOrder)
-      if (C::PROBE != 1 && min(kc * kTileK + 16 * ks, p.K - 1) >= next_group_k) {
+      // a new group (uniform across the block)
+      if (Work::kGroupConstants && min(kc * kTileK + 16 * ks, p.K - 1) >= next_group_k) {
         next_group_k += p.group;
         if (ks > 0) ++grow;
         const half* srow = reinterpret_cast<const half*>(st + XB + WB) + grow * STRIP;
@@ -287,11 +273,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         for (int t = 0; t < WM; ++t) {
           const std::uint32_t w = ks == 0 ? wv[t].x : ks == 1 ? wv[t].y : ks == 2 ? wv[t].z : wv[t].w;
           std::uint32_t af[4];
-          if constexpr (C::PROBE == 1) {
-            af[0] = w, af[1] = w ^ 1u, af[2] = w ^ 2u, af[3] = w ^ 3u;
-          } else {
-            sm90_decode<T, !C::GSCALE>(w, grp[t], af);
-          }
+          Work::template decode<T, !C::GSCALE>(w, grp[t], af);
 #pragma unroll
           for (int j = 0; j < BN / 8; ++j)
             mma16816<T>(*reinterpret_cast<float(*)[4]>(&mma_acc[t][4 * j]), af, bx[j][2 * (ks & 1)], bx[j][2 * (ks & 1) + 1]);
@@ -300,11 +282,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
 #pragma unroll
         for (int t = 0; t < WM; ++t) {
           const std::uint32_t w = ks == 0 ? wv[t].x : ks == 1 ? wv[t].y : ks == 2 ? wv[t].z : wv[t].w;
-          if constexpr (C::PROBE == 1) {
-            a[ks][t][0] = w, a[ks][t][1] = w ^ 1u, a[ks][t][2] = w ^ 2u, a[ks][t][3] = w ^ 3u;
-          } else {
-            sm90_decode<T, !C::GSCALE>(w, grp[t], a[ks][t]);
-          }
+          Work::template decode<T, !C::GSCALE>(w, grp[t], a[ks][t]);
         }
         wgmma_fence();
 #pragma unroll
@@ -365,13 +343,13 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       static_assert(BN * PITCH * int(sizeof(T)) <= S * C::STAGE_BYTES, "the output tile must fit in the ring");
       T* const out = reinterpret_cast<T*>(smem);
       consumer_bar_sync(C::CONSUMERS);
-      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueWaited, clock64());
+      if (tid == 0) Work::at(p, Sm90Point::EpilogueWaited);
 #pragma unroll
       for (int t = 0; t < WM; ++t)
 #pragma unroll
         for (int i = 0; i < NACC; ++i) out[(8 * (i >> 2) + 2 * c4 + (i & 1)) * PITCH + nl + 64 * t + 8 * ((i >> 1) & 1)] = from_float<T>(acc[t][i]);
       consumer_bar_sync(C::CONSUMERS);
-      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStaged, clock64());
+      if (tid == 0) Work::at(p, Sm90Point::EpilogueStaged);
       for (int u = tid; u < rows * (STRIP / 8); u += C::CONSUMERS) {
         const int r = u / (STRIP / 8), cc = (u % (STRIP / 8)) * 8;
         if (cc >= cols) continue;
@@ -383,7 +361,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
           for (int j = 0; j < 8 && cc + j < cols; ++j) dst[j] = src[j];
         }
       }
-      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStored, clock64());
+      if (tid == 0) Work::at(p, Sm90Point::EpilogueStored);
       return;
     }
     // K splits: the K ranges' sums of one float4 of the tile (row r, features cc..cc + 3) are added in K-range order
@@ -412,7 +390,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
     const int u_begin = 2 * int(std::int64_t(units8) * split / p.splits), u_end = 2 * int(std::int64_t(units8) * (split + 1) / p.splits);
     auto stage_sums = [&] {
       consumer_bar_sync(C::CONSUMERS);
-      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueWaited, clock64());
+      if (tid == 0) Work::at(p, Sm90Point::EpilogueWaited);
 #pragma unroll
       for (int t = 0; t < WM; ++t)
 #pragma unroll
@@ -422,7 +400,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       // in the cluster: the shares summed over the cluster's buffers (distributed shared memory)
       stage_sums();
       cluster_sync();  // every K range's sums are in its block's shared memory
-      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStaged, clock64());
+      if (tid == 0) Work::at(p, Sm90Point::EpilogueStaged);
       const unsigned base = smem_addr(buf);
       for (int w0 = u_begin + (tid & ~31); w0 < u_end; w0 += C::CONSUMERS) {
         const int u = w0 + lane, r = u / (STRIP / 4), cc = (u % (STRIP / 4)) * 4;
@@ -441,7 +419,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         }
         store_pairs(valid, r, cc, sum);
       }
-      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStored, clock64());
+      if (tid == 0) Work::at(p, Sm90Point::EpilogueStored);
       cluster_sync();  // no block leaves (its shared memory) while another still reads it
       return;
     }
@@ -470,7 +448,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         while (ld_acquire_gpu(counter) < p.splits) __nanosleep(64);
       }
       consumer_bar_sync(C::CONSUMERS);  // the other blocks' shares, acquired by thread 0, for every thread
-      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStaged, clock64());
+      if (tid == 0) Work::at(p, Sm90Point::EpilogueStaged);
       for (int w0 = u_begin + (tid & ~31); w0 < u_end; w0 += C::CONSUMERS) {  // whole warps (store_pairs shuffles)
         const int u = w0 + lane, r = u / (STRIP / 4), cc = (u % (STRIP / 4)) * 4;
         const bool valid = u < u_end && cc < cols;
@@ -494,7 +472,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         }
         store_pairs(valid, r, cc, sum);
       }
-      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStored, clock64());
+      if (tid == 0) Work::at(p, Sm90Point::EpilogueStored);
       if (tid == 0 && atomicAdd(counter, 1) == 2 * p.splits - 1) *counter = 0;  // every block has left the wait
       return;
     }
@@ -509,10 +487,10 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         if (m < p.M && n < p.Npad) part[std::int64_t(m) * p.Npad + n] = acc[t][i];
       }
     consumer_bar_sync(C::CONSUMERS);  // every partial written, then released by thread 0's arrival
-    if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueWaited, clock64());
+    if (tid == 0) Work::at(p, Sm90Point::EpilogueWaited);
     if (tid == 0) last_flag = atom_add_acq_rel_gpu(counter, 1) == p.splits - 1;  // the last: the others' partials acquired
     consumer_bar_sync(C::CONSUMERS);
-    if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStaged, clock64());
+    if (tid == 0) Work::at(p, Sm90Point::EpilogueStaged);
     if (!last_flag) return;
     // the last block: 4 features per lane, 4 K ranges' loads in flight at a time (Npad and n0 are multiples of 16:
     // the float4 loads are aligned). (Batches of 8 predicated loads, as in the cluster form, were 4% slower at 4
@@ -536,7 +514,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       }
       store_pairs(valid, r, cc, sum);
     }
-    if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::EpilogueStored, clock64());
+    if (tid == 0) Work::at(p, Sm90Point::EpilogueStored);
     if (tid == 0) *counter = 0;  // ready for the next launch
   };
 
@@ -555,7 +533,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       mbar_init_fence();
     }
     __syncthreads();
-    if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::SetUp, clock64());
+    if (tid == 0) Work::at(p, Sm90Point::SetUp);
     if (warp >= C::CONSUMERS / 32) {  // the producer (warp CONSUMERS / 32; with WGS = 4 the rest of its warpgroup idles)
       if constexpr (C::PRODUCERS == 128) set_max_regs_dec<C::PRODUCER_REGS>();
       // the cluster barriers of the K-split reduction count every thread: the producer's take part, idle
@@ -574,18 +552,18 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         unsigned char* const st = smem + ring * C::STAGE_BYTES;
         const int g0 = group_of(kc * kTileK), rows = group_of(kc * kTileK + 48) - g0 + 1;
         if (lane == 0) {  // x (the TMA counts the whole box, zero-filled parts included), tiles, group rows
-          if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, sm90_trace_slot::ProducerStart, clock64());
+          if (c == 0) Work::at(p, Sm90Point::ProducerStart);
           mbar_arrive_expect_tx(full_bar + ring, unsigned(XB) + wbytes + unsigned(rows * cols * 3));
           tma_load_x(st, x_map, kc * kTileK, m0, full_bar + ring);
-          if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, sm90_trace_slot::ProducerX, clock64());
+          if (c == 0) Work::at(p, Sm90Point::ProducerX);
           bulk_copy_g2s(st + XB, p.tiles + (std::int64_t(kc) * ntiles + tile0) * (kTileK * kTileN / 8), wbytes, full_bar + ring);
           for (int r = 0; r < rows; ++r) {
             const std::int64_t off = std::int64_t(g0 + r) * p.Npad + n0;
             bulk_copy_g2s(st + XB + WB + r * STRIP * 2, p.scales + off, unsigned(cols * 2), full_bar + ring);
             bulk_copy_g2s(st + XB + WB + SB + r * STRIP, p.zeros + off, unsigned(cols), full_bar + ring);
           }
-          if (C::PROBE == 3 && c == 0) sm90_trace<C>(p, sm90_trace_slot::QueuedFirst, clock64());
-          if (C::PROBE == 3 && c + 1 == nck) sm90_trace<C>(p, sm90_trace_slot::QueuedLast, clock64());
+          if (c == 0) Work::at(p, Sm90Point::QueuedFirst);
+          if (c + 1 == nck) Work::at(p, Sm90Point::QueuedLast);
         }
         __syncwarp();
       }
@@ -599,9 +577,9 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
       auto consume = [&](int c, auto& a_cur, auto& a_other) {  // chunk c of the K range, from ring stage c % S
         const int ring = c % S;
         mbar_wait(full_bar + ring, unsigned(c / S) & 1u);
-        if (C::PROBE == 3 && c == 0 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::FirstChunk, clock64());
+        if (c == 0 && tid == 0) Work::at(p, Sm90Point::FirstChunk);
         __syncwarp();  // converged again before the .aligned wgmma operations
-        if constexpr (C::PROBE == 2) {
+        if constexpr (!Work::kConsume) {
           if (lane == 0) mbar_arrive(empty_bar + ring);
           __syncwarp();
           return;
@@ -620,12 +598,9 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
         consume(c, a0, a1);
         if (c + 1 < nck) consume(c + 1, a1, a0);
       }
-      if (C::PROBE == 3 && tid == 0) sm90_trace<C>(p, sm90_trace_slot::LoopEnd, clock64());
+      if (tid == 0) Work::at(p, Sm90Point::LoopEnd);
       epilogue();
-      if (C::PROBE == 3 && tid == 0) {
-        sm90_trace<C>(p, sm90_trace_slot::End, clock64());
-        sm90_trace<C>(p, sm90_trace_slot::EndNs, global_ns());
-      }
+      if (tid == 0) Work::at(p, Sm90Point::End);
     }
   } else {
     constexpr int AHEAD = C::AHEAD;
@@ -791,12 +766,12 @@ Sm90Capacity sm90_capacity(int sm_count) {
 }
 
 // Configuration C with an explicit plan (benchmarks, tests). K splits reduced in a cluster launch as clusters of
-// (1, 1, splits) blocks; reduced through global memory they need the plan's workspace. trace: the timeline probe's
-// (blocks x kSm90TraceSlots values), required there and unused otherwise.
+// (1, 1, splits) blocks; reduced through global memory they need the plan's workspace. work_data: Sm90Params::work_data
+// (a measuring Work's buffer; the GEMM's takes none).
 template <class T, class C>
 cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y,
                                   const QGemmShape& s, const Sm90Plan& p, const QGemmWorkspace& ws, cudaStream_t stream,
-                                  std::uint64_t* trace = nullptr) {
+                                  void* work_data = nullptr) {
   static_assert(std::is_same_v<T, half> || std::is_same_v<T, bf16>, "the quantized GEMM takes fp16 or bf16 activations");
   if (!qgemm_sm90_reason(s).empty()) return cudaErrorInvalidValue;
   if ((reinterpret_cast<std::uintptr_t>(x) | reinterpret_cast<std::uintptr_t>(tiles) | reinterpret_cast<std::uintptr_t>(scales) |
@@ -810,7 +785,6 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
   if (global && (ws.partial == nullptr || ws.partial_elems < p.partial_elems || ws.counters == nullptr || ws.counter_elems < p.counter_elems))
     return cudaErrorInvalidValue;
   if (global && (reinterpret_cast<std::uintptr_t>(ws.partial) & 15)) return cudaErrorInvalidValue;  // float4 sums
-  if (C::PROBE == 3 && trace == nullptr) return cudaErrorInvalidValue;  // the timeline's buffer: blocks x kSm90TraceSlots
   if (!qgemm_sm90_supported()) return cudaErrorNotSupported;
   const auto kernel = p.cluster ? qgemm_sm90_kernel<T, C, true> : qgemm_sm90_kernel<T, C, false>;
   if (const cudaError_t attr = sm90_allow_smem<T, C>(); attr != cudaSuccess) return attr;
@@ -818,7 +792,7 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
   if constexpr (C::WS)
     if (const cudaError_t e = make_x_tensor_map(x_map, x, s.M, s.K, C::BN, std::is_same_v<T, bf16>); e != cudaSuccess) return e;
   const Sm90Params prm{x, tiles, scales, zeros, y, ws.partial, ws.counters, int(s.M), int(s.N), int(s.K), int(s.Npad), int(s.group),
-                       int(s.Kpad / kTileK), p.cps, p.lead, p.cps_tail, p.strips, p.splits, p.zslices, int(global && p.spread), trace};
+                       int(s.Kpad / kTileK), p.cps, p.lead, p.cps_tail, p.strips, p.splits, p.zslices, int(global && p.spread), work_data};
   const Sm90Launch<C> launch(dim3(unsigned(p.zslices * p.strips), 1, unsigned(p.splits)), p.cluster ? p.splits : 0, stream, global && p.spread);
   return cudaLaunchKernelEx(&launch.cfg, kernel, prm, x_map);
 }
