@@ -116,8 +116,8 @@ class Hessian {
 
   // x [..., columns]: every leading index is one sample. Running average keeps H = 2/N sum x x^T.
   // fp16 / bf16 inputs on the GPU are multiplied as they are, with fp32 products and sums (libtorch >= 2.8's mm with an
-  // fp32 out_dtype: tensor cores, the same values as converting to fp32 first): on the H200 the LLaMA-7B layer's four
-  // Hessians from 128 x 2048 tokens took 1.99 s as fp32 GEMMs, 0.47 s so (bench/results/h200/gptq-session20-run1, -run2).
+  // fp32 out_dtype: tensor cores, the same values as converting to fp32 first), several times faster than fp32 GEMMs
+  // (measured: docs/results.md, GPTQ quantize).
   void add(const torch::Tensor& x) {
     TORCH_CHECK(H_.defined(), "Hessian: not initialised");
     TORCH_CHECK(x.size(-1) == H_.size(0), "Hessian: input has ", x.size(-1), " features, layer has ", H_.size(0));
