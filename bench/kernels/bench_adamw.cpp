@@ -13,7 +13,7 @@
 //               (fp32 state). Also measured in the same case: torch's fused fp32 AdamW alone on the same n
 //               (peer_fp32_time_ms, ratio_vs_fused_fp32) and the copy bound of the same bytes, a cudaMemcpy D2D that
 //               reads and writes as many bytes as the kernel moves (copy_same_bytes_GBps, roofline_fraction_same_bytes).
-//               One row per kernel shape (kernels::AdamW8Policies; field `variant`, the policy's name, and
+//               One row per kernel shape (adamw8_shapes.cuh's Shapes; field `variant`, the policy's name, and
 //               `default_variant` true on the shape adamw8_cuda launches), each measured as above in the same run.
 // Peer: at::_fused_adamw_ over the same tensors (flat: a list of one; 64 tensors: a list of 64). For
 // bf16-mixed PyTorch has no master-weight fused AdamW, so the peer is the usual recipe: _fused_adamw_ on the

@@ -1,4 +1,4 @@
-// bench_adamw8_shapes: every shape of the 8-bit AdamW kernel (kernels::AdamW8Policies) beside the copy bound of its
+// bench_adamw8_shapes: every shape of the 8-bit AdamW kernel (adamw8_shapes.cuh's Shapes) beside the copy bound of its
 // bytes, without libtorch (builds in about a minute; bench_adamw has the same rows beside torch's fused AdamW).
 //
 //   bench_adamw8_shapes [--out FILE] [--n PARAMS] [--tensors 64] [--iters 20] [--check-n PARAMS] [--only SHAPE] [--no-check]
@@ -26,6 +26,7 @@
 
 #include "../cuda_timing.hpp"
 #include "squeeze/kernels/adamw8.cuh"
+#include "adamw8_shapes.cuh"
 
 namespace {
 
@@ -168,7 +169,7 @@ template <class F>
 void for_each_shape(const std::string& only, F&& f) {
   [&]<class... Policies>(std::tuple<Policies...>*) {
     ((only.empty() || only == Policies::name ? f.template operator()<Policies>() : void()), ...);
-  }(static_cast<sk::AdamW8Policies*>(nullptr));
+  }(static_cast<squeeze::bench::adamw8::Shapes*>(nullptr));
 }
 
 Options parse(int argc, char** argv) {
@@ -275,7 +276,7 @@ int main(int argc, char** argv) {
         << ",\"time_ms\":" << time_ms << ",\"bandwidth_GBps\":" << bw << ",\"copy_same_bytes_GBps\":" << copy
         << ",\"roofline_fraction_same_bytes\":" << bw / copy << ",\"registers\":" << regs << ",\"blocks_per_sm\":" << per_sm
         << ",\"threads\":" << Policy::threads << ",\"per_lane\":" << Policy::per_lane << ",\"blocks_in_flight\":" << Policy::blocks_in_flight
-        << ",\"min_blocks_per_sm\":" << Policy::min_blocks_per_sm << ",\"branch_free\":" << (Policy::branch_free ? "true" : "false")
+        << ",\"min_blocks_per_sm\":" << Policy::min_blocks_per_sm << ",\"branch_free\":" << (squeeze::bench::adamw8::branch_free<Policy>() ? "true" : "false")
         << ",\"params\":" << o.n << ",\"bytes_per_param\":" << kBytesPerParam << ",\"device\":\"" << device << "\",\"date\":\"" << date
         << "\",\"commit\":\"" << commit << "\"}";
       if (file) file << j.str() << "\n" << std::flush;

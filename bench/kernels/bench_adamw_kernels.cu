@@ -6,6 +6,7 @@
 #include "bench_adamw_kernels.hpp"
 #include "squeeze/kernels/adamw.cuh"
 #include "squeeze/kernels/adamw8.cuh"
+#include "adamw8_shapes.cuh"
 
 namespace squeeze::bench {
 namespace {
@@ -58,7 +59,7 @@ class Launcher8 final : public AdamWLauncher {
 
 std::vector<std::string> adamw8_variants() {
   return []<class... Policies>(std::tuple<Policies...>*) { return std::vector<std::string>{Policies::name...}; }(
-      static_cast<kernels::AdamW8Policies*>(nullptr));
+      static_cast<squeeze::bench::adamw8::Shapes*>(nullptr));
 }
 std::string adamw8_default_variant() { return kernels::AdamW8DefaultPolicy<bf16, bf16>::name; }
 
@@ -71,7 +72,7 @@ std::unique_ptr<AdamWLauncher> make_bf16_mixed_adamw8(const std::string& variant
                                                                                                  v_absmax, n, tensors))
                                 : void()),
      ...);
-  }(static_cast<kernels::AdamW8Policies*>(nullptr));
+  }(static_cast<squeeze::bench::adamw8::Shapes*>(nullptr));
   check(out != nullptr, "bench: unknown AdamW8 variant " + variant);
   return out;
 }

@@ -28,7 +28,7 @@ std::unique_ptr<AdamWLauncher> make_bf16_mixed_adamw(bf16* param, float* master,
                                                      int tensors);
 // The same with 8-bit state (kernels/adamw8.cuh): m, v uint8 codes [n], absmax [ceil(n / 256)] each; slices
 // are whole 256-element blocks (the last takes the remainder). variant: one of adamw8_variants(), the kernel shape
-// (kernels::AdamW8Policies' names; adamw8_default_variant() is the one the library launches).
+// (adamw8_shapes.cuh's Shapes' names; adamw8_default_variant() is the one the library launches).
 std::vector<std::string> adamw8_variants();
 std::string adamw8_default_variant();
 std::unique_ptr<AdamWLauncher> make_bf16_mixed_adamw8(const std::string& variant, bf16* param, float* master, const bf16* grad,

@@ -47,10 +47,10 @@
 
 #include <squeeze/error.hpp>
 #include <squeeze/kernels/quant/gemm.cuh>
-#include <squeeze/kernels/quant/qgemv.cuh>
 
 #include "gemm_configs.cuh"
 #include "gemm_timing.cuh"
+#include "qgemv.cuh"
 #include "read_bound.cuh"
 
 namespace kq = squeeze::kernels::quant;
@@ -262,12 +262,12 @@ void time_qgemv_cfgs(kq::detail::QGemvCfgList<Cs...>, const Layer& L, const kq::
 }
 
 // --timeline: where the dispatched wgmma configuration's time goes. Its Sm90Probe<C, 3> twin (the same work, plus per
-// block the clocks of kq::detail::kSm90TraceSlots points) runs `reps` times, each after an L2 flush and a one-thread
+// block the clocks of bg::kSm90TraceSlots points) runs `reps` times, each after an L2 flush and a one-thread
 // kernel that notes the global timer; the repetition with the median span is reported: the wait from that note to
 // the first block's start (launch), the spread of block starts (skew), first start to last end (span), and per block
 // (median over blocks, the SM clock converted by each block's own global-timer span) set-up, the wait for the first
 // chunk, the main loop and the epilogue.
-__global__ void note_global_ns(std::uint64_t* out) { *out = kq::detail::global_ns(); }
+__global__ void note_global_ns(std::uint64_t* out) { *out = bg::global_ns(); }
 struct Timeline {
   std::string cfg;
   int blocks = 0, max_per_sm = 0, tick_ns = 0;
@@ -283,13 +283,13 @@ struct Timeline {
 template <class C>
 Timeline trace_cfg(const Layer& L, const kq::QGemmShape& s, const bf16* x, bf16* y, int sm, int reps) {
   using P = bg::Sm90Probe<C, 3>;
-  constexpr int S = kq::detail::kSm90TraceSlots;
-  namespace T = kq::detail::sm90_trace_slot;
+  constexpr int S = bg::kSm90TraceSlots;
+  namespace T = bg::sm90_trace_slot;
   const auto plan = kq::plan_qgemm_sm90<C>(s, kq::detail::sm90_capacity<C>(sm));
   const Workspace ws({nullptr, plan.partial_elems, nullptr, plan.counter_elems});
   const std::size_t blocks = std::size_t(plan.blocks());
   DevBuf<std::uint64_t> trace(blocks * S), note(1);
-  auto launch = [&] { SQUEEZE_CUDA_CHECK((kq::detail::launch_qgemm_sm90_cfg<bf16, P>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws.ws, nullptr, trace.p))); };
+  auto launch = [&] { SQUEEZE_CUDA_CHECK((bg::launch_sm90_timeline<bf16, P>(x, L.tiles.p, L.scales.p, L.zeros.p, y, s, plan, ws.ws, nullptr, trace.p))); };
   launch();
   launch();
   std::vector<Timeline> runs;

@@ -8,7 +8,8 @@
 // path and the element path of the last partial block), buffers at odd offsets (the element path throughout), 20
 // steps in a row through a table, and gradients with zero blocks, huge and tiny values, infinities and NaNs (there a
 // NaN weight matches any NaN: which NaN an operation returns is left open by IEEE and differs between CPU and GPU).
-// Every kernel shape (kernels::AdamW8Policies) runs every test: a typed suite, Adam8Cuda/<shape>.<test>; the sizes
+// Every kernel shape (bench/kernels/adamw8_shapes.cuh's Shapes: the library's two and the ones kept for the comparison)
+// runs every test: a typed suite, Adam8Cuda/<shape>.<test>; the sizes
 // leave partial state blocks, partial chunks and warps with fewer blocks than their neighbours.
 #include <cuda_runtime.h>
 
@@ -20,6 +21,7 @@
 
 #include "squeeze/kernels/adamw.cuh"
 #include "squeeze/kernels/adamw8.cuh"
+#include "../../bench/kernels/adamw8_shapes.cuh"
 #include "adamw8_state.hpp"
 #include "test_util.hpp"
 
@@ -107,7 +109,7 @@ struct PolicyName {
 };
 template <class Policy>
 class Adam8Cuda : public ::testing::Test {};
-TYPED_TEST_SUITE(Adam8Cuda, GTestTypesOf<sk::AdamW8Policies>::type, PolicyName);
+TYPED_TEST_SUITE(Adam8Cuda, GTestTypesOf<squeeze::bench::adamw8::Shapes>::type, PolicyName);
 
 TYPED_TEST(Adam8Cuda, FlatMatchesCpuTwinForEveryTypePairAndSize) {
   REQUIRE_DEVICE();

@@ -1,10 +1,10 @@
-// The streaming 4-bit GEMM for batches 1..16 (qgemv.cuh) against the CPU twin (label cuda), and its work split (host
+// The streaming 4-bit GEMM for batches 1..16 (bench/quant/qgemv.cuh, an experiment) against the CPU twin (label cuda), and its work split (host
 // logic, runs without a GPU). Its own small binary, so the GPU machine builds it in about a minute.
 // Bound: the kernel multiplies x by the exact integers q - z in fp32 and scales each 64-k chunk's sum once, as the
 // mma.sync kernel's exact modes: 1e-5 of sum |x w| + one ulp of T (fp32 sums in another order than the twin's).
 #include "quant_cuda_common.cuh"
 
-#include <squeeze/kernels/quant/qgemv.cuh>
+#include "../../bench/quant/qgemv.cuh"
 
 namespace {
 

@@ -161,7 +161,7 @@ TEST(QuantCuda, EveryTunedConfigurationMatchesCpuTwin) {
 // to 1152), groups of 32 (two per chunk), 128 and per channel, M not a multiple of the rows per block.
 template <class T, int BITS, class C>
 void bulk_check(const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t M) {
-  if constexpr (C::LOADER == kq::QGemmLoader::Bulk && C::MODE == kq::QGemmMode::Full) cfg_check<T, C, BITS>(p, t, M);
+  if constexpr (C::LOADER == kq::QGemmLoader::Bulk) cfg_check<T, C, BITS>(p, t, M);
 }
 template <class T, int BITS, class... Cs>
 void bulk_cfgs(bg::CfgList<Cs...>, const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t M) {
@@ -199,7 +199,7 @@ TEST(QuantCuda, BulkLoaderMatchesCpuTwinAt8Bits) {
 // M = 1, 7 (a partial batch block), 13 (16 rows: a partial second block), 16. Tolerances as in cfg_runs.
 template <class T, int BITS, class C>
 void swap_check(const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t M) {
-  if constexpr (C::SWAP && C::MODE == kq::QGemmMode::Full && !(BITS == 3 && C::LOADER == kq::QGemmLoader::CpAsync))
+  if constexpr (C::SWAP && !(BITS == 3 && C::LOADER == kq::QGemmLoader::CpAsync))
     cfg_check<T, C, BITS>(p, t, M);
 }
 template <class T, int BITS, class... Cs>
@@ -240,13 +240,11 @@ TEST(QuantCuda, WeightsAsAOperandMatchCpuTwinAt8Bits) {
 // sequences per block). Then a ragged layer (N 2096: partial last strip, K 3000: padded, groups of 32).
 template <class T, class C>
 void stress_cfg(const TwinCase<T>& tc, bool ragged) {
-  if constexpr (C::MODE == kq::QGemmMode::Full) {
-    if (ragged && C::LOADER != kq::QGemmLoader::Bulk) return;  // the ragged layer is for the bulk loader
-    if (C::ROWS > 2 * std::max<std::int64_t>(tc.M, 16)) return;       // far from this batch (as the benchmark skips it)
-    std::vector<std::pair<int, int>> runs = {{0, sm_count()}, {4, sm_count()}, {16, sm_count()}};
-    if constexpr (C::PERSIST > 0) runs.insert(runs.end(), {{4, 7}, {16, 7}});
-    cfg_runs<T, C>(tc, runs, 5);
-  }
+  if (ragged && C::LOADER != kq::QGemmLoader::Bulk) return;  // the ragged layer is for the bulk loader
+  if (C::ROWS > 2 * std::max<std::int64_t>(tc.M, 16)) return;       // far from this batch (as the benchmark skips it)
+  std::vector<std::pair<int, int>> runs = {{0, sm_count()}, {4, sm_count()}, {16, sm_count()}};
+  if constexpr (C::PERSIST > 0) runs.insert(runs.end(), {{4, 7}, {16, 7}});
+  cfg_runs<T, C>(tc, runs, 5);
 }
 template <class T, class... Cs>
 void stress_cfgs(bg::CfgList<Cs...>, const TwinCase<T>& tc, bool ragged) {

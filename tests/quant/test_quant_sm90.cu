@@ -154,8 +154,8 @@ TEST(QuantCudaSm90, DispatchOnLargeLayersRepeatedly) {
 TEST(QuantCudaSm90, TimelineProbeComputesAndTracesInOrder) {
   REQUIRE_SM90();
   using P = bg::Sm90Probe<kq::Sm90_M16, 3>;
-  namespace slot = kq::detail::sm90_trace_slot;
-  constexpr int kSlots = kq::detail::kSm90TraceSlots;
+  namespace slot = bg::sm90_trace_slot;
+  constexpr int kSlots = bg::kSm90TraceSlots;
   const auto layer = random_layer(296, 1096, 4, 128, false, 77);
   const auto tiles = quant::to_tiles(layer);
   const TwinCase<bf16> tc(layer, tiles, 16);
@@ -171,7 +171,7 @@ TEST(QuantCudaSm90, TimelineProbeComputesAndTracesInOrder) {
     Dev<std::uint64_t> trace(std::size_t(plan.blocks()) * kSlots);
     SQUEEZE_CUDA_CHECK(cudaMemset(trace.p, 0, trace.n * sizeof(std::uint64_t)));
     launches_match_twin(tc, plan.partial_elems, plan.counter_elems, 1, what, 0x1p-7, [&](const kq::QGemmWorkspace& ws) {
-      return kq::detail::launch_qgemm_sm90_cfg<bf16, P>(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, plan, ws, nullptr, trace.p);
+      return bg::launch_sm90_timeline<bf16, P>(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, plan, ws, nullptr, trace.p);
     });
     if (::testing::Test::HasFatalFailure()) return;
     const std::vector<std::uint64_t> v = trace.get();
@@ -304,6 +304,6 @@ TEST(QuantCudaSm90, RejectsPlansItCannotRun) {
   using Timeline = bg::Sm90Probe<Tiny, 3>;
   const auto one_range = kq::plan_qgemm_sm90<Timeline>(deep, kq::sm90_even_capacity<Timeline>(132), 1);
   ASSERT_EQ(one_range.splits, 1);
-  EXPECT_EQ((kq::detail::launch_qgemm_sm90_cfg<half, Timeline>(nullptr, nullptr, nullptr, nullptr, nullptr, deep, one_range, {}, nullptr, nullptr)),
+  EXPECT_EQ((bg::launch_sm90_timeline<half, Timeline>(nullptr, nullptr, nullptr, nullptr, nullptr, deep, one_range, {}, nullptr, nullptr)),
             cudaErrorInvalidValue);
 }

@@ -2,8 +2,9 @@
 // Two-stage chunk pipeline for streaming a file: chunk i's consume (write, hash) runs on a worker while the
 // calling thread produces chunk i + 1 (a device-to-host copy, a read). Producing stays on the caller because
 // it may use the caller's CUDA stream; consumes run in order, one at a time, so a digest sees bytes in order.
-// Measured on the H200 host: SHA-256 1.1 GB/s and buffered write + fsync 1.0 GB/s per stream, so overlapping
-// them (and the copy) is what moves a save from their serial 0.55 GB/s towards the slower of the two.
+// Hashing and a buffered write + fsync run at about the same rate per stream, so overlapping them (and the copy) is
+// what moves a save from their serial rate towards the slower of the two (measured: docs/results.md, Training
+// checkpoints).
 #include <cstddef>
 #include <future>
 #include <utility>

@@ -28,8 +28,8 @@
 // cpu_parallel.hpp): no -march needed for 16-wide FMA code. The baseline clone calls libm's fmaf per
 // element (correct, several times slower): CPUs without FMA are pre-2013.
 // Bytes per parameter (bf16 param + fp32 master, m, v, bf16 grad): read 2 + 4 + 4 + 4, write 4 + 4 + 4 + 2 = 28,
-// so on a many-core host the pass is bound by memory bandwidth (16 cores at ~0.9 G params/s each would need
-// ~400 GB/s), not by the arithmetic.
+// so on a many-core host the pass is bound by memory bandwidth, not by the arithmetic (measured: docs/results.md,
+// Fused AdamW, the CPU update).
 #include <cmath>
 #include <cstdint>
 #include <span>

@@ -5,7 +5,8 @@
 //   adamw8_cuda<Policy>(...)                       the same with a kernel shape other than AdamW8DefaultPolicy<P, G>
 // (advance a device step counter with adamw_commit_step_cuda from adamw.cuh, as for the fp32 state).
 //
-// The kernel's shape is a policy (AdamW8HalfWarp and the others below). In every shape a group of lanes (a half-warp
+// The kernel's shape is a policy (the two below are the ones adamw8_cuda launches; the shapes they were chosen over, kept
+// for the comparison, are in bench/kernels/adamw8_shapes.cuh). In every shape a group of lanes (a half-warp
 // or a warp) owns one state block of 256 elements, per_lane elements a lane, moved with vector loads and stores; it
 // decodes m and v from the value tables in shared memory, runs adamw_element, reduces the block's two absmax values
 // with shuffles inside the group, and encodes by the bucket rule over the bucket tables in shared memory (one read per
@@ -17,7 +18,7 @@
 // Same arithmetic as the CPU twin, bit for bit, in every shape: adamw_element's multiply-adds are explicit FMAs on
 // both sides (adamw.hpp), the maps, the bucket tables and the nearest-code rule are shared, and each absmax is the
 // largest |value| over exactly its block's elements. tests/kernels/adamw8_cuda_test.cu checks one step bitwise for
-// every shape and type pair.
+// every shape (these and the benchmark's) and type pair.
 #include <atomic>
 #include <tuple>
 #include <type_traits>
@@ -42,53 +43,30 @@ static_assert(kChunkElems % kStateBlock == 0, "chunks must be whole state blocks
 //                      2: the next iteration's loads are issued before the current blocks are computed (software
 //                      pipelined within a chunk), so a warp's memory requests overlap its arithmetic
 //   min_blocks_per_sm  __launch_bounds__'s minimum resident blocks: caps registers at 64 Ki / (threads x this)
-//   branch_free        false: the per-element code as first written (bucket_code, absmax masked per element);
-//                      true: straight-line (bucket_code_branch_free, padding that decodes to 0 instead of the mask,
-//                      weights stored as soon as 4 of them are computed)
 //   tensor_in_shared   tensor tables only: each warp keeps its tensor's record (7 pointers and the size) in shared
 //                      memory and reads it afresh where used, so it holds no registers across the arithmetic (a flat
 //                      tensor's record is a kernel parameter, in the constant bank, either way)
-// Only the mapping of elements to lanes, the order of loads and stores and the instructions' spelling differ; the
-// numbers computed are the same.
-// Fractions of a same-bytes copy on an H200 (bench_adamw8_shapes, 1 Gi bf16 params, flat / 64 tensors):
-struct AdamW8HalfWarp {  // the first shape: 0.65 / 0.56 (bench_adamw: 0.58 flat, bench/results/h200/adamw.jsonl)
-  static constexpr const char* name = "half-warp";
-  static constexpr int threads = 256, per_lane = 16, blocks_in_flight = 1, min_blocks_per_sm = 1;
-  static constexpr bool interleaved = false, branch_free = false, tensor_in_shared = false;
-};
-struct AdamW8HalfWarpBranchFree {  // the same mapping, straight-line per-element code, 128 registers: 0.67 / 0.64
-  static constexpr const char* name = "half-warp-branch-free";
-  static constexpr int threads = 256, per_lane = 16, blocks_in_flight = 1, min_blocks_per_sm = 2;
-  static constexpr bool interleaved = false, branch_free = true, tensor_in_shared = true;
-};
-struct AdamW8HalfWarpInterleaved {  // + whole sectors per instruction: 0.77 / 0.75
-  static constexpr const char* name = "half-warp-interleaved";
-  static constexpr int threads = 256, per_lane = 16, blocks_in_flight = 1, min_blocks_per_sm = 2;
-  static constexpr bool interleaved = true, branch_free = true, tensor_in_shared = true;
-};
-struct AdamW8HalfWarpInterleavedPipelined {  // + the next blocks' loads in flight while computing: 0.83 / 0.81
+// The update is straight-line code (update_slice_branch_free); a policy may bring its own as a static member function
+// update with update_slice's parameters (bench/kernels/adamw8_shapes.cuh's first shape does).
+// Only the mapping of elements to lanes, the order of loads and stores and the instructions' spelling differ between
+// shapes; the numbers computed are the same.
+// Half-warp per state block, interleaved, the next blocks' loads in flight while computing.
+struct AdamW8HalfWarpInterleavedPipelined {
   static constexpr const char* name = "half-warp-interleaved-pipelined";
   static constexpr int threads = 256, per_lane = 16, blocks_in_flight = 2, min_blocks_per_sm = 2;
-  static constexpr bool interleaved = true, branch_free = true, tensor_in_shared = true;
+  static constexpr bool interleaved = true, tensor_in_shared = true;
 };
-struct AdamW8WarpInterleaved {  // a warp per state block, half the registers a lane, 4 blocks (32 warps) per SM: 0.75 / 0.75
-  static constexpr const char* name = "warp-interleaved";
-  static constexpr int threads = 256, per_lane = 8, blocks_in_flight = 1, min_blocks_per_sm = 4;
-  static constexpr bool interleaved = true, branch_free = true, tensor_in_shared = true;
-};
-struct AdamW8WarpInterleavedPipelined {  // a warp per state block, the next block's loads in flight, 2 blocks per SM: 0.77 / 0.75
+// A warp per state block, interleaved, the next block's loads in flight, 2 blocks per SM.
+struct AdamW8WarpInterleavedPipelined {
   static constexpr const char* name = "warp-interleaved-pipelined";
   static constexpr int threads = 256, per_lane = 8, blocks_in_flight = 2, min_blocks_per_sm = 2;
-  static constexpr bool interleaved = true, branch_free = true, tensor_in_shared = true;
+  static constexpr bool interleaved = true, tensor_in_shared = true;
 };
 
-// Every shape (the tests and bench_adamw run each one).
-using AdamW8Policies = std::tuple<AdamW8HalfWarp, AdamW8HalfWarpBranchFree, AdamW8HalfWarpInterleaved, AdamW8HalfWarpInterleavedPipelined,
-                                  AdamW8WarpInterleaved, AdamW8WarpInterleavedPipelined>;
 // The shape adamw8_cuda launches unless told otherwise, per parameter and gradient type: with 16-bit ones the fastest
-// measured (half-warp-interleaved-pipelined, 0.83 / 0.81 against the first shape's 0.65 / 0.56); with a float among
-// them that shape spills 150-238 bytes a thread, so the warp-per-block pipelined one, which does not (same bits;
-// not timed with float types).
+// measured (half-warp-interleaved-pipelined; measured: docs/results.md, Fused AdamW, the 8-bit kernel's shapes); with a
+// float among them that shape spills, so the warp-per-block pipelined one, which does not (same bits; not timed with
+// float types).
 template <class P, class G>
 using AdamW8DefaultPolicy =
     std::conditional_t<sizeof(P) == 2 && sizeof(G) == 2, AdamW8HalfWarpInterleavedPipelined, AdamW8WarpInterleavedPipelined>;
@@ -364,45 +342,6 @@ SQUEEZE_DEVICE void store_elements(const Rec& t, const BlockStep& st, LaneShare<
   }
 }
 
-// The update of one lane's share as first written: decode, adamw_element, absmax over the valid elements (a
-// branch per element), shuffles over the whole warp, bucket_code, all stores at the end.
-template <class Rec, class G, int N, bool I>
-SQUEEZE_DEVICE void update_slice_masked(const Rec& t, const BlockStep& st, LaneShare<N, I> share, const LaneSlice<G, N>& x, const StateTables& tab,
-                                        const AdamWScalars& s) {
-  float w[N], m[N], v[N];
-  float m_max = 0.0f, v_max = 0.0f;
-#pragma unroll
-  for (int k = 0; k < N; ++k) {
-    w[k] = __uint_as_float(x.w[k]);
-    m[k] = tab.mval[code_at(x.m, k)] * x.m_scale;
-    v[k] = tab.vval[code_at(x.v, k)] * x.v_scale;
-    adamw_element(w[k], m[k], v[k], grad_at(x, k), s);
-    if (share.at(k) < st.len) {
-      m_max = fabsf(m[k]) > m_max ? fabsf(m[k]) : m_max;  // as the CPU twin (NaN never wins)
-      v_max = fabsf(v[k]) > v_max ? fabsf(v[k]) : v_max;
-    }
-  }
-  m_max = group_max<LaneShare<N, I>::kLanes>(m_max, 0xffffffffu);
-  v_max = group_max<LaneShare<N, I>::kLanes>(v_max, 0xffffffffu);
-  const float m_inv = inverse_absmax(m_max), v_inv = inverse_absmax(v_max);
-  std::uint8_t mc[N], vc[N];
-#pragma unroll
-  for (int k = 0; k < N; ++k) {
-    mc[k] = std::uint8_t(bucket_code(tab.mbucket, m[k] * m_inv, true));
-    vc[k] = std::uint8_t(bucket_code(tab.vbucket, v[k] * v_inv, false));
-  }
-  if (st.vector) {
-    store_weights(t, st.b * kStateBlock, share, w);
-    store_codes(t, st.b * kStateBlock, share, mc, vc);
-  } else {
-    store_elements(t, st, share, w, mc, vc);
-  }
-  if (st.valid && share.lane == 0) {
-    t.m_absmax()[st.b] = m_max;
-    t.v_absmax()[st.b] = v_max;
-  }
-}
-
 // The same update in straight-line code (Vector: the step's block is whole and aligned). The absmax is fmaxf over
 // every element: padding decodes to 0 (NaN for an infinite scale), which never wins, and fmaxf returns the same
 // bits as the CPU's `a > max ? a : max` for a running max that starts at +0 and never holds NaN. Weights and params
@@ -460,12 +399,17 @@ SQUEEZE_DEVICE void update_slice_branch_free(const Rec& t, const BlockStep& st, 
   }
 }
 
+// The policy's own update where it has one, else the straight-line one.
 template <class Policy, class Rec, class G, int N, bool I>
 SQUEEZE_DEVICE void update_slice(const Rec& t, const BlockStep& st, LaneShare<N, I> share, const LaneSlice<G, N>& x, const StateTables& tab,
                                  const AdamWScalars& s) {
-  if constexpr (!Policy::branch_free) update_slice_masked(t, st, share, x, tab, s);
-  else if (st.vector) update_slice_branch_free<true>(t, st, share, x, tab, s);
-  else update_slice_branch_free<false>(t, st, share, x, tab, s);
+  if constexpr (requires { Policy::update(t, st, share, x, tab, s); }) {
+    Policy::update(t, st, share, x, tab, s);
+  } else if (st.vector) {
+    update_slice_branch_free<true>(t, st, share, x, tab, s);
+  } else {
+    update_slice_branch_free<false>(t, st, share, x, tab, s);
+  }
 }
 
 // The record's fp32 weights (master, or the float param itself).

@@ -9,7 +9,8 @@
 // vpermi2b over the map's byte planes) and a blend on the code's top bit; byte unpacks assemble the floats. The codes
 // are permuted first so that the unpacks' in-lane interleaving leaves the floats in order.
 // Encode, 16 values at a time: one 32-bit gather from the bucket table (12 KB, stays in L1) and integer arithmetic.
-// On a Sapphire Rapids core this is ~5x the generic clones' block rate (those need a gather per value and per table).
+// Several times the generic clones' block rate, which need a gather per value and per table (measured: docs/results.md,
+// Fused AdamW, the CPU update).
 #include <atomic>
 #include <cstdint>
 
@@ -146,7 +147,7 @@ SQUEEZE_AVX512_TARGET inline void decode_block(const StateCodeMap& map, const st
 }
 
 // Blocks [b, e) of tensor t: adamw8.hpp's adamw8_block with the decode and encode passes above. (Measured and dropped:
-// interleaving block k's math with block k - 1's encode chunk by chunk, 12% slower, both compete for the same two
+// interleaving block k's math with block k - 1's encode chunk by chunk, slower: both compete for the same two
 // vector ports; software prefetch of the blocks ahead, no gain over the hardware prefetcher.)
 template <class P, class G>
 SQUEEZE_AVX512_TARGET void adamw8_blocks(const AdamW8Tensor<P, G>& t, std::int64_t b, std::int64_t e, const AdamWScalars& s,

@@ -16,7 +16,7 @@
 
 // The CPU launchers' hot loops (AdamW, 8-bit AdamW block passes) are compiled for x86-64-v4 (AVX-512), x86-64-v3
 // (AVX2 + FMA + F16C) and the baseline; the loader picks one at run time from the CPU's features, so a build
-// without -march still runs 8/16-wide with FMA (2.5-3x the baseline SSE2 loop). The AdamW math writes its
+// without -march still runs 8/16-wide with FMA, well ahead of the baseline SSE2 loop. The AdamW math writes its
 // multiply-adds as fmaf (adamw.hpp), so every clone gives the same bits (the baseline calls libm's fmaf).
 // GCC >= 12 knows the x86-64-vN levels; older GCC and clang get an AVX-512F clone (which has FMA) and the baseline.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
@@ -94,7 +94,7 @@ void parallel_ranges(std::int64_t n, Fn&& fn) {
 // `piece` elements handed out dynamically, fn(begin, end) per piece, each walked in order. A thread slowed by
 // others on the cores (the offload pipeline's backward and copy threads, another process) leaves its share to
 // the rest instead of holding the whole team at the end, as parallel_ranges' fixed split would.
-inline constexpr std::int64_t kPiece = std::int64_t(1) << 16;  // elements: ~1.8 MB of AdamW traffic, ~0.1 ms a piece
+inline constexpr std::int64_t kPiece = std::int64_t(1) << 16;  // elements: ~1.8 MB of AdamW traffic a piece
 
 template <class Fn>
 void parallel_pieces(std::int64_t n, std::int64_t piece, Fn&& fn) {

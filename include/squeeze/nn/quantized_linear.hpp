@@ -8,17 +8,11 @@
 //                               the Hopper kernel, otherwise the mma.sync one)
 //   CUDA, other widths (2 bits, or a g_idx the tiles cannot serve), M <= 8   GPTQ-layout GEMV (kernels/.../dequant.cuh)
 //   CUDA, otherwise             dequantize to x's dtype, cuBLAS matmul
-// max_fused_rows() by default (set_max_fused_rows overrides), from the H200 crossover of the fused GEMM against
-// dequantize + cuBLAS bf16 on the four LLaMA-7B / 70B shapes (bench_dequant's batch sweep, in git history of
-// bench/results/h200/; dequantize + cuBLAS time over the fused GEMM's, > 1: the fused GEMM faster, on
-// 4096 x 4096 / 4096 x 11008 / 11008 x 4096 / 8192 x 28672):
-//   the Hopper kernel (4 bits): 1024 rows; at 1024 1.18 / 1.02 / 1.15 / 1.15x, at 1536 0.83 / 1.02 / 0.98 / 1.03x, at
-//     2048 0.99 / 0.91 / 0.98 / 0.99x;
-//   the mma.sync kernel at 3 and 4 bits: 64 rows; at 64 0.87 / 1.21 / 1.02 / 1.26x (3 bits; 4 bits, what GPUs without
-//     sm_90a run, 0.82 / 1.17 / 0.98 / 1.21x), at 128 0.63-0.74x;
-//   the mma.sync kernel at 8 bits: 32 rows; at 32 1.20-1.95x, at 64 0.80 / 0.97 / 1.07 / 0.98x.
-// (The limit was once 256 rows for every kernel, set when dequantize itself took 0.09-0.92 ms on these shapes; its
-// tiled form takes 0.023-0.233 ms.)
+// max_fused_rows() by default (set_max_fused_rows overrides), from the measured crossover of the fused GEMM against
+// dequantize + cuBLAS bf16 on the four LLaMA-7B / 70B shapes (bench_dequant's batch sweep; measured: docs/results.md,
+// GPTQ dequantize): the Hopper kernel (4 bits) up to 1024 rows, the mma.sync kernel at 3 and 4 bits up to 64, at
+// 8 bits up to 32. (The limit was once 256 rows for every kernel, set when dequantize was several times slower than
+// its tiled form.)
 // CUDA paths need this header compiled by nvcc (a .cu translation unit); activations fp16 or bf16.
 // Kernels run on libtorch's current stream. One layer must not run concurrently on two streams
 // (the GEMM's split-K counters are per layer).

@@ -148,7 +148,7 @@ constexpr i64 lora_block_params(const ModelShape& m) {
 //                  silu(gate), up and the product (4·ffn)
 //   LoRA           r per adapted projection (x·A^T, kept for B's gradient)
 // -> unfused 8h + 4·2 bytes + (6h + 2kv' + 4ffn + lora)·p_c + heads·4; fused 4·2 bytes + (6h + 2kv' + 3ffn + lora)·p_c
-// + heads·4 (TinyLlama-1.1B, B=8, T=2048, bf16: 10.0 GB less, as measured on the H200).
+// + heads·4 (the saving measured: docs/results.md, The fused LLaMA kernels and FSDP2).
 // With a frozen base (LoRA) a product whose weight needs no gradient keeps nothing for it: the norms keep
 // no pre-gain value, a norm's output is kept only when an adapted projection reads it (never the final
 // norm's: the head is frozen), silu(gate)·up only when down is adapted, and block 0's first norm nothing

@@ -70,8 +70,8 @@ void gemv_cpu(const GptqView& v, const T* x /*[M, in]*/, T* y /*[M, out]*/, std:
 #if defined(__CUDACC__)
 namespace detail {
 // Dequantize in tiles of W [64 out][64 in], kDeqTilesPerBlock tiles along in per block. The per-element form (one
-// thread per W element; bench_dequant keeps it as the peer) read qweight across its rows (stride out) and ran at
-// 0.10-0.18 of the copy bandwidth into bf16 (8192 x 28672 at 4 bits: 0.924 ms on the H200). Per tile a block
+// thread per W element; bench_dequant keeps it as the peer) read qweight across its rows (stride out) and ran at a
+// small fraction of the copy bandwidth (measured: docs/results.md, GPTQ dequantize). Per tile a block
 //   1. copies the tile's qweight words, 2 BITS rows x 64 outs, coalesced along out (64 in x BITS is a whole number of
 //      words for every width, so tiles start on word boundaries and 3-bit codes straddle only inside one); the next
 //      tile's words are loaded into registers while this one is decoded and stored;
@@ -84,22 +84,21 @@ namespace detail {
 // The element math is gptq_weight's, bit-identical to the CPU twin: q - z is exact in fp32 (taken as (2^23 + q) -
 // (2^23 + z), the code OR-ed into the float 2^23's mantissa), one fp32 product with the scale, one rounding to T.
 // The width is a template parameter and the group constants come with the copy (with a run-time width the block's
-// set-up and index arithmetic outweighed its 16 elements a thread: 0.30-0.37 of the copy bandwidth); four tiles a block
-// (0.43-0.60 at 4 bits, 8192 x 28672 0.283 -> 0.233 ms on the H200). Six blocks of 40 registers per SM (at 8 bits
-// five, whose four prefetched words a thread spilled at 40).
+// set-up and index arithmetic outweighed its 16 elements a thread); four tiles a block (faster again). Six blocks of
+// 40 registers per SM (at 8 bits five, whose four prefetched words a thread spilled at 40).
 constexpr int kDeqTile = 64, kDeqThreads = 256, kDeqTilesPerBlock = 4;
 // How a kernel finds a run's group constants (GptqView::act_order picks one of the last two):
 //   kDeqInOrder   kept in registers while a run's group stays the one it had; looked up one group change at a time;
 //   kDeqActLookup where a run's groups change, the constants of four elements looked up at once (independent loads in
-//                 flight together): act-order at 0.27-0.33 of the copy bandwidth on the H200, from 0.22-0.27. A kernel
-//                 of its own: in the in-order one the batched lookups raised the register pressure past the 40 a thread
-//                 that six blocks per SM allow, and every width took 20-30% longer; this one runs five;
+//                 flight together), faster on act-order layers than one lookup at a time. A kernel of its own: in the
+//                 in-order one the batched lookups raised the register pressure past the 40 a thread that six blocks
+//                 per SM allow, and every width took longer; this one runs five;
 //   kDeqActTable  the block's 64 columns' constants of every group in shared memory first ([groups][64] words: the
 //                 scale's fp16 bits | zero point << 16; up to kDeqMaxTableGroups groups, 32 KB), then one shared-memory
-//                 read per element: 0.39-0.55 of the copy bandwidth (8192 x 28672 0.251 ms; the in-order kernel on
-//                 in-order layers 0.232). Tiles a block: groups / 4 within 8..16 (deq_table_tiles), so that the
-//                 table's fill stays near 1/16 of the block's elements (16 were 10% faster than 8 at 64 and 86 groups,
-//                 8 within 3% of the best at 32); the in-order kernel's 4 were within 4% of the best count everywhere.
+//                 read per element, close to the in-order kernel on in-order layers. Tiles a block: groups / 4 within
+//                 8..16 (deq_table_tiles), so that the table's fill stays near 1/16 of the block's elements (the best
+//                 counts measured at 32..86 groups); the in-order kernel's 4 were close to the best count everywhere
+//                 (measured: docs/results.md, GPTQ dequantize).
 enum : int { kDeqInOrder, kDeqActLookup, kDeqActTable };
 constexpr int kDeqMaxTableGroups = 128;
 inline int deq_table_tiles(std::int64_t groups) { return int(std::clamp<std::int64_t>(groups / 4, 8, 16)); }

@@ -23,8 +23,9 @@
 
 namespace squeeze::kernels::quant {
 
-// The sm90 family for the 4-bit shapes it takes when this build and device have wgmma (at every batch size: on the
-// H200 it is as fast or faster than the mma.sync family from M = 1 on); the mma.sync family for everything else.
+// The sm90 family for the 4-bit shapes it takes when this build and device have wgmma (at every batch size: as fast or
+// faster than the mma.sync family from M = 1 on; measured: docs/results.md, 4-bit GEMM); the mma.sync family for
+// everything else.
 inline bool quant_gemm_uses_sm90(const QGemmShape& s) { return qgemm_sm90_reason(s).empty() && qgemm_sm90_supported(); }
 // Workspace sizes for quant_gemm_cuda (pointers left null): partial fp32 (any contents) and counters int32 (zero
 // before the first call; the kernels leave them zero).

@@ -6,7 +6,8 @@
 // Sm90Config<Sm90Knobs{.batch_rows = 16, ...}>; omitted knobs keep their defaults. The configuration type derives what
 // the kernel needs from them (threads, shared-memory layout, ...) as static members, in the kernels' short names
 // (ROWS8, W, NT, ... / BN, WM, STAGES, ...), and checks the combination at compile time. Benchmark-only configurations
-// (tuning lists, measuring variants) are in bench/quant/gemm_configs.cuh.
+// (tuning lists, measuring variants) are in bench/quant/gemm_configs.cuh: a measuring variant is a configuration that
+// names the work its kernel does as Work (see WorkOf).
 #include <string>
 
 #include <squeeze/kernels/quant/gemm/layout.hpp>
@@ -18,8 +19,6 @@ namespace squeeze::kernels::quant {
 // 16-byte cp.async into a per-thread ring), Bulk (one producer warp copies each chunk's whole strip with bulk copies
 // into a ring of mbarrier-guarded slots; sm_90).
 enum class QGemmLoader { Registers = 0, CpAsync = 1, Bulk = 2 };
-// Full: the GEMM. LoadOnly / LoadDecode: measuring variants that skip the math (benchmarks only; wrong results).
-enum class QGemmMode { Full = 0, LoadOnly = 1, LoadDecode = 2 };
 
 struct QGemmKnobs {
   int rows = 0;              // x rows per block: 8, 16, 32 or 64 (8 rows use half an m16 tile, two k-steps per ldmatrix.x4)
@@ -31,7 +30,6 @@ struct QGemmKnobs {
   // (magic + z) * sum(x over the group), the sums from one more mma per k-step against ones (8-bit bf16 keeps the
   // per-element subtraction: bf16 cannot hold 128 + 255)
   bool fold_zeros = false;
-  QGemmMode mode = QGemmMode::Full;
   int persist = 0;           // Bulk only: > 0 = a persistent grid of at most `persist` blocks per SM
   // B = (q - z) * scale rounded to T, accumulated straight into the result: no per-group sums, half the accumulators;
   // NOT exact (each weight rounded to T once: fp16 2^-11, bf16 2^-8 relative)
@@ -49,7 +47,6 @@ struct QGemmConfig {
                        MINB = K.min_blocks;
   static constexpr QGemmLoader LOADER = K.loader;
   static constexpr bool ZFOLD = K.fold_zeros, SCALEB = K.scaled_b, SWAP = K.weights_as_a;
-  static constexpr QGemmMode MODE = K.mode;
   static constexpr int ROWS = 8 * ROWS8, MT = ROWS8 < 2 ? 1 : ROWS8 / 2, STRIP = W * NT * kTileN;
   static constexpr int THREADS = (W + (LOADER == QGemmLoader::Bulk ? 1 : 0)) * 32;  // Bulk: + the producer warp
   static_assert(K.rows == 8 || K.rows == 16 || K.rows == 32 || K.rows == 64, "rows per block: 8, 16, 32 or 64");
@@ -104,8 +101,6 @@ struct Sm90Config {
   static constexpr Sm90Knobs knobs = K;
   static constexpr int BN = K.batch_rows, WM = K.m64_tiles, STAGES = K.stages, MINB = K.blocks_per_sm, WGS = K.consumer_warpgroups;
   static constexpr bool OVERLAP = K.overlap, WS = K.warp_specialized, GSCALE = K.group_scale, SYNC = K.mma_sync;
-  // > 0 in the measuring variants of bench/quant/gemm_configs.cuh (they skip work: wrong results; benchmarks only)
-  static constexpr int PROBE = 0;
   static_assert(!GSCALE || (WS && !OVERLAP), "per-group fp32 scaling (group_scale) is built for the warp-specialised form without overlap");
   static_assert(!SYNC || (WS && !OVERLAP && BN <= 16), "mma.sync consumers are built for the warp-specialised form without overlap, batch slices of 8 or 16 rows");
   static constexpr int AHEAD = OVERLAP ? STAGES - 2 : STAGES - 1;  // chunks the copy ring runs ahead (block-synchronous)
@@ -167,9 +162,27 @@ using Sm90_M64_Large = Sm90Config<Sm90Knobs{.batch_rows = 64, .m64_tiles = 2, .s
 using Sm90_M128 = Sm90Config<Sm90Knobs{.batch_rows = 128, .m64_tiles = 1, .stages = 8, .warp_specialized = true, .consumer_warpgroups = 4}>;
 
 namespace detail {
+// The work configuration C's kernel does: Default, the GEMM's own (declared with the kernel), unless C names another as
+// C::Work, as the measuring variants of bench/quant/gemm_configs.cuh do.
+template <class C, class Default>
+struct WorkOf {
+  using type = Default;
+};
+template <class C, class Default>
+  requires requires { typename C::Work; }
+struct WorkOf<C, Default> {
+  using type = typename C::Work;
+};
+// The name suffix of a measuring variant (its Work's), else "".
+template <class C>
+std::string work_suffix() {
+  if constexpr (requires { C::Work::suffix; }) return C::Work::suffix;
+  else return "";
+}
+
 // A configuration's name in logs and results: mma.sync r<rows>w<warps>n<tiles>p<depth>, then a (cp.async loader) or b
 // (bulk loader), p<n> (persistent grid), z (folded zero points), s (scaled B), x (weights as A), m<n> (blocks per SM),
-// -load / -decode (measuring modes).
+// then a measuring variant's suffix (work_suffix).
 template <class C>
 std::string cfg_name() {
   std::string n = "r" + std::to_string(C::ROWS) + "w" + std::to_string(C::W) + "n" + std::to_string(C::NT) + "p" + std::to_string(C::PF);
@@ -180,16 +193,14 @@ std::string cfg_name() {
   if (C::SCALEB) n += "s";
   if (C::SWAP) n += "x";
   if (C::MINB > 1) n += "m" + std::to_string(C::MINB);
-  if (C::MODE == QGemmMode::LoadOnly) n += "-load";
-  if (C::MODE == QGemmMode::LoadDecode) n += "-decode";
-  return n;
+  return n + work_suffix<C>();
 }
-// sm90: wg_b<BN>m<WM>s<STAGES>[x<MINB>][o][w][g<WGS>][f] (mma_ for mma.sync consumers; _probe<n> for measuring variants).
+// sm90: wg_b<BN>m<WM>s<STAGES>[x<MINB>][o][w][g<WGS>][f] (mma_ for mma.sync consumers), then a measuring variant's suffix.
 template <class C>
 std::string sm90_cfg_name() {
   return (C::SYNC ? "mma_b" : "wg_b") + std::to_string(C::BN) + "m" + std::to_string(C::WM) + "s" + std::to_string(C::STAGES) +
          (C::MINB > 1 ? "x" + std::to_string(C::MINB) : "") + (C::OVERLAP ? "o" : "") + (C::WS ? "w" : "") +
-         (C::WGS != 2 ? "g" + std::to_string(C::WGS) : "") + (C::GSCALE ? "f" : "") + (C::PROBE ? "_probe" + std::to_string(C::PROBE) : "");
+         (C::WGS != 2 ? "g" + std::to_string(C::WGS) : "") + (C::GSCALE ? "f" : "") + work_suffix<C>();
 }
 }  // namespace detail
 

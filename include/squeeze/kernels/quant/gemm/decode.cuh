@@ -1,6 +1,6 @@
 #pragma once
 // Device side of the decode: a tile word -> the mma.m16n8k16 fragment registers (q - z) of one k-step, for the
-// mma.sync GEMM and the streaming GEMV (qgemv.cuh). The bit tricks are decode.hpp's, shared with the CPU twin.
+// mma.sync GEMM and the streaming GEMV experiment (bench/quant/qgemv.cuh). The bit tricks are decode.hpp's, shared with the CPU twin.
 #if !defined(__CUDACC__)
 #error "gemm/decode.cuh is a CUDA header: compile this translation unit with nvcc (the host decode: gemm/decode.hpp)"
 #endif

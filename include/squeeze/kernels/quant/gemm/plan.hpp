@@ -89,10 +89,9 @@ QGemmGeometry qgemm_geometry() {
 }
 
 // cps_override > 0 forces the chunks per K range (benchmarks sweep it); otherwise K ranges of cps_target chunks, halved
-// (down to 4) while the grid would hold fewer than 2 blocks per SM: on the H200 16 chunks was the fastest or within ~10%
-// on every shape with enough strips, shorter ranges paid only on small grids (4096 x 4096 at M = 1: 13.4 us with 4
-// chunks, 18.7 with 16). x_smem_cap bounds the x slice (and so cps) per block; small groups bound it through the
-// group table.
+// (down to 4) while the grid would hold fewer than 2 blocks per SM: 16 chunks was the fastest or close on every shape
+// with enough strips, shorter ranges paid only on small grids (measured: docs/kernels/quant-gemm.md). x_smem_cap
+// bounds the x slice (and so cps) per block; small groups bound it through the group table.
 inline QGemmPlan plan_qgemm(const QGemmShape& s, const QGemmGeometry& g, int sm_count, int cps_override = 0, int cps_target = 16,
                             int x_smem_cap = 96 * 1024) {
   QGemmPlan p;
@@ -217,10 +216,9 @@ inline bool sm90_ranges_cover(const Sm90Plan& p, std::int64_t kchunks) {
 
 // K splits: at most 16 K ranges, at most 8 when they reduce within a cluster (a cluster of up to 8 blocks is portable).
 inline constexpr int kSm90MaxSplits = 16, kSm90MaxClusterSplits = 8;
-// The largest cluster the plan picks by itself: on the H200 a cluster of 8 was never the fastest for the wgmma forms
-// (it holds only 15 of them of one-per-SM blocks; 4096 x 4096 at M = 16: 8 in a cluster 0.0137 ms, 6 0.0125). The
-// mma.sync forms take clusters of 8 at three blocks per SM (4096 x 11008 at M 1..8: 14.5-15.3 us against 15.5-16.5
-// through global memory) and none at four (every cluster plan 7-14% slower on 8192 x 28672).
+// The largest cluster the plan picks by itself: a cluster of 8 was never the fastest for the wgmma forms (a GPU holds
+// few of them of one-per-SM blocks). The mma.sync forms take clusters of 8 at three blocks per SM (faster than through
+// global memory) and none at four (every cluster plan slower) (measured: docs/kernels/quant-gemm.md).
 inline constexpr int kSm90AutoClusterSplits = 6;
 template <class C>
 constexpr int sm90_auto_cluster_splits() {
@@ -230,8 +228,8 @@ constexpr int sm90_auto_cluster_splits() {
 // Global (spread where the grid fits, else the last block) or GlobalLast (the last block whatever the grid: measurement).
 enum class Sm90Reduce { Auto, Cluster, Global, GlobalLast };
 // What the GPU holds of one configuration at once: `slots` blocks (SMs x blocks per SM), and clusters[k] clusters of k
-// blocks (a cluster's blocks share a GPC, so a GPC whose free slots are fewer than k wastes them: the H200 holds
-// 15 clusters of 8 one-per-SM blocks, 120 of its 132 SMs). sm90_capacity<C>(sm_count) asks the device
+// blocks (a cluster's blocks share a GPC, so a GPC whose free slots are fewer than k wastes them: a GPU may hold
+// clusters of 8 one-per-SM blocks on fewer SMs than it has). sm90_capacity<C>(sm_count) asks the device
 // (cudaOccupancyMaxActiveClusters).
 struct Sm90Capacity {
   int slots = 1;
@@ -256,12 +254,11 @@ Sm90Capacity sm90_even_capacity(int sm_count) {
 //   + kSm90WaveBytes per wave after the first (a block's ring fills again);
 //   + the reduction per split, row and column: 6 B through global memory summed by the last block (partials written
 //   and read back) plus kSm90GlobalBytes once (its serial tail); kSm90SpreadBytes spread; 4 B in a cluster.
-// Fitted to H200 sweeps of every reduction at 1..16 K ranges: the plans it picks are on average 0.1% slower than the
-// best measured (at most 1.022x) over the dispatched configurations.
+// Fitted to sweeps of every reduction at 1..16 K ranges: the plans it picks are close to the best measured over the
+// dispatched configurations (measured: docs/kernels/quant-gemm.md).
 inline constexpr double kSm90LoneBlock = 0.8, kSm90WaveBytes = 4e6, kSm90GlobalBytes = 4e6, kSm90SpreadBytes = 4.0;
 // The spread form from 8 batch rows on: below, the last block's sum covers few rows (a short serial tail) while the
-// spread form waits for a tile's slowest block (H200, 4096 x 4096 at M 1..4: 11.3-11.5 us the last block summing,
-// 11.7-12.4 spread).
+// spread form waits for a tile's slowest block (the last block summing was faster at M 1..4).
 inline constexpr std::int64_t kSm90SpreadMinRows = 8;
 // Whether K splits through global memory are summed spread rather than by the tile's last block: the grid of `blocks`
 // fits the GPU at once (the cooperative launch) and the batch has kSm90SpreadMinRows rows or more.
@@ -298,7 +295,7 @@ inline double sm90_split_cost(const QGemmShape& s, int zslices, std::int64_t til
 }
 // Tapers a plan's K ranges through global memory: its first `lead` K ranges longer, the other splits - lead of cps_tail
 // chunks each (the last takes the remainder), so that the blocks a grid of more than one wave starts last are the
-// short ones (the grid runs K range by K range: blockIdx.z), as blocks on some SMs run ~25% longer than the median.
+// short ones (the grid runs K range by K range: blockIdx.z), as blocks on some SMs run markedly longer than the median.
 // "" when done; else why not (the plan is unchanged).
 inline std::string sm90_taper(Sm90Plan& p, const QGemmShape& s, int lead, int cps_tail) {
   const std::int64_t kchunks = s.Kpad / kTileK;
@@ -318,8 +315,8 @@ inline std::string sm90_taper(Sm90Plan& p, const QGemmShape& s, int lead, int cp
 }
 
 // sm90_taper with the tail ranges `ratio` times as long as the lead ones (rounded, at least one chunk). The plan takes
-// kSm90TaperRatio with the K ranges the first wave holds whole, plus one, as lead: on the H200 8192 x 28672 at M 1 / 8
-// / 16 (784 blocks on 396 slots) ran 1.4-2% faster tapered 4 x 20 + 3 x 16 chunks than in 7 uniform K ranges.
+// kSm90TaperRatio with the K ranges the first wave holds whole, plus one, as lead: a grid of a few waves ran faster
+// tapered than in uniform K ranges (measured: docs/kernels/quant-gemm.md).
 inline constexpr double kSm90TaperRatio = 0.8;
 // The K ranges the plan's first wave holds whole (global-reduction kernels: the grid runs K range by K range).
 inline int sm90_first_wave_ranges(const Sm90Plan& p, const Sm90Capacity& cap) {
@@ -331,9 +328,8 @@ inline std::string sm90_taper_ratio(Sm90Plan& p, const QGemmShape& s, int lead, 
   return sm90_taper(p, s, lead, std::max(1, int(std::lround(tail))));
 }
 
-// K ranges of at least kSm90MinChunks chunks (4096 x 4096 at M 9..16: 16 K ranges of 4 were 10% slower than 8), of
-// kSm90MinChunksFewRows below kSm90SpreadMinRows batch rows, where the partials are small (4096 x 4096 at M 1: 16 K
-// ranges 0.0111 ms against 8's 0.0118).
+// K ranges of at least kSm90MinChunks chunks (shorter ones were slower from 9 rows on), of kSm90MinChunksFewRows below
+// kSm90SpreadMinRows batch rows, where the partials are small (there more, shorter ranges were faster).
 inline constexpr int kSm90MinChunks = 8, kSm90MinChunksFewRows = 4;
 // K splits: the count (1..16) and the reduction with the least sm90_split_cost, unless given.
 template <class C>

@@ -184,7 +184,7 @@ __device__ __forceinline__ void pin_operands(std::uint32_t (&a)[4][WM][4], float
 // A K-split tile's counter in global memory. The block's partials are ordered before its arrival by a block barrier and
 // one thread's release (PTX's memory model: the barrier, then release cumulativity), and the other blocks' partials
 // before its reads by that thread's acquire and the next block barrier, so no thread fences on its own (a fence.sc
-// in every thread cost the global-memory reductions 1-5% on the H200).
+// in every thread slowed the global-memory reductions).
 __device__ __forceinline__ int atom_add_acq_rel_gpu(int* p, int v) {
   int old;
   asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
@@ -322,13 +322,6 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const std::uint32_t (&a
   else SQUEEZE_WGMMA_RS_N128("f16");
 #undef SQUEEZE_WGMMA_RS_N128
 #endif
-}
-
-// The global timer (ns), for the timeline of the sm90 kernel's measuring variant.
-__device__ __forceinline__ std::uint64_t global_ns() {
-  std::uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
 }
 
 }  // namespace squeeze::kernels::quant::detail

@@ -7,12 +7,13 @@
 // whole kernel at 0.45). Here the grid holds only as many warps as the GPU runs at once, each warp streams its
 // K part of one column group with PF chunks in flight, and no warp waits for another (no shared memory, no
 // block barrier).
-// Status: an experiment, not dispatched. On the H200 (best configuration and part count per case) it ran 1.08-1.19x
-// slower than the mma.sync kernel at M = 1, and at M 9..16 between 0.93x and 1.22x of its time, slower than the wgmma
-// kernel the dispatch takes there on three shapes. Suspected: the x fragments, 8 (M <= 8) or 16 4-byte global loads per
-// chunk and lane issued only one chunk ahead; the next step is x staged once per block in shared memory (the block's
-// four warps share a K part) and read by ldmatrix, as the mma.sync GEMM does. The GPU tests check every configuration
-// against the CPU twin.
+// Status: an experiment, not dispatched, so it lives with the benchmarks, in the library's namespace (bench_qgemm_sm90
+// --streaming times it, tests/quant/test_qgemv_cuda.cu checks it). On the H200 (best configuration and part count per
+// case) it ran 1.08-1.19x slower than the mma.sync kernel at M = 1, and at M 9..16 between 0.93x and 1.22x of its
+// time, slower than the wgmma kernel the dispatch takes there on three shapes. Suspected: the x fragments, 8 (M <= 8)
+// or 16 4-byte global loads per chunk and lane issued only one chunk ahead; the next step is x staged once per block in
+// shared memory (the block's four warps share a K part) and read by ldmatrix, as the mma.sync GEMM does. The GPU tests
+// check every configuration against the CPU twin.
 //
 // Layout: the GEMM's tiles (gemm/layout.hpp: 64 k x 16 n, 512 bytes at 4 bits), unchanged; lane l's 16 bytes of a
 // tile are the A fragments of its four k-steps (word ks: pairs 0 / 2 / 1 / 3 = a0..a3, rows n = l/4 and l/4 + 8). x is the B
