@@ -82,10 +82,11 @@ void for_each_strategy(F&& f) {
 // scratch: tiny 3e-3; 125m 1e-3 (run_gpu.sh's llama_gptq model, 1000 steps); TinyLlama 3e-4 (the strategy
 // table's); LLaMA-7B 5e-6, warmed up (at 32 layers 3e-4 and 3e-5 diverge within a few steps, fp32 and bf16 alike;
 // at B=8, 1e-5 falls to 5.4 and climbs back to 11.2, 5e-6 goes 11.2 -> 4.4 in 12 steps: bench/results/h200/diag7b.jsonl).
+// The larger presets take LLaMA-7B's rate: untried from scratch, and deeper or wider models want no larger one.
 inline double default_lr(std::string_view preset) {
   if (preset == "125m") return 1e-3;
   if (preset == "tinyllama-1.1b") return 3e-4;
-  if (preset == "llama-7b") return 5e-6;
+  if (preset == "llama-7b" || preset == "llama-13b" || preset == "llama3-8b" || preset == "llama-70b" || preset == "llama-175b") return 5e-6;
   return 3e-3;
 }
 

@@ -33,7 +33,7 @@ LlamaConfig small_config() {
 
 // ---- presets --------------------------------------------------------------------------------------------
 TEST(LlamaConfig, PresetsMatchThePlanner) {
-  for (const char* name : {"tinyllama-1.1b", "llama-7b"}) {
+  for (const char* name : {"tinyllama-1.1b", "llama-7b", "llama-13b", "llama3-8b", "llama-70b", "llama-175b"}) {
     const auto shape = LlamaConfig::preset(name).shape();
     const auto want = *squeeze::plan::find_preset(name);
     EXPECT_EQ(shape.vocab, want.vocab) << name;

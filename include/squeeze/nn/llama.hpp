@@ -73,15 +73,17 @@ struct LlamaConfig {
     return c;
   }
 
-  static std::vector<std::string> preset_names() { return {"tiny", "125m", "tinyllama-1.1b", "llama-7b"}; }
+  static std::vector<std::string> preset_names() {
+    return {"tiny", "125m", "tinyllama-1.1b", "llama-7b", "llama-13b", "llama3-8b", "llama-70b", "llama-175b"};
+  }
 
   // tiny: byte-level vocabulary, trains on a laptop CPU in seconds (CI and the README's first command).
-  // 125m: GPT-2-small-sized LLaMA. tinyllama-1.1b and llama-7b: the planner's published geometries.
+  // 125m: GPT-2-small-sized LLaMA. The others: the planner's geometries (plan::presets), with this config's RoPE theta
+  // and norm epsilon (a Hugging Face directory brings its own: from_hf_config).
   static LlamaConfig preset(std::string_view name) {
     if (name == "tiny") return from_shape("tiny", {256, 128, 4, 4, 2, 352});
     if (name == "125m") return from_shape("125m", {32000, 768, 12, 12, 12, 2048});
-    if (const auto s = plan::find_preset(name); s && (name == "tinyllama-1.1b" || name == "llama-7b"))
-      return from_shape(std::string(name), *s);
+    if (const auto s = plan::find_preset(name)) return from_shape(std::string(name), *s);
     std::string known;
     for (const auto& n : preset_names()) known += (known.empty() ? "" : ", ") + n;
     TORCH_CHECK(false, "unknown LLaMA preset '", std::string(name), "': choose one of ", known);
