@@ -536,10 +536,13 @@ struct LoraBasePlacement {
 // fused_tiles: a training forward runs more rows than the fused GEMM serves), so their bytes are the planner's.
 // The replaced layer's weight is released (set to an empty tensor), so a typed member that still points at the
 // old layer (e.g. nn/llama.hpp's `Linear q`) holds no memory: such modules must call their projections
-// through forward_linear(*this, "q", x). `place` moves each dense base (weight and bias) first. Returns the adapted
-// layers in module order; errors when none matched.
+// through forward_linear(*this, "q", x). `place` moves each dense base (weight and bias) first. Layers an earlier call
+// adapted keep their adapters (trainable as they were) and are reported again. Each new adapter's A is drawn from
+// a generator seeded with its position among the adapted layers in module order, counted from first_seed: a model
+// adapted part by part (nn/layerwise.hpp, one block at a time, first_seed = the adapters of the blocks before)
+// gets the adapters the whole model would. Returns the adapted layers in module order; errors when none matched.
 template <class S>
-std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model, const LoraBasePlacement& place = {}) {
+std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model, const LoraBasePlacement& place = {}, int64_t first_seed = 0) {
   static_assert(S::has_lora, "apply_lora<S> needs a strategy with LoRA<R, A>: e.g. Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, ...>");
   using L = typename S::lora;
   using WQ = typename S::weight_quantization;
@@ -549,8 +552,11 @@ std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model, const LoraBasePla
                 "apply_lora fills the GPTQ layout by round-to-nearest, which has no column order: drop ActOrder, or quantize with "
                 "GPTQ + ActOrder first (examples/llama_gptq) and apply_lora to the packed model");
   LoRAOptions opt{L::rank, double(L::alpha), torch_dtype<typename S::master_type>()};
-  int64_t layer_index = 0;  // each adapted layer's generator seed: its position in module order
-  for (auto& p : model.parameters()) p.set_requires_grad(false);
+  int64_t layer_index = first_seed;  // each adapted layer's generator seed: its position in module order
+  for (const auto& m : model.modules(/*include_self=*/true)) {
+    if (dynamic_cast<LoRALinearImpl*>(m.get()) != nullptr) continue;  // adapters of an earlier call keep training
+    for (auto& p : m->parameters(/*recurse=*/false)) p.set_requires_grad(false);
+  }
 
   const auto placed = [&](torch::Tensor t) {  // set_data: the layer's own parameter (the same TensorImpl) follows
     if (!t.defined() || (!place.device && !place.dtype)) return;
@@ -587,7 +593,13 @@ std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model, const LoraBasePla
         // squeeze's own Linear keeps its identity (a user's member stays valid): it gets the new backing.
         const std::string path = item.key().empty() ? child.key() : item.key() + "." + child.key();
         TORCH_CHECK(sl->group() == nullptr, "apply_lora: ", path, " is sharded by a stage-3 trainer; apply LoRA before sharding");
-        if (sl->backed()) continue;  // adapted already
+        if (sl->backed()) {  // adapted or packed already: an adapter counts in the seeds' order and is reported
+          if (auto l = std::dynamic_pointer_cast<LoRALinearImpl>(sl->backing())) {
+            ++layer_index;
+            adapted.push_back({path, LoRALinear(l)});
+          }
+          continue;
+        }
         placed(sl->weight);
         if (sl->has_bias()) placed(sl->bias);
         torch::NoGradGuard ng;
