@@ -135,8 +135,8 @@ void check_layerwise_fits(const LlamaConfig& c, const LayerwiseOptions& o, bool 
   const LayerwiseMemory need = layerwise_memory<S>(c, o, from_files);
   const std::string what = "build_quantized_llama: '" + c.name + "' (" + std::to_string(c.shape().params()) + " parameters) under " +
                            strategy_name<S>();
-  const std::string step = o.train ? " (plan_memory's peak of a training step of micro-batch " + std::to_string(o.train->micro_batch) +
-                                         " x seq " + std::to_string(o.train->seq) + ": " + gigabytes(need.planned_step_bytes) + ")"
+  const std::string step = o.train ? "; plan_memory's peak of a training step of micro-batch " + std::to_string(o.train->micro_batch) +
+                                         " x seq " + std::to_string(o.train->seq) + ": " + gigabytes(need.planned_step_bytes)
                                    : "";
   const std::optional<int64_t> host = o.available_host_bytes ? o.available_host_bytes : host_memory_available();
   if (host) {
@@ -145,8 +145,8 @@ void check_layerwise_fits(const LlamaConfig& c, const LayerwiseOptions& o, bool 
                                         gigabytes(need.dense_rest_bytes) + " + "
                                   : std::string(),
                 "one float block ", gigabytes(need.float_block_bytes),
-                need.read_buffer_bytes > 0 ? " + one checkpoint tensor " + gigabytes(need.read_buffer_bytes) : std::string(), ")",
-                o.device.is_cpu() ? step : std::string(), ", but ", gigabytes(*host), " is available",
+                need.read_buffer_bytes > 0 ? " + one checkpoint tensor " + gigabytes(need.read_buffer_bytes) : std::string(),
+                o.device.is_cpu() ? step : std::string(), "), but ", gigabytes(*host), " is available",
                 o.available_host_bytes ? " (LayerwiseOptions::available_host_bytes)" : " (MemAvailable in /proc/meminfo)",
                 ": quantize to fewer bits (Quantized<3, ...>)",
                 o.device.is_cpu() ? ", build onto a GPU (LayerwiseOptions::device)" : "",
