@@ -38,6 +38,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -521,9 +522,13 @@ struct AdaptedLayer {
 // Where apply_lora puts each dense base just before it packs or adapts it: one layer at a time, so the device never
 // holds the whole dense model (make_trainer's quantized strategies leave the bases on the host for this). Unset: the
 // bases stay where they are.
+// pack: under Quantized<B, GPTQ, ...>, what fills the GPTQ layout for the layer at `path` (its dotted name below the
+// module apply_lora was given) from its placed weight and bias, e.g. GPTQ on that layer's calibration Hessian
+// (nn/layerwise.hpp). Unset: round-to-nearest (quantize_rtn).
 struct LoraBasePlacement {
   std::optional<torch::Device> device;
   std::optional<torch::Dtype> dtype;
+  std::function<QuantizedLinear(const std::string& path, const torch::Tensor& weight, const torch::Tensor& bias)> pack;
 };
 
 // Freezes every parameter of `model`, then replaces each Linear / Linear child named by S's LoRA targets
@@ -552,6 +557,10 @@ std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model, const LoraBasePla
                 "apply_lora fills the GPTQ layout by round-to-nearest, which has no column order: drop ActOrder, or quantize with "
                 "GPTQ + ActOrder first (examples/llama_gptq) and apply_lora to the packed model");
   LoRAOptions opt{L::rank, double(L::alpha), torch_dtype<typename S::master_type>()};
+  const auto pack_gptq = [&](const std::string& path, const torch::Tensor& w, const torch::Tensor& b) -> QuantizedLinear {
+    if constexpr (gptq) return place.pack ? place.pack(path, w, b) : quantize_rtn(w, b, detail::rtn_options<WQ>(), !S::training);
+    else return QuantizedLinear{nullptr};
+  };
   int64_t layer_index = first_seed;  // each adapted layer's generator seed: its position in module order
   for (const auto& m : model.modules(/*include_self=*/true)) {
     if (dynamic_cast<LoRALinearImpl*>(m.get()) != nullptr) continue;  // adapters of an earlier call keep training
@@ -610,7 +619,7 @@ std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model, const LoraBasePla
             sl->back_with("frozen", q.ptr(), [m = q.get()](const torch::Tensor& x) { return m->forward(x); });
           }
           if constexpr (gptq) {
-            QuantizedLinear q = quantize_rtn(w, b, detail::rtn_options<WQ>(), !S::training);
+            QuantizedLinear q = pack_gptq(path, w, b);
             sl->back_with("frozen", q.ptr(), [m = q.get()](const torch::Tensor& x) { return m->forward(x); });
           }
           continue;
@@ -618,7 +627,7 @@ std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model, const LoraBasePla
         LoRALinear rep{nullptr};
         opt.seed = layer_index++;
         if constexpr (nf4) rep = LoRALinear(Nf4Weight::quantize(w, quant::nf4_options<WQ>()), b, opt);
-        else if constexpr (gptq) rep = LoRALinear(quantize_rtn(w, b, detail::rtn_options<WQ>(), !S::training), opt);
+        else if constexpr (gptq) rep = LoRALinear(pack_gptq(path, w, b), opt);
         else rep = LoRALinear(w.to(torch_dtype<typename S::compute_type>()), b, opt);
         sl->back_with("lora", rep.ptr(), [m = rep.get()](const torch::Tensor& x) { return m->forward(x); });
         adapted.push_back({path, rep});
@@ -627,19 +636,20 @@ std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model, const LoraBasePla
         continue;  // already adapted, or not a linear layer
       }
       torch::NoGradGuard ng;
+      const std::string path = item.key().empty() ? child.key() : item.key() + "." + child.key();
       if (!target) {  // a frozen quantized base without adapter
         if constexpr (nf4) parent->replace_module(child.key(), Nf4Linear(Nf4Weight::quantize(weight, quant::nf4_options<WQ>()), bias));
-        if constexpr (gptq) parent->replace_module(child.key(), quantize_rtn(weight, bias, detail::rtn_options<WQ>(), !S::training));
+        if constexpr (gptq) parent->replace_module(child.key(), pack_gptq(path, weight, bias));
       } else {
         LoRALinear rep{nullptr};
         if constexpr (nf4)
           rep = LoRALinear(Nf4Weight::quantize(weight, quant::nf4_options<WQ>()), bias, opt);
         else if constexpr (gptq)
-          rep = LoRALinear(quantize_rtn(weight, bias, detail::rtn_options<WQ>(), !S::training), opt);
+          rep = LoRALinear(pack_gptq(path, weight, bias), opt);
         else
           rep = LoRALinear(weight.to(torch_dtype<typename S::compute_type>()), bias, opt);
         parent->replace_module(child.key(), rep);
-        adapted.push_back({item.key().empty() ? child.key() : item.key() + "." + child.key(), rep});
+        adapted.push_back({path, rep});
       }
       weight.set_data(torch::empty({0}, weight.options()));  // release the dense copy (see above)
       if (bias.defined()) bias.set_data(torch::empty({0}, bias.options()));
