@@ -183,6 +183,88 @@ TEST(Layerwise, MakeTrainerAdoptsTheBuiltModel) {
   EXPECT_GT(built->blocks[0]->attn->q->backing()->named_parameters()["lora_B"].abs().max().item<float>(), 0.0f);
 }
 
+// ---- GPTQ, calibrated block by block ------------------------------------------------------------------------------
+
+// The packed GPTQ-layout base behind a block linear: a target's adapter base, or the frozen layer itself.
+nn::QuantizedLinear packed_base(nn::LinearImpl& l) {
+  const auto back = l.backing();
+  if (auto a = std::dynamic_pointer_cast<nn::LoRALinearImpl>(back)) return a->gptq_base();
+  return nn::QuantizedLinear(std::dynamic_pointer_cast<nn::QuantizedLinearImpl>(back));
+}
+
+void expect_same_buffers(torch::nn::Module& a, torch::nn::Module& b, bool same, const std::string& what) {
+  const auto ba = a.named_buffers(), bb = b.named_buffers();
+  ASSERT_EQ(ba.keys(), bb.keys()) << what;
+  bool all = true;
+  for (const auto& t : ba) all = all && t.value().sizes() == bb[t.key()].sizes() && torch::equal(t.value(), bb[t.key()]);
+  EXPECT_EQ(all, same) << what;
+}
+
+// Each block's GPTQ runs on the Hessians of its inputs as the quantized blocks before it compute them: block 0's and
+// block 1's q and k are exactly gptq_quantize on the Hessian of their attention norm's output, and block 1's differ
+// from what the float block 0 would have given. Every layer differs from round-to-nearest, and the model's
+// logits on the calibration tokens are closer to the float model's than RTN's are.
+TEST(Layerwise, GptqCalibratesEachBlockOnTheQuantizedBlocksBefore) {
+  const LlamaConfig c = small_config(3);
+  torch::manual_seed(2);
+  const torch::Tensor ids = torch::randint(0, c.vocab, {4, 32}, torch::kLong);
+  LayerwiseOptions o = roomy();
+  o.seed = 51;
+  o.calibration = ids;
+  o.gptq.sym = false;
+  Llama built = nn::build_quantized_llama<Gptq4>(c, o);
+  o.calibration = torch::Tensor();
+  Llama rtn = nn::build_quantized_llama<Gptq4>(c, o);
+  Llama whole(c, nn::ParamInit{torch::TensorOptions(), true, 51});
+
+  torch::NoGradGuard ng;
+  nn::GptqOptions g = o.gptq;
+  g.bits = 4, g.group_size = 128;
+  const auto expected = [&](const torch::Tensor& input, const torch::Tensor& weight) {  // input [N, T, in], weight float [out, in]
+    nn::Hessian h(input.size(-1), torch::kCPU);
+    h.add(input);
+    return nn::QuantizedLinear(nn::gptq_quantize(weight.to(torch::kBFloat16).to(torch::kFloat32), h.matrix(), g).pack(), /*fused_tiles=*/false);
+  };
+  const auto [cos, sin] = nn::rope_tables(ids.size(1), c, torch::kCPU);
+  const torch::Tensor x0 = whole->embed(ids);                                 // block 0's input
+  const torch::Tensor x1 = built->blocks[0]->forward(x0, cos, sin);           // block 1's, from the quantized block 0
+  const torch::Tensor x1_float = whole->blocks[0]->forward(x0, cos, sin);     // ... and from the float one
+  for (int b : {0, 1}) {
+    const torch::Tensor in = whole->blocks[b]->attn_norm(b == 0 ? x0 : x1);
+    for (const char* name : {"q", "k"}) {
+      auto& w = whole->blocks[b]->attn->named_children()[name]->as<nn::Linear>()->weight;
+      auto& l = *built->blocks[b]->attn->named_children()[name]->as<nn::Linear>();
+      nn::QuantizedLinear want = expected(in, w);
+      expect_same_buffers(*packed_base(l), *want, true, "block " + std::to_string(b) + " " + name);
+    }
+  }
+  nn::QuantizedLinear from_float = expected(whole->blocks[1]->attn_norm(x1_float), whole->blocks[1]->attn->q->weight);
+  expect_same_buffers(*packed_base(*built->blocks[1]->attn->q), *from_float, false, "block 1 q from the float block 0");
+  for (int b = 0; b < c.layers; ++b)
+    for (const auto& item : built->blocks[b]->named_modules())
+      if (auto* l = dynamic_cast<nn::LinearImpl*>(item.value().get()); l && l->backed()) {
+        auto* r = dynamic_cast<nn::LinearImpl*>(rtn->blocks[b]->named_modules()[item.key()].get());
+        expect_same_buffers(*packed_base(*l), *packed_base(*r), false, "block " + std::to_string(b) + " " + item.key() + " against RTN");
+      }
+  const torch::Tensor ref = whole->forward(ids);
+  const double gptq_error = (built->forward(ids) - ref).square().mean().item<double>();
+  const double rtn_error = (rtn->forward(ids) - ref).square().mean().item<double>();
+  std::cout << "logits' mean squared error on the calibration tokens: GPTQ " << gptq_error << ", RTN " << rtn_error << "\n";
+  EXPECT_LT(gptq_error, rtn_error);
+}
+
+TEST(Layerwise, CalibrationIsRefusedWhereItCannotBeUsed) {
+  const LlamaConfig c = small_config(2);
+  LayerwiseOptions o = roomy();
+  o.calibration = torch::randint(0, c.vocab, {2, 8}, torch::kLong);
+  EXPECT_NE(error_of([&] { nn::build_quantized_llama<QLora>(c, o); }).find("calibrates GPTQ, but the strategy quantizes by NF4"),
+            std::string::npos);
+  o.calibration = torch::full({2, 8}, c.vocab, torch::kLong);
+  EXPECT_NE(error_of([&] { nn::build_quantized_llama<Gptq4>(c, o); }).find("must lie in [0, 256)"), std::string::npos);
+  o.calibration = torch::zeros({16}, torch::kLong);
+  EXPECT_NE(error_of([&] { nn::build_quantized_llama<Gptq4>(c, o); }).find("token ids [sequences, tokens] in int64"), std::string::npos);
+}
+
 // ---- memory --------------------------------------------------------------------------------------------------------
 
 // Host memory while building, as the CPU allocator sees it: never more than the packed model, the dense rest and one

@@ -18,8 +18,11 @@
 // MemAvailable) or the GPU's total is refused with the figures and what to change. options.progress reports each
 // packed block with the elapsed time and an estimate of the time left.
 //
-// Not here: GPTQ's Hessian calibration. A Quantized<B, GPTQ, ...> strategy gets the GPTQ layout filled by
-// round-to-nearest, as apply_lora gives the whole model (examples/llama_gptq calibrates a whole float model).
+// GPTQ: with options.calibration (token ids), a Quantized<B, GPTQ, ...> strategy quantizes each block by GPTQ on the
+// Hessians of its linears' inputs, the block's input coming from the blocks before it, already quantized (their
+// output, adapters at zero): the calibration hidden states go through the model one block at a time beside it. One
+// forward of the float block gives all seven Hessians (q, k and v share one, as do gate and up). Without calibration
+// the GPTQ layout is filled by round-to-nearest, as apply_lora fills it for a whole model. ActOrder is not supported.
 #include <torch/torch.h>
 
 #include <ATen/DeviceAccelerator.h>
@@ -40,6 +43,7 @@
 #include "../plan/memory.hpp"
 #include "../policy/strategy.hpp"
 #include "../policy/strategy_name.hpp"
+#include "gptq.hpp"
 #include "hf_llama.hpp"
 #include "llama.hpp"
 #include "lora.hpp"
@@ -65,6 +69,11 @@ struct LayerwiseOptions {
   std::optional<int64_t> available_host_bytes, available_device_bytes;
   io::ConfigOptions config;      // reading config.json (the Hugging Face overload)
   LayerwiseProgressFn progress;  // after each block
+  // Quantized<B, GPTQ, ...>: token ids [sequences, tokens] (int64) whose hidden states calibrate each block's GPTQ;
+  // undefined: round-to-nearest. gptq: GPTQ's run-time knobs (damping, symmetric grid, column block); bits and group
+  // come from the policy.
+  torch::Tensor calibration;
+  GptqOptions gptq;
 };
 
 // Bytes a block-by-block build of S needs, by the planner's counts.
@@ -73,6 +82,7 @@ struct LayerwiseMemory {
   int64_t dense_rest_bytes = 0;   // embedding, head and norms in float, as built
   int64_t float_block_bytes = 0;  // one block's float parameters, made on the host before they are packed
   int64_t read_buffer_bytes = 0;  // from files: the largest checkpoint tensor, in float, read before it is copied
+  int64_t calibration_bytes = 0;  // GPTQ calibration: the hidden states, one block's intermediates and its Hessians
   int64_t planned_step_bytes = 0; // options.train: plan_memory<S>'s device peak of one training step; else 0
   int64_t host_bytes = 0;         // the host's peak (on a CPU device, everything, and the training step's peak if planned)
   int64_t device_bytes = 0;       // a CUDA device's peak: the build's (packed + dense rest + one dense linear in the
@@ -92,15 +102,22 @@ LayerwiseMemory layerwise_memory(const LlamaConfig& c, const LayerwiseOptions& o
   int64_t largest_linear = 0;
   for (const auto& l : m.block_linears()) largest_linear = std::max(largest_linear, l.in * l.out);
   if (from_files) r.read_buffer_bytes = std::max(largest_linear, m.embedding_params()) * 4;
+  if (o.calibration.defined() && std::is_same_v<typename S::weight_quantization::method, GPTQ>) {
+    const int64_t tokens = o.calibration.numel();
+    const int64_t hessians = 2 * m.hidden * m.hidden + m.q_dim() * m.q_dim() + m.ffn * m.ffn;  // q/k/v, o, gate/up, down
+    r.calibration_bytes = (tokens * (4 * m.hidden + 2 * m.kv_dim() + 4 * m.ffn) + hessians) * 4;
+  }
   if (o.train) r.planned_step_bytes = planned.peak().device;
   if (o.device.is_cpu()) {
-    r.host_bytes = r.packed_bytes + r.dense_rest_bytes + r.float_block_bytes + r.read_buffer_bytes;
+    r.host_bytes = r.packed_bytes + r.dense_rest_bytes + r.float_block_bytes + r.read_buffer_bytes + r.calibration_bytes;
     if (o.train) r.host_bytes = std::max(r.host_bytes, planned.peak().device + planned.peak().host);
   } else {
     // The embedding and the head are made on the host too, each moved to the device before the next part exists.
     r.host_bytes = std::max(r.float_block_bytes, m.embedding_params() * 4) + r.read_buffer_bytes;
     if (o.train) r.host_bytes = std::max(r.host_bytes, planned.peak().host);
-    r.device_bytes = std::max(r.packed_bytes + r.dense_rest_bytes + largest_linear * p_c, r.planned_step_bytes);
+    // Calibrated, the float block moves to the device to run the calibration forward.
+    const int64_t packing = r.calibration_bytes > 0 ? r.float_block_bytes + r.calibration_bytes : largest_linear * p_c;
+    r.device_bytes = std::max(r.packed_bytes + r.dense_rest_bytes + packing, r.planned_step_bytes);
   }
   return r;
 }
@@ -166,6 +183,66 @@ void check_layerwise_fits(const LlamaConfig& c, const LayerwiseOptions& o, bool 
               ", or choose a smaller model");
 }
 
+// A stand-in for one of a block's linears during the calibration forward: adds its input to the Hessian it shares
+// with the linears that read the same tensor (once per tensor), and runs the dense layer.
+struct HessianTap : torch::nn::Module, LinearForward {
+  struct Shared {
+    Hessian hessian;
+    torch::Tensor last;  // the input already added in this pass
+  };
+  HessianTap(std::shared_ptr<torch::nn::Module> layer, Shared* shared) : layer_(std::move(layer)), shared_(shared) {}
+  torch::Tensor forward_linear(const torch::Tensor& x) override {
+    if (!shared_->last.defined() || !shared_->last.is_same(x)) {
+      shared_->hessian.add(x);
+      shared_->last = x;
+    }
+    return dynamic_cast<LinearImpl&>(*layer_).forward(x);
+  }
+
+ private:
+  std::shared_ptr<torch::nn::Module> layer_;
+  Shared* shared_;
+};
+
+// The Hessians of a float block's seven linears (by path: "attn.q", ...) from one forward of its input x [B, T, h].
+inline std::map<std::string, std::shared_ptr<HessianTap::Shared>> block_hessians(BlockImpl& block, const torch::Tensor& x,
+                                                                                const torch::Tensor& cos, const torch::Tensor& sin) {
+  struct Site {
+    torch::nn::Module* parent;
+    const char* name;
+    const char* input;  // the linears reading one tensor share a Hessian
+  };
+  const Site sites[] = {{block.attn.get(), "q", "attn.in"},  {block.attn.get(), "k", "attn.in"}, {block.attn.get(), "v", "attn.in"},
+                        {block.attn.get(), "o", "attn.o"},   {block.mlp.get(), "gate", "mlp.in"}, {block.mlp.get(), "up", "mlp.in"},
+                        {block.mlp.get(), "down", "mlp.down"}};
+  std::map<std::string, std::shared_ptr<HessianTap::Shared>> by_input, out;
+  std::vector<std::pair<const Site*, std::shared_ptr<torch::nn::Module>>> replaced;
+  const auto restore = [&] {
+    for (auto& [site, layer] : replaced) site->parent->replace_module(site->name, layer);
+    replaced.clear();
+  };
+  try {
+    for (const Site& site : sites) {
+      std::shared_ptr<torch::nn::Module> layer = site.parent->named_children()[site.name];
+      auto* linear = dynamic_cast<LinearImpl*>(layer.get());
+      TORCH_CHECK(linear != nullptr && !linear->backed(), "build_quantized_llama: block linear '", site.name, "' is not a dense Linear");
+      auto& shared = by_input[site.input];
+      if (!shared) shared = std::make_shared<HessianTap::Shared>(HessianTap::Shared{Hessian(linear->in_features(), x.device()), {}});
+      out[std::string(site.parent == block.attn.get() ? "attn." : "mlp.") + site.name] = shared;
+      site.parent->replace_module(site.name, std::make_shared<HessianTap>(layer, shared.get()));
+      replaced.emplace_back(&site, layer);
+    }
+    torch::NoGradGuard no_grad;
+    (void)block.forward(x, cos, sin);
+  } catch (...) {
+    restore();
+    throw;
+  }
+  restore();
+  for (auto& [input, shared] : by_input) shared->last = torch::Tensor();
+  return out;
+}
+
 // The build itself: nn::Llama's constructor makes the parts in order; `fill` (if set) writes each part's values
 // before its block is packed (random: already drawn).
 template <StrategyType S>
@@ -179,22 +256,66 @@ Llama build_layerwise(const LlamaConfig& c, const LayerwiseOptions& o, bool rand
   int64_t adapters = 0;                           // adapters of the blocks before: the next block's first seed
   LayerwiseProgress p;
   p.blocks_total = c.layers;
+  // GPTQ calibration: the hidden states [sequences, tokens, h] in float on the device, through the blocks packed so far.
+  using WQ = typename S::weight_quantization;
+  constexpr bool gptq = std::is_same_v<typename WQ::method, GPTQ>;
+  const bool calibrate = gptq && o.calibration.defined();
+  torch::Tensor hidden, cos, sin;
+  GptqOptions gptq_options = o.gptq;
+  if constexpr (gptq) gptq_options.bits = WQ::bits, gptq_options.group_size = WQ::group, gptq_options.act_order = false;
   const auto built = [&](const std::string& name, torch::nn::Module& part) {
     if (fill) fill(name, part);
     auto* block = dynamic_cast<BlockImpl*>(&part);
     if (block == nullptr) {
       part.to(o.device);
+      if (calibrate && name == "embed") {
+        torch::NoGradGuard no_grad;
+        hidden = dynamic_cast<EmbeddingImpl&>(part).forward(o.calibration.to(o.device)).to(torch::kFloat32);  // [N, T, h]
+        std::tie(cos, sin) = rope_tables(o.calibration.size(1), c, o.device);
+      }
       if (!blocks_start) blocks_start = Clock::now();
       return;
     }
-    adapters += int64_t(apply_lora<S>(*block, place, adapters).size());
+    LoraBasePlacement block_place = place;
+    std::map<std::string, std::shared_ptr<HessianTap::Shared>> hessians;
+    if (calibrate) {
+      block->to(o.device);  // the float block, for its calibration forward
+      hessians = block_hessians(*block, hidden, cos, sin);
+      block_place.pack = [&](const std::string& path, const torch::Tensor& w, const torch::Tensor& b) {
+        const GptqResult r = gptq_quantize(w.to(torch::kFloat32), hessians.at(path)->hessian.matrix(), gptq_options);
+        quant::PackedLinear packed = r.pack();
+        if (b.defined()) {
+          const torch::Tensor bh = b.detach().to(torch::kCPU, torch::kHalf).contiguous();
+          const auto* bp = reinterpret_cast<const half*>(bh.data_ptr<at::Half>());
+          packed.bias.assign(bp, bp + bh.numel());
+        }
+        QuantizedLinear q(packed, /*fused_tiles=*/!S::training);
+        q->to(w.device());
+        return q;
+      };
+    }
+    adapters += int64_t(apply_lora<S>(*block, block_place, adapters).size());
     block->to(o.device);  // the norms; the packed layers are there already
+    if (calibrate) {  // the next block calibrates on what this one, quantized, computes
+      torch::NoGradGuard no_grad;
+      hessians.clear();
+      hidden = block->forward(hidden, cos, sin);
+    }
     ++p.blocks;
     p.packed_bytes += frozen_base_bytes(*block);
     p.seconds = since(start);
     p.seconds_left = since(*blocks_start) / double(p.blocks) * double(p.blocks_total - p.blocks);
     if (o.progress) o.progress(p);
   };
+  if (o.calibration.defined()) {
+    TORCH_CHECK(gptq, "build_quantized_llama: LayerwiseOptions::calibration calibrates GPTQ, but the strategy quantizes by ",
+                std::is_same_v<typename WQ::method, NF4> ? "NF4" : "round-to-nearest", ": write Quantized<B, GPTQ, ...>, or leave calibration out");
+    TORCH_CHECK(o.calibration.dim() == 2 && o.calibration.scalar_type() == torch::kLong && o.calibration.numel() > 0,
+                "build_quantized_llama: calibration must be token ids [sequences, tokens] in int64, got ", o.calibration.sizes(), " ",
+                o.calibration.scalar_type());
+    TORCH_CHECK(o.calibration.min().item<int64_t>() >= 0 && o.calibration.max().item<int64_t>() < c.vocab,
+                "build_quantized_llama: calibration token ids must lie in [0, ", c.vocab, "), the model's vocabulary");
+  }
   Llama model(c, ParamInit{torch::TensorOptions().dtype(torch::kFloat32), random, o.seed}, built);
   for (const auto& m : model->modules(/*include_self=*/true)) {  // frozen as apply_lora leaves a whole model
     if (dynamic_cast<LoRALinearImpl*>(m.get()) != nullptr) continue;
