@@ -262,7 +262,11 @@ Llama build_layerwise(const LlamaConfig& c, const LayerwiseOptions& o, bool rand
   const bool calibrate = gptq && o.calibration.defined();
   torch::Tensor hidden, cos, sin;
   GptqOptions gptq_options = o.gptq;
-  if constexpr (gptq) gptq_options.bits = WQ::bits, gptq_options.group_size = WQ::group, gptq_options.act_order = false;
+  if constexpr (gptq) {
+    gptq_options.bits = WQ::bits;
+    gptq_options.group_size = WQ::group;
+    gptq_options.act_order = false;  // apply_lora refuses ActOrder with a GPTQ layout
+  }
   const auto built = [&](const std::string& name, torch::nn::Module& part) {
     if (fill) fill(name, part);
     auto* block = dynamic_cast<BlockImpl*>(&part);
