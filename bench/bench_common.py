@@ -17,6 +17,10 @@ PRESETS = {
     "125m": (32000, 768, 12, 12, 12, 2048),
     "tinyllama-1.1b": (32000, 2048, 22, 32, 4, 5632),
     "llama-7b": (32000, 4096, 32, 32, 32, 11008),
+    "llama-13b": (32000, 5120, 40, 40, 40, 13824),
+    "llama3-8b": (128256, 4096, 32, 32, 8, 14336),
+    "llama-70b": (32000, 8192, 80, 64, 8, 28672),
+    "llama-175b": (32000, 12288, 96, 96, 96, 32768),
 }
 ROPE_THETA = 10000.0  # nn::LlamaConfig::rope_theta
 NORM_EPS = 1e-5  # nn::LlamaConfig::norm_eps
@@ -37,7 +41,8 @@ def flops_per_token(vocab, hidden, layers, heads, kv_heads, ffn, seq):
 
 def default_lr(preset):
     """bench_table's AdamW learning rate when --lr is not given (llama::default_lr in examples/llama/trainer.hpp)."""
-    return {"125m": 1e-3, "tinyllama-1.1b": 3e-4, "llama-7b": 5e-6}.get(preset, 3e-3)
+    return {"125m": 1e-3, "tinyllama-1.1b": 3e-4, "llama-7b": 5e-6, "llama-13b": 5e-6, "llama3-8b": 5e-6, "llama-70b": 5e-6,
+            "llama-175b": 5e-6}.get(preset, 3e-3)
 
 
 def add_run_arguments(ap, out_help, batch_help):

@@ -139,6 +139,20 @@ nn::HfProgressFn load_progress(const std::string& dir, bool print) {
   };
 }
 
+// Quantized strategies build the model block by block: a line about every 5 seconds, and one when the last block is packed.
+nn::LayerwiseProgressFn build_progress(const std::string& model, bool print) {
+  if (!print) return {};
+  auto last = std::make_shared<double>(0.0);
+  return [model, last](const nn::LayerwiseProgress& p) {
+    const bool done = p.blocks == p.blocks_total;
+    if (!done && p.seconds - *last < 5) return;
+    *last = p.seconds;
+    std::fprintf(stderr, "building %s block by block: %lld/%lld blocks packed (%.2f GB), %.1f s%s\n", model.c_str(), (long long)p.blocks,
+                 (long long)p.blocks_total, double(p.packed_bytes) / 1e9, p.seconds,
+                 done ? "" : (", about " + std::to_string(int64_t(std::ceil(p.seconds_left))) + " s left").c_str());
+  };
+}
+
 void write_result(const std::string& path, const nlohmann::json& result) {
   const std::string tmp = path + ".tmp";
   {
@@ -209,6 +223,21 @@ int run_training(const Options& o) {
   llama::TrainOptions topt;
   topt.lr = o.lr, topt.weight_decay = o.weight_decay, topt.clip = o.clip, topt.loss_chunk_tokens = o.loss_chunk;
   topt.fused_loss = o.fused_loss;
+  if constexpr (S::quantized_weights && S::has_lora) {
+    // Built block by block; refused before anything is allocated when this rank's training step would not fit.
+    topt.layerwise.train = llama::train_shape<S>(config, rows, o.seq, env.world, o.loss_chunk, {});
+    topt.layerwise.progress = build_progress(pretrained ? o.hf : o.preset, env.rank == 0);
+    if (env.rank == 0) {
+      nn::LayerwiseOptions lo = topt.layerwise;
+      lo.device = device;
+      const nn::LayerwiseMemory m = nn::layerwise_memory<S>(config, lo, pretrained);
+      std::fprintf(stderr, "building %s block by block: packed blocks and adapters %.2f GB, one float block %.2f GB; needs %.2f GB of host "
+                   "memory", (pretrained ? o.hf : o.preset).c_str(), double(m.packed_bytes) / 1e9, double(m.float_block_bytes) / 1e9,
+                   double(m.host_bytes) / 1e9);
+      if (device.is_cuda()) std::fprintf(stderr, " and %.2f GB on the device (the training step's peak included)", double(m.device_bytes) / 1e9);
+      std::fprintf(stderr, "\n");
+    }
+  }
   LlamaRun<S> trainer = pretrained ? LlamaRun<S>::from_hf(o.hf, topt, device, comm::from_env(), load_progress(o.hf, env.rank == 0)) : LlamaRun<S>(config, topt, device, comm::from_env());
   if (!o.load.empty()) {
     trainer.load(o.load);

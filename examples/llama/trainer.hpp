@@ -6,6 +6,7 @@
 // saves, loading at any world size and stage.
 #include <squeeze/comm/local.hpp>
 #include <squeeze/nn/hf_llama.hpp>
+#include <squeeze/nn/layerwise.hpp>
 #include <squeeze/nn/llama.hpp>
 #include <squeeze/nn/lora.hpp>
 #include <squeeze/train/checkpoint.hpp>
@@ -82,10 +83,11 @@ void for_each_strategy(F&& f) {
 // scratch: tiny 3e-3; 125m 1e-3 (run_gpu.sh's llama_gptq model, 1000 steps); TinyLlama 3e-4 (the strategy
 // table's); LLaMA-7B 5e-6, warmed up (at 32 layers 3e-4 and 3e-5 diverge within a few steps, fp32 and bf16 alike;
 // at B=8, 1e-5 falls to 5.4 and climbs back to 11.2, 5e-6 goes 11.2 -> 4.4 in 12 steps: bench/results/h200/diag7b.jsonl).
+// The larger presets take LLaMA-7B's rate: untried from scratch, and deeper or wider models want no larger one.
 inline double default_lr(std::string_view preset) {
   if (preset == "125m") return 1e-3;
   if (preset == "tinyllama-1.1b") return 3e-4;
-  if (preset == "llama-7b") return 5e-6;
+  if (preset == "llama-7b" || preset == "llama-13b" || preset == "llama3-8b" || preset == "llama-70b" || preset == "llama-175b") return 5e-6;
   return 3e-3;
 }
 
@@ -129,6 +131,9 @@ struct TrainOptions {
   // Stages 0-1: when the full gradient buffer exists (TrainerOptions::gradient_buffers). Unset: the timing with the
   // lower planned peak for each step's batch shape (plan::best_gradient_buffers, as plan_for plans it).
   std::optional<plan::GradientBuffers> gradient_buffers{};
+  // Quantized strategies build the model block by block (nn::build_quantized_llama): its progress callback, the
+  // training step to check the device against, the memory to compare with. Its device and seed are LlamaRun's.
+  nn::LayerwiseOptions layerwise{};
 };
 
 // The planner's TrainShape for B sequences of T tokens per optimizer step on one rank (S's micro-batches of B / N).
@@ -247,12 +252,26 @@ inline nlohmann::json checked_record(const std::string& root, const LlamaConfig&
 // TrainerOptions::gather_unit for TrainOptions::gather_layers_alone: no module is a unit, so each layer is one.
 inline bool every_layer_alone(const std::string&, const torch::nn::Module&) { return false; }
 
+// The model a LlamaRun<S> starts from, drawn from torch's global generator: in float on the host, or under a
+// quantized strategy built block by block, each block packed on `device` before the next exists (the same values:
+// nn/layerwise.hpp), so neither the host nor the device holds the float model.
+template <StrategyType S>
+Llama initial_model(LlamaConfig config, const TrainOptions& options, torch::Device device) {
+  if constexpr (S::quantized_weights && S::has_lora) {
+    nn::LayerwiseOptions o = options.layerwise;
+    o.device = device;
+    return nn::build_quantized_llama<S>(config, o);
+  } else {
+    return Llama(std::move(config));
+  }
+}
+
 template <StrategyType S>
 class LlamaRun {
  public:
   static constexpr int micro_batches = S::accumulation_steps;
   LlamaRun(LlamaConfig config, TrainOptions options, torch::Device device, comm::CommPtr comm = nullptr)
-      : LlamaRun(Llama(std::move(config)), options, device, std::move(comm)) {}
+      : LlamaRun(initial_model<S>(std::move(config), options, device), options, device, std::move(comm)) {}
   // A model built by the caller (e.g. one per rank, built in order so every rank starts alike). Each rank
   // of `comm` constructs its LlamaRun at the same time (the constructor broadcasts rank 0's weights).
   LlamaRun(Llama model, TrainOptions options, torch::Device device, comm::CommPtr comm)
@@ -264,8 +283,8 @@ class LlamaRun {
                          .weight_decay = float(S::has_lora ? 0.0 : options.weight_decay), .max_grad_norm = float(std::max(0.0, options.clip))};
     adamw.loss_scale.init_scale = float(options.initial_scale);
     adamw.loss_scale.growth_interval = int(options.scale_growth_interval);
-    // The model is built on the host in float; the trainer converts it on its way to `device`, so the device never
-    // holds the float copy (the masters start from the float values kept on the host).
+    // The model is built on the host in float (or already packed: initial_model); the trainer converts it on its way to
+    // `device`, so the device never holds the float copy (the masters start from the float values kept on the host).
     trainer_.emplace(make_trainer<S>(model_, adamw, comm ? std::move(comm) : comm::LocalComm::single(),
                                      {.device = device,
                                       .gradient_buffers = options.gradient_buffers.value_or(plan::GradientBuffers::after_backward),
@@ -278,11 +297,17 @@ class LlamaRun {
   // A trainer starting from the Hugging Face LLaMA in `dir`. Strategies that train full weights build the model
   // uninitialised in the compute dtype on `device` and stream the file into the trainer (under stage 3 each rank's
   // shards, the masters from the file's values): host memory holds the optimizer state and at most two checkpoint
-  // tensors. LoRA strategies load the float model first: their frozen base is quantized or converted from it.
-  // progress is called after each checkpoint tensor.
+  // tensors. Quantized strategies read the file block by block, each block packed before the next is read
+  // (nn::build_quantized_llama; options.layerwise.progress after each block); other LoRA strategies load the float
+  // model first and convert their frozen base from it. progress is called after each checkpoint tensor (not under a
+  // quantized strategy).
   static LlamaRun from_hf(const std::filesystem::path& dir, TrainOptions options, torch::Device device, comm::CommPtr comm = nullptr,
                          const nn::HfProgressFn& progress = {}) {
-    if constexpr (S::has_lora) {
+    if constexpr (S::quantized_weights && S::has_lora) {
+      nn::LayerwiseOptions o = options.layerwise;
+      o.device = device;
+      return LlamaRun(nn::build_quantized_llama<S>(dir, o), options, device, std::move(comm));
+    } else if constexpr (S::has_lora) {
       return LlamaRun(nn::load_hf_llama(dir, {.dtype = torch::kFloat32, .progress = progress}), options, device, std::move(comm));
     } else {
       // The files start into the page cache while the trainer allocates its state (a hint; the loader below

@@ -83,7 +83,7 @@ int main(int argc, char** argv) {
   i64 batch = 8, seq = 2048;
   int world = 1;
   bool check_zero3 = false;
-  app.add_option("--preset", preset, "model geometry: llama-7b (default), llama-13b, llama-70b, tinyllama-1.1b");
+  app.add_option("--preset", preset, "model geometry: llama-7b (default), llama-13b, llama3-8b, llama-70b, llama-175b, tinyllama-1.1b");
   app.add_option("--vocab", shape.vocab, "custom shape: vocabulary size")->check(CLI::PositiveNumber);
   app.add_option("--hidden", shape.hidden, "custom shape: hidden size")->check(CLI::PositiveNumber);
   app.add_option("--layers", shape.layers, "custom shape: transformer blocks")->check(CLI::PositiveNumber);

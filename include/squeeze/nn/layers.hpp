@@ -14,12 +14,15 @@
 // empty: the reduced gradient goes to the group's gradient shard in its accumulation dtype). The backward uses
 // exactly the ATen ops of linear's / embedding's own derivatives (g^T x, g W, sum over rows;
 // embedding_dense_backward), so stage 3 produces the same gradient bits as an unsharded layer.
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <cmath>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -33,10 +36,34 @@ using engine::FlatParams;
 // Where a layer allocates its parameters and whether it draws their initial values. The default is torch's:
 // float on the CPU, random. random = false leaves the memory uninitialised, for weights loaded right after
 // construction (nn/hf_llama.hpp), so a 7B model is neither built in float on the host first nor drawn at random.
+// seed: draw from a generator of its own seeded with this, leaving torch's global generator alone (nn::Llama: the
+// model's seed, from which each part gets its own stream); unset: torch's global generator decides.
 struct ParamInit {
   torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat32);
   bool random = true;
+  std::optional<uint64_t> seed;
 };
+
+// A generator for tensors on `device` seeded with `seed`, apart from the device's global generator (whose state
+// stays as it was): the same seed gives the same values on the same kind of device, whatever ran before.
+inline at::Generator seeded_generator(torch::Device device, uint64_t seed) {
+  if (device.is_cpu()) return at::make_generator<at::CPUGeneratorImpl>(seed);
+  at::Generator global = at::globalContext().defaultGenerator(device);
+  at::Generator g;
+  {
+    std::lock_guard<std::mutex> lock(global.mutex());
+    g = global.clone();
+  }
+  g.set_current_seed(seed);
+  return g;
+}
+
+// One 64-bit draw from torch's global CPU generator: a seed that torch::manual_seed decides.
+inline uint64_t seed_from_global_generator() {
+  at::Generator g = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(g.mutex());
+  return g.get<at::CPUGeneratorImpl>()->random64();
+}
 using engine::Shardable;
 using engine::Stage3Group;
 
@@ -150,9 +177,11 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public Shardable {
     TORCH_CHECK(options.in_features() > 0 && options.out_features() > 0, "squeeze::nn::Linear: sizes must be positive, got ",
                 options.in_features(), "x", options.out_features());
     const double bound = 1.0 / std::sqrt(double(options.in_features()));
+    std::optional<at::Generator> gen;  // one stream for weight and bias
+    if (init_.random && init_.seed) gen = seeded_generator(init_.options.device(), *init_.seed);
     const auto make = [&](torch::IntArrayRef shape) {
       torch::Tensor t = torch::empty(shape, init_.options);
-      return init_.random ? t.uniform_(-bound, bound) : t;
+      return init_.random ? t.uniform_(-bound, bound, gen) : t;
     };
     weight = register_parameter("weight", make({options.out_features(), options.in_features()}));
     if (options.bias()) bias = register_parameter("bias", make({options.out_features()}));
@@ -242,7 +271,9 @@ class EmbeddingImpl : public torch::nn::Cloneable<EmbeddingImpl>, public Shardab
   void reset() override {
     TORCH_CHECK(options.num_embeddings() > 0 && options.embedding_dim() > 0, "squeeze::nn::Embedding: sizes must be positive");
     torch::Tensor w = torch::empty({options.num_embeddings(), options.embedding_dim()}, init_.options);
-    weight = register_parameter("weight", init_.random ? w.normal_() : w);
+    std::optional<at::Generator> gen;
+    if (init_.random && init_.seed) gen = seeded_generator(init_.options.device(), *init_.seed);
+    weight = register_parameter("weight", init_.random ? w.normal_(0.0, 1.0, gen) : w);
   }
   void pretty_print(std::ostream& s) const override {
     s << "squeeze::nn::Embedding(num_embeddings=" << options.num_embeddings() << ", embedding_dim=" << options.embedding_dim()

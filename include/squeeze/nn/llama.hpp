@@ -19,6 +19,8 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <functional>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -58,8 +60,11 @@ struct LlamaConfig {
   plan::ModelShape shape() const { return {vocab, hidden, layers, heads, kv_heads, ffn, tie_embeddings, explicit_head_dim}; }
 
   void validate() const {
-    TORCH_CHECK(vocab > 0 && hidden > 0 && layers > 0 && heads > 0 && kv_heads > 0 && ffn > 0 && explicit_head_dim >= 0,
-                "LlamaConfig '", name, "': every size must be positive");
+    for (const auto& [field, value] : {std::pair<const char*, int64_t>{"vocab", vocab}, {"hidden", hidden}, {"layers", layers}, {"heads", heads},
+                                       {"kv_heads", kv_heads}, {"ffn", ffn}})
+      TORCH_CHECK(value > 0, "LlamaConfig '", name, "': every size must be positive, ", field, " is ", value);
+    TORCH_CHECK(explicit_head_dim >= 0, "LlamaConfig '", name, "': explicit_head_dim must be 0 (hidden / heads) or positive, got ",
+                explicit_head_dim);
     TORCH_CHECK(explicit_head_dim != 0 || hidden % heads == 0, "LlamaConfig '", name, "': hidden (", hidden,
                 ") must be a multiple of heads (", heads, ") unless explicit_head_dim is set");
     TORCH_CHECK(heads % kv_heads == 0, "LlamaConfig '", name, "': heads (", heads, ") must be a multiple of kv_heads (", kv_heads, ")");
@@ -73,15 +78,17 @@ struct LlamaConfig {
     return c;
   }
 
-  static std::vector<std::string> preset_names() { return {"tiny", "125m", "tinyllama-1.1b", "llama-7b"}; }
+  static std::vector<std::string> preset_names() {
+    return {"tiny", "125m", "tinyllama-1.1b", "llama-7b", "llama-13b", "llama3-8b", "llama-70b", "llama-175b"};
+  }
 
   // tiny: byte-level vocabulary, trains on a laptop CPU in seconds (CI and the README's first command).
-  // 125m: GPT-2-small-sized LLaMA. tinyllama-1.1b and llama-7b: the planner's published geometries.
+  // 125m: GPT-2-small-sized LLaMA. The others: the planner's geometries (plan::presets), with this config's RoPE theta
+  // and norm epsilon (a Hugging Face directory brings its own: from_hf_config).
   static LlamaConfig preset(std::string_view name) {
     if (name == "tiny") return from_shape("tiny", {256, 128, 4, 4, 2, 352});
     if (name == "125m") return from_shape("125m", {32000, 768, 12, 12, 12, 2048});
-    if (const auto s = plan::find_preset(name); s && (name == "tinyllama-1.1b" || name == "llama-7b"))
-      return from_shape(std::string(name), *s);
+    if (const auto s = plan::find_preset(name)) return from_shape(std::string(name), *s);
     std::string known;
     for (const auto& n : preset_names()) known += (known.empty() ? "" : ", ") + n;
     TORCH_CHECK(false, "unknown LLaMA preset '", std::string(name), "': choose one of ", known);
@@ -217,6 +224,39 @@ struct BlockImpl : torch::nn::Module, engine::GatherUnit {  // one stage-3 gathe
 };
 TORCH_MODULE(Block);
 
+// A model's random initialisation, part by part: the embedding (part 0), block i (part i + 1) and the head (part
+// layers + 1) each draw from their own generator, seeded from the model's seed and the part's index, so one block
+// can be drawn without drawing the blocks before it (nn/layerwise.hpp builds a model block by block with the values
+// the whole model gets). GPT-2/LLaMA-style: N(0, 0.02), the two residual projections (attn.o, mlp.down) scaled by
+// 1/sqrt(2 layers), norm gains one.
+inline uint64_t llama_part_seed(uint64_t model_seed, int64_t part) {
+  uint64_t z = model_seed + 0x9E3779B97F4A7C15ull * uint64_t(part + 1);  // splitmix64: nearby parts get unrelated seeds
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+// Draws the parameters of `part` (named `prefix` in the model) in named_parameters order from the part's generator.
+inline void draw_llama_part(torch::nn::Module& part, const std::string& prefix, int64_t part_index, int64_t layers, uint64_t model_seed) {
+  torch::NoGradGuard no_grad;
+  const double residual_std = 0.02 / std::sqrt(2.0 * double(layers));
+  std::optional<at::Generator> gen;
+  for (auto& p : part.named_parameters()) {
+    torch::Tensor& t = p.value();
+    if (t.numel() == 0) continue;  // a released (backed or sharded) weight
+    const std::string n = prefix + "." + p.key();
+    if (n.ends_with("norm.weight")) {
+      t.fill_(1.0);
+      continue;
+    }
+    if (!gen) gen = seeded_generator(t.device(), llama_part_seed(model_seed, part_index));
+    t.normal_(0.0, n.ends_with("attn.o.weight") || n.ends_with("mlp.down.weight") ? residual_std : 0.02, gen);
+  }
+}
+
+// Called with each top-level part of an nn::Llama ("embed", "block0", ..., "norm", "head") right after it is built
+// and, under ParamInit::random, drawn, before the next part exists: nn/layerwise.hpp packs each block here.
+using LlamaPartBuilt = std::function<void(const std::string& name, torch::nn::Module& part)>;
+
 struct LlamaImpl : torch::nn::Module, Recomputable {
   LlamaConfig config;
   Embedding embed{nullptr};
@@ -232,28 +272,40 @@ struct LlamaImpl : torch::nn::Module, Recomputable {
   // pass, chunks of loss_chunk_tokens rows, no recomputed head). Off: the checkpointed chunked loss below.
   bool fused_loss = false;
 
-  // init: where the parameters live (default float on the CPU) and whether they are drawn (reset_parameters) or
-  // left uninitialised for weights loaded next (ParamInit{options, false}: a 7B model straight in bf16 on its GPU).
-  explicit LlamaImpl(LlamaConfig c, const ParamInit& init = {}) : config(std::move(c)) {
+  // init: where the parameters live (default float on the CPU) and whether they are drawn (part by part, see
+  // draw_llama_part: from init.seed, or without one from a seed drawn from torch's global CPU generator, so
+  // torch::manual_seed decides the model) or left uninitialised for weights loaded next (ParamInit{options, false}: a
+  // 7B model straight in bf16 on its GPU). built (if set) sees each part as soon as it exists.
+  explicit LlamaImpl(LlamaConfig c, const ParamInit& init = {}, const LlamaPartBuilt& built = {}) : config(std::move(c)) {
     config.validate();
-    embed = register_module("embed", Embedding(torch::nn::EmbeddingOptions(config.vocab, config.hidden), init));
-    for (int64_t i = 0; i < config.layers; ++i) blocks.push_back(register_module("block" + std::to_string(i), Block(config, init)));
-    norm = register_module("norm", RMSNorm(config.hidden, config.norm_eps, config.fused_kernels, init));
-    if (!config.tie_embeddings)
-      head = register_module("head", Linear(torch::nn::LinearOptions(config.hidden, config.vocab).bias(false), init));
-    if (init.random) reset_parameters();
+    const ParamInit alloc{init.options, /*random=*/false};  // drawn here, one part at a time
+    const uint64_t seed = init.random ? init.seed.value_or(seed_from_global_generator()) : 0;
+    const auto done = [&](const std::string& name, torch::nn::Module& part, int64_t index) {
+      if (init.random) draw_llama_part(part, name, index, config.layers, seed);
+      if (built) built(name, part);
+    };
+    embed = register_module("embed", Embedding(torch::nn::EmbeddingOptions(config.vocab, config.hidden), alloc));
+    done("embed", *embed, 0);
+    for (int64_t i = 0; i < config.layers; ++i) {
+      const std::string name = "block" + std::to_string(i);
+      blocks.push_back(register_module(name, Block(config, alloc)));
+      done(name, *blocks.back(), i + 1);
+    }
+    norm = register_module("norm", RMSNorm(config.hidden, config.norm_eps, config.fused_kernels, alloc));
+    done("norm", *norm, config.layers + 1);
+    if (!config.tie_embeddings) {
+      head = register_module("head", Linear(torch::nn::LinearOptions(config.hidden, config.vocab).bias(false), alloc));
+      done("head", *head, config.layers + 1);
+    }
   }
 
-  // GPT-2/LLaMA-style init: N(0, 0.02) everywhere, the two residual projections scaled by 1/sqrt(2 layers).
-  void reset_parameters() {
-    torch::NoGradGuard no_grad;
-    const double residual_std = 0.02 / std::sqrt(2.0 * double(config.layers));
-    for (auto& p : named_parameters()) {
-      const std::string& n = p.key();
-      if (n.ends_with("norm.weight")) p.value().fill_(1.0);
-      else if (n.ends_with("attn.o.weight") || n.ends_with("mlp.down.weight")) p.value().normal_(0.0, residual_std);
-      else p.value().normal_(0.0, 0.02);
-    }
+  // Draws every parameter again from `seed`, as the constructor does (the same values as LlamaImpl(config,
+  // ParamInit{.seed = seed}) while the model is still plain).
+  void reset_parameters(uint64_t seed) {
+    draw_llama_part(*embed, "embed", 0, config.layers, seed);
+    for (int64_t i = 0; i < config.layers; ++i) draw_llama_part(*blocks[i], "block" + std::to_string(i), i + 1, config.layers, seed);
+    draw_llama_part(*norm, "norm", config.layers + 1, config.layers, seed);
+    if (head) draw_llama_part(*head, "head", config.layers + 1, config.layers, seed);
   }
 
   // ids: [B, T] int64 -> logits [B, T, vocab] in the parameter dtype.

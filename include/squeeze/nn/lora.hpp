@@ -38,6 +38,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -521,9 +522,13 @@ struct AdaptedLayer {
 // Where apply_lora puts each dense base just before it packs or adapts it: one layer at a time, so the device never
 // holds the whole dense model (make_trainer's quantized strategies leave the bases on the host for this). Unset: the
 // bases stay where they are.
+// pack: under Quantized<B, GPTQ, ...>, what fills the GPTQ layout for the layer at `path` (its dotted name below the
+// module apply_lora was given) from its placed weight and bias, e.g. GPTQ on that layer's calibration Hessian
+// (nn/layerwise.hpp). Unset: round-to-nearest (quantize_rtn).
 struct LoraBasePlacement {
   std::optional<torch::Device> device;
   std::optional<torch::Dtype> dtype;
+  std::function<QuantizedLinear(const std::string& path, const torch::Tensor& weight, const torch::Tensor& bias)> pack;
 };
 
 // Freezes every parameter of `model`, then replaces each Linear / Linear child named by S's LoRA targets
@@ -536,10 +541,13 @@ struct LoraBasePlacement {
 // fused_tiles: a training forward runs more rows than the fused GEMM serves), so their bytes are the planner's.
 // The replaced layer's weight is released (set to an empty tensor), so a typed member that still points at the
 // old layer (e.g. nn/llama.hpp's `Linear q`) holds no memory: such modules must call their projections
-// through forward_linear(*this, "q", x). `place` moves each dense base (weight and bias) first. Returns the adapted
-// layers in module order; errors when none matched.
+// through forward_linear(*this, "q", x). `place` moves each dense base (weight and bias) first. Layers an earlier call
+// adapted keep their adapters (trainable as they were) and are reported again. Each new adapter's A is drawn from
+// a generator seeded with its position among the adapted layers in module order, counted from first_seed: a model
+// adapted part by part (nn/layerwise.hpp, one block at a time, first_seed = the adapters of the blocks before)
+// gets the adapters the whole model would. Returns the adapted layers in module order; errors when none matched.
 template <class S>
-std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model, const LoraBasePlacement& place = {}) {
+std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model, const LoraBasePlacement& place = {}, int64_t first_seed = 0) {
   static_assert(S::has_lora, "apply_lora<S> needs a strategy with LoRA<R, A>: e.g. Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, ...>");
   using L = typename S::lora;
   using WQ = typename S::weight_quantization;
@@ -549,8 +557,15 @@ std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model, const LoraBasePla
                 "apply_lora fills the GPTQ layout by round-to-nearest, which has no column order: drop ActOrder, or quantize with "
                 "GPTQ + ActOrder first (examples/llama_gptq) and apply_lora to the packed model");
   LoRAOptions opt{L::rank, double(L::alpha), torch_dtype<typename S::master_type>()};
-  int64_t layer_index = 0;  // each adapted layer's generator seed: its position in module order
-  for (auto& p : model.parameters()) p.set_requires_grad(false);
+  const auto pack_gptq = [&](const std::string& path, const torch::Tensor& w, const torch::Tensor& b) -> QuantizedLinear {
+    if constexpr (gptq) return place.pack ? place.pack(path, w, b) : quantize_rtn(w, b, detail::rtn_options<WQ>(), !S::training);
+    else return QuantizedLinear{nullptr};
+  };
+  int64_t layer_index = first_seed;  // each adapted layer's generator seed: its position in module order
+  for (const auto& m : model.modules(/*include_self=*/true)) {
+    if (dynamic_cast<LoRALinearImpl*>(m.get()) != nullptr) continue;  // adapters of an earlier call keep training
+    for (auto& p : m->parameters(/*recurse=*/false)) p.set_requires_grad(false);
+  }
 
   const auto placed = [&](torch::Tensor t) {  // set_data: the layer's own parameter (the same TensorImpl) follows
     if (!t.defined() || (!place.device && !place.dtype)) return;
@@ -587,7 +602,13 @@ std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model, const LoraBasePla
         // squeeze's own Linear keeps its identity (a user's member stays valid): it gets the new backing.
         const std::string path = item.key().empty() ? child.key() : item.key() + "." + child.key();
         TORCH_CHECK(sl->group() == nullptr, "apply_lora: ", path, " is sharded by a stage-3 trainer; apply LoRA before sharding");
-        if (sl->backed()) continue;  // adapted already
+        if (sl->backed()) {  // adapted or packed already: an adapter counts in the seeds' order and is reported
+          if (auto l = std::dynamic_pointer_cast<LoRALinearImpl>(sl->backing())) {
+            ++layer_index;
+            adapted.push_back({path, LoRALinear(l)});
+          }
+          continue;
+        }
         placed(sl->weight);
         if (sl->has_bias()) placed(sl->bias);
         torch::NoGradGuard ng;
@@ -598,7 +619,7 @@ std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model, const LoraBasePla
             sl->back_with("frozen", q.ptr(), [m = q.get()](const torch::Tensor& x) { return m->forward(x); });
           }
           if constexpr (gptq) {
-            QuantizedLinear q = quantize_rtn(w, b, detail::rtn_options<WQ>(), !S::training);
+            QuantizedLinear q = pack_gptq(path, w, b);
             sl->back_with("frozen", q.ptr(), [m = q.get()](const torch::Tensor& x) { return m->forward(x); });
           }
           continue;
@@ -606,7 +627,7 @@ std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model, const LoraBasePla
         LoRALinear rep{nullptr};
         opt.seed = layer_index++;
         if constexpr (nf4) rep = LoRALinear(Nf4Weight::quantize(w, quant::nf4_options<WQ>()), b, opt);
-        else if constexpr (gptq) rep = LoRALinear(quantize_rtn(w, b, detail::rtn_options<WQ>(), !S::training), opt);
+        else if constexpr (gptq) rep = LoRALinear(pack_gptq(path, w, b), opt);
         else rep = LoRALinear(w.to(torch_dtype<typename S::compute_type>()), b, opt);
         sl->back_with("lora", rep.ptr(), [m = rep.get()](const torch::Tensor& x) { return m->forward(x); });
         adapted.push_back({path, rep});
@@ -615,19 +636,20 @@ std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model, const LoraBasePla
         continue;  // already adapted, or not a linear layer
       }
       torch::NoGradGuard ng;
+      const std::string path = item.key().empty() ? child.key() : item.key() + "." + child.key();
       if (!target) {  // a frozen quantized base without adapter
         if constexpr (nf4) parent->replace_module(child.key(), Nf4Linear(Nf4Weight::quantize(weight, quant::nf4_options<WQ>()), bias));
-        if constexpr (gptq) parent->replace_module(child.key(), quantize_rtn(weight, bias, detail::rtn_options<WQ>(), !S::training));
+        if constexpr (gptq) parent->replace_module(child.key(), pack_gptq(path, weight, bias));
       } else {
         LoRALinear rep{nullptr};
         if constexpr (nf4)
           rep = LoRALinear(Nf4Weight::quantize(weight, quant::nf4_options<WQ>()), bias, opt);
         else if constexpr (gptq)
-          rep = LoRALinear(quantize_rtn(weight, bias, detail::rtn_options<WQ>(), !S::training), opt);
+          rep = LoRALinear(pack_gptq(path, weight, bias), opt);
         else
           rep = LoRALinear(weight.to(torch_dtype<typename S::compute_type>()), bias, opt);
         parent->replace_module(child.key(), rep);
-        adapted.push_back({item.key().empty() ? child.key() : item.key() + "." + child.key(), rep});
+        adapted.push_back({path, rep});
       }
       weight.set_data(torch::empty({0}, weight.options()));  // release the dense copy (see above)
       if (bias.defined()) bias.set_data(torch::empty({0}, bias.options()));

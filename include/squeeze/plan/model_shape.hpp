@@ -54,11 +54,14 @@ struct Preset {
   ModelShape shape;
 };
 
-// Published geometries (vocab, hidden, layers, heads, kv_heads, ffn).
+// Published geometries (vocab, hidden, layers, heads, kv_heads, ffn). llama-175b is GPT-3's width and depth as a
+// LLaMA (SwiGLU at 8/3 of hidden, its vocabulary), for planning a model of that size.
 inline constexpr Preset presets[] = {
     {"llama-7b", {32000, 4096, 32, 32, 32, 11008}},
     {"llama-13b", {32000, 5120, 40, 40, 40, 13824}},
     {"llama-70b", {32000, 8192, 80, 64, 8, 28672}},
+    {"llama-175b", {32000, 12288, 96, 96, 96, 32768}},
+    {"llama3-8b", {128256, 4096, 32, 32, 8, 14336}},
     {"tinyllama-1.1b", {32000, 2048, 22, 32, 4, 5632}},
 };
 
@@ -70,5 +73,10 @@ constexpr std::optional<ModelShape> find_preset(std::string_view name) {
 
 static_assert(find_preset("llama-7b")->params() == 6'738'415'616, "LLaMA-7B has 6,738,415,616 parameters");
 static_assert(find_preset("tinyllama-1.1b")->params() == 1'100'048'384, "TinyLlama-1.1B has 1,100,048,384 parameters");
+static_assert(find_preset("llama-13b")->params() == 13'015'864'320, "LLaMA-13B has 13,015,864,320 parameters");
+static_assert(find_preset("llama-70b")->params() == 68'976'648'192, "LLaMA-2-70B has 68,976,648,192 parameters");
+static_assert(find_preset("llama3-8b")->params() == 8'030'261'248, "Llama-3-8B has 8,030,261,248 parameters");
+static_assert(find_preset("llama-175b")->params() > 166'250'000'000 && find_preset("llama-175b")->params() < 183'750'000'000,
+              "llama-175b is within 5% of 175 G parameters");
 
 }  // namespace squeeze::plan
