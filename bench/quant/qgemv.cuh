@@ -41,7 +41,7 @@
 
 #include <squeeze/kernels/quant/gemm/decode.cuh>
 #include <squeeze/kernels/quant/gemm/layout.hpp>
-#include <squeeze/kernels/quant/gemm/plan.hpp>
+#include <squeeze/kernels/quant/gemm/launch_plan.hpp>
 #include <squeeze/kernels/quant/gemm/ptx.cuh>
 
 namespace squeeze::kernels::quant {

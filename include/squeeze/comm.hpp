@@ -1,7 +1,7 @@
 #pragma once
 // Communicators: the concept and the backends (NcclComm only with SQUEEZE_WITH_NCCL=1).
-#include "comm/communicator.hpp"
-#include "comm/env.hpp"
-#include "comm/from_env.hpp"
-#include "comm/local.hpp"
-#include "comm/store.hpp"
+#include "squeeze/comm/communicator.hpp"
+#include "squeeze/comm/env.hpp"
+#include "squeeze/comm/from_env.hpp"
+#include "squeeze/comm/local.hpp"
+#include "squeeze/comm/store.hpp"

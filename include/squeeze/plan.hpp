@@ -1,3 +1,3 @@
 #pragma once
-#include "plan/memory.hpp"
-#include "plan/model_shape.hpp"
+#include "squeeze/plan/memory.hpp"
+#include "squeeze/plan/model_shape.hpp"

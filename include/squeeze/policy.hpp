@@ -1,2 +1,2 @@
 #pragma once
-#include "policy/strategy.hpp"
+#include "squeeze/policy/strategy.hpp"

@@ -1,4 +1,4 @@
-// The quantized GEMM's host logic on the CPU (gemm/plan.hpp, plain C++): the mma.sync family's work split and
+// The quantized GEMM's host logic on the CPU (gemm/launch_plan.hpp, plain C++): the mma.sync family's work split and
 // dispatch table, the sm90 family's K-split plans, cost model and dispatch table, and the zero-point patterns the sm90
 // kernel's decode subtracts. No GPU: the sm90 capacities are the H200's (as cudaOccupancyMaxActiveClusters reports
 // them) or an even GPU of 132 SMs.
@@ -10,7 +10,7 @@
 #include <string>
 
 #include <squeeze/kernels/quant/gemm/decode.hpp>
-#include <squeeze/kernels/quant/gemm/plan.hpp>
+#include <squeeze/kernels/quant/gemm/launch_plan.hpp>
 
 using namespace squeeze;
 namespace kq = squeeze::kernels::quant;

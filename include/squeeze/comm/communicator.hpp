@@ -24,8 +24,8 @@
 #include <string>
 #include <string_view>
 
-#include "../dtype.hpp"
-#include "../error.hpp"
+#include "squeeze/dtype.hpp"
+#include "squeeze/error.hpp"
 
 namespace squeeze::comm {
 

@@ -6,7 +6,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "../error.hpp"
+#include "squeeze/error.hpp"
 
 namespace squeeze::comm {
 

@@ -5,11 +5,11 @@
 #include <cstdlib>
 #include <string>
 
-#include "communicator.hpp"
-#include "env.hpp"
-#include "local.hpp"
+#include "squeeze/comm/communicator.hpp"
+#include "squeeze/comm/env.hpp"
+#include "squeeze/comm/local.hpp"
 #if defined(SQUEEZE_WITH_NCCL) && SQUEEZE_WITH_NCCL
-#include "nccl.hpp"
+#include "squeeze/comm/nccl.hpp"
 #endif
 
 namespace squeeze::comm {

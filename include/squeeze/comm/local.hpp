@@ -24,7 +24,7 @@
 #include <thread>
 #include <vector>
 
-#include "communicator.hpp"
+#include "squeeze/comm/communicator.hpp"
 
 #if defined(__CUDACC__) || defined(SQUEEZE_WITH_CUDA_RUNTIME)
 #include <cuda_runtime_api.h>

@@ -29,9 +29,9 @@
 #include <mutex>
 #include <thread>
 
-#include "communicator.hpp"
-#include "env.hpp"
-#include "store.hpp"
+#include "squeeze/comm/communicator.hpp"
+#include "squeeze/comm/env.hpp"
+#include "squeeze/comm/store.hpp"
 
 namespace squeeze::comm {
 

@@ -31,7 +31,7 @@
 #include <thread>
 #include <vector>
 
-#include "../error.hpp"
+#include "squeeze/error.hpp"
 
 namespace squeeze::comm {
 

@@ -10,11 +10,11 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "../comm/communicator.hpp"
-#include "collectives.hpp"
-#include "flat_params.hpp"
-#include "offload.hpp"
-#include "streams.hpp"
+#include "squeeze/comm/communicator.hpp"
+#include "squeeze/engine/collectives.hpp"
+#include "squeeze/engine/flat_params.hpp"
+#include "squeeze/engine/offload.hpp"
+#include "squeeze/engine/streams.hpp"
 #include "squeeze/kernels/grad_norm.hpp"
 
 namespace squeeze::engine {

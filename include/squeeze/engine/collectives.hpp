@@ -4,9 +4,9 @@
 // its translation unit was compiled with.
 #include <torch/torch.h>
 
-#include "../comm/communicator.hpp"
-#include "streams.hpp"
-#include "torch_types.hpp"
+#include "squeeze/comm/communicator.hpp"
+#include "squeeze/engine/streams.hpp"
+#include "squeeze/engine/torch_types.hpp"
 
 namespace squeeze::engine {
 

@@ -6,7 +6,7 @@
 
 #include <string>
 
-#include "../io/safetensors.hpp"
+#include "squeeze/io/safetensors.hpp"
 
 namespace squeeze::engine {
 

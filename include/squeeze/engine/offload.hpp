@@ -47,7 +47,7 @@
 #include "squeeze/dtype.hpp"
 #include "squeeze/kernels/cpu_parallel.hpp"
 #include "squeeze/kernels/grad_norm.hpp"
-#include "streams.hpp"
+#include "squeeze/engine/streams.hpp"
 
 namespace squeeze::engine {
 

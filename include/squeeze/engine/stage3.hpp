@@ -54,10 +54,10 @@
 #include <utility>
 #include <vector>
 
-#include "../comm/communicator.hpp"
-#include "collectives.hpp"
-#include "flat_params.hpp"
-#include "streams.hpp"
+#include "squeeze/comm/communicator.hpp"
+#include "squeeze/engine/collectives.hpp"
+#include "squeeze/engine/flat_params.hpp"
+#include "squeeze/engine/streams.hpp"
 
 namespace squeeze::engine {
 

@@ -4,8 +4,8 @@
 
 #include <type_traits>
 
-#include "../comm/communicator.hpp"
-#include "../dtype.hpp"
+#include "squeeze/comm/communicator.hpp"
+#include "squeeze/dtype.hpp"
 
 namespace squeeze {
 

@@ -22,9 +22,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "../quant/bnb_dynamic_map.hpp"
-#include "../quant/nf4.hpp"
-#include "hf_quant_layout.hpp"
+#include "squeeze/quant/bnb_dynamic_map.hpp"
+#include "squeeze/quant/nf4.hpp"
+#include "squeeze/io/hf_quant_layout.hpp"
 
 namespace squeeze::io {
 

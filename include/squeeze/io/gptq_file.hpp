@@ -12,10 +12,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include "json_file.hpp"
-#include "safetensors.hpp"
-#include "../quant/pack.hpp"
-#include "../quant/v1_zeros.hpp"
+#include "squeeze/io/json_file.hpp"
+#include "squeeze/io/safetensors.hpp"
+#include "squeeze/quant/pack.hpp"
+#include "squeeze/quant/v1_zeros.hpp"
 
 namespace squeeze::io {
 

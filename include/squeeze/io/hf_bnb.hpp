@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "bnb_nf4.hpp"
-#include "hf_quant_layout.hpp"
+#include "squeeze/io/bnb_nf4.hpp"
+#include "squeeze/io/hf_quant_layout.hpp"
 
 namespace squeeze::io {
 

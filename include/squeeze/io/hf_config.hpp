@@ -33,10 +33,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include "../error.hpp"
-#include "json_file.hpp"
-#include "../plan/rope.hpp"
-#include "safetensors.hpp"
+#include "squeeze/error.hpp"
+#include "squeeze/io/json_file.hpp"
+#include "squeeze/plan/rope.hpp"
+#include "squeeze/io/safetensors.hpp"
 
 namespace squeeze::io {
 

@@ -22,10 +22,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include "gptq_file.hpp"
-#include "../quant/v1_zeros.hpp"
-#include "hf_quant_layout.hpp"
-#include "json_file.hpp"
+#include "squeeze/io/gptq_file.hpp"
+#include "squeeze/quant/v1_zeros.hpp"
+#include "squeeze/io/hf_quant_layout.hpp"
+#include "squeeze/io/json_file.hpp"
 
 namespace squeeze::io {
 

@@ -37,8 +37,8 @@
 #include <string_view>
 #include <vector>
 
-#include "../error.hpp"
-#include "hf_config.hpp"
+#include "squeeze/error.hpp"
+#include "squeeze/io/hf_config.hpp"
 
 namespace squeeze::io {
 

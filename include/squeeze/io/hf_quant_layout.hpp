@@ -13,9 +13,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "hf_config.hpp"
-#include "hf_names.hpp"
-#include "safetensors_sharded.hpp"
+#include "squeeze/io/hf_config.hpp"
+#include "squeeze/io/hf_names.hpp"
+#include "squeeze/io/safetensors_sharded.hpp"
 
 namespace squeeze::io {
 

@@ -8,7 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "../error.hpp"
+#include "squeeze/error.hpp"
 
 namespace squeeze::io {
 

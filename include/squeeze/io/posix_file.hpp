@@ -19,7 +19,7 @@
 #include <string_view>
 #include <utility>
 
-#include "../error.hpp"
+#include "squeeze/error.hpp"
 
 namespace squeeze::io {
 

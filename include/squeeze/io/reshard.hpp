@@ -27,11 +27,11 @@
 
 #include <nlohmann/json.hpp>
 
-#include "../dtype.hpp"
-#include "../error.hpp"
-#include "checkpoint_store.hpp"
-#include "safetensors.hpp"
-#include "safetensors_stream.hpp"
+#include "squeeze/dtype.hpp"
+#include "squeeze/error.hpp"
+#include "squeeze/io/checkpoint_store.hpp"
+#include "squeeze/io/safetensors.hpp"
+#include "squeeze/io/safetensors_stream.hpp"
 
 namespace squeeze::io {
 

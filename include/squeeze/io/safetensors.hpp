@@ -36,7 +36,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "../error.hpp"
+#include "squeeze/error.hpp"
 
 namespace squeeze::io {
 

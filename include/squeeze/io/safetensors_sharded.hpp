@@ -30,10 +30,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include "../dtype.hpp"
-#include "../error.hpp"
-#include "json_file.hpp"
-#include "safetensors.hpp"
+#include "squeeze/dtype.hpp"
+#include "squeeze/error.hpp"
+#include "squeeze/io/json_file.hpp"
+#include "squeeze/io/safetensors.hpp"
 
 namespace squeeze::io {
 

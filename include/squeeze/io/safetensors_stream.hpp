@@ -22,11 +22,11 @@
 
 #include <nlohmann/json.hpp>
 
-#include "../error.hpp"
-#include "chunk_pipeline.hpp"
-#include "posix_file.hpp"
-#include "safetensors.hpp"
-#include "sha256.hpp"
+#include "squeeze/error.hpp"
+#include "squeeze/io/chunk_pipeline.hpp"
+#include "squeeze/io/posix_file.hpp"
+#include "squeeze/io/safetensors.hpp"
+#include "squeeze/io/sha256.hpp"
 
 namespace squeeze::io {
 

@@ -11,9 +11,9 @@
 #include <utility>
 #include <vector>
 
-#include "../error.hpp"
-#include "chunk_pipeline.hpp"
-#include "posix_file.hpp"
+#include "squeeze/error.hpp"
+#include "squeeze/io/chunk_pipeline.hpp"
+#include "squeeze/io/posix_file.hpp"
 
 namespace squeeze::io {
 

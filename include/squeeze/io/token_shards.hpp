@@ -30,8 +30,8 @@
 #include <utility>
 #include <vector>
 
-#include "../error.hpp"
-#include "safetensors.hpp"  // detail::Fd, detail::errno_text
+#include "squeeze/error.hpp"
+#include "squeeze/io/safetensors.hpp"  // detail::Fd, detail::errno_text
 
 namespace squeeze::io {
 

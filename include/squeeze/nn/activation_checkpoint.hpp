@@ -31,7 +31,7 @@
 #include <utility>
 #include <vector>
 
-#include "layers.hpp"
+#include "squeeze/nn/layers.hpp"
 
 namespace squeeze::nn {
 

@@ -22,13 +22,13 @@
 #include <string>
 #include <utility>
 
-#include "../kernels/rms_norm.hpp"
-#include "../kernels/rope.hpp"
-#include "../kernels/swiglu.hpp"
+#include "squeeze/kernels/rms_norm.hpp"
+#include "squeeze/kernels/rope.hpp"
+#include "squeeze/kernels/swiglu.hpp"
 #if defined(__CUDACC__)
-#include "../kernels/rms_norm.cuh"
-#include "../kernels/rope.cuh"
-#include "../kernels/swiglu.cuh"
+#include "squeeze/kernels/rms_norm.cuh"
+#include "squeeze/kernels/rope.cuh"
+#include "squeeze/kernels/swiglu.cuh"
 #endif
 
 namespace squeeze::nn {

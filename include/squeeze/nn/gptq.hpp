@@ -38,12 +38,12 @@
 #include <utility>
 #include <vector>
 
-#include <squeeze/kernels/quant/gptq_solve.cuh>
+#include "squeeze/kernels/quant/gptq_solve.cuh"
 
-#include "../policy/quantization.hpp"
-#include "../quant/pack.hpp"
-#include "../quant/rtn.hpp"
-#include "rtn.hpp"
+#include "squeeze/policy/quantization.hpp"
+#include "squeeze/quant/pack.hpp"
+#include "squeeze/quant/rtn.hpp"
+#include "squeeze/nn/rtn.hpp"
 
 namespace squeeze::nn {
 

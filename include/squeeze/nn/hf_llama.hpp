@@ -46,13 +46,13 @@
 
 #include <nlohmann/json.hpp>
 
-#include "../io/hf_config.hpp"
-#include "../io/hf_names.hpp"
-#include "../io/json_file.hpp"
-#include "../engine/io_dtypes.hpp"
-#include "../io/safetensors_sharded.hpp"
-#include "llama.hpp"
-#include "lora.hpp"
+#include "squeeze/io/hf_config.hpp"
+#include "squeeze/io/hf_names.hpp"
+#include "squeeze/io/json_file.hpp"
+#include "squeeze/engine/io_dtypes.hpp"
+#include "squeeze/io/safetensors_sharded.hpp"
+#include "squeeze/nn/llama.hpp"
+#include "squeeze/nn/lora.hpp"
 
 namespace squeeze::nn {
 

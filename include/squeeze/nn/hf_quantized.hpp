@@ -18,11 +18,11 @@
 #include <filesystem>
 #include <string>
 
-#include "../io/hf_bnb.hpp"
-#include "../io/hf_gptq.hpp"
-#include "hf_llama.hpp"
-#include "lora.hpp"
-#include "quantized_linear.hpp"
+#include "squeeze/io/hf_bnb.hpp"
+#include "squeeze/io/hf_gptq.hpp"
+#include "squeeze/nn/hf_llama.hpp"
+#include "squeeze/nn/lora.hpp"
+#include "squeeze/nn/quantized_linear.hpp"
 
 namespace squeeze::nn {
 

@@ -27,7 +27,7 @@
 #include <utility>
 #include <vector>
 
-#include "../engine/stage3.hpp"
+#include "squeeze/engine/stage3.hpp"
 
 namespace squeeze::nn {
 

@@ -39,14 +39,14 @@
 #include <string>
 #include <vector>
 
-#include "../engine/torch_types.hpp"
-#include "../plan/memory.hpp"
-#include "../policy/strategy.hpp"
-#include "../policy/strategy_name.hpp"
-#include "gptq.hpp"
-#include "hf_llama.hpp"
-#include "llama.hpp"
-#include "lora.hpp"
+#include "squeeze/engine/torch_types.hpp"
+#include "squeeze/plan/memory.hpp"
+#include "squeeze/policy/strategy.hpp"
+#include "squeeze/policy/strategy_name.hpp"
+#include "squeeze/nn/gptq.hpp"
+#include "squeeze/nn/hf_llama.hpp"
+#include "squeeze/nn/llama.hpp"
+#include "squeeze/nn/lora.hpp"
 
 namespace squeeze::nn {
 

@@ -25,14 +25,14 @@
 #include <string_view>
 #include <vector>
 
-#include "../plan/rope.hpp"
-#include "fused_linear_cross_entropy.hpp"
-#include "fused_ops.hpp"
-#include "../plan/memory.hpp"
-#include "../plan/model_shape.hpp"
-#include "activation_checkpoint.hpp"
-#include "lora.hpp"
-#include "layers.hpp"
+#include "squeeze/plan/rope.hpp"
+#include "squeeze/nn/fused_linear_cross_entropy.hpp"
+#include "squeeze/nn/fused_ops.hpp"
+#include "squeeze/plan/memory.hpp"
+#include "squeeze/plan/model_shape.hpp"
+#include "squeeze/nn/activation_checkpoint.hpp"
+#include "squeeze/nn/lora.hpp"
+#include "squeeze/nn/layers.hpp"
 
 namespace squeeze::nn {
 

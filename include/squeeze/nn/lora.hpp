@@ -47,13 +47,13 @@
 #include <utility>
 #include <vector>
 
-#include "../plan/memory.hpp"
-#include "../policy/strategy.hpp"
-#include "../quant/nf4.hpp"
-#include "../quant/rtn.hpp"
-#include "../engine/torch_types.hpp"
-#include "quantized_linear.hpp"
-#include "layers.hpp"
+#include "squeeze/plan/memory.hpp"
+#include "squeeze/policy/strategy.hpp"
+#include "squeeze/quant/nf4.hpp"
+#include "squeeze/quant/rtn.hpp"
+#include "squeeze/engine/torch_types.hpp"
+#include "squeeze/nn/quantized_linear.hpp"
+#include "squeeze/nn/layers.hpp"
 #include "squeeze/kernels/quant/nf4.hpp"
 #if defined(__CUDACC__)
 #include "squeeze/kernels/quant/nf4.cuh"

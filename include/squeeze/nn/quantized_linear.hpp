@@ -31,13 +31,13 @@
 #include <cstdint>
 #include <optional>
 
-#include <squeeze/kernels/quant/dequant.cuh>
+#include "squeeze/kernels/quant/dequant.cuh"
 #if defined(__CUDACC__)
-#include <squeeze/kernels/quant/gemm.cuh>
+#include "squeeze/kernels/quant/gemm.cuh"
 #endif
 
-#include "../quant/tiles.hpp"
-#include "../quant/pack.hpp"
+#include "squeeze/quant/tiles.hpp"
+#include "squeeze/quant/pack.hpp"
 
 namespace squeeze::nn {
 

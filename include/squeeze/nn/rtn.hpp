@@ -14,7 +14,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "../quant/pack.hpp"
+#include "squeeze/quant/pack.hpp"
 
 namespace squeeze::nn {
 

@@ -16,8 +16,8 @@
 #include <bit>
 #include <cstdint>
 
-#include "../policy/strategy.hpp"
-#include "model_shape.hpp"
+#include "squeeze/policy/strategy.hpp"
+#include "squeeze/plan/model_shape.hpp"
 
 namespace squeeze::plan {
 

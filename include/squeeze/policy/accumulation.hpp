@@ -1,7 +1,7 @@
 #pragma once
 // Gradient accumulation: N micro-batches per optimizer step. The per-step batch stays the same and
 // each micro-batch is 1/N of it, so activations shrink while the update is the one-big-batch update.
-#include "family.hpp"
+#include "squeeze/policy/family.hpp"
 
 namespace squeeze {
 

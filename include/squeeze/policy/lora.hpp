@@ -1,7 +1,7 @@
 #pragma once
 // LoRA<Rank, Alpha>: trainable low-rank adapters W + (Alpha/Rank)·B·A on the attention projections
 // (q and v by default, as in the QLoRA and LoRA papers); the base weights are frozen.
-#include "family.hpp"
+#include "squeeze/policy/family.hpp"
 
 namespace squeeze {
 

@@ -1,7 +1,7 @@
 #pragma once
 // Loss scaling. The default follows Precision: DynamicLossScale for half compute, none otherwise.
 // Spell it only to override (e.g. a fixed scale for fp16); bf16 and float never need it.
-#include "family.hpp"
+#include "squeeze/policy/family.hpp"
 
 namespace squeeze {
 

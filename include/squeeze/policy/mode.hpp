@@ -1,7 +1,7 @@
 #pragma once
 // Train (default) or Inference. Inference keeps no gradients or optimizer state: it is how a
 // post-training-quantized model (Quantized<4, GPTQ, Group<128>>) is planned and run.
-#include "family.hpp"
+#include "squeeze/policy/family.hpp"
 
 namespace squeeze {
 

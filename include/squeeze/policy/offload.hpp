@@ -4,7 +4,7 @@
 // is pinned.
 #include <type_traits>
 
-#include "family.hpp"
+#include "squeeze/policy/family.hpp"
 
 namespace squeeze {
 

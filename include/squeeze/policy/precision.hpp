@@ -2,8 +2,8 @@
 // Mixed precision: forward/backward in Compute, optimizer update on Master weights.
 // Precision<half, float> needs dynamic loss scaling (fp16 underflows small gradients);
 // bf16 has float's exponent range and needs none.
-#include "../dtype.hpp"
-#include "family.hpp"
+#include "squeeze/dtype.hpp"
+#include "squeeze/policy/family.hpp"
 
 namespace squeeze {
 

@@ -6,7 +6,7 @@
 // Blockwise8 default 256, the block of kernels/adamw8.hpp), PerChannel, DoubleQuant (NF4 only), ActOrder (GPTQ only).
 #include <type_traits>
 
-#include "family.hpp"
+#include "squeeze/policy/family.hpp"
 
 namespace squeeze {
 

@@ -1,7 +1,7 @@
 #pragma once
 // Activation checkpointing: keep only each segment's input and recompute the segment in backward.
 // Checkpointed = every layer is a segment; CheckpointEvery<N> groups N layers per segment.
-#include "family.hpp"
+#include "squeeze/policy/family.hpp"
 
 namespace squeeze {
 

@@ -2,7 +2,7 @@
 // ZeRO stages: what each data-parallel rank keeps a 1/N shard of.
 //   Stage0: nothing (plain data parallel)   Stage1: optimizer state + fp32 master weights
 //   Stage2: + gradients                      Stage3: + parameters (gathered per layer, then freed)
-#include "family.hpp"
+#include "squeeze/policy/family.hpp"
 
 namespace squeeze {
 

@@ -5,16 +5,16 @@
 // Contradictions fail to compile with a static_assert that says what to write instead.
 #include <type_traits>
 
-#include "accumulation.hpp"
-#include "recompute.hpp"
-#include "family.hpp"
-#include "lora.hpp"
-#include "loss_scale.hpp"
-#include "mode.hpp"
-#include "offload.hpp"
-#include "precision.hpp"
-#include "quantization.hpp"
-#include "sharding.hpp"
+#include "squeeze/policy/accumulation.hpp"
+#include "squeeze/policy/recompute.hpp"
+#include "squeeze/policy/family.hpp"
+#include "squeeze/policy/lora.hpp"
+#include "squeeze/policy/loss_scale.hpp"
+#include "squeeze/policy/mode.hpp"
+#include "squeeze/policy/offload.hpp"
+#include "squeeze/policy/precision.hpp"
+#include "squeeze/policy/quantization.hpp"
+#include "squeeze/policy/sharding.hpp"
 
 namespace squeeze {
 

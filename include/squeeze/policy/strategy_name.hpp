@@ -7,7 +7,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "strategy.hpp"
+#include "squeeze/policy/strategy.hpp"
 
 namespace squeeze {
 

@@ -11,10 +11,10 @@
 #include <string>
 #include <vector>
 
-#include "../dtype.hpp"
-#include "../error.hpp"
-#include "../policy/quantization.hpp"
-#include "bnb_dynamic_map.hpp"
+#include "squeeze/dtype.hpp"
+#include "squeeze/error.hpp"
+#include "squeeze/policy/quantization.hpp"
+#include "squeeze/quant/bnb_dynamic_map.hpp"
 #include "squeeze/kernels/quant/nf4.hpp"
 
 namespace squeeze::quant {

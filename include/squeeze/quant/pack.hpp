@@ -25,9 +25,9 @@
 #include <string>
 #include <vector>
 
-#include "../dtype.hpp"
-#include "../error.hpp"
-#include <squeeze/kernels/quant/bitstream.cuh>
+#include "squeeze/dtype.hpp"
+#include "squeeze/error.hpp"
+#include "squeeze/kernels/quant/bitstream.cuh"
 
 namespace squeeze::quant {
 

@@ -7,9 +7,9 @@
 #include <span>
 #include <vector>
 
-#include <squeeze/kernels/quant/grid.hpp>
+#include "squeeze/kernels/quant/grid.hpp"
 
-#include "pack.hpp"
+#include "squeeze/quant/pack.hpp"
 
 namespace squeeze::quant {
 

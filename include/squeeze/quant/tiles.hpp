@@ -9,9 +9,9 @@
 #include <string>
 #include <vector>
 
-#include <squeeze/kernels/quant/gemm/layout.hpp>
+#include "squeeze/kernels/quant/gemm/layout.hpp"
 
-#include "pack.hpp"
+#include "squeeze/quant/pack.hpp"
 
 namespace squeeze::quant {
 

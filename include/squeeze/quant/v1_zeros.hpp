@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "pack.hpp"
+#include "squeeze/quant/pack.hpp"
 
 namespace squeeze::quant {
 

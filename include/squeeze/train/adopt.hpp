@@ -19,11 +19,11 @@
 #include <string_view>
 #include <vector>
 
-#include "../nn/activation_checkpoint.hpp"
-#include "../nn/layers.hpp"
-#include "../nn/lora.hpp"
-#include "../policy/strategy.hpp"
-#include "../engine/torch_types.hpp"
+#include "squeeze/nn/activation_checkpoint.hpp"
+#include "squeeze/nn/layers.hpp"
+#include "squeeze/nn/lora.hpp"
+#include "squeeze/policy/strategy.hpp"
+#include "squeeze/engine/torch_types.hpp"
 
 namespace squeeze::train {
 

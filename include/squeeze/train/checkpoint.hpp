@@ -28,14 +28,14 @@
 #include <string>
 #include <vector>
 
-#include "../io/checkpoint_store.hpp"
-#include "../io/reshard.hpp"
-#include "../io/sha256.hpp"
-#include "../kernels/adamw8.hpp"
-#include "../policy/strategy_name.hpp"
-#include "../engine/collectives.hpp"
-#include "../engine/io_dtypes.hpp"
-#include "../engine/offload.hpp"
+#include "squeeze/io/checkpoint_store.hpp"
+#include "squeeze/io/reshard.hpp"
+#include "squeeze/io/sha256.hpp"
+#include "squeeze/kernels/adamw8.hpp"
+#include "squeeze/policy/strategy_name.hpp"
+#include "squeeze/engine/collectives.hpp"
+#include "squeeze/engine/io_dtypes.hpp"
+#include "squeeze/engine/offload.hpp"
 
 namespace squeeze {
 

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "../plan/memory.hpp"
+#include "squeeze/plan/memory.hpp"
 #include "squeeze/kernels/loss_scale.hpp"
 
 namespace squeeze::train {

@@ -22,13 +22,13 @@
 #include <utility>
 #include <vector>
 
-#include "../comm/communicator.hpp"
-#include "../plan/memory.hpp"
-#include "../policy/strategy.hpp"
-#include "adopt.hpp"
-#include "options.hpp"
-#include "parts/parts.hpp"
-#include "../engine/torch_types.hpp"
+#include "squeeze/comm/communicator.hpp"
+#include "squeeze/plan/memory.hpp"
+#include "squeeze/policy/strategy.hpp"
+#include "squeeze/train/adopt.hpp"
+#include "squeeze/train/options.hpp"
+#include "squeeze/train/parts/parts.hpp"
+#include "squeeze/engine/torch_types.hpp"
 #include "squeeze/kernels/grad_norm.hpp"
 
 namespace squeeze::train {

@@ -5,7 +5,7 @@
 // functions walk a column of qweight (stride = out) or a row of qzeros (stride = 1).
 #include <cstdint>
 
-#include <squeeze/dtype.hpp>
+#include "squeeze/dtype.hpp"
 
 namespace squeeze::kernels::quant {
 

@@ -9,9 +9,9 @@
 #include <cstdint>
 #include <type_traits>
 
-#include <squeeze/dtype.hpp>
+#include "squeeze/dtype.hpp"
 
-#include "bitstream.cuh"
+#include "squeeze/kernels/quant/bitstream.cuh"
 
 #if defined(__CUDACC__)
 #include <cuda_runtime.h>

@@ -7,19 +7,19 @@
 //   gemm/mma_sync.cuh   the mma.sync family (any sm_80+ GPU, 3 / 4 / 8 bits)
 //   gemm/sm90.cuh       the sm90 family (wgmma or mma.sync consumers in a TMA ring; sm_90a builds, 4 bits)
 //   gemm/ptx.cuh        the PTX wrappers both use;  gemm/decode.cuh  codes -> fragment registers (device)
-//   gemm/plan.hpp       host plans, the K-split cost model and the configuration each family takes (plain C++)
+//   gemm/launch_plan.hpp       host plans, the K-split cost model and the configuration each family takes (plain C++)
 //   gemm/config.hpp     the configurations as named knobs (plain C++)
 //   gemm/cpu.hpp        the CPU twin;  gemm/decode.hpp  the magic-number decode;  gemm/layout.hpp  the tiles
 #if !defined(__CUDACC__)
-#error "gemm.cuh is a CUDA header: compile this translation unit with nvcc (the host plans: gemm/plan.hpp, the CPU twin: gemm/cpu.hpp)"
+#error "gemm.cuh is a CUDA header: compile this translation unit with nvcc (the host plans: gemm/launch_plan.hpp, the CPU twin: gemm/cpu.hpp)"
 #endif
 
 #include <cstdint>
 #include <string>
 
-#include <squeeze/kernels/quant/gemm/mma_sync.cuh>
-#include <squeeze/kernels/quant/gemm/plan.hpp>
-#include <squeeze/kernels/quant/gemm/sm90.cuh>
+#include "squeeze/kernels/quant/gemm/mma_sync.cuh"
+#include "squeeze/kernels/quant/gemm/launch_plan.hpp"
+#include "squeeze/kernels/quant/gemm/sm90.cuh"
 
 namespace squeeze::kernels::quant {
 

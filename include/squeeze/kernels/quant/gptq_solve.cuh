@@ -19,7 +19,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include <squeeze/kernels/quant/grid.hpp>
+#include "squeeze/kernels/quant/grid.hpp"
 
 #if defined(__CUDACC__)
 #include <cuda_runtime.h>

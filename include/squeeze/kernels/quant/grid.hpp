@@ -12,7 +12,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include <squeeze/dtype.hpp>
+#include "squeeze/dtype.hpp"
 
 namespace squeeze::kernels::quant {
 

@@ -22,8 +22,8 @@
 #include <cstdint>
 #include <string>
 
-#include <squeeze/dtype.hpp>
-#include <squeeze/error.hpp>
+#include "squeeze/dtype.hpp"
+#include "squeeze/error.hpp"
 
 #include "squeeze/kernels/cpu_parallel.hpp"
 

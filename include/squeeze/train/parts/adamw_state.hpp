@@ -13,8 +13,8 @@
 #include <memory>
 #include <vector>
 
-#include "../../engine/adamw_torch_ops.hpp"
-#include "context.hpp"
+#include "squeeze/engine/adamw_torch_ops.hpp"
+#include "squeeze/train/parts/context.hpp"
 #include "squeeze/kernels/adamw.hpp"
 #include "squeeze/kernels/adamw8.hpp"
 

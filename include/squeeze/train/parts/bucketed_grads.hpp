@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "gradient_sync.hpp"
+#include "squeeze/train/parts/gradient_sync.hpp"
 
 namespace squeeze::train {
 

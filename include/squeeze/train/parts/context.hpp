@@ -13,13 +13,13 @@
 #include <utility>
 #include <vector>
 
-#include "../../comm/communicator.hpp"
-#include "../../policy/strategy.hpp"
-#include "../../engine/buckets.hpp"
-#include "../../engine/collectives.hpp"
-#include "../../engine/offload.hpp"
-#include "../options.hpp"
-#include "../../engine/streams.hpp"
+#include "squeeze/comm/communicator.hpp"
+#include "squeeze/policy/strategy.hpp"
+#include "squeeze/engine/buckets.hpp"
+#include "squeeze/engine/collectives.hpp"
+#include "squeeze/engine/offload.hpp"
+#include "squeeze/train/options.hpp"
+#include "squeeze/engine/streams.hpp"
 #include "squeeze/kernels/adamw.hpp"
 
 namespace squeeze::train {

@@ -15,10 +15,10 @@
 #include <unordered_set>
 #include <vector>
 
-#include "../../nn/layers.hpp"
-#include "../../engine/stage3.hpp"
-#include "bucketed_grads.hpp"
-#include "gradient_sync.hpp"
+#include "squeeze/nn/layers.hpp"
+#include "squeeze/engine/stage3.hpp"
+#include "squeeze/train/parts/bucketed_grads.hpp"
+#include "squeeze/train/parts/gradient_sync.hpp"
 
 namespace squeeze::train {
 

@@ -9,8 +9,8 @@
 
 #include <vector>
 
-#include "../options.hpp"
-#include "context.hpp"
+#include "squeeze/train/options.hpp"
+#include "squeeze/train/parts/context.hpp"
 
 namespace squeeze::train {
 

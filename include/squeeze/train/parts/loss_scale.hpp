@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <limits>
 
-#include "../../policy/strategy.hpp"
+#include "squeeze/policy/strategy.hpp"
 #include "squeeze/kernels/loss_scale.hpp"
 
 namespace squeeze::train {

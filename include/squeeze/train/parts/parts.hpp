@@ -14,13 +14,13 @@
 #include <type_traits>
 #include <vector>
 
-#include "adamw_state.hpp"
-#include "bucketed_grads.hpp"
-#include "context.hpp"
-#include "gather_units.hpp"
-#include "loss_scale.hpp"
-#include "replicated_grads.hpp"
-#include "window.hpp"
+#include "squeeze/train/parts/adamw_state.hpp"
+#include "squeeze/train/parts/bucketed_grads.hpp"
+#include "squeeze/train/parts/context.hpp"
+#include "squeeze/train/parts/gather_units.hpp"
+#include "squeeze/train/parts/loss_scale.hpp"
+#include "squeeze/train/parts/replicated_grads.hpp"
+#include "squeeze/train/parts/window.hpp"
 
 namespace squeeze::train {
 

@@ -16,7 +16,7 @@
 #include <memory>
 #include <vector>
 
-#include "gradient_sync.hpp"
+#include "squeeze/train/parts/gradient_sync.hpp"
 
 namespace squeeze::train {
 

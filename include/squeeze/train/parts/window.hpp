@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "../../engine/collectives.hpp"
+#include "squeeze/engine/collectives.hpp"
 
 namespace squeeze::train {
 

@@ -10,7 +10,7 @@
 // names the work its kernel does as Work (see WorkOf).
 #include <string>
 
-#include <squeeze/kernels/quant/gemm/layout.hpp>
+#include "squeeze/kernels/quant/gemm/layout.hpp"
 
 namespace squeeze::kernels::quant {
 

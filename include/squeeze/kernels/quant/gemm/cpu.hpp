@@ -5,8 +5,8 @@
 #include <cstdint>
 #include <vector>
 
-#include <squeeze/kernels/quant/gemm/decode.hpp>
-#include <squeeze/kernels/quant/gemm/layout.hpp>
+#include "squeeze/kernels/quant/gemm/decode.hpp"
+#include "squeeze/kernels/quant/gemm/layout.hpp"
 
 namespace squeeze::kernels::quant {
 

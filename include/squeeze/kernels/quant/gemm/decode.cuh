@@ -11,7 +11,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <squeeze/kernels/quant/gemm/decode.hpp>
+#include "squeeze/kernels/quant/gemm/decode.hpp"
 
 namespace squeeze::kernels::quant::detail {
 

@@ -8,7 +8,7 @@
 #include <cstring>
 #include <type_traits>
 
-#include <squeeze/dtype.hpp>
+#include "squeeze/dtype.hpp"
 
 namespace squeeze::kernels::quant {
 

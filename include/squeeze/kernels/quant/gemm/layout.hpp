@@ -14,7 +14,7 @@
 // are never stored.
 #include <cstdint>
 
-#include <squeeze/dtype.hpp>
+#include "squeeze/dtype.hpp"
 
 namespace squeeze::kernels::quant {
 

@@ -31,11 +31,11 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <squeeze/kernels/quant/gemm/config.hpp>
-#include <squeeze/kernels/quant/gemm/decode.cuh>
-#include <squeeze/kernels/quant/gemm/layout.hpp>
-#include <squeeze/kernels/quant/gemm/plan.hpp>
-#include <squeeze/kernels/quant/gemm/ptx.cuh>
+#include "squeeze/kernels/quant/gemm/config.hpp"
+#include "squeeze/kernels/quant/gemm/decode.cuh"
+#include "squeeze/kernels/quant/gemm/layout.hpp"
+#include "squeeze/kernels/quant/gemm/launch_plan.hpp"
+#include "squeeze/kernels/quant/gemm/ptx.cuh"
 
 namespace squeeze::kernels::quant {
 namespace detail {

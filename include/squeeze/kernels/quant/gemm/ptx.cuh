@@ -15,7 +15,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <squeeze/dtype.hpp>
+#include "squeeze/dtype.hpp"
 
 // wgmma exists only on the arch-specific target sm_90a (nvcc defines __CUDA_ARCH_FEAT_SM90_ALL there).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)

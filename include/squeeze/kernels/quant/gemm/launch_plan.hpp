@@ -8,8 +8,8 @@
 #include <string>
 #include <type_traits>
 
-#include <squeeze/kernels/quant/gemm/config.hpp>
-#include <squeeze/kernels/quant/gemm/layout.hpp>
+#include "squeeze/kernels/quant/gemm/config.hpp"
+#include "squeeze/kernels/quant/gemm/layout.hpp"
 
 namespace squeeze::kernels::quant {
 
