@@ -27,35 +27,32 @@ inline void check(bool ok, std::string_view what, std::source_location where = s
 
 #if __has_include(<cuda_runtime_api.h>)
 #include <cuda_runtime_api.h>
-#define SQUEEZE_CUDA_CHECK(call)                                                                     \
-  do {                                                                                              \
-    const cudaError_t squeeze_status_ = (call);                                                     \
-    if (squeeze_status_ != cudaSuccess)                                                             \
-      throw ::squeeze::Error(std::string("CUDA call `" #call "` failed: ") +                        \
-                             cudaGetErrorName(squeeze_status_) + " (" +                             \
-                             cudaGetErrorString(squeeze_status_) + ")");                            \
+#define SQUEEZE_CUDA_CHECK(call)                                                                                        \
+  do {                                                                                                                  \
+    const cudaError_t squeeze_status_ = (call);                                                                         \
+    if (squeeze_status_ != cudaSuccess)                                                                                 \
+      throw ::squeeze::Error(std::string("CUDA call `" #call "` failed: ") + cudaGetErrorName(squeeze_status_) + " (" + \
+                             cudaGetErrorString(squeeze_status_) + ")");                                                \
   } while (0)
 #endif
 
 #if __has_include(<cublas_v2.h>) && __has_include(<cuda_runtime_api.h>)
 #include <cublas_v2.h>
-#define SQUEEZE_CUBLAS_CHECK(call)                                                                   \
-  do {                                                                                              \
-    const cublasStatus_t squeeze_status_ = (call);                                                  \
-    if (squeeze_status_ != CUBLAS_STATUS_SUCCESS)                                                   \
-      throw ::squeeze::Error(std::string("cuBLAS call `" #call "` failed: ") +                      \
-                             cublasGetStatusName(squeeze_status_) + " (" +                          \
-                             cublasGetStatusString(squeeze_status_) + ")");                         \
+#define SQUEEZE_CUBLAS_CHECK(call)                                                                                           \
+  do {                                                                                                                       \
+    const cublasStatus_t squeeze_status_ = (call);                                                                           \
+    if (squeeze_status_ != CUBLAS_STATUS_SUCCESS)                                                                            \
+      throw ::squeeze::Error(std::string("cuBLAS call `" #call "` failed: ") + cublasGetStatusName(squeeze_status_) + " (" + \
+                             cublasGetStatusString(squeeze_status_) + ")");                                                  \
   } while (0)
 #endif
 
 #if __has_include(<nccl.h>) && __has_include(<cuda_runtime.h>)
 #include <nccl.h>
-#define SQUEEZE_NCCL_CHECK(call)                                                                     \
-  do {                                                                                              \
-    const ncclResult_t squeeze_status_ = (call);                                                    \
-    if (squeeze_status_ != ncclSuccess && squeeze_status_ != ncclInProgress)                        \
-      throw ::squeeze::Error(std::string("NCCL call `" #call "` failed: ") +                        \
-                             ncclGetErrorString(squeeze_status_));                                  \
+#define SQUEEZE_NCCL_CHECK(call)                                                                                   \
+  do {                                                                                                             \
+    const ncclResult_t squeeze_status_ = (call);                                                                   \
+    if (squeeze_status_ != ncclSuccess && squeeze_status_ != ncclInProgress)                                       \
+      throw ::squeeze::Error(std::string("NCCL call `" #call "` failed: ") + ncclGetErrorString(squeeze_status_)); \
   } while (0)
 #endif

@@ -22,14 +22,11 @@ struct TempRoot {
   fs::path path;
   explicit TempRoot(const std::string& name) {
     static std::atomic<int> counter{0};
-    path = fs::temp_directory_path() /
-           ("squeeze_ckpt_" + name + "_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
+    path = fs::temp_directory_path() / ("squeeze_ckpt_" + name + "_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
     squeeze::io::remove_tree(path);
     fs::create_directories(path);
   }
-  ~TempRoot() {
-    squeeze::io::try_remove_tree(path);
-  }
+  ~TempRoot() { squeeze::io::try_remove_tree(path); }
   fs::path operator/(const std::string& s) const { return path / s; }
 };
 
@@ -54,8 +51,7 @@ inline CheckpointMeta meta(int world, std::int64_t step) {
 inline void write_rank(CheckpointSave& save, std::int64_t step, int rank) {
   const auto w = weights(step, rank);
   const auto i = ids(step, rank);
-  save.write_rank(rank, {tensor_view("w", DType::F32, {std::int64_t(w.size())}, w),
-                         tensor_view("ids", DType::I64, {3}, i)});
+  save.write_rank(rank, {tensor_view("w", DType::F32, {std::int64_t(w.size())}, w), tensor_view("ids", DType::I64, {3}, i)});
 }
 
 inline fs::path save(const CheckpointStore& store, std::int64_t step, int world) {

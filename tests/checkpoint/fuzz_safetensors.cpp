@@ -32,8 +32,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   try {  // the whole-file reader
     const io::SafetensorsFile f = io::SafetensorsFile::parse(bytes, "fuzz");
     for (const auto& [name, info] : f.tensors()) (void)f.bytes(name);
-  } catch (const squeeze::Error&) {
-  }
+  } catch (const squeeze::Error&) {}
   // the streaming reader, from a file (its header checks are the whole-file reader's; its reads go through pread)
   static const std::string path = "/tmp/squeeze-fuzz-" + std::to_string(::getpid()) + ".safetensors";
   if (std::FILE* out = std::fopen(path.c_str(), "wb")) {
@@ -42,8 +41,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     try {
       const io::SafetensorsReader r = io::SafetensorsReader::open(path);
       for (const auto& [name, info] : r.tensors()) (void)r.read_bytes(name);
-    } catch (const squeeze::Error&) {
-    }
+    } catch (const squeeze::Error&) {}
   }
   return 0;
 }

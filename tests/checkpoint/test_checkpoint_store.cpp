@@ -86,8 +86,7 @@ TEST(CheckpointStore, RanksWriteFromThreads) {
   const CheckpointReader lazy = store.open_latest({.verify = Verify::checksums_on_use});
   std::vector<std::thread> readers;
   std::atomic<int> ok{0};
-  for (int r = 0; r < 4; ++r)
-    readers.emplace_back([&, r] { ok += lazy.read_rank_as<float>(r, "w", DType::F32) == weights(7, r); });
+  for (int r = 0; r < 4; ++r) readers.emplace_back([&, r] { ok += lazy.read_rank_as<float>(r, "w", DType::F32) == weights(7, r); });
   for (auto& t : readers) t.join();
   EXPECT_EQ(ok.load(), 4);
 }
@@ -111,8 +110,7 @@ TEST(CheckpointStore, RanksWriteFromProcesses) {
         try {
           mine.commit();
           code = 2;  // a participant must not be able to commit
-        } catch (const squeeze::Error&) {
-        }
+        } catch (const squeeze::Error&) {}
       } catch (...) {
         code = 1;
       }
@@ -184,21 +182,18 @@ TEST(CheckpointStore, StreamedSourcesInSmallChunks) {
 TEST(CheckpointStore, PipelinedDigestsAreTheFileOrderDigests) {
   TempRoot root("digest");
   const auto abc = root.path / "abc";
-  {
-    std::ofstream(abc, std::ios::binary) << "abc";
-  }
+  { std::ofstream(abc, std::ios::binary) << "abc"; }
   for (std::size_t chunk : {1, 2, 3, 4096})  // FIPS 180-2's "abc" vector, read one byte to the whole file at a time
     EXPECT_EQ(sha256_file(abc, chunk), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad") << chunk;
 
   std::vector<std::uint8_t> a(1237), b(515);
   for (std::size_t i = 0; i < a.size(); ++i) a[i] = std::uint8_t(i * 7 + 1);
   for (std::size_t i = 0; i < b.size(); ++i) b[i] = std::uint8_t(i * 13 + 5);
-  TensorView filled("b", DType::U8, {515}, [&](std::uint64_t off, std::span<std::byte> out) {
-    std::memcpy(out.data(), b.data() + off, out.size());
-  });
+  TensorView filled("b", DType::U8, {515},
+                    [&](std::uint64_t off, std::span<std::byte> out) { std::memcpy(out.data(), b.data() + off, out.size()); });
   const auto path = root.path / "two.safetensors";
-  const WrittenFile wf = write_safetensors_durably(path, std::vector<TensorView>{tensor_view("a", DType::U8, {1237}, a), filled}, {},
-                                                   {.chunk_bytes = 24});
+  const WrittenFile wf =
+      write_safetensors_durably(path, std::vector<TensorView>{tensor_view("a", DType::U8, {1237}, a), filled}, {}, {.chunk_bytes = 24});
   std::ifstream in(path, std::ios::binary);
   const std::string whole((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   EXPECT_EQ(wf.bytes, whole.size());
@@ -216,8 +211,9 @@ TEST(CheckpointStore, FailingSourceLeavesNothing) {
     std::memset(out.data(), 2, out.size());
   });
   const auto path = root.path / "f.safetensors";
-  EXPECT_THROW(write_safetensors_durably(path, std::vector<TensorView>{tensor_view("a", DType::U8, {300}, a), failing}, {}, {.chunk_bytes = 32}),
-               Error);
+  EXPECT_THROW(
+      write_safetensors_durably(path, std::vector<TensorView>{tensor_view("a", DType::U8, {300}, a), failing}, {}, {.chunk_bytes = 32}),
+      Error);
   EXPECT_FALSE(std::filesystem::exists(path));
   EXPECT_FALSE(std::filesystem::exists(path.string() + ".tmp"));
 }
@@ -466,7 +462,6 @@ TEST(SafetensorsReader, StrictAboutTheDataSection) {
   EXPECT_HAS(error_of([&] { SafetensorsReader::open(write_raw("count", R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}})", 4)); }),
              "holds 4 bytes but dtype F32");
 }
-
 
 // remove_tree, which the store prunes and cleans up with (in place of std::filesystem::remove_all; posix_file.hpp says why).
 TEST(RemoveTree, RemovesEverythingBelowAndFollowsNoLink) {

@@ -180,11 +180,17 @@ TEST(Reshard, SameWorldAndLayoutIsOneCopyPerShard) {
 
 TEST(Reshard, PlanErrors) {
   const auto from = group({{"a", {7}}, {"b", {5, 3}}}, 1, 1, "p");
-  EXPECT_HAS(error_of([&] { plan_reshard(from, 2, group({{"a", {7}}}, 1, 1, "p"), 3); }),
+  EXPECT_HAS(error_of([&] {
+               plan_reshard(from, 2, group({{"a", {7}}}, 1, 1, "p"), 3);
+             }),
              "checkpoint parameter 'b' (partition 'p0') has no place in the target layout");
-  EXPECT_HAS(error_of([&] { plan_reshard(from, 2, group({{"a", {7}}, {"b", {5, 3}}, {"z", {1}}}, 1, 1, "p"), 3); }),
+  EXPECT_HAS(error_of([&] {
+               plan_reshard(from, 2, group({{"a", {7}}, {"b", {5, 3}}, {"z", {1}}}, 1, 1, "p"), 3);
+             }),
              "target parameter 'z' (partition 'p0') is not in the checkpoint");
-  EXPECT_HAS(error_of([&] { plan_reshard(from, 2, group({{"a", {7}}, {"b", {3, 5}}}, 1, 1, "p"), 3); }),
+  EXPECT_HAS(error_of([&] {
+               plan_reshard(from, 2, group({{"a", {7}}, {"b", {3, 5}}}, 1, 1, "p"), 3);
+             }),
              "parameter 'b' is [5, 3] in the checkpoint and [3, 5] in the target layout");
   auto twice = from;
   twice.push_back(FlatLayout::pack("q", {{"a", {7}}}));
@@ -257,8 +263,10 @@ TEST(Reshard, ThroughCheckpointFiles) {
     }
     const ReshardPlan plan = plan_reshard(stored, n, to, 2);
     std::vector<std::uint32_t> wrong(3);
-    EXPECT_HAS(error_of([&] { read_resharded(r, plan, 0, 0, "raw", std::as_writable_bytes(std::span(wrong))); }), "the destination has 12 bytes");
-    EXPECT_HAS(error_of([&] { read_resharded(r, plan, 0, 0, "m", std::as_writable_bytes(std::span(wrong))); }), "tensor 'bucket0/m' is missing");
+    EXPECT_HAS(error_of([&] { read_resharded(r, plan, 0, 0, "raw", std::as_writable_bytes(std::span(wrong))); }),
+               "the destination has 12 bytes");
+    EXPECT_HAS(error_of([&] { read_resharded(r, plan, 0, 0, "m", std::as_writable_bytes(std::span(wrong))); }),
+               "tensor 'bucket0/m' is missing");
     EXPECT_HAS(error_of([&] { read_resharded(r, plan_reshard(stored, n + 1, to, 2), 0, 0, "raw", {}); }), "the plan is from world");
   }
 }

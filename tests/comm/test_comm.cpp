@@ -15,9 +15,18 @@ using namespace squeeze::comm;
 
 namespace {
 
-template <class T> T cast(double x) { return from_float<T>(float(x)); }
-template <> double cast<double>(double x) { return x; }
-template <class T> double val(T x) { return double(to_float(x)); }
+template <class T>
+T cast(double x) {
+  return from_float<T>(float(x));
+}
+template <>
+double cast<double>(double x) {
+  return x;
+}
+template <class T>
+double val(T x) {
+  return double(to_float(x));
+}
 
 // Rank r's random input: normal values, never zeros by construction of the test (seeded per rank).
 template <class T>
@@ -31,7 +40,8 @@ std::vector<T> random_input(std::size_t n, int rank, int salt = 0) {
 
 // Tolerance of one value after a float-accumulated reduction of `world` inputs rounded once to T:
 // the output rounding (2^-24 / 2^-11 / 2^-8 relative) plus float accumulation (world * 2^-24).
-template <class T> double rel_tol(int world) {
+template <class T>
+double rel_tol(int world) {
   const double out = std::is_same_v<T, float> ? 0x1p-24 : std::is_same_v<T, half> ? 0x1p-11 : 0x1p-8;
   return out + world * 0x1p-24;
 }
@@ -76,8 +86,7 @@ void test_all_collectives(Case c) {
   for (int r = 0; r < W; ++r) {
     const std::string where = "world " + std::to_string(W) + " rank " + std::to_string(r) + " count " + std::to_string(n);
     for (int q = 0; q < W; ++q)
-      for (std::size_t i = 0; i < n; ++i)
-        ASSERT_EQ(val(ag[r][q * n + i]), val(ins[q][i])) << "all_gather " << where;
+      for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(val(ag[r][q * n + i]), val(ins[q][i])) << "all_gather " << where;
     for (std::size_t i = 0; i < n; ++i) {
       double s = 0, sabs = 0, mx = -INFINITY, rss = 0, rsabs = 0;
       for (int q = 0; q < W; ++q) {
@@ -105,11 +114,8 @@ TEST_P(Collectives, Half) { test_all_collectives<half>(GetParam()); }
 TEST_P(Collectives, BFloat16) { test_all_collectives<bf16>(GetParam()); }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, Collectives,
-                         ::testing::Values(Case{1, 13}, Case{2, 1}, Case{2, 1001}, Case{3, 7}, Case{3, 1000},
-                                           Case{4, 333}, Case{4, 4096}),
-                         [](const auto& info) {
-                           return "w" + std::to_string(info.param.world) + "_n" + std::to_string(info.param.count);
-                         });
+                         ::testing::Values(Case{1, 13}, Case{2, 1}, Case{2, 1001}, Case{3, 7}, Case{3, 1000}, Case{4, 333}, Case{4, 4096}),
+                         [](const auto& info) { return "w" + std::to_string(info.param.world) + "_n" + std::to_string(info.param.count); });
 
 // The sum of floats is reduced in rank order 0..N-1 in float: bitwise equal to that sum.
 TEST(LocalComm, FloatSumIsRankOrdered) {
@@ -179,8 +185,10 @@ TEST(LocalComm, MismatchedCollectivesThrowOnEveryRank) {
   run_ranks(3, [&](std::shared_ptr<LocalComm> c) {
     std::vector<float> a(12, 1.f), b(12);
     try {
-      if (c->rank() == 1) c->all_reduce(a.data(), b.data(), 6, ReduceOp::sum);  // count differs
-      else c->all_reduce(a.data(), b.data(), 4, ReduceOp::sum);
+      if (c->rank() == 1)
+        c->all_reduce(a.data(), b.data(), 6, ReduceOp::sum);  // count differs
+      else
+        c->all_reduce(a.data(), b.data(), 4, ReduceOp::sum);
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("disagree"), std::string::npos) << e.what();
       ++threw;
@@ -241,13 +249,17 @@ struct EnvGuard {  // sets variables for one test, restores them after
   void set(const char* k, const char* v) {
     const char* old = std::getenv(k);
     saved.emplace_back(k, old ? std::optional<std::string>(old) : std::nullopt);
-    if (v) setenv(k, v, 1);
-    else unsetenv(k);
+    if (v)
+      setenv(k, v, 1);
+    else
+      unsetenv(k);
   }
   ~EnvGuard() {
     for (auto it = saved.rbegin(); it != saved.rend(); ++it) {
-      if (it->second) setenv(it->first.c_str(), it->second->c_str(), 1);
-      else unsetenv(it->first.c_str());
+      if (it->second)
+        setenv(it->first.c_str(), it->second->c_str(), 1);
+      else
+        unsetenv(it->first.c_str());
     }
   }
 };
@@ -377,9 +389,9 @@ TEST(TcpStore, HostileClientsDoNotStopTheServer) {
     EXPECT_EQ(::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL), ssize_t(bytes.size()));
     return fd;
   };
-  const int bad_op = raw_client(std::string("X\1\0\0\0k\0\0\0\0", 10));        // unknown op
-  const int huge = raw_client(std::string("S\xff\xff\xff\x7f", 5));              // 2 GiB key length
-  const int half = raw_client(std::string("S\5\0\0\0ab", 7));                    // half a request, then silence
+  const int bad_op = raw_client(std::string("X\1\0\0\0k\0\0\0\0", 10));  // unknown op
+  const int huge = raw_client(std::string("S\xff\xff\xff\x7f", 5));      // 2 GiB key length
+  const int half = raw_client(std::string("S\5\0\0\0ab", 7));            // half a request, then silence
   s.set("still", "alive");
   EXPECT_EQ(s.get("still"), "alive");
   TcpStore other("127.0.0.1", s.port(), false, std::chrono::seconds(5));
@@ -404,7 +416,10 @@ TEST(TcpStore, GetTimesOutWithAClearError) {
 
 TEST(TcpStore, ConnectTimesOutWhenNoServer) {
   std::uint16_t port;
-  { TcpStoreServer probe(0); port = probe.port(); }  // a port nobody listens on any more
+  {
+    TcpStoreServer probe(0);
+    port = probe.port();
+  }  // a port nobody listens on any more
   const auto t0 = std::chrono::steady_clock::now();
   EXPECT_THROW(TcpStore("127.0.0.1", port, false, std::chrono::milliseconds(300)), Error);
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(3));

@@ -15,7 +15,10 @@ namespace {
 
 int device_count() {
   int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) { (void)cudaGetLastError(); return 0; }
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
   return n;
 }
 #define REQUIRE_GPUS(k) \

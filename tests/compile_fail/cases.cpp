@@ -72,4 +72,3 @@ void f(squeeze::kernels::AdamWTensor<float, float, unsigned char> t) { squeeze::
 #else
 #error "define one CASE_*"
 #endif
-

@@ -57,8 +57,7 @@ inline void expect_close(const Params& a, const Params& b, double atol, double r
   ASSERT_EQ(a.size(), b.size()) << what;
   for (const auto& [n, t] : a) {
     ASSERT_TRUE(b.count(n)) << what << ": missing " << n;
-    EXPECT_TRUE(torch::allclose(t, b.at(n), rtol, atol))
-        << what << ": " << n << " max |diff| " << (t - b.at(n)).abs().max().item<float>();
+    EXPECT_TRUE(torch::allclose(t, b.at(n), rtol, atol)) << what << ": " << n << " max |diff| " << (t - b.at(n)).abs().max().item<float>();
   }
 }
 

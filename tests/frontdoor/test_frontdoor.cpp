@@ -185,8 +185,10 @@ TEST(FrontDoor, TokenWeightedAccumulationMatchesOneBigBatch) {
       } else {
         for (int i = comm->rank(); i < 3 * world; i += world) {  // world 1: micro-batches 0, 1, 2; world 3: one each
           const auto& s = micro[std::size_t(i % 3)];
-          if (weighted) trainer.step([&] { return lm_loss(model, s); }, tokens(s));
-          else trainer.step([&] { return lm_loss(model, s); });
+          if (weighted)
+            trainer.step([&] { return lm_loss(model, s); }, tokens(s));
+          else
+            trainer.step([&] { return lm_loss(model, s); });
           if (world > 1) break;
         }
       }
@@ -195,8 +197,12 @@ TEST(FrontDoor, TokenWeightedAccumulationMatchesOneBigBatch) {
     });
     return out;
   };
-  struct One { using type = sq::Strategy<Sharded<sq::Stage2>>; };
-  struct Three { using type = sq::Strategy<Sharded<sq::Stage2>, sq::Accumulate<3>>; };
+  struct One {
+    using type = sq::Strategy<Sharded<sq::Stage2>>;
+  };
+  struct Three {
+    using type = sq::Strategy<Sharded<sq::Stage2>, sq::Accumulate<3>>;
+  };
   const Params ref = train(One{}, true, false, 1);
   expect_close(train(Three{}, false, true, 1), ref, 1e-6, 1e-5, "token-weighted, 3 micro-batches");
   expect_close(train(One{}, false, true, 3), ref, 1e-6, 1e-5, "token-weighted, 3 ranks");
@@ -228,8 +234,7 @@ struct CountingAllocator final : c10::Allocator {
     std::memcpy(raw + 8, &self, sizeof self);
     void* data = raw + kHeader;
     const int64_t now = live += int64_t(n);
-    for (int64_t p = peak.load(); now > p && !peak.compare_exchange_weak(p, now);) {
-    }
+    for (int64_t p = peak.load(); now > p && !peak.compare_exchange_weak(p, now);) {}
     return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &release; }
@@ -246,7 +251,8 @@ struct CountingAllocator final : c10::Allocator {
 struct BlockImpl : torch::nn::Module {
   sq::nn::Linear a{nullptr}, b{nullptr};
   std::atomic<int>* forwards;
-  BlockImpl(int64_t d, std::atomic<int>* f) : a(register_module("a", sq::nn::Linear(d, 4 * d))), b(register_module("b", sq::nn::Linear(4 * d, d))), forwards(f) {}
+  BlockImpl(int64_t d, std::atomic<int>* f)
+      : a(register_module("a", sq::nn::Linear(d, 4 * d))), b(register_module("b", sq::nn::Linear(4 * d, d))), forwards(f) {}
   torch::Tensor forward(const torch::Tensor& x) {  // [N, d] -> [N, d]
     ++*forwards;
     return x + b(torch::gelu(a(x)));
@@ -262,8 +268,10 @@ struct StackImpl : torch::nn::Module {
     if (!calls) blocks = register_module("blocks", sq::nn::Blocks());
     for (int i = 0; i < n; ++i) {
       Block blk(d, f);
-      if (calls) list.push_back(register_module("block" + std::to_string(i), blk));
-      else blocks->push_back(blk);
+      if (calls)
+        list.push_back(register_module("block" + std::to_string(i), blk));
+      else
+        blocks->push_back(blk);
     }
   }
   torch::Tensor forward(torch::Tensor x) {
@@ -295,8 +303,12 @@ TEST(FrontDoor, CheckpointedOnAPlainModelSameGradientsLessActivationMemory) {
       }
       return to_params(trainer.full_parameters());
     };
-    struct Plain { using type = sq::Strategy<Sharded<sq::Stage1>>; };
-    struct Ckpt { using type = sq::Strategy<Sharded<sq::Stage1>, sq::Checkpointed>; };
+    struct Plain {
+      using type = sq::Strategy<Sharded<sq::Stage1>>;
+    };
+    struct Ckpt {
+      using type = sq::Strategy<Sharded<sq::Stage1>, sq::Checkpointed>;
+    };
     int64_t peak_plain = 0, peak_ckpt = 0;
     int fw_plain = 0, fw_ckpt = 0;
     const Params a = run(Plain{}, &peak_plain, &fw_plain), b = run(Ckpt{}, &peak_ckpt, &fw_ckpt);
@@ -321,7 +333,7 @@ TEST(FrontDoor, GradientBuffersAtBackwardSameWeightsOneGradientLess) {
   const auto x = torch::randn({2, 4, 6, 48});  // [ranks, steps, rows, d]: 6 rows a step, sizes that do not divide
   struct Run {
     Params weights;
-    int64_t step_peak = 0;       // the most bytes above the live ones before a step, over steps 2-4 (state allocated)
+    int64_t step_peak = 0;        // the most bytes above the live ones before a step, over steps 2-4 (state allocated)
     int64_t gradients_after = 0;  // memory().gradients.device between steps
     int64_t one_gradient = 0;
   };
@@ -356,16 +368,25 @@ TEST(FrontDoor, GradientBuffersAtBackwardSameWeightsOneGradientLess) {
     return out;
   };
   auto fixed = [](G g) { return [g](int) { return g; }; };
-  struct Fp32 { using type = sq::Strategy<sq::Checkpointed>; };
-  struct Bf16Stage1 { using type = sq::Strategy<Sharded<sq::Stage1>, Precision<bf16, float>, sq::Checkpointed>; };
-  struct Fp32Accum { using type = sq::Strategy<sq::Accumulate<2>, sq::Checkpointed>; };            // sums in .grad
-  struct Bf16Accum { using type = sq::Strategy<sq::Accumulate<3>, Precision<bf16, float>, sq::Checkpointed>; };  // fp32 accumulator
+  struct Fp32 {
+    using type = sq::Strategy<sq::Checkpointed>;
+  };
+  struct Bf16Stage1 {
+    using type = sq::Strategy<Sharded<sq::Stage1>, Precision<bf16, float>, sq::Checkpointed>;
+  };
+  struct Fp32Accum {
+    using type = sq::Strategy<sq::Accumulate<2>, sq::Checkpointed>;
+  };  // sums in .grad
+  struct Bf16Accum {
+    using type = sq::Strategy<sq::Accumulate<3>, Precision<bf16, float>, sq::Checkpointed>;
+  };  // fp32 accumulator
   auto same = [](const Params& a, const Params& b, const std::string& what) {
     ASSERT_EQ(a.size(), b.size()) << what;
     for (const auto& [n, t] : a) EXPECT_TRUE(torch::equal(t, b.at(n))) << what << ": " << n;
   };
 
-  const Run after = run(Fp32{}, 1, fixed(G::after_backward)), at = run(Fp32{}, 1, fixed(G::at_backward)), kept = run(Fp32{}, 1, fixed(G::kept));
+  const Run after = run(Fp32{}, 1, fixed(G::after_backward)), at = run(Fp32{}, 1, fixed(G::at_backward)),
+            kept = run(Fp32{}, 1, fixed(G::kept));
   same(at.weights, after.weights, "fp32, at_backward against after_backward");
   same(kept.weights, after.weights, "fp32, kept against after_backward");
   ASSERT_GT(after.one_gradient, 100000);
@@ -383,7 +404,9 @@ TEST(FrontDoor, GradientBuffersAtBackwardSameWeightsOneGradientLess) {
               (long long)after.step_peak, (long long)at.step_peak, (long long)kept.step_peak, (long long)after.one_gradient);
 
   // Changing between steps, from and to kept (whose attached views must not be collected into themselves).
-  const Run switching = run(Fp32{}, 1, [](int s) { return std::array{G::kept, G::after_backward, G::at_backward, G::kept}[std::size_t(s)]; });
+  const Run switching = run(Fp32{}, 1, [](int s) {
+    return std::array{G::kept, G::after_backward, G::at_backward, G::kept}[std::size_t(s)];
+  });
   same(switching.weights, after.weights, "fp32, kept -> after_backward -> at_backward -> kept");
 
   for (int world : {1, 2}) {
@@ -441,7 +464,7 @@ Params train_adapters(int world) {
 
 TEST(FrontDoor, QloraAtWorld2MatchesWorld1) {
   using Targets = std::integral_constant<unsigned, sq::LoraTargets::up | sq::LoraTargets::down>;
-    // float compute: the ranks then differ from one rank only by the order of fp32 sums (1e-5), where bf16 compute's
+  // float compute: the ranks then differ from one rank only by the order of fp32 sums (1e-5), where bf16 compute's
   // batch-size-dependent rounding can flip a near-zero gradient's sign under Adam (a difference of the order of lr).
   using QLoRA = sq::Strategy<sq::Quantized<4, sq::NF4, sq::DoubleQuant>, sq::LoRA<4, 8, Targets::value>>;
   using QLoRA1 = sq::Strategy<sq::Quantized<4, sq::NF4, sq::DoubleQuant>, sq::LoRA<4, 8, Targets::value>, Sharded<sq::Stage1>>;

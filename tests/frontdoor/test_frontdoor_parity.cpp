@@ -65,8 +65,10 @@ TYPED_TEST(Parity, UserModelAtWorlds1To4MatchesUnshardedTraining) {
     std::vector<float> losses;
     const Params got = train_user_model<S>(world, &losses);
     const std::string what = "world " + std::to_string(world);
-    if (is_float) expect_close(got, ref, 1e-5, 1e-4, what);
-    else expect_close_16bit(got, ref, 5e-2, 3 * 1e-2 * kWindows, what);
+    if (is_float)
+      expect_close(got, ref, 1e-5, 1e-4, what);
+    else
+      expect_close_16bit(got, ref, 5e-2, 3 * 1e-2 * kWindows, what);
     // rank 0's first micro-batch loss is its rows' loss: equal to the reference's only at world 1
     if (world == 1) EXPECT_NEAR(losses.front(), ref_losses.front(), 1e-6);
   }

@@ -38,8 +38,8 @@ struct TempDir {
 };
 
 struct TrainRun {
-  std::vector<float> losses;                  // rank 0's micro-batch losses
-  Params params;                              // full parameters at the end (rank 0)
+  std::vector<float> losses;                      // rank 0's micro-batch losses
+  Params params;                                  // full parameters at the end (rank 0)
   std::vector<std::vector<torch::Tensor>> state;  // rank 0's optimizer state at the end
 };
 
@@ -58,7 +58,8 @@ TrainRun train(int world, int first, int last, const fs::path* load, const fs::p
   for (int r = 0; r < world; ++r) torch::manual_seed(model_seed), models.emplace_back();
   sq::comm::run_ranks(world, [&](std::shared_ptr<sq::comm::LocalComm> comm) {
     UserLM& model = models[std::size_t(comm->rank())];
-    auto trainer = sq::make_trainer<S>(model, sq::AdamW{.lr = 1e-2f, .weight_decay = 0.1f}, comm, options ? *options : options_for(S::has_lora));
+    auto trainer =
+        sq::make_trainer<S>(model, sq::AdamW{.lr = 1e-2f, .weight_decay = 0.1f}, comm, options ? *options : options_for(S::has_lora));
     if (load) sq::load_checkpoint(trainer, *load);
     const int r = comm->rank(), per = kRows / world;
     for (int s = first * A; s < last * A; ++s) {
@@ -92,14 +93,15 @@ template <class S>
 struct Resume : ::testing::Test {};
 
 using Targets = std::integral_constant<unsigned, sq::LoraTargets::up | sq::LoraTargets::down>;
-using Strategies = ::testing::Types<
-    sq::Strategy<>, sq::Strategy<Precision<bf16, float>, Accumulate<2>>, sq::Strategy<Sharded<sq::Stage1>, Precision<bf16, float>>,
-    sq::Strategy<Sharded<sq::Stage2>, Precision<half, float>>, sq::Strategy<Sharded<sq::Stage3>, Precision<bf16, float>, Accumulate<2>>,
-    sq::Strategy<Sharded<sq::Stage3>, sq::Offload<sq::Host>, Precision<bf16, float>>,
-    sq::Strategy<Precision<bf16, float>, sq::QuantizedState<8>>,
-    sq::Strategy<Sharded<sq::Stage1>, sq::Offload<sq::Host>, Precision<bf16, float>, sq::QuantizedState<8>>,
-    sq::Strategy<sq::LoRA<4, 8, Targets::value>, Accumulate<2>>,
-    sq::Strategy<sq::Quantized<4, sq::NF4, sq::DoubleQuant>, sq::LoRA<4, 8, Targets::value>, Sharded<sq::Stage1>>>;
+using Strategies =
+    ::testing::Types<sq::Strategy<>, sq::Strategy<Precision<bf16, float>, Accumulate<2>>,
+                     sq::Strategy<Sharded<sq::Stage1>, Precision<bf16, float>>, sq::Strategy<Sharded<sq::Stage2>, Precision<half, float>>,
+                     sq::Strategy<Sharded<sq::Stage3>, Precision<bf16, float>, Accumulate<2>>,
+                     sq::Strategy<Sharded<sq::Stage3>, sq::Offload<sq::Host>, Precision<bf16, float>>,
+                     sq::Strategy<Precision<bf16, float>, sq::QuantizedState<8>>,
+                     sq::Strategy<Sharded<sq::Stage1>, sq::Offload<sq::Host>, Precision<bf16, float>, sq::QuantizedState<8>>,
+                     sq::Strategy<sq::LoRA<4, 8, Targets::value>, Accumulate<2>>,
+                     sq::Strategy<sq::Quantized<4, sq::NF4, sq::DoubleQuant>, sq::LoRA<4, 8, Targets::value>, Sharded<sq::Stage1>>>;
 TYPED_TEST_SUITE(Resume, Strategies);
 
 TYPED_TEST(Resume, ContinuesBitForBitAtWorld2) {
@@ -115,7 +117,8 @@ TYPED_TEST(Resume, ContinuesBitForBitAtWorld2) {
   ASSERT_EQ(rest.state.size(), whole.state.size());
   for (size_t p = 0; p < whole.state.size(); ++p)
     for (size_t j = 0; j < whole.state[p].size(); ++j)
-      if (whole.state[p][j].defined()) EXPECT_TRUE(torch::equal(rest.state[p][j], whole.state[p][j])) << "partition " << p << " buffer " << j;
+      if (whole.state[p][j].defined())
+        EXPECT_TRUE(torch::equal(rest.state[p][j], whole.state[p][j])) << "partition " << p << " buffer " << j;
   // the layout on disk: one file per rank, an index, `latest`
   EXPECT_TRUE(fs::exists(dir.path / "latest"));
   EXPECT_TRUE(fs::exists(dir.path / "step-000002" / "rank-00000-of-00002.safetensors"));
@@ -149,7 +152,8 @@ TEST(TrainerCheckpoint, LoadsAcrossStage3GatherUnits) {
   sq::TrainerOptions alone = options_for(false), whole = options_for(false);
   alone.gather_unit = [](const std::string&, const torch::nn::Module&) { return false; };
   whole.gather_unit = [](const std::string& name, const torch::nn::Module&) { return name.empty(); };
-  for (const auto& [from, to, what] : {std::tuple{&alone, &whole, "layers alone -> one unit"}, std::tuple{&whole, &alone, "one unit -> layers alone"}}) {
+  for (const auto& [from, to, what] :
+       {std::tuple{&alone, &whole, "layers alone -> one unit"}, std::tuple{&whole, &alone, "one unit -> layers alone"}}) {
     TempDir dir;
     const TrainRun saved = train<S3>(2, 0, 2, nullptr, &dir.path, 0, from);
     const TrainRun cont = train<S3>(2, 2, 3, &dir.path, nullptr, 0, from);
@@ -389,7 +393,8 @@ TEST(TrainerCheckpoint, ConsolidateIntoAHuggingFaceDirectory) {
     EXPECT_TRUE(torch::equal(q->to(torch::kBFloat16), t)) << name << ": the master rounds to the trained weight";
   }
   text = run_tool("consolidate " + dir.path.string() + " " + (out.path / "wrong").string() + " --hf-config " +
-                      (fs::path(SQUEEZE_HF_FIXTURES) / "llama2-tiny").string(), &rc);
+                      (fs::path(SQUEEZE_HF_FIXTURES) / "llama2-tiny").string(),
+                  &rc);
   EXPECT_NE(rc, 0);
   EXPECT_NE(text.find("is not of that model"), std::string::npos) << text;
   EXPECT_NE(text.find("layer 2 does not exist"), std::string::npos) << text;

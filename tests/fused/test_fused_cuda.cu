@@ -149,7 +149,8 @@ TEST(FusedCuda, LlamaFusedMatchesUnfused) {
       out[fused].push_back(logits.detach());
       for (const auto& p : model->parameters()) out[fused].push_back(p.grad());
     }
-    for (std::size_t i = 0; i < out[0].size(); ++i) EXPECT_LT(rel(out[1][i], out[0][i]), i == 0 ? tol : 4 * tol) << name(dt) << " tensor " << i;
+    for (std::size_t i = 0; i < out[0].size(); ++i)
+      EXPECT_LT(rel(out[1][i], out[0][i]), i == 0 ? tol : 4 * tol) << name(dt) << " tensor " << i;
   }
 }
 

@@ -31,7 +31,8 @@ struct DtypeTol {
   torch::ScalarType dt;
   double tol;
 };
-const std::vector<DtypeTol> kDtypes = {{torch::kFloat64, 1e-12}, {torch::kFloat32, 1e-5}, {torch::kFloat16, 1e-3}, {torch::kBFloat16, 8e-3}};
+const std::vector<DtypeTol> kDtypes = {
+    {torch::kFloat64, 1e-12}, {torch::kFloat32, 1e-5}, {torch::kFloat16, 1e-3}, {torch::kBFloat16, 8e-3}};
 std::string name(torch::ScalarType dt) { return c10::toString(dt); }
 
 torch::Tensor randn(std::vector<int64_t> shape, torch::ScalarType dt, double scale = 1.0) {
@@ -279,7 +280,8 @@ TEST(FusedLlama, FusedMatchesUnfusedLogitsAndGradients) {
   EXPECT_TRUE(squeeze::nn::LlamaConfig{}.fused_kernels) << "fused kernels are the default";
   // two layers, one model: errors of the two paths' roundings add up over the layers and the head. float64: the unfused
   // RMSNorm computes its statistics in float32 whatever the model's dtype (the fused one in float64), hence 1e-6.
-  for (const auto& [dt, tol] : std::vector<DtypeTol>{{torch::kFloat64, 1e-6}, {torch::kFloat32, 2e-6}, {torch::kBFloat16, 1.5e-2}, {torch::kFloat16, 2e-3}}) {
+  for (const auto& [dt, tol] :
+       std::vector<DtypeTol>{{torch::kFloat64, 1e-6}, {torch::kFloat32, 2e-6}, {torch::kBFloat16, 1.5e-2}, {torch::kFloat16, 2e-3}}) {
     const LlamaRun ref = run_llama(false, dt, 0), got = run_llama(true, dt, 0);
     EXPECT_LT(rel(got.logits, ref.logits), tol) << name(dt) << " logits";
     ASSERT_EQ(got.grads.size(), ref.grads.size());
@@ -292,7 +294,8 @@ TEST(FusedLlama, FusedMatchesUnfusedLogitsAndGradients) {
       if (e > worst) worst = e, worst_name = ref.grads[i].first;
     }
     EXPECT_LT(worst, 4 * tol) << name(dt) << " worst gradient: " << worst_name;
-    std::printf("%s: logits rel %.3g, worst gradient rel %.3g (%s)\n", name(dt).c_str(), rel(got.logits, ref.logits), worst, worst_name.c_str());
+    std::printf("%s: logits rel %.3g, worst gradient rel %.3g (%s)\n", name(dt).c_str(), rel(got.logits, ref.logits), worst,
+                worst_name.c_str());
   }
 }
 

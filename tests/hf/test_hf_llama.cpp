@@ -56,8 +56,8 @@ double rel_err(const torch::Tensor& got, const torch::Tensor& ref) {
 }
 
 struct Expected {
-  torch::Tensor ids;           // [2, 11] int64
-  torch::Tensor fp32, bf16;    // [2, 11, 288] float
+  torch::Tensor ids;         // [2, 11] int64
+  torch::Tensor fp32, bf16;  // [2, 11, 288] float
 };
 Expected expected(const std::string& model) {
   const auto f = io::SafetensorsFile::open(kFixtures / model / "expected.safetensors");
@@ -439,12 +439,21 @@ TEST(HfLoad, IntoATrainerRefusalsNameTheParameter) {
   const fs::path dir = kFixtures / "llama2-tiny";
   nn::Llama m = empty_model(dir, torch::kBFloat16);
   auto trainer = make_trainer<S>(m, AdamW{.lr = 1e-2f}, comm::LocalComm::single());
-  expect_torch_error([&] { trainer.load_parameter("block0.attn.qq.weight", torch::zeros({64, 64})); },
-                     {"'block0.attn.qq.weight'", "not a trainable parameter"});
-  expect_torch_error([&] { trainer.load_parameter("block0.attn.k.weight", torch::zeros({64, 65})); },
-                     {"'block0.attn.k.weight'", "[64, 65]"});
-  expect_torch_error([&] { trainer.load_parameter("block0.attn.k.weight", torch::zeros({64, 64}, torch::kLong)); },
-                     {"'block0.attn.k.weight'", "floating-point"});
+  expect_torch_error(
+      [&] {
+        trainer.load_parameter("block0.attn.qq.weight", torch::zeros({64, 64}));
+      },
+      {"'block0.attn.qq.weight'", "not a trainable parameter"});
+  expect_torch_error(
+      [&] {
+        trainer.load_parameter("block0.attn.k.weight", torch::zeros({64, 65}));
+      },
+      {"'block0.attn.k.weight'", "[64, 65]"});
+  expect_torch_error(
+      [&] {
+        trainer.load_parameter("block0.attn.k.weight", torch::zeros({64, 64}, torch::kLong));
+      },
+      {"'block0.attn.k.weight'", "floating-point"});
   expect_torch_error([&] { trainer.gather_parameter("block9.mlp.up.weight"); }, {"'block9.mlp.up.weight'", "not a trainable parameter"});
   // A checkpoint of another network: refused before anything is written.
   nn::load_hf_weights(trainer, *m, dir);
@@ -542,10 +551,12 @@ TEST(HfExport, TensorsComeOneAtATimeFromTheSource) {
   nn::Llama m = random_model(odd_config(true), 30);
   const auto params = m->named_parameters();
   std::vector<std::string> asked;
-  nn::save_hf_llama(m->config, [&](const std::string& name) {
-    asked.push_back(name);
-    return *params.find(name);
-  }, d.path / "ok", {.max_shard_bytes = 50000});
+  nn::save_hf_llama(m->config,
+                    [&](const std::string& name) {
+                      asked.push_back(name);
+                      return *params.find(name);
+                    },
+                    d.path / "ok", {.max_shard_bytes = 50000});
   std::vector<std::string> order;
   for (const auto& e : io::hf_checkpoint_tensors(nn::to_hf_config(m->config, io::DType::F32))) order.push_back(e.squeeze);
   EXPECT_EQ(asked, order);  // checkpoint order, each once, no head under tied embeddings
@@ -554,11 +565,15 @@ TEST(HfExport, TensorsComeOneAtATimeFromTheSource) {
 
   // A wrong shape from the source: an error naming the parameter, and no checkpoint written.
   const fs::path bad = d.path / "bad";
-  expect_torch_error([&] {
-    nn::save_hf_llama(m->config, [&](const std::string& name) {
-      return name == "block1.mlp.up.weight" ? torch::zeros({97, 41}) : *params.find(name);
-    }, bad, {.max_shard_bytes = 50000});
-  }, {"'block1.mlp.up.weight'", "model.layers.1.mlp.up_proj.weight", "[97, 41]", "[97, 40] expected"});
+  expect_torch_error(
+      [&] {
+        nn::save_hf_llama(m->config,
+                          [&](const std::string& name) {
+                            return name == "block1.mlp.up.weight" ? torch::zeros({97, 41}) : *params.find(name);
+                          },
+                          bad, {.max_shard_bytes = 50000});
+      },
+      {"'block1.mlp.up.weight'", "model.layers.1.mlp.up_proj.weight", "[97, 41]", "[97, 40] expected"});
   if (fs::exists(bad))
     for (const auto& entry : fs::directory_iterator(bad)) ADD_FAILURE() << "left behind: " << entry.path();
 }
@@ -660,7 +675,7 @@ TEST(Peft, ExportWritesPeftsNamesAndConfig) {
       const std::string key = "base_model.model.model.layers." + std::to_string(i) + ".self_attn." + mod;
       want.insert(key + ".lora_A.weight");
       want.insert(key + ".lora_B.weight");
-      EXPECT_EQ(f.info(key + ".lora_A.weight").shape, (std::vector<int64_t>{4, 40}));                      // [r, in]
+      EXPECT_EQ(f.info(key + ".lora_A.weight").shape, (std::vector<int64_t>{4, 40}));                         // [r, in]
       EXPECT_EQ(f.info(key + ".lora_B.weight").shape, (std::vector<int64_t>{mod == "q_proj" ? 60 : 12, 4}));  // [out, r]
       EXPECT_EQ(f.info(key + ".lora_A.weight").dtype, io::DType::F32);
     }
@@ -735,23 +750,68 @@ TEST(Peft, RefusalsNameTheKey) {
   nn::Llama dst = adapted_model(7);
   const torch::Tensor before = dst->blocks[0]->attn->q->backing()->named_parameters()["lora_A"].clone();
 
-  expect_torch_error([&] { nn::load_peft_adapters(*dst, variant("r", [](auto& j) { j["r"] = 8; }, same)); }, {"'r'", "8", "rank 4"});
-  expect_torch_error([&] { nn::load_peft_adapters(*dst, variant("targets", [](auto& j) { j["target_modules"] = nlohmann::json::array({"q_proj", "k_proj"}); }, same)); },
-                     {"'target_modules'", "[k_proj, q_proj]", "[q_proj, v_proj]"});
-  expect_torch_error([&] { nn::load_peft_adapters(*dst, variant("regex", [](auto& j) { j["target_modules"] = ".*proj"; }, same)); },
-                     {"'target_modules'", "regular expression"});
-  expect_torch_error([&] { nn::load_peft_adapters(*dst, variant("dora", [](auto& j) { j["use_dora"] = true; }, same)); }, {"'use_dora'"});
-  expect_torch_error([&] { nn::load_peft_adapters(*dst, variant("type", [](auto& j) { j["peft_type"] = "IA3"; }, same)); }, {"'peft_type'", "IA3"});
-  expect_torch_error([&] { nn::load_peft_adapters(*dst, variant("bias", [](auto& j) { j["bias"] = "all"; }, same)); }, {"'bias'"});
-  expect_torch_error([&] {
-    nn::load_peft_adapters(*dst, variant("missing", [](auto&) {}, [&](TensorMap& t) { t.erase(q0 + ".lora_B.weight"); }));
-  }, {"missing tensor '" + q0 + ".lora_B.weight'", "block0.attn.q"});
-  expect_torch_error([&] {
-    nn::load_peft_adapters(*dst, variant("shape", [](auto&) {}, [&](TensorMap& t) { std::get<1>(t.at(q0 + ".lora_A.weight")) = {40, 4}; }));
-  }, {"'" + q0 + ".lora_A.weight'", "[40, 4]", "[4, 40]"});
-  expect_torch_error([&] {
-    nn::load_peft_adapters(*dst, variant("extra", [](auto&) {}, [&](TensorMap& t) { t[q0 + ".lora_magnitude_vector"] = t.at(q0 + ".lora_A.weight"); }));
-  }, {"unexpected tensor '" + q0 + ".lora_magnitude_vector'"});
+  expect_torch_error(
+      [&] {
+        nn::load_peft_adapters(*dst, variant(
+                                         "r", [](auto& j) { j["r"] = 8; }, same));
+      },
+      {"'r'", "8", "rank 4"});
+  expect_torch_error(
+      [&] {
+        nn::load_peft_adapters(*dst, variant(
+                                         "targets",
+                                         [](auto& j) {
+                                           j["target_modules"] = nlohmann::json::array({"q_proj", "k_proj"});
+                                         },
+                                         same));
+      },
+      {"'target_modules'", "[k_proj, q_proj]", "[q_proj, v_proj]"});
+  expect_torch_error(
+      [&] {
+        nn::load_peft_adapters(*dst, variant(
+                                         "regex", [](auto& j) { j["target_modules"] = ".*proj"; }, same));
+      },
+      {"'target_modules'", "regular expression"});
+  expect_torch_error(
+      [&] {
+        nn::load_peft_adapters(*dst, variant(
+                                         "dora", [](auto& j) { j["use_dora"] = true; }, same));
+      },
+      {"'use_dora'"});
+  expect_torch_error(
+      [&] {
+        nn::load_peft_adapters(*dst, variant(
+                                         "type", [](auto& j) { j["peft_type"] = "IA3"; }, same));
+      },
+      {"'peft_type'", "IA3"});
+  expect_torch_error(
+      [&] {
+        nn::load_peft_adapters(*dst, variant(
+                                         "bias", [](auto& j) { j["bias"] = "all"; }, same));
+      },
+      {"'bias'"});
+  expect_torch_error(
+      [&] {
+        nn::load_peft_adapters(*dst, variant(
+                                         "missing", [](auto&) {}, [&](TensorMap& t) { t.erase(q0 + ".lora_B.weight"); }));
+      },
+      {"missing tensor '" + q0 + ".lora_B.weight'", "block0.attn.q"});
+  expect_torch_error(
+      [&] {
+        nn::load_peft_adapters(*dst, variant(
+                                         "shape", [](auto&) {},
+                                         [&](TensorMap& t) {
+                                           std::get<1>(t.at(q0 + ".lora_A.weight")) = {40, 4};
+                                         }));
+      },
+      {"'" + q0 + ".lora_A.weight'", "[40, 4]", "[4, 40]"});
+  expect_torch_error(
+      [&] {
+        nn::load_peft_adapters(
+            *dst, variant(
+                      "extra", [](auto&) {}, [&](TensorMap& t) { t[q0 + ".lora_magnitude_vector"] = t.at(q0 + ".lora_A.weight"); }));
+      },
+      {"unexpected tensor '" + q0 + ".lora_magnitude_vector'"});
   EXPECT_TRUE(torch::equal(before, dst->blocks[0]->attn->q->backing()->named_parameters()["lora_A"]));  // nothing imported
 
   nn::Llama plain = random_model(odd_config(false), 50);

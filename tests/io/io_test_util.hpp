@@ -20,9 +20,7 @@ struct TempDir {
     squeeze::io::remove_tree(path);
     std::filesystem::create_directories(path);
   }
-  ~TempDir() {
-    squeeze::io::try_remove_tree(path);
-  }
+  ~TempDir() { squeeze::io::try_remove_tree(path); }
 };
 
 // The message of the E `f` throws ("" if it throws nothing, a failure if it throws anything else). E: squeeze::Error

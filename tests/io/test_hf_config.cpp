@@ -274,8 +274,8 @@ TEST(HfConfig, ReadsWhatTransformers5Saves) {
   EXPECT_EQ(c.rope_scaling.original_max_position_embeddings, 16);
   EXPECT_DOUBLE_EQ(c.rope_theta, 500000.0);
   // that model's inv_freq buffer (bf16): our double values round to it
-  const double theirs[] = {0.57421875, 0.0242919921875, 0.00469970703125, 0.000911712646484375,
-                           0.00017642974853515625, 3.4332275390625e-05, 6.645917892456055e-06, 1.2889504432678223e-06};
+  const double theirs[] = {0.57421875,          0.0242919921875,       0.00469970703125,      0.000911712646484375, 0.00017642974853515625,
+                           3.4332275390625e-05, 6.645917892456055e-06, 1.2889504432678223e-06};
   const auto f = io::rope_inv_freq(c);
   ASSERT_EQ(f.size(), 8u);
   for (int i = 0; i < 8; ++i) EXPECT_NEAR(f[i], theirs[i], theirs[i] * (1.0 / 256)) << i;  // within bf16's rounding
@@ -339,14 +339,19 @@ TEST(HfConfig, RefusesWhatSqueezeDoesNotImplementByKeyName) {
       {"rope_scaling", {{"type", "dynamic"}, {"factor", 2.0}}, {"'rope_scaling.rope_type'", "dynamic"}},
       {"rope_scaling", {{"rope_type", "longrope"}}, {"longrope"}},
       {"rope_scaling",
-       {{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 1.0}, {"high_freq_factor", 4.0},
-        {"original_max_position_embeddings", 8192}, {"attention_factor", 0.5}},
+       {{"rope_type", "llama3"},
+        {"factor", 8.0},
+        {"low_freq_factor", 1.0},
+        {"high_freq_factor", 4.0},
+        {"original_max_position_embeddings", 8192},
+        {"attention_factor", 0.5}},
        {"'rope_scaling.attention_factor'"}},
       {"rope_scaling", {{"type", "linear"}, {"factor", 2.0}, {"low_freq_factor", 1.0}}, {"'rope_scaling.low_freq_factor'", "linear"}},
       {"rope_scaling", {{"factor", 2.0}}, {"rope_scaling", "rope_type"}},
       {"rope_scaling", {{"rope_type", "llama3"}, {"factor", 8.0}}, {"low_freq_factor"}},
       {"rope_scaling", {{"rope_type", "linear"}, {"type", "llama3"}, {"factor", 2.0}}, {"two types"}},
-      {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 10000.0}, {"partial_rotary_factor", 0.5}},
+      {"rope_parameters",
+       {{"rope_type", "default"}, {"rope_theta", 10000.0}, {"partial_rotary_factor", 0.5}},
        {"'rope_parameters.partial_rotary_factor'"}},
       {"qk_norm", true, {"unknown key", "'qk_norm'"}},
       {"hidden_size", "2048", {"'hidden_size'", "integer"}},

@@ -46,12 +46,27 @@ TEST(HfNames, TableCoversLlamaBothWays) {
   }
   // nn::Llama's parameter names (registered as embed, block{i}.{attn_norm, attn.{q,k,v,o}, mlp_norm,
   // mlp.{gate,up,down}}, norm, head in nn/llama.hpp)
-  const std::set<std::string> want = {
-      "embed.weight", "norm.weight", "head.weight",
-      "block0.attn_norm.weight", "block0.attn.q.weight", "block0.attn.k.weight", "block0.attn.v.weight", "block0.attn.o.weight",
-      "block0.mlp_norm.weight", "block0.mlp.gate.weight", "block0.mlp.up.weight", "block0.mlp.down.weight",
-      "block1.attn_norm.weight", "block1.attn.q.weight", "block1.attn.k.weight", "block1.attn.v.weight", "block1.attn.o.weight",
-      "block1.mlp_norm.weight", "block1.mlp.gate.weight", "block1.mlp.up.weight", "block1.mlp.down.weight"};
+  const std::set<std::string> want = {"embed.weight",
+                                      "norm.weight",
+                                      "head.weight",
+                                      "block0.attn_norm.weight",
+                                      "block0.attn.q.weight",
+                                      "block0.attn.k.weight",
+                                      "block0.attn.v.weight",
+                                      "block0.attn.o.weight",
+                                      "block0.mlp_norm.weight",
+                                      "block0.mlp.gate.weight",
+                                      "block0.mlp.up.weight",
+                                      "block0.mlp.down.weight",
+                                      "block1.attn_norm.weight",
+                                      "block1.attn.q.weight",
+                                      "block1.attn.k.weight",
+                                      "block1.attn.v.weight",
+                                      "block1.attn.o.weight",
+                                      "block1.mlp_norm.weight",
+                                      "block1.mlp.gate.weight",
+                                      "block1.mlp.up.weight",
+                                      "block1.mlp.down.weight"};
   EXPECT_EQ(sq, want);
 
   EXPECT_EQ(io::squeeze_name("model.layers.1.self_attn.k_proj.weight", c), "block1.attn.k.weight");
@@ -107,8 +122,10 @@ TEST(HfNames, TiedEmbeddings) {
 
 TEST(HfNames, NamesOutsideTheTableAreRefused) {
   const auto c = small(false);
-  expect_error([&] { io::squeeze_name("model.layers.2.mlp.up_proj.weight", c); }, {"'model.layers.2.mlp.up_proj.weight'", "layer 2", "2 layers"});
-  expect_error([&] { io::squeeze_name("model.layers.0.self_attn.q_proj.bias", c); }, {"'model.layers.0.self_attn.q_proj.bias'", "not part"});
+  expect_error([&] { io::squeeze_name("model.layers.2.mlp.up_proj.weight", c); },
+               {"'model.layers.2.mlp.up_proj.weight'", "layer 2", "2 layers"});
+  expect_error([&] { io::squeeze_name("model.layers.0.self_attn.q_proj.bias", c); },
+               {"'model.layers.0.self_attn.q_proj.bias'", "not part"});
   expect_error([&] { io::squeeze_name("model.layers.01.mlp.up_proj.weight", c); }, {"layers.01"});
   expect_error([&] { io::squeeze_name("model.layers..mlp.up_proj.weight", c); }, {"not part"});
   expect_error([&] { io::squeeze_name("layers.0.mlp.up_proj.weight", c); }, {"not part"});  // a LlamaModel (no "model." prefix)
@@ -131,9 +148,9 @@ TEST(HfNames, CheckpointCheckNamesEveryProblem) {
   ASSERT_EQ(r.wrong_shape.size(), 1u);
   EXPECT_EQ(r.wrong_shape[0], "model.layers.0.self_attn.k_proj.weight: [64, 32] in the checkpoint, [32, 32] expected");
   EXPECT_EQ(r.ignored, std::vector<std::string>{"model.layers.0.self_attn.rotary_emb.inv_freq"});
-  expect_error([&] { r.require_ok("/models/x"); },
-               {"/models/x", "missing tensors 'model.layers.1.mlp.up_proj.weight'", "unexpected tensors 'model.layers.0.self_attn.q_proj.bias'",
-                "wrong shapes 'model.layers.0.self_attn.k_proj.weight: [64, 32]"});
+  expect_error([&] { r.require_ok("/models/x"); }, {"/models/x", "missing tensors 'model.layers.1.mlp.up_proj.weight'",
+                                                    "unexpected tensors 'model.layers.0.self_attn.q_proj.bias'",
+                                                    "wrong shapes 'model.layers.0.self_attn.k_proj.weight: [64, 32]"});
   // a long list is cut, with the count of the rest
   const auto none = io::check_hf_tensors({}, c);
   EXPECT_EQ(none.missing.size(), 21u);

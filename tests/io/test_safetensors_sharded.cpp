@@ -59,9 +59,7 @@ nlohmann::json read_json(const fs::path& p) {
   std::ifstream in(p);
   return nlohmann::json::parse(in);
 }
-void write_text(const fs::path& p, const std::string& s) {
-  std::ofstream(p, std::ios::trunc) << s;
-}
+void write_text(const fs::path& p, const std::string& s) { std::ofstream(p, std::ios::trunc) << s; }
 // A raw safetensors file: declared header length, header text, data bytes.
 void write_raw(const fs::path& p, const std::string& header, std::size_t data_bytes, std::uint64_t declared = ~0ull) {
   const std::uint64_t n = declared == ~0ull ? header.size() : declared;
@@ -186,7 +184,7 @@ TEST(ShardedSafetensors, WriterChecksAndLeavesNothingBehindWhenAbandoned) {
 TEST(ShardedSafetensors, RewritingADirectoryReplacesTheOldCheckpoint) {
   io_test::TempDir dir("rewrite");
   const auto ts = sample_tensors();
-  write_all(dir.path, ts, 0);  // model.safetensors
+  write_all(dir.path, ts, 0);    // model.safetensors
   write_all(dir.path, ts, 300);  // sharded: the single file must go, or readers would load it first
   EXPECT_FALSE(fs::exists(dir.path / "model.safetensors"));
   EXPECT_TRUE(io::SafetensorsCheckpoint::open(dir.path).sharded());
@@ -199,7 +197,8 @@ TEST(ShardedSafetensors, StreamsOneTensorAtATime) {
   io_test::TempDir dir("stream");
   // a 48 MiB tensor next to small ones
   const std::int64_t rows = 3 * 1024, cols = 4096;
-  std::vector<io::TensorSpec> specs = {{"small", io::DType::F32, {4}}, {"big", io::DType::F32, {rows, cols}}, {"tail", io::DType::BF16, {3}}};
+  std::vector<io::TensorSpec> specs = {
+      {"small", io::DType::F32, {4}}, {"big", io::DType::F32, {rows, cols}}, {"tail", io::DType::BF16, {3}}};
   {
     io::ShardedSafetensorsWriter w(dir.path, specs, 1 << 20);
     const std::vector<float> small = {1, 2, 3, 4};
@@ -348,8 +347,9 @@ TEST(ShardedSafetensors, TensorInTwoShards) {
   io::save_safetensors(dir.path / "model-00001-of-00002.safetensors",
                        {{"a", io::tensor_ref<float>(io::DType::F32, {2}, a)}, {"b", io::tensor_ref<float>(io::DType::F32, {1}, b)}});
   io::save_safetensors(dir.path / "model-00002-of-00002.safetensors", {{"a", io::tensor_ref<float>(io::DType::F32, {2}, a)}});
-  write_text(dir.path / "model.safetensors.index.json",
-             R"({"metadata": {"total_size": 12}, "weight_map": {"a": "model-00002-of-00002.safetensors", "b": "model-00001-of-00002.safetensors"}})");
+  write_text(
+      dir.path / "model.safetensors.index.json",
+      R"({"metadata": {"total_size": 12}, "weight_map": {"a": "model-00002-of-00002.safetensors", "b": "model-00001-of-00002.safetensors"}})");
   expect_error([&] { io::SafetensorsCheckpoint::open(dir.path); },
                {"'a'", "two shards", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"});
 }
@@ -361,8 +361,10 @@ TEST(ShardedSafetensors, DuplicateKeysAreRefused) {
   const auto& p = dir.path;
   const auto file = p / "model.safetensors";
   // "a" twice with different bytes: which one loads would depend on the JSON library
-  write_raw(file, R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]},)"
-                  R"( "a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})", 8);
+  write_raw(file,
+            R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]},)"
+            R"( "a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})",
+            8);
   expect_error([&] { io::SafetensorsReader::open(file); }, {file.string(), "duplicate key 'a'"});
   expect_error([&] { io::SafetensorsFile::open(file); }, {file.string(), "duplicate key 'a'"});
   expect_error([&] { io::SafetensorsCheckpoint::open(p); }, {file.string(), "duplicate key 'a'"});
@@ -372,7 +374,9 @@ TEST(ShardedSafetensors, DuplicateKeysAreRefused) {
   write_raw(file, R"({"__metadata__": {"format": "pt", "format": "np"}, "w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})", 4);
   expect_error([&] { io::SafetensorsReader::open(file); }, {"duplicate key 'format' in '__metadata__'"});
   // the same key in two different objects is no duplicate
-  write_raw(file, R"({"v": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})", 8);
+  write_raw(file,
+            R"({"v": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})",
+            8);
   EXPECT_EQ(io::SafetensorsReader::open(file).tensors().size(), 2u);
   fs::remove(file);
 
@@ -406,11 +410,13 @@ TEST(ShardedSafetensors, BadShardFiles) {
   expect_error(open1, {file.string(), "tensor 'w'", "unknown dtype 'Q4'"});
   // truncated file: the last tensor's bytes run past the end
   const std::vector<float> a(10, 1.f), b(10, 2.f);
-  io::save_safetensors(file, {{"a", io::tensor_ref<float>(io::DType::F32, {10}, a)}, {"b", io::tensor_ref<float>(io::DType::F32, {10}, b)}});
+  io::save_safetensors(file,
+                       {{"a", io::tensor_ref<float>(io::DType::F32, {10}, a)}, {"b", io::tensor_ref<float>(io::DType::F32, {10}, b)}});
   fs::resize_file(file, fs::file_size(file) - 6);
   expect_error(open1, {file.string(), "tensor 'b'", "past the data section"});
   // truncated after opening: the read names the tensor
-  io::save_safetensors(file, {{"a", io::tensor_ref<float>(io::DType::F32, {10}, a)}, {"b", io::tensor_ref<float>(io::DType::F32, {10}, b)}});
+  io::save_safetensors(file,
+                       {{"a", io::tensor_ref<float>(io::DType::F32, {10}, a)}, {"b", io::tensor_ref<float>(io::DType::F32, {10}, b)}});
   const auto c = io::SafetensorsCheckpoint::open(p);
   fs::resize_file(file, fs::file_size(file) - 6);
   expect_error([&] { c.read_bytes("b"); }, {file.string(), "tensor 'b'", "file ended"});

@@ -191,7 +191,8 @@ TEST(TokenDataset, RanksSeeDisjointWindows) {
     std::set<std::uint64_t> all;
     std::uint64_t per_rank = 0;
     for (std::int64_t r = 0; r < world; ++r) {
-      io::TokenDataset d({dir.path / "a.bin", dir.path / "b.bin"}, {.batch = 5, .seq = 32, .shuffle = shuffle, .seed = 9, .rank = r, .world = world});
+      io::TokenDataset d({dir.path / "a.bin", dir.path / "b.bin"},
+                         {.batch = 5, .seq = 32, .shuffle = shuffle, .seed = 9, .rank = r, .world = world});
       if (r == 0) per_rank = d.batches_per_epoch();
       EXPECT_EQ(d.batches_per_epoch(), per_rank);  // ranks stay in lockstep
       for (auto w : epoch_windows(d, 0)) EXPECT_TRUE(all.insert(w).second) << "window " << w << " on two ranks";

@@ -69,7 +69,8 @@ std::vector<std::int32_t> read_split(const fs::path& dir, const std::string& spl
 TEST(TokenizeTool, LinesIntoShardsReadBackAsTheTokenizerEncodes) {
   io_test::TempDir dir("tokenize_lines");
   const io::SentencePieceTokenizer tok(kSpm / "tokenizer.model");
-  const ToolRun r = tokenize("--model " + q(kSpm) + " --out " + q(dir.path) + " --split line --val-tokens 300 --shard-tokens 1000 " + q(kGenesis));
+  const ToolRun r =
+      tokenize("--model " + q(kSpm) + " --out " + q(dir.path) + " --split line --val-tokens 300 --shard-tokens 1000 " + q(kGenesis));
   ASSERT_EQ(r.rc, 0) << r.output;
   EXPECT_NE(r.output.find("uint16 ids, vocabulary 512"), std::string::npos) << r.output;
 
@@ -93,7 +94,8 @@ TEST(TokenizeTool, LinesIntoShardsReadBackAsTheTokenizerEncodes) {
   EXPECT_EQ(read_split(dir.path, "val"), want_val);
   EXPECT_EQ(io::TokenShard::open(dir.path / "train_000000.bin").size(), 1000u);
   EXPECT_FALSE(fs::exists(dir.path / ".squeeze-tokenize.tmp"));
-  EXPECT_EQ(tok.decode(std::vector<int>(want_val.begin() + 1, want_val.begin() + int(docs[first_val].size()) - 1)), lines_of(kGenesis)[first_val]);
+  EXPECT_EQ(tok.decode(std::vector<int>(want_val.begin() + 1, want_val.begin() + int(docs[first_val].size()) - 1)),
+            lines_of(kGenesis)[first_val]);
 }
 
 TEST(TokenizeTool, FilesAsDocumentsValidationByFractionAndWideIds) {
@@ -104,8 +106,8 @@ TEST(TokenizeTool, FilesAsDocumentsValidationByFractionAndWideIds) {
   std::ofstream(dir.path / "a.txt") << a;
   std::ofstream(dir.path / "b.txt") << b;
   // b starts at byte |a| >= 0.4 of the input: validation. --vocab over 65536: uint32 ids. No EOS.
-  const ToolRun r = tokenize("--model " + q(kSpm / "tokenizer.model") + " --out " + q(dir.path / "shards") + " --val-fraction 0.4 --vocab 70000 --no-eos " +
-                         q(dir.path / "a.txt") + " " + q(dir.path / "b.txt"));
+  const ToolRun r = tokenize("--model " + q(kSpm / "tokenizer.model") + " --out " + q(dir.path / "shards") +
+                             " --val-fraction 0.4 --vocab 70000 --no-eos " + q(dir.path / "a.txt") + " " + q(dir.path / "b.txt"));
   ASSERT_EQ(r.rc, 0) << r.output;
   auto want = [&](const std::string& text) {
     std::vector<std::int32_t> ids{tok.bos_id()};
@@ -138,7 +140,8 @@ TEST(TokenizeTool, BadInputsAreNamedAndLeaveNoShards) {
   // A tokenizer.json-only model (LLaMA 3) is not supported, and says so.
   fs::remove(dir.path / "hf" / "tokenizer.model");
   std::ofstream(dir.path / "hf" / "tokenizer.json") << "{}";
-  expect_failure(tokenize("--model " + q(dir.path / "hf") + out + q(kGenesis)), {"tokenizer.json", "not supported", "SentencePiece", "tools/tokenize_hf.py"});
+  expect_failure(tokenize("--model " + q(dir.path / "hf") + out + q(kGenesis)),
+                 {"tokenizer.json", "not supported", "SentencePiece", "tools/tokenize_hf.py"});
   expect_failure(tokenize("--model " + q(dir.path / "nowhere") + out + q(kGenesis)), {"nowhere", "does not exist"});
   // One file as one document cannot be split into training and validation.
   expect_failure(tokenize("--model " + q(kSpm) + out + q(kGenesis)), {"validation would be empty", "--split"});

@@ -72,8 +72,14 @@ struct Device8 {
   Shifted<float> ma, va;
   std::int64_t n;
   explicit Device8(const Host8<P, G>& h, std::size_t off = 0)
-      : param(h.param, off), master(h.master, off), grad(h.grad, off), m(h.m, off), v(h.v, off), ma(h.m_absmax, off),
-        va(h.v_absmax, off), n(h.n) {}
+      : param(h.param, off),
+        master(h.master, off),
+        grad(h.grad, off),
+        m(h.m, off),
+        v(h.v, off),
+        ma(h.m_absmax, off),
+        va(h.v_absmax, off),
+        n(h.n) {}
   sk::AdamW8Tensor<P, G> tensor() {
     return {param.p(), std::is_same_v<P, float> ? nullptr : master.p(), grad.p(), m.p(), ma.p(), v.p(), va.p(), n};
   }
@@ -89,8 +95,8 @@ struct Device8 {
   }
 };
 
-const std::vector<std::int64_t> kSizes8 = {1, 255, 257, 1000, (std::int64_t(1) << 14) + 5, (std::int64_t(1) << 16) + 37 * 256 + 100,
-                                           (std::int64_t(1) << 20) + 3};
+const std::vector<std::int64_t> kSizes8 = {
+    1, 255, 257, 1000, (std::int64_t(1) << 14) + 5, (std::int64_t(1) << 16) + 37 * 256 + 100, (std::int64_t(1) << 20) + 3};
 
 // The suite runs once per shape; names are the policies' with '_' for '-' (a '-' would split a --gtest_filter).
 template <class Tuple>
@@ -162,7 +168,8 @@ TYPED_TEST(Adam8Cuda, TensorTableInOneLaunchOverManySteps) {
     sk::adamw8_cpu(std::span<const sk::AdamW8Tensor<P, G>>(ht), c);
   }
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  for (std::size_t k = 0; k < host.size(); ++k) test::expect_state_bitwise(dev[k]->download(host[k]), host[k], "tensor " + std::to_string(k));
+  for (std::size_t k = 0; k < host.size(); ++k)
+    test::expect_state_bitwise(dev[k]->download(host[k]), host[k], "tensor " + std::to_string(k));
 }
 
 // Buffers one element past an aligned address: every block takes the element path, still bitwise.
@@ -200,12 +207,18 @@ TYPED_TEST(Adam8Cuda, AwkwardGradientsInATableMatchCpuTwin) {
     for (std::int64_t i = 0; i < n; ++i) {
       float x = std::exp2(e(rng)) * (u(rng) < 0.5f ? -1.f : 1.f);
       const float r = u(rng);
-      if ((i / sk::kStateBlock) % 5 == 2) x = 0.f;
-      else if (r < 0.05f) x = 0.f;
-      else if (r < 0.06f) x = std::numeric_limits<float>::denorm_min() * 9.f;
-      else if (r < 0.07f) x = 1e30f;
-      else if (r < 0.071f) x = -std::numeric_limits<float>::infinity();
-      else if (r < 0.072f) x = std::numeric_limits<float>::quiet_NaN();
+      if ((i / sk::kStateBlock) % 5 == 2)
+        x = 0.f;
+      else if (r < 0.05f)
+        x = 0.f;
+      else if (r < 0.06f)
+        x = std::numeric_limits<float>::denorm_min() * 9.f;
+      else if (r < 0.07f)
+        x = 1e30f;
+      else if (r < 0.071f)
+        x = -std::numeric_limits<float>::infinity();
+      else if (r < 0.072f)
+        x = std::numeric_limits<float>::quiet_NaN();
       g[std::size_t(i)] = x;
     }
     return g;
@@ -243,8 +256,9 @@ TYPED_TEST(Adam8Cuda, SkippedStepLeavesEveryByteUnchanged) {
   sk::adamw8_cpu(h.tensor(), sk::adamw_coeffs(1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 1));
   Device8<half, half> d(h);
   Dev<float> dyn(std::vector<float>{1.f, 1.f});  // inv_scale, found_inf != 0
-  ASSERT_EQ(sk::adamw8_cuda<Policy>(d.tensor(), sk::adamw_coeffs(1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 2), {dyn.p, dyn.p + 1, nullptr, nullptr}),
-            cudaSuccess);
+  ASSERT_EQ(
+      sk::adamw8_cuda<Policy>(d.tensor(), sk::adamw_coeffs(1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 2), {dyn.p, dyn.p + 1, nullptr, nullptr}),
+      cudaSuccess);
   test::expect_state_bitwise(d.download(h), h, "skipped step on the GPU");
 }
 
@@ -252,10 +266,16 @@ TEST(Adam8CudaArgs, BadInputGivesClearErrors) {
   const auto c = sk::adamw_coeffs(1e-3f, 0.9f, 0.999f, 1e-8f, 0.f, 1);
   float* fake = reinterpret_cast<float*>(std::uintptr_t(256));
   auto* codes = reinterpret_cast<std::uint8_t*>(fake);
-  test::expect_error([&] { (void)sk::adamw8_cuda(sk::AdamW8Tensor<float, float>{fake, nullptr, fake, codes, nullptr, codes, fake, 10}, c); },
-                     "block scales");
-  test::expect_error([&] { (void)sk::adamw8_cuda(sk::TensorTable<sk::AdamW8Tensor<float, float>>{nullptr, nullptr, 3, 5}, c); },
-                     "tensor table has null entries");
+  test::expect_error(
+      [&] {
+        (void)sk::adamw8_cuda(sk::AdamW8Tensor<float, float>{fake, nullptr, fake, codes, nullptr, codes, fake, 10}, c);
+      },
+      "block scales");
+  test::expect_error(
+      [&] {
+        (void)sk::adamw8_cuda(sk::TensorTable<sk::AdamW8Tensor<float, float>>{nullptr, nullptr, 3, 5}, c);
+      },
+      "tensor table has null entries");
 }
 
 }  // namespace

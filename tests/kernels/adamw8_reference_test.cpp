@@ -67,12 +67,18 @@ std::vector<G> awkward_grad(std::int64_t n, std::mt19937& rng, bool special) {
     const std::int64_t block = i / sk::kStateBlock;
     float x = std::exp2(e(rng)) * (u(rng) < 0.5f ? -1.f : 1.f);
     const float r = u(rng);
-    if (block % 7 == 3) x = 0.f;                                   // a zero block
-    else if (r < 0.05f) x = 0.f;
-    else if (r < 0.07f) x = std::numeric_limits<float>::denorm_min() * 37.f;
-    else if (r < 0.08f) x = special ? 1e30f : 1e18f;
-    else if (special && r < 0.081f) x = std::numeric_limits<float>::infinity();
-    else if (special && r < 0.082f) x = std::numeric_limits<float>::quiet_NaN();
+    if (block % 7 == 3)
+      x = 0.f;  // a zero block
+    else if (r < 0.05f)
+      x = 0.f;
+    else if (r < 0.07f)
+      x = std::numeric_limits<float>::denorm_min() * 37.f;
+    else if (r < 0.08f)
+      x = special ? 1e30f : 1e18f;
+    else if (special && r < 0.081f)
+      x = std::numeric_limits<float>::infinity();
+    else if (special && r < 0.082f)
+      x = std::numeric_limits<float>::quiet_NaN();
     g[std::size_t(i)] = from_float<G>(x);
   }
   return g;
@@ -81,8 +87,8 @@ std::vector<G> awkward_grad(std::int64_t n, std::mt19937& rng, bool special) {
 template <class P, class G>
 void expect_matches_reference(std::int64_t n, std::uint32_t seed, bool special) {
   std::mt19937 rng(seed);
-  const std::string label = std::string(dtype_name<P>()) + "/" + std::string(dtype_name<G>()) + " n=" + std::to_string(n) +
-                            (special ? " with inf/NaN" : "");
+  const std::string label =
+      std::string(dtype_name<P>()) + "/" + std::string(dtype_name<G>()) + " n=" + std::to_string(n) + (special ? " with inf/NaN" : "");
   std::vector<float> w0 = test::random_vec<float>(n, rng, -1.f, 1.f);
   for (float& w : w0) w = to_float(from_float<P>(w));
   test::Adam8State<P, G> ref(n, w0);
@@ -110,8 +116,8 @@ void expect_matches_reference(std::int64_t n, std::uint32_t seed, bool special) 
 TEST(Adam8Reference, EveryTypePairMatchesTheReplacedImplementationBitwise) {
   std::uint32_t seed = 100;
   test::for_each_type_pair([&]<class P, class G>() {
-    for (std::int64_t n : {std::int64_t(1), std::int64_t(63), std::int64_t(255), std::int64_t(257), std::int64_t(1000),
-                           std::int64_t(70001)})
+    for (std::int64_t n :
+         {std::int64_t(1), std::int64_t(63), std::int64_t(255), std::int64_t(257), std::int64_t(1000), std::int64_t(70001)})
       expect_matches_reference<P, G>(n, ++seed, false);
   });
 }
@@ -144,7 +150,8 @@ TEST(Adam8Reference, EncodersMatchTheBinarySearchOnAStrideOfAllFloats) {
       for (std::size_t k = 0; k < len; ++k) {
         const std::uint8_t want = sk::nearest_code(map.mid, x[k]);
         ASSERT_EQ(generic[k], want) << "generic encoder, bits " << std::bit_cast<std::uint32_t>(x[k]);
-        ASSERT_EQ(sk::bucket_code_branch_free(map.bucket, x[k], is_signed), want) << "branch-free rule, bits " << std::bit_cast<std::uint32_t>(x[k]);
+        ASSERT_EQ(sk::bucket_code_branch_free(map.bucket, x[k], is_signed), want)
+            << "branch-free rule, bits " << std::bit_cast<std::uint32_t>(x[k]);
         if (avx512) ASSERT_EQ(fast[k], want) << "AVX-512 encoder, bits " << std::bit_cast<std::uint32_t>(x[k]);
       }
     }
@@ -161,13 +168,15 @@ TEST(Adam8Reference, DecodersMatchTheTable) {
       for (int len : {1, 63, 64, 65, 200, 256}) {
         std::vector<float> generic(std::size_t(len), -1.f), fast(std::size_t(len), -1.f);
         sk::cpu::decode_block(map, codes.data(), scale, len, generic.data());
-        for (int j = 0; j < len; ++j) ASSERT_EQ(std::bit_cast<std::uint32_t>(generic[std::size_t(j)]),
-                                                std::bit_cast<std::uint32_t>(map.value[codes[std::size_t(j)]] * scale));
+        for (int j = 0; j < len; ++j)
+          ASSERT_EQ(std::bit_cast<std::uint32_t>(generic[std::size_t(j)]),
+                    std::bit_cast<std::uint32_t>(map.value[codes[std::size_t(j)]] * scale));
         if (!sk::cpu::avx512::codec_available()) continue;
         std::vector<float> guard(std::size_t(len) + 64, -2.f);
         sk::cpu::avx512::decode_block(map, codes.data(), scale, len, guard.data());
-        for (int j = 0; j < len; ++j) ASSERT_EQ(std::bit_cast<std::uint32_t>(guard[std::size_t(j)]), std::bit_cast<std::uint32_t>(generic[std::size_t(j)]))
-            << "code " << int(codes[std::size_t(j)]) << " scale " << scale;
+        for (int j = 0; j < len; ++j)
+          ASSERT_EQ(std::bit_cast<std::uint32_t>(guard[std::size_t(j)]), std::bit_cast<std::uint32_t>(generic[std::size_t(j)]))
+              << "code " << int(codes[std::size_t(j)]) << " scale " << scale;
         for (std::size_t j = std::size_t(len); j < guard.size(); ++j) ASSERT_EQ(guard[j], -2.f) << "wrote past the block";
       }
     }
@@ -177,8 +186,9 @@ TEST(Adam8Reference, DecodersMatchTheTable) {
 // The vectorisable rounding of the block update is from_float<bf16> bit for bit.
 TEST(Adam8Reference, ParamRoundingIsFromFloat) {
   std::mt19937 rng(7);
-  std::vector<std::uint32_t> bits = {0u, 0x80000000u, 1u, 0x807fffffu, 0x7f7fffffu, 0xff7fffffu, 0x7f800000u, 0xff800000u, 0x7fc00000u,
-                                     0xffc00001u, 0x7f800001u, 0x3f808000u, 0x3f818000u, 0x3f80ffffu, 0x00008000u, 0x00018000u};
+  std::vector<std::uint32_t> bits = {0u,          0x80000000u, 1u,          0x807fffffu, 0x7f7fffffu, 0xff7fffffu,
+                                     0x7f800000u, 0xff800000u, 0x7fc00000u, 0xffc00001u, 0x7f800001u, 0x3f808000u,
+                                     0x3f818000u, 0x3f80ffffu, 0x00008000u, 0x00018000u};
   for (int k = 0; k < 2000000; ++k) bits.push_back(std::uint32_t(rng()));
   for (std::uint32_t u : bits) {
     const float f = std::bit_cast<float>(u);

@@ -25,19 +25,25 @@ struct Adam8State {
   std::vector<std::uint8_t> m, v;
   std::vector<float> m_absmax, v_absmax;  // one per state block
   Adam8State(std::int64_t n_, const std::vector<float>& w0)
-      : n(n_), param(std::size_t(n_)), grad(std::size_t(n_)), m(std::size_t(n_)), v(std::size_t(n_)),
-        m_absmax(std::size_t(kernels::state_blocks(n_))), v_absmax(std::size_t(kernels::state_blocks(n_))) {
+      : n(n_),
+        param(std::size_t(n_)),
+        grad(std::size_t(n_)),
+        m(std::size_t(n_)),
+        v(std::size_t(n_)),
+        m_absmax(std::size_t(kernels::state_blocks(n_))),
+        v_absmax(std::size_t(kernels::state_blocks(n_))) {
     for (std::int64_t i = 0; i < n; ++i) param[std::size_t(i)] = from_float<P>(w0[std::size_t(i)]);
     if constexpr (!std::is_same_v<P, float>) master = w0;
   }
   kernels::AdamW8Tensor<P, G> tensor() {
-    return {param.data(), master.empty() ? nullptr : master.data(), grad.data(), m.data(), m_absmax.data(),
-            v.data(), v_absmax.data(), n};
+    return {param.data(), master.empty() ? nullptr : master.data(), grad.data(), m.data(), m_absmax.data(), v.data(), v_absmax.data(), n};
   }
   // The fp32 weight AdamW updates: the master, or the float parameter.
   float weight(std::int64_t i) const {
-    if constexpr (std::is_same_v<P, float>) return param[std::size_t(i)];
-    else return master[std::size_t(i)];
+    if constexpr (std::is_same_v<P, float>)
+      return param[std::size_t(i)];
+    else
+      return master[std::size_t(i)];
   }
 };
 

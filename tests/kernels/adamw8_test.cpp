@@ -112,8 +112,26 @@ TEST(Adam8Maps, BucketRuleEqualsBinarySearch) {
   for (bool is_signed : {true, false}) {
     const sk::StateCodeMap& map = is_signed ? sk::signed_state_map() : sk::unsigned_state_map();
     const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
-    std::vector<float> xs = {0.f, -0.f, 1e-45f, -1e-45f, 1e-38f, 1.f, -1.f, 1.0000001f, -1.0000001f, 2.f, -2.f, 3.5f, 1e30f, -1e30f,
-                             inf, -inf, nan, -nan, std::bit_cast<float>(0x7f800001u), std::bit_cast<float>(0xffc00001u)};
+    std::vector<float> xs = {0.f,
+                             -0.f,
+                             1e-45f,
+                             -1e-45f,
+                             1e-38f,
+                             1.f,
+                             -1.f,
+                             1.0000001f,
+                             -1.0000001f,
+                             2.f,
+                             -2.f,
+                             3.5f,
+                             1e30f,
+                             -1e30f,
+                             inf,
+                             -inf,
+                             nan,
+                             -nan,
+                             std::bit_cast<float>(0x7f800001u),
+                             std::bit_cast<float>(0xffc00001u)};
     for (int c = 0; c < 256; ++c) {
       for (float base : {map.value[c], c < 255 ? map.mid[c] : 1.f}) {
         for (float x : {base, std::nextafter(base, -1e30f), std::nextafter(base, 1e30f)}) {
@@ -139,8 +157,10 @@ TEST(Adam8Maps, BucketRuleEqualsBinarySearch) {
       std::vector<std::uint8_t> codes(xs.size());
       for (std::size_t o = 0; o < xs.size(); o += 256) {
         const int len = int(std::min<std::size_t>(256, xs.size() - o));
-        if (avx512) sk::cpu::avx512::encode_block(map, xs.data() + o, 1.0f, len, codes.data() + o);
-        else sk::cpu::encode_block(map, xs.data() + o, 1.0f, len, codes.data() + o);
+        if (avx512)
+          sk::cpu::avx512::encode_block(map, xs.data() + o, 1.0f, len, codes.data() + o);
+        else
+          sk::cpu::encode_block(map, xs.data() + o, 1.0f, len, codes.data() + o);
       }
       for (std::size_t i = 0; i < xs.size(); ++i)
         ASSERT_EQ(codes[i], sk::nearest_code(map.mid, xs[i])) << (avx512 ? "AVX-512" : "generic") << " encoder, x = " << xs[i];
@@ -184,14 +204,17 @@ TEST(Adam8Quant, RoundTripErrorBounds) {
       if (c > 0) ASSERT_LE(err, std::abs(map.value[c - 1] - xi / a) + 1e-6) << i;
       if (c < 255) ASSERT_LE(err, std::abs(map.value[c + 1] - xi / a) + 1e-6) << i;
       const double r = std::abs(xi) / a, rel = std::abs(yi - xi) / std::abs(xi);
-      if (r >= 0.1) ASSERT_LE(rel, bound_top) << "x " << xi << " absmax " << a;
-      else if (r >= 0.01) ASSERT_LE(rel, bound_mid) << "x " << xi << " absmax " << a;
+      if (r >= 0.1)
+        ASSERT_LE(rel, bound_top) << "x " << xi << " absmax " << a;
+      else if (r >= 0.01)
+        ASSERT_LE(rel, bound_mid) << "x " << xi << " absmax " << a;
       if (r >= 0.01) sum_rel += rel, ++counted;
     }
     // Each block's absmax is its largest magnitude.
     for (std::int64_t b = 0; b < sk::state_blocks(n); ++b) {
       float m = 0;
-      for (std::int64_t i = b * sk::kStateBlock; i < std::min(n, (b + 1) * sk::kStateBlock); ++i) m = std::max(m, std::abs(x[std::size_t(i)]));
+      for (std::int64_t i = b * sk::kStateBlock; i < std::min(n, (b + 1) * sk::kStateBlock); ++i)
+        m = std::max(m, std::abs(x[std::size_t(i)]));
       ASSERT_EQ(absmax[std::size_t(b)], m);
     }
     ASSERT_GT(counted, n / 10);
@@ -258,7 +281,8 @@ TEST(Adam8Cpu, TracksFloat64AdamWOnANoisyQuadratic) {
     std::uniform_real_distribution<float> u(-2.f, 2.f);
     for (auto& x : w0) x = from_float<float>(to_float(from_float<P>(u(rng))));  // representable in P
     State8<P, P> s(n, w0);
-    AdamW64 ref{std::vector<double>(w0.begin(), w0.end()), std::vector<double>(static_cast<std::size_t>(n)), std::vector<double>(static_cast<std::size_t>(n))};
+    AdamW64 ref{std::vector<double>(w0.begin(), w0.end()), std::vector<double>(static_cast<std::size_t>(n)),
+                std::vector<double>(static_cast<std::size_t>(n))};
     std::normal_distribution<double> noise(0.0, 0.1);
     std::vector<double> g64(static_cast<std::size_t>(n));
     double loss8 = 0, loss64 = 0, loss0 = 0;
@@ -285,8 +309,8 @@ TEST(Adam8Cpu, TracksFloat64AdamWOnANoisyQuadratic) {
     const std::string what = std::string(dtype_name<P>()) + " n=" + std::to_string(n);
     std::sort(diffs.begin(), diffs.end());
     const double p99 = diffs[std::size_t(0.99 * double(n - 1))];
-    std::printf("%s: |w8 - w64| max %.5f, 99th percentile %.5f, mean %.6f; loss start %.4g, 8-bit %.6g, float64 %.6g\n",
-                what.c_str(), max_d, p99, sum_d / n, loss0, loss8, loss64);
+    std::printf("%s: |w8 - w64| max %.5f, 99th percentile %.5f, mean %.6f; loss start %.4g, 8-bit %.6g, float64 %.6g\n", what.c_str(),
+                max_d, p99, sum_d / n, loss0, loss8, loss64);
     EXPECT_LE(sum_d / n, 0.015) << what;
     EXPECT_LE(p99, 0.1) << what;
     EXPECT_LE(max_d, 0.3) << what;
@@ -409,14 +433,31 @@ TEST(Adam8Cpu, BadInputGivesClearErrors) {
   std::vector<float> w(10), g(10), absmax(1);
   std::vector<std::uint8_t> codes(10);
   const auto c = sk::adamw_coeffs(1e-3f, 0.9f, 0.999f, 1e-8f, 0.f, 1);
-  test::expect_error([&] { sk::adamw8_cpu(sk::AdamW8Tensor<float, float>{w.data(), nullptr, g.data(), codes.data(), nullptr, codes.data(), absmax.data(), 10}, c); },
-                     "block scales");
-  test::expect_error([&] { sk::adamw8_cpu(sk::AdamW8Tensor<float, float>{w.data(), nullptr, g.data(), nullptr, absmax.data(), codes.data(), absmax.data(), 10}, c); },
-                     "m, v codes");
-  test::expect_error([&] { sk::adamw8_cpu(sk::AdamW8Tensor<bf16, float>{reinterpret_cast<bf16*>(w.data()), nullptr, g.data(), codes.data(), absmax.data(), codes.data(), absmax.data(), 10}, c); },
-                     "master pointer is null");
-  test::expect_error([&] { sk::adamw8_cpu(sk::AdamW8Tensor<float, float>{w.data(), nullptr, g.data(), codes.data(), absmax.data(), codes.data(), absmax.data(), -1}, c); },
-                     "negative element count");
+  test::expect_error(
+      [&] {
+        sk::adamw8_cpu(sk::AdamW8Tensor<float, float>{w.data(), nullptr, g.data(), codes.data(), nullptr, codes.data(), absmax.data(), 10},
+                       c);
+      },
+      "block scales");
+  test::expect_error(
+      [&] {
+        sk::adamw8_cpu(sk::AdamW8Tensor<float, float>{w.data(), nullptr, g.data(), nullptr, absmax.data(), codes.data(), absmax.data(), 10},
+                       c);
+      },
+      "m, v codes");
+  test::expect_error(
+      [&] {
+        sk::adamw8_cpu(sk::AdamW8Tensor<bf16, float>{reinterpret_cast<bf16*>(w.data()), nullptr, g.data(), codes.data(), absmax.data(),
+                                                     codes.data(), absmax.data(), 10},
+                       c);
+      },
+      "master pointer is null");
+  test::expect_error(
+      [&] {
+        sk::adamw8_cpu(
+            sk::AdamW8Tensor<float, float>{w.data(), nullptr, g.data(), codes.data(), absmax.data(), codes.data(), absmax.data(), -1}, c);
+      },
+      "negative element count");
 }
 
 }  // namespace

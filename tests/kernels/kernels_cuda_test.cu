@@ -78,8 +78,13 @@ struct AdamWPair {
   DeviceVec<G> d_grad;
 
   AdamWPair(std::int64_t n_, std::mt19937& rng, std::size_t off = 0)
-      : n(n_), offset(off), d_param(std::size_t(n_), off), d_master(std::size_t(n_), off), d_m(std::size_t(n_), off),
-        d_v(std::size_t(n_), off), d_grad(std::size_t(n_), off) {
+      : n(n_),
+        offset(off),
+        d_param(std::size_t(n_), off),
+        d_master(std::size_t(n_), off),
+        d_m(std::size_t(n_), off),
+        d_v(std::size_t(n_), off),
+        d_grad(std::size_t(n_), off) {
     const auto w0 = test::random_vec<float>(n, rng, -1.f, 1.f);
     for (float w : w0) param.push_back(from_float<P>(w));
     if constexpr (!std::is_same_v<P, float>) master = w0;
@@ -92,30 +97,32 @@ struct AdamWPair {
     d_v.upload(v, off);
     d_grad.upload(grad, off);
   }
-  sk::AdamWTensor<P, G> host() {
-    return {param.data(), master.empty() ? nullptr : master.data(), grad.data(), m.data(), v.data(), n};
-  }
+  sk::AdamWTensor<P, G> host() { return {param.data(), master.empty() ? nullptr : master.data(), grad.data(), m.data(), v.data(), n}; }
   sk::AdamWTensor<P, G> device() {
-    return {d_param.ptr + offset, std::is_same_v<P, float> ? nullptr : d_master.ptr + offset, d_grad.ptr + offset, d_m.ptr + offset,
-            d_v.ptr + offset, n};
+    return {d_param.ptr + offset, std::is_same_v<P, float> ? nullptr : d_master.ptr + offset,
+            d_grad.ptr + offset,  d_m.ptr + offset,
+            d_v.ptr + offset,     n};
   }
   // Compares the device result with the host (CPU twin) result.
   void expect_match(const std::string& label) {
     const auto gp = d_param.download(std::size_t(n), offset);
     const auto gm = d_m.download(std::size_t(n), offset), gv = d_v.download(std::size_t(n), offset);
     std::vector<float> gw;
-    if constexpr (std::is_same_v<P, float>) gw = gp;
-    else gw = d_master.download(std::size_t(n), offset);
+    if constexpr (std::is_same_v<P, float>)
+      gw = gp;
+    else
+      gw = d_master.download(std::size_t(n), offset);
     const std::vector<float>& hw = [&]() -> const std::vector<float>& {
-      if constexpr (std::is_same_v<P, float>) return param;
-      else return master;
+      if constexpr (std::is_same_v<P, float>)
+        return param;
+      else
+        return master;
     }();
     int bad = 0;
     for (std::int64_t i = 0; i < n && bad < 5; ++i) {
       const float pg = to_float(gp[i]), ph = to_float(param[i]);
       const bool ok = std::abs(gw[i] - hw[i]) <= 1e-6 * std::max(1.f, std::abs(hw[i])) &&
-                      std::abs(gm[i] - m[i]) <= 1e-6 * std::abs(m[i]) + 2e-8 &&
-                      std::abs(gv[i] - v[i]) <= 1e-6 * std::abs(v[i]) + 1e-14 &&
+                      std::abs(gm[i] - m[i]) <= 1e-6 * std::abs(m[i]) + 2e-8 && std::abs(gv[i] - v[i]) <= 1e-6 * std::abs(v[i]) + 1e-14 &&
                       (std::is_same_v<P, float> || std::abs(pg - ph) <= test::unit_roundoff<P>() * 2 * std::abs(ph) + 1e-30);
       if (!ok) {
         ++bad;
@@ -327,8 +334,10 @@ TEST(GradNormCuda, MatchesCpuTwinFlatAndTable) {
       float norm = 0, clip = 0, found = 0;
       sk::grad_norm_cpu<G>(hl, type, 1.f, &inv, {&norm, &clip, &found});
       const auto got = out.download();
-      if (type == sk::NormType::L2) EXPECT_NEAR(got[0], norm, 1e-6 * norm) << dtype_name<G>();
-      else EXPECT_EQ(got[0], norm) << dtype_name<G>();
+      if (type == sk::NormType::L2)
+        EXPECT_NEAR(got[0], norm, 1e-6 * norm) << dtype_name<G>();
+      else
+        EXPECT_EQ(got[0], norm) << dtype_name<G>();
       EXPECT_NEAR(got[1], clip, 1e-6f);
       EXPECT_EQ(got[2], 0.f);
       // Flat: the largest buffer alone.
@@ -395,16 +404,28 @@ TEST(TrainingStepCuda, NormClipAdamWScalerPipelineMatchesCpu) {
 TEST(KernelsCudaArgs, BadInputGivesClearErrors) {
   float* fake = reinterpret_cast<float*>(std::uintptr_t(256));  // never dereferenced: validation fails first
   const auto c = sk::adamw_coeffs(1e-3f, 0.9f, 0.999f, 1e-8f, 0.f, 1);
-  test::expect_error([&] { (void)sk::adamw_cuda(sk::AdamWTensor<float, float>{fake, nullptr, nullptr, fake, fake, 10}, c); },
-                     "grad pointer is null");
-  test::expect_error([&] { (void)sk::adamw_cuda(sk::AdamWTensor<half, float>{reinterpret_cast<half*>(fake), nullptr, fake, fake, fake, 10}, c); },
-                     "half params need fp32 master weights");
-  test::expect_error([&] { (void)sk::adamw_cuda(sk::TensorTable<sk::AdamWTensor<float, float>>{nullptr, nullptr, 3, 5}, c); },
-                     "tensor table has null entries");
+  test::expect_error(
+      [&] {
+        (void)sk::adamw_cuda(sk::AdamWTensor<float, float>{fake, nullptr, nullptr, fake, fake, 10}, c);
+      },
+      "grad pointer is null");
+  test::expect_error(
+      [&] {
+        (void)sk::adamw_cuda(sk::AdamWTensor<half, float>{reinterpret_cast<half*>(fake), nullptr, fake, fake, fake, 10}, c);
+      },
+      "half params need fp32 master weights");
+  test::expect_error(
+      [&] {
+        (void)sk::adamw_cuda(sk::TensorTable<sk::AdamWTensor<float, float>>{nullptr, nullptr, 3, 5}, c);
+      },
+      "tensor table has null entries");
   test::expect_error([&] { (void)sk::accumulate_cuda(sk::AccumTensor<float>{fake, nullptr, 4}, 1.f, true); }, "gradient pointer is null");
   test::expect_error([&] { (void)sk::check_and_unscale_cuda(sk::Buffer<float>{fake, 4}, nullptr, fake); }, "found_inf / inv_scale");
-  test::expect_error([&] { (void)sk::grad_norm_cuda<float>(sk::Buffer<const float>{fake, 4}, sk::NormType::L2, 0.f, nullptr, {}, nullptr); },
-                     "workspace is null");
+  test::expect_error(
+      [&] {
+        (void)sk::grad_norm_cuda<float>(sk::Buffer<const float>{fake, 4}, sk::NormType::L2, 0.f, nullptr, {}, nullptr);
+      },
+      "workspace is null");
   test::expect_error([&] { (void)sk::adamw_commit_step_cuda(nullptr, nullptr); }, "step pointer is null");
 }
 

@@ -51,12 +51,12 @@ struct AdamWCase {
     rm.assign(m.begin(), m.end());
     rv.assign(v.begin(), v.end());
   }
-  sk::AdamWTensor<P, G> tensor() {
-    return {param.data(), master.empty() ? nullptr : master.data(), grad.data(), m.data(), v.data(), n};
-  }
+  sk::AdamWTensor<P, G> tensor() { return {param.data(), master.empty() ? nullptr : master.data(), grad.data(), m.data(), v.data(), n}; }
   const float* weights() const {
-    if constexpr (std::is_same_v<P, float>) return param.data();
-    else return master.data();
+    if constexpr (std::is_same_v<P, float>)
+      return param.data();
+    else
+      return master.data();
   }
   // One float64 AdamW step (PyTorch's formula) with grads multiplied by gmul.
   void reference_step(const Hyper& h, std::int64_t t, double gmul) {
@@ -79,11 +79,12 @@ void check_against_reference(AdamWCase<P, G>& c, const std::string& label) {
     const bool ok_m = std::abs(c.m[i] - c.rm[i]) <= 2e-6 * std::abs(c.rm[i]) + 2e-8;  // abs part: m cancels terms of size ~0.05
     const bool ok_v = std::abs(c.v[i] - c.rv[i]) <= 2e-6 * std::abs(c.rv[i]) + 1e-14;
     bool ok_p = true;
-    if constexpr (!std::is_same_v<P, float>) ok_p = test::bits_equal(std::vector<P>{c.param[i]}, std::vector<P>{from_float<P>(c.master[i])});
+    if constexpr (!std::is_same_v<P, float>)
+      ok_p = test::bits_equal(std::vector<P>{c.param[i]}, std::vector<P>{from_float<P>(c.master[i])});
     if (!(ok_w && ok_m && ok_v && ok_p)) {
       ++bad;
-      ADD_FAILURE() << label << " i=" << i << " w=" << w[i] << " ref " << c.rw[i] << " m=" << c.m[i] << " ref " << c.rm[i] << " v=" << c.v[i]
-                    << " ref " << c.rv[i] << " param ok=" << ok_p;
+      ADD_FAILURE() << label << " i=" << i << " w=" << w[i] << " ref " << c.rw[i] << " m=" << c.m[i] << " ref " << c.rm[i]
+                    << " v=" << c.v[i] << " ref " << c.rv[i] << " param ok=" << ok_p;
     }
   }
 }
@@ -215,18 +216,36 @@ TEST(AdamWCpu, BadInputGivesClearErrors) {
   std::vector<float> w(4, 1.f), g(4, 1.f), m(4, 0.f), v(4, 0.f), master(4, 1.f);
   std::vector<bf16> pb(4);
   const auto c = sk::adamw_coeffs(1e-3f, 0.9f, 0.999f, 1e-8f, 0.f, 1);
-  test::expect_error([&] { sk::adamw_cpu(sk::AdamWTensor<float, float>{w.data(), nullptr, nullptr, m.data(), v.data(), 4}, c); },
-                     "grad pointer is null");
-  test::expect_error([&] { sk::adamw_cpu(sk::AdamWTensor<float, float>{nullptr, nullptr, g.data(), m.data(), v.data(), 4}, c); },
-                     "param pointer is null");
-  test::expect_error([&] { sk::adamw_cpu(sk::AdamWTensor<float, float>{w.data(), nullptr, g.data(), nullptr, v.data(), 4}, c); },
-                     "exp_avg");
-  test::expect_error([&] { sk::adamw_cpu(sk::AdamWTensor<bf16, float>{pb.data(), nullptr, g.data(), m.data(), v.data(), 4}, c); },
-                     "bf16 params need fp32 master weights");
-  test::expect_error([&] { sk::adamw_cpu(sk::AdamWTensor<float, float>{w.data(), master.data(), g.data(), m.data(), v.data(), 4}, c); },
-                     "their own master");
-  test::expect_error([&] { sk::adamw_cpu(sk::AdamWTensor<float, float>{w.data(), nullptr, g.data(), m.data(), v.data(), -1}, c); },
-                     "negative element count");
+  test::expect_error(
+      [&] {
+        sk::adamw_cpu(sk::AdamWTensor<float, float>{w.data(), nullptr, nullptr, m.data(), v.data(), 4}, c);
+      },
+      "grad pointer is null");
+  test::expect_error(
+      [&] {
+        sk::adamw_cpu(sk::AdamWTensor<float, float>{nullptr, nullptr, g.data(), m.data(), v.data(), 4}, c);
+      },
+      "param pointer is null");
+  test::expect_error(
+      [&] {
+        sk::adamw_cpu(sk::AdamWTensor<float, float>{w.data(), nullptr, g.data(), nullptr, v.data(), 4}, c);
+      },
+      "exp_avg");
+  test::expect_error(
+      [&] {
+        sk::adamw_cpu(sk::AdamWTensor<bf16, float>{pb.data(), nullptr, g.data(), m.data(), v.data(), 4}, c);
+      },
+      "bf16 params need fp32 master weights");
+  test::expect_error(
+      [&] {
+        sk::adamw_cpu(sk::AdamWTensor<float, float>{w.data(), master.data(), g.data(), m.data(), v.data(), 4}, c);
+      },
+      "their own master");
+  test::expect_error(
+      [&] {
+        sk::adamw_cpu(sk::AdamWTensor<float, float>{w.data(), nullptr, g.data(), m.data(), v.data(), -1}, c);
+      },
+      "negative element count");
   test::expect_error([] { sk::adamw_coeffs(1e-3f, 1.0f, 0.999f, 1e-8f, 0.f, 1); }, "beta1");
   test::expect_error([] { sk::adamw_coeffs(1e-3f, 0.9f, -0.1f, 1e-8f, 0.f, 1); }, "beta2");
   test::expect_error([] { sk::adamw_coeffs(1e-3f, 0.9f, 0.999f, 0.f, 0.f, 1); }, "eps");
@@ -502,7 +521,8 @@ TEST(TileLayout, VectorPathPlusTailCoverEveryElementOnce) {
   for (int threads : {256, 128, 32}) {
     for (int quads : {1, 2, 4}) {
       const std::int64_t tile = sk::tile_elems(threads, quads);
-      for (std::int64_t len : {std::int64_t(1), std::int64_t(3), std::int64_t(4), tile - 1, tile, tile + 1, sk::kChunkElems - 1, sk::kChunkElems}) {
+      for (std::int64_t len :
+           {std::int64_t(1), std::int64_t(3), std::int64_t(4), tile - 1, tile, tile + 1, sk::kChunkElems - 1, sk::kChunkElems}) {
         const std::int64_t begin = 3 * sk::kChunkElems, end = begin + len;
         std::vector<int> hits(std::size_t(len), 0);
         const std::int64_t vend = sk::vector_end(begin, end, tile);
@@ -519,7 +539,8 @@ TEST(TileLayout, VectorPathPlusTailCoverEveryElementOnce) {
             }
         for (int t = 0; t < threads; ++t)
           for (std::int64_t i = vend + t; i < end; i += threads) ++hits[std::size_t(i - begin)];
-        for (std::int64_t i = 0; i < len; ++i) ASSERT_EQ(hits[std::size_t(i)], 1) << "threads " << threads << " quads " << quads << " len " << len << " i " << i;
+        for (std::int64_t i = 0; i < len; ++i)
+          ASSERT_EQ(hits[std::size_t(i)], 1) << "threads " << threads << " quads " << quads << " len " << len << " i " << i;
       }
     }
   }
@@ -543,7 +564,12 @@ TEST(TensorList, ChunkLookupSkipsEmptyTensors) {
     ++seen[std::size_t(i)];
   }
   for (std::size_t i = 0; i < entries.size(); ++i) EXPECT_EQ(seen[i], sk::chunks_of(entries[i].n));
-  test::expect_error([] { const std::vector<E> bad = {{-1}}; sk::chunk_prefix_of(std::span<const E>(bad)); }, "negative element count");
+  test::expect_error(
+      [] {
+        const std::vector<E> bad = {{-1}};
+        sk::chunk_prefix_of(std::span<const E>(bad));
+      },
+      "negative element count");
 }
 
 }  // namespace

@@ -30,9 +30,12 @@ std::vector<T> random_vec(std::int64_t n, std::mt19937& rng, float lo, float hi)
 // Relative rounding unit of a type: |round(x) - x| <= unit * |x| for normal x.
 template <class T>
 constexpr double unit_roundoff() {
-  if constexpr (std::is_same_v<T, float>) return 0x1p-24;
-  else if constexpr (std::is_same_v<T, half>) return 0x1p-11;
-  else return 0x1p-8;
+  if constexpr (std::is_same_v<T, float>)
+    return 0x1p-24;
+  else if constexpr (std::is_same_v<T, half>)
+    return 0x1p-11;
+  else
+    return 0x1p-8;
 }
 
 // Calls f.template operator()<P, G>() for every (P, G) in {float, half, bf16}^2.

@@ -37,9 +37,9 @@ TEST(AdamWVsTorch, CpuKernelMatchesTorchOptimAdamWOver100Steps) {
       auto g = torch::randn({n}) * 0.1;
       ref.mutable_grad() = g.clone();
       opt.step();
-      sk::adamw_cpu(sk::AdamWTensor<float, float>{ours.data_ptr<float>(), nullptr, g.data_ptr<float>(), m.data_ptr<float>(),
-                                                  v.data_ptr<float>(), n},
-                    sk::adamw_coeffs(kLr, kB1, kB2, kEps, kWd, t));
+      sk::adamw_cpu(
+          sk::AdamWTensor<float, float>{ours.data_ptr<float>(), nullptr, g.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(), n},
+          sk::adamw_coeffs(kLr, kB1, kB2, kEps, kWd, t));
     }
     EXPECT_LE(max_rel_diff(ours, ref.detach()), 100 * 0x1p-23) << "n=" << n;
     auto& state = static_cast<torch::optim::AdamWParamState&>(*opt.state().begin()->second);

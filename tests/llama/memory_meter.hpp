@@ -1,7 +1,7 @@
 #pragma once
 // Counts the bytes the CPU allocator hands out and gets back, so a test can see how much memory a graph
-// keeps alive (and the high-water mark since a meter was made). Installed once (at a high priority) in place of libtorch's default CPU allocator. Some CPU
-// kernels use raw_allocate, which needs context == data, so each block carries its size in a header.
+// keeps alive (and the high-water mark since a meter was made). Installed once (at a high priority) in place of libtorch's default CPU
+// allocator. Some CPU kernels use raw_allocate, which needs context == data, so each block carries its size in a header.
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
@@ -19,8 +19,7 @@ class CountingCpuAllocator final : public c10::Allocator {
     auto* base = static_cast<char*>(c10::alloc_cpu(n + kHeader));
     *reinterpret_cast<size_t*>(base) = n;
     const int64_t now = live_ += static_cast<int64_t>(n);
-    for (int64_t p = peak_.load(); now > p && !peak_.compare_exchange_weak(p, now);) {
-    }
+    for (int64_t p = peak_.load(); now > p && !peak_.compare_exchange_weak(p, now);) {}
     void* data = base + kHeader;
     return c10::DataPtr(data, data, &release, c10::Device(c10::kCPU));
   }

@@ -20,9 +20,7 @@ struct NoisyMlpImpl : torch::nn::Module {
     up = register_module("up", torch::nn::Linear(h, f));
     down = register_module("down", torch::nn::Linear(f, h));
   }
-  torch::Tensor forward(const torch::Tensor& x) {
-    return x + down(torch::dropout(torch::gelu(up(x)), /*p=*/0.25, /*train=*/true));
-  }
+  torch::Tensor forward(const torch::Tensor& x) { return x + down(torch::dropout(torch::gelu(up(x)), /*p=*/0.25, /*train=*/true)); }
 };
 TORCH_MODULE(NoisyMlp);
 
@@ -144,7 +142,10 @@ TEST(Checkpoint, WholeModelWithIntegerInputs) {
   torch::manual_seed(21);
   model({ids}).backward();
   std::vector<torch::Tensor> plain;
-  for (auto& p : params) { plain.push_back(p.grad().clone()); p.mutable_grad() = torch::Tensor(); }
+  for (auto& p : params) {
+    plain.push_back(p.grad().clone());
+    p.mutable_grad() = torch::Tensor();
+  }
 
   torch::manual_seed(21);
   torch::Tensor loss = checkpoint(model, {ids}, params);
@@ -183,8 +184,7 @@ TEST(Checkpoint, ReplaysAutocastState) {
   const auto plain = run(false);
   const auto ckpt = run(true);
   EXPECT_FALSE(at::autocast::is_autocast_enabled(at::kCPU)) << "backward left autocast switched on";
-  for (size_t i = 0; i < plain.size(); ++i)
-    EXPECT_LE((plain[i] - ckpt[i]).abs().max().item<double>(), 1e-6) << "tensor " << i;
+  for (size_t i = 0; i < plain.size(); ++i) EXPECT_LE((plain[i] - ckpt[i]).abs().max().item<double>(), 1e-6) << "tensor " << i;
 
   // And the float recompute really differs (so the comparison above can fail).
   for (auto& p : params) p.mutable_grad() = torch::Tensor();
@@ -222,8 +222,8 @@ TEST(Checkpoint, KeepsFewerActivations) {
   EXPECT_LE(every3, (1 + 1) * act + 2 * rng);
   EXPECT_LE(whole, 1 * act + rng);
   EXPECT_LT(every1 * 8, plain);
-  std::cout << "bytes held after forward: plain " << plain << ", every 1: " << every1 << ", every 3: " << every3
-            << ", whole: " << whole << "\n";
+  std::cout << "bytes held after forward: plain " << plain << ", every 1: " << every1 << ", every 3: " << every3 << ", whole: " << whole
+            << "\n";
 }
 
 TEST(Checkpoint, NoGraphOutsideGradMode) {

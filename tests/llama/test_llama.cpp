@@ -125,7 +125,7 @@ TEST(LlamaModel, AttentionMatchesExplicitCausalSoftmax) {
   q = squeeze::nn::apply_rope(q, cos, sin);
   k = squeeze::nn::apply_rope(k, cos, sin);
   const torch::Tensor group = torch::arange(H, torch::kLong).div(H / Hkv, "floor");
-  k = k.index_select(1, group), v = v.index_select(1, group);  // [B, H, T, D]
+  k = k.index_select(1, group), v = v.index_select(1, group);                           // [B, H, T, D]
   torch::Tensor scores = torch::matmul(q, k.transpose(-1, -2)) / std::sqrt(double(D));  // [B, H, T, T]
   const torch::Tensor future = torch::ones({T, T}, torch::kBool).triu(1);
   scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
@@ -226,8 +226,8 @@ TEST(LlamaLoss, ChunkedLossAndGradientsMatchUnchunked) {
         worst_pair = std::max(worst_pair, rel_diff(grads[i], whole_grads[i]));
       }
     }
-    std::cout << c10::toString(c.dtype) << ": largest gradient difference, chunked vs float64 reference " << worst_ref
-              << ", vs unchunked " << worst_pair << "\n";
+    std::cout << c10::toString(c.dtype) << ": largest gradient difference, chunked vs float64 reference " << worst_ref << ", vs unchunked "
+              << worst_pair << "\n";
   }
 }
 
@@ -387,8 +387,7 @@ TEST(LlamaPlanner, ChunkedLossPeakIsThePlanners) {
 // A repetitive byte stream: a small model learns it within a few dozen steps.
 torch::Tensor training_bytes() {
   std::string text;
-  const char* lines[] = {"And God said, Let there be light: and there was light.\n",
-                         "And God saw the light, that it was good.\n",
+  const char* lines[] = {"And God said, Let there be light: and there was light.\n", "And God saw the light, that it was good.\n",
                          "And the evening and the morning were the first day.\n"};
   for (int i = 0; i < 40; ++i) text += lines[i % 3];
   return torch::from_blob(text.data(), {int64_t(text.size())}, torch::kUInt8).to(torch::kLong);
@@ -494,8 +493,7 @@ TEST(LlamaTrain, Fp16OverflowSkipsTheStepAndHalvesTheScale) {
   EXPECT_TRUE(torch::equal(before, trainer.model()->parameters()[1])) << "a skipped step changed the weights";
   // The scale comes down until steps apply.
   int tries = 0;
-  while (!trainer.step(x, y).applied && ++tries < 40) {
-  }
+  while (!trainer.step(x, y).applied && ++tries < 40) {}
   EXPECT_LT(tries, 40);
   EXPECT_EQ(trainer.step_count(), 1);
 }
@@ -653,7 +651,8 @@ TEST(LlamaZero, ChunkedLossComposesWithStage3) {
 // moved, and 11,474 with masters from the bf16 values) and their losses agree to 1e-3 relative.
 TEST(LlamaZero, Bf16MastersStartFromTheFloatInitialisation) {
   using Local = squeeze::Strategy<squeeze::Precision<squeeze::bf16, float>>;
-  using Z3 = squeeze::Strategy<squeeze::Sharded<squeeze::Stage3>, squeeze::Offload<squeeze::Host>, squeeze::Precision<squeeze::bf16, float>>;
+  using Z3 =
+      squeeze::Strategy<squeeze::Sharded<squeeze::Stage3>, squeeze::Offload<squeeze::Host>, squeeze::Precision<squeeze::bf16, float>>;
   const torch::Tensor data = training_bytes();
   TrainOptions o = fast_options();
   o.lr = 1e-5, o.clip = 0;
@@ -688,9 +687,7 @@ struct TempDir {
     path = std::filesystem::temp_directory_path() / ("squeeze-llama-test-" + std::to_string(::getpid()));
     std::filesystem::create_directories(path);
   }
-  ~TempDir() {
-    squeeze::io::try_remove_tree(path);
-  }
+  ~TempDir() { squeeze::io::try_remove_tree(path); }
   std::string file(const std::string& name) const { return (path / name).string(); }
 };
 
@@ -743,8 +740,9 @@ TEST(LlamaCheckpoint, RoundTripContinuesExactlyQLoRA) {
 
 // The same with the adapters' Adam moments as 8-bit codes (nn::AdamW8): its codes, scales and steps come back.
 TEST(LlamaCheckpoint, RoundTripContinuesExactlyQLoRAAdam8) {
-  round_trip<squeeze::Strategy<squeeze::Quantized<4, squeeze::NF4, squeeze::DoubleQuant>, squeeze::LoRA<8, 16>, squeeze::Precision<squeeze::bf16, float>,
-                               squeeze::Checkpointed, squeeze::QuantizedState<8>>>(/*other_seed=*/9);
+  round_trip<squeeze::Strategy<squeeze::Quantized<4, squeeze::NF4, squeeze::DoubleQuant>, squeeze::LoRA<8, 16>,
+                               squeeze::Precision<squeeze::bf16, float>, squeeze::Checkpointed, squeeze::QuantizedState<8>>>(
+      /*other_seed=*/9);
 }
 
 TEST(LlamaCheckpoint, QLoRARefusesAnotherBase) {
@@ -765,7 +763,8 @@ TEST(LlamaCheckpoint, QLoRARefusesAnotherBase) {
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("the frozen tensors"), std::string::npos) << e.what();
   }
-  for (size_t i = 0; i < kept.size(); ++i) EXPECT_TRUE(torch::equal(kept[i], b.model()->parameters()[i])) << "a failed load changed the model";
+  for (size_t i = 0; i < kept.size(); ++i)
+    EXPECT_TRUE(torch::equal(kept[i], b.model()->parameters()[i])) << "a failed load changed the model";
   EXPECT_EQ(b.step_count(), 0);
 }
 
@@ -795,7 +794,8 @@ TEST(LlamaCheckpoint, RoundTripContinuesExactlyZero3OffloadAdam8) {
     FAIL() << "no error";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("\"moments\":\"fp32\""), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("keeps {\"compute\":\"bf16\",\"masters\":true,\"moments\":\"8-bit\""), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("keeps {\"compute\":\"bf16\",\"masters\":true,\"moments\":\"8-bit\""), std::string::npos)
+        << e.what();
   }
   EXPECT_EQ(adam8.step_count(), 0);
 }
@@ -881,9 +881,11 @@ TEST(LlamaCheckpoint, AFailedSaveKeepsTheOldCheckpoint) {
   const auto [x, y] = batch(training_bytes(), 8, 16, 0);
   t.step(x, y);
   // The save of step 1 dies after its index was written, before it was renamed into place.
-  EXPECT_THROW(squeeze::save_checkpoint(t.trainer(), root, {}, {.fault_hook = [](std::string_view point) {
-                 if (point == "index.json:renamed") throw std::runtime_error("killed");
-               }}),
+  EXPECT_THROW(squeeze::save_checkpoint(t.trainer(), root, {},
+                                        {.fault_hook =
+                                             [](std::string_view point) {
+                                               if (point == "index.json:renamed") throw std::runtime_error("killed");
+                                             }}),
                std::runtime_error);
   LlamaRun<squeeze::Strategy<>> u(small_config(), fast_options(), torch::kCPU);
   EXPECT_NO_THROW(u.load(root));

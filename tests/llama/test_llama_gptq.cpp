@@ -29,12 +29,11 @@ constexpr int64_t kSeq = 64;
 
 struct TempDir {
   std::filesystem::path path;
-  TempDir() : path(std::filesystem::temp_directory_path() / ("llama_gptq_test_" + std::to_string(getpid()) + "_" + std::to_string(counter()++))) {
+  TempDir()
+      : path(std::filesystem::temp_directory_path() / ("llama_gptq_test_" + std::to_string(getpid()) + "_" + std::to_string(counter()++))) {
     std::filesystem::create_directories(path);
   }
-  ~TempDir() {
-    squeeze::io::try_remove_tree(path);
-  }
+  ~TempDir() { squeeze::io::try_remove_tree(path); }
   static int& counter() {
     static int n = 0;
     return n;
@@ -345,7 +344,8 @@ TEST(LlamaGptq, Bf16CalibrationKeepsTheSolverOnTheFloatWeights) {
     for (const auto& path : lg::block_linears()) {
       const auto& p = q_bf16.layers.at(lg::layer_name(b, path));
       const auto d = squeeze::quant::dequantize(p);
-      EXPECT_TRUE(torch::equal(lg::dense_weight(m_bf16, b, path), torch::from_blob(const_cast<float*>(d.data()), {p.out, p.in}, torch::kFloat32)))
+      EXPECT_TRUE(
+          torch::equal(lg::dense_weight(m_bf16, b, path), torch::from_blob(const_cast<float*>(d.data()), {p.out, p.in}, torch::kFloat32)))
           << lg::layer_name(b, path);
     }
   for (const auto* q : {&q_float, &q_bf16}) {

@@ -45,9 +45,7 @@ struct TempDir {
   TempDir() : path(fs::temp_directory_path() / ("llama_gptq_hf_test_" + std::to_string(getpid()) + "_" + std::to_string(counter()++))) {
     fs::create_directories(path);
   }
-  ~TempDir() {
-    squeeze::io::try_remove_tree(path);
-  }
+  ~TempDir() { squeeze::io::try_remove_tree(path); }
   static int& counter() {
     static int n = 0;
     return n;
@@ -83,11 +81,11 @@ void write_shards(const fs::path& dir, int64_t vocab, std::optional<int32_t> bad
 
 // One case: a fixture quantized by GPTQ on the shards' calibration windows, then packed into the model.
 struct Quantized {
-  Llama model{nullptr};   // QuantizedLinear block projections, dense tensors rounded to fp16 (what the export holds)
+  Llama model{nullptr};  // QuantizedLinear block projections, dense tensors rounded to fp16 (what the export holds)
   lg::QuantSpec spec;
   lg::QuantizeResult q;
-  io::LlamaConfig source;  // the fixture's config.json
-  torch::Tensor x;         // [8, kSeq] validation inputs
+  io::LlamaConfig source;      // the fixture's config.json
+  torch::Tensor x;             // [8, kSeq] validation inputs
   torch::Tensor dense_logits;  // the unquantized model's on x
 };
 
@@ -126,7 +124,8 @@ int64_t quantized_linears(Llama& m) {
 // Entries of `dir` whose names say they were left half-done (the export's temporary and displaced directories).
 int64_t leftovers(const fs::path& dir) {
   int64_t n = 0;
-  for (const auto& e : fs::directory_iterator(dir)) n += has(e.path().filename().string(), ".tmp-") || has(e.path().filename().string(), ".old-");
+  for (const auto& e : fs::directory_iterator(dir))
+    n += has(e.path().filename().string(), ".tmp-") || has(e.path().filename().string(), ".old-");
   return n;
 }
 
@@ -303,8 +302,10 @@ TEST(LlamaGptqHf, BadRequestsGiveClearErrorsAndLeaveNothingHalfWritten) {
 
   // a shard id outside the model's vocabulary: the error names the file, the id and the vocabulary
   write_shards(dir.path / "bad", 288, 288);
-  const std::string v = error_of([&] { (void)squeeze::llama::open_shards(dir.path / "bad", 288, "--hf llama2-tiny", 1, 1, kSeq, 7, 0, 1); });
-  EXPECT_TRUE(has(v, (dir.path / "bad" / "val_000000.bin").string()) && has(v, "token 288") && has(v, "outside the vocabulary of 288")) << v;
+  const std::string v =
+      error_of([&] { (void)squeeze::llama::open_shards(dir.path / "bad", 288, "--hf llama2-tiny", 1, 1, kSeq, 7, 0, 1); });
+  EXPECT_TRUE(has(v, (dir.path / "bad" / "val_000000.bin").string()) && has(v, "token 288") && has(v, "outside the vocabulary of 288"))
+      << v;
 }
 
 TEST(LlamaGptqHf, WritesFilesForTheNumpyCheck) {
@@ -333,7 +334,8 @@ TEST(LlamaGptqHf, WritesFilesForTheNumpyCheck) {
       return r.model->named_parameters()[name].detach().to(torch::kFloat32).clone();
     };
     squeeze::io::remove_tree(root / (k.name + "-dequantized"));
-    nn::save_hf_llama(c, source, root / (k.name + "-dequantized"), {.dtype = io::DType::F32, .max_shard_bytes = 0, .source_config = r.source});
+    nn::save_hf_llama(c, source, root / (k.name + "-dequantized"),
+                      {.dtype = io::DType::F32, .max_shard_bytes = 0, .source_config = r.source});
     std::printf("wrote %s and %s-dequantized\n", (root / k.name).c_str(), k.name.c_str());
   }
 }

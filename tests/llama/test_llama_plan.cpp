@@ -38,7 +38,8 @@ Measured measure(int64_t batch, int64_t seq, int64_t loss_chunk, bool fused = tr
   o.loss_chunk_tokens = loss_chunk;
   o.gradient_buffers = gradient_buffers;
   torch::manual_seed(21);
-  const torch::Tensor x = torch::randint(0, c.vocab, {batch, seq}, torch::kLong), y = torch::randint(0, c.vocab, {batch, seq}, torch::kLong);
+  const torch::Tensor x = torch::randint(0, c.vocab, {batch, seq}, torch::kLong),
+                      y = torch::randint(0, c.vocab, {batch, seq}, torch::kLong);
   squeeze::test::MemoryMeter meter;  // after the batch: the planner does not count the input tokens
   LlamaRun<S> trainer(c, o, torch::kCPU);
   squeeze::test::CountingCpuAllocator::reset_peak();
@@ -69,7 +70,9 @@ TEST(LlamaPlanPeak, TrainingRunsPeakWithinEightPercentOfThePlan) {
   rows.emplace_back("qlora B=16", measure<QLoRA>(2 * B, T, 0));
   rows.emplace_back("qlora unfused", measure<QLoRA>(B, T, 0, false));
   rows.emplace_back("qlora no ckpt", measure<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>>>(B, T, 0));
-  rows.emplace_back("qlora-all", measure<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16, all_linears>, Precision<bf16, float>, Checkpointed>>(B, T, 0));
+  rows.emplace_back(
+      "qlora-all",
+      measure<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16, all_linears>, Precision<bf16, float>, Checkpointed>>(B, T, 0));
   for (const auto& [name, m] : rows) {
     std::printf("[ measured ] %-18s peak %9lld bytes, planned %9lld (peak / plan %.3f)\n", name, (long long)m.peak, (long long)m.planned,
                 double(m.peak) / double(m.planned));
@@ -92,9 +95,10 @@ TEST(LlamaPlanPeak, GradientBufferAtBackwardWhereParametersDominate) {
   const Measured at = measure<Bf16Ckpt>(1, T, 0, true, plan::GradientBuffers::at_backward);
   const Measured chosen = measure<Bf16Ckpt>(1, T, 0);
   const int64_t one_gradient = c.shape().params() * 2;  // bf16
-  std::printf("[ measured ] bf16-ckpt B=1: after_backward peak %lld (plan %lld), at_backward %lld (plan %lld), chosen %lld; one gradient %lld\n",
-              (long long)after.peak, (long long)after.planned, (long long)at.peak, (long long)at.planned, (long long)chosen.peak,
-              (long long)one_gradient);
+  std::printf(
+      "[ measured ] bf16-ckpt B=1: after_backward peak %lld (plan %lld), at_backward %lld (plan %lld), chosen %lld; one gradient %lld\n",
+      (long long)after.peak, (long long)after.planned, (long long)at.peak, (long long)at.planned, (long long)chosen.peak,
+      (long long)one_gradient);
   EXPECT_NEAR(double(after.peak) / double(after.planned), 1.0, 0.08);
   EXPECT_NEAR(double(at.peak) / double(at.planned), 1.0, 0.08);
   EXPECT_EQ(chosen.planned, at.planned);

@@ -74,7 +74,8 @@ TEST(FusedLinearCrossEntropy, MatchesFloat64AutogradOnCuda) {
     const Result ref = reference(c);
     c.x = c.x.cuda(), c.w = c.w.cuda(), c.t = c.t.cuda();
     const Result got = fused(c, 300);
-    const double tol_loss = dt == torch::kFloat32 ? 2e-5 : 3e-2, tol_grad = dt == torch::kFloat32 ? 5e-5 : 4e-2;  // TF32 off: torch's default
+    const double tol_loss = dt == torch::kFloat32 ? 2e-5 : 3e-2,
+                 tol_grad = dt == torch::kFloat32 ? 5e-5 : 4e-2;  // TF32 off: torch's default
     EXPECT_LE(rel(got.loss.cpu(), ref.loss), tol_loss) << c10::toString(dt);
     EXPECT_LE(rel(got.dx.cpu(), ref.dx), tol_grad) << c10::toString(dt);
     EXPECT_LE(rel(got.dw.cpu(), ref.dw), tol_grad) << c10::toString(dt);
@@ -124,8 +125,10 @@ TEST(FusedLinearCrossEntropy, BadInputIsRefusedByName) {
     return "";
   };
   EXPECT_NE(error_of([&] { fused_linear_cross_entropy(c.x, c.w.t().contiguous(), c.t); }).find("features"), std::string::npos);
-  EXPECT_NE(error_of([&] { fused_linear_cross_entropy(c.x, c.w.to(torch::kFloat64), c.t); }).find("one floating-point dtype"), std::string::npos);
-  EXPECT_NE(error_of([&] { fused_linear_cross_entropy(c.x, c.w, c.t.to(torch::kInt)); }).find("targets must be [N] int64"), std::string::npos);
+  EXPECT_NE(error_of([&] { fused_linear_cross_entropy(c.x, c.w.to(torch::kFloat64), c.t); }).find("one floating-point dtype"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { fused_linear_cross_entropy(c.x, c.w, c.t.to(torch::kInt)); }).find("targets must be [N] int64"),
+            std::string::npos);
   EXPECT_NE(error_of([&] { fused_linear_cross_entropy(c.x.unsqueeze(0), c.w, c.t); }).find("x must be [N, h]"), std::string::npos);
   EXPECT_NE(error_of([&] { fused_linear_cross_entropy(c.x, c.w, c.t, 0); }).find("chunk must be >= 1"), std::string::npos);
 }

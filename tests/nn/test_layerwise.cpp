@@ -223,12 +223,13 @@ TEST(Layerwise, GptqCalibratesEachBlockOnTheQuantizedBlocksBefore) {
   const auto expected = [&](const torch::Tensor& input, const torch::Tensor& weight) {  // input [N, T, in], weight float [out, in]
     nn::Hessian h(input.size(-1), torch::kCPU);
     h.add(input);
-    return nn::QuantizedLinear(nn::gptq_quantize(weight.to(torch::kBFloat16).to(torch::kFloat32), h.matrix(), g).pack(), /*fused_tiles=*/false);
+    return nn::QuantizedLinear(nn::gptq_quantize(weight.to(torch::kBFloat16).to(torch::kFloat32), h.matrix(), g).pack(),
+                               /*fused_tiles=*/false);
   };
   const auto [cos, sin] = nn::rope_tables(ids.size(1), c, torch::kCPU);
-  const torch::Tensor x0 = whole->embed(ids);                                 // block 0's input
-  const torch::Tensor x1 = built->blocks[0]->forward(x0, cos, sin);           // block 1's, from the quantized block 0
-  const torch::Tensor x1_float = whole->blocks[0]->forward(x0, cos, sin);     // ... and from the float one
+  const torch::Tensor x0 = whole->embed(ids);                              // block 0's input
+  const torch::Tensor x1 = built->blocks[0]->forward(x0, cos, sin);        // block 1's, from the quantized block 0
+  const torch::Tensor x1_float = whole->blocks[0]->forward(x0, cos, sin);  // ... and from the float one
   for (int b : {0, 1}) {
     const torch::Tensor in = whole->blocks[b]->attn_norm(b == 0 ? x0 : x1);
     for (const char* name : {"q", "k"}) {
@@ -290,8 +291,8 @@ TEST(Layerwise, HostMemoryStaysUnderThePackedModelAndOneFloatBlock) {
     Llama whole = whole_then_quantized<QLoraAll>(c, 31);
     whole_peak = meter.peak_bytes();
   }
-  std::cout << "host peak: block by block " << built_peak << " B (planned " << need.host_bytes << " B), whole then quantized "
-            << whole_peak << " B, float model " << float_model << " B\n";
+  std::cout << "host peak: block by block " << built_peak << " B (planned " << need.host_bytes << " B), whole then quantized " << whole_peak
+            << " B, float model " << float_model << " B\n";
   EXPECT_LE(built_peak, need.host_bytes);
   EXPECT_LE(most_at_a_block, need.packed_bytes + need.dense_rest_bytes + need.float_block_bytes);
   EXPECT_GE(whole_peak, float_model) << "the whole path holds the float model (else this test shows nothing)";
@@ -306,8 +307,9 @@ TEST(Layerwise, RefusesWhatDoesNotFitBeforeAllocating) {
     LayerwiseOptions o;
     o.available_host_bytes = need.host_bytes - 1;
     const std::string e = error_of([&] { nn::build_quantized_llama<QLoraAll>(c, o); });
-    for (const std::string& want : {std::string("needs ") + nn::detail::gigabytes(need.host_bytes) + " of host memory", std::string("one float block"),
-                                    std::string("LayerwiseOptions::available_host_bytes"), std::string("fewer bits"), std::string("onto a GPU")})
+    for (const std::string& want :
+         {std::string("needs ") + nn::detail::gigabytes(need.host_bytes) + " of host memory", std::string("one float block"),
+          std::string("LayerwiseOptions::available_host_bytes"), std::string("fewer bits"), std::string("onto a GPU")})
       EXPECT_NE(e.find(want), std::string::npos) << "missing '" << want << "' in: " << e;
     EXPECT_LT(meter.peak_bytes(), 4096) << "refused before the model was allocated";
   }

@@ -6,11 +6,11 @@
 
 using namespace squeeze;
 using squeeze::plan::ceil_div;
+using squeeze::plan::GradientBuffers;
 using squeeze::plan::i64;
 using squeeze::plan::ModelShape;
 using squeeze::plan::plan_memory;
 using squeeze::plan::TrainShape;
-using squeeze::plan::GradientBuffers;
 
 namespace {
 constexpr ModelShape llama7b = *squeeze::plan::find_preset("llama-7b");
@@ -282,15 +282,22 @@ TEST(Plan, PeakIsBackwardStartOrOptimizerStep) {
   EXPECT_EQ(at.peak().device, 16 * Psi + at.activations.device);
   EXPECT_LT(at.peak().device, freed.peak().device);
   EXPECT_EQ(plan::best_gradient_buffers<Bf16Ckpt>(llama7b, {1, 2048}, 1), GradientBuffers::at_backward);
-  EXPECT_EQ(plan::best_gradient_buffers<Bf16Ckpt>(llama7b, {8, 2048}, 1), GradientBuffers::at_backward) << "activations < 2 bytes a parameter";
+  EXPECT_EQ(plan::best_gradient_buffers<Bf16Ckpt>(llama7b, {8, 2048}, 1), GradientBuffers::at_backward)
+      << "activations < 2 bytes a parameter";
   EXPECT_EQ(plan::best_gradient_buffers<Bf16>(llama7b, {8, 2048}, 1), GradientBuffers::after_backward) << "activations dominate";
   // With an fp32 accumulator each micro-batch's gradients go into it after backward whichever timing is asked.
   const auto acc_at = plan_memory<Strategy<Precision<bf16, float>, Accumulate<4>>>(llama7b, {2, 2048, GradientBuffers::at_backward}, 1);
   EXPECT_EQ(acc_at.peak().device, acc.peak().device);
   EXPECT_EQ(acc_at.transient_gradients, acc.transient_gradients);
   // Sharded trainers keep flat gradient buffers: the flag does not apply.
-  EXPECT_EQ((plan_memory<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>>(llama7b, {8, 2048, GradientBuffers::after_backward}, 1).transient_gradients), 0);
-  EXPECT_EQ((plan_memory<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>>(llama7b, {8, 2048, GradientBuffers::after_backward}, 1).gradient_collect), 0);
+  EXPECT_EQ(
+      (plan_memory<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>>(llama7b, {8, 2048, GradientBuffers::after_backward}, 1)
+           .transient_gradients),
+      0);
+  EXPECT_EQ(
+      (plan_memory<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>>(llama7b, {8, 2048, GradientBuffers::after_backward}, 1)
+           .gradient_collect),
+      0);
   // Host memory is persistent.
   const auto off = plan_memory<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>>(llama7b, train, 1);
   EXPECT_EQ(off.peak().host, 14 * Psi) << "fp32 master and moments, bf16 gradient shard";

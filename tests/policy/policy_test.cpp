@@ -103,10 +103,10 @@ namespace {
 
 using NameCases = std::tuple<
     squeeze::Strategy<>, squeeze::Strategy<squeeze::Sharded<squeeze::Stage1>>, squeeze::Strategy<squeeze::Sharded<squeeze::Stage2>>,
-    squeeze::Strategy<squeeze::Sharded<squeeze::Stage3>>, squeeze::Strategy<squeeze::Sharded<squeeze::Stage3>, squeeze::Offload<squeeze::Host>>,
-    squeeze::Strategy<squeeze::Accumulate<4>>, squeeze::Strategy<squeeze::Accumulate<8>>,
-    squeeze::Strategy<squeeze::Precision<squeeze::bf16, float>>, squeeze::Strategy<squeeze::Precision<squeeze::bf16, squeeze::bf16>>,
-    squeeze::Strategy<squeeze::Precision<squeeze::half, float>>,
+    squeeze::Strategy<squeeze::Sharded<squeeze::Stage3>>,
+    squeeze::Strategy<squeeze::Sharded<squeeze::Stage3>, squeeze::Offload<squeeze::Host>>, squeeze::Strategy<squeeze::Accumulate<4>>,
+    squeeze::Strategy<squeeze::Accumulate<8>>, squeeze::Strategy<squeeze::Precision<squeeze::bf16, float>>,
+    squeeze::Strategy<squeeze::Precision<squeeze::bf16, squeeze::bf16>>, squeeze::Strategy<squeeze::Precision<squeeze::half, float>>,
     squeeze::Strategy<squeeze::Precision<squeeze::half, float>, squeeze::StaticLossScale<10>>,
     squeeze::Strategy<squeeze::Precision<squeeze::half, float>, squeeze::StaticLossScale<12>>,
     squeeze::Strategy<squeeze::Precision<squeeze::half, float>, squeeze::NoLossScale>,
@@ -140,10 +140,11 @@ TEST(StrategyName, EveryPairOfDifferentStrategiesHasADifferentName) {
   []<std::size_t... I>(std::index_sequence<I...>) {
     auto distinct_types = []<std::size_t A>() {
       return ((A == I || !std::is_same_v<typename std::tuple_element_t<A, NameCases>::canonical,
-                                          typename std::tuple_element_t<I, NameCases>::canonical>) && ...);
+                                         typename std::tuple_element_t<I, NameCases>::canonical>)&&...);
     };
     static_assert((distinct_types.template operator()<I>() && ...), "two cases are the same strategy");
-  }(std::make_index_sequence<std::tuple_size_v<NameCases>>{});
+  }
+  (std::make_index_sequence<std::tuple_size_v<NameCases>>{});
   check_names(std::make_index_sequence<std::tuple_size_v<NameCases>>{});
 }
 
@@ -156,11 +157,13 @@ TEST(StrategyName, SpellsEveryPolicyInCanonicalOrder) {
             "Strategy<Accumulate<2>, Precision<bf16, float>, Quantized<4, NF4, DoubleQuant>, LoRA<8, 16, all_linears>>");
   EXPECT_EQ((strategy_name<Strategy<QuantizedState<8>, Checkpointed, Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>>()),
             "Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, QuantizedState<8>, Checkpointed>");
-  EXPECT_EQ((strategy_name<Strategy<StaticLossScale<10>, Precision<half, float>>>()), "Strategy<Precision<half, float>, StaticLossScale<10>>");
+  EXPECT_EQ((strategy_name<Strategy<StaticLossScale<10>, Precision<half, float>>>()),
+            "Strategy<Precision<half, float>, StaticLossScale<10>>");
   EXPECT_EQ((strategy_name<Strategy<Precision<half, float>>>()), "Strategy<Precision<half, float>>");  // dynamic: half's default
   EXPECT_EQ((strategy_name<Strategy<Quantized<4, GPTQ, Group<128>, ActOrder>, Inference>>()),
             "Strategy<Quantized<4, GPTQ, Group<128>, ActOrder>, Inference>");
-  EXPECT_EQ((strategy_name<Strategy<LoRA<8, 16, LoraTargets::q | LoraTargets::k>>>()), "Strategy<LoRA<8, 16, LoraTargets::q | LoraTargets::k>>");
+  EXPECT_EQ((strategy_name<Strategy<LoRA<8, 16, LoraTargets::q | LoraTargets::k>>>()),
+            "Strategy<LoRA<8, 16, LoraTargets::q | LoraTargets::k>>");
 }
 
 // The old spelling of 8-bit optimizer state still means the same state (it warns at compile time).

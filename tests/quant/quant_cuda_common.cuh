@@ -31,9 +31,9 @@ namespace kq = squeeze::kernels::quant;
 namespace bg = squeeze::bench::gemm;
 
 namespace {
+using test::Dev;
 using test::random_layer;
 using test::random_x;
-using test::Dev;
 
 // A GPTQ-layout layer on the device (the dequantize and GEMV kernels read it as is).
 struct DevLayer {
@@ -97,11 +97,19 @@ struct TwinCase {
   Dev<half> ds;
   Dev<std::uint8_t> dz;
   TwinCase(const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t rows, const std::vector<T>& x)
-      : shape(t.shape(rows)), M(rows), ref(std::size_t(rows * p.out)), mag(magnitudes(p, t, x, rows)), dx(x), dy(ref.size()), dt(t.tiles),
-        ds(t.scales), dz(t.zeros) {
+      : shape(t.shape(rows)),
+        M(rows),
+        ref(std::size_t(rows * p.out)),
+        mag(magnitudes(p, t, x, rows)),
+        dx(x),
+        dy(ref.size()),
+        dt(t.tiles),
+        ds(t.scales),
+        dz(t.zeros) {
     kq::qgemm_cpu(x.data(), t.tiles.data(), t.scales.data(), t.zeros.data(), ref.data(), shape);
   }
-  TwinCase(const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t rows) : TwinCase(p, t, rows, kernel_order_x<T>(t, rows, p.in, 23)) {}
+  TwinCase(const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t rows)
+      : TwinCase(p, t, rows, kernel_order_x<T>(t, rows, p.in, 23)) {}
 };
 // reps launches of launch(ws) on one workspace of the given sizes (counters zeroed once: the kernels leave them
 // zero), each result against the twin (bound rel * sum |x w| + one ulp); the counters must be zero at the end.
@@ -116,8 +124,8 @@ void launches_match_twin(const TwinCase<T>& tc, std::int64_t partial_elems, std:
     SQUEEZE_CUDA_CHECK(launch(ws));
     SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
     expect_close_to_twin(tc.mag, tc.ref, tc.dy.get(),
-                         what + " M " + std::to_string(tc.M) + " N " + std::to_string(tc.shape.N) + " K " + std::to_string(tc.shape.K) + " rep " +
-                             std::to_string(rep),
+                         what + " M " + std::to_string(tc.M) + " N " + std::to_string(tc.shape.N) + " K " + std::to_string(tc.shape.K) +
+                             " rep " + std::to_string(rep),
                          rel);
     if (::testing::Test::HasFatalFailure()) return;
   }

@@ -33,8 +33,8 @@ void expect_dequantize_matches_twin() {
           SQUEEZE_CUDA_CHECK(kq::detail::launch_dequantize(dv, w.p, nullptr, tiles));
           const auto got = w.get();
           for (std::size_t k = 0; k < ref.size(); ++k)
-            ASSERT_EQ(to_float(got[k]), to_float(ref[k])) << bits << " bits, " << c.out << " x " << c.in << ", kernel " << kernel << ", tiles " << tiles << ", W["
-                                                          << k / c.in << ", " << k % c.in << "]";
+            ASSERT_EQ(to_float(got[k]), to_float(ref[k])) << bits << " bits, " << c.out << " x " << c.in << ", kernel " << kernel
+                                                          << ", tiles " << tiles << ", W[" << k / c.in << ", " << k % c.in << "]";
         }
     }
 }
@@ -64,4 +64,3 @@ TEST(QuantCuda, DequantizeRejectsBadWidthAndShape) {
   EXPECT_EQ(kq::detail::launch_dequantize(deep, static_cast<bf16*>(nullptr), nullptr, -1), cudaErrorInvalidValue);
   EXPECT_EQ(kq::detail::launch_dequantize(deep, static_cast<bf16*>(nullptr), nullptr, 1), cudaErrorInvalidValue);
 }
-

@@ -29,8 +29,8 @@ TEST(QGemmPlan, SplitsCoverKAndSharedMemoryHoldsTheBlock) {
               const kq::QGemmGeometry g{rows, 64, 4, 0};
               const auto p = kq::plan_qgemm(s, g, 132, cps_override);
               const std::int64_t chunks = Kpad / 64;
-              EXPECT_GE(std::int64_t(p.splits) * p.cps, chunks);          // K covered
-              EXPECT_LT(std::int64_t(p.splits - 1) * p.cps, chunks);      // no empty split
+              EXPECT_GE(std::int64_t(p.splits) * p.cps, chunks);      // K covered
+              EXPECT_LT(std::int64_t(p.splits - 1) * p.cps, chunks);  // no empty split
               EXPECT_GE(std::int64_t(p.zslices) * p.rows, M);
               EXPECT_LT(std::int64_t(p.zslices - 1) * p.rows, M);
               EXPECT_GE(std::int64_t(p.strips) * 64, Npad);
@@ -85,8 +85,10 @@ TEST(QGemmPlan, BulkSlotsHoldTheirGroupRowsAndPersistentGridsCoverEveryItem) {
                 EXPECT_LE(need_max, p.slot_rows);
                 EXPECT_GE(p.blocks() * p.items_per_block, p.items());
                 EXPECT_LT((p.blocks() - 1) * p.items_per_block, p.items());
-                if (persist == 0) EXPECT_EQ(p.items_per_block, 1);
-                else EXPECT_LE(p.blocks(), 132 * persist);
+                if (persist == 0)
+                  EXPECT_EQ(p.items_per_block, 1);
+                else
+                  EXPECT_LE(p.blocks(), 132 * persist);
               }
 }
 
@@ -100,7 +102,7 @@ TEST(QGemmPlan, KRangesOf16ChunksHalvedOnSmallGrids) {
   };
   EXPECT_EQ(plan(1, 8192, 28672).cps, 16);
   EXPECT_EQ(plan(1, 4096, 11008).cps, 16);
-  EXPECT_EQ(plan(1, 4096, 4096).cps, 4);  // 32 strips: 16 chunks would leave 128 blocks for 132 SMs
+  EXPECT_EQ(plan(1, 4096, 4096).cps, 4);    // 32 strips: 16 chunks would leave 128 blocks for 132 SMs
   EXPECT_EQ(plan(64, 4096, 4096).cps, 16);  // 4 z slices x 32 strips x 4 splits = 512 blocks
 }
 
@@ -145,7 +147,7 @@ TEST(QGemmPlan, DispatchTableByBatchAndWidth) {
   EXPECT_EQ(kq::qgemm_cfg_name(shape(1000, 8)), "r64w4n1p4");
   for (std::int64_t M : {1, 12, 40, 200}) {
     const auto s = shape(M, 4);
-    const auto want = M <= 8 ? kq::plan_qgemm(s, kq::qgemm_geometry<kq::QGemm_M8, 4>(), 132)
+    const auto want = M <= 8    ? kq::plan_qgemm(s, kq::qgemm_geometry<kq::QGemm_M8, 4>(), 132)
                       : M <= 16 ? kq::plan_qgemm(s, kq::qgemm_geometry<kq::QGemm_M16, 4>(), 132)
                                 : kq::plan_qgemm(s, kq::qgemm_geometry<kq::QGemm_M32, 4>(), 132);
     EXPECT_EQ(kq::describe(kq::qgemm_plan(s, 132)), kq::describe(want)) << "M " << M;
@@ -182,49 +184,48 @@ TEST(QGemmSm90Plan, SplitPlanFollowsTheMeasuredSweep) {
     int splits;
     Reduce reduce;
   };
-  const Case cases[] = {
-      {4096, 4096, 9, 8, Spread},    // sweep: 16 spread, 0.1% faster; 6 in a cluster 1.01x
-      {4096, 4096, 16, 8, Spread},   // 6 in a cluster: 1.02x
-      {4096, 11008, 9, 6, Spread},   // 5 in a cluster: 1.03x
-      {4096, 11008, 16, 6, Spread},  // 5 in a cluster: 1.03x
-      {4096, 11008, 24, 6, Spread},  // 5 in a cluster: 1.05x
-      {4096, 11008, 32, 6, Spread},  // 5 in a cluster: 1.02x
-      {11008, 4096, 16, 16, Spread},  // the last block summing: 1.09x
-      {8192, 28672, 9, 7, Last},     // 784 blocks: more than the GPU holds at once
-      {4096, 4096, 1, 16, Last},     // below kSm90SpreadMinRows, K ranges of 4 chunks (kSm90MinChunksFewRows): 8 1.06x
-      {4096, 4096, 4, 16, Last},     // 8 1.01x
-      {4096, 11008, 1, 8, Cluster},  // mma_b8m2s5x3wf: 8 through global memory 1.07x
-      {11008, 4096, 1, 16, Last},    // 16 spread: 1.07x
-      {4096, 11008, 8, 8, Cluster},  // 8 spread 1.08x
-      {4096, 4096, 8, 8, Spread},     // 16 the last block summing 0.98x, 8 in a cluster 1.05x
-      {11008, 4096, 8, 16, Spread},
-      {8192, 28672, 4, 7, Last},      // mma_b8m2s4x4wf: 7 / 8 / 9 K ranges within 2%, every cluster plan 1.07-1.14x
-      {8192, 28672, 8, 7, Last},
-      {8192, 28672, 1, 7, Last},
-      {8192, 28672, 16, 3, Cluster},
-      {8192, 28672, 24, 3, Cluster},
-      {8192, 28672, 32, 3, Cluster},
-      {4096, 4096, 24, 8, Spread},   // 6 in a cluster: 1.07x
-      {11008, 4096, 24, 16, Spread},  // the last block summing: 1.13x
-      {4096, 4096, 64, 8, Spread},   // 6 in a cluster: 1.06x
-      {4096, 4096, 128, 6, Cluster},  // sweep: 8 spread, 2% faster
-      {4096, 11008, 33, 3, Spread},  // (M 33: not in the sweep)
-      {4096, 11008, 64, 3, Spread},  // the last block summing: 1.11x
-      {4096, 11008, 128, 3, Spread},  // 2 in a cluster: 1.16x
-      {11008, 4096, 33, 8, Spread},
-      {11008, 4096, 64, 8, Spread},   // 6 in a cluster: 1.15x
-      {11008, 4096, 128, 8, Spread},  // 6 in a cluster: 1.12x
-      {8192, 28672, 33, 1, One},
-      {8192, 28672, 64, 1, One},
-      {8192, 28672, 128, 1, One},
-      // above 128 rows (wg_b128m1s8wg4 in 2..4 batch slices, 4096 x 4096; the weights cost once per slice): 3 in a
-      // cluster 1.07x / 1.05x, one K range 2.19x / 2.12x / 1.59x / 1.56x
-      {4096, 4096, 192, 4, Spread},
-      {4096, 4096, 256, 4, Spread},
-      {4096, 4096, 384, 2, Cluster},
-      {4096, 4096, 512, 2, Cluster},
-      {4096, 11008, 256, 1, One},
-      {8192, 28672, 256, 1, One}};
+  const Case cases[] = {{4096, 4096, 9, 8, Spread},     // sweep: 16 spread, 0.1% faster; 6 in a cluster 1.01x
+                        {4096, 4096, 16, 8, Spread},    // 6 in a cluster: 1.02x
+                        {4096, 11008, 9, 6, Spread},    // 5 in a cluster: 1.03x
+                        {4096, 11008, 16, 6, Spread},   // 5 in a cluster: 1.03x
+                        {4096, 11008, 24, 6, Spread},   // 5 in a cluster: 1.05x
+                        {4096, 11008, 32, 6, Spread},   // 5 in a cluster: 1.02x
+                        {11008, 4096, 16, 16, Spread},  // the last block summing: 1.09x
+                        {8192, 28672, 9, 7, Last},      // 784 blocks: more than the GPU holds at once
+                        {4096, 4096, 1, 16, Last},      // below kSm90SpreadMinRows, K ranges of 4 chunks (kSm90MinChunksFewRows): 8 1.06x
+                        {4096, 4096, 4, 16, Last},      // 8 1.01x
+                        {4096, 11008, 1, 8, Cluster},   // mma_b8m2s5x3wf: 8 through global memory 1.07x
+                        {11008, 4096, 1, 16, Last},     // 16 spread: 1.07x
+                        {4096, 11008, 8, 8, Cluster},   // 8 spread 1.08x
+                        {4096, 4096, 8, 8, Spread},     // 16 the last block summing 0.98x, 8 in a cluster 1.05x
+                        {11008, 4096, 8, 16, Spread},
+                        {8192, 28672, 4, 7, Last},  // mma_b8m2s4x4wf: 7 / 8 / 9 K ranges within 2%, every cluster plan 1.07-1.14x
+                        {8192, 28672, 8, 7, Last},
+                        {8192, 28672, 1, 7, Last},
+                        {8192, 28672, 16, 3, Cluster},
+                        {8192, 28672, 24, 3, Cluster},
+                        {8192, 28672, 32, 3, Cluster},
+                        {4096, 4096, 24, 8, Spread},    // 6 in a cluster: 1.07x
+                        {11008, 4096, 24, 16, Spread},  // the last block summing: 1.13x
+                        {4096, 4096, 64, 8, Spread},    // 6 in a cluster: 1.06x
+                        {4096, 4096, 128, 6, Cluster},  // sweep: 8 spread, 2% faster
+                        {4096, 11008, 33, 3, Spread},   // (M 33: not in the sweep)
+                        {4096, 11008, 64, 3, Spread},   // the last block summing: 1.11x
+                        {4096, 11008, 128, 3, Spread},  // 2 in a cluster: 1.16x
+                        {11008, 4096, 33, 8, Spread},
+                        {11008, 4096, 64, 8, Spread},   // 6 in a cluster: 1.15x
+                        {11008, 4096, 128, 8, Spread},  // 6 in a cluster: 1.12x
+                        {8192, 28672, 33, 1, One},
+                        {8192, 28672, 64, 1, One},
+                        {8192, 28672, 128, 1, One},
+                        // above 128 rows (wg_b128m1s8wg4 in 2..4 batch slices, 4096 x 4096; the weights cost once per slice): 3 in a
+                        // cluster 1.07x / 1.05x, one K range 2.19x / 2.12x / 1.59x / 1.56x
+                        {4096, 4096, 192, 4, Spread},
+                        {4096, 4096, 256, 4, Spread},
+                        {4096, 4096, 384, 2, Cluster},
+                        {4096, 4096, 512, 2, Cluster},
+                        {4096, 11008, 256, 1, One},
+                        {8192, 28672, 256, 1, One}};
   for (const auto& c : cases) {
     const kq::QGemmShape s{c.M, c.N, c.K, (c.K + 63) / 64 * 64, (c.N + 15) / 16 * 16, 128, 4};
     const auto p = kq::with_sm90_cfg(s, [&](auto cfg) {
@@ -256,7 +257,7 @@ TEST(QGemmSm90Plan, SplitPlanFollowsTheMeasuredSweep) {
 // once (the blocks wait for each other; the launch is cooperative) and the batch has kSm90SpreadMinRows rows or more,
 // else the tile's last block sums; GlobalLast forces the latter.
 TEST(QGemmSm90Plan, SpreadReductionOnlyWhereTheGridFitsTheGpu) {
-  using Tiny = kq::Sm90_M16;  // 256-feature strips, two blocks per SM
+  using Tiny = kq::Sm90_M16;                                     // 256-feature strips, two blocks per SM
   const kq::QGemmShape s{16, 4096, 11008, 11008, 4096, 128, 4};  // 16 strips x 16 K ranges = 256 blocks
   const auto fits = kq::plan_qgemm_sm90<Tiny>(s, kq::sm90_even_capacity<Tiny>(132), 16, kq::Sm90Reduce::Global);
   ASSERT_EQ(fits.blocks(), 256);
@@ -378,11 +379,11 @@ TEST(QGemmSm90Plan, DispatchTableByBatchLayerAndGroup) {
     const std::int64_t Kpad = (K + 63) / 64 * 64, Npad = (N + 15) / 16 * 16;
     return kq::qgemm_sm90_cfg_name({M, N, K, Kpad, Npad, group == 0 ? Kpad : group, 4});
   };
-  EXPECT_EQ(cfg(1, 28672, 8192, 0), "mma_b8m2s4x4wf");    // per channel, four blocks per SM
+  EXPECT_EQ(cfg(1, 28672, 8192, 0), "mma_b8m2s4x4wf");  // per channel, four blocks per SM
   EXPECT_EQ(cfg(8, 28672, 8192, 128), "mma_b8m2s4x4wf");
-  EXPECT_EQ(cfg(1, 4096, 4096, 128), "mma_b8m2s5x3wf");   // below kSm90LargeLayer: three
+  EXPECT_EQ(cfg(1, 4096, 4096, 128), "mma_b8m2s5x3wf");  // below kSm90LargeLayer: three
   EXPECT_EQ(cfg(8, 11008, 4096, 0), "mma_b8m2s5x3wf");
-  EXPECT_EQ(cfg(1, 28672, 8192, 32), "wg_b16m2s5x3w");    // groups of 32: not whole chunks
+  EXPECT_EQ(cfg(1, 28672, 8192, 32), "wg_b16m2s5x3w");  // groups of 32: not whole chunks
   EXPECT_EQ(cfg(4, 4096, 4096, 32), "wg_b16m2s8x2w");
   EXPECT_EQ(cfg(9, 28672, 8192, 128), "wg_b16m2s5x3wf");  // three blocks per SM
   EXPECT_EQ(cfg(16, 28672, 8192, 128), "wg_b16m2s5x3wf");

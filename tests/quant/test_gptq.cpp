@@ -241,7 +241,13 @@ TEST(Gptq, TrueSequentialCaptureQuantizesLayerByLayer) {
   int forwards = 0;
   GptqOptions o;
   o.group_size = 8;
-  const auto packed = nn::gptq_sequential({{{"a", m->a}, {"b", m->b}}, {{"c", m->c}}}, [&] { ++forwards; m->forward(X); }, o);
+  const auto packed = nn::gptq_sequential(
+      {{{"a", m->a}, {"b", m->b}}, {{"c", m->c}}},
+      [&] {
+        ++forwards;
+        m->forward(X);
+      },
+      o);
   EXPECT_EQ(forwards, 2);
   ASSERT_EQ(packed.size(), 3u);
   // the live weights are the dequantized packed ones (so later steps calibrated on quantized outputs)
@@ -256,7 +262,9 @@ TEST(Gptq, TrueSequentialCaptureQuantizesLayerByLayer) {
   EXPECT_LT(rel, rel_rtn) << "gptq " << rel << " rtn " << rel_rtn;
   // a layer the forward never routes through observe() is an error, not a silent identity
   torch::nn::Linear stray(24, 4);
-  EXPECT_THROW(nn::gptq_sequential({{{"stray", stray}}}, [&] { m->forward(X); }, o), c10::Error);
+  EXPECT_THROW(nn::gptq_sequential(
+                   {{{"stray", stray}}}, [&] { m->forward(X); }, o),
+               c10::Error);
 }
 
 // stop_when_complete: each forward ends (nn::CaptureComplete) once a and b have seen their input, before c runs; the
@@ -432,11 +440,12 @@ TEST(RtnOnTensors, DequantizedAndPackedEqualTorchFreeRtn) {
                                    std::to_string(bits) + (sym ? " sym" : " asym");
           const nn::RtnResult r = nn::rtn_quantize(W, bits, group, sym);
           const auto w = W.contiguous();
-          const quant::PackedLinear want = quant::rtn_quantize({w.data_ptr<float>(), std::size_t(w.numel())}, out, in,
-                                                               {.bits = bits, .group_size = group, .sym = sym});
+          const quant::PackedLinear want =
+              quant::rtn_quantize({w.data_ptr<float>(), std::size_t(w.numel())}, out, in, {.bits = bits, .group_size = group, .sym = sym});
           ASSERT_TRUE(torch::equal(r.dequantized, packed_dequant(want))) << what;
           expect_same_packed(r.pack(), want, what);
-          expect_same_packed(nn::detail::pack_linear_by_tensor_ops(r.codes, r.zeros, r.scales, r.g_idx, bits, group), want, what + " (GPU path)");
+          expect_same_packed(nn::detail::pack_linear_by_tensor_ops(r.codes, r.zeros, r.scales, r.g_idx, bits, group), want,
+                             what + " (GPU path)");
         }
 }
 
@@ -455,17 +464,19 @@ TEST(RtnOnTensors, TinyGroupsEqualTorchFreeRtnWithDenormalsFlushed) {
 
 TEST(RtnOnTensors, PackLinearEqualsTorchFreePackOnRandomCodes) {
   torch::manual_seed(11);
-  for (auto [out, in, group] : {std::tuple<std::int64_t, std::int64_t, int>{37, 300, 128}, {1, 1, 0}, {33, 257, 32}, {5, 64, 0}, {13, 100, 7}})
+  for (auto [out, in, group] :
+       {std::tuple<std::int64_t, std::int64_t, int>{37, 300, 128}, {1, 1, 0}, {33, 257, 32}, {5, 64, 0}, {13, 100, 7}})
     for (int bits : {2, 3, 4, 8}) {
       const std::int64_t groups = group > 0 ? (in + group - 1) / group : 1, maxq = (1 << bits) - 1;
       const auto q = torch::randint(0, maxq + 1, {out, in}, torch::kUInt8);
       const auto z = torch::randint(0, maxq + 1, {groups, out}, torch::kUInt8);  // zero 0 included: v1 wraps it to maxq
       const auto s = torch::rand({groups, out}) * 2 + 1e-3;                      // not fp16 values: both round them
       const auto g = torch::randint(0, groups, {in}, torch::kInt32);             // act-order's g_idx: any group per input
-      const quant::PackedLinear want = quant::pack({q.data_ptr<std::uint8_t>(), std::size_t(q.numel())}, {z.data_ptr<std::uint8_t>(), std::size_t(z.numel())},
-                                                   {s.data_ptr<float>(), std::size_t(s.numel())}, {g.data_ptr<std::int32_t>(), std::size_t(g.numel())},
-                                                   out, in, bits, group);
-      const std::string what = std::to_string(out) + "x" + std::to_string(in) + " group " + std::to_string(group) + " bits " + std::to_string(bits);
+      const quant::PackedLinear want = quant::pack(
+          {q.data_ptr<std::uint8_t>(), std::size_t(q.numel())}, {z.data_ptr<std::uint8_t>(), std::size_t(z.numel())},
+          {s.data_ptr<float>(), std::size_t(s.numel())}, {g.data_ptr<std::int32_t>(), std::size_t(g.numel())}, out, in, bits, group);
+      const std::string what =
+          std::to_string(out) + "x" + std::to_string(in) + " group " + std::to_string(group) + " bits " + std::to_string(bits);
       expect_same_packed(nn::pack_linear(q, z, s, g, bits, group), want, what);
       // the path CUDA tensors take, here on the CPU
       expect_same_packed(nn::detail::pack_linear_by_tensor_ops(q, z, s, g, bits, group), want, what + " (GPU path)");
@@ -484,7 +495,9 @@ TEST(RtnOnTensors, BadInputsErrorClearly) {
   auto W = torch::randn({4, 16});
   W[1][3] = NAN;
   EXPECT_NE(message([&] { nn::rtn_quantize(W, 4, 8, false); }).find("rtn: weight is not finite"), std::string::npos);
-  EXPECT_NE(message([&] { nn::rtn_quantize(torch::randn({4, 16}) * 1e30, 4, 8, false); }).find("too large for an fp16 scale"),
+  EXPECT_NE(message([&] {
+              nn::rtn_quantize(torch::randn({4, 16}) * 1e30, 4, 8, false);
+            }).find("too large for an fp16 scale"),
             std::string::npos);
   EXPECT_NE(message([&] { nn::rtn_quantize(torch::randn({4, 16}), 5, 8, false); }).find("bits must be 2, 3, 4 or 8"), std::string::npos);
   const auto codes = torch::full({2, 8}, 16, torch::kUInt8), zeros = torch::ones({1, 2}, torch::kUInt8), scales = torch::ones({1, 2});

@@ -77,8 +77,7 @@ TEST_P(GemvTwin, MatchesFloat64Matmul) {
   kq::gemv_cpu(view(p), x.data(), y.data(), M);
   std::vector<double> ref, mag;
   reference(p, x, M, ref, mag);
-  for (std::int64_t k = 0; k < M * out; ++k)
-    ASSERT_LE(std::abs(to_float(y[k]) - ref[k]), 1e-5 * mag[k] + half_ulp<bf16>(ref[k])) << k;
+  for (std::int64_t k = 0; k < M * out; ++k) ASSERT_LE(std::abs(to_float(y[k]) - ref[k]), 1e-5 * mag[k] + half_ulp<bf16>(ref[k])) << k;
 }
 INSTANTIATE_TEST_SUITE_P(Bits, GemvTwin, ::testing::Values(2, 3, 4, 8));
 
@@ -111,10 +110,12 @@ class QGemmTwin : public ::testing::TestWithParam<GemmCase> {};
 TEST_P(QGemmTwin, Fp16MatchesFloat64) { check_qgemm<half>(GetParam()); }
 TEST_P(QGemmTwin, Bf16MatchesFloat64) { check_qgemm<bf16>(GetParam()); }
 INSTANTIATE_TEST_SUITE_P(Shapes, QGemmTwin,
-                         ::testing::Values(GemmCase{1, 8, 64, 32, false, 4}, GemmCase{5, 40, 200, 32, false, 4}, GemmCase{19, 100, 264, 64, true, 4},
-                                           GemmCase{3, 24, 130, 0, false, 4}, GemmCase{2, 70, 256, 128, true, 4}, GemmCase{33, 17, 96, 16, false, 4},
-                                           GemmCase{1, 8, 64, 32, false, 8}, GemmCase{5, 40, 200, 32, true, 8}, GemmCase{19, 100, 264, 0, false, 8},
-                                           GemmCase{33, 17, 96, 16, false, 8}, GemmCase{1, 8, 64, 32, false, 3}, GemmCase{5, 40, 200, 32, true, 3},
+                         ::testing::Values(GemmCase{1, 8, 64, 32, false, 4}, GemmCase{5, 40, 200, 32, false, 4},
+                                           GemmCase{19, 100, 264, 64, true, 4}, GemmCase{3, 24, 130, 0, false, 4},
+                                           GemmCase{2, 70, 256, 128, true, 4}, GemmCase{33, 17, 96, 16, false, 4},
+                                           GemmCase{1, 8, 64, 32, false, 8}, GemmCase{5, 40, 200, 32, true, 8},
+                                           GemmCase{19, 100, 264, 0, false, 8}, GemmCase{33, 17, 96, 16, false, 8},
+                                           GemmCase{1, 8, 64, 32, false, 3}, GemmCase{5, 40, 200, 32, true, 3},
                                            GemmCase{19, 100, 264, 0, false, 3}, GemmCase{8, 300, 520, 128, false, 3}));
 
 TEST(QTiles, TileCoordIsABijectionOntoTheTile) {
@@ -182,7 +183,8 @@ TEST(QTiles, ZeroScaleGroupIsExactlyZero) {
     kq::qgemm_cpu(xg.data(), t.tiles.data(), t.scales.data(), t.zeros.data(), y.data(), t.shape(3));
     std::vector<double> ref, mag;
     reference(p, x, 3, ref, mag);  // dequantize(): scale 0 -> those weights are 0
-    for (std::size_t k = 0; k < y.size(); ++k) ASSERT_LE(std::abs(double(to_float(y[k])) - ref[k]), 1e-9 * mag[k] + half_ulp<half>(ref[k])) << k;
+    for (std::size_t k = 0; k < y.size(); ++k)
+      ASSERT_LE(std::abs(double(to_float(y[k])) - ref[k]), 1e-9 * mag[k] + half_ulp<half>(ref[k])) << k;
   }
 }
 

@@ -64,11 +64,13 @@ constexpr plan::ModelShape kShape{/*vocab=*/100, /*hidden=*/64, /*layers=*/2, /*
 
 using Dense = Strategy<LoRA<4, 8>>;
 using QLoRA = Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed>;
-using AllTargets = Strategy<Quantized<4, NF4>, LoRA<2, 4, LoraTargets::q | LoraTargets::k | LoraTargets::v | LoraTargets::o |
-                                                              LoraTargets::gate | LoraTargets::up | LoraTargets::down>>;
+using AllTargets = Strategy<Quantized<4, NF4>, LoRA<2, 4,
+                                                    LoraTargets::q | LoraTargets::k | LoraTargets::v | LoraTargets::o | LoraTargets::gate |
+                                                        LoraTargets::up | LoraTargets::down>>;
 
 // max |y - ref| / (|x| |W|^T) style check in float64.
-void expect_close(const torch::Tensor& y, const torch::Tensor& ref, const torch::Tensor& mag, double rel, double abs, const std::string& what) {
+void expect_close(const torch::Tensor& y, const torch::Tensor& ref, const torch::Tensor& mag, double rel, double abs,
+                  const std::string& what) {
   const torch::Tensor err = (y.to(torch::kFloat64) - ref).abs() - (mag * rel + abs);
   EXPECT_LE(err.max().item<double>(), 0.0) << what << ": max |y - ref| = " << (y.to(torch::kFloat64) - ref).abs().max().item<double>();
 }
@@ -115,7 +117,10 @@ TEST(LoRA, GradientsFlowOnlyToAdapters) {
 
 TEST(LoRA, Nf4BaseEqualsDequantisedWeightMatmul) {
   torch::manual_seed(3);
-  struct Case { int64_t out, in; bool dq; };
+  struct Case {
+    int64_t out, in;
+    bool dq;
+  };
   for (const Case c : {Case{48, 100, false}, Case{37, 33, true}, Case{64, 512, true}}) {
     const torch::Tensor w = torch::randn({c.out, c.in}) * 0.05;
     const torch::Tensor bias = torch::randn({c.out});
@@ -141,7 +146,8 @@ TEST(LoRA, Nf4BaseEqualsDequantisedWeightMatmul) {
       const torch::Tensor g = torch::randn(y.sizes()).to(dt);
       y.backward(g);
       const torch::Tensor g64 = g.to(torch::kFloat64);
-      expect_close(x.grad(), torch::matmul(g64, w_ref), torch::matmul(g64.abs(), w_ref.abs()), rel, 1e-6, std::string("dx ") + c10::toString(dt));
+      expect_close(x.grad(), torch::matmul(g64, w_ref), torch::matmul(g64.abs(), w_ref.abs()), rel, 1e-6,
+                   std::string("dx ") + c10::toString(dt));
     }
   }
 }
@@ -183,7 +189,8 @@ TEST(LoRA, TrainingReducesLossAndMergeKeepsOutputs) {
   torch::manual_seed(4);
   const torch::Tensor w = torch::randn({32, 64}) * 0.1;
   for (const bool nf4 : {false, true}) {
-    nn::LoRALinear layer = nf4 ? nn::LoRALinear(nn::Nf4Weight::quantize(w, {.block = 64, .double_quant = true}), torch::Tensor(), nn::LoRAOptions{.rank = 4, .alpha = 8})
+    nn::LoRALinear layer = nf4 ? nn::LoRALinear(nn::Nf4Weight::quantize(w, {.block = 64, .double_quant = true}), torch::Tensor(),
+                                                nn::LoRAOptions{.rank = 4, .alpha = 8})
                                : nn::LoRALinear(w, torch::Tensor(), nn::LoRAOptions{.rank = 4, .alpha = 8});
     // the base as the layer sees it (NF4: dequantised), so the adapter only has dW to learn
     const torch::Tensor base = nf4 ? layer->nf4_weight().dequantize(torch::kFloat32) : w;
@@ -195,9 +202,10 @@ TEST(LoRA, TrainingReducesLossAndMergeKeepsOutputs) {
     const torch::Tensor y = layer(x);
     torch::nn::Linear merged = layer->merged();
     const torch::Tensor x64 = x.to(torch::kFloat64);
-    const torch::Tensor mag = torch::matmul(x64.abs(), layer->merged_weight().abs().to(torch::kFloat64).t()) +
-                              torch::matmul(torch::matmul(x64.abs(), layer->lora_A.abs().to(torch::kFloat64).t()),
-                                            layer->lora_B.abs().to(torch::kFloat64).t()) * layer->scaling();
+    const torch::Tensor mag =
+        torch::matmul(x64.abs(), layer->merged_weight().abs().to(torch::kFloat64).t()) +
+        torch::matmul(torch::matmul(x64.abs(), layer->lora_A.abs().to(torch::kFloat64).t()), layer->lora_B.abs().to(torch::kFloat64).t()) *
+            layer->scaling();
     expect_close(merged(x), y.to(torch::kFloat64), mag, 1e-5, 1e-6, std::string("merged nf4=") + (nf4 ? "1" : "0"));
   }
 }
@@ -277,7 +285,8 @@ TEST(LoRA, AdapterParametersEqualThePlanner) {
     EXPECT_EQ(base_bytes, nn::frozen_base_bytes(*model));
     EXPECT_EQ(n, kShape.layers * plan::lora_block_params<AllTargets::lora>(kShape));
     int64_t planned = 0;
-    for (auto lin : kShape.block_linears()) planned += kShape.layers * plan::quantized_matrix_bytes<AllTargets::weight_quantization>(lin.in, lin.out);
+    for (auto lin : kShape.block_linears())
+      planned += kShape.layers * plan::quantized_matrix_bytes<AllTargets::weight_quantization>(lin.in, lin.out);
     EXPECT_EQ(base_bytes, planned);
   }
 }
@@ -292,7 +301,8 @@ TEST(LoRA, QLoRAStrategyTrainsInBf16) {
   ASSERT_EQ(adapted.size(), 4u);
   EXPECT_EQ(setup.adapter_params, kShape.layers * plan::lora_block_params<QLoRA::lora>(kShape));
   int64_t planned = 0;
-  for (auto lin : kShape.block_linears()) planned += kShape.layers * plan::quantized_matrix_bytes<QLoRA::weight_quantization>(lin.in, lin.out);
+  for (auto lin : kShape.block_linears())
+    planned += kShape.layers * plan::quantized_matrix_bytes<QLoRA::weight_quantization>(lin.in, lin.out);
   EXPECT_EQ(setup.base_bytes, planned);
   int64_t nf4_linears = 0;
   for (const auto& m : model->modules()) nf4_linears += std::dynamic_pointer_cast<nn::Nf4LinearImpl>(m) != nullptr;
@@ -358,8 +368,14 @@ TEST(LoRA, BadInputIsAClearError) {
   nn::LoRALinear l(torch::randn({8, 16}), torch::Tensor(), nn::LoRAOptions{.rank = 2, .alpha = 4});
   EXPECT_NE(error_of([&] { l(torch::randn({3, 15})); }).find("layer expects 16"), std::string::npos);
   EXPECT_NE(error_of([&] { l(torch::ones({3, 16}, torch::kInt64)); }).find("floating-point"), std::string::npos);
-  EXPECT_NE(error_of([&] { nn::LoRALinear(torch::randn({8, 16}), torch::Tensor(), nn::LoRAOptions{.rank = 0}); }).find("rank must be >= 1"), std::string::npos);
-  EXPECT_NE(error_of([&] { nn::LoRALinear(torch::randn({8, 16}), torch::randn({7}), nn::LoRAOptions{}); }).find("bias must be [8]"), std::string::npos);
+  EXPECT_NE(error_of([&] {
+              nn::LoRALinear(torch::randn({8, 16}), torch::Tensor(), nn::LoRAOptions{.rank = 0});
+            }).find("rank must be >= 1"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              nn::LoRALinear(torch::randn({8, 16}), torch::randn({7}), nn::LoRAOptions{});
+            }).find("bias must be [8]"),
+            std::string::npos);
   EXPECT_NE(error_of([&] { nn::Nf4Weight::quantize(torch::randn({16}), {}); }).find("[out, in]"), std::string::npos);
   EXPECT_NE(error_of([&] { nn::Nf4Weight::quantize(torch::randn({4, 16}), {.block = 48}); }).find("power of two"), std::string::npos);
   torch::Tensor bad = torch::randn({4, 16});
@@ -454,7 +470,12 @@ TEST(LoRA, MakeTrainerQloraWith8BitStateTracksFp32State) {
   int64_t values = 0, blocks = 0;
   for (const auto& part : t8.optimizer_state()) values += part[1].numel(), blocks += part[3].numel();
   EXPECT_EQ(t8.memory().optimizer_state.host + t8.memory().optimizer_state.device, 2 * values + 8 * blocks);
-  EXPECT_LE(values, int64_t(p8.size()) * 256 + [&] { int64_t n = 0; for (auto& p : p8) n += p.numel(); return n; }());
+  EXPECT_LE(
+      values, int64_t(p8.size()) * 256 + [&] {
+        int64_t n = 0;
+        for (auto& p : p8) n += p.numel();
+        return n;
+      }());
 }
 
 // ---- GPTQ-format bases (nn::QuantizedLinear: GPTQ v1 packed layout, filled by RTN or loaded from a checkpoint) ----
@@ -467,7 +488,8 @@ using Gptq4 = Strategy<Quantized<4, RTN, Group<32>>, LoRA<8, 16>, Precision<bf16
 
 // Layer-level check of one GPTQ-based LoRALinear against float64: forward and input gradient, fp32 and bf16.
 void check_gptq_layer(int bits, int64_t out, int64_t in, int group) {
-  const std::string what = std::to_string(bits) + " bits [" + std::to_string(out) + ", " + std::to_string(in) + "] group " + std::to_string(group);
+  const std::string what =
+      std::to_string(bits) + " bits [" + std::to_string(out) + ", " + std::to_string(in) + "] group " + std::to_string(group);
   const torch::Tensor w = torch::randn({out, in}) * 0.05;
   const torch::Tensor bias = torch::randn({out}) * 0.1;
   const quant::RtnOptions o{bits, group, false};
@@ -476,7 +498,8 @@ void check_gptq_layer(int bits, int64_t out, int64_t in, int group) {
   const bool tiled = bits != 2 && group % 16 == 0;
   EXPECT_EQ(layer->gptq_base()->fused_tiles(), tiled) << what;
   const int64_t Kpad = (in + 63) / 64 * 64, Npad = (out + 15) / 16 * 16, G = group > 0 ? (in + group - 1) / group : 1;
-  EXPECT_EQ(layer->base_bytes(), layer->gptq_base()->packed_bytes() + out * 2 + (tiled ? Kpad * Npad * bits / 8 + G * Npad * 3 : 0)) << what;
+  EXPECT_EQ(layer->base_bytes(), layer->gptq_base()->packed_bytes() + out * 2 + (tiled ? Kpad * Npad * bits / 8 + G * Npad * 3 : 0))
+      << what;
   EXPECT_FALSE(nn::quantize_rtn(w, bias, o, /*fused_tiles=*/false)->fused_tiles());
   {
     torch::NoGradGuard ng;
@@ -489,7 +512,9 @@ void check_gptq_layer(int bits, int64_t out, int64_t in, int group) {
   const std::vector<float> wd_v = quant::dequantize(p);
   const torch::Tensor wd = torch::from_blob(const_cast<float*>(wd_v.data()), {out, in}, torch::kFloat32).clone();
   EXPECT_TRUE(torch::equal(layer->gptq_base()->dequantize(torch::kFloat32), wd)) << what;
-  EXPECT_EQ(layer->gptq_base()->packed_bytes(), int64_t(p.qweight.size() + p.qzeros.size() + p.g_idx.size()) * 4 + int64_t(p.scales.size()) * 2) << what;
+  EXPECT_EQ(layer->gptq_base()->packed_bytes(),
+            int64_t(p.qweight.size() + p.qzeros.size() + p.g_idx.size()) * 4 + int64_t(p.scales.size()) * 2)
+      << what;
   const torch::Tensor w64 = wd.to(torch::kFloat64), b64 = bias.to(torch::kHalf).to(torch::kFloat64);  // bias stored fp16
   const double s = layer->scaling();
   for (const auto dt : {torch::kFloat32, torch::kBFloat16}) {
@@ -501,8 +526,8 @@ void check_gptq_layer(int bits, int64_t out, int64_t in, int group) {
     ASSERT_EQ(y.sizes(), (std::vector<int64_t>{3, 5, out})) << tag;
     const torch::Tensor x64 = x.detach().to(torch::kFloat64);
     const torch::Tensor ref = torch::matmul(x64, w64.t()) + b64 + torch::matmul(torch::matmul(x64, A64.t()), B64.t()) * s;
-    const torch::Tensor mag = torch::matmul(x64.abs(), w64.abs().t()) + b64.abs() +
-                              torch::matmul(torch::matmul(x64.abs(), A64.abs().t()), B64.abs().t()) * s;
+    const torch::Tensor mag =
+        torch::matmul(x64.abs(), w64.abs().t()) + b64.abs() + torch::matmul(torch::matmul(x64.abs(), A64.abs().t()), B64.abs().t()) * s;
     const double rel = dt == torch::kFloat32 ? 1e-5 : std::ldexp(1.0, -6);
     expect_close(y, ref, mag, rel, 1e-6, "forward " + tag);
     // dL/dx = g (W + s B A): the base part re-dequantizes W in backward
@@ -553,7 +578,8 @@ TEST(LoRA, GptqStrategyTrainsAdaptersOnFrozenPackedBase) {
     }
   EXPECT_EQ(linears, 7 * kOddShape.layers);  // 5 frozen + 2 under adapters, per block
   int64_t planned = 0;
-  for (auto lin : kOddShape.block_linears()) planned += kOddShape.layers * plan::quantized_matrix_bytes<Gptq4::weight_quantization>(lin.in, lin.out);
+  for (auto lin : kOddShape.block_linears())
+    planned += kOddShape.layers * plan::quantized_matrix_bytes<Gptq4::weight_quantization>(lin.in, lin.out);
   EXPECT_EQ(packed, planned);  // the GPTQ layout is exactly what the planner counts
   EXPECT_EQ(setup.base_bytes, resident);
   EXPECT_EQ(resident, planned);  // training: no tensor-core tile copy is kept (QuantizedLinearImpl's fused_tiles)
@@ -587,7 +613,8 @@ TEST(LoRA, GptqStrategyTrainsAdaptersOnFrozenPackedBase) {
   const auto after = model->named_buffers();
   ASSERT_EQ(after.size(), before.size());
   for (const auto& [name, t] : before) EXPECT_TRUE(torch::equal(after[name], t)) << name << " changed";
-  for (size_t i = 0; i < adapters0.size(); ++i) EXPECT_FALSE(torch::equal(setup.parameters[i].detach(), adapters0[i])) << "adapter " << i << " did not move";
+  for (size_t i = 0; i < adapters0.size(); ++i)
+    EXPECT_FALSE(torch::equal(setup.parameters[i].detach(), adapters0[i])) << "adapter " << i << " did not move";
 
   // module.to(dtype) converts neither the packed buffers nor the fp32 adapters
   {
@@ -622,7 +649,8 @@ TEST(LoRA, GptqThreeAndEightBitBasesMatchDequantizedModel) {
         torch::Tensor v = src[p.key()].clone();
         if (v.dim() == 2) {  // a block linear: its RTN-dequantized weight
           const torch::Tensor vc = v.contiguous();
-          const auto d = quant::dequantize(quant::rtn_quantize({vc.data_ptr<float>(), size_t(vc.numel())}, v.size(0), v.size(1), {bits, group, false}));
+          const auto d = quant::dequantize(
+              quant::rtn_quantize({vc.data_ptr<float>(), size_t(vc.numel())}, v.size(0), v.size(1), {bits, group, false}));
           v = torch::from_blob(const_cast<float*>(d.data()), v.sizes(), torch::kFloat32).clone();
         }
         p.value().copy_(v);
@@ -680,7 +708,10 @@ TEST(LoRA, GptqBadInputIsAClearError) {
   EXPECT_NE(error_of([&] { nn::LoRALinear(nn::QuantizedLinear(nullptr), nn::LoRAOptions{}); }).find("base is empty"), std::string::npos);
   EXPECT_NE(error_of([&] { nn::quantize_rtn(torch::randn({16}), torch::Tensor(), {}); }).find("[out, in]"), std::string::npos);
   EXPECT_NE(error_of([&] { nn::quantize_rtn(torch::randn({4, 16}), torch::randn({3}), {}); }).find("bias must be [4]"), std::string::npos);
-  EXPECT_NE(error_of([&] { nn::quantize_rtn(torch::randn({4, 16}), torch::Tensor(), {.bits = 5}); }).find("2, 3, 4 or 8 bits"), std::string::npos);
+  EXPECT_NE(error_of([&] {
+              nn::quantize_rtn(torch::randn({4, 16}), torch::Tensor(), {.bits = 5});
+            }).find("2, 3, 4 or 8 bits"),
+            std::string::npos);
   torch::Tensor bad = torch::randn({4, 16});
   bad[1][2] = std::nan("");
   EXPECT_NE(error_of([&] { nn::quantize_rtn(bad, torch::Tensor(), {}); }).find("not finite"), std::string::npos);
@@ -690,7 +721,9 @@ TEST(LoRA, GptqBadInputIsAClearError) {
   nn::LoRALinear l(nn::quantize_rtn(torch::randn({8, 40}), torch::Tensor(), {4, 32, false}), nn::LoRAOptions{.rank = 2, .alpha = 4});
   EXPECT_NE(error_of([&] { l(torch::randn({3, 39})); }).find("layer expects 40"), std::string::npos);
   EXPECT_NE(error_of([&] { l(torch::ones({3, 40}, torch::kInt64)); }).find("floating-point"), std::string::npos);
-  EXPECT_NE(error_of([&] { nn::LoRALinear(nn::quantize_rtn(torch::randn({8, 40}), torch::Tensor(), {}), nn::LoRAOptions{.rank = 0}); }).find("rank must be >= 1"),
+  EXPECT_NE(error_of([&] {
+              nn::LoRALinear(nn::quantize_rtn(torch::randn({8, 40}), torch::Tensor(), {}), nn::LoRAOptions{.rank = 0});
+            }).find("rank must be >= 1"),
             std::string::npos);
 }
 
@@ -705,7 +738,8 @@ TEST(LoRA, GptqStrategyOnTheLlama) {
   ASSERT_EQ(setup.layers.size(), 4u);
   EXPECT_EQ(setup.layers[0].name, "block0.attn.q");
   int64_t planned = 0;
-  for (auto lin : c.shape().block_linears()) planned += c.layers * plan::quantized_matrix_bytes<Gptq4::weight_quantization>(lin.in, lin.out);
+  for (auto lin : c.shape().block_linears())
+    planned += c.layers * plan::quantized_matrix_bytes<Gptq4::weight_quantization>(lin.in, lin.out);
   EXPECT_EQ(setup.base_bytes, planned);
   const torch::Tensor ids = torch::randint(0, c.vocab, {2, 24}), targets = torch::randint(0, c.vocab, {2, 24});
   torch::optim::AdamW opt(setup.parameters, torch::optim::AdamWOptions(1e-2).weight_decay(0));

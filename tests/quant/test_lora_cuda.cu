@@ -31,7 +31,9 @@ struct TwoProj : torch::nn::Module {
     register_module("q_proj", torch::nn::Linear(torch::nn::LinearOptions(h, h).bias(false)));
     register_module("v_proj", torch::nn::Linear(torch::nn::LinearOptions(h, h).bias(false)));
   }
-  torch::Tensor forward(const torch::Tensor& x) { return nn::forward_linear(*this, "v_proj", F::gelu(nn::forward_linear(*this, "q_proj", x))); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return nn::forward_linear(*this, "v_proj", F::gelu(nn::forward_linear(*this, "q_proj", x)));
+  }
 };
 }  // namespace
 
@@ -69,12 +71,14 @@ TEST(LoRACuda, Nf4LayerMatchesCpuLayer) {
   REQUIRE_CUDA();
   torch::manual_seed(2);
   const torch::Tensor w = torch::randn({96, 160}) * 0.05;
-  nn::LoRALinear cpu(nn::Nf4Weight::quantize(w, {.block = 64, .double_quant = true}), torch::Tensor(), nn::LoRAOptions{.rank = 4, .alpha = 8});
+  nn::LoRALinear cpu(nn::Nf4Weight::quantize(w, {.block = 64, .double_quant = true}), torch::Tensor(),
+                     nn::LoRAOptions{.rank = 4, .alpha = 8});
   {
     torch::NoGradGuard ng;
     cpu->lora_B.normal_(0, 0.1);
   }
-  nn::LoRALinear gpu(nn::Nf4Weight::quantize(w, {.block = 64, .double_quant = true}), torch::Tensor(), nn::LoRAOptions{.rank = 4, .alpha = 8});
+  nn::LoRALinear gpu(nn::Nf4Weight::quantize(w, {.block = 64, .double_quant = true}), torch::Tensor(),
+                     nn::LoRAOptions{.rank = 4, .alpha = 8});
   {
     torch::NoGradGuard ng;
     gpu->lora_A.copy_(cpu->lora_A);
@@ -125,7 +129,8 @@ std::pair<double, double> train_adapters(TwoProj& model, const torch::Tensor& x,
 TEST(LoRACuda, QLoRATrainsOnTheGpu) {
   REQUIRE_CUDA();
   torch::manual_seed(3);
-  using QLoRA = Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16, LoraTargets::q | LoraTargets::v>, Precision<bf16, float>, Checkpointed>;
+  using QLoRA =
+      Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16, LoraTargets::q | LoraTargets::v>, Precision<bf16, float>, Checkpointed>;
   const auto cuda = torch::TensorOptions().device(torch::kCUDA);
   auto model = std::make_shared<TwoProj>(256);
   model->to(torch::kCUDA, torch::kBFloat16);
@@ -146,11 +151,20 @@ TEST(LoRACuda, QLoRATrainsOnTheGpu) {
 TEST(LoRACuda, GptqLayerMatchesCpuLayerOnEveryPath) {
   REQUIRE_CUDA();
   torch::manual_seed(4);
-  struct Case { int bits; int64_t out, in; int group; bool tiles; int64_t rows; const char* path; };
-  for (const Case c : {Case{4, 96, 160, 32, true, 4, "fused"}, Case{4, 96, 160, 32, true, 132, "fused"}, Case{3, 80, 200, 32, true, 4, "fused 3-bit"},
-                       Case{8, 48, 96, 0, true, 4, "fused 8-bit"}, Case{4, 96, 160, 32, false, 4, "gemv"}, Case{4, 96, 160, 32, false, 300, "dequant+cublas"},
-                       Case{2, 40, 72, 32, true, 300, "2-bit dequant+cublas"}, Case{4, 96, 160, 32, true, 300, "fused at 300 rows (Hopper)"},
-                       Case{3, 80, 200, 32, true, 100, "3-bit dequant+cublas past max_fused_rows"}}) {
+  struct Case {
+    int bits;
+    int64_t out, in;
+    int group;
+    bool tiles;
+    int64_t rows;
+    const char* path;
+  };
+  for (const Case c :
+       {Case{4, 96, 160, 32, true, 4, "fused"}, Case{4, 96, 160, 32, true, 132, "fused"}, Case{3, 80, 200, 32, true, 4, "fused 3-bit"},
+        Case{8, 48, 96, 0, true, 4, "fused 8-bit"}, Case{4, 96, 160, 32, false, 4, "gemv"},
+        Case{4, 96, 160, 32, false, 300, "dequant+cublas"}, Case{2, 40, 72, 32, true, 300, "2-bit dequant+cublas"},
+        Case{4, 96, 160, 32, true, 300, "fused at 300 rows (Hopper)"},
+        Case{3, 80, 200, 32, true, 100, "3-bit dequant+cublas past max_fused_rows"}}) {
     const torch::Tensor w = torch::randn({c.out, c.in}) * 0.05;
     const quant::RtnOptions o{c.bits, c.group, false};
     nn::LoRALinear cpu(nn::quantize_rtn(w, torch::Tensor(), o), nn::LoRAOptions{.rank = 4, .alpha = 8});
@@ -174,7 +188,9 @@ TEST(LoRACuda, GptqLayerMatchesCpuLayerOnEveryPath) {
     yc.backward(g);
     yg.backward(g.to(torch::kCUDA));
     const torch::Tensor gmag = torch::matmul(g.to(torch::kFloat64).abs(), wd.abs()) + 1e-3;
-    EXPECT_LE(((xg.grad().cpu().to(torch::kFloat64) - xc.grad().to(torch::kFloat64)).abs() / gmag).max().item<double>(), std::ldexp(1.0, -6)) << c.path;
+    EXPECT_LE(((xg.grad().cpu().to(torch::kFloat64) - xc.grad().to(torch::kFloat64)).abs() / gmag).max().item<double>(),
+              std::ldexp(1.0, -6))
+        << c.path;
     EXPECT_TRUE(torch::allclose(gpu->lora_B.grad().cpu(), cpu->lora_B.grad(), 2e-2, 2e-2)) << c.path;
     // the GPU dequantize kernel gives the CPU twin's weights exactly
     EXPECT_TRUE(torch::equal(gpu->gptq_base()->dequantize(torch::kFloat32).cpu(), cpu->gptq_base()->dequantize(torch::kFloat32))) << c.path;
@@ -187,7 +203,10 @@ TEST(LoRACuda, GptqLayerMatchesCpuLayerOnEveryPath) {
 // layer within 2^-6 (|x| |W|^T) in bf16.
 TEST(LoRACuda, ActOrderGptqLayerDequantizesOnTheGpu) {
   REQUIRE_CUDA();
-  struct Case { std::int64_t out, in; int group; };
+  struct Case {
+    std::int64_t out, in;
+    int group;
+  };
   for (const Case c : {Case{96, 160, 32}, Case{72, 4096, 32}, Case{40, 4160, 32}}) {
     const auto p = test::random_layer(c.out, c.in, 4, c.group, true, 11 + std::uint32_t(c.in));
     ASSERT_FALSE(std::is_sorted(p.g_idx.begin(), p.g_idx.end()));
@@ -200,7 +219,8 @@ TEST(LoRACuda, ActOrderGptqLayerDequantizesOnTheGpu) {
     const torch::Tensor x = torch::randn({16, c.in}).to(torch::kBFloat16);
     const torch::Tensor yc = cpu(x), yg = gpu(x.to(torch::kCUDA));
     const torch::Tensor mag = torch::matmul(x.to(torch::kFloat64).abs(), cpu->dequantize(torch::kFloat64).abs().t()) + 1e-3;
-    EXPECT_LE(((yg.cpu().to(torch::kFloat64) - yc.to(torch::kFloat64)).abs() / mag).max().item<double>(), std::ldexp(1.0, -6)) << c.in << " in";
+    EXPECT_LE(((yg.cpu().to(torch::kFloat64) - yc.to(torch::kFloat64)).abs() / mag).max().item<double>(), std::ldexp(1.0, -6))
+        << c.in << " in";
   }
 }
 
@@ -227,7 +247,8 @@ TEST(LoRACuda, QuantizedLinearPicksFusedOrDequantizeByBatch) {
 TEST(LoRACuda, GptqLoRATrainsOnTheGpu) {
   REQUIRE_CUDA();
   torch::manual_seed(5);
-  using GptqLoRA = Strategy<Quantized<4, RTN, Group<128>>, LoRA<8, 16, LoraTargets::q | LoraTargets::v>, Precision<bf16, float>, Checkpointed>;
+  using GptqLoRA =
+      Strategy<Quantized<4, RTN, Group<128>>, LoRA<8, 16, LoraTargets::q | LoraTargets::v>, Precision<bf16, float>, Checkpointed>;
   const auto cuda = torch::TensorOptions().device(torch::kCUDA);
   auto model = std::make_shared<TwoProj>(256);
   model->to(torch::kCUDA, torch::kBFloat16);
@@ -262,7 +283,8 @@ TEST(LoRACuda, QuantizedBaseIsPackedOneLayerAtATime) {
   nn::Llama model(c);  // float, on the host
   int64_t dense = 0;   // the seven projections of every block in bf16
   for (const auto& p : model->named_parameters())
-    if (p.value().dim() == 2 && p.key().find("embed") == std::string::npos && p.key().find("head") == std::string::npos) dense += p.value().numel() * 2;
+    if (p.value().dim() == 2 && p.key().find("embed") == std::string::npos && p.key().find("head") == std::string::npos)
+      dense += p.value().numel() * 2;
   ASSERT_GT(dense, 150'000'000);
   torch::cuda::synchronize();
   c10::cuda::CUDACachingAllocator::resetPeakStats(0);

@@ -63,16 +63,20 @@ std::vector<T> normal_weights(std::int64_t n, std::uint32_t seed, float sigma = 
 
 template <class T>
 double out_rel_eps() {
-  if constexpr (std::is_same_v<T, float>) return std::ldexp(1.0, -24);
-  else if constexpr (std::is_same_v<T, bf16>) return std::ldexp(1.0, -8) + std::ldexp(1.0, -24);  // + the fp32 product
-  else return std::ldexp(1.0, -11) + std::ldexp(1.0, -24);
+  if constexpr (std::is_same_v<T, float>)
+    return std::ldexp(1.0, -24);
+  else if constexpr (std::is_same_v<T, bf16>)
+    return std::ldexp(1.0, -8) + std::ldexp(1.0, -24);  // + the fp32 product
+  else
+    return std::ldexp(1.0, -11) + std::ldexp(1.0, -24);
 }
 
 // Brute-force float64 block absmax over the valid values of block b.
 template <class T>
 double ref_absmax(const std::vector<T>& w, std::int64_t b, int block) {
   double m = 0;
-  for (std::int64_t i = b * block; i < std::min<std::int64_t>(std::int64_t(w.size()), (b + 1) * block); ++i) m = std::max(m, std::fabs(double(to_float(w[i]))));
+  for (std::int64_t i = b * block; i < std::min<std::int64_t>(std::int64_t(w.size()), (b + 1) * block); ++i)
+    m = std::max(m, std::fabs(double(to_float(w[i]))));
   return m;
 }
 
@@ -117,7 +121,8 @@ TEST(Nf4Codes, EncodePicksTheNearestCode) {
     const float x = ud(rng);
     const int got = kq::nf4_encode(x);
     for (int c = 0; c < 16; ++c)
-      ASSERT_LE(std::fabs(double(x) - code(got)), std::fabs(double(x) - code(c)) + 1e-7) << "x=" << x << " got " << got << " but " << c << " is nearer";
+      ASSERT_LE(std::fabs(double(x) - code(got)), std::fabs(double(x) - code(c)) + 1e-7)
+          << "x=" << x << " got " << got << " but " << c << " is nearer";
   }
 }
 
@@ -150,7 +155,8 @@ TEST(Nf4Codes, NestedCodeIsTheNearestMapEntry) {
     const float x = ud(rng);
     const int got = kq::nf4_nested_code(m.data(), x);
     for (int c = 0; c < 256; ++c)
-      ASSERT_LE(std::fabs(double(x) - m[std::size_t(got)]), std::fabs(double(x) - m[std::size_t(c)]) + 1e-9) << "x=" << x << " got " << got << " but " << c;
+      ASSERT_LE(std::fabs(double(x) - m[std::size_t(got)]), std::fabs(double(x) - m[std::size_t(c)]) + 1e-9)
+          << "x=" << x << " got " << got << " but " << c;
   }
 }
 
@@ -174,7 +180,8 @@ TYPED_TEST(Nf4RoundTrip, PlainWithinHalfGapTimesAbsmaxAndNearest) {
   using T = TypeParam;
   const double half_gap = 0.5 * max_gap();
   for (const int block : {64, 32, 128}) {
-    for (const std::int64_t n : {std::int64_t(64 * 37), std::int64_t(1000), std::int64_t(1), std::int64_t(63), std::int64_t(65), std::int64_t(4097)}) {
+    for (const std::int64_t n :
+         {std::int64_t(64 * 37), std::int64_t(1000), std::int64_t(1), std::int64_t(63), std::int64_t(65), std::int64_t(4097)}) {
       const auto w = normal_weights<T>(n, std::uint32_t(n * 7 + block));
       const auto p = quant::nf4_quantize(w.data(), n, {.block = block});
       ASSERT_EQ(p.blocks(), (n + block - 1) / block);
@@ -217,14 +224,16 @@ TYPED_TEST(Nf4RoundTrip, DoubleQuantBoundAndCloseToPlain) {
     EXPECT_NEAR(dq.absmax_offset, mean, 1e-6 * mean);
     for (std::int64_t g = 0; g < std::int64_t(dq.nested_absmax.size()); ++g) {
       float m = 0.f;
-      for (std::int64_t b = g * 256; b < std::min<std::int64_t>(dq.blocks(), (g + 1) * 256); ++b) m = std::max(m, std::fabs(plain.absmax[b] - dq.absmax_offset));
+      for (std::int64_t b = g * 256; b < std::min<std::int64_t>(dq.blocks(), (g + 1) * 256); ++b)
+        m = std::max(m, std::fabs(plain.absmax[b] - dq.absmax_offset));
       EXPECT_EQ(dq.nested_absmax[std::size_t(g)], m) << "group " << g;
     }
     std::vector<double> b_dq(std::size_t(dq.blocks()));
     for (std::int64_t b = 0; b < dq.blocks(); ++b) {
       const double s = half_map_gap * dq.nested_absmax[std::size_t(b / 256)];
       b_dq[std::size_t(b)] = kq::nf4_block_absmax(dq.view(), b);
-      ASSERT_LE(std::fabs(b_dq[std::size_t(b)] - plain.absmax[std::size_t(b)]), s + 1e-6 * plain.absmax[std::size_t(b)]) << "absmax' of block " << b;
+      ASSERT_LE(std::fabs(b_dq[std::size_t(b)] - plain.absmax[std::size_t(b)]), s + 1e-6 * plain.absmax[std::size_t(b)])
+          << "absmax' of block " << b;
     }
     std::vector<double> back_plain(static_cast<std::size_t>(n)), back_dq(static_cast<std::size_t>(n));
     std::vector<float> tmp(static_cast<std::size_t>(n));
@@ -272,18 +281,22 @@ TEST(Nf4Codec, LargeTensorOnThreadsWithinBounds) {
     for (std::int64_t i = 0; i < n; ++i) {
       const double a = ref_absmax(w, i / 64, 64);
       const double s = dqf ? 0.5 * map_max_gap() * double(p.nested_absmax[std::size_t(i / 64 / 256)]) : 0.0;
-      ASSERT_LE(std::fabs(double(w[std::size_t(i)]) - double(back[std::size_t(i)])), half_gap * a + s + 1e-6 * std::fabs(w[std::size_t(i)])) << "dq=" << dqf << " i=" << i;
+      ASSERT_LE(std::fabs(double(w[std::size_t(i)]) - double(back[std::size_t(i)])), half_gap * a + s + 1e-6 * std::fabs(w[std::size_t(i)]))
+          << "dq=" << dqf << " i=" << i;
     }
   }
 }
 
 // ---- bytes vs the planner ------------------------------------------------------------------------------------
 TEST(Nf4Codec, BytesEqualThePlanner) {
-  struct Shape { std::int64_t in, out; };
+  struct Shape {
+    std::int64_t in, out;
+  };
   for (const Shape s : {Shape{256, 768}, Shape{2048, 256}, Shape{100, 30}, Shape{4096, 64}, Shape{1000, 1002}}) {
     const auto w = normal_weights<float>(s.in * s.out, 11);
     const std::int64_t n = s.in * s.out;
-    EXPECT_EQ((quant::nf4_quantize<Quantized<4, NF4>>(w.data(), n).bytes()), (plan::quantized_matrix_bytes<Quantized<4, NF4>>(s.in, s.out)));
+    EXPECT_EQ((quant::nf4_quantize<Quantized<4, NF4>>(w.data(), n).bytes()),
+              (plan::quantized_matrix_bytes<Quantized<4, NF4>>(s.in, s.out)));
     EXPECT_EQ((quant::nf4_quantize<Quantized<4, NF4, DoubleQuant>>(w.data(), n).bytes()),
               (plan::quantized_matrix_bytes<Quantized<4, NF4, DoubleQuant>>(s.in, s.out)));
     EXPECT_EQ((quant::nf4_quantize<Quantized<4, NF4, Group<128>, DoubleQuant>>(w.data(), n).bytes()),

@@ -84,8 +84,12 @@ TYPED_TEST(Nf4Cuda, QuantizeMatchesTwin) {
       Dev<float> absmax(static_cast<std::size_t>(blocks)), nested(static_cast<std::size_t>(kq::nf4_dq_groups(blocks))), offset(1);
       const Dev<float> map(std::vector<float>(quant::bnb_dynamic_map().begin(), quant::bnb_dynamic_map().end()));
       SQUEEZE_CUDA_CHECK(kq::nf4_quantize_cuda(dw.p, n, 64, dq,
-                                               {.codes = codes.p, .absmax = absmax.p, .absmax_code = absmax_code.p, .nested_absmax = nested.p,
-                                                .nested_map = map.p, .absmax_offset = offset.p}));
+                                               {.codes = codes.p,
+                                                .absmax = absmax.p,
+                                                .absmax_code = absmax_code.p,
+                                                .nested_absmax = nested.p,
+                                                .nested_map = map.p,
+                                                .absmax_offset = offset.p}));
       SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
       EXPECT_TRUE(same_bits(codes.get(), p.codes)) << "n=" << n << " (the codes come from the exact absmax in both modes)";
       if (!dq) {

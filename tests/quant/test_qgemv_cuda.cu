@@ -1,7 +1,7 @@
-// The streaming 4-bit GEMM for batches 1..16 (bench/quant/qgemv.cuh, an experiment) against the CPU twin (label cuda), and its work split (host
-// logic, runs without a GPU). Its own small binary, so the GPU machine builds it in about a minute.
-// Bound: the kernel multiplies x by the exact integers q - z in fp32 and scales each 64-k chunk's sum once, as the
-// mma.sync kernel's exact modes: 1e-5 of sum |x w| + one ulp of T (fp32 sums in another order than the twin's).
+// The streaming 4-bit GEMM for batches 1..16 (bench/quant/qgemv.cuh, an experiment) against the CPU twin (label cuda), and its work split
+// (host logic, runs without a GPU). Its own small binary, so the GPU machine builds it in about a minute. Bound: the kernel multiplies x by
+// the exact integers q - z in fp32 and scales each 64-k chunk's sum once, as the mma.sync kernel's exact modes: 1e-5 of sum |x w| + one ulp
+// of T (fp32 sums in another order than the twin's).
 #include "quant_cuda_common.cuh"
 
 #include "../../bench/quant/qgemv.cuh"
@@ -15,13 +15,13 @@ TEST(QGemvPlan, PartsFillTheResidentWarps) {
     std::int64_t K, N;
     int sm, wps, override_parts, parts;
   };
-  for (const Case& c : std::vector<Case>{{4096, 4096, 132, 16, 0, 16},     // 128 groups of 2 tiles, 2112 warps: 16 parts
-                                         {8192, 28672, 132, 12, 0, 1},     // 896 groups > 1584 / 2: one part
-                                         {11008, 4096, 132, 8, 0, 8},      // 1056 / 128
-                                         {4096, 11008, 132, 16, 0, 6},     // 2112 / 344
-                                         {1096, 203, 132, 16, 0, 18},      // capped at 18 chunks
-                                         {1096, 203, 132, 16, 7, 7},       // forced
-                                         {64, 16, 132, 16, 0, 1}}) {       // one chunk
+  for (const Case& c : std::vector<Case>{{4096, 4096, 132, 16, 0, 16},  // 128 groups of 2 tiles, 2112 warps: 16 parts
+                                         {8192, 28672, 132, 12, 0, 1},  // 896 groups > 1584 / 2: one part
+                                         {11008, 4096, 132, 8, 0, 8},   // 1056 / 128
+                                         {4096, 11008, 132, 16, 0, 6},  // 2112 / 344
+                                         {1096, 203, 132, 16, 0, 18},   // capped at 18 chunks
+                                         {1096, 203, 132, 16, 7, 7},    // forced
+                                         {64, 16, 132, 16, 0, 1}}) {    // one chunk
     const std::int64_t Kpad = (c.K + 63) / 64 * 64, Npad = (c.N + 15) / 16 * 16, kchunks = Kpad / 64;
     const kq::QGemmShape s{1, c.N, c.K, Kpad, Npad, 128, 4};
     const auto p = kq::plan_qgemv(s, 2, c.sm, c.wps, c.override_parts);
@@ -65,8 +65,8 @@ TEST(QGemvPlan, RejectsShapesItCannotTake) {
 template <class T, class C>
 void qgemv_runs(const TwinCase<T>& tc, int parts, int reps) {
   const auto plan = kq::plan_qgemv(tc.shape, C::NT, sm_count(), kq::detail::qgemv_warps_per_sm<T, C>(tc.shape.M <= 8 ? 1 : 2), parts);
-  launches_match_twin(tc, plan.partial_elems, plan.counter_elems, reps, kq::detail::qgemv_cfg_name<C>() + " (" + kq::describe(plan) + ")", 1e-5,
-                      [&](const kq::QGemmWorkspace& ws) {
+  launches_match_twin(tc, plan.partial_elems, plan.counter_elems, reps, kq::detail::qgemv_cfg_name<C>() + " (" + kq::describe(plan) + ")",
+                      1e-5, [&](const kq::QGemmWorkspace& ws) {
                         return kq::detail::launch_qgemv_cfg<T, C>(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, plan, ws, nullptr);
                       });
 }
@@ -103,15 +103,17 @@ TEST(QGemvCuda, LargeLayerRepeatedly) {
   for (const std::int64_t M : {1, 16}) {
     const TwinCase<bf16> tc(p, t, M);
     const auto need = kq::qgemv_workspace_size<bf16>(tc.shape, sm);
-    launches_match_twin(tc, need.partial_elems, need.counter_elems, 4, "qgemv_cuda (" + kq::describe(kq::qgemv_plan<bf16>(tc.shape, sm)) + ")", 1e-5,
-                        [&](const kq::QGemmWorkspace& ws) { return kq::qgemv_cuda(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, ws, sm, nullptr); });
+    launches_match_twin(tc, need.partial_elems, need.counter_elems, 4,
+                        "qgemv_cuda (" + kq::describe(kq::qgemv_plan<bf16>(tc.shape, sm)) + ")", 1e-5, [&](const kq::QGemmWorkspace& ws) {
+                          return kq::qgemv_cuda(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, ws, sm, nullptr);
+                        });
     if (::testing::Test::HasFatalFailure()) return;
     // a workspace smaller than the plan's is refused before any launch
     if (need.partial_elems > 0) {
       Dev<float> part(std::size_t(need.partial_elems));
       Dev<int> cnt(std::vector<int>(std::size_t(need.counter_elems), 0));
-      EXPECT_EQ(kq::qgemv_cuda(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, kq::QGemmWorkspace{part.p, need.partial_elems - 1, cnt.p, need.counter_elems},
-                               sm, nullptr),
+      EXPECT_EQ(kq::qgemv_cuda(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape,
+                               kq::QGemmWorkspace{part.p, need.partial_elems - 1, cnt.p, need.counter_elems}, sm, nullptr),
                 cudaErrorInvalidValue);
     }
   }

@@ -120,12 +120,14 @@ void cfg_runs(const TwinCase<T>& tc, const std::vector<std::pair<int, int>>& run
     const kq::QGemmWorkspace ws{part.p, plan.partial_elems, cnt.p, plan.counter_elems};
     for (int rep = 0; rep < reps; ++rep) {
       SQUEEZE_CUDA_CHECK(cudaMemset(tc.dy.p, 0xff, tc.dy.n * sizeof(T)));
-      SQUEEZE_CUDA_CHECK((kq::detail::launch_qgemm_cfg<T, BITS, C>(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, plan, ws, nullptr)));
+      SQUEEZE_CUDA_CHECK(
+          (kq::detail::launch_qgemm_cfg<T, BITS, C>(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, plan, ws, nullptr)));
       SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
       expect_close_to_twin(tc.mag, tc.ref, tc.dy.get(),
                            kq::detail::cfg_name<C>() + " bits " + std::to_string(BITS) + " M " + std::to_string(tc.M) + " N " +
-                               std::to_string(tc.shape.N) + " K " + std::to_string(tc.shape.K) + " cps " + std::to_string(cps) + " splits " +
-                               std::to_string(plan.splits) + " items/block " + std::to_string(plan.items_per_block) + " rep " + std::to_string(rep),
+                               std::to_string(tc.shape.N) + " K " + std::to_string(tc.shape.K) + " cps " + std::to_string(cps) +
+                               " splits " + std::to_string(plan.splits) + " items/block " + std::to_string(plan.items_per_block) + " rep " +
+                               std::to_string(rep),
                            rel);
       if (::testing::Test::HasFatalFailure()) return;
     }
@@ -199,8 +201,7 @@ TEST(QuantCuda, BulkLoaderMatchesCpuTwinAt8Bits) {
 // M = 1, 7 (a partial batch block), 13 (16 rows: a partial second block), 16. Tolerances as in cfg_runs.
 template <class T, int BITS, class C>
 void swap_check(const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t M) {
-  if constexpr (C::SWAP && !(BITS == 3 && C::LOADER == kq::QGemmLoader::CpAsync))
-    cfg_check<T, C, BITS>(p, t, M);
+  if constexpr (C::SWAP && !(BITS == 3 && C::LOADER == kq::QGemmLoader::CpAsync)) cfg_check<T, C, BITS>(p, t, M);
 }
 template <class T, int BITS, class... Cs>
 void swap_cfgs(bg::CfgList<Cs...>, const quant::PackedLinear& p, const quant::QTiles& t, std::int64_t M) {
@@ -240,8 +241,8 @@ TEST(QuantCuda, WeightsAsAOperandMatchCpuTwinAt8Bits) {
 // sequences per block). Then a ragged layer (N 2096: partial last strip, K 3000: padded, groups of 32).
 template <class T, class C>
 void stress_cfg(const TwinCase<T>& tc, bool ragged) {
-  if (ragged && C::LOADER != kq::QGemmLoader::Bulk) return;  // the ragged layer is for the bulk loader
-  if (C::ROWS > 2 * std::max<std::int64_t>(tc.M, 16)) return;       // far from this batch (as the benchmark skips it)
+  if (ragged && C::LOADER != kq::QGemmLoader::Bulk) return;    // the ragged layer is for the bulk loader
+  if (C::ROWS > 2 * std::max<std::int64_t>(tc.M, 16)) return;  // far from this batch (as the benchmark skips it)
   std::vector<std::pair<int, int>> runs = {{0, sm_count()}, {4, sm_count()}, {16, sm_count()}};
   if constexpr (C::PERSIST > 0) runs.insert(runs.end(), {{4, 7}, {16, 7}});
   cfg_runs<T, C>(tc, runs, 5);

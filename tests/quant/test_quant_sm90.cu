@@ -7,9 +7,9 @@
 #include "quant_cuda_common.cuh"
 
 // ---- the sm90 GEMM (gemm/sm90.cuh) ----------------------------------------------------------------------
-#define REQUIRE_SM90()                                                                                                \
-  REQUIRE_DEVICE();                                                                                                   \
-  if (!kq::qgemm_sm90_supported())                                                                                    \
+#define REQUIRE_SM90()             \
+  REQUIRE_DEVICE();                \
+  if (!kq::qgemm_sm90_supported()) \
   GTEST_SKIP() << "the wgmma GEMM needs an sm_90 device and sm_90a device code (configure with CMAKE_CUDA_ARCHITECTURES=90a)"
 
 // Configuration C on a twin case for each K split count (0: the plan's own), reps launches each on the same
@@ -21,17 +21,20 @@ void sm90_cfg_runs(const TwinCase<T>& tc, const std::vector<int>& split_counts, 
   const double rel = std::is_same_v<T, bf16> ? 0x1p-7 : 0x1p-10;
   if (C::GSCALE && tc.shape.group % 64) {  // per-group fp32 scaling takes groups of whole 64-k chunks only
     const auto plan = kq::plan_qgemm_sm90<C>(tc.shape, kq::detail::sm90_capacity<C>(sm_count()));
-    EXPECT_EQ((kq::detail::launch_qgemm_sm90_cfg<T, C>(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, plan, {}, nullptr)), cudaErrorInvalidValue)
+    EXPECT_EQ((kq::detail::launch_qgemm_sm90_cfg<T, C>(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, plan, {}, nullptr)),
+              cudaErrorInvalidValue)
         << kq::detail::sm90_cfg_name<C>() << " group " << tc.shape.group;
     return;
   }
   for (const int sp : split_counts)
     for (const auto reduce : {kq::Sm90Reduce::Cluster, kq::Sm90Reduce::Global, kq::Sm90Reduce::GlobalLast}) {
       if (sp == 0 && reduce != kq::Sm90Reduce::Cluster) continue;  // the plan's own choice: once
-      const auto plan = kq::plan_qgemm_sm90<C>(tc.shape, kq::detail::sm90_capacity<C>(sm_count()), sp, sp == 0 ? kq::Sm90Reduce::Auto : reduce);
-      launches_match_twin(tc, plan.partial_elems, plan.counter_elems, reps, kq::detail::sm90_cfg_name<C>() + " (" + kq::describe(plan) + ")", rel,
-                          [&](const kq::QGemmWorkspace& ws) {
-                            return kq::detail::launch_qgemm_sm90_cfg<T, C>(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, plan, ws, nullptr);
+      const auto plan =
+          kq::plan_qgemm_sm90<C>(tc.shape, kq::detail::sm90_capacity<C>(sm_count()), sp, sp == 0 ? kq::Sm90Reduce::Auto : reduce);
+      launches_match_twin(tc, plan.partial_elems, plan.counter_elems, reps,
+                          kq::detail::sm90_cfg_name<C>() + " (" + kq::describe(plan) + ")", rel, [&](const kq::QGemmWorkspace& ws) {
+                            return kq::detail::launch_qgemm_sm90_cfg<T, C>(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, plan, ws,
+                                                                           nullptr);
                           });
       if (::testing::Test::HasFatalFailure()) return;
     }
@@ -93,9 +96,10 @@ void sm90_tapered_runs(const TwinCase<T>& tc) {
       auto plan = kq::plan_qgemm_sm90<C>(tc.shape, kq::detail::sm90_capacity<C>(sm_count()), 7, reduce);
       ASSERT_EQ(plan.splits, 6);  // 18 chunks: 6 ranges of 3 (no empty seventh)
       ASSERT_EQ(kq::sm90_taper(plan, tc.shape, lead, tail), "") << kq::describe(plan);
-      launches_match_twin(tc, plan.partial_elems, plan.counter_elems, 2, kq::detail::sm90_cfg_name<C>() + " (" + kq::describe(plan) + ")", rel,
-                          [&](const kq::QGemmWorkspace& ws) {
-                            return kq::detail::launch_qgemm_sm90_cfg<T, C>(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, plan, ws, nullptr);
+      launches_match_twin(tc, plan.partial_elems, plan.counter_elems, 2, kq::detail::sm90_cfg_name<C>() + " (" + kq::describe(plan) + ")",
+                          rel, [&](const kq::QGemmWorkspace& ws) {
+                            return kq::detail::launch_qgemm_sm90_cfg<T, C>(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, plan, ws,
+                                                                           nullptr);
                           });
       if (::testing::Test::HasFatalFailure()) return;
     }
@@ -128,8 +132,9 @@ void sm90_dispatch_check(const quant::PackedLinear& p, std::int64_t M, int reps)
   const int sm = sm_count();
   for (int sp : {0, 5, 12}) {  // 12: through global memory (more than a cluster holds)
     const auto need = kq::qgemm_sm90_workspace_size(tc.shape, sm, sp);
-    launches_match_twin(tc, need.partial_elems, need.counter_elems, reps, "qgemm_sm90_cuda (" + kq::describe(kq::qgemm_sm90_plan(tc.shape, sm, sp)) + ")",
-                        rel, [&](const kq::QGemmWorkspace& ws) {
+    launches_match_twin(tc, need.partial_elems, need.counter_elems, reps,
+                        "qgemm_sm90_cuda (" + kq::describe(kq::qgemm_sm90_plan(tc.shape, sm, sp)) + ")", rel,
+                        [&](const kq::QGemmWorkspace& ws) {
                           return kq::qgemm_sm90_cuda(tc.dx.p, tc.dt.p, tc.ds.p, tc.dz.p, tc.dy.p, tc.shape, ws, sm, nullptr, sp);
                         });
     if (::testing::Test::HasFatalFailure()) return;
@@ -146,8 +151,8 @@ TEST(QuantCudaSm90, DispatchOnLargeLayersRepeatedly) {
   sm90_dispatch_check<bf16>(ragged, 100, 3);
   sm90_dispatch_check<half>(ragged, 33, 3);
 }
-// The timeline probe (bench/quant/gemm_configs.cuh's Sm90Probe<Cfg, 3>, what bench_qgemm_sm90 --timeline runs) does the kernel's whole work, so its y
-// matches the CPU twin, and each block's trace points come in program order: entry, set-up, first chunk, loop end, the
+// The timeline probe (bench/quant/gemm_configs.cuh's Sm90Probe<Cfg, 3>, what bench_qgemm_sm90 --timeline runs) does the kernel's whole
+// work, so its y matches the CPU twin, and each block's trace points come in program order: entry, set-up, first chunk, loop end, the
 // epilogue's barriers, end (one SM's clock); the producer's first chunk queued before its last; the global timer at
 // entry before the one at the end. One K range, and 3 K ranges summed each way: in a cluster, spread, and by the
 // tile's last block (only that block reaches the stores).
@@ -283,14 +288,15 @@ TEST(QuantCudaSm90, RejectsPlansItCannotRun) {
   EXPECT_EQ(launch_with({partial, global_plan.partial_elems - 1, cnt.data(), global_plan.counter_elems}), cudaErrorInvalidValue);
   EXPECT_EQ(launch_with({partial, global_plan.partial_elems, cnt.data(), global_plan.counter_elems - 1}), cudaErrorInvalidValue);
   EXPECT_EQ(launch_with({partial, global_plan.partial_elems, nullptr, global_plan.counter_elems}), cudaErrorInvalidValue);
-  EXPECT_EQ(launch_with({partial + 1, global_plan.partial_elems, cnt.data(), global_plan.counter_elems}), cudaErrorInvalidValue);  // float4 sums
+  EXPECT_EQ(launch_with({partial + 1, global_plan.partial_elems, cnt.data(), global_plan.counter_elems}),
+            cudaErrorInvalidValue);  // float4 sums
   // per-group fp32 scaling (group_scale) with groups that are not whole 64-k chunks
-  using TinyScaled = kq::Sm90Config<kq::Sm90Knobs{.batch_rows = 16, .m64_tiles = 2, .stages = 8, .blocks_per_sm = 2, .warp_specialized = true,
-                                                   .group_scale = true}>;
+  using TinyScaled = kq::Sm90Config<kq::Sm90Knobs{
+      .batch_rows = 16, .m64_tiles = 2, .stages = 8, .blocks_per_sm = 2, .warp_specialized = true, .group_scale = true}>;
   const kq::QGemmShape group32{16, 200, 1096, 1152, 208, 32, 4};
-  EXPECT_EQ((kq::detail::launch_qgemm_sm90_cfg<half, TinyScaled>(nullptr, nullptr, nullptr, nullptr, nullptr, group32,
-                                                                  kq::plan_qgemm_sm90<TinyScaled>(group32, kq::sm90_even_capacity<TinyScaled>(132), 1), {},
-                                                                  nullptr)),
+  EXPECT_EQ((kq::detail::launch_qgemm_sm90_cfg<half, TinyScaled>(
+                nullptr, nullptr, nullptr, nullptr, nullptr, group32,
+                kq::plan_qgemm_sm90<TinyScaled>(group32, kq::sm90_even_capacity<TinyScaled>(132), 1), {}, nullptr)),
             cudaErrorInvalidValue);
   using Tiny = kq::Sm90_M16;
   const kq::QGemmShape huge{std::int64_t(1) << 24, std::int64_t(1) << 30, 64, 64, std::int64_t(1) << 30, 64, 4};

@@ -101,8 +101,9 @@ TEST(Safetensors, CorruptAndHostileHeadersGiveClearErrors) {
   expect_rejected(raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}})", 8), "begin > end");
   expect_rejected(raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0]}})", 8), "two non-negative integers");
   expect_rejected(raw_file(R"({"a":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,8]}})", 8), "overflows");
-  expect_rejected(raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"I32","shape":[2],"data_offsets":[4,12]}})", 12),
-                  "overlap");
+  expect_rejected(
+      raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"I32","shape":[2],"data_offsets":[4,12]}})", 12),
+      "overlap");
   expect_rejected(raw_file(R"({"__metadata__":{"k":1}})", 0), "is not a string");
   expect_rejected(raw_file(R"({"a":7})", 0), "entry is not an object");
 }
@@ -192,10 +193,11 @@ TEST(QuantizedModelFile, MismatchedOrCorruptCheckpointsGiveClearErrors) {
   {
     auto p = layers.at("l");
     p.g_idx[3] = 7;
-    std::map<std::string, io::TensorRef> t = {{"l.qweight", io::tensor_ref<std::int32_t>(io::DType::I32, {p.qweight_rows(), p.out}, p.qweight)},
-                                              {"l.qzeros", io::tensor_ref<std::int32_t>(io::DType::I32, {p.groups(), p.qzeros_cols()}, p.qzeros)},
-                                              {"l.scales", io::tensor_ref<half>(io::DType::F16, {p.groups(), p.out}, p.scales)},
-                                              {"l.g_idx", io::tensor_ref<std::int32_t>(io::DType::I32, {p.in}, p.g_idx)}};
+    std::map<std::string, io::TensorRef> t = {
+        {"l.qweight", io::tensor_ref<std::int32_t>(io::DType::I32, {p.qweight_rows(), p.out}, p.qweight)},
+        {"l.qzeros", io::tensor_ref<std::int32_t>(io::DType::I32, {p.groups(), p.qzeros_cols()}, p.qzeros)},
+        {"l.scales", io::tensor_ref<half>(io::DType::F16, {p.groups(), p.out}, p.scales)},
+        {"l.g_idx", io::tensor_ref<std::int32_t>(io::DType::I32, {p.in}, p.g_idx)}};
     io::save_safetensors(dir / "model.safetensors", t);
     expect_load_error(dir, "g_idx[3] = 7");
     // scales stored as F32: wrong dtype

@@ -39,14 +39,14 @@ TEST(BnbDynamicMap, MatchesThePublishedConstruction) {
   EXPECT_EQ(m[127], 0.f);
   EXPECT_EQ(m[255], 1.f);
   const auto near = [](float got, double want) { EXPECT_NEAR(got, want, std::fabs(want) * 1e-6) << want; };
-  near(m[254], (0.9859375 + 1.0) / 2);   // the last midpoint of linspace(0.1, 1, 65), times 10^0
+  near(m[254], (0.9859375 + 1.0) / 2);  // the last midpoint of linspace(0.1, 1, 65), times 10^0
   near(m[0], -(0.9859375 + 1.0) / 2);
-  near(m[128], 0.55e-6);                 // e = 0: linspace(0.1, 1, 2) -> one midpoint, times 10^-6
+  near(m[128], 0.55e-6);  // e = 0: linspace(0.1, 1, 2) -> one midpoint, times 10^-6
   near(m[126], -0.55e-6);
-  near(m[129], 0.325e-5);                // e = 1: linspace(0.1, 1, 3) = 0.1, 0.55, 1
+  near(m[129], 0.325e-5);  // e = 1: linspace(0.1, 1, 3) = 0.1, 0.55, 1
   near(m[130], 0.775e-5);
   for (int k = 0; k < 4; ++k) near(m[131 + k], (0.2125 + 0.225 * k) * 1e-4);  // e = 2: step 0.225
-  near(m[135], (0.1 + 0.1125 / 2) * 1e-3);  // e = 3: step 0.1125
+  near(m[135], (0.1 + 0.1125 / 2) * 1e-3);                                    // e = 3: step 0.1125
   int negative = 0;
   for (int i = 0; i < 127; ++i) {
     EXPECT_EQ(m[i], -m[254 - i]) << i;
@@ -151,7 +151,8 @@ TEST(BnbNf4, NestedStateKeysAndSqueezeDequantization) {
   squeeze::kernels::quant::nf4_absmax_cpu(w.data(), out * in, 64, exact.data());
   const auto packed = io::to_nf4_packed(r);
   for (int i = 0; i < 600; ++i)
-    EXPECT_NEAR(squeeze::kernels::quant::nf4_block_absmax(packed.view(), i), exact[i], 0.5f * 0.9f / 64 * r.nested_absmax[i / 256] + 1e-6f) << i;
+    EXPECT_NEAR(squeeze::kernels::quant::nf4_block_absmax(packed.view(), i), exact[i], 0.5f * 0.9f / 64 * r.nested_absmax[i / 256] + 1e-6f)
+        << i;
 }
 
 TEST(BnbNf4, BadStateDictsNameTheKey) {

@@ -126,7 +126,8 @@ struct Case {
 // The checks both quantized loaders share: `layers` projections of type Layer, logits within 1e-5 of `reference`
 // (printed as `what`), and apply_lora<S> adopting q and v with the output unchanged at initialisation.
 template <class Layer, class S>
-void expect_quantized_llama(nn::Llama& q, int64_t layers, const torch::Tensor& ids, const torch::Tensor& reference, const std::string& what) {
+void expect_quantized_llama(nn::Llama& q, int64_t layers, const torch::Tensor& ids, const torch::Tensor& reference,
+                            const std::string& what) {
   int count = 0;
   for (const auto& mod : q->modules()) count += std::dynamic_pointer_cast<Layer>(mod) != nullptr;
   EXPECT_EQ(count, 7 * layers) << what;
@@ -193,8 +194,10 @@ TEST(QuantInterop, BnbDirectoryLoadsIntoAnNf4Llama) {
   for (const bool nested : {true, false}) {
     io::HfBnbModel m{.config = c, .bnb = {.double_quant = nested, .compute_dtype = "float32"}};
     for (const auto& e : io::hf_checkpoint_tensors(c)) {
-      if (io::is_quantized_kind(e.kind)) m.layers[io::module_of(e.squeeze)] = io::bnb_nf4_quantize(fp32.at(e.squeeze), e.shape, nested, 64, "float32");
-      else m.dense[e.squeeze] = fp32.at(e.squeeze);
+      if (io::is_quantized_kind(e.kind))
+        m.layers[io::module_of(e.squeeze)] = io::bnb_nf4_quantize(fp32.at(e.squeeze), e.shape, nested, 64, "float32");
+      else
+        m.dense[e.squeeze] = fp32.at(e.squeeze);
     }
     const fs::path dir = tmp / (nested ? "nested" : "plain");
     io::save_hf_bnb(dir, m);
@@ -205,7 +208,8 @@ TEST(QuantInterop, BnbDirectoryLoadsIntoAnNf4Llama) {
 
     nn::Llama q = nn::load_hf_bnb_llama(dir);
     expect_quantized_llama<nn::Nf4LinearImpl, Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<4, 8>>>(
-        q, c.num_hidden_layers, ids, reference, std::string("bitsandbytes NF4 directory (") + (nested ? "nested" : "plain") + ") as Nf4Linear layers");
+        q, c.num_hidden_layers, ids, reference,
+        std::string("bitsandbytes NF4 directory (") + (nested ? "nested" : "plain") + ") as Nf4Linear layers");
   }
   squeeze::io::remove_tree(tmp);
 }
@@ -314,7 +318,8 @@ TEST(QuantInterop, ReadsFilesFromRealClients) {
     EXPECT_EQ(differ, 0) << module << ": values that differ from bitsandbytes' dequantize_4bit";
 
     if (!ck.contains(module + ".original")) continue;
-    const auto mine = io::bnb_nf4_quantize(ck.read_float(module + ".original"), b.info.shape, b.info.nested, b.info.blocksize, b.info.dtype);
+    const auto mine =
+        io::bnb_nf4_quantize(ck.read_float(module + ".original"), b.info.shape, b.info.nested, b.info.blocksize, b.info.dtype);
     int64_t codes = 0;
     for (int64_t i = 0; i < b.numel(); ++i)
       codes += kernels::quant::nf4_code_at(mine.codes.data(), i) != kernels::quant::nf4_code_at(b.codes.data(), i);

@@ -16,7 +16,7 @@ std::vector<std::uint8_t> random_zeros(std::int64_t n, int bits, std::uint32_t s
   std::uniform_int_distribution<int> d(0, (1 << bits) - 1);
   std::vector<std::uint8_t> z(static_cast<std::size_t>(n));
   for (auto& v : z) v = std::uint8_t(d(rng));
-  z[0] = 0;                              // the borrowing case
+  z[0] = 0;                                  // the borrowing case
   z[n - 1] = std::uint8_t((1 << bits) - 1);  // the largest
   return z;
 }
@@ -85,8 +85,7 @@ TEST(V1Zeros, ThreeBitsShiftEachFieldAsGptqModelDoes) {
   z[0] = z[10] = z[21] = 0;  // the first field and both straddling ones
   const auto words = q::encode_v1_qzeros(z, 1, 32, 3);
   EXPECT_EQ(words, q::encode_v1_qzeros(z, 1, 32, 3, q::ZeroArithmetic::field));
-  for (std::int64_t j = 0; j < 32; ++j)
-    EXPECT_EQ(q::stream_get(words.data(), 1, j, 3), z[std::size_t(j)] == 0 ? 7u : 3u) << "field " << j;
+  for (std::int64_t j = 0; j < 32; ++j) EXPECT_EQ(q::stream_get(words.data(), 1, j, 3), z[std::size_t(j)] == 0 ? 7u : 3u) << "field " << j;
   EXPECT_EQ(q::decode_v1_qzeros(words, 1, 32, 3), z);
 }
 

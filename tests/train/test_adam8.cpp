@@ -158,7 +158,8 @@ TEST(Adam8Trainer, CheckpointRoundTripContinuesBitwise) {
       state.emplace_back();
       for (auto& t : part) state.back().push_back(t.defined() ? t.clone() : t);
     }
-    EXPECT_EQ((train::Trainer<Z3Off8, Hyper>::optimizer_state_names()), (std::vector<std::string>{"master", "m", "v", "m_absmax", "v_absmax"}));
+    EXPECT_EQ((train::Trainer<Z3Off8, Hyper>::optimizer_state_names()),
+              (std::vector<std::string>{"master", "m", "v", "m_absmax", "v_absmax"}));
     const int64_t applied = trainer.steps_applied();
     for (int s = first; s < first + second; ++s) step(trainer, *model, s);
     for (auto& [n, t] : trainer.full_parameters()) straight[r][n] = t.to(torch::kFloat32);

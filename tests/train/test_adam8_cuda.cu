@@ -24,7 +24,8 @@ void expect_device_update_bitwise(torch::ScalarType grad_dtype) {
   torch::manual_seed(11);
   const int64_t n = 70001;
   const auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
-  torch::Tensor master = torch::randn({n}, f32) * 0.5, param = master.to(torch::kBFloat16), grad = (torch::randn({n}, f32) * 1e-2).to(grad_dtype);
+  torch::Tensor master = torch::randn({n}, f32) * 0.5, param = master.to(torch::kBFloat16),
+                grad = (torch::randn({n}, f32) * 1e-2).to(grad_dtype);
   torch::Tensor mc = torch::randint(0, 256, {n}, torch::kUInt8), vc = torch::randint(0, 256, {n}, torch::kUInt8);
   torch::Tensor ma = torch::rand({sk::state_blocks(n)}, f32) * 0.1, va = torch::rand({sk::state_blocks(n)}, f32) * 0.01;
   const float values[2] = {0.25f, 0.75f};  // inverse loss scale, clip coefficient
@@ -32,7 +33,8 @@ void expect_device_update_bitwise(torch::ScalarType grad_dtype) {
   const torch::Device dev(torch::kCUDA);
   auto on = [&](const torch::Tensor& t) { return t.to(dev).contiguous(); };
   torch::Tensor dp = on(param), dm = on(master), dmc = on(mc), dma = on(ma), dvc = on(vc), dva = on(va);
-  engine::detail::adamw8_device_update<bf16, G>(dp, dm, on(grad), dmc, dma, dvc, dva, on(torch::from_blob(const_cast<float*>(values), {2}, f32)), c);
+  engine::detail::adamw8_device_update<bf16, G>(dp, dm, on(grad), dmc, dma, dvc, dva,
+                                                on(torch::from_blob(const_cast<float*>(values), {2}, f32)), c);
   const sk::AdamWDynamic d{&values[0], nullptr, &values[1], nullptr};
   sk::adamw8_cpu(sk::AdamW8Tensor<bf16, G>{reinterpret_cast<bf16*>(param.data_ptr()), master.data_ptr<float>(),
                                            reinterpret_cast<const G*>(grad.data_ptr()), mc.data_ptr<std::uint8_t>(), ma.data_ptr<float>(),
@@ -63,7 +65,8 @@ TEST(Adam8TrainerCuda, KernelPathTracksTheCpuRun) {
     std::vector<double> losses;
     for (int s = 0; s < 30; ++s)
       losses.push_back(trainer.step([&] { return model_loss(Model::llama, *model, data.x[s % 2][0].to(dev), data.y[s % 2][0]); }).loss);
-    for (const auto& part : trainer.optimizer_state()) EXPECT_EQ(part[1].device().type(), dev.type()) << "the 8-bit state lives with the model";
+    for (const auto& part : trainer.optimizer_state())
+      EXPECT_EQ(part[1].device().type(), dev.type()) << "the 8-bit state lives with the model";
     return losses;
   };
   auto mean = [](const std::vector<double>& l, std::size_t from, std::size_t to) {

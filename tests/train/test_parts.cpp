@@ -162,7 +162,8 @@ struct UnitsModelImpl : torch::nn::Module {
   TwoLayerBlock first{nullptr}, second{nullptr};
   torch::nn::LayerNorm norm{nullptr};
   UnitsModelImpl()
-      : first(register_module("first", TwoLayerBlock())), second(register_module("second", TwoLayerBlock())),
+      : first(register_module("first", TwoLayerBlock())),
+        second(register_module("second", TwoLayerBlock())),
         norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({6})))) {}
   torch::Tensor forward(const torch::Tensor& x) { return norm(second(first(x))); }
 };
@@ -178,7 +179,7 @@ TEST(Parts, GatherUnitsHoldOnePartitionPerBlock) {
   EXPECT_EQ(parts[1].key, "first");
   EXPECT_EQ(parts[2].key, "second");
   EXPECT_EQ(parts[1].layout->entries().size(), 4u);  // a.weight, a.bias, b.weight, b.bias
-  EXPECT_EQ(model->first->a->weight.numel(), 0);    // the shard holds the values
+  EXPECT_EQ(model->first->a->weight.numel(), 0);     // the shard holds the values
   const auto x = torch::randn({3, 6});
   const auto before = trainer.gather_parameter("first.a.weight");
   const auto r = trainer.step([&] { return model->forward(x).square().mean(); });

@@ -51,16 +51,20 @@ void parity_matrix(Model kind, int world) {
   if constexpr (A == 1) {
     expect_bitwise(s2.params, base.params, "Stage2 vs Stage0, " + tag);
   } else {
-    if constexpr (std::is_same_v<C, float>) expect_close(s2.params, base.params, 1e-6, 0.0, "Stage2 vs Stage0, " + tag);
-    else expect_update_close(s2.params, base.params, kind, 0.2, "Stage2 vs Stage0, " + tag);
+    if constexpr (std::is_same_v<C, float>)
+      expect_close(s2.params, base.params, 1e-6, 0.0, "Stage2 vs Stage0, " + tag);
+    else
+      expect_update_close(s2.params, base.params, kind, 0.2, "Stage2 vs Stage0, " + tag);
   }
   // Every variant reports the same loss trajectory on rank 0 as the baseline (bitwise where params are).
   for (std::size_t i = 0; i < base.log.size(); ++i) EXPECT_EQ(s1.log[i].loss, base.log[i].loss) << tag;
 
   // Against unsharded single-process training in float64 on the same global batches.
   const auto ref = reference_float64(kind, world, windows, A);
-  if constexpr (std::is_same_v<C, float>) expect_close(base.params, ref, 2e-5, 0.0, "Stage0 vs float64 single process, " + tag);
-  else expect_update_close(base.params, ref, kind, 0.25, "Stage0 vs float64 single process, " + tag);
+  if constexpr (std::is_same_v<C, float>)
+    expect_close(base.params, ref, 2e-5, 0.0, "Stage0 vs float64 single process, " + tag);
+  else
+    expect_update_close(base.params, ref, kind, 0.25, "Stage0 vs float64 single process, " + tag);
 }
 
 struct WorldParam : ::testing::TestWithParam<int> {};
@@ -120,7 +124,8 @@ TEST(Stage3, GatherUnitsKeepResultsBitwise) {
                                  std::to_string(depth) + ", kept " + std::to_string(keep) + ", world " + std::to_string(world);
         expect_bitwise(train<S3>(Model::llama, world, 4, units(whole, depth, keep)).params, base.params, "Stage3, " + what);
         expect_bitwise(train<S3O>(Model::llama, world, 4, units(whole, depth, keep)).params, base.params, "Stage3+Offload, " + what);
-        expect_bitwise(train<S3A>(Model::llama, world, 2, units(whole, depth, keep)).params, base_a.params, "Stage3 acc 4 vs Stage2, " + what);
+        expect_bitwise(train<S3A>(Model::llama, world, 2, units(whole, depth, keep)).params, base_a.params,
+                       "Stage3 acc 4 vs Stage2, " + what);
       }
   }
 }
@@ -132,12 +137,18 @@ class CountingComm final : public comm::Communicator {
   int rank() const override { return inner_->rank(); }
   int size() const override { return inner_->size(); }
   std::string_view backend() const override { return inner_->backend(); }
-  void all_gather(const void* a, void* b, std::size_t n, comm::DType t, comm::Stream s) override { ++gathers, inner_->all_gather(a, b, n, t, s); }
+  void all_gather(const void* a, void* b, std::size_t n, comm::DType t, comm::Stream s) override {
+    ++gathers, inner_->all_gather(a, b, n, t, s);
+  }
   void reduce_scatter(const void* a, void* b, std::size_t n, comm::DType t, comm::ReduceOp op, comm::Stream s) override {
     ++reductions, inner_->reduce_scatter(a, b, n, t, op, s);
   }
-  void all_reduce(const void* a, void* b, std::size_t n, comm::DType t, comm::ReduceOp op, comm::Stream s) override { inner_->all_reduce(a, b, n, t, op, s); }
-  void broadcast(const void* a, void* b, std::size_t n, comm::DType t, int root, comm::Stream s) override { inner_->broadcast(a, b, n, t, root, s); }
+  void all_reduce(const void* a, void* b, std::size_t n, comm::DType t, comm::ReduceOp op, comm::Stream s) override {
+    inner_->all_reduce(a, b, n, t, op, s);
+  }
+  void broadcast(const void* a, void* b, std::size_t n, comm::DType t, int root, comm::Stream s) override {
+    inner_->broadcast(a, b, n, t, root, s);
+  }
   void barrier() override { inner_->barrier(); }
   void synchronize(comm::Stream s) override { inner_->synchronize(s); }
   bool host_buffers() const override { return inner_->host_buffers(); }
@@ -318,8 +329,8 @@ void buckets_bitwise(Model kind, int world) {
     if (bytes == 300)
       std::cout << "[ stage2 ] " << tag << ": peak gradient bytes " << got.memory.peak_gradient_bytes << " (shards "
                 << got.memory.gradients.device << ", buckets in flight <= " << got.memory.communication.device
-                << ") vs full gradient (+ fp32 accumulator when mixed) " << full
-                << "; reduce-scatter bytes per step " << got.reduce_scatter_bytes << " (keeping local gradients to the last"
+                << ") vs full gradient (+ fp32 accumulator when mixed) " << full << "; reduce-scatter bytes per step "
+                << got.reduce_scatter_bytes << " (keeping local gradients to the last"
                 << " micro-step: " << got.reduce_scatter_bytes / A << ")\n";
   }
 }
@@ -354,8 +365,7 @@ TEST(Stage2, UnusedParameterDoesNotHang) {
       o.bucket_bytes = 16;
       auto t = zero_trainer<Strategy<Sharded<Stage2>>>(nets[comm->rank()], Hyper{}, comm, o);
       const auto before = net.unused->weight.detach().clone();  // rank 0's, after the broadcast
-      for (int s = 0; s < 2; ++s)
-        EXPECT_TRUE(t.step([&] { return net.a(torch::randn({4, 5})).square().mean(); }).applied);
+      for (int s = 0; s < 2; ++s) EXPECT_TRUE(t.step([&] { return net.a(torch::randn({4, 5})).square().mean(); }).applied);
       // Zero gradient: AdamW only decays the weight.
       EXPECT_TRUE(torch::allclose(net.unused->weight, before * (1 - 1e-2 * 0.1) * (1 - 1e-2 * 0.1)));
       EXPECT_FALSE(net.a->weight.grad().defined()) << "no full-size .grad is kept";
@@ -428,7 +438,8 @@ TEST(Offload, CheckpointedLlamaBitwise) {
         t.step([&] { return models[r]->loss(x.narrow(1, 0, 8), x.narrow(1, 1, 8)); });
       }
       auto full = t.full_parameters();
-      if (r == 0) for (auto& [n, v] : full) out[n] = v.to(torch::kFloat32);
+      if (r == 0)
+        for (auto& [n, v] : full) out[n] = v.to(torch::kFloat32);
     });
     return out;
   };
@@ -489,7 +500,7 @@ void overflow_skips_everywhere(int world) {
   for (int r = 0; r < world; ++r) models.push_back(make_model(Model::mlp, squeeze::torch_dtype<typename S::compute_type>()));
   train::TrainerOptions opt;
   opt.loss_scale = kernels::LossScaleOptions{.init_scale = 1024.0f};  // 2^16 overflows this model's fp16 gradients on the first step
-  opt.align_bytes = 2;  // element-aligned, so `gain` spreads over several ranks' shards
+  opt.align_bytes = 2;                                                // element-aligned, so `gain` spreads over several ranks' shards
   std::atomic<int> skipped{0};
   run_ranks(world, [&](std::shared_ptr<LocalComm> comm) {
     const int r = comm->rank();
@@ -626,12 +637,13 @@ TEST(Clipping, FromSqueezeAdamWOptions) {
   Params got;
   run_ranks(3, [&](std::shared_ptr<LocalComm> comm) {
     const int r = comm->rank();
-    const squeeze::AdamW adamw{.lr = h.lr, .beta1 = h.beta1, .beta2 = h.beta2, .eps = h.eps, .weight_decay = h.weight_decay,
-                               .max_grad_norm = 0.05f};
+    const squeeze::AdamW adamw{
+        .lr = h.lr, .beta1 = h.beta1, .beta2 = h.beta2, .eps = h.eps, .weight_decay = h.weight_decay, .max_grad_norm = 0.05f};
     auto trainer = zero_trainer<Strategy<Sharded<Stage2>>>(models[r], adamw, comm);
     for (int s = 0; s < 3; ++s) trainer.step([&] { return model_loss(Model::mlp, *models[r], data.x[s][r], data.y[s][r]); });
     auto full = trainer.full_parameters();
-    if (r == 0) for (auto& [n, t] : full) got[n] = t;
+    if (r == 0)
+      for (auto& [n, t] : full) got[n] = t;
     // Setting it twice is an error.
     EXPECT_THROW((zero_trainer<Strategy<Sharded<Stage2>>>(models[r], adamw, LocalComm::single(), {.max_grad_norm = 1.0f})), c10::Error);
   });
@@ -863,11 +875,12 @@ void moved_trainer_bitwise(int world) {
     const int r = comm->rank();
     std::optional<train::Trainer<S, Hyper>> holder;
     holder.emplace(zero_trainer<S>(models[r], Hyper{}, comm));  // a move
-    auto moved = std::move(*holder);                             // and another
-    holder.reset();                                              // the moved-from one is destroyed first
+    auto moved = std::move(*holder);                            // and another
+    holder.reset();                                             // the moved-from one is destroyed first
     for (int s = 0; s < 3; ++s) moved.step([&] { return model_loss(Model::llama, *models[r], data.x[s][r], data.y[s][r]); });
     auto full = moved.full_parameters();
-    if (r == 0) for (auto& [n, t] : full) got[n] = t.to(torch::kFloat32);
+    if (r == 0)
+      for (auto& [n, t] : full) got[n] = t.to(torch::kFloat32);
   });
   expect_bitwise(got, ref.params, "moved trainer");
 }
@@ -923,8 +936,8 @@ TEST(Trainer, SetLrAppliesToTheNextStepsAndRejectsBadRates) {
 // parameter's values are asked for once per rank.
 template <class S>
 void masters_from_float(int world) {
-  const std::string what = std::string("stage ") + std::to_string(S::stage) + (S::offload_to_host ? " + offload" : "") +
-                           ", world " + std::to_string(world);
+  const std::string what =
+      std::string("stage ") + std::to_string(S::stage) + (S::offload_to_host ? " + offload" : "") + ", world " + std::to_string(world);
   SCOPED_TRACE(what);
   const auto dtype = squeeze::torch_dtype<typename S::compute_type>();
   std::vector<std::shared_ptr<torch::nn::Module>> models;

@@ -25,8 +25,10 @@ void gpu_parity(int world) {
   const torch::Device dev(torch::kCUDA, 0);
   const bool f32 = std::is_same_v<C, float>;
   auto close = [&](const RunResult& got, const RunResult& ref, const std::string& what) {
-    if (f32) expect_close(got.params, ref.params, 1e-5, 0.0, what);
-    else expect_update_close(got.params, ref.params, Model::mlp, 0.2, what);
+    if (f32)
+      expect_close(got.params, ref.params, 1e-5, 0.0, what);
+    else
+      expect_update_close(got.params, ref.params, Model::mlp, 0.2, what);
   };
   const auto base = train<Strategy<Sharded<Stage0>, Accumulate<A>, Precision<C, float>>>(Model::mlp, world, 10, {}, {}, dev);
   expect_trained(base.params, Model::mlp, squeeze::torch_dtype<C>());
@@ -38,7 +40,8 @@ void gpu_parity(int world) {
   // per device, so thread-ranks sharing one GPU would wait on each other there: stage 3 on LocalComm over
   // one GPU runs at world size 1 only (NcclComm, one process per GPU, has no such limit).
   if (world == 1) {
-    close(train<Strategy<Sharded<Stage3>, Accumulate<A>, Precision<C, float>>>(Model::mlp, world, 10, {}, {}, dev), base, "GPU Stage3" + tag);
+    close(train<Strategy<Sharded<Stage3>, Accumulate<A>, Precision<C, float>>>(Model::mlp, world, 10, {}, {}, dev), base,
+          "GPU Stage3" + tag);
     close(train<Strategy<Sharded<Stage3>, Offload<Host>, Accumulate<A>, Precision<C, float>>>(Model::mlp, world, 10, {}, {}, dev), base,
           "GPU Stage3+Offload" + tag);
   }
@@ -284,6 +287,5 @@ TEST(ZeroCuda, NcclWorldOne) {
                train<Strategy<Sharded<Stage0>, Accumulate<4>>>(Model::mlp, 1, 10, {}, {}, dev).params, 1e-5, 0.0, "NCCL Stage2");
 }
 #endif
-
 
 }  // namespace

@@ -79,12 +79,14 @@ void nccl_parity(Model kind, int windows) {
   const auto dev = this_gpu();
   const bool f32 = std::is_same_v<C, float>;
   const std::string tag = std::string(kind == Model::mlp ? " mlp" : " llama") + " world " + std::to_string(W) + " " +
-                          std::string(dtype_name<C>()) + " accumulate " + std::to_string(A) + " (rank " +
-                          std::to_string(world().rank()) + ")";
+                          std::string(dtype_name<C>()) + " accumulate " + std::to_string(A) + " (rank " + std::to_string(world().rank()) +
+                          ")";
   const comm::CommPtr nccl = g_comm;
   auto close = [&](const RunResult& got, const RunResult& ref, const std::string& what) {
-    if (f32) expect_close(got.params, ref.params, 1e-5, 0.0, what + tag);
-    else expect_update_close(got.params, ref.params, kind, 0.2, what + tag);
+    if (f32)
+      expect_close(got.params, ref.params, 1e-5, 0.0, what + tag);
+    else
+      expect_update_close(got.params, ref.params, kind, 0.2, what + tag);
     expect_same_on_every_rank(got.params, what + tag);
   };
   using S0 = Strategy<Sharded<Stage0>, Accumulate<A>, Precision<C, float>>;
@@ -95,12 +97,12 @@ void nccl_parity(Model kind, int windows) {
         "NCCL Stage1 vs Stage0");
   close(train<Strategy<Sharded<Stage2>, Accumulate<A>, Precision<C, float>>>(kind, W, windows, {}, {}, dev, nccl), ref,
         "NCCL Stage2 vs Stage0");
-  close(train<Strategy<Sharded<Stage2>, Offload<Host>, Accumulate<A>, Precision<C, float>>>(kind, W, windows, {}, {}, dev, nccl),
-        ref, "NCCL Stage2+Offload vs Stage0");
+  close(train<Strategy<Sharded<Stage2>, Offload<Host>, Accumulate<A>, Precision<C, float>>>(kind, W, windows, {}, {}, dev, nccl), ref,
+        "NCCL Stage2+Offload vs Stage0");
   close(train<Strategy<Sharded<Stage3>, Accumulate<A>, Precision<C, float>>>(kind, W, windows, {}, {}, dev, nccl), ref,
         "NCCL Stage3 vs Stage0");
-  close(train<Strategy<Sharded<Stage3>, Offload<Host>, Accumulate<A>, Precision<C, float>>>(kind, W, windows, {}, {}, dev, nccl),
-        ref, "NCCL Stage3+Offload vs Stage0");
+  close(train<Strategy<Sharded<Stage3>, Offload<Host>, Accumulate<A>, Precision<C, float>>>(kind, W, windows, {}, {}, dev, nccl), ref,
+        "NCCL Stage3+Offload vs Stage0");
 }
 
 TEST(ZeroNccl, ParityMlpFloat) { nccl_parity<float, 1>(Model::mlp, 10), nccl_parity<float, 4>(Model::mlp, 10); }
@@ -176,9 +178,9 @@ TEST(ZeroNccl, Stage3MemoryPerGpu) {
   const auto bytes = allocator_bytes(dev.index());
   const int64_t held = bytes.current - before, peak = bytes.peak - before;
   std::cout << "[ memory ] world " << W << " rank " << world().rank() << ": Ψ = " << p.total_params
-            << ", 16Ψ/N = " << 16 * p.total_params / W << " B, accounted model state " << state << " B, allocator holds "
-            << held << " B after training (" << double(held) / double(16 * p.total_params / W)
-            << " x 16Ψ/N), peak " << peak << " B vs planner peak " << p.peak().device << " B\n";
+            << ", 16Ψ/N = " << 16 * p.total_params / W << " B, accounted model state " << state << " B, allocator holds " << held
+            << " B after training (" << double(held) / double(16 * p.total_params / W) << " x 16Ψ/N), peak " << peak
+            << " B vs planner peak " << p.peak().device << " B\n";
   EXPECT_GE(held, state);
   EXPECT_LE(held, state + p.communication.device + (int64_t(2) << 20) + state / 50);
   // The peak is printed for the record, not asserted: this test model's attention materialises the score

@@ -32,7 +32,6 @@ inline void reproducible_cpu_math() {
   at::set_num_threads(1);
 }
 
-
 struct Hyper {  // the AdamW hyper-parameters (optim::AdamW has the same fields)
   float lr = 1e-2f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.1f;
 };
@@ -150,23 +149,26 @@ Data make_data(Model kind, int world, int micro_steps, int64_t rows) {
 std::shared_ptr<torch::nn::Module> make_model(Model kind, torch::ScalarType dtype) {
   torch::manual_seed(1234);
   std::shared_ptr<torch::nn::Module> m;
-  if (kind == Model::mlp) m = MLP().ptr();
-  else m = TinyLlama(kLlamaShape).ptr();
+  if (kind == Model::mlp)
+    m = MLP().ptr();
+  else
+    m = TinyLlama(kLlamaShape).ptr();
   m->to(dtype);
   return m;
 }
 torch::Tensor model_loss(Model kind, torch::nn::Module& m, const torch::Tensor& x, const torch::Tensor& y) {
-  if (kind == Model::mlp) return static_cast<MLPImpl&>(m).loss(x.to(m.parameters()[0].scalar_type()), y.to(m.parameters()[0].scalar_type()));
+  if (kind == Model::mlp)
+    return static_cast<MLPImpl&>(m).loss(x.to(m.parameters()[0].scalar_type()), y.to(m.parameters()[0].scalar_type()));
   return static_cast<TinyLlamaImpl&>(m).loss(x);
 }
 
 using Params = std::map<std::string, torch::Tensor>;
 
 struct RunResult {
-  Params params;                    // rank 0's (single: this rank's) full parameters after training, float
-  std::vector<train::StepResult> log;  // rank 0's boundary results
-  train::MemoryUse memory;             // rank 0's accounting after training
-  int64_t reduce_scatter_bytes = 0; // rank 0: bytes into gradient reduce-scatters in the last window
+  Params params;                         // rank 0's (single: this rank's) full parameters after training, float
+  std::vector<train::StepResult> log;    // rank 0's boundary results
+  train::MemoryUse memory;               // rank 0's accounting after training
+  int64_t reduce_scatter_bytes = 0;      // rank 0: bytes into gradient reduce-scatters in the last window
   bool updated_during_backward = false;  // rank 0, Offload<Host>: the last step updated inside backward
 };
 
@@ -176,8 +178,8 @@ struct RunResult {
 // threads; every process then sees data[step][its rank], the rows the LocalComm run at `world` gives that
 // rank, and RunResult holds this rank's results.
 template <class S>
-RunResult train(Model kind, int world, int windows, train::TrainerOptions opt = {}, Hyper hyper = {},
-                torch::Device device = torch::kCPU, comm::CommPtr single = nullptr) {
+RunResult train(Model kind, int world, int windows, train::TrainerOptions opt = {}, Hyper hyper = {}, torch::Device device = torch::kCPU,
+                comm::CommPtr single = nullptr) {
   constexpr int A = S::accumulation_steps;
   const auto dtype = squeeze::torch_dtype<typename S::compute_type>();
   const Data data = make_data(kind, world, windows * A, 6);
@@ -219,8 +221,7 @@ void expect_bitwise(const Params& a, const Params& b, const std::string& what) {
   ASSERT_EQ(a.size(), b.size()) << what;
   for (auto& [n, t] : a) {
     ASSERT_TRUE(b.count(n)) << what << ": missing " << n;
-    ASSERT_TRUE(torch::equal(t, b.at(n))) << what << ": " << n << " differs, max |diff| "
-                                          << (t - b.at(n)).abs().max().item<float>();
+    ASSERT_TRUE(torch::equal(t, b.at(n))) << what << ": " << n << " differs, max |diff| " << (t - b.at(n)).abs().max().item<float>();
   }
 }
 void expect_close(const Params& a, const Params& b, double atol, double rtol, const std::string& what) {
@@ -252,17 +253,18 @@ void expect_update_close(const Params& got, const Params& ref, Model kind, doubl
 void expect_trained(const Params& p, Model kind, torch::ScalarType dtype) {
   auto m = make_model(kind, dtype);
   double moved = 0;
-  for (auto& item : m->named_parameters()) moved = std::max(moved, (p.at(item.key()) - item.value().to(torch::kFloat32)).abs().max().item<double>());
+  for (auto& item : m->named_parameters())
+    moved = std::max(moved, (p.at(item.key()) - item.value().to(torch::kFloat32)).abs().max().item<double>());
   EXPECT_GT(moved, 1e-2) << "parameters did not move";
 }
 
 // ---- unsharded float64 reference: one process, the global batch, torch::optim::AdamW ---------------------
-Params reference_float64(Model kind, int world, int windows, int A, float max_norm = 0, Hyper h = {},
-                         std::vector<float>* norms = nullptr) {
+Params reference_float64(Model kind, int world, int windows, int A, float max_norm = 0, Hyper h = {}, std::vector<float>* norms = nullptr) {
   const Data data = make_data(kind, world, windows * A, 6);
   auto m = make_model(kind, torch::kFloat32);
   m->to(torch::kFloat64);
-  torch::optim::AdamW opt(m->parameters(), torch::optim::AdamWOptions(h.lr).betas({h.beta1, h.beta2}).eps(h.eps).weight_decay(h.weight_decay));
+  torch::optim::AdamW opt(m->parameters(),
+                          torch::optim::AdamWOptions(h.lr).betas({h.beta1, h.beta2}).eps(h.eps).weight_decay(h.weight_decay));
   for (int w = 0; w < windows; ++w) {
     opt.zero_grad();
     for (int a = 0; a < A; ++a) {

@@ -36,44 +36,83 @@ using Stream = void*;  // cudaStream_t where CUDA exists
 
 constexpr std::size_t dtype_size(DType t) {
   switch (t) {
-    case DType::f32: case DType::i32: return 4;
-    case DType::f16: case DType::bf16: return 2;
-    case DType::f64: case DType::i64: return 8;
-    case DType::u8: return 1;
+    case DType::f32:
+    case DType::i32:
+      return 4;
+    case DType::f16:
+    case DType::bf16:
+      return 2;
+    case DType::f64:
+    case DType::i64:
+      return 8;
+    case DType::u8:
+      return 1;
   }
   return 0;
 }
 
 constexpr std::string_view dtype_name(DType t) {
   switch (t) {
-    case DType::f32: return "f32";
-    case DType::f16: return "f16";
-    case DType::bf16: return "bf16";
-    case DType::f64: return "f64";
-    case DType::i32: return "i32";
-    case DType::i64: return "i64";
-    case DType::u8: return "u8";
+    case DType::f32:
+      return "f32";
+    case DType::f16:
+      return "f16";
+    case DType::bf16:
+      return "bf16";
+    case DType::f64:
+      return "f64";
+    case DType::i32:
+      return "i32";
+    case DType::i64:
+      return "i64";
+    case DType::u8:
+      return "u8";
   }
   return "?";
 }
 
 constexpr std::string_view op_name(ReduceOp op) {
   switch (op) {
-    case ReduceOp::sum: return "sum";
-    case ReduceOp::avg: return "avg";
-    case ReduceOp::max: return "max";
+    case ReduceOp::sum:
+      return "sum";
+    case ReduceOp::avg:
+      return "avg";
+    case ReduceOp::max:
+      return "max";
   }
   return "?";
 }
 
-template <class T> constexpr DType dtype_of();
-template <> constexpr DType dtype_of<float>() { return DType::f32; }
-template <> constexpr DType dtype_of<half>() { return DType::f16; }
-template <> constexpr DType dtype_of<bf16>() { return DType::bf16; }
-template <> constexpr DType dtype_of<double>() { return DType::f64; }
-template <> constexpr DType dtype_of<std::int32_t>() { return DType::i32; }
-template <> constexpr DType dtype_of<std::int64_t>() { return DType::i64; }
-template <> constexpr DType dtype_of<std::uint8_t>() { return DType::u8; }
+template <class T>
+constexpr DType dtype_of();
+template <>
+constexpr DType dtype_of<float>() {
+  return DType::f32;
+}
+template <>
+constexpr DType dtype_of<half>() {
+  return DType::f16;
+}
+template <>
+constexpr DType dtype_of<bf16>() {
+  return DType::bf16;
+}
+template <>
+constexpr DType dtype_of<double>() {
+  return DType::f64;
+}
+template <>
+constexpr DType dtype_of<std::int32_t>() {
+  return DType::i32;
+}
+template <>
+constexpr DType dtype_of<std::int64_t>() {
+  return DType::i64;
+}
+template <>
+constexpr DType dtype_of<std::uint8_t>() {
+  return DType::u8;
+}
 
 // Each rank's block of an n-element buffer split over `world` ranks, and the padded length.
 constexpr std::size_t shard_count(std::size_t n, int world) { return (n + std::size_t(world) - 1) / std::size_t(world); }
@@ -102,16 +141,20 @@ class Communicator {
   virtual bool device_buffers() const { return false; }
 
   // Typed conveniences.
-  template <class T> void all_gather(const T* send, T* recv, std::size_t count, Stream s = nullptr) {
+  template <class T>
+  void all_gather(const T* send, T* recv, std::size_t count, Stream s = nullptr) {
     all_gather(static_cast<const void*>(send), static_cast<void*>(recv), count, dtype_of<T>(), s);
   }
-  template <class T> void reduce_scatter(const T* send, T* recv, std::size_t count, ReduceOp op, Stream s = nullptr) {
+  template <class T>
+  void reduce_scatter(const T* send, T* recv, std::size_t count, ReduceOp op, Stream s = nullptr) {
     reduce_scatter(static_cast<const void*>(send), static_cast<void*>(recv), count, dtype_of<T>(), op, s);
   }
-  template <class T> void all_reduce(const T* send, T* recv, std::size_t count, ReduceOp op, Stream s = nullptr) {
+  template <class T>
+  void all_reduce(const T* send, T* recv, std::size_t count, ReduceOp op, Stream s = nullptr) {
     all_reduce(static_cast<const void*>(send), static_cast<void*>(recv), count, dtype_of<T>(), op, s);
   }
-  template <class T> void broadcast(const T* send, T* recv, std::size_t count, int root, Stream s = nullptr) {
+  template <class T>
+  void broadcast(const T* send, T* recv, std::size_t count, int root, Stream s = nullptr) {
     broadcast(static_cast<const void*>(send), static_cast<void*>(recv), count, dtype_of<T>(), root, s);
   }
 };

@@ -36,16 +36,17 @@ namespace squeeze::comm {
 namespace detail {
 
 // Reduce `n_inputs` buffers (each `count` elements of t) in input order into out.
-inline void reduce_host(const void* const* inputs, int n_inputs, std::size_t offset, std::size_t count, DType t,
-                        ReduceOp op, void* out) {
+inline void reduce_host(const void* const* inputs, int n_inputs, std::size_t offset, std::size_t count, DType t, ReduceOp op, void* out) {
   auto run = [&]<class T, class Acc>(T*, Acc*, auto load, auto store) {
     T* o = static_cast<T*>(out);
     for (std::size_t i = 0; i < count; ++i) {
       Acc acc = load(static_cast<const T*>(inputs[0])[offset + i]);
       for (int r = 1; r < n_inputs; ++r) {
         const Acc x = load(static_cast<const T*>(inputs[r])[offset + i]);
-        if (op == ReduceOp::max) acc = (x > acc || x != x) ? x : acc;  // NaN propagates
-        else acc = acc + x;
+        if (op == ReduceOp::max)
+          acc = (x > acc || x != x) ? x : acc;  // NaN propagates
+        else
+          acc = acc + x;
       }
       if (op == ReduceOp::avg) acc = acc / Acc(n_inputs);
       o[i] = store(acc);
@@ -53,8 +54,12 @@ inline void reduce_host(const void* const* inputs, int n_inputs, std::size_t off
   };
   auto id = [](auto x) { return x; };
   switch (t) {
-    case DType::f32: run((float*)nullptr, (float*)nullptr, id, id); break;
-    case DType::f64: run((double*)nullptr, (double*)nullptr, id, id); break;
+    case DType::f32:
+      run((float*)nullptr, (float*)nullptr, id, id);
+      break;
+    case DType::f64:
+      run((double*)nullptr, (double*)nullptr, id, id);
+      break;
     case DType::f16:
       run((half*)nullptr, (float*)nullptr, [](half x) { return to_float(x); }, [](float x) { return from_float<half>(x); });
       break;
@@ -65,7 +70,9 @@ inline void reduce_host(const void* const* inputs, int n_inputs, std::size_t off
       run((std::int32_t*)nullptr, (std::int64_t*)nullptr, [](std::int32_t x) { return std::int64_t(x); },
           [](std::int64_t x) { return std::int32_t(x); });
       break;
-    case DType::i64: run((std::int64_t*)nullptr, (std::int64_t*)nullptr, id, id); break;
+    case DType::i64:
+      run((std::int64_t*)nullptr, (std::int64_t*)nullptr, id, id);
+      break;
     case DType::u8:
       run((std::uint8_t*)nullptr, (std::int64_t*)nullptr, [](std::uint8_t x) { return std::int64_t(x); },
           [](std::int64_t x) { return std::uint8_t(x); });
@@ -118,8 +125,8 @@ class LocalGroup {
     }
     if (!cv_.wait_for(lk, timeout_, [&] { return generation_ != gen || aborted_; })) {
       aborted_ = true;
-      reason_ = "LocalComm: rank " + std::to_string(rank) + " waited " + std::to_string(timeout_.count()) +
-                " ms in " + std::string(what) + " for the other ranks (a rank failed or called a different collective)";
+      reason_ = "LocalComm: rank " + std::to_string(rank) + " waited " + std::to_string(timeout_.count()) + " ms in " + std::string(what) +
+                " for the other ranks (a rank failed or called a different collective)";
       cv_.notify_all();
     }
     throw_if_aborted(rank, what);
@@ -158,8 +165,7 @@ class LocalComm final : public Communicator {
   }
 
   // One communicator per rank of a fresh group; hand comms[r] to the thread that plays rank r.
-  static std::vector<std::shared_ptr<LocalComm>> create(int world,
-                                                        std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+  static std::vector<std::shared_ptr<LocalComm>> create(int world, std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
     auto g = std::make_shared<LocalGroup>(world, timeout);
     std::vector<std::shared_ptr<LocalComm>> out;
     for (int r = 0; r < world; ++r) out.push_back(std::make_shared<LocalComm>(g, r));
@@ -175,16 +181,14 @@ class LocalComm final : public Communicator {
 
   void all_gather(const void* send, void* recv, std::size_t count, DType t, Stream s = nullptr) override {
     const std::size_t b = count * dtype_size(t);
-    run(kAllGather, send, b, recv, b * std::size_t(size()), count, t, ReduceOp::sum, 0, s,
-        [&](std::byte* out) {
-          for (int r = 0; r < size(); ++r) std::memcpy(out + std::size_t(r) * b, group_->post(r).send, b);
-        });
+    run(kAllGather, send, b, recv, b * std::size_t(size()), count, t, ReduceOp::sum, 0, s, [&](std::byte* out) {
+      for (int r = 0; r < size(); ++r) std::memcpy(out + std::size_t(r) * b, group_->post(r).send, b);
+    });
   }
   void reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, Stream s = nullptr) override {
     const std::size_t b = count * dtype_size(t);
-    run(kReduceScatter, send, b * std::size_t(size()), recv, b, count, t, op, 0, s, [&](std::byte* out) {
-      reduce_posts(std::size_t(rank_) * count, count, t, op, out);
-    });
+    run(kReduceScatter, send, b * std::size_t(size()), recv, b, count, t, op, 0, s,
+        [&](std::byte* out) { reduce_posts(std::size_t(rank_) * count, count, t, op, out); });
   }
   void all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, Stream s = nullptr) override {
     const std::size_t b = count * dtype_size(t);
@@ -222,8 +226,8 @@ class LocalComm final : public Communicator {
   // Post this rank's input, wait for all, compute this rank's output privately, wait again (nobody
   // still reads an input that an in-place output would overwrite), then write the output.
   template <class Compute>
-  void run(int kind, const void* send, std::size_t send_bytes, void* recv, std::size_t recv_bytes, std::size_t count,
-           DType t, ReduceOp op, int root, Stream s, Compute&& compute) {
+  void run(int kind, const void* send, std::size_t send_bytes, void* recv, std::size_t recv_bytes, std::size_t count, DType t, ReduceOp op,
+           int root, Stream s, Compute&& compute) {
     check(count == 0 || recv != nullptr, std::string("LocalComm::") + std::string(kind_name(kind)) + ": recv is null");
     check(send_bytes == 0 || send != nullptr, std::string("LocalComm::") + std::string(kind_name(kind)) + ": send is null");
     const auto name = kind_name(kind);
@@ -255,10 +259,9 @@ class LocalComm final : public Communicator {
         const auto& pq = group_->post(q);
         if (pq.count != p0.count || pq.dtype != p0.dtype || pq.kind != p0.kind || pq.op != p0.op || pq.root != p0.root)
           throw Error("LocalComm rank " + std::to_string(rank_) + ": ranks disagree on the collective: rank 0 called " +
-                      std::string(kind_name(p0.kind)) + "(count " + std::to_string(p0.count) + ", " +
-                      std::string(dtype_name(p0.dtype)) + ") and rank " + std::to_string(q) + " " +
-                      std::string(kind_name(pq.kind)) + "(count " + std::to_string(pq.count) + ", " +
-                      std::string(dtype_name(pq.dtype)) + ")");
+                      std::string(kind_name(p0.kind)) + "(count " + std::to_string(p0.count) + ", " + std::string(dtype_name(p0.dtype)) +
+                      ") and rank " + std::to_string(q) + " " + std::string(kind_name(pq.kind)) + "(count " + std::to_string(pq.count) +
+                      ", " + std::string(dtype_name(pq.dtype)) + ")");
       }
       compute(out.data());
       group_->arrive_and_wait(rank_, name);

@@ -36,29 +36,39 @@
 namespace squeeze::comm {
 
 struct NcclOptions {
-  std::chrono::milliseconds timeout{std::chrono::minutes(10)};         // per collective (watchdog)
-  std::chrono::milliseconds init_timeout{std::chrono::minutes(5)};     // store rendezvous + comm init
-  int device = -1;                                                     // -1: LOCAL_RANK (or 0)
+  std::chrono::milliseconds timeout{std::chrono::minutes(10)};      // per collective (watchdog)
+  std::chrono::milliseconds init_timeout{std::chrono::minutes(5)};  // store rendezvous + comm init
+  int device = -1;                                                  // -1: LOCAL_RANK (or 0)
 };
 
 namespace detail {
 inline ncclDataType_t nccl_type(DType t) {
   switch (t) {
-    case DType::f32: return ncclFloat32;
-    case DType::f16: return ncclFloat16;
-    case DType::bf16: return ncclBfloat16;
-    case DType::f64: return ncclFloat64;
-    case DType::i32: return ncclInt32;
-    case DType::i64: return ncclInt64;
-    case DType::u8: return ncclUint8;
+    case DType::f32:
+      return ncclFloat32;
+    case DType::f16:
+      return ncclFloat16;
+    case DType::bf16:
+      return ncclBfloat16;
+    case DType::f64:
+      return ncclFloat64;
+    case DType::i32:
+      return ncclInt32;
+    case DType::i64:
+      return ncclInt64;
+    case DType::u8:
+      return ncclUint8;
   }
   throw Error("NcclComm: unsupported dtype");
 }
 inline ncclRedOp_t nccl_op(ReduceOp op) {
   switch (op) {
-    case ReduceOp::sum: return ncclSum;
-    case ReduceOp::avg: return ncclAvg;
-    case ReduceOp::max: return ncclMax;
+    case ReduceOp::sum:
+      return ncclSum;
+    case ReduceOp::avg:
+      return ncclAvg;
+    case ReduceOp::max:
+      return ncclMax;
   }
   throw Error("NcclComm: unsupported reduce op");
 }
@@ -125,8 +135,10 @@ class NcclComm final : public Communicator {
           std::this_thread::sleep_for(std::chrono::microseconds(100));
           ncclCommGetAsyncError(comm_, &st);
         }
-        if (st == ncclSuccess) ncclCommDestroy(comm_);
-        else if (!aborted_.exchange(true)) ncclCommAbort(comm_);
+        if (st == ncclSuccess)
+          ncclCommDestroy(comm_);
+        else if (!aborted_.exchange(true))
+          ncclCommAbort(comm_);
       } else if (!aborted_.exchange(true)) {
         ncclCommAbort(comm_);
       }
@@ -153,19 +165,16 @@ class NcclComm final : public Communicator {
     enqueue("all_gather", s, [&] { return ncclAllGather(send, recv, count, detail::nccl_type(t), comm_, cudaStream_t(s)); });
   }
   void reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, Stream s = nullptr) override {
-    enqueue("reduce_scatter", s, [&] {
-      return ncclReduceScatter(send, recv, count, detail::nccl_type(t), detail::nccl_op(op), comm_, cudaStream_t(s));
-    });
+    enqueue("reduce_scatter", s,
+            [&] { return ncclReduceScatter(send, recv, count, detail::nccl_type(t), detail::nccl_op(op), comm_, cudaStream_t(s)); });
   }
   void all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, Stream s = nullptr) override {
-    enqueue("all_reduce", s, [&] {
-      return ncclAllReduce(send, recv, count, detail::nccl_type(t), detail::nccl_op(op), comm_, cudaStream_t(s));
-    });
+    enqueue("all_reduce", s,
+            [&] { return ncclAllReduce(send, recv, count, detail::nccl_type(t), detail::nccl_op(op), comm_, cudaStream_t(s)); });
   }
   void broadcast(const void* send, void* recv, std::size_t count, DType t, int root, Stream s = nullptr) override {
     check(root >= 0 && root < world_, "NcclComm::broadcast: root " + std::to_string(root) + " is not a rank");
-    enqueue("broadcast", s,
-            [&] { return ncclBroadcast(send, recv, count, detail::nccl_type(t), root, comm_, cudaStream_t(s)); });
+    enqueue("broadcast", s, [&] { return ncclBroadcast(send, recv, count, detail::nccl_type(t), root, comm_, cudaStream_t(s)); });
   }
   void barrier() override {
     all_reduce(scratch_, scratch_, 1, DType::f32, ReduceOp::sum, nullptr);
@@ -205,8 +214,7 @@ class NcclComm final : public Communicator {
       }
       r = call();
     }
-    if (r != ncclSuccess && r != ncclInProgress)
-      fail(std::string(what) + " returned " + ncclGetErrorString(r));
+    if (r != ncclSuccess && r != ncclInProgress) fail(std::string(what) + " returned " + ncclGetErrorString(r));
     if (r == ncclInProgress) wait_ready(what, opt_.timeout);  // non-blocking comm: the enqueue itself may pend
     cudaEvent_t ev;
     SQUEEZE_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
@@ -284,9 +292,9 @@ class NcclComm final : public Communicator {
           continue;
         }
         if (q != cudaErrorNotReady || std::chrono::steady_clock::now() - p.start > opt_.timeout) {
-          const std::string why = std::string(p.what) +
-                                  (q != cudaErrorNotReady ? std::string(" failed: ") + cudaGetErrorString(q)
-                                                          : " did not finish within " + std::to_string(opt_.timeout.count()) + " ms");
+          const std::string why =
+              std::string(p.what) + (q != cudaErrorNotReady ? std::string(" failed: ") + cudaGetErrorString(q)
+                                                            : " did not finish within " + std::to_string(opt_.timeout.count()) + " ms");
           lk.unlock();
           mark_failed(why);
           lk.lock();

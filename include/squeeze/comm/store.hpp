@@ -230,8 +230,7 @@ class TcpStore {
  public:
   // Connects to host:port, retrying until `timeout` (the server may start later than the client).
   // With is_server, also hosts the server on `port` first. `timeout` bounds every later operation.
-  TcpStore(const std::string& host, std::uint16_t port, bool is_server,
-           std::chrono::milliseconds timeout = std::chrono::seconds(300))
+  TcpStore(const std::string& host, std::uint16_t port, bool is_server, std::chrono::milliseconds timeout = std::chrono::seconds(300))
       : host_(host), timeout_(timeout) {
     if (is_server) {
       server_ = std::make_unique<TcpStoreServer>(port);
@@ -259,9 +258,8 @@ class TcpStore {
       auto [found, value] = request('G', key, {});
       if (found) return value;
       if (detail::Clock::now() >= deadline)
-        throw Error("TcpStore: key '" + key + "' was not set within " +
-                    std::to_string((timeout.count() < 0 ? timeout_ : timeout).count()) + " ms (server " + host_ + ":" +
-                    std::to_string(port_) + "); a rank is missing or started with a different WORLD_SIZE");
+        throw Error("TcpStore: key '" + key + "' was not set within " + std::to_string((timeout.count() < 0 ? timeout_ : timeout).count()) +
+                    " ms (server " + host_ + ":" + std::to_string(port_) + "); a rank is missing or started with a different WORLD_SIZE");
       std::this_thread::sleep_for(backoff);
       backoff = std::min(backoff * 2, std::chrono::milliseconds(50));
     }
@@ -323,8 +321,8 @@ class TcpStore {
       }
       if (fd_ >= 0) return;
       if (detail::Clock::now() + backoff >= deadline)
-        throw Error("TcpStore: cannot connect to " + host_ + ":" + std::to_string(port_) + " within " +
-                    std::to_string(timeout_.count()) + " ms (" + last + "); check MASTER_ADDR/MASTER_PORT and that rank 0 runs");
+        throw Error("TcpStore: cannot connect to " + host_ + ":" + std::to_string(port_) + " within " + std::to_string(timeout_.count()) +
+                    " ms (" + last + "); check MASTER_ADDR/MASTER_PORT and that rank 0 runs");
       std::this_thread::sleep_for(backoff);
     }
   }

@@ -48,14 +48,13 @@ inline StateMapTensors state_map_tensors(const kernels::StateCodeMap& map, torch
 }
 // codes [n] uint8, absmax [ceil(n / 256)] -> values [n] fp32
 inline torch::Tensor decode_state(const torch::Tensor& codes, const torch::Tensor& absmax, const StateMapTensors& map) {
-  return map.value.index_select(0, codes.to(torch::kInt64)) *
-         absmax.repeat_interleave(kernels::kStateBlock).narrow(0, 0, codes.numel());
+  return map.value.index_select(0, codes.to(torch::kInt64)) * absmax.repeat_interleave(kernels::kStateBlock).narrow(0, 0, codes.numel());
 }
 // values [n] fp32 -> codes [n] uint8 and absmax [ceil(n / 256)], written in place.
 inline void encode_state(const torch::Tensor& x, torch::Tensor codes, torch::Tensor absmax, const StateMapTensors& map) {
   const int64_t n = x.numel(), blocks = absmax.numel();
   const torch::Tensor padded = torch::constant_pad_nd(x, {0, blocks * kernels::kStateBlock - n}).view({blocks, kernels::kStateBlock});
-  const torch::Tensor a = padded.abs().amax(1);                                     // [blocks]
+  const torch::Tensor a = padded.abs().amax(1);                                         // [blocks]
   const torch::Tensor inv = torch::where(a > 0, a.reciprocal(), torch::zeros_like(a));  // as kernels::inverse_absmax
   codes.copy_(torch::bucketize((padded * inv.unsqueeze(1)).view({-1}).narrow(0, 0, n), map.mid));
   absmax.copy_(a);
@@ -71,8 +70,8 @@ inline StateMaps state_maps(torch::Device device) {
 // One 8-bit AdamW update in torch ops: w [n] fp32 (updated in place), g32 [n] the fp32 gradient (clip and loss scale
 // applied), m / v codes [n] uint8 with their absmax [state_blocks(n)] (blocks from element 0), decoded and re-encoded in
 // place. The same maps and nearest-code rule as kernels::adamw8_cpu (Adam8Trainer.TorchOpsStatePathMatchesTheKernels).
-inline void adamw8_torch_ops(torch::Tensor w, const torch::Tensor& g32, torch::Tensor m_codes, torch::Tensor m_absmax, torch::Tensor v_codes,
-                             torch::Tensor v_absmax, const StateMaps& maps, const kernels::AdamWCoeffs& c) {
+inline void adamw8_torch_ops(torch::Tensor w, const torch::Tensor& g32, torch::Tensor m_codes, torch::Tensor m_absmax,
+                             torch::Tensor v_codes, torch::Tensor v_absmax, const StateMaps& maps, const kernels::AdamWCoeffs& c) {
   torch::Tensor m = decode_state(m_codes, m_absmax, maps.m), v = decode_state(v_codes, v_absmax, maps.v);
   adamw_torch_ops(w, m, v, g32, c);
   encode_state(m, m_codes, m_absmax, maps.m);
@@ -84,14 +83,20 @@ inline void adamw8_torch_ops(torch::Tensor w, const torch::Tensor& g32, torch::T
 // fp32 master [n] (undefined for float P), grad [n] (G), m / v codes [n] with their absmax [state_blocks(n)] (blocks
 // from element 0); dyn [2] fp32 on the device holds the inverse loss scale and the clip coefficient.
 template <class P, class G>
-inline void adamw8_device_update(const torch::Tensor& param, const torch::Tensor& master, const torch::Tensor& grad, const torch::Tensor& m_codes,
-                                 const torch::Tensor& m_absmax, const torch::Tensor& v_codes, const torch::Tensor& v_absmax, const torch::Tensor& dyn,
-                                 const kernels::AdamWCoeffs& c) {
-  const kernels::AdamW8Tensor<P, G> t{reinterpret_cast<P*>(param.data_ptr()), master.defined() ? master.data_ptr<float>() : nullptr,
-                                      reinterpret_cast<const G*>(grad.data_ptr()), m_codes.data_ptr<std::uint8_t>(),
-                                      m_absmax.data_ptr<float>(), v_codes.data_ptr<std::uint8_t>(), v_absmax.data_ptr<float>(), param.numel()};
+inline void adamw8_device_update(const torch::Tensor& param, const torch::Tensor& master, const torch::Tensor& grad,
+                                 const torch::Tensor& m_codes, const torch::Tensor& m_absmax, const torch::Tensor& v_codes,
+                                 const torch::Tensor& v_absmax, const torch::Tensor& dyn, const kernels::AdamWCoeffs& c) {
+  const kernels::AdamW8Tensor<P, G> t{reinterpret_cast<P*>(param.data_ptr()),
+                                      master.defined() ? master.data_ptr<float>() : nullptr,
+                                      reinterpret_cast<const G*>(grad.data_ptr()),
+                                      m_codes.data_ptr<std::uint8_t>(),
+                                      m_absmax.data_ptr<float>(),
+                                      v_codes.data_ptr<std::uint8_t>(),
+                                      v_absmax.data_ptr<float>(),
+                                      param.numel()};
   const float* d = dyn.data_ptr<float>();
-  const auto stream = static_cast<cudaStream_t>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(param.device()).native_handle());
+  const auto stream =
+      static_cast<cudaStream_t>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(param.device()).native_handle());
   cudaError_t e = cudaSuccess;
   try {
     e = kernels::adamw8_cuda(t, c, {d, nullptr, d + 1, nullptr}, stream);

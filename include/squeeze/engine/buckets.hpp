@@ -34,10 +34,17 @@ inline double sum_squares(const torch::Tensor& t) {
     for (int64_t i = 0; i < n; ++i) acc = kernels::NormOp<kernels::NormType::L2>::element(acc, to_float(p[i]));
   };
   switch (c.scalar_type()) {
-    case torch::kFloat32: run(c.data_ptr<float>()); break;
-    case torch::kBFloat16: run(reinterpret_cast<const bf16*>(c.data_ptr())); break;
-    case torch::kFloat16: run(reinterpret_cast<const half*>(c.data_ptr())); break;
-    default: TORCH_CHECK(false, "sum_squares: unsupported gradient dtype ", c.scalar_type());
+    case torch::kFloat32:
+      run(c.data_ptr<float>());
+      break;
+    case torch::kBFloat16:
+      run(reinterpret_cast<const bf16*>(c.data_ptr()));
+      break;
+    case torch::kFloat16:
+      run(reinterpret_cast<const half*>(c.data_ptr()));
+      break;
+    default:
+      TORCH_CHECK(false, "sum_squares: unsupported gradient dtype ", c.scalar_type());
   }
   return acc;
 }
@@ -51,14 +58,14 @@ struct GradState {
   comm::CommPtr comm;
   SideStream* collectives = nullptr;  // the trainer's; active only for asynchronous device collectives (see the header)
   torch::Device device{torch::kCPU};
-  bool final_micro = false;     // this micro-step ends the accumulation window
-  bool defer = false;           // hooks only collect; buckets are reduced after backward (see Trainer)
+  bool final_micro = false;  // this micro-step ends the accumulation window
+  bool defer = false;        // hooks only collect; buckets are reduced after backward (see Trainer)
   OffloadPipeline* offload = nullptr;
-  OffloadPipeline::Fn eager;    // set for a boundary micro-step when the offloaded update may run at once
-  int64_t shard_bytes = 0;      // device bytes of the reduced gradient shards (constant)
-  int64_t live = 0;             // device bytes of in-flight bucket buffers
-  int64_t peak_live = 0;        // most of `live` seen
-  int64_t peak_grad = 0;        // most of shard_bytes + live + one parameter's .grad seen in a hook
+  OffloadPipeline::Fn eager;         // set for a boundary micro-step when the offloaded update may run at once
+  int64_t shard_bytes = 0;           // device bytes of the reduced gradient shards (constant)
+  int64_t live = 0;                  // device bytes of in-flight bucket buffers
+  int64_t peak_live = 0;             // most of `live` seen
+  int64_t peak_grad = 0;             // most of shard_bytes + live + one parameter's .grad seen in a hook
   int64_t reduce_scatter_bytes = 0;  // bytes entering reduce-scatters, this accumulation window
   void note(int64_t transient) {
     peak_live = std::max(peak_live, live);
@@ -105,7 +112,8 @@ struct BucketHook final : torch::autograd::PostAccumulateGradHook {
     if (!g.defined()) return;
     Bucket& b = *bucket;
     GradState& st = *state;
-    TORCH_CHECK(!b.reduced, "Stage2: a gradient of '", entry->name, "' arrived after its bucket was reduced (a second "
+    TORCH_CHECK(!b.reduced, "Stage2: a gradient of '", entry->name,
+                "' arrived after its bucket was reduced (a second "
                 "backward in one step() is not supported)");
     if (!b.send.defined()) {
       b.send = torch::zeros({b.flat.padded()}, b.flat.options());

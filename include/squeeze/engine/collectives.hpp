@@ -31,8 +31,7 @@ inline void reduce_scatter_avg(comm::Communicator& c, const torch::Tensor& full,
     if (shard.data_ptr() != full.data_ptr()) shard.copy_(full.narrow(0, 0, shard.numel()));
     return;
   }
-  c.reduce_scatter(full.data_ptr(), shard.data_ptr(), std::size_t(shard.numel()), comm_dtype(full.scalar_type()),
-                   comm::ReduceOp::avg);
+  c.reduce_scatter(full.data_ptr(), shard.data_ptr(), std::size_t(shard.numel()), comm_dtype(full.scalar_type()), comm::ReduceOp::avg);
   c.synchronize();
 }
 // Reduce-scatters full [size*n] (average over ranks), adds this rank's part into grad_shard [n], then runs then()
@@ -46,8 +45,8 @@ void reduce_scatter_add(comm::Communicator& c, SideStream& side, torch::Device d
     side.record_use(full);
     side.run([&] {
       auto mine = torch::empty({grad_shard.numel()}, full.options());
-      c.reduce_scatter(full.data_ptr(), mine.data_ptr(), std::size_t(mine.numel()), comm_dtype(full.scalar_type()),
-                       comm::ReduceOp::avg, side.handle());
+      c.reduce_scatter(full.data_ptr(), mine.data_ptr(), std::size_t(mine.numel()), comm_dtype(full.scalar_type()), comm::ReduceOp::avg,
+                       side.handle());
       grad_shard.add_(mine);
       then();
     });

@@ -36,8 +36,7 @@ class FlatParams {
 
   // Packs `params` (name, tensor). align_elems >= 1. With materialize=false the flat buffer is not
   // allocated and the parameters are left alone (stage 3 builds the layout, then shards it itself).
-  FlatParams(std::vector<std::pair<std::string, torch::Tensor>> params, int world, int64_t align_elems = 1,
-             bool materialize = true)
+  FlatParams(std::vector<std::pair<std::string, torch::Tensor>> params, int world, int64_t align_elems = 1, bool materialize = true)
       : world_(world), align_(align_elems) {
     TORCH_CHECK(world >= 1, "FlatParams: world size must be >= 1, got ", world);
     TORCH_CHECK(align_elems >= 1, "FlatParams: alignment must be >= 1 element, got ", align_elems);
@@ -47,8 +46,8 @@ class FlatParams {
     int64_t off = 0;
     for (auto& [name, p] : params) {
       TORCH_CHECK(p.defined(), "FlatParams: parameter '", name, "' is undefined");
-      TORCH_CHECK(p.scalar_type() == dtype, "FlatParams: parameter '", name, "' is ", p.scalar_type(), " but the group is ",
-                  dtype, "; convert the module to one dtype first (module->to(dtype))");
+      TORCH_CHECK(p.scalar_type() == dtype, "FlatParams: parameter '", name, "' is ", p.scalar_type(), " but the group is ", dtype,
+                  "; convert the module to one dtype first (module->to(dtype))");
       TORCH_CHECK(p.device() == device, "FlatParams: parameter '", name, "' is on ", p.device(), " but the group is on ", device);
       off = round_up(off, align_);
       entries_.push_back({name, p, p.sizes().vec(), off, p.numel()});
@@ -69,9 +68,7 @@ class FlatParams {
   }
 
   // The [numel] slice of a flat buffer belonging to entry e, shaped like the parameter.
-  static torch::Tensor view(const torch::Tensor& flat, const FlatEntry& e) {
-    return flat.narrow(0, e.offset, e.numel).view(e.shape);
-  }
+  static torch::Tensor view(const torch::Tensor& flat, const FlatEntry& e) { return flat.narrow(0, e.offset, e.numel).view(e.shape); }
 
   // Gradient views: allocates a zeroed flat gradient buffer [padded] in `dtype` (default: the params')
   // and sets every parameter's .grad to its slice, so autograd accumulates straight into it (it adds in

@@ -74,32 +74,34 @@ std::vector<Segment> state_segments(const Entries& es, int64_t padded, int64_t b
     const int64_t hi = std::min(end, i + 1 < es.size() ? int64_t(es[i + 1].offset) : padded);
     if (lo >= hi) continue;
     const int g = group_of(es[i]);
-    if (!out.empty() && out.back().group == g) out.back().len += hi - lo;
-    else out.push_back({lo - begin, hi - lo, g});
+    if (!out.empty() && out.back().group == g)
+      out.back().len += hi - lo;
+    else
+      out.push_back({lo - begin, hi - lo, g});
   }
   for (std::size_t i = 1; i < out.size(); ++i) out[i].block = out[i - 1].block + kernels::state_blocks(out[i - 1].len);
   return out;
 }
 
 struct Partition {
-  torch::Tensor param;      // [n] compute dtype, written by AdamW (flat-buffer slice or stage-3 shard)
-  torch::Tensor grad;       // [n] reduced gradient (stage 0: the full buffer itself)
-  torch::Tensor master;     // [n] fp32 master (mixed precision, or on the host under offload)
-  torch::Tensor m, v;       // [n] Adam moments: fp32, or uint8 codes with 8-bit state (QuantizedState<8>)
+  torch::Tensor param;               // [n] compute dtype, written by AdamW (flat-buffer slice or stage-3 shard)
+  torch::Tensor grad;                // [n] reduced gradient (stage 0: the full buffer itself)
+  torch::Tensor master;              // [n] fp32 master (mixed precision, or on the host under offload)
+  torch::Tensor m, v;                // [n] Adam moments: fp32, or uint8 codes with 8-bit state (QuantizedState<8>)
   torch::Tensor m_absmax, v_absmax;  // [ceil(n / 256)] fp32 block scales of m and v (8-bit state only)
-  torch::Tensor host_grad;  // [n] host copy of grad in grad's dtype (offload; pinned for a CUDA model)
-  torch::Tensor host_sumsq; // [1] float64, pinned: the device's sum of squares of grad (offload of a CUDA model)
-  std::vector<Segment> segments;  // cover [0, n) in order
-  int64_t priority = 0;           // the worker's order among queued jobs, lowest first (see the header)
-  bool waited_by_gather = false;  // stage 3: the next gather waits for the update (others: the step does)
+  torch::Tensor host_grad;           // [n] host copy of grad in grad's dtype (offload; pinned for a CUDA model)
+  torch::Tensor host_sumsq;          // [1] float64, pinned: the device's sum of squares of grad (offload of a CUDA model)
+  std::vector<Segment> segments;     // cover [0, n) in order
+  int64_t priority = 0;              // the worker's order among queued jobs, lowest first (see the header)
+  bool waited_by_gather = false;     // stage 3: the next gather waits for the update (others: the step does)
   // The update wrote the new parameters, rounded to param's dtype, over host_grad (possible when grad and
   // param share a 16-bit dtype): the upload then moves 2 bytes per parameter instead of the fp32 master's 4.
   bool staged = false;
   // Offload pipeline state (written by the worker, read after wait()).
-  double sumsq = 0;         // sum of squares of host_grad (scaled gradient), this window
-  bool submitted = false;   // gradient_ready was called this window
-  std::uint64_t last_job = 0;   // the id of the last job submitted for this partition
-  std::uint64_t done_job = 0;   // the id of the last job of this partition that finished
+  double sumsq = 0;            // sum of squares of host_grad (scaled gradient), this window
+  bool submitted = false;      // gradient_ready was called this window
+  std::uint64_t last_job = 0;  // the id of the last job submitted for this partition
+  std::uint64_t done_job = 0;  // the id of the last job of this partition that finished
   Event d2h_done, h2d_done;
 };
 
@@ -123,10 +125,17 @@ inline double chunked_sum_squares(const torch::Tensor& t) {
     });
   };
   switch (t.scalar_type()) {
-    case torch::kFloat32: run(t.data_ptr<float>()); break;
-    case torch::kBFloat16: run(reinterpret_cast<const bf16*>(t.data_ptr())); break;
-    case torch::kFloat16: run(reinterpret_cast<const half*>(t.data_ptr())); break;
-    default: TORCH_CHECK(false, "chunked_sum_squares: unsupported dtype ", t.scalar_type());
+    case torch::kFloat32:
+      run(t.data_ptr<float>());
+      break;
+    case torch::kBFloat16:
+      run(reinterpret_cast<const bf16*>(t.data_ptr()));
+      break;
+    case torch::kFloat16:
+      run(reinterpret_cast<const half*>(t.data_ptr()));
+      break;
+    default:
+      TORCH_CHECK(false, "chunked_sum_squares: unsupported dtype ", t.scalar_type());
   }
   double total = 0;
   for (double x : part) total += x;
@@ -173,8 +182,7 @@ class OffloadPipeline {
   using Fn = std::function<void(Partition&)>;
   using Landed = std::function<bool()>;  // a job's input is on the host (unset: from the start)
 
-  OffloadPipeline(torch::Device device, bool threaded)
-      : device_(device), threaded_(threaded), d2h_(device), h2d_(device) {
+  OffloadPipeline(torch::Device device, bool threaded) : device_(device), threaded_(threaded), d2h_(device), h2d_(device) {
     if (threaded_) worker_ = std::thread([this] { loop(); });
   }
   OffloadPipeline(const OffloadPipeline&) = delete;
@@ -210,24 +218,27 @@ class OffloadPipeline {
       d2h_.record_use(p.grad);
       p.d2h_done = d2h_.record();
     }
-    submit(p, [this, after, then = std::move(then)](Partition& q) {
-      const auto t0 = clock::now();
-      q.h2d_done.synchronize();  // the last upload of q.master has been read before AdamW rewrites it
-      if (d2h_.active()) {
-        q.d2h_done.synchronize();
-      } else {
-        q.host_grad.copy_(q.grad);
-        q.grad.zero_();
-      }
-      const auto t1 = clock::now();
-      q.sumsq = d2h_.active() ? q.host_sumsq.data_ptr<double>()[0] : chunked_sum_squares(q.host_grad);
-      const auto t2 = clock::now();
-      if (then) {
-        then(q);
-        write_back(q, after);
-      }
-      account(t1 - t0, t2 - t1, clock::now() - t2);
-    }, [done = p.d2h_done] { return done.query(); });
+    submit(
+        p,
+        [this, after, then = std::move(then)](Partition& q) {
+          const auto t0 = clock::now();
+          q.h2d_done.synchronize();  // the last upload of q.master has been read before AdamW rewrites it
+          if (d2h_.active()) {
+            q.d2h_done.synchronize();
+          } else {
+            q.host_grad.copy_(q.grad);
+            q.grad.zero_();
+          }
+          const auto t1 = clock::now();
+          q.sumsq = d2h_.active() ? q.host_sumsq.data_ptr<double>()[0] : chunked_sum_squares(q.host_grad);
+          const auto t2 = clock::now();
+          if (then) {
+            then(q);
+            write_back(q, after);
+          }
+          account(t1 - t0, t2 - t1, clock::now() - t2);
+        },
+        [done = p.d2h_done] { return done.query(); });
   }
 
   // Queues fn(p) (the CPU AdamW) after p's gradient job, then streams p.master back into p.param. `landed`, when
@@ -235,14 +246,17 @@ class OffloadPipeline {
   // inputs are taken to land in submission order.
   void update(Partition& p, Fn fn, Landed landed = {}) {
     Event after = record_current(device_);
-    submit(p, [this, after, fn = std::move(fn)](Partition& q) {
-      const auto t0 = clock::now();
-      q.h2d_done.synchronize();
-      const auto t1 = clock::now();
-      fn(q);
-      write_back(q, after);
-      account(t1 - t0, clock::duration::zero(), clock::now() - t1);
-    }, std::move(landed));
+    submit(
+        p,
+        [this, after, fn = std::move(fn)](Partition& q) {
+          const auto t0 = clock::now();
+          q.h2d_done.synchronize();
+          const auto t1 = clock::now();
+          fn(q);
+          write_back(q, after);
+          account(t1 - t0, clock::duration::zero(), clock::now() - t1);
+        },
+        std::move(landed));
   }
 
   // The sum of squares of p's gradient for this window (gradient_ready's copy). With the device's sum it waits

@@ -31,11 +31,11 @@
 // Prefetch: prefetch_depth units ahead, issued right after the current unit's gather, in the order the first pass of
 // each kind used the units (backward's is not forward's reversed: an embedding's backward needs no weights, and a
 // checkpointed segment recomputes its blocks in forward order). A unit whose Offload<Host> update is still on the
-// host is not prefetched: the host would wait for it before the current unit's compute is even queued. On CUDA with a device communicator (NcclComm) the
-// gathers and the gradient reduce-scatters run on a side stream (engine/streams.hpp): the side stream waits for the
-// compute issued so far, the collective is enqueued without a host wait, and the compute stream waits for the
-// gathered buffer only where a member uses it -- so the next unit's gather overlaps this unit's compute. Elsewhere
-// (CPU, LocalComm) the same operations run in the same order, blocking.
+// host is not prefetched: the host would wait for it before the current unit's compute is even queued. On CUDA with a device communicator
+// (NcclComm) the gathers and the gradient reduce-scatters run on a side stream (engine/streams.hpp): the side stream waits for the compute
+// issued so far, the collective is enqueued without a host wait, and the compute stream waits for the gathered buffer only where a member
+// uses it -- so the next unit's gather overlaps this unit's compute. Elsewhere (CPU, LocalComm) the same operations run in the same order,
+// blocking.
 //
 // Readiness: a unit's gradient is final for the micro-step when its members' backwards have added as many
 // gradients as its members ran with grad enabled (uses counted in the members' forward: a checkpointed segment's
@@ -65,18 +65,18 @@ class Stage3Runtime;
 
 // One gather unit's state (owned by the trainer, pointed to by its member layers).
 struct Stage3Group {
-  std::string name;           // the unit: a layer's module name, or its block's
-  FlatParams layout;          // the members' parameters, member by member; no flat buffer of its own
-  torch::Tensor shard;        // [S] compute dtype; leaf that requires grad (see nn/layers.hpp)
-  torch::Tensor grad_shard;   // [S] accumulation dtype: reduced gradients of this step's micro-batches
-  torch::Tensor gathered;     // [padded] while gathered, else undefined
-  torch::Tensor full_grad;    // [padded] backward: the members' gradients added so far, until reduced
-  Event gathered_ready;       // side-stream gather still in flight (CUDA)
+  std::string name;          // the unit: a layer's module name, or its block's
+  FlatParams layout;         // the members' parameters, member by member; no flat buffer of its own
+  torch::Tensor shard;       // [S] compute dtype; leaf that requires grad (see nn/layers.hpp)
+  torch::Tensor grad_shard;  // [S] accumulation dtype: reduced gradients of this step's micro-batches
+  torch::Tensor gathered;    // [padded] while gathered, else undefined
+  torch::Tensor full_grad;   // [padded] backward: the members' gradients added so far, until reduced
+  Event gathered_ready;      // side-stream gather still in flight (CUDA)
   Stage3Runtime* runtime = nullptr;
-  int members = 1;            // layers in the unit
-  int uses = 0, added = 0;    // this micro-step: members' grad-enabled forwards, members' gradients added
-  int released = 0;           // forward: members done with the gathered buffer since it was gathered
-  bool keep_for_backward = false;  // not freed after forward (TrainerOptions::keep_last_gathered)
+  int members = 1;                      // layers in the unit
+  int uses = 0, added = 0;              // this micro-step: members' grad-enabled forwards, members' gradients added
+  int released = 0;                     // forward: members done with the gathered buffer since it was gathered
+  bool keep_for_backward = false;       // not freed after forward (TrainerOptions::keep_last_gathered)
   std::function<void()> before_gather;  // trainer: wait until this shard's update has landed
   std::function<bool()> update_landed;  // trainer: whether it has, without waiting (unset: always)
   std::function<void()> grad_done;      // trainer: the gradient shard is final for this micro-step
@@ -274,8 +274,7 @@ class Stage3Runtime {
       side_.wait(record_current(device_));  // the shard's latest values are queued on the compute stream
       auto full = side_.run([&] { return torch::empty({g.layout.padded()}, g.shard.options().requires_grad(false)); });
       track(full.nbytes());
-      comm_->all_gather(g.shard.data_ptr(), full.data_ptr(), std::size_t(g.layout.shard()),
-                        comm_dtype(full.scalar_type()), side_.handle());
+      comm_->all_gather(g.shard.data_ptr(), full.data_ptr(), std::size_t(g.layout.shard()), comm_dtype(full.scalar_type()), side_.handle());
       g.gathered = full;
       g.gathered_ready = side_.record();
       return;

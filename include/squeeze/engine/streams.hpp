@@ -78,7 +78,8 @@ class SideStream {
   }
   bool active() const { return stream_ != nullptr; }
   void* handle() const { return stream_ ? static_cast<void*>(stream_->stream()) : nullptr; }
-  template <class F> decltype(auto) run(F&& f) {
+  template <class F>
+  decltype(auto) run(F&& f) {
     if (!stream_) return f();
     c10::cuda::CUDAStreamGuard g(*stream_);
     return f();
@@ -118,7 +119,8 @@ inline torch::Tensor pinned_empty(int64_t n, torch::ScalarType dtype) {
   TORCH_CHECK(n >= 0, "pinned_empty: negative size ", n);
   void* p = nullptr;
   C10_CUDA_CHECK(cudaHostAlloc(&p, std::max<size_t>(1, size_t(n) * c10::elementSize(dtype)), cudaHostAllocDefault));
-  return torch::from_blob(p, {n}, [](void* q) { (void)cudaFreeHost(q); }, torch::TensorOptions().dtype(dtype));
+  return torch::from_blob(
+      p, {n}, [](void* q) { (void)cudaFreeHost(q); }, torch::TensorOptions().dtype(dtype));
 }
 
 // t (allocated on a side stream) is used on the current stream too.
@@ -141,7 +143,10 @@ class SideStream {
   explicit SideStream(torch::Device) {}
   bool active() const { return false; }
   void* handle() const { return nullptr; }
-  template <class F> decltype(auto) run(F&& f) { return f(); }
+  template <class F>
+  decltype(auto) run(F&& f) {
+    return f();
+  }
   Event record() const { return {}; }
   void wait(const Event&) const {}
   void record_use(const torch::Tensor&) const {}
@@ -169,7 +174,8 @@ inline torch::Tensor host_zeros(int64_t n, torch::ScalarType dtype) {
   TORCH_CHECK(p != MAP_FAILED, "host_zeros: cannot map ", bytes, " bytes of host memory for optimizer state: ", std::strerror(errno));
   constexpr size_t kHugePage = size_t(2) << 20;
   if (bytes >= kHugePage) (void)::madvise(p, bytes, MADV_HUGEPAGE);
-  return torch::from_blob(p, {n}, [bytes](void* q) { (void)::munmap(q, bytes); }, torch::TensorOptions().dtype(dtype));
+  return torch::from_blob(
+      p, {n}, [bytes](void* q) { (void)::munmap(q, bytes); }, torch::TensorOptions().dtype(dtype));
 }
 
 }  // namespace squeeze::engine

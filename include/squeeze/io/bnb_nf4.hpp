@@ -34,8 +34,8 @@ inline constexpr const char* kBnbNf4StateKey = "quant_state.bitsandbytes__nf4";
 struct BnbQuantStateInfo {
   std::string quant_type = "nf4";
   int blocksize = 64;
-  std::string dtype = "bfloat16";        // the original weight's torch dtype, without "torch."
-  std::vector<std::int64_t> shape;       // the original weight's shape
+  std::string dtype = "bfloat16";   // the original weight's torch dtype, without "torch."
+  std::vector<std::int64_t> shape;  // the original weight's shape
   bool nested = false;
   int nested_blocksize = quant::kBnbNestedBlock;
   std::string nested_dtype = "float32";
@@ -46,10 +46,10 @@ struct BnbQuantStateInfo {
 // One Linear4bit weight in bitsandbytes' terms.
 struct BnbNf4Weight {
   BnbQuantStateInfo info;
-  std::vector<std::uint8_t> codes;          // [ceil(n/2)]
-  std::vector<float> absmax;                // [blocks] (plain)
-  std::vector<std::uint8_t> absmax_codes;   // [blocks] (nested)
-  std::vector<float> nested_absmax;         // [ceil(blocks/256)] (nested)
+  std::vector<std::uint8_t> codes;                                                                           // [ceil(n/2)]
+  std::vector<float> absmax;                                                                                 // [blocks] (plain)
+  std::vector<std::uint8_t> absmax_codes;                                                                    // [blocks] (nested)
+  std::vector<float> nested_absmax;                                                                          // [ceil(blocks/256)] (nested)
   std::vector<float> nested_quant_map = {quant::bnb_dynamic_map().begin(), quant::bnb_dynamic_map().end()};  // [256], as read
 
   std::int64_t numel() const {
@@ -80,8 +80,8 @@ inline BnbQuantStateInfo decode_quant_state(std::string_view text, const std::st
   };
   BnbQuantStateInfo s;
   const auto type = need("quant_type");
-  check(type.is_string() && type.get<std::string>() == "nf4", "bitsandbytes quant state '" + key + "': quant_type " + type.dump() +
-                                                                  " is not supported (nf4)");
+  check(type.is_string() && type.get<std::string>() == "nf4",
+        "bitsandbytes quant state '" + key + "': quant_type " + type.dump() + " is not supported (nf4)");
   check(need("blocksize").is_number_integer(), "bitsandbytes quant state '" + key + "': blocksize must be an integer");
   s.blocksize = j["blocksize"].get<int>();
   check(s.blocksize >= 2 && (s.blocksize & (s.blocksize - 1)) == 0,
@@ -120,8 +120,9 @@ inline quant::Nf4Packed to_nf4_packed(const BnbNf4Weight& b) {
     p.absmax = b.absmax;
     return p;
   }
-  check(b.info.nested_blocksize == kernels::quant::kNf4DqBlock, "bitsandbytes NF4: nested_blocksize " + std::to_string(b.info.nested_blocksize) +
-                                                                    " is not supported (" + std::to_string(kernels::quant::kNf4DqBlock) + ")");
+  check(b.info.nested_blocksize == kernels::quant::kNf4DqBlock, "bitsandbytes NF4: nested_blocksize " +
+                                                                    std::to_string(b.info.nested_blocksize) + " is not supported (" +
+                                                                    std::to_string(kernels::quant::kNf4DqBlock) + ")");
   p.absmax_code = b.absmax_codes;
   p.nested_absmax = b.nested_absmax;
   p.nested_map = b.nested_quant_map;
@@ -151,7 +152,8 @@ inline BnbNf4Weight bnb_nf4_quantize(std::span<const float> w, std::vector<std::
   std::int64_t n = 1;
   for (auto d : shape) n *= d;
   check(n == std::int64_t(w.size()), "bnb_nf4_quantize: shape holds " + std::to_string(n) + " values, got " + std::to_string(w.size()));
-  return from_nf4_packed(quant::nf4_quantize(w.data(), n, {.block = blocksize, .double_quant = nested}), std::move(shape), std::move(dtype));
+  return from_nf4_packed(quant::nf4_quantize(w.data(), n, {.block = blocksize, .double_quant = nested}), std::move(shape),
+                         std::move(dtype));
 }
 
 // The values of W (flattened), as bitsandbytes' dequantize_4bit gives them.
@@ -211,8 +213,9 @@ inline NamedTensors bnb_nf4_tensors(const std::string& module, const BnbNf4Weigh
   namespace kq = kernels::quant;
   const std::string w = module + ".weight";
   NamedTensors t;
-  check(std::int64_t(b.codes.size()) == kq::nf4_code_bytes(b.numel()), "bnb_nf4_tensors: '" + w + "' has " + std::to_string(b.codes.size()) +
-                                                                           " code bytes, its shape needs " + std::to_string(kq::nf4_code_bytes(b.numel())));
+  check(std::int64_t(b.codes.size()) == kq::nf4_code_bytes(b.numel()),
+        "bnb_nf4_tensors: '" + w + "' has " + std::to_string(b.codes.size()) + " code bytes, its shape needs " +
+            std::to_string(kq::nf4_code_bytes(b.numel())));
   t.push_back({w, owned_tensor<std::uint8_t>(DType::U8, {std::int64_t(b.codes.size()), 1}, b.codes)});
   std::array<float, 16> nf4{};
   for (int c = 0; c < 16; ++c) nf4[c] = kq::nf4_code_value(c);
@@ -250,8 +253,8 @@ inline BnbNf4Weight read_bnb_nf4(const SafetensorsCheckpoint& ck, const std::str
   b.codes = ck.read<std::uint8_t>(need(w, DType::U8, {bytes, 1}), DType::U8);
   const auto qmap = ck.read<float>(need(w + ".quant_map", DType::F32, {16}), DType::F32);
   for (int c = 0; c < 16; ++c)
-    check(qmap[c] == kernels::quant::nf4_code_value(c), "bitsandbytes NF4: tensor '" + w + ".quant_map' is not the NF4 table (entry " +
-                                                            std::to_string(c) + ")");
+    check(qmap[c] == kernels::quant::nf4_code_value(c),
+          "bitsandbytes NF4: tensor '" + w + ".quant_map' is not the NF4 table (entry " + std::to_string(c) + ")");
   if (!b.info.nested) {
     b.absmax = ck.read<float>(need(w + ".absmax", DType::F32, {blocks}), DType::F32);
     return b;

@@ -88,9 +88,9 @@ inline std::string rank_file_name(int rank, int world) {
 struct CheckpointMeta {
   int world_size = 1;
   int stage = 0;
-  std::string strategy;                                    // the Strategy's canonical name
-  nlohmann::json partitions = nlohmann::json::array();     // partition layouts (e.g. flat_layouts_to_json)
-  nlohmann::json record = nlohmann::json::object();        // small caller record: data position, ...
+  std::string strategy;                                 // the Strategy's canonical name
+  nlohmann::json partitions = nlohmann::json::array();  // partition layouts (e.g. flat_layouts_to_json)
+  nlohmann::json record = nlohmann::json::object();     // small caller record: data position, ...
 };
 
 // One rank's file as the index records it.
@@ -243,7 +243,8 @@ inline std::string make_token() {
   return buf;
 }
 inline bool valid_token(std::string_view t) {
-  return !t.empty() && t.size() <= 64 && t.find_first_not_of("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ-") == std::string_view::npos;
+  return !t.empty() && t.size() <= 64 &&
+         t.find_first_not_of("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ-") == std::string_view::npos;
 }
 }  // namespace detail
 
@@ -409,8 +410,8 @@ class CheckpointReader {
     const SafetensorsReader& f = rank_file(rank);
     const TensorInfo& t = f.info(name);
     if (t.dtype != dtype)
-      throw Error("checkpoint file " + f.path().string() + ": tensor '" + name + "' is " + std::string(dtype_name(t.dtype)) + ", expected " +
-                  std::string(dtype_name(dtype)));
+      throw Error("checkpoint file " + f.path().string() + ": tensor '" + name + "' is " + std::string(dtype_name(t.dtype)) +
+                  ", expected " + std::string(dtype_name(dtype)));
     std::vector<T> out(std::size_t((t.end - t.begin) / sizeof(T)));
     f.read_bytes(name, std::as_writable_bytes(std::span(out)));
     return out;
@@ -428,7 +429,7 @@ class CheckpointReader {
 
   void check_rank(int rank) const {
     check(rank >= 0 && rank < s_->index.world_size, "checkpoint " + s_->dir.string() + ": rank " + std::to_string(rank) +
-                                                         " is outside its world of " + std::to_string(s_->index.world_size));
+                                                        " is outside its world of " + std::to_string(s_->index.world_size));
   }
   std::string file_label(int rank) const { return "checkpoint file " + (s_->dir / s_->index.files[std::size_t(rank)].name).string(); }
 
@@ -452,7 +453,8 @@ class CheckpointReader {
       const auto it = md.find(k);
       return it == md.end() ? std::string("<none>") : it->second;
     };
-    if (meta("format") != kCheckpointShardFormat) throw Error(who + ": not a squeeze checkpoint shard (metadata 'format' is " + meta("format") + ")");
+    if (meta("format") != kCheckpointShardFormat)
+      throw Error(who + ": not a squeeze checkpoint shard (metadata 'format' is " + meta("format") + ")");
     const std::string want_rank = std::to_string(rank), want_world = std::to_string(s_->index.world_size),
                       want_step = std::to_string(s_->index.step);
     if (meta("rank") != want_rank || meta("world_size") != want_world || meta("step") != want_step)
@@ -494,8 +496,8 @@ class CheckpointSave {
     {
       std::lock_guard lock(s.mu);
       check(!s.committed && !s.abandoned, "checkpoint save of step " + std::to_string(s.step) + ": already committed or abandoned");
-      check(s.writing.insert(rank).second, "checkpoint save of step " + std::to_string(s.step) + ": rank " + std::to_string(rank) +
-                                               " is written twice");
+      check(s.writing.insert(rank).second,
+            "checkpoint save of step " + std::to_string(s.step) + ": rank " + std::to_string(rank) + " is written twice");
     }
     try {
       const auto rec = s.staging / detail::record_name(rank, s.world);
@@ -515,7 +517,9 @@ class CheckpointSave {
       throw;
     }
   }
-  WrittenFile write_rank(int rank, const std::vector<TensorView>& tensors) { return write_rank(rank, std::span<const TensorView>(tensors)); }
+  WrittenFile write_rank(int rank, const std::vector<TensorView>& tensors) {
+    return write_rank(rank, std::span<const TensorView>(tensors));
+  }
 
   // Coordinator only, after every rank's write_rank returned: writes index.json, moves the directory
   // into place, points `latest` at it and prunes. Returns the checkpoint's directory.
@@ -551,7 +555,8 @@ class CheckpointSave {
     check(missing.empty(), what + ": rank(s) " + missing + " have not written their files to " + s.staging.string() +
                                " (every rank calls write_rank, then the caller's barrier, then commit)");
     for (const auto& e : fs::directory_iterator(s.staging))
-      check(!e.path().filename().string().ends_with(".tmp"), what + ": " + e.path().string() + " is still being written (commit before the barrier?)");
+      check(!e.path().filename().string().ends_with(".tmp"),
+            what + ": " + e.path().string() + " is still being written (commit before the barrier?)");
 
     write_file_durably(s.staging / "index.json", s.staging / "index.json.tmp", idx.to_json().dump(2) + "\n", s.hook, "index.json");
     for (int r = 0; r < s.world; ++r) fs::remove(s.staging / detail::record_name(r, s.world));
@@ -565,8 +570,8 @@ class CheckpointSave {
     if (fs::exists(final_dir)) {
       if (detail::read_latest(s.root) == name) {
         // `latest` names it: swap atomically so that it names a whole checkpoint at every instant.
-        check(exchange_paths(s.staging, final_dir), what + ": " + final_dir.string() +
-                                                        " exists, `latest` names it, and this file system cannot swap directories atomically");
+        check(exchange_paths(s.staging, final_dir),
+              what + ": " + final_dir.string() + " exists, `latest` names it, and this file system cannot swap directories atomically");
         displaced = s.staging;
       } else {
         displaced = s.root / (name + ".old-" + s.token);
@@ -593,8 +598,8 @@ class CheckpointSave {
       prune(s);
     } catch (const std::exception& e) {
       // The checkpoint is whole and `latest` names it; say so rather than let this look like a failed save.
-      throw Error(what + ": committed as " + final_dir.string() + ", but removing old checkpoints failed (the next save retries): " +
-                  e.what());
+      throw Error(what + ": committed as " + final_dir.string() +
+                  ", but removing old checkpoints failed (the next save retries): " + e.what());
     }
     return final_dir;
   }
@@ -722,7 +727,9 @@ class CheckpointStore {
   // The checkpoint `latest` names, verified; never falls back to an older one silently.
   CheckpointReader open_latest(const OpenOptions& opt = {}) const {
     const auto n = detail::read_latest(root_);
-    if (!n) throw Error("checkpoint store " + root_.string() + ": no checkpoint to resume from ('latest' is missing)" + detail::steps_hint(root_));
+    if (!n)
+      throw Error("checkpoint store " + root_.string() + ": no checkpoint to resume from ('latest' is missing)" +
+                  detail::steps_hint(root_));
     const auto dir = root_ / *n;
     if (!std::filesystem::is_directory(dir))
       throw Error("checkpoint store " + root_.string() + ": 'latest' names " + *n + ", which does not exist" + detail::steps_hint(root_));

@@ -152,8 +152,8 @@ inline QuantizedModelFile load_quantized(const std::filesystem::path& dir) {
     };
     if (p.in <= 0 || p.out <= 0) mismatch("empty layer");
     if (info.shape[0] != p.qweight_rows())
-      mismatch("qweight has " + std::to_string(info.shape[0]) + " rows; " + std::to_string(p.in) + " inputs at " + std::to_string(cfg.bits) +
-               " bits need " + std::to_string(p.qweight_rows()) + " - the bit width does not match the tensors");
+      mismatch("qweight has " + std::to_string(info.shape[0]) + " rows; " + std::to_string(p.in) + " inputs at " +
+               std::to_string(cfg.bits) + " bits need " + std::to_string(p.qweight_rows()) + " - the bit width does not match the tensors");
     if (sc.shape[0] != p.groups() || sc.shape[1] != p.out)
       mismatch("scales are [" + std::to_string(sc.shape[0]) + ", " + std::to_string(sc.shape[1]) + "], expected [" +
                std::to_string(p.groups()) + ", " + std::to_string(p.out) + "] - the group size does not match the tensors");
@@ -162,7 +162,7 @@ inline QuantizedModelFile load_quantized(const std::filesystem::path& dir) {
                std::to_string(p.groups()) + ", " + std::to_string(p.qzeros_cols()) + "]");
     p.qweight = ck.file.read<std::int32_t>(name + ".qweight", io::DType::I32);
     p.qzeros = quant::qzeros_to_packed(ck.file.read<std::int32_t>(name + ".qzeros", io::DType::I32), p.groups(), p.out, p.bits,
-                                quant::ZeroArithmetic::word);  // a zero point of 0 borrows in the file (quant/v1_zeros.hpp)
+                                       quant::ZeroArithmetic::word);  // a zero point of 0 borrows in the file (quant/v1_zeros.hpp)
     p.scales = ck.file.read<half>(name + ".scales", io::DType::F16);
     p.g_idx = ck.file.read<std::int32_t>(name + ".g_idx", io::DType::I32);
     if (ck.file.contains(name + ".bias")) {

@@ -29,7 +29,8 @@ inline nlohmann::json hf_bnb_config_json(LlamaConfig c, const BnbConfig& b) {
 
 inline void save_hf_bnb(const std::filesystem::path& dir, const HfBnbModel& m, std::uint64_t max_shard_bytes = 0) {
   const auto linear = [&](const BnbNf4Weight& w, const std::string& hf, const std::vector<std::int64_t>& shape) {
-    check(w.info.shape == shape, "save_hf_bnb: layer " + hf + " is " + shape_string(w.info.shape) + ", the config needs " + shape_string(shape));
+    check(w.info.shape == shape,
+          "save_hf_bnb: layer " + hf + " is " + shape_string(w.info.shape) + ", the config needs " + shape_string(shape));
     check(w.info.nested == m.bnb.double_quant, "save_hf_bnb: layer " + hf + (w.info.nested ? " is" : " is not") +
                                                    " nested but bnb_4bit_use_double_quant is " + (m.bnb.double_quant ? "true" : "false"));
     return bnb_nf4_tensors(hf, w);

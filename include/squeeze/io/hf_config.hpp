@@ -80,11 +80,13 @@ struct LlamaConfig {
                                                              ") must be a multiple of num_key_value_heads (" +
                                                              std::to_string(num_key_value_heads) + ")");
     need(hidden_size % num_attention_heads == 0, "hidden_size (" + std::to_string(hidden_size) +
-                                                     ") must be a multiple of num_attention_heads (" + std::to_string(num_attention_heads) + ")");
+                                                     ") must be a multiple of num_attention_heads (" + std::to_string(num_attention_heads) +
+                                                     ")");
     need(head_dim % 2 == 0, "head_dim (" + std::to_string(head_dim) + ") must be even for RoPE");
     need(rms_norm_eps > 0 && std::isfinite(rms_norm_eps), "rms_norm_eps must be positive");
     need(rope_theta > 0 && std::isfinite(rope_theta), "rope_theta must be positive");
-    if (rope_scaling.type != plan::RopeType::Default) need(rope_scaling.factor > 0 && std::isfinite(rope_scaling.factor), "rope_scaling.factor must be positive");
+    if (rope_scaling.type != plan::RopeType::Default)
+      need(rope_scaling.factor > 0 && std::isfinite(rope_scaling.factor), "rope_scaling.factor must be positive");
     if (rope_scaling.type == plan::RopeType::Llama3) {
       need(rope_scaling.low_freq_factor > 0, "rope_scaling.low_freq_factor must be positive");
       need(rope_scaling.high_freq_factor > rope_scaling.low_freq_factor,
@@ -105,9 +107,12 @@ struct ConfigOptions {
 namespace detail {
 inline std::string_view torch_dtype_name(DType d) {
   switch (d) {
-    case DType::F16: return "float16";
-    case DType::BF16: return "bfloat16";
-    default: return "float32";
+    case DType::F16:
+      return "float16";
+    case DType::BF16:
+      return "bfloat16";
+    default:
+      return "float32";
   }
 }
 
@@ -115,16 +120,15 @@ inline std::string_view torch_dtype_name(DType d) {
 inline const std::set<std::string, std::less<>>& ignorable_config_keys() {
   static const std::set<std::string, std::less<>> keys = {
       "transformers_version", "_name_or_path", "name_or_path", "_commit_hash", "_attn_implementation", "_attn_implementation_autoset",
-      "use_cache", "initializer_range", "output_attentions", "output_hidden_states", "return_dict", "torchscript",
-      "use_return_dict", "chunk_size_feed_forward", "id2label", "label2id", "num_labels", "problem_type", "tokenizer_class",
-      "prefix", "task_specific_params", "finetuning_task", "pruned_heads", "tf_legacy_loss", "use_bfloat16", "is_decoder",
-      "is_encoder_decoder", "add_cross_attention", "cross_attention_hidden_size", "tie_encoder_decoder", "sep_token_id",
-      "decoder_start_token_id",
+      "use_cache", "initializer_range", "output_attentions", "output_hidden_states", "return_dict", "torchscript", "use_return_dict",
+      "chunk_size_feed_forward", "id2label", "label2id", "num_labels", "problem_type", "tokenizer_class", "prefix", "task_specific_params",
+      "finetuning_task", "pruned_heads", "tf_legacy_loss", "use_bfloat16", "is_decoder", "is_encoder_decoder", "add_cross_attention",
+      "cross_attention_hidden_size", "tie_encoder_decoder", "sep_token_id", "decoder_start_token_id",
       // generation defaults, which transformers moves out of the model config
       "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty", "temperature",
       "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
-      "bad_words_ids", "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
-      "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens"};
+      "bad_words_ids", "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id",
+      "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens"};
   return keys;
 }
 
@@ -226,7 +230,8 @@ class ConfigReader {
     if (r.type == plan::RopeType::Llama3) {
       r.low_freq_factor = num("low_freq_factor");
       r.high_freq_factor = num("high_freq_factor");
-      if (!o.contains("original_max_position_embeddings")) fail("'" + where + "' of type 'llama3' needs 'original_max_position_embeddings'");
+      if (!o.contains("original_max_position_embeddings"))
+        fail("'" + where + "' of type 'llama3' needs 'original_max_position_embeddings'");
       r.original_max_position_embeddings = int_value(o["original_max_position_embeddings"], where + ".original_max_position_embeddings");
     }
     if (o.contains("partial_rotary_factor") && !(o["partial_rotary_factor"].is_number() && o["partial_rotary_factor"].get<double>() == 1.0))
@@ -255,7 +260,8 @@ inline LlamaConfig llama_config_from_json(const nlohmann::json& j, std::string_v
   const auto model_type = r.opt_string("model_type");
   if (!model_type) r.fail("missing 'model_type' (expected \"llama\" or \"mistral\")");
   if (*model_type != "llama" && *model_type != "mistral")
-    r.refuse("model_type", "'" + *model_type + "'", "squeeze loads LLaMA-architecture models: \"llama\", or \"mistral\" without sliding window");
+    r.refuse("model_type", "'" + *model_type + "'",
+             "squeeze loads LLaMA-architecture models: \"llama\", or \"mistral\" without sliding window");
   c.model_type = *model_type;
   const bool mistral = c.model_type == "mistral";
   take("architectures");
@@ -275,7 +281,8 @@ inline LlamaConfig llama_config_from_json(const nlohmann::json& j, std::string_v
   c.num_attention_heads = r.req_int("num_attention_heads");
   take("num_key_value_heads");
   // MistralConfig's default is 8 KV heads, LlamaConfig's the head count: a Mistral file must say.
-  if (mistral && !r.opt_int("num_key_value_heads")) r.fail("a mistral config must state 'num_key_value_heads' (its default is 8, not the head count)");
+  if (mistral && !r.opt_int("num_key_value_heads"))
+    r.fail("a mistral config must state 'num_key_value_heads' (its default is 8, not the head count)");
   c.num_key_value_heads = r.opt_int("num_key_value_heads").value_or(c.num_attention_heads);
   take("head_dim");
   if (c.num_attention_heads <= 0) r.fail("'num_attention_heads' must be positive");
@@ -292,7 +299,8 @@ inline LlamaConfig llama_config_from_json(const nlohmann::json& j, std::string_v
   std::optional<double> theta = r.opt_number("rope_theta");
   auto merge_theta = [&](std::optional<double> t, const std::string& where) {
     if (!t) return;
-    if (theta && *theta != *t) r.fail("'" + where + ".rope_theta' (" + std::to_string(*t) + ") disagrees with rope_theta (" + std::to_string(*theta) + ")");
+    if (theta && *theta != *t)
+      r.fail("'" + where + ".rope_theta' (" + std::to_string(*t) + ") disagrees with rope_theta (" + std::to_string(*theta) + ")");
     theta = t;
   };
   std::optional<plan::RopeScaling> from_scaling, from_params;
@@ -322,10 +330,14 @@ inline LlamaConfig llama_config_from_json(const nlohmann::json& j, std::string_v
     dt = v;
   }
   if (dt) {
-    if (*dt == "float32") c.dtype = DType::F32;
-    else if (*dt == "float16") c.dtype = DType::F16;
-    else if (*dt == "bfloat16") c.dtype = DType::BF16;
-    else r.refuse(r.find("torch_dtype") ? "torch_dtype" : "dtype", "'" + *dt + "'", "squeeze reads float32, float16 and bfloat16 checkpoints");
+    if (*dt == "float32")
+      c.dtype = DType::F32;
+    else if (*dt == "float16")
+      c.dtype = DType::F16;
+    else if (*dt == "bfloat16")
+      c.dtype = DType::BF16;
+    else
+      r.refuse(r.find("torch_dtype") ? "torch_dtype" : "dtype", "'" + *dt + "'", "squeeze reads float32, float16 and bfloat16 checkpoints");
   }
 
   // special tokens
@@ -356,7 +368,8 @@ inline LlamaConfig llama_config_from_json(const nlohmann::json& j, std::string_v
   take("sliding_window");
   if (const auto* w = r.find("sliding_window"); w && !w->is_null())
     r.refuse("sliding_window", w->dump(), "squeeze's attention is full causal attention; null is required");
-  if (mistral && !r.find("sliding_window")) r.fail("a mistral config must state 'sliding_window': null (absent means MistralConfig's default 4096)");
+  if (mistral && !r.find("sliding_window"))
+    r.fail("a mistral config must state 'sliding_window': null (absent means MistralConfig's default 4096)");
   for (auto k : {"quantization_config", "auto_map"}) {
     take(k);
     if (const auto* v = r.find(k); v && !v->is_null())
@@ -367,8 +380,10 @@ inline LlamaConfig llama_config_from_json(const nlohmann::json& j, std::string_v
   std::vector<std::string> unknown;
   for (const auto& [k, _] : j.items()) {
     if (handled.count(k)) continue;
-    if (detail::ignorable_config_keys().count(k) || options.allow_unknown_keys) c.ignored_keys.push_back(k);
-    else unknown.push_back(k);
+    if (detail::ignorable_config_keys().count(k) || options.allow_unknown_keys)
+      c.ignored_keys.push_back(k);
+    else
+      unknown.push_back(k);
   }
   if (!unknown.empty()) {
     std::string list;
@@ -434,9 +449,12 @@ inline nlohmann::json llama_config_json(const LlamaConfig& c) {
   j["torch_dtype"] = std::string(detail::torch_dtype_name(c.dtype.value_or(DType::F32)));
   j["use_cache"] = true;
   j["bos_token_id"] = c.bos_token_id ? nlohmann::json(*c.bos_token_id) : nlohmann::json(nullptr);
-  if (c.eos_token_ids.size() == 1) j["eos_token_id"] = c.eos_token_ids[0];
-  else if (c.eos_token_ids.empty()) j["eos_token_id"] = nullptr;
-  else j["eos_token_id"] = c.eos_token_ids;
+  if (c.eos_token_ids.size() == 1)
+    j["eos_token_id"] = c.eos_token_ids[0];
+  else if (c.eos_token_ids.empty())
+    j["eos_token_id"] = nullptr;
+  else
+    j["eos_token_id"] = c.eos_token_ids;
   if (c.pad_token_id) j["pad_token_id"] = *c.pad_token_id;
   return j;
 }

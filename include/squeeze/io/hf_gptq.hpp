@@ -33,11 +33,11 @@ struct HfGptqModel {
   LlamaConfig config;
   io::QuantizeConfig quant;
   std::map<std::string, quant::PackedLinear> layers;  // "block{i}.attn.q", ... (squeeze module names)
-  std::map<std::string, std::vector<float>> dense;     // "embed.weight", "block{i}.attn_norm.weight", ...
+  std::map<std::string, std::vector<float>> dense;    // "embed.weight", "block{i}.attn_norm.weight", ...
 };
 
 struct HfGptqWriteOptions {
-  std::uint64_t max_shard_bytes = 0;  // 0: one model.safetensors
+  std::uint64_t max_shard_bytes = 0;                          // 0: one model.safetensors
   quant::ZeroArithmetic zeros = quant::ZeroArithmetic::word;  // how v1 stores a zero point of 0
 };
 
@@ -46,9 +46,9 @@ namespace detail {
 inline NamedTensors gptq_tensors(const quant::PackedLinear& p, const std::string& hf, const io::QuantizeConfig& q,
                                  quant::ZeroArithmetic zeros) {
   p.validate();
-  check(p.bits == q.bits && p.group_size == q.group_size,
-        "save_hf_gptq: layer " + hf + " has bits " + std::to_string(p.bits) + " group " + std::to_string(p.group_size) +
-            ", the quantization config bits " + std::to_string(q.bits) + " group " + std::to_string(q.group_size));
+  check(p.bits == q.bits && p.group_size == q.group_size, "save_hf_gptq: layer " + hf + " has bits " + std::to_string(p.bits) + " group " +
+                                                              std::to_string(p.group_size) + ", the quantization config bits " +
+                                                              std::to_string(q.bits) + " group " + std::to_string(q.group_size));
   NamedTensors t;
   t.push_back({hf + ".qweight", owned_tensor<std::int32_t>(DType::I32, {p.qweight_rows(), p.out}, p.qweight)});
   t.push_back({hf + ".qzeros", owned_tensor<std::int32_t>(DType::I32, {p.groups(), p.qzeros_cols()}, quant::qzeros_from_packed(p, zeros))});
@@ -139,7 +139,8 @@ inline io::QuantizeConfig read_hf_gptq_quant_config(const std::filesystem::path&
   if (a && b)
     check(a->bits == b->bits && a->group_size == b->group_size,
           "hf gptq: config.json's quantization_config (bits " + std::to_string(a->bits) + ", group_size " + std::to_string(a->group_size) +
-              ") and quantize_config.json (bits " + std::to_string(b->bits) + ", group_size " + std::to_string(b->group_size) + ") disagree");
+              ") and quantize_config.json (bits " + std::to_string(b->bits) + ", group_size " + std::to_string(b->group_size) +
+              ") disagree");
   return a ? *a : *b;
 }
 
@@ -150,7 +151,8 @@ inline HfGptqModel load_hf_gptq(const std::filesystem::path& dir) {
   m.config = llama_config_of_quantized(j, dir / "config.json");
   const auto ck = SafetensorsCheckpoint::open(dir);
   for (const auto& e : hf_checkpoint_tensors(m.config))
-    if (is_quantized_kind(e.kind)) m.layers[module_of(e.squeeze)] = detail::read_gptq_layer(ck, module_of(e.hf), e.shape[0], e.shape[1], m.quant);
+    if (is_quantized_kind(e.kind))
+      m.layers[module_of(e.squeeze)] = detail::read_gptq_layer(ck, module_of(e.hf), e.shape[0], e.shape[1], m.quant);
   m.dense = read_llama_dense(ck, m.config, "hf gptq");
   return m;
 }

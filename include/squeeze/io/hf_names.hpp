@@ -72,19 +72,31 @@ inline bool is_layer_kind(ParamKind k) { return k != ParamKind::Embedding && k !
 inline std::vector<std::int64_t> param_shape(ParamKind k, const LlamaConfig& c) {
   const std::int64_t q = c.num_attention_heads * c.head_dim, kv = c.num_key_value_heads * c.head_dim;
   switch (k) {
-    case ParamKind::Embedding: case ParamKind::Head: return {c.vocab_size, c.hidden_size};
-    case ParamKind::AttnNorm: case ParamKind::MlpNorm: case ParamKind::FinalNorm: return {c.hidden_size};
-    case ParamKind::Q: return {q, c.hidden_size};
-    case ParamKind::K: case ParamKind::V: return {kv, c.hidden_size};
-    case ParamKind::O: return {c.hidden_size, q};
-    case ParamKind::Gate: case ParamKind::Up: return {c.intermediate_size, c.hidden_size};
-    case ParamKind::Down: return {c.hidden_size, c.intermediate_size};
+    case ParamKind::Embedding:
+    case ParamKind::Head:
+      return {c.vocab_size, c.hidden_size};
+    case ParamKind::AttnNorm:
+    case ParamKind::MlpNorm:
+    case ParamKind::FinalNorm:
+      return {c.hidden_size};
+    case ParamKind::Q:
+      return {q, c.hidden_size};
+    case ParamKind::K:
+    case ParamKind::V:
+      return {kv, c.hidden_size};
+    case ParamKind::O:
+      return {c.hidden_size, q};
+    case ParamKind::Gate:
+    case ParamKind::Up:
+      return {c.intermediate_size, c.hidden_size};
+    case ParamKind::Down:
+      return {c.hidden_size, c.intermediate_size};
   }
   return {};
 }
 
 struct NameEntry {
-  std::string hf;       // empty: none (head.weight under tied embeddings)
+  std::string hf;  // empty: none (head.weight under tied embeddings)
   std::string squeeze;
   ParamKind kind;
   std::int64_t layer = -1;  // -1 outside the blocks
@@ -116,8 +128,8 @@ inline std::optional<NameEntry> lookup(std::string_view name, bool hf, const Lla
   for (const auto& p : kLlamaNames) {
     const auto layer = match_layer(hf ? p.hf : p.squeeze, name);
     if (!layer) continue;
-    check(*layer < c.num_hidden_layers, std::string(hf ? "Hugging Face tensor '" : "squeeze parameter '") + std::string(name) + "': layer " +
-                                            std::to_string(*layer) + " does not exist (the config has " +
+    check(*layer < c.num_hidden_layers, std::string(hf ? "Hugging Face tensor '" : "squeeze parameter '") + std::string(name) +
+                                            "': layer " + std::to_string(*layer) + " does not exist (the config has " +
                                             std::to_string(c.num_hidden_layers) + " layers)");
     return NameEntry{fill_layer(p.hf, *layer), fill_layer(p.squeeze, *layer), p.kind, *layer, param_shape(p.kind, c)};
   }
@@ -145,7 +157,8 @@ inline std::vector<NameEntry> hf_checkpoint_tensors(const LlamaConfig& c) {
 // hf = "model.embed_tokens.weight", the tensor it is filled from).
 inline std::vector<NameEntry> squeeze_parameters(const LlamaConfig& c) {
   auto out = hf_checkpoint_tensors(c);
-  if (c.tie_word_embeddings) out.push_back({"model.embed_tokens.weight", "head.weight", ParamKind::Head, -1, param_shape(ParamKind::Head, c)});
+  if (c.tie_word_embeddings)
+    out.push_back({"model.embed_tokens.weight", "head.weight", ParamKind::Head, -1, param_shape(ParamKind::Head, c)});
   return out;
 }
 
@@ -155,7 +168,8 @@ inline std::vector<std::string> squeeze_names_for(std::string_view hf_name, cons
   const auto e = detail::lookup(hf_name, /*hf=*/true, c);
   check(e.has_value(), "Hugging Face tensor '" + std::string(hf_name) + "' is not part of a LLaMA checkpoint squeeze loads");
   if (e->kind == ParamKind::Head)
-    check(!c.tie_word_embeddings, "Hugging Face tensor 'lm_head.weight' is present but the config ties the embeddings (tie_word_embeddings)");
+    check(!c.tie_word_embeddings,
+          "Hugging Face tensor 'lm_head.weight' is present but the config ties the embeddings (tie_word_embeddings)");
   if (e->kind == ParamKind::Embedding && c.tie_word_embeddings) return {e->squeeze, "head.weight"};
   return {e->squeeze};
 }
@@ -173,10 +187,10 @@ inline std::optional<std::string> hf_name(std::string_view squeeze_name, const L
 
 // ---- checking a checkpoint's tensor list against the config ---------------------------------------------------
 struct NameCheck {
-  std::vector<std::string> missing;     // in the table for this config, absent from the checkpoint
-  std::vector<std::string> unexpected;  // in the checkpoint, not in the table for this config
-  std::vector<std::string> wrong_shape; // "name: [a, b] in the checkpoint, [c, d] expected"
-  std::vector<std::string> ignored;     // rotary_emb.inv_freq buffers older exports carry (recomputed, not weights)
+  std::vector<std::string> missing;          // in the table for this config, absent from the checkpoint
+  std::vector<std::string> unexpected;       // in the checkpoint, not in the table for this config
+  std::vector<std::string> wrong_shape;      // "name: [a, b] in the checkpoint, [c, d] expected"
+  std::vector<std::string> ignored;          // rotary_emb.inv_freq buffers older exports carry (recomputed, not weights)
   std::map<std::string, std::string> files;  // checkpoint tensor -> the file holding it, where the caller said
   bool ok() const { return missing.empty() && unexpected.empty() && wrong_shape.empty(); }
 
@@ -219,8 +233,10 @@ inline NameCheck check_hf_tensors(const std::map<std::string, std::vector<std::i
   for (const auto& [name, shape] : found) {
     const auto it = want.find(name);
     if (it == want.end()) {
-      if (detail::match_layer("model.layers.{i}.self_attn.rotary_emb.inv_freq", name)) r.ignored.push_back(name);
-      else r.unexpected.push_back(name);
+      if (detail::match_layer("model.layers.{i}.self_attn.rotary_emb.inv_freq", name))
+        r.ignored.push_back(name);
+      else
+        r.unexpected.push_back(name);
       continue;
     }
     if (shape == it->second->shape) continue;

@@ -37,9 +37,16 @@ using NamedTensors = std::vector<std::pair<std::string, OwnedTensor>>;
 // The seven linears of a block are quantized; embeddings, norms and the head stay dense.
 inline bool is_quantized_kind(ParamKind k) {
   switch (k) {
-    case ParamKind::Q: case ParamKind::K: case ParamKind::V: case ParamKind::O: case ParamKind::Gate: case ParamKind::Up:
-    case ParamKind::Down: return true;
-    default: return false;
+    case ParamKind::Q:
+    case ParamKind::K:
+    case ParamKind::V:
+    case ParamKind::O:
+    case ParamKind::Gate:
+    case ParamKind::Up:
+    case ParamKind::Down:
+      return true;
+    default:
+      return false;
   }
 }
 // "block0.attn.q.weight" -> "block0.attn.q"
@@ -105,13 +112,14 @@ inline LlamaConfig llama_config_of_quantized(nlohmann::json j, const std::filesy
 }
 
 // The dense tensors of a checkpoint of `c`, by squeeze name (the tied embedding fills head.weight too).
-inline std::map<std::string, std::vector<float>> read_llama_dense(const SafetensorsCheckpoint& ck, const LlamaConfig& c, const std::string& who) {
+inline std::map<std::string, std::vector<float>> read_llama_dense(const SafetensorsCheckpoint& ck, const LlamaConfig& c,
+                                                                  const std::string& who) {
   std::map<std::string, std::vector<float>> dense;
   for (const auto& e : hf_checkpoint_tensors(c)) {
     if (is_quantized_kind(e.kind)) continue;
     check(ck.contains(e.hf), who + ": tensor '" + e.hf + "' is missing");
-    check(ck.info(e.hf).shape == e.shape, who + ": tensor '" + e.hf + "' is " + shape_string(ck.info(e.hf).shape) + ", expected " +
-                                              shape_string(e.shape));
+    check(ck.info(e.hf).shape == e.shape,
+          who + ": tensor '" + e.hf + "' is " + shape_string(ck.info(e.hf).shape) + ", expected " + shape_string(e.shape));
     const auto v = ck.read_float(e.hf);
     for (const auto& s : squeeze_names_for(e.hf, c)) dense[s] = v;
   }

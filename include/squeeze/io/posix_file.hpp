@@ -91,7 +91,7 @@ class PosixFile {
     if (::fsync(fd_) != 0) throw Error(detail::sys_error("fsync failed on", path_, errno));
   }
   std::uint64_t size() const {
-    struct ::stat st{};
+    struct ::stat st {};
     if (::fstat(fd_, &st) != 0) throw Error(detail::sys_error("fstat failed on", path_, errno));
     return std::uint64_t(st.st_size);
   }
@@ -120,8 +120,7 @@ inline void fsync_directory(const std::filesystem::path& dir) {
 }
 
 inline void rename_path(const std::filesystem::path& from, const std::filesystem::path& to) {
-  if (std::rename(from.c_str(), to.c_str()) != 0)
-    throw Error(detail::sys_error("cannot rename " + from.string() + " to", to, errno));
+  if (std::rename(from.c_str(), to.c_str()) != 0) throw Error(detail::sys_error("cannot rename " + from.string() + " to", to, errno));
 }
 
 // Swaps two directory entries atomically (Linux renameat2 RENAME_EXCHANGE): replaces a directory that a

@@ -40,12 +40,12 @@ struct FlatLayoutEntry {
   std::vector<std::int64_t> shape;
   std::int64_t offset = 0;  // elements into the flat buffer
   std::int64_t numel = 0;
-  int group = -1;           // the trainer's parameter group (8-bit state blocks start at each group's run); -1: not recorded
+  int group = -1;  // the trainer's parameter group (8-bit state blocks start at each group's run); -1: not recorded
 };
 
 struct FlatLayout {
-  std::string key;          // the partition's name, unique in a checkpoint
-  std::int64_t align = 1;   // elements
+  std::string key;                       // the partition's name, unique in a checkpoint
+  std::int64_t align = 1;                // elements
   std::vector<FlatLayoutEntry> entries;  // ascending offsets
 
   // The layout FlatParams(params, world, align) builds.
@@ -57,7 +57,8 @@ struct FlatLayout {
     for (const auto& [name, shape] : params) {
       std::int64_t n = 1;
       for (auto d : shape) {
-        check(d >= 0 && (d == 0 || n <= (std::int64_t(1) << 62) / d), "FlatLayout '" + l.key + "': parameter '" + name + "' has a bad shape");
+        check(d >= 0 && (d == 0 || n <= (std::int64_t(1) << 62) / d),
+              "FlatLayout '" + l.key + "': parameter '" + name + "' has a bad shape");
         n *= d;
       }
       off = round_up(off, align);
@@ -90,10 +91,10 @@ struct FlatLayout {
         check(d >= 0 && (d == 0 || n <= (std::int64_t(1) << 62) / d), w + "parameter '" + e.name + "' has a bad shape");
         n *= d;
       }
-      check(e.numel == n, w + "parameter '" + e.name + "' has numel " + std::to_string(e.numel) + " but its shape holds " + std::to_string(n));
-      check(e.offset >= end && e.offset % align == 0,
-            w + "parameter '" + e.name + "' at offset " + std::to_string(e.offset) + " overlaps its predecessor or is not aligned to " +
-                std::to_string(align));
+      check(e.numel == n,
+            w + "parameter '" + e.name + "' has numel " + std::to_string(e.numel) + " but its shape holds " + std::to_string(n));
+      check(e.offset >= end && e.offset % align == 0, w + "parameter '" + e.name + "' at offset " + std::to_string(e.offset) +
+                                                          " overlaps its predecessor or is not aligned to " + std::to_string(align));
       end = e.offset + e.numel;
     }
   }
@@ -167,7 +168,7 @@ inline std::vector<FlatLayout> flat_layouts_from_json(const nlohmann::json& j, c
 struct CopySegment {
   std::int64_t dst_offset = 0;  // elements into the target shard
   std::int64_t count = 0;
-  int src_partition = -1;       // index into ReshardPlan::from; -1: zero fill (padding, alignment gaps)
+  int src_partition = -1;  // index into ReshardPlan::from; -1: zero fill (padding, alignment gaps)
   int src_rank = 0;
   std::int64_t src_offset = 0;  // elements into that source rank's shard
   bool zero_fill() const { return src_partition < 0; }
@@ -177,7 +178,7 @@ struct CopySegment {
 struct ShardPlan {
   int partition = 0;  // index into ReshardPlan::to
   int rank = 0;
-  std::int64_t elements = 0;           // the target shard's size; the segments cover it in order
+  std::int64_t elements = 0;  // the target shard's size; the segments cover it in order
   std::vector<CopySegment> segments;
 };
 
@@ -186,8 +187,8 @@ struct ReshardPlan {
   std::vector<FlatLayout> from, to;
   std::vector<std::vector<ShardPlan>> shards;  // [target partition][target rank]
   const ShardPlan& at(std::size_t partition, int rank) const {
-    check(partition < shards.size() && rank >= 0 && rank < to_world, "ReshardPlan: no target shard (" + std::to_string(partition) + ", " +
-                                                                         std::to_string(rank) + ")");
+    check(partition < shards.size() && rank >= 0 && rank < to_world,
+          "ReshardPlan: no target shard (" + std::to_string(partition) + ", " + std::to_string(rank) + ")");
     return shards[partition][std::size_t(rank)];
   }
 };
@@ -292,11 +293,14 @@ inline ReshardPlan plan_reshard(std::vector<FlatLayout> from, int from_world, st
 template <class Read>
 void execute_shard_plan(const ShardPlan& plan, std::size_t elem_size, std::span<std::byte> out, Read&& read) {
   check(out.size() == std::size_t(plan.elements) * elem_size, "execute_shard_plan: the destination has " + std::to_string(out.size()) +
-                                                                   " bytes; the shard needs " + std::to_string(std::size_t(plan.elements) * elem_size));
+                                                                  " bytes; the shard needs " +
+                                                                  std::to_string(std::size_t(plan.elements) * elem_size));
   for (const CopySegment& s : plan.segments) {
     auto dst = out.subspan(std::size_t(s.dst_offset) * elem_size, std::size_t(s.count) * elem_size);
-    if (s.zero_fill()) std::memset(dst.data(), 0, dst.size());
-    else read(s.src_partition, s.src_rank, std::uint64_t(s.src_offset) * elem_size, dst);
+    if (s.zero_fill())
+      std::memset(dst.data(), 0, dst.size());
+    else
+      read(s.src_partition, s.src_rank, std::uint64_t(s.src_offset) * elem_size, dst);
   }
 }
 
@@ -314,8 +318,9 @@ inline DType check_shard_tensors(const CheckpointReader& src, const std::vector<
       check(t.shape == std::vector<std::int64_t>{shard}, "checkpoint file " + f.path().string() + ": tensor '" + name + "' is " +
                                                              shape_text(t.shape) + ", the layout's shard at world " +
                                                              std::to_string(src.world_size()) + " is [" + std::to_string(shard) + "]");
-      check(!dt || *dt == t.dtype, "checkpoint file " + f.path().string() + ": tensor '" + name + "' is " + std::string(dtype_name(t.dtype)) +
-                                       "; the other shards of buffer '" + buffer + "' are " + std::string(dtype_name(dt ? *dt : t.dtype)));
+      check(!dt || *dt == t.dtype, "checkpoint file " + f.path().string() + ": tensor '" + name + "' is " +
+                                       std::string(dtype_name(t.dtype)) + "; the other shards of buffer '" + buffer + "' are " +
+                                       std::string(dtype_name(dt ? *dt : t.dtype)));
       dt = t.dtype;
     }
   }
@@ -326,10 +331,11 @@ inline DType check_shard_tensors(const CheckpointReader& src, const std::vector<
 
 // The target shard (partition, rank) of `plan`, buffer `buffer`, read from the checkpoint into `out`
 // (plan.at(partition, rank).elements elements of the stored dtype, which is returned).
-inline DType read_resharded(const CheckpointReader& src, const ReshardPlan& plan, std::size_t partition, int rank, const std::string& buffer,
-                            std::span<std::byte> out) {
+inline DType read_resharded(const CheckpointReader& src, const ReshardPlan& plan, std::size_t partition, int rank,
+                            const std::string& buffer, std::span<std::byte> out) {
   check(src.world_size() == plan.from_world, "read_resharded: the plan is from world " + std::to_string(plan.from_world) +
-                                                 ", the checkpoint " + src.dir().string() + " has world " + std::to_string(src.world_size()));
+                                                 ", the checkpoint " + src.dir().string() + " has world " +
+                                                 std::to_string(src.world_size()));
   const DType dt = detail::check_shard_tensors(src, plan.from, buffer);
   execute_shard_plan(plan.at(partition, rank), dtype_size(dt), out, [&](int p, int r, std::uint64_t off, std::span<std::byte> dst) {
     src.read_rank_range(r, shard_tensor_name(plan.from[std::size_t(p)].key, buffer), off, dst);
@@ -339,11 +345,11 @@ inline DType read_resharded(const CheckpointReader& src, const ReshardPlan& plan
 
 // Byte ranges of source rank files that make up a target shard (for copying with other tools).
 struct FileCopy {
-  int src_rank = -1;                // -1: zero fill
+  int src_rank = -1;  // -1: zero fill
   std::filesystem::path file;
   std::uint64_t file_offset = 0;
   std::uint64_t bytes = 0;
-  std::uint64_t dst_offset = 0;     // bytes into the target shard
+  std::uint64_t dst_offset = 0;  // bytes into the target shard
 };
 inline std::vector<FileCopy> file_copies(const CheckpointReader& src, const ReshardPlan& plan, std::size_t partition, int rank,
                                          const std::string& buffer) {
@@ -385,7 +391,8 @@ inline float load_float(const std::byte* p, DType d) {
   return squeeze::to_float(h);
 }
 inline void store_float(std::byte* p, DType d, float f) {
-  if (d == DType::F32) std::memcpy(p, &f, 4);
+  if (d == DType::F32)
+    std::memcpy(p, &f, 4);
   else if (d == DType::BF16) {
     const squeeze::bf16 b = squeeze::from_float<squeeze::bf16>(f);
     std::memcpy(p, &b, 2);
@@ -412,8 +419,9 @@ inline WrittenFile consolidate(const CheckpointReader& src, const std::vector<Fl
   detail::index_params(layouts, "consolidate");
   const DType sd = detail::check_shard_tensors(src, layouts, opt.buffer);
   const DType od = opt.dtype.value_or(sd);
-  check(od == sd || (detail::float_dtype(sd) && detail::float_dtype(od)),
-        "consolidate: cannot convert " + std::string(dtype_name(sd)) + " to " + std::string(dtype_name(od)) + " (only between F32, BF16, F16)");
+  check(od == sd || (detail::float_dtype(sd) && detail::float_dtype(od)), "consolidate: cannot convert " + std::string(dtype_name(sd)) +
+                                                                              " to " + std::string(dtype_name(od)) +
+                                                                              " (only between F32, BF16, F16)");
   const std::size_t ses = dtype_size(sd), oes = dtype_size(od);
   const int world = src.world_size();
   std::vector<std::byte> convert_buf;

@@ -43,8 +43,8 @@ namespace squeeze::io {
 enum class DType { BOOL, U8, I8, I16, U16, I32, U32, I64, U64, F16, BF16, F32, F64 };
 
 inline constexpr std::pair<DType, std::string_view> kDTypeNames[] = {
-    {DType::BOOL, "BOOL"}, {DType::U8, "U8"},   {DType::I8, "I8"},     {DType::I16, "I16"}, {DType::U16, "U16"},
-    {DType::I32, "I32"},   {DType::U32, "U32"}, {DType::I64, "I64"},   {DType::U64, "U64"}, {DType::F16, "F16"},
+    {DType::BOOL, "BOOL"}, {DType::U8, "U8"},   {DType::I8, "I8"},   {DType::I16, "I16"}, {DType::U16, "U16"},
+    {DType::I32, "I32"},   {DType::U32, "U32"}, {DType::I64, "I64"}, {DType::U64, "U64"}, {DType::F16, "F16"},
     {DType::BF16, "BF16"}, {DType::F32, "F32"}, {DType::F64, "F64"}};
 
 inline std::string_view dtype_name(DType d) {
@@ -59,10 +59,21 @@ inline std::optional<DType> parse_dtype(std::string_view s) {
 }
 inline std::size_t dtype_size(DType d) {
   switch (d) {
-    case DType::BOOL: case DType::U8: case DType::I8: return 1;
-    case DType::I16: case DType::U16: case DType::F16: case DType::BF16: return 2;
-    case DType::I32: case DType::U32: case DType::F32: return 4;
-    default: return 8;
+    case DType::BOOL:
+    case DType::U8:
+    case DType::I8:
+      return 1;
+    case DType::I16:
+    case DType::U16:
+    case DType::F16:
+    case DType::BF16:
+      return 2;
+    case DType::I32:
+    case DType::U32:
+    case DType::F32:
+      return 4;
+    default:
+      return 8;
   }
 }
 
@@ -113,7 +124,8 @@ inline void check_header_length(std::uint64_t n, std::uint64_t file_size, const 
   auto fail = [&](const std::string& what) { throw Error("safetensors " + source + ": " + what); };
   if (n > kMaxHeaderBytes) fail("header length " + std::to_string(n) + " exceeds the 100 MiB limit");
   if (n > file_size - 8)
-    fail("truncated header: header length " + std::to_string(n) + " runs past the end of the file (" + std::to_string(file_size) + " bytes)");
+    fail("truncated header: header length " + std::to_string(n) + " runs past the end of the file (" + std::to_string(file_size) +
+         " bytes)");
 }
 
 struct Header {
@@ -249,7 +261,8 @@ class SafetensorsFile {
     SafetensorsFile sf;
     sf.source_ = source;
     auto fail = [&](const std::string& what) { throw Error("safetensors " + source + ": " + what); };
-    if (bytes.size() < 8) fail("truncated header: the file has " + std::to_string(bytes.size()) + " bytes, shorter than the 8-byte header length");
+    if (bytes.size() < 8)
+      fail("truncated header: the file has " + std::to_string(bytes.size()) + " bytes, shorter than the 8-byte header length");
     const std::uint64_t n = detail::read_le64(bytes.data());
     detail::check_header_length(n, bytes.size(), source);
     const std::string_view text(reinterpret_cast<const char*>(bytes.data()) + 8, std::size_t(n));
@@ -387,9 +400,9 @@ class SafetensorsReader {
   void read_bytes(const std::string& name, std::span<std::byte> out, std::uint64_t offset = 0) const {
     const auto& t = info(name);
     const std::uint64_t n = t.end - t.begin;
-    check(offset <= n && out.size() <= n - offset,
-          "safetensors " + source_ + ": tensor '" + name + "': bytes [" + std::to_string(offset) + ", " +
-              std::to_string(offset + out.size()) + ") requested of its " + std::to_string(n));
+    check(offset <= n && out.size() <= n - offset, "safetensors " + source_ + ": tensor '" + name + "': bytes [" + std::to_string(offset) +
+                                                       ", " + std::to_string(offset + out.size()) + ") requested of its " +
+                                                       std::to_string(n));
     if (out.empty()) return;
     check(detail::pread_all(fd_.get(), out, data_offset_ + t.begin + offset, source_),
           "safetensors " + source_ + ": tensor '" + name + "': the file ended before its bytes (truncated after it was opened?)");
@@ -433,7 +446,8 @@ inline void save_safetensors(const std::filesystem::path& path, const std::map<s
     check(name != "__metadata__" && !name.empty(), "safetensors: invalid tensor name '" + name + "'");
     const auto want = detail::byte_count(t.shape, t.dtype);
     check(want && *want == t.data.size(), "safetensors: tensor '" + name + "' has " + std::to_string(t.data.size()) +
-                                              " bytes, its dtype and shape need " + (want ? std::to_string(*want) : "an overflowing count"));
+                                              " bytes, its dtype and shape need " +
+                                              (want ? std::to_string(*want) : "an overflowing count"));
     h[name] = {{"dtype", std::string(dtype_name(t.dtype))}, {"shape", t.shape}, {"data_offsets", {off, off + t.data.size()}}};
     off += t.data.size();
   }

@@ -163,8 +163,8 @@ class SafetensorsCheckpoint {
       const auto path = c.dir_ / file;
       if (!std::filesystem::exists(path))
         fail("shard '" + file + "' (holding '" + names.front() + "'" +
-             (names.size() > 1 ? " and " + std::to_string(names.size() - 1) + " more tensors" : std::string()) +
-             ") does not exist in " + c.dir_.string());
+             (names.size() > 1 ? " and " + std::to_string(names.size() - 1) + " more tensors" : std::string()) + ") does not exist in " +
+             c.dir_.string());
       c.add_shard(file, SafetensorsReader::open(path));
     }
     // Every tensor the index names is in its shard, and every tensor of every shard is in the index, once.
@@ -244,7 +244,7 @@ class SafetensorsCheckpoint {
 
   // Names like "model-00002-of-00003.safetensors" promise a series: all of 1..N must be named, with one N.
   static void check_shard_series(const std::map<std::string, std::vector<std::string>>& by_file, const std::string& src) {
-    std::map<std::string, std::set<unsigned long>> series;  // "<prefix>|<total>" -> part numbers seen
+    std::map<std::string, std::set<unsigned long>> series;                // "<prefix>|<total>" -> part numbers seen
     std::map<std::string, std::pair<std::string, std::string>> parts_of;  // same key -> (prefix, total as written)
     for (const auto& [file, _] : by_file) {
       const auto of = file.rfind("-of-");
@@ -254,7 +254,9 @@ class SafetensorsCheckpoint {
       if (dash == std::string::npos) continue;
       const std::string part = file.substr(dash + 1, of - dash - 1);
       const std::string total = file.substr(of + 4, file.size() - ext.size() - of - 4);
-      const auto digits = [](const std::string& x) { return !x.empty() && std::all_of(x.begin(), x.end(), [](char ch) { return ch >= '0' && ch <= '9'; }); };
+      const auto digits = [](const std::string& x) {
+        return !x.empty() && std::all_of(x.begin(), x.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+      };
       if (!digits(part) || !digits(total) || part.size() > 9 || total.size() > 9) continue;
       const auto key = file.substr(0, dash) + "|" + total;
       series[key].insert(std::stoul(part));
@@ -267,8 +269,8 @@ class SafetensorsCheckpoint {
         if (parts.count(k)) continue;
         std::string num = std::to_string(k);
         num.insert(0, total.size() > num.size() ? total.size() - num.size() : 0, '0');
-        throw Error(src + ": the weight_map names shards '" + prefix + "-*-of-" + total + ".safetensors' but no tensor in '" +
-                    prefix + "-" + num + "-of-" + total + ".safetensors' (a missing shard?)");
+        throw Error(src + ": the weight_map names shards '" + prefix + "-*-of-" + total + ".safetensors' but no tensor in '" + prefix +
+                    "-" + num + "-of-" + total + ".safetensors' (a missing shard?)");
       }
       if (*parts.rbegin() > n || *parts.begin() == 0)
         throw Error(src + ": the weight_map names a shard numbered outside 1.." + total + " in series '" + prefix + "'");
@@ -363,23 +365,25 @@ class ShardedSafetensorsWriter {
   }
   void write(const std::string& name, const TensorRef& ref) {
     const auto& s = specs_[slot(name).spec];
-    check(ref.dtype == s.dtype && ref.shape == s.shape,
-          "ShardedSafetensorsWriter: tensor '" + name + "' was planned as " + std::string(dtype_name(s.dtype)) + " " + shape_text(s.shape) +
-              ", got " + std::string(dtype_name(ref.dtype)) + " " + shape_text(ref.shape));
+    check(ref.dtype == s.dtype && ref.shape == s.shape, "ShardedSafetensorsWriter: tensor '" + name + "' was planned as " +
+                                                            std::string(dtype_name(s.dtype)) + " " + shape_text(s.shape) + ", got " +
+                                                            std::string(dtype_name(ref.dtype)) + " " + shape_text(ref.shape));
     write(name, ref.data);
   }
   // The next bytes of one tensor (it may arrive in pieces, e.g. converted a row block at a time).
   void append(const std::string& name, std::span<const std::byte> data) {
     check(!finished_, "ShardedSafetensorsWriter: already finished");
     auto& t = slot(name);
-    check(data.size() <= t.bytes - t.written, "ShardedSafetensorsWriter: tensor '" + name + "': " +
-                                                  std::to_string(t.written + data.size()) + " bytes written, it holds " + std::to_string(t.bytes));
+    check(data.size() <= t.bytes - t.written, "ShardedSafetensorsWriter: tensor '" + name +
+                                                  "': " + std::to_string(t.written + data.size()) + " bytes written, it holds " +
+                                                  std::to_string(t.bytes));
     auto& sh = shards_[t.shard];
     std::size_t done = 0;
     while (done < data.size()) {
       const ::ssize_t r = ::pwrite(sh.fd.get(), data.data() + done, data.size() - done, ::off_t(t.offset + t.written + done));
       if (r < 0 && errno == EINTR) continue;
-      check(r > 0, "ShardedSafetensorsWriter: writing tensor '" + name + "' to " + tmp_path(sh).string() + " failed: " + detail::errno_text());
+      check(r > 0,
+            "ShardedSafetensorsWriter: writing tensor '" + name + "' to " + tmp_path(sh).string() + " failed: " + detail::errno_text());
       done += std::size_t(r);
     }
     t.written += data.size();

@@ -87,8 +87,7 @@ inline nlohmann::json tensor_json(const TensorInfo& t, bool offsets) {
 // "<path>.tmp": data fsync'd before the rename, so `path` is either absent or whole. The caller fsyncs
 // the directory. On an error the temporary file is removed and `path` is left as it was.
 inline WrittenFile write_safetensors_durably(const std::filesystem::path& path, std::span<const TensorView> tensors,
-                                             const std::map<std::string, std::string>& metadata = {},
-                                             const StreamWriteOptions& opt = {}) {
+                                             const std::map<std::string, std::string>& metadata = {}, const StreamWriteOptions& opt = {}) {
   static_assert(std::endian::native == std::endian::little, "safetensors stores little-endian data");
   check(opt.chunk_bytes >= 8 && opt.chunk_bytes % 8 == 0, "safetensors: chunk_bytes must be a positive multiple of 8");
   WrittenFile out;
@@ -166,6 +165,5 @@ inline WrittenFile write_safetensors_durably(const std::filesystem::path& path, 
   }
   return out;
 }
-
 
 }  // namespace squeeze::io

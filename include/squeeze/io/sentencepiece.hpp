@@ -35,8 +35,8 @@ class SentencePieceTokenizer {
   }
   std::string decode(const std::vector<int>& ids) const {
     for (int id : ids)
-      check(id >= 0 && id < vocab_size(), "SentencePiece " + source_ + ": id " + std::to_string(id) + " is outside the vocabulary of " +
-                                              std::to_string(vocab_size()));
+      check(id >= 0 && id < vocab_size(),
+            "SentencePiece " + source_ + ": id " + std::to_string(id) + " is outside the vocabulary of " + std::to_string(vocab_size()));
     std::string text;
     const auto status = sp_.Decode(ids, &text);
     check(status.ok(), "SentencePiece " + source_ + ": decoding failed: " + status.ToString());

@@ -81,8 +81,8 @@ class TokenShardWriter {
       bool negative = false;
       if constexpr (std::is_signed_v<Int>) negative = t < 0;
       check(!negative && std::uint64_t(t) <= limit, "token shard " + path_.string() + ": token " + std::to_string(t) + " at position " +
-                                                     std::to_string(count_ + i) + " does not fit a " +
-                                                     (width_ == TokenWidth::U16 ? "uint16" : "uint32") + " shard");
+                                                        std::to_string(count_ + i) + " does not fit a " +
+                                                        (width_ == TokenWidth::U16 ? "uint16" : "uint32") + " shard");
       if (width_ == TokenWidth::U16) {
         const auto v = std::uint16_t(t);
         std::memcpy(buf.data() + 2 * i, &v, 2);
@@ -95,7 +95,9 @@ class TokenShardWriter {
     count_ += tokens.size();
   }
   template <class Int>
-  void append(const std::vector<Int>& tokens) { append(std::span<const Int>(tokens)); }
+  void append(const std::vector<Int>& tokens) {
+    append(std::span<const Int>(tokens));
+  }
 
   std::uint64_t count() const { return count_; }
 
@@ -237,7 +239,8 @@ class TokenShard {
   // Tokens [begin, begin + out.size()) as int32; each must be < vocab (vocab 0: only that it fits int32).
   void copy(std::uint64_t begin, std::span<std::int32_t> out, std::int64_t vocab = 0) const {
     check(begin <= count_ && out.size() <= count_ - begin, "token shard " + path_.string() + ": tokens [" + std::to_string(begin) + ", " +
-                                                               std::to_string(begin + out.size()) + ") requested of " + std::to_string(count_));
+                                                               std::to_string(begin + out.size()) + ") requested of " +
+                                                               std::to_string(count_));
     const std::uint64_t limit = vocab > 0 ? std::uint64_t(vocab) : 0x80000000ull;
     for (std::size_t i = 0; i < out.size(); ++i) {
       const std::uint32_t t = (*this)[begin + i];
@@ -309,10 +312,10 @@ class IndexPermutation {
 }  // namespace detail
 
 struct TokenDatasetOptions {
-  std::int64_t batch = 1;      // B windows per batch (per rank)
-  std::int64_t seq = 128;      // T: each window holds T + 1 tokens
-  std::int64_t vocab = 0;      // > 0: every token read is checked against it
-  bool shuffle = true;         // false: windows in file order
+  std::int64_t batch = 1;  // B windows per batch (per rank)
+  std::int64_t seq = 128;  // T: each window holds T + 1 tokens
+  std::int64_t vocab = 0;  // > 0: every token read is checked against it
+  bool shuffle = true;     // false: windows in file order
   std::uint64_t seed = 0;
   std::int64_t rank = 0, world = 1;  // data-parallel position
 };
@@ -339,7 +342,7 @@ class TokenDataset {
                             " for each of " + std::to_string(o.world) + " rank(s)");
   }
 
-  std::uint64_t windows() const { return windows_; }           // all windows, all ranks
+  std::uint64_t windows() const { return windows_; }            // all windows, all ranks
   std::uint64_t batches_per_epoch() const { return batches_; }  // per rank
   std::size_t shard_count() const { return shards_.size(); }
   const TokenShard& shard(std::size_t i) const { return shards_.at(i); }

@@ -51,7 +51,8 @@ cudaError_t accumulate_cuda(const AccumTensor<G>& t, float scale, bool overwrite
   validate(t, "accumulate (CUDA) tensor");
   const std::int64_t chunks = chunks_of(t.n);
   if (chunks == 0) return cudaSuccess;
-  detail::accumulate_kernel<G><<<grid_for_chunks(chunks), kAccumThreads, 0, stream>>>(FlatSource<AccumTensor<G>>{t, chunks}, scale, overwrite);
+  detail::accumulate_kernel<G>
+      <<<grid_for_chunks(chunks), kAccumThreads, 0, stream>>>(FlatSource<AccumTensor<G>>{t, chunks}, scale, overwrite);
   return cudaGetLastError();
 }
 
@@ -60,7 +61,8 @@ cudaError_t accumulate_cuda(const TensorTable<AccumTensor<G>>& table, float scal
   check_accumulate_scale(scale);
   check(table.count == 0 || (table.entries != nullptr && table.chunk_prefix != nullptr), "accumulate (CUDA): table has null entries");
   if (table.chunks == 0) return cudaSuccess;
-  detail::accumulate_kernel<G><<<grid_for_chunks(table.chunks), kAccumThreads, 0, stream>>>(TableSource<AccumTensor<G>>{table, table.chunks}, scale, overwrite);
+  detail::accumulate_kernel<G>
+      <<<grid_for_chunks(table.chunks), kAccumThreads, 0, stream>>>(TableSource<AccumTensor<G>>{table, table.chunks}, scale, overwrite);
   return cudaGetLastError();
 }
 

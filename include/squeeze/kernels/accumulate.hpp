@@ -41,9 +41,7 @@ void validate(const AccumTensor<G>& t, const std::string& what = "accumulate ten
 }
 
 // The element functor.
-SQUEEZE_HD float accumulate_element(float acc, float g, float scale, bool overwrite) {
-  return overwrite ? scale * g : acc + scale * g;
-}
+SQUEEZE_HD float accumulate_element(float acc, float g, float scale, bool overwrite) { return overwrite ? scale * g : acc + scale * g; }
 
 inline void check_accumulate_scale(float scale) {
   check(std::isfinite(scale), "accumulate: scale must be finite, got " + std::to_string(scale));

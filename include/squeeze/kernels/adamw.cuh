@@ -32,15 +32,16 @@ SQUEEZE_DEVICE bool adamw_vectorizable(const AdamWTensor<P, G, S>& t) {
 
 // Elements [begin, end) of tensor t by one block. begin is a multiple of kChunkElems.
 template <class P, class G, class S>
-SQUEEZE_DEVICE void adamw_block_range(const AdamWTensor<P, G, S>& t, std::int64_t begin, std::int64_t end,
-                                      const AdamWScalars& s) {
+SQUEEZE_DEVICE void adamw_block_range(const AdamWTensor<P, G, S>& t, std::int64_t begin, std::int64_t end, const AdamWScalars& s) {
   constexpr int Q = kAdamWQuads, T = kAdamWThreads;
   constexpr std::int64_t kTile = std::int64_t(T) * kQuad * Q;
   std::int64_t scalar_begin = begin;
   if (adamw_vectorizable(t)) {
     float* __restrict__ wp;
-    if constexpr (std::is_same_v<P, float>) wp = t.param;
-    else wp = t.master;
+    if constexpr (std::is_same_v<P, float>)
+      wp = t.param;
+    else
+      wp = t.master;
     const std::int64_t vec_end = vector_end(begin, end, kTile);
     for (std::int64_t base = begin; base < vec_end; base += kTile) {
       const std::int64_t i = quad_start(base, int(threadIdx.x), 0, T);
@@ -88,8 +89,7 @@ __global__ void adamw_commit_step_kernel(Int* step, const float* found_inf) {
 
 // One flat buffer. All pointers are device pointers (d's too). Returns the launch status.
 template <class P, class G, class S>
-cudaError_t adamw_cuda(const AdamWTensor<P, G, S>& t, const AdamWCoeffs& c, const AdamWDynamic& d = {},
-                       cudaStream_t stream = nullptr) {
+cudaError_t adamw_cuda(const AdamWTensor<P, G, S>& t, const AdamWCoeffs& c, const AdamWDynamic& d = {}, cudaStream_t stream = nullptr) {
   validate(t, "AdamW (CUDA) tensor");
   const std::int64_t chunks = chunks_of(t.n);
   if (chunks == 0) return cudaSuccess;
@@ -100,8 +100,8 @@ cudaError_t adamw_cuda(const AdamWTensor<P, G, S>& t, const AdamWCoeffs& c, cons
 
 // A list of tensors in one launch. The table was validated when uploaded.
 template <class P, class G, class S>
-cudaError_t adamw_cuda(const TensorTable<AdamWTensor<P, G, S>>& table, const AdamWCoeffs& c,
-                       const AdamWDynamic& d = {}, cudaStream_t stream = nullptr) {
+cudaError_t adamw_cuda(const TensorTable<AdamWTensor<P, G, S>>& table, const AdamWCoeffs& c, const AdamWDynamic& d = {},
+                       cudaStream_t stream = nullptr) {
   check(table.count == 0 || (table.entries != nullptr && table.chunk_prefix != nullptr),
         "AdamW (CUDA): tensor table has null entries; build it with DeviceTensorTable::upload");
   if (table.chunks == 0) return cudaSuccess;

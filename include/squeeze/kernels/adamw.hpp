@@ -64,8 +64,7 @@ SQUEEZE_HD double adamw_power(double b, std::int64_t t) {
 }
 
 // Bias-correction scalars in double (1 - beta^t cancels badly in float for small t).
-SQUEEZE_HD void adamw_bias_correction(float lr, float beta1, float beta2, std::int64_t t, float& step_size,
-                                      float& inv_sqrt_bc2) {
+SQUEEZE_HD void adamw_bias_correction(float lr, float beta1, float beta2, std::int64_t t, float& step_size, float& inv_sqrt_bc2) {
   const double bc1 = 1.0 - adamw_power(double(beta1), t);
   const double bc2 = 1.0 - adamw_power(double(beta2), t);
   step_size = float(double(lr) / bc1);
@@ -88,11 +87,11 @@ inline AdamWCoeffs adamw_coeffs(float lr, float beta1, float beta2, float eps, f
 
 // Per-launch values read from memory (null = absent). Device pointers for CUDA, host pointers for CPU.
 struct AdamWDynamic {
-  const float* inv_scale = nullptr;     // 1 / loss scale; grads are multiplied by it
-  const float* found_inf = nullptr;     // != 0: skip this step entirely
-  const float* clip_coef = nullptr;     // min(1, max_norm / ||g||); grads are multiplied by it
-  const std::int64_t* step = nullptr;   // steps applied so far: bias correction uses t = *step + 1 (skipped
-                                        // steps don't count, with no host sync); null: AdamWCoeffs' step
+  const float* inv_scale = nullptr;    // 1 / loss scale; grads are multiplied by it
+  const float* found_inf = nullptr;    // != 0: skip this step entirely
+  const float* clip_coef = nullptr;    // min(1, max_norm / ||g||); grads are multiplied by it
+  const std::int64_t* step = nullptr;  // steps applied so far: bias correction uses t = *step + 1 (skipped
+                                       // steps don't count, with no host sync); null: AdamWCoeffs' step
 };
 
 // Everything an element needs, resolved once per thread at the start of a launch.
@@ -151,8 +150,7 @@ struct AdamWTensor {
 // Returns false for an empty tensor (nothing more to check).
 template <class P, class G>
 bool validate_weights(std::int64_t n, const P* param, const float* master, const G* grad, const std::string& what) {
-  static_assert(FloatingElement<P> && FloatingElement<G>,
-                "AdamW: param and grad types must be float, squeeze::half or squeeze::bf16");
+  static_assert(FloatingElement<P> && FloatingElement<G>, "AdamW: param and grad types must be float, squeeze::half or squeeze::bf16");
   check(n >= 0, what + ": negative element count " + std::to_string(n));
   if (n == 0) return false;
   check(param != nullptr, what + ": param pointer is null");
@@ -161,15 +159,15 @@ bool validate_weights(std::int64_t n, const P* param, const float* master, const
     check(master == nullptr || master == static_cast<const void*>(param),
           what + ": float params are their own master weights; pass master = nullptr");
   } else {
-    check(master != nullptr, what + ": " + std::string(dtype_name<P>()) +
-                                 " params need fp32 master weights; the master pointer is null");
+    check(master != nullptr, what + ": " + std::string(dtype_name<P>()) + " params need fp32 master weights; the master pointer is null");
   }
   return true;
 }
 
 template <class P, class G, class S>
 void validate(const AdamWTensor<P, G, S>& t, const std::string& what = "AdamW tensor") {
-  static_assert(supported_state_v<S>, "AdamW: optimizer state S must be float; for 8-bit state use AdamW8Tensor with adamw8_cpu / adamw8_cuda (adamw8.hpp)");
+  static_assert(supported_state_v<S>,
+                "AdamW: optimizer state S must be float; for 8-bit state use AdamW8Tensor with adamw8_cpu / adamw8_cuda (adamw8.hpp)");
   if (!validate_weights(t.n, t.param, t.master, t.grad, what)) return;
   check(t.exp_avg != nullptr && t.exp_avg_sq != nullptr, what + ": exp_avg / exp_avg_sq (m, v) pointer is null");
 }
@@ -178,8 +176,10 @@ void validate(const AdamWTensor<P, G, S>& t, const std::string& what = "AdamW te
 template <class P, class G, class S>
 SQUEEZE_HD void adamw_at(const AdamWTensor<P, G, S>& t, std::int64_t i, const AdamWScalars& s) {
   float* w_ptr;
-  if constexpr (std::is_same_v<P, float>) w_ptr = t.param;
-  else w_ptr = t.master;
+  if constexpr (std::is_same_v<P, float>)
+    w_ptr = t.param;
+  else
+    w_ptr = t.master;
   float w = w_ptr[i], m = t.exp_avg[i], v = t.exp_avg_sq[i];
   adamw_element(w, m, v, to_float(t.grad[i]), s);
   w_ptr[i] = w;

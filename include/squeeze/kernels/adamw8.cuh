@@ -73,9 +73,8 @@ using AdamW8DefaultPolicy =
 
 template <class Policy>
 inline constexpr bool adamw8_policy_ok = (Policy::per_lane == 8 || Policy::per_lane == 16) &&
-                                         (Policy::blocks_in_flight == 1 || Policy::blocks_in_flight == 2) &&
-                                         Policy::threads % 32 == 0 && Policy::threads >= 32 && Policy::threads <= 1024 &&
-                                         Policy::min_blocks_per_sm >= 1;
+                                         (Policy::blocks_in_flight == 1 || Policy::blocks_in_flight == 2) && Policy::threads % 32 == 0 &&
+                                         Policy::threads >= 32 && Policy::threads <= 1024 && Policy::min_blocks_per_sm >= 1;
 
 // The two maps' values, passed by value to the kernel (2 KiB of parameters); midpoints and bucket tables are rebuilt
 // in shared memory with the host's expressions, so they are the same numbers.
@@ -103,8 +102,10 @@ SQUEEZE_DEVICE float group_max(float x, unsigned mask) {
 }
 template <int Lanes>
 SQUEEZE_DEVICE unsigned group_mask() {
-  if constexpr (Lanes == 32) return 0xffffffffu;
-  else return 0xffffu << (threadIdx.x & 16u);
+  if constexpr (Lanes == 32)
+    return 0xffffffffu;
+  else
+    return 0xffffu << (threadIdx.x & 16u);
 }
 
 template <class T>
@@ -134,7 +135,8 @@ template <int Bytes>
 SQUEEZE_DEVICE void store_bytes(void* p, const std::uint32_t* in) {
   if constexpr (Bytes % 16 == 0) {
 #pragma unroll
-    for (int k = 0; k < Bytes / 16; ++k) __stwb(static_cast<uint4*>(p) + k, make_uint4(in[4 * k], in[4 * k + 1], in[4 * k + 2], in[4 * k + 3]));
+    for (int k = 0; k < Bytes / 16; ++k)
+      __stwb(static_cast<uint4*>(p) + k, make_uint4(in[4 * k], in[4 * k + 1], in[4 * k + 2], in[4 * k + 3]));
   } else if constexpr (Bytes == 8) {
     __stwb(static_cast<uint2*>(p), make_uint2(in[0], in[1]));
   } else {
@@ -152,8 +154,10 @@ struct LaneShare {
   int lane;  // 0 .. kLanes - 1
   // Index inside the state block of this lane's k-th element (consecutive within a group).
   SQUEEZE_DEVICE int at(int k) const {
-    if constexpr (Interleaved) return ((k / 4) * kLanes + lane) * 4 + k % 4;
-    else return lane * N + k;
+    if constexpr (Interleaved)
+      return ((k / 4) * kLanes + lane) * 4 + k % 4;
+    else
+      return lane * N + k;
   }
 };
 
@@ -221,13 +225,17 @@ struct TensorRecord {
 
   template <class T>
   SQUEEZE_DEVICE T read(T AdamW8Tensor<P, G>::*field) const {
-    if constexpr (InShared) return *const_cast<const volatile T*>(&(slot->*field));
-    else return value.*field;
+    if constexpr (InShared)
+      return *const_cast<const volatile T*>(&(slot->*field));
+    else
+      return value.*field;
   }
   SQUEEZE_DEVICE P* param() const { return read(&AdamW8Tensor<P, G>::param); }
   SQUEEZE_DEVICE float* weights() const {  // the fp32 weights AdamW updates: the master, or the float param itself
-    if constexpr (std::is_same_v<P, float>) return read(&AdamW8Tensor<P, G>::param);
-    else return read(&AdamW8Tensor<P, G>::master);
+    if constexpr (std::is_same_v<P, float>)
+      return read(&AdamW8Tensor<P, G>::param);
+    else
+      return read(&AdamW8Tensor<P, G>::master);
   }
   SQUEEZE_DEVICE const G* grad() const { return read(&AdamW8Tensor<P, G>::grad); }
   SQUEEZE_DEVICE std::uint8_t* exp_avg() const { return read(&AdamW8Tensor<P, G>::exp_avg); }
@@ -250,7 +258,7 @@ SQUEEZE_DEVICE void load_slice(const Rec& t, const BlockStep& st, LaneShare<N, I
     for (int j = 0; j < N / kG; ++j) {
       const std::int64_t a = lo + share.at(j * kG);
       load_bytes<4 * kG>(wp + a, x.w + j * kG);
-      load_bytes<kG * int(sizeof(G))>(gp + a, x.g + j * kG * int(sizeof(G)) / 4);
+      load_bytes<kG* int(sizeof(G))>(gp + a, x.g + j * kG * int(sizeof(G)) / 4);
       load_bytes<kG>(mp + a, x.m + j * kG / 4);
       load_bytes<kG>(vp + a, x.v + j * kG / 4);
     }
@@ -304,12 +312,13 @@ SQUEEZE_DEVICE void store_weights(const Rec& t, std::int64_t lo, LaneShare<N, I>
     if constexpr (!std::is_same_v<P, float>) {
       std::uint32_t pw[kG * int(sizeof(P)) / 4];
       pack_params<P, kG>(w, j * kG, pw);
-      store_bytes<kG * int(sizeof(P))>(pp + a, pw);
+      store_bytes<kG* int(sizeof(P))>(pp + a, pw);
     }
   }
 }
 template <class Rec, int N, bool I>
-SQUEEZE_DEVICE void store_codes(const Rec& t, std::int64_t lo, LaneShare<N, I> share, const std::uint8_t (&mc)[N], const std::uint8_t (&vc)[N]) {
+SQUEEZE_DEVICE void store_codes(const Rec& t, std::int64_t lo, LaneShare<N, I> share, const std::uint8_t (&mc)[N],
+                                const std::uint8_t (&vc)[N]) {
   constexpr int kG = LaneShare<N, I>::kGroup;
   std::uint8_t *mp = t.exp_avg(), *vp = t.exp_avg_sq();
   std::uint32_t mw[N / 4], vw[N / 4];
@@ -324,8 +333,8 @@ SQUEEZE_DEVICE void store_codes(const Rec& t, std::int64_t lo, LaneShare<N, I> s
 }
 // Element stores of the share's elements inside the block (partial or misaligned blocks).
 template <class Rec, int N, bool I>
-SQUEEZE_DEVICE void store_elements(const Rec& t, const BlockStep& st, LaneShare<N, I> share, const float (&w)[N], const std::uint8_t (&mc)[N],
-                                   const std::uint8_t (&vc)[N]) {
+SQUEEZE_DEVICE void store_elements(const Rec& t, const BlockStep& st, LaneShare<N, I> share, const float (&w)[N],
+                                   const std::uint8_t (&mc)[N], const std::uint8_t (&vc)[N]) {
   using P = typename Rec::Param;
   const std::int64_t lo = st.b * kStateBlock;
   float* wp = t.weights();
@@ -376,7 +385,7 @@ SQUEEZE_DEVICE void update_slice_branch_free(const Rec& t, const BlockStep& st, 
         if (k % kParamRun == kParamRun - 1) {
           std::uint32_t pw[kParamRun * int(sizeof(P)) / 4];
           pack_params<P, kParamRun>(w, k - kParamRun + 1, pw);
-          store_bytes<kParamRun * int(sizeof(P))>(pp + lo + share.at(k - kParamRun + 1), pw);
+          store_bytes<kParamRun* int(sizeof(P))>(pp + lo + share.at(k - kParamRun + 1), pw);
         }
       }
     }
@@ -391,8 +400,10 @@ SQUEEZE_DEVICE void update_slice_branch_free(const Rec& t, const BlockStep& st, 
     mc[k] = std::uint8_t(bucket_code_branch_free(tab.mbucket, m[k] * m_inv, true));
     vc[k] = std::uint8_t(bucket_code_branch_free(tab.vbucket, v[k] * v_inv, false));
   }
-  if constexpr (Vector) store_codes(t, lo, share, mc, vc);
-  else store_elements(t, st, share, w, mc, vc);
+  if constexpr (Vector)
+    store_codes(t, lo, share, mc, vc);
+  else
+    store_elements(t, st, share, w, mc, vc);
   if (st.valid && share.lane == 0) {
     t.m_absmax()[st.b] = m_max;
     t.v_absmax()[st.b] = v_max;
@@ -415,8 +426,10 @@ SQUEEZE_DEVICE void update_slice(const Rec& t, const BlockStep& st, LaneShare<N,
 // The record's fp32 weights (master, or the float param itself).
 template <class P, class G>
 SQUEEZE_DEVICE float* weight_ptr(const AdamW8Tensor<P, G>& t) {
-  if constexpr (std::is_same_v<P, float>) return t.param;
-  else return t.master;
+  if constexpr (std::is_same_v<P, float>)
+    return t.param;
+  else
+    return t.master;
 }
 
 template <class Policy, class P, class G, class Source>

@@ -87,7 +87,7 @@ SQUEEZE_HD std::uint8_t nearest_code(const float* mid, float x) {
 SQUEEZE_HD std::int32_t bucket_entry(const float* mid, int key, bool is_signed) {
   const float lo = key == kBucketKeyLo ? 0.0f : bits_float(std::uint32_t(key) << 16);
   const float hi = bits_float(std::uint32_t(key + 1) << 16);
-  const int first = is_signed ? 127 : 0;  // midpoints of negative values lie below any bucket
+  const int first = is_signed ? 127 : 0;                                            // midpoints of negative values lie below any bucket
   const int below = int(nearest_code(mid, lo)), upto = int(nearest_code(mid, hi));  // midpoints < lo, < hi
   const std::int32_t inside = upto > below ? std::int32_t(0xffff - (float_bits(mid[below]) & 0xffffu)) : 0;
   return std::int32_t(below - first) << 16 | inside;
@@ -103,13 +103,14 @@ SQUEEZE_HD int bucket_code(const std::int32_t* bucket, float y, bool is_signed) 
     const std::uint32_t neg = bits >> 31;
     bits = (bits & 0x7fffffffu) + neg;
     const int key = int(bits >> 16);
-    const int c = (bucket[(key < kBucketKeyHi ? (key > kBucketKeyLo ? key : kBucketKeyLo) : kBucketKeyHi) - kBucketKeyLo] +
-                   int(bits & 0xffffu)) >> 16;
+    const int c =
+        (bucket[(key < kBucketKeyHi ? (key > kBucketKeyLo ? key : kBucketKeyLo) : kBucketKeyHi) - kBucketKeyLo] + int(bits & 0xffffu)) >>
+        16;
     return neg ? (127 - c > 0 ? 127 - c : 0) : 127 + c;
   }
   const int key = std::int32_t(bits) >> 16;  // negative y: below the first bucket
-  return (bucket[(key < kBucketKeyHi ? (key > kBucketKeyLo ? key : kBucketKeyLo) : kBucketKeyHi) - kBucketKeyLo] +
-          int(bits & 0xffffu)) >> 16;
+  return (bucket[(key < kBucketKeyHi ? (key > kBucketKeyLo ? key : kBucketKeyLo) : kBucketKeyHi) - kBucketKeyLo] + int(bits & 0xffffu)) >>
+         16;
 }
 
 // bucket_code's answer for every float, spelled without a branch: the NaN test and the sign's two formulas become
@@ -123,14 +124,14 @@ SQUEEZE_HD int bucket_code_branch_free(const std::int32_t* bucket, float y, bool
     const std::uint32_t neg = bits >> 31;
     const std::uint32_t mag = (bits & 0x7fffffffu) + neg;  // -NaN's 0x7fffffff + 1 still clamps to the last bucket
     const int key = int(mag >> 16);
-    const int c = (bucket[(key < kBucketKeyHi ? (key > kBucketKeyLo ? key : kBucketKeyLo) : kBucketKeyHi) - kBucketKeyLo] +
-                   int(mag & 0xffffu)) >> 16;
+    const int c =
+        (bucket[(key < kBucketKeyHi ? (key > kBucketKeyLo ? key : kBucketKeyLo) : kBucketKeyHi) - kBucketKeyLo] + int(mag & 0xffffu)) >> 16;
     const int below = 127 - c;
     code = neg ? (below > 0 ? below : 0) : 127 + c;
   } else {
     const int key = std::int32_t(bits) >> 16;
-    code = (bucket[(key < kBucketKeyHi ? (key > kBucketKeyLo ? key : kBucketKeyLo) : kBucketKeyHi) - kBucketKeyLo] +
-            int(bits & 0xffffu)) >> 16;
+    code = (bucket[(key < kBucketKeyHi ? (key > kBucketKeyLo ? key : kBucketKeyLo) : kBucketKeyHi) - kBucketKeyLo] + int(bits & 0xffffu)) >>
+           16;
   }
   return nan ? 0 : code;
 }
@@ -208,7 +209,7 @@ inline const StateCodeMap& unsigned_state_map() {
 namespace cpu {
 // out[j] = bucket_code(map, x[j] * inv), j < len, spelled out over restrict pointers.
 SQUEEZE_CPU_SCALAR SQUEEZE_CPU_CLONES inline void encode_block(const StateCodeMap& map, const float* __restrict__ x, float inv, int len,
-                                            std::uint8_t* __restrict__ out) {
+                                                               std::uint8_t* __restrict__ out) {
   const std::int32_t* __restrict__ bucket = map.bucket;
   if (map.is_signed) {
     for (int j = 0; j < len; ++j) {
@@ -238,7 +239,7 @@ SQUEEZE_CPU_SCALAR SQUEEZE_CPU_CLONES inline void encode_block(const StateCodeMa
 }
 // out[j] = map.value[codes[j]] * scale, j < len.
 SQUEEZE_CPU_SCALAR SQUEEZE_CPU_CLONES inline void decode_block(const StateCodeMap& map, const std::uint8_t* __restrict__ codes, float scale,
-                                            int len, float* __restrict__ out) {
+                                                               int len, float* __restrict__ out) {
   for (int j = 0; j < len; ++j) out[j] = map.value[codes[j]] * scale;
 }
 }  // namespace cpu
@@ -264,13 +265,13 @@ inline void dequantize_blockwise(const StateCodeMap& map, const std::uint8_t* co
 // holds the fp32 weights and param receives their rounded copy (as AdamWTensor).
 template <class P, class G>
 struct AdamW8Tensor {
-  P* param = nullptr;                    // [n]
-  float* master = nullptr;               // [n] or null
-  const G* grad = nullptr;               // [n]
-  std::uint8_t* exp_avg = nullptr;       // [n] m codes (signed map)
-  float* exp_avg_absmax = nullptr;       // [state_blocks(n)]
-  std::uint8_t* exp_avg_sq = nullptr;    // [n] v codes (unsigned map)
-  float* exp_avg_sq_absmax = nullptr;    // [state_blocks(n)]
+  P* param = nullptr;                  // [n]
+  float* master = nullptr;             // [n] or null
+  const G* grad = nullptr;             // [n]
+  std::uint8_t* exp_avg = nullptr;     // [n] m codes (signed map)
+  float* exp_avg_absmax = nullptr;     // [state_blocks(n)]
+  std::uint8_t* exp_avg_sq = nullptr;  // [n] v codes (unsigned map)
+  float* exp_avg_sq_absmax = nullptr;  // [state_blocks(n)]
   std::int64_t n = 0;
 };
 
@@ -314,7 +315,8 @@ SQUEEZE_CPU_INLINE P round_param(float w) {
 // rounded copy is a second loop over the block (in L1), so the float loop keeps the full vector width.
 template <class P>
 SQUEEZE_CPU_INLINE void adamw8_block_math(float* __restrict__ w, P* __restrict__ param, float* __restrict__ m, float* __restrict__ v,
-                                          const float* __restrict__ gf, int len, const AdamWScalars& s, float& m_max_out, float& v_max_out) {
+                                          const float* __restrict__ gf, int len, const AdamWScalars& s, float& m_max_out,
+                                          float& v_max_out) {
   float m_max = 0.0f, v_max = 0.0f;  // (a > b ? a : b, not fmaxf: g++ calls libm's fmaxf and stops vectorising)
 #pragma omp simd reduction(max : m_max, v_max)
   for (int j = 0; j < len; ++j) {
@@ -336,8 +338,8 @@ SQUEEZE_CPU_INLINE void adamw8_block_math(float* __restrict__ w, P* __restrict__
 // grad may be param's own buffer (Offload<Host> stages the rounded 16-bit parameters over the gradient):
 // the block's gradient is read whole before any parameter is written.
 template <class P, class G>
-SQUEEZE_CPU_CLONES void adamw8_block(const AdamW8Tensor<P, G>& t, std::int64_t b, const AdamWScalars& s,
-                                     const StateCodeMap& mmap, const StateCodeMap& vmap) {
+SQUEEZE_CPU_CLONES void adamw8_block(const AdamW8Tensor<P, G>& t, std::int64_t b, const AdamWScalars& s, const StateCodeMap& mmap,
+                                     const StateCodeMap& vmap) {
   const std::int64_t lo = b * kStateBlock;
   const int len = int(std::min(kStateBlock, t.n - lo));
   float* w = (std::is_same_v<P, float> ? reinterpret_cast<float*>(t.param) : t.master) + lo;
@@ -375,7 +377,8 @@ void adamw8_cpu(std::span<const AdamW8Tensor<P, G>> tensors, const AdamWCoeffs& 
   for (const auto& t : tensors) {
     // Whole state blocks, handed out in pieces of cpu::kPiece elements (blocks are independent: any split, same bits).
     cpu::parallel_pieces(state_blocks(t.n), cpu::kPiece / kStateBlock, [&](std::int64_t b, std::int64_t e) {
-      if (avx512) cpu::avx512::adamw8_blocks(t, b, e, s, mmap, vmap);
+      if (avx512)
+        cpu::avx512::adamw8_blocks(t, b, e, s, mmap, vmap);
       else
         for (std::int64_t k = b; k < e; ++k) cpu::adamw8_block(t, k, s, mmap, vmap);
     });

@@ -21,8 +21,7 @@
 #define SQUEEZE_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512cd,avx512vbmi")))
 #else
 // prefer-vector-width=512: the math loop in 16 lanes (g++ picks 8 for x86-64-v4 code by default).
-#define SQUEEZE_AVX512_TARGET \
-  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512cd,avx512vbmi,prefer-vector-width=512")))
+#define SQUEEZE_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512cd,avx512vbmi,prefer-vector-width=512")))
 #endif
 #else
 #define SQUEEZE_AVX512_CODEC 0
@@ -51,9 +50,9 @@ inline void use_codec(bool on) { codec_switch().store(on && cpu_has_codec(), std
 namespace detail {
 
 struct Permutes {
-  alignas(64) std::uint8_t decode[64];      // codes in the order the byte unpacks undo
-  alignas(64) std::uint8_t pack[64];        // byte 0 of the dwords of two vectors: first's into bytes 0-15 and 32-47,
-                                            // second's into 16-31 and 48-63
+  alignas(64) std::uint8_t decode[64];  // codes in the order the byte unpacks undo
+  alignas(64) std::uint8_t pack[64];    // byte 0 of the dwords of two vectors: first's into bytes 0-15 and 32-47,
+                                        // second's into 16-31 and 48-63
 };
 // Unpacking byte planes B0..B3 (lo/hi 8, then lo/hi 16) puts element 16L + 4q + i of the input (128-bit lane L)
 // at dword 4L + i of output q; so input byte 16L + 4q + i must hold code 16q + 4L + i for output q to be in order.
@@ -87,12 +86,14 @@ SQUEEZE_AVX512_TARGET inline void decode64(const Planes& p, const std::uint8_t* 
   const __mmask64 high = _mm512_movepi8_mask(idx);  // codes 128-255 from the second pair of 64-byte tables
   __m512i b[4];
   for (int k = 0; k < 4; ++k)
-    b[k] = _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(p.t[k][0], idx, p.t[k][1]), _mm512_permutex2var_epi8(p.t[k][2], idx, p.t[k][3]));
+    b[k] = _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(p.t[k][0], idx, p.t[k][1]),
+                                  _mm512_permutex2var_epi8(p.t[k][2], idx, p.t[k][3]));
   const __m512i l01 = _mm512_unpacklo_epi8(b[0], b[1]), h01 = _mm512_unpackhi_epi8(b[0], b[1]);
   const __m512i l23 = _mm512_unpacklo_epi8(b[2], b[3]), h23 = _mm512_unpackhi_epi8(b[2], b[3]);
   const __m512i v[4] = {_mm512_unpacklo_epi16(l01, l23), _mm512_unpackhi_epi16(l01, l23), _mm512_unpacklo_epi16(h01, h23),
                         _mm512_unpackhi_epi16(h01, h23)};
-  for (int q = 0; q < 4; ++q) _mm512_mask_storeu_ps(out + 16 * q, lane_mask(count - 16 * q), _mm512_mul_ps(_mm512_castsi512_ps(v[q]), scale));
+  for (int q = 0; q < 4; ++q)
+    _mm512_mask_storeu_ps(out + 16 * q, lane_mask(count - 16 * q), _mm512_mul_ps(_mm512_castsi512_ps(v[q]), scale));
 }
 
 // codes[j] = bucket_code(map, x[j] * inv) for j < count (<= 64): bucket_code in 16 lanes.
@@ -126,8 +127,8 @@ SQUEEZE_AVX512_TARGET inline void encode64(const std::int32_t* bucket, const flo
     c[q] = code;
   }
   const __m512i pack = _mm512_load_si512(kPermutes.pack);
-  const __m512i packed = _mm512_mask_blend_epi8(0xffffffff00000000ull, _mm512_permutex2var_epi8(c[0], pack, c[1]),
-                                                _mm512_permutex2var_epi8(c[2], pack, c[3]));
+  const __m512i packed =
+      _mm512_mask_blend_epi8(0xffffffff00000000ull, _mm512_permutex2var_epi8(c[0], pack, c[1]), _mm512_permutex2var_epi8(c[2], pack, c[3]));
   _mm512_mask_storeu_epi8(codes, byte_mask(count), packed);
 }
 
@@ -137,8 +138,10 @@ SQUEEZE_AVX512_TARGET inline void encode64(const std::int32_t* bucket, const flo
 SQUEEZE_AVX512_TARGET inline void encode_block(const StateCodeMap& map, const float* x, float inv, int len, std::uint8_t* out) {
   const __m512 vi = _mm512_set1_ps(inv);
   for (int j = 0; j < len; j += 64) {
-    if (map.is_signed) detail::encode64<true>(map.bucket, x + j, len - j, vi, out + j);
-    else detail::encode64<false>(map.bucket, x + j, len - j, vi, out + j);
+    if (map.is_signed)
+      detail::encode64<true>(map.bucket, x + j, len - j, vi, out + j);
+    else
+      detail::encode64<false>(map.bucket, x + j, len - j, vi, out + j);
   }
 }
 SQUEEZE_AVX512_TARGET inline void decode_block(const StateCodeMap& map, const std::uint8_t* codes, float scale, int len, float* out) {

@@ -26,17 +26,23 @@ using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
 template <class T>
 SQUEEZE_HD acc_t<T> load_acc(const T& x) {
-  if constexpr (std::is_same_v<T, double> || std::is_same_v<T, float>) return x;
-  else return to_float(x);
+  if constexpr (std::is_same_v<T, double> || std::is_same_v<T, float>)
+    return x;
+  else
+    return to_float(x);
 }
 template <class T>
 SQUEEZE_HD T store_acc(acc_t<T> v) {
-  if constexpr (std::is_same_v<T, double> || std::is_same_v<T, float>) return v;
-  else return from_float<T>(v);
+  if constexpr (std::is_same_v<T, double> || std::is_same_v<T, float>)
+    return v;
+  else
+    return from_float<T>(v);
 }
 // Rounds v to T's precision and back (what a value stored as T and read again is).
 template <class T>
-SQUEEZE_HD acc_t<T> round_acc(acc_t<T> v) { return load_acc<T>(store_acc<T>(v)); }
+SQUEEZE_HD acc_t<T> round_acc(acc_t<T> v) {
+  return load_acc<T>(store_acc<T>(v));
+}
 
 SQUEEZE_HD float acc_sqrt(float x) { return sqrtf(x); }
 SQUEEZE_HD double acc_sqrt(double x) { return sqrt(x); }
@@ -45,8 +51,10 @@ SQUEEZE_HD double acc_exp(double x) { return exp(x); }
 
 template <FusedElement T>
 constexpr const char* fused_dtype_name() {
-  if constexpr (std::is_same_v<T, double>) return "double";
-  else return dtype_name<T>().data();
+  if constexpr (std::is_same_v<T, double>)
+    return "double";
+  else
+    return dtype_name<T>().data();
 }
 
 namespace cpu {

@@ -66,8 +66,8 @@ __global__ void __launch_bounds__(kNormThreads) grad_norm_partial_kernel(const S
 }
 
 template <NormType N>
-__global__ void __launch_bounds__(kNormThreads) grad_norm_final_kernel(const double* __restrict__ partials, int count, float max_norm,
-                                                                     const float* inv_scale, GradNormOut out) {
+__global__ void __launch_bounds__(kNormThreads)
+    grad_norm_final_kernel(const double* __restrict__ partials, int count, float max_norm, const float* inv_scale, GradNormOut out) {
   double acc = 0;
   for (int i = threadIdx.x; i < count; i += blockDim.x) acc = NormOp<N>{}(acc, partials[i]);
   using Reduce = cub::BlockReduce<double, kNormThreads>;
@@ -101,7 +101,8 @@ template <class G>
 cudaError_t grad_norm_cuda(const Buffer<const G>& grad, NormType type, float max_norm, const float* inv_scale, const GradNormOut& out,
                            double* workspace, cudaStream_t stream = nullptr) {
   validate(grad, "grad_norm (CUDA)");
-  return detail::grad_norm_dispatch<G>(FlatSource<Buffer<const G>>{grad, chunks_of(grad.n)}, type, max_norm, inv_scale, out, workspace, stream);
+  return detail::grad_norm_dispatch<G>(FlatSource<Buffer<const G>>{grad, chunks_of(grad.n)}, type, max_norm, inv_scale, out, workspace,
+                                       stream);
 }
 
 // Norm over a device table of gradient buffers (one pass over all of them).

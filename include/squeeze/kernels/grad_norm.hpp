@@ -37,8 +37,10 @@ struct NormOp {
     }
   }
   SQUEEZE_HD double operator()(double a, double b) const {
-    if constexpr (N == NormType::L2) return a + b;
-    else return (b > a || b != b) ? b : a;
+    if constexpr (N == NormType::L2)
+      return a + b;
+    else
+      return (b > a || b != b) ? b : a;
   }
 };
 
@@ -72,8 +74,8 @@ inline void check_max_norm(float max_norm) {
 
 // CPU twin: norm of host gradient buffers, all cores. Returns the norm (also written to out.norm).
 template <class G>
-float grad_norm_cpu(std::span<const Buffer<const G>> grads, NormType type, float max_norm = 0,
-                    const float* inv_scale = nullptr, const GradNormOut& out = {}) {
+float grad_norm_cpu(std::span<const Buffer<const G>> grads, NormType type, float max_norm = 0, const float* inv_scale = nullptr,
+                    const GradNormOut& out = {}) {
   check_max_norm(max_norm);
   for (std::size_t i = 0; i < grads.size(); ++i) validate(grads[i], "grad norm (CPU): gradient " + std::to_string(i));
   auto run = [&]<NormType N>() {

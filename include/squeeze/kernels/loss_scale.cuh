@@ -18,7 +18,8 @@ static_assert(kChunkElems % (kUnscaleThreads * kQuad * kUnscaleQuads) == 0);
 namespace detail {
 
 template <class G, class Source>
-__global__ void __launch_bounds__(kUnscaleThreads) check_and_unscale_kernel(const Source src, float* found_inf, const float* inv_scale_ptr) {
+__global__ void __launch_bounds__(kUnscaleThreads)
+    check_and_unscale_kernel(const Source src, float* found_inf, const float* inv_scale_ptr) {
   constexpr int Q = kUnscaleQuads, T = kUnscaleThreads;
   constexpr std::int64_t kTile = std::int64_t(T) * kQuad * Q;
   const float inv_scale = *inv_scale_ptr;
@@ -62,17 +63,21 @@ cudaError_t check_and_unscale_cuda(const Buffer<G>& grad, float* found_inf, cons
   check(found_inf != nullptr && inv_scale != nullptr, "check_and_unscale (CUDA): found_inf / inv_scale device pointer is null");
   const std::int64_t chunks = chunks_of(grad.n);
   if (chunks == 0) return cudaSuccess;
-  detail::check_and_unscale_kernel<G><<<grid_for_chunks(chunks), kUnscaleThreads, 0, stream>>>(FlatSource<Buffer<G>>{grad, chunks}, found_inf, inv_scale);
+  detail::check_and_unscale_kernel<G>
+      <<<grid_for_chunks(chunks), kUnscaleThreads, 0, stream>>>(FlatSource<Buffer<G>>{grad, chunks}, found_inf, inv_scale);
   return cudaGetLastError();
 }
 
 // The same over a device table of gradient buffers, one launch.
 template <class G>
-cudaError_t check_and_unscale_cuda(const TensorTable<Buffer<G>>& grads, float* found_inf, const float* inv_scale, cudaStream_t stream = nullptr) {
+cudaError_t check_and_unscale_cuda(const TensorTable<Buffer<G>>& grads, float* found_inf, const float* inv_scale,
+                                   cudaStream_t stream = nullptr) {
   check(found_inf != nullptr && inv_scale != nullptr, "check_and_unscale (CUDA): found_inf / inv_scale device pointer is null");
-  check(grads.count == 0 || (grads.entries != nullptr && grads.chunk_prefix != nullptr), "check_and_unscale (CUDA): table has null entries");
+  check(grads.count == 0 || (grads.entries != nullptr && grads.chunk_prefix != nullptr),
+        "check_and_unscale (CUDA): table has null entries");
   if (grads.chunks == 0) return cudaSuccess;
-  detail::check_and_unscale_kernel<G><<<grid_for_chunks(grads.chunks), kUnscaleThreads, 0, stream>>>(TableSource<Buffer<G>>{grads, grads.chunks}, found_inf, inv_scale);
+  detail::check_and_unscale_kernel<G>
+      <<<grid_for_chunks(grads.chunks), kUnscaleThreads, 0, stream>>>(TableSource<Buffer<G>>{grads, grads.chunks}, found_inf, inv_scale);
   return cudaGetLastError();
 }
 

@@ -30,21 +30,23 @@
 namespace squeeze::kernels {
 
 struct LossScaleOptions {
-  float init_scale = 65536.0f;     // 2^16
+  float init_scale = 65536.0f;  // 2^16
   float growth_factor = 2.0f;
   float backoff_factor = 0.5f;
-  int growth_interval = 2000;      // clean steps before the scale grows
-  int hysteresis = 1;              // overflows tolerated before backing off (1: back off at once)
+  int growth_interval = 2000;           // clean steps before the scale grows
+  int hysteresis = 1;                   // overflows tolerated before backing off (1: back off at once)
   bool consecutive_hysteresis = false;  // refill hysteresis after every clean step (else only when the scale grows)
-  float min_scale = 0.0f;          // the scale never backs off below this (0: no minimum)
-  bool raise_at_min_scale = false; // an overflow while the scale sits at min_scale is an error
+  float min_scale = 0.0f;               // the scale never backs off below this (0: no minimum)
+  bool raise_at_min_scale = false;      // an overflow while the scale sits at min_scale is an error
 };
 
 // Throws squeeze::Error naming the bad option.
 inline void validate(const LossScaleOptions& o) {
-  check(std::isfinite(o.init_scale) && o.init_scale > 0, "loss scale: init_scale must be finite and > 0, got " + std::to_string(o.init_scale));
+  check(std::isfinite(o.init_scale) && o.init_scale > 0,
+        "loss scale: init_scale must be finite and > 0, got " + std::to_string(o.init_scale));
   check(o.growth_factor > 1, "loss scale: growth_factor must be > 1, got " + std::to_string(o.growth_factor));
-  check(o.backoff_factor > 0 && o.backoff_factor < 1, "loss scale: backoff_factor must be in (0, 1), got " + std::to_string(o.backoff_factor));
+  check(o.backoff_factor > 0 && o.backoff_factor < 1,
+        "loss scale: backoff_factor must be in (0, 1), got " + std::to_string(o.backoff_factor));
   check(o.growth_interval >= 1, "loss scale: growth_interval must be >= 1, got " + std::to_string(o.growth_interval));
   check(o.hysteresis >= 1, "loss scale: hysteresis must be >= 1, got " + std::to_string(o.hysteresis));
   check(o.min_scale >= 0 && o.min_scale <= o.init_scale,
@@ -53,12 +55,12 @@ inline void validate(const LossScaleOptions& o) {
 
 // The scaler's whole state: 24 bytes, one allocation on the device for the GPU scaler.
 struct LossScaleState {
-  float scale = 0;                    // multiply the loss by this before backward
-  float inv_scale = 0;                // 1 / scale: the optimizer/unscale multiply gradients by this
-  float found_inf = 0;                // set (to 1) by the non-finite check this step; consumed by the update
-  std::int32_t growth_tracker = 0;    // clean steps since the last growth or overflow
-  std::int32_t hysteresis_left = 0;   // overflows still tolerated before backing off
-  std::int32_t error = 0;             // 1: overflow while the scale sat at min_scale with raise_at_min_scale
+  float scale = 0;                   // multiply the loss by this before backward
+  float inv_scale = 0;               // 1 / scale: the optimizer/unscale multiply gradients by this
+  float found_inf = 0;               // set (to 1) by the non-finite check this step; consumed by the update
+  std::int32_t growth_tracker = 0;   // clean steps since the last growth or overflow
+  std::int32_t hysteresis_left = 0;  // overflows still tolerated before backing off
+  std::int32_t error = 0;            // 1: overflow while the scale sat at min_scale with raise_at_min_scale
 };
 
 inline LossScaleState loss_scale_init(const LossScaleOptions& o) {
@@ -166,8 +168,8 @@ class LossScaler {
   bool update() {
     const bool clean = st_.found_inf == 0.0f;
     loss_scale_update(st_, opt_);
-    check(st_.error == 0, "loss scale: gradients overflowed while the loss scale sat at its minimum (" +
-                              std::to_string(opt_.min_scale) + "); the run is diverging: lower the learning rate or check the data");
+    check(st_.error == 0, "loss scale: gradients overflowed while the loss scale sat at its minimum (" + std::to_string(opt_.min_scale) +
+                              "); the run is diverging: lower the learning rate or check the data");
     return clean;
   }
 

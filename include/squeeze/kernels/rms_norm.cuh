@@ -179,11 +179,12 @@ cudaError_t rms_norm_backward_blocks(std::int64_t rows, std::int64_t h, bool wan
   if (const cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
   if (const cudaError_t e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev); e != cudaSuccess) return e;
   check(smem + 1024 <= std::size_t(optin), "rms_norm backward (CUDA): hidden " + std::to_string(h) + " needs " + std::to_string(smem) +
-                                                " bytes of shared memory for the dweight partial; this device allows " +
-                                                std::to_string(optin) + " per block (use the CPU twin or the unfused RMSNorm)");
+                                               " bytes of shared memory for the dweight partial; this device allows " +
+                                               std::to_string(optin) + " per block (use the CPU twin or the unfused RMSNorm)");
   auto kernel = rms_norm_backward_kernel<T, Threads>;
   if (smem > 48 * 1024)
-    if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)); e != cudaSuccess) return e;
+    if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)); e != cudaSuccess)
+      return e;
   int per_sm = 0;
   if (const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Threads, smem); e != cudaSuccess) return e;
   if (const cudaError_t e = sm_count(sms); e != cudaSuccess) return e;

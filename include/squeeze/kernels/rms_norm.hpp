@@ -48,20 +48,20 @@ struct RmsNormForward {
 
 template <FusedElement T>
 struct RmsNormBackward {
-  const T* v = nullptr;          // [rows, h]: what forward normalised (x, or the sum under a residual)
-  const T* weight = nullptr;     // [h]
+  const T* v = nullptr;            // [rows, h]: what forward normalised (x, or the sum under a residual)
+  const T* weight = nullptr;       // [h]
   const acc_t<T>* rrms = nullptr;  // [rows]: forward's r
-  const T* dy = nullptr;         // [rows, h]
-  const T* dsum = nullptr;       // [rows, h] or null: added to dx (the residual sum's own gradient)
-  T* dx = nullptr;               // [rows, h]
-  acc_t<T>* dweight = nullptr;   // [h] or null (frozen weight)
+  const T* dy = nullptr;           // [rows, h]
+  const T* dsum = nullptr;         // [rows, h] or null: added to dx (the residual sum's own gradient)
+  T* dx = nullptr;                 // [rows, h]
+  acc_t<T>* dweight = nullptr;     // [h] or null (frozen weight)
   std::int64_t rows = 0, h = 0;
 };
 
 template <class T>
 void validate(const RmsNormForward<T>& a, const std::string& what = "rms_norm forward") {
-  check(a.rows >= 0 && a.h > 0, what + ": need rows >= 0 and hidden > 0, got rows " + std::to_string(a.rows) + ", hidden " +
-                                    std::to_string(a.h));
+  check(a.rows >= 0 && a.h > 0,
+        what + ": need rows >= 0 and hidden > 0, got rows " + std::to_string(a.rows) + ", hidden " + std::to_string(a.h));
   check(a.eps >= 0, what + ": eps must be >= 0, got " + std::to_string(a.eps));
   if (a.rows == 0) return;
   check(a.x != nullptr && a.weight != nullptr && a.y != nullptr, what + ": x, weight and y must not be null");
@@ -70,8 +70,8 @@ void validate(const RmsNormForward<T>& a, const std::string& what = "rms_norm fo
 
 template <class T>
 void validate(const RmsNormBackward<T>& a, const std::string& what = "rms_norm backward") {
-  check(a.rows >= 0 && a.h > 0, what + ": need rows >= 0 and hidden > 0, got rows " + std::to_string(a.rows) + ", hidden " +
-                                    std::to_string(a.h));
+  check(a.rows >= 0 && a.h > 0,
+        what + ": need rows >= 0 and hidden > 0, got rows " + std::to_string(a.rows) + ", hidden " + std::to_string(a.h));
   if (a.rows == 0) return;
   check(a.v != nullptr && a.weight != nullptr && a.rrms != nullptr && a.dy != nullptr && a.dx != nullptr,
         what + ": v, weight, rrms, dy and dx must not be null");

@@ -41,10 +41,10 @@ void validate(const RopeArgs<T>& a, const std::string& what = "rope") {
         what + ": need rows >= 0 and positive seq, heads, head_dim; got rows " + std::to_string(a.rows) + ", seq " + std::to_string(a.seq) +
             ", heads " + std::to_string(a.heads) + ", head_dim " + std::to_string(a.head_dim));
   check(a.head_dim % 2 == 0, what + ": head_dim must be even, got " + std::to_string(a.head_dim));
-  check(a.rows % a.seq == 0, what + ": rows (" + std::to_string(a.rows) + " = batch * seq) must be a multiple of seq (" +
-                                 std::to_string(a.seq) + ")");
-  check(a.table_stride >= a.head_dim / 2, what + ": table row stride " + std::to_string(a.table_stride) + " < head_dim / 2 (" +
-                                               std::to_string(a.head_dim / 2) + ")");
+  check(a.rows % a.seq == 0,
+        what + ": rows (" + std::to_string(a.rows) + " = batch * seq) must be a multiple of seq (" + std::to_string(a.seq) + ")");
+  check(a.table_stride >= a.head_dim / 2,
+        what + ": table row stride " + std::to_string(a.table_stride) + " < head_dim / 2 (" + std::to_string(a.head_dim / 2) + ")");
   if (a.rows == 0) return;
   check(a.x != nullptr && a.cos != nullptr && a.sin != nullptr, what + ": x, cos and sin must not be null");
 }

@@ -36,8 +36,10 @@ __global__ void __launch_bounds__(256) swiglu_kernel(const SwigluArgs<T> a, cons
     scalar_begin = quads * kQuad;
   }
   for (std::int64_t i = scalar_begin + first; i < a.n; i += stride) {
-    if constexpr (Backward) swiglu_backward_at(a, i);
-    else swiglu_forward_at(a, i);
+    if constexpr (Backward)
+      swiglu_backward_at(a, i);
+    else
+      swiglu_forward_at(a, i);
   }
 }
 
@@ -45,8 +47,10 @@ template <bool Backward, class T>
 cudaError_t swiglu_launch(const SwigluArgs<T>& a, cudaStream_t stream) {
   if (a.n == 0) return cudaSuccess;
   bool vec = quad_aligned(a.g) && quad_aligned(a.u);
-  if constexpr (Backward) vec = vec && quad_aligned(a.dh) && quad_aligned(a.dg) && quad_aligned(a.du);
-  else vec = vec && quad_aligned(a.h);
+  if constexpr (Backward)
+    vec = vec && quad_aligned(a.dh) && quad_aligned(a.dg) && quad_aligned(a.du);
+  else
+    vec = vec && quad_aligned(a.h);
   int blocks = 0;
   if (const cudaError_t e = fused_grid(vec ? (a.n + kQuad - 1) / kQuad : a.n, 256, blocks); e != cudaSuccess) return e;
   swiglu_kernel<T, Backward><<<blocks, 256, 0, stream>>>(a, vec);

@@ -37,8 +37,10 @@ void validate(const SwigluArgs<T>& a, bool backward, const std::string& what) {
   check(a.n >= 0, what + ": negative element count " + std::to_string(a.n));
   if (a.n == 0) return;
   check(a.g != nullptr && a.u != nullptr, what + ": g and u must not be null");
-  if (backward) check(a.dh != nullptr && a.dg != nullptr && a.du != nullptr, what + ": dh, dg and du must not be null");
-  else check(a.h != nullptr, what + ": the output h must not be null");
+  if (backward)
+    check(a.dh != nullptr && a.dg != nullptr && a.du != nullptr, what + ": dh, dg and du must not be null");
+  else
+    check(a.h != nullptr, what + ": the output h must not be null");
 }
 
 template <class T>

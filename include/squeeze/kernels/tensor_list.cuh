@@ -39,9 +39,7 @@ struct TableSource {
 };
 
 // Grid size for a one-chunk-per-block launch: the hardware scheduler balances the tail.
-inline unsigned grid_for_chunks(std::int64_t chunks) {
-  return unsigned(std::min<std::int64_t>(chunks, INT_MAX));
-}
+inline unsigned grid_for_chunks(std::int64_t chunks) { return unsigned(std::min<std::int64_t>(chunks, INT_MAX)); }
 
 // Owns a tensor list in device memory: entries and chunk prefix in one cudaMalloc. Upload it once
 // (pointers rarely change between steps) and launch with view() every step. Each entry is checked

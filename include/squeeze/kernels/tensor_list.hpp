@@ -65,14 +65,10 @@ inline constexpr int kQuad = 4;
 
 SQUEEZE_HD std::int64_t tile_elems(int threads, int quads) { return std::int64_t(threads) * kQuad * quads; }
 
-SQUEEZE_HD std::int64_t quad_start(std::int64_t base, int t, int q, int threads) {
-  return base + (std::int64_t(q) * threads + t) * kQuad;
-}
+SQUEEZE_HD std::int64_t quad_start(std::int64_t base, int t, int q, int threads) { return base + (std::int64_t(q) * threads + t) * kQuad; }
 
 // End of the whole tiles in [begin, end).
-SQUEEZE_HD std::int64_t vector_end(std::int64_t begin, std::int64_t end, std::int64_t tile) {
-  return begin + (end - begin) / tile * tile;
-}
+SQUEEZE_HD std::int64_t vector_end(std::int64_t begin, std::int64_t end, std::int64_t tile) { return begin + (end - begin) / tile * tile; }
 
 // Index i of the tensor that owns chunk c (binary search; empty tensors own no chunk).
 template <class Entry>
@@ -80,8 +76,10 @@ SQUEEZE_HD int tensor_of_chunk(const TensorTable<Entry>& t, std::int64_t c) {
   int lo = 0, hi = t.count - 1;  // answer: the largest i with chunk_prefix[i] <= c
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (t.chunk_prefix[mid] <= c) lo = mid;
-    else hi = mid - 1;
+    if (t.chunk_prefix[mid] <= c)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   return lo;
 }

@@ -110,8 +110,8 @@ struct CheckpointCall : torch::CustomClassHolder {
 
 struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
   // Runs under no-grad (Function::apply turns grad mode off around forward).
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, c10::intrusive_ptr<CheckpointCall> call,
-                               at::TensorList inputs, at::TensorList params) {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, c10::intrusive_ptr<CheckpointCall> call, at::TensorList inputs,
+                               at::TensorList params) {
     (void)params;  // they are inputs of the node for their gradient edges; the call holds them
     std::vector<torch::Tensor> in(inputs.begin(), inputs.end());
     torch::Tensor out = call->fn(in);
@@ -120,8 +120,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     return out;
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grad_out) {
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grad_out) {
     auto call = c10::static_intrusive_pointer_cast<CheckpointCall>(ctx->saved_data["call"].toCapsule());
     const std::vector<torch::Tensor> saved = ctx->get_saved_variables();
 
@@ -187,8 +186,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
 inline std::vector<c10::Device> cuda_devices_of(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
   std::vector<c10::Device> out;
   auto add = [&](const torch::Tensor& t) {
-    if (t.defined() && t.is_cuda() && std::find(out.begin(), out.end(), t.device()) == out.end())
-      out.push_back(t.device());
+    if (t.defined() && t.is_cuda() && std::find(out.begin(), out.end(), t.device()) == out.end()) out.push_back(t.device());
   };
   for (const auto& t : a) add(t);
   for (const auto& t : b) add(t);
@@ -219,10 +217,9 @@ inline torch::Tensor checkpoint(BlockFn fn, std::vector<torch::Tensor> inputs, s
 
 // One-input convenience: checkpoint(x, params, [&](const Tensor& x) { return block(x); }).
 template <class F>
-  requires std::is_invocable_r_v<torch::Tensor, std::decay_t<F>&, const torch::Tensor&>
-inline torch::Tensor checkpoint(const torch::Tensor& x, std::vector<torch::Tensor> params, F&& f) {
-  return checkpoint([f = std::forward<F>(f)](const std::vector<torch::Tensor>& in) mutable { return f(in[0]); }, {x},
-                    std::move(params));
+requires std::is_invocable_r_v < torch::Tensor, std::decay_t<F>
+&, const torch::Tensor& > inline torch::Tensor checkpoint(const torch::Tensor& x, std::vector<torch::Tensor> params, F&& f) {
+  return checkpoint([f = std::forward<F>(f)](const std::vector<torch::Tensor>& in) mutable { return f(in[0]); }, {x}, std::move(params));
 }
 
 // Runs layers 0..n-1 on x (x = layer(i, x)), checkpointing segments of `every` consecutive layers; the last
@@ -257,15 +254,15 @@ inline torch::Tensor checkpoint_sequential(int64_t n, int64_t every, torch::Tens
 // checkpointed: only its inputs are kept (views of `rows`, and `shared`) and fn runs again in backward, one chunk
 // at a time; autograd sums the chunks' gradients of a shared tensor before passing them on, and joins the rows'
 // gradients once (one split node per tensor). Without recompute or grad mode the chunks just run one by one.
-inline torch::Tensor checkpoint_chunked_sum(int64_t chunk, const std::vector<torch::Tensor>& rows,
-                                            const std::vector<torch::Tensor>& shared, const BlockFn& fn, bool recompute = true) {
+inline torch::Tensor checkpoint_chunked_sum(int64_t chunk, const std::vector<torch::Tensor>& rows, const std::vector<torch::Tensor>& shared,
+                                            const BlockFn& fn, bool recompute = true) {
   TORCH_CHECK(chunk > 0, "squeeze::nn::checkpoint_chunked_sum: the chunk must be a positive number of rows, got ", chunk);
   TORCH_CHECK(!rows.empty(), "squeeze::nn::checkpoint_chunked_sum: no tensor to split into chunks");
   TORCH_CHECK(static_cast<bool>(fn), "squeeze::nn::checkpoint_chunked_sum: the chunk function is empty");
   const int64_t n = rows[0].size(0);
   for (size_t j = 0; j < rows.size(); ++j)
-    TORCH_CHECK(rows[j].defined() && rows[j].dim() > 0 && rows[j].size(0) == n, "squeeze::nn::checkpoint_chunked_sum: tensor ", j,
-                " has ", rows[j].defined() && rows[j].dim() > 0 ? rows[j].size(0) : 0, " rows, tensor 0 has ", n);
+    TORCH_CHECK(rows[j].defined() && rows[j].dim() > 0 && rows[j].size(0) == n, "squeeze::nn::checkpoint_chunked_sum: tensor ", j, " has ",
+                rows[j].defined() && rows[j].dim() > 0 ? rows[j].size(0) : 0, " rows, tensor 0 has ", n);
   TORCH_CHECK(n > 0, "squeeze::nn::checkpoint_chunked_sum: nothing to sum (0 rows)");
   std::vector<std::vector<torch::Tensor>> parts;  // [tensor][chunk]
   for (const auto& r : rows) parts.push_back(r.split(chunk, 0));
@@ -319,7 +316,9 @@ class RecomputeScope {
 // block(x), recomputed in backward while a Checkpointed trainer's step runs (only x is kept), else a plain call.
 // block: a module holder (or pointer) whose forward takes one tensor.
 template <class M>
-  requires requires(M& m, const torch::Tensor& x) { { m->forward(x) } -> std::convertible_to<torch::Tensor>; }
+requires requires(M& m, const torch::Tensor& x) {
+  { m->forward(x) } -> std::convertible_to<torch::Tensor>;
+}
 torch::Tensor checkpoint(M& block, const torch::Tensor& x) {
   if (RecomputeScope::active() <= 0) return block->forward(x);
   RecomputeScope::count_call();
@@ -334,7 +333,9 @@ class BlocksImpl : public torch::nn::Module, public Recomputable {
   BlocksImpl() = default;
   // block: a module holder whose forward takes and returns one tensor [..., h]; registered as child "<index>".
   template <class M>
-    requires requires(M& m, const torch::Tensor& x) { { m->forward(x) } -> std::convertible_to<torch::Tensor>; }
+  requires requires(M& m, const torch::Tensor& x) {
+    { m->forward(x) } -> std::convertible_to<torch::Tensor>;
+  }
   void push_back(M block) {
     auto ptr = register_module(std::to_string(blocks_.size()), block.ptr());
     blocks_.push_back({ptr, [ptr](const torch::Tensor& x) { return ptr->forward(x); }});

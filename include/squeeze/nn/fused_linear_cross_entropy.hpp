@@ -25,29 +25,29 @@ class FusedLinearCrossEntropy : public torch::autograd::Function<FusedLinearCros
     const bool need_x = x.requires_grad(), need_w = weight.requires_grad();
     const auto acc = x.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
     const int64_t N = x.size(0);
-    const torch::Tensor kept = targets.ne(ignore_index);                          // [N] bool
-    const torch::Tensor count = kept.sum().to(acc).clamp_min(1);                  // [] on the device: no sync
-    const torch::Tensor inv_count = count.reciprocal();                           // []
-    torch::Tensor loss = torch::zeros({}, x.options().dtype(acc));               // []
-    torch::Tensor dx = need_x ? torch::empty_like(x) : torch::Tensor();          // [N, h]
+    const torch::Tensor kept = targets.ne(ignore_index);                                                      // [N] bool
+    const torch::Tensor count = kept.sum().to(acc).clamp_min(1);                                              // [] on the device: no sync
+    const torch::Tensor inv_count = count.reciprocal();                                                       // []
+    torch::Tensor loss = torch::zeros({}, x.options().dtype(acc));                                            // []
+    torch::Tensor dx = need_x ? torch::empty_like(x) : torch::Tensor();                                       // [N, h]
     torch::Tensor dw = need_w ? torch::zeros(weight.sizes(), weight.options().dtype(acc)) : torch::Tensor();  // [V, h]
     torch::NoGradGuard no_grad;
     for (int64_t a = 0; a < N; a += chunk) {
       const int64_t c = std::min(chunk, N - a);
       const torch::Tensor xc = x.narrow(0, a, c), tc = targets.narrow(0, a, c), kc = kept.narrow(0, a, c);  // [c, h], [c], [c]
-      torch::Tensor z = torch::mm(xc, weight.t()).to(acc);                        // [c, V] logits, fp32
-      const torch::Tensor lse = torch::logsumexp(z, 1);                           // [c]
-      const torch::Tensor safe = tc.masked_fill(kc.logical_not(), 0);             // [c] ignored rows read class 0
-      const torch::Tensor picked = z.gather(1, safe.unsqueeze(1)).squeeze(1);     // [c]
+      torch::Tensor z = torch::mm(xc, weight.t()).to(acc);                                                  // [c, V] logits, fp32
+      const torch::Tensor lse = torch::logsumexp(z, 1);                                                     // [c]
+      const torch::Tensor safe = tc.masked_fill(kc.logical_not(), 0);                                       // [c] ignored rows read class 0
+      const torch::Tensor picked = z.gather(1, safe.unsqueeze(1)).squeeze(1);                               // [c]
       loss.add_(((lse - picked) * kc).sum());
       if (!need_x && !need_w) continue;
       // dlogits = (softmax - onehot) * kept / count, in place over z.
       z.sub_(lse.unsqueeze(1)).exp_();
       z.scatter_add_(1, safe.unsqueeze(1), torch::full({c, 1}, -1.0, z.options()));
       z.mul_((kc.to(acc) * inv_count).unsqueeze(1));
-      const torch::Tensor g = z.to(x.scalar_type());                              // [c, V] in the GEMMs' dtype
-      if (need_x) dx.narrow(0, a, c).copy_(torch::mm(g, weight));                 // [c, h]
-      if (need_w) dw.add_(torch::mm(g.t(), xc));                                  // [V, h]
+      const torch::Tensor g = z.to(x.scalar_type());               // [c, V] in the GEMMs' dtype
+      if (need_x) dx.narrow(0, a, c).copy_(torch::mm(g, weight));  // [c, h]
+      if (need_w) dw.add_(torch::mm(g.t(), xc));                   // [V, h]
     }
     ctx->save_for_backward({dx, dw});
     ctx->saved_data["weight_dtype"] = int64_t(weight.scalar_type());

@@ -70,11 +70,16 @@ inline torch::ScalarType acc_type(const torch::Tensor& x) { return x.scalar_type
 template <class Fn>
 decltype(auto) dispatch(torch::ScalarType st, Fn&& fn) {
   switch (st) {
-    case torch::kFloat32: return fn.template operator()<float>();
-    case torch::kBFloat16: return fn.template operator()<bf16>();
-    case torch::kFloat16: return fn.template operator()<half>();
-    case torch::kFloat64: return fn.template operator()<double>();
-    default: TORCH_CHECK(false, "unreachable dtype ", st);
+    case torch::kFloat32:
+      return fn.template operator()<float>();
+    case torch::kBFloat16:
+      return fn.template operator()<bf16>();
+    case torch::kFloat16:
+      return fn.template operator()<half>();
+    case torch::kFloat64:
+      return fn.template operator()<double>();
+    default:
+      TORCH_CHECK(false, "unreachable dtype ", st);
   }
 }
 
@@ -97,19 +102,22 @@ void guard(const char* op, Fn&& fn) {
 inline cudaStream_t stream_of(const torch::Tensor& t) {
   return static_cast<cudaStream_t>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(t.device()).native_handle());
 }
-inline void cuda_ok(cudaError_t e, const char* op) { TORCH_CHECK(e == cudaSuccess, op, ": CUDA error ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")"); }
+inline void cuda_ok(cudaError_t e, const char* op) {
+  TORCH_CHECK(e == cudaSuccess, op, ": CUDA error ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
+}
 #endif
 
 // The checks every fused op makes on a floating-point operand.
-inline void check_operand(const char* op, const char* name, const torch::Tensor& t, const torch::Tensor& like, const char* like_name = "x") {
+inline void check_operand(const char* op, const char* name, const torch::Tensor& t, const torch::Tensor& like,
+                          const char* like_name = "x") {
   TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
   const auto st = t.scalar_type();
   TORCH_CHECK(st == torch::kFloat32 || st == torch::kBFloat16 || st == torch::kFloat16 || st == torch::kFloat64, op, ": ", name,
               " has dtype ", st, "; pass float32, bfloat16 or float16 (float64 for references)");
-  TORCH_CHECK(st == like.scalar_type(), op, ": ", name, " has dtype ", st, " but ", like_name, " has ", like.scalar_type(), "; convert it with .to(",
-              like_name, ".scalar_type())");
-  TORCH_CHECK(t.device() == like.device(), op, ": ", name, " is on ", t.device(), " but ", like_name, " is on ", like.device(), "; move it with .to(",
-              like_name, ".device())");
+  TORCH_CHECK(st == like.scalar_type(), op, ": ", name, " has dtype ", st, " but ", like_name, " has ", like.scalar_type(),
+              "; convert it with .to(", like_name, ".scalar_type())");
+  TORCH_CHECK(t.device() == like.device(), op, ": ", name, " is on ", t.device(), " but ", like_name, " is on ", like.device(),
+              "; move it with .to(", like_name, ".device())");
   TORCH_CHECK(t.is_contiguous(), op, ": ", name, " is not contiguous (sizes ", t.sizes(), ", strides ", t.strides(), "); pass ", name,
               ".contiguous()");
 }
@@ -136,8 +144,15 @@ inline RmsForward rms_norm_forward(const torch::Tensor& x, const torch::Tensor& 
   out.y = torch::empty_like(x);
   if (residual.defined()) out.sum = torch::empty_like(x);
   dispatch(x.scalar_type(), [&]<class T>() {
-    const kernels::RmsNormForward<T> a{ptr<const T>(x), ptr<const T>(residual), ptr<const T>(weight), ptr<T>(out.y), ptr<T>(out.sum),
-                                       ptr<kernels::acc_t<T>>(out.rrms), rows, h, eps};
+    const kernels::RmsNormForward<T> a{ptr<const T>(x),
+                                       ptr<const T>(residual),
+                                       ptr<const T>(weight),
+                                       ptr<T>(out.y),
+                                       ptr<T>(out.sum),
+                                       ptr<kernels::acc_t<T>>(out.rrms),
+                                       rows,
+                                       h,
+                                       eps};
     if (path == Path::Cpu) {
       guard("fused_rms_norm", [&] { kernels::rms_norm_forward_cpu(a); });
       return;
@@ -153,8 +168,9 @@ inline RmsForward rms_norm_forward(const torch::Tensor& x, const torch::Tensor& 
 }
 
 // dx (with dsum added when defined) and, when want_dw, dweight in weight's dtype.
-inline std::pair<torch::Tensor, torch::Tensor> rms_norm_backward(const torch::Tensor& v, const torch::Tensor& weight, const torch::Tensor& rrms,
-                                                                 torch::Tensor dy, torch::Tensor dsum, bool want_dw) {
+inline std::pair<torch::Tensor, torch::Tensor> rms_norm_backward(const torch::Tensor& v, const torch::Tensor& weight,
+                                                                 const torch::Tensor& rrms, torch::Tensor dy, torch::Tensor dsum,
+                                                                 bool want_dw) {
   const int64_t h = v.size(-1), rows = v.numel() / h;
   if (!dy.defined()) dy = torch::zeros_like(v);
   dy = dy.contiguous();
@@ -174,8 +190,15 @@ inline std::pair<torch::Tensor, torch::Tensor> rms_norm_backward(const torch::Te
   torch::Tensor dx = torch::empty_like(v);
   torch::Tensor dw = want_dw ? torch::empty({h}, v.options().dtype(acc)) : torch::Tensor();
   dispatch(v.scalar_type(), [&]<class T>() {
-    const kernels::RmsNormBackward<T> a{ptr<const T>(v), ptr<const T>(weight), ptr<const kernels::acc_t<T>>(rrms), ptr<const T>(dy),
-                                        ptr<const T>(dsum), ptr<T>(dx), ptr<kernels::acc_t<T>>(dw), rows, h};
+    const kernels::RmsNormBackward<T> a{ptr<const T>(v),
+                                        ptr<const T>(weight),
+                                        ptr<const kernels::acc_t<T>>(rrms),
+                                        ptr<const T>(dy),
+                                        ptr<const T>(dsum),
+                                        ptr<T>(dx),
+                                        ptr<kernels::acc_t<T>>(dw),
+                                        rows,
+                                        h};
     if (path == Path::Cpu) {
       guard("fused_rms_norm backward", [&] { kernels::rms_norm_backward_cpu(a); });
       return;
@@ -186,7 +209,8 @@ inline std::pair<torch::Tensor, torch::Tensor> rms_norm_backward(const torch::Te
       guard("fused_rms_norm backward", [&] {
         const int64_t ws = kernels::rms_norm_backward_workspace<T>(rows, h, want_dw);
         const torch::Tensor workspace = torch::empty({std::max<int64_t>(ws, 1)}, v.options().dtype(torch::kFloat32));
-        cuda_ok(kernels::rms_norm_backward_cuda(a, want_dw ? workspace.data_ptr<float>() : nullptr, stream_of(v)), "fused_rms_norm backward");
+        cuda_ok(kernels::rms_norm_backward_cuda(a, want_dw ? workspace.data_ptr<float>() : nullptr, stream_of(v)),
+                "fused_rms_norm backward");
       });
     }
 #endif
@@ -220,8 +244,8 @@ class RmsNormFn : public torch::autograd::Function<RmsNormFn> {
 
 class AddRmsNormFn : public torch::autograd::Function<AddRmsNormFn> {
  public:
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& residual,
-                                                const torch::Tensor& weight, double eps) {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                                                const torch::Tensor& residual, const torch::Tensor& weight, double eps) {
     RmsForward f = rms_norm_forward(x, residual, weight, eps);
     ctx->save_for_backward({f.sum, weight, f.rrms});
     return {f.sum, f.y};
@@ -253,8 +277,16 @@ inline void rope_apply(const torch::Tensor& out, const torch::Tensor& in, const 
   }
   dispatch(out.scalar_type(), [&]<class T_>() {
     using A = kernels::acc_t<T_>;
-    const kernels::RopeArgs<T_> a{ptr<T_>(out), in.is_same(out) ? nullptr : ptr<const T_>(in), ptr<const A>(cos), ptr<const A>(sin), B * T, T,
-                                  heads, head_dim, cos.size(1), inverse};
+    const kernels::RopeArgs<T_> a{ptr<T_>(out),
+                                  in.is_same(out) ? nullptr : ptr<const T_>(in),
+                                  ptr<const A>(cos),
+                                  ptr<const A>(sin),
+                                  B * T,
+                                  T,
+                                  heads,
+                                  head_dim,
+                                  cos.size(1),
+                                  inverse};
     if (path == Path::Cpu) {
       guard("fused_rope_", [&] { kernels::rope_cpu(a); });
       return;
@@ -378,7 +410,8 @@ inline bool can_modify_in_place(const torch::Tensor& x) {
 }
 
 namespace fused_detail {
-inline torch::Tensor rope(const char* op, torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin, int64_t head_dim, bool in_place) {
+inline torch::Tensor rope(const char* op, torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin, int64_t head_dim,
+                          bool in_place) {
   check_operand(op, "x", x, x);
   TORCH_CHECK(x.dim() == 3 || x.dim() == 4, op, ": x must be [B, T, H, D] or [B, T, H * D] (with head_dim), got ", x.sizes());
   if (x.dim() == 4) {
@@ -389,10 +422,12 @@ inline torch::Tensor rope(const char* op, torch::Tensor x, const torch::Tensor& 
               (x.dim() == 3 ? " (pass head_dim for a [B, T, H * D] x)" : ""));
   TORCH_CHECK(x.size(-1) * (x.dim() == 4 ? x.size(2) : 1) % head_dim == 0, op, ": x's width is not a multiple of head_dim ", head_dim);
   for (const auto* t : {&cos, &sin}) {
-    TORCH_CHECK(t->defined() && t->dim() == 2 && t->is_floating_point(), op, ": cos and sin must be 2-D floating tables [T, D] or [T, D / 2]");
-    TORCH_CHECK(t->size(0) >= x.size(1) && (t->size(1) == head_dim || t->size(1) == head_dim / 2), op, ": cos / sin must be [>= ", x.size(1),
-                ", ", head_dim, " or ", head_dim / 2, "], got ", t->sizes());
-    TORCH_CHECK(t->device() == x.device(), op, ": cos / sin are on ", t->device(), " but x is on ", x.device(), "; move them with .to(x.device())");
+    TORCH_CHECK(t->defined() && t->dim() == 2 && t->is_floating_point(), op,
+                ": cos and sin must be 2-D floating tables [T, D] or [T, D / 2]");
+    TORCH_CHECK(t->size(0) >= x.size(1) && (t->size(1) == head_dim || t->size(1) == head_dim / 2), op,
+                ": cos / sin must be [>= ", x.size(1), ", ", head_dim, " or ", head_dim / 2, "], got ", t->sizes());
+    TORCH_CHECK(t->device() == x.device(), op, ": cos / sin are on ", t->device(), " but x is on ", x.device(),
+                "; move them with .to(x.device())");
   }
   TORCH_CHECK(cos.sizes() == sin.sizes(), op, ": cos ", cos.sizes(), " and sin ", sin.sizes(), " differ in shape");
   const auto acc = acc_type(x);

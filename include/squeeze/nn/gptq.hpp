@@ -49,21 +49,20 @@ namespace squeeze::nn {
 
 struct GptqOptions {
   int bits = 4;
-  int group_size = 128;        // 0: one group per output channel
+  int group_size = 128;  // 0: one group per output channel
   bool sym = true;
   bool act_order = false;      // "desc_act"
   bool static_groups = false;  // with act_order: groups fixed from the unquantized weights in natural order
   double percdamp = 0.01;      // damping as a fraction of mean(diag H)
   int max_damp_retries = 4;    // each retry multiplies the fraction by 10
   int block_size = 128;
-  bool progress = false;       // one line per layer on stderr (gptq_sequential)
+  bool progress = false;  // one line per layer on stderr (gptq_sequential)
 };
 
 // Options from a policy: gptq_options<Quantized<4, GPTQ, Group<128>, ActOrder>>() -> bits 4, group 128,
 // act-order (runtime knobs such as percdamp stay in the struct).
 template <WeightQuantizationPolicy Q>
-  requires std::is_same_v<typename Q::method, GPTQ>
-GptqOptions gptq_options() {
+requires std::is_same_v<typename Q::method, GPTQ> GptqOptions gptq_options() {
   GptqOptions o;
   o.bits = Q::bits;
   o.group_size = Q::group;
@@ -79,7 +78,7 @@ struct GptqResult {
   torch::Tensor dequantized;  // float [out, in]: W_hat
   double damp_fraction = 0;   // the fraction that factorised
   int damp_retries = 0;
-  double loss = 0;            // sum over columns of (w - w_hat)^2 / (2 [H^-1]_jj^2), the paper's objective
+  double loss = 0;  // sum over columns of (w - w_hat)^2 / (2 [H^-1]_jj^2), the paper's objective
   int bits = 4, group_size = 0;
 
   // The v1 packed layout: the bit streams built on the result's device (pack_linear), the packed words copied to the host.
@@ -161,8 +160,8 @@ inline std::tuple<torch::Tensor, double, int> damped_inverse_cholesky(const torc
     }
     frac = frac > 0 ? frac * 10 : 1e-6;
   }
-  TORCH_CHECK(false, "GPTQ: Cholesky factorisation of the damped Hessian failed for damping fractions ", opt.percdamp,
-              " .. ", frac / 10, " of mean(diag H) = ", mean_diag, " (", opt.max_damp_retries,
+  TORCH_CHECK(false, "GPTQ: Cholesky factorisation of the damped Hessian failed for damping fractions ", opt.percdamp, " .. ", frac / 10,
+              " of mean(diag H) = ", mean_diag, " (", opt.max_damp_retries,
               " retries). The Hessian is not positive definite even when damped: use more (or non-degenerate) "
               "calibration data, or raise percdamp / max_damp_retries");
   return {};
@@ -180,10 +179,10 @@ inline GptqResult gptq_quantize(const torch::Tensor& weight, const torch::Tensor
   TORCH_CHECK(weight.dim() == 2, "GPTQ: weight must be [out, in]");
   const std::int64_t rows = weight.size(0), cols = weight.size(1);
   TORCH_CHECK(rows > 0 && cols > 0, "GPTQ: weight ", weight.sizes(), " is empty (a layer needs at least one output and one input)");
-  TORCH_CHECK(hessian.dim() == 2 && hessian.size(0) == cols && hessian.size(1) == cols, "GPTQ: Hessian must be [in, in] = [",
-              cols, ", ", cols, "], got ", hessian.sizes());
+  TORCH_CHECK(hessian.dim() == 2 && hessian.size(0) == cols && hessian.size(1) == cols, "GPTQ: Hessian must be [in, in] = [", cols, ", ",
+              cols, "], got ", hessian.sizes());
   auto W = weight.detach().to(torch::kFloat32).clone(at::MemoryFormat::Contiguous);  // [rows, cols], row-major (the column loop's pitch)
-  auto H = hessian.detach().to(W.device(), torch::kFloat32).clone();  // [cols, cols]
+  auto H = hessian.detach().to(W.device(), torch::kFloat32).clone();                 // [cols, cols]
   TORCH_CHECK(W.isfinite().all().item<bool>(), "GPTQ: weight contains NaN or inf");
   TORCH_CHECK(H.isfinite().all().item<bool>(), "GPTQ: Hessian contains NaN or inf (check the calibration activations)");
 
@@ -213,8 +212,8 @@ inline GptqResult gptq_quantize(const torch::Tensor& weight, const torch::Tensor
 
   Hinv = Hinv.contiguous();
   auto fopts = W.options();
-  auto Q = torch::zeros_like(W);       // dequantized, permuted order
-  auto codes = torch::zeros_like(W);   // codes as floats, permuted order
+  auto Q = torch::zeros_like(W);      // dequantized, permuted order
+  auto codes = torch::zeros_like(W);  // codes as floats, permuted order
   auto scales = torch::zeros({groups, rows}, fopts);
   auto zeros = torch::zeros({groups, rows}, fopts);
   auto perm_cpu = opt.act_order ? perm.to(torch::kCPU, torch::kInt64).contiguous() : torch::Tensor();
@@ -253,8 +252,9 @@ inline GptqResult gptq_quantize(const torch::Tensor& weight, const torch::Tensor
     const cudaError_t e = kernels::quant::gptq_block_cuda(b, stream);
     TORCH_CHECK(e == cudaSuccess, "GPTQ: column-loop kernel failed: ", cudaGetErrorString(e));
 #else
-    TORCH_CHECK(false, "GPTQ: tensors on ", W.device(), ", but this translation unit was not compiled by nvcc; include "
-                       "squeeze/nn/gptq.hpp from a .cu file to quantize on the GPU (or quantize CPU tensors)");
+    TORCH_CHECK(false, "GPTQ: tensors on ", W.device(),
+                ", but this translation unit was not compiled by nvcc; include "
+                "squeeze/nn/gptq.hpp from a .cu file to quantize on the GPU (or quantize CPU tensors)");
 #endif
   };
   for (std::int64_t i1 = 0; i1 < cols; i1 += opt.block_size) {
@@ -390,8 +390,7 @@ using NamedLinear = std::pair<std::string, torch::nn::Linear>;
 // runs `forward` (the calibration pass, which must route each layer through observe()), then replaces
 // each layer's weight by its dequantized GPTQ result so later steps calibrate on quantized outputs.
 inline std::map<std::string, quant::PackedLinear> gptq_sequential(const std::vector<std::vector<NamedLinear>>& steps,
-                                                                  const std::function<void()>& forward,
-                                                                  const GptqOptions& opt) {
+                                                                  const std::function<void()>& forward, const GptqOptions& opt) {
   std::map<std::string, quant::PackedLinear> out;
   std::size_t total = 0, done = 0;
   for (const auto& s : steps) total += s.size();
@@ -422,8 +421,7 @@ inline std::map<std::string, quant::PackedLinear> gptq_sequential(const std::vec
       if (opt.progress) {
         const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         std::fprintf(stderr, "[gptq %zu/%zu] %-40s %lldx%lld  samples %lld  damp %.3g  loss %.4g  %.2fs\n", done, total, name.c_str(),
-                     (long long)lin->weight.size(0), (long long)lin->weight.size(1), (long long)h.samples(), r.damp_fraction, r.loss,
-                     sec);
+                     (long long)lin->weight.size(0), (long long)lin->weight.size(1), (long long)h.samples(), r.damp_fraction, r.loss, sec);
       }
     }
   }

@@ -123,7 +123,8 @@ inline std::string network_difference(const LlamaConfig& a, const LlamaConfig& b
   };
   for (const auto& [field, x, y] : fields)
     if (x != y) return std::string(field) + ": " + x + " vs " + y;
-  if (!(a.rope_scaling == b.rope_scaling)) return "rope_scaling: the " + std::string(plan::rope_type_name(a.rope_scaling.type)) + " parameters differ";
+  if (!(a.rope_scaling == b.rope_scaling))
+    return "rope_scaling: the " + std::string(plan::rope_type_name(a.rope_scaling.type)) + " parameters differ";
   return "";
 }
 
@@ -154,8 +155,8 @@ struct HfLoadProgress {
   std::size_t tensors = 0, tensors_total = 0;
   std::uint64_t bytes = 0, bytes_total = 0;  // checkpoint bytes read so far, of all
   double seconds = 0;                        // since the first read began
-  double read_s = 0;   // reading the files (on a thread of its own, overlapping the writes)
-  double write_s = 0;  // converting and copying into the parameters, shards and masters
+  double read_s = 0;                         // reading the files (on a thread of its own, overlapping the writes)
+  double write_s = 0;                        // converting and copying into the parameters, shards and masters
 };
 using HfProgressFn = std::function<void(const HfLoadProgress&)>;
 
@@ -178,8 +179,8 @@ inline HfWeights open_hf_weights(const LlamaConfig& c, const std::filesystem::pa
   if (std::filesystem::exists(dir / "config.json")) {
     const io::LlamaConfig file = torch_errors([&] { return io::load_llama_config(dir, config_options); });
     const std::string diff = network_difference(c, from_hf_config(file));
-    TORCH_CHECK(diff.empty(), "load_hf_weights: ", (dir / "config.json").string(), " describes another network than the model's (",
-                diff, ", the model's value first)");
+    TORCH_CHECK(diff.empty(), "load_hf_weights: ", (dir / "config.json").string(), " describes another network than the model's (", diff,
+                ", the model's value first)");
   }
   HfWeights w{torch_errors([&] { return io::SafetensorsCheckpoint::open(dir); }), io::hf_checkpoint_tensors(expect)};
   std::map<std::string, std::vector<std::int64_t>> found;
@@ -262,7 +263,8 @@ inline torch::Tensor* dense_target(torch::OrderedDict<std::string, torch::Tensor
   torch::Tensor* p = params.find(e.squeeze);
   TORCH_CHECK(p != nullptr, "load_hf_weights: the model has no parameter '", e.squeeze, "' for '", e.hf, "' (not an nn::Llama?)");
   TORCH_CHECK(p->sizes().vec() == e.shape, "load_hf_weights: parameter '", e.squeeze, "' is ", p->sizes(), ", '", e.hf, "' is ",
-              io::shape_string(e.shape), ": a LoRA-backed, quantized or stage-3-sharded layer holds no dense weight; load "
+              io::shape_string(e.shape),
+              ": a LoRA-backed, quantized or stage-3-sharded layer holds no dense weight; load "
               "before apply_lora, or into the trainer (load_hf_weights(trainer, model, dir))");
   return p;
 }
@@ -277,7 +279,8 @@ inline void load_hf_weights(LlamaImpl& model, const std::filesystem::path& dir, 
   auto params = model.named_parameters();
   std::map<std::string, torch::Tensor*> target;
   for (const io::NameEntry& e : w.entries) target[e.squeeze] = detail::dense_target(params, e);
-  detail::stream_hf_weights(w, [&](const io::NameEntry& e, const torch::Tensor& t) { target.at(e.squeeze)->copy_(t); }, progress);
+  detail::stream_hf_weights(
+      w, [&](const io::NameEntry& e, const torch::Tensor& t) { target.at(e.squeeze)->copy_(t); }, progress);
 }
 
 // The same into a trainer built on `model` (any Strategy, any ZeRO stage): its trainable parameters through
@@ -286,21 +289,26 @@ inline void load_hf_weights(LlamaImpl& model, const std::filesystem::path& dir, 
 // that are overwritten here; host memory then holds the trainer's state and one checkpoint tensor at a time.
 // Every rank reads the checkpoint (not a collective). Tensors a LoRA or quantized base replaced are refused.
 template <class TrainerT>
-  requires requires(TrainerT& t, const std::string& n, const torch::Tensor& v) {
-    t.load_parameter(n, v);
-    { t.has_parameter(n) } -> std::convertible_to<bool>;
-  }
-inline void load_hf_weights(TrainerT& trainer, LlamaImpl& model, const std::filesystem::path& dir, const io::ConfigOptions& config_options = {},
-                            const HfProgressFn& progress = {}) {
+requires requires(TrainerT& t, const std::string& n, const torch::Tensor& v) {
+  t.load_parameter(n, v);
+  { t.has_parameter(n) } -> std::convertible_to<bool>;
+}
+inline void load_hf_weights(TrainerT& trainer, LlamaImpl& model, const std::filesystem::path& dir,
+                            const io::ConfigOptions& config_options = {}, const HfProgressFn& progress = {}) {
   const detail::HfWeights w = detail::open_hf_weights(model.config, dir, config_options);
   auto params = model.named_parameters();
   std::map<std::string, torch::Tensor*> target;  // module parameters the trainer does not hold
   for (const io::NameEntry& e : w.entries)
     if (!trainer.has_parameter(e.squeeze)) target[e.squeeze] = detail::dense_target(params, e);
-  detail::stream_hf_weights(w, [&](const io::NameEntry& e, const torch::Tensor& t) {
-    if (auto it = target.find(e.squeeze); it != target.end()) it->second->copy_(t);
-    else trainer.load_parameter(e.squeeze, t);
-  }, progress);
+  detail::stream_hf_weights(
+      w,
+      [&](const io::NameEntry& e, const torch::Tensor& t) {
+        if (auto it = target.find(e.squeeze); it != target.end())
+          it->second->copy_(t);
+        else
+          trainer.load_parameter(e.squeeze, t);
+      },
+      progress);
 }
 
 // An nn::Llama built from `dir`'s config.json and filled with its weights.
@@ -316,9 +324,9 @@ inline Llama load_hf_llama(const std::filesystem::path& dir, const HfLoadOptions
 
 // ---- export -------------------------------------------------------------------------------------------------------
 struct HfSaveOptions {
-  std::optional<io::DType> dtype;                // F32, BF16 or F16; default: the model's (the callback overload: F32)
+  std::optional<io::DType> dtype;                 // F32, BF16 or F16; default: the model's (the callback overload: F32)
   std::uint64_t max_shard_bytes = 5'000'000'000;  // per file, header included (transformers 4's default "5GB"); 0: one file
-  std::optional<io::LlamaConfig> source_config;  // what nn::LlamaConfig does not hold (see to_hf_config)
+  std::optional<io::LlamaConfig> source_config;   // what nn::LlamaConfig does not hold (see to_hf_config)
 };
 
 // The squeeze parameter `name` (e.g. "block3.attn.q.weight") as a dense tensor of its full shape, in any float
@@ -328,7 +336,8 @@ using HfTensorSource = std::function<torch::Tensor(const std::string& name)>;
 // Writes config.json, the safetensors shards (model-0000k-of-0000n.safetensors, or model.safetensors) and the
 // index, each tensor converted to the export dtype as it arrives and dropped once written. Until the end only
 // *.tmp files exist; a failure (a source error, a wrong shape) leaves the directory as it was.
-inline void save_hf_llama(const LlamaConfig& c, const HfTensorSource& source, const std::filesystem::path& dir, const HfSaveOptions& o = {}) {
+inline void save_hf_llama(const LlamaConfig& c, const HfTensorSource& source, const std::filesystem::path& dir,
+                          const HfSaveOptions& o = {}) {
   const io::DType dtype = o.dtype.value_or(io::DType::F32);
   TORCH_CHECK(dtype == io::DType::F32 || dtype == io::DType::BF16 || dtype == io::DType::F16,
               "save_hf_llama: export dtype must be F32, BF16 or F16, got ", std::string(io::dtype_name(dtype)));
@@ -340,9 +349,11 @@ inline void save_hf_llama(const LlamaConfig& c, const HfTensorSource& source, co
   torch::NoGradGuard no_grad;
   for (const auto& e : table) {
     const torch::Tensor t = source(e.squeeze);
-    TORCH_CHECK(t.defined() && t.sizes().vec() == e.shape, "save_hf_llama: the source gave ", t.defined() ? t.sizes() : torch::IntArrayRef{},
-                " for '", e.squeeze, "' ('", e.hf, "'), ", io::shape_string(e.shape), " expected");
-    TORCH_CHECK(t.is_floating_point(), "save_hf_llama: the source gave '", e.squeeze, "' as ", t.scalar_type(), ", not a floating-point tensor");
+    TORCH_CHECK(t.defined() && t.sizes().vec() == e.shape, "save_hf_llama: the source gave ",
+                t.defined() ? t.sizes() : torch::IntArrayRef{}, " for '", e.squeeze, "' ('", e.hf, "'), ", io::shape_string(e.shape),
+                " expected");
+    TORCH_CHECK(t.is_floating_point(), "save_hf_llama: the source gave '", e.squeeze, "' as ", t.scalar_type(),
+                ", not a floating-point tensor");
     const torch::Tensor out = t.detach().to(torch::kCPU, torch_dtype_of(dtype)).contiguous();  // [shape] in the export dtype
     detail::torch_errors([&] { writer.write(e.hf, detail::bytes_of(out)); });
   }
@@ -379,7 +390,8 @@ inline torch::Tensor dense_parameter(LlamaImpl& model, const std::string& name) 
 // dequantised, in the model's dtype unless options say otherwise.
 inline void save_hf_llama(LlamaImpl& model, const std::filesystem::path& dir, HfSaveOptions o = {}) {
   if (!o.dtype) o.dtype = io_dtype_of(model.embed->weight.scalar_type());
-  save_hf_llama(model.config, [&model](const std::string& name) { return dense_parameter(model, name); }, dir, o);
+  save_hf_llama(
+      model.config, [&model](const std::string& name) { return dense_parameter(model, name); }, dir, o);
 }
 
 // A trainer's model as a Hugging Face directory, at any ZeRO stage: trainable weights come from
@@ -400,7 +412,8 @@ void save_hf_llama(TrainerT& trainer, const LlamaConfig& c, const std::filesyste
     }
     const io::DType dtype = *o.dtype;
     if (rank == 0) {
-      save_hf_llama(c, [&](const std::string& name) { return trainer.gather_parameter(name); }, dir, o);
+      save_hf_llama(
+          c, [&](const std::string& name) { return trainer.gather_parameter(name); }, dir, o);
     } else {
       for (const auto& e : io::hf_checkpoint_tensors(to_hf_config(c, dtype, o.source_config))) (void)trainer.gather_parameter(e.squeeze);
     }
@@ -510,7 +523,7 @@ inline PeftAdapters save_peft_adapters(LlamaImpl& model, const std::filesystem::
   j["r"] = a.r;
   // PEFT writes alpha as given: an integer stays one, a fraction a float.
   j["lora_alpha"] = a.lora_alpha == std::floor(a.lora_alpha) && std::abs(a.lora_alpha) < 1e15 ? nlohmann::json(int64_t(a.lora_alpha))
-                                                                                                : nlohmann::json(a.lora_alpha);
+                                                                                              : nlohmann::json(a.lora_alpha);
   j["lora_dropout"] = a.lora_dropout;
   j["target_modules"] = a.target_modules;
   j["bias"] = "none";
@@ -556,8 +569,10 @@ inline PeftAdapters load_peft_adapters(LlamaImpl& model, const std::filesystem::
   };
   PeftAdapters a;
   TORCH_CHECK(str("peft_type") == "LORA", src, ": 'peft_type' must be \"LORA\", got ", j.value("peft_type", nlohmann::json()).dump());
-  if (const auto t = str("task_type")) TORCH_CHECK(*t == "CAUSAL_LM", src, ": 'task_type' '", *t, "' is not supported (a causal LM's adapters are)");
-  if (const auto b = str("bias")) TORCH_CHECK(*b == "none", src, ": 'bias' '", *b, "' is not supported (squeeze's adapters train no biases)");
+  if (const auto t = str("task_type"))
+    TORCH_CHECK(*t == "CAUSAL_LM", src, ": 'task_type' '", *t, "' is not supported (a causal LM's adapters are)");
+  if (const auto b = str("bias"))
+    TORCH_CHECK(*b == "none", src, ": 'bias' '", *b, "' is not supported (squeeze's adapters train no biases)");
   refuse_set("use_dora", "DoRA's magnitude vector is not implemented");
   refuse_set("use_rslora", "rank-stabilised scaling alpha / sqrt(r) is not implemented");
   refuse_set("fan_in_fan_out", "LLaMA's linears store [out, in]");
@@ -615,7 +630,8 @@ inline PeftAdapters load_peft_adapters(LlamaImpl& model, const std::filesystem::
       const io::TensorInfo& info = file.info(key);
       TORCH_CHECK(info.shape == dst.sizes().vec(), weights_file.string(), ": tensor '", key, "' is ", io::shape_string(info.shape), ", ",
                   l.path, (is_a ? "'s lora_A is " : "'s lora_B is "), dst.sizes());
-      TORCH_CHECK(io::is_float_dtype(info.dtype), weights_file.string(), ": tensor '", key, "' has dtype ", std::string(io::dtype_name(info.dtype)));
+      TORCH_CHECK(io::is_float_dtype(info.dtype), weights_file.string(), ": tensor '", key, "' has dtype ",
+                  std::string(io::dtype_name(info.dtype)));
       todo.emplace_back(key, &dst);
     }
   torch::NoGradGuard no_grad;

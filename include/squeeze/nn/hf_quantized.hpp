@@ -35,8 +35,9 @@ namespace detail {
 // A model of `config` with its dense tensors from `dense` (squeeze names, float) and each block projection named in
 // `layers` replaced by make(layer): on o.device, dense tensors in o.dtype.
 template <class Layers, class Make>
-Llama quantized_llama(const std::filesystem::path& dir, const io::LlamaConfig& config, const std::map<std::string, std::vector<float>>& dense,
-                      const Layers& layers, Make&& make, const HfQuantizedLoadOptions& o, const char* what) {
+Llama quantized_llama(const std::filesystem::path& dir, const io::LlamaConfig& config,
+                      const std::map<std::string, std::vector<float>>& dense, const Layers& layers, Make&& make,
+                      const HfQuantizedLoadOptions& o, const char* what) {
   // Built uninitialised in its dtype on its device: every parameter is written from `dense` or replaced by its
   // quantized projection (checked below), so a 7B model is neither drawn at random nor built in float on the host.
   Llama model(from_hf_config(config), ParamInit{torch::TensorOptions().dtype(o.dtype).device(o.device), /*random=*/false});
@@ -76,21 +77,28 @@ Llama quantized_llama(const std::filesystem::path& dir, const io::LlamaConfig& c
 
 inline Llama load_hf_bnb_llama(const std::filesystem::path& dir, const HfQuantizedLoadOptions& o = {}) {
   const io::HfBnbModel m = detail::torch_errors([&] { return io::load_hf_bnb(dir); });
-  return detail::quantized_llama(dir, m.config, m.dense, m.layers, [&](const io::BnbNf4Weight& w) {
-    TORCH_CHECK(w.info.shape.size() == 2, "load_hf_bnb_llama: an NF4 weight of shape ", io::shape_string(w.info.shape), " is not [out, in]");
-    const quant::Nf4Packed p = detail::torch_errors([&] { return io::to_nf4_packed(w); });
-    Nf4Linear l(Nf4Weight::from_packed(p, w.info.shape[0], w.info.shape[1], o.device), torch::Tensor());
-    return l;
-  }, o, "load_hf_bnb_llama");
+  return detail::quantized_llama(
+      dir, m.config, m.dense, m.layers,
+      [&](const io::BnbNf4Weight& w) {
+        TORCH_CHECK(w.info.shape.size() == 2, "load_hf_bnb_llama: an NF4 weight of shape ", io::shape_string(w.info.shape),
+                    " is not [out, in]");
+        const quant::Nf4Packed p = detail::torch_errors([&] { return io::to_nf4_packed(w); });
+        Nf4Linear l(Nf4Weight::from_packed(p, w.info.shape[0], w.info.shape[1], o.device), torch::Tensor());
+        return l;
+      },
+      o, "load_hf_bnb_llama");
 }
 
 inline Llama load_hf_gptq_llama(const std::filesystem::path& dir, const HfQuantizedLoadOptions& o = {}) {
   const io::HfGptqModel m = detail::torch_errors([&] { return io::load_hf_gptq(dir); });
-  return detail::quantized_llama(dir, m.config, m.dense, m.layers, [&](const quant::PackedLinear& packed) {
-    QuantizedLinear q(packed);
-    q->to(o.device);
-    return q;
-  }, o, "load_hf_gptq_llama");
+  return detail::quantized_llama(
+      dir, m.config, m.dense, m.layers,
+      [&](const quant::PackedLinear& packed) {
+        QuantizedLinear q(packed);
+        q->to(o.device);
+        return q;
+      },
+      o, "load_hf_gptq_llama");
 }
 
 }  // namespace squeeze::nn

@@ -73,8 +73,8 @@ using Member = engine::UnitMember;
 
 // y = x W^T + b with W, b gathered from the unit. x: [..., in], y: [..., out].
 struct ShardedLinearFn : torch::autograd::Function<ShardedLinearFn> {
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& shard,
-                               Member m, bool has_bias) {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& shard, Member m,
+                               bool has_bias) {
     (void)shard;
     const torch::Tensor full = m.group->runtime->acquire(*m.group);
     const torch::Tensor w = FlatParams::view(full, m.entry(0));
@@ -93,8 +93,8 @@ struct ShardedLinearFn : torch::autograd::Function<ShardedLinearFn> {
     const torch::Tensor full = g.runtime->acquire(g);
     const torch::Tensor w = FlatParams::view(full, m.entry(0));  // [out, in]
     const int64_t out = w.size(0), in = w.size(1);
-    const torch::Tensor go = grads[0].reshape({-1, out});    // [rows, out]
-    const torch::Tensor x2 = x.reshape({-1, in});           // [rows, in]
+    const torch::Tensor go = grads[0].reshape({-1, out});  // [rows, out]
+    const torch::Tensor x2 = x.reshape({-1, in});          // [rows, in]
     torch::Tensor gx;
     if (ctx->needs_input_grad(0)) gx = go.mm(w).view(x.sizes());
     const torch::Tensor full_grad = g.runtime->gradient_buffer(g, full.options());
@@ -136,8 +136,7 @@ inline torch::Tensor gathered_weight(Stage3Group* g, std::size_t first) {
 
 // y = W[idx]. idx: [...] int64, y: [..., dim].
 struct ShardedEmbeddingFn : torch::autograd::Function<ShardedEmbeddingFn> {
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& idx, const torch::Tensor& shard,
-                               Member m) {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& idx, const torch::Tensor& shard, Member m) {
     (void)shard;
     const torch::Tensor full = m.group->runtime->acquire(*m.group);
     const torch::Tensor w = FlatParams::view(full, m.entry(0));
@@ -188,7 +187,11 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public Shardable {
   }
   void pretty_print(std::ostream& s) const override {
     s << "squeeze::nn::Linear(in_features=" << options.in_features() << ", out_features=" << options.out_features()
-      << ", bias=" << std::boolalpha << options.bias() << (group_ ? ", sharded" : backing_ ? ", backed" : "") << ")";
+      << ", bias=" << std::boolalpha << options.bias()
+      << (group_     ? ", sharded"
+          : backing_ ? ", backed"
+                     : "")
+      << ")";
   }
 
   torch::Tensor forward(const torch::Tensor& x) {  // x: [..., in] -> [..., out]
@@ -286,9 +289,7 @@ class EmbeddingImpl : public torch::nn::Cloneable<EmbeddingImpl>, public Shardab
   }
   // The table [num, dim] as one tensor, for a tied LM head that reads it as a linear weight: the parameter, or
   // once sharded a gathered copy whose backward reduce-scatters its gradient (see LinearImpl::full_weight).
-  torch::Tensor full_weight() {
-    return group_ == nullptr ? weight : detail::gathered_weight(group_, first_entry_);
-  }
+  torch::Tensor full_weight() { return group_ == nullptr ? weight : detail::gathered_weight(group_, first_entry_); }
   std::vector<std::pair<std::string, torch::Tensor>> shardable_parameters() override { return {{"weight", weight}}; }
   void attach(Stage3Group* g, std::size_t first_entry) override { group_ = g, first_entry_ = first_entry; }
   Stage3Group* group() const override { return group_; }

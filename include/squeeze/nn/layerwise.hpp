@@ -78,15 +78,15 @@ struct LayerwiseOptions {
 
 // Bytes a block-by-block build of S needs, by the planner's counts.
 struct LayerwiseMemory {
-  int64_t packed_bytes = 0;       // the packed block linears and S's adapters (plan_memory's parameters, less the dense rest)
-  int64_t dense_rest_bytes = 0;   // embedding, head and norms in float, as built
-  int64_t float_block_bytes = 0;  // one block's float parameters, made on the host before they are packed
-  int64_t read_buffer_bytes = 0;  // from files: the largest checkpoint tensor, in float, read before it is copied
-  int64_t calibration_bytes = 0;  // GPTQ calibration: the hidden states, one block's intermediates and its Hessians
-  int64_t planned_step_bytes = 0; // options.train: plan_memory<S>'s device peak of one training step; else 0
-  int64_t host_bytes = 0;         // the host's peak (on a CPU device, everything, and the training step's peak if planned)
-  int64_t device_bytes = 0;       // a CUDA device's peak: the build's (packed + dense rest + one dense linear in the
-                                  // compute type while it is packed), or the planned step's when larger; 0 on the CPU
+  int64_t packed_bytes = 0;        // the packed block linears and S's adapters (plan_memory's parameters, less the dense rest)
+  int64_t dense_rest_bytes = 0;    // embedding, head and norms in float, as built
+  int64_t float_block_bytes = 0;   // one block's float parameters, made on the host before they are packed
+  int64_t read_buffer_bytes = 0;   // from files: the largest checkpoint tensor, in float, read before it is copied
+  int64_t calibration_bytes = 0;   // GPTQ calibration: the hidden states, one block's intermediates and its Hessians
+  int64_t planned_step_bytes = 0;  // options.train: plan_memory<S>'s device peak of one training step; else 0
+  int64_t host_bytes = 0;          // the host's peak (on a CPU device, everything, and the training step's peak if planned)
+  int64_t device_bytes = 0;        // a CUDA device's peak: the build's (packed + dense rest + one dense linear in the
+                                   // compute type while it is packed), or the planned step's when larger; 0 on the CPU
 };
 
 template <StrategyType S>
@@ -150,23 +150,22 @@ inline std::optional<int64_t> device_memory_total(torch::Device d) {
 template <StrategyType S>
 void check_layerwise_fits(const LlamaConfig& c, const LayerwiseOptions& o, bool from_files) {
   const LayerwiseMemory need = layerwise_memory<S>(c, o, from_files);
-  const std::string what = "build_quantized_llama: '" + c.name + "' (" + std::to_string(c.shape().params()) + " parameters) under " +
-                           strategy_name<S>();
+  const std::string what =
+      "build_quantized_llama: '" + c.name + "' (" + std::to_string(c.shape().params()) + " parameters) under " + strategy_name<S>();
   const std::string step = o.train ? "; plan_memory's peak of a training step of micro-batch " + std::to_string(o.train->micro_batch) +
                                          " x seq " + std::to_string(o.train->seq) + ": " + gigabytes(need.planned_step_bytes)
                                    : "";
   const std::optional<int64_t> host = o.available_host_bytes ? o.available_host_bytes : host_memory_available();
   if (host) {
     TORCH_CHECK(need.host_bytes <= *host, what, " needs ", gigabytes(need.host_bytes), " of host memory (",
-                o.device.is_cpu() ? "packed blocks and adapters " + gigabytes(need.packed_bytes) + " + embedding, head and norms in float " +
-                                        gigabytes(need.dense_rest_bytes) + " + "
+                o.device.is_cpu() ? "packed blocks and adapters " + gigabytes(need.packed_bytes) +
+                                        " + embedding, head and norms in float " + gigabytes(need.dense_rest_bytes) + " + "
                                   : std::string(),
                 "one float block ", gigabytes(need.float_block_bytes),
                 need.read_buffer_bytes > 0 ? " + one checkpoint tensor " + gigabytes(need.read_buffer_bytes) : std::string(),
                 o.device.is_cpu() ? step : std::string(), "), but ", gigabytes(*host), " is available",
                 o.available_host_bytes ? " (LayerwiseOptions::available_host_bytes)" : " (MemAvailable in /proc/meminfo)",
-                ": quantize to fewer bits (Quantized<3, ...>)",
-                o.device.is_cpu() ? ", build onto a GPU (LayerwiseOptions::device)" : "",
+                ": quantize to fewer bits (Quantized<3, ...>)", o.device.is_cpu() ? ", build onto a GPU (LayerwiseOptions::device)" : "",
                 o.train && o.device.is_cpu() ? ", train a smaller micro-batch or shorter sequences" : "", ", or choose a smaller model");
   }
   if (o.device.is_cpu()) return;
@@ -175,8 +174,7 @@ void check_layerwise_fits(const LlamaConfig& c, const LayerwiseOptions& o, bool 
   TORCH_CHECK(need.device_bytes <= *device, what, " needs ", gigabytes(need.device_bytes), " on ", o.device.str(),
               " (packed blocks and adapters ", gigabytes(need.packed_bytes), " + embedding, head and norms in float ",
               gigabytes(need.dense_rest_bytes), " + one dense linear being packed", step, "), but the device has ", gigabytes(*device),
-              o.available_device_bytes ? " (LayerwiseOptions::available_device_bytes)" : "",
-              ": quantize to fewer bits (Quantized<3, ...>)",
+              o.available_device_bytes ? " (LayerwiseOptions::available_device_bytes)" : "", ": quantize to fewer bits (Quantized<3, ...>)",
               o.train ? ", train a smaller micro-batch or shorter sequences, add Checkpointed, offload the optimizer state "
                         "(Sharded<Stage1> + Offload<Host>)"
                       : "",
@@ -206,14 +204,14 @@ struct HessianTap : torch::nn::Module, LinearForward {
 
 // The Hessians of a float block's seven linears (by path: "attn.q", ...) from one forward of its input x [B, T, h].
 inline std::map<std::string, std::shared_ptr<HessianTap::Shared>> block_hessians(BlockImpl& block, const torch::Tensor& x,
-                                                                                const torch::Tensor& cos, const torch::Tensor& sin) {
+                                                                                 const torch::Tensor& cos, const torch::Tensor& sin) {
   struct Site {
     torch::nn::Module* parent;
     const char* name;
     const char* input;  // the linears reading one tensor share a Hessian
   };
-  const Site sites[] = {{block.attn.get(), "q", "attn.in"},  {block.attn.get(), "k", "attn.in"}, {block.attn.get(), "v", "attn.in"},
-                        {block.attn.get(), "o", "attn.o"},   {block.mlp.get(), "gate", "mlp.in"}, {block.mlp.get(), "up", "mlp.in"},
+  const Site sites[] = {{block.attn.get(), "q", "attn.in"},   {block.attn.get(), "k", "attn.in"},  {block.attn.get(), "v", "attn.in"},
+                        {block.attn.get(), "o", "attn.o"},    {block.mlp.get(), "gate", "mlp.in"}, {block.mlp.get(), "up", "mlp.in"},
                         {block.mlp.get(), "down", "mlp.down"}};
   std::map<std::string, std::shared_ptr<HessianTap::Shared>> by_input, out;
   std::vector<std::pair<const Site*, std::shared_ptr<torch::nn::Module>>> replaced;
@@ -300,7 +298,7 @@ Llama build_layerwise(const LlamaConfig& c, const LayerwiseOptions& o, bool rand
     }
     adapters += int64_t(apply_lora<S>(*block, block_place, adapters).size());
     block->to(o.device);  // the norms; the packed layers are there already
-    if (calibrate) {  // the next block calibrates on what this one, quantized, computes
+    if (calibrate) {      // the next block calibrates on what this one, quantized, computes
       torch::NoGradGuard no_grad;
       hessians.clear();
       hidden = block->forward(hidden, cos, sin);
@@ -313,7 +311,8 @@ Llama build_layerwise(const LlamaConfig& c, const LayerwiseOptions& o, bool rand
   };
   if (o.calibration.defined()) {
     TORCH_CHECK(gptq, "build_quantized_llama: LayerwiseOptions::calibration calibrates GPTQ, but the strategy quantizes by ",
-                std::is_same_v<typename WQ::method, NF4> ? "NF4" : "round-to-nearest", ": write Quantized<B, GPTQ, ...>, or leave calibration out");
+                std::is_same_v<typename WQ::method, NF4> ? "NF4" : "round-to-nearest",
+                ": write Quantized<B, GPTQ, ...>, or leave calibration out");
     TORCH_CHECK(o.calibration.dim() == 2 && o.calibration.scalar_type() == torch::kLong && o.calibration.numel() > 0,
                 "build_quantized_llama: calibration must be token ids [sequences, tokens] in int64, got ", o.calibration.sizes(), " ",
                 o.calibration.scalar_type());

@@ -60,8 +60,12 @@ struct LlamaConfig {
   plan::ModelShape shape() const { return {vocab, hidden, layers, heads, kv_heads, ffn, tie_embeddings, explicit_head_dim}; }
 
   void validate() const {
-    for (const auto& [field, value] : {std::pair<const char*, int64_t>{"vocab", vocab}, {"hidden", hidden}, {"layers", layers}, {"heads", heads},
-                                       {"kv_heads", kv_heads}, {"ffn", ffn}})
+    for (const auto& [field, value] : {std::pair<const char*, int64_t>{"vocab", vocab},
+                                       {"hidden", hidden},
+                                       {"layers", layers},
+                                       {"heads", heads},
+                                       {"kv_heads", kv_heads},
+                                       {"ffn", ffn}})
       TORCH_CHECK(value > 0, "LlamaConfig '", name, "': every size must be positive, ", field, " is ", value);
     TORCH_CHECK(explicit_head_dim >= 0, "LlamaConfig '", name, "': explicit_head_dim must be 0 (hidden / heads) or positive, got ",
                 explicit_head_dim);
@@ -118,7 +122,7 @@ TORCH_MODULE(RMSNorm);
 // cos and sin, each [T, D] (the frequencies twice, matching the rotate-half layout), in float.
 inline std::pair<torch::Tensor, torch::Tensor> rope_tables(int64_t T, const torch::Tensor& inv_freq) {
   const torch::Tensor angles = torch::outer(torch::arange(T, inv_freq.options()), inv_freq);  // [T, D/2]
-  const torch::Tensor both = torch::cat({angles, angles}, -1);                                 // [T, D]
+  const torch::Tensor both = torch::cat({angles, angles}, -1);                                // [T, D]
   return {both.cos(), both.sin()};
 }
 // Unscaled RoPE: theta^(-2i/D), computed in float as squeeze always has (so default-RoPE models keep their bits).
@@ -178,7 +182,7 @@ struct AttentionImpl : torch::nn::Module {
     const torch::Tensor attn = at::scaled_dot_product_attention(qh, kh, vh, /*attn_mask=*/{}, /*dropout_p=*/0.0,
                                                                 /*is_causal=*/true, /*scale=*/std::nullopt,
                                                                 /*enable_gqa=*/kv_heads != heads && fused_gqa);  // [B, H, T, D]
-    return forward_linear(*this, "o", attn.transpose(1, 2).reshape({B, T, heads * head_dim}));  // [B, T, h]
+    return forward_linear(*this, "o", attn.transpose(1, 2).reshape({B, T, heads * head_dim}));                   // [B, T, h]
   }
 };
 TORCH_MODULE(Attention);
@@ -193,7 +197,7 @@ struct MlpImpl : torch::nn::Module {
     up = register_module("up", lin(c.hidden, c.ffn));
     down = register_module("down", lin(c.ffn, c.hidden));
   }
-  torch::Tensor forward(const torch::Tensor& x) {  // [B, T, h] -> [B, T, h]
+  torch::Tensor forward(const torch::Tensor& x) {                                                  // [B, T, h] -> [B, T, h]
     const torch::Tensor g = forward_linear(*this, "gate", x), u = forward_linear(*this, "up", x);  // [B, T, ffn]
     if (fused && g.scalar_type() == u.scalar_type() && g.is_contiguous() && u.is_contiguous())
       return forward_linear(*this, "down", fused_swiglu(g, u));
@@ -262,7 +266,7 @@ struct LlamaImpl : torch::nn::Module, Recomputable {
   Embedding embed{nullptr};
   std::vector<Block> blocks;
   RMSNorm norm{nullptr};
-  Linear head{nullptr};  // null under tie_embeddings: the head is embed's weight
+  Linear head{nullptr};          // null under tie_embeddings: the head is embed's weight
   int64_t checkpoint_every = 0;  // 0: keep all activations; N: checkpoint segments of N blocks (training only)
   void set_recompute(int every) override { checkpoint_every = every; }  // a Checkpointed trainer's switch
   // Tokens per chunk of the loss (see loss()); 0: all at once. The default (and why) is the planner's, whose
@@ -324,7 +328,7 @@ struct LlamaImpl : torch::nn::Module, Recomputable {
     TORCH_CHECK(ids.scalar_type() == torch::kLong, "Llama::forward: token ids must be int64, got ", ids.scalar_type());
     const int64_t T = ids.size(1);
     const auto [cos, sin] = rope_tables(T, config, ids.device());  // [T, D] each
-    torch::Tensor x = embed(ids);                                   // [B, T, h]
+    torch::Tensor x = embed(ids);                                  // [B, T, h]
     const auto layer = [this, cos, sin](int64_t i, const torch::Tensor& h) { return blocks[i]->forward(h, cos, sin); };
     const auto layer_params = [this](int64_t i) { return trainable_leaves(*blocks[i]); };
     const int64_t every = is_training() ? checkpoint_every : 0;
@@ -349,9 +353,9 @@ struct LlamaImpl : torch::nn::Module, Recomputable {
     if (fused_loss && torch::GradMode::is_enabled())
       return fused_linear_cross_entropy(x, head_weight(), t, loss_chunk_tokens > 0 ? loss_chunk_tokens : x.size(0), kIgnoreIndex);
     if (loss_chunk_tokens == 0 || x.size(0) <= loss_chunk_tokens)
-      return torch::nn::functional::cross_entropy(float_logits(logits(x)), t);  // logits [N, V] at once
-    const torch::Tensor w = head_weight();  // [V, h]
-    const BlockFn chunk_loss = [](const std::vector<torch::Tensor>& in) {  // in: rows [c, h], targets [c], weight [V, h]
+      return torch::nn::functional::cross_entropy(float_logits(logits(x)), t);   // logits [N, V] at once
+    const torch::Tensor w = head_weight();                                       // [V, h]
+    const BlockFn chunk_loss = [](const std::vector<torch::Tensor>& in) {        // in: rows [c, h], targets [c], weight [V, h]
       const torch::Tensor logits = torch::nn::functional::linear(in[0], in[2]);  // [c, V]
       return torch::nn::functional::cross_entropy(float_logits(logits), in[1],
                                                   torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));

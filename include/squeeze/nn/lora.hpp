@@ -81,16 +81,20 @@ struct Nf4Weight {
     TORCH_CHECK(w.dim() == 2, "Nf4Weight: weight must be [out, in], got ", w.sizes());
     TORCH_CHECK(w.numel() > 0, "Nf4Weight: empty weight");
     const auto st = w.scalar_type();
-    TORCH_CHECK(st == torch::kFloat32 || st == torch::kBFloat16 || st == torch::kHalf, "Nf4Weight: weights must be float, bf16 or half, got ", st);
+    TORCH_CHECK(st == torch::kFloat32 || st == torch::kBFloat16 || st == torch::kHalf,
+                "Nf4Weight: weights must be float, bf16 or half, got ", st);
 #if defined(__CUDACC__)
     if (w.is_cuda()) return quantize_cuda(w, o);
 #endif
     torch::Tensor wc = w.detach().to(torch::kCPU).contiguous();
     quant::Nf4Packed p;
     try {
-      if (st == torch::kFloat32) p = quant::nf4_quantize(static_cast<const float*>(wc.data_ptr()), wc.numel(), o);
-      else if (st == torch::kBFloat16) p = quant::nf4_quantize(static_cast<const bf16*>(wc.data_ptr()), wc.numel(), o);
-      else p = quant::nf4_quantize(static_cast<const half*>(wc.data_ptr()), wc.numel(), o);
+      if (st == torch::kFloat32)
+        p = quant::nf4_quantize(static_cast<const float*>(wc.data_ptr()), wc.numel(), o);
+      else if (st == torch::kBFloat16)
+        p = quant::nf4_quantize(static_cast<const bf16*>(wc.data_ptr()), wc.numel(), o);
+      else
+        p = quant::nf4_quantize(static_cast<const half*>(wc.data_ptr()), wc.numel(), o);
     } catch (const squeeze::Error& e) {
       TORCH_CHECK(false, "Nf4Weight: ", e.what());
     }
@@ -159,9 +163,12 @@ struct Nf4Weight {
         static_cast<cudaStream_t>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(w.device()).native_handle());
     const auto st = w.scalar_type();
     cudaError_t e = cudaSuccess;
-    if (st == torch::kFloat32) e = kq::nf4_quantize_cuda(static_cast<const float*>(wc.data_ptr()), n, o.block, dq, bufs, stream);
-    else if (st == torch::kBFloat16) e = kq::nf4_quantize_cuda(static_cast<const bf16*>(wc.data_ptr()), n, o.block, dq, bufs, stream);
-    else e = kq::nf4_quantize_cuda(static_cast<const half*>(wc.data_ptr()), n, o.block, dq, bufs, stream);
+    if (st == torch::kFloat32)
+      e = kq::nf4_quantize_cuda(static_cast<const float*>(wc.data_ptr()), n, o.block, dq, bufs, stream);
+    else if (st == torch::kBFloat16)
+      e = kq::nf4_quantize_cuda(static_cast<const bf16*>(wc.data_ptr()), n, o.block, dq, bufs, stream);
+    else
+      e = kq::nf4_quantize_cuda(static_cast<const half*>(wc.data_ptr()), n, o.block, dq, bufs, stream);
     TORCH_CHECK(e == cudaSuccess, "Nf4Weight: NF4 quantise kernels failed: ", cudaGetErrorString(e));
     r.absmax = dq ? torch::empty({0}, on(torch::kFloat32)) : absmax;
     return r;
@@ -169,19 +176,22 @@ struct Nf4Weight {
 #endif
 
   int64_t bytes() const {
-    return codes.numel() + absmax.numel() * 4 + absmax_code.numel() + (nested_absmax.numel() + nested_map.numel() + absmax_offset.numel()) * 4;
+    return codes.numel() + absmax.numel() * 4 + absmax_code.numel() +
+           (nested_absmax.numel() + nested_map.numel() + absmax_offset.numel()) * 4;
   }
   torch::Device device() const { return codes.device(); }
 
   // W [out, in] in `dtype` on the buffers' device.
   torch::Tensor dequantize(torch::ScalarType dtype) const {
-    TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && absmax.scalar_type() == torch::kFloat32 && absmax_code.scalar_type() == torch::kUInt8 &&
-                    nested_absmax.scalar_type() == torch::kFloat32 && nested_map.scalar_type() == torch::kFloat32 &&
-                    absmax_offset.scalar_type() == torch::kFloat32,
+    TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && absmax.scalar_type() == torch::kFloat32 &&
+                    absmax_code.scalar_type() == torch::kUInt8 && nested_absmax.scalar_type() == torch::kFloat32 &&
+                    nested_map.scalar_type() == torch::kFloat32 && absmax_offset.scalar_type() == torch::kFloat32,
                 "Nf4Weight: packed buffers changed type (codes ", codes.scalar_type(), "); move NF4 layers between devices only");
-    TORCH_CHECK(!double_quant || (nested_map.numel() == 256 && absmax_offset.numel() == 1), "Nf4Weight: DoubleQuant needs a 256-entry nested map and one offset, got ",
-                nested_map.numel(), " and ", absmax_offset.numel());
-    TORCH_CHECK(codes.numel() == (out * in + 1) / 2, "Nf4Weight: codes hold ", codes.numel(), " bytes, [", out, ", ", in, "] needs ", (out * in + 1) / 2);
+    TORCH_CHECK(!double_quant || (nested_map.numel() == 256 && absmax_offset.numel() == 1),
+                "Nf4Weight: DoubleQuant needs a 256-entry nested map and one offset, got ", nested_map.numel(), " and ",
+                absmax_offset.numel());
+    TORCH_CHECK(codes.numel() == (out * in + 1) / 2, "Nf4Weight: codes hold ", codes.numel(), " bytes, [", out, ", ", in, "] needs ",
+                (out * in + 1) / 2);
     torch::Tensor w = torch::empty({out, in}, torch::TensorOptions().dtype(dtype).device(device()));
     kernels::quant::Nf4View v{.codes = static_cast<const std::uint8_t*>(codes.data_ptr()), .n = out * in, .block = block};
     if (double_quant) {
@@ -195,10 +205,17 @@ struct Nf4Weight {
     }
     if (device().is_cpu()) {
       switch (dtype) {
-        case torch::kFloat32: kernels::quant::nf4_dequantize_cpu(v, static_cast<float*>(w.data_ptr())); break;
-        case torch::kBFloat16: kernels::quant::nf4_dequantize_cpu(v, static_cast<bf16*>(w.data_ptr())); break;
-        case torch::kHalf: kernels::quant::nf4_dequantize_cpu(v, static_cast<half*>(w.data_ptr())); break;
-        default: TORCH_CHECK(false, "Nf4Weight: dequantises to float, bf16 or half, not ", dtype);
+        case torch::kFloat32:
+          kernels::quant::nf4_dequantize_cpu(v, static_cast<float*>(w.data_ptr()));
+          break;
+        case torch::kBFloat16:
+          kernels::quant::nf4_dequantize_cpu(v, static_cast<bf16*>(w.data_ptr()));
+          break;
+        case torch::kHalf:
+          kernels::quant::nf4_dequantize_cpu(v, static_cast<half*>(w.data_ptr()));
+          break;
+        default:
+          TORCH_CHECK(false, "Nf4Weight: dequantises to float, bf16 or half, not ", dtype);
       }
       return w;
     }
@@ -209,15 +226,23 @@ struct Nf4Weight {
         static_cast<cudaStream_t>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device()).native_handle());
     cudaError_t e = cudaSuccess;
     switch (dtype) {
-      case torch::kFloat32: e = kernels::quant::nf4_dequantize_cuda(v, static_cast<float*>(w.data_ptr()), stream); break;
-      case torch::kBFloat16: e = kernels::quant::nf4_dequantize_cuda(v, static_cast<bf16*>(w.data_ptr()), stream); break;
-      case torch::kHalf: e = kernels::quant::nf4_dequantize_cuda(v, static_cast<half*>(w.data_ptr()), stream); break;
-      default: TORCH_CHECK(false, "Nf4Weight: dequantises to float, bf16 or half, not ", dtype);
+      case torch::kFloat32:
+        e = kernels::quant::nf4_dequantize_cuda(v, static_cast<float*>(w.data_ptr()), stream);
+        break;
+      case torch::kBFloat16:
+        e = kernels::quant::nf4_dequantize_cuda(v, static_cast<bf16*>(w.data_ptr()), stream);
+        break;
+      case torch::kHalf:
+        e = kernels::quant::nf4_dequantize_cuda(v, static_cast<half*>(w.data_ptr()), stream);
+        break;
+      default:
+        TORCH_CHECK(false, "Nf4Weight: dequantises to float, bf16 or half, not ", dtype);
     }
     TORCH_CHECK(e == cudaSuccess, "Nf4Weight: NF4 dequantise kernel failed: ", cudaGetErrorString(e));
     return w;
 #else
-    TORCH_CHECK(false, "Nf4Weight: buffers on ", device(), ", but this translation unit was not compiled by nvcc; include "
+    TORCH_CHECK(false, "Nf4Weight: buffers on ", device(),
+                ", but this translation unit was not compiled by nvcc; include "
                 "squeeze/nn/lora.hpp from a .cu file to dequantise NF4 on the GPU");
     return {};
 #endif
@@ -247,8 +272,8 @@ struct Nf4MatmulFn : torch::autograd::Function<Nf4MatmulFn> {
 // ---- LoRALinear ------------------------------------------------------------------------------------------------
 struct LoRAOptions {
   int64_t rank = 8;
-  double alpha = 16;                                   // scaling = alpha / rank
-  torch::ScalarType adapter_dtype = torch::kFloat32;   // A and B (the trainable "master" copy)
+  double alpha = 16;                                  // scaling = alpha / rank
+  torch::ScalarType adapter_dtype = torch::kFloat32;  // A and B (the trainable "master" copy)
   // >= 0: A is drawn from a generator seeded with this (apply_lora: one seed per layer), so every rank and every
   // run starts from the same adapters whatever else drew from torch's global generator; < 0: the global generator.
   int64_t seed = -1;
@@ -258,7 +283,8 @@ class LoRALinearImpl : public torch::nn::Module {
  public:
   // Dense frozen base: weight [out, in] (kept as given: store it in the compute dtype), bias [out] or undefined.
   LoRALinearImpl(const torch::Tensor& weight, const torch::Tensor& bias, const LoRAOptions& o) : opt_(o) {
-    TORCH_CHECK(weight.dim() == 2 && weight.numel() > 0, "LoRALinear: base weight must be a non-empty [out, in] tensor, got ", weight.sizes());
+    TORCH_CHECK(weight.dim() == 2 && weight.numel() > 0, "LoRALinear: base weight must be a non-empty [out, in] tensor, got ",
+                weight.sizes());
     out_ = weight.size(0);
     in_ = weight.size(1);
     weight_ = register_buffer("weight", weight.detach().clone());
@@ -286,7 +312,9 @@ class LoRALinearImpl : public torch::nn::Module {
     init(torch::Tensor(), gptq_->device());
   }
 
-  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override { detail::to_keep_types(*this, device, dtype, non_blocking); }
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override {
+    detail::to_keep_types(*this, device, dtype, non_blocking);
+  }
   void to(torch::Dtype dtype, bool non_blocking = false) override { detail::to_keep_types(*this, std::nullopt, dtype, non_blocking); }
   void to(torch::Device device, bool non_blocking = false) override { detail::to_keep_types(*this, device, std::nullopt, non_blocking); }
 
@@ -301,7 +329,7 @@ class LoRALinearImpl : public torch::nn::Module {
       return y;
     }
     const torch::Tensor xa = torch::matmul(x, lora_A.to(dt).t());  // [..., r]
-    return y + torch::matmul(xa, lora_B.to(dt).t()) * scaling();    // [..., out]
+    return y + torch::matmul(xa, lora_B.to(dt).t()) * scaling();   // [..., out]
   }
   // The frozen base alone (no adapter).
   torch::Tensor base_forward(const torch::Tensor& x) {
@@ -321,8 +349,9 @@ class LoRALinearImpl : public torch::nn::Module {
   // The base weight [out, in] in float (dequantised when NF4), plus scaling * B A.
   torch::Tensor merged_weight() const {
     torch::NoGradGuard ng;
-    const torch::Tensor base = gptq_ ? gptq_.ptr()->dequantize(torch::kFloat32)
-                               : is_nf4_ ? nf4_.dequantize(torch::kFloat32) : weight_.to(torch::kFloat32);
+    const torch::Tensor base = gptq_     ? gptq_.ptr()->dequantize(torch::kFloat32)
+                               : is_nf4_ ? nf4_.dequantize(torch::kFloat32)
+                                         : weight_.to(torch::kFloat32);
     return merged_ ? base : base + delta_weight();
   }
   // A dense torch::nn::Linear with the adapter folded in (float weights, on the layer's device).
@@ -425,12 +454,15 @@ class Nf4LinearImpl : public torch::nn::Module {
     TORCH_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == nf4_.out), "Nf4Linear: bias must be [", nf4_.out, "]");
     if (bias.defined()) bias_ = register_buffer("bias", bias.detach().clone());
   }
-  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override { detail::to_keep_types(*this, device, dtype, non_blocking); }
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override {
+    detail::to_keep_types(*this, device, dtype, non_blocking);
+  }
   void to(torch::Dtype dtype, bool non_blocking = false) override { detail::to_keep_types(*this, std::nullopt, dtype, non_blocking); }
   void to(torch::Device device, bool non_blocking = false) override { detail::to_keep_types(*this, device, std::nullopt, non_blocking); }
 
   torch::Tensor forward(const torch::Tensor& x) {  // x: [..., in] -> [..., out]
-    TORCH_CHECK(x.dim() >= 1 && x.size(-1) == nf4_.in, "Nf4Linear: input has ", x.dim() ? x.size(-1) : 0, " features, layer expects ", nf4_.in);
+    TORCH_CHECK(x.dim() >= 1 && x.size(-1) == nf4_.in, "Nf4Linear: input has ", x.dim() ? x.size(-1) : 0, " features, layer expects ",
+                nf4_.in);
     TORCH_CHECK(x.is_floating_point(), "Nf4Linear: floating-point input required, got ", x.scalar_type());
     TORCH_CHECK(x.device() == nf4_.device(), "Nf4Linear: input on ", x.device(), " but the NF4 weight on ", nf4_.device());
     torch::Tensor y = detail::Nf4MatmulFn::apply(x, reinterpret_cast<int64_t>(&nf4_));
@@ -485,7 +517,8 @@ inline bool holds_packed_base(torch::nn::Module& m) {
 // Quantized<B, GPTQ|RTN, Group<G>|PerChannel> -> the round-to-nearest options filling its GPTQ layout.
 template <class Q>
 constexpr quant::RtnOptions rtn_options() {
-  static_assert(std::is_same_v<typename Q::method, GPTQ> || std::is_same_v<typename Q::method, RTN>, "rtn_options<Q> takes a Quantized<B, GPTQ|RTN, ...> policy");
+  static_assert(std::is_same_v<typename Q::method, GPTQ> || std::is_same_v<typename Q::method, RTN>,
+                "rtn_options<Q> takes a Quantized<B, GPTQ|RTN, ...> policy");
   return quant::RtnOptions{Q::bits, Q::group, /*sym=*/false};
 }
 }  // namespace detail
@@ -493,7 +526,8 @@ constexpr quant::RtnOptions rtn_options() {
 // A frozen nn::QuantizedLinear holding w [out, in] (and bias [out], stored fp16 as GPTQ checkpoints do) in the
 // GPTQ packed layout, filled by round-to-nearest (quant::rtn_quantize on the CPU; the layer goes back to w's
 // device). fused_tiles: see QuantizedLinearImpl's constructor.
-inline QuantizedLinear quantize_rtn(const torch::Tensor& w, const torch::Tensor& bias, const quant::RtnOptions& o, bool fused_tiles = true) {
+inline QuantizedLinear quantize_rtn(const torch::Tensor& w, const torch::Tensor& bias, const quant::RtnOptions& o,
+                                    bool fused_tiles = true) {
   TORCH_CHECK(w.dim() == 2 && w.numel() > 0, "quantize_rtn: weight must be a non-empty [out, in] tensor, got ", w.sizes());
   TORCH_CHECK(w.is_floating_point(), "quantize_rtn: floating-point weight required, got ", w.scalar_type());
   TORCH_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == w.size(0)), "quantize_rtn: bias must be [", w.size(0), "]");
@@ -548,7 +582,8 @@ struct LoraBasePlacement {
 // gets the adapters the whole model would. Returns the adapted layers in module order; errors when none matched.
 template <class S>
 std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model, const LoraBasePlacement& place = {}, int64_t first_seed = 0) {
-  static_assert(S::has_lora, "apply_lora<S> needs a strategy with LoRA<R, A>: e.g. Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, ...>");
+  static_assert(S::has_lora,
+                "apply_lora<S> needs a strategy with LoRA<R, A>: e.g. Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, ...>");
   using L = typename S::lora;
   using WQ = typename S::weight_quantization;
   constexpr bool nf4 = S::quantized_weights && std::is_same_v<typename WQ::method, NF4>;
@@ -558,8 +593,10 @@ std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model, const LoraBasePla
                 "GPTQ + ActOrder first (examples/llama_gptq) and apply_lora to the packed model");
   LoRAOptions opt{L::rank, double(L::alpha), torch_dtype<typename S::master_type>()};
   const auto pack_gptq = [&](const std::string& path, const torch::Tensor& w, const torch::Tensor& b) -> QuantizedLinear {
-    if constexpr (gptq) return place.pack ? place.pack(path, w, b) : quantize_rtn(w, b, detail::rtn_options<WQ>(), !S::training);
-    else return QuantizedLinear{nullptr};
+    if constexpr (gptq)
+      return place.pack ? place.pack(path, w, b) : quantize_rtn(w, b, detail::rtn_options<WQ>(), !S::training);
+    else
+      return QuantizedLinear{nullptr};
   };
   int64_t layer_index = first_seed;  // each adapted layer's generator seed: its position in module order
   for (const auto& m : model.modules(/*include_self=*/true)) {
@@ -626,9 +663,12 @@ std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model, const LoraBasePla
         }
         LoRALinear rep{nullptr};
         opt.seed = layer_index++;
-        if constexpr (nf4) rep = LoRALinear(Nf4Weight::quantize(w, quant::nf4_options<WQ>()), b, opt);
-        else if constexpr (gptq) rep = LoRALinear(pack_gptq(path, w, b), opt);
-        else rep = LoRALinear(w.to(torch_dtype<typename S::compute_type>()), b, opt);
+        if constexpr (nf4)
+          rep = LoRALinear(Nf4Weight::quantize(w, quant::nf4_options<WQ>()), b, opt);
+        else if constexpr (gptq)
+          rep = LoRALinear(pack_gptq(path, w, b), opt);
+        else
+          rep = LoRALinear(w.to(torch_dtype<typename S::compute_type>()), b, opt);
         sl->back_with("lora", rep.ptr(), [m = rep.get()](const torch::Tensor& x) { return m->forward(x); });
         adapted.push_back({path, rep});
         continue;
@@ -655,7 +695,8 @@ std::vector<AdaptedLayer> apply_lora(torch::nn::Module& model, const LoraBasePla
       if (bias.defined()) bias.set_data(torch::empty({0}, bias.options()));
     }
   }
-  TORCH_CHECK(!adapted.empty(), "apply_lora: no Linear child named like LoRA's targets (q, k, v, o, gate, up, down or q_proj, ...) in the model");
+  TORCH_CHECK(!adapted.empty(),
+              "apply_lora: no Linear child named like LoRA's targets (q, k, v, o, gate, up, down or q_proj, ...) in the model");
   return adapted;
 }
 
@@ -699,10 +740,14 @@ inline int64_t merge_lora(torch::nn::Module& model) {
     if (auto sl = std::dynamic_pointer_cast<LinearImpl>(item.value()); sl && sl->backed()) {
       const auto back = sl->backing();
       torch::nn::Linear dense{nullptr};
-      if (auto l = std::dynamic_pointer_cast<LoRALinearImpl>(back)) dense = l->merged(), ++merged;
-      else if (auto q = std::dynamic_pointer_cast<Nf4LinearImpl>(back)) dense = q->dense();
-      else if (auto g = std::dynamic_pointer_cast<QuantizedLinearImpl>(back)) dense = g->dense();
-      else TORCH_CHECK(false, "merge_lora: ", item.key(), " has a backing merge_lora does not know");
+      if (auto l = std::dynamic_pointer_cast<LoRALinearImpl>(back))
+        dense = l->merged(), ++merged;
+      else if (auto q = std::dynamic_pointer_cast<Nf4LinearImpl>(back))
+        dense = q->dense();
+      else if (auto g = std::dynamic_pointer_cast<QuantizedLinearImpl>(back))
+        dense = g->dense();
+      else
+        TORCH_CHECK(false, "merge_lora: ", item.key(), " has a backing merge_lora does not know");
       sl->unback(dense->weight.detach(), sl->has_bias() ? dense->bias.detach() : torch::Tensor());
       continue;
     }

@@ -54,9 +54,12 @@ inline void to_keep_types(torch::nn::Module& m, std::optional<torch::Device> dev
   for (auto& p : m.named_parameters(/*recurse=*/false)) move(p.value(), false);
   for (auto& b : m.named_buffers(/*recurse=*/false)) move(b.value(), b.key() == "weight" || b.key() == "bias");
   for (auto& c : m.children()) {
-    if (device && dtype) c->to(*device, *dtype, non_blocking);
-    else if (device) c->to(*device, non_blocking);
-    else if (dtype) c->to(*dtype, non_blocking);
+    if (device && dtype)
+      c->to(*device, *dtype, non_blocking);
+    else if (device)
+      c->to(*device, non_blocking);
+    else if (dtype)
+      c->to(*dtype, non_blocking);
   }
 }
 
@@ -103,11 +106,12 @@ class QuantizedLinearImpl : public torch::nn::Module {
         Npad_ = t.Npad;
         Kpad_ = t.Kpad;
         tile_group_ = t.group;
-        tiles_ = register_buffer("tiles", torch::from_blob(const_cast<std::uint32_t*>(t.tiles.data()), {std::int64_t(t.tiles.size())},
-                                                           torch::kInt32).clone());
+        tiles_ = register_buffer(
+            "tiles", torch::from_blob(const_cast<std::uint32_t*>(t.tiles.data()), {std::int64_t(t.tiles.size())}, torch::kInt32).clone());
         tile_scales_ = register_buffer("tile_scales", f16(t.scales, {std::int64_t(t.scales.size())}));
-        tile_zeros_ = register_buffer("tile_zeros", torch::from_blob(const_cast<std::uint8_t*>(t.zeros.data()),
-                                                                     {std::int64_t(t.zeros.size())}, torch::kUInt8).clone());
+        tile_zeros_ = register_buffer(
+            "tile_zeros",
+            torch::from_blob(const_cast<std::uint8_t*>(t.zeros.data()), {std::int64_t(t.zeros.size())}, torch::kUInt8).clone());
         if (!t.perm.empty()) perm_ = register_buffer("perm", i32(t.perm, {p.in}).to(torch::kInt64));
       } catch (const squeeze::Error&) {
         tiles_ = torch::Tensor();  // g_idx the kernel cannot serve: other paths handle it
@@ -142,20 +146,24 @@ class QuantizedLinearImpl : public torch::nn::Module {
     return Path::DequantMatmul;
   }
 
-  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override { detail::to_keep_types(*this, device, dtype, non_blocking); }
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override {
+    detail::to_keep_types(*this, device, dtype, non_blocking);
+  }
   void to(torch::Dtype dtype, bool non_blocking = false) override { detail::to_keep_types(*this, std::nullopt, dtype, non_blocking); }
   void to(torch::Device device, bool non_blocking = false) override { detail::to_keep_types(*this, device, std::nullopt, non_blocking); }
 
   // x [..., in] -> [..., out] in x's dtype; differentiable with respect to x (see Backward above).
   torch::Tensor forward(const torch::Tensor& x) {
-    TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in_, "QuantizedLinear: input has ", x.dim() ? x.size(-1) : 0, " features, layer expects ", in_);
+    TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in_, "QuantizedLinear: input has ", x.dim() ? x.size(-1) : 0, " features, layer expects ",
+                in_);
     TORCH_CHECK(x.is_floating_point(), "QuantizedLinear: floating-point input required, got ", x.scalar_type());
     return detail::QuantizedMatmulFn<QuantizedLinearImpl>::apply(x, reinterpret_cast<int64_t>(this));
   }
 
   // The forward kernels alone (no autograd): what forward runs.
   torch::Tensor forward_frozen(const torch::Tensor& x) {
-    TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in_, "QuantizedLinear: input has ", x.dim() ? x.size(-1) : 0, " features, layer expects ", in_);
+    TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in_, "QuantizedLinear: input has ", x.dim() ? x.size(-1) : 0, " features, layer expects ",
+                in_);
     TORCH_CHECK(x.device() == qweight_.device(), "QuantizedLinear: input on ", x.device(), " but the layer on ", qweight_.device(),
                 "; move one of them");
     auto shape = x.sizes().vec();
@@ -178,11 +186,13 @@ class QuantizedLinearImpl : public torch::nn::Module {
 
   // dX [..., in] = dY [..., out] W: CPU in float (as the forward), CUDA in dY's dtype on a transient W.
   torch::Tensor input_grad(const torch::Tensor& g) {
-    TORCH_CHECK(g.dim() >= 1 && g.size(-1) == out_, "QuantizedLinear: output gradient has ", g.dim() ? g.size(-1) : 0, " features, layer has ", out_);
+    TORCH_CHECK(g.dim() >= 1 && g.size(-1) == out_, "QuantizedLinear: output gradient has ", g.dim() ? g.size(-1) : 0,
+                " features, layer has ", out_);
     auto shape = g.sizes().vec();
     shape.back() = in_;
     const torch::Tensor g2 = g.reshape({-1, out_});
-    torch::Tensor dx = g.is_cuda() ? torch::matmul(g2, dequantize(g.scalar_type())) : torch::matmul(g2.to(torch::kFloat32), dequantized_cpu());
+    torch::Tensor dx =
+        g.is_cuda() ? torch::matmul(g2, dequantize(g.scalar_type())) : torch::matmul(g2.to(torch::kFloat32), dequantized_cpu());
     return dx.to(g.scalar_type()).reshape(shape);
   }
 
@@ -196,21 +206,35 @@ class QuantizedLinearImpl : public torch::nn::Module {
     const cudaStream_t stream =
         static_cast<cudaStream_t>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(qweight_.device()).native_handle());
     torch::Tensor w = torch::empty({out_, in_}, qweight_.options().dtype(dtype));
-    const kernels::quant::GptqView v{static_cast<const std::int32_t*>(qweight_.data_ptr()), static_cast<const std::int32_t*>(qzeros_.data_ptr()),
-                                     static_cast<const half*>(scales_.data_ptr()), static_cast<const std::int32_t*>(g_idx_.data_ptr()), in_, out_, bits_,
-                                     act_order(), scales_.size(0)};
+    const kernels::quant::GptqView v{static_cast<const std::int32_t*>(qweight_.data_ptr()),
+                                     static_cast<const std::int32_t*>(qzeros_.data_ptr()),
+                                     static_cast<const half*>(scales_.data_ptr()),
+                                     static_cast<const std::int32_t*>(g_idx_.data_ptr()),
+                                     in_,
+                                     out_,
+                                     bits_,
+                                     act_order(),
+                                     scales_.size(0)};
     cudaError_t e = cudaSuccess;
     switch (dtype) {
-      case torch::kFloat32: e = kernels::quant::dequantize_cuda<float>(v, static_cast<float*>(w.data_ptr()), stream); break;
-      case torch::kBFloat16: e = kernels::quant::dequantize_cuda<bf16>(v, static_cast<bf16*>(w.data_ptr()), stream); break;
-      case torch::kHalf: e = kernels::quant::dequantize_cuda<half>(v, static_cast<half*>(w.data_ptr()), stream); break;
-      default: TORCH_CHECK(false, "QuantizedLinear: dequantizes to float, bf16 or half, not ", dtype);
+      case torch::kFloat32:
+        e = kernels::quant::dequantize_cuda<float>(v, static_cast<float*>(w.data_ptr()), stream);
+        break;
+      case torch::kBFloat16:
+        e = kernels::quant::dequantize_cuda<bf16>(v, static_cast<bf16*>(w.data_ptr()), stream);
+        break;
+      case torch::kHalf:
+        e = kernels::quant::dequantize_cuda<half>(v, static_cast<half*>(w.data_ptr()), stream);
+        break;
+      default:
+        TORCH_CHECK(false, "QuantizedLinear: dequantizes to float, bf16 or half, not ", dtype);
     }
     TORCH_CHECK(e == cudaSuccess, "QuantizedLinear: dequantize failed: ", cudaGetErrorString(e));
     return w;
 #else
-    TORCH_CHECK(false, "QuantizedLinear: buffers on ", qweight_.device(), ", but this translation unit was not compiled by nvcc; include "
-                       "squeeze/nn/quantized_linear.hpp from a .cu file to dequantize on the GPU");
+    TORCH_CHECK(false, "QuantizedLinear: buffers on ", qweight_.device(),
+                ", but this translation unit was not compiled by nvcc; include "
+                "squeeze/nn/quantized_linear.hpp from a .cu file to dequantize on the GPU");
     return {};
 #endif
   }
@@ -230,9 +254,7 @@ class QuantizedLinearImpl : public torch::nn::Module {
   torch::Device device() const { return qweight_.device(); }
   // Bytes of the GPTQ layout: qweight + qzeros + scales + g_idx (what a packed checkpoint holds and what
   // plan::quantized_matrix_bytes counts; the bias is not counted, LLaMA's linears have none).
-  std::int64_t packed_bytes() const {
-    return qweight_.numel() * 4 + qzeros_.numel() * 4 + scales_.numel() * 2 + g_idx_.numel() * 4;
-  }
+  std::int64_t packed_bytes() const { return qweight_.numel() * 4 + qzeros_.numel() * 4 + scales_.numel() * 2 + g_idx_.numel() * 4; }
   // Every buffer this layer keeps resident: the GPTQ layout, the bias and the tensor-core GEMM's tile copy
   // (built at construction for 3/4/8 bits unless fused_tiles = false): tiles Kpad * Npad * bits / 8 bytes
   // (K padded to 64, N to 16), fp16 scales + uint8 zeros per group and padded column, int64 perm [in] under act-order.
@@ -265,8 +287,13 @@ class QuantizedLinearImpl : public torch::nn::Module {
 
  private:
   kernels::quant::GptqView view(const torch::Tensor& qw, const torch::Tensor& qz, const torch::Tensor& sc, const torch::Tensor& gi) const {
-    return {qw.data_ptr<std::int32_t>(), qz.data_ptr<std::int32_t>(), reinterpret_cast<const half*>(sc.data_ptr<at::Half>()),
-            gi.data_ptr<std::int32_t>(), in_, out_, bits_};
+    return {qw.data_ptr<std::int32_t>(),
+            qz.data_ptr<std::int32_t>(),
+            reinterpret_cast<const half*>(sc.data_ptr<at::Half>()),
+            gi.data_ptr<std::int32_t>(),
+            in_,
+            out_,
+            bits_};
   }
 
   torch::Tensor forward_cuda(const torch::Tensor& x2) {
@@ -275,8 +302,9 @@ class QuantizedLinearImpl : public torch::nn::Module {
     TORCH_CHECK(st == torch::kHalf || st == torch::kBFloat16, "QuantizedLinear: CUDA kernels take fp16 or bf16 activations, got ", st);
     return st == torch::kHalf ? forward_cuda_as<half>(x2) : forward_cuda_as<bf16>(x2);
 #else
-    TORCH_CHECK(false, "QuantizedLinear: CUDA input, but this translation unit was not compiled by nvcc; include "
-                       "squeeze/nn/quantized_linear.hpp from a .cu file to use the CUDA kernels");
+    TORCH_CHECK(false,
+                "QuantizedLinear: CUDA input, but this translation unit was not compiled by nvcc; include "
+                "squeeze/nn/quantized_linear.hpp from a .cu file to use the CUDA kernels");
     return {};
 #endif
   }
@@ -292,9 +320,15 @@ class QuantizedLinearImpl : public torch::nn::Module {
     const std::int64_t M = x2.size(0);
     torch::Tensor y = torch::empty({M, out_}, x2.options());
     T* yp = static_cast<T*>(y.data_ptr());
-    const kq::GptqView v{static_cast<const std::int32_t*>(qweight_.data_ptr()), static_cast<const std::int32_t*>(qzeros_.data_ptr()),
-                         static_cast<const half*>(scales_.data_ptr()), static_cast<const std::int32_t*>(g_idx_.data_ptr()), in_, out_, bits_,
-                         act_order(), scales_.size(0)};
+    const kq::GptqView v{static_cast<const std::int32_t*>(qweight_.data_ptr()),
+                         static_cast<const std::int32_t*>(qzeros_.data_ptr()),
+                         static_cast<const half*>(scales_.data_ptr()),
+                         static_cast<const std::int32_t*>(g_idx_.data_ptr()),
+                         in_,
+                         out_,
+                         bits_,
+                         act_order(),
+                         scales_.size(0)};
     cudaError_t e = cudaSuccess;
     switch (path_for(x2)) {
       case Path::TensorCoreGemm: {
@@ -310,8 +344,8 @@ class QuantizedLinearImpl : public torch::nn::Module {
         const kq::QGemmWorkspace ws{static_cast<float*>(partial.data_ptr()), need.partial_elems, static_cast<int*>(counters_.data_ptr()),
                                     counters_.numel()};
         e = kq::quant_gemm_cuda<T>(static_cast<const T*>(xg.data_ptr()), static_cast<const std::uint32_t*>(tiles_.data_ptr()),
-                              static_cast<const half*>(tile_scales_.data_ptr()), static_cast<const std::uint8_t*>(tile_zeros_.data_ptr()), yp, s,
-                              ws, sm, stream);
+                                   static_cast<const half*>(tile_scales_.data_ptr()),
+                                   static_cast<const std::uint8_t*>(tile_zeros_.data_ptr()), yp, s, ws, sm, stream);
         TORCH_CHECK(e == cudaSuccess, "QuantizedLinear: quantized GEMM (", bits_, " bits, M ", M, ", N ", out_, ", K ", in_, "; ",
                     kq::quant_gemm_describe(s, sm), ") failed: ", cudaGetErrorString(e));
         return y;
@@ -351,7 +385,7 @@ class QuantizedLinearImpl : public torch::nn::Module {
 
   int bits_, group_size_;
   std::int64_t in_, out_;
-  bool act_order_ = false;                      // see act_order()
+  bool act_order_ = false;                       // see act_order()
   std::array<std::int64_t, 8> buffers_state_{};  // see refresh_derived()
   std::int64_t Npad_ = 0, Kpad_ = 0, tile_group_ = 0;
   std::int64_t max_fused_rows_ = 0;  // 0: max_fused_rows() by kernel (the threshold note at the top)

@@ -104,8 +104,8 @@ inline torch::Tensor pack_bit_stream(const torch::Tensor& codes, int bits) {
 }
 
 namespace detail {
-inline void check_pack_shapes(const torch::Tensor& codes, const torch::Tensor& zeros, const torch::Tensor& scales, const torch::Tensor& g_idx,
-                              int bits, int group_size) {
+inline void check_pack_shapes(const torch::Tensor& codes, const torch::Tensor& zeros, const torch::Tensor& scales,
+                              const torch::Tensor& g_idx, int bits, int group_size) {
   TORCH_CHECK(quant::supported_bits(bits), "pack_linear: bits must be 2, 3, 4 or 8, got ", bits);
   TORCH_CHECK(group_size >= 0, "pack_linear: group_size must be >= 0 (0 = per channel), got ", group_size);
   TORCH_CHECK(codes.dim() == 2, "pack_linear: codes must be [out, in], got ", codes.sizes());
@@ -113,8 +113,8 @@ inline void check_pack_shapes(const torch::Tensor& codes, const torch::Tensor& z
   TORCH_CHECK(zeros.dim() == 2 && zeros.size(0) == groups && zeros.size(1) == out && scales.sizes() == zeros.sizes(), "pack_linear: zeros ",
               zeros.sizes(), " and scales ", scales.sizes(), " must be [groups, out] = [", groups, ", ", out, "]");
   TORCH_CHECK(g_idx.dim() == 1 && g_idx.size(0) == in, "pack_linear: g_idx must be [in] = [", in, "], got ", g_idx.sizes());
-  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && zeros.scalar_type() == torch::kUInt8, "pack_linear: codes and zero points must be uint8, got ",
-              codes.scalar_type(), " and ", zeros.scalar_type());
+  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && zeros.scalar_type() == torch::kUInt8,
+              "pack_linear: codes and zero points must be uint8, got ", codes.scalar_type(), " and ", zeros.scalar_type());
   const std::int64_t maxq = (std::int64_t(1) << bits) - 1;
   TORCH_CHECK(codes.max().item<std::int64_t>() <= maxq, "pack_linear: a code is outside [0, ", maxq, "] for ", bits, " bits");
   TORCH_CHECK(zeros.max().item<std::int64_t>() <= maxq, "pack_linear: a zero point is outside [0, ", maxq, "] for ", bits, " bits");
@@ -137,7 +137,7 @@ inline quant::PackedLinear pack_linear_by_tensor_ops(const torch::Tensor& codes,
     torch::from_blob(v.data(), d.sizes(), torch::TensorOptions().dtype(host_type)).copy_(d);
   };
   static_assert(sizeof(half) == sizeof(at::Half), "squeeze::half and at::Half must both be the 16 bits of an IEEE binary16");
-  to_host(pack_bit_stream(codes, bits).t(), p.qweight, torch::kInt32);                                          // [words(in), out]
+  to_host(pack_bit_stream(codes, bits).t(), p.qweight, torch::kInt32);                                             // [words(in), out]
   to_host(pack_bit_stream(torch::bitwise_and(zeros.to(torch::kInt64) - 1, maxq), bits), p.qzeros, torch::kInt32);  // v1: zero - 1
   to_host(scales.to(torch::kFloat32).to(torch::kHalf), p.scales, torch::kHalf);
   to_host(g_idx.to(torch::kInt32), p.g_idx, torch::kInt32);
@@ -157,8 +157,8 @@ inline quant::PackedLinear pack_linear(const torch::Tensor& codes, const torch::
   const torch::Tensor c = codes.contiguous(), z = zeros.contiguous();
   const torch::Tensor s = scales.to(torch::kCPU, torch::kFloat32).contiguous(), g = g_idx.to(torch::kCPU, torch::kInt32).contiguous();
   return quant::pack({c.data_ptr<std::uint8_t>(), std::size_t(c.numel())}, {z.data_ptr<std::uint8_t>(), std::size_t(z.numel())},
-                     {s.data_ptr<float>(), std::size_t(s.numel())}, {g.data_ptr<std::int32_t>(), std::size_t(g.numel())}, c.size(0), c.size(1),
-                     bits, group_size);
+                     {s.data_ptr<float>(), std::size_t(s.numel())}, {g.data_ptr<std::int32_t>(), std::size_t(g.numel())}, c.size(0),
+                     c.size(1), bits, group_size);
 }
 
 // ---- round to nearest --------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ struct AdamW {
   float beta2 = 0.999f;
   float eps = 1e-8f;
   float weight_decay = 1e-2f;
-  float max_grad_norm = 0.0f;                // > 0: clip the global L2 gradient norm to this
+  float max_grad_norm = 0.0f;                 // > 0: clip the global L2 gradient norm to this
   kernels::LossScaleOptions loss_scale = {};  // used when the Strategy scales the loss
 };
 

@@ -35,8 +35,9 @@ class TorchAdamW {
  public:
   explicit TorchAdamW(std::vector<at::Tensor> params, const AdamW& options = {}) : opt_(options) {
     guard([&] { validate(opt_); });
-    TORCH_CHECK(opt_.max_grad_norm <= 0, "squeeze TorchAdamW: clip gradients before step() (torch::nn::utils::clip_grad_norm_); "
-                                         "max_grad_norm is fused only in make_trainer");
+    TORCH_CHECK(opt_.max_grad_norm <= 0,
+                "squeeze TorchAdamW: clip gradients before step() (torch::nn::utils::clip_grad_norm_); "
+                "max_grad_norm is fused only in make_trainer");
     for (std::size_t i = 0; i < params.size(); ++i) {
       at::Tensor& p = params[i];
       TORCH_CHECK(p.defined(), "squeeze TorchAdamW: parameter ", i, " is undefined");
@@ -73,8 +74,9 @@ class TorchAdamW {
       TORCH_CHECK(gt == at::kFloat || gt == at::kHalf || gt == at::kBFloat16, "squeeze TorchAdamW: gradient ", i, " has dtype ", gt,
                   "; supported: float, half, bfloat16");
 #if !defined(__CUDACC__)
-      TORCH_CHECK(s.param.is_cpu(), "squeeze TorchAdamW: CUDA parameters need the CUDA kernels: include squeeze/optim/torch_adamw.hpp "
-                                    "from a .cu file compiled by nvcc");
+      TORCH_CHECK(s.param.is_cpu(),
+                  "squeeze TorchAdamW: CUDA parameters need the CUDA kernels: include squeeze/optim/torch_adamw.hpp "
+                  "from a .cu file compiled by nvcc");
 #endif
       todo.push_back(i);
     }
@@ -83,8 +85,10 @@ class TorchAdamW {
       Slot& s = slots_[i];
       ++s.step;
       s.grad = s.param.grad().contiguous();
-      if (s.param.is_cpu()) dispatch(s.param.scalar_type(), s.grad.scalar_type(), [&]<class P, class G>() { cpu_update<P, G>(s); });
-      else cuda_groups[{s.param.scalar_type(), s.grad.scalar_type(), s.step}].push_back(i);
+      if (s.param.is_cpu())
+        dispatch(s.param.scalar_type(), s.grad.scalar_type(), [&]<class P, class G>() { cpu_update<P, G>(s); });
+      else
+        cuda_groups[{s.param.scalar_type(), s.grad.scalar_type(), s.step}].push_back(i);
     }
 #if defined(__CUDACC__)
     for (auto& [key, idx] : cuda_groups)
@@ -97,8 +101,10 @@ class TorchAdamW {
     for (auto& s : slots_) {
       at::Tensor& g = s.param.mutable_grad();
       if (!g.defined()) continue;
-      if (set_to_none) g = at::Tensor();
-      else g.zero_();
+      if (set_to_none)
+        g = at::Tensor();
+      else
+        g.zero_();
     }
   }
 
@@ -134,24 +140,36 @@ class TorchAdamW {
   static void dispatch(at::ScalarType p, at::ScalarType g, F&& f) {
     auto with_g = [&]<class P>() {
       switch (g) {
-        case at::kFloat: return f.template operator()<P, float>();
-        case at::kHalf: return f.template operator()<P, half>();
-        case at::kBFloat16: return f.template operator()<P, bf16>();
-        default: TORCH_CHECK(false, "squeeze TorchAdamW: unsupported gradient dtype ", g);
+        case at::kFloat:
+          return f.template operator()<P, float>();
+        case at::kHalf:
+          return f.template operator()<P, half>();
+        case at::kBFloat16:
+          return f.template operator()<P, bf16>();
+        default:
+          TORCH_CHECK(false, "squeeze TorchAdamW: unsupported gradient dtype ", g);
       }
     };
     switch (p) {
-      case at::kFloat: return with_g.template operator()<float>();
-      case at::kHalf: return with_g.template operator()<half>();
-      case at::kBFloat16: return with_g.template operator()<bf16>();
-      default: TORCH_CHECK(false, "squeeze TorchAdamW: unsupported parameter dtype ", p);
+      case at::kFloat:
+        return with_g.template operator()<float>();
+      case at::kHalf:
+        return with_g.template operator()<half>();
+      case at::kBFloat16:
+        return with_g.template operator()<bf16>();
+      default:
+        TORCH_CHECK(false, "squeeze TorchAdamW: unsupported parameter dtype ", p);
     }
   }
 
   template <class P, class G>
   kernels::AdamWTensor<P, G> tensor(Slot& s) {
-    return {reinterpret_cast<P*>(s.param.data_ptr()), s.master.defined() ? s.master.data_ptr<float>() : nullptr,
-            reinterpret_cast<const G*>(s.grad.data_ptr()), s.m.data_ptr<float>(), s.v.data_ptr<float>(), s.param.numel()};
+    return {reinterpret_cast<P*>(s.param.data_ptr()),
+            s.master.defined() ? s.master.data_ptr<float>() : nullptr,
+            reinterpret_cast<const G*>(s.grad.data_ptr()),
+            s.m.data_ptr<float>(),
+            s.v.data_ptr<float>(),
+            s.param.numel()};
   }
   kernels::AdamWCoeffs coeffs(std::int64_t step) const {
     return kernels::adamw_coeffs(opt_.lr, opt_.beta1, opt_.beta2, opt_.eps, opt_.weight_decay, step);

@@ -54,8 +54,8 @@ constexpr const char* to_string(GradientBuffers g) {
 }
 
 struct TrainShape {
-  i64 micro_batch = 1;  // sequences per micro-batch on one rank
-  i64 seq = 2048;       // tokens per sequence
+  i64 micro_batch = 1;                                       // sequences per micro-batch on one rank
+  i64 seq = 2048;                                            // tokens per sequence
   GradientBuffers gradient_buffers = GradientBuffers::kept;  // stages 0-1
   // The model's loss chunk (LlamaImpl::loss_chunk_tokens): <= 0 or >= micro_batch·seq is the unchunked loss.
   i64 loss_chunk_tokens = kDefaultLossChunkTokens;
@@ -66,7 +66,11 @@ struct TrainShape {
 struct Placement {
   i64 device = 0;
   i64 host = 0;
-  constexpr Placement& operator+=(Placement o) { device += o.device; host += o.host; return *this; }
+  constexpr Placement& operator+=(Placement o) {
+    device += o.device;
+    host += o.host;
+    return *this;
+  }
   constexpr bool operator==(const Placement&) const = default;
 };
 
@@ -82,13 +86,16 @@ struct MemoryPlan {
   i64 gradient_collect = 0;
   constexpr Placement model_state() const {
     Placement p = parameters;
-    p += gradients; p += master_weights; p += optimizer_state;
+    p += gradients;
+    p += master_weights;
+    p += optimizer_state;
     return p;
   }
   // Every category at once: an upper bound of the peak.
   constexpr Placement total() const {
     Placement p = model_state();
-    p += activations; p += communication;
+    p += activations;
+    p += communication;
     return p;
   }
   // The device high-water mark of one step: the start of backward (all activations, the gradients kept
@@ -112,8 +119,10 @@ constexpr i64 quantized_matrix_bytes(i64 in, i64 out) {
   if constexpr (std::is_same_v<typename Q::method, NF4>) {
     const i64 blocks = ceil_div(n, Q::group);
     // DoubleQuant (bitsandbytes' nested form): a code per block, an fp32 absmax per 256 blocks, the offset, the 256-entry map
-    if constexpr (Q::double_quant) return n / 2 + blocks + ceil_div(blocks, 256) * 4 + 4 + 256 * 4;
-    else return n / 2 + blocks * 4;
+    if constexpr (Q::double_quant)
+      return n / 2 + blocks + ceil_div(blocks, 256) * 4 + 4 + 256 * 4;
+    else
+      return n / 2 + blocks * 4;
   } else {
     const i64 group = Q::group == 0 ? in : Q::group;
     const i64 groups = ceil_div(in, group);
@@ -179,8 +188,8 @@ constexpr i64 loss_bytes(const ModelShape& m, i64 tokens, i64 p_c, i64 chunk_tok
 
 // `trained_linears`: which of a block's seven linears (bit i as in ModelShape::block_linears()) train or carry
 // adapters: squeeze::all_linears for full training, the LoRA targets when the base is frozen.
-constexpr i64 activation_bytes(const ModelShape& m, const TrainShape& t, i64 p_c, int checkpoint_every,
-                               bool training, i64 lora_rank_targets = 0, unsigned trained_linears = all_linears) {
+constexpr i64 activation_bytes(const ModelShape& m, const TrainShape& t, i64 p_c, int checkpoint_every, bool training,
+                               i64 lora_rank_targets = 0, unsigned trained_linears = all_linears) {
   const i64 tokens = t.micro_batch * t.seq;
   const i64 h = m.hidden;
   if (!training) return tokens * (2 * h + 2 * m.kv_dim() + 3 * m.ffn) * p_c + tokens * m.vocab * p_c;
@@ -189,14 +198,15 @@ constexpr i64 activation_bytes(const ModelShape& m, const TrainShape& t, i64 p_c
   const auto trains = [trained_linears](unsigned mask) { return (trained_linears & mask) != 0; };
   const i64 kv = p_c >= 4 ? h : m.kv_dim();  // fp32 attention reads K/V repeated to every head
   const bool fused = t.fused_kernels;
-  const i64 norm_fp32 = fused ? h * p_c + 4 : 4 * h + 4;  // the norm's input (unfused: in fp32) + reciprocal RMS
-  const i64 pre_gain = frozen || fused ? 0 : h;           // normalised value kept by the unfused gain's product
-  const i64 swiglu_inputs = fused ? 2 * m.ffn : 3 * m.ffn;  // gate, up (+ silu(gate) unfused)
-  const i64 attn_norm = frozen && !trains(0x7u) ? 0 : h;    // kept by q, k, v
-  const i64 mlp_norm = frozen && !trains(0x30u) ? 0 : h;    // kept by gate, up
+  const i64 norm_fp32 = fused ? h * p_c + 4 : 4 * h + 4;     // the norm's input (unfused: in fp32) + reciprocal RMS
+  const i64 pre_gain = frozen || fused ? 0 : h;              // normalised value kept by the unfused gain's product
+  const i64 swiglu_inputs = fused ? 2 * m.ffn : 3 * m.ffn;   // gate, up (+ silu(gate) unfused)
+  const i64 attn_norm = frozen && !trains(0x7u) ? 0 : h;     // kept by q, k, v
+  const i64 mlp_norm = frozen && !trains(0x30u) ? 0 : h;     // kept by gate, up
   const i64 product = frozen && !trains(0x40u) ? 0 : m.ffn;  // silu(gate)·up, kept by down
-  const i64 block = tokens * (2 * norm_fp32 + (2 * pre_gain + attn_norm + mlp_norm + 2 * h + 2 * kv + swiglu_inputs + product +
-                                               lora_rank_targets) * p_c + m.heads * 4);
+  const i64 block =
+      tokens * (2 * norm_fp32 + (2 * pre_gain + attn_norm + mlp_norm + 2 * h + 2 * kv + swiglu_inputs + product + lora_rank_targets) * p_c +
+                m.heads * 4);
   // A frozen head keeps nothing of the final norm's output; a frozen embedding gives block 0 an input that
   // needs no gradient, so its first norm keeps nothing.
   const i64 first_norm = frozen ? tokens * norm_fp32 : 0;
@@ -206,8 +216,8 @@ constexpr i64 activation_bytes(const ModelShape& m, const TrainShape& t, i64 p_c
   const i64 loss = loss_bytes(m, tokens, p_c, t.loss_chunk_tokens, !frozen);
   if (checkpoint_every == 0) return m.layers * block - first_norm + final_norm + loss;
   // A frozen down projection kept no silu(gate)·up, so none is freed when its gradient arrives: one ffn more.
-  const i64 segment = (checkpoint_every < m.layers ? checkpoint_every : m.layers) * block +
-                      tokens * (h + 2 * m.ffn + (product == 0 ? m.ffn : 0)) * p_c;
+  const i64 segment =
+      (checkpoint_every < m.layers ? checkpoint_every : m.layers) * block + tokens * (h + 2 * m.ffn + (product == 0 ? m.ffn : 0)) * p_c;
   return ceil_div(m.layers, checkpoint_every) * tokens * h * p_c + final_norm + (loss > segment ? loss : segment);
 }
 
@@ -281,8 +291,10 @@ constexpr MemoryPlan plan_memory(const ModelShape& m, const TrainShape& t, int w
 
   if (N > 1) {
     const i64 bucket = m.largest_gather_params() * p_c;
-    if constexpr (S::stage >= 3) plan.communication.device = 3 * bucket;  // gathered, prefetched, grads to reduce
-    else if constexpr (S::stage >= 1) plan.communication.device = S::training ? bucket : 0;
+    if constexpr (S::stage >= 3)
+      plan.communication.device = 3 * bucket;  // gathered, prefetched, grads to reduce
+    else if constexpr (S::stage >= 1)
+      plan.communication.device = S::training ? bucket : 0;
   }
   return plan;
 }

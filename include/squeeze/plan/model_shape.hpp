@@ -27,10 +27,11 @@ struct ModelShape {
   constexpr i64 kv_dim() const { return kv_heads * head_dim(); }
 
   // The seven linear layers of a block as (in, out): q, k, v, o, gate, up, down.
-  struct Linear { i64 in, out; };
+  struct Linear {
+    i64 in, out;
+  };
   constexpr std::array<Linear, 7> block_linears() const {
-    return {{{hidden, q_dim()}, {hidden, kv_dim()}, {hidden, kv_dim()}, {q_dim(), hidden},
-             {hidden, ffn}, {hidden, ffn}, {ffn, hidden}}};
+    return {{{hidden, q_dim()}, {hidden, kv_dim()}, {hidden, kv_dim()}, {q_dim(), hidden}, {hidden, ffn}, {hidden, ffn}, {ffn, hidden}}};
   }
   constexpr i64 block_linear_params() const {
     i64 n = 0;
@@ -44,9 +45,7 @@ struct ModelShape {
   constexpr i64 unquantized_params() const { return embedding_params() + head_params() + layers * 2 * hidden + hidden; }
   constexpr i64 params() const { return layers * block_linear_params() + unquantized_params(); }
   // Largest single tensor group moved at once by a stage-3 gather: a block, or the embedding/head.
-  constexpr i64 largest_gather_params() const {
-    return block_params() > embedding_params() ? block_params() : embedding_params();
-  }
+  constexpr i64 largest_gather_params() const { return block_params() > embedding_params() ? block_params() : embedding_params(); }
 };
 
 struct Preset {
@@ -57,12 +56,9 @@ struct Preset {
 // Published geometries (vocab, hidden, layers, heads, kv_heads, ffn). llama-175b is GPT-3's width and depth as a
 // LLaMA (SwiGLU at 8/3 of hidden, its vocabulary), for planning a model of that size.
 inline constexpr Preset presets[] = {
-    {"llama-7b", {32000, 4096, 32, 32, 32, 11008}},
-    {"llama-13b", {32000, 5120, 40, 40, 40, 13824}},
-    {"llama-70b", {32000, 8192, 80, 64, 8, 28672}},
-    {"llama-175b", {32000, 12288, 96, 96, 96, 32768}},
-    {"llama3-8b", {128256, 4096, 32, 32, 8, 14336}},
-    {"tinyllama-1.1b", {32000, 2048, 22, 32, 4, 5632}},
+    {"llama-7b", {32000, 4096, 32, 32, 32, 11008}},  {"llama-13b", {32000, 5120, 40, 40, 40, 13824}},
+    {"llama-70b", {32000, 8192, 80, 64, 8, 28672}},  {"llama-175b", {32000, 12288, 96, 96, 96, 32768}},
+    {"llama3-8b", {128256, 4096, 32, 32, 8, 14336}}, {"tinyllama-1.1b", {32000, 2048, 22, 32, 4, 5632}},
 };
 
 constexpr std::optional<ModelShape> find_preset(std::string_view name) {

@@ -16,17 +16,20 @@ enum class RopeType { Default, Linear, Llama3 };
 
 inline std::string_view rope_type_name(RopeType t) {
   switch (t) {
-    case RopeType::Linear: return "linear";
-    case RopeType::Llama3: return "llama3";
-    default: return "default";
+    case RopeType::Linear:
+      return "linear";
+    case RopeType::Llama3:
+      return "llama3";
+    default:
+      return "default";
   }
 }
 
 struct RopeScaling {
   RopeType type = RopeType::Default;
-  double factor = 1.0;                              // linear and llama3
-  double low_freq_factor = 1.0;                     // llama3
-  double high_freq_factor = 4.0;                    // llama3
+  double factor = 1.0;                                   // linear and llama3
+  double low_freq_factor = 1.0;                          // llama3
+  double high_freq_factor = 4.0;                         // llama3
   std::int64_t original_max_position_embeddings = 8192;  // llama3: the context the model was pretrained with
   bool operator==(const RopeScaling&) const = default;
 };

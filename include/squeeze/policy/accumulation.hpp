@@ -13,7 +13,9 @@ struct Accumulate {
 };
 
 template <class P>
-concept AccumulationPolicy = PolicyOf<P, accumulation_family> && requires { { P::steps } -> std::convertible_to<int>; };
+concept AccumulationPolicy = PolicyOf<P, accumulation_family> && requires {
+  { P::steps } -> std::convertible_to<int>;
+};
 static_assert(AccumulationPolicy<Accumulate<4>>);
 
 }  // namespace squeeze

@@ -17,9 +17,14 @@ struct loss_scale_family {};
 struct mode_family {};
 
 template <class P, class Family>
-concept PolicyOf = requires { typename P::family; } && std::same_as<typename P::family, Family>;
+concept PolicyOf = requires {
+  typename P::family;
+}
+&&std::same_as<typename P::family, Family>;
 
 template <class P>
-concept Policy = requires { typename P::family; };
+concept Policy = requires {
+  typename P::family;
+};
 
 }  // namespace squeeze

@@ -10,8 +10,8 @@ enum class LoraTargets : unsigned { q = 1, k = 2, v = 4, o = 8, gate = 16, up = 
 constexpr unsigned operator|(LoraTargets a, LoraTargets b) { return unsigned(a) | unsigned(b); }
 constexpr unsigned operator|(unsigned a, LoraTargets b) { return a | unsigned(b); }
 // Every linear layer of a block: the QLoRA paper's setting, which it needs to match full fine-tuning.
-inline constexpr unsigned all_linears = LoraTargets::q | LoraTargets::k | LoraTargets::v | LoraTargets::o | LoraTargets::gate |
-                                        LoraTargets::up | LoraTargets::down;
+inline constexpr unsigned all_linears =
+    LoraTargets::q | LoraTargets::k | LoraTargets::v | LoraTargets::o | LoraTargets::gate | LoraTargets::up | LoraTargets::down;
 
 template <int Rank, int Alpha = 2 * Rank, unsigned Targets = LoraTargets::q | LoraTargets::v>
 struct LoRA {
@@ -26,7 +26,9 @@ struct LoRA {
 };
 
 template <class P>
-concept LoraPolicy = PolicyOf<P, lora_family> && requires { { P::rank } -> std::convertible_to<int>; };
+concept LoraPolicy = PolicyOf<P, lora_family> && requires {
+  { P::rank } -> std::convertible_to<int>;
+};
 static_assert(LoraPolicy<LoRA<8, 32>>);
 
 }  // namespace squeeze

@@ -12,7 +12,8 @@ struct DynamicLossScale {
 };
 template <int Log2Scale>
 struct StaticLossScale {
-  static_assert(Log2Scale >= 0 && Log2Scale <= 24, "StaticLossScale<K> scales the loss by 2^K with K in 0..24: write e.g. StaticLossScale<10>");
+  static_assert(Log2Scale >= 0 && Log2Scale <= 24,
+                "StaticLossScale<K> scales the loss by 2^K with K in 0..24: write e.g. StaticLossScale<10>");
   using family = loss_scale_family;
   static constexpr bool enabled = true;
   static constexpr bool dynamic = false;
@@ -25,7 +26,9 @@ struct NoLossScale {
 };
 
 template <class P>
-concept LossScalePolicy = PolicyOf<P, loss_scale_family> && requires { { P::enabled } -> std::convertible_to<bool>; };
+concept LossScalePolicy = PolicyOf<P, loss_scale_family> && requires {
+  { P::enabled } -> std::convertible_to<bool>;
+};
 static_assert(LossScalePolicy<DynamicLossScale>);
 
 }  // namespace squeeze

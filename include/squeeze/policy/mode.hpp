@@ -15,7 +15,9 @@ struct Inference {
 };
 
 template <class P>
-concept ModePolicy = PolicyOf<P, mode_family> && requires { { P::training } -> std::convertible_to<bool>; };
+concept ModePolicy = PolicyOf<P, mode_family> && requires {
+  { P::training } -> std::convertible_to<bool>;
+};
 static_assert(ModePolicy<Inference>);
 
 }  // namespace squeeze

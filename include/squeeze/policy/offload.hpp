@@ -20,7 +20,9 @@ struct Offload {
 };
 
 template <class P>
-concept OffloadPolicy = PolicyOf<P, offload_family> && requires { { P::to_host } -> std::convertible_to<bool>; };
+concept OffloadPolicy = PolicyOf<P, offload_family> && requires {
+  { P::to_host } -> std::convertible_to<bool>;
+};
 static_assert(OffloadPolicy<Offload<Host>>);
 
 }  // namespace squeeze

@@ -9,12 +9,14 @@ namespace squeeze {
 
 template <class Compute, class Master = float>
 struct Precision {
-  static_assert(FloatingElement<Compute>, "Precision's compute type must be float, squeeze::half or squeeze::bf16: write e.g. Precision<bf16, float>");
-  static_assert(FloatingElement<Master>, "Precision's master type must be float, squeeze::half or squeeze::bf16: write e.g. Precision<half, float>");
+  static_assert(FloatingElement<Compute>,
+                "Precision's compute type must be float, squeeze::half or squeeze::bf16: write e.g. Precision<bf16, float>");
+  static_assert(FloatingElement<Master>,
+                "Precision's master type must be float, squeeze::half or squeeze::bf16: write e.g. Precision<half, float>");
   static_assert(sizeof(Master) >= sizeof(Compute),
                 "master weights must be at least as precise as the compute copy: write Precision<half, float> or Precision<bf16, float>");
-  static_assert(!(std::is_same_v<Compute, half> && std::is_same_v<Master, bf16>) &&
-                    !(std::is_same_v<Compute, bf16> && std::is_same_v<Master, half>),
+  static_assert(!(std::is_same_v<Compute, half> && std::is_same_v<Master, bf16>)&&!(std::is_same_v<Compute, bf16> &&
+                                                                                    std::is_same_v<Master, half>),
                 "half and bf16 do not hold each other's values: keep master weights in float, e.g. Precision<half, float>");
   using family = precision_family;
   using compute_type = Compute;

@@ -10,35 +10,53 @@
 
 namespace squeeze {
 
-struct GPTQ { static constexpr bool frozen_weights = true; };
-struct RTN { static constexpr bool frozen_weights = true; };
-struct NF4 { static constexpr bool frozen_weights = true; };
-struct Blockwise8 { static constexpr bool frozen_weights = false; };
+struct GPTQ {
+  static constexpr bool frozen_weights = true;
+};
+struct RTN {
+  static constexpr bool frozen_weights = true;
+};
+struct NF4 {
+  static constexpr bool frozen_weights = true;
+};
+struct Blockwise8 {
+  static constexpr bool frozen_weights = false;
+};
 
 template <class M>
 concept QuantMethod = std::is_same_v<M, GPTQ> || std::is_same_v<M, RTN> || std::is_same_v<M, NF4> || std::is_same_v<M, Blockwise8>;
 
 template <int G>
 struct Group {
-  static_assert(G > 0 && (G & (G - 1)) == 0, "Group<G> needs a power-of-two group size such as Group<64> or Group<128>; write PerChannel for one scale per output channel");
+  static_assert(
+      G > 0 && (G & (G - 1)) == 0,
+      "Group<G> needs a power-of-two group size such as Group<64> or Group<128>; write PerChannel for one scale per output channel");
   static constexpr int size = G;
 };
-struct PerChannel { static constexpr int size = 0; };
+struct PerChannel {
+  static constexpr int size = 0;
+};
 struct DoubleQuant {};
 struct ActOrder {};
 
 namespace detail {
-template <class T> inline constexpr bool is_group_v = false;
-template <int G> inline constexpr bool is_group_v<Group<G>> = true;
-template <> inline constexpr bool is_group_v<PerChannel> = true;
-template <class T> inline constexpr bool is_quant_option_v = is_group_v<T> || std::is_same_v<T, DoubleQuant> || std::is_same_v<T, ActOrder>;
+template <class T>
+inline constexpr bool is_group_v = false;
+template <int G>
+inline constexpr bool is_group_v<Group<G>> = true;
+template <>
+inline constexpr bool is_group_v<PerChannel> = true;
+template <class T>
+inline constexpr bool is_quant_option_v = is_group_v<T> || std::is_same_v<T, DoubleQuant> || std::is_same_v<T, ActOrder>;
 
 template <class... Os>
 constexpr int group_of() {  // the Group<G>/PerChannel option's size, or -1 for the method's default
   int size = -1;
-  ([&] {
-    if constexpr (is_group_v<Os>) size = Os::size;
-  }(), ...);
+  (
+      [&] {
+        if constexpr (is_group_v<Os>) size = Os::size;
+      }(),
+      ...);
   return size;
 }
 }  // namespace detail
@@ -55,7 +73,8 @@ struct QuantizedPolicy {
                 "GPTQ quantizes to 2, 3, 4 or 8 bits: write e.g. Quantized<4, GPTQ, Group<128>>");
   static_assert(!std::is_same_v<Method, RTN> || Bits == 2 || Bits == 3 || Bits == 4 || Bits == 8,
                 "RTN quantizes to 2, 3, 4 or 8 bits: write e.g. Quantized<4, RTN, Group<128>>");
-  static_assert(!std::is_same_v<Method, NF4> || Bits == 4, "NF4 is a 4-bit code: write Quantized<4, NF4> (or Quantized<4, NF4, DoubleQuant>)");
+  static_assert(!std::is_same_v<Method, NF4> || Bits == 4,
+                "NF4 is a 4-bit code: write Quantized<4, NF4> (or Quantized<4, NF4, DoubleQuant>)");
   static_assert(!std::is_same_v<Method, Blockwise8> || Bits == 8, "Blockwise8 stores optimizer state in 8 bits: write QuantizedState<8>");
   static_assert(std::is_same_v<Method, NF4> || !(std::is_same_v<Options, DoubleQuant> || ...),
                 "DoubleQuant quantizes NF4's block scales; other methods have none: drop it, or write Quantized<4, NF4, DoubleQuant>");
@@ -76,9 +95,13 @@ struct QuantizedPolicy {
 };
 // Quantized<8, Blockwise8> spells optimizer state with the weights' policy; it still works, with a warning.
 template <class M>
-constexpr bool weights_spelling(M*) { return true; }
-[[deprecated("Quantized<8, Blockwise8> quantizes optimizer state, not weights: write QuantizedState<8>")]]
-constexpr bool weights_spelling(Blockwise8*) { return true; }
+constexpr bool weights_spelling(M*) {
+  return true;
+}
+[[deprecated("Quantized<8, Blockwise8> quantizes optimizer state, not weights: write QuantizedState<8>")]] constexpr bool weights_spelling(
+    Blockwise8*) {
+  return true;
+}
 }  // namespace detail
 
 // Frozen weights stored in Bits bits (GPTQ, RTN, NF4).
@@ -91,8 +114,9 @@ struct Quantized : detail::QuantizedPolicy<Bits, Method, Options...> {
 // stay trainable. Named apart from Quantized, which quantizes and freezes weights.
 template <int Bits, QuantMethod Method = Blockwise8, class... Options>
 struct QuantizedState : detail::QuantizedPolicy<Bits, Method, Options...> {
-  static_assert(std::is_same_v<Method, Blockwise8>,
-                "QuantizedState<8> stores optimizer moments (Blockwise8); weights are quantized by Quantized<4, NF4>, Quantized<4, GPTQ>, ...");
+  static_assert(
+      std::is_same_v<Method, Blockwise8>,
+      "QuantizedState<8> stores optimizer moments (Blockwise8); weights are quantized by Quantized<4, NF4>, Quantized<4, GPTQ>, ...");
 };
 
 template <class P>
@@ -101,7 +125,9 @@ concept WeightQuantizationPolicy = PolicyOf<P, weight_quantization_family> && re
   { P::bits } -> std::convertible_to<int>;
 };
 template <class P>
-concept StateQuantizationPolicy = PolicyOf<P, state_quantization_family> && requires { { P::bits } -> std::convertible_to<int>; };
+concept StateQuantizationPolicy = PolicyOf<P, state_quantization_family> && requires {
+  { P::bits } -> std::convertible_to<int>;
+};
 static_assert(WeightQuantizationPolicy<Quantized<4, GPTQ, Group<128>>>);
 static_assert(StateQuantizationPolicy<QuantizedState<8>>);
 

@@ -19,7 +19,9 @@ struct NoCheckpoint {
 };
 
 template <class P>
-concept CheckpointPolicy = PolicyOf<P, checkpoint_family> && requires { { P::every } -> std::convertible_to<int>; };
+concept CheckpointPolicy = PolicyOf<P, checkpoint_family> && requires {
+  { P::every } -> std::convertible_to<int>;
+};
 static_assert(CheckpointPolicy<Checkpointed>);
 
 }  // namespace squeeze

@@ -29,7 +29,9 @@ struct Sharded {
 };
 
 template <class P>
-concept ShardingPolicy = PolicyOf<P, sharding_family> && requires { { P::stage } -> std::convertible_to<int>; };
+concept ShardingPolicy = PolicyOf<P, sharding_family> && requires {
+  { P::stage } -> std::convertible_to<int>;
+};
 static_assert(ShardingPolicy<Sharded<Stage3>>);
 
 }  // namespace squeeze

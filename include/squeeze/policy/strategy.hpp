@@ -42,18 +42,30 @@ struct NoLoRA {
 
 namespace detail {
 struct not_a_policy {};
-template <class P> struct family_of { using type = not_a_policy; };
-template <Policy P> struct family_of<P> { using type = typename P::family; };
-template <class P> using family_of_t = typename family_of<P>::type;
+template <class P>
+struct family_of {
+  using type = not_a_policy;
+};
+template <Policy P>
+struct family_of<P> {
+  using type = typename P::family;
+};
+template <class P>
+using family_of_t = typename family_of<P>::type;
 
 template <class Family, class... Ps>
 inline constexpr int count_family = (int(std::is_same_v<family_of_t<Ps>, Family>) + ... + 0);
 
-template <class Family, class Default, class... Ps> struct pick { using type = Default; };
-template <class Family, class Default, class P, class... Ps> struct pick<Family, Default, P, Ps...> {
+template <class Family, class Default, class... Ps>
+struct pick {
+  using type = Default;
+};
+template <class Family, class Default, class P, class... Ps>
+struct pick<Family, Default, P, Ps...> {
   using type = std::conditional_t<std::is_same_v<family_of_t<P>, Family>, P, typename pick<Family, Default, Ps...>::type>;
 };
-template <class Family, class Default, class... Ps> using pick_t = typename pick<Family, Default, Ps...>::type;
+template <class Family, class Default, class... Ps>
+using pick_t = typename pick<Family, Default, Ps...>::type;
 }  // namespace detail
 
 template <class... Ps>
@@ -63,12 +75,15 @@ struct Strategy {
                 "Quantized<B, Method>, LoRA<R, A>, Checkpointed, CheckpointEvery<N>, DynamicLossScale, Inference");
   static_assert(detail::count_family<sharding_family, Ps...> <= 1, "Strategy has two Sharded<...> policies: keep one");
   static_assert(detail::count_family<offload_family, Ps...> <= 1, "Strategy has two Offload<...> policies: keep one");
-  static_assert(detail::count_family<accumulation_family, Ps...> <= 1, "Strategy has two Accumulate<N> policies: keep one (the counts do not multiply)");
-  static_assert(detail::count_family<precision_family, Ps...> <= 1, "Strategy has two Precision<...> policies: keep one, e.g. Precision<bf16, float>");
+  static_assert(detail::count_family<accumulation_family, Ps...> <= 1,
+                "Strategy has two Accumulate<N> policies: keep one (the counts do not multiply)");
+  static_assert(detail::count_family<precision_family, Ps...> <= 1,
+                "Strategy has two Precision<...> policies: keep one, e.g. Precision<bf16, float>");
   static_assert(detail::count_family<weight_quantization_family, Ps...> <= 1, "Strategy has two weight Quantized<...> policies: keep one");
   static_assert(detail::count_family<state_quantization_family, Ps...> <= 1, "Strategy has two QuantizedState<8> policies: keep one");
   static_assert(detail::count_family<lora_family, Ps...> <= 1, "Strategy has two LoRA<...> policies: keep one");
-  static_assert(detail::count_family<checkpoint_family, Ps...> <= 1, "Strategy has two checkpoint policies: keep one of Checkpointed or CheckpointEvery<N>");
+  static_assert(detail::count_family<checkpoint_family, Ps...> <= 1,
+                "Strategy has two checkpoint policies: keep one of Checkpointed or CheckpointEvery<N>");
   static_assert(detail::count_family<loss_scale_family, Ps...> <= 1, "Strategy has two loss-scale policies: keep one");
   static_assert(detail::count_family<mode_family, Ps...> <= 1, "Strategy has both Train and Inference: keep one");
 
@@ -81,8 +96,8 @@ struct Strategy {
   using lora = detail::pick_t<lora_family, NoLoRA, Ps...>;
   using checkpoint = detail::pick_t<checkpoint_family, NoCheckpoint, Ps...>;
   using mode = detail::pick_t<mode_family, Train, Ps...>;
-  using loss_scale = detail::pick_t<loss_scale_family,
-                                    std::conditional_t<precision::needs_loss_scaling, DynamicLossScale, NoLossScale>, Ps...>;
+  using loss_scale =
+      detail::pick_t<loss_scale_family, std::conditional_t<precision::needs_loss_scaling, DynamicLossScale, NoLossScale>, Ps...>;
 
   // ---- traits -------------------------------------------------------------------------------------
   static constexpr int stage = sharding::stage;
@@ -96,16 +111,16 @@ struct Strategy {
   static constexpr bool training = mode::training;
   static constexpr int weight_bits = weight_quantization::bits;  // 0: not quantized
   static constexpr bool quantized_weights = weight_bits != 0;
-  static constexpr int state_bits = state_quantization::bits;    // 32 or 8
+  static constexpr int state_bits = state_quantization::bits;  // 32 or 8
   static constexpr bool has_lora = lora::rank > 0;
   static constexpr int lora_rank = lora::rank;
-  static constexpr int checkpoint_every = checkpoint::every;     // 0: no checkpointing
+  static constexpr int checkpoint_every = checkpoint::every;  // 0: no checkpointing
   // Base weights get gradients and optimizer state unless frozen by LoRA or by a frozen quantization.
   static constexpr bool base_trainable = training && !has_lora && !weight_quantization::frozen_weights;
 
   // The same strategy spelled in one fixed order: Strategy<A, B>::canonical == Strategy<B, A>::canonical.
-  using canonical = Strategy<sharding, offload, accumulation, precision, weight_quantization, state_quantization, lora,
-                             checkpoint, mode, loss_scale>;
+  using canonical =
+      Strategy<sharding, offload, accumulation, precision, weight_quantization, state_quantization, lora, checkpoint, mode, loss_scale>;
 
   // ---- contradictions -----------------------------------------------------------------------------
   static_assert(!(training && weight_quantization::frozen_weights && !has_lora),
@@ -127,8 +142,10 @@ struct Strategy {
   static_assert(!(has_lora && !training), "LoRA adapters are trained: remove Inference");
 };
 
-template <class T> inline constexpr bool is_strategy_v = false;
-template <class... Ps> inline constexpr bool is_strategy_v<Strategy<Ps...>> = true;
+template <class T>
+inline constexpr bool is_strategy_v = false;
+template <class... Ps>
+inline constexpr bool is_strategy_v<Strategy<Ps...>> = true;
 template <class S>
 concept StrategyType = is_strategy_v<S>;
 

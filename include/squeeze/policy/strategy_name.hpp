@@ -15,9 +15,12 @@ namespace detail {
 
 template <class T>
 constexpr const char* element_name() {
-  if constexpr (std::is_same_v<T, float>) return "float";
-  else if constexpr (std::is_same_v<T, bf16>) return "bf16";
-  else return "half";
+  if constexpr (std::is_same_v<T, float>)
+    return "float";
+  else if constexpr (std::is_same_v<T, bf16>)
+    return "bf16";
+  else
+    return "half";
 }
 
 inline std::string lora_targets_name(unsigned targets) {
@@ -42,8 +45,10 @@ std::string policy_name() {
   } else if constexpr (std::is_same_v<F, precision_family>) {
     using C = typename P::compute_type;
     using M = typename P::master_type;
-    if constexpr (std::is_same_v<C, float> && std::is_same_v<M, float>) return "";
-    else return std::string("Precision<") + element_name<C>() + ", " + element_name<M>() + ">";
+    if constexpr (std::is_same_v<C, float> && std::is_same_v<M, float>)
+      return "";
+    else
+      return std::string("Precision<") + element_name<C>() + ", " + element_name<M>() + ">";
   } else if constexpr (std::is_same_v<F, weight_quantization_family> || std::is_same_v<F, state_quantization_family>) {
     if constexpr (P::bits == 0 || std::is_same_v<P, NoStateQuantization>) {
       return "";
@@ -75,10 +80,14 @@ std::string policy_name() {
   } else {
     static_assert(std::is_same_v<F, loss_scale_family>, "strategy_name: a policy family without a name: add it here");
     using Default = std::conditional_t<S::precision::needs_loss_scaling, DynamicLossScale, NoLossScale>;
-    if constexpr (std::is_same_v<P, Default>) return "";
-    else if constexpr (!P::enabled) return "NoLossScale";
-    else if constexpr (P::dynamic) return "DynamicLossScale";
-    else return "StaticLossScale<" + std::to_string(P::log2_scale) + ">";
+    if constexpr (std::is_same_v<P, Default>)
+      return "";
+    else if constexpr (!P::enabled)
+      return "NoLossScale";
+    else if constexpr (P::dynamic)
+      return "DynamicLossScale";
+    else
+      return "StaticLossScale<" + std::to_string(P::log2_scale) + ">";
   }
 }
 

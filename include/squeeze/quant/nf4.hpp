@@ -36,25 +36,32 @@ struct Nf4Packed {
   std::int64_t n = 0;
   int block = 64;
   bool double_quant = false;
-  std::vector<std::uint8_t> codes;          // [ceil(n/2)], value 2j in the high nibble
-  std::vector<float> absmax;                // [blocks] (plain)
-  std::vector<std::uint8_t> absmax_code;    // [blocks] (DoubleQuant)
-  std::vector<float> nested_absmax;         // [ceil(blocks/256)] (DoubleQuant)
-  std::vector<float> nested_map;            // [256] (DoubleQuant: bnb_dynamic_map(), or a file's own map)
-  float absmax_offset = 0.f;                // (DoubleQuant)
+  std::vector<std::uint8_t> codes;        // [ceil(n/2)], value 2j in the high nibble
+  std::vector<float> absmax;              // [blocks] (plain)
+  std::vector<std::uint8_t> absmax_code;  // [blocks] (DoubleQuant)
+  std::vector<float> nested_absmax;       // [ceil(blocks/256)] (DoubleQuant)
+  std::vector<float> nested_map;          // [256] (DoubleQuant: bnb_dynamic_map(), or a file's own map)
+  float absmax_offset = 0.f;              // (DoubleQuant)
 
   std::int64_t blocks() const { return kernels::quant::nf4_blocks(n, block); }
   // Bytes of storage: codes + scales (+ DoubleQuant's nested absmax, offset and map, which each weight holds as in
   // bitsandbytes).
   std::int64_t bytes() const {
     if (double_quant)
-      return std::int64_t(codes.size()) + std::int64_t(absmax_code.size()) + 4 * std::int64_t(nested_absmax.size()) + 4 + 4 * std::int64_t(nested_map.size());
+      return std::int64_t(codes.size()) + std::int64_t(absmax_code.size()) + 4 * std::int64_t(nested_absmax.size()) + 4 +
+             4 * std::int64_t(nested_map.size());
     return std::int64_t(codes.size()) + 4 * std::int64_t(absmax.size());
   }
   kernels::quant::Nf4View view() const {
     if (!double_quant) return {.codes = codes.data(), .absmax = absmax.data(), .n = n, .block = block};
-    return {.codes = codes.data(), .absmax_code = absmax_code.data(), .nested_absmax = nested_absmax.data(), .nested_map = nested_map.data(),
-            .absmax_offset = &absmax_offset, .n = n, .block = block, .double_quant = true};
+    return {.codes = codes.data(),
+            .absmax_code = absmax_code.data(),
+            .nested_absmax = nested_absmax.data(),
+            .nested_map = nested_map.data(),
+            .absmax_offset = &absmax_offset,
+            .n = n,
+            .block = block,
+            .double_quant = true};
   }
 };
 
@@ -66,7 +73,8 @@ Nf4Packed nf4_quantize(const T* w, std::int64_t n, const Nf4Options& o = {}) {
   kq::nf4_validate(n, o.block, "nf4_quantize");
   check(w != nullptr, "nf4_quantize: weight pointer is null");
   for (std::int64_t i = 0; i < n; ++i)
-    check(std::isfinite(to_float(w[i])), "nf4_quantize: weight " + std::to_string(i) + " is not finite (" + std::to_string(to_float(w[i])) + ")");
+    check(std::isfinite(to_float(w[i])),
+          "nf4_quantize: weight " + std::to_string(i) + " is not finite (" + std::to_string(to_float(w[i])) + ")");
   Nf4Packed p;
   p.n = n;
   p.block = o.block;
@@ -80,7 +88,8 @@ Nf4Packed nf4_quantize(const T* w, std::int64_t n, const Nf4Options& o = {}) {
     p.absmax_code.resize(std::size_t(blocks));
     p.nested_absmax.resize(std::size_t(kq::nf4_dq_groups(blocks)));
     p.nested_map.assign(bnb_dynamic_map().begin(), bnb_dynamic_map().end());
-    kq::nf4_double_quantize_cpu(p.absmax.data(), blocks, p.nested_map.data(), p.absmax_code.data(), p.nested_absmax.data(), &p.absmax_offset);
+    kq::nf4_double_quantize_cpu(p.absmax.data(), blocks, p.nested_map.data(), p.absmax_code.data(), p.nested_absmax.data(),
+                                &p.absmax_offset);
     p.absmax = {};  // the decoder uses absmax' only
   }
   return p;

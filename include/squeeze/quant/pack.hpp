@@ -32,9 +32,7 @@
 namespace squeeze::quant {
 
 inline bool supported_bits(int bits) { return bits == 2 || bits == 3 || bits == 4 || bits == 8; }
-inline void check_bits(int bits) {
-  check(supported_bits(bits), "GPTQ packing supports 2, 3, 4 or 8 bits, got " + std::to_string(bits));
-}
+inline void check_bits(int bits) { check(supported_bits(bits), "GPTQ packing supports 2, 3, 4 or 8 bits, got " + std::to_string(bits)); }
 
 // Number of int32 words holding `count` codes of `bits` bits.
 constexpr std::int64_t packed_words(std::int64_t count, int bits) { return (count * bits + 31) / 32; }
@@ -45,8 +43,8 @@ using kernels::quant::stream_put;
 // ---- the packed tensors of one layer ----------------------------------------------------------------------
 struct PackedLinear {
   int bits = 4;
-  int group_size = 128;          // 0: one group (per output channel)
-  std::int64_t in = 0, out = 0;  // W is [out, in]
+  int group_size = 128;               // 0: one group (per output channel)
+  std::int64_t in = 0, out = 0;       // W is [out, in]
   std::vector<std::int32_t> qweight;  // [packed_words(in, bits), out]
   std::vector<std::int32_t> qzeros;   // [groups, packed_words(out, bits)]
   std::vector<half> scales;           // [groups, out]
@@ -64,8 +62,8 @@ struct PackedLinear {
     check(group_size >= 0, "packed linear: group_size must be >= 0 (0 = per channel)");
     const auto g = groups();
     auto expect = [](std::size_t got, std::int64_t want, const char* what) {
-      check(std::int64_t(got) == want, std::string("packed linear: ") + what + " has " + std::to_string(got) +
-                                           " elements, expected " + std::to_string(want));
+      check(std::int64_t(got) == want,
+            std::string("packed linear: ") + what + " has " + std::to_string(got) + " elements, expected " + std::to_string(want));
     };
     expect(qweight.size(), qweight_rows() * out, "qweight");
     expect(qzeros.size(), g * qzeros_cols(), "qzeros");
@@ -73,8 +71,8 @@ struct PackedLinear {
     expect(g_idx.size(), in, "g_idx");
     check(bias.empty() || std::int64_t(bias.size()) == out, "packed linear: bias must be empty or [out]");
     for (std::int64_t i = 0; i < in; ++i)
-      check(g_idx[i] >= 0 && g_idx[i] < g, "packed linear: g_idx[" + std::to_string(i) + "] = " +
-                                               std::to_string(g_idx[i]) + " is outside [0, " + std::to_string(g) + ")");
+      check(g_idx[i] >= 0 && g_idx[i] < g,
+            "packed linear: g_idx[" + std::to_string(i) + "] = " + std::to_string(g_idx[i]) + " is outside [0, " + std::to_string(g) + ")");
   }
 
   std::uint32_t code(std::int64_t i, std::int64_t o) const { return stream_get(qweight.data() + o, out, i, bits); }
@@ -150,8 +148,7 @@ inline std::vector<float> dequantize(const PackedLinear& p) {
   std::vector<float> w(p.out * p.in);
   for (std::int64_t i = 0; i < p.in; ++i) {
     const std::int64_t g = p.g_idx[i];
-    for (std::int64_t o = 0; o < p.out; ++o)
-      w[o * p.in + i] = p.scale(g, o) * (float(p.code(i, o)) - float(p.zero(g, o)));
+    for (std::int64_t o = 0; o < p.out; ++o) w[o * p.in + i] = p.scale(g, o) * (float(p.code(i, o)) - float(p.zero(g, o)));
   }
   return w;
 }

@@ -51,9 +51,9 @@ inline QTiles to_tiles(const PackedLinear& p) {
   if (!natural) {
     std::stable_sort(order.begin(), order.end(), [&](std::int32_t a, std::int32_t b) { return p.g_idx[a] < p.g_idx[b]; });
     for (std::int64_t k = 0; k < p.in; ++k)
-      check(p.g_idx[order[k]] == k / t.group,
-            "tiles: g_idx does not split the inputs into groups of exactly group_size rows (input row " +
-                std::to_string(order[k]) + " is in group " + std::to_string(p.g_idx[order[k]]) + "); dequantize this layer instead");
+      check(p.g_idx[order[k]] == k / t.group, "tiles: g_idx does not split the inputs into groups of exactly group_size rows (input row " +
+                                                  std::to_string(order[k]) + " is in group " + std::to_string(p.g_idx[order[k]]) +
+                                                  "); dequantize this layer instead");
     t.perm = order;
   }
 

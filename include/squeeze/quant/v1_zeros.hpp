@@ -43,8 +43,8 @@ inline void check_zero_shapes(std::int64_t groups, std::int64_t out, int bits, s
   check(groups > 0 && out > 0, std::string(who) + ": groups and out must be positive");
   const std::int64_t want = groups * per_row;
   check(std::int64_t(got) == want, std::string(who) + ": " + what + " has " + std::to_string(got) + " elements, expected " +
-                                       std::to_string(want) + " for [" + std::to_string(groups) + " groups, " +
-                                       std::to_string(out) + " outputs] at " + std::to_string(bits) + " bits");
+                                       std::to_string(want) + " for [" + std::to_string(groups) + " groups, " + std::to_string(out) +
+                                       " outputs] at " + std::to_string(bits) + " bits");
 }
 // row[0, cols) += sign * constant, word by word as int32 arithmetic (wrapping; nothing crosses a word).
 inline void v1_offset_row(std::int32_t* row, std::int64_t cols, std::int64_t out, int bits, int sign) {

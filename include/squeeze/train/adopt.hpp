@@ -38,9 +38,9 @@ struct AdoptOptions {
 
 struct AdoptedModel {
   std::map<std::string, torch::Tensor> float_values;  // trainable parameters' float values before the conversion
-  std::vector<nn::AdaptedLayer> adapted;               // LoRA: the layers that got adapters
-  int64_t quantized_layers = 0;                        // layers whose base S quantized
-  int recomputable = 0;                                // nn::Recomputable modules switched on
+  std::vector<nn::AdaptedLayer> adapted;              // LoRA: the layers that got adapters
+  int64_t quantized_layers = 0;                       // layers whose base S quantized
+  int recomputable = 0;                               // nn::Recomputable modules switched on
 };
 
 namespace detail {
@@ -48,9 +48,12 @@ namespace detail {
 inline void to_except_packed_bases(torch::nn::Module& m, const std::optional<torch::Device>& device, torch::Dtype dtype) {
   for (const auto& c : m.named_children()) {
     if (nn::detail::is_packed_base(c.key(), *c.value())) continue;
-    if (nn::detail::holds_packed_base(*c.value())) to_except_packed_bases(*c.value(), device, dtype);
-    else if (device) c.value()->to(*device, dtype);
-    else c.value()->to(dtype);
+    if (nn::detail::holds_packed_base(*c.value()))
+      to_except_packed_bases(*c.value(), device, dtype);
+    else if (device)
+      c.value()->to(*device, dtype);
+    else
+      c.value()->to(dtype);
   }
   torch::NoGradGuard ng;
   const auto moved = [&](const torch::Tensor& t) { return device ? t.to(*device, dtype) : t.to(dtype); };
@@ -133,8 +136,10 @@ AdoptedModel adopt_model(torch::nn::Module& model, const AdoptOptions& o) {
       detail::to_except_packed_bases(model, o.device, compute);
     }
   } else {
-    if (o.device) model.to(*o.device, compute);
-    else if (convert) model.to(compute);
+    if (o.device)
+      model.to(*o.device, compute);
+    else if (convert)
+      model.to(compute);
   }
 
   // 4. LoRA
@@ -151,8 +156,10 @@ AdoptedModel adopt_model(torch::nn::Module& model, const AdoptOptions& o) {
     for (const auto& m : model.modules())
       if (auto* l = dynamic_cast<nn::LinearImpl*>(m.get()); l && l->backed()) {
         auto b = l->backing();
-        if (auto* a = dynamic_cast<nn::LoRALinearImpl*>(b.get())) out.quantized_layers += a->nf4() || a->gptq();
-        else ++out.quantized_layers;  // a frozen quantized base without adapter
+        if (auto* a = dynamic_cast<nn::LoRALinearImpl*>(b.get()))
+          out.quantized_layers += a->nf4() || a->gptq();
+        else
+          ++out.quantized_layers;  // a frozen quantized base without adapter
       }
     if constexpr (S::quantized_weights)
       TORCH_CHECK(out.quantized_layers > 0, "make_trainer: the Strategy quantizes the base weights, but no layer was quantized");

@@ -44,13 +44,13 @@ using namespace squeeze::engine;  // the trainer's floor (train/parts/context.hp
 }  // namespace train
 
 struct CheckpointSaveOptions {
-  int keep_last = 3;     // checkpoints kept under the root, the newest first (0: all)
+  int keep_last = 3;         // checkpoints kept under the root, the newest first (0: all)
   io::FaultHook fault_hook;  // tests: called after every durable step of the save (io/checkpoint_store.hpp)
 };
 
 struct CheckpointLoadOptions {
-  std::optional<int64_t> step;                 // a step directory under the root; empty: the one `latest` names
-  io::Verify verify = io::Verify::checksums;   // what open() proves before anything is read
+  std::optional<int64_t> step;                // a step directory under the root; empty: the one `latest` names
+  io::Verify verify = io::Verify::checksums;  // what open() proves before anything is read
 };
 
 namespace train::detail {
@@ -115,7 +115,9 @@ template <class S>
 nlohmann::json state_kind() {
   using C = typename S::compute_type;
   return {{"weights", S::has_lora ? "lora-adapters" : "full"},
-          {"compute", std::is_same_v<C, float> ? "fp32" : std::is_same_v<C, bf16> ? "bf16" : "fp16"},
+          {"compute", std::is_same_v<C, float>  ? "fp32"
+                      : std::is_same_v<C, bf16> ? "bf16"
+                                                : "fp16"},
           {"masters", S::has_master_copy && !S::has_lora},
           {"moments", S::state_bits == 8 ? "8-bit" : "fp32"}};
 }
@@ -170,7 +172,8 @@ std::vector<io::FlatLayout> layouts_of(const std::vector<typename TrainerT::Part
 // code and the absmax of the block it was saved in, then encoded again over the target's blocks. Bit for bit where
 // a block keeps its elements; elsewhere a value moves by at most half a code step of its new block.
 template <class PB>
-void load_8bit_moments_resharded(const io::CheckpointReader& r, const io::ReshardPlan& plan, std::size_t i, const PB& p, int world, int rank) {
+void load_8bit_moments_resharded(const io::CheckpointReader& r, const io::ReshardPlan& plan, std::size_t i, const PB& p, int world,
+                                 int rank) {
   const io::FlatLayout& tl = plan.to[i];
   const int64_t shard = tl.shard(world);
   const int64_t n = p.whole ? int64_t(world) * shard : shard;  // the target buffer: whole (stage 0) or this rank's shard
@@ -245,8 +248,8 @@ void load_8bit_moments_resharded(const io::CheckpointReader& r, const io::Reshar
 // every rank calls it at the same point, between optimizer steps (not inside an accumulation window). `record`
 // is the caller's small JSON (data position, ...), returned by load_checkpoint. Returns the step directory.
 template <class TrainerT>
-std::filesystem::path save_checkpoint(TrainerT& trainer, const std::filesystem::path& root, nlohmann::json record = nlohmann::json::object(),
-                                      const CheckpointSaveOptions& opt = {}) {
+std::filesystem::path save_checkpoint(TrainerT& trainer, const std::filesystem::path& root,
+                                      nlohmann::json record = nlohmann::json::object(), const CheckpointSaveOptions& opt = {}) {
   using S = typename TrainerT::strategy;
   TORCH_CHECK(trainer.micro_step() == 0, "save_checkpoint: the trainer is inside an accumulation window (", trainer.micro_step(), " of ",
               S::accumulation_steps, " micro-batches stepped): save after a step() that returned boundary = true");
@@ -257,12 +260,17 @@ std::filesystem::path save_checkpoint(TrainerT& trainer, const std::filesystem::
 
   // The index: layouts, what the state is, the counters, the frozen base's digest, the caller's record.
   const auto& scaler = trainer.loss_scaler();
-  io::CheckpointMeta meta{.world_size = world, .stage = S::stage, .strategy = strategy_name<S>(),
+  io::CheckpointMeta meta{.world_size = world,
+                          .stage = S::stage,
+                          .strategy = strategy_name<S>(),
                           .partitions = io::flat_layouts_to_json(layouts),
                           .record = {{"state", train::detail::state_kind<S>()},
-                                     {"trainer", {{"steps_applied", trainer.steps_applied()}, {"steps_skipped", trainer.steps_skipped()},
-                                                  {"loss_scale", double(trainer.scale())}, {"good_steps", int64_t(scaler.state().growth_tracker)},
-                                                  {"lr", double(trainer.lr())}}},
+                                     {"trainer",
+                                      {{"steps_applied", trainer.steps_applied()},
+                                       {"steps_skipped", trainer.steps_skipped()},
+                                       {"loss_scale", double(trainer.scale())},
+                                       {"good_steps", int64_t(scaler.state().growth_tracker)},
+                                       {"lr", double(trainer.lr())}}},
                                      {"frozen", train::detail::frozen_digest(trainer.module())},
                                      {"user", std::move(record)}}};
   io::CheckpointStore store(root, {.keep_last = opt.keep_last, .fault_hook = opt.fault_hook});
@@ -333,14 +341,13 @@ nlohmann::json load_checkpoint(TrainerT& trainer, const std::filesystem::path& r
   // weights are rounded from the fp32 values); what is trained and the moments' format must agree.
   TORCH_CHECK(saved.value("weights", std::string()) == mine["weights"].get<std::string>() &&
                   saved.value("moments", std::string()) == mine["moments"].get<std::string>(),
-              where, " was written by ",
-              idx.strategy, " (optimizer state ", saved.dump(), "); this trainer (", strategy_name<S>(), ") keeps ", mine.dump(),
-              ": load it into a strategy that trains the same weights with the same kind of moments");
+              where, " was written by ", idx.strategy, " (optimizer state ", saved.dump(), "); this trainer (", strategy_name<S>(),
+              ") keeps ", mine.dump(), ": load it into a strategy that trains the same weights with the same kind of moments");
   const bool saved_masters = saved.value("masters", false);
   const nlohmann::json frozen = train::detail::frozen_digest(trainer.module());
   TORCH_CHECK(rec["frozen"]["sha256"] == frozen["sha256"], where, ": the frozen tensors (", rec["frozen"]["tensors"].dump(),
-              " tensors, a LoRA strategy's base) differ from this model's (", frozen["tensors"].dump(),
-              " tensors, sha256 ", frozen["sha256"].get<std::string>().substr(0, 12), "...): build the model the checkpoint was trained on");
+              " tensors, a LoRA strategy's base) differ from this model's (", frozen["tensors"].dump(), " tensors, sha256 ",
+              frozen["sha256"].get<std::string>().substr(0, 12), "...): build the model the checkpoint was trained on");
 
   auto parts = trainer.partition_buffers();
   const auto to = train::detail::layouts_of<TrainerT>(parts);
@@ -360,9 +367,10 @@ nlohmann::json load_checkpoint(TrainerT& trainer, const std::filesystem::path& r
                            (!groups_recorded || io::flat_layouts_to_json(from) == io::flat_layouts_to_json(to));
   constexpr bool k8bit = S::state_bits == 8;
   if constexpr (k8bit)
-    TORCH_CHECK(same_layout || groups_recorded, where, ": its 8-bit Adam moments were saved without their parameter groups, so they reload ",
-                "only into the layout they were saved from (world ", r.world_size(), ", the same stage and buckets); this trainer's world is ",
-                world, " or its partitions differ. Resume at the saved world size and strategy");
+    TORCH_CHECK(
+        same_layout || groups_recorded, where, ": its 8-bit Adam moments were saved without their parameter groups, so they reload ",
+        "only into the layout they were saved from (world ", r.world_size(), ", the same stage and buckets); this trainer's world is ",
+        world, " or its partitions differ. Resume at the saved world size and strategy");
   const bool reencode_8bit = k8bit && !same_layout;  // decode and encode the moments at the new blocks
 
   // Read everything into the trainer's buffers (nothing was changed before the checks above).
@@ -384,8 +392,8 @@ nlohmann::json load_checkpoint(TrainerT& trainer, const std::filesystem::path& r
         if (name == "param" && saved_masters && stored_as("param") != want) source = "master";
         if (name == "master" && !saved_masters) source = "param";
         const io::DType stored = stored_as(source);
-        TORCH_CHECK(stored == want || name == "param" || (name == "master" && stored == io::DType::F32), where,
-                    ": buffer '", source, "' is stored as ", io::dtype_name(stored), ", this trainer's '", name, "' is ", t.scalar_type());
+        TORCH_CHECK(stored == want || name == "param" || (name == "master" && stored == io::DType::F32), where, ": buffer '", source,
+                    "' is stored as ", io::dtype_name(stored), ", this trainer's '", name, "' is ", t.scalar_type());
         // The same layout reads each shard as stored, alignment gaps included (an 8-bit code's zero is not byte 0);
         // another one goes parameter by parameter through the plan, gaps zero-filled.
         const std::string n = io::shard_tensor_name(p.key, source);
@@ -433,7 +441,8 @@ nlohmann::json load_checkpoint(TrainerT& trainer, const std::filesystem::path& r
 // `model`'s parameters of the same names, converted to their dtype: for evaluation, quantization or export without a
 // trainer. One partition is read at a time. Every trainable parameter of the model must be in the checkpoint; what
 // the checkpoint does not hold (a LoRA strategy's frozen base) is left as it is. Returns the caller's record.
-inline nlohmann::json load_checkpoint_weights(torch::nn::Module& model, const std::filesystem::path& root, const CheckpointLoadOptions& opt = {}) {
+inline nlohmann::json load_checkpoint_weights(torch::nn::Module& model, const std::filesystem::path& root,
+                                              const CheckpointLoadOptions& opt = {}) {
   const io::CheckpointReader r = train::detail::open_checkpoint(root, opt, {.allow_reshard = true});
   const io::CheckpointIndex& idx = r.index();
   const std::string where = "checkpoint " + r.dir().string();

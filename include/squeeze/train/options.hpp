@@ -38,7 +38,7 @@ struct ParamGroup {
 // Clipping and loss scaling come from the AdamW options when they carry them (squeeze::AdamW has
 // max_grad_norm and loss_scale); set them here only for an options type without them. Setting both is an error.
 struct TrainerOptions {
-  float max_grad_norm = 0;                                // clip the global L2 norm to this; <= 0: no clipping
+  float max_grad_norm = 0;  // clip the global L2 norm to this; <= 0: no clipping
   // Plain libtorch layers (not squeeze::nn::Linear / Embedding) that the Strategy would have to shard (Stage 3)
   // or quantize (Quantized<...>) are refused, listed by name; the module names here (an exact dotted name, or its
   // last component: "norm" matches "norm" and "blocks.3.norm"; "*" matches all) are accepted and kept whole on every
@@ -59,8 +59,8 @@ struct TrainerOptions {
   std::vector<ParamGroup> param_groups{};
   bool decay_norms_biases_embeddings = false;
   std::optional<kernels::LossScaleOptions> loss_scale{};  // used when the Strategy scales the loss (half compute)
-  int64_t persistence_threshold = 0;       // stage 3: sharded layers with fewer parameters stay whole
-  int64_t align_bytes = 256;               // every tensor and every shard of a flat buffer starts aligned
+  int64_t persistence_threshold = 0;                      // stage 3: sharded layers with fewer parameters stay whole
+  int64_t align_bytes = 256;                              // every tensor and every shard of a flat buffer starts aligned
   // Stage 3: gather units gathered ahead of the one running (forward order in forward, its reverse in backward;
   // CUDA + NCCL: on a side stream, overlapping compute). 0: none; each one more holds one more unit's parameters.
   int prefetch_depth = 1;
@@ -74,7 +74,7 @@ struct TrainerOptions {
   // { return false; } gathers every layer alone.
   std::function<bool(const std::string& name, const torch::nn::Module& module)> gather_unit{};
   int64_t bucket_bytes = int64_t(32) << 20;  // stage 2 (and stage 3's whole-kept parameters): gradient bucket size
-  bool overlap_offload = true;             // Offload<Host>: transfers + CPU AdamW beside backward (see above)
+  bool overlap_offload = true;               // Offload<Host>: transfers + CPU AdamW beside backward (see above)
   // Each micro-batch's loss read back into StepResult::loss (one host sync per micro-batch). false: loss is NaN and
   // StepResult::loss_value holds it on the device, to read only when logging (a CUDA step then syncs at most once per
   // optimizer step, for the gradient norm's overflow and clipping decision).
@@ -88,12 +88,12 @@ struct TrainerOptions {
 };
 
 struct StepResult {
-  float loss = 0;                  // this micro-batch's loss (unscaled); NaN under TrainerOptions::read_loss = false
-  torch::Tensor loss_value;        // [] float32, where the model runs: the same loss, detached, never read by the trainer
-  bool applied = false;            // the optimizer updated the parameters on this call
-  bool boundary = false;           // this call ended an accumulation window (applied or skipped)
-  int64_t step = 0;                // optimizer steps applied so far, this call's included
-  float scale = 1;                 // the loss scale used for this micro-batch
+  float loss = 0;                   // this micro-batch's loss (unscaled); NaN under TrainerOptions::read_loss = false
+  torch::Tensor loss_value;         // [] float32, where the model runs: the same loss, detached, never read by the trainer
+  bool applied = false;             // the optimizer updated the parameters on this call
+  bool boundary = false;            // this call ended an accumulation window (applied or skipped)
+  int64_t step = 0;                 // optimizer steps applied so far, this call's included
+  float scale = 1;                  // the loss scale used for this micro-batch
   float grad_norm = std::nanf("");  // global L2 norm of the unscaled gradient (boundary only)
 };
 
@@ -109,7 +109,9 @@ struct MemoryUse {
   int64_t full_gradient_bytes = 0;
   plan::Placement model_state() const {
     plan::Placement p = parameters;
-    p += gradients; p += master_weights; p += optimizer_state;
+    p += gradients;
+    p += master_weights;
+    p += optimizer_state;
     return p;
   }
 };
@@ -121,8 +123,7 @@ struct MemoryReport {
   std::string table() const {
     std::ostringstream s;
     auto row = [&](const char* name, plan::Placement a, plan::Placement p) {
-      s << name << "  actual device " << a.device << " host " << a.host << "  |  planned device " << p.device << " host "
-        << p.host << "\n";
+      s << name << "  actual device " << a.device << " host " << a.host << "  |  planned device " << p.device << " host " << p.host << "\n";
     };
     row("parameters     ", actual.parameters, predicted.parameters);
     row("gradients      ", actual.gradients, predicted.gradients);

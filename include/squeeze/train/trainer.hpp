@@ -88,10 +88,11 @@ class Trainer {
     c.device = trainable.front().second.device();
     if (c.world > 1) {
       TORCH_CHECK(!c.device.is_cuda() || c.comm->device_buffers(), "make_trainer: the module is on ", c.device, " but the '",
-                  c.comm->backend(), "' communicator takes host buffers only; LocalComm takes CUDA memory when its TU is "
+                  c.comm->backend(),
+                  "' communicator takes host buffers only; LocalComm takes CUDA memory when its TU is "
                   "compiled by nvcc or with SQUEEZE_WITH_CUDA_RUNTIME=1 (link CUDA::cudart); or use NcclComm");
-      TORCH_CHECK(c.device.is_cuda() || c.comm->host_buffers(), "make_trainer: the module is on the CPU but the '",
-                  c.comm->backend(), "' communicator takes device buffers only: move the module to its GPU");
+      TORCH_CHECK(c.device.is_cuda() || c.comm->host_buffers(), "make_trainer: the module is on the CPU but the '", c.comm->backend(),
+                  "' communicator takes device buffers only: move the module to its GPU");
     }
     c.collectives = std::make_unique<SideStream>(asynchronous_collectives(c.device, *c.comm) ? SideStream(c.device) : SideStream());
     c.grads.comm = c.comm;
@@ -171,8 +172,8 @@ class Trainer {
     sync.begin_micro_step(boundary);
     // Nothing global can change this window's update (no clipping, loss scale or token weighting) where gradients
     // are final partition by partition during backward: an offloaded update may start as each one lands.
-    const bool global_free = Parts::GradientSync::hands_over_in_backward && !(ctx_->opt.max_grad_norm > 0) &&
-                             !S::loss_scaling && !parts_->window.weighted();
+    const bool global_free =
+        Parts::GradientSync::hands_over_in_backward && !(ctx_->opt.max_grad_norm > 0) && !S::loss_scaling && !parts_->window.weighted();
     parts_->state.begin_micro_step(boundary, global_free, ctx_->groups.coeffs(adamw_, applied_ + 1));
     if (boundary)
       for (Partition* p : sync.partitions()) p->submitted = false;
@@ -245,8 +246,8 @@ class Trainer {
   // Stages 0-1: when the full gradient buffer exists from the next window on (TrainerOptions::gradient_buffers).
   // Between windows only: a window's gradients live where it began them.
   void set_gradient_buffers(GradientBuffers g) {
-    TORCH_CHECK(micro_step() == 0, "Trainer::set_gradient_buffers: called at micro-batch ", micro_step() + 1, " of ",
-                S::accumulation_steps, "; change it between optimizer steps, when no window has begun");
+    TORCH_CHECK(micro_step() == 0, "Trainer::set_gradient_buffers: called at micro-batch ", micro_step() + 1, " of ", S::accumulation_steps,
+                "; change it between optimizer steps, when no window has begun");
     const GradientBuffers was = ctx_->opt.gradient_buffers;
     if (g == was) return;
     ctx_->opt.gradient_buffers = g;
@@ -316,7 +317,8 @@ class Trainer {
         }
         return FlatParams::view(last_gathered_.second, e).clone();
       }
-    TORCH_CHECK(false, "gather_parameter: '", name, "' is not a trainable parameter of this trainer (frozen parameters stay in the module)");
+    TORCH_CHECK(false, "gather_parameter: '", name,
+                "' is not a trainable parameter of this trainer (frozen parameters stay in the module)");
     return {};
   }
   // Drops the unit gather_parameter keeps (after an export; the next step would make it stale).
@@ -362,14 +364,18 @@ class Trainer {
     sync();
     std::vector<std::vector<torch::Tensor>> out;
     for (Partition* o : parts_->sync.partitions()) {
-      if constexpr (TrainTypes<S>::k8bit) out.push_back({o->master, o->m, o->v, o->m_absmax, o->v_absmax});
-      else out.push_back({o->master, o->m, o->v});
+      if constexpr (TrainTypes<S>::k8bit)
+        out.push_back({o->master, o->m, o->v, o->m_absmax, o->v_absmax});
+      else
+        out.push_back({o->master, o->m, o->v});
     }
     return out;
   }
   static std::vector<std::string> optimizer_state_names() {
-    if constexpr (TrainTypes<S>::k8bit) return {"master", "m", "v", "m_absmax", "v_absmax"};
-    else return {"master", "m", "v"};
+    if constexpr (TrainTypes<S>::k8bit)
+      return {"master", "m", "v", "m_absmax", "v_absmax"};
+    else
+      return {"master", "m", "v"};
   }
   // Where each optimizer_state() partition sits: its flat layout (parameter names, offsets, shapes) and the index
   // of its first element in that layout's flat buffer (this rank's shard; 0 for stage 0's whole buffer).
@@ -388,7 +394,7 @@ class Trainer {
     bool whole;                // stage 0: the buffers hold the whole padded layout on every rank
     std::vector<std::pair<std::string, torch::Tensor>> elementwise;  // one element per parameter element: param, master, m, v
     std::vector<std::pair<std::string, torch::Tensor>> blockwise;    // 8-bit state: m_absmax, v_absmax (one per 256-element block)
-    std::vector<int> groups;   // each layout entry's parameter group (its 8-bit blocks start at each group's run)
+    std::vector<int> groups;  // each layout entry's parameter group (its 8-bit blocks start at each group's run)
   };
   std::vector<PartitionBuffers> partition_buffers() {
     sync();
@@ -430,8 +436,8 @@ class Trainer {
   static TrainerOptions resolve(const O& adamw, TrainerOptions opt) {
     if constexpr (requires { float(adamw.max_grad_norm); }) {
       if (adamw.max_grad_norm > 0) {
-        TORCH_CHECK(!(opt.max_grad_norm > 0), "make_trainer: max_grad_norm is set both in the AdamW options (",
-                    adamw.max_grad_norm, ") and in TrainerOptions (", opt.max_grad_norm, "): set it once");
+        TORCH_CHECK(!(opt.max_grad_norm > 0), "make_trainer: max_grad_norm is set both in the AdamW options (", adamw.max_grad_norm,
+                    ") and in TrainerOptions (", opt.max_grad_norm, "): set it once");
         opt.max_grad_norm = adamw.max_grad_norm;
       }
     }
@@ -481,8 +487,10 @@ class Trainer {
 template <StrategyType S, class M, AdamWHyperparameters O>
 auto make_trainer(M& module, O adamw, comm::CommPtr comm, TrainerOptions opt = {}) {
   std::shared_ptr<torch::nn::Module> m;
-  if constexpr (requires { module.ptr(); }) m = module.ptr();
-  else m = module;
+  if constexpr (requires { module.ptr(); })
+    m = module.ptr();
+  else
+    m = module;
   return Trainer<S, O>(std::move(m), adamw, std::move(comm), opt);
 }
 

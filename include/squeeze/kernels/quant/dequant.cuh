@@ -106,9 +106,9 @@ template <class T, int BITS, int MODE = kDeqInOrder>
 __global__ void __launch_bounds__(kDeqThreads, BITS == 8 || MODE == kDeqActLookup ? 5 : 6)
     dequantize_kernel(GptqView v, T* __restrict__ w, int tiles_per_block) {
   constexpr bool ACT = MODE == kDeqActLookup;
-  constexpr int kChunk = 16 / int(sizeof(T));              // elements per 16-byte store
-  constexpr int kWordRows = 2 * BITS;                      // qweight rows of a 64-in tile
-  constexpr int kWordsPerThread = (kWordRows + 3) / 4;     // rows r4, r4 + 4, ... of column c
+  constexpr int kChunk = 16 / int(sizeof(T));           // elements per 16-byte store
+  constexpr int kWordRows = 2 * BITS;                   // qweight rows of a 64-in tile
+  constexpr int kWordsPerThread = (kWordRows + 3) / 4;  // rows r4, r4 + 4, ... of column c
   constexpr int kChunksPerRow = kDeqTile / kChunk;
   constexpr std::uint32_t kMaxq = (1u << BITS) - 1u;
   __shared__ std::uint32_t words[kWordRows][kDeqTile];
@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(kDeqThreads, BITS == 8 || MODE == kDeqActLooku
   const int tiles = int(min(std::int64_t(tiles_per_block), in_tiles - first));
   const std::int64_t qrows = (v.in * BITS + 31) / 32, zcols = (v.out * BITS + 31) / 32;
   const std::int32_t* const qcol = v.qweight + o;
-  auto load_words = [&](std::int64_t t, std::uint32_t (&reg)[kWordsPerThread]) {
+  auto load_words = [&](std::int64_t t, std::uint32_t(&reg)[kWordsPerThread]) {
 #pragma unroll
     for (int m = 0; m < kWordsPerThread; ++m) {
       const std::int64_t row = t * kWordRows + r4 + 4 * m;
@@ -142,7 +142,8 @@ __global__ void __launch_bounds__(kDeqThreads, BITS == 8 || MODE == kDeqActLooku
       const std::int64_t g = u / kDeqTile, oc = o0 + u % kDeqTile;
       std::uint32_t entry = 0;
       if (oc < v.out)
-        entry = std::uint32_t(__half_as_ushort(v.scales[g * v.out + oc])) | ((stream_get(v.qzeros + g * zcols, 1, oc, BITS) + 1u) & kMaxq) << 16;
+        entry = std::uint32_t(__half_as_ushort(v.scales[g * v.out + oc])) | ((stream_get(v.qzeros + g * zcols, 1, oc, BITS) + 1u) & kMaxq)
+                                                                                << 16;
       table[u] = entry;
     }  // read after the tile loop's first barrier
   }
@@ -172,14 +173,17 @@ __global__ void __launch_bounds__(kDeqThreads, BITS == 8 || MODE == kDeqActLooku
 #pragma unroll
           for (int e = 0; e < 8; ++e) {
             const std::uint32_t entry = table[g_run[e] * kDeqTile + c];
-            vals[e] = __half2float(__ushort_as_half(std::uint16_t(entry & 0xFFFFu))) *
-                      (__uint_as_float(0x4B000000u | (std::uint32_t(run >> (BITS * e)) & kMaxq)) - __uint_as_float(0x4B000000u | entry >> 16));
+            vals[e] =
+                __half2float(__ushort_as_half(std::uint16_t(entry & 0xFFFFu))) *
+                (__uint_as_float(0x4B000000u | (std::uint32_t(run >> (BITS * e)) & kMaxq)) - __uint_as_float(0x4B000000u | entry >> 16));
           }
-        } else if (g_run[0] == run_group[h] && g_run[7] == run_group[h] && ((g_run[1] ^ g_run[0]) | (g_run[2] ^ g_run[0]) | (g_run[3] ^ g_run[0]) |
-                                                                      (g_run[4] ^ g_run[0]) | (g_run[5] ^ g_run[0]) | (g_run[6] ^ g_run[0])) == 0) {
+        } else if (g_run[0] == run_group[h] && g_run[7] == run_group[h] &&
+                   ((g_run[1] ^ g_run[0]) | (g_run[2] ^ g_run[0]) | (g_run[3] ^ g_run[0]) | (g_run[4] ^ g_run[0]) | (g_run[5] ^ g_run[0]) |
+                    (g_run[6] ^ g_run[0])) == 0) {
           const float scale = run_scale[h], zero_magic = run_zero[h];  // one group, the run's constants at hand
 #pragma unroll
-          for (int e = 0; e < 8; ++e) vals[e] = scale * (__uint_as_float(0x4B000000u | (std::uint32_t(run >> (BITS * e)) & kMaxq)) - zero_magic);
+          for (int e = 0; e < 8; ++e)
+            vals[e] = scale * (__uint_as_float(0x4B000000u | (std::uint32_t(run >> (BITS * e)) & kMaxq)) - zero_magic);
         } else if constexpr (ACT) {
 #pragma unroll
           for (int e0 = 0; e0 < 8; e0 += 4) {  // groups change (or a new one starts): four elements' constants at a time
@@ -256,9 +260,11 @@ __global__ void round_kernel(const float* __restrict__ acc, T* __restrict__ y, s
 // bench_dequant --tiles sweeps it). cudaErrorInvalidValue where the grid would pass its y limit.
 template <FloatingElement T>
 cudaError_t launch_dequantize(const GptqView& v, T* w, cudaStream_t stream, int tiles_per_block) {
-  if (v.in <= 0 || v.out <= 0 || !(v.bits == 2 || v.bits == 3 || v.bits == 4 || v.bits == 8) || tiles_per_block < 0) return cudaErrorInvalidValue;
+  if (v.in <= 0 || v.out <= 0 || !(v.bits == 2 || v.bits == 3 || v.bits == 4 || v.bits == 8) || tiles_per_block < 0)
+    return cudaErrorInvalidValue;
   const std::int64_t out_tiles = (v.out + kDeqTile - 1) / kDeqTile, in_tiles = (v.in + kDeqTile - 1) / kDeqTile;
-  if ((in_tiles + kDeqTilesPerBlock - 1) / kDeqTilesPerBlock > 65535 || out_tiles > 0x7fffffff) return cudaErrorInvalidValue;  // one rule for all
+  if ((in_tiles + kDeqTilesPerBlock - 1) / kDeqTilesPerBlock > 65535 || out_tiles > 0x7fffffff)
+    return cudaErrorInvalidValue;  // one rule for all
   auto launch = [&](auto mode) -> cudaError_t {
     constexpr int MODE = decltype(mode)::value;
     const int tpb = tiles_per_block > 0 ? tiles_per_block : MODE == kDeqActTable ? deq_table_tiles(v.groups) : kDeqTilesPerBlock;
@@ -269,17 +275,22 @@ cudaError_t launch_dequantize(const GptqView& v, T* w, cudaStream_t stream, int 
     auto run = [&](auto bits) -> cudaError_t {  // one instantiation (and one attribute call) per kernel
       const auto kernel = dequantize_kernel<T, decltype(bits)::value, MODE>;
       if constexpr (MODE == kDeqActTable) {  // the table's 32 KB at most, past the default with the static arrays
-        static const cudaError_t allowed = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kDeqMaxTableGroups * kDeqTile * 4);
+        static const cudaError_t allowed =
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kDeqMaxTableGroups * kDeqTile * 4);
         if (allowed != cudaSuccess) return allowed;
       }
       kernel<<<g, kDeqThreads, smem, stream>>>(v, w, tpb);
       return cudaGetLastError();
     };
     switch (v.bits) {
-      case 2: return run(std::integral_constant<int, 2>{});
-      case 3: return run(std::integral_constant<int, 3>{});
-      case 4: return run(std::integral_constant<int, 4>{});
-      default: return run(std::integral_constant<int, 8>{});
+      case 2:
+        return run(std::integral_constant<int, 2>{});
+      case 3:
+        return run(std::integral_constant<int, 3>{});
+      case 4:
+        return run(std::integral_constant<int, 4>{});
+      default:
+        return run(std::integral_constant<int, 8>{});
     }
   };
   if (!v.act_order) return launch(std::integral_constant<int, kDeqInOrder>{});

@@ -11,7 +11,8 @@
 //   gemm/config.hpp     the configurations as named knobs (plain C++)
 //   gemm/cpu.hpp        the CPU twin;  gemm/decode.hpp  the magic-number decode;  gemm/layout.hpp  the tiles
 #if !defined(__CUDACC__)
-#error "gemm.cuh is a CUDA header: compile this translation unit with nvcc (the host plans: gemm/launch_plan.hpp, the CPU twin: gemm/cpu.hpp)"
+#error \
+    "gemm.cuh is a CUDA header: compile this translation unit with nvcc (the host plans: gemm/launch_plan.hpp, the CPU twin: gemm/cpu.hpp)"
 #endif
 
 #include <cstdint>
@@ -40,8 +41,8 @@ inline std::string quant_gemm_describe(const QGemmShape& s, int sm_count) {
 // y [M, N] = x [M, K] * W^T (3-, 4- or 8-bit tiles) on `stream` with the kernel quant_gemm_uses_sm90 picks.
 // cudaErrorInvalidValue for a shape neither family takes or a workspace smaller than quant_gemm_workspace_size.
 template <class T>
-cudaError_t quant_gemm_cuda(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y, const QGemmShape& s,
-                            const QGemmWorkspace& ws, int sm_count, cudaStream_t stream) {
+cudaError_t quant_gemm_cuda(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y,
+                            const QGemmShape& s, const QGemmWorkspace& ws, int sm_count, cudaStream_t stream) {
   if (quant_gemm_uses_sm90(s)) return qgemm_sm90_cuda<T>(x, tiles, scales, zeros, y, s, ws, sm_count, stream);
   return qgemm_cuda<T>(x, tiles, scales, zeros, y, s, ws, sm_count, stream);
 }

@@ -43,7 +43,7 @@ struct GptqBlock {
   int* bad_grid = nullptr;                  // set to 1 when a found scale is not finite or above fp16's 65504
   std::int64_t rows = 0, cols = 0, u_pitch = 0, w_pitch = 0;
   std::int64_t first = 0, count = 0;
-  std::int64_t group = 0;   // columns per group when find_grids
+  std::int64_t group = 0;  // columns per group when find_grids
   int bits = 4;
   bool sym = true;
   bool find_grids = false;

@@ -48,7 +48,8 @@ __global__ void __launch_bounds__(kNf4Threads) nf4_dequantize_kernel(const Nf4Vi
 
 // One thread per block of values (the same serial max as the twin).
 template <class T>
-__global__ void __launch_bounds__(kNf4Threads) nf4_absmax_kernel(const T* __restrict__ w, std::int64_t n, int block, float* __restrict__ absmax) {
+__global__ void __launch_bounds__(kNf4Threads)
+    nf4_absmax_kernel(const T* __restrict__ w, std::int64_t n, int block, float* __restrict__ absmax) {
   const std::int64_t blocks = (n + block - 1) / block;
   for (std::int64_t b = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; b < blocks; b += std::int64_t(gridDim.x) * blockDim.x) {
     const std::int64_t end = (b + 1) * block < n ? (b + 1) * block : n;
@@ -75,9 +76,9 @@ __global__ void __launch_bounds__(Threads) nf4_mean_kernel(const float* __restri
 // One CUDA block of 256 threads per DoubleQuant group: nested_absmax = max|absmax - mean|, then each absmax value's
 // code in the map (held in shared memory for the search).
 template <int Threads>  // a template so the header can be included by many .cu files
-__global__ void __launch_bounds__(Threads) nf4_dq_kernel(const float* __restrict__ absmax, std::int64_t blocks, const float* offset_ptr,
-                                                            const float* __restrict__ map, std::uint8_t* __restrict__ absmax_code,
-                                                            float* __restrict__ nested_absmax) {
+__global__ void __launch_bounds__(Threads)
+    nf4_dq_kernel(const float* __restrict__ absmax, std::int64_t blocks, const float* offset_ptr, const float* __restrict__ map,
+                  std::uint8_t* __restrict__ absmax_code, float* __restrict__ nested_absmax) {
   static_assert(Threads == kNf4DqBlock, "one thread per absmax value of a DoubleQuant group");
   __shared__ float s_map[256];
   for (int i = threadIdx.x; i < 256; i += Threads) s_map[i] = map[i];
@@ -98,8 +99,8 @@ __global__ void __launch_bounds__(Threads) nf4_dq_kernel(const float* __restrict
 
 // One thread per code byte (the twin's loop body), against the exact block absmax.
 template <class T>
-__global__ void __launch_bounds__(kNf4Threads) nf4_encode_kernel(const T* __restrict__ w, std::int64_t n, int block, const float* __restrict__ absmax,
-                                                                 std::uint8_t* __restrict__ codes) {
+__global__ void __launch_bounds__(kNf4Threads) nf4_encode_kernel(const T* __restrict__ w, std::int64_t n, int block,
+                                                                 const float* __restrict__ absmax, std::uint8_t* __restrict__ codes) {
   const std::int64_t bytes = (n + 1) / 2;
   for (std::int64_t j = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; j < bytes; j += std::int64_t(gridDim.x) * blockDim.x)
     codes[j] = nf4_code_byte(w, n, block, absmax, j);
@@ -118,24 +119,27 @@ cudaError_t nf4_dequantize_cuda(const Nf4View& v, T* out /*[n], device*/, cudaSt
 // Device buffers of nf4_quantize_cuda (sizes as in nf4.hpp's layout). absmax is written in both modes (under
 // DoubleQuant it is scratch: the decoder uses absmax_code / nested_absmax / offset); nested_map is read.
 struct Nf4DeviceBuffers {
-  std::uint8_t* codes = nullptr;          // [ceil(n/2)]
-  float* absmax = nullptr;                // [blocks]
-  std::uint8_t* absmax_code = nullptr;    // [blocks]            (DoubleQuant)
-  float* nested_absmax = nullptr;         // [ceil(blocks/256)]  (DoubleQuant)
-  const float* nested_map = nullptr;      // [256], an input     (DoubleQuant)
-  float* absmax_offset = nullptr;         // [1]                 (DoubleQuant)
+  std::uint8_t* codes = nullptr;        // [ceil(n/2)]
+  float* absmax = nullptr;              // [blocks]
+  std::uint8_t* absmax_code = nullptr;  // [blocks]            (DoubleQuant)
+  float* nested_absmax = nullptr;       // [ceil(blocks/256)]  (DoubleQuant)
+  const float* nested_map = nullptr;    // [256], an input     (DoubleQuant)
+  float* absmax_offset = nullptr;       // [1]                 (DoubleQuant)
 };
 
 // Quantises w [n] (device) into bufs, all on `stream` (no host synchronisation).
 template <FloatingElement T>
-cudaError_t nf4_quantize_cuda(const T* w, std::int64_t n, int block, bool double_quant, const Nf4DeviceBuffers& bufs, cudaStream_t stream = nullptr) {
+cudaError_t nf4_quantize_cuda(const T* w, std::int64_t n, int block, bool double_quant, const Nf4DeviceBuffers& bufs,
+                              cudaStream_t stream = nullptr) {
   nf4_validate(n, block, "nf4_quantize_cuda");
   check(w != nullptr && bufs.codes != nullptr && bufs.absmax != nullptr, "nf4_quantize_cuda: weight / codes / absmax pointer is null");
-  check(!double_quant || (bufs.absmax_code != nullptr && bufs.nested_absmax != nullptr && bufs.nested_map != nullptr && bufs.absmax_offset != nullptr),
+  check(!double_quant ||
+            (bufs.absmax_code != nullptr && bufs.nested_absmax != nullptr && bufs.nested_map != nullptr && bufs.absmax_offset != nullptr),
         "nf4_quantize_cuda: DoubleQuant needs absmax_code, nested_absmax, nested_map and absmax_offset buffers");
   const std::int64_t blocks = nf4_blocks(n, block);
   detail::nf4_absmax_kernel<T><<<detail::nf4_grid(blocks, kNf4Threads), kNf4Threads, 0, stream>>>(w, n, block, bufs.absmax);
-  detail::nf4_encode_kernel<T><<<detail::nf4_grid(nf4_code_bytes(n), kNf4Threads), kNf4Threads, 0, stream>>>(w, n, block, bufs.absmax, bufs.codes);
+  detail::nf4_encode_kernel<T>
+      <<<detail::nf4_grid(nf4_code_bytes(n), kNf4Threads), kNf4Threads, 0, stream>>>(w, n, block, bufs.absmax, bufs.codes);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   if (double_quant) {
     detail::nf4_mean_kernel<1024><<<1, 1024, 0, stream>>>(bufs.absmax, blocks, bufs.absmax_offset);

@@ -15,9 +15,9 @@
 //                 offset        float [1]                 the mean of all block absmax values
 //   value i = kNf4Codes[code_i] * absmax'(i / B)
 // Quantisation, as bitsandbytes' quantize_4bit: block absmax over the valid values; each value goes to the nearest
-// code of w * (1 / absmax) (clamped to [-1, 1]; bitsandbytes' thresholds between codes); under DoubleQuant the exact absmax values are then compressed: offset = mean, nested_absmax =
-// max |absmax - offset| per 256 blocks, absmax_code = the nearest map entry of (absmax - offset) * (1 / nested_absmax).
-// (A block of zeros gets code 7 where bitsandbytes computes 0 * inf and stores code 0: both decode to zero.)
+// code of w * (1 / absmax) (clamped to [-1, 1]; bitsandbytes' thresholds between codes); under DoubleQuant the exact absmax values are then
+// compressed: offset = mean, nested_absmax = max |absmax - offset| per 256 blocks, absmax_code = the nearest map entry of (absmax - offset)
+// * (1 / nested_absmax). (A block of zeros gets code 7 where bitsandbytes computes 0 * inf and stores code 0: both decode to zero.)
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -58,9 +58,9 @@ SQUEEZE_HD float nf4_code_value(int c) {
 // values in float64 before those were rounded to float32, so a few differ in the last bit from midpoints of the
 // float32 table above.
 SQUEEZE_HD float nf4_midpoint(int k) {
-  constexpr float table[15] = {-0.8480964004993439f, -0.6106329262256622f, -0.4599952697753906f, -0.33967943489551544f,
+  constexpr float table[15] = {-0.8480964004993439f,  -0.6106329262256622f,  -0.4599952697753906f,   -0.33967943489551544f,
                                -0.23460740596055984f, -0.13791173323988914f, -0.045525018125772476f, 0.03979014977812767f,
-                               0.1202552504837513f,   0.2035212516784668f,   0.2920137718319893f,   0.3893125355243683f,
+                               0.1202552504837513f,   0.2035212516784668f,   0.2920137718319893f,    0.3893125355243683f,
                                0.5016634166240692f,   0.6427869200706482f,   0.8614784181118011f};
   return table[k < 0 ? 0 : k > 14 ? 14 : k];
 }
@@ -83,8 +83,10 @@ SQUEEZE_HD std::uint8_t nf4_nested_code(const float* map, float x) {
   int lo = 0, hi = 255;  // map[lo] < x <= map[hi]
   while (hi - lo > 1) {
     const int mid = (lo + hi) / 2;
-    if (x <= map[mid]) hi = mid;
-    else lo = mid;
+    if (x <= map[mid])
+      hi = mid;
+    else
+      lo = mid;
   }
   const float m = (map[lo] + map[hi]) * 0.5f;
   return std::uint8_t(x > m ? hi : x < m ? lo : (lo % 2 == 0 ? lo : hi));
@@ -114,7 +116,8 @@ SQUEEZE_HD float nf4_nested_absmax(const float* map, std::uint8_t code, float ne
 #endif
 }
 SQUEEZE_HD float nf4_block_absmax(const Nf4View& v, std::int64_t b) {
-  return v.double_quant ? nf4_nested_absmax(v.nested_map, v.absmax_code[b], v.nested_absmax[b / kNf4DqBlock], *v.absmax_offset) : v.absmax[b];
+  return v.double_quant ? nf4_nested_absmax(v.nested_map, v.absmax_code[b], v.nested_absmax[b / kNf4DqBlock], *v.absmax_offset)
+                        : v.absmax[b];
 }
 SQUEEZE_HD std::uint8_t nf4_code_at(const std::uint8_t* codes, std::int64_t i) {
   const std::uint8_t byte = codes[i >> 1];
@@ -202,8 +205,8 @@ inline void nf4_nested_quantize_cpu(const float* absmax, std::int64_t blocks, co
 }
 
 // DoubleQuant of the exact absmax [blocks]: *offset = their mean (summed in float64), then the nested statistics.
-inline void nf4_double_quantize_cpu(const float* absmax, std::int64_t blocks, const float* map, std::uint8_t* absmax_code, float* nested_absmax,
-                                    float* offset) {
+inline void nf4_double_quantize_cpu(const float* absmax, std::int64_t blocks, const float* map, std::uint8_t* absmax_code,
+                                    float* nested_absmax, float* offset) {
   double sum = 0;
   for (std::int64_t b = 0; b < blocks; ++b) sum += absmax[b];
   *offset = float(sum / double(blocks));

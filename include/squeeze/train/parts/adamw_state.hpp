@@ -44,20 +44,24 @@ class AdamWState {
   // The CPU AdamW on one partition's host buffers (fp32 or 8-bit moments): param [n] (P), master [n] or null,
   // grad [n], segment by segment (their groups' coefficients; 8-bit segments start on a state block).
   template <class P, class G>
-  static void adamw_on_host(Partition& p, P* param, float* master, const G* grad, const GroupCoeffs& cs,
-                            const kernels::AdamWDynamic& d) {
+  static void adamw_on_host(Partition& p, P* param, float* master, const G* grad, const GroupCoeffs& cs, const kernels::AdamWDynamic& d) {
     for (const Segment& s : p.segments) {
       const int64_t o = s.begin, n = s.len;
       float* mo = master ? master + o : nullptr;
       if constexpr (T::k8bit) {
         const int64_t b = s.block;
-        const kernels::AdamW8Tensor<P, G> t{param + o, mo, grad + o, p.m.template data_ptr<std::uint8_t>() + o,
-                                            p.m_absmax.template data_ptr<float>() + b, p.v.template data_ptr<std::uint8_t>() + o,
-                                            p.v_absmax.template data_ptr<float>() + b, n};
+        const kernels::AdamW8Tensor<P, G> t{param + o,
+                                            mo,
+                                            grad + o,
+                                            p.m.template data_ptr<std::uint8_t>() + o,
+                                            p.m_absmax.template data_ptr<float>() + b,
+                                            p.v.template data_ptr<std::uint8_t>() + o,
+                                            p.v_absmax.template data_ptr<float>() + b,
+                                            n};
         kernels::adamw8_cpu(t, cs[std::size_t(s.group)], d);
       } else {
-        const kernels::AdamWTensor<P, G> t{param + o, mo, grad + o, p.m.template data_ptr<float>() + o,
-                                           p.v.template data_ptr<float>() + o, n};
+        const kernels::AdamWTensor<P, G> t{param + o, mo, grad + o, p.m.template data_ptr<float>() + o, p.v.template data_ptr<float>() + o,
+                                           n};
         kernels::adamw_cpu(t, cs[std::size_t(s.group)], d);
       }
     }
@@ -119,8 +123,8 @@ class AdamWState {
       for (const FlatEntry& e : layout.entries()) {
         torch::Tensor w = init(e.name);
         TORCH_CHECK(w.defined(), "make_trainer: master_init returned no tensor for '", e.name, "'");
-        TORCH_CHECK(w.numel() == e.numel && w.sizes().vec() == e.shape, "make_trainer: master_init('", e.name, "') has shape ",
-                    w.sizes(), "; the parameter has ", c10::IntArrayRef(e.shape));
+        TORCH_CHECK(w.numel() == e.numel && w.sizes().vec() == e.shape, "make_trainer: master_init('", e.name, "') has shape ", w.sizes(),
+                    "; the parameter has ", c10::IntArrayRef(e.shape));
         TORCH_CHECK(w.is_floating_point(), "make_trainer: master_init('", e.name, "') is ", w.scalar_type(), ", not floating point");
         w = w.detach().to(torch::kFloat32).contiguous().view({-1});
         if (ctx_.world > 1) {  // rank 0's values, as the parameters were broadcast (device buffers suit the communicator)
@@ -178,14 +182,18 @@ class DeviceAdamW : public AdamWState<S, false> {
  private:
   void update(Partition& o, const GroupCoeffs& cs, const kernels::AdamWDynamic& d, float gmul) {
     if (o.param.is_cpu()) {
-      if (o.grad.scalar_type() == torch::kFloat32) update_host<float>(o, cs, d);
-      else update_host<Param>(o, cs, d);
+      if (o.grad.scalar_type() == torch::kFloat32)
+        update_host<float>(o, cs, d);
+      else
+        update_host<Param>(o, cs, d);
       return;
     }
     torch::NoGradGuard ng;
 #if defined(__CUDACC__)
-    if constexpr (T::k8bit) update_device8(o, cs, d);
-    else update_torch_ops(o, cs, gmul);
+    if constexpr (T::k8bit)
+      update_device8(o, cs, d);
+    else
+      update_torch_ops(o, cs, gmul);
 #else
     update_torch_ops(o, cs, gmul);
 #endif
@@ -237,10 +245,10 @@ class DeviceAdamW : public AdamWState<S, false> {
       const auto& c = cs[std::size_t(seg.group)];
       if (fp32_grad)
         engine::detail::adamw8_device_update<Param, float>(part(o.param), master, part(o.grad), part(o.m), blocks(o.m_absmax), part(o.v),
-                                                   blocks(o.v_absmax), dyn, c);
+                                                           blocks(o.v_absmax), dyn, c);
       else
         engine::detail::adamw8_device_update<Param, Param>(part(o.param), master, part(o.grad), part(o.m), blocks(o.m_absmax), part(o.v),
-                                                   blocks(o.v_absmax), dyn, c);
+                                                           blocks(o.v_absmax), dyn, c);
     }
   }
 #endif
@@ -267,8 +275,7 @@ class HostAdamW : public AdamWState<S, true> {
   using Base::ctx_;
 
  public:
-  explicit HostAdamW(TrainContext& ctx)
-      : Base(ctx), pipeline_(std::make_unique<OffloadPipeline>(ctx.device, ctx.opt.overlap_offload)) {
+  explicit HostAdamW(TrainContext& ctx) : Base(ctx), pipeline_(std::make_unique<OffloadPipeline>(ctx.device, ctx.opt.overlap_offload)) {
     ctx.offload = pipeline_.get();
     ctx.grads.offload = pipeline_.get();
   }
@@ -345,7 +352,8 @@ class HostAdamW : public AdamWState<S, true> {
         }
       }
       if (p.host_grad.scalar_type() == torch::kFloat32)
-        Base::template adamw_on_host<float, float>(p, p.master.template data_ptr<float>(), nullptr, p.host_grad.template data_ptr<float>(), c, d);
+        Base::template adamw_on_host<float, float>(p, p.master.template data_ptr<float>(), nullptr, p.host_grad.template data_ptr<float>(),
+                                                   c, d);
       else
         Base::template adamw_on_host<float, Param>(p, p.master.template data_ptr<float>(), nullptr,
                                                    reinterpret_cast<const Param*>(p.host_grad.data_ptr()), c, d);

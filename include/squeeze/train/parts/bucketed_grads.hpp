@@ -19,7 +19,8 @@ namespace squeeze::train {
 
 template <StrategyType S>
 class BucketedGrads {
-  static_assert(S::stage >= 2, "BucketedGrads synchronises stage 2 (and stage 3's whole-kept parameters): write ReplicatedGrads for stages 0-1");
+  static_assert(S::stage >= 2,
+                "BucketedGrads synchronises stage 2 (and stage 3's whole-kept parameters): write ReplicatedGrads for stages 0-1");
 
  public:
   static constexpr bool hands_over_in_backward = true;  // each bucket's shard is final when its reduce-scatter is
@@ -42,8 +43,8 @@ class BucketedGrads {
       torch::Tensor flat = b->flat.flat();
       ctx.broadcast(flat);
       const int64_t begin = int64_t(ctx.rank) * b->flat.shard();
-      state.own(b->own, b->flat.shard_of(flat, ctx.rank), torch::zeros({b->flat.shard()}, flat.options().dtype(ctx.grad_dtype)),
-                b->flat, begin);
+      state.own(b->own, b->flat.shard_of(flat, ctx.rank), torch::zeros({b->flat.shard()}, flat.options().dtype(ctx.grad_dtype)), b->flat,
+                begin);
       for (auto& e : b->flat.entries()) {
         e.param.mutable_grad().reset();
         torch::autograd::impl::set_post_acc_grad_hooks(e.param, std::make_unique<engine::detail::BucketHook>(b.get(), &e, &ctx.grads));

@@ -58,7 +58,8 @@ struct ParamGroups {
     settings = {{1.0f, -1.0f}, {1.0f, 0.0f}};  // 0: AdamW's settings, 1: no decay (norms, biases, embeddings)
     for (const ParamGroup& g : opt.param_groups) {
       TORCH_CHECK(bool(g.match), "make_trainer: a parameter group has no match function");
-      TORCH_CHECK(g.lr_scale >= 0 && std::isfinite(g.lr_scale), "make_trainer: a parameter group's lr_scale must be >= 0, got ", g.lr_scale);
+      TORCH_CHECK(g.lr_scale >= 0 && std::isfinite(g.lr_scale), "make_trainer: a parameter group's lr_scale must be >= 0, got ",
+                  g.lr_scale);
       settings.push_back({g.lr_scale, g.weight_decay});
     }
     for (const auto& [name, p] : trainable) {
@@ -91,13 +92,11 @@ struct TrainContext {
   TrainerOptions opt;
   ParamGroups groups;
   std::unique_ptr<SideStream> collectives;  // stage 3's gathers and the buckets' reductions (active with NCCL)
-  engine::detail::GradState grads;  // what gradient hooks and stage-3 callbacks reach during backward
+  engine::detail::GradState grads;          // what gradient hooks and stage-3 callbacks reach during backward
   OffloadPipeline* offload = nullptr;       // Offload<Host>: the host update's pipeline
 
   // Every tensor and every shard of a flat buffer starts on this many elements.
-  int64_t align_elems() const {
-    return std::max<int64_t>(1, opt.align_bytes / int64_t(c10::elementSize(compute_dtype)));
-  }
+  int64_t align_elems() const { return std::max<int64_t>(1, opt.align_bytes / int64_t(c10::elementSize(compute_dtype))); }
   void broadcast(torch::Tensor& t) const { broadcast_inplace(*comm, t, 0); }
   // The segments of a partition (elements [begin, begin + n) of layout's flat buffer) that share a group: each
   // entry's range runs to the next entry's offset, so alignment gaps (zeros, which no update changes) join it.
@@ -108,11 +107,11 @@ struct TrainContext {
 
 // One optimizer partition as the trainer's checkpoint and load paths see it, whatever part holds it.
 struct PartitionView {
-  std::string key;              // "replicated", "bucket<i>" or the stage-3 unit's name: unique within the trainer
-  const FlatParams* layout;     // parameter names, shapes and offsets of the flat buffer the partition cuts
-  int64_t begin = 0;            // the partition's first element in that buffer (this rank's shard; 0 for stage 0)
-  bool whole = false;           // stage 0: every rank holds the whole padded layout
-  bool sharded = false;         // stage 3: the module's tensors are emptied; the partition's param holds the values
+  std::string key;           // "replicated", "bucket<i>" or the stage-3 unit's name: unique within the trainer
+  const FlatParams* layout;  // parameter names, shapes and offsets of the flat buffer the partition cuts
+  int64_t begin = 0;         // the partition's first element in that buffer (this rank's shard; 0 for stage 0)
+  bool whole = false;        // stage 0: every rank holds the whole padded layout
+  bool sharded = false;      // stage 3: the module's tensors are emptied; the partition's param holds the values
   Partition* state = nullptr;
 };
 

@@ -32,8 +32,8 @@ class GatherUnits {
   template <class State>
   GatherUnits(TrainContext& ctx, State& state, torch::nn::Module& module, const NamedTensors& trainable)
       : ctx_(ctx),
-        runtime_(std::make_unique<Stage3Runtime>(ctx.comm, ctx.opt.prefetch_depth, ctx.opt.keep_last_gathered, ctx.device,
-                                                 *ctx.collectives)) {
+        runtime_(
+            std::make_unique<Stage3Runtime>(ctx.comm, ctx.opt.prefetch_depth, ctx.opt.keep_last_gathered, ctx.device, *ctx.collectives)) {
     // Sharded layers by gather unit, units in the order of their first layer, layers in module order.
     const std::vector<std::string> units = gather_unit_names(module);
     std::vector<std::pair<std::string, std::vector<std::pair<std::string, Shardable*>>>> by_unit;
@@ -73,7 +73,8 @@ class GatherUnits {
   }
   std::vector<PartitionView> views() {
     std::vector<PartitionView> v = buckets_->views();
-    for (auto& u : units_) v.push_back({u.group->name, &u.group->layout, int64_t(ctx_.rank) * u.group->layout.shard(), false, true, &u.own});
+    for (auto& u : units_)
+      v.push_back({u.group->name, &u.group->layout, int64_t(ctx_.rank) * u.group->layout.shard(), false, true, &u.own});
     return v;
   }
   // Offload<Host>: the whole-kept partitions first (the step waits for them), then the units in the forward order the
@@ -103,8 +104,7 @@ class GatherUnits {
     runtime_->release_all();
     try {
       runtime_->set_phase(Stage3Runtime::Phase::idle);
-    } catch (...) {
-    }
+    } catch (...) {}
   }
   void after_backward(bool boundary) { buckets_->after_backward(boundary); }
 

@@ -19,8 +19,10 @@ class LossScale {
     if constexpr (S::loss_scaling && !S::dynamic_loss_scaling) static_scale_ = std::ldexp(1.0f, S::loss_scale::log2_scale);
   }
   float scale() const {
-    if constexpr (S::dynamic_loss_scaling) return scaler_.scale();
-    else return static_scale_;
+    if constexpr (S::dynamic_loss_scaling)
+      return scaler_.scale();
+    else
+      return static_scale_;
   }
   // An overflow on some rank: the step is skipped and a dynamic scale backs off.
   void overflowed() {

@@ -26,18 +26,18 @@ namespace squeeze::train {
 
 // Where the optimizer state lives and who updates it.
 template <class P>
-concept OptimizerStatePart = requires(P& p, Partition& o, const std::vector<Partition*>& parts, const GroupCoeffs& cs,
-                                      torch::Tensor t, const FlatParams& layout) {
+concept OptimizerStatePart = requires(P& p, Partition& o, const std::vector<Partition*>& parts, const GroupCoeffs& cs, torch::Tensor t,
+                                      const FlatParams& layout) {
   { P::on_host } -> std::convertible_to<bool>;
   { P::zeroes_gradients } -> std::convertible_to<bool>;
-  p.own(o, t, t, layout, int64_t(0));                  // allocate and seed a partition's state
+  p.own(o, t, t, layout, int64_t(0));  // allocate and seed a partition's state
   { p.sums_on_device() } -> std::convertible_to<bool>;
   { p.host_sum_squares(o) } -> std::convertible_to<double>;
-  p.begin_micro_step(true, true, cs);                  // boundary, nothing global bars an early update, next coeffs
-  p.gradients_final(parts);                            // the window's gradients are all reduced
-  { p.take_eager() } -> std::convertible_to<bool>;     // whether updates already ran as gradients landed
-  p.apply(parts, cs, 1.0f, 1.0f, false);               // coeffs, inverse loss scale, clip coefficient, eager
-  p.skip();                                            // the step overflowed
+  p.begin_micro_step(true, true, cs);               // boundary, nothing global bars an early update, next coeffs
+  p.gradients_final(parts);                         // the window's gradients are all reduced
+  { p.take_eager() } -> std::convertible_to<bool>;  // whether updates already ran as gradients landed
+  p.apply(parts, cs, 1.0f, 1.0f, false);            // coeffs, inverse loss scale, clip coefficient, eager
+  p.skip();                                         // the step overflowed
   p.wait_all();
 };
 
@@ -67,8 +67,8 @@ concept GradientSyncPart = requires(P& p, const P& cp, MemoryUse& m, DeviceAdamW
 // The table: one type per part for Strategy S.
 template <StrategyType S>
 struct TrainerParts {
-  using GradientSync = std::conditional_t<S::stage == 3, GatherUnits<S>,
-                                          std::conditional_t<S::stage == 2, BucketedGrads<S>, ReplicatedGrads<S>>>;
+  using GradientSync =
+      std::conditional_t<S::stage == 3, GatherUnits<S>, std::conditional_t<S::stage == 2, BucketedGrads<S>, ReplicatedGrads<S>>>;
   using OptimizerState = std::conditional_t<S::offload_to_host, HostAdamW<S>, DeviceAdamW<S>>;
   using Scale = LossScale<S>;
   using Window = AccumulationWindow<S::accumulation_steps>;

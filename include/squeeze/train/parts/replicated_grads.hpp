@@ -71,8 +71,10 @@ class ReplicatedGrads {
     }
     if (!boundary) return;
     const torch::Tensor src = T::kFp32Accum ? acc_full_ : flat_.grad();
-    if constexpr (kStage == 0) all_reduce_inplace(*ctx_.comm, src, comm::ReduceOp::avg);
-    else reduce_scatter_avg(*ctx_.comm, src, own_.grad);  // in place: own_.grad is this rank's slice of src
+    if constexpr (kStage == 0)
+      all_reduce_inplace(*ctx_.comm, src, comm::ReduceOp::avg);
+    else
+      reduce_scatter_avg(*ctx_.comm, src, own_.grad);  // in place: own_.grad is this rank's slice of src
   }
 
   template <class State>
@@ -122,8 +124,10 @@ class ReplicatedGrads {
 
   // TrainerOptions::gradient_buffers changed (between windows) from `was`.
   void gradient_buffers_changed(GradientBuffers was) {
-    if (ctx_.opt.gradient_buffers == GradientBuffers::kept) attach();
-    else if (was == GradientBuffers::kept) release();
+    if (ctx_.opt.gradient_buffers == GradientBuffers::kept)
+      attach();
+    else if (was == GradientBuffers::kept)
+      release();
   }
   void restore_module() {}
 
@@ -133,8 +137,7 @@ class ReplicatedGrads {
   // parameters' .grad.
   void attach() {
     if (!flat_.grad().defined()) flat_.attach_grads();
-    if (T::kFp32Accum && !acc_full_.defined())
-      acc_full_ = torch::zeros({flat_.padded()}, flat_.options().dtype(torch::kFloat32));
+    if (T::kFp32Accum && !acc_full_.defined()) acc_full_ = torch::zeros({flat_.padded()}, flat_.options().dtype(torch::kFloat32));
     point_own_grad();
   }
   // The partition's gradient is (this rank's slice of) the buffer the update reads.
@@ -143,9 +146,12 @@ class ReplicatedGrads {
     own_.grad = kStage == 0 ? g : flat_.shard_of(g, ctx_.rank);
   }
   void collect(bool boundary) {
-    if (T::kFp32Accum) flat_.move_grads_into(acc_full_, torch::kFloat32);
-    else if (boundary) flat_.collect_grads();
-    else return;
+    if (T::kFp32Accum)
+      flat_.move_grads_into(acc_full_, torch::kFloat32);
+    else if (boundary)
+      flat_.collect_grads();
+    else
+      return;
     point_own_grad();
   }
   void release() {
@@ -156,8 +162,8 @@ class ReplicatedGrads {
   }
 
   TrainContext& ctx_;
-  FlatParams flat_;          // full parameters + full gradient buffer (compute dtype)
-  torch::Tensor acc_full_;   // [padded] fp32 accumulator (mixed-precision accumulation)
+  FlatParams flat_;         // full parameters + full gradient buffer (compute dtype)
+  torch::Tensor acc_full_;  // [padded] fp32 accumulator (mixed-precision accumulation)
   Partition own_;
 };
 

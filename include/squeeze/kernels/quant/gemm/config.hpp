@@ -30,11 +30,11 @@ struct QGemmKnobs {
   // (magic + z) * sum(x over the group), the sums from one more mma per k-step against ones (8-bit bf16 keeps the
   // per-element subtraction: bf16 cannot hold 128 + 255)
   bool fold_zeros = false;
-  int persist = 0;           // Bulk only: > 0 = a persistent grid of at most `persist` blocks per SM
+  int persist = 0;  // Bulk only: > 0 = a persistent grid of at most `persist` blocks per SM
   // B = (q - z) * scale rounded to T, accumulated straight into the result: no per-group sums, half the accumulators;
   // NOT exact (each weight rounded to T once: fp16 2^-11, bf16 2^-8 relative)
   bool scaled_b = false;
-  int min_blocks = 1;        // blocks per SM for __launch_bounds__ (caps the registers per thread)
+  int min_blocks = 1;  // blocks per SM for __launch_bounds__ (caps the registers per thread)
   // weights as the mma A operand, x as B (8 or 16 rows): a tile word already is the A fragment of its 16 n x 16 k, so
   // one mma covers 16 columns x 8 batch rows (x as A at 8 rows wasted 15 of the 16 A rows)
   bool weights_as_a = false;
@@ -59,7 +59,7 @@ struct QGemmConfig {
   // the ring of the shared-memory loaders: PF slots of one chunk of the strip (W * NT tiles; Bulk: plus the group rows,
   // sized by the plan)
   template <int BITS>
-  static constexpr int kRingBytes = LOADER != QGemmLoader::Registers ? PF * W * NT * tile_words(BITS) * 4 : 0;
+  static constexpr int kRingBytes = LOADER != QGemmLoader::Registers ? PF* W* NT* tile_words(BITS) * 4 : 0;
 };
 
 // The dispatch's configurations (plan.hpp's with_qgemm_cfg picks one by batch and width).
@@ -76,9 +76,9 @@ using QGemm8_M64 = QGemmConfig<QGemmKnobs{.rows = 64, .tiles_per_warp = 1, .chun
 
 // ---- the sm90 family (gemm/sm90.cuh): Y^T = W * X^T on wgmma (or mma.sync consumers), sm_90a ----------------------
 struct Sm90Knobs {
-  int batch_rows = 0;  // batch rows per block = wgmma's N: 16, 32, 64 or 128 (8 with mma_sync)
-  int m64_tiles = 0;   // m64 tiles per consumer warpgroup (the block's strip: 64 x m64_tiles x consumer_warpgroups features)
-  int stages = 0;      // 64-k chunks in the shared-memory ring
+  int batch_rows = 0;     // batch rows per block = wgmma's N: 16, 32, 64 or 128 (8 with mma_sync)
+  int m64_tiles = 0;      // m64 tiles per consumer warpgroup (the block's strip: 64 x m64_tiles x consumer_warpgroups features)
+  int stages = 0;         // 64-k chunks in the shared-memory ring
   int blocks_per_sm = 1;  // for __launch_bounds__ (2 halves the registers)
   // a warpgroup keeps one chunk's wgmma in flight while it decodes the next into a second A register set; ptxas
   // serializes this form's wgmma (C7513), so it is kept for measurement only
@@ -102,7 +102,8 @@ struct Sm90Config {
   static constexpr int BN = K.batch_rows, WM = K.m64_tiles, STAGES = K.stages, MINB = K.blocks_per_sm, WGS = K.consumer_warpgroups;
   static constexpr bool OVERLAP = K.overlap, WS = K.warp_specialized, GSCALE = K.group_scale, SYNC = K.mma_sync;
   static_assert(!GSCALE || (WS && !OVERLAP), "per-group fp32 scaling (group_scale) is built for the warp-specialised form without overlap");
-  static_assert(!SYNC || (WS && !OVERLAP && BN <= 16), "mma.sync consumers are built for the warp-specialised form without overlap, batch slices of 8 or 16 rows");
+  static_assert(!SYNC || (WS && !OVERLAP && BN <= 16),
+                "mma.sync consumers are built for the warp-specialised form without overlap, batch slices of 8 or 16 rows");
   static constexpr int AHEAD = OVERLAP ? STAGES - 2 : STAGES - 1;  // chunks the copy ring runs ahead (block-synchronous)
   static constexpr int CONSUMERS = 128 * WGS;                      // the consumer warpgroups
   // + the producer: one warp; with 4 consumer warpgroups a whole warpgroup, so that it can hand its registers to the
@@ -114,9 +115,9 @@ struct Sm90Config {
   // THREADS, in steps of 8) and may only move them between warpgroups: the producer keeps 24
   static constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8, PRODUCER_REGS = 24;
   static constexpr int CONSUMER_REGS = (THREADS * LAUNCH_REGS - PRODUCERS * PRODUCER_REGS) / CONSUMERS / 8 * 8;
-  static constexpr int STRIP = WGS * 64 * WM;    // output features per block
-  static constexpr int TILES = STRIP / kTileN;   // 16-feature tiles per block
-  static constexpr int GROWS = 4;                // group rows per stage: a 64-k chunk meets <= 4 groups of >= 16
+  static constexpr int STRIP = WGS * 64 * WM;   // output features per block
+  static constexpr int TILES = STRIP / kTileN;  // 16-feature tiles per block
+  static constexpr int GROWS = 4;               // group rows per stage: a 64-k chunk meets <= 4 groups of >= 16
   // stage layout (bytes): x [BN][128 B] first (1024-aligned for the swizzle), weights [TILES][512 B], scales
   // [GROWS][STRIP] fp16, zero points [GROWS][STRIP] uint8; stages 1024-aligned
   static constexpr int X_BYTES = BN * 128, W_BYTES = TILES * 512, S_BYTES = GROWS * STRIP * 2, Z_BYTES = GROWS * STRIP;
@@ -138,10 +139,10 @@ struct Sm90Config {
 // docs/kernels/quant-gemm.md has the measurements behind each).
 // M <= 8, groups of whole chunks: mma.sync consumers in 8-row slices with per-group scaling, three blocks per SM
 // (5 stages fit three rings); on large layers four (4 stages).
-using Sm90_M8 = Sm90Config<Sm90Knobs{.batch_rows = 8, .m64_tiles = 2, .stages = 5, .blocks_per_sm = 3, .warp_specialized = true,
-                                     .group_scale = true, .mma_sync = true}>;
-using Sm90_M8_Large = Sm90Config<Sm90Knobs{.batch_rows = 8, .m64_tiles = 2, .stages = 4, .blocks_per_sm = 4, .warp_specialized = true,
-                                           .group_scale = true, .mma_sync = true}>;
+using Sm90_M8 = Sm90Config<Sm90Knobs{
+    .batch_rows = 8, .m64_tiles = 2, .stages = 5, .blocks_per_sm = 3, .warp_specialized = true, .group_scale = true, .mma_sync = true}>;
+using Sm90_M8_Large = Sm90Config<Sm90Knobs{
+    .batch_rows = 8, .m64_tiles = 2, .stages = 4, .blocks_per_sm = 4, .warp_specialized = true, .group_scale = true, .mma_sync = true}>;
 // M <= 16: 16-row slices (a quarter of the tensor work of 64-row ones), two blocks per SM; on large layers three (more
 // warps to hide the decode's latencies, although ptxas then serializes the wgmma, C7512), with per-group scaling where
 // the groups are whole chunks.
@@ -169,15 +170,17 @@ struct WorkOf {
   using type = Default;
 };
 template <class C, class Default>
-  requires requires { typename C::Work; }
+requires requires { typename C::Work; }
 struct WorkOf<C, Default> {
   using type = typename C::Work;
 };
 // The name suffix of a measuring variant (its Work's), else "".
 template <class C>
 std::string work_suffix() {
-  if constexpr (requires { C::Work::suffix; }) return C::Work::suffix;
-  else return "";
+  if constexpr (requires { C::Work::suffix; })
+    return C::Work::suffix;
+  else
+    return "";
 }
 
 // A configuration's name in logs and results: mma.sync r<rows>w<warps>n<tiles>p<depth>, then a (cp.async loader) or b

@@ -53,7 +53,8 @@ void qgemm_cpu(const T* x /*[M, K]*/, const std::uint32_t* tiles, const half* sc
               const int q = 4 * ks + pi;
               const std::uint32_t bits = magic3_pair<T>(lw3[0], lw3[32], lw3[64], q);
               for (int e = 0; e < 2; ++e)
-                add(tile3_coord(lane, q, e), [&](int z) { return double(magic_value_minus_zero<T>(std::uint16_t(bits >> (16 * e)), 0, z)); });
+                add(tile3_coord(lane, q, e),
+                    [&](int z) { return double(magic_value_minus_zero<T>(std::uint16_t(bits >> (16 * e)), 0, z)); });
             }
           } else if (s.bits == 8) {
             for (int j = 0; j < 2; ++j) {

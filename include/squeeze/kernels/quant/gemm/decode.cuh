@@ -15,14 +15,23 @@
 
 namespace squeeze::kernels::quant::detail {
 
-template <class T> struct Vec2;
-template <> struct Vec2<half> { using type = __half2; };
-template <> struct Vec2<bf16> { using type = __nv_bfloat162; };
+template <class T>
+struct Vec2;
+template <>
+struct Vec2<half> {
+  using type = __half2;
+};
+template <>
+struct Vec2<bf16> {
+  using type = __nv_bfloat162;
+};
 
 __device__ __forceinline__ std::uint32_t u32(__half2 v) { return *reinterpret_cast<std::uint32_t*>(&v); }
 __device__ __forceinline__ std::uint32_t u32(__nv_bfloat162 v) { return *reinterpret_cast<std::uint32_t*>(&v); }
 template <class V>
-__device__ __forceinline__ V as_vec2(std::uint32_t u) { return *reinterpret_cast<V*>(&u); }
+__device__ __forceinline__ V as_vec2(std::uint32_t u) {
+  return *reinterpret_cast<V*>(&u);
+}
 
 // The zero-point operands of decode_word for zero point z: zlo = (magic + z) as a T pair (bf16 128 + z, fp16 1024 + z);
 // zhi (fp16 only; 0 for bf16) = -(64 + z), for the pairs that read as 1024 + 16 v.

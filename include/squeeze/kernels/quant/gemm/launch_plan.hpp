@@ -28,16 +28,16 @@ struct QGemmWorkspace {
 // zero points are staged in shared memory once, so the main loop has no barrier. K splits are summed by the last block
 // of a (z slice, strip) to finish (fp32 partials in the workspace, a counter per (z slice, strip)).
 struct QGemmPlan {
-  int rows = 8;           // x rows per block
-  int zslices = 1;        // ceil(M / rows)
-  int strips = 1;         // ceil(Npad / strip_cols)
-  int splits = 1;         // K ranges
-  int cps = 1;            // 64-k chunks per K range (the last one may be shorter)
-  int ngroups = 1;        // scale groups one K range can touch (shared-memory table rows)
-  int smem_bytes = 0;     // dynamic shared memory per block
-  std::int64_t partial_elems = 0;  // fp32 [splits, M, Npad] when splits > 1
-  std::int64_t counter_elems = 0;  // int32 [zslices, strips], zero between launches
-  int items_per_block = 1;         // work items (z slice, strip, K range) per block: > 1 for a persistent grid
+  int rows = 8;                       // x rows per block
+  int zslices = 1;                    // ceil(M / rows)
+  int strips = 1;                     // ceil(Npad / strip_cols)
+  int splits = 1;                     // K ranges
+  int cps = 1;                        // 64-k chunks per K range (the last one may be shorter)
+  int ngroups = 1;                    // scale groups one K range can touch (shared-memory table rows)
+  int smem_bytes = 0;                 // dynamic shared memory per block
+  std::int64_t partial_elems = 0;     // fp32 [splits, M, Npad] when splits > 1
+  std::int64_t counter_elems = 0;     // int32 [zslices, strips], zero between launches
+  int items_per_block = 1;            // work items (z slice, strip, K range) per block: > 1 for a persistent grid
   int slot_bytes = 0, slot_rows = 0;  // bulk loader: bytes per ring slot, group rows per slot
   std::int64_t items() const { return std::int64_t(strips) * splits * zslices; }
   std::int64_t blocks() const { return (items() + items_per_block - 1) / items_per_block; }
@@ -77,11 +77,11 @@ struct QGemmGeometry {
   int rows = 8;         // x rows per block
   int strip_cols = 64;  // W * NT * 16
   int warps = 4;
-  int ring_bytes = 0;   // cp.async / bulk loader ring per block (bulk: the weight part)
-  int bulk_slots = 0;   // bulk loader: ring slots, each one chunk of the strip's weights plus the scale / zero rows
-                        // of the groups that start in it (0: the group table is staged in shared memory)
-  int persist = 0;      // > 0: a grid of at most persist blocks per SM, each taking consecutive work items
-  bool swap = false;    // weights as A: only min(rows, M) x rows are staged (the missing B columns read the last row)
+  int ring_bytes = 0;  // cp.async / bulk loader ring per block (bulk: the weight part)
+  int bulk_slots = 0;  // bulk loader: ring slots, each one chunk of the strip's weights plus the scale / zero rows
+                       // of the groups that start in it (0: the group table is staged in shared memory)
+  int persist = 0;     // > 0: a grid of at most persist blocks per SM, each taking consecutive work items
+  bool swap = false;   // weights as A: only min(rows, M) x rows are staged (the missing B columns read the last row)
 };
 template <class C, int BITS>
 QGemmGeometry qgemm_geometry() {
@@ -112,9 +112,9 @@ inline QGemmPlan plan_qgemm(const QGemmShape& s, const QGemmGeometry& g, int sm_
   // group) within 32 KB
   x_smem_cap = std::max(4 * 1024, std::min(x_smem_cap, 220 * 1024 - (bulk ? 0 : 32 * 1024) - ring_bytes));
   const std::int64_t table_groups = std::max<std::int64_t>(3, 32 * 1024 / (3 * g.strip_cols));
-  const std::int64_t cps_max = std::max<std::int64_t>(
-      1, std::min<std::int64_t>((x_smem_cap / (2 * xrows) - 8) / kTileK,
-                                bulk ? std::int64_t(1) << 30 : (table_groups - 2) * s.group / kTileK));
+  const std::int64_t cps_max =
+      std::max<std::int64_t>(1, std::min<std::int64_t>((x_smem_cap / (2 * xrows) - 8) / kTileK,
+                                                       bulk ? std::int64_t(1) << 30 : (table_groups - 2) * s.group / kTileK));
   std::int64_t cps = cps_override;
   if (cps <= 0) {
     cps = std::max(cps_target, 1);
@@ -161,7 +161,8 @@ decltype(auto) with_qgemm_cfg(const QGemmShape& s, F&& f) {
 // The plan qgemm_cuda uses for s on a device with sm_count SMs, its configuration's name, and its workspace sizes
 // (pointers left null).
 inline QGemmPlan qgemm_plan(const QGemmShape& s, int sm_count, int cps_override = 0) {
-  return with_qgemm_cfg(s, [&](auto bits, auto c) { return plan_qgemm(s, qgemm_geometry<decltype(c), decltype(bits)::value>(), sm_count, cps_override); });
+  return with_qgemm_cfg(
+      s, [&](auto bits, auto c) { return plan_qgemm(s, qgemm_geometry<decltype(c), decltype(bits)::value>(), sm_count, cps_override); });
 }
 inline std::string qgemm_cfg_name(const QGemmShape& s) {
   return with_qgemm_cfg(s, [](auto, auto c) { return detail::cfg_name<decltype(c)>(); });
@@ -178,8 +179,8 @@ inline QGemmWorkspace qgemm_workspace_size(const QGemmShape& s, int sm_count, in
 // cluster's blocks must share a GPC); through global memory summed by every block of a tile, a share each ("spread":
 // the grid must fit the GPU at once, a cooperative launch); or by the tile's last block to finish.
 struct Sm90Plan {
-  int zslices = 1;  // ceil(M / BN)
-  int strips = 1;   // ceil(Npad / STRIP)
+  int zslices = 1;       // ceil(M / BN)
+  int strips = 1;        // ceil(Npad / STRIP)
   int splits = 1;        // K ranges
   int cps = 1;           // 64-k chunks of each of the first `lead` K ranges
   int lead = 1;          // K ranges of cps chunks; the rest have cps_tail (tapered, sm90_taper), the last the remainder
@@ -193,8 +194,13 @@ struct Sm90Plan {
 };
 inline std::string describe(const Sm90Plan& p) {
   return "zslices " + std::to_string(p.zslices) + " strips " + std::to_string(p.strips) + " splits " + std::to_string(p.splits) +
-         (p.splits > 1 ? (p.cluster ? " (cluster)" : p.spread ? " (global, spread)" : " (global)") : "") + " cps " + std::to_string(p.cps) +
-         (p.lead < p.splits ? " taper " + std::to_string(p.lead) + "+" + std::to_string(p.cps_tail) : "") + " smem " + std::to_string(p.smem_bytes) + " B";
+         (p.splits > 1 ? (p.cluster  ? " (cluster)"
+                          : p.spread ? " (global, spread)"
+                                     : " (global)")
+                       : "") +
+         " cps " + std::to_string(p.cps) +
+         (p.lead < p.splits ? " taper " + std::to_string(p.lead) + "+" + std::to_string(p.cps_tail) : "") + " smem " +
+         std::to_string(p.smem_bytes) + " B";
 }
 // K range `split`'s chunks [kc0, kc0 + nck) of kchunks: `lead` ranges of cps chunks, then ranges of cps_tail (the
 // kernel and the plan's checks alike)
@@ -290,7 +296,11 @@ inline double sm90_split_cost(const QGemmShape& s, int zslices, std::int64_t til
   cost += kSm90WaveBytes * double(waves - 1);
   const bool spread = !cluster && sm90_spreads(s, blocks, cap);
   if (splits > 1)
-    cost += (cluster ? 4.0 : spread ? kSm90SpreadBytes : 6.0) * splits * double(s.M) * double(s.Npad) + (cluster || spread ? 0.0 : kSm90GlobalBytes);
+    cost += (cluster  ? 4.0
+             : spread ? kSm90SpreadBytes
+                      : 6.0) *
+                splits * double(s.M) * double(s.Npad) +
+            (cluster || spread ? 0.0 : kSm90GlobalBytes);
   return cost;
 }
 // Tapers a plan's K ranges through global memory: its first `lead` K ranges longer, the other splits - lead of cps_tail
@@ -351,8 +361,8 @@ Sm90Plan plan_qgemm_sm90(const QGemmShape& s, const Sm90Capacity& cap, int split
   bool cluster = !global;
   if (splits_override > 0) {
     if (reduce == Sm90Reduce::Auto)
-      cluster = splits <= kSm90MaxClusterSplits &&
-                sm90_split_cost(s, p.zslices, tiles, splits, true, cap, C::MINB) < sm90_split_cost(s, p.zslices, tiles, splits, false, cap, C::MINB);
+      cluster = splits <= kSm90MaxClusterSplits && sm90_split_cost(s, p.zslices, tiles, splits, true, cap, C::MINB) <
+                                                       sm90_split_cost(s, p.zslices, tiles, splits, false, cap, C::MINB);
   } else {
     const int min_chunks = s.M < kSm90SpreadMinRows ? kSm90MinChunksFewRows : kSm90MinChunks;
     const int max_splits = int(std::clamp<std::int64_t>(kchunks / min_chunks, 1, limit));

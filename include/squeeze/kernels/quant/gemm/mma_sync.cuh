@@ -41,16 +41,16 @@ namespace squeeze::kernels::quant {
 namespace detail {
 
 struct QGemmParams {
-  const void* x;          // T [M, K]
+  const void* x;               // T [M, K]
   const std::uint32_t* tiles;  // [Kpad/64][Npad/16] tiles
-  const half* scales;     // [groups, Npad]
+  const half* scales;          // [groups, Npad]
   const std::uint8_t* zeros;
-  void* y;                // T [M, N]
-  float* partial;         // [splits, M, Npad] (splits > 1)
-  int* counters;          // [zslices, strips], zero between launches
+  void* y;         // T [M, N]
+  float* partial;  // [splits, M, Npad] (splits > 1)
+  int* counters;   // [zslices, strips], zero between launches
   int M, N, K, Npad, Kpad, group;
   int cps, strips, splits, zslices, ngroups;
-  int items_per_block;    // consecutive work items per block (Bulk with a persistent grid; else 1)
+  int items_per_block;        // consecutive work items per block (Bulk with a persistent grid; else 1)
   int slot_bytes, slot_rows;  // Bulk: ring slot bytes, group rows per slot
 };
 
@@ -73,7 +73,7 @@ template <class T, int BITS, class C>
 struct QGemmTraits {
   static constexpr int W = C::W, NT = C::NT, PF = C::PF, MT = C::MT, ROWS = C::ROWS, STRIP = C::STRIP;
   static constexpr int LW = lane_words(BITS), TW = tile_words(BITS);  // 32-bit words per lane / per tile
-  static constexpr int LV = LW / 4;                                    // 16-byte vectors per lane (4/8 bits)
+  static constexpr int LV = LW / 4;                                   // 16-byte vectors per lane (4/8 bits)
   static constexpr int NV = NT * LV;
   static constexpr int NC = W * 32;  // threads that compute (Bulk adds one producer warp)
   static constexpr bool kBulk = C::LOADER == QGemmLoader::Bulk;
@@ -234,8 +234,8 @@ __device__ __forceinline__ QGemmChunk<C::NT, lane_words(BITS)> qgemm_load_chunk(
 }
 // Chunk c into slot `slot` of this thread's cp.async ring, [PF][W*32][NV] (4/8 bits).
 template <class T, int BITS, class C>
-__device__ __forceinline__ void qgemm_issue_chunk(uint4* ring, int tid, const std::uint32_t* wbase, std::int64_t cstride, const int (&toff)[C::NT],
-                                                  int c, int slot) {
+__device__ __forceinline__ void qgemm_issue_chunk(uint4* ring, int tid, const std::uint32_t* wbase, std::int64_t cstride,
+                                                  const int (&toff)[C::NT], int c, int slot) {
   using K = QGemmTraits<T, BITS, C>;
   uint4* d = ring + (std::int64_t(slot) * C::W * 32 + tid) * K::NV;
 #pragma unroll
@@ -265,7 +265,8 @@ __device__ __forceinline__ QGemmChunk<C::NT, lane_words(BITS)> qgemm_read_slot(c
 // The item's x slice, [XR rows][cps * 64 k] at xs (rows past M, k past K: zero), by 16-byte cp.async where x allows;
 // commits the copies as one group.
 template <class T, int NC>
-__device__ __forceinline__ void qgemm_stage_x(const QGemmParams& p, std::uint16_t* xs, int xstride, int XR, int rows, int m0, int kb, int tid) {
+__device__ __forceinline__ void qgemm_stage_x(const QGemmParams& p, std::uint16_t* xs, int xstride, int XR, int rows, int m0, int kb,
+                                              int tid) {
   const T* x = static_cast<const T*>(p.x) + std::int64_t(m0) * p.K;
   const bool vec_ok = (p.K % 8 == 0) && ((reinterpret_cast<std::uintptr_t>(p.x) & 15) == 0);
   const int segs = p.cps * (kTileK / 8);  // 8-element segments per row
@@ -291,7 +292,8 @@ __device__ __forceinline__ void qgemm_stage_x(const QGemmParams& p, std::uint16_
 // The item's group table (register / cp.async loaders; Bulk: the rows come with the weights in the ring): scales and
 // zero points of groups g_first..g_last over the strip, [ngroups][STRIP].
 template <int STRIP, int NC>
-__device__ __forceinline__ void qgemm_stage_groups(const QGemmParams& p, half* ss, std::uint8_t* zs, int g_first, int g_last, int col0, int tid) {
+__device__ __forceinline__ void qgemm_stage_groups(const QGemmParams& p, half* ss, std::uint8_t* zs, int g_first, int g_last, int col0,
+                                                   int tid) {
   for (int i = tid; i < p.ngroups * STRIP; i += NC) {
     const int gi = i / STRIP, col = col0 + (i - gi * STRIP);
     const bool in = g_first + gi <= g_last && col < p.Npad;
@@ -310,8 +312,8 @@ struct QGemmGroupRaw {
 };
 // Group gg from the group table (row r holds group tbl_g0 + r).
 template <class T, int BITS, class C>
-__device__ __forceinline__ QGemmGroupRaw<C::NT> qgemm_fetch_group(const half* tbl_s, const std::uint8_t* tbl_z, int tbl_g0, int gg, int warp, int g4,
-                                                                   int c4) {
+__device__ __forceinline__ QGemmGroupRaw<C::NT> qgemm_fetch_group(const half* tbl_s, const std::uint8_t* tbl_z, int tbl_g0, int gg,
+                                                                  int warp, int g4, int c4) {
   using K = QGemmTraits<T, BITS, C>;
   QGemmGroupRaw<C::NT> r;
   const int row = (gg - tbl_g0) * C::STRIP + warp * C::NT * kTileN;
@@ -322,9 +324,12 @@ __device__ __forceinline__ QGemmGroupRaw<C::NT> qgemm_fetch_group(const half* tb
       const int n = row + t * kTileN + 8 * j;
       r.zb[t][j] = tbl_z[n + g4];
       if constexpr (K::kFold && !K::kSwap) r.zc[t][j] = std::uint32_t(tbl_z[n + 2 * c4]) | (std::uint32_t(tbl_z[n + 2 * c4 + 1]) << 8);
-      if constexpr (C::SCALEB) r.sb[t][j] = *reinterpret_cast<const std::uint16_t*>(tbl_s + n + g4);
-      else if constexpr (K::kSwap) r.s[t][j] = *reinterpret_cast<const std::uint16_t*>(tbl_s + n + g4);  // C row n = B column
-      else r.s[t][j] = *reinterpret_cast<const std::uint32_t*>(tbl_s + n + 2 * c4);
+      if constexpr (C::SCALEB)
+        r.sb[t][j] = *reinterpret_cast<const std::uint16_t*>(tbl_s + n + g4);
+      else if constexpr (K::kSwap)
+        r.s[t][j] = *reinterpret_cast<const std::uint16_t*>(tbl_s + n + g4);  // C row n = B column
+      else
+        r.s[t][j] = *reinterpret_cast<const std::uint32_t*>(tbl_s + n + 2 * c4);
     }
   return r;
 }
@@ -376,8 +381,8 @@ struct QGemmGroupConsts {
 // Fragment registers of k-step ks of the chunk, every tile: b[t][j][r] (n8 half j, register r); with folded zero
 // points magic + q, otherwise q - z (scaled B: times the B column's scale).
 template <class T, int BITS, class C>
-__device__ __forceinline__ void qgemm_decode_kstep(const QGemmChunk<C::NT, lane_words(BITS)>& ch, int ks, const QGemmGroupConsts<T, BITS, C>& gc,
-                                                   std::uint32_t (&b)[C::NT][2][2]) {
+__device__ __forceinline__ void qgemm_decode_kstep(const QGemmChunk<C::NT, lane_words(BITS)>& ch, int ks,
+                                                   const QGemmGroupConsts<T, BITS, C>& gc, std::uint32_t (&b)[C::NT][2][2]) {
   using K = QGemmTraits<T, BITS, C>;
 #pragma unroll
   for (int t = 0; t < C::NT; ++t) {
@@ -386,9 +391,12 @@ __device__ __forceinline__ void qgemm_decode_kstep(const QGemmChunk<C::NT, lane_
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          if constexpr (BITS == 8) b[t][j][r] = magic8_pair_f16(ch.w[t][2 * ks + j], r);
-          else if constexpr (BITS == 3) b[t][j][r] = magic3_pair<T>(ch.w[t][0], ch.w[t][1], ch.w[t][2], 4 * ks + 2 * j + r);
-          else b[t][j][r] = and_or<0x000F000Fu, (std::is_same_v<T, bf16> ? 0x43004300u : 0x64006400u)>(ch.w[t][ks] >> (4 * (2 * j + r)));
+          if constexpr (BITS == 8)
+            b[t][j][r] = magic8_pair_f16(ch.w[t][2 * ks + j], r);
+          else if constexpr (BITS == 3)
+            b[t][j][r] = magic3_pair<T>(ch.w[t][0], ch.w[t][1], ch.w[t][2], 4 * ks + 2 * j + r);
+          else
+            b[t][j][r] = and_or<0x000F000Fu, (std::is_same_v<T, bf16> ? 0x43004300u : 0x64006400u)>(ch.w[t][ks] >> (4 * (2 * j + r)));
         }
     } else if constexpr (BITS == 8) {
       decode_word8<T>(ch.w[t][2 * ks], ch.w[t][2 * ks + 1], gc.zlo[t], gc.zf[t], b[t]);
@@ -445,8 +453,10 @@ struct QGemmAccumulators {
             for (int e = 0; e < 4; ++e) {
               float v = tmp[mt][t][j][e];
               // minus (magic + z) * sum(x) of the row (SWAP: z of the column n = 8 (e >> 1) + g4, sum of batch row j, e)
-              if constexpr (K::kFold && K::kSwap) v = fmaf(-gc.zc2[t][e >> 1][0], xacc[j][e], v);
-              else if constexpr (K::kFold) v = fmaf(-gc.zc2[t][j][e & 1], xacc[mt][e & 2], v);
+              if constexpr (K::kFold && K::kSwap)
+                v = fmaf(-gc.zc2[t][e >> 1][0], xacc[j][e], v);
+              else if constexpr (K::kFold)
+                v = fmaf(-gc.zc2[t][j][e & 1], xacc[mt][e & 2], v);
               // scale of the element's column: swapped, C row n = 8 (e >> 1) + g4 of the tile
               const float scale = K::kSwap ? gc.sc[t][e >> 1][0] : gc.sc[t][j][e & 1];
               acc[mt][t][j][e] = fmaf(v, scale, acc[mt][t][j][e]);
@@ -464,8 +474,9 @@ struct QGemmAccumulators {
 // the decoded fragments b, MT * NT * 2 mma (SWAP: NT * NJ mma, x as B). a8 (8 rows): the A fragments of two k-steps,
 // loaded at even ks.
 template <class T, int BITS, class C>
-__device__ __forceinline__ void qgemm_mma_kstep(const std::uint16_t* xs, int xstride, int XR, int kl, int ks, int lane, std::uint32_t (&a8)[4],
-                                                const std::uint32_t (&b)[C::NT][2][2], QGemmAccumulators<T, BITS, C>& ac) {
+__device__ __forceinline__ void qgemm_mma_kstep(const std::uint16_t* xs, int xstride, int XR, int kl, int ks, int lane,
+                                                std::uint32_t (&a8)[4], const std::uint32_t (&b)[C::NT][2][2],
+                                                QGemmAccumulators<T, BITS, C>& ac) {
   using K = QGemmTraits<T, BITS, C>;
   constexpr int MT = C::MT, NT = C::NT, NJ = K::NJ;
   if constexpr (K::kSwap) {
@@ -537,8 +548,8 @@ struct QGemmOut {
 // strip) to finish sums them in split order (deterministic), writes y and resets its counter. C fragment rows g4 / g4 +
 // 8, columns 2 c4, 2 c4 + 1 of each n8 half (SWAP: rows are the columns n, columns the batch rows).
 template <class T, int BITS, class C>
-__device__ __forceinline__ void qgemm_epilogue(const QGemmParams& p, const QGemmAccumulators<T, BITS, C>& ac, const QGemmItem& it, const QGemmOut& o,
-                                               int ntiles, int tid, int g4, int c4, int& last_flag) {
+__device__ __forceinline__ void qgemm_epilogue(const QGemmParams& p, const QGemmAccumulators<T, BITS, C>& ac, const QGemmItem& it,
+                                               const QGemmOut& o, int ntiles, int tid, int g4, int c4, int& last_flag) {
   using K = QGemmTraits<T, BITS, C>;
   constexpr int MT = C::MT, NT = C::NT, NJ = K::NJ, STRIP = C::STRIP;
   T* y = static_cast<T*>(p.y);
@@ -585,7 +596,8 @@ __device__ __forceinline__ void qgemm_epilogue(const QGemmParams& p, const QGemm
           for (int h = 0; h < 2; ++h) {
             const int m = mt * 16 + g4 + 8 * h, n = (o.nt0 + t) * kTileN + 8 * j + 2 * c4;
             if (m < o.rows && o.nt0 + t < ntiles)
-              *reinterpret_cast<float2*>(mine + std::int64_t(m) * p.Npad + n) = make_float2(ac.acc[mt][t][j][2 * h], ac.acc[mt][t][j][2 * h + 1]);
+              *reinterpret_cast<float2*>(mine + std::int64_t(m) * p.Npad + n) =
+                  make_float2(ac.acc[mt][t][j][2 * h], ac.acc[mt][t][j][2 * h + 1]);
           }
   }
   // split-K: the last block of the (z slice, strip) sums the partials
@@ -659,142 +671,145 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_kernel(const QGemmP
   int q_next = 0;              // Bulk: sequence number of the next chunk to read
   int x_key = -1;              // Bulk: (z, K range) of the staged x slice
   for (int item = item0; item < item_end; ++item) {
-  const QGemmItem it = qgemm_item<kBulk>(p, kchunks, item);
-  const int z = it.z, split = it.split, kc0 = it.kc0, nck = it.nck;
-  const int kb = kc0 * kTileK;  // first k of this item
-  const int m0 = z * ROWS, rows = min(ROWS, p.M - m0);
-  const int col0 = it.strip * STRIP;
-  const int nt0 = col0 / kTileN + warp * C::NT;  // this warp's first tile
-  const bool active = nt0 < ntiles;              // warp-uniform
+    const QGemmItem it = qgemm_item<kBulk>(p, kchunks, item);
+    const int z = it.z, split = it.split, kc0 = it.kc0, nck = it.nck;
+    const int kb = kc0 * kTileK;  // first k of this item
+    const int m0 = z * ROWS, rows = min(ROWS, p.M - m0);
+    const int col0 = it.strip * STRIP;
+    const int nt0 = col0 / kTileN + warp * C::NT;  // this warp's first tile
+    const bool active = nt0 < ntiles;              // warp-uniform
 
-  const std::uint32_t* wbase = p.tiles + std::int64_t(kc0) * cstride + (BITS == 3 ? lane : lane * K::LW);  // this warp's weight stream
-  int toff[C::NT];
+    const std::uint32_t* wbase = p.tiles + std::int64_t(kc0) * cstride + (BITS == 3 ? lane : lane * K::LW);  // this warp's weight stream
+    int toff[C::NT];
 #pragma unroll
-  for (int t = 0; t < C::NT; ++t) toff[t] = min(nt0 + t, ntiles - 1) * K::TW;
-  uint4* ring = reinterpret_cast<uint4*>(smem + lay.ring);  // [PF][W*32][NV] (CpAsync loader, 4/8 bits)
+    for (int t = 0; t < C::NT; ++t) toff[t] = min(nt0 + t, ntiles - 1) * K::TW;
+    uint4* ring = reinterpret_cast<uint4*>(smem + lay.ring);  // [PF][W*32][NV] (CpAsync loader, 4/8 bits)
 
-  // ---- prologue: weight loads first (the longest latency), then x and the group table ----
-  Chunk bq[C::LOADER == QGemmLoader::Registers ? PF : 1];
-  if constexpr (C::LOADER == QGemmLoader::Registers) {
-#pragma unroll
-    for (int c = 0; c < PF; ++c)
-      if (active && c < nck) bq[c] = qgemm_load_chunk<T, BITS, C>(wbase, cstride, toff, c);
-  }
-  const int key = z + p.zslices * split;
-  const bool stage_x = !kBulk || key != x_key;
-  if (stage_x) {
-    if (kBulk && item != item0) qgemm_sync_compute<kBulk, NC>();  // every warp is done with the previous x slice
-    x_key = key;
-    qgemm_stage_x<T, NC>(p, xs, xstride, XR, rows, m0, kb, tid);
-  }
-  const int g_first = kb / p.group;
-  const int g_last = (min(kb + nck * kTileK, p.K) - 1) / p.group;
-  if constexpr (!kBulk) qgemm_stage_groups<STRIP, NC>(p, ss, zs, g_first, g_last, col0, tid);
-  if constexpr (C::LOADER == QGemmLoader::CpAsync) {
-#pragma unroll
-    for (int c = 0; c < PF - 1; ++c) {
-      if (active && c < nck) qgemm_issue_chunk<T, BITS, C>(ring, tid, wbase, cstride, toff, c, c);
-      cp_async_commit();
-    }
-    cp_async_wait<PF - 2>();  // x (the oldest group) has landed
-  } else {
-    cp_async_wait<0>();
-  }
-  if (stage_x) qgemm_sync_compute<kBulk, NC>();
-
-  // ---- group constants: the table staged for the item (register / cp.async loaders), or the rows that came with
-  // the current chunk's ring slot (Bulk); row r holds group tbl_g0 + r
-  const half* tbl_s = ss;
-  const std::uint8_t* tbl_z = zs;
-  int tbl_g0 = g_first;
-  QGemmGroupConsts<T, BITS, C> gc;
-  int g = g_first;
-  int next_k = (g + 1) * p.group < p.K ? (g + 1) * p.group : 0x7fffffff;  // k where the next group starts
-  QGemmAccumulators<T, BITS, C> ac;
-  ac.zero();
-  if constexpr (Work::kDecode && !kBulk) gc.apply(qgemm_fetch_group<T, BITS, C>(tbl_s, tbl_z, tbl_g0, g, warp, g4, c4));  // (Bulk: with the first chunk's slot)
-  auto advance_group = [&]() {
-    if constexpr (Work::kMultiply) ac.flush(gc);
-    ++g;
-    next_k = (g + 1) * p.group < p.K ? (g + 1) * p.group : 0x7fffffff;
-    gc.apply(qgemm_fetch_group<T, BITS, C>(tbl_s, tbl_z, tbl_g0, g, warp, g4, c4));
-  };
-  // One chunk: 4 k-steps of 16; per k-step decode NT * 2 B fragments and multiply (SWAP: NT A fragments). Groups that
-  // end inside the chunk (group % 64 != 0) take the checked copy of the chunk body (k-steps never straddle groups:
-  // group % 16 == 0).
-  auto chunk_body = [&](const Chunk& ch, int kl, auto check_groups) {
-    [[maybe_unused]] std::uint32_t a8[4];  // ROWS8 == 1: A of two k-steps (rows 0..7)
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      if constexpr (decltype(check_groups)::value) {
-        if (ks > 0 && kb + kl + ks * 16 >= next_k) advance_group();
-      }
-      std::uint32_t b[C::NT][2][2];
-      qgemm_decode_kstep<T, BITS, C>(ch, ks, gc, b);
-      if constexpr (!Work::kMultiply) {
-        Work::keep(sink, b);
-        continue;
-      }
-      qgemm_mma_kstep<T, BITS, C>(xs, xstride, XR, kl, ks, lane, a8, b, ac);
-    }
-  };
-  auto compute = [&](const Chunk& ch, int c) {
-    if constexpr (!Work::kDecode) {
-      Work::keep(sink, ch.w);
-      return;
-    }
-    const int kl = c * kTileK;  // local k in xs
-    if (kb + kl >= next_k) advance_group();  // a group starting with this chunk (every group % 64 == 0 case)
-    if (kb + kl + kTileK > next_k) chunk_body(ch, kl, std::true_type{});
-    else chunk_body(ch, kl, std::false_type{});
-  };
-
-  // ---- mainloop: no block barriers; each warp keeps PF chunks of its own weights in flight (Bulk: the
-  // producer keeps PF chunks of the block's strips in flight, across items) ----
-  if constexpr (kBulk) {
-    // every compute warp takes part in every chunk; warps past N skip the math
-    for (int c = 0; c < nck; ++c) {
-      const int q = q_next + c, slot = q % PF;
-      mbar_wait(full + slot, unsigned(q / PF) & 1u);
-      __syncwarp();  // lanes leave the wait loop separately; ldmatrix / mma.sync need the whole warp
-      const unsigned char* sb = bring + slot * p.slot_bytes;
-      const Chunk ch = qgemm_bulk_read<T, BITS, C>(sb, warp, lane);
-      tbl_s = reinterpret_cast<const half*>(sb + K::kSlotBytes);
-      tbl_z = sb + K::kSlotBytes + p.slot_rows * STRIP * 2;
-      qgemm_slot_groups(p, kc0 + c, c == 0, tbl_g0);
-      if (Work::kDecode && c == 0) gc.apply(qgemm_fetch_group<T, BITS, C>(tbl_s, tbl_z, tbl_g0, g, warp, g4, c4));
-      if (active) compute(ch, c);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(empty + slot);  // this warp is done with the slot
-    }
-    q_next += nck;
-  } else if (active) {
+    // ---- prologue: weight loads first (the longest latency), then x and the group table ----
+    Chunk bq[C::LOADER == QGemmLoader::Registers ? PF : 1];
     if constexpr (C::LOADER == QGemmLoader::Registers) {
-      for (int base = 0; base < nck; base += PF) {
 #pragma unroll
-        for (int q = 0; q < PF; ++q) {
-          const int c = base + q;
-          if (c < nck) {
-            const Chunk cur = bq[q];
-            if (c + PF < nck) bq[q] = qgemm_load_chunk<T, BITS, C>(wbase, cstride, toff, c + PF);
-            compute(cur, c);
+      for (int c = 0; c < PF; ++c)
+        if (active && c < nck) bq[c] = qgemm_load_chunk<T, BITS, C>(wbase, cstride, toff, c);
+    }
+    const int key = z + p.zslices * split;
+    const bool stage_x = !kBulk || key != x_key;
+    if (stage_x) {
+      if (kBulk && item != item0) qgemm_sync_compute<kBulk, NC>();  // every warp is done with the previous x slice
+      x_key = key;
+      qgemm_stage_x<T, NC>(p, xs, xstride, XR, rows, m0, kb, tid);
+    }
+    const int g_first = kb / p.group;
+    const int g_last = (min(kb + nck * kTileK, p.K) - 1) / p.group;
+    if constexpr (!kBulk) qgemm_stage_groups<STRIP, NC>(p, ss, zs, g_first, g_last, col0, tid);
+    if constexpr (C::LOADER == QGemmLoader::CpAsync) {
+#pragma unroll
+      for (int c = 0; c < PF - 1; ++c) {
+        if (active && c < nck) qgemm_issue_chunk<T, BITS, C>(ring, tid, wbase, cstride, toff, c, c);
+        cp_async_commit();
+      }
+      cp_async_wait<PF - 2>();  // x (the oldest group) has landed
+    } else {
+      cp_async_wait<0>();
+    }
+    if (stage_x) qgemm_sync_compute<kBulk, NC>();
+
+    // ---- group constants: the table staged for the item (register / cp.async loaders), or the rows that came with
+    // the current chunk's ring slot (Bulk); row r holds group tbl_g0 + r
+    const half* tbl_s = ss;
+    const std::uint8_t* tbl_z = zs;
+    int tbl_g0 = g_first;
+    QGemmGroupConsts<T, BITS, C> gc;
+    int g = g_first;
+    int next_k = (g + 1) * p.group < p.K ? (g + 1) * p.group : 0x7fffffff;  // k where the next group starts
+    QGemmAccumulators<T, BITS, C> ac;
+    ac.zero();
+    if constexpr (Work::kDecode && !kBulk)
+      gc.apply(qgemm_fetch_group<T, BITS, C>(tbl_s, tbl_z, tbl_g0, g, warp, g4, c4));  // (Bulk: with the first chunk's slot)
+    auto advance_group = [&]() {
+      if constexpr (Work::kMultiply) ac.flush(gc);
+      ++g;
+      next_k = (g + 1) * p.group < p.K ? (g + 1) * p.group : 0x7fffffff;
+      gc.apply(qgemm_fetch_group<T, BITS, C>(tbl_s, tbl_z, tbl_g0, g, warp, g4, c4));
+    };
+    // One chunk: 4 k-steps of 16; per k-step decode NT * 2 B fragments and multiply (SWAP: NT A fragments). Groups that
+    // end inside the chunk (group % 64 != 0) take the checked copy of the chunk body (k-steps never straddle groups:
+    // group % 16 == 0).
+    auto chunk_body = [&](const Chunk& ch, int kl, auto check_groups) {
+      [[maybe_unused]] std::uint32_t a8[4];  // ROWS8 == 1: A of two k-steps (rows 0..7)
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) {
+        if constexpr (decltype(check_groups)::value) {
+          if (ks > 0 && kb + kl + ks * 16 >= next_k) advance_group();
+        }
+        std::uint32_t b[C::NT][2][2];
+        qgemm_decode_kstep<T, BITS, C>(ch, ks, gc, b);
+        if constexpr (!Work::kMultiply) {
+          Work::keep(sink, b);
+          continue;
+        }
+        qgemm_mma_kstep<T, BITS, C>(xs, xstride, XR, kl, ks, lane, a8, b, ac);
+      }
+    };
+    auto compute = [&](const Chunk& ch, int c) {
+      if constexpr (!Work::kDecode) {
+        Work::keep(sink, ch.w);
+        return;
+      }
+      const int kl = c * kTileK;               // local k in xs
+      if (kb + kl >= next_k) advance_group();  // a group starting with this chunk (every group % 64 == 0 case)
+      if (kb + kl + kTileK > next_k)
+        chunk_body(ch, kl, std::true_type{});
+      else
+        chunk_body(ch, kl, std::false_type{});
+    };
+
+    // ---- mainloop: no block barriers; each warp keeps PF chunks of its own weights in flight (Bulk: the
+    // producer keeps PF chunks of the block's strips in flight, across items) ----
+    if constexpr (kBulk) {
+      // every compute warp takes part in every chunk; warps past N skip the math
+      for (int c = 0; c < nck; ++c) {
+        const int q = q_next + c, slot = q % PF;
+        mbar_wait(full + slot, unsigned(q / PF) & 1u);
+        __syncwarp();  // lanes leave the wait loop separately; ldmatrix / mma.sync need the whole warp
+        const unsigned char* sb = bring + slot * p.slot_bytes;
+        const Chunk ch = qgemm_bulk_read<T, BITS, C>(sb, warp, lane);
+        tbl_s = reinterpret_cast<const half*>(sb + K::kSlotBytes);
+        tbl_z = sb + K::kSlotBytes + p.slot_rows * STRIP * 2;
+        qgemm_slot_groups(p, kc0 + c, c == 0, tbl_g0);
+        if (Work::kDecode && c == 0) gc.apply(qgemm_fetch_group<T, BITS, C>(tbl_s, tbl_z, tbl_g0, g, warp, g4, c4));
+        if (active) compute(ch, c);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty + slot);  // this warp is done with the slot
+      }
+      q_next += nck;
+    } else if (active) {
+      if constexpr (C::LOADER == QGemmLoader::Registers) {
+        for (int base = 0; base < nck; base += PF) {
+#pragma unroll
+          for (int q = 0; q < PF; ++q) {
+            const int c = base + q;
+            if (c < nck) {
+              const Chunk cur = bq[q];
+              if (c + PF < nck) bq[q] = qgemm_load_chunk<T, BITS, C>(wbase, cstride, toff, c + PF);
+              compute(cur, c);
+            }
           }
         }
-      }
-    } else {
-      for (int c = 0; c < nck; ++c) {
-        // slot (c + PF - 1) % PF was read (and consumed) in iteration c - 1
-        if (c + PF - 1 < nck) qgemm_issue_chunk<T, BITS, C>(ring, tid, wbase, cstride, toff, c + PF - 1, (c + PF - 1) % PF);
-        cp_async_commit();
-        cp_async_wait<PF - 1>();  // chunk c has landed
-        compute(qgemm_read_slot<T, BITS, C>(ring, tid, c % PF), c);
+      } else {
+        for (int c = 0; c < nck; ++c) {
+          // slot (c + PF - 1) % PF was read (and consumed) in iteration c - 1
+          if (c + PF - 1 < nck) qgemm_issue_chunk<T, BITS, C>(ring, tid, wbase, cstride, toff, c + PF - 1, (c + PF - 1) % PF);
+          cp_async_commit();
+          cp_async_wait<PF - 1>();  // chunk c has landed
+          compute(qgemm_read_slot<T, BITS, C>(ring, tid, c % PF), c);
+        }
       }
     }
-  }
 
-  if constexpr (!Work::kMultiply) continue;
-  ac.flush(gc);
-  qgemm_epilogue<T, BITS, C>(p, ac, it, QGemmOut{m0, rows, col0, nt0, active}, ntiles, tid, g4, c4, last_flag);
+    if constexpr (!Work::kMultiply) continue;
+    ac.flush(gc);
+    qgemm_epilogue<T, BITS, C>(p, ac, it, QGemmOut{m0, rows, col0, nt0, active}, ntiles, tid, g4, c4, last_flag);
   }  // items
 
   Work::template finish<T>(sink, p);
@@ -829,9 +844,10 @@ cudaError_t launch_qgemm_cfg(const T* x, const std::uint32_t* tiles, const half*
     return bytes;
   }();
   if (p.smem_bytes > max_dynamic) return cudaErrorInvalidConfiguration;
-  QGemmParams prm{x, tiles, scales, zeros, y, ws.partial, ws.counters,
-                  int(s.M), int(s.N), int(s.K), int(s.Npad), int(s.Kpad), int(s.group),
-                  p.cps, p.strips, p.splits, p.zslices, p.ngroups, p.items_per_block, p.slot_bytes, p.slot_rows};
+  QGemmParams prm{
+      x,           tiles,       scales,       zeros, y,        ws.partial, ws.counters, int(s.M),  int(s.N),          int(s.K),
+      int(s.Npad), int(s.Kpad), int(s.group), p.cps, p.strips, p.splits,   p.zslices,   p.ngroups, p.items_per_block, p.slot_bytes,
+      p.slot_rows};
   qgemm_kernel<T, BITS, C><<<unsigned(p.blocks()), C::THREADS, p.smem_bytes, stream>>>(prm);
   return cudaGetLastError();
 }
@@ -844,7 +860,8 @@ cudaError_t qgemm_cuda(const T* x, const std::uint32_t* tiles, const half* scale
                        const QGemmWorkspace& ws, int sm_count, cudaStream_t stream, int cps_override = 0) {
   static_assert(std::is_same_v<T, half> || std::is_same_v<T, bf16>, "the quantized GEMM takes fp16 or bf16 activations");
   if (s.M <= 0 || s.N <= 0 || s.K <= 0 || s.Kpad % kTileK || s.Npad % kTileN || s.Kpad < s.K || s.Kpad >= s.K + kTileK || s.Npad < s.N ||
-      s.group <= 0 || s.group % 16 || s.K > (1ll << 30) || s.N > (1ll << 30) || s.M > (1ll << 24) || !(s.bits == 3 || s.bits == 4 || s.bits == 8))
+      s.group <= 0 || s.group % 16 || s.K > (1ll << 30) || s.N > (1ll << 30) || s.M > (1ll << 24) ||
+      !(s.bits == 3 || s.bits == 4 || s.bits == 8))
     return cudaErrorInvalidValue;
   return with_qgemm_cfg(s, [&](auto bits, auto c) {
     constexpr int BITS = decltype(bits)::value;

@@ -32,12 +32,12 @@ template <class T>
 __device__ __forceinline__ void mma16816(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
   if constexpr (std::is_same_v<T, bf16>) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   } else {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
 }
 
@@ -64,9 +64,7 @@ __device__ __forceinline__ void cp_async_wait() {
 // (a warp's 512 B tile rows are contiguous).
 __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
   uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
 __device__ __forceinline__ uint4 lds128(const void* p) {
@@ -114,11 +112,10 @@ __device__ __forceinline__ void mbar_wait(std::uint64_t* bar, unsigned parity) {
   const unsigned addr = smem_addr(bar);
   unsigned done = 0;
   do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(addr), "r"(parity)
-        : "memory");
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done)
+                 : "r"(addr), "r"(parity)
+                 : "memory");
   } while (!done);
 #endif
 }
@@ -246,7 +243,8 @@ __device__ __forceinline__ void fence_proxy_async() {
 // tensor's edges) into shared memory by the tensor-memory accelerator, completing on bar's tx count.
 __device__ __forceinline__ void tma_load_x(void* dst, const CUtensorMap& map, int k0, int m0, std::uint64_t* bar) {
 #if SQUEEZE_SM90_WGMMA
-  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(smem_addr(dst)),
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+                   smem_addr(dst)),
                "l"(reinterpret_cast<std::uint64_t>(&map)), "r"(k0), "r"(m0), "r"(smem_addr(bar))
                : "memory");
 #endif
@@ -256,7 +254,8 @@ __device__ __forceinline__ void tma_load_x(void* dst, const CUtensorMap& map, in
 // leading byte offset 16 B (unused by this layout; bits 16-29), stride byte offset 1024 B between 8-row atoms
 // (bits 32-45), layout 1 = 128B swizzle (bits 62-63). Base offset 0: the atoms are 1024-byte aligned.
 __device__ __forceinline__ std::uint64_t sw128_desc(std::uint32_t saddr) {
-  return std::uint64_t((saddr & 0x3FFFF) >> 4) | (std::uint64_t(16 >> 4) << 16) | (std::uint64_t(1024 >> 4) << 32) | (std::uint64_t(1) << 62);
+  return std::uint64_t((saddr & 0x3FFFF) >> 4) | (std::uint64_t(16 >> 4) << 16) | (std::uint64_t(1024 >> 4) << 32) |
+         (std::uint64_t(1) << 62);
 }
 
 // The wgmma wrappers below: one asm text per shape, with the element type (bf16 / f16) spliced in by a local macro.
@@ -264,14 +263,16 @@ __device__ __forceinline__ std::uint64_t sw128_desc(std::uint32_t saddr) {
 template <class T>
 __device__ __forceinline__ void wgmma_rs(float (&d)[8], const std::uint32_t (&a)[4], std::uint64_t desc_b) {
 #if SQUEEZE_SM90_WGMMA
-#define SQUEEZE_WGMMA_RS_N16(TY)  \
-  asm volatile(  \
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"  \
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32." TY "." TY " {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}\n"  \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])  \
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1))
-  if constexpr (std::is_same_v<T, bf16>) SQUEEZE_WGMMA_RS_N16("bf16");
-  else SQUEEZE_WGMMA_RS_N16("f16");
+#define SQUEEZE_WGMMA_RS_N16(TY)                                                                                                   \
+  asm volatile(                                                                                                                    \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"                                                                                 \
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32." TY "." TY " {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}\n" \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])                             \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1))
+  if constexpr (std::is_same_v<T, bf16>)
+    SQUEEZE_WGMMA_RS_N16("bf16");
+  else
+    SQUEEZE_WGMMA_RS_N16("f16");
 #undef SQUEEZE_WGMMA_RS_N16
 #endif
 }
@@ -280,14 +281,18 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[8], const std::uint32_t (&a)
 template <class T>
 __device__ __forceinline__ void wgmma_rs(float (&d)[16], const std::uint32_t (&a)[4], std::uint64_t desc_b) {
 #if SQUEEZE_SM90_WGMMA
-#define SQUEEZE_WGMMA_RS_N32(TY)  \
-  asm volatile(  \
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"  \
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"  \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])  \
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1))
-  if constexpr (std::is_same_v<T, bf16>) SQUEEZE_WGMMA_RS_N32("bf16");
-  else SQUEEZE_WGMMA_RS_N32("f16");
+#define SQUEEZE_WGMMA_RS_N32(TY)                                                                                                \
+  asm volatile(                                                                                                                 \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                                                              \
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY                                                                   \
+      " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"                      \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), \
+        "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])                                            \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1))
+  if constexpr (std::is_same_v<T, bf16>)
+    SQUEEZE_WGMMA_RS_N32("bf16");
+  else
+    SQUEEZE_WGMMA_RS_N32("f16");
 #undef SQUEEZE_WGMMA_RS_N32
 #endif
 }
@@ -296,14 +301,21 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[16], const std::uint32_t (&a
 template <class T>
 __device__ __forceinline__ void wgmma_rs(float (&d)[32], const std::uint32_t (&a)[4], std::uint64_t desc_b) {
 #if SQUEEZE_SM90_WGMMA
-#define SQUEEZE_WGMMA_RS_N64(TY)  \
-  asm volatile(  \
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"  \
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"  \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])  \
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1))
-  if constexpr (std::is_same_v<T, bf16>) SQUEEZE_WGMMA_RS_N64("bf16");
-  else SQUEEZE_WGMMA_RS_N64("f16");
+#define SQUEEZE_WGMMA_RS_N64(TY)                                                                                                          \
+  asm volatile(                                                                                                                           \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                                                        \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY                                                                             \
+      " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "        \
+      "{%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"                                                                                          \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]),           \
+        "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), \
+        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), \
+        "+f"(d[30]), "+f"(d[31])                                                                                                          \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1))
+  if constexpr (std::is_same_v<T, bf16>)
+    SQUEEZE_WGMMA_RS_N64("bf16");
+  else
+    SQUEEZE_WGMMA_RS_N64("f16");
 #undef SQUEEZE_WGMMA_RS_N64
 #endif
 }
@@ -312,14 +324,25 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[32], const std::uint32_t (&a
 template <class T>
 __device__ __forceinline__ void wgmma_rs(float (&d)[64], const std::uint32_t (&a)[4], std::uint64_t desc_b) {
 #if SQUEEZE_SM90_WGMMA
-#define SQUEEZE_WGMMA_RS_N128(TY)  \
-  asm volatile(  \
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"  \
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"  \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])  \
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1))
-  if constexpr (std::is_same_v<T, bf16>) SQUEEZE_WGMMA_RS_N128("bf16");
-  else SQUEEZE_WGMMA_RS_N128("f16");
+#define SQUEEZE_WGMMA_RS_N128(TY)                                                                                                         \
+  asm volatile(                                                                                                                           \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                                                        \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY                                                                            \
+      " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%" \
+      "34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "         \
+      "{%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"                                                                                          \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]),           \
+        "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), \
+        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), \
+        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), \
+        "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), \
+        "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])                                                                                \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1))
+  if constexpr (std::is_same_v<T, bf16>)
+    SQUEEZE_WGMMA_RS_N128("bf16");
+  else
+    SQUEEZE_WGMMA_RS_N128("f16");
 #undef SQUEEZE_WGMMA_RS_N128
 #endif
 }

@@ -109,8 +109,10 @@ __device__ __forceinline__ void sm90_decode(std::uint32_t w, const Sm90Group& g,
     } else {
       v = __hsub2(pair, as_vec2<V>(g.zc[r]));
     }
-    if constexpr (SCALE) a[2 * (i & 1) + r] = u32(__hmul2(v, as_vec2<V>(g.sc[r])));
-    else a[2 * (i & 1) + r] = u32(v);
+    if constexpr (SCALE)
+      a[2 * (i & 1) + r] = u32(__hmul2(v, as_vec2<V>(g.sc[r])));
+    else
+      a[2 * (i & 1) + r] = u32(v);
   }
 }
 
@@ -124,7 +126,7 @@ struct Sm90Params {
   int* counters;               // [zslices, strips], zero between launches (K splits through global memory)
   int M, N, K, Npad, group;
   int kchunks, cps, lead, cps_tail, strips, splits, zslices;  // K ranges: sm90_k_range
-  int spread;  // K splits through global memory: every block sums a share (Sm90Plan::spread; a cooperative launch)
+  int spread;                 // K splits through global memory: every block sums a share (Sm90Plan::spread; a cooperative launch)
   void* work_data = nullptr;  // the Work policy's own buffer (a measuring policy's timeline; the GEMM's has none)
 };
 
@@ -134,8 +136,20 @@ struct Sm90Params {
 // partials written), after the next (one K range: the tile staged; cluster: every block's sums in place; spread: the
 // other shares written and every block of the tile arrived; last block: the counter read), after the stores (reached
 // only by the block that stores).
-enum class Sm90Point { Entry, SetUp, FirstChunk, LoopEnd, End, EpilogueWaited, EpilogueStaged, EpilogueStored, ProducerStart, ProducerX,
-                       QueuedFirst, QueuedLast };
+enum class Sm90Point {
+  Entry,
+  SetUp,
+  FirstChunk,
+  LoopEnd,
+  End,
+  EpilogueWaited,
+  EpilogueStaged,
+  EpilogueStored,
+  ProducerStart,
+  ProducerX,
+  QueuedFirst,
+  QueuedLast
+};
 // The GEMM's work: load each group's constants, decode, multiply, store; observe nothing. A configuration may name
 // another as C::Work (config.hpp's WorkOf): the measuring policies of bench/quant/gemm_configs.cuh skip the decode or
 // the consumers' work, or record a timeline at the Sm90Points.
@@ -172,7 +186,8 @@ __device__ inline int sm90_group_of(const Sm90Params& p, int k) { return min(k, 
 // Block-synchronous ring: one chunk (64 k) into stage s; every thread queues its share of 16-byte cp.async (0 source
 // bytes = zero fill: rows past M, k past K, tiles / columns past Npad).
 template <class T, class C>
-__device__ __forceinline__ void sm90_load_chunk(const Sm90Params& p, unsigned char* smem, const Sm90Tile& b, int ntiles, int tid, int kc, int s) {
+__device__ __forceinline__ void sm90_load_chunk(const Sm90Params& p, unsigned char* smem, const Sm90Tile& b, int ntiles, int tid, int kc,
+                                                int s) {
   constexpr int BN = C::BN, STRIP = C::STRIP, TILES = C::TILES, XB = C::X_BYTES, WB = C::W_BYTES, SB = C::S_BYTES;
   const T* const x = static_cast<const T*>(p.x);
   unsigned char* const st = smem + s * C::STAGE_BYTES;
@@ -237,9 +252,10 @@ __device__ __forceinline__ void sm90_produce(const Sm90Params& p, const CUtensor
 // after_first(): run once the first k-step is queued. The kernel's values by reference, as its lambda captured them
 // (see the header).
 template <class T, class C, class Work, class AfterFirst>
-__device__ __forceinline__ void sm90_mma_chunk(const Sm90Params& p, unsigned char* const& smem, const unsigned char* st, int kc, const std::uint64_t& x_desc0,
-                                               const int& wg, const int& wq, const int& lane, const int& nl, int& next_group_k, Sm90Group (&grp)[C::WM],
-                                               float (&mma_acc)[C::WM][C::BN / 2], std::uint32_t (&a)[4][C::WM][4], AfterFirst&& after_first) {
+__device__ __forceinline__ void sm90_mma_chunk(const Sm90Params& p, unsigned char* const& smem, const unsigned char* st, int kc,
+                                               const std::uint64_t& x_desc0, const int& wg, const int& wq, const int& lane, const int& nl,
+                                               int& next_group_k, Sm90Group (&grp)[C::WM], float (&mma_acc)[C::WM][C::BN / 2],
+                                               std::uint32_t (&a)[4][C::WM][4], AfterFirst&& after_first) {
   constexpr int BN = C::BN, WM = C::WM, STRIP = C::STRIP, XB = C::X_BYTES, WB = C::W_BYTES, SB = C::S_BYTES;
   uint4 wv[WM];  // this lane's 4 words (4 k-steps) of each of its tiles
 #pragma unroll
@@ -307,7 +323,8 @@ __device__ inline void sm90_retire(A& a_cur, A& a_other, float (&mma_acc)[C::WM]
 }
 // GSCALE, after the wait for a group's last chunk: its sums, times the rows' scales, into acc.
 template <class C>
-__device__ inline void sm90_scale_group(float (&acc)[C::WM][C::BN / 2], float (&acc_group)[C::WM][C::BN / 2], const Sm90Group (&grp)[C::WM]) {
+__device__ inline void sm90_scale_group(float (&acc)[C::WM][C::BN / 2], float (&acc_group)[C::WM][C::BN / 2],
+                                        const Sm90Group (&grp)[C::WM]) {
 #pragma unroll
   for (int t = 0; t < C::WM; ++t)
 #pragma unroll
@@ -345,8 +362,14 @@ __device__ inline void sm90_write8(const Sm90Params& p, const Sm90Tile& b, const
 template <class T>
 __device__ inline void sm90_store_pairs(const Sm90Params& p, const Sm90Tile& b, const Sm90Out& o, bool valid, int lane, int r, int cc,
                                         const float4& sum) {
-  const float v[8] = {sum.x, sum.y, sum.z, sum.w, __shfl_down_sync(0xffffffffu, sum.x, 1), __shfl_down_sync(0xffffffffu, sum.y, 1),
-                      __shfl_down_sync(0xffffffffu, sum.z, 1), __shfl_down_sync(0xffffffffu, sum.w, 1)};
+  const float v[8] = {sum.x,
+                      sum.y,
+                      sum.z,
+                      sum.w,
+                      __shfl_down_sync(0xffffffffu, sum.x, 1),
+                      __shfl_down_sync(0xffffffffu, sum.y, 1),
+                      __shfl_down_sync(0xffffffffu, sum.z, 1),
+                      __shfl_down_sync(0xffffffffu, sum.w, 1)};
   if (valid && (lane & 1) == 0) sm90_write8<T>(p, b, o, r, cc, v);
 }
 __device__ inline void sm90_add4(float4& sum, const float4& v) {
@@ -362,8 +385,8 @@ __device__ inline void sm90_add4(float4& sum, const float4& v) {
 // slower: the lanes' loads no longer contiguous.) The loop runs whole warps (the shuffle).
 enum class Sm90SumFrom { Cluster, Spread, Last };
 template <class T, class C, Sm90SumFrom FROM>
-__device__ __forceinline__ void sm90_store_sums(const Sm90Params& p, const Sm90Tile& b, const Sm90Out& o, int u_begin, int u_end, int tid, int lane,
-                                                const float* buf, std::int64_t split_stride) {
+__device__ __forceinline__ void sm90_store_sums(const Sm90Params& p, const Sm90Tile& b, const Sm90Out& o, int u_begin, int u_end, int tid,
+                                                int lane, const float* buf, std::int64_t split_stride) {
   constexpr int STRIP = C::STRIP, PITCH = C::SPLIT_PITCH;
   [[maybe_unused]] const unsigned base = FROM == Sm90SumFrom::Cluster ? smem_addr(buf) : 0u;
   for (int w0 = u_begin + (tid & ~31); w0 < u_end; w0 += C::CONSUMERS) {
@@ -389,12 +412,15 @@ __device__ __forceinline__ void sm90_store_sums(const Sm90Params& p, const Sm90T
           float4 v[8];
 #pragma unroll
           for (int j = 0; j < 8; ++j)
-            if (sp0 + j < p.splits) v[j] = sp0 + j == b.split ? own : __ldcg(reinterpret_cast<const float4*>(src + (sp0 + j) * split_stride));
+            if (sp0 + j < p.splits)
+              v[j] = sp0 + j == b.split ? own : __ldcg(reinterpret_cast<const float4*>(src + (sp0 + j) * split_stride));
 #pragma unroll
           for (int j = 0; j < 8; ++j)
             if (sp0 + j < p.splits) {
-              if (sp0 + j == 0) sum = v[j];
-              else sm90_add4(sum, v[j]);
+              if (sp0 + j == 0)
+                sum = v[j];
+              else
+                sm90_add4(sum, v[j]);
             }
         }
       } else {
@@ -419,8 +445,8 @@ __device__ __forceinline__ void sm90_store_sums(const Sm90Params& p, const Sm90T
 // the ring; every copy landed), then 16-byte rows out. +8 elements a row: the four rows one store writes, 2 apart, fall
 // in different banks.
 template <class T, class C, class Work>
-__device__ __forceinline__ void sm90_store_tile(const Sm90Params& p, unsigned char* smem, const Sm90Tile& b, const Sm90Out& o, const float (&acc)[C::WM][C::BN / 2],
-                                                int tid, int c4, int nl) {
+__device__ __forceinline__ void sm90_store_tile(const Sm90Params& p, unsigned char* smem, const Sm90Tile& b, const Sm90Out& o,
+                                                const float (&acc)[C::WM][C::BN / 2], int tid, int c4, int nl) {
   constexpr int BN = C::BN, WM = C::WM, STRIP = C::STRIP, NACC = BN / 2, PITCH = STRIP + 8;
   static_assert(BN * PITCH * int(sizeof(T)) <= C::STAGES * C::STAGE_BYTES, "the output tile must fit in the ring");
   T* const y = static_cast<T*>(p.y);
@@ -430,7 +456,8 @@ __device__ __forceinline__ void sm90_store_tile(const Sm90Params& p, unsigned ch
 #pragma unroll
   for (int t = 0; t < WM; ++t)
 #pragma unroll
-    for (int i = 0; i < NACC; ++i) out[(8 * (i >> 2) + 2 * c4 + (i & 1)) * PITCH + nl + 64 * t + 8 * ((i >> 1) & 1)] = from_float<T>(acc[t][i]);
+    for (int i = 0; i < NACC; ++i)
+      out[(8 * (i >> 2) + 2 * c4 + (i & 1)) * PITCH + nl + 64 * t + 8 * ((i >> 1) & 1)] = from_float<T>(acc[t][i]);
   consumer_bar_sync(C::CONSUMERS);
   if (tid == 0) Work::at(p, Sm90Point::EpilogueStaged);
   for (int u = tid; u < o.rows * (STRIP / 8); u += C::CONSUMERS) {
@@ -450,7 +477,8 @@ __device__ __forceinline__ void sm90_store_tile(const Sm90Params& p, unsigned ch
 // [BN][SPLIT_PITCH] fp32 over the ring (every copy landed, and after the barrier every warpgroup's wgmma finished
 // reading it).
 template <class C, class Work>
-__device__ __forceinline__ void sm90_stage_sums(const Sm90Params& p, float* buf, const float (&acc)[C::WM][C::BN / 2], int tid, int c4, int nl) {
+__device__ __forceinline__ void sm90_stage_sums(const Sm90Params& p, float* buf, const float (&acc)[C::WM][C::BN / 2], int tid, int c4,
+                                                int nl) {
   constexpr int PITCH = C::SPLIT_PITCH;
   consumer_bar_sync(C::CONSUMERS);
   if (tid == 0) Work::at(p, Sm90Point::EpilogueWaited);
@@ -463,8 +491,8 @@ __device__ __forceinline__ void sm90_stage_sums(const Sm90Params& p, float* buf,
 // range) or through a K-split reduction, all in K-range order (deterministic): in the cluster's distributed shared
 // memory, through global memory by every block of the tile (spread), or by its last block.
 template <class T, class C, bool CLUSTER, class Work>
-__device__ __forceinline__ void sm90_epilogue(const Sm90Params& p, unsigned char* smem, const Sm90Tile& b, const float (&acc)[C::WM][C::BN / 2],
-                                              int tid, int lane, int c4, int nl, int& last_flag) {
+__device__ __forceinline__ void sm90_epilogue(const Sm90Params& p, unsigned char* smem, const Sm90Tile& b,
+                                              const float (&acc)[C::WM][C::BN / 2], int tid, int lane, int c4, int nl, int& last_flag) {
   constexpr int BN = C::BN, WM = C::WM, STRIP = C::STRIP, NACC = BN / 2;
   const Sm90Out o{min(BN, p.M - b.m0), min(STRIP, p.N - b.n0), p.N % 8 == 0 && (reinterpret_cast<std::uintptr_t>(p.y) & 15) == 0};
   if (p.splits == 1) {
@@ -504,7 +532,8 @@ __device__ __forceinline__ void sm90_epilogue(const Sm90Params& p, unsigned char
     for (int u = tid; u < units; u += C::CONSUMERS) {
       const int r = u / (STRIP / 4), cc = (u % (STRIP / 4)) * 4;
       if ((u < u_begin || u >= u_end) && cc < o.cols)
-        __stcg(reinterpret_cast<float4*>(part + std::int64_t(b.m0 + r) * p.Npad + b.n0 + cc), *reinterpret_cast<const float4*>(buf + r * PITCH + cc));
+        __stcg(reinterpret_cast<float4*>(part + std::int64_t(b.m0 + r) * p.Npad + b.n0 + cc),
+               *reinterpret_cast<const float4*>(buf + r * PITCH + cc));
     }
     consumer_bar_sync(C::CONSUMERS);  // every share written, then released by thread 0's arrival
     if (tid == 0) {
@@ -569,7 +598,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
   float acc[WM][NACC];
   // GSCALE: the wgmma accumulate the current group's unscaled sums here; sm90_scale_group adds them, scaled, to acc
   float acc_group[WM][NACC];
-  float (&mma_acc)[WM][NACC] = C::GSCALE ? acc_group : acc;
+  float(&mma_acc)[WM][NACC] = C::GSCALE ? acc_group : acc;
 
   // this thread's A rows: tile (wg * 4 WM + 4 t + wq) of the strip, rows l/4 and l/4 + 8 of it
   const int nl = wg * 64 * WM + wq * 16 + g4;  // feature of row l/4 of tile t = 0, relative to the strip
@@ -697,7 +726,9 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) qgemm_sm90_kernel(const S
 // Writes 1 when this build's device code has wgmma (compiled for sm_90a), 0 otherwise. A template, so that several
 // translation units of one program may include this header.
 template <int = 0>
-__global__ void sm90_wgmma_available(int* out) { *out = SQUEEZE_SM90_WGMMA; }
+__global__ void sm90_wgmma_available(int* out) {
+  *out = SQUEEZE_SM90_WGMMA;
+}
 
 }  // namespace detail
 
@@ -745,9 +776,9 @@ inline cudaError_t make_x_tensor_map(CUtensorMap& map, const void* x, std::int64
   const cuuint64_t row_stride[1] = {cuuint64_t(K) * 2};
   const cuuint32_t box[2] = {cuuint32_t(kTileK), cuuint32_t(box_rows)};
   const cuuint32_t step[2] = {1, 1};
-  const CUresult r = encode(&map, bf16_data ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, const_cast<void*>(x), dims,
-                            row_stride, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = encode(&map, bf16_data ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, const_cast<void*>(x),
+                            dims, row_stride, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
@@ -788,7 +819,9 @@ template <class T, class C>
 cudaError_t sm90_allow_smem() {
   static const cudaError_t attr = [] {
     const cudaError_t a = cudaFuncSetAttribute(qgemm_sm90_kernel<T, C, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
-    return a != cudaSuccess ? a : cudaFuncSetAttribute(qgemm_sm90_kernel<T, C, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
+    return a != cudaSuccess
+               ? a
+               : cudaFuncSetAttribute(qgemm_sm90_kernel<T, C, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
   }();
   return attr;
 }
@@ -807,8 +840,10 @@ Sm90Capacity sm90_capacity(int sm_count) {
     if (sm90_allow_smem<bf16, C>() != cudaSuccess || sm90_allow_smem<half, C>() != cudaSuccess || cudaGetDevice(&dev) != cudaSuccess ||
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, C::THREADS, C::SMEM_BYTES) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_bf16, qgemm_sm90_kernel<bf16, C, false>, C::THREADS, C::SMEM_BYTES) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_half, qgemm_sm90_kernel<half, C, false>, C::THREADS, C::SMEM_BYTES) != cudaSuccess) {
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_bf16, qgemm_sm90_kernel<bf16, C, false>, C::THREADS, C::SMEM_BYTES) !=
+            cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_half, qgemm_sm90_kernel<half, C, false>, C::THREADS, C::SMEM_BYTES) !=
+            cudaSuccess) {
       cudaGetLastError();
       return c;
     }
@@ -836,14 +871,16 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
   static_assert(std::is_same_v<T, half> || std::is_same_v<T, bf16>, "the quantized GEMM takes fp16 or bf16 activations");
   if (!qgemm_sm90_reason(s).empty()) return cudaErrorInvalidValue;
   if ((reinterpret_cast<std::uintptr_t>(x) | reinterpret_cast<std::uintptr_t>(tiles) | reinterpret_cast<std::uintptr_t>(scales) |
-       reinterpret_cast<std::uintptr_t>(zeros)) & 15)
-    return cudaErrorInvalidValue;  // 16-byte copies
+       reinterpret_cast<std::uintptr_t>(zeros)) &
+      15)
+    return cudaErrorInvalidValue;                                                     // 16-byte copies
   if (std::int64_t(p.zslices) * p.strips > 0x7fffffff) return cudaErrorInvalidValue;  // the grid's x dimension
   if (p.splits < 1 || p.splits > (p.cluster ? kSm90MaxClusterSplits : kSm90MaxSplits)) return cudaErrorInvalidValue;  // a portable cluster
   if (!sm90_ranges_cover(p, s.Kpad / kTileK) || (p.cluster && p.lead < p.splits)) return cudaErrorInvalidValue;
   if (C::GSCALE && s.group % kTileK) return cudaErrorInvalidValue;  // per-group scaling: groups of whole chunks
   const bool global = p.splits > 1 && !p.cluster;
-  if (global && (ws.partial == nullptr || ws.partial_elems < p.partial_elems || ws.counters == nullptr || ws.counter_elems < p.counter_elems))
+  if (global &&
+      (ws.partial == nullptr || ws.partial_elems < p.partial_elems || ws.counters == nullptr || ws.counter_elems < p.counter_elems))
     return cudaErrorInvalidValue;
   if (global && (reinterpret_cast<std::uintptr_t>(ws.partial) & 15)) return cudaErrorInvalidValue;  // float4 sums
   if (!qgemm_sm90_supported()) return cudaErrorNotSupported;
@@ -852,9 +889,29 @@ cudaError_t launch_qgemm_sm90_cfg(const T* x, const std::uint32_t* tiles, const 
   CUtensorMap x_map{};
   if constexpr (C::WS)
     if (const cudaError_t e = make_x_tensor_map(x_map, x, s.M, s.K, C::BN, std::is_same_v<T, bf16>); e != cudaSuccess) return e;
-  const Sm90Params prm{x, tiles, scales, zeros, y, ws.partial, ws.counters, int(s.M), int(s.N), int(s.K), int(s.Npad), int(s.group),
-                       int(s.Kpad / kTileK), p.cps, p.lead, p.cps_tail, p.strips, p.splits, p.zslices, int(global && p.spread), work_data};
-  const Sm90Launch<C> launch(dim3(unsigned(p.zslices * p.strips), 1, unsigned(p.splits)), p.cluster ? p.splits : 0, stream, global && p.spread);
+  const Sm90Params prm{x,
+                       tiles,
+                       scales,
+                       zeros,
+                       y,
+                       ws.partial,
+                       ws.counters,
+                       int(s.M),
+                       int(s.N),
+                       int(s.K),
+                       int(s.Npad),
+                       int(s.group),
+                       int(s.Kpad / kTileK),
+                       p.cps,
+                       p.lead,
+                       p.cps_tail,
+                       p.strips,
+                       p.splits,
+                       p.zslices,
+                       int(global && p.spread),
+                       work_data};
+  const Sm90Launch<C> launch(dim3(unsigned(p.zslices * p.strips), 1, unsigned(p.splits)), p.cluster ? p.splits : 0, stream,
+                             global && p.spread);
   return cudaLaunchKernelEx(&launch.cfg, kernel, prm, x_map);
 }
 }  // namespace detail
@@ -876,8 +933,8 @@ inline QGemmWorkspace qgemm_sm90_workspace_size(const QGemmShape& s, int sm_coun
 // qgemm_sm90_reason rejects, misaligned pointers or a short workspace; cudaErrorNotSupported: no sm_90a device
 // code or not an sm_90 device (qgemm_sm90_supported).
 template <class T>
-cudaError_t qgemm_sm90_cuda(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y, const QGemmShape& s,
-                            const QGemmWorkspace& ws, int sm_count, cudaStream_t stream, int splits_override = 0) {
+cudaError_t qgemm_sm90_cuda(const T* x, const std::uint32_t* tiles, const half* scales, const std::uint8_t* zeros, T* y,
+                            const QGemmShape& s, const QGemmWorkspace& ws, int sm_count, cudaStream_t stream, int splits_override = 0) {
   return with_sm90_cfg(s, [&](auto c) {
     using C = decltype(c);
     const Sm90Plan p = plan_qgemm_sm90<C>(s, detail::sm90_capacity<C>(sm_count), splits_override);
