@@ -236,7 +236,7 @@ TEST(LlamaGptqHf, CalibratesOnTheModelsOwnForward) {
   lg::QuantSpec spec;
   spec.bits = 4, spec.group_size = 32, spec.act_order = true;
   Llama m = nn::load_hf_llama(fixture, {.dtype = torch::kFloat32});
-  ASSERT_NE(m->config.rope_scaling.type, plan::RopeType::Default) << "the case needs a scaled RoPE";
+  ASSERT_NE(m->config.rope_scaling.type, squeeze::plan::RopeType::Default) << "the case needs a scaled RoPE";
   const auto q = lg::quantize(m, spec, calib);
 
   Llama ref = nn::load_hf_llama(fixture, {.dtype = torch::kFloat32});
