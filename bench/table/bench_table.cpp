@@ -155,6 +155,10 @@ struct Row {
   // Offload<Host> rows: the CPU pipeline's time per timed step (it runs beside the GPU; when its sum nears
   // time_ms the CPU bounds the step): waiting for gradient copies, sums of squares, AdamW + upload queueing.
   std::optional<double> host_wait_ms, host_sumsq_ms, host_update_ms;
+  // Offload<Host>: the trainer's transfer counters summed over the timed steps (train::TransferCounters), and the
+  // process's resident host memory when the row began and at its peak (VmHWM, reset at the row's start).
+  train::TransferCounters transfers;
+  std::optional<double> host_before_gb, host_peak_gb;
   int64_t skipped = 0;  // optimizer steps skipped for non-finite gradients (fp16 loss scaling)
   std::string gradient_buffers;  // stages 0-1: when the trainer's full gradient buffer existed (plan::GradientBuffers)
   bool oom = false;
@@ -360,6 +364,8 @@ Row run_strategy(const RowSpec& spec, const Options& o, const nn::LlamaConfig& c
       row.planned_gb = double(p.peak().device) / 1e9;
       row.planned_host_gb = double(p.peak().host) / 1e9;
       llama::reset_peak_memory(device);
+      std::ofstream("/proc/self/clear_refs") << "5";  // the host's high-water mark starts from here
+      row.host_before_gb = llama::device_memory(torch::kCPU).current_gb;
       torch::manual_seed(1);
       std::optional<LlamaRun<S>> trainer;
       if (o.hf.empty()) trainer.emplace(config, topt, device, d.comm);  // d.comm null at world 1: one-rank LocalComm
@@ -370,13 +376,20 @@ Row run_strategy(const RowSpec& spec, const Options& o, const nn::LlamaConfig& c
             trainer->set_lr(lr_at(o, i++));
             const llama::BatchResult r = trainer->step(x, y);
             row.skipped += r.applied ? 0 : 1;
+            row.transfers.h2d_bytes += r.transfers.h2d_bytes;
+            row.transfers.d2h_bytes += r.transfers.d2h_bytes;
+            row.transfers.h2d_copy_s += r.transfers.h2d_copy_s;
+            row.transfers.copy_wait_s += r.transfers.copy_wait_s;
             if constexpr (S::stage <= 1) row.gradient_buffers = plan::to_string(trainer->trainer().options().gradient_buffers);
             return r.loss;
           },
           [&] { trainer->sync(); },
           [&](bool begin) {
             if constexpr (S::offload_to_host) {
-              if (begin) return trainer->reset_offload_stats();
+              if (begin) {
+                row.transfers = {};
+                return trainer->reset_offload_stats();
+              }
               const train::OffloadStats st = trainer->offload_stats();
               const double per_step_ms = 1e3 / double(o.steps);
               row.host_wait_ms = st.transfer_wait_s * per_step_ms;
@@ -385,6 +398,7 @@ Row run_strategy(const RowSpec& spec, const Options& o, const nn::LlamaConfig& c
             }
           },
           [&](const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches) { return trainer->evaluate(batches); });
+      row.host_peak_gb = llama::device_memory(torch::kCPU).peak_gb;
       if (d.world > 1) reduce_over_ranks(d, device, row);
     });
   });
@@ -607,6 +621,16 @@ int main(int argc, char** argv) {
         j["host_wait_ms"] = *row.host_wait_ms;
         j["host_sumsq_ms"] = *row.host_sumsq_ms;
         j["host_update_ms"] = *row.host_update_ms;
+        // Per timed step: bytes each way, the GPU's time on streamed copies and blocked waiting for them.
+        const double steps = double(o.steps);
+        j["h2d_gb"] = double(row.transfers.h2d_bytes) / 1e9 / steps;
+        j["d2h_gb"] = double(row.transfers.d2h_bytes) / 1e9 / steps;
+        j["h2d_copy_ms"] = 1e3 * row.transfers.h2d_copy_s / steps;
+        j["copy_wait_ms"] = 1e3 * row.transfers.copy_wait_s / steps;
+      }
+      if (row.host_peak_gb) {
+        j["host_before_gb"] = *row.host_before_gb;
+        j["host_peak_gb"] = *row.host_peak_gb;
       }
       if (row.val_loss) {
         ppl = std::exp(*row.val_loss);
@@ -623,6 +647,7 @@ int main(int argc, char** argv) {
     if (row.planned_gb) {
       j["planned_gb"] = *row.planned_gb;
       j["planned_host_gb"] = *row.planned_host_gb;
+      if (row.host_peak_gb && *row.planned_host_gb > 0) j["host_plan_ratio"] = (*row.host_peak_gb - *row.host_before_gb) / *row.planned_host_gb;
       if (row.peak_gb) {
         plan_ratio = *row.peak_gb / *row.planned_gb;
         j["plan_ratio"] = *plan_ratio;

@@ -64,6 +64,10 @@ void for_each_strategy(F&& f) {
   // The same with 8-bit Adam moments (block-wise quantized, 2 bytes per parameter instead of 8 on the host).
   f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed, QuantizedState<8>>>(
       "zero3-offload-bf16-ckpt-adam8");
+  // The parameters in host memory too, each block copied to the GPU for its forward and again for its backward.
+  f.template operator()<Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Precision<bf16, float>, Checkpointed>>("zero3-stream-bf16-ckpt");
+  f.template operator()<Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Precision<bf16, float>, Checkpointed, QuantizedState<8>>>(
+      "zero3-stream-bf16-ckpt-adam8");
   // LoRA on a dense frozen bf16 base (the fine-tuning comparison's plain LoRA: QLoRA without the quantization).
   f.template operator()<Strategy<LoRA<8, 16>, Precision<bf16, float>, Checkpointed>>("lora");
   // QLoRA: NF4 base weights, bf16 compute, fp32 adapters. CPU, or CUDA from an nvcc TU.
@@ -151,6 +155,7 @@ struct BatchResult {
   double grad_norm = 0;  // before clipping, unscaled
   double scale = 1;      // loss scale used for this step
   bool applied = true;   // false: gradients overflowed, step skipped
+  train::TransferCounters transfers;  // Offload<Host>: what crossed PCIe for this step and what it cost
 };
 
 // Device memory in bytes: allocated now and the peak since the last reset (CUDA caching allocator), or the
@@ -358,6 +363,7 @@ class LlamaRun {
       if (m.boundary) {
         r.applied = m.applied;
         r.grad_norm = m.grad_norm;
+        r.transfers = m.transfers;
       }
     }
     return r;

@@ -44,6 +44,15 @@ static_assert(sizeof(L) > 0);
 #elif defined(CASE_offload_without_sharding)
 using S = Strategy<Offload<Host>, Precision<bf16, float>>;
 static_assert(sizeof(S) > 0);
+#elif defined(CASE_stream_without_stage3)
+using S = Strategy<Sharded<Stage2>, Offload<Host, Streamed>, Precision<bf16, float>>;
+static_assert(sizeof(S) > 0);
+#elif defined(CASE_stream_on_device)
+using P = Offload<Device, Streamed>;
+static_assert(sizeof(P) > 0);
+#elif defined(CASE_stream_quantized_base)
+using S = Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Quantized<4, NF4>, LoRA<8, 16>>;
+static_assert(sizeof(S) > 0);
 #elif defined(CASE_loss_scale_with_bf16)
 using S = Strategy<Precision<bf16, float>, DynamicLossScale>;
 static_assert(sizeof(S) > 0);

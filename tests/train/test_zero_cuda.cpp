@@ -95,6 +95,32 @@ TEST(ZeroCuda, OffloadOverlapBitwise) {
   gpu_offload_bitwise<Strategy<Sharded<Stage2>, Offload<Host>, Accumulate<4>>>("GPU Stage2+Offload float acc 4");
 }
 
+// Offload<Host, Streamed> on the GPU: host units copied in on the copy stream, each pass's gradient copied out at once,
+// the CPU AdamW writing the host shard in place, against resident parameters (the same gradients, sums and CPU AdamW:
+// bitwise), eager and clipped; accumulated on the host (eager: its norm is summed on the host, so clipping would
+// differ from the device's sum by rounding); overlapped against in order.
+TEST(ZeroCuda, StreamedEqualsResidentBitwise) {
+  REQUIRE_CUDA();
+  const torch::Device dev(torch::kCUDA, 0);
+  using R = Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>;
+  using St = Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Precision<bf16, float>>;
+  using RA = Strategy<Sharded<Stage3>, Offload<Host>, Accumulate<4>, Precision<bf16, float>>;
+  using StA = Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Accumulate<4>, Precision<bf16, float>>;
+  for (float clip : {0.0f, 0.05f}) {
+    train::TrainerOptions o;
+    o.max_grad_norm = clip;
+    const auto a = train<St>(Model::llama, 1, 6, o, {}, dev), b = train<R>(Model::llama, 1, 6, o, {}, dev);
+    expect_bitwise(a.params, b.params, clip > 0 ? "GPU streamed vs resident, clipped" : "GPU streamed vs resident, eager");
+    for (std::size_t i = 0; i < a.log.size(); ++i) EXPECT_EQ(a.log[i].grad_norm, b.log[i].grad_norm);
+    EXPECT_GT(a.log.back().transfers.h2d_bytes, 0);
+    EXPECT_GT(a.log.back().transfers.d2h_bytes, 0);
+  }
+  expect_bitwise(train<StA>(Model::llama, 1, 3, {}, {}, dev).params, train<RA>(Model::llama, 1, 3, {}, {}, dev).params,
+                 "GPU streamed vs resident, accumulate 4");
+  gpu_offload_bitwise<St>("GPU Stage3+Streamed bf16");
+  gpu_offload_bitwise<StA>("GPU Stage3+Streamed bf16 acc 4");
+}
+
 // The offload pipeline's norm pass runs on the device (train::sum_squares_tensor on the d2h stream): against a float64
 // host sum across chunk borders, deterministic; and the offloaded and device-resident trainers report the same
 // first-step norm bitwise (one function for both; after that their AdamW paths differ).
@@ -268,6 +294,8 @@ TEST(ZeroCuda, NcclSideStreamStage3Bitwise) {
   expect_bitwise(train<S3A>(Model::llama, 1, 3, {}, {}, dev, nccl).params, train<S3A>(Model::llama, 1, 3, {}, {}, dev).params,
                  "NCCL side-stream Stage3 acc 4 vs LocalComm");
   gpu_offload_bitwise<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>>("NCCL Stage3+Offload bf16", nccl);
+  // Streamed units over NCCL: the side stream copies each unit in and all-gathers it, and hands its gradient over.
+  gpu_offload_bitwise<Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Precision<bf16, float>>>("NCCL Stage3+Streamed bf16", nccl);
 }
 
 TEST(ZeroCuda, NcclWorldOne) {

@@ -18,6 +18,11 @@
 //             p.param: from host_grad when fn staged them there in param's dtype (p.staged), else p.master
 //   wait(p) / wait_all()  the host waits for the jobs, the current stream for their copies
 //
+//   gradient_part(p, g)  (Offload<Host, Streamed>: backward, each time a streamed unit's gradient of one pass is reduced)
+//       g [n] is a transient device tensor: the window's first part is copied into p.host_grad (its sum of squares
+//       with it), later ones (accumulation) into p.host_stage and added by the worker; gradient_ready then only
+//       finishes the sum, and the update writes the new parameters into p.param, host memory, in place.
+//
 // With threaded = false every job runs inline at once (the non-overlapped reference path); the arithmetic
 // is the same function either way, so both paths give the same bits (tests/train/test_zero.cpp checks it).
 // One worker. Of the queued jobs whose input has landed on the host (a gradient job: its copy is done; an update:
@@ -97,6 +102,12 @@ struct Partition {
   // The update wrote the new parameters, rounded to param's dtype, over host_grad (possible when grad and
   // param share a 16-bit dtype): the upload then moves 2 bytes per parameter instead of the fp32 master's 4.
   bool staged = false;
+  bool written = false;  // the update wrote p.param itself (host parameters): nothing to copy back
+  // Streamed (Offload<Host, Streamed>): param is host memory, grad undefined; gradients arrive by gradient_part.
+  bool streamed = false;
+  int parts = 0;                  // gradient parts handed over this window
+  bool device_sum = false;        // this window's sum of squares came from the device with its only part
+  torch::Tensor host_stage;       // [n] pinned: a later part on its way to be added into host_grad (accumulation)
   // Offload pipeline state (written by the worker, read after wait()).
   double sumsq = 0;            // sum of squares of host_grad (scaled gradient), this window
   bool submitted = false;      // gradient_ready was called this window
@@ -175,6 +186,7 @@ inline torch::Tensor sum_squares_tensor(const torch::Tensor& t, int64_t chunk = 
 struct OffloadStats {
   double transfer_wait_s = 0, sum_squares_s = 0, update_s = 0;
   std::int64_t jobs = 0;
+  std::int64_t d2h_bytes = 0, h2d_bytes = 0;  // gradients copied to the host, new parameters copied back
 };
 
 class OffloadPipeline {
@@ -199,8 +211,57 @@ class OffloadPipeline {
 
   bool threaded() const { return threaded_; }
 
+  // Offload<Host, Streamed>: one pass's reduced gradient g [n] of streamed partition p (see the header), queued behind the
+  // compute issued so far on the current stream.
+  void gradient_part(Partition& p, const torch::Tensor& g) {
+    TORCH_CHECK(p.streamed, "OffloadPipeline::gradient_part: the partition is not streamed");
+    const bool first = p.parts++ == 0;
+    wait(p);  // first: the previous window's update has read host_grad; later: the previous part left host_stage
+    if (!first && !p.host_stage.defined())
+      p.host_stage = device_.is_cuda() ? pinned_empty(p.host_grad.numel(), p.host_grad.scalar_type())
+                                       : torch::empty_like(p.host_grad);
+    const torch::Tensor& into = first ? p.host_grad : p.host_stage;
+    TORCH_CHECK(g.numel() == into.numel(), "OffloadPipeline::gradient_part: a gradient of ", g.numel(), " elements for a partition of ",
+                into.numel());
+    torch::Tensor kept;  // the device gradient, where the job copies it itself (no copy stream)
+    if (d2h_.active()) {
+      d2h_.wait(record_current(device_));
+      d2h_.run([&] {
+        const torch::Tensor src = g.scalar_type() == into.scalar_type() ? g : g.to(into.scalar_type());
+        if (first) p.host_sumsq.copy_(sum_squares_tensor(src).reshape({1}), /*non_blocking=*/true);
+        into.copy_(src, /*non_blocking=*/true);
+      });
+      d2h_.record_use(g);
+      p.d2h_done = d2h_.record();
+    } else {
+      kept = g;
+    }
+    {
+      std::lock_guard lk(m_);
+      stats_.d2h_bytes += int64_t(into.nbytes());
+    }
+    submit(
+        p,
+        [this, first, kept](Partition& q) {
+          const auto t0 = clock::now();
+          if (d2h_.active()) {
+            q.d2h_done.synchronize();
+          } else {
+            (first ? q.host_grad : q.host_stage).copy_(kept);
+          }
+          const auto t1 = clock::now();
+          if (!first) q.host_grad.add_(q.host_stage);
+          account(t1 - t0, clock::duration::zero(), clock::now() - t1);
+        },
+        [done = p.d2h_done] { return done.query(); });
+  }
+
   // p's gradient for this window is final (called where it became final, e.g. inside backward).
   void gradient_ready(Partition& p, Fn then = {}) {
+    if (p.streamed) {
+      streamed_gradient_ready(p, std::move(then));
+      return;
+    }
     wait(p);  // the previous window's update of p has read host_grad
     p.submitted = true;
     Event after;
@@ -262,7 +323,7 @@ class OffloadPipeline {
   // The sum of squares of p's gradient for this window (gradient_ready's copy). With the device's sum it waits
   // for that copy alone, not for the job that may update p after it.
   double gradient_sum_squares(Partition& p) {
-    if (d2h_.active()) {
+    if (d2h_.active() && (!p.streamed || p.device_sum)) {
       p.d2h_done.synchronize();
       return p.host_sumsq.data_ptr<double>()[0];
     }
@@ -321,9 +382,40 @@ class OffloadPipeline {
     Landed landed;
   };
 
+  // A streamed partition's window is complete: its parts are in host_grad (none: zeros); the worker takes the sum of
+  // squares (the device's, when one part came) and runs `then`.
+  void streamed_gradient_ready(Partition& p, Fn then) {
+    const bool none = p.parts == 0;
+    p.device_sum = d2h_.active() && p.parts == 1;
+    p.parts = 0;
+    p.submitted = true;
+    const Event after = record_current(device_);
+    submit(
+        p,
+        [this, none, device_sum = p.device_sum, after, then = std::move(then)](Partition& q) {
+          const auto t0 = clock::now();
+          if (none) q.host_grad.zero_();
+          if (device_sum) q.d2h_done.synchronize();
+          const auto t1 = clock::now();
+          q.sumsq = device_sum ? q.host_sumsq.data_ptr<double>()[0] : chunked_sum_squares(q.host_grad);
+          const auto t2 = clock::now();
+          if (then) {
+            then(q);
+            write_back(q, after);
+          }
+          account(t1 - t0, t2 - t1, clock::now() - t2);
+        },
+        [done = p.d2h_done] { return done.query(); });
+  }
+
   void write_back(Partition& q, const Event& after) {
     const bool staged = std::exchange(q.staged, false);
-    if (h2d_.active()) {
+    if (std::exchange(q.written, false)) return;  // host parameters, updated in place
+    if (h2d_.active() && q.param.is_cuda()) {
+      {
+        std::lock_guard lk(m_);
+        stats_.h2d_bytes += int64_t(q.param.nbytes());
+      }
       h2d_.wait(after);  // kernels queued before the job may still read q.param
       h2d_.run([&] {
         if (staged) {  // already in param's dtype: one straight copy

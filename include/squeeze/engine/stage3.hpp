@@ -19,6 +19,11 @@
 // whose backward comes first). Backward: gathered by the first member that needs it (a checkpointed block's
 // recompute, or a backward), held until the unit's gradient is reduced.
 //
+// Streamed units (Offload<Host, Streamed>, Stage3Group::on_host): the shard lives in pinned host memory; a gather copies
+// it to the device on a copy stream (then all-gathers it over ranks), and each pass's reduced gradient goes to the
+// trainer's grad_handover (which streams it to the host) instead of a device gradient shard. Prefetch then hides the
+// copies behind the compute exactly as it hides the collectives.
+//
 // One rank with blocking collectives (LocalComm, the CPU): the shard is the whole unit, so it is used in place: no
 // gathered copy, and members add their gradients straight into the gradient shard when it has the compute dtype.
 // (NCCL at world size 1 still takes the side-stream path, which is how one GPU tests it.)
@@ -45,6 +50,7 @@
 // within one checkpointed segment: one that spans two is reduced once per segment (the same sum, more traffic).
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <memory>
@@ -58,6 +64,7 @@
 #include "squeeze/engine/collectives.hpp"
 #include "squeeze/engine/flat_params.hpp"
 #include "squeeze/engine/streams.hpp"
+#include "squeeze/error.hpp"
 
 namespace squeeze::engine {
 
@@ -80,7 +87,20 @@ struct Stage3Group {
   std::function<void()> before_gather;  // trainer: wait until this shard's update has landed
   std::function<bool()> update_landed;  // trainer: whether it has, without waiting (unset: always)
   std::function<void()> grad_done;      // trainer: the gradient shard is final for this micro-step
+  // Streamed (Offload<Host, Streamed>): shard is pinned host memory, grad_shard undefined; each reduction hands the
+  // pass's reduced gradient [S] (a transient device tensor) over with whether the unit's gradient is complete.
+  bool on_host = false;
+  std::function<void(const torch::Tensor&, bool)> grad_handover;
   bool finished() const { return uses > 0 && added == uses; }
+};
+
+// What streaming host units cost since the last reset. The GPU times come from timed events, summed once both ends
+// have completed (a step's figures may arrive with the next step's).
+struct StreamStats {
+  int64_t h2d_bytes = 0;  // parameters copied to the device by gathers of host units
+  double h2d_copy_s = 0;  // the copy stream's time on those copies
+  double wait_s = 0;      // the compute stream's time blocked waiting for them
+  int64_t gathers = 0;
 };
 
 // A sharded layer's place in its gather unit: the unit and the index of the layer's first layout entry. The typed
@@ -137,7 +157,7 @@ class Stage3Runtime {
   // asynchronous_collectives(device, comm). prefetch_depth: units gathered ahead (0: none). keep_last_gathered:
   // the last units of the forward order stay gathered from their forward to their backward.
   Stage3Runtime(comm::CommPtr comm, int prefetch_depth, int keep_last_gathered, torch::Device device, SideStream& side)
-      : comm_(std::move(comm)), prefetch_depth_(prefetch_depth), keep_last_(keep_last_gathered), device_(device), side_(side) {
+      : comm_(std::move(comm)), prefetch_depth_(prefetch_depth), keep_last_(keep_last_gathered), device_(device), side_(side), copy_(device) {
     TORCH_CHECK(prefetch_depth >= 0, "Stage3: prefetch_depth must be >= 0, got ", prefetch_depth);
     TORCH_CHECK(keep_last_gathered >= 0, "Stage3: keep_last_gathered must be >= 0, got ", keep_last_gathered);
   }
@@ -154,6 +174,10 @@ class Stage3Runtime {
       forward_.final = true;
       const auto& o = forward_.order;
       for (std::size_t i = 0; i < o.size(); ++i) o[i]->keep_for_backward = i + std::size_t(keep_last_) >= o.size();
+    }
+    if (p == Phase::idle) {  // the timed copies and waits of the pass, summed as they complete
+      harvest(copies_, stats_.h2d_copy_s);
+      harvest(waits_, stats_.wait_s);
     }
     if (p == Phase::idle && side_.active()) {
       // The compute stream waits for the side stream's reductions; a failed or timed-out collective throws here.
@@ -181,7 +205,13 @@ class Stage3Runtime {
     if (!g.gathered.defined()) gather(g);
     torch::Tensor full = g.gathered;
     if (!g.gathered_ready.empty()) {  // side-stream gather: the compute stream waits here, not the host
-      wait_current(device_, g.gathered_ready);
+      if (g.on_host) {  // timed: how long the compute stream waits for the copy
+        Event before = record_current(device_, true);
+        wait_current(device_, g.gathered_ready);
+        waits_.push_back({std::move(before), record_current(device_, true)});
+      } else {
+        wait_current(device_, g.gathered_ready);
+      }
       record_use_current(full);
       g.gathered_ready = Event();
     }
@@ -214,10 +244,10 @@ class Stage3Runtime {
   // backward adds its parameters' gradients into its entries, then calls added().
   torch::Tensor gradient_buffer(Stage3Group& g, const torch::TensorOptions& options) {
     if (g.full_grad.defined()) return g.full_grad;
-    if (in_place() && g.grad_shard.scalar_type() == options.dtype().toScalarType()) {
+    if (in_place(g) && g.grad_shard.scalar_type() == options.dtype().toScalarType()) {
       g.full_grad = g.grad_shard;  // one rank: the gradient shard is the unit's whole gradient
     } else {
-      g.full_grad = torch::zeros({g.layout.padded()}, options.requires_grad(false));
+      g.full_grad = torch::zeros({g.layout.padded()}, options.device(device_).requires_grad(false));
       track(g.full_grad.nbytes());
     }
     return g.full_grad;
@@ -239,12 +269,26 @@ class Stage3Runtime {
   comm::Communicator& comm() { return *comm_; }
   int64_t peak_bytes() const { return peak_bytes_; }  // largest sum of live gathered + gradient buffers
   void reset_peak() { peak_bytes_ = live_bytes_; }
+  // Streamed units: the counters, with the GPU times of every copy and wait that has completed.
+  StreamStats stream_stats() {
+    harvest(copies_, stats_.h2d_copy_s);
+    harvest(waits_, stats_.wait_s);
+    return stats_;
+  }
+  void reset_stream_stats() {
+    stream_stats();
+    stats_ = {};
+  }
 
  private:
   // Reduce-scatters the unit's full gradient (average over ranks) into its gradient shard and frees it.
   void reduce(Stage3Group& g) {
     torch::Tensor full_grad = std::exchange(g.full_grad, torch::Tensor());
     const bool complete = g.finished();
+    if (g.on_host) {
+      reduce_host_unit(g, full_grad, complete);
+      return;
+    }
     if (full_grad.is_same(g.grad_shard)) {  // added in place (one rank)
       if (complete && g.grad_done) g.grad_done();
       return;
@@ -254,19 +298,47 @@ class Stage3Runtime {
     });
     live_bytes_ -= full_grad.nbytes();
   }
+  // A streamed unit's gradient: this rank's part of the average over ranks, handed over on the stream that made it.
+  void reduce_host_unit(Stage3Group& g, const torch::Tensor& full_grad, bool complete) {
+    const int64_t n = g.layout.shard();
+    auto hand_over = [&](const torch::Tensor& mine) {
+      if (g.grad_handover) g.grad_handover(mine, complete);
+    };
+    if (comm_->size() == 1) {
+      hand_over(full_grad.narrow(0, 0, n));
+    } else if (side_.active()) {
+      side_.wait(record_current(device_));
+      side_.record_use(full_grad);
+      side_.run([&] {
+        auto mine = torch::empty({n}, full_grad.options());
+        comm_->reduce_scatter(full_grad.data_ptr(), mine.data_ptr(), std::size_t(n), comm_dtype(full_grad.scalar_type()),
+                              comm::ReduceOp::avg, side_.handle());
+        hand_over(mine);
+      });
+    } else {
+      auto mine = torch::empty({n}, full_grad.options());
+      reduce_scatter_avg(*comm_, full_grad, mine);
+      hand_over(mine);
+    }
+    live_bytes_ -= full_grad.nbytes();
+  }
   void free_gathered(Stage3Group& g) {
     if (g.gathered.defined()) {
-      if (!in_place()) live_bytes_ -= g.gathered.nbytes();
+      if (!in_place(g)) live_bytes_ -= g.gathered.nbytes();
       g.gathered = torch::Tensor();
       g.gathered_ready = Event();
     }
     g.released = 0;
   }
-  bool in_place() const { return comm_->size() == 1 && !side_.active(); }
+  bool in_place(const Stage3Group& g) const { return comm_->size() == 1 && !side_.active() && !g.on_host; }
   void gather(Stage3Group& g) {
     if (g.before_gather) g.before_gather();
     g.released = 0;
-    if (in_place()) {
+    if (g.on_host) {
+      gather_host_unit(g);
+      return;
+    }
+    if (in_place(g)) {
       g.gathered = g.shard.detach();  // one rank: the shard is the whole unit
       return;
     }
@@ -284,6 +356,50 @@ class Stage3Runtime {
     gather_into(*comm_, g.shard.detach(), full);
     g.gathered = full;
   }
+  // A streamed unit: its host shard copied to the device (the collectives' side stream when it is active, else the
+  // copy stream), then all-gathered over ranks; blocking where there are no streams (the CPU).
+  void gather_host_unit(Stage3Group& g) {
+    const int64_t n = g.layout.shard();
+    const auto dev = g.shard.options().device(device_).requires_grad(false);
+    const torch::Tensor host = g.shard.detach();
+    SideStream& s = side_.active() ? side_ : copy_;
+    stats_.h2d_bytes += int64_t(host.nbytes());
+    ++stats_.gathers;
+    auto copy_in = [&] {
+      auto full = torch::empty({g.layout.padded()}, dev);
+      if (comm_->size() == 1) {
+        full.narrow(0, 0, n).copy_(host, /*non_blocking=*/true);
+      } else {
+        auto mine = torch::empty({n}, dev);
+        mine.copy_(host, /*non_blocking=*/true);
+        if (s.active())
+          comm_->all_gather(mine.data_ptr(), full.data_ptr(), std::size_t(n), comm_dtype(full.scalar_type()), s.handle());
+        else
+          gather_into(*comm_, mine, full);
+      }
+      return full;
+    };
+    try {
+      if (!s.active()) {
+        g.gathered = copy_in();
+        track(g.gathered.nbytes());
+        return;
+      }
+      Event start = s.record(true);
+      g.gathered = s.run(copy_in);
+      track(g.gathered.nbytes());
+      g.gathered_ready = s.record(true);
+      copies_.push_back({std::move(start), g.gathered_ready});
+    } catch (const std::exception& e) {
+      throw Error("Stage3: copying unit '" + g.name + "' (" + std::to_string(host.nbytes()) + " bytes) from host memory to " +
+                  device_.str() + " failed: " + e.what());
+    }
+  }
+  static void harvest(std::vector<std::pair<Event, Event>>& pairs, double& total) {
+    auto done = std::partition(pairs.begin(), pairs.end(), [](const auto& p) { return !p.second.query(); });
+    for (auto it = done; it != pairs.end(); ++it) total += Event::elapsed_s(it->first, it->second);
+    pairs.erase(done, pairs.end());
+  }
   void track(int64_t bytes) {
     live_bytes_ += bytes;
     peak_bytes_ = std::max(peak_bytes_, live_bytes_);
@@ -293,6 +409,7 @@ class Stage3Runtime {
   int prefetch_depth_, keep_last_;
   torch::Device device_;
   SideStream& side_;  // active only for asynchronous device collectives (see the header comment)
+  SideStream copy_;   // streamed units' host-to-device copies where side_ is inert
   Phase phase_ = Phase::idle;
   std::vector<Stage3Group*> groups_;
   // Units in the order the first pass of a kind acquired them (final once that pass ended).
@@ -303,6 +420,8 @@ class Stage3Runtime {
   };
   PassOrder forward_, backward_;
   int64_t live_bytes_ = 0, peak_bytes_ = 0;
+  StreamStats stats_;
+  std::vector<std::pair<Event, Event>> copies_, waits_;  // timed (start, end) of streamed copies and of the waits for them
 };
 
 }  // namespace squeeze::engine

@@ -39,11 +39,12 @@ namespace squeeze::engine {
 class Event {
  public:
   Event() = default;
-  static Event record_on(cudaStream_t s, c10::DeviceIndex dev) {
+  // timed: the event can be one end of elapsed_s (a copy's or a wait's duration on the GPU).
+  static Event record_on(cudaStream_t s, c10::DeviceIndex dev, bool timed = false) {
     c10::cuda::CUDAGuard g(dev);
     Event e;
     cudaEvent_t ev = nullptr;
-    C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, timed ? cudaEventDefault : cudaEventDisableTiming));
     e.ev_ = std::shared_ptr<CUevent_st>(ev, [](cudaEvent_t x) { (void)cudaEventDestroy(x); });
     C10_CUDA_CHECK(cudaEventRecord(ev, s));
     return e;
@@ -65,6 +66,13 @@ class Event {
   void block(cudaStream_t s) const {  // stream s waits
     if (ev_) C10_CUDA_CHECK(cudaStreamWaitEvent(s, ev_.get(), 0));
   }
+  // Seconds from `from` to `to` on the GPU, both timed and complete (query() true).
+  static double elapsed_s(const Event& from, const Event& to) {
+    if (!from.ev_ || !to.ev_) return 0;
+    float ms = 0;
+    C10_CUDA_CHECK(cudaEventElapsedTime(&ms, from.ev_.get(), to.ev_.get()));
+    return double(ms) / 1e3;
+  }
 
  private:
   std::shared_ptr<CUevent_st> ev_;
@@ -84,7 +92,7 @@ class SideStream {
     c10::cuda::CUDAStreamGuard g(*stream_);
     return f();
   }
-  Event record() const { return stream_ ? Event::record_on(stream_->stream(), stream_->device_index()) : Event(); }
+  Event record(bool timed = false) const { return stream_ ? Event::record_on(stream_->stream(), stream_->device_index(), timed) : Event(); }
   void wait(const Event& e) const {
     if (stream_) e.block(stream_->stream());
   }
@@ -98,9 +106,9 @@ class SideStream {
 };
 
 // An event on the current stream of d (empty for the CPU).
-inline Event record_current(torch::Device d) {
+inline Event record_current(torch::Device d, bool timed = false) {
   if (!d.is_cuda()) return {};
-  return Event::record_on(c10::cuda::getCurrentCUDAStream(d.index()).stream(), d.index());
+  return Event::record_on(c10::cuda::getCurrentCUDAStream(d.index()).stream(), d.index(), timed);
 }
 // The current stream of d waits for e.
 inline void wait_current(torch::Device d, const Event& e) {
@@ -136,6 +144,7 @@ class Event {
   bool empty() const { return true; }
   void synchronize() const {}
   bool query() const { return true; }
+  static double elapsed_s(const Event&, const Event&) { return 0; }
 };
 class SideStream {
  public:
@@ -147,7 +156,7 @@ class SideStream {
   decltype(auto) run(F&& f) {
     return f();
   }
-  Event record() const { return {}; }
+  Event record(bool = false) const { return {}; }
   void wait(const Event&) const {}
   void record_use(const torch::Tensor&) const {}
 };
@@ -155,7 +164,7 @@ class SideStream {
 inline torch::Tensor pinned_empty(int64_t n, torch::ScalarType dtype) {
   return torch::empty({n}, torch::TensorOptions().dtype(dtype).pinned_memory(true));
 }
-inline Event record_current(torch::Device) { return {}; }
+inline Event record_current(torch::Device, bool = false) { return {}; }
 inline void wait_current(torch::Device, const Event&) {}
 inline void set_device(torch::Device) {}
 inline void record_use_current(const torch::Tensor&) {}

@@ -25,8 +25,6 @@
 // the GPTQ layout is filled by round-to-nearest, as apply_lora fills it for a whole model. ActOrder is not supported.
 #include <torch/torch.h>
 
-#include <ATen/DeviceAccelerator.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -39,6 +37,7 @@
 #include <string>
 #include <vector>
 
+#include "squeeze/engine/memory_info.hpp"
 #include "squeeze/engine/torch_types.hpp"
 #include "squeeze/plan/memory.hpp"
 #include "squeeze/policy/strategy.hpp"
@@ -123,29 +122,9 @@ LayerwiseMemory layerwise_memory(const LlamaConfig& c, const LayerwiseOptions& o
 }
 
 namespace detail {
-inline std::string gigabytes(int64_t bytes) {
-  char s[32];
-  std::snprintf(s, sizeof s, "%.2f GB", double(bytes) / 1e9);
-  return s;
-}
-
-// /proc/meminfo's MemAvailable in bytes; unset where it cannot be read.
-inline std::optional<int64_t> host_memory_available() {
-  std::ifstream f("/proc/meminfo");
-  for (std::string line; std::getline(f, line);)
-    if (line.rfind("MemAvailable:", 0) == 0) return int64_t(std::stoll(line.substr(13))) * 1024;
-  return std::nullopt;
-}
-
-// A CUDA device's total memory; unset for other devices or where the runtime cannot say.
-inline std::optional<int64_t> device_memory_total(torch::Device d) {
-  if (!d.is_cuda()) return std::nullopt;
-  try {
-    return int64_t(at::accelerator::getMemoryInfo(d.has_index() ? d.index() : c10::DeviceIndex(0)).second);
-  } catch (const c10::Error&) {
-    return std::nullopt;
-  }
-}
+using engine::device_memory_total;
+using engine::gigabytes;
+using engine::host_memory_available;
 
 template <StrategyType S>
 void check_layerwise_fits(const LlamaConfig& c, const LayerwiseOptions& o, bool from_files) {

@@ -8,7 +8,9 @@
 //   optimizer    Adam m and v: Ψ_t·8 (or 8-bit blockwise: Ψ_t·2 + block scales), /N from stage 1
 //   activations  what squeeze::nn::Llama keeps for backward, plus the loss's transient, see activation_bytes()
 //   communication gather/reduce buckets: one block (stage 1-2), three (stage 3: current, prefetch, grads)
-// Offload<Host> moves master + optimizer state (and a gradient shard in the gradient's type) to host memory.
+// Offload<Host> moves master + optimizer state (and a gradient shard in the gradient's type) to host memory;
+// Offload<Host, Streamed> the stage-3 parameter shards and gradients too, leaving on the device the units in flight:
+// the one running, the one prefetched and the gradient being reduced (three of the largest gather unit).
 // peak(): a training step's device high-water mark: the start of backward (everything saved, the loss's
 // gradients being formed) or the optimizer step (every gradient materialised, no activations; freed gradients
 // beside the flat buffer they are collected into), whichever is larger. At stages 0-1, when the gradient buffer
@@ -245,7 +247,7 @@ constexpr MemoryPlan plan_memory(const ModelShape& m, const TrainShape& t, int w
     plan.parameters.device = S::stage >= 3 ? shard(weights) : weights;
   } else {
     const i64 elements = m.params();  // shards are counted in elements, then bytes
-    plan.parameters.device = (S::stage >= 3 ? shard(elements) : elements) * p_c + lora_params * p_m;
+    (S::stream_params ? plan.parameters.host : plan.parameters.device) = (S::stage >= 3 ? shard(elements) : elements) * p_c + lora_params * p_m;
   }
 
   if (trainable > 0) {
@@ -254,7 +256,9 @@ constexpr MemoryPlan plan_memory(const ModelShape& m, const TrainShape& t, int w
     const i64 p_g = S::has_lora ? p_m : p_c;
     const bool master_copy = S::has_master_copy && !S::has_lora;
     const bool fp32_accumulator = S::accumulation_steps > 1 && master_copy;
-    if constexpr (S::stage >= 2) {
+    if constexpr (S::stream_params) {
+      // Each pass's gradient goes to the host as it is reduced (the units in flight: communication below).
+    } else if constexpr (S::stage >= 2) {
       plan.gradients.device = shard(trainable) * (fp32_accumulator ? 4 : p_g);
     } else {
       plan.gradients.device = trainable * p_g + (fp32_accumulator ? trainable * 4 : 0);
@@ -273,6 +277,8 @@ constexpr MemoryPlan plan_memory(const ModelShape& m, const TrainShape& t, int w
       plan.master_weights.host = S::has_master_copy ? master : owned * p_m;  // the host update needs an fp32 copy
       plan.optimizer_state.host = state;
       plan.gradients.host = owned * (fp32_accumulator ? 4 : p_g);  // the gradient shard streamed down for the CPU AdamW
+      // Streamed and accumulating: a later micro-batch's part lands beside the sum before it is added.
+      if (S::stream_params && S::accumulation_steps > 1) plan.gradients.host += owned * (fp32_accumulator ? 4 : p_g);
     } else {
       plan.master_weights.device = master;
       plan.optimizer_state.device = state;
@@ -289,7 +295,7 @@ constexpr MemoryPlan plan_memory(const ModelShape& m, const TrainShape& t, int w
     if (S::base_trainable && t.loss_chunk_tokens > 0 && t.loss_chunk_tokens < tokens) plan.activations.device += m.vocab * m.hidden * p_c;
   }
 
-  if (N > 1) {
+  if (N > 1 || S::stream_params) {
     const i64 bucket = m.largest_gather_params() * p_c;
     if constexpr (S::stage >= 3)
       plan.communication.device = 3 * bucket;  // gathered, prefetched, grads to reduce

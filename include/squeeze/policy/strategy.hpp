@@ -102,6 +102,7 @@ struct Strategy {
   // ---- traits -------------------------------------------------------------------------------------
   static constexpr int stage = sharding::stage;
   static constexpr bool offload_to_host = offload::to_host;
+  static constexpr bool stream_params = offload::params_on_host;  // Offload<Host, Streamed>
   static constexpr int accumulation_steps = accumulation::steps;
   using compute_type = typename precision::compute_type;
   using master_type = typename precision::master_type;
@@ -129,6 +130,12 @@ struct Strategy {
   static_assert(!(offload_to_host && stage == 0),
                 "Offload<Host> moves the sharded optimizer state to host memory: add Sharded<Stage1>, Sharded<Stage2> or Sharded<Stage3> "
                 "(on one GPU any stage works)");
+  static_assert(!(stream_params && stage != 3),
+                "Offload<Host, Streamed> streams stage-3 gather units from host memory: add Sharded<Stage3> (on one GPU too), or write "
+                "Offload<Host> to keep the parameters on the device");
+  static_assert(!(stream_params && (quantized_weights || has_lora)),
+                "Offload<Host, Streamed> streams trained parameters; a frozen quantized or LoRA base is not streamed yet: write "
+                "Offload<Host> (adapters' state in host memory) and keep the base on the device");
   static_assert(!(loss_scale::enabled && !precision::needs_loss_scaling),
                 "loss scaling protects fp16 gradients from underflow; float and bf16 have float's exponent range: remove the loss-scale "
                 "policy, or compute in fp16 with Precision<half, float>");

@@ -39,7 +39,7 @@ std::string policy_name() {
   if constexpr (std::is_same_v<F, sharding_family>) {
     return P::stage > 0 ? "Sharded<Stage" + std::to_string(P::stage) + ">" : "";
   } else if constexpr (std::is_same_v<F, offload_family>) {
-    return P::to_host ? "Offload<Host>" : "";
+    return P::params_on_host ? "Offload<Host, Streamed>" : P::to_host ? "Offload<Host>" : "";
   } else if constexpr (std::is_same_v<F, accumulation_family>) {
     return P::steps > 1 ? "Accumulate<" + std::to_string(P::steps) + ">" : "";
   } else if constexpr (std::is_same_v<F, precision_family>) {

@@ -75,6 +75,9 @@ struct TrainerOptions {
   std::function<bool(const std::string& name, const torch::nn::Module& module)> gather_unit{};
   int64_t bucket_bytes = int64_t(32) << 20;  // stage 2 (and stage 3's whole-kept parameters): gradient bucket size
   bool overlap_offload = true;               // Offload<Host>: transfers + CPU AdamW beside backward (see above)
+  // Offload<Host>: what the trainer compares this rank's host state (and Offload<Host, Streamed>'s parameters) with,
+  // refusing before it allocates one that would not fit. Unset: /proc/meminfo's MemAvailable when it is built.
+  std::optional<int64_t> available_host_bytes{};
   // Each micro-batch's loss read back into StepResult::loss (one host sync per micro-batch). false: loss is NaN and
   // StepResult::loss_value holds it on the device, to read only when logging (a CUDA step then syncs at most once per
   // optimizer step, for the gradient norm's overflow and clipping decision).
@@ -87,6 +90,18 @@ struct TrainerOptions {
   std::function<torch::Tensor(const std::string& name)> master_init{};
 };
 
+// What crossed PCIe for an optimizer step and what it cost (Offload<Host>; zeros otherwise): which of the copies,
+// the host update or the GPU bounds a step. GPU times are summed as their events complete, so a step's copies
+// may be counted with the next step's.
+struct TransferCounters {
+  int64_t h2d_bytes = 0;       // to the device: streamed parameters' gathers and uploaded new parameters
+  int64_t d2h_bytes = 0;       // to the host: gradients
+  double h2d_copy_s = 0;       // the GPU's time on streamed parameters' copies (Offload<Host, Params>)
+  double copy_wait_s = 0;      // the compute stream's time blocked waiting for those copies
+  double host_update_s = 0;    // the worker's CPU AdamW and sums of squares
+  double host_wait_s = 0;      // the worker's time waiting for gradient copies to land
+};
+
 struct StepResult {
   float loss = 0;                   // this micro-batch's loss (unscaled); NaN under TrainerOptions::read_loss = false
   torch::Tensor loss_value;         // [] float32, where the model runs: the same loss, detached, never read by the trainer
@@ -95,6 +110,7 @@ struct StepResult {
   int64_t step = 0;                 // optimizer steps applied so far, this call's included
   float scale = 1;                  // the loss scale used for this micro-batch
   float grad_norm = std::nanf("");  // global L2 norm of the unscaled gradient (boundary only)
+  TransferCounters transfers;       // since the previous boundary (boundary only)
 };
 
 // Bytes this rank holds per category; "device" is where the compute parameters live (the CPU in CPU

@@ -25,9 +25,11 @@
 #include "squeeze/comm/communicator.hpp"
 #include "squeeze/plan/memory.hpp"
 #include "squeeze/policy/strategy.hpp"
+#include "squeeze/policy/strategy_name.hpp"
 #include "squeeze/train/adopt.hpp"
 #include "squeeze/train/options.hpp"
 #include "squeeze/train/parts/parts.hpp"
+#include "squeeze/engine/memory_info.hpp"
 #include "squeeze/engine/torch_types.hpp"
 #include "squeeze/kernels/grad_norm.hpp"
 
@@ -62,6 +64,7 @@ class Trainer {
     c.grad_dtype = TrainTypes<S>::kFp32Accum ? torch::kFloat32 : c.compute_dtype;
     c.opt = std::move(opt);
 
+    if constexpr (S::offload_to_host) refuse_beyond_host_memory();
     // The module as built (float, or already in the compute type) becomes what S trains: layers adopted,
     // parameters converted; the float values seed the masters (train/adopt.hpp).
     AdoptedModel adopted = adopt_model<S>(*module_, AdoptOptions{c.opt.replicate, c.opt.device});
@@ -153,7 +156,33 @@ class Trainer {
     r.boundary = true;
     update(r);
     r.step = applied_;
+    r.transfers = transfers_since_boundary();
     return r;
+  }
+
+  // The pipeline's and the streamed units' counters since the last boundary.
+  TransferCounters transfers_since_boundary() {
+    TransferCounters now;
+    const OffloadStats o = parts_->state.stats();
+    now.d2h_bytes = o.d2h_bytes;
+    now.h2d_bytes = o.h2d_bytes;
+    now.host_update_s = o.sum_squares_s + o.update_s;
+    now.host_wait_s = o.transfer_wait_s;
+    if constexpr (S::stream_params) {
+      const StreamStats st = parts_->sync.stream_stats();
+      now.h2d_bytes += st.h2d_bytes;
+      now.h2d_copy_s = st.h2d_copy_s;
+      now.copy_wait_s = st.wait_s;
+    }
+    TransferCounters d = now;
+    d.h2d_bytes -= transfers_.h2d_bytes;
+    d.d2h_bytes -= transfers_.d2h_bytes;
+    d.h2d_copy_s -= transfers_.h2d_copy_s;
+    d.copy_wait_s -= transfers_.copy_wait_s;
+    d.host_update_s -= transfers_.host_update_s;
+    d.host_wait_s -= transfers_.host_wait_s;
+    transfers_ = now;
+    return d;
   }
 
   // One forward and backward: the sync part's pass (stage 3's gathers), aborted if it does not end.
@@ -272,7 +301,11 @@ class Trainer {
   bool updated_during_backward() const { return parts_->state.updated_during_backward(); }
   // Offload<Host>: host time of the pipeline since the last reset (see OffloadStats); zeros otherwise.
   OffloadStats offload_stats() const { return parts_->state.stats(); }
-  void reset_offload_stats() { parts_->state.reset_stats(); }
+  void reset_offload_stats() {
+    parts_->state.reset_stats();
+    transfers_ = {};
+    if constexpr (S::stream_params) parts_->sync.reset_stream_stats();
+  }
   // Waits for Offload<Host> work still in flight (step() may return before the last updates of stage 3 land).
   void sync() { parts_->state.wait_all(); }
   torch::nn::Module& module() { return *module_; }
@@ -432,6 +465,31 @@ class Trainer {
   }
 
  private:
+  // Offload<Host>: refuses, before allocating, host state (and streamed parameters) beyond what the host can give.
+  // A module built on the host for a GPU trainer gives its host tensors back once built (moved to the device, the
+  // float values kept only until the masters are seeded): they count as available.
+  void refuse_beyond_host_memory() const {
+    const TrainContext& c = *ctx_;
+    int64_t elements = 0, returned = 0;
+    const bool to_device = c.opt.device && !c.opt.device->is_cpu();
+    for (const auto& p : module_->parameters(/*recurse=*/true)) {
+      if (p.requires_grad()) elements += p.numel();
+      if (to_device && p.is_cpu()) returned += int64_t(p.nbytes());
+    }
+    const HostStateBytes per = host_state_bytes<S>(c.compute_dtype, c.grad_dtype);
+    const int64_t mine = (elements + c.world - 1) / c.world;  // this rank's share
+    const int64_t need = per.bytes(mine);
+    std::optional<int64_t> available = c.opt.available_host_bytes;
+    if (!available && (available = host_memory_available())) *available += returned;
+    if (!available || need <= *available) return;  // unknown: nothing to compare with
+    TORCH_CHECK(false, "make_trainer: ", strategy_name<S>(), " needs ", gigabytes(need), " of host memory on this rank (", per.describe(),
+                ", ", mine, " elements) but ", gigabytes(*available),
+                c.opt.available_host_bytes ? " is allowed (TrainerOptions::available_host_bytes)"
+                                            : " is available (MemAvailable, with the module's own host tensors)", ": ",
+                gigabytes(need - *available), " short. Write QuantizedState<8> (2 bytes of moments per element instead of 8), shard over more ranks",
+                S::stream_params ? ", keep the parameters on the device (Offload<Host>)," : ",", " or free host memory");
+  }
+
   // Merges the clipping / loss-scale knobs of the AdamW options into the trainer options.
   static TrainerOptions resolve(const O& adamw, TrainerOptions opt) {
     if constexpr (requires { float(adamw.max_grad_norm); }) {
@@ -450,8 +508,8 @@ class Trainer {
 
   // A sharded partition's whole flat buffer [padded], gathered from every rank's shard (a collective).
   torch::Tensor gather_full(const PartitionView& v) {
-    auto full = torch::empty({v.layout->padded()}, v.state->param.options().requires_grad(false));
-    gather_into(*ctx_->comm, v.state->param, full);
+    auto full = torch::empty({v.layout->padded()}, v.state->param.options().device(ctx_->device).requires_grad(false));
+    gather_into(*ctx_->comm, v.state->param.to(ctx_->device), full);  // streamed units' shards are in host memory
     return full;
   }
 
@@ -481,6 +539,7 @@ class Trainer {
   int64_t applied_ = 0, skipped_ = 0;
   bool recomputable_ = false;       // Checkpointed: the model recomputes (checked at the first step)
   bool ranked_by_forward_ = false;  // Partition::priority follows the recorded forward order
+  TransferCounters transfers_;      // the counters' totals at the last boundary
 };
 
 // module: a torch::nn::ModuleHolder (e.g. an `MLP` from TORCH_MODULE) or a shared_ptr to a Module.

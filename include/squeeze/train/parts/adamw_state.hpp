@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cmath>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "squeeze/engine/adamw_torch_ops.hpp"
@@ -19,6 +20,33 @@
 #include "squeeze/kernels/adamw8.hpp"
 
 namespace squeeze::train {
+
+// Host bytes an Offload<Host> trainer holds for n trainable elements of one rank (the refusal made before allocating
+// reads it): the fp32 master, the moments (8-bit: codes and a scale per block), the gradient copy in the gradient's
+// dtype and, streamed (Offload<Host, Streamed>), the parameters themselves and a second gradient copy for accumulation.
+struct HostStateBytes {
+  bool state_8bit = false;
+  int64_t gradient = 4, parameters = 0, staging = 0;  // bytes per element
+  int64_t bytes(int64_t n) const {
+    const int64_t moments = state_8bit ? 2 * n + 2 * kernels::state_blocks(n) * 4 : 8 * n;
+    return 4 * n + moments + (gradient + parameters + staging) * n;
+  }
+  std::string describe() const {
+    std::string d = std::string("fp32 master 4 B, moments ") + (state_8bit ? "2 B" : "8 B") + ", gradient copy " + std::to_string(gradient) + " B";
+    if (parameters) d += ", parameters " + std::to_string(parameters) + " B";
+    if (staging) d += ", accumulation copy " + std::to_string(staging) + " B";
+    return d + " per element";
+  }
+};
+template <StrategyType S>
+HostStateBytes host_state_bytes(torch::ScalarType compute, torch::ScalarType grad) {
+  HostStateBytes b;
+  b.state_8bit = S::state_bits == 8;
+  b.gradient = int64_t(c10::elementSize(grad));
+  if (S::stream_params) b.parameters = int64_t(c10::elementSize(compute));
+  if (S::stream_params && S::accumulation_steps > 1) b.staging = b.gradient;
+  return b;
+}
 
 template <StrategyType S, bool OnHost>
 class AdamWState {
@@ -336,7 +364,8 @@ class HostAdamW : public AdamWState<S, true> {
   void reset_stats() { pipeline_->reset_stats(); }
 
  private:
-  // The CPU AdamW of one offloaded partition: fp32 master, m, v and the host gradient copy. When the gradient is in
+  // The CPU AdamW of one offloaded partition: fp32 master, m, v and the host gradient copy. Parameters in host memory
+  // (streamed units) take the rounded values in place. When the gradient is in
   // the (16-bit) compute dtype, the rounded new parameters overwrite it element by element (each element's gradient
   // is read before its parameter is written), so the upload moves half the bytes of the fp32 master and needs no
   // conversion on the device.
@@ -344,6 +373,17 @@ class HostAdamW : public AdamWState<S, true> {
     return [c, inv_scale, clip](Partition& p) {
       const kernels::AdamWDynamic d{&inv_scale, nullptr, &clip, nullptr};
       if constexpr (T::kMaster) {
+        if (p.param.is_cpu()) {  // host parameters (streamed units, a CPU model): rounded into place, nothing to upload
+          Param* param = reinterpret_cast<Param*>(p.param.data_ptr());
+          if (p.host_grad.scalar_type() == torch::kFloat32)
+            Base::template adamw_on_host<Param, float>(p, param, p.master.template data_ptr<float>(), p.host_grad.template data_ptr<float>(),
+                                                       c, d);
+          else
+            Base::template adamw_on_host<Param, Param>(p, param, p.master.template data_ptr<float>(),
+                                                       reinterpret_cast<const Param*>(p.host_grad.data_ptr()), c, d);
+          p.written = true;
+          return;
+        }
         if (p.host_grad.scalar_type() == p.param.scalar_type()) {
           Param* staged = reinterpret_cast<Param*>(p.host_grad.data_ptr());
           Base::template adamw_on_host<Param, Param>(p, staged, p.master.template data_ptr<float>(), staged, c, d);

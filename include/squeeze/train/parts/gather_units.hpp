@@ -4,7 +4,8 @@
 // TrainerOptions::gather_unit names; other layers alone). The Stage-3 runtime (engine/stage3.hpp) gathers a unit for
 // its forward and again for its backward; each member adds its gradients into the unit's buffer, which is
 // reduce-scattered (average) once into the unit's gradient shard. Parameters kept whole (layers below
-// persistence_threshold, plain layers listed in replicate) go through BucketedGrads.
+// persistence_threshold, plain layers listed in replicate) go through BucketedGrads. Where a unit's shard lives
+// between uses is the Home part's (train/parts/param_home.hpp: the device, or host memory it streams from).
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -19,12 +20,14 @@
 #include "squeeze/engine/stage3.hpp"
 #include "squeeze/train/parts/bucketed_grads.hpp"
 #include "squeeze/train/parts/gradient_sync.hpp"
+#include "squeeze/train/parts/param_home.hpp"
 
 namespace squeeze::train {
 
-template <StrategyType S>
+template <StrategyType S, class Home = ParamHomeOf<S>>
 class GatherUnits {
   static_assert(S::stage == 3, "GatherUnits synchronises stage 3: write ReplicatedGrads (stages 0-1) or BucketedGrads (stage 2)");
+  static_assert(!Home::on_host || S::offload_to_host, "units streamed from host memory are updated there: write Offload<Host, Streamed>");
 
  public:
   static constexpr bool hands_over_in_backward = true;  // each unit's shard is final when its reduce-scatter is
@@ -32,6 +35,7 @@ class GatherUnits {
   template <class State>
   GatherUnits(TrainContext& ctx, State& state, torch::nn::Module& module, const NamedTensors& trainable)
       : ctx_(ctx),
+        home_(ctx),
         runtime_(
             std::make_unique<Stage3Runtime>(ctx.comm, ctx.opt.prefetch_depth, ctx.opt.keep_last_gathered, ctx.device, *ctx.collectives)) {
     // Sharded layers by gather unit, units in the order of their first layer, layers in module order.
@@ -123,8 +127,9 @@ class GatherUnits {
   void add_memory(MemoryUse& m, bool state_on_host) const {
     buckets_->add_bucket_memory(m, state_on_host, /*kept_whole=*/true);
     for (auto& u : units_) {
-      m.parameters.device += int64_t(u.group->shard.nbytes());
+      home_.add_memory(m, *u.group);
       add_partition_memory(m, u.own, true, state_on_host);
+      if (u.own.host_stage.defined()) m.gradients.host += int64_t(u.own.host_stage.nbytes());
       m.full_gradient_bytes += u.group->layout.numel() * u.group->layout.element_size();
     }
     buckets_->finish_memory(m);
@@ -134,15 +139,19 @@ class GatherUnits {
   void gradient_buffers_changed(GradientBuffers) {}
   int64_t shard_bytes() const {
     int64_t n = buckets_->shard_bytes();
-    for (auto& u : units_) n += int64_t(u.own.grad.nbytes());
+    for (auto& u : units_)
+      if (u.own.grad.defined()) n += int64_t(u.own.grad.nbytes());
     return n;
   }
+  // Streamed units (HostParams): bytes copied in and the GPU's time on and waiting for the copies.
+  StreamStats stream_stats() { return runtime_->stream_stats(); }
+  void reset_stream_stats() { runtime_->reset_stream_stats(); }
 
   // Gathers every unit back into its module's own parameters and detaches its layers (a collective).
   void restore_module() {
     for (auto& u : units_) {
-      auto full = torch::empty({u.group->layout.padded()}, u.group->shard.options().requires_grad(false));
-      gather_into(*ctx_.comm, u.group->shard.detach(), full);
+      auto full = torch::empty({u.group->layout.padded()}, u.group->shard.options().device(ctx_.device).requires_grad(false));
+      gather_into(*ctx_.comm, u.group->shard.detach().to(ctx_.device), full);
       torch::NoGradGuard ng;
       for (auto& e : u.group->layout.entries()) e.param.set_data(FlatParams::view(full, e).clone());
     }
@@ -201,8 +210,10 @@ class GatherUnits {
       for (auto& e : g.layout.entries()) FlatParams::view(full, e).copy_(e.param.detach());
     }
     ctx_.broadcast(full);
-    g.shard = g.layout.shard_of(full, ctx_.rank).clone().requires_grad_(true);
-    g.grad_shard = torch::zeros({g.layout.shard()}, full.options().dtype(ctx_.grad_dtype));
+    const torch::Tensor mine = g.layout.shard_of(full, ctx_.rank);
+    g.shard = home_.place(mine).requires_grad_(true);
+    g.grad_shard = home_.gradient_shard(mine);
+    full = torch::Tensor();
     g.runtime = runtime_.get();
     {
       torch::NoGradGuard ng;  // the module's own tensors give their memory up: the shard holds the values
@@ -213,16 +224,7 @@ class GatherUnits {
     }
     state.own(u.own, g.shard.detach(), g.grad_shard, g.layout, int64_t(ctx_.rank) * g.layout.shard());
     u.own.waited_by_gather = true;
-    if (OffloadPipeline* pipe = ctx_.offload) {
-      Partition* p = &u.own;
-      engine::detail::GradState* st = &ctx_.grads;
-      g.before_gather = [pipe, p] { pipe->wait(*p); };
-      g.update_landed = [pipe, p] { return pipe->finished(*p); };
-      if (pipe->threaded())
-        g.grad_done = [pipe, p, st] {
-          if (st->final_micro) pipe->gradient_ready(*p, st->eager);
-        };
-    }
+    home_.connect(g, u.own);
     runtime_->add_group(g);
     for (std::size_t i = 0; i < layers.size(); ++i) {
       layers[i].second->attach(&g, first[i]);
@@ -231,6 +233,7 @@ class GatherUnits {
   }
 
   TrainContext& ctx_;
+  Home home_;
   std::unique_ptr<Stage3Runtime> runtime_;
   std::deque<Unit> units_;  // a deque: a unit's Partition stays where hooks and jobs point while units are added
   std::unique_ptr<BucketedGrads<S>> buckets_;

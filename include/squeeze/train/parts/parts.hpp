@@ -3,6 +3,7 @@
 //
 //   part                   concept              chosen by                  implementations
 //   gradient sync          GradientSyncPart     Sharded<Stage0..3>         ReplicatedGrads, BucketedGrads, GatherUnits
+//   parameter home         ParamHomePart        Offload<Host, Streamed>      DeviceParams, HostParams (stage-3 units)
 //   optimizer state        OptimizerStatePart   Offload<Host>, Quantized8  DeviceAdamW, HostAdamW
 //   loss scale             (LossScale<S>)       the loss-scale policy      none, static, dynamic
 //   accumulation window    (AccumulationWindow) Accumulate<N>              one
@@ -19,6 +20,7 @@
 #include "squeeze/train/parts/context.hpp"
 #include "squeeze/train/parts/gather_units.hpp"
 #include "squeeze/train/parts/loss_scale.hpp"
+#include "squeeze/train/parts/param_home.hpp"
 #include "squeeze/train/parts/replicated_grads.hpp"
 #include "squeeze/train/parts/window.hpp"
 
@@ -39,6 +41,16 @@ concept OptimizerStatePart = requires(P& p, Partition& o, const std::vector<Part
   p.apply(parts, cs, 1.0f, 1.0f, false);            // coeffs, inverse loss scale, clip coefficient, eager
   p.skip();                                         // the step overflowed
   p.wait_all();
+};
+
+// Where a stage-3 unit's shard lives between uses, and how its gradient leaves the device.
+template <class P>
+concept ParamHomePart = requires(P& p, const P& cp, Stage3Group& g, Partition& o, MemoryUse& m, const torch::Tensor& t) {
+  { P::on_host } -> std::convertible_to<bool>;
+  { cp.place(t) } -> std::same_as<torch::Tensor>;           // the unit's shard [S] where it lives
+  { cp.gradient_shard(t) } -> std::same_as<torch::Tensor>;  // its device gradient shard (undefined: none)
+  cp.connect(g, o);                                         // the unit's hooks into the optimizer state's pipeline
+  cp.add_memory(m, g);
 };
 
 // How gradients are synchronised over ranks, and which partitions this rank updates.
@@ -67,11 +79,13 @@ concept GradientSyncPart = requires(P& p, const P& cp, MemoryUse& m, DeviceAdamW
 // The table: one type per part for Strategy S.
 template <StrategyType S>
 struct TrainerParts {
+  using ParamHome = ParamHomeOf<S>;
   using GradientSync =
-      std::conditional_t<S::stage == 3, GatherUnits<S>, std::conditional_t<S::stage == 2, BucketedGrads<S>, ReplicatedGrads<S>>>;
+      std::conditional_t<S::stage == 3, GatherUnits<S, ParamHome>, std::conditional_t<S::stage == 2, BucketedGrads<S>, ReplicatedGrads<S>>>;
   using OptimizerState = std::conditional_t<S::offload_to_host, HostAdamW<S>, DeviceAdamW<S>>;
   using Scale = LossScale<S>;
   using Window = AccumulationWindow<S::accumulation_steps>;
+  static_assert(ParamHomePart<ParamHome>);
   static_assert(GradientSyncPart<GradientSync>);
   static_assert(OptimizerStatePart<OptimizerState>);
 };
