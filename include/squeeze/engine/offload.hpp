@@ -264,6 +264,10 @@ class OffloadPipeline {
     }
     wait(p);  // the previous window's update of p has read host_grad
     p.submitted = true;
+    {
+      std::lock_guard lk(m_);
+      stats_.d2h_bytes += int64_t(p.host_grad.nbytes());
+    }
     Event after;
     if (d2h_.active()) {
       after = record_current(device_);
