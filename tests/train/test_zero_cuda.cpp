@@ -9,6 +9,7 @@
 #include <squeeze/comm/nccl.hpp>
 #endif
 #if defined(SQUEEZE_TORCH_CUDA)
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/Exception.h>
 #endif
@@ -120,6 +121,36 @@ TEST(ZeroCuda, StreamedEqualsResidentBitwise) {
   gpu_offload_bitwise<St>("GPU Stage3+Streamed bf16");
   gpu_offload_bitwise<StA>("GPU Stage3+Streamed bf16 acc 4");
 }
+
+#if defined(SQUEEZE_TORCH_CUDA)
+// A streamed model built on the host (as llama_train and bench_table build one) is converted there and cut into pinned
+// shards: the device never holds it. The same training as the model moved to the GPU first, bitwise.
+TEST(ZeroCuda, StreamedModelBuiltOnTheHostNeverReachesTheDevice) {
+  REQUIRE_CUDA();
+  const torch::Device dev(torch::kCUDA, 0);
+  using St = Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Precision<bf16, float>>;
+  const plan::ModelShape shape{/*vocab=*/1000, /*hidden=*/256, /*layers=*/2, /*heads=*/4, /*kv_heads=*/2, /*ffn=*/512};
+  const Data data = make_data(Model::llama, 1, 4, 6);  // tokens below kLlamaShape.vocab: within this vocabulary too
+  auto run = [&](bool on_host) {
+    torch::manual_seed(1234);
+    std::shared_ptr<torch::nn::Module> model = TinyLlama(shape).ptr();
+    if (!on_host) model->to(dev);
+    train::TrainerOptions o;
+    o.device = dev;
+    torch::cuda::synchronize();
+    const int64_t before = int64_t(c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].current);
+    c10::cuda::CUDACachingAllocator::resetPeakStats(0);
+    auto t = zero_trainer<St>(model, Hyper{}, LocalComm::single(), o);
+    const int64_t built = int64_t(c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].peak) - before;
+    if (on_host) EXPECT_LT(built, shape.params() * 2 / 8) << "the device held the model while the trainer was built";
+    for (int s = 0; s < 4; ++s) t.step([&] { return model_loss(Model::llama, *model, data.x[s][0].to(dev), data.y[s][0]); });
+    Params out;
+    for (auto& [n, v] : t.full_parameters()) out[n] = v.to(torch::kCPU, torch::kFloat32);
+    return out;
+  };
+  expect_bitwise(run(true), run(false), "streamed, built on the host vs on the GPU");
+}
+#endif
 
 // The offload pipeline's norm pass runs on the device (train::sum_squares_tensor on the d2h stream): against a float64
 // host sum across chunk borders, deterministic; and the offloaded and device-resident trainers report the same

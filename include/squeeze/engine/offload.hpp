@@ -116,6 +116,19 @@ struct Partition {
   Event d2h_done, h2d_done;
 };
 
+// Exchanges the memory behind two host tensors of the same byte size; every tensor sharing either storage follows.
+// A streamed unit's new parameters, rounded into its gradient copy beside the gradient just read (no read of a
+// separate destination), become its shard without a copy, and the old shard's memory takes the next gradient.
+inline void swap_storage(const torch::Tensor& a, const torch::Tensor& b) {
+  c10::StorageImpl* x = a.storage().unsafeGetStorageImpl();
+  c10::StorageImpl* y = b.storage().unsafeGetStorageImpl();
+  TORCH_CHECK(x != y && x->nbytes() == y->nbytes() && x->device() == y->device(), "swap_storage: storages of ", x->nbytes(), " and ",
+              y->nbytes(), " bytes on ", x->device(), " and ", y->device(), " cannot trade places");
+  at::DataPtr dx = x->set_data_ptr(at::DataPtr(nullptr, x->device()));
+  at::DataPtr dy = y->set_data_ptr(std::move(dx));
+  x->set_data_ptr(std::move(dy));
+}
+
 // Sum of squares in double, deterministic: fixed 4 Ki-element chunks, each summed in order, chunk sums
 // added in order; chunks are spread over the cores.
 inline double chunked_sum_squares(const torch::Tensor& t) {

@@ -365,8 +365,10 @@ class Stage3Runtime {
     SideStream& s = side_.active() ? side_ : copy_;
     stats_.h2d_bytes += int64_t(host.nbytes());
     ++stats_.gathers;
-    auto copy_in = [&] {
-      auto full = torch::empty({g.layout.padded()}, dev);
+    // The buffer comes from the compute stream's pool (the copy stream first waits for the compute queued so far,
+    // which may have used the block): the compute stream reuses it afterwards, and no pool of the copy stream's own
+    // grows beside it.
+    auto copy_in = [&](const torch::Tensor& full) {
       if (comm_->size() == 1) {
         full.narrow(0, 0, n).copy_(host, /*non_blocking=*/true);
       } else {
@@ -377,17 +379,21 @@ class Stage3Runtime {
         else
           gather_into(*comm_, mine, full);
       }
-      return full;
     };
     try {
+      auto full = torch::empty({g.layout.padded()}, dev);
       if (!s.active()) {
-        g.gathered = copy_in();
-        track(g.gathered.nbytes());
+        copy_in(full);
+        g.gathered = full;
+        track(full.nbytes());
         return;
       }
+      s.wait(record_current(device_));
+      s.record_use(full);
       Event start = s.record(true);
-      g.gathered = s.run(copy_in);
-      track(g.gathered.nbytes());
+      s.run([&] { copy_in(full); });
+      g.gathered = full;
+      track(full.nbytes());
       g.gathered_ready = s.record(true);
       copies_.push_back({std::move(start), g.gathered_ready});
     } catch (const std::exception& e) {

@@ -135,6 +135,19 @@ AdoptedModel adopt_model(torch::nn::Module& model, const AdoptOptions& o) {
       base_placement = {o.device, compute};
       detail::to_except_packed_bases(model, o.device, compute);
     }
+  } else if constexpr (S::stream_params) {
+    // Streamed: the shardable layers' parameters are converted where they are (a model built on the host stays
+    // there: the trainer cuts its shards into pinned host memory, so the device never holds the model); the rest
+    // (norms, buffers) goes to the device.
+    if (convert) model.to(compute);
+    if (o.device) {
+      torch::NoGradGuard ng;
+      for (const auto& m : model.modules(/*include_self=*/true)) {
+        if (dynamic_cast<Shardable*>(m.get()) != nullptr) continue;
+        for (auto& p : m->parameters(/*recurse=*/false)) p.set_data(p.to(*o.device));
+        for (auto& b : m->buffers(/*recurse=*/false)) b.set_data(b.to(*o.device));
+      }
+    }
   } else {
     if (o.device)
       model.to(*o.device, compute);

@@ -88,7 +88,16 @@ class Trainer {
     for (const auto& m : module_->named_modules())
       if (is_embedding(*m.value())) embeddings.insert(m.key().empty() ? "weight" : m.key() + ".weight");
     c.groups = ParamGroups(c.opt, trainable, embeddings);
+    // Where the model trains: a trainable parameter's device (streamed units may still be on the host here: the
+    // first one that is not, else TrainerOptions::device).
     c.device = trainable.front().second.device();
+    for (const auto& [name, p] : trainable)
+      if (!p.is_cpu()) {
+        c.device = p.device();
+        break;
+      }
+    if (c.device.is_cpu() && c.opt.device && !c.opt.device->is_cpu())
+      c.device = c.opt.device->has_index() ? *c.opt.device : torch::Device(c.opt.device->type(), 0);
     if (c.world > 1) {
       TORCH_CHECK(!c.device.is_cuda() || c.comm->device_buffers(), "make_trainer: the module is on ", c.device, " but the '",
                   c.comm->backend(),

@@ -364,8 +364,9 @@ class HostAdamW : public AdamWState<S, true> {
   void reset_stats() { pipeline_->reset_stats(); }
 
  private:
-  // The CPU AdamW of one offloaded partition: fp32 master, m, v and the host gradient copy. Parameters in host memory
-  // (streamed units) take the rounded values in place. When the gradient is in
+  // The CPU AdamW of one offloaded partition: fp32 master, m, v and the host gradient copy. A streamed unit's new
+  // parameters are rounded over its gradient copy, which then becomes its shard (swap_storage); other host parameters
+  // take them in place. When the gradient is in
   // the (16-bit) compute dtype, the rounded new parameters overwrite it element by element (each element's gradient
   // is read before its parameter is written), so the upload moves half the bytes of the fp32 master and needs no
   // conversion on the device.
@@ -373,6 +374,13 @@ class HostAdamW : public AdamWState<S, true> {
     return [c, inv_scale, clip](Partition& p) {
       const kernels::AdamWDynamic d{&inv_scale, nullptr, &clip, nullptr};
       if constexpr (T::kMaster) {
+        if (p.streamed && p.host_grad.scalar_type() == p.param.scalar_type()) {  // staged, then the buffers trade places
+          Param* staged = reinterpret_cast<Param*>(p.host_grad.data_ptr());
+          Base::template adamw_on_host<Param, Param>(p, staged, p.master.template data_ptr<float>(), staged, c, d);
+          swap_storage(p.param, p.host_grad);
+          p.written = true;
+          return;
+        }
         if (p.param.is_cpu()) {  // host parameters (streamed units, a CPU model): rounded into place, nothing to upload
           Param* param = reinterpret_cast<Param*>(p.param.data_ptr());
           if (p.host_grad.scalar_type() == torch::kFloat32)

@@ -47,7 +47,12 @@ class GatherUnits {
       int64_t n = 0;
       bool frozen = false;
       for (auto& [name, p] : s->shardable_parameters()) p.requires_grad() ? void(n += p.numel()) : void(frozen = true);
-      if (n == 0 || n < ctx.opt.persistence_threshold) continue;  // small: stays whole (replicated)
+      if (n == 0 || n < ctx.opt.persistence_threshold) {  // small: stays whole (replicated), on the device
+        torch::NoGradGuard ng;
+        for (auto& [name, p] : s->shardable_parameters())
+          if (p.device() != ctx.device) p.set_data(p.to(ctx.device));
+        continue;
+      }
       TORCH_CHECK(!frozen, "Stage3: layer '", item.key(), "' mixes frozen and trainable parameters");
       const std::string unit = unit_of(units, item.key());
       auto it = std::find_if(by_unit.begin(), by_unit.end(), [&](const auto& u) { return u.first == unit; });
@@ -209,7 +214,13 @@ class GatherUnits {
       torch::NoGradGuard ng;
       for (auto& e : g.layout.entries()) FlatParams::view(full, e).copy_(e.param.detach());
     }
-    ctx_.broadcast(full);
+    if (ctx_.world > 1 && full.device() != ctx_.device) {  // a streamed model built on the host: broadcast through the device
+      torch::Tensor on_device = full.to(ctx_.device);
+      ctx_.broadcast(on_device);
+      full = on_device.to(full.device());
+    } else {
+      ctx_.broadcast(full);
+    }
     const torch::Tensor mine = g.layout.shard_of(full, ctx_.rank);
     g.shard = home_.place(mine).requires_grad_(true);
     g.grad_shard = home_.gradient_shard(mine);
