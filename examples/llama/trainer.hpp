@@ -328,7 +328,9 @@ class LlamaRun {
         ~Join() { t.join(); }
       } join{warm};
       const io::LlamaConfig hf = io::load_llama_config(dir);
-      const auto compute = torch::TensorOptions().dtype(torch_dtype<typename S::compute_type>()).device(device);
+      // Streamed parameters are made on the host, where their shards will live: the device never holds the model.
+      const auto compute =
+          torch::TensorOptions().dtype(torch_dtype<typename S::compute_type>()).device(S::stream_params ? torch::Device(torch::kCPU) : device);
       LlamaRun t(Llama(nn::from_hf_config(hf, dir.string()), nn::ParamInit{compute, /*random=*/false}), options, device, std::move(comm));
       nn::load_hf_weights(*t.trainer_, *t.model_, dir, {}, progress);
       return t;
