@@ -68,6 +68,9 @@ void for_each_strategy(F&& f) {
   f.template operator()<Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Precision<bf16, float>, Checkpointed>>("zero3-stream-bf16-ckpt");
   f.template operator()<Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Precision<bf16, float>, Checkpointed, QuantizedState<8>>>(
       "zero3-stream-bf16-ckpt-adam8");
+  // The compact host state: bf16 weights as their own master (stochastic rounding) + 8-bit moments, 6 bytes a parameter.
+  f.template operator()<Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Precision<bf16, bf16>, Checkpointed, QuantizedState<8>>>(
+      "zero3-stream-compact-ckpt");
   // LoRA on a dense frozen bf16 base (the fine-tuning comparison's plain LoRA: QLoRA without the quantization).
   f.template operator()<Strategy<LoRA<8, 16>, Precision<bf16, float>, Checkpointed>>("lora");
   // QLoRA: NF4 base weights, bf16 compute, fp32 adapters. CPU, or CUDA from an nvcc TU.

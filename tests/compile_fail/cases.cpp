@@ -53,6 +53,12 @@ static_assert(sizeof(P) > 0);
 #elif defined(CASE_stream_quantized_base)
 using S = Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Quantized<4, NF4>, LoRA<8, 16>>;
 static_assert(sizeof(S) > 0);
+#elif defined(CASE_own_master_resident)
+using S = Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, bf16>>;
+static_assert(sizeof(S) > 0);
+#elif defined(CASE_own_master_fp16)
+using S = Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Precision<half, half>>;
+static_assert(sizeof(S) > 0);
 #elif defined(CASE_loss_scale_with_bf16)
 using S = Strategy<Precision<bf16, float>, DynamicLossScale>;
 static_assert(sizeof(S) > 0);

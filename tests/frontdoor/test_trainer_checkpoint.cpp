@@ -98,6 +98,8 @@ using Strategies =
                      sq::Strategy<Sharded<sq::Stage1>, Precision<bf16, float>>, sq::Strategy<Sharded<sq::Stage2>, Precision<half, float>>,
                      sq::Strategy<Sharded<sq::Stage3>, Precision<bf16, float>, Accumulate<2>>,
                      sq::Strategy<Sharded<sq::Stage3>, sq::Offload<sq::Host>, Precision<bf16, float>>,
+                     sq::Strategy<Sharded<sq::Stage3>, sq::Offload<sq::Host, sq::Streamed>, Precision<bf16, float>>,
+                     sq::Strategy<Sharded<sq::Stage3>, sq::Offload<sq::Host, sq::Streamed>, Precision<bf16, float>, Accumulate<2>>,
                      sq::Strategy<Precision<bf16, float>, sq::QuantizedState<8>>,
                      sq::Strategy<Sharded<sq::Stage1>, sq::Offload<sq::Host>, Precision<bf16, float>, sq::QuantizedState<8>>,
                      sq::Strategy<sq::LoRA<4, 8, Targets::value>, Accumulate<2>>,

@@ -7,6 +7,10 @@
 // CPU AdamW; what differs is only where the tensors live.
 #include "zero_common.hpp"
 
+#include <bit>
+#include <cmath>
+#include <squeeze/kernels/adamw.hpp>
+#include <squeeze/kernels/adamw8.hpp>
 #include <squeeze/nn/llama.hpp>
 #include <squeeze/plan/memory.hpp>
 
@@ -211,6 +215,112 @@ TEST(Stream, GradientPartsAddUpOnTheHost) {
     EXPECT_EQ(p.host_grad.abs().sum().item<float>(), 0.0f);
     EXPECT_EQ(p.sumsq, 0.0);
   }
+}
+
+// Stochastic rounding: only the two bf16 neighbours come out, the nearer more often in proportion, and the mean of
+// many roundings is the exact value (an unbiased estimate: the standard error of 2^16 draws is under 1% of the gap).
+TEST(Stream, StochasticRoundingIsUnbiased) {
+  for (float w : {1.00390625f + 0.3f * 0.0078125f, -3.14159f, 1e-20f, 65504.5f, -0.000123f}) {
+    const std::uint32_t u = std::bit_cast<std::uint32_t>(w) & 0xffff0000u;  // the magnitude truncated, and the next one up
+    const float lo = std::bit_cast<float>(u), hi = std::bit_cast<float>(u + 0x10000u);
+    constexpr int kDraws = 1 << 16;
+    double sum = 0;
+    for (int i = 0; i < kDraws; ++i) {
+      const float r = to_float(kernels::round_stochastic(w, kernels::rounding_bits(77, std::uint64_t(i))));
+      ASSERT_TRUE(r == lo || r == hi) << w << " rounded to " << r;
+      sum += r;
+    }
+    const double mean = sum / kDraws, gap = std::abs(double(hi) - double(lo));
+    EXPECT_NEAR(mean, double(w), 0.01 * gap) << w;
+  }
+  EXPECT_TRUE(std::isnan(to_float(kernels::round_stochastic(NAN, 123))));
+  EXPECT_EQ(to_float(kernels::round_stochastic(INFINITY, 0xffff)), INFINITY);
+}
+
+// The AdamW update of bf16 weights that are their own master: the mean over many rounding streams is the fp32
+// update, which round-to-nearest would lose (lr 1e-4 moves weights near 1 by a tenth of bf16's spacing there).
+TEST(Stream, OwnMasterAdamWKeepsSmallUpdatesOnAverage) {
+  constexpr int64_t n = 4099;  // not a multiple of the 8-bit state's 256-element blocks
+  torch::manual_seed(5);
+  const torch::Tensor w0 = (1 + 0.01 * torch::rand({n})).to(torch::kBFloat16), g = torch::randn({n}).to(torch::kBFloat16);
+  const kernels::AdamWCoeffs c = kernels::adamw_coeffs(1e-4f, 0.9f, 0.999f, 1e-8f, 0.0f, 1);
+  // fp32 reference: one step from the same start
+  torch::Tensor master = w0.to(torch::kFloat32), m = torch::zeros({n}), v = torch::zeros({n});
+  kernels::adamw_cpu(kernels::AdamWTensor<float, bf16>{master.data_ptr<float>(), nullptr, reinterpret_cast<const bf16*>(g.data_ptr()),
+                                                       m.data_ptr<float>(), v.data_ptr<float>(), n},
+                     c);
+  const torch::Tensor exact = master.to(torch::kFloat64);
+  // ... and with 8-bit moments (an fp32 master beside the bf16 weights: the update 8-bit moments give, unrounded)
+  torch::Tensor master8 = w0.to(torch::kFloat32), w_ref = w0.clone(), cm = torch::zeros({n}, torch::kUInt8), cv = torch::zeros({n}, torch::kUInt8);
+  torch::Tensor am0 = torch::zeros({kernels::state_blocks(n)}), av0 = torch::zeros({kernels::state_blocks(n)});
+  kernels::adamw8_cpu(kernels::AdamW8Tensor<bf16, bf16>{reinterpret_cast<bf16*>(w_ref.data_ptr()), master8.data_ptr<float>(),
+                                                        reinterpret_cast<const bf16*>(g.data_ptr()), cm.data_ptr<std::uint8_t>(),
+                                                        am0.data_ptr<float>(), cv.data_ptr<std::uint8_t>(), av0.data_ptr<float>(), n},
+                      c);
+  const torch::Tensor exact8 = master8.to(torch::kFloat64);
+  torch::Tensor mean = torch::zeros({n}, torch::kFloat64), mean8 = torch::zeros({n}, torch::kFloat64);
+  constexpr int kStreams = 400;
+  for (int k = 0; k < kStreams; ++k) {
+    torch::Tensor w = w0.clone(), m1 = torch::zeros({n}), v1 = torch::zeros({n});
+    kernels::adamw_cpu(kernels::AdamWTensor<bf16, bf16>{reinterpret_cast<bf16*>(w.data_ptr()), nullptr,
+                                                        reinterpret_cast<const bf16*>(g.data_ptr()), m1.data_ptr<float>(),
+                                                        v1.data_ptr<float>(), n, std::uint64_t(k) << 20},
+                       c);
+    mean += w.to(torch::kFloat64);
+    torch::Tensor w8 = w0.clone(), codes_m = torch::zeros({n}, torch::kUInt8), codes_v = torch::zeros({n}, torch::kUInt8);
+    torch::Tensor am = torch::zeros({kernels::state_blocks(n)}), av = torch::zeros({kernels::state_blocks(n)});
+    kernels::adamw8_cpu(kernels::AdamW8Tensor<bf16, bf16>{reinterpret_cast<bf16*>(w8.data_ptr()), nullptr,
+                                                          reinterpret_cast<const bf16*>(g.data_ptr()), codes_m.data_ptr<std::uint8_t>(),
+                                                          am.data_ptr<float>(), codes_v.data_ptr<std::uint8_t>(), av.data_ptr<float>(), n,
+                                                          std::uint64_t(k) << 20},
+                        c);
+    mean8 += w8.to(torch::kFloat64);
+  }
+  mean /= kStreams, mean8 /= kStreams;
+  const torch::Tensor step = exact - w0.to(torch::kFloat64);  // about lr in magnitude, far below bf16's spacing
+  const double step_size = step.abs().mean().item<double>();  // what round-to-nearest loses: it keeps w0
+  EXPECT_GT(step_size, 5e-5);
+  for (const auto& [got, exact, what] : {std::tuple{mean, exact, "fp32 moments"}, std::tuple{mean8, exact8, "8-bit moments"}}) {
+    // Along each step's direction the mean lands on the exact update: bias under 5% of the step (its standard error
+    // over 400 x 4099 draws is ~1%); each element's mean is nearer the exact value than round-to-nearest's.
+    const double bias = ((got - exact) * step.sign()).mean().item<double>();
+    EXPECT_LT(std::abs(bias), 0.05 * step_size) << what;
+    EXPECT_LT((got - exact).abs().mean().item<double>(), 0.5 * step_size) << what;
+  }
+  // A master pointer is still needed for fp16, and for bf16 on the GPU launcher (checked there).
+  torch::Tensor h = w0.to(torch::kFloat16);
+  EXPECT_THROW(kernels::adamw_cpu(kernels::AdamWTensor<half, bf16>{reinterpret_cast<half*>(h.data_ptr()), nullptr,
+                                                                   reinterpret_cast<const bf16*>(g.data_ptr()), m.data_ptr<float>(),
+                                                                   v.data_ptr<float>(), n},
+                                  c),
+               squeeze::Error);
+}
+
+// Precision<bf16, bf16> + 8-bit moments, streamed: the compact host state of 6 bytes a parameter (bf16 weights that
+// are their own master, 8-bit moments, the bf16 gradient copy) trains, and follows the fp32-master run closely.
+TEST(Stream, CompactHostStateTrainsInSixBytesAParameter) {
+  using Compact = Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Precision<bf16, bf16>, QuantizedState<8>>;
+  using Exact = Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Precision<bf16, float>, QuantizedState<8>>;
+  Hyper h;
+  h.lr = 3e-3f;
+  const auto compact = train<Compact>(Model::llama, 1, 20, {}, h);
+  const auto exact = train<Exact>(Model::llama, 1, 20, {}, h);
+  expect_trained(compact.params, Model::llama, torch::kBFloat16);
+  // Random tokens: nothing to learn beyond their frequencies, so the check is the trajectory against the fp32 masters'.
+  double worst = 0;
+  for (std::size_t i = 0; i < exact.log.size(); ++i) {
+    const double rel = std::abs(compact.log[i].loss - exact.log[i].loss) / exact.log[i].loss;
+    worst = std::max(worst, rel);
+    EXPECT_LT(rel, 0.02) << "step " << i;
+  }
+  std::cout << "[ loss gap ] compact vs fp32 masters, 20 steps: " << worst << "\n";  // measured value, for the log
+  const train::MemoryUse& m = compact.memory;
+  EXPECT_EQ(m.master_weights.host, 0);
+  const int64_t elements = (m.parameters.host) / 2 + m.parameters.device / 2;  // bf16 shards + kept-whole
+  const int64_t host_state = m.parameters.host + m.optimizer_state.host + m.gradients.host;
+  EXPECT_LE(double(host_state), 6.1 * double(elements)) << "bytes a parameter on the host";
+  EXPECT_EQ(strategy_name<Compact>(),
+            "Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Precision<bf16, bf16>, QuantizedState<8>>");
 }
 
 // The planner's columns: the parameters and gradients leave the device; three of the largest unit stay in flight.

@@ -97,6 +97,7 @@ struct Partition {
   torch::Tensor host_grad;           // [n] host copy of grad in grad's dtype (offload; pinned for a CUDA model)
   torch::Tensor host_sumsq;          // [1] float64, pinned: the device's sum of squares of grad (offload of a CUDA model)
   std::vector<Segment> segments;     // cover [0, n) in order
+  std::uint64_t rounding_index = 0;  // stochastic rounding (no master): element 0's index in the update's random stream
   int64_t priority = 0;              // the worker's order among queued jobs, lowest first (see the header)
   bool waited_by_gather = false;     // stage 3: the next gather waits for the update (others: the step does)
   // The update wrote the new parameters, rounded to param's dtype, over host_grad (possible when grad and

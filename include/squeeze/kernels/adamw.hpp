@@ -9,6 +9,9 @@
 //   v  = beta2 * v + (1 - beta2) * g^2
 //   w  = w * (1 - lr * wd) - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 //   param = round_to<P>(w)                                 (only when P is not float: w is the fp32 master)
+// Without a master (bf16 params that are their own master: Precision<bf16, bf16>, CPU launchers only) w is the bf16
+// param widened, and the new value is rounded stochastically (round_stochastic: up with the probability of the
+// fraction dropped, so the expected rounded value is the exact one and small updates are not lost to rounding).
 // If *found_inf != 0 the whole step is skipped: param, master, m and v keep their bits. The flag, the
 // inverse loss scale and the clip coefficient are read from memory (device memory for the CUDA launcher,
 // host memory here) so the GPU step needs no host synchronisation.
@@ -51,7 +54,25 @@ struct AdamWCoeffs {
   float lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0;
   float step_size = 0;     // lr / (1 - beta1^t): bias correction of m folded into the step
   float inv_sqrt_bc2 = 0;  // 1 / sqrt(1 - beta2^t): bias correction of v
+  std::uint64_t rounding_seed = 0;  // stochastic rounding: this step's stream (adamw_coeffs derives it from t)
 };
+
+// Stochastic rounding of bf16 params without a master. 16 random bits per element from a counter-based hash of
+// (the step's seed, the element's index in its stream): the same bits whatever the thread split or the clone.
+SQUEEZE_HD std::uint32_t rounding_bits(std::uint64_t seed, std::uint64_t index) {
+  std::uint64_t z = seed ^ (index * 0x9e3779b97f4a7c15ull);  // splitmix64's finaliser
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return std::uint32_t(z ^ (z >> 31));
+}
+// w to bf16, rounding the magnitude up with probability (dropped fraction) / 2^16: E[result] = w for finite w that
+// do not overflow. NaN and infinities round as from_float does.
+SQUEEZE_HD bf16 round_stochastic(float w, std::uint32_t random) {
+  const std::uint32_t u = std::bit_cast<std::uint32_t>(w);
+  if ((u & 0x7f800000u) == 0x7f800000u) return from_float<bf16>(w);
+  return std::bit_cast<bf16>(std::uint16_t((u + (random & 0xffffu)) >> 16));
+}
+SQUEEZE_HD std::uint64_t rounding_seed_of_step(std::int64_t step) { return rounding_bits(0x5eed5eedull, std::uint64_t(step)) * 0x100000001ull + std::uint64_t(step); }
 
 // b^t (t >= 0) by squaring: at most 2 log2(t) correctly rounded multiplications, the same bits on host and
 // device. Relative error <= 2t * 2^-53 (each squaring doubles it), so 1 - b^t is off by <= 2 t b^t 2^-53:
@@ -80,7 +101,7 @@ inline AdamWCoeffs adamw_coeffs(float lr, float beta1, float beta2, float eps, f
   check(std::isfinite(weight_decay) && weight_decay >= 0,
         "AdamW: weight_decay must be finite and >= 0, got " + std::to_string(weight_decay));
   check(step >= 1, "AdamW: step counts from 1 (the first update is step 1), got " + std::to_string(step));
-  AdamWCoeffs c{lr, beta1, beta2, eps, weight_decay, 0, 0};
+  AdamWCoeffs c{lr, beta1, beta2, eps, weight_decay, 0, 0, rounding_seed_of_step(step)};
   adamw_bias_correction(lr, beta1, beta2, step, c.step_size, c.inv_sqrt_bc2);
   return c;
 }
@@ -101,6 +122,7 @@ struct AdamWScalars {
   float beta1, one_minus_beta1, beta2, one_minus_beta2, eps;
   float decay;  // 1 - lr * weight_decay
   float step_size, inv_sqrt_bc2;
+  std::uint64_t rounding_seed;
 };
 
 SQUEEZE_HD AdamWScalars adamw_scalars(const AdamWCoeffs& c, const AdamWDynamic& d) {
@@ -115,6 +137,7 @@ SQUEEZE_HD AdamWScalars adamw_scalars(const AdamWCoeffs& c, const AdamWDynamic& 
   s.decay = fmaf(-c.lr, c.weight_decay, 1.0f);  // explicit: nvcc would contract it (see the header)
   s.step_size = c.step_size;
   s.inv_sqrt_bc2 = c.inv_sqrt_bc2;
+  s.rounding_seed = c.rounding_seed;
   if (d.step != nullptr) adamw_bias_correction(c.lr, c.beta1, c.beta2, *d.step + 1, s.step_size, s.inv_sqrt_bc2);
   return s;
 }
@@ -144,12 +167,15 @@ struct AdamWTensor {
   S* exp_avg = nullptr;     // m
   S* exp_avg_sq = nullptr;  // v
   std::int64_t n = 0;
+  std::uint64_t rounding_index = 0;  // no master: element 0's index in its stochastic-rounding stream
 };
 
 // The checks every AdamW tensor shares, whatever its state: the count, the weights and the gradient.
 // Returns false for an empty tensor (nothing more to check).
+// own_master: bf16 params may come without a master (the CPU launchers round them stochastically).
 template <class P, class G>
-bool validate_weights(std::int64_t n, const P* param, const float* master, const G* grad, const std::string& what) {
+bool validate_weights(std::int64_t n, const P* param, const float* master, const G* grad, const std::string& what,
+                      bool own_master = false) {
   static_assert(FloatingElement<P> && FloatingElement<G>, "AdamW: param and grad types must be float, squeeze::half or squeeze::bf16");
   check(n >= 0, what + ": negative element count " + std::to_string(n));
   if (n == 0) return false;
@@ -159,22 +185,34 @@ bool validate_weights(std::int64_t n, const P* param, const float* master, const
     check(master == nullptr || master == static_cast<const void*>(param),
           what + ": float params are their own master weights; pass master = nullptr");
   } else {
-    check(master != nullptr, what + ": " + std::string(dtype_name<P>()) + " params need fp32 master weights; the master pointer is null");
+    check(master != nullptr || (own_master && std::is_same_v<P, bf16>),
+          what + ": " + std::string(dtype_name<P>()) + " params need fp32 master weights; the master pointer is null" +
+              (std::is_same_v<P, bf16> ? " (bf16 params as their own master, stochastically rounded, only on the CPU)" : ""));
   }
   return true;
 }
 
 template <class P, class G, class S>
-void validate(const AdamWTensor<P, G, S>& t, const std::string& what = "AdamW tensor") {
+void validate(const AdamWTensor<P, G, S>& t, const std::string& what = "AdamW tensor", bool own_master = false) {
   static_assert(supported_state_v<S>,
                 "AdamW: optimizer state S must be float; for 8-bit state use AdamW8Tensor with adamw8_cpu / adamw8_cuda (adamw8.hpp)");
-  if (!validate_weights(t.n, t.param, t.master, t.grad, what)) return;
+  if (!validate_weights(t.n, t.param, t.master, t.grad, what, own_master)) return;
   check(t.exp_avg != nullptr && t.exp_avg_sq != nullptr, what + ": exp_avg / exp_avg_sq (m, v) pointer is null");
 }
 
 // Element i of a tensor: load, update, store. The CPU loop and the GPU's unaligned/tail path.
 template <class P, class G, class S>
 SQUEEZE_HD void adamw_at(const AdamWTensor<P, G, S>& t, std::int64_t i, const AdamWScalars& s) {
+  if constexpr (std::is_same_v<P, bf16>) {
+    if (t.master == nullptr) {  // its own master: widened, updated, rounded stochastically
+      float w = to_float(t.param[i]), m = t.exp_avg[i], v = t.exp_avg_sq[i];
+      adamw_element(w, m, v, to_float(t.grad[i]), s);
+      t.exp_avg[i] = m;
+      t.exp_avg_sq[i] = v;
+      t.param[i] = round_stochastic(w, rounding_bits(s.rounding_seed, t.rounding_index + std::uint64_t(i)));
+      return;
+    }
+  }
   float* w_ptr;
   if constexpr (std::is_same_v<P, float>)
     w_ptr = t.param;
@@ -205,7 +243,7 @@ SQUEEZE_CPU_CLONES void adamw_range(const AdamWTensor<P, G, S>& t, std::int64_t 
 // AdamW over a list of host tensors, all cores (OpenMP or std::thread). Dynamic values are host pointers.
 template <class P, class G, class S>
 void adamw_cpu(std::span<const AdamWTensor<P, G, S>> tensors, const AdamWCoeffs& c, const AdamWDynamic& d = {}) {
-  for (std::size_t i = 0; i < tensors.size(); ++i) validate(tensors[i], "AdamW (CPU) tensor " + std::to_string(i));
+  for (std::size_t i = 0; i < tensors.size(); ++i) validate(tensors[i], "AdamW (CPU) tensor " + std::to_string(i), /*own_master=*/true);
   const AdamWScalars s = adamw_scalars(c, d);
   if (s.skip) return;
   for (const auto& t : tensors)  // elementwise: pieces handed out dynamically (cpu_parallel.hpp), any split gives the same bits

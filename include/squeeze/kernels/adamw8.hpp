@@ -273,11 +273,12 @@ struct AdamW8Tensor {
   std::uint8_t* exp_avg_sq = nullptr;  // [n] v codes (unsigned map)
   float* exp_avg_sq_absmax = nullptr;  // [state_blocks(n)]
   std::int64_t n = 0;
+  std::uint64_t rounding_index = 0;  // no master (bf16, CPU): element 0's index in its stochastic-rounding stream
 };
 
 template <class P, class G>
-void validate(const AdamW8Tensor<P, G>& t, const std::string& what = "AdamW8 tensor") {
-  if (!validate_weights(t.n, t.param, t.master, t.grad, what)) return;
+void validate(const AdamW8Tensor<P, G>& t, const std::string& what = "AdamW8 tensor", bool own_master = false) {
+  if (!validate_weights(t.n, t.param, t.master, t.grad, what, own_master)) return;
   check(t.exp_avg != nullptr && t.exp_avg_sq != nullptr, what + ": exp_avg / exp_avg_sq (m, v codes) pointer is null");
   check(t.exp_avg_absmax != nullptr && t.exp_avg_sq_absmax != nullptr,
         what + ": exp_avg_absmax / exp_avg_sq_absmax (block scales) pointer is null");
@@ -342,14 +343,21 @@ SQUEEZE_CPU_CLONES void adamw8_block(const AdamW8Tensor<P, G>& t, std::int64_t b
                                      const StateCodeMap& vmap) {
   const std::int64_t lo = b * kStateBlock;
   const int len = int(std::min(kStateBlock, t.n - lo));
-  float* w = (std::is_same_v<P, float> ? reinterpret_cast<float*>(t.param) : t.master) + lo;
-  alignas(64) float m[kStateBlock], v[kStateBlock], gf[kStateBlock];
+  alignas(64) float m[kStateBlock], v[kStateBlock], gf[kStateBlock], own[kStateBlock];
+  const bool own_master = !std::is_same_v<P, float> && t.master == nullptr;  // bf16, its own master: rounded stochastically
+  float* w = own_master ? own : (std::is_same_v<P, float> ? reinterpret_cast<float*>(t.param) : t.master) + lo;
+  if (own_master)
+    for (int j = 0; j < len; ++j) own[j] = to_float(t.param[lo + j]);
   const G* g = t.grad + lo;
   for (int j = 0; j < len; ++j) gf[j] = to_float(g[j]);
   decode_block(mmap, t.exp_avg + lo, t.exp_avg_absmax[b], len, m);
   decode_block(vmap, t.exp_avg_sq + lo, t.exp_avg_sq_absmax[b], len, v);
   float m_max, v_max;
   adamw8_block_math(w, t.param + lo, m, v, gf, len, s, m_max, v_max);
+  if constexpr (std::is_same_v<P, bf16>)
+    if (own_master)  // over the nearest rounding adamw8_block_math wrote
+      for (int j = 0; j < len; ++j)
+        t.param[lo + j] = round_stochastic(w[j], rounding_bits(s.rounding_seed, t.rounding_index + std::uint64_t(lo + j)));
   encode_block(mmap, m, inverse_absmax(m_max), len, t.exp_avg + lo);
   encode_block(vmap, v, inverse_absmax(v_max), len, t.exp_avg_sq + lo);
   t.exp_avg_absmax[b] = m_max;
@@ -368,7 +376,7 @@ namespace squeeze::kernels {
 // Dynamic values are host pointers. A skipped step (found_inf) touches nothing.
 template <class P, class G>
 void adamw8_cpu(std::span<const AdamW8Tensor<P, G>> tensors, const AdamWCoeffs& c, const AdamWDynamic& d = {}) {
-  for (std::size_t i = 0; i < tensors.size(); ++i) validate(tensors[i], "AdamW8 (CPU) tensor " + std::to_string(i));
+  for (std::size_t i = 0; i < tensors.size(); ++i) validate(tensors[i], "AdamW8 (CPU) tensor " + std::to_string(i), /*own_master=*/true);
   const AdamWScalars s = adamw_scalars(c, d);
   if (s.skip) return;
   const StateCodeMap& mmap = signed_state_map();
@@ -376,8 +384,9 @@ void adamw8_cpu(std::span<const AdamW8Tensor<P, G>> tensors, const AdamWCoeffs& 
   const bool avx512 = cpu::avx512::codec_available();
   for (const auto& t : tensors) {
     // Whole state blocks, handed out in pieces of cpu::kPiece elements (blocks are independent: any split, same bits).
+    const bool own_master = !std::is_same_v<P, float> && t.master == nullptr;  // the portable blocks round stochastically
     cpu::parallel_pieces(state_blocks(t.n), cpu::kPiece / kStateBlock, [&](std::int64_t b, std::int64_t e) {
-      if (avx512)
+      if (avx512 && !own_master)
         cpu::avx512::adamw8_blocks(t, b, e, s, mmap, vmap);
       else
         for (std::int64_t k = b; k < e; ++k) cpu::adamw8_block(t, k, s, mmap, vmap);

@@ -274,7 +274,8 @@ constexpr MemoryPlan plan_memory(const ModelShape& m, const TrainShape& t, int w
     const i64 master = master_copy ? owned * p_m : 0;
     const i64 state = S::state_bits == 32 ? owned * 8 : owned * 2 + 2 * ceil_div(owned, S::state_quantization::group) * 4;
     if constexpr (S::offload_to_host) {
-      plan.master_weights.host = S::has_master_copy ? master : owned * p_m;  // the host update needs an fp32 copy
+      // The host update needs an fp32 copy, except of bf16 weights that are their own master (stochastic rounding).
+      plan.master_weights.host = S::has_master_copy ? master : S::stochastic_rounding ? 0 : owned * 4;
       plan.optimizer_state.host = state;
       plan.gradients.host = owned * (fp32_accumulator ? 4 : p_g);  // the gradient shard streamed down for the CPU AdamW
       // Streamed and accumulating: a later micro-batch's part lands beside the sum before it is added.

@@ -107,6 +107,8 @@ struct Strategy {
   using compute_type = typename precision::compute_type;
   using master_type = typename precision::master_type;
   static constexpr bool has_master_copy = precision::has_master_copy;
+  // Precision<bf16, bf16> trained: the bf16 weights are their own master, updated with stochastic rounding.
+  static constexpr bool stochastic_rounding = mode::training && !precision::has_master_copy && std::is_same_v<compute_type, bf16>;
   static constexpr bool loss_scaling = loss_scale::enabled;
   static constexpr bool dynamic_loss_scaling = loss_scale::dynamic;
   static constexpr bool training = mode::training;
@@ -136,6 +138,11 @@ struct Strategy {
   static_assert(!(stream_params && (quantized_weights || has_lora)),
                 "Offload<Host, Streamed> streams trained parameters; a frozen quantized or LoRA base is not streamed yet: write "
                 "Offload<Host> (adapters' state in host memory) and keep the base on the device");
+  static_assert(!(training && !precision::has_master_copy && std::is_same_v<compute_type, half>),
+                "fp16 weights cannot be their own master (updates vanish below fp16's resolution): write Precision<half, float>");
+  static_assert(!(stochastic_rounding && !(stream_params && !has_lora)),
+                "Precision<bf16, bf16> trains bf16 weights as their own master, rounded stochastically by the host AdamW in place on "
+                "streamed parameters: add Sharded<Stage3> and Offload<Host, Streamed>, or keep an fp32 master with Precision<bf16, float>");
   static_assert(!(loss_scale::enabled && !precision::needs_loss_scaling),
                 "loss scaling protects fp16 gradients from underflow; float and bf16 have float's exponent range: remove the loss-scale "
                 "policy, or compute in fp16 with Precision<half, float>");

@@ -26,13 +26,14 @@ namespace squeeze::train {
 // dtype and, streamed (Offload<Host, Streamed>), the parameters themselves and a second gradient copy for accumulation.
 struct HostStateBytes {
   bool state_8bit = false;
-  int64_t gradient = 4, parameters = 0, staging = 0;  // bytes per element
+  int64_t master = 4, gradient = 4, parameters = 0, staging = 0;  // bytes per element
   int64_t bytes(int64_t n) const {
     const int64_t moments = state_8bit ? 2 * n + 2 * kernels::state_blocks(n) * 4 : 8 * n;
-    return 4 * n + moments + (gradient + parameters + staging) * n;
+    return moments + (master + gradient + parameters + staging) * n;
   }
   std::string describe() const {
-    std::string d = std::string("fp32 master 4 B, moments ") + (state_8bit ? "2 B" : "8 B") + ", gradient copy " + std::to_string(gradient) + " B";
+    std::string d = (master ? std::string("fp32 master 4 B, ") : std::string()) + "moments " + (state_8bit ? "2 B" : "8 B") +
+                    ", gradient copy " + std::to_string(gradient) + " B";
     if (parameters) d += ", parameters " + std::to_string(parameters) + " B";
     if (staging) d += ", accumulation copy " + std::to_string(staging) + " B";
     return d + " per element";
@@ -42,6 +43,7 @@ template <StrategyType S>
 HostStateBytes host_state_bytes(torch::ScalarType compute, torch::ScalarType grad) {
   HostStateBytes b;
   b.state_8bit = S::state_bits == 8;
+  b.master = S::stochastic_rounding ? 0 : 4;
   b.gradient = int64_t(c10::elementSize(grad));
   if (S::stream_params) b.parameters = int64_t(c10::elementSize(compute));
   if (S::stream_params && S::accumulation_steps > 1) b.staging = b.gradient;
@@ -65,6 +67,7 @@ class AdamWState {
   // segments, its state, and its fp32 master seeded from the float values the parameters were rounded from.
   void own(Partition& o, torch::Tensor param, torch::Tensor grad, const FlatParams& layout, int64_t begin) {
     o.segments = ctx_.segments(layout, begin, param.numel());
+    o.rounding_index = (std::uint64_t(++partitions_) << 40) + std::uint64_t(begin);  // distinct streams, in build order
     allocate(o, std::move(param), std::move(grad));
     seed_master(o, layout, begin);
   }
@@ -85,11 +88,17 @@ class AdamWState {
                                             p.m_absmax.template data_ptr<float>() + b,
                                             p.v.template data_ptr<std::uint8_t>() + o,
                                             p.v_absmax.template data_ptr<float>() + b,
-                                            n};
+                                            n,
+                                            p.rounding_index + std::uint64_t(o)};
         kernels::adamw8_cpu(t, cs[std::size_t(s.group)], d);
       } else {
-        const kernels::AdamWTensor<P, G> t{param + o, mo, grad + o, p.m.template data_ptr<float>() + o, p.v.template data_ptr<float>() + o,
-                                           n};
+        const kernels::AdamWTensor<P, G> t{param + o,
+                                           mo,
+                                           grad + o,
+                                           p.m.template data_ptr<float>() + o,
+                                           p.v.template data_ptr<float>() + o,
+                                           n,
+                                           p.rounding_index + std::uint64_t(o)};
         kernels::adamw_cpu(t, cs[std::size_t(s.group)], d);
       }
     }
@@ -119,7 +128,7 @@ class AdamWState {
     o.param = param;
     o.grad = grad;
     const int64_t n = param.numel();
-    if (OnHost || T::kMaster) {
+    if ((OnHost || T::kMaster) && !T::kStochastic) {
       o.master = state_empty(n, torch::kFloat32, master_uploaded());
       o.master.copy_(param);
     }
@@ -171,6 +180,7 @@ class AdamWState {
   }
 
   TrainContext& ctx_;
+  std::uint64_t partitions_ = 0;
 };
 
 // The state beside the parameters; the trainer's thread updates at the boundary.
@@ -373,6 +383,12 @@ class HostAdamW : public AdamWState<S, true> {
   static OffloadPipeline::Fn job(GroupCoeffs c, float inv_scale, float clip) {
     return [c, inv_scale, clip](Partition& p) {
       const kernels::AdamWDynamic d{&inv_scale, nullptr, &clip, nullptr};
+      if constexpr (T::kStochastic) {  // the streamed bf16 parameters are their own master: updated in place
+        Base::template adamw_on_host<Param, Param>(p, reinterpret_cast<Param*>(p.param.data_ptr()), nullptr,
+                                                   reinterpret_cast<const Param*>(p.host_grad.data_ptr()), c, d);
+        p.written = true;
+        return;
+      }
       if constexpr (T::kMaster) {
         if (p.streamed && p.host_grad.scalar_type() == p.param.scalar_type()) {  // staged, then the buffers trade places
           Param* staged = reinterpret_cast<Param*>(p.host_grad.data_ptr());

@@ -37,7 +37,9 @@ struct TrainTypes {
   // LoRA trains adapters kept in the master type (fp32), cast to the activations' dtype in forward: they are their
   // own masters. Full training keeps parameters in the compute type (with fp32 masters when that is 16-bit).
   using Param = std::conditional_t<S::has_lora, typename S::master_type, Compute>;
-  static constexpr bool kMaster = !std::is_same_v<Param, float>;
+  // Precision<bf16, bf16>: the bf16 parameters are their own master, rounded stochastically (no fp32 copy).
+  static constexpr bool kStochastic = S::stochastic_rounding;
+  static constexpr bool kMaster = !std::is_same_v<Param, float> && !kStochastic;
   // Mixed-precision micro-batches are summed in fp32 (the planner counts the same).
   static constexpr bool kFp32Accum = S::accumulation_steps > 1 && kMaster;
   // 8-bit Adam moments (QuantizedState<8>): uint8 codes + one fp32 absmax per kernels::kStateBlock elements.
