@@ -49,7 +49,8 @@ TEST_P(WorldParam, StreamedEqualsResidentBitwise) {
   expect_streamed_equals_resident<bf16, 4>(Model::llama, world, {}, "llama bf16 accumulate 4, world " + std::to_string(world));
   expect_streamed_equals_resident<bf16, 4>(Model::mlp, world, clip, "mlp bf16 accumulate 4 clipped, world " + std::to_string(world));
 }
-INSTANTIATE_TEST_SUITE_P(Stream, WorldParam, ::testing::Values(1, 2, 3), [](const auto& info) { return "world" + std::to_string(info.param); });
+INSTANTIATE_TEST_SUITE_P(Stream, WorldParam, ::testing::Values(1, 2, 3),
+                         [](const auto& info) { return "world" + std::to_string(info.param); });
 
 // The worker overlapping backward and the same jobs in program order give the same bits.
 TEST(Stream, OverlappedEqualsInOrder) {
@@ -67,41 +68,12 @@ TEST(Stream, OverlappedEqualsInOrder) {
 // nn::Llama with a block as one gather unit and every block checkpointed: the recompute gathers the block again
 // inside backward and its gradient is final only after the recompute's backward.
 TEST(Stream, CheckpointedLlamaBitwise) {
-  nn::LlamaConfig cfg;
-  cfg.vocab = 29, cfg.hidden = 16, cfg.layers = 3, cfg.heads = 4, cfg.kv_heads = 2, cfg.ffn = 24;
-  const int steps = 3;
-  torch::manual_seed(99);
-  std::vector<torch::Tensor> ids;
-  for (int i = 0; i < steps * 2; ++i) ids.push_back(torch::randint(0, cfg.vocab, {2, 9}, torch::kInt64));
-  auto run = [&]<class S>(S*, int world, train::TrainerOptions o) {
-    std::vector<nn::Llama> models;
-    for (int r = 0; r < world; ++r) {
-      torch::manual_seed(5);
-      models.emplace_back(cfg);
-      models.back()->to(torch::kBFloat16);
-      models.back()->checkpoint_every = 1;
-    }
-    Params out;
-    run_ranks(world, [&](std::shared_ptr<LocalComm> comm) {
-      const int r = comm->rank();
-      auto t = zero_trainer<S>(models[r], Hyper{}, comm, o);
-      for (int s = 0; s < steps; ++s) {
-        const auto& x = ids[s * world + r];
-        t.step([&] { return models[r]->loss(x.narrow(1, 0, 8), x.narrow(1, 1, 8)); });
-      }
-      auto full = t.full_parameters();
-      if (r == 0)
-        for (auto& [n, v] : full) out[n] = v.to(torch::kFloat32);
-    });
-    return out;
-  };
-  using S3O = Resident<bf16, 1>;
-  using S3S = Streamed3<bf16, 1>;
   for (int world : {1, 2}) {
     train::TrainerOptions clip;
     clip.max_grad_norm = 0.3f;
     for (const train::TrainerOptions& o : {train::TrainerOptions{}, clip})
-      expect_bitwise(run((S3S*)nullptr, world, o), run((S3O*)nullptr, world, o), "checkpointed llama, world " + std::to_string(world));
+      expect_bitwise(train_checkpointed_llama<Streamed3<bf16, 1>>(world, 3, o), train_checkpointed_llama<Resident<bf16, 1>>(world, 3, o),
+                     "checkpointed llama, world " + std::to_string(world));
   }
 }
 
@@ -251,7 +223,8 @@ TEST(Stream, OwnMasterAdamWKeepsSmallUpdatesOnAverage) {
                      c);
   const torch::Tensor exact = master.to(torch::kFloat64);
   // ... and with 8-bit moments (an fp32 master beside the bf16 weights: the update 8-bit moments give, unrounded)
-  torch::Tensor master8 = w0.to(torch::kFloat32), w_ref = w0.clone(), cm = torch::zeros({n}, torch::kUInt8), cv = torch::zeros({n}, torch::kUInt8);
+  torch::Tensor master8 = w0.to(torch::kFloat32), w_ref = w0.clone(), cm = torch::zeros({n}, torch::kUInt8),
+                cv = torch::zeros({n}, torch::kUInt8);
   torch::Tensor am0 = torch::zeros({kernels::state_blocks(n)}), av0 = torch::zeros({kernels::state_blocks(n)});
   kernels::adamw8_cpu(kernels::AdamW8Tensor<bf16, bf16>{reinterpret_cast<bf16*>(w_ref.data_ptr()), master8.data_ptr<float>(),
                                                         reinterpret_cast<const bf16*>(g.data_ptr()), cm.data_ptr<std::uint8_t>(),
@@ -262,18 +235,18 @@ TEST(Stream, OwnMasterAdamWKeepsSmallUpdatesOnAverage) {
   constexpr int kStreams = 400;
   for (int k = 0; k < kStreams; ++k) {
     torch::Tensor w = w0.clone(), m1 = torch::zeros({n}), v1 = torch::zeros({n});
-    kernels::adamw_cpu(kernels::AdamWTensor<bf16, bf16>{reinterpret_cast<bf16*>(w.data_ptr()), nullptr,
-                                                        reinterpret_cast<const bf16*>(g.data_ptr()), m1.data_ptr<float>(),
-                                                        v1.data_ptr<float>(), n, std::uint64_t(k) << 20},
-                       c);
+    kernels::adamw_cpu(
+        kernels::AdamWTensor<bf16, bf16>{reinterpret_cast<bf16*>(w.data_ptr()), nullptr, reinterpret_cast<const bf16*>(g.data_ptr()),
+                                         m1.data_ptr<float>(), v1.data_ptr<float>(), n, std::uint64_t(k) << 20},
+        c);
     mean += w.to(torch::kFloat64);
     torch::Tensor w8 = w0.clone(), codes_m = torch::zeros({n}, torch::kUInt8), codes_v = torch::zeros({n}, torch::kUInt8);
     torch::Tensor am = torch::zeros({kernels::state_blocks(n)}), av = torch::zeros({kernels::state_blocks(n)});
-    kernels::adamw8_cpu(kernels::AdamW8Tensor<bf16, bf16>{reinterpret_cast<bf16*>(w8.data_ptr()), nullptr,
-                                                          reinterpret_cast<const bf16*>(g.data_ptr()), codes_m.data_ptr<std::uint8_t>(),
-                                                          am.data_ptr<float>(), codes_v.data_ptr<std::uint8_t>(), av.data_ptr<float>(), n,
-                                                          std::uint64_t(k) << 20},
-                        c);
+    kernels::adamw8_cpu(
+        kernels::AdamW8Tensor<bf16, bf16>{reinterpret_cast<bf16*>(w8.data_ptr()), nullptr, reinterpret_cast<const bf16*>(g.data_ptr()),
+                                          codes_m.data_ptr<std::uint8_t>(), am.data_ptr<float>(), codes_v.data_ptr<std::uint8_t>(),
+                                          av.data_ptr<float>(), n, std::uint64_t(k) << 20},
+        c);
     mean8 += w8.to(torch::kFloat64);
   }
   mean /= kStreams, mean8 /= kStreams;
@@ -319,8 +292,7 @@ TEST(Stream, CompactHostStateTrainsInSixBytesAParameter) {
   const int64_t elements = (m.parameters.host) / 2 + m.parameters.device / 2;  // bf16 shards + kept-whole
   const int64_t host_state = m.parameters.host + m.optimizer_state.host + m.gradients.host;
   EXPECT_LE(double(host_state), 6.1 * double(elements)) << "bytes a parameter on the host";
-  EXPECT_EQ(strategy_name<Compact>(),
-            "Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Precision<bf16, bf16>, QuantizedState<8>>");
+  EXPECT_EQ(strategy_name<Compact>(), "Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Precision<bf16, bf16>, QuantizedState<8>>");
 }
 
 // The planner's columns: the parameters and gradients leave the device; three of the largest unit stay in flight.

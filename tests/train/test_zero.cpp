@@ -415,44 +415,16 @@ TEST(Offload, OverlappedEqualsInOrder) {
 // gradient is final only after its recompute's backward (readiness counts grad-enabled uses). Stage 3 +
 // Offload (eager and deferred) and Stage 2 in small buckets against Stage 0, bitwise (accumulation 1).
 TEST(Offload, CheckpointedLlamaBitwise) {
-  nn::LlamaConfig cfg;
-  cfg.vocab = 29, cfg.hidden = 16, cfg.layers = 3, cfg.heads = 4, cfg.kv_heads = 2, cfg.ffn = 24;
-  const int world = 2, steps = 3;
-  torch::manual_seed(99);
-  std::vector<torch::Tensor> ids;
-  for (int i = 0; i < steps * world; ++i) ids.push_back(torch::randint(0, cfg.vocab, {2, 9}, torch::kInt64));
-  auto run = [&]<class S>(S*, train::TrainerOptions o) {
-    std::vector<nn::Llama> models;
-    for (int r = 0; r < world; ++r) {
-      torch::manual_seed(5);
-      models.emplace_back(cfg);
-      models.back()->to(torch::kBFloat16);
-      models.back()->checkpoint_every = 1;
-    }
-    Params out;
-    run_ranks(world, [&](std::shared_ptr<LocalComm> comm) {
-      const int r = comm->rank();
-      auto t = zero_trainer<S>(models[r], Hyper{}, comm, o);
-      for (int s = 0; s < steps; ++s) {
-        const auto& x = ids[s * world + r];
-        t.step([&] { return models[r]->loss(x.narrow(1, 0, 8), x.narrow(1, 1, 8)); });
-      }
-      auto full = t.full_parameters();
-      if (r == 0)
-        for (auto& [n, v] : full) out[n] = v.to(torch::kFloat32);
-    });
-    return out;
-  };
   using S0 = Strategy<Sharded<Stage0>, Precision<bf16, float>>;
   using S2 = Strategy<Sharded<Stage2>, Precision<bf16, float>>;
   using S3O = Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>>;
   train::TrainerOptions small;
   small.bucket_bytes = 100;
-  const Params base = run((S0*)nullptr, {});
-  expect_bitwise(run((S2*)nullptr, small), base, "checkpointed Stage2 buckets");
-  expect_bitwise(run((S3O*)nullptr, small), base, "checkpointed Stage3+Offload eager");
+  const Params base = train_checkpointed_llama<S0>(2, 3, {});
+  expect_bitwise(train_checkpointed_llama<S2>(2, 3, small), base, "checkpointed Stage2 buckets");
+  expect_bitwise(train_checkpointed_llama<S3O>(2, 3, small), base, "checkpointed Stage3+Offload eager");
   small.overlap_offload = false;
-  expect_bitwise(run((S3O*)nullptr, small), base, "checkpointed Stage3+Offload in order");
+  expect_bitwise(train_checkpointed_llama<S3O>(2, 3, small), base, "checkpointed Stage3+Offload in order");
 }
 
 // ---- flat parameters ----------------------------------------------------------------------------------

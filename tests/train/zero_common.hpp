@@ -12,6 +12,7 @@
 #include <squeeze/comm/local.hpp>
 #include <squeeze/engine/flat_params.hpp>
 #include <squeeze/nn/layers.hpp>
+#include <squeeze/nn/llama.hpp>
 #include <squeeze/train/trainer.hpp>
 #include <squeeze/optim/adamw.hpp>
 
@@ -283,6 +284,37 @@ Params reference_float64(Model kind, int world, int windows, int A, float max_no
   }
   Params out;
   for (auto& item : m->named_parameters()) out[item.key()] = item.value().detach().to(torch::kFloat32);
+  return out;
+}
+
+// nn::Llama (3 blocks, each a gather unit) with every block checkpointed, bf16, trained `steps` steps of S on `world`
+// LocalComm ranks, each on its own token rows: rank 0's full parameters after training, float.
+template <class S>
+Params train_checkpointed_llama(int world, int steps, train::TrainerOptions o) {
+  nn::LlamaConfig cfg;
+  cfg.vocab = 29, cfg.hidden = 16, cfg.layers = 3, cfg.heads = 4, cfg.kv_heads = 2, cfg.ffn = 24;
+  torch::manual_seed(99);
+  std::vector<torch::Tensor> ids;
+  for (int i = 0; i < steps * world; ++i) ids.push_back(torch::randint(0, cfg.vocab, {2, 9}, torch::kInt64));
+  std::vector<nn::Llama> models;
+  for (int r = 0; r < world; ++r) {
+    torch::manual_seed(5);
+    models.emplace_back(cfg);
+    models.back()->to(torch::kBFloat16);
+    models.back()->checkpoint_every = 1;
+  }
+  Params out;
+  run_ranks(world, [&](std::shared_ptr<LocalComm> comm) {
+    const int r = comm->rank();
+    auto t = zero_trainer<S>(models[r], Hyper{}, comm, o);
+    for (int s = 0; s < steps; ++s) {
+      const auto& x = ids[s * world + r];
+      t.step([&] { return models[r]->loss(x.narrow(1, 0, 8), x.narrow(1, 1, 8)); });
+    }
+    auto full = t.full_parameters();
+    if (r == 0)
+      for (auto& [n, v] : full) out[n] = v.to(torch::kFloat32);
+  });
   return out;
 }
 

@@ -106,9 +106,9 @@ struct Partition {
   bool written = false;  // the update wrote p.param itself (host parameters): nothing to copy back
   // Streamed (Offload<Host, Streamed>): param is host memory, grad undefined; gradients arrive by gradient_part.
   bool streamed = false;
-  int parts = 0;                  // gradient parts handed over this window
-  bool device_sum = false;        // this window's sum of squares came from the device with its only part
-  torch::Tensor host_stage;       // [n] pinned: a later part on its way to be added into host_grad (accumulation)
+  int parts = 0;             // gradient parts handed over this window
+  bool device_sum = false;   // this window's sum of squares came from the device with its only part
+  torch::Tensor host_stage;  // [n] pinned: a later part on its way to be added into host_grad (accumulation)
   // Offload pipeline state (written by the worker, read after wait()).
   double sumsq = 0;            // sum of squares of host_grad (scaled gradient), this window
   bool submitted = false;      // gradient_ready was called this window
@@ -232,8 +232,7 @@ class OffloadPipeline {
     const bool first = p.parts++ == 0;
     wait(p);  // first: the previous window's update has read host_grad; later: the previous part left host_stage
     if (!first && !p.host_stage.defined())
-      p.host_stage = device_.is_cuda() ? pinned_empty(p.host_grad.numel(), p.host_grad.scalar_type())
-                                       : torch::empty_like(p.host_grad);
+      p.host_stage = device_.is_cuda() ? pinned_empty(p.host_grad.numel(), p.host_grad.scalar_type()) : torch::empty_like(p.host_grad);
     const torch::Tensor& into = first ? p.host_grad : p.host_stage;
     TORCH_CHECK(g.numel() == into.numel(), "OffloadPipeline::gradient_part: a gradient of ", g.numel(), " elements for a partition of ",
                 into.numel());
@@ -308,14 +307,7 @@ class OffloadPipeline {
             q.host_grad.copy_(q.grad);
             q.grad.zero_();
           }
-          const auto t1 = clock::now();
-          q.sumsq = d2h_.active() ? q.host_sumsq.data_ptr<double>()[0] : chunked_sum_squares(q.host_grad);
-          const auto t2 = clock::now();
-          if (then) {
-            then(q);
-            write_back(q, after);
-          }
-          account(t1 - t0, t2 - t1, clock::now() - t2);
+          sum_and_update(q, d2h_.active(), then, after, t0);
         },
         [done = p.d2h_done] { return done.query(); });
   }
@@ -414,16 +406,22 @@ class OffloadPipeline {
           const auto t0 = clock::now();
           if (none) q.host_grad.zero_();
           if (device_sum) q.d2h_done.synchronize();
-          const auto t1 = clock::now();
-          q.sumsq = device_sum ? q.host_sumsq.data_ptr<double>()[0] : chunked_sum_squares(q.host_grad);
-          const auto t2 = clock::now();
-          if (then) {
-            then(q);
-            write_back(q, after);
-          }
-          account(t1 - t0, t2 - t1, clock::now() - t2);
+          sum_and_update(q, device_sum, then, after, t0);
         },
         [done = p.d2h_done] { return done.query(); });
+  }
+
+  // The end of a gradient job, its copy landed (waited for since t0): the sum of squares (the device's, copied with
+  // the gradient, or summed here), then the eager update `then` and its upload.
+  void sum_and_update(Partition& q, bool device_sum, const Fn& then, const Event& after, clock::time_point t0) {
+    const auto t1 = clock::now();
+    q.sumsq = device_sum ? q.host_sumsq.data_ptr<double>()[0] : chunked_sum_squares(q.host_grad);
+    const auto t2 = clock::now();
+    if (then) {
+      then(q);
+      write_back(q, after);
+    }
+    account(t1 - t0, t2 - t1, clock::now() - t2);
   }
 
   void write_back(Partition& q, const Event& after) {

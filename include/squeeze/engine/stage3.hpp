@@ -157,7 +157,12 @@ class Stage3Runtime {
   // asynchronous_collectives(device, comm). prefetch_depth: units gathered ahead (0: none). keep_last_gathered:
   // the last units of the forward order stay gathered from their forward to their backward.
   Stage3Runtime(comm::CommPtr comm, int prefetch_depth, int keep_last_gathered, torch::Device device, SideStream& side)
-      : comm_(std::move(comm)), prefetch_depth_(prefetch_depth), keep_last_(keep_last_gathered), device_(device), side_(side), copy_(device) {
+      : comm_(std::move(comm)),
+        prefetch_depth_(prefetch_depth),
+        keep_last_(keep_last_gathered),
+        device_(device),
+        side_(side),
+        copy_(device) {
     TORCH_CHECK(prefetch_depth >= 0, "Stage3: prefetch_depth must be >= 0, got ", prefetch_depth);
     TORCH_CHECK(keep_last_gathered >= 0, "Stage3: keep_last_gathered must be >= 0, got ", keep_last_gathered);
   }
@@ -205,7 +210,7 @@ class Stage3Runtime {
     if (!g.gathered.defined()) gather(g);
     torch::Tensor full = g.gathered;
     if (!g.gathered_ready.empty()) {  // side-stream gather: the compute stream waits here, not the host
-      if (g.on_host) {  // timed: how long the compute stream waits for the copy
+      if (g.on_host) {                // timed: how long the compute stream waits for the copy
         Event before = record_current(device_, true);
         wait_current(device_, g.gathered_ready);
         waits_.push_back({std::move(before), record_current(device_, true)});

@@ -52,8 +52,8 @@ inline constexpr bool supported_state_v = std::is_same_v<S, float>;
 // Host-side constants of one AdamW step (t = step, counted from 1).
 struct AdamWCoeffs {
   float lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0;
-  float step_size = 0;     // lr / (1 - beta1^t): bias correction of m folded into the step
-  float inv_sqrt_bc2 = 0;  // 1 / sqrt(1 - beta2^t): bias correction of v
+  float step_size = 0;              // lr / (1 - beta1^t): bias correction of m folded into the step
+  float inv_sqrt_bc2 = 0;           // 1 / sqrt(1 - beta2^t): bias correction of v
   std::uint64_t rounding_seed = 0;  // stochastic rounding: this step's stream (adamw_coeffs derives it from t)
 };
 
@@ -72,7 +72,10 @@ SQUEEZE_HD bf16 round_stochastic(float w, std::uint32_t random) {
   if ((u & 0x7f800000u) == 0x7f800000u) return from_float<bf16>(w);
   return std::bit_cast<bf16>(std::uint16_t((u + (random & 0xffffu)) >> 16));
 }
-SQUEEZE_HD std::uint64_t rounding_seed_of_step(std::int64_t step) { return rounding_bits(0x5eed5eedull, std::uint64_t(step)) * 0x100000001ull + std::uint64_t(step); }
+// Optimizer step t's stream: distinct for every step, the same on every rank and in every run.
+SQUEEZE_HD std::uint64_t rounding_seed_of_step(std::int64_t step) {
+  return rounding_bits(0x5eed5eedull, std::uint64_t(step)) * 0x100000001ull + std::uint64_t(step);
+}
 
 // b^t (t >= 0) by squaring: at most 2 log2(t) correctly rounded multiplications, the same bits on host and
 // device. Relative error <= 2t * 2^-53 (each squaring doubles it), so 1 - b^t is off by <= 2 t b^t 2^-53:

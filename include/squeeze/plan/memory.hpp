@@ -247,7 +247,8 @@ constexpr MemoryPlan plan_memory(const ModelShape& m, const TrainShape& t, int w
     plan.parameters.device = S::stage >= 3 ? shard(weights) : weights;
   } else {
     const i64 elements = m.params();  // shards are counted in elements, then bytes
-    (S::stream_params ? plan.parameters.host : plan.parameters.device) = (S::stage >= 3 ? shard(elements) : elements) * p_c + lora_params * p_m;
+    (S::stream_params ? plan.parameters.host : plan.parameters.device) =
+        (S::stage >= 3 ? shard(elements) : elements) * p_c + lora_params * p_m;
   }
 
   if (trainable > 0) {

@@ -25,8 +25,9 @@ struct Offload {
   static_assert(std::is_same_v<What, Resident> || std::is_same_v<What, Streamed>,
                 "Offload's second argument says where the parameters stay: write Offload<Host> (resident on the device) or "
                 "Offload<Host, Streamed> (in host memory, streamed through the device)");
-  static_assert(!(std::is_same_v<What, Streamed> && std::is_same_v<Where, Device>),
-                "Offload<Device, Streamed> keeps everything on the device: write Offload<Host, Streamed> to stream parameters from host memory");
+  static_assert(
+      !(std::is_same_v<What, Streamed> && std::is_same_v<Where, Device>),
+      "Offload<Device, Streamed> keeps everything on the device: write Offload<Host, Streamed> to stream parameters from host memory");
   using family = offload_family;
   static constexpr bool to_host = std::is_same_v<Where, Host>;
   static constexpr bool params_on_host = std::is_same_v<What, Streamed>;

@@ -94,12 +94,12 @@ struct TrainerOptions {
 // the host update or the GPU bounds a step. GPU times are summed as their events complete, so a step's copies
 // may be counted with the next step's.
 struct TransferCounters {
-  int64_t h2d_bytes = 0;       // to the device: streamed parameters' gathers and uploaded new parameters
-  int64_t d2h_bytes = 0;       // to the host: gradients
-  double h2d_copy_s = 0;       // the GPU's time on streamed parameters' copies (Offload<Host, Params>)
-  double copy_wait_s = 0;      // the compute stream's time blocked waiting for those copies
-  double host_update_s = 0;    // the worker's CPU AdamW and sums of squares
-  double host_wait_s = 0;      // the worker's time waiting for gradient copies to land
+  int64_t h2d_bytes = 0;     // to the device: streamed parameters' gathers and uploaded new parameters
+  int64_t d2h_bytes = 0;     // to the host: gradients
+  double h2d_copy_s = 0;     // the GPU's time on streamed parameters' copies (Offload<Host, Params>)
+  double copy_wait_s = 0;    // the compute stream's time blocked waiting for those copies
+  double host_update_s = 0;  // the worker's CPU AdamW and sums of squares
+  double host_wait_s = 0;    // the worker's time waiting for gradient copies to land
 };
 
 struct StepResult {

@@ -494,8 +494,9 @@ class Trainer {
     TORCH_CHECK(false, "make_trainer: ", strategy_name<S>(), " needs ", gigabytes(need), " of host memory on this rank (", per.describe(),
                 ", ", mine, " elements) but ", gigabytes(*available),
                 c.opt.available_host_bytes ? " is allowed (TrainerOptions::available_host_bytes)"
-                                            : " is available (MemAvailable, with the module's own host tensors)", ": ",
-                gigabytes(need - *available), " short. Write QuantizedState<8> (2 bytes of moments per element instead of 8), shard over more ranks",
+                                           : " is available (MemAvailable, with the module's own host tensors)",
+                ": ", gigabytes(need - *available),
+                " short. Write QuantizedState<8> (2 bytes of moments per element instead of 8), shard over more ranks",
                 S::stream_params ? ", keep the parameters on the device (Offload<Host>)," : ",", " or free host memory");
   }
 

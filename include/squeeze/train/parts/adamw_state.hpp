@@ -400,8 +400,8 @@ class HostAdamW : public AdamWState<S, true> {
         if (p.param.is_cpu()) {  // host parameters (streamed units, a CPU model): rounded into place, nothing to upload
           Param* param = reinterpret_cast<Param*>(p.param.data_ptr());
           if (p.host_grad.scalar_type() == torch::kFloat32)
-            Base::template adamw_on_host<Param, float>(p, param, p.master.template data_ptr<float>(), p.host_grad.template data_ptr<float>(),
-                                                       c, d);
+            Base::template adamw_on_host<Param, float>(p, param, p.master.template data_ptr<float>(),
+                                                       p.host_grad.template data_ptr<float>(), c, d);
           else
             Base::template adamw_on_host<Param, Param>(p, param, p.master.template data_ptr<float>(),
                                                        reinterpret_cast<const Param*>(p.host_grad.data_ptr()), c, d);

@@ -29,7 +29,9 @@ class DeviceParams {
 
   // The unit's shard [S], cut from the (device) full buffer, and its gradient shard [S] in the accumulation dtype.
   torch::Tensor place(const torch::Tensor& shard) const { return shard.clone(); }
-  torch::Tensor gradient_shard(const torch::Tensor& shard) const { return torch::zeros({shard.numel()}, shard.options().dtype(ctx_.grad_dtype)); }
+  torch::Tensor gradient_shard(const torch::Tensor& shard) const {
+    return torch::zeros({shard.numel()}, shard.options().dtype(ctx_.grad_dtype));
+  }
 
   // Offload<Host>: the gradient shard goes to the host once final for the window (during backward when the pipeline
   // overlaps; else the state part hands every partition over after backward).
