@@ -238,6 +238,16 @@ int run_training(const Options& o) {
       std::fprintf(stderr, "\n");
     }
   }
+  if constexpr (!(S::quantized_weights && S::has_lora)) {
+    // Refused before anything is allocated when the planned step does not fit the device (the trainer itself refuses
+    // host state beyond the host's memory).
+    const int64_t planned = llama::plan_for<S>(config, rows, o.seq, env.world, o.loss_chunk).peak().device;
+    if (const auto total = engine::device_memory_total(device); total && planned > *total)
+      throw std::runtime_error("strategy " + o.strategy + " at batch " + std::to_string(rows) + " x " + std::to_string(o.seq) + " plans " +
+                               engine::gigabytes(planned) + " on " + device.str() + ", which has " + engine::gigabytes(*total) +
+                               ": use a smaller --batch or --seq, a checkpointed strategy, or keep the parameters in host memory "
+                               "(zero3-stream-bf16-ckpt)");
+  }
   LlamaRun<S> trainer = pretrained ? LlamaRun<S>::from_hf(o.hf, topt, device, comm::from_env(), load_progress(o.hf, env.rank == 0)) : LlamaRun<S>(config, topt, device, comm::from_env());
   if (!o.load.empty()) {
     trainer.load(o.load);

@@ -123,7 +123,8 @@ AdoptedModel adopt_model(torch::nn::Module& model, const AdoptOptions& o) {
                 "; the Strategy starts from float parameters (converting them to its ", compute, ") or from ", compute, " ones");
     if (t != compute) {
       convert = true;
-      if (!S::has_lora && p.value().requires_grad()) out.float_values[p.key()] = p.value().detach();
+      // Kept to seed the fp32 masters; weights that are their own master (Precision<bf16, bf16>) need none.
+      if (!S::has_lora && !S::stochastic_rounding && p.value().requires_grad()) out.float_values[p.key()] = p.value().detach();
     }
   }
   // One conversion, straight onto the training device when one is given: the float storage stays where it was.
