@@ -447,7 +447,7 @@ TEST(Adam8Cpu, BadInputGivesClearErrors) {
       "m, v codes");
   test::expect_error(
       [&] {
-        sk::adamw8_cpu(sk::AdamW8Tensor<bf16, float>{reinterpret_cast<bf16*>(w.data()), nullptr, g.data(), codes.data(), absmax.data(),
+        sk::adamw8_cpu(sk::AdamW8Tensor<half, float>{reinterpret_cast<half*>(w.data()), nullptr, g.data(), codes.data(), absmax.data(),
                                                      codes.data(), absmax.data(), 10},
                        c);
       },
