@@ -20,8 +20,9 @@
 //
 //   gradient_part(p, g)  (Offload<Host, Streamed>: backward, each time a streamed unit's gradient of one pass is reduced)
 //       g [n] is a transient device tensor: the window's first part is copied into p.host_grad (its sum of squares
-//       with it), later ones (accumulation) into p.host_stage and added by the worker; gradient_ready then only
-//       finishes the sum, and the update writes the new parameters into p.param, host memory, in place.
+//       with it), later ones (accumulation) into p.host_stage (host_stage_for) and added by the worker;
+//       gradient_ready then only finishes the sum, and the update leaves the new parameters in p.param, host memory
+//       (nothing is uploaded: Partition::written).
 //
 // With threaded = false every job runs inline at once (the non-overlapped reference path); the arithmetic
 // is the same function either way, so both paths give the same bits (tests/train/test_zero.cpp checks it).
@@ -116,6 +117,11 @@ struct Partition {
   std::uint64_t done_job = 0;  // the id of the last job of this partition that finished
   Event d2h_done, h2d_done;
 };
+
+// A streamed partition's landing buffer for later gradient parts: host_grad's size and dtype, pinned for a GPU model.
+inline torch::Tensor host_stage_for(const Partition& p, torch::Device device) {
+  return device.is_cuda() ? pinned_empty(p.host_grad.numel(), p.host_grad.scalar_type()) : torch::empty_like(p.host_grad);
+}
 
 // Exchanges the memory behind two host tensors of the same byte size; every tensor sharing either storage follows.
 // A streamed unit's new parameters, rounded into its gradient copy beside the gradient just read (no read of a
@@ -231,8 +237,7 @@ class OffloadPipeline {
     TORCH_CHECK(p.streamed, "OffloadPipeline::gradient_part: the partition is not streamed");
     const bool first = p.parts++ == 0;
     wait(p);  // first: the previous window's update has read host_grad; later: the previous part left host_stage
-    if (!first && !p.host_stage.defined())
-      p.host_stage = device_.is_cuda() ? pinned_empty(p.host_grad.numel(), p.host_grad.scalar_type()) : torch::empty_like(p.host_grad);
+    if (!first && !p.host_stage.defined()) p.host_stage = host_stage_for(p, device_);  // a unit reduced twice in one pass
     const torch::Tensor& into = first ? p.host_grad : p.host_stage;
     TORCH_CHECK(g.numel() == into.numel(), "OffloadPipeline::gradient_part: a gradient of ", g.numel(), " elements for a partition of ",
                 into.numel());

@@ -100,6 +100,10 @@ struct TransferCounters {
   double copy_wait_s = 0;    // the compute stream's time blocked waiting for those copies
   double host_update_s = 0;  // the worker's CPU AdamW and sums of squares
   double host_wait_s = 0;    // the worker's time waiting for gradient copies to land
+  TransferCounters operator-(const TransferCounters& o) const {
+    return {h2d_bytes - o.h2d_bytes,     d2h_bytes - o.d2h_bytes,         h2d_copy_s - o.h2d_copy_s,
+            copy_wait_s - o.copy_wait_s, host_update_s - o.host_update_s, host_wait_s - o.host_wait_s};
+  }
 };
 
 struct StepResult {

@@ -183,15 +183,7 @@ class Trainer {
       now.h2d_copy_s = st.h2d_copy_s;
       now.copy_wait_s = st.wait_s;
     }
-    TransferCounters d = now;
-    d.h2d_bytes -= transfers_.h2d_bytes;
-    d.d2h_bytes -= transfers_.d2h_bytes;
-    d.h2d_copy_s -= transfers_.h2d_copy_s;
-    d.copy_wait_s -= transfers_.copy_wait_s;
-    d.host_update_s -= transfers_.host_update_s;
-    d.host_wait_s -= transfers_.host_wait_s;
-    transfers_ = now;
-    return d;
+    return now - std::exchange(transfers_, now);
   }
 
   // One forward and backward: the sync part's pass (stage 3's gathers), aborted if it does not end.

@@ -5,7 +5,8 @@
 //                 gradient shard on the device too, handed to the offload worker when final (Offload<Host>).
 //   HostParams    Offload<Host, Streamed>: the shard in pinned host memory, copied to the device for each gather and
 //                 dropped after use; each pass's reduced gradient streams to the host at once (accumulated there), and
-//                 the host AdamW rounds the new values into the shard in place: nothing of the unit stays on the GPU.
+//                 the host AdamW leaves the new values in the shard (HostAdamW: rounded over the gradient copy, which
+//                 then becomes the shard): nothing of the unit stays on the GPU.
 #include <torch/torch.h>
 
 #include "squeeze/engine/stage3.hpp"
@@ -78,7 +79,7 @@ class HostParams {
     g.on_host = true;
     p.streamed = true;
     if constexpr (S::accumulation_steps > 1)  // a later micro-batch's part lands here before the worker adds it
-      p.host_stage = ctx_.device.is_cuda() ? pinned_empty(p.host_grad.numel(), p.host_grad.scalar_type()) : torch::empty_like(p.host_grad);
+      p.host_stage = host_stage_for(p, ctx_.device);
     engine::detail::GradState* st = &ctx_.grads;
     Partition* q = &p;
     g.grad_handover = [pipe, q, st](const torch::Tensor& grad, bool complete) {
