@@ -31,9 +31,9 @@
 #include "trainer.hpp"
 
 using namespace squeeze;
-using squeeze::llama::LlamaRun;
 using squeeze::llama::Corpus;
 using squeeze::llama::detokenize;
+using squeeze::llama::LlamaRun;
 using squeeze::llama::load_corpus;
 using squeeze::llama::open_shards;
 using squeeze::llama::sample_batch;
@@ -71,14 +71,18 @@ class Progress {
     const double frac = double(step + 1 - first_) / double(std::max<int64_t>(1, last_ - first_));
     char line[256];
     const int width = 24, filled = int(frac * width);
-    std::snprintf(line, sizeof line, "step %6lld/%lld [%s%s] loss %.4f | %7.0f tok/s | mem %.2f GB%s",
-                  (long long)(step + 1), (long long)last_, std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(),
-                  r.loss, tokens_per_s, m.current_gb, r.applied ? "" : " | overflow: step skipped");
-    if (tty_) std::cerr << "\r" << line << std::flush;
-    else if ((step + 1 - first_) % every_ == 0 || step + 1 == last_) std::cerr << line << "\n";
+    std::snprintf(line, sizeof line, "step %6lld/%lld [%s%s] loss %.4f | %7.0f tok/s | mem %.2f GB%s", (long long)(step + 1),
+                  (long long)last_, std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(), r.loss, tokens_per_s,
+                  m.current_gb, r.applied ? "" : " | overflow: step skipped");
+    if (tty_)
+      std::cerr << "\r" << line << std::flush;
+    else if ((step + 1 - first_) % every_ == 0 || step + 1 == last_)
+      std::cerr << line << "\n";
   }
   void message(const std::string& s) { std::cerr << (tty_ ? "\r\033[K" : "") << s << "\n"; }
-  void done() { if (tty_) std::cerr << "\n"; }
+  void done() {
+    if (tty_) std::cerr << "\n";
+  }
 
  private:
   int64_t first_, last_, every_;
@@ -86,8 +90,7 @@ class Progress {
 };
 
 // ---- sampling -----------------------------------------------------------------------------------------
-std::string sample_text(nn::Llama& model, const std::string& prompt, int64_t n, int64_t max_context, torch::Device device,
-                        uint64_t seed) {
+std::string sample_text(nn::Llama& model, const std::string& prompt, int64_t n, int64_t max_context, torch::Device device, uint64_t seed) {
   torch::NoGradGuard no_grad;
   model->eval();
   auto gen = at::detail::createCPUGenerator(seed);
@@ -96,7 +99,7 @@ std::string sample_text(nn::Llama& model, const std::string& prompt, int64_t n, 
     const torch::Tensor ctx = ids.size(1) > max_context ? ids.narrow(1, ids.size(1) - max_context, max_context) : ids;
     const torch::Tensor logits = model->forward(ctx).select(1, ctx.size(1) - 1).to(torch::kCPU, torch::kFloat32);  // [1, V]
     const torch::Tensor probs = torch::softmax(logits.narrow(1, 0, 256) / 0.8, -1);                                // bytes only
-    const torch::Tensor next = torch::multinomial(probs, 1, false, gen);                                          // [1, 1]
+    const torch::Tensor next = torch::multinomial(probs, 1, false, gen);                                           // [1, 1]
     ids = torch::cat({ids, next.to(device)}, 1);
   }
   model->train();
@@ -169,8 +172,7 @@ void write_result(const std::string& path, const nlohmann::json& result) {
 // "tiny 0.003, 125m 0.001, ...": llama::default_lr of every preset, for --lr's help.
 std::string default_lr_list() {
   std::ostringstream out;
-  for (const auto& name : nn::LlamaConfig::preset_names())
-    out << (out.tellp() > 0 ? ", " : "") << name << " " << llama::default_lr(name);
+  for (const auto& name : nn::LlamaConfig::preset_names()) out << (out.tellp() > 0 ? ", " : "") << name << " " << llama::default_lr(name);
   return out.str();
 }
 
@@ -182,9 +184,11 @@ int run_training(const Options& o) {
   // Several processes (squeeze-launch / torchrun: one per GPU): rank r trains on rows [r B/N, (r+1) B/N) of each
   // --batch and runs on cuda:LOCAL_RANK; alone, world size 1.
   const comm::DistEnv env = comm::DistEnv::from_environment();
-  const torch::Device device = o.device == "cuda" ? torch::Device(torch::kCUDA, c10::DeviceIndex(env.local_rank)) : torch::Device(torch::kCPU);
+  const torch::Device device =
+      o.device == "cuda" ? torch::Device(torch::kCUDA, c10::DeviceIndex(env.local_rank)) : torch::Device(torch::kCPU);
   if (device.is_cuda() && !torch::cuda::is_available())
-    throw std::runtime_error("--device cuda: this libtorch has no CUDA device available (build with -DSQUEEZE_TORCH_CUDA=ON on a GPU machine)");
+    throw std::runtime_error(
+        "--device cuda: this libtorch has no CUDA device available (build with -DSQUEEZE_TORCH_CUDA=ON on a GPU machine)");
   torch::manual_seed(o.seed);
   // AdamW's second moments of tiny gradients become denormal floats, which x86 CPUs compute at a fraction
   // of the speed: flush them to zero (a no-op for the GPU).
@@ -212,7 +216,8 @@ int run_training(const Options& o) {
     corpus.source = "none";  // --result-json's "corpus"
   } else if (o.data.empty()) {
     if (config.vocab < 256)
-      throw std::runtime_error(model_name + ": its vocabulary (" + std::to_string(config.vocab) + ") is smaller than the 256 byte ids this example feeds");
+      throw std::runtime_error(model_name + ": its vocabulary (" + std::to_string(config.vocab) +
+                               ") is smaller than the 256 byte ids this example feeds");
     corpus = load_corpus(o.corpus, o.val_fraction);
     train_ids = tokenize(corpus.train), val_ids = tokenize(corpus.val);
     if (train_ids.size(0) <= o.seq + 1 || val_ids.size(0) <= o.seq + 1)
@@ -231,10 +236,13 @@ int run_training(const Options& o) {
       nn::LayerwiseOptions lo = topt.layerwise;
       lo.device = device;
       const nn::LayerwiseMemory m = nn::layerwise_memory<S>(config, lo, pretrained);
-      std::fprintf(stderr, "building %s block by block: packed blocks and adapters %.2f GB, one float block %.2f GB; needs %.2f GB of host "
-                   "memory", (pretrained ? o.hf : o.preset).c_str(), double(m.packed_bytes) / 1e9, double(m.float_block_bytes) / 1e9,
+      std::fprintf(stderr,
+                   "building %s block by block: packed blocks and adapters %.2f GB, one float block %.2f GB; needs %.2f GB of host "
+                   "memory",
+                   (pretrained ? o.hf : o.preset).c_str(), double(m.packed_bytes) / 1e9, double(m.float_block_bytes) / 1e9,
                    double(m.host_bytes) / 1e9);
-      if (device.is_cuda()) std::fprintf(stderr, " and %.2f GB on the device (the training step's peak included)", double(m.device_bytes) / 1e9);
+      if (device.is_cuda())
+        std::fprintf(stderr, " and %.2f GB on the device (the training step's peak included)", double(m.device_bytes) / 1e9);
       std::fprintf(stderr, "\n");
     }
   }
@@ -248,29 +256,31 @@ int run_training(const Options& o) {
                                ": use a smaller --batch or --seq, a checkpointed strategy, or keep the parameters in host memory "
                                "(zero3-stream-bf16-ckpt)");
   }
-  LlamaRun<S> trainer = pretrained ? LlamaRun<S>::from_hf(o.hf, topt, device, comm::from_env(), load_progress(o.hf, env.rank == 0)) : LlamaRun<S>(config, topt, device, comm::from_env());
+  LlamaRun<S> trainer = pretrained ? LlamaRun<S>::from_hf(o.hf, topt, device, comm::from_env(), load_progress(o.hf, env.rank == 0))
+                                   : LlamaRun<S>(config, topt, device, comm::from_env());
   if (!o.load.empty()) {
     trainer.load(o.load);
     std::cerr << "resumed from " << o.load << " at step " << trainer.step_count() << "\n";
   }
   const double planned_gb = double(llama::plan_for<S>(config, o.batch, o.seq, 1, o.loss_chunk).peak().device) / 1e9;
-  int64_t n_params = 0;
-  for (const auto& p : trainer.model()->parameters()) n_params += p.numel();
+  const int64_t n_params = config.shape().params();  // the module's own tensors are emptied once stage 3 shards them
   std::cerr << "model " << (pretrained ? o.hf : o.preset) << " (" << n_params / 1e6 << "M parameters, vocabulary " << config.vocab
             << "), strategy " << o.strategy << ", device " << device << ", peak lr " << o.lr << "\n";
   if (export_only)
     std::cerr << "no data: --steps 0 with an export and no --corpus / --data, so nothing is evaluated\n";
   else if (o.data.empty())
-    std::cerr << "corpus: " << corpus.source << ": " << train_ids.size(0) << " training bytes, " << val_ids.size(0) << " validation bytes\n";
+    std::cerr << "corpus: " << corpus.source << ": " << train_ids.size(0) << " training bytes, " << val_ids.size(0)
+              << " validation bytes\n";
   else
     std::cerr << "data: " << o.data << ": " << shards.train_tokens << " training tokens in " << shards.train->shard_count() << " shard(s), "
               << shards.val_tokens << " validation tokens in " << shards.val->shard_count() << " shard(s)\n";
   std::cerr << "planner: " << planned_gb << " GB peak on the device for batch " << o.batch << " x " << o.seq;
   if constexpr (S::stage <= 1)  // the example's choice, which the planner assumed (docs/memory-model.md)
-    std::cerr << ", gradient buffer " << plan::to_string(llama::train_shape<S>(config, o.batch, o.seq, 1, o.loss_chunk, {}).gradient_buffers);
+    std::cerr << ", gradient buffer "
+              << plan::to_string(llama::train_shape<S>(config, o.batch, o.seq, 1, o.loss_chunk, {}).gradient_buffers);
   std::cerr << "\n";
 
-  const auto val = export_only    ? std::vector<std::pair<torch::Tensor, torch::Tensor>>{}
+  const auto val = export_only      ? std::vector<std::pair<torch::Tensor, torch::Tensor>>{}
                    : o.data.empty() ? val_batches(val_ids, o.batch, o.seq, o.eval_batches, device)
                                     : shard_val_batches(*shards.val, o.eval_batches, device);
   const auto report_val = [&](Progress& bar) {
@@ -314,11 +324,15 @@ int run_training(const Options& o) {
       first_loss = r.loss;
       if constexpr (S::offload_to_host && !S::loss_scaling)
         if (!trainer.trainer().updated_during_backward() && o.clip > 0)
-          bar.message("Offload<Host>: the host AdamW starts after backward, when the clipping norm is known; --clip 0 lets it start "
-                      "during backward, partition by partition");
+          bar.message(
+              "Offload<Host>: the host AdamW starts after backward, when the clipping norm is known; --clip 0 lets it start "
+              "during backward, partition by partition");
     }
     last_loss = r.loss;
-    if (step > first_step || o.steps - first_step == 1) { tokens += double(o.batch * o.seq); seconds += dt; }
+    if (step > first_step || o.steps - first_step == 1) {
+      tokens += double(o.batch * o.seq);
+      seconds += dt;
+    }
     bar.update(step, r, double(o.batch * o.seq) / dt, llama::device_memory(device));
     if (o.eval_every > 0 && trainer.step_count() % o.eval_every == 0 && trainer.step_count() < o.steps) {
       report_val(bar);
@@ -333,19 +347,34 @@ int run_training(const Options& o) {
     std::printf("strategy %s: train loss %.4f -> %.4f, validation perplexity %.3f, %.0f tokens/s, peak memory %.2f GB (planner %.2f GB)\n",
                 o.strategy.c_str(), first_loss, last_loss, std::exp(val_loss), seconds > 0 ? tokens / seconds : 0.0, mem.peak_gb,
                 planned_gb);
-  if (o.sample > 0 && o.data.empty() && !export_only) std::printf("sample: %s\n", sample_text(trainer.model(), "And God said", o.sample, o.seq, device, o.seed).c_str());
+  if (o.sample > 0 && o.data.empty() && !export_only)
+    std::printf("sample: %s\n", sample_text(trainer.model(), "And God said", o.sample, o.seq, device, o.seed).c_str());
   export_results(o, trainer, config, env.rank);
   if (!o.result_json.empty() && env.rank == 0) {
     int64_t val_tokens = 0;
     for (const auto& b : val) val_tokens += b.second.numel();
     const int64_t steps = trainer.step_count();
-    write_result(o.result_json, {{"strategy", o.strategy}, {"lora", S::has_lora}, {"preset", pretrained ? std::string() : o.preset}, {"hf", o.hf},
-                                 {"corpus", o.data.empty() ? corpus.source : o.data}, {"device", o.device}, {"seed", o.seed},
-                                 {"steps", steps}, {"batch", o.batch}, {"seq", o.seq}, {"tokens", steps * o.batch * o.seq},
-                                 {"resumed_from", first_step}, {"skipped_steps", skipped}, {"lr", o.lr}, {"val_tokens", val_tokens},
-                                 {"val_loss", finite_or_null(val_loss)}, {"val_ppl", finite_or_null(std::exp(val_loss))},
-                                 {"train_loss", finite_or_null(last_loss)}, {"tokens_per_s", seconds > 0 ? tokens / seconds : 0.0},
-                                 {"peak_gb", mem.peak_gb}, {"planned_gb", planned_gb}});
+    write_result(o.result_json, {{"strategy", o.strategy},
+                                 {"lora", S::has_lora},
+                                 {"preset", pretrained ? std::string() : o.preset},
+                                 {"hf", o.hf},
+                                 {"corpus", o.data.empty() ? corpus.source : o.data},
+                                 {"device", o.device},
+                                 {"seed", o.seed},
+                                 {"steps", steps},
+                                 {"batch", o.batch},
+                                 {"seq", o.seq},
+                                 {"tokens", steps * o.batch * o.seq},
+                                 {"resumed_from", first_step},
+                                 {"skipped_steps", skipped},
+                                 {"lr", o.lr},
+                                 {"val_tokens", val_tokens},
+                                 {"val_loss", finite_or_null(val_loss)},
+                                 {"val_ppl", finite_or_null(std::exp(val_loss))},
+                                 {"train_loss", finite_or_null(last_loss)},
+                                 {"tokens_per_s", seconds > 0 ? tokens / seconds : 0.0},
+                                 {"peak_gb", mem.peak_gb},
+                                 {"planned_gb", planned_gb}});
   }
   return 0;
 }
@@ -362,21 +391,26 @@ int main(int argc, char** argv) {
   app.add_option("--steps", o.steps, "optimizer steps in total (a resumed run continues to this step; 0: evaluate only)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  app.add_option("--batch", o.batch, "sequences per optimizer step (split into micro-batches by Accumulate<N>)")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--batch", o.batch, "sequences per optimizer step (split into micro-batches by Accumulate<N>)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--seq", o.seq, "tokens (bytes) per sequence")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--lr", o.lr, "peak learning rate (warm-up, then cosine to 10%); default by preset: " + default_lr_list())
       ->check(CLI::PositiveNumber);
   app.add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->capture_default_str();
   app.add_option("--clip", o.clip, "gradient-norm clip (0: off)")->capture_default_str();
-  app.add_flag("--fused-loss", o.fused_loss, "train through the fused linear + cross-entropy (both gradients in the loss's pass, no recomputed head)");
-  app.add_option("--loss-chunk", o.loss_chunk, "tokens per chunk of the LM head + cross-entropy, each recomputed in backward "
-                                               "(0: all tokens of a micro-batch at once)")
+  app.add_flag("--fused-loss", o.fused_loss,
+               "train through the fused linear + cross-entropy (both gradients in the loss's pass, no recomputed head)");
+  app.add_option("--loss-chunk", o.loss_chunk,
+                 "tokens per chunk of the LM head + cross-entropy, each recomputed in backward "
+                 "(0: all tokens of a micro-batch at once)")
       ->check(CLI::Range(int64_t(0), int64_t(1) << 30))
       ->capture_default_str();
   app.add_option("--device", o.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
   auto* corpus = app.add_option("--corpus", o.corpus, "train on this text file instead of the KJV");
-  app.add_option("--data", o.data, "train on the token shards in this directory (train_*.bin, val_*.bin: squeeze-tokenize's or llm.c's) "
-                                   "instead of bytes; ids must be below the model's vocabulary")
+  app.add_option("--data", o.data,
+                 "train on the token shards in this directory (train_*.bin, val_*.bin: squeeze-tokenize's or llm.c's) "
+                 "instead of bytes; ids must be below the model's vocabulary")
       ->check(CLI::ExistingDirectory)
       ->excludes(corpus);
   auto* hf = app.add_option("--hf", o.hf, "start from this Hugging Face LLaMA directory (config.json + safetensors) instead of --preset")
@@ -386,8 +420,9 @@ int main(int argc, char** argv) {
       ->excludes(hf);
   app.add_option("--export-hf", o.export_hf, "write the trained model here as a Hugging Face LLaMA directory (LoRA merged)");
   app.add_option("--export-peft", o.export_peft, "write a LoRA strategy's adapters here in PEFT's format");
-  app.add_option("--result-json", o.result_json, "write the run's outcome here as one JSON object (strategy, steps, tokens, seed, "
-                                                 "validation loss and perplexity, tokens/s, peak memory)");
+  app.add_option("--result-json", o.result_json,
+                 "write the run's outcome here as one JSON object (strategy, steps, tokens, seed, "
+                 "validation loss and perplexity, tokens/s, peak memory)");
   app.add_option("--save", o.save, "checkpoint directory: a checkpoint at every evaluation and at the end (the newest three kept)");
   app.add_option("--load", o.load, "resume from the latest checkpoint in this directory (any world size)")->check(CLI::ExistingDirectory);
   app.add_option("--eval-every", o.eval_every, "steps between validation runs (0: only at the end)")->capture_default_str();

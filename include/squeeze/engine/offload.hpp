@@ -92,7 +92,8 @@ std::vector<Segment> state_segments(const Entries& es, int64_t padded, int64_t b
 struct Partition {
   torch::Tensor param;               // [n] compute dtype, written by AdamW (flat-buffer slice or stage-3 shard)
   torch::Tensor grad;                // [n] reduced gradient (stage 0: the full buffer itself)
-  torch::Tensor master;              // [n] fp32 master (mixed precision, or on the host under offload)
+  torch::Tensor master;              // [n] fp32 master (mixed precision, or on the host under offload); bf16 for a
+                                     // compact state's device layer (its host copy)
   torch::Tensor m, v;                // [n] Adam moments: fp32, or uint8 codes with 8-bit state (QuantizedState<8>)
   torch::Tensor m_absmax, v_absmax;  // [ceil(n / 256)] fp32 block scales of m and v (8-bit state only)
   torch::Tensor host_grad;           // [n] host copy of grad in grad's dtype (offload; pinned for a CUDA model)

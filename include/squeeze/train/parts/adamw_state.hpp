@@ -128,7 +128,14 @@ class AdamWState {
     o.param = param;
     o.grad = grad;
     const int64_t n = param.numel();
-    if ((OnHost || T::kMaster) && !T::kStochastic) {
+    if constexpr (T::kStochastic) {
+      // Host parameters are their own master. A kept-whole layer's on the device is updated in a host copy of its
+      // own dtype, uploaded like a master (a checkpoint restores it from the parameter, exactly).
+      if (!param.is_cpu()) {
+        o.master = state_empty(n, param.scalar_type(), true);
+        o.master.copy_(param);
+      }
+    } else if (OnHost || T::kMaster) {
       o.master = state_empty(n, torch::kFloat32, master_uploaded());
       o.master.copy_(param);
     }
@@ -383,10 +390,11 @@ class HostAdamW : public AdamWState<S, true> {
   static OffloadPipeline::Fn job(GroupCoeffs c, float inv_scale, float clip) {
     return [c, inv_scale, clip](Partition& p) {
       const kernels::AdamWDynamic d{&inv_scale, nullptr, &clip, nullptr};
-      if constexpr (T::kStochastic) {  // the streamed bf16 parameters are their own master: updated in place
-        Base::template adamw_on_host<Param, Param>(p, reinterpret_cast<Param*>(p.param.data_ptr()), nullptr,
+      if constexpr (T::kStochastic) {  // bf16 weights are their own master: host shards in place, a device layer's host copy
+        torch::Tensor& own = p.master.defined() ? p.master : p.param;
+        Base::template adamw_on_host<Param, Param>(p, reinterpret_cast<Param*>(own.data_ptr()), nullptr,
                                                    reinterpret_cast<const Param*>(p.host_grad.data_ptr()), c, d);
-        p.written = true;
+        p.written = !p.master.defined();  // else the copy is uploaded as a master is
         return;
       }
       if constexpr (T::kMaster) {
