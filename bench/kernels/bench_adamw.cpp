@@ -20,6 +20,8 @@
 // fp32 master with fp32 grads (cast outside the timed region, in the peer's favour) + copy_ into the bf16
 // params. Times: CUDA events around each step, ours and the peer alternating, warm-up 3, median of --iters.
 // roofline_fraction = our bytes/s over the cudaMemcpy D2D bandwidth (2 x bytes / time) measured here.
+// bf16-compact-adam8 (CPU only): as bf16-mixed-adam8 without the master, the bf16 weights rounded stochastically
+//               (the compact host state of Offload<Host, Streamed> + Precision<bf16, bf16>): 10 B/param + 16 per 256.
 // CPU cases: squeeze's CPU AdamW (all cores; OMP_NUM_THREADS) vs at::_fused_adamw_ on CPU tensors, params/s, and
 // against the host's bound for the same bytes on the same cores: a vectorised pass reading four float streams and
 // rewriting three in place, the fp32 update's traffic, over as many bytes (copy_same_bytes_GBps,
@@ -61,7 +63,12 @@ namespace sk = squeeze::kernels;
 
 constexpr double kBytesPerParam = 28.0;
 constexpr double kBytesPerParam8 = 16.0 + 16.0 / 256;  // 8-bit state: codes 1+1 read and written, absmax 4+4 per block
-double bytes_per_param(const std::string& precision) { return precision.find("adam8") != std::string::npos ? kBytesPerParam8 : kBytesPerParam; }
+// The compact host state: bf16 weights that are their own master (read 2, written 2), grad 2, codes 1+1 each way.
+constexpr double kBytesPerParamCompact8 = 10.0 + 16.0 / 256;
+double bytes_per_param(const std::string& precision) {
+  if (precision == "bf16-compact-adam8") return kBytesPerParamCompact8;
+  return precision.find("adam8") != std::string::npos ? kBytesPerParam8 : kBytesPerParam;
+}
 constexpr float kLr = 1e-4f, kBeta1 = 0.9f, kBeta2 = 0.999f, kEps = 1e-8f, kWd = 0.01f;
 
 struct Options {
@@ -92,9 +99,12 @@ std::string env_or(const char* name, const char* fallback) {
 std::string json_str(const std::string& s) {
   std::string o = "\"";
   for (char c : s) {
-    if (c == '"' || c == '\\') o += '\\', o += c;
-    else if (static_cast<unsigned char>(c) < 0x20) o += ' ';
-    else o += c;
+    if (c == '"' || c == '\\')
+      o += '\\', o += c;
+    else if (static_cast<unsigned char>(c) < 0x20)
+      o += ' ';
+    else
+      o += c;
   }
   return o + "\"";
 }
@@ -164,7 +174,8 @@ std::vector<at::Tensor> steps_for(int k, const at::Device& dev) {
 
 void peer_fused_adamw(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g, const std::vector<at::Tensor>& m,
                       const std::vector<at::Tensor>& v, const std::vector<at::Tensor>& steps,
-                      const std::optional<at::Tensor>& grad_scale = std::nullopt, const std::optional<at::Tensor>& found_inf = std::nullopt) {
+                      const std::optional<at::Tensor>& grad_scale = std::nullopt,
+                      const std::optional<at::Tensor>& found_inf = std::nullopt) {
   at::_fused_adamw_(p, g, m, v, {}, steps, kLr, kBeta1, kBeta2, kWd, kEps, /*amsgrad=*/false, /*maximize=*/false, grad_scale, found_inf);
 }
 
@@ -203,16 +214,18 @@ Result gpu_case(const std::string& precision, int tensors, const Options& o, dou
   auto ours_step = [&](sk::AdamWCoeffs c, squeeze::bench::AdamWLauncher& l) { SQUEEZE_CUDA_CHECK(l.run(c, dyn, nullptr)); };
   if (precision == "fp32" || scaled) {
     auto p = at::randn({o.n}, f32).mul_(0.02), g = at::randn({o.n}, f32).mul_(1e-3);
-    auto ours = squeeze::bench::make_fp32_adamw(p.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(), o.n,
-                                                tensors);
+    auto ours =
+        squeeze::bench::make_fp32_adamw(p.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(), o.n, tensors);
     const auto P = slices(p, tensors), G = slices(g, tensors), M = slices(m, tensors), V = slices(v, tensors);
     const auto S = steps_for(tensors, dev);
     r.peer = scaled ? "at::_fused_adamw_(grad_scale, found_inf)" : "at::_fused_adamw_";
     time_pair(
         r, o.iters, [&](int t) { ours_step(sk::adamw_coeffs(kLr, kBeta1, kBeta2, kEps, kWd, t), *ours); },
         [&] {
-          if (scaled) peer_fused_adamw(P, G, M, V, S, grad_scale, found_inf);
-          else peer_fused_adamw(P, G, M, V, S);
+          if (scaled)
+            peer_fused_adamw(P, G, M, V, S, grad_scale, found_inf);
+          else
+            peer_fused_adamw(P, G, M, V, S);
         });
   } else {
     auto master = at::randn({o.n}, f32).mul_(0.02);
@@ -320,13 +333,20 @@ Result cpu_case(const std::string& precision, const Options& o) {
     ours = [t](int step) { sk::adamw_cpu(t, sk::adamw_coeffs(kLr, kBeta1, kBeta2, kEps, kWd, step)); };
     peer = [&] { peer_fused_adamw({master}, {g32}, {m}, {v}, S); };
     r.peer = "at::_fused_adamw_ (CPU)";
-  } else if (precision == "bf16-mixed-adam8") {
+  } else if (precision == "bf16-mixed-adam8" || precision == "bf16-compact-adam8") {
     pb = master.to(at::kBFloat16);
     gb = g32.to(at::kBFloat16);
     m8 = at::zeros({n}, at::kByte), v8 = at::zeros({n}, at::kByte);
     ma = at::zeros({sk::state_blocks(n)}, f32), va = at::zeros({sk::state_blocks(n)}, f32);
-    sk::AdamW8Tensor<bf16, bf16> t{reinterpret_cast<bf16*>(pb.data_ptr()), master.data_ptr<float>(), reinterpret_cast<const bf16*>(gb.data_ptr()),
-                                   m8.data_ptr<std::uint8_t>(), ma.data_ptr<float>(), v8.data_ptr<std::uint8_t>(), va.data_ptr<float>(), n};
+    float* own_master = precision == "bf16-compact-adam8" ? nullptr : master.data_ptr<float>();  // null: rounded stochastically
+    sk::AdamW8Tensor<bf16, bf16> t{reinterpret_cast<bf16*>(pb.data_ptr()),
+                                   own_master,
+                                   reinterpret_cast<const bf16*>(gb.data_ptr()),
+                                   m8.data_ptr<std::uint8_t>(),
+                                   ma.data_ptr<float>(),
+                                   v8.data_ptr<std::uint8_t>(),
+                                   va.data_ptr<float>(),
+                                   n};
     ours = [t](int step) { sk::adamw8_cpu(t, sk::adamw_coeffs(kLr, kBeta1, kBeta2, kEps, kWd, step)); };
     peer = [&] {
       peer_fused_adamw({master}, {g32}, {m}, {v}, S);
@@ -336,8 +356,12 @@ Result cpu_case(const std::string& precision, const Options& o) {
   } else {
     pb = master.to(at::kBFloat16);
     gb = g32.to(at::kBFloat16);
-    sk::AdamWTensor<bf16, bf16> t{reinterpret_cast<bf16*>(pb.data_ptr()), master.data_ptr<float>(), reinterpret_cast<const bf16*>(gb.data_ptr()),
-                                  m.data_ptr<float>(), v.data_ptr<float>(), n};
+    sk::AdamWTensor<bf16, bf16> t{reinterpret_cast<bf16*>(pb.data_ptr()),
+                                  master.data_ptr<float>(),
+                                  reinterpret_cast<const bf16*>(gb.data_ptr()),
+                                  m.data_ptr<float>(),
+                                  v.data_ptr<float>(),
+                                  n};
     ours = [t](int step) { sk::adamw_cpu(t, sk::adamw_coeffs(kLr, kBeta1, kBeta2, kEps, kWd, step)); };
     peer = [&] {
       peer_fused_adamw({master}, {g32}, {m}, {v}, S);
@@ -371,15 +395,23 @@ Options parse(int argc, char** argv) {
       squeeze::check(i + 1 < argc, "bench_adamw: " + a + " needs a value");
       return argv[++i];
     };
-    if (a == "--out") o.out = next();
-    else if (a == "--n") o.n = std::stoll(next());
-    else if (a == "--tensors") o.tensors = std::stoi(next());
-    else if (a == "--iters") o.iters = std::stoi(next());
-    else if (a == "--cpu-n") o.cpu_n = std::stoll(next());
-    else if (a == "--cpu-only") o.gpu = false;
-    else if (a == "--gpu-only") o.cpu = false;
-    else squeeze::check(false, "bench_adamw: unknown argument " + a +
-                                   " (use --out FILE --n N --tensors K --iters I --cpu-n N --cpu-only --gpu-only)");
+    if (a == "--out")
+      o.out = next();
+    else if (a == "--n")
+      o.n = std::stoll(next());
+    else if (a == "--tensors")
+      o.tensors = std::stoi(next());
+    else if (a == "--iters")
+      o.iters = std::stoi(next());
+    else if (a == "--cpu-n")
+      o.cpu_n = std::stoll(next());
+    else if (a == "--cpu-only")
+      o.gpu = false;
+    else if (a == "--gpu-only")
+      o.cpu = false;
+    else
+      squeeze::check(
+          false, "bench_adamw: unknown argument " + a + " (use --out FILE --n N --tensors K --iters I --cpu-n N --cpu-only --gpu-only)");
   }
   squeeze::check(o.n >= o.tensors && o.tensors >= 1 && o.iters >= 1 && o.cpu_n >= 1, "bench_adamw: need n >= tensors >= 1, iters >= 1");
   return o;
@@ -423,7 +455,8 @@ int main(int argc, char** argv) {
     if (!gpu) {
       std::printf("no CUDA device: GPU cases skipped\n");
     } else if (!torch::cuda::is_available()) {
-      guarded(out, "gpu/setup", []() -> Result { throw squeeze::Error("libtorch sees no CUDA (torch_cuda not linked?): peer unavailable"); });
+      guarded(out, "gpu/setup",
+              []() -> Result { throw squeeze::Error("libtorch sees no CUDA (torch_cuda not linked?): peer unavailable"); });
     } else {
       double copy = -1;
       guarded(out, "gpu/copy-d2d/4GiB", [&] {
@@ -451,6 +484,7 @@ int main(int argc, char** argv) {
     }
   }
   if (o.cpu)
-    for (const char* prec : {"fp32", "bf16-mixed", "bf16-mixed-adam8"}) guarded(out, std::string("cpu/") + prec, [&] { return cpu_case(prec, o); });
+    for (const char* prec : {"fp32", "bf16-mixed", "bf16-mixed-adam8", "bf16-compact-adam8"})
+      guarded(out, std::string("cpu/") + prec, [&] { return cpu_case(prec, o); });
   return 0;
 }

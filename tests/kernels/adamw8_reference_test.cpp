@@ -127,6 +127,72 @@ TEST(Adam8Reference, InfinitiesAndNaNsMatchTheReplacedImplementation) {
   test::for_each_type_pair([&]<class P, class G>() { expect_matches_reference<P, G>(5003, ++seed, true); });
 }
 
+// bf16 weights that are their own master (the compact host state): the moments' codes and scales equal the run with a
+// float master of the same values, and each new weight is one of the two bf16 neighbours of that run's fp32 master
+// (stochastic rounding picks either). The generic clones and the AVX-512 blocks give the same bytes.
+TEST(Adam8Reference, OwnMasterRoundsToANeighbourOfTheMasterUpdate) {
+  const std::int64_t n = 70001;
+  std::mt19937 rng(400);
+  std::vector<float> w0 = test::random_vec<float>(n, rng, -1.f, 1.f);
+  for (float& w : w0) w = to_float(from_float<bf16>(w));
+  test::Adam8State<bf16, bf16> with_master(n, w0), generic(n, w0);
+  generic.master.clear();
+  for (int step = 1; step <= 3; ++step) {
+    with_master.grad = generic.grad = awkward_grad<bf16>(n, rng, false);
+    for (std::int64_t i = 0; i < n; ++i) with_master.master[std::size_t(i)] = to_float(generic.param[std::size_t(i)]);
+    const auto c = sk::adamw_coeffs(1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, step);
+    test::Adam8State<bf16, bf16> fast = generic;
+    sk::adamw8_cpu(with_master.tensor(), c);
+    sk::cpu::avx512::use_codec(false);
+    sk::adamw8_cpu(generic.tensor(), c);
+    sk::cpu::avx512::use_codec(true);
+    EXPECT_EQ(generic.m, with_master.m);
+    EXPECT_EQ(generic.v, with_master.v);
+    EXPECT_EQ(generic.m_absmax, with_master.m_absmax);
+    EXPECT_EQ(generic.v_absmax, with_master.v_absmax);
+    std::int64_t off = 0, up = 0, down = 0;
+    for (std::int64_t i = 0; i < n; ++i) {
+      const float exact = with_master.master[std::size_t(i)], got = to_float(generic.param[std::size_t(i)]);
+      // The two neighbours: truncated toward zero, and one bf16 place further out (the same when exact is a bf16).
+      const std::uint32_t bits = std::bit_cast<std::uint32_t>(exact), kept = bits & 0xffff0000u;
+      const float lo = std::bit_cast<float>(kept), hi = std::bit_cast<float>(kept == bits ? kept : kept + 0x10000u);
+      off += got != lo && got != hi;
+      (got == lo ? down : up) += lo != hi;
+    }
+    EXPECT_EQ(off, 0) << "step " << step << ": weights not on a bf16 neighbour of the fp32 update";
+    EXPECT_GT(up, n / 20) << "step " << step;  // both directions are taken
+    EXPECT_GT(down, n / 20) << "step " << step;
+    if (sk::cpu::avx512::codec_available()) {
+      sk::adamw8_cpu(fast.tensor(), c);
+      test::expect_state_bitwise(fast, generic, "own master, AVX-512 against generic, step " + std::to_string(step));
+    }
+    if (::testing::Test::HasFailure()) return;
+  }
+}
+
+// round_stochastic (selects, no branch) against its definition on a stride through all float patterns: finite values
+// add the random bits below bf16's last place and truncate, infinities keep their bits, NaN is from_float's quiet NaN.
+TEST(Adam8Reference, StochasticRoundingMatchesItsDefinitionOnAStrideOfAllFloats) {
+  std::vector<std::uint32_t> patterns = {0x7f800000u, 0xff800000u, 0x7fc00000u, 0x7f800001u,
+                                         0xffffffffu, 0x7f7fffffu, 0x00000001u, 0x80000000u};
+  for (std::uint64_t bits = 0; bits < (std::uint64_t(1) << 32); bits += 97) patterns.push_back(std::uint32_t(bits));
+  std::int64_t nan = 0, inf = 0;
+  for (const std::uint32_t u : patterns) {
+    const float w = std::bit_cast<float>(u);
+    const std::uint32_t random = sk::rounding_bits(7, u);
+    std::uint16_t want;
+    if (std::isnan(w))
+      want = std::bit_cast<std::uint16_t>(from_float<bf16>(w)), ++nan;
+    else if (std::isinf(w))
+      want = std::uint16_t(u >> 16), ++inf;
+    else
+      want = std::uint16_t((u + (random & 0xffffu)) >> 16);
+    ASSERT_EQ(std::bit_cast<std::uint16_t>(sk::round_stochastic(w, random)), want) << "bits " << u;
+  }
+  EXPECT_GT(nan, 1000);
+  EXPECT_GE(inf, 2);
+}
+
 // Many threads' pieces and the prefetch past each piece's end: a tensor of ~1.2 Mi elements with a ragged tail.
 TEST(Adam8Reference, LargeTensorMatchesBitwise) { expect_matches_reference<bf16, bf16>((std::int64_t(1) << 20) + 200003, 300, false); }
 

@@ -148,8 +148,9 @@ TEST(ZeroCuda, CompactStreamedStateTrainsOnTheGpu) {
   expect_trained(compact.params, Model::llama, torch::kBFloat16);
   for (std::size_t i = 0; i < exact.log.size(); ++i)
     EXPECT_LT(std::abs(compact.log[i].loss - exact.log[i].loss) / exact.log[i].loss, 0.02) << "step " << i;
-  EXPECT_GT(compact.memory.master_weights.host, 0);  // the kept-whole layers' host copies, 2 bytes an element
-  EXPECT_LT(compact.memory.master_weights.host, compact.memory.parameters.host / 10);
+  // The kept-whole layers' host copies, 2 bytes an element: as many bytes as those layers hold on the device.
+  EXPECT_GT(compact.memory.master_weights.host, 0);
+  EXPECT_LE(compact.memory.master_weights.host, compact.memory.parameters.device);
 }
 
 #if defined(SQUEEZE_TORCH_CUDA)

@@ -66,11 +66,18 @@ SQUEEZE_HD std::uint32_t rounding_bits(std::uint64_t seed, std::uint64_t index) 
   return std::uint32_t(z ^ (z >> 31));
 }
 // w to bf16, rounding the magnitude up with probability (dropped fraction) / 2^16: E[result] = w for finite w that
-// do not overflow. NaN and infinities round as from_float does.
+// do not overflow. NaN and infinities round as from_float does (an infinity keeps its bits). Selects, no branch: the
+// CPU loops vectorise.
 SQUEEZE_HD bf16 round_stochastic(float w, std::uint32_t random) {
   const std::uint32_t u = std::bit_cast<std::uint32_t>(w);
-  if ((u & 0x7f800000u) == 0x7f800000u) return from_float<bf16>(w);
-  return std::bit_cast<bf16>(std::uint16_t((u + (random & 0xffffu)) >> 16));
+  const bool special = (u & 0x7f800000u) == 0x7f800000u;
+  const bf16 rounded = std::bit_cast<bf16>(std::uint16_t((u + (special ? 0u : random & 0xffffu)) >> 16));
+  return (u & 0x7fffffffu) > 0x7f800000u ? from_float<bf16>(w) : rounded;
+}
+// out[j] = round_stochastic(w[j]) for j < len, element j's bits from (seed, index + j). Inlined into each caller's
+// target (the AVX-512 blocks' included), where it vectorises.
+[[gnu::always_inline]] inline void round_stochastic_run(const float* w, bf16* out, int len, std::uint64_t seed, std::uint64_t index) {
+  for (int j = 0; j < len; ++j) out[j] = round_stochastic(w[j], rounding_bits(seed, index + std::uint64_t(j)));
 }
 // Optimizer step t's stream: distinct for every step, the same on every rank and in every run.
 SQUEEZE_HD std::uint64_t rounding_seed_of_step(std::int64_t step) {

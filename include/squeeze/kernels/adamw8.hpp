@@ -356,8 +356,7 @@ SQUEEZE_CPU_CLONES void adamw8_block(const AdamW8Tensor<P, G>& t, std::int64_t b
   adamw8_block_math(w, t.param + lo, m, v, gf, len, s, m_max, v_max);
   if constexpr (std::is_same_v<P, bf16>)
     if (own_master)  // over the nearest rounding adamw8_block_math wrote
-      for (int j = 0; j < len; ++j)
-        t.param[lo + j] = round_stochastic(w[j], rounding_bits(s.rounding_seed, t.rounding_index + std::uint64_t(lo + j)));
+      round_stochastic_run(w, t.param + lo, len, s.rounding_seed, t.rounding_index + std::uint64_t(lo));
   encode_block(mmap, m, inverse_absmax(m_max), len, t.exp_avg + lo);
   encode_block(vmap, v, inverse_absmax(v_max), len, t.exp_avg_sq + lo);
   t.exp_avg_absmax[b] = m_max;
@@ -384,9 +383,8 @@ void adamw8_cpu(std::span<const AdamW8Tensor<P, G>> tensors, const AdamWCoeffs& 
   const bool avx512 = cpu::avx512::codec_available();
   for (const auto& t : tensors) {
     // Whole state blocks, handed out in pieces of cpu::kPiece elements (blocks are independent: any split, same bits).
-    const bool own_master = !std::is_same_v<P, float> && t.master == nullptr;  // the portable blocks round stochastically
     cpu::parallel_pieces(state_blocks(t.n), cpu::kPiece / kStateBlock, [&](std::int64_t b, std::int64_t e) {
-      if (avx512 && !own_master)
+      if (avx512)
         cpu::avx512::adamw8_blocks(t, b, e, s, mmap, vmap);
       else
         for (std::int64_t k = b; k < e; ++k) cpu::adamw8_block(t, k, s, mmap, vmap);

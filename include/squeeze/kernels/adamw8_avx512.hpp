@@ -156,13 +156,17 @@ template <class P, class G>
 SQUEEZE_AVX512_TARGET void adamw8_blocks(const AdamW8Tensor<P, G>& t, std::int64_t b, std::int64_t e, const AdamWScalars& s,
                                          const StateCodeMap& mmap, const StateCodeMap& vmap) {
   const detail::Planes mp = detail::load_planes(mmap), vp = detail::load_planes(vmap);
+  const bool own_master = !std::is_same_v<P, float> && t.master == nullptr;  // bf16, its own master: rounded stochastically
   float* w0 = std::is_same_v<P, float> ? reinterpret_cast<float*>(t.param) : t.master;
   for (std::int64_t k = b; k < e; ++k) {
     const std::int64_t lo = k * kStateBlock;
     const int len = int(std::min(kStateBlock, t.n - lo));
     std::uint8_t* mc = t.exp_avg + lo;
     std::uint8_t* vc = t.exp_avg_sq + lo;
-    alignas(64) float m[kStateBlock], v[kStateBlock], gf[kStateBlock];
+    alignas(64) float m[kStateBlock], v[kStateBlock], gf[kStateBlock], own[kStateBlock];
+    float* w = own_master ? own : w0 + lo;
+    if (own_master)
+      for (int j = 0; j < len; ++j) own[j] = to_float(t.param[lo + j]);
     const G* g = t.grad + lo;
     for (int j = 0; j < len; ++j) gf[j] = to_float(g[j]);
     const __m512 ms = _mm512_set1_ps(t.exp_avg_absmax[k]), vs = _mm512_set1_ps(t.exp_avg_sq_absmax[k]);
@@ -171,7 +175,9 @@ SQUEEZE_AVX512_TARGET void adamw8_blocks(const AdamW8Tensor<P, G>& t, std::int64
       detail::decode64(vp, vc + j, len - j, vs, v + j);
     }
     float m_max, v_max;
-    adamw8_block_math(w0 + lo, t.param + lo, m, v, gf, len, s, m_max, v_max);
+    adamw8_block_math(w, t.param + lo, m, v, gf, len, s, m_max, v_max);
+    if constexpr (std::is_same_v<P, bf16>)
+      if (own_master) round_stochastic_run(w, t.param + lo, len, s.rounding_seed, t.rounding_index + std::uint64_t(lo));
     const __m512 mi = _mm512_set1_ps(inverse_absmax(m_max)), vi = _mm512_set1_ps(inverse_absmax(v_max));
     for (int j = 0; j < len; j += 64) {
       detail::encode64<true>(mmap.bucket, m + j, len - j, mi, mc + j);
