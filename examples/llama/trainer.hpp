@@ -64,6 +64,9 @@ void for_each_strategy(F&& f) {
   // The same with 8-bit Adam moments (block-wise quantized, 2 bytes per parameter instead of 8 on the host).
   f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed, QuantizedState<8>>>(
       "zero3-offload-bf16-ckpt-adam8");
+  // The checkpointed block inputs in host memory too, copied out as the forward goes and back ahead of each recomputation.
+  f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed, CheckpointOffload<Host>>>(
+      "zero3-offload-bf16-hostckpt");
   // The parameters in host memory too, each block copied to the GPU for its forward and again for its backward.
   f.template operator()<Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Precision<bf16, float>, Checkpointed>>("zero3-stream-bf16-ckpt");
   f.template operator()<Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Precision<bf16, float>, Checkpointed, QuantizedState<8>>>(
@@ -94,7 +97,8 @@ void for_each_strategy(F&& f) {
 inline double default_lr(std::string_view preset) {
   if (preset == "125m") return 1e-3;
   if (preset == "tinyllama-1.1b") return 3e-4;
-  if (preset == "llama-7b" || preset == "llama-13b" || preset == "llama3-8b" || preset == "llama-70b" || preset == "llama-175b") return 5e-6;
+  if (preset == "llama-7b" || preset == "llama-13b" || preset == "llama3-8b" || preset == "llama-70b" || preset == "llama-175b")
+    return 5e-6;
   return 3e-3;
 }
 
@@ -125,8 +129,8 @@ struct TrainOptions {
   double lr = 3e-3;
   double weight_decay = 0.1;
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
-  double clip = 1.0;              // global gradient-norm clip; <= 0: off
-  double initial_scale = 65536;   // dynamic loss scale (fp16 only)
+  double clip = 1.0;             // global gradient-norm clip; <= 0: off
+  double initial_scale = 65536;  // dynamic loss scale (fp16 only)
   int64_t scale_growth_interval = 2000;
   // Tokens per chunk of the model's loss (nn::LlamaImpl::loss_chunk_tokens; 0: unchunked); plan_for takes the same.
   int64_t loss_chunk_tokens = plan::kDefaultLossChunkTokens;
@@ -147,23 +151,25 @@ struct TrainOptions {
 template <StrategyType S>
 plan::TrainShape train_shape(const LlamaConfig& c, int64_t batch, int64_t seq, int world, int64_t loss_chunk_tokens,
                              std::optional<plan::GradientBuffers> gradient_buffers) {
-  plan::TrainShape t{.micro_batch = batch / S::accumulation_steps, .seq = seq, .loss_chunk_tokens = loss_chunk_tokens,
-                     .fused_kernels = c.fused_kernels};
+  plan::TrainShape t{
+      .micro_batch = batch / S::accumulation_steps, .seq = seq, .loss_chunk_tokens = loss_chunk_tokens, .fused_kernels = c.fused_kernels};
   t.gradient_buffers = gradient_buffers ? *gradient_buffers : plan::best_gradient_buffers<S>(c.shape(), t, world);
   return t;
 }
 
 struct BatchResult {
-  double loss = 0;       // mean over the batch
-  double grad_norm = 0;  // before clipping, unscaled
-  double scale = 1;      // loss scale used for this step
-  bool applied = true;   // false: gradients overflowed, step skipped
+  double loss = 0;                    // mean over the batch
+  double grad_norm = 0;               // before clipping, unscaled
+  double scale = 1;                   // loss scale used for this step
+  bool applied = true;                // false: gradients overflowed, step skipped
   train::TransferCounters transfers;  // Offload<Host>: what crossed PCIe for this step and what it cost
 };
 
 // Device memory in bytes: allocated now and the peak since the last reset (CUDA caching allocator), or the
 // process's resident set on the CPU (peak: high-water mark).
-struct DeviceMemory { double current_gb = 0, peak_gb = 0, reserved_peak_gb = 0; };
+struct DeviceMemory {
+  double current_gb = 0, peak_gb = 0, reserved_peak_gb = 0;
+};
 
 #if defined(SQUEEZE_TORCH_CUDA)
 // c10's CUDA caching allocator sets itself up at the first CUDA allocation (C++ has no lazy init as Python
@@ -225,11 +231,23 @@ inline double evaluate_loss(Llama& model, const std::vector<std::pair<torch::Ten
 // safetensors file per rank and an index, `latest` naming the newest; the model's geometry rides in the record.
 inline nlohmann::json geometry_of(const LlamaConfig& c) {
   const plan::RopeScaling& r = c.rope_scaling;
-  return {{"preset", c.name}, {"vocab", c.vocab}, {"hidden", c.hidden}, {"layers", c.layers}, {"heads", c.heads},
-          {"kv_heads", c.kv_heads}, {"ffn", c.ffn}, {"head_dim", c.head_dim()}, {"tie_embeddings", c.tie_embeddings},
-          {"rope_theta", c.rope_theta}, {"norm_eps", c.norm_eps},
-          {"rope_scaling", {{"type", plan::rope_type_name(r.type)}, {"factor", r.factor}, {"low_freq_factor", r.low_freq_factor},
-                            {"high_freq_factor", r.high_freq_factor}, {"original_max_position_embeddings", r.original_max_position_embeddings}}}};
+  return {{"preset", c.name},
+          {"vocab", c.vocab},
+          {"hidden", c.hidden},
+          {"layers", c.layers},
+          {"heads", c.heads},
+          {"kv_heads", c.kv_heads},
+          {"ffn", c.ffn},
+          {"head_dim", c.head_dim()},
+          {"tie_embeddings", c.tie_embeddings},
+          {"rope_theta", c.rope_theta},
+          {"norm_eps", c.norm_eps},
+          {"rope_scaling",
+           {{"type", plan::rope_type_name(r.type)},
+            {"factor", r.factor},
+            {"low_freq_factor", r.low_freq_factor},
+            {"high_freq_factor", r.high_freq_factor},
+            {"original_max_position_embeddings", r.original_max_position_embeddings}}}};
 }
 
 // The record of the checkpoint under `root` that a load would read, after checking it holds this geometry.
@@ -287,8 +305,12 @@ class LlamaRun {
     model_->loss_chunk_tokens = options.loss_chunk_tokens;
     model_->fused_loss = options.fused_loss;
     model_->train();
-    squeeze::AdamW adamw{.lr = float(options.lr), .beta1 = float(options.beta1), .beta2 = float(options.beta2), .eps = float(options.eps),
-                         .weight_decay = float(S::has_lora ? 0.0 : options.weight_decay), .max_grad_norm = float(std::max(0.0, options.clip))};
+    squeeze::AdamW adamw{.lr = float(options.lr),
+                         .beta1 = float(options.beta1),
+                         .beta2 = float(options.beta2),
+                         .eps = float(options.eps),
+                         .weight_decay = float(S::has_lora ? 0.0 : options.weight_decay),
+                         .max_grad_norm = float(std::max(0.0, options.clip))};
     adamw.loss_scale.init_scale = float(options.initial_scale);
     adamw.loss_scale.growth_interval = int(options.scale_growth_interval);
     // The model is built on the host in float (or already packed: initial_model); the trainer converts it on its way to
@@ -310,7 +332,7 @@ class LlamaRun {
   // model first and convert their frozen base from it. progress is called after each checkpoint tensor (not under a
   // quantized strategy).
   static LlamaRun from_hf(const std::filesystem::path& dir, TrainOptions options, torch::Device device, comm::CommPtr comm = nullptr,
-                         const nn::HfProgressFn& progress = {}) {
+                          const nn::HfProgressFn& progress = {}) {
     if constexpr (S::quantized_weights && S::has_lora) {
       nn::LayerwiseOptions o = options.layerwise;
       o.device = device;
@@ -323,8 +345,7 @@ class LlamaRun {
       std::thread warm([dir] {
         try {
           io::SafetensorsCheckpoint::open(dir).will_need();
-        } catch (...) {
-        }
+        } catch (...) {}
       });
       struct Join {
         std::thread& t;
@@ -332,8 +353,9 @@ class LlamaRun {
       } join{warm};
       const io::LlamaConfig hf = io::load_llama_config(dir);
       // Streamed parameters are made on the host, where their shards will live: the device never holds the model.
-      const auto compute =
-          torch::TensorOptions().dtype(torch_dtype<typename S::compute_type>()).device(S::stream_params ? torch::Device(torch::kCPU) : device);
+      const auto compute = torch::TensorOptions()
+                               .dtype(torch_dtype<typename S::compute_type>())
+                               .device(S::stream_params ? torch::Device(torch::kCPU) : device);
       LlamaRun t(Llama(nn::from_hf_config(hf, dir.string()), nn::ParamInit{compute, /*random=*/false}), options, device, std::move(comm));
       nn::load_hf_weights(*t.trainer_, *t.model_, dir, {}, progress);
       return t;
@@ -356,8 +378,9 @@ class LlamaRun {
   BatchResult step(const torch::Tensor& x, const torch::Tensor& y) {
     check_batch(x, y, micro_batches);
     if (!gradient_buffers_)  // the planner's choice for this batch shape (plan_for plans the same)
-      trainer_->set_gradient_buffers(train_shape<S>(model_->config, x.size(0), x.size(1), trainer_->communicator().size(), model_->loss_chunk_tokens, {})
-                                         .gradient_buffers);
+      trainer_->set_gradient_buffers(
+          train_shape<S>(model_->config, x.size(0), x.size(1), trainer_->communicator().size(), model_->loss_chunk_tokens, {})
+              .gradient_buffers);
     BatchResult r;
     r.scale = trainer_->scale();
     const int64_t micro = x.size(0) / micro_batches;

@@ -127,7 +127,9 @@ using NameCases = std::tuple<
     squeeze::Strategy<squeeze::Quantized<3, squeeze::GPTQ, squeeze::Group<128>>, squeeze::LoRA<8, 16>>,
     squeeze::Strategy<squeeze::Quantized<4, squeeze::GPTQ, squeeze::Group<128>>, squeeze::Inference>,
     squeeze::Strategy<squeeze::QuantizedState<8>>, squeeze::Strategy<squeeze::Quantized<8, squeeze::Blockwise8, squeeze::Group<128>>>,
-    squeeze::Strategy<squeeze::Checkpointed>, squeeze::Strategy<squeeze::CheckpointEvery<2>>, squeeze::Strategy<squeeze::Inference>,
+    squeeze::Strategy<squeeze::Checkpointed>, squeeze::Strategy<squeeze::CheckpointEvery<2>>,
+    squeeze::Strategy<squeeze::Checkpointed, squeeze::CheckpointOffload<squeeze::Host>>,
+    squeeze::Strategy<squeeze::CheckpointEvery<2>, squeeze::CheckpointOffload<squeeze::Host>>, squeeze::Strategy<squeeze::Inference>,
     squeeze::Strategy<squeeze::LoRA<8, 16>>, squeeze::Strategy<squeeze::LoRA<8, 16, squeeze::LoraTargets::q | squeeze::LoraTargets::k>>>;
 
 template <std::size_t... I>

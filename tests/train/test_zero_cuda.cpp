@@ -153,6 +153,47 @@ TEST(ZeroCuda, CompactStreamedStateTrainsOnTheGpu) {
   EXPECT_LE(compact.memory.master_weights.host, compact.memory.parameters.device);
 }
 
+// CheckpointOffload<Host> on a GPU: the block inputs go to pinned host memory on the copy-out stream and come back on
+// the copy-in stream ahead of each recomputation; the training is bitwise that of plain checkpointing, for any number
+// kept and prefetched, resident or streamed parameters; the inputs' device memory goes once copied.
+TEST(ZeroCuda, OffloadedCheckpointsEqualPlainCheckpointingBitwise) {
+  REQUIRE_CUDA();
+  const torch::Device dev(torch::kCUDA, 0);
+  nn::LlamaConfig cfg;
+  cfg.vocab = 301, cfg.hidden = 96, cfg.layers = 5, cfg.heads = 4, cfg.kv_heads = 2, cfg.ffn = 200;
+  torch::manual_seed(17);
+  const torch::Tensor ids = torch::randint(0, cfg.vocab, {3, 4, 58}, torch::kInt64);
+  auto run = [&]<class S>(S*, int keep) {
+    torch::manual_seed(5);
+    nn::Llama model(cfg);
+    model->to(dev, torch::kBFloat16);
+    train::TrainerOptions o;
+    o.checkpoint_prefetch = keep;
+    auto t = zero_trainer<S>(model, Hyper{}, LocalComm::single(), o);
+    train::TransferCounters moved;
+    for (int s = 0; s < 3; ++s) {
+      const torch::Tensor x = ids[s].to(dev);
+      const auto r = t.step([&] { return model->loss(x.narrow(1, 0, 57), x.narrow(1, 1, 57)); });
+      moved = r.transfers;
+    }
+    Params out;
+    for (auto& [n, v] : t.full_parameters()) out[n] = v.to(torch::kCPU, torch::kFloat32);
+    return std::pair{out, moved};
+  };
+  using Plain = Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed>;
+  using Off = Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed, CheckpointOffload<Host>>;
+  using StPlain = Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Precision<bf16, float>, Checkpointed>;
+  using StOff = Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Precision<bf16, float>, Checkpointed, CheckpointOffload<Host>>;
+  const auto plain = run((Plain*)nullptr, 1);
+  const int64_t inputs = 5 * 4 * 57 * 96 * 2;  // five block inputs of 4 x 57 tokens x 96, bf16
+  for (int keep : {0, 1, 2}) {
+    const auto off = run((Off*)nullptr, keep);
+    expect_bitwise(off.first, plain.first, "offloaded checkpoints, keep " + std::to_string(keep));
+    EXPECT_EQ(off.second.d2h_bytes - plain.second.d2h_bytes, inputs) << "keep " << keep;
+  }
+  expect_bitwise(run((StOff*)nullptr, 1).first, run((StPlain*)nullptr, 1).first, "offloaded checkpoints, streamed parameters");
+}
+
 #if defined(SQUEEZE_TORCH_CUDA)
 // A streamed model built on the host (as llama_train and bench_table build one) is converted there and cut into pinned
 // shards: the device never holds it. The same training as the model moved to the GPU first, bitwise.

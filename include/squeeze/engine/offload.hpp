@@ -38,6 +38,7 @@
 #include <torch/torch.h>
 
 #include "squeeze/kernels/adamw.hpp"
+#include "squeeze/kernels/adamw8.hpp"
 
 #include <algorithm>
 #include <chrono>

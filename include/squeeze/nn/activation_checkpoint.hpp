@@ -22,6 +22,7 @@
 //   nn::Blocks            a container that chains its blocks; a Checkpointed trainer makes it recompute them
 //                         (segments of N blocks), otherwise it is a plain chain
 //   nn::checkpoint(b, x)  b(x), recomputed in backward while a Checkpointed trainer's step runs, a plain call otherwise
+// Both keep their segments' inputs in host memory while a CheckpointOffloadScope is open (CheckpointOffload<Host>).
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
@@ -31,6 +32,7 @@
 #include <utility>
 #include <vector>
 
+#include "squeeze/engine/activation_store.hpp"
 #include "squeeze/nn/layers.hpp"
 
 namespace squeeze::nn {
@@ -106,6 +108,9 @@ struct CheckpointCall : torch::CustomClassHolder {
   std::vector<torch::Tensor> params;  // leaves the block reads (references, no copies)
   RngState rng;
   AutocastState autocast;
+  engine::ActivationStore* store = nullptr;             // where the inputs wait for backward (null: saved on their device)
+  std::vector<engine::ActivationStore::SlotPtr> slots;  // store: one per input
+  std::vector<bool> input_requires_grad;                // store: what save_for_backward would have remembered
 };
 
 struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
@@ -115,14 +120,29 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     (void)params;  // they are inputs of the node for their gradient edges; the call holds them
     std::vector<torch::Tensor> in(inputs.begin(), inputs.end());
     torch::Tensor out = call->fn(in);
-    ctx->save_for_backward(in);  // the only activations kept
+    if (call->store != nullptr) {  // the only activations kept, in host memory
+      for (const torch::Tensor& x : in) {
+        call->slots.push_back(call->store->stash(x));
+        call->input_requires_grad.push_back(x.requires_grad());
+      }
+    } else {
+      ctx->save_for_backward(in);  // the only activations kept
+    }
     ctx->saved_data["call"] = c10::IValue::make_capsule(std::move(call));
     return out;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grad_out) {
     auto call = c10::static_intrusive_pointer_cast<CheckpointCall>(ctx->saved_data["call"].toCapsule());
-    const std::vector<torch::Tensor> saved = ctx->get_saved_variables();
+    std::vector<torch::Tensor> saved;
+    std::vector<bool> needs_grad;
+    if (call->store != nullptr) {
+      for (const auto& slot : call->slots) saved.push_back(call->store->fetch(slot));
+      needs_grad = call->input_requires_grad;
+    } else {
+      saved = ctx->get_saved_variables();
+      for (const auto& t : saved) needs_grad.push_back(t.requires_grad());
+    }
 
     // Fresh leaves for the inputs, so the recomputed graph ends here and not in the outer graph.
     std::vector<torch::Tensor> inputs;
@@ -131,7 +151,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     inputs.reserve(saved.size());
     for (size_t i = 0; i < saved.size(); ++i) {
       torch::Tensor x = saved[i].detach();
-      if (saved[i].requires_grad()) {
+      if (needs_grad[i]) {
         x.requires_grad_(true);
         input_slot[i] = static_cast<int>(wrt.size());
         wrt.push_back(x);
@@ -195,9 +215,10 @@ inline std::vector<c10::Device> cuda_devices_of(const std::vector<torch::Tensor>
 
 }  // namespace detail
 
-// Runs fn(inputs) keeping only `inputs` for backward; `params` are the leaves fn reads that need gradients.
-// Outside grad mode, or when nothing needs a gradient, it is just fn(inputs).
-inline torch::Tensor checkpoint(BlockFn fn, std::vector<torch::Tensor> inputs, std::vector<torch::Tensor> params) {
+namespace detail {
+// checkpoint(fn, inputs, params) with the inputs kept in `store` (null: on their device).
+inline torch::Tensor checkpoint_into(engine::ActivationStore* store, BlockFn fn, std::vector<torch::Tensor> inputs,
+                                     std::vector<torch::Tensor> params) {
   TORCH_CHECK(static_cast<bool>(fn), "squeeze::nn::checkpoint: the block function is empty");
   for (size_t i = 0; i < inputs.size(); ++i)
     TORCH_CHECK(inputs[i].defined(), "squeeze::nn::checkpoint: input ", i, " is an undefined tensor");
@@ -206,13 +227,40 @@ inline torch::Tensor checkpoint(BlockFn fn, std::vector<torch::Tensor> inputs, s
   };
   if (!torch::GradMode::is_enabled() || !(needs_grad(inputs) || needs_grad(params))) return fn(inputs);
 
-  auto call = c10::make_intrusive<detail::CheckpointCall>();
+  auto call = c10::make_intrusive<CheckpointCall>();
   call->fn = std::move(fn);
   call->params = std::move(params);
-  call->rng = detail::RngState::capture(detail::cuda_devices_of(inputs, call->params));
-  call->autocast = detail::AutocastState::capture();
+  call->rng = RngState::capture(cuda_devices_of(inputs, call->params));
+  call->autocast = AutocastState::capture();
+  call->store = store;
   std::vector<torch::Tensor> param_refs = call->params;  // the node's gradient edges
   return detail::CheckpointFunction::apply(std::move(call), at::TensorList(inputs), at::TensorList(param_refs));
+}
+}  // namespace detail
+
+// While alive on a thread, the segments checkpoint_sequential and checkpoint(block, x) make keep their inputs in
+// `store` (host memory, brought back ahead of each recomputation) instead of on the device. A CheckpointOffload<Host>
+// trainer opens one around each step's closure; scopes nest, the inner one winning until it closes.
+class CheckpointOffloadScope {
+ public:
+  explicit CheckpointOffloadScope(engine::ActivationStore* store) : saved_(current()) { current() = store; }
+  CheckpointOffloadScope(const CheckpointOffloadScope&) = delete;
+  CheckpointOffloadScope& operator=(const CheckpointOffloadScope&) = delete;
+  ~CheckpointOffloadScope() { current() = saved_; }
+  static engine::ActivationStore* active() { return current(); }  // null where none is open on this thread
+
+ private:
+  static engine::ActivationStore*& current() {
+    thread_local engine::ActivationStore* store = nullptr;
+    return store;
+  }
+  engine::ActivationStore* saved_;
+};
+
+// Runs fn(inputs) keeping only `inputs` for backward; `params` are the leaves fn reads that need gradients.
+// Outside grad mode, or when nothing needs a gradient, it is just fn(inputs).
+inline torch::Tensor checkpoint(BlockFn fn, std::vector<torch::Tensor> inputs, std::vector<torch::Tensor> params) {
+  return detail::checkpoint_into(nullptr, std::move(fn), std::move(inputs), std::move(params));
 }
 
 // One-input convenience: checkpoint(x, params, [&](const Tensor& x) { return block(x); }).
@@ -239,11 +287,12 @@ inline torch::Tensor checkpoint_sequential(int64_t n, int64_t every, torch::Tens
       auto p = params(i);
       segment_params.insert(segment_params.end(), p.begin(), p.end());
     }
-    x = checkpoint(x, std::move(segment_params), [layer, begin, end](const torch::Tensor& h) {  // copies: runs again in backward
-      torch::Tensor y = h;
+    BlockFn segment = [layer, begin, end](const std::vector<torch::Tensor>& in) {  // copies: runs again in backward
+      torch::Tensor y = in[0];
       for (int64_t i = begin; i < end; ++i) y = layer(i, y);
       return y;
-    });
+    };
+    x = detail::checkpoint_into(CheckpointOffloadScope::active(), std::move(segment), {x}, std::move(segment_params));
   }
   return x;
 }
@@ -323,7 +372,9 @@ torch::Tensor checkpoint(M& block, const torch::Tensor& x) {
   if (RecomputeScope::active() <= 0) return block->forward(x);
   RecomputeScope::count_call();
   auto b = block;  // a copy (shared ownership): the recompute runs in backward, after the caller's scope
-  return checkpoint(x, trainable_leaves(*b), [b](const torch::Tensor& h) mutable { return b->forward(h); });
+  return detail::checkpoint_into(
+      CheckpointOffloadScope::active(), [b](const std::vector<torch::Tensor>& in) mutable { return b->forward(in[0]); }, {x},
+      trainable_leaves(*b));
 }
 
 // Blocks run one after another: x = block_i(x). Under a Checkpointed trainer each segment of N blocks keeps only

@@ -63,6 +63,8 @@ struct TrainShape {
   i64 loss_chunk_tokens = kDefaultLossChunkTokens;
   // The model runs the fused RMSNorm / RoPE / SwiGLU (LlamaConfig::fused_kernels, its default).
   bool fused_kernels = true;
+  // CheckpointOffload<Host>: segment inputs held on the device besides the one in use (TrainerOptions::checkpoint_prefetch).
+  i64 checkpoint_prefetch = 1;
 };
 
 struct Placement {
@@ -290,6 +292,15 @@ constexpr MemoryPlan plan_memory(const ModelShape& m, const TrainShape& t, int w
   const i64 lora_act = S::has_lora ? S::lora_rank * std::popcount(L::targets) : 0;
   const unsigned trained = S::base_trainable ? all_linears : (S::has_lora ? unsigned(L::targets) : 0u);
   plan.activations.device = activation_bytes(m, t, p_c, S::checkpoint_every, S::training, lora_act, trained);
+  // CheckpointOffload<Host>: every segment input has a host copy; the device holds the last checkpoint_prefetch of the
+  // forward and, in backward, the one recomputing and as many prefetched.
+  if constexpr (S::checkpoints_on_host) {
+    const i64 segments = ceil_div(m.layers, S::checkpoint_every);
+    const i64 input = t.micro_batch * t.seq * m.hidden * p_c;
+    const i64 held = t.checkpoint_prefetch + 1 < segments ? t.checkpoint_prefetch + 1 : segments;
+    plan.activations.device -= (segments - held) * input;
+    plan.activations.host = segments * input;
+  }
   // Stage 3 with a chunked loss: the head's weight is gathered once and held from its forward until the last
   // chunk's backward (nn::Linear::full_weight), at any world size.
   if constexpr (S::stage >= 3 && S::training) {

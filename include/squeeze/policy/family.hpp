@@ -13,6 +13,7 @@ struct weight_quantization_family {};
 struct state_quantization_family {};
 struct lora_family {};
 struct checkpoint_family {};
+struct checkpoint_offload_family {};
 struct loss_scale_family {};
 struct mode_family {};
 

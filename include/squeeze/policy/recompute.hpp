@@ -1,7 +1,12 @@
 #pragma once
 // Activation checkpointing: keep only each segment's input and recompute the segment in backward.
 // Checkpointed = every layer is a segment; CheckpointEvery<N> groups N layers per segment.
+// CheckpointOffload<Host>: those inputs wait for backward in pinned host memory, copied out as the forward goes and
+// brought back ahead of each segment's recomputation (docs/architecture.md, "Offloaded checkpoints").
+#include <type_traits>
+
 #include "squeeze/policy/family.hpp"
+#include "squeeze/policy/offload.hpp"
 
 namespace squeeze {
 
@@ -16,6 +21,14 @@ using Checkpointed = CheckpointEvery<1>;
 struct NoCheckpoint {
   using family = checkpoint_family;
   static constexpr int every = 0;
+};
+
+template <class Where>
+struct CheckpointOffload {
+  static_assert(std::is_same_v<Where, Host> || std::is_same_v<Where, Device>,
+                "CheckpointOffload takes a place: write CheckpointOffload<Host> (checkpointed inputs in host memory) or leave it out");
+  using family = checkpoint_offload_family;
+  static constexpr bool to_host = std::is_same_v<Where, Host>;
 };
 
 template <class P>

@@ -72,7 +72,7 @@ template <class... Ps>
 struct Strategy {
   static_assert((Policy<Ps> && ...),
                 "every Strategy argument must be a squeeze policy: Sharded<StageN>, Offload<Host>, Accumulate<N>, Precision<C, M>, "
-                "Quantized<B, Method>, LoRA<R, A>, Checkpointed, CheckpointEvery<N>, DynamicLossScale, Inference");
+                "Quantized<B, Method>, LoRA<R, A>, Checkpointed, CheckpointEvery<N>, CheckpointOffload<Host>, DynamicLossScale, Inference");
   static_assert(detail::count_family<sharding_family, Ps...> <= 1, "Strategy has two Sharded<...> policies: keep one");
   static_assert(detail::count_family<offload_family, Ps...> <= 1, "Strategy has two Offload<...> policies: keep one");
   static_assert(detail::count_family<accumulation_family, Ps...> <= 1,
@@ -84,6 +84,7 @@ struct Strategy {
   static_assert(detail::count_family<lora_family, Ps...> <= 1, "Strategy has two LoRA<...> policies: keep one");
   static_assert(detail::count_family<checkpoint_family, Ps...> <= 1,
                 "Strategy has two checkpoint policies: keep one of Checkpointed or CheckpointEvery<N>");
+  static_assert(detail::count_family<checkpoint_offload_family, Ps...> <= 1, "Strategy has two CheckpointOffload<...> policies: keep one");
   static_assert(detail::count_family<loss_scale_family, Ps...> <= 1, "Strategy has two loss-scale policies: keep one");
   static_assert(detail::count_family<mode_family, Ps...> <= 1, "Strategy has both Train and Inference: keep one");
 
@@ -95,6 +96,7 @@ struct Strategy {
   using state_quantization = detail::pick_t<state_quantization_family, NoStateQuantization, Ps...>;
   using lora = detail::pick_t<lora_family, NoLoRA, Ps...>;
   using checkpoint = detail::pick_t<checkpoint_family, NoCheckpoint, Ps...>;
+  using checkpoint_offload = detail::pick_t<checkpoint_offload_family, CheckpointOffload<Device>, Ps...>;
   using mode = detail::pick_t<mode_family, Train, Ps...>;
   using loss_scale =
       detail::pick_t<loss_scale_family, std::conditional_t<precision::needs_loss_scaling, DynamicLossScale, NoLossScale>, Ps...>;
@@ -117,13 +119,14 @@ struct Strategy {
   static constexpr int state_bits = state_quantization::bits;  // 32 or 8
   static constexpr bool has_lora = lora::rank > 0;
   static constexpr int lora_rank = lora::rank;
-  static constexpr int checkpoint_every = checkpoint::every;  // 0: no checkpointing
+  static constexpr int checkpoint_every = checkpoint::every;                // 0: no checkpointing
+  static constexpr bool checkpoints_on_host = checkpoint_offload::to_host;  // CheckpointOffload<Host>
   // Base weights get gradients and optimizer state unless frozen by LoRA or by a frozen quantization.
   static constexpr bool base_trainable = training && !has_lora && !weight_quantization::frozen_weights;
 
   // The same strategy spelled in one fixed order: Strategy<A, B>::canonical == Strategy<B, A>::canonical.
-  using canonical =
-      Strategy<sharding, offload, accumulation, precision, weight_quantization, state_quantization, lora, checkpoint, mode, loss_scale>;
+  using canonical = Strategy<sharding, offload, accumulation, precision, weight_quantization, state_quantization, lora, checkpoint,
+                             checkpoint_offload, mode, loss_scale>;
 
   // ---- contradictions -----------------------------------------------------------------------------
   static_assert(!(training && weight_quantization::frozen_weights && !has_lora),
@@ -148,6 +151,9 @@ struct Strategy {
                 "policy, or compute in fp16 with Precision<half, float>");
   static_assert(training || accumulation_steps == 1, "Inference computes no gradients to accumulate: remove Accumulate<N>");
   static_assert(training || checkpoint_every == 0, "Inference keeps no activations for backward: remove Checkpointed");
+  static_assert(!(checkpoints_on_host && checkpoint_every == 0),
+                "CheckpointOffload<Host> moves the checkpointed segment inputs to host memory: add Checkpointed (or CheckpointEvery<N>), "
+                "which decides what is kept");
   static_assert(training || !has_lora, "Inference trains no adapters: remove LoRA<...> (merge trained adapters into the weights first)");
   static_assert(training || !offload_to_host, "Inference has no optimizer state to offload: remove Offload<Host>");
   static_assert(training || (stage == 0 || stage == 3),

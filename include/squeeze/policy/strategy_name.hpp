@@ -75,6 +75,8 @@ std::string policy_name() {
     }
   } else if constexpr (std::is_same_v<F, checkpoint_family>) {
     return P::every == 0 ? "" : P::every == 1 ? "Checkpointed" : "CheckpointEvery<" + std::to_string(P::every) + ">";
+  } else if constexpr (std::is_same_v<F, checkpoint_offload_family>) {
+    return P::to_host ? "CheckpointOffload<Host>" : "";
   } else if constexpr (std::is_same_v<F, mode_family>) {
     return P::training ? "" : "Inference";
   } else {

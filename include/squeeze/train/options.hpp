@@ -78,6 +78,13 @@ struct TrainerOptions {
   // Offload<Host>: what the trainer compares this rank's host state (and Offload<Host, Streamed>'s parameters) with,
   // refusing before it allocates one that would not fit. Unset: /proc/meminfo's MemAvailable when it is built.
   std::optional<int64_t> available_host_bytes{};
+  // CheckpointOffload<Host>: the most recent checkpointed segment inputs kept on the device through the forward (backward
+  // starts with them), and how many a backward's fetch brings back ahead of their recomputation. Each one more holds one
+  // more segment input on the device.
+  int checkpoint_prefetch = 1;
+  // CheckpointOffload<Host>: the most host bytes one pass's checkpointed inputs may take; a pass that needs more fails
+  // with what it needed. 0: the host's MemAvailable at the pass's start.
+  int64_t activation_host_bytes = 0;
   // Each micro-batch's loss read back into StepResult::loss (one host sync per micro-batch). false: loss is NaN and
   // StepResult::loss_value holds it on the device, to read only when logging (a CUDA step then syncs at most once per
   // optimizer step, for the gradient norm's overflow and clipping decision).
@@ -94,8 +101,8 @@ struct TrainerOptions {
 // the host update or the GPU bounds a step. GPU times are summed as their events complete, so a step's copies
 // may be counted with the next step's.
 struct TransferCounters {
-  int64_t h2d_bytes = 0;     // to the device: streamed parameters' gathers and uploaded new parameters
-  int64_t d2h_bytes = 0;     // to the host: gradients
+  int64_t h2d_bytes = 0;     // to the device: streamed parameters' gathers, uploaded new parameters, offloaded checkpoints
+  int64_t d2h_bytes = 0;     // to the host: gradients, offloaded checkpoints
   double h2d_copy_s = 0;     // the GPU's time on streamed parameters' copies (Offload<Host, Params>)
   double copy_wait_s = 0;    // the compute stream's time blocked waiting for those copies
   double host_update_s = 0;  // the worker's CPU AdamW and sums of squares
@@ -127,6 +134,8 @@ struct MemoryUse {
   // (Stage 0/1: the full gradient buffers.) Compare with full_gradient_bytes, what one full gradient takes.
   int64_t peak_gradient_bytes = 0;
   int64_t full_gradient_bytes = 0;
+  // CheckpointOffload<Host>: host memory holding the checkpointed segment inputs of a pass (pooled between passes).
+  int64_t checkpoint_host_bytes = 0;
   plan::Placement model_state() const {
     plan::Placement p = parameters;
     p += gradients;

@@ -148,9 +148,9 @@ class Trainer {
     const auto mb = window.begin(tokens, *ctx_->comm, ctx_->device);
     begin_micro_step(mb.boundary);
 
-    Pass pass{&sync};                       // stage 3 gathers from here; freed if the closure or backward throws
-    torch::Tensor loss = forward(closure);  // [] this micro-batch's mean loss, graph attached
-    sync.begin_backward();                  // stage 3: the forward order is known from here on
+    Pass pass{&sync, &parts_->checkpoints};  // stage 3 gathers from here; freed if the closure or backward throws
+    torch::Tensor loss = forward(closure);   // [] this micro-batch's mean loss, graph attached
+    sync.begin_backward();                   // stage 3: the forward order is known from here on
     if (!ranked_by_forward_) rank_jobs();
     (loss * (double(r.scale) * mb.weight)).backward();
     pass.end();
@@ -177,6 +177,7 @@ class Trainer {
     now.h2d_bytes = o.h2d_bytes;
     now.host_update_s = o.sum_squares_s + o.update_s;
     now.host_wait_s = o.transfer_wait_s;
+    parts_->checkpoints.add_transfers(now);
     if constexpr (S::stream_params) {
       const StreamStats st = parts_->sync.stream_stats();
       now.h2d_bytes += st.h2d_bytes;
@@ -186,12 +187,19 @@ class Trainer {
     return now - std::exchange(transfers_, now);
   }
 
-  // One forward and backward: the sync part's pass (stage 3's gathers), aborted if it does not end.
+  // One forward and backward: the sync part's pass (stage 3's gathers) and the checkpoints it kept, aborted if it does
+  // not end.
   struct Pass {
     typename Parts::GradientSync* sync;
-    void end() { std::exchange(sync, nullptr)->end_backward(); }
+    typename Parts::Checkpoints* checkpoints;
+    void end() {
+      std::exchange(sync, nullptr)->end_backward();
+      checkpoints->end_pass();
+    }
     ~Pass() {
-      if (sync) sync->abort_pass();
+      if (!sync) return;
+      sync->abort_pass();
+      checkpoints->end_pass();
     }
   };
 
@@ -213,6 +221,7 @@ class Trainer {
   torch::Tensor forward(const std::function<torch::Tensor()>& closure) {
     parts_->sync.begin_forward();
     nn::RecomputeScope recompute(S::checkpoint_every);
+    auto kept = parts_->checkpoints.scope();  // CheckpointOffload<Host>: the segments' inputs go to host memory
     torch::Tensor loss = closure();
     if constexpr (S::checkpoint_every > 0) {
       TORCH_CHECK(recomputable_ || recompute.recomputed(),
@@ -458,6 +467,7 @@ class Trainer {
   MemoryUse memory() const {
     MemoryUse m;
     parts_->sync.add_memory(m, Parts::OptimizerState::on_host);
+    parts_->checkpoints.add_memory(m);
     return m;
   }
   // Actual bytes beside the planner's prediction for the same shapes.
@@ -522,8 +532,9 @@ class Trainer {
     typename Parts::GradientSync sync;
     typename Parts::Scale scale;
     typename Parts::Window window;
+    typename Parts::Checkpoints checkpoints;
     PartsHeld(TrainContext& c, torch::nn::Module& module, NamedTensors trainable)
-        : state(c), sync(c, state, module, std::move(trainable)), scale(*c.opt.loss_scale) {}
+        : state(c), sync(c, state, module, std::move(trainable)), scale(*c.opt.loss_scale), checkpoints(c) {}
     ~PartsHeld() {
       try {
         state.wait_all();

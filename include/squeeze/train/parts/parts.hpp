@@ -7,6 +7,7 @@
 //   optimizer state        OptimizerStatePart   Offload<Host>, Quantized8  DeviceAdamW, HostAdamW
 //   loss scale             (LossScale<S>)       the loss-scale policy      none, static, dynamic
 //   accumulation window    (AccumulationWindow) Accumulate<N>              one
+//   checkpoint home        CheckpointHomePart   CheckpointOffload<Host>    DeviceCheckpoints, HostCheckpoints
 //
 // A new way to hold or move tensors is one new part: a class that satisfies its concept, named in TrainerParts.
 #include <torch/torch.h>
@@ -15,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "squeeze/train/parts/activation_home.hpp"
 #include "squeeze/train/parts/adamw_state.hpp"
 #include "squeeze/train/parts/bucketed_grads.hpp"
 #include "squeeze/train/parts/context.hpp"
@@ -85,9 +87,11 @@ struct TrainerParts {
   using OptimizerState = std::conditional_t<S::offload_to_host, HostAdamW<S>, DeviceAdamW<S>>;
   using Scale = LossScale<S>;
   using Window = AccumulationWindow<S::accumulation_steps>;
+  using Checkpoints = CheckpointHomeOf<S>;
   static_assert(ParamHomePart<ParamHome>);
   static_assert(GradientSyncPart<GradientSync>);
   static_assert(OptimizerStatePart<OptimizerState>);
+  static_assert(CheckpointHomePart<Checkpoints>);
 };
 
 }  // namespace squeeze::train

@@ -1,0 +1,195 @@
+// Offloaded checkpoints (CheckpointOffload<Host>): the checkpointed segment inputs wait for backward in host memory
+// (engine::ActivationStore). On the CPU the copies run in program order; the GPU tests (test_zero_cuda) run them on
+// their streams. Everything here is exact: offloading moves values, it never changes them.
+#include <gtest/gtest.h>
+
+#include <squeeze/engine/activation_store.hpp>
+#include <squeeze/nn/llama.hpp>
+
+#include "zero_common.hpp"
+
+using namespace zero_test;
+using engine::ActivationStore;
+
+namespace {
+
+using Plain = Strategy<Precision<bf16, float>, Checkpointed>;
+using Offloaded = Strategy<Precision<bf16, float>, Checkpointed, CheckpointOffload<Host>>;
+
+// The store hands back each tensor exactly, in its shape and dtype, whatever its size (none of them a multiple of
+// anything) and layout (a transposed view is kept as its values).
+TEST(Activations, StoreGivesBackExactlyWhatItKept) {
+  ActivationStore store(torch::kCPU, 1);
+  torch::manual_seed(3);
+  const std::vector<torch::Tensor> xs = {torch::randn({3, 7, 5}), torch::randn({1, 13}).to(torch::kBFloat16), torch::randn({11, 3}).t(),
+                                         torch::randn({2, 9, 17}).to(torch::kHalf)};
+  std::vector<ActivationStore::SlotPtr> slots;
+  for (const auto& x : xs) slots.push_back(store.stash(x));
+  for (int i = int(xs.size()) - 1; i >= 0; --i) {
+    const torch::Tensor back = store.fetch(slots[std::size_t(i)]);
+    EXPECT_EQ(back.sizes(), xs[std::size_t(i)].sizes()) << "slot " << i;
+    EXPECT_EQ(back.scalar_type(), xs[std::size_t(i)].scalar_type()) << "slot " << i;
+    EXPECT_TRUE(torch::equal(back, xs[std::size_t(i)])) << "slot " << i;
+  }
+  store.end_pass();
+}
+
+// Backward fetches in reverse; each fetch brings back the `keep` slots before it, and the forward's last `keep` were
+// never let go. keep 0 copies every slot back at its fetch.
+TEST(Activations, BackwardFetchesPrefetchTheSlotsBeforeIt) {
+  for (int keep : {0, 1, 2, 7}) {
+    ActivationStore store(torch::kCPU, keep);
+    std::vector<ActivationStore::SlotPtr> slots;
+    for (int i = 0; i < 5; ++i) slots.push_back(store.stash(torch::full({4, 3}, float(i))));
+    EXPECT_EQ(store.stats().device_peak_bytes, std::min(keep + 1, 5) * 48) << "keep " << keep;
+    for (int i = 4; i >= 0; --i) EXPECT_TRUE(torch::equal(store.fetch(slots[std::size_t(i)]), torch::full({4, 3}, float(i))));
+    const engine::ActivationStats s = store.stats();
+    const int kept = std::min(keep, 5);
+    EXPECT_EQ(s.kept_on_device, kept) << "keep " << keep;
+    EXPECT_EQ(s.prefetched, keep == 0 ? 0 : 5 - kept) << "keep " << keep;
+    EXPECT_EQ(s.fetched_late, keep == 0 ? 5 : 0) << "keep " << keep;
+    EXPECT_EQ(s.h2d_bytes, (5 - kept) * 48) << "keep " << keep;
+    EXPECT_EQ(s.d2h_bytes, 5 * 48);
+    store.end_pass();
+  }
+}
+
+// Host buffers of exactly each input's bytes; the next pass takes the same buffers back from the pool.
+TEST(Activations, HostBuffersAreSizedExactlyAndReusedByTheNextPass) {
+  ActivationStore store(torch::kCPU, 1);
+  const int64_t bytes = (3 * 7 * 5 + 1 * 13) * 4 + 2 * 9 * 17 * 2;
+  for (int pass = 0; pass < 3; ++pass) {
+    auto a = store.stash(torch::randn({3, 7, 5})), b = store.stash(torch::randn({1, 13})),
+         c = store.stash(torch::randn({2, 9, 17}).to(torch::kBFloat16));
+    EXPECT_EQ(store.stats().host_bytes, bytes) << "pass " << pass;
+    store.fetch(c), store.fetch(b), store.fetch(a);
+    store.end_pass();
+    EXPECT_EQ(store.stats().host_bytes, bytes) << "pass " << pass << ": pooled, not grown";
+  }
+}
+
+// A copy that fails (here: a host buffer of 4 PiB for a broadcast view, beyond any address space, within a budget that
+// allows it) is a
+// squeeze::Error naming the input and its bytes, and the store goes on serving what it holds.
+TEST(Activations, ACopyThatFailsIsAClearError) {
+  ActivationStore store(torch::kCPU, 1, /*host_budget_bytes=*/int64_t(1) << 60);
+  const auto kept = store.stash(torch::arange(6.0f));
+  try {
+    store.stash(torch::zeros({1}).expand({int64_t(1) << 50}));
+    FAIL() << "a 4 PiB host buffer was allocated";
+  } catch (const squeeze::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("copying checkpoint input 1 (4503599.63 GB)"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(torch::equal(store.fetch(kept), torch::arange(6.0f)));
+  store.end_pass();
+}
+
+// A pass whose inputs need more host memory than allowed fails at the stash that would exceed it, naming the bytes;
+// the step throws before any update, so the weights stay as they were.
+TEST(Activations, AHostBudgetTooSmallIsAClearErrorAndTheWeightsStay) {
+  nn::LlamaConfig cfg;
+  cfg.vocab = 29, cfg.hidden = 16, cfg.layers = 3, cfg.heads = 4, cfg.kv_heads = 2, cfg.ffn = 24;
+  torch::manual_seed(5);
+  nn::Llama model(cfg);
+  train::TrainerOptions o;
+  o.activation_host_bytes = 1100;  // two of the three 512-byte inputs (2 x 8 tokens x 16 x bf16)
+  auto t = zero_trainer<Offloaded>(model, Hyper{}, LocalComm::single(), o);
+  Params before;
+  for (auto& [name, value] : t.full_parameters()) before[name] = value.clone();
+  const torch::Tensor ids = torch::randint(0, cfg.vocab, {2, 9});
+  try {
+    t.step([&] { return model->loss(ids.narrow(1, 0, 8), ids.narrow(1, 1, 8)); });
+    FAIL() << "the step kept more host memory than its budget";
+  } catch (const squeeze::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("CheckpointOffload<Host>: checkpoint input 2"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("TrainerOptions::activation_host_bytes"), std::string::npos) << e.what();
+  }
+  for (auto& [name, value] : t.full_parameters()) EXPECT_TRUE(torch::equal(value, before.at(name))) << name;
+}
+
+// Gradients through checkpoint_sequential with the inputs in a store equal plain checkpointing bit for bit (float,
+// sizes that divide nothing), and a second backward through the same graph is refused, not silently wrong.
+TEST(Activations, GradientsEqualPlainCheckpointingAndASecondBackwardIsRefused) {
+  torch::manual_seed(11);
+  const auto w1 = torch::randn({7, 7}, torch::requires_grad()), w2 = torch::randn({7, 7}, torch::requires_grad());
+  const auto x0 = torch::randn({5, 3, 7});
+  auto layer = [&](int64_t i, const torch::Tensor& h) { return torch::tanh(h.matmul(i % 2 ? w2 : w1)) + h; };
+  auto params = [&](int64_t i) { return std::vector<torch::Tensor>{i % 2 ? w2 : w1}; };
+  auto grads = [&](ActivationStore* store) {
+    w1.mutable_grad() = torch::Tensor(), w2.mutable_grad() = torch::Tensor();
+    const torch::Tensor x = x0.clone().requires_grad_(true);
+    nn::CheckpointOffloadScope scope(store);
+    nn::checkpoint_sequential(5, 1, x, layer, params).pow(2).sum().backward();
+    return std::vector<torch::Tensor>{x.grad(), w1.grad().clone(), w2.grad().clone()};
+  };
+  ActivationStore store(torch::kCPU, 1);
+  const auto plain = grads(nullptr), offloaded = grads(&store);
+  for (std::size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(torch::equal(plain[i], offloaded[i])) << "gradient " << i;
+  EXPECT_EQ(store.stats().stashed, 5);
+  store.end_pass();
+
+  const torch::Tensor x = x0.clone().requires_grad_(true);
+  torch::Tensor y;
+  {
+    nn::CheckpointOffloadScope scope(&store);
+    y = nn::checkpoint_sequential(3, 1, x, layer, params).sum();
+  }
+  y.backward({}, /*retain_graph=*/true);
+  try {
+    y.backward();
+    FAIL() << "a second backward through offloaded checkpoints ran";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("fetched twice"), std::string::npos) << e.what();
+  }
+  store.end_pass();
+}
+
+// Through the trainer: every strategy trains bitwise as with the inputs on the device (whole model, stage 2 with
+// accumulation, stage 3 at two ranks, streamed parameters), and any number kept and prefetched.
+TEST(Activations, OffloadedCheckpointsTrainBitwiseAsPlainCheckpointing) {
+  train::TrainerOptions o;
+  expect_bitwise(train_checkpointed_llama<Offloaded>(1, 3, o), train_checkpointed_llama<Plain>(1, 3, o), "whole model");
+  using Z2 = Strategy<Sharded<Stage2>, Accumulate<2>, Precision<bf16, float>, Checkpointed>;
+  using Z2Off = Strategy<Sharded<Stage2>, Accumulate<2>, Precision<bf16, float>, Checkpointed, CheckpointOffload<Host>>;
+  expect_bitwise(train_checkpointed_llama<Z2Off>(1, 4, o), train_checkpointed_llama<Z2>(1, 4, o), "stage 2, accumulate 2");
+  using Z3 = Strategy<Sharded<Stage3>, Precision<bf16, float>, Checkpointed>;
+  using Z3Off = Strategy<Sharded<Stage3>, Precision<bf16, float>, Checkpointed, CheckpointOffload<Host>>;
+  expect_bitwise(train_checkpointed_llama<Z3Off>(2, 3, o), train_checkpointed_llama<Z3>(2, 3, o), "stage 3, two ranks");
+  using St = Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Precision<bf16, float>, Checkpointed>;
+  using StOff = Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Precision<bf16, float>, Checkpointed, CheckpointOffload<Host>>;
+  expect_bitwise(train_checkpointed_llama<StOff>(1, 3, o), train_checkpointed_llama<St>(1, 3, o), "streamed parameters");
+  for (int keep : {0, 2}) {
+    o.checkpoint_prefetch = keep;
+    expect_bitwise(train_checkpointed_llama<Offloaded>(1, 2, o), train_checkpointed_llama<Plain>(1, 2, o),
+                   "checkpoint_prefetch " + std::to_string(keep));
+  }
+}
+
+// The planner moves all but the held segment inputs off the device and counts every one on the host; the trainer's
+// memory() and transfer counters report what the store held and copied, the same bytes.
+TEST(Activations, PlannerAndTrainerCountTheHostCopies) {
+  nn::LlamaConfig cfg;
+  cfg.vocab = 29, cfg.hidden = 16, cfg.layers = 3, cfg.heads = 4, cfg.kv_heads = 2, cfg.ffn = 24;
+  plan::TrainShape shape;
+  shape.micro_batch = 2, shape.seq = 8;
+  const auto plain = plan::plan_memory<Plain>(cfg.shape(), shape, 1), off = plan::plan_memory<Offloaded>(cfg.shape(), shape, 1);
+  const int64_t input = 2 * 8 * 16 * 2;  // one segment input: tokens x hidden x bf16
+  EXPECT_EQ(off.activations.host, 3 * input);
+  EXPECT_EQ(plain.activations.device - off.activations.device, (3 - 2) * input);  // the one in use and one prefetched stay
+  const plan::ModelShape b7{32000, 4096, 32, 32, 32, 11008};
+  shape.micro_batch = 8, shape.seq = 2048;
+  const auto p7 = plan::plan_memory<Offloaded>(b7, shape, 1), q7 = plan::plan_memory<Plain>(b7, shape, 1);
+  EXPECT_EQ(q7.activations.device - p7.activations.device, 30 * int64_t(8 * 2048) * 4096 * 2);  // 8.05 GB at 7B, B=8
+
+  torch::manual_seed(5);
+  nn::Llama model(cfg);
+  auto t = zero_trainer<Offloaded>(model, Hyper{}, LocalComm::single(), {});
+  const torch::Tensor ids = torch::randint(0, cfg.vocab, {2, 9});
+  const auto r = t.step([&] { return model->loss(ids.narrow(1, 0, 8), ids.narrow(1, 1, 8)); });
+  EXPECT_EQ(t.memory().checkpoint_host_bytes, off.activations.host);
+  EXPECT_EQ(r.transfers.d2h_bytes, 3 * input);
+  EXPECT_EQ(r.transfers.h2d_bytes, 2 * input);  // the last input stayed on the device
+  EXPECT_EQ(strategy_name<Offloaded>(), "Strategy<Precision<bf16, float>, Checkpointed, CheckpointOffload<Host>>");
+}
+
+}  // namespace
