@@ -81,6 +81,10 @@ void for_each_strategy(F&& f) {
   // ... with adapters on all seven linears of each block, as the QLoRA paper trains them
   f.template operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16, all_linears>, Precision<bf16, float>, Checkpointed>>(
       "qlora-all");
+  // ... with the checkpointed block inputs in host memory between forward and backward
+  f.template
+  operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed, CheckpointOffload<Host>>>(
+      "qlora-hostckpt");
   // ... with the adapters' Adam moments as 8-bit codes (2 bytes + 8/256 per adapter value instead of 8)
   f.template operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed, QuantizedState<8>>>(
       "qlora-adam8");
