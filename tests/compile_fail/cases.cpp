@@ -86,6 +86,9 @@ static_assert(sizeof(S) > 0);
 #elif defined(CASE_checkpoint_offload_not_a_place)
 using C = CheckpointOffload<Streamed>;
 static_assert(sizeof(C) > 0);
+#elif defined(CASE_checkpoint_offload_format)
+using C = CheckpointOffload<Host, float>;
+static_assert(sizeof(C) > 0);
 #elif defined(CASE_adamw_uint8_moments)
 // The fp32-state AdamW with byte moments: 8-bit state needs its block scales (AdamW8Tensor, adamw8_cpu).
 #include <squeeze/kernels/adamw.hpp>

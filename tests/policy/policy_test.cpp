@@ -129,8 +129,11 @@ using NameCases = std::tuple<
     squeeze::Strategy<squeeze::QuantizedState<8>>, squeeze::Strategy<squeeze::Quantized<8, squeeze::Blockwise8, squeeze::Group<128>>>,
     squeeze::Strategy<squeeze::Checkpointed>, squeeze::Strategy<squeeze::CheckpointEvery<2>>,
     squeeze::Strategy<squeeze::Checkpointed, squeeze::CheckpointOffload<squeeze::Host>>,
-    squeeze::Strategy<squeeze::CheckpointEvery<2>, squeeze::CheckpointOffload<squeeze::Host>>, squeeze::Strategy<squeeze::Inference>,
-    squeeze::Strategy<squeeze::LoRA<8, 16>>, squeeze::Strategy<squeeze::LoRA<8, 16, squeeze::LoraTargets::q | squeeze::LoraTargets::k>>>;
+    squeeze::Strategy<squeeze::CheckpointEvery<2>, squeeze::CheckpointOffload<squeeze::Host>>,
+    squeeze::Strategy<squeeze::Checkpointed, squeeze::CheckpointOffload<squeeze::Host, squeeze::Int8>>,
+    squeeze::Strategy<squeeze::Checkpointed, squeeze::CheckpointOffload<squeeze::Device, squeeze::Int8>>,
+    squeeze::Strategy<squeeze::Inference>, squeeze::Strategy<squeeze::LoRA<8, 16>>,
+    squeeze::Strategy<squeeze::LoRA<8, 16, squeeze::LoraTargets::q | squeeze::LoraTargets::k>>>;
 
 template <std::size_t... I>
 void check_names(std::index_sequence<I...>) {

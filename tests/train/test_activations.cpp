@@ -144,6 +144,54 @@ TEST(Activations, GradientsEqualPlainCheckpointingAndASecondBackwardIsRefused) {
   store.end_pass();
 }
 
+// 8-bit checkpoints: each value within half a code step (absmax / 254) of its block's scale, plus the rounding to its
+// dtype; zeros stay zeros; the payload is 256 codes and one fp32 scale per block, for sizes that divide nothing.
+TEST(Activations, Int8CheckpointsAreWithinHalfACodeStep) {
+  torch::manual_seed(21);
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    for (int64_t n : {int64_t(1), int64_t(255), int64_t(257), int64_t(1000), int64_t(70001)}) {
+      torch::Tensor x = (torch::randn({n}) * torch::exp(torch::randn({n}) * 2)).to(dtype);
+      x.narrow(0, 0, std::min<int64_t>(n, 300)).zero_();  // a zero block (and a zero head of the next)
+      const torch::Tensor payload = engine::encode_int8(x.view({1, n}));
+      EXPECT_EQ(payload.numel(), ActivationStore::encoded_bytes(n));
+      const torch::Tensor back = engine::decode_int8(payload, {1, n}, dtype).view({n}).to(torch::kFloat64);
+      const int64_t nb = (n + 255) / 256;
+      const torch::Tensor xf = torch::constant_pad_nd(x.to(torch::kFloat64), {0, nb * 256 - n}).view({nb, 256});
+      const torch::Tensor bound = (xf.abs().amax(1, true) / 254).expand({nb, 256}).reshape({-1}).narrow(0, 0, n);
+      const double ulp = dtype == torch::kBFloat16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -23);
+      const torch::Tensor excess = (back - x.to(torch::kFloat64)).abs() - bound * (1 + 1e-6) - back.abs() * ulp;
+      EXPECT_LE(excess.max().item<double>(), 0.0) << "n " << n << " " << dtype;
+      EXPECT_TRUE(torch::equal(back.narrow(0, 0, std::min<int64_t>(n, 300)), torch::zeros({std::min<int64_t>(n, 300)}, torch::kFloat64)));
+    }
+  }
+}
+
+// Gradients through 8-bit checkpoints: close to plain checkpointing's (the recomputation starts from values within
+// half a code step), not equal to them, and the same whether the payload waits on the host or on the device.
+TEST(Activations, Int8CheckpointGradientsAreCloseToExact) {
+  torch::manual_seed(13);
+  const auto w1 = torch::randn({24, 24}, torch::requires_grad()) * 0.2, w2 = torch::randn({24, 24}, torch::requires_grad()) * 0.2;
+  const auto x0 = torch::randn({3, 37, 24});
+  auto layer = [&](int64_t i, const torch::Tensor& h) { return torch::tanh(h.matmul(i % 2 ? w2 : w1)) + h; };
+  auto params = [&](int64_t i) { return std::vector<torch::Tensor>{i % 2 ? w2 : w1}; };
+  auto grads = [&](ActivationStore* store) {
+    const torch::Tensor x = x0.clone().requires_grad_(true);
+    nn::CheckpointOffloadScope scope(store);
+    const auto g = torch::autograd::grad({nn::checkpoint_sequential(6, 1, x, layer, params).pow(2).sum()}, {x});
+    if (store) store->end_pass();
+    return g[0];
+  };
+  ActivationStore host(torch::kCPU, 1, 0, /*int8=*/true, /*to_host=*/true), device(torch::kCPU, 1, 0, true, false);
+  const torch::Tensor exact = grads(nullptr), on_host = grads(&host), on_device = grads(&device);
+  EXPECT_TRUE(torch::equal(on_host, on_device));
+  EXPECT_FALSE(torch::equal(on_host, exact));
+  const double rel = ((on_host - exact).norm() / exact.norm()).item<double>();
+  EXPECT_LT(rel, 0.02);
+  std::cout << "[ gradient error ] 8-bit checkpoints, 6 layers: " << rel << "\n";  // measured value, for the log
+  EXPECT_EQ(host.stats().d2h_bytes, 6 * ActivationStore::encoded_bytes(3 * 37 * 24));
+  EXPECT_EQ(device.stats().d2h_bytes, 0);
+}
+
 // Through the trainer: every strategy trains bitwise as with the inputs on the device (whole model, stage 2 with
 // accumulation, stage 3 at two ranks, streamed parameters), and any number kept and prefetched.
 TEST(Activations, OffloadedCheckpointsTrainBitwiseAsPlainCheckpointing) {
@@ -158,10 +206,18 @@ TEST(Activations, OffloadedCheckpointsTrainBitwiseAsPlainCheckpointing) {
   using St = Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Precision<bf16, float>, Checkpointed>;
   using StOff = Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Precision<bf16, float>, Checkpointed, CheckpointOffload<Host>>;
   expect_bitwise(train_checkpointed_llama<StOff>(1, 3, o), train_checkpointed_llama<St>(1, 3, o), "streamed parameters");
+  // 8 bits: the host and device payloads train alike, for any prefetch depth, and unlike the exact values.
+  using Host8 = Strategy<Precision<bf16, float>, Checkpointed, CheckpointOffload<Host, Int8>>;
+  using Device8 = Strategy<Precision<bf16, float>, Checkpointed, CheckpointOffload<Device, Int8>>;
+  const Params device8 = train_checkpointed_llama<Device8>(1, 2, o), plain2 = train_checkpointed_llama<Plain>(1, 2, o);
+  bool differs = false;
+  for (auto& [name, value] : device8) differs |= !torch::equal(value, plain2.at(name));
+  EXPECT_TRUE(differs) << "8-bit checkpoints changed nothing";
   for (int keep : {0, 2}) {
     o.checkpoint_prefetch = keep;
     expect_bitwise(train_checkpointed_llama<Offloaded>(1, 2, o), train_checkpointed_llama<Plain>(1, 2, o),
                    "checkpoint_prefetch " + std::to_string(keep));
+    expect_bitwise(train_checkpointed_llama<Host8>(1, 2, o), device8, "8-bit, checkpoint_prefetch " + std::to_string(keep));
   }
 }
 
@@ -190,6 +246,15 @@ TEST(Activations, PlannerAndTrainerCountTheHostCopies) {
   EXPECT_EQ(r.transfers.d2h_bytes, 3 * input);
   EXPECT_EQ(r.transfers.h2d_bytes, 2 * input);  // the last input stayed on the device
   EXPECT_EQ(strategy_name<Offloaded>(), "Strategy<Precision<bf16, float>, Checkpointed, CheckpointOffload<Host>>");
+  // 8 bits: 256 codes + 4 bytes of scale per 256 values on the host, or kept so on the device.
+  shape.micro_batch = 8, shape.seq = 2048;
+  using Host8 = Strategy<Precision<bf16, float>, Checkpointed, CheckpointOffload<Host, Int8>>;
+  using Device8 = Strategy<Precision<bf16, float>, Checkpointed, CheckpointOffload<Device, Int8>>;
+  const int64_t values = int64_t(8 * 2048) * 4096, stored = values / 256 * 260;
+  EXPECT_EQ(plan::plan_memory<Host8>(b7, shape, 1).activations.host, 32 * stored);
+  EXPECT_EQ(q7.activations.device - plan::plan_memory<Host8>(b7, shape, 1).activations.device, 32 * values * 2 - 2 * stored);
+  EXPECT_EQ(q7.activations.device - plan::plan_memory<Device8>(b7, shape, 1).activations.device, 32 * (values * 2 - stored));
+  EXPECT_EQ(strategy_name<Device8>(), "Strategy<Precision<bf16, float>, Checkpointed, CheckpointOffload<Device, Int8>>");
 }
 
 }  // namespace

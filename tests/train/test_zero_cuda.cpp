@@ -192,6 +192,12 @@ TEST(ZeroCuda, OffloadedCheckpointsEqualPlainCheckpointingBitwise) {
     EXPECT_EQ(off.second.d2h_bytes - plain.second.d2h_bytes, inputs) << "keep " << keep;
   }
   expect_bitwise(run((StOff*)nullptr, 1).first, run((StPlain*)nullptr, 1).first, "offloaded checkpoints, streamed parameters");
+  // 8 bits: encoded on the GPU, the payload on the host or kept on the device, the same training.
+  using Host8 = Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed, CheckpointOffload<Host, Int8>>;
+  using Device8 = Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed, CheckpointOffload<Device, Int8>>;
+  const auto host8 = run((Host8*)nullptr, 1);
+  expect_bitwise(host8.first, run((Device8*)nullptr, 1).first, "8-bit checkpoints, host or device");
+  EXPECT_EQ(host8.second.d2h_bytes - plain.second.d2h_bytes, 5 * engine::ActivationStore::encoded_bytes(4 * 57 * 96));
 }
 
 #if defined(SQUEEZE_TORCH_CUDA)

@@ -11,6 +11,9 @@
 //                        stream's pool (as a streamed unit's gather does).
 //   end_pass()           what the pass left (a forward without backward, a failed backward) is let go; host buffers
 //                        go back to a pool by size and serve the next pass without a new pinned allocation.
+// In 8 bits (int8 codes, blockwise absmax over kCheckpointBlock values, one fp32 scale each, packed in one byte
+// buffer: encode_int8 / decode_int8) the stored payload is what is copied, kept or prefetched; a fetch decodes it.
+// On the device only (to_host false: CheckpointOffload<Device, Int8>) nothing is copied: every payload stays there.
 // For a CPU model the same steps run in program order, a host copy each way (what the CPU tests check).
 // A copy that fails, or host memory beyond the budget, is a squeeze::Error naming the slot and its bytes.
 #include <torch/torch.h>
@@ -29,6 +32,31 @@
 
 namespace squeeze::engine {
 
+inline constexpr int64_t kCheckpointBlock = 256;  // values under one absmax in 8-bit checkpoints
+
+// x [...] -> one uint8 buffer [nb·256 + 4·nb]: int8 codes round(x · 127 / absmax) of nb = ceil(n / 256) blocks (the
+// last zero-padded), then the blocks' absmax as fp32. Torch ops, on x's device. |decode - x| <= absmax / 254 per block
+// (then rounded to x's dtype).
+inline torch::Tensor encode_int8(const torch::Tensor& x) {
+  const torch::Tensor flat = x.detach().reshape({-1}).to(torch::kFloat32);
+  const int64_t n = flat.numel(), nb = (n + kCheckpointBlock - 1) / kCheckpointBlock;
+  const torch::Tensor blocks = torch::constant_pad_nd(flat, {0, nb * kCheckpointBlock - n}).view({nb, kCheckpointBlock});  // [nb, 256]
+  const torch::Tensor absmax = blocks.abs().amax(1);                                                                       // [nb]
+  const torch::Tensor inv = torch::where(absmax > 0, 127.0f / absmax, torch::zeros_like(absmax));
+  const torch::Tensor codes = (blocks * inv.unsqueeze(1)).round_().to(torch::kInt8);
+  return torch::cat({codes.view(torch::kUInt8).reshape({-1}), absmax.contiguous().view(torch::kUInt8)});
+}
+// The inverse: n values of `dtype` in `sizes`, on the payload's device.
+inline torch::Tensor decode_int8(const torch::Tensor& payload, const std::vector<int64_t>& sizes, torch::ScalarType dtype) {
+  int64_t n = 1;
+  for (int64_t d : sizes) n *= d;
+  const int64_t nb = (n + kCheckpointBlock - 1) / kCheckpointBlock;
+  const torch::Tensor codes = payload.narrow(0, 0, nb * kCheckpointBlock).view(torch::kInt8).view({nb, kCheckpointBlock});
+  const torch::Tensor absmax = payload.narrow(0, nb * kCheckpointBlock, nb * 4).view(torch::kFloat32);
+  const torch::Tensor values = codes.to(torch::kFloat32) * (absmax / 127.0f).unsqueeze(1);
+  return values.reshape({-1}).narrow(0, 0, n).to(dtype).view(sizes);
+}
+
 struct ActivationStats {
   int64_t d2h_bytes = 0;          // copied to the host
   int64_t h2d_bytes = 0;          // copied back
@@ -46,8 +74,8 @@ class ActivationStore {
     int64_t index = 0;
     std::vector<int64_t> sizes;
     torch::ScalarType dtype = torch::kFloat32;
-    torch::Tensor host;     // [numel] the host copy
-    torch::Tensor device;   // the values on the device while kept or prefetched
+    torch::Tensor host;     // [numel] the host copy of the payload (the values, or their 8-bit encoding)
+    torch::Tensor device;   // the payload on the device while kept or prefetched
     Event copied_out;       // the host copy is complete
     Event copied_in;        // the prefetched device copy is complete
     bool returned = false;  // brought back from the host copy
@@ -57,9 +85,10 @@ class ActivationStore {
 
   // keep: the most recent stashed inputs held on the device, and how many slots a fetch prefetches (>= 0).
   // host_budget_bytes: the most host bytes the pass's copies may hold (0: the host's available memory at the
-  // pass's first stash).
-  ActivationStore(torch::Device device, int keep, int64_t host_budget_bytes = 0)
-      : device_(device), keep_(keep), budget_(host_budget_bytes), out_(device), in_(device) {
+  // pass's first stash). int8: stored in 8 bits. to_host false: kept on the device (8 bits only).
+  ActivationStore(torch::Device device, int keep, int64_t host_budget_bytes = 0, bool int8 = false, bool to_host = true)
+      : device_(device), keep_(keep), budget_(host_budget_bytes), int8_(int8), to_host_(to_host), out_(device), in_(device) {
+    TORCH_CHECK(to_host || int8, "ActivationStore: inputs kept on the device as they are need no store (plain checkpointing)");
     TORCH_CHECK(keep >= 0, "CheckpointOffload<Host>: the number of inputs kept on the device must be >= 0, got ", keep);
     TORCH_CHECK(host_budget_bytes >= 0, "CheckpointOffload<Host>: the host budget must be >= 0 bytes, got ", host_budget_bytes);
   }
@@ -72,7 +101,14 @@ class ActivationStore {
     s->index = int64_t(slots_.size());
     s->sizes = x.sizes().vec();
     s->dtype = x.scalar_type();
-    const int64_t bytes = int64_t(x.nbytes());
+    if (!to_host_) {  // 8 bits on the device: nothing to copy
+      s->device = encode_int8(x);
+      stats_.device_peak_bytes = std::max(stats_.device_peak_bytes, on_device_bytes_ += int64_t(s->device.nbytes()));
+      ++stats_.stashed;
+      slots_.push_back(s);
+      return s;
+    }
+    const int64_t bytes = int8_ ? int64_t(encoded_bytes(x.numel())) : int64_t(x.nbytes());
     if (slots_.empty() && budget_ == 0) pass_budget_ = host_memory_available().value_or(INT64_MAX);
     if (slots_.empty() && budget_ > 0) pass_budget_ = budget_;
     if (pass_host_bytes_ + bytes > pass_budget_)
@@ -80,8 +116,8 @@ class ActivationStore {
                   ") would bring this pass's host copies to " + gigabytes(pass_host_bytes_ + bytes) + ", beyond the " +
                   gigabytes(pass_budget_) + " allowed: shorten the sequence or the batch, or raise TrainerOptions::activation_host_bytes");
     try {
-      const torch::Tensor src = x.detach().contiguous().view({-1});
-      s->host = take_host(src.numel(), s->dtype);
+      const torch::Tensor src = int8_ ? encode_int8(x) : x.detach().contiguous().view({-1});
+      s->host = take_host(src.numel(), src.scalar_type());
       if (out_.active()) {
         out_.wait(record_current(device_));  // x's producer is queued on the compute stream
         out_.record_use(src);
@@ -115,7 +151,10 @@ class ActivationStore {
       throw Error("CheckpointOffload<Host>: checkpoint input " + std::to_string(s->index) +
                   " was fetched twice: a second backward through one graph (retain_graph) is not supported with offloaded checkpoints");
     torch::Tensor out;
-    if (s->device.defined()) {
+    if (!to_host_) {
+      ++stats_.kept_on_device;
+      out = s->device;
+    } else if (s->device.defined()) {
       (s->returned ? stats_.prefetched : stats_.kept_on_device) += 1;
       wait_current(device_, s->copied_in);
       out = s->device;
@@ -126,13 +165,18 @@ class ActivationStore {
       out = s->device;
     }
     s->fetched = true;
-    for (int64_t k = s->index - 1; k >= 0 && k >= s->index - keep_; --k) {
+    for (int64_t k = s->index - 1; to_host_ && k >= 0 && k >= s->index - keep_; --k) {
       Slot& p = *slots_[std::size_t(k)];
       if (!p.fetched && !p.device.defined()) bring_back(p);
     }
     release_device(*s);
     give_back(*s);
-    return out.view(s->sizes);
+    return int8_ ? decode_int8(out, s->sizes, s->dtype) : out.view(s->sizes);
+  }
+  // Bytes of the 8-bit payload of n values.
+  static int64_t encoded_bytes(int64_t n) {
+    const int64_t nb = (n + kCheckpointBlock - 1) / kCheckpointBlock;
+    return nb * kCheckpointBlock + nb * 4;
   }
 
   // The pass is over (its backward done, or abandoned): everything it stashed is let go.
@@ -158,7 +202,7 @@ class ActivationStore {
   void bring_back(Slot& s) {
     const int64_t bytes = int64_t(s.host.nbytes());
     try {
-      const auto opts = torch::TensorOptions().dtype(s.dtype).device(device_);
+      const auto opts = torch::TensorOptions().dtype(s.host.scalar_type()).device(device_);
       if (in_.active()) {
         in_.wait(record_current(device_));  // the compute queued so far may still use the block the buffer reuses
         in_.wait(s.copied_out);
@@ -219,6 +263,7 @@ class ActivationStore {
   torch::Device device_;
   int64_t keep_;
   int64_t budget_, pass_budget_ = INT64_MAX;
+  bool int8_, to_host_;
   SideStream out_, in_;
   std::vector<SlotPtr> slots_;  // this pass's, in stash order
   std::multimap<std::pair<int64_t, torch::ScalarType>, Pooled> pool_;

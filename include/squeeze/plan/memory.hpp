@@ -293,13 +293,15 @@ constexpr MemoryPlan plan_memory(const ModelShape& m, const TrainShape& t, int w
   const unsigned trained = S::base_trainable ? all_linears : (S::has_lora ? unsigned(L::targets) : 0u);
   plan.activations.device = activation_bytes(m, t, p_c, S::checkpoint_every, S::training, lora_act, trained);
   // CheckpointOffload<Host>: every segment input has a host copy; the device holds the last checkpoint_prefetch of the
-  // forward and, in backward, the one recomputing and as many prefetched.
-  if constexpr (S::checkpoints_on_host) {
+  // forward and, in backward, the one recomputing and as many prefetched. Int8: each stored as 8-bit codes + an fp32
+  // scale per 256 values (on the device too, where kept there).
+  if constexpr (S::checkpoint_offload::stores) {
     const i64 segments = ceil_div(m.layers, S::checkpoint_every);
-    const i64 input = t.micro_batch * t.seq * m.hidden * p_c;
-    const i64 held = t.checkpoint_prefetch + 1 < segments ? t.checkpoint_prefetch + 1 : segments;
-    plan.activations.device -= (segments - held) * input;
-    plan.activations.host = segments * input;
+    const i64 values = t.micro_batch * t.seq * m.hidden, input = values * p_c;
+    const i64 stored = S::checkpoint_bits == 8 ? ceil_div(values, 256) * (256 + 4) : input;
+    const i64 held = !S::checkpoints_on_host ? segments : t.checkpoint_prefetch + 1 < segments ? t.checkpoint_prefetch + 1 : segments;
+    plan.activations.device -= segments * input - held * stored;
+    if (S::checkpoints_on_host) plan.activations.host = segments * stored;
   }
   // Stage 3 with a chunked loss: the head's weight is gathered once and held from its forward until the last
   // chunk's backward (nn::Linear::full_weight), at any world size.

@@ -121,6 +121,7 @@ struct Strategy {
   static constexpr int lora_rank = lora::rank;
   static constexpr int checkpoint_every = checkpoint::every;                // 0: no checkpointing
   static constexpr bool checkpoints_on_host = checkpoint_offload::to_host;  // CheckpointOffload<Host>
+  static constexpr int checkpoint_bits = checkpoint_offload::bits;          // CheckpointOffload<..., Int8>: 8
   // Base weights get gradients and optimizer state unless frozen by LoRA or by a frozen quantization.
   static constexpr bool base_trainable = training && !has_lora && !weight_quantization::frozen_weights;
 
@@ -151,9 +152,9 @@ struct Strategy {
                 "policy, or compute in fp16 with Precision<half, float>");
   static_assert(training || accumulation_steps == 1, "Inference computes no gradients to accumulate: remove Accumulate<N>");
   static_assert(training || checkpoint_every == 0, "Inference keeps no activations for backward: remove Checkpointed");
-  static_assert(!(checkpoints_on_host && checkpoint_every == 0),
-                "CheckpointOffload<Host> moves the checkpointed segment inputs to host memory: add Checkpointed (or CheckpointEvery<N>), "
-                "which decides what is kept");
+  static_assert(!(checkpoint_offload::stores && checkpoint_every == 0),
+                "CheckpointOffload<...> stores the checkpointed segment inputs (in host memory, or in 8 bits): add Checkpointed (or "
+                "CheckpointEvery<N>), which decides what is kept");
   static_assert(training || !has_lora, "Inference trains no adapters: remove LoRA<...> (merge trained adapters into the weights first)");
   static_assert(training || !offload_to_host, "Inference has no optimizer state to offload: remove Offload<Host>");
   static_assert(training || (stage == 0 || stage == 3),

@@ -76,7 +76,10 @@ std::string policy_name() {
   } else if constexpr (std::is_same_v<F, checkpoint_family>) {
     return P::every == 0 ? "" : P::every == 1 ? "Checkpointed" : "CheckpointEvery<" + std::to_string(P::every) + ">";
   } else if constexpr (std::is_same_v<F, checkpoint_offload_family>) {
-    return P::to_host ? "CheckpointOffload<Host>" : "";
+    if constexpr (!P::stores)
+      return "";
+    else
+      return std::string(P::to_host ? "CheckpointOffload<Host" : "CheckpointOffload<Device") + (P::bits == 8 ? ", Int8>" : ">");
   } else if constexpr (std::is_same_v<F, mode_family>) {
     return P::training ? "" : "Inference";
   } else {

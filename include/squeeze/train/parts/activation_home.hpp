@@ -2,9 +2,10 @@
 // Where checkpointed segment inputs wait for backward: a part of the trainer (docs/architecture.md, "The trainer's
 // parts"), chosen by the CheckpointOffload policy.
 //   DeviceCheckpoints  on the device, saved by autograd (plain checkpointing).
-//   HostCheckpoints    CheckpointOffload<Host>: copied to pinned host memory as the forward goes and brought back ahead
+//   StoredCheckpoints  CheckpointOffload<Host>: copied to pinned host memory as the forward goes and brought back ahead
 //                      of each segment's recomputation (engine::ActivationStore); the last TrainerOptions::
 //                      checkpoint_prefetch stay on the device, and as many are prefetched in backward.
+//                      CheckpointOffload<Host or Device, Int8>: the same, or kept on the device, in 8 bits.
 // Each opens its scope around a step's forward (nn::checkpoint reads it) and ends the pass after backward.
 #include <torch/torch.h>
 
@@ -36,11 +37,13 @@ struct DeviceCheckpoints {
   void add_transfers(TransferCounters&) const {}
 };
 
-class HostCheckpoints {
+template <StrategyType S>
+class StoredCheckpoints {
  public:
-  static constexpr bool on_host = true;
-  explicit HostCheckpoints(TrainContext& ctx)
-      : store_(std::make_unique<engine::ActivationStore>(ctx.device, ctx.opt.checkpoint_prefetch, ctx.opt.activation_host_bytes)) {}
+  static constexpr bool on_host = S::checkpoints_on_host;
+  explicit StoredCheckpoints(TrainContext& ctx)
+      : store_(std::make_unique<engine::ActivationStore>(ctx.device, ctx.opt.checkpoint_prefetch, ctx.opt.activation_host_bytes,
+                                                         S::checkpoint_bits == 8, S::checkpoints_on_host)) {}
   nn::CheckpointOffloadScope scope() { return nn::CheckpointOffloadScope(store_.get()); }
   void end_pass() { store_->end_pass(); }
   void add_memory(MemoryUse& m) const { m.checkpoint_host_bytes += store_->stats().host_bytes; }
@@ -56,6 +59,6 @@ class HostCheckpoints {
 };
 
 template <StrategyType S>
-using CheckpointHomeOf = std::conditional_t<S::checkpoints_on_host, HostCheckpoints, DeviceCheckpoints>;
+using CheckpointHomeOf = std::conditional_t<S::checkpoint_offload::stores, StoredCheckpoints<S>, DeviceCheckpoints>;
 
 }  // namespace squeeze::train

@@ -7,7 +7,7 @@
 //   optimizer state        OptimizerStatePart   Offload<Host>, Quantized8  DeviceAdamW, HostAdamW
 //   loss scale             (LossScale<S>)       the loss-scale policy      none, static, dynamic
 //   accumulation window    (AccumulationWindow) Accumulate<N>              one
-//   checkpoint home        CheckpointHomePart   CheckpointOffload<Host>    DeviceCheckpoints, HostCheckpoints
+//   checkpoint home        CheckpointHomePart   CheckpointOffload<..>      DeviceCheckpoints, StoredCheckpoints
 //
 // A new way to hold or move tensors is one new part: a class that satisfies its concept, named in TrainerParts.
 #include <torch/torch.h>
