@@ -96,7 +96,7 @@ class ActivationStore {
   ActivationStore& operator=(const ActivationStore&) = delete;
 
   SlotPtr stash(const torch::Tensor& x) {
-    TORCH_CHECK(x.defined(), "CheckpointOffload<Host>: an undefined checkpoint input");
+    TORCH_CHECK(x.defined(), "CheckpointOffload: an undefined checkpoint input");
     auto s = std::make_shared<Slot>();
     s->index = int64_t(slots_.size());
     s->sizes = x.sizes().vec();
@@ -109,7 +109,8 @@ class ActivationStore {
       return s;
     }
     const int64_t bytes = int8_ ? int64_t(encoded_bytes(x.numel())) : int64_t(x.nbytes());
-    if (slots_.empty() && budget_ == 0) pass_budget_ = host_memory_available().value_or(INT64_MAX);
+    // MemAvailable already excludes the pooled buffers, which this pass reuses first: they count as available.
+    if (slots_.empty() && budget_ == 0) pass_budget_ = host_memory_available().value_or(INT64_MAX - pooled_bytes_) + pooled_bytes_;
     if (slots_.empty() && budget_ > 0) pass_budget_ = budget_;
     if (pass_host_bytes_ + bytes > pass_budget_)
       throw Error("CheckpointOffload<Host>: checkpoint input " + std::to_string(s->index) + " (" + gigabytes(bytes) +
@@ -146,9 +147,9 @@ class ActivationStore {
 
   // s's values on the device, in its shape; then the `keep` slots before it are brought back ahead of their use.
   torch::Tensor fetch(const SlotPtr& s) {
-    TORCH_CHECK(s != nullptr, "CheckpointOffload<Host>: fetching an empty slot");
+    TORCH_CHECK(s != nullptr, "CheckpointOffload: fetching an empty slot");
     if (s->fetched)
-      throw Error("CheckpointOffload<Host>: checkpoint input " + std::to_string(s->index) +
+      throw Error("CheckpointOffload: checkpoint input " + std::to_string(s->index) +
                   " was fetched twice: a second backward through one graph (retain_graph) is not supported with offloaded checkpoints");
     torch::Tensor out;
     if (!to_host_) {
@@ -190,7 +191,6 @@ class ActivationStore {
     on_device_bytes_ = 0;
   }
 
-  int keep() const { return keep_; }
   ActivationStats stats() const {
     ActivationStats s = stats_;
     s.host_bytes = pooled_bytes_ + pass_host_bytes_;
