@@ -38,7 +38,9 @@
 //       --nproc_per_node 2 --no-python bench_table --rows zero3-bf16 --out scale.jsonl     (B = 8 per GPU)
 //
 // The strategy rows' loss runs over chunks of --loss-chunk tokens (nn::LlamaImpl::loss_chunk_tokens; the planner
-// is given the same); the peer's is unchunked.
+// is given the same); the peer's is unchunked. Each block's MLP runs over tiles of --mlp-tile tokens
+// (nn::LlamaImpl::mlp_tile_tokens; "auto", the default: plan::pick_mlp_tile's for the GPU's memory, untiled where the
+// step fits without; the planner is given the same and the row's JSON says it as mlp_tile).
 //
 // JSON lines: bench "table", case, strategy, world, batch (per GPU), seq, loss_chunk, peak_gb, reserved_gb, planned_gb,
 // plan_ratio, time_ms, iters_per_s, tokens_per_s, tokens_per_s_per_gpu, flops_per_token, mfu, val_loss, val_ppl,
@@ -100,10 +102,22 @@ struct Options {
   int64_t batch = 8, seq = 2048, steps = 3, warmup = 2, layers = 0, eval_seqs = 8, threads = 0, lr_warmup = 0;
   int64_t loss_chunk = llama::TrainOptions{}.loss_chunk_tokens;  // the strategy rows' (the peer never chunks)
   bool fused_loss = false;                                         // the strategy rows' loss fused (nn::fused_linear_cross_entropy)
+  std::string mlp_tile = "auto";                                   // tokens per MLP tile, or the planner's choice
   bool gather_layers_alone = false;                                // stage-3 rows: every linear its own gather unit
   double lr = 3e-4, clip = 1.0, loss_scale = 1024, comm_timeout_s = 600;
   uint64_t seed = 1337;
 };
+
+// The MLP tile of strategy S's rows (--mlp-tile): a number of tokens as given, or under "auto" plan::pick_mlp_tile's for
+// this rank's GPU (untiled on the CPU, or where the step fits untiled).
+template <StrategyType S>
+int64_t mlp_tile_for(const Options& o, const nn::LlamaConfig& config, int64_t batch, int world, const torch::Device& device,
+                     int64_t loss_chunk) {
+  if (o.mlp_tile != "auto") return std::stoll(o.mlp_tile);
+  const std::optional<int64_t> total = engine::device_memory_total(device);
+  if (!total) return 0;
+  return plan::pick_mlp_tile<S>(config.shape(), llama::train_shape<S>(config, batch, o.seq, world, loss_chunk, {}), world, *total);
+}
 
 // This process's place in the run: one process per GPU, from the torchrun-style environment.
 struct Dist {
@@ -161,6 +175,7 @@ struct Row {
   std::optional<double> host_before_gb, host_peak_gb;
   int64_t skipped = 0;  // optimizer steps skipped for non-finite gradients (fp16 loss scaling)
   std::string gradient_buffers;  // stages 0-1: when the trainer's full gradient buffer existed (plan::GradientBuffers)
+  int64_t mlp_tile = 0;          // tokens per MLP tile the row trained with (0: untiled)
   bool oom = false;
   std::string error;
 };
@@ -355,12 +370,15 @@ Row run_peer(const RowSpec& spec, const Options& o, const nn::LlamaConfig& confi
 }
 
 Row run_strategy(const RowSpec& spec, const Options& o, const nn::LlamaConfig& config, const Data& data, const Dist& d,
-                 const torch::Device& device, const llama::TrainOptions& topt) {
+                 const torch::Device& device, const llama::TrainOptions& row_options) {
   Row row{spec, ""};
   guarded(row, device, [&] {
     llama::with_strategy(spec.name, [&]<StrategyType S>() {
       row.strategy = strategy_name<S>();
-      const plan::MemoryPlan p = llama::plan_for<S>(config, spec.batch, o.seq, d.world, topt.loss_chunk_tokens);
+      llama::TrainOptions topt = row_options;
+      topt.mlp_tile_tokens = mlp_tile_for<S>(o, config, spec.batch, d.world, device, topt.loss_chunk_tokens);
+      row.mlp_tile = topt.mlp_tile_tokens;
+      const plan::MemoryPlan p = llama::plan_for<S>(config, spec.batch, o.seq, d.world, topt.loss_chunk_tokens, {}, topt.mlp_tile_tokens);
       row.planned_gb = double(p.peak().device) / 1e9;
       row.planned_host_gb = double(p.peak().host) / 1e9;
       llama::reset_peak_memory(device);
@@ -459,6 +477,19 @@ int main(int argc, char** argv) {
   app.add_option("--loss-chunk", o.loss_chunk, "tokens per chunk of the strategy rows' LM head + cross-entropy, each recomputed in "
                                                "backward (0: the whole micro-batch at once, as the peer)")
       ->check(CLI::Range(int64_t(0), int64_t(1) << 30))
+      ->capture_default_str();
+  app.add_option("--mlp-tile", o.mlp_tile, "tokens per tile of each block's MLP and its norm, each recomputed in backward (0: untiled; "
+                                           "auto: the planner's choice for the GPU, untiled where the step fits)")
+      ->check([](const std::string& v) {
+        if (v == "auto") return std::string();
+        try {
+          std::size_t used = 0;
+          const long long n = std::stoll(v, &used);
+          if (used == v.size() && n >= 0) return std::string();
+        } catch (const std::exception&) {
+        }
+        return "--mlp-tile takes a number of tokens (0: untiled) or auto, got '" + v + "'";
+      })
       ->capture_default_str();
   app.add_option("--seed", o.seed, "seed of the training batches")->capture_default_str();
   app.add_option("--corpus", o.corpus, "train on this text file (default: the KJV if installed, else the built-in text)");
@@ -597,7 +628,7 @@ int main(int argc, char** argv) {
               {"clip", o.clip}, {"lr", o.lr}, {"lr_warmup", o.lr_warmup}, {"corpus", data.source}, {"device", dev_name},
               {"date", env_or("SQUEEZE_DATE", "")}, {"commit", env_or("SQUEEZE_COMMIT", "")}, {"oom", row.oom},
               {"flops_per_token", model_flops}, {"loss_chunk", spec.name == kPeer ? int64_t(0) : o.loss_chunk},
-              {"fused_loss", spec.name != kPeer && o.fused_loss},
+              {"fused_loss", spec.name != kPeer && o.fused_loss}, {"mlp_tile", spec.name == kPeer ? int64_t(0) : row.mlp_tile},
               {"gather_layers_alone", spec.name != kPeer && o.gather_layers_alone}};
     if (!row.gradient_buffers.empty()) j["gradient_buffers"] = row.gradient_buffers;
     if (!o.hf.empty()) j["hf"] = o.hf;  // every row fine-tunes this model: losses[0] is its loss on the first batch

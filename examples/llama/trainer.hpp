@@ -142,6 +142,9 @@ struct TrainOptions {
   int64_t loss_chunk_tokens = plan::kDefaultLossChunkTokens;
   // The loss through nn::fused_linear_cross_entropy (nn::LlamaImpl::fused_loss).
   bool fused_loss = false;
+  // Tokens per tile of each block's MLP (nn::LlamaImpl::mlp_tile_tokens; 0: untiled); plan_for takes the same.
+  // llama_train and bench_table take plan::pick_mlp_tile's for the GPU when asked for "auto".
+  int64_t mlp_tile_tokens = 0;
   bool decay_norms_biases_embeddings = false;  // TrainerOptions' default: no weight decay on them
   // Stage 3: every linear its own gather unit instead of each block (TrainerOptions::gather_unit), to compare the two.
   bool gather_layers_alone = false;
@@ -156,9 +159,12 @@ struct TrainOptions {
 // The planner's TrainShape for B sequences of T tokens per optimizer step on one rank (S's micro-batches of B / N).
 template <StrategyType S>
 plan::TrainShape train_shape(const LlamaConfig& c, int64_t batch, int64_t seq, int world, int64_t loss_chunk_tokens,
-                             std::optional<plan::GradientBuffers> gradient_buffers) {
-  plan::TrainShape t{
-      .micro_batch = batch / S::accumulation_steps, .seq = seq, .loss_chunk_tokens = loss_chunk_tokens, .fused_kernels = c.fused_kernels};
+                             std::optional<plan::GradientBuffers> gradient_buffers, int64_t mlp_tile_tokens = 0) {
+  plan::TrainShape t{.micro_batch = batch / S::accumulation_steps,
+                     .seq = seq,
+                     .loss_chunk_tokens = loss_chunk_tokens,
+                     .fused_kernels = c.fused_kernels,
+                     .mlp_tile_tokens = mlp_tile_tokens};
   t.gradient_buffers = gradient_buffers ? *gradient_buffers : plan::best_gradient_buffers<S>(c.shape(), t, world);
   return t;
 }
@@ -310,6 +316,7 @@ class LlamaRun {
       : model_(std::move(model)), gradient_buffers_(options.gradient_buffers) {
     model_->loss_chunk_tokens = options.loss_chunk_tokens;
     model_->fused_loss = options.fused_loss;
+    model_->mlp_tile_tokens = options.mlp_tile_tokens;
     model_->train();
     squeeze::AdamW adamw{.lr = float(options.lr),
                          .beta1 = float(options.beta1),
@@ -385,7 +392,8 @@ class LlamaRun {
     check_batch(x, y, micro_batches);
     if (!gradient_buffers_)  // the planner's choice for this batch shape (plan_for plans the same)
       trainer_->set_gradient_buffers(
-          train_shape<S>(model_->config, x.size(0), x.size(1), trainer_->communicator().size(), model_->loss_chunk_tokens, {})
+          train_shape<S>(model_->config, x.size(0), x.size(1), trainer_->communicator().size(), model_->loss_chunk_tokens, {},
+                         model_->mlp_tile_tokens)
               .gradient_buffers);
     BatchResult r;
     r.scale = trainer_->scale();
@@ -437,12 +445,13 @@ inline Llama load_weights(const std::string& root, LlamaConfig config, torch::De
 
 // The planner for S with B sequences of T tokens per optimizer step on one rank, and the example's trainer (its
 // gradient buffer timing, TrainOptions::gradient_buffers or unset the planner's choice) with the model's loss chunk
-// (TrainOptions::loss_chunk_tokens): plan_for<S>(c, B, T).peak().device.
+// (TrainOptions::loss_chunk_tokens) and MLP tile (TrainOptions::mlp_tile_tokens): plan_for<S>(c, B, T).peak().device.
 template <StrategyType S>
 plan::MemoryPlan plan_for(const LlamaConfig& c, int64_t batch, int64_t seq, int world = 1,
                           int64_t loss_chunk_tokens = plan::kDefaultLossChunkTokens,
-                          std::optional<plan::GradientBuffers> gradient_buffers = {}) {
-  return plan::plan_memory<S>(c.shape(), train_shape<S>(c, batch, seq, world, loss_chunk_tokens, gradient_buffers), world);
+                          std::optional<plan::GradientBuffers> gradient_buffers = {}, int64_t mlp_tile_tokens = 0) {
+  return plan::plan_memory<S>(c.shape(), train_shape<S>(c, batch, seq, world, loss_chunk_tokens, gradient_buffers, mlp_tile_tokens),
+                              world);
 }
 
 }  // namespace squeeze::llama

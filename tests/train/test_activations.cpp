@@ -1,6 +1,7 @@
 // Offloaded checkpoints (CheckpointOffload<Host>): the checkpointed segment inputs wait for backward in host memory
 // (engine::ActivationStore). On the CPU the copies run in program order; the GPU tests (test_zero_cuda) run them on
-// their streams. Everything here is exact: offloading moves values, it never changes them.
+// their streams. Offloading is exact: it moves values, it never changes them; 8-bit checkpoints round them, and tiled
+// MLPs sum the weights' gradients over the rows in another order.
 #include <gtest/gtest.h>
 
 #include <squeeze/engine/activation_store.hpp>
@@ -255,6 +256,128 @@ TEST(Activations, PlannerAndTrainerCountTheHostCopies) {
   EXPECT_EQ(q7.activations.device - plan::plan_memory<Host8>(b7, shape, 1).activations.device, 32 * values * 2 - 2 * stored);
   EXPECT_EQ(q7.activations.device - plan::plan_memory<Device8>(b7, shape, 1).activations.device, 32 * (values * 2 - stored));
   EXPECT_EQ(strategy_name<Device8>(), "Strategy<Precision<bf16, float>, Checkpointed, CheckpointOffload<Device, Int8>>");
+}
+
+// checkpoint_tiled: the tiles' outputs are the one call's (row by row, float64), the gradients equal it within the
+// reduction order of the weights' sums over rows, for a tile that divides nothing; without grad mode it recomputes
+// nothing; a tile of 0 or of all rows is the one call.
+TEST(Activations, TiledRowsEqualOneCallWithinReductionOrder) {
+  torch::manual_seed(31);
+  const auto opt = torch::TensorOptions().dtype(torch::kFloat64);
+  const auto w1 = torch::randn({11, 29}, opt).requires_grad_(true), w2 = torch::randn({29, 11}, opt).requires_grad_(true);
+  const auto x0 = torch::randn({37, 11}, opt);
+  int calls = 0;
+  const std::function<torch::Tensor(const torch::Tensor&)> mlp = [&](const torch::Tensor& r) {  // r: [rows, 11]
+    ++calls;
+    return torch::silu(r.matmul(w1)).matmul(w2);
+  };
+  auto run = [&](int64_t tile) {
+    w1.mutable_grad() = torch::Tensor(), w2.mutable_grad() = torch::Tensor();
+    const torch::Tensor x = x0.clone().requires_grad_(true);
+    const torch::Tensor y = nn::checkpoint_tiled(tile, x, {w1, w2}, mlp);
+    (y * y.detach().cos()).sum().backward();
+    return std::vector<torch::Tensor>{y.detach(), x.grad(), w1.grad().clone(), w2.grad().clone()};
+  };
+  const auto one = run(0);
+  calls = 0;
+  const auto tiled = run(8);  // 5 tiles, the last of 5 rows
+  EXPECT_EQ(calls, 10) << "each tile runs once forward and once in its backward";
+  EXPECT_TRUE(torch::allclose(tiled[0], one[0], 0, 1e-14)) << "outputs";
+  EXPECT_TRUE(torch::allclose(tiled[1], one[1], 1e-13, 1e-12)) << "input gradient";
+  for (int i : {2, 3}) EXPECT_TRUE(torch::allclose(tiled[i], one[i], 1e-12, 1e-11)) << "weight gradient " << i;
+  for (int64_t tile : {int64_t(37), int64_t(100)}) {
+    const auto same = run(tile);
+    for (std::size_t i = 0; i < same.size(); ++i) EXPECT_TRUE(torch::equal(same[i], one[i])) << "tile " << tile << ", " << i;
+  }
+  calls = 0;
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(torch::allclose(nn::checkpoint_tiled(8, x0, {w1, w2}, mlp), one[0], 0, 1e-14));
+  }
+  EXPECT_EQ(calls, 5);
+  EXPECT_THROW(nn::checkpoint_tiled(8, torch::Tensor(), {}, mlp), c10::Error);
+}
+
+// A LLaMA whose MLPs run in tiles: the loss and every parameter's gradient equal the untiled model's within fp32
+// reduction order, with and without checkpointed blocks (the tiles recomputed inside the blocks' recomputation), and
+// evaluation (no grad) gives the untiled logits.
+TEST(Activations, TiledMlpLlamaEqualsUntiled) {
+  nn::LlamaConfig cfg;
+  cfg.vocab = 31, cfg.hidden = 24, cfg.layers = 3, cfg.heads = 4, cfg.kv_heads = 2, cfg.ffn = 40;
+  torch::manual_seed(3);
+  const torch::Tensor ids = torch::randint(0, cfg.vocab, {3, 13});  // 3 x 12 = 36 tokens: tiles of 7 divide nothing
+  torch::manual_seed(4);
+  nn::Llama model(cfg);
+  auto grads = [&](int64_t tile, int every) {
+    model->mlp_tile_tokens = tile, model->checkpoint_every = every;
+    model->zero_grad();
+    const torch::Tensor loss = model->loss(ids.narrow(1, 0, 12), ids.narrow(1, 1, 12));
+    loss.backward();
+    std::map<std::string, torch::Tensor> g{{"loss", loss.detach()}};
+    for (auto& p : model->named_parameters()) g[p.key()] = p.value().grad().clone();
+    return g;
+  };
+  for (int every : {0, 1}) {
+    const auto one = grads(0, every), tiled = grads(7, every);
+    for (auto& [name, g] : one) {
+      EXPECT_TRUE(torch::allclose(tiled.at(name), g, 1e-6, 1e-4))
+          << name << " (checkpoint_every " << every << "), max |diff| " << (tiled.at(name) - g).abs().max().item<double>();
+    }
+  }
+  torch::NoGradGuard no_grad;
+  model->eval();
+  model->mlp_tile_tokens = 0;
+  const torch::Tensor untiled = model->forward(ids);
+  model->mlp_tile_tokens = 5;
+  EXPECT_TRUE(torch::allclose(model->forward(ids), untiled, 1e-6, 1e-5));
+}
+
+// Through the trainer: a stage-3 unit whose MLP hands its gradient in tiles is reduced once all of them are in (two
+// ranks), and a streamed model, offloaded checkpoints and a QLoRA base train with tiles as without, to within the
+// bf16 rounding of the tiles' partial gradients.
+TEST(Activations, TiledMlpTrainsAsUntiledUnderEveryStrategy) {
+  const auto check = [](const Params& tiled, const Params& untiled, const Params& init, const std::string& what) {
+    for (auto& [name, t] : untiled) {
+      const double moved = (t - init.at(name)).norm().item<double>(), apart = (tiled.at(name) - t).norm().item<double>();
+      // each bf16 value may also land one unit in the last place away (norm gains near 1 move by a few units)
+      const double ulps = t.abs().max().item<double>() * std::ldexp(1.0, -7) * std::sqrt(double(t.numel()));
+      EXPECT_LE(apart, 0.1 * moved + ulps) << what << ": " << name << " moved " << moved << ", tiled differs by " << apart;
+    }
+  };
+  train::TrainerOptions o;
+  using Z3 = Strategy<Sharded<Stage3>, Precision<bf16, float>, Checkpointed>;
+  check(train_checkpointed_llama<Z3>(2, 3, o, 5), train_checkpointed_llama<Z3>(2, 3, o), train_checkpointed_llama<Z3>(2, 0, o),
+        "stage 3, two ranks");
+  using StOff = Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Precision<bf16, float>, Checkpointed, CheckpointOffload<Host>>;
+  check(train_checkpointed_llama<StOff>(1, 3, o, 5), train_checkpointed_llama<StOff>(1, 3, o), train_checkpointed_llama<StOff>(1, 0, o),
+        "streamed, offloaded checkpoints");
+  using QLoRA = Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<4, 8, all_linears>, Precision<bf16, float>, Checkpointed>;
+  check(train_checkpointed_llama<QLoRA>(1, 3, o, 5), train_checkpointed_llama<QLoRA>(1, 3, o), train_checkpointed_llama<QLoRA>(1, 0, o),
+        "QLoRA");
+}
+
+// The planner: tiles keep none of a block's MLP values beyond its input rows, so the long-sequence peak falls; the tile
+// it picks is none where the untiled step fits, else the largest that fits.
+TEST(Activations, PlannerTilesTheMlpOnlyWhereTheStepNeedsIt) {
+  using QLoRA = Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<16, 32, all_linears>, Precision<bf16, float>, Checkpointed,
+                         CheckpointOffload<Host, Int8>>;
+  const plan::ModelShape m = *plan::find_preset("llama3-8b");
+  plan::TrainShape t;
+  t.micro_batch = 1, t.seq = 400'000;
+  const int64_t untiled = plan::plan_memory<QLoRA>(m, t, 1).peak().device;
+  t.mlp_tile_tokens = 16'384;
+  const int64_t tiled = plan::plan_memory<QLoRA>(m, t, 1).peak().device;
+  EXPECT_LT(tiled, untiled - int64_t(20e9)) << "gate, up and product of 400k tokens are 34 GB in bf16";
+  std::printf("[ planned ] llama3-8b QLoRA, T=400k: untiled %.1f GB, tiles of 16k tokens %.1f GB\n", untiled / 1e9, tiled / 1e9);
+  t.mlp_tile_tokens = 0;
+  EXPECT_EQ(plan::pick_mlp_tile<QLoRA>(m, t, 1, untiled), 0);
+  const int64_t picked = plan::pick_mlp_tile<QLoRA>(m, t, 1, (untiled + tiled) / 2);
+  ASSERT_GT(picked, 0);
+  EXPECT_EQ(picked % 256, 0);
+  t.mlp_tile_tokens = picked;
+  EXPECT_LE(plan::plan_memory<QLoRA>(m, t, 1).peak().device, (untiled + tiled) / 2);
+  t.mlp_tile_tokens = 0;
+  EXPECT_EQ(plan::pick_mlp_tile<QLoRA>(m, t, 1, 1), 256) << "nothing fits: the smallest tile tried";
 }
 
 }  // namespace

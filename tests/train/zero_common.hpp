@@ -289,8 +289,9 @@ Params reference_float64(Model kind, int world, int windows, int A, float max_no
 
 // nn::Llama (3 blocks, each a gather unit) with every block checkpointed, bf16, trained `steps` steps of S on `world`
 // LocalComm ranks, each on its own token rows: rank 0's full parameters after training, float.
+// mlp_tile_tokens: each block's MLP over tiles of that many tokens (nn::LlamaImpl::mlp_tile_tokens; 0: untiled).
 template <class S>
-Params train_checkpointed_llama(int world, int steps, train::TrainerOptions o) {
+Params train_checkpointed_llama(int world, int steps, train::TrainerOptions o, int64_t mlp_tile_tokens = 0) {
   nn::LlamaConfig cfg;
   cfg.vocab = 29, cfg.hidden = 16, cfg.layers = 3, cfg.heads = 4, cfg.kv_heads = 2, cfg.ffn = 24;
   torch::manual_seed(99);
@@ -302,6 +303,7 @@ Params train_checkpointed_llama(int world, int steps, train::TrainerOptions o) {
     models.emplace_back(cfg);
     models.back()->to(torch::kBFloat16);
     models.back()->checkpoint_every = 1;
+    models.back()->mlp_tile_tokens = mlp_tile_tokens;
   }
   Params out;
   run_ranks(world, [&](std::shared_ptr<LocalComm> comm) {

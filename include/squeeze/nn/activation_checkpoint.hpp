@@ -326,6 +326,26 @@ inline torch::Tensor checkpoint_chunked_sum(int64_t chunk, const std::vector<tor
   return total;
 }
 
+// fn applied to `rows` [N, ...] in tiles of `tile` rows (the last may be shorter), the outputs joined along dim 0:
+// for a function that works row by row (a block's MLP and its norm), whose intermediates would otherwise exist
+// for all N rows at once. Training (grad mode and something needs a gradient), each tile is checkpointed: it keeps
+// only its rows (views of `rows`) and runs again in its own backward, one tile's intermediates at a time; `params`
+// are the leaves fn reads, as checkpoint takes them. Otherwise the tiles just run one by one. tile <= 0 or
+// >= N: fn(rows) once, plainly. The tiles' matrix products run over fewer rows: the same values, summed over the
+// rows in another order for the weights' gradients (fp32 reduction order).
+inline torch::Tensor checkpoint_tiled(int64_t tile, const torch::Tensor& rows, const std::vector<torch::Tensor>& params,
+                                      const std::function<torch::Tensor(const torch::Tensor&)>& fn) {
+  TORCH_CHECK(rows.defined() && rows.dim() > 0, "squeeze::nn::checkpoint_tiled: the rows must be a tensor of at least one dimension");
+  TORCH_CHECK(static_cast<bool>(fn), "squeeze::nn::checkpoint_tiled: the tile function is empty");
+  const int64_t n = rows.size(0);
+  if (tile <= 0 || tile >= n) return fn(rows);
+  std::vector<torch::Tensor> out;
+  out.reserve(std::size_t((n + tile - 1) / tile));
+  for (const torch::Tensor& part : rows.split(tile, 0))
+    out.push_back(checkpoint([fn](const std::vector<torch::Tensor>& in) { return fn(in[0]); }, {part}, params));
+  return torch::cat(out, 0);
+}
+
 // ---- what a trainer switches on -----------------------------------------------------------------------------
 
 // A module whose forward recomputes its parts when a Checkpointed trainer says so (every: blocks per segment).

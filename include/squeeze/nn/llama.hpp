@@ -216,8 +216,19 @@ struct BlockImpl : torch::nn::Module, engine::GatherUnit {  // one stage-3 gathe
     mlp_norm = register_module("mlp_norm", RMSNorm(c.hidden, c.norm_eps, c.fused_kernels, init));
     mlp = register_module("mlp", Mlp(c, init));
   }
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {  // [B, T, h]
+  // mlp_tile_tokens > 0 (fewer than the B·T tokens): the MLP and its norm run over tiles of that many tokens, each
+  // checkpointed (checkpoint_tiled), so one tile's gate, up and product exist at a time instead of all T's.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        int64_t mlp_tile_tokens = 0) {  // [B, T, h]
     const torch::Tensor a = attn(attn_norm(x), cos, sin);
+    if (mlp_tile_tokens > 0 && mlp_tile_tokens < x.size(0) * x.size(1)) {
+      const torch::Tensor h = x + a;  // [B, T, h]
+      std::vector<torch::Tensor> params = trainable_leaves(*mlp_norm);
+      for (torch::Tensor& p : trainable_leaves(*mlp)) params.push_back(std::move(p));
+      const torch::Tensor y = checkpoint_tiled(mlp_tile_tokens, h.reshape({-1, h.size(-1)}), params,
+                                               [norm = mlp_norm, mlp = mlp](const torch::Tensor& rows) mutable { return mlp(norm(rows)); });
+      return h + y.view(h.sizes());
+    }
     if (mlp_norm->can_fuse(x) && a.scalar_type() == x.scalar_type() && a.is_contiguous()) {  // the residual add inside the norm
       const auto [h, n] = fused_add_rms_norm(x, a, mlp_norm->weight, mlp_norm->eps);
       return h + mlp(n);
@@ -272,6 +283,9 @@ struct LlamaImpl : torch::nn::Module, Recomputable {
   // Tokens per chunk of the loss (see loss()); 0: all at once. The default (and why) is the planner's, whose
   // TrainShape::loss_chunk_tokens must match it for plan_memory to predict this model's peak.
   int64_t loss_chunk_tokens = plan::kDefaultLossChunkTokens;
+  // Tokens per tile of each block's MLP (BlockImpl::forward); 0: untiled. For long sequences, where one block's MLP
+  // intermediates (3·ffn values a token) would outgrow the rest of its working set: plan::pick_mlp_tile chooses it.
+  int64_t mlp_tile_tokens = 0;
   // Training through fused_linear_cross_entropy (the head's and the hidden states' gradients in the loss's own
   // pass, chunks of loss_chunk_tokens rows, no recomputed head). Off: the checkpointed chunked loss below.
   bool fused_loss = false;
@@ -329,7 +343,8 @@ struct LlamaImpl : torch::nn::Module, Recomputable {
     const int64_t T = ids.size(1);
     const auto [cos, sin] = rope_tables(T, config, ids.device());  // [T, D] each
     torch::Tensor x = embed(ids);                                  // [B, T, h]
-    const auto layer = [this, cos, sin](int64_t i, const torch::Tensor& h) { return blocks[i]->forward(h, cos, sin); };
+    const int64_t tile = mlp_tile_tokens;
+    const auto layer = [this, cos, sin, tile](int64_t i, const torch::Tensor& h) { return blocks[i]->forward(h, cos, sin, tile); };
     const auto layer_params = [this](int64_t i) { return trainable_leaves(*blocks[i]); };
     const int64_t every = is_training() ? checkpoint_every : 0;
     x = checkpoint_sequential(config.layers, every, x, layer, layer_params);  // [B, T, h]

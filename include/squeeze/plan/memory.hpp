@@ -65,6 +65,8 @@ struct TrainShape {
   bool fused_kernels = true;
   // CheckpointOffload<Host>: segment inputs held on the device besides the one in use (TrainerOptions::checkpoint_prefetch).
   i64 checkpoint_prefetch = 1;
+  // Tokens per tile of each block's MLP and its norm (nn::LlamaImpl::mlp_tile_tokens); <= 0 or >= micro_batch·seq: untiled.
+  i64 mlp_tile_tokens = 0;
 };
 
 struct Placement {
@@ -173,6 +175,12 @@ constexpr i64 lora_block_params(const ModelShape& m) {
 // silu(gate) and up beside the product's (2·ffn·p_c more than the saved values that are already freed; 3·ffn·p_c
 // under a frozen down projection, which saved no product to free).
 //
+// Tiled (TrainShape::mlp_tile_tokens = c < the tokens), a block keeps of its MLP and norm only the tiles' input rows
+// (h·p_c a token, the norm's input, shared with the residual stream) and none of the norm's statistics, gate, up,
+// product or MLP adapters' values; the recomputed segment's backward then holds one tile's recomputed MLP beside its
+// gradients (c tokens of the above) or, later, the attention's backward: dq, dk, dv and the attention output's
+// gradient ((2h + 2kv)·p_c a token) beside the attention's saved values, whichever is larger.
+//
 // The loss over c tokens at a time (n tokens in all; c = n unchunked): the logits cast to fp32 and the fp32
 // log-softmax kept for backward; the first backward node holds it beside the fp32 gradients it reads and writes:
 // 12·c·V bytes (more than the forward's bf16 logits + fp32 copy + log-softmax), or later, while the head's
@@ -208,9 +216,13 @@ constexpr i64 activation_bytes(const ModelShape& m, const TrainShape& t, i64 p_c
   const i64 attn_norm = frozen && !trains(0x7u) ? 0 : h;     // kept by q, k, v
   const i64 mlp_norm = frozen && !trains(0x30u) ? 0 : h;     // kept by gate, up
   const i64 product = frozen && !trains(0x40u) ? 0 : m.ffn;  // silu(gate)·up, kept by down
-  const i64 block =
-      tokens * (2 * norm_fp32 + (2 * pre_gain + attn_norm + mlp_norm + 2 * h + 2 * kv + swiglu_inputs + product + lora_rank_targets) * p_c +
-                m.heads * 4);
+  const i64 tile = t.mlp_tile_tokens > 0 && t.mlp_tile_tokens < tokens ? t.mlp_tile_tokens : 0;
+  // The adapters' r values a token, split between the attention's and the MLP's linears (LoRA: trained_linears are its targets).
+  const int adapted = std::popcount(trained_linears);
+  const i64 lora_mlp = frozen && adapted > 0 ? lora_rank_targets * std::popcount(trained_linears & 0x70u) / adapted : 0;
+  const i64 mlp_saved = norm_fp32 + (pre_gain + mlp_norm + swiglu_inputs + product + lora_mlp) * p_c;  // a token, untiled
+  const i64 attention_saved = norm_fp32 + (pre_gain + attn_norm + 2 * h + 2 * kv + lora_rank_targets - lora_mlp) * p_c + m.heads * 4;
+  const i64 block = tokens * (attention_saved + (tile > 0 ? h * p_c : mlp_saved));
   // A frozen head keeps nothing of the final norm's output; a frozen embedding gives block 0 an input that
   // needs no gradient, so its first norm keeps nothing.
   const i64 first_norm = frozen ? tokens * norm_fp32 : 0;
@@ -220,8 +232,12 @@ constexpr i64 activation_bytes(const ModelShape& m, const TrainShape& t, i64 p_c
   const i64 loss = loss_bytes(m, tokens, p_c, t.loss_chunk_tokens, !frozen);
   if (checkpoint_every == 0) return m.layers * block - first_norm + final_norm + loss;
   // A frozen down projection kept no silu(gate)·up, so none is freed when its gradient arrives: one ffn more.
+  const i64 mlp_backward = (h + 2 * m.ffn + (product == 0 ? m.ffn : 0)) * p_c;  // a token
+  const i64 blocks_in_segment = (checkpoint_every < m.layers ? checkpoint_every : m.layers) * block;
+  const i64 tile_backward = tile * (mlp_saved + mlp_backward), attention_backward = tokens * (2 * h + 2 * kv) * p_c;
   const i64 segment =
-      (checkpoint_every < m.layers ? checkpoint_every : m.layers) * block + tokens * (h + 2 * m.ffn + (product == 0 ? m.ffn : 0)) * p_c;
+      tile == 0 ? blocks_in_segment + tokens * mlp_backward
+                : blocks_in_segment + tokens * h * p_c + (tile_backward > attention_backward ? tile_backward : attention_backward);
   return ceil_div(m.layers, checkpoint_every) * tokens * h * p_c + final_norm + (loss > segment ? loss : segment);
 }
 
@@ -318,6 +334,27 @@ constexpr MemoryPlan plan_memory(const ModelShape& m, const TrainShape& t, int w
       plan.communication.device = S::training ? bucket : 0;
   }
   return plan;
+}
+
+// The MLP tile for a device of `device_bytes`: 0 (untiled) where the untiled step's planned peak fits it; else the
+// largest of tokens/2, tokens/4, ... (rounded up to 256 tokens, down to 256) whose planned peak fits, or the
+// smallest tried where none does (the caller's memory check then says by how much it is short). Tiling costs one
+// more forward of each MLP, so it is chosen only where it is needed.
+template <StrategyType S>
+constexpr i64 pick_mlp_tile(const ModelShape& m, TrainShape t, int world, i64 device_bytes) {
+  const i64 tokens = t.micro_batch * t.seq;
+  t.mlp_tile_tokens = 0;
+  if (plan_memory<S>(m, t, world).peak().device <= device_bytes) return 0;
+  i64 tile = 0;
+  for (i64 parts = 2; parts <= tokens; parts *= 2) {
+    const i64 c = ceil_div(ceil_div(tokens, parts), 256) * 256;
+    if (c >= tokens) continue;
+    if (tile != 0 && c == tile) break;  // 256 tokens reached
+    tile = c;
+    t.mlp_tile_tokens = c;
+    if (plan_memory<S>(m, t, world).peak().device <= device_bytes) return c;
+  }
+  return tile;
 }
 
 // Stages 0-1: the gradient buffer timing with the lower planned peak for these shapes (after_backward on a tie, and at
