@@ -2,7 +2,7 @@
 # One call on the GPU machine: build with libtorch's CUDA side, run the GPU tests (ctest -L cuda) and the
 # benchmarks, write full results under $OUT (default ./gpu-results) and print a short table last.
 #   usage: bash bench/run_gpu.sh [bench-name ...]    (no names: all benchmarks but the 7B rows;
-#          names: adamw adamw8_shapes fused gemm4 gemm4_probe dequant wgmma_rate gptq zero table table7b table7b_offload table7b_stream table7b_hostckpt table7b_qlora_hostckpt table13b_stream diag7b ncu_gemm ncu_sm90 llama_gptq quantize7b scale scale7b scale7b_w1 qlora)
+#          names: adamw adamw8_shapes fused gemm4 gemm4_probe dequant wgmma_rate gptq zero table table7b table7b_offload table7b_stream table7b_hostckpt table7b_qlora_hostckpt table13b_stream long8b diag7b ncu_gemm ncu_sm90 llama_gptq quantize7b scale scale7b scale7b_w1 qlora)
 #   env: TARGETS="t1 t2" builds only those targets (default: everything); GPU_TESTS=0 skips ctest -L cuda;
 #        GPU_TESTS_REGEX="Quant|Zero" runs only the cuda-labelled tests whose names match (ctest -R);
 #        BENCH_ARGS_<name>="..." extra arguments for one benchmark (e.g. BENCH_ARGS_table="--rows bf16,ckpt");
@@ -91,8 +91,19 @@ fi
 if named table7b_hostckpt; then
   run_bench table7b_hostckpt "$BUILD/bench/table/bench_table" --preset llama-7b --rows zero3-offload-bf16-ckpt:8,zero3-offload-bf16-hostckpt:8 --clip 0 --lr 5e-6 --lr-warmup 5 "${corpus[@]}"
 fi
+# QLoRA at LLaMA-7B in the least GPU memory: the checkpointed block inputs in host memory, each MLP in tiles of 4096 tokens
+# and the loss in chunks of 1024, beside transformers + bitsandbytes + PEFT in the same call (bench/qlora: its wheels).
 if named table7b_qlora_hostckpt; then
-  run_bench table7b_qlora_hostckpt "$BUILD/bench/table/bench_table" --preset llama-7b --rows qlora:8,qlora-hostckpt:8 --lr 5e-6 --lr-warmup 5 "${corpus[@]}"
+  QLORA_PRESETS=llama-7b QLORA_ROWS=qlora-hostckpt:8 QLORA_TABLE_ARGS="--mlp-tile 4096 --loss-chunk 1024" \
+    bash "$ROOT/bench/qlora/run_h200.sh" "$BUILD/bench/table/bench_table"
+fi
+# The longest context (only when named): LLaMA-3-8B QLoRA (r=16 on all linears, 8-bit checkpoints in host memory, MLP tiles
+# the planner picks for the GPU), B=1, one timed step at each of LONG_SEQS tokens (default 131072 262144 400000).
+if named long8b; then
+  for T in ${LONG_SEQS:-131072 262144 400000}; do
+    run_bench long8b "$BUILD/bench/table/bench_table" --preset llama3-8b --rows qlora-all16-hostckpt8:1 --seq "$T" --steps 1 --warmup 0 \
+      --eval-seqs 0 --mlp-tile auto "${corpus[@]}"
+  done
 fi
 # The compact host state (Precision<bf16, bf16> + 8-bit moments: 6 bytes a parameter) at the 13B geometry: ~80 GB of
 # host state where fp32 masters and moments would need 208 GB.

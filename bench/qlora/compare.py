@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""The QLoRA table: bench_table's `qlora` row (JSON lines, bench "table") beside the transformers + bitsandbytes +
-PEFT peer in the same configuration (qlora_peer.py JSON lines, bench "hf_qlora", matched by peer_of = the
-bench_table case, preset, layers, batch and seq), one GPU.
+"""The QLoRA table: bench_table's `qlora` rows (JSON lines, bench "table": the case qlora and its variants qlora-*,
+e.g. qlora-hostckpt) beside the transformers + bitsandbytes + PEFT peer in the same configuration (qlora_peer.py JSON
+lines, bench "hf_qlora", matched by preset, layers, batch and seq; its peer_of names the qlora row), one GPU.
 
     python3 bench/qlora/compare.py gpu-results/qlora-table.jsonl gpu-results/qlora-peer.jsonl [--jsonl qlora-compare.jsonl]
 
@@ -27,14 +27,25 @@ def key(r, case_field):
     return (r.get("preset"), r.get(case_field), r.get("layers"), r.get("batch"), r.get("seq"))
 
 
+def is_qlora_row(r):
+    case = str(r.get("case"))
+    return r.get("bench") == "table" and (case == "qlora" or case.startswith("qlora-")) and r.get("world", 1) == 1
+
+
 def load(paths):
     ours, peer = {}, {}
     for r in read_jsonl(paths, "compare.py"):
-        if r.get("bench") == "table" and r.get("case") == "qlora" and r.get("world", 1) == 1:
+        if is_qlora_row(r):
             ours[key(r, "case")] = r
         elif r.get("bench") == "hf_qlora":
             peer[key(r, "peer_of")] = r
     return ours, peer
+
+
+def peer_key(k):
+    """The peer's key for one of our rows: every qlora variant is compared with the one peer configuration."""
+    preset, _case, layers, batch, seq = k
+    return (preset, "qlora", layers, batch, seq)
 
 
 def pair(o, p):
@@ -52,12 +63,12 @@ def main():
     args, jsonl = split_jsonl_option(sys.argv[1:])
     ours, peer = load(args)
     pairs = []
-    keys = sorted(set(ours) | set(peer), key=lambda k: tuple(str(x) for x in k))
+    keys = sorted(set(ours) | (set(peer) - {peer_key(k) for k in ours}), key=lambda k: tuple(str(x) for x in k))
     print(f"{'preset':<15} {'case':<12} {'L':>3} {'B':>3} {'T':>5} {'peak GB':>8} {'plan GB':>8} {'tok/s':>8} {'MFU':>6} |"
           f" {'peer GB':>8} {'tok/s':>8} {'MFU':>6} | {'speed':>6} {'mem':>6} {'target':>6}  note")
     for k in keys:
         preset, case, layers, batch, seq = k
-        o, p = ours.get(k), peer.get(k)
+        o, p = ours.get(k), peer.get(peer_key(k))
         row = pair(o, p)
         speed = mem = target = "-"
         if row is not None:

@@ -272,7 +272,8 @@ void run_steps(const Options& o, int64_t batch, const Data& data, const Dist& d,
   row.peak_gb = m.peak_gb;
   row.reserved_gb = m.reserved_peak_gb;
   timed.clear();
-  // Validation: the same windows for every row, in batches of 4 sequences.
+  // Validation: the same windows for every row, in batches of 4 sequences (none under --eval-seqs 0).
+  if (o.eval_seqs == 0) return;
   const int64_t per = std::min<int64_t>(4, o.eval_seqs);
   row.val_loss = eval(llama::val_batches(data.val, per, o.seq, std::max<int64_t>(1, o.eval_seqs / per), device));
 }
@@ -463,7 +464,10 @@ int main(int argc, char** argv) {
   app.add_option("--seq", o.seq, "tokens per sequence")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--steps", o.steps, "timed optimizer steps per row")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--warmup", o.warmup, "untimed steps first (the allocator and cuBLAS settle)")->capture_default_str();
-  app.add_option("--eval-seqs", o.eval_seqs, "validation sequences of --seq tokens")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--eval-seqs", o.eval_seqs, "validation sequences of --seq tokens (0: no validation, e.g. for a context longer than "
+                                             "the validation text)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   auto* lr_opt = app.add_option("--lr", o.lr, "AdamW learning rate (default: the preset's, llama::default_lr)");
   app.add_option("--lr-warmup", o.lr_warmup, "optimizer steps of linear learning-rate warm-up (0: constant --lr)")
       ->check(CLI::NonNegativeNumber)

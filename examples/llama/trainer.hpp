@@ -83,6 +83,9 @@ void for_each_strategy(F&& f) {
   // ... with adapters on all seven linears of each block, as the QLoRA paper trains them
   f.template operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16, all_linears>, Precision<bf16, float>, Checkpointed>>(
       "qlora-all");
+  // The longest context: r=16 adapters on all linears, the checkpointed block inputs in host memory in 8 bits
+  f.template operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<16, 32, all_linears>, Precision<bf16, float>, Checkpointed,
+                                 CheckpointOffload<Host, Int8>>>("qlora-all16-hostckpt8");
   // ... with the checkpointed block inputs in host memory between forward and backward
   f.template
   operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed, CheckpointOffload<Host>>>(
