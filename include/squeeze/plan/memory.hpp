@@ -15,6 +15,7 @@
 // gradients being formed) or the optimizer step (every gradient materialised, no activations; freed gradients
 // beside the flat buffer they are collected into), whichever is larger. At stages 0-1, when the gradient buffer
 // exists (TrainShape::gradient_buffers) decides which gradients count at each moment.
+#include <algorithm>
 #include <bit>
 #include <cstdint>
 
@@ -177,9 +178,10 @@ constexpr i64 lora_block_params(const ModelShape& m) {
 //
 // Tiled (TrainShape::mlp_tile_tokens = c < the tokens), a block keeps of its MLP and norm only the tiles' input rows
 // (h·p_c a token, the norm's input, shared with the residual stream) and none of the norm's statistics, gate, up,
-// product or MLP adapters' values; the recomputed segment's backward then holds one tile's recomputed MLP beside its
-// gradients (c tokens of the above) or, later, the attention's backward: dq, dk, dv and the attention output's
-// gradient ((2h + 2kv)·p_c a token) beside the attention's saved values, whichever is larger.
+// product or MLP adapters' values. The recomputed segment's backward then holds, beside the arriving gradient, the
+// largest of: one tile's recomputed MLP and its gradients (c tokens of the above) with the input gradients of the
+// tiles done so far (autograd keeps them until the last arrives); those joined (three [tokens, h] tensors); the
+// attention's backward (dq, dk, dv and the attention output's gradient, (2h + 2kv)·p_c a token).
 //
 // The loss over c tokens at a time (n tokens in all; c = n unchunked): the logits cast to fp32 and the fp32
 // log-softmax kept for backward; the first backward node holds it beside the fp32 gradients it reads and writes:
@@ -234,10 +236,10 @@ constexpr i64 activation_bytes(const ModelShape& m, const TrainShape& t, i64 p_c
   // A frozen down projection kept no silu(gate)·up, so none is freed when its gradient arrives: one ffn more.
   const i64 mlp_backward = (h + 2 * m.ffn + (product == 0 ? m.ffn : 0)) * p_c;  // a token
   const i64 blocks_in_segment = (checkpoint_every < m.layers ? checkpoint_every : m.layers) * block;
-  const i64 tile_backward = tile * (mlp_saved + mlp_backward), attention_backward = tokens * (2 * h + 2 * kv) * p_c;
-  const i64 segment =
-      tile == 0 ? blocks_in_segment + tokens * mlp_backward
-                : blocks_in_segment + tokens * h * p_c + (tile_backward > attention_backward ? tile_backward : attention_backward);
+  const i64 row = tokens * h * p_c;  // one [tokens, h] tensor
+  const i64 tiled_mlp = row + (tokens - tile) * h * p_c + tile * (mlp_saved + mlp_backward);
+  const i64 tiled_rest = std::max(3 * row, row + tokens * (2 * h + 2 * kv) * p_c);
+  const i64 segment = blocks_in_segment + (tile == 0 ? tokens * mlp_backward : std::max(tiled_mlp, tiled_rest));
   return ceil_div(m.layers, checkpoint_every) * tokens * h * p_c + final_norm + (loss > segment ? loss : segment);
 }
 
@@ -318,6 +320,13 @@ constexpr MemoryPlan plan_memory(const ModelShape& m, const TrainShape& t, int w
     const i64 held = !S::checkpoints_on_host ? segments : t.checkpoint_prefetch + 1 < segments ? t.checkpoint_prefetch + 1 : segments;
     plan.activations.device -= segments * input - held * stored;
     if (S::checkpoints_on_host) plan.activations.host = segments * stored;
+  }
+  // A quantized base is read through one dequantized linear at a time where many rows multiply it (nn/quantized_linear.hpp,
+  // nn/lora.hpp): the largest block linear's in·out values in the compute type, beside the activations.
+  if constexpr (S::quantized_weights && S::training) {
+    i64 largest = 0;
+    for (auto lin : m.block_linears()) largest = std::max(largest, lin.in * lin.out);
+    plan.activations.device += largest * p_c;
   }
   // Stage 3 with a chunked loss: the head's weight is gathered once and held from its forward until the last
   // chunk's backward (nn::Linear::full_weight), at any world size.
