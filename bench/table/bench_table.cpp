@@ -43,7 +43,7 @@
 // step fits without; the planner is given the same and the row's JSON says it as mlp_tile).
 //
 // JSON lines: bench "table", case, strategy, world, batch (per GPU), seq, loss_chunk, peak_gb, reserved_gb, planned_gb,
-// plan_ratio, time_ms, iters_per_s, tokens_per_s, tokens_per_s_per_gpu, flops_per_token, mfu, val_loss, val_ppl,
+// plan_ratio, build_s, time_ms, iters_per_s, tokens_per_s, tokens_per_s_per_gpu, flops_per_token, mfu, val_loss, val_ppl,
 // final_loss, losses (rank 0's training loss per step, warm-up included), host_{wait,sumsq,update}_ms
 // (Offload<Host> rows: the CPU pipeline's time per step), gradient_buffers (stages 0-1: when the full gradient buffer
 // existed, the planner's choice for the shape: plan::GradientBuffers), ratio_vs_peer (tokens/s over the
@@ -176,6 +176,7 @@ struct Row {
   int64_t skipped = 0;  // optimizer steps skipped for non-finite gradients (fp16 loss scaling)
   std::string gradient_buffers;  // stages 0-1: when the trainer's full gradient buffer existed (plan::GradientBuffers)
   int64_t mlp_tile = 0;          // tokens per MLP tile the row trained with (0: untiled)
+  std::optional<double> build_s;  // seconds to build the trainer (the model, quantized block by block where it is)
   bool oom = false;
   std::string error;
 };
@@ -379,6 +380,10 @@ Row run_strategy(const RowSpec& spec, const Options& o, const nn::LlamaConfig& c
       llama::TrainOptions topt = row_options;
       topt.mlp_tile_tokens = mlp_tile_for<S>(o, config, spec.batch, d.world, device, topt.loss_chunk_tokens);
       row.mlp_tile = topt.mlp_tile_tokens;
+      if constexpr (S::quantized_weights && S::has_lora) {  // built block by block: progress, and refused before allocating
+        topt.layerwise.train = llama::train_shape<S>(config, spec.batch, o.seq, d.world, topt.loss_chunk_tokens, {}, topt.mlp_tile_tokens);
+        topt.layerwise.progress = llama::build_progress(o.hf.empty() ? o.preset : o.hf, d.root());
+      }
       const plan::MemoryPlan p = llama::plan_for<S>(config, spec.batch, o.seq, d.world, topt.loss_chunk_tokens, {}, topt.mlp_tile_tokens);
       row.planned_gb = double(p.peak().device) / 1e9;
       row.planned_host_gb = double(p.peak().host) / 1e9;
@@ -387,8 +392,10 @@ Row run_strategy(const RowSpec& spec, const Options& o, const nn::LlamaConfig& c
       row.host_before_gb = llama::device_memory(torch::kCPU).current_gb;
       torch::manual_seed(1);
       std::optional<LlamaRun<S>> trainer;
+      const auto built = std::chrono::steady_clock::now();
       if (o.hf.empty()) trainer.emplace(config, topt, device, d.comm);  // d.comm null at world 1: one-rank LocalComm
       else trainer.emplace(LlamaRun<S>::from_hf(o.hf, topt, device, d.comm));
+      row.build_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - built).count();
       run_steps(
           o, spec.batch, data, d, device, row,
           [&, i = int64_t(0)](const torch::Tensor& x, const torch::Tensor& y) mutable {
@@ -652,6 +659,7 @@ int main(int argc, char** argv) {
       j["final_loss"] = *row.final_loss;
       j["losses"] = row.losses;  // rank 0's loss per step: the first is the loss of the initial weights
       j["skipped_steps"] = row.skipped;
+      if (row.build_s) j["build_s"] = *row.build_s;
       if (row.host_update_ms) {
         j["host_wait_ms"] = *row.host_wait_ms;
         j["host_sumsq_ms"] = *row.host_sumsq_ms;

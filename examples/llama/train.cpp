@@ -143,19 +143,6 @@ nn::HfProgressFn load_progress(const std::string& dir, bool print) {
 }
 
 // Quantized strategies build the model block by block: a line about every 5 seconds, and one when the last block is packed.
-nn::LayerwiseProgressFn build_progress(const std::string& model, bool print) {
-  if (!print) return {};
-  auto last = std::make_shared<double>(0.0);
-  return [model, last](const nn::LayerwiseProgress& p) {
-    const bool done = p.blocks == p.blocks_total;
-    if (!done && p.seconds - *last < 5) return;
-    *last = p.seconds;
-    std::fprintf(stderr, "building %s block by block: %lld/%lld blocks packed (%.2f GB), %.1f s%s\n", model.c_str(), (long long)p.blocks,
-                 (long long)p.blocks_total, double(p.packed_bytes) / 1e9, p.seconds,
-                 done ? "" : (", about " + std::to_string(int64_t(std::ceil(p.seconds_left))) + " s left").c_str());
-  };
-}
-
 void write_result(const std::string& path, const nlohmann::json& result) {
   const std::string tmp = path + ".tmp";
   {
@@ -231,7 +218,7 @@ int run_training(const Options& o) {
   if constexpr (S::quantized_weights && S::has_lora) {
     // Built block by block; refused before anything is allocated when this rank's training step would not fit.
     topt.layerwise.train = llama::train_shape<S>(config, rows, o.seq, env.world, o.loss_chunk, {});
-    topt.layerwise.progress = build_progress(pretrained ? o.hf : o.preset, env.rank == 0);
+    topt.layerwise.progress = llama::build_progress(pretrained ? o.hf : o.preset, env.rank == 0);
     if (env.rank == 0) {
       nn::LayerwiseOptions lo = topt.layerwise;
       lo.device = device;

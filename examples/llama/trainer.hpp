@@ -86,6 +86,12 @@ void for_each_strategy(F&& f) {
   // The longest context: r=16 adapters on all linears, the checkpointed block inputs in host memory in 8 bits
   f.template operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<16, 32, all_linears>, Precision<bf16, float>, Checkpointed,
                                  CheckpointOffload<Host, Int8>>>("qlora-all16-hostckpt8");
+  // 70B on one GPU: r=16 adapters on all linears with 8-bit moments, the checkpointed block inputs in host memory; NF4 or
+  // a GPTQ-format 4-bit base (group 128)
+  f.template operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<16, 32, all_linears>, Precision<bf16, float>, Checkpointed,
+                                 CheckpointOffload<Host>, QuantizedState<8>>>("qlora-all16-hostckpt-adam8");
+  f.template operator()<Strategy<Quantized<4, RTN, Group<128>>, LoRA<16, 32, all_linears>, Precision<bf16, float>, Checkpointed,
+                                 CheckpointOffload<Host>, QuantizedState<8>>>("gptq4-all16-hostckpt-adam8");
   // ... with the checkpointed block inputs in host memory between forward and backward
   f.template
   operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed, CheckpointOffload<Host>>>(
@@ -158,6 +164,20 @@ struct TrainOptions {
   // training step to check the device against, the memory to compare with. Its device and seed are LlamaRun's.
   nn::LayerwiseOptions layerwise{};
 };
+
+// Progress of a block-by-block build (nn::build_quantized_llama) on stderr: every 5 s and when done, with the time left.
+inline nn::LayerwiseProgressFn build_progress(const std::string& model, bool print) {
+  if (!print) return {};
+  auto last = std::make_shared<double>(0.0);
+  return [model, last](const nn::LayerwiseProgress& p) {
+    const bool done = p.blocks == p.blocks_total;
+    if (!done && p.seconds - *last < 5) return;
+    *last = p.seconds;
+    std::fprintf(stderr, "building %s block by block: %lld/%lld blocks packed (%.2f GB), %.1f s%s\n", model.c_str(), (long long)p.blocks,
+                 (long long)p.blocks_total, double(p.packed_bytes) / 1e9, p.seconds,
+                 done ? "" : (", about " + std::to_string(int64_t(std::ceil(p.seconds_left))) + " s left").c_str());
+  };
+}
 
 // The planner's TrainShape for B sequences of T tokens per optimizer step on one rank (S's micro-batches of B / N).
 template <StrategyType S>
