@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Fails when a header under include/squeeze/ includes one from a higher layer (docs/architecture.md, "Layers").
+"""Fails when a library header includes one from a higher layer (docs/architecture.md, "Layers"), or a kernel (under
+kernels/squeeze/kernels/) includes anything of include/ but the base types and errors.
 
     python3 tools/check_layers.py [ROOT]     # ROOT: the repository (default: this file's parent's parent)
 
 Each folder (or top-level header) has a rank; a header may include its own rank and lower ones. Includes are read
-as text: quoted paths relative to the including file, and <squeeze/...> / "squeeze/..." paths from include/.
+as text: quoted paths relative to the including file, and <squeeze/...> / "squeeze/..." paths from include/ and kernels/
+(the two roots are installed as one include/squeeze/).
 """
 import pathlib
 import re
@@ -34,13 +36,31 @@ def rank_of(rel: str):
 
 def main() -> int:
     root = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else pathlib.Path(__file__).resolve().parent.parent)
-    base = root / "include" / "squeeze"
+    bases = [(root / "include" / "squeeze").resolve(), (root / "kernels" / "squeeze").resolve()]
     include_re = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]')
     bad, unranked = [], []
-    for f in sorted(base.rglob("*")):
-        if f.suffix not in (".hpp", ".cuh", ".h"):
-            continue
-        rel = f.relative_to(base).as_posix()
+
+    def relative(path: pathlib.Path):  # "kernels/adamw.hpp" for a file under either root, None elsewhere
+        for b in bases:
+            try:
+                return path.resolve().relative_to(b).as_posix()
+            except ValueError:
+                pass
+        return None
+
+    def find(rel: str):  # a squeeze/ include's file, in whichever root holds it
+        for b in bases:
+            if (b / rel).exists():
+                return b / rel
+        return bases[0] / rel
+
+    files = sorted(f for b in bases for f in b.rglob("*") if f.suffix in (".hpp", ".cuh", ".h"))
+    for b in bases[1:]:
+        for f in sorted(b.rglob("*")):
+            if f.is_file() and not f.relative_to(b).as_posix().startswith("kernels/"):
+                bad.append(f"{f.relative_to(root)}: kernels/squeeze/ holds the kernels alone (kernels/squeeze/kernels/...)")
+    for f in files:
+        rel = relative(f)
         r = rank_of(rel)
         if r is None:
             unranked.append(rel)
@@ -51,18 +71,19 @@ def main() -> int:
                 continue
             path = m.group(2)
             if path.startswith("squeeze/"):
-                target = (base / path[len("squeeze/"):]).resolve()
+                target = find(path[len("squeeze/"):])
             elif m.group(1) == '"':
                 target = (f.parent / path).resolve()
             else:
                 continue  # a system or third-party header
-            try:
-                trel = target.relative_to(base.resolve()).as_posix()
-            except ValueError:
+            trel = relative(target)
+            if trel is None:
                 continue
             tr = rank_of(trel)
             if tr is not None and tr > r:
                 bad.append(f"{rel}:{n}: includes {trel} ({LAYERS[tr][0]}) from {LAYERS[r][0]}")
+            elif rel.startswith("kernels/") and tr is not None and tr != 0 and not trel.startswith("kernels/"):
+                bad.append(f"{rel}:{n}: includes {trel}: a kernel includes only other kernels and the base types and errors")
     for u in unranked:
         print(f"{u}: in no layer: give its folder a rank in tools/check_layers.py and docs/architecture.md")
     for b in bad:

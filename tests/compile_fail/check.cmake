@@ -1,6 +1,8 @@
-# cmake -DCXX=<compiler> -DINCLUDE=<dir> -DSOURCE=<file> -DCASE=<name> -DEXPECT=<regex> -P check.cmake
+# cmake -DCXX=<compiler> -DINCLUDE=<dir> [-DKERNELS=<dir>] -DSOURCE=<file> -DCASE=<name> -DEXPECT=<regex> -P check.cmake
+# (INCLUDE: the library's include/; KERNELS: the kernels' root, kernels/)
 # Passes when the case fails to compile AND the compiler's output contains EXPECT (the static_assert
 # message that tells the user what to write instead); CASE=valid must compile.
+list(APPEND INCLUDE ${KERNELS})
 list(TRANSFORM INCLUDE PREPEND "-I")
 execute_process(COMMAND ${CXX} -std=c++20 -fsyntax-only ${INCLUDE} -DCASE_${CASE} ${SOURCE}
                 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
