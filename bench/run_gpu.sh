@@ -2,7 +2,7 @@
 # One call on the GPU machine: build with libtorch's CUDA side, run the GPU tests (ctest -L cuda) and the
 # benchmarks, write full results under $OUT (default ./gpu-results) and print a short table last.
 #   usage: bash bench/run_gpu.sh [bench-name ...]    (no names: all benchmarks but the 7B rows;
-#          names: adamw adamw8_shapes fused gemm4 gemm4_probe dequant wgmma_rate gptq zero table table7b table7b_offload table7b_stream table7b_hostckpt table7b_qlora_hostckpt table13b_stream long8b table70b diag7b ncu_gemm ncu_sm90 llama_gptq quantize7b scale scale7b scale7b_w1 qlora)
+#          names: adamw adamw8_shapes fused gemm4 gemm4_probe dequant wgmma_rate gptq zero table table7b table7b_offload table7b_stream table7b_hostckpt table7b_qlora_hostckpt table13b_stream long8b table70b diag7b ncu_gemm ncu_sm90 llama_gptq quantize7b scale scale7b scale7b_w1 peers qlora)
 #   env: TARGETS="t1 t2" builds only those targets (default: everything); GPU_TESTS=0 skips ctest -L cuda;
 #        GPU_TESTS_REGEX="Quant|Zero" runs only the cuda-labelled tests whose names match (ctest -R);
 #        BENCH_ARGS_<name>="..." extra arguments for one benchmark (e.g. BENCH_ARGS_table="--rows bf16,ckpt");
@@ -181,7 +181,24 @@ if named scale7b_w1; then  # the same at world 1 (planned 119 GB; the offload ro
   SCALE_TIMEOUT=${SCALE_TIMEOUT:-450} SCALE_COMM_TIMEOUT=${SCALE_COMM_TIMEOUT:-300} scale_rows llama-7b "1" "--lr 1e-5" "zero3-bf16-ckpt|--ckpt" |
     tee "$OUT/scale7b_w1.log"
 fi
-if named scale || named scale7b || named scale7b_w1; then python3 "$ROOT/bench/fsdp2/compare.py" "$OUT/scale.jsonl" "$OUT/fsdp2.jsonl" | tee "$OUT/scale-table.txt"; fi
+# The compiled peers (only when named): on one GPU, each of PEER_ROWS (zero3-bf16-ckpt zero3-bf16) at TinyLlama-1.1B, B=8,
+# T=2048, beside FSDP2 eager, with compiled blocks (torchtitan's recipe), with Liger-Kernel, and both (bench/fsdp2:
+# the liger-kernel wheel must be importable); compare.py takes the fastest peer variant of each row.
+if named peers; then
+  echo "== peers (TinyLlama-1.1B, B=8, T=2048, one GPU: ours beside FSDP2 eager, compiled, Liger, compiled + Liger)"
+  for row in ${PEER_ROWS:-zero3-bf16-ckpt zero3-bf16}; do
+    scale_launch 1 "${SCALE_TIMEOUT:-180}" --no-python "$BUILD/bench/table/bench_table" --preset tinyllama-1.1b --rows "$row:8" --seq 2048 \
+      --eval-seqs 4 "${corpus[@]}" --out "$OUT/scale.jsonl"
+    ckpt=(); [[ $row == *ckpt* ]] && ckpt=(--ckpt)
+    for variant in "" "--compile" "--liger" "--compile --liger"; do
+      scale_launch 1 "${PEER_TIMEOUT:-300}" "$ROOT/bench/fsdp2/fsdp2_llama.py" --preset tinyllama-1.1b --batch 8 --seq 2048 "${ckpt[@]}" $variant \
+        "${corpus[@]}" --out "$OUT/fsdp2.jsonl"
+    done
+  done
+fi
+if named scale || named scale7b || named scale7b_w1 || named peers; then
+  python3 "$ROOT/bench/fsdp2/compare.py" "$OUT/scale.jsonl" "$OUT/fsdp2.jsonl" | tee "$OUT/scale-table.txt"
+fi
 
 # QLoRA against transformers + bitsandbytes + PEFT (only when named): bench_table's qlora row and bench/qlora/qlora_peer.py
 # at TinyLlama-1.1B and LLaMA-7B, B=8, T=2048, then bench/qlora/compare.py ($OUT/qlora-*.jsonl, qlora-compare.txt);

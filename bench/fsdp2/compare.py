@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The several-GPU scaling table: squeeze's ZeRO-3 rows (bench_table JSON lines, bench "table") beside the PyTorch FSDP2
 peer in the same configuration (fsdp2_llama.py JSON lines, bench "fsdp2", matched by peer_of = the bench_table
-case, preset, layers, world, batch per GPU and seq), per world size.
+case, preset, layers, world, batch per GPU and seq), per world size. Where the peer ran in several variants (eager,
+compiled blocks, Liger's kernels, both), the fastest is the one compared, and the note names it.
 
     python3 bench/fsdp2/compare.py gpu-results/scale.jsonl gpu-results/fsdp2.jsonl [--jsonl fsdp2-compare.jsonl]
 
@@ -10,7 +11,7 @@ FLOPs over the H200's dense bf16 peak, the same in both programs), x1: tokens/s 
 world 1 (scaling efficiency), then FSDP2's peak and tokens/s per GPU, speed = ours / FSDP2 tokens/s,
 mem = FSDP2's peak / ours (> 1: ours smaller). The last line of each configuration wins (files may be appended to).
 --jsonl OUT appends one line per matched pair: {"case", "preset", "world", "tokens_per_s_per_gpu",
-"fsdp2_tokens_per_s_per_gpu", "speed_vs_fsdp2", "peak_gb", "fsdp2_peak_gb", "mem_vs_fsdp2", "fused_loss", "gather_layers_alone",
+"fsdp2_tokens_per_s_per_gpu", "speed_vs_fsdp2", "peak_gb", "fsdp2_peak_gb", "mem_vs_fsdp2", "fsdp2_variant", "fused_loss", "gather_layers_alone",
 "commit", "date"}.
 Standard library only (and bench/bench_common.py).
 """
@@ -22,12 +23,16 @@ from bench_common import append_jsonl, fmt as f, read_jsonl, split_jsonl_option 
 
 
 def load(paths):
-    ours, peer = {}, {}
+    ours, peer, variants = {}, {}, {}
     for r in read_jsonl(paths, "compare.py"):
         if r.get("bench") == "table":
             ours[(r.get("preset"), r.get("case"), r.get("world", 1), r.get("batch"), r.get("seq"), r.get("layers"))] = r
         elif r.get("bench") == "fsdp2":
-            peer[(r.get("preset"), r.get("peer_of"), r.get("world", 1), r.get("batch"), r.get("seq"), r.get("layers"))] = r
+            k = (r.get("preset"), r.get("peer_of"), r.get("world", 1), r.get("batch"), r.get("seq"), r.get("layers"))
+            variants.setdefault(k, {})[r.get("variant", "eager")] = r  # the last line of each variant wins
+    for k, by_variant in variants.items():  # the fastest variant that ran, else any (its error shows)
+        ran = [r for r in by_variant.values() if r.get("tokens_per_s_per_gpu")]
+        peer[k] = max(ran, key=lambda r: r["tokens_per_s_per_gpu"]) if ran else next(iter(by_variant.values()))
     return ours, peer
 
 
@@ -57,10 +62,12 @@ def main():
                               "fsdp2_tokens_per_s_per_gpu": p["tokens_per_s_per_gpu"],
                               "speed_vs_fsdp2": o["tokens_per_s_per_gpu"] / p["tokens_per_s_per_gpu"], "peak_gb": o["peak_gb"],
                               "fsdp2_peak_gb": p["peak_gb"], "mem_vs_fsdp2": p["peak_gb"] / o["peak_gb"],
-                              "fused_loss": o.get("fused_loss", False), "gather_layers_alone": o.get("gather_layers_alone", False),
+                              "fsdp2_variant": p.get("variant", "eager"), "fused_loss": o.get("fused_loss", False), "gather_layers_alone": o.get("gather_layers_alone", False),
                               "commit": o.get("commit"), "date": o.get("date")})
         notes = [f"ours: {o['error']}" for o in [o] if o is not None and o.get("error")]
         notes += [f"FSDP2: {p['error']}" for p in [p] if p is not None and p.get("error")]
+        if p is not None and p.get("variant", "eager") != "eager":
+            notes.append(f"FSDP2 {p['variant']}")
         print(f"{str(preset):<15} {str(case):<26} {world:>5} {batch or 0:>3} {f(o, 'peak_gb', '.2f'):>8} {f(o, 'planned_gb', '.2f'):>8} "
               f"{f(o, 'tokens_per_s_per_gpu', '.0f'):>10} {f(o, 'mfu', '.3f'):>6} {scale:>5} | {f(p, 'peak_gb', '.2f'):>8} "
               f"{f(p, 'tokens_per_s_per_gpu', '.0f'):>10} {f(p, 'mfu', '.3f'):>6} | {speed:>6} {mem:>6}  {'; '.join(notes)[:120]}")

@@ -11,6 +11,11 @@ F.scaled_dot_product_attention(is_causal=True), SwiGLU, an untied head, loss in 
   --ckpt      torch.utils.checkpoint per block (use_reentrant=False), as Checkpointed
   --offload   CPUOffloadPolicy: sharded parameters, gradients and AdamW state in pinned host memory, the
               optimizer step on the CPU, as Offload<Host>
+  --compile   torchtitan's recipe: each block (wrapped for checkpointing first under --ckpt, as torchtitan's apply_ac
+              does) compiled with torch.compile(fullgraph=True) before fully_shard
+  --liger     Liger-Kernel's Triton kernels in the same model: LigerRMSNorm, liger_rotary_pos_emb, LigerSiLUMulFunction
+              (SwiGLU) and LigerFusedLinearCrossEntropyLoss (the head + loss without the logits); with --compile too
+              (Liger's kernels are torch.compile-compatible)
 
 Per run (one configuration per launch), written by rank 0 as one JSON line (--out, appended):
   peak_gb       torch.cuda.max_memory_allocated, reset before the model is built, read after the last timed
@@ -21,8 +26,8 @@ Per run (one configuration per launch), written by rank 0 as one JSON line (--ou
                 flops_per_token = 6·N + 12·L·T·d: N the parameters that enter a matmul (all but the token-embedding
                 table; the head is untied), L layers, T = --seq, d = hidden size; the same formula and constant as
                 bench_table. Recomputation (--ckpt) is not model FLOPs.
-  and bench "fsdp2", case, peer_of (the bench_table row it mirrors), world, batch (per GPU), seq, preset,
-  final_loss, device, date, commit (env SQUEEZE_DEVICE / SQUEEZE_DATE / SQUEEZE_COMMIT, as bench_table).
+  and bench "fsdp2", case, variant (eager, compile, liger, compile+liger), peer_of (the bench_table row it mirrors),
+  world, batch (per GPU), seq, preset, final_loss, versions (torch, liger_kernel), device, date, commit (env SQUEEZE_DEVICE / SQUEEZE_DATE / SQUEEZE_COMMIT, as bench_table).
 
 Data: --batch sequences per GPU of --seq tokens; step s draws batch x world windows from a generator seeded with
 (seed, s) and rank r takes rows [r·B, (r+1)·B) (as bench_table does): random tokens over the vocabulary, or
@@ -45,12 +50,28 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 # The presets, the FLOPs formula and peak constant, the data windows: shared with bench_table's other peers.
 from bench_common import (H200_DENSE_BF16_FLOPS, NORM_EPS, PRESETS, ROPE_THETA, append_jsonl, batch, corpus_tokens,  # noqa: E402
                           add_run_arguments, flops_per_token, require_positive, run_metadata)
+
+def liger():
+    """Liger-Kernel's modules, imported only when asked for (a wheel: bench/fsdp2/README.md)."""
+    import liger_kernel
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    from liger_kernel.transformers.rms_norm import LigerRMSNorm
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+    version = getattr(liger_kernel, "__version__", None)
+    if version is None:
+        from importlib.metadata import version as dist_version
+        version = dist_version("liger-kernel")
+    return {"rms_norm": LigerRMSNorm, "rope": liger_rotary_pos_emb, "silu_mul": LigerSiLUMulFunction.apply,
+            "linear_ce": LigerFusedLinearCrossEntropyLoss, "version": version}
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden):
@@ -77,10 +98,14 @@ def apply_rope(x, cos, sin):  # x: [B, H, T, D]
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
+def make_norm(hidden, lk):
+    return lk["rms_norm"](hidden, eps=NORM_EPS, casting_mode="llama") if lk else RMSNorm(hidden)
+
+
 class Attention(nn.Module):
-    def __init__(self, hidden, heads, kv_heads):
+    def __init__(self, hidden, heads, kv_heads, lk=None):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.heads, self.kv_heads, self.head_dim, self.lk = heads, kv_heads, hidden // heads, lk
         self.q = nn.Linear(hidden, heads * self.head_dim, bias=False)
         self.k = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
         self.v = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
@@ -91,7 +116,10 @@ class Attention(nn.Module):
         q = self.q(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
         k = self.k(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
         v = self.v(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.lk:  # Liger's RoPE takes [1, T, D] tables in the activations' dtype (as transformers hands them)
+            q, k = self.lk["rope"](q, k, cos.to(q.dtype).unsqueeze(0), sin.to(q.dtype).unsqueeze(0))
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.kv_heads != self.heads
         if gqa and not (q.is_cuda and q.dtype != torch.float32):  # as llama.hpp: the fused kernels read shared K/V
             k = k.repeat_interleave(self.heads // self.kv_heads, 1)  # [B, H, T, D]
@@ -102,23 +130,26 @@ class Attention(nn.Module):
 
 
 class Mlp(nn.Module):  # SwiGLU
-    def __init__(self, hidden, ffn):
+    def __init__(self, hidden, ffn, lk=None):
         super().__init__()
+        self.lk = lk
         self.gate = nn.Linear(hidden, ffn, bias=False)
         self.up = nn.Linear(hidden, ffn, bias=False)
         self.down = nn.Linear(ffn, hidden, bias=False)
 
     def forward(self, x):
+        if self.lk:
+            return self.down(self.lk["silu_mul"](self.gate(x), self.up(x)))
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
 class Block(nn.Module):
-    def __init__(self, hidden, heads, kv_heads, ffn):
+    def __init__(self, hidden, heads, kv_heads, ffn, lk=None):
         super().__init__()
-        self.attn_norm = RMSNorm(hidden)
-        self.attn = Attention(hidden, heads, kv_heads)
-        self.mlp_norm = RMSNorm(hidden)
-        self.mlp = Mlp(hidden, ffn)
+        self.attn_norm = make_norm(hidden, lk)
+        self.attn = Attention(hidden, heads, kv_heads, lk)
+        self.mlp_norm = make_norm(hidden, lk)
+        self.mlp = Mlp(hidden, ffn, lk)
 
     def forward(self, x, cos, sin):
         h = x + self.attn(self.attn_norm(x), cos, sin)
@@ -126,13 +157,15 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, vocab, hidden, layers, heads, kv_heads, ffn, ckpt=False):
+    def __init__(self, vocab, hidden, layers, heads, kv_heads, ffn, ckpt=False, lk=None):
         super().__init__()
-        self.vocab, self.head_dim, self.layers, self.ckpt = vocab, hidden // heads, layers, ckpt
+        self.vocab, self.head_dim, self.layers, self.ckpt, self.lk = vocab, hidden // heads, layers, ckpt, lk
+        self.wrapped = False  # the blocks checkpoint themselves (checkpoint_wrapper, under --compile)
         self.embed = nn.Embedding(vocab, hidden)
-        self.blocks = nn.ModuleList(Block(hidden, heads, kv_heads, ffn) for _ in range(layers))
-        self.norm = RMSNorm(hidden)
+        self.blocks = nn.ModuleList(Block(hidden, heads, kv_heads, ffn, lk) for _ in range(layers))
+        self.norm = make_norm(hidden, lk)
         self.head = nn.Linear(hidden, vocab, bias=False)
+        self.linear_ce = lk["linear_ce"]() if lk else None
 
     @torch.no_grad()
     def init_weights(self):
@@ -150,7 +183,11 @@ class Llama(nn.Module):
         cos, sin = rope_tables(ids.size(1), self.head_dim, ids.device)
         x = self.embed(ids)  # [B, T, h]
         for block in self.blocks:
-            x = checkpoint(block, x, cos, sin, use_reentrant=False) if self.ckpt and self.training else block(x, cos, sin)
+            manual = self.ckpt and self.training and not self.wrapped
+            x = checkpoint(block, x, cos, sin, use_reentrant=False) if manual else block(x, cos, sin)
+        if self.linear_ce is not None:  # the head + loss in chunks, no [B, T, V] logits
+            h = self.norm(x)
+            return self.linear_ce(self.head.weight, h.reshape(-1, h.size(-1)), targets.reshape(-1))
         logits = self.head(self.norm(x))  # [B, T, V]
         return F.cross_entropy(logits.reshape(-1, self.vocab).float(), targets.reshape(-1))
 
@@ -160,6 +197,8 @@ def main():
     add_run_arguments(ap, out_help="append the JSON line here (rank 0)", batch_help="sequences per GPU per step")
     ap.add_argument("--ckpt", action="store_true", help="activation checkpointing per block")
     ap.add_argument("--offload", action="store_true", help="CPUOffloadPolicy: parameters, gradients and AdamW on the host")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each block before fully_shard (torchtitan's recipe)")
+    ap.add_argument("--liger", action="store_true", help="Liger-Kernel's RMSNorm, RoPE, SwiGLU and fused linear cross-entropy")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--comm-timeout", type=float, default=600, help="seconds a collective may wait for the other ranks")
     args = ap.parse_args()
@@ -189,11 +228,15 @@ def main():
         layers = args.layers
     tokens = corpus_tokens(args.corpus) if args.corpus else None
     model_flops = flops_per_token(vocab, hidden, layers, heads, kv_heads, ffn, args.seq)
-    case = "fsdp2-" + ("offload-" if args.offload else "") + "bf16" + ("-ckpt" if args.ckpt else "")
+    lk = liger() if args.liger else None
+    variant = "+".join(v for v, on in (("compile", args.compile), ("liger", args.liger)) if on) or "eager"
+    case = ("fsdp2-" + ("offload-" if args.offload else "") + "bf16" + ("-ckpt" if args.ckpt else "") +
+            ("-" + variant.replace("+", "-") if variant != "eager" else ""))
     peer_of = "zero3-" + ("offload-" if args.offload else "") + "bf16" + ("-ckpt" if args.ckpt else "")
     record = {"bench": "fsdp2", "case": case, "peer_of": peer_of, "preset": args.preset, "layers": layers, "world": world,
               "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup, "clip": args.clip, "lr": args.lr,
-              "ckpt": args.ckpt, "offload": args.offload, "flops_per_token": model_flops, "torch": torch.__version__,
+              "ckpt": args.ckpt, "offload": args.offload, "variant": variant, "flops_per_token": model_flops, "torch": torch.__version__,
+              "liger_kernel": lk["version"] if lk else None,
               **run_metadata(device.type), "oom": False}
 
     try:
@@ -203,7 +246,14 @@ def main():
         # rank), then materialised on the GPU (the host with --offload) and initialised shard by shard.
         torch.manual_seed(1)
         with torch.device("meta"):
-            model = Llama(vocab, hidden, layers, heads, kv_heads, ffn, ckpt=args.ckpt)
+            model = Llama(vocab, hidden, layers, heads, kv_heads, ffn, ckpt=args.ckpt, lk=lk)
+        if args.compile:  # torchtitan: checkpoint wrapper, then compile, then fully_shard, block by block
+            for i, block in enumerate(model.blocks):
+                if args.ckpt:
+                    block = checkpoint_wrapper(block, preserve_rng_state=False)
+                block.compile(fullgraph=True)
+                model.blocks[i] = block
+            model.wrapped = args.ckpt
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         shard = {"mp_policy": mp}
         if args.offload:
