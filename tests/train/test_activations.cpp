@@ -167,6 +167,21 @@ TEST(Activations, Int8CheckpointsAreWithinHalfACodeStep) {
   }
 }
 
+// 8-bit checkpoints are encoded and decoded in runs of blocks (bounded temporaries): any run length gives the same bytes
+// and values, including a last run and a last block that are partial.
+TEST(Activations, Int8RunsGiveTheSameBytesAsOneRun) {
+  torch::manual_seed(23);
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    const torch::Tensor x = (torch::randn({3, 1001}) * 3).to(dtype);  // 3003 values: 12 blocks, the last of 187
+    const torch::Tensor whole = engine::encode_int8(x, 1 << 20);
+    for (int64_t run : {int64_t(1), int64_t(5), int64_t(12)}) {
+      EXPECT_TRUE(torch::equal(engine::encode_int8(x, run), whole)) << "run of " << run << " blocks, " << dtype;
+      EXPECT_TRUE(torch::equal(engine::decode_int8(whole, {3, 1001}, dtype, run), engine::decode_int8(whole, {3, 1001}, dtype, 1 << 20)))
+          << "run of " << run << " blocks, " << dtype;
+    }
+  }
+}
+
 // Gradients through 8-bit checkpoints: close to plain checkpointing's (the recomputation starts from values within
 // half a code step), not equal to them, and the same whether the payload waits on the host or on the device.
 TEST(Activations, Int8CheckpointGradientsAreCloseToExact) {

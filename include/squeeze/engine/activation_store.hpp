@@ -18,6 +18,7 @@
 // A copy that fails, or host memory beyond the budget, is a squeeze::Error naming the slot and its bytes.
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <map>
@@ -35,26 +36,42 @@ namespace squeeze::engine {
 inline constexpr int64_t kCheckpointBlock = 256;  // values under one absmax in 8-bit checkpoints
 
 // x [...] -> one uint8 buffer [nb·256 + 4·nb]: int8 codes round(x · 127 / absmax) of nb = ceil(n / 256) blocks (the
-// last zero-padded), then the blocks' absmax as fp32. Torch ops, on x's device. |decode - x| <= absmax / 254 per block
-// (then rounded to x's dtype).
-inline torch::Tensor encode_int8(const torch::Tensor& x) {
-  const torch::Tensor flat = x.detach().reshape({-1}).to(torch::kFloat32);
+// last zero-padded), then the blocks' absmax as fp32. Torch ops, on x's device, over runs of kInt8RunBlocks blocks, so
+// the float temporaries stay a few hundred MB for any input (a long context's input is GBs). |decode - x| <= absmax /
+// 254 per block (then rounded to x's dtype).
+inline constexpr int64_t kInt8RunBlocks = int64_t(1) << 16;  // 16M values a run
+inline torch::Tensor encode_int8(const torch::Tensor& x, int64_t run_blocks = kInt8RunBlocks) {
+  const torch::Tensor flat = x.detach().reshape({-1});
   const int64_t n = flat.numel(), nb = (n + kCheckpointBlock - 1) / kCheckpointBlock;
-  const torch::Tensor blocks = torch::constant_pad_nd(flat, {0, nb * kCheckpointBlock - n}).view({nb, kCheckpointBlock});  // [nb, 256]
-  const torch::Tensor absmax = blocks.abs().amax(1);                                                                       // [nb]
-  const torch::Tensor inv = torch::where(absmax > 0, 127.0f / absmax, torch::zeros_like(absmax));
-  const torch::Tensor codes = (blocks * inv.unsqueeze(1)).round_().to(torch::kInt8);
-  return torch::cat({codes.view(torch::kUInt8).reshape({-1}), absmax.contiguous().view(torch::kUInt8)});
+  torch::Tensor payload = torch::empty({nb * (kCheckpointBlock + 4)}, flat.options().dtype(torch::kUInt8));
+  torch::Tensor codes = payload.narrow(0, 0, nb * kCheckpointBlock).view(torch::kInt8).view({nb, kCheckpointBlock});
+  torch::Tensor scales = payload.narrow(0, nb * kCheckpointBlock, nb * 4).view(torch::kFloat32);  // [nb]
+  for (int64_t b0 = 0; b0 < nb; b0 += run_blocks) {
+    const int64_t runs = std::min(run_blocks, nb - b0), v0 = b0 * kCheckpointBlock, values = std::min(runs * kCheckpointBlock, n - v0);
+    const torch::Tensor run = torch::constant_pad_nd(flat.narrow(0, v0, values).to(torch::kFloat32), {0, runs * kCheckpointBlock - values})
+                                  .view({runs, kCheckpointBlock});  // [runs, 256]
+    const torch::Tensor absmax = run.abs().amax(1);                 // [runs]
+    const torch::Tensor inv = torch::where(absmax > 0, 127.0f / absmax, torch::zeros_like(absmax));
+    codes.narrow(0, b0, runs).copy_((run * inv.unsqueeze(1)).round_());
+    scales.narrow(0, b0, runs).copy_(absmax);
+  }
+  return payload;
 }
-// The inverse: n values of `dtype` in `sizes`, on the payload's device.
-inline torch::Tensor decode_int8(const torch::Tensor& payload, const std::vector<int64_t>& sizes, torch::ScalarType dtype) {
+// The inverse: n values of `dtype` in `sizes`, on the payload's device (by runs, as encode_int8).
+inline torch::Tensor decode_int8(const torch::Tensor& payload, const std::vector<int64_t>& sizes, torch::ScalarType dtype,
+                                 int64_t run_blocks = kInt8RunBlocks) {
   int64_t n = 1;
   for (int64_t d : sizes) n *= d;
   const int64_t nb = (n + kCheckpointBlock - 1) / kCheckpointBlock;
   const torch::Tensor codes = payload.narrow(0, 0, nb * kCheckpointBlock).view(torch::kInt8).view({nb, kCheckpointBlock});
   const torch::Tensor absmax = payload.narrow(0, nb * kCheckpointBlock, nb * 4).view(torch::kFloat32);
-  const torch::Tensor values = codes.to(torch::kFloat32) * (absmax / 127.0f).unsqueeze(1);
-  return values.reshape({-1}).narrow(0, 0, n).to(dtype).view(sizes);
+  torch::Tensor out = torch::empty({n}, payload.options().dtype(dtype));
+  for (int64_t b0 = 0; b0 < nb; b0 += run_blocks) {
+    const int64_t runs = std::min(run_blocks, nb - b0), v0 = b0 * kCheckpointBlock, values = std::min(runs * kCheckpointBlock, n - v0);
+    const torch::Tensor run = codes.narrow(0, b0, runs).to(torch::kFloat32) * (absmax.narrow(0, b0, runs) / 127.0f).unsqueeze(1);
+    out.narrow(0, v0, values).copy_(run.reshape({-1}).narrow(0, 0, values));
+  }
+  return out.view(sizes);
 }
 
 struct ActivationStats {
