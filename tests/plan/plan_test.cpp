@@ -309,6 +309,11 @@ TEST(Plan, CommunicationBuffersOnlyWhenSharded) {
   EXPECT_EQ((plan_memory<Strategy<Mixed, Sharded<Stage3>>>(llama7b, train, 8).communication.device), 3 * block);
   EXPECT_EQ((plan_memory<Strategy<Mixed, Sharded<Stage2>>>(llama7b, train, 8).communication.device), block);
   EXPECT_EQ((plan_memory<Strategy<Mixed>>(llama7b, train, 8).communication.device), 0);
+  // Each unit prefetched beyond the first holds one more block; none prefetched, two (the running one and the reduction).
+  TrainShape deeper = train, none = train;
+  deeper.prefetch_depth = 3, none.prefetch_depth = 0;
+  EXPECT_EQ((plan_memory<Strategy<Mixed, Sharded<Stage3>>>(llama7b, deeper, 8).communication.device), 5 * block);
+  EXPECT_EQ((plan_memory<Strategy<Mixed, Sharded<Stage3>>>(llama7b, none, 8).communication.device), 2 * block);
 }
 
 TEST(Plan, MixedPrecisionAccumulationSumsInFp32) {

@@ -7,10 +7,10 @@
 //   master       Ψ_t·p_m when it differs from the compute copy, /N from stage 1
 //   optimizer    Adam m and v: Ψ_t·8 (or 8-bit blockwise: Ψ_t·2 + block scales), /N from stage 1
 //   activations  what squeeze::nn::Llama keeps for backward, plus the loss's transient, see activation_bytes()
-//   communication gather/reduce buckets: one block (stage 1-2), three (stage 3: current, prefetch, grads)
+//   communication gather/reduce buckets: one block (stage 1-2), 2 + prefetch_depth (stage 3: current, prefetched, grads)
 // Offload<Host> moves master + optimizer state (and a gradient shard in the gradient's type) to host memory;
 // Offload<Host, Streamed> the stage-3 parameter shards and gradients too, leaving on the device the units in flight:
-// the one running, the one prefetched and the gradient being reduced (three of the largest gather unit).
+// the one running, the ones prefetched and the gradient being reduced (2 + prefetch_depth of the largest gather unit).
 // peak(): a training step's device high-water mark: the start of backward (everything saved, the loss's
 // gradients being formed) or the optimizer step (every gradient materialised, no activations; freed gradients
 // beside the flat buffer they are collected into), whichever is larger. At stages 0-1, when the gradient buffer
@@ -66,6 +66,8 @@ struct TrainShape {
   bool fused_kernels = true;
   // CheckpointOffload<Host>: segment inputs held on the device besides the one in use (TrainerOptions::checkpoint_prefetch).
   i64 checkpoint_prefetch = 1;
+  // Stage 3: gather units gathered ahead of the one running (TrainerOptions::prefetch_depth), each one more unit held.
+  i64 prefetch_depth = 1;
   // Tokens per tile of each block's MLP and its norm (nn::LlamaImpl::mlp_tile_tokens); <= 0 or >= micro_batch·seq: untiled.
   i64 mlp_tile_tokens = 0;
 };
@@ -338,7 +340,7 @@ constexpr MemoryPlan plan_memory(const ModelShape& m, const TrainShape& t, int w
   if (N > 1 || S::stream_params) {
     const i64 bucket = m.largest_gather_params() * p_c;
     if constexpr (S::stage >= 3)
-      plan.communication.device = 3 * bucket;  // gathered, prefetched, grads to reduce
+      plan.communication.device = (2 + std::max<i64>(0, t.prefetch_depth)) * bucket;  // gathered, prefetched, grads to reduce
     else if constexpr (S::stage >= 1)
       plan.communication.device = S::training ? bucket : 0;
   }
