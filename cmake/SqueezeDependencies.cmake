@@ -89,3 +89,27 @@ function(squeeze_torch_nvcc_tu target)
   # while libtorch works on cuda:LOCAL_RANK (world > 1, ranks other than 0).
   set_target_properties(${target} PROPERTIES CUDA_RUNTIME_LIBRARY Shared)
 endfunction()
+
+# A precompiled <torch/torch.h> shared by the torch-including C++ programs (g++ only): parsing libtorch's headers is
+# ~12 s of each such translation unit's compile. Applied where a target's sources are all host C++ (an nvcc TU keeps
+# its own path); g++ falls back to the text header where the flags differ (-Winvalid-pch says so).
+# -DSQUEEZE_TORCH_PCH=OFF leaves it out.
+option(SQUEEZE_TORCH_PCH "Share one precompiled <torch/torch.h> among the torch C++ programs (g++)" ON)
+function(squeeze_use_torch_pch target)
+  if(NOT SQUEEZE_TORCH_PCH OR NOT CMAKE_CXX_COMPILER_ID STREQUAL "GNU" OR NOT TARGET squeeze_torch)
+    return()
+  endif()
+  get_target_property(_sources ${target} SOURCES)
+  foreach(_source IN LISTS _sources)
+    get_source_file_property(_language ${_source} LANGUAGE)
+    if(_source MATCHES "\\.cu$" OR _language STREQUAL "CUDA")
+      return()
+    endif()
+  endforeach()
+  if(NOT TARGET squeeze_torch_pch)
+    add_library(squeeze_torch_pch STATIC ${PROJECT_SOURCE_DIR}/cmake/torch_pch.cpp)
+    target_link_libraries(squeeze_torch_pch PRIVATE squeeze_torch)
+    target_precompile_headers(squeeze_torch_pch PRIVATE <torch/torch.h>)
+  endif()
+  target_precompile_headers(${target} REUSE_FROM squeeze_torch_pch)
+endfunction()
