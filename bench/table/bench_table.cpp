@@ -380,6 +380,7 @@ Row run_strategy(const RowSpec& spec, const Options& o, const nn::LlamaConfig& c
       llama::TrainOptions topt = row_options;
       topt.mlp_tile_tokens = mlp_tile_for<S>(o, config, spec.batch, d.world, device, topt.loss_chunk_tokens);
       row.mlp_tile = topt.mlp_tile_tokens;
+      topt.planned_batch = spec.batch, topt.planned_seq = o.seq;  // a step planned beyond the GPU is refused before it is built
       if constexpr (S::quantized_weights && S::has_lora) {  // built block by block: progress, and refused before allocating
         topt.layerwise.train = llama::train_shape<S>(config, spec.batch, o.seq, d.world, topt.loss_chunk_tokens, {}, topt.mlp_tile_tokens);
         topt.layerwise.progress = llama::build_progress(o.hf.empty() ? o.preset : o.hf, d.root());

@@ -215,6 +215,9 @@ int run_training(const Options& o) {
   llama::TrainOptions topt;
   topt.lr = o.lr, topt.weight_decay = o.weight_decay, topt.clip = o.clip, topt.loss_chunk_tokens = o.loss_chunk;
   topt.fused_loss = o.fused_loss;
+  // The trainer refuses a step planned beyond the device before it moves anything there (quantized strategies: the
+  // block-by-block build refuses it before building).
+  topt.planned_batch = rows, topt.planned_seq = o.seq;
   if constexpr (S::quantized_weights && S::has_lora) {
     // Built block by block; refused before anything is allocated when this rank's training step would not fit.
     topt.layerwise.train = llama::train_shape<S>(config, rows, o.seq, env.world, o.loss_chunk, {});
@@ -232,16 +235,6 @@ int run_training(const Options& o) {
         std::fprintf(stderr, " and %.2f GB on the device (the training step's peak included)", double(m.device_bytes) / 1e9);
       std::fprintf(stderr, "\n");
     }
-  }
-  if constexpr (!(S::quantized_weights && S::has_lora)) {
-    // Refused before anything is allocated when the planned step does not fit the device (the trainer itself refuses
-    // host state beyond the host's memory).
-    const int64_t planned = llama::plan_for<S>(config, rows, o.seq, env.world, o.loss_chunk).peak().device;
-    if (const auto total = engine::device_memory_total(device); total && planned > *total)
-      throw std::runtime_error("strategy " + o.strategy + " at batch " + std::to_string(rows) + " x " + std::to_string(o.seq) + " plans " +
-                               engine::gigabytes(planned) + " on " + device.str() + ", which has " + engine::gigabytes(*total) +
-                               ": use a smaller --batch or --seq, a checkpointed strategy, or keep the parameters in host memory "
-                               "(zero3-stream-bf16-ckpt)");
   }
   LlamaRun<S> trainer = pretrained ? LlamaRun<S>::from_hf(o.hf, topt, device, comm::from_env(), load_progress(o.hf, env.rank == 0))
                                    : LlamaRun<S>(config, topt, device, comm::from_env());

@@ -151,6 +151,10 @@ struct TrainOptions {
   int64_t loss_chunk_tokens = plan::kDefaultLossChunkTokens;
   // The loss through nn::fused_linear_cross_entropy (nn::LlamaImpl::fused_loss).
   bool fused_loss = false;
+  // The step the run is built for, B sequences of T tokens per optimizer step on this rank: when both are set, the
+  // trainer refuses, before it moves anything to the device, a step the planner puts beyond the device's memory
+  // (TrainerOptions::planned_step). 0: not checked.
+  int64_t planned_batch = 0, planned_seq = 0;
   // Tokens per tile of each block's MLP (nn::LlamaImpl::mlp_tile_tokens; 0: untiled); plan_for takes the same.
   // llama_train and bench_table take plan::pick_mlp_tile's for the GPU when asked for "auto".
   int64_t mlp_tile_tokens = 0;
@@ -349,13 +353,19 @@ class LlamaRun {
                          .max_grad_norm = float(std::max(0.0, options.clip))};
     adamw.loss_scale.init_scale = float(options.initial_scale);
     adamw.loss_scale.growth_interval = int(options.scale_growth_interval);
+    std::optional<train::TrainerOptions::PlannedStep> planned;
+    if (options.planned_batch > 0 && options.planned_seq > 0)
+      planned = train::TrainerOptions::PlannedStep{
+          model_->config.shape(), train_shape<S>(model_->config, options.planned_batch, options.planned_seq, comm ? comm->size() : 1,
+                                                 options.loss_chunk_tokens, options.gradient_buffers, options.mlp_tile_tokens)};
     // The model is built on the host in float (or already packed: initial_model); the trainer converts it on its way to
     // `device`, so the device never holds the float copy (the masters start from the float values kept on the host).
     trainer_.emplace(make_trainer<S>(model_, adamw, comm ? std::move(comm) : comm::LocalComm::single(),
                                      {.device = device,
                                       .gradient_buffers = options.gradient_buffers.value_or(plan::GradientBuffers::after_backward),
                                       .decay_norms_biases_embeddings = options.decay_norms_biases_embeddings,
-                                      .gather_unit = options.gather_layers_alone ? every_layer_alone : nullptr}));
+                                      .gather_unit = options.gather_layers_alone ? every_layer_alone : nullptr,
+                                      .planned_step = planned}));
   }
   LlamaRun(const LlamaRun&) = delete;
   LlamaRun(LlamaRun&&) = default;

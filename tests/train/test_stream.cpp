@@ -138,6 +138,36 @@ TEST(Stream, RefusedBeforeAllocatingWhenHostMemoryIsShort) {
   EXPECT_TRUE(t.step([&] { return model_loss(Model::llama, *model, data.x[0][0], data.y[0][0]); }).applied);
 }
 
+// TrainerOptions::planned_step: a step the planner puts beyond the device's memory is refused before the module is
+// adopted (its values untouched), with the plan's parts, the shortfall and what to change; within it the trainer builds.
+TEST(Stream, RefusedBeforeAdoptingWhenTheStepIsPlannedBeyondTheDevice) {
+  using S = Strategy<Sharded<Stage3>, Precision<bf16, float>, Checkpointed>;
+  nn::LlamaConfig cfg;
+  cfg.vocab = 29, cfg.hidden = 16, cfg.layers = 3, cfg.heads = 4, cfg.kv_heads = 2, cfg.ffn = 24;
+  torch::manual_seed(5);
+  nn::Llama model(cfg);
+  std::map<std::string, torch::Tensor> before;
+  for (auto& p : model->named_parameters()) before[p.key()] = p.value().detach().clone();
+  train::TrainerOptions o;
+  o.planned_step = train::TrainerOptions::PlannedStep{cfg.shape(), plan::TrainShape{.micro_batch = 64, .seq = 512}};
+  const int64_t need = plan::plan_memory<S>(cfg.shape(), o.planned_step->train, 1).peak().device;
+  o.available_device_bytes = need - 1;
+  try {
+    auto t = zero_trainer<S>(model, Hyper{}, LocalComm::single(), o);
+    FAIL() << "a step planned beyond the device was built";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what();
+    for (const char* want : {"plans", "micro-batches of 64 x 512 tokens", "activations", "short", "Offload<Host, Streamed>",
+                             "TrainerOptions::available_device_bytes"})
+      EXPECT_NE(msg.find(want), std::string::npos) << "missing '" << want << "' in: " << msg;
+  }
+  for (auto& p : model->named_parameters()) EXPECT_TRUE(torch::equal(p.value(), before.at(p.key()))) << p.key() << " was changed";
+  o.available_device_bytes = need;
+  auto t = zero_trainer<S>(model, Hyper{}, LocalComm::single(), o);
+  const torch::Tensor ids = torch::randint(0, cfg.vocab, {2, 9});
+  EXPECT_TRUE(t.step([&] { return model->loss(ids.narrow(1, 0, 8), ids.narrow(1, 1, 8)); }).applied);
+}
+
 // A copy that fails becomes squeeze::Error naming the unit, at once, and the runtime goes on serving other units.
 TEST(Stream, CopyFailureIsAnErrorNamingTheUnit) {
   train::SideStream side(torch::kCPU);

@@ -78,6 +78,16 @@ struct TrainerOptions {
   // Offload<Host>: what the trainer compares this rank's host state (and Offload<Host, Streamed>'s parameters) with,
   // refusing before it allocates one that would not fit. Unset: /proc/meminfo's MemAvailable when it is built.
   std::optional<int64_t> available_host_bytes{};
+  // The training step this trainer is built for, as the planner sees it. When set, construction refuses, before it
+  // moves or allocates anything, a step whose planned device peak (plan::plan_memory<S>(model, train, world)) exceeds
+  // available_device_bytes, or unset the total memory of TrainerOptions::device (a CUDA device; elsewhere nothing is
+  // compared), saying by how much and what to change.
+  struct PlannedStep {
+    plan::ModelShape model;
+    plan::TrainShape train;
+  };
+  std::optional<PlannedStep> planned_step{};
+  std::optional<int64_t> available_device_bytes{};
   // CheckpointOffload<Host>: the most recent checkpointed segment inputs kept on the device through the forward (backward
   // starts with them), and how many a backward's fetch brings back ahead of their recomputation. Each one more holds one
   // more segment input on the device.

@@ -64,6 +64,7 @@ class Trainer {
     c.grad_dtype = TrainTypes<S>::kFp32Accum ? torch::kFloat32 : c.compute_dtype;
     c.opt = std::move(opt);
 
+    refuse_beyond_device_memory();
     if constexpr (S::offload_to_host) refuse_beyond_host_memory();
     // The module as built (float, or already in the compute type) becomes what S trains: layers adopted,
     // parameters converted; the float values seed the masters (train/adopt.hpp).
@@ -476,6 +477,27 @@ class Trainer {
   }
 
  private:
+  // TrainerOptions::planned_step: refuses, before adopting the module, a step planned beyond the device's memory.
+  void refuse_beyond_device_memory() const {
+    const TrainContext& c = *ctx_;
+    if (!c.opt.planned_step) return;
+    std::optional<int64_t> available = c.opt.available_device_bytes;
+    if (!available && c.opt.device) available = device_memory_total(*c.opt.device);
+    if (!available) return;  // unknown: nothing to compare with
+    const plan::MemoryPlan p = plan::plan_memory<S>(c.opt.planned_step->model, c.opt.planned_step->train, c.world);
+    const int64_t need = p.peak().device;
+    if (need <= *available) return;
+    const plan::TrainShape& t = c.opt.planned_step->train;
+    TORCH_CHECK(false, "make_trainer: ", strategy_name<S>(), " plans ", gigabytes(need), " on the device for micro-batches of ",
+                t.micro_batch, " x ", t.seq, " tokens (parameters ", gigabytes(p.parameters.device), ", activations ",
+                gigabytes(p.activations.device), ", the rest ", gigabytes(need - p.parameters.device - p.activations.device), ") but ",
+                gigabytes(*available),
+                c.opt.available_device_bytes ? " is allowed (TrainerOptions::available_device_bytes)" : " is the device's total", ": ",
+                gigabytes(need - *available), " short. Use a smaller micro-batch or sequence, Checkpointed",
+                S::stage >= 3 ? ", Offload<Host, Streamed> (the parameters in host memory)" : ", Sharded<Stage3> with Offload<Host>",
+                ", CheckpointOffload<Host> or QuantizedState<8>");
+  }
+
   // Offload<Host>: refuses, before allocating, host state (and streamed parameters) beyond what the host can give.
   // A module built on the host for a GPU trainer gives its host tensors back once built (moved to the device, the
   // float values kept only until the masters are seeded): they count as available.
