@@ -99,11 +99,17 @@ if named table7b_qlora_hostckpt; then
 fi
 # The longest context (only when named): LLaMA-3-8B QLoRA (r=16 on all linears, 8-bit checkpoints in host memory, MLP tiles
 # the planner picks for the GPU), B=1, one timed step at each of LONG_SEQS tokens (default 131072 262144 400000).
+# The peer (transformers + bitsandbytes + PEFT, r=16 on all linears, gradient checkpointing; bench/qlora's wheels) at
+# each of LONG_PEER_SEQS until it runs out of memory: its longest context, in the same call.
 if named long8b; then
   for T in ${LONG_SEQS:-131072 262144 400000}; do
     run_bench long8b "$BUILD/bench/table/bench_table" --preset llama3-8b --rows qlora-all16-hostckpt8:1 --seq "$T" --steps 1 --warmup 0 \
       --eval-seqs 0 --mlp-tile auto "${corpus[@]}"
   done
+  echo "== long8b peer"
+  timeout "${BENCH_TIMEOUT:-3600}" python3 "$ROOT/bench/qlora/qlora_peer.py" --preset llama3-8b --batch 1 --seqs "${LONG_PEER_SEQS:-16384,24576,32768,49152,65536}" \
+    --rank 16 --alpha 32 --targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj "${corpus[@]}" --out "$OUT/long8b-peer.jsonl" 2>&1 |
+    tee "$OUT/long8b-peer.log" | grep -E "trained|out of memory|Error" | tail -8
 fi
 # LLaMA-2-70B on one GPU (only when named): NF4 and GPTQ-format 4-bit bases, r=16 adapters on all linears with 8-bit moments,
 # the checkpointed block inputs in host memory, B=TABLE70B_BATCH (2), T=2048; each model built block by block.

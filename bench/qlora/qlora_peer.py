@@ -45,6 +45,10 @@ as fsdp2_llama.py draws them (bench_common.batch). Throughput does not depend on
   python3 bench/qlora/qlora_peer.py --preset tinyllama-1.1b --batch 8 --seq 2048 --out qlora-peer.jsonl
   python3 bench/qlora/qlora_peer.py --preset tiny --device cpu --batch 2 --seq 64 --out /tmp/q.jsonl   # smoke run
 A run that fails (out of memory included) writes its line with `oom` / `error` and exits 1.
+
+The longest context: --seqs T1,T2,... (ascending) loads the model once and trains one step at each sequence length
+(the peak reset before each), one line per length with `seq` set, until one runs out of memory (its line says so);
+the largest that trained is the peer's longest context. The model's max_position_embeddings is the largest T.
 """
 import argparse
 import gc
@@ -149,6 +153,7 @@ def main():
     ap.add_argument("--alpha", type=int, default=16, help="LoRA alpha")
     ap.add_argument("--targets", default="q_proj,v_proj", help="LoRA target modules")
     ap.add_argument("--prepare-kbit", action="store_true", help="peft.prepare_model_for_kbit_training first (fp32 norms, embedding, head)")
+    ap.add_argument("--seqs", default="", help="ascending sequence lengths: one step at each until one runs out of memory")
     ap.add_argument("--model-dir", default="", help="write the random bf16 checkpoint here and keep it (reused when it holds this "
                                                      "geometry); default: a temporary directory under TMPDIR, removed at the end")
     args = ap.parse_args()
@@ -171,7 +176,10 @@ def main():
     vocab, hidden, layers, heads, kv_heads, ffn = PRESETS[args.preset]
     if args.layers > 0:
         layers = args.layers
-    config = llama_config(vocab, hidden, layers, heads, kv_heads, ffn, args.seq)
+    seqs = [int(t) for t in args.seqs.split(",") if t.strip()] if args.seqs else []
+    if seqs and (sorted(seqs) != seqs or seqs[0] <= 0):
+        raise SystemExit(f"qlora_peer: --seqs must be ascending positive lengths, got {args.seqs}")
+    config = llama_config(vocab, hidden, layers, heads, kv_heads, ffn, max(seqs + [args.seq]))
     tokens = corpus_tokens(args.corpus) if args.corpus else None
     model_flops = flops_per_token(vocab, hidden, layers, heads, kv_heads, ffn, args.seq)
     case = "hf-bnb-peft-qlora" + ("-kbit" if args.prepare_kbit else "")
@@ -239,6 +247,39 @@ def main():
             opt.zero_grad(set_to_none=True)
             losses.append(loss.item())  # synchronises, as bench_table's loss read-back does
             return losses[-1]
+
+        if seqs:  # the longest context: one step at each length until one runs out of memory
+            for T in seqs:
+                args.seq = T
+                row = dict(record, seq=T, steps=1, warmup=0, flops_per_token=flops_per_token(vocab, hidden, layers, heads, kv_heads, ffn, T))
+                try:
+                    x, y = batch(args, vocab, tokens, 0, 0, 1, device)
+                    if device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats(device)
+                        torch.cuda.synchronize(device)
+                    t0 = time.perf_counter()
+                    loss = step(0, x, y)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    time_ms = 1e3 * (time.perf_counter() - t0)
+                    tps = args.batch * T / (time_ms / 1e3)
+                    row.update({"time_ms": time_ms, "tokens_per_s": tps, "tokens_per_s_per_gpu": tps, "final_loss": loss,
+                                "mfu": row["flops_per_token"] * tps / H200_DENSE_BF16_FLOPS})
+                    if device.type == "cuda":
+                        row["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+                    print(f"{case} {args.preset} B {args.batch} T {T}: trained, peak {row.get('peak_gb', 0):.2f} GB, {tps:.0f} tok/s", flush=True)
+                    append_jsonl(args.out, [row])
+                except torch.OutOfMemoryError as e:
+                    row.update({"oom": True, "error": str(e).split("\n")[0][:300]})
+                    append_jsonl(args.out, [row])
+                    print(f"{case} {args.preset} B {args.batch} T {T}: out of memory", flush=True)
+                    break
+                finally:
+                    opt.zero_grad(set_to_none=True)
+                    gc.collect()
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+            return
 
         for i in range(args.warmup):
             step(i, *batch(args, vocab, tokens, i, 0, 1, device))
