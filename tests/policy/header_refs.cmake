@@ -1,8 +1,9 @@
-# Fails when a comment, doc or example names a header <squeeze/....hpp|.cuh> that include/ does not have (a reader
-# who follows it meets "no such file"). Run as: cmake -DROOT=<source dir> -P header_refs.cmake
+# Fails when a comment, doc or example names a header <squeeze/....hpp|.cuh> that neither include/ nor kernels/ (the
+# kernels' root, installed with include/) has (a reader who follows it meets "no such file").
+# Run as: cmake -DROOT=<source dir> -P header_refs.cmake
 set(found "")
 set(files "${ROOT}/README.md")
-foreach(dir include examples tools bench docs tests)
+foreach(dir include kernels examples tools bench docs tests)
   file(GLOB_RECURSE more "${ROOT}/${dir}/*.hpp" "${ROOT}/${dir}/*.cpp" "${ROOT}/${dir}/*.cu" "${ROOT}/${dir}/*.cuh"
        "${ROOT}/${dir}/*.h" "${ROOT}/${dir}/*.md")
   list(APPEND files ${more})
@@ -13,7 +14,7 @@ foreach(f ${files})
   list(REMOVE_DUPLICATES refs)
   foreach(r ${refs})
     string(REGEX REPLACE "^<(.*)>$" "\\1" header "${r}")
-    if(NOT EXISTS "${ROOT}/include/${header}")
+    if(NOT EXISTS "${ROOT}/include/${header}" AND NOT EXISTS "${ROOT}/kernels/${header}")
       file(RELATIVE_PATH rel "${ROOT}" "${f}")
       list(APPEND found "${rel}: ${r}")
     endif()
@@ -21,6 +22,6 @@ foreach(f ${files})
 endforeach()
 if(found)
   list(JOIN found "\n  " lines)
-  message(FATAL_ERROR "headers named that include/ does not have:\n  ${lines}")
+  message(FATAL_ERROR "headers named that include/ and kernels/ do not have:\n  ${lines}")
 endif()
 message(STATUS "every <squeeze/...> header named in the sources and docs exists")

@@ -2,7 +2,7 @@
 # are safetensors: include/squeeze/train/checkpoint.hpp). Run as: cmake -DROOT=<source dir> -P no_pickle.cmake
 set(patterns "torch::save" "torch::load" "torch::serialize" "torch::pickle" "pickle_load" "pickle_save" "import pickle" "torch.load(" "torch.save(")
 set(found "")
-foreach(dir include examples tools bench)
+foreach(dir include kernels examples tools bench)
   file(GLOB_RECURSE files "${ROOT}/${dir}/*.hpp" "${ROOT}/${dir}/*.cpp" "${ROOT}/${dir}/*.cu" "${ROOT}/${dir}/*.cuh" "${ROOT}/${dir}/*.h" "${ROOT}/${dir}/*.py")
   foreach(f ${files})
     file(READ "${f}" text)
