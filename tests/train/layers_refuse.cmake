@@ -1,0 +1,25 @@
+# tools/check_layers.py on a made-up tree: a module header that includes the trainer (a layer up), and a kernel that
+# includes a policy header (a layer down, but more than the base types a kernel may use), are both reported and the
+# check fails; the kernel's include of the base types is not. Run as:
+#   cmake -DPYTHON=<python3> -DCHECK=<tools/check_layers.py> -DTREE=<scratch dir> -P layers_refuse.cmake
+file(REMOVE_RECURSE "${TREE}")
+file(WRITE "${TREE}/include/squeeze/nn/model.hpp" "#include \"squeeze/train/trainer.hpp\"\n")
+file(WRITE "${TREE}/include/squeeze/train/trainer.hpp" "#include \"squeeze/nn/model.hpp\"\n")
+file(WRITE "${TREE}/kernels/squeeze/kernels/k.cuh" "#include \"squeeze/dtype.hpp\"\n#include \"squeeze/policy/strategy.hpp\"\n")
+file(WRITE "${TREE}/include/squeeze/policy/strategy.hpp" "\n")
+file(WRITE "${TREE}/include/squeeze/dtype.hpp" "\n")
+execute_process(COMMAND ${PYTHON} ${CHECK} ${TREE} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(rc EQUAL 0)
+  message(FATAL_ERROR "check_layers passed a tree whose includes run up:\n${out}")
+endif()
+foreach(want "nn/model.hpp:1: includes train/trainer.hpp" "kernels/k.cuh:2: includes policy/strategy.hpp: a kernel includes only")
+  string(FIND "${out}" "${want}" at)
+  if(at EQUAL -1)
+    message(FATAL_ERROR "check_layers did not report '${want}':\n${out}")
+  endif()
+endforeach()
+string(FIND "${out}" "k.cuh:1" at)
+if(NOT at EQUAL -1)
+  message(FATAL_ERROR "check_layers reported a kernel's include of the base types:\n${out}")
+endif()
+message(STATUS "check_layers refuses includes that run up and kernels that include more than the base types")
