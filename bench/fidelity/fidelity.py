@@ -330,8 +330,10 @@ def cmd_run(args):
     return 1 if runner.failed else 0
 
 
-def summarize(records):
-    """One line per (setting, strategy) from the runs' records; the setting is everything but strategy and seed."""
+def summarize(records, reference="fp32"):
+    """One line per (setting, strategy) from the runs' records; the setting is everything but strategy and seed. Ratios
+    are to fp32; a `reference` other than fp32 (a policy's exact twin, e.g. bf16-ckpt for its 8-bit checkpoints) adds
+    ratio_vs_reference and its paired mean and spread."""
     groups = {}  # setting key -> strategy -> seed -> record (the latest record of a seed wins)
     order = []
     for rec in records:
@@ -386,6 +388,13 @@ def summarize(records):
             else:
                 line["ratio_vs_fp32"] = None
                 line["within_target"] = None  # no fp32 runs at this setting yet
+            other = stats.get(reference) if reference != "fp32" else None
+            if other:
+                line["reference"] = reference
+                line["ratio_vs_reference"] = m / mean(other[1])
+                paired = [seeds[x]["result"]["val_ppl"] / other[2][other[0].index(x)]["result"]["val_ppl"] for x in sorted(seeds) if x in other[0]]
+                line["ratio_paired_vs_reference_mean"] = mean(paired) if paired else None
+                line["ratio_paired_vs_reference_std"] = sample_std(paired)
             line.update(speed_of(recs))
             lines.append(line)
     return lines
@@ -425,7 +434,7 @@ def cmd_summarize(args):
         records += read_jsonl(path)
     if not records:
         fail("no runs in " + ", ".join(args.runs))
-    lines = summarize(records) + summarize_finetune(records)
+    lines = summarize(records, args.reference) + summarize_finetune(records)
     write_jsonl(args.out, lines)
     print_summary(lines)
     print_finetune(lines)
@@ -799,6 +808,9 @@ def cmd_selftest(_args):
     ck.ok(close(x["ppl_mean"], 4.6) and close(x["ppl_std"], math.sqrt(0.08)), f"summary mean / std: {x['ppl_mean']}, {x['ppl_std']}")
     ck.ok(close(x["ratio_vs_fp32"], 4.6 / 4.1) and close(x["ratio_paired_mean"], (1.1 + 4.8 / 4.2) / 2), "ratios")
     ck.ok(x["within_target"] is False and lines["fp32"]["within_target"] is True, "within_target")
+    y = {ln["strategy"]: ln for ln in summarize([rec("fp32", 1, 4.0), rec("r", 1, 4.4), rec("r", 2, 4.0), rec("x", 1, 4.4), rec("x", 2, 4.8)], "r")}["x"]
+    ck.ok(close(y["ratio_vs_reference"], 4.6 / 4.2) and close(y["ratio_paired_vs_reference_mean"], (1.0 + 1.2) / 2) and y["reference"] == "r",
+          "ratios to a reference other than fp32")
     later = summarize([rec("fp32", 1, 4.0), rec("fp32", 1, 4.1)])  # a seed run twice: the later record counts
     ck.ok(later[0]["ppl_per_seed"] == [4.1] and later[0]["ppl_std"] is None, "the latest record of a seed wins")
 
@@ -873,6 +885,7 @@ def main():
 
     p = sub.add_parser("summarize", help="runs -> one line per strategy (and per fine-tuning method)")
     p.add_argument("--runs", nargs="+", required=True)
+    p.add_argument("--reference", default="fp32", help="also give each strategy's ratios to this one (default: fp32 only)")
     p.add_argument("--out", required=True)
     p.set_defaults(fn=cmd_summarize)
 
