@@ -96,7 +96,9 @@ LayerwiseMemory layerwise_memory(const LlamaConfig& c, const LayerwiseOptions& o
   plan::TrainShape step = o.train.value_or(plan::TrainShape{});
   const plan::MemoryPlan planned = plan::plan_memory<S>(m, step, 1);
   r.dense_rest_bytes = m.unquantized_params() * 4;
-  r.packed_bytes = planned.parameters.device - m.unquantized_params() * p_c;
+  // Parameters less the dense rest (a streamed base: on the host, and its device slots are not what is built).
+  r.packed_bytes = S::stream_frozen_base ? planned.parameters.host + int64_t(sizeof(typename S::master_type)) * planned.trainable_params
+                                         : planned.parameters.device - m.unquantized_params() * p_c;
   r.float_block_bytes = m.block_params() * 4;
   int64_t largest_linear = 0;
   for (const auto& l : m.block_linears()) largest_linear = std::max(largest_linear, l.in * l.out);
@@ -113,10 +115,15 @@ LayerwiseMemory layerwise_memory(const LlamaConfig& c, const LayerwiseOptions& o
   } else {
     // The embedding and the head are made on the host too, each moved to the device before the next part exists.
     r.host_bytes = std::max(r.float_block_bytes, m.embedding_params() * 4) + r.read_buffer_bytes;
-    if (o.train) r.host_bytes = std::max(r.host_bytes, planned.peak().host);
+    if (S::stream_frozen_base) r.host_bytes += planned.parameters.host;  // the packed blocks, moved there one by one
+    if (o.train) r.host_bytes = std::max(r.host_bytes, planned.peak().host + (S::stream_frozen_base ? r.float_block_bytes : 0));
     // Calibrated, the float block moves to the device to run the calibration forward.
     const int64_t packing = r.calibration_bytes > 0 ? r.float_block_bytes + r.calibration_bytes : largest_linear * p_c;
-    r.device_bytes = std::max(r.packed_bytes + r.dense_rest_bytes + packing, r.planned_step_bytes);
+    // A streamed base: the adapters stay, and one block's packed bytes until it moves to the host.
+    const int64_t on_device = S::stream_frozen_base
+                                  ? r.packed_bytes - planned.parameters.host + planned.parameters.host / std::max<int64_t>(1, m.layers)
+                                  : r.packed_bytes;
+    r.device_bytes = std::max(on_device + r.dense_rest_bytes + packing, r.planned_step_bytes);
   }
   return r;
 }
@@ -231,6 +238,9 @@ Llama build_layerwise(const LlamaConfig& c, const LayerwiseOptions& o, bool rand
   const auto start = Clock::now();
   std::optional<Clock::time_point> blocks_start;  // after the embedding: what the blocks' mean time is taken over
   int64_t adapters = 0;                           // adapters of the blocks before: the next block's first seed
+  // Offload<Host, Streamed>: the host memory each packed block moves to (engine/frozen_units.hpp).
+  const auto home =
+      S::stream_frozen_base ? std::make_shared<engine::FrozenUnits>(o.device, o.train ? int(o.train->prefetch_depth) : 1) : nullptr;
   LayerwiseProgress p;
   p.blocks_total = c.layers;
   // GPTQ calibration: the hidden states [sequences, tokens, h] in float on the device, through the blocks packed so far.
@@ -276,8 +286,9 @@ Llama build_layerwise(const LlamaConfig& c, const LayerwiseOptions& o, bool rand
       };
     }
     adapters += int64_t(apply_lora<S>(*block, block_place, adapters).size());
-    block->to(o.device);  // the norms; the packed layers are there already
-    if (calibrate) {      // the next block calibrates on what this one, quantized, computes
+    if constexpr (S::stream_frozen_base) home_packed_bases(*block, name, home);  // its packed bytes to host memory now
+    block->to(o.device);                                                         // the norms; the packed layers are there already
+    if (calibrate) {  // the next block calibrates on what this one, quantized, computes
       torch::NoGradGuard no_grad;
       hessians.clear();
       hidden = block->forward(hidden, cos, sin);

@@ -30,6 +30,7 @@
 #include <array>
 #include <cstdint>
 #include <optional>
+#include <string_view>
 
 #include "squeeze/kernels/quant/dequant.cuh"
 #if defined(__CUDACC__)
@@ -45,14 +46,17 @@ namespace detail {
 // module.to(...) for frozen packed layers (QuantizedLinear, LoRALinear, Nf4Linear): every tensor follows a
 // device move, but a dtype conversion reaches only dense bases ("weight", "bias"): packed buffers keep their
 // storage types and adapters their (master) type. Children get the same call (their own `to` decides).
-inline void to_keep_types(torch::nn::Module& m, std::optional<torch::Device> device, std::optional<torch::Dtype> dtype, bool non_blocking) {
+// Buffers named with `stay_prefix` stay where they are (an NF4 base in host memory under Offload<Host, Streamed>).
+inline void to_keep_types(torch::nn::Module& m, std::optional<torch::Device> device, std::optional<torch::Dtype> dtype, bool non_blocking,
+                          std::string_view stay_prefix = {}) {
   auto move = [&](torch::Tensor& t, bool convert) {
     const torch::Device d = device.value_or(t.device());
     const torch::Dtype ty = convert && dtype && t.is_floating_point() ? *dtype : t.scalar_type();
     t.set_data(t.to(d, ty, non_blocking));
   };
   for (auto& p : m.named_parameters(/*recurse=*/false)) move(p.value(), false);
-  for (auto& b : m.named_buffers(/*recurse=*/false)) move(b.value(), b.key() == "weight" || b.key() == "bias");
+  for (auto& b : m.named_buffers(/*recurse=*/false))
+    if (stay_prefix.empty() || !b.key().starts_with(stay_prefix)) move(b.value(), b.key() == "weight" || b.key() == "bias");
   for (auto& c : m.children()) {
     if (device && dtype)
       c->to(*device, *dtype, non_blocking);

@@ -66,7 +66,8 @@ struct TrainShape {
   bool fused_kernels = true;
   // CheckpointOffload<Host>: segment inputs held on the device besides the one in use (TrainerOptions::checkpoint_prefetch).
   i64 checkpoint_prefetch = 1;
-  // Stage 3: gather units gathered ahead of the one running (TrainerOptions::prefetch_depth), each one more unit held.
+  // Stage 3: gather units gathered ahead of the one running (TrainerOptions::prefetch_depth), each one more unit held;
+  // a streamed quantized base: its blocks copied ahead, each one more block's packed bytes on the device.
   i64 prefetch_depth = 1;
   // Tokens per tile of each block's MLP and its norm (nn::LlamaImpl::mlp_tile_tokens); <= 0 or >= micro_batch·seq: untiled.
   i64 mlp_tile_tokens = 0;
@@ -262,11 +263,18 @@ constexpr MemoryPlan plan_memory(const ModelShape& m, const TrainShape& t, int w
 
   // Parameters: the compute copy (or packed quantized linears + high-precision rest) and adapters.
   if constexpr (S::quantized_weights) {
-    i64 weights = 0;
-    for (auto lin : m.block_linears()) weights += m.layers * quantized_matrix_bytes<WQ>(lin.in, lin.out);
-    weights += m.unquantized_params() * p_c;
+    i64 block_packed = 0;  // one block's packed linears
+    for (auto lin : m.block_linears()) block_packed += quantized_matrix_bytes<WQ>(lin.in, lin.out);
+    i64 weights = m.unquantized_params() * p_c;
     weights += lora_params * p_m;  // adapters are trained in the master type (no separate master copy)
-    plan.parameters.device = S::stage >= 3 ? shard(weights) : weights;
+    if constexpr (S::stream_frozen_base) {
+      // The packed blocks in host memory; on the device, the block in use and the ones prefetched (engine::FrozenUnits).
+      plan.parameters.host = m.layers * block_packed;
+      plan.parameters.device = weights + std::min<i64>(m.layers, 1 + std::max<i64>(0, t.prefetch_depth)) * block_packed;
+    } else {
+      weights += m.layers * block_packed;
+      plan.parameters.device = S::stage >= 3 ? shard(weights) : weights;
+    }
   } else {
     const i64 elements = m.params();  // shards are counted in elements, then bytes
     (S::stream_params ? plan.parameters.host : plan.parameters.device) =

@@ -103,8 +103,14 @@ struct Strategy {
 
   // ---- traits -------------------------------------------------------------------------------------
   static constexpr int stage = sharding::stage;
-  static constexpr bool offload_to_host = offload::to_host;
-  static constexpr bool stream_params = offload::params_on_host;  // Offload<Host, Streamed>
+  static constexpr int weight_bits = weight_quantization::bits;  // 0: not quantized
+  static constexpr bool quantized_weights = weight_bits != 0;
+  // Offload<Host, Streamed> on a frozen quantized base: the packed blocks live in host memory and come to the device a
+  // block at a time; the adapters and their (small) state stay on the device.
+  static constexpr bool stream_frozen_base = offload::params_on_host && quantized_weights;
+  // Offload<Host>: the optimizer state (and the fp32 masters) in host memory.
+  static constexpr bool offload_to_host = offload::to_host && !stream_frozen_base;
+  static constexpr bool stream_params = offload::params_on_host && !quantized_weights;  // trained stage-3 units streamed
   static constexpr int accumulation_steps = accumulation::steps;
   using compute_type = typename precision::compute_type;
   using master_type = typename precision::master_type;
@@ -114,8 +120,6 @@ struct Strategy {
   static constexpr bool loss_scaling = loss_scale::enabled;
   static constexpr bool dynamic_loss_scaling = loss_scale::dynamic;
   static constexpr bool training = mode::training;
-  static constexpr int weight_bits = weight_quantization::bits;  // 0: not quantized
-  static constexpr bool quantized_weights = weight_bits != 0;
   static constexpr int state_bits = state_quantization::bits;  // 32 or 8
   static constexpr bool has_lora = lora::rank > 0;
   static constexpr int lora_rank = lora::rank;
@@ -139,9 +143,15 @@ struct Strategy {
   static_assert(!(stream_params && stage != 3),
                 "Offload<Host, Streamed> streams stage-3 gather units from host memory: add Sharded<Stage3> (on one GPU too), or write "
                 "Offload<Host> to keep the parameters on the device");
-  static_assert(!(stream_params && (quantized_weights || has_lora)),
-                "Offload<Host, Streamed> streams trained parameters; a frozen quantized or LoRA base is not streamed yet: write "
-                "Offload<Host> (adapters' state in host memory) and keep the base on the device");
+  static_assert(!(stream_params && has_lora),
+                "Offload<Host, Streamed> streams trained parameters or a frozen quantized base; a dense LoRA base is not streamed: "
+                "quantize it (Quantized<4, NF4, DoubleQuant>) or write Offload<Host> (adapters' state in host memory)");
+  static_assert(!(stream_frozen_base && !std::is_same_v<typename weight_quantization::method, NF4>),
+                "Offload<Host, Streamed> streams an NF4 base from host memory; a GPTQ-format base stays on the device: write "
+                "Quantized<4, NF4, DoubleQuant>, or remove Offload<Host, Streamed>");
+  static_assert(!(stream_frozen_base && stage != 0),
+                "Offload<Host, Streamed> on a quantized base streams its blocks to one GPU; the adapters and their state stay "
+                "there: remove Sharded<...>");
   static_assert(!(training && !precision::has_master_copy && std::is_same_v<compute_type, half>),
                 "fp16 weights cannot be their own master (updates vanish below fp16's resolution): write Precision<half, float>");
   static_assert(!(stochastic_rounding && !(stream_params && !has_lora)),

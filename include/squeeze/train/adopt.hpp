@@ -34,6 +34,7 @@ using namespace squeeze::engine;
 struct AdoptOptions {
   std::vector<std::string> replicate;   // TrainerOptions::replicate
   std::optional<torch::Device> device;  // TrainerOptions::device
+  int prefetch_depth = 1;               // TrainerOptions::prefetch_depth: a streamed quantized base's blocks copied ahead
 };
 
 struct AdoptedModel {
@@ -162,7 +163,26 @@ AdoptedModel adopt_model(torch::nn::Module& model, const AdoptOptions& o) {
     for (const auto& m : model.modules()) has_linear |= dynamic_cast<nn::LinearImpl*>(m.get()) != nullptr;
     TORCH_CHECK(has_linear, "make_trainer: a LoRA Strategy needs squeeze::nn::Linear layers to adapt; the model has none");
     try {
-      out.adapted = nn::apply_lora<S>(model, base_placement);
+      if constexpr (S::stream_frozen_base) {
+        // Each block packed, then moved to host memory before the next is packed: the device never holds the base.
+        std::shared_ptr<FrozenUnits> home = nn::frozen_home(model);  // a model built block by block has one already
+        if (!home) {
+          torch::Device device = o.device.value_or(torch::kCPU);
+          for (const auto& p : model.parameters())
+            if (!o.device) {
+              device = p.device();
+              break;
+            }
+          home = std::make_shared<FrozenUnits>(device, o.prefetch_depth);
+        }
+        int64_t seeds = 0;  // the adapters made so far: the next layer's seed, as one apply_lora over the model counts
+        for (const auto& item : model.named_modules())
+          if (dynamic_cast<const GatherUnit*>(item.value().get()) != nullptr) {
+            seeds += int64_t(nn::apply_lora<S>(*item.value(), base_placement, seeds).size());
+            nn::home_packed_bases(*item.value(), item.key(), home);
+          }
+      }
+      out.adapted = nn::apply_lora<S>(model, base_placement);  // the rest; the blocks' adapters are kept and reported
     } catch (const c10::Error& e) {
       TORCH_CHECK(false, "make_trainer: ", e.what_without_backtrace(),
                   " (LoRA<R, A, Targets> names the layers it adapts: q, k, v, o, gate, up, down, or q_proj, ...)");

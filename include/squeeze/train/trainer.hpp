@@ -68,8 +68,9 @@ class Trainer {
     if constexpr (S::offload_to_host) refuse_beyond_host_memory();
     // The module as built (float, or already in the compute type) becomes what S trains: layers adopted,
     // parameters converted; the float values seed the masters (train/adopt.hpp).
-    AdoptedModel adopted = adopt_model<S>(*module_, AdoptOptions{c.opt.replicate, c.opt.device});
+    AdoptedModel adopted = adopt_model<S>(*module_, AdoptOptions{c.opt.replicate, c.opt.device, c.opt.prefetch_depth});
     recomputable_ = adopted.recomputable > 0;
+    if constexpr (S::stream_frozen_base) frozen_home_ = nn::frozen_home(*module_);
     if (!c.opt.master_init && !adopted.float_values.empty()) {
       c.opt.master_init = [&adopted](const std::string& name) {
         auto it = adopted.float_values.find(name);
@@ -179,6 +180,7 @@ class Trainer {
     now.host_update_s = o.sum_squares_s + o.update_s;
     now.host_wait_s = o.transfer_wait_s;
     parts_->checkpoints.add_transfers(now);
+    if (frozen_home_) now.h2d_bytes += frozen_home_->stats().h2d_bytes;  // the streamed quantized base's blocks
     if constexpr (S::stream_params) {
       const StreamStats st = parts_->sync.stream_stats();
       now.h2d_bytes += st.h2d_bytes;
@@ -469,6 +471,11 @@ class Trainer {
     MemoryUse m;
     parts_->sync.add_memory(m, Parts::OptimizerState::on_host);
     parts_->checkpoints.add_memory(m);
+    if (frozen_home_) {  // the streamed quantized base: its blocks in host memory, the slots on the device
+      const FrozenUnitStats f = frozen_home_->stats();
+      m.parameters.host += f.host_bytes;
+      m.parameters.device += f.device_bytes;
+    }
     return m;
   }
   // Actual bytes beside the planner's prediction for the same shapes.
@@ -572,9 +579,10 @@ class Trainer {
   std::unique_ptr<PartsHeld> parts_;
   std::pair<const Partition*, torch::Tensor> last_gathered_;  // gather_parameter's unit
   int64_t applied_ = 0, skipped_ = 0;
-  bool recomputable_ = false;       // Checkpointed: the model recomputes (checked at the first step)
-  bool ranked_by_forward_ = false;  // Partition::priority follows the recorded forward order
-  TransferCounters transfers_;      // the counters' totals at the last boundary
+  bool recomputable_ = false;                 // Checkpointed: the model recomputes (checked at the first step)
+  std::shared_ptr<FrozenUnits> frozen_home_;  // Offload<Host, Streamed> on a quantized base: where its blocks live
+  bool ranked_by_forward_ = false;            // Partition::priority follows the recorded forward order
+  TransferCounters transfers_;                // the counters' totals at the last boundary
 };
 
 // module: a torch::nn::ModuleHolder (e.g. an `MLP` from TORCH_MODULE) or a shared_ptr to a Module.
