@@ -2,7 +2,7 @@
 # One call on the GPU machine: build with libtorch's CUDA side, run the GPU tests (ctest -L cuda) and the
 # benchmarks, write full results under $OUT (default ./gpu-results) and print a short table last.
 #   usage: bash bench/run_gpu.sh [bench-name ...]    (no names: all benchmarks but the 7B rows;
-#          names: adamw adamw8_shapes fused gemm4 gemm4_probe dequant wgmma_rate gptq zero table table7b table7b_offload table7b_stream table7b_hostckpt table7b_qlora_hostckpt table13b_stream long8b table70b diag7b ncu_gemm ncu_sm90 llama_gptq quantize7b scale scale7b scale7b_w1 peers qlora)
+#          names: adamw adamw8_shapes fused gemm4 gemm4_probe dequant wgmma_rate gptq zero table table7b table7b_offload table7b_stream table7b_hostckpt table7b_qlora_hostckpt table13b_stream long8b table70b table175b diag7b ncu_gemm ncu_sm90 llama_gptq quantize7b scale scale7b scale7b_w1 peers qlora)
 #   env: TARGETS="t1 t2" builds only those targets (default: everything); GPU_TESTS=0 skips ctest -L cuda;
 #        GPU_TESTS_REGEX="Quant|Zero" runs only the cuda-labelled tests whose names match (ctest -R);
 #        BENCH_ARGS_<name>="..." extra arguments for one benchmark (e.g. BENCH_ARGS_table="--rows bf16,ckpt");
@@ -117,6 +117,14 @@ if named table70b; then
   run_bench table70b "$BUILD/bench/table/bench_table" --preset llama-70b \
     --rows "qlora-all16-hostckpt-adam8:${TABLE70B_BATCH:-2},gptq4-all16-hostckpt-adam8:${TABLE70B_BATCH:-2}" --steps 2 --warmup 1 \
     --eval-seqs 0 --lr 5e-6 "${corpus[@]}"
+fi
+# The survey's 175B on one GPU (only when named): preset llama-175b (GPT-3's width and depth), QLoRA r=16 on all linears
+# with 8-bit moments, the NF4 blocks in pinned host memory streamed through the GPU (Offload<Host, Streamed>), the
+# checkpointed block inputs in host memory in 8 bits, B=TABLE175B_BATCH (2), T=2048, MLP tiles the planner picks; built
+# block by block, each block's packed bytes moved to the host as soon as it is packed.
+if named table175b; then
+  run_bench table175b "$BUILD/bench/table/bench_table" --preset llama-175b --rows "qlora-all16-stream:${TABLE175B_BATCH:-2}" --steps 1 \
+    --warmup 1 --eval-seqs 0 --lr 5e-6 --mlp-tile auto --loss-chunk 1024 "${corpus[@]}"
 fi
 # The compact host state (Precision<bf16, bf16> + 8-bit moments: 6 bytes a parameter) at the 13B geometry: ~80 GB of
 # host state where fp32 masters and moments would need 208 GB.

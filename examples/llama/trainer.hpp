@@ -92,6 +92,10 @@ void for_each_strategy(F&& f) {
                                  CheckpointOffload<Host>, QuantizedState<8>>>("qlora-all16-hostckpt-adam8");
   f.template operator()<Strategy<Quantized<4, RTN, Group<128>>, LoRA<16, 32, all_linears>, Precision<bf16, float>, Checkpointed,
                                  CheckpointOffload<Host>, QuantizedState<8>>>("gptq4-all16-hostckpt-adam8");
+  // 175B on one GPU: the same with the NF4 blocks themselves in host memory, streamed through the GPU a block at a time,
+  // and the checkpointed block inputs there in 8 bits
+  f.template operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<16, 32, all_linears>, Precision<bf16, float>, Checkpointed,
+                                 CheckpointOffload<Host, Int8>, QuantizedState<8>, Offload<Host, Streamed>>>("qlora-all16-stream");
   // ... with the checkpointed block inputs in host memory between forward and backward
   f.template
   operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed, CheckpointOffload<Host>>>(
@@ -424,10 +428,9 @@ class LlamaRun {
   BatchResult step(const torch::Tensor& x, const torch::Tensor& y) {
     check_batch(x, y, micro_batches);
     if (!gradient_buffers_)  // the planner's choice for this batch shape (plan_for plans the same)
-      trainer_->set_gradient_buffers(
-          train_shape<S>(model_->config, x.size(0), x.size(1), trainer_->communicator().size(), model_->loss_chunk_tokens, {},
-                         model_->mlp_tile_tokens)
-              .gradient_buffers);
+      trainer_->set_gradient_buffers(train_shape<S>(model_->config, x.size(0), x.size(1), trainer_->communicator().size(),
+                                                    model_->loss_chunk_tokens, {}, model_->mlp_tile_tokens)
+                                         .gradient_buffers);
     BatchResult r;
     r.scale = trainer_->scale();
     const int64_t micro = x.size(0) / micro_batches;
@@ -483,8 +486,7 @@ template <StrategyType S>
 plan::MemoryPlan plan_for(const LlamaConfig& c, int64_t batch, int64_t seq, int world = 1,
                           int64_t loss_chunk_tokens = plan::kDefaultLossChunkTokens,
                           std::optional<plan::GradientBuffers> gradient_buffers = {}, int64_t mlp_tile_tokens = 0) {
-  return plan::plan_memory<S>(c.shape(), train_shape<S>(c, batch, seq, world, loss_chunk_tokens, gradient_buffers, mlp_tile_tokens),
-                              world);
+  return plan::plan_memory<S>(c.shape(), train_shape<S>(c, batch, seq, world, loss_chunk_tokens, gradient_buffers, mlp_tile_tokens), world);
 }
 
 }  // namespace squeeze::llama

@@ -50,8 +50,14 @@ static_assert(sizeof(S) > 0);
 #elif defined(CASE_stream_on_device)
 using P = Offload<Device, Streamed>;
 static_assert(sizeof(P) > 0);
-#elif defined(CASE_stream_quantized_base)
+#elif defined(CASE_stream_quantized_sharded)
 using S = Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Quantized<4, NF4>, LoRA<8, 16>>;
+static_assert(sizeof(S) > 0);
+#elif defined(CASE_stream_gptq_base)
+using S = Strategy<Offload<Host, Streamed>, Quantized<4, GPTQ, Group<128>>, LoRA<8, 16>>;
+static_assert(sizeof(S) > 0);
+#elif defined(CASE_stream_dense_lora)
+using S = Strategy<Sharded<Stage3>, Offload<Host, Streamed>, LoRA<8, 16>>;
 static_assert(sizeof(S) > 0);
 #elif defined(CASE_own_master_resident)
 using S = Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, bf16>>;

@@ -35,6 +35,12 @@ static_assert(std::is_same_v<Z3a::canonical, Z3a::canonical::canonical>, "canoni
 // ---- traits -----------------------------------------------------------------------------------------------
 static_assert(Z3a::stage == 3 && Z3a::offload_to_host && Z3a::accumulation_steps == 4 && Z3a::checkpoint_every == 1);
 static_assert(std::is_same_v<Z3a::compute_type, bf16> && Z3a::has_master_copy);
+// Offload<Host, Streamed>: trained stage-3 units, or a frozen NF4 base (its adapters and their state stay on the device).
+using StreamedZ3 = Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Precision<bf16, float>>;
+static_assert(StreamedZ3::stream_params && !StreamedZ3::stream_frozen_base && StreamedZ3::offload_to_host);
+using StreamedQLoRA = Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<16, 32>, Precision<bf16, float>, Offload<Host, Streamed>>;
+static_assert(StreamedQLoRA::stream_frozen_base && !StreamedQLoRA::stream_params && !StreamedQLoRA::offload_to_host &&
+              StreamedQLoRA::stage == 0);
 static_assert(!Z3a::loss_scaling, "bf16 keeps float's exponent range: no loss scaling");
 using Fp16 = Strategy<Precision<half, float>>;
 static_assert(Fp16::loss_scaling && Fp16::dynamic_loss_scaling, "fp16 compute scales the loss dynamically by default");
