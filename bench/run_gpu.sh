@@ -92,9 +92,10 @@ if named table7b_hostckpt; then
   run_bench table7b_hostckpt "$BUILD/bench/table/bench_table" --preset llama-7b --rows zero3-offload-bf16-ckpt:8,zero3-offload-bf16-hostckpt:8 --clip 0 --lr 5e-6 --lr-warmup 5 "${corpus[@]}"
 fi
 # QLoRA at LLaMA-7B in the least GPU memory: the checkpointed block inputs in host memory, each MLP in tiles of 4096 tokens
-# and the loss in chunks of 1024, beside transformers + bitsandbytes + PEFT in the same call (bench/qlora: its wheels).
+# and the loss in chunks of 1024, with the NF4 blocks on the device and streamed from host memory, beside transformers +
+# bitsandbytes + PEFT in the same call (bench/qlora: its wheels).
 if named table7b_qlora_hostckpt; then
-  QLORA_PRESETS=llama-7b QLORA_ROWS=qlora-hostckpt:8 QLORA_TABLE_ARGS="--mlp-tile 4096 --loss-chunk 1024" \
+  QLORA_PRESETS=llama-7b QLORA_ROWS=qlora-hostckpt:8,qlora-stream-hostckpt:8 QLORA_TABLE_ARGS="--mlp-tile 4096 --loss-chunk 1024" \
     bash "$ROOT/bench/qlora/run_h200.sh" "$BUILD/bench/table/bench_table"
 fi
 # The longest context (only when named): LLaMA-3-8B QLoRA (r=16 on all linears, 8-bit checkpoints in host memory, MLP tiles

@@ -100,6 +100,9 @@ void for_each_strategy(F&& f) {
   f.template
   operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed, CheckpointOffload<Host>>>(
       "qlora-hostckpt");
+  // ... and the NF4 blocks in host memory too, streamed through the GPU a block at a time (QLoRA 7B in about 3 GB)
+  f.template operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed, CheckpointOffload<Host>,
+                                 Offload<Host, Streamed>>>("qlora-stream-hostckpt");
   // ... with the adapters' Adam moments as 8-bit codes (2 bytes + 8/256 per adapter value instead of 8)
   f.template operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed, QuantizedState<8>>>(
       "qlora-adam8");
