@@ -376,6 +376,27 @@ TEST(Layerwise, ProgressOncePerBlockWithAnEstimate) {
   EXPECT_EQ(seen.back().packed_bytes, nn::frozen_base_bytes(*built));
 }
 
+// Offload<Host, Streamed>: the packed blocks count on the host, not the device (one block in flight there), and a host
+// too small for them is refused before anything is allocated, naming the streamed blocks and the way back.
+TEST(Layerwise, StreamedBlocksAreCountedOnTheHostAndRefusedBeforeAllocating) {
+  using Streamed =
+      Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<16, 32, all_linears>, Precision<bf16, float>, Checkpointed, Offload<Host, Streamed>>;
+  const LlamaConfig c = small_config(4);
+  LayerwiseOptions gpu = roomy();
+  gpu.device = torch::Device(torch::kCUDA, 0);
+  const nn::LayerwiseMemory resident = nn::layerwise_memory<QLoraAll>(c, gpu), streamed = nn::layerwise_memory<Streamed>(c, gpu);
+  EXPECT_EQ(streamed.packed_bytes, resident.packed_bytes);
+  EXPECT_GT(streamed.host_bytes, resident.host_bytes);  // + the packed blocks, moved there one by one
+  EXPECT_LT(streamed.device_bytes, resident.device_bytes);
+  const squeeze::test::MemoryMeter meter;
+  gpu.available_host_bytes = streamed.host_bytes - 1;  // nothing touches CUDA: the host check comes first
+  const std::string e = error_of([&] { nn::build_quantized_llama<Streamed>(c, gpu); });
+  for (const std::string& want : {std::string("needs ") + nn::detail::gigabytes(streamed.host_bytes) + " of host memory",
+                                  std::string("streamed from pinned host memory"), std::string("remove Offload<Host, Streamed>")})
+    EXPECT_NE(e.find(want), std::string::npos) << "missing '" << want << "' in: " << e;
+  EXPECT_LT(meter.peak_bytes(), 4096) << "refused before the model was allocated";
+}
+
 TEST(Layerwise, BadConfigsAreRefusedNamingTheValue) {
   LlamaConfig c = small_config();
   c.layers = 0;

@@ -2,6 +2,7 @@
 // host memory (engine::FrozenUnits), brought to the device ahead of use. On the CPU the copies run in program order;
 // streaming moves bytes and never changes them, so training is bitwise the resident base's.
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 
 #include <squeeze/engine/frozen_units.hpp>
 #include <squeeze/nn/layerwise.hpp>
@@ -82,6 +83,24 @@ TEST(FrozenUnits, ModuleBuffersFollowAndReleaseKeepsTheValues) {
     EXPECT_NE(std::string(e.what()).find("unit 3 of 1"), std::string::npos) << e.what();
   }
   EXPECT_THROW(FrozenUnits(torch::kCPU, -1), c10::Error);
+}
+
+// Slots that cannot be allocated (here: a CUDA device in a build or on a machine without one) are an error naming the
+// slots and the device, raised by the acquire; the units stay on their host views with their values.
+TEST(FrozenUnits, SlotsThatCannotBeAllocatedAreAnErrorNotAHang) {
+  if (torch::cuda::is_available()) GTEST_SKIP() << "a GPU is here: its slots can be allocated";
+  FrozenUnits home(torch::Device(torch::kCUDA, 0), 1);
+  auto units = make_units(2);
+  for (int u = 0; u < 2; ++u) home.add_unit("blocks." + std::to_string(u), units[std::size_t(u)]);
+  try {
+    home.acquire(0);
+    FAIL() << "slots on a missing device were allocated";
+  } catch (const squeeze::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("device slots"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("cuda:0"), std::string::npos) << e.what();
+  }
+  expect_unit_values(units[1], 1, "after the failed acquire");
+  EXPECT_EQ(home.stats().device_bytes, 0);
 }
 
 // Deeper prefetch holds more slots, fetches nothing late after the first pass, and values stay right.

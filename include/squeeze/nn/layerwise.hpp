@@ -146,21 +146,26 @@ void check_layerwise_fits(const LlamaConfig& c, const LayerwiseOptions& o, bool 
     TORCH_CHECK(need.host_bytes <= *host, what, " needs ", gigabytes(need.host_bytes), " of host memory (",
                 o.device.is_cpu() ? "packed blocks and adapters " + gigabytes(need.packed_bytes) +
                                         " + embedding, head and norms in float " + gigabytes(need.dense_rest_bytes) + " + "
-                                  : std::string(),
+                : S::stream_frozen_base
+                    ? "packed blocks and adapters, the blocks streamed from pinned host memory " + gigabytes(need.packed_bytes) + " + "
+                    : std::string(),
                 "one float block ", gigabytes(need.float_block_bytes),
                 need.read_buffer_bytes > 0 ? " + one checkpoint tensor " + gigabytes(need.read_buffer_bytes) : std::string(),
                 o.device.is_cpu() ? step : std::string(), "), but ", gigabytes(*host), " is available",
                 o.available_host_bytes ? " (LayerwiseOptions::available_host_bytes)" : " (MemAvailable in /proc/meminfo)",
                 ": quantize to fewer bits (Quantized<3, ...>)", o.device.is_cpu() ? ", build onto a GPU (LayerwiseOptions::device)" : "",
+                S::stream_frozen_base ? ", keep the packed blocks on the GPU (remove Offload<Host, Streamed>)" : "",
                 o.train && o.device.is_cpu() ? ", train a smaller micro-batch or shorter sequences" : "", ", or choose a smaller model");
   }
   if (o.device.is_cpu()) return;
   const std::optional<int64_t> device = o.available_device_bytes ? o.available_device_bytes : device_memory_total(o.device);
   if (!device) return;
   TORCH_CHECK(need.device_bytes <= *device, what, " needs ", gigabytes(need.device_bytes), " on ", o.device.str(),
-              " (packed blocks and adapters ", gigabytes(need.packed_bytes), " + embedding, head and norms in float ",
-              gigabytes(need.dense_rest_bytes), " + one dense linear being packed", step, "), but the device has ", gigabytes(*device),
-              o.available_device_bytes ? " (LayerwiseOptions::available_device_bytes)" : "", ": quantize to fewer bits (Quantized<3, ...>)",
+              S::stream_frozen_base ? " (adapters and the packed block in flight, " : " (packed blocks and adapters ",
+              gigabytes(S::stream_frozen_base ? need.device_bytes - need.dense_rest_bytes : need.packed_bytes),
+              " + embedding, head and norms in float ", gigabytes(need.dense_rest_bytes), " + one dense linear being packed", step,
+              "), but the device has ", gigabytes(*device), o.available_device_bytes ? " (LayerwiseOptions::available_device_bytes)" : "",
+              ": quantize to fewer bits (Quantized<3, ...>)",
               o.train ? ", train a smaller micro-batch or shorter sequences, add Checkpointed, offload the optimizer state "
                         "(Sharded<Stage1> + Offload<Host>)"
                       : "",
