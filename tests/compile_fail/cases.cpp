@@ -59,6 +59,21 @@ static_assert(sizeof(S) > 0);
 #elif defined(CASE_stream_dense_lora)
 using S = Strategy<Sharded<Stage3>, Offload<Host, Streamed>, LoRA<8, 16>>;
 static_assert(sizeof(S) > 0);
+#elif defined(CASE_fp8_with_lora)
+using S = Strategy<Precision<fp8, bf16, float>, Quantized<4, NF4>, LoRA<8, 16>>;
+static_assert(sizeof(S) > 0);
+#elif defined(CASE_fp8_stage3)
+using S = Strategy<Sharded<Stage3>, Precision<fp8, bf16, float>>;
+static_assert(sizeof(S) > 0);
+#elif defined(CASE_fp8_half)
+using P = Precision<fp8, half, float>;
+static_assert(P::fp8_gemms);
+#elif defined(CASE_fp8_two_types)
+using P = Precision<fp8, bf16>;
+static_assert(P::fp8_gemms);
+#elif defined(CASE_third_type_without_fp8)
+using P = Precision<bf16, float, float>;
+static_assert(sizeof(P) > 0);
 #elif defined(CASE_own_master_resident)
 using S = Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, bf16>>;
 static_assert(sizeof(S) > 0);

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "squeeze/engine/stage3.hpp"
+#include "squeeze/nn/fp8_linear.hpp"
 
 namespace squeeze::nn {
 
@@ -196,7 +197,7 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public Shardable {
 
   torch::Tensor forward(const torch::Tensor& x) {  // x: [..., in] -> [..., out]
     if (backing_) return backing_(x);
-    if (group_ == nullptr) return torch::nn::functional::linear(x, weight, bias);
+    if (group_ == nullptr) return fp8_gemms_ ? fp8_linear(x, weight, bias) : torch::nn::functional::linear(x, weight, bias);
     if (torch::GradMode::is_enabled()) ++group_->uses;
     return detail::ShardedLinearFn::apply(x, group_->shard, engine::UnitMember{group_, first_entry_}, options.bias());
   }
@@ -241,6 +242,13 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public Shardable {
     weight.set_data(w);
     if (bias.defined() && b.defined()) bias.set_data(b);
   }
+  // Precision<fp8, bf16, float>: this layer's GEMMs in FP8 (nn/fp8_linear.hpp); its weight stays bf16.
+  void set_fp8_gemms(bool on) {
+    TORCH_CHECK(!on || (group_ == nullptr && !backing_), "squeeze::nn::Linear: FP8 GEMMs need the layer's own weight, not a ",
+                group_ ? "sharded" : "backed", " one");
+    fp8_gemms_ = on;
+  }
+  bool fp8_gemms() const { return fp8_gemms_; }
   bool backed() const { return bool(backing_); }
   std::shared_ptr<torch::nn::Module> backing() const { return backed() ? named_children()[backing_name_] : nullptr; }
 
@@ -258,6 +266,7 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public Shardable {
   std::size_t first_entry_ = 0;  // weight's entry in group_'s layout (bias: the next)
   LinearBacking backing_;
   std::string backing_name_;
+  bool fp8_gemms_ = false;
 };
 TORCH_MODULE(Linear);
 

@@ -205,8 +205,22 @@ constexpr i64 loss_bytes(const ModelShape& m, i64 tokens, i64 p_c, i64 chunk_tok
 
 // `trained_linears`: which of a block's seven linears (bit i as in ModelShape::block_linears()) train or carry
 // adapters: squeeze::all_linears for full training, the LoRA targets when the base is frozen.
+//
+// FP8 GEMMs (fp8: Precision<fp8, bf16, float>, full training): each block linear keeps its input as an FP8 copy (one byte
+// a value) in place of the compute-type tensor: q, k and v three copies of the attention norm's output, o one of the
+// attention's output (which the attention keeps too), gate and up two of the MLP norm's, down one of the product. While a
+// linear runs, its operands' FP8 copies and their transposes (nn/fp8_linear.hpp) are alive: at most, in the backward of
+// the largest, dY and dY^T, x^T, W and W^T in FP8 and one scaled compute-type temporary.
+constexpr i64 fp8_gemm_transient(const ModelShape& m, i64 tokens, i64 p_c) {
+  i64 most = 0;
+  for (auto l : m.block_linears()) {
+    const i64 x = tokens * l.in, g = tokens * l.out, w = l.in * l.out;
+    most = std::max(most, 2 * g + x + 2 * w + p_c * std::max({x, g, w}));
+  }
+  return most;
+}
 constexpr i64 activation_bytes(const ModelShape& m, const TrainShape& t, i64 p_c, int checkpoint_every, bool training,
-                               i64 lora_rank_targets = 0, unsigned trained_linears = all_linears) {
+                               i64 lora_rank_targets = 0, unsigned trained_linears = all_linears, bool fp8 = false) {
   const i64 tokens = t.micro_batch * t.seq;
   const i64 h = m.hidden;
   if (!training) return tokens * (2 * h + 2 * m.kv_dim() + 3 * m.ffn) * p_c + tokens * m.vocab * p_c;
@@ -225,8 +239,12 @@ constexpr i64 activation_bytes(const ModelShape& m, const TrainShape& t, i64 p_c
   // The adapters' r values a token, split between the attention's and the MLP's linears (LoRA: trained_linears are its targets).
   const int adapted = std::popcount(trained_linears);
   const i64 lora_mlp = frozen && adapted > 0 ? lora_rank_targets * std::popcount(trained_linears & 0x70u) / adapted : 0;
-  const i64 mlp_saved = norm_fp32 + (pre_gain + mlp_norm + swiglu_inputs + product + lora_mlp) * p_c;  // a token, untiled
-  const i64 attention_saved = norm_fp32 + (pre_gain + attn_norm + 2 * h + 2 * kv + lora_rank_targets - lora_mlp) * p_c + m.heads * 4;
+  const bool fp8_copies = fp8 && !frozen;
+  const i64 mlp_saved = norm_fp32 + (pre_gain + mlp_norm + swiglu_inputs + product + lora_mlp) * p_c +  // a token, untiled
+                        (fp8_copies ? 2 * h + m.ffn - (mlp_norm + product) * p_c : 0);
+  const i64 attention_saved = norm_fp32 + (pre_gain + attn_norm + 2 * h + 2 * kv + lora_rank_targets - lora_mlp) * p_c + m.heads * 4 +
+                              (fp8_copies ? 3 * h + h - attn_norm * p_c : 0);
+  const i64 fp8_transient = fp8 ? fp8_gemm_transient(m, tile > 0 ? std::min(tokens, tile) : tokens, p_c) : 0;
   const i64 block = tokens * (attention_saved + (tile > 0 ? h * p_c : mlp_saved));
   // A frozen head keeps nothing of the final norm's output; a frozen embedding gives block 0 an input that
   // needs no gradient, so its first norm keeps nothing.
@@ -235,14 +253,14 @@ constexpr i64 activation_bytes(const ModelShape& m, const TrainShape& t, i64 p_c
   const bool chunked = t.loss_chunk_tokens > 0 && t.loss_chunk_tokens < tokens;
   const i64 final_norm = tokens * (norm_fp32 + (pre_gain + (frozen && !chunked ? 0 : h)) * p_c);
   const i64 loss = loss_bytes(m, tokens, p_c, t.loss_chunk_tokens, !frozen);
-  if (checkpoint_every == 0) return m.layers * block - first_norm + final_norm + loss;
+  if (checkpoint_every == 0) return m.layers * block - first_norm + final_norm + std::max(loss, fp8_transient);
   // A frozen down projection kept no silu(gate)·up, so none is freed when its gradient arrives: one ffn more.
   const i64 mlp_backward = (h + 2 * m.ffn + (product == 0 ? m.ffn : 0)) * p_c;  // a token
   const i64 blocks_in_segment = (checkpoint_every < m.layers ? checkpoint_every : m.layers) * block;
   const i64 row = tokens * h * p_c;  // one [tokens, h] tensor
   const i64 tiled_mlp = row + (tokens - tile) * h * p_c + tile * (mlp_saved + mlp_backward);
   const i64 tiled_rest = std::max(3 * row, row + tokens * (2 * h + 2 * kv) * p_c);
-  const i64 segment = blocks_in_segment + (tile == 0 ? tokens * mlp_backward : std::max(tiled_mlp, tiled_rest));
+  const i64 segment = blocks_in_segment + (tile == 0 ? tokens * mlp_backward : std::max(tiled_mlp, tiled_rest)) + fp8_transient;
   return ceil_div(m.layers, checkpoint_every) * tokens * h * p_c + final_norm + (loss > segment ? loss : segment);
 }
 
@@ -319,7 +337,7 @@ constexpr MemoryPlan plan_memory(const ModelShape& m, const TrainShape& t, int w
 
   const i64 lora_act = S::has_lora ? S::lora_rank * std::popcount(L::targets) : 0;
   const unsigned trained = S::base_trainable ? all_linears : (S::has_lora ? unsigned(L::targets) : 0u);
-  plan.activations.device = activation_bytes(m, t, p_c, S::checkpoint_every, S::training, lora_act, trained);
+  plan.activations.device = activation_bytes(m, t, p_c, S::checkpoint_every, S::training, lora_act, trained, S::fp8_gemms);
   // CheckpointOffload<Host>: every segment input has a host copy; the device holds the last checkpoint_prefetch of the
   // forward and, in backward, the one recomputing and as many prefetched. Int8: each stored as 8-bit codes + an fp32
   // scale per 256 values (on the device too, where kept there).

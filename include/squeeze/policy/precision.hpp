@@ -2,12 +2,20 @@
 // Mixed precision: forward/backward in Compute, optimizer update on Master weights.
 // Precision<half, float> needs dynamic loss scaling (fp16 underflows small gradients);
 // bf16 has float's exponent range and needs none.
+#include <concepts>
+#include <type_traits>
+
 #include "squeeze/dtype.hpp"
 #include "squeeze/policy/family.hpp"
 
 namespace squeeze {
 
-template <class Compute, class Master = float>
+// The linears' GEMMs in FP8 (Hopper-class tensor cores): Precision<fp8, bf16, float> computes each block linear's
+// forward and backward GEMMs on e4m3 inputs (gradients e5m2) with tensor-wise scales taken from the values at hand
+// ("current scaling"), storing everything else in bf16 with fp32 masters (nn/fp8_linear.hpp).
+struct fp8 {};
+
+template <class Compute, class Master = float, class Third = void>
 struct Precision {
   static_assert(FloatingElement<Compute>,
                 "Precision's compute type must be float, squeeze::half or squeeze::bf16: write e.g. Precision<bf16, float>");
@@ -24,12 +32,27 @@ struct Precision {
   // A separate master copy exists only when it differs from the compute copy.
   static constexpr bool has_master_copy = !std::is_same_v<Compute, Master>;
   static constexpr bool needs_loss_scaling = std::is_same_v<Compute, half>;
+  static constexpr bool fp8_gemms = false;
+  static_assert(std::is_void_v<Third>, "Precision takes a third type only after fp8: write Precision<fp8, bf16, float>");
+};
+
+// Precision<fp8, Compute, Master>: Precision<Compute, Master> whose block linears multiply in FP8.
+template <class Compute, class Master>
+struct Precision<fp8, Compute, Master> : Precision<Compute, Master> {
+  static_assert(std::is_same_v<Compute, bf16> && std::is_same_v<Master, float>,
+                "FP8 GEMMs keep bf16 activations and fp32 masters: write Precision<fp8, bf16, float>");
+  static constexpr bool fp8_gemms = true;
+};
+template <class Compute>
+struct Precision<fp8, Compute, void> {
+  static_assert(sizeof(Compute) == 0, "FP8 GEMMs need a storage and a master type: write Precision<fp8, bf16, float>");
 };
 
 template <class P>
 concept PrecisionPolicy = PolicyOf<P, precision_family> && requires {
   typename P::compute_type;
   typename P::master_type;
+  { P::fp8_gemms } -> std::convertible_to<bool>;
 };
 static_assert(PrecisionPolicy<Precision<bf16, float>>);
 

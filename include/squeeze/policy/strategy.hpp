@@ -115,6 +115,7 @@ struct Strategy {
   using compute_type = typename precision::compute_type;
   using master_type = typename precision::master_type;
   static constexpr bool has_master_copy = precision::has_master_copy;
+  static constexpr bool fp8_gemms = precision::fp8_gemms;  // Precision<fp8, bf16, float>: the block linears' GEMMs in FP8
   // Precision<bf16, bf16> trained: the bf16 weights are their own master, updated with stochastic rounding.
   static constexpr bool stochastic_rounding = mode::training && !precision::has_master_copy && std::is_same_v<compute_type, bf16>;
   static constexpr bool loss_scaling = loss_scale::enabled;
@@ -157,6 +158,12 @@ struct Strategy {
   static_assert(!(stochastic_rounding && !(stream_params && !has_lora)),
                 "Precision<bf16, bf16> trains bf16 weights as their own master, rounded stochastically by the host AdamW in place on "
                 "streamed parameters: add Sharded<Stage3> and Offload<Host, Streamed>, or keep an fp32 master with Precision<bf16, float>");
+  static_assert(!(fp8_gemms && (quantized_weights || has_lora)),
+                "Precision<fp8, bf16, float> multiplies trained bf16 weights in FP8; a frozen or quantized base keeps its own GEMMs: "
+                "write Precision<bf16, float> with LoRA or Quantized<...>");
+  static_assert(!(fp8_gemms && stage == 3),
+                "Precision<fp8, bf16, float> runs the block linears' own GEMMs; Stage 3's gathered linears do not take FP8 yet: "
+                "write Sharded<Stage2> (or Stage0/1), or Precision<bf16, float> with Sharded<Stage3>");
   static_assert(!(loss_scale::enabled && !precision::needs_loss_scaling),
                 "loss scaling protects fp16 gradients from underflow; float and bf16 have float's exponent range: remove the loss-scale "
                 "policy, or compute in fp16 with Precision<half, float>");

@@ -48,7 +48,7 @@ std::string policy_name() {
     if constexpr (std::is_same_v<C, float> && std::is_same_v<M, float>)
       return "";
     else
-      return std::string("Precision<") + element_name<C>() + ", " + element_name<M>() + ">";
+      return std::string("Precision<") + (P::fp8_gemms ? "fp8, " : "") + element_name<C>() + ", " + element_name<M>() + ">";
   } else if constexpr (std::is_same_v<F, weight_quantization_family> || std::is_same_v<F, state_quantization_family>) {
     if constexpr (P::bits == 0 || std::is_same_v<P, NoStateQuantization>) {
       return "";

@@ -42,6 +42,7 @@ struct AdoptedModel {
   std::vector<nn::AdaptedLayer> adapted;              // LoRA: the layers that got adapters
   int64_t quantized_layers = 0;                       // layers whose base S quantized
   int recomputable = 0;                               // nn::Recomputable modules switched on
+  int64_t fp8_layers = 0;                             // Precision<fp8, ...>: linears whose GEMMs run in FP8
 };
 
 namespace detail {
@@ -203,6 +204,23 @@ AdoptedModel adopt_model(torch::nn::Module& model, const AdoptOptions& o) {
   if constexpr (S::checkpoint_every > 0)
     for (const auto& m : model.modules(/*include_self=*/true))
       if (auto* r = dynamic_cast<nn::Recomputable*>(m.get())) r->set_recompute(S::checkpoint_every), ++out.recomputable;
+
+  // 6. FP8 GEMMs: the linears of the blocks (gather units: nn::Llama's blocks, an nn::Blocks' children); the embedding
+  // and the head, outside them, keep bf16 GEMMs (the first and last layers are the most sensitive to FP8's rounding).
+  if constexpr (S::fp8_gemms) {
+    std::vector<std::shared_ptr<torch::nn::Module>> blocks;
+    for (const auto& m : model.modules(/*include_self=*/true)) {
+      if (dynamic_cast<const GatherUnit*>(m.get()) != nullptr) blocks.push_back(m);
+      if (dynamic_cast<const nn::BlocksImpl*>(m.get()) != nullptr)
+        for (const auto& c : m->children()) blocks.push_back(c);
+    }
+    for (const auto& b : blocks)
+      for (const auto& m : b->modules(/*include_self=*/true))
+        if (auto* l = dynamic_cast<nn::LinearImpl*>(m.get()); l && !l->fp8_gemms()) l->set_fp8_gemms(true), ++out.fp8_layers;
+    TORCH_CHECK(out.fp8_layers > 0,
+                "make_trainer: Precision<fp8, bf16, float> runs the GEMMs of the model's blocks in FP8 (squeeze::nn::Linear layers "
+                "inside modules deriving from engine::GatherUnit, as nn::Llama's blocks are, or in an nn::Blocks), but the model has none");
+  }
   return out;
 }
 

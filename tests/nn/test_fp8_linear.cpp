@@ -1,0 +1,169 @@
+// FP8 GEMMs (Precision<fp8, bf16, float>, nn/fp8_linear.hpp) on the CPU: the operands' scaling and rounding, the three
+// GEMMs against an fp32 reference within the formats' error, on sizes that divide nothing; a short training run against
+// bf16. The CUDA path (cuBLASLt through at::_scaled_mm) runs the same functions on the GPU machine.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <squeeze/comm/local.hpp>
+#include <squeeze/nn/fp8_linear.hpp>
+#include <squeeze/nn/llama.hpp>
+#include <squeeze/optim/adamw.hpp>
+#include <squeeze/plan/memory.hpp>
+#include <squeeze/train/trainer.hpp>
+
+using namespace squeeze;
+
+namespace {
+
+constexpr double kE4m3Step = 1.0 / 16;  // half the spacing of a 3-bit mantissa, relative
+constexpr double kE5m2Step = 1.0 / 8;   // 2-bit mantissa
+
+torch::Tensor dequantized(const nn::Fp8Operand& o) { return o.values.to(torch::kFloat64) * o.inverse_scale.to(torch::kFloat64); }
+
+// Each value comes back within half a step of its format (relative), or half the smallest subnormal step (absolute).
+void expect_rounded(const torch::Tensor& x, torch::ScalarType format, const std::string& what) {
+  const nn::Fp8Operand o = nn::to_fp8(x, format);
+  ASSERT_EQ(o.values.scalar_type(), format);
+  ASSERT_EQ(o.values.sizes(), x.sizes());
+  const double rel = format == torch::kFloat8_e4m3fn ? kE4m3Step : kE5m2Step;
+  const double tiny = (format == torch::kFloat8_e4m3fn ? std::ldexp(1.0, -10) : std::ldexp(1.0, -17)) * o.inverse_scale.item<double>();
+  const torch::Tensor xd = x.to(torch::kFloat64), err = (dequantized(o) - xd).abs();
+  EXPECT_TRUE((err <= xd.abs() * rel + tiny).all().item<bool>()) << what << ": worst error " << err.max().item<double>();
+}
+
+TEST(Fp8, OperandsRoundWithinTheirFormatsStep) {
+  torch::manual_seed(1);
+  expect_rounded(torch::randn({37, 53}), torch::kFloat8_e4m3fn, "e4m3, float");
+  expect_rounded(torch::randn({13, 7, 3}).to(torch::kBFloat16), torch::kFloat8_e4m3fn, "e4m3, bf16");
+  expect_rounded(torch::randn({41, 29}) * 1e-3, torch::kFloat8_e5m2, "e5m2, small gradients");
+}
+
+// The scale is a power of two that puts amax in (max/2, max]: the largest magnitude keeps the format's whole range.
+TEST(Fp8, ScaleIsAPowerOfTwoThatFillsTheRange) {
+  torch::manual_seed(2);
+  for (auto [format, top] : {std::pair{torch::kFloat8_e4m3fn, 448.0}, std::pair{torch::kFloat8_e5m2, 57344.0}}) {
+    for (double magnitude : {1e-20, 3e-3, 1.0, 7e4, 1e30}) {
+      const torch::Tensor x = torch::randn({19, 23}) * magnitude;
+      const nn::Fp8Operand o = nn::to_fp8(x, format);
+      const double inv = o.inverse_scale.item<double>(), scale = 1.0 / inv;
+      EXPECT_EQ(std::exp2(std::round(std::log2(scale))), scale) << "magnitude " << magnitude;
+      const double amax = x.abs().max().item<double>();
+      EXPECT_LE(amax * scale, top) << "magnitude " << magnitude;
+      EXPECT_GT(amax * scale, top / 2) << "magnitude " << magnitude;
+      EXPECT_TRUE(torch::isfinite(o.values.to(torch::kFloat32)).all().item<bool>()) << "magnitude " << magnitude;
+    }
+  }
+}
+
+// Overflow and underflow: values far beyond e4m3's 448 or far below its smallest subnormal come back, scaled, within
+// the format's step; all zeros keep scale 1; a NaN is not hidden.
+TEST(Fp8, OverflowUnderflowZeroAndNaN) {
+  expect_rounded(torch::tensor({3e6f, -1e6f, 12.f, 0.f}), torch::kFloat8_e4m3fn, "beyond 448");
+  expect_rounded(torch::tensor({1e-12f, -4e-13f, 2e-14f}), torch::kFloat8_e4m3fn, "below the subnormals");
+  const nn::Fp8Operand zero = nn::to_fp8(torch::zeros({5, 3}), torch::kFloat8_e4m3fn);
+  EXPECT_EQ(zero.inverse_scale.item<float>(), 1.0f);
+  EXPECT_TRUE(torch::equal(zero.values.to(torch::kFloat32), torch::zeros({5, 3})));
+  const nn::Fp8Operand nan = nn::to_fp8(torch::tensor({1.f, NAN, 2.f}), torch::kFloat8_e4m3fn);
+  EXPECT_FALSE(torch::isfinite(dequantized(nan)).all().item<bool>());
+}
+
+// The GEMM of FP8 operands equals the float64 product of their dequantized values (fp32 accumulation of products exact
+// in fp32), and the fp32 product of the inputs within the formats' error.
+TEST(Fp8, GemmMatchesTheReferenceOnSizesThatDivideNothing) {
+  torch::manual_seed(3);
+  for (auto [m, n, k] : {std::tuple{37, 29, 53}, std::tuple{1, 3, 5}, std::tuple{67, 17, 130}}) {
+    const torch::Tensor a = torch::randn({m, k}), b = torch::randn({n, k});
+    const nn::Fp8Operand a8 = nn::to_fp8(a, torch::kFloat8_e4m3fn), b8 = nn::to_fp8(b, torch::kFloat8_e5m2);
+    const torch::Tensor y = nn::fp8_mm(a8, b8, torch::kFloat32);
+    ASSERT_EQ(y.sizes(), torch::IntArrayRef({m, n}));
+    const torch::Tensor exact = torch::matmul(dequantized(a8), dequantized(b8).t());
+    EXPECT_LE((y.to(torch::kFloat64) - exact).abs().max().item<double>(), 1e-5 * (exact.abs().max().item<double>() + 1))
+        << m << "x" << n << "x" << k;
+    const torch::Tensor ref = torch::matmul(a.to(torch::kFloat64), b.to(torch::kFloat64).t());
+    const torch::Tensor bound = torch::matmul(a.to(torch::kFloat64).abs(), b.to(torch::kFloat64).abs().t()) * (kE4m3Step + kE5m2Step) * 1.1;
+    EXPECT_TRUE(((y.to(torch::kFloat64) - ref).abs() <= bound + 1e-6).all().item<bool>()) << m << "x" << n << "x" << k;
+  }
+}
+
+// y = x W^T + b, dX and dW through FP8 against fp32 autograd: relative errors of a few percent (e4m3 forward, e5m2
+// gradients), on a batch of [3, 11, 45] inputs and a [23, 45] weight.
+TEST(Fp8, LinearForwardAndBackwardAgainstFp32) {
+  torch::manual_seed(4);
+  const torch::Tensor x0 = torch::randn({3, 11, 45}), w0 = torch::randn({23, 45}) * 0.1, b0 = torch::randn({23}),
+                      g = torch::randn({3, 11, 23});
+  const torch::Tensor x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+  const torch::Tensor y = nn::fp8_linear(x, w, b0);
+  y.backward(g);
+  const torch::Tensor xr = x0.clone().requires_grad_(true), wr = w0.clone().requires_grad_(true);
+  torch::nn::functional::linear(xr, wr, b0).backward(g);
+  const torch::Tensor yr = torch::nn::functional::linear(x0, w0, b0);
+  const auto rel = [](const torch::Tensor& a, const torch::Tensor& b) { return ((a - b).norm() / b.norm()).item<double>(); };
+  EXPECT_LT(rel(y.detach(), yr), 0.05);
+  EXPECT_LT(rel(x.grad(), xr.grad()), 0.10);
+  EXPECT_LT(rel(w.grad(), wr.grad()), 0.10);
+  EXPECT_EQ(x.grad().sizes(), x0.sizes());
+  EXPECT_EQ(w.grad().scalar_type(), torch::kFloat32);
+}
+
+// A squeeze::nn::Linear switched to FP8 computes fp8_linear; the switch is refused for a layer without its own weight.
+TEST(Fp8, LinearLayerRunsFp8WhenSwitched) {
+  torch::manual_seed(5);
+  nn::Linear l(torch::nn::LinearOptions(45, 23).bias(true));
+  const torch::Tensor x = torch::randn({7, 45});
+  const torch::Tensor dense = l->forward(x);
+  l->set_fp8_gemms(true);
+  EXPECT_TRUE(torch::equal(l->forward(x), nn::fp8_linear(x, l->weight, l->bias)));
+  EXPECT_FALSE(torch::equal(l->forward(x), dense)) << "FP8 rounds";
+}
+
+using Bf16 = Strategy<Precision<bf16, float>, Checkpointed>;
+using Fp8 = Strategy<Precision<fp8, bf16, float>, Checkpointed>;
+
+template <class S>
+std::vector<float> train_losses(int steps, int64_t* fp8_layers = nullptr) {
+  nn::LlamaConfig c;
+  c.vocab = 61, c.hidden = 48, c.layers = 2, c.heads = 4, c.kv_heads = 2, c.ffn = 88;
+  torch::manual_seed(6);
+  nn::Llama model(c);
+  model->checkpoint_every = 1;
+  auto t = make_trainer<S>(model, squeeze::AdamW{.lr = 3e-3f}, comm::LocalComm::single());
+  if (fp8_layers)
+    for (const auto& m : model->modules())
+      *fp8_layers += dynamic_cast<nn::LinearImpl*>(m.get()) && dynamic_cast<nn::LinearImpl*>(m.get())->fp8_gemms();
+  torch::manual_seed(7);
+  const torch::Tensor ids = torch::randint(0, c.vocab, {4, 33}, torch::kInt64);  // one batch, learned by heart
+  std::vector<float> losses;
+  for (int s = 0; s < steps; ++s) losses.push_back(t.step([&] { return model->loss(ids.narrow(1, 0, 32), ids.narrow(1, 1, 32)); }).loss);
+  return losses;
+}
+
+// Through the trainer: the seven linears of each block run FP8, the head does not, and 30 steps learn a batch as bf16 does
+// (the loss falls by more than half in both, and ends within 10% of bf16's).
+TEST(Fp8, TrainsLikeBf16) {
+  int64_t fp8_layers = 0;
+  const std::vector<float> f = train_losses<Fp8>(30, &fp8_layers), b = train_losses<Bf16>(30);
+  EXPECT_EQ(fp8_layers, 2 * 7);
+  EXPECT_LT(f.back(), 0.5 * f.front());
+  EXPECT_LT(b.back(), 0.5 * b.front());
+  EXPECT_NEAR(f.back(), b.back(), 0.1 * b.back())
+      << "fp8 " << f.front() << " -> " << f.back() << ", bf16 " << b.front() << " -> " << b.back();
+}
+
+// The planner: FP8 keeps one-byte copies of the linears' inputs and its GEMMs' transient operands; its strategy name says fp8.
+TEST(Fp8, PlannerCountsTheCopiesAndTheStrategyIsNamed) {
+  const plan::ModelShape m = *plan::find_preset("tinyllama-1.1b");
+  plan::TrainShape t;
+  t.micro_batch = 8, t.seq = 2048;
+  using NoCkpt = Strategy<Precision<fp8, bf16, float>>;
+  const plan::MemoryPlan f = plan::plan_memory<NoCkpt>(m, t, 1), b = plan::plan_memory<Strategy<Precision<bf16, float>>>(m, t, 1);
+  EXPECT_EQ(f.parameters.device, b.parameters.device);
+  const int64_t tokens = 8 * 2048, h = m.hidden;
+  const int64_t per_block = tokens * ((3 * h + h - 2 * h) + (2 * h + m.ffn - 2 * (h + m.ffn)));
+  EXPECT_EQ(f.activations.device - b.activations.device,
+            m.layers * per_block +
+                std::max<int64_t>(0, plan::fp8_gemm_transient(m, tokens, 2) - plan::loss_bytes(m, tokens, 2, t.loss_chunk_tokens, true)));
+  EXPECT_EQ(strategy_name<Fp8>(), "Strategy<Precision<fp8, bf16, float>, Checkpointed>");
+}
+
+}  // namespace
