@@ -2,7 +2,7 @@
 # One call on the GPU machine: build with libtorch's CUDA side, run the GPU tests (ctest -L cuda) and the
 # benchmarks, write full results under $OUT (default ./gpu-results) and print a short table last.
 #   usage: bash bench/run_gpu.sh [bench-name ...]    (no names: all benchmarks but the 7B rows;
-#          names: adamw adamw8_shapes fused gemm4 gemm4_probe dequant wgmma_rate gptq zero table table7b table7b_offload table7b_stream table7b_hostckpt table7b_qlora_hostckpt table13b_stream long8b table70b table175b diag7b ncu_gemm ncu_sm90 llama_gptq quantize7b scale scale7b scale7b_w1 peers qlora)
+#          names: adamw adamw8_shapes fused gemm4 gemm4_probe dequant wgmma_rate gptq zero table table7b table7b_offload table7b_stream table7b_hostckpt table7b_qlora_hostckpt table13b_stream long8b table70b table175b table_fp8 table7b_fp8 diag7b ncu_gemm ncu_sm90 llama_gptq quantize7b scale scale7b scale7b_w1 peers qlora)
 #   env: TARGETS="t1 t2" builds only those targets (default: everything); GPU_TESTS=0 skips ctest -L cuda;
 #        GPU_TESTS_REGEX="Quant|Zero" runs only the cuda-labelled tests whose names match (ctest -R);
 #        BENCH_ARGS_<name>="..." extra arguments for one benchmark (e.g. BENCH_ARGS_table="--rows bf16,ckpt");
@@ -127,6 +127,14 @@ fi
 if named table175b; then
   run_bench table175b "$BUILD/bench/table/bench_table" --preset llama-175b --rows "qlora-all16-stream:${TABLE175B_BATCH:-2}" --steps 1 \
     --warmup 1 --eval-seqs 0 --lr 5e-6 --mlp-tile auto --loss-chunk 1024 "${corpus[@]}"
+fi
+# FP8 GEMMs beside their bf16 twins, one call (only when named): TinyLlama-1.1B, B=8, T=2048, bf16 / fp8 and bf16-ckpt /
+# fp8-ckpt (table_fp8); LLaMA-7B bf16-ckpt / fp8-ckpt (table7b_fp8, lr and clipping as table7b).
+if named table_fp8; then
+  run_bench table_fp8 "$BUILD/bench/table/bench_table" --preset tinyllama-1.1b --rows bf16:8,fp8:8,bf16-ckpt:8,fp8-ckpt:8 "${corpus[@]}"
+fi
+if named table7b_fp8; then
+  run_bench table7b_fp8 "$BUILD/bench/table/bench_table" --preset llama-7b --rows bf16-ckpt:8,fp8-ckpt:8 --clip 0 --lr 5e-6 --lr-warmup 5 "${corpus[@]}"
 fi
 # The compact host state (Precision<bf16, bf16> + 8-bit moments: 6 bytes a parameter) at the 13B geometry: ~80 GB of
 # host state where fp32 masters and moments would need 208 GB.

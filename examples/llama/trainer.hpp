@@ -52,6 +52,9 @@ void for_each_strategy(F&& f) {
   f.template operator()<Strategy<Precision<bf16, float>, Checkpointed>>("bf16-ckpt");
   // ... with the checkpointed block inputs kept in 8 bits (blockwise absmax): the fidelity benchmark's comparison.
   f.template operator()<Strategy<Precision<bf16, float>, Checkpointed, CheckpointOffload<Device, Int8>>>("bf16-ckpt-int8");
+  // The block linears' GEMMs in FP8 (e4m3, gradients e5m2; Ada or Hopper on the GPU): the twins of bf16 and bf16-ckpt
+  f.template operator()<Strategy<Precision<fp8, bf16, float>>>("fp8");
+  f.template operator()<Strategy<Precision<fp8, bf16, float>, Checkpointed>>("fp8-ckpt");
   f.template operator()<Strategy<Precision<half, float>, Accumulate<4>>>("fp16-accum4");
   f.template operator()<Strategy<Precision<bf16, float>, Accumulate<4>, Checkpointed>>("bf16-accum4-ckpt");
   // ZeRO (squeeze's sharded trainer). Over N GPUs stage 3 alone keeps 16 bytes/parameter / N of model state (the

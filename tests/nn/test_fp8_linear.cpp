@@ -2,6 +2,7 @@
 // GEMMs against an fp32 reference within the formats' error, on sizes that divide nothing; a short training run against
 // bf16. The CUDA path (cuBLASLt through at::_scaled_mm) runs the same functions on the GPU machine.
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -83,6 +84,22 @@ TEST(Fp8, GemmMatchesTheReferenceOnSizesThatDivideNothing) {
     const torch::Tensor ref = torch::matmul(a.to(torch::kFloat64), b.to(torch::kFloat64).t());
     const torch::Tensor bound = torch::matmul(a.to(torch::kFloat64).abs(), b.to(torch::kFloat64).abs().t()) * (kE4m3Step + kE5m2Step) * 1.1;
     EXPECT_TRUE(((y.to(torch::kFloat64) - ref).abs() <= bound + 1e-6).all().item<bool>()) << m << "x" << n << "x" << k;
+  }
+}
+
+// On a GPU (cuBLASLt, the operands zero-padded to multiples of 16): the same products as the CPU's reference kernel, to
+// fp32 summation order. Skipped without a CUDA device.
+TEST(Fp8, GemmOnTheGpuMatchesTheCpu) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  torch::manual_seed(8);
+  for (auto [m, n, k] : {std::tuple{37, 29, 53}, std::tuple{64, 48, 32}, std::tuple{3, 130, 70}}) {
+    const nn::Fp8Operand a = nn::to_fp8(torch::randn({m, k}), torch::kFloat8_e5m2),
+                         b = nn::to_fp8(torch::randn({n, k}), torch::kFloat8_e4m3fn);
+    const torch::Tensor cpu = nn::fp8_mm(a, b, torch::kFloat32);
+    const nn::Fp8Operand ag{a.values.cuda(), a.inverse_scale.cuda()}, bg{b.values.cuda(), b.inverse_scale.cuda()};
+    const torch::Tensor gpu = nn::fp8_mm(ag, bg, torch::kFloat32).cpu();
+    ASSERT_EQ(gpu.sizes(), cpu.sizes());
+    EXPECT_LE((gpu - cpu).abs().max().item<float>(), 1e-4f * (cpu.abs().max().item<float>() + 1)) << m << "x" << n << "x" << k;
   }
 }
 
