@@ -45,7 +45,11 @@ class FrozenUnits {
  public:
   static constexpr int64_t kAlign = 256;
 
-  FrozenUnits(torch::Device device, int prefetch_depth) : device_(device), depth_(prefetch_depth), copy_(device) {
+  // A GPU named without an index is GPU 0 (as the trainer takes it): the layers compare devices with their inputs'.
+  FrozenUnits(torch::Device device, int prefetch_depth)
+      : device_(device.is_cuda() && !device.has_index() ? torch::Device(device.type(), 0) : device),
+        depth_(prefetch_depth),
+        copy_(device_) {
     TORCH_CHECK(prefetch_depth >= 0, "Offload<Host, Streamed>: the prefetch depth of the frozen base must be >= 0, got ", prefetch_depth);
   }
   FrozenUnits(const FrozenUnits&) = delete;
