@@ -151,7 +151,7 @@ struct Strategy {
                 "Offload<Host, Streamed> streams an NF4 base from host memory; a GPTQ-format base stays on the device: write "
                 "Quantized<4, NF4, DoubleQuant>, or remove Offload<Host, Streamed>");
   static_assert(!(stream_frozen_base && stage != 0),
-                "Offload<Host, Streamed> on a quantized base streams its blocks to one GPU; the adapters and their state stay "
+                "Offload<Host, Streamed> on a quantized base streams its blocks to one GPU. The adapters and their state stay "
                 "there: remove Sharded<...>");
   static_assert(!(training && !precision::has_master_copy && std::is_same_v<compute_type, half>),
                 "fp16 weights cannot be their own master (updates vanish below fp16's resolution): write Precision<half, float>");
