@@ -641,16 +641,6 @@ inline int64_t home_packed_bases(torch::nn::Module& unit, const std::string& nam
   return int64_t(weights.size());
 }
 
-// Every gather unit of `model` (the modules deriving from engine::GatherUnit: nn::Llama's blocks, in the order
-// named_modules gives) holding NF4 bases becomes a unit of `home`, as home_packed_bases does. Returns the layers moved.
-inline int64_t home_packed_blocks(torch::nn::Module& model, const std::shared_ptr<engine::FrozenUnits>& home) {
-  int64_t layers = 0;
-  for (const auto& item : model.named_modules())
-    if (dynamic_cast<const engine::GatherUnit*>(item.value().get()) != nullptr)
-      layers += home_packed_bases(*item.value(), item.key(), home);
-  return layers;
-}
-
 // The host memory the NF4 bases of `model` live in under Offload<Host, Streamed> (null: none do).
 inline std::shared_ptr<engine::FrozenUnits> frozen_home(torch::nn::Module& model) {
   for (Nf4Weight* w : detail::packed_nf4_weights(model))

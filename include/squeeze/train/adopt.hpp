@@ -46,6 +46,18 @@ struct AdoptedModel {
 };
 
 namespace detail {
+// The model's blocks, in module order: modules deriving from GatherUnit (nn::Llama's blocks) and an nn::Blocks'
+// children. What the streamed base moves to host memory one at a time and where FP8 GEMMs run.
+inline std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> blocks_of(torch::nn::Module& model) {
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> blocks;
+  for (const auto& item : model.named_modules()) {
+    if (dynamic_cast<const GatherUnit*>(item.value().get()) != nullptr) blocks.emplace_back(item.key(), item.value());
+    if (dynamic_cast<const nn::BlocksImpl*>(item.value().get()) != nullptr)
+      for (const auto& c : item.value()->named_children())
+        blocks.emplace_back(item.key().empty() ? c.key() : item.key() + "." + c.key(), c.value());
+  }
+  return blocks;
+}
 // module.to(device, dtype) (module.to(dtype) without a device), except the dense linears apply_lora packs.
 inline void to_except_packed_bases(torch::nn::Module& m, const std::optional<torch::Device>& device, torch::Dtype dtype) {
   for (const auto& c : m.named_children()) {
@@ -177,11 +189,10 @@ AdoptedModel adopt_model(torch::nn::Module& model, const AdoptOptions& o) {
           home = std::make_shared<FrozenUnits>(device, o.prefetch_depth);
         }
         int64_t seeds = 0;  // the adapters made so far: the next layer's seed, as one apply_lora over the model counts
-        for (const auto& item : model.named_modules())
-          if (dynamic_cast<const GatherUnit*>(item.value().get()) != nullptr) {
-            seeds += int64_t(nn::apply_lora<S>(*item.value(), base_placement, seeds).size());
-            nn::home_packed_bases(*item.value(), item.key(), home);
-          }
+        for (const auto& [name, block] : detail::blocks_of(model)) {
+          seeds += int64_t(nn::apply_lora<S>(*block, base_placement, seeds).size());
+          nn::home_packed_bases(*block, name, home);
+        }
       }
       out.adapted = nn::apply_lora<S>(model, base_placement);  // the rest; the blocks' adapters are kept and reported
     } catch (const c10::Error& e) {
@@ -208,13 +219,7 @@ AdoptedModel adopt_model(torch::nn::Module& model, const AdoptOptions& o) {
   // 6. FP8 GEMMs: the linears of the blocks (gather units: nn::Llama's blocks, an nn::Blocks' children); the embedding
   // and the head, outside them, keep bf16 GEMMs (the first and last layers are the most sensitive to FP8's rounding).
   if constexpr (S::fp8_gemms) {
-    std::vector<std::shared_ptr<torch::nn::Module>> blocks;
-    for (const auto& m : model.modules(/*include_self=*/true)) {
-      if (dynamic_cast<const GatherUnit*>(m.get()) != nullptr) blocks.push_back(m);
-      if (dynamic_cast<const nn::BlocksImpl*>(m.get()) != nullptr)
-        for (const auto& c : m->children()) blocks.push_back(c);
-    }
-    for (const auto& b : blocks)
+    for (const auto& [name, b] : detail::blocks_of(model))
       for (const auto& m : b->modules(/*include_self=*/true))
         if (auto* l = dynamic_cast<nn::LinearImpl*>(m.get()); l && !l->fp8_gemms()) l->set_fp8_gemms(true), ++out.fp8_layers;
     TORCH_CHECK(out.fp8_layers > 0,
