@@ -87,8 +87,10 @@ TEST(Fp8, GemmMatchesTheReferenceOnSizesThatDivideNothing) {
   }
 }
 
-// On a GPU (cuBLASLt, the operands zero-padded to multiples of 16): the same products as the CPU's reference kernel, to
-// fp32 summation order. Skipped without a CUDA device.
+// On a GPU (cuBLASLt, the operands zero-padded to multiples of 16): the same products as the CPU's reference kernel,
+// within the GPU's summation: Hopper's FP8 tensor cores keep fewer bits of the running sum than fp32 (on an H100, a
+// 3x130x70 product of randn operands differed by 1.5e-4 of its largest value), so the bound is 2^-11 of the sum of
+// the products' magnitudes, element by element. Skipped without a CUDA device.
 TEST(Fp8, GemmOnTheGpuMatchesTheCpu) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   torch::manual_seed(8);
@@ -99,7 +101,8 @@ TEST(Fp8, GemmOnTheGpuMatchesTheCpu) {
     const nn::Fp8Operand ag{a.values.cuda(), a.inverse_scale.cuda()}, bg{b.values.cuda(), b.inverse_scale.cuda()};
     const torch::Tensor gpu = nn::fp8_mm(ag, bg, torch::kFloat32).cpu();
     ASSERT_EQ(gpu.sizes(), cpu.sizes());
-    EXPECT_LE((gpu - cpu).abs().max().item<float>(), 1e-4f * (cpu.abs().max().item<float>() + 1)) << m << "x" << n << "x" << k;
+    const torch::Tensor magnitude = torch::matmul(dequantized(a).abs(), dequantized(b).abs().t());
+    EXPECT_TRUE(((gpu - cpu).abs() <= magnitude * std::ldexp(1.0f, -11) + 1e-6f).all().item<bool>()) << m << "x" << n << "x" << k;
   }
 }
 

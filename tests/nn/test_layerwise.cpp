@@ -344,7 +344,17 @@ TEST(Layerwise, BigPresetsAgainstOneGpu) {
   o.available_device_bytes = int64_t(80e9);
   EXPECT_NE(error_of([&] { nn::build_quantized_llama<QLoraAll>(big, o); }).find("fewer bits"), std::string::npos);
   using Rtn3Bf16 = Strategy<Quantized<3, RTN, Group<128>>, LoRA<16, 32, all_linears>, Precision<bf16, float>, Checkpointed>;
-  EXPECT_LT(nn::layerwise_memory<Rtn3Bf16>(big, o).device_bytes, int64_t(80e9));
+  // Drawn on the GPU, one float block (7.3 GB) more is there than drawn on the host.
+  const int64_t drawn_on_gpu = nn::layerwise_memory<Rtn3Bf16>(big, o).device_bytes;
+  o.draw_on_device = false;
+  const int64_t drawn_on_host = nn::layerwise_memory<Rtn3Bf16>(big, o).device_bytes;
+  EXPECT_LT(drawn_on_host, int64_t(80e9));
+  EXPECT_EQ(drawn_on_gpu - drawn_on_host, big.shape().block_params() * 4);
+  if (drawn_on_gpu > *o.available_device_bytes) {  // refused before anything is allocated, naming the way out
+    o.draw_on_device = true;
+    const std::string e = error_of([&] { nn::build_quantized_llama<Rtn3Bf16>(big, o); });
+    EXPECT_NE(e.find("draw on the host (LayerwiseOptions::draw_on_device = false)"), std::string::npos) << e;
+  }
 }
 
 // ---- progress and bad configs ------------------------------------------------------------------------------------

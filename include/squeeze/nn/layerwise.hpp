@@ -1,16 +1,18 @@
 #pragma once
 // A quantized LLaMA built one block at a time, so neither the host nor the device ever holds the float model:
 //
-//   build_quantized_llama<S>(config, options)   drawn at random (the values nn::Llama(config, ParamInit{.seed}) has)
+//   build_quantized_llama<S>(config, options)   drawn at random (the values nn::Llama(config, ParamInit{.seed}) has,
+//                                               made on options.device)
 //   build_quantized_llama<S>(hf_dir, options)   read from a Hugging Face directory (the values load_hf_llama reads)
 //
-// Each block is made in float on the host, filled (drawn from its own generator, nn/llama.hpp's draw_llama_part, or
-// read tensor by tensor from the safetensors files), then handed to apply_lora<S> (nn/lora.hpp), which packs its
-// seven linears on options.device (NF4, or the GPTQ layout by round-to-nearest) and attaches S's adapters, before the
-// next block exists. The embedding, the norms and the head stay dense (float; the trainer converts them) and move to
-// options.device as they are made. The result is what make_trainer<S> would have made of the whole float model
-// bit for bit: the same packed bases, the same adapters (apply_lora's per-layer seeds run on from block to block),
-// and make_trainer adopts it as it is (its apply_lora keeps the adapters).
+// Each block is made in float (drawn at random: on options.device, from its own generator there, nn/llama.hpp's
+// draw_llama_part; read from files: on the host, tensor by tensor from the safetensors files), then handed to
+// apply_lora<S> (nn/lora.hpp), which packs its seven linears on options.device (NF4, or the GPTQ layout by
+// round-to-nearest) and attaches S's adapters, before the next block exists. The embedding, the norms and the head
+// stay dense (float; the trainer converts them) and move to options.device as they are made. The result is what
+// make_trainer<S> would have made of the whole float model made on that device, bit for bit: the same packed bases,
+// the same adapters (apply_lora's per-layer seeds run on from block to block), and make_trainer adopts it as it is
+// (its apply_lora keeps the adapters).
 //
 // Before anything is allocated, layerwise_memory<S> says what building needs (the packed blocks and adapters as the
 // planner counts them, the dense rest in float, one float block) and, with options.train, what plan_memory says the
@@ -61,6 +63,9 @@ using LayerwiseProgressFn = std::function<void(const LayerwiseProgress&)>;
 struct LayerwiseOptions {
   torch::Device device = torch::kCPU;  // where the packed blocks and the dense rest of the model live
   std::optional<uint64_t> seed;        // the random initialisation's (ParamInit::seed); unset: drawn from torch's global generator
+  // Drawn at random onto a GPU: each part made and drawn there (its generator is the device's; a 175B block's 1.8 G
+  // values take minutes on one host thread). false: on the host, one float block less on the device (7.3 GB at 175B).
+  bool draw_on_device = true;
   // The training step the model is built for: the device check then takes plan_memory<S>'s peak for it, not only the
   // build's own. Unset: the build alone is checked.
   std::optional<plan::TrainShape> train;
@@ -113,12 +118,18 @@ LayerwiseMemory layerwise_memory(const LlamaConfig& c, const LayerwiseOptions& o
     r.host_bytes = r.packed_bytes + r.dense_rest_bytes + r.float_block_bytes + r.read_buffer_bytes + r.calibration_bytes;
     if (o.train) r.host_bytes = std::max(r.host_bytes, planned.peak().device + planned.peak().host);
   } else {
-    // The embedding and the head are made on the host too, each moved to the device before the next part exists.
-    r.host_bytes = std::max(r.float_block_bytes, m.embedding_params() * 4) + r.read_buffer_bytes;
+    // Drawn at random, each part is made on the device (see build_layerwise); read from files, the embedding and the
+    // head are made on the host too, each moved to the device before the next part exists.
+    const bool made_on_host = from_files || !o.draw_on_device;
+    const int64_t float_on_host = made_on_host ? std::max(r.float_block_bytes, m.embedding_params() * 4) + r.read_buffer_bytes : 0;
+    r.host_bytes = float_on_host;
     if (S::stream_frozen_base) r.host_bytes += planned.parameters.host;  // the packed blocks, moved there one by one
-    if (o.train) r.host_bytes = std::max(r.host_bytes, planned.peak().host + (S::stream_frozen_base ? r.float_block_bytes : 0));
-    // Calibrated, the float block moves to the device to run the calibration forward.
-    const int64_t packing = r.calibration_bytes > 0 ? r.float_block_bytes + r.calibration_bytes : largest_linear * p_c;
+    if (o.train)
+      r.host_bytes = std::max(r.host_bytes, planned.peak().host + (S::stream_frozen_base && made_on_host ? r.float_block_bytes : 0));
+    // Calibrated, the float block moves to the device to run the calibration forward; drawn there, it is there.
+    const int64_t packing = r.calibration_bytes > 0 ? r.float_block_bytes + r.calibration_bytes
+                            : made_on_host          ? largest_linear * p_c
+                                                    : r.float_block_bytes + largest_linear * p_c;
     // A streamed base: the adapters stay, and one block's packed bytes until it moves to the host.
     const int64_t on_device = S::stream_frozen_base
                                   ? r.packed_bytes - planned.parameters.host + planned.parameters.host / std::max<int64_t>(1, m.layers)
@@ -136,6 +147,7 @@ using engine::host_memory_available;
 template <StrategyType S>
 void check_layerwise_fits(const LlamaConfig& c, const LayerwiseOptions& o, bool from_files) {
   const LayerwiseMemory need = layerwise_memory<S>(c, o, from_files);
+  const bool made_on_device = !from_files && o.draw_on_device && o.device.is_cuda();
   const std::string what =
       "build_quantized_llama: '" + c.name + "' (" + std::to_string(c.shape().params()) + " parameters) under " + strategy_name<S>();
   const std::string step = o.train ? "; plan_memory's peak of a training step of micro-batch " + std::to_string(o.train->micro_batch) +
@@ -143,14 +155,17 @@ void check_layerwise_fits(const LlamaConfig& c, const LayerwiseOptions& o, bool 
                                    : "";
   const std::optional<int64_t> host = o.available_host_bytes ? o.available_host_bytes : host_memory_available();
   if (host) {
-    TORCH_CHECK(need.host_bytes <= *host, what, " needs ", gigabytes(need.host_bytes), " of host memory (",
-                o.device.is_cpu() ? "packed blocks and adapters " + gigabytes(need.packed_bytes) +
-                                        " + embedding, head and norms in float " + gigabytes(need.dense_rest_bytes) + " + "
-                : S::stream_frozen_base
-                    ? "packed blocks and adapters, the blocks streamed from pinned host memory " + gigabytes(need.packed_bytes) + " + "
-                    : std::string(),
-                "one float block ", gigabytes(need.float_block_bytes),
-                need.read_buffer_bytes > 0 ? " + one checkpoint tensor " + gigabytes(need.read_buffer_bytes) : std::string(),
+    std::vector<std::string> parts;  // what the host figure is made of
+    if (o.device.is_cpu())
+      parts = {"packed blocks and adapters " + gigabytes(need.packed_bytes),
+               "embedding, head and norms in float " + gigabytes(need.dense_rest_bytes)};
+    else if (S::stream_frozen_base)
+      parts = {"packed blocks and adapters, the blocks streamed from pinned host memory " + gigabytes(need.packed_bytes)};
+    if (!made_on_device) parts.push_back("one float block " + gigabytes(need.float_block_bytes));
+    if (need.read_buffer_bytes > 0) parts.push_back("one checkpoint tensor " + gigabytes(need.read_buffer_bytes));
+    std::string made_of;
+    for (const std::string& part : parts) made_of += (made_of.empty() ? "" : " + ") + part;
+    TORCH_CHECK(need.host_bytes <= *host, what, " needs ", gigabytes(need.host_bytes), " of host memory (", made_of,
                 o.device.is_cpu() ? step : std::string(), "), but ", gigabytes(*host), " is available",
                 o.available_host_bytes ? " (LayerwiseOptions::available_host_bytes)" : " (MemAvailable in /proc/meminfo)",
                 ": quantize to fewer bits (Quantized<3, ...>)", o.device.is_cpu() ? ", build onto a GPU (LayerwiseOptions::device)" : "",
@@ -163,9 +178,11 @@ void check_layerwise_fits(const LlamaConfig& c, const LayerwiseOptions& o, bool 
   TORCH_CHECK(need.device_bytes <= *device, what, " needs ", gigabytes(need.device_bytes), " on ", o.device.str(),
               S::stream_frozen_base ? " (adapters and the packed block in flight, " : " (packed blocks and adapters ",
               gigabytes(S::stream_frozen_base ? need.device_bytes - need.dense_rest_bytes : need.packed_bytes),
-              " + embedding, head and norms in float ", gigabytes(need.dense_rest_bytes), " + one dense linear being packed", step,
-              "), but the device has ", gigabytes(*device), o.available_device_bytes ? " (LayerwiseOptions::available_device_bytes)" : "",
-              ": quantize to fewer bits (Quantized<3, ...>)",
+              " + embedding, head and norms in float ", gigabytes(need.dense_rest_bytes),
+              made_on_device ? " + one float block drawn there and one dense linear being packed" : " + one dense linear being packed",
+              step, "), but the device has ", gigabytes(*device),
+              o.available_device_bytes ? " (LayerwiseOptions::available_device_bytes)" : "", ": quantize to fewer bits (Quantized<3, ...>)",
+              made_on_device ? ", draw on the host (LayerwiseOptions::draw_on_device = false)" : "",
               o.train ? ", train a smaller micro-batch or shorter sequences, add Checkpointed, offload the optimizer state "
                         "(Sharded<Stage1> + Offload<Host>)"
                       : "",
@@ -240,6 +257,7 @@ Llama build_layerwise(const LlamaConfig& c, const LayerwiseOptions& o, bool rand
   using Clock = std::chrono::steady_clock;
   const auto since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
   const LoraBasePlacement place{o.device, torch_dtype<typename S::compute_type>()};
+  const torch::Device made_on = random && o.draw_on_device && o.device.is_cuda() ? o.device : torch::Device(torch::kCPU);
   const auto start = Clock::now();
   std::optional<Clock::time_point> blocks_start;  // after the embedding: what the blocks' mean time is taken over
   int64_t adapters = 0;                           // adapters of the blocks before: the next block's first seed
@@ -314,7 +332,7 @@ Llama build_layerwise(const LlamaConfig& c, const LayerwiseOptions& o, bool rand
     TORCH_CHECK(o.calibration.min().item<int64_t>() >= 0 && o.calibration.max().item<int64_t>() < c.vocab,
                 "build_quantized_llama: calibration token ids must lie in [0, ", c.vocab, "), the model's vocabulary");
   }
-  Llama model(c, ParamInit{torch::TensorOptions().dtype(torch::kFloat32), random, o.seed}, built);
+  Llama model(c, ParamInit{torch::TensorOptions().dtype(torch::kFloat32).device(made_on), random, o.seed}, built);
   for (const auto& m : model->modules(/*include_self=*/true)) {  // frozen as apply_lora leaves a whole model
     if (dynamic_cast<LoRALinearImpl*>(m.get()) != nullptr) continue;
     for (auto& t : m->parameters(/*recurse=*/false)) t.set_requires_grad(false);
@@ -324,8 +342,8 @@ Llama build_layerwise(const LlamaConfig& c, const LayerwiseOptions& o, bool rand
 }  // namespace detail
 
 // A LLaMA of `config` under quantized strategy S, drawn at random and built block by block (see the top of this
-// file): the values of nn::Llama(config, ParamInit{.seed = options.seed}) (unset seed: both draw theirs from torch's
-// global generator), packed and adapted as make_trainer<S> would. Refused before anything is allocated when the
+// file): the values of nn::Llama(config, ParamInit{.seed = options.seed}) made on options.device (unset seed: both
+// draw theirs from torch's global generator), packed and adapted as make_trainer<S> would. Refused before anything is allocated when the
 // config is invalid or the build does not fit (layerwise_memory).
 template <StrategyType S>
 Llama build_quantized_llama(const LlamaConfig& config, const LayerwiseOptions& options = {}) {
