@@ -91,11 +91,12 @@ fi
 if named table7b_hostckpt; then
   run_bench table7b_hostckpt "$BUILD/bench/table/bench_table" --preset llama-7b --rows zero3-offload-bf16-ckpt:8,zero3-offload-bf16-hostckpt:8 --clip 0 --lr 5e-6 --lr-warmup 5 "${corpus[@]}"
 fi
-# QLoRA at LLaMA-7B in the least GPU memory: the checkpointed block inputs in host memory, each MLP in tiles of 4096 tokens
-# and the loss in chunks of 1024, with the NF4 blocks on the device and streamed from host memory, beside transformers +
-# bitsandbytes + PEFT in the same call (bench/qlora: its wheels).
+# QLoRA at LLaMA-7B in the least GPU memory: the qlora row, the same with the checkpointed block inputs in host memory,
+# and with the NF4 blocks streamed from host memory too (planned 4.3 GB), untiled (tiling the MLP costs one more forward
+# of it; at tiles of 4096 both rows ran at 1.01x the peer, 30c4cb6), the loss in chunks of 1024, beside
+# transformers + bitsandbytes + PEFT in the same call (bench/qlora: its wheels).
 if named table7b_qlora_hostckpt; then
-  QLORA_PRESETS=llama-7b QLORA_ROWS=qlora-hostckpt:8,qlora-stream-hostckpt:8 QLORA_TABLE_ARGS="--mlp-tile 4096 --loss-chunk 1024" \
+  QLORA_PRESETS=llama-7b QLORA_ROWS=qlora:8,qlora-hostckpt:8,qlora-stream-hostckpt:8 QLORA_TABLE_ARGS="--mlp-tile 0 --loss-chunk 1024" \
     bash "$ROOT/bench/qlora/run_h200.sh" "$BUILD/bench/table/bench_table"
 fi
 # The longest context (only when named): LLaMA-3-8B QLoRA (r=16 on all linears, 8-bit checkpoints in host memory, MLP tiles
@@ -122,10 +123,11 @@ if named table70b; then
 fi
 # The survey's 175B on one GPU (only when named): preset llama-175b (GPT-3's width and depth), QLoRA r=16 on all linears
 # with 8-bit moments, the NF4 blocks in pinned host memory streamed through the GPU (Offload<Host, Streamed>), the
-# checkpointed block inputs in host memory in 8 bits, B=TABLE175B_BATCH (2), T=2048, MLP tiles the planner picks; built
-# block by block, each block's packed bytes moved to the host as soon as it is packed.
+# checkpointed block inputs in host memory in 8 bits, B=TABLE175B_BATCH (8: 16k tokens of compute a step to hide the
+# copies), T=2048, MLP tiles the planner picks; built block by block on the GPU, each block's packed bytes moved to the
+# host as soon as it is packed (drawn on one host thread, a block took 10 s: 16 minutes for 96).
 if named table175b; then
-  run_bench table175b "$BUILD/bench/table/bench_table" --preset llama-175b --rows "qlora-all16-stream:${TABLE175B_BATCH:-2}" --steps 1 \
+  run_bench table175b "$BUILD/bench/table/bench_table" --preset llama-175b --rows "qlora-all16-stream:${TABLE175B_BATCH:-8}" --steps 1 \
     --warmup 1 --eval-seqs 0 --lr 5e-6 --mlp-tile auto --loss-chunk 1024 "${corpus[@]}"
 fi
 # FP8 GEMMs beside their bf16 twins, one call (only when named): TinyLlama-1.1B, B=8, T=2048, bf16 / fp8 and bf16-ckpt /
