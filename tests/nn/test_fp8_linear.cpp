@@ -171,6 +171,41 @@ TEST(Fp8, TrainsLikeBf16) {
 }
 
 // The planner: FP8 keeps one-byte copies of the linears' inputs and its GEMMs' transient operands; its strategy name says fp8.
+// Linears reading one tensor (q, k, v; gate, up) cast it once and share its FP8 copy; a modified or another tensor
+// (also one at a freed tensor's address) is cast again; gradients equal those of separately cast inputs.
+TEST(Fp8, LinearsReadingOneTensorShareItsCopy) {
+  torch::manual_seed(9);
+  nn::Fp8InputCache& cache = nn::fp8_input_cache();
+  cache.clear();
+  const torch::Tensor w1 = torch::randn({23, 45}) * 0.1, w2 = torch::randn({17, 45}) * 0.1;
+  const torch::Tensor x0 = torch::randn({3, 11, 45});
+  torch::Tensor x = x0.clone().requires_grad_(true);
+  const torch::Tensor y1 = nn::fp8_linear(x, w1), y2 = nn::fp8_linear(x, w2);
+  EXPECT_EQ(cache.casts, 1);
+  EXPECT_EQ(cache.hits, 1);
+  (y1.sum() + (y2 * 2).sum()).backward();
+  torch::Tensor xa = x0.clone().requires_grad_(true), xb = x0.clone().requires_grad_(true);
+  const torch::Tensor z1 = nn::fp8_linear(xa, w1), z2 = nn::fp8_linear(xb, w2);
+  EXPECT_EQ(cache.casts, 3) << "separate tensors, separate casts";
+  (z1.sum() + (z2 * 2).sum()).backward();
+  EXPECT_TRUE(torch::equal(y1, z1));
+  EXPECT_TRUE(torch::equal(y2, z2));
+  EXPECT_TRUE(torch::equal(x.grad(), xa.grad() + xb.grad()));
+  {
+    torch::NoGradGuard no_grad;
+    torch::Tensor v = x0.clone();
+    (void)nn::fp8_linear(v, w1);
+    v.mul_(3);  // modified in place: its version moves on
+    const torch::Tensor after = nn::fp8_linear(v, w1);
+    EXPECT_EQ(cache.casts, 5);
+    EXPECT_TRUE(torch::equal(after, nn::fp8_linear(v.clone(), w1)));
+    for (int i = 0; i < 3; ++i) (void)nn::fp8_linear(x0.clone() * double(i + 1), w1);  // each a new tensor, maybe at one address
+    EXPECT_EQ(cache.casts, 9);
+    EXPECT_EQ(cache.hits, 1);
+  }
+  cache.clear();
+}
+
 TEST(Fp8, PlannerCountsTheCopiesAndTheStrategyIsNamed) {
   const plan::ModelShape m = *plan::find_preset("tinyllama-1.1b");
   plan::TrainShape t;
@@ -179,7 +214,7 @@ TEST(Fp8, PlannerCountsTheCopiesAndTheStrategyIsNamed) {
   const plan::MemoryPlan f = plan::plan_memory<NoCkpt>(m, t, 1), b = plan::plan_memory<Strategy<Precision<bf16, float>>>(m, t, 1);
   EXPECT_EQ(f.parameters.device, b.parameters.device);
   const int64_t tokens = 8 * 2048, h = m.hidden;
-  const int64_t per_block = tokens * ((3 * h + h - 2 * h) + (2 * h + m.ffn - 2 * (h + m.ffn)));
+  const int64_t per_block = tokens * ((h + h - 2 * h) + (h + m.ffn - 2 * (h + m.ffn)));  // one FP8 copy per tensor read
   EXPECT_EQ(f.activations.device - b.activations.device,
             m.layers * per_block +
                 std::max<int64_t>(0, plan::fp8_gemm_transient(m, tokens, 2) - plan::loss_bytes(m, tokens, 2, t.loss_chunk_tokens, true)));

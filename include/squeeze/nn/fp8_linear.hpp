@@ -9,9 +9,13 @@
 // accumulation and divides by both scales (cuBLASLt on Hopper and Ada; a reference kernel on the CPU, which the CPU
 // tests use). cuBLASLt wants the inner and output dimensions in multiples of 16: operands are zero-padded there.
 // Saved for backward: x in e4m3 with its scale, one byte a value; W is quantized again in backward (nothing dense kept).
+// Linears that read one tensor (q, k and v; gate and up) share its FP8 copy: the last input's copy is reused while that
+// same tensor, unmodified, comes in again (Fp8InputCache), so it is cast and kept once.
+#include <c10/util/intrusive_ptr.h>
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace squeeze::nn {
@@ -31,10 +35,51 @@ inline Fp8Operand to_fp8(const torch::Tensor& x, torch::ScalarType format) {
   TORCH_CHECK(format == torch::kFloat8_e4m3fn || format == torch::kFloat8_e5m2, "to_fp8: e4m3fn or e5m2, not ", format);
   const float top = format == torch::kFloat8_e4m3fn ? kE4m3Max : kE5m2Max;
   const torch::Tensor xd = x.detach();
-  const torch::Tensor amax = xd.abs().amax().to(torch::kFloat32);  // [] (a NaN or inf input gives NaN values: nothing hides it)
+  // [] max |x| in one read (a NaN or inf input gives NaN values: nothing hides it)
+  const torch::Tensor amax = torch::linalg_vector_norm(xd, INFINITY).to(torch::kFloat32);
   const torch::Tensor scale =
       torch::where(amax > 0, torch::exp2(torch::floor(torch::log2(top / amax))), torch::ones_like(amax)).clamp_(0, 1e38);
-  return {(xd * scale.to(xd.scalar_type())).clamp_(-top, top).to(format), scale.reciprocal()};
+  // A power-of-two scale is exact and brings every |x| to <= top: the cast needs no clamp.
+  return {(xd * scale.to(xd.scalar_type())).to(format), scale.reciprocal()};
+}
+
+// The FP8 copy of the last input seen, for the next linear that reads the same tensor: a hit needs that tensor alive
+// (a weak reference: nothing is kept alive for the cache, and a freed tensor's address is not reused while it is held)
+// and unmodified (its version counter). One per thread.
+struct Fp8InputCache {
+  int64_t casts = 0, hits = 0;  // inputs cast, and reused
+  Fp8Operand get(const torch::Tensor& x, torch::ScalarType format) {
+    if (input_ && !input_->expired() && input_->_unsafe_get_target() == x.unsafeGetTensorImpl() && version_ == x._version() &&
+        format_ == format) {
+      ++hits;
+      return copy_;
+    }
+    ++casts;
+    copy_ = to_fp8(x, format);
+    input_.emplace(x.getIntrusivePtr());
+    version_ = x._version();
+    format_ = format;
+    return copy_;
+  }
+  // Drops the held copy when it is `values` (a backward done with it: its bytes go as autograd lets them go).
+  void forget(const torch::Tensor& values) {
+    if (copy_.values.defined() && copy_.values.is_alias_of(values)) {
+      copy_ = {};
+      input_.reset();
+    }
+  }
+  // Drops the held copy and the counters.
+  void clear() { *this = Fp8InputCache{}; }
+
+ private:
+  std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> input_;
+  int64_t version_ = -1;
+  torch::ScalarType format_ = torch::kFloat8_e4m3fn;
+  Fp8Operand copy_;
+};
+inline Fp8InputCache& fp8_input_cache() {
+  thread_local Fp8InputCache cache;
+  return cache;
 }
 
 namespace detail {
@@ -72,8 +117,9 @@ namespace detail {
 struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w) {
     const int64_t in = w.size(1), out = w.size(0);
-    const Fp8Operand x8 = to_fp8(x.reshape({-1, in}), torch::kFloat8_e4m3fn);  // [M, in]
-    const Fp8Operand w8 = to_fp8(w, torch::kFloat8_e4m3fn);                    // [out, in]
+    Fp8Operand x8 = fp8_input_cache().get(x, torch::kFloat8_e4m3fn);  // x's shape
+    x8.values = x8.values.reshape({-1, in});                          // [M, in]
+    const Fp8Operand w8 = to_fp8(w, torch::kFloat8_e4m3fn);           // [out, in]
     ctx->save_for_backward({x8.values, x8.inverse_scale, w});
     ctx->saved_data["dtype"] = int64_t(x.scalar_type());
     std::vector<int64_t> sizes = x.sizes().vec();
@@ -85,6 +131,7 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     const auto saved = ctx->get_saved_variables();
     const Fp8Operand x8{saved[0], saved[1]};
     const torch::Tensor& w = saved[2];
+    fp8_input_cache().forget(x8.values);
     const auto dtype = torch::ScalarType(ctx->saved_data["dtype"].toInt());
     const std::vector<int64_t> x_sizes = ctx->saved_data["x_sizes"].toIntVector();
     const Fp8Operand g8 = to_fp8(g[0].reshape({-1, w.size(0)}), torch::kFloat8_e5m2);  // [M, out]

@@ -207,8 +207,9 @@ constexpr i64 loss_bytes(const ModelShape& m, i64 tokens, i64 p_c, i64 chunk_tok
 // adapters: squeeze::all_linears for full training, the LoRA targets when the base is frozen.
 //
 // FP8 GEMMs (fp8: Precision<fp8, bf16, float>, full training): each block linear keeps its input as an FP8 copy (one byte
-// a value) in place of the compute-type tensor: q, k and v three copies of the attention norm's output, o one of the
-// attention's output (which the attention keeps too), gate and up two of the MLP norm's, down one of the product. While a
+// a value) in place of the compute-type tensor, one copy for the linears reading one tensor: q, k and v share one of
+// the attention norm's output, o keeps one of the attention's output (which the attention keeps too), gate and up share
+// one of the MLP norm's, down keeps one of the product. While a
 // linear runs, its operands' FP8 copies and their transposes (nn/fp8_linear.hpp) are alive: at most, in the backward of
 // the largest, dY and dY^T, x^T, W and W^T in FP8 and one scaled compute-type temporary.
 constexpr i64 fp8_gemm_transient(const ModelShape& m, i64 tokens, i64 p_c) {
@@ -241,9 +242,9 @@ constexpr i64 activation_bytes(const ModelShape& m, const TrainShape& t, i64 p_c
   const i64 lora_mlp = frozen && adapted > 0 ? lora_rank_targets * std::popcount(trained_linears & 0x70u) / adapted : 0;
   const bool fp8_copies = fp8 && !frozen;
   const i64 mlp_saved = norm_fp32 + (pre_gain + mlp_norm + swiglu_inputs + product + lora_mlp) * p_c +  // a token, untiled
-                        (fp8_copies ? 2 * h + m.ffn - (mlp_norm + product) * p_c : 0);
+                        (fp8_copies ? h + m.ffn - (mlp_norm + product) * p_c : 0);
   const i64 attention_saved = norm_fp32 + (pre_gain + attn_norm + 2 * h + 2 * kv + lora_rank_targets - lora_mlp) * p_c + m.heads * 4 +
-                              (fp8_copies ? 3 * h + h - attn_norm * p_c : 0);
+                              (fp8_copies ? h + h - attn_norm * p_c : 0);
   const i64 fp8_transient = fp8 ? fp8_gemm_transient(m, tile > 0 ? std::min(tokens, tile) : tokens, p_c) : 0;
   const i64 block = tokens * (attention_saved + (tile > 0 ? h * p_c : mlp_saved));
   // A frozen head keeps nothing of the final norm's output; a frozen embedding gives block 0 an input that
