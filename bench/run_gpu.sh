@@ -2,7 +2,7 @@
 # One call on the GPU machine: build with libtorch's CUDA side, run the GPU tests (ctest -L cuda) and the
 # benchmarks, write full results under $OUT (default ./gpu-results) and print a short table last.
 #   usage: bash bench/run_gpu.sh [bench-name ...]    (no names: all benchmarks but the 7B rows;
-#          names: adamw adamw8_shapes fused gemm4 gemm4_probe dequant wgmma_rate gptq zero table table7b table7b_offload table7b_stream table7b_hostckpt table7b_qlora_hostckpt table13b_stream long8b table70b table175b table_fp8 table7b_fp8 diag7b ncu_gemm ncu_sm90 llama_gptq quantize7b scale scale7b scale7b_w1 peers qlora)
+#          names: adamw adamw8_shapes fused gemm4 gemm4_probe dequant wgmma_rate gptq zero table table7b table7b_offload table7b_stream table7b_hostckpt table7b_qlora_hostckpt table13b_stream long8b table70b table175b table_fp8 table7b_fp8 fp8_bound diag7b ncu_gemm ncu_sm90 llama_gptq quantize7b scale scale7b scale7b_w1 peers qlora)
 #   env: TARGETS="t1 t2" builds only those targets (default: everything); GPU_TESTS=0 skips ctest -L cuda;
 #        GPU_TESTS_REGEX="Quant|Zero" runs only the cuda-labelled tests whose names match (ctest -R);
 #        BENCH_ARGS_<name>="..." extra arguments for one benchmark (e.g. BENCH_ARGS_table="--rows bf16,ckpt");
@@ -137,6 +137,22 @@ if named table_fp8; then
 fi
 if named table7b_fp8; then
   run_bench table7b_fp8 "$BUILD/bench/table/bench_table" --preset llama-7b --rows bf16-ckpt:8,fp8-ckpt:8 --clip 0 --lr 5e-6 --lr-warmup 5 "${corpus[@]}"
+fi
+# The FP8 step-time bound (only when named; after table_fp8 / table7b_fp8 in the same call, whose bf16 rows give the step
+# times): the block linears' GEMMs in bf16 and FP8 and the least cast traffic at the copy bandwidth (bench/fp8).
+if named fp8_bound; then
+  step_of() {  # step_of <table.jsonl> <case>: the row's milliseconds a step, if it ran
+    python3 -c 'import json,sys
+for l in open(sys.argv[1]):
+    d = json.loads(l)
+    if d.get("case") == sys.argv[2] and d.get("iters_per_s"): print(1000.0 / d["iters_per_s"])' "$1" "$2" 2>/dev/null | tail -1
+  }
+  for spec in "tinyllama-1.1b bf16 table_fp8" "tinyllama-1.1b bf16-ckpt table_fp8" "llama-7b bf16-ckpt table7b_fp8"; do
+    read -r preset row table <<<"$spec"
+    ck=(); [[ $row == *ckpt ]] && ck=(--ckpt)
+    step=$(step_of "$OUT/$table.jsonl" "$row")
+    run_bench fp8_bound "$BUILD/bench/fp8/bench_fp8_bound" --preset "$preset" "${ck[@]}" ${step:+--step-ms "$step"}
+  done
 fi
 # The compact host state (Precision<bf16, bf16> + 8-bit moments: 6 bytes a parameter) at the 13B geometry: ~80 GB of
 # host state where fp32 masters and moments would need 208 GB.
