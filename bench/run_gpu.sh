@@ -2,7 +2,7 @@
 # One call on the GPU machine: build with libtorch's CUDA side, run the GPU tests (ctest -L cuda) and the
 # benchmarks, write full results under $OUT (default ./gpu-results) and print a short table last.
 #   usage: bash bench/run_gpu.sh [bench-name ...]    (no names: all benchmarks but the 7B rows;
-#          names: adamw adamw8_shapes fused gemm4 gemm4_probe dequant wgmma_rate gptq zero table table7b table7b_offload table7b_stream table7b_hostckpt table7b_qlora_hostckpt table13b_stream long8b table70b table175b table_fp8 table7b_fp8 fp8_bound diag7b ncu_gemm ncu_sm90 llama_gptq quantize7b scale scale7b scale7b_w1 peers qlora)
+#          names: adamw adamw8_shapes fused gemm4 gemm4_probe dequant wgmma_rate gptq zero table table7b table7b_offload table7b_stream table7b_hostckpt table7b_qlora_hostckpt table13b_stream long8b table70b table175b table_fp8 table7b_fp8 fp8_bound diag7b ncu_gemm ncu_sm90 llama_gptq quantize7b scale scale7b scale7b_w1 peers peers_fp8 qlora)
 #   env: TARGETS="t1 t2" builds only those targets (default: everything); GPU_TESTS=0 skips ctest -L cuda;
 #        GPU_TESTS_REGEX="Quant|Zero" runs only the cuda-labelled tests whose names match (ctest -R);
 #        BENCH_ARGS_<name>="..." extra arguments for one benchmark (e.g. BENCH_ARGS_table="--rows bf16,ckpt");
@@ -238,7 +238,27 @@ if named peers; then
     done
   done
 fi
-if named scale || named scale7b || named scale7b_w1 || named peers; then
+# The float8 peers (only when named): on one GPU at TinyLlama-1.1B, B=8, T=2048, bench_table's bf16-ckpt, fp8-ckpt, bf16 and
+# fp8 beside FSDP2 with compiled blocks (torchtitan's recipe) in bf16 and with torchao's float8 linears (--compile --float8:
+# tensorwise dynamic scaling; bench/fsdp2: the torchao wheel must be importable), --ckpt as the row. compare.py pairs each
+# row with the FSDP2 run of its zero3- twin at world 1: bf16* with the bf16 peer, fp8* with the float8 one.
+# PEER_FP8_MODES="ckpt" runs the checkpointed rows only ("plain" the others only; default both).
+if named peers_fp8; then
+  echo "== peers_fp8 (TinyLlama-1.1B, B=8, T=2048, one GPU: bf16 / fp8 rows beside FSDP2 compiled, compiled + torchao float8)"
+  for mode in ${PEER_FP8_MODES:-ckpt plain}; do
+    ck=""; [ "$mode" = ckpt ] && ck=-ckpt
+    for row in "bf16$ck" "fp8$ck"; do
+      scale_launch 1 "${SCALE_TIMEOUT:-180}" --no-python "$BUILD/bench/table/bench_table" --preset tinyllama-1.1b --rows "$row:8" --seq 2048 \
+        --eval-seqs 4 "${corpus[@]}" --out "$OUT/scale.jsonl"
+    done
+    ckpt=(); [ -n "$ck" ] && ckpt=(--ckpt)
+    for variant in "--compile" "--compile --float8"; do
+      scale_launch 1 "${PEER_TIMEOUT:-300}" "$ROOT/bench/fsdp2/fsdp2_llama.py" --preset tinyllama-1.1b --batch 8 --seq 2048 "${ckpt[@]}" $variant \
+        "${corpus[@]}" --out "$OUT/fsdp2.jsonl"
+    done
+  done
+fi
+if named scale || named scale7b || named scale7b_w1 || named peers || named peers_fp8; then
   python3 "$ROOT/bench/fsdp2/compare.py" "$OUT/scale.jsonl" "$OUT/fsdp2.jsonl" | tee "$OUT/scale-table.txt"
 fi
 

@@ -2,7 +2,9 @@
 """The several-GPU scaling table: squeeze's ZeRO-3 rows (bench_table JSON lines, bench "table") beside the PyTorch FSDP2
 peer in the same configuration (fsdp2_llama.py JSON lines, bench "fsdp2", matched by peer_of = the bench_table
 case, preset, layers, world, batch per GPU and seq), per world size. Where the peer ran in several variants (eager,
-compiled blocks, Liger's kernels, both), the fastest is the one compared, and the note names it.
+compiled blocks, Liger's kernels, both), the fastest is the one compared, and the note names it. At world 1 fully_shard
+shards nothing, so an unsharded row of ours (bf16-ckpt, fp8-ckpt, ...) without a peer of its own takes the peer of its
+zero3- twin: bf16* rows the bf16 FSDP2 runs, fp8* rows the torchao float8 ones (peer_of zero3-fp8...).
 
     python3 bench/fsdp2/compare.py gpu-results/scale.jsonl gpu-results/fsdp2.jsonl [--jsonl fsdp2-compare.jsonl]
 
@@ -36,18 +38,29 @@ def load(paths):
     return ours, peer
 
 
+def peer_key(peer, k):
+    """The FSDP2 entry compared with our row k: its own, else at world 1 the zero3- twin's (see the docstring)."""
+    preset, case, world, batch, seq, layers = k
+    if k in peer or world != 1 or not case or case.startswith("zero"):
+        return k
+    twin = (preset, "zero3-" + case, world, batch, seq, layers)
+    return twin if twin in peer else k
+
+
 def main():
     if len(sys.argv) < 2:
         raise SystemExit(__doc__)
     args, jsonl = split_jsonl_option(sys.argv[1:])
     ours, peer = load(args)
     pairs = []
-    keys = sorted(set(ours) | set(peer), key=lambda k: (str(k[0]), str(k[1]), k[3] or 0, k[4] or 0, k[2]))
+    matched = {k: peer_key(peer, k) for k in ours}
+    keys = set(ours) | (set(peer) - set(matched.values()))  # a peer shown beside an unsharded row is not shown again alone
+    keys = sorted(keys, key=lambda k: (str(k[0]), str(k[1]), k[3] or 0, k[4] or 0, k[2]))
     print(f"{'preset':<15} {'case':<26} {'world':>5} {'B':>3} {'peak GB':>8} {'plan GB':>8} {'tok/s/GPU':>10} {'MFU':>6} {'x1':>5} |"
           f" {'FSDP2 GB':>8} {'tok/s/GPU':>10} {'MFU':>6} | {'speed':>6} {'mem':>6}  note")
     for k in keys:
         preset, case, world, batch, seq, layers = k
-        o, p = ours.get(k), peer.get(k)
+        o, p = ours.get(k), peer.get(matched.get(k, k))
         one = ours.get((preset, case, 1, batch, seq, layers))
         scale = "-"
         if o is not None and one is not None and "tokens_per_s_per_gpu" in o and "tokens_per_s_per_gpu" in one:

@@ -16,6 +16,13 @@ F.scaled_dot_product_attention(is_causal=True), SwiGLU, an untied head, loss in 
   --liger     Liger-Kernel's Triton kernels in the same model: LigerRMSNorm, liger_rotary_pos_emb, LigerSiLUMulFunction
               (SwiGLU) and LigerFusedLinearCrossEntropyLoss (the head + loss without the logits); with --compile too
               (Liger's kernels are torch.compile-compatible)
+  --float8    torchao's float8 training, as torchtitan's float8 converter: the block linears swapped for Float8Linear
+              (convert_to_float8_training, torchao's default recipe: tensorwise dynamic scaling, e4m3 forward, e5m2
+              gradients) on the meta-device model, before checkpoint wrapping, compiling and fully_shard; the head (and
+              any linear with a dimension not a multiple of 16) stays bf16 (module_filter_fn); FSDP2 gathers the weights
+              in bf16 (enable_fsdp_float8_all_gather off, its default and torchtitan's); the peer of bench_table's fp8
+              rows. With --compile it is torchtitan's float8 run; alone, eager float8 (slower: the casts unfused).
+              On the CPU (smoke runs) the GEMMs are emulated (Float8LinearConfig.emulate)
 
 Per run (one configuration per launch), written by rank 0 as one JSON line (--out, appended):
   peak_gb       torch.cuda.max_memory_allocated, reset before the model is built, read after the last timed
@@ -26,8 +33,11 @@ Per run (one configuration per launch), written by rank 0 as one JSON line (--ou
                 flops_per_token = 6·N + 12·L·T·d: N the parameters that enter a matmul (all but the token-embedding
                 table; the head is untied), L layers, T = --seq, d = hidden size; the same formula and constant as
                 bench_table. Recomputation (--ckpt) is not model FLOPs.
-  and bench "fsdp2", case, variant (eager, compile, liger, compile+liger), peer_of (the bench_table row it mirrors),
-  world, batch (per GPU), seq, preset, final_loss, versions (torch, liger_kernel), device, date, commit (env SQUEEZE_DEVICE / SQUEEZE_DATE / SQUEEZE_COMMIT, as bench_table).
+  and bench "fsdp2", case, variant (eager, or the options on, joined by +: compile, liger, float8, e.g. compile+float8),
+  peer_of (the bench_table row it mirrors: zero3-bf16..., zero3-fp8... under --float8; at world 1 compare.py also pairs
+  it with the unsharded row, bf16... / fp8...), world, batch (per GPU), seq, preset, final_loss, versions (torch,
+  liger_kernel, torchao), float8_recipe / float8_linears (the linears converted) / float8_all_gather / float8_emulate
+  under --float8, device, date, commit (env SQUEEZE_DEVICE / SQUEEZE_DATE / SQUEEZE_COMMIT, as bench_table).
 
 Data: --batch sequences per GPU of --seq tokens; step s draws batch x world windows from a generator seeded with
 (seed, s) and rank r takes rows [r·B, (r+1)·B) (as bench_table does): random tokens over the vocabulary, or
@@ -71,6 +81,36 @@ def liger():
         version = dist_version("liger-kernel")
     return {"rms_norm": LigerRMSNorm, "rope": liger_rotary_pos_emb, "silu_mul": LigerSiLUMulFunction.apply,
             "linear_ce": LigerFusedLinearCrossEntropyLoss, "version": version}
+
+
+def float8():
+    """torchao's float8 training API, imported only when asked for (a wheel: bench/fsdp2/README.md)."""
+    try:
+        import torchao
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        raise SystemExit(f"fsdp2_llama: --float8 needs torchao ({e}); carry its wheel (torchao-0.17.0-py3-none-any.whl, "
+                         "the release for torch 2.11) in .whl/ and install it as bench/fsdp2/README.md says")
+    version = getattr(torchao, "__version__", None)
+    if version is None:
+        from importlib.metadata import version as dist_version
+        version = dist_version("torchao")
+    return {"config": Float8LinearConfig, "convert": convert_to_float8_training, "version": version}
+
+
+def convert_float8(model, f8, emulate):
+    """Swaps the block linears for Float8Linear (torchao's default recipe, tensorwise dynamic scaling); the head and
+    any linear whose dimensions are not multiples of 16 (float8 GEMMs need them) stay as they are. Returns how many."""
+    converted = []
+
+    def keep_bf16(mod, fqn):  # torchao's module_filter_fn: True converts
+        ok = fqn != "head" and mod.in_features % 16 == 0 and mod.out_features % 16 == 0
+        if ok:
+            converted.append(fqn)
+        return ok
+
+    f8["convert"](model, module_filter_fn=keep_bf16, config=f8["config"](emulate=emulate))
+    return len(converted)
 
 
 class RMSNorm(nn.Module):
@@ -199,6 +239,8 @@ def main():
     ap.add_argument("--offload", action="store_true", help="CPUOffloadPolicy: parameters, gradients and AdamW on the host")
     ap.add_argument("--compile", action="store_true", help="torch.compile each block before fully_shard (torchtitan's recipe)")
     ap.add_argument("--liger", action="store_true", help="Liger-Kernel's RMSNorm, RoPE, SwiGLU and fused linear cross-entropy")
+    ap.add_argument("--float8", action="store_true",
+                    help="torchao float8 training of the block linears (tensorwise dynamic scaling), before compile and fully_shard")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--comm-timeout", type=float, default=600, help="seconds a collective may wait for the other ranks")
     args = ap.parse_args()
@@ -229,14 +271,15 @@ def main():
     tokens = corpus_tokens(args.corpus) if args.corpus else None
     model_flops = flops_per_token(vocab, hidden, layers, heads, kv_heads, ffn, args.seq)
     lk = liger() if args.liger else None
-    variant = "+".join(v for v, on in (("compile", args.compile), ("liger", args.liger)) if on) or "eager"
-    case = ("fsdp2-" + ("offload-" if args.offload else "") + "bf16" + ("-ckpt" if args.ckpt else "") +
-            ("-" + variant.replace("+", "-") if variant != "eager" else ""))
-    peer_of = "zero3-" + ("offload-" if args.offload else "") + "bf16" + ("-ckpt" if args.ckpt else "")
+    f8 = float8() if args.float8 else None
+    variant = "+".join(v for v, on in (("compile", args.compile), ("liger", args.liger), ("float8", args.float8)) if on) or "eager"
+    row = ("offload-" if args.offload else "") + ("fp8" if args.float8 else "bf16") + ("-ckpt" if args.ckpt else "")
+    case = "fsdp2-" + row + ("-" + variant.replace("+", "-") if variant != "eager" else "")
+    peer_of = "zero3-" + row
     record = {"bench": "fsdp2", "case": case, "peer_of": peer_of, "preset": args.preset, "layers": layers, "world": world,
               "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup, "clip": args.clip, "lr": args.lr,
               "ckpt": args.ckpt, "offload": args.offload, "variant": variant, "flops_per_token": model_flops, "torch": torch.__version__,
-              "liger_kernel": lk["version"] if lk else None,
+              "liger_kernel": lk["version"] if lk else None, "torchao": f8["version"] if f8 else None,
               **run_metadata(device.type), "oom": False}
 
     try:
@@ -247,6 +290,10 @@ def main():
         torch.manual_seed(1)
         with torch.device("meta"):
             model = Llama(vocab, hidden, layers, heads, kv_heads, ffn, ckpt=args.ckpt, lk=lk)
+        if f8:  # torchtitan: the float8 converter runs on the meta-device model, before AC, compile and fully_shard
+            emulate = device.type != "cuda"
+            record.update({"float8_recipe": "tensorwise", "float8_all_gather": False, "float8_emulate": emulate,
+                           "float8_linears": convert_float8(model, f8, emulate)})
         if args.compile:  # torchtitan: checkpoint wrapper, then compile, then fully_shard, block by block
             for i, block in enumerate(model.blocks):
                 if args.ckpt:
