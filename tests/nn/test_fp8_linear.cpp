@@ -5,6 +5,7 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
+#include <bit>
 #include <cmath>
 #include <squeeze/comm/local.hpp>
 #include <squeeze/nn/fp8_linear.hpp>
@@ -171,6 +172,70 @@ TEST(Fp8, TrainsLikeBf16) {
 }
 
 // The planner: FP8 keeps one-byte copies of the linears' inputs and its GEMMs' transient operands; its strategy name says fp8.
+// The kernels' encoder (kernels/fp8_cast.hpp, shared by the CUDA kernels and the CPU twin) against torch's own cast,
+// byte for byte: every bf16 value (finite, inf, NaN; through float), and float values at the formats' ties,
+// subnormals and overflow edges.
+TEST(Fp8, EncoderEqualsTorchsCastByteForByte) {
+  std::vector<float> v;
+  for (uint32_t b = 0; b < 65536; ++b) v.push_back(std::bit_cast<float>(b << 16));
+  for (float base : {448.f, 464.f, 470.f, 480.f, 57344.f, 61440.f, 61441.f, 65536.f, 0.f})
+    for (float nudge : {-1.f, 0.f, 1.f}) v.push_back(std::nextafter(base, base + nudge * INFINITY));
+  torch::manual_seed(10);
+  const torch::Tensor r = torch::randn({20000}) * torch::exp2(torch::randint(-24, 18, {20000}).to(torch::kFloat32));
+  for (int64_t i = 0; i < r.numel(); ++i) v.push_back(r[i].item<float>());
+  for (int k = -20; k <= -5; ++k)  // the subnormal steps and the ties between them
+    for (int j = 0; j < 16; ++j) v.push_back(std::ldexp(float(j) + 0.5f, k)), v.push_back(-std::ldexp(float(j), k));
+  const torch::Tensor x = torch::from_blob(v.data(), {int64_t(v.size())}, torch::kFloat32);
+  for (auto [format, f] :
+       {std::pair{torch::kFloat8_e4m3fn, kernels::Fp8Format::e4m3}, std::pair{torch::kFloat8_e5m2, kernels::Fp8Format::e5m2}}) {
+    const torch::Tensor bytes = x.to(format).view(torch::kUInt8);
+    const uint8_t* want = bytes.data_ptr<uint8_t>();
+    int64_t wrong = 0;
+    for (size_t i = 0; i < v.size(); ++i)
+      if (kernels::fp8_encode(v[i], f) != want[i] && wrong++ < 5)
+        ADD_FAILURE() << (f == kernels::Fp8Format::e4m3 ? "e4m3 " : "e5m2 ") << v[i] << ": " << int(kernels::fp8_encode(v[i], f))
+                      << " vs torch's " << int(want[i]);
+    EXPECT_EQ(wrong, 0);
+  }
+}
+
+// The kernels' scale (exact, from the exponents) against its torch-ops twin, over magnitudes from subnormal to huge,
+// the powers of two at the formats' edges, 0, inf and NaN.
+TEST(Fp8, KernelScaleEqualsTheTorchOpsScale) {
+  std::vector<float> amax = {0.f, INFINITY, NAN, 1e-45f, 1e-40f, 1e-38f, 448.f, 57344.f, 3.4e38f};
+  for (int k = -140; k <= 127; k += 3)
+    for (float m : {1.f, 1.75f, 1.7500001f, 1.9999999f}) amax.push_back(std::ldexp(m, k));
+  const torch::Tensor a = torch::tensor(amax);
+  for (auto [format, f] :
+       {std::pair{torch::kFloat8_e4m3fn, kernels::Fp8Format::e4m3}, std::pair{torch::kFloat8_e5m2, kernels::Fp8Format::e5m2}})
+    for (size_t i = 0; i < amax.size(); ++i) {
+      const float want = nn::fp8_detail::scale_of(a[int64_t(i)], format).item<float>(), got = kernels::fp8_scale(amax[i], f);
+      EXPECT_EQ(std::bit_cast<uint32_t>(got), std::bit_cast<uint32_t>(want)) << "amax " << amax[i] << ": " << got << " vs " << want;
+      if (amax[i] > 0 && std::isfinite(amax[i]) && got < std::ldexp(1.f, 126))
+        EXPECT_LE(double(amax[i]) * got, kernels::fp8_max(f)) << amax[i];
+    }
+}
+
+// The CPU twin of the kernels and the torch-ops path (CPU tensors' to_fp8) give the same bytes, scale and transpose,
+// on sizes that don't divide the kernels' 64-wide tiles, in float, bf16 and half.
+TEST(Fp8, CpuTwinEqualsTheTorchOpsPath) {
+  torch::manual_seed(11);
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat16})
+    for (auto sizes : {std::vector<int64_t>{37, 130}, std::vector<int64_t>{3, 11, 45}, std::vector<int64_t>{1, 65}}) {
+      const torch::Tensor x = (torch::randn(sizes) * 3).to(dtype);
+      for (auto format : {torch::kFloat8_e4m3fn, torch::kFloat8_e5m2}) {
+        const nn::Fp8Operand twin = nn::to_fp8_twin(x, format, nn::Fp8Layout::both), ops = nn::to_fp8(x, format, nn::Fp8Layout::both);
+        EXPECT_TRUE(torch::equal(twin.values.view(torch::kUInt8), ops.values.view(torch::kUInt8))) << dtype << " " << format;
+        EXPECT_TRUE(torch::equal(twin.transposed.view(torch::kUInt8), ops.transposed.view(torch::kUInt8))) << dtype << " " << format;
+        EXPECT_EQ(twin.inverse_scale.item<float>(), ops.inverse_scale.item<float>());
+        EXPECT_EQ(twin.transposed.sizes(), torch::IntArrayRef({sizes.back(), x.numel() / sizes.back()}));
+        const nn::Fp8Operand only_t = nn::to_fp8_twin(x, format, nn::Fp8Layout::transposed);
+        EXPECT_FALSE(only_t.values.defined());
+        EXPECT_TRUE(torch::equal(only_t.transposed.view(torch::kUInt8), twin.transposed.view(torch::kUInt8)));
+      }
+    }
+}
+
 // Linears reading one tensor (q, k, v; gate, up) cast it once and share its FP8 copy; a modified or another tensor
 // (also one at a freed tensor's address) is cast again; gradients equal those of separately cast inputs.
 TEST(Fp8, LinearsReadingOneTensorShareItsCopy) {

@@ -5,65 +5,166 @@
 //             dW = dY^T x    dY e5m2, x e4m3
 // Each operand gets one tensor-wise scale from the values at hand ("current scaling"): the power of two that brings its
 // largest magnitude closest below the format's largest finite value (448 for e4m3, 57344 for e5m2), then a cast with
-// round-to-nearest-even, saturating; an all-zero operand keeps scale 1. at::_scaled_mm multiplies with fp32
+// round-to-nearest-even; an all-zero operand keeps scale 1. at::_scaled_mm multiplies with fp32
 // accumulation and divides by both scales (cuBLASLt on Hopper and Ada; a reference kernel on the CPU, which the CPU
 // tests use). cuBLASLt wants the inner and output dimensions in multiples of 16: operands are zero-padded there.
-// Saved for backward: x in e4m3 with its scale, one byte a value; W is quantized again in backward (nothing dense kept).
-// Linears that read one tensor (q, k and v; gate and up) share its FP8 copy: the last input's copy is reused while that
-// same tensor, unmodified, comes in again (Fp8InputCache), so it is cast and kept once.
+// Saved for backward: xᵀ in e4m3 with its scale, one byte a value; W is quantized again in backward (nothing dense
+// kept). Linears that read one tensor (q, k and v; gate and up) share its FP8 copy: the last input's copy is reused
+// while that same tensor, unmodified, comes in again (Fp8InputCache), so it is cast and kept once.
+// Where a cast runs (each path gives the same bytes and scale):
+//   CUDA tensors, nvcc TU        two kernels (kernels/fp8_cast.cuh: amax, then the scaled cast writing the values and / or
+//                                their transpose); to_fp8_twin is their math on the CPU, the reference they are tested against
+//   otherwise                    torch ops, the transpose a copy of the values (ForceTorchOps takes this path on CUDA too)
 #include <c10/util/intrusive_ptr.h>
 #include <torch/torch.h>
 
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 #include <vector>
+
+#include "squeeze/kernels/fp8_cast.hpp"
+#include "squeeze/nn/fused_ops.hpp"
+#if defined(__CUDACC__)
+#include "squeeze/kernels/fp8_cast.cuh"
+#endif
 
 namespace squeeze::nn {
 
 inline constexpr float kE4m3Max = 448.0f;    // largest finite float8_e4m3fn
 inline constexpr float kE5m2Max = 57344.0f;  // largest finite float8_e5m2
 
-// An operand in FP8: values [..] in `format` and the fp32 [] factor that gives back their magnitude (amax / max).
+// An operand in FP8: values [.., K] in `format` and the fp32 [] factor that gives back their magnitude (1 / scale);
+// transposed [K, rows]: the values' transpose, where it was asked for.
 struct Fp8Operand {
   torch::Tensor values;
   torch::Tensor inverse_scale;
+  torch::Tensor transposed;
 };
 
-// The scale is a power of two (the largest with amax · scale <= max), so scaling is exact in the operand's own dtype
-// and the one rounding is the cast's; values then fill (max/2, max]. Transient: one scaled copy in x's dtype.
-inline Fp8Operand to_fp8(const torch::Tensor& x, torch::ScalarType format) {
-  TORCH_CHECK(format == torch::kFloat8_e4m3fn || format == torch::kFloat8_e5m2, "to_fp8: e4m3fn or e5m2, not ", format);
-  const float top = format == torch::kFloat8_e4m3fn ? kE4m3Max : kE5m2Max;
-  const torch::Tensor xd = x.detach();
-  // [] max |x| in one read (a NaN or inf input gives NaN values: nothing hides it)
-  const torch::Tensor amax = torch::linalg_vector_norm(xd, INFINITY).to(torch::kFloat32);
-  const torch::Tensor scale =
-      torch::where(amax > 0, torch::exp2(torch::floor(torch::log2(top / amax))), torch::ones_like(amax)).clamp_(0, 1e38);
-  // A power-of-two scale is exact and brings every |x| to <= top: the cast needs no clamp.
-  return {(xd * scale.to(xd.scalar_type())).to(format), scale.reciprocal()};
+// What to_fp8 writes: the values in x's shape, the transpose of x as a matrix [x.size(-1), rows], or both.
+enum class Fp8Layout { values, transposed, both };
+
+namespace fp8_detail {
+inline kernels::Fp8Format format_of(torch::ScalarType f) {
+  TORCH_CHECK(f == torch::kFloat8_e4m3fn || f == torch::kFloat8_e5m2, "to_fp8: e4m3fn or e5m2, not ", f);
+  return f == torch::kFloat8_e4m3fn ? kernels::Fp8Format::e4m3 : kernels::Fp8Format::e5m2;
+}
+
+// The scale of kernels::fp8_scale in torch ops: amax = m·2^e (m in [0.5, 1)), top = mt·2^et: 2^(et - e - (m > mt)).
+inline torch::Tensor scale_of(const torch::Tensor& amax, torch::ScalarType format) {
+  const auto [m, e] = torch::frexp(amax);
+  const double mt = 0.875;  // 448 = 0.875·2^9, 57344 = 0.875·2^16
+  const int64_t et = format == torch::kFloat8_e4m3fn ? 9 : 16;
+  const torch::Tensor k = (et - e.to(torch::kFloat32) - (m > mt).to(torch::kFloat32)).clamp_(-149, 126);
+  const torch::Tensor pow2 = torch::exp2(k);
+  return torch::where(amax > 0, torch::where(torch::isinf(amax), torch::zeros_like(pow2), pow2), torch::ones_like(pow2));
+}
+
+enum class Cast { torch_ops, twin, kernels };
+
+inline Fp8Operand cast(const torch::Tensor& x, torch::ScalarType format, Fp8Layout layout, Cast how) {
+  const kernels::Fp8Format f = format_of(format);
+  TORCH_CHECK(x.dim() >= 1, "to_fp8: x needs a last dimension, got a scalar");
+  const auto st = x.scalar_type();
+  TORCH_CHECK(st == torch::kFloat32 || st == torch::kBFloat16 || st == torch::kFloat16, "to_fp8: x has dtype ", st,
+              "; pass float32, bfloat16 or float16");
+  const torch::Tensor xd = x.detach().contiguous();
+  const int64_t cols = xd.size(-1), rows = cols == 0 ? 0 : xd.numel() / cols;
+  const bool want_values = layout != Fp8Layout::transposed, want_t = layout != Fp8Layout::values;
+  const auto byte = xd.options().dtype(format);
+  Fp8Operand o;
+  if (how == Cast::torch_ops) {
+    const torch::Tensor amax = torch::linalg_vector_norm(xd, INFINITY).to(torch::kFloat32);  // [] max |x| in one read
+    const torch::Tensor scale = scale_of(amax, format);
+    o.values = (xd * scale.to(st)).to(format);  // a power-of-two scale: exact, and every |x| <= top (no clamp)
+    o.inverse_scale = scale.reciprocal();
+    if (want_t) o.transposed = o.values.reshape({rows, cols}).t().contiguous();
+    if (!want_values) o.values = torch::Tensor();
+    return o;
+  }
+  TORCH_CHECK(how == Cast::kernels || xd.is_cpu(), "to_fp8_twin: CPU tensors only, got ", xd.device());
+  const torch::Tensor amax = torch::empty({}, xd.options().dtype(torch::kFloat32));
+  o.inverse_scale = torch::empty({}, xd.options().dtype(torch::kFloat32));
+  if (want_values) o.values = torch::empty(xd.sizes(), byte);
+  if (want_t) o.transposed = torch::empty({cols, rows}, byte);
+  fused_detail::dispatch(st, [&]<class T>() {
+    if constexpr (std::is_same_v<T, double>) {
+      TORCH_CHECK(false, "to_fp8: float64 is not cast");  // refused above; dispatch instantiates it
+    } else {
+      kernels::Fp8CastArgs<T> a{fused_detail::ptr<const T>(xd),
+                                rows,
+                                cols,
+                                amax.data_ptr<float>(),
+                                want_values ? reinterpret_cast<std::uint8_t*>(o.values.data_ptr()) : nullptr,
+                                want_t ? reinterpret_cast<std::uint8_t*>(o.transposed.data_ptr()) : nullptr,
+                                o.inverse_scale.data_ptr<float>(),
+                                f};
+      if (how == Cast::twin) {
+        fused_detail::guard("to_fp8_twin", [&] {
+          *amax.data_ptr<float>() = kernels::fp8_amax_cpu(a.x, rows * cols);
+          kernels::fp8_cast_cpu(a);
+        });
+        return;
+      }
+#if defined(__CUDACC__)
+      const c10::DeviceGuard device(xd.device());
+      const cudaStream_t stream = fused_detail::stream_of(xd);
+      fused_detail::guard("to_fp8", [&] {
+        fused_detail::cuda_ok(kernels::fp8_amax_cuda(a.x, rows * cols, amax.data_ptr<float>(), stream), "to_fp8 (amax)");
+        fused_detail::cuda_ok(kernels::fp8_cast_cuda(a, stream), "to_fp8 (cast)");
+      });
+#else
+    TORCH_CHECK(false, "to_fp8: the CUDA kernels need an nvcc translation unit");
+#endif
+    }
+  });
+  return o;
+}
+}  // namespace fp8_detail
+
+// x [..., K] (float32, bfloat16 or float16) in `format` with one power-of-two scale: the largest s with max|x|·s <= the
+// format's largest finite value (448 for e4m3, 57344 for e5m2), so scaling is exact and the cast (round-to-nearest-
+// even) is the one rounding; the values then fill (max/2, max]. All zeros keep scale 1; a NaN stays NaN.
+inline Fp8Operand to_fp8(const torch::Tensor& x, torch::ScalarType format, Fp8Layout layout = Fp8Layout::values) {
+  fp8_detail::Cast how = fp8_detail::Cast::torch_ops;
+#if defined(__CUDACC__)
+  if (x.is_cuda() && !fused_detail::force_torch_ops()) how = fp8_detail::Cast::kernels;
+#endif
+  return fp8_detail::cast(x, format, layout, how);
+}
+
+// The CUDA kernels' math on the CPU, one thread (kernels/fp8_cast.hpp): the reference they are tested against, equal
+// to to_fp8 byte for byte. x on the CPU.
+inline Fp8Operand to_fp8_twin(const torch::Tensor& x, torch::ScalarType format, Fp8Layout layout = Fp8Layout::values) {
+  return fp8_detail::cast(x, format, layout, fp8_detail::Cast::twin);
 }
 
 // The FP8 copy of the last input seen, for the next linear that reads the same tensor: a hit needs that tensor alive
-// (a weak reference: nothing is kept alive for the cache, and a freed tensor's address is not reused while it is held)
-// and unmodified (its version counter). One per thread.
+// (a weak reference: nothing is kept alive for the cache, and a freed tensor's address is not reused while it is held),
+// unmodified (its version counter) and a copy with the layout asked for. One per thread.
 struct Fp8InputCache {
   int64_t casts = 0, hits = 0;  // inputs cast, and reused
-  Fp8Operand get(const torch::Tensor& x, torch::ScalarType format) {
+  Fp8Operand get(const torch::Tensor& x, torch::ScalarType format, Fp8Layout layout) {
+    const bool has_layout = layout == Fp8Layout::values       ? copy_.values.defined()
+                            : layout == Fp8Layout::transposed ? copy_.transposed.defined()
+                                                              : copy_.values.defined() && copy_.transposed.defined();
     if (input_ && !input_->expired() && input_->_unsafe_get_target() == x.unsafeGetTensorImpl() && version_ == x._version() &&
-        format_ == format) {
+        format_ == format && has_layout) {
       ++hits;
       return copy_;
     }
     ++casts;
-    copy_ = to_fp8(x, format);
+    copy_ = to_fp8(x, format, layout);
     input_.emplace(x.getIntrusivePtr());
     version_ = x._version();
     format_ = format;
     return copy_;
   }
-  // Drops the held copy when it is `values` (a backward done with it: its bytes go as autograd lets them go).
-  void forget(const torch::Tensor& values) {
-    if (copy_.values.defined() && copy_.values.is_alias_of(values)) {
+  // Drops the held copy when it is `t`'s (a backward done with it: its bytes go as autograd lets them go).
+  void forget(const torch::Tensor& t) {
+    const auto holds = [&](const torch::Tensor& c) { return c.defined() && t.defined() && c.is_alias_of(t); };
+    if (holds(copy_.values) || holds(copy_.transposed)) {
       copy_ = {};
       input_.reset();
     }
@@ -117,29 +218,37 @@ namespace detail {
 struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w) {
     const int64_t in = w.size(1), out = w.size(0);
-    Fp8Operand x8 = fp8_input_cache().get(x, torch::kFloat8_e4m3fn);  // x's shape
-    x8.values = x8.values.reshape({-1, in});                          // [M, in]
-    const Fp8Operand w8 = to_fp8(w, torch::kFloat8_e4m3fn);           // [out, in]
-    ctx->save_for_backward({x8.values, x8.inverse_scale, w});
+    // dW = dY^T x reads x^T: cast with the values when W trains.
+    const Fp8Operand x8 = fp8_input_cache().get(x, torch::kFloat8_e4m3fn, w.requires_grad() ? Fp8Layout::both : Fp8Layout::values);
+    const Fp8Operand w8 = to_fp8(w, torch::kFloat8_e4m3fn);  // [out, in]
+    ctx->save_for_backward({x8.transposed, x8.inverse_scale, w});
     ctx->saved_data["dtype"] = int64_t(x.scalar_type());
     std::vector<int64_t> sizes = x.sizes().vec();
     ctx->saved_data["x_sizes"] = sizes;
     sizes.back() = out;
-    return fp8_mm(x8, w8, x.scalar_type()).view(sizes);
+    return fp8_mm({x8.values.reshape({-1, in}), x8.inverse_scale}, w8, x.scalar_type()).view(sizes);  // [M, in] x [out, in]
   }
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::tensor_list g) {
     const auto saved = ctx->get_saved_variables();
-    const Fp8Operand x8{saved[0], saved[1]};
-    const torch::Tensor& w = saved[2];
-    fp8_input_cache().forget(x8.values);
+    const torch::Tensor &x_t = saved[0], &x_inverse_scale = saved[1], &w = saved[2];  // x_t [in, M]
+    fp8_input_cache().forget(x_t);
+    const bool want_dx = ctx->needs_input_grad(0), want_dw = ctx->needs_input_grad(1);
     const auto dtype = torch::ScalarType(ctx->saved_data["dtype"].toInt());
     const std::vector<int64_t> x_sizes = ctx->saved_data["x_sizes"].toIntVector();
-    const Fp8Operand g8 = to_fp8(g[0].reshape({-1, w.size(0)}), torch::kFloat8_e5m2);  // [M, out]
-    const Fp8Operand w8 = to_fp8(w, torch::kFloat8_e4m3fn);
-    // dX = dY W: b is W^T [in, out]; dW = dY^T x: a is dY^T [out, M], b is x^T [in, M]
-    const torch::Tensor dx = fp8_mm(g8, {w8.values.t().contiguous(), w8.inverse_scale}, dtype).view(x_sizes);
-    const torch::Tensor dw =
-        fp8_mm({g8.values.t().contiguous(), g8.inverse_scale}, {x8.values.t().contiguous(), x8.inverse_scale}, w.scalar_type());
+    // dY [M, out] in e5m2: its values for dX, its transpose [out, M] for dW
+    const Fp8Operand g8 = to_fp8(g[0].reshape({-1, w.size(0)}), torch::kFloat8_e5m2,
+                                 want_dx && want_dw ? Fp8Layout::both
+                                 : want_dw          ? Fp8Layout::transposed
+                                                    : Fp8Layout::values);
+    torch::Tensor dx, dw;
+    if (want_dx) {  // dX = dY W: b is W^T [in, out]
+      const Fp8Operand w8 = to_fp8(w, torch::kFloat8_e4m3fn, Fp8Layout::transposed);
+      dx = fp8_mm({g8.values, g8.inverse_scale}, {w8.transposed, w8.inverse_scale}, dtype).view(x_sizes);
+    }
+    if (want_dw) {  // dW = dY^T x: a is dY^T [out, M], b is x^T [in, M]
+      TORCH_CHECK(x_t.defined(), "fp8_linear: the weight's gradient is needed, but it did not require one in forward");
+      dw = fp8_mm({g8.transposed, g8.inverse_scale}, {x_t, x_inverse_scale}, w.scalar_type());
+    }
     return {dx, dw};
   }
 };

@@ -1,0 +1,57 @@
+// The FP8 cast kernels (kernels/fp8_cast.cuh, through nn::to_fp8 in this nvcc translation unit) against their CPU twin
+// byte for byte: values, transposes and scales on sizes that don't divide the 64-wide tiles, in float, bf16 and half,
+// with a NaN; and fp8_linear's outputs and gradients through the kernels equal to those through torch ops (the same
+// FP8 bytes into the same GEMMs). Skipped without a CUDA device.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <vector>
+
+#include <squeeze/nn/fp8_linear.hpp>
+
+using namespace squeeze;
+
+namespace {
+
+bool no_gpu() { return !torch::cuda::is_available(); }
+
+TEST(Fp8Cuda, KernelsEqualTheCpuTwin) {
+  if (no_gpu()) GTEST_SKIP() << "no CUDA device (or libtorch without CUDA)";
+  torch::manual_seed(12);
+  const std::vector<std::vector<int64_t>> shapes = {{1, 1}, {37, 130}, {130, 37}, {3, 11, 45}, {4099, 257}};
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat16})
+    for (const auto& sizes : shapes)
+      for (auto format : {torch::kFloat8_e4m3fn, torch::kFloat8_e5m2})
+        for (bool with_nan : {false, true}) {
+          torch::Tensor x = (torch::randn(sizes) * 5).to(dtype);
+          if (with_nan) x.view({-1})[x.numel() / 2] = NAN;
+          const nn::Fp8Operand gpu = nn::to_fp8(x.cuda(), format, nn::Fp8Layout::both), cpu = nn::to_fp8_twin(x, format, nn::Fp8Layout::both);
+          const auto what = ::testing::Message() << dtype << " " << format << " " << x.sizes() << (with_nan ? " with a NaN" : "");
+          EXPECT_TRUE(torch::equal(gpu.values.cpu().view(torch::kUInt8), cpu.values.view(torch::kUInt8))) << what;
+          EXPECT_TRUE(torch::equal(gpu.transposed.cpu().view(torch::kUInt8), cpu.transposed.view(torch::kUInt8))) << what;
+          EXPECT_EQ(gpu.inverse_scale.item<float>(), cpu.inverse_scale.item<float>()) << what;
+          const nn::Fp8Operand only_t = nn::to_fp8(x.cuda(), format, nn::Fp8Layout::transposed);
+          EXPECT_FALSE(only_t.values.defined());
+          EXPECT_TRUE(torch::equal(only_t.transposed.cpu().view(torch::kUInt8), cpu.transposed.view(torch::kUInt8))) << what;
+        }
+}
+
+TEST(Fp8Cuda, LinearThroughTheKernelsEqualsTorchOps) {
+  if (no_gpu()) GTEST_SKIP() << "no CUDA device (or libtorch without CUDA)";
+  torch::manual_seed(13);
+  const auto bf = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  const torch::Tensor x0 = torch::randn({4, 33, 96}, bf), w0 = torch::randn({80, 96}, bf) * 0.1, up = torch::randn({4, 33, 80}, bf);
+  const auto run = [&](bool torch_ops) {
+    std::optional<nn::ForceTorchOps> ops;
+    if (torch_ops) ops.emplace();
+    nn::fp8_input_cache().clear();
+    torch::Tensor x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+    const torch::Tensor y = nn::fp8_linear(x, w);
+    (y.to(torch::kFloat32) * up.to(torch::kFloat32)).sum().backward();
+    return std::vector<torch::Tensor>{y, x.grad(), w.grad()};
+  };
+  const std::vector<torch::Tensor> kernels = run(false), ops = run(true);
+  for (size_t i = 0; i < kernels.size(); ++i) EXPECT_TRUE(torch::equal(kernels[i], ops[i])) << "output " << i;
+}
+
+}  // namespace
