@@ -113,12 +113,13 @@ if named long8b; then
     --rank 16 --alpha 32 --targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj "${corpus[@]}" --out "$OUT/long8b-peer.jsonl" 2>&1 |
     tee "$OUT/long8b-peer.log" | grep -E "trained|out of memory|Error" | tail -8
 fi
-# LLaMA-2-70B on one GPU (only when named): NF4 and GPTQ-format 4-bit bases, r=16 adapters on all linears with 8-bit moments,
-# the checkpointed block inputs in host memory, B=TABLE70B_BATCH (2), T=2048; then the NF4 blocks streamed from host memory
-# (qlora-all16-stream, 8-bit checkpoints) at B=TABLE70B_STREAM_BATCH (8); each model built block by block.
+# LLaMA-2-70B on one GPU (only when named): NF4 and GPTQ-format 4- and 3-bit bases, r=16 adapters on all linears with
+# 8-bit moments, the checkpointed block inputs in host memory, B=TABLE70B_BATCH (2), T=2048; then the NF4 blocks streamed
+# from host memory (qlora-all16-stream, 8-bit checkpoints) at B=TABLE70B_STREAM_BATCH (8); each model built block by
+# block, drawn on the GPU.
 if named table70b; then
   run_bench table70b "$BUILD/bench/table/bench_table" --preset llama-70b \
-    --rows "qlora-all16-hostckpt-adam8:${TABLE70B_BATCH:-2},gptq4-all16-hostckpt-adam8:${TABLE70B_BATCH:-2},qlora-all16-stream:${TABLE70B_STREAM_BATCH:-8}" --steps 2 --warmup 1 \
+    --rows "qlora-all16-hostckpt-adam8:${TABLE70B_BATCH:-2},gptq4-all16-hostckpt-adam8:${TABLE70B_BATCH:-2},gptq3-all16-hostckpt-adam8:${TABLE70B_BATCH:-2},qlora-all16-stream:${TABLE70B_STREAM_BATCH:-8}" --steps 2 --warmup 1 \
     --eval-seqs 0 --lr 5e-6 "${corpus[@]}"
 fi
 # The survey's 175B on one GPU (only when named): preset llama-175b (GPT-3's width and depth), QLoRA r=16 on all linears

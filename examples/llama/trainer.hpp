@@ -95,6 +95,9 @@ void for_each_strategy(F&& f) {
                                  CheckpointOffload<Host>, QuantizedState<8>>>("qlora-all16-hostckpt-adam8");
   f.template operator()<Strategy<Quantized<4, RTN, Group<128>>, LoRA<16, 32, all_linears>, Precision<bf16, float>, Checkpointed,
                                  CheckpointOffload<Host>, QuantizedState<8>>>("gptq4-all16-hostckpt-adam8");
+  // ... the same at 3 bits: the smallest GPU peak of a resident 70B base
+  f.template operator()<Strategy<Quantized<3, RTN, Group<128>>, LoRA<16, 32, all_linears>, Precision<bf16, float>, Checkpointed,
+                                 CheckpointOffload<Host>, QuantizedState<8>>>("gptq3-all16-hostckpt-adam8");
   // 175B on one GPU: the same with the NF4 blocks themselves in host memory, streamed through the GPU a block at a time,
   // and the checkpointed block inputs there in 8 bits
   f.template operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<16, 32, all_linears>, Precision<bf16, float>, Checkpointed,
