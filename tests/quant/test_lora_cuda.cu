@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <squeeze/nn/layerwise.hpp>
 #include <squeeze/nn/lora.hpp>
 #if defined(SQUEEZE_TORCH_CUDA)
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -343,4 +344,34 @@ TEST(LoRACuda, StreamedNf4BaseTrainsAsTheResidentBaseOnTheGpu) {
   std::printf("[ measured ] streamed NF4 base: %lld units, %.2f MB on the host, %.2f MB of slots, %.2f MB copied in 2 steps\n",
               (long long)s.units, s.host_bytes / 1e6, s.device_bytes / 1e6, s.h2d_bytes / 1e6);
 }
+
 #endif
+
+// A block-by-block build onto the GPU draws each part there (LayerwiseOptions::draw_on_device): the same packed bases,
+// adapters and dense parts, bit for bit, as the whole float model drawn on the GPU and packed there by apply_lora; drawn
+// on the host instead (draw_on_device = false), those of the whole model drawn on the CPU.
+TEST(LoRACuda, LayerwiseBuildDrawnOnTheGpuEqualsTheWholeModelDrawnThere) {
+  REQUIRE_CUDA();
+  const torch::Device dev(torch::kCUDA, 0);
+  using S = Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16, all_linears>, Precision<bf16, float>, Checkpointed>;
+  nn::LlamaConfig c;
+  c.vocab = 97, c.hidden = 128, c.layers = 3, c.heads = 4, c.kv_heads = 2, c.ffn = 256;
+  const auto expect_same = [](torch::nn::Module& a, torch::nn::Module& b, const char* what) {
+    const auto pa = a.named_parameters(), pb = b.named_parameters();
+    ASSERT_EQ(pa.keys(), pb.keys()) << what;
+    for (const auto& p : pa) EXPECT_TRUE(torch::equal(p.value().cpu(), pb[p.key()].cpu())) << what << ": " << p.key();
+    const auto ba = a.named_buffers(), bb = b.named_buffers();
+    ASSERT_EQ(ba.keys(), bb.keys()) << what;
+    for (const auto& t : ba) EXPECT_TRUE(torch::equal(t.value().cpu(), bb[t.key()].cpu())) << what << ": " << t.key();
+  };
+  for (bool on_gpu : {true, false}) {
+    nn::LayerwiseOptions o;
+    o.device = dev, o.seed = 21, o.draw_on_device = on_gpu;
+    nn::Llama built = nn::build_quantized_llama<S>(c, o);
+    nn::Llama whole(
+        c, nn::ParamInit{torch::TensorOptions().dtype(torch::kFloat32).device(on_gpu ? dev : torch::Device(torch::kCPU)), true, 21});
+    nn::apply_lora<S>(*whole, {dev, torch::kBFloat16});
+    whole->to(dev);  // the norms, embedding and head, as the build leaves them
+    expect_same(*built, *whole, on_gpu ? "drawn on the GPU" : "drawn on the host");
+  }
+}
