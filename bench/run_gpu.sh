@@ -2,7 +2,7 @@
 # One call on the GPU machine: build with libtorch's CUDA side, run the GPU tests (ctest -L cuda) and the
 # benchmarks, write full results under $OUT (default ./gpu-results) and print a short table last.
 #   usage: bash bench/run_gpu.sh [bench-name ...]    (no names: all benchmarks but the 7B rows;
-#          names: adamw adamw8_shapes fused gemm4 gemm4_probe dequant wgmma_rate gptq zero table table7b table7b_offload table7b_stream table7b_hostckpt table7b_qlora_hostckpt table13b_stream long8b table70b table175b table_fp8 table7b_fp8 fp8_bound diag7b ncu_gemm ncu_sm90 llama_gptq quantize7b scale scale7b scale7b_w1 peers peers_fp8 qlora)
+#          names: adamw adamw8_shapes fused gemm4 gemm4_probe dequant wgmma_rate gptq zero table table7b table7b_offload table7b_stream table7b_hostckpt table7b_qlora_hostckpt table13b_stream long8b long8b_peer table70b table175b table_fp8 table7b_fp8 fp8_bound diag7b ncu_gemm ncu_sm90 llama_gptq quantize7b scale scale7b scale7b_w1 peers peers_fp8 qlora)
 #   env: TARGETS="t1 t2" builds only those targets (default: everything); GPU_TESTS=0 skips ctest -L cuda;
 #        GPU_TESTS_REGEX="Quant|Zero" runs only the cuda-labelled tests whose names match (ctest -R);
 #        BENCH_ARGS_<name>="..." extra arguments for one benchmark (e.g. BENCH_ARGS_table="--rows bf16,ckpt");
@@ -100,14 +100,17 @@ if named table7b_qlora_hostckpt; then
     bash "$ROOT/bench/qlora/run_h200.sh" "$BUILD/bench/table/bench_table"
 fi
 # The longest context (only when named): LLaMA-3-8B QLoRA (r=16 on all linears, 8-bit checkpoints in host memory, MLP tiles
-# the planner picks for the GPU), B=1, one timed step at each of LONG_SEQS tokens (default 131072 262144 400000).
-# The peer (transformers + bitsandbytes + PEFT, r=16 on all linears, gradient checkpointing; bench/qlora's wheels) at
-# each of LONG_PEER_SEQS until it runs out of memory: its longest context, in the same call.
+# the planner picks for the GPU), B=1, one timed step at each of LONG_SEQS tokens (default 400000: about 400 s a step on
+# an H100, the attention growing with T^2; 131,072 took 50 s at 30c4cb6). long8b_peer: the peer (transformers +
+# bitsandbytes + PEFT, r=16 on all linears, gradient checkpointing; bench/qlora's wheels) at each of LONG_PEER_SEQS
+# until it runs out of memory, its longest context; a call of its own beside the 400k row (each fits one 10-minute call).
 if named long8b; then
-  for T in ${LONG_SEQS:-131072 262144 400000}; do
+  for T in ${LONG_SEQS:-400000}; do
     run_bench long8b "$BUILD/bench/table/bench_table" --preset llama3-8b --rows qlora-all16-hostckpt8:1 --seq "$T" --steps 1 --warmup 0 \
       --eval-seqs 0 --mlp-tile auto "${corpus[@]}"
   done
+fi
+if named long8b_peer; then
   echo "== long8b peer"
   timeout "${BENCH_TIMEOUT:-3600}" python3 "$ROOT/bench/qlora/qlora_peer.py" --preset llama3-8b --batch 1 --seqs "${LONG_PEER_SEQS:-16384,24576,32768,49152,65536}" \
     --rank 16 --alpha 32 --targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj "${corpus[@]}" --out "$OUT/long8b-peer.jsonl" 2>&1 |
