@@ -80,6 +80,10 @@ struct LayerwiseOptions {
   GptqOptions gptq;
 };
 
+// Whether a build makes and draws its float parts on options.device: drawn at random onto a GPU with draw_on_device;
+// read from files, or drawn on the host, they are made on the host.
+inline bool drawn_on_device(const LayerwiseOptions& o, bool from_files) { return !from_files && o.draw_on_device && o.device.is_cuda(); }
+
 // Bytes a block-by-block build of S needs, by the planner's counts.
 struct LayerwiseMemory {
   int64_t packed_bytes = 0;        // the packed block linears and S's adapters (plan_memory's parameters, less the dense rest)
@@ -120,7 +124,7 @@ LayerwiseMemory layerwise_memory(const LlamaConfig& c, const LayerwiseOptions& o
   } else {
     // Drawn at random, each part is made on the device (see build_layerwise); read from files, the embedding and the
     // head are made on the host too, each moved to the device before the next part exists.
-    const bool made_on_host = from_files || !o.draw_on_device;
+    const bool made_on_host = !drawn_on_device(o, from_files);  // o.device is not the CPU here
     const int64_t float_on_host = made_on_host ? std::max(r.float_block_bytes, m.embedding_params() * 4) + r.read_buffer_bytes : 0;
     r.host_bytes = float_on_host;
     if (S::stream_frozen_base) r.host_bytes += planned.parameters.host;  // the packed blocks, moved there one by one
@@ -147,7 +151,7 @@ using engine::host_memory_available;
 template <StrategyType S>
 void check_layerwise_fits(const LlamaConfig& c, const LayerwiseOptions& o, bool from_files) {
   const LayerwiseMemory need = layerwise_memory<S>(c, o, from_files);
-  const bool made_on_device = !from_files && o.draw_on_device && o.device.is_cuda();
+  const bool made_on_device = drawn_on_device(o, from_files);
   const std::string what =
       "build_quantized_llama: '" + c.name + "' (" + std::to_string(c.shape().params()) + " parameters) under " + strategy_name<S>();
   const std::string step = o.train ? "; plan_memory's peak of a training step of micro-batch " + std::to_string(o.train->micro_batch) +
@@ -257,7 +261,7 @@ Llama build_layerwise(const LlamaConfig& c, const LayerwiseOptions& o, bool rand
   using Clock = std::chrono::steady_clock;
   const auto since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
   const LoraBasePlacement place{o.device, torch_dtype<typename S::compute_type>()};
-  const torch::Device made_on = random && o.draw_on_device && o.device.is_cuda() ? o.device : torch::Device(torch::kCPU);
+  const torch::Device made_on = drawn_on_device(o, /*from_files=*/!random) ? o.device : torch::Device(torch::kCPU);
   const auto start = Clock::now();
   std::optional<Clock::time_point> blocks_start;  // after the embedding: what the blocks' mean time is taken over
   int64_t adapters = 0;                           // adapters of the blocks before: the next block's first seed
