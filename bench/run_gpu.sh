@@ -134,13 +134,16 @@ if named table175b; then
   run_bench table175b "$BUILD/bench/table/bench_table" --preset llama-175b --rows "qlora-all16-stream:${TABLE175B_BATCH:-8}" --steps 1 \
     --warmup 1 --eval-seqs 0 --lr 5e-6 --mlp-tile auto --loss-chunk 1024 "${corpus[@]}"
 fi
-# FP8 GEMMs beside their bf16 twins, one call (only when named): TinyLlama-1.1B, B=8, T=2048, bf16 / fp8 and bf16-ckpt /
-# fp8-ckpt (table_fp8); LLaMA-7B bf16-ckpt / fp8-ckpt (table7b_fp8, lr and clipping as table7b).
+# FP8 GEMMs beside their bf16 twins, one call (only when named): TinyLlama-1.1B, B=8, T=2048, bf16 / fp8, bf16-ckpt /
+# fp8-ckpt and zero3-bf16-ckpt / zero3-fp8-ckpt (table_fp8; FP8_ROWS to choose); LLaMA-7B with the optimizer on the host
+# (it fits one 80 GB GPU that way), zero3-offload-bf16-ckpt / zero3-offload-fp8-ckpt (table7b_fp8, lr and clipping as table7b).
 if named table_fp8; then
-  run_bench table_fp8 "$BUILD/bench/table/bench_table" --preset tinyllama-1.1b --rows bf16:8,fp8:8,bf16-ckpt:8,fp8-ckpt:8 "${corpus[@]}"
+  run_bench table_fp8 "$BUILD/bench/table/bench_table" --preset tinyllama-1.1b \
+    --rows "${FP8_ROWS:-bf16:8,fp8:8,bf16-ckpt:8,fp8-ckpt:8,zero3-bf16-ckpt:8,zero3-fp8-ckpt:8}" "${corpus[@]}"
 fi
 if named table7b_fp8; then
-  run_bench table7b_fp8 "$BUILD/bench/table/bench_table" --preset llama-7b --rows bf16-ckpt:8,fp8-ckpt:8 --clip 0 --lr 5e-6 --lr-warmup 5 "${corpus[@]}"
+  run_bench table7b_fp8 "$BUILD/bench/table/bench_table" --preset llama-7b --rows zero3-offload-bf16-ckpt:8,zero3-offload-fp8-ckpt:8 \
+    --clip 0 --lr 5e-6 --lr-warmup 5 "${corpus[@]}"
 fi
 # The FP8 step-time bound (only when named; after table_fp8 / table7b_fp8 in the same call, whose bf16 rows give the step
 # times): the block linears' GEMMs in bf16 and FP8 and the least cast traffic at the copy bandwidth (bench/fp8).
@@ -151,7 +154,7 @@ for l in open(sys.argv[1]):
     d = json.loads(l)
     if d.get("case") == sys.argv[2] and d.get("iters_per_s"): print(1000.0 / d["iters_per_s"])' "$1" "$2" 2>/dev/null | tail -1
   }
-  for spec in "tinyllama-1.1b bf16 table_fp8" "tinyllama-1.1b bf16-ckpt table_fp8" "llama-7b bf16-ckpt table7b_fp8"; do
+  for spec in "tinyllama-1.1b bf16 table_fp8" "tinyllama-1.1b bf16-ckpt table_fp8" "llama-7b zero3-offload-bf16-ckpt table7b_fp8"; do
     read -r preset row table <<<"$spec"
     ck=(); [[ $row == *ckpt ]] && ck=(--ckpt)
     step=$(step_of "$OUT/$table.jsonl" "$row")

@@ -62,10 +62,12 @@ void for_each_strategy(F&& f) {
   f.template operator()<Strategy<Sharded<Stage2>, Precision<bf16, float>>>("zero2-bf16");
   f.template operator()<Strategy<Sharded<Stage3>, Precision<bf16, float>>>("zero3-bf16");
   f.template operator()<Strategy<Sharded<Stage3>, Precision<bf16, float>, Checkpointed>>("zero3-bf16-ckpt");
+  f.template operator()<Strategy<Sharded<Stage3>, Precision<fp8, bf16, float>, Checkpointed>>("zero3-fp8-ckpt");
   f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>>>("zero3-offload");
   f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<half, float>>>("zero3-offload-fp16");
   f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<half, float>, Accumulate<4>>>("zero3-offload-fp16-accum4");
   f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed>>("zero3-offload-bf16-ckpt");
+  f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<fp8, bf16, float>, Checkpointed>>("zero3-offload-fp8-ckpt");
   // The same with 8-bit Adam moments (block-wise quantized, 2 bytes per parameter instead of 8 on the host).
   f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed, QuantizedState<8>>>(
       "zero3-offload-bf16-ckpt-adam8");

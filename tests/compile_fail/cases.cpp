@@ -62,9 +62,6 @@ static_assert(sizeof(S) > 0);
 #elif defined(CASE_fp8_with_lora)
 using S = Strategy<Precision<fp8, bf16, float>, Quantized<4, NF4>, LoRA<8, 16>>;
 static_assert(sizeof(S) > 0);
-#elif defined(CASE_fp8_stage3)
-using S = Strategy<Sharded<Stage3>, Precision<fp8, bf16, float>>;
-static_assert(sizeof(S) > 0);
 #elif defined(CASE_fp8_half)
 using P = Precision<fp8, half, float>;
 static_assert(P::fp8_gemms);

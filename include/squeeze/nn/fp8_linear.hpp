@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "squeeze/kernels/fp8_cast.hpp"
@@ -213,42 +214,63 @@ inline torch::Tensor fp8_mm(const Fp8Operand& a, const Fp8Operand& b, torch::Sca
   return np == n ? y : y.narrow(1, 0, n).contiguous();
 }
 
+// What a linear's FP8 backward keeps from its forward: x^T [in, M] in e4m3 and its inverse scale (x^T undefined when the
+// weight is frozen: dW is not asked for).
+struct Fp8Saved {
+  torch::Tensor x_t, x_inverse_scale;
+};
+
+// y = x W^T through the FP8 GEMM, in x's dtype. x [..., in], w [out, in] -> y [..., out]; `saved` gets what backward
+// reads (x^T when `keep_x_t`, the weight trains).
+inline torch::Tensor fp8_linear_forward(const torch::Tensor& x, const torch::Tensor& w, bool keep_x_t, Fp8Saved& saved) {
+  const int64_t in = w.size(1), out = w.size(0);
+  // dW = dY^T x reads x^T: cast with the values when W trains.
+  const Fp8Operand x8 = fp8_input_cache().get(x, torch::kFloat8_e4m3fn, keep_x_t ? Fp8Layout::both : Fp8Layout::values);
+  const Fp8Operand w8 = to_fp8(w, torch::kFloat8_e4m3fn);  // [out, in]
+  saved = {x8.transposed, x8.inverse_scale};
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = out;
+  return fp8_mm({x8.values.reshape({-1, in}), x8.inverse_scale}, w8, x.scalar_type()).view(sizes);  // [M, in] x [out, in]
+}
+
+// The input's and the weight's gradients from dY [..., out] (each only where asked): dX [x_sizes] in `dtype`,
+// dW [out, in] in w's dtype. Lets the cache forget x^T: its bytes go once autograd drops them.
+inline std::pair<torch::Tensor, torch::Tensor> fp8_linear_backward(const torch::Tensor& dy, const torch::Tensor& w, const Fp8Saved& saved,
+                                                                   bool want_dx, bool want_dw, torch::IntArrayRef x_sizes,
+                                                                   torch::ScalarType dtype) {
+  fp8_input_cache().forget(saved.x_t);
+  // dY [M, out] in e5m2: its values for dX, its transpose [out, M] for dW
+  const Fp8Operand g8 = to_fp8(dy.reshape({-1, w.size(0)}), torch::kFloat8_e5m2,
+                               want_dx && want_dw ? Fp8Layout::both
+                               : want_dw          ? Fp8Layout::transposed
+                                                  : Fp8Layout::values);
+  torch::Tensor dx, dw;
+  if (want_dx) {  // dX = dY W: b is W^T [in, out]
+    const Fp8Operand w8 = to_fp8(w, torch::kFloat8_e4m3fn, Fp8Layout::transposed);
+    dx = fp8_mm({g8.values, g8.inverse_scale}, {w8.transposed, w8.inverse_scale}, dtype).view(x_sizes);
+  }
+  if (want_dw) {  // dW = dY^T x: a is dY^T [out, M], b is x^T [in, M]
+    TORCH_CHECK(saved.x_t.defined(), "fp8_linear: the weight's gradient is needed, but it did not require one in forward");
+    dw = fp8_mm({g8.transposed, g8.inverse_scale}, {saved.x_t, saved.x_inverse_scale}, w.scalar_type());
+  }
+  return {dx, dw};
+}
+
 namespace detail {
 // x [..., in], w [out, in] -> x w^T [..., out] through FP8 GEMMs, in x's dtype.
 struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w) {
-    const int64_t in = w.size(1), out = w.size(0);
-    // dW = dY^T x reads x^T: cast with the values when W trains.
-    const Fp8Operand x8 = fp8_input_cache().get(x, torch::kFloat8_e4m3fn, w.requires_grad() ? Fp8Layout::both : Fp8Layout::values);
-    const Fp8Operand w8 = to_fp8(w, torch::kFloat8_e4m3fn);  // [out, in]
-    ctx->save_for_backward({x8.transposed, x8.inverse_scale, w});
+    Fp8Saved saved;
+    torch::Tensor y = fp8_linear_forward(x, w, w.requires_grad(), saved);
+    ctx->save_for_backward({saved.x_t, saved.x_inverse_scale, w});
     ctx->saved_data["dtype"] = int64_t(x.scalar_type());
-    std::vector<int64_t> sizes = x.sizes().vec();
-    ctx->saved_data["x_sizes"] = sizes;
-    sizes.back() = out;
-    return fp8_mm({x8.values.reshape({-1, in}), x8.inverse_scale}, w8, x.scalar_type()).view(sizes);  // [M, in] x [out, in]
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    return y;
   }
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::tensor_list g) {
-    const auto saved = ctx->get_saved_variables();
-    const torch::Tensor &x_t = saved[0], &x_inverse_scale = saved[1], &w = saved[2];  // x_t [in, M]
-    fp8_input_cache().forget(x_t);
-    const bool want_dx = ctx->needs_input_grad(0), want_dw = ctx->needs_input_grad(1);
-    const auto dtype = torch::ScalarType(ctx->saved_data["dtype"].toInt());
-    const std::vector<int64_t> x_sizes = ctx->saved_data["x_sizes"].toIntVector();
-    // dY [M, out] in e5m2: its values for dX, its transpose [out, M] for dW
-    const Fp8Operand g8 = to_fp8(g[0].reshape({-1, w.size(0)}), torch::kFloat8_e5m2,
-                                 want_dx && want_dw ? Fp8Layout::both
-                                 : want_dw          ? Fp8Layout::transposed
-                                                    : Fp8Layout::values);
-    torch::Tensor dx, dw;
-    if (want_dx) {  // dX = dY W: b is W^T [in, out]
-      const Fp8Operand w8 = to_fp8(w, torch::kFloat8_e4m3fn, Fp8Layout::transposed);
-      dx = fp8_mm({g8.values, g8.inverse_scale}, {w8.transposed, w8.inverse_scale}, dtype).view(x_sizes);
-    }
-    if (want_dw) {  // dW = dY^T x: a is dY^T [out, M], b is x^T [in, M]
-      TORCH_CHECK(x_t.defined(), "fp8_linear: the weight's gradient is needed, but it did not require one in forward");
-      dw = fp8_mm({g8.transposed, g8.inverse_scale}, {x_t, x_inverse_scale}, w.scalar_type());
-    }
+    const auto v = ctx->get_saved_variables();  // x^T [in, M], its inverse scale, W [out, in]
+    auto [dx, dw] = fp8_linear_backward(g[0], v[2], {v[0], v[1]}, ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+                                        ctx->saved_data["x_sizes"].toIntVector(), torch::ScalarType(ctx->saved_data["dtype"].toInt()));
     return {dx, dw};
   }
 };

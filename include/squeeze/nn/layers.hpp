@@ -72,38 +72,58 @@ namespace detail {
 
 using Member = engine::UnitMember;
 
-// y = x W^T + b with W, b gathered from the unit. x: [..., in], y: [..., out].
+// y = x W^T + b with W, b gathered from the unit. x: [..., in], y: [..., out]. With `fp8` the GEMMs run in FP8
+// (nn/fp8_linear.hpp) on the gathered weight, and x^T is kept in e4m3 instead of x.
 struct ShardedLinearFn : torch::autograd::Function<ShardedLinearFn> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& shard, Member m,
-                               bool has_bias) {
+                               bool has_bias, bool fp8) {
     (void)shard;
     const torch::Tensor full = m.group->runtime->acquire(*m.group);
     const torch::Tensor w = FlatParams::view(full, m.entry(0));
     const torch::Tensor b = has_bias ? FlatParams::view(full, m.entry(1)) : torch::Tensor();
-    torch::Tensor y = torch::nn::functional::linear(x, w, b);
+    torch::Tensor y;
+    if (fp8) {
+      Fp8Saved saved;
+      y = fp8_linear_forward(x, w, /*keep_x_t=*/true, saved);
+      if (has_bias) y = y + b.to(y.scalar_type());
+      ctx->save_for_backward({saved.x_t, saved.x_inverse_scale});
+      ctx->saved_data["dtype"] = int64_t(x.scalar_type());
+      ctx->saved_data["x_sizes"] = x.sizes().vec();
+    } else {
+      y = torch::nn::functional::linear(x, w, b);
+      ctx->save_for_backward({x});
+    }
     m.group->runtime->release(*m.group);
-    ctx->save_for_backward({x});
     m.save(ctx);
     ctx->saved_data["bias"] = has_bias;
+    ctx->saved_data["fp8"] = fp8;
     return y;
   }
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::tensor_list grads) {
     const Member m = Member::saved(ctx);
     Stage3Group& g = *m.group;
-    const torch::Tensor x = ctx->get_saved_variables()[0];
+    const auto saved = ctx->get_saved_variables();
     const torch::Tensor full = g.runtime->acquire(g);
     const torch::Tensor w = FlatParams::view(full, m.entry(0));  // [out, in]
-    const int64_t out = w.size(0), in = w.size(1);
+    const int64_t out = w.size(0);
     const torch::Tensor go = grads[0].reshape({-1, out});  // [rows, out]
-    const torch::Tensor x2 = x.reshape({-1, in});          // [rows, in]
-    torch::Tensor gx;
-    if (ctx->needs_input_grad(0)) gx = go.mm(w).view(x.sizes());
     const torch::Tensor full_grad = g.runtime->gradient_buffer(g, full.options());
-    FlatParams::view(full_grad, m.entry(0)).add_(go.t().mm(x2));  // [out, in], as AddmmBackward computes it
+    torch::Tensor gx;
+    if (ctx->saved_data["fp8"].toBool()) {
+      auto [dx, dw] = fp8_linear_backward(go, w, {saved[0], saved[1]}, ctx->needs_input_grad(0), /*want_dw=*/true,
+                                          ctx->saved_data["x_sizes"].toIntVector(), torch::ScalarType(ctx->saved_data["dtype"].toInt()));
+      gx = dx;
+      FlatParams::view(full_grad, m.entry(0)).add_(dw);
+    } else {
+      const torch::Tensor& x = saved[0];
+      const torch::Tensor x2 = x.reshape({-1, w.size(1)});  // [rows, in]
+      if (ctx->needs_input_grad(0)) gx = go.mm(w).view(x.sizes());
+      FlatParams::view(full_grad, m.entry(0)).add_(go.t().mm(x2));  // [out, in], as AddmmBackward computes it
+    }
     if (ctx->saved_data["bias"].toBool()) FlatParams::view(full_grad, m.entry(1)).add_(go.sum(0));
     g.runtime->release(g);
     g.runtime->added(g);
-    return {gx, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return {gx, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -199,7 +219,7 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public Shardable {
     if (backing_) return backing_(x);
     if (group_ == nullptr) return fp8_gemms_ ? fp8_linear(x, weight, bias) : torch::nn::functional::linear(x, weight, bias);
     if (torch::GradMode::is_enabled()) ++group_->uses;
-    return detail::ShardedLinearFn::apply(x, group_->shard, engine::UnitMember{group_, first_entry_}, options.bias());
+    return detail::ShardedLinearFn::apply(x, group_->shard, engine::UnitMember{group_, first_entry_}, options.bias(), fp8_gemms_);
   }
   // The weight [out, in] as one tensor, for a caller that reads it several times (nn::Llama's chunked loss): the
   // parameter itself, or, once a stage-3 trainer has sharded the layer, a gathered copy held while autograd needs
@@ -242,10 +262,10 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public Shardable {
     weight.set_data(w);
     if (bias.defined() && b.defined()) bias.set_data(b);
   }
-  // Precision<fp8, bf16, float>: this layer's GEMMs in FP8 (nn/fp8_linear.hpp); its weight stays bf16.
+  // Precision<fp8, bf16, float>: this layer's GEMMs in FP8 (nn/fp8_linear.hpp); its weight (or Stage 3's gathered copy)
+  // stays bf16.
   void set_fp8_gemms(bool on) {
-    TORCH_CHECK(!on || (group_ == nullptr && !backing_), "squeeze::nn::Linear: FP8 GEMMs need the layer's own weight, not a ",
-                group_ ? "sharded" : "backed", " one");
+    TORCH_CHECK(!on || !backing_, "squeeze::nn::Linear: FP8 GEMMs need the layer's own (or its gathered) weight, not a backed one");
     fp8_gemms_ = on;
   }
   bool fp8_gemms() const { return fp8_gemms_; }

@@ -161,9 +161,6 @@ struct Strategy {
   static_assert(!(fp8_gemms && (quantized_weights || has_lora)),
                 "Precision<fp8, bf16, float> multiplies trained bf16 weights in FP8; a frozen or quantized base keeps its own GEMMs: "
                 "write Precision<bf16, float> with LoRA or Quantized<...>");
-  static_assert(!(fp8_gemms && stage == 3),
-                "Precision<fp8, bf16, float> runs the block linears' own GEMMs; Stage 3's gathered linears do not take FP8 yet: "
-                "write Sharded<Stage2> (or Stage0/1), or Precision<bf16, float> with Sharded<Stage3>");
   static_assert(!(loss_scale::enabled && !precision::needs_loss_scaling),
                 "loss scaling protects fp16 gradients from underflow; float and bf16 have float's exponent range: remove the loss-scale "
                 "policy, or compute in fp16 with Precision<half, float>");
