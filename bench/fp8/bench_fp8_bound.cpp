@@ -70,10 +70,10 @@ LinearTimes time_linear(int64_t M, int64_t in, int64_t out, int iters, const tor
         (void)torch::mm(g.t(), x);  // dW = dY^T x [out, in]
       },
       iters, d);
-  const nn::Fp8Operand x8 = nn::to_fp8(x, torch::kFloat8_e4m3fn), w8 = nn::to_fp8(w, torch::kFloat8_e4m3fn),
-                       g8 = nn::to_fp8(g, torch::kFloat8_e5m2);
-  const nn::Fp8Operand wt{w8.values.t().contiguous(), w8.inverse_scale}, gt{g8.values.t().contiguous(), g8.inverse_scale},
-      xt{x8.values.t().contiguous(), x8.inverse_scale};
+  const nn::Fp8Operand x8 = nn::to_fp8(x, torch::kFloat8_e4m3fn, nn::Fp8Layout::both),
+                       w8 = nn::to_fp8(w, torch::kFloat8_e4m3fn, nn::Fp8Layout::both),
+                       g8 = nn::to_fp8(g, torch::kFloat8_e5m2, nn::Fp8Layout::both);
+  const nn::Fp8Operand wt{w8.transposed, w8.inverse_scale}, gt{g8.transposed, g8.inverse_scale}, xt{x8.transposed, x8.inverse_scale};
   t.fp8 = median_ms(
       [&] {
         (void)nn::fp8_mm(x8, w8, torch::kBFloat16);

@@ -1,5 +1,8 @@
 // Each CASE_* below must fail to compile with the message its test expects (tests/compile_fail/CMakeLists.txt).
 // CASE_valid must compile: it shows the harness itself is sound.
+#if defined(CASE_fp8_off_fp8_targets)
+#define __CUDA_ARCH_LIST__ 750, 800  // what nvcc defines in a unit built for sm_75 and sm_80 only
+#endif
 #include <squeeze/squeeze.hpp>
 using namespace squeeze;
 
@@ -11,6 +14,9 @@ static_assert(sizeof(Q) > 0);
 static_assert(S::stage == 3 && Q::has_lora);
 using A8 = Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, QuantizedState<8>>;  // 8-bit Adam state
 static_assert(A8::state_bits == 8 && A8::state_quantization::group == 256);
+static_assert(any_fp8_target({800, 900}) && any_fp8_target({890}) && !any_fp8_target({750, 800}));
+using F8 = Strategy<Sharded<Stage3>, Offload<Host>, Precision<fp8, bf16, float>, Checkpointed>;  // FP8 under Stage 3
+static_assert(F8::fp8_gemms);
 #elif defined(CASE_duplicate_family)
 using S = Strategy<Sharded<Stage1>, Accumulate<2>, Sharded<Stage3>>;
 static_assert(sizeof(S) > 0);
@@ -62,6 +68,9 @@ static_assert(sizeof(S) > 0);
 #elif defined(CASE_fp8_with_lora)
 using S = Strategy<Precision<fp8, bf16, float>, Quantized<4, NF4>, LoRA<8, 16>>;
 static_assert(sizeof(S) > 0);
+#elif defined(CASE_fp8_off_fp8_targets)  // __CUDA_ARCH_LIST__ as nvcc defines it for sm_75 and sm_80 (top of the file)
+using P = Precision<fp8, bf16, float>;
+static_assert(P::fp8_gemms);
 #elif defined(CASE_fp8_half)
 using P = Precision<fp8, half, float>;
 static_assert(P::fp8_gemms);

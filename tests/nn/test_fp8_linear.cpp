@@ -128,6 +128,25 @@ TEST(Fp8, LinearForwardAndBackwardAgainstFp32) {
   EXPECT_EQ(w.grad().scalar_type(), torch::kFloat32);
 }
 
+// A frozen weight: forward keeps no x^T (only the values are cast), dX equals the trained weight's dX bit for bit, and
+// no weight gradient appears.
+TEST(Fp8, FrozenWeightKeepsNoTransposeAndStillGivesTheInputGradient) {
+  torch::manual_seed(13);
+  const torch::Tensor x0 = torch::randn({5, 37}), w0 = torch::randn({19, 37}) * 0.1, g = torch::randn({5, 19});
+  nn::fp8_input_cache().clear();
+  nn::Fp8Saved saved;
+  (void)nn::fp8_linear_forward(x0, w0, /*keep_x_t=*/false, saved);
+  EXPECT_FALSE(saved.x_t.defined()) << "a frozen weight needs no x^T";
+  const torch::Tensor x = x0.clone().requires_grad_(true), xt = x0.clone().requires_grad_(true);
+  const torch::Tensor w = w0.clone().requires_grad_(true);
+  nn::fp8_linear(x, w0).backward(g);  // w0 frozen
+  nn::fp8_linear(xt, w).backward(g);
+  EXPECT_TRUE(torch::equal(x.grad(), xt.grad()));
+  EXPECT_FALSE(w0.grad().defined());
+  EXPECT_TRUE(w.grad().defined());
+  nn::fp8_input_cache().clear();
+}
+
 // A squeeze::nn::Linear switched to FP8 computes fp8_linear; the switch is refused for a layer without its own weight.
 TEST(Fp8, LinearLayerRunsFp8WhenSwitched) {
   torch::manual_seed(5);

@@ -3,6 +3,7 @@
 // Precision<half, float> needs dynamic loss scaling (fp16 underflows small gradients);
 // bf16 has float's exponent range and needs none.
 #include <concepts>
+#include <initializer_list>
 #include <type_traits>
 
 #include "squeeze/dtype.hpp"
@@ -14,6 +15,14 @@ namespace squeeze {
 // forward and backward GEMMs on e4m3 inputs (gradients e5m2) with tensor-wise scales taken from the values at hand
 // ("current scaling"), storing everything else in bf16 with fp32 masters (nn/fp8_linear.hpp).
 struct fp8 {};
+
+// FP8 tensor cores start at compute capability 8.9 (Ada; Hopper is 9.0). nvcc lists a translation unit's targets in
+// __CUDA_ARCH_LIST__ (e.g. 800,900): a unit that targets none of 8.9 and above cannot run FP8 GEMMs.
+constexpr bool any_fp8_target(std::initializer_list<int> archs) {
+  for (int a : archs)
+    if (a >= 890) return true;
+  return false;
+}
 
 template <class Compute, class Master = float, class Third = void>
 struct Precision {
@@ -42,6 +51,12 @@ struct Precision<fp8, Compute, Master> : Precision<Compute, Master> {
   static_assert(std::is_same_v<Compute, bf16> && std::is_same_v<Master, float>,
                 "FP8 GEMMs keep bf16 activations and fp32 masters: write Precision<fp8, bf16, float>");
   static constexpr bool fp8_gemms = true;
+#if defined(__CUDA_ARCH_LIST__)  // an nvcc TU; a host compiler's is checked when the GEMM runs (nn::fp8_mm)
+  static_assert(
+      any_fp8_target({__CUDA_ARCH_LIST__}),
+      "Precision<fp8, bf16, float> multiplies on FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper), and this "
+      "nvcc translation unit targets none: build for sm_89 or sm_90 (CMAKE_CUDA_ARCHITECTURES 90), or write Precision<bf16, float>");
+#endif
 };
 template <class Compute>
 struct Precision<fp8, Compute, void> {
