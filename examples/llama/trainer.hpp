@@ -17,7 +17,9 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -40,83 +42,111 @@ namespace squeeze::llama {
 using squeeze::nn::Llama;
 using squeeze::nn::LlamaConfig;
 
+// A strategy and its --strategy name: one row of the table below.
+template <std::size_t N>
+struct RowName {
+  char text[N];
+  constexpr RowName(const char (&s)[N]) { std::copy_n(s, N, text); }
+};
+template <RowName Name, StrategyType S>
+struct Named {
+  static constexpr std::string_view name{Name.text};
+  using strategy = S;
+};
+
 // The strategies this example compiles in, each with its --strategy name. Add a row here to add one.
-template <class F>
+// clang-format off
+using StrategyTable = std::tuple<
+    Named<"fp32", Strategy<>>,
+    Named<"accum4", Strategy<Accumulate<4>>>,
+    Named<"bf16", Strategy<Precision<bf16, float>>>,
+    Named<"fp16", Strategy<Precision<half, float>>>,  // dynamic loss scaling
+    Named<"ckpt", Strategy<Checkpointed>>,
+    Named<"ckpt2", Strategy<CheckpointEvery<2>>>,
+    Named<"bf16-ckpt", Strategy<Precision<bf16, float>, Checkpointed>>,
+    // ... with the checkpointed block inputs kept in 8 bits (blockwise absmax): the fidelity benchmark's comparison.
+    Named<"bf16-ckpt-int8", Strategy<Precision<bf16, float>, Checkpointed, CheckpointOffload<Device, Int8>>>,
+    // The block linears' GEMMs in FP8 (e4m3, gradients e5m2; Ada or Hopper on the GPU): the twins of bf16 and bf16-ckpt
+    Named<"fp8", Strategy<Precision<fp8, bf16, float>>>,
+    Named<"fp8-ckpt", Strategy<Precision<fp8, bf16, float>, Checkpointed>>,
+    Named<"fp16-accum4", Strategy<Precision<half, float>, Accumulate<4>>>,
+    Named<"bf16-accum4-ckpt", Strategy<Precision<bf16, float>, Accumulate<4>, Checkpointed>>,
+    // ZeRO (squeeze's sharded trainer). Over N GPUs stage 3 alone keeps 16 bytes/parameter / N of model state (the
+    // scaling rows of bench_table); on one GPU, Offload<Host> is what saves memory.
+    Named<"zero2-bf16", Strategy<Sharded<Stage2>, Precision<bf16, float>>>,
+    Named<"zero3-bf16", Strategy<Sharded<Stage3>, Precision<bf16, float>>>,
+    Named<"zero3-bf16-ckpt", Strategy<Sharded<Stage3>, Precision<bf16, float>, Checkpointed>>,
+    Named<"zero3-fp8-ckpt", Strategy<Sharded<Stage3>, Precision<fp8, bf16, float>, Checkpointed>>,
+    Named<"zero3-offload", Strategy<Sharded<Stage3>, Offload<Host>>>,
+    Named<"zero3-offload-fp16", Strategy<Sharded<Stage3>, Offload<Host>, Precision<half, float>>>,
+    Named<"zero3-offload-fp16-accum4", Strategy<Sharded<Stage3>, Offload<Host>, Precision<half, float>, Accumulate<4>>>,
+    Named<"zero3-offload-bf16-ckpt", Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed>>,
+    Named<"zero3-offload-fp8-ckpt", Strategy<Sharded<Stage3>, Offload<Host>, Precision<fp8, bf16, float>, Checkpointed>>,
+    // The same with 8-bit Adam moments (block-wise quantized, 2 bytes per parameter instead of 8 on the host).
+    Named<"zero3-offload-bf16-ckpt-adam8",
+          Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed, QuantizedState<8>>>,
+    // The checkpointed block inputs in host memory too, copied out as the forward goes and back ahead of each recomputation.
+    Named<"zero3-offload-bf16-hostckpt",
+          Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed, CheckpointOffload<Host>>>,
+    // The parameters in host memory too, each block copied to the GPU for its forward and again for its backward.
+    Named<"zero3-stream-bf16-ckpt", Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Precision<bf16, float>, Checkpointed>>,
+    Named<"zero3-stream-bf16-ckpt-adam8",
+          Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Precision<bf16, float>, Checkpointed, QuantizedState<8>>>,
+    // The compact host state: bf16 weights as their own master (stochastic rounding) + 8-bit moments, 6 bytes a parameter.
+    Named<"zero3-stream-compact-ckpt",
+          Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Precision<bf16, bf16>, Checkpointed, QuantizedState<8>>>,
+    // LoRA on a dense frozen bf16 base (the fine-tuning comparison's plain LoRA: QLoRA without the quantization).
+    Named<"lora", Strategy<LoRA<8, 16>, Precision<bf16, float>, Checkpointed>>,
+    // QLoRA: NF4 base weights, bf16 compute, fp32 adapters. CPU, or CUDA from an nvcc TU.
+    Named<"qlora", Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed>>,
+    // ... with adapters on all seven linears of each block, as the QLoRA paper trains them
+    Named<"qlora-all", Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16, all_linears>, Precision<bf16, float>, Checkpointed>>,
+    // The longest context: r=16 adapters on all linears, the checkpointed block inputs in host memory in 8 bits
+    Named<"qlora-all16-hostckpt8", Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<16, 32, all_linears>, Precision<bf16, float>, Checkpointed,
+                                            CheckpointOffload<Host, Int8>>>,
+    // 70B on one GPU: r=16 adapters on all linears with 8-bit moments, the checkpointed block inputs in host memory; NF4 or
+    // a GPTQ-format 4-bit base (group 128)
+    Named<"qlora-all16-hostckpt-adam8", Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<16, 32, all_linears>, Precision<bf16, float>,
+                                                 Checkpointed, CheckpointOffload<Host>, QuantizedState<8>>>,
+    Named<"gptq4-all16-hostckpt-adam8", Strategy<Quantized<4, RTN, Group<128>>, LoRA<16, 32, all_linears>, Precision<bf16, float>,
+                                                 Checkpointed, CheckpointOffload<Host>, QuantizedState<8>>>,
+    // ... the same at 3 bits: the smallest GPU peak of a resident 70B base
+    Named<"gptq3-all16-hostckpt-adam8", Strategy<Quantized<3, RTN, Group<128>>, LoRA<16, 32, all_linears>, Precision<bf16, float>,
+                                                 Checkpointed, CheckpointOffload<Host>, QuantizedState<8>>>,
+    // 175B on one GPU: the same with the NF4 blocks themselves in host memory, streamed through the GPU a block at a time,
+    // and the checkpointed block inputs there in 8 bits
+    Named<"qlora-all16-stream", Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<16, 32, all_linears>, Precision<bf16, float>, Checkpointed,
+                                         CheckpointOffload<Host, Int8>, QuantizedState<8>, Offload<Host, Streamed>>>,
+    // ... with the checkpointed block inputs in host memory between forward and backward
+    Named<"qlora-hostckpt",
+          Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed, CheckpointOffload<Host>>>,
+    // ... and the NF4 blocks in host memory too, streamed through the GPU a block at a time (QLoRA 7B in about 3 GB)
+    Named<"qlora-stream-hostckpt", Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed,
+                                            CheckpointOffload<Host>, Offload<Host, Streamed>>>,
+    // ... with the adapters' Adam moments as 8-bit codes (2 bytes + 8/256 per adapter value instead of 8)
+    Named<"qlora-adam8", Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed, QuantizedState<8>>>,
+    // The same on a GPTQ-format 4-bit base (group 128; the values by round-to-nearest: apply_lora has no calibration
+    // data; a GPTQ-quantized checkpoint has the same format, memory and kernels).
+    Named<"gptq4-lora", Strategy<Quantized<4, RTN, Group<128>>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed>>>;
+// clang-format on
+
+namespace detail {
+template <std::size_t I, int Part, int Parts, class F>
+void visit_strategy(F& f) {
+  if constexpr (I % Parts == Part) {  // only this part's rows are instantiated
+    using R = std::tuple_element_t<I, StrategyTable>;
+    f.template operator()<typename R::strategy>(R::name);
+  }
+}
+}  // namespace detail
+
+// Calls f.template operator()<S>(name) for each row of the table, in order; with Parts > 1 only for the rows whose
+// position is Part modulo Parts, so that several translation units can each compile a share of the rows.
+template <int Part = 0, int Parts = 1, class F>
 void for_each_strategy(F&& f) {
-  f.template operator()<Strategy<>>("fp32");
-  f.template operator()<Strategy<Accumulate<4>>>("accum4");
-  f.template operator()<Strategy<Precision<bf16, float>>>("bf16");
-  f.template operator()<Strategy<Precision<half, float>>>("fp16");  // dynamic loss scaling
-  f.template operator()<Strategy<Checkpointed>>("ckpt");
-  f.template operator()<Strategy<CheckpointEvery<2>>>("ckpt2");
-  f.template operator()<Strategy<Precision<bf16, float>, Checkpointed>>("bf16-ckpt");
-  // ... with the checkpointed block inputs kept in 8 bits (blockwise absmax): the fidelity benchmark's comparison.
-  f.template operator()<Strategy<Precision<bf16, float>, Checkpointed, CheckpointOffload<Device, Int8>>>("bf16-ckpt-int8");
-  // The block linears' GEMMs in FP8 (e4m3, gradients e5m2; Ada or Hopper on the GPU): the twins of bf16 and bf16-ckpt
-  f.template operator()<Strategy<Precision<fp8, bf16, float>>>("fp8");
-  f.template operator()<Strategy<Precision<fp8, bf16, float>, Checkpointed>>("fp8-ckpt");
-  f.template operator()<Strategy<Precision<half, float>, Accumulate<4>>>("fp16-accum4");
-  f.template operator()<Strategy<Precision<bf16, float>, Accumulate<4>, Checkpointed>>("bf16-accum4-ckpt");
-  // ZeRO (squeeze's sharded trainer). Over N GPUs stage 3 alone keeps 16 bytes/parameter / N of model state (the
-  // scaling rows of bench_table); on one GPU, Offload<Host> is what saves memory.
-  f.template operator()<Strategy<Sharded<Stage2>, Precision<bf16, float>>>("zero2-bf16");
-  f.template operator()<Strategy<Sharded<Stage3>, Precision<bf16, float>>>("zero3-bf16");
-  f.template operator()<Strategy<Sharded<Stage3>, Precision<bf16, float>, Checkpointed>>("zero3-bf16-ckpt");
-  f.template operator()<Strategy<Sharded<Stage3>, Precision<fp8, bf16, float>, Checkpointed>>("zero3-fp8-ckpt");
-  f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>>>("zero3-offload");
-  f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<half, float>>>("zero3-offload-fp16");
-  f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<half, float>, Accumulate<4>>>("zero3-offload-fp16-accum4");
-  f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed>>("zero3-offload-bf16-ckpt");
-  f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<fp8, bf16, float>, Checkpointed>>("zero3-offload-fp8-ckpt");
-  // The same with 8-bit Adam moments (block-wise quantized, 2 bytes per parameter instead of 8 on the host).
-  f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed, QuantizedState<8>>>(
-      "zero3-offload-bf16-ckpt-adam8");
-  // The checkpointed block inputs in host memory too, copied out as the forward goes and back ahead of each recomputation.
-  f.template operator()<Strategy<Sharded<Stage3>, Offload<Host>, Precision<bf16, float>, Checkpointed, CheckpointOffload<Host>>>(
-      "zero3-offload-bf16-hostckpt");
-  // The parameters in host memory too, each block copied to the GPU for its forward and again for its backward.
-  f.template operator()<Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Precision<bf16, float>, Checkpointed>>("zero3-stream-bf16-ckpt");
-  f.template operator()<Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Precision<bf16, float>, Checkpointed, QuantizedState<8>>>(
-      "zero3-stream-bf16-ckpt-adam8");
-  // The compact host state: bf16 weights as their own master (stochastic rounding) + 8-bit moments, 6 bytes a parameter.
-  f.template operator()<Strategy<Sharded<Stage3>, Offload<Host, Streamed>, Precision<bf16, bf16>, Checkpointed, QuantizedState<8>>>(
-      "zero3-stream-compact-ckpt");
-  // LoRA on a dense frozen bf16 base (the fine-tuning comparison's plain LoRA: QLoRA without the quantization).
-  f.template operator()<Strategy<LoRA<8, 16>, Precision<bf16, float>, Checkpointed>>("lora");
-  // QLoRA: NF4 base weights, bf16 compute, fp32 adapters. CPU, or CUDA from an nvcc TU.
-  f.template operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed>>("qlora");
-  // ... with adapters on all seven linears of each block, as the QLoRA paper trains them
-  f.template operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16, all_linears>, Precision<bf16, float>, Checkpointed>>(
-      "qlora-all");
-  // The longest context: r=16 adapters on all linears, the checkpointed block inputs in host memory in 8 bits
-  f.template operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<16, 32, all_linears>, Precision<bf16, float>, Checkpointed,
-                                 CheckpointOffload<Host, Int8>>>("qlora-all16-hostckpt8");
-  // 70B on one GPU: r=16 adapters on all linears with 8-bit moments, the checkpointed block inputs in host memory; NF4 or
-  // a GPTQ-format 4-bit base (group 128)
-  f.template operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<16, 32, all_linears>, Precision<bf16, float>, Checkpointed,
-                                 CheckpointOffload<Host>, QuantizedState<8>>>("qlora-all16-hostckpt-adam8");
-  f.template operator()<Strategy<Quantized<4, RTN, Group<128>>, LoRA<16, 32, all_linears>, Precision<bf16, float>, Checkpointed,
-                                 CheckpointOffload<Host>, QuantizedState<8>>>("gptq4-all16-hostckpt-adam8");
-  // ... the same at 3 bits: the smallest GPU peak of a resident 70B base
-  f.template operator()<Strategy<Quantized<3, RTN, Group<128>>, LoRA<16, 32, all_linears>, Precision<bf16, float>, Checkpointed,
-                                 CheckpointOffload<Host>, QuantizedState<8>>>("gptq3-all16-hostckpt-adam8");
-  // 175B on one GPU: the same with the NF4 blocks themselves in host memory, streamed through the GPU a block at a time,
-  // and the checkpointed block inputs there in 8 bits
-  f.template operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<16, 32, all_linears>, Precision<bf16, float>, Checkpointed,
-                                 CheckpointOffload<Host, Int8>, QuantizedState<8>, Offload<Host, Streamed>>>("qlora-all16-stream");
-  // ... with the checkpointed block inputs in host memory between forward and backward
-  f.template
-  operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed, CheckpointOffload<Host>>>(
-      "qlora-hostckpt");
-  // ... and the NF4 blocks in host memory too, streamed through the GPU a block at a time (QLoRA 7B in about 3 GB)
-  f.template operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed, CheckpointOffload<Host>,
-                                 Offload<Host, Streamed>>>("qlora-stream-hostckpt");
-  // ... with the adapters' Adam moments as 8-bit codes (2 bytes + 8/256 per adapter value instead of 8)
-  f.template operator()<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed, QuantizedState<8>>>(
-      "qlora-adam8");
-  // The same on a GPTQ-format 4-bit base (group 128; the values by round-to-nearest: apply_lora has no calibration
-  // data; a GPTQ-quantized checkpoint has the same format, memory and kernels).
-  f.template operator()<Strategy<Quantized<4, RTN, Group<128>>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed>>("gptq4-lora");
+  static_assert(Parts >= 1 && Part >= 0 && Part < Parts, "for_each_strategy<Part, Parts>: 0 <= Part < Parts");
+  [&]<std::size_t... I>(std::index_sequence<I...>) { (detail::visit_strategy<I, Part, Parts>(f), ...); }
+  (std::make_index_sequence<std::tuple_size_v<StrategyTable>>{});
 }
 
 // Peak AdamW learning rate when none is given, by preset (llama_train and bench_table): what trains each from
