@@ -129,7 +129,7 @@ fi
 # with 8-bit moments, the NF4 blocks in pinned host memory streamed through the GPU (Offload<Host, Streamed>), the
 # checkpointed block inputs in host memory in 8 bits, B=TABLE175B_BATCH (8: 16k tokens of compute a step to hide the
 # copies), T=2048, MLP tiles the planner picks; built block by block on the GPU, each block's packed bytes moved to the
-# host as soon as it is packed (drawn on one host thread, a block took 10 s: 16 minutes for 96).
+# host as soon as it is packed (each block drawn on the GPU: drawn on one host thread a block took 10 s, 16 minutes for 96).
 if named table175b; then
   run_bench table175b "$BUILD/bench/table/bench_table" --preset llama-175b --rows "qlora-all16-stream:${TABLE175B_BATCH:-8}" --steps 1 \
     --warmup 1 --eval-seqs 0 --lr 5e-6 --mlp-tile auto --loss-chunk 1024 "${corpus[@]}"
