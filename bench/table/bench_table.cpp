@@ -1,6 +1,10 @@
 // bench_table's entry: the options, the peer row, each strategy row through run_strategy_part (one part a
 // translation unit), the table and its files. What the table measures: table.hpp.
 #include "table.hpp"
+#if SQUEEZE_TABLE_PARTS == 1  // the rows in this unit (CMakeLists.txt writes a unit per part only for several)
+#define SQUEEZE_TABLE_PART 0
+#include "table_rows.hpp"
+#endif
 
 namespace squeeze::table {
 namespace {
