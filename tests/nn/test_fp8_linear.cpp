@@ -347,6 +347,79 @@ TEST(Fp8, LinearsReadingOneTensorShareItsCopy) {
   cache.clear();
 }
 
+// The fused RMSNorm (alone and after a residual add) and SwiGLU write their output's amax as they store it, and the FP8
+// cast of that output takes it (no pass of its own): bytes and scale equal a cast that reads the amax itself, in every
+// dtype, on sizes the CPU twins split over threads and sizes they don't; a NaN wins; a modified output, or another
+// tensor, is not taken.
+TEST(Fp8, NormAndSwigluWriteTheAmaxTheirCastsTake) {
+  nn::fp8_amax_from_producers() = true;
+  nn::ProducedAmax& notes = nn::produced_amax();
+  torch::manual_seed(21);
+  const auto expect_taken = [&](const torch::Tensor& y, const std::string& what) {
+    const int64_t used = notes.used;
+    const nn::Fp8Operand fused = nn::to_fp8(y, torch::kFloat8_e4m3fn, nn::Fp8Layout::both);
+    EXPECT_EQ(notes.used, used + 1) << what << ": the cast took the producer's amax";
+    const nn::Fp8Operand own = nn::to_fp8(y.clone(), torch::kFloat8_e4m3fn, nn::Fp8Layout::both);
+    EXPECT_EQ(notes.used, used + 1) << what << ": a copy is another tensor";
+    EXPECT_TRUE(torch::equal(fused.values.view(torch::kUInt8), own.values.view(torch::kUInt8))) << what;
+    EXPECT_TRUE(torch::equal(fused.transposed.view(torch::kUInt8), own.transposed.view(torch::kUInt8))) << what;
+    EXPECT_EQ(fused.inverse_scale.item<float>(), own.inverse_scale.item<float>()) << what;
+  };
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat16})
+    for (auto sizes : {std::vector<int64_t>{7, 45}, std::vector<int64_t>{3, 101, 257}}) {  // 77,871 elements: several threads
+      const auto what = ::testing::Message() << dtype << " " << torch::IntArrayRef(sizes);
+      const torch::Tensor x = (torch::randn(sizes) * 3).to(dtype), r = torch::randn(sizes).to(dtype);
+      const torch::Tensor w = (torch::rand({sizes.back()}) + 0.5).to(dtype);
+      const torch::Tensor y = nn::fused_rms_norm(x, w);
+      ASSERT_TRUE(notes.of(y).defined()) << what;
+      EXPECT_EQ(notes.of(y).item<float>(), y.abs().max().to(torch::kFloat32).item<float>()) << what;
+      expect_taken(y, "rms_norm " + what.GetString());
+      expect_taken(y.view({-1, sizes.back()}), "rms_norm, a view of all of it " + what.GetString());
+      const auto [sum, y2] = nn::fused_add_rms_norm(x, r, w);
+      expect_taken(y2, "add + rms_norm " + what.GetString());
+      const torch::Tensor h = nn::fused_swiglu(x, r);
+      EXPECT_EQ(notes.of(h).item<float>(), h.abs().max().to(torch::kFloat32).item<float>()) << what;
+      expect_taken(h, "swiglu " + what.GetString());
+      h.mul_(2);  // modified in place: its version moves on
+      EXPECT_FALSE(notes.of(h).defined()) << what;
+      EXPECT_FALSE(notes.of(y).defined()) << what << ": only the last output is noted";
+    }
+  torch::Tensor x = torch::randn({5, 300});
+  x[2][7] = NAN;
+  const torch::Tensor h = nn::fused_swiglu(x, torch::ones_like(x));
+  EXPECT_TRUE(std::isnan(notes.of(h).item<float>())) << "a NaN wins";
+  notes.clear();
+}
+
+// Training through the trainer takes the producers' amax for the block linears' inputs, and ends bit for bit where the
+// casts reading their own amax end.
+TEST(Fp8, ProducersAmaxTrainsBitwiseAsTheCastsOwn) {
+  const auto run = [](bool from_producers) {
+    nn::LlamaConfig c;
+    c.vocab = 61, c.hidden = 48, c.layers = 2, c.heads = 4, c.kv_heads = 2, c.ffn = 88;
+    torch::manual_seed(16);
+    nn::Llama model(c);
+    model->checkpoint_every = 1;
+    auto t = make_trainer<Fp8>(model, squeeze::AdamW{.lr = 3e-3f}, comm::LocalComm::single());
+    nn::fp8_amax_from_producers() = from_producers;  // make_trainer turned it on
+    nn::produced_amax().clear();
+    torch::manual_seed(17);
+    const torch::Tensor ids = torch::randint(0, c.vocab, {3, 21}, torch::kInt64);
+    for (int s = 0; s < 3; ++s) t.step([&] { return model->loss(ids.narrow(1, 0, 20), ids.narrow(1, 1, 20)); });
+    std::pair<int64_t, std::map<std::string, torch::Tensor>> out{nn::produced_amax().used, {}};
+    for (auto& [n, v] : t.full_parameters()) out.second[n] = v.to(torch::kFloat32);
+    nn::fp8_amax_from_producers() = true;
+    return out;
+  };
+  const auto [used, taken] = run(true);
+  const auto [unused, own] = run(false);
+  // Each block: q, k, v read the first norm, gate and up the second, down the SwiGLU; forward and recomputation, 3 steps.
+  EXPECT_EQ(used, 3 * 2 * 2 * 3);
+  EXPECT_EQ(unused, 0);
+  ASSERT_EQ(taken.size(), own.size());
+  for (const auto& [n, v] : taken) EXPECT_TRUE(torch::equal(v, own.at(n))) << n;
+}
+
 TEST(Fp8, PlannerCountsTheCopiesAndTheStrategyIsNamed) {
   const plan::ModelShape m = *plan::find_preset("tinyllama-1.1b");
   plan::TrainShape t;

@@ -14,6 +14,8 @@
 // Where a cast runs (each path gives the same bytes and scale):
 //   CUDA tensors, nvcc TU        two kernels (kernels/fp8_cast.cuh: amax, then the scaled cast writing the values and / or
 //                                their transpose); to_fp8_twin is their math on the CPU, the reference they are tested against
+// The amax pass is skipped for the output of a fused RMSNorm or SwiGLU (the inputs of q, k, v, gate, up and down): their
+// kernels wrote it (nn/fused_ops.hpp, produced_amax()).
 //   otherwise                    torch ops, the transpose a copy of the values (ForceTorchOps takes this path on CUDA too)
 #include <c10/util/intrusive_ptr.h>
 #include <torch/torch.h>
@@ -70,13 +72,15 @@ inline Fp8Operand cast(const torch::Tensor& x, torch::ScalarType format, Fp8Layo
   const auto st = x.scalar_type();
   TORCH_CHECK(st == torch::kFloat32 || st == torch::kBFloat16 || st == torch::kFloat16, "to_fp8: x has dtype ", st,
               "; pass float32, bfloat16 or float16");
+  const torch::Tensor produced = produced_amax().of(x);  // [] max |x| a producing kernel wrote, or undefined
   const torch::Tensor xd = x.detach().contiguous();
   const int64_t cols = xd.size(-1), rows = cols == 0 ? 0 : xd.numel() / cols;
   const bool want_values = layout != Fp8Layout::transposed, want_t = layout != Fp8Layout::values;
   const auto byte = xd.options().dtype(format);
   Fp8Operand o;
   if (how == Cast::torch_ops) {
-    const torch::Tensor amax = torch::linalg_vector_norm(xd, INFINITY).to(torch::kFloat32);  // [] max |x| in one read
+    const torch::Tensor amax =
+        produced.defined() ? produced : torch::linalg_vector_norm(xd, INFINITY).to(torch::kFloat32);  // [] max |x| in one read
     const torch::Tensor scale = scale_of(amax, format);
     o.values = (xd * scale.to(st)).to(format);  // a power-of-two scale: exact, and every |x| <= top (no clamp)
     o.inverse_scale = scale.reciprocal();
@@ -85,7 +89,7 @@ inline Fp8Operand cast(const torch::Tensor& x, torch::ScalarType format, Fp8Layo
     return o;
   }
   TORCH_CHECK(how == Cast::kernels || xd.is_cpu(), "to_fp8_twin: CPU tensors only, got ", xd.device());
-  const torch::Tensor amax = torch::empty({}, xd.options().dtype(torch::kFloat32));
+  const torch::Tensor amax = produced.defined() ? produced : torch::empty({}, xd.options().dtype(torch::kFloat32));
   o.inverse_scale = torch::empty({}, xd.options().dtype(torch::kFloat32));
   if (want_values) o.values = torch::empty(xd.sizes(), byte);
   if (want_t) o.transposed = torch::empty({cols, rows}, byte);
@@ -103,7 +107,7 @@ inline Fp8Operand cast(const torch::Tensor& x, torch::ScalarType format, Fp8Layo
                                 f};
       if (how == Cast::twin) {
         fused_detail::guard("to_fp8_twin", [&] {
-          *amax.data_ptr<float>() = kernels::fp8_amax_cpu(a.x, rows * cols);
+          if (!produced.defined()) *amax.data_ptr<float>() = kernels::fp8_amax_cpu(a.x, rows * cols);
           kernels::fp8_cast_cpu(a);
         });
         return;
@@ -112,7 +116,8 @@ inline Fp8Operand cast(const torch::Tensor& x, torch::ScalarType format, Fp8Layo
       const c10::DeviceGuard device(xd.device());
       const cudaStream_t stream = fused_detail::stream_of(xd);
       fused_detail::guard("to_fp8", [&] {
-        fused_detail::cuda_ok(kernels::fp8_amax_cuda(a.x, rows * cols, amax.data_ptr<float>(), stream), "to_fp8 (amax)");
+        if (!produced.defined())
+          fused_detail::cuda_ok(kernels::fp8_amax_cuda(a.x, rows * cols, amax.data_ptr<float>(), stream), "to_fp8 (amax)");
         fused_detail::cuda_ok(kernels::fp8_cast_cuda(a, stream), "to_fp8 (cast)");
       });
 #else

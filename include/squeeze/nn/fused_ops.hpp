@@ -13,12 +13,17 @@
 //   CUDA tensors, host TU         the same math in torch ops inside the same autograd function (same saved
 //                                 tensors, same outputs up to rounding); float64 on CUDA too
 // ForceTorchOps (a scope guard) takes the torch-ops path everywhere (tests compare it with the kernels).
+// Once an FP8 linear exists (fp8_amax_from_producers()), the RMSNorm and SwiGLU kernels (CPU twins and CUDA) also write
+// their output's max |y| as they store it, and the FP8 cast of that output takes it from produced_amax() instead of a
+// pass of its own (nn/fp8_linear.hpp).
 #include <torch/torch.h>
 
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <atomic>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -52,7 +57,56 @@ class ForceTorchOps {
   bool previous_;
 };
 
+// On from the first FP8 linear of the process (nn::Linear::set_fp8_gemms): the producing kernels then write amax.
+inline std::atomic<bool>& fp8_amax_from_producers() {
+  static std::atomic<bool> on{false};
+  return on;
+}
+
+// The last output whose amax a producing kernel wrote on this thread, for the next FP8 cast of that same tensor: a hit
+// needs its storage alive (a weak reference), the same data (pointer, element count, dtype; a view of all of it counts)
+// and no write since (its version counter).
+struct ProducedAmax {
+  int64_t noted = 0, used = 0;  // outputs noted, and casts that took their amax
+  void note(const torch::Tensor& y, torch::Tensor amax) {
+    ++noted;
+    storage_.emplace(y.storage().getWeakStorageImpl());
+    data_ = y.data_ptr();
+    numel_ = y.numel();
+    dtype_ = y.scalar_type();
+    version_ = y._version();
+    amax_ = std::move(amax);
+  }
+  // [] fp32 max |x| on x's device, or undefined when x is not the noted output, unmodified.
+  torch::Tensor of(const torch::Tensor& x) {
+    if (!amax_.defined() || !storage_ || storage_->expired() || !x.has_storage() ||
+        x.storage().unsafeGetStorageImpl() != storage_->_unsafe_get_target() || x.data_ptr() != data_ || x.numel() != numel_ ||
+        x.scalar_type() != dtype_ || x._version() != version_ || !x.is_contiguous())
+      return {};
+    ++used;
+    return amax_;
+  }
+  void clear() { *this = ProducedAmax{}; }
+
+ private:
+  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> storage_;
+  void* data_ = nullptr;
+  int64_t numel_ = 0, version_ = -1;
+  torch::ScalarType dtype_ = torch::kFloat32;
+  torch::Tensor amax_;
+};
+inline ProducedAmax& produced_amax() {
+  thread_local ProducedAmax notes;
+  return notes;
+}
+
 namespace fused_detail {
+
+// A [] fp32 tensor on `like`'s device for a producing kernel's amax, when FP8 casts may read it (undefined otherwise).
+inline torch::Tensor amax_slot(const torch::Tensor& like) {
+  if (!fp8_amax_from_producers().load(std::memory_order_relaxed) || like.scalar_type() == torch::kFloat64) return {};
+  return torch::empty({}, like.options().dtype(torch::kFloat32));
+}
 
 enum class Path { Cpu, Cuda, Torch };
 inline Path path_for(const torch::Tensor& x) {
@@ -143,6 +197,7 @@ inline RmsForward rms_norm_forward(const torch::Tensor& x, const torch::Tensor& 
   }
   out.y = torch::empty_like(x);
   if (residual.defined()) out.sum = torch::empty_like(x);
+  const torch::Tensor amax = amax_slot(x);
   dispatch(x.scalar_type(), [&]<class T>() {
     const kernels::RmsNormForward<T> a{ptr<const T>(x),
                                        ptr<const T>(residual),
@@ -152,7 +207,8 @@ inline RmsForward rms_norm_forward(const torch::Tensor& x, const torch::Tensor& 
                                        ptr<kernels::acc_t<T>>(out.rrms),
                                        rows,
                                        h,
-                                       eps};
+                                       eps,
+                                       ptr<float>(amax)};
     if (path == Path::Cpu) {
       guard("fused_rms_norm", [&] { kernels::rms_norm_forward_cpu(a); });
       return;
@@ -164,6 +220,7 @@ inline RmsForward rms_norm_forward(const torch::Tensor& x, const torch::Tensor& 
     }
 #endif
   });
+  if (amax.defined()) produced_amax().note(out.y, amax);
   return out;
 }
 
@@ -328,8 +385,9 @@ inline torch::Tensor swiglu_forward(const torch::Tensor& g, const torch::Tensor&
     return (gf * torch::sigmoid(gf) * u.to(acc_type(g))).to(g.scalar_type());
   }
   torch::Tensor h = torch::empty_like(g);
+  const torch::Tensor amax = amax_slot(g);
   dispatch(g.scalar_type(), [&]<class T>() {
-    const kernels::SwigluArgs<T> a{ptr<const T>(g), ptr<const T>(u), ptr<T>(h), nullptr, nullptr, nullptr, g.numel()};
+    const kernels::SwigluArgs<T> a{ptr<const T>(g), ptr<const T>(u), ptr<T>(h), nullptr, nullptr, nullptr, g.numel(), ptr<float>(amax)};
     if (path == Path::Cpu) {
       guard("fused_swiglu", [&] { kernels::swiglu_forward_cpu(a); });
       return;
@@ -341,6 +399,7 @@ inline torch::Tensor swiglu_forward(const torch::Tensor& g, const torch::Tensor&
     }
 #endif
   });
+  if (amax.defined()) produced_amax().note(h, amax);
   return h;
 }
 

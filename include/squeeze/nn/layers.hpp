@@ -267,6 +267,7 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public Shardable {
   void set_fp8_gemms(bool on) {
     TORCH_CHECK(!on || !backing_, "squeeze::nn::Linear: FP8 GEMMs need the layer's own (or its gathered) weight, not a backed one");
     fp8_gemms_ = on;
+    if (on) fp8_amax_from_producers() = true;  // the norms and SwiGLU feeding FP8 GEMMs write their outputs' amax
   }
   bool fp8_gemms() const { return fp8_gemms_; }
   bool backed() const { return bool(backing_); }

@@ -1,7 +1,7 @@
 #pragma once
 // CUDA launchers of the FP8 casts (math and CPU twin: fp8_cast.hpp). Two passes over x, no host synchronisation:
-//   fp8_amax_cuda   max |x| into one device float (a block reduction per block, then an integer atomicMax: the bits of
-//                   non-negative floats order as integers; a NaN's bits exceed inf's, so a NaN wins)
+//   fp8_amax_cuda   max |x| into one device float (a block reduction per block, then an integer atomicMax:
+//                   block_amax_into; the RMSNorm and SwiGLU forward kernels reduce their outputs' amax the same way)
 //   fp8_cast_cuda   each block scales and encodes a 64 x 64 tile of x, writes it to out row by row and, through shared
 //                   memory, to out_t column by column: the value and its transpose from one read of x
 // Bytes moved: amax reads x (2 n for bf16); the cast reads x and writes n per output asked for.
@@ -15,19 +15,12 @@ namespace squeeze::kernels {
 namespace detail {
 inline constexpr int kFp8Tile = 64, kFp8Threads = 256;
 
-struct Fp8MaxOp {  // max that keeps a NaN
-  SQUEEZE_DEVICE float operator()(float a, float b) const { return (a > b || a != a) ? a : b; }
-};
-
 template <class T>
 __global__ void __launch_bounds__(kFp8Threads) fp8_amax_kernel(const T* __restrict__ x, const std::int64_t n, float* amax) {
-  using Reduce = cub::BlockReduce<float, kFp8Threads>;
-  __shared__ typename Reduce::TempStorage temp;
   float m = 0;
   const std::int64_t stride = std::int64_t(gridDim.x) * blockDim.x;
-  for (std::int64_t i = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) m = Fp8MaxOp{}(fabsf(to_float(x[i])), m);
-  m = Reduce(temp).Reduce(m, Fp8MaxOp{});
-  if (threadIdx.x == 0) atomicMax(reinterpret_cast<int*>(amax), __float_as_int(m));
+  for (std::int64_t i = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) m = amax_of(fabsf(to_float(x[i])), m);
+  block_amax_into<kFp8Threads>(m, amax);
 }
 
 template <class T>

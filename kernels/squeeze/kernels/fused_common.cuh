@@ -27,6 +27,20 @@ SQUEEZE_DEVICE void store4(T* p, const float (&in)[kQuad]) {
   *reinterpret_cast<QuadBits<T>*>(p) = bits;
 }
 
+// Every thread's amax_of reduced over the block, then into *amax (zeroed before the launch) with an integer atomicMax:
+// the bits of non-negative floats order as integers, and a NaN's bits exceed inf's, so a NaN wins. Every thread of the
+// block calls it.
+template <int Threads>
+SQUEEZE_DEVICE void block_amax_into(float m, float* amax) {
+  struct Max {
+    SQUEEZE_DEVICE float operator()(float a, float b) const { return amax_of(a, b); }
+  };
+  using Reduce = cub::BlockReduce<float, Threads>;
+  __shared__ typename Reduce::TempStorage temp;
+  m = Reduce(temp).Reduce(m, Max{});
+  if (threadIdx.x == 0) atomicMax(reinterpret_cast<int*>(amax), __float_as_int(m));
+}
+
 // Block size of the row kernels: 128 threads up to 1024-element rows (tiny and 1B-class hidden sizes), else 256.
 inline int fused_row_threads(std::int64_t h) { return h <= 1024 ? 128 : 256; }
 

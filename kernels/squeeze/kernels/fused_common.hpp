@@ -44,6 +44,10 @@ SQUEEZE_HD acc_t<T> round_acc(acc_t<T> v) {
   return load_acc<T>(store_acc<T>(v));
 }
 
+// The larger magnitude, keeping a NaN (a NaN in either wins): the reduction of an FP8 cast's amax (fp8_cast.hpp), which
+// the producing kernels (RMSNorm, SwiGLU) compute of their outputs on request.
+SQUEEZE_HD float amax_of(float a, float b) { return (a > b || a != a) ? a : b; }
+
 SQUEEZE_HD float acc_sqrt(float x) { return sqrtf(x); }
 SQUEEZE_HD double acc_sqrt(double x) { return sqrt(x); }
 SQUEEZE_HD float acc_exp(float x) { return expf(x); }

@@ -3,6 +3,7 @@
 //   rms_norm_forward_cuda(args, stream)                        one block per row (grid-stride over rows)
 //   rms_norm_backward_workspace(rows, h)                       floats of device scratch backward needs for dweight
 //   rms_norm_backward_cuda(args, workspace, stream)            dx per row; dweight by per-block fp32 partials
+// Forward reduces max |y| into a.amax on request (block_amax_into: one atomic a block).
 // Per row: pass 1 reads the row (vector loads of 4 elements when h % 4 == 0 and the pointers are aligned) and
 // reduces sum(v^2) (forward) or sum(dy w v) (backward) with CUB's BlockReduce; pass 2 reads it again (L1/L2
 // hits) and writes y or dx. Backward: each block accumulates dweight for its rows in shared memory (h floats),
@@ -31,6 +32,7 @@ __global__ void __launch_bounds__(Threads) rms_norm_forward_kernel(const RmsNorm
   __shared__ typename Reduce::TempStorage tmp;
   __shared__ float shared_r;
   const std::int64_t h = a.h, quads = h / kQuad;
+  float m = 0;  // max |y| as stored, over this thread's elements (read only when a.amax is set)
   for (std::int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
     const std::int64_t base = r * h;
     const T* x = a.x + base;
@@ -74,14 +76,22 @@ __global__ void __launch_bounds__(Threads) rms_norm_forward_kernel(const RmsNorm
         load4(src + q * kQuad, v);
         load4(a.weight + q * kQuad, w);
 #pragma unroll
-        for (int k = 0; k < kQuad; ++k) out[k] = Op::y(v[k], rr, w[k]);
+        for (int k = 0; k < kQuad; ++k) {
+          out[k] = Op::y(v[k], rr, w[k]);
+          m = amax_of(fabsf(round_acc<T>(out[k])), m);
+        }
         store4(y + q * kQuad, out);
       }
     } else {
-      for (std::int64_t j = threadIdx.x; j < h; j += Threads) y[j] = store_acc<T>(Op::y(load_acc(src[j]), rr, load_acc(a.weight[j])));
+      for (std::int64_t j = threadIdx.x; j < h; j += Threads) {
+        const T out = store_acc<T>(Op::y(load_acc(src[j]), rr, load_acc(a.weight[j])));
+        y[j] = out;
+        m = amax_of(fabsf(load_acc(out)), m);
+      }
     }
     __syncthreads();  // tmp and shared_r are reused by the next row
   }
+  if (a.amax != nullptr) block_amax_into<Threads>(m, a.amax);
 }
 
 template <class T, int Threads>
@@ -205,6 +215,8 @@ cudaError_t rms_norm_threads(std::int64_t h, Fn&& fn) {
 template <FloatingElement T>
 cudaError_t rms_norm_forward_cuda(const RmsNormForward<T>& a, cudaStream_t stream = nullptr) {
   validate(a, "rms_norm forward (CUDA)");
+  if (a.amax != nullptr)
+    if (const cudaError_t e = cudaMemsetAsync(a.amax, 0, sizeof(float), stream); e != cudaSuccess) return e;
   if (a.rows == 0) return cudaSuccess;
   const bool vec = detail::rms_norm_vectorizable<T>(a.h, {a.x, a.residual, a.weight, a.y, a.sum});
   const std::int64_t grid = a.rows < (std::int64_t(1) << 30) ? a.rows : (std::int64_t(1) << 30);

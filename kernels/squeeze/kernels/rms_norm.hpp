@@ -9,8 +9,11 @@
 //             dx = r * g - c * v (+ dsum: the gradient reaching the residual sum directly)
 //             dweight = sum over rows of dy * v * r                           fp32, rows reduced in a fixed order
 // Saved between the passes: v (the input, or the sum) and r [rows] in fp32: nothing [rows, h] in fp32.
+// On request forward also writes amax = max |y| as stored (the scale of y's FP8 cast, without a pass of its own).
 // Types: T in {float, half, bf16} (CPU and CUDA) and double (CPU only); weight has x's type.
+#include <cmath>
 #include <cstdint>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -44,6 +47,7 @@ struct RmsNormForward {
   acc_t<T>* rrms = nullptr;     // [rows]: r, kept for backward (may be null when no backward follows)
   std::int64_t rows = 0, h = 0;
   double eps = 1e-5;
+  float* amax = nullptr;  // [] or null: max |y| as stored, NaN if any y is NaN (for y's FP8 cast)
 };
 
 template <FusedElement T>
@@ -80,11 +84,13 @@ void validate(const RmsNormBackward<T>& a, const std::string& what = "rms_norm b
 // ---- CPU twin -------------------------------------------------------------------------------------------
 namespace cpu {
 
+// Returns max |y| over the rows, as stored.
 template <class T>
-void rms_norm_forward_rows(const RmsNormForward<T>& a, std::int64_t r0, std::int64_t r1) {
+float rms_norm_forward_rows(const RmsNormForward<T>& a, std::int64_t r0, std::int64_t r1) {
   using Acc = acc_t<T>;
   using Op = RmsNormOp<Acc>;
   const std::int64_t h = a.h;
+  float m = 0;
   for (std::int64_t r = r0; r < r1; ++r) {
     const std::int64_t base = r * h;
     const T* res = a.residual ? a.residual + base : nullptr;
@@ -97,8 +103,12 @@ void rms_norm_forward_rows(const RmsNormForward<T>& a, std::int64_t r0, std::int
     const Acc rr = Op::rrms(ss, h, Acc(a.eps));
     if (a.rrms) a.rrms[r] = rr;
     const T* src = res ? a.sum + base : a.x + base;
-    for (std::int64_t j = 0; j < h; ++j) a.y[base + j] = store_acc<T>(Op::y(load_acc(src[j]), rr, load_acc(a.weight[j])));
+    for (std::int64_t j = 0; j < h; ++j) {
+      a.y[base + j] = store_acc<T>(Op::y(load_acc(src[j]), rr, load_acc(a.weight[j])));
+      m = amax_of(std::fabs(float(load_acc(a.y[base + j]))), m);
+    }
   }
+  return m;
 }
 
 // dweight partial of rows [r0, r1) added to part[h].
@@ -128,7 +138,10 @@ void rms_norm_backward_rows(const RmsNormBackward<T>& a, std::int64_t r0, std::i
 template <FusedElement T>
 void rms_norm_forward_cpu(const RmsNormForward<T>& a) {
   validate(a, "rms_norm forward (CPU)");
-  cpu::parallel_rows(a.rows, a.h, [&](int, std::int64_t r0, std::int64_t r1) { cpu::rms_norm_forward_rows(a, r0, r1); });
+  std::vector<float> m(std::size_t(cpu::row_threads(a.rows, a.h)), 0.0f);
+  cpu::parallel_rows(a.rows, a.h,
+                     [&](int t, std::int64_t r0, std::int64_t r1) { m[std::size_t(t)] = cpu::rms_norm_forward_rows(a, r0, r1); });
+  if (a.amax != nullptr) *a.amax = std::accumulate(m.begin(), m.end(), 0.0f, amax_of);
 }
 
 // dweight: per-thread fp32 partials over contiguous row ranges, summed in thread order (deterministic for a thread count).

@@ -1,6 +1,7 @@
 #pragma once
 // CUDA launchers of SwiGLU (math, functor and CPU twin: swiglu.hpp). Elementwise, grid-stride; each thread moves
 // 4 elements per array with one vector access when every pointer is aligned, the tail with the scalar functor.
+// Forward reduces max |h| into a.amax on request (block_amax_into: one atomic a block).
 // Bytes moved: forward reads g, u and writes h (3 n elements); backward reads g, u, dh and writes dg, du (5 n).
 #include "squeeze/kernels/fused_common.cuh"
 #include "squeeze/kernels/swiglu.hpp"
@@ -13,6 +14,7 @@ __global__ void __launch_bounds__(256) swiglu_kernel(const SwigluArgs<T> a, cons
   using Op = SwigluOp<float>;
   const std::int64_t stride = std::int64_t(gridDim.x) * blockDim.x, first = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   std::int64_t scalar_begin = 0;
+  float m = 0;  // forward: max |h| as stored over this thread's elements
   if (vec) {
     const std::int64_t quads = a.n / kQuad;
     for (std::int64_t q = first; q < quads; q += stride) {
@@ -29,7 +31,10 @@ __global__ void __launch_bounds__(256) swiglu_kernel(const SwigluArgs<T> a, cons
       } else {
         float h[kQuad];
 #pragma unroll
-        for (int k = 0; k < kQuad; ++k) h[k] = Op::forward(g[k], u[k]);
+        for (int k = 0; k < kQuad; ++k) {
+          h[k] = Op::forward(g[k], u[k]);
+          m = amax_of(fabsf(round_acc<T>(h[k])), m);
+        }
         store4(a.h + q * kQuad, h);
       }
     }
@@ -39,8 +44,10 @@ __global__ void __launch_bounds__(256) swiglu_kernel(const SwigluArgs<T> a, cons
     if constexpr (Backward)
       swiglu_backward_at(a, i);
     else
-      swiglu_forward_at(a, i);
+      m = amax_of(swiglu_forward_at(a, i), m);
   }
+  if constexpr (!Backward)
+    if (a.amax != nullptr) block_amax_into<256>(m, a.amax);
 }
 
 template <bool Backward, class T>
@@ -61,6 +68,8 @@ cudaError_t swiglu_launch(const SwigluArgs<T>& a, cudaStream_t stream) {
 template <FloatingElement T>
 cudaError_t swiglu_forward_cuda(const SwigluArgs<T>& a, cudaStream_t stream = nullptr) {
   validate(a, false, "swiglu forward (CUDA)");
+  if (a.amax != nullptr)
+    if (const cudaError_t e = cudaMemsetAsync(a.amax, 0, sizeof(float), stream); e != cudaSuccess) return e;
   return detail::swiglu_launch<false>(a, stream);
 }
 template <FloatingElement T>

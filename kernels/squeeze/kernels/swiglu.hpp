@@ -3,7 +3,11 @@
 //   forward   h = g * sigmoid(g) * u
 //   backward  s = sigmoid(g) (recomputed from g):  du = dh * g * s,  dg = dh * u * s * (1 + g * (1 - s))
 // Saved between the passes: g and u only (the unfused path keeps silu(g) as well). fp32 math, one rounding.
+// On request forward also writes amax = max |h| as stored (the scale of h's FP8 cast, without a pass of its own).
+#include <cmath>
 #include <cstdint>
+#include <numeric>
+#include <vector>
 #include <string>
 
 #include "squeeze/kernels/fused_common.hpp"
@@ -30,6 +34,7 @@ struct SwigluArgs {
   T* dg = nullptr;        // [n] (backward only)
   T* du = nullptr;        // [n] (backward only)
   std::int64_t n = 0;
+  float* amax = nullptr;  // [] or null, forward only: max |h| as stored, NaN if any h is NaN (for h's FP8 cast)
 };
 
 template <class T>
@@ -43,9 +48,11 @@ void validate(const SwigluArgs<T>& a, bool backward, const std::string& what) {
     check(a.h != nullptr, what + ": the output h must not be null");
 }
 
+// Returns |h[i]| as stored.
 template <class T>
-SQUEEZE_HD void swiglu_forward_at(const SwigluArgs<T>& a, std::int64_t i) {
+SQUEEZE_HD float swiglu_forward_at(const SwigluArgs<T>& a, std::int64_t i) {
   a.h[i] = store_acc<T>(SwigluOp<acc_t<T>>::forward(load_acc(a.g[i]), load_acc(a.u[i])));
+  return fabs(float(load_acc(a.h[i])));
 }
 template <class T>
 SQUEEZE_HD void swiglu_backward_at(const SwigluArgs<T>& a, std::int64_t i) {
@@ -58,9 +65,13 @@ SQUEEZE_HD void swiglu_backward_at(const SwigluArgs<T>& a, std::int64_t i) {
 template <FusedElement T>
 void swiglu_forward_cpu(const SwigluArgs<T>& a) {
   validate(a, false, "swiglu forward (CPU)");
-  cpu::parallel_ranges(a.n, [&](int, std::int64_t b, std::int64_t e) {
-    for (std::int64_t i = b; i < e; ++i) swiglu_forward_at(a, i);
+  std::vector<float> m(std::size_t(cpu::ranges_for(a.n)), 0.0f);
+  cpu::parallel_ranges(a.n, [&](int t, std::int64_t b, std::int64_t e) {
+    float mt = 0;
+    for (std::int64_t i = b; i < e; ++i) mt = amax_of(swiglu_forward_at(a, i), mt);
+    m[std::size_t(t)] = mt;
   });
+  if (a.amax != nullptr) *a.amax = std::accumulate(m.begin(), m.end(), 0.0f, amax_of);
 }
 template <FusedElement T>
 void swiglu_backward_cpu(const SwigluArgs<T>& a) {
