@@ -161,13 +161,20 @@ TEST(Fp8, LinearLayerRunsFp8WhenSwitched) {
 using Bf16 = Strategy<Precision<bf16, float>, Checkpointed>;
 using Fp8 = Strategy<Precision<fp8, bf16, float>, Checkpointed>;
 
-template <class S>
-std::vector<float> train_losses(int steps, int64_t* fp8_layers = nullptr) {
+// Two blocks of 7 linears each, checkpointed, drawn from `seed`.
+nn::Llama small_llama(uint64_t seed) {
   nn::LlamaConfig c;
   c.vocab = 61, c.hidden = 48, c.layers = 2, c.heads = 4, c.kv_heads = 2, c.ffn = 88;
-  torch::manual_seed(6);
+  torch::manual_seed(seed);
   nn::Llama model(c);
   model->checkpoint_every = 1;
+  return model;
+}
+
+template <class S>
+std::vector<float> train_losses(int steps, int64_t* fp8_layers = nullptr) {
+  nn::Llama model = small_llama(6);
+  const nn::LlamaConfig& c = model->config;
   auto t = make_trainer<S>(model, squeeze::AdamW{.lr = 3e-3f}, comm::LocalComm::single());
   if (fp8_layers)
     for (const auto& m : model->modules())
@@ -196,17 +203,12 @@ TEST(Fp8, TrainsLikeBf16) {
 // equal stage 0's bit for bit, and stage 3 with Offload<Host> equals stage 3.
 template <class S>
 std::map<std::string, torch::Tensor> train_ranks(int world, int steps) {
-  nn::LlamaConfig c;
-  c.vocab = 61, c.hidden = 48, c.layers = 2, c.heads = 4, c.kv_heads = 2, c.ffn = 88;
+  std::vector<nn::Llama> models;
+  for (int r = 0; r < world; ++r) models.push_back(small_llama(12));
+  const nn::LlamaConfig& c = models[0]->config;
   torch::manual_seed(11);
   std::vector<torch::Tensor> ids;
   for (int i = 0; i < steps * world; ++i) ids.push_back(torch::randint(0, c.vocab, {2, 13}, torch::kInt64));
-  std::vector<nn::Llama> models;
-  for (int r = 0; r < world; ++r) {
-    torch::manual_seed(12);
-    models.emplace_back(c);
-    models.back()->checkpoint_every = 1;
-  }
   std::map<std::string, torch::Tensor> out;
   comm::run_ranks(world, [&](std::shared_ptr<comm::LocalComm> comm) {
     const int r = comm->rank();
@@ -395,11 +397,8 @@ TEST(Fp8, NormAndSwigluWriteTheAmaxTheirCastsTake) {
 // casts reading their own amax end.
 TEST(Fp8, ProducersAmaxTrainsBitwiseAsTheCastsOwn) {
   const auto run = [](bool from_producers) {
-    nn::LlamaConfig c;
-    c.vocab = 61, c.hidden = 48, c.layers = 2, c.heads = 4, c.kv_heads = 2, c.ffn = 88;
-    torch::manual_seed(16);
-    nn::Llama model(c);
-    model->checkpoint_every = 1;
+    nn::Llama model = small_llama(16);
+    const nn::LlamaConfig& c = model->config;
     auto t = make_trainer<Fp8>(model, squeeze::AdamW{.lr = 3e-3f}, comm::LocalComm::single());
     nn::fp8_amax_from_producers() = from_producers;  // make_trainer turned it on
     nn::produced_amax().clear();
