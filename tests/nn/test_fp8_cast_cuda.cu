@@ -1,8 +1,8 @@
 // The FP8 cast kernels (kernels/fp8_cast.cuh, through nn::to_fp8 in this nvcc translation unit) against their CPU twin
 // byte for byte: values, transposes and scales on sizes that don't divide the 64-wide tiles, in float, bf16 and half,
 // with a NaN; and fp8_linear's outputs and gradients through the kernels equal to those through torch ops (the same
-// FP8 bytes into the same GEMMs); the amax the RMSNorm and SwiGLU kernels write of their outputs equal to max |output|,
-// and the casts taking it equal to the twin's casts of those outputs. Skipped without a CUDA device.
+// FP8 bytes into the same GEMMs); the amax the RMSNorm and SwiGLU kernels write of their outputs (forward and backward)
+// equal to max |output|, and the casts taking it equal to the twin's casts of those outputs. Skipped without a CUDA device.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -72,10 +72,18 @@ TEST(Fp8Cuda, NormAndSwigluKernelsWriteTheirOutputsAmax) {
         if (with_nan) x.view({-1})[x.numel() / 3] = NAN;
         const torch::Tensor r = torch::randn(sizes).to(dtype), w = (torch::rand({sizes.back()}) + 0.5).to(dtype);
         using Op = std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&)>;
+        namespace fd = nn::fused_detail;
+        const auto norm_dx = [](const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& g) {
+          const fd::RmsForward f = fd::rms_norm_forward(a, b, g, 1e-5);  // backward of the sum, with b as the sum's own gradient
+          return fd::rms_norm_backward(f.sum, g, f.rrms.view({-1}), a * 0.5, b, true).first;
+        };
         const std::vector<std::pair<const char*, Op>> ops = {
             {"rms_norm", [](auto& a, auto&, auto& g) { return nn::fused_rms_norm(a, g); }},
             {"add + rms_norm", [](auto& a, auto& b, auto& g) { return nn::fused_add_rms_norm(a, b, g).second; }},
-            {"swiglu", [](auto& a, auto& b, auto&) { return nn::fused_swiglu(a, b); }}};
+            {"swiglu", [](auto& a, auto& b, auto&) { return nn::fused_swiglu(a, b); }},
+            {"rms_norm backward, dx", norm_dx},
+            {"swiglu backward, dg", [](auto& a, auto& b, auto&) { return fd::swiglu_backward(a, b, a - b).first; }},
+            {"swiglu backward, du", [](auto& a, auto& b, auto&) { return fd::swiglu_backward(a, b, a - b).second; }}};
         for (const auto& [name, op] : ops) {
           const torch::Tensor on_gpu = op(x.cuda(), r.cuda(), w.cuda());
           const torch::Tensor gpu_amax = notes.of(on_gpu);

@@ -349,10 +349,10 @@ TEST(Fp8, LinearsReadingOneTensorShareItsCopy) {
   cache.clear();
 }
 
-// The fused RMSNorm (alone and after a residual add) and SwiGLU write their output's amax as they store it, and the FP8
-// cast of that output takes it (no pass of its own): bytes and scale equal a cast that reads the amax itself, in every
-// dtype, on sizes the CPU twins split over threads and sizes they don't; a NaN wins; a modified output, or another
-// tensor, is not taken.
+// The fused RMSNorm (alone and after a residual add) and SwiGLU write the amax of what they store (forward: y, h;
+// backward: dx, dg and du), and the FP8 cast of that tensor takes it (no pass of its own): bytes and scale equal a cast
+// that reads the amax itself, in every dtype, on sizes the CPU twins split over threads and sizes they don't; a NaN wins;
+// a modified output, or another tensor, is not taken.
 TEST(Fp8, NormAndSwigluWriteTheAmaxTheirCastsTake) {
   nn::fp8_amax_from_producers() = true;
   nn::ProducedAmax& notes = nn::produced_amax();
@@ -384,7 +384,27 @@ TEST(Fp8, NormAndSwigluWriteTheAmaxTheirCastsTake) {
       expect_taken(h, "swiglu " + what.GetString());
       h.mul_(2);  // modified in place: its version moves on
       EXPECT_FALSE(notes.of(h).defined()) << what;
-      EXPECT_FALSE(notes.of(y).defined()) << what << ": only the last output is noted";
+      EXPECT_FALSE(notes.of(y).defined()) << what << ": only the last two outputs are noted";
+    }
+  // Backward: the norm's dx (with and without the residual sum's own gradient), SwiGLU's dg and du.
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16})
+    for (auto sizes : {std::vector<int64_t>{7, 45}, std::vector<int64_t>{3, 101, 257}}) {
+      const auto what = ::testing::Message() << dtype << " " << torch::IntArrayRef(sizes);
+      const torch::Tensor x = (torch::randn(sizes) * 3).to(dtype), r = torch::randn(sizes).to(dtype), dy = torch::randn(sizes).to(dtype);
+      const torch::Tensor w = (torch::rand({sizes.back()}) + 0.5).to(dtype);
+      const int64_t rows = x.numel() / sizes.back();
+      for (bool with_sum : {false, true}) {
+        const nn::fused_detail::RmsForward f = nn::fused_detail::rms_norm_forward(x, r, w, 1e-5);
+        const torch::Tensor dx =
+            nn::fused_detail::rms_norm_backward(f.sum, w, f.rrms.view({rows}), dy, with_sum ? r : torch::Tensor(), true).first;
+        EXPECT_EQ(notes.of(dx).item<float>(), dx.abs().max().to(torch::kFloat32).item<float>()) << what;
+        expect_taken(dx, "rms_norm backward " + what.GetString());
+      }
+      const auto [dg, du] = nn::fused_detail::swiglu_backward(x, r, dy);
+      EXPECT_EQ(notes.of(dg).item<float>(), dg.abs().max().to(torch::kFloat32).item<float>()) << what;
+      EXPECT_EQ(notes.of(du).item<float>(), du.abs().max().to(torch::kFloat32).item<float>()) << what;
+      expect_taken(dg, "swiglu backward, dg " + what.GetString());
+      expect_taken(du, "swiglu backward, du " + what.GetString());
     }
   torch::Tensor x = torch::randn({5, 300});
   x[2][7] = NAN;
@@ -412,8 +432,10 @@ TEST(Fp8, ProducersAmaxTrainsBitwiseAsTheCastsOwn) {
   };
   const auto [used, taken] = run(true);
   const auto [unused, own] = run(false);
-  // Each block: q, k, v read the first norm, gate and up the second, down the SwiGLU; forward and recomputation, 3 steps.
-  EXPECT_EQ(used, 3 * 2 * 2 * 3);
+  // Each block, each step: in forward and again in its recomputation, q, k, v read the first norm, gate and up the second,
+  // down the SwiGLU (3 casts, the cache serving k, v and up); in backward, o's output gradient is the second norm's dx,
+  // gate's and up's are SwiGLU's dg and du (down's is the residual stream's, a sum autograd forms: its own pass).
+  EXPECT_EQ(used, 3 * 2 * (3 * 2 + 3));
   EXPECT_EQ(unused, 0);
   ASSERT_EQ(taken.size(), own.size());
   for (const auto& [n, v] : taken) EXPECT_TRUE(torch::equal(v, own.at(n))) << n;

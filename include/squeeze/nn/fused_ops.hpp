@@ -14,14 +14,16 @@
 //                                 tensors, same outputs up to rounding); float64 on CUDA too
 // ForceTorchOps (a scope guard) takes the torch-ops path everywhere (tests compare it with the kernels).
 // Once an FP8 linear exists (fp8_amax_from_producers()), the RMSNorm and SwiGLU kernels (CPU twins and CUDA) also write
-// their output's max |y| as they store it, and the FP8 cast of that output takes it from produced_amax() instead of a
-// pass of its own (nn/fp8_linear.hpp).
+// the max |.| of what they store (forward: y, h; backward: dx; dg and du), and the FP8 cast of that tensor takes it from
+// produced_amax() instead of a pass of its own (nn/fp8_linear.hpp): in nn::Llama the inputs of q, k, v, gate, up and
+// down, and the output gradients of o, gate and up.
 #include <torch/torch.h>
 
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <array>
 #include <atomic>
 #include <optional>
 #include <string>
@@ -63,37 +65,45 @@ inline std::atomic<bool>& fp8_amax_from_producers() {
   return on;
 }
 
-// The last output whose amax a producing kernel wrote on this thread, for the next FP8 cast of that same tensor: a hit
-// needs its storage alive (a weak reference), the same data (pointer, element count, dtype; a view of all of it counts)
-// and no write since (its version counter).
+// The last two outputs whose amax a producing kernel wrote on this thread (two: SwiGLU's backward writes dg and du), for
+// the next FP8 cast of one of those same tensors: a hit needs its storage alive (a weak reference), the same data
+// (pointer, element count, dtype; a view of all of it counts) and no write since (its version counter).
 struct ProducedAmax {
   int64_t noted = 0, used = 0;  // outputs noted, and casts that took their amax
   void note(const torch::Tensor& y, torch::Tensor amax) {
-    ++noted;
-    storage_.emplace(y.storage().getWeakStorageImpl());
-    data_ = y.data_ptr();
-    numel_ = y.numel();
-    dtype_ = y.scalar_type();
-    version_ = y._version();
-    amax_ = std::move(amax);
+    Note& n = notes_[std::size_t(noted++ % 2)];
+    n.storage.emplace(y.storage().getWeakStorageImpl());
+    n.data = y.data_ptr();
+    n.numel = y.numel();
+    n.dtype = y.scalar_type();
+    n.version = y._version();
+    n.amax = std::move(amax);
   }
-  // [] fp32 max |x| on x's device, or undefined when x is not the noted output, unmodified.
+  // [] fp32 max |x| on x's device, or undefined when x is not a noted output, unmodified.
   torch::Tensor of(const torch::Tensor& x) {
-    if (!amax_.defined() || !storage_ || storage_->expired() || !x.has_storage() ||
-        x.storage().unsafeGetStorageImpl() != storage_->_unsafe_get_target() || x.data_ptr() != data_ || x.numel() != numel_ ||
-        x.scalar_type() != dtype_ || x._version() != version_ || !x.is_contiguous())
-      return {};
-    ++used;
-    return amax_;
+    for (const Note& n : notes_)
+      if (n.holds(x)) {
+        ++used;
+        return n.amax;
+      }
+    return {};
   }
   void clear() { *this = ProducedAmax{}; }
 
  private:
-  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> storage_;
-  void* data_ = nullptr;
-  int64_t numel_ = 0, version_ = -1;
-  torch::ScalarType dtype_ = torch::kFloat32;
-  torch::Tensor amax_;
+  struct Note {
+    std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> storage;
+    void* data = nullptr;
+    int64_t numel = 0, version = -1;
+    torch::ScalarType dtype = torch::kFloat32;
+    torch::Tensor amax;
+    bool holds(const torch::Tensor& x) const {
+      return amax.defined() && storage && !storage->expired() && x.has_storage() &&
+             x.storage().unsafeGetStorageImpl() == storage->_unsafe_get_target() && x.data_ptr() == data && x.numel() == numel &&
+             x.scalar_type() == dtype && x._version() == version && x.is_contiguous();
+    }
+  };
+  std::array<Note, 2> notes_;
 };
 inline ProducedAmax& produced_amax() {
   thread_local ProducedAmax notes;
@@ -246,6 +256,7 @@ inline std::pair<torch::Tensor, torch::Tensor> rms_norm_backward(const torch::Te
   }
   torch::Tensor dx = torch::empty_like(v);
   torch::Tensor dw = want_dw ? torch::empty({h}, v.options().dtype(acc)) : torch::Tensor();
+  const torch::Tensor amax = amax_slot(v);
   dispatch(v.scalar_type(), [&]<class T>() {
     const kernels::RmsNormBackward<T> a{ptr<const T>(v),
                                         ptr<const T>(weight),
@@ -255,7 +266,8 @@ inline std::pair<torch::Tensor, torch::Tensor> rms_norm_backward(const torch::Te
                                         ptr<T>(dx),
                                         ptr<kernels::acc_t<T>>(dw),
                                         rows,
-                                        h};
+                                        h,
+                                        ptr<float>(amax)};
     if (path == Path::Cpu) {
       guard("fused_rms_norm backward", [&] { kernels::rms_norm_backward_cpu(a); });
       return;
@@ -272,6 +284,7 @@ inline std::pair<torch::Tensor, torch::Tensor> rms_norm_backward(const torch::Te
     }
 #endif
   });
+  if (amax.defined()) produced_amax().note(dx, amax);
   if (want_dw) dw = dw.to(weight.scalar_type());
   return {dx, dw};
 }
@@ -412,8 +425,16 @@ inline std::pair<torch::Tensor, torch::Tensor> swiglu_backward(const torch::Tens
     return {(dhf * uf * s * (1 + gf * (1 - s))).to(g.scalar_type()), (dhf * gf * s).to(g.scalar_type())};
   }
   torch::Tensor dg = torch::empty_like(g), du = torch::empty_like(u);
+  const torch::Tensor amax_dg = amax_slot(g), amax_du = amax_slot(g);
   dispatch(g.scalar_type(), [&]<class T>() {
-    const kernels::SwigluArgs<T> a{ptr<const T>(g), ptr<const T>(u), nullptr, ptr<const T>(dh), ptr<T>(dg), ptr<T>(du), g.numel()};
+    const kernels::SwigluArgs<T> a{.g = ptr<const T>(g),
+                                   .u = ptr<const T>(u),
+                                   .dh = ptr<const T>(dh),
+                                   .dg = ptr<T>(dg),
+                                   .du = ptr<T>(du),
+                                   .n = g.numel(),
+                                   .amax_dg = ptr<float>(amax_dg),
+                                   .amax_du = ptr<float>(amax_du)};
     if (path == Path::Cpu) {
       guard("fused_swiglu backward", [&] { kernels::swiglu_backward_cpu(a); });
       return;
@@ -425,6 +446,7 @@ inline std::pair<torch::Tensor, torch::Tensor> swiglu_backward(const torch::Tens
     }
 #endif
   });
+  if (amax_dg.defined()) produced_amax().note(dg, amax_dg), produced_amax().note(du, amax_du);
   return {dg, du};
 }
 

@@ -29,7 +29,7 @@ SQUEEZE_DEVICE void store4(T* p, const float (&in)[kQuad]) {
 
 // Every thread's amax_of reduced over the block, then into *amax (zeroed before the launch) with an integer atomicMax:
 // the bits of non-negative floats order as integers, and a NaN's bits exceed inf's, so a NaN wins. Every thread of the
-// block calls it.
+// block calls it; one call may follow another (the shared scratch is waited for).
 template <int Threads>
 SQUEEZE_DEVICE void block_amax_into(float m, float* amax) {
   struct Max {
@@ -37,6 +37,7 @@ SQUEEZE_DEVICE void block_amax_into(float m, float* amax) {
   };
   using Reduce = cub::BlockReduce<float, Threads>;
   __shared__ typename Reduce::TempStorage temp;
+  __syncthreads();  // a previous call's reduction is done with temp
   m = Reduce(temp).Reduce(m, Max{});
   if (threadIdx.x == 0) atomicMax(reinterpret_cast<int*>(amax), __float_as_int(m));
 }

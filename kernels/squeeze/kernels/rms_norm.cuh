@@ -3,7 +3,7 @@
 //   rms_norm_forward_cuda(args, stream)                        one block per row (grid-stride over rows)
 //   rms_norm_backward_workspace(rows, h)                       floats of device scratch backward needs for dweight
 //   rms_norm_backward_cuda(args, workspace, stream)            dx per row; dweight by per-block fp32 partials
-// Forward reduces max |y| into a.amax on request (block_amax_into: one atomic a block).
+// Forward reduces max |y| into a.amax on request, backward max |dx| (block_amax_into: one atomic a block).
 // Per row: pass 1 reads the row (vector loads of 4 elements when h % 4 == 0 and the pointers are aligned) and
 // reduces sum(v^2) (forward) or sum(dy w v) (backward) with CUB's BlockReduce; pass 2 reads it again (L1/L2
 // hits) and writes y or dx. Backward: each block accumulates dweight for its rows in shared memory (h floats),
@@ -104,6 +104,7 @@ __global__ void __launch_bounds__(Threads) rms_norm_backward_kernel(const RmsNor
   float* dw = reinterpret_cast<float*>(dw4);
   const bool want_dw = partials != nullptr;
   const std::int64_t h = a.h, quads = h / kQuad;
+  float m = 0;  // max |dx| as stored, over this thread's elements (read only when a.amax is set)
   if (want_dw)
     for (std::int64_t j = threadIdx.x; j < h; j += Threads) dw[j] = 0.0f;
   __syncthreads();
@@ -145,6 +146,8 @@ __global__ void __launch_bounds__(Threads) rms_norm_backward_kernel(const RmsNor
 #pragma unroll
           for (int k = 0; k < kQuad; ++k) dx[k] += ds[k];
         }
+#pragma unroll
+        for (int k = 0; k < kQuad; ++k) m = amax_of(fabsf(round_acc<T>(dx[k])), m);
         store4(dx_row + q * kQuad, dx);
         if (want_dw) {
           float4 p = dw4[q];
@@ -161,6 +164,7 @@ __global__ void __launch_bounds__(Threads) rms_norm_backward_kernel(const RmsNor
         float dx = Op::dx(v, dy * load_acc(a.weight[j]), rr, c);
         if (ds_row) dx += load_acc(ds_row[j]);
         dx_row[j] = store_acc<T>(dx);
+        m = amax_of(fabsf(round_acc<T>(dx)), m);
         if (want_dw) dw[j] += Op::dweight(dy, v, rr);
       }
     }
@@ -168,6 +172,7 @@ __global__ void __launch_bounds__(Threads) rms_norm_backward_kernel(const RmsNor
   }
   if (want_dw)
     for (std::int64_t j = threadIdx.x; j < h; j += Threads) partials[std::int64_t(blockIdx.x) * h + j] = dw[j];
+  if (a.amax != nullptr) block_amax_into<Threads>(m, a.amax);
 }
 
 // dweight[j] = sum over blocks b (in order) of partials[b, j].
@@ -245,6 +250,8 @@ std::int64_t rms_norm_backward_workspace(std::int64_t rows, std::int64_t h, bool
 template <FloatingElement T>
 cudaError_t rms_norm_backward_cuda(const RmsNormBackward<T>& a, float* workspace, cudaStream_t stream = nullptr) {
   validate(a, "rms_norm backward (CUDA)");
+  if (a.amax != nullptr)
+    if (const cudaError_t e = cudaMemsetAsync(a.amax, 0, sizeof(float), stream); e != cudaSuccess) return e;
   const bool want_dw = a.dweight != nullptr;
   check(!want_dw || workspace != nullptr, "rms_norm backward (CUDA): dweight needs the workspace (rms_norm_backward_workspace floats)");
   if (a.rows == 0) {

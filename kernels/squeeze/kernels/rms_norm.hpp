@@ -9,7 +9,8 @@
 //             dx = r * g - c * v (+ dsum: the gradient reaching the residual sum directly)
 //             dweight = sum over rows of dy * v * r                           fp32, rows reduced in a fixed order
 // Saved between the passes: v (the input, or the sum) and r [rows] in fp32: nothing [rows, h] in fp32.
-// On request forward also writes amax = max |y| as stored (the scale of y's FP8 cast, without a pass of its own).
+// On request forward also writes amax = max |y| as stored, and backward max |dx| (the scales of their FP8 casts, without
+// a pass of their own).
 // Types: T in {float, half, bf16} (CPU and CUDA) and double (CPU only); weight has x's type.
 #include <cmath>
 #include <cstdint>
@@ -60,6 +61,7 @@ struct RmsNormBackward {
   T* dx = nullptr;                 // [rows, h]
   acc_t<T>* dweight = nullptr;     // [h] or null (frozen weight)
   std::int64_t rows = 0, h = 0;
+  float* amax = nullptr;  // [] or null: max |dx| as stored, NaN if any dx is NaN (for dx's FP8 cast)
 };
 
 template <class T>
@@ -111,12 +113,13 @@ float rms_norm_forward_rows(const RmsNormForward<T>& a, std::int64_t r0, std::in
   return m;
 }
 
-// dweight partial of rows [r0, r1) added to part[h].
+// dweight partial of rows [r0, r1) added to part[h]; returns max |dx| over the rows, as stored.
 template <class T>
-void rms_norm_backward_rows(const RmsNormBackward<T>& a, std::int64_t r0, std::int64_t r1, acc_t<T>* part) {
+float rms_norm_backward_rows(const RmsNormBackward<T>& a, std::int64_t r0, std::int64_t r1, acc_t<T>* part) {
   using Acc = acc_t<T>;
   using Op = RmsNormOp<Acc>;
   const std::int64_t h = a.h;
+  float m = 0;
   for (std::int64_t r = r0; r < r1; ++r) {
     const std::int64_t base = r * h;
     const Acc rr = a.rrms[r];
@@ -128,9 +131,11 @@ void rms_norm_backward_rows(const RmsNormBackward<T>& a, std::int64_t r0, std::i
       Acc dx = Op::dx(v, dy * load_acc(a.weight[j]), rr, c);
       if (a.dsum) dx += load_acc(a.dsum[base + j]);
       a.dx[base + j] = store_acc<T>(dx);
+      m = amax_of(std::fabs(float(load_acc(a.dx[base + j]))), m);
       if (part) part[j] += Op::dweight(dy, v, rr);
     }
   }
+  return m;
 }
 
 }  // namespace cpu
@@ -151,9 +156,11 @@ void rms_norm_backward_cpu(const RmsNormBackward<T>& a) {
   using Acc = acc_t<T>;
   const int threads = cpu::row_threads(a.rows, a.h);
   std::vector<Acc> parts(a.dweight ? std::size_t(threads) * std::size_t(a.h) : 0, Acc(0));
+  std::vector<float> m(std::size_t(threads), 0.0f);
   cpu::parallel_rows(a.rows, a.h, [&](int t, std::int64_t r0, std::int64_t r1) {
-    cpu::rms_norm_backward_rows(a, r0, r1, a.dweight ? parts.data() + std::size_t(t) * std::size_t(a.h) : nullptr);
+    m[std::size_t(t)] = cpu::rms_norm_backward_rows(a, r0, r1, a.dweight ? parts.data() + std::size_t(t) * std::size_t(a.h) : nullptr);
   });
+  if (a.amax != nullptr) *a.amax = std::accumulate(m.begin(), m.end(), 0.0f, amax_of);
   if (!a.dweight) return;
   for (std::int64_t j = 0; j < a.h; ++j) {
     Acc s = 0;

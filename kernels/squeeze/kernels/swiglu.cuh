@@ -1,8 +1,10 @@
 #pragma once
 // CUDA launchers of SwiGLU (math, functor and CPU twin: swiglu.hpp). Elementwise, grid-stride; each thread moves
 // 4 elements per array with one vector access when every pointer is aligned, the tail with the scalar functor.
-// Forward reduces max |h| into a.amax on request (block_amax_into: one atomic a block).
+// Forward reduces max |h| into a.amax on request, backward max |dg| and |du| (block_amax_into: one atomic a block).
 // Bytes moved: forward reads g, u and writes h (3 n elements); backward reads g, u, dh and writes dg, du (5 n).
+#include <array>
+
 #include "squeeze/kernels/fused_common.cuh"
 #include "squeeze/kernels/swiglu.hpp"
 
@@ -14,7 +16,7 @@ __global__ void __launch_bounds__(256) swiglu_kernel(const SwigluArgs<T> a, cons
   using Op = SwigluOp<float>;
   const std::int64_t stride = std::int64_t(gridDim.x) * blockDim.x, first = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   std::int64_t scalar_begin = 0;
-  float m = 0;  // forward: max |h| as stored over this thread's elements
+  float m = 0, mu = 0;  // max |h| (forward) or |dg| and |du| (backward) as stored, over this thread's elements
   if (vec) {
     const std::int64_t quads = a.n / kQuad;
     for (std::int64_t q = first; q < quads; q += stride) {
@@ -25,7 +27,11 @@ __global__ void __launch_bounds__(256) swiglu_kernel(const SwigluArgs<T> a, cons
         float dh[kQuad], dg[kQuad], du[kQuad];
         load4(a.dh + q * kQuad, dh);
 #pragma unroll
-        for (int k = 0; k < kQuad; ++k) Op::backward(g[k], u[k], dh[k], dg[k], du[k]);
+        for (int k = 0; k < kQuad; ++k) {
+          Op::backward(g[k], u[k], dh[k], dg[k], du[k]);
+          m = amax_of(fabsf(round_acc<T>(dg[k])), m);
+          mu = amax_of(fabsf(round_acc<T>(du[k])), mu);
+        }
         store4(a.dg + q * kQuad, dg);
         store4(a.du + q * kQuad, du);
       } else {
@@ -42,12 +48,16 @@ __global__ void __launch_bounds__(256) swiglu_kernel(const SwigluArgs<T> a, cons
   }
   for (std::int64_t i = scalar_begin + first; i < a.n; i += stride) {
     if constexpr (Backward)
-      swiglu_backward_at(a, i);
+      swiglu_backward_at(a, i, m, mu);
     else
       m = amax_of(swiglu_forward_at(a, i), m);
   }
-  if constexpr (!Backward)
-    if (a.amax != nullptr) block_amax_into<256>(m, a.amax);
+  if constexpr (Backward) {
+    if (a.amax_dg != nullptr) block_amax_into<256>(m, a.amax_dg);
+    if (a.amax_du != nullptr) block_amax_into<256>(mu, a.amax_du);
+  } else if (a.amax != nullptr) {
+    block_amax_into<256>(m, a.amax);
+  }
 }
 
 template <bool Backward, class T>
@@ -75,6 +85,9 @@ cudaError_t swiglu_forward_cuda(const SwigluArgs<T>& a, cudaStream_t stream = nu
 template <FloatingElement T>
 cudaError_t swiglu_backward_cuda(const SwigluArgs<T>& a, cudaStream_t stream = nullptr) {
   validate(a, true, "swiglu backward (CUDA)");
+  for (float* amax : std::array<float*, 2>{a.amax_dg, a.amax_du})
+    if (amax != nullptr)
+      if (const cudaError_t e = cudaMemsetAsync(amax, 0, sizeof(float), stream); e != cudaSuccess) return e;
   return detail::swiglu_launch<true>(a, stream);
 }
 

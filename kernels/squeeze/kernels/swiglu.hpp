@@ -3,7 +3,8 @@
 //   forward   h = g * sigmoid(g) * u
 //   backward  s = sigmoid(g) (recomputed from g):  du = dh * g * s,  dg = dh * u * s * (1 + g * (1 - s))
 // Saved between the passes: g and u only (the unfused path keeps silu(g) as well). fp32 math, one rounding.
-// On request forward also writes amax = max |h| as stored (the scale of h's FP8 cast, without a pass of its own).
+// On request forward also writes amax = max |h| as stored, and backward max |dg| and max |du| (the scales of their FP8
+// casts, without a pass of their own).
 #include <cmath>
 #include <cstdint>
 #include <numeric>
@@ -34,7 +35,9 @@ struct SwigluArgs {
   T* dg = nullptr;        // [n] (backward only)
   T* du = nullptr;        // [n] (backward only)
   std::int64_t n = 0;
-  float* amax = nullptr;  // [] or null, forward only: max |h| as stored, NaN if any h is NaN (for h's FP8 cast)
+  float* amax = nullptr;     // [] or null, forward only: max |h| as stored, NaN if any h is NaN (for h's FP8 cast)
+  float* amax_dg = nullptr;  // [] or null, backward only: max |dg| as stored
+  float* amax_du = nullptr;  // [] or null, backward only: max |du| as stored
 };
 
 template <class T>
@@ -54,12 +57,15 @@ SQUEEZE_HD float swiglu_forward_at(const SwigluArgs<T>& a, std::int64_t i) {
   a.h[i] = store_acc<T>(SwigluOp<acc_t<T>>::forward(load_acc(a.g[i]), load_acc(a.u[i])));
   return fabs(float(load_acc(a.h[i])));
 }
+// Folds |dg[i]| and |du[i]| as stored into mg and mu.
 template <class T>
-SQUEEZE_HD void swiglu_backward_at(const SwigluArgs<T>& a, std::int64_t i) {
+SQUEEZE_HD void swiglu_backward_at(const SwigluArgs<T>& a, std::int64_t i, float& mg, float& mu) {
   acc_t<T> dg, du;
   SwigluOp<acc_t<T>>::backward(load_acc(a.g[i]), load_acc(a.u[i]), load_acc(a.dh[i]), dg, du);
   a.dg[i] = store_acc<T>(dg);
   a.du[i] = store_acc<T>(du);
+  mg = amax_of(fabs(float(load_acc(a.dg[i]))), mg);
+  mu = amax_of(fabs(float(load_acc(a.du[i]))), mu);
 }
 
 template <FusedElement T>
@@ -76,9 +82,12 @@ void swiglu_forward_cpu(const SwigluArgs<T>& a) {
 template <FusedElement T>
 void swiglu_backward_cpu(const SwigluArgs<T>& a) {
   validate(a, true, "swiglu backward (CPU)");
-  cpu::parallel_ranges(a.n, [&](int, std::int64_t b, std::int64_t e) {
-    for (std::int64_t i = b; i < e; ++i) swiglu_backward_at(a, i);
+  std::vector<float> mg(std::size_t(cpu::ranges_for(a.n)), 0.0f), mu(mg);
+  cpu::parallel_ranges(a.n, [&](int t, std::int64_t b, std::int64_t e) {
+    for (std::int64_t i = b; i < e; ++i) swiglu_backward_at(a, i, mg[std::size_t(t)], mu[std::size_t(t)]);
   });
+  if (a.amax_dg != nullptr) *a.amax_dg = std::accumulate(mg.begin(), mg.end(), 0.0f, amax_of);
+  if (a.amax_du != nullptr) *a.amax_du = std::accumulate(mu.begin(), mu.end(), 0.0f, amax_of);
 }
 
 }  // namespace squeeze::kernels
