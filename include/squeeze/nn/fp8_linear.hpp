@@ -14,8 +14,9 @@
 // Where a cast runs (each path gives the same bytes and scale):
 //   CUDA tensors, nvcc TU        two kernels (kernels/fp8_cast.cuh: amax, then the scaled cast writing the values and / or
 //                                their transpose); to_fp8_twin is their math on the CPU, the reference they are tested against
-// The amax pass is skipped for the output of a fused RMSNorm or SwiGLU (the inputs of q, k, v, gate, up and down): their
-// kernels wrote it (nn/fused_ops.hpp, produced_amax()).
+// The amax pass is skipped for what a fused RMSNorm or SwiGLU kernel stored, forward or backward (in nn::Llama the inputs
+// of q, k, v, gate, up and down, the output gradients of o, gate and up): the kernel wrote it (nn/fused_ops.hpp,
+// produced_amax()).
 //   otherwise                    torch ops, the transpose a copy of the values (ForceTorchOps takes this path on CUDA too)
 #include <c10/util/intrusive_ptr.h>
 #include <torch/torch.h>

@@ -1,7 +1,7 @@
 #pragma once
 // CUDA launchers of the FP8 casts (math and CPU twin: fp8_cast.hpp). Two passes over x, no host synchronisation:
 //   fp8_amax_cuda   max |x| into one device float (a block reduction per block, then an integer atomicMax:
-//                   block_amax_into; the RMSNorm and SwiGLU forward kernels reduce their outputs' amax the same way)
+//                   block_amax_into; the RMSNorm and SwiGLU kernels reduce their outputs' amax the same way)
 //   fp8_cast_cuda   each block scales and encodes a 64 x 64 tile of x, writes it to out row by row and, through shared
 //                   memory, to out_t column by column: the value and its transpose from one read of x
 // Bytes moved: amax reads x (2 n for bf16); the cast reads x and writes n per output asked for.
