@@ -6,8 +6,6 @@
 // parameters, optimizer state and activations all count.
 #include <gtest/gtest.h>
 
-#include <string_view>
-
 #include <cstdio>
 #include <optional>
 
@@ -50,14 +48,24 @@ Measured measure(int64_t batch, int64_t seq, int64_t loss_chunk, bool fused = tr
   return {meter.peak_bytes(), int64_t(llama::plan_for<S>(c, batch, seq, 1, loss_chunk, gradient_buffers, mlp_tile).peak().device)};
 }
 
+// Bytes libtorch's CPU bf16 matmul [m, k] x [k, n] holds beyond its output while it runs (2.15 keeps an fp32 copy of
+// the output; 0 where it does not): host scratch the device's GEMM has no counterpart of.
+int64_t cpu_bf16_matmul_scratch(int64_t m, int64_t k, int64_t n) {
+  const torch::Tensor a = torch::randn({m, k}).to(torch::kBFloat16), b = torch::randn({k, n}).to(torch::kBFloat16);
+  squeeze::test::MemoryMeter meter;
+  const torch::Tensor c = torch::matmul(a, b);
+  return meter.peak_bytes() - int64_t(c.nbytes());
+}
+
 // The table's rows that train on one device without offload: within 10% of the plan, the fidelity issue's bound
 // (bf16-accum4-ckpt at 125m was 18% off on the GPU); all are within 8% here, so that is the bound asserted. The
 // q/v-adapter rows were 10.4-11.2% over until the planner counted the gradient of silu(gate)·up that a frozen
 // down projection never saved (plan/memory.hpp's recomputed segment); bf16-ckpt at B=4, where the parameters
 // dominate as at LLaMA-7B (12.6% over there on the GPU), 12.2% over until it counted the freed gradients beside the
-// flat buffer they are collected into (MemoryPlan::gradient_collect). qlora-all (adapters on all seven linears) held 8%
-// when it was added and measures 1.083 with libtorch 2.15.0 (the tree unchanged there): what it allocates beyond the plan
-// is not yet counted, so that row is held to the project's 10%.
+// flat buffer they are collected into (MemoryPlan::gradient_collect). qlora-all (adapters on all seven linears) peaks
+// inside the last block's down-projection backward, dY [576, 160] x W [160, 424], where libtorch 2.15's CPU matmul
+// holds an fp32 copy of its [576, 424] output (8.3% over the plan with it, 5.8% under without): that scratch is
+// measured and left out.
 TEST(LlamaPlanPeak, TrainingRunsPeakWithinEightPercentOfThePlan) {
   const int64_t B = 8, T = 72;
   using QLoRA = Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed>;
@@ -81,10 +89,14 @@ TEST(LlamaPlanPeak, TrainingRunsPeakWithinEightPercentOfThePlan) {
   rows.emplace_back(
       "qlora-all",
       measure<Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16, all_linears>, Precision<bf16, float>, Checkpointed>>(B, T, 0));
+  const int64_t scratch = cpu_bf16_matmul_scratch(B * T, plan_config().hidden, plan_config().ffn);
+  std::printf("[ measured ] CPU bf16 matmul scratch of [%lld, %lld]: %lld bytes\n", (long long)(B * T), (long long)plan_config().ffn,
+              (long long)scratch);
+  rows.back().second.peak -= scratch;
   for (const auto& [name, m] : rows) {
     std::printf("[ measured ] %-18s peak %9lld bytes, planned %9lld (peak / plan %.3f)\n", name, (long long)m.peak, (long long)m.planned,
                 double(m.peak) / double(m.planned));
-    EXPECT_NEAR(double(m.peak) / double(m.planned), 1.0, std::string_view(name) == "qlora-all" ? 0.10 : 0.08) << name;
+    EXPECT_NEAR(double(m.peak) / double(m.planned), 1.0, 0.08) << name;
   }
 }
 

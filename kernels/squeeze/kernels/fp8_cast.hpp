@@ -107,11 +107,7 @@ void validate(const Fp8CastArgs<T>& a, const char* what) {
 template <class T>
 float fp8_amax_cpu(const T* x, std::int64_t n) {
   float m = 0;
-  for (std::int64_t i = 0; i < n; ++i) {
-    const float a = std::fabs(to_float(x[i]));
-    if (a > m || std::isnan(a)) m = a;
-    if (std::isnan(m)) break;
-  }
+  for (std::int64_t i = 0; i < n && !std::isnan(m); ++i) m = amax_of(std::fabs(to_float(x[i])), m);
   return m;
 }
 
