@@ -483,6 +483,34 @@ TEST(RtnOnTensors, PackLinearEqualsTorchFreePackOnRandomCodes) {
     }
 }
 
+// Large enough that quant::rtn_quantize and quant::pack split the rows over threads (333 rows do not divide among
+// them): the same bits as the tensor path, and the first failing row's error whichever thread met it first.
+TEST(RtnOnTensors, RowsSplitOverThreadsEqualTheTensorPath) {
+  const std::int64_t out = 333, in = 517;
+  for (int bits : {3, 4}) {
+    const auto W = grid_edge_rows(out, in, 40 + bits);
+    const auto w = W.contiguous();
+    const quant::PackedLinear got =
+        quant::rtn_quantize({w.data_ptr<float>(), std::size_t(w.numel())}, out, in, {.bits = bits, .group_size = 128});
+    expect_same_packed(nn::rtn_quantize(W, bits, 128, false).pack(), got, std::to_string(bits) + " bits");
+  }
+  const auto error_of = [](torch::Tensor W) {
+    W = W.contiguous();
+    try {
+      quant::rtn_quantize({W.data_ptr<float>(), std::size_t(W.numel())}, W.size(0), W.size(1), {});
+    } catch (const squeeze::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  auto W = torch::randn({out, in});
+  W[300][400] = NAN;
+  W[200].mul_(1e30);
+  EXPECT_NE(error_of(W).find("too large for an fp16 scale"), std::string::npos);  // row 200 before row 300
+  W[100][5] = INFINITY;
+  EXPECT_NE(error_of(W).find("not finite"), std::string::npos);
+}
+
 TEST(RtnOnTensors, BadInputsErrorClearly) {
   const auto message = [](auto&& f) {
     try {

@@ -19,6 +19,7 @@
 // only where a zero point is 0: GPTQModel's v1 subtracts the constant from whole words, borrowing from the
 // field above; quant/v1_zeros.hpp converts (gptq_file.hpp and io/hf_gptq.hpp read and write files that way).
 // quant/rtn.hpp's grid keeps zero >= 1, where both forms are the same words.
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -27,6 +28,7 @@
 
 #include "squeeze/dtype.hpp"
 #include "squeeze/error.hpp"
+#include "squeeze/kernels/cpu_parallel.hpp"
 #include "squeeze/kernels/quant/bitstream.cuh"
 
 namespace squeeze::quant {
@@ -110,12 +112,19 @@ inline PackedLinear pack(std::span<const std::uint8_t> q, std::span<const std::u
   p.qzeros.assign(g * p.qzeros_cols(), 0);
   p.scales.resize(g * out);
   p.g_idx.assign(g_idx.begin(), g_idx.end());
-  for (std::int64_t o = 0; o < out; ++o)
-    for (std::int64_t i = 0; i < in; ++i) {
-      const std::uint32_t v = q[o * in + i];
-      check(v <= maxq, "pack: code out of range for the bit width");
-      stream_put(p.qweight.data() + o, out, i, bits, v);
-    }
+  // Output row o fills column o of qweight alone: threads take ranges of rows.
+  std::atomic<bool> out_of_range{false};
+  std::int32_t* const qweight = p.qweight.data();
+  kernels::cpu::parallel_rows(out, in, [&, codes = q.data()](int, std::int64_t r0, std::int64_t r1) {
+    bool bad = false;
+    for (std::int64_t o = r0; o < r1; ++o)
+      for (std::int64_t i = 0; i < in; ++i) {
+        bad |= codes[o * in + i] > maxq;
+        stream_put(qweight + o, out, i, bits, codes[o * in + i]);
+      }
+    if (bad) out_of_range = true;
+  });
+  check(!out_of_range, "pack: code out of range for the bit width");
   for (std::int64_t gi = 0; gi < g; ++gi)
     for (std::int64_t o = 0; o < out; ++o) {
       const std::uint32_t z = zeros[gi * out + o];

@@ -61,35 +61,4 @@ constexpr const char* fused_dtype_name() {
     return dtype_name<T>().data();
 }
 
-namespace cpu {
-
-// Threads for `rows` rows of `per_row` elements: 1 below kSerialBelow elements in all, else up to max_threads().
-inline int row_threads(std::int64_t rows, std::int64_t per_row) {
-  if (rows <= 1 || rows * per_row < kSerialBelow) return 1;
-  return int(std::min<std::int64_t>(max_threads(), rows));
-}
-
-// Calls fn(t, r0, r1) for t in [0, row_threads(rows, per_row)), contiguous row ranges covering [0, rows) once.
-template <class Fn>
-void parallel_rows(std::int64_t rows, std::int64_t per_row, Fn&& fn) {
-  if (rows <= 0) return;
-  const int threads = row_threads(rows, per_row);
-  auto range = [&](int t) {
-    const std::int64_t per = rows / threads, extra = rows % threads;
-    const std::int64_t r0 = t * per + std::min<std::int64_t>(t, extra);
-    fn(t, r0, r0 + per + (t < extra ? 1 : 0));
-  };
-  if (threads == 1) return range(0);
-#if defined(_OPENMP)
-#pragma omp parallel for num_threads(threads) schedule(static, 1)
-  for (int t = 0; t < threads; ++t) range(t);
-#else
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(range, t);
-  range(0);
-  for (auto& th : pool) th.join();
-#endif
-}
-
-}  // namespace cpu
 }  // namespace squeeze::kernels
