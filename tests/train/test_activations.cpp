@@ -313,6 +313,46 @@ TEST(Activations, TiledRowsEqualOneCallWithinReductionOrder) {
   EXPECT_THROW(nn::checkpoint_tiled(8, torch::Tensor(), {}, mlp), c10::Error);
 }
 
+// A tiled layer recomputed in backward as its segment's last (checkpoint_sequential's last_recomputed, checkpoint_tiled's
+// values_unused): its tiles do not run there, only in their own backward, so each tile runs twice instead of three
+// times; the loss and gradients are bit for bit those of recomputing it whole, for one-layer and three-layer segments.
+TEST(Activations, TiledLayerLastInItsRecomputedSegmentRunsItsTilesTwice) {
+  torch::manual_seed(32);
+  const auto w1 = torch::randn({11, 29}).requires_grad_(true), w2 = (torch::randn({29, 11}) * 0.2).requires_grad_(true);
+  const auto x0 = torch::randn({37, 11});
+  int calls = 0;
+  const std::function<torch::Tensor(const torch::Tensor&)> mlp = [&](const torch::Tensor& r) {  // r: [rows, 11]
+    ++calls;
+    return torch::silu(r.matmul(w1)).matmul(w2);
+  };
+  const auto layer = [&](bool unused) {
+    return [&, unused](int64_t, const torch::Tensor& h) { return h + nn::checkpoint_tiled(8, h, {w1, w2}, mlp, unused); };
+  };
+  auto run = [&](int64_t every, bool skip) {
+    w1.mutable_grad() = torch::Tensor(), w2.mutable_grad() = torch::Tensor();
+    const torch::Tensor x = x0.clone().requires_grad_(true);
+    calls = 0;
+    const torch::Tensor loss = nn::checkpoint_sequential(
+                                   3, every, x, layer(false),
+                                   [&](int64_t) {
+                                     return std::vector<torch::Tensor>{w1, w2};
+                                   },
+                                   skip ? std::function<torch::Tensor(int64_t, const torch::Tensor&)>(layer(true)) : nullptr)
+                                   .pow(2)
+                                   .sum();
+    loss.backward();
+    return std::pair{calls, std::vector<torch::Tensor>{loss.detach(), x.grad(), w1.grad().clone(), w2.grad().clone()}};
+  };
+  for (int64_t every : {1, 3}) {
+    const auto [whole_calls, whole] = run(every, false);
+    const auto [skip_calls, skipped] = run(every, true);
+    // 3 layers x 5 tiles: forward, the segments' recomputation, each tile's backward; the last layers' recomputation skipped
+    EXPECT_EQ(whole_calls, 45) << "every " << every;
+    EXPECT_EQ(skip_calls, every == 1 ? 30 : 40) << "every " << every;
+    for (std::size_t i = 0; i < whole.size(); ++i) EXPECT_TRUE(torch::equal(skipped[i], whole[i])) << "every " << every << ", " << i;
+  }
+}
+
 // A LLaMA whose MLPs run in tiles: the loss and every parameter's gradient equal the untiled model's within fp32
 // reduction order, with and without checkpointed blocks (the tiles recomputed inside the blocks' recomputation), and
 // evaluation (no grad) gives the untiled logits.
@@ -332,7 +372,7 @@ TEST(Activations, TiledMlpLlamaEqualsUntiled) {
     for (auto& p : model->named_parameters()) g[p.key()] = p.value().grad().clone();
     return g;
   };
-  for (int every : {0, 1}) {
+  for (int every : {0, 1, 2}) {  // 2: segments of blocks 0-1 and 2, block 1's recomputed output read by block 2
     const auto one = grads(0, every), tiled = grads(7, every);
     for (auto& [name, g] : one) {
       EXPECT_TRUE(torch::allclose(tiled.at(name), g, 1e-6, 1e-4))

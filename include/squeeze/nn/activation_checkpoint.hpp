@@ -105,6 +105,7 @@ struct AutocastState {
 // Everything backward needs besides the saved inputs. Held by the autograd context as a capsule.
 struct CheckpointCall : torch::CustomClassHolder {
   BlockFn fn;
+  BlockFn recompute;                  // what backward runs in fn's place (the same graph, its value never read); empty: fn
   std::vector<torch::Tensor> params;  // leaves the block reads (references, no copies)
   RngState rng;
   AutocastState autocast;
@@ -177,7 +178,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       call->autocast.apply();
       try {
         torch::AutoGradMode grad_on(true);
-        out = call->fn(inputs);
+        out = call->recompute ? call->recompute(inputs) : call->fn(inputs);
       } catch (...) {
         caller_autocast.apply();
         caller_rng.restore();
@@ -187,6 +188,10 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       caller_rng.restore();
     }
 
+    TORCH_CHECK(!grad_out[0].defined() || (out.sizes() == grad_out[0].sizes() && out.scalar_type() == grad_out[0].scalar_type()),
+                "squeeze::nn::checkpoint: the block recomputed in backward returned ", out.sizes(), " ", out.scalar_type(),
+                ", its forward ", grad_out[0].sizes(), " ", grad_out[0].scalar_type(),
+                ": it must compute the same function when called twice");
     std::vector<torch::Tensor> grads(wrt.size());
     if (out.requires_grad() && !wrt.empty()) {
       grads = torch::autograd::grad({out}, wrt, {grad_out[0]}, /*retain_graph=*/false, /*create_graph=*/false,
@@ -216,9 +221,10 @@ inline std::vector<c10::Device> cuda_devices_of(const std::vector<torch::Tensor>
 }  // namespace detail
 
 namespace detail {
-// checkpoint(fn, inputs, params) with the inputs kept in `store` (null: on their device).
+// checkpoint(fn, inputs, params) with the inputs kept in `store` (null: on their device); backward runs `recompute` in
+// fn's place where it is set (the same graph and output shape, whose value backward never reads).
 inline torch::Tensor checkpoint_into(engine::ActivationStore* store, BlockFn fn, std::vector<torch::Tensor> inputs,
-                                     std::vector<torch::Tensor> params) {
+                                     std::vector<torch::Tensor> params, BlockFn recompute = {}) {
   TORCH_CHECK(static_cast<bool>(fn), "squeeze::nn::checkpoint: the block function is empty");
   for (size_t i = 0; i < inputs.size(); ++i)
     TORCH_CHECK(inputs[i].defined(), "squeeze::nn::checkpoint: input ", i, " is an undefined tensor");
@@ -229,6 +235,7 @@ inline torch::Tensor checkpoint_into(engine::ActivationStore* store, BlockFn fn,
 
   auto call = c10::make_intrusive<CheckpointCall>();
   call->fn = std::move(fn);
+  call->recompute = std::move(recompute);
   call->params = std::move(params);
   call->rng = RngState::capture(cuda_devices_of(inputs, call->params));
   call->autocast = AutocastState::capture();
@@ -271,10 +278,13 @@ requires std::is_invocable_r_v < torch::Tensor, std::decay_t<F>
 }
 
 // Runs layers 0..n-1 on x (x = layer(i, x)), checkpointing segments of `every` consecutive layers; the last
-// segment may be shorter. every <= 0 runs them plainly. params(i) lists layer i's parameters.
+// segment may be shorter. every <= 0 runs them plainly. params(i) lists layer i's parameters. last_recomputed (when
+// set) stands in for `layer` at the last layer of a segment recomputed in backward, whose output's value nothing reads
+// (only its graph is differentiated): a layer that checkpoints parts of itself can skip computing them there.
 inline torch::Tensor checkpoint_sequential(int64_t n, int64_t every, torch::Tensor x,
                                            const std::function<torch::Tensor(int64_t, const torch::Tensor&)>& layer,
-                                           const std::function<std::vector<torch::Tensor>(int64_t)>& params) {
+                                           const std::function<std::vector<torch::Tensor>(int64_t)>& params,
+                                           const std::function<torch::Tensor(int64_t, const torch::Tensor&)>& last_recomputed = {}) {
   TORCH_CHECK(n >= 0, "squeeze::nn::checkpoint_sequential: negative layer count ", n);
   if (every <= 0) {
     for (int64_t i = 0; i < n; ++i) x = layer(i, x);
@@ -292,7 +302,15 @@ inline torch::Tensor checkpoint_sequential(int64_t n, int64_t every, torch::Tens
       for (int64_t i = begin; i < end; ++i) y = layer(i, y);
       return y;
     };
-    x = detail::checkpoint_into(CheckpointOffloadScope::active(), std::move(segment), {x}, std::move(segment_params));
+    BlockFn recomputed;
+    if (last_recomputed)
+      recomputed = [layer, last_recomputed, begin, end](const std::vector<torch::Tensor>& in) {
+        torch::Tensor y = in[0];
+        for (int64_t i = begin; i < end; ++i) y = i + 1 < end ? layer(i, y) : last_recomputed(i, y);
+        return y;
+      };
+    x = detail::checkpoint_into(CheckpointOffloadScope::active(), std::move(segment), {x}, std::move(segment_params),
+                                std::move(recomputed));
   }
   return x;
 }
@@ -332,17 +350,28 @@ inline torch::Tensor checkpoint_chunked_sum(int64_t chunk, const std::vector<tor
 // only its rows (views of `rows`) and runs again in its own backward, one tile's intermediates at a time; `params`
 // are the leaves fn reads, as checkpoint takes them. Otherwise the tiles just run one by one. tile <= 0 or
 // >= N: fn(rows) once, plainly. The tiles' matrix products run over fewer rows: the same values, summed over the
-// rows in another order for the weights' gradients (fp32 reduction order).
+// rows in another order for the weights' gradients (fp32 reduction order). values_unused: the caller only
+// differentiates the output (the last layer of a segment recomputed in backward: checkpoint_sequential's
+// last_recomputed), so the tiles keep their rows for their backward without running fn now, which saves one of the
+// three runs of fn a checkpointed, tiled layer would otherwise make; fn must then return rows of its input's shape and
+// dtype and draw no random numbers (the MLP and its norm).
 inline torch::Tensor checkpoint_tiled(int64_t tile, const torch::Tensor& rows, const std::vector<torch::Tensor>& params,
-                                      const std::function<torch::Tensor(const torch::Tensor&)>& fn) {
+                                      const std::function<torch::Tensor(const torch::Tensor&)>& fn, bool values_unused = false) {
   TORCH_CHECK(rows.defined() && rows.dim() > 0, "squeeze::nn::checkpoint_tiled: the rows must be a tensor of at least one dimension");
   TORCH_CHECK(static_cast<bool>(fn), "squeeze::nn::checkpoint_tiled: the tile function is empty");
   const int64_t n = rows.size(0);
   if (tile <= 0 || tile >= n) return fn(rows);
   std::vector<torch::Tensor> out;
   out.reserve(std::size_t((n + tile - 1) / tile));
-  for (const torch::Tensor& part : rows.split(tile, 0))
-    out.push_back(checkpoint([fn](const std::vector<torch::Tensor>& in) { return fn(in[0]); }, {part}, params));
+  const BlockFn run = [fn](const std::vector<torch::Tensor>& in) { return fn(in[0]); };
+  for (const torch::Tensor& part : rows.split(tile, 0)) {
+    if (!values_unused) {
+      out.push_back(checkpoint(run, {part}, params));
+      continue;
+    }
+    const BlockFn placeholder = [](const std::vector<torch::Tensor>& in) { return torch::empty_like(in[0]); };
+    out.push_back(detail::checkpoint_into(nullptr, placeholder, {part}, params, run));
+  }
   return torch::cat(out, 0);
 }
 

@@ -218,15 +218,18 @@ struct BlockImpl : torch::nn::Module, engine::GatherUnit {  // one stage-3 gathe
   }
   // mlp_tile_tokens > 0 (fewer than the B·T tokens): the MLP and its norm run over tiles of that many tokens, each
   // checkpointed (checkpoint_tiled), so one tile's gate, up and product exist at a time instead of all T's.
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                        int64_t mlp_tile_tokens = 0) {  // [B, T, h]
+  // output_unused: the block is recomputed in backward and nothing reads its output's value (checkpoint_sequential's
+  // last_recomputed): the tiles wait for their own backward instead of running the MLP now.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, int64_t mlp_tile_tokens = 0,
+                        bool output_unused = false) {  // [B, T, h]
     const torch::Tensor a = attn(attn_norm(x), cos, sin);
     if (mlp_tile_tokens > 0 && mlp_tile_tokens < x.size(0) * x.size(1)) {
       const torch::Tensor h = x + a;  // [B, T, h]
       std::vector<torch::Tensor> params = trainable_leaves(*mlp_norm);
       for (torch::Tensor& p : trainable_leaves(*mlp)) params.push_back(std::move(p));
-      const torch::Tensor y = checkpoint_tiled(mlp_tile_tokens, h.reshape({-1, h.size(-1)}), params,
-                                               [norm = mlp_norm, mlp = mlp](const torch::Tensor& rows) mutable { return mlp(norm(rows)); });
+      const torch::Tensor y = checkpoint_tiled(
+          mlp_tile_tokens, h.reshape({-1, h.size(-1)}), params,
+          [norm = mlp_norm, mlp = mlp](const torch::Tensor& rows) mutable { return mlp(norm(rows)); }, output_unused);
       return h + y.view(h.sizes());
     }
     if (mlp_norm->can_fuse(x) && a.scalar_type() == x.scalar_type() && a.is_contiguous()) {  // the residual add inside the norm
@@ -345,10 +348,13 @@ struct LlamaImpl : torch::nn::Module, Recomputable {
     torch::Tensor x = embed(ids);                                  // [B, T, h]
     const int64_t tile = mlp_tile_tokens;
     const auto layer = [this, cos, sin, tile](int64_t i, const torch::Tensor& h) { return blocks[i]->forward(h, cos, sin, tile); };
+    const auto last_recomputed = [this, cos, sin, tile](int64_t i, const torch::Tensor& h) {
+      return blocks[i]->forward(h, cos, sin, tile, /*output_unused=*/true);
+    };
     const auto layer_params = [this](int64_t i) { return trainable_leaves(*blocks[i]); };
     const int64_t every = is_training() ? checkpoint_every : 0;
-    x = checkpoint_sequential(config.layers, every, x, layer, layer_params);  // [B, T, h]
-    return norm(x);                                                           // [B, T, h]
+    x = checkpoint_sequential(config.layers, every, x, layer, layer_params, last_recomputed);  // [B, T, h]
+    return norm(x);                                                                            // [B, T, h]
   }
 
   // Mean next-token cross-entropy in float. ids, targets: [B, T].
