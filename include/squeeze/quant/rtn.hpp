@@ -35,8 +35,8 @@ inline PackedLinear rtn_quantize(std::span<const float> w, std::int64_t out, std
   const std::int64_t groups = (in + gs - 1) / gs;
   std::vector<std::uint8_t> q(out * in), zeros(groups * out);
   std::vector<float> scales(groups * out);
-  // Rows are independent: each thread rounds a range of output rows (a 70B block's 0.86 G values took 12 s on one
-  // thread). A row records its first failure; the first failing row is reported, as a serial pass would.
+  // Rows are independent: each thread rounds a range of output rows (a 70B block is 0.86 G values). A row records its
+  // first failure; the first failing row is reported, as a serial pass would.
   enum Failure : std::uint8_t { none, not_finite, too_wide };
   std::vector<Failure> failure(out, none);
   kernels::cpu::parallel_rows(out, in, [&](int, std::int64_t r0, std::int64_t r1) {
