@@ -351,6 +351,25 @@ TEST(Activations, TiledLayerLastInItsRecomputedSegmentRunsItsTilesTwice) {
     EXPECT_EQ(skip_calls, every == 1 ? 30 : 40) << "every " << every;
     for (std::size_t i = 0; i < whole.size(); ++i) EXPECT_TRUE(torch::equal(skipped[i], whole[i])) << "every " << every << ", " << i;
   }
+  // A block that returns another shape when recomputed, or a tile function under values_unused that changes the rows'
+  // width, is a clear error in backward, not a wrong gradient.
+  const auto backward_error = [](const torch::Tensor& y) {
+    try {
+      y.sum().backward();
+    } catch (const c10::Error& e) {
+      return std::string(e.what_without_backtrace());
+    }
+    return std::string("no error");
+  };
+  bool again = false;
+  const nn::BlockFn unstable = [&](const std::vector<torch::Tensor>& in) { return (again ? in[0].narrow(0, 0, 3) : in[0]) * w1.sum(); };
+  const torch::Tensor x = x0.clone().requires_grad_(true);
+  const torch::Tensor y = nn::checkpoint(unstable, {x}, {w1});
+  again = true;
+  EXPECT_NE(backward_error(y).find("must compute the same function when called twice"), std::string::npos);
+  const std::function<torch::Tensor(const torch::Tensor&)> widens = [&](const torch::Tensor& r) { return r.matmul(w1); };
+  const std::string widened = backward_error(nn::checkpoint_tiled(8, x, {w1}, widens, /*values_unused=*/true));
+  EXPECT_NE(widened.find(", 29] Float, its forward ["), std::string::npos) << widened;
 }
 
 // A LLaMA whose MLPs run in tiles: the loss and every parameter's gradient equal the untiled model's within fp32

@@ -364,14 +364,9 @@ inline torch::Tensor checkpoint_tiled(int64_t tile, const torch::Tensor& rows, c
   std::vector<torch::Tensor> out;
   out.reserve(std::size_t((n + tile - 1) / tile));
   const BlockFn run = [fn](const std::vector<torch::Tensor>& in) { return fn(in[0]); };
-  for (const torch::Tensor& part : rows.split(tile, 0)) {
-    if (!values_unused) {
-      out.push_back(checkpoint(run, {part}, params));
-      continue;
-    }
-    const BlockFn placeholder = [](const std::vector<torch::Tensor>& in) { return torch::empty_like(in[0]); };
-    out.push_back(detail::checkpoint_into(nullptr, placeholder, {part}, params, run));
-  }
+  const BlockFn placeholder = [](const std::vector<torch::Tensor>& in) { return torch::empty_like(in[0]); };
+  for (const torch::Tensor& part : rows.split(tile, 0))
+    out.push_back(values_unused ? detail::checkpoint_into(nullptr, placeholder, {part}, params, run) : checkpoint(run, {part}, params));
   return torch::cat(out, 0);
 }
 

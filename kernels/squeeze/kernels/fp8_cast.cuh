@@ -91,9 +91,8 @@ cudaError_t fp8_cast_cuda(const Fp8CastArgs<T>& a, cudaStream_t stream = nullptr
   const std::int64_t tiles = ((a.rows + detail::kFp8Tile - 1) / detail::kFp8Tile) * ((a.cols + detail::kFp8Tile - 1) / detail::kFp8Tile);
   int blocks = 0;
   if (const cudaError_t e = fused_grid(tiles * detail::kFp8Threads, detail::kFp8Threads, blocks); e != cudaSuccess) return e;
-  const auto aligned4 = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 4 == 0; };
-  const bool quads = a.cols % kQuad == 0 && quad_aligned(a.x) && (a.out == nullptr || aligned4(a.out)) &&
-                     (a.out_t == nullptr || (a.rows % kQuad == 0 && aligned4(a.out_t)));
+  const bool quads = a.cols % kQuad == 0 && quad_aligned(a.x) && (a.out == nullptr || quad_aligned(a.out)) &&
+                     (a.out_t == nullptr || (a.rows % kQuad == 0 && quad_aligned(a.out_t)));
   if (quads)  // also with no tiles: the inverse scale
     detail::fp8_cast_kernel<T, true><<<blocks, detail::kFp8Threads, 0, stream>>>(a);
   else
