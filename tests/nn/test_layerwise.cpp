@@ -328,6 +328,18 @@ TEST(Layerwise, RefusesWhatDoesNotFitBeforeAllocating) {
                                     std::string("smaller micro-batch"), std::string("fewer bits")})
       EXPECT_NE(e.find(want), std::string::npos) << "missing '" << want << "' in: " << e;
   }
+  {
+    // At 3 bits there are no fewer bits to offer: the advice starts with the next remedy.
+    using Rtn3 = Strategy<Quantized<3, RTN, Group<128>>, LoRA<16, 32, all_linears>, Precision<bf16, float>, Checkpointed>;
+    LayerwiseOptions o;
+    o.available_host_bytes = nn::layerwise_memory<Rtn3>(c).host_bytes - 1;
+    const std::string e = error_of([&] { nn::build_quantized_llama<Rtn3>(c, o); });
+    EXPECT_EQ(e.find("fewer bits"), std::string::npos) << e;
+    EXPECT_NE(e.find("is available (LayerwiseOptions::available_host_bytes): build onto a GPU (LayerwiseOptions::device), "
+                     "or choose a smaller model"),
+              std::string::npos)
+        << e;
+  }
 }
 
 // The planner's figures for the big presets: LLaMA-2-70B in NF4 builds onto one 80 GB GPU with a few GB of host

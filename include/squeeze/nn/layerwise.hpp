@@ -157,6 +157,14 @@ void check_layerwise_fits(const LlamaConfig& c, const LayerwiseOptions& o, bool 
   const std::string step = o.train ? "; plan_memory's peak of a training step of micro-batch " + std::to_string(o.train->micro_batch) +
                                          " x seq " + std::to_string(o.train->seq) + ": " + gigabytes(need.planned_step_bytes)
                                    : "";
+  // The remedies that apply to this strategy and this build, as "a, b, or c"; at 3 bits there are no fewer bits to offer.
+  const auto remedies = [](std::vector<std::string> r) {
+    r.push_back("choose a smaller model");
+    std::string joined;
+    for (size_t i = 0; i < r.size(); ++i) joined += (i == 0 ? "" : i + 1 == r.size() ? ", or " : ", ") + r[i];
+    return joined;
+  };
+  const bool more_than_3_bits = S::weight_bits > 3;
   const std::optional<int64_t> host = o.available_host_bytes ? o.available_host_bytes : host_memory_available();
   if (host) {
     std::vector<std::string> parts;  // what the host figure is made of
@@ -169,28 +177,33 @@ void check_layerwise_fits(const LlamaConfig& c, const LayerwiseOptions& o, bool 
     if (need.read_buffer_bytes > 0) parts.push_back("one checkpoint tensor " + gigabytes(need.read_buffer_bytes));
     std::string made_of;
     for (const std::string& part : parts) made_of += (made_of.empty() ? "" : " + ") + part;
+    std::vector<std::string> r;
+    if (more_than_3_bits) r.push_back("quantize to fewer bits (Quantized<3, ...>)");
+    if (o.device.is_cpu()) r.push_back("build onto a GPU (LayerwiseOptions::device)");
+    if (S::stream_frozen_base) r.push_back("keep the packed blocks on the GPU (remove Offload<Host, Streamed>)");
+    if (o.train && o.device.is_cpu()) r.push_back("train a smaller micro-batch or shorter sequences");
     TORCH_CHECK(need.host_bytes <= *host, what, " needs ", gigabytes(need.host_bytes), " of host memory (", made_of,
                 o.device.is_cpu() ? step : std::string(), "), but ", gigabytes(*host), " is available",
-                o.available_host_bytes ? " (LayerwiseOptions::available_host_bytes)" : " (MemAvailable in /proc/meminfo)",
-                ": quantize to fewer bits (Quantized<3, ...>)", o.device.is_cpu() ? ", build onto a GPU (LayerwiseOptions::device)" : "",
-                S::stream_frozen_base ? ", keep the packed blocks on the GPU (remove Offload<Host, Streamed>)" : "",
-                o.train && o.device.is_cpu() ? ", train a smaller micro-batch or shorter sequences" : "", ", or choose a smaller model");
+                o.available_host_bytes ? " (LayerwiseOptions::available_host_bytes)" : " (MemAvailable in /proc/meminfo)", ": ",
+                remedies(std::move(r)));
   }
   if (o.device.is_cpu()) return;
   const std::optional<int64_t> device = o.available_device_bytes ? o.available_device_bytes : device_memory_total(o.device);
   if (!device) return;
+  std::vector<std::string> r;
+  if (more_than_3_bits) r.push_back("quantize to fewer bits (Quantized<3, ...>)");
+  if (made_on_device) r.push_back("draw on the host (LayerwiseOptions::draw_on_device = false)");
+  if (o.train)
+    r.push_back(
+        "train a smaller micro-batch or shorter sequences, add Checkpointed, offload the optimizer state "
+        "(Sharded<Stage1> + Offload<Host>)");
   TORCH_CHECK(need.device_bytes <= *device, what, " needs ", gigabytes(need.device_bytes), " on ", o.device.str(),
               S::stream_frozen_base ? " (adapters and the packed block in flight, " : " (packed blocks and adapters ",
               gigabytes(S::stream_frozen_base ? need.device_bytes - need.dense_rest_bytes : need.packed_bytes),
               " + embedding, head and norms in float ", gigabytes(need.dense_rest_bytes),
               made_on_device ? " + one float block drawn there and one dense linear being packed" : " + one dense linear being packed",
               step, "), but the device has ", gigabytes(*device),
-              o.available_device_bytes ? " (LayerwiseOptions::available_device_bytes)" : "", ": quantize to fewer bits (Quantized<3, ...>)",
-              made_on_device ? ", draw on the host (LayerwiseOptions::draw_on_device = false)" : "",
-              o.train ? ", train a smaller micro-batch or shorter sequences, add Checkpointed, offload the optimizer state "
-                        "(Sharded<Stage1> + Offload<Host>)"
-                      : "",
-              ", or choose a smaller model");
+              o.available_device_bytes ? " (LayerwiseOptions::available_device_bytes)" : "", ": ", remedies(std::move(r)));
 }
 
 // A stand-in for one of a block's linears during the calibration forward: adds its input to the Hessian it shares
