@@ -59,6 +59,9 @@ def add_run_arguments(ap, out_help, batch_help):
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--corpus", default="", help="byte windows of this text file instead of random tokens")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="after the timed steps, this many more under torch.profiler: the line gains \"profile\" "
+                         "(bench/profile_table.py sorts its kernels by kind)")
 
 
 def require_positive(args, names):
@@ -100,6 +103,72 @@ def batch(args, vocab, tokens, step, rank, world, device):
         w = tokens[start + torch.arange(args.seq + 1)]  # [B·world, T+1]
     w = w[rank * args.batch : (rank + 1) * args.batch].to(device)
     return w[:, :-1], w[:, 1:]
+
+
+def profile_steps(step, steps, device):
+    """step(i) for i in range(steps) under torch.profiler, reduced as bench/step_profile.hpp reduces bench_table's:
+    {"steps", "wall_ms" (host clock, each step synchronised), "busy_ms" (the union of the device's intervals),
+    "kernels": [[name, launches, ms], ...] longest first}. On the CPU the record holds torch's operators."""
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for i in range(steps):
+            step(i)
+            if cuda:
+                torch.cuda.synchronize(device)
+        wall_ms = 1e3 * (time.perf_counter() - t0)
+    want = torch._C._autograd.DeviceType.CUDA if cuda else torch._C._autograd.DeviceType.CPU
+    totals, spans = {}, []
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() != want or e.end_ns() <= e.start_ns():
+            continue
+        t = totals.setdefault(e.name(), [0, 0.0])
+        t[0] += 1
+        t[1] += e.duration_ns() / 1e6
+        spans.append((e.start_ns(), e.end_ns()))
+    return {"steps": steps, "wall_ms": wall_ms, "busy_ms": union_ms(spans),
+            "kernels": sorted(([n, c, ms] for n, (c, ms) in totals.items()), key=lambda k: -k[2])}
+
+
+def union_ms(spans):
+    """Milliseconds covered by the union of [start, end) nanosecond intervals."""
+    covered, open_start, open_end = 0, None, None
+    for s, e in sorted(spans):
+        if open_end is not None and s <= open_end:
+            open_end = max(open_end, e)
+            continue
+        if open_end is not None:
+            covered += open_end - open_start
+        open_start, open_end = s, e
+    if open_end is not None:
+        covered += open_end - open_start
+    return covered / 1e6
+
+
+# Where a step's device time goes, by kernel name (lower case; the first kind whose words one appears in): the table of
+# bench/profile_table.py. Anything else (norms, RoPE, SwiGLU, the loss, the optimizer, casts) is elementwise.
+KERNEL_KINDS = (
+    ("communication", ("nccl",)),
+    ("copy", ("memcpy", "memset")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "attn")),
+    ("dequantize", ("dequant",)),
+    ("gemm", ("gemm", "gemv", "xmma", "cutlass", "nvjet", "wgmma", "cublas", "triton_tem", "scaled_mm", "splitk")),
+)
+KINDS = tuple(k for k, _ in KERNEL_KINDS) + ("elementwise",)
+
+
+def kernel_kind(name):
+    """The kind (KINDS) of a kernel named `name`."""
+    low = name.lower()
+    for kind, words in KERNEL_KINDS:
+        if any(w in low for w in words):
+            return kind
+    return "elementwise"
 
 
 def run_metadata(device_type):

@@ -2,7 +2,7 @@
 # One call on the GPU machine: build with libtorch's CUDA side, run the GPU tests (ctest -L cuda) and the
 # benchmarks, write full results under $OUT (default ./gpu-results) and print a short table last.
 #   usage: bash bench/run_gpu.sh [bench-name ...]    (no names: all benchmarks but the 7B rows;
-#          names: adamw adamw8_shapes fused gemm4 gemm4_probe dequant wgmma_rate gptq zero table table7b table7b_offload table7b_stream table7b_hostckpt table7b_qlora_hostckpt table13b_stream long8b long8b_peer table70b table175b table_fp8 table7b_fp8 fp8_bound diag7b ncu_gemm ncu_sm90 llama_gptq quantize7b scale scale7b scale7b_w1 peers peers_fp8 qlora)
+#          names: adamw adamw8_shapes fused gemm4 gemm4_probe dequant wgmma_rate gptq zero table table7b table7b_offload table7b_stream table7b_hostckpt table7b_qlora_hostckpt table13b_stream long8b long8b_peer table70b table175b table_fp8 table7b_fp8 fp8_bound diag7b ncu_gemm ncu_sm90 llama_gptq quantize7b scale scale7b scale7b_w1 peers peers_fp8 qlora profile)
 #   env: TARGETS="t1 t2" builds only those targets (default: everything); GPU_TESTS=0 skips ctest -L cuda;
 #        GPU_TESTS_REGEX="Quant|Zero" runs only the cuda-labelled tests whose names match (ctest -R);
 #        BENCH_ARGS_<name>="..." extra arguments for one benchmark (e.g. BENCH_ARGS_table="--rows bf16,ckpt");
@@ -267,6 +267,34 @@ if named peers_fp8; then
 fi
 if named scale || named scale7b || named scale7b_w1 || named peers || named peers_fp8; then
   python3 "$ROOT/bench/fsdp2/compare.py" "$OUT/scale.jsonl" "$OUT/fsdp2.jsonl" | tee "$OUT/scale-table.txt"
+fi
+
+# Where the time goes (only when named): at TinyLlama-1.1B, T=2048, each row measured as usual and then 2 more steps under
+# the profiler (--profile-steps), beside its peers profiled the same way: zero3-bf16 and zero3-bf16-ckpt beside FSDP2
+# compiled and compiled + Liger, qlora (B=8, and B=2 at T=512) beside transformers + bitsandbytes + PEFT; then
+# bench/profile_table.py: milliseconds per step by kind (profile.txt, profile.jsonl). Needs the liger-kernel, bitsandbytes
+# and peft wheels importable (bench/qlora/README.md).
+if named profile; then
+  echo "== profile (TinyLlama-1.1B: ours and the peers, 2 steps each under the profiler)"
+  prof=(--profile-steps 2 "${corpus[@]}")
+  for row in zero3-bf16 zero3-bf16-ckpt; do
+    scale_launch 1 "${SCALE_TIMEOUT:-180}" --no-python "$BUILD/bench/table/bench_table" --preset tinyllama-1.1b --rows "$row:8" --seq 2048 \
+      --eval-seqs 0 "${prof[@]}" --out "$OUT/profile-ours.jsonl"
+    ckpt=(); [[ $row == *ckpt* ]] && ckpt=(--ckpt)
+    for variant in "--compile" "--compile --liger"; do
+      scale_launch 1 "${PEER_TIMEOUT:-300}" "$ROOT/bench/fsdp2/fsdp2_llama.py" --preset tinyllama-1.1b --batch 8 --seq 2048 "${ckpt[@]}" $variant \
+        "${prof[@]}" --out "$OUT/profile-peers.jsonl"
+    done
+  done
+  for bt in "8 2048" "2 512"; do
+    read -r b t <<<"$bt"
+    timeout "${PEER_TIMEOUT:-300}" "$BUILD/bench/table/bench_table" --preset tinyllama-1.1b --rows "qlora:$b" --seq "$t" --eval-seqs 0 \
+      "${prof[@]}" --out "$OUT/profile-ours.jsonl" 2>&1 | grep -E "^qlora" | head -2
+    timeout "${PEER_TIMEOUT:-300}" python3 "$ROOT/bench/qlora/qlora_peer.py" --preset tinyllama-1.1b --batch "$b" --seq "$t" "${prof[@]}" \
+      --out "$OUT/profile-peers.jsonl" 2>&1 | grep -E "^hf-bnb|Error" | head -2
+  done
+  python3 "$ROOT/bench/profile_table.py" "$OUT/profile-ours.jsonl" "$OUT/profile-peers.jsonl" --top 5 --jsonl "$OUT/profile.jsonl" |
+    tee "$OUT/profile.txt"
 fi
 
 # QLoRA against transformers + bitsandbytes + PEFT (only when named): bench_table's qlora row and bench/qlora/qlora_peer.py

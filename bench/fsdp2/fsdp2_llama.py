@@ -66,7 +66,7 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 # The presets, the FLOPs formula and peak constant, the data windows: shared with bench_table's other peers.
 from bench_common import (H200_DENSE_BF16_FLOPS, NORM_EPS, PRESETS, ROPE_THETA, append_jsonl, batch, corpus_tokens,  # noqa: E402
-                          add_run_arguments, flops_per_token, require_positive, run_metadata)
+                          add_run_arguments, flops_per_token, profile_steps, require_positive, run_metadata)
 
 def liger():
     """Liger-Kernel's modules, imported only when asked for (a wheel: bench/fsdp2/README.md)."""
@@ -338,6 +338,8 @@ def main():
         time_ms = 1e3 * (time.perf_counter() - t0) / args.steps
         peak_gb = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0
         reserved_gb = torch.cuda.max_memory_reserved(device) / 1e9 if device.type == "cuda" else 0.0
+        if args.profile_steps > 0:  # after the peaks and the clock, as bench_table's --profile-steps
+            record["profile"] = profile_steps(lambda j: step(args.warmup + args.steps + j), args.profile_steps, device)
 
         # The slowest rank's time, the largest peaks, the mean loss.
         mx = torch.tensor([time_ms, peak_gb, reserved_gb], dtype=torch.float64, device=device)

@@ -70,7 +70,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 # The presets, the FLOPs formula and peak constant, the learning rate, the data windows: bench_table's, shared.
 from bench_common import (H200_DENSE_BF16_FLOPS, NORM_EPS, PRESETS, ROPE_THETA, append_jsonl, batch, corpus_tokens,  # noqa: E402
-                          add_run_arguments, default_lr, flops_per_token, require_positive, run_metadata)
+                          add_run_arguments, default_lr, flops_per_token, profile_steps, require_positive, run_metadata)
 
 
 def llama_config(vocab, hidden, layers, heads, kv_heads, ffn, seq):
@@ -296,10 +296,14 @@ def main():
         time_ms = 1e3 * (time.perf_counter() - t0) / args.steps
         tps = args.batch * args.seq / (time_ms / 1e3)
         record.update({"time_ms": time_ms, "iters_per_s": 1e3 / time_ms, "tokens_per_s": tps, "tokens_per_s_per_gpu": tps,
-                       "mfu": model_flops * tps / H200_DENSE_BF16_FLOPS, "final_loss": loss, "losses": losses})
+                       "mfu": model_flops * tps / H200_DENSE_BF16_FLOPS, "final_loss": loss, "losses": list(losses)})
         if device.type == "cuda":
             record["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
             record["reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1e9
+        if args.profile_steps > 0:  # after the peaks and the clock, as bench_table's --profile-steps
+            first = args.warmup + args.steps
+            more = [(first + j, *batch(args, vocab, tokens, first + j, 0, 1, device)) for j in range(args.profile_steps)]
+            record["profile"] = profile_steps(lambda j: step(*more[j]), args.profile_steps, device)
     except Exception as e:  # noqa: BLE001 — out of memory is a result; anything else an error; both are written
         record["oom"] = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e)
         record["error"] = (str(e).split("\n")[0] or type(e).__name__)[:300]

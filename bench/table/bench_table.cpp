@@ -175,6 +175,11 @@ int table_main(int argc, char** argv) {
         return "--mlp-tile takes a number of tokens (0: untiled) or auto, got '" + v + "'";
       })
       ->capture_default_str();
+  app.add_option("--profile-steps", o.profile_steps,
+                 "after each strategy row's measurements, this many more steps under the profiler: the row's line gains "
+                 "\"profile\", its kernels by name (bench/profile_table.py sorts them by kind)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--seed", o.seed, "seed of the training batches")->capture_default_str();
   app.add_option("--corpus", o.corpus, "train on this text file (default: the KJV if installed, else the built-in text)");
   app.add_option("--threads", o.threads, "CPU threads of libtorch (0: its default)")->capture_default_str();
@@ -356,6 +361,7 @@ int table_main(int argc, char** argv) {
       j["losses"] = row.losses;  // rank 0's loss per step: the first is the loss of the initial weights
       j["skipped_steps"] = row.skipped;
       if (row.build_s) j["build_s"] = *row.build_s;
+      if (row.profile) j["profile"] = row.profile->to_json();
       if (row.host_update_ms) {
         j["host_wait_ms"] = *row.host_wait_ms;
         j["host_sumsq_ms"] = *row.host_sumsq_ms;

@@ -84,6 +84,7 @@
 #include <malloc.h>
 #endif
 
+#include "../step_profile.hpp"
 #include "data.hpp"
 #include "trainer.hpp"
 
@@ -99,6 +100,7 @@ struct Options {
   std::string out, csv, preset = "tinyllama-1.1b", device = "cuda", rows, corpus;
   std::string hf;  // a Hugging Face LLaMA directory every row starts from (its config replaces the preset)
   int64_t batch = 8, seq = 2048, steps = 3, warmup = 2, layers = 0, eval_seqs = 8, threads = 0, lr_warmup = 0;
+  int64_t profile_steps = 0;  // steps under the profiler after everything measured (a row's "profile": where the time goes)
   int64_t loss_chunk = llama::TrainOptions{}.loss_chunk_tokens;  // the strategy rows' (the peer never chunks)
   bool fused_loss = false;                                       // the strategy rows' loss fused (nn::fused_linear_cross_entropy)
   std::string mlp_tile = "auto";                                 // tokens per MLP tile, or the planner's choice
@@ -176,6 +178,7 @@ struct Row {
   std::string gradient_buffers;   // stages 0-1: when the trainer's full gradient buffer existed (plan::GradientBuffers)
   int64_t mlp_tile = 0;           // tokens per MLP tile the row trained with (0: untiled)
   std::optional<double> build_s;  // seconds to build the trainer (the model, quantized block by block where it is)
+  std::optional<bench::StepProfile> profile;  // --profile-steps: the kernels of those steps (bench/step_profile.hpp)
   bool oom = false;
   std::string error;
 };
@@ -276,6 +279,27 @@ void run_steps(const Options& o, int64_t batch, const Data& data, const Dist& d,
   if (o.eval_seqs == 0) return;
   const int64_t per = std::min<int64_t>(4, o.eval_seqs);
   row.val_loss = eval(llama::val_batches(data.val, per, o.seq, std::max<int64_t>(1, o.eval_seqs / per), device));
+}
+
+// --profile-steps: that many more steps under the profiler, after the row's peaks and timings are read (the profiler's
+// buffers and its overhead stay out of them), on the batches after the timed ones.
+template <class Step, class Sync>
+void profile_row(const Options& o, int64_t batch, const Data& data, const Dist& d, const torch::Device& device, Row& row, Step&& step,
+                 Sync&& sync) {
+  if (o.profile_steps <= 0) return;
+  const int64_t first = o.warmup + o.steps;
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> batches;
+  for (int64_t i = 0; i < o.profile_steps; ++i) batches.push_back(rank_batch(o, data, batch, first + i, d, device));
+  sync();
+  synchronize(device);
+  const train::TransferCounters transfers = row.transfers;  // the row's counters are the timed steps'
+  const int64_t skipped = row.skipped;
+  row.profile = bench::profile_steps(o.profile_steps, device, [&](int64_t i) {
+    step(batches[i].first, batches[i].second);  // the loss read-back synchronises the step
+    sync();
+    synchronize(device);
+  });
+  row.transfers = transfers, row.skipped = skipped;
 }
 
 // World > 1: the slowest rank's step time (collectives keep the ranks in step anyway), the largest per-GPU peaks,

@@ -37,20 +37,21 @@ bool run_strategy_part(const RowSpec& spec, const Options& o, const nn::LlamaCon
     else
       trainer.emplace(LlamaRun<S>::from_hf(o.hf, topt, device, d.comm));
     row.build_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - built).count();
+    int64_t step_index = 0;
+    const auto train_step = [&](const torch::Tensor& x, const torch::Tensor& y) {
+      trainer->set_lr(lr_at(o, step_index++));
+      const llama::BatchResult r = trainer->step(x, y);
+      row.skipped += r.applied ? 0 : 1;
+      row.transfers.h2d_bytes += r.transfers.h2d_bytes;
+      row.transfers.d2h_bytes += r.transfers.d2h_bytes;
+      row.transfers.h2d_copy_s += r.transfers.h2d_copy_s;
+      row.transfers.copy_wait_s += r.transfers.copy_wait_s;
+      if constexpr (S::stage <= 1) row.gradient_buffers = plan::to_string(trainer->trainer().options().gradient_buffers);
+      return r.loss;
+    };
+    const auto sync = [&] { trainer->sync(); };
     run_steps(
-        o, spec.batch, data, d, device, row,
-        [&, i = int64_t(0)](const torch::Tensor& x, const torch::Tensor& y) mutable {
-          trainer->set_lr(lr_at(o, i++));
-          const llama::BatchResult r = trainer->step(x, y);
-          row.skipped += r.applied ? 0 : 1;
-          row.transfers.h2d_bytes += r.transfers.h2d_bytes;
-          row.transfers.d2h_bytes += r.transfers.d2h_bytes;
-          row.transfers.h2d_copy_s += r.transfers.h2d_copy_s;
-          row.transfers.copy_wait_s += r.transfers.copy_wait_s;
-          if constexpr (S::stage <= 1) row.gradient_buffers = plan::to_string(trainer->trainer().options().gradient_buffers);
-          return r.loss;
-        },
-        [&] { trainer->sync(); },
+        o, spec.batch, data, d, device, row, train_step, sync,
         [&](bool begin) {
           if constexpr (S::offload_to_host) {
             if (begin) {
@@ -66,6 +67,7 @@ bool run_strategy_part(const RowSpec& spec, const Options& o, const nn::LlamaCon
         },
         [&](const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches) { return trainer->evaluate(batches); });
     row.host_peak_gb = llama::device_memory(torch::kCPU).peak_gb;
+    profile_row(o, spec.batch, data, d, device, row, train_step, sync);
     if (d.world > 1) reduce_over_ranks(d, device, row);
   });
   return found;
