@@ -127,6 +127,8 @@ def profile_steps(step, steps, device):
     for e in prof.profiler.kineto_results.events():
         if e.device_type() != want or e.end_ns() <= e.start_ns():
             continue
+        if cuda and e.activity_type() not in ("kernel", "gpu_memcpy", "gpu_memset"):  # e.g. an annotation spanning kernels
+            continue
         t = totals.setdefault(e.name(), [0, 0.0])
         t[0] += 1
         t[1] += e.duration_ns() / 1e6

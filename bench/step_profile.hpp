@@ -3,6 +3,7 @@
 // launches and time on the device, the time the device was busy at all (the union of those intervals, streams
 // overlapping) and the host clock's time. bench_common.profile_steps reduces a Python peer's steps to the same record,
 // so both sides are classified (GEMM, attention, elementwise, copy, communication) by one script.
+#include <kineto/ActivityType.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/torch.h>
 
@@ -55,6 +56,13 @@ inline double union_ms(std::vector<std::pair<uint64_t, uint64_t>> spans) {
   return double(covered) / 1e6;
 }
 
+// A device event that is work: a kernel, a copy or a set (not an annotation or a synchronisation spanning them).
+inline bool is_device_work(uint8_t activity) {
+  using libkineto::ActivityType;
+  return activity == uint8_t(ActivityType::CONCURRENT_KERNEL) || activity == uint8_t(ActivityType::GPU_MEMCPY) ||
+         activity == uint8_t(ActivityType::GPU_MEMSET);
+}
+
 // Runs step(i) for i in [0, steps) under the profiler (step ends synchronised with the device). On a CUDA device the
 // record holds the device's kernels, copies and sets; on the CPU, libtorch's operators (nested ones each counted).
 template <class Step>
@@ -79,6 +87,7 @@ StepProfile profile_steps(int64_t steps, const torch::Device& device, Step&& ste
   std::vector<std::pair<uint64_t, uint64_t>> spans;
   for (const autograd_prof::KinetoEvent& e : result->events()) {
     if (e.deviceType() != device.type() || e.endNs() <= e.startNs()) continue;
+    if (device.is_cuda() && !is_device_work(e.activityType())) continue;  // e.g. an annotation spanning kernels
     KernelTotal& t = p.kernels[e.name()];
     t.count += 1;
     t.ms += double(e.durationNs()) / 1e6;

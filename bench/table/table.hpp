@@ -174,10 +174,10 @@ struct Row {
   // process's resident host memory when the row began and at its peak (VmHWM, reset at the row's start).
   train::TransferCounters transfers;
   std::optional<double> host_before_gb, host_peak_gb;
-  int64_t skipped = 0;            // optimizer steps skipped for non-finite gradients (fp16 loss scaling)
-  std::string gradient_buffers;   // stages 0-1: when the trainer's full gradient buffer existed (plan::GradientBuffers)
-  int64_t mlp_tile = 0;           // tokens per MLP tile the row trained with (0: untiled)
-  std::optional<double> build_s;  // seconds to build the trainer (the model, quantized block by block where it is)
+  int64_t skipped = 0;                        // optimizer steps skipped for non-finite gradients (fp16 loss scaling)
+  std::string gradient_buffers;               // stages 0-1: when the trainer's full gradient buffer existed (plan::GradientBuffers)
+  int64_t mlp_tile = 0;                       // tokens per MLP tile the row trained with (0: untiled)
+  std::optional<double> build_s;              // seconds to build the trainer (the model, quantized block by block where it is)
   std::optional<bench::StepProfile> profile;  // --profile-steps: the kernels of those steps (bench/step_profile.hpp)
   bool oom = false;
   std::string error;
