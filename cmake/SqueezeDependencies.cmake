@@ -74,6 +74,24 @@ if(NOT CMAKE_CXX_COMPILER_LAUNCHER)
   endif()
 endif()
 
+# squeeze_unit_parts(<sources var> <macro> <header> <parts>): one small generated unit per part that defines <macro> as
+# its part and includes <header> (which instantiates that part's share of a compile-time table, e.g. the strategies),
+# appended to <sources var>; nothing with one part (the main unit instantiates them all). The GPU machine's cores then
+# compile the shares in parallel; elsewhere one part (each unit parses libtorch's headers again).
+function(squeeze_unit_parts sources_var macro header parts)
+  set(_sources ${${sources_var}})
+  if(parts GREATER 1)
+    math(EXPR _last "${parts} - 1")
+    foreach(part RANGE 0 ${_last})
+      string(MAKE_C_IDENTIFIER "${header}" _stem)
+      set(_f ${CMAKE_CURRENT_BINARY_DIR}/${_stem}_part${part}.cpp)
+      file(CONFIGURE OUTPUT ${_f} CONTENT "#define ${macro} ${part}\n#include \"${header}\"\n")
+      list(APPEND _sources ${_f})
+    endforeach()
+  endif()
+  set(${sources_var} ${_sources} PARENT_SCOPE)
+endfunction()
+
 # Host flags for a torch translation unit that nvcc compiles (CUDA libtorch builds: bench_table, llama_train,
 # llama_gptq). g++'s -fno-math-errno and OpenMP reach the host compiler only through -Xcompiler
 # (OpenMP::OpenMP_CXX's flags apply to CXX sources alone); the CPU AdamW of Offload<Host> needs both to

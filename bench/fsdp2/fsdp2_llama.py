@@ -339,7 +339,10 @@ def main():
         peak_gb = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0
         reserved_gb = torch.cuda.max_memory_reserved(device) / 1e9 if device.type == "cuda" else 0.0
         if args.profile_steps > 0:  # after the peaks and the clock, as bench_table's --profile-steps
-            record["profile"] = profile_steps(lambda j: step(args.warmup + args.steps + j), args.profile_steps, device)
+            try:
+                record["profile"] = profile_steps(lambda j: step(args.warmup + args.steps + j), args.profile_steps, device)
+            except RuntimeError as e:  # the row keeps what it measured
+                record["profile_error"] = str(e).split("\n")[0][:300]
 
         # The slowest rank's time, the largest peaks, the mean loss.
         mx = torch.tensor([time_ms, peak_gb, reserved_gb], dtype=torch.float64, device=device)

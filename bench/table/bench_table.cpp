@@ -362,6 +362,7 @@ int table_main(int argc, char** argv) {
       j["skipped_steps"] = row.skipped;
       if (row.build_s) j["build_s"] = *row.build_s;
       if (row.profile) j["profile"] = row.profile->to_json();
+      if (!row.profile_error.empty()) j["profile_error"] = row.profile_error;
       if (row.host_update_ms) {
         j["host_wait_ms"] = *row.host_wait_ms;
         j["host_sumsq_ms"] = *row.host_sumsq_ms;

@@ -179,6 +179,7 @@ struct Row {
   int64_t mlp_tile = 0;                       // tokens per MLP tile the row trained with (0: untiled)
   std::optional<double> build_s;              // seconds to build the trainer (the model, quantized block by block where it is)
   std::optional<bench::StepProfile> profile;  // --profile-steps: the kernels of those steps (bench/step_profile.hpp)
+  std::string profile_error;                  // why they could not be profiled (the row's measurements stand)
   bool oom = false;
   std::string error;
 };
@@ -294,11 +295,15 @@ void profile_row(const Options& o, int64_t batch, const Data& data, const Dist& 
   synchronize(device);
   const train::TransferCounters transfers = row.transfers;  // the row's counters are the timed steps'
   const int64_t skipped = row.skipped;
-  row.profile = bench::profile_steps(o.profile_steps, device, [&](int64_t i) {
-    step(batches[i].first, batches[i].second);  // the loss read-back synchronises the step
-    sync();
-    synchronize(device);
-  });
+  try {
+    row.profile = bench::profile_steps(o.profile_steps, device, [&](int64_t i) {
+      step(batches[i].first, batches[i].second);  // the loss read-back synchronises the step
+      sync();
+      synchronize(device);
+    });
+  } catch (const std::exception& e) {  // e.g. no profiler in this libtorch: the row keeps what it measured
+    row.profile_error = e.what();
+  }
   row.transfers = transfers, row.skipped = skipped;
 }
 
