@@ -127,3 +127,37 @@ TEST(RtnGrid, RejectsNonFinite) {
   std::vector<float> w = {1.f, NAN};
   EXPECT_THROW(rtn_quantize(w, 1, 2, {}), Error);
 }
+
+// The codes rtn_quantize writes (its group loops compiled for the host's vector width) are quantize_code of each value
+// on its group's grid, the grid find_grid of the group's min and max: odd sizes, values on half steps, every width.
+TEST(RtnGrid, CodesAreQuantizeCodeOfEachValue) {
+  std::mt19937 rng(11);
+  const std::int64_t out = 9, in = 333;  // groups of 64: five whole and a partial one
+  std::vector<float> w(out * in);
+  std::normal_distribution<float> nd(0.f, 0.05f);
+  for (auto& v : w) v = nd(rng);
+  for (std::int64_t i = 0; i < in; ++i) w[2 * in + i] = 0.25f * float(i % 9);  // row 2: on and between the grid's steps
+  for (int bits : {2, 3, 4, 8})
+    for (int group : {64, 0}) {
+      const PackedLinear p = rtn_quantize(w, out, in, {.bits = bits, .group_size = group, .sym = false});
+      const std::int64_t gs = group > 0 ? group : in;
+      for (std::int64_t o = 0; o < out; ++o)
+        for (std::int64_t g0 = 0; g0 < in; g0 += gs) {
+          const std::int64_t g1 = std::min(in, g0 + gs);
+          float mn = w[o * in + g0], mx = mn;
+          for (std::int64_t i = g0; i < g1; ++i) mn = std::min(mn, w[o * in + i]), mx = std::max(mx, w[o * in + i]);
+          const Grid grid = find_grid(mn, mx, bits, false);
+          for (std::int64_t i = g0; i < g1; ++i)
+            ASSERT_EQ(p.code(i, o), quantize_code(w[o * in + i], grid, bits))
+                << "bits " << bits << " group " << group << " at " << o << ", " << i;
+        }
+    }
+}
+
+TEST(RtnGrid, RejectsInfinityAsNaN) {
+  std::vector<float> w(300, 0.5f);
+  w[257] = INFINITY;  // in the last, partial group of 128
+  EXPECT_THROW(rtn_quantize(w, 1, 300, {}), Error);
+  w[257] = -INFINITY;
+  EXPECT_THROW(rtn_quantize(w, 1, 300, {}), Error);
+}

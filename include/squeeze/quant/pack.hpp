@@ -19,6 +19,7 @@
 // only where a zero point is 0: GPTQModel's v1 subtracts the constant from whole words, borrowing from the
 // field above; quant/v1_zeros.hpp converts (gptq_file.hpp and io/hf_gptq.hpp read and write files that way).
 // quant/rtn.hpp's grid keeps zero >= 1, where both forms are the same words.
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -41,6 +42,34 @@ constexpr std::int64_t packed_words(std::int64_t count, int bits) { return (coun
 
 using kernels::quant::stream_get;  // the bit stream of the format (squeeze/kernels/quant/bitstream.cuh)
 using kernels::quant::stream_put;
+
+// Word w of the bit stream of codes[0, count) (each masked to Bits): the codes that touch stream bits [32w, 32w + 32),
+// the first and the last of them possibly straddling into the neighbouring words (3 bits); unused high bits zero.
+template <int Bits>
+inline std::uint32_t stream_word(const std::uint8_t* codes, std::int64_t count, std::int64_t w) {
+  constexpr std::uint64_t mask = (1u << Bits) - 1u;
+  const std::int64_t first_bit = w * 32;
+  if constexpr (32 % Bits == 0) {  // whole codes only: 32 / Bits of them from code 32w / Bits on
+    constexpr int per_word = 32 / Bits;
+    const std::int64_t j0 = first_bit / Bits;
+    std::uint32_t word = 0;
+    if (j0 + per_word <= count) {
+      for (int k = 0; k < per_word; ++k) word |= std::uint32_t(codes[j0 + k] & mask) << (k * Bits);
+    } else {
+      for (std::int64_t j = j0; j < count; ++j) word |= std::uint32_t(codes[j] & mask) << ((j - j0) * Bits);
+    }
+    return word;
+  } else {
+    const std::int64_t end = std::min(count, (first_bit + 32 + Bits - 1) / Bits);
+    std::uint64_t word = 0;
+    for (std::int64_t j = first_bit / Bits; j < end; ++j) {
+      const std::int64_t shift = j * Bits - first_bit;  // > -Bits: a code straddling in from word w - 1 has a negative one
+      const std::uint64_t c = codes[j] & mask;
+      word |= shift >= 0 ? c << shift : c >> -shift;
+    }
+    return std::uint32_t(word);
+  }
+}
 
 // ---- the packed tensors of one layer ----------------------------------------------------------------------
 struct PackedLinear {
@@ -112,17 +141,38 @@ inline PackedLinear pack(std::span<const std::uint8_t> q, std::span<const std::u
   p.qzeros.assign(g * p.qzeros_cols(), 0);
   p.scales.resize(g * out);
   p.g_idx.assign(g_idx.begin(), g_idx.end());
-  // Output row o fills column o of qweight alone: threads take ranges of rows.
+  // Output row o fills column o of qweight alone: threads take ranges of rows. Each word is assembled whole from its
+  // row's codes and written once, for kTile rows side by side (one cache line of qweight), not code by code down a
+  // column whose words lie `out` apart.
+  constexpr std::int64_t kTile = 16;
   std::atomic<bool> out_of_range{false};
   std::int32_t* const qweight = p.qweight.data();
+  const std::int64_t words = p.qweight_rows();
   kernels::cpu::parallel_rows(out, in, [&, codes = q.data()](int, std::int64_t r0, std::int64_t r1) {
-    bool bad = false;
-    for (std::int64_t o = r0; o < r1; ++o)
-      for (std::int64_t i = 0; i < in; ++i) {
-        bad |= codes[o * in + i] > maxq;
-        stream_put(qweight + o, out, i, bits, codes[o * in + i]);
+    std::uint8_t widest = 0;
+    for (std::int64_t i = r0 * in; i < r1 * in; ++i) widest = std::max(widest, codes[i]);
+    if (widest > maxq) out_of_range = true;
+    const auto fill = [&]<int Bits>() {
+      for (std::int64_t t0 = r0; t0 < r1; t0 += kTile) {
+        const std::int64_t t1 = std::min(r1, t0 + kTile);
+        for (std::int64_t w = 0; w < words; ++w)
+          for (std::int64_t o = t0; o < t1; ++o) qweight[w * out + o] = std::int32_t(stream_word<Bits>(codes + o * in, in, w));
       }
-    if (bad) out_of_range = true;
+    };
+    switch (bits) {  // check_bits above: one of these
+      case 2:
+        fill.template operator()<2>();
+        break;
+      case 3:
+        fill.template operator()<3>();
+        break;
+      case 4:
+        fill.template operator()<4>();
+        break;
+      default:
+        fill.template operator()<8>();
+        break;
+    }
   });
   check(!out_of_range, "pack: code out of range for the bit width");
   for (std::int64_t gi = 0; gi < g; ++gi)

@@ -20,6 +20,27 @@ using kernels::quant::Grid;
 using kernels::quant::quantize_code;
 using kernels::quant::round_to_half;
 
+namespace detail {
+// One group's values [x, x + n): their min and max, and whether all are finite (x - x is 0 only for finite x). The loops
+// are compiled for the host's vector width (SQUEEZE_CPU_CLONES: AVX2 rounds 8 floats an instruction, the baseline calls
+// rintf); the same IEEE operations in any width, so the same bits.
+SQUEEZE_CPU_CLONES inline bool group_range(const float* x, std::int64_t n, float& mn, float& mx) {
+  float lo = x[0], hi = x[0], nonfinite = 0.f;
+  for (std::int64_t i = 0; i < n; ++i) {
+    lo = std::min(lo, x[i]);
+    hi = std::max(hi, x[i]);
+    nonfinite += x[i] - x[i];  // NaN as soon as one value is NaN or infinite
+  }
+  mn = lo, mx = hi;
+  return nonfinite == 0.f;
+}
+// quantize_code of each value on grid g, as bytes.
+SQUEEZE_CPU_CLONES inline void group_codes(const float* x, std::int64_t n, Grid g, int bits, std::uint8_t* codes) {
+  const float maxq = float((1u << bits) - 1u), zero = float(g.zero);
+  for (std::int64_t i = 0; i < n; ++i) codes[i] = std::uint8_t(fminf(fmaxf(rintf(x[i] / g.scale) + zero, 0.f), maxq));
+}
+}  // namespace detail
+
 struct RtnOptions {
   int bits = 4;
   int group_size = 128;  // 0: one group per output channel
@@ -45,17 +66,12 @@ inline PackedLinear rtn_quantize(std::span<const float> w, std::int64_t out, std
       std::uint8_t* codes = q.data() + o * in;
       for (std::int64_t g = 0; g < groups; ++g) {
         const std::int64_t i0 = g * gs, i1 = std::min(in, i0 + gs);
-        float mn = row[i0], mx = mn;
-        bool finite = true;
-        for (std::int64_t i = i0; i < i1; ++i) {
-          finite &= std::isfinite(row[i]);
-          mn = std::min(mn, row[i]);
-          mx = std::max(mx, row[i]);
-        }
+        float mn, mx;
+        const bool finite = detail::group_range(row + i0, i1 - i0, mn, mx);
         const Grid grid = find_grid(mn, mx, opt.bits, opt.sym);
         failure[o] = !finite ? not_finite : !(std::isfinite(grid.scale) && grid.scale <= 65504.f) ? too_wide : none;
         if (failure[o] != none) break;
-        for (std::int64_t i = i0; i < i1; ++i) codes[i] = std::uint8_t(quantize_code(row[i], grid, opt.bits));
+        detail::group_codes(row + i0, i1 - i0, grid, opt.bits, codes + i0);  // quantize_code of each
         zeros[g * out + o] = std::uint8_t(grid.zero);
         scales[g * out + o] = grid.scale;
       }
