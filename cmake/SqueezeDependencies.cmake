@@ -74,14 +74,21 @@ if(NOT CMAKE_CXX_COMPILER_LAUNCHER)
   endif()
 endif()
 
-# squeeze_unit_parts(<sources var> <macro> <header> <parts>): one small generated unit per part that defines <macro> as
-# its part and includes <header> (which instantiates that part's share of a compile-time table, e.g. the strategies),
-# appended to <sources var>; nothing with one part (the main unit instantiates them all). The GPU machine's cores then
-# compile the shares in parallel; elsewhere one part (each unit parses libtorch's headers again).
-function(squeeze_unit_parts sources_var macro header parts)
+# squeeze_unit_parts(<sources var> <macro> <header> <parts var> <doc>): the cache variable <parts var> (8 translation units
+# on a GPU machine's libtorch build, whose cores compile them in parallel; 1 elsewhere, where each unit would parse
+# libtorch's headers again), and one small generated unit per part that defines <macro> as its part and includes <header>
+# (which instantiates that part's share of a compile-time table, e.g. the strategies), appended to <sources var>. Nothing
+# is generated for one part: the main unit instantiates them all.
+function(squeeze_unit_parts sources_var macro header parts_var doc)
+  if(SQUEEZE_TORCH_CUDA)
+    set(_default 8)
+  else()
+    set(_default 1)
+  endif()
+  set(${parts_var} ${_default} CACHE STRING "${doc}")
   set(_sources ${${sources_var}})
-  if(parts GREATER 1)
-    math(EXPR _last "${parts} - 1")
+  if(${parts_var} GREATER 1)
+    math(EXPR _last "${${parts_var}} - 1")
     foreach(part RANGE 0 ${_last})
       string(MAKE_C_IDENTIFIER "${header}" _stem)
       set(_f ${CMAKE_CURRENT_BINARY_DIR}/${_stem}_part${part}.cpp)
