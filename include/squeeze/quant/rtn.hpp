@@ -34,10 +34,9 @@ SQUEEZE_CPU_CLONES inline bool group_range(const float* x, std::int64_t n, float
   mn = lo, mx = hi;
   return nonfinite == 0.f;
 }
-// quantize_code of each value on grid g, as bytes.
+// quantize_code of each value on grid g, as bytes (inlined into the vector loop).
 SQUEEZE_CPU_CLONES inline void group_codes(const float* x, std::int64_t n, Grid g, int bits, std::uint8_t* codes) {
-  const float maxq = float((1u << bits) - 1u), zero = float(g.zero);
-  for (std::int64_t i = 0; i < n; ++i) codes[i] = std::uint8_t(fminf(fmaxf(rintf(x[i] / g.scale) + zero, 0.f), maxq));
+  for (std::int64_t i = 0; i < n; ++i) codes[i] = std::uint8_t(quantize_code(x[i], g, bits));
 }
 }  // namespace detail
 
@@ -71,7 +70,7 @@ inline PackedLinear rtn_quantize(std::span<const float> w, std::int64_t out, std
         const Grid grid = find_grid(mn, mx, opt.bits, opt.sym);
         failure[o] = !finite ? not_finite : !(std::isfinite(grid.scale) && grid.scale <= 65504.f) ? too_wide : none;
         if (failure[o] != none) break;
-        detail::group_codes(row + i0, i1 - i0, grid, opt.bits, codes + i0);  // quantize_code of each
+        detail::group_codes(row + i0, i1 - i0, grid, opt.bits, codes + i0);
         zeros[g * out + o] = std::uint8_t(grid.zero);
         scales[g * out + o] = grid.scale;
       }
