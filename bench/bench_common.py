@@ -45,6 +45,19 @@ def default_lr(preset):
             "llama-175b": 5e-6}.get(preset, 3e-3)
 
 
+def non_negative_int(text):
+    """argparse type: an integer >= 0, else a message naming the value."""
+    import argparse
+
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got '{text}'") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
+
+
 def add_run_arguments(ap, out_help, batch_help):
     """The options every peer shares with bench_table's run: --out, --preset, --layers, --batch, --seq, --steps,
     --warmup, --clip, --seed, --corpus, --device."""
@@ -59,7 +72,7 @@ def add_run_arguments(ap, out_help, batch_help):
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--corpus", default="", help="byte windows of this text file instead of random tokens")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--profile-steps", type=int, default=0,
+    ap.add_argument("--profile-steps", type=non_negative_int, default=0,
                     help="after the timed steps, this many more under torch.profiler: the line gains \"profile\" "
                          "(bench/profile_table.py sorts its kernels by kind)")
 

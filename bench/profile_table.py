@@ -16,7 +16,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import KINDS, append_jsonl, kernel_kind, read_jsonl, split_jsonl_option, union_ms  # noqa: E402
+from bench_common import KINDS, add_run_arguments, append_jsonl, kernel_kind, read_jsonl, split_jsonl_option, union_ms  # noqa: E402
 
 
 def row_of(r):
@@ -48,6 +48,20 @@ def check(paths):
     assert union_ms([(0, 2_000_000), (1_000_000, 3_000_000), (5_000_000, 6_000_000)]) == 4.0
     assert union_ms([]) == 0.0
     n += 2
+    import argparse
+    import contextlib
+    import io
+
+    ap = argparse.ArgumentParser()
+    add_run_arguments(ap, "out", "batch")
+    assert ap.parse_args(["--out", "x", "--profile-steps", "2"]).profile_steps == 2
+    for bad in ("-1", "two"):  # the peers' --profile-steps refuses these, naming the value
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.suppress(SystemExit):
+            ap.parse_args(["--out", "x", "--profile-steps", bad])
+            raise AssertionError(f"--profile-steps {bad} accepted")
+        assert bad in err.getvalue(), err.getvalue()
+    n += 3
     for r in read_jsonl(paths, "profile_table.py"):
         p = r.get("profile")
         if not p:
