@@ -108,16 +108,18 @@ fi
 # an H100, the attention growing with T^2; 131,072 took 50 s at 30c4cb6). long8b_peer: the peer (transformers +
 # bitsandbytes + PEFT, r=16 on all linears, gradient checkpointing; bench/qlora's wheels) at each of LONG_PEER_SEQS
 # until it runs out of memory, its longest context; a call of its own beside the 400k row (each fits one 10-minute call).
+# On a larger card both act as an 80 GB one (--gpu-gb): ours within the target's 80 GB, the peer within an H100 80GB's
+# 81,559 MiB (85.5 GB).
 if named long8b; then
   for T in ${LONG_SEQS:-400000}; do
     run_bench long8b "$BUILD/bench/table/bench_table" --preset llama3-8b --rows qlora-all16-hostckpt8:1 --seq "$T" --steps 1 --warmup 0 \
-      --eval-seqs 0 --mlp-tile auto "${corpus[@]}"
+      --eval-seqs 0 --mlp-tile auto --gpu-gb 80 "${corpus[@]}"
   done
 fi
 if named long8b_peer; then
   echo "== long8b peer"
   timeout "${BENCH_TIMEOUT:-3600}" python3 "$ROOT/bench/qlora/qlora_peer.py" --preset llama3-8b --batch 1 --seqs "${LONG_PEER_SEQS:-16384,24576,32768,49152,65536}" \
-    --rank 16 --alpha 32 --targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj "${corpus[@]}" --out "$OUT/long8b-peer.jsonl" 2>&1 |
+    --rank 16 --alpha 32 --targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --gpu-gb 85.5 "${corpus[@]}" --out "$OUT/long8b-peer.jsonl" 2>&1 |
     tee "$OUT/long8b-peer.log" | grep -E "trained|out of memory|Error" | tail -8
 fi
 # LLaMA-2-70B on one GPU (only when named): NF4 and GPTQ-format 4- and 3-bit bases, r=16 adapters on all linears with

@@ -154,10 +154,14 @@ def main():
     ap.add_argument("--targets", default="q_proj,v_proj", help="LoRA target modules")
     ap.add_argument("--prepare-kbit", action="store_true", help="peft.prepare_model_for_kbit_training first (fp32 norms, embedding, head)")
     ap.add_argument("--seqs", default="", help="ascending sequence lengths: one step at each until one runs out of memory")
+    ap.add_argument("--gpu-gb", type=float, default=0.0, help="act as a GPU of this many GB (1e9 bytes): the caching allocator "
+                                                              "is capped there, as bench_table --gpu-gb (0: the GPU's own)")
     ap.add_argument("--model-dir", default="", help="write the random bf16 checkpoint here and keep it (reused when it holds this "
                                                      "geometry); default: a temporary directory under TMPDIR, removed at the end")
     args = ap.parse_args()
     require_positive(args, ("batch", "seq", "steps", "rank"))
+    if args.gpu_gb < 0:
+        raise SystemExit(f"qlora_peer: --gpu-gb must be 0 (the GPU's own memory) or a size in GB, got {args.gpu_gb}")
     lr = args.lr if args.lr is not None else default_lr(args.preset)
     lr_warmup = args.lr_warmup if args.lr_warmup is not None else (5 if args.preset == "llama-7b" and args.lr is None else 0)
 
@@ -166,6 +170,9 @@ def main():
             raise SystemExit("qlora_peer: no CUDA device; pass --device cpu for a smoke run")
         device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        if 0 < args.gpu_gb * 1e9 < total:  # the smaller card's out-of-memory, on a larger one
+            torch.cuda.set_per_process_memory_fraction(args.gpu_gb * 1e9 / total, device)
     else:
         device = torch.device("cpu")
 
@@ -187,7 +194,7 @@ def main():
               "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup, "lr": lr, "lr_warmup": lr_warmup,
               "clip": args.clip, "weight_decay": 0.0, "lora_r": args.rank, "lora_alpha": args.alpha, "lora_targets": args.targets,
               "quant": "nf4", "double_quant": True, "compute_dtype": "bfloat16", "grad_ckpt": True, "attn": "sdpa",
-              "prepare_kbit": args.prepare_kbit, "flops_per_token": model_flops,
+              "prepare_kbit": args.prepare_kbit, "flops_per_token": model_flops, "gpu_gb": args.gpu_gb,
               "peak_window": "reset before from_pretrained, read after the last timed step (bench_table: reset before the row's "
                              "trainer is built, read after its last step)",
               "torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,

@@ -175,6 +175,11 @@ int table_main(int argc, char** argv) {
         return "--mlp-tile takes a number of tokens (0: untiled) or auto, got '" + v + "'";
       })
       ->capture_default_str();
+  app.add_option("--gpu-gb", o.gpu_gb,
+                 "act as a GPU of this many GB (1e9 bytes): libtorch's allocator is capped there and auto MLP tiles "
+                 "are planned for it (0: the GPU's own memory)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--profile-steps", o.profile_steps,
                  "after each strategy row's measurements, this many more steps under the profiler: the row's line gains "
                  "\"profile\", its kernels by name (bench/profile_table.py sorts them by kind)")
@@ -280,6 +285,7 @@ int table_main(int argc, char** argv) {
   // One GPU per rank at world > 1 (cuda:LOCAL_RANK); the default device otherwise, as always.
   const torch::Device device = dist.world > 1 ? torch::Device(torch::kCUDA, c10::DeviceIndex(dist.local_rank))
                                               : torch::Device(o.device == "cuda" ? torch::kCUDA : torch::kCPU);
+  cap_gpu_memory(o, device);
 
   // Rank 0 writes the files and the table; the other ranks train beside it.
   std::ofstream out, csv;
@@ -341,7 +347,8 @@ int table_main(int argc, char** argv) {
               {"loss_chunk", spec.name == kPeer ? int64_t(0) : o.loss_chunk},
               {"fused_loss", spec.name != kPeer && o.fused_loss},
               {"mlp_tile", spec.name == kPeer ? int64_t(0) : row.mlp_tile},
-              {"gather_layers_alone", spec.name != kPeer && o.gather_layers_alone}};
+              {"gather_layers_alone", spec.name != kPeer && o.gather_layers_alone},
+              {"gpu_gb", o.gpu_gb}};
     if (!row.gradient_buffers.empty()) j["gradient_buffers"] = row.gradient_buffers;
     if (!o.hf.empty()) j["hf"] = o.hf;  // every row fine-tunes this model: losses[0] is its loss on the first batch
     // Keys are left out (not null) when unknown: consumers read missing numbers as 0.

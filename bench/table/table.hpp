@@ -78,6 +78,7 @@
 #endif
 #if defined(SQUEEZE_TORCH_CUDA)
 #include <ATen/core/CachingHostAllocator.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #endif
 #if defined(__GLIBC__)
@@ -106,16 +107,34 @@ struct Options {
   std::string mlp_tile = "auto";                                 // tokens per MLP tile, or the planner's choice
   bool gather_layers_alone = false;                              // stage-3 rows: every linear its own gather unit
   double lr = 3e-4, clip = 1.0, loss_scale = 1024, comm_timeout_s = 600;
+  double gpu_gb = 0;  // > 0: the GPU acts as one of this many GB (allocator capped, "auto" tiles planned for it)
   uint64_t seed = 1337;
 };
 
+// The GPU memory the rows may use: the device's, or --gpu-gb's where that is less (a figure for an 80 GB card measured
+// on a larger one); unset off CUDA.
+inline std::optional<int64_t> usable_gpu_bytes(const Options& o, const torch::Device& device) {
+  const std::optional<int64_t> total = engine::device_memory_total(device);
+  if (!total || o.gpu_gb <= 0) return total;
+  return std::min<int64_t>(*total, int64_t(o.gpu_gb * 1e9));
+}
+
+// --gpu-gb: libtorch's caching allocator refuses what goes past it, as the smaller card would (an out-of-memory row).
+inline void cap_gpu_memory(const Options& o, const torch::Device& device) {
+  const std::optional<int64_t> total = engine::device_memory_total(device), usable = usable_gpu_bytes(o, device);
+  if (!total || !usable || *usable >= *total) return;
+#if defined(SQUEEZE_TORCH_CUDA)
+  c10::cuda::CUDACachingAllocator::setMemoryFraction(double(*usable) / double(*total), device.has_index() ? device.index() : 0);
+#endif
+}
+
 // The MLP tile of strategy S's rows (--mlp-tile): a number of tokens as given, or under "auto" plan::pick_mlp_tile's for
-// this rank's GPU (untiled on the CPU, or where the step fits untiled).
+// this rank's GPU (usable_gpu_bytes) (untiled on the CPU, or where the step fits untiled).
 template <StrategyType S>
 int64_t mlp_tile_for(const Options& o, const nn::LlamaConfig& config, int64_t batch, int world, const torch::Device& device,
                      int64_t loss_chunk) {
   if (o.mlp_tile != "auto") return std::stoll(o.mlp_tile);
-  const std::optional<int64_t> total = engine::device_memory_total(device);
+  const std::optional<int64_t> total = usable_gpu_bytes(o, device);
   if (!total) return 0;
   return plan::pick_mlp_tile<S>(config.shape(), llama::train_shape<S>(config, batch, o.seq, world, loss_chunk, {}), world, *total);
 }
