@@ -327,7 +327,6 @@ int table_main(int argc, char** argv) {
     json j = {{"bench", "table"},
               {"case", spec.name},
               {"strategy", row.strategy},
-              {"peer", kPeer},
               {"preset", o.preset},
               {"layers", config.layers},
               {"world", dist.world},
@@ -349,6 +348,7 @@ int table_main(int argc, char** argv) {
               {"mlp_tile", spec.name == kPeer ? int64_t(0) : row.mlp_tile},
               {"gather_layers_alone", spec.name != kPeer && o.gather_layers_alone},
               {"gpu_gb", o.gpu_gb}};
+    if (spec.name == kPeer || peer) j["peer"] = kPeer;  // the row it is, or the one its ratios are against
     if (!row.gradient_buffers.empty()) j["gradient_buffers"] = row.gradient_buffers;
     if (!o.hf.empty()) j["hf"] = o.hf;  // every row fine-tunes this model: losses[0] is its loss on the first batch
     // Keys are left out (not null) when unknown: consumers read missing numbers as 0.
