@@ -2,7 +2,7 @@
 # One call on the GPU machine: build with libtorch's CUDA side, run the GPU tests (ctest -L cuda) and the
 # benchmarks, write full results under $OUT (default ./gpu-results) and print a short table last.
 #   usage: bash bench/run_gpu.sh [bench-name ...]    (no names: all benchmarks but the 7B rows;
-#          names: adamw adamw8_shapes fused gemm4 gemm4_probe dequant wgmma_rate gptq zero table table7b table7b_offload table7b_stream table7b_hostckpt table7b_qlora_hostckpt table13b_stream long8b long8b_peer table70b table175b table_fp8 table7b_fp8 fp8_bound diag7b ncu_gemm ncu_sm90 llama_gptq quantize7b scale scale7b scale7b_w1 peers peers_fp8 qlora profile)
+#          names: adamw adamw8_shapes fused gemm4 gemm4_probe dequant wgmma_rate gptq zero table table7b table7b_offload table7b_stream table7b_hostckpt table7b_qlora_hostckpt table13b_stream long8b long8b_peer table70b table175b table_fp8 graphed table7b_fp8 fp8_bound diag7b ncu_gemm ncu_sm90 llama_gptq quantize7b scale scale7b scale7b_w1 peers peers_fp8 qlora profile)
 #   env: TARGETS="t1 t2" builds only those targets (default: everything); GPU_TESTS=0 skips ctest -L cuda;
 #        GPU_TESTS_REGEX="Quant|Zero" runs only the cuda-labelled tests whose names match (ctest -R);
 #        BENCH_ARGS_<name>="..." extra arguments for one benchmark (e.g. BENCH_ARGS_table="--rows bf16,ckpt");
@@ -307,6 +307,13 @@ fi
 # at TinyLlama-1.1B and LLaMA-7B, B=8, T=2048, then bench/qlora/compare.py ($OUT/qlora-*.jsonl, qlora-compare.txt);
 # about 5 minutes. bitsandbytes and peft must be importable first (bench/qlora/README.md: the carried wheels).
 if named qlora; then bash "$ROOT/bench/qlora/run_h200.sh" "$BUILD/bench/table/bench_table"; fi
+# Graphed (CUDA graphs) on short samples, only when named: TinyLlama-1.1B QLoRA at B=2, T=512, the qlora row eager and
+# graphed (three eager micro-batches, then one capture, inside the warm-up) beside transformers + bitsandbytes + PEFT
+# (bench/qlora's wheels), 20 timed steps each.
+if named graphed; then
+  QLORA_PRESETS=tinyllama-1.1b QLORA_ROWS=qlora:2,qlora-graphed:2 QLORA_STEPS=20 QLORA_WARMUP=5 QLORA_TABLE_ARGS="--seq 512" \
+    QLORA_PEER_ARGS="--batch 2 --seq 512" bash "$ROOT/bench/qlora/run_h200.sh" "$BUILD/bench/table/bench_table"
+fi
 
 # Nsight Compute on the library's 4-bit GEMM at batch 1 and 16 on the largest shape (only when named): speed
 # of light, occupancy, launch statistics and warp stall reasons of the first launches of each case.

@@ -99,6 +99,8 @@ using StrategyTable = std::tuple<
     Named<"lora", Strategy<LoRA<8, 16>, Precision<bf16, float>, Checkpointed>>,
     // QLoRA: NF4 base weights, bf16 compute, fp32 adapters. CPU, or CUDA from an nvcc TU.
     Named<"qlora", Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed>>,
+    // ... with forward and backward replayed from a CUDA graph (short samples: launches are most of the step)
+    Named<"qlora-graphed", Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed, Graphed>>,
     // ... with adapters on all seven linears of each block, as the QLoRA paper trains them
     Named<"qlora-all", Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16, all_linears>, Precision<bf16, float>, Checkpointed>>,
     // The longest context: r=16 adapters on all linears, the checkpointed block inputs in host memory in 8 bits
@@ -477,7 +479,7 @@ class LlamaRun {
     const int64_t micro = x.size(0) / micro_batches;
     for (int i = 0; i < micro_batches; ++i) {
       const torch::Tensor xi = x.narrow(0, i * micro, micro), yi = y.narrow(0, i * micro, micro);  // [B/N, T]
-      const train::StepResult m = trainer_->step([&] { return model_->loss(xi, yi); });
+      const train::StepResult m = trainer_->step({xi, yi}, [&](const train::StepInputs& in) { return model_->loss(in[0], in[1]); });
       r.loss += double(m.loss) / micro_batches;
       if (m.boundary) {
         r.applied = m.applied;

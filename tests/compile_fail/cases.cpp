@@ -17,6 +17,8 @@ static_assert(A8::state_bits == 8 && A8::state_quantization::group == 256);
 static_assert(any_fp8_target({800, 900}) && any_fp8_target({890}) && !any_fp8_target({750, 800}));
 using F8 = Strategy<Sharded<Stage3>, Offload<Host>, Precision<fp8, bf16, float>, Checkpointed>;  // FP8 under Stage 3
 static_assert(F8::fp8_gemms);
+using G = Strategy<Quantized<4, NF4, DoubleQuant>, LoRA<8, 16>, Precision<bf16, float>, Checkpointed, Graphed>;  // QLoRA from a graph
+static_assert(G::graphed && !Q::graphed);
 #elif defined(CASE_duplicate_family)
 using S = Strategy<Sharded<Stage1>, Accumulate<2>, Sharded<Stage3>>;
 static_assert(sizeof(S) > 0);
@@ -116,6 +118,24 @@ static_assert(sizeof(C) > 0);
 #elif defined(CASE_checkpoint_offload_format)
 using C = CheckpointOffload<Host, float>;
 static_assert(sizeof(C) > 0);
+#elif defined(CASE_graphed_twice)
+using S = Strategy<Graphed, Eager>;
+static_assert(sizeof(S) > 0);
+#elif defined(CASE_graphed_inference)
+using S = Strategy<Inference, Graphed>;
+static_assert(sizeof(S) > 0);
+#elif defined(CASE_graphed_stage3)
+using S = Strategy<Sharded<Stage3>, Precision<bf16, float>, Graphed>;
+static_assert(sizeof(S) > 0);
+#elif defined(CASE_graphed_offload)
+using S = Strategy<Sharded<Stage1>, Offload<Host>, Graphed>;
+static_assert(sizeof(S) > 0);
+#elif defined(CASE_graphed_checkpoint_offload)
+using S = Strategy<Precision<bf16, float>, Checkpointed, CheckpointOffload<Host>, Graphed>;
+static_assert(sizeof(S) > 0);
+#elif defined(CASE_graphed_dynamic_loss_scale)
+using S = Strategy<Precision<half, float>, Graphed>;
+static_assert(sizeof(S) > 0);
 #elif defined(CASE_adamw_uint8_moments)
 // The fp32-state AdamW with byte moments: 8-bit state needs its block scales (AdamW8Tensor, adamw8_cpu).
 #include <squeeze/kernels/adamw.hpp>

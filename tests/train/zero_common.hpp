@@ -1,5 +1,5 @@
 #pragma once
-// Shared by test_zero (CPU), test_zero_cuda (GPU) and test_zero_nccl (one process per GPU): models, data, a
+// Shared by test_zero (CPU), test_zero_cuda (GPU), test_zero_nccl (one process per GPU) and test_step_graph: models, data, a
 // multi-rank training run, comparisons.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -194,9 +194,11 @@ RunResult train(Model kind, int world, int windows, train::TrainerOptions opt = 
     const bool mine = single != nullptr || r == 0;  // the rank whose results this process returns
     auto trainer = zero_trainer<S>(models[r], hyper, comm, opt);
     for (int s = 0; s < windows * A; ++s) {
-      auto res = trainer.step([&] {
-        auto y = data.y[s][r].defined() ? data.y[s][r].to(device) : data.y[s][r];
-        return model_loss(kind, *models[r], data.x[s][r].to(device), y);
+      // The batch's tensors through step(batch, closure): Graphed copies them into the buffers its graph reads.
+      train::StepInputs batch{data.x[s][r].to(device)};
+      if (data.y[s][r].defined()) batch.push_back(data.y[s][r].to(device));
+      auto res = trainer.step(batch, [&](const train::StepInputs& in) {
+        return model_loss(kind, *models[r], in[0], in.size() > 1 ? in[1] : torch::Tensor());
       });
       EXPECT_EQ(res.boundary, (s + 1) % A == 0);
       if (mine && res.boundary) out.log.push_back(res);

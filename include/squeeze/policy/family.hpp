@@ -16,6 +16,7 @@ struct checkpoint_family {};
 struct checkpoint_offload_family {};
 struct loss_scale_family {};
 struct mode_family {};
+struct graph_family {};
 
 template <class P, class Family>
 concept PolicyOf = requires {

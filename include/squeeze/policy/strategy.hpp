@@ -1,13 +1,14 @@
 #pragma once
 // Strategy<Ps...>: an order-independent set of policies, at most one per family, with defaults filled:
 //   Sharded<Stage0>, Offload<Device>, Accumulate<1>, Precision<float, float>, no quantization, no LoRA,
-//   NoCheckpoint, loss scaling from Precision, Train.
+//   NoCheckpoint, loss scaling from Precision, Train, Eager.
 // Contradictions fail to compile with a static_assert that says what to write instead.
 #include <type_traits>
 
 #include "squeeze/policy/accumulation.hpp"
 #include "squeeze/policy/recompute.hpp"
 #include "squeeze/policy/family.hpp"
+#include "squeeze/policy/graph.hpp"
 #include "squeeze/policy/lora.hpp"
 #include "squeeze/policy/loss_scale.hpp"
 #include "squeeze/policy/mode.hpp"
@@ -72,7 +73,8 @@ template <class... Ps>
 struct Strategy {
   static_assert((Policy<Ps> && ...),
                 "every Strategy argument must be a squeeze policy: Sharded<StageN>, Offload<Host>, Accumulate<N>, Precision<C, M>, "
-                "Quantized<B, Method>, LoRA<R, A>, Checkpointed, CheckpointEvery<N>, CheckpointOffload<Host>, DynamicLossScale, Inference");
+                "Quantized<B, Method>, LoRA<R, A>, Checkpointed, CheckpointEvery<N>, CheckpointOffload<Host>, DynamicLossScale, Inference, "
+                "Graphed");
   static_assert(detail::count_family<sharding_family, Ps...> <= 1, "Strategy has two Sharded<...> policies: keep one");
   static_assert(detail::count_family<offload_family, Ps...> <= 1, "Strategy has two Offload<...> policies: keep one");
   static_assert(detail::count_family<accumulation_family, Ps...> <= 1,
@@ -87,6 +89,7 @@ struct Strategy {
   static_assert(detail::count_family<checkpoint_offload_family, Ps...> <= 1, "Strategy has two CheckpointOffload<...> policies: keep one");
   static_assert(detail::count_family<loss_scale_family, Ps...> <= 1, "Strategy has two loss-scale policies: keep one");
   static_assert(detail::count_family<mode_family, Ps...> <= 1, "Strategy has both Train and Inference: keep one");
+  static_assert(detail::count_family<graph_family, Ps...> <= 1, "Strategy has both Eager and Graphed: keep one");
 
   using sharding = detail::pick_t<sharding_family, Sharded<Stage0>, Ps...>;
   using offload = detail::pick_t<offload_family, Offload<Device>, Ps...>;
@@ -98,6 +101,7 @@ struct Strategy {
   using checkpoint = detail::pick_t<checkpoint_family, NoCheckpoint, Ps...>;
   using checkpoint_offload = detail::pick_t<checkpoint_offload_family, CheckpointOffload<Device>, Ps...>;
   using mode = detail::pick_t<mode_family, Train, Ps...>;
+  using graph = detail::pick_t<graph_family, Eager, Ps...>;
   using loss_scale =
       detail::pick_t<loss_scale_family, std::conditional_t<precision::needs_loss_scaling, DynamicLossScale, NoLossScale>, Ps...>;
 
@@ -128,11 +132,12 @@ struct Strategy {
   static constexpr bool checkpoints_on_host = checkpoint_offload::to_host;  // CheckpointOffload<Host>
   static constexpr int checkpoint_bits = checkpoint_offload::bits;          // CheckpointOffload<..., Int8>: 8
   // Base weights get gradients and optimizer state unless frozen by LoRA or by a frozen quantization.
+  static constexpr bool graphed = graph::graphed;  // Graphed: forward and backward replayed from a CUDA graph
   static constexpr bool base_trainable = training && !has_lora && !weight_quantization::frozen_weights;
 
   // The same strategy spelled in one fixed order: Strategy<A, B>::canonical == Strategy<B, A>::canonical.
   using canonical = Strategy<sharding, offload, accumulation, precision, weight_quantization, state_quantization, lora, checkpoint,
-                             checkpoint_offload, mode, loss_scale>;
+                             checkpoint_offload, mode, loss_scale, graph>;
 
   // ---- contradictions -----------------------------------------------------------------------------
   static_assert(!(training && weight_quantization::frozen_weights && !has_lora),
@@ -175,6 +180,20 @@ struct Strategy {
                 "Inference has no optimizer state or gradients to shard: use Sharded<Stage3> to shard the weights, or remove Sharded<...>");
   static_assert(training || state_bits == 32, "Inference has no optimizer state: remove QuantizedState<8>");
   static_assert(!(has_lora && !training), "LoRA adapters are trained: remove Inference");
+  // A CUDA graph replays kernels only: whatever the host does inside forward or backward happens once, at the capture.
+  static_assert(!(graphed && !training), "Graphed captures a training step's forward and backward: remove Graphed to run Inference");
+  static_assert(!(graphed && stage >= 2),
+                "Graphed replays forward and backward as one CUDA graph, but stages 2-3 hand gradients over (and gather weights) from "
+                "the host inside backward: write Sharded<Stage0> or Sharded<Stage1>, or remove Graphed");
+  static_assert(!(graphed && offload::to_host),
+                "Graphed replays forward and backward as one CUDA graph, but Offload<Host> moves blocks and gradients under the "
+                "host's control inside them: remove Offload<Host>, or remove Graphed");
+  static_assert(!(graphed && checkpoint_offload::stores),
+                "Graphed replays forward and backward as one CUDA graph, but CheckpointOffload<...> keeps the checkpoints through "
+                "the host's bookkeeping: remove CheckpointOffload<...> (Checkpointed alone composes), or remove Graphed");
+  static_assert(!(graphed && dynamic_loss_scaling),
+                "Graphed fixes the loss scale at the capture, and DynamicLossScale changes it: compute in bf16 (Precision<bf16, "
+                "float>), or write StaticLossScale<K>");
 };
 
 template <class T>

@@ -82,6 +82,8 @@ std::string policy_name() {
       return std::string(P::to_host ? "CheckpointOffload<Host" : "CheckpointOffload<Device") + (P::bits == 8 ? ", Int8>" : ">");
   } else if constexpr (std::is_same_v<F, mode_family>) {
     return P::training ? "" : "Inference";
+  } else if constexpr (std::is_same_v<F, graph_family>) {
+    return P::graphed ? "Graphed" : "";
   } else {
     static_assert(std::is_same_v<F, loss_scale_family>, "strategy_name: a policy family without a name: add it here");
     using Default = std::conditional_t<S::precision::needs_loss_scaling, DynamicLossScale, NoLossScale>;

@@ -53,6 +53,7 @@ struct TrainerOptions {
   // at_backward: from the start of each window's first backward, the lower peak where the activations are fewer
   // bytes than one gradient (plan::best_gradient_buffers says which for nn::Llama). kept: between steps too.
   // memory() counts the buffer only while it exists. Trainer::set_gradient_buffers changes it between windows.
+  // Graphed always keeps it (its CUDA graph adds into fixed buffers), whatever is set here.
   GradientBuffers gradient_buffers = GradientBuffers::after_backward;
   // Parameter groups, first match wins. Parameters that match none: AdamW's lr and weight decay, except that norms,
   // biases (every parameter of one dimension) and embeddings get no weight decay unless decay_norms_biases_embeddings.

@@ -63,6 +63,7 @@ class Trainer {
     c.compute_dtype = torch_dtype<Param>();
     c.grad_dtype = TrainTypes<S>::kFp32Accum ? torch::kFloat32 : c.compute_dtype;
     c.opt = std::move(opt);
+    if constexpr (S::graphed) c.opt.gradient_buffers = GradientBuffers::kept;  // the graph adds into fixed buffers
 
     refuse_beyond_device_memory();
     if constexpr (S::offload_to_host) refuse_beyond_host_memory();
@@ -129,18 +130,34 @@ class Trainer {
   Trainer& operator=(Trainer&&) = delete;
 
   // One micro-batch. closure() returns the micro-batch's scalar loss (graph attached).
-  StepResult step(const std::function<torch::Tensor()>& closure) { return run_micro_batch(closure, 0); }
+  StepResult step(const std::function<torch::Tensor()>& closure) {
+    static_assert(!S::graphed,
+                  "Graphed replays the step from input buffers the trainer keeps: call step(batch, closure), the "
+                  "closure reading the tensors it is given");
+    return run_micro_batch(
+        {}, [&](const StepInputs&) { return closure(); }, 0);
+  }
   // Token-weighted accumulation: the micro-batch's loss (its mean over `tokens` targets) weighs tokens / (the
   // window's tokens on all ranks) instead of 1 / (accumulation steps x ranks), so the window's gradient is that of
   // one big batch whatever the micro-batches' sizes. Every micro-batch of a window passes its count, or none does.
   StepResult step(const std::function<torch::Tensor()>& closure, int64_t tokens) {
+    static_assert(!S::graphed, "Graphed replays a fixed loss weight: token-weighted accumulation cannot be graphed; remove Graphed");
     TORCH_CHECK(tokens >= 1, "Trainer::step: tokens must be >= 1 (the micro-batch's target count), got ", tokens);
-    return run_micro_batch(closure, tokens);
+    return run_micro_batch(
+        {}, [&](const StepInputs&) { return closure(); }, tokens);
   }
+  // One micro-batch of `batch`'s tensors: closure(inputs) returns its scalar loss, reading `inputs` (batch itself, or
+  // under Graphed the trainer's copies of it, of the same shapes every call).
+  StepResult step(const StepInputs& batch, const std::function<torch::Tensor(const StepInputs&)>& closure) {
+    return run_micro_batch(batch, closure, 0);
+  }
+  // Graphed: how many micro-batches ran eagerly before the capture, and whether the graph exists.
+  int eager_micro_batches() const { return parts_->launch.eager_runs(); }
+  bool graph_captured() const { return parts_->launch.captured(); }
 
  private:
   // forward -> backward -> synchronise -> (at the window's end) update.
-  StepResult run_micro_batch(const std::function<torch::Tensor()>& closure, int64_t tokens) {
+  StepResult run_micro_batch(const StepInputs& batch, const std::function<torch::Tensor(const StepInputs&)>& closure, int64_t tokens) {
     auto& sync = parts_->sync;
     auto& state = parts_->state;
     auto& window = parts_->window;
@@ -150,13 +167,16 @@ class Trainer {
     const auto mb = window.begin(tokens, *ctx_->comm, ctx_->device);
     begin_micro_step(mb.boundary);
 
+    const double loss_weight = double(r.scale) * mb.weight;
     Pass pass{&sync, &parts_->checkpoints};  // stage 3 gathers from here; freed if the closure or backward throws
-    torch::Tensor loss = forward(closure);   // [] this micro-batch's mean loss, graph attached
-    sync.begin_backward();                   // stage 3: the forward order is known from here on
-    if (!ranked_by_forward_) rank_jobs();
-    (loss * (double(r.scale) * mb.weight)).backward();
+    r.loss_value = parts_->launch.run(batch, loss_weight, [&](const StepInputs& inputs) {
+      torch::Tensor loss = forward([&] { return closure(inputs); });  // [] this micro-batch's mean loss, graph attached
+      sync.begin_backward();                                          // stage 3: the forward order is known from here on
+      if (!ranked_by_forward_) rank_jobs();
+      (loss * loss_weight).backward();
+      return loss.detach().to(torch::kFloat32).reshape({});
+    });
     pass.end();
-    r.loss_value = loss.detach().to(torch::kFloat32).reshape({});
     r.loss = ctx_->opt.read_loss ? r.loss_value.item<float>() : std::nanf("");  // after backward: no stall between them
 
     sync.after_backward(mb.boundary);  // synchronise (stages 2-3 reduced most of it during backward)
@@ -290,6 +310,10 @@ class Trainer {
   void set_gradient_buffers(GradientBuffers g) {
     TORCH_CHECK(micro_step() == 0, "Trainer::set_gradient_buffers: called at micro-batch ", micro_step() + 1, " of ", S::accumulation_steps,
                 "; change it between optimizer steps, when no window has begun");
+    TORCH_CHECK(!S::graphed || g == GradientBuffers::kept,
+                "Trainer::set_gradient_buffers: Graphed keeps the gradient buffers (its "
+                "CUDA graph adds into fixed ones), got ",
+                plan::to_string(g));
     const GradientBuffers was = ctx_->opt.gradient_buffers;
     if (g == was) return;
     ctx_->opt.gradient_buffers = g;
@@ -562,8 +586,9 @@ class Trainer {
     typename Parts::Scale scale;
     typename Parts::Window window;
     typename Parts::Checkpoints checkpoints;
+    typename Parts::StepLaunch launch;
     PartsHeld(TrainContext& c, torch::nn::Module& module, NamedTensors trainable)
-        : state(c), sync(c, state, module, std::move(trainable)), scale(*c.opt.loss_scale), checkpoints(c) {}
+        : state(c), sync(c, state, module, std::move(trainable)), scale(*c.opt.loss_scale), checkpoints(c), launch(c.device) {}
     ~PartsHeld() {
       try {
         state.wait_all();

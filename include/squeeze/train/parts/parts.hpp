@@ -8,6 +8,7 @@
 //   loss scale             (LossScale<S>)       the loss-scale policy      none, static, dynamic
 //   accumulation window    (AccumulationWindow) Accumulate<N>              one
 //   checkpoint home        CheckpointHomePart   CheckpointOffload<..>      DeviceCheckpoints, StoredCheckpoints
+//   step launch            StepLaunchPart       Eager, Graphed             EagerStep, StepGraph
 //
 // A new way to hold or move tensors is one new part: a class that satisfies its concept, named in TrainerParts.
 #include <torch/torch.h>
@@ -24,6 +25,7 @@
 #include "squeeze/train/parts/loss_scale.hpp"
 #include "squeeze/train/parts/param_home.hpp"
 #include "squeeze/train/parts/replicated_grads.hpp"
+#include "squeeze/train/parts/step_graph.hpp"
 #include "squeeze/train/parts/window.hpp"
 
 namespace squeeze::train {
@@ -88,10 +90,12 @@ struct TrainerParts {
   using Scale = LossScale<S>;
   using Window = AccumulationWindow<S::accumulation_steps>;
   using Checkpoints = CheckpointHomeOf<S>;
+  using StepLaunch = StepLaunchOf<S>;
   static_assert(ParamHomePart<ParamHome>);
   static_assert(GradientSyncPart<GradientSync>);
   static_assert(OptimizerStatePart<OptimizerState>);
   static_assert(CheckpointHomePart<Checkpoints>);
+  static_assert(StepLaunchPart<StepLaunch>);
 };
 
 }  // namespace squeeze::train
