@@ -140,7 +140,7 @@ def profile_steps(step, steps, device):
     for e in prof.profiler.kineto_results.events():
         if e.device_type() != want or e.end_ns() <= e.start_ns():
             continue
-        if cuda and e.activity_type() not in ("kernel", "gpu_memcpy", "gpu_memset"):  # e.g. an annotation spanning kernels
+        if cuda and not device_work(e):  # e.g. an annotation spanning kernels
             continue
         t = totals.setdefault(e.name(), [0, 0.0])
         t[0] += 1
@@ -148,6 +148,15 @@ def profile_steps(step, steps, device):
         spans.append((e.start_ns(), e.end_ns()))
     return {"steps": steps, "wall_ms": wall_ms, "busy_ms": union_ms(spans),
             "kernels": sorted(([n, c, ms] for n, (c, ms) in totals.items()), key=lambda k: -k[2])}
+
+
+def device_work(event):
+    """Whether a Kineto event on the device is a kernel, a copy or a memset (not an annotation spanning them). Older
+    torch names each event's activity; torch 2.11's events do not, and there annotations are the only other kind."""
+    activity = getattr(event, "activity_type", None)
+    if activity is not None:
+        return activity() in ("kernel", "gpu_memcpy", "gpu_memset")
+    return not event.is_user_annotation()
 
 
 def union_ms(spans):

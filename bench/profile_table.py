@@ -16,7 +16,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import KINDS, add_run_arguments, append_jsonl, kernel_kind, read_jsonl, split_jsonl_option, union_ms  # noqa: E402
+from bench_common import (  # noqa: E402
+    KINDS, add_run_arguments, append_jsonl, device_work, kernel_kind, read_jsonl, split_jsonl_option, union_ms)
 
 
 def row_of(r):
@@ -47,6 +48,24 @@ def check(paths):
         n += 1
     assert union_ms([(0, 2_000_000), (1_000_000, 3_000_000), (5_000_000, 6_000_000)]) == 4.0
     assert union_ms([]) == 0.0
+    n += 2
+
+    class Named:  # an event of a torch that names its activity
+        def __init__(self, activity):
+            self.activity = activity
+
+        def activity_type(self):
+            return self.activity
+
+    class Unnamed:  # torch 2.11's events: only whether one is an annotation
+        def __init__(self, annotation):
+            self.annotation = annotation
+
+        def is_user_annotation(self):
+            return self.annotation
+
+    assert device_work(Named("kernel")) and device_work(Named("gpu_memcpy")) and not device_work(Named("gpu_user_annotation"))
+    assert device_work(Unnamed(False)) and not device_work(Unnamed(True))
     n += 2
     import argparse
     import contextlib

@@ -124,6 +124,7 @@ inline void cap_gpu_memory(const Options& o, const torch::Device& device) {
   const std::optional<int64_t> total = engine::device_memory_total(device), usable = usable_gpu_bytes(o, device);
   if (!total || !usable || *usable >= *total) return;
 #if defined(SQUEEZE_TORCH_CUDA)
+  (void)torch::empty({1}, torch::TensorOptions().device(device));  // the allocator exists from the device's first allocation
   c10::cuda::CUDACachingAllocator::setMemoryFraction(double(*usable) / double(*total), device.has_index() ? device.index() : 0);
 #endif
 }
