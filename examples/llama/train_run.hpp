@@ -123,11 +123,10 @@ void export_results(const Options& o, LlamaRun<S>& trainer, const nn::LlamaConfi
 // --hf: a line on stderr about every 5 seconds while the checkpoint streams in, and one when it is all in.
 inline nn::HfProgressFn load_progress(const std::string& dir, bool print) {
   if (!print) return {};
-  auto last = std::make_shared<double>(0.0);
-  return [dir, last](const nn::HfLoadProgress& p) {
+  auto throttle = std::make_shared<llama::ProgressThrottle>();
+  return [dir, throttle](const nn::HfLoadProgress& p) {
     const bool done = p.tensors == p.tensors_total;
-    if (!done && p.seconds - *last < 5) return;
-    *last = p.seconds;
+    if (!throttle->due(p.seconds, done)) return;
     std::fprintf(stderr, "loading %s: %zu/%zu tensors, %.2f of %.2f GB in %.1f s (%.2f GB/s)%s\n", dir.c_str(), p.tensors, p.tensors_total,
                  double(p.bytes) / 1e9, double(p.bytes_total) / 1e9, p.seconds, double(p.bytes) / 1e9 / std::max(p.seconds, 1e-9),
                  done ? "" : " ...");

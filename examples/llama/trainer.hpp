@@ -216,14 +216,23 @@ struct TrainOptions {
   nn::LayerwiseOptions layerwise{};
 };
 
+// Long work's progress lines: one at most every 5 seconds, and the last one always.
+struct ProgressThrottle {
+  double last_s = 0;
+  bool due(double seconds, bool done) {
+    if (!done && seconds - last_s < 5) return false;
+    last_s = seconds;
+    return true;
+  }
+};
+
 // Progress of a block-by-block build (nn::build_quantized_llama) on stderr: every 5 s and when done, with the time left.
 inline nn::LayerwiseProgressFn build_progress(const std::string& model, bool print) {
   if (!print) return {};
-  auto last = std::make_shared<double>(0.0);
-  return [model, last](const nn::LayerwiseProgress& p) {
+  auto throttle = std::make_shared<ProgressThrottle>();
+  return [model, throttle](const nn::LayerwiseProgress& p) {
     const bool done = p.blocks == p.blocks_total;
-    if (!done && p.seconds - *last < 5) return;
-    *last = p.seconds;
+    if (!throttle->due(p.seconds, done)) return;
     std::fprintf(stderr, "building %s block by block: %lld/%lld blocks packed (%.2f GB), %.1f s%s\n", model.c_str(), (long long)p.blocks,
                  (long long)p.blocks_total, double(p.packed_bytes) / 1e9, p.seconds,
                  done ? "" : (", about " + std::to_string(int64_t(std::ceil(p.seconds_left))) + " s left").c_str());

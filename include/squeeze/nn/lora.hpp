@@ -126,8 +126,11 @@ class LoRALinearImpl : public torch::nn::Module {
                   "LoRALinear: the adapter is merged into the base weight, so training would not reach it: unmerge_adapter() first");
       return y;
     }
-    const torch::Tensor xa = torch::matmul(x, lora_A.to(dt).t());  // [..., r]
-    return y + torch::matmul(xa, lora_B.to(dt).t()) * scaling();   // [..., out]
+    const torch::Tensor xa = torch::matmul(x, lora_A.to(dt).t()).reshape({-1, lora_A.size(0)});  // [N, r]
+    // y + scaling * xa B^T as one GEMM whose epilogue adds y: no separate scale and add passes over [N, out] (forward,
+    // recomputation), and backward's gradient of y is the incoming one as it is.
+    const torch::Tensor out = torch::addmm(y.reshape({-1, out_}), xa, lora_B.to(dt).t(), /*beta=*/1, /*alpha=*/scaling());  // [N, out]
+    return out.view(y.sizes());                                                                                             // [..., out]
   }
   // The frozen base alone (no adapter).
   torch::Tensor base_forward(const torch::Tensor& x) {
