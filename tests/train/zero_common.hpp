@@ -197,9 +197,8 @@ RunResult train(Model kind, int world, int windows, train::TrainerOptions opt = 
       // The batch's tensors through step(batch, closure): Graphed copies them into the buffers its graph reads.
       train::StepInputs batch{data.x[s][r].to(device)};
       if (data.y[s][r].defined()) batch.push_back(data.y[s][r].to(device));
-      auto res = trainer.step(batch, [&](const train::StepInputs& in) {
-        return model_loss(kind, *models[r], in[0], in.size() > 1 ? in[1] : torch::Tensor());
-      });
+      auto res = trainer.step(
+          batch, [&](const train::StepInputs& in) { return model_loss(kind, *models[r], in[0], in.size() > 1 ? in[1] : torch::Tensor()); });
       EXPECT_EQ(res.boundary, (s + 1) % A == 0);
       if (mine && res.boundary) out.log.push_back(res);
     }

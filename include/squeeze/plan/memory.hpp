@@ -396,8 +396,9 @@ constexpr i64 pick_mlp_tile(const ModelShape& m, TrainShape t, int world, i64 de
 }
 
 // Stages 0-1: the gradient buffer timing with the lower planned peak for these shapes (after_backward on a tie, and at
-// stages 2-3, where it changes nothing; kept under Graphed, which the trainer always uses): at_backward where the activations backward starts with are fewer bytes than
-// one gradient, e.g. a large model with checkpointing at a small batch, or accumulation without an fp32 accumulator.
+// stages 2-3, where it changes nothing; kept under Graphed, which the trainer always uses): at_backward where the
+// activations backward starts with are fewer bytes than one gradient, e.g. a large model with checkpointing at a small
+// batch, or accumulation without an fp32 accumulator.
 template <StrategyType S>
 constexpr GradientBuffers best_gradient_buffers(const ModelShape& m, TrainShape t, int world) {
   if constexpr (S::graphed) return GradientBuffers::kept;  // the trainer keeps them: its CUDA graph adds into fixed buffers
