@@ -121,16 +121,16 @@ inline std::optional<int64_t> usable_gpu_bytes(const Options& o, const torch::De
 
 // --gpu-gb: libtorch's caching allocator refuses what goes past it, as the smaller card would (an out-of-memory row).
 inline void cap_gpu_memory(const Options& o, const torch::Device& device) {
-  const std::optional<int64_t> total = engine::device_memory_total(device), usable = usable_gpu_bytes(o, device);
-  if (!total || !usable || *usable >= *total) return;
+  const std::optional<int64_t> total = engine::device_memory_total(device);
+  if (!total || o.gpu_gb <= 0 || o.gpu_gb * 1e9 >= double(*total)) return;  // usable_gpu_bytes is the whole device
 #if defined(SQUEEZE_TORCH_CUDA)
   (void)torch::empty({1}, torch::TensorOptions().device(device));  // the allocator exists from the device's first allocation
-  c10::cuda::CUDACachingAllocator::setMemoryFraction(double(*usable) / double(*total), device.has_index() ? device.index() : 0);
+  c10::cuda::CUDACachingAllocator::setMemoryFraction(o.gpu_gb * 1e9 / double(*total), device.has_index() ? device.index() : 0);
 #endif
 }
 
 // The MLP tile of strategy S's rows (--mlp-tile): a number of tokens as given, or under "auto" plan::pick_mlp_tile's for
-// this rank's GPU (usable_gpu_bytes) (untiled on the CPU, or where the step fits untiled).
+// this rank's usable_gpu_bytes (untiled on the CPU, or where the step fits untiled).
 template <StrategyType S>
 int64_t mlp_tile_for(const Options& o, const nn::LlamaConfig& config, int64_t batch, int world, const torch::Device& device,
                      int64_t loss_chunk) {

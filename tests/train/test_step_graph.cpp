@@ -83,6 +83,13 @@ TEST(StepGraph, RefusesAnotherNumberOfInputs) {
     t2.step({}, [&](const tr::StepInputs&) { return m2->loss(torch::randn({4, 7}), torch::randn({4, 5})); });
   });
   EXPECT_NE(none.find("the batch has no tensors"), std::string::npos) << none;
+  // A refused first batch makes no buffers: the next call is a first one.
+  auto [m3, t3] = mlp_trainer();
+  const std::string undefined = error_of([&] {
+    t3.step({torch::randn({4, 7}), torch::Tensor()}, [&](const tr::StepInputs& in) { return m3->loss(in[0], in[1]); });
+  });
+  EXPECT_NE(undefined.find("input 1 of the batch is undefined"), std::string::npos) << undefined;
+  EXPECT_NO_THROW(t3.step({torch::randn({3, 7}), torch::randn({3, 5})}, [&](const tr::StepInputs& in) { return m3->loss(in[0], in[1]); }));
 }
 
 TEST(StepGraph, KeepsTheGradientBuffersAndRefusesOthers) {

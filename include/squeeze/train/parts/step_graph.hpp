@@ -59,7 +59,7 @@ class StepGraph {
     return forward_backward(inputs_);
   }
 
-  // How many micro-batches ran eagerly, and whether the graph exists (tests; the strategy table's notes).
+  // How many micro-batches ran eagerly, and whether the graph exists (Trainer::eager_micro_batches, graph_captured).
   int eager_runs() const { return eager_runs_; }
   bool captured() const {
 #if SQUEEZE_NN_STREAMS
@@ -78,12 +78,14 @@ class StepGraph {
 
   // The batch into the part's buffers: made at the first call, the same shapes ever after.
   void stage(const StepInputs& batch) {
-    if (inputs_.empty()) {
+    if (inputs_.empty()) {  // made whole or not at all: a refused first batch leaves the next call a first one
       TORCH_CHECK(!batch.empty(), "Trainer::step (Graphed): the batch has no tensors; pass the tensors the closure reads");
-      for (const torch::Tensor& t : batch) {
-        TORCH_CHECK(t.defined(), "Trainer::step (Graphed): an input of the batch is undefined");
-        inputs_.push_back(torch::empty_like(t, t.options().device(device_), at::MemoryFormat::Contiguous));
+      StepInputs made;
+      for (std::size_t i = 0; i < batch.size(); ++i) {
+        TORCH_CHECK(batch[i].defined(), "Trainer::step (Graphed): input ", i, " of the batch is undefined");
+        made.push_back(torch::empty_like(batch[i], batch[i].options().device(device_), at::MemoryFormat::Contiguous));
       }
+      inputs_ = std::move(made);
     }
     TORCH_CHECK(batch.size() == inputs_.size(), "Trainer::step (Graphed): ", batch.size(), " inputs, but the first micro-batch had ",
                 inputs_.size(), ": pass the same tensors every call");
@@ -101,8 +103,8 @@ class StepGraph {
   void check_weight(double w) {
     if (!weight_) weight_ = w;
     TORCH_CHECK(*weight_ == w, "Trainer::step (Graphed): the micro-batch's loss weight is ", w, " but the step was built with ", *weight_,
-                ": the graph multiplies by a fixed weight, so token-weighted accumulation (step(batch, closure, tokens)) "
-                "and a changing loss scale cannot be replayed; remove Graphed");
+                ": the graph multiplies by the weight it was captured with, so a weight that changes cannot be replayed; "
+                "remove Graphed");
   }
 
 #if SQUEEZE_NN_STREAMS
