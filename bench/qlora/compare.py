@@ -11,7 +11,7 @@ bf16 peak, the same in both programs), then the peer's peak and tokens/s, speed 
 mem = the peer's peak / ours (> 1: ours smaller), target: speed >= 1.2 and mem >= 1 (issue 36's QLoRA target).
 The last line of each configuration wins (files may be appended to). --jsonl OUT appends one line per matched pair:
 {"case", "preset", "tokens_per_s", "peer_tokens_per_s", "speed_vs_peer", "peak_gb", "peer_peak_gb", "mem_vs_peer",
-"commit", "date"} (commit and date: bench_table's line). Standard library only (and bench/bench_common.py).
+"commit", "date", "device"} (commit, date and device: bench_table's line). Standard library only (and bench/bench_common.py).
 """
 import os
 import sys
@@ -54,7 +54,7 @@ def pair(o, p):
         return None
     return {"case": o["case"], "preset": o["preset"], "tokens_per_s": o["tokens_per_s"], "peer_tokens_per_s": p["tokens_per_s"],
             "speed_vs_peer": o["tokens_per_s"] / p["tokens_per_s"], "peak_gb": o["peak_gb"], "peer_peak_gb": p["peak_gb"],
-            "mem_vs_peer": p["peak_gb"] / o["peak_gb"], "commit": o.get("commit"), "date": o.get("date")}
+            "mem_vs_peer": p["peak_gb"] / o["peak_gb"], "commit": o.get("commit"), "date": o.get("date"), "device": o.get("device")}
 
 
 def main():
