@@ -22,6 +22,10 @@ transformers LlamaForCausalLM, fine-tuned the way a QLoRA user does it:
               LoRA strategies none), global gradient-norm clip --clip (1.0)
   loss        the mean next-token cross-entropy of all B·T targets in float, from the model's bf16 logits
               (transformers' own loss does the same upcast); x and y are windows of T+1 tokens, as bench_table's
+  --liger     Liger-Kernel on the same model, as its README applies it to a transformers LLaMA:
+              apply_liger_kernel_to_llama() before from_pretrained (its defaults: RoPE, RMSNorm, SwiGLU MLP and the
+              fused linear cross-entropy), the loss taken by the model from shift_labels=y (the head and loss in
+              chunks, no logits); case "hf-bnb-peft-qlora-liger", peer "peft-bnb-liger", liger_kernel its version
 
 One JSON line per run (--out, appended), the fields of fsdp2_llama.py's:
   peak_gb       torch.cuda.max_memory_allocated, reset right before from_pretrained (after the random
@@ -34,7 +38,7 @@ One JSON line per run (--out, appended), the fields of fsdp2_llama.py's:
                 bench_table's loss read-back), torch.cuda.synchronize around the timed steps
   tokens_per_s  batch x seq per step over time_ms; mfu: flops_per_token x tokens_per_s / 989 TFLOP/s with
                 flops_per_token = 6·N + 12·L·T·d, bench_table's formula and constant
-  and bench "hf_qlora", case "hf-bnb-peft-qlora", peer_of "qlora" (the bench_table row it mirrors), preset,
+  and bench "hf_qlora", case "hf-bnb-peft-qlora", peer "peft-bnb", peer_of "qlora" (the bench_table row it mirrors), preset,
   layers, world 1, batch, seq, steps, warmup, lr, lr_warmup, clip, lora_r, lora_alpha, lora_targets,
   trainable_params, quantized_linears, grad_ckpt, prepare_kbit, load_s, write_s, final_loss, losses, versions
   (torch, transformers, peft, bitsandbytes), device, date, commit (SQUEEZE_DEVICE / SQUEEZE_DATE / SQUEEZE_COMMIT).
@@ -126,6 +130,9 @@ def load_qlora(path, args, device):
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import BitsAndBytesConfig, LlamaForCausalLM
 
+    if args.liger:  # patches transformers' LLaMA classes: before the model is made
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        apply_liger_kernel_to_llama()
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=torch.bfloat16)
     model = LlamaForCausalLM.from_pretrained(path, quantization_config=quant, dtype=torch.bfloat16,
@@ -152,6 +159,7 @@ def main():
     ap.add_argument("--rank", type=int, default=8, help="LoRA rank r")
     ap.add_argument("--alpha", type=int, default=16, help="LoRA alpha")
     ap.add_argument("--targets", default="q_proj,v_proj", help="LoRA target modules")
+    ap.add_argument("--liger", action="store_true", help="Liger-Kernel's RoPE, RMSNorm, SwiGLU and fused linear cross-entropy")
     ap.add_argument("--prepare-kbit", action="store_true", help="peft.prepare_model_for_kbit_training first (fp32 norms, embedding, head)")
     ap.add_argument("--seqs", default="", help="ascending sequence lengths: one step at each until one runs out of memory")
     ap.add_argument("--gpu-gb", type=float, default=0.0, help="act as a GPU of this many GB (1e9 bytes): the caching allocator "
@@ -189,8 +197,12 @@ def main():
     config = llama_config(vocab, hidden, layers, heads, kv_heads, ffn, max(seqs + [args.seq]))
     tokens = corpus_tokens(args.corpus) if args.corpus else None
     model_flops = flops_per_token(vocab, hidden, layers, heads, kv_heads, ffn, args.seq)
-    case = "hf-bnb-peft-qlora" + ("-kbit" if args.prepare_kbit else "")
-    record = {"bench": "hf_qlora", "case": case, "peer_of": "qlora", "preset": args.preset, "layers": layers, "world": 1,
+    case = "hf-bnb-peft-qlora" + ("-kbit" if args.prepare_kbit else "") + ("-liger" if args.liger else "")
+    liger_version = None
+    if args.liger:
+        from importlib.metadata import version as dist_version
+        liger_version = dist_version("liger-kernel")
+    record = {"bench": "hf_qlora", "case": case, "peer": "peft-bnb" + ("-liger" if args.liger else ""), "peer_of": "qlora", "preset": args.preset, "layers": layers, "world": 1,
               "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup, "lr": lr, "lr_warmup": lr_warmup,
               "clip": args.clip, "weight_decay": 0.0, "lora_r": args.rank, "lora_alpha": args.alpha, "lora_targets": args.targets,
               "quant": "nf4", "double_quant": True, "compute_dtype": "bfloat16", "grad_ckpt": True, "attn": "sdpa",
@@ -198,7 +210,7 @@ def main():
               "peak_window": "reset before from_pretrained, read after the last timed step (bench_table: reset before the row's "
                              "trainer is built, read after its last step)",
               "torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
-              "bitsandbytes": bitsandbytes.__version__, **run_metadata(device.type), "oom": False}
+              "bitsandbytes": bitsandbytes.__version__, "liger_kernel": liger_version, **run_metadata(device.type), "oom": False}
 
     def stopped(signum, frame):  # a timeout's SIGTERM: written as this run's error, the temporary checkpoint removed
         raise RuntimeError(f"stopped by signal {signum} (a timeout?)")
@@ -244,9 +256,14 @@ def main():
         def step(i, x, y):
             for group in opt.param_groups:
                 group["lr"] = lr * (i + 1) / lr_warmup if i < lr_warmup else lr
-            logits = model(input_ids=x, use_cache=False).logits  # [B, T, V] bf16
-            loss = F.cross_entropy(logits.float().reshape(-1, vocab), y.reshape(-1))
-            del logits
+            if args.liger:  # the fused head + loss: y are the targets already shifted
+                loss = model(input_ids=x, shift_labels=y, use_cache=False).loss
+                if loss is None:
+                    raise RuntimeError("qlora_peer --liger: the model returned no loss for shift_labels (is Liger's LLaMA forward in place?)")
+            else:
+                logits = model(input_ids=x, use_cache=False).logits  # [B, T, V] bf16
+                loss = F.cross_entropy(logits.float().reshape(-1, vocab), y.reshape(-1))
+                del logits
             loss.backward()
             if args.clip > 0:
                 torch.nn.utils.clip_grad_norm_(trainable, args.clip)

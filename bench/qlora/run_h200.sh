@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The QLoRA comparison on one H200: per preset (TinyLlama-1.1B, then LLaMA-7B; B=8, T=2048), bench_table's qlora
-# row (squeeze), then the transformers + bitsandbytes + PEFT peer (qlora_peer.py), then compare.py over both.
+# row (squeeze), then the transformers + bitsandbytes + PEFT peer (qlora_peer.py), plain and with Liger's kernels, then
+# compare.py over them.
 # About 5 minutes after the build; every command is stopped at the deadline, so the whole ends within it.
 #   usage: bash bench/qlora/run_h200.sh [BENCH_TABLE]
 #     BENCH_TABLE: the bench_table binary (default: $BENCH_TABLE, else build-gpu/bench/table/bench_table, which
@@ -9,7 +10,8 @@
 #        e.g. "qlora:8,qlora-hostckpt:8": every qlora-* row is compared with the one peer); QLORA_STEPS (3) and QLORA_WARMUP (2),
 #        both sides; QLORA_DEADLINE seconds from the start after which nothing more is started and a running command
 #        is stopped (540); QLORA_TABLE_ARGS / QLORA_PEER_ARGS: extra arguments of one side (e.g. "--layers 2";
-#        the peer's "--device cpu" for a smoke run without a GPU); TMPDIR: where the peer writes its random bf16 checkpoint (13.5 GB at 7B), removed after.
+#        the peer's "--device cpu" for a smoke run without a GPU); QLORA_LIGER (1: the peer again with --liger, Liger's
+#        kernels, when liger_kernel imports; 0: not); TMPDIR: where the peer writes its random bf16 checkpoint (13.5 GB at 7B), removed after.
 #   needs: python3 with torch, transformers, accelerate, bitsandbytes and peft (the GPU machine lacks
 #        bitsandbytes: carry the wheels, README.md beside this says how).
 # Writes $OUT/qlora-table.jsonl (bench_table), $OUT/qlora-peer.jsonl (the peer), $OUT/qlora-compare.jsonl (one line
@@ -59,6 +61,10 @@ for preset in ${QLORA_PRESETS:-tinyllama-1.1b llama-7b}; do
     ${QLORA_TABLE_ARGS:-} --out "$OUT/qlora-table.jsonl" --csv "$TMP/qlora-table-$preset.csv"
   bounded "peer $preset" python3 "$ROOT/bench/qlora/qlora_peer.py" --preset "$preset" --batch 8 --seq 2048 "${steps[@]}" "${corpus[@]}" \
     ${QLORA_PEER_ARGS:-} --out "$OUT/qlora-peer.jsonl"
+  if [ "${QLORA_LIGER:-1}" = 1 ] && python3 -c 'import liger_kernel' 2>/dev/null; then
+    bounded "peer + Liger $preset" python3 "$ROOT/bench/qlora/qlora_peer.py" --preset "$preset" --batch 8 --seq 2048 "${steps[@]}" "${corpus[@]}" \
+      ${QLORA_PEER_ARGS:-} --liger --out "$OUT/qlora-peer.jsonl"
+  fi
   echo "   $preset done at $(( $(date +%s) - t0 )) s"
 done
 python3 "$ROOT/bench/qlora/compare.py" "$OUT/qlora-table.jsonl" "$OUT/qlora-peer.jsonl" --jsonl "$OUT/qlora-compare.jsonl" | tee "$OUT/qlora-compare.txt"

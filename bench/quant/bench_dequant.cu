@@ -14,6 +14,8 @@
 //                QuantizedLinear's dequantize path pays (its max_fused_rows)
 //   tiles        (--tiles LIST) the 4-bit bf16 dequantize, in order and act-order, at each count of 64-in tiles a block
 //                (detail::launch_dequantize), every output compared with the default's
+//   nf4          kq::nf4_dequantize_cuda (NF4 + DoubleQuant, block 64, into bf16: QLoRA's base in every pass) against
+//                its one-byte-a-thread kernel (the general path), byte for byte, with its roofline
 // Weights are random codes, zero points and scales (group 128): only time is measured here; the GPU tests check the
 // numbers against the CPU twin.
 // Usage: bench_dequant [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m LIST] [--shapes KxN,...] [--tiles LIST]
@@ -36,21 +38,23 @@
 #include <squeeze/error.hpp>
 #include <squeeze/kernels/quant/dequant.cuh>
 #include <squeeze/kernels/quant/gemm.cuh>
+#include <squeeze/kernels/quant/nf4.cuh>
 
 #include "gemm_timing.cuh"
 
 namespace kq = squeeze::kernels::quant;
 using squeeze::bf16;
 using squeeze::half;
+using squeeze::bench::comma_list;
+using squeeze::bench::DevBuf;
 using squeeze::bench::time_ms;
 using squeeze::bench::watchdog_note;
-using squeeze::bench::DevBuf;
-using squeeze::bench::comma_list;
 
 namespace {
 
 void cublas_check(cublasStatus_t s, const char* what) {
-  if (s != CUBLAS_STATUS_SUCCESS) throw std::runtime_error(std::string("cuBLAS: ") + what + " failed (status " + std::to_string(int(s)) + ")");
+  if (s != CUBLAS_STATUS_SUCCESS)
+    throw std::runtime_error(std::string("cuBLAS: ") + what + " failed (status " + std::to_string(int(s)) + ")");
 }
 
 // The per-element dequantize the tiled kernel replaced, kept here as the peer: one thread per W element, qweight read
@@ -95,12 +99,49 @@ struct GptqLayer {
     return g;
   }
   GptqLayer(std::int64_t k, std::int64_t n, int b, bool act_order, std::mt19937& rng)
-      : K(k), N(n), bits(b), qweight(random_words(std::size_t((k * b + 31) / 32 * n), rng)),
-        qzeros(random_words(std::size_t((k + 127) / 128 * ((n * b + 31) / 32)), rng)), g_idx(group_index(k, act_order, rng)),
-        scales(random_scales(std::size_t((k + 127) / 128 * n), rng)), act(act_order) {}
+      : K(k),
+        N(n),
+        bits(b),
+        qweight(random_words(std::size_t((k * b + 31) / 32 * n), rng)),
+        qzeros(random_words(std::size_t((k + 127) / 128 * ((n * b + 31) / 32)), rng)),
+        g_idx(group_index(k, act_order, rng)),
+        scales(random_scales(std::size_t((k + 127) / 128 * n), rng)),
+        act(act_order) {}
   bool act;
   kq::GptqView view() const { return {qweight.p, qzeros.p, scales.p, g_idx.p, K, N, bits, act, (K + 127) / 128}; }
   double packed_bytes() const { return double(qweight.n) * 4 + double(qzeros.n) * 4 + double(scales.n) * 2 + double(g_idx.n) * 4; }
+};
+
+// A random NF4 + DoubleQuant layer of n values (block 64): codes, absmax codes, nested absmax, a map and an offset.
+struct Nf4Layer {
+  std::int64_t n;
+  DevBuf<std::uint8_t> codes, absmax_code;
+  DevBuf<float> nested, map, offset;
+  static std::vector<std::uint8_t> random_bytes(std::size_t count, std::mt19937& rng) {
+    std::vector<std::uint8_t> v(count);
+    for (auto& b : v) b = std::uint8_t(rng());
+    return v;
+  }
+  static std::vector<float> uniform(std::size_t count, float lo, float hi, std::mt19937& rng) {
+    std::uniform_real_distribution<float> u(lo, hi);
+    std::vector<float> v(count);
+    for (auto& x : v) x = u(rng);
+    return v;
+  }
+  Nf4Layer(std::int64_t count, std::mt19937& rng)
+      : n(count),
+        codes(random_bytes(std::size_t(kq::nf4_code_bytes(count)), rng)),
+        absmax_code(random_bytes(std::size_t(kq::nf4_blocks(count, 64)), rng)),
+        nested(uniform(std::size_t(kq::nf4_dq_groups(kq::nf4_blocks(count, 64))), 0.01f, 0.02f, rng)),
+        map(uniform(256, -1.f, 1.f, rng)),
+        offset(std::vector<float>{0.03f}) {}
+  kq::Nf4View view() const {
+    kq::Nf4View v;
+    v.codes = codes.p, v.absmax_code = absmax_code.p, v.nested_absmax = nested.p, v.nested_map = map.p, v.absmax_offset = offset.p;
+    v.n = n, v.block = 64, v.double_quant = true;
+    return v;
+  }
+  double packed_bytes() const { return double(codes.n) + double(absmax_code.n) + double(nested.n) * 4; }
 };
 
 bool same_bytes(const void* a, const void* b, std::size_t bytes) {
@@ -122,9 +163,12 @@ int main(int argc, char** argv) {
   std::vector<int> tile_counts;  // --tiles: 64-in tiles a block to sweep (none: no sweep)
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--out" && i + 1 < argc) out_path = argv[++i];
-    else if (a == "--reps" && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
-    else if (a == "--only" && i + 1 < argc) only = argv[++i];
+    if (a == "--out" && i + 1 < argc)
+      out_path = argv[++i];
+    else if (a == "--reps" && i + 1 < argc)
+      reps = std::max(1, std::atoi(argv[++i]));
+    else if (a == "--only" && i + 1 < argc)
+      only = argv[++i];
     else if (a == "--m" && i + 1 < argc) {
       batches.clear();
       for (const std::string& item : comma_list(argv[++i])) {
@@ -150,7 +194,8 @@ int main(int argc, char** argv) {
         return 2;
       }
     } else {
-      std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m LIST] [--shapes KxN,...] [--tiles LIST]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--out FILE] [--reps N] [--only CASE-SUBSTRING] [--m LIST] [--shapes KxN,...] [--tiles LIST]\n",
+                   argv[0]);
       return 2;
     }
   }
@@ -183,8 +228,9 @@ int main(int argc, char** argv) {
       int bits, type_bytes;
       bool bf, act_order;
     };
-    for (const Variant var : {Variant{4, 2, true, false}, Variant{4, 2, false, false}, Variant{4, 4, false, false}, Variant{4, 2, true, true},
-                              Variant{3, 2, true, false}, Variant{8, 2, true, false}, Variant{2, 2, true, false}}) {
+    for (const Variant var :
+         {Variant{4, 2, true, false}, Variant{4, 2, false, false}, Variant{4, 4, false, false}, Variant{4, 2, true, true},
+          Variant{3, 2, true, false}, Variant{8, 2, true, false}, Variant{2, 2, true, false}}) {
       const std::string cs = "K" + std::to_string(K) + "_N" + std::to_string(N) + "_b" + std::to_string(var.bits) + "_" +
                              type_name(var.type_bytes, var.bf) + (var.act_order ? "_actorder" : "");
       if (!only.empty() && cs.find(only) == std::string::npos) continue;
@@ -194,14 +240,20 @@ int main(int argc, char** argv) {
       DevBuf<unsigned char> w(w_bytes), w_ref(w_bytes);
       const kq::GptqView v = L.view();
       auto tiled = [&] {
-        if (var.type_bytes == 4) SQUEEZE_CUDA_CHECK(kq::dequantize_cuda(v, reinterpret_cast<float*>(w.p), nullptr));
-        else if (var.bf) SQUEEZE_CUDA_CHECK(kq::dequantize_cuda(v, reinterpret_cast<bf16*>(w.p), nullptr));
-        else SQUEEZE_CUDA_CHECK(kq::dequantize_cuda(v, reinterpret_cast<half*>(w.p), nullptr));
+        if (var.type_bytes == 4)
+          SQUEEZE_CUDA_CHECK(kq::dequantize_cuda(v, reinterpret_cast<float*>(w.p), nullptr));
+        else if (var.bf)
+          SQUEEZE_CUDA_CHECK(kq::dequantize_cuda(v, reinterpret_cast<bf16*>(w.p), nullptr));
+        else
+          SQUEEZE_CUDA_CHECK(kq::dequantize_cuda(v, reinterpret_cast<half*>(w.p), nullptr));
       };
       auto elementwise = [&] {
-        if (var.type_bytes == 4) elementwise_dequantize(v, reinterpret_cast<float*>(w_ref.p));
-        else if (var.bf) elementwise_dequantize(v, reinterpret_cast<bf16*>(w_ref.p));
-        else elementwise_dequantize(v, reinterpret_cast<half*>(w_ref.p));
+        if (var.type_bytes == 4)
+          elementwise_dequantize(v, reinterpret_cast<float*>(w_ref.p));
+        else if (var.bf)
+          elementwise_dequantize(v, reinterpret_cast<bf16*>(w_ref.p));
+        else
+          elementwise_dequantize(v, reinterpret_cast<half*>(w_ref.p));
       };
       tiled();
       elementwise();
@@ -209,13 +261,47 @@ int main(int argc, char** argv) {
       const bool same = same_bytes(w.p, w_ref.p, w_bytes);
       const double t = time_ms(tiled, reps), t_peer = time_ms(elementwise, std::max(5, reps / 3));
       const double bytes = L.packed_bytes() + double(w_bytes), roof = bytes / (t * 1e6) / copy_gbs;
-      std::printf("%-28s %9.4f %9.4f %6.2f %6.2f %s\n", cs.c_str(), t, t_peer, t_peer / t, roof, same ? "same bytes" : "BAD: differs from the peer");
+      std::printf("%-28s %9.4f %9.4f %6.2f %6.2f %s\n", cs.c_str(), t, t_peer, t_peer / t, roof,
+                  same ? "same bytes" : "BAD: differs from the peer");
       std::fflush(stdout);
       std::ostringstream j;
-      j << "{\"bench\": \"dequant\", \"case\": \"" << cs << "\", \"bits\": " << var.bits << ", \"out_type\": \"" << type_name(var.type_bytes, var.bf)
-        << "\", \"act_order\": " << (var.act_order ? "true" : "false") << ", \"time_ms\": " << t
+      j << "{\"bench\": \"dequant\", \"case\": \"" << cs << "\", \"bits\": " << var.bits << ", \"out_type\": \""
+        << type_name(var.type_bytes, var.bf) << "\", \"act_order\": " << (var.act_order ? "true" : "false") << ", \"time_ms\": " << t
         << ", \"peer\": \"elementwise_dequantize\", \"peer_time_ms\": " << t_peer << ", \"ratio_vs_peer\": " << t_peer / t
-        << ", \"bytes\": " << bytes << ", \"roofline_fraction\": " << roof << ", \"same_bytes_as_peer\": " << (same ? "true" : "false") << common();
+        << ", \"bytes\": " << bytes << ", \"roofline_fraction\": " << roof << ", \"same_bytes_as_peer\": " << (same ? "true" : "false")
+        << common();
+      emit(j.str());
+    }
+
+    // ---- NF4 + DoubleQuant into bf16: the library's launcher against the one-byte-a-thread kernel ----
+    if (const std::string cs = "K" + std::to_string(K) + "_N" + std::to_string(N) + "_nf4dq_bf16";
+        only.empty() || cs.find(only) != std::string::npos) {
+      watchdog_note(cs);
+      const Nf4Layer L(K * N, rng);
+      DevBuf<bf16> w(std::size_t(K * N)), w_ref(std::size_t(K * N));
+      const kq::Nf4View v = L.view();
+      auto library = [&] { SQUEEZE_CUDA_CHECK(kq::nf4_dequantize_cuda(v, w.p, nullptr)); };
+      auto per_byte = [&] {
+        kq::detail::nf4_dequantize_kernel<bf16>
+            <<<kq::detail::nf4_grid(kq::nf4_code_bytes(v.n), kq::kNf4Threads), kq::kNf4Threads>>>(v, w_ref.p);
+        SQUEEZE_CUDA_CHECK(cudaGetLastError());
+      };
+      library();
+      per_byte();
+      SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+      const bool same = same_bytes(w.p, w_ref.p, std::size_t(K * N) * 2);
+      const double t = time_ms(library, reps), t_peer = time_ms(per_byte, reps);
+      const double bytes = L.packed_bytes() + double(K * N) * 2, roof = bytes / (t * 1e6) / copy_gbs;
+      std::printf("%-28s %9.4f %9.4f %6.2f %6.2f %s\n", cs.c_str(), t, t_peer, t_peer / t, roof,
+                  same ? "same bytes" : "BAD: differs from the peer");
+      std::fflush(stdout);
+      std::ostringstream j;
+      j << "{\"bench\": \"dequant_nf4\", \"case\": \"" << cs
+        << "\", \"out_type\": \"bf16\", \"block\": 64, \"double_quant\": true, \"time_ms\": " << t
+        << ", \"peer\": \"nf4_dequantize_kernel (one code byte a thread)\", \"peer_time_ms\": " << t_peer
+        << ", \"ratio_vs_peer\": " << t_peer / t << ", \"bytes\": " << bytes << ", \"roofline_fraction\": " << roof
+        << ", \"peer_roofline_fraction\": " << bytes / (t_peer * 1e6) / copy_gbs
+        << ", \"same_bytes_as_peer\": " << (same ? "true" : "false") << common();
       emit(j.str());
     }
 
@@ -239,9 +325,9 @@ int main(int argc, char** argv) {
         const double t = time_ms(run, reps);
         std::printf("  %d: %.4f%s", tpb, t, same ? "" : " BAD");
         std::ostringstream j;
-        j << "{\"bench\": \"dequant_tiles\", \"case\": \"" << cs << "\", \"act_order\": " << (act ? "true" : "false") << ", \"tiles_per_block\": " << tpb
-          << ", \"time_ms\": " << t << ", \"roofline_fraction\": " << bytes / (t * 1e6) / copy_gbs << ", \"same_bytes_as_default\": " << (same ? "true" : "false")
-          << common();
+        j << "{\"bench\": \"dequant_tiles\", \"case\": \"" << cs << "\", \"act_order\": " << (act ? "true" : "false")
+          << ", \"tiles_per_block\": " << tpb << ", \"time_ms\": " << t << ", \"roofline_fraction\": " << bytes / (t * 1e6) / copy_gbs
+          << ", \"same_bytes_as_default\": " << (same ? "true" : "false") << common();
         emit(j.str());
       }
       std::printf("\n");
@@ -282,12 +368,14 @@ int main(int argc, char** argv) {
         DevBuf<int> counters{std::size_t(counter_elems)};
         SQUEEZE_CUDA_CHECK(cudaMemset(counters.p, 0, counters.n * sizeof(int)));
         const kq::QGemmWorkspace ws{partial.p, partial_elems, counters.p, counter_elems};
-        auto fused = [&] { SQUEEZE_CUDA_CHECK(kq::quant_gemm_cuda<bf16>(x.p, tiles.p, tile_scales.p, tile_zeros.p, y.p, s, ws, sm, nullptr)); };
+        auto fused = [&] {
+          SQUEEZE_CUDA_CHECK(kq::quant_gemm_cuda<bf16>(x.p, tiles.p, tile_scales.p, tile_zeros.p, y.p, s, ws, sm, nullptr));
+        };
         auto mma = [&] { SQUEEZE_CUDA_CHECK(kq::qgemm_cuda<bf16>(x.p, tiles.p, tile_scales.p, tile_zeros.p, y.p, s, ws, sm, nullptr)); };
         const float one = 1.f, zero = 0.f;
         auto cublas_on = [&](const bf16* weights) {
-          cublas_check(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(M), int(K), &one, weights, CUDA_R_16BF, int(K), x.p, CUDA_R_16BF,
-                                    int(K), &zero, y.p, CUDA_R_16BF, int(N), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+          cublas_check(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(M), int(K), &one, weights, CUDA_R_16BF, int(K), x.p,
+                                    CUDA_R_16BF, int(K), &zero, y.p, CUDA_R_16BF, int(N), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                        "GemmEx");
         };
         auto deq_cublas = [&] {
@@ -295,17 +383,19 @@ int main(int argc, char** argv) {
           cublas_on(w.p);
         };
         const bool sm90 = kq::quant_gemm_uses_sm90(s);
-        const double t_fused = time_ms(fused, reps), t_deq = time_ms(deq_cublas, reps), t_cub = time_ms([&] { cublas_on(w_resident.p); }, reps);
+        const double t_fused = time_ms(fused, reps), t_deq = time_ms(deq_cublas, reps),
+                     t_cub = time_ms([&] { cublas_on(w_resident.p); }, reps);
         const double t_mma = sm90 && M <= 512 ? time_ms(mma, reps) : 0.0;
-        std::printf("%-28s fused %.4f ms | dequantize + cuBLAS %.4f (fused %.2fx) | cuBLAS alone %.4f | %s", cs.c_str(), t_fused, t_deq, t_deq / t_fused,
-                    t_cub, t_fused <= t_deq ? "fused" : "dequantize");
+        std::printf("%-28s fused %.4f ms | dequantize + cuBLAS %.4f (fused %.2fx) | cuBLAS alone %.4f | %s", cs.c_str(), t_fused, t_deq,
+                    t_deq / t_fused, t_cub, t_fused <= t_deq ? "fused" : "dequantize");
         if (t_mma > 0) std::printf(" | mma.sync kernel %.4f (%.2fx)", t_mma, t_deq / t_mma);
         std::printf("\n");
         std::fflush(stdout);
         std::ostringstream j;
-        j << "{\"bench\": \"dequant_crossover\", \"case\": \"" << cs << "\", \"bits\": " << bits << ", \"M\": " << M << ", \"time_ms\": " << t_fused
-          << ", \"dispatch\": \"" << kq::quant_gemm_describe(s, sm) << "\", \"peer\": \"dequantize+cublas_bf16\", \"peer_time_ms\": " << t_deq
-          << ", \"ratio_vs_peer\": " << t_deq / t_fused << ", \"cublas_resident_ms\": " << t_cub;
+        j << "{\"bench\": \"dequant_crossover\", \"case\": \"" << cs << "\", \"bits\": " << bits << ", \"M\": " << M
+          << ", \"time_ms\": " << t_fused << ", \"dispatch\": \"" << kq::quant_gemm_describe(s, sm)
+          << "\", \"peer\": \"dequantize+cublas_bf16\", \"peer_time_ms\": " << t_deq << ", \"ratio_vs_peer\": " << t_deq / t_fused
+          << ", \"cublas_resident_ms\": " << t_cub;
         if (t_mma > 0) j << ", \"mma_sync_ms\": " << t_mma << ", \"mma_sync_ratio_vs_peer\": " << t_deq / t_mma;
         j << common();
         emit(j.str());

@@ -46,29 +46,45 @@ class Nf4Cuda : public ::testing::Test {};
 using Elements = ::testing::Types<float, bf16, half>;
 TYPED_TEST_SUITE(Nf4Cuda, Elements);
 
+// The device's dequantisation of n random weights (block `block`, out `shift` elements past an aligned address)
+// against the twin's, byte for byte.
+template <class T>
+void expect_dequantize_matches_twin(std::int64_t n, int block, bool dq, std::size_t shift) {
+  const auto w = normal_weights<float>(n, std::uint32_t(n + block));
+  const auto p = quant::nf4_quantize(w.data(), n, {.block = block, .double_quant = dq});
+  std::vector<T> twin(static_cast<std::size_t>(n));
+  quant::nf4_dequantize(p, twin.data());
+  Dev<std::uint8_t> codes(p.codes), absmax_code(p.absmax_code);
+  Dev<float> absmax(p.absmax), nested(p.nested_absmax), map(p.nested_map), offset(std::vector<float>{p.absmax_offset});
+  Dev<T> out(static_cast<std::size_t>(n) + shift);
+  kq::Nf4View v = p.view();
+  v.codes = codes.p;
+  v.absmax = dq ? nullptr : absmax.p;
+  v.absmax_code = dq ? absmax_code.p : nullptr;
+  v.nested_absmax = dq ? nested.p : nullptr;
+  v.nested_map = dq ? map.p : nullptr;
+  v.absmax_offset = dq ? offset.p : nullptr;
+  SQUEEZE_CUDA_CHECK(kq::nf4_dequantize_cuda(v, out.p + shift));
+  SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<T> got = out.get();
+  got.erase(got.begin(), got.begin() + std::ptrdiff_t(shift));
+  EXPECT_TRUE(same_bits(got, twin)) << "n=" << n << " block=" << block << " dq=" << dq << " shift=" << shift;
+}
+
 TYPED_TEST(Nf4Cuda, DequantizeMatchesTwinBitForBit) {
   REQUIRE_DEVICE();
-  using T = TypeParam;
   for (const bool dq : {false, true})
-    for (const std::int64_t n : kSizes) {
-      const auto w = normal_weights<float>(n, std::uint32_t(n));
-      const auto p = quant::nf4_quantize(w.data(), n, {.block = 64, .double_quant = dq});
-      std::vector<T> twin(static_cast<std::size_t>(n));
-      quant::nf4_dequantize(p, twin.data());
-      Dev<std::uint8_t> codes(p.codes), absmax_code(p.absmax_code);
-      Dev<float> absmax(p.absmax), nested(p.nested_absmax), map(p.nested_map), offset(std::vector<float>{p.absmax_offset});
-      Dev<T> out(static_cast<std::size_t>(n));
-      kq::Nf4View v = p.view();
-      v.codes = codes.p;
-      v.absmax = dq ? nullptr : absmax.p;
-      v.absmax_code = dq ? absmax_code.p : nullptr;
-      v.nested_absmax = dq ? nested.p : nullptr;
-      v.nested_map = dq ? map.p : nullptr;
-      v.absmax_offset = dq ? offset.p : nullptr;
-      SQUEEZE_CUDA_CHECK(kq::nf4_dequantize_cuda(v, out.p));
-      SQUEEZE_CUDA_CHECK(cudaDeviceSynchronize());
-      EXPECT_TRUE(same_bits(out.get(), twin)) << "n=" << n << " dq=" << dq;
-    }
+    for (const std::int64_t n : kSizes) expect_dequantize_matches_twin<TypeParam>(n, 64, dq, 0);
+}
+
+// Both kernels: sixteen values a thread where blocks hold whole groups of 16 and the output is 16-byte aligned (with
+// the last n % 16 values apart), one code byte a thread otherwise (blocks of 8, a shifted output, n < 16).
+TYPED_TEST(Nf4Cuda, DequantizeEveryPathMatchesTwin) {
+  REQUIRE_DEVICE();
+  for (const bool dq : {false, true})
+    for (const int block : {8, 16, 32, 256})
+      for (const std::size_t shift : {0, 1})
+        for (const std::int64_t n : {7, 16, 31, 256 * 3 + 9, 4096 * 7 + 16}) expect_dequantize_matches_twin<TypeParam>(n, block, dq, shift);
 }
 
 TYPED_TEST(Nf4Cuda, QuantizeMatchesTwin) {
