@@ -100,15 +100,24 @@ TEST(FusedCuda, AddRmsNormMatchesCpuTwin) {
 TEST(FusedCuda, RopeMatchesCpuTwin) {
   REQUIRE_CUDA();
   for (const auto& [dt, tol] : kDtypes)
-    for (const auto& [B, T, H, D] : std::vector<std::array<int64_t, 4>>{{2, 13, 3, 18}, {2, 128, 32, 128}, {1, 7, 5, 64}}) {
-      const auto [cos, sin] = nn::rope_tables(T, D, 10000.0, torch::kCPU);
-      torch::manual_seed(4);
-      const auto f = [&, D = D](const std::vector<torch::Tensor>& in) {
-        const torch::Tensor c = cos.to(in[0].device()), s = sin.to(in[0].device());
-        return std::vector<torch::Tensor>{nn::fused_rope_(in[0] * 1, c, s, D)};
-      };
-      expect_cuda_matches_cpu(f, {torch::randn({B, T, H * D}).to(dt)}, tol, "rope " + name(dt) + " D " + std::to_string(D));
-    }
+    // Four pairs a thread (half a head a multiple of 4: D 8, 64, 128) and one (D 12, 18, and the shifted copy).
+    for (const auto& [B, T, H, D] :
+         std::vector<std::array<int64_t, 4>>{{2, 13, 3, 18}, {2, 128, 32, 128}, {1, 7, 5, 64}, {3, 5, 2, 8}, {1, 9, 3, 12}})
+      for (const bool shifted : {false, true}) {
+        const auto [cos, sin] = nn::rope_tables(T, D, 10000.0, torch::kCPU);
+        torch::manual_seed(4);
+        const auto f = [&, D = D](const std::vector<torch::Tensor>& in) {
+          const torch::Tensor c = cos.to(in[0].device()), s = sin.to(in[0].device());
+          torch::Tensor x = in[0] * 1;
+          if (shifted) {  // rotated one element past an aligned address
+            torch::Tensor buf = torch::empty({x.numel() + 1}, x.options().requires_grad(false));
+            x = buf.narrow(0, 1, x.numel()).view(x.sizes()).copy_(x);
+          }
+          return std::vector<torch::Tensor>{nn::fused_rope_(x, c, s, D)};
+        };
+        expect_cuda_matches_cpu(f, {torch::randn({B, T, H * D}).to(dt)}, tol,
+                                "rope " + name(dt) + " D " + std::to_string(D) + (shifted ? " shifted" : ""));
+      }
 }
 
 TEST(FusedCuda, SwigluMatchesCpuTwin) {
