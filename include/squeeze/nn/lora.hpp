@@ -68,6 +68,48 @@ struct LoRAOptions {
   int64_t seed = -1;
 };
 
+namespace detail {
+// y = x W^T + s (x A^T) B^T on an NF4 base as one autograd node. Its backward adds the adapter's input gradient in
+// the base GEMM's epilogue (dX = dY W, then dX += (s dY B) A in place) where the two-node form writes a second
+// [N, in] gradient and adds them: one pass over [N, in] written and two read fewer per adapter. The forward is the
+// two-node form's, op for op. a [r, in] and b [out, r] in x's dtype; W dequantised in each pass and freed after.
+struct Nf4LoraFn : torch::autograd::Function<Nf4LoraFn> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& a,
+                               const torch::Tensor& b, int64_t weight_ptr, double scaling) {
+    const auto* w = reinterpret_cast<const Nf4Weight*>(weight_ptr);
+    const torch::Tensor x2 = x.reshape({-1, x.size(-1)});                 // [N, in]
+    torch::Tensor y = torch::mm(x2, w->dequantize(x.scalar_type()).t());  // [N, out]
+    const torch::Tensor xa = torch::mm(x2, a.t());                        // [N, r]
+    y.addmm_(xa, b.t(), /*beta=*/1, /*alpha=*/scaling);
+    ctx->save_for_backward({x2, a, b, xa});
+    ctx->saved_data["w"] = weight_ptr;
+    ctx->saved_data["scaling"] = scaling;
+    std::vector<int64_t> sizes = x.sizes().vec();
+    sizes.back() = y.size(1);
+    return y.view(sizes);  // [..., out]
+  }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::tensor_list g) {
+    const auto saved = ctx->get_saved_variables();
+    const torch::Tensor &x2 = saved[0], &a = saved[1], &b = saved[2], &xa = saved[3];
+    const double scaling = ctx->saved_data["scaling"].toDouble();
+    const torch::Tensor dy = g[0].reshape({-1, b.size(0)});  // [N, out]
+    const torch::Tensor dxa = torch::mm(dy, b) * scaling;    // [N, r]
+    torch::Tensor dx;
+    if (ctx->needs_input_grad(0)) {
+      const auto* w = reinterpret_cast<const Nf4Weight*>(ctx->saved_data["w"].toInt());
+      dx = torch::mm(dy, w->dequantize(dy.scalar_type()));  // [N, in]
+      dx.addmm_(dxa, a);
+      std::vector<int64_t> sizes = g[0].sizes().vec();
+      sizes.back() = x2.size(1);
+      dx = dx.view(sizes);
+    }
+    const torch::Tensor da = ctx->needs_input_grad(1) ? torch::mm(dxa.t(), x2) : torch::Tensor();           // [r, in]
+    const torch::Tensor db = ctx->needs_input_grad(2) ? torch::mm(dy.t(), xa) * scaling : torch::Tensor();  // [out, r]
+    return {dx, da, db, torch::Tensor(), torch::Tensor()};
+  }
+};
+}  // namespace detail
+
 class LoRALinearImpl : public torch::nn::Module {
  public:
   // Dense frozen base: weight [out, in] (kept as given: store it in the compute dtype), bias [out] or undefined.
@@ -125,6 +167,10 @@ class LoRALinearImpl : public torch::nn::Module {
       TORCH_CHECK(!(is_training() && torch::GradMode::is_enabled() && lora_B.requires_grad()),
                   "LoRALinear: the adapter is merged into the base weight, so training would not reach it: unmerge_adapter() first");
       return y;
+    }
+    if (is_nf4_ && !bias_.defined()) {  // QLoRA's layers: one node, the adapter's input gradient added in a GEMM epilogue
+      TORCH_CHECK(x.device() == nf4_.device(), "LoRALinear: input on ", x.device(), " but the NF4 weight on ", nf4_.device());
+      return detail::Nf4LoraFn::apply(x, lora_A.to(dt), lora_B.to(dt), reinterpret_cast<int64_t>(&nf4_), scaling());
     }
     const torch::Tensor xa = torch::matmul(x, lora_A.to(dt).t()).reshape({-1, lora_A.size(0)});  // [N, r]
     // y + scaling * xa B^T as one GEMM whose epilogue adds y: no separate scale and add passes over [N, out] (forward,
