@@ -277,7 +277,8 @@ fi
 
 # Where the time goes (only when named): at TinyLlama-1.1B, T=2048, each row measured as usual and then 2 more steps under
 # the profiler (--profile-steps), beside its peers profiled the same way: zero3-bf16 and zero3-bf16-ckpt beside FSDP2
-# compiled and compiled + Liger, qlora (B=8, and B=2 at T=512) beside transformers + bitsandbytes + PEFT; then
+# compiled and compiled + Liger, qlora (B=8, and B=2 at T=512) beside transformers + bitsandbytes + PEFT, plain and with
+# Liger's kernels; then
 # bench/profile_table.py: milliseconds per step by kind (profile.txt, profile.jsonl). Needs the liger-kernel, bitsandbytes
 # and peft wheels importable (bench/qlora/README.md).
 if named profile; then
@@ -296,8 +297,10 @@ if named profile; then
     read -r b t <<<"$bt"
     timeout "${PEER_TIMEOUT:-300}" "$BUILD/bench/table/bench_table" --preset tinyllama-1.1b --rows "qlora:$b" --seq "$t" --eval-seqs 0 \
       "${prof[@]}" --out "$OUT/profile-ours.jsonl" 2>&1 | grep -E "^qlora" | head -2
-    timeout "${PEER_TIMEOUT:-300}" python3 "$ROOT/bench/qlora/qlora_peer.py" --preset tinyllama-1.1b --batch "$b" --seq "$t" "${prof[@]}" \
-      --out "$OUT/profile-peers.jsonl" 2>&1 | grep -E "^hf-bnb|Error" | head -2
+    for variant in "" "--liger"; do
+      timeout "${PEER_TIMEOUT:-300}" python3 "$ROOT/bench/qlora/qlora_peer.py" --preset tinyllama-1.1b --batch "$b" --seq "$t" "${prof[@]}" \
+        $variant --out "$OUT/profile-peers.jsonl" 2>&1 | grep -E "^hf-bnb|Error" | head -2
+    done
   done
   python3 "$ROOT/bench/profile_table.py" "$OUT/profile-ours.jsonl" "$OUT/profile-peers.jsonl" --top 5 --jsonl "$OUT/profile.jsonl" |
     tee "$OUT/profile.txt"
