@@ -152,19 +152,19 @@ TEST(LoRA, Nf4BaseEqualsDequantisedWeightMatmul) {
   }
 }
 
-// An NF4 base with a trained (non-zero) adapter, no bias: the one-node forward and backward (Nf4LoraFn) against the
-// float64 composition y = x W^T + s (x A^T) B^T, dX = dY W + s (dY B) A, dA = s (dY B)^T x, dB = s dY^T (x A^T), with
-// W, A and B as the layer sees them (A and B rounded to the compute type). Tolerance: |error| <= rel * (the same
-// products over absolute values) + 1e-6; rel 1e-5 in float, 2^-6 in bf16 (x A^T and dY B are rounded to bf16 before
-// their second product). Sizes that divide nothing; an input that needs no gradient gets none.
+// An NF4 base with a trained (non-zero) adapter, with a bias when the input needs no gradient: the one-node forward and backward
+// (Nf4LoraFn) against the float64 composition y = x W^T + s (x A^T) B^T, dX = dY W + s (dY B) A, dA = s (dY B)^T x, dB = s dY^T (x A^T),
+// with W, A and B as the layer sees them (A and B rounded to the compute type). Tolerance: |error| <= rel * (the same products over
+// absolute values) + 1e-6; rel 1e-5 in float, 2^-6 in bf16 (x A^T and dY B are rounded to bf16 before their second product). Sizes that
+// divide nothing; an input that needs no gradient gets none.
 TEST(LoRA, Nf4AdapterNodeMatchesTheComposition) {
   torch::manual_seed(4);
   for (const bool x_grad : {true, false})
     for (const auto dt : {torch::kFloat32, torch::kBFloat16}) {
       const int64_t out = 37, in = 70, r = 3;
       const torch::Tensor w = torch::randn({out, in}) * 0.05;
-      nn::LoRALinear layer(nn::Nf4Weight::quantize(w, {.block = 64, .double_quant = true}), torch::Tensor(),
-                           nn::LoRAOptions{.rank = r, .alpha = 7});
+      const torch::Tensor bias = x_grad ? torch::Tensor() : torch::randn({out});
+      nn::LoRALinear layer(nn::Nf4Weight::quantize(w, {.block = 64, .double_quant = true}), bias, nn::LoRAOptions{.rank = r, .alpha = 7});
       {
         torch::NoGradGuard ng;
         layer->lora_B.normal_(0, 0.1);  // a trained adapter: B = 0 would hide its gradient paths
@@ -181,9 +181,10 @@ TEST(LoRA, Nf4AdapterNodeMatchesTheComposition) {
       const torch::Tensor W = f64(layer->packed_nf4()->dequantize(dt)), A = f64(layer->lora_A), B = f64(layer->lora_B);
       const torch::Tensor X = f64(x).reshape({-1, in}), G = f64(dy).reshape({-1, out});
       const double rel = dt == torch::kFloat32 ? 1e-5 : std::ldexp(1.0, -6);
-      const std::string what = std::string(c10::toString(dt)) + (x_grad ? "" : ", x without grad");
-      expect_close(y.reshape({-1, out}), X.mm(W.t()) + s * X.mm(A.t()).mm(B.t()),
-                   X.abs().mm(W.abs().t()) + s * X.abs().mm(A.abs().t()).mm(B.abs().t()), rel, 1e-6, "y " + what);
+      const std::string what = std::string(c10::toString(dt)) + (x_grad ? "" : ", x without grad, a bias");
+      const torch::Tensor b0 = x_grad ? torch::zeros({out}, torch::kFloat64) : f64(bias);
+      expect_close(y.reshape({-1, out}), X.mm(W.t()) + b0 + s * X.mm(A.t()).mm(B.t()),
+                   X.abs().mm(W.abs().t()) + b0.abs() + s * X.abs().mm(A.abs().t()).mm(B.abs().t()), rel, 1e-6, "y " + what);
       if (x_grad)
         expect_close(x.grad().reshape({-1, in}), G.mm(W) + s * G.mm(B).mm(A), G.abs().mm(W.abs()) + s * G.abs().mm(B.abs()).mm(A.abs()),
                      rel, 1e-6, "dx " + what);

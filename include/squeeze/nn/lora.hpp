@@ -69,17 +69,20 @@ struct LoRAOptions {
 };
 
 namespace detail {
-// y = x W^T + s (x A^T) B^T on an NF4 base as one autograd node. Its backward adds the adapter's input gradient in
+// y = x W^T (+ bias) + s (x A^T) B^T on an NF4 base as one autograd node (the whole forward of such a layer: the base
+// runs only here). Its backward adds the adapter's input gradient in
 // the base GEMM's epilogue (dX = dY W, then dX += (s dY B) A in place) where the two-node form writes a second
 // [N, in] gradient and adds them: one pass over [N, in] written and two read fewer per adapter. The forward is the
-// two-node form's, op for op. a [r, in] and b [out, r] in x's dtype; W dequantised in each pass and freed after.
+// two-node form's, op for op. a [r, in], b [out, r] and bias [out] (frozen, or undefined) in x's dtype; W dequantised
+// in each pass and freed after.
 struct Nf4LoraFn : torch::autograd::Function<Nf4LoraFn> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& a,
-                               const torch::Tensor& b, int64_t weight_ptr, double scaling) {
+                               const torch::Tensor& b, const std::optional<torch::Tensor>& bias, int64_t weight_ptr, double scaling) {
     const auto* w = reinterpret_cast<const Nf4Weight*>(weight_ptr);
     const torch::Tensor x2 = x.reshape({-1, x.size(-1)});                 // [N, in]
     torch::Tensor y = torch::mm(x2, w->dequantize(x.scalar_type()).t());  // [N, out]
-    const torch::Tensor xa = torch::mm(x2, a.t());                        // [N, r]
+    if (bias) y.add_(*bias);
+    const torch::Tensor xa = torch::mm(x2, a.t());  // [N, r]
     y.addmm_(xa, b.t(), /*beta=*/1, /*alpha=*/scaling);
     ctx->save_for_backward({x2, a, b, xa});
     ctx->saved_data["w"] = weight_ptr;
@@ -105,7 +108,7 @@ struct Nf4LoraFn : torch::autograd::Function<Nf4LoraFn> {
     }
     const torch::Tensor da = ctx->needs_input_grad(1) ? torch::mm(dxa.t(), x2) : torch::Tensor();           // [r, in]
     const torch::Tensor db = ctx->needs_input_grad(2) ? torch::mm(dy.t(), xa) * scaling : torch::Tensor();  // [out, r]
-    return {dx, da, db, torch::Tensor(), torch::Tensor()};
+    return {dx, da, db, torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 }  // namespace detail
@@ -162,15 +165,16 @@ class LoRALinearImpl : public torch::nn::Module {
     TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in_, "LoRALinear: input has ", x.dim() ? x.size(-1) : 0, " features, layer expects ", in_);
     TORCH_CHECK(x.is_floating_point(), "LoRALinear: floating-point input required, got ", x.scalar_type());
     const auto dt = x.scalar_type();
+    if (is_nf4_) {  // QLoRA's layers: one node, base included (an NF4 base is never merged: merge_adapter refuses it)
+      TORCH_CHECK(x.device() == nf4_.device(), "LoRALinear: input on ", x.device(), " but the NF4 weight on ", nf4_.device());
+      return detail::Nf4LoraFn::apply(x, lora_A.to(dt), lora_B.to(dt), bias_.defined() ? std::optional(bias_.to(dt)) : std::nullopt,
+                                      reinterpret_cast<int64_t>(&nf4_), scaling());
+    }
     torch::Tensor y = base_forward(x);
     if (merged_) {  // the adapter is in the base weight (merge_adapter)
       TORCH_CHECK(!(is_training() && torch::GradMode::is_enabled() && lora_B.requires_grad()),
                   "LoRALinear: the adapter is merged into the base weight, so training would not reach it: unmerge_adapter() first");
       return y;
-    }
-    if (is_nf4_ && !bias_.defined()) {  // QLoRA's layers: one node, the adapter's input gradient added in a GEMM epilogue
-      TORCH_CHECK(x.device() == nf4_.device(), "LoRALinear: input on ", x.device(), " but the NF4 weight on ", nf4_.device());
-      return detail::Nf4LoraFn::apply(x, lora_A.to(dt), lora_B.to(dt), reinterpret_cast<int64_t>(&nf4_), scaling());
     }
     const torch::Tensor xa = torch::matmul(x, lora_A.to(dt).t()).reshape({-1, lora_A.size(0)});  // [N, r]
     // y + scaling * xa B^T as one GEMM whose epilogue adds y: no separate scale and add passes over [N, out] (forward,
