@@ -15,46 +15,36 @@ __global__ void __launch_bounds__(256) rope_kernel(const RopeArgs<T> a, const st
     rope_pair(a, p);
 }
 
-// Four consecutive pairs (i .. i+3 of one head): one vector load and store per half of x and one float4 per table, and
-// one index computation for the four (64-bit divisions are most of a one-pair thread's work). The same rotation per
-// element as rope_pair.
-inline constexpr int kRopePairs = 4;
-template <class T>
-struct alignas(sizeof(T) * kRopePairs) RopeQuad {
-  T v[kRopePairs];
-};
+// Four consecutive pairs (i .. i+3 of one head): one quad load and store per half of x (load4 / store4) and one float4
+// per table, and one index computation for the four (64-bit divisions are most of a one-pair thread's work). The same
+// rotation per element as rope_pair.
 template <class T>
 __global__ void __launch_bounds__(256) rope4_kernel(const RopeArgs<T> a, const std::int64_t quads) {
-  using Acc = acc_t<T>;
-  const std::int64_t half = a.head_dim / 2, quads_per_head = half / kRopePairs;
-  const Acc sign = a.inverse ? Acc(-1) : Acc(1);
+  const std::int64_t half = a.head_dim / 2, quads_per_head = half / kQuad;
+  const float sign = a.inverse ? -1.0f : 1.0f;
   for (std::int64_t q = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; q < quads; q += std::int64_t(gridDim.x) * blockDim.x) {
-    const std::int64_t head_row = q / quads_per_head, i = (q - head_row * quads_per_head) * kRopePairs;  // head_row = row * heads + head
+    const std::int64_t head_row = q / quads_per_head, i = (q - head_row * quads_per_head) * kQuad;  // head_row = row * heads + head
     const std::int64_t pos = (head_row / a.heads) % a.seq;
     T* base = a.x + head_row * a.head_dim;
     const T* src = a.in ? a.in + head_row * a.head_dim : base;
-    RopeQuad<T> x1 = *reinterpret_cast<const RopeQuad<T>*>(src + i), x2 = *reinterpret_cast<const RopeQuad<T>*>(src + i + half);
+    float x1[kQuad], x2[kQuad];
+    load4(src + i, x1);
+    load4(src + i + half, x2);
     const float4 c = *reinterpret_cast<const float4*>(a.cos + pos * a.table_stride + i);
     const float4 s = *reinterpret_cast<const float4*>(a.sin + pos * a.table_stride + i);
-    const float cs[kRopePairs] = {c.x, c.y, c.z, c.w}, ss[kRopePairs] = {s.x, s.y, s.z, s.w};
+    const float cs[kQuad] = {c.x, c.y, c.z, c.w}, ss[kQuad] = {s.x, s.y, s.z, s.w};
 #pragma unroll
-    for (int k = 0; k < kRopePairs; ++k) {
-      Acc u = load_acc(x1.v[k]), w = load_acc(x2.v[k]);
-      RopeOp<Acc>::rotate(u, w, cs[k], ss[k], sign);
-      x1.v[k] = store_acc<T>(u);
-      x2.v[k] = store_acc<T>(w);
-    }
-    *reinterpret_cast<RopeQuad<T>*>(base + i) = x1;
-    *reinterpret_cast<RopeQuad<T>*>(base + i + half) = x2;
+    for (int k = 0; k < kQuad; ++k) RopeOp<float>::rotate(x1[k], x2[k], cs[k], ss[k], sign);
+    store4(base + i, x1);
+    store4(base + i + half, x2);
   }
 }
 
-// Whether rope4_kernel may run: whole quads per half head, aligned vectors (the tables are fp32 for every T here).
+// Whether rope4_kernel may run: whole quads per half head, x (and in) by quads, the fp32 tables by float4.
 template <class T>
 bool rope4_fits(const RopeArgs<T>& a) {
-  auto aligned = [](const void* p, std::size_t n) { return reinterpret_cast<std::uintptr_t>(p) % n == 0; };
-  return (a.head_dim / 2) % kRopePairs == 0 && a.table_stride % kRopePairs == 0 && aligned(a.x, sizeof(RopeQuad<T>)) &&
-         (a.in == nullptr || aligned(a.in, sizeof(RopeQuad<T>))) && aligned(a.cos, 16) && aligned(a.sin, 16);
+  return (a.head_dim / 2) % kQuad == 0 && a.table_stride % kQuad == 0 && quad_aligned(a.x) && (a.in == nullptr || quad_aligned(a.in)) &&
+         quad_aligned(a.cos) && quad_aligned(a.sin);
 }
 }  // namespace detail
 
@@ -65,7 +55,7 @@ cudaError_t rope_cuda(const RopeArgs<T>& a, cudaStream_t stream = nullptr) {
   const std::int64_t pairs = a.rows * a.heads * (a.head_dim / 2);
   if (pairs == 0) return cudaSuccess;
   const bool quads = detail::rope4_fits(a);
-  const std::int64_t work = quads ? pairs / detail::kRopePairs : pairs;
+  const std::int64_t work = quads ? pairs / kQuad : pairs;
   int blocks = 0;
   if (const cudaError_t e = fused_grid(work, 256, blocks); e != cudaSuccess) return e;
   if (quads)
