@@ -768,6 +768,41 @@ TEST(LlamaCheckpoint, QLoRARefusesAnotherBase) {
   EXPECT_EQ(b.step_count(), 0);
 }
 
+// The NF4 base's work by count, which no numeric result shows (a pass run twice, or one dropped, gives the same
+// numbers): a QLoRA step dequantises each block linear's W once in forward, once more in recomputation when
+// checkpointed, and once for its input gradient, except block 0's q, k and v, whose input (the frozen embedding through
+// a frozen norm) needs none.
+template <squeeze::StrategyType S>
+void expect_one_dequantisation_a_pass(int64_t passes) {
+  SCOPED_TRACE(passes == 3 ? "checkpointed" : "not checkpointed");
+  torch::manual_seed(9);
+  LlamaRun<S> run(small_config(), fast_options(), torch::kCPU);
+  const auto weights = [](torch::nn::Module& m) { return squeeze::nn::detail::packed_nf4_weights(m); };
+  ASSERT_EQ(weights(*run.model()).size(), size_t(7 * small_config().layers)) << "every block linear's base in NF4";
+  for (int step = 0; step < 2; ++step) {
+    for (auto* w : weights(*run.model())) w->dequantizations = 0;
+    const auto [x, y] = batch(training_bytes(), 4, 16, step);
+    run.step(x, y);
+    for (size_t b = 0; b < run.model()->blocks.size(); ++b) {
+      const auto ws = weights(*run.model()->blocks[b]);
+      ASSERT_EQ(ws.size(), 7u);
+      int64_t total = 0;
+      for (const auto* w : ws) {
+        EXPECT_GE(w->dequantizations, passes - 1) << "block " << b;
+        EXPECT_LE(w->dequantizations, passes) << "block " << b;
+        total += w->dequantizations;
+      }
+      EXPECT_EQ(total, 7 * passes - (b == 0 ? 3 : 0)) << "block " << b << ", step " << step;
+    }
+  }
+}
+
+TEST(LlamaTrain, QLoRADequantisesTheBaseOncePerPass) {
+  expect_one_dequantisation_a_pass<QLoRA>(3);
+  expect_one_dequantisation_a_pass<squeeze::Strategy<squeeze::Quantized<4, squeeze::NF4, squeeze::DoubleQuant>, squeeze::LoRA<8, 16>,
+                                                     squeeze::Precision<squeeze::bf16, float>>>(2);
+}
+
 // ZeRO-3 + offload: every rank's file brings back the full weights, its optimizer partitions and the counters
 // (train::Trainer::restore_counters), so the resumed run continues exactly.
 TEST(LlamaCheckpoint, RoundTripContinuesExactlyZero3Offload) {

@@ -39,6 +39,9 @@ struct Nf4Weight {
   // Offload<Host, Streamed>: the unit of host memory that holds these buffers (null: they stay where they are).
   std::shared_ptr<engine::FrozenUnits> home;
   int home_unit = -1;
+  // Dequantisations so far: a pass that needs W makes one (forward, recomputation, backward's input gradient), so the
+  // count shows work run twice or dropped, which no numeric result does. Not synchronised: one pass at a time uses W.
+  mutable int64_t dequantizations = 0;
 
   // The buffers, in the order a unit of host memory holds them.
   std::vector<torch::Tensor> buffers() const { return {codes, absmax, absmax_code, nested_absmax, nested_map, absmax_offset}; }
@@ -156,6 +159,7 @@ struct Nf4Weight {
   // W [out, in] in `dtype` on the buffers' device.
   torch::Tensor dequantize(torch::ScalarType dtype) const {
     acquire();
+    ++dequantizations;
     TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && absmax.scalar_type() == torch::kFloat32 &&
                     absmax_code.scalar_type() == torch::kUInt8 && nested_absmax.scalar_type() == torch::kFloat32 &&
                     nested_map.scalar_type() == torch::kFloat32 && absmax_offset.scalar_type() == torch::kFloat32,
