@@ -54,6 +54,12 @@
 #include "squeeze/dtype.hpp"
 #include "squeeze/kernels/cpu_parallel.hpp"
 #include "squeeze/kernels/grad_norm.hpp"
+#if defined(__CUDACC__)
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include "squeeze/kernels/grad_norm.cuh"
+#endif
 #include "squeeze/engine/streams.hpp"
 
 namespace squeeze::engine {
@@ -183,7 +189,21 @@ inline double chunked_sum_squares(const torch::Tensor& t) {
 // sqrt and square 2 ulps more; all terms are non-negative, so relative errors do not grow through the sum.
 // inf/NaN propagate (an overflow check). On the GPU a bf16 gradient costs ~18 bytes of device traffic per element
 // (read 2, write and read 8), a small fraction of the same sum's time on the host's cores.
+// Where this header is compiled by nvcc, a CUDA tensor's sum is the gradient-norm kernels' instead
+// (kernels/grad_norm.cuh: one read of t, a double per thread, fixed grid and order; `chunk` unused): the trainer's
+// device-resident and offloaded partitions both sum through here, so they still agree bit for bit.
 inline constexpr int64_t kSumSquaresChunk = int64_t(1) << 24;
+#if defined(__CUDACC__)
+namespace detail {
+// The sum of squares of x [n] into w[kNormMaxBlocks], the partials going in w[0, kNormMaxBlocks). (A function, not a
+// generic lambda: nvcc's launch stubs cannot name a kernel instantiated from one.)
+template <class G>
+cudaError_t sum_squares_cuda(const G* x, int64_t n, double* w, cudaStream_t stream) {
+  return kernels::grad_norm_cuda<G>(kernels::Buffer<const G>{x, n}, kernels::NormType::L2, 0.0f, nullptr,
+                                    {.reduced = w + kernels::kNormMaxBlocks}, w, stream);
+}
+}  // namespace detail
+#endif
 inline torch::Tensor sum_squares_tensor(const torch::Tensor& t, int64_t chunk = kSumSquaresChunk) {
   TORCH_CHECK(chunk >= 1, "sum_squares_tensor: chunk must be >= 1, got ", chunk);
   TORCH_CHECK(t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16 || t.scalar_type() == torch::kFloat16,
@@ -193,6 +213,22 @@ inline torch::Tensor sum_squares_tensor(const torch::Tensor& t, int64_t chunk = 
   const int64_t n = f.numel();
   const auto f64 = f.options().dtype(torch::kFloat64);
   if (n == 0) return torch::zeros({}, f64);
+#if defined(__CUDACC__)
+  if (f.is_cuda()) {
+    const torch::Tensor c = f.contiguous();
+    torch::Tensor out = torch::empty({kernels::kNormMaxBlocks + 1}, f64);  // the per-block partials, then the sum
+    double* w = out.data_ptr<double>();
+    const c10::DeviceGuard device(c.device());
+    const auto stream =
+        static_cast<cudaStream_t>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(c.device()).native_handle());
+    const cudaError_t e = c.scalar_type() == torch::kFloat32 ? detail::sum_squares_cuda(c.data_ptr<float>(), n, w, stream)
+                          : c.scalar_type() == torch::kBFloat16
+                              ? detail::sum_squares_cuda(reinterpret_cast<const bf16*>(c.data_ptr()), n, w, stream)
+                              : detail::sum_squares_cuda(reinterpret_cast<const half*>(c.data_ptr()), n, w, stream);
+    TORCH_CHECK(e == cudaSuccess, "sum_squares_tensor: the sum-of-squares kernels failed: ", cudaGetErrorString(e));
+    return out[kernels::kNormMaxBlocks];
+  }
+#endif
   const int64_t chunks = (n + chunk - 1) / chunk;
   torch::Tensor norms = torch::empty({chunks}, f64);
   for (int64_t c = 0; c < chunks; ++c) {

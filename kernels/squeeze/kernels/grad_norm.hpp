@@ -49,10 +49,12 @@ struct GradNormOut {
   float* norm = nullptr;
   float* clip_coef = nullptr;
   float* found_inf = nullptr;  // set to 1 when the norm is not finite; never cleared here
+  double* reduced = nullptr;   // the accumulator itself, unscaled (L2: the sum of squares; Inf: the largest |g|)
 };
 
 // From the reduced accumulator to norm, clip coefficient and overflow flag.
 SQUEEZE_HD void grad_norm_finalize(double acc, NormType type, float max_norm, const float* inv_scale, const GradNormOut& out) {
+  if (out.reduced != nullptr) *out.reduced = acc;
   double norm = type == NormType::L2 ? sqrt(acc) : acc;
   if (inv_scale != nullptr) norm *= double(*inv_scale);
   const bool finite = norm - norm == 0.0;  // false for inf and NaN

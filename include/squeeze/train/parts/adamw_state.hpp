@@ -1,8 +1,9 @@
 #pragma once
 // Where the optimizer state lives and who updates it: the state part of a trainer (docs/architecture.md).
 //   DeviceAdamW<S>  the state beside the parameters (on the GPU, or on the host for a CPU model); the trainer's own
-//                   thread updates every partition at the boundary: torch ops (fp32 moments), the 8-bit CUDA kernel
-//                   where this header is compiled by nvcc, the CPU AdamW on host tensors.
+//                   thread updates every partition at the boundary: the fused CUDA kernels (fp32 or 8-bit moments)
+//                   where this header is compiled by nvcc, torch ops on device buffers elsewhere, the CPU AdamW on
+//                   host tensors.
 //   HostAdamW<S>    Offload<Host>: the state in host memory, updated by the offload worker (engine/offload.hpp) as
 //                   each gradient lands; the new parameters stream back.
 // Both allocate a partition's state the same way (AdamWState) and run the same CPU arithmetic on host buffers.
@@ -14,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "squeeze/engine/adamw_torch_ops.hpp"
+#include "squeeze/engine/device_adamw.hpp"
 #include "squeeze/train/parts/context.hpp"
 #include "squeeze/kernels/adamw.hpp"
 #include "squeeze/kernels/adamw8.hpp"
@@ -217,7 +218,8 @@ class DeviceAdamW : public AdamWState<S, false> {
 
   void apply(const std::vector<Partition*>& parts, const GroupCoeffs& cs, float inv_scale, float clip, bool /*eager*/) {
     const kernels::AdamWDynamic dyn{&inv_scale, nullptr, &clip, nullptr};
-    for (Partition* o : parts) update(*o, cs, dyn, inv_scale * clip);
+    torch::Tensor device_dyn;  // [2] the same values on the device, for the CUDA kernels: one upload a step
+    for (Partition* o : parts) update(*o, cs, dyn, inv_scale * clip, device_dyn);
   }
   void wait(Partition&) {}
   void wait_all() {}
@@ -225,7 +227,7 @@ class DeviceAdamW : public AdamWState<S, false> {
   void reset_stats() {}
 
  private:
-  void update(Partition& o, const GroupCoeffs& cs, const kernels::AdamWDynamic& d, float gmul) {
+  void update(Partition& o, const GroupCoeffs& cs, const kernels::AdamWDynamic& d, float gmul, torch::Tensor& device_dyn) {
     if (o.param.is_cpu()) {
       if (o.grad.scalar_type() == torch::kFloat32)
         update_host<float>(o, cs, d);
@@ -235,13 +237,17 @@ class DeviceAdamW : public AdamWState<S, false> {
     }
     torch::NoGradGuard ng;
 #if defined(__CUDACC__)
-    if constexpr (T::k8bit)
-      update_device8(o, cs, d);
-    else
-      update_torch_ops(o, cs, gmul);
-#else
-    update_torch_ops(o, cs, gmul);
+    if constexpr (!T::kStochastic) {  // (the kernels round a master into its param; a bf16 param as its own master stays in torch ops)
+      if (!device_dyn.defined()) {    // pinned and asynchronous: no host synchronisation
+        const float values[2] = {*d.inv_scale, *d.clip_coef};
+        device_dyn = torch::from_blob(const_cast<float*>(values), {2}, torch::kFloat32).pin_memory().to(ctx_.device, /*non_blocking=*/true);
+      }
+      update_device(o, cs, device_dyn);
+      return;
+    }
 #endif
+    (void)device_dyn;
+    update_torch_ops(o, cs, gmul);
   }
 
   template <class G>
@@ -277,23 +283,27 @@ class DeviceAdamW : public AdamWState<S, false> {
   }
 
 #if defined(__CUDACC__)
-  // 8-bit state on the device, an nvcc TU: the CUDA kernel per segment (its group's coefficients; blocks start at
-  // each segment), reading the inverse loss scale and clip coefficient from a 2-float device copy of d's values.
-  void update_device8(Partition& o, const GroupCoeffs& cs, const kernels::AdamWDynamic& d) {
-    const float values[2] = {d.inv_scale ? *d.inv_scale : 1.0f, d.clip_coef ? *d.clip_coef : 1.0f};
-    const torch::Tensor dyn = torch::from_blob(const_cast<float*>(values), {2}, torch::kFloat32).to(ctx_.device);
+  // Device state in an nvcc TU: the CUDA kernel per segment (its group's coefficients; 8-bit blocks start at each
+  // segment), reading the inverse loss scale and clip coefficient from dyn [2] on the device.
+  void update_device(Partition& o, const GroupCoeffs& cs, const torch::Tensor& dyn) {
     const bool fp32_grad = o.grad.scalar_type() == torch::kFloat32;
     for (const Segment& seg : o.segments) {
       auto part = [&](const torch::Tensor& t) { return t.narrow(0, seg.begin, seg.len); };
-      auto blocks = [&](const torch::Tensor& t) { return t.narrow(0, seg.block, kernels::state_blocks(seg.len)); };
       const torch::Tensor master = T::kMaster ? part(o.master) : torch::Tensor();
       const auto& c = cs[std::size_t(seg.group)];
-      if (fp32_grad)
-        engine::detail::adamw8_device_update<Param, float>(part(o.param), master, part(o.grad), part(o.m), blocks(o.m_absmax), part(o.v),
-                                                           blocks(o.v_absmax), dyn, c);
-      else
-        engine::detail::adamw8_device_update<Param, Param>(part(o.param), master, part(o.grad), part(o.m), blocks(o.m_absmax), part(o.v),
-                                                           blocks(o.v_absmax), dyn, c);
+      if constexpr (T::k8bit) {
+        auto blocks = [&](const torch::Tensor& t) { return t.narrow(0, seg.block, kernels::state_blocks(seg.len)); };
+        if (fp32_grad)
+          engine::detail::adamw8_device_update<Param, float>(part(o.param), master, part(o.grad), part(o.m), blocks(o.m_absmax), part(o.v),
+                                                             blocks(o.v_absmax), dyn, c);
+        else
+          engine::detail::adamw8_device_update<Param, Param>(part(o.param), master, part(o.grad), part(o.m), blocks(o.m_absmax), part(o.v),
+                                                             blocks(o.v_absmax), dyn, c);
+      } else if (fp32_grad) {
+        engine::detail::adamw_device_update<Param, float>(part(o.param), master, part(o.grad), part(o.m), part(o.v), dyn, c);
+      } else {
+        engine::detail::adamw_device_update<Param, Param>(part(o.param), master, part(o.grad), part(o.m), part(o.v), dyn, c);
+      }
     }
   }
 #endif

@@ -1,9 +1,9 @@
 #pragma once
-// AdamW on device buffers in torch ops, for a host-compiled translation unit (no kernel launch): the trainer's
-// device partitions. The same math as kernels/adamw.hpp; 8-bit state (QuantizedState<8>: Adam's m and v as
-// uint8 codes with one fp32 absmax per 256 values) with the same maps and nearest-code rule as kernels::adamw8_cpu.
-// Where the translation unit is compiled by nvcc, the trainer runs 8-bit device state through the CUDA kernel
-// instead (adamw8_device_update below: kernels/adamw8.cuh, bitwise the CPU twin).
+// AdamW on the trainer's device partitions. Where the translation unit is compiled by nvcc, the CUDA kernels
+// (adamw_device_update, adamw8_device_update: kernels/adamw.cuh and adamw8.cuh, bitwise the CPU twins): one pass of
+// 28 bytes an element (bf16 param, fp32 master and moments) where torch ops make about a dozen passes. Elsewhere
+// torch ops, the same math as kernels/adamw.hpp; 8-bit state (QuantizedState<8>: Adam's m and v as uint8 codes with
+// one fp32 absmax per 256 values) with the same maps and nearest-code rule as kernels::adamw8_cpu.
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -15,6 +15,7 @@
 #if defined(__CUDACC__)
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include "squeeze/kernels/adamw.cuh"
 #include "squeeze/kernels/adamw8.cuh"
 #endif
 
@@ -79,6 +80,36 @@ inline void adamw8_torch_ops(torch::Tensor w, const torch::Tensor& g32, torch::T
 }
 
 #if defined(__CUDACC__)
+// Runs launch(stream) on the current stream of `on`'s device and turns a failed launch into an error naming `what`.
+template <class Launch>
+inline void launch_adamw(const torch::Tensor& on, const char* what, Launch&& launch) {
+  const auto stream =
+      static_cast<cudaStream_t>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(on.device()).native_handle());
+  cudaError_t e = cudaSuccess;
+  try {
+    e = launch(stream);
+  } catch (const squeeze::Error& err) {
+    TORCH_CHECK(false, what, ": ", err.what());
+  }
+  TORCH_CHECK(e == cudaSuccess, what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
+}
+
+// One AdamW update of device buffers with fp32 moments by the CUDA kernel, on the device's current stream: param [n]
+// (P) with its fp32 master [n] (undefined for float P), grad [n] (G), m and v [n] fp32; dyn [2] fp32 on the device
+// holds the inverse loss scale and the clip coefficient.
+template <class P, class G>
+inline void adamw_device_update(const torch::Tensor& param, const torch::Tensor& master, const torch::Tensor& grad, const torch::Tensor& m,
+                                const torch::Tensor& v, const torch::Tensor& dyn, const kernels::AdamWCoeffs& c) {
+  const kernels::AdamWTensor<P, G> t{reinterpret_cast<P*>(param.data_ptr()),
+                                     master.defined() ? master.data_ptr<float>() : nullptr,
+                                     reinterpret_cast<const G*>(grad.data_ptr()),
+                                     m.data_ptr<float>(),
+                                     v.data_ptr<float>(),
+                                     param.numel()};
+  const float* d = dyn.data_ptr<float>();
+  launch_adamw(param, "AdamW (CUDA)", [&](cudaStream_t s) { return kernels::adamw_cuda(t, c, {d, nullptr, d + 1, nullptr}, s); });
+}
+
 // One 8-bit AdamW update of device buffers by the CUDA kernel, on the device's current stream: param [n] (P) with its
 // fp32 master [n] (undefined for float P), grad [n] (G), m / v codes [n] with their absmax [state_blocks(n)] (blocks
 // from element 0); dyn [2] fp32 on the device holds the inverse loss scale and the clip coefficient.
@@ -95,15 +126,7 @@ inline void adamw8_device_update(const torch::Tensor& param, const torch::Tensor
                                       v_absmax.data_ptr<float>(),
                                       param.numel()};
   const float* d = dyn.data_ptr<float>();
-  const auto stream =
-      static_cast<cudaStream_t>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(param.device()).native_handle());
-  cudaError_t e = cudaSuccess;
-  try {
-    e = kernels::adamw8_cuda(t, c, {d, nullptr, d + 1, nullptr}, stream);
-  } catch (const squeeze::Error& err) {
-    TORCH_CHECK(false, "8-bit AdamW (CUDA): ", err.what());
-  }
-  TORCH_CHECK(e == cudaSuccess, "8-bit AdamW (CUDA): ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
+  launch_adamw(param, "8-bit AdamW (CUDA)", [&](cudaStream_t s) { return kernels::adamw8_cuda(t, c, {d, nullptr, d + 1, nullptr}, s); });
 }
 #endif
 
