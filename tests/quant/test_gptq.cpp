@@ -511,6 +511,45 @@ TEST(RtnOnTensors, RowsSplitOverThreadsEqualTheTensorPath) {
   EXPECT_NE(error_of(W).find("not finite"), std::string::npos);
 }
 
+// A device packs a large layer a piece of rows at a time (nn::rtn_pack, as quantize_rtn does on a GPU): the pieces joined
+// on the host are the whole layer's bits, whatever the piece (32 or 64 rows; the last one short), the bit width and the
+// group; the join refuses pieces that cannot make one layer.
+TEST(RtnOnTensors, PackedByPiecesOfRowsEqualsTheWholeLayer) {
+  for (auto [out, in] : {std::pair<std::int64_t, std::int64_t>{101, 300}, {64, 77}, {33, 129}})
+    for (int group : {128, 32, 0})
+      for (int bits : {2, 3, 4, 8})
+        for (std::int64_t rows : {32, 64}) {
+          const auto W = grid_edge_rows(out, in, int(out + in + bits + rows));
+          const auto w = W.contiguous();
+          const quant::PackedLinear want =
+              quant::rtn_quantize({w.data_ptr<float>(), std::size_t(w.numel())}, out, in, {.bits = bits, .group_size = group});
+          const std::string what = std::to_string(out) + "x" + std::to_string(in) + " group " + std::to_string(group) + " bits " +
+                                   std::to_string(bits) + " rows " + std::to_string(rows);
+          expect_same_packed(nn::rtn_pack(W, {.bits = bits, .group_size = group}, rows), want, what);
+        }
+  const auto W = torch::randn({70, 64});
+  const quant::PackedLinear a = nn::rtn_quantize(W.narrow(0, 0, 30), 4, 32, false).pack(),
+                            b = nn::rtn_quantize(W.narrow(0, 30, 32), 4, 32, false).pack(),
+                            c = nn::rtn_quantize(W.narrow(0, 62, 8), 3, 32, false).pack();
+  const auto error_of = [](std::vector<quant::PackedLinear> pieces) {
+    try {
+      quant::concat_outputs(pieces);
+    } catch (const squeeze::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(error_of({a, b}).find("piece 0 has 30 outputs, not a multiple of 32"), std::string::npos) << error_of({a, b});
+  EXPECT_NE(error_of({b, c}).find("piece 1 differs in bits"), std::string::npos) << error_of({b, c});
+  EXPECT_NE(error_of({}).find("no pieces"), std::string::npos);
+  try {
+    nn::rtn_pack(W, {}, 48);
+    ADD_FAILURE() << "rows 48 accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("multiple of 32"), std::string::npos) << e.what();
+  }
+}
+
 TEST(RtnOnTensors, BadInputsErrorClearly) {
   const auto message = [](auto&& f) {
     try {

@@ -1,7 +1,8 @@
 // nn::gptq_quantize on CUDA tensors (gptq.hpp compiled by nvcc: the column-loop kernel, cuSOLVER, cuBLAS) against the same
 // call on CPU tensors (the CPU twin, LAPACK): the factorisations round differently, so the two solves agree closely but
 // not bit for bit; each result must pack without loss and beat RTN. RTN and the v1 packing on CUDA tensors (nn/rtn.hpp)
-// against the torch-free quant::rtn_quantize / quant::pack, bit for bit. Skips where libtorch sees no GPU.
+// against the torch-free quant::rtn_quantize / quant::pack, bit for bit, whole and a piece of rows at a time (rtn_pack).
+// Skips where libtorch sees no GPU.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -86,6 +87,27 @@ TEST(GptqCuda, RtnAndPackingOnGpuEqualTorchFreeCpu) {
         ASSERT_EQ(got.scales.size(), want.scales.size()) << what;
         EXPECT_EQ(std::memcmp(got.scales.data(), want.scales.data(), want.scales.size() * sizeof(half)), 0) << what;
       }
+}
+
+// What quantize_rtn does with a weight on a GPU: rtn_pack there, a piece of rows at a time (32 here, so 101 rows make four
+// pieces, the last short), bf16 weights as the layer-by-layer build places them: the torch-free CPU path's bits.
+TEST(GptqCuda, RtnPackedByPiecesOnGpuEqualsTorchFreeCpu) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "libtorch sees no CUDA device";
+  torch::manual_seed(22);
+  const auto W = (torch::randn({101, 300}) * 0.05).to(torch::kBFloat16);
+  for (int bits : {3, 4})
+    for (int group : {128, 0}) {
+      const auto w = W.to(torch::kFloat32).contiguous();
+      const quant::PackedLinear want =
+          quant::rtn_quantize({w.data_ptr<float>(), std::size_t(w.numel())}, w.size(0), w.size(1), {.bits = bits, .group_size = group});
+      const quant::PackedLinear got = nn::rtn_pack(W.cuda(), {.bits = bits, .group_size = group}, 32);
+      const std::string what = std::to_string(bits) + " bits, group " + std::to_string(group);
+      EXPECT_EQ(got.qweight, want.qweight) << what;
+      EXPECT_EQ(got.qzeros, want.qzeros) << what;
+      EXPECT_EQ(got.g_idx, want.g_idx) << what;
+      ASSERT_EQ(got.scales.size(), want.scales.size()) << what;
+      EXPECT_EQ(std::memcmp(got.scales.data(), want.scales.data(), want.scales.size() * sizeof(half)), 0) << what;
+    }
 }
 
 TEST(GptqCuda, WeightsPastHalfRangeErrorClearlyOnGpu) {

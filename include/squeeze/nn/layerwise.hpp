@@ -131,9 +131,13 @@ LayerwiseMemory layerwise_memory(const LlamaConfig& c, const LayerwiseOptions& o
     if (o.train)
       r.host_bytes = std::max(r.host_bytes, planned.peak().host + (S::stream_frozen_base && made_on_host ? r.float_block_bytes : 0));
     // Calibrated, the float block moves to the device to run the calibration forward; drawn there, it is there.
+    // Round to nearest into the GPTQ layout runs on the device a piece of rows at a time (nn::rtn_pack): its temporaries.
+    const int64_t rtn = std::is_same_v<typename S::weight_quantization::method, GPTQ> && r.calibration_bytes == 0
+                            ? std::min(largest_linear, kRtnPieceValues) * kRtnDeviceBytesPerValue  // a piece: <= 2^26 values
+                            : 0;
     const int64_t packing = r.calibration_bytes > 0 ? r.float_block_bytes + r.calibration_bytes
-                            : made_on_host          ? largest_linear * p_c
-                                                    : r.float_block_bytes + largest_linear * p_c;
+                            : made_on_host          ? largest_linear * p_c + rtn
+                                                    : r.float_block_bytes + largest_linear * p_c + rtn;
     // A streamed base: the adapters stay, and one block's packed bytes until it moves to the host.
     const int64_t on_device = S::stream_frozen_base
                                   ? r.packed_bytes - planned.parameters.host + planned.parameters.host / std::max<int64_t>(1, m.layers)

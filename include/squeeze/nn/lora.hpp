@@ -55,6 +55,7 @@
 #include "squeeze/nn/quantized_linear.hpp"
 #include "squeeze/nn/layers.hpp"
 #include "squeeze/nn/nf4_weight.hpp"
+#include "squeeze/nn/rtn.hpp"
 
 namespace squeeze::nn {
 
@@ -381,19 +382,24 @@ constexpr quant::RtnOptions rtn_options() {
 }  // namespace detail
 
 // A frozen nn::QuantizedLinear holding w [out, in] (and bias [out], stored fp16 as GPTQ checkpoints do) in the
-// GPTQ packed layout, filled by round-to-nearest (quant::rtn_quantize on the CPU; the layer goes back to w's
-// device). fused_tiles: see QuantizedLinearImpl's constructor.
+// GPTQ packed layout, filled by round-to-nearest: quant::rtn_quantize on the host's cores for a CPU w, rtn_pack
+// (nn/rtn.hpp, the same bits) on w's GPU for a CUDA one; the layer goes to w's device. fused_tiles: see
+// QuantizedLinearImpl's constructor.
 inline QuantizedLinear quantize_rtn(const torch::Tensor& w, const torch::Tensor& bias, const quant::RtnOptions& o,
                                     bool fused_tiles = true) {
   TORCH_CHECK(w.dim() == 2 && w.numel() > 0, "quantize_rtn: weight must be a non-empty [out, in] tensor, got ", w.sizes());
   TORCH_CHECK(w.is_floating_point(), "quantize_rtn: floating-point weight required, got ", w.scalar_type());
   TORCH_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == w.size(0)), "quantize_rtn: bias must be [", w.size(0), "]");
-  const torch::Tensor wc = w.detach().to(torch::kCPU, torch::kFloat32).contiguous();
   quant::PackedLinear p;
-  try {
-    p = quant::rtn_quantize({wc.data_ptr<float>(), size_t(wc.numel())}, wc.size(0), wc.size(1), o);
-  } catch (const squeeze::Error& e) {
-    TORCH_CHECK(false, "quantize_rtn: ", e.what());
+  if (w.is_cuda()) {  // on the device, a piece at a time: only the packed words come to the host (same bits)
+    p = rtn_pack(w.detach(), o, rtn_piece_rows(w.size(1)));
+  } else {
+    const torch::Tensor wc = w.detach().to(torch::kCPU, torch::kFloat32).contiguous();
+    try {
+      p = quant::rtn_quantize({wc.data_ptr<float>(), size_t(wc.numel())}, wc.size(0), wc.size(1), o);
+    } catch (const squeeze::Error& e) {
+      TORCH_CHECK(false, "quantize_rtn: ", e.what());
+    }
   }
   if (bias.defined()) {
     const torch::Tensor b = bias.detach().to(torch::kCPU, torch::kHalf).contiguous();

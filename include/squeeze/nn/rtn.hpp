@@ -11,10 +11,13 @@
 //                    on the device and only the packed words come to the host; CPU tensors go to quant::pack
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "squeeze/quant/pack.hpp"
+#include "squeeze/quant/rtn.hpp"
 
 namespace squeeze::nn {
 
@@ -201,6 +204,31 @@ inline RtnResult rtn_quantize(const torch::Tensor& weight, int bits, int group_s
   r.zeros = grid.zero.view({out, groups}).t().to(torch::kUInt8).contiguous();
   r.g_idx = torch::div(torch::arange(in, W.options().dtype(torch::kInt64)), gs, "floor").to(torch::kInt32);
   return r;
+}
+
+// The packed layer quant::rtn_quantize gives for W [out, in], computed on W's device `rows` output rows at a time (a
+// multiple of 32): each piece quantized and packed there, the pieces joined on the host (quant::concat_outputs), so
+// the device's temporaries (the float copy, codes and values, the packing's int64 words: about 40 bytes a value) stay
+// those of rows x in values. Bit for bit quant::rtn_quantize.
+inline constexpr std::int64_t kRtnPieceValues = std::int64_t(1) << 26;
+// Device bytes a value of a piece takes at most while it is packed: the float copy, codes and values (4 each) and the
+// uint8 codes of rtn_quantize, then the packing's int64 codes (8) and a word's shifted fields beside the kept result.
+inline constexpr std::int64_t kRtnDeviceBytesPerValue = 20;
+inline std::int64_t rtn_piece_rows(std::int64_t in) { return std::max<std::int64_t>(32, kRtnPieceValues / in / 32 * 32); }
+inline quant::PackedLinear rtn_pack(const torch::Tensor& weight, const quant::RtnOptions& o, std::int64_t rows) {
+  TORCH_CHECK(rows > 0 && rows % 32 == 0, "rtn_pack: rows must be a positive multiple of 32, got ", rows);
+  TORCH_CHECK(weight.dim() == 2 && weight.numel() > 0, "rtn_pack: weights must be a non-empty [out, in], got ", weight.sizes());
+  std::vector<quant::PackedLinear> pieces;
+  for (std::int64_t r0 = 0; r0 < weight.size(0); r0 += rows)
+    pieces.push_back(rtn_quantize(weight.narrow(0, r0, std::min(rows, weight.size(0) - r0)), o.bits, o.group_size, o.sym).pack());
+  if (pieces.size() == 1) return std::move(pieces.front());
+  quant::PackedLinear whole;
+  try {
+    whole = quant::concat_outputs(pieces);
+  } catch (const squeeze::Error& e) {
+    TORCH_CHECK(false, "rtn_pack: ", e.what());
+  }
+  return whole;
 }
 
 }  // namespace squeeze::nn

@@ -186,6 +186,45 @@ inline PackedLinear pack(std::span<const std::uint8_t> q, std::span<const std::u
   return p;
 }
 
+// The layer whose output rows are those of `pieces` in order ([out_0 + out_1 + ..., in]): what pack gives for the whole
+// codes, zero points and scales. Every piece has the same bits, group, in and g_idx, no bias, and all but the last
+// a multiple of 32 outputs (the zero points' bit stream runs along the outputs: 32 fill whole words).
+inline PackedLinear concat_outputs(std::span<const PackedLinear> pieces) {
+  check(!pieces.empty(), "concat_outputs: no pieces");
+  PackedLinear p;
+  const PackedLinear& first = pieces.front();
+  p.bits = first.bits;
+  p.group_size = first.group_size;
+  p.in = first.in;
+  p.g_idx = first.g_idx;
+  for (std::size_t k = 0; k < pieces.size(); ++k) {
+    const PackedLinear& q = pieces[k];
+    const std::string at = "concat_outputs: piece " + std::to_string(k);
+    check(q.bits == p.bits && q.group_size == p.group_size && q.in == p.in && q.g_idx == p.g_idx,
+          at + " differs in bits, group, inputs or g_idx from the first");
+    check(q.bias.empty(), at + " has a bias: set the whole layer's after concatenating");
+    check(k + 1 == pieces.size() || q.out % 32 == 0, at + " has " + std::to_string(q.out) + " outputs, not a multiple of 32");
+    p.out += q.out;
+  }
+  const std::int64_t g = p.groups(), words = p.qweight_rows(), zero_words = p.qzeros_cols();
+  p.qweight.resize(std::size_t(words * p.out));
+  p.qzeros.resize(std::size_t(g * zero_words));
+  p.scales.resize(std::size_t(g * p.out));
+  std::int64_t o0 = 0, z0 = 0;  // where the piece's outputs and zero-point words start
+  for (const PackedLinear& q : pieces) {
+    const std::int64_t zw = q.qzeros_cols();
+    for (std::int64_t w = 0; w < words; ++w) std::copy_n(q.qweight.data() + w * q.out, q.out, p.qweight.data() + w * p.out + o0);
+    for (std::int64_t gi = 0; gi < g; ++gi) {
+      std::copy_n(q.qzeros.data() + gi * zw, zw, p.qzeros.data() + gi * zero_words + z0);
+      std::copy_n(q.scales.data() + gi * q.out, q.out, p.scales.data() + gi * p.out + o0);
+    }
+    o0 += q.out;
+    z0 += zw;
+  }
+  p.validate();
+  return p;
+}
+
 // Codes back as [out, in] (the inverse of pack's first argument).
 inline std::vector<std::uint8_t> unpack_codes(const PackedLinear& p) {
   std::vector<std::uint8_t> q(p.out * p.in);
