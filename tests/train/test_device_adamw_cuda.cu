@@ -8,6 +8,10 @@
 //     path), with an inverse loss scale and a clip coefficient;
 //   * the gradients' sum of squares (engine::sum_squares_tensor: the gradient-norm kernels in an nvcc TU) against the
 //     float64 sum, float / bf16 / half, ragged sizes, a buffer off a 16-byte boundary; NaN and infinity propagate;
+//   * the window's decisions on the device (TrainerOptions::read_loss off): the same parameters and norms, bit for bit,
+//     as the run that reads the norm back and decides on the host, clipping on, at stages 0 and 3, fp32 and 8-bit
+//     moments; no host sync in an optimizer step; a step with non-finite gradients skipped on the device, the
+//     counters catching up when read;
 //   * the trainer on CUDA against the same run on the CPU, fp32 and 8-bit moments: the loss falls by > 10% and the
 //     mean of the last 5 steps is within 3% of the CPU run's (the forward and backward differ: cuBLAS against the
 //     CPU's GEMMs).
@@ -40,8 +44,9 @@ void expect_device_update_bitwise(torch::ScalarType grad_dtype) {
   const torch::Device dev(torch::kCUDA);
   auto on = [&](const torch::Tensor& t) { return t.to(dev).contiguous(); };
   torch::Tensor dp = on(param), dm = on(master), dmc = on(mc), dma = on(ma), dvc = on(vc), dva = on(va);
+  const torch::Tensor dyn = on(torch::from_blob(const_cast<float*>(values), {2}, f32));
   engine::detail::adamw8_device_update<bf16, G>(dp, dm, on(grad), dmc, dma, dvc, dva,
-                                                on(torch::from_blob(const_cast<float*>(values), {2}, f32)), c);
+                                                {dyn.data_ptr<float>(), nullptr, dyn.data_ptr<float>() + 1, nullptr}, c);
   const sk::AdamWDynamic d{&values[0], nullptr, &values[1], nullptr};
   sk::adamw8_cpu(sk::AdamW8Tensor<bf16, G>{reinterpret_cast<bf16*>(param.data_ptr()), master.data_ptr<float>(),
                                            reinterpret_cast<const G*>(grad.data_ptr()), mc.data_ptr<std::uint8_t>(), ma.data_ptr<float>(),
@@ -73,7 +78,8 @@ void expect_fp32_update_bitwise(torch::ScalarType param_dtype, torch::ScalarType
     return torch::empty({t.numel() + shift}, t.options().device(dev)).narrow(0, shift, t.numel()).copy_(t);
   };
   torch::Tensor dp = on(param), dm = has_master ? on(master) : torch::Tensor(), dg = on(grad), dmm = on(m), dv = on(v);
-  engine::detail::adamw_device_update<P, G>(dp, dm, dg, dmm, dv, torch::from_blob(const_cast<float*>(values), {2}, f32).to(dev), c);
+  const torch::Tensor dyn = torch::from_blob(const_cast<float*>(values), {2}, f32).to(dev);
+  engine::detail::adamw_device_update<P, G>(dp, dm, dg, dmm, dv, {dyn.data_ptr<float>(), nullptr, dyn.data_ptr<float>() + 1, nullptr}, c);
   const sk::AdamWDynamic d{&values[0], nullptr, &values[1], nullptr};
   const torch::Tensor pc = param.contiguous(), mc = master.contiguous(), gc = grad.contiguous();
   const sk::AdamWTensor<P, G> t{reinterpret_cast<P*>(pc.data_ptr()),
@@ -126,6 +132,74 @@ TEST(AdamWTrainerCuda, SumOfSquaresIsTheFloat64Sum) {
   g[456] = std::numeric_limits<float>::quiet_NaN();
   EXPECT_TRUE(std::isnan(engine::sum_squares_tensor(g).item<double>()));
 }
+
+#if defined(SQUEEZE_TORCH_CUDA)  // count_host_syncs: libtorch's sync debug mode
+// One run of the MLP on the GPU, 8 steps, clipping on; the loss of step `bad` (-1: none) made infinite, so its gradients
+// are not finite. Returns the parameters after it, the boundary norms and the host syncs of steps 2 to 7.
+struct DecidedRun {
+  std::vector<torch::Tensor> params;
+  std::vector<float> norms;
+  std::vector<int> syncs;
+  int64_t applied = 0, skipped = 0;
+};
+template <class S>
+DecidedRun decided_run(bool read_loss, int bad) {
+  const torch::Device dev(torch::kCUDA, 0);
+  const Data data = make_data(Model::mlp, 1, 8, 8);
+  auto m = make_model(Model::mlp, torch::kFloat32);
+  m->to(dev);
+  train::TrainerOptions o;
+  o.read_loss = read_loss;
+  auto t = zero_trainer<S>(m, AdamW{.lr = 1e-2f, .max_grad_norm = 0.05f}, LocalComm::single(), o);  // 0.05: every step clips
+  std::vector<torch::Tensor> x, y;  // on the device before the steps: a blocking upload is a sync of its own
+  for (int s = 0; s < 8; ++s) x.push_back(data.x[s][0].to(dev)), y.push_back(data.y[s][0].to(dev));
+  DecidedRun out;
+  for (int s = 0; s < 8; ++s) {
+    train::StepResult r;
+    const auto step = [&] {
+      r = t.step([&] {
+        const torch::Tensor loss = model_loss(Model::mlp, *m, x[s], y[s]);
+        return s == bad ? loss * std::numeric_limits<float>::infinity() : loss;
+      });
+    };
+    if (s >= 2)
+      out.syncs.push_back(count_host_syncs(step));
+    else
+      step();
+    out.norms.push_back(read_loss ? r.grad_norm : r.grad_norm_value.item<float>());
+  }
+  out.applied = t.steps_applied();
+  out.skipped = t.steps_skipped();
+  for (const auto& [name, v] : t.full_parameters()) out.params.push_back(v.to(torch::kCPU, torch::kFloat32));
+  return out;
+}
+
+template <class S>
+void expect_device_decisions_match(const std::string& what) {
+  for (const int bad : {-1, 4}) {
+    const std::string tag = what + (bad < 0 ? "" : ", a non-finite step");
+    const DecidedRun host = decided_run<S>(true, bad), device = decided_run<S>(false, bad);
+    ASSERT_EQ(host.params.size(), device.params.size()) << tag;
+    for (std::size_t i = 0; i < host.params.size(); ++i)
+      EXPECT_TRUE(torch::equal(host.params[i], device.params[i])) << tag << ": parameter " << i;
+    for (std::size_t i = 0; i < host.norms.size(); ++i)
+      EXPECT_TRUE(host.norms[i] == device.norms[i] || (std::isnan(host.norms[i]) && std::isnan(device.norms[i])) ||
+                  (std::isinf(host.norms[i]) && std::isinf(device.norms[i])))
+          << tag << ": norm " << i << " " << host.norms[i] << " against " << device.norms[i];
+    for (const int n : device.syncs) EXPECT_EQ(n, 0) << tag << ": host syncs in a step that decided on the device";
+    EXPECT_EQ(device.applied, host.applied) << tag;
+    EXPECT_EQ(device.skipped, host.skipped) << tag;
+    EXPECT_EQ(device.skipped, bad < 0 ? 0 : 1) << tag;
+  }
+}
+
+TEST(AdamWTrainerCuda, DecisionsOnTheDeviceAreTheHostsWithoutASync) {
+  REQUIRE_CUDA();
+  expect_device_decisions_match<Strategy<Precision<bf16, float>>>("stage 0");
+  expect_device_decisions_match<Strategy<Sharded<Stage3>, Precision<bf16, float>>>("stage 3");
+  expect_device_decisions_match<Strategy<Precision<bf16, float>, QuantizedState<8>>>("8-bit state");
+}
+#endif
 
 // The trainer with state S on CUDA (the kernel path) against the same run on the CPU.
 template <class S>

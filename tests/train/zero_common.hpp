@@ -5,8 +5,13 @@
 #include <torch/torch.h>
 
 #include <c10/core/DeviceGuard.h>
+#if defined(SQUEEZE_TORCH_CUDA)
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/util/Exception.h>
+#endif
 
 #include <cstdlib>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <squeeze/comm/local.hpp>
@@ -320,5 +325,26 @@ Params train_checkpointed_llama(int world, int steps, train::TrainerOptions o, i
   });
   return out;
 }
+
+#if defined(SQUEEZE_TORCH_CUDA)
+// libtorch's synchronizing CUDA calls (item(), blocking copies, stream syncs) while f runs: in sync debug mode
+// "warn" each one raises a c10 warning, which this handler counts.
+inline int count_host_syncs(const std::function<void()>& f) {
+  struct Counter : c10::WarningHandler {
+    int n = 0;
+    void process(const c10::Warning& w) override {
+      if (w.msg().find("synchroniz") != std::string::npos) ++n;
+    }
+  } counter;
+  c10::WarningUtils::WarningHandlerGuard guard(&counter);
+  struct DebugMode {
+    DebugMode() { c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_WARN); }
+    ~DebugMode() { c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED); }
+  } mode;
+  f();
+  return counter.n;
+}
+
+#endif
 
 }  // namespace zero_test

@@ -82,7 +82,7 @@ inline void adamw8_torch_ops(torch::Tensor w, const torch::Tensor& g32, torch::T
 #if defined(__CUDACC__)
 // Runs launch(stream) on the current stream of `on`'s device and turns a failed launch into an error naming `what`.
 template <class Launch>
-inline void launch_adamw(const torch::Tensor& on, const char* what, Launch&& launch) {
+inline void launch_on_current_stream(const torch::Tensor& on, const char* what, Launch&& launch) {
   const auto stream =
       static_cast<cudaStream_t>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(on.device()).native_handle());
   cudaError_t e = cudaSuccess;
@@ -95,28 +95,26 @@ inline void launch_adamw(const torch::Tensor& on, const char* what, Launch&& lau
 }
 
 // One AdamW update of device buffers with fp32 moments by the CUDA kernel, on the device's current stream: param [n]
-// (P) with its fp32 master [n] (undefined for float P), grad [n] (G), m and v [n] fp32; dyn [2] fp32 on the device
-// holds the inverse loss scale and the clip coefficient.
+// (P) with its fp32 master [n] (undefined for float P), grad [n] (G), m and v [n] fp32; d's values are device pointers.
 template <class P, class G>
 inline void adamw_device_update(const torch::Tensor& param, const torch::Tensor& master, const torch::Tensor& grad, const torch::Tensor& m,
-                                const torch::Tensor& v, const torch::Tensor& dyn, const kernels::AdamWCoeffs& c) {
+                                const torch::Tensor& v, const kernels::AdamWDynamic& d, const kernels::AdamWCoeffs& c) {
   const kernels::AdamWTensor<P, G> t{reinterpret_cast<P*>(param.data_ptr()),
                                      master.defined() ? master.data_ptr<float>() : nullptr,
                                      reinterpret_cast<const G*>(grad.data_ptr()),
                                      m.data_ptr<float>(),
                                      v.data_ptr<float>(),
                                      param.numel()};
-  const float* d = dyn.data_ptr<float>();
-  launch_adamw(param, "AdamW (CUDA)", [&](cudaStream_t s) { return kernels::adamw_cuda(t, c, {d, nullptr, d + 1, nullptr}, s); });
+  launch_on_current_stream(param, "AdamW (CUDA)", [&](cudaStream_t s) { return kernels::adamw_cuda(t, c, d, s); });
 }
 
 // One 8-bit AdamW update of device buffers by the CUDA kernel, on the device's current stream: param [n] (P) with its
 // fp32 master [n] (undefined for float P), grad [n] (G), m / v codes [n] with their absmax [state_blocks(n)] (blocks
-// from element 0); dyn [2] fp32 on the device holds the inverse loss scale and the clip coefficient.
+// from element 0); d's values are device pointers.
 template <class P, class G>
 inline void adamw8_device_update(const torch::Tensor& param, const torch::Tensor& master, const torch::Tensor& grad,
                                  const torch::Tensor& m_codes, const torch::Tensor& m_absmax, const torch::Tensor& v_codes,
-                                 const torch::Tensor& v_absmax, const torch::Tensor& dyn, const kernels::AdamWCoeffs& c) {
+                                 const torch::Tensor& v_absmax, const kernels::AdamWDynamic& d, const kernels::AdamWCoeffs& c) {
   const kernels::AdamW8Tensor<P, G> t{reinterpret_cast<P*>(param.data_ptr()),
                                       master.defined() ? master.data_ptr<float>() : nullptr,
                                       reinterpret_cast<const G*>(grad.data_ptr()),
@@ -125,8 +123,7 @@ inline void adamw8_device_update(const torch::Tensor& param, const torch::Tensor
                                       v_codes.data_ptr<std::uint8_t>(),
                                       v_absmax.data_ptr<float>(),
                                       param.numel()};
-  const float* d = dyn.data_ptr<float>();
-  launch_adamw(param, "8-bit AdamW (CUDA)", [&](cudaStream_t s) { return kernels::adamw8_cuda(t, c, {d, nullptr, d + 1, nullptr}, s); });
+  launch_on_current_stream(param, "8-bit AdamW (CUDA)", [&](cudaStream_t s) { return kernels::adamw8_cuda(t, c, d, s); });
 }
 #endif
 

@@ -97,8 +97,11 @@ struct TrainerOptions {
   // with what it needed. 0: the host's MemAvailable at the pass's start.
   int64_t activation_host_bytes = 0;
   // Each micro-batch's loss read back into StepResult::loss (one host sync per micro-batch). false: loss is NaN and
-  // StepResult::loss_value holds it on the device, to read only when logging (a CUDA step then syncs at most once per
-  // optimizer step, for the gradient norm's overflow and clipping decision).
+  // StepResult::loss_value holds it on the device, to read only when logging; where the optimizer state is on a GPU
+  // and updated by the CUDA kernels (the trainer compiled by nvcc, no loss scaling) the optimizer step decides on the
+  // device too: the gradient norm stays there (StepResult::grad_norm_value), a step whose gradients are not finite is
+  // skipped there, and the step syncs the host not at all (steps_applied() and steps_skipped() sync once when read).
+  // Elsewhere a CUDA step syncs once per optimizer step, for the norm's overflow and clipping decision.
   bool read_loss = true;
   // 16-bit compute with fp32 masters, for a module handed over already in the compute type: the float values a
   // parameter was rounded from (by its full name, as in full_parameters()), e.g. a float checkpoint. Not needed
@@ -127,11 +130,12 @@ struct TransferCounters {
 struct StepResult {
   float loss = 0;                   // this micro-batch's loss (unscaled); NaN under TrainerOptions::read_loss = false
   torch::Tensor loss_value;         // [] float32, where the model runs: the same loss, detached, never read by the trainer
-  bool applied = false;             // the optimizer updated the parameters on this call
+  bool applied = false;             // the optimizer updated the parameters on this call (where the device decides: issued)
   bool boundary = false;            // this call ended an accumulation window (applied or skipped)
-  int64_t step = 0;                 // optimizer steps applied so far, this call's included
+  int64_t step = 0;                 // optimizer steps applied so far, this call's included (likewise: issued)
   float scale = 1;                  // the loss scale used for this micro-batch
-  float grad_norm = std::nanf("");  // global L2 norm of the unscaled gradient (boundary only)
+  float grad_norm = std::nanf("");  // global L2 norm of the unscaled gradient (boundary only; NaN where the device decides)
+  torch::Tensor grad_norm_value;    // where the device decides (TrainerOptions::read_loss): the same norm there, [] float32
   TransferCounters transfers;       // since the previous boundary (boundary only)
 };
 

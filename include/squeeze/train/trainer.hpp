@@ -264,6 +264,19 @@ class Trainer {
     auto& sync = parts_->sync;
     auto& state = parts_->state;
     const float inv_scale = float((1.0 / double(r.scale)) * parts_->window.token_factor(*ctx_->comm, ctx_->device));
+    if constexpr (Parts::OptimizerState::decides_on_device && !S::loss_scaling) {
+      if (!ctx_->opt.read_loss && ctx_->device.is_cuda()) {  // nothing read back: the decisions stay on the device
+        const torch::Tensor dyn = state.apply_deciding_on_device(sync.partitions(), ctx_->groups.coeffs(adamw_, applied_ + 1),
+                                                                 sync.device_sum_squares(), inv_scale, ctx_->opt.max_grad_norm, applied_);
+        r.grad_norm_value = dyn.narrow(0, 3, 1).reshape({});
+        ++applied_;  // as far as the host knows: a step the device skipped is counted when the counters are read
+        device_counts_ = true;
+        sync.gather_updated();
+        sync.zero_window(Parts::OptimizerState::zeroes_gradients);
+        r.applied = true;
+        return;
+      }
+    }
     float norm = 0, clip = 1, found_inf = 0;
     kernels::grad_norm_finalize(sync.sum_squares(state), kernels::NormType::L2, ctx_->opt.max_grad_norm, &inv_scale,
                                 {&norm, &clip, &found_inf});
@@ -294,8 +307,16 @@ class Trainer {
 
  public:
   float scale() const { return parts_->scale.scale(); }
-  int64_t steps_applied() const { return applied_; }
-  int64_t steps_skipped() const { return skipped_; }
+  // Where the device decided (read_loss off), the first read after a step syncs with it: a step whose gradients were not
+  // finite was skipped there.
+  int64_t steps_applied() const {
+    take_device_counts();
+    return applied_;
+  }
+  int64_t steps_skipped() const {
+    take_device_counts();
+    return skipped_;
+  }
   // Micro-batches stepped in the current accumulation window (0 at a boundary).
   int micro_step() const { return parts_->window.micro(); }
   // The learning rate of the following optimizer steps (schedules: warm-up, cosine). Checked like AdamW's
@@ -329,6 +350,8 @@ class Trainer {
     parts_->scale.restore(loss_scale, good_steps);
     applied_ = steps_applied;
     skipped_ = skipped;
+    if constexpr (Parts::OptimizerState::decides_on_device) parts_->state.forget_device_steps();
+    device_counts_ = false;
   }
   const kernels::LossScaler& loss_scaler() const { return parts_->scale.scaler(); }
   comm::Communicator& communicator() { return *ctx_->comm; }
@@ -603,7 +626,19 @@ class Trainer {
   std::unique_ptr<TrainContext> ctx_;
   std::unique_ptr<PartsHeld> parts_;
   std::pair<const Partition*, torch::Tensor> last_gathered_;  // gather_parameter's unit
-  int64_t applied_ = 0, skipped_ = 0;
+  // Optimizer steps applied and skipped. mutable: where the device decides, the host's counts catch up with its own when
+  // read (take_device_counts).
+  mutable int64_t applied_ = 0, skipped_ = 0;
+  mutable bool device_counts_ = false;  // steps were decided on the device since the counts were last taken
+  void take_device_counts() const {
+    if constexpr (Parts::OptimizerState::decides_on_device) {
+      if (!device_counts_) return;
+      const int64_t applied = parts_->state.device_steps();
+      skipped_ += applied_ - applied;
+      applied_ = applied;
+      device_counts_ = false;
+    }
+  }
   bool recomputable_ = false;                 // Checkpointed: the model recomputes (checked at the first step)
   std::shared_ptr<FrozenUnits> frozen_home_;  // Offload<Host, Streamed> on a quantized base: where its blocks live
   bool ranked_by_forward_ = false;            // Partition::priority follows the recorded forward order

@@ -1,6 +1,7 @@
 #pragma once
 // CUDA launchers of the global gradient norm (math and CPU twin: grad_norm.hpp).
 //   grad_norm_cuda(grad | table, type, max_norm, inv_scale, out, workspace, stream)
+//   grad_norm_finalize_cuda(reduced, type, max_norm, inv_scale, out, stream)   from a sum reduced elsewhere
 // Two kernels, no host sync, deterministic (fixed grid, fixed reduction order):
 //   1. up to kNormMaxBlocks blocks stride over the chunks; each thread accumulates in double, CUB's
 //      BlockReduce combines the block, one partial per block goes to `workspace`;
@@ -94,7 +95,25 @@ cudaError_t grad_norm_dispatch(const Source& src, NormType type, float max_norm,
   return grad_norm_launch<NormType::Inf, G>(src, max_norm, inv_scale, out, workspace, stream);
 }
 
+template <NormType N>  // a template so the header can be included by many .cu files
+__global__ void grad_norm_finalize_kernel(const double* reduced, float max_norm, const float* inv_scale, GradNormOut out) {
+  grad_norm_finalize(*reduced, N, max_norm, inv_scale, out);
+}
+
 }  // namespace detail
+
+// From an accumulator already reduced on the device (a sum of squares over partitions and ranks, or a largest |g|) to
+// norm / clip_coef / found_inf, as grad_norm_cuda's last kernel does. All pointers are device pointers.
+inline cudaError_t grad_norm_finalize_cuda(const double* reduced, NormType type, float max_norm, const float* inv_scale,
+                                           const GradNormOut& out, cudaStream_t stream = nullptr) {
+  check_max_norm(max_norm);
+  check(reduced != nullptr, "grad_norm_finalize_cuda: the accumulator is null");
+  if (type == NormType::L2)
+    detail::grad_norm_finalize_kernel<NormType::L2><<<1, 1, 0, stream>>>(reduced, max_norm, inv_scale, out);
+  else
+    detail::grad_norm_finalize_kernel<NormType::Inf><<<1, 1, 0, stream>>>(reduced, max_norm, inv_scale, out);
+  return cudaGetLastError();
+}
 
 // Norm of one flat gradient buffer. inv_scale and out's pointers are device pointers (or null).
 template <class G>

@@ -19,6 +19,9 @@
 #include "squeeze/train/parts/context.hpp"
 #include "squeeze/kernels/adamw.hpp"
 #include "squeeze/kernels/adamw8.hpp"
+#if defined(__CUDACC__)
+#include "squeeze/kernels/grad_norm.cuh"
+#endif
 
 namespace squeeze::train {
 
@@ -221,6 +224,44 @@ class DeviceAdamW : public AdamWState<S, false> {
     torch::Tensor device_dyn;  // [2] the same values on the device, for the CUDA kernels: one upload a step
     for (Partition* o : parts) update(*o, cs, dyn, inv_scale * clip, device_dyn);
   }
+
+  // Whether the window's decisions (clip, skip) can be taken on the device with no host sync: the CUDA kernels, where
+  // this header is compiled by nvcc (apply_deciding_on_device).
+#if defined(__CUDACC__)
+  static constexpr bool decides_on_device = !T::kStochastic;
+#else
+  static constexpr bool decides_on_device = false;
+#endif
+#if defined(__CUDACC__)
+  // The window's update with every decision on the device: from the gradients' sum of squares `sum` ([1] float64 on the
+  // device, all-reduced) the norm, the clip coefficient and the overflow flag (kernels::grad_norm_finalize_cuda), then
+  // AdamW, which keeps every bit when the flag is set and counts the steps it applies on the device (its bias
+  // correction reads that count). `steps_applied`: the host's count, which seeds the device's the first time. Returns
+  // [4] float32 on the device: the inverse loss scale, the clip coefficient, the flag, the norm.
+  torch::Tensor apply_deciding_on_device(const std::vector<Partition*>& parts, const GroupCoeffs& cs, const torch::Tensor& sum,
+                                         float inv_scale, float max_norm, int64_t steps_applied) {
+    torch::NoGradGuard ng;
+    if (!device_steps_.defined())
+      device_steps_ = torch::full({1}, steps_applied, torch::TensorOptions().dtype(torch::kInt64).device(ctx_.device));
+    const float values[4] = {inv_scale, 1.0f, 0.0f, 0.0f};
+    const torch::Tensor dyn = torch::from_blob(const_cast<float*>(values), {4}, torch::kFloat32).pin_memory().to(ctx_.device, true);
+    float* d = dyn.data_ptr<float>();
+    auto* steps = device_steps_.data_ptr<int64_t>();
+    engine::detail::launch_on_current_stream(dyn, "the gradient norm (CUDA)", [&](cudaStream_t st) {
+      return kernels::grad_norm_finalize_cuda(sum.data_ptr<double>(), kernels::NormType::L2, max_norm, d, {d + 3, d + 1, d + 2}, st);
+    });
+    const kernels::AdamWDynamic dd{d, d + 2, d + 1, steps};
+    for (Partition* o : parts) update_device(*o, cs, dd);
+    engine::detail::launch_on_current_stream(dyn, "AdamW's step count (CUDA)",
+                                             [&](cudaStream_t st) { return kernels::adamw_commit_step_cuda(steps, d + 2, st); });
+    return dyn;
+  }
+#endif
+  // The steps the device applied, where it decided (a host sync); -1 where it never did. forget_device_steps: the host's
+  // count is the one to seed from next time (a checkpoint restored it).
+  int64_t device_steps() const { return device_steps_.defined() ? device_steps_.item<int64_t>() : -1; }
+  void forget_device_steps() { device_steps_ = torch::Tensor(); }
+
   void wait(Partition&) {}
   void wait_all() {}
   OffloadStats stats() const { return {}; }
@@ -242,7 +283,8 @@ class DeviceAdamW : public AdamWState<S, false> {
         const float values[2] = {*d.inv_scale, *d.clip_coef};
         device_dyn = torch::from_blob(const_cast<float*>(values), {2}, torch::kFloat32).pin_memory().to(ctx_.device, /*non_blocking=*/true);
       }
-      update_device(o, cs, device_dyn);
+      const float* dd = device_dyn.data_ptr<float>();
+      update_device(o, cs, {dd, nullptr, dd + 1, nullptr});
       return;
     }
 #endif
@@ -284,8 +326,9 @@ class DeviceAdamW : public AdamWState<S, false> {
 
 #if defined(__CUDACC__)
   // Device state in an nvcc TU: the CUDA kernel per segment (its group's coefficients; 8-bit blocks start at each
-  // segment), reading the inverse loss scale and clip coefficient from dyn [2] on the device.
-  void update_device(Partition& o, const GroupCoeffs& cs, const torch::Tensor& dyn) {
+  // segment), reading the inverse loss scale, clip coefficient (and overflow flag and step count, where set) from the
+  // device memory dyn points to.
+  void update_device(Partition& o, const GroupCoeffs& cs, const kernels::AdamWDynamic& dyn) {
     const bool fp32_grad = o.grad.scalar_type() == torch::kFloat32;
     for (const Segment& seg : o.segments) {
       auto part = [&](const torch::Tensor& t) { return t.narrow(0, seg.begin, seg.len); };
@@ -309,6 +352,7 @@ class DeviceAdamW : public AdamWState<S, false> {
 #endif
 
   engine::detail::StateMaps maps_;  // 8-bit state on the device: the signed (m) and unsigned (v) maps
+  torch::Tensor device_steps_;      // [1] int64: the steps applied, where the device decides (apply_deciding_on_device)
 };
 
 // Offload<Host>: the state in host memory, updated by the offload worker (engine/offload.hpp). Each partition's
@@ -341,7 +385,8 @@ class HostAdamW : public AdamWState<S, true> {
     }
   }
 
-  bool sums_on_device() const { return false; }  // each partition's sum came with its host copy
+  bool sums_on_device() const { return false; }     // each partition's sum came with its host copy
+  static constexpr bool decides_on_device = false;  // the worker's update reads its decisions on the host
   double host_sum_squares(Partition& o) { return pipeline_->gradient_sum_squares(o); }
   static constexpr bool zeroes_gradients = true;  // each gradient shard is zeroed right after its host copy
 

@@ -104,6 +104,7 @@ class BucketedGrads {
   double sum_squares(State& state) {
     return partition_sum_squares(ctx_, partitions(), state);
   }
+  torch::Tensor device_sum_squares() { return train::device_sum_squares(ctx_, partitions()); }
   // Everyone gets each bucket's updated shard back.
   void gather_updated() {
     for (auto& b : buckets_) gather_into(*ctx_.comm, b->flat.shard_of(b->flat.flat(), ctx_.rank), b->flat.flat());

@@ -121,6 +121,7 @@ class GatherUnits {
   double sum_squares(State& state) {
     return partition_sum_squares(ctx_, partitions(), state);
   }
+  torch::Tensor device_sum_squares() { return train::device_sum_squares(ctx_, partitions()); }
   // Nothing to gather for the units (the next forward does); the whole-kept buckets all-gather.
   void gather_updated() { buckets_->gather_updated(); }
   void zero_window(bool gradients_zeroed) {

@@ -15,23 +15,25 @@
 namespace squeeze::train {
 
 // The global sum of squares of the partitions' reduced gradients (scaled), identical on every rank. Device partitions
-// are summed on the device in the same order and association as the host's doubles (so the same bits) and read back
-// once: one host sync per optimizer step, not one per partition. Where the state part holds host copies, each
-// partition's sum comes from it.
+// are summed on the device in the same order and association as the host's doubles (so the same bits): device_sum_squares
+// leaves the sum there ([1] float64, all-reduced over ranks, no host sync) and partition_sum_squares reads it back once,
+// one host sync per optimizer step, not one per partition. Where the state part holds host copies, each partition's
+// sum comes from it.
+inline torch::Tensor device_sum_squares(TrainContext& ctx, const std::vector<Partition*>& parts) {
+  torch::Tensor t =
+      torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat64).device(ctx.device));  // where the communicator takes buffers
+  for (Partition* o : parts) t.add_(sum_squares_tensor(o->grad));
+  if (ctx.world > 1) all_reduce_inplace(*ctx.comm, t, comm::ReduceOp::sum);
+  return t;
+}
 template <class State>
 double partition_sum_squares(TrainContext& ctx, const std::vector<Partition*>& parts, State& state) {
-  const auto f64 = torch::TensorOptions().dtype(torch::kFloat64).device(ctx.device);
-  torch::Tensor t;  // where the communicator takes buffers: device memory for NCCL
-  if (state.sums_on_device()) {
-    t = torch::zeros({1}, f64);
-    for (Partition* o : parts) t.add_(sum_squares_tensor(o->grad));
-  } else {
-    double local = 0;
-    for (Partition* o : parts) local += state.host_sum_squares(*o);
-    if (ctx.world == 1) return local;
-    t = torch::full({1}, local, f64);
-  }
-  if (ctx.world > 1) all_reduce_inplace(*ctx.comm, t, comm::ReduceOp::sum);
+  if (state.sums_on_device()) return device_sum_squares(ctx, parts).item<double>();
+  double local = 0;
+  for (Partition* o : parts) local += state.host_sum_squares(*o);
+  if (ctx.world == 1) return local;
+  torch::Tensor t = torch::full({1}, local, torch::TensorOptions().dtype(torch::kFloat64).device(ctx.device));
+  all_reduce_inplace(*ctx.comm, t, comm::ReduceOp::sum);
   return t.item<double>();
 }
 

@@ -36,7 +36,8 @@ concept OptimizerStatePart = requires(P& p, Partition& o, const std::vector<Part
                                       const FlatParams& layout) {
   { P::on_host } -> std::convertible_to<bool>;
   { P::zeroes_gradients } -> std::convertible_to<bool>;
-  p.own(o, t, t, layout, int64_t(0));  // allocate and seed a partition's state
+  { P::decides_on_device } -> std::convertible_to<bool>;  // apply_deciding_on_device (DeviceAdamW in an nvcc TU)
+  p.own(o, t, t, layout, int64_t(0));                     // allocate and seed a partition's state
   { p.sums_on_device() } -> std::convertible_to<bool>;
   { p.host_sum_squares(o) } -> std::convertible_to<double>;
   p.begin_micro_step(true, true, cs);               // boundary, nothing global bars an early update, next coeffs
@@ -72,6 +73,7 @@ concept GradientSyncPart = requires(P& p, const P& cp, MemoryUse& m, DeviceAdamW
   p.abort_pass();
   p.after_backward(true);
   { p.sum_squares(state) } -> std::convertible_to<double>;
+  { p.device_sum_squares() } -> std::same_as<torch::Tensor>;  // the same sum left on the device (device partitions)
   p.gather_updated();
   p.zero_window(true);
   cp.add_memory(m, true);

@@ -82,11 +82,7 @@ class ReplicatedGrads {
     if constexpr (kStage == 0) {
       // Same association as stage 1: per rank-sized chunk, chunks in rank order.
       const int64_t shard = flat_.shard();
-      if (state.sums_on_device()) {
-        torch::Tensor total = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat64).device(ctx_.device));
-        for (int r = 0; r < ctx_.world; ++r) total.add_(sum_squares_tensor(own_.grad.narrow(0, int64_t(r) * shard, shard)));
-        return total.item<double>();
-      }
+      if (state.sums_on_device()) return device_sum_squares().template item<double>();
       double total = 0;
       for (int r = 0; r < ctx_.world; ++r) {
         const double part = engine::detail::sum_squares(own_.grad.narrow(0, int64_t(r) * shard, shard));
@@ -95,6 +91,17 @@ class ReplicatedGrads {
       return total;
     } else {
       return partition_sum_squares(ctx_, partitions(), state);
+    }
+  }
+  // The same sum left on the device ([1] float64, no host sync).
+  torch::Tensor device_sum_squares() {
+    if constexpr (kStage == 0) {
+      const int64_t shard = flat_.shard();
+      torch::Tensor total = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat64).device(ctx_.device));
+      for (int r = 0; r < ctx_.world; ++r) total.add_(sum_squares_tensor(own_.grad.narrow(0, int64_t(r) * shard, shard)));
+      return total;
+    } else {
+      return train::device_sum_squares(ctx_, partitions());
     }
   }
 
