@@ -314,9 +314,13 @@ if named qlora; then bash "$ROOT/bench/qlora/run_h200.sh" "$BUILD/bench/table/be
 # graphed (three eager micro-batches, then one capture, inside the warm-up) beside transformers + bitsandbytes + PEFT
 # (bench/qlora's wheels; with Liger's kernels too where they import), 20 timed steps each. Ours takes its loss in chunks
 # of 256 tokens: at 1,024 tokens a step the batch's fp32 logits at once (0.39 GB) would be its largest transient.
+# DEFERRED_LOSS=1: both sides read the timed steps' losses after the clock (--deferred-loss; ours then decides the
+# optimizer step on the device, no host sync a step); compare.py pairs such rows only with such peers.
 if named graphed; then
-  QLORA_PRESETS=tinyllama-1.1b QLORA_ROWS=qlora:2,qlora-graphed:2 QLORA_STEPS=20 QLORA_WARMUP=5 QLORA_TABLE_ARGS="--seq 512 --loss-chunk 256" \
-    QLORA_PEER_ARGS="--batch 2 --seq 512" bash "$ROOT/bench/qlora/run_h200.sh" "$BUILD/bench/table/bench_table"
+  deferred=""; [ "${DEFERRED_LOSS:-0}" = 1 ] && deferred=--deferred-loss
+  QLORA_PRESETS=tinyllama-1.1b QLORA_ROWS=qlora:2,qlora-graphed:2 QLORA_STEPS=20 QLORA_WARMUP=5 \
+    QLORA_TABLE_ARGS="--seq 512 --loss-chunk 256 $deferred" QLORA_PEER_ARGS="--batch 2 --seq 512 $deferred" \
+    bash "$ROOT/bench/qlora/run_h200.sh" "$BUILD/bench/table/bench_table"
 fi
 
 # Nsight Compute on the library's 4-bit GEMM at batch 1 and 16 on the largest shape (only when named): speed

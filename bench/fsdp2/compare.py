@@ -26,11 +26,14 @@ from bench_common import append_jsonl, fmt as f, read_jsonl, split_jsonl_option 
 
 def load(paths):
     ours, peer, variants = {}, {}, {}
+    def deferred(r, case):  # rows whose losses were read after the clock (--deferred-loss) pair with peers run so
+        return case + "+deferred" if case and r.get("deferred_loss") else case
+
     for r in read_jsonl(paths, "compare.py"):
         if r.get("bench") == "table":
-            ours[(r.get("preset"), r.get("case"), r.get("world", 1), r.get("batch"), r.get("seq"), r.get("layers"))] = r
+            ours[(r.get("preset"), deferred(r, r.get("case")), r.get("world", 1), r.get("batch"), r.get("seq"), r.get("layers"))] = r
         elif r.get("bench") == "fsdp2":
-            k = (r.get("preset"), r.get("peer_of"), r.get("world", 1), r.get("batch"), r.get("seq"), r.get("layers"))
+            k = (r.get("preset"), deferred(r, r.get("peer_of")), r.get("world", 1), r.get("batch"), r.get("seq"), r.get("layers"))
             variants.setdefault(k, {})[r.get("variant", "eager")] = r  # the last line of each variant wins
     for k, by_variant in variants.items():  # the fastest variant that ran, else any (its error shows)
         ran = [r for r in by_variant.values() if r.get("tokens_per_s_per_gpu")]

@@ -239,6 +239,8 @@ def main():
     ap.add_argument("--offload", action="store_true", help="CPUOffloadPolicy: parameters, gradients and AdamW on the host")
     ap.add_argument("--compile", action="store_true", help="torch.compile each block before fully_shard (torchtitan's recipe)")
     ap.add_argument("--liger", action="store_true", help="Liger-Kernel's RMSNorm, RoPE, SwiGLU and fused linear cross-entropy")
+    ap.add_argument("--deferred-loss", action="store_true",
+                    help="the timed steps' batches made before the clock and their losses read after it, as bench_table --deferred-loss")
     ap.add_argument("--float8", action="store_true",
                     help="torchao float8 training of the block linears (tensorwise dynamic scaling), before compile and fully_shard")
     ap.add_argument("--lr", type=float, default=3e-4)
@@ -278,7 +280,8 @@ def main():
     peer_of = "zero3-" + row
     record = {"bench": "fsdp2", "case": case, "peer_of": peer_of, "preset": args.preset, "layers": layers, "world": world,
               "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup, "clip": args.clip, "lr": args.lr,
-              "ckpt": args.ckpt, "offload": args.offload, "variant": variant, "flops_per_token": model_flops, "torch": torch.__version__,
+              "ckpt": args.ckpt, "offload": args.offload, "variant": variant, "deferred_loss": args.deferred_loss,
+              "flops_per_token": model_flops, "torch": torch.__version__,
               "liger_kernel": lk["version"] if lk else None, "torchao": f8["version"] if f8 else None,
               **run_metadata(device.type), "oom": False}
 
@@ -314,28 +317,33 @@ def main():
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                                 fused=not args.offload and device.type == "cuda")
 
-        def step(i):
-            x, y = batch(args, vocab, tokens, i, rank, world, device)
+        def step(i, xy=None, read=True):
+            x, y = xy if xy is not None else batch(args, vocab, tokens, i, rank, world, device)
             loss = model(x, y)
             loss.backward()
             if args.clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return loss.item()  # synchronises, as bench_table's loss read-back does
+            return loss.item() if read else loss.detach()  # item() synchronises, as bench_table's loss read-back does
 
         for i in range(args.warmup):
             step(i)
+        # --deferred-loss: the timed steps' batches on the device before the clock starts and their losses read after it
+        # stops, as bench_table --deferred-loss has them (no step waits for the host).
+        timed = {i: batch(args, vocab, tokens, i, rank, world, device) for i in range(args.warmup, args.warmup + args.steps)} \
+            if args.deferred_loss else {}
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dist.barrier()
         t0 = time.perf_counter()
         loss = float("nan")
         for i in range(args.warmup, args.warmup + args.steps):
-            loss = step(i)
+            loss = step(i, timed.get(i), read=not args.deferred_loss)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         time_ms = 1e3 * (time.perf_counter() - t0) / args.steps
+        loss = float(loss)
         peak_gb = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0
         reserved_gb = torch.cuda.max_memory_reserved(device) / 1e9 if device.type == "cuda" else 0.0
         if args.profile_steps > 0:  # after the peaks and the clock, as bench_table's --profile-steps

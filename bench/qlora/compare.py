@@ -26,8 +26,12 @@ SPEED_TARGETS = {"peft-bnb": 1.5, "peft-bnb-liger": 1.2}  # ours / the peer's to
 MEM_TARGET = 1.0  # peer's peak / ours
 
 
+DEFERRED = "+deferred"  # rows whose losses were read after the clock (--deferred-loss) pair with peers run so
+
+
 def key(r, case_field):
-    return (r.get("preset"), r.get(case_field), r.get("layers"), r.get("batch"), r.get("seq"))
+    case = r.get(case_field)
+    return (r.get("preset"), case + DEFERRED if case and r.get("deferred_loss") else case, r.get("layers"), r.get("batch"), r.get("seq"))
 
 
 def is_qlora_row(r):
@@ -52,15 +56,17 @@ def load(paths):
 
 def peer_keys(k, peer):
     """The peers' keys for one of our rows: every qlora variant is compared with each peer configuration measured."""
-    preset, _case, layers, batch, seq = k
-    return sorted(pk for pk in peer if pk[:5] == (preset, "qlora", layers, batch, seq)) or [(preset, "qlora", layers, batch, seq, "peft-bnb")]
+    preset, case, layers, batch, seq = k
+    base = "qlora" + (DEFERRED if case and case.endswith(DEFERRED) else "")
+    return sorted(pk for pk in peer if pk[:5] == (preset, base, layers, batch, seq)) or [(preset, base, layers, batch, seq, "peft-bnb")]
 
 
 def pair(o, p):
     """The qlora-compare line of a matched pair, or None when either side has no measurement."""
     if o is None or p is None or not all(r.get("tokens_per_s") and r.get("peak_gb") for r in (o, p)):
         return None
-    return {"case": o["case"], "peer": peer_name(p), "preset": o["preset"], "world": o.get("world", 1), "batch": o.get("batch"),
+    return {"case": o["case"], "peer": peer_name(p), "deferred_loss": bool(o.get("deferred_loss")), "preset": o["preset"],
+            "world": o.get("world", 1), "batch": o.get("batch"),
             "seq": o.get("seq"), "tokens_per_s": o["tokens_per_s"], "peer_tokens_per_s": p["tokens_per_s"],
             "speed_vs_peer": o["tokens_per_s"] / p["tokens_per_s"], "peak_gb": o["peak_gb"], "peer_peak_gb": p["peak_gb"],
             "mem_vs_peer": p["peak_gb"] / o["peak_gb"], "mfu": o.get("mfu"), "peer_mfu": p.get("mfu"), "commit": o.get("commit"),

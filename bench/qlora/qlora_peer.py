@@ -160,6 +160,8 @@ def main():
     ap.add_argument("--alpha", type=int, default=16, help="LoRA alpha")
     ap.add_argument("--targets", default="q_proj,v_proj", help="LoRA target modules")
     ap.add_argument("--liger", action="store_true", help="Liger-Kernel's RoPE, RMSNorm, SwiGLU and fused linear cross-entropy")
+    ap.add_argument("--deferred-loss", action="store_true",
+                    help="the timed steps' losses read after the clock stops (no read-back syncs a step), as bench_table --deferred-loss")
     ap.add_argument("--prepare-kbit", action="store_true", help="peft.prepare_model_for_kbit_training first (fp32 norms, embedding, head)")
     ap.add_argument("--seqs", default="", help="ascending sequence lengths: one step at each until one runs out of memory")
     ap.add_argument("--gpu-gb", type=float, default=0.0, help="act as a GPU of this many GB (1e9 bytes): the caching allocator "
@@ -252,6 +254,7 @@ def main():
         record["load_s"] = time.perf_counter() - t0
 
         losses = []
+        deferred = args.deferred_loss  # rebound to False for the profiled steps
 
         def step(i, x, y):
             for group in opt.param_groups:
@@ -269,6 +272,9 @@ def main():
                 torch.nn.utils.clip_grad_norm_(trainable, args.clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if deferred:  # read after the clock stops, as bench_table --deferred-loss
+                losses.append(loss.detach())
+                return float("nan")
             losses.append(loss.item())  # synchronises, as bench_table's loss read-back does
             return losses[-1]
 
@@ -318,8 +324,11 @@ def main():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         time_ms = 1e3 * (time.perf_counter() - t0) / args.steps
+        losses[:] = [float(v) for v in losses]  # the deferred ones read now
+        loss = losses[-1]
+        deferred = False  # the profiled steps read theirs as the plain run does
         tps = args.batch * args.seq / (time_ms / 1e3)
-        record.update({"time_ms": time_ms, "iters_per_s": 1e3 / time_ms, "tokens_per_s": tps, "tokens_per_s_per_gpu": tps,
+        record.update({"deferred_loss": args.deferred_loss, "time_ms": time_ms, "iters_per_s": 1e3 / time_ms, "tokens_per_s": tps, "tokens_per_s_per_gpu": tps,
                        "mfu": model_flops * tps / H200_DENSE_BF16_FLOPS, "final_loss": loss, "losses": list(losses)})
         if device.type == "cuda":
             record["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9

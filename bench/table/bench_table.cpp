@@ -52,7 +52,7 @@ Row run_peer(const RowSpec& spec, const Options& o, const nn::LlamaConfig& confi
           if (topt.clip > 0) torch::nn::utils::clip_grad_norm_(model->parameters(), topt.clip);
           opt.step();
           opt.zero_grad();
-          return loss.item<double>();
+          return loss.detach();
         },
         [] {}, [](bool) {},
         [&](const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches) {
@@ -154,6 +154,9 @@ int table_main(int argc, char** argv) {
                  "from there a short run spends its first steps skipping overflows)")
       ->capture_default_str();
   app.add_flag("--fused-loss", o.fused_loss, "the strategy rows train through the fused linear + cross-entropy");
+  app.add_flag("--deferred-loss", o.deferred_loss,
+               "read the timed steps' losses after the clock stops (TrainerOptions::read_loss off): no loss read-back syncs "
+               "a step, and where the trainer decides on the device no step syncs at all");
   app.add_flag("--gather-layers-alone", o.gather_layers_alone,
                "stage-3 rows gather each linear alone instead of each block "
                "(TrainerOptions::gather_unit; the planner assumes blocks)");
@@ -252,6 +255,7 @@ int table_main(int argc, char** argv) {
   topt.initial_scale = o.loss_scale;
   topt.loss_chunk_tokens = o.loss_chunk;
   topt.fused_loss = o.fused_loss;
+  topt.read_loss = !o.deferred_loss;
   topt.gather_layers_alone = o.gather_layers_alone;
 
   const auto known = llama::strategy_names();
@@ -345,6 +349,7 @@ int table_main(int argc, char** argv) {
               {"flops_per_token", model_flops},
               {"loss_chunk", spec.name == kPeer ? int64_t(0) : o.loss_chunk},
               {"fused_loss", spec.name != kPeer && o.fused_loss},
+              {"deferred_loss", o.deferred_loss},
               {"mlp_tile", spec.name == kPeer ? int64_t(0) : row.mlp_tile},
               {"gather_layers_alone", spec.name != kPeer && o.gather_layers_alone},
               {"gpu_gb", o.gpu_gb}};

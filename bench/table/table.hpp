@@ -104,8 +104,9 @@ struct Options {
   int64_t profile_steps = 0;  // steps under the profiler after everything measured (a row's "profile": where the time goes)
   int64_t loss_chunk = llama::TrainOptions{}.loss_chunk_tokens;  // the strategy rows' (the peer never chunks)
   bool fused_loss = false;                                       // the strategy rows' loss fused (nn::fused_linear_cross_entropy)
-  std::string mlp_tile = "auto";                                 // tokens per MLP tile, or the planner's choice
-  bool gather_layers_alone = false;                              // stage-3 rows: every linear its own gather unit
+  bool deferred_loss = false;        // the timed steps' losses read after the clock stops: no loss read-back syncs a step
+  std::string mlp_tile = "auto";     // tokens per MLP tile, or the planner's choice
+  bool gather_layers_alone = false;  // stage-3 rows: every linear its own gather unit
   double lr = 3e-4, clip = 1.0, loss_scale = 1024, comm_timeout_s = 600;
   double gpu_gb = 0;  // > 0: the GPU acts as one of this many GB (allocator capped, "auto" tiles planned for it)
   uint64_t seed = 1337;
@@ -266,7 +267,8 @@ inline std::pair<torch::Tensor, torch::Tensor> rank_batch(const Options& o, cons
 }
 
 // Trains warmup + steps optimizer steps on the shared batches (timing the last `steps`), records the peak,
-// then the validation loss. step(x, y) -> training loss; sync() waits for work step() left running;
+// then the validation loss. step(x, y) -> training loss ([] on the device; read back after each step, or under
+// --deferred-loss after the timed steps); sync() waits for work step() left running;
 // timed(begin) is called with true before and false after the timed steps; eval(batches) -> mean
 // validation loss.
 template <class Step, class Sync, class Timed, class Eval>
@@ -275,7 +277,7 @@ void run_steps(const Options& o, int64_t batch, const Data& data, const Dist& d,
   double loss = 0;
   for (int64_t i = 0; i < o.warmup; ++i) {
     const auto [x, y] = rank_batch(o, data, batch, i, d, device);
-    loss = step(x, y);
+    loss = step(x, y).template item<double>();
     row.losses.push_back(loss);
   }
   std::vector<std::pair<torch::Tensor, torch::Tensor>> timed;
@@ -285,11 +287,16 @@ void run_steps(const Options& o, int64_t batch, const Data& data, const Dist& d,
   if (d.comm) d.comm->barrier();  // every rank starts the clock together
   timed_mark(true);
   const auto t0 = std::chrono::steady_clock::now();
-  for (const auto& [x, y] : timed) row.losses.push_back(loss = step(x, y));  // the loss read-back synchronises each step
-  sync();                                                                    // an offloaded update may still be running on the CPU
+  std::vector<torch::Tensor> losses;
+  for (const auto& [x, y] : timed) {
+    losses.push_back(step(x, y));
+    if (!o.deferred_loss) (void)losses.back().template item<double>();  // the loss read-back synchronises each step
+  }
+  sync();  // an offloaded update may still be running on the CPU
   synchronize(device);
   timed_mark(false);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (const torch::Tensor& l : losses) row.losses.push_back(loss = l.template item<double>());
   row.time_ms = 1e3 * s / double(o.steps);
   row.final_loss = loss;
   const auto m = llama::device_memory(device);
@@ -317,7 +324,8 @@ void profile_row(const Options& o, int64_t batch, const Data& data, const Dist& 
   const int64_t skipped = row.skipped;
   try {
     row.profile = bench::profile_steps(o.profile_steps, device, [&](int64_t i) {
-      step(batches[i].first, batches[i].second);  // the loss read-back synchronises the step
+      const torch::Tensor loss = step(batches[i].first, batches[i].second);
+      if (!o.deferred_loss) (void)loss.template item<double>();  // the loss read-back synchronises the step
       sync();
       synchronize(device);
     });

@@ -47,7 +47,7 @@ bool run_strategy_part(const RowSpec& spec, const Options& o, const nn::LlamaCon
       row.transfers.h2d_copy_s += r.transfers.h2d_copy_s;
       row.transfers.copy_wait_s += r.transfers.copy_wait_s;
       if constexpr (S::stage <= 1) row.gradient_buffers = plan::to_string(trainer->trainer().options().gradient_buffers);
-      return r.loss;
+      return r.loss_value;
     };
     const auto sync = [&] { trainer->sync(); };
     run_steps(

@@ -191,7 +191,10 @@ struct TrainOptions {
   double lr = 3e-3;
   double weight_decay = 0.1;
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
-  double clip = 1.0;             // global gradient-norm clip; <= 0: off
+  double clip = 1.0;  // global gradient-norm clip; <= 0: off
+  // Each step's loss read back (BatchResult::loss). false: it stays on the device (BatchResult::loss_value) and a step
+  // syncs the host at most once, or not at all where the trainer decides on the device (TrainerOptions::read_loss).
+  bool read_loss = true;
   double initial_scale = 65536;  // dynamic loss scale (fp16 only)
   int64_t scale_growth_interval = 2000;
   // Tokens per chunk of the model's loss (nn::LlamaImpl::loss_chunk_tokens; 0: unchunked); plan_for takes the same.
@@ -253,7 +256,8 @@ plan::TrainShape train_shape(const LlamaConfig& c, int64_t batch, int64_t seq, i
 }
 
 struct BatchResult {
-  double loss = 0;                    // mean over the batch
+  double loss = 0;                    // mean over the batch (NaN under TrainOptions::read_loss = false)
+  torch::Tensor loss_value;           // [] float32 where the model runs: the same mean, never read here
   double grad_norm = 0;               // before clipping, unscaled
   double scale = 1;                   // loss scale used for this step
   bool applied = true;                // false: gradients overflowed, step skipped
@@ -421,7 +425,8 @@ class LlamaRun {
                                       .gradient_buffers = options.gradient_buffers.value_or(plan::GradientBuffers::after_backward),
                                       .decay_norms_biases_embeddings = options.decay_norms_biases_embeddings,
                                       .gather_unit = options.gather_layers_alone ? every_layer_alone : nullptr,
-                                      .planned_step = planned}));
+                                      .planned_step = planned,
+                                      .read_loss = options.read_loss}));
   }
   LlamaRun(const LlamaRun&) = delete;
   LlamaRun(LlamaRun&&) = default;
@@ -490,6 +495,7 @@ class LlamaRun {
       const torch::Tensor xi = x.narrow(0, i * micro, micro), yi = y.narrow(0, i * micro, micro);  // [B/N, T]
       const train::StepResult m = trainer_->step({xi, yi}, [&](const train::StepInputs& in) { return model_->loss(in[0], in[1]); });
       r.loss += double(m.loss) / micro_batches;
+      r.loss_value = i == 0 ? m.loss_value / micro_batches : r.loss_value + m.loss_value / micro_batches;
       if (m.boundary) {
         r.applied = m.applied;
         r.grad_norm = m.grad_norm;
