@@ -239,15 +239,19 @@ fi
 # The compiled peers (only when named): on one GPU, each of PEER_ROWS (zero3-bf16-ckpt zero3-bf16) at TinyLlama-1.1B, B=8,
 # T=2048, beside FSDP2 eager, with compiled blocks (torchtitan's recipe), with Liger-Kernel, and both (bench/fsdp2:
 # the liger-kernel wheel must be importable); compare.py takes the fastest peer variant of each row.
+# PEER_VARIANTS: the FSDP2 configurations (default all four); DEFERRED_LOSS=1: both sides read the timed steps' losses
+# after the clock (--deferred-loss), compared only with each other.
 if named peers; then
   echo "== peers (TinyLlama-1.1B, B=8, T=2048, one GPU: ours beside FSDP2 eager, compiled, Liger, compiled + Liger)"
+  deferred=(); [ "${DEFERRED_LOSS:-0}" = 1 ] && deferred=(--deferred-loss)
+  IFS=',' read -r -a variants <<< "${PEER_VARIANTS:-,--compile,--liger,--compile --liger}"
   for row in ${PEER_ROWS:-zero3-bf16-ckpt zero3-bf16}; do
     scale_launch 1 "${SCALE_TIMEOUT:-180}" --no-python "$BUILD/bench/table/bench_table" --preset tinyllama-1.1b --rows "$row:8" --seq 2048 \
-      --eval-seqs 4 "${corpus[@]}" --out "$OUT/scale.jsonl"
+      --eval-seqs 4 "${corpus[@]}" "${deferred[@]}" --out "$OUT/scale.jsonl"
     ckpt=(); [[ $row == *ckpt* ]] && ckpt=(--ckpt)
-    for variant in "" "--compile" "--liger" "--compile --liger"; do
+    for variant in "${variants[@]}"; do
       scale_launch 1 "${PEER_TIMEOUT:-300}" "$ROOT/bench/fsdp2/fsdp2_llama.py" --preset tinyllama-1.1b --batch 8 --seq 2048 "${ckpt[@]}" $variant \
-        "${corpus[@]}" --out "$OUT/fsdp2.jsonl"
+        "${corpus[@]}" "${deferred[@]}" --out "$OUT/fsdp2.jsonl"
     done
   done
 fi
