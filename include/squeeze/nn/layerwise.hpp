@@ -133,7 +133,7 @@ LayerwiseMemory layerwise_memory(const LlamaConfig& c, const LayerwiseOptions& o
     // Calibrated, the float block moves to the device to run the calibration forward; drawn there, it is there.
     // Round to nearest into the GPTQ layout runs on the device a piece of rows at a time (nn::rtn_pack): its temporaries.
     const int64_t rtn = std::is_same_v<typename S::weight_quantization::method, GPTQ> && r.calibration_bytes == 0
-                            ? std::min(largest_linear, kRtnPieceValues) * kRtnDeviceBytesPerValue  // a piece: <= 2^26 values
+                            ? std::min(largest_linear, kRtnPieceValues) * kRtnDeviceBytesPerValue  // a piece: <= 2^25 values
                             : 0;
     const int64_t packing = r.calibration_bytes > 0 ? r.float_block_bytes + r.calibration_bytes
                             : made_on_host          ? largest_linear * p_c + rtn

@@ -208,9 +208,9 @@ inline RtnResult rtn_quantize(const torch::Tensor& weight, int bits, int group_s
 
 // The packed layer quant::rtn_quantize gives for W [out, in], computed on W's device `rows` output rows at a time (a
 // multiple of 32): each piece quantized and packed there, the pieces joined on the host (quant::concat_outputs), so
-// the device's temporaries (the float copy, codes and values, the packing's int64 words: about 40 bytes a value) stay
-// those of rows x in values. Bit for bit quant::rtn_quantize.
-inline constexpr std::int64_t kRtnPieceValues = std::int64_t(1) << 26;
+// the device's temporaries (kRtnDeviceBytesPerValue a value) stay those of rows x in values. Bit for bit
+// quant::rtn_quantize.
+inline constexpr std::int64_t kRtnPieceValues = std::int64_t(1) << 25;  // about 0.7 GB of temporaries a piece
 // Device bytes a value of a piece takes at most while it is packed: the float copy, codes and values (4 each) and the
 // uint8 codes of rtn_quantize, then the packing's int64 codes (8) and a word's shifted fields beside the kept result.
 inline constexpr std::int64_t kRtnDeviceBytesPerValue = 20;
