@@ -100,7 +100,8 @@ struct TrainerOptions {
   // StepResult::loss_value holds it on the device, to read only when logging; where the optimizer state is on a GPU
   // and updated by the CUDA kernels (the trainer compiled by nvcc, no loss scaling) the optimizer step decides on the
   // device too: the gradient norm stays there (StepResult::grad_norm_value), a step whose gradients are not finite is
-  // skipped there, and the step syncs the host not at all (steps_applied() and steps_skipped() sync once when read).
+  // skipped there, and on one rank the step syncs the host not at all (across ranks the norm's all-reduce still waits
+  // for its stream; steps_applied() and steps_skipped() sync once when read).
   // Elsewhere a CUDA step syncs once per optimizer step, for the norm's overflow and clipping decision.
   bool read_loss = true;
   // 16-bit compute with fp32 masters, for a module handed over already in the compute type: the float values a
