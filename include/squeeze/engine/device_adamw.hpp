@@ -11,10 +11,9 @@
 
 #include "squeeze/kernels/adamw.hpp"
 #include "squeeze/kernels/adamw8.hpp"
+#include "squeeze/engine/streams.hpp"
 
 #if defined(__CUDACC__)
-#include <c10/core/impl/DeviceGuardImplInterface.h>
-
 #include "squeeze/kernels/adamw.cuh"
 #include "squeeze/kernels/adamw8.cuh"
 #endif
@@ -80,20 +79,6 @@ inline void adamw8_torch_ops(torch::Tensor w, const torch::Tensor& g32, torch::T
 }
 
 #if defined(__CUDACC__)
-// Runs launch(stream) on the current stream of `on`'s device and turns a failed launch into an error naming `what`.
-template <class Launch>
-inline void launch_on_current_stream(const torch::Tensor& on, const char* what, Launch&& launch) {
-  const auto stream =
-      static_cast<cudaStream_t>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(on.device()).native_handle());
-  cudaError_t e = cudaSuccess;
-  try {
-    e = launch(stream);
-  } catch (const squeeze::Error& err) {
-    TORCH_CHECK(false, what, ": ", err.what());
-  }
-  TORCH_CHECK(e == cudaSuccess, what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
-}
-
 // One AdamW update of device buffers with fp32 moments by the CUDA kernel, on the device's current stream: param [n]
 // (P) with its fp32 master [n] (undefined for float P), grad [n] (G), m and v [n] fp32; d's values are device pointers.
 template <class P, class G>
@@ -105,7 +90,7 @@ inline void adamw_device_update(const torch::Tensor& param, const torch::Tensor&
                                      m.data_ptr<float>(),
                                      v.data_ptr<float>(),
                                      param.numel()};
-  launch_on_current_stream(param, "AdamW (CUDA)", [&](cudaStream_t s) { return kernels::adamw_cuda(t, c, d, s); });
+  engine::launch_on_current_stream(param, "AdamW (CUDA)", [&](cudaStream_t s) { return kernels::adamw_cuda(t, c, d, s); });
 }
 
 // One 8-bit AdamW update of device buffers by the CUDA kernel, on the device's current stream: param [n] (P) with its
@@ -123,7 +108,7 @@ inline void adamw8_device_update(const torch::Tensor& param, const torch::Tensor
                                       v_codes.data_ptr<std::uint8_t>(),
                                       v_absmax.data_ptr<float>(),
                                       param.numel()};
-  launch_on_current_stream(param, "8-bit AdamW (CUDA)", [&](cudaStream_t s) { return kernels::adamw8_cuda(t, c, d, s); });
+  engine::launch_on_current_stream(param, "8-bit AdamW (CUDA)", [&](cudaStream_t s) { return kernels::adamw8_cuda(t, c, d, s); });
 }
 #endif
 

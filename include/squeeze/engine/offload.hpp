@@ -55,9 +55,6 @@
 #include "squeeze/kernels/cpu_parallel.hpp"
 #include "squeeze/kernels/grad_norm.hpp"
 #if defined(__CUDACC__)
-#include <c10/core/DeviceGuard.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
-
 #include "squeeze/kernels/grad_norm.cuh"
 #endif
 #include "squeeze/engine/streams.hpp"
@@ -218,14 +215,11 @@ inline torch::Tensor sum_squares_tensor(const torch::Tensor& t, int64_t chunk = 
     const torch::Tensor c = f.contiguous();
     torch::Tensor out = torch::empty({kernels::kNormMaxBlocks + 1}, f64);  // the per-block partials, then the sum
     double* w = out.data_ptr<double>();
-    const c10::DeviceGuard device(c.device());
-    const auto stream =
-        static_cast<cudaStream_t>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(c.device()).native_handle());
-    const cudaError_t e = c.scalar_type() == torch::kFloat32 ? detail::sum_squares_cuda(c.data_ptr<float>(), n, w, stream)
-                          : c.scalar_type() == torch::kBFloat16
-                              ? detail::sum_squares_cuda(reinterpret_cast<const bf16*>(c.data_ptr()), n, w, stream)
-                              : detail::sum_squares_cuda(reinterpret_cast<const half*>(c.data_ptr()), n, w, stream);
-    TORCH_CHECK(e == cudaSuccess, "sum_squares_tensor: the sum-of-squares kernels failed: ", cudaGetErrorString(e));
+    launch_on_current_stream(c, "sum_squares_tensor (CUDA)", [&](cudaStream_t stream) {
+      return c.scalar_type() == torch::kFloat32    ? detail::sum_squares_cuda(c.data_ptr<float>(), n, w, stream)
+             : c.scalar_type() == torch::kBFloat16 ? detail::sum_squares_cuda(reinterpret_cast<const bf16*>(c.data_ptr()), n, w, stream)
+                                                   : detail::sum_squares_cuda(reinterpret_cast<const half*>(c.data_ptr()), n, w, stream);
+    });
     return out[kernels::kNormMaxBlocks];
   }
 #endif

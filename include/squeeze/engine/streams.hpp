@@ -21,6 +21,12 @@
 #include <cstring>
 #include <memory>
 
+#include "squeeze/error.hpp"
+#if defined(__CUDACC__)
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#endif
+
 #if defined(SQUEEZE_TORCH_CUDA) && SQUEEZE_TORCH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
@@ -186,5 +192,23 @@ inline torch::Tensor host_zeros(int64_t n, torch::ScalarType dtype) {
   return torch::from_blob(
       p, {n}, [bytes](void* q) { (void)::munmap(q, bytes); }, torch::TensorOptions().dtype(dtype));
 }
+
+#if defined(__CUDACC__)
+// Runs launch(stream) for a kernel launcher of kernels/ (it returns cudaError_t) on the current stream of `on`'s
+// device, that device current, and turns a refused argument or a failed launch into an error naming `what`.
+template <class Launch>
+inline void launch_on_current_stream(const torch::Tensor& on, const char* what, Launch&& launch) {
+  const c10::DeviceGuard device(on.device());
+  const auto stream =
+      static_cast<cudaStream_t>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(on.device()).native_handle());
+  cudaError_t e = cudaSuccess;
+  try {
+    e = launch(stream);
+  } catch (const squeeze::Error& err) {
+    TORCH_CHECK(false, what, ": ", err.what());
+  }
+  TORCH_CHECK(e == cudaSuccess, what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
+}
+#endif
 
 }  // namespace squeeze::engine

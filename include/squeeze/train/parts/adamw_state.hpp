@@ -220,9 +220,20 @@ class DeviceAdamW : public AdamWState<S, false> {
   void skip() {}
 
   void apply(const std::vector<Partition*>& parts, const GroupCoeffs& cs, float inv_scale, float clip, bool /*eager*/) {
+    torch::NoGradGuard ng;
     const kernels::AdamWDynamic dyn{&inv_scale, nullptr, &clip, nullptr};
-    torch::Tensor device_dyn;  // [2] the same values on the device, for the CUDA kernels: one upload a step
-    for (Partition* o : parts) update(*o, cs, dyn, inv_scale * clip, device_dyn);
+#if defined(__CUDACC__)
+    if constexpr (!T::kStochastic) {  // (the kernels round a master into its param; a bf16 param as its own master stays in torch ops)
+      if (ctx_.device.is_cuda()) {    // the kernels read the values from device memory: one upload a step
+        const torch::Tensor values = upload({inv_scale, clip});
+        const float* d = values.data_ptr<float>();
+        for (Partition* o : parts)
+          o->param.is_cpu() ? update(*o, cs, dyn, inv_scale * clip) : update_device(*o, cs, {d, nullptr, d + 1, nullptr});
+        return;
+      }
+    }
+#endif
+    for (Partition* o : parts) update(*o, cs, dyn, inv_scale * clip);
   }
 
   // Whether the window's decisions (clip, skip) can be taken on the device with no host sync: the CUDA kernels, where
@@ -243,17 +254,16 @@ class DeviceAdamW : public AdamWState<S, false> {
     torch::NoGradGuard ng;
     if (!device_steps_.defined())
       device_steps_ = torch::full({1}, steps_applied, torch::TensorOptions().dtype(torch::kInt64).device(ctx_.device));
-    const float values[4] = {inv_scale, 1.0f, 0.0f, 0.0f};
-    const torch::Tensor dyn = torch::from_blob(const_cast<float*>(values), {4}, torch::kFloat32).pin_memory().to(ctx_.device, true);
+    const torch::Tensor dyn = upload({inv_scale, 1.0f, 0.0f, 0.0f});
     float* d = dyn.data_ptr<float>();
     auto* steps = device_steps_.data_ptr<int64_t>();
-    engine::detail::launch_on_current_stream(dyn, "the gradient norm (CUDA)", [&](cudaStream_t st) {
+    engine::launch_on_current_stream(dyn, "the gradient norm (CUDA)", [&](cudaStream_t st) {
       return kernels::grad_norm_finalize_cuda(sum.data_ptr<double>(), kernels::NormType::L2, max_norm, d, {d + 3, d + 1, d + 2}, st);
     });
     const kernels::AdamWDynamic dd{d, d + 2, d + 1, steps};
     for (Partition* o : parts) update_device(*o, cs, dd);
-    engine::detail::launch_on_current_stream(dyn, "AdamW's step count (CUDA)",
-                                             [&](cudaStream_t st) { return kernels::adamw_commit_step_cuda(steps, d + 2, st); });
+    engine::launch_on_current_stream(dyn, "AdamW's step count (CUDA)",
+                                     [&](cudaStream_t st) { return kernels::adamw_commit_step_cuda(steps, d + 2, st); });
     return dyn;
   }
 #endif
@@ -268,7 +278,7 @@ class DeviceAdamW : public AdamWState<S, false> {
   void reset_stats() {}
 
  private:
-  void update(Partition& o, const GroupCoeffs& cs, const kernels::AdamWDynamic& d, float gmul, torch::Tensor& device_dyn) {
+  void update(Partition& o, const GroupCoeffs& cs, const kernels::AdamWDynamic& d, float gmul) {
     if (o.param.is_cpu()) {
       if (o.grad.scalar_type() == torch::kFloat32)
         update_host<float>(o, cs, d);
@@ -276,19 +286,6 @@ class DeviceAdamW : public AdamWState<S, false> {
         update_host<Param>(o, cs, d);
       return;
     }
-    torch::NoGradGuard ng;
-#if defined(__CUDACC__)
-    if constexpr (!T::kStochastic) {  // (the kernels round a master into its param; a bf16 param as its own master stays in torch ops)
-      if (!device_dyn.defined()) {    // pinned and asynchronous: no host synchronisation
-        const float values[2] = {*d.inv_scale, *d.clip_coef};
-        device_dyn = torch::from_blob(const_cast<float*>(values), {2}, torch::kFloat32).pin_memory().to(ctx_.device, /*non_blocking=*/true);
-      }
-      const float* dd = device_dyn.data_ptr<float>();
-      update_device(o, cs, {dd, nullptr, dd + 1, nullptr});
-      return;
-    }
-#endif
-    (void)device_dyn;
     update_torch_ops(o, cs, gmul);
   }
 
@@ -325,6 +322,10 @@ class DeviceAdamW : public AdamWState<S, false> {
   }
 
 #if defined(__CUDACC__)
+  // values on the device, for the kernels to read: pinned and copied asynchronously (no host synchronisation).
+  torch::Tensor upload(std::initializer_list<float> values) const {
+    return torch::tensor(at::ArrayRef<float>(values), torch::kFloat32).pin_memory().to(ctx_.device, /*non_blocking=*/true);
+  }
   // Device state in an nvcc TU: the CUDA kernel per segment (its group's coefficients; 8-bit blocks start at each
   // segment), reading the inverse loss scale, clip coefficient (and overflow flag and step count, where set) from the
   // device memory dyn points to.
