@@ -465,7 +465,7 @@ TEST(RtnOnTensors, TinyGroupsEqualTorchFreeRtnWithDenormalsFlushed) {
 TEST(RtnOnTensors, PackLinearEqualsTorchFreePackOnRandomCodes) {
   torch::manual_seed(11);
   for (auto [out, in, group] :
-       {std::tuple<std::int64_t, std::int64_t, int>{37, 300, 128}, {1, 1, 0}, {33, 257, 32}, {5, 64, 0}, {13, 100, 7}})
+       {std::tuple<std::int64_t, std::int64_t, int>{37, 300, 128}, {1, 1, 0}, {33, 257, 32}, {5, 64, 0}, {13, 100, 7}, {101, 65, 32}})
     for (int bits : {2, 3, 4, 8}) {
       const std::int64_t groups = group > 0 ? (in + group - 1) / group : 1, maxq = (1 << bits) - 1;
       const auto q = torch::randint(0, maxq + 1, {out, in}, torch::kUInt8);
@@ -480,7 +480,16 @@ TEST(RtnOnTensors, PackLinearEqualsTorchFreePackOnRandomCodes) {
       expect_same_packed(nn::pack_linear(q, z, s, g, bits, group), want, what);
       // the path CUDA tensors take, here on the CPU
       expect_same_packed(nn::detail::pack_linear_by_tensor_ops(q, z, s, g, bits, group), want, what + " (GPU path)");
+      // and as a GPU packs a large layer (GptqResult::pack): pieces of 32 rows, the last one short, joined on the host
+      expect_same_packed(nn::detail::pack_linear_in_pieces(q, z, s, g, bits, group, 32), want, what + " (GPU path, pieces of 32 rows)");
     }
+  try {
+    const auto q = torch::zeros({64, 8}, torch::kUInt8), z = torch::ones({1, 64}, torch::kUInt8), s = torch::ones({1, 64});
+    nn::detail::pack_linear_in_pieces(q, z, s, torch::zeros({8}, torch::kInt32), 4, 0, 48);
+    ADD_FAILURE() << "pieces of 48 rows accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rows a piece must be a positive multiple of 32, got 48"), std::string::npos) << e.what();
+  }
 }
 
 // Large enough that quant::rtn_quantize and quant::pack split the rows over threads (333 rows do not divide among

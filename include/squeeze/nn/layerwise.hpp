@@ -131,11 +131,12 @@ LayerwiseMemory layerwise_memory(const LlamaConfig& c, const LayerwiseOptions& o
     if (o.train)
       r.host_bytes = std::max(r.host_bytes, planned.peak().host + (S::stream_frozen_base && made_on_host ? r.float_block_bytes : 0));
     // Calibrated, the float block moves to the device to run the calibration forward; drawn there, it is there.
-    // Round to nearest into the GPTQ layout runs on the device a piece of rows at a time (nn::rtn_pack): its temporaries.
-    const int64_t rtn = std::is_same_v<typename S::weight_quantization::method, GPTQ> && r.calibration_bytes == 0
+    // Quantizing (round to nearest) and packing into the GPTQ layout run on the device a piece of rows at a time
+    // (nn::rtn_pack, nn::pack_linear): one piece's temporaries.
+    const int64_t rtn = std::is_same_v<typename S::weight_quantization::method, GPTQ>
                             ? std::min(largest_linear, kRtnPieceValues) * kRtnDeviceBytesPerValue  // a piece: <= 2^25 values
                             : 0;
-    const int64_t packing = r.calibration_bytes > 0 ? r.float_block_bytes + r.calibration_bytes
+    const int64_t packing = r.calibration_bytes > 0 ? r.float_block_bytes + r.calibration_bytes + rtn
                             : made_on_host          ? largest_linear * p_c + rtn
                                                     : r.float_block_bytes + largest_linear * p_c + rtn;
     // A streamed base: the adapters stay, and one block's packed bytes until it moves to the host.

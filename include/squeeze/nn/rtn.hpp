@@ -8,11 +8,13 @@
 //                    multiplication by its reciprocal, which rounds differently)
 //   rtn_quantize     W [out, in] -> codes, grids and W_hat, one grid per output row and group of group_size inputs
 //   pack_linear      codes, zero points, scales and g_idx -> quant::PackedLinear: on a GPU the bit streams are built
-//                    on the device and only the packed words come to the host; CPU tensors go to quant::pack
+//                    on the device a piece of rows at a time and only the packed words come to the host; CPU tensors
+//                    go to quant::pack
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -75,6 +77,26 @@ inline std::pair<torch::Tensor, torch::Tensor> quantize_on_grid(const torch::Ten
 }
 
 // ---- packing ---------------------------------------------------------------------------------------------
+// On a device, layers are quantized and packed a piece of output rows at a time (a multiple of 32, at most
+// kRtnPieceValues values), so the temporaries stay those of one piece whatever the layer's size.
+inline constexpr std::int64_t kRtnPieceValues = std::int64_t(1) << 25;  // about 0.7 GB of temporaries a piece
+// Device bytes a value of a piece takes at most while it is packed: the float copy, codes and values (4 each) and the
+// uint8 codes of rtn_quantize, then the packing's int64 codes (8) and a word's shifted fields beside the kept result.
+inline constexpr std::int64_t kRtnDeviceBytesPerValue = 20;
+inline std::int64_t rtn_piece_rows(std::int64_t in) { return std::max<std::int64_t>(32, kRtnPieceValues / in / 32 * 32); }
+
+// quant::concat_outputs with a torch error, as the rest of this file reports.
+inline quant::PackedLinear join_pieces(std::span<const quant::PackedLinear> pieces, const char* what) {
+  if (pieces.size() == 1) return pieces.front();
+  quant::PackedLinear whole;
+  try {
+    whole = quant::concat_outputs(pieces);
+  } catch (const squeeze::Error& e) {
+    TORCH_CHECK(false, what, ": ", e.what());
+  }
+  return whole;
+}
+
 // Codes [rows, n] (any integer or float dtype holding values < 2^bits) as the format's little-endian bit stream along
 // each row: int32 [rows, packed_words(n, bits)], the unused high bits of a row's last word zero (quant::stream_put's
 // words). 32 codes fill `bits` words exactly; word k of such a run holds the codes whose bits overlap [32k, 32k + 32),
@@ -147,6 +169,21 @@ inline quant::PackedLinear pack_linear_by_tensor_ops(const torch::Tensor& codes,
   p.validate();
   return p;
 }
+
+// pack_linear_by_tensor_ops on `rows` output rows at a time (a multiple of 32), joined on the host: the device's
+// temporaries are those of one piece. The same words as the whole layer packed at once.
+inline quant::PackedLinear pack_linear_in_pieces(const torch::Tensor& codes, const torch::Tensor& zeros, const torch::Tensor& scales,
+                                                 const torch::Tensor& g_idx, int bits, int group_size, std::int64_t rows) {
+  TORCH_CHECK(rows > 0 && rows % 32 == 0, "pack_linear: rows a piece must be a positive multiple of 32, got ", rows);
+  check_pack_shapes(codes, zeros, scales, g_idx, bits, group_size);
+  std::vector<quant::PackedLinear> pieces;
+  for (std::int64_t r0 = 0; r0 < codes.size(0); r0 += rows) {
+    const std::int64_t n = std::min(rows, codes.size(0) - r0);
+    pieces.push_back(
+        pack_linear_by_tensor_ops(codes.narrow(0, r0, n), zeros.narrow(1, r0, n), scales.narrow(1, r0, n), g_idx, bits, group_size));
+  }
+  return join_pieces(pieces, "pack_linear");
+}
 }  // namespace detail
 
 // quant::pack on tensors: codes uint8 [out, in], zeros uint8 and scales [groups, out] (true zero points; scales
@@ -155,7 +192,9 @@ inline quant::PackedLinear pack_linear_by_tensor_ops(const torch::Tensor& codes,
 // on the device, so only the packed words cross to the host.
 inline quant::PackedLinear pack_linear(const torch::Tensor& codes, const torch::Tensor& zeros, const torch::Tensor& scales,
                                        const torch::Tensor& g_idx, int bits, int group_size) {
-  if (!codes.is_cpu()) return detail::pack_linear_by_tensor_ops(codes, zeros, scales, g_idx, bits, group_size);
+  if (!codes.is_cpu())
+    return detail::pack_linear_in_pieces(codes, zeros, scales, g_idx, bits, group_size,
+                                         rtn_piece_rows(std::max<std::int64_t>(1, codes.size(-1))));
   detail::check_pack_shapes(codes, zeros, scales, g_idx, bits, group_size);
   const torch::Tensor c = codes.contiguous(), z = zeros.contiguous();
   const torch::Tensor s = scales.to(torch::kCPU, torch::kFloat32).contiguous(), g = g_idx.to(torch::kCPU, torch::kInt32).contiguous();
@@ -210,25 +249,13 @@ inline RtnResult rtn_quantize(const torch::Tensor& weight, int bits, int group_s
 // multiple of 32): each piece quantized and packed there, the pieces joined on the host (quant::concat_outputs), so
 // the device's temporaries (kRtnDeviceBytesPerValue a value) stay those of rows x in values. Bit for bit
 // quant::rtn_quantize.
-inline constexpr std::int64_t kRtnPieceValues = std::int64_t(1) << 25;  // about 0.7 GB of temporaries a piece
-// Device bytes a value of a piece takes at most while it is packed: the float copy, codes and values (4 each) and the
-// uint8 codes of rtn_quantize, then the packing's int64 codes (8) and a word's shifted fields beside the kept result.
-inline constexpr std::int64_t kRtnDeviceBytesPerValue = 20;
-inline std::int64_t rtn_piece_rows(std::int64_t in) { return std::max<std::int64_t>(32, kRtnPieceValues / in / 32 * 32); }
 inline quant::PackedLinear rtn_pack(const torch::Tensor& weight, const quant::RtnOptions& o, std::int64_t rows) {
   TORCH_CHECK(rows > 0 && rows % 32 == 0, "rtn_pack: rows must be a positive multiple of 32, got ", rows);
   TORCH_CHECK(weight.dim() == 2 && weight.numel() > 0, "rtn_pack: weights must be a non-empty [out, in], got ", weight.sizes());
   std::vector<quant::PackedLinear> pieces;
   for (std::int64_t r0 = 0; r0 < weight.size(0); r0 += rows)
     pieces.push_back(rtn_quantize(weight.narrow(0, r0, std::min(rows, weight.size(0) - r0)), o.bits, o.group_size, o.sym).pack());
-  if (pieces.size() == 1) return std::move(pieces.front());
-  quant::PackedLinear whole;
-  try {
-    whole = quant::concat_outputs(pieces);
-  } catch (const squeeze::Error& e) {
-    TORCH_CHECK(false, "rtn_pack: ", e.what());
-  }
-  return whole;
+  return join_pieces(pieces, "rtn_pack");
 }
 
 }  // namespace squeeze::nn
