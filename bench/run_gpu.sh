@@ -322,8 +322,8 @@ if named qlora; then bash "$ROOT/bench/qlora/run_h200.sh" "$BUILD/bench/table/be
 # optimizer step on the device, no host sync a step); compare.py pairs such rows only with such peers.
 if named graphed; then
   deferred=""; [ "${DEFERRED_LOSS:-0}" = 1 ] && deferred=--deferred-loss
-  QLORA_PRESETS=tinyllama-1.1b QLORA_ROWS=qlora:2,qlora-graphed:2 QLORA_STEPS=20 QLORA_WARMUP=5 \
-    QLORA_TABLE_ARGS="--seq 512 --loss-chunk 256 $deferred" QLORA_PEER_ARGS="--batch 2 --seq 512 $deferred" \
+  QLORA_PRESETS=tinyllama-1.1b QLORA_ROWS=qlora:2,qlora-graphed:2 QLORA_BATCH=2 QLORA_SEQ=512 QLORA_STEPS=20 QLORA_WARMUP=5 \
+    QLORA_TABLE_ARGS="--loss-chunk 256 $deferred" QLORA_PEER_ARGS="$deferred" \
     bash "$ROOT/bench/qlora/run_h200.sh" "$BUILD/bench/table/bench_table"
 fi
 

@@ -15,7 +15,7 @@ F.scaled_dot_product_attention(is_causal=True), SwiGLU, an untied head, loss in 
               does) compiled with torch.compile(fullgraph=True) before fully_shard
   --liger     Liger-Kernel's Triton kernels in the same model: LigerRMSNorm, liger_rotary_pos_emb, LigerSiLUMulFunction
               (SwiGLU) and LigerFusedLinearCrossEntropyLoss (the head + loss without the logits); with --compile too
-              (Liger's kernels are torch.compile-compatible)
+              (then fullgraph=False: Liger's RoPE dispatch is a function torch.compile must not trace)
   --float8    torchao's float8 training, as torchtitan's float8 converter: the block linears swapped for Float8Linear
               (convert_to_float8_training, torchao's default recipe: tensorwise dynamic scaling, e4m3 forward, e5m2
               gradients) on the meta-device model, before checkpoint wrapping, compiling and fully_shard; the head (and
@@ -301,7 +301,9 @@ def main():
             for i, block in enumerate(model.blocks):
                 if args.ckpt:
                     block = checkpoint_wrapper(block, preserve_rng_state=False)
-                block.compile(fullgraph=True)
+                # Liger 0.8.5 picks its RoPE backend in a torch.compiler.disable()d function, which a full graph
+                # refuses: with --liger the blocks compile with graph breaks allowed (torch.compile's default)
+                block.compile(fullgraph=not args.liger)
                 model.blocks[i] = block
             model.wrapped = args.ckpt
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -64,6 +64,7 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 import torch.nn.functional as F
@@ -260,7 +261,8 @@ def main():
             for group in opt.param_groups:
                 group["lr"] = lr * (i + 1) / lr_warmup if i < lr_warmup else lr
             if args.liger:  # the fused head + loss: y are the targets already shifted
-                loss = model(input_ids=x, shift_labels=y, use_cache=False).loss
+                # contiguous: Liger flattens shift_labels with view(-1), and y is a window's [:, 1:] slice
+                loss = model(input_ids=x, shift_labels=y.contiguous(), use_cache=False).loss
                 if loss is None:
                     raise RuntimeError("qlora_peer --liger: the model returned no loss for shift_labels (is Liger's LLaMA forward in place?)")
             else:
@@ -344,6 +346,8 @@ def main():
         record["oom"] = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e)
         record["error"] = (str(e).split("\n")[0] or type(e).__name__)[:300]
         print(f"qlora_peer: {case} {args.preset} failed: {type(e).__name__}: {record['error']}", file=sys.stderr, flush=True)
+        if not record["oom"]:  # where it failed, for the log
+            traceback.print_exc(file=sys.stderr)
         append_jsonl(args.out, [record])
         sys.exit(1)
     finally:

@@ -7,7 +7,8 @@
 #     BENCH_TABLE: the bench_table binary (default: $BENCH_TABLE, else build-gpu/bench/table/bench_table, which
 #     `TARGETS=bench_table GPU_TESTS=0 bash bench/run_gpu.sh none` builds)
 #   env: OUT (default ./gpu-results); QLORA_PRESETS ("tinyllama-1.1b llama-7b"); QLORA_ROWS: bench_table's rows ("qlora:8";
-#        e.g. "qlora:8,qlora-hostckpt:8": every qlora-* row is compared with the one peer); QLORA_STEPS (3) and QLORA_WARMUP (2),
+#        e.g. "qlora:8,qlora-hostckpt:8": every qlora-* row is compared with the one peer); QLORA_SEQ (2048) both sides'
+#        tokens a sample and QLORA_BATCH (8) the peer's samples a step (ours: the rows'); QLORA_STEPS (3) and QLORA_WARMUP (2),
 #        both sides; QLORA_DEADLINE seconds from the start after which nothing more is started and a running command
 #        is stopped (540); QLORA_TABLE_ARGS / QLORA_PEER_ARGS: extra arguments of one side (e.g. "--layers 2";
 #        the peer's "--device cpu" for a smoke run without a GPU); QLORA_LIGER (1: the peer again with --liger, Liger's
@@ -57,12 +58,12 @@ bounded() {  # bounded <label> <command...>: runs it until the deadline, output 
 
 echo "== qlora (B=8, T=2048, NF4 + DoubleQuant, LoRA r=8 on q/v, bf16, checkpointing): squeeze, then transformers + bitsandbytes + PEFT"
 for preset in ${QLORA_PRESETS:-tinyllama-1.1b llama-7b}; do
-  bounded "squeeze $preset" "$BT" --preset "$preset" --rows "${QLORA_ROWS:-qlora:8}" --seq 2048 "${steps[@]}" --eval-seqs 4 "${corpus[@]}" \
+  bounded "squeeze $preset" "$BT" --preset "$preset" --rows "${QLORA_ROWS:-qlora:8}" --seq "${QLORA_SEQ:-2048}" "${steps[@]}" --eval-seqs 4 "${corpus[@]}" \
     ${QLORA_TABLE_ARGS:-} --out "$OUT/qlora-table.jsonl" --csv "$TMP/qlora-table-$preset.csv"
-  bounded "peer $preset" python3 "$ROOT/bench/qlora/qlora_peer.py" --preset "$preset" --batch 8 --seq 2048 "${steps[@]}" "${corpus[@]}" \
+  bounded "peer $preset" python3 "$ROOT/bench/qlora/qlora_peer.py" --preset "$preset" --batch "${QLORA_BATCH:-8}" --seq "${QLORA_SEQ:-2048}" "${steps[@]}" "${corpus[@]}" \
     ${QLORA_PEER_ARGS:-} --out "$OUT/qlora-peer.jsonl"
   if [ "${QLORA_LIGER:-1}" = 1 ] && python3 -c 'import liger_kernel' 2>/dev/null; then
-    bounded "peer + Liger $preset" python3 "$ROOT/bench/qlora/qlora_peer.py" --preset "$preset" --batch 8 --seq 2048 "${steps[@]}" "${corpus[@]}" \
+    bounded "peer + Liger $preset" python3 "$ROOT/bench/qlora/qlora_peer.py" --preset "$preset" --batch "${QLORA_BATCH:-8}" --seq "${QLORA_SEQ:-2048}" "${steps[@]}" "${corpus[@]}" \
       ${QLORA_PEER_ARGS:-} --liger --out "$OUT/qlora-peer.jsonl"
   fi
   echo "   $preset done at $(( $(date +%s) - t0 )) s"
