@@ -271,9 +271,7 @@ class Trainer {
         r.grad_norm_value = dyn.narrow(0, 3, 1).reshape({});
         ++applied_;  // as far as the host knows: a step the device skipped is counted when the counters are read
         device_counts_ = true;
-        sync.gather_updated();
-        sync.zero_window(Parts::OptimizerState::zeroes_gradients);
-        r.applied = true;
+        end_window(r, /*applied=*/true, /*gather=*/true);
         return;
       }
     }
@@ -286,17 +284,20 @@ class Trainer {
       state.skip();
       ++skipped_;
       parts_->scale.overflowed();
-      if (eager) sync.gather_updated();  // partitions updated during backward stay updated: keep ranks consistent
-      sync.zero_window(Parts::OptimizerState::zeroes_gradients);
-      r.applied = false;
+      end_window(r, /*applied=*/false, /*gather=*/eager);  // partitions updated during backward stay updated: keep ranks consistent
       return;
     }
     state.apply(sync.partitions(), ctx_->groups.coeffs(adamw_, applied_ + 1), inv_scale, clip, eager);
     ++applied_;
     parts_->scale.applied();
-    sync.gather_updated();
-    sync.zero_window(Parts::OptimizerState::zeroes_gradients);
-    r.applied = true;
+    end_window(r, /*applied=*/true, /*gather=*/true);
+  }
+
+  // Every way out of update: the parameters other ranks updated come back, the window's gradients are zeroed.
+  void end_window(StepResult& r, bool applied, bool gather) {
+    if (gather) parts_->sync.gather_updated();
+    parts_->sync.zero_window(Parts::OptimizerState::zeroes_gradients);
+    r.applied = applied;
   }
 
   // Offload<Host>: the worker's order among queued jobs, the order the next forward needs the partitions.
