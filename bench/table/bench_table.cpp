@@ -405,6 +405,7 @@ int table_main(int argc, char** argv) {
     }
     if (row.planned_gb) {
       j["planned_gb"] = *row.planned_gb;
+      if (row.planned_build_gb) j["planned_build_gb"] = *row.planned_build_gb;
       j["planned_host_gb"] = *row.planned_host_gb;
       if (row.host_peak_gb && *row.planned_host_gb > 0)
         j["host_plan_ratio"] = (*row.host_peak_gb - *row.host_before_gb) / *row.planned_host_gb;

@@ -9,7 +9,8 @@
 //   peak_gb       the CUDA caching allocator's peak of allocated bytes, reset before the row is built (so it
 //                 covers construction and every step) and read after the last training step
 //   planned_gb    the planner's peak for the strategy and geometry (plan_for<S>(...).peak(): no measurement
-//                 goes into it); plan_ratio = peak_gb / planned_gb
+//                 goes into it); for a quantized base built block by block, the build's planned peak where it is
+//                 higher (nn::layerwise_memory; also as planned_build_gb); plan_ratio = peak_gb / planned_gb
 //   time_ms, iters_per_s, tokens_per_s   over the timed steps (after --warmup untimed ones)
 //   val_ppl       validation perplexity (per token = per byte) after warmup + steps optimizer steps
 //   tokens_per_s_per_gpu, mfu   tokens/s of one GPU, and model FLOPs utilisation: flops_per_token x
@@ -43,7 +44,7 @@
 // (nn::LlamaImpl::mlp_tile_tokens; "auto", the default: plan::pick_mlp_tile's for the GPU's memory, untiled where the
 // step fits without; the planner is given the same and the row's JSON says it as mlp_tile).
 //
-// JSON lines: bench "table", case, strategy, world, batch (per GPU), seq, loss_chunk, peak_gb, reserved_gb, planned_gb,
+// JSON lines: bench "table", case, strategy, world, batch (per GPU), seq, loss_chunk, peak_gb, reserved_gb, planned_gb, planned_build_gb,
 // plan_ratio, build_s, time_ms, iters_per_s, tokens_per_s, tokens_per_s_per_gpu, flops_per_token, mfu, val_loss, val_ppl,
 // final_loss, losses (rank 0's training loss per step, warm-up included), host_{wait,sumsq,update}_ms
 // (Offload<Host> rows: the CPU pipeline's time per step), gradient_buffers (stages 0-1: when the full gradient buffer
@@ -187,7 +188,8 @@ struct Row {
   RowSpec spec;
   std::string strategy;  // the Strategy spelled out
   std::optional<double> time_ms, peak_gb, reserved_gb, planned_gb, planned_host_gb, final_loss, val_loss;
-  std::vector<double> losses;  // this rank's training loss of every step (warm-up included), in order
+  std::optional<double> planned_build_gb;  // rows built block by block: the build's planned device peak, where above the step's
+  std::vector<double> losses;              // this rank's training loss of every step (warm-up included), in order
   // Offload<Host> rows: the CPU pipeline's time per timed step (it runs beside the GPU; when its sum nears
   // time_ms the CPU bounds the step): waiting for gradient copies, sums of squares, AdamW + upload queueing.
   std::optional<double> host_wait_ms, host_sumsq_ms, host_update_ms;

@@ -26,6 +26,19 @@ bool run_strategy_part(const RowSpec& spec, const Options& o, const nn::LlamaCon
     const plan::MemoryPlan p = llama::plan_for<S>(config, spec.batch, o.seq, d.world, topt.loss_chunk_tokens, {}, topt.mlp_tile_tokens);
     row.planned_gb = double(p.peak().device) / 1e9;
     row.planned_host_gb = double(p.peak().host) / 1e9;
+    if constexpr (S::quantized_weights && S::has_lora) {
+      // peak_gb covers the build too: where the block-by-block build's own peak (a float block and the float
+      // embedding and head beside the packed blocks) is above the step's, that is the row's planned peak
+      if (device.is_cuda()) {
+        nn::LayerwiseOptions lo = topt.layerwise;
+        lo.device = device;
+        const nn::LayerwiseMemory build = nn::layerwise_memory<S>(config, lo, !o.hf.empty());
+        if (build.device_bytes > build.planned_step_bytes) {
+          row.planned_build_gb = double(build.device_bytes) / 1e9;
+          row.planned_gb = std::max(*row.planned_gb, *row.planned_build_gb);
+        }
+      }
+    }
     llama::reset_peak_memory(device);
     std::ofstream("/proc/self/clear_refs") << "5";  // the host's high-water mark starts from here
     row.host_before_gb = llama::device_memory(torch::kCPU).current_gb;
