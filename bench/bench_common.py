@@ -25,9 +25,9 @@ PRESETS = {
 ROPE_THETA = 10000.0  # nn::LlamaConfig::rope_theta
 NORM_EPS = 1e-5  # nn::LlamaConfig::norm_eps
 
-# NVIDIA's H200 SXM datasheet: 1,979 TFLOP/s of bf16 tensor-core math with 2:4 sparsity, so 989 TFLOP/s dense
-# (bench_table's kH200DenseBf16Flops).
-H200_DENSE_BF16_FLOPS = 989e12
+# NVIDIA's H100 SXM and H200 datasheets: 1,979 TFLOP/s of bf16 tensor-core math with 2:4 sparsity, so 989 TFLOP/s
+# dense on either (bench_table's kHopperDenseBf16Flops).
+HOPPER_DENSE_BF16_FLOPS = 989e12
 
 
 def flops_per_token(vocab, hidden, layers, heads, kv_heads, ffn, seq):

@@ -9,7 +9,7 @@ zero3- twin: bf16* rows the bf16 FSDP2 runs, fp8* rows the torchao float8 ones (
     python3 bench/fsdp2/compare.py gpu-results/scale.jsonl gpu-results/fsdp2.jsonl [--jsonl fsdp2-compare.jsonl]
 
 Columns: peak GB per GPU (the largest over the ranks) and the planner's, tokens/s per GPU, MFU (6N + 12LTd model
-FLOPs over the H200's dense bf16 peak, the same in both programs), x1: tokens/s per GPU over the same row's at
+FLOPs over the dense bf16 peak of an H100 SXM or an H200, the same in both programs), x1: tokens/s per GPU over the same row's at
 world 1 (scaling efficiency), then FSDP2's peak and tokens/s per GPU, speed = ours / FSDP2 tokens/s,
 mem = FSDP2's peak / ours (> 1: ours smaller). The last line of each configuration wins (files may be appended to).
 --jsonl OUT appends one line per matched pair: {"case", "preset", "world", "tokens_per_s_per_gpu",

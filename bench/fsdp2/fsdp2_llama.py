@@ -29,7 +29,7 @@ Per run (one configuration per launch), written by rank 0 as one JSON line (--ou
                 step; the largest over the ranks
   time_ms       per timed step (after --warmup untimed ones), the slowest rank's
   tokens_per_s  all GPUs (world x batch x seq per step); tokens_per_s_per_gpu one GPU's
-  mfu           flops_per_token x tokens_per_s_per_gpu / 989 TFLOP/s (the H200's dense bf16 peak), with
+  mfu           flops_per_token x tokens_per_s_per_gpu / 989 TFLOP/s (the dense bf16 peak of an H100 SXM or an H200), with
                 flops_per_token = 6·N + 12·L·T·d: N the parameters that enter a matmul (all but the token-embedding
                 table; the head is untied), L layers, T = --seq, d = hidden size; the same formula and constant as
                 bench_table. Recomputation (--ckpt) is not model FLOPs.
@@ -65,7 +65,7 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 # The presets, the FLOPs formula and peak constant, the data windows: shared with bench_table's other peers.
-from bench_common import (H200_DENSE_BF16_FLOPS, NORM_EPS, PRESETS, ROPE_THETA, append_jsonl, batch, corpus_tokens,  # noqa: E402
+from bench_common import (HOPPER_DENSE_BF16_FLOPS, NORM_EPS, PRESETS, ROPE_THETA, append_jsonl, batch, corpus_tokens,  # noqa: E402
                           add_run_arguments, flops_per_token, profile_steps, require_positive, run_metadata)
 
 def liger():
@@ -362,7 +362,7 @@ def main():
         time_ms, peak_gb, reserved_gb = mx.tolist()
         tps_gpu = args.batch * args.seq / (time_ms / 1e3)
         record.update({"time_ms": time_ms, "iters_per_s": 1e3 / time_ms, "tokens_per_s": tps_gpu * world,
-                       "tokens_per_s_per_gpu": tps_gpu, "mfu": model_flops * tps_gpu / H200_DENSE_BF16_FLOPS,
+                       "tokens_per_s_per_gpu": tps_gpu, "mfu": model_flops * tps_gpu / HOPPER_DENSE_BF16_FLOPS,
                        "peak_gb": peak_gb, "reserved_gb": reserved_gb, "final_loss": total.item() / world})
     except Exception as e:  # noqa: BLE001 — out of memory is a result; anything else an error; both end the run
         record["oom"] = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e)

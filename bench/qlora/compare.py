@@ -8,8 +8,8 @@ named by the peer line's `peer` field.
     python3 bench/qlora/compare.py gpu-results/qlora-table.jsonl gpu-results/qlora-peer.jsonl [--jsonl qlora-compare.jsonl]
 
 Columns: peak GB (both: the CUDA caching allocator's peak of allocated bytes from the model's construction or
-loading to the last timed step) and the planner's, tokens/s, MFU (6N + 12LTd model FLOPs over the H200's dense
-bf16 peak, the same in both programs), then the peer's peak and tokens/s, speed = ours / peer's tokens/s,
+loading to the last timed step) and the planner's, tokens/s, MFU (6N + 12LTd model FLOPs over the dense
+bf16 peak of an H100 SXM or an H200, the same in both programs), then the peer's peak and tokens/s, speed = ours / peer's tokens/s,
 mem = the peer's peak / ours (> 1: ours smaller), target: speed >= 1.5 against peft-bnb, >= 1.2 against peft-bnb-liger,
 and mem >= 1. The last line of each configuration wins (files may be appended to). --jsonl OUT appends one line per
 matched pair: {"case", "peer", "preset", "world", "batch", "seq", "tokens_per_s", "peer_tokens_per_s", "speed_vs_peer",

@@ -74,7 +74,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 # The presets, the FLOPs formula and peak constant, the learning rate, the data windows: bench_table's, shared.
-from bench_common import (H200_DENSE_BF16_FLOPS, NORM_EPS, PRESETS, ROPE_THETA, append_jsonl, batch, corpus_tokens,  # noqa: E402
+from bench_common import (HOPPER_DENSE_BF16_FLOPS, NORM_EPS, PRESETS, ROPE_THETA, append_jsonl, batch, corpus_tokens,  # noqa: E402
                           add_run_arguments, default_lr, flops_per_token, profile_steps, require_positive, run_metadata)
 
 
@@ -296,7 +296,7 @@ def main():
                     time_ms = 1e3 * (time.perf_counter() - t0)
                     tps = args.batch * T / (time_ms / 1e3)
                     row.update({"time_ms": time_ms, "tokens_per_s": tps, "tokens_per_s_per_gpu": tps, "final_loss": loss,
-                                "mfu": row["flops_per_token"] * tps / H200_DENSE_BF16_FLOPS})
+                                "mfu": row["flops_per_token"] * tps / HOPPER_DENSE_BF16_FLOPS})
                     if device.type == "cuda":
                         row["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
                     print(f"{case} {args.preset} B {args.batch} T {T}: trained, peak {row.get('peak_gb', 0):.2f} GB, {tps:.0f} tok/s", flush=True)
@@ -331,7 +331,7 @@ def main():
         deferred = False  # the profiled steps read theirs as the plain run does
         tps = args.batch * args.seq / (time_ms / 1e3)
         record.update({"deferred_loss": args.deferred_loss, "time_ms": time_ms, "iters_per_s": 1e3 / time_ms, "tokens_per_s": tps, "tokens_per_s_per_gpu": tps,
-                       "mfu": model_flops * tps / H200_DENSE_BF16_FLOPS, "final_loss": loss, "losses": list(losses)})
+                       "mfu": model_flops * tps / HOPPER_DENSE_BF16_FLOPS, "final_loss": loss, "losses": list(losses)})
         if device.type == "cuda":
             record["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
             record["reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1e9

@@ -361,7 +361,7 @@ int table_main(int argc, char** argv) {
     if (row.time_ms) {
       tps_gpu = tokens_per_step / (*row.time_ms / 1e3);
       tps = *tps_gpu * dist.world;
-      mfu = model_flops * *tps_gpu / kH200DenseBf16Flops;
+      mfu = model_flops * *tps_gpu / kHopperDenseBf16Flops;
       j["time_ms"] = *row.time_ms;
       j["iters_per_s"] = 1e3 / *row.time_ms;
       j["tokens_per_s"] = *tps;
@@ -461,9 +461,10 @@ int table_main(int argc, char** argv) {
   std::printf(
       "peak: CUDA caching allocator, allocated bytes (the largest over the GPUs); plan: squeeze::plan peak() for the same\n"
       "strategy, shapes and world (no measurement goes into it); /plan = measured / planned; tok/s: all GPUs; MFU: %.4g model\n"
-      "FLOPs/token (6N + 12 L T d) x tok/s/GPU over %.0f TFLOP/s (H200 dense bf16); x peer: tokens/s over the peer's; mem x: peer's\n"
+      "FLOPs/token (6N + 12 L T d) x tok/s/GPU over %.0f TFLOP/s (H100 SXM / H200 dense bf16); x peer: tokens/s over the peer's; mem x: "
+      "peer's\n"
       "peak over ours.\n",
-      model_flops, kH200DenseBf16Flops / 1e12);
+      model_flops, kHopperDenseBf16Flops / 1e12);
   if (o.preset == "tinyllama-1.1b" && config.layers == 22 && o.seq == 2048)
     std::printf(
         "reference (PyTorch + transformers, this GPU type, TinyLlama-1.1B B=8 T=2048): bf16 autocast 60.8 GB 48.7k tok/s;\n"

@@ -14,7 +14,7 @@
 //   time_ms, iters_per_s, tokens_per_s   over the timed steps (after --warmup untimed ones)
 //   val_ppl       validation perplexity (per token = per byte) after warmup + steps optimizer steps
 //   tokens_per_s_per_gpu, mfu   tokens/s of one GPU, and model FLOPs utilisation: flops_per_token x
-//                 tokens_per_s_per_gpu / 989 TFLOP/s (the H200's dense bf16 peak, whatever the row's precision), with
+//                 tokens_per_s_per_gpu / 989 TFLOP/s (the dense bf16 peak of an H100 SXM or an H200, whatever the row's precision), with
 //                 flops_per_token = 6·N + 12·L·T·d: N the parameters that enter a matmul (all but the token-embedding
 //                 table, a lookup; the head is untied), L layers, T = --seq, d = hidden size; 6·N is forward +
 //                 backward of the weight matmuls, 12·L·T·d the attention products QKᵀ and AV (not halved for
@@ -94,9 +94,9 @@ namespace squeeze::table {
 
 constexpr const char* kPeer = "libtorch-autocast-bf16";
 
-// NVIDIA's H200 SXM datasheet: 1,979 TFLOP/s of bf16 tensor-core math with 2:4 sparsity, so 989 TFLOP/s dense.
-// MFU is measured against it for every row (fp32 rows too), as is usual.
-constexpr double kH200DenseBf16Flops = 989e12;
+// NVIDIA's H100 SXM and H200 datasheets: 1,979 TFLOP/s of bf16 tensor-core math with 2:4 sparsity, so 989 TFLOP/s
+// dense on either. MFU is measured against it for every row (fp32 rows too), as is usual.
+constexpr double kHopperDenseBf16Flops = 989e12;
 
 struct Options {
   std::string out, csv, preset = "tinyllama-1.1b", device = "cuda", rows, corpus;
