@@ -14,7 +14,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <span>
 #include <utility>
 #include <vector>
 
@@ -85,9 +84,10 @@ inline constexpr std::int64_t kRtnPieceValues = std::int64_t(1) << 25;  // about
 inline constexpr std::int64_t kRtnDeviceBytesPerValue = 20;
 inline std::int64_t rtn_piece_rows(std::int64_t in) { return std::max<std::int64_t>(32, kRtnPieceValues / in / 32 * 32); }
 
-// quant::concat_outputs with a torch error, as the rest of this file reports.
-inline quant::PackedLinear join_pieces(std::span<const quant::PackedLinear> pieces, const char* what) {
-  if (pieces.size() == 1) return pieces.front();
+// quant::concat_outputs with a torch error, as the rest of this file reports; a single piece is moved out, not copied
+// (most layers are one piece).
+inline quant::PackedLinear join_pieces(std::vector<quant::PackedLinear>&& pieces, const char* what) {
+  if (pieces.size() == 1) return std::move(pieces.front());
   quant::PackedLinear whole;
   try {
     whole = quant::concat_outputs(pieces);
@@ -146,9 +146,9 @@ inline void check_pack_shapes(const torch::Tensor& codes, const torch::Tensor& z
 }
 
 // pack_linear's device path: the bit streams by torch ops where the tensors are, only the packed words to the host.
-inline quant::PackedLinear pack_linear_by_tensor_ops(const torch::Tensor& codes, const torch::Tensor& zeros, const torch::Tensor& scales,
-                                                     const torch::Tensor& g_idx, int bits, int group_size) {
-  check_pack_shapes(codes, zeros, scales, g_idx, bits, group_size);
+// The words of tensors check_pack_shapes has accepted (each check reads the codes' maximum back: once a layer).
+inline quant::PackedLinear pack_checked_by_tensor_ops(const torch::Tensor& codes, const torch::Tensor& zeros, const torch::Tensor& scales,
+                                                      const torch::Tensor& g_idx, int bits, int group_size) {
   quant::PackedLinear p;
   p.bits = bits;
   p.group_size = group_size;
@@ -169,6 +169,11 @@ inline quant::PackedLinear pack_linear_by_tensor_ops(const torch::Tensor& codes,
   p.validate();
   return p;
 }
+inline quant::PackedLinear pack_linear_by_tensor_ops(const torch::Tensor& codes, const torch::Tensor& zeros, const torch::Tensor& scales,
+                                                     const torch::Tensor& g_idx, int bits, int group_size) {
+  check_pack_shapes(codes, zeros, scales, g_idx, bits, group_size);
+  return pack_checked_by_tensor_ops(codes, zeros, scales, g_idx, bits, group_size);
+}
 
 // pack_linear_by_tensor_ops on `rows` output rows at a time (a multiple of 32), joined on the host: the device's
 // temporaries are those of one piece. The same words as the whole layer packed at once.
@@ -180,9 +185,9 @@ inline quant::PackedLinear pack_linear_in_pieces(const torch::Tensor& codes, con
   for (std::int64_t r0 = 0; r0 < codes.size(0); r0 += rows) {
     const std::int64_t n = std::min(rows, codes.size(0) - r0);
     pieces.push_back(
-        pack_linear_by_tensor_ops(codes.narrow(0, r0, n), zeros.narrow(1, r0, n), scales.narrow(1, r0, n), g_idx, bits, group_size));
+        pack_checked_by_tensor_ops(codes.narrow(0, r0, n), zeros.narrow(1, r0, n), scales.narrow(1, r0, n), g_idx, bits, group_size));
   }
-  return join_pieces(pieces, "pack_linear");
+  return join_pieces(std::move(pieces), "pack_linear");
 }
 }  // namespace detail
 
@@ -255,7 +260,7 @@ inline quant::PackedLinear rtn_pack(const torch::Tensor& weight, const quant::Rt
   std::vector<quant::PackedLinear> pieces;
   for (std::int64_t r0 = 0; r0 < weight.size(0); r0 += rows)
     pieces.push_back(rtn_quantize(weight.narrow(0, r0, std::min(rows, weight.size(0) - r0)), o.bits, o.group_size, o.sym).pack());
-  return join_pieces(pieces, "rtn_pack");
+  return join_pieces(std::move(pieces), "rtn_pack");
 }
 
 }  // namespace squeeze::nn
